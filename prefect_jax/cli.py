@@ -1,0 +1,291 @@
+"""The ``prefect-jax`` command: ``demo``, ``run`` and ``status``.
+
+``demo`` and ``run`` execute the `train_and_evaluate` flow in this process. With
+``PREFECT_API_URL`` set they report to that server; otherwise they start an embedded
+Prefect server for the duration of the command (the runs land in Prefect's default
+database, so ``prefect server start`` shows them afterwards) and stop it cleanly, logs
+and events flushed, however the command ends.
+
+With ``--json`` the last line on stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from typing import Any, Iterator
+
+DEMO_PROGRAM = "prefect_jax.examples.digits:program"
+DEMO_JOB = "digits"
+
+
+def _quiet_env() -> None:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+
+@contextlib.contextmanager
+def prefect_backend() -> Iterator[str]:
+    """Use the configured Prefect API, or run an embedded server for the duration of the block."""
+    import prefect.settings
+    from prefect.settings import PREFECT_API_URL
+
+    configured = PREFECT_API_URL.value()
+    if configured:
+        yield configured
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start(timeout=120)
+    try:
+        with prefect.settings.temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            try:
+                yield server.api_url
+            finally:
+                _drain_prefect_workers()
+    finally:
+        server.stop()
+
+
+def _drain_prefect_workers() -> None:
+    """Send buffered logs and events to the server before it stops (no lost task-run events)."""
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain():
+        for fn in (lambda: APILogWorker.instance().drain(), EventsWorker.drain_all):
+            try:
+                result = fn()
+                if inspect.isawaitable(result):
+                    await result
+            except RuntimeError:
+                pass  # the worker never started
+
+    run_coro_as_sync(drain())
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool) -> Iterator[None]:
+    """A live progress bar on stderr while training runs in this process."""
+    if not enabled:
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from prefect_jax.training.trainer import add_progress_listener
+
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[metrics]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task_id = progress.add_task("train", total=None, metrics="")
+
+        def update(step: int, max_steps: int, metrics: dict) -> None:
+            text = " ".join(f"{k}={float(v):.4f}" for k, v in sorted(metrics.items()))
+            progress.update(task_id, completed=step, total=max_steps, metrics=text)
+
+        remove = add_progress_listener(update)
+        try:
+            yield
+        finally:
+            remove()
+
+
+def _emit(summary: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary, sort_keys=True, default=str))
+        return
+    for key, value in summary.items():
+        if key == "browse":
+            continue
+        print(f"{key:>20}: {value}")
+    for line in summary.get("browse", []):
+        print(line)
+
+
+def _run_flow(args: argparse.Namespace, program: str, job: str, storage: str, tracking_uri: str) -> dict[str, Any]:
+    from prefect_jax.training.specs import BestExporter, CheckpointSpec, EvalSpec, FinalExporter, LatestExporter, TrainSpec
+
+    train_spec = TrainSpec(max_steps=args.max_steps, seed=args.seed, log_every_steps=args.log_every_steps)
+    checkpoint_spec = CheckpointSpec(
+        every_steps=args.checkpoint_every_steps,
+        every_secs=args.checkpoint_every_secs,
+        keep_last=args.keep_last,
+        keep_every_steps=args.keep_every_steps,
+    )
+    exporters = []
+    for name in args.exporters:
+        if name == "latest":
+            exporters.append(LatestExporter())
+        elif name == "best":
+            exporters.append(BestExporter(metric=args.best_metric, mode=args.best_mode))
+        elif name == "final":
+            exporters.append(FinalExporter())
+    eval_spec = EvalSpec(steps=args.eval_steps, name=args.eval_name, throttle_secs=args.throttle_secs, exporters=exporters)
+
+    from prefect_jax.flows import train_and_evaluate
+
+    with prefect_backend(), progress_bar(not args.no_progress):
+        return train_and_evaluate(
+            program=program,
+            job=job,
+            storage=storage,
+            train_spec=train_spec,
+            eval_spec=eval_spec,
+            checkpoint_spec=checkpoint_spec,
+            mlflow_tracking_uri=tracking_uri,
+            mlflow_experiment=args.mlflow_experiment,
+            checkpoint_path=args.checkpoint_path,
+        )
+
+
+def _browse_lines(summary: dict[str, Any]) -> list[str]:
+    uri = summary["mlflow_tracking_uri"]
+    lines = ["", "Browse the results:", f"  MLflow:  uv run mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)"]
+    if not os.environ.get("PREFECT_API_URL"):
+        lines.append("  Prefect: uv run prefect server start   (then open http://127.0.0.1:4200)")
+    lines.append(f"  Status:  uv run prefect-jax status --job {summary['job']} --storage {summary['storage']}")
+    return lines
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    workdir = os.path.abspath(args.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    storage = os.path.join(workdir, "storage")
+    tracking_uri = args.mlflow_tracking_uri or f"sqlite:///{os.path.join(workdir, 'mlflow.db')}"
+    summary = _run_flow(args, DEMO_PROGRAM, DEMO_JOB, storage, tracking_uri)
+    summary["storage"] = storage
+    summary["browse"] = _browse_lines(summary)
+    _emit(summary, args.json)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from prefect_jax.training.tracking import default_tracking_uri
+
+    tracking_uri = args.mlflow_tracking_uri or default_tracking_uri()
+    summary = _run_flow(args, args.program, args.job, args.storage, tracking_uri)
+    summary["storage"] = args.storage
+    summary["browse"] = _browse_lines(summary)
+    _emit(summary, args.json)
+    return 0
+
+
+def job_status(job: str, storage: str) -> dict[str, Any]:
+    """Committed steps, evaluated steps per eval name, and exports of a job (no jax import)."""
+    from prefect_jax.training.storage import JobStorage
+
+    js = JobStorage(storage, job)
+    committed: list[int] = []
+    if js.protocol == "file":
+        from prefect_jax.training.checkpoints import committed_steps
+
+        committed = committed_steps(js.path("checkpoints"))
+    evals_dir = js.path("evals")
+    try:
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in js.fs.ls(evals_dir, detail=False))
+    except FileNotFoundError:
+        names = []
+    from prefect_jax.training.exporters import list_exports
+
+    return {
+        "job": job,
+        "storage": js.root,
+        "committed_steps": committed,
+        "evaluated_steps": {n: js.list_int_names(js.eval_dir(n)) for n in names},
+        "exports": list_exports(js),
+    }
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = job_status(args.job, args.storage)
+    if args.json:
+        print(json.dumps(status, sort_keys=True))
+    else:
+        print(f"job {status['job']} in {status['storage']}")
+        print(f"  committed steps: {status['committed_steps'] or 'none'}")
+        for name, steps in status["evaluated_steps"].items() or [("eval", [])]:
+            print(f"  evaluated ({name}): {steps or 'none'}")
+        for name, steps in status["exports"].items():
+            print(f"  exports ({name}): {steps}")
+    return 0
+
+
+def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
+    p.add_argument("--max-steps", type=int, default=max_steps, help=f"train until this global step (default {max_steps})")
+    p.add_argument("--checkpoint-every-steps", type=int, default=every, help=f"checkpoint cadence in steps (default {every})")
+    p.add_argument("--checkpoint-every-secs", type=float, default=None, help="also checkpoint every N seconds")
+    p.add_argument("--keep-last", type=int, default=3, help="keep the newest N checkpoints (default 3)")
+    p.add_argument("--keep-every-steps", type=int, default=None, help="also keep checkpoints at multiples of N")
+    p.add_argument("--seed", type=int, default=0, help="init and data-order seed (default 0)")
+    p.add_argument("--log-every-steps", type=int, default=50, help="train metrics to MLflow every N steps (default 50)")
+    p.add_argument("--eval-steps", type=int, default=None, help="eval batches (default: the whole eval set)")
+    p.add_argument("--eval-name", default="eval", help="eval name (default 'eval')")
+    p.add_argument("--throttle-secs", type=float, default=0.0, help="minimum seconds between evaluations")
+    p.add_argument(
+        "--exporters",
+        nargs="*",
+        choices=["latest", "best", "final"],
+        default=["latest", "best", "final"],
+        help="exporters to run after each evaluation (default: latest best final)",
+    )
+    p.add_argument("--best-metric", default="loss", help="metric the best exporter compares (default loss)")
+    p.add_argument("--best-mode", choices=["min", "max"], default="min", help="'min' or 'max' (default min)")
+    p.add_argument("--checkpoint-path", default=None, help="warm-start a new job from this checkpoint step directory")
+    p.add_argument("--mlflow-tracking-uri", default=None, help="MLflow tracking URI")
+    p.add_argument("--mlflow-experiment", default="prefect-jax", help="MLflow experiment (default prefect-jax)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefect-jax", description="Train JAX models reliably on Prefect.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train the digits example on embedded defaults")
+    demo.add_argument("--workdir", default="./prefect-jax-demo", help="where checkpoints and MLflow go (default ./prefect-jax-demo)")
+    _add_training_args(demo, max_steps=1000, every=200)
+    demo.set_defaults(fn=cmd_demo)
+
+    run = sub.add_parser("run", help="train any program with train_and_evaluate")
+    run.add_argument("--program", required=True, help="program import path, 'package.module:attribute'")
+    run.add_argument("--job", required=True, help="job name")
+    run.add_argument("--storage", required=True, help="storage root (local directory or gs:// URL)")
+    _add_training_args(run, max_steps=1000, every=200)
+    run.set_defaults(fn=cmd_run)
+
+    status = sub.add_parser("status", help="committed, evaluated and exported steps of a job")
+    status.add_argument("--job", required=True)
+    status.add_argument("--storage", required=True)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(fn=cmd_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_env()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Prefect tasks over the engine: restore_or_init, train_until_checkpoint, evaluate_if_new, export.
+
+Each task passes small references (the JSON-able `JobConfig`, a step, an `EvalResult`),
+never arrays. The live train state stays in this process between tasks of one flow run
+(see `prefect_jax.training.trainer.get_trainer`); a retry or another process restores
+from storage.
+
+Example:
+    ```python
+    from prefect import flow
+    from prefect_jax.tasks import restore_or_init, train_until_checkpoint, evaluate_if_new
+    from prefect_jax.training.specs import JobConfig, TrainSpec
+
+    @flow
+    def my_loop(config: JobConfig):
+        step = restore_or_init(config)["step"]
+        while step < config.train.max_steps:
+            step = train_until_checkpoint(config, step)
+            evaluate_if_new(config, step)
+    ```
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run, task_run
+
+from prefect_jax.training.specs import JobConfig
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")[:100]
+
+
+def _run_tags() -> dict[str, str]:
+    run_id = flow_run.id
+    return {"prefect.flow_run_id": str(run_id)} if run_id else {}
+
+
+def _trainer(config: JobConfig):
+    from prefect_jax.training.trainer import get_trainer
+
+    return get_trainer(config, run_tags=_run_tags())
+
+
+def _train_run_name() -> str:
+    params = task_run.parameters
+    config, start = params["config"], params["from_step"]
+    if isinstance(config, dict):
+        config = JobConfig.model_validate(config)
+    every, max_steps = config.checkpoint.every_steps, config.train.max_steps
+    end = min(max_steps, (start // every + 1) * every) if every else max_steps
+    return f"train {start}→{end}"
+
+
+@task(name="restore_or_init", task_run_name="restore or init {config.job}", cache_policy=NO_CACHE)
+def restore_or_init(
+    config: JobConfig,
+    checkpoint_path: str | None = None,
+    wait_for_checkpoint: bool = False,
+    max_wait_secs: float = 7200,
+    recovery_wait_secs: float = 30,
+) -> dict[str, Any]:
+    """Resume the job from its latest committed checkpoint, or from `checkpoint_path`, or init.
+
+    Mirrors `SessionManager.prepare_session`: a job that has checkpoints resumes from its
+    newest committed one; a new job starts from `checkpoint_path` (warm start) when given,
+    else from `init`. With `wait_for_checkpoint`, waits up to `max_wait_secs` for a first
+    checkpoint, logging every `recovery_wait_secs`.
+
+    Returns:
+        ``{"step": int, "mlflow_run_id": str | None, "checkpoint_dir": str}``
+    """
+    logger = get_run_logger()
+    trainer = _trainer(config)
+    step = trainer.restore_or_init(
+        checkpoint_path=checkpoint_path,
+        wait_for_checkpoint=wait_for_checkpoint,
+        max_wait_secs=max_wait_secs,
+        recovery_wait_secs=recovery_wait_secs,
+    )
+    logger.info(
+        "job %s at step %d (%s); MLflow run %s",
+        config.job,
+        step,
+        "restored" if step else "initialised",
+        trainer.tracker.run_id,
+    )
+    return {"step": step, "mlflow_run_id": trainer.tracker.run_id, "checkpoint_dir": trainer.checkpoints.directory}
+
+
+@task(
+    name="train_until_checkpoint",
+    task_run_name=_train_run_name,
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=2,
+)
+def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
+    """Train from `from_step` to the next checkpoint boundary and save (asynchronously).
+
+    If this process does not hold the live state at `from_step` (a retry after a failure,
+    another worker), the newest committed checkpoint is restored first.
+
+    Returns:
+        The step reached (and checkpointed).
+    """
+    logger = get_run_logger()
+    trainer = _trainer(config)
+    if trainer.state is None or trainer.step != from_step:
+        restored = trainer.restore_or_init()
+        logger.info("live state not at step %d here: restored step %d from storage", from_step, restored)
+    step = trainer.train_until_checkpoint()
+    metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.last_train_metrics.items()))
+    logger.info("step %d checkpointed (%s)", step, metrics)
+    return step
+
+
+@task(name="evaluate_if_new", task_run_name="evaluate {step}", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = False):
+    """Evaluate `step` unless it was evaluated before (durable record); publish a table artifact.
+
+    Returns:
+        An `EvalResult` (EVALUATED, NO_NEW_CHECKPOINT, MISSING_CHECKPOINT or THROTTLED).
+    """
+    from prefect_jax.training.evaluation import EvalStatus, as_row
+
+    logger = get_run_logger()
+    trainer = _trainer(config)
+    result = trainer.evaluate_if_new(step, force=force)
+    if result.status is EvalStatus.EVALUATED:
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
+        logger.info("%s at step %d: %s", config.eval.name, result.step, metrics)
+        create_table_artifact(
+            key=artifact_key(config.job, config.eval.name, "results"),
+            table=[as_row(r) for r in trainer.records.all()],
+            description=f"{config.eval.name} results of job {config.job} by global step",
+        )
+    else:
+        logger.info("%s of step %s: %s", config.eval.name, step, result.status.value)
+    return result
+
+
+@task(name="export", task_run_name="export {result.step}", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+def export(config: JobConfig, result) -> dict[str, str]:
+    """Run the eval spec's exporters on an evaluated result; returns ``{exporter: export dir}``."""
+    logger = get_run_logger()
+    written = _trainer(config).export(result)
+    for name, path in written.items():
+        logger.info("exporter %s: %s", name, path)
+    return written
+
+
+__all__ = ["evaluate_if_new", "export", "restore_or_init", "train_until_checkpoint"]

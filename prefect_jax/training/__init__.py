@@ -1,0 +1,44 @@
+"""The engine: JAX, Orbax, Grain, fsspec and MLflow. Never imports prefect.
+
+Names are loaded lazily, so importing the specs does not import jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "TrainSpec": "specs",
+    "EvalSpec": "specs",
+    "CheckpointSpec": "specs",
+    "JobConfig": "specs",
+    "LatestExporter": "specs",
+    "BestExporter": "specs",
+    "FinalExporter": "specs",
+    "EvalResult": "evaluation",
+    "EvalStatus": "evaluation",
+    "EvalRecords": "evaluation",
+    "ProgramError": "program",
+    "load_program": "program",
+    "JobStorage": "storage",
+    "Checkpoints": "checkpoints",
+    "CheckpointMismatchError": "checkpoints",
+    "state_fingerprint": "checkpoints",
+    "Trainer": "trainer",
+    "restore_or_init": "trainer",
+    "get_trainer": "trainer",
+    "drop_trainer": "trainer",
+    "add_progress_listener": "trainer",
+    "load_export": "exporters",
+    "list_exports": "exporters",
+    "is_the_final_export": "exporters",
+    "Tracker": "tracking",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,227 @@
+"""Orbax checkpoints of one job: train state, Grain iterator state and metadata in one step.
+
+A step counts only once it is committed (Orbax finalized it). Saves are asynchronous:
+`save` returns as soon as the arrays are copied off the device, and the write goes on in
+the background while training continues.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from prefect_jax.training.specs import CheckpointSpec
+
+logger = logging.getLogger("prefect_jax.checkpoints")
+
+_COMMIT_FILE = "_CHECKPOINT_METADATA"
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tree differs from the tree the program's `init` builds."""
+
+
+# -- pytree helpers ---------------------------------------------------------------------
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def leaf_paths(tree) -> list[tuple[str, Any]]:
+    """(``a/b/0``-style path, leaf) pairs in a stable order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [("/".join(_key_name(k) for k in path), leaf) for path, leaf in flat]
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_savable(tree):
+    """Typed PRNG keys become their raw uint32 data, which Orbax can store."""
+    return jax.tree_util.tree_map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def abstract_savable(abstract):
+    return jax.tree_util.tree_map(
+        lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x, abstract
+    )
+
+
+def from_savable(tree, abstract):
+    """Inverse of `to_savable`, using the abstract tree to know which leaves were keys."""
+    return jax.tree_util.tree_map(
+        lambda x, a: jax.random.wrap_key_data(x, impl=a.dtype._impl) if _is_key(a) else x, tree, abstract
+    )
+
+
+def describe_tree(tree) -> dict[str, list]:
+    """``{path: [shape, dtype]}`` of a (savable) tree, stored with each checkpoint."""
+    return {p: [list(np.shape(leaf)), str(leaf.dtype)] for p, leaf in leaf_paths(tree)}
+
+
+def tree_differences(saved: dict[str, list], expected: dict[str, list]) -> list[str]:
+    """Human-readable differences between two `describe_tree` results."""
+    diffs = []
+    for path in sorted(set(saved) | set(expected)):
+        if path not in expected:
+            diffs.append(f"{path}: in the checkpoint, not in init's state")
+        elif path not in saved:
+            diffs.append(f"{path}: in init's state, missing from the checkpoint")
+        elif saved[path] != expected[path]:
+            (s_shape, s_dtype), (e_shape, e_dtype) = saved[path], expected[path]
+            diffs.append(f"{path}: checkpoint {s_dtype}{s_shape}, init {e_dtype}{e_shape}")
+    return diffs
+
+
+def state_fingerprint(state) -> str:
+    """SHA-256 of a train state's leaves (path, dtype, shape and bytes): equal states, equal hashes."""
+    h = hashlib.sha256()
+    for path, leaf in leaf_paths(to_savable(state)):
+        arr = np.asarray(jax.device_get(leaf))
+        h.update(path.encode())
+        h.update(str(arr.dtype).encode())
+        h.update(str(arr.shape).encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+# -- the manager ------------------------------------------------------------------------
+
+
+def _handlers():
+    return {
+        "state": ocp.StandardCheckpointHandler(),
+        "data": grain.checkpoint.CheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+    }
+
+
+def is_committed(step_dir: str) -> bool:
+    """A step directory counts once Orbax finalized it (the commit metadata file is written last)."""
+    return os.path.isfile(os.path.join(step_dir, _COMMIT_FILE))
+
+
+def committed_steps(checkpoint_dir: str) -> list[int]:
+    """Committed steps under a checkpoint directory, oldest first."""
+    try:
+        names = os.listdir(checkpoint_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and is_committed(os.path.join(checkpoint_dir, n)))
+
+
+class Checkpoints:
+    """Orbax CheckpointManager for one job, with the commit rule and tree checks of this project.
+
+    Args:
+        directory: absolute local path (or ``gs://`` URL) of the job's checkpoints.
+        spec: cadence and retention.
+        read_only: open an existing directory for restore only (no directory creation).
+    """
+
+    def __init__(self, directory: str, spec: CheckpointSpec | None = None, read_only: bool = False):
+        spec = spec or CheckpointSpec()
+        self.directory = directory
+        self.spec = spec
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=spec.keep_last,
+            keep_period=spec.keep_every_steps,
+            enable_async_checkpointing=True,
+            create=not read_only,
+            read_only=read_only,
+        )
+        self.manager = ocp.CheckpointManager(directory, item_handlers=_handlers(), options=options)
+
+    def committed_steps(self) -> list[int]:
+        return committed_steps(self.directory)
+
+    def latest_committed(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state, data_iter, meta: dict) -> None:
+        """Start an asynchronous save of `state`, the iterator position and `meta` at `step`."""
+        savable = to_savable(state)
+        meta = dict(meta, step=int(step), tree=describe_tree(savable), saved_at=time.time())
+        self.manager.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(savable),
+                data=grain.checkpoint.CheckpointSave(data_iter),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
+
+    def read_meta(self, step: int) -> dict:
+        return self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def restore(self, step: int, abstract_state, data_iter=None) -> tuple[Any, dict]:
+        """Restore `step` into the structure of `abstract_state` (from ``jax.eval_shape(init)``).
+
+        Raises:
+            CheckpointMismatchError: the stored tree differs from `abstract_state`; the message
+                lists every differing leaf by path.
+        """
+        meta = self.read_meta(step)
+        abstract = abstract_savable(abstract_state)
+        diffs = tree_differences(meta.get("tree", {}), describe_tree(abstract))
+        if diffs:
+            shown = "\n  ".join(diffs[:20]) + (f"\n  ... and {len(diffs) - 20} more" if len(diffs) > 20 else "")
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory}/{step} does not match the state the program's init builds "
+                f"({len(diffs)} leaves differ):\n  {shown}\n"
+                "The program changed since this checkpoint was written: restore it with the program that "
+                "wrote it, or start a new job (a different job name or storage)."
+            )
+        items = {"state": ocp.args.StandardRestore(abstract)}
+        if data_iter is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        restored = self.manager.restore(int(step), args=ocp.args.Composite(**items))
+        return from_savable(restored["state"], abstract_state), meta
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def wait_for_new_checkpoint(
+    list_steps: Callable[[], list[int]],
+    after: int | None,
+    timeout: float,
+    poll_secs: float,
+    log: Callable[[str], None] = logger.info,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> int | None:
+    """Poll until a committed step newer than `after` appears, or `timeout` seconds pass.
+
+    Returns:
+        The newest committed step, or None when the deadline passed without one.
+    """
+    deadline = clock() + timeout
+    while True:
+        steps = [s for s in list_steps() if after is None or s > after]
+        if steps:
+            return steps[-1]
+        left = deadline - clock()
+        if left <= 0:
+            return None
+        log(f"no committed checkpoint yet; waiting up to {left:.0f}s more (polling every {poll_secs:g}s)")
+        sleep(min(poll_secs, left))

@@ -1,0 +1,127 @@
+"""Evaluation: exact aggregation of `eval_step` sums, validated results, durable records."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from prefect_jax.training.storage import JobStorage
+
+
+class EvalStatus(str, enum.Enum):
+    """What an evaluation attempt found (TF's continuous-eval statuses, plus throttling)."""
+
+    EVALUATED = "EVALUATED"
+    MISSING_CHECKPOINT = "MISSING_CHECKPOINT"
+    NO_NEW_CHECKPOINT = "NO_NEW_CHECKPOINT"
+    THROTTLED = "THROTTLED"
+
+
+class EvalResult(BaseModel):
+    """The outcome of one evaluation attempt (TF's `_EvalResult`, validated).
+
+    An EVALUATED result must carry the global step it was computed at and its metrics.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    status: EvalStatus
+    name: str = "eval"
+    step: int | None = Field(None, description="Global step of the evaluated checkpoint.")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    num_batches: int = 0
+    num_examples: int | None = None
+    evaluated_at: float | None = None
+    is_final: bool = False
+
+    @model_validator(mode="after")
+    def _validate(self):
+        if self.status is EvalStatus.EVALUATED:
+            if self.step is None or self.step < 0:
+                raise ValueError(f"EvalResult EVALUATED needs the global step it was computed at, got step={self.step!r}")
+            if not self.metrics:
+                raise ValueError(f"EvalResult EVALUATED at step {self.step} has no metrics: eval_step returned an empty dict")
+        return self
+
+
+def aggregate(eval_step: Callable, state, batches, steps: int | None) -> tuple[dict[str, float], int, int | None]:
+    """Run `eval_step` over `batches` (at most `steps`) and divide summed values by summed counts.
+
+    `eval_step` returns ``{name: (sum, count)}``. Sums stay on the device until the end, so
+    the host waits once per evaluation, not once per batch.
+
+    Returns:
+        (metrics, number of batches, number of examples if the program reports ``count``).
+    """
+    import jax
+
+    totals = None
+    n = 0
+    for batch in batches:
+        if steps is not None and n >= steps:
+            break
+        out = eval_step(state, batch)
+        totals = out if totals is None else jax.tree_util.tree_map(lambda a, b: a + b, totals, out)
+        n += 1
+    if totals is None:
+        raise ValueError("eval_data() yielded no batches: the eval set is empty, or steps=0")
+    totals = jax.device_get(totals)
+    metrics: dict[str, float] = {}
+    examples = None
+    for name, value in totals.items():
+        if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise ValueError(
+                f"eval_step returned {name!r}={value!r}; each metric must be a (sum, count) pair, "
+                "e.g. {'accuracy': (correct.sum(), labels.size)}"
+            )
+        total, count = float(value[0]), float(value[1])
+        metrics[name] = total / count if count else math.nan
+        if examples is None:
+            examples = int(count)
+    return metrics, n, examples
+
+
+class EvalRecords:
+    """Durable record of evaluated steps: ``<job>/evals/<name>/<step>.json``."""
+
+    def __init__(self, storage: JobStorage, name: str):
+        self.storage = storage
+        self.name = name
+        self.dir = storage.eval_dir(name)
+
+    def steps(self) -> list[int]:
+        return self.storage.list_int_names(self.dir)
+
+    def get(self, step: int) -> EvalResult | None:
+        data = self.storage.read_json(f"{self.dir}/{int(step)}.json")
+        return EvalResult.model_validate(data) if data else None
+
+    def put(self, result: EvalResult) -> None:
+        if result.status is not EvalStatus.EVALUATED:
+            raise ValueError(f"only EVALUATED results are recorded, got {result.status.value}")
+        self.storage.write_json(f"{self.dir}/{result.step}.json", result.model_dump(mode="json"))
+
+    def last_evaluated_at(self) -> float | None:
+        steps = self.steps()
+        if not steps:
+            return None
+        last = self.get(steps[-1])
+        return last.evaluated_at if last else None
+
+    def all(self) -> list[EvalResult]:
+        return [r for r in (self.get(s) for s in self.steps()) if r is not None]
+
+
+def throttled(records: EvalRecords, throttle_secs: float, now: Callable[[], float] = time.time) -> bool:
+    if throttle_secs <= 0:
+        return False
+    last = records.last_evaluated_at()
+    return last is not None and now() - last < throttle_secs
+
+
+def as_row(result: EvalResult) -> dict[str, Any]:
+    return {"step": result.step, **{k: round(v, 6) for k, v in sorted(result.metrics.items())}}

@@ -1,0 +1,155 @@
+"""Exporters: serving artifacts of evaluated checkpoints (TF's Latest/Best/Final exporters).
+
+An export is a directory ``<job>/exports/<exporter>/<step>/`` holding:
+
+- ``model.jax_export``: the program's ``serve(state, inputs)`` with the trained state baked
+  in, serialized with ``jax.export`` (StableHLO). It runs without the program's code:
+  ``load_export(path)(inputs)``.
+- ``export.json``: step, eval metrics, input signature, program fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Callable
+
+from prefect_jax.training.evaluation import EvalResult, EvalStatus
+from prefect_jax.training.specs import BestExporter, ExporterSpec, FinalExporter, LatestExporter
+from prefect_jax.training.storage import JobStorage
+
+MODEL_FILE = "model.jax_export"
+INFO_FILE = "export.json"
+
+
+def is_the_final_export(result: EvalResult, max_steps: int) -> bool:
+    """True when the evaluated step is at or past `max_steps` (TF's `is_the_final_export`)."""
+    return result.status is EvalStatus.EVALUATED and result.step is not None and result.step >= max_steps
+
+
+def serialize_serving(program: Any, state) -> bytes:
+    """``jax.export`` of ``serve(state, inputs)`` with `state` closed over as constants."""
+    import jax
+
+    spec = program.serving_input()
+
+    def serving(inputs):
+        return program.serve(state, inputs)
+
+    return jax.export.export(jax.jit(serving))(spec).serialize()
+
+
+def load_export(path: str) -> Callable:
+    """Load an export directory (or its ``model.jax_export`` file) as a callable."""
+    import fsspec
+    import jax
+
+    target = path if path.endswith(MODEL_FILE) else path.rstrip("/") + "/" + MODEL_FILE
+    with fsspec.open(target, "rb") as f:
+        exported = jax.export.deserialize(bytearray(f.read()))
+    return exported.call
+
+
+def _write_export(storage: JobStorage, dest: str, model_bytes: bytes, info: dict) -> None:
+    """Write the export into a temporary sibling, then move it into place: readers see all or nothing."""
+    fs = storage.fs
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
+            f.write(model_bytes)
+        with open(os.path.join(tmp, INFO_FILE), "w") as f:
+            json.dump(info, f, indent=1, sort_keys=True)
+        if storage.protocol == "file":
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            staging = f"{dest}.tmp-{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.copytree(tmp, staging)
+            os.replace(staging, dest)
+        else:
+            fs.put(tmp + "/", dest, recursive=True)
+
+
+def exported_steps(storage: JobStorage, name: str) -> list[int]:
+    return storage.list_int_names(storage.export_dir(name))
+
+
+def _prune(storage: JobStorage, name: str, keep: int | None, protect: set[int] = frozenset()) -> None:
+    if keep is None:
+        return
+    steps = exported_steps(storage, name)
+    for step in steps[: max(0, len(steps) - keep)]:
+        if step not in protect:
+            storage.fs.rm(storage.export_dir(name, step), recursive=True)
+
+
+def _better(value: float, best: float | None, mode: str) -> bool:
+    if best is None:
+        return True
+    return value < best if mode == "min" else value > best
+
+
+def run_exporter(
+    exporter: ExporterSpec,
+    storage: JobStorage,
+    result: EvalResult,
+    max_steps: int,
+    make_model: Callable[[], bytes],
+    info: dict,
+) -> str | None:
+    """Run one exporter for one eval result.
+
+    Args:
+        exporter: the exporter spec.
+        storage: the job's storage.
+        result: an EVALUATED result.
+        max_steps: the job's `max_steps` (for `is_the_final_export`).
+        make_model: builds the serialized model (called only when something is exported).
+        info: extra metadata for ``export.json``.
+
+    Returns:
+        The export directory written (or already there from an earlier run), or None when
+        this exporter exports nothing for this result.
+    """
+    if result.status is not EvalStatus.EVALUATED:
+        return None
+    step = int(result.step)
+    dest = storage.export_dir(exporter.name, step)
+    best_path = f"{storage.export_dir(exporter.name)}/best.json"
+    if isinstance(exporter, FinalExporter) and not is_the_final_export(result, max_steps):
+        return None
+    if isinstance(exporter, BestExporter):
+        if exporter.metric not in result.metrics:
+            raise ValueError(
+                f"BestExporter {exporter.name!r} compares metric {exporter.metric!r}, but the eval results "
+                f"hold {sorted(result.metrics)}; set metric= to one of those"
+            )
+        best = storage.read_json(best_path)
+        if best is not None and best.get("step") == step:
+            return dest if storage.fs.exists(dest) else None
+        if not _better(result.metrics[exporter.metric], best and best["value"], exporter.mode):
+            return None
+    if not storage.fs.exists(dest):
+        _write_export(
+            storage,
+            dest,
+            make_model(),
+            dict(info, step=step, eval_name=result.name, metrics=result.metrics, exporter=exporter.model_dump(), exported_at=time.time()),
+        )
+    if isinstance(exporter, BestExporter):
+        storage.write_json(best_path, {"step": step, "metric": exporter.metric, "value": result.metrics[exporter.metric], "mode": exporter.mode})
+        _prune(storage, exporter.name, exporter.keep, protect={step})
+    elif isinstance(exporter, LatestExporter):
+        _prune(storage, exporter.name, exporter.keep, protect={step})
+    return dest
+
+
+def list_exports(storage: JobStorage) -> dict[str, list[int]]:
+    """``{exporter name: [steps]}`` of every export under the job."""
+    base = storage.path("exports")
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(base, detail=False)]
+    except FileNotFoundError:
+        return {}
+    return {n: exported_steps(storage, n) for n in sorted(names)}

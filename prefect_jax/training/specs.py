@@ -1,0 +1,282 @@
+"""Specs: what to train, how often to checkpoint, how to evaluate and export.
+
+Plain pydantic models with TensorFlow's names where they fit (`max_steps`, `steps`,
+`start_delay_secs`, `throttle_secs`, `exporters`). They are JSON-able, so a Prefect
+deployment can carry them as parameters. Bad values are refused at construction with a
+message that names the field, the value and the fix.
+
+This module imports neither jax nor prefect.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Refuse names that would escape their directory (``..``, ``/``, absolute paths).
+
+    Args:
+        kind: what the name is, for the message (``"job"``, ``"eval name"``).
+        value: the name.
+
+    Returns:
+        The name, unchanged.
+
+    Raises:
+        ValueError: the name is empty, contains a path separator, is ``.`` or ``..``, or
+            uses characters outside ``[A-Za-z0-9_.-]``.
+    """
+    if not isinstance(value, str) or not _NAME_RE.match(value) or value in (".", "..") or ".." in value:
+        raise ValueError(
+            f"{kind} {value!r} is not a valid name: use 1-128 characters from [A-Za-z0-9_.-], "
+            "starting with a letter or digit, with no '..' and no path separators "
+            f"(for example {kind.split()[0]}-1)."
+        )
+    return value
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _positive(field: str, value, fix: str, allow_none: bool = False):
+    if value is None and allow_none:
+        return value
+    if value is None or value <= 0:
+        raise ValueError(f"{field}={value!r} must be a positive number; {fix}")
+    return value
+
+
+class TrainSpec(_Spec):
+    """How long to train.
+
+    Args:
+        max_steps: train until the global step reaches this number (as in
+            `tf.estimator.TrainSpec`).
+        seed: seed of the model initialisation and of the training data order.
+        log_every_steps: record training metrics in MLflow every this many steps.
+    """
+
+    max_steps: int = Field(description="Train until the global step reaches this number.")
+    seed: int = Field(0, description="Seed for init and for the training data order.")
+    log_every_steps: int = Field(50, description="Log train metrics to MLflow every N steps.")
+
+    @field_validator("max_steps")
+    @classmethod
+    def _max_steps(cls, v):
+        return _positive("max_steps", v, "set it to the total number of training steps, e.g. max_steps=1000")
+
+    @field_validator("log_every_steps")
+    @classmethod
+    def _log_every(cls, v):
+        return _positive("log_every_steps", v, "log every N>=1 steps, e.g. log_every_steps=50")
+
+
+class CheckpointSpec(_Spec):
+    """When to write checkpoints and which to keep.
+
+    A checkpoint is written when either cadence is reached (whichever comes first), and
+    always at `max_steps`. Retention follows Orbax: the newest `keep_last` steps are kept,
+    plus every step that is a multiple of `keep_every_steps`.
+
+    Args:
+        every_steps: write a checkpoint every this many steps.
+        every_secs: write a checkpoint when this many seconds passed since the last one.
+        keep_last: how many of the newest checkpoints to keep (None keeps all).
+        keep_every_steps: also keep every checkpoint whose step is a multiple of this.
+    """
+
+    every_steps: int | None = Field(1000, description="Checkpoint every N steps.")
+    every_secs: float | None = Field(None, description="Checkpoint every N seconds.")
+    keep_last: int | None = Field(3, description="Keep the newest N checkpoints (None: all).")
+    keep_every_steps: int | None = Field(None, description="Also keep steps that are multiples of N.")
+
+    @field_validator("every_steps")
+    @classmethod
+    def _every_steps(cls, v):
+        return _positive("every_steps", v, "checkpoint every N>=1 steps, or set every_steps=None and use every_secs", True)
+
+    @field_validator("every_secs")
+    @classmethod
+    def _every_secs(cls, v):
+        return _positive("every_secs", v, "give a positive number of seconds, or None to checkpoint by steps only", True)
+
+    @field_validator("keep_last")
+    @classmethod
+    def _keep_last(cls, v):
+        return _positive("keep_last", v, "keep at least 1 checkpoint, or None to keep all", True)
+
+    @field_validator("keep_every_steps")
+    @classmethod
+    def _keep_every(cls, v):
+        return _positive("keep_every_steps", v, "give a positive step period, or None", True)
+
+    @model_validator(mode="after")
+    def _some_cadence(self):
+        if self.every_steps is None and self.every_secs is None:
+            raise ValueError(
+                "every_steps=None and every_secs=None: no checkpoint would ever be written "
+                "before max_steps; set every_steps (e.g. 1000) or every_secs (e.g. 600)"
+            )
+        return self
+
+
+class LatestExporter(_Spec):
+    """Export every evaluated checkpoint, keeping the newest `keep` exports (TF's `LatestExporter`)."""
+
+    kind: Literal["latest"] = "latest"
+    name: str = "latest"
+    keep: int | None = Field(5, description="Number of exports to keep (None: all).")
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, v):
+        return _positive("keep", v, "keep at least 1 export, or None to keep all", True)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return check_name("exporter name", v)
+
+
+class BestExporter(_Spec):
+    """Export a checkpoint when its eval `metric` beats every earlier one (TF's `BestExporter`).
+
+    The best value so far is stored next to the exports, so it survives restarts.
+    """
+
+    kind: Literal["best"] = "best"
+    name: str = "best"
+    metric: str = Field("loss", description="Eval metric to compare.")
+    mode: Literal["min", "max"] = Field("min", description="'min' if lower is better, 'max' if higher.")
+    keep: int | None = Field(5, description="Number of exports to keep (None: all).")
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, v):
+        return _positive("keep", v, "keep at least 1 export, or None to keep all", True)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return check_name("exporter name", v)
+
+
+class FinalExporter(_Spec):
+    """Export only the final checkpoint, the one at or past `max_steps` (TF's `FinalExporter`)."""
+
+    kind: Literal["final"] = "final"
+    name: str = "final"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return check_name("exporter name", v)
+
+
+ExporterSpec = Annotated[Union[LatestExporter, BestExporter, FinalExporter], Field(discriminator="kind")]
+
+
+class EvalSpec(_Spec):
+    """How to evaluate (TF's `EvalSpec`).
+
+    Args:
+        steps: number of eval batches; None evaluates the whole eval set.
+        name: name of this evaluation; metrics are logged as ``<name>/<metric>`` and
+            records are kept under ``<job>/evals/<name>/``.
+        start_delay_secs: the continuous evaluator waits this long before its first eval.
+        throttle_secs: do not evaluate again sooner than this many seconds after the last
+            evaluation (the final checkpoint is always evaluated).
+        exporters: what to export after each evaluation.
+    """
+
+    steps: int | None = Field(None, description="Eval batches; None: the whole eval set.")
+    name: str = Field("eval", description="Eval name (metric prefix, record folder).")
+    start_delay_secs: float = Field(0.0, description="Delay before the first evaluation.")
+    throttle_secs: float = Field(0.0, description="Minimum seconds between evaluations.")
+    exporters: list[ExporterSpec] = Field(default_factory=list, description="Exporters run after each eval.")
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, v):
+        return _positive("steps", v, "give the number of eval batches, or None for the whole eval set", True)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return check_name("eval name", v)
+
+    @field_validator("start_delay_secs", "throttle_secs")
+    @classmethod
+    def _non_negative(cls, v, info):
+        if v is None or v < 0:
+            raise ValueError(f"{info.field_name}={v!r} must be >= 0 seconds; use 0 for no delay")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_exporters(self):
+        names = [e.name for e in self.exporters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(
+                f"exporters share the name(s) {dupes}: each exporter writes under exports/<name>/, "
+                "so give each a distinct name= (e.g. LatestExporter(name='latest'), BestExporter(name='best'))"
+            )
+        return self
+
+
+class JobConfig(_Spec):
+    """Everything that defines one training job; JSON-able, so it travels as a flow parameter.
+
+    Args:
+        program: import path of the program, ``"package.module:attribute"``.
+        job: job name; the job's files live under ``<storage>/<job>/``.
+        storage: storage root (local directory or URL).
+        train: the TrainSpec.
+        eval: the EvalSpec.
+        checkpoint: the CheckpointSpec.
+        mlflow_tracking_uri: MLflow tracking URI (None: ``MLFLOW_TRACKING_URI`` or
+            ``sqlite:///mlflow.db`` in the working directory).
+        mlflow_experiment: MLflow experiment name.
+    """
+
+    program: str
+    job: str
+    storage: str
+    train: TrainSpec
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = "prefect-jax"
+
+    @field_validator("job")
+    @classmethod
+    def _job(cls, v):
+        return check_name("job", v)
+
+    def fingerprint(self) -> str:
+        """Hash of the specs that shape the training trajectory (not cadence of logs or evals)."""
+        import hashlib
+        import json
+
+        blob = json.dumps({"program": self.program, "seed": self.train.seed}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+__all__ = [
+    "JobConfig",
+    "BestExporter",
+    "CheckpointSpec",
+    "EvalSpec",
+    "ExporterSpec",
+    "FinalExporter",
+    "LatestExporter",
+    "TrainSpec",
+    "check_name",
+]
