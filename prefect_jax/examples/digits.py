@@ -111,11 +111,11 @@ class DigitsProgram:
     def init(self, rng):
         init_rng, dropout_rng = jax.random.split(rng)
         model = MLP(64, self.hidden, 10, rngs=nnx.Rngs(params=init_rng))
-        params = nnx.state(model, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return {"params": params, "opt": self.tx.init(params), "rng": dropout_rng}
 
     def apply(self, params, x, rng=None):
-        model = nnx.merge(self.graphdef, nnx.State(params))
+        model = nnx.merge(self.graphdef, params)
         return model(x, self.dropout, rng)
 
     def train_step(self, state, batch):

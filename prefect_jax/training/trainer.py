@@ -209,12 +209,16 @@ class Trainer:
         self.state, self.step, self.data_iter = state, step, data_iter
         self._last_save = time.monotonic()
         self._notify(step, self.config.train.max_steps, {})
+        self._attach_tracking((meta or {}).get("mlflow_run_id"))
+        return step
+
+    def _attach_tracking(self, run_id: str | None = None) -> None:
+        """Find (by id, else by job tag) or create this job's MLflow run."""
         self.tracker.start(
             params=self._params(),
             tags={STORAGE_TAG: self.storage.root, "mlflow.runName": self.config.job, **self.run_tags},
-            run_id=(meta or {}).get("mlflow_run_id"),
+            run_id=run_id,
         )
-        return step
 
     def _params(self) -> dict[str, str]:
         c = self.config
@@ -334,6 +338,8 @@ class Trainer:
         if not (force or is_final) and throttled(self.records, spec.throttle_secs):
             return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
         state = self._state_at(step)
+        if self.tracker.run_id is None:
+            self._attach_tracking()
         metrics, n, examples = aggregate(self._eval_step, state, _iterate(self.program.eval_data()), spec.steps)
         result = EvalResult(
             status=EvalStatus.EVALUATED,

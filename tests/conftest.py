@@ -1,0 +1,81 @@
+"""Shared fixtures: a throwaway Prefect server for the session, MLflow on SQLite in temp dirs,
+Orbax checkpoints in temp dirs, and the tiny digits program."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+# Before prefect is imported anywhere: no telemetry, no writes to the user's ~/.prefect,
+# and MLflow failures fail the tests instead of warning.
+_HOME = tempfile.mkdtemp(prefix="prefect-jax-tests-")
+os.environ.setdefault("PREFECT_HOME", _HOME)
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_JAX_MLFLOW_STRICT"] = "1"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+
+TINY = "prefect_jax.examples.digits:tiny"
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One real Prefect server (SQLite) for the whole session; yields its API URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory):
+    """One MLflow SQLite store for the session (creating its tables takes seconds); jobs differ by storage path."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+
+
+@pytest.fixture
+def job_config(tmp_path, mlflow_uri):
+    """Build a JobConfig for the tiny program in a fresh temp dir: job_config(max_steps=40, ...)."""
+    from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
+
+    def make(max_steps=40, every_steps=20, job="tiny", exporters=(), eval_steps=None, keep_last=3, program=TINY, **train):
+        return JobConfig(
+            program=program,
+            job=job,
+            storage=str(tmp_path / "storage"),
+            train=TrainSpec(max_steps=max_steps, log_every_steps=10, **train),
+            checkpoint=CheckpointSpec(every_steps=every_steps, keep_last=keep_last),
+            eval=EvalSpec(steps=eval_steps, exporters=list(exporters)),
+            mlflow_tracking_uri=mlflow_uri,
+        )
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _fresh_live_trainers():
+    """Each test starts without live trainers cached by an earlier test."""
+    yield
+    from prefect_jax.training import trainer
+
+    for key in list(trainer._live):
+        trainer._live.pop(key).close()
+
+
+def train_to_end(trainer):
+    """Drive a restored Trainer to max_steps the way the flow does; returns the eval results."""
+    results = []
+    while trainer.step < trainer.config.train.max_steps:
+        trainer.train_until_checkpoint()
+        result = trainer.evaluate_if_new()
+        trainer.export(result)
+        results.append(result)
+    trainer.checkpoints.wait()
+    return results

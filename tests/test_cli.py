@@ -1,0 +1,79 @@
+"""The `prefect-jax` command in real subprocesses: JSON output, reruns, status, the demo."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+TINY = "prefect_jax.examples.digits:tiny"
+
+
+def _cli(*args, env=None, timeout=600):
+    full_env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
+
+
+def _last_json(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bad_input_is_a_clear_error_and_nothing_runs(tmp_path):
+    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path), "--max-steps", "0", "--json")
+    assert proc.returncode == 2
+    assert "max_steps=0 must be a positive number" in proc.stderr
+    assert not (tmp_path / "j").exists()
+
+
+@pytest.mark.slow
+def test_run_json_rerun_and_status(tmp_path, prefect_server, mlflow_uri):
+    env = {"PREFECT_API_URL": prefect_server}
+    args = ["run", "--program", TINY, "--job", "cli-job", "--storage", str(tmp_path / "s"), "--max-steps", "40",
+            "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
+    first = _last_json(_cli(*args, env=env))
+    expected_keys = {"job", "final_step", "eval", "checkpoint_dir", "mlflow_tracking_uri", "mlflow_run_id", "exports",
+                     "state_fingerprint"}
+    assert expected_keys <= set(first)
+    assert first["final_step"] == 40 and first["job"] == "cli-job"
+    assert first["exports"] == {"best": first["exports"]["best"], "final": [40], "latest": [20, 40]}
+
+    second = _last_json(_cli(*args, env=env))
+    assert second["state_fingerprint"] == first["state_fingerprint"]
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]
+
+    status = _last_json(_cli("status", "--job", "cli-job", "--storage", str(tmp_path / "s"), "--json"))
+    assert status["committed_steps"] == [20, 40]
+    assert status["evaluated_steps"] == {"eval": [20, 40]}
+    assert status["exports"]["latest"] == [20, 40]
+
+
+def _port_open(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+def test_demo_on_embedded_defaults_reaches_accuracy_and_ends_cleanly(tmp_path):
+    workdir = tmp_path / "demo"
+    proc = _cli("demo", "--workdir", str(workdir), "--max-steps", "200", "--checkpoint-every-steps", "100", "--json",
+                env={"PREFECT_LOGGING_LEVEL": "INFO"})
+    summary = _last_json(proc)
+    assert summary["eval"]["accuracy"] >= 0.95
+    assert summary["final_step"] == 200
+    assert summary["mlflow_tracking_uri"] == f"sqlite:///{workdir}/mlflow.db"
+    assert summary["checkpoint_dir"] == f"{workdir}/storage/digits/checkpoints"
+    assert "Traceback" not in proc.stderr and "Error flushing" not in proc.stderr
+    port = int(re.search(r"Starting temporary server on http://127.0.0.1:(\d+)", proc.stderr).group(1))
+    assert not _port_open(port), "the embedded Prefect server outlived the command"
+    assert any("mlflow ui --backend-store-uri" in line for line in summary["browse"])

@@ -1,0 +1,115 @@
+"""The train_and_evaluate flow against a real Prefect server (prefect_test_harness)."""
+
+import asyncio
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from prefect_jax.flows import train_and_evaluate
+from prefect_jax.training.specs import CheckpointSpec, EvalSpec, FinalExporter, LatestExporter, TrainSpec
+from prefect_jax.training.storage import JobStorage
+from prefect_jax.training.tracking import JOB_TAG
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+
+def _run(tmp_path, mlflow_uri, max_steps=40, **kw):
+    return train_and_evaluate(
+        program="prefect_jax.examples.digits:tiny",
+        job="flow-job",
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=max_steps, log_every_steps=10),
+        checkpoint_spec=CheckpointSpec(every_steps=20),
+        eval_spec=EvalSpec(exporters=[LatestExporter(keep=2), FinalExporter()]),
+        mlflow_tracking_uri=mlflow_uri,
+        return_state=True,
+        **kw,
+    )
+
+
+async def _task_runs(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    async with get_client() as client:
+        runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+            limit=200,
+        )
+    return runs
+
+
+def _artifacts(api_url, flow_run_id):
+    """Artifacts of a flow run and its task runs, read over the REST API."""
+    import httpx
+
+    body = {"artifacts": {"flow_run_id": {"any_": [str(flow_run_id)]}}, "sort": "CREATED_DESC", "limit": 200}
+    response = httpx.post(f"{api_url}/artifacts/filter", json=body, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(tmp_path, mlflow_uri, prefect_server):
+    state = _run(tmp_path, mlflow_uri)
+    assert state.is_completed()
+    summary = state.result()
+    assert summary["final_step"] == 40
+    assert summary["exports"] == {"final": [40], "latest": [20, 40]}
+    assert set(summary["eval"]) == {"accuracy", "loss"}
+    assert summary["checkpoint_dir"] == str(tmp_path / "storage" / "flow-job" / "checkpoints")
+    assert len(summary["state_fingerprint"]) == 64
+
+    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    artifacts = _artifacts(prefect_server, state.state_details.flow_run_id)
+    names = sorted(r.name for r in runs)
+    assert names == sorted(
+        ["restore or init flow-job", "train 0→20", "train 20→40", "evaluate 20", "evaluate 40", "export 20", "export 40"]
+    )
+    assert all(r.state.is_completed() for r in runs)
+    tables = [a for a in artifacts if a["type"] == "table"]
+    assert {a["key"] for a in tables} == {"flow-job-eval-results"}
+    assert '"step": 40' in tables[0]["data"]  # newest version holds every evaluated step
+    progress = [a for a in artifacts if a["type"] == "progress"]
+    assert [a["data"] for a in progress] == [100.0]
+
+    # Rerun in a fresh process state: resumes at 40, trains nothing, evaluates nothing again.
+    from prefect_jax.training import trainer
+
+    for key in list(trainer._live):
+        trainer._live.pop(key).close()
+    records = JobStorage(str(tmp_path / "storage"), "flow-job").path("evals", "eval")
+    before = sorted(p.name for p in (tmp_path / "storage" / "flow-job" / "evals" / "eval").iterdir())
+    again = _run(tmp_path, mlflow_uri).result()
+    assert again["state_fingerprint"] == summary["state_fingerprint"]
+    assert again["mlflow_run_id"] == summary["mlflow_run_id"]
+    assert sorted(p.name for p in (tmp_path / "storage" / "flow-job" / "evals" / "eval").iterdir()) == before
+    client = MlflowClient(mlflow_uri)
+    exp = client.get_experiment_by_name("prefect-jax")
+    job_dir = JobStorage(str(tmp_path / "storage"), "flow-job").job_dir
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_dir}'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "eval/accuracy")] == [20, 40]
+    assert records.endswith("evals/eval")
+
+
+def test_flow_extends_a_finished_job_when_max_steps_grows(tmp_path, mlflow_uri):
+    first = _run(tmp_path, mlflow_uri, max_steps=20).result()
+    longer = _run(tmp_path, mlflow_uri, max_steps=40).result()
+    assert first["final_step"] == 20 and longer["final_step"] == 40
+    assert longer["mlflow_run_id"] == first["mlflow_run_id"]
+
+
+def test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri):
+    state = train_and_evaluate(
+        program="prefect_jax.examples.digits:missing",
+        job="bad",
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=10),
+        mlflow_tracking_uri=mlflow_uri,
+        return_state=True,
+    )
+    assert state.is_failed()
+    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+        state.result()

@@ -1,0 +1,43 @@
+"""Packaging promises: a cheap `import prefect_jax`, an engine free of prefect, the entry points, blocks."""
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+
+def _modules_after(statement):
+    code = f"import sys; {statement}; print(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def test_import_prefect_jax_imports_no_jax():
+    loaded = _modules_after("import prefect_jax")
+    assert not loaded & {"jax", "orbax", "mlflow", "flax", "prefect"}
+
+
+def test_the_engine_never_imports_prefect():
+    loaded = _modules_after("import prefect_jax.training.trainer, prefect_jax.examples.digits")
+    assert "jax" in loaded and "prefect" not in loaded
+
+
+def test_entry_points():
+    collections = {e.name: e.value for e in entry_points(group="prefect.collections")}
+    assert collections["prefect_jax"] == "prefect_jax"
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    assert scripts["prefect-jax"] == "prefect_jax.cli:main"
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_blocks_save_and_load(tmp_path):
+    from prefect_jax.blocks import CheckpointStorage, MlflowTracking
+
+    CheckpointStorage(url=str(tmp_path / "ckpts")).save("test-storage", overwrite=True)
+    MlflowTracking(tracking_uri="sqlite:///x.db", experiment="e").save("test-mlflow", overwrite=True)
+    storage = CheckpointStorage.load("test-storage")
+    assert storage.job_storage("j").checkpoint_dir == f"{tmp_path}/ckpts/j/checkpoints"
+    assert MlflowTracking.load("test-mlflow").experiment == "e"
+    with pytest.raises(ValueError, match="not a valid name"):
+        storage.job_storage("../x")

@@ -1,0 +1,171 @@
+"""Every restore-or-init branch, on real Orbax checkpoints in temp dirs."""
+
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from prefect_jax.examples.digits import DigitsProgram
+from prefect_jax.training.checkpoints import (
+    CheckpointMismatchError,
+    Checkpoints,
+    committed_steps,
+    state_fingerprint,
+    wait_for_new_checkpoint,
+)
+from prefect_jax.training.trainer import Trainer, restore_or_init
+
+
+def test_new_job_initialises_at_step_zero(job_config):
+    trainer = Trainer(job_config())
+    assert trainer.restore_or_init() == 0
+    assert trainer.checkpoints.committed_steps() == []
+
+
+def test_resumes_from_latest_committed_step_with_identical_state(job_config):
+    config = job_config(max_steps=40, every_steps=20)
+    first = Trainer(config)
+    first.restore_or_init()
+    first.train_until_checkpoint()
+    first.train_until_checkpoint()
+    first.checkpoints.wait()
+    expected = first.fingerprint()
+    first.close()
+
+    second = Trainer(config)
+    assert second.restore_or_init() == 40
+    assert second.fingerprint() == expected
+
+
+def test_resumed_run_ends_bit_for_bit_equal_to_uninterrupted_run(job_config, tmp_path):
+    # Data order, dropout RNG and optimizer state come back from the checkpoint.
+    straight = Trainer(job_config(max_steps=60, every_steps=20, job="straight"))
+    straight.restore_or_init()
+    while straight.step < 60:
+        straight.train_until_checkpoint()
+    expected = straight.fingerprint()
+
+    interrupted = Trainer(job_config(max_steps=60, every_steps=20, job="resumed"))
+    interrupted.restore_or_init()
+    interrupted.train_until_checkpoint()
+    interrupted.checkpoints.wait()
+    interrupted.close()  # the process "goes away" after step 20
+    resumed = Trainer(job_config(max_steps=60, every_steps=20, job="resumed"))
+    assert resumed.restore_or_init() == 20
+    while resumed.step < 60:
+        resumed.train_until_checkpoint()
+    assert resumed.fingerprint() == expected
+
+
+def test_explicit_checkpoint_path_warm_starts_a_new_job(job_config):
+    source = Trainer(job_config(job="source"))
+    source.restore_or_init()
+    source.train_until_checkpoint()
+    source.checkpoints.wait()
+    path = os.path.join(source.checkpoints.directory, "20")
+
+    target = Trainer(job_config(job="target"))
+    assert target.restore_or_init(checkpoint_path=path) == 20
+    assert target.fingerprint() == source.fingerprint()
+
+
+def test_checkpoint_dir_and_path_together_is_an_error(job_config):
+    program = DigitsProgram(hidden=(8, 8))
+    rng = jax.random.key(0)
+    with pytest.raises(ValueError, match="pass checkpoint_dir .* or checkpoint_path .* not both"):
+        restore_or_init(None, lambda: program.init(rng), None, checkpoint_dir="/a", checkpoint_path="/a/10")
+
+
+def test_checkpoint_path_that_is_not_a_committed_step_is_an_error(tmp_path):
+    program = DigitsProgram(hidden=(8, 8))
+    rng = jax.random.key(0)
+    (tmp_path / "7").mkdir()
+    with pytest.raises(ValueError, match=r"not a committed checkpoint step directory; committed steps in .*: \[\]"):
+        restore_or_init(None, lambda: program.init(rng), None, checkpoint_path=str(tmp_path / "7"))
+
+
+def test_integer_dirs_without_commit_are_not_steps(tmp_path):
+    (tmp_path / "100").mkdir()
+    (tmp_path / "100" / "state").mkdir()
+    assert committed_steps(str(tmp_path)) == []
+
+
+def test_wait_for_checkpoint_gives_up_at_the_deadline_then_inits(job_config):
+    trainer = Trainer(job_config())
+    start = time.monotonic()
+    assert trainer.restore_or_init(wait_for_checkpoint=True, max_wait_secs=0.6, recovery_wait_secs=0.2) == 0
+    assert 0.55 <= time.monotonic() - start < 10
+
+
+def test_wait_for_checkpoint_restores_one_committed_while_waiting(job_config):
+    config = job_config()
+    writer = Trainer(config)
+    writer.restore_or_init()
+
+    def write_later():
+        time.sleep(0.5)
+        writer.train_until_checkpoint()
+        writer.checkpoints.wait()
+
+    waiter = Trainer(config)
+    thread = threading.Thread(target=write_later)
+    thread.start()
+    try:
+        step = waiter.restore_or_init(wait_for_checkpoint=True, max_wait_secs=60, recovery_wait_secs=0.1)
+    finally:
+        thread.join()
+    assert step == 20
+    assert waiter.fingerprint() == writer.fingerprint()
+
+
+def test_wait_polls_with_fake_clock():
+    now = [0.0]
+    sleeps = []
+
+    def sleep(s):
+        sleeps.append(s)
+        now[0] += s
+
+    steps = iter([[], [], [5, 10]])
+    assert wait_for_new_checkpoint(lambda: next(steps), None, 100, 30, log=lambda m: None, sleep=sleep, clock=lambda: now[0]) == 10
+    assert sleeps == [30, 30]
+    assert wait_for_new_checkpoint(lambda: [3], 3, 45, 30, log=lambda m: None, sleep=sleep, clock=lambda: now[0]) is None
+    assert sleeps[2:] == [30, 15]
+
+
+def test_mismatched_tree_lists_differing_leaves_by_path(job_config, tmp_path):
+    config = job_config()
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.checkpoints.wait()
+
+    other = DigitsProgram(hidden=(32, 16))  # l2 and l3 change shape
+    checkpoints = Checkpoints(trainer.checkpoints.directory, read_only=True)
+    abstract = jax.eval_shape(other.init, jax.random.key(0))
+    with pytest.raises(CheckpointMismatchError) as err:
+        checkpoints.restore(20, abstract)
+    message = str(err.value)
+    assert "params/l2/kernel: checkpoint float32[32, 32], init float32[32, 16]" in message
+    assert "params/l3/kernel: checkpoint float32[32, 10], init float32[16, 10]" in message
+    assert "opt/0/mu/l2/bias" in message
+    assert "params/l1/kernel" not in message  # unchanged leaves are not listed
+
+
+def test_typed_prng_keys_survive_a_checkpoint(tmp_path):
+    from prefect_jax.training.checkpoints import CheckpointSpec
+
+    state = {"key": jax.random.key(7), "w": np.arange(4, dtype=np.float32)}
+    ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))
+    import grain
+
+    it = iter(grain.MapDataset.range(10).to_iter_dataset())
+    ckpt.save(1, state, it, {})
+    ckpt.wait()
+    restored, meta = ckpt.restore(1, jax.eval_shape(lambda: state))
+    assert jax.dtypes.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
+    assert state_fingerprint(restored) == state_fingerprint(state)
+    assert meta["step"] == 1 and meta["tree"]["key"] == [[2], "uint32"]

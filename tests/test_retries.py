@@ -1,0 +1,53 @@
+"""train_until_checkpoint retries: a failed interval restores the last checkpoint and resumes exactly."""
+
+import asyncio
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from prefect_jax.flows import train_and_evaluate
+from prefect_jax.training.specs import CheckpointSpec, TrainSpec
+from prefect_jax.training.storage import JobStorage
+from prefect_jax.training.tracking import JOB_TAG
+from test_flow import _task_runs
+
+pytestmark = [pytest.mark.usefixtures("prefect_server"), pytest.mark.slow]
+
+
+def _run(tmp_path, mlflow_uri, program, job):
+    return train_and_evaluate(
+        program=program,
+        job=job,
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=40, log_every_steps=10),
+        checkpoint_spec=CheckpointSpec(every_steps=20),
+        mlflow_tracking_uri=mlflow_uri,
+        return_state=True,
+    )
+
+
+def _mlflow_run(mlflow_uri, tmp_path, job):
+    client = MlflowClient(mlflow_uri)
+    exp = client.get_experiment_by_name("prefect-jax")
+    job_dir = JobStorage(str(tmp_path / "storage"), job).job_dir
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_dir}'")
+    return run
+
+
+def test_a_transient_failure_is_retried_from_the_checkpoint_and_ends_exactly(tmp_path, mlflow_uri):
+    clean = _run(tmp_path, mlflow_uri, "prefect_jax.examples.digits:tiny", "clean").result()
+    state = _run(tmp_path, mlflow_uri, "programs:transient", "flaky")
+    assert state.is_completed()
+    flaky = state.result()
+    assert flaky["state_fingerprint"] == clean["state_fingerprint"]
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    assert runs["train 20→40"].run_count == 2 and runs["train 20→40"].state.is_completed()
+    assert runs["train 0→20"].run_count == 1
+
+
+def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_uri):
+    state = _run(tmp_path, mlflow_uri, "programs:permanent", "broken")
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match="injected failure producing batch 5"):
+        state.result()
+    assert _mlflow_run(mlflow_uri, tmp_path, "broken").info.status == "FAILED"

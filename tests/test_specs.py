@@ -1,0 +1,73 @@
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from prefect_jax.training.specs import (
+    BestExporter,
+    CheckpointSpec,
+    EvalSpec,
+    FinalExporter,
+    JobConfig,
+    LatestExporter,
+    TrainSpec,
+    check_name,
+)
+
+
+@pytest.mark.parametrize(
+    "build, field, value, fix",
+    [
+        (lambda: TrainSpec(max_steps=0), "max_steps", "0", "total number of training steps"),
+        (lambda: TrainSpec(max_steps=-5), "max_steps", "-5", "total number of training steps"),
+        (lambda: TrainSpec(max_steps=10, log_every_steps=0), "log_every_steps", "0", "log every N>=1"),
+        (lambda: CheckpointSpec(every_steps=0), "every_steps", "0", "checkpoint every N>=1"),
+        (lambda: CheckpointSpec(every_secs=-1.0), "every_secs", "-1.0", "positive number of seconds"),
+        (lambda: CheckpointSpec(keep_last=0), "keep_last", "0", "keep at least 1"),
+        (lambda: CheckpointSpec(every_steps=None, every_secs=None), "every_steps=None", "every_secs=None", "set every_steps"),
+        (lambda: EvalSpec(steps=0), "steps", "0", "None for the whole eval set"),
+        (lambda: EvalSpec(throttle_secs=-1), "throttle_secs", "-1", ">= 0"),
+        (lambda: EvalSpec(name="../x"), "eval name", "'../x'", "no '..'"),
+        (lambda: LatestExporter(keep=0), "keep", "0", "keep at least 1"),
+    ],
+)
+def test_bad_values_are_refused_naming_field_value_and_fix(build, field, value, fix):
+    with pytest.raises(ValidationError) as err:
+        build()
+    message = str(err.value)
+    assert field in message and value in message and fix in message
+
+
+def test_duplicate_exporter_names_are_refused():
+    with pytest.raises(ValidationError, match=r"share the name\(s\) \['latest'\]"):
+        EvalSpec(exporters=[LatestExporter(), LatestExporter(keep=2)])
+
+
+def test_unknown_fields_are_refused():
+    with pytest.raises(ValidationError, match="max_step"):
+        TrainSpec(max_step=10)
+
+
+@pytest.mark.parametrize("name", ["..", "a/b", "/abs", "a\\b", "", "x..y", "-lead"])
+def test_names_that_escape_the_job_are_refused(name):
+    with pytest.raises(ValueError, match="not a valid name"):
+        check_name("job", name)
+
+
+def test_specs_round_trip_through_json_with_exporter_kinds():
+    config = JobConfig(
+        program="m:p",
+        job="j-1",
+        storage="/tmp/x",
+        train=TrainSpec(max_steps=10),
+        eval=EvalSpec(exporters=[LatestExporter(keep=2), BestExporter(metric="accuracy", mode="max"), FinalExporter()]),
+        checkpoint=CheckpointSpec(every_steps=5, keep_every_steps=10),
+    )
+    again = JobConfig.model_validate(json.loads(config.model_dump_json()))
+    assert again == config
+    assert [type(e) for e in again.eval.exporters] == [LatestExporter, BestExporter, FinalExporter]
+
+
+def test_job_config_refuses_bad_job_name():
+    with pytest.raises(ValidationError, match="job '../evil' is not a valid name"):
+        JobConfig(program="m:p", job="../evil", storage="/tmp/x", train=TrainSpec(max_steps=1))

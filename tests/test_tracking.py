@@ -1,0 +1,58 @@
+"""MLflow: one run per job across reruns, params, metrics at their steps, failures."""
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from prefect_jax.training.tracking import JOB_TAG, Tracker, TrackingWarning
+from prefect_jax.training.trainer import Trainer
+from conftest import train_to_end
+
+
+def test_one_run_per_job_with_params_and_metrics_at_their_steps(job_config):
+    config = job_config(max_steps=40, every_steps=20)
+    first = Trainer(config)
+    first.restore_or_init()
+    first.train_until_checkpoint()
+    first.evaluate_if_new()
+    first.checkpoints.wait()
+    first.finish()
+    first.close()
+
+    rerun = Trainer(config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 40})}))
+    rerun.restore_or_init()
+    assert rerun.tracker.run_id == first.tracker.run_id
+    train_to_end(rerun)
+    rerun.finish()
+
+    client = MlflowClient(config.mlflow_tracking_uri)
+    runs = client.search_runs(
+        [client.get_experiment_by_name("prefect-jax").experiment_id],
+        filter_string=f"tags.`{JOB_TAG}` = '{rerun.storage.job_dir}'",
+    )
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.max_steps"] == "40"
+    assert run.data.params["checkpoint.every_steps"] == "20"
+    assert run.data.params["program_config.hidden"] == "[32, 32]"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [20, 40]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20, 30, 40]
+
+
+def test_tracking_failure_warns_and_training_goes_on(job_config, tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = job_config(max_steps=20).model_copy(update={"mlflow_tracking_uri": f"sqlite:///{blocker}/sub/mlflow.db"})
+    with pytest.warns(TrackingWarning, match=f"sqlite:///{blocker}/sub/mlflow.db"):
+        trainer = Trainer(config)
+        trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    assert trainer.step == 20
+
+
+def test_tracking_failure_fails_in_strict_mode(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(NotADirectoryError):
+        Tracker(f"sqlite:///{blocker}/sub/mlflow.db", "e", "job").start({})
