@@ -38,5 +38,44 @@ def transient():
 
 
 def permanent():
-    """Fails before the first checkpoint, every time."""
-    return FailingDigits(fail_at=5, error=RuntimeError, failures=None)
+    """Fails before the first checkpoint, every time, with an error a retry cannot fix."""
+    return FailingDigits(fail_at=5, error=TypeError, failures=None)
+
+
+class NaNDigits(DigitsProgram):
+    """Tiny digits whose loss becomes NaN from step `nan_at` on (as if training diverged)."""
+
+    def __init__(self, nan_at: int):
+        super().__init__(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+        self.nan_at = nan_at
+
+    def train_step(self, state, batch):
+        import jax.numpy as jnp
+
+        new_state, metrics = super().train_step(state, batch)
+        step = new_state["opt"][0].count  # Adam's step counter: the global step after this update
+        metrics["loss"] = jnp.where(step >= self.nan_at, jnp.nan, metrics["loss"])
+        return new_state, metrics
+
+
+def diverges_at_33():
+    return NaNDigits(nan_at=33)
+
+
+class BigDigits(DigitsProgram):
+    """Tiny digits carrying an extra 128 MiB array in its state, so a checkpoint takes a while to write."""
+
+    def init(self, rng):
+        import jax.numpy as jnp
+
+        return {**super().init(rng), "ballast": jnp.zeros((32 * 1024 * 1024,), jnp.float32)}
+
+    def train_step(self, state, batch):
+        ballast = state["ballast"]
+        new_state, metrics = super().train_step({k: v for k, v in state.items() if k != "ballast"}, batch)
+        return {**new_state, "ballast": ballast + 1.0}, metrics
+
+
+def big():
+    return BigDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+

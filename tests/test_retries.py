@@ -48,6 +48,22 @@ def test_a_transient_failure_is_retried_from_the_checkpoint_and_ends_exactly(tmp
 def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_uri):
     state = _run(tmp_path, mlflow_uri, "programs:permanent", "broken")
     assert state.is_failed()
-    with pytest.raises(RuntimeError, match="injected failure producing batch 5"):
+    with pytest.raises(TypeError, match="injected failure producing batch 5"):
         state.result()
     assert _mlflow_run(mlflow_uri, tmp_path, "broken").info.status == "FAILED"
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    assert runs["train 0→20"].run_count == 1  # not retried: a retry cannot fix it
+    assert not (tmp_path / "storage" / "broken" / "lease.json").exists()
+
+
+def test_a_nan_loss_stops_at_its_step_without_retry_or_checkpoint(tmp_path, mlflow_uri):
+    from prefect_jax.training.errors import NonFiniteLossError
+
+    state = _run(tmp_path, mlflow_uri, "programs:diverges_at_33", "nan")
+    assert state.is_failed()
+    with pytest.raises(NonFiniteLossError, match="non-finite training metric at step 33 .*newest checkpoint is step 20"):
+        state.result()
+    committed = sorted(p.name for p in (tmp_path / "storage" / "nan" / "checkpoints").iterdir())
+    assert committed == ["20"]
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    assert runs["train 20→40"].run_count == 1

@@ -49,6 +49,21 @@ def _trainer(config: JobConfig):
     return get_trainer(config, run_tags=_run_tags())
 
 
+def retry_if_transient(task, task_run, state) -> bool:
+    """Retry I/O errors, timeouts and preemptions; fail at once on a bad program, a checkpoint
+    that does not fit, a NaN loss or a job held by another trainer."""
+    from prefect_jax.training.errors import is_transient
+
+    try:
+        exc = state.result(raise_on_failure=False)
+    except BaseException as err:  # noqa: BLE001 - result() itself may raise the stored exception
+        exc = err
+    transient = not isinstance(exc, BaseException) or is_transient(exc)
+    if not transient:
+        get_run_logger().error("not retrying %s: %s", type(exc).__name__, exc)
+    return transient
+
+
 def _train_run_name() -> str:
     params = task_run.parameters
     config, start = params["config"], params["from_step"]
@@ -59,7 +74,14 @@ def _train_run_name() -> str:
     return f"train {start}→{end}"
 
 
-@task(name="restore_or_init", task_run_name="restore or init {config.job}", cache_policy=NO_CACHE)
+@task(
+    name="restore_or_init",
+    task_run_name="restore or init {config.job}",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=2,
+    retry_condition_fn=retry_if_transient,
+)
 def restore_or_init(
     config: JobConfig,
     checkpoint_path: str | None = None,
@@ -101,12 +123,15 @@ def restore_or_init(
     cache_policy=NO_CACHE,
     retries=2,
     retry_delay_seconds=2,
+    retry_condition_fn=retry_if_transient,
 )
 def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
     """Train from `from_step` to the next checkpoint boundary and save (asynchronously).
 
     If this process does not hold the live state at `from_step` (a retry after a failure,
-    another worker), the newest committed checkpoint is restored first.
+    another worker), the newest committed checkpoint is restored first. Transient failures
+    (I/O, preemption) are retried from there; permanent ones (a bad program, a shape
+    mismatch, a NaN/Inf loss, a job leased by another trainer) fail at once.
 
     Returns:
         The step reached (and checkpointed).

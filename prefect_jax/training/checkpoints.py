@@ -109,18 +109,40 @@ def _handlers():
     }
 
 
+ITEMS = ("state", "data", "meta")
+
+
 def is_committed(step_dir: str) -> bool:
-    """A step directory counts once Orbax finalized it (the commit metadata file is written last)."""
-    return os.path.isfile(os.path.join(step_dir, _COMMIT_FILE))
+    """A step directory counts once Orbax finalized it: the step's commit metadata file (written
+    last, after every item) and every item directory are there."""
+    return os.path.isfile(os.path.join(step_dir, _COMMIT_FILE)) and all(
+        os.path.isdir(os.path.join(step_dir, item)) for item in ITEMS
+    )
 
 
-def committed_steps(checkpoint_dir: str) -> list[int]:
-    """Committed steps under a checkpoint directory, oldest first."""
+def step_dirs(checkpoint_dir: str) -> list[int]:
+    """Every integer-named directory, committed or not (what Orbax itself would call a step)."""
     try:
         names = os.listdir(checkpoint_dir)
     except FileNotFoundError:
         return []
-    return sorted(int(n) for n in names if n.isdigit() and is_committed(os.path.join(checkpoint_dir, n)))
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(checkpoint_dir, n)))
+
+
+def committed_steps(checkpoint_dir: str) -> list[int]:
+    """Committed steps under a checkpoint directory, oldest first."""
+    return [s for s in step_dirs(checkpoint_dir) if is_committed(os.path.join(checkpoint_dir, str(s)))]
+
+
+def quarantine(checkpoint_dir: str, step: int, why: str) -> str:
+    """Move a torn or unreadable step aside (``<step>.<why>-<time>``), where no reader counts it as a step.
+
+    Kept, not deleted, so that nothing is lost that someone may want to inspect.
+    """
+    src = os.path.join(checkpoint_dir, str(step))
+    dst = f"{src}.{why}-{int(time.time())}"
+    os.replace(src, dst)
+    return dst
 
 
 class Checkpoints:
@@ -147,6 +169,21 @@ class Checkpoints:
 
     def committed_steps(self) -> list[int]:
         return committed_steps(self.directory)
+
+    def quarantine(self, step: int, why: str) -> None:
+        """Move a step aside (see `quarantine`) and let Orbax forget it. Only the job's writer may do this."""
+        self.manager.wait_until_finished()
+        dst = quarantine(self.directory, step, why)
+        logger.warning("checkpoint step %d of %s moved aside to %s (%s)", step, self.directory, dst, why)
+        self.manager.reload()
+
+    def quarantine_uncommitted(self) -> None:
+        """Move aside integer directories without a commit (a save killed part-way)."""
+        committed = set(self.committed_steps())
+        for step in step_dirs(self.directory):
+            if step not in committed:
+                logger.warning("checkpoint step %d in %s was never committed: skipping it", step, self.directory)
+                self.quarantine(step, "uncommitted")
 
     def latest_committed(self) -> int | None:
         steps = self.committed_steps()

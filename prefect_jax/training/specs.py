@@ -66,6 +66,15 @@ class TrainSpec(_Spec):
     max_steps: int = Field(description="Train until the global step reaches this number.")
     seed: int = Field(0, description="Seed for init and for the training data order.")
     log_every_steps: int = Field(50, description="Log train metrics to MLflow every N steps.")
+    check_finite: bool = Field(
+        True, description="Stop at a NaN/Inf loss (checked every log_every_steps and before each checkpoint)."
+    )
+    sigterm_grace_secs: float = Field(
+        25.0, description="On SIGTERM, how long the checkpoint of the step in flight may take before it is abandoned."
+    )
+    lease_timeout_secs: float = Field(
+        120.0, description="A job's lease whose heartbeat is older than this is taken over by a new trainer."
+    )
 
     @field_validator("max_steps")
     @classmethod
@@ -76,6 +85,16 @@ class TrainSpec(_Spec):
     @classmethod
     def _log_every(cls, v):
         return _positive("log_every_steps", v, "log every N>=1 steps, e.g. log_every_steps=50")
+
+    @field_validator("sigterm_grace_secs")
+    @classmethod
+    def _grace(cls, v):
+        return _positive("sigterm_grace_secs", v, "give the seconds a preempted node has to save (e.g. 25 on a 30 s notice)")
+
+    @field_validator("lease_timeout_secs")
+    @classmethod
+    def _lease(cls, v):
+        return _positive("lease_timeout_secs", v, "give the seconds after which a silent trainer's lease is taken over, e.g. 120")
 
 
 class CheckpointSpec(_Spec):
@@ -244,6 +263,8 @@ class JobConfig(_Spec):
         mlflow_tracking_uri: MLflow tracking URI (None: ``MLFLOW_TRACKING_URI`` or
             ``sqlite:///mlflow.db`` in the working directory).
         mlflow_experiment: MLflow experiment name.
+        compilation_cache_dir: JAX's persistent compilation cache directory, or ``"job"``
+            for one under the job's storage.
     """
 
     program: str
@@ -254,6 +275,11 @@ class JobConfig(_Spec):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str = "prefect-jax"
+    compilation_cache_dir: str | None = Field(
+        None,
+        description="JAX persistent compilation cache: a directory, or 'job' for <storage>/<job>/compile-cache "
+        "(local storage), so a resumed run does not recompile.",
+    )
 
     @field_validator("job")
     @classmethod

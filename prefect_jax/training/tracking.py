@@ -148,5 +148,17 @@ class Tracker:
             self.client.set_terminated(self.run_id, status=status)
 
     @_guarded
+    def has_metric_at(self, key: str, step: int) -> bool:
+        """Whether `key` was already logged at `step` (so a retried write is not logged twice)."""
+        return any(m.step == step for m in self.client.get_metric_history(self.run_id, key))
+
+    @_guarded
+    def last_logged_step(self, exclude_prefix: str = "") -> int | None:
+        """The highest step at which any metric (except those under `exclude_prefix`) was logged."""
+        keys = [k for k in self.client.get_run(self.run_id).data.metrics if not (exclude_prefix and k.startswith(exclude_prefix))]
+        steps = [m.step for k in keys for m in self.client.get_metric_history(self.run_id, k)]
+        return max(steps) if steps else None
+
+    @_guarded
     def metric_history(self, key: str) -> list[tuple[int, float]]:
         return [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)]

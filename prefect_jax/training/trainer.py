@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -32,14 +34,17 @@ import jax
 
 from prefect_jax.training import exporters as exp
 from prefect_jax.training.checkpoints import (
+    CheckpointMismatchError,
     Checkpoints,
     committed_steps,
     state_fingerprint,
     wait_for_new_checkpoint,
 )
+from prefect_jax.training.errors import NonFiniteLossError, Preempted
 from prefect_jax.training.evaluation import EvalRecords, EvalResult, EvalStatus, aggregate, throttled
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
 from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.lease import Lease
 from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.tracking import STORAGE_TAG, Tracker, flatten_params
 
@@ -53,6 +58,21 @@ def add_progress_listener(fn: ProgressListener) -> Callable[[], None]:
     """Call ``fn(step, max_steps, last_metrics)`` as training advances; returns a remover."""
     _progress_listeners.append(fn)
     return lambda: _progress_listeners.remove(fn) if fn in _progress_listeners else None
+
+
+def jnp_int(value: int):
+    import jax.numpy as jnp
+
+    return jnp.asarray(value, jnp.int32)
+
+
+def enable_compilation_cache(directory: str) -> None:
+    """Turn on JAX's persistent compilation cache in `directory` (every compile is cached)."""
+    if "://" not in directory:
+        os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _iterate(dataset):
@@ -69,16 +89,19 @@ def restore_or_init(
     *,
     checkpoint_dir: str | None = None,
     checkpoint_path: str | None = None,
-    data_iter=None,
+    make_data_iter: Callable[[], Any] | None = None,
     wait_for_checkpoint: bool = False,
     max_wait_secs: float = 7200,
     recovery_wait_secs: float = 30,
+    on_unreadable: Callable[[int, BaseException], None] | None = None,
     log: Callable[[str], None] = logger.info,
-) -> tuple[Any, int, dict | None]:
+) -> tuple[Any, int, dict | None, Any]:
     """`SessionManager.prepare_session` for a JAX train state.
 
     Restores the latest committed step under `checkpoint_dir`, or the one step at
-    `checkpoint_path`; with neither (or nothing committed yet), runs `init`.
+    `checkpoint_path`; with neither (or nothing committed yet), runs `init`. A newest step
+    that cannot be read (truncated or missing files) is skipped with a warning naming it,
+    and the next newer committed step is tried: partial state is never restored.
 
     Args:
         checkpoints: the job's `Checkpoints` (used for `checkpoint_dir`).
@@ -86,19 +109,21 @@ def restore_or_init(
         abstract_state: ``jax.eval_shape`` of `init`: the structure a restore must match.
         checkpoint_dir: restore the latest committed step in this directory.
         checkpoint_path: restore exactly this step directory (``.../checkpoints/<step>``).
-        data_iter: a Grain iterator whose position is restored with the state.
+        make_data_iter: builds a fresh Grain iterator whose position is restored with the state.
         wait_for_checkpoint: if no committed step exists yet, wait for one.
         max_wait_secs: how long to wait.
         recovery_wait_secs: how often to look while waiting.
+        on_unreadable: called with (step, error) for each step skipped as unreadable.
 
     Returns:
-        (state, step, metadata of the restored checkpoint or None after init).
+        (state, step, metadata of the restored checkpoint or None after init, data iterator or None).
 
     Raises:
         ValueError: both `checkpoint_dir` and `checkpoint_path` were given, or
             `checkpoint_path` is not a committed step directory.
         CheckpointMismatchError: the checkpoint's tree differs from `abstract_state`.
     """
+    new_iter = make_data_iter or (lambda: None)
     if checkpoint_dir and checkpoint_path:
         raise ValueError(
             f"both checkpoint_dir={checkpoint_dir!r} and checkpoint_path={checkpoint_path!r} were given: "
@@ -114,22 +139,93 @@ def restore_or_init(
             )
         source = Checkpoints(parent, read_only=True)
         try:
+            data_iter = new_iter()
             state, meta = source.restore(int(name), abstract_state, data_iter)
         finally:
             source.close()
         log(f"restored step {name} from {path}")
-        return state, int(name), meta
+        return state, int(name), meta, data_iter
     if checkpoint_dir:
         assert checkpoints is not None and checkpoints.directory == checkpoint_dir
-        step = checkpoints.latest_committed()
-        if step is None and wait_for_checkpoint:
-            step = wait_for_new_checkpoint(checkpoints.committed_steps, None, max_wait_secs, recovery_wait_secs, log)
-        if step is not None:
-            state, meta = checkpoints.restore(step, abstract_state, data_iter)
+        if not checkpoints.committed_steps() and wait_for_checkpoint:
+            wait_for_new_checkpoint(checkpoints.committed_steps, None, max_wait_secs, recovery_wait_secs, log)
+        for step in reversed(checkpoints.committed_steps()):
+            data_iter = new_iter()
+            try:
+                state, meta = checkpoints.restore(step, abstract_state, data_iter)
+            except CheckpointMismatchError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
+                logger.warning(
+                    "checkpoint step %d in %s is unreadable (%s: %s); falling back to the previous committed step",
+                    step, checkpoint_dir, type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "",
+                )
+                if on_unreadable is not None:
+                    on_unreadable(step, exc)
+                continue
             log(f"restored step {step} from {checkpoint_dir}")
-            return state, step, meta
+            return state, step, meta, data_iter
         log(f"no committed checkpoint in {checkpoint_dir}: initialising from scratch")
-    return init(), 0, None
+    return init(), 0, None, new_iter()
+
+
+class _PreemptionNotice:
+    """While training, turn SIGTERM into a flag checked between steps (main thread only).
+
+    The step in flight finishes, the trainer checkpoints it, and then the signal goes on to
+    whatever handler was there before (Prefect's, which ends the run Crashed or reschedules
+    it; or the default, which ends the process).
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = None
+        self._installed = False
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False
+
+    def forward(self) -> None:
+        """Deliver the signal to the handler that was installed before us."""
+        previous = self._previous
+        if callable(previous):
+            previous(self.signum, None)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), self.signum)
+            time.sleep(5)  # the default action ends the process
+
+
+def _guarded_step(train_step: Callable, check_finite: bool) -> Callable:
+    """Wrap `train_step` to also count steps and remember the first with a NaN/Inf loss, on the device."""
+    import jax.numpy as jnp
+
+    def step(state, batch, guard):
+        state, metrics = train_step(state, batch)
+        count, first_bad = guard
+        count = count + 1
+        if check_finite and metrics:
+            keys = [k for k in metrics if "loss" in k] or list(metrics)
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(metrics[k])) for k in keys]))
+            first_bad = jnp.where((first_bad < 0) & ~finite, count, first_bad)
+        return state, metrics, (count, first_bad)
+
+    return step
 
 
 class Trainer:
@@ -139,17 +235,22 @@ class Trainer:
         config: the job.
         program: the program object (loaded from ``config.program`` when None).
         run_tags: extra metadata stored in checkpoints and MLflow tags (e.g. the Prefect
-            flow-run id).
+            flow-run id, which also names the owner of the job's lease).
     """
 
     def __init__(self, config: JobConfig, program: Any = None, run_tags: dict[str, str] | None = None):
         self.config = config
         self.program = program if program is not None else load_program(config.program)
         self.storage = JobStorage(config.storage, config.job)
+        if config.compilation_cache_dir:
+            enable_compilation_cache(
+                self.storage.path("compile-cache") if config.compilation_cache_dir == "job" else config.compilation_cache_dir
+            )
         self.checkpoints = Checkpoints(self.storage.checkpoint_dir, config.checkpoint)
         self.records = EvalRecords(self.storage, config.eval.name)
         self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir)
         self.run_tags = dict(run_tags or {})
+        self.lease = Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
         self.program_fingerprint = program_fingerprint(config.program, self.program)
         if config.eval.exporters and not has_serving(self.program):
             raise ProgramError(
@@ -157,8 +258,8 @@ class Trainer:
                 f"{config.program!r} has no serve(state, inputs) and serving_input(): add them, or drop the exporters"
             )
         # The CPU backend cannot donate buffers (it would warn on every compile); GPU/TPU can.
-        donate = (0,) if jax.default_backend() != "cpu" else ()
-        self._train_step = jax.jit(self.program.train_step, donate_argnums=donate)
+        donate = (0, 2) if jax.default_backend() != "cpu" else ()
+        self._train_step = jax.jit(_guarded_step(self.program.train_step, config.train.check_finite), donate_argnums=donate)
         self._eval_step = jax.jit(self.program.eval_step)
         self._rng = jax.random.key(config.train.seed)
         self._abstract = None
@@ -166,6 +267,7 @@ class Trainer:
         self.step: int | None = None
         self.data_iter = None
         self._last_save = time.monotonic()
+        self._train_logged_until = -1
         self.last_train_metrics: dict[str, float] = {}
 
     # -- setup ----------------------------------------------------------------------
@@ -186,23 +288,30 @@ class Trainer:
         max_wait_secs: float = 7200,
         recovery_wait_secs: float = 30,
     ) -> int:
-        """Resume from the job's latest committed step; else from `checkpoint_path`; else init.
+        """Take the job's lease, then resume from its latest readable committed step; else from
+        `checkpoint_path`; else init.
 
-        Also finds (or creates) the job's MLflow run. Returns the step the state is at.
+        Torn steps (never committed) and unreadable ones are moved aside with a warning naming
+        the step. Also finds (or creates) the job's MLflow run. Returns the step the state is at.
+
+        Raises:
+            LeaseHeldError: another live trainer holds the job.
         """
         self.checkpoints.wait()
-        data_iter = self._fresh_iter()
+        self._acquire_lease()
+        self.checkpoints.quarantine_uncommitted()
         has_own = self.checkpoints.latest_committed() is not None
-        state, step, meta = restore_or_init(
+        state, step, meta, data_iter = restore_or_init(
             self.checkpoints,
             lambda: self.program.init(self._rng),
             self.abstract_state,
             checkpoint_dir=self.checkpoints.directory if (has_own or not checkpoint_path) else None,
             checkpoint_path=None if has_own else checkpoint_path,
-            data_iter=data_iter,
+            make_data_iter=self._fresh_iter,
             wait_for_checkpoint=wait_for_checkpoint,
             max_wait_secs=max_wait_secs,
             recovery_wait_secs=recovery_wait_secs,
+            on_unreadable=lambda bad, exc: self.checkpoints.quarantine(bad, "unreadable"),
         )
         if checkpoint_path and not has_own and step:
             data_iter = self._fresh_iter()  # warm start: weights from elsewhere, this job's data from the start
@@ -210,7 +319,14 @@ class Trainer:
         self._last_save = time.monotonic()
         self._notify(step, self.config.train.max_steps, {})
         self._attach_tracking((meta or {}).get("mlflow_run_id"))
+        # Steps between the last checkpoint and a crash may have been logged already; the
+        # resumed run recomputes them bit for bit, so they are not logged twice.
+        self._train_logged_until = self.tracker.last_logged_step(exclude_prefix=f"{self.config.eval.name}/") or -1
         return step
+
+    def _acquire_lease(self) -> None:
+        self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
+        self.lease.acquire()
 
     def _attach_tracking(self, run_id: str | None = None) -> None:
         """Find (by id, else by job tag) or create this job's MLflow run."""
@@ -248,42 +364,97 @@ class Trainer:
             return max_steps
         return min(max_steps, (self.step // every + 1) * every)
 
+    def _forget_live_state(self) -> None:
+        """The live state is somewhere inside an interval (its buffers may have been donated):
+        drop it, so the next attempt restores the last committed checkpoint."""
+        self.state = self.step = self.data_iter = None
+
     def train_until_checkpoint(self) -> int:
         """Train until the next checkpoint is due, save it asynchronously, return the step reached.
 
-        Training metrics are kept on the device during the interval and sent to MLflow in
-        one batch at its end, so the host never waits on the device in the loop.
+        Training metrics stay on the device during the interval and go to MLflow in one batch
+        at its end. A NaN/Inf loss is looked for every `log_every_steps` and before the save;
+        it raises `NonFiniteLossError` naming the step and nothing of it is checkpointed.
+        On SIGTERM the step in flight finishes, is checkpointed within `sigterm_grace_secs`,
+        and the signal goes on to the previous handler (see `_PreemptionNotice`).
         """
         self._require_live()
-        max_steps = self.config.train.max_steps
+        self._acquire_lease()
+        spec = self.config.train
         target = self.next_boundary()
         every_secs = self.config.checkpoint.every_secs
-        log_every = self.config.train.log_every_steps
+        log_every = spec.log_every_steps
         logged: list[tuple[int, Any]] = []
         state, step, it, train_step = self.state, self.step, self.data_iter, self._train_step
+        guard = (jnp_int(step), jnp_int(-1))
         try:
-            while step < target:
-                state, metrics = train_step(state, next(it))
-                step += 1
-                if step % log_every == 0 or step == target:
-                    logged.append((step, metrics))
-                    if _progress_listeners:
-                        self._notify(step, max_steps, metrics)
-                if every_secs is not None and time.monotonic() - self._last_save >= every_secs:
-                    break
+            with _PreemptionNotice() as notice:
+                while step < target:
+                    state, metrics, guard = train_step(state, next(it), guard)
+                    step += 1
+                    if step % log_every == 0 or step == target:
+                        logged.append((step, metrics))
+                        self._check_finite(guard, logged)
+                        if _progress_listeners:
+                            self._notify(step, spec.max_steps, metrics)
+                    if notice.requested:
+                        break
+                    if every_secs is not None and time.monotonic() - self._last_save >= every_secs:
+                        break
+                self._check_finite(guard, logged)
+                self.state, self.step = state, step
+                if notice.requested:
+                    self._checkpoint_before_exit(notice, logged)
         except BaseException:
-            # The live state is now somewhere inside the interval (and its buffers may have been
-            # donated): forget it, so the next attempt restores the last committed checkpoint.
-            self.state = self.step = self.data_iter = None
+            self._forget_live_state()
             raise
-        self.state, self.step = state, step
         self.save()
-        rows = [(k, v, s) for s, m in jax.device_get(logged) for k, v in m.items()]
-        if logged:
-            self.last_train_metrics = {k: float(v) for k, v in jax.device_get(logged[-1][1]).items()}
-        self.tracker.log_metrics(rows)
-        self._notify(step, max_steps, self.last_train_metrics)
+        self._log_train_metrics(logged)
+        self._notify(step, spec.max_steps, self.last_train_metrics)
         return step
+
+    def _check_finite(self, guard, logged) -> None:
+        if not self.config.train.check_finite:
+            return
+        first_bad = int(guard[1])
+        if first_bad >= 0:
+            shown = {}
+            for s, m in logged:
+                if s >= first_bad:
+                    shown = {k: float(v) for k, v in jax.device_get(m).items()}
+                    break
+            raise NonFiniteLossError(first_bad, shown, self.checkpoints.latest_committed())
+
+    def _checkpoint_before_exit(self, notice: _PreemptionNotice, logged) -> None:
+        grace = self.config.train.sigterm_grace_secs
+        started = time.monotonic()
+        logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
+        self.save()
+        waiter = threading.Thread(target=self.checkpoints.wait, daemon=True)
+        waiter.start()
+        waiter.join(timeout=max(0.0, grace - (time.monotonic() - started)))
+        committed = not waiter.is_alive()
+        if committed:
+            logger.warning("step %d committed in %.2fs after SIGTERM", self.step, time.monotonic() - started)
+            self._log_train_metrics(logged)
+        else:
+            logger.error(
+                "the checkpoint of step %d did not commit within %.0fs: abandoned; step %s stays the newest valid one",
+                self.step, grace, self.checkpoints.latest_committed(),
+            )
+        self.tracker.finish("KILLED")
+        self.lease.release()
+        notice.forward()
+        raise Preempted(self.step, committed, notice.signum)
+
+    def _log_train_metrics(self, logged) -> None:
+        if not logged:
+            return
+        values = jax.device_get(logged)
+        self.last_train_metrics = {k: float(v) for k, v in values[-1][1].items()}
+        rows = [(k, v, s) for s, m in values if s > self._train_logged_until for k, v in m.items()]
+        self.tracker.log_metrics(rows)
+        self._train_logged_until = max(self._train_logged_until, values[-1][0])
 
     def _notify(self, step, max_steps, metrics):
         for fn in list(_progress_listeners):
@@ -351,7 +522,8 @@ class Trainer:
             evaluated_at=time.time(),
             is_final=is_final,
         )
-        self.tracker.log_metrics([(f"{spec.name}/{k}", v, step) for k, v in metrics.items()])
+        if not self.tracker.has_metric_at(f"{spec.name}/{next(iter(metrics))}", step):  # a crash between log and record
+            self.tracker.log_metrics([(f"{spec.name}/{k}", v, step) for k, v in metrics.items()])
         self.records.put(result)
         return result
 
@@ -387,12 +559,18 @@ class Trainer:
         return state_fingerprint(self.state)
 
     def finish(self, status: str = "FINISHED") -> None:
-        """Wait for pending saves and close the MLflow run with `status`."""
-        self.checkpoints.wait()
-        self.tracker.finish(status)
+        """Wait for pending saves, close the MLflow run with `status`, release the lease."""
+        try:
+            self.checkpoints.wait()
+            self.tracker.finish(status)
+        finally:
+            self.lease.release()
 
     def close(self) -> None:
-        self.checkpoints.close()
+        try:
+            self.checkpoints.close()
+        finally:
+            self.lease.release()
 
 
 # -- the process-local cache of live trainers ---------------------------------------------

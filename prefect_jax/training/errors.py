@@ -1,0 +1,63 @@
+"""Errors of the engine, and which of them a retry can fix.
+
+Transient failures (I/O, preemption, a lost lease race) are worth retrying from the newest
+checkpoint; permanent ones (a bad program, a checkpoint that does not fit, a NaN loss, a job
+someone else is training) fail at once, with a message that says what to fix.
+"""
+
+from __future__ import annotations
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a NaN or Inf metric; the state of that step is not checkpointed."""
+
+    def __init__(self, step: int, metrics: dict[str, float], last_checkpoint: int | None):
+        self.step, self.metrics, self.last_checkpoint = step, metrics, last_checkpoint
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(metrics.items()))
+        super().__init__(
+            f"non-finite training metric at step {step} ({shown}); training stopped and this state was "
+            f"not checkpointed (the newest checkpoint is step {last_checkpoint}). Lower the learning rate, "
+            "add gradient clipping, or check the input data near this step; a rerun resumes from that checkpoint."
+        )
+
+
+class LeaseHeldError(RuntimeError):
+    """Another trainer holds this job's lease."""
+
+    def __init__(self, job_dir: str, owner: dict, age_secs: float, timeout_secs: float):
+        self.owner = owner
+        who = ", ".join(f"{k}={owner.get(k)}" for k in ("flow_run_id", "host", "pid") if owner.get(k) is not None)
+        super().__init__(
+            f"job {job_dir} is being trained by another process ({who}; heartbeat {age_secs:.0f}s ago). "
+            f"Only one trainer may write a job: wait for it to finish, cancel it, or, if it is gone, "
+            f"the lease is taken over once its heartbeat is older than {timeout_secs:.0f}s."
+        )
+
+
+class Preempted(Exception):
+    """Training was interrupted by a preemption notice after checkpointing the step in flight."""
+
+    def __init__(self, step: int, committed: bool, signum: int | None = None):
+        self.step, self.committed, self.signum = step, committed, signum
+        what = "committed" if committed else "could not be committed within the grace period"
+        super().__init__(f"preempted at step {step} (signal {signum}); the checkpoint of step {step} {what}")
+
+
+# Errors a retry cannot fix: the program, the config or the data is wrong.
+PERMANENT = (
+    NonFiniteLossError,
+    LeaseHeldError,
+    ValueError,  # includes ProgramError, CheckpointMismatchError, pydantic's ValidationError
+    TypeError,
+    AttributeError,
+    KeyError,
+    ImportError,
+    NotImplementedError,
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when retrying from the newest checkpoint may succeed (I/O errors, preemption, timeouts...)."""
+    if isinstance(exc, (OSError, TimeoutError, ConnectionError, Preempted)):
+        return True
+    return not isinstance(exc, PERMANENT)
