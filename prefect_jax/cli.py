@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 from typing import Any, Iterator
 
@@ -38,9 +39,7 @@ def prefect_backend() -> Iterator[str]:
     if configured:
         yield configured
         return
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
+    server = _embedded_server_class()()
     server.start(timeout=120)
     try:
         with prefect.settings.temporary_settings(updates={PREFECT_API_URL: server.api_url}):
@@ -50,6 +49,53 @@ def prefect_backend() -> Iterator[str]:
                 _drain_prefect_workers()
     finally:
         server.stop()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    """Linux: the server gets SIGTERM when this command dies, even by SIGKILL (no orphaned server)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the finally blocks still stop the server
+        pass
+
+
+def _embedded_server_class():
+    """Prefect's ephemeral-server subprocess, tied to this process's life."""
+    import subprocess
+
+    import prefect
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    class EmbeddedServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            # As SubprocessASGIServer's, plus _die_with_parent.
+            env = {
+                **os.environ,
+                "PREFECT_UI_ENABLED": "0",
+                "PREFECT__SERVER_EPHEMERAL": "1",
+                "PREFECT__SERVER_FINAL": "1",
+                **get_current_settings().to_environment_variables(exclude_unset=True),
+            }
+            args = [
+                sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
+                "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+                "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
+            ]  # fmt: skip
+            return subprocess.Popen(args=args, env=env, preexec_fn=_die_with_parent)
+
+    return EmbeddedServer
+
+
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM ends the command through its finally blocks (the embedded server stops, logs flush).
+
+    During a flow run Prefect's own handler takes over and, once the run is marked Crashed,
+    hands the signal back here.
+    """
+    raise SystemExit(128 + signum)
 
 
 def _drain_prefect_workers() -> None:
@@ -121,7 +167,13 @@ def _emit(summary: dict[str, Any], as_json: bool) -> None:
 def _run_flow(args: argparse.Namespace, program: str, job: str, storage: str, tracking_uri: str) -> dict[str, Any]:
     from prefect_jax.training.specs import BestExporter, CheckpointSpec, EvalSpec, FinalExporter, LatestExporter, TrainSpec
 
-    train_spec = TrainSpec(max_steps=args.max_steps, seed=args.seed, log_every_steps=args.log_every_steps)
+    train_spec = TrainSpec(
+        max_steps=args.max_steps,
+        seed=args.seed,
+        log_every_steps=args.log_every_steps,
+        sigterm_grace_secs=args.sigterm_grace_secs,
+        lease_timeout_secs=args.lease_timeout_secs,
+    )
     checkpoint_spec = CheckpointSpec(
         every_steps=args.checkpoint_every_steps,
         every_secs=args.checkpoint_every_secs,
@@ -151,6 +203,7 @@ def _run_flow(args: argparse.Namespace, program: str, job: str, storage: str, tr
             mlflow_tracking_uri=tracking_uri,
             mlflow_experiment=args.mlflow_experiment,
             checkpoint_path=args.checkpoint_path,
+            compilation_cache_dir=args.compilation_cache,
         )
 
 
@@ -246,6 +299,14 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
     )
     p.add_argument("--best-metric", default="loss", help="metric the best exporter compares (default loss)")
     p.add_argument("--best-mode", choices=["min", "max"], default="min", help="'min' or 'max' (default min)")
+    p.add_argument("--sigterm-grace-secs", type=float, default=25.0, help="on SIGTERM, seconds to commit the step in flight")
+    p.add_argument("--lease-timeout-secs", type=float, default=120.0, help="take over a job lease silent this long")
+    p.add_argument(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR|job",
+        help="JAX persistent compilation cache directory ('job': under the job's storage), so reruns skip compiling",
+    )
     p.add_argument("--checkpoint-path", default=None, help="warm-start a new job from this checkpoint step directory")
     p.add_argument("--mlflow-tracking-uri", default=None, help="MLflow tracking URI")
     p.add_argument("--mlflow-experiment", default="prefect-jax", help="MLflow experiment (default prefect-jax)")
@@ -280,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _quiet_env()
     args = build_parser().parse_args(argv)
+    if args.command in ("demo", "run"):
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError) as exc:

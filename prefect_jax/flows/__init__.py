@@ -64,6 +64,7 @@ _CONFIG_ARGS = (
     "checkpoint_spec",
     "mlflow_tracking_uri",
     "mlflow_experiment",
+    "compilation_cache_dir",
 )
 
 
@@ -76,6 +77,7 @@ def _job_config(
     checkpoint_spec: CheckpointSpec | dict | None = None,
     mlflow_tracking_uri: str | None = None,
     mlflow_experiment: str = "prefect-jax",
+    compilation_cache_dir: str | None = None,
 ) -> JobConfig:
     return JobConfig(
         program=program,
@@ -86,6 +88,7 @@ def _job_config(
         checkpoint=checkpoint_spec or CheckpointSpec(),
         mlflow_tracking_uri=mlflow_tracking_uri,
         mlflow_experiment=mlflow_experiment,
+        compilation_cache_dir=compilation_cache_dir,
     )
 
 
@@ -106,6 +109,7 @@ def train_and_evaluate(
     mlflow_tracking_uri: str | None = None,
     mlflow_experiment: str = "prefect-jax",
     checkpoint_path: str | None = None,
+    compilation_cache_dir: str | None = None,
 ) -> dict[str, Any]:
     """Train until `train_spec.max_steps`, evaluating and exporting every new checkpoint.
 
@@ -126,6 +130,8 @@ def train_and_evaluate(
         mlflow_experiment: MLflow experiment name.
         checkpoint_path: warm-start a new job from this checkpoint step directory (ignored
             once the job has checkpoints of its own).
+        compilation_cache_dir: JAX persistent compilation cache directory, or ``"job"`` for
+            one under the job's storage: a resumed run does not recompile.
 
     Returns:
         A summary: ``job``, ``final_step``, ``eval`` (final metrics), ``checkpoint_dir``,
@@ -136,7 +142,15 @@ def train_and_evaluate(
 
     logger = get_run_logger()
     config = _job_config(
-        program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment
+        program,
+        job,
+        storage,
+        train_spec,
+        eval_spec,
+        checkpoint_spec,
+        mlflow_tracking_uri,
+        mlflow_experiment,
+        compilation_cache_dir,
     )
     max_steps = config.train.max_steps
     started = restore_or_init(config, checkpoint_path=checkpoint_path)
