@@ -343,11 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("demo", "run"):
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError
+
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except (LeaseHeldError, NonFiniteLossError) as exc:
+        print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -63,17 +63,19 @@ def diverges_at_33():
 
 
 class BigDigits(DigitsProgram):
-    """Tiny digits carrying an extra 128 MiB array in its state, so a checkpoint takes a while to write."""
+    """Tiny digits carrying 24 MiB of random (incompressible) ballast in its state, so that a
+    checkpoint takes long enough to write that a test can kill the process in the middle of it."""
 
     def init(self, rng):
-        import jax.numpy as jnp
+        import jax
 
-        return {**super().init(rng), "ballast": jnp.zeros((32 * 1024 * 1024,), jnp.float32)}
+        ballast = jax.random.uniform(jax.random.fold_in(rng, 1), (6 * 1024 * 1024,))
+        return {**super().init(rng), "ballast": ballast}
 
     def train_step(self, state, batch):
-        ballast = state["ballast"]
-        new_state, metrics = super().train_step({k: v for k, v in state.items() if k != "ballast"}, batch)
-        return {**new_state, "ballast": ballast + 1.0}, metrics
+        rest = {k: v for k, v in state.items() if k != "ballast"}
+        new_state, metrics = super().train_step(rest, batch)
+        return {**new_state, "ballast": state["ballast"]}, metrics
 
 
 def big():

@@ -48,7 +48,7 @@ def _close_mlflow_run(status: str):
         from prefect_jax.training.storage import JobStorage
 
         trainer = _live.get(JobStorage(config.storage, config.job).job_dir)
-        if trainer is not None:
+        if trainer is not None and trainer.lease.held:  # never touch a job another trainer holds
             # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the lease.
             trainer.finish(status)
 

@@ -1,0 +1,154 @@
+"""A real Prefect server and a `serve` process, in subprocesses, for deployment tests.
+
+`PrefectServerProcess` runs ``prefect server start`` on a free loopback port with its own
+PREFECT_HOME; `ServeProcess` runs ``python tests/deployment_helpers.py serve``, which serves
+the `train_and_evaluate` flow as the deployment ``train_and_evaluate/<name>``. Both run in
+their own process group, so a SIGKILL of the group takes every child with it (a preempted
+machine), and both are always cleaned up by `stop()`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEPLOYMENT = "rerun-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_ENABLED="false",
+        GIT_PYTHON_REFRESH="quiet",
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONUNBUFFERED="1",
+        PREFECT_JAX_MLFLOW_STRICT="1",
+    )
+    env.update(extra)
+    return env
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+class _GroupProcess:
+    """A subprocess in its own session/process group, logging to a file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT):
+        self.log = log
+        self._log_file = open(log, "ab")
+        self.proc = subprocess.Popen(
+            args, env=env, cwd=cwd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def children(self) -> list[int]:
+        """Pids of the processes in this group other than the leader (e.g. flow-run processes)."""
+        out = subprocess.run(["pgrep", "-g", str(self.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split() if int(p) != self.pid]
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the group, then SIGKILL whatever is left; never raises."""
+        try:
+            if self.alive():
+                self.kill_group(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
+            self.kill_group(signal.SIGKILL)  # stragglers of the group, the leader included
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        finally:
+            self._log_file.close()
+
+    def tail(self, chars: int = 4000) -> str:
+        return _tail(self.log, chars)
+
+
+class PrefectServerProcess(_GroupProcess):
+    """``prefect server start`` on 127.0.0.1:<free port>, SQLite in its own PREFECT_HOME."""
+
+    def __init__(self, home: Path):
+        home.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        env = _base_env(PREFECT_HOME=str(home), PREFECT_LOGGING_LEVEL="WARNING")
+        args = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+        super().__init__(args, env, home / "server.log")
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"prefect server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"prefect server not healthy after {timeout:.0f}s:\n{self.tail()}")
+
+
+class ServeProcess(_GroupProcess):
+    """``train_and_evaluate.serve(name=DEPLOYMENT)`` against `api_url`; each flow run is a child process."""
+
+    def __init__(self, api_url: str, home: Path, log: Path, **extra_env: str):
+        home.mkdir(parents=True, exist_ok=True)
+        env = _base_env(
+            PREFECT_HOME=str(home),
+            PREFECT_API_URL=api_url,
+            PREFECT_LOGGING_LEVEL="INFO",
+            PREFECT_RUNNER_POLL_FREQUENCY="1",  # pick up a scheduled (or retried) run within a second
+            PYTHONPATH=os.pathsep.join(p for p in (str(HERE), str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        )
+        env.update(extra_env)
+        super().__init__([sys.executable, str(Path(__file__).resolve()), "serve"], env, log)
+
+
+def serve(name: str = DEPLOYMENT) -> None:
+    from prefect_jax.flows import train_and_evaluate
+
+    train_and_evaluate.serve(name=name, limit=1, print_starting_message=False)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["serve"]:
+        serve()
+    else:
+        sys.exit(f"usage: {sys.argv[0]} serve")

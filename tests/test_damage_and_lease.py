@@ -1,0 +1,141 @@
+"""Torn and corrupt checkpoints are skipped (never partially restored); one writer per job."""
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+
+import pytest
+
+from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.errors import LeaseHeldError
+from prefect_jax.training.trainer import Trainer
+
+
+@pytest.fixture
+def trained(job_config):
+    """A job of 60 steps with committed checkpoints at 20, 40 and 60, and its uninterrupted fingerprint."""
+    config = job_config(max_steps=60, every_steps=20)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    fingerprints = {}
+    while trainer.step < 60:
+        trainer.train_until_checkpoint()
+        fingerprints[trainer.step] = trainer.fingerprint()
+    trainer.finish()
+    trainer.close()
+    return config, fingerprints
+
+
+def _ckpt_dir(config):
+    return os.path.join(config.storage, config.job, "checkpoints")
+
+
+def test_an_uncommitted_step_dir_is_skipped_with_a_warning(trained, caplog):
+    config, prints = trained
+    torn = os.path.join(_ckpt_dir(config), "80")
+    os.makedirs(os.path.join(torn, "state"))
+    open(os.path.join(torn, "state", "half-written"), "wb").write(b"\0" * 100)
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(config)
+        assert trainer.restore_or_init() == 60
+    assert "checkpoint step 80" in caplog.text and "never committed" in caplog.text
+    assert not os.path.exists(torn)
+    assert any(n.startswith("80.uncommitted-") for n in os.listdir(_ckpt_dir(config)))
+    assert trainer.fingerprint() == prints[60]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_newest_step_falls_back_and_training_redoes_it_exactly(trained, caplog, damage):
+    config, prints = trained
+    state_dir = os.path.join(_ckpt_dir(config), "60", "state")
+    files = [os.path.join(root, f) for root, _, fs in os.walk(state_dir) for f in fs if "ocdbt" in root or f.startswith("manifest")]
+    assert files
+    for path in files:
+        if damage == "truncate":
+            with open(path, "r+b") as f:
+                f.truncate(max(0, os.path.getsize(path) // 3))
+        else:
+            os.remove(path)
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(config)
+        assert trainer.restore_or_init() == 40
+    assert "checkpoint step 60" in caplog.text and "unreadable" in caplog.text
+    assert committed_steps(_ckpt_dir(config)) == [20, 40]
+    assert trainer.fingerprint() == prints[40]
+    trainer.train_until_checkpoint()  # step 60 is written again, over nothing
+    trainer.checkpoints.wait()
+    assert trainer.fingerprint() == prints[60]
+    assert committed_steps(_ckpt_dir(config)) == [20, 40, 60]
+
+
+def test_orbax_temporary_dirs_are_not_steps(trained):
+    config, _ = trained
+    os.makedirs(os.path.join(_ckpt_dir(config), "80.orbax-checkpoint-tmp-1234", "state"))
+    assert committed_steps(_ckpt_dir(config)) == [20, 40, 60]
+    assert Trainer(config).restore_or_init() == 60
+
+
+def _write_lease(config, **fields):
+    path = os.path.join(config.storage, config.job, "lease.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lease = {"token": "other", "flow_run_id": "run-1", "host": socket.gethostname(), "pid": os.getppid(),
+             "heartbeat": time.time(), "timeout_secs": 120}
+    lease.update(fields)
+    with open(path, "w") as f:
+        json.dump(lease, f)
+    return path
+
+
+def test_a_live_owner_keeps_the_job_and_is_named(job_config):
+    config = job_config()
+    path = _write_lease(config)
+    with pytest.raises(LeaseHeldError, match=rf"flow_run_id=run-1, host={socket.gethostname()}, pid={os.getppid()}"):
+        Trainer(config).restore_or_init()
+    assert json.load(open(path))["token"] == "other"  # untouched
+
+
+def test_a_stale_heartbeat_is_taken_over(job_config, caplog):
+    config = job_config()
+    path = _write_lease(config, host="another-host", heartbeat=time.time() - 500)
+    trainer = Trainer(config)
+    with caplog.at_level(logging.WARNING):
+        trainer.restore_or_init()
+    assert re.search(r"taking over the lease .*heartbeat 50\ds old", caplog.text)
+    assert json.load(open(path))["pid"] == os.getpid()
+    trainer.finish()
+    assert not os.path.exists(path)  # released at the end
+
+
+def test_a_dead_process_on_this_host_is_taken_over_at_once(job_config):
+    config = job_config()
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _write_lease(config, pid=int(dead.stdout))
+    trainer = Trainer(config)
+    assert trainer.restore_or_init() == 0
+    assert trainer.lease.held
+
+
+def test_the_same_flow_run_retried_takes_its_own_lease_back(job_config):
+    config = job_config()
+    _write_lease(config, flow_run_id="run-7", host="another-host")
+    trainer = Trainer(config, run_tags={"prefect.flow_run_id": "run-7"})
+    assert trainer.restore_or_init() == 0
+
+
+def test_heartbeat_keeps_the_lease_fresh(job_config):
+    config = job_config()
+    config = config.model_copy(update={"train": config.train.model_copy(update={"lease_timeout_secs": 2.0})})
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    path = os.path.join(config.storage, config.job, "lease.json")
+    first = json.load(open(path))["heartbeat"]
+    time.sleep(1.5)
+    assert json.load(open(path))["heartbeat"] > first
+    trainer.close()
+    assert not os.path.exists(path)

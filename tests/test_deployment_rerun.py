@@ -1,0 +1,277 @@
+"""Reruns the way users do them: a deployment run killed mid-run, retried from the Prefect UI.
+
+A real ``prefect server start`` and a ``serve`` process (both started here) run the
+`train_and_evaluate` deployment. Once a checkpoint is committed, the serve process group is
+SIGKILLed, flow-run process included: a preempted spot machine, where no handler runs and the
+server still shows the run Running. The run is then marked Crashed and retried exactly as the
+UI's Retry button does it (the same flow run set to ``AwaitingRetry``, a Scheduled-type state,
+with ``force``), and a new serve process picks it up. The retried run must take over the dead
+trainer's lease, resume at the newest committed step (nothing retrained from 0, no step logged
+or evaluated twice) and end with the same state fingerprint as an uninterrupted run of the
+same job config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deployment_helpers import DEPLOYMENT, ROOT, PrefectServerProcess, ServeProcess
+
+pytestmark = pytest.mark.slow
+
+TINY = "prefect_jax.examples.digits:tiny"
+MAX_STEPS = 800
+EVERY = 100
+LOG_EVERY = 50
+KILL_FROM = 200  # SIGKILL once this step (or a later one) is committed: ~3 s of training are left
+
+
+def _params(storage: Path, job: str, mlflow_uri: str) -> dict:
+    """The deployment run's parameters, JSON as a user would type them in the UI."""
+    return {
+        "program": TINY,
+        "job": job,
+        "storage": str(storage),
+        "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": LOG_EVERY},
+        "checkpoint_spec": {"every_steps": EVERY},
+        "mlflow_tracking_uri": mlflow_uri,
+    }
+
+
+def _config(params: dict):
+    from prefect_jax.training.specs import JobConfig
+
+    return JobConfig(
+        program=params["program"],
+        job=params["job"],
+        storage=params["storage"],
+        train=params["train_spec"],
+        checkpoint=params["checkpoint_spec"],
+        mlflow_tracking_uri=params["mlflow_tracking_uri"],
+    )
+
+
+def _uninterrupted_fingerprint(config) -> str:
+    """Train the job from scratch to max_steps in this process with the engine, as the flow does."""
+    from prefect_jax.training.trainer import Trainer
+
+    trainer = Trainer(config)
+    try:
+        assert trainer.restore_or_init() == 0
+        while trainer.step < config.train.max_steps:
+            trainer.train_until_checkpoint()
+        trainer.finish()
+        return trainer.fingerprint()
+    finally:
+        trainer.close()
+
+
+def _checkpoint(config, step: int) -> tuple[str, dict]:
+    """Fingerprint and metadata of one committed step, read-only (no lease, no MLflow)."""
+    import jax
+
+    from prefect_jax.training.checkpoints import Checkpoints, state_fingerprint
+    from prefect_jax.training.program import load_program
+    from prefect_jax.training.storage import JobStorage
+
+    program = load_program(config.program)
+    abstract = jax.eval_shape(program.init, jax.random.key(config.train.seed))
+    checkpoints = Checkpoints(JobStorage(config.storage, config.job).checkpoint_dir, read_only=True)
+    try:
+        state, meta = checkpoints.restore(step, abstract)
+    finally:
+        checkpoints.close()
+    return state_fingerprint(state), meta
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (an orphan whose reaper has not run yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _logs(*procs) -> str:
+    return "\n".join(f"--- {p.log.name} ---\n{p.tail(6000)}" for p in procs)
+
+
+def _wait_for_deployment(client, serve: ServeProcess, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert serve.alive(), f"serve exited early\n{_logs(serve)}"
+        try:
+            return client.read_deployment_by_name(f"train_and_evaluate/{DEPLOYMENT}")
+        except Exception:  # noqa: BLE001 - not registered yet
+            time.sleep(0.5)
+    raise AssertionError(f"deployment not registered after {timeout:.0f}s\n{_logs(serve)}")
+
+
+def _wait_for_commit(checkpoint_dir: Path, at_least: int, client, flow_run_id, serve: ServeProcess, timeout: float) -> int:
+    """Poll (every 20 ms) until a step >= `at_least` is committed; fail fast if the run ends first."""
+    from prefect_jax.training.checkpoints import committed_steps
+
+    deadline = time.monotonic() + timeout
+    next_check = 0.0
+    while time.monotonic() < deadline:
+        steps = committed_steps(str(checkpoint_dir)) if checkpoint_dir.exists() else []
+        if steps and steps[-1] >= at_least:
+            return steps[-1]
+        if time.monotonic() >= next_check:
+            state = client.read_flow_run(flow_run_id).state
+            assert serve.alive() and not state.is_final(), f"the run ended before step {at_least}: {state}\n{_logs(serve)}"
+            next_check = time.monotonic() + 1.0
+        time.sleep(0.02)
+    raise AssertionError(f"no committed step >= {at_least} after {timeout:.0f}s\n{_logs(serve)}")
+
+
+def _wait_final(client, flow_run_id, serve: ServeProcess, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = client.read_flow_run(flow_run_id)
+        if run.state.is_final():
+            return run
+        assert serve.alive(), f"serve exited while the retried run is {run.state}\n{_logs(serve)}"
+        time.sleep(0.5)
+    raise AssertionError(f"the retried run is still {client.read_flow_run(flow_run_id).state} after {timeout:.0f}s\n{_logs(serve)}")
+
+
+def _task_runs(client, flow_run_id):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    return client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+        sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+        limit=200,
+    )
+
+
+def _status(job: str, storage: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", str(storage), "--json"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def processes():
+    """Subprocesses the test starts; every one is stopped (its whole process group) however the test ends."""
+    started: list = []
+    try:
+        yield started
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+@pytest.mark.timeout(540)
+def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tmp_path, processes):
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.states import AwaitingRetry, Crashed
+
+    from prefect_jax.training.checkpoints import committed_steps
+    from prefect_jax.training.storage import JobStorage
+    from prefect_jax.training.tracking import JOB_TAG
+
+    server = PrefectServerProcess(tmp_path / "prefect-server")
+    processes.append(server)
+
+    # While the server starts: the uninterrupted run of the same job config in other storage (it also
+    # creates the MLflow tables, which takes seconds; the two jobs get one MLflow run each).
+    storage, job, mlflow_uri = tmp_path / "storage", "rerun", f"sqlite:///{tmp_path}/mlflow.db"
+    params = _params(storage, job, mlflow_uri)
+    reference = _config(_params(tmp_path / "reference", job, mlflow_uri))
+    expected = _uninterrupted_fingerprint(reference)
+    assert _checkpoint(reference, MAX_STEPS)[0] == expected
+
+    server.wait_healthy()
+    job_dir = storage / job
+    results = tmp_path / "results"  # flow results persisted, so the summary the flow returned can be read back
+    serve_env = {"PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true", "PREFECT_LOCAL_STORAGE_PATH": str(results)}
+    with temporary_settings({PREFECT_API_URL: server.api_url, PREFECT_LOCAL_STORAGE_PATH: results}), get_client(
+        sync_client=True
+    ) as client:
+        first = ServeProcess(server.api_url, tmp_path / "serve-home", tmp_path / "serve-1.log", **serve_env)
+        processes.append(first)
+        _wait_for_deployment(client, first)
+        flow_run = run_deployment(name=f"train_and_evaluate/{DEPLOYMENT}", parameters=params, timeout=0)
+
+        # The machine is lost mid-run: SIGKILL serve and the flow-run process together.
+        _wait_for_commit(job_dir / "checkpoints", KILL_FROM, client, flow_run.id, first, timeout=180)
+        lease = json.loads((job_dir / "lease.json").read_text())
+        flow_run_pids = first.children()
+        first.kill_group(signal.SIGKILL)
+        first.proc.wait(timeout=30)
+        assert lease["pid"] in flow_run_pids and lease["flow_run_id"] == str(flow_run.id), (lease, flow_run_pids)
+        deadline = time.monotonic() + 30
+        while not all(_dead(pid) for pid in flow_run_pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_dead(pid) for pid in flow_run_pids)
+
+        committed = committed_steps(str(job_dir / "checkpoints"))
+        resume_from = committed[-1]
+        assert KILL_FROM <= resume_from < MAX_STEPS, f"the kill did not land mid-run: committed {committed}"
+        left = json.loads((job_dir / "lease.json").read_text())
+        assert left["pid"] == lease["pid"], "a SIGKILLed trainer leaves its lease behind"
+        killed = client.read_flow_run(flow_run.id)
+        assert killed.state.is_running(), killed.state  # nobody told the server
+
+        # What the user sees and does: the run crashed; they click Retry (the UI sends exactly this).
+        client.set_flow_run_state(flow_run.id, Crashed(message="the machine was lost (SIGKILL)"), force=True)
+        client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=True)
+
+        second = ServeProcess(server.api_url, tmp_path / "serve-home", tmp_path / "serve-2.log", **serve_env)
+        processes.append(second)
+        done = _wait_final(client, flow_run.id, second, timeout=240)
+        assert done.state.is_completed(), f"{done.state}\n{_logs(first, second)}"
+        assert done.run_count == 2
+        summary = done.state.result()
+        runs = _task_runs(client, flow_run.id)
+
+    # Same end as the uninterrupted run: the flow's own summary, and its final checkpoint.
+    assert summary["final_step"] == MAX_STEPS
+    assert summary["state_fingerprint"] == expected
+    config = _config(params)
+    fingerprint, meta = _checkpoint(config, MAX_STEPS)
+    assert fingerprint == expected
+    assert meta["prefect.flow_run_id"] == str(flow_run.id) and meta["pid"] != lease["pid"]
+
+    # The retry resumed at the newest committed step: it trained only the intervals after it.
+    trained = {n: [r.name for r in runs if r.flow_run_run_count == n and r.name.startswith("train ")] for n in (1, 2)}
+    assert trained[1][0] == f"train 0→{EVERY}"
+    assert trained[2] == [f"train {s}→{s + EVERY}" for s in range(resume_from, MAX_STEPS, EVERY)], trained
+    retried = [r for r in runs if r.flow_run_run_count == 2]
+    assert retried[0].name == f"restore or init {job}" and all(r.state.is_completed() for r in retried)
+
+    # It took over the dead trainer's lease, and released it at the end.
+    assert "taking over the lease" in second.tail(200_000), _logs(second)
+    assert not (job_dir / "lease.json").exists()
+
+    # Every step committed, each checkpoint evaluated once, one MLflow run with each step logged once.
+    status = _status(job, storage)
+    assert MAX_STEPS in status["committed_steps"]
+    assert status["evaluated_steps"] == {"eval": list(range(EVERY, MAX_STEPS + 1, EVERY))}
+    mlflow = MlflowClient(params["mlflow_tracking_uri"])
+    experiment = mlflow.get_experiment_by_name("prefect-jax")
+    key = JobStorage(str(storage), job).job_dir
+    (mlflow_run,) = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{key}'")
+    assert mlflow_run.info.run_id == summary["mlflow_run_id"] and mlflow_run.info.status == "FINISHED"
+    run_id = mlflow_run.info.run_id
+    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "loss")) == list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
+    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "eval/accuracy")) == list(range(EVERY, MAX_STEPS + 1, EVERY))

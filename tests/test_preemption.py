@@ -1,0 +1,146 @@
+"""Real processes killed with real signals, at several points, resume bit for bit.
+
+One job is run by the `prefect-jax run` command five times in a row against the session's
+Prefect server:
+
+1. SIGKILL while an asynchronous checkpoint is being written (its temporary dir exists);
+2. SIGTERM mid-interval, while a second `run` of the same job fails fast naming the owner;
+3. SIGKILL mid-interval;
+4. run to the end: the final state equals an uninterrupted run's, MLflow holds one run
+   with each step's metrics once.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+from prefect_jax.training.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+PROGRAM = "programs:big"
+MAX_STEPS, EVERY = 1600, 100
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _env(api_url):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(
+        PREFECT_API_URL=api_url,
+        PREFECT_LOGGING_LEVEL="INFO",
+        PYTHONPATH=os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
+def _start(storage, mlflow_uri, api_url, log_path):
+    args = [sys.executable, "-m", "prefect_jax.cli", "run", "--program", PROGRAM, "--job", "pre", "--storage", storage,
+            "--max-steps", str(MAX_STEPS), "--checkpoint-every-steps", str(EVERY), "--log-every-steps", "10",
+            "--keep-last", "10", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
+    log = open(log_path, "w")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=_env(api_url), cwd=TESTS_DIR)
+
+
+def _wait(predicate, timeout, what, proc=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended (rc={proc.returncode}) before {what}")
+        time.sleep(0.002)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _tmp_dirs(ckpt):
+    try:
+        return [n for n in os.listdir(ckpt) if ".orbax-checkpoint-tmp" in n]
+    except FileNotFoundError:
+        return []
+
+
+def _kill(proc, sig):
+    proc.send_signal(sig)
+    return proc.wait(timeout=120)
+
+
+def _uninterrupted_fingerprint(tmp_path, mlflow_uri):
+    config = JobConfig(program=PROGRAM, job="straight", storage=str(tmp_path / "straight"),
+                       train=TrainSpec(max_steps=MAX_STEPS), checkpoint=CheckpointSpec(every_steps=EVERY),
+                       mlflow_tracking_uri=mlflow_uri)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < MAX_STEPS:
+        trainer.train_until_checkpoint()
+    fingerprint = trainer.fingerprint()
+    trainer.finish()
+    trainer.close()
+    return fingerprint
+
+
+def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlflow_uri):
+    storage = str(tmp_path / "storage")
+    ckpt = os.path.join(storage, "pre", "checkpoints")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    # 1. SIGKILL in the middle of an asynchronous save (of step 200: step 100 is committed).
+    proc = _start(storage, mlflow_uri, prefect_server, logs / "1.log")
+    _wait(lambda: committed_steps(ckpt) == [100], 180, "step 100 to commit", proc)
+    _wait(lambda: _tmp_dirs(ckpt), 60, "the save of step 200 to start", proc)
+    assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
+    assert committed_steps(ckpt) == [100], "a save killed part-way must not count"
+
+    # 2. SIGTERM mid-interval; meanwhile a second run of the same job fails fast, naming the owner.
+    proc = _start(storage, mlflow_uri, prefect_server, logs / "2.log")
+    lease_path = os.path.join(storage, "pre", "lease.json")
+    _wait(lambda: os.path.exists(lease_path) and json.load(open(lease_path))["pid"] == proc.pid, 180, "the lease", proc)
+    second = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", PROGRAM, "--job", "pre", "--storage", storage,
+         "--max-steps", str(MAX_STEPS), "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
+        capture_output=True, text=True, env=_env(prefect_server), cwd=TESTS_DIR, timeout=300,
+    )
+    assert second.returncode == 1, second.stderr[-2000:]
+    assert f"is being trained by another process" in second.stderr and f"pid={proc.pid}" in second.stderr
+    _wait(lambda: "train 100→200" in (logs / "2.log").read_text(), 120, "training to resume", proc)
+    time.sleep(1.0)
+    assert _kill(proc, signal.SIGTERM) == 143
+    log2 = (logs / "2.log").read_text()
+    at = int(re.search(r"SIGTERM at step (\d+): checkpointing it", log2).group(1))
+    assert f"step {at} committed" in log2
+    status = json.loads(subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", "pre", "--storage", storage, "--json"],
+        capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    assert status["committed_steps"][-1] == at, "zero steps lost: the step the signal arrived at is committed"
+    assert "Finished in state Crashed" in log2 and not os.path.exists(lease_path)
+
+    # 3. SIGKILL mid-interval, after the next boundary committed.
+    proc = _start(storage, mlflow_uri, prefect_server, logs / "3.log")
+    next_boundary = (at // EVERY + 1) * EVERY
+    _wait(lambda: next_boundary in committed_steps(ckpt), 240, f"step {next_boundary} to commit", proc)
+    time.sleep(0.5)
+    assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
+
+    # 4. Run to the end.
+    proc = _start(storage, mlflow_uri, prefect_server, logs / "4.log")
+    assert proc.wait(timeout=400) == 0, (logs / "4.log").read_text()[-3000:]
+    summary = json.loads((logs / "4.log").read_text().strip().splitlines()[-1])
+    assert summary["final_step"] == MAX_STEPS
+    assert summary["state_fingerprint"] == _uninterrupted_fingerprint(tmp_path, mlflow_uri)
+
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    eval_steps = [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")]
+    assert eval_steps == sorted(set(eval_steps)) and eval_steps[-1] == MAX_STEPS
+    loss_steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert len(loss_steps) == len(set(loss_steps)), "a train metric was logged twice"
