@@ -4,7 +4,7 @@ One job is run by the `prefect-jax run` command five times in a row against the 
 Prefect server:
 
 1. SIGKILL while an asynchronous checkpoint is being written (its temporary dir exists);
-2. SIGTERM mid-interval, while a second `run` of the same job fails fast naming the owner;
+2. SIGTERM mid-interval (before it, a second `run` of the same job fails fast naming the owner);
 3. SIGKILL mid-interval;
 4. run to the end: the final state equals an uninterrupted run's, MLflow holds one run
    with each step's metrics once.
@@ -28,7 +28,7 @@ from prefect_jax.training.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 PROGRAM = "programs:big"
-MAX_STEPS, EVERY = 1600, 100
+MAX_STEPS, EVERY = 600, 100
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -100,19 +100,25 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
     assert committed_steps(ckpt) == [100], "a save killed part-way must not count"
 
-    # 2. SIGTERM mid-interval; meanwhile a second run of the same job fails fast, naming the owner.
+    # 2. SIGTERM mid-interval. Before that, with the trainer frozen (SIGSTOP) mid-interval and its
+    #    lease fresh, a second run of the same job fails fast, naming the owner.
     proc = _start(storage, mlflow_uri, prefect_server, logs / "2.log")
     lease_path = os.path.join(storage, "pre", "lease.json")
-    _wait(lambda: os.path.exists(lease_path) and json.load(open(lease_path))["pid"] == proc.pid, 180, "the lease", proc)
-    second = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", PROGRAM, "--job", "pre", "--storage", storage,
-         "--max-steps", str(MAX_STEPS), "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
-        capture_output=True, text=True, env=_env(prefect_server), cwd=TESTS_DIR, timeout=300,
-    )
+    _wait(lambda: "training from step 100 to 200" in (logs / "2.log").read_text(), 180, "training to resume", proc)
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        assert json.load(open(lease_path))["pid"] == proc.pid
+        second = subprocess.run(
+            [sys.executable, "-m", "prefect_jax.cli", "run", "--program", PROGRAM, "--job", "pre", "--storage", storage,
+             "--max-steps", str(MAX_STEPS), "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
+            capture_output=True, text=True, env=_env(prefect_server), cwd=TESTS_DIR, timeout=300,
+        )
+    finally:
+        proc.send_signal(signal.SIGCONT)
     assert second.returncode == 1, second.stderr[-2000:]
-    assert f"is being trained by another process" in second.stderr and f"pid={proc.pid}" in second.stderr
-    _wait(lambda: "train 100→200" in (logs / "2.log").read_text(), 120, "training to resume", proc)
-    time.sleep(1.0)
+    assert "is being trained by another process" in second.stderr and f"pid={proc.pid}" in second.stderr
+    assert json.load(open(lease_path))["pid"] == proc.pid, "the failed run must leave the owner's lease alone"
+    time.sleep(0.3)
     assert _kill(proc, signal.SIGTERM) == 143
     log2 = (logs / "2.log").read_text()
     at = int(re.search(r"SIGTERM at step (\d+): checkpointing it", log2).group(1))

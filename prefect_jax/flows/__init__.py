@@ -20,8 +20,10 @@ Example:
     ```
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: `serve` sends the flow to its child process
+# with cloudpickle, which copies only the globals the function's code uses; string
+# annotations would leave TrainSpec & co. unresolvable there and every served run would fail
+# parameter validation (tests/test_deployment_rerun.py).
 from typing import Any
 
 from prefect import flow, get_run_logger

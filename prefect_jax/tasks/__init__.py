@@ -141,6 +141,7 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
     if trainer.state is None or trainer.step != from_step:
         restored = trainer.restore_or_init()
         logger.info("live state not at step %d here: restored step %d from storage", from_step, restored)
+    logger.info("training from step %d to %d", trainer.step, trainer.next_boundary())
     step = trainer.train_until_checkpoint()
     metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.last_train_metrics.items()))
     logger.info("step %d checkpointed (%s)", step, metrics)
