@@ -1,0 +1,141 @@
+"""How fast a preempted job gets back to training, with and without JAX's compilation cache.
+
+A job is trained to a checkpoint once. Then, each in a fresh Python process (as a rerun
+after preemption is), the engine resumes it and runs one new step:
+
+- ``no_cache``: no persistent compilation cache (the step is compiled from scratch);
+- ``cache_cold``: cache enabled but empty (compiles and fills it);
+- ``cache_warm``: cache enabled and filled by the previous run (what a rerun sees).
+
+Each reports ``restart_to_first_step_s`` (from the process's first line to the end of the
+first new step, imports included), and its parts: ``import_s``, ``setup_s`` (program, MLflow,
+Orbax manager), ``restore_s`` (lease + restore + MLflow run lookup) and ``first_step_s``
+(the step, its compile, the checkpoint dispatch). Beside them, ``raw_restore_s`` and
+``raw_step_s``: a bare Orbax restore of the same checkpoint and one already-compiled step,
+the floor a restart cannot beat.
+
+    uv run python benchmarks/restart.py [--program prefect_jax.examples.digits:program]
+
+Progress goes to stderr; the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+T0 = time.perf_counter()
+
+
+def child(args) -> dict:
+    import jax
+
+    import prefect_jax.training.trainer as trainer_mod
+    from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+
+    t_import = time.perf_counter()
+    config = JobConfig.model_validate_json(args.config)
+    latest = max(int(n) for n in os.listdir(os.path.join(config.storage, config.job, "checkpoints")) if n.isdigit())
+    config = config.model_copy(update={"train": TrainSpec(max_steps=latest + 1), "checkpoint": CheckpointSpec(every_steps=1)})
+    trainer = trainer_mod.Trainer(config)
+    t_setup = time.perf_counter()
+    step = trainer.restore_or_init()
+    t_restore = time.perf_counter()
+    trainer.train_until_checkpoint()
+    jax.block_until_ready(trainer.state)
+    t_step = time.perf_counter()
+    assert trainer.step == step + 1
+    result = {
+        "restart_to_first_step_s": t_step - T0,
+        "import_s": t_import - T0,
+        "setup_s": t_setup - t_import,
+        "restore_s": t_restore - t_setup,
+        "first_step_s": t_step - t_restore,
+    }
+    # The floor: a bare Orbax restore of the same step, and one step of an already-compiled function.
+    trainer.checkpoints.wait()
+    t = time.perf_counter()
+    state, _ = trainer.checkpoints.restore(step + 1, trainer.abstract_state)
+    jax.block_until_ready(state)
+    result["raw_restore_s"] = time.perf_counter() - t
+    batch = next(trainer.data_iter)
+    guard = (trainer_mod.jnp_int(0), trainer_mod.jnp_int(-1))
+    jax.block_until_ready(trainer._train_step(state, batch, guard))
+    t = time.perf_counter()
+    jax.block_until_ready(trainer._train_step(state, batch, guard))
+    result["raw_step_s"] = time.perf_counter() - t
+    trainer.finish()
+    trainer.close()
+    return {k: round(v, 3) for k, v in result.items()}
+
+
+def run_child(config_json: str, cache_dir: str | None) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", config_json]
+    if cache_dir:
+        cmd += ["--cache", cache_dir]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--program", default="prefect_jax.examples.digits:program")
+    parser.add_argument("--steps", type=int, default=200, help="train this far before the restarts")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--cache", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        if args.cache:
+            config = json.loads(args.config)
+            config["compilation_cache_dir"] = args.cache
+            args.config = json.dumps(config)
+        print(json.dumps(child(args)))
+        return
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+    from prefect_jax.training.trainer import Trainer
+
+    work = tempfile.mkdtemp(prefix="prefect-jax-restart-")
+    config = JobConfig(
+        program=args.program,
+        job="restart",
+        storage=os.path.join(work, "storage"),
+        train=TrainSpec(max_steps=args.steps),
+        checkpoint=CheckpointSpec(every_steps=args.steps, keep_last=None),
+        mlflow_tracking_uri=f"sqlite:///{work}/mlflow.db",
+    )
+    print(f"[restart] training {args.program} to step {args.steps} in {work}", file=sys.stderr)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.finish()
+    trainer.close()
+
+    cache = os.path.join(work, "compile-cache")
+    results = {}
+    for name, cache_dir in (("no_cache", None), ("cache_cold", cache), ("cache_warm", cache)):
+        results[name] = run_child(config.model_dump_json(), cache_dir)
+        print(f"[restart] {name}: {results[name]}", file=sys.stderr)
+    warm = results["cache_warm"]
+    floor = warm["raw_restore_s"] + warm["raw_step_s"]
+    summary = {
+        "benchmark": "restart",
+        "program": args.program,
+        **results,
+        "warm_vs_no_cache_first_step": round(warm["first_step_s"] / results["no_cache"]["first_step_s"], 3),
+        "warm_restore_plus_step_vs_floor": round((warm["restore_s"] + warm["first_step_s"]) / floor, 3),
+        "machine": f"{platform.platform()}; {os.cpu_count()} cpus; python {platform.python_version()}",
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
