@@ -1,4 +1,5 @@
-"""Prefect flows: `train_and_evaluate` (TF's local mode).
+"""Prefect flows: `train_and_evaluate` (TF's local mode), and the roles it splits into:
+`train` (the trainer), `evaluate` (the continuous evaluator) and `export`.
 
 Every parameter is JSON-able (a program import path, names, a URL and pydantic specs), so
 the flow deploys as is: ``prefect deploy`` or ``train_and_evaluate.serve(...)``.
@@ -94,6 +95,57 @@ def _job_config(
     )
 
 
+def _progress(step: int, max_steps: int, job: str) -> dict[str, Any]:
+    return {"progress": 100.0 * min(step, max_steps) / max_steps, "description": f"training {job}: step {step} of {max_steps}"}
+
+
+def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str | None]:
+    """Train (and, in local mode, evaluate and export) until max_steps or a stop request."""
+    from prefect_jax.training.control import stop_requested
+    from prefect_jax.training.storage import JobStorage
+
+    max_steps = config.train.max_steps
+    progress = create_progress_artifact(**_progress(step, max_steps, config.job))
+    if evaluate and step > 0:
+        # A crash between a checkpoint and its evaluation leaves that step unevaluated.
+        result = evaluate_if_new(config, step)
+        export(config, result)
+    storage = JobStorage(config.storage, config.job)
+    while step < max_steps:
+        stop = stop_requested(storage)
+        if stop is not None:
+            return step, stop.get("reason")
+        step = train_until_checkpoint(config, step)
+        update_progress_artifact(progress, **_progress(step, max_steps, config.job))
+        if evaluate:
+            result = evaluate_if_new(config, step)
+            export(config, result)
+    stop = stop_requested(storage)
+    return step, stop.get("reason") if stop else None
+
+
+def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
+    from prefect_jax.training.exporters import list_exports
+    from prefect_jax.training.trainer import get_trainer
+
+    trainer = get_trainer(config)
+    if trainer.state is None:
+        trainer.restore_or_init()
+    trainer.finish("FINISHED")
+    final = trainer.records.get(trainer.step)
+    return {
+        "job": config.job,
+        "final_step": trainer.step,
+        "eval": final.metrics if final else {},
+        "checkpoint_dir": trainer.checkpoints.directory,
+        "mlflow_tracking_uri": trainer.tracker.tracking_uri,
+        "mlflow_run_id": trainer.tracker.run_id,
+        "exports": list_exports(trainer.storage),
+        "state_fingerprint": trainer.fingerprint(),
+        "stopped": stopped,
+    }
+
+
 @flow(
     name="train_and_evaluate",
     flow_run_name="train-and-evaluate-{job}",
@@ -116,16 +168,17 @@ def train_and_evaluate(
     """Train until `train_spec.max_steps`, evaluating and exporting every new checkpoint.
 
     TensorFlow's `train_and_evaluate` in local mode, as Prefect tasks: restore-or-init,
-    then train-until-checkpoint / evaluate-if-new / export until `max_steps`. Running it
-    again on the same job resumes at the last committed checkpoint: no step is retrained,
-    no step evaluated twice, and the same MLflow run is continued.
+    then train-until-checkpoint / evaluate-if-new / export until `max_steps` (or until an
+    eval hook such as early stopping asks to stop). Running it again on the same job resumes
+    at the last committed checkpoint: no step is retrained, no step evaluated twice, and the
+    same MLflow run is continued.
 
     Args:
         program: import path of the program, ``"package.module:attribute"``.
         job: job name; files live under ``<storage>/<job>/``.
         storage: storage root: a local directory (``gs://`` too).
         train_spec: how long to train.
-        eval_spec: how to evaluate, and the exporters.
+        eval_spec: how to evaluate, the exporters, early stopping.
         checkpoint_spec: checkpoint cadence and retention.
         mlflow_tracking_uri: MLflow tracking URI (default: ``MLFLOW_TRACKING_URI`` or
             ``sqlite:///mlflow.db``).
@@ -137,57 +190,206 @@ def train_and_evaluate(
 
     Returns:
         A summary: ``job``, ``final_step``, ``eval`` (final metrics), ``checkpoint_dir``,
-        ``mlflow_tracking_uri``, ``mlflow_run_id``, ``exports``, ``state_fingerprint``.
+        ``mlflow_tracking_uri``, ``mlflow_run_id``, ``exports``, ``state_fingerprint``,
+        ``stopped`` (why the job stopped early, or None).
     """
-    from prefect_jax.training.exporters import list_exports
-    from prefect_jax.training.trainer import get_trainer
-
-    logger = get_run_logger()
     config = _job_config(
-        program,
-        job,
-        storage,
-        train_spec,
-        eval_spec,
-        checkpoint_spec,
-        mlflow_tracking_uri,
-        mlflow_experiment,
+        program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment,
         compilation_cache_dir,
-    )
-    max_steps = config.train.max_steps
-    started = restore_or_init(config, checkpoint_path=checkpoint_path)
-    step = started["step"]
-    progress = create_progress_artifact(
-        progress=100.0 * min(step, max_steps) / max_steps,
-        description=f"training {job}: step {step} of {max_steps}",
-    )
-    if step > 0:
-        # A crash between a checkpoint and its evaluation leaves that step unevaluated.
-        result = evaluate_if_new(config, step)
-        export(config, result)
-    while step < max_steps:
-        step = train_until_checkpoint(config, step)
-        update_progress_artifact(progress, 100.0 * step / max_steps, description=f"training {job}: step {step} of {max_steps}")
-        result = evaluate_if_new(config, step)
-        export(config, result)
-
-    trainer = get_trainer(config)
-    if trainer.state is None:
-        trainer.restore_or_init()
-    trainer.finish("FINISHED")
-    final = trainer.records.get(trainer.step)
-    summary = {
-        "job": job,
-        "final_step": trainer.step,
-        "eval": final.metrics if final else {},
-        "checkpoint_dir": trainer.checkpoints.directory,
-        "mlflow_tracking_uri": trainer.tracker.tracking_uri,
-        "mlflow_run_id": trainer.tracker.run_id,
-        "exports": list_exports(trainer.storage),
-        "state_fingerprint": trainer.fingerprint(),
-    }
-    logger.info("job %s done at step %d: %s", job, trainer.step, summary["eval"])
+    )  # fmt: skip
+    step = restore_or_init(config, checkpoint_path=checkpoint_path)["step"]
+    step, stopped = _train_loop(config, step, evaluate=True)
+    summary = _summary(config, stopped)
+    get_run_logger().info("job %s done at step %d: %s%s", job, summary["final_step"], summary["eval"],
+                          f" (stopped: {stopped})" if stopped else "")  # fmt: skip
     return summary
 
 
-__all__ = ["train_and_evaluate"]
+@flow(
+    name="train",
+    flow_run_name="train-{job}",
+    on_failure=[_close_mlflow_run("FAILED")],
+    on_crashed=[_close_mlflow_run("KILLED")],
+    validate_parameters=True,
+)
+def train(
+    program: str,
+    job: str,
+    storage: str,
+    train_spec: TrainSpec,
+    eval_spec: EvalSpec = EvalSpec(),
+    checkpoint_spec: CheckpointSpec = CheckpointSpec(),
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str = "prefect-jax",
+    checkpoint_path: str | None = None,
+    compilation_cache_dir: str | None = None,
+) -> dict[str, Any]:
+    """The trainer role: train and checkpoint until `max_steps`; evaluation is someone else's.
+
+    Emits ``prefect-jax.checkpoint.committed`` (resource ``prefect-jax.job.<job>``, the step in
+    the payload) for each committed checkpoint, so an evaluator deployment can be triggered by
+    events instead of polling. Stops early when the job is asked to stop (``<job>/stop.json``,
+    written by the evaluator's early-stopping hook). Parameters as `train_and_evaluate`
+    (`eval_spec` is recorded in MLflow params and used by nobody else here).
+    """
+    config = _job_config(
+        program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment,
+        compilation_cache_dir,
+    )  # fmt: skip
+    step = restore_or_init(config, checkpoint_path=checkpoint_path)["step"]
+    step, stopped = _train_loop(config, step, evaluate=False)
+    summary = _summary(config, stopped)
+    get_run_logger().info("trainer of %s done at step %d%s", job, summary["final_step"], f" (stopped: {stopped})" if stopped else "")
+    return summary
+
+
+@flow(name="evaluate", flow_run_name="evaluate-{job}", validate_parameters=True)
+def evaluate(
+    program: str,
+    job: str,
+    storage: str,
+    train_spec: TrainSpec,
+    eval_spec: EvalSpec = EvalSpec(),
+    checkpoint_spec: CheckpointSpec = CheckpointSpec(),
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str = "prefect-jax",
+    compilation_cache_dir: str | None = None,
+    every_checkpoint: bool = True,
+    once: bool = False,
+    wait_for_first_checkpoint_secs: float = 3600.0,
+    poll_secs: float = 10.0,
+    idle_timeout_secs: float | None = None,
+) -> dict[str, Any]:
+    """The continuous evaluator role (TF's evaluator task), on the same job as a `train` run.
+
+    Waits `eval_spec.start_delay_secs`; waits for the job's first committed checkpoint up to
+    `wait_for_first_checkpoint_secs` (TF's `wait_for_session`) and then fails with a clear
+    error; evaluates every newly committed step exactly once (or only the newest, with
+    `every_checkpoint=False`), never sooner than `eval_spec.throttle_secs` after the last
+    evaluation; runs the exporters after each evaluation; stops once it has evaluated a step
+    at or past `max_steps` (with the final export), when an eval hook asks the job to stop,
+    when `once` is set and nothing new is left (an event-triggered deployment), or after
+    `idle_timeout_secs` without a new checkpoint. Evaluated steps are recorded durably under
+    ``<job>/evals/<name>/``, so a restarted evaluator never evaluates a step twice.
+
+    Returns:
+        ``job``, ``evaluated`` (steps evaluated by this run), ``last_step``, ``eval`` (its
+        metrics), ``stopped`` (why), ``exports``.
+    """
+    import time
+
+    from prefect_jax.training.checkpoints import committed_steps, wait_for_new_checkpoint
+    from prefect_jax.training.control import stop_requested
+    from prefect_jax.training.evaluation import EvalRecords, EvalStatus
+    from prefect_jax.training.exporters import list_exports
+    from prefect_jax.training.storage import JobStorage
+
+    logger = get_run_logger()
+    config = _job_config(
+        program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment,
+        compilation_cache_dir,
+    )  # fmt: skip
+    max_steps = config.train.max_steps
+    js = JobStorage(config.storage, config.job)
+    records = EvalRecords(js, config.eval.name)
+    ckpt_dir = js.checkpoint_dir
+    if config.eval.start_delay_secs:
+        logger.info("waiting start_delay_secs=%g before the first evaluation", config.eval.start_delay_secs)
+        time.sleep(config.eval.start_delay_secs)
+    first = wait_for_new_checkpoint(
+        lambda: committed_steps(ckpt_dir), None, wait_for_first_checkpoint_secs, poll_secs, logger.info
+    )
+    if first is None:
+        raise TimeoutError(
+            f"no committed checkpoint of job {job!r} in {ckpt_dir} after {wait_for_first_checkpoint_secs:g}s: "
+            "is the trainer running, and does it use the same storage and job name? "
+            "Raise wait_for_first_checkpoint_secs for slow starts."
+        )
+    evaluated: list[int] = []
+    last_eval_at: float | None = None
+    last_new_at = time.monotonic()
+    stopped: str | None = None
+    last = None
+    while stopped is None:
+        done = set(records.steps())
+        if any(s >= max_steps for s in done):
+            stopped = f"evaluated the final step ({max(done)} >= max_steps={max_steps})"
+            break
+        request = stop_requested(js)
+        if request is not None:
+            stopped = f"the job was asked to stop: {request.get('reason')}"
+            break
+        pending = [s for s in committed_steps(ckpt_dir) if s not in done]
+        if pending and not every_checkpoint:
+            pending = pending[-1:]
+        if not pending:
+            if once:
+                stopped = "nothing new to evaluate (once=True)"
+                break
+            if idle_timeout_secs is not None and time.monotonic() - last_new_at > idle_timeout_secs:
+                stopped = f"no new checkpoint for {idle_timeout_secs:g}s (idle_timeout_secs)"
+                break
+            time.sleep(poll_secs)
+            continue
+        last_new_at = time.monotonic()
+        for step in pending:
+            if last_eval_at is not None and step < max_steps:
+                wait = config.eval.throttle_secs - (time.monotonic() - last_eval_at)
+                if wait > 0:
+                    time.sleep(wait)
+            result = evaluate_if_new(config, step, force=True)
+            if result.status is EvalStatus.EVALUATED:
+                last_eval_at = time.monotonic()
+                evaluated.append(step)
+                last = result
+                export(config, result)
+                if result.stop_reason:
+                    stopped = result.stop_reason
+                    break
+            elif result.status is EvalStatus.MISSING_CHECKPOINT:
+                logger.warning("step %d was deleted by retention before it could be evaluated", step)
+            if not every_checkpoint:
+                break
+    logger.info("evaluator of %s stops: %s", job, stopped)
+    return {
+        "job": job,
+        "evaluated": evaluated,
+        "last_step": last.step if last else None,
+        "eval": last.metrics if last else {},
+        "stopped": stopped,
+        "exports": list_exports(js),
+    }
+
+
+@flow(name="export", flow_run_name="export-{job}", validate_parameters=True)
+def export_flow(
+    program: str,
+    job: str,
+    storage: str,
+    train_spec: TrainSpec,
+    eval_spec: EvalSpec = EvalSpec(),
+    checkpoint_spec: CheckpointSpec = CheckpointSpec(),
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str = "prefect-jax",
+    step: int | None = None,
+) -> dict[str, str]:
+    """Run the eval spec's exporters on an evaluated step (default: the newest evaluated one).
+
+    Exports already written are kept as they are. Returns ``{exporter: export dir}``.
+    """
+    from prefect_jax.training.evaluation import EvalRecords
+    from prefect_jax.training.storage import JobStorage
+
+    config = _job_config(program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment)
+    records = EvalRecords(JobStorage(config.storage, config.job), config.eval.name)
+    steps = records.steps()
+    if step is None and not steps:
+        raise ValueError(f"job {job!r} has no evaluated step yet (eval name {config.eval.name!r}): evaluate it first")
+    chosen = steps[-1] if step is None else step
+    result = records.get(chosen)
+    if result is None:
+        raise ValueError(f"step {chosen} of job {job!r} was not evaluated ({config.eval.name!r} has {steps}): evaluate it first")
+    return export(config, result)
+
+
+__all__ = ["evaluate", "export_flow", "train", "train_and_evaluate"]

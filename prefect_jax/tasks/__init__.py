@@ -31,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
 from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.storage import JobStorage
 
 
 def artifact_key(*parts: str) -> str:
@@ -43,10 +44,48 @@ def _run_tags() -> dict[str, str]:
     return {"prefect.flow_run_id": str(run_id)} if run_id else {}
 
 
+CHECKPOINT_EVENT = "prefect-jax.checkpoint.committed"
+EVAL_EVENT = "prefect-jax.eval.completed"
+EXPORT_EVENT = "prefect-jax.export.completed"
+
+
+def job_resource(config: JobConfig) -> dict[str, str]:
+    """The Prefect event resource of a job: ``prefect-jax.job.<job>``, with its storage as a label."""
+    return {
+        "prefect.resource.id": f"prefect-jax.job.{config.job}",
+        "prefect.resource.name": config.job,
+        "prefect-jax.storage": JobStorage(config.storage, config.job).root,
+    }
+
+
+def emit(event: str, config: JobConfig, payload: dict[str, Any]) -> None:
+    """Emit a prefect-jax event about a job (best effort: an events outage never stops training)."""
+    from prefect.events import emit_event
+
+    try:
+        emit_event(event=event, resource=job_resource(config), payload=payload)
+    except Exception as exc:  # noqa: BLE001
+        get_run_logger().warning("could not emit %s: %r", event, exc)
+
+
 def _trainer(config: JobConfig):
     from prefect_jax.training.trainer import get_trainer
 
-    return get_trainer(config, run_tags=_run_tags())
+    trainer = get_trainer(config, run_tags=_run_tags())
+    if not trainer.commit_listeners:
+        from prefect.events import emit_event
+
+        resource = job_resource(config)
+
+        def announce(step: int) -> None:  # runs in a background thread once the step is committed
+            emit_event(
+                event=CHECKPOINT_EVENT,
+                resource=resource,
+                payload={"step": step, "checkpoint_dir": trainer.checkpoints.directory, "max_steps": config.train.max_steps},
+            )
+
+        trainer.commit_listeners.append(announce)
+    return trainer
 
 
 def retry_if_transient(task, task_run, state) -> bool:
@@ -138,6 +177,10 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
     """
     logger = get_run_logger()
     trainer = _trainer(config)
+    stop = trainer.stop_requested()
+    if stop is not None:
+        logger.warning("not training: the job was asked to stop (%s)", stop.get("reason"))
+        return from_step
     if trainer.state is None or trainer.step != from_step:
         restored = trainer.restore_or_init()
         logger.info("live state not at step %d here: restored step %d from storage", from_step, restored)
@@ -168,6 +211,8 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
             table=[as_row(r) for r in trainer.records.all()],
             description=f"{config.eval.name} results of job {config.job} by global step",
         )
+        emit(EVAL_EVENT, config, {"step": result.step, "eval_name": result.name, "metrics": result.metrics,
+                                  "is_final": result.is_final, "stop_reason": result.stop_reason})
     else:
         logger.info("%s of step %s: %s", config.eval.name, step, result.status.value)
     return result
@@ -180,6 +225,8 @@ def export(config: JobConfig, result) -> dict[str, str]:
     written = _trainer(config).export(result)
     for name, path in written.items():
         logger.info("exporter %s: %s", name, path)
+    if written:
+        emit(EXPORT_EVENT, config, {"step": result.step, "exports": written})
     return written
 
 

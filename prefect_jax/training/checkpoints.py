@@ -204,6 +204,8 @@ class Checkpoints:
         )
 
     def read_meta(self, step: int) -> dict:
+        if int(step) not in self.manager.all_steps():
+            self.manager.reload()
         return self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def restore(self, step: int, abstract_state, data_iter=None) -> tuple[Any, dict]:
@@ -224,6 +226,8 @@ class Checkpoints:
                 "The program changed since this checkpoint was written: restore it with the program that "
                 "wrote it, or start a new job (a different job name or storage)."
             )
+        if int(step) not in self.manager.all_steps():
+            self.manager.reload()  # committed by another process after this manager listed the directory
         items = {"state": ocp.args.StandardRestore(abstract)}
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iter)

@@ -34,6 +34,10 @@ class LeaseHeldError(RuntimeError):
         )
 
 
+class NoProgressError(RuntimeError):
+    """The job was rerun too many times in a row without getting past a step."""
+
+
 class Preempted(Exception):
     """Training was interrupted by a preemption notice after checkpointing the step in flight."""
 
@@ -46,6 +50,7 @@ class Preempted(Exception):
 # Errors a retry cannot fix: the program, the config or the data is wrong.
 PERMANENT = (
     NonFiniteLossError,
+    NoProgressError,
     LeaseHeldError,
     ValueError,  # includes ProgramError, CheckpointMismatchError, pydantic's ValidationError
     TypeError,

@@ -37,6 +37,7 @@ class EvalResult(BaseModel):
     num_examples: int | None = None
     evaluated_at: float | None = None
     is_final: bool = False
+    stop_reason: str | None = Field(None, description="Why an eval hook asked the job to stop, if it did.")
 
     @model_validator(mode="after")
     def _validate(self):

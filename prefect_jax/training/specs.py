@@ -75,6 +75,9 @@ class TrainSpec(_Spec):
     lease_timeout_secs: float = Field(
         120.0, description="A job's lease whose heartbeat is older than this is taken over by a new trainer."
     )
+    max_reruns_without_progress: int | None = Field(
+        3, description="Refuse to train after this many reruns in a row started at the same step (None: no limit)."
+    )
 
     @field_validator("max_steps")
     @classmethod
@@ -202,6 +205,24 @@ class FinalExporter(_Spec):
 ExporterSpec = Annotated[Union[LatestExporter, BestExporter, FinalExporter], Field(discriminator="kind")]
 
 
+class EarlyStopping(_Spec):
+    """Stop training when an eval metric stops improving (TF's `stop_if_no_decrease_hook`).
+
+    Both roles stop: the evaluator writes ``<job>/stop.json`` and the trainer stops at its
+    next checkpoint boundary.
+    """
+
+    metric: str = Field("loss", description="Eval metric to watch.")
+    mode: Literal["min", "max"] = Field("min", description="'min' if lower is better, 'max' if higher.")
+    max_steps_without_improvement: int = Field(description="Stop once the best value is this many steps old.")
+    min_delta: float = Field(0.0, description="Smaller changes do not count as improvement.")
+
+    @field_validator("max_steps_without_improvement")
+    @classmethod
+    def _patience(cls, v):
+        return _positive("max_steps_without_improvement", v, "give a number of global steps, e.g. 1000")
+
+
 class EvalSpec(_Spec):
     """How to evaluate (TF's `EvalSpec`).
 
@@ -213,6 +234,8 @@ class EvalSpec(_Spec):
         throttle_secs: do not evaluate again sooner than this many seconds after the last
             evaluation (the final checkpoint is always evaluated).
         exporters: what to export after each evaluation.
+        early_stopping: stop the job when a metric stops improving.
+        hooks: eval hooks by import path (TF's `_ContinuousEvalListener`).
     """
 
     steps: int | None = Field(None, description="Eval batches; None: the whole eval set.")
@@ -220,6 +243,11 @@ class EvalSpec(_Spec):
     start_delay_secs: float = Field(0.0, description="Delay before the first evaluation.")
     throttle_secs: float = Field(0.0, description="Minimum seconds between evaluations.")
     exporters: list[ExporterSpec] = Field(default_factory=list, description="Exporters run after each eval.")
+    early_stopping: EarlyStopping | None = Field(None, description="Stop when a metric stops improving.")
+    hooks: list[str] = Field(
+        default_factory=list,
+        description="Eval hooks by import path: before_eval(step) -> bool (False skips), after_eval(result) -> bool (True stops).",
+    )
 
     @field_validator("steps")
     @classmethod
@@ -296,6 +324,7 @@ class JobConfig(_Spec):
 
 
 __all__ = [
+    "EarlyStopping",
     "JobConfig",
     "BestExporter",
     "CheckpointSpec",

@@ -91,8 +91,10 @@ class Tracker:
             warnings.warn(f"MLflow unavailable at {self.tracking_uri}: {exc!r}", TrackingWarning, stacklevel=2)
 
     @_guarded
-    def start(self, params: dict[str, Any], tags: dict[str, str] | None = None, run_id: str | None = None) -> str:
-        """Find this job's run (by `run_id` or by job tag) or create it; mark it RUNNING.
+    def start(
+        self, params: dict[str, Any], tags: dict[str, str] | None = None, run_id: str | None = None, reopen: bool = True
+    ) -> str:
+        """Find this job's run (by `run_id` or by job tag) or create it; mark it RUNNING if `reopen`.
 
         Params are logged only when the run is created, so a rerun never conflicts with them.
         """
@@ -118,7 +120,7 @@ class Tracker:
             items = [Param(k, v) for k, v in sorted(params.items())]
             for i in range(0, len(items), 100):
                 client.log_batch(run.info.run_id, params=items[i : i + 100])
-        elif run.info.status != "RUNNING":
+        elif reopen and run.info.status != "RUNNING":
             client.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id
         return self.run_id

@@ -40,6 +40,7 @@ from prefect_jax.training.checkpoints import (
     state_fingerprint,
     wait_for_new_checkpoint,
 )
+from prefect_jax.training import control
 from prefect_jax.training.errors import NonFiniteLossError, Preempted
 from prefect_jax.training.evaluation import EvalRecords, EvalResult, EvalStatus, aggregate, throttled
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
@@ -269,6 +270,12 @@ class Trainer:
         self._last_save = time.monotonic()
         self._train_logged_until = -1
         self.last_train_metrics: dict[str, float] = {}
+        self.commit_listeners: list[Callable[[int], None]] = []
+        self.eval_hooks = control.load_hooks(config.eval.hooks)
+        es = config.eval.early_stopping
+        self.early_stopping = (
+            control.EarlyStoppingHook(es.metric, es.mode, es.max_steps_without_improvement, es.min_delta) if es else None
+        )
 
     # -- setup ----------------------------------------------------------------------
 
@@ -315,6 +322,10 @@ class Trainer:
         )
         if checkpoint_path and not has_own and step:
             data_iter = self._fresh_iter()  # warm start: weights from elsewhere, this job's data from the start
+        if step < self.config.train.max_steps:
+            control.record_attempt(
+                self.storage, step, self.config.train.max_reruns_without_progress, self.run_tags.get("prefect.flow_run_id", "")
+            )
         self.state, self.step, self.data_iter = state, step, data_iter
         self._last_save = time.monotonic()
         self._notify(step, self.config.train.max_steps, {})
@@ -328,12 +339,13 @@ class Trainer:
         self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
         self.lease.acquire()
 
-    def _attach_tracking(self, run_id: str | None = None) -> None:
+    def _attach_tracking(self, run_id: str | None = None, reopen: bool = True) -> None:
         """Find (by id, else by job tag) or create this job's MLflow run."""
         self.tracker.start(
             params=self._params(),
             tags={STORAGE_TAG: self.storage.root, "mlflow.runName": self.config.job, **self.run_tags},
             run_id=run_id,
+            reopen=reopen,
         )
 
     def _params(self) -> dict[str, str]:
@@ -480,6 +492,23 @@ class Trainer:
             },
         )
         self._last_save = time.monotonic()
+        if self.commit_listeners:
+            threading.Thread(target=self._announce_commit, args=(self.step,), name="prefect-jax-commit", daemon=True).start()
+
+    def _announce_commit(self, step: int) -> None:
+        """Tell the commit listeners once `step` is committed (from a background thread)."""
+        self.checkpoints.wait()
+        if step not in self.checkpoints.committed_steps():
+            return
+        for fn in list(self.commit_listeners):
+            try:
+                fn(step)
+            except Exception:  # noqa: BLE001 - a listener must not break training
+                logger.exception("commit listener failed for step %d", step)
+
+    def stop_requested(self) -> dict | None:
+        """A durable stop request of this job (early stopping, or a person), if any."""
+        return control.stop_requested(self.storage)
 
     # -- evaluation -----------------------------------------------------------------
 
@@ -508,9 +537,13 @@ class Trainer:
         is_final = step >= self.config.train.max_steps
         if not (force or is_final) and throttled(self.records, spec.throttle_secs):
             return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
+        for hook in self.eval_hooks:
+            before = getattr(hook, "before_eval", None)
+            if before is not None and before(step) is False:
+                return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
         state = self._state_at(step)
-        if self.tracker.run_id is None:
-            self._attach_tracking()
+        if self.tracker.run_id is None:  # an evaluator: join the trainer's run, leave its status alone
+            self._attach_tracking(self.checkpoints.read_meta(step).get("mlflow_run_id"), reopen=False)
         metrics, n, examples = aggregate(self._eval_step, state, _iterate(self.program.eval_data()), spec.steps)
         result = EvalResult(
             status=EvalStatus.EVALUATED,
@@ -525,6 +558,12 @@ class Trainer:
         if not self.tracker.has_metric_at(f"{spec.name}/{next(iter(metrics))}", step):  # a crash between log and record
             self.tracker.log_metrics([(f"{spec.name}/{k}", v, step) for k, v in metrics.items()])
         self.records.put(result)
+        reason = control.after_eval_stop_reason(result, self.records, self.early_stopping, self.eval_hooks)
+        if reason:
+            logger.warning("%s: asking job %s to stop", reason, self.config.job)
+            control.request_stop(self.storage, reason, step, by=f"eval {spec.name}")
+            self.tracker.set_tags({"prefect_jax.stop_reason": reason[:5000]})
+            result = result.model_copy(update={"stop_reason": reason})
         return result
 
     # -- export ---------------------------------------------------------------------

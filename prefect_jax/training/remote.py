@@ -1,0 +1,874 @@
+"""Checkpoint steps on any fsspec URL: upload with a commit marker written last, download to a cache.
+
+Orbax (0.12.8) writes checkpoints to local absolute paths and ``gs://`` only. For every other
+protocol (``s3://``, ``az://``, ``memory://``, ...) a step is saved locally by Orbax first, then
+copied with fsspec by `RemoteSteps.upload`, which writes the commit marker
+``<step>/_PREFECT_JAX_COMMITTED`` after every other file. Only steps with the marker count:
+an upload killed part-way leaves a step that no reader lists, and the next upload of that step
+replaces it. `RemoteSteps.download` copies a committed step into a local cache directory
+(into a temporary sibling, then one rename), where Orbax restores it.
+
+`AsyncUploader` runs uploads on one background thread, so training goes on while a step is
+copied; errors come back on the next `submit` or `wait`.
+
+Remote layout of one job's checkpoints::
+
+    <url>/<step>/...                       the files of the Orbax step, as Orbax wrote them
+    <url>/<step>/_PREFECT_JAX_COMMITTED    JSON manifest (files and sizes, upload id); written last
+
+This module never imports prefect (nor jax); protocol packages (s3fs, gcsfs, adlfs) are
+imported by fsspec when a URL needs them.
+
+Example:
+    ```python
+    from prefect_jax.training.remote import AsyncUploader, RemoteSteps
+
+    remote = RemoteSteps("s3://bucket/runs/exp-1/checkpoints", {"key": "...", "secret": "..."})
+    with AsyncUploader(remote) as uploader:
+        uploader.submit(200, "/tmp/stage/exp-1/checkpoints/200")   # returns at once
+        uploader.wait()                                           # raises what the upload raised
+    print(remote.committed_steps())                               # [200]
+    path = remote.download(200, "/tmp/cache/exp-1/checkpoints")   # .../checkpoints/200
+    ```
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import fsspec
+
+logger = logging.getLogger("prefect_jax.remote")
+
+COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"
+MARKER_FORMAT = 1
+REDACTED = "***"
+
+# Protocols fsspec resolves to the local disk: markers are written with a rename there.
+LOCAL_PROTOCOLS = ("file", "local")
+# Object stores whose fsspec implementations cache listings: listings must see other writers.
+_LISTING_CACHE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2")
+
+
+# -- redaction --------------------------------------------------------------------------
+
+# Option names (lowercase substrings) whose values are secrets.
+_SECRET_WORDS = (
+    "secret", "password", "passwd", "token", "credential", "private", "signature", "sas",
+    "account_key", "accountkey", "connection_string", "api_key", "apikey", "session_key",
+)
+# Option names that identify a principal but are not secret by themselves: shown shortened.
+_KEY_ID_NAMES = ("key", "aws_access_key_id", "access_key", "access_key_id", "username", "user", "client_id")
+# Query parameters of signed URLs that must not be shown.
+_SECRET_QUERY_WORDS = ("sig", "token", "secret", "password", "credential", "key", "auth")
+
+
+def _is_secret_name(name: str) -> bool:
+    lowered = name.lower()
+    return any(word in lowered for word in _SECRET_WORDS)
+
+
+def _shorten(value: str) -> str:
+    return f"{value[:4]}{REDACTED}" if len(value) >= 12 else REDACTED
+
+
+def _redact_one_url(url: str) -> str:
+    if "://" not in url:
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url.split("://", 1)[0] + "://" + REDACTED
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        # user:password shows the (shortened) user; a lone user part may itself be a token.
+        netloc = f"{_shorten(user) if user else ''}:{REDACTED}@{host}" if ":" in userinfo else f"{REDACTED}@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode(
+            [(k, REDACTED if any(w in k.lower() for w in _SECRET_QUERY_WORDS) else v) for k, v in pairs],
+            safe="*",
+        )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_url(url: str) -> str:
+    """`url` with passwords, tokens and signatures replaced by ``***``.
+
+    Handles ``user:password@host`` user info, signed-URL query parameters
+    (``X-Amz-Signature``, ``sig``, ``token``, ...) and chained URLs (``simplecache::s3://...``).
+
+    >>> redact_url("s3://AKIAEXAMPLEKEY123:wJalrXUtnFEMI@bucket/prefix?X-Amz-Signature=abc&x=1")
+    's3://AKIA***:***@bucket/prefix?X-Amz-Signature=***&x=1'
+    """
+    if not isinstance(url, str):
+        return repr(type(url))
+    return "::".join(_redact_one_url(part) for part in url.split("::"))
+
+
+def redact_options(options: Mapping[str, Any] | None) -> dict:
+    """A deep copy of fsspec storage options with secret values replaced by ``***``.
+
+    Secret keys (``secret``, ``token``, ``password``, ``aws_secret_access_key``,
+    ``account_key``, ``sas_token``, ...) are hidden at any depth; access-key ids are shortened
+    to their first four characters; URLs (``endpoint_url``) lose their user info and signatures.
+    """
+
+    def walk(value, name: str = ""):
+        if isinstance(value, Mapping):
+            return {k: walk(v, str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, name) for v in value)
+        if name and _is_secret_name(name):
+            return REDACTED if value not in (None, "", False) else value
+        if name.lower() in _KEY_ID_NAMES and isinstance(value, str):
+            return _shorten(value)
+        if isinstance(value, str) and "://" in value:
+            return redact_url(value)
+        return value
+
+    return walk(dict(options or {}))
+
+
+def _secret_values(url: str, options: Mapping[str, Any] | None) -> list[str]:
+    """Every secret string in the options (and the URL's password), longest first, to scrub from messages."""
+    found: list[str] = []
+
+    def walk(value, name: str = ""):
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, str(k))
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v, name)
+        elif isinstance(value, str) and name and (_is_secret_name(name)) and len(value) >= 4:
+            found.append(value)
+
+    walk(dict(options or {}))
+    for part in (url or "").split("::"):
+        try:
+            parts = urlsplit(part)
+            if parts.password and len(parts.password) >= 4:
+                found.append(parts.password)
+            elif parts.username and not parts.password and len(parts.username) >= 4:
+                found.append(parts.username)
+            for k, v in parse_qsl(parts.query):
+                if any(w in k.lower() for w in _SECRET_QUERY_WORDS) and len(v) >= 4:
+                    found.append(v)
+        except ValueError:
+            pass
+    return sorted(set(found), key=len, reverse=True)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """`text` with every one of `secrets` replaced by ``***``."""
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+class RemoteStorageError(Exception):
+    """A remote checkpoint directory cannot be used; the message names the (redacted) URL and what to check."""
+
+    def __init__(self, message: str, url: str = ""):
+        super().__init__(message)
+        self.url = url  # already redacted
+
+
+class RemoteConfigError(RemoteStorageError, ValueError):
+    """Unknown protocol, missing package, missing or refused credentials, bad options: a retry cannot fix it."""
+
+
+class RemoteUnreachableError(RemoteStorageError, ConnectionError):
+    """The storage service did not answer (endpoint down, network, timeout): a retry may fix it."""
+
+
+_CREDENTIAL_ERRORS = {
+    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "UnknownCredentialError",
+    "NoAuthTokenError", "ProfileNotFound", "DefaultCredentialsError", "RefreshError",
+    "ClientAuthenticationError", "CredentialUnavailableError", "InvalidConfigError",
+}
+_UNREACHABLE_ERRORS = {
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+    "ProxyConnectionError", "HTTPClientError", "ClientConnectorError", "ClientConnectionError",
+    "ClientOSError", "ServerDisconnectedError", "ServerTimeoutError", "FSTimeoutError",
+    "ServiceRequestError", "ServiceResponseError", "TransportError", "ConnectionError", "TimeoutError",
+}
+
+
+def _class_names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def _is_credentials_error(exc: BaseException) -> bool:
+    return bool(_class_names(exc) & _CREDENTIAL_ERRORS)
+
+
+def _is_unreachable_error(exc: BaseException) -> bool:
+    if isinstance(exc, RemoteUnreachableError):
+        return True
+    if isinstance(exc, (ConnectionError, TimeoutError, socket.timeout, socket.gaierror)):
+        return True
+    return bool(_class_names(exc) & _UNREACHABLE_ERRORS)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when retrying the same transfer may succeed: I/O errors, timeouts, an endpoint that did
+    not answer. False for configuration errors, refused credentials, and files that are not there."""
+    if isinstance(exc, RemoteConfigError):
+        return False
+    if _is_unreachable_error(exc):
+        return True
+    if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)):
+        return False
+    return isinstance(exc, OSError)
+
+
+_CREDENTIAL_HINTS = {
+    "s3": "pass key/secret (and token) in the storage options, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
+    "AWS_PROFILE, or anon=True for a public bucket",
+    "gs": "pass token= (a service-account JSON file) in the storage options, or set GOOGLE_APPLICATION_CREDENTIALS",
+    "az": "pass account_name with account_key, sas_token or connection_string in the storage options, or set "
+    "AZURE_STORAGE_CONNECTION_STRING",
+}
+_CREDENTIAL_HINTS.update(s3a=_CREDENTIAL_HINTS["s3"], gcs=_CREDENTIAL_HINTS["gs"], abfs=_CREDENTIAL_HINTS["az"],
+                         abfss=_CREDENTIAL_HINTS["az"])
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+# -- the remote directory ---------------------------------------------------------------
+
+
+def _protocol_of(url: str) -> str:
+    last = url.split("::")[0]
+    return last.split("://", 1)[0] if "://" in last else "file"
+
+
+def _local_tree(local_dir: str) -> tuple[list[str], dict[str, int]]:
+    """(sub-directories, {file: size}) under `local_dir`, as sorted ``/``-separated relative paths."""
+    dirs: list[str] = []
+    files: dict[str, int] = {}
+    for here, subdirs, names in os.walk(local_dir):
+        subdirs.sort()
+        rel_here = os.path.relpath(here, local_dir)
+        prefix = "" if rel_here == "." else rel_here.replace(os.sep, "/") + "/"
+        for d in subdirs:
+            dirs.append(prefix + d)
+        for name in sorted(names):
+            if not prefix and name == COMMIT_MARKER:
+                continue  # a downloaded copy's marker; a fresh one is written
+            files[prefix + name] = os.path.getsize(os.path.join(here, name))
+    return dirs, files
+
+
+@dataclass(frozen=True)
+class StepManifest:
+    """What the commit marker of one step records."""
+
+    step: int
+    files: dict[str, int]
+    dirs: list[str]
+    upload_id: str
+    uploaded_at: float
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {"format": MARKER_FORMAT, "step": self.step, "files": self.files, "dirs": self.dirs,
+             "upload_id": self.upload_id, "uploaded_at": self.uploaded_at, "host": socket.gethostname(),
+             "pid": os.getpid()},
+            indent=1, sort_keys=True,
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, step: int) -> "StepManifest | None":
+        try:
+            obj = json.loads(data)
+            return cls(int(obj["step"]), {str(k): int(v) for k, v in obj["files"].items()},
+                       [str(d) for d in obj.get("dirs", [])], str(obj["upload_id"]), float(obj.get("uploaded_at", 0)))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+class RemoteSteps:
+    """Checkpoint steps in one remote directory on any fsspec URL, counted only once committed.
+
+    Args:
+        url: the job's checkpoint directory (``s3://bucket/prefix/job/checkpoints``, ``memory://x``,
+            a local path, ...).
+        storage_options: fsspec options for the protocol (credentials, ``client_kwargs``,
+            ``config_kwargs``, ...). Never logged or shown unredacted.
+
+    Raises:
+        RemoteConfigError: the protocol is unknown, its package is not installed, or the options
+            are refused; the message names the redacted URL.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None):
+        if not isinstance(url, str) or not url.strip():
+            raise RemoteConfigError(f"remote checkpoint URL {url!r} is empty: give a URL such as s3://bucket/prefix")
+        url = url.strip()
+        if "://" not in url:
+            url = os.path.abspath(os.path.expanduser(url))
+        self.url = url.rstrip("/") or url
+        self.protocol = _protocol_of(self.url)
+        self.safe_url = redact_url(self.url)
+        self._options = dict(storage_options or {})
+        self._secrets = _secret_values(self.url, self._options)
+        options = dict(self._options)
+        if self.protocol in _LISTING_CACHE_PROTOCOLS:
+            options.setdefault("use_listings_cache", False)  # see steps committed by other processes
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
+        except Exception as exc:  # noqa: BLE001 - every construction failure becomes a clear error
+            raise self._config_error(exc) from None
+        self.root = self.root.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"RemoteSteps({self.safe_url!r})"
+
+    # -- errors --------------------------------------------------------------------------
+
+    @property
+    def storage_options(self) -> dict:
+        """The storage options, redacted (for logs and messages)."""
+        return redact_options(self._options)
+
+    def _endpoint(self) -> str | None:
+        for holder in (self._options, self._options.get("client_kwargs") or {}):
+            for name in ("endpoint_url", "endpoint", "host"):
+                if isinstance(holder, Mapping) and holder.get(name):
+                    return redact_url(str(holder[name]))
+        return None
+
+    def _cause(self, exc: BaseException) -> str:
+        return scrub(f"{type(exc).__name__}: {_first_line(str(exc))}", self._secrets)
+
+    def _config_error(self, exc: BaseException) -> RemoteConfigError:
+        if isinstance(exc, ValueError) and "protocol not known" in str(exc).lower():
+            known = ", ".join(p for p in ("file", "memory", "s3", "gs", "az", "abfs", "http", "sftp", "hdfs")
+                              if p in fsspec.available_protocols())
+            return RemoteConfigError(
+                f"remote checkpoint URL {self.safe_url}: fsspec knows no protocol {self.protocol!r}. Check the "
+                f"spelling of the URL's scheme (known ones include {known}), or install the package that "
+                "implements it.", self.safe_url)
+        if isinstance(exc, ImportError):
+            return RemoteConfigError(
+                f"remote checkpoint URL {self.safe_url}: protocol {self.protocol!r} needs a package that is not "
+                f"installed ({self._cause(exc)}). Install it in this environment (s3fs for s3://, gcsfs for "
+                "gs://, adlfs for az://).", self.safe_url)
+        return RemoteConfigError(
+            f"remote checkpoint URL {self.safe_url}: cannot open {self.protocol}:// with the given storage options "
+            f"({self._cause(exc)}). Check the storage options (redacted: {self.storage_options}).", self.safe_url)
+
+    def _translate(self, exc: BaseException, doing: str) -> BaseException | None:
+        """A clear error for a failure of `doing`, or None to let `exc` through unchanged."""
+        where = self.safe_url + (f" (endpoint {self._endpoint()})" if self._endpoint() else "")
+        if isinstance(exc, RemoteStorageError):
+            return None
+        if _is_credentials_error(exc):
+            hint = _CREDENTIAL_HINTS.get(self.protocol, "pass the credentials in the storage options")
+            return RemoteConfigError(
+                f"no usable credentials for {where} while {doing} ({self._cause(exc)}): {hint}.", self.safe_url)
+        if isinstance(exc, PermissionError):
+            return RemoteConfigError(
+                f"access to {where} was refused while {doing} ({self._cause(exc)}): check that the credentials "
+                "are right and allowed to list, read, write and delete under this prefix.", self.safe_url)
+        if _is_unreachable_error(exc):
+            return RemoteUnreachableError(
+                f"cannot reach {where} while {doing} ({self._cause(exc)}): check the endpoint URL, the network "
+                "and that the storage service is up; this is retried as a transient error.", self.safe_url)
+        if isinstance(exc, TypeError) and "keyword argument" in str(exc):
+            return self._config_error(exc)
+        if isinstance(exc, ImportError):
+            return self._config_error(exc)
+        return None
+
+    def _call(self, doing: str, fn: Callable, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
+            clear = self._translate(exc, doing)
+            if clear is None:
+                raise
+            raise clear from None
+
+    # -- paths ---------------------------------------------------------------------------
+
+    def step_path(self, step: int) -> str:
+        return f"{self.root}/{int(step)}"
+
+    def marker_path(self, step: int) -> str:
+        return f"{self.step_path(step)}/{COMMIT_MARKER}"
+
+    def step_url(self, step: int) -> str:
+        """The (unredacted) URL of one step directory."""
+        return f"{self.url}/{int(step)}"
+
+    def _invalidate(self, path: str | None = None) -> None:
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception:  # noqa: BLE001 - a cache is only a cache
+            pass
+
+    # -- listing -------------------------------------------------------------------------
+
+    def step_names(self) -> list[int]:
+        """Every integer-named entry under the directory, committed or not."""
+        self._invalidate(self.root)
+        try:
+            entries = self._call("listing checkpoint steps", self.fs.ls, self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in entries}
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def read_manifest(self, step: int) -> StepManifest | None:
+        """The commit marker's manifest of `step`, or None when the step is not committed."""
+        path = self.marker_path(step)
+        self._invalidate(path)
+        try:
+            data = self._call(f"reading the commit marker of step {int(step)}", self.fs.cat_file, path)
+        except FileNotFoundError:
+            return None
+        manifest = StepManifest.from_json(data, int(step))
+        if manifest is None:  # a marker is written after every file: the step counts, its manifest is lost
+            logger.warning("commit marker of step %d in %s is unreadable; listing its files instead", step, self.safe_url)
+            return StepManifest(int(step), {}, [], "", 0.0)
+        return manifest
+
+    def is_committed(self, step: int) -> bool:
+        path = self.marker_path(step)
+        self._invalidate(path)
+        try:
+            self._call(f"checking the commit marker of step {int(step)}", self.fs.info, path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps (those with a commit marker), oldest first."""
+        return [s for s in self.step_names() if self.is_committed(s)]
+
+    def latest_committed(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    # -- upload ----------------------------------------------------------------------------
+
+    def upload(self, step: int, local_step_dir: str, *, overwrite: bool = False) -> bool:
+        """Copy one local step directory to ``<url>/<step>``, then write its commit marker.
+
+        Idempotent: a step already committed is left alone (returns False) unless `overwrite`;
+        a step left without a marker (an upload killed part-way) is removed and uploaded again.
+        Until the marker is written no reader counts the step; when it is overwritten the
+        marker is removed first.
+
+        Returns:
+            True when the step was uploaded, False when it was already committed.
+
+        Raises:
+            FileNotFoundError: `local_step_dir` is not a directory.
+            RemoteUnreachableError, RemoteConfigError: see the class docstrings.
+        """
+        step = int(step)
+        local = os.path.abspath(local_step_dir)
+        if not os.path.isdir(local):
+            raise FileNotFoundError(f"local checkpoint step {local} is not a directory: nothing to upload as step {step}")
+        if self.is_committed(step):
+            if not overwrite:
+                logger.info("step %d is already committed in %s; not uploading it again", step, self.safe_url)
+                return False
+            self._call(f"removing the commit marker of step {step}", self.fs.rm_file, self.marker_path(step))
+        dirs, files = _local_tree(local)
+        manifest = StepManifest(step, files, dirs, uuid.uuid4().hex, time.time())
+        started = time.monotonic()
+        self._remove_tree(step)  # files of an earlier, uncommitted upload
+        target = self.step_path(step)
+        lpaths = [local] + [os.path.join(local, *d.split("/")) for d in dirs]
+        lpaths += [os.path.join(local, *f.split("/")) for f in files]
+        rpaths = [target] + [f"{target}/{d}" for d in dirs] + [f"{target}/{f}" for f in files]
+        self._call(f"uploading step {step} from {local}", self.fs.put, lpaths, rpaths)
+        self._verify_remote(step, manifest)
+        self._write_marker(step, manifest)
+        size = sum(files.values())
+        logger.info("uploaded step %d (%d files, %.1f MiB) to %s in %.1fs",
+                    step, len(files), size / 2**20, self.safe_url, time.monotonic() - started)
+        return True
+
+    def _remove_tree(self, step: int) -> None:
+        path = self.step_path(step)
+        self._invalidate(path)
+        try:
+            self._call(f"removing step {step}", self.fs.rm, path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self._invalidate(path)
+
+    def _remote_sizes(self, step: int) -> dict[str, int]:
+        path = self.step_path(step)
+        self._invalidate(path)
+        try:
+            found = self._call(f"listing the files of step {step}", self.fs.find, path, detail=True)
+        except FileNotFoundError:
+            return {}
+        sizes = {}
+        for name, info in found.items():
+            rel = name[len(path) + 1:] if name.startswith(path + "/") else name.rsplit("/", 1)[-1]
+            if info.get("type", "file") != "directory" and rel != COMMIT_MARKER:
+                sizes[rel] = int(info.get("size") or 0)
+        return sizes
+
+    def _verify_remote(self, step: int, manifest: StepManifest) -> None:
+        remote = self._remote_sizes(step)
+        bad = [f for f, size in manifest.files.items() if remote.get(f) != size]
+        if bad:
+            raise OSError(
+                f"upload of step {step} to {self.safe_url} is incomplete after copying: {len(bad)} file(s) missing "
+                f"or of the wrong size (first: {bad[0]}); it is not committed and will be uploaded again")
+
+    def _write_marker(self, step: int, manifest: StepManifest) -> None:
+        path = self.marker_path(step)
+        data = manifest.to_json()
+        if self.protocol in LOCAL_PROTOCOLS and "::" not in self.url:
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            self._call(f"writing the commit marker of step {step}", self.fs.pipe_file, path, data)
+        self._invalidate(path)
+
+    # -- download ----------------------------------------------------------------------------
+
+    def download(self, step: int, local_dir: str) -> str:
+        """Copy committed `step` to ``<local_dir>/<step>`` and return that path.
+
+        The files land in a temporary sibling (``.<step>.download-*``, which Orbax does not take
+        for a step) and are renamed into place once all are there with the sizes the marker
+        records, so a reader never sees a partial step. A copy already there from the same upload
+        is reused.
+
+        Raises:
+            FileNotFoundError: `step` is not committed here (the message lists those that are).
+            OSError: a file came down with the wrong size (retry).
+        """
+        step = int(step)
+        manifest = self.read_manifest(step)
+        if manifest is None:
+            raise FileNotFoundError(
+                f"step {step} is not committed in {self.safe_url} (committed steps: {self.committed_steps()}); "
+                "a step counts once its upload wrote the commit marker")
+        local_dir = os.path.abspath(local_dir)
+        os.makedirs(local_dir, exist_ok=True)
+        target = os.path.join(local_dir, str(step))
+        if manifest.upload_id and _local_copy_matches(target, manifest):
+            return target
+        files = manifest.files or self._remote_sizes(step)
+        dirs = manifest.dirs
+        tmp = os.path.join(local_dir, f".{step}.download-{uuid.uuid4().hex[:12]}")
+        started = time.monotonic()
+        try:
+            os.makedirs(tmp)
+            for d in dirs:
+                os.makedirs(os.path.join(tmp, *d.split("/")), exist_ok=True)
+            for f in files:
+                os.makedirs(os.path.dirname(os.path.join(tmp, *f.split("/"))), exist_ok=True)
+            rpaths = [f"{self.step_path(step)}/{f}" for f in files]
+            lpaths = [os.path.join(tmp, *f.split("/")) for f in files]
+            if rpaths:
+                self._call(f"downloading step {step}", self.fs.get, rpaths, lpaths)
+            wrong = [f for f, size in files.items() if os.path.getsize(os.path.join(tmp, *f.split("/"))) != size]
+            if wrong:
+                raise OSError(f"download of step {step} from {self.safe_url}: {len(wrong)} file(s) came down with the "
+                              f"wrong size (first: {wrong[0]}); retry the download")
+            with open(os.path.join(tmp, COMMIT_MARKER), "wb") as f:
+                f.write(manifest.to_json())
+            if os.path.lexists(target):
+                _move_aside_and_remove(target)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if _local_copy_matches(target, manifest):  # another process put the same copy there first
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    return target
+                raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        logger.info("downloaded step %d (%d files, %.1f MiB) from %s to %s in %.1fs", step, len(files),
+                    sum(files.values()) / 2**20, self.safe_url, target, time.monotonic() - started)
+        return target
+
+    def download_latest(self, local_dir: str) -> tuple[int, str] | None:
+        """Download the newest committed step: ``(step, local path)``, or None when nothing is committed."""
+        step = self.latest_committed()
+        return None if step is None else (step, self.download(step, local_dir))
+
+    # -- retention -------------------------------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Remove one step: its commit marker first (so it stops counting), then its files."""
+        step = int(step)
+        try:
+            self._call(f"removing the commit marker of step {step}", self.fs.rm_file, self.marker_path(step))
+        except FileNotFoundError:
+            pass
+        self._invalidate(self.marker_path(step))
+        self._remove_tree(step)
+
+    def delete_uncommitted(self, keep: Callable[[int], bool] = lambda step: False) -> list[int]:
+        """Remove integer-named steps without a commit marker (uploads killed part-way), except those
+        `keep` names (uploads in flight). Only the job's writer may call this. Returns the steps removed."""
+        removed = []
+        for step in self.step_names():
+            if not keep(step) and not self.is_committed(step):
+                logger.warning("step %d in %s was never committed (an upload stopped part-way): removing it",
+                               step, self.safe_url)
+                self._remove_tree(step)
+                removed.append(step)
+        return removed
+
+
+def _local_copy_matches(path: str, manifest: StepManifest) -> bool:
+    """A local step directory is a complete copy of the upload `manifest` describes."""
+    try:
+        with open(os.path.join(path, COMMIT_MARKER), "rb") as f:
+            local = StepManifest.from_json(f.read(), manifest.step)
+    except OSError:
+        return False
+    if local is None or local.upload_id != manifest.upload_id:
+        return False
+    try:
+        return all(os.path.getsize(os.path.join(path, *f.split("/"))) == size for f, size in manifest.files.items())
+    except OSError:
+        return False
+
+
+def _move_aside_and_remove(path: str) -> None:
+    aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.stale-{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+# -- background uploads -----------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    step: int
+    local_step_dir: str
+    ready: Callable[[str], bool] | None
+    ready_timeout: float
+
+
+_STOP = object()
+
+
+class AsyncUploader:
+    """Uploads steps with `RemoteSteps.upload` on one background thread, oldest first.
+
+    `submit` returns at once; the step is committed remotely once its upload ends. Transient
+    errors (I/O, an endpoint that does not answer, timeouts) are retried `retries` times with
+    exponential backoff; an error that remains is raised by the next `submit` or `wait` (and
+    then forgotten), with a note naming the step. Later steps are still uploaded.
+
+    Args:
+        remote: where steps go.
+        retries: how many times a transient failure is retried (so up to ``retries + 1`` tries).
+        backoff_secs: the first wait between tries; doubles each time up to `max_backoff_secs`.
+        on_uploaded: called with the step (on the uploader thread) after each upload commits.
+    """
+
+    def __init__(
+        self,
+        remote: RemoteSteps,
+        *,
+        retries: int = 4,
+        backoff_secs: float = 1.0,
+        max_backoff_secs: float = 30.0,
+        on_uploaded: Callable[[int], None] | None = None,
+    ):
+        self.remote = remote
+        self.retries = max(0, int(retries))
+        self.backoff_secs = backoff_secs
+        self.max_backoff_secs = max_backoff_secs
+        self.on_uploaded = on_uploaded
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: list[int] = []
+        self._error: BaseException | None = None
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.uploaded: list[int] = []
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> list[int]:
+        """Steps submitted and not yet finished (queued or uploading)."""
+        with self._lock:
+            return list(self._pending)
+
+    def submit(
+        self,
+        step: int,
+        local_step_dir: str,
+        *,
+        ready: Callable[[str], bool] | None = None,
+        ready_timeout: float = 600.0,
+    ) -> None:
+        """Queue one step for upload and return at once.
+
+        Args:
+            step: the step number.
+            local_step_dir: the local directory of the step (committed, or becoming committed).
+            ready: if given, the uploader thread polls ``ready(local_step_dir)`` until it is true
+                (e.g. Orbax committed the step: ``checkpoints.is_committed``) before uploading,
+                so a caller can submit right after starting an asynchronous save.
+            ready_timeout: how long to wait for `ready` before failing this upload.
+
+        Raises:
+            Whatever an earlier upload raised after its retries.
+            RuntimeError: the uploader was closed.
+        """
+        self._raise_pending_error()
+        if self._closing.is_set():
+            raise RuntimeError(f"uploader for {self.remote.safe_url} is closed; step {step} was not queued")
+        with self._lock:
+            self._pending.append(int(step))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="prefect-jax-upload", daemon=True)
+                self._thread.start()
+        self._queue.put(_Job(int(step), os.path.abspath(local_step_dir), ready, ready_timeout))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted step is uploaded (or failed).
+
+        Returns:
+            True when nothing is pending; False when `timeout` passed first.
+
+        Raises:
+            Whatever an upload raised after its retries.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._idle.wait(left)
+            done = not self._pending
+        self._raise_pending_error()
+        return done
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the queued uploads (up to `timeout`), then stop the thread.
+
+        Returns:
+            True when every upload finished. Raises what `wait` raises.
+        """
+        try:
+            return self.wait(timeout)
+        finally:
+            self._closing.set()
+            self._queue.put(_STOP)
+            thread = self._thread
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=0 if timeout is not None and self.pending else None)
+
+    def __enter__(self) -> "AsyncUploader":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not hide the error in flight; still stop the thread
+            self._closing.set()
+            self._queue.put(_STOP)
+
+    # -- worker ------------------------------------------------------------------------------
+
+    def _raise_pending_error(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            try:
+                self._upload(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller on submit/wait
+                try:
+                    exc.add_note(f"while uploading checkpoint step {job.step} from {job.local_step_dir} "
+                                 f"to {self.remote.safe_url}")
+                except AttributeError:
+                    pass
+                logger.error("upload of step %d to %s failed: %s", job.step, self.remote.safe_url, exc)
+                with self._lock:
+                    if self._error is None:
+                        self._error = exc
+            else:
+                self.uploaded.append(job.step)
+            finally:
+                with self._idle:
+                    if job.step in self._pending:
+                        self._pending.remove(job.step)
+                    self._idle.notify_all()
+
+    def _upload(self, job: _Job) -> None:
+        if job.ready is not None:
+            deadline = time.monotonic() + job.ready_timeout
+            delay = 0.01
+            while not job.ready(job.local_step_dir):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"local checkpoint step {job.local_step_dir} was not committed within "
+                                       f"{job.ready_timeout:g}s; it was not uploaded")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+        attempt = 0
+        while True:
+            try:
+                self.remote.upload(job.step, job.local_step_dir)
+                break
+            except Exception as exc:  # noqa: BLE001 - retried when transient
+                if attempt >= self.retries or not is_transient(exc):
+                    raise
+                delay = min(self.backoff_secs * 2**attempt, self.max_backoff_secs)
+                attempt += 1
+                logger.warning("upload of step %d to %s failed (%s); retry %d of %d in %.1fs", job.step,
+                               self.remote.safe_url, _first_line(str(exc), 200), attempt, self.retries, delay)
+                time.sleep(delay)
+        if self.on_uploaded is not None:
+            self.on_uploaded(job.step)
+

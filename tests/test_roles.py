@@ -1,0 +1,112 @@
+"""Trainer, evaluator and export as separate flows on one job; events; early stopping; rerun budget."""
+
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from prefect_jax.flows import evaluate, export_flow, train, train_and_evaluate
+from prefect_jax.training.control import record_attempt
+from prefect_jax.training.errors import NoProgressError
+from prefect_jax.training.specs import CheckpointSpec, EarlyStopping, EvalSpec, FinalExporter, LatestExporter, TrainSpec
+from prefect_jax.training.storage import JobStorage
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+
+def _params(tmp_path, mlflow_uri, job, max_steps=60, **eval_kw):
+    return dict(
+        program="prefect_jax.examples.digits:tiny",
+        job=job,
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=max_steps, log_every_steps=10),
+        checkpoint_spec=CheckpointSpec(every_steps=20, keep_last=None),
+        eval_spec=EvalSpec(**eval_kw),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+
+
+def _events(api_url, job, prefix="prefect-jax.", expect=1, timeout=30):
+    """prefect-jax events about a job, read over the REST API (events arrive asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        body = {"filter": {"event": {"prefix": [prefix]}, "any_resource": {"id": [f"prefect-jax.job.{job}"]}},
+                "limit": 50}
+        response = httpx.post(f"{api_url}/events/filter", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        events = response.json()["events"]
+        if len(events) >= expect or time.monotonic() > deadline:
+            return events
+        time.sleep(0.5)
+
+
+def test_trainer_then_evaluator_evaluate_every_checkpoint_once(tmp_path, mlflow_uri, prefect_server):
+    params = _params(tmp_path, mlflow_uri, "roles", exporters=[LatestExporter(), FinalExporter()])
+    trained = train(**params)
+    assert trained["final_step"] == 60 and trained["eval"] == {}
+    js = JobStorage(params["storage"], "roles")
+    assert not os.path.exists(js.eval_dir("eval"))  # the trainer evaluates nothing
+
+    committed = _events(prefect_server, "roles", "prefect-jax.checkpoint.committed", expect=3)
+    assert sorted(e["payload"]["step"] for e in committed) == [20, 40, 60]
+
+    from prefect_jax.training import trainer as trainer_mod
+
+    trainer_mod._live.clear()  # the evaluator is another process: no live state
+    result = evaluate(**params, poll_secs=0.1)
+    assert result["evaluated"] == [20, 40, 60]
+    assert result["stopped"].startswith("evaluated the final step")
+    assert result["exports"] == {"final": [60], "latest": [20, 40, 60]}
+    again = evaluate(**params, poll_secs=0.1)
+    assert again["evaluated"] == [] and again["stopped"].startswith("evaluated the final step")
+
+    evals = _events(prefect_server, "roles", "prefect-jax.eval.completed", expect=3)
+    assert sorted(e["payload"]["step"] for e in evals) == [20, 40, 60]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_uri)
+    history = client.get_metric_history(trained["mlflow_run_id"], "eval/accuracy")
+    assert [m.step for m in history] == [20, 40, 60]  # the evaluator joined the trainer's run
+    assert client.get_run(trained["mlflow_run_id"]).info.status == "FINISHED"
+
+    assert export_flow(**params, step=40) == {"latest": js.export_dir("latest", 40)}
+
+
+def test_evaluator_only_newest(tmp_path, mlflow_uri):
+    params = _params(tmp_path, mlflow_uri, "newest")
+    train(**params)
+    result = evaluate(**params, every_checkpoint=False, poll_secs=0.1)
+    assert result["evaluated"] == [60]
+
+
+def test_evaluator_gives_up_waiting_for_a_first_checkpoint(tmp_path, mlflow_uri):
+    state = evaluate(**_params(tmp_path, mlflow_uri, "nobody"), wait_for_first_checkpoint_secs=0.5, poll_secs=0.1,
+                     return_state=True)  # fmt: skip
+    assert state.is_failed()
+    with pytest.raises(TimeoutError, match="no committed checkpoint of job 'nobody' .* after 0.5s: is the trainer running"):
+        state.result()
+
+
+def test_early_stopping_stops_both_roles(tmp_path, mlflow_uri):
+    never_enough = EarlyStopping(metric="accuracy", mode="max", max_steps_without_improvement=20, min_delta=1.0)
+    params = _params(tmp_path, mlflow_uri, "early", max_steps=100, early_stopping=never_enough)
+    summary = train_and_evaluate(**params)
+    assert summary["final_step"] == 40
+    assert "early stopping: accuracy has not improved" in summary["stopped"]
+    stop = json.load(open(tmp_path / "storage" / "early" / "stop.json"))
+    assert stop["step"] == 40
+    again = train(**params)  # the trainer role honours the durable stop request
+    assert again["final_step"] == 40 and again["stopped"] == stop["reason"]
+
+
+def test_rerun_budget_without_progress(tmp_path):
+    js = JobStorage(str(tmp_path), "stuck")
+    assert record_attempt(js, 100, 2) == 0
+    assert record_attempt(js, 100, 2) == 1
+    assert record_attempt(js, 100, 2) == 2
+    with pytest.raises(NoProgressError, match="rerun 3 times without getting past step 100 .*max_reruns_without_progress=2"):
+        record_attempt(js, 100, 2)
+    assert record_attempt(js, 120, 2) == 0  # progress resets the count
