@@ -279,6 +279,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_automations_create(args: argparse.Namespace) -> int:
+    from prefect_jax.deployments.automations import create_rerun_automation
+
+    automation_id = create_rerun_automation(args.deployment, args.name)
+    print(json.dumps({"automation_id": str(automation_id), "deployment": args.deployment}))
+    return 0
+
+
 def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
     p.add_argument("--max-steps", type=int, default=max_steps, help=f"train until this global step (default {max_steps})")
     p.add_argument("--checkpoint-every-steps", type=int, default=every, help=f"checkpoint cadence in steps (default {every})")
@@ -335,6 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--storage", required=True)
     status.add_argument("--json", action="store_true")
     status.set_defaults(fn=cmd_status)
+
+    automations = sub.add_parser("automations", help="Prefect automations for training jobs")
+    automations_sub = automations.add_subparsers(dest="automations_command", required=True)
+    create = automations_sub.add_parser(
+        "create", help="rerun crashed runs of a trainer deployment automatically (they resume from their checkpoint)"
+    )
+    create.add_argument("--deployment", required=True, help="the trainer deployment, 'flow-name/deployment-name'")
+    create.add_argument("--name", default=None, help="automation name (default: 'prefect-jax: rerun crashed <deployment>')")
+    create.set_defaults(fn=cmd_automations_create)
     return parser
 
 
