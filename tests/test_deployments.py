@@ -1,0 +1,96 @@
+"""prefect.yaml, the GPU/TPU work-pool templates and job variables, checked by Prefect itself."""
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prefect_jax.deployments import kubernetes_gpu_template, vertex_job_variables
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _placeholders(obj) -> set[str]:
+    found = set()
+    if isinstance(obj, dict):
+        for v in obj.values():
+            found |= _placeholders(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            found |= _placeholders(v)
+    elif isinstance(obj, str):
+        found |= set(re.findall(r"{{\s*([a-z_]+)\s*}}", obj))
+    return found
+
+
+def test_kubernetes_gpu_template_declares_every_placeholder_and_requests_gpus():
+    template = kubernetes_gpu_template()
+    declared = set(template["variables"]["properties"])
+    assert _placeholders(template["job_configuration"]) <= declared
+    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpu_count }}"
+    assert template["variables"]["properties"]["env"]["default"]["JAX_PLATFORMS"] == "cuda"
+
+
+def _deployments():
+    return {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+
+
+def test_prefect_yaml_deployments_load_and_their_parameters_validate():
+    from prefect.events import DeploymentEventTrigger
+    from prefect.flows import load_flow_from_entrypoint
+
+    deployments = _deployments()
+    assert set(deployments) == {"digits-nightly", "digits-trainer", "digits-evaluator"}
+    flows = {}
+    for name, d in deployments.items():
+        flow = load_flow_from_entrypoint(str(ROOT / d["entrypoint"]))
+        flow.validate_parameters(d["parameters"])  # raises on a bad parameter
+        flows[name] = flow.name
+    assert flows == {"digits-nightly": "train_and_evaluate", "digits-trainer": "train", "digits-evaluator": "evaluate"}
+    assert deployments["digits-nightly"]["schedules"][0]["cron"] == "0 2 * * *"
+    trigger = DeploymentEventTrigger(**deployments["digits-evaluator"]["triggers"][0])
+    assert trigger.expect == {"prefect-jax.checkpoint.committed"}
+    assert deployments["digits-trainer"]["work_pool"]["name"] == "gpu"
+    assert deployments["digits-evaluator"]["work_pool"]["name"] == "cpu"
+
+
+async def _pool_and_deployment(template, job_variables):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from prefect_jax.flows import train
+
+    async with get_client() as client:
+        pool_name = "gpu-test"
+        try:
+            await client.delete_work_pool(pool_name)
+        except Exception:  # noqa: BLE001 - not there yet
+            pass
+        await client.create_work_pool(WorkPoolCreate(name=pool_name, type="kubernetes", base_job_template=template))
+        flow_id = await client.create_flow(train)
+        return await client.create_deployment(
+            flow_id=flow_id, name="trainer-test", work_pool_name=pool_name, job_variables=job_variables,
+            entrypoint="prefect_jax/flows/__init__.py:train",
+        )  # fmt: skip
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_the_server_accepts_the_gpu_pool_and_validates_trainer_job_variables():
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    template = kubernetes_gpu_template()
+    trainer_vars = _deployments()["digits-trainer"]["work_pool"]["job_variables"]
+    assert asyncio.run(_pool_and_deployment(template, trainer_vars))
+    with pytest.raises(PrefectHTTPStatusError, match="gpu_count"):
+        asyncio.run(_pool_and_deployment(template, {"gpu_count": "many"}))
+
+
+def test_vertex_job_variables_for_gpu_and_tpu():
+    gpu, tpu = vertex_job_variables("gpu"), vertex_job_variables("tpu")
+    assert gpu["accelerator_type"].startswith("NVIDIA_") and gpu["env"]["JAX_PLATFORMS"] == "cuda"
+    assert tpu["accelerator_type"].startswith("TPU_") and tpu["env"]["JAX_PLATFORMS"] == "tpu"
+    with pytest.raises(ValueError, match="use 'gpu' or 'tpu'"):
+        vertex_job_variables("npu")
