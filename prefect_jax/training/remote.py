@@ -57,8 +57,9 @@ REDACTED = "***"
 
 # Protocols fsspec resolves to the local disk: markers are written with a rename there.
 LOCAL_PROTOCOLS = ("file", "local")
-# Object stores whose fsspec implementations cache listings: listings must see other writers.
-_LISTING_CACHE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2")
+# Object stores: no directories to create (so no bucket is created by accident), and their fsspec
+# implementations cache listings, which must see steps other processes commit.
+_OBJECT_STORE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2")
 
 
 # -- redaction --------------------------------------------------------------------------
@@ -336,7 +337,7 @@ class RemoteSteps:
         self._options = dict(storage_options or {})
         self._secrets = _secret_values(self.url, self._options)
         options = dict(self._options)
-        if self.protocol in _LISTING_CACHE_PROTOCOLS:
+        if self.protocol in _OBJECT_STORE_PROTOCOLS:
             options.setdefault("use_listings_cache", False)  # see steps committed by other processes
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
@@ -505,10 +506,21 @@ class RemoteSteps:
         started = time.monotonic()
         self._remove_tree(step)  # files of an earlier, uncommitted upload
         target = self.step_path(step)
-        lpaths = [local] + [os.path.join(local, *d.split("/")) for d in dirs]
-        lpaths += [os.path.join(local, *f.split("/")) for f in files]
-        rpaths = [target] + [f"{target}/{d}" for d in dirs] + [f"{target}/{f}" for f in files]
-        self._call(f"uploading step {step} from {local}", self.fs.put, lpaths, rpaths)
+        lpaths = [os.path.join(local, *f.split("/")) for f in files]
+        rpaths = [f"{target}/{f}" for f in files]
+        if self.protocol not in _OBJECT_STORE_PROTOCOLS:  # directories first, parents before children
+            lpaths = [local] + [os.path.join(local, *d.split("/")) for d in dirs] + lpaths
+            rpaths = [target] + [f"{target}/{d}" for d in dirs] + rpaths
+        try:
+            self._call(f"uploading step {step} from {local}", self.fs.put, lpaths, rpaths)
+        except FileNotFoundError as exc:
+            if not os.path.isdir(local):
+                raise FileNotFoundError(
+                    f"local checkpoint step {local} disappeared while it was uploaded as step {step} (was it "
+                    "removed by local retention before its upload finished?); the step is not committed") from exc
+            raise RemoteConfigError(
+                f"cannot write step {step} under {self.safe_url} ({self._cause(exc)}): check that the bucket or "
+                "container exists and the URL is spelled right.", self.safe_url) from None
         self._verify_remote(step, manifest)
         self._write_marker(step, manifest)
         size = sum(files.values())

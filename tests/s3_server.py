@@ -1,0 +1,171 @@
+"""A real S3 API on loopback for tests: moto's server in a subprocess.
+
+Only 127.0.0.1 is used; nothing else on the network is reached. The server runs in its own
+process so that it serves uploads in parallel with the test (and with the processes a test
+starts and kills).
+
+Example:
+    ```python
+    with S3Server() as s3:
+        s3.create_bucket("ckpt")
+        fs = fsspec.filesystem("s3", **s3.storage_options)
+    ```
+
+As pytest fixtures (see tests/test_remote.py)::
+
+    @pytest.fixture(scope="module")
+    def s3():
+        with S3Server() as server:
+            server.create_bucket("ckpt")
+            yield server
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing"
+REGION = "us-east-1"
+
+# Keep boto from reading the developer's AWS config or asking an instance-metadata endpoint
+# (which is not loopback) for credentials.
+ISOLATED_AWS_ENV = {
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_DEFAULT_REGION": REGION,
+}
+UNSET_AWS_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_ROLE_ARN",
+)
+
+
+def isolate_aws_env(environ=os.environ) -> None:
+    """Point boto's credential chain at nothing but what a test passes explicitly."""
+    for name in UNSET_AWS_ENV:
+        environ.pop(name, None)
+    environ.update(ISOLATED_AWS_ENV)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def closed_port() -> int:
+    """A loopback port that refuses connections (bound and released: nothing listens)."""
+    return free_port()
+
+
+def storage_options(endpoint_url: str, key: str = ACCESS_KEY, secret: str = SECRET_KEY, **extra) -> dict:
+    """s3fs storage options for a loopback endpoint: explicit credentials, short timeouts, few retries."""
+    options = {
+        "key": key,
+        "secret": secret,
+        "client_kwargs": {"endpoint_url": endpoint_url, "region_name": REGION},
+        "config_kwargs": {"connect_timeout": 2, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}},
+        "skip_instance_cache": True,
+    }
+    options.update(extra)
+    return options
+
+
+class S3Server:
+    """moto's S3 server on 127.0.0.1:<free port>, in a subprocess, for the duration of a `with` block.
+
+    Attributes:
+        endpoint_url: ``http://127.0.0.1:<port>``.
+        storage_options: s3fs options (key, secret, client_kwargs with endpoint_url and region).
+    """
+
+    def __init__(self, port: int | None = None, startup_timeout: float = 60.0):
+        self.port = port or free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def storage_options(self) -> dict:
+        return storage_options(self.endpoint_url)
+
+    def start(self) -> "S3Server":
+        env = dict(os.environ)
+        isolate_aws_env(env)
+        env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = ACCESS_KEY, SECRET_KEY
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"moto server did not listen on {self.endpoint_url} within {self.startup_timeout:.0f}s:\n{self.log()}")
+
+    def log(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-4000:]
+
+    def filesystem(self, **extra):
+        import fsspec
+
+        extra.setdefault("use_listings_cache", False)  # tests look at what other processes wrote
+        return fsspec.filesystem("s3", **storage_options(self.endpoint_url, **extra))
+
+    def create_bucket(self, name: str) -> str:
+        """Create a bucket (if missing); returns ``s3://<name>``."""
+        fs = self.filesystem()
+        if not fs.exists(name):
+            # us-east-1 takes no LocationConstraint (s3fs's mkdir would send one).
+            fs.call_s3("create_bucket", Bucket=name)
+            fs.invalidate_cache()
+        return f"s3://{name}"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "S3Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
