@@ -94,3 +94,49 @@ def test_vertex_job_variables_for_gpu_and_tpu():
     assert tpu["accelerator_type"].startswith("TPU_") and tpu["env"]["JAX_PLATFORMS"] == "tpu"
     with pytest.raises(ValueError, match="use 'gpu' or 'tpu'"):
         vertex_job_variables("npu")
+
+
+def test_gpu_template_is_the_kubernetes_workers_default_plus_gpu_variables():
+    from prefect_kubernetes.worker import KubernetesWorker
+
+    official = KubernetesWorker.get_default_base_job_template()["variables"]["properties"]
+    ours = kubernetes_gpu_template()["variables"]["properties"]
+    assert set(official) <= set(ours)
+    assert set(ours) - set(official) == {"gpu_count", "node_selector", "tolerations", "termination_grace_period_seconds"}
+
+
+def test_the_kubernetes_worker_renders_a_gpu_job_manifest():
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    trainer_vars = _deployments()["digits-trainer"]["work_pool"]["job_variables"]
+    config = asyncio.run(
+        KubernetesWorkerJobConfiguration.from_template_and_values(kubernetes_gpu_template(), trainer_vars)
+    )
+    pod = config.job_manifest["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert container["image"] == trainer_vars["image"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["terminationGracePeriodSeconds"] == 30
+    env = config.env if isinstance(config.env, dict) else {e["name"]: e.get("value") for e in config.env}
+    assert env["JAX_PLATFORMS"] == "cuda"
+
+
+@pytest.mark.parametrize("accelerator", ["gpu", "tpu"])
+def test_vertex_job_variables_validate_and_render_with_the_vertex_workers_template(accelerator):
+    from prefect.utilities.schema_tools import validate
+    from prefect.utilities.templating import apply_values
+    from prefect_gcp.workers.vertex import VertexAIWorker
+
+    template = VertexAIWorker.get_default_base_job_template()
+    values = vertex_job_variables(accelerator)
+    validate(values, template["variables"], raise_on_error=True, ignore_required=False)
+    # Render the job spec as the worker does (without building its GCP credentials, which would
+    # look for Google's metadata server).
+    defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
+    job = apply_values(template["job_configuration"], {**defaults, **values})
+    machine = job["job_spec"]["worker_pool_specs"][0]["machine_spec"]
+    assert machine == {k: values[k] for k in ("accelerator_count", "accelerator_type", "machine_type")}
+    assert job["job_spec"]["scheduling"] == {"strategy": "SPOT"}
