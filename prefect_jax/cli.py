@@ -240,15 +240,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def job_status(job: str, storage: str) -> dict[str, Any]:
-    """Committed steps, evaluated steps per eval name, and exports of a job (no jax import)."""
+    """Committed steps, evaluated steps per eval name, and exports of a job."""
     from prefect_jax.training.storage import JobStorage
 
-    js = JobStorage(storage, job)
-    committed: list[int] = []
-    if js.protocol == "file":
-        from prefect_jax.training.checkpoints import committed_steps
+    from prefect_jax.training.remote import job_committed_steps
 
-        committed = committed_steps(js.path("checkpoints"))
+    js = JobStorage(storage, job)
+    committed = job_committed_steps(js)
     evals_dir = js.path("evals")
     try:
         names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in js.fs.ls(evals_dir, detail=False))

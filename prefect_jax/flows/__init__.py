@@ -278,7 +278,8 @@ def evaluate(
     """
     import time
 
-    from prefect_jax.training.checkpoints import committed_steps, wait_for_new_checkpoint
+    from prefect_jax.training.checkpoints import wait_for_new_checkpoint
+    from prefect_jax.training.remote import job_committed_steps
     from prefect_jax.training.control import stop_requested
     from prefect_jax.training.evaluation import EvalRecords, EvalStatus
     from prefect_jax.training.exporters import list_exports
@@ -292,12 +293,12 @@ def evaluate(
     max_steps = config.train.max_steps
     js = JobStorage(config.storage, config.job)
     records = EvalRecords(js, config.eval.name)
-    ckpt_dir = js.checkpoint_dir
+    ckpt_dir = js.remote_checkpoint_url or js.checkpoint_dir
     if config.eval.start_delay_secs:
         logger.info("waiting start_delay_secs=%g before the first evaluation", config.eval.start_delay_secs)
         time.sleep(config.eval.start_delay_secs)
     first = wait_for_new_checkpoint(
-        lambda: committed_steps(ckpt_dir), None, wait_for_first_checkpoint_secs, poll_secs, logger.info
+        lambda: job_committed_steps(js), None, wait_for_first_checkpoint_secs, poll_secs, logger.info
     )
     if first is None:
         raise TimeoutError(
@@ -319,7 +320,7 @@ def evaluate(
         if request is not None:
             stopped = f"the job was asked to stop: {request.get('reason')}"
             break
-        pending = [s for s in committed_steps(ckpt_dir) if s not in done]
+        pending = [s for s in job_committed_steps(js) if s not in done]
         if pending and not every_checkpoint:
             pending = pending[-1:]
         if not pending:

@@ -884,3 +884,12 @@ class AsyncUploader:
         if self.on_uploaded is not None:
             self.on_uploaded(job.step)
 
+
+
+def job_committed_steps(storage) -> list[int]:
+    """Committed checkpoint steps of a job (`JobStorage`), wherever its storage is."""
+    if storage.orbax_native:
+        from prefect_jax.training.checkpoints import committed_steps
+
+        return committed_steps(storage.checkpoint_dir)
+    return RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).committed_steps()

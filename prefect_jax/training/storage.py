@@ -8,15 +8,17 @@ Layout of one job under a storage root::
     <root>/<job>/exports/<exporter>/best.json      best value so far (BestExporter)
 
 Everything except the Orbax step goes through fsspec, so it works on any protocol fsspec
-reaches. Orbax itself writes local absolute paths and ``gs://``.
+reaches. Orbax itself writes local absolute paths and ``gs://``; on other protocols steps are
+written to a local staging directory and uploaded (see `prefect_jax.training.remote`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -38,17 +40,26 @@ def normalize_root(url: str) -> str:
     return url.rstrip("/")
 
 
+def cache_root() -> str:
+    """Where local copies of remote checkpoints are staged: ``PREFECT_JAX_CACHE_DIR`` or ``~/.cache/prefect-jax``."""
+    return os.path.abspath(os.environ.get("PREFECT_JAX_CACHE_DIR") or os.path.expanduser("~/.cache/prefect-jax"))
+
+
 @dataclass(frozen=True)
 class JobStorage:
     """The files of one job under one storage root.
 
     Args:
-        root: storage URL (local path, ``file://``, ``gs://``, ...).
+        root: storage URL (local path, ``file://``, ``gs://``, ``s3://``, any fsspec URL).
         job: job name: letters, digits, ``_ . -``.
+        storage_options: fsspec options for the root's filesystem (an endpoint, for one).
+            Credentials may also come from the environment or fsspec's own configuration
+            (``FSSPEC_S3_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...).
     """
 
     root: str
     job: str
+    storage_options: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "root", normalize_root(self.root))
@@ -56,8 +67,21 @@ class JobStorage:
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
-        fs, _ = fsspec.core.url_to_fs(self.root)
+        options = dict(self.storage_options)
+        if self.protocol != "file":
+            options.setdefault("use_listings_cache", False)  # see what other processes wrote
+        fs, _ = fsspec.core.url_to_fs(self.root, **options)
         return fs
+
+    @property
+    def orbax_native(self) -> bool:
+        """Whether Orbax writes this storage itself (local paths, ``gs://``)."""
+        return self.protocol in ORBAX_PROTOCOLS
+
+    @property
+    def remote_checkpoint_url(self) -> str | None:
+        """The checkpoints URL on storage Orbax cannot write (steps are staged locally, then uploaded)."""
+        return None if self.orbax_native else self.path("checkpoints")
 
     @property
     def protocol(self) -> str:
@@ -72,12 +96,11 @@ class JobStorage:
 
     @property
     def checkpoint_dir(self) -> str:
-        if self.protocol not in ORBAX_PROTOCOLS:
-            raise ValueError(
-                f"storage {self.root!r}: Orbax writes checkpoints to local paths and gs:// only, not "
-                f"{self.protocol}://; use a local directory (or a mounted volume) or a gs:// bucket"
-            )
-        return self.path("checkpoints")
+        """Where Orbax writes: the job's checkpoints, or their local staging copy for other protocols."""
+        if self.orbax_native:
+            return self.path("checkpoints")
+        digest = hashlib.sha256(self.root.encode()).hexdigest()[:16]
+        return os.path.join(cache_root(), digest, self.job, "checkpoints")
 
     def eval_dir(self, eval_name: str) -> str:
         return self.path("evals", check_name("eval name", eval_name))
@@ -101,8 +124,8 @@ class JobStorage:
         data = json.dumps(obj, indent=1, sort_keys=True).encode()
         fs = self.fs
         parent = path.rsplit("/", 1)[0]
-        fs.makedirs(parent, exist_ok=True)
         if self.protocol == "file":
+            fs.makedirs(parent, exist_ok=True)  # object stores have no directories (and must not create buckets)
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:
                 f.write(data)

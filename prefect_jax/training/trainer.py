@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -37,6 +38,8 @@ from prefect_jax.training.checkpoints import (
     CheckpointMismatchError,
     Checkpoints,
     committed_steps,
+    is_committed,
+    step_dirs,
     state_fingerprint,
     wait_for_new_checkpoint,
 )
@@ -46,6 +49,7 @@ from prefect_jax.training.evaluation import EvalRecords, EvalResult, EvalStatus,
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.lease import Lease
+from prefect_jax.training.remote import AsyncUploader, RemoteSteps
 from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.tracking import STORAGE_TAG, Tracker, flatten_params
 
@@ -95,6 +99,8 @@ def restore_or_init(
     max_wait_secs: float = 7200,
     recovery_wait_secs: float = 30,
     on_unreadable: Callable[[int, BaseException], None] | None = None,
+    list_steps: Callable[[], list[int]] | None = None,
+    prepare_step: Callable[[int], None] | None = None,
     log: Callable[[str], None] = logger.info,
 ) -> tuple[Any, int, dict | None, Any]:
     """`SessionManager.prepare_session` for a JAX train state.
@@ -115,6 +121,10 @@ def restore_or_init(
         max_wait_secs: how long to wait.
         recovery_wait_secs: how often to look while waiting.
         on_unreadable: called with (step, error) for each step skipped as unreadable.
+        list_steps: the committed steps (default: those in `checkpoint_dir`; remote storage
+            lists its own).
+        prepare_step: makes a step readable in `checkpoint_dir` before its restore (remote
+            storage downloads it).
 
     Returns:
         (state, step, metadata of the restored checkpoint or None after init, data iterator or None).
@@ -148,11 +158,14 @@ def restore_or_init(
         return state, int(name), meta, data_iter
     if checkpoint_dir:
         assert checkpoints is not None and checkpoints.directory == checkpoint_dir
-        if not checkpoints.committed_steps() and wait_for_checkpoint:
-            wait_for_new_checkpoint(checkpoints.committed_steps, None, max_wait_secs, recovery_wait_secs, log)
-        for step in reversed(checkpoints.committed_steps()):
+        list_steps = list_steps or checkpoints.committed_steps
+        if not list_steps() and wait_for_checkpoint:
+            wait_for_new_checkpoint(list_steps, None, max_wait_secs, recovery_wait_secs, log)
+        for step in reversed(list_steps()):
             data_iter = new_iter()
             try:
+                if prepare_step is not None:
+                    prepare_step(step)
                 state, meta = checkpoints.restore(step, abstract_state, data_iter)
             except CheckpointMismatchError:
                 raise
@@ -247,7 +260,15 @@ class Trainer:
             enable_compilation_cache(
                 self.storage.path("compile-cache") if config.compilation_cache_dir == "job" else config.compilation_cache_dir
             )
-        self.checkpoints = Checkpoints(self.storage.checkpoint_dir, config.checkpoint)
+        self.remote = None
+        self._uploader = None
+        checkpoint_spec = config.checkpoint
+        if not self.storage.orbax_native:
+            # Orbax writes a local stage; steps count once uploaded (marker last). Retention is
+            # applied to the remote copy after each upload, not by Orbax to the stage.
+            self.remote = RemoteSteps(self.storage.remote_checkpoint_url, self.storage.storage_options)
+            checkpoint_spec = checkpoint_spec.model_copy(update={"keep_last": None, "keep_every_steps": None})
+        self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec)
         self.records = EvalRecords(self.storage, config.eval.name)
         self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir)
         self.run_tags = dict(run_tags or {})
@@ -306,8 +327,11 @@ class Trainer:
         """
         self.checkpoints.wait()
         self._acquire_lease()
-        self.checkpoints.quarantine_uncommitted()
-        has_own = self.checkpoints.latest_committed() is not None
+        if self.remote is not None:
+            self._sync_stage()
+        else:
+            self.checkpoints.quarantine_uncommitted()
+        has_own = bool(self.committed_steps())
         state, step, meta, data_iter = restore_or_init(
             self.checkpoints,
             lambda: self.program.init(self._rng),
@@ -318,7 +342,9 @@ class Trainer:
             wait_for_checkpoint=wait_for_checkpoint,
             max_wait_secs=max_wait_secs,
             recovery_wait_secs=recovery_wait_secs,
-            on_unreadable=lambda bad, exc: self.checkpoints.quarantine(bad, "unreadable"),
+            on_unreadable=self._unreadable,
+            list_steps=self.committed_steps,
+            prepare_step=self._fetch if self.remote is not None else None,
         )
         if checkpoint_path and not has_own and step:
             data_iter = self._fresh_iter()  # warm start: weights from elsewhere, this job's data from the start
@@ -334,6 +360,56 @@ class Trainer:
         # resumed run recomputes them bit for bit, so they are not logged twice.
         self._train_logged_until = self.tracker.last_logged_step(exclude_prefix=f"{self.config.eval.name}/") or -1
         return step
+
+    def committed_steps(self) -> list[int]:
+        """The job's committed steps: on its storage (remote steps count once uploaded)."""
+        return self.remote.committed_steps() if self.remote is not None else self.checkpoints.committed_steps()
+
+    def _unreadable(self, step: int, exc: BaseException) -> None:
+        if self.remote is None:
+            self.checkpoints.quarantine(step, "unreadable")
+        else:  # drop the local copy; the remote step stays for someone to inspect
+            shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
+            self.checkpoints.manager.reload()
+
+    def _sync_stage(self) -> None:
+        """The writer's view of remote storage after a crash: partial uploads are removed, and
+        local staged steps that never got uploaded are dropped (they do not count)."""
+        pending = set(self._uploader.pending) if self._uploader is not None else set()
+        for step in self.remote.delete_uncommitted(keep=lambda s: s in pending):
+            logger.warning("checkpoint step %d at %s was never committed: removed", step, self.remote.safe_url)
+        committed = set(self.remote.committed_steps())
+        for step in step_dirs(self.checkpoints.directory):
+            if step not in committed and step not in pending:
+                shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
+        self.checkpoints.manager.reload()
+
+    def _fetch(self, step: int) -> None:
+        """Make a committed remote step readable in the local stage (download it unless it is there)."""
+        if self.remote is None or step in self.checkpoints.committed_steps():
+            return
+        self.remote.download(step, self.checkpoints.directory)
+        self.checkpoints.manager.reload()
+
+    def _upload_done(self, step: int) -> None:
+        """After an upload: apply retention to the remote steps, keep only the newest locally."""
+        spec = self.config.checkpoint
+        steps = self.remote.committed_steps()
+        keep = set(steps[-spec.keep_last :]) if spec.keep_last else set(steps)
+        if spec.keep_every_steps:
+            keep |= {s for s in steps if s % spec.keep_every_steps == 0}
+        for old in steps:
+            if old not in keep and old != step:
+                self.remote.delete(old)
+        for old in step_dirs(self.checkpoints.directory):
+            if old < step and old not in self._uploader.pending:
+                shutil.rmtree(os.path.join(self.checkpoints.directory, str(old)), ignore_errors=True)
+
+    @property
+    def uploader(self) -> AsyncUploader | None:
+        if self.remote is not None and self._uploader is None:
+            self._uploader = AsyncUploader(self.remote, on_uploaded=self._upload_done)
+        return self._uploader
 
     def _acquire_lease(self) -> None:
         self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
@@ -435,14 +511,14 @@ class Trainer:
                 if s >= first_bad:
                     shown = {k: float(v) for k, v in jax.device_get(m).items()}
                     break
-            raise NonFiniteLossError(first_bad, shown, self.checkpoints.latest_committed())
+            raise NonFiniteLossError(first_bad, shown, (self.committed_steps() or [None])[-1])
 
     def _checkpoint_before_exit(self, notice: _PreemptionNotice, logged) -> None:
         grace = self.config.train.sigterm_grace_secs
         started = time.monotonic()
         logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
         self.save()
-        waiter = threading.Thread(target=self.checkpoints.wait, daemon=True)
+        waiter = threading.Thread(target=self._wait_committed, daemon=True)
         waiter.start()
         waiter.join(timeout=max(0.0, grace - (time.monotonic() - started)))
         committed = not waiter.is_alive()
@@ -452,12 +528,18 @@ class Trainer:
         else:
             logger.error(
                 "the checkpoint of step %d did not commit within %.0fs: abandoned; step %s stays the newest valid one",
-                self.step, grace, self.checkpoints.latest_committed(),
+                self.step, grace, (self.committed_steps() or [None])[-1],
             )
         self.tracker.finish("KILLED")
         self.lease.release()
         notice.forward()
         raise Preempted(self.step, committed, notice.signum)
+
+    def _wait_committed(self) -> None:
+        """Wait until every save started so far counts: committed by Orbax, and uploaded if remote."""
+        self.checkpoints.wait()
+        if self._uploader is not None:
+            self._uploader.wait()
 
     def _log_train_metrics(self, logged) -> None:
         if not logged:
@@ -492,13 +574,21 @@ class Trainer:
             },
         )
         self._last_save = time.monotonic()
+        if self.remote is not None:
+            self.uploader.submit(self.step, os.path.join(self.checkpoints.directory, str(self.step)), ready=is_committed)
         if self.commit_listeners:
             threading.Thread(target=self._announce_commit, args=(self.step,), name="prefect-jax-commit", daemon=True).start()
 
     def _announce_commit(self, step: int) -> None:
         """Tell the commit listeners once `step` is committed (from a background thread)."""
         self.checkpoints.wait()
-        if step not in self.checkpoints.committed_steps():
+        if self.remote is not None:
+            deadline = time.monotonic() + 3600
+            while step not in self.remote.committed_steps() and time.monotonic() < deadline:
+                if step not in self.uploader.pending and step not in self.remote.committed_steps():
+                    return  # the upload failed; it is reported by the next save or finish
+                time.sleep(0.2)
+        if step not in self.committed_steps():
             return
         for fn in list(self.commit_listeners):
             try:
@@ -516,6 +606,7 @@ class Trainer:
         if self.state is not None and self.step == step:
             return self.state
         self.checkpoints.wait()
+        self._fetch(step)
         state, _ = self.checkpoints.restore(step, self.abstract_state)
         return state
 
@@ -528,8 +619,8 @@ class Trainer:
         """
         spec = self.config.eval
         if step is None:
-            step = self.step if self.state is not None else self.checkpoints.latest_committed()
-        if step is None or (self.step != step and step not in self.checkpoints.committed_steps()):
+            step = self.step if self.state is not None else (self.committed_steps() or [None])[-1]
+        if step is None or (self.step != step and step not in self.committed_steps()):
             return EvalResult(status=EvalStatus.MISSING_CHECKPOINT, name=spec.name, step=step)
         done = self.records.get(step)
         if done is not None:
@@ -600,7 +691,7 @@ class Trainer:
     def finish(self, status: str = "FINISHED") -> None:
         """Wait for pending saves, close the MLflow run with `status`, release the lease."""
         try:
-            self.checkpoints.wait()
+            self._wait_committed()
             self.tracker.finish(status)
         finally:
             self.lease.release()
@@ -608,6 +699,8 @@ class Trainer:
     def close(self) -> None:
         try:
             self.checkpoints.close()
+            if self._uploader is not None:
+                self._uploader.close()
         finally:
             self.lease.release()
 

@@ -1,0 +1,123 @@
+"""A job on s3:// (moto's S3 server on loopback): trains, survives SIGKILL mid-upload, resumes exactly.
+
+Orbax cannot write s3://: steps are staged locally, uploaded in the background, and count once
+their commit marker (written last) is there. The rerun uses a fresh local cache, as a new node
+would after preemption, so it restores by downloading.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+from prefect_jax.training.trainer import Trainer
+from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server
+
+pytestmark = pytest.mark.slow
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+PROGRAM, MAX_STEPS, EVERY = "programs:big", 500, 100
+MARKER = "_PREFECT_JAX_COMMITTED"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with S3Server() as server:
+        server.create_bucket("jobs")
+        yield server
+
+
+def _env(s3, cache_dir, api_url):
+    env = {k: v for k, v in os.environ.items() if k not in UNSET_AWS_ENV and k != "PREFECT_API_URL"}
+    env.update(ISOLATED_AWS_ENV)
+    env.update(
+        AWS_ACCESS_KEY_ID=ACCESS_KEY,
+        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+        FSSPEC_S3_ENDPOINT_URL=s3.endpoint_url,  # the endpoint from fsspec's own configuration
+        PREFECT_JAX_CACHE_DIR=str(cache_dir),
+        PREFECT_API_URL=api_url,
+        PREFECT_LOGGING_LEVEL="INFO",
+        PYTHONPATH=os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "prefect_jax.cli", *args]
+
+
+def _run_args(mlflow_uri):
+    return ["run", "--program", PROGRAM, "--job", "s3job", "--storage", "s3://jobs/team", "--max-steps", str(MAX_STEPS),
+            "--checkpoint-every-steps", str(EVERY), "--keep-last", "10", "--mlflow-tracking-uri", mlflow_uri,
+            "--json", "--no-progress"]  # fmt: skip
+
+
+def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(s3, tmp_path, prefect_server, mlflow_uri):
+    fs = s3.filesystem()
+    prefix = "jobs/team/s3job/checkpoints"
+
+    def remote():
+        try:
+            names = [p.rsplit("/", 1)[-1] for p in fs.ls(prefix, detail=False, refresh=True)]
+        except FileNotFoundError:
+            return {}
+        return {int(n): fs.exists(f"{prefix}/{n}/{MARKER}") for n in names if n.isdigit()}
+
+    log1 = open(tmp_path / "1.log", "w")
+    proc = subprocess.Popen(_cli(*_run_args(mlflow_uri)), stdout=log1, stderr=subprocess.STDOUT,
+                            env=_env(s3, tmp_path / "cache-1", prefect_server), cwd=TESTS_DIR)  # fmt: skip
+    killed_mid_upload = None
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = remote()
+            partial = [s for s, done in steps.items() if not done]
+            if partial and any(steps.values()):
+                proc.send_signal(signal.SIGKILL)
+                killed_mid_upload = partial[0]
+                break
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None and killed_mid_upload is None:
+            proc.kill()
+        proc.wait(timeout=60)
+    assert killed_mid_upload is not None, "never caught an upload in progress:\n" + (tmp_path / "1.log").read_text()[-3000:]
+    after_kill = remote()
+    assert after_kill.get(killed_mid_upload) is False, "the step killed mid-upload must not count"
+
+    status = subprocess.run(_cli("status", "--job", "s3job", "--storage", "s3://jobs/team", "--json"), capture_output=True,
+                            text=True, env=_env(s3, tmp_path / "cache-1", prefect_server), cwd=TESTS_DIR)  # fmt: skip
+    assert status.returncode == 0, status.stderr[-2000:]
+    committed = json.loads(status.stdout.splitlines()[-1])["committed_steps"]
+    assert killed_mid_upload not in committed and committed == sorted(s for s, done in after_kill.items() if done)
+
+    # A new node: empty local cache; resumes from the newest uploaded step.
+    rerun = subprocess.run(_cli(*_run_args(mlflow_uri)), capture_output=True, text=True,
+                           env=_env(s3, tmp_path / "cache-2", prefect_server), cwd=TESTS_DIR, timeout=600)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads(rerun.stdout.splitlines()[-1])
+    assert summary["final_step"] == MAX_STEPS
+    assert f"job s3job at step {committed[-1]} (restored)" in rerun.stderr
+
+    config = JobConfig(program=PROGRAM, job="straight", storage=str(tmp_path / "local"),
+                       train=TrainSpec(max_steps=MAX_STEPS), checkpoint=CheckpointSpec(every_steps=EVERY),
+                       mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    straight = Trainer(config)
+    straight.restore_or_init()
+    while straight.step < MAX_STEPS:
+        straight.train_until_checkpoint()
+    assert summary["state_fingerprint"] == straight.fingerprint()
+    straight.finish()
+
+    final = remote()
+    assert all(final.values()) and MAX_STEPS in final
+    evaluated = json.loads(subprocess.run(
+        _cli("status", "--job", "s3job", "--storage", "s3://jobs/team", "--json"), capture_output=True, text=True,
+        env=_env(s3, tmp_path / "cache-3", prefect_server), cwd=TESTS_DIR).stdout.splitlines()[-1])["evaluated_steps"]
+    assert evaluated["eval"][-1] == MAX_STEPS
+    assert not fs.exists("jobs/team/s3job/lease.json")
