@@ -37,7 +37,10 @@ def prefect_backend() -> Iterator[str]:
 
     configured = PREFECT_API_URL.value()
     if configured:
-        yield configured
+        try:
+            yield configured
+        finally:
+            _drain_prefect_workers()
         return
     server = _embedded_server_class()()
     server.start(timeout=120)
@@ -243,9 +246,11 @@ def job_status(job: str, storage: str) -> dict[str, Any]:
     """Committed steps, evaluated steps per eval name, and exports of a job."""
     from prefect_jax.training.storage import JobStorage
 
+    from prefect_jax.blocks import resolve_storage
     from prefect_jax.training.remote import job_committed_steps
 
-    js = JobStorage(storage, job)
+    url, options = resolve_storage(storage)
+    js = JobStorage(url, job, options)
     committed = job_committed_steps(js)
     evals_dir = js.path("evals")
     try:
@@ -332,13 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train any program with train_and_evaluate")
     run.add_argument("--program", required=True, help="program import path, 'package.module:attribute'")
     run.add_argument("--job", required=True, help="job name")
-    run.add_argument("--storage", required=True, help="storage root (local directory or gs:// URL)")
+    run.add_argument(
+        "--storage", required=True, help="storage root: a directory, an fsspec URL (s3://, gs://...) or jax-checkpoint-storage/<block>"
+    )
     _add_training_args(run, max_steps=1000, every=200)
     run.set_defaults(fn=cmd_run)
 
     status = sub.add_parser("status", help="committed, evaluated and exported steps of a job")
     status.add_argument("--job", required=True)
-    status.add_argument("--storage", required=True)
+    status.add_argument("--storage", required=True, help="as for run")
     status.add_argument("--json", action="store_true")
     status.set_defaults(fn=cmd_status)
 

@@ -17,15 +17,24 @@ from __future__ import annotations
 from typing import Any
 
 from prefect.blocks.core import Block
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
+
+BLOCK_PREFIX = "jax-checkpoint-storage/"
 
 
 class CheckpointStorage(Block):
     """Where checkpoints, eval records and exports of training jobs live.
 
+    Flows and the CLI take ``storage="jax-checkpoint-storage/<block name>"`` in place of a URL.
+
     Attributes:
-        url: storage root: a local absolute directory or a URL (``gs://bucket/prefix``).
-        storage_options: extra fsspec options for the URL's filesystem.
+        url: storage root: a local absolute directory or a URL (``s3://bucket/prefix``,
+            ``gs://bucket/prefix``, any fsspec URL).
+        storage_options: extra fsspec options for the URL's filesystem (not secret: an
+            endpoint URL, a region).
+        secret_options: fsspec options that are secrets (``key`` and ``secret`` for s3fs,
+            ``token`` for gcsfs...). They are given to the filesystem and nowhere else: not
+            to logs, MLflow, artifacts or checkpoint metadata.
     """
 
     _block_type_name = "JAX Checkpoint Storage"
@@ -35,6 +44,13 @@ class CheckpointStorage(Block):
 
     url: str = Field(description="Storage root: a local directory or a URL such as gs://bucket/prefix.")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="Extra fsspec storage options.")
+    secret_options: dict[str, SecretStr] = Field(
+        default_factory=dict, description="fsspec options that are secrets (e.g. key and secret for s3://)."
+    )
+
+    def fsspec_options(self) -> dict[str, Any]:
+        """The storage options with the secrets revealed, for the filesystem only."""
+        return {**self.storage_options, **{k: v.get_secret_value() for k, v in self.secret_options.items()}}
 
     @field_validator("url")
     @classmethod
@@ -47,7 +63,26 @@ class CheckpointStorage(Block):
         """The `JobStorage` of one job under this root."""
         from prefect_jax.training.storage import JobStorage
 
-        return JobStorage(self.url, job)
+        return JobStorage(self.url, job, self.fsspec_options())
+
+
+def resolve_storage(storage: str) -> tuple[str, dict[str, Any]]:
+    """A storage URL as is, or ``jax-checkpoint-storage/<name>`` loaded from Prefect: (url, fsspec options).
+
+    Raises:
+        ValueError: the block does not exist (the message names it and how to create it).
+    """
+    if not storage.startswith(BLOCK_PREFIX):
+        return storage, {}
+    name = storage[len(BLOCK_PREFIX):]
+    try:
+        block = CheckpointStorage.load(name)
+    except ValueError as exc:
+        raise ValueError(
+            f"storage block {storage!r} was not found on the Prefect server: create it with "
+            f"CheckpointStorage(url=...).save({name!r}), or pass a URL instead"
+        ) from exc
+    return block.url, block.fsspec_options()
 
 
 class MlflowTracking(Block):
@@ -66,4 +101,4 @@ class MlflowTracking(Block):
     experiment: str = Field("prefect-jax", description="MLflow experiment name.")
 
 
-__all__ = ["CheckpointStorage", "MlflowTracking"]
+__all__ = ["CheckpointStorage", "MlflowTracking", "resolve_storage"]

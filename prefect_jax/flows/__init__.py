@@ -82,10 +82,14 @@ def _job_config(
     mlflow_experiment: str = "prefect-jax",
     compilation_cache_dir: str | None = None,
 ) -> JobConfig:
+    from prefect_jax.blocks import resolve_storage
+
+    url, options = resolve_storage(storage)
     return JobConfig(
         program=program,
         job=job,
-        storage=storage,
+        storage=url,
+        storage_options=options,
         train=train_spec,
         eval=eval_spec or EvalSpec(),
         checkpoint=checkpoint_spec or CheckpointSpec(),
@@ -110,7 +114,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
         result = evaluate_if_new(config, step)
         export(config, result)
-    storage = JobStorage(config.storage, config.job)
+    storage = JobStorage(config.storage, config.job, config.storage_options)
     while step < max_steps:
         stop = stop_requested(storage)
         if stop is not None:
@@ -176,7 +180,8 @@ def train_and_evaluate(
     Args:
         program: import path of the program, ``"package.module:attribute"``.
         job: job name; files live under ``<storage>/<job>/``.
-        storage: storage root: a local directory (``gs://`` too).
+        storage: storage root: a local directory or any fsspec URL (``s3://``, ``gs://``...), or
+            ``"jax-checkpoint-storage/<block name>"`` for a saved `CheckpointStorage` block.
         train_spec: how long to train.
         eval_spec: how to evaluate, the exporters, early stopping.
         checkpoint_spec: checkpoint cadence and retention.
@@ -291,7 +296,7 @@ def evaluate(
         compilation_cache_dir,
     )  # fmt: skip
     max_steps = config.train.max_steps
-    js = JobStorage(config.storage, config.job)
+    js = JobStorage(config.storage, config.job, config.storage_options)
     records = EvalRecords(js, config.eval.name)
     ckpt_dir = js.remote_checkpoint_url or js.checkpoint_dir
     if config.eval.start_delay_secs:
@@ -382,7 +387,7 @@ def export_flow(
     from prefect_jax.training.storage import JobStorage
 
     config = _job_config(program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment)
-    records = EvalRecords(JobStorage(config.storage, config.job), config.eval.name)
+    records = EvalRecords(JobStorage(config.storage, config.job, config.storage_options), config.eval.name)
     steps = records.steps()
     if step is None and not steps:
         raise ValueError(f"job {job!r} has no evaluated step yet (eval name {config.eval.name!r}): evaluate it first")

@@ -31,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
 from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.remote import redact_url
 from prefect_jax.training.storage import JobStorage
 
 
@@ -54,7 +55,7 @@ def job_resource(config: JobConfig) -> dict[str, str]:
     return {
         "prefect.resource.id": f"prefect-jax.job.{config.job}",
         "prefect.resource.name": config.job,
-        "prefect-jax.storage": JobStorage(config.storage, config.job).root,
+        "prefect-jax.storage": redact_url(JobStorage(config.storage, config.job).root),
     }
 
 

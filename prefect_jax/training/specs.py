@@ -11,7 +11,7 @@ This module imports neither jax nor prefect.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -303,6 +303,12 @@ class JobConfig(_Spec):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str = "prefect-jax"
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        exclude=True,
+        repr=False,
+        description="fsspec options for the storage (may hold secrets: never serialized, logged or recorded).",
+    )
     compilation_cache_dir: str | None = Field(
         None,
         description="JAX persistent compilation cache: a directory, or 'job' for <storage>/<job>/compile-cache "

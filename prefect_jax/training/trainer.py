@@ -49,7 +49,7 @@ from prefect_jax.training.evaluation import EvalRecords, EvalResult, EvalStatus,
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.lease import Lease
-from prefect_jax.training.remote import AsyncUploader, RemoteSteps
+from prefect_jax.training.remote import AsyncUploader, RemoteSteps, redact_url
 from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.tracking import STORAGE_TAG, Tracker, flatten_params
 
@@ -255,7 +255,7 @@ class Trainer:
     def __init__(self, config: JobConfig, program: Any = None, run_tags: dict[str, str] | None = None):
         self.config = config
         self.program = program if program is not None else load_program(config.program)
-        self.storage = JobStorage(config.storage, config.job)
+        self.storage = JobStorage(config.storage, config.job, config.storage_options)
         if config.compilation_cache_dir:
             enable_compilation_cache(
                 self.storage.path("compile-cache") if config.compilation_cache_dir == "job" else config.compilation_cache_dir
@@ -292,6 +292,7 @@ class Trainer:
         self._train_logged_until = -1
         self.last_train_metrics: dict[str, float] = {}
         self.commit_listeners: list[Callable[[int], None]] = []
+        self._announcers: list[threading.Thread] = []
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
         self.early_stopping = (
@@ -419,7 +420,7 @@ class Trainer:
         """Find (by id, else by job tag) or create this job's MLflow run."""
         self.tracker.start(
             params=self._params(),
-            tags={STORAGE_TAG: self.storage.root, "mlflow.runName": self.config.job, **self.run_tags},
+            tags={STORAGE_TAG: redact_url(self.storage.root), "mlflow.runName": self.config.job, **self.run_tags},
             run_id=run_id,
             reopen=reopen,
         )
@@ -540,6 +541,8 @@ class Trainer:
         self.checkpoints.wait()
         if self._uploader is not None:
             self._uploader.wait()
+        for announcer in self._announcers:  # the commit events of those saves are out too
+            announcer.join(timeout=30)
 
     def _log_train_metrics(self, logged) -> None:
         if not logged:
@@ -577,7 +580,9 @@ class Trainer:
         if self.remote is not None:
             self.uploader.submit(self.step, os.path.join(self.checkpoints.directory, str(self.step)), ready=is_committed)
         if self.commit_listeners:
-            threading.Thread(target=self._announce_commit, args=(self.step,), name="prefect-jax-commit", daemon=True).start()
+            announcer = threading.Thread(target=self._announce_commit, args=(self.step,), name="prefect-jax-commit", daemon=True)
+            announcer.start()
+            self._announcers = [t for t in self._announcers if t.is_alive()] + [announcer]
 
     def _announce_commit(self, step: int) -> None:
         """Tell the commit listeners once `step` is committed (from a background thread)."""
