@@ -2,7 +2,9 @@
 
 `PrefectServerProcess` runs ``prefect server start`` on a free loopback port with its own
 PREFECT_HOME; `ServeProcess` runs ``python tests/deployment_helpers.py serve``, which serves
-the `train_and_evaluate` flow as the deployment ``train_and_evaluate/<name>``. Both run in
+the `train_and_evaluate` flow as the deployment ``train_and_evaluate/<name>``, or (with
+``mode="serve-roles"``) ``... serve-roles``, which serves the trainer and evaluator roles as
+the deployments ``train/trainer`` and ``evaluate/evaluator`` in one process. Both run in
 their own process group, so a SIGKILL of the group takes every child with it (a preempted
 machine), and both are always cleaned up by `stop()`.
 """
@@ -20,6 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEPLOYMENT = "rerun-test"
+TRAINER = "train/trainer"  # the deployments of `serve_roles`
+EVALUATOR = "evaluate/evaluator"
 
 
 def free_port() -> int:
@@ -126,9 +130,10 @@ class PrefectServerProcess(_GroupProcess):
 
 
 class ServeProcess(_GroupProcess):
-    """``train_and_evaluate.serve(name=DEPLOYMENT)`` against `api_url`; each flow run is a child process."""
+    """``train_and_evaluate.serve(name=DEPLOYMENT)`` against `api_url` (or, with
+    ``mode="serve-roles"``, `serve_roles`); each flow run is a child process."""
 
-    def __init__(self, api_url: str, home: Path, log: Path, **extra_env: str):
+    def __init__(self, api_url: str, home: Path, log: Path, mode: str = "serve", **extra_env: str):
         home.mkdir(parents=True, exist_ok=True)
         env = _base_env(
             PREFECT_HOME=str(home),
@@ -138,7 +143,9 @@ class ServeProcess(_GroupProcess):
             PYTHONPATH=os.pathsep.join(p for p in (str(HERE), str(ROOT), os.environ.get("PYTHONPATH")) if p),
         )
         env.update(extra_env)
-        super().__init__([sys.executable, str(Path(__file__).resolve()), "serve"], env, log)
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: use one of {sorted(MODES)}")
+        super().__init__([sys.executable, str(Path(__file__).resolve()), mode], env, log)
 
 
 def serve(name: str = DEPLOYMENT) -> None:
@@ -147,8 +154,94 @@ def serve(name: str = DEPLOYMENT) -> None:
     train_and_evaluate.serve(name=name, limit=1, print_starting_message=False)
 
 
+def serve_roles() -> None:
+    """The trainer and the evaluator of a job as two deployments of one `serve` process
+    (``train/trainer``, ``evaluate/evaluator``); room for a few runs at once."""
+    from prefect import serve as serve_all
+
+    from prefect_jax.flows import evaluate, train
+
+    serve_all(
+        train.to_deployment(name=TRAINER.split("/")[1]),
+        evaluate.to_deployment(name=EVALUATOR.split("/")[1]),
+        limit=4,
+        print_starting_message=False,
+    )
+
+
+MODES = {"serve": serve, "serve-roles": serve_roles}
+
+
+# -- shared by the deployment tests ----------------------------------------------------------
+
+
+def dead(pid: int) -> bool:
+    """Gone, or a zombie (a child whose parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def logs(*procs: _GroupProcess, chars: int = 6000) -> str:
+    """The tails of the processes' logs, for assertion messages."""
+    return "\n".join(f"--- {p.log.name} ---\n{p.tail(chars)}" for p in procs)
+
+
+def wait_for_deployments(client, serve: ServeProcess, names: list[str], timeout: float = 120.0) -> dict:
+    """``{name: deployment}`` once `serve` has registered every deployment in `names`."""
+    found: dict = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not serve.alive():
+            raise AssertionError(f"serve exited early\n{logs(serve)}")
+        for name in names:
+            if name not in found:
+                try:
+                    found[name] = client.read_deployment_by_name(name)
+                except Exception:  # noqa: BLE001 - not registered yet
+                    pass
+        if len(found) == len(names):
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"deployments {sorted(set(names) - set(found))} not registered after {timeout:.0f}s\n{logs(serve)}")
+
+
+def job_config(params: dict):
+    """The engine's JobConfig for a deployment run's JSON parameters."""
+    from prefect_jax.training.specs import JobConfig
+
+    return JobConfig(
+        program=params["program"],
+        job=params["job"],
+        storage=params["storage"],
+        train=params["train_spec"],
+        checkpoint=params["checkpoint_spec"],
+        mlflow_tracking_uri=params["mlflow_tracking_uri"],
+    )
+
+
+def checkpoint_fingerprint(config, step: int) -> tuple[str, dict]:
+    """Fingerprint and metadata of one committed step of a job, read-only (no lease, no MLflow)."""
+    import jax
+
+    from prefect_jax.training.checkpoints import Checkpoints, state_fingerprint
+    from prefect_jax.training.program import load_program
+    from prefect_jax.training.storage import JobStorage
+
+    program = load_program(config.program)
+    abstract = jax.eval_shape(program.init, jax.random.key(config.train.seed))
+    checkpoints = Checkpoints(JobStorage(config.storage, config.job).checkpoint_dir, read_only=True)
+    try:
+        state, meta = checkpoints.restore(step, abstract)
+    finally:
+        checkpoints.close()
+    return state_fingerprint(state), meta
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["serve"]:
-        serve()
+    if len(sys.argv) == 2 and sys.argv[1] in MODES:
+        MODES[sys.argv[1]]()
     else:
-        sys.exit(f"usage: {sys.argv[0]} serve")
+        sys.exit(f"usage: {sys.argv[0]} {{{','.join(MODES)}}}")

@@ -23,7 +23,17 @@ from pathlib import Path
 
 import pytest
 
-from deployment_helpers import DEPLOYMENT, ROOT, PrefectServerProcess, ServeProcess
+from deployment_helpers import (
+    DEPLOYMENT,
+    ROOT,
+    PrefectServerProcess,
+    ServeProcess,
+    checkpoint_fingerprint,
+    dead,
+    job_config,
+    logs,
+    wait_for_deployments,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -46,18 +56,6 @@ def _params(storage: Path, job: str, mlflow_uri: str) -> dict:
     }
 
 
-def _config(params: dict):
-    from prefect_jax.training.specs import JobConfig
-
-    return JobConfig(
-        program=params["program"],
-        job=params["job"],
-        storage=params["storage"],
-        train=params["train_spec"],
-        checkpoint=params["checkpoint_spec"],
-        mlflow_tracking_uri=params["mlflow_tracking_uri"],
-    )
-
 
 def _uninterrupted_fingerprint(config) -> str:
     """Train the job from scratch to max_steps in this process with the engine, as the flow does."""
@@ -74,46 +72,8 @@ def _uninterrupted_fingerprint(config) -> str:
         trainer.close()
 
 
-def _checkpoint(config, step: int) -> tuple[str, dict]:
-    """Fingerprint and metadata of one committed step, read-only (no lease, no MLflow)."""
-    import jax
-
-    from prefect_jax.training.checkpoints import Checkpoints, state_fingerprint
-    from prefect_jax.training.program import load_program
-    from prefect_jax.training.storage import JobStorage
-
-    program = load_program(config.program)
-    abstract = jax.eval_shape(program.init, jax.random.key(config.train.seed))
-    checkpoints = Checkpoints(JobStorage(config.storage, config.job).checkpoint_dir, read_only=True)
-    try:
-        state, meta = checkpoints.restore(step, abstract)
-    finally:
-        checkpoints.close()
-    return state_fingerprint(state), meta
 
 
-def _dead(pid: int) -> bool:
-    """Gone, or a zombie (an orphan whose reaper has not run yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def _logs(*procs) -> str:
-    return "\n".join(f"--- {p.log.name} ---\n{p.tail(6000)}" for p in procs)
-
-
-def _wait_for_deployment(client, serve: ServeProcess, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert serve.alive(), f"serve exited early\n{_logs(serve)}"
-        try:
-            return client.read_deployment_by_name(f"train_and_evaluate/{DEPLOYMENT}")
-        except Exception:  # noqa: BLE001 - not registered yet
-            time.sleep(0.5)
-    raise AssertionError(f"deployment not registered after {timeout:.0f}s\n{_logs(serve)}")
 
 
 def _wait_for_commit(checkpoint_dir: Path, at_least: int, client, flow_run_id, serve: ServeProcess, timeout: float) -> int:
@@ -128,10 +88,10 @@ def _wait_for_commit(checkpoint_dir: Path, at_least: int, client, flow_run_id, s
             return steps[-1]
         if time.monotonic() >= next_check:
             state = client.read_flow_run(flow_run_id).state
-            assert serve.alive() and not state.is_final(), f"the run ended before step {at_least}: {state}\n{_logs(serve)}"
+            assert serve.alive() and not state.is_final(), f"the run ended before step {at_least}: {state}\n{logs(serve)}"
             next_check = time.monotonic() + 1.0
         time.sleep(0.02)
-    raise AssertionError(f"no committed step >= {at_least} after {timeout:.0f}s\n{_logs(serve)}")
+    raise AssertionError(f"no committed step >= {at_least} after {timeout:.0f}s\n{logs(serve)}")
 
 
 def _wait_final(client, flow_run_id, serve: ServeProcess, timeout: float):
@@ -140,9 +100,9 @@ def _wait_final(client, flow_run_id, serve: ServeProcess, timeout: float):
         run = client.read_flow_run(flow_run_id)
         if run.state.is_final():
             return run
-        assert serve.alive(), f"serve exited while the retried run is {run.state}\n{_logs(serve)}"
+        assert serve.alive(), f"serve exited while the retried run is {run.state}\n{logs(serve)}"
         time.sleep(0.5)
-    raise AssertionError(f"the retried run is still {client.read_flow_run(flow_run_id).state} after {timeout:.0f}s\n{_logs(serve)}")
+    raise AssertionError(f"the retried run is still {client.read_flow_run(flow_run_id).state} after {timeout:.0f}s\n{logs(serve)}")
 
 
 def _task_runs(client, flow_run_id):
@@ -196,9 +156,9 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     # creates the MLflow tables, which takes seconds; the two jobs get one MLflow run each).
     storage, job, mlflow_uri = tmp_path / "storage", "rerun", f"sqlite:///{tmp_path}/mlflow.db"
     params = _params(storage, job, mlflow_uri)
-    reference = _config(_params(tmp_path / "reference", job, mlflow_uri))
+    reference = job_config(_params(tmp_path / "reference", job, mlflow_uri))
     expected = _uninterrupted_fingerprint(reference)
-    assert _checkpoint(reference, MAX_STEPS)[0] == expected
+    assert checkpoint_fingerprint(reference, MAX_STEPS)[0] == expected
 
     server.wait_healthy()
     job_dir = storage / job
@@ -209,7 +169,7 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     ) as client:
         first = ServeProcess(server.api_url, tmp_path / "serve-home", tmp_path / "serve-1.log", **serve_env)
         processes.append(first)
-        _wait_for_deployment(client, first)
+        wait_for_deployments(client, first, [f"train_and_evaluate/{DEPLOYMENT}"])[f"train_and_evaluate/{DEPLOYMENT}"]
         flow_run = run_deployment(name=f"train_and_evaluate/{DEPLOYMENT}", parameters=params, timeout=0)
 
         # The machine is lost mid-run: SIGKILL serve and the flow-run process together.
@@ -220,9 +180,9 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         first.proc.wait(timeout=30)
         assert lease["pid"] in flow_run_pids and lease["flow_run_id"] == str(flow_run.id), (lease, flow_run_pids)
         deadline = time.monotonic() + 30
-        while not all(_dead(pid) for pid in flow_run_pids) and time.monotonic() < deadline:
+        while not all(dead(pid) for pid in flow_run_pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert all(_dead(pid) for pid in flow_run_pids)
+        assert all(dead(pid) for pid in flow_run_pids)
 
         committed = committed_steps(str(job_dir / "checkpoints"))
         resume_from = committed[-1]
@@ -239,7 +199,7 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         second = ServeProcess(server.api_url, tmp_path / "serve-home", tmp_path / "serve-2.log", **serve_env)
         processes.append(second)
         done = _wait_final(client, flow_run.id, second, timeout=240)
-        assert done.state.is_completed(), f"{done.state}\n{_logs(first, second)}"
+        assert done.state.is_completed(), f"{done.state}\n{logs(first, second)}"
         assert done.run_count == 2
         summary = done.state.result()
         runs = _task_runs(client, flow_run.id)
@@ -247,8 +207,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     # Same end as the uninterrupted run: the flow's own summary, and its final checkpoint.
     assert summary["final_step"] == MAX_STEPS
     assert summary["state_fingerprint"] == expected
-    config = _config(params)
-    fingerprint, meta = _checkpoint(config, MAX_STEPS)
+    config = job_config(params)
+    fingerprint, meta = checkpoint_fingerprint(config, MAX_STEPS)
     assert fingerprint == expected
     assert meta["prefect.flow_run_id"] == str(flow_run.id) and meta["pid"] != lease["pid"]
 
@@ -260,7 +220,7 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     assert retried[0].name == f"restore or init {job}" and all(r.state.is_completed() for r in retried)
 
     # It took over the dead trainer's lease, and released it at the end.
-    assert "taking over the lease" in second.tail(200_000), _logs(second)
+    assert "taking over the lease" in second.tail(200_000), logs(second)
     assert not (job_dir / "lease.json").exists()
 
     # Every step committed, each checkpoint evaluated once, one MLflow run with each step logged once.

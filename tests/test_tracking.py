@@ -56,3 +56,19 @@ def test_tracking_failure_fails_in_strict_mode(tmp_path):
     blocker.write_text("x")
     with pytest.raises(NotADirectoryError):
         Tracker(f"sqlite:///{blocker}/sub/mlflow.db", "e", "job").start({})
+
+
+def test_exports_are_logged_as_artifacts_beside_the_sqlite_store(job_config, mlflow_uri):
+    from prefect_jax.training.specs import FinalExporter
+
+    config = job_config(max_steps=20, exporters=[FinalExporter()]).model_copy(update={"mlflow_experiment": "artifacts-test"})
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    train_to_end(trainer)
+    trainer.finish()
+    client = MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name("artifacts-test")
+    db_dir = mlflow_uri[len("sqlite:///") :].rsplit("/", 1)[0]
+    assert experiment.artifact_location == f"file://{db_dir}/mlartifacts/artifacts-test"
+    names = sorted(a.path for a in client.list_artifacts(trainer.tracker.run_id, "exports/final/20"))
+    assert names == ["exports/final/20/export.json", "exports/final/20/model.jax_export"]

@@ -43,7 +43,14 @@ def _config_from(parameters: dict[str, Any]) -> JobConfig | None:
 
 def _close_mlflow_run(status: str):
     def hook(flow, flow_run, state):
-        from prefect_jax.training.trainer import _live
+        import sys
+
+        # Prefect may run this hook in a worker or `serve` process that never trained: do not
+        # import jax, Orbax and MLflow there just to find nothing (it delays the rerun).
+        trainer_module = sys.modules.get("prefect_jax.training.trainer")
+        if trainer_module is None:
+            return
+        _live = trainer_module._live
 
         config = _config_from(flow_run.parameters)
         if config is None:

@@ -257,6 +257,7 @@ def wait_for_new_checkpoint(
         The newest committed step, or None when the deadline passed without one.
     """
     deadline = clock() + timeout
+    next_log = clock()
     while True:
         steps = [s for s in list_steps() if after is None or s > after]
         if steps:
@@ -264,5 +265,7 @@ def wait_for_new_checkpoint(
         left = deadline - clock()
         if left <= 0:
             return None
-        log(f"no committed checkpoint yet; waiting up to {left:.0f}s more (polling every {poll_secs:g}s)")
+        if clock() >= next_log:  # say so at first, then every 30 s, not at every poll
+            log(f"no committed checkpoint yet; waiting up to {left:.0f}s more (polling every {poll_secs:g}s)")
+            next_log = clock() + 30
         sleep(min(poll_secs, left))

@@ -49,6 +49,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import fsspec
 
+from prefect_jax.training.storage import atomic_write
+
 logger = logging.getLogger("prefect_jax.remote")
 
 COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"
@@ -563,12 +565,7 @@ class RemoteSteps:
         path = self.marker_path(step)
         data = manifest.to_json()
         if self.protocol in LOCAL_PROTOCOLS and "::" not in self.url:
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            atomic_write(path, data)
         else:
             self._call(f"writing the commit marker of step {step}", self.fs.pipe_file, path, data)
         self._invalidate(path)

@@ -40,6 +40,16 @@ def normalize_root(url: str) -> str:
     return url.rstrip("/")
 
 
+def atomic_write(path: str, data: bytes) -> None:
+    """Write a local file so that readers see the old file or the whole new one (temp file, fsync, rename)."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def cache_root() -> str:
     """Where local copies of remote checkpoints are staged: ``PREFECT_JAX_CACHE_DIR`` or ``~/.cache/prefect-jax``."""
     return os.path.abspath(os.environ.get("PREFECT_JAX_CACHE_DIR") or os.path.expanduser("~/.cache/prefect-jax"))
@@ -122,18 +132,11 @@ class JobStorage:
     def write_json(self, path: str, obj: Any) -> None:
         """Write JSON so a reader never sees half a file (rename on local disks; one PUT elsewhere)."""
         data = json.dumps(obj, indent=1, sort_keys=True).encode()
-        fs = self.fs
-        parent = path.rsplit("/", 1)[0]
         if self.protocol == "file":
-            fs.makedirs(parent, exist_ok=True)  # object stores have no directories (and must not create buckets)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # object stores have no directories (and must not create buckets)
+            atomic_write(path, data)
         else:
-            fs.pipe_file(path, data)
+            self.fs.pipe_file(path, data)
 
     def list_int_names(self, path: str) -> list[int]:
         """Integer-named entries directly under `path` (``<step>`` dirs or ``<step>.json`` files), sorted."""

@@ -100,7 +100,7 @@ class Tracker:
         """
         client = self.client
         exp = client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment, artifact_location=self._artifact_root())
         run = None
         if run_id:
             try:
@@ -124,6 +124,14 @@ class Tracker:
             client.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id
         return self.run_id
+
+    def _artifact_root(self) -> str | None:
+        """For a SQLite store, artifacts go beside the database (not into ./mlruns of whatever the
+        working directory was); other stores keep their server's default."""
+        if self.tracking_uri.startswith("sqlite:///"):
+            db = self.tracking_uri[len("sqlite:///") :]
+            return "file://" + os.path.join(os.path.dirname(os.path.abspath(db)), "mlartifacts", self.experiment)
+        return None
 
     @_guarded
     def log_metrics(self, rows: Iterable[tuple[str, float, int]]) -> None:

@@ -349,6 +349,8 @@ class Trainer:
         )
         if checkpoint_path and not has_own and step:
             data_iter = self._fresh_iter()  # warm start: weights from elsewhere, this job's data from the start
+        # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
+        self._attach_tracking((meta or {}).get("mlflow_run_id"))
         if step < self.config.train.max_steps:
             control.record_attempt(
                 self.storage, step, self.config.train.max_reruns_without_progress, self.run_tags.get("prefect.flow_run_id", "")
@@ -356,7 +358,6 @@ class Trainer:
         self.state, self.step, self.data_iter = state, step, data_iter
         self._last_save = time.monotonic()
         self._notify(step, self.config.train.max_steps, {})
-        self._attach_tracking((meta or {}).get("mlflow_run_id"))
         # Steps between the last checkpoint and a crash may have been logged already; the
         # resumed run recomputes them bit for bit, so they are not logged twice.
         self._train_logged_until = self.tracker.last_logged_step(exclude_prefix=f"{self.config.eval.name}/") or -1
