@@ -128,6 +128,12 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
         capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     assert status["committed_steps"][-1] == at, "zero steps lost: the step the signal arrived at is committed"
     assert "Finished in state Crashed" in log2 and not os.path.exists(lease_path)
+    client = MlflowClient(mlflow_uri)
+    (killed_run,) = client.search_runs(
+        [client.get_experiment_by_name("prefect-jax").experiment_id],
+        filter_string=f"tags.`prefect_jax.job` = '{os.path.join(storage, 'pre')}'",
+    )
+    assert killed_run.info.status == "KILLED"
 
     # 3. SIGKILL mid-interval, after the next boundary committed.
     proc = _start(storage, mlflow_uri, prefect_server, logs / "3.log")

@@ -87,6 +87,18 @@ def test_a_planted_secret_appears_nowhere(s3, tmp_path, prefect_server, mlflow_u
     assert "checkpointed" in places["prefect logs"] and "prefect-jax.checkpoint.committed" in places["events"]
     assert "train.max_steps" in places["mlflow params"]
     assert any('"step": 40' in a["data"] for a in json.loads(places["artifacts"]) if a["type"] == "table")
+    # The evaluator role reads the same bucket (its own eval name, so it has work to do).
+    from prefect_jax.flows import evaluate
+    from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
+
+    evaluated = evaluate(
+        program="prefect_jax.examples.digits:tiny", job="leaky", storage="jax-checkpoint-storage/leak-test",
+        train_spec=TrainSpec(max_steps=40), checkpoint_spec=CheckpointSpec(every_steps=20),
+        eval_spec=EvalSpec(name="second-opinion"), mlflow_tracking_uri=mlflow_uri, poll_secs=0.2,
+    )  # fmt: skip
+    assert evaluated["evaluated"] == [20, 40]
+    assert sorted(fs.ls("secret-jobs/team/leaky/evals/second-opinion", detail=False))[-1].endswith("40.json")
+
     leaked = [where for where, text in places.items() if PLANTED in text]
     assert leaked == []
     assert PLANTED not in repr(CheckpointStorage.load("leak-test"))

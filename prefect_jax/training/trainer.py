@@ -218,6 +218,9 @@ class _PreemptionNotice:
     def forward(self) -> None:
         """Deliver the signal to the handler that was installed before us."""
         previous = self._previous
+        if self._installed:
+            signal.signal(signal.SIGTERM, previous)
+            self._installed = False
         if callable(previous):
             previous(self.signum, None)
         elif previous == signal.SIG_DFL:
