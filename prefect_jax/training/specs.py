@@ -149,17 +149,8 @@ class CheckpointSpec(_Spec):
         return self
 
 
-class LatestExporter(_Spec):
-    """Export every evaluated checkpoint, keeping the newest `keep` exports (TF's `LatestExporter`)."""
-
-    kind: Literal["latest"] = "latest"
-    name: str = "latest"
-    keep: int | None = Field(5, description="Number of exports to keep (None: all).")
-
-    @field_validator("keep")
-    @classmethod
-    def _keep(cls, v):
-        return _positive("keep", v, "keep at least 1 export, or None to keep all", True)
+class _Exporter(_Spec):
+    name: str
 
     @field_validator("name")
     @classmethod
@@ -167,7 +158,23 @@ class LatestExporter(_Spec):
         return check_name("exporter name", v)
 
 
-class BestExporter(_Spec):
+class _KeepingExporter(_Exporter):
+    keep: int | None = Field(5, description="Number of exports to keep (None: all).")
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, v):
+        return _positive("keep", v, "keep at least 1 export, or None to keep all", True)
+
+
+class LatestExporter(_KeepingExporter):
+    """Export every evaluated checkpoint, keeping the newest `keep` exports (TF's `LatestExporter`)."""
+
+    kind: Literal["latest"] = "latest"
+    name: str = "latest"
+
+
+class BestExporter(_KeepingExporter):
     """Export a checkpoint when its eval `metric` beats every earlier one (TF's `BestExporter`).
 
     The best value so far is stored next to the exports, so it survives restarts.
@@ -177,29 +184,13 @@ class BestExporter(_Spec):
     name: str = "best"
     metric: str = Field("loss", description="Eval metric to compare.")
     mode: Literal["min", "max"] = Field("min", description="'min' if lower is better, 'max' if higher.")
-    keep: int | None = Field(5, description="Number of exports to keep (None: all).")
-
-    @field_validator("keep")
-    @classmethod
-    def _keep(cls, v):
-        return _positive("keep", v, "keep at least 1 export, or None to keep all", True)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v):
-        return check_name("exporter name", v)
 
 
-class FinalExporter(_Spec):
+class FinalExporter(_Exporter):
     """Export only the final checkpoint, the one at or past `max_steps` (TF's `FinalExporter`)."""
 
     kind: Literal["final"] = "final"
     name: str = "final"
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v):
-        return check_name("exporter name", v)
 
 
 ExporterSpec = Annotated[Union[LatestExporter, BestExporter, FinalExporter], Field(discriminator="kind")]
