@@ -35,6 +35,15 @@ def prefect_server():
 
 
 @pytest.fixture(scope="session")
+def s3_server():
+    """One moto S3 server on loopback for the session (tests create their own buckets)."""
+    from s3_server import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory):
     """One MLflow SQLite store for the session (creating its tables takes seconds); jobs differ by storage path."""
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"

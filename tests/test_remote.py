@@ -32,7 +32,7 @@ from prefect_jax.training.remote import (
     redact_options,
     redact_url,
 )
-from s3_server import S3Server, closed_port, isolate_aws_env, storage_options
+from s3_server import closed_port, isolate_aws_env, storage_options
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,7 +42,7 @@ TOKEN = "FwoGZXIvYXdzEJr-SESSION-TOKEN-0123456789"
 
 
 @pytest.fixture(scope="module")
-def s3():
+def s3(s3_server):
     """moto's S3 server on loopback with one bucket, for this module; AWS env isolated."""
     with pytest.MonkeyPatch.context() as mp:
         env = dict(os.environ)
@@ -52,9 +52,8 @@ def s3():
         for name, value in env.items():
             if os.environ.get(name) != value:
                 mp.setenv(name, value)
-        with S3Server() as server:
-            server.create_bucket(BUCKET)
-            yield server
+        s3_server.create_bucket(BUCKET)
+        yield s3_server
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
-from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server
+from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +26,9 @@ MARKER = "_PREFECT_JAX_COMMITTED"
 
 
 @pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        server.create_bucket("jobs")
-        yield server
+def s3(s3_server):
+    s3_server.create_bucket("jobs")
+    return s3_server
 
 
 def _env(s3, cache_dir, api_url):

@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from prefect_jax.blocks import CheckpointStorage
-from s3_server import ACCESS_KEY, REGION, S3Server, isolate_aws_env
+from s3_server import ACCESS_KEY, REGION, isolate_aws_env
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +25,9 @@ PLANTED = "s3cr3t-PLANTED-7f3a9c2e"
 
 
 @pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        server.create_bucket("secret-jobs")
-        yield server
+def s3(s3_server):
+    s3_server.create_bucket("secret-jobs")
+    return s3_server
 
 
 def _post(api, path, body):
