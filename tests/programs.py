@@ -64,7 +64,26 @@ def diverges_at_33():
 
 class BigDigits(DigitsProgram):
     """Tiny digits carrying 24 MiB of random (incompressible) ballast in its state, so that a
-    checkpoint takes long enough to write that a test can kill the process in the middle of it."""
+    checkpoint takes long enough to write that a test can kill the process in the middle of it.
+
+    Its batches come at most one per `step_secs` (one pipeline thread), so an interval lasts
+    long enough for a signal sent "mid-interval" to land there: the digits pipeline alone
+    makes a step take well under a millisecond.
+    """
+
+    step_secs = 0.01
+
+    def train_data(self, seed: int):
+        import time
+
+        import grain
+
+        def paced(batch):
+            time.sleep(self.step_secs)
+            return batch
+
+        options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=1)
+        return super().train_data(seed).map(paced).to_iter_dataset(options)
 
     def init(self, rng):
         import jax

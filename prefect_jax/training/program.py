@@ -17,6 +17,9 @@ Optionally:
 - ``serve(state, inputs) -> outputs`` and ``serving_input() -> jax.ShapeDtypeStruct``: what
   exporters write (a serialized ``jax.export`` artifact that runs without the program's code).
 - ``config``: a JSON-able dict describing the program, part of its fingerprint.
+- ``read_options``: the ``grain.ReadOptions`` the trainer iterates a ``MapDataset`` from
+  ``train_data`` with (default Grain's: prefetch threads, right for heavy per-record work;
+  a pipeline that only slices arrays is faster with ``grain.ReadOptions(num_threads=0)``).
 
 Programs are named by import path, ``"package.module:attribute"``, so a Prefect deployment
 can carry the name as a JSON parameter.
