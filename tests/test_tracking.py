@@ -47,15 +47,19 @@ def test_tracking_failure_warns_and_training_goes_on(job_config, tmp_path, monke
     with pytest.warns(TrackingWarning, match=f"sqlite:///{blocker}/sub/mlflow.db"):
         trainer = Trainer(config)
         trainer.restore_or_init()
+        trainer.tracker.flush()  # MLflow is opened in the background: wait for it
     trainer.train_until_checkpoint()
     assert trainer.step == 20
+    trainer.finish()  # waits for the (failing) writes: warnings, no error
 
 
 def test_tracking_failure_fails_in_strict_mode(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
+    tracker = Tracker(f"sqlite:///{blocker}/sub/mlflow.db", "e", "job")
+    tracker.start({})  # returns at once: the failure comes out of the next call that waits
     with pytest.raises(NotADirectoryError):
-        Tracker(f"sqlite:///{blocker}/sub/mlflow.db", "e", "job").start({})
+        tracker.flush()
 
 
 def test_exports_are_logged_as_artifacts_beside_the_sqlite_store(job_config, mlflow_uri):
@@ -72,3 +76,25 @@ def test_exports_are_logged_as_artifacts_beside_the_sqlite_store(job_config, mlf
     assert experiment.artifact_location == f"file://{db_dir}/mlartifacts/artifacts-test"
     names = sorted(a.path for a in client.list_artifacts(trainer.tracker.run_id, "exports/final/20"))
     assert names == ["exports/final/20/export.json", "exports/final/20/model.jax_export"]
+
+
+def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_config, monkeypatch):
+    # MLflow writes are asynchronous: a process can die after a checkpoint commits and before
+    # that interval's metrics reach MLflow. They travel in the checkpoint, and the rerun logs them.
+    config = job_config(max_steps=40, every_steps=20)
+    first = Trainer(config)
+    first.restore_or_init()
+    with monkeypatch.context() as m:
+        m.setattr(Tracker, "_log_new_metrics", lambda self, rows, prefix: None)  # the writes never happen
+        first.train_until_checkpoint()
+        first.checkpoints.wait()
+    first.close()
+    assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "loss") == []
+
+    rerun = Trainer(config)
+    assert rerun.restore_or_init() == 20
+    rerun.train_until_checkpoint()
+    rerun.finish()
+    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.tracker.run_id, "loss")
+    assert sorted(m.step for m in history) == [10, 20, 30, 40]  # each once
+    rerun.close()

@@ -30,7 +30,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from prefect_jax.tasks import evaluate_if_new, export, restore_or_init, train_until_checkpoint
+from prefect_jax.tasks import evaluate_if_new, export, publisher, restore_or_init, train_until_checkpoint
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
 
 
@@ -110,6 +110,12 @@ def _progress(step: int, max_steps: int, job: str) -> dict[str, Any]:
     return {"progress": 100.0 * min(step, max_steps) / max_steps, "description": f"training {job}: step {step} of {max_steps}"}
 
 
+def _evaluate_and_export(config: JobConfig, step: int) -> None:
+    result = evaluate_if_new(config, step)
+    if config.eval.exporters:  # no task run per interval for exporters that are not there
+        export(config, result)
+
+
 def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str | None]:
     """Train (and, in local mode, evaluate and export) until max_steps or a stop request."""
     from prefect_jax.training.control import stop_requested
@@ -119,20 +125,21 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     progress = create_progress_artifact(**_progress(step, max_steps, config.job))
     if evaluate and step > 0:
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
-        result = evaluate_if_new(config, step)
-        export(config, result)
+        _evaluate_and_export(config, step)
     storage = JobStorage(config.storage, config.job, config.storage_options)
-    while step < max_steps:
+    try:
+        while step < max_steps:
+            stop = stop_requested(storage)
+            if stop is not None:
+                return step, stop.get("reason")
+            step = train_until_checkpoint(config, step)
+            publisher.submit(update_progress_artifact, progress, **_progress(step, max_steps, config.job))
+            if evaluate:
+                _evaluate_and_export(config, step)
         stop = stop_requested(storage)
-        if stop is not None:
-            return step, stop.get("reason")
-        step = train_until_checkpoint(config, step)
-        update_progress_artifact(progress, **_progress(step, max_steps, config.job))
-        if evaluate:
-            result = evaluate_if_new(config, step)
-            export(config, result)
-    stop = stop_requested(storage)
-    return step, stop.get("reason") if stop else None
+        return step, stop.get("reason") if stop else None
+    finally:
+        publisher.flush()
 
 
 def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
@@ -355,7 +362,8 @@ def evaluate(
                 last_eval_at = time.monotonic()
                 evaluated.append(step)
                 last = result
-                export(config, result)
+                if config.eval.exporters:
+                    export(config, result)
                 if result.stop_reason:
                     stopped = result.stop_reason
                     break
@@ -363,6 +371,7 @@ def evaluate(
                 logger.warning("step %d was deleted by retention before it could be evaluated", step)
             if not every_checkpoint:
                 break
+    publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
     return {
         "job": job,

@@ -22,8 +22,13 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
+import logging
+import queue
 import re
-from typing import Any
+import threading
+import time
+from typing import Any, Callable
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
@@ -38,6 +43,48 @@ from prefect_jax.training.storage import JobStorage
 def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")[:100]
+
+
+class _Publisher:
+    """Prefect API calls that only refresh what people see (artifacts), made in order by one
+    background thread, so a training loop never waits on an HTTP round trip for them.
+
+    Each call runs in a copy of the caller's context, so an artifact is still linked to the
+    flow and task run that asked for it. Failures are logged, never raised: the UI may lag,
+    training does not stop. Flows `flush` before they return.
+    """
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._work, name="prefect-jax-publish", daemon=True)
+                self._thread.start()
+        self._queue.put((contextvars.copy_context(), fn, args, kwargs))
+
+    def _work(self) -> None:
+        while True:
+            context, fn, args, kwargs = self._queue.get()
+            try:
+                context.run(fn, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the UI may lag; training goes on
+                logging.getLogger("prefect_jax.tasks").warning("could not publish %s: %r", getattr(fn, "__name__", fn), exc)
+            finally:
+                self._queue.task_done()
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every submitted call has run (at most `timeout` seconds); True if all did."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+
+publisher = _Publisher()
 
 
 def _run_tags() -> dict[str, str]:
@@ -136,6 +183,9 @@ def restore_or_init(
     else from `init`. With `wait_for_checkpoint`, waits up to `max_wait_secs` for a first
     checkpoint, logging every `recovery_wait_secs`.
 
+    The job's MLflow run is found or created on a background thread while the checkpoint is
+    restored and the first step compiles; the task returns once it is known.
+
     Returns:
         ``{"step": int, "mlflow_run_id": str | None, "checkpoint_dir": str}``
     """
@@ -147,14 +197,11 @@ def restore_or_init(
         max_wait_secs=max_wait_secs,
         recovery_wait_secs=recovery_wait_secs,
     )
-    logger.info(
-        "job %s at step %d (%s); MLflow run %s",
-        config.job,
-        step,
-        "restored" if step else "initialised",
-        trainer.tracker.run_id,
-    )
-    return {"step": step, "mlflow_run_id": trainer.tracker.run_id, "checkpoint_dir": trainer.checkpoints.directory}
+    # MLflow opened in the background during the restore; training starts once the run is known,
+    # so that its first interval does not share the CPU with MLflow's start.
+    run_id = trainer.tracker.run_id
+    logger.info("job %s at step %d (%s); MLflow run %s", config.job, step, "restored" if step else "initialised", run_id)
+    return {"step": step, "mlflow_run_id": run_id, "checkpoint_dir": trainer.checkpoints.directory}
 
 
 @task(
@@ -207,7 +254,8 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
     if result.status is EvalStatus.EVALUATED:
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
         logger.info("%s at step %d: %s", config.eval.name, result.step, metrics)
-        create_table_artifact(
+        publisher.submit(
+            create_table_artifact,
             key=artifact_key(config.job, config.eval.name, "results"),
             table=[as_row(r) for r in trainer.records.all()],
             description=f"{config.eval.name} results of job {config.job} by global step",
@@ -231,4 +279,4 @@ def export(config: JobConfig, result) -> dict[str, str]:
     return written
 
 
-__all__ = ["evaluate_if_new", "export", "restore_or_init", "train_until_checkpoint"]
+__all__ = ["evaluate_if_new", "export", "publisher", "restore_or_init", "train_until_checkpoint"]

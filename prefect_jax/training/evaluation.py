@@ -87,24 +87,35 @@ def aggregate(eval_step: Callable, state, batches, steps: int | None) -> tuple[d
 
 
 class EvalRecords:
-    """Durable record of evaluated steps: ``<job>/evals/<name>/<step>.json``."""
+    """Durable record of evaluated steps: ``<job>/evals/<name>/<step>.json``.
+
+    A step's record is written once and never changes, so records read or written here are
+    kept in memory: the results table of every eval does not re-read every earlier record.
+    """
 
     def __init__(self, storage: JobStorage, name: str):
         self.storage = storage
         self.name = name
         self.dir = storage.eval_dir(name)
+        self._known: dict[int, EvalResult] = {}
 
     def steps(self) -> list[int]:
         return self.storage.list_int_names(self.dir)
 
     def get(self, step: int) -> EvalResult | None:
-        data = self.storage.read_json(f"{self.dir}/{int(step)}.json")
-        return EvalResult.model_validate(data) if data else None
+        step = int(step)
+        if step not in self._known:
+            data = self.storage.read_json(f"{self.dir}/{step}.json")
+            if not data:
+                return None
+            self._known[step] = EvalResult.model_validate(data)
+        return self._known[step]
 
     def put(self, result: EvalResult) -> None:
         if result.status is not EvalStatus.EVALUATED:
             raise ValueError(f"only EVALUATED results are recorded, got {result.status.value}")
         self.storage.write_json(f"{self.dir}/{result.step}.json", result.model_dump(mode="json"))
+        self._known[int(result.step)] = result
 
     def last_evaluated_at(self) -> float | None:
         steps = self.steps()

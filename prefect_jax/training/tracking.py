@@ -1,8 +1,13 @@
 """MLflow records of a job: one run per job, found again by tag when the job runs again.
 
+Every MLflow call runs on one background thread, in the order made: importing MLflow and
+opening its store (seconds, for SQLite) overlap the restore and the first compile, and a
+training loop never waits on a metric write. Calls that answer something (`run_id`, the
+reads) wait for what came before them; `flush` and `finish` wait for everything.
+
 Tracking failures become warnings and training goes on, except in strict mode
 (``PREFECT_JAX_MLFLOW_STRICT=1``, set by the test suite), where they raise, as MLflow's
-own Keras callback does in tests.
+own Keras callback does in tests (a background failure is raised by the next call that waits).
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import logging
 import os
 import time
 import warnings
-from typing import Any, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable
 
 logger = logging.getLogger("prefect_jax.tracking")
 
@@ -37,7 +43,7 @@ class TrackingWarning(UserWarning):
 def _guarded(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        if self.client is None:
+        if self._client is None:
             return None
         try:
             return fn(self, *args, **kwargs)
@@ -79,26 +85,90 @@ class Tracker:
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.experiment = experiment
         self.job_key = job_key
-        self.run_id: str | None = None
-        self.client = None
+        self._run_id: str | None = None
+        self._started: Future | None = None
+        self._client = None
+        self._logged_until: int | None = None  # the last train step in MLflow before this process; None: not looked up
+        self._logged_at: dict[str, set[int]] = {}  # steps of a metric known to be in MLflow (looked up once)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-jax-mlflow")
+        self._pending: list[Future] = []
+        self._submit(self._connect)
+
+    # -- the background thread ----------------------------------------------------------
+
+    def _submit(self, fn: Callable, *args, **kwargs) -> Future:
+        future = self._pool.submit(fn, *args, **kwargs)
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [future]
+        return future
+
+    def flush(self) -> None:
+        """Wait for every call made so far; in strict mode, raise the first one that failed."""
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+
+    def _wait(self, fn: Callable, *args, **kwargs):
+        self.flush()
+        return self._submit(fn, *args, **kwargs).result()
+
+    def _connect(self) -> None:
         try:
             from mlflow.tracking import MlflowClient
 
-            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
         except Exception as exc:  # noqa: BLE001
             if strict():
                 raise
             warnings.warn(f"MLflow unavailable at {self.tracking_uri}: {exc!r}", TrackingWarning, stacklevel=2)
 
-    @_guarded
+    @property
+    def client(self):
+        """The MlflowClient (None if MLflow is unavailable), once every call made so far is done."""
+        self.flush()
+        return self._client
+
+    @property
+    def run_id(self) -> str | None:
+        """The job's run id, once `start` has found or created it (None before `start`)."""
+        if self._started is not None:
+            self._started.result()
+        return self._run_id
+
+    @property
+    def started(self) -> bool:
+        """Whether `start` was called (its answer may still be on its way)."""
+        return self._started is not None
+
+    def run_id_if_known(self) -> str | None:
+        """The run id if `start` has already found it; never waits."""
+        return self._run_id if self._started is not None and self._started.done() else None
+
+    def close(self) -> None:
+        """Finish the calls made so far and stop the background thread."""
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    # -- the calls ------------------------------------------------------------------------
+
     def start(
         self, params: dict[str, Any], tags: dict[str, str] | None = None, run_id: str | None = None, reopen: bool = True
-    ) -> str:
+    ) -> None:
         """Find this job's run (by `run_id` or by job tag) or create it; mark it RUNNING if `reopen`.
 
         Params are logged only when the run is created, so a rerun never conflicts with them.
+        Returns at once; `run_id` waits for the answer.
         """
-        client = self.client
+        self._logged_until = None
+        self._logged_at = {}
+        self._started = self._submit(self._start, params, tags, run_id, reopen)
+
+    @_guarded
+    def _start(self, params: dict[str, Any], tags: dict[str, str] | None, run_id: str | None, reopen: bool) -> str:
+        client = self._client
         exp = client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment, artifact_location=self._artifact_root())
         run = None
@@ -122,8 +192,8 @@ class Tracker:
                 client.log_batch(run.info.run_id, params=items[i : i + 100])
         elif reopen and run.info.status != "RUNNING":
             client.update_run(run.info.run_id, status="RUNNING")
-        self.run_id = run.info.run_id
-        return self.run_id
+        self._run_id = run.info.run_id
+        return self._run_id
 
     def _artifact_root(self) -> str | None:
         """For a SQLite store, artifacts go beside the database (not into ./mlruns of whatever the
@@ -133,42 +203,97 @@ class Tracker:
             return "file://" + os.path.join(os.path.dirname(os.path.abspath(db)), "mlartifacts", self.experiment)
         return None
 
-    @_guarded
     def log_metrics(self, rows: Iterable[tuple[str, float, int]]) -> None:
-        """Log ``(key, value, step)`` rows in one batched call."""
+        """Log ``(key, value, step)`` rows in one batched call (in the background)."""
+        self._submit(self._log_metrics, list(rows))
+
+    def log_new_metrics(self, rows: Iterable[tuple[str, float, int]], exclude_prefix: str = "") -> None:
+        """Log the rows past the last step this run had before this process started (in the background).
+
+        A resumed job recomputes, bit for bit, the steps between its checkpoint and a crash,
+        some of which may have been logged: they are not logged twice.
+        """
+        self._submit(self._log_new_metrics, list(rows), exclude_prefix)
+
+    def log_metrics_once(self, rows: Iterable[tuple[str, float, int]], key: str, step: int) -> None:
+        """Log the rows unless `key` is already logged at `step` (a crash between log and record)."""
+        self._submit(self._log_metrics_once, list(rows), key, step)
+
+    @_guarded
+    def _log_metrics(self, rows: list[tuple[str, float, int]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         metrics = [Metric(k, float(v), now, int(s)) for k, v, s in rows]
         for i in range(0, len(metrics), 1000):
-            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+            self._client.log_batch(self._run_id, metrics=metrics[i : i + 1000])
 
     @_guarded
+    def _log_new_metrics(self, rows: list[tuple[str, float, int]], exclude_prefix: str) -> None:
+        if self._logged_until is None:
+            self._logged_until = self._last_logged_step(exclude_prefix)
+            self._logged_until = -1 if self._logged_until is None else self._logged_until
+        fresh = [r for r in rows if r[2] > self._logged_until]
+        if fresh:
+            self._log_metrics(fresh)
+            self._logged_until = max(r[2] for r in fresh)
+
+    @_guarded
+    def _log_metrics_once(self, rows: list[tuple[str, float, int]], key: str, step: int) -> None:
+        if key not in self._logged_at:  # one history read per key and process, then kept up to date
+            self._logged_at[key] = {m.step for m in self._client.get_metric_history(self._run_id, key)}
+        if step not in self._logged_at[key]:
+            self._log_metrics(rows)
+            self._logged_at[key].add(step)
+
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
-        self.client.log_artifacts(self.run_id, local_dir, artifact_path)
+        self._submit(self._log_artifacts, local_dir, artifact_path)
 
     @_guarded
+    def _log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        self._client.log_artifacts(self._run_id, local_dir, artifact_path)
+
     def set_tags(self, tags: dict[str, str]) -> None:
+        self._submit(self._set_tags, dict(tags))
+
+    @_guarded
+    def _set_tags(self, tags: dict[str, str]) -> None:
         for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, v)
+            self._client.set_tag(self._run_id, k, v)
 
-    @_guarded
     def finish(self, status: str = "FINISHED") -> None:
-        if self.run_id:
-            self.client.set_terminated(self.run_id, status=status)
+        """Mark the run terminated with `status`, after every earlier call; waits for it."""
+        self._wait(self._finish, status)
 
     @_guarded
+    def _finish(self, status: str) -> None:
+        if self._run_id:
+            self._client.set_terminated(self._run_id, status=status)
+
+    # -- reads (wait for the calls before them) -----------------------------------------------
+
     def has_metric_at(self, key: str, step: int) -> bool:
         """Whether `key` was already logged at `step` (so a retried write is not logged twice)."""
-        return any(m.step == step for m in self.client.get_metric_history(self.run_id, key))
+        return self._wait(self._has_metric_at, key, step)
 
     @_guarded
+    def _has_metric_at(self, key: str, step: int) -> bool:
+        return any(m.step == step for m in self._client.get_metric_history(self._run_id, key))
+
     def last_logged_step(self, exclude_prefix: str = "") -> int | None:
         """The highest step at which any metric (except those under `exclude_prefix`) was logged."""
-        keys = [k for k in self.client.get_run(self.run_id).data.metrics if not (exclude_prefix and k.startswith(exclude_prefix))]
-        steps = [m.step for k in keys for m in self.client.get_metric_history(self.run_id, k)]
-        return max(steps) if steps else None
+        return self._wait(self._last_logged_step, exclude_prefix)
 
     @_guarded
+    def _last_logged_step(self, exclude_prefix: str) -> int | None:
+        client = self._client
+        keys = [k for k in client.get_run(self._run_id).data.metrics if not (exclude_prefix and k.startswith(exclude_prefix))]
+        steps = [m.step for k in keys for m in client.get_metric_history(self._run_id, k)]
+        return max(steps) if steps else None
+
     def metric_history(self, key: str) -> list[tuple[int, float]]:
-        return [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)]
+        return self._wait(self._metric_history, key)
+
+    @_guarded
+    def _metric_history(self, key: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in self._client.get_metric_history(self._run_id, key)]

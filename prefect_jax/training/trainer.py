@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import grain
 import jax
 
 from prefect_jax.training import exporters as exp
@@ -65,10 +66,11 @@ def add_progress_listener(fn: ProgressListener) -> Callable[[], None]:
     return lambda: _progress_listeners.remove(fn) if fn in _progress_listeners else None
 
 
-def jnp_int(value: int):
-    import jax.numpy as jnp
+def guard_int(value: int):
+    """An int32 scalar for the step guard: a numpy scalar, so making one dispatches nothing."""
+    import numpy as np
 
-    return jnp.asarray(value, jnp.int32)
+    return np.int32(value)
 
 
 def enable_compilation_cache(directory: str) -> None:
@@ -80,10 +82,11 @@ def enable_compilation_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _iterate(dataset):
-    """An iterator (with get_state/set_state) over a Grain MapDataset or IterDataset."""
+def _iterate(dataset, read_options=None):
+    """An iterator (with get_state/set_state) over a Grain MapDataset (read with `read_options`,
+    default Grain's) or IterDataset."""
     if hasattr(dataset, "to_iter_dataset"):
-        dataset = dataset.to_iter_dataset()
+        dataset = dataset.to_iter_dataset(read_options) if read_options is not None else dataset.to_iter_dataset()
     return iter(dataset)
 
 
@@ -245,6 +248,33 @@ def _guarded_step(train_step: Callable, check_finite: bool) -> Callable:
     return step
 
 
+def _scanned(step: Callable) -> Callable:
+    """`step(state, batch, guard)` over a leading axis of stacked batches, in one `lax.scan`:
+    returns (state, metrics stacked per step, guard)."""
+
+    def run(state, batches, guard):
+        def body(carry, batch):
+            state, metrics, guard = step(carry[0], batch, carry[1])
+            return (state, guard), metrics
+
+        (state, guard), metrics = jax.lax.scan(body, (state, guard), batches)
+        return state, metrics, guard
+
+    return run
+
+
+def _stack(batches: list):
+    """K host batches (pytrees of arrays) as one pytree with a leading axis of K."""
+    import numpy as np
+
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+
+def _metrics_at(metrics, index: int | None):
+    """One step's metrics: as they are (one step per dispatch), or row `index` of a scan's stack."""
+    return metrics if index is None else jax.tree.map(lambda m: m[index], metrics)
+
+
 class Trainer:
     """One job's live training session.
 
@@ -283,16 +313,19 @@ class Trainer:
                 f"{config.program!r} has no serve(state, inputs) and serving_input(): add them, or drop the exporters"
             )
         # The CPU backend cannot donate buffers (it would warn on every compile); GPU/TPU can.
-        donate = (0, 2) if jax.default_backend() != "cpu" else ()
-        self._train_step = jax.jit(_guarded_step(self.program.train_step, config.train.check_finite), donate_argnums=donate)
+        # The guard is never donated: the loop reads an earlier one after later steps ran.
+        donate = (0,) if jax.default_backend() != "cpu" else ()
+        guarded = _guarded_step(self.program.train_step, config.train.check_finite)
+        self._train_step = jax.jit(guarded, donate_argnums=donate)
+        self._scan_steps = jax.jit(_scanned(guarded), donate_argnums=donate)
         self._eval_step = jax.jit(self.program.eval_step)
         self._rng = jax.random.key(config.train.seed)
         self._abstract = None
+        self._precompiling: threading.Thread | None = None
         self.state = None
         self.step: int | None = None
         self.data_iter = None
         self._last_save = time.monotonic()
-        self._train_logged_until = -1
         self.last_train_metrics: dict[str, float] = {}
         self.commit_listeners: list[Callable[[int], None]] = []
         self._announcers: list[threading.Thread] = []
@@ -311,7 +344,7 @@ class Trainer:
         return self._abstract
 
     def _fresh_iter(self):
-        return _iterate(self.program.train_data(self.config.train.seed))
+        return _iterate(self.program.train_data(self.config.train.seed), getattr(self.program, "read_options", None))
 
     def restore_or_init(
         self,
@@ -331,6 +364,7 @@ class Trainer:
         """
         self.checkpoints.wait()
         self._acquire_lease()
+        self._start_precompile()
         if self.remote is not None:
             self._sync_stage()
         else:
@@ -354,6 +388,8 @@ class Trainer:
             data_iter = self._fresh_iter()  # warm start: weights from elsewhere, this job's data from the start
         # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
         self._attach_tracking((meta or {}).get("mlflow_run_id"))
+        # The restored interval's train metrics, in case its process died before writing them.
+        self.tracker.log_new_metrics([tuple(r) for r in (meta or {}).get("train_metrics", [])], exclude_prefix=self._eval_prefix)
         if step < self.config.train.max_steps:
             control.record_attempt(
                 self.storage, step, self.config.train.max_reruns_without_progress, self.run_tags.get("prefect.flow_run_id", "")
@@ -361,10 +397,45 @@ class Trainer:
         self.state, self.step, self.data_iter = state, step, data_iter
         self._last_save = time.monotonic()
         self._notify(step, self.config.train.max_steps, {})
-        # Steps between the last checkpoint and a crash may have been logged already; the
-        # resumed run recomputes them bit for bit, so they are not logged twice.
-        self._train_logged_until = self.tracker.last_logged_step(exclude_prefix=f"{self.config.eval.name}/") or -1
         return step
+
+    def _start_precompile(self) -> None:
+        """Compile the train step (and the eval step) for the job's shapes on a background
+        thread, so the compile overlaps the restore instead of following it: the first call
+        then finds the executable in jit's cache. Only for Grain MapDatasets, whose first
+        batch is read by index without starting the pipeline; any failure is left for the
+        real call to report."""
+        if self._precompiling is not None or self.state is not None:
+            return
+        import numpy as np
+
+        def spec(tree):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+
+        def compile_steps():
+            try:
+                train_data = self.program.train_data(self.config.train.seed)
+                if isinstance(train_data, grain.MapDataset):
+                    batch, guard = spec(train_data[0]), spec((guard_int(0), guard_int(-1)))
+                    k = self.config.train.steps_per_dispatch
+                    if k == 1:
+                        self._train_step.lower(self.abstract_state, batch, guard).compile()
+                    else:
+                        stacked = jax.tree.map(lambda b: jax.ShapeDtypeStruct((k, *b.shape), b.dtype), batch)
+                        self._scan_steps.lower(self.abstract_state, stacked, guard).compile()
+                eval_data = self.program.eval_data()
+                if isinstance(eval_data, grain.MapDataset):
+                    self._eval_step.lower(self.abstract_state, spec(eval_data[0])).compile()
+            except Exception:  # noqa: BLE001 - the real call compiles again and reports it
+                logger.debug("background compile failed", exc_info=True)
+
+        self.abstract_state  # noqa: B018 - traced here, not in two threads at once
+        self._precompiling = threading.Thread(target=compile_steps, name="prefect-jax-compile", daemon=True)
+        self._precompiling.start()
+
+    def _join_precompile(self) -> None:
+        if self._precompiling is not None:
+            self._precompiling.join()
 
     def committed_steps(self) -> list[int]:
         """The job's committed steps: on its storage (remote steps count once uploaded)."""
@@ -473,23 +544,35 @@ class Trainer:
         """
         self._require_live()
         self._acquire_lease()
+        self._join_precompile()  # its executable is the one this loop calls
         spec = self.config.train
         target = self.next_boundary()
         every_secs = self.config.checkpoint.every_secs
-        log_every = spec.log_every_steps
-        logged: list[tuple[int, Any]] = []
-        state, step, it, train_step = self.state, self.step, self.data_iter, self._train_step
-        guard = (jnp_int(step), jnp_int(-1))
+        log_every, per_dispatch = spec.log_every_steps, spec.steps_per_dispatch
+        # (step, metrics, row): row is None for one step's metrics, else the step's row in a scan's stack.
+        logged: list[tuple[int, Any, int | None]] = []
+        state, step, it = self.state, self.step, self.data_iter
+        guard = (guard_int(step), guard_int(-1))
+        checked = None  # the guard of the previous log point: read one log point later, so the loop never waits on it
         try:
             with _PreemptionNotice() as notice:
                 while step < target:
-                    state, metrics, guard = train_step(state, next(it), guard)
-                    step += 1
-                    if step % log_every == 0 or step == target:
-                        logged.append((step, metrics))
-                        self._check_finite(guard, logged)
+                    start = step
+                    if per_dispatch == 1:
+                        state, metrics, guard = self._train_step(state, next(it), guard)
+                        step += 1
+                    else:
+                        n = min(per_dispatch, target - step)
+                        state, metrics, guard = self._scan_steps(state, _stack([next(it) for _ in range(n)]), guard)
+                        step += n
+                    due = [s for s in range(start + 1, step + 1) if s % log_every == 0 or s == target]
+                    if due:
+                        logged.extend((s, metrics, None if per_dispatch == 1 else s - start - 1) for s in due)
+                        if checked is not None:
+                            self._check_finite(checked, logged)
+                        checked = guard
                         if _progress_listeners:
-                            self._notify(step, spec.max_steps, metrics)
+                            self._notify(step, spec.max_steps, _metrics_at(*logged[-1][1:]))
                     if notice.requested:
                         break
                     if every_secs is not None and time.monotonic() - self._last_save >= every_secs:
@@ -501,8 +584,9 @@ class Trainer:
         except BaseException:
             self._forget_live_state()
             raise
-        self.save()
-        self._log_train_metrics(logged)
+        rows = self._train_rows(logged)
+        self.save(rows)
+        self.tracker.log_new_metrics(rows, exclude_prefix=self._eval_prefix)
         self._notify(step, spec.max_steps, self.last_train_metrics)
         return step
 
@@ -512,24 +596,26 @@ class Trainer:
         first_bad = int(guard[1])
         if first_bad >= 0:
             shown = {}
-            for s, m in logged:
+            for s, m, row in logged:
                 if s >= first_bad:
-                    shown = {k: float(v) for k, v in jax.device_get(m).items()}
+                    shown = {k: float(v) for k, v in jax.device_get(_metrics_at(m, row)).items()}
                     break
+            self._wait_committed()  # the error names the checkpoint a rerun resumes from: let saves in flight land
             raise NonFiniteLossError(first_bad, shown, (self.committed_steps() or [None])[-1])
 
     def _checkpoint_before_exit(self, notice: _PreemptionNotice, logged) -> None:
         grace = self.config.train.sigterm_grace_secs
         started = time.monotonic()
         logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
-        self.save()
+        rows = self._train_rows(logged)
+        self.save(rows)
         waiter = threading.Thread(target=self._wait_committed, daemon=True)
         waiter.start()
         waiter.join(timeout=max(0.0, grace - (time.monotonic() - started)))
         committed = not waiter.is_alive()
         if committed:
             logger.warning("step %d committed in %.2fs after SIGTERM", self.step, time.monotonic() - started)
-            self._log_train_metrics(logged)
+            self.tracker.log_new_metrics(rows, exclude_prefix=self._eval_prefix)
         else:
             logger.error(
                 "the checkpoint of step %d did not commit within %.0fs: abandoned; step %s stays the newest valid one",
@@ -548,14 +634,17 @@ class Trainer:
         for announcer in self._announcers:  # the commit events of those saves are out too
             announcer.join(timeout=30)
 
-    def _log_train_metrics(self, logged) -> None:
+    @property
+    def _eval_prefix(self) -> str:
+        return f"{self.config.eval.name}/"
+
+    def _train_rows(self, logged) -> list[tuple[str, float, int]]:
+        """The interval's logged train metrics as MLflow rows (one device-to-host copy)."""
         if not logged:
-            return
-        values = jax.device_get(logged)
+            return []
+        values = [(s, _metrics_at(m, row)) for s, m, row in jax.device_get(logged)]
         self.last_train_metrics = {k: float(v) for k, v in values[-1][1].items()}
-        rows = [(k, v, s) for s, m in values if s > self._train_logged_until for k, v in m.items()]
-        self.tracker.log_metrics(rows)
-        self._train_logged_until = max(self._train_logged_until, values[-1][0])
+        return [(k, float(v), s) for s, m in values for k, v in m.items()]
 
     def _notify(self, step, max_steps, metrics):
         for fn in list(_progress_listeners):
@@ -564,8 +653,15 @@ class Trainer:
             except Exception:  # noqa: BLE001 - a broken progress bar must not stop training
                 logger.exception("progress listener failed")
 
-    def save(self) -> None:
-        """Start an asynchronous checkpoint of the live state at the current step."""
+    def save(self, train_metrics: list[tuple[str, float, int]] = ()) -> None:
+        """Start an asynchronous checkpoint of the live state at the current step.
+
+        MLflow writes are asynchronous, so the interval's train metrics (`train_metrics`) go
+        into the checkpoint too: a process killed after this step commits but before they
+        reach MLflow has them logged by the rerun that restores this step (nothing is logged
+        twice). Earlier writes are waited for first (they had a whole interval to finish).
+        """
+        self.tracker.flush()
         self.checkpoints.save(
             self.step,
             self.state,
@@ -574,9 +670,12 @@ class Trainer:
                 "program": self.config.program,
                 "program_fingerprint": self.program_fingerprint,
                 "config_fingerprint": self.config.fingerprint(),
-                "mlflow_run_id": self.tracker.run_id,
+                # Known unless MLflow is still opening (the first save of a fresh process): then
+                # evaluators and reruns find the run by its job tag instead.
+                "mlflow_run_id": self.tracker.run_id_if_known(),
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
+                "train_metrics": [list(r) for r in train_metrics],
                 **self.run_tags,
             },
         )
@@ -642,9 +741,16 @@ class Trainer:
             if before is not None and before(step) is False:
                 return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
         state = self._state_at(step)
-        if self.tracker.run_id is None:  # an evaluator: join the trainer's run, leave its status alone
+        if not self.tracker.started:  # an evaluator: join the trainer's run, leave its status alone
             self._attach_tracking(self.checkpoints.read_meta(step).get("mlflow_run_id"), reopen=False)
-        metrics, n, examples = aggregate(self._eval_step, state, _iterate(self.program.eval_data()), spec.steps)
+        # A finite pass needs no resumable iterator: a MapDataset is read by index, without Grain's
+        # prefetch threads (starting them cost more than this whole eval on small sets).
+        eval_data = self.program.eval_data()
+        if isinstance(eval_data, grain.MapDataset):
+            batches = (eval_data[i] for i in range(len(eval_data)))
+        else:
+            batches = _iterate(eval_data)
+        metrics, n, examples = aggregate(self._eval_step, state, batches, spec.steps)
         result = EvalResult(
             status=EvalStatus.EVALUATED,
             name=spec.name,
@@ -655,8 +761,9 @@ class Trainer:
             evaluated_at=time.time(),
             is_final=is_final,
         )
-        if not self.tracker.has_metric_at(f"{spec.name}/{next(iter(metrics))}", step):  # a crash between log and record
-            self.tracker.log_metrics([(f"{spec.name}/{k}", v, step) for k, v in metrics.items()])
+        # Unless a crash came between this log and the record below, in an earlier attempt.
+        self.tracker.log_metrics_once([(f"{spec.name}/{k}", v, step) for k, v in metrics.items()], f"{spec.name}/{next(iter(metrics))}", step)
+        self.tracker.flush()  # the metrics are in MLflow before the record says this step is done
         self.records.put(result)
         reason = control.after_eval_stop_reason(result, self.records, self.early_stopping, self.eval_hooks)
         if reason:
@@ -710,6 +817,7 @@ class Trainer:
             self.checkpoints.close()
             if self._uploader is not None:
                 self._uploader.close()
+            self.tracker.close()
         finally:
             self.lease.release()
 

@@ -1,0 +1,85 @@
+"""`TrainSpec.steps_per_dispatch`: K steps per jitted `lax.scan` give the same training as one
+step per call (same checkpoints, logged steps and data position; state equal up to float
+reassociation), and still catch a NaN at its exact step."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from prefect_jax.training.errors import NonFiniteLossError
+from prefect_jax.training.trainer import Trainer
+
+
+def _train(config) -> Trainer:
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < config.train.max_steps:
+        trainer.train_until_checkpoint()
+    trainer.checkpoints.wait()
+    return trainer
+
+
+def _leaves(state):
+    is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+    return jax.tree.leaves(jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, jax.device_get(state)))
+
+
+def test_scanned_steps_match_one_step_per_dispatch(job_config):
+    # every_steps=10 with K=4: each interval is scans of 4, 4 and a shorter one of 2.
+    per_step = _train(job_config(max_steps=30, every_steps=10, job="k1"))
+    scanned = _train(job_config(max_steps=30, every_steps=10, job="k4", steps_per_dispatch=4))
+
+    assert scanned.step == per_step.step == 30
+    assert scanned.checkpoints.committed_steps() == per_step.checkpoints.committed_steps() == [10, 20, 30]
+    # The data stream is at the same position, and the dropout key advanced the same way.
+    assert scanned.data_iter.get_state() == per_step.data_iter.get_state()
+    np.testing.assert_array_equal(
+        jax.random.key_data(scanned.state["rng"]), jax.random.key_data(per_step.state["rng"])
+    )
+    # Params and Adam moments: equal up to reassociation, not necessarily bit for bit.
+    for a, b in zip(_leaves(scanned.state), _leaves(per_step.state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # Training metrics went to MLflow at the same steps, with the same values.
+    k1 = per_step.tracker.client.get_metric_history(per_step.tracker.run_id, "loss")
+    k4 = scanned.tracker.client.get_metric_history(scanned.tracker.run_id, "loss")
+    assert [m.step for m in k4] == [m.step for m in k1] == [10, 20, 30]
+    np.testing.assert_allclose([m.value for m in k4], [m.value for m in k1], rtol=1e-4)
+    per_step.close()
+    scanned.close()
+
+
+def test_scanned_steps_resume_from_a_checkpoint_like_one_step_per_dispatch(job_config):
+    straight = _train(job_config(max_steps=20, every_steps=10, job="straight"))
+    first = Trainer(job_config(max_steps=20, every_steps=10, job="resumed", steps_per_dispatch=3))
+    first.restore_or_init()
+    first.train_until_checkpoint()
+    first.checkpoints.wait()
+    first.close()
+    resumed = _train(job_config(max_steps=20, every_steps=10, job="resumed", steps_per_dispatch=3))
+    assert resumed.checkpoints.committed_steps() == [10, 20]
+    assert resumed.data_iter.get_state() == straight.data_iter.get_state()
+    for a, b in zip(_leaves(resumed.state), _leaves(straight.state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    straight.close()
+    resumed.close()
+
+
+def test_scanned_steps_name_the_first_nan_step_and_keep_it_out_of_checkpoints(job_config, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    trainer = Trainer(job_config(max_steps=60, every_steps=20, program="programs:diverges_at_33", steps_per_dispatch=8))
+    trainer.restore_or_init()
+    assert trainer.train_until_checkpoint() == 20
+    with pytest.raises(NonFiniteLossError, match="step 33 .*newest checkpoint is step 20"):
+        trainer.train_until_checkpoint()
+    trainer.checkpoints.wait()
+    assert trainer.checkpoints.committed_steps() == [20]
+    trainer.close()
+
+
+def test_steps_per_dispatch_must_be_positive():
+    from prefect_jax.training.specs import TrainSpec
+
+    with pytest.raises(ValueError, match="steps_per_dispatch=0 must be a positive number"):
+        TrainSpec(max_steps=10, steps_per_dispatch=0)
