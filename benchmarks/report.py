@@ -1,0 +1,173 @@
+"""Turns the results of `run.py` into the summary (ratios, targets) and BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+
+SYSTEMS = (
+    ("plain", "hand-written JAX + optax + Orbax loop (the floor)"),
+    ("plain_scan", "the same loop, {dispatch} steps per jitted `lax.scan`"),
+    ("prefect_jax", "`train_and_evaluate`, standing `prefect server`"),
+    ("prefect_jax_scan", "`train_and_evaluate`, standing server, `steps_per_dispatch={dispatch}`"),
+    ("prefect_jax_ephemeral", "`train_and_evaluate`, ephemeral Prefect (server started inside the run)"),
+    ("keras", "Keras 3 `fit` + `BackupAndRestore`, JAX backend"),
+    ("before", "`train_and_evaluate`, standing server, before this change (`--baseline`)"),
+)
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _get(d, *keys):
+    for k in keys:
+        if d is None:
+            return None
+        d = d.get(k)
+    return d
+
+
+def _slope(points):
+    """Least-squares slope of (x, y) points."""
+    points = [(x, y) for x, y in points if y is not None]
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / den if den else None
+
+
+def summarize(report: dict) -> dict:
+    peers = report["peers"]
+    floor_loop = _get(peers, "plain", "loop_s")
+    floor_wall = _get(peers, "plain", "wall_s")
+    ratios = {
+        name: {"loop": _ratio(_get(peers, name, "loop_s"), floor_loop),
+               "wall": _ratio(_get(peers, name, "wall_s"), floor_wall)}
+        for name, _ in SYSTEMS if peers.get(name)
+    }
+    extra = [(row["intervals"], _get(row, "prefect_jax", "loop_s") - _get(row, "plain", "loop_s"))
+             for row in report["intervals"] if _get(row, "prefect_jax", "loop_s") and _get(row, "plain", "loop_s")]
+    per_interval = _slope(extra)
+    prefect_per_interval = _slope([(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in report["intervals"]])
+    restart = report.get("restart") or {}
+    warm = restart.get("cache_warm") or {}
+    floor = (warm.get("raw_restore_s") or 0) + (warm.get("raw_step_s") or 0)
+    rerun = warm.get("rerun_s")
+    stall = next((r for r in (_get(report, "storage", "rows") or []) if r["mib"] == 512), None)
+    scan_speedup = _ratio(floor_loop, _get(peers, "prefect_jax_scan", "loop_s"))
+    targets = {
+        "loop_vs_plain": {"value": ratios.get("prefect_jax", {}).get("loop"), "target": "<= 1.10"},
+        "orchestration_ms_per_interval": {"value": round(per_interval * 1000, 1) if per_interval is not None else None,
+                                          "target": "< 50"},
+        "prefect_ms_per_interval": {"value": round(prefect_per_interval * 1000, 1) if prefect_per_interval is not None else None,
+                                    "target": "< 50"},
+        "steps_per_dispatch_speedup": {"value": scan_speedup, "target": ">= 1.2"},
+        "stall_pct_of_sync_save_512mib": {"value": stall and round(stall["stall_pct"], 2), "target": "<= 5"},
+        "rerun_to_first_step_vs_floor": {"value": _ratio(rerun, floor), "target": "<= 2"},
+    }
+    checks = {
+        "loop_vs_plain": lambda v: v <= 1.10,
+        "orchestration_ms_per_interval": lambda v: v < 50,
+        "prefect_ms_per_interval": lambda v: v < 50,
+        "steps_per_dispatch_speedup": lambda v: v >= 1.2,
+        "stall_pct_of_sync_save_512mib": lambda v: v <= 5,
+        "rerun_to_first_step_vs_floor": lambda v: v <= 2,
+    }
+    for key, t in targets.items():
+        t["met"] = t["value"] is not None and checks[key](t["value"])
+    return {"benchmark": "prefect-jax", "when": report["when"], "steps": report["steps"], "every": report["every"],
+            "ratios": ratios, "targets": targets, "machine": report["machine"]}
+
+
+def _f(v, digits=2):
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def write_markdown(report: dict, summary: dict) -> str:
+    m, peers, dispatch = report["machine"], report["peers"], report["dispatch"]
+    out = [
+        "# Benchmarks",
+        "",
+        f"Written by `uv run --group bench python benchmarks/run.py` on {report['when']} "
+        f"({report['total_s'] / 60:.0f} min). One run; these machines are shared and noisy, so read the "
+        "ratios (every side measured in the same run) rather than the seconds.",
+        "",
+        f"**Machine:** {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; {m['os']}; Python {m['python']}; "
+        f"JAX {m['jax']} on {m['devices']}.",
+        "",
+        f"**Work:** a 64-256-256-10 MLP on scikit-learn digits, batch 128, {report['steps']} steps, an async "
+        f"checkpoint and a full evaluation every {report['every']} steps. Each system runs in a fresh process. "
+        "`wall` starts after the shared imports (jax, flax, optax, orbax, grain, the program; prefect for the flows) "
+        "and ends with the last checkpoint committed; `loop` starts at the end of the first step (its compile "
+        "excluded). The flows' `wall` includes importing MLflow, opening its SQLite store and Prefect's flow-run "
+        f"setup; the standing server started in {report['server_start_s']:.1f} s before any clock.",
+        "",
+        "## Systems",
+        "",
+        "| system | wall s | loop s | wall / floor | loop / floor | final eval accuracy |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, label in SYSTEMS:
+        r = peers.get(name)
+        if name not in peers:
+            continue
+        if r is None:
+            out.append(f"| {label.format(dispatch=dispatch)} | failed | | | | |")
+            continue
+        ratio = summary["ratios"][name]
+        acc = _get(r, "eval", "accuracy")
+        out.append(f"| {label.format(dispatch=dispatch)} | {_f(r['wall_s'])} | {_f(r['loop_s'])} | "
+                   f"{_f(ratio['wall'])} | {_f(ratio['loop'])} | {_f(acc, 4)} |")
+    out += ["", "## Targets", "", "| target | measured | goal | met |", "|---|---:|---:|:---:|"]
+    names = {
+        "loop_vs_plain": "loop time, flow on a standing server / plain loop",
+        "orchestration_ms_per_interval": "extra loop time per checkpoint interval over the plain loop, ms (slope of `extra` below)",
+        "prefect_ms_per_interval": "of which Prefect (task runs, state changes, artifacts), ms (slope of `prefect` below)",
+        "steps_per_dispatch_speedup": f"plain per-step loop / flow with `steps_per_dispatch={dispatch}` (loop time)",
+        "stall_pct_of_sync_save_512mib": "training stall per checkpoint, % of a synchronous save, 512 MiB state",
+        "rerun_to_first_step_vs_floor": "rerun (warm compile cache) to its first new step / (raw Orbax restore + one step)",
+    }
+    for key, t in summary["targets"].items():
+        out.append(f"| {names[key]} | {_f(t['value'])} | {t['target']} | {'yes' if t['met'] else '**no**'} |")
+    out += ["", "## Cost against the number of checkpoint intervals", "",
+            f"The same {report['steps']} steps, split into more intervals (each a checkpoint, a full eval and, for "
+            "the flow, its task runs, artifacts, events and MLflow writes). `extra` is the flow's loop time minus "
+            "the plain loop's; its slope over the intervals is the per-interval orchestration cost. `prefect` is the "
+            "flow's wall time outside the engine (Prefect's own work), `mlflow` the time in MLflow calls.",
+            "",
+            "| intervals | every | plain loop s | flow loop s | extra s | extra ms / interval | flow: prefect s | flow: mlflow s |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in report["intervals"]:
+        p, f = row.get("plain") or {}, row.get("prefect_jax") or {}
+        extra = f.get("loop_s") - p.get("loop_s") if f.get("loop_s") and p.get("loop_s") else None
+        out.append(f"| {row['intervals']} | {row['every']} | {_f(p.get('loop_s'))} | {_f(f.get('loop_s'))} | {_f(extra)} | "
+                   f"{_f(extra and extra * 1000 / row['intervals'], 1)} | {_f(f.get('prefect_s'))} | {_f(f.get('mlflow_s'))} |")
+    restart = report.get("restart") or {}
+    if restart:
+        out += ["", "## Restart", "",
+                "A job trained to a checkpoint is resumed in fresh processes (as a rerun after preemption), to its "
+                "first new step. `setup` builds the trainer (program, MLflow client, Orbax manager), `restore` takes "
+                "the lease and restores, `first step` includes its compile (or its load from the cache). The floor is "
+                "a bare Orbax restore of the same step plus one already-compiled step.", "",
+                "| compilation cache | imports s | setup s | restore s | first step s | setup + restore + step s | floor s |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        for name in ("no_cache", "cache_cold", "cache_warm"):
+            r = restart.get(name)
+            if r:
+                total = r["rerun_s"]
+                out.append(f"| {name.replace('_', ' ')} | {_f(r['import_s'])} | {_f(r['setup_s'])} | {_f(r['restore_s'])} | "
+                           f"{_f(r['first_step_s'], 3)} | {_f(total)} | {_f(r['raw_restore_s'] + r['raw_step_s'], 3)} |")
+    rows = _get(report, "storage", "rows")
+    if rows:
+        out += ["", "## Checkpoint cost against state size (local disk)", "",
+                "`stall` is how long `save` blocks the training loop; `sync save` a save waited for to the end.", "",
+                "| state MiB | save s | sync save s | stall s | stall % of sync | restore s | raw write s | raw read s |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            out.append(f"| {r['mib']} | {_f(r['save_s'], 3)} | {_f(r['sync_save_s'], 3)} | {_f(r['stall_s'], 3)} | "
+                       f"{_f(r['stall_pct'], 1)} | {_f(r['restore_s'], 3)} | {_f(r['raw_write_s'], 3)} | {_f(r['raw_read_s'], 3)} |")
+    out += ["", "## JSON", "", "```json", json.dumps(summary), "```", ""]
+    return "\n".join(out)

@@ -1,0 +1,395 @@
+"""prefect-jax against its peers, in one run: writes BENCHMARKS.md and prints one JSON line.
+
+The work (the issue's): a 64-256-256-10 MLP on scikit-learn digits, batch 128, --steps steps
+(2000), an asynchronous checkpoint and a full evaluation every --every steps (200). Systems,
+each in its own fresh Python process, one after the other:
+
+- ``plain``: a hand-written JAX + optax + Orbax loop (jit per step): the floor;
+- ``plain_scan``: the same loop running --dispatch steps per jitted ``lax.scan``;
+- ``prefect_jax``: the `train_and_evaluate` flow against a standing ``prefect server``
+  (started once, before any clock), one step per dispatch, and with ``steps_per_dispatch``;
+- ``prefect_jax_ephemeral``: the flow with no API URL (Prefect's ephemeral mode starts its own
+  server inside the run, and that start counts);
+- ``keras``: Keras 3 ``fit`` + ``BackupAndRestore`` on the JAX backend (`keras_peer.py`;
+  needs the ``bench`` dependency group).
+
+Clocks (every side): ``wall_s`` runs from after the shared imports (jax, flax, optax, orbax,
+grain, the program; for the flow also prefect_jax.flows, so prefect) to the end, the last
+checkpoint committed; it includes the flow's own extra imports (mlflow), its Prefect calls
+and MLflow records. ``loop_s`` runs from the end of the first training step (its compile
+excluded) to the same end: the steps, the checkpoints, the evaluations and, for the flow,
+every task run, state change, artifact, event and MLflow write between them.
+
+Then: the orchestration cost per checkpoint interval (the flow against the plain loop at 1
+to 100 intervals over the same steps), the restart from a checkpoint (`restart.py`) and the
+checkpoint cost against state size (`storage.py --scale`). ``--baseline DIR`` also runs the
+flow from another checkout of prefect_jax (e.g. an older commit) for a before/after table;
+``--profile DIR`` writes pyinstrument profiles of the flow side there.
+
+    uv run --group bench python benchmarks/run.py            # the full run, ~10 min on 2 CPUs
+    uv run --group bench python benchmarks/run.py --quick    # a smoke test, ~2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def log(msg: str) -> None:
+    print(f"[run] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the sides (each runs in a child process: `run.py --side NAME`) ------------------------------
+
+
+def import_jax_stack():
+    """The imports every side shares, done before its clock starts."""
+    import flax.nnx  # noqa: F401
+    import grain  # noqa: F401
+    import jax
+    import optax  # noqa: F401
+    import orbax.checkpoint  # noqa: F401
+
+    import prefect_jax.examples.digits  # noqa: F401
+
+    jax.devices()
+
+
+def run_plain(args, workdir: str) -> dict:
+    """The floor: jit(train_step) (or a jitted lax.scan of --dispatch steps), the program's Grain
+    pipeline, an async Orbax CheckpointManager, a full eval every --every steps."""
+    t_import = time.perf_counter()
+    import_jax_stack()
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    sys.path.insert(0, HERE)
+    from bench_programs import mlp as program
+
+    k = args.dispatch if args.side == "plain_scan" else 1
+    t0 = time.perf_counter()
+    donate = (0,) if jax.default_backend() != "cpu" else ()
+
+    def scan(state, batches):
+        return jax.lax.scan(program.train_step, state, batches)
+
+    train_step = jax.jit(program.train_step if k == 1 else scan, donate_argnums=donate)
+    eval_step = jax.jit(program.eval_step)
+    state = program.init(jax.random.key(0))
+    batches = iter(program.train_data(0).to_iter_dataset(program.read_options))  # as the trainer reads it
+    manager = ocp.CheckpointManager(
+        os.path.join(workdir, "checkpoints"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True),
+    )
+
+    def evaluate(state) -> dict:
+        totals: dict = {}
+        for batch in program.eval_data():
+            for name, pair in jax.device_get(eval_step(state, batch)).items():
+                totals[name] = totals.get(name, 0) + np.asarray(pair, np.float64)
+        return {name: float(s / n) for name, (s, n) in totals.items()}
+
+    def savable(state):  # typed PRNG keys are not savable as is: store their raw key data
+        is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+        return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, state)
+
+    result, t_loop, step = {}, None, 0
+    while step < args.steps:
+        if k == 1:
+            state, metrics = train_step(state, next(batches))
+            step += 1
+        else:
+            n = min(k, args.every - step % args.every)
+            chunk = [next(batches) for _ in range(n)]
+            state, metrics = train_step(state, jax.tree.map(lambda *xs: np.stack(xs), *chunk))
+            step += n
+        if t_loop is None:
+            jax.block_until_ready(state)
+            t_loop = time.perf_counter()
+        if step % args.every == 0 or step == args.steps:
+            manager.save(step, args=ocp.args.StandardSave(savable(state)), force=True)
+            result = evaluate(state)
+    manager.wait_until_finished()
+    manager.close()
+    t_end = time.perf_counter()
+    return {"wall_s": t_end - t0, "loop_s": t_end - t_loop, "import_s": t0 - t_import, "eval": result,
+            "jax": jax.__version__, "devices": str(jax.devices())}
+
+
+def run_prefect_jax(args, workdir: str) -> dict:
+    """The `train_and_evaluate` flow, timed from outside: the engine's entry points are wrapped
+    (not changed) to find the end of the first step and to split the time spent in the engine,
+    in MLflow and (the rest) in Prefect."""
+    t_import = time.perf_counter()
+    import_jax_stack()
+    import jax
+
+    sys.path.insert(0, HERE)  # for "bench_programs:mlp"
+    from prefect_jax.flows import train_and_evaluate
+    from prefect_jax.training import tracking
+    from prefect_jax.training import trainer as trainer_mod
+    from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
+
+    clock: dict = {"engine_s": 0.0, "mlflow_s": 0.0, "first_step_at": None}
+
+    def timed(cls, name, key):
+        original = getattr(cls, name)
+
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                clock[key] += time.perf_counter() - t
+
+        setattr(cls, name, wrapper)
+
+    for name in ("train_until_checkpoint", "evaluate_if_new", "export", "restore_or_init", "finish"):
+        timed(trainer_mod.Trainer, name, "engine_s")
+    for name in ("start", "log_metrics", "finish", "has_metric_at", "set_tags", "log_artifacts"):
+        if hasattr(tracking.Tracker, name):
+            timed(tracking.Tracker, name, "mlflow_s")
+    init = trainer_mod.Trainer.__init__
+
+    def init_and_watch_first_step(self, *a, **kw):
+        init(self, *a, **kw)
+        for attr in ("_train_step", "_scan_steps"):
+            fn = getattr(self, attr, None)
+            if fn is None:
+                continue
+
+            def first(*fa, _fn=fn, **fkw):
+                out = _fn(*fa, **fkw)
+                if clock["first_step_at"] is None:
+                    jax.block_until_ready(out)
+                    clock["first_step_at"] = time.perf_counter()
+                return out
+
+            setattr(self, attr, first)
+
+    trainer_mod.Trainer.__init__ = init_and_watch_first_step
+    train = {"max_steps": args.steps, "log_every_steps": 50}
+    if args.side == "prefect_jax_scan":
+        train["steps_per_dispatch"] = args.dispatch
+    profiler = None
+    if args.profile:
+        from pyinstrument import Profiler
+
+        profiler = Profiler(interval=0.0005)
+        profiler.start()
+    t0 = time.perf_counter()
+    summary = train_and_evaluate(
+        program="bench_programs:mlp",
+        job="bench",
+        storage=workdir,
+        train_spec=TrainSpec(**train),
+        checkpoint_spec=CheckpointSpec(every_steps=args.every, keep_last=3),
+        eval_spec=EvalSpec(),
+        mlflow_tracking_uri=f"sqlite:///{workdir}/mlflow.db",
+    )
+    t_end = time.perf_counter()
+    if profiler is not None:
+        profiler.stop()
+        with open(args.profile, "w") as f:
+            f.write(profiler.output_text(unicode=True, color=False))
+    assert summary["final_step"] == args.steps, summary
+    loop_s = t_end - clock["first_step_at"]
+    import prefect_jax
+
+    return {"wall_s": t_end - t0, "loop_s": loop_s, "import_s": t0 - t_import, "eval": summary["eval"],
+            "engine_s": clock["engine_s"], "mlflow_s": clock["mlflow_s"],
+            "prefect_s": (t_end - t0) - clock["engine_s"], "code": os.path.dirname(prefect_jax.__file__)}
+
+
+def run_keras(args, workdir: str) -> dict:
+    sys.path.insert(0, HERE)
+    from keras_peer import run_keras as run
+
+    return run(args.steps, args.every, workdir)
+
+
+SIDES = {
+    "plain": run_plain,
+    "plain_scan": run_plain,
+    "prefect_jax": run_prefect_jax,
+    "prefect_jax_scan": run_prefect_jax,
+    "prefect_jax_ephemeral": run_prefect_jax,
+    "keras": run_keras,
+}
+
+
+# -- the parent --------------------------------------------------------------------------------
+
+
+def run_child(cmd: list[str], env: dict, name: str) -> dict | None:
+    """Run a child; its stderr goes to the log, its last stdout line is its JSON result."""
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        log(f"{name} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return None
+    result = json.loads(lines[-1])
+    log(f"{name} ({time.perf_counter() - t:.0f}s): " + ", ".join(
+        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items() if not isinstance(v, (dict, list))))
+    return result
+
+
+def side(name: str, args, env: dict, steps: int | None = None, every: int | None = None, label: str | None = None,
+         profile: str | None = None) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--side", name, "--steps", str(steps or args.steps),
+           "--every", str(every or args.every), "--dispatch", str(args.dispatch)]
+    if profile:
+        cmd += ["--profile", profile]
+    return run_child(cmd, env, label or name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandingServer:
+    """`prefect server start` on loopback with its own PREFECT_HOME (SQLite), as a team runs one."""
+
+    def __init__(self, home: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.env = dict(os.environ, PREFECT_HOME=home, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                        PREFECT_UI_ENABLED="false")
+        self.env.pop("PREFECT_API_URL", None)
+        self.proc = None
+
+    def __enter__(self):
+        t = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.start_s = time.perf_counter() - t
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("prefect server did not start within 180 s")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def machine() -> dict:
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": round(mem, 1), "os": platform.platform(),
+            "python": platform.python_version(), "jax": jax.__version__, "devices": str(jax.devices())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--every", type=int, default=200, help="checkpoint + full eval every N steps")
+    parser.add_argument("--dispatch", type=int, default=10, help="steps per dispatch of the scan sides")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: fewer steps, sizes and intervals")
+    parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"), help="the report (default BENCHMARKS.md)")
+    parser.add_argument("--baseline", help="a checkout of prefect_jax to run as 'before' (e.g. a git worktree)")
+    parser.add_argument("--profile", help="a folder for pyinstrument profiles of the flow side")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.side:
+        with tempfile.TemporaryDirectory(prefix=f"bench-{args.side}-") as workdir:
+            print(json.dumps(SIDES[args.side](args, workdir)), flush=True)
+        return
+
+    if args.quick:
+        args.steps, args.every = 400, 100
+    work = tempfile.mkdtemp(prefix="prefect-jax-bench-")
+    base_env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
+    base_env.pop("PREFECT_API_URL", None)
+    report: dict = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "steps": args.steps, "every": args.every, "dispatch": args.dispatch, "machine": machine()}
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    t_all = time.perf_counter()
+    with StandingServer(os.path.join(work, "server-home")) as server:
+        log(f"prefect server up at {server.url} in {server.start_s:.1f}s (not counted)")
+        report["server_start_s"] = server.start_s
+        env = dict(base_env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
+        peers = {}
+        peers["plain"] = side("plain", args, env)
+        peers["plain_scan"] = side("plain_scan", args, env)
+        peers["prefect_jax"] = side("prefect_jax", args, env,
+                                    profile=args.profile and os.path.join(args.profile, "after.txt"))
+        peers["prefect_jax_scan"] = side("prefect_jax_scan", args, env)
+        if args.baseline:
+            before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline))
+            peers["before"] = side("prefect_jax", args, before_env, label="before",
+                                   profile=args.profile and os.path.join(args.profile, "before.txt"))
+        ephemeral_env = dict(base_env, PREFECT_HOME=os.path.join(work, "ephemeral-home"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+                             PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true")
+        peers["prefect_jax_ephemeral"] = side("prefect_jax_ephemeral", args, ephemeral_env)
+        peers["keras"] = side("keras", args, env)
+        report["peers"] = peers
+
+        intervals = [1, 10, 40] if args.quick else [1, 10, 50, 100]
+        sweep = []
+        for n in intervals:
+            every = max(1, args.steps // n)
+            row = {"intervals": n, "every": every}
+            for name in ("plain", "prefect_jax"):
+                r = side(name, args, env, every=every, label=f"{name} x{n}")
+                row[name] = r and {k: r[k] for k in ("wall_s", "loop_s", "engine_s", "mlflow_s", "prefect_s") if k in r}
+            sweep.append(row)
+        report["intervals"] = sweep
+
+    restart_cmd = [sys.executable, os.path.join(HERE, "restart.py"), "--program", "bench_programs:mlp"]
+    report["restart"] = run_child(restart_cmd, dict(base_env, PYTHONPATH=HERE), "restart")
+    sizes = "1,16,64" if args.quick else "1,16,64,256,512,1024"
+    report["storage"] = run_child([sys.executable, os.path.join(HERE, "storage.py"), "--scale", "--sizes", sizes],
+                                  base_env, "storage scale")
+    report["total_s"] = time.perf_counter() - t_all
+    shutil.rmtree(work, ignore_errors=True)
+
+    sys.path.insert(0, HERE)
+    from report import summarize, write_markdown
+
+    summary = summarize(report)
+    with open(args.out, "w") as f:
+        f.write(write_markdown(report, summary))
+    log(f"wrote {args.out} ({report['total_s']:.0f}s)")
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
