@@ -98,3 +98,25 @@ def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_confi
     history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.tracker.run_id, "loss")
     assert sorted(m.step for m in history) == [10, 20, 30, 40]  # each once
     rerun.close()
+
+
+def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(job_config, monkeypatch):
+    config = job_config(max_steps=40, every_steps=20)
+    first = Trainer(config)
+    first.restore_or_init()
+    first.train_until_checkpoint()
+    with monkeypatch.context() as m:
+        m.setattr(Tracker, "_log_metrics_once", lambda self, rows, key, step: None)  # the write never happens
+        assert first.evaluate_if_new().status.value == "EVALUATED"
+        first.checkpoints.wait()
+    first.close()
+    assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "eval/accuracy") == []
+
+    rerun = Trainer(config)
+    assert rerun.restore_or_init() == 20
+    rerun.train_until_checkpoint()
+    rerun.evaluate_if_new()
+    rerun.finish()
+    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.tracker.run_id, "eval/accuracy")
+    assert sorted(m.step for m in history) == [20, 40]  # step 20 from its record, once
+    rerun.close()

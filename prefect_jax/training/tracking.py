@@ -13,8 +13,10 @@ own Keras callback does in tests (a background failure is raised by the next cal
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
+import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -90,6 +92,9 @@ class Tracker:
         self._client = None
         self._logged_until: int | None = None  # the last train step in MLflow before this process; None: not looked up
         self._logged_at: dict[str, set[int]] = {}  # steps of a metric known to be in MLflow (looked up once)
+        self._unwritten: dict[int, list[tuple[str, float, int]]] = {}  # train rows submitted, not yet written
+        self._unwritten_lock = threading.Lock()
+        self._ids = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-jax-mlflow")
         self._pending: list[Future] = []
         self._submit(self._connect)
@@ -213,7 +218,22 @@ class Tracker:
         A resumed job recomputes, bit for bit, the steps between its checkpoint and a crash,
         some of which may have been logged: they are not logged twice.
         """
-        self._submit(self._log_new_metrics, list(rows), exclude_prefix)
+        rows, key = list(rows), next(self._ids)
+        with self._unwritten_lock:
+            self._unwritten[key] = rows
+        self._submit(self._log_new_metrics_then_forget, key, rows, exclude_prefix)
+
+    def unwritten_metrics(self) -> list[tuple[str, float, int]]:
+        """Rows given to `log_new_metrics` that are not in MLflow yet (a checkpoint carries them)."""
+        with self._unwritten_lock:
+            return [r for rows in self._unwritten.values() for r in rows]
+
+    def _log_new_metrics_then_forget(self, key: int, rows: list[tuple[str, float, int]], exclude_prefix: str) -> None:
+        try:
+            self._log_new_metrics(rows, exclude_prefix)
+        finally:
+            with self._unwritten_lock:
+                self._unwritten.pop(key, None)
 
     def log_metrics_once(self, rows: Iterable[tuple[str, float, int]], key: str, step: int) -> None:
         """Log the rows unless `key` is already logged at `step` (a crash between log and record)."""

@@ -322,6 +322,11 @@ class Trainer:
         self._rng = jax.random.key(config.train.seed)
         self._abstract = None
         self._precompiling: threading.Thread | None = None
+        self._evals_reconciled = False
+        devices = jax.devices()
+        # On one device (CPU, or one GPU) the state is committed to it, so that the compile done
+        # ahead of time (`_start_precompile`) is the one the loop finds; several devices: no precompile.
+        self._one_device = jax.sharding.SingleDeviceSharding(devices[0]) if len(devices) == 1 else None
         self.state = None
         self.step: int | None = None
         self.data_iter = None
@@ -394,6 +399,8 @@ class Trainer:
             control.record_attempt(
                 self.storage, step, self.config.train.max_reruns_without_progress, self.run_tags.get("prefect.flow_run_id", "")
             )
+        if self._one_device is not None:
+            state = jax.device_put(state, self._one_device)  # a restored state already is; an initialised one is not
         self.state, self.step, self.data_iter = state, step, data_iter
         self._last_save = time.monotonic()
         self._notify(step, self.config.train.max_steps, {})
@@ -405,12 +412,16 @@ class Trainer:
         then finds the executable in jit's cache. Only for Grain MapDatasets, whose first
         batch is read by index without starting the pipeline; any failure is left for the
         real call to report."""
-        if self._precompiling is not None or self.state is not None:
+        if self._precompiling is not None or self.state is not None or self._one_device is None:
             return
         import numpy as np
 
         def spec(tree):
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+
+        # The state the loop gets is committed to the one device (see restore_or_init): a spec
+        # without that sharding would compile an executable the loop never finds.
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._one_device), self.abstract_state)
 
         def compile_steps():
             try:
@@ -419,18 +430,19 @@ class Trainer:
                     batch, guard = spec(train_data[0]), spec((guard_int(0), guard_int(-1)))
                     k = self.config.train.steps_per_dispatch
                     if k == 1:
-                        self._train_step.lower(self.abstract_state, batch, guard).compile()
+                        self._train_step.lower(state, batch, guard).compile()
                     else:
                         stacked = jax.tree.map(lambda b: jax.ShapeDtypeStruct((k, *b.shape), b.dtype), batch)
-                        self._scan_steps.lower(self.abstract_state, stacked, guard).compile()
+                        self._scan_steps.lower(state, stacked, guard).compile()
                 eval_data = self.program.eval_data()
                 if isinstance(eval_data, grain.MapDataset):
-                    self._eval_step.lower(self.abstract_state, spec(eval_data[0])).compile()
+                    self._eval_step.lower(state, spec(eval_data[0])).compile()
             except Exception:  # noqa: BLE001 - the real call compiles again and reports it
                 logger.debug("background compile failed", exc_info=True)
 
         self.abstract_state  # noqa: B018 - traced here, not in two threads at once
-        self._precompiling = threading.Thread(target=compile_steps, name="prefect-jax-compile", daemon=True)
+        # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
+        self._precompiling = threading.Thread(target=compile_steps, name="prefect-jax-compile")
         self._precompiling.start()
 
     def _join_precompile(self) -> None:
@@ -656,12 +668,12 @@ class Trainer:
     def save(self, train_metrics: list[tuple[str, float, int]] = ()) -> None:
         """Start an asynchronous checkpoint of the live state at the current step.
 
-        MLflow writes are asynchronous, so the interval's train metrics (`train_metrics`) go
-        into the checkpoint too: a process killed after this step commits but before they
-        reach MLflow has them logged by the rerun that restores this step (nothing is logged
-        twice). Earlier writes are waited for first (they had a whole interval to finish).
+        MLflow writes are asynchronous, so the interval's train metrics (`train_metrics`), and
+        any earlier ones still on their way, go into the checkpoint too: a process killed after
+        this step commits but before they reach MLflow has them logged by the rerun that
+        restores this step (nothing is logged twice).
         """
-        self.tracker.flush()
+        train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
         self.checkpoints.save(
             self.step,
             self.state,
@@ -743,6 +755,8 @@ class Trainer:
         state = self._state_at(step)
         if not self.tracker.started:  # an evaluator: join the trainer's run, leave its status alone
             self._attach_tracking(self.checkpoints.read_meta(step).get("mlflow_run_id"), reopen=False)
+        if not self._evals_reconciled:
+            self._log_recorded_evals()
         # A finite pass needs no resumable iterator: a MapDataset is read by index, without Grain's
         # prefetch threads (starting them cost more than this whole eval on small sets).
         eval_data = self.program.eval_data()
@@ -763,7 +777,6 @@ class Trainer:
         )
         # Unless a crash came between this log and the record below, in an earlier attempt.
         self.tracker.log_metrics_once([(f"{spec.name}/{k}", v, step) for k, v in metrics.items()], f"{spec.name}/{next(iter(metrics))}", step)
-        self.tracker.flush()  # the metrics are in MLflow before the record says this step is done
         self.records.put(result)
         reason = control.after_eval_stop_reason(result, self.records, self.early_stopping, self.eval_hooks)
         if reason:
@@ -772,6 +785,19 @@ class Trainer:
             self.tracker.set_tags({"prefect_jax.stop_reason": reason[:5000]})
             result = result.model_copy(update={"stop_reason": reason})
         return result
+
+    def _log_recorded_evals(self, newest: int = 3) -> None:
+        """Eval metrics reach MLflow in the background, so a process can die after writing an
+        eval record and before its metrics are in MLflow. The first evaluation of a process logs
+        the newest recorded ones that MLflow lacks (the record is the durable truth; a process
+        that evaluates is the job's only evaluator, so nobody else is writing them)."""
+        self._evals_reconciled = True
+        name = self.config.eval.name
+        for step in self.records.steps()[-newest:]:
+            recorded = self.records.get(step)
+            if recorded is not None and recorded.metrics:
+                rows = [(f"{name}/{k}", v, step) for k, v in recorded.metrics.items()]
+                self.tracker.log_metrics_once(rows, rows[0][0], step)
 
     # -- export ---------------------------------------------------------------------
 
@@ -814,6 +840,7 @@ class Trainer:
 
     def close(self) -> None:
         try:
+            self._join_precompile()
             self.checkpoints.close()
             if self._uploader is not None:
                 self._uploader.close()
