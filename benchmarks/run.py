@@ -24,7 +24,9 @@ Then: the orchestration cost per checkpoint interval (the flow against the plain
 to 100 intervals over the same steps), the restart from a checkpoint (`restart.py`) and the
 checkpoint cost against state size (`storage.py --scale`). ``--baseline DIR`` also runs the
 flow from another checkout of prefect_jax (e.g. an older commit) for a before/after table;
-``--profile DIR`` writes pyinstrument profiles of the flow side there.
+``--render JSON`` rewrites the report from the raw results of an earlier run
+(``BENCHMARKS.json``, written beside the report). ``--profile DIR`` also runs the flow side (and the baseline) once more under pyinstrument and
+writes the profiles there (those runs are not in the tables).
 
     uv run --group bench python benchmarks/run.py            # the full run, ~10 min on 2 CPUs
     uv run --group bench python benchmarks/run.py --quick    # a smoke test, ~2 min
@@ -324,8 +326,13 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"), help="the report (default BENCHMARKS.md)")
     parser.add_argument("--baseline", help="a checkout of prefect_jax to run as 'before' (e.g. a git worktree)")
     parser.add_argument("--profile", help="a folder for pyinstrument profiles of the flow side")
+    parser.add_argument("--render", metavar="JSON", help="only rewrite --out from the raw results of an earlier run")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            write_report(json.load(f), args.out)
+        return
 
     if args.side:
         with tempfile.TemporaryDirectory(prefix=f"bench-{args.side}-") as workdir:
@@ -349,13 +356,15 @@ def main() -> None:
         peers = {}
         peers["plain"] = side("plain", args, env)
         peers["plain_scan"] = side("plain_scan", args, env)
-        peers["prefect_jax"] = side("prefect_jax", args, env,
-                                    profile=args.profile and os.path.join(args.profile, "after.txt"))
+        peers["prefect_jax"] = side("prefect_jax", args, env)
         peers["prefect_jax_scan"] = side("prefect_jax_scan", args, env)
-        if args.baseline:
-            before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline))
-            peers["before"] = side("prefect_jax", args, before_env, label="before",
-                                   profile=args.profile and os.path.join(args.profile, "before.txt"))
+        before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline)) if args.baseline else None
+        if before_env:
+            peers["before"] = side("prefect_jax", args, before_env, label="before")
+        if args.profile:  # extra runs: a profiler slows what it watches, so these are not in the tables
+            side("prefect_jax", args, env, label="prefect_jax, profiled", profile=os.path.join(args.profile, "after.txt"))
+            if before_env:
+                side("prefect_jax", args, before_env, label="before, profiled", profile=os.path.join(args.profile, "before.txt"))
         ephemeral_env = dict(base_env, PREFECT_HOME=os.path.join(work, "ephemeral-home"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
                              PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true")
         peers["prefect_jax_ephemeral"] = side("prefect_jax_ephemeral", args, ephemeral_env)
@@ -367,7 +376,8 @@ def main() -> None:
         for n in intervals:
             every = max(1, args.steps // n)
             row = {"intervals": n, "every": every}
-            for name in ("plain", "prefect_jax"):
+            # One interval is training speed itself: there the scan sides run too (steps_per_dispatch).
+            for name in ("plain", "prefect_jax") + (("plain_scan", "prefect_jax_scan") if n == 1 else ()):
                 r = side(name, args, env, every=every, label=f"{name} x{n}")
                 row[name] = r and {k: r[k] for k in ("wall_s", "loop_s", "engine_s", "mlflow_s", "prefect_s") if k in r}
             sweep.append(row)
@@ -381,13 +391,20 @@ def main() -> None:
     report["total_s"] = time.perf_counter() - t_all
     shutil.rmtree(work, ignore_errors=True)
 
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    write_report(report, args.out)
+
+
+def write_report(report: dict, out: str) -> None:
+    """BENCHMARKS.md from the raw results (also kept, as BENCHMARKS.json), and the JSON line."""
     sys.path.insert(0, HERE)
     from report import summarize, write_markdown
 
     summary = summarize(report)
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         f.write(write_markdown(report, summary))
-    log(f"wrote {args.out} ({report['total_s']:.0f}s)")
+    log(f"wrote {out} ({report['total_s']:.0f}s)")
     print(json.dumps(summary), flush=True)
 
 
