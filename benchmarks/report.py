@@ -92,7 +92,8 @@ GAPS = {
         "plain loop's one item), a durable eval record (write + fsync, ~10 ms) and the MLflow and artifact "
         "writes, which now run on background threads but still share two cores and the GIL with the loop. "
         "With 200-step intervals the plain loop spends ~0.2 s per interval, so ~0.1 s of fixed cost per interval "
-        "is a large ratio; it shrinks as intervals grow (see the intervals table)."
+        "is a large ratio; it shrinks as intervals grow (see the intervals table). Steps also run slower inside a "
+        "flow run than in the engine alone (next paragraph but one)."
     ),
     "orchestration_ms_per_interval": (
         "The slope includes more than Prefect: the three-item checkpoint, the eval record and the background "
@@ -102,9 +103,13 @@ GAPS = {
         "Two task runs per interval, ~20 ms each on this machine (see above)."
     ),
     "steps_per_dispatch_speedup": (
-        "The scan removes the per-step Python dispatch, but on this MLP a step is ~0.3 ms of XLA work and the "
-        "interval's fixed costs (checkpoint, eval, task runs) dominate the flow's loop; compare `plain_scan` "
-        "with `plain` for what the scan alone gives here."
+        "Two things. The scan gives less inside a whole loop than to the bare step: jit(train_step) on one "
+        "resident batch takes ~0.59 ms a step and a 10-step scan ~0.37 ms (a probe during issue 6), but the "
+        "plain loop with the scan is only a few percent faster than without (the one-interval line above); "
+        "what eats the difference (stacking the batches on the host, the host-to-device copy of 10 batches per "
+        "call) was not isolated. And in the flow a step costs more than in the engine alone (~0.9 ms against "
+        "~0.57 ms, while the engine alone runs as fast as the plain loop), which points at the Prefect server "
+        "process and client threads sharing these two cores; that too was not isolated."
     ),
     "stall_pct_of_sync_save_512mib": "",
     "rerun_to_first_step_vs_floor": (
@@ -140,6 +145,7 @@ def _f(v, digits=2):
 def write_markdown(report: dict, summary: dict) -> str:
     m, peers, dispatch = report["machine"], report["peers"], report["dispatch"]
     one = next((row for row in report["intervals"] if row["intervals"] == 1), {})
+    scan_line: list[str] = []
     out = [
         "# Benchmarks",
         "",
@@ -196,19 +202,19 @@ def write_markdown(report: dict, summary: dict) -> str:
                 f"| before | {_f(before['wall_s'])} | {_f(before['loop_s'])} | {_f(before.get('prefect_s'))} |",
                 f"| after | {_f(after['wall_s'])} | {_f(after['loop_s'])} | {_f(after.get('prefect_s'))} |"]
     out += ["", REMOVED.rstrip()]
+    if one.get("plain_scan") and one.get("prefect_jax_scan"):
+        scan_line = [f"With one interval (training speed), `{dispatch}` steps per dispatch: plain scan loop "
+                f"{_f(one['plain_scan']['loop_s'])} s, flow with `steps_per_dispatch={dispatch}` "
+                f"{_f(one['prefect_jax_scan']['loop_s'])} s (per-step: plain {_f(_get(one, 'plain', 'loop_s'))} s, "
+                f"flow {_f(_get(one, 'prefect_jax', 'loop_s'))} s).", ""]
     out += ["", "## Cost against the number of checkpoint intervals", "",
             f"The same {report['steps']} steps, split into more intervals (each a checkpoint, a full eval and, for "
             "the flow, its task runs, artifacts, events and MLflow writes). `extra` is the flow's loop time minus "
             "the plain loop's; its slope over the intervals is the per-interval orchestration cost. `prefect` is the "
-            "flow's wall time outside the engine (Prefect's own work), `mlflow` the time in MLflow calls.",
-            "",
+            "flow's wall time outside the engine (Prefect's own work), `mlflow` the time the flow's thread spends in MLflow calls (the writes run on a background thread).",
+            "", *scan_line,
             "| intervals | every | plain loop s | flow loop s | extra s | extra ms / interval | flow: prefect s | flow: mlflow s |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    if one.get("plain_scan") and one.get("prefect_jax_scan"):
-        out += ["", f"With one interval (training speed), `{dispatch}` steps per dispatch: plain scan loop "
-                f"{_f(one['plain_scan']['loop_s'])} s, flow with `steps_per_dispatch={dispatch}` "
-                f"{_f(one['prefect_jax_scan']['loop_s'])} s (per-step: plain {_f(_get(one, 'plain', 'loop_s'))} s, "
-                f"flow {_f(_get(one, 'prefect_jax', 'loop_s'))} s).", ""]
     for row in report["intervals"]:
         p, f = row.get("plain") or {}, row.get("prefect_jax") or {}
         extra = f.get("loop_s") - p.get("loop_s") if f.get("loop_s") and p.get("loop_s") else None
