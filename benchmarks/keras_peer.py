@@ -1,4 +1,4 @@
-"""Keras peer of overhead.py's plain side: the same training work with Keras 3 `fit` on JAX.
+"""Keras peer of run.py's plain side: the same training work with Keras 3 `fit` on JAX.
 
 The same 64-256-256-10 MLP (ReLU, no dropout), Adam 1e-3, sparse categorical cross-entropy from
 logits, batch 128, on scikit-learn digits for --steps steps; every --every steps a
