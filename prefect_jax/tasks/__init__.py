@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
 import queue
@@ -85,6 +86,7 @@ class _Publisher:
 
 
 publisher = _Publisher()
+atexit.register(publisher.flush, 15.0)  # flows flush before returning; this covers tasks used in other flows
 
 
 def _run_tags() -> dict[str, str]:
