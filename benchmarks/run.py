@@ -163,7 +163,9 @@ def run_prefect_jax(args, workdir: str) -> dict:
 
     for name in ("train_until_checkpoint", "evaluate_if_new", "export", "restore_or_init", "finish"):
         timed(trainer_mod.Trainer, name, "engine_s")
-    for name in ("start", "log_metrics", "finish", "has_metric_at", "set_tags", "log_artifacts"):
+    # log_metrics and has_metric_at: the names in older checkouts (--baseline)
+    for name in ("start", "log_new_metrics", "log_metrics_once", "log_metrics", "finish", "has_metric_at", "set_tags",
+                 "log_artifacts"):
         if hasattr(tracking.Tracker, name):
             timed(tracking.Tracker, name, "mlflow_s")
     init = trainer_mod.Trainer.__init__

@@ -208,10 +208,6 @@ class Tracker:
             return "file://" + os.path.join(os.path.dirname(os.path.abspath(db)), "mlartifacts", self.experiment)
         return None
 
-    def log_metrics(self, rows: Iterable[tuple[str, float, int]]) -> None:
-        """Log ``(key, value, step)`` rows in one batched call (in the background)."""
-        self._submit(self._log_metrics, list(rows))
-
     def log_new_metrics(self, rows: Iterable[tuple[str, float, int]], exclude_prefix: str = "") -> None:
         """Log the rows past the last step this run had before this process started (in the background).
 
@@ -251,8 +247,8 @@ class Tracker:
     @_guarded
     def _log_new_metrics(self, rows: list[tuple[str, float, int]], exclude_prefix: str) -> None:
         if self._logged_until is None:
-            self._logged_until = self._last_logged_step(exclude_prefix)
-            self._logged_until = -1 if self._logged_until is None else self._logged_until
+            last = self._last_logged_step(exclude_prefix)
+            self._logged_until = -1 if last is None else last
         fresh = [r for r in rows if r[2] > self._logged_until]
         if fresh:
             self._log_metrics(fresh)
@@ -261,7 +257,7 @@ class Tracker:
     @_guarded
     def _log_metrics_once(self, rows: list[tuple[str, float, int]], key: str, step: int) -> None:
         if key not in self._logged_at:  # one history read per key and process, then kept up to date
-            self._logged_at[key] = {m.step for m in self._client.get_metric_history(self._run_id, key)}
+            self._logged_at[key] = {s for s, _ in self._metric_history(key)}
         if step not in self._logged_at[key]:
             self._log_metrics(rows)
             self._logged_at[key].add(step)
@@ -292,20 +288,9 @@ class Tracker:
 
     # -- reads (wait for the calls before them) -----------------------------------------------
 
-    def has_metric_at(self, key: str, step: int) -> bool:
-        """Whether `key` was already logged at `step` (so a retried write is not logged twice)."""
-        return self._wait(self._has_metric_at, key, step)
-
-    @_guarded
-    def _has_metric_at(self, key: str, step: int) -> bool:
-        return any(m.step == step for m in self._client.get_metric_history(self._run_id, key))
-
-    def last_logged_step(self, exclude_prefix: str = "") -> int | None:
-        """The highest step at which any metric (except those under `exclude_prefix`) was logged."""
-        return self._wait(self._last_logged_step, exclude_prefix)
-
     @_guarded
     def _last_logged_step(self, exclude_prefix: str) -> int | None:
+        """The highest step at which any metric (except those under `exclude_prefix`) was logged."""
         client = self._client
         keys = [k for k in client.get_run(self._run_id).data.metrics if not (exclude_prefix and k.startswith(exclude_prefix))]
         steps = [m.step for k in keys for m in client.get_metric_history(self._run_id, k)]
