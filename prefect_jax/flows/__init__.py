@@ -251,6 +251,9 @@ def train(
     written by the evaluator's early-stopping hook). Parameters as `train_and_evaluate`
     (`eval_spec` is recorded in MLflow params and used by nobody else here).
     """
+    if (checkpoint_spec := CheckpointSpec.model_validate(checkpoint_spec)).keep_until_evaluated is None:
+        # The evaluator runs elsewhere: retention keeps the steps it has not reached yet.
+        checkpoint_spec = checkpoint_spec.model_copy(update={"keep_until_evaluated": True})
     config = _job_config(
         program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment,
         compilation_cache_dir,
@@ -325,6 +328,14 @@ def evaluate(
             "is the trainer running, and does it use the same storage and job name? "
             "Raise wait_for_first_checkpoint_secs for slow starts."
         )
+    from prefect_jax.training.trainer import get_trainer
+
+    # An evaluator killed after writing eval records may not have logged them to MLflow yet.
+    checked = get_trainer(config).reconcile_eval_metrics(first)
+    logger.info("checked %d recorded evaluations against MLflow", checked)
+    if config.eval.exporters and records.steps():
+        # ... nor written the exports of its newest evaluation (exporters keep what exists).
+        export(config, records.get(records.steps()[-1]))
     evaluated: list[int] = []
     last_eval_at: float | None = None
     last_new_at = time.monotonic()

@@ -7,10 +7,14 @@ the background while training continues.
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import hashlib
+import json
 import logging
 import os
 import time
+import zlib
 from typing import Any, Callable
 
 import grain
@@ -23,10 +27,92 @@ from prefect_jax.training.specs import CheckpointSpec
 logger = logging.getLogger("prefect_jax.checkpoints")
 
 _COMMIT_FILE = "_CHECKPOINT_METADATA"
+MANIFEST_FILE = "prefect_jax_manifest.json"
+# Written or rewritten by Orbax around the commit, after the manifest: not covered by it.
+_UNCHECKED = {_COMMIT_FILE, MANIFEST_FILE, "commit_success.txt"}
 
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint's tree differs from the tree the program's `init` builds."""
+
+
+class CorruptCheckpointError(OSError):
+    """A committed step's files differ from the checksums written with it (bit rot, a bad
+    disk or copy, an edit): restoring it would resume from silently wrong values."""
+
+    def __init__(self, step_dir: str, problems: list[str]):
+        self.step_dir, self.problems = step_dir, problems
+        shown = "; ".join(problems[:5]) + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+        super().__init__(f"checkpoint {step_dir} is corrupt ({shown}): its files differ from the checksums written at its commit")
+
+
+# -- content checksums ------------------------------------------------------------------
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _checked_files(step_dir: str) -> list[str]:
+    out = []
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            if name not in _UNCHECKED:
+                out.append(os.path.relpath(os.path.join(root, name), step_dir))
+    return sorted(out)
+
+
+def write_manifest(step_dir: str) -> None:
+    """Write ``{file: [size, crc32]}`` of every file of a step (before Orbax's commit renames it)."""
+    files = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _crc32(os.path.join(step_dir, rel))] for rel in _checked_files(step_dir)}
+    tmp = os.path.join(step_dir, MANIFEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"algorithm": "crc32", "files": files}, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(step_dir, MANIFEST_FILE))
+
+
+def verify_manifest(step_dir: str) -> bool:
+    """Check a step's files against its manifest; False when it has none (written before checksums).
+
+    Raises:
+        CorruptCheckpointError: a file is missing, has another size, or other bytes.
+    """
+    path = os.path.join(step_dir, MANIFEST_FILE)
+    if "://" in step_dir or not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        files = json.load(f)["files"]
+    problems = []
+    for rel, (size, crc) in sorted(files.items()):
+        full = os.path.join(step_dir, rel)
+        if not os.path.isfile(full):
+            problems.append(f"{rel} is missing")
+        elif os.path.getsize(full) != size:
+            problems.append(f"{rel} has {os.path.getsize(full)} bytes, {size} were written")
+        elif _crc32(full) != crc:
+            problems.append(f"{rel} has other bytes than were written (crc32 differs)")
+    if problems:
+        raise CorruptCheckpointError(step_dir, problems)
+    return True
+
+
+@dataclasses.dataclass
+class KeepNotYetEvaluated:
+    """An Orbax preservation policy: keep every step from the newest evaluated one on, so that
+    retention never deletes a step before a separate evaluator reached it (and the newest
+    evaluated step stays readable for its exports)."""
+
+    newest_evaluated: Callable[[], int | None]
+
+    def should_preserve(self, checkpoints, *, context):
+        newest = self.newest_evaluated()
+        return [newest is None or c.step >= newest for c in checkpoints]
 
 
 # -- pytree helpers ---------------------------------------------------------------------
@@ -148,24 +234,55 @@ def quarantine(checkpoint_dir: str, step: int, why: str) -> str:
 class Checkpoints:
     """Orbax CheckpointManager for one job, with the commit rule and tree checks of this project.
 
+    Each step carries a manifest of its files' checksums, written in Orbax's commit (after the
+    items are final, before the step directory is renamed into place), and checked on restore.
+
     Args:
         directory: absolute local path (or ``gs://`` URL) of the job's checkpoints.
         spec: cadence and retention.
         read_only: open an existing directory for restore only (no directory creation).
+        newest_evaluated: with `spec.keep_until_evaluated`, returns the newest evaluated step
+            (None: none yet); retention keeps every step newer than it.
     """
 
-    def __init__(self, directory: str, spec: CheckpointSpec | None = None, read_only: bool = False):
+    def __init__(
+        self,
+        directory: str,
+        spec: CheckpointSpec | None = None,
+        read_only: bool = False,
+        newest_evaluated: Callable[[], int | None] | None = None,
+    ):
+        from orbax.checkpoint import checkpoint_managers as pp
+
         spec = spec or CheckpointSpec()
         self.directory = directory
         self.spec = spec
+        self._saving: int | None = None
+        policies = [pp.LatestN(n=spec.keep_last)]
+        if spec.keep_every_steps:
+            policies.append(pp.EveryNSteps(interval_steps=spec.keep_every_steps))
+        if spec.keep_until_evaluated and newest_evaluated is not None:
+            policies.append(KeepNotYetEvaluated(newest_evaluated))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=spec.keep_last,
-            keep_period=spec.keep_every_steps,
+            preservation_policy=pp.AnyPreservationPolicy(policies),
             enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_step_in_flight),
             create=not read_only,
             read_only=read_only,
         )
         self.manager = ocp.CheckpointManager(directory, item_handlers=_handlers(), options=options)
+
+    def _checksum_step_in_flight(self) -> None:
+        """Orbax calls this on its save thread once the items are final and before the step's
+        temporary directory becomes ``<step>``: the manifest is part of the same commit."""
+        if self._saving is None or "://" in self.directory:
+            return
+        found = glob.glob(os.path.join(glob.escape(self.directory), f"{self._saving}.orbax-checkpoint-tmp*"))
+        if len(found) == 1:
+            write_manifest(found[0])
+        else:
+            logger.warning("no single temporary directory for step %s in %s (%s): step saved without checksums",
+                           self._saving, self.directory, found)  # fmt: skip
 
     def committed_steps(self) -> list[int]:
         return committed_steps(self.directory)
@@ -193,6 +310,8 @@ class Checkpoints:
         """Start an asynchronous save of `state`, the iterator position and `meta` at `step`."""
         savable = to_savable(state)
         meta = dict(meta, step=int(step), tree=describe_tree(savable), saved_at=time.time())
+        self.manager.wait_until_finished()  # Orbax does too; here, so that `_saving` names the step in flight
+        self._saving = int(step)
         self.manager.save(
             int(step),
             args=ocp.args.Composite(
@@ -228,6 +347,9 @@ class Checkpoints:
             )
         if int(step) not in self.manager.all_steps():
             self.manager.reload()  # committed by another process after this manager listed the directory
+        if "://" not in self.directory and not verify_manifest(os.path.join(self.directory, str(step))):
+            logger.warning("checkpoint step %d in %s has no checksums (written before prefect-jax wrote them): "
+                           "restored unverified", step, self.directory)  # fmt: skip
         items = {"state": ocp.args.StandardRestore(abstract)}
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iter)

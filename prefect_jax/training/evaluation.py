@@ -117,6 +117,14 @@ class EvalRecords:
         self.storage.write_json(f"{self.dir}/{result.step}.json", result.model_dump(mode="json"))
         self._known[int(result.step)] = result
 
+    def discard(self, step: int, why: str) -> str:
+        """Move a step's record aside (``<step>.json.<why>-<time>``, no longer counted); returns where."""
+        src = f"{self.dir}/{int(step)}.json"
+        dst = f"{src}.{why}-{int(time.time())}"
+        self.storage.fs.mv(src, dst)
+        self._known.pop(int(step), None)
+        return dst
+
     def last_evaluated_at(self) -> float | None:
         steps = self.steps()
         if not steps:

@@ -25,9 +25,16 @@ MODEL_FILE = "model.jax_export"
 INFO_FILE = "export.json"
 
 
+def is_recorded(result: EvalResult) -> bool:
+    """An evaluation with metrics: EVALUATED now, or found recorded (NO_NEW_CHECKPOINT). Exporters
+    run on both: a process killed between an evaluation's record and its exports has them
+    written by the next run, which finds the step already evaluated."""
+    return result.status in (EvalStatus.EVALUATED, EvalStatus.NO_NEW_CHECKPOINT) and result.step is not None and bool(result.metrics)
+
+
 def is_the_final_export(result: EvalResult, max_steps: int) -> bool:
     """True when the evaluated step is at or past `max_steps` (TF's `is_the_final_export`)."""
-    return result.status is EvalStatus.EVALUATED and result.step is not None and result.step >= max_steps
+    return is_recorded(result) and result.step >= max_steps
 
 
 def serialize_serving(program: Any, state) -> bytes:
@@ -103,7 +110,7 @@ def run_exporter(
     Args:
         exporter: the exporter spec.
         storage: the job's storage.
-        result: an EVALUATED result.
+        result: an evaluated result (EVALUATED, or a recorded one: see `is_recorded`).
         max_steps: the job's `max_steps` (for `is_the_final_export`).
         make_model: builds the serialized model (called only when something is exported).
         info: extra metadata for ``export.json``.
@@ -112,7 +119,7 @@ def run_exporter(
         The export directory written (or already there from an earlier run), or None when
         this exporter exports nothing for this result.
     """
-    if result.status is not EvalStatus.EVALUATED:
+    if not is_recorded(result):
         return None
     step = int(result.step)
     dest = storage.export_dir(exporter.name, step)

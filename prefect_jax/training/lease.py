@@ -48,6 +48,9 @@ class Lease:
         self.owner_id = owner_id
         self.timeout_secs = timeout_secs
         self.token: str | None = None
+        # The record of the holder this process took the lease over from (its flow run, host,
+        # pid, and ``reason``: why it was stale), or None: who to mark as crashed in the UIs.
+        self.taken_over: dict | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -95,6 +98,7 @@ class Lease:
             if reason is None:
                 raise LeaseHeldError(self.storage.job_dir, current, time.time() - float(current.get("heartbeat", 0)), self.timeout_secs)
             logger.warning("taking over the lease of %s (%s): %s", self.storage.job_dir, reason, current)
+            self.taken_over = dict(current, reason=reason)
         self.token = uuid.uuid4().hex
         self.storage.write_json(self.path, self._record())
         confirmed = self.read()

@@ -128,12 +128,20 @@ class CheckpointSpec(_Spec):
         every_secs: write a checkpoint when this many seconds passed since the last one.
         keep_last: how many of the newest checkpoints to keep (None keeps all).
         keep_every_steps: also keep every checkpoint whose step is a multiple of this.
+        keep_until_evaluated: also keep every step from the newest evaluated one on (eval
+            records under ``<job>/evals/<eval name>/``), so that retention never deletes a step
+            before a separate evaluator reached it. None (the default) means: on for the
+            `train` role, whose evaluator runs elsewhere; off for `train_and_evaluate`, which
+            evaluates each step itself. A trainer whose evaluator never runs keeps every step.
     """
 
     every_steps: int | None = Field(1000, description="Checkpoint every N steps.")
     every_secs: float | None = Field(None, description="Checkpoint every N seconds.")
     keep_last: int | None = Field(3, description="Keep the newest N checkpoints (None: all).")
     keep_every_steps: int | None = Field(None, description="Also keep steps that are multiples of N.")
+    keep_until_evaluated: bool | None = Field(
+        None, description="Keep steps the evaluator has not reached yet (None: on for the train role only)."
+    )
 
     @field_validator("every_steps")
     @classmethod

@@ -38,6 +38,7 @@ from prefect_jax.training import exporters as exp
 from prefect_jax.training.checkpoints import (
     CheckpointMismatchError,
     Checkpoints,
+    CorruptCheckpointError,
     committed_steps,
     is_committed,
     step_dirs,
@@ -186,48 +187,87 @@ def restore_or_init(
     return init(), 0, None, new_iter()
 
 
-class _PreemptionNotice:
-    """While training, turn SIGTERM into a flag checked between steps (main thread only).
+class _PreemptionGuard:
+    """SIGTERM (a preemption notice) while a trainer holds its job, from its restore to its finish
+    (main thread only).
 
-    The step in flight finishes, the trainer checkpoints it, and then the signal goes on to
-    whatever handler was there before (Prefect's, which ends the run Crashed or reschedules
-    it; or the default, which ends the process).
+    Inside the training loop the signal only sets a flag: the step in flight finishes, the
+    trainer checkpoints it and forwards the signal. Inside a save it is held until the save is
+    handed to Orbax. Anywhere else (between intervals, during an evaluation, an export or
+    Prefect's own bookkeeping) `on_signal` runs at once: it lets the saves in flight commit
+    within the grace period, then forwards. Forwarding gives the signal to the handler that was
+    there before (Prefect's, which ends the run Crashed or reschedules it; or the default,
+    which ends the process).
     """
 
-    def __init__(self):
+    def __init__(self, on_signal: Callable[[], None]):
         self.signum: int | None = None
+        self.deferring = 0  # > 0 inside the loop or a save: the signal is handled there
+        self.handling = False  # someone is handling the signal (a second SIGTERM changes nothing)
+        self.active = False  # between install and uninstall: a finished trainer only passes it on
+        self._on_signal = on_signal
         self._previous = None
-        self._installed = False
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+    @property
+    def installed(self) -> bool:
+        return signal.getsignal(signal.SIGTERM) == self._handle
+
+    def install(self) -> None:
+        """Put the guard in front of the current SIGTERM handler (again, if someone replaced it)."""
+        if threading.current_thread() is threading.main_thread() and not self.installed:
             self._previous = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, self._handle)
-            self._installed = True
-        return self
+            self.active = True
+
+    def uninstall(self) -> None:
+        self.active = False
+        if threading.current_thread() is threading.main_thread() and self.installed:
+            signal.signal(signal.SIGTERM, self._previous)
 
     def _handle(self, signum, frame):
+        if not self.active:  # left in a chain of handlers by a trainer that has finished
+            self._pass_on(signum)
+            return
         self.signum = signum
+        self.handle_if_pending()
 
-    def __exit__(self, *exc):
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
-        return False
+    def handle_if_pending(self) -> None:
+        """Run `on_signal` if a signal came and nobody handles it (called after a deferred block)."""
+        if self.signum is not None and not self.deferring and not self.handling:
+            self.handling = True
+            self._on_signal()
+
+    def deferred(self):
+        """A block in which the signal is only recorded (checked with `requested` afterwards)."""
+        guard = self
+
+        class _Deferred:
+            def __enter__(self):
+                guard.deferring += 1
+                return guard
+
+            def __exit__(self, *exc):
+                guard.deferring -= 1
+                return False
+
+        return _Deferred()
 
     def forward(self) -> None:
         """Deliver the signal to the handler that was installed before us."""
+        self.uninstall()
+        self._pass_on(self.signum)
+
+    def _pass_on(self, signum: int) -> None:
         previous = self._previous
-        if self._installed:
-            signal.signal(signal.SIGTERM, previous)
-            self._installed = False
         if callable(previous):
-            previous(self.signum, None)
-        elif previous == signal.SIG_DFL:
-            os.kill(os.getpid(), self.signum)
+            previous(signum, None)
+        elif previous in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
             time.sleep(5)  # the default action ends the process
 
 
@@ -300,9 +340,11 @@ class Trainer:
             # Orbax writes a local stage; steps count once uploaded (marker last). Retention is
             # applied to the remote copy after each upload, not by Orbax to the stage.
             self.remote = RemoteSteps(self.storage.remote_checkpoint_url, self.storage.storage_options)
-            checkpoint_spec = checkpoint_spec.model_copy(update={"keep_last": None, "keep_every_steps": None})
-        self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec)
+            checkpoint_spec = checkpoint_spec.model_copy(
+                update={"keep_last": None, "keep_every_steps": None, "keep_until_evaluated": None}
+            )
         self.records = EvalRecords(self.storage, config.eval.name)
+        self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self._newest_evaluated)
         self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir)
         self.run_tags = dict(run_tags or {})
         self.lease = Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
@@ -323,6 +365,7 @@ class Trainer:
         self._abstract = None
         self._precompiling: threading.Thread | None = None
         self._evals_reconciled = False
+        self._started_from: int | None = None
         devices = jax.devices()
         # On one device (CPU, or one GPU) the state is committed to it, so that the compile done
         # ahead of time (`_start_precompile`) is the one the loop finds; several devices: no precompile.
@@ -334,6 +377,7 @@ class Trainer:
         self.last_train_metrics: dict[str, float] = {}
         self.commit_listeners: list[Callable[[int], None]] = []
         self._announcers: list[threading.Thread] = []
+        self._guard = _PreemptionGuard(self._preempted_between_intervals)
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
         self.early_stopping = (
@@ -369,6 +413,7 @@ class Trainer:
         """
         self.checkpoints.wait()
         self._acquire_lease()
+        self._guard.install()
         self._start_precompile()
         if self.remote is not None:
             self._sync_stage()
@@ -391,6 +436,7 @@ class Trainer:
         )
         if checkpoint_path and not has_own and step:
             data_iter = self._fresh_iter()  # warm start: weights from elsewhere, this job's data from the start
+        self._discard_records_after(step)
         # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
         self._attach_tracking((meta or {}).get("mlflow_run_id"))
         # The restored interval's train metrics, in case its process died before writing them.
@@ -402,9 +448,24 @@ class Trainer:
         if self._one_device is not None:
             state = jax.device_put(state, self._one_device)  # a restored state already is; an initialised one is not
         self.state, self.step, self.data_iter = state, step, data_iter
+        self._started_from = step  # committed, or init / a warm start: a rerun gets the same state
         self._last_save = time.monotonic()
         self._notify(step, self.config.train.max_steps, {})
         return step
+
+    def _newest_evaluated(self) -> int | None:
+        steps = self.records.steps()
+        return steps[-1] if steps else None
+
+    def _discard_records_after(self, step: int) -> None:
+        """Eval records of steps past the one training resumes from are of steps that are no
+        longer committed (moved aside as torn, unreadable or corrupt, or evaluated by an older
+        version before their commit): move them aside, so those steps are evaluated again once
+        they are committed again (the same metrics: training is exact)."""
+        for later in [s for s in self.records.steps() if s > step]:
+            moved = self.records.discard(later, "uncommitted")
+            logger.warning("eval record of step %d (%s) is of a step that is not committed: moved aside to %s",
+                           later, self.config.eval.name, moved)  # fmt: skip
 
     def _start_precompile(self) -> None:
         """Compile the train step (and the eval step) for the job's shapes on a background
@@ -455,7 +516,7 @@ class Trainer:
 
     def _unreadable(self, step: int, exc: BaseException) -> None:
         if self.remote is None:
-            self.checkpoints.quarantine(step, "unreadable")
+            self.checkpoints.quarantine(step, "corrupt" if isinstance(exc, CorruptCheckpointError) else "unreadable")
         else:  # drop the local copy; the remote step stays for someone to inspect
             shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
             self.checkpoints.manager.reload()
@@ -486,6 +547,9 @@ class Trainer:
         keep = set(steps[-spec.keep_last :]) if spec.keep_last else set(steps)
         if spec.keep_every_steps:
             keep |= {s for s in steps if s % spec.keep_every_steps == 0}
+        if spec.keep_until_evaluated:
+            newest = self._newest_evaluated()
+            keep |= {s for s in steps if newest is None or s >= newest}
         for old in steps:
             if old not in keep and old != step:
                 self.remote.delete(old)
@@ -556,6 +620,7 @@ class Trainer:
         """
         self._require_live()
         self._acquire_lease()
+        self._guard.install()
         self._join_precompile()  # its executable is the one this loop calls
         spec = self.config.train
         target = self.next_boundary()
@@ -567,7 +632,7 @@ class Trainer:
         guard = (guard_int(step), guard_int(-1))
         checked = None  # the guard of the previous log point: read one log point later, so the loop never waits on it
         try:
-            with _PreemptionNotice() as notice:
+            with self._guard.deferred() as notice:
                 while step < target:
                     start = step
                     if per_dispatch == 1:
@@ -592,6 +657,7 @@ class Trainer:
                 self._check_finite(guard, logged)
                 self.state, self.step = state, step
                 if notice.requested:
+                    notice.handling = True
                     self._checkpoint_before_exit(notice, logged)
         except BaseException:
             self._forget_live_state()
@@ -615,7 +681,7 @@ class Trainer:
             self._wait_committed()  # the error names the checkpoint a rerun resumes from: let saves in flight land
             raise NonFiniteLossError(first_bad, shown, (self.committed_steps() or [None])[-1])
 
-    def _checkpoint_before_exit(self, notice: _PreemptionNotice, logged) -> None:
+    def _checkpoint_before_exit(self, notice: _PreemptionGuard, logged) -> None:
         grace = self.config.train.sigterm_grace_secs
         started = time.monotonic()
         logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
@@ -637,6 +703,34 @@ class Trainer:
         self.lease.release()
         notice.forward()
         raise Preempted(self.step, committed, notice.signum)
+
+    def _preempted_between_intervals(self) -> None:
+        """SIGTERM outside the training loop (during an evaluation, an export, between tasks):
+        the live step's save may be in flight. Let it commit within the grace period, say which
+        step is the newest committed one, close the MLflow run and forward the signal."""
+        grace = self.config.train.sigterm_grace_secs
+        started = time.monotonic()
+        logger.warning("SIGTERM at step %s (between checkpoints): letting its checkpoint commit (grace %.0fs)", self.step, grace)
+        waiter = threading.Thread(target=self._wait_committed, daemon=True)
+        waiter.start()
+        waiter.join(timeout=grace)
+        committed_steps = self.committed_steps()
+        newest = committed_steps[-1] if committed_steps else None
+        committed = not waiter.is_alive() and self.step in committed_steps
+        if committed:
+            logger.warning("step %d committed in %.2fs after SIGTERM", self.step, time.monotonic() - started)
+        else:
+            logger.error("the checkpoint of step %s did not commit within %.0fs: abandoned; step %s stays the newest valid one",
+                         self.step, grace, newest)  # fmt: skip
+        # MLflow may be slow (or its thread busy): never past the grace period.
+        closer = threading.Thread(target=self.tracker.finish, args=("KILLED",), daemon=True)
+        closer.start()
+        closer.join(timeout=max(1.0, grace - (time.monotonic() - started)))
+        self.lease.release()
+        step, signum = self.step, self._guard.signum
+        self._forget_live_state()
+        self._guard.forward()
+        raise Preempted(step, committed, signum)
 
     def _wait_committed(self) -> None:
         """Wait until every save started so far counts: committed by Orbax, and uploaded if remote."""
@@ -674,6 +768,11 @@ class Trainer:
         restores this step (nothing is logged twice).
         """
         train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
+        with self._guard.deferred():  # a SIGTERM now is handled once Orbax has the step
+            self._save(train_metrics)
+        self._guard.handle_if_pending()
+
+    def _save(self, train_metrics) -> None:
         self.checkpoints.save(
             self.step,
             self.state,
@@ -738,10 +837,15 @@ class Trainer:
         evaluate) or THROTTLED (evaluated less than `throttle_secs` ago; `force` overrides).
         """
         spec = self.config.eval
+        if self.lease.held:  # the trainer evaluating its own steps (local mode)
+            self._guard.install()
         if step is None:
             step = self.step if self.state is not None else (self.committed_steps() or [None])[-1]
-        if step is None or (self.step != step and step not in self.committed_steps()):
+        live = self.state is not None and self.step == step
+        if step is None or (not live and step not in self.committed_steps()):
             return EvalResult(status=EvalStatus.MISSING_CHECKPOINT, name=spec.name, step=step)
+        if not self._evals_reconciled:
+            self.reconcile_eval_metrics(step)
         done = self.records.get(step)
         if done is not None:
             return done.model_copy(update={"status": EvalStatus.NO_NEW_CHECKPOINT})
@@ -752,11 +856,11 @@ class Trainer:
             before = getattr(hook, "before_eval", None)
             if before is not None and before(step) is False:
                 return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
-        state = self._state_at(step)
-        if not self.tracker.started:  # an evaluator: join the trainer's run, leave its status alone
-            self._attach_tracking(self.checkpoints.read_meta(step).get("mlflow_run_id"), reopen=False)
-        if not self._evals_reconciled:
-            self._log_recorded_evals()
+        try:
+            state = self._state_at(step)
+        except CorruptCheckpointError as exc:
+            logger.error("not evaluating step %d: %s", step, exc)
+            return EvalResult(status=EvalStatus.MISSING_CHECKPOINT, name=spec.name, step=step)
         # A finite pass needs no resumable iterator: a MapDataset is read by index, without Grain's
         # prefetch threads (starting them cost more than this whole eval on small sets).
         eval_data = self.program.eval_data()
@@ -775,8 +879,15 @@ class Trainer:
             evaluated_at=time.time(),
             is_final=is_final,
         )
+        # The live step's save may still be in flight (the evaluation overlapped it): a step is
+        # recorded, logged and exported only once it is committed, so that a crash before the
+        # commit leaves nothing that says it was evaluated (the rerun evaluates it again).
+        if live and not self._committed(step):
+            logger.error("step %d did not commit: its evaluation is not recorded", step)
+            return EvalResult(status=EvalStatus.MISSING_CHECKPOINT, name=spec.name, step=step)
         # Unless a crash came between this log and the record below, in an earlier attempt.
-        self.tracker.log_metrics_once([(f"{spec.name}/{k}", v, step) for k, v in metrics.items()], f"{spec.name}/{next(iter(metrics))}", step)
+        rows = [(f"{spec.name}/{k}", v, step) for k, v in sorted(metrics.items())]
+        self.tracker.log_metrics_once(rows, rows[0][0], step)
         self.records.put(result)
         reason = control.after_eval_stop_reason(result, self.records, self.early_stopping, self.eval_hooks)
         if reason:
@@ -786,25 +897,53 @@ class Trainer:
             result = result.model_copy(update={"stop_reason": reason})
         return result
 
-    def _log_recorded_evals(self, newest: int = 3) -> None:
-        """Eval metrics reach MLflow in the background, so a process can die after writing an
-        eval record and before its metrics are in MLflow. The first evaluation of a process logs
-        the newest recorded ones that MLflow lacks (the record is the durable truth; a process
-        that evaluates is the job's only evaluator, so nobody else is writing them)."""
+    def _committed(self, step: int) -> bool:
+        """Whether `step` counts, once the saves in flight have landed (waits for them). The state
+        training started from counts too: committed, or made by init (or a warm start), which a
+        rerun makes again, bit for bit."""
+        if step == self._started_from:
+            return True
+        if step == self.step:
+            self._wait_committed()
+        return step in self.committed_steps()
+
+    def reconcile_eval_metrics(self, step: int | None = None) -> int:
+        """Log to MLflow every recorded evaluation that MLflow lacks; returns how many records it checked.
+
+        Eval metrics reach MLflow in the background, so a process can die after writing an eval
+        record and before its metrics are in MLflow. The job's evaluator (the trainer in local
+        mode, the evaluate flow otherwise) calls this once per process, before it evaluates: the
+        record is the durable truth, and nobody else writes eval metrics, so each is logged
+        exactly once (one metric-history read per process). `step` names a committed step whose
+        checkpoint names the MLflow run, for an evaluator that has not joined it yet.
+        """
         self._evals_reconciled = True
-        name = self.config.eval.name
-        for step in self.records.steps()[-newest:]:
-            recorded = self.records.get(step)
-            if recorded is not None and recorded.metrics:
-                rows = [(f"{name}/{k}", v, step) for k, v in recorded.metrics.items()]
-                self.tracker.log_metrics_once(rows, rows[0][0], step)
+        if not self.tracker.started:  # an evaluator: join the trainer's run, leave its status alone
+            steps = self.committed_steps()
+            source = step if step is not None and (step in steps or step == self.step) else (steps[-1] if steps else None)
+            if source is None:
+                self._evals_reconciled = False  # nothing to join yet: try again next time
+                return 0
+            self._fetch(source)
+            self._attach_tracking(self.checkpoints.read_meta(source).get("mlflow_run_id"), reopen=False)
+        name, logged = self.config.eval.name, 0
+        for recorded in self.records.all():
+            if recorded.metrics:
+                rows = [(f"{name}/{k}", v, recorded.step) for k, v in sorted(recorded.metrics.items())]
+                self.tracker.log_metrics_once(rows, rows[0][0], recorded.step)
+                logged += 1
+        return logged
 
     # -- export ---------------------------------------------------------------------
 
     def export(self, result: EvalResult) -> dict[str, str]:
-        """Run every exporter on an EVALUATED result; returns ``{exporter name: export dir}``."""
+        """Run every exporter on an evaluated result; returns ``{exporter name: export dir}``.
+
+        Also on a result found already evaluated (NO_NEW_CHECKPOINT): exports written before
+        are kept as they are, and those a crash left unwritten are written now.
+        """
         written: dict[str, str] = {}
-        if result.status is not EvalStatus.EVALUATED:
+        if not exp.is_recorded(result):
             return written
         model: list[bytes] = []
 
@@ -836,6 +975,7 @@ class Trainer:
             self._wait_committed()
             self.tracker.finish(status)
         finally:
+            self._guard.uninstall()
             self.lease.release()
 
     def close(self) -> None:
@@ -846,6 +986,7 @@ class Trainer:
                 self._uploader.close()
             self.tracker.close()
         finally:
+            self._guard.uninstall()
             self.lease.release()
 
 

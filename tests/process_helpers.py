@@ -1,0 +1,64 @@
+"""Real `prefect-jax` processes for the kill tests: start one, wait for what it writes, signal it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def cli_env(api_url: str, **extra: str) -> dict[str, str]:
+    """The environment of a child process reporting to the Prefect server at `api_url`."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(
+        PREFECT_API_URL=api_url,
+        PREFECT_LOGGING_LEVEL="INFO",
+        PYTHONPATH=os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]),
+        **extra,
+    )
+    return env
+
+
+def start_run(args: list[str], api_url: str, log_path, **extra_env: str) -> subprocess.Popen:
+    """``python -m prefect_jax.cli run ARGS`` with its output in `log_path`."""
+    log = open(log_path, "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefect_jax.cli", "run", *args],
+        stdout=log, stderr=subprocess.STDOUT, env=cli_env(api_url, **extra_env), cwd=TESTS_DIR,
+    )  # fmt: skip
+
+
+def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 0.002):
+    """Poll `predicate` until it is true; fail naming `what` on timeout or if `proc` ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended (rc={proc.returncode}) before {what}")
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def orbax_tmp_dirs(checkpoint_dir: str, step: int | None = None) -> list[str]:
+    """Temporary directories of saves in flight (of `step`, or of any step)."""
+    prefix = f"{step}.orbax-checkpoint-tmp" if step is not None else ""
+    try:
+        return [n for n in os.listdir(checkpoint_dir) if ".orbax-checkpoint-tmp" in n and n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+
+
+def status(job: str, storage: str) -> dict:
+    """``prefect-jax status --json`` of a job."""
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage, "--json"],
+        capture_output=True, text=True, check=True, cwd=TESTS_DIR,
+    ).stdout  # fmt: skip
+    return json.loads(out.splitlines()[-1])

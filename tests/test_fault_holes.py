@@ -1,0 +1,216 @@
+"""Holes found when the job was attacked (issue 10), each shown with a real process or a real file:
+
+- SIGTERM while a checkpoint is being saved (between intervals) commits that step;
+- evaluations, eval records and exports exist only for committed steps, and after any kill
+  the exporters equal an uninterrupted run's;
+- an evaluator killed before its MLflow writes landed loses no eval metric;
+- a bit flipped in a committed step is caught by its checksums, and the step is moved aside;
+- retention keeps the steps a separate evaluator has not reached yet.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, status, wait_until
+
+from prefect_jax.training.checkpoints import MANIFEST_FILE, committed_steps
+from prefect_jax.training.exporters import list_exports
+from prefect_jax.training.specs import BestExporter, CheckpointSpec, EvalSpec, FinalExporter, JobConfig, LatestExporter, TrainSpec
+from prefect_jax.training.storage import JobStorage
+from prefect_jax.training.trainer import Trainer
+
+PROGRAM = "programs:big"  # 24 MiB of state: a save lasts long enough to signal a process in it
+MAX_STEPS, EVERY = 400, 100
+
+
+def _run_args(storage, mlflow_uri, job="holes"):
+    return ["--program", PROGRAM, "--job", job, "--storage", storage, "--max-steps", str(MAX_STEPS),
+            "--checkpoint-every-steps", str(EVERY), "--log-every-steps", "10", "--keep-last", "10",
+            "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+
+
+def _uninterrupted(tmp_path, mlflow_uri):
+    """The same job run straight through in this process: its exports, best step and fingerprint."""
+    config = JobConfig(
+        program=PROGRAM, job="straight", storage=str(tmp_path / "straight"),
+        train=TrainSpec(max_steps=MAX_STEPS, log_every_steps=10),
+        checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10),
+        eval=EvalSpec(exporters=[LatestExporter(), BestExporter(metric="loss", mode="min"), FinalExporter()]),
+        mlflow_tracking_uri=mlflow_uri,
+    )  # fmt: skip
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < MAX_STEPS:
+        trainer.train_until_checkpoint()
+        trainer.export(trainer.evaluate_if_new())
+    fingerprint = trainer.fingerprint()
+    trainer.finish()
+    trainer.close()
+    return list_exports(trainer.storage), trainer.storage.read_json(trainer.storage.export_dir("best") + "/best.json"), fingerprint
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_save_and_kills_around_an_evaluation_lose_nothing(tmp_path, prefect_server, mlflow_uri):
+    storage = str(tmp_path / "storage")
+    ckpt = os.path.join(storage, "holes", "checkpoints")
+    evals = os.path.join(storage, "holes", "evals", "eval")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    # 1. SIGTERM while step 200 is being saved (after its interval, before its commit).
+    proc = start_run(_run_args(storage, mlflow_uri), prefect_server, logs / "1.log")
+    wait_until(lambda: committed_steps(ckpt) == [100], 240, "step 100 to commit", proc)
+    wait_until(lambda: orbax_tmp_dirs(ckpt, 200), 120, "the save of step 200 to start", proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    log1 = (logs / "1.log").read_text()
+    at = int(re.search(r"SIGTERM at step (\d+)", log1).group(1))
+    assert at == 200, log1[-3000:]
+    assert "step 200 committed" in log1, log1[-3000:]
+    assert committed_steps(ckpt)[-1] == 200, "the step whose save was in flight is committed"
+    assert all(int(os.path.basename(p)[:-5]) in committed_steps(ckpt) for p in glob.glob(f"{evals}/*.json"))
+
+    # 2. SIGKILL as soon as the final step's evaluation is recorded, or its checkpoint commits,
+    #    whichever comes first: an eval record must never exist for a step that is not committed.
+    proc = start_run(_run_args(storage, mlflow_uri), prefect_server, logs / "2.log")
+    wait_until(lambda: orbax_tmp_dirs(ckpt, MAX_STEPS), 240, f"the save of step {MAX_STEPS} to start", proc)
+    wait_until(lambda: os.path.exists(f"{evals}/{MAX_STEPS}.json") or MAX_STEPS in committed_steps(ckpt), 120,
+               f"step {MAX_STEPS} to be evaluated or committed", proc)  # fmt: skip
+    proc.kill()
+    proc.wait(timeout=60)
+    if os.path.exists(f"{evals}/{MAX_STEPS}.json"):
+        assert MAX_STEPS in committed_steps(ckpt), "step 400 was recorded as evaluated before it was committed"
+
+    # 3. Run to the end: the same exporters (steps and best) and state as an uninterrupted run.
+    proc = start_run(_run_args(storage, mlflow_uri), prefect_server, logs / "3.log")
+    assert proc.wait(timeout=400) == 0, (logs / "3.log").read_text()[-3000:]
+    summary = json.loads((logs / "3.log").read_text().strip().splitlines()[-1])
+    exports, best, fingerprint = _uninterrupted(tmp_path, mlflow_uri)
+    assert summary["final_step"] == MAX_STEPS and summary["state_fingerprint"] == fingerprint
+    assert summary["exports"] == exports and exports["final"] == [MAX_STEPS]
+    js = JobStorage(storage, "holes")
+    assert js.read_json(js.export_dir("best") + "/best.json")["step"] == best["step"]
+    job = status("holes", storage)
+    assert job["evaluated_steps"]["eval"] == job["committed_steps"] == [100, 200, 300, 400]
+    history = MlflowClient(mlflow_uri).get_metric_history(summary["mlflow_run_id"], "eval/loss")
+    assert sorted(m.step for m in history) == [100, 200, 300, 400], "each evaluation in MLflow exactly once"
+
+
+def _trained_without_evaluator(job_config, **kw):
+    config = job_config(max_steps=60, every_steps=10, keep_last=1, **kw)
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"keep_until_evaluated": True})})
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < config.train.max_steps:
+        trainer.train_until_checkpoint()
+    trainer.finish()
+    trainer.close()
+    return config
+
+
+@pytest.mark.slow
+def test_a_killed_evaluator_loses_no_eval_metric(job_config, prefect_server, mlflow_uri, tmp_path):
+    """The evaluator writes its eval records, then is SIGKILLed while its MLflow writes wait on a
+    locked store: the next evaluator logs every recorded evaluation, each exactly once."""
+    config = _trained_without_evaluator(job_config)
+    steps = committed_steps(JobStorage(config.storage, config.job).checkpoint_dir)
+    assert steps == [10, 20, 30, 40, 50, 60], "retention kept the steps no evaluator has reached"
+    params = {"program": config.program, "job": config.job, "storage": config.storage,
+              "train_spec": config.train.model_dump(mode="json"), "checkpoint_spec": config.checkpoint.model_dump(mode="json"),
+              "mlflow_tracking_uri": mlflow_uri, "poll_secs": 0.2, "idle_timeout_secs": 600}  # fmt: skip
+    code = f"from prefect_jax.flows import evaluate; evaluate(**{params!r})"
+    db = sqlite3.connect(mlflow_uri[len("sqlite:///"):], timeout=30, isolation_level=None)
+    db.execute("BEGIN EXCLUSIVE")  # MLflow is reachable but every write waits (a slow tracking server)
+    records = JobStorage(config.storage, config.job).eval_dir("eval")
+    log = open(tmp_path / "evaluator.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=TESTS_DIR,
+                            env=cli_env(prefect_server, PREFECT_JAX_MLFLOW_STRICT="0"))  # fmt: skip
+    try:
+        wait_until(lambda: len(glob.glob(f"{records}/*.json")) == len(steps), 240, "every step to be recorded", proc, poll=0.05)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+        db.execute("ROLLBACK")
+        db.close()
+    client = MlflowClient(mlflow_uri)
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("prefect-jax").experiment_id], filter_string=f"tags.`prefect_jax.job` = '{os.path.join(config.storage, config.job)}'"
+    )
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [], "the killed evaluator wrote nothing"
+
+    from prefect_jax.flows import evaluate
+
+    evaluate(**dict(params, idle_timeout_secs=0.5))  # nothing new to evaluate: it only catches up
+    for key in ("eval/accuracy", "eval/loss"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == steps, key
+
+
+def test_retention_keeps_what_the_evaluator_has_not_reached(job_config):
+    config = _trained_without_evaluator(job_config)
+    ckpt = JobStorage(config.storage, config.job).checkpoint_dir
+    evaluator = Trainer(config)
+    for step in (10, 20, 30):
+        assert evaluator.evaluate_if_new(step).status.value == "EVALUATED"
+    evaluator.close()
+    trainer = Trainer(config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 70})}))
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()  # its save applies retention: keep_last=1, and 30.. (not evaluated yet)
+    trainer.finish()
+    trainer.close()
+    assert committed_steps(ckpt) == [30, 40, 50, 60, 70]
+
+
+def _flip_one_bit(step_dir: str) -> str:
+    files = [f for f in glob.glob(f"{step_dir}/state/**/*", recursive=True) if os.path.isfile(f)]
+    biggest = max(files, key=os.path.getsize)
+    data = bytearray(open(biggest, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(biggest, "wb").write(bytes(data))
+    return biggest
+
+
+def test_a_flipped_bit_is_caught_and_the_step_moved_aside(job_config, caplog):
+    config = job_config(max_steps=60, every_steps=20)
+    straight = Trainer(config.model_copy(update={"job": "straight"}))
+    straight.restore_or_init()
+    while straight.step < 60:
+        straight.train_until_checkpoint()
+    clean = straight.fingerprint()
+    straight.finish()
+    straight.close()
+    ckpt = straight.storage.checkpoint_dir
+    assert os.path.isfile(os.path.join(ckpt, "60", MANIFEST_FILE))
+
+    damaged = _flip_one_bit(os.path.join(ckpt, "60"))
+    rerun = Trainer(config.model_copy(update={"job": "straight"}))
+    assert rerun.restore_or_init() == 40
+    assert "is corrupt" in caplog.text and os.path.basename(damaged) in caplog.text
+    assert [n for n in os.listdir(ckpt) if n.startswith("60.corrupt-")], os.listdir(ckpt)
+    rerun.train_until_checkpoint()
+    assert rerun.step == 60 and rerun.fingerprint() == clean
+    rerun.finish()
+    rerun.close()
+
+
+def test_a_step_written_before_checksums_restores_with_a_warning(job_config, caplog):
+    config = job_config(max_steps=20, every_steps=20)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.finish()
+    trainer.close()
+    os.remove(os.path.join(trainer.storage.checkpoint_dir, "20", MANIFEST_FILE))
+    again = Trainer(config)
+    assert again.restore_or_init() == 20
+    assert "has no checksums" in caplog.text
+    again.close()
