@@ -37,7 +37,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
 from prefect_jax.training.specs import JobConfig
-from prefect_jax.training.remote import redact_url
+from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage
 
 

@@ -8,8 +8,8 @@ an upload killed part-way leaves a step that no reader lists, and the next uploa
 replaces it. `RemoteSteps.download` copies a committed step into a local cache directory
 (into a temporary sibling, then one rename), where Orbax restores it.
 
-`AsyncUploader` runs uploads on one background thread, so training goes on while a step is
-copied; errors come back on the next `submit` or `wait`.
+`prefect_jax.training.uploader.AsyncUploader` runs uploads on one background thread, so
+training goes on while a step is copied. Secrets never reach a message: see `redaction`.
 
 Remote layout of one job's checkpoints::
 
@@ -21,7 +21,8 @@ imported by fsspec when a URL needs them.
 
 Example:
     ```python
-    from prefect_jax.training.remote import AsyncUploader, RemoteSteps
+    from prefect_jax.training.remote import RemoteSteps
+    from prefect_jax.training.uploader import AsyncUploader
 
     remote = RemoteSteps("s3://bucket/runs/exp-1/checkpoints", {"key": "...", "secret": "..."})
     with AsyncUploader(remote) as uploader:
@@ -37,151 +38,33 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import shutil
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import fsspec
 
+from prefect_jax.training.redaction import redact_options, redact_url, scrub, secret_values
 from prefect_jax.training.storage import atomic_write
+
+__all__ = [
+    "COMMIT_MARKER", "RemoteConfigError", "RemoteStorageError", "RemoteSteps", "RemoteUnreachableError",
+    "StepManifest", "first_line", "is_transient", "job_committed_steps",
+]  # fmt: skip
 
 logger = logging.getLogger("prefect_jax.remote")
 
 COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"
 MARKER_FORMAT = 1
-REDACTED = "***"
 
 # Protocols fsspec resolves to the local disk: markers are written with a rename there.
 LOCAL_PROTOCOLS = ("file", "local")
 # Object stores: no directories to create (so no bucket is created by accident), and their fsspec
 # implementations cache listings, which must see steps other processes commit.
 _OBJECT_STORE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2")
-
-
-# -- redaction --------------------------------------------------------------------------
-
-# Option names (lowercase substrings) whose values are secrets.
-_SECRET_WORDS = (
-    "secret", "password", "passwd", "token", "credential", "private", "signature", "sas",
-    "account_key", "accountkey", "connection_string", "api_key", "apikey", "session_key",
-)
-# Option names that identify a principal but are not secret by themselves: shown shortened.
-_KEY_ID_NAMES = ("key", "aws_access_key_id", "access_key", "access_key_id", "username", "user", "client_id")
-# Query parameters of signed URLs that must not be shown.
-_SECRET_QUERY_WORDS = ("sig", "token", "secret", "password", "credential", "key", "auth")
-
-
-def _is_secret_name(name: str) -> bool:
-    lowered = name.lower()
-    return any(word in lowered for word in _SECRET_WORDS)
-
-
-def _shorten(value: str) -> str:
-    return f"{value[:4]}{REDACTED}" if len(value) >= 12 else REDACTED
-
-
-def _redact_one_url(url: str) -> str:
-    if "://" not in url:
-        return url
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url.split("://", 1)[0] + "://" + REDACTED
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0]
-        # user:password shows the (shortened) user; a lone user part may itself be a token.
-        netloc = f"{_shorten(user) if user else ''}:{REDACTED}@{host}" if ":" in userinfo else f"{REDACTED}@{host}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode(
-            [(k, REDACTED if any(w in k.lower() for w in _SECRET_QUERY_WORDS) else v) for k, v in pairs],
-            safe="*",
-        )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def redact_url(url: str) -> str:
-    """`url` with passwords, tokens and signatures replaced by ``***``.
-
-    Handles ``user:password@host`` user info, signed-URL query parameters
-    (``X-Amz-Signature``, ``sig``, ``token``, ...) and chained URLs (``simplecache::s3://...``).
-
-    >>> redact_url("s3://AKIAEXAMPLEKEY123:wJalrXUtnFEMI@bucket/prefix?X-Amz-Signature=abc&x=1")
-    's3://AKIA***:***@bucket/prefix?X-Amz-Signature=***&x=1'
-    """
-    if not isinstance(url, str):
-        return repr(type(url))
-    return "::".join(_redact_one_url(part) for part in url.split("::"))
-
-
-def redact_options(options: Mapping[str, Any] | None) -> dict:
-    """A deep copy of fsspec storage options with secret values replaced by ``***``.
-
-    Secret keys (``secret``, ``token``, ``password``, ``aws_secret_access_key``,
-    ``account_key``, ``sas_token``, ...) are hidden at any depth; access-key ids are shortened
-    to their first four characters; URLs (``endpoint_url``) lose their user info and signatures.
-    """
-
-    def walk(value, name: str = ""):
-        if isinstance(value, Mapping):
-            return {k: walk(v, str(k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(walk(v, name) for v in value)
-        if name and _is_secret_name(name):
-            return REDACTED if value not in (None, "", False) else value
-        if name.lower() in _KEY_ID_NAMES and isinstance(value, str):
-            return _shorten(value)
-        if isinstance(value, str) and "://" in value:
-            return redact_url(value)
-        return value
-
-    return walk(dict(options or {}))
-
-
-def _secret_values(url: str, options: Mapping[str, Any] | None) -> list[str]:
-    """Every secret string in the options (and the URL's password), longest first, to scrub from messages."""
-    found: list[str] = []
-
-    def walk(value, name: str = ""):
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                walk(v, str(k))
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v, name)
-        elif isinstance(value, str) and name and (_is_secret_name(name)) and len(value) >= 4:
-            found.append(value)
-
-    walk(dict(options or {}))
-    for part in (url or "").split("::"):
-        try:
-            parts = urlsplit(part)
-            if parts.password and len(parts.password) >= 4:
-                found.append(parts.password)
-            elif parts.username and not parts.password and len(parts.username) >= 4:
-                found.append(parts.username)
-            for k, v in parse_qsl(parts.query):
-                if any(w in k.lower() for w in _SECRET_QUERY_WORDS) and len(v) >= 4:
-                    found.append(v)
-        except ValueError:
-            pass
-    return sorted(set(found), key=len, reverse=True)
-
-
-def scrub(text: str, secrets: list[str]) -> str:
-    """`text` with every one of `secrets` replaced by ``***``."""
-    for secret in secrets:
-        text = text.replace(secret, REDACTED)
-    return text
 
 
 # -- errors -----------------------------------------------------------------------------
@@ -255,7 +138,7 @@ _CREDENTIAL_HINTS.update(s3a=_CREDENTIAL_HINTS["s3"], gcs=_CREDENTIAL_HINTS["gs"
                          abfss=_CREDENTIAL_HINTS["az"])
 
 
-def _first_line(text: str, limit: int = 300) -> str:
+def first_line(text: str, limit: int = 300) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[:limit] + "..."
 
@@ -337,7 +220,7 @@ class RemoteSteps:
         self.protocol = _protocol_of(self.url)
         self.safe_url = redact_url(self.url)
         self._options = dict(storage_options or {})
-        self._secrets = _secret_values(self.url, self._options)
+        self._secrets = secret_values(self.url, self._options)
         options = dict(self._options)
         if self.protocol in _OBJECT_STORE_PROTOCOLS:
             options.setdefault("use_listings_cache", False)  # see steps committed by other processes
@@ -365,7 +248,7 @@ class RemoteSteps:
         return None
 
     def _cause(self, exc: BaseException) -> str:
-        return scrub(f"{type(exc).__name__}: {_first_line(str(exc))}", self._secrets)
+        return scrub(f"{type(exc).__name__}: {first_line(str(exc))}", self._secrets)
 
     def _config_error(self, exc: BaseException) -> RemoteConfigError:
         if isinstance(exc, ValueError) and "protocol not known" in str(exc).lower():
@@ -683,204 +566,6 @@ def _move_aside_and_remove(path: str) -> None:
     except FileNotFoundError:
         return
     shutil.rmtree(aside, ignore_errors=True)
-
-
-# -- background uploads -----------------------------------------------------------------------
-
-
-@dataclass
-class _Job:
-    step: int
-    local_step_dir: str
-    ready: Callable[[str], bool] | None
-    ready_timeout: float
-
-
-_STOP = object()
-
-
-class AsyncUploader:
-    """Uploads steps with `RemoteSteps.upload` on one background thread, oldest first.
-
-    `submit` returns at once; the step is committed remotely once its upload ends. Transient
-    errors (I/O, an endpoint that does not answer, timeouts) are retried `retries` times with
-    exponential backoff; an error that remains is raised by the next `submit` or `wait` (and
-    then forgotten), with a note naming the step. Later steps are still uploaded.
-
-    Args:
-        remote: where steps go.
-        retries: how many times a transient failure is retried (so up to ``retries + 1`` tries).
-        backoff_secs: the first wait between tries; doubles each time up to `max_backoff_secs`.
-        on_uploaded: called with the step (on the uploader thread) after each upload commits.
-    """
-
-    def __init__(
-        self,
-        remote: RemoteSteps,
-        *,
-        retries: int = 4,
-        backoff_secs: float = 1.0,
-        max_backoff_secs: float = 30.0,
-        on_uploaded: Callable[[int], None] | None = None,
-    ):
-        self.remote = remote
-        self.retries = max(0, int(retries))
-        self.backoff_secs = backoff_secs
-        self.max_backoff_secs = max_backoff_secs
-        self.on_uploaded = on_uploaded
-        self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending: list[int] = []
-        self._error: BaseException | None = None
-        self._closing = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.uploaded: list[int] = []
-
-    # -- public --------------------------------------------------------------------------------
-
-    @property
-    def pending(self) -> list[int]:
-        """Steps submitted and not yet finished (queued or uploading)."""
-        with self._lock:
-            return list(self._pending)
-
-    def submit(
-        self,
-        step: int,
-        local_step_dir: str,
-        *,
-        ready: Callable[[str], bool] | None = None,
-        ready_timeout: float = 600.0,
-    ) -> None:
-        """Queue one step for upload and return at once.
-
-        Args:
-            step: the step number.
-            local_step_dir: the local directory of the step (committed, or becoming committed).
-            ready: if given, the uploader thread polls ``ready(local_step_dir)`` until it is true
-                (e.g. Orbax committed the step: ``checkpoints.is_committed``) before uploading,
-                so a caller can submit right after starting an asynchronous save.
-            ready_timeout: how long to wait for `ready` before failing this upload.
-
-        Raises:
-            Whatever an earlier upload raised after its retries.
-            RuntimeError: the uploader was closed.
-        """
-        self._raise_pending_error()
-        if self._closing.is_set():
-            raise RuntimeError(f"uploader for {self.remote.safe_url} is closed; step {step} was not queued")
-        with self._lock:
-            self._pending.append(int(step))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="prefect-jax-upload", daemon=True)
-                self._thread.start()
-        self._queue.put(_Job(int(step), os.path.abspath(local_step_dir), ready, ready_timeout))
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every submitted step is uploaded (or failed).
-
-        Returns:
-            True when nothing is pending; False when `timeout` passed first.
-
-        Raises:
-            Whatever an upload raised after its retries.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._idle.wait(left)
-            done = not self._pending
-        self._raise_pending_error()
-        return done
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Finish the queued uploads (up to `timeout`), then stop the thread.
-
-        Returns:
-            True when every upload finished. Raises what `wait` raises.
-        """
-        try:
-            return self.wait(timeout)
-        finally:
-            self._closing.set()
-            self._queue.put(_STOP)
-            thread = self._thread
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(timeout=0 if timeout is not None and self.pending else None)
-
-    def __enter__(self) -> "AsyncUploader":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # do not hide the error in flight; still stop the thread
-            self._closing.set()
-            self._queue.put(_STOP)
-
-    # -- worker ------------------------------------------------------------------------------
-
-    def _raise_pending_error(self) -> None:
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is _STOP:
-                return
-            try:
-                self._upload(job)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller on submit/wait
-                try:
-                    exc.add_note(f"while uploading checkpoint step {job.step} from {job.local_step_dir} "
-                                 f"to {self.remote.safe_url}")
-                except AttributeError:
-                    pass
-                logger.error("upload of step %d to %s failed: %s", job.step, self.remote.safe_url, exc)
-                with self._lock:
-                    if self._error is None:
-                        self._error = exc
-            else:
-                self.uploaded.append(job.step)
-            finally:
-                with self._idle:
-                    if job.step in self._pending:
-                        self._pending.remove(job.step)
-                    self._idle.notify_all()
-
-    def _upload(self, job: _Job) -> None:
-        if job.ready is not None:
-            deadline = time.monotonic() + job.ready_timeout
-            delay = 0.01
-            while not job.ready(job.local_step_dir):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"local checkpoint step {job.local_step_dir} was not committed within "
-                                       f"{job.ready_timeout:g}s; it was not uploaded")
-                time.sleep(delay)
-                delay = min(delay * 2, 0.25)
-        attempt = 0
-        while True:
-            try:
-                self.remote.upload(job.step, job.local_step_dir)
-                break
-            except Exception as exc:  # noqa: BLE001 - retried when transient
-                if attempt >= self.retries or not is_transient(exc):
-                    raise
-                delay = min(self.backoff_secs * 2**attempt, self.max_backoff_secs)
-                attempt += 1
-                logger.warning("upload of step %d to %s failed (%s); retry %d of %d in %.1fs", job.step,
-                               self.remote.safe_url, _first_line(str(exc), 200), attempt, self.retries, delay)
-                time.sleep(delay)
-        if self.on_uploaded is not None:
-            self.on_uploaded(job.step)
-
 
 
 def job_committed_steps(storage) -> list[int]:

@@ -51,7 +51,9 @@ from prefect_jax.training.evaluation import EvalRecords, EvalResult, EvalStatus,
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.lease import Lease
-from prefect_jax.training.remote import AsyncUploader, RemoteSteps, redact_url
+from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.remote import RemoteSteps
+from prefect_jax.training.uploader import AsyncUploader
 from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.tracking import STORAGE_TAG, Tracker, flatten_params
 
