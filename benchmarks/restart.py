@@ -68,10 +68,12 @@ def child(args) -> dict:
     jax.block_until_ready(state)
     result["raw_restore_s"] = time.perf_counter() - t
     batch = next(trainer.data_iter)
-    guard = (trainer_mod.guard_int(0), trainer_mod.guard_int(-1))
-    jax.block_until_ready(trainer._train_step(state, batch, guard))
+    from prefect_jax.training.loop import guard_int
+
+    guard = (guard_int(0), guard_int(-1))
+    jax.block_until_ready(trainer.loop.train_step(state, batch, guard))
     t = time.perf_counter()
-    jax.block_until_ready(trainer._train_step(state, batch, guard))
+    jax.block_until_ready(trainer.loop.train_step(state, batch, guard))
     result["raw_step_s"] = time.perf_counter() - t
     trainer.finish()
     trainer.close()

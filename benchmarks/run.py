@@ -172,8 +172,11 @@ def run_prefect_jax(args, workdir: str) -> dict:
 
     def init_and_watch_first_step(self, *a, **kw):
         init(self, *a, **kw)
-        for attr in ("_train_step", "_scan_steps"):
-            fn = getattr(self, attr, None)
+        # The compiled steps live on trainer.loop; older checkouts (--baseline) kept them on the trainer.
+        loop = getattr(self, "loop", None)
+        steps = [(loop, "train_step"), (loop, "scan_steps")] if loop is not None else [(self, "_train_step"), (self, "_scan_steps")]
+        for owner, attr in steps:
+            fn = getattr(owner, attr, None)
             if fn is None:
                 continue
 
@@ -184,7 +187,7 @@ def run_prefect_jax(args, workdir: str) -> dict:
                     clock["first_step_at"] = time.perf_counter()
                 return out
 
-            setattr(self, attr, first)
+            setattr(owner, attr, first)
 
     trainer_mod.Trainer.__init__ = init_and_watch_first_step
     train = {"max_steps": args.steps, "log_every_steps": 50}

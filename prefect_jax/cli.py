@@ -130,7 +130,7 @@ def progress_bar(enabled: bool) -> Iterator[None]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from prefect_jax.training.trainer import add_progress_listener
+    from prefect_jax.training.loop import add_progress_listener
 
     console = Console(stderr=True)
     with Progress(

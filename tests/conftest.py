@@ -72,10 +72,9 @@ def job_config(tmp_path, mlflow_uri):
 def _fresh_live_trainers():
     """Each test starts without live trainers cached by an earlier test."""
     yield
-    from prefect_jax.training import trainer
+    from prefect_jax.training import live
 
-    for key in list(trainer._live):
-        trainer._live.pop(key).close()
+    live.drop_all()
 
 
 def train_to_end(trainer):

@@ -75,10 +75,9 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(tmp_path, mlf
     assert [a["data"] for a in progress] == [100.0]
 
     # Rerun in a fresh process state: resumes at 40, trains nothing, evaluates nothing again.
-    from prefect_jax.training import trainer
+    from prefect_jax.training import live
 
-    for key in list(trainer._live):
-        trainer._live.pop(key).close()
+    live.drop_all()
     records = tmp_path / "storage" / "flow-job" / "evals" / "eval"
     before = sorted(p.name for p in records.iterdir())
     assert before == ["20.json", "40.json"]

@@ -20,6 +20,7 @@ import time
 
 import pytest
 from mlflow.tracking import MlflowClient
+from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, status, wait_until
 
 from prefect_jax.training.checkpoints import committed_steps
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
@@ -29,43 +30,16 @@ pytestmark = pytest.mark.slow
 
 PROGRAM = "programs:big"
 MAX_STEPS, EVERY = 600, 100
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _env(api_url):
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(
-        PREFECT_API_URL=api_url,
-        PREFECT_LOGGING_LEVEL="INFO",
-        PYTHONPATH=os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]),
-    )
-    return env
 
 
 def _start(storage, mlflow_uri, api_url, log_path):
-    args = [sys.executable, "-m", "prefect_jax.cli", "run", "--program", PROGRAM, "--job", "pre", "--storage", storage,
-            "--max-steps", str(MAX_STEPS), "--checkpoint-every-steps", str(EVERY), "--log-every-steps", "10",
-            "--keep-last", "10", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
-    log = open(log_path, "w")
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=_env(api_url), cwd=TESTS_DIR)
+    args = ["--program", PROGRAM, "--job", "pre", "--storage", storage, "--max-steps", str(MAX_STEPS),
+            "--checkpoint-every-steps", str(EVERY), "--log-every-steps", "10", "--keep-last", "10",
+            "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+    return start_run(args, api_url, log_path)
 
 
-def _wait(predicate, timeout, what, proc=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process ended (rc={proc.returncode}) before {what}")
-        time.sleep(0.002)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def _tmp_dirs(ckpt):
-    try:
-        return [n for n in os.listdir(ckpt) if ".orbax-checkpoint-tmp" in n]
-    except FileNotFoundError:
-        return []
+_wait = wait_until
 
 
 def _kill(proc, sig):
@@ -96,7 +70,7 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     # 1. SIGKILL in the middle of an asynchronous save (of step 200: step 100 is committed).
     proc = _start(storage, mlflow_uri, prefect_server, logs / "1.log")
     _wait(lambda: committed_steps(ckpt) == [100], 180, "step 100 to commit", proc)
-    _wait(lambda: _tmp_dirs(ckpt), 60, "the save of step 200 to start", proc)
+    _wait(lambda: orbax_tmp_dirs(ckpt), 60, "the save of step 200 to start", proc)
     assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
     assert committed_steps(ckpt) == [100], "a save killed part-way must not count"
 
@@ -111,7 +85,7 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
         second = subprocess.run(
             [sys.executable, "-m", "prefect_jax.cli", "run", "--program", PROGRAM, "--job", "pre", "--storage", storage,
              "--max-steps", str(MAX_STEPS), "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
-            capture_output=True, text=True, env=_env(prefect_server), cwd=TESTS_DIR, timeout=300,
+            capture_output=True, text=True, env=cli_env(prefect_server), cwd=TESTS_DIR, timeout=300,
         )
     finally:
         proc.send_signal(signal.SIGCONT)
@@ -123,10 +97,7 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     log2 = (logs / "2.log").read_text()
     at = int(re.search(r"SIGTERM at step (\d+): checkpointing it", log2).group(1))
     assert f"step {at} committed" in log2
-    status = json.loads(subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", "pre", "--storage", storage, "--json"],
-        capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-    assert status["committed_steps"][-1] == at, "zero steps lost: the step the signal arrived at is committed"
+    assert status("pre", storage)["committed_steps"][-1] == at, "zero steps lost: the step the signal arrived at is committed"
     assert "Finished in state Crashed" in log2 and not os.path.exists(lease_path)
     client = MlflowClient(mlflow_uri)
     (killed_run,) = client.search_runs(

@@ -52,9 +52,9 @@ def test_trainer_then_evaluator_evaluate_every_checkpoint_once(tmp_path, mlflow_
     committed = _events(prefect_server, "roles", "prefect-jax.checkpoint.committed", expect=3)
     assert sorted(e["payload"]["step"] for e in committed) == [20, 40, 60]
 
-    from prefect_jax.training import trainer as trainer_mod
+    from prefect_jax.training import live
 
-    trainer_mod._live.clear()  # the evaluator is another process: no live state
+    live.drop_all(close=False)  # the evaluator is another process: no live state
     result = evaluate(**params, poll_secs=0.1)
     assert result["evaluated"] == [20, 40, 60]
     assert result["stopped"].startswith("evaluated the final step")

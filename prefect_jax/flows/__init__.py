@@ -47,20 +47,14 @@ def _close_mlflow_run(status: str):
 
         # Prefect may run this hook in a worker or `serve` process that never trained: do not
         # import jax, Orbax and MLflow there just to find nothing (it delays the rerun).
-        trainer_module = sys.modules.get("prefect_jax.training.trainer")
-        if trainer_module is None:
+        live = sys.modules.get("prefect_jax.training.live")
+        if live is None:
             return
-        _live = trainer_module._live
 
         config = _config_from(flow_run.parameters)
-        if config is None:
-            return
-        from prefect_jax.training.storage import JobStorage
-
-        trainer = _live.get(JobStorage(config.storage, config.job).job_dir)
-        if trainer is not None and trainer.lease.held:  # never touch a job another trainer holds
+        if config is not None:
             # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the lease.
-            trainer.finish(status)
+            live.finish_live(config, status)
 
     return hook
 
@@ -144,7 +138,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
 
 def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
     from prefect_jax.training.exporters import list_exports
-    from prefect_jax.training.trainer import get_trainer
+    from prefect_jax.training.live import get_trainer
 
     trainer = get_trainer(config)
     if trainer.state is None:
@@ -328,7 +322,7 @@ def evaluate(
             "is the trainer running, and does it use the same storage and job name? "
             "Raise wait_for_first_checkpoint_secs for slow starts."
         )
-    from prefect_jax.training.trainer import get_trainer
+    from prefect_jax.training.live import get_trainer
 
     # An evaluator killed after writing eval records may not have logged them to MLflow yet.
     checked = get_trainer(config).reconcile_eval_metrics(first)

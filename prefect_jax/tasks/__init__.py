@@ -2,7 +2,7 @@
 
 Each task passes small references (the JSON-able `JobConfig`, a step, an `EvalResult`),
 never arrays. The live train state stays in this process between tasks of one flow run
-(see `prefect_jax.training.trainer.get_trainer`); a retry or another process restores
+(see `prefect_jax.training.live`); a retry or another process restores
 from storage.
 
 Example:
@@ -119,7 +119,7 @@ def emit(event: str, config: JobConfig, payload: dict[str, Any]) -> None:
 
 
 def _trainer(config: JobConfig):
-    from prefect_jax.training.trainer import get_trainer
+    from prefect_jax.training.live import get_trainer
 
     trainer = get_trainer(config, run_tags=_run_tags())
     if not trainer.commit_listeners:

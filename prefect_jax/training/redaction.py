@@ -6,7 +6,6 @@ project logs, records in MLflow or puts in an exception goes through these funct
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 

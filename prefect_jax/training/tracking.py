@@ -81,9 +81,12 @@ class Tracker:
         tracking_uri: MLflow tracking URI (``sqlite:///...``, ``http://...``).
         experiment: experiment name.
         job_key: identifies the job across reruns (tag ``prefect_jax.job``).
+        enabled: False in a process that does not write the job's records (not the primary
+            one of several): every call then does nothing.
     """
 
-    def __init__(self, tracking_uri: str | None, experiment: str, job_key: str):
+    def __init__(self, tracking_uri: str | None, experiment: str, job_key: str, enabled: bool = True):
+        self.enabled = enabled
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.experiment = experiment
         self.job_key = job_key
@@ -102,6 +105,10 @@ class Tracker:
     # -- the background thread ----------------------------------------------------------
 
     def _submit(self, fn: Callable, *args, **kwargs) -> Future:
+        if not self.enabled:
+            future: Future = Future()
+            future.set_result(None)
+            return future
         future = self._pool.submit(fn, *args, **kwargs)
         self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [future]
         return future

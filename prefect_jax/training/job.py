@@ -1,0 +1,260 @@
+"""What lives in storage for one job, built once from its config.
+
+A `Job` owns the job's checkpoints (Orbax on local disk or ``gs://``; elsewhere a local stage
+uploaded in the background), its eval records, its exports, its lease, its stop requests and
+its MLflow run. It never trains: a `Loop` (`prefect_jax.training.loop`) does, and the
+`Trainer` puts the two together.
+
+Which process writes what is decided here, in `Job.is_primary`: with several JAX processes,
+each writes its own part of a checkpoint (Orbax coordinates them), and only the primary one
+(process 0) holds the lease, writes eval records and exports, and talks to MLflow.
+
+Example:
+    ```python
+    job = Job(config)
+    print(job.committed_steps(), job.records.steps(), job.stop_requested())
+    job.close()
+    ```
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from prefect_jax.training import control
+from prefect_jax.training.checkpoints import Checkpoints, CorruptCheckpointError, is_committed, step_dirs
+from prefect_jax.training.evaluation import EvalRecords
+from prefect_jax.training.lease import Lease
+from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.remote import RemoteSteps
+from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.storage import JobStorage
+from prefect_jax.training.tracking import STORAGE_TAG, Tracker
+from prefect_jax.training.uploader import AsyncUploader
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+
+def process_index() -> int:
+    """This process's index among the job's JAX processes (0 with one process)."""
+    import jax
+
+    return jax.process_index()
+
+
+class Job:
+    """The storage side of one job.
+
+    Args:
+        config: the job.
+        run_tags: metadata stored in checkpoints and MLflow tags (e.g. the Prefect flow-run id,
+            which also names the owner of the job's lease).
+    """
+
+    def __init__(self, config: JobConfig, run_tags: dict[str, str] | None = None):
+        self.config = config
+        self.run_tags = dict(run_tags or {})
+        self.is_primary = process_index() == 0
+        self.storage = JobStorage(config.storage, config.job, config.storage_options)
+        self.remote: RemoteSteps | None = None
+        self._uploader: AsyncUploader | None = None
+        checkpoint_spec = config.checkpoint
+        if not self.storage.orbax_native:
+            # Orbax writes a local stage; steps count once uploaded (marker last). Retention is
+            # applied to the remote copy after each upload, not by Orbax to the stage.
+            self.remote = RemoteSteps(self.storage.remote_checkpoint_url, self.storage.storage_options)
+            checkpoint_spec = checkpoint_spec.model_copy(
+                update={"keep_last": None, "keep_every_steps": None, "keep_until_evaluated": None}
+            )
+        self.records = EvalRecords(self.storage, config.eval.name)
+        self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self.newest_evaluated)
+        self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir, enabled=self.is_primary)
+        self.lease = Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
+        self.commit_listeners: list[Callable[[int], None]] = []
+        self._announcers: list[threading.Thread] = []
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        """The job's committed steps: on its storage (remote steps count once uploaded)."""
+        return self.remote.committed_steps() if self.remote is not None else self.checkpoints.committed_steps()
+
+    def newest_committed(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def prepare_restore(self) -> None:
+        """The writer's view after a crash: torn local steps moved aside; for remote storage,
+        partial uploads removed and staged steps that never got uploaded dropped (they do not count)."""
+        self.checkpoints.wait()
+        if self.remote is None:
+            self.checkpoints.quarantine_uncommitted()
+            return
+        pending = set(self._uploader.pending) if self._uploader is not None else set()
+        for step in self.remote.delete_uncommitted(keep=lambda s: s in pending):
+            logger.warning("checkpoint step %d at %s was never committed: removed", step, self.remote.safe_url)
+        committed = set(self.remote.committed_steps())
+        for step in step_dirs(self.checkpoints.directory):
+            if step not in committed and step not in pending:
+                shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
+        self.checkpoints.manager.reload()
+
+    def fetch(self, step: int) -> None:
+        """Make a committed remote step readable in the local stage (download it unless it is there)."""
+        if self.remote is None or step in self.checkpoints.committed_steps():
+            return
+        self.remote.download(step, self.checkpoints.directory)
+        self.checkpoints.manager.reload()
+
+    def restore(self, step: int, abstract_state, data_iter=None):
+        """Restore a committed step (downloaded first if remote): ``(state, metadata)``."""
+        self.checkpoints.wait()
+        self.fetch(step)
+        return self.checkpoints.restore(step, abstract_state, data_iter)
+
+    def read_meta(self, step: int) -> dict:
+        self.fetch(step)
+        return self.checkpoints.read_meta(step)
+
+    def set_aside(self, step: int, exc: BaseException) -> None:
+        """A step that failed to restore: move it aside (local), or drop its local copy (remote:
+        the remote step stays for someone to inspect)."""
+        if self.remote is None:
+            self.checkpoints.quarantine(step, "corrupt" if isinstance(exc, CorruptCheckpointError) else "unreadable")
+        else:
+            shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
+            self.checkpoints.manager.reload()
+
+    def save(self, step: int, state, data_iter, meta: dict[str, Any]) -> None:
+        """Start an asynchronous save of `step`; upload it when it commits (remote storage); tell
+        the commit listeners once it counts."""
+        self.checkpoints.save(step, state, data_iter, {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags})
+        if self.remote is not None:
+            self.uploader.submit(step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed)
+        if self.commit_listeners:
+            announcer = threading.Thread(target=self._announce_commit, args=(step,), name="prefect-jax-commit", daemon=True)
+            announcer.start()
+            self._announcers = [t for t in self._announcers if t.is_alive()] + [announcer]
+
+    def _announce_commit(self, step: int) -> None:
+        """Tell the commit listeners once `step` is committed (from a background thread)."""
+        self.checkpoints.wait()
+        if self.remote is not None:
+            deadline = time.monotonic() + 3600
+            while step not in self.remote.committed_steps() and time.monotonic() < deadline:
+                if step not in self.uploader.pending and step not in self.remote.committed_steps():
+                    return  # the upload failed; it is reported by the next save or finish
+                time.sleep(0.2)
+        if step not in self.committed_steps():
+            return
+        for fn in list(self.commit_listeners):
+            try:
+                fn(step)
+            except Exception:  # noqa: BLE001 - a listener must not break training
+                logger.exception("commit listener failed for step %d", step)
+
+    def wait_committed(self) -> None:
+        """Wait until every save started so far counts: committed by Orbax, and uploaded if remote."""
+        self.checkpoints.wait()
+        if self._uploader is not None:
+            self._uploader.wait()
+        for announcer in self._announcers:  # the commit events of those saves are out too
+            announcer.join(timeout=30)
+
+    @property
+    def uploader(self) -> AsyncUploader | None:
+        if self.remote is not None and self._uploader is None:
+            self._uploader = AsyncUploader(self.remote, on_uploaded=self._uploaded)
+        return self._uploader
+
+    def _uploaded(self, step: int) -> None:
+        """After an upload: apply retention to the remote steps, keep only the newest locally."""
+        spec = self.config.checkpoint
+        steps = self.remote.committed_steps()
+        keep = set(steps[-spec.keep_last :]) if spec.keep_last else set(steps)
+        if spec.keep_every_steps:
+            keep |= {s for s in steps if s % spec.keep_every_steps == 0}
+        if spec.keep_until_evaluated:
+            newest = self.newest_evaluated()
+            keep |= {s for s in steps if newest is None or s >= newest}
+        for old in steps:
+            if old not in keep and old != step:
+                self.remote.delete(old)
+        for old in step_dirs(self.checkpoints.directory):
+            if old < step and old not in self._uploader.pending:
+                shutil.rmtree(os.path.join(self.checkpoints.directory, str(old)), ignore_errors=True)
+
+    # -- eval records ---------------------------------------------------------------------
+
+    def newest_evaluated(self) -> int | None:
+        steps = self.records.steps()
+        return steps[-1] if steps else None
+
+    def discard_records_after(self, step: int) -> None:
+        """Eval records of steps past the one training resumes from are of steps that are no
+        longer committed (moved aside as torn, unreadable or corrupt, or evaluated by an older
+        version before their commit): move them aside, so those steps are evaluated again once
+        they are committed again (the same metrics: training is exact)."""
+        for later in [s for s in self.records.steps() if s > step]:
+            moved = self.records.discard(later, "uncommitted")
+            logger.warning("eval record of step %d (%s) is of a step that is not committed: moved aside to %s",
+                           later, self.config.eval.name, moved)  # fmt: skip
+
+    # -- the lease, stop requests, reruns -------------------------------------------------
+
+    def acquire_lease(self) -> None:
+        """Take (or keep) the job's lease; raises `LeaseHeldError` naming a live owner."""
+        if self.is_primary:
+            self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
+            self.lease.acquire()
+
+    def stop_requested(self) -> dict | None:
+        """A durable stop request of this job (early stopping, or a person), if any."""
+        return control.stop_requested(self.storage)
+
+    def request_stop(self, reason: str, step: int, by: str) -> None:
+        if self.is_primary:
+            control.request_stop(self.storage, reason, step, by=by)
+
+    def record_attempt(self, step: int) -> None:
+        """Count a (re)run starting at `step`; raises `NoProgressError` past the rerun budget."""
+        if self.is_primary:
+            control.record_attempt(
+                self.storage, step, self.config.train.max_reruns_without_progress, self.run_tags.get("prefect.flow_run_id", "")
+            )
+
+    # -- MLflow ---------------------------------------------------------------------------
+
+    def attach_tracking(self, params: dict[str, str], run_id: str | None = None, reopen: bool = True) -> None:
+        """Find (by id, else by job tag) or create this job's MLflow run (in the background)."""
+        self.tracker.start(
+            params=params,
+            tags={STORAGE_TAG: redact_url(self.storage.root), "mlflow.runName": self.config.job, **self.run_tags},
+            run_id=run_id,
+            reopen=reopen,
+        )
+
+    # -- end ------------------------------------------------------------------------------
+
+    def finish(self, status: str) -> None:
+        """Wait for pending saves, close the MLflow run with `status`, release the lease."""
+        try:
+            self.wait_committed()
+            self.tracker.finish(status)
+        finally:
+            self.lease.release()
+
+    def close(self) -> None:
+        try:
+            self.checkpoints.close()
+            if self._uploader is not None:
+                self._uploader.close()
+            self.tracker.close()
+        finally:
+            self.lease.release()

@@ -1,0 +1,77 @@
+"""The trainers alive in this process, one per job: how a flow run's tasks share the live state.
+
+Tasks pass small references (a `JobConfig`, a step), never arrays; the train state stays here
+between the tasks of one flow run, so an interval does not re-read the checkpoint it just
+wrote. A retry, a rerun or another process restores from storage instead.
+
+Importing this module does not import jax: a flow's state hook may look here (`finish_live`)
+in a process that never trained.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.storage import JobStorage
+
+if TYPE_CHECKING:
+    from prefect_jax.training.trainer import Trainer
+
+_live: dict[str, Trainer] = {}
+
+
+def _key(config: JobConfig) -> str:
+    return JobStorage(config.storage, config.job).job_dir
+
+
+def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Trainer:
+    """The live Trainer of this job in this process, or a new one (with no state yet).
+
+    A cached trainer is reused only if its config is identical; otherwise it is closed
+    and replaced.
+    """
+    from prefect_jax.training.trainer import Trainer
+
+    key = _key(config)
+    trainer = _live.get(key)
+    if trainer is not None and trainer.config == config:
+        if run_tags:
+            trainer.run_tags.update(run_tags)
+        return trainer
+    if trainer is not None:
+        trainer.close()
+    trainer = Trainer(config, run_tags=run_tags)
+    _live[key] = trainer
+    return trainer
+
+
+def live_trainer(config: JobConfig) -> Trainer | None:
+    """This job's live Trainer in this process, if there is one (never creates one)."""
+    return _live.get(_key(config))
+
+
+def finish_live(config: JobConfig, status: str) -> bool:
+    """If this process trains the job (its trainer holds the lease): let a checkpoint in flight
+    commit, close the MLflow run with `status`, free the lease. True if it did."""
+    trainer = live_trainer(config)
+    if trainer is None or not trainer.lease.held:  # never touch a job another trainer holds
+        return False
+    trainer.finish(status)
+    return True
+
+
+def drop_trainer(config: JobConfig) -> None:
+    """Forget (and close) this job's live trainer."""
+    trainer = _live.pop(_key(config), None)
+    if trainer is not None:
+        trainer.close()
+
+
+def drop_all(close: bool = True) -> None:
+    """Forget every live trainer of this process (closing them, unless `close` is False: as if
+    this process had never trained)."""
+    while _live:
+        _, trainer = _live.popitem()
+        if close:
+            trainer.close()

@@ -1,0 +1,293 @@
+"""How training advances: the compiled steps, the input iterator, the NaN guard and progress.
+
+A `Loop` knows the program and the train spec, never the job's storage: it turns a state, a
+step and an iterator into a later state, step and iterator, and tells who listens how far it
+got. Checkpoints, eval records and MLflow are the `Job`'s (`prefect_jax.training.job`).
+
+Example:
+    ```python
+    loop = Loop(program, TrainSpec(max_steps=100))
+    state, it = loop.place(loop.init_state()), loop.fresh_iter()
+    interval = loop.run(state, 0, it, target=100, stop=lambda: False)
+    print(interval.step, loop.train_rows(interval.logged)[-1])
+    ```
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grain
+import jax
+
+from prefect_jax.training.evaluation import aggregate
+from prefect_jax.training.specs import TrainSpec
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+ProgressListener = Callable[[int, int, dict[str, float]], None]
+_progress_listeners: list[ProgressListener] = []
+
+
+def add_progress_listener(fn: ProgressListener) -> Callable[[], None]:
+    """Call ``fn(step, max_steps, last_metrics)`` as training advances; returns a remover."""
+    _progress_listeners.append(fn)
+    return lambda: _progress_listeners.remove(fn) if fn in _progress_listeners else None
+
+
+def notify_progress(step: int, max_steps: int, metrics: dict[str, float]) -> None:
+    for fn in list(_progress_listeners):
+        try:
+            fn(step, max_steps, metrics)
+        except Exception:  # noqa: BLE001 - a broken progress bar must not stop training
+            logger.exception("progress listener failed")
+
+
+def guard_int(value: int):
+    """An int32 scalar for the step guard: a numpy scalar, so making one dispatches nothing."""
+    import numpy as np
+
+    return np.int32(value)
+
+
+def enable_compilation_cache(directory: str) -> None:
+    """Turn on JAX's persistent compilation cache in `directory` (every compile is cached)."""
+    if "://" not in directory:
+        os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def iterate(dataset, read_options=None):
+    """An iterator (with get_state/set_state) over a Grain MapDataset (read with `read_options`,
+    default Grain's) or IterDataset."""
+    if hasattr(dataset, "to_iter_dataset"):
+        dataset = dataset.to_iter_dataset(read_options) if read_options is not None else dataset.to_iter_dataset()
+    return iter(dataset)
+
+
+def guarded_step(train_step: Callable, check_finite: bool) -> Callable:
+    """Wrap `train_step` to also count steps and remember the first with a NaN/Inf loss, on the device."""
+    import jax.numpy as jnp
+
+    def step(state, batch, guard):
+        state, metrics = train_step(state, batch)
+        count, first_bad = guard
+        count = count + 1
+        if check_finite and metrics:
+            keys = [k for k in metrics if "loss" in k] or list(metrics)
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(metrics[k])) for k in keys]))
+            first_bad = jnp.where((first_bad < 0) & ~finite, count, first_bad)
+        return state, metrics, (count, first_bad)
+
+    return step
+
+
+def scanned(step: Callable) -> Callable:
+    """`step(state, batch, guard)` over a leading axis of stacked batches, in one `lax.scan`:
+    returns (state, metrics stacked per step, guard)."""
+
+    def run(state, batches, guard):
+        def body(carry, batch):
+            state, metrics, guard = step(carry[0], batch, carry[1])
+            return (state, guard), metrics
+
+        (state, guard), metrics = jax.lax.scan(body, (state, guard), batches)
+        return state, metrics, guard
+
+    return run
+
+
+def stack(batches: list):
+    """K host batches (pytrees of arrays) as one pytree with a leading axis of K."""
+    import numpy as np
+
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+
+def metrics_at(metrics, index: int | None):
+    """One step's metrics: as they are (one step per dispatch), or row `index` of a scan's stack."""
+    return metrics if index is None else jax.tree.map(lambda m: m[index], metrics)
+
+
+class NonFiniteAt(Exception):
+    """Raised inside `Loop.run` at the first NaN/Inf loss: the step and its metrics."""
+
+    def __init__(self, step: int, metrics: dict[str, float]):
+        super().__init__(step, metrics)
+        self.step, self.metrics = step, metrics
+
+
+@dataclass
+class Interval:
+    """Where one `Loop.run` ended: the state and step reached and the metrics logged on the way,
+    as ``(step, metrics, row)`` (row: None for one step's metrics, else its row in a scan's stack)."""
+
+    state: Any
+    step: int
+    logged: list[tuple[int, Any, int | None]]
+
+
+class Loop:
+    """The compiled functions of one program, and the loop that calls them.
+
+    Args:
+        program: the program (see `prefect_jax.training.program`).
+        spec: the train spec (seed, steps per dispatch, logging cadence, NaN check).
+    """
+
+    def __init__(self, program: Any, spec: TrainSpec):
+        self.program, self.spec = program, spec
+        # The CPU backend cannot donate buffers (it would warn on every compile); GPU/TPU can.
+        # The guard is never donated: the loop reads an earlier one after later steps ran.
+        donate = (0,) if jax.default_backend() != "cpu" else ()
+        guarded = guarded_step(program.train_step, spec.check_finite)
+        self.train_step = jax.jit(guarded, donate_argnums=donate)
+        self.scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
+        self.eval_step = jax.jit(program.eval_step)
+        self.rng = jax.random.key(spec.seed)
+        self._abstract = None
+        self._precompiling: threading.Thread | None = None
+        devices = jax.devices()
+        # On one device (CPU, or one GPU) the state is committed to it, so that the compile done
+        # ahead of time (`start_precompile`) is the one the loop finds; several devices: no precompile.
+        self.one_device = jax.sharding.SingleDeviceSharding(devices[0]) if len(devices) == 1 else None
+
+    # -- state and data ------------------------------------------------------------------
+
+    @property
+    def abstract_state(self):
+        """``jax.eval_shape`` of init: the structure a restore must match."""
+        if self._abstract is None:
+            self._abstract = jax.eval_shape(self.program.init, self.rng)
+        return self._abstract
+
+    def init_state(self):
+        return self.program.init(self.rng)
+
+    def fresh_iter(self):
+        return iterate(self.program.train_data(self.spec.seed), getattr(self.program, "read_options", None))
+
+    def place(self, state):
+        """Commit a state to the one device (a restored state already is; an initialised one is not)."""
+        return jax.device_put(state, self.one_device) if self.one_device is not None else state
+
+    # -- compilation ---------------------------------------------------------------------
+
+    def start_precompile(self) -> None:
+        """Compile the train step (and the eval step) for the job's shapes on a background
+        thread, so the compile overlaps the restore instead of following it: the first call
+        then finds the executable in jit's cache. Only for Grain MapDatasets, whose first
+        batch is read by index without starting the pipeline; any failure is left for the
+        real call to report."""
+        if self._precompiling is not None or self.one_device is None:
+            return
+        import numpy as np
+
+        def spec(tree):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+
+        # The state the loop gets is committed to the one device (see `place`): a spec without
+        # that sharding would compile an executable the loop never finds.
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.one_device), self.abstract_state)
+
+        def compile_steps():
+            try:
+                train_data = self.program.train_data(self.spec.seed)
+                if isinstance(train_data, grain.MapDataset):
+                    batch, guard = spec(train_data[0]), spec((guard_int(0), guard_int(-1)))
+                    k = self.spec.steps_per_dispatch
+                    if k == 1:
+                        self.train_step.lower(state, batch, guard).compile()
+                    else:
+                        stacked = jax.tree.map(lambda b: jax.ShapeDtypeStruct((k, *b.shape), b.dtype), batch)
+                        self.scan_steps.lower(state, stacked, guard).compile()
+                eval_data = self.program.eval_data()
+                if isinstance(eval_data, grain.MapDataset):
+                    self.eval_step.lower(state, spec(eval_data[0])).compile()
+            except Exception:  # noqa: BLE001 - the real call compiles again and reports it
+                logger.debug("background compile failed", exc_info=True)
+
+        self.abstract_state  # noqa: B018 - traced here, not in two threads at once
+        # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
+        self._precompiling = threading.Thread(target=compile_steps, name="prefect-jax-compile")
+        self._precompiling.start()
+
+    def join_precompile(self) -> None:
+        if self._precompiling is not None:
+            self._precompiling.join()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self, state, step: int, it, target: int, stop: Callable[[], bool]) -> Interval:
+        """Train from `step` to `target`, or until `stop()` says so (checked after each dispatch).
+
+        Metrics stay on the device; the NaN guard of a log point is read one log point later,
+        so the loop never waits on the device. Raises `NonFiniteAt` at the first NaN/Inf loss.
+        """
+        spec = self.spec
+        log_every, per_dispatch = spec.log_every_steps, spec.steps_per_dispatch
+        logged: list[tuple[int, Any, int | None]] = []
+        guard = (guard_int(step), guard_int(-1))
+        checked = None  # the guard of the previous log point
+        self.join_precompile()  # its executable is the one this loop calls
+        while step < target:
+            start = step
+            if per_dispatch == 1:
+                state, metrics, guard = self.train_step(state, next(it), guard)
+                step += 1
+            else:
+                n = min(per_dispatch, target - step)
+                state, metrics, guard = self.scan_steps(state, stack([next(it) for _ in range(n)]), guard)
+                step += n
+            due = [s for s in range(start + 1, step + 1) if s % log_every == 0 or s == target]
+            if due:
+                logged.extend((s, metrics, None if per_dispatch == 1 else s - start - 1) for s in due)
+                if checked is not None:
+                    self.check_finite(checked, logged)
+                checked = guard
+                if _progress_listeners:
+                    notify_progress(step, spec.max_steps, metrics_at(*logged[-1][1:]))
+            if stop():
+                break
+        self.check_finite(guard, logged)
+        return Interval(state, step, logged)
+
+    def check_finite(self, guard, logged) -> None:
+        """Raise `NonFiniteAt` if the guard saw a NaN/Inf loss (with that step's logged metrics)."""
+        if not self.spec.check_finite:
+            return
+        first_bad = int(guard[1])
+        if first_bad >= 0:
+            shown = {}
+            for s, m, row in logged:
+                if s >= first_bad:
+                    shown = {k: float(v) for k, v in jax.device_get(metrics_at(m, row)).items()}
+                    break
+            raise NonFiniteAt(first_bad, shown)
+
+    @staticmethod
+    def train_rows(logged) -> list[tuple[str, float, int]]:
+        """An interval's logged train metrics as MLflow rows ``(name, value, step)`` (one device-to-host copy)."""
+        if not logged:
+            return []
+        values = [(s, metrics_at(m, row)) for s, m, row in jax.device_get(logged)]
+        return [(k, float(v), s) for s, m in values for k, v in m.items()]
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    def evaluate(self, state, steps: int | None) -> tuple[dict[str, float], int, int | None]:
+        """`eval_step` over the program's eval data (at most `steps` batches), aggregated exactly."""
+        # A finite pass needs no resumable iterator: a MapDataset is read by index, without Grain's
+        # prefetch threads (starting them cost more than this whole eval on small sets).
+        eval_data = self.program.eval_data()
+        if isinstance(eval_data, grain.MapDataset):
+            batches = (eval_data[i] for i in range(len(eval_data)))
+        else:
+            batches = iterate(eval_data)
+        return aggregate(self.eval_step, state, batches, steps)

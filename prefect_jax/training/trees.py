@@ -1,0 +1,75 @@
+"""Train states as pytrees: paths, shapes and dtypes, the savable form of PRNG keys, fingerprints."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def leaf_paths(tree) -> list[tuple[str, Any]]:
+    """(``a/b/0``-style path, leaf) pairs in a stable order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [("/".join(_key_name(k) for k in path), leaf) for path, leaf in flat]
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_savable(tree):
+    """Typed PRNG keys become their raw uint32 data, which Orbax can store."""
+    return jax.tree_util.tree_map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def abstract_savable(abstract):
+    return jax.tree_util.tree_map(
+        lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x, abstract
+    )
+
+
+def from_savable(tree, abstract):
+    """Inverse of `to_savable`, using the abstract tree to know which leaves were keys."""
+    return jax.tree_util.tree_map(
+        lambda x, a: jax.random.wrap_key_data(x, impl=a.dtype._impl) if _is_key(a) else x, tree, abstract
+    )
+
+
+def describe_tree(tree) -> dict[str, list]:
+    """``{path: [shape, dtype]}`` of a (savable) tree, stored with each checkpoint."""
+    return {p: [list(np.shape(leaf)), str(leaf.dtype)] for p, leaf in leaf_paths(tree)}
+
+
+def tree_differences(saved: dict[str, list], expected: dict[str, list]) -> list[str]:
+    """Human-readable differences between two `describe_tree` results."""
+    diffs = []
+    for path in sorted(set(saved) | set(expected)):
+        if path not in expected:
+            diffs.append(f"{path}: in the checkpoint, not in init's state")
+        elif path not in saved:
+            diffs.append(f"{path}: in init's state, missing from the checkpoint")
+        elif saved[path] != expected[path]:
+            (s_shape, s_dtype), (e_shape, e_dtype) = saved[path], expected[path]
+            diffs.append(f"{path}: checkpoint {s_dtype}{s_shape}, init {e_dtype}{e_shape}")
+    return diffs
+
+
+def state_fingerprint(state) -> str:
+    """SHA-256 of a train state's leaves (path, dtype, shape and bytes): equal states, equal hashes."""
+    h = hashlib.sha256()
+    for path, leaf in leaf_paths(to_savable(state)):
+        arr = np.asarray(jax.device_get(leaf))
+        h.update(path.encode())
+        h.update(str(arr.dtype).encode())
+        h.update(str(arr.shape).encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
