@@ -1,0 +1,99 @@
+"""The README's deployment path against a real `prefect server`, with the locked dependencies:
+``prefect deploy --all`` from the repository's prefect.yaml, the scheduler making runs of the
+nightly schedule, and a process worker running a deployment run to completion.
+
+This is what the pins of fastapi (<0.151: ``prefect deploy`` got a 422 from
+``/work_pools/<pool>/workers/filter``) and SQLAlchemy (<2.1: the scheduler failed every loop with
+"Can't evaluate bulk DML statement", so schedules got no runs) are for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from deployment_helpers import ROOT, PrefectServerProcess, _base_env, _GroupProcess
+
+from prefect_jax.training.checkpoints import committed_steps
+
+pytestmark = pytest.mark.slow
+
+
+def _prefect(api_url: str, home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = _base_env(PREFECT_HOME=str(home), PREFECT_API_URL=api_url)
+    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.deployments import run_deployment
+
+    home = tmp_path / "home"
+    server = PrefectServerProcess(tmp_path / "server", PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2")
+    worker = None
+    try:
+        server.wait_healthy()
+        api = server.api_url
+        for pool in (["cpu", "--type", "process"],
+                     ["gpu", "--type", "kubernetes", "--base-job-template", "prefect_jax/deployments/kubernetes-gpu.json"]):
+            created = _prefect(api, home, "work-pool", "create", *pool)
+            assert created.returncode == 0, created.stdout + created.stderr
+        deployed = _prefect(api, home, "--no-prompt", "deploy", "--all")
+        assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+
+        async def check_and_run():
+            async with get_client() as client:
+                names = ["train_and_evaluate/digits-nightly", "train/digits-trainer", "evaluate/digits-evaluator"]
+                deployments = {n: await client.read_deployment_by_name(n) for n in names}
+                nightly = deployments["train_and_evaluate/digits-nightly"]
+                assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+                # The scheduler service makes the upcoming runs of the nightly schedule.
+                by_nightly = FlowRunFilter(deployment_id={"any_": [nightly.id]})
+                deadline = time.monotonic() + 60
+                while not (scheduled := await client.read_flow_runs(flow_run_filter=by_nightly)):
+                    assert time.monotonic() < deadline, "the scheduler made no run of the nightly schedule:\n" + server.tail()
+                    await asyncio.sleep(1)
+                assert all(r.state.is_scheduled() for r in scheduled)
+                # Now keep them from running here: pause the schedule, drop its runs.
+                for schedule in nightly.schedules:
+                    await client.update_deployment_schedule(nightly.id, schedule.id, active=False)
+                for run in await client.read_flow_runs(flow_run_filter=by_nightly):
+                    await client.delete_flow_run(run.id)
+
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: api}):
+            asyncio.run(check_and_run())
+            params = {
+                "program": "prefect_jax.examples.digits:tiny",
+                "job": "nightly-test",
+                "storage": str(tmp_path / "storage"),
+                "train_spec": {"max_steps": 40, "log_every_steps": 10},
+                "checkpoint_spec": {"every_steps": 20},
+                "mlflow_tracking_uri": mlflow_uri,
+            }
+            run = run_deployment("train_and_evaluate/digits-nightly", parameters=params, timeout=0)
+            worker = _GroupProcess(
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", "cpu", "--run-once"],
+                _base_env(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_LOGGING_LEVEL="INFO"),
+                tmp_path / "worker.log",
+            )
+            worker.proc.wait(timeout=300)
+
+            async def final_state():
+                async with get_client() as client:
+                    return (await client.read_flow_run(run.id)).state
+
+            state = asyncio.run(final_state())
+        assert state.is_completed(), f"{state}\n{worker.tail()}"
+        assert committed_steps(str(tmp_path / "storage" / "nightly-test" / "checkpoints"))[-1] == 40
+    finally:
+        if worker is not None:
+            worker.stop()
+        server.stop()
