@@ -105,10 +105,13 @@ class _GroupProcess:
 class PrefectServerProcess(_GroupProcess):
     """``prefect server start`` on 127.0.0.1:<free port>, SQLite in its own PREFECT_HOME."""
 
-    def __init__(self, home: Path, **extra_env: str):
+    def __init__(self, home: Path, ui: bool = False, **extra_env: str):
         home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self.ui_url = f"http://127.0.0.1:{self.port}"
+        if ui:  # the UI, calling this server's API (not the default :4200)
+            extra_env = {"PREFECT_UI_ENABLED": "true", "PREFECT_UI_API_URL": self.api_url, **extra_env}
         env = _base_env(PREFECT_HOME=str(home), PREFECT_LOGGING_LEVEL="WARNING", **extra_env)
         args = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         super().__init__(args, env, home / "server.log")

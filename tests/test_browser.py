@@ -1,0 +1,85 @@
+"""What a person sees in the Prefect UI, checked in a real browser (Debian's chromium driven by
+Playwright) against a real `prefect server` on loopback, after a real `prefect-jax run`.
+
+Screenshots go to ``test-output/browser/`` (or ``$PREFECT_JAX_TEST_OUTPUT/browser``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from deployment_helpers import ROOT, PrefectServerProcess, _base_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+OUTPUT = Path(os.environ.get("PREFECT_JAX_TEST_OUTPUT", ROOT / "test-output")) / "browser"
+TINY = "prefect_jax.examples.digits:tiny"
+
+
+@pytest.fixture(scope="module")
+def page():
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium for the browser tests")
+        pytest.skip("no chromium here (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        yield page
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def ui_server(tmp_path_factory):
+    server = PrefectServerProcess(tmp_path_factory.mktemp("ui-server"), ui=True)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def _flow_run_id(api_url: str, job: str) -> str:
+    """Over the REST API (Playwright's sync API owns this thread's event loop)."""
+    import httpx
+
+    runs = httpx.post(f"{api_url}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}}}).json()
+    return runs[0]["id"]
+
+
+def test_a_flow_run_page_shows_step_named_task_runs_and_the_artifacts(ui_server, page, tmp_path, mlflow_uri):
+    run = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", TINY, "--job", "ui-job", "--storage",
+         str(tmp_path / "storage"), "--max-steps", "40", "--checkpoint-every-steps", "20",
+         "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
+        env=_base_env(PREFECT_API_URL=ui_server.api_url), capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["final_step"] == 40
+
+    flow_run = f"{ui_server.ui_url}/runs/flow-run/{_flow_run_id(ui_server.api_url, 'ui-job')}"
+    page.goto(flow_run, wait_until="networkidle")
+    page.get_by_text("Completed").first.wait_for(timeout=30_000)
+    page.screenshot(path=str(OUTPUT / "flow-run.png"), full_page=True)
+
+    page.get_by_text("Task Runs", exact=True).first.click()
+    for name in ("restore or init ui-job", "train 0→20", "train 20→40", "evaluate 20", "evaluate 40", "export 40"):
+        page.get_by_text(name, exact=True).first.wait_for(timeout=30_000)
+    page.screenshot(path=str(OUTPUT / "flow-run-task-runs.png"), full_page=True)
+
+    page.get_by_text("Artifacts", exact=True).first.click()
+    page.get_by_text("ui-job-eval-results").first.wait_for(timeout=30_000)
+    body = page.inner_text("body")
+    assert "training ui-job: step 40 of 40" in body, body[-2000:]
+    page.screenshot(path=str(OUTPUT / "flow-run-artifacts.png"), full_page=True)
