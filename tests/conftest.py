@@ -7,6 +7,9 @@ import os
 import sys
 import tempfile
 
+from prefect_jax.bytecode import write_bytecode
+
+write_bytecode()  # this process and every one it starts cache what they compile
 # Before prefect is imported anywhere: no telemetry, no writes to the user's ~/.prefect,
 # and MLflow failures fail the tests instead of warning.
 _HOME = tempfile.mkdtemp(prefix="prefect-jax-tests-")
