@@ -8,6 +8,7 @@
 - ``vertex-ai-gpu.json`` / ``vertex-ai-tpu.json``: job variables for a Vertex AI work pool
   (prefect-gcp's ``vertex-ai`` worker): an L4 GPU, or a TPU v5e slice, on Spot capacity.
 - `automations`: an automation that reruns crashed trainer runs.
+- `job_resource_id`: the event resource id of a job (storage + job), for deployment triggers.
 
 Set up the pools (see the README's "Deploying" section)::
 
@@ -18,6 +19,7 @@ Set up the pools (see the README's "Deploying" section)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 from importlib import resources
 from typing import Any
@@ -25,6 +27,35 @@ from typing import Any
 KUBERNETES_GPU_TEMPLATE = "kubernetes-gpu.json"
 VERTEX_GPU_JOB_VARIABLES = "vertex-ai-gpu.json"
 VERTEX_TPU_JOB_VARIABLES = "vertex-ai-tpu.json"
+
+
+def job_resource_id(job: str, storage: str) -> str:
+    """The ``prefect.resource.id`` of a job's events (``prefect-jax.checkpoint.committed`` ...).
+
+    ``prefect-jax.job.<job>.<hash>``: the hash (12 hex digits of SHA-256) is of the job's
+    normalized storage root with credentials redacted, and the job, so same-named jobs on two
+    storages never trigger each other's deployments. Use it as the ``match`` of a trigger::
+
+        uv run python -c "from prefect_jax.deployments import job_resource_id; print(job_resource_id('digits', '/var/lib/prefect-jax'))"
+
+    or read it from ``prefect-jax status --job <job> --storage <storage>``.
+
+    Args:
+        job: the job name.
+        storage: its storage, as given to the flows (a local path, a URL, or
+            ``jax-checkpoint-storage/<block>``, which is loaded from the Prefect server).
+    """
+    from prefect_jax.training.redaction import redact_url
+    from prefect_jax.training.storage import normalize_root
+
+    from prefect_jax.blocks import BLOCK_PREFIX
+
+    if storage.startswith(BLOCK_PREFIX):
+        from prefect_jax.blocks import resolve_storage
+
+        storage = resolve_storage(storage)[0]
+    key = f"{redact_url(normalize_root(storage))}\n{job}"
+    return f"prefect-jax.job.{job}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def load(name: str) -> dict[str, Any]:

@@ -104,6 +104,27 @@ def _progress(step: int, max_steps: int, job: str) -> dict[str, Any]:
     return {"progress": 100.0 * min(step, max_steps) / max_steps, "description": f"training {job}: step {step} of {max_steps}"}
 
 
+def _progress_artifact(step: int, max_steps: int, job: str):
+    """The flow run's progress artifact: a rerun of the same flow run (the UI's Retry) updates the
+    one its earlier attempt made instead of adding a second; else a new one."""
+    from prefect.runtime import flow_run
+
+    if flow_run.id and flow_run.run_count > 1:
+        try:
+            from prefect.client.orchestration import get_client
+            from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+            with get_client(sync_client=True) as client:
+                earlier = client.read_artifacts(artifact_filter=ArtifactFilter(
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]), type=ArtifactFilterType(any_=["progress"]),
+                ), limit=1)  # fmt: skip
+            if earlier:
+                return update_progress_artifact(earlier[0].id, **_progress(step, max_steps, job))
+        except Exception as exc:  # noqa: BLE001 - a second artifact is better than no training
+            get_run_logger().warning("could not find this flow run's progress artifact: %r", exc)
+    return create_progress_artifact(**_progress(step, max_steps, job))
+
+
 def _evaluate_and_export(config: JobConfig, step: int) -> None:
     result = evaluate_if_new(config, step)
     if config.eval.exporters:  # no task run per interval for exporters that are not there
@@ -116,7 +137,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     from prefect_jax.training.storage import JobStorage
 
     max_steps = config.train.max_steps
-    progress = create_progress_artifact(**_progress(step, max_steps, config.job))
+    progress = _progress_artifact(step, max_steps, config.job)
     if evaluate and step > 0:
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
         _evaluate_and_export(config, step)
@@ -239,10 +260,11 @@ def train(
 ) -> dict[str, Any]:
     """The trainer role: train and checkpoint until `max_steps`; evaluation is someone else's.
 
-    Emits ``prefect-jax.checkpoint.committed`` (resource ``prefect-jax.job.<job>``, the step in
-    the payload) for each committed checkpoint, so an evaluator deployment can be triggered by
-    events instead of polling. Stops early when the job is asked to stop (``<job>/stop.json``,
-    written by the evaluator's early-stopping hook). Parameters as `train_and_evaluate`
+    Emits ``prefect-jax.checkpoint.committed`` (resource ``prefect-jax.job.<job>.<hash>`` of storage +
+    job, see `prefect_jax.deployments.job_resource_id`; the step in the payload) for each committed
+    checkpoint, so an evaluator deployment can be triggered by events instead of polling. Stops
+    early when the job is asked to stop (``<job>/stop.json``, written by the evaluator's
+    early-stopping hook). Parameters as `train_and_evaluate`
     (`eval_spec` is recorded in MLflow params and used by nobody else here).
     """
     if (checkpoint_spec := CheckpointSpec.model_validate(checkpoint_spec)).keep_until_evaluated is None:
@@ -257,6 +279,30 @@ def train(
     summary = _summary(config, stopped)
     get_run_logger().info("trainer of %s done at step %d%s", job, summary["final_step"], f" (stopped: {stopped})" if stopped else "")
     return summary
+
+
+def _trainer_alive(js) -> bool:
+    """Whether a trainer holds the job's lease with a fresh heartbeat (it is still going)."""
+    import os
+    import socket
+    import time
+
+    from prefect_jax.training.lease import Lease
+
+    try:
+        current = Lease(js).read()
+    except Exception:  # noqa: BLE001 - unreadable: as if no trainer, the idle timeout decides
+        return False
+    if not current:
+        return False
+    if current.get("host") == socket.gethostname() and current.get("pid") is not None:
+        try:
+            os.kill(int(current["pid"]), 0)
+        except ProcessLookupError:  # a trainer on this host that was killed: its lease is stale
+            return False
+        except (PermissionError, ValueError):
+            pass
+    return time.time() - float(current.get("heartbeat", 0)) <= float(current.get("timeout_secs", 120.0))
 
 
 @flow(name="evaluate", flow_run_name="evaluate-{job}", validate_parameters=True)
@@ -284,9 +330,10 @@ def evaluate(
     `every_checkpoint=False`), never sooner than `eval_spec.throttle_secs` after the last
     evaluation; runs the exporters after each evaluation; stops once it has evaluated a step
     at or past `max_steps` (with the final export), when an eval hook asks the job to stop,
-    when `once` is set and nothing new is left (an event-triggered deployment), or after
-    `idle_timeout_secs` without a new checkpoint. Evaluated steps are recorded durably under
-    ``<job>/evals/<name>/``, so a restarted evaluator never evaluates a step twice.
+    when `once` is set and nothing new is left, or after `idle_timeout_secs` without a new
+    checkpoint while no trainer holds the job's lease (a live trainer is waited for: one
+    event-triggered run keeps up with it, checking for new steps every `poll_secs`). Evaluated
+    steps are recorded durably under ``<job>/evals/<name>/``, so a restarted evaluator never evaluates a step twice.
 
     Returns:
         ``job``, ``evaluated`` (steps evaluated by this run), ``last_step``, ``eval`` (its
@@ -352,6 +399,9 @@ def evaluate(
                 stopped = "nothing new to evaluate (once=True)"
                 break
             if idle_timeout_secs is not None and time.monotonic() - last_new_at > idle_timeout_secs:
+                if _trainer_alive(js):  # a trainer is still going (between checkpoints, restoring, compiling)
+                    time.sleep(poll_secs)
+                    continue
                 stopped = f"no new checkpoint for {idle_timeout_secs:g}s (idle_timeout_secs)"
                 break
             time.sleep(poll_secs)
@@ -376,6 +426,7 @@ def evaluate(
                 logger.warning("step %d was deleted by retention before it could be evaluated", step)
             if not every_checkpoint:
                 break
+        last_new_at = time.monotonic()  # idle counts from the end of the work, however long it took
     publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
     return {

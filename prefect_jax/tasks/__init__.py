@@ -100,9 +100,12 @@ EXPORT_EVENT = "prefect-jax.export.completed"
 
 
 def job_resource(config: JobConfig) -> dict[str, str]:
-    """The Prefect event resource of a job: ``prefect-jax.job.<job>``, with its storage as a label."""
+    """The Prefect event resource of a job: ``prefect-jax.job.<job>.<hash of storage + job>``
+    (`prefect_jax.deployments.job_resource_id`), with the job as its name and its storage as a label."""
+    from prefect_jax.deployments import job_resource_id
+
     return {
-        "prefect.resource.id": f"prefect-jax.job.{config.job}",
+        "prefect.resource.id": job_resource_id(config.job, config.storage),
         "prefect.resource.name": config.job,
         "prefect-jax.storage": redact_url(JobStorage(config.storage, config.job).root),
     }
@@ -113,7 +116,9 @@ def emit(event: str, config: JobConfig, payload: dict[str, Any]) -> None:
     from prefect.events import emit_event
 
     try:
-        emit_event(event=event, resource=job_resource(config), payload=payload)
+        # The step as a resource label too: the UI's event details show labels, the payload only under Raw.
+        step = {"prefect-jax.step": str(payload["step"])} if payload.get("step") is not None else {}
+        emit_event(event=event, resource={**job_resource(config), **step}, payload=payload)
     except Exception as exc:  # noqa: BLE001
         get_run_logger().warning("could not emit %s: %r", event, exc)
 
@@ -130,12 +135,67 @@ def _trainer(config: JobConfig):
         def announce(step: int) -> None:  # runs in a background thread once the step is committed
             emit_event(
                 event=CHECKPOINT_EVENT,
-                resource=resource,
+                resource={**resource, "prefect-jax.step": str(step)},
                 payload={"step": step, "checkpoint_dir": trainer.checkpoints.directory, "max_steps": config.train.max_steps},
             )
 
         trainer.commit_listeners.append(announce)
     return trainer
+
+
+_marked_takeovers: set[str] = set()  # lease tokens of dead holders whose runs were marked (once per process)
+
+
+def mark_taken_over(trainer) -> None:
+    """After the trainer took over the lease of a dead holder (SIGKILLed, its machine lost), mark
+    what it left Running in Prefect as Crashed (in the background; failures are warnings): its
+    flow run (unless it is this one, retried) and that flow run's unfinished task runs, except
+    this attempt's own. Also closes the dead flow run's progress artifact."""
+    taken = trainer.lease.taken_over
+    if not taken or not taken.get("flow_run_id") or taken.get("token") in _marked_takeovers:
+        return
+    _marked_takeovers.add(taken.get("token"))
+    current = (str(flow_run.id) if flow_run.id else None, flow_run.run_count, task_run.id)
+    publisher.submit(_mark_crashed, dict(taken), *current)
+
+
+def _mark_crashed(taken: dict, current_flow_run: str | None, run_count: int, current_task_run: str | None) -> None:
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType, FlowRunFilter, FlowRunFilterId, TaskRunFilter,
+        TaskRunFilterState, TaskRunFilterStateType,
+    )  # fmt: skip
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    logger = get_run_logger()
+    dead, same = UUID(str(taken["flow_run_id"])), str(taken["flow_run_id"]) == current_flow_run
+    who = f"host {taken.get('host')}, pid {taken.get('pid')}"
+    message = f"its trainer ({who}) was lost ({taken.get('reason')}): flow run {current_flow_run} took over the job"
+    unfinished = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
+    with get_client(sync_client=True) as client:
+        if not same:
+            previous = client.read_flow_run(dead)
+            if previous.state is not None and previous.state.type in (StateType.PENDING, StateType.RUNNING, StateType.CANCELLING):
+                client.set_flow_run_state(dead, Crashed(message=message), force=True)
+                logger.warning("marked flow run %s (%s) Crashed: %s", previous.name, dead, message)
+            for artifact in client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[dead]), type=ArtifactFilterType(any_=["progress"]),
+            )):  # fmt: skip
+                from prefect.artifacts import update_progress_artifact
+
+                update_progress_artifact(artifact.id, float(artifact.data or 0), f"{artifact.description or ''} (killed: {message})")
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[dead])),
+            task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=unfinished))),
+        )
+        for run in task_runs:
+            if str(run.id) == str(current_task_run) or (same and run.flow_run_run_count == run_count):
+                continue  # this attempt's own
+            client.set_task_run_state(run.id, Crashed(message=message), force=True)
+            logger.warning("marked task run %r (%s, attempt %d of flow run %s) Crashed", run.name, run.id, run.flow_run_run_count, dead)
 
 
 def retry_if_transient(task, task_run, state) -> bool:
@@ -160,7 +220,7 @@ def _train_run_name() -> str:
         config = JobConfig.model_validate(config)
     every, max_steps = config.checkpoint.every_steps, config.train.max_steps
     end = min(max_steps, (start // every + 1) * every) if every else max_steps
-    return f"train {start}→{end}"
+    return f"train {start} to {end}"  # no arrow: the run graph drops it ("train 200400")
 
 
 @task(
@@ -199,6 +259,7 @@ def restore_or_init(
         max_wait_secs=max_wait_secs,
         recovery_wait_secs=recovery_wait_secs,
     )
+    mark_taken_over(trainer)
     # MLflow opened in the background during the restore; training starts once the run is known,
     # so that its first interval does not share the CPU with MLflow's start.
     run_id = trainer.tracker.run_id
@@ -233,6 +294,7 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
         return from_step
     if trainer.state is None or trainer.step != from_step:
         restored = trainer.restore_or_init()
+        mark_taken_over(trainer)
         logger.info("live state not at step %d here: restored step %d from storage", from_step, restored)
     logger.info("training from step %d to %d", trainer.step, trainer.next_boundary())
     step = trainer.train_until_checkpoint()

@@ -78,6 +78,7 @@ class Job:
         self.lease = Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
         self.commit_listeners: list[Callable[[int], None]] = []
         self._announcers: list[threading.Thread] = []
+        self._noted_takeover: str | None = None  # the lease token of the dead holder already recorded in MLflow
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -232,13 +233,26 @@ class Job:
     # -- MLflow ---------------------------------------------------------------------------
 
     def attach_tracking(self, params: dict[str, str], run_id: str | None = None, reopen: bool = True) -> None:
-        """Find (by id, else by job tag) or create this job's MLflow run (in the background)."""
+        """Find (by id, else by job tag) or create this job's MLflow run (in the background).
+
+        After taking over the lease of a dead trainer (SIGKILLed: it never closed the run), the
+        run is marked KILLED, the attempt recorded, and the run reopened (see `Tracker.start`).
+        """
         self.tracker.start(
             params=params,
             tags={STORAGE_TAG: redact_url(self.storage.root), "mlflow.runName": self.config.job, **self.run_tags},
             run_id=run_id,
             reopen=reopen,
+            killed=self._killed_attempt() if reopen else None,
         )
+
+    def _killed_attempt(self) -> dict | None:
+        """The dead holder whose lease this process took over, once (the step training resumes from added)."""
+        taken = self.lease.taken_over
+        if not taken or taken.get("token") == self._noted_takeover:
+            return None
+        self._noted_takeover = taken.get("token")
+        return {**taken, "resumed_from": self.newest_committed() or 0}
 
     # -- end ------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ logger = logging.getLogger("prefect_jax.tracking")
 
 JOB_TAG = "prefect_jax.job"
 STORAGE_TAG = "prefect_jax.storage"
+KILLED_TAG = "prefect_jax.killed_attempts"  # how many attempts died without closing the run (see Tracker._note_killed)
 DEFAULT_EXPERIMENT = "prefect-jax"
 
 
@@ -167,19 +168,25 @@ class Tracker:
     # -- the calls ------------------------------------------------------------------------
 
     def start(
-        self, params: dict[str, Any], tags: dict[str, str] | None = None, run_id: str | None = None, reopen: bool = True
+        self, params: dict[str, Any], tags: dict[str, str] | None = None, run_id: str | None = None, reopen: bool = True,
+        killed: dict[str, Any] | None = None,
     ) -> None:
         """Find this job's run (by `run_id` or by job tag) or create it; mark it RUNNING if `reopen`.
 
         Params are logged only when the run is created, so a rerun never conflicts with them.
-        Returns at once; `run_id` waits for the answer.
+        `killed` describes an attempt that died without closing the run (a SIGKILLed trainer
+        whose lease this process took over): the run is marked KILLED before it is reopened,
+        and the attempt is recorded for good (see `_note_killed`). Returns at once; `run_id`
+        waits for the answer.
         """
         self._logged_until = None
         self._logged_at = {}
-        self._started = self._submit(self._start, params, tags, run_id, reopen)
+        self._started = self._submit(self._start, params, tags, run_id, reopen, killed)
 
     @_guarded
-    def _start(self, params: dict[str, Any], tags: dict[str, str] | None, run_id: str | None, reopen: bool) -> str:
+    def _start(
+        self, params: dict[str, Any], tags: dict[str, str] | None, run_id: str | None, reopen: bool, killed: dict | None = None
+    ) -> str:
         client = self._client
         exp = client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment, artifact_location=self._artifact_root())
@@ -202,10 +209,34 @@ class Tracker:
             items = [Param(k, v) for k, v in sorted(params.items())]
             for i in range(0, len(items), 100):
                 client.log_batch(run.info.run_id, params=items[i : i + 100])
-        elif reopen and run.info.status != "RUNNING":
-            client.update_run(run.info.run_id, status="RUNNING")
+        else:
+            if killed:
+                self._note_killed(run, killed)
+            if reopen and (killed or run.info.status != "RUNNING"):
+                client.update_run(run.info.run_id, status="RUNNING")
         self._run_id = run.info.run_id
         return self._run_id
+
+    def _note_killed(self, run, killed: dict[str, Any]) -> None:
+        """Close the run of a dead attempt KILLED (if it still says RUNNING), and record that
+        attempt, since the run is RUNNING again at once: tag ``prefect_jax.killed_attempts`` (a
+        count), ``prefect_jax.killed.<n>`` (who, and the step training resumed from) and a line
+        in the run's description (``mlflow.note.content``)."""
+        client, run_id, tags = self._client, run.info.run_id, run.data.tags
+        if run.info.status == "RUNNING":
+            client.set_terminated(run_id, status="KILLED")
+        n = int(tags.get(KILLED_TAG, "0") or 0) + 1
+        line = (
+            f"Attempt killed (run marked KILLED, then RUNNING again): host {killed.get('host')}, pid {killed.get('pid')}, Prefect flow run "
+            f"{killed.get('flow_run_id') or '-'}; its lease was taken over ({killed.get('reason')}) and training "
+            f"resumed from step {killed.get('resumed_from')}."
+        )
+        note = (tags.get("mlflow.note.content", "") + "\n\n" + line).strip()[-5000:]
+        from mlflow.entities import RunTag
+
+        tags = {KILLED_TAG: str(n), f"prefect_jax.killed.{n}": line, "mlflow.note.content": note}
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        logger.warning("MLflow run %s: %s", run_id, line)
 
     def _artifact_root(self) -> str | None:
         """For a SQLite store, artifacts go beside the database (not into ./mlruns of whatever the
