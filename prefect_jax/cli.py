@@ -1,6 +1,8 @@
-"""The ``prefect-jax`` command: ``demo``, ``run`` and ``status``.
+"""The ``prefect-jax`` command: ``demo``, ``run``, the roles ``train``, ``evaluate`` and
+``export``, ``status`` and ``automations``.
 
-``demo`` and ``run`` execute the `train_and_evaluate` flow in this process. With
+``demo`` and ``run`` execute the `train_and_evaluate` flow in this process; ``train``,
+``evaluate`` and ``export`` the flows of TensorFlow's chief and evaluator roles. With
 ``PREFECT_API_URL`` set they report to that server; otherwise they start an embedded
 Prefect server for the duration of the command (the runs land in Prefect's default
 database, so ``prefect server start`` shows them afterwards) and stop it cleanly, logs
@@ -122,7 +124,34 @@ def _drain_prefect_workers() -> None:
 
 
 @contextlib.contextmanager
-def progress_bar(enabled: bool) -> Iterator[None]:
+def _logs_above(console) -> Iterator[None]:
+    """Log lines printed above a live progress bar, not glued onto it: Prefect's console handlers
+    print through the bar's console, other stderr handlers write through rich's redirected stderr."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    swapped: list[tuple[logging.Handler, str, Any]] = []
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if isinstance(handler, PrefectConsoleHandler):
+            swapped.append((handler, "console", handler.console))
+            handler.console = console
+        elif isinstance(handler, logging.StreamHandler) and handler.stream in (sys.__stderr__, sys.__stdout__):
+            swapped.append((handler, "stream", handler.stream))
+            handler.setStream(sys.stderr)  # rich's proxy while the bar is live
+    try:
+        yield
+    finally:
+        for handler, attr, old in swapped:
+            if attr == "console":
+                handler.console = old
+            else:
+                handler.setStream(old)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, max_steps: int) -> Iterator[None]:
     """A live progress bar on stderr while training runs in this process."""
     if not enabled:
         yield
@@ -134,19 +163,20 @@ def progress_bar(enabled: bool) -> Iterator[None]:
 
     console = Console(stderr=True)
     with Progress(
-        TextColumn("[bold]training"),
+        TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[metrics]}"),
         TimeElapsedColumn(),
         console=console,
         transient=False,
-    ) as progress:
-        task_id = progress.add_task("train", total=None, metrics="")
+    ) as progress, _logs_above(progress.console):
+        # Until the first step is known: starting Prefect, restoring, compiling.
+        task_id = progress.add_task("starting", total=max_steps, metrics="(Prefect, restore, compile)")
 
         def update(step: int, max_steps: int, metrics: dict) -> None:
             text = " ".join(f"{k}={float(v):.4f}" for k, v in sorted(metrics.items()))
-            progress.update(task_id, completed=step, total=max_steps, metrics=text)
+            progress.update(task_id, description="training", completed=step, total=max_steps, metrics=text)
 
         remove = add_progress_listener(update)
         try:
@@ -167,13 +197,15 @@ def _emit(summary: dict[str, Any], as_json: bool) -> None:
         print(line)
 
 
-def _run_flow(args: argparse.Namespace, program: str, job: str, storage: str, tracking_uri: str) -> dict[str, Any]:
+def _specs(args: argparse.Namespace):
+    """TrainSpec, EvalSpec and CheckpointSpec from the command line."""
     from prefect_jax.training.specs import BestExporter, CheckpointSpec, EvalSpec, FinalExporter, LatestExporter, TrainSpec
 
     train_spec = TrainSpec(
         max_steps=args.max_steps,
         seed=args.seed,
         log_every_steps=args.log_every_steps,
+        steps_per_dispatch=args.steps_per_dispatch,
         sigterm_grace_secs=args.sigterm_grace_secs,
         lease_timeout_secs=args.lease_timeout_secs,
     )
@@ -192,22 +224,33 @@ def _run_flow(args: argparse.Namespace, program: str, job: str, storage: str, tr
         elif name == "final":
             exporters.append(FinalExporter())
     eval_spec = EvalSpec(steps=args.eval_steps, name=args.eval_name, throttle_secs=args.throttle_secs, exporters=exporters)
+    return train_spec, eval_spec, checkpoint_spec
 
-    from prefect_jax.flows import train_and_evaluate
 
-    with prefect_backend(), progress_bar(not args.no_progress):
-        return train_and_evaluate(
-            program=program,
-            job=job,
-            storage=storage,
-            train_spec=train_spec,
-            eval_spec=eval_spec,
-            checkpoint_spec=checkpoint_spec,
-            mlflow_tracking_uri=tracking_uri,
-            mlflow_experiment=args.mlflow_experiment,
-            checkpoint_path=args.checkpoint_path,
-            compilation_cache_dir=args.compilation_cache,
-        )
+def _run_flow(
+    args: argparse.Namespace, program: str, job: str, storage: str, tracking_uri: str, role: str = "train_and_evaluate"
+) -> dict[str, Any]:
+    """Run the flow of `role` in this process (progress bar for the roles that train)."""
+    from prefect_jax import flows
+
+    train_spec, eval_spec, checkpoint_spec = _specs(args)
+    common = dict(
+        program=program, job=job, storage=storage, train_spec=train_spec, eval_spec=eval_spec,
+        checkpoint_spec=checkpoint_spec, mlflow_tracking_uri=tracking_uri, mlflow_experiment=args.mlflow_experiment,
+    )  # fmt: skip
+    if role in ("train_and_evaluate", "train"):
+        flow = flows.train_and_evaluate if role == "train_and_evaluate" else flows.train
+        kwargs = dict(common, checkpoint_path=args.checkpoint_path, compilation_cache_dir=args.compilation_cache)
+    elif role == "evaluate":
+        flow, kwargs = flows.evaluate, dict(
+            common, compilation_cache_dir=args.compilation_cache, every_checkpoint=not args.newest_only, once=args.once,
+            wait_for_first_checkpoint_secs=args.wait_for_first_checkpoint_secs, poll_secs=args.poll_secs,
+            idle_timeout_secs=args.idle_timeout_secs,
+        )  # fmt: skip
+    else:
+        flow, kwargs = flows.export_flow, dict(common, step=args.step)
+    with prefect_backend(), progress_bar(not args.no_progress and role in ("train_and_evaluate", "train"), args.max_steps):
+        return flow(**kwargs)
 
 
 def _browse_lines(summary: dict[str, Any]) -> list[str]:
@@ -232,12 +275,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``run`` (train_and_evaluate), and the roles ``train``, ``evaluate``, ``export``."""
     from prefect_jax.training.tracking import default_tracking_uri
 
     tracking_uri = args.mlflow_tracking_uri or default_tracking_uri()
-    summary = _run_flow(args, args.program, args.job, args.storage, tracking_uri)
+    role = {"run": "train_and_evaluate"}.get(args.command, args.command)
+    summary = _run_flow(args, args.program, args.job, args.storage, tracking_uri, role)
+    if role == "export":
+        summary = {"job": args.job, "exports": summary}
     summary["storage"] = args.storage
-    summary["browse"] = _browse_lines(summary)
+    if role in ("train_and_evaluate", "train"):
+        summary["browse"] = _browse_lines(summary)
     _emit(summary, args.json)
     return 0
 
@@ -259,9 +307,12 @@ def job_status(job: str, storage: str) -> dict[str, Any]:
         names = []
     from prefect_jax.training.exporters import list_exports
 
+    from prefect_jax.deployments import job_resource_id
+
     return {
         "job": job,
         "storage": js.root,
+        "event_resource_id": job_resource_id(job, url),
         "committed_steps": committed,
         "evaluated_steps": {n: js.list_int_names(js.eval_dir(n)) for n in names},
         "exports": list_exports(js),
@@ -274,6 +325,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, sort_keys=True))
     else:
         print(f"job {status['job']} in {status['storage']}")
+        print(f"  event resource id: {status['event_resource_id']}  (a deployment trigger's match)")
         print(f"  committed steps: {status['committed_steps'] or 'none'}")
         for name, steps in status["evaluated_steps"].items() or [("eval", [])]:
             print(f"  evaluated ({name}): {steps or 'none'}")
@@ -298,6 +350,9 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
     p.add_argument("--keep-every-steps", type=int, default=None, help="also keep checkpoints at multiples of N")
     p.add_argument("--seed", type=int, default=0, help="init and data-order seed (default 0)")
     p.add_argument("--log-every-steps", type=int, default=50, help="train metrics to MLflow every N steps (default 50)")
+    p.add_argument(
+        "--steps-per-dispatch", type=int, default=1, help="run K steps per call into the device, as one lax.scan (default 1)"
+    )
     p.add_argument("--eval-steps", type=int, default=None, help="eval batches (default: the whole eval set)")
     p.add_argument("--eval-name", default="eval", help="eval name (default 'eval')")
     p.add_argument("--throttle-secs", type=float, default=0.0, help="minimum seconds between evaluations")
@@ -326,22 +381,40 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefect-jax", description="Train JAX models reliably on Prefect.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # No prefix matching (--max-step is not --max-steps): a typo is an error, never a guess.
+    parser = argparse.ArgumentParser(prog="prefect-jax", description="Train JAX models reliably on Prefect.", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
 
     demo = sub.add_parser("demo", help="train the digits example on embedded defaults")
     demo.add_argument("--workdir", default="./prefect-jax-demo", help="where checkpoints and MLflow go (default ./prefect-jax-demo)")
     _add_training_args(demo, max_steps=1000, every=200)
     demo.set_defaults(fn=cmd_demo)
 
-    run = sub.add_parser("run", help="train any program with train_and_evaluate")
-    run.add_argument("--program", required=True, help="program import path, 'package.module:attribute'")
-    run.add_argument("--job", required=True, help="job name")
-    run.add_argument(
-        "--storage", required=True, help="storage root: a directory, an fsspec URL (s3://, gs://...) or jax-checkpoint-storage/<block>"
-    )
-    _add_training_args(run, max_steps=1000, every=200)
-    run.set_defaults(fn=cmd_run)
+    roles = {
+        "run": "train any program with train_and_evaluate: train, evaluate and export every checkpoint",
+        "train": "the trainer role: train and checkpoint until max_steps (an evaluator runs elsewhere)",
+        "evaluate": "the evaluator role: evaluate each new committed checkpoint of a job once, and export",
+        "export": "run the exporters on an evaluated step of a job (default: the newest)",
+    }
+    for name, help_text in roles.items():
+        role = sub.add_parser(name, help=help_text, description=help_text)
+        role.add_argument("--program", required=True, help="program import path, 'package.module:attribute'")
+        role.add_argument("--job", required=True, help="job name")
+        role.add_argument(
+            "--storage", required=True, help="storage root: a directory, an fsspec URL (s3://, gs://...) or jax-checkpoint-storage/<block>"
+        )
+        _add_training_args(role, max_steps=1000, every=200)
+        if name == "evaluate":
+            role.add_argument("--once", action="store_true", help="stop when nothing new is left to evaluate")
+            role.add_argument("--newest-only", action="store_true", help="evaluate only the newest checkpoint, not every one")
+            role.add_argument("--poll-secs", type=float, default=10.0, help="how often to look for new checkpoints (default 10)")
+            role.add_argument("--idle-timeout-secs", type=float, default=None, help="stop after this long without a new checkpoint")
+            role.add_argument(
+                "--wait-for-first-checkpoint-secs", type=float, default=3600.0, help="give up waiting for a first checkpoint after this long"
+            )
+        if name == "export":
+            role.add_argument("--step", type=int, default=None, help="the evaluated step to export (default: the newest)")
+        role.set_defaults(fn=cmd_run)
 
     status = sub.add_parser("status", help="committed, evaluated and exported steps of a job")
     status.add_argument("--job", required=True)
@@ -360,10 +433,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: no abbreviations, and its own usage on an error (an unknown flag
+    included), not the top-level one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        flags = [a for a in extras if a.startswith("-")]
+        if flags:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def main(argv: list[str] | None = None) -> int:
+    from prefect_jax.bytecode import write_bytecode
+
+    write_bytecode()
     _quiet_env()
     args = build_parser().parse_args(argv)
-    if args.command in ("demo", "run"):
+    if args.command in ("demo", "run", "train", "evaluate", "export"):
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError
 

@@ -74,7 +74,7 @@ def test_a_flow_run_page_shows_step_named_task_runs_and_the_artifacts(ui_server,
     page.screenshot(path=str(OUTPUT / "flow-run.png"), full_page=True)
 
     page.get_by_text("Task Runs", exact=True).first.click()
-    for name in ("restore or init ui-job", "train 0→20", "train 20→40", "evaluate 20", "evaluate 40", "export 40"):
+    for name in ("restore or init ui-job", "train 0 to 20", "train 20 to 40", "evaluate 20", "evaluate 40", "export 40"):
         page.get_by_text(name, exact=True).first.wait_for(timeout=30_000)
     page.screenshot(path=str(OUTPUT / "flow-run-task-runs.png"), full_page=True)
 

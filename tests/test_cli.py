@@ -56,6 +56,9 @@ def test_run_json_rerun_and_status(tmp_path, prefect_server, mlflow_uri):
     assert status["committed_steps"] == [20, 40]
     assert status["evaluated_steps"] == {"eval": [20, 40]}
     assert status["exports"]["latest"] == [20, 40]
+    from prefect_jax.deployments import job_resource_id
+
+    assert status["event_resource_id"] == job_resource_id("cli-job", str(tmp_path / "s"))  # what its events carry
 
 
 def _port_open(port):
@@ -77,3 +80,25 @@ def test_demo_on_embedded_defaults_reaches_accuracy_and_ends_cleanly(tmp_path):
     port = int(re.search(r"Starting temporary server on http://127.0.0.1:(\d+)", proc.stderr).group(1))
     assert not _port_open(port), "the embedded Prefect server outlived the command"
     assert any("mlflow ui --backend-store-uri" in line for line in summary["browse"])
+
+
+def test_a_misspelt_flag_is_refused_with_the_subcommands_usage(tmp_path):
+    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path), "--max-step", "40")
+    assert proc.returncode == 2
+    assert "usage: prefect-jax run" in proc.stderr  # the subcommand's usage, not the top-level one
+    assert "prefect-jax run: error: unrecognized arguments: --max-step 40" in proc.stderr
+    assert not (tmp_path / "j").exists(), "no prefix matching: nothing ran as if --max-steps had been given"
+
+
+@pytest.mark.slow
+def test_the_roles_from_the_command_line(tmp_path, prefect_server, mlflow_uri):
+    """`train` (with --steps-per-dispatch), then `evaluate --once`, then `export`: TF's chief and evaluator."""
+    env = {"PREFECT_API_URL": prefect_server}
+    job = ["--program", TINY, "--job", "roles", "--storage", str(tmp_path / "s"), "--max-steps", "40",
+           "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
+    trained = _last_json(_cli("train", *job, "--steps-per-dispatch", "5", env=env))
+    assert trained["final_step"] == 40 and trained["exports"] == {}
+    evaluated = _last_json(_cli("evaluate", *job, "--once", "--poll-secs", "0.2", env=env))
+    assert evaluated["evaluated"] == [20, 40] and evaluated["exports"]["final"] == [40]
+    exported = _last_json(_cli("export", *job, "--step", "20", "--exporters", "latest", env=env))
+    assert exported["exports"] == {"latest": str(tmp_path / "s" / "roles" / "exports" / "latest" / "20")}

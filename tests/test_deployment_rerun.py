@@ -214,8 +214,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
 
     # The retry resumed at the newest committed step: it trained only the intervals after it.
     trained = {n: [r.name for r in runs if r.flow_run_run_count == n and r.name.startswith("train ")] for n in (1, 2)}
-    assert trained[1][0] == f"train 0→{EVERY}"
-    assert trained[2] == [f"train {s}→{s + EVERY}" for s in range(resume_from, MAX_STEPS, EVERY)], trained
+    assert trained[1][0] == f"train 0 to {EVERY}"
+    assert trained[2] == [f"train {s} to {s + EVERY}" for s in range(resume_from, MAX_STEPS, EVERY)], trained
     retried = [r for r in runs if r.flow_run_run_count == 2]
     assert retried[0].name == f"restore or init {job}" and all(r.state.is_completed() for r in retried)
 

@@ -43,18 +43,22 @@ def test_prefect_yaml_deployments_load_and_their_parameters_validate():
     from prefect.flows import load_flow_from_entrypoint
 
     deployments = _deployments()
-    assert set(deployments) == {"digits-nightly", "digits-trainer", "digits-evaluator"}
+    assert set(deployments) == {"digits-nightly", "digits-trainer-cpu", "digits-trainer", "digits-evaluator", "digits-export"}
     flows = {}
     for name, d in deployments.items():
         flow = load_flow_from_entrypoint(str(ROOT / d["entrypoint"]))
         flow.validate_parameters(d["parameters"])  # raises on a bad parameter
         flows[name] = flow.name
-    assert flows == {"digits-nightly": "train_and_evaluate", "digits-trainer": "train", "digits-evaluator": "evaluate"}
+    assert flows == {"digits-nightly": "train_and_evaluate", "digits-trainer-cpu": "train", "digits-trainer": "train",
+                     "digits-evaluator": "evaluate", "digits-export": "export"}  # fmt: skip
     assert deployments["digits-nightly"]["schedules"][0]["cron"] == "0 2 * * *"
     trigger = DeploymentEventTrigger(**deployments["digits-evaluator"]["triggers"][0])
     assert trigger.expect == {"prefect-jax.checkpoint.committed"}
     assert deployments["digits-trainer"]["work_pool"]["name"] == "gpu"
     assert deployments["digits-evaluator"]["work_pool"]["name"] == "cpu"
+    # Every role has a variant on the local process pool (the README's setup); GPU pools are overrides.
+    cpu_roles = {flows[n] for n, d in deployments.items() if d["work_pool"]["name"] == "cpu"}
+    assert cpu_roles == {"train_and_evaluate", "train", "evaluate", "export"}
 
 
 async def _pool_and_deployment(template, job_variables):

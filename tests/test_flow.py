@@ -65,7 +65,7 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(tmp_path, mlf
     artifacts = _artifacts(prefect_server, state.state_details.flow_run_id)
     names = sorted(r.name for r in runs)
     assert names == sorted(
-        ["restore or init flow-job", "train 0→20", "train 20→40", "evaluate 20", "evaluate 40", "export 20", "export 40"]
+        ["restore or init flow-job", "train 0 to 20", "train 20 to 40", "evaluate 20", "evaluate 40", "export 20", "export 40"]
     )
     assert all(r.state.is_completed() for r in runs)
     tables = [a for a in artifacts if a["type"] == "table"]

@@ -49,7 +49,8 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
 
         async def check_and_run():
             async with get_client() as client:
-                names = ["train_and_evaluate/digits-nightly", "train/digits-trainer", "evaluate/digits-evaluator"]
+                names = ["train_and_evaluate/digits-nightly", "train/digits-trainer-cpu", "train/digits-trainer",
+                         "evaluate/digits-evaluator", "export/digits-export"]  # fmt: skip
                 deployments = {n: await client.read_deployment_by_name(n) for n in names}
                 nightly = deployments["train_and_evaluate/digits-nightly"]
                 assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]

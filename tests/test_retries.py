@@ -41,8 +41,8 @@ def test_a_transient_failure_is_retried_from_the_checkpoint_and_ends_exactly(tmp
     flaky = state.result()
     assert flaky["state_fingerprint"] == clean["state_fingerprint"]
     runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
-    assert runs["train 20→40"].run_count == 2 and runs["train 20→40"].state.is_completed()
-    assert runs["train 0→20"].run_count == 1
+    assert runs["train 20 to 40"].run_count == 2 and runs["train 20 to 40"].state.is_completed()
+    assert runs["train 0 to 20"].run_count == 1
 
 
 def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_uri):
@@ -52,7 +52,7 @@ def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_
         state.result()
     assert _mlflow_run(mlflow_uri, tmp_path, "broken").info.status == "FAILED"
     runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
-    assert runs["train 0→20"].run_count == 1  # not retried: a retry cannot fix it
+    assert runs["train 0 to 20"].run_count == 1  # not retried: a retry cannot fix it
     assert not (tmp_path / "storage" / "broken" / "lease.json").exists()
 
 
@@ -66,4 +66,4 @@ def test_a_nan_loss_stops_at_its_step_without_retry_or_checkpoint(tmp_path, mlfl
     committed = sorted(p.name for p in (tmp_path / "storage" / "nan" / "checkpoints").iterdir())
     assert committed == ["20"]
     runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
-    assert runs["train 20→40"].run_count == 1
+    assert runs["train 20 to 40"].run_count == 1

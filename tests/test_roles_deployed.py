@@ -269,8 +269,8 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
     assert fingerprint == expected
     assert meta["prefect.flow_run_id"] == str(trainer_run.id) and meta["pid"] != lease["pid"]
     by_run = {n: [r.name for r in trainer_tasks if r.flow_run_run_count == n and r.name.startswith("train ")] for n in (1, 2)}
-    assert by_run[1][0] == f"train 0→{EVERY}"
-    assert by_run[2] == [f"train {s}→{s + EVERY}" for s in range(resume_from, MAX_STEPS, EVERY)], by_run
+    assert by_run[1][0] == f"train 0 to {EVERY}"
+    assert by_run[2] == [f"train {s} to {s + EVERY}" for s in range(resume_from, MAX_STEPS, EVERY)], by_run
     assert not (job_dir / "lease.json").exists()  # released at the end
     assert _committed(job_dir) == STEPS  # keep_last=None: every checkpoint is still there
 
