@@ -46,6 +46,8 @@ def prefect_backend() -> Iterator[str]:
         return
     server = _embedded_server_class()()
     server.start(timeout=120)
+    # Its runs are browsed later with `prefect server start` (same database): links point there.
+    os.environ.setdefault("PREFECT_JAX_PREFECT_UI_URL", "http://127.0.0.1:4200")
     try:
         with prefect.settings.temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             try:

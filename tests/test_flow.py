@@ -112,3 +112,26 @@ def test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri):
     assert state.is_failed()
     with pytest.raises(ValueError, match="has no attribute 'missing'"):
         state.result()
+
+
+def test_the_flow_run_and_the_mlflow_run_name_each_other(tmp_path, mlflow_uri, prefect_server):
+    """The flow run: a link artifact to the MLflow run, and job and MLflow run tags; the MLflow
+    run: the flow run's URL (not a bare id)."""
+    state = _run(tmp_path, mlflow_uri, max_steps=20)
+    assert state.is_completed()
+    summary, flow_run_id = state.result(), str(state.state_details.flow_run_id)
+    run = MlflowClient(mlflow_uri).get_run(summary["mlflow_run_id"])
+    links = [a for a in _artifacts(prefect_server, flow_run_id) if a["type"] == "markdown" and a["key"] == "flow-job-mlflow-run"]
+    assert len(links) == 1, links
+    expected = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert expected in links[0]["data"]
+    assert run.data.tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{flow_run_id}")
+    assert run.data.tags["prefect.flow_run_url"].startswith("http")
+
+    async def tags():
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as client:
+            return (await client.read_flow_run(flow_run_id)).tags
+
+    assert {"prefect-jax", "job:flow-job", f"mlflow-run:{run.info.run_id}"} <= set(asyncio.run(tags()))

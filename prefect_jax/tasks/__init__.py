@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import os
 import contextvars
 import logging
 import queue
@@ -32,7 +33,7 @@ import time
 from typing import Any, Callable
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
@@ -198,6 +199,46 @@ def _mark_crashed(taken: dict, current_flow_run: str | None, run_count: int, cur
             logger.warning("marked task run %r (%s, attempt %d of flow run %s) Crashed", run.name, run.id, run.flow_run_run_count, dead)
 
 
+def prefect_flow_run_url() -> str | None:
+    """This flow run in the Prefect UI. A command that ran its own embedded server names the UI of
+    ``prefect server start`` (``PREFECT_JAX_PREFECT_UI_URL``), where its runs are found afterwards."""
+    run_id = flow_run.id
+    if not run_id:
+        return None
+    from prefect.settings import PREFECT_UI_URL
+
+    base = os.environ.get("PREFECT_JAX_PREFECT_UI_URL") or PREFECT_UI_URL.value()
+    return f"{base.rstrip('/')}/runs/flow-run/{run_id}" if base else None
+
+
+def link_runs(config: JobConfig, trainer) -> None:
+    """Each side names the other: the flow run gets a link artifact to the job's MLflow run and the
+    tags ``prefect-jax``, ``job:<job>`` and ``mlflow-run:<id>``; the MLflow run gets the flow run's
+    URL (tag ``prefect.flow_run_url``). In the background: the UI may lag, training does not."""
+    mlflow_url, run_id = trainer.tracker.run_url(), trainer.tracker.run_id
+    flow_url = prefect_flow_run_url()
+    if flow_url:
+        trainer.tracker.set_tags({"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run.id)})
+    if mlflow_url:
+        publisher.submit(
+            create_link_artifact, link=mlflow_url, link_text=f"MLflow run of {config.job}",
+            key=artifact_key(config.job, "mlflow-run"),
+            description=f"The MLflow run of job {config.job}: params, train and eval curves, exports ({trainer.tracker.tracking_uri})",
+        )  # fmt: skip
+    if flow_run.id:
+        publisher.submit(_tag_flow_run, str(flow_run.id), ["prefect-jax", f"job:{config.job}"] + ([f"mlflow-run:{run_id}"] if run_id else []))
+
+
+def _tag_flow_run(flow_run_id: str, tags: list[str]) -> None:
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(UUID(flow_run_id)).tags or []
+        client.update_flow_run(UUID(flow_run_id), tags=sorted(set(current) | set(tags)))
+
+
 def retry_if_transient(task, task_run, state) -> bool:
     """Retry I/O errors, timeouts and preemptions; fail at once on a bad program, a checkpoint
     that does not fit, a NaN loss or a job held by another trainer."""
@@ -263,6 +304,7 @@ def restore_or_init(
     # MLflow opened in the background during the restore; training starts once the run is known,
     # so that its first interval does not share the CPU with MLflow's start.
     run_id = trainer.tracker.run_id
+    link_runs(config, trainer)
     logger.info("job %s at step %d (%s); MLflow run %s", config.job, step, "restored" if step else "initialised", run_id)
     return {"step": step, "mlflow_run_id": run_id, "checkpoint_dir": trainer.checkpoints.directory}
 

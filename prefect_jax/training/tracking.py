@@ -92,6 +92,7 @@ class Tracker:
         self.experiment = experiment
         self.job_key = job_key
         self._run_id: str | None = None
+        self.experiment_id: str | None = None
         self._started: Future | None = None
         self._client = None
         self._logged_until: int | None = None  # the last train step in MLflow before this process; None: not looked up
@@ -214,6 +215,7 @@ class Tracker:
                 self._note_killed(run, killed)
             if reopen and (killed or run.info.status != "RUNNING"):
                 client.update_run(run.info.run_id, status="RUNNING")
+        self.experiment_id = exp_id
         self._run_id = run.info.run_id
         return self._run_id
 
@@ -237,6 +239,17 @@ class Tracker:
         tags = {KILLED_TAG: str(n), f"prefect_jax.killed.{n}": line, "mlflow.note.content": note}
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         logger.warning("MLflow run %s: %s", run_id, line)
+
+    def run_url(self) -> str | None:
+        """The job's run in the MLflow UI: on the tracking server itself for an http(s) store, else
+        on ``PREFECT_JAX_MLFLOW_UI_URL`` (default ``http://127.0.0.1:5000``, what ``mlflow ui`` serves)."""
+        run_id = self.run_id
+        if not run_id or not self.experiment_id:
+            return None
+        base = self.tracking_uri if self.tracking_uri.startswith(("http://", "https://")) else (
+            os.environ.get("PREFECT_JAX_MLFLOW_UI_URL") or "http://127.0.0.1:5000"
+        )  # fmt: skip
+        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
 
     def _artifact_root(self) -> str | None:
         """For a SQLite store, artifacts go beside the database (not into ./mlruns of whatever the
