@@ -7,36 +7,22 @@ Screenshots go to ``test-output/browser/`` (or ``$PREFECT_JAX_TEST_OUTPUT/browse
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from browser_helpers import OUTPUT, browser_page
 from deployment_helpers import ROOT, PrefectServerProcess, _base_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-OUTPUT = Path(os.environ.get("PREFECT_JAX_TEST_OUTPUT", ROOT / "test-output")) / "browser"
 TINY = "prefect_jax.examples.digits:tiny"
 
 
 @pytest.fixture(scope="module")
 def page():
-    if CHROMIUM is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium for the browser tests")
-        pytest.skip("no chromium here (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    OUTPUT.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    with browser_page() as page:
         yield page
-        browser.close()
 
 
 @pytest.fixture(scope="module")

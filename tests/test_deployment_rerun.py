@@ -1,11 +1,11 @@
 """Reruns the way users do them: a deployment run killed mid-run, retried from the Prefect UI.
 
-A real ``prefect server start`` and a ``serve`` process (both started here) run the
+A real ``prefect server start`` with its UI and a ``serve`` process (both started here) run the
 `train_and_evaluate` deployment. Once a checkpoint is committed, the serve process group is
 SIGKILLed, flow-run process included: a preempted spot machine, where no handler runs and the
-server still shows the run Running. The run is then marked Crashed and retried exactly as the
-UI's Retry button does it (the same flow run set to ``AwaitingRetry``, a Scheduled-type state,
-with ``force``), and a new serve process picks it up. The retried run must take over the dead
+server still shows the run Running. The run is then marked Crashed (the machine is gone), and a
+person opens it in a real browser (Debian's chromium), sees Crashed, clicks Retry and confirms;
+a new serve process picks it up. The retried run must take over the dead
 trainer's lease, resume at the newest committed step (nothing retrained from 0, no step logged
 or evaluated twice) and end with the same state fingerprint as an uninterrupted run of the
 same job config.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from browser_helpers import retry_in_the_ui, screenshot_flow_run
 from deployment_helpers import (
     DEPLOYMENT,
     ROOT,
@@ -143,13 +144,13 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
-    from prefect.states import AwaitingRetry, Crashed
+    from prefect.states import Crashed
 
     from prefect_jax.training.checkpoints import committed_steps
     from prefect_jax.training.storage import JobStorage
     from prefect_jax.training.tracking import JOB_TAG
 
-    server = PrefectServerProcess(tmp_path / "prefect-server")
+    server = PrefectServerProcess(tmp_path / "prefect-server", ui=True)
     processes.append(server)
 
     # While the server starts: the uninterrupted run of the same job config in other storage (it also
@@ -192,9 +193,10 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         killed = client.read_flow_run(flow_run.id)
         assert killed.state.is_running(), killed.state  # nobody told the server
 
-        # What the user sees and does: the run crashed; they click Retry (the UI sends exactly this).
+        # The machine is gone: the run is Crashed. What the user sees and does: Retry, in the UI.
         client.set_flow_run_state(flow_run.id, Crashed(message="the machine was lost (SIGKILL)"), force=True)
-        client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=True)
+        retry_in_the_ui(server.ui_url, str(flow_run.id), shots="deployment-run")
+        assert client.read_flow_run(flow_run.id).state.type.value == "SCHEDULED"  # AwaitingRetry, from the click
 
         second = ServeProcess(server.api_url, tmp_path / "serve-home", tmp_path / "serve-2.log", **serve_env)
         processes.append(second)
@@ -203,6 +205,10 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         assert done.run_count == 2
         summary = done.state.result()
         runs = _task_runs(client, flow_run.id)
+        page = screenshot_flow_run(server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed")
+    # The crashed attempt's task runs are not left Running (the retry that took the lease over marked them).
+    assert not [r.name for r in runs if r.state.is_running() or r.state.is_pending()], [(r.name, r.state) for r in runs]
+    assert f"train {resume_from} to {resume_from + EVERY}" in page
 
     # Same end as the uninterrupted run: the flow's own summary, and its final checkpoint.
     assert summary["final_step"] == MAX_STEPS
