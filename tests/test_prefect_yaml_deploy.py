@@ -1,6 +1,7 @@
 """The README's deployment path against a real `prefect server`, with the locked dependencies:
 ``prefect deploy --all`` from the repository's prefect.yaml, the scheduler making runs of the
-nightly schedule, and a process worker running a deployment run to completion.
+nightly schedule, and a process worker running a scheduled run to completion (a schedule added
+to the nightly deployment with small parameters, due now).
 
 This is what the pins of fastapi (<0.151: ``prefect deploy`` got a 422 from
 ``/work_pools/<pool>/workers/filter``) and SQLAlchemy (<2.1: the scheduler failed every loop with
@@ -32,7 +33,6 @@ def _prefect(api_url: str, home: Path, *args: str, timeout: float = 180) -> subp
 def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter
-    from prefect.deployments import run_deployment
 
     home = tmp_path / "home"
     server = PrefectServerProcess(tmp_path / "server", PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2")
@@ -47,7 +47,16 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
         deployed = _prefect(api, home, "--no-prompt", "deploy", "--all")
         assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
 
-        async def check_and_run():
+        params = {
+            "program": "prefect_jax.examples.digits:tiny",
+            "job": "nightly-test",
+            "storage": str(tmp_path / "storage"),
+            "train_spec": {"max_steps": 40, "log_every_steps": 10},
+            "checkpoint_spec": {"every_steps": 20},
+            "mlflow_tracking_uri": mlflow_uri,
+        }
+
+        async def check_and_schedule():
             async with get_client() as client:
                 names = ["train_and_evaluate/digits-nightly", "train/digits-trainer-cpu", "train/digits-trainer",
                          "evaluate/digits-evaluator", "export/digits-export"]  # fmt: skip
@@ -66,20 +75,27 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
                     await client.update_deployment_schedule(nightly.id, schedule.id, active=False)
                 for run in await client.read_flow_runs(flow_run_filter=by_nightly):
                     await client.delete_flow_run(run.id)
+                # A schedule of its own, due now, with a small job: the scheduler makes its run.
+                from datetime import datetime, timedelta, timezone
+
+                from prefect.client.schemas.actions import DeploymentScheduleCreate
+                from prefect.client.schemas.schedules import IntervalSchedule
+
+                due_now = IntervalSchedule(interval=timedelta(days=1), anchor_date=datetime.now(timezone.utc) + timedelta(seconds=5))
+                await client.create_deployment_schedules(
+                    nightly.id, [DeploymentScheduleCreate(schedule=due_now, active=True, parameters=params, max_scheduled_runs=1)]
+                )
+                deadline = time.monotonic() + 60
+                while not (made := await client.read_flow_runs(flow_run_filter=by_nightly)):
+                    assert time.monotonic() < deadline, "the scheduler made no run of the test schedule:\n" + server.tail()
+                    await asyncio.sleep(1)
+                assert made[0].parameters["job"] == "nightly-test"
+                return made[0]
 
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings({PREFECT_API_URL: api}):
-            asyncio.run(check_and_run())
-            params = {
-                "program": "prefect_jax.examples.digits:tiny",
-                "job": "nightly-test",
-                "storage": str(tmp_path / "storage"),
-                "train_spec": {"max_steps": 40, "log_every_steps": 10},
-                "checkpoint_spec": {"every_steps": 20},
-                "mlflow_tracking_uri": mlflow_uri,
-            }
-            run = run_deployment("train_and_evaluate/digits-nightly", parameters=params, timeout=0)
+            run = asyncio.run(check_and_schedule())
             worker = _GroupProcess(
                 [sys.executable, "-m", "prefect", "worker", "start", "--pool", "cpu", "--run-once"],
                 _base_env(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_LOGGING_LEVEL="INFO"),
@@ -87,12 +103,15 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
             )
             worker.proc.wait(timeout=300)
 
-            async def final_state():
+            async def runs_of_the_schedule():
                 async with get_client() as client:
-                    return (await client.read_flow_run(run.id)).state
+                    runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id={"any_": [run.deployment_id]}))
+                    return [r for r in runs if r.parameters.get("job") == "nightly-test"]
 
-            state = asyncio.run(final_state())
-        assert state.is_completed(), f"{state}\n{worker.tail()}"
+            runs = asyncio.run(runs_of_the_schedule())
+        completed = [r for r in runs if r.state.is_completed()]
+        assert len(completed) == 1, f"{[(r.name, r.state) for r in runs]}\n{worker.tail()}"
+        assert completed[0].auto_scheduled, "the worker ran a run the scheduler made"
         assert committed_steps(str(tmp_path / "storage" / "nightly-test" / "checkpoints"))[-1] == 40
     finally:
         if worker is not None:
