@@ -71,6 +71,17 @@ def job_config(tmp_path, mlflow_uri):
     return make
 
 
+@pytest.fixture
+def processes():
+    """Subprocesses the test starts; every one is stopped (its whole process group) however the test ends."""
+    started: list = []
+    try:
+        yield started
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_live_trainers():
     """Each test starts without live trainers cached by an earlier test."""

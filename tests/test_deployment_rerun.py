@@ -35,7 +35,7 @@ from deployment_helpers import (
     wait_for_deployments,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 TINY = "prefect_jax.examples.digits:tiny"
 MAX_STEPS = 800
@@ -124,17 +124,6 @@ def _status(job: str, storage: Path) -> dict:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture
-def processes():
-    """Subprocesses the test starts; every one is stopped (its whole process group) however the test ends."""
-    started: list = []
-    try:
-        yield started
-    finally:
-        for proc in reversed(started):
-            proc.stop()
 
 
 @pytest.mark.timeout(540)

@@ -143,17 +143,6 @@ def _task_runs(client, flow_run_id):
     )
 
 
-@pytest.fixture
-def processes():
-    """Subprocesses the test starts; every one is stopped (its whole process group) however the test ends."""
-    started: list = []
-    try:
-        yield started
-    finally:
-        for proc in reversed(started):
-            proc.stop()
-
-
 @pytest.mark.timeout(420)
 def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_evaluates_each_checkpoint_once(
     tmp_path, processes

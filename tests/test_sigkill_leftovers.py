@@ -137,16 +137,6 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(tmp_path, 
     assert note in tags["mlflow.note.content"]
 
 
-@pytest.fixture
-def processes():
-    started: list = []
-    try:
-        yield started
-    finally:
-        for proc in reversed(started):
-            proc.stop()
-
-
 @pytest.mark.timeout(420)
 def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_running_task(tmp_path, prefect_server, processes):
     from prefect.client.orchestration import get_client
