@@ -200,7 +200,8 @@ class Loop:
             try:
                 train_data = self.program.train_data(self.spec.seed)
                 if isinstance(train_data, grain.MapDataset):
-                    batch, guard = spec(train_data[0]), spec((guard_int(0), guard_int(-1)))
+                    batch = spec(train_data[0])
+                    guard = jax.tree.map(lambda g: jax.ShapeDtypeStruct((), g.dtype, sharding=self.one_device), spec((guard_int(0), guard_int(-1))))
                     k = self.spec.steps_per_dispatch
                     if k == 1:
                         self.train_step.lower(state, batch, guard).compile()
@@ -233,7 +234,9 @@ class Loop:
         spec = self.spec
         log_every, per_dispatch = spec.log_every_steps, spec.steps_per_dispatch
         logged: list[tuple[int, Any, int | None]] = []
-        guard = (guard_int(step), guard_int(-1))
+        # On the device, as every later guard (the step's output) is: a host guard would make
+        # the first call compile an executable of its own.
+        guard = self.place((guard_int(step), guard_int(-1)))
         checked = None  # the guard of the previous log point
         self.join_precompile()  # its executable is the one this loop calls
         while step < target:

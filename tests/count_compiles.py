@@ -1,0 +1,54 @@
+"""Train the tiny job two intervals in this (fresh) process and print, as one JSON line, how many
+times the train step was compiled, and how the persistent compilation cache answered for it.
+
+usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+
+class _Count(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.counts = {"compiled": 0, "cache_miss": 0, "cache_hit": 0}
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("Compiling jit(step)"):
+            self.counts["compiled"] += 1
+        elif "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" in message:
+            self.counts["cache_miss"] += 1
+        elif "Persistent compilation cache hit for 'jit_step'" in message:
+            self.counts["cache_hit"] += 1
+
+
+def main(storage: str, mlflow_uri: str, cache_dir: str | None = None) -> None:
+    import jax
+
+    jax.config.update("jax_log_compiles", True)  # compiles and cache hits at WARNING
+    jax.config.update("jax_explain_cache_misses", True)  # cache misses at WARNING
+    counter = _Count()
+    logging.getLogger("jax").addHandler(counter)
+    from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+    from prefect_jax.training.trainer import Trainer
+
+    config = JobConfig(
+        program="prefect_jax.examples.digits:tiny", job="compiles", storage=storage,
+        train=TrainSpec(max_steps=80, log_every_steps=10), checkpoint=CheckpointSpec(every_steps=20, keep_last=None),
+        mlflow_tracking_uri=mlflow_uri, compilation_cache_dir=cache_dir,
+    )  # fmt: skip
+    trainer = Trainer(config)
+    start = trainer.restore_or_init()
+    while trainer.step < start + 40:
+        trainer.train_until_checkpoint()
+    trainer.finish()
+    trainer.close()
+    print(json.dumps({"start": start, "end": trainer.step, **counter.counts}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
