@@ -251,8 +251,36 @@ def _run_flow(
         )  # fmt: skip
     else:
         flow, kwargs = flows.export_flow, dict(common, step=args.step)
-    with prefect_backend(), progress_bar(not args.no_progress and role in ("train_and_evaluate", "train"), args.max_steps):
-        return flow(**kwargs)
+    from prefect_jax.blocks import BLOCK_PREFIX
+
+    check = (program, job, storage, args.max_steps if role in ("train_and_evaluate", "train") else None)
+    if not storage.startswith(BLOCK_PREFIX):
+        _preflight(*check)  # before a server starts: refused in a fraction of a second
+    with prefect_backend():
+        if storage.startswith(BLOCK_PREFIX):
+            _preflight(*check)  # the block is read from the server
+        with progress_bar(not args.no_progress and role in ("train_and_evaluate", "train"), args.max_steps):
+            return flow(**kwargs)
+
+
+def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> None:
+    """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
+    flow run with a traceback in front of it. The flow checks the same things again (a
+    deployment's runs do not come through here)."""
+    from prefect_jax.blocks import resolve_storage
+    from prefect_jax.training.errors import PastMaxStepsError
+    from prefect_jax.training.program import load_program
+    from prefect_jax.training.redaction import redact_url
+    from prefect_jax.training.remote import job_committed_steps
+    from prefect_jax.training.storage import JobStorage
+
+    load_program(program)
+    url, options = resolve_storage(storage)
+    js = JobStorage(url, job, options)
+    js.check_writable()
+    committed = job_committed_steps(js) if max_steps is not None else []
+    if committed and committed[-1] > max_steps:
+        raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
 
 
 def _browse_lines(summary: dict[str, Any]) -> list[str]:
@@ -301,6 +329,15 @@ def job_status(job: str, storage: str) -> dict[str, Any]:
 
     url, options = resolve_storage(storage)
     js = JobStorage(url, job, options)
+    if not js.fs.exists(js.job_dir):
+        from prefect_jax.training.redaction import redact_url
+
+        try:
+            jobs = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in js.fs.ls(js.root, detail=False) if js.fs.isdir(p))
+        except FileNotFoundError:
+            jobs = []
+        there = f"jobs there: {', '.join(jobs)}" if jobs else "no job there at all"
+        raise FileNotFoundError(f"no job {job!r} in storage {redact_url(js.root)} ({there}); check --job and --storage")
     committed = job_committed_steps(js)
     evals_dir = js.path("evals")
     try:
@@ -459,14 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("demo", "run", "train", "evaluate", "export"):
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError
+    from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError, StorageNotWritableError
 
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (LeaseHeldError, NonFiniteLossError) as exc:
+    except (LeaseHeldError, NonFiniteLossError, StorageNotWritableError) as exc:
         print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

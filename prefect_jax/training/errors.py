@@ -34,6 +34,29 @@ class LeaseHeldError(RuntimeError):
         )
 
 
+class PastMaxStepsError(ValueError):
+    """The job has already committed a step past the `max_steps` asked for."""
+
+    def __init__(self, job_dir: str, committed: int, max_steps: int):
+        self.committed, self.max_steps = committed, max_steps
+        super().__init__(
+            f"max_steps={max_steps} is below step {committed}, already committed by job {job_dir}: there is "
+            f"nothing to train, and nothing was changed. Pass a max_steps (--max-steps) above {committed} to "
+            "train on, or another job name (--job) to start over."
+        )
+
+
+class StorageNotWritableError(PermissionError):
+    """The job's storage refuses writes (permissions, a read-only mount, credentials)."""
+
+    def __init__(self, root: str, cause: BaseException):
+        super().__init__(
+            f"storage {root} is not writable by this process ({type(cause).__name__}: {cause}); nothing was "
+            "written there. Give a storage (--storage) this user can write to, or fix its permissions or "
+            "credentials."
+        )
+
+
 class NoProgressError(RuntimeError):
     """The job was rerun too many times in a row without getting past a step."""
 
@@ -63,6 +86,8 @@ PERMANENT = (
 
 def is_transient(exc: BaseException) -> bool:
     """True when retrying from the newest checkpoint may succeed (I/O errors, preemption, timeouts...)."""
+    if isinstance(exc, StorageNotWritableError):
+        return False
     if isinstance(exc, (OSError, TimeoutError, ConnectionError, Preempted)):
         return True
     return not isinstance(exc, PERMANENT)

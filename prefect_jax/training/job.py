@@ -62,6 +62,8 @@ class Job:
         self.run_tags = dict(run_tags or {})
         self.is_primary = process_index() == 0
         self.storage = JobStorage(config.storage, config.job, config.storage_options)
+        if self.is_primary:
+            self.storage.check_writable()  # a refused write is found before anything is changed
         self.remote: RemoteSteps | None = None
         self._uploader: AsyncUploader | None = None
         checkpoint_spec = config.checkpoint

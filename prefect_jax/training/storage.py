@@ -14,6 +14,7 @@ written to a local staging directory and uploaded (see `prefect_jax.training.rem
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -118,6 +119,30 @@ class JobStorage:
     def export_dir(self, exporter: str, step: int | None = None) -> str:
         base = self.path("exports", check_name("exporter name", exporter))
         return base if step is None else f"{base}/{int(step)}"
+
+    def check_writable(self) -> None:
+        """Raise `StorageNotWritableError` naming the root unless a file can be written (and
+        removed) in the job's directory: a refused write is found before the job changes anything."""
+        from prefect_jax.training.errors import StorageNotWritableError
+
+        probe = self.path(f".write-probe-{uuid.uuid4().hex}")
+        try:
+            if self.protocol == "file":
+                os.makedirs(self.job_dir, exist_ok=True)
+                with open(probe, "wb"):
+                    pass
+                os.remove(probe)
+            else:
+                fs = self.fs
+                fs.pipe_file(probe, b"")
+                fs.rm_file(probe)
+        except OSError as exc:
+            if isinstance(exc, PermissionError) or exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                from prefect_jax.training.redaction import redact_url, scrub, secret_values
+
+                cause = type(exc)(scrub(str(exc), secret_values(self.root, self.storage_options)))
+                raise StorageNotWritableError(redact_url(self.root), cause) from None
+            raise
 
     # -- small JSON files ------------------------------------------------------------
 

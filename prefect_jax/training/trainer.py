@@ -33,12 +33,13 @@ from typing import Any
 from prefect_jax.training import control
 from prefect_jax.training import exporters as exp
 from prefect_jax.training.checkpoints import CorruptCheckpointError, state_fingerprint
-from prefect_jax.training.errors import NonFiniteLossError, Preempted
+from prefect_jax.training.errors import NonFiniteLossError, PastMaxStepsError, Preempted
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.job import Job
 from prefect_jax.training.loop import Loop, NonFiniteAt, add_progress_listener, enable_compilation_cache, notify_progress
 from prefect_jax.training.preemption import PreemptionGuard
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
+from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.session import restore_or_init
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.tracking import flatten_params
@@ -124,6 +125,9 @@ class Trainer:
         """
         job, loop = self.job, self.loop
         job.checkpoints.wait()
+        newest, max_steps = job.newest_committed(), self.config.train.max_steps
+        if newest is not None and newest > max_steps:
+            raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
         job.acquire_lease()
         self._guard.install()
         loop.start_precompile()
