@@ -225,7 +225,10 @@ def _specs(args: argparse.Namespace):
             exporters.append(BestExporter(metric=args.best_metric, mode=args.best_mode))
         elif name == "final":
             exporters.append(FinalExporter())
-    eval_spec = EvalSpec(steps=args.eval_steps, name=args.eval_name, throttle_secs=args.throttle_secs, exporters=exporters)
+    eval_spec = EvalSpec(
+        steps=args.eval_steps, name=args.eval_name, throttle_secs=args.throttle_secs, exporters=exporters,
+        registered_model=args.registered_model,
+    )  # fmt: skip
     return train_spec, eval_spec, checkpoint_spec
 
 
@@ -259,7 +262,14 @@ def _run_flow(
     with prefect_backend():
         if storage.startswith(BLOCK_PREFIX):
             _preflight(*check)  # the block is read from the server
-        with progress_bar(not args.no_progress and role in ("train_and_evaluate", "train"), args.max_steps):
+        import prefect
+
+        from prefect_jax.tasks import process_tag
+
+        # Tagged from its creation: a run killed before its first task is still found by the
+        # job, and the process tag lets the next run prove it dead (see mark_dead_local_runs).
+        tags = prefect.tags("prefect-jax", f"job:{job}", process_tag())
+        with tags, progress_bar(not args.no_progress and role in ("train_and_evaluate", "train"), args.max_steps):
             return flow(**kwargs)
 
 
@@ -285,7 +295,10 @@ def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> N
 
 def _browse_lines(summary: dict[str, Any]) -> list[str]:
     uri = summary["mlflow_tracking_uri"]
-    lines = ["", "Browse the results:", f"  MLflow:  uv run mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)"]
+    run_url = summary.get("mlflow_run_url") or "http://127.0.0.1:5000"
+    lines = ["", "Browse the results:", f"  MLflow:  uv run mlflow ui --backend-store-uri {uri}   (then open {run_url})"]
+    if summary.get("registered_model"):
+        lines.append(f"  Serve:   mlflow.pyfunc.load_model('models:/{summary['registered_model']}@best')   (with MLFLOW_TRACKING_URI={uri})")
     if not os.environ.get("PREFECT_API_URL"):
         lines.append("  Prefect: uv run prefect server start   (then open http://127.0.0.1:4200)")
     lines.append(f"  Status:  uv run prefect-jax status --job {summary['job']} --storage {summary['storage']}")
@@ -348,7 +361,7 @@ def job_status(job: str, storage: str) -> dict[str, Any]:
 
     from prefect_jax.deployments import job_resource_id
 
-    return {
+    status = {
         "job": job,
         "storage": js.root,
         "event_resource_id": job_resource_id(job, url),
@@ -356,6 +369,32 @@ def job_status(job: str, storage: str) -> dict[str, Any]:
         "evaluated_steps": {n: js.list_int_names(js.eval_dir(n)) for n in names},
         "exports": list_exports(js),
     }
+    recorded = js.read_json(js.path("registry.json"))
+    if recorded:
+        status["registered_model"] = _registry_status(recorded, js.job_dir)
+    return status
+
+
+def _registry_status(recorded: dict, job_key: str) -> dict[str, Any]:
+    """The job's versions and aliases in the MLflow Model Registry, read from MLflow (the copy the
+    job last recorded in its storage if MLflow cannot be reached)."""
+    from prefect_jax.training.redaction import redact_url
+
+    name, uri = recorded["name"], recorded["tracking_uri"]
+    out = {"name": name, "tracking_uri": redact_url(uri), "versions": recorded["versions"], "aliases": recorded["aliases"]}
+    try:
+        from mlflow.tracking import MlflowClient
+
+        from prefect_jax.training.registry import job_versions
+
+        client = MlflowClient(uri)
+        versions = job_versions(client, name, job_key)
+        mine = {str(v.version) for v in versions.values()}
+        aliases = {a: str(v) for a, v in (client.get_registered_model(name).aliases or {}).items() if str(v) in mine}
+        out.update(versions={str(s): str(v.version) for s, v in sorted(versions.items())}, aliases=dict(sorted(aliases.items())))
+    except Exception as exc:  # noqa: BLE001 - status still shows what the job recorded
+        out["note"] = f"MLflow not reachable ({type(exc).__name__}): as last recorded by the job"
+    return out
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -370,6 +409,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  evaluated ({name}): {steps or 'none'}")
         for name, steps in status["exports"].items():
             print(f"  exports ({name}): {steps}")
+        registry = status.get("registered_model")
+        if registry:
+            versions = ", ".join(f"v{v} (step {s})" for s, v in registry["versions"].items()) or "none"
+            aliases = ", ".join(f"@{a} = v{v}" for a, v in registry["aliases"].items()) or "none"
+            print(f"  registered model {registry['name']} ({registry['tracking_uri']}): {versions}; aliases {aliases}")
+            if registry.get("note"):
+                print(f"    {registry['note']}")
     return 0
 
 
@@ -401,6 +447,13 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
         choices=["latest", "best", "final"],
         default=["latest", "best", "final"],
         help="exporters to run after each evaluation (default: latest best final)",
+    )
+    p.add_argument(
+        "--registered-model",
+        default=None,
+        metavar="NAME",
+        help="MLflow registered model the exports become versions of, aliases @best @final @newest "
+        "(default: the job's name; '' for none)",
     )
     p.add_argument("--best-metric", default="loss", help="metric the best exporter compares (default loss)")
     p.add_argument("--best-mode", choices=["min", "max"], default="min", help="'min' or 'max' (default min)")

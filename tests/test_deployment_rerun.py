@@ -222,5 +222,5 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     (mlflow_run,) = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{key}'")
     assert mlflow_run.info.run_id == summary["mlflow_run_id"] and mlflow_run.info.status == "FINISHED"
     run_id = mlflow_run.info.run_id
-    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "loss")) == list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
+    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "train/loss")) == list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
     assert sorted(m.step for m in mlflow.get_metric_history(run_id, "eval/accuracy")) == list(range(EVERY, MAX_STEPS + 1, EVERY))

@@ -123,8 +123,11 @@ def test_the_flow_run_and_the_mlflow_run_name_each_other(tmp_path, mlflow_uri, p
     run = MlflowClient(mlflow_uri).get_run(summary["mlflow_run_id"])
     links = [a for a in _artifacts(prefect_server, flow_run_id) if a["type"] == "markdown" and a["key"] == "flow-job-mlflow-run"]
     assert len(links) == 1, links
-    expected = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    expected = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
     assert expected in links[0]["data"]
+    # The run's description names the job's places and links the flow run too.
+    note = run.data.tags["mlflow.note.content"]
+    assert f"/runs/flow-run/{flow_run_id}" in note and "/checkpoints/<step>" in note, note
     assert run.data.tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{flow_run_id}")
     assert run.data.tags["prefect.flow_run_url"].startswith("http")
 

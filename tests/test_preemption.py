@@ -124,6 +124,9 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     eval_steps = [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")]
-    assert eval_steps == sorted(set(eval_steps)) and eval_steps[-1] == MAX_STEPS
-    loss_steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    # The step SIGTERM checkpointed off the cadence was resumed from, and never evaluated.
+    cadence = list(range(EVERY, MAX_STEPS + 1, EVERY))
+    assert eval_steps == cadence, f"eval steps {eval_steps}; the preemption checkpoint was step {at}"
+    assert status("pre", storage)["evaluated_steps"] == {"eval": cadence}
+    loss_steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(loss_steps) == len(set(loss_steps)), "a train metric was logged twice"

@@ -78,6 +78,39 @@ def test_trainer_then_evaluator_evaluate_every_checkpoint_once(tmp_path, mlflow_
     assert export_flow(**params, step=40) == {"latest": js.export_dir("latest", 40)}
 
 
+def test_the_evaluator_leaves_a_preemption_checkpoint_alone(tmp_path, mlflow_uri):
+    """A step a SIGTERM checkpointed off the cadence (here 25) is resumed from, never evaluated:
+    the evaluator evaluates 20, 40, 60, and does not spin on 25."""
+    from prefect_jax.training.specs import JobConfig
+    from prefect_jax.training.trainer import Trainer
+
+    params = _params(tmp_path, mlflow_uri, "preempted")
+    config = JobConfig(program=params["program"], job="preempted", storage=params["storage"], train=params["train_spec"],
+                       checkpoint=params["checkpoint_spec"], eval=params["eval_spec"], mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()  # 20
+    interval = trainer.loop.run(trainer.state, 20, trainer.data_iter, 25, lambda: False)
+    trainer.state, trainer.step = interval.state, 25
+    trainer.save(preemption=True)  # what _end_on_sigterm does mid-interval
+    trainer.checkpoints.wait()
+    trainer.close()
+    rerun = Trainer(config)
+    assert rerun.restore_or_init() == 25
+    assert rerun.evaluate_if_new().status.value == "PREEMPTION_CHECKPOINT"  # the trainer's catch-up skips it too
+    while rerun.step < 60:
+        rerun.train_until_checkpoint()
+    rerun.finish()
+    rerun.close()
+
+    from prefect_jax.training import live
+
+    live.drop_all(close=False)
+    result = evaluate(**params, poll_secs=0.1)
+    assert result["evaluated"] == [20, 40, 60]
+    assert JobStorage(params["storage"], "preempted").list_int_names(JobStorage(params["storage"], "preempted").eval_dir("eval")) == [20, 40, 60]
+
+
 def test_evaluator_only_newest(tmp_path, mlflow_uri):
     params = _params(tmp_path, mlflow_uri, "newest")
     train(**params)

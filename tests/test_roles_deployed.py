@@ -285,7 +285,7 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
     assert mlflow_run.info.run_id == summary["mlflow_run_id"] and mlflow_run.info.status == "FINISHED"
     run_id = mlflow_run.info.run_id
     assert sorted(m.step for m in mlflow.get_metric_history(run_id, "eval/accuracy")) == STEPS
-    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "loss")) == list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
+    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "train/loss")) == list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
 
     print(
         f"\nroles deployed: trainer killed at committed {killed_at}, resumed at {resume_from}; states {history}; "

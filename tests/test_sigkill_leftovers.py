@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -189,3 +190,39 @@ def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_runn
     assert [r.state_type.value for r in killed] == ["CRASHED"], [(r.name, r.state_name) for r in runs]
     assert len(artifacts) == 1, [(a.id, a.description) for a in artifacts]
     assert artifacts[0].data == 100.0 and f"step {MAX_STEPS} of {MAX_STEPS}" in artifacts[0].description
+
+
+@pytest.mark.timeout(300)
+def test_a_run_killed_before_it_took_the_job_is_marked_crashed_by_the_next(tmp_path, prefect_server, mlflow_uri):
+    """Killed at flow start, before its lease: no takeover names it. The command tags its flow run
+    with the job and its process from the start, and the next run proves that process gone."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    job, log1 = "killed-at-start", tmp_path / "1.log"
+    args = ["--program", "prefect_jax.examples.digits:tiny", "--job", job, "--storage", str(tmp_path / "storage"),
+            "--max-steps", "20", "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+    proc = start_run(args, prefect_server, log1)
+    try:
+        wait_until(lambda: "Beginning flow run" in log1.read_text(), 180, "the flow run to begin", proc)
+    finally:
+        proc.kill()
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    with get_client(sync_client=True) as client:
+
+        def runs():
+            return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"job:{job}"])), limit=10)
+
+        (killed,) = wait_until(runs, 30, "the killed flow run, tagged with its job")
+        assert f"process:{socket.gethostname()}:{proc.pid}" in killed.tags
+        time.sleep(1.0)
+        assert client.read_flow_run(killed.id).state.is_running(), "nobody told the server"
+
+        proc = start_run(args, prefect_server, tmp_path / "2.log")
+        assert proc.wait(timeout=240) == 0, (tmp_path / "2.log").read_text()[-4000:]
+        states = {str(r.id): r.state for r in runs()}
+    assert len(states) == 2 and sum(s.is_completed() for s in states.values()) == 1, states
+    dead = states[str(killed.id)]
+    killed_pid = next(t for t in killed.tags if t.startswith("process:")).rsplit(":", 1)[1]
+    assert dead.is_crashed(), dead
+    assert f"pid {killed_pid}" in dead.message and "its process is gone" in dead.message, dead.message

@@ -42,8 +42,8 @@ def test_scanned_steps_match_one_step_per_dispatch(job_config):
     for a, b in zip(_leaves(scanned.state), _leaves(per_step.state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     # Training metrics went to MLflow at the same steps, with the same values.
-    k1 = per_step.tracker.client.get_metric_history(per_step.tracker.run_id, "loss")
-    k4 = scanned.tracker.client.get_metric_history(scanned.tracker.run_id, "loss")
+    k1 = per_step.tracker.client.get_metric_history(per_step.tracker.run_id, "train/loss")
+    k4 = scanned.tracker.client.get_metric_history(scanned.tracker.run_id, "train/loss")
     assert [m.step for m in k4] == [m.step for m in k1] == [10, 20, 30]
     np.testing.assert_allclose([m.value for m in k4], [m.value for m in k1], rtol=1e-4)
     per_step.close()

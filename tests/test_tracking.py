@@ -36,7 +36,7 @@ def test_one_run_per_job_with_params_and_metrics_at_their_steps(job_config):
     assert run.data.params["checkpoint.every_steps"] == "20"
     assert run.data.params["program_config.hidden"] == "[32, 32]"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [20, 40]
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20, 30, 40]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [10, 20, 30, 40]
 
 
 def test_tracking_failure_warns_and_training_goes_on(job_config, tmp_path, monkeypatch):
@@ -62,7 +62,7 @@ def test_tracking_failure_fails_in_strict_mode(tmp_path):
         tracker.flush()
 
 
-def test_exports_are_logged_as_artifacts_beside_the_sqlite_store(job_config, mlflow_uri):
+def test_exports_are_logged_as_models_beside_the_sqlite_store(job_config, mlflow_uri):
     from prefect_jax.training.specs import FinalExporter
 
     config = job_config(max_steps=20, exporters=[FinalExporter()]).model_copy(update={"mlflow_experiment": "artifacts-test"})
@@ -74,8 +74,11 @@ def test_exports_are_logged_as_artifacts_beside_the_sqlite_store(job_config, mlf
     experiment = client.get_experiment_by_name("artifacts-test")
     db_dir = mlflow_uri[len("sqlite:///") :].rsplit("/", 1)[0]
     assert experiment.artifact_location == f"file://{db_dir}/mlartifacts/artifacts-test"
-    names = sorted(a.path for a in client.list_artifacts(trainer.tracker.run_id, "exports/final/20"))
-    assert names == ["exports/final/20/export.json", "exports/final/20/model.jax_export"]
+    (model,) = client.search_logged_models([experiment.experiment_id])  # the export, as an MLflow Model
+    assert model.artifact_location.startswith(f"file://{db_dir}/mlartifacts/artifacts-test/")
+    names = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
+    assert {"MLmodel", "pyfunc_model.py", "artifacts", "input_example.json"} <= names and "__pycache__" not in names, names
+    assert [a.path for a in client.list_logged_model_artifacts(model.model_id, "artifacts")] == ["artifacts/model.jax_export"]
 
 
 def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_config, monkeypatch):
@@ -89,13 +92,13 @@ def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_confi
         first.train_until_checkpoint()
         first.checkpoints.wait()
     first.close()
-    assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "loss") == []
+    assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "train/loss") == []
 
     rerun = Trainer(config)
     assert rerun.restore_or_init() == 20
     rerun.train_until_checkpoint()
     rerun.finish()
-    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.tracker.run_id, "loss")
+    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.tracker.run_id, "train/loss")
     assert sorted(m.step for m in history) == [10, 20, 30, 40]  # each once
     rerun.close()
 

@@ -173,6 +173,8 @@ def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
         "checkpoint_dir": trainer.checkpoints.directory,
         "mlflow_tracking_uri": trainer.tracker.tracking_uri,
         "mlflow_run_id": trainer.tracker.run_id,
+        "mlflow_run_url": trainer.tracker.run_url(),
+        "registered_model": trainer.registered_model if config.eval.exporters else None,
         "exports": list_exports(trainer.storage),
         "state_fingerprint": trainer.fingerprint(),
         "stopped": stopped,
@@ -283,11 +285,10 @@ def train(
 
 def _trainer_alive(js) -> bool:
     """Whether a trainer holds the job's lease with a fresh heartbeat (it is still going)."""
-    import os
     import socket
     import time
 
-    from prefect_jax.training.lease import Lease
+    from prefect_jax.training.lease import Lease, process_alive
 
     try:
         current = Lease(js).read()
@@ -295,13 +296,9 @@ def _trainer_alive(js) -> bool:
         return False
     if not current:
         return False
-    if current.get("host") == socket.gethostname() and current.get("pid") is not None:
-        try:
-            os.kill(int(current["pid"]), 0)
-        except ProcessLookupError:  # a trainer on this host that was killed: its lease is stale
-            return False
-        except (PermissionError, ValueError):
-            pass
+    pid = str(current.get("pid", ""))
+    if current.get("host") == socket.gethostname() and pid.isdigit() and not process_alive(int(pid)):
+        return False  # a trainer on this host that was killed: its lease is stale
     return time.time() - float(current.get("heartbeat", 0)) <= float(current.get("timeout_secs", 120.0))
 
 
@@ -378,6 +375,7 @@ def evaluate(
         # ... nor written the exports of its newest evaluation (exporters keep what exists).
         export(config, records.get(records.steps()[-1]))
     evaluated: list[int] = []
+    resume_only: set[int] = set()  # preemption checkpoints: never evaluated
     last_eval_at: float | None = None
     last_new_at = time.monotonic()
     stopped: str | None = None
@@ -391,7 +389,7 @@ def evaluate(
         if request is not None:
             stopped = f"the job was asked to stop: {request.get('reason')}"
             break
-        pending = [s for s in job_committed_steps(js) if s not in done]
+        pending = [s for s in job_committed_steps(js) if s not in done and s not in resume_only]
         if pending and not every_checkpoint:
             pending = pending[-1:]
         if not pending:
@@ -422,6 +420,8 @@ def evaluate(
                 if result.stop_reason:
                     stopped = result.stop_reason
                     break
+            elif result.status is EvalStatus.PREEMPTION_CHECKPOINT:
+                resume_only.add(step)
             elif result.status is EvalStatus.MISSING_CHECKPOINT:
                 logger.warning("step %d was deleted by retention before it could be evaluated", step)
             if not every_checkpoint:

@@ -92,7 +92,10 @@ atexit.register(publisher.flush, 15.0)  # flows flush before returning; this cov
 
 def _run_tags() -> dict[str, str]:
     run_id = flow_run.id
-    return {"prefect.flow_run_id": str(run_id)} if run_id else {}
+    if not run_id:
+        return {}
+    url = prefect_flow_run_url()
+    return {"prefect.flow_run_id": str(run_id), **({"prefect.flow_run_url": url} if url else {})}
 
 
 CHECKPOINT_EVENT = "prefect-jax.checkpoint.committed"
@@ -158,6 +161,56 @@ def mark_taken_over(trainer) -> None:
     _marked_takeovers.add(taken.get("token"))
     current = (str(flow_run.id) if flow_run.id else None, flow_run.run_count, task_run.id)
     publisher.submit(_mark_crashed, dict(taken), *current)
+
+
+PROCESS_TAG = "process:"  # process:<host>:<pid> of a flow run the command runs in its own process
+
+
+def process_tag() -> str:
+    """The tag the command gives the flow runs it runs in this process."""
+    import socket
+
+    return f"{PROCESS_TAG}{socket.gethostname()}:{os.getpid()}"
+
+
+def mark_dead_local_runs(config: JobConfig) -> None:
+    """Mark Crashed the job's flow runs (and their unfinished task runs) still Running or Pending
+    whose process, on this host, is gone: a command killed before it took the job's lease (at
+    flow start, say) left nobody else to do it. Only runs that carry a `process_tag` are looked
+    at, and only a process this host can prove dead counts. In the background."""
+    if flow_run.id:
+        publisher.submit(_mark_dead_local_runs, config.job, str(flow_run.id))
+
+
+def _mark_dead_local_runs(job: str, current_flow_run: str) -> None:
+    import socket
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, FlowRunFilterTags
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from prefect_jax.training.lease import process_alive
+
+    host = socket.gethostname()
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[f"job:{job}"]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])),
+            ),
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+            limit=50,
+        )
+    for run in runs:
+        tag = next((t for t in run.tags if t.startswith(PROCESS_TAG)), None)
+        if str(run.id) == current_flow_run or tag is None:
+            continue
+        run_host, _, pid = tag[len(PROCESS_TAG) :].rpartition(":")
+        if run_host != host or not pid.isdigit() or process_alive(int(pid)):
+            continue
+        taken = {"flow_run_id": str(run.id), "host": run_host, "pid": int(pid), "reason": "its process is gone"}
+        _mark_crashed(taken, current_flow_run, 0, None)
 
 
 def _mark_crashed(taken: dict, current_flow_run: str | None, run_count: int, current_task_run: str | None) -> None:
@@ -301,6 +354,7 @@ def restore_or_init(
         recovery_wait_secs=recovery_wait_secs,
     )
     mark_taken_over(trainer)
+    mark_dead_local_runs(config)
     # MLflow opened in the background during the restore; training starts once the run is known,
     # so that its first interval does not share the CPU with MLflow's start.
     run_id = trainer.tracker.run_id

@@ -19,6 +19,9 @@ class EvalStatus(str, enum.Enum):
     MISSING_CHECKPOINT = "MISSING_CHECKPOINT"
     NO_NEW_CHECKPOINT = "NO_NEW_CHECKPOINT"
     THROTTLED = "THROTTLED"
+    # A checkpoint a preemption notice made off the every_steps cadence: kept to resume from,
+    # never evaluated or exported (an interrupted job then evaluates the steps an uninterrupted one does).
+    PREEMPTION_CHECKPOINT = "PREEMPTION_CHECKPOINT"
 
 
 class EvalResult(BaseModel):

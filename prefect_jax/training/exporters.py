@@ -60,6 +60,46 @@ def load_export(path: str) -> Callable:
     return exported.call
 
 
+def serving_example(program: Any, rows: int = 5):
+    """A few real serving inputs (NumPy): the first rows of the first eval batch's array that
+    fits ``program.serving_input()`` (or ``program.serving_example()`` if the program has one);
+    zeros of the serving shape when nothing fits."""
+    import jax
+    import numpy as np
+
+    if callable(getattr(program, "serving_example", None)):
+        return np.asarray(program.serving_example())
+    spec = program.serving_input()
+    tail = tuple(int(d) for d in spec.shape[1:])
+    try:
+        data = program.eval_data()
+        batch = data[0] if hasattr(data, "__getitem__") else next(iter(data))
+        for leaf in jax.tree.leaves(batch):
+            leaf = np.asarray(leaf)
+            if leaf.ndim == len(spec.shape) and tuple(leaf.shape[1:]) == tail and np.can_cast(leaf.dtype, spec.dtype, "same_kind"):
+                return leaf[:rows].astype(spec.dtype)
+    except Exception:  # noqa: BLE001 - an example is a nicety; the zeros below still fit the signature
+        pass
+    return np.zeros((rows if not isinstance(spec.shape[0], int) else spec.shape[0], *tail), dtype=spec.dtype)
+
+
+def download_export(storage: JobStorage, path: str) -> str:
+    """A local copy of a remote export directory (kept under the cache root, reused)."""
+    import hashlib
+
+    from prefect_jax.training.storage import cache_root
+
+    local = os.path.join(cache_root(), "exports", hashlib.sha256(path.encode()).hexdigest()[:16])
+    if not os.path.exists(os.path.join(local, MODEL_FILE)):
+        tmp = f"{local}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        storage.fs.get(path.rstrip("/") + "/", tmp + "/", recursive=True)
+        shutil.rmtree(local, ignore_errors=True)
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        os.replace(tmp, local)
+    return local
+
+
 def _write_export(storage: JobStorage, dest: str, model_bytes: bytes, info: dict) -> None:
     """Write the export into a temporary sibling, then move it into place: readers see all or nothing."""
     fs = storage.fs

@@ -246,7 +246,26 @@ class Job:
             run_id=run_id,
             reopen=reopen,
             killed=self._killed_attempt() if reopen else None,
+            description=self.description() if reopen else None,  # an evaluator leaves the trainer's
         )
+
+    def description(self) -> str:
+        """The MLflow run's description (Markdown): what the job is and where its parts live."""
+        c, root = self.config, redact_url(self.storage.job_dir)
+        checkpoints = redact_url(self.storage.path("checkpoints"))
+        model = c.eval.registered_model if c.eval.registered_model is not None else c.job
+        lines = [
+            f"**prefect-jax job `{c.job}`**: program `{c.program}`, {c.train.max_steps} steps.",
+            "",
+            f"- Storage: `{root}` (`prefect-jax status --job {c.job} --storage {redact_url(self.storage.root)}`)",
+            f"- Checkpoints (Orbax steps): `{checkpoints}/<step>`",
+            f"- Eval records: `{root}/evals/{c.eval.name}/<step>.json`",
+            f"- Exports: `{root}/exports/<exporter>/<step>`" + (f"; registered model `{model}`" if model and c.eval.exporters else ""),
+        ]
+        url = self.run_tags.get("prefect.flow_run_url")
+        if url:
+            lines.append(f"- Prefect flow run: [{url}]({url})")
+        return "\n".join(lines)
 
     def _killed_attempt(self) -> dict | None:
         """The dead holder whose lease this process took over, once (the step training resumes from added)."""

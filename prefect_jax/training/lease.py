@@ -23,7 +23,8 @@ from prefect_jax.training.storage import JobStorage
 logger = logging.getLogger("prefect_jax.lease")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,7 +77,7 @@ class Lease:
             return f"heartbeat {age:.0f}s old"
         if current.get("host") == socket.gethostname() and current.get("pid") is not None:
             pid = int(current["pid"])
-            if pid != os.getpid() and not _alive(pid):
+            if pid != os.getpid() and not process_alive(pid):
                 return f"process {pid} on this host is gone"
             if pid == os.getpid() and current.get("token") != self.token:
                 return "left by this process"

@@ -52,6 +52,8 @@ def _redact_one_url(url: str) -> str:
             [(k, REDACTED if any(w in k.lower() for w in _SECRET_QUERY_WORDS) else v) for k, v in pairs],
             safe="*",
         )
+    if netloc == parts.netloc and query == parts.query:
+        return url  # nothing secret: as given (urlunsplit would turn sqlite:////abs into sqlite://abs)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 

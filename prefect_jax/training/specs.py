@@ -251,6 +251,9 @@ class EvalSpec(_Spec):
         exporters: what to export after each evaluation.
         early_stopping: stop the job when a metric stops improving.
         hooks: eval hooks by import path (TF's `_ContinuousEvalListener`).
+        registered_model: the MLflow registered model the exports become versions of, with
+            an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None: the
+            job's name; ``""``: do not register.
     """
 
     steps: int | None = Field(None, description="Eval batches; None: the whole eval set.")
@@ -262,6 +265,9 @@ class EvalSpec(_Spec):
     hooks: list[str] = Field(
         default_factory=list,
         description="Eval hooks by import path: before_eval(step) -> bool (False skips), after_eval(result) -> bool (True stops).",
+    )
+    registered_model: str | None = Field(
+        None, description="MLflow registered model of the exports (None: the job's name; '': none)."
     )
 
     @field_validator("steps")

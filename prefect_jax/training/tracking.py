@@ -28,6 +28,10 @@ JOB_TAG = "prefect_jax.job"
 STORAGE_TAG = "prefect_jax.storage"
 KILLED_TAG = "prefect_jax.killed_attempts"  # how many attempts died without closing the run (see Tracker._note_killed)
 DEFAULT_EXPERIMENT = "prefect-jax"
+# The MLflow UI opens an experiment in the view its kind names (else it may guess GenAI).
+EXPERIMENT_KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+UI_MODEL_TRAINING = "workflowType=machine_learning"  # the query that opens MLflow's UI in its model-training view
+NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
 
 
 def default_tracking_uri() -> str:
@@ -102,6 +106,7 @@ class Tracker:
         self._ids = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-jax-mlflow")
         self._pending: list[Future] = []
+        self._system_metrics = None  # MLflow's SystemMetricsMonitor while the trainer's run is open
         self._submit(self._connect)
 
     # -- the background thread ----------------------------------------------------------
@@ -164,33 +169,41 @@ class Tracker:
         try:
             self.flush()
         finally:
+            self._stop_system_metrics()
             self._pool.shutdown(wait=True)
 
     # -- the calls ------------------------------------------------------------------------
 
     def start(
         self, params: dict[str, Any], tags: dict[str, str] | None = None, run_id: str | None = None, reopen: bool = True,
-        killed: dict[str, Any] | None = None,
+        killed: dict[str, Any] | None = None, description: str | None = None,
     ) -> None:
         """Find this job's run (by `run_id` or by job tag) or create it; mark it RUNNING if `reopen`.
 
         Params are logged only when the run is created, so a rerun never conflicts with them.
         `killed` describes an attempt that died without closing the run (a SIGKILLed trainer
         whose lease this process took over): the run is marked KILLED before it is reopened,
-        and the attempt is recorded for good (see `_note_killed`). Returns at once; `run_id`
-        waits for the answer.
+        and the attempt is recorded for good (see `_note_killed`). `description` becomes the
+        run's description, followed by the killed attempts. Returns at once; `run_id` waits
+        for the answer.
         """
         self._logged_until = None
         self._logged_at = {}
-        self._started = self._submit(self._start, params, tags, run_id, reopen, killed)
+        self._started = self._submit(self._start, params, tags, run_id, reopen, killed, description)
 
     @_guarded
     def _start(
-        self, params: dict[str, Any], tags: dict[str, str] | None, run_id: str | None, reopen: bool, killed: dict | None = None
+        self, params: dict[str, Any], tags: dict[str, str] | None, run_id: str | None, reopen: bool, killed: dict | None = None,
+        description: str | None = None,
     ) -> str:
         client = self._client
         exp = client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment, artifact_location=self._artifact_root())
+        if exp is None:
+            exp_id = client.create_experiment(self.experiment, artifact_location=self._artifact_root(), tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
+        else:
+            exp_id = exp.experiment_id
+            if EXPERIMENT_KIND_TAG not in exp.tags:  # a person's choice of view is left alone
+                client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
         run = None
         if run_id:
             try:
@@ -217,7 +230,49 @@ class Tracker:
                 client.update_run(run.info.run_id, status="RUNNING")
         self.experiment_id = exp_id
         self._run_id = run.info.run_id
+        if description is not None:
+            self._describe(description)
+        if reopen:
+            self._start_system_metrics()
         return self._run_id
+
+    def _start_system_metrics(self) -> None:
+        """MLflow's system metrics (``system/cpu_utilization_percentage``, memory, disk, network,
+        GPU where it finds one) for the trainer's run: on with a tracking server, on a SQLite
+        store only with ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=true`` (its own writer would
+        contend for the file lock); MLflow's switch set false turns them off everywhere."""
+        switch = os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").strip().lower()
+        remote = self.tracking_uri.startswith(("http://", "https://", "databricks"))
+        if self._system_metrics is not None or switch in ("false", "0") or not (remote or switch in ("true", "1")):
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system_metrics = SystemMetricsMonitor(self._run_id, resume_logging=True, tracking_uri=self.tracking_uri)
+            self._system_metrics.start()
+        except Exception as exc:  # noqa: BLE001 - nice to have; training goes on
+            logger.warning("MLflow system metrics not started: %r", exc)
+            self._system_metrics = None
+
+    def _stop_system_metrics(self) -> None:
+        monitor, self._system_metrics = self._system_metrics, None
+        if monitor is not None:
+            try:
+                monitor.finish()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("MLflow system metrics did not stop cleanly: %r", exc)
+
+    def describe(self, description: str) -> None:
+        """Set the run's description (the killed attempts stay listed after it)."""
+        self._submit(self._describe, description)
+
+    @_guarded
+    def _describe(self, description: str) -> None:
+        tags = self._client.get_run(self._run_id).data.tags
+        killed = [tags[f"prefect_jax.killed.{n}"] for n in range(1, int(tags.get(KILLED_TAG, "0") or 0) + 1) if f"prefect_jax.killed.{n}" in tags]
+        note = "\n\n".join([description.strip(), *killed])[-5000:]
+        if tags.get(NOTE_TAG) != note:
+            self._client.set_tag(self._run_id, NOTE_TAG, note)
 
     def _note_killed(self, run, killed: dict[str, Any]) -> None:
         """Close the run of a dead attempt KILLED (if it still says RUNNING), and record that
@@ -233,10 +288,10 @@ class Tracker:
             f"{killed.get('flow_run_id') or '-'}; its lease was taken over ({killed.get('reason')}) and training "
             f"resumed from step {killed.get('resumed_from')}."
         )
-        note = (tags.get("mlflow.note.content", "") + "\n\n" + line).strip()[-5000:]
+        note = (tags.get(NOTE_TAG, "") + "\n\n" + line).strip()[-5000:]
         from mlflow.entities import RunTag
 
-        tags = {KILLED_TAG: str(n), f"prefect_jax.killed.{n}": line, "mlflow.note.content": note}
+        tags = {KILLED_TAG: str(n), f"prefect_jax.killed.{n}": line, NOTE_TAG: note}
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         logger.warning("MLflow run %s: %s", run_id, line)
 
@@ -249,7 +304,8 @@ class Tracker:
         base = self.tracking_uri if self.tracking_uri.startswith(("http://", "https://")) else (
             os.environ.get("PREFECT_JAX_MLFLOW_UI_URL") or "http://127.0.0.1:5000"
         )  # fmt: skip
-        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+        # MLflow 3's UI opens in its GenAI view unless the link asks for model training.
+        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}?{UI_MODEL_TRAINING}"
 
     def _artifact_root(self) -> str | None:
         """For a SQLite store, artifacts go beside the database (not into ./mlruns of whatever the
@@ -313,12 +369,48 @@ class Tracker:
             self._log_metrics(rows)
             self._logged_at[key].add(step)
 
-    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
-        self._submit(self._log_artifacts, local_dir, artifact_path)
+    def register_exports(self, name: str, job: str, aliases: dict[str, int], local_export: Callable[[int], str], example,
+                         on_done: Callable[[dict], None] | None = None, description: str = "") -> Future:  # fmt: skip
+        """In the background: each step an alias points at becomes an MLflow Model of the run and
+        a version of registered model `name` (once), and the aliases move (see `registry`)."""
+        return self._submit(self._register_exports, name, job, aliases, local_export, example, on_done, description)
 
     @_guarded
-    def _log_artifacts(self, local_dir: str, artifact_path: str) -> None:
-        self._client.log_artifacts(self._run_id, local_dir, artifact_path)
+    def _register_exports(self, name, job, aliases, local_export, example, on_done, description) -> dict:
+        from prefect_jax.training.registry import sync_registry
+
+        result = sync_registry(self._client, self.tracking_uri, self.experiment_id, self._run_id, name, job, self.job_key,
+                               aliases, local_export, example, description)  # fmt: skip
+        if on_done is not None:
+            on_done(result)
+        return result
+
+    def log_learning_curve(self, step: int, train_key: str, eval_keys: list[str]) -> None:
+        """In the background: the learning curve up to `step` (train `train_key` and the eval
+        metrics by step, from the run's history) as the image ``learning_curve`` at `step`."""
+        self._submit(self._log_learning_curve, step, train_key, list(eval_keys))
+
+    @_guarded
+    def _log_learning_curve(self, step: int, train_key: str, eval_keys: list[str]) -> None:
+        import numpy as np
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        history = {k: sorted((m.step, m.value) for m in self._client.get_metric_history(self._run_id, k)) for k in [train_key, *eval_keys]}
+        figure = Figure(figsize=(7, 4), dpi=100)
+        ax = figure.add_subplot()
+        for key, points in history.items():
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if key != train_key else None, label=key, linewidth=1.5 if key != train_key else 1)
+        ax.set_xlabel("step")
+        ax.set_title(f"learning curve at step {step}")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        image = np.asarray(canvas.buffer_rgba())[..., :3].copy()
+        self._client.log_image(self._run_id, image, key="learning_curve", step=int(step))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self._submit(self._set_tags, dict(tags))
@@ -334,6 +426,7 @@ class Tracker:
 
     @_guarded
     def _finish(self, status: str) -> None:
+        self._stop_system_metrics()
         if self._run_id:
             self._client.set_terminated(self._run_id, status=status)
 

@@ -40,10 +40,12 @@ from prefect_jax.training.loop import Loop, NonFiniteAt, add_progress_listener, 
 from prefect_jax.training.preemption import PreemptionGuard
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
 from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.registry import alias_for
 from prefect_jax.training.session import restore_or_init
-from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.specs import BestExporter, JobConfig
 from prefect_jax.training.tracking import flatten_params
 
+TRAIN_PREFIX = "train/"
 logger = logging.getLogger("prefect_jax.trainer")
 
 __all__ = ["Trainer", "add_progress_listener", "restore_or_init"]
@@ -80,6 +82,8 @@ class Trainer:
         self._started_from: int | None = None  # the step the live state was restored (or initialised) at
         self._last_save = time.monotonic()
         self._evals_reconciled = False
+        self._example = None  # the serving input example (see _serving_example)
+        self._live_is_preemption = False  # the live step was restored from a preemption checkpoint
         self._guard = PreemptionGuard(self._end_on_sigterm)
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
@@ -157,6 +161,7 @@ class Trainer:
         if step < self.config.train.max_steps:
             job.record_attempt(step)
         self.state, self.step, self.data_iter = loop.place(state), step, data_iter
+        self._live_is_preemption = bool((meta or {}).get("preemption"))
         self._started_from = step  # committed, or init / a warm start: a rerun gets the same state
         self._last_save = time.monotonic()
         notify_progress(step, self.config.train.max_steps, {})
@@ -220,6 +225,7 @@ class Trainer:
             self._forget_live_state()
             raise
         self.save(rows)
+        self._live_is_preemption = False
         self._log_train_rows(rows)
         notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
         return self.step
@@ -232,9 +238,11 @@ class Trainer:
         return rows
 
     def _log_train_rows(self, rows) -> None:
+        """Train metrics go to MLflow as ``train/<name>`` (eval metrics are ``<eval name>/<name>``)."""
+        rows = [(k if k.startswith(TRAIN_PREFIX) else TRAIN_PREFIX + k, v, s) for k, v, s in rows]
         self.tracker.log_new_metrics(rows, exclude_prefix=f"{self.config.eval.name}/")
 
-    def save(self, train_metrics: list[tuple[str, float, int]] = ()) -> None:
+    def save(self, train_metrics: list[tuple[str, float, int]] = (), preemption: bool = False) -> None:
         """Start an asynchronous checkpoint of the live state at the current step.
 
         MLflow writes are asynchronous, so the interval's train metrics (`train_metrics`), and
@@ -251,6 +259,7 @@ class Trainer:
             # evaluators and reruns find the run by its job tag instead.
             "mlflow_run_id": self.tracker.run_id_if_known(),
             "train_metrics": [list(r) for r in train_metrics],
+            "preemption": preemption,  # off the cadence: resumed from, never evaluated
         }
         with self._guard.deferred():  # a SIGTERM now is handled once Orbax has the step
             self.job.save(self.step, self.state, self.data_iter, meta)
@@ -265,7 +274,8 @@ class Trainer:
         grace, started = self.config.train.sigterm_grace_secs, time.monotonic()
         if rows is not None:
             logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
-            self.save(rows)
+            every, max_steps = self.config.checkpoint.every_steps, self.config.train.max_steps
+            self.save(rows, preemption=self.step < max_steps and not (every and self.step % every == 0))
         else:
             logger.warning("SIGTERM at step %s (between checkpoints): letting its checkpoint commit (grace %.0fs)", self.step, grace)
         committed = _within(self.job.wait_committed, grace) and self.step in self.job.committed_steps()
@@ -317,6 +327,9 @@ class Trainer:
         if done is not None:
             return done.model_copy(update={"status": EvalStatus.NO_NEW_CHECKPOINT})
         is_final = step >= self.config.train.max_steps
+        if not is_final and self._is_preemption_checkpoint(step, live):
+            logger.info("step %d is a preemption checkpoint (off the every_steps cadence): kept to resume from, not evaluated", step)
+            return EvalResult(status=EvalStatus.PREEMPTION_CHECKPOINT, name=spec.name, step=step)
         if not (force or is_final) and throttled(self.records, spec.throttle_secs):
             return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
         for hook in self.eval_hooks:
@@ -344,6 +357,8 @@ class Trainer:
         # Unless a crash came between this log and the record below, in an earlier attempt.
         self._log_eval(result)
         self.records.put(result)
+        train_key = TRAIN_PREFIX + ("loss" if "loss" in self.last_train_metrics else next(iter(self.last_train_metrics), "loss"))
+        self.tracker.log_learning_curve(step, train_key, [f"{spec.name}/{k}" for k in sorted(metrics)])
         reason = control.after_eval_stop_reason(result, self.records, self.early_stopping, self.eval_hooks)
         if reason:
             logger.warning("%s: asking job %s to stop", reason, self.config.job)
@@ -351,6 +366,14 @@ class Trainer:
             self.tracker.set_tags({"prefect_jax.stop_reason": reason[:5000]})
             result = result.model_copy(update={"stop_reason": reason})
         return result
+
+    def _is_preemption_checkpoint(self, step: int, live: bool) -> bool:
+        if live:
+            return self._live_is_preemption
+        try:
+            return bool(self.job.read_meta(step).get("preemption"))
+        except Exception:  # noqa: BLE001 - unreadable metadata: the evaluation says what is wrong
+            return False
 
     def _state_at(self, step: int):
         if self.state is not None and self.step == step:
@@ -421,9 +444,59 @@ class Trainer:
             if dest is None:
                 continue
             written[exporter.name] = dest
-            if not existed and storage.protocol == "file":
-                self.tracker.log_artifacts(dest, f"exports/{exporter.name}/{result.step}")
+        if written:
+            self._register_exports()
         return written
+
+    @property
+    def registered_model(self) -> str | None:
+        """The MLflow registered model of this job's exports (None: not registered)."""
+        name = self.config.eval.registered_model
+        return (self.config.job if name is None else name) or None
+
+    def _register_exports(self) -> None:
+        """Each exporter's current step becomes (once) a version of the registered model, and its
+        alias moves there: ``best`` from the durable eval records, ``final``, ``newest``."""
+        name = self.registered_model
+        if name is None or not self.tracker.enabled:
+            return
+        storage, aliases = self.storage, {}
+        for exporter in self.config.eval.exporters:
+            steps = exp.exported_steps(storage, exporter.name)
+            if isinstance(exporter, BestExporter):  # the best recorded (so committed) evaluation that was exported
+                scored = [r for r in self.records.all() if r.step in steps and exporter.metric in r.metrics]
+                sign = 1 if exporter.mode == "min" else -1  # ties: the earliest step, as the exporter keeps it
+                step = min(scored, key=lambda r: (sign * r.metrics[exporter.metric], r.step)).step if scored else None
+            else:
+                step = steps[-1] if steps else None
+            if step is not None:
+                aliases[alias_for(exporter.name)] = int(step)
+        if not aliases:
+            return
+
+        def local_export(step: int) -> str:
+            for exporter in self.config.eval.exporters:
+                path = storage.export_dir(exporter.name, step)
+                if storage.fs.exists(path):
+                    return path if storage.protocol == "file" else exp.download_export(storage, path)
+            raise FileNotFoundError(f"no export of step {step} in {storage.path('exports')}")
+
+        def recorded(result: dict) -> None:
+            storage.write_json(storage.path("registry.json"), {"tracking_uri": redact_url(self.tracker.tracking_uri), **result})
+
+        description = (
+            f"Exports of prefect-jax job `{self.config.job}` ({redact_url(storage.job_dir)}), one version per exported step. "
+            f"Aliases: {', '.join('@' + a for a in sorted(aliases))}. Serve: `mlflow.pyfunc.load_model('models:/{name}@best')`."
+        )
+        self.tracker.register_exports(name, self.config.job, aliases, local_export, self._serving_example(), on_done=recorded,
+                                      description=description)  # fmt: skip
+
+    def _serving_example(self):
+        """A few real inputs for the model's signature and input example: rows of the first eval
+        batch that fit the serving input (zeros of its shape if none does)."""
+        if self._example is None:
+            self._example = exp.serving_example(self.program)
+        return self._example
 
     # -- end -------------------------------------------------------------------------
 

@@ -1,0 +1,356 @@
+"""The fault-injection sweep: kill the real CLI at named moments, rerun it at once (as the rerun
+automation would), and compare what is left with an uninterrupted run of the same job.
+
+    uv run python benchmarks/faults.py                      # every kill point, SIGKILL and SIGTERM (~20 min)
+    uv run python benchmarks/faults.py --points save_tmp eval --signals KILL
+
+Everything is real: a standing ``prefect server``, ``prefect-jax run`` processes (each in its
+own process group, signalled as a whole, as a spot VM's shutdown does), Orbax checkpoints on
+disk, a moto S3 server on loopback for the upload point, one MLflow SQLite store. The job is
+``tests/programs.py:big`` (24 MiB of state, so a save lasts long enough to land a signal in each
+of its phases), 400 steps, a checkpoint, an evaluation and the three exporters every 100 steps.
+
+For each kill point × signal it checks, against the uninterrupted run:
+
+- fingerprint: the final ``state_fingerprint`` is the uninterrupted one, steps 100, 200, 300,
+  400 are committed (a SIGTERM mid-interval also commits its step: a preemption checkpoint,
+  resumed from, never evaluated) and exactly those are evaluated;
+- exports: the same exporters with the same steps, the same best step and value, and the same
+  registered model versions and aliases;
+- MLflow: one run, FINISHED; ``eval/*`` at each evaluated step exactly once; the train
+  metrics at every log step exactly once;
+- Prefect: the rerun's flow run Completed, every earlier one of the job Crashed or Failed,
+  no task run of the job left Running or Pending.
+
+It writes the table to ``FAULTS.md`` (and prints it); the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+sys.path.insert(0, str(TESTS))
+
+from deployment_helpers import PrefectServerProcess  # noqa: E402
+from prefect_jax.training.remote import COMMIT_MARKER  # noqa: E402
+from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server  # noqa: E402
+
+PROGRAM = "programs:big"
+MAX_STEPS, EVERY, LOG_EVERY = 400, 100, 10
+STEPS = list(range(EVERY, MAX_STEPS + 1, EVERY))
+KILL_STEP = 200  # the moments are those of the interval 100 to 200 and of step 200's save, eval, export
+
+POINTS = {
+    "flow_start": "Prefect began the flow run (before the restore)",
+    "compile": "the first interval started: the train step compiling",
+    "mid_interval": "half-way through the interval 100 to 200",
+    "save_tmp": "step 200's Orbax temporary directory created",
+    "save_partial": "step 200's temporary directory partly written (>= 1 MiB of 24)",
+    "save_renamed": "step 200 renamed into place (committed, not yet evaluated)",
+    "eval": "the train task of step 200 finished: its evaluation running",
+    "export": "the evaluation of step 200 finished: its exports running",
+    "s3_upload": "s3:// storage: step 200 partly uploaded, no commit marker yet",
+}
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+
+
+def _env(api_url: str, s3: S3Server | None, cache: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in UNSET_AWS_ENV and k != "PREFECT_API_URL"}
+    env.update(ISOLATED_AWS_ENV)
+    env.update(
+        PREFECT_API_URL=api_url, PREFECT_LOGGING_LEVEL="INFO", PREFECT_JAX_CACHE_DIR=str(cache),
+        PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]),
+    )  # fmt: skip
+    if s3 is not None:
+        env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, FSSPEC_S3_ENDPOINT_URL=s3.endpoint_url)
+    return env
+
+
+def _args(job: str, storage: str, mlflow_uri: str) -> list[str]:
+    return [sys.executable, "-m", "prefect_jax.cli", "run", "--program", PROGRAM, "--job", job, "--storage", storage,
+            "--max-steps", str(MAX_STEPS), "--checkpoint-every-steps", str(EVERY), "--log-every-steps", str(LOG_EVERY),
+            "--keep-last", "10", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(folder, name))
+            except OSError:
+                pass
+    return total
+
+
+def _moment(point: str, log: Path, ckpt: Path, s3_prefix: str | None, s3fs) -> bool:
+    """Whether the run has reached `point` (read from its log and its files)."""
+    text = log.read_text(errors="replace")
+    if point == "flow_start":
+        return "Beginning flow run" in text
+    if point == "compile":
+        return "training from step 0 to" in text
+    if point == "mid_interval":
+        return f"training from step {KILL_STEP - EVERY} to {KILL_STEP}" in text
+    if point == "eval":
+        return f"'train {KILL_STEP - EVERY} to {KILL_STEP}' - Finished" in text
+    if point == "export":
+        return f"'evaluate {KILL_STEP}' - Finished" in text
+    if point == "s3_upload":
+        try:
+            files = s3fs.find(f"{s3_prefix}/{KILL_STEP}", refresh=True)
+        except FileNotFoundError:
+            return False
+        return bool(files) and not any(f.endswith(f"/{COMMIT_MARKER}") for f in files)
+    tmp = [p for p in ckpt.glob(f"{KILL_STEP}.orbax-checkpoint-tmp*")] if ckpt.exists() else []
+    if point == "save_tmp":
+        return bool(tmp)
+    if point == "save_partial":
+        return any(_dir_bytes(p) >= 1 << 20 for p in tmp)
+    if point == "save_renamed":
+        return (ckpt / str(KILL_STEP)).is_dir()  # Orbax's rename is the commit
+    raise ValueError(point)
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    out = open(log, "w")
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=TESTS, start_new_session=True)
+
+
+def _last_json(log: Path) -> dict | None:
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def _mlflow_check(mlflow_uri: str, run_id: str, evaluated: list[int]) -> tuple[bool, str]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(run_id)
+    problems = []
+    if run.info.status != "FINISHED":
+        problems.append(f"status {run.info.status}")
+    for key in ("eval/loss", "eval/accuracy"):
+        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+        if steps != evaluated:
+            problems.append(f"{key} at {steps}")
+    expected_train = list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
+    for key in ("train/loss", "train/accuracy"):
+        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+        if steps != expected_train:
+            extra = sorted({s for s in steps if steps.count(s) > 1})
+            missing = sorted(set(expected_train) - set(steps))
+            problems.append(f"train {key}: twice at {extra}, missing {missing}")
+    return not problems, "; ".join(problems)
+
+
+def _prefect_check(api_url: str, job: str) -> tuple[bool, str]:
+    import httpx
+
+    flow_runs = httpx.post(
+        f"{api_url}/flow_runs/filter",
+        # By name, not by the job's tag: a run killed before its first task was never tagged.
+        json={"flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 50},
+        timeout=30,
+    ).json()
+    if not flow_runs:
+        return False, "no flow run of the job"
+    problems = []
+    states = [fr["state_type"] for fr in flow_runs]
+    if states[-1] != "COMPLETED":
+        problems.append(f"last flow run {states[-1]}")
+    if any(s not in ("CRASHED", "FAILED") for s in states[:-1]):
+        problems.append(f"earlier flow runs {states[:-1]}")
+    task_runs = httpx.post(
+        f"{api_url}/task_runs/filter",
+        json={"flow_runs": {"id": {"any_": [fr["id"] for fr in flow_runs]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200},
+        timeout=30,
+    ).json()
+    stuck = [f"{tr['name']}: {tr['state_type']}" for tr in task_runs if tr["state_type"] in ("RUNNING", "PENDING")]
+    if stuck:
+        problems.append(f"task runs left {stuck}")
+    return not problems, "; ".join(problems) or f"{len(flow_runs)} flow runs: {'/'.join(states)}"
+
+
+def _outcome(job: str, storage: str, summary: dict | None, reference: dict, mlflow_uri: str, api_url: str, env) -> dict:
+    """The four checks of one finished job against the reference."""
+    status = json.loads(
+        subprocess.run([sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage, "--json"],
+                       capture_output=True, text=True, env=env, cwd=TESTS, check=True).stdout.splitlines()[-1]
+    )  # fmt: skip
+    row: dict = {}
+    if summary is None:
+        return {"fingerprint": (False, "the rerun printed no summary"), "exports": (False, ""), "mlflow": (False, ""),
+                "prefect": _prefect_check(api_url, job)}  # fmt: skip
+    same_fp = summary.get("state_fingerprint") == reference["state_fingerprint"]
+    fp_problems = [] if same_fp else ["fingerprint differs"]
+    # A SIGTERM mid-interval commits the step in flight too (a preemption checkpoint, off the cadence).
+    if [s for s in status["committed_steps"] if s % EVERY == 0] != STEPS:
+        fp_problems.append(f"committed {status['committed_steps']}")
+    if status["evaluated_steps"].get("eval") != STEPS:
+        fp_problems.append(f"evaluated {status['evaluated_steps']}")
+    row["fingerprint"] = (not fp_problems, "; ".join(fp_problems))
+    registry = {k: status.get("registered_model", {}).get(k) for k in ("versions", "aliases")}
+    same_exports = status["exports"] == reference["exports"] and summary.get("best") == reference["best"] and registry == reference["registry"]
+    row["exports"] = (same_exports, "" if same_exports else f"{status['exports']} best {summary.get('best')} registry {registry}")
+    row["mlflow"] = _mlflow_check(mlflow_uri, summary["mlflow_run_id"], status["evaluated_steps"].get("eval", []))
+    row["prefect"] = _prefect_check(api_url, job)
+    return row
+
+
+def _best(job: str, ctx: dict, remote: bool) -> dict | None:
+    """The best exporter's record (best.json) of a job."""
+    if remote:
+        fs, path = ctx["s3"].filesystem(), f"faults/sweep/{job}/exports/best/best.json"
+    else:
+        import fsspec
+
+        fs, path = fsspec.filesystem("file"), str(ctx["work"] / "storage" / job / "exports" / "best" / "best.json")
+    try:
+        with fs.open(path, "r") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def run_point(point: str, sig: str, ctx: dict) -> dict:
+    job = f"{point.replace('_', '-')}-{sig.lower()}"
+    remote = point == "s3_upload"
+    storage = "s3://faults/sweep" if remote else str(ctx["work"] / "storage")
+    env = _env(ctx["api_url"], ctx["s3"] if remote else None, ctx["work"] / "cache" / job)
+    logs = ctx["work"] / "logs"
+    ckpt = ctx["work"] / "storage" / job / "checkpoints"
+    s3fs = ctx["s3"].filesystem() if remote else None
+    s3_prefix = f"faults/sweep/{job}/checkpoints" if remote else None
+
+    first = logs / f"{job}-1.log"
+    proc = _start(_args(job, storage, ctx["mlflow_uri"]), env, first)
+    hit, deadline = False, time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _moment(point, first, ckpt, s3_prefix, s3fs):
+            hit = True
+            os.killpg(proc.pid, SIGNALS[sig])
+            break
+        time.sleep(0.002)
+    try:
+        rc1 = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rc1 = proc.wait()
+    attempts, summary = 1, None
+    if rc1 == 0:
+        summary = _last_json(first)
+    while summary is None and attempts < 4:  # the rerun automation: run again at once
+        attempts += 1
+        log = logs / f"{job}-{attempts}.log"
+        rerun = _start(_args(job, storage, ctx["mlflow_uri"]), env, log)
+        rc = rerun.wait(timeout=600)
+        if rc == 0:
+            summary = _last_json(log)
+    if summary is not None:
+        summary["best"] = _best(job, ctx, remote)
+    row = _outcome(job, storage, summary, ctx["reference_s3" if remote else "reference"], ctx["mlflow_uri"], ctx["api_url"], env)
+    return {"point": point, "signal": sig, "job": job, "hit": hit, "first_rc": rc1, "attempts": attempts,
+            **{k: {"ok": ok, "detail": detail} for k, (ok, detail) in row.items()}}  # fmt: skip
+
+
+def reference_run(ctx: dict, remote: bool) -> dict:
+    job = "straight-s3" if remote else "straight"
+    storage = "s3://faults/sweep" if remote else str(ctx["work"] / "storage")
+    env = _env(ctx["api_url"], ctx["s3"] if remote else None, ctx["work"] / "cache" / job)
+    log = ctx["work"] / "logs" / f"{job}.log"
+    proc = _start(_args(job, storage, ctx["mlflow_uri"]), env, log)
+    if proc.wait(timeout=600) != 0:
+        raise RuntimeError(f"the uninterrupted run failed:\n{log.read_text()[-4000:]}")
+    summary = _last_json(log)
+    status = json.loads(
+        subprocess.run([sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage, "--json"],
+                       capture_output=True, text=True, env=env, cwd=TESTS, check=True).stdout.splitlines()[-1]
+    )  # fmt: skip
+    best = _best(job, ctx, remote)
+    registry = {k: status.get("registered_model", {}).get(k) for k in ("versions", "aliases")}
+    return {"state_fingerprint": summary["state_fingerprint"], "exports": status["exports"], "best": best, "registry": registry}
+
+
+def markdown(results: list[dict], seconds: float) -> str:
+    cols = ("fingerprint", "exports", "mlflow", "prefect")
+    lines = [
+        "# Fault-injection sweep",
+        "",
+        "Written by `uv run python benchmarks/faults.py` (see its docstring for what each column checks).",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}; {seconds / 60:.1f} min.",
+        "The job: `tests/programs.py:big` (24 MiB state), 400 steps, checkpoint + eval + exporters every 100;",
+        "each run killed once at the moment named (its whole process group), then rerun at once until it exits 0.",
+        "",
+        "| kill point | signal | landed | first exit | runs | fingerprint | exports | MLflow | Prefect states |",
+        "|---|---|---|---:|---:|---|---|---|---|",
+    ]
+    for r in results:
+        cells = ["pass" if r[c]["ok"] else f"FAIL: {r[c]['detail']}" for c in cols]
+        lines.append(f"| {r['point']}: {POINTS[r['point']]} | SIG{r['signal']} | {'yes' if r['hit'] else 'no (ran to the end)'} "
+                     f"| {r['first_rc']} | {r['attempts']} | " + " | ".join(cells) + " |")  # fmt: skip
+    counts = {c: sum(r[c]["ok"] for r in results) for c in cols}
+    lines.append("| **passed** | | | | | " + " | ".join(f"**{counts[c]}/{len(results)}**" for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--points", nargs="*", choices=list(POINTS), default=list(POINTS))
+    parser.add_argument("--signals", nargs="*", choices=list(SIGNALS), default=list(SIGNALS))
+    parser.add_argument("--out", default=str(ROOT / "FAULTS.md"), help="where the table goes (default FAULTS.md)")
+    args = parser.parse_args()
+
+    from prefect_jax.bytecode import write_bytecode
+
+    write_bytecode()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="prefect-jax-faults-") as tmp:
+        work = Path(tmp)
+        (work / "logs").mkdir()
+        server = PrefectServerProcess(work / "prefect")
+        s3 = S3Server() if "s3_upload" in args.points else None
+        try:
+            server.wait_healthy()
+            if s3 is not None:
+                s3.start()
+                s3.create_bucket("faults")
+            ctx = {"work": work, "api_url": server.api_url, "s3": s3, "mlflow_uri": f"sqlite:///{work}/mlflow.db"}
+            ctx["reference"] = reference_run(ctx, remote=False)
+            if s3 is not None:
+                ctx["reference_s3"] = reference_run(ctx, remote=True)
+            results = []
+            for point in args.points:
+                for sig in args.signals:
+                    result = run_point(point, sig, ctx)
+                    results.append(result)
+                    print(json.dumps(result), flush=True)
+        finally:
+            server.stop()
+            if s3 is not None:
+                s3.stop()
+    text = markdown(results, time.monotonic() - started)
+    Path(args.out).write_text(text)
+    print(text)
+    passed = sum(all(r[c]["ok"] for c in ("fingerprint", "exports", "mlflow", "prefect")) for r in results)
+    print(json.dumps({"scenarios": len(results), "all_checks_passed": passed, "minutes": round((time.monotonic() - started) / 60, 1)}))
+
+
+if __name__ == "__main__":
+    main()

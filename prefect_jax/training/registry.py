@@ -1,0 +1,188 @@
+"""Exports as MLflow Models in the Model Registry.
+
+Each exported step becomes one MLflow Model (the pyfunc of `pyfunc_model.py` around the
+export's ``model.jax_export``, with a signature and an input example), logged to the job's run
+at its step, and one version of the job's registered model. Exporters move aliases to those
+versions: ``best``, ``final``, and ``newest`` for the ``latest`` exporter (MLflow reserves the
+alias ``latest``; ``models:/<name>/latest`` is its highest version). Versions are found again
+by their tags (job, step), so a rerun never registers a step twice; a model logged by a process
+killed before it registered the version is found by the same tags and registered then.
+
+Everything here runs on the `Tracker`'s MLflow thread, with its client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+logger = logging.getLogger("prefect_jax.registry")
+
+class _NoPipVersionWarning(logging.Filter):
+    """MLflow warns on every model that a uv environment has no pip to name in conda.yaml: noise here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to resolve installed pip version" not in record.getMessage()
+
+
+logging.getLogger("mlflow.utils.environment").addFilter(_NoPipVersionWarning())
+
+PYFUNC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyfunc_model.py")
+JOB_TAG = "prefect_jax.job"
+STEP_TAG = "prefect_jax.step"
+EXPORT_TAG = "prefect_jax.export"
+
+
+def alias_for(exporter_name: str) -> str:
+    """The registry alias an exporter moves: its name (``latest`` is reserved by MLflow: ``newest``)."""
+    if exporter_name.lower() == "latest":
+        return "newest"
+    return exporter_name.replace(".", "-")
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def job_versions(client, name: str, job_key: str) -> dict[int, Any]:
+    """``{step: ModelVersion}`` of the registered model's versions made by this job."""
+    try:
+        versions = client.search_model_versions(f"name = {_quote(name)}")
+    except Exception:  # noqa: BLE001 - no such registered model yet
+        return {}
+    return {int(v.tags[STEP_TAG]): v for v in versions if v.tags.get(JOB_TAG) == job_key and STEP_TAG in v.tags}
+
+
+def _logged_model(client, experiment_id: str, run_id: str, step: int):
+    """The MLflow Model of `step` already logged to the run (by a process that died before registering it)."""
+    found = client.search_logged_models([experiment_id], filter_string=f"source_run_id = {_quote(run_id)}", max_results=100)
+    for model in found:
+        if model.tags.get(STEP_TAG) == str(step) and model.status.name in ("READY", "PENDING") and _has_artifacts(client, model):
+            return model
+    return None
+
+
+def _has_artifacts(client, model) -> bool:
+    try:
+        return any(f.path == "MLmodel" for f in client.list_logged_model_artifacts(model.model_id))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def requirements() -> list[str]:
+    """What the pyfunc needs to load: exact versions of JAX, jaxlib and NumPy (MLflow adds itself)."""
+    import jax
+    import jaxlib
+    import numpy
+
+    return [f"jax=={jax.__version__}", f"jaxlib=={jaxlib.__version__}", f"numpy=={numpy.__version__}"]
+
+
+def log_export_model(
+    client, tracking_uri: str, experiment_id: str, run_id: str, job: str, job_key: str, step: int, export_dir: str, example
+) -> Any:
+    """Log the export in `export_dir` (local) as an MLflow Model of the run at `step`; returns its LoggedModel id."""
+    import jax
+    import mlflow
+    import numpy as np
+    from mlflow.models import Model, infer_signature
+
+    model_file = os.path.join(export_dir, "model.jax_export")
+    with open(model_file, "rb") as f:
+        exported = jax.export.deserialize(bytearray(f.read()))
+    example = np.asarray(example, dtype=exported.in_avals[0].dtype)
+    signature = infer_signature(example, np.asarray(exported.call(example)))
+    info_path = os.path.join(export_dir, "export.json")
+    metadata = {}
+    if os.path.exists(info_path):
+        with open(info_path) as f:
+            info = json.load(f)
+        metadata = {k: info[k] for k in ("program", "program_fingerprint", "metrics", "eval_name") if k in info}
+    mlflow.set_tracking_uri(tracking_uri)  # Model.log reads the global URI
+    # The model's requirements are the ones above, not the uv project of the working directory.
+    os.environ.setdefault("MLFLOW_UV_AUTO_DETECT", "false")
+    # Created here, in the run's experiment (Model.log alone would use the process's active
+    # experiment), then filled by Model.log.
+    name, tags = f"{job}-step-{step}", {JOB_TAG: job_key, STEP_TAG: str(step)}
+    logged = client.create_logged_model(experiment_id, name=name, source_run_id=run_id, tags=tags, model_type="jax.export")
+    # MLflow loads the model to check the example: no __pycache__ of that into the model's files.
+    writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        model_info = Model.log(
+            artifact_path=None,
+            name=name,
+            flavor=mlflow.pyfunc,
+            python_model=PYFUNC_FILE,
+            artifacts={"jax_export": model_file},
+            signature=signature,
+            input_example=example,
+            pip_requirements=requirements(),
+            metadata={"prefect_jax": {"job": job, "step": step, **metadata}},
+            run_id=run_id,
+            step=step,
+            model_id=logged.model_id,
+        )
+    finally:
+        sys.dont_write_bytecode = writes_bytecode
+    return model_info.model_id
+
+
+def sync_registry(
+    client,
+    tracking_uri: str,
+    experiment_id: str,
+    run_id: str,
+    name: str,
+    job: str,
+    job_key: str,
+    aliases: dict[str, int],
+    local_export: Callable[[int], str],
+    example,
+    description: str = "",
+) -> dict[str, Any]:
+    """Make sure every step an alias points at is a version of `name`, then point the aliases.
+
+    Args:
+        aliases: ``{alias: step}``.
+        local_export: a local directory holding the export of a step (downloads a remote one).
+        example: an input example (NumPy array) for the signature and the model page.
+
+    Returns:
+        ``{"name", "versions": {step: version}, "aliases": {alias: version}}``.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        try:
+            client.create_registered_model(name, description=description or None)
+        except MlflowException:  # created meanwhile by another process
+            pass
+    versions = job_versions(client, name, job_key)
+    for step in sorted(set(aliases.values())):
+        if step in versions:
+            continue
+        logged = _logged_model(client, experiment_id, run_id, step)
+        model_id = logged.model_id if logged is not None else log_export_model(
+            client, tracking_uri, experiment_id, run_id, job, job_key, step, local_export(step), example
+        )  # fmt: skip
+        source = f"models:/{model_id}"
+        versions[step] = client.create_model_version(
+            name, source=source, run_id=run_id, model_id=model_id, tags={JOB_TAG: job_key, STEP_TAG: str(step)},
+            description=f"job {job}, step {step}",
+        )  # fmt: skip
+        logger.info("registered model %s version %s: job %s step %d", name, versions[step].version, job, step)
+    current = dict(client.get_registered_model(name).aliases or {})  # {alias: version}
+    for alias, step in aliases.items():
+        version = versions[step].version
+        if str(current.get(alias)) != str(version):
+            client.set_registered_model_alias(name, alias, version)
+    return {
+        "name": name,
+        "versions": {step: str(v.version) for step, v in sorted(versions.items())},
+        "aliases": {alias: str(versions[step].version) for alias, step in aliases.items()},
+    }
