@@ -28,6 +28,7 @@ It writes the table to ``FAULTS.md`` (and prints it); the last stdout line is on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -315,15 +316,17 @@ def main() -> None:
     parser.add_argument("--points", nargs="*", choices=list(POINTS), default=list(POINTS))
     parser.add_argument("--signals", nargs="*", choices=list(SIGNALS), default=list(SIGNALS))
     parser.add_argument("--out", default=str(ROOT / "FAULTS.md"), help="where the table goes (default FAULTS.md)")
+    parser.add_argument("--workdir", default=None, help="keep storage, logs and stores here (default: a temporary directory)")
     args = parser.parse_args()
 
     from prefect_jax.bytecode import write_bytecode
 
     write_bytecode()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="prefect-jax-faults-") as tmp:
+    with (contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="prefect-jax-faults-")) as tmp:
         work = Path(tmp)
-        (work / "logs").mkdir()
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "logs").mkdir(exist_ok=True)
         server = PrefectServerProcess(work / "prefect")
         s3 = S3Server() if "s3_upload" in args.points else None
         try:

@@ -553,12 +553,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except (LeaseHeldError, NonFiniteLossError, StorageNotWritableError) as exc:
-        print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        from prefect_jax.training.preemption import received_signal
+
+        signum = received_signal()
+        if signum is not None:
+            # Terminated: whatever error the signal caused on its way out is not the story.
+            print(f"prefect-jax {args.command}: terminated by signal {signum}; the newest committed step is kept: "
+                  f"run the same command again to resume ({type(exc).__name__}: {exc})", file=sys.stderr)  # fmt: skip
+            return 128 + signum
+        if isinstance(exc, (LeaseHeldError, NonFiniteLossError, StorageNotWritableError)):
+            print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+        if isinstance(exc, (ValueError, FileNotFoundError)):
+            print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

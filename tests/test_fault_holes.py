@@ -214,3 +214,30 @@ def test_a_step_written_before_checksums_restores_with_a_warning(job_config, cap
     assert again.restore_or_init() == 20
     assert "has no checksums" in caplog.text
     again.close()
+
+
+@pytest.mark.slow
+def test_sigterm_while_prefect_creates_a_task_run_ends_terminated_not_failed(tmp_path, prefect_server, mlflow_uri):
+    """Prefect's crash handling fails if SIGTERM lands while it creates a task run ("Task run is
+    not set"), turning a preemption into a Failed run and an error exit. The run still ends as
+    terminated: exit 143, flow run Crashed (what rerun automations match), MLflow run KILLED."""
+    import httpx
+
+    storage = str(tmp_path / "storage")
+    args = ["run", "--program", "prefect_jax.examples.digits:tiny", "--job", "in-creation", "--storage", storage,
+            "--max-steps", "40", "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--no-progress"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "sigterm_in_task_creation.py", *args], capture_output=True, text=True,
+                          env=cli_env(prefect_server), cwd=TESTS_DIR, timeout=300)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "Task run is not set" in out, out[-3000:]  # the Prefect failure did happen
+    assert proc.returncode == 143, out[-3000:]
+    assert "terminated by signal 15; the newest committed step is kept" in proc.stderr.splitlines()[-1]
+    assert status("in-creation", storage)["committed_steps"] == [20]
+    (run,) = httpx.post(f"{prefect_server}/flow_runs/filter", json={"flow_runs": {"tags": {"all_": ["job:in-creation"]}}, "limit": 5},
+                        timeout=30).json()  # fmt: skip
+    assert run["state_type"] == "CRASHED", run["state"]
+    client = MlflowClient(mlflow_uri)
+    (mlflow_run,) = client.search_runs(
+        [client.get_experiment_by_name("prefect-jax").experiment_id], filter_string=f"tags.`prefect_jax.job` = '{storage}/in-creation'"
+    )
+    assert mlflow_run.info.status == "KILLED"

@@ -154,3 +154,24 @@ def _cli(*args):
     proc = subprocess.run([sys.executable, "-m", "prefect_jax.cli", *args], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def test_an_export_a_killed_process_never_registered_is_registered_by_the_next_sync(job_config, monkeypatch, mlflow_uri):
+    from prefect_jax.training.tracking import Tracker
+
+    config = job_config(max_steps=40, exporters=[LatestExporter()])
+    config = config.model_copy(update={"eval": config.eval.model_copy(update={"registered_model": "catch-up"})})
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    with monkeypatch.context() as m:  # step 20 is exported, then the process dies before its MLflow thread registers it
+        m.setattr(Tracker, "register_exports", lambda self, *args, **kwargs: None)
+        trainer.train_until_checkpoint()
+        trainer.export(trainer.evaluate_if_new())
+    trainer.train_until_checkpoint()
+    trainer.export(trainer.evaluate_if_new())
+    trainer.finish()
+    trainer.close()
+    client = MlflowClient(mlflow_uri)
+    versions = {s: str(v.version) for s, v in _versions(client, "catch-up").items()}
+    assert versions == {20: "1", 40: "2"}  # in step order
+    assert {a: str(v) for a, v in client.get_registered_model("catch-up").aliases.items()} == {"newest": "2"}

@@ -51,12 +51,33 @@ def _close_mlflow_run(status: str):
         if live is None:
             return
 
+        ended = status
+        preemption = sys.modules.get("prefect_jax.training.preemption")
+        if status == "FAILED" and preemption is not None and preemption.received_signal():
+            # A SIGTERM that landed while Prefect was creating a task run makes Prefect's crash
+            # handling fail ("Task run is not set"): the run was terminated, not failed.
+            ended = "KILLED"
+            _report_terminated(flow_run.id, state)
         config = _config_from(flow_run.parameters)
         if config is not None:
             # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the lease.
-            live.finish_live(config, status)
+            live.finish_live(config, ended)
 
     return hook
+
+
+def _report_terminated(flow_run_id, state) -> None:
+    """Mark the flow run Crashed, as Prefect does a run its SIGTERM ends (and as automations that
+    rerun crashed runs expect)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    message = f"Execution was aborted by a termination signal (SIGTERM); Prefect reported: {state.message}"
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+    except Exception as exc:  # noqa: BLE001 - the run stays Failed; nothing is lost
+        get_run_logger().warning("could not mark the terminated run Crashed: %r", exc)
 
 
 _CONFIG_ARGS = (

@@ -14,6 +14,15 @@ import time
 from typing import Callable
 
 
+_received: int | None = None  # the signal a guard of this process took, if any
+
+
+def received_signal() -> int | None:
+    """The SIGTERM (as its number) a trainer of this process received, or None: what a run that
+    ends with some other error in Prefect's bookkeeping really ended of."""
+    return _received
+
+
 class PreemptionGuard:
     """SIGTERM (a preemption notice) while a trainer holds its job, from its restore to its finish
     (main thread only).
@@ -59,7 +68,8 @@ class PreemptionGuard:
         if not self.active:  # left in a chain of handlers by a trainer that has finished
             self._pass_on(signum)
             return
-        self.signum = signum
+        global _received
+        self.signum = _received = signum
         self.handle_if_pending()
 
     def handle_if_pending(self) -> None:

@@ -142,11 +142,15 @@ def sync_registry(
     local_export: Callable[[int], str],
     example,
     description: str = "",
+    steps: list[int] = (),
 ) -> dict[str, Any]:
-    """Make sure every step an alias points at is a version of `name`, then point the aliases.
+    """Make sure every exported step (`steps`, and every step an alias points at) is a version of
+    `name`, registered in step order, then point the aliases.
 
     Args:
         aliases: ``{alias: step}``.
+        steps: the job's exported steps (a process killed before its MLflow thread registered
+            one leaves it to the next sync).
         local_export: a local directory holding the export of a step (downloads a remote one).
         example: an input example (NumPy array) for the signature and the model page.
 
@@ -163,13 +167,21 @@ def sync_registry(
         except MlflowException:  # created meanwhile by another process
             pass
     versions = job_versions(client, name, job_key)
-    for step in sorted(set(aliases.values())):
+    for step in sorted(set(steps) | set(aliases.values())):
         if step in versions:
             continue
         logged = _logged_model(client, experiment_id, run_id, step)
-        model_id = logged.model_id if logged is not None else log_export_model(
-            client, tracking_uri, experiment_id, run_id, job, job_key, step, local_export(step), example
-        )  # fmt: skip
+        if logged is not None:
+            model_id = logged.model_id
+        else:
+            try:
+                export_dir = local_export(step)
+            except FileNotFoundError:
+                if step in aliases.values():
+                    raise
+                logger.info("step %d was exported, then pruned before it could be registered: skipped", step)
+                continue
+            model_id = log_export_model(client, tracking_uri, experiment_id, run_id, job, job_key, step, export_dir, example)
         source = f"models:/{model_id}"
         versions[step] = client.create_model_version(
             name, source=source, run_id=run_id, model_id=model_id, tags={JOB_TAG: job_key, STEP_TAG: str(step)},

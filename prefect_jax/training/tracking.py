@@ -370,17 +370,17 @@ class Tracker:
             self._logged_at[key].add(step)
 
     def register_exports(self, name: str, job: str, aliases: dict[str, int], local_export: Callable[[int], str], example,
-                         on_done: Callable[[dict], None] | None = None, description: str = "") -> Future:  # fmt: skip
+                         on_done: Callable[[dict], None] | None = None, description: str = "", steps: list[int] = ()) -> Future:  # fmt: skip
         """In the background: each step an alias points at becomes an MLflow Model of the run and
         a version of registered model `name` (once), and the aliases move (see `registry`)."""
-        return self._submit(self._register_exports, name, job, aliases, local_export, example, on_done, description)
+        return self._submit(self._register_exports, name, job, aliases, local_export, example, on_done, description, list(steps))
 
     @_guarded
-    def _register_exports(self, name, job, aliases, local_export, example, on_done, description) -> dict:
+    def _register_exports(self, name, job, aliases, local_export, example, on_done, description, steps) -> dict:
         from prefect_jax.training.registry import sync_registry
 
         result = sync_registry(self._client, self.tracking_uri, self.experiment_id, self._run_id, name, job, self.job_key,
-                               aliases, local_export, example, description)  # fmt: skip
+                               aliases, local_export, example, description, steps)  # fmt: skip
         if on_done is not None:
             on_done(result)
         return result

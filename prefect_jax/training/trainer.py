@@ -455,14 +455,16 @@ class Trainer:
         return (self.config.job if name is None else name) or None
 
     def _register_exports(self) -> None:
-        """Each exporter's current step becomes (once) a version of the registered model, and its
-        alias moves there: ``best`` from the durable eval records, ``final``, ``newest``."""
+        """Every exported step becomes (once) a version of the registered model, and each
+        exporter's alias moves to its step: ``best`` from the durable eval records, ``final``,
+        ``newest``."""
         name = self.registered_model
         if name is None or not self.tracker.enabled:
             return
-        storage, aliases = self.storage, {}
+        storage, aliases, exported = self.storage, {}, set()
         for exporter in self.config.eval.exporters:
             steps = exp.exported_steps(storage, exporter.name)
+            exported.update(steps)
             if isinstance(exporter, BestExporter):  # the best recorded (so committed) evaluation that was exported
                 scored = [r for r in self.records.all() if r.step in steps and exporter.metric in r.metrics]
                 sign = 1 if exporter.mode == "min" else -1  # ties: the earliest step, as the exporter keeps it
@@ -489,7 +491,7 @@ class Trainer:
             f"Aliases: {', '.join('@' + a for a in sorted(aliases))}. Serve: `mlflow.pyfunc.load_model('models:/{name}@best')`."
         )
         self.tracker.register_exports(name, self.config.job, aliases, local_export, self._serving_example(), on_done=recorded,
-                                      description=description)  # fmt: skip
+                                      description=description, steps=sorted(exported))  # fmt: skip
 
     def _serving_example(self):
         """A few real inputs for the model's signature and input example: rows of the first eval
