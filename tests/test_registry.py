@@ -175,3 +175,38 @@ def test_an_export_a_killed_process_never_registered_is_registered_by_the_next_s
     versions = {s: str(v.version) for s, v in _versions(client, "catch-up").items()}
     assert versions == {20: "1", 40: "2"}  # in step order
     assert {a: str(v) for a, v in client.get_registered_model("catch-up").aliases.items()} == {"newest": "2"}
+
+
+def test_a_model_logged_by_a_killed_process_is_registered_not_logged_again(job_config, monkeypatch, mlflow_uri, tmp_path):
+    import mlflow
+
+    from prefect_jax.training import registry
+    from prefect_jax.training.tracking import Tracker
+
+    config = job_config(max_steps=40, exporters=[LatestExporter()])
+    config = config.model_copy(update={"eval": config.eval.model_copy(update={"registered_model": "half-done"})})
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+
+    def log_only(self, name, job, aliases, local_export, example, **kwargs):  # killed between the log and the version
+        registry.log_export_model(self.client, self.tracking_uri, self.experiment_id, self.run_id, job, self.job_key, 20,
+                                  local_export(20), example)  # fmt: skip
+
+    with monkeypatch.context() as m:
+        m.setattr(Tracker, "register_exports", log_only)
+        trainer.train_until_checkpoint()
+        trainer.export(trainer.evaluate_if_new())
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/elsewhere.db")  # a fresh process knows no tracking URI
+    try:
+        trainer.train_until_checkpoint()
+        trainer.export(trainer.evaluate_if_new())
+        trainer.finish()
+    finally:
+        trainer.close()
+        mlflow.set_tracking_uri(before)
+    client = MlflowClient(mlflow_uri)
+    assert {s: str(v.version) for s, v in _versions(client, "half-done").items()} == {20: "1", 40: "2"}
+    run = client.get_run(trainer.tracker.run_id)
+    models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")
+    assert sorted(m.tags["prefect_jax.step"] for m in models) == ["20", "40"]  # step 20 logged once

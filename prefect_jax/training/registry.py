@@ -19,7 +19,10 @@ import os
 import sys
 from typing import Any, Callable
 
+from prefect_jax.training.tracking import JOB_TAG
+
 logger = logging.getLogger("prefect_jax.registry")
+
 
 class _NoPipVersionWarning(logging.Filter):
     """MLflow warns on every model that a uv environment has no pip to name in conda.yaml: noise here."""
@@ -31,9 +34,7 @@ class _NoPipVersionWarning(logging.Filter):
 logging.getLogger("mlflow.utils.environment").addFilter(_NoPipVersionWarning())
 
 PYFUNC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyfunc_model.py")
-JOB_TAG = "prefect_jax.job"
 STEP_TAG = "prefect_jax.step"
-EXPORT_TAG = "prefect_jax.export"
 
 
 def alias_for(exporter_name: str) -> str:
@@ -157,8 +158,12 @@ def sync_registry(
     Returns:
         ``{"name", "versions": {step: version}, "aliases": {alias: version}}``.
     """
+    import mlflow
     from mlflow.exceptions import MlflowException
 
+    # create_model_version resolves a models:/<id> source with the global URI, as Model.log
+    # logs with it: a process that only registers (its model was logged before a kill) needs it too.
+    mlflow.set_tracking_uri(tracking_uri)
     try:
         client.get_registered_model(name)
     except MlflowException:
