@@ -262,12 +262,9 @@ class Tracker:
             except Exception as exc:  # noqa: BLE001
                 logger.warning("MLflow system metrics did not stop cleanly: %r", exc)
 
-    def describe(self, description: str) -> None:
-        """Set the run's description (the killed attempts stay listed after it)."""
-        self._submit(self._describe, description)
-
     @_guarded
     def _describe(self, description: str) -> None:
+        """Set the run's description (the killed attempts stay listed after it)."""
         tags = self._client.get_run(self._run_id).data.tags
         killed = [tags[f"prefect_jax.killed.{n}"] for n in range(1, int(tags.get(KILLED_TAG, "0") or 0) + 1) if f"prefect_jax.killed.{n}" in tags]
         note = "\n\n".join([description.strip(), *killed])[-5000:]
@@ -371,8 +368,9 @@ class Tracker:
 
     def register_exports(self, name: str, job: str, aliases: dict[str, int], local_export: Callable[[int], str], example,
                          on_done: Callable[[dict], None] | None = None, description: str = "", steps: list[int] = ()) -> Future:  # fmt: skip
-        """In the background: each step an alias points at becomes an MLflow Model of the run and
-        a version of registered model `name` (once), and the aliases move (see `registry`)."""
+        """In the background: each exported step (`steps`, and each step an alias points at)
+        becomes an MLflow Model of the run and a version of registered model `name` (once), and
+        the aliases move (see `registry.sync_registry`)."""
         return self._submit(self._register_exports, name, job, aliases, local_export, example, on_done, description, list(steps))
 
     @_guarded

@@ -466,7 +466,7 @@ class Trainer:
             steps = exp.exported_steps(storage, exporter.name)
             exported.update(steps)
             if isinstance(exporter, BestExporter):  # the best recorded (so committed) evaluation that was exported
-                scored = [r for r in self.records.all() if r.step in steps and exporter.metric in r.metrics]
+                scored = [r for r in map(self.records.get, steps) if r is not None and exporter.metric in r.metrics]
                 sign = 1 if exporter.mode == "min" else -1  # ties: the earliest step, as the exporter keeps it
                 step = min(scored, key=lambda r: (sign * r.metrics[exporter.metric], r.step)).step if scored else None
             else:
