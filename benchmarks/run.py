@@ -246,17 +246,40 @@ SIDES = {
 
 
 def run_child(cmd: list[str], env: dict, name: str) -> dict | None:
-    """Run a child; its stderr goes to the log, its last stdout line is its JSON result."""
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines = proc.stdout.strip().splitlines()
+    """Run a child; its last stdout line is its JSON result, to which this adds ``process_s`` (the
+    whole process, from its start to its exit: interpreter, imports, work, teardown) and
+    ``peak_rss_mib`` (its peak resident memory, from the kernel's rusage)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        process_s = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    lines = stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        log(f"{name} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        log(f"{name} FAILED (exit {proc.returncode}):\n{stderr[-3000:]}")
         return None
     result = json.loads(lines[-1])
-    log(f"{name} ({time.perf_counter() - t:.0f}s): " + ", ".join(
+    result.update(process_s=process_s, peak_rss_mib=usage.ru_maxrss / 1024)
+    log(f"{name} ({process_s:.0f}s): " + ", ".join(
         f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items() if not isinstance(v, (dict, list))))
     return result
+
+
+def run_cli(args, env: dict, label: str = "cli") -> dict | None:
+    """The user's command, `prefect-jax run`, as its own process on the same work (no exporters,
+    as the other sides export nothing): timed whole, as a person or a worker runs it."""
+    workdir = tempfile.mkdtemp(prefix="bench-cli-")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "prefect-jax"), "run", "--program", "bench_programs:mlp",
+           "--job", "bench", "--storage", workdir, "--max-steps", str(args.steps), "--checkpoint-every-steps", str(args.every),
+           "--exporters", "--mlflow-tracking-uri", f"sqlite:///{workdir}/mlflow.db", "--json", "--no-progress"]  # fmt: skip
+    try:
+        return run_child(cmd, dict(env, PYTHONPATH=HERE), label)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def side(name: str, args, env: dict, steps: int | None = None, every: int | None = None, label: str | None = None,
@@ -297,10 +320,46 @@ class StandingServer:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
                         self.start_s = time.perf_counter() - t
+                        self._settle()
                         return self
             except OSError:
                 time.sleep(0.5)
         raise RuntimeError("prefect server did not start within 180 s")
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server's processes have used so far (it shares this machine's cores with the sides)."""
+        import psutil
+
+        try:
+            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            return 0.0
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def _settle(self, limit_s: float = 60.0) -> None:
+        """Wait until the server is idle (its processes below 10% of a CPU over a second): it goes on
+        migrating its database and starting its services after it answers, and that must not
+        land on the first side measured."""
+        import psutil
+
+        t = time.perf_counter()
+        procs = [psutil.Process(self.proc.pid)]
+        while time.perf_counter() - t < limit_s:
+            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+            for p in procs:
+                p.cpu_percent(None)
+            time.sleep(1.0)
+            busy = sum(p.cpu_percent(None) for p in procs if p.is_running())
+            if busy < 10.0:
+                break
+        self.settle_s = time.perf_counter() - t
 
     def __exit__(self, *exc):
         self.proc.terminate()
@@ -334,6 +393,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="a checkout of prefect_jax to run as 'before' (e.g. a git worktree)")
     parser.add_argument("--profile", help="a folder for pyinstrument profiles of the flow side")
     parser.add_argument("--render", metavar="JSON", help="only rewrite --out from the raw results of an earlier run")
+    parser.add_argument("--no-goodput", action="store_true", help="skip the goodput-under-preemption runs (goodput.py, ~45 min)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.render:
@@ -361,10 +421,19 @@ def main() -> None:
         report["server_start_s"] = server.start_s
         env = dict(base_env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
         peers = {}
-        peers["plain"] = side("plain", args, env)
-        peers["plain_scan"] = side("plain_scan", args, env)
-        peers["prefect_jax"] = side("prefect_jax", args, env)
-        peers["prefect_jax_scan"] = side("prefect_jax_scan", args, env)
+
+        def with_server_cpu(run):  # the server's CPU seconds while a side ran (same two cores)
+            before = server.cpu_s()
+            result = run()
+            if result is not None:
+                result["server_cpu_s"] = server.cpu_s() - before
+            return result
+
+        peers["plain"] = with_server_cpu(lambda: side("plain", args, env))
+        peers["plain_scan"] = with_server_cpu(lambda: side("plain_scan", args, env))
+        peers["prefect_jax"] = with_server_cpu(lambda: side("prefect_jax", args, env))
+        peers["prefect_jax_scan"] = with_server_cpu(lambda: side("prefect_jax_scan", args, env))
+        peers["cli"] = with_server_cpu(lambda: run_cli(args, env))
         before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline)) if args.baseline else None
         if before_env:
             peers["before"] = side("prefect_jax", args, before_env, label="before")
@@ -390,6 +459,10 @@ def main() -> None:
             sweep.append(row)
         report["intervals"] = sweep
 
+    if not args.no_goodput:
+        goodput_cmd = [sys.executable, os.path.join(HERE, "goodput.py")] + (
+            ["--periods", "10", "--steps", "1500", "--every", "250"] if args.quick else [])
+        report["goodput"] = run_child(goodput_cmd, base_env, "goodput")
     restart_cmd = [sys.executable, os.path.join(HERE, "restart.py"), "--program", "bench_programs:mlp"]
     report["restart"] = run_child(restart_cmd, dict(base_env, PYTHONPATH=HERE), "restart")
     sizes = "1,16,64" if args.quick else "1,16,64,256,512,1024"

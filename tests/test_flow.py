@@ -69,8 +69,11 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(tmp_path, mlf
     )
     assert all(r.state.is_completed() for r in runs)
     tables = [a for a in artifacts if a["type"] == "table"]
-    assert {a["key"] for a in tables} == {"flow-job-eval-results"}
-    assert '"step": 40' in tables[0]["data"]  # newest version holds every evaluated step
+    assert {a["key"] for a in tables} == {"flow-job-eval-results", "flow-job-goodput"}
+    results = next(a for a in tables if a["key"] == "flow-job-eval-results")
+    assert '"step": 40' in results["data"]  # newest version holds every evaluated step
+    goodput = next(a for a in tables if a["key"] == "flow-job-goodput")
+    assert "productive training (steps kept)" in goodput["data"] and summary["goodput"]["attempts"] == 1
     progress = [a for a in artifacts if a["type"] == "progress"]
     assert [a["data"] for a in progress] == [100.0]
 

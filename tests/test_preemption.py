@@ -130,3 +130,24 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     assert status("pre", storage)["evaluated_steps"] == {"eval": cadence}
     loss_steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(loss_steps) == len(set(loss_steps)), "a train metric was logged twice"
+
+    # What the preemptions cost, as the job's goodput ledger, MLflow and Prefect tell it.
+    goodput = status("pre", storage)["goodput"]
+    assert goodput["attempts"] == 4 and goodput["interrupted"] == 3, goodput  # the refused run never trained
+    assert 0 < goodput["goodput"] < 1 and goodput["steps"] == [0, MAX_STEPS], goodput
+    lost = goodput["lost_s"]
+    assert lost["recomputed"] > 0, "steps 100 to 200 were trained twice (the save of 200 was killed)"
+    assert lost["between_attempts"] > 0 and lost["startup"] > 0 and lost["restore"] > 0, lost
+    assert summary["goodput"] == goodput
+    metrics = run.data.metrics
+    assert metrics["goodput/goodput"] == pytest.approx(goodput["goodput"]) and metrics["goodput/attempts"] == 4
+    assert client.get_metric_history(run.info.run_id, "goodput/goodput")[-1].step == MAX_STEPS
+    logged = json.loads(open(client.download_artifacts(run.info.run_id, "goodput.json", str(tmp_path))).read())
+    assert logged["attempts"] == 4
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as prefect:  # the session's server (prefect_test_harness)
+        artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pre-goodput"])))
+    assert len(artifacts) == 1 and artifacts[0].type == "table", artifacts  # the one run that finished
+    assert "recomputed steps" in str(artifacts[0].data) and "goodput" in artifacts[0].description.lower()

@@ -187,6 +187,8 @@ def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
         trainer.restore_or_init()
     trainer.finish("FINISHED")
     final = trainer.records.get(trainer.step)
+    goodput = trainer.goodput()
+    _publish_goodput(config, goodput)
     return {
         "job": config.job,
         "final_step": trainer.step,
@@ -199,7 +201,28 @@ def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
         "exports": list_exports(trainer.storage),
         "state_fingerprint": trainer.fingerprint(),
         "stopped": stopped,
+        "goodput": goodput,
     }
+
+
+def _publish_goodput(config: JobConfig, goodput: dict[str, Any]) -> None:
+    """The job's goodput as a table artifact (key ``<job>-goodput``): what preemptions cost, by cause."""
+    if not goodput:
+        return
+    from prefect.artifacts import create_table_artifact
+
+    from prefect_jax.tasks import artifact_key
+    from prefect_jax.training.goodput import as_rows
+
+    description = (
+        f"**Goodput of job `{config.job}`: {goodput['goodput']:.1%}** of {goodput['wall_s']:.1f} s of wall time went into "
+        f"training steps that were kept, over {goodput['attempts']} attempt(s), {goodput['interrupted']} of them interrupted. "
+        "The rows say where the rest went (`prefect-jax status` shows the same; MLflow has it as `goodput/*`)."
+    )
+    try:
+        create_table_artifact(key=artifact_key(config.job, "goodput"), table=as_rows(goodput), description=description)
+    except Exception as exc:  # noqa: BLE001 - an artifact must not fail a finished job
+        get_run_logger().warning("could not publish the goodput artifact: %r", exc)
 
 
 @flow(

@@ -268,18 +268,22 @@ def link_runs(config: JobConfig, trainer) -> None:
     """Each side names the other: the flow run gets a link artifact to the job's MLflow run and the
     tags ``prefect-jax``, ``job:<job>`` and ``mlflow-run:<id>``; the MLflow run gets the flow run's
     URL (tag ``prefect.flow_run_url``). In the background: the UI may lag, training does not."""
-    mlflow_url, run_id = trainer.tracker.run_url(), trainer.tracker.run_id
-    flow_url = prefect_flow_run_url()
-    if flow_url:
-        trainer.tracker.set_tags({"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run.id)})
-    if mlflow_url:
-        publisher.submit(
-            create_link_artifact, link=mlflow_url, link_text=f"MLflow run of {config.job}",
-            key=artifact_key(config.job, "mlflow-run"),
-            description=f"The MLflow run of job {config.job}: params, train and eval curves, exports ({trainer.tracker.tracking_uri})",
-        )  # fmt: skip
-    if flow_run.id:
-        publisher.submit(_tag_flow_run, str(flow_run.id), ["prefect-jax", f"job:{config.job}"] + ([f"mlflow-run:{run_id}"] if run_id else []))
+    flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
+    if flow_url:  # queued after the MLflow thread's start of the run
+        trainer.tracker.set_tags({"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)})
+    tracker = trainer.tracker
+
+    def link() -> None:  # on the publisher's thread: it waits for MLflow, training does not
+        mlflow_url, run_id = tracker.run_url(), tracker.run_id
+        if mlflow_url:
+            create_link_artifact(
+                link=mlflow_url, link_text=f"MLflow run of {config.job}", key=artifact_key(config.job, "mlflow-run"),
+                description=f"The MLflow run of job {config.job}: params, train and eval curves, exports ({tracker.tracking_uri})",
+            )  # fmt: skip
+        if flow_run_id:
+            _tag_flow_run(str(flow_run_id), ["prefect-jax", f"job:{config.job}"] + ([f"mlflow-run:{run_id}"] if run_id else []))
+
+    publisher.submit(link)
 
 
 def _tag_flow_run(flow_run_id: str, tags: list[str]) -> None:
@@ -340,10 +344,10 @@ def restore_or_init(
     checkpoint, logging every `recovery_wait_secs`.
 
     The job's MLflow run is found or created on a background thread while the checkpoint is
-    restored and the first step compiles; the task returns once it is known.
+    restored, the first step compiles and training starts; the task does not wait for it.
 
     Returns:
-        ``{"step": int, "mlflow_run_id": str | None, "checkpoint_dir": str}``
+        ``{"step": int, "mlflow_run_id": str | None (None while MLflow is still opening), "checkpoint_dir": str}``
     """
     logger = get_run_logger()
     trainer = _trainer(config)
@@ -355,9 +359,9 @@ def restore_or_init(
     )
     mark_taken_over(trainer)
     mark_dead_local_runs(config)
-    # MLflow opened in the background during the restore; training starts once the run is known,
-    # so that its first interval does not share the CPU with MLflow's start.
-    run_id = trainer.tracker.run_id
+    # MLflow opens on its own thread: training does not wait for it (a checkpoint saved before
+    # the run id is known is found by the job tag; see Trainer.save).
+    run_id = trainer.tracker.run_id_if_known()
     link_runs(config, trainer)
     logger.info("job %s at step %d (%s); MLflow run %s", config.job, step, "restored" if step else "initialised", run_id)
     return {"step": step, "mlflow_run_id": run_id, "checkpoint_dir": trainer.checkpoints.directory}

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from prefect_jax.training import control
 from prefect_jax.training.checkpoints import Checkpoints, CorruptCheckpointError, is_committed, step_dirs
 from prefect_jax.training.evaluation import EvalRecords
+from prefect_jax.training.goodput import GoodputLedger
 from prefect_jax.training.lease import Lease
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
@@ -78,6 +79,7 @@ class Job:
         self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self.newest_evaluated)
         self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir, enabled=self.is_primary)
         self.lease = Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
+        self.goodput = GoodputLedger(self.storage, enabled=self.is_primary)
         self.commit_listeners: list[Callable[[int], None]] = []
         self._announcers: list[threading.Thread] = []
         self._noted_takeover: str | None = None  # the lease token of the dead holder already recorded in MLflow

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -152,6 +153,7 @@ class Loop:
         self.eval_step = jax.jit(program.eval_step)
         self.rng = jax.random.key(spec.seed)
         self._abstract = None
+        self.compile_s: float | None = None  # join of the compile + the first step, once per process (goodput)
         self._precompiling: threading.Thread | None = None
         devices = jax.devices()
         # On one device (CPU, or one GPU) the state is committed to it, so that the compile done
@@ -168,6 +170,16 @@ class Loop:
         return self._abstract
 
     def init_state(self):
+        """The program's `init`, compiled as one XLA program and placed on the one device.
+
+        Run op by op, init dispatches (and compiles) every operation on its own: seconds for a
+        small MLP, while the train step compiles on another thread. An init that cannot be
+        traced (it reads values on the host) runs eagerly."""
+        if self.one_device is not None:
+            try:
+                return jax.jit(self.program.init, out_shardings=self.one_device)(self.rng)
+            except TypeError:  # jax.errors.ConcretizationTypeError and kin, or a leaf that is not an array
+                logger.debug("init cannot be jitted: running it op by op", exc_info=True)
         return self.program.init(self.rng)
 
     def fresh_iter(self):
@@ -238,6 +250,8 @@ class Loop:
         # the first call compile an executable of its own.
         guard = self.place((guard_int(step), guard_int(-1)))
         checked = None  # the guard of the previous log point
+        first = self.compile_s is None  # this process's first step: timed to the end (compile or cache load)
+        t_first = time.perf_counter()
         self.join_precompile()  # its executable is the one this loop calls
         while step < target:
             start = step
@@ -248,6 +262,9 @@ class Loop:
                 n = min(per_dispatch, target - step)
                 state, metrics, guard = self.scan_steps(state, stack([next(it) for _ in range(n)]), guard)
                 step += n
+            if first:
+                jax.block_until_ready(guard)
+                self.compile_s, first = time.perf_counter() - t_first, False
             due = [s for s in range(start + 1, step + 1) if s % log_every == 0 or s == target]
             if due:
                 logged.extend((s, metrics, None if per_dispatch == 1 else s - start - 1) for s in due)

@@ -41,13 +41,16 @@ def normalize_root(url: str) -> str:
     return url.rstrip("/")
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Write a local file so that readers see the old file or the whole new one (temp file, fsync, rename)."""
+def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
+    """Write a local file so that readers see the old file or the whole new one (temp file, fsync, rename).
+
+    ``durable=False`` skips the fsync: the file survives the process (a kill), not the machine."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -154,12 +157,13 @@ class JobStorage:
         except FileNotFoundError:
             return None
 
-    def write_json(self, path: str, obj: Any) -> None:
-        """Write JSON so a reader never sees half a file (rename on local disks; one PUT elsewhere)."""
+    def write_json(self, path: str, obj: Any, durable: bool = True) -> None:
+        """Write JSON so a reader never sees half a file (rename on local disks; one PUT elsewhere).
+        ``durable=False``: no fsync on local disks (see `atomic_write`)."""
         data = json.dumps(obj, indent=1, sort_keys=True).encode()
         if self.protocol == "file":
             os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # object stores have no directories (and must not create buckets)
-            atomic_write(path, data)
+            atomic_write(path, data, durable)
         else:
             self.fs.pipe_file(path, data)
 

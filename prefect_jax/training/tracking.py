@@ -410,6 +410,20 @@ class Tracker:
         image = np.asarray(canvas.buffer_rgba())[..., :3].copy()
         self._client.log_image(self._run_id, image, key="learning_curve", step=int(step))
 
+    def log_goodput(self, summary: dict[str, Any], step: int) -> None:
+        """In the background: the job's goodput (see `prefect_jax.training.goodput`) as ``goodput/*``
+        metrics at `step`, the artifact ``goodput.json`` and the tag ``prefect_jax.goodput``."""
+        if summary:
+            self._submit(self._log_goodput, dict(summary), int(step))
+
+    @_guarded
+    def _log_goodput(self, summary: dict[str, Any], step: int) -> None:
+        from prefect_jax.training.goodput import mlflow_metrics
+
+        self._log_metrics(mlflow_metrics(summary, step))
+        self._client.log_dict(self._run_id, summary, "goodput.json")
+        self._client.set_tag(self._run_id, "prefect_jax.goodput", f"{summary['goodput']:.3f} over {summary['attempts']} attempt(s)")
+
     def set_tags(self, tags: dict[str, str]) -> None:
         self._submit(self._set_tags, dict(tags))
 

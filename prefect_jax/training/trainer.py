@@ -84,6 +84,7 @@ class Trainer:
         self._evals_reconciled = False
         self._example = None  # the serving input example (see _serving_example)
         self._live_is_preemption = False  # the live step was restored from a preemption checkpoint
+        self._compile_accounted = False
         self._guard = PreemptionGuard(self._end_on_sigterm)
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
@@ -128,6 +129,7 @@ class Trainer:
             LeaseHeldError: another live trainer holds the job.
         """
         job, loop = self.job, self.loop
+        job.goodput.restore_began()
         job.checkpoints.wait()
         newest, max_steps = job.newest_committed(), self.config.train.max_steps
         if newest is not None and newest > max_steps:
@@ -164,6 +166,7 @@ class Trainer:
         self._live_is_preemption = bool((meta or {}).get("preemption"))
         self._started_from = step  # committed, or init / a warm start: a rerun gets the same state
         self._last_save = time.monotonic()
+        job.goodput.begin(step)
         notify_progress(step, self.config.train.max_steps, {})
         return step
 
@@ -211,12 +214,14 @@ class Trainer:
                     due = every_secs is not None and time.monotonic() - self._last_save >= every_secs
                     return notice.requested or due
 
+                started = time.perf_counter()
                 try:
                     interval = self.loop.run(self.state, self.step, self.data_iter, self.next_boundary(), stop)
                 except NonFiniteAt as bad:
                     self.job.wait_committed()  # the error names the checkpoint a rerun resumes from
                     raise NonFiniteLossError(bad.step, bad.metrics, self.job.newest_committed()) from None
                 self.state, self.step = interval.state, interval.step
+                self._account_interval(time.perf_counter() - started)
                 rows = self._train_rows(interval.logged)
                 if notice.requested:
                     notice.handling = True
@@ -229,6 +234,15 @@ class Trainer:
         self._log_train_rows(rows)
         notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
         return self.step
+
+    def _account_interval(self, seconds: float) -> None:
+        """An interval's time in the goodput ledger: the compile (first in this process), then training."""
+        compile_s, goodput = self.loop.compile_s, self.job.goodput
+        if compile_s is not None and not self._compile_accounted:
+            self._compile_accounted = True
+            goodput.add("compile", compile_s)
+            seconds -= compile_s
+        goodput.add("train", seconds)
 
     def _train_rows(self, logged) -> list[tuple[str, float, int]]:
         rows = self.loop.train_rows(logged)
@@ -262,7 +276,9 @@ class Trainer:
             "preemption": preemption,  # off the cadence: resumed from, never evaluated
         }
         with self._guard.deferred():  # a SIGTERM now is handled once Orbax has the step
-            self.job.save(self.step, self.state, self.data_iter, meta)
+            self.job.goodput.trained_to(self.step)  # first: a save killed part-way leaves its steps counted as lost
+            with self.job.goodput.phase("checkpoint"):
+                self.job.save(self.step, self.state, self.data_iter, meta)
             self._last_save = time.monotonic()
         self._guard.handle_if_pending()
 
@@ -286,6 +302,8 @@ class Trainer:
         else:
             logger.error("the checkpoint of step %s did not commit within %.0fs: abandoned; step %s stays the newest valid one",
                          self.step, grace, self.job.newest_committed())  # fmt: skip
+        self.job.goodput.end("preempted")
+        self._log_goodput()
         # MLflow may be slow (or its thread busy): never much past the grace period.
         _within(lambda: self.tracker.finish("KILLED"), max(1.0, grace - (time.monotonic() - started)))
         self.lease.release()
@@ -312,6 +330,10 @@ class Trainer:
         durably), NO_NEW_CHECKPOINT (already evaluated), MISSING_CHECKPOINT (nothing to
         evaluate) or THROTTLED (evaluated less than `throttle_secs` ago; `force` overrides).
         """
+        with self.job.goodput.phase("eval"):  # a trainer's own evaluations (an evaluator keeps no ledger)
+            return self._evaluate_if_new(step, force)
+
+    def _evaluate_if_new(self, step: int | None, force: bool) -> EvalResult:
         spec = self.config.eval
         if self.lease.held:  # the trainer evaluating its own steps (local mode)
             self._guard.install()
@@ -387,7 +409,10 @@ class Trainer:
         if step == self._started_from:
             return True
         if step == self.step:
-            self.job.wait_committed()
+            with self.job.goodput.phase("checkpoint"):
+                waited = time.perf_counter()
+                self.job.wait_committed()
+            self.job.goodput.add("eval", -(time.perf_counter() - waited))  # inside the eval's phase: not eval time
         return step in self.committed_steps()
 
     def _log_eval(self, result: EvalResult) -> None:
@@ -426,6 +451,10 @@ class Trainer:
         Also on a result found already evaluated (NO_NEW_CHECKPOINT): exports written before
         are kept as they are, and those a crash left unwritten are written now.
         """
+        with self.job.goodput.phase("export"):
+            return self._export(result)
+
+    def _export(self, result: EvalResult) -> dict[str, str]:
         written: dict[str, str] = {}
         if not exp.is_recorded(result) or not self.job.is_primary:
             return written
@@ -506,9 +535,22 @@ class Trainer:
         self._require_live()
         return state_fingerprint(self.state)
 
+    def goodput(self) -> dict[str, Any]:
+        """The job's goodput so far, over every attempt (see `prefect_jax.training.goodput`)."""
+        return self.job.goodput.summary()
+
+    def _log_goodput(self) -> None:
+        """The goodput summary to MLflow (``goodput/*`` metrics at the current step, ``goodput.json``)."""
+        if self.job.goodput.attempt is not None and self.step is not None:
+            self.tracker.log_goodput(self.goodput(), self.step)
+
     def finish(self, status: str = "FINISHED") -> None:
         """Wait for pending saves, close the MLflow run with `status`, release the lease."""
         try:
+            if self.job.goodput.attempt is not None:
+                self.job.wait_committed()
+                self.job.goodput.end({"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower()))
+                self._log_goodput()
             self.job.finish(status)
         finally:
             self._guard.uninstall()

@@ -1,0 +1,309 @@
+"""Goodput under preemption: a job killed every T seconds and rerun at once, per system.
+
+Each system trains the same job (`bench_programs:wide`: a 64-1024-1024-10 MLP on digits, batch
+256, --steps steps, a checkpoint and a full evaluation every --every steps, JAX's persistent
+compilation cache on) in a fresh process. The harness sends SIGTERM (or SIGKILL) T seconds after
+each process starts and starts the next one as soon as it exits, as a rerun automation does,
+until a process exits 0 at --steps. Then:
+
+    goodput = (wall time of the same system's uninterrupted run) / (total wall time, every attempt)
+
+and ``vs plain``: the plain loop's uninterrupted wall / this total, so that a system with a
+slow uninterrupted run is not flattered. Systems:
+
+- ``prefect_jax``: the ``prefect-jax run`` command (the `train_and_evaluate` flow) against a
+  standing ``prefect server``, SQLite MLflow, no exporters; ``--compilation-cache job``. On
+  SIGTERM it commits the step in flight and exits 143. The lost time's breakdown is the job's
+  own goodput ledger (``<job>/goodput.json``, see `prefect_jax.training.goodput`), which the
+  flow also logs to MLflow (``goodput/*``) and to a Prefect table artifact.
+- ``plain``: a hand-written JAX + optax + Orbax loop, step-indexed data (batch i is a pure
+  function of i, so a resume is exact), async checkpoints; no SIGTERM handler, as such loops
+  are usually written: a SIGTERM kills it like a SIGKILL.
+- ``keras``: Keras 3 ``fit`` on JAX with ``BackupAndRestore`` (one epoch = --every steps).
+
+For the peers, each process writes when it started, finished importing, restored (and at which
+step) and ran its first step; the harness sums start-up, restore and compile from those.
+
+    uv run --group bench python benchmarks/goodput.py                          # T = 15, 30, 60; SIGTERM, SIGKILL (~45 min)
+    uv run --group bench python benchmarks/goodput.py --periods 20 --signals TERM --systems prefect_jax,plain --steps 2000
+
+Progress goes to stderr; the last stdout line is one JSON object (also --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+HIDDEN, BATCH = (1024, 1024), 256  # bench_programs.wide
+
+
+def log(msg: str) -> None:
+    print(f"[goodput] {msg}", file=sys.stderr, flush=True)
+
+
+def _process_start() -> float:
+    sys.path.insert(0, os.path.dirname(HERE))
+    from prefect_jax.training.goodput import process_start_time  # imports neither jax nor prefect
+
+    return process_start_time()
+
+
+def _mark(workdir: str, **fields) -> None:
+    """One line per event of this process in <workdir>/attempts.jsonl (peers only)."""
+    with open(os.path.join(workdir, "attempts.jsonl"), "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "t": time.time(), **fields}) + "\n")
+
+
+# -- the peers (child processes) ----------------------------------------------------------------
+
+
+def child_plain(args) -> None:
+    _mark(args.workdir, event="start", process_start=_process_start())
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    sys.path.insert(0, HERE)
+    from bench_programs import wide as program
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "compile-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _mark(args.workdir, event="imported")
+    train_step, eval_step = jax.jit(program.train_step), jax.jit(program.eval_step)
+    data = program.train_data(0)  # a random-access dataset: batch i is data[i]
+    manager = ocp.CheckpointManager(os.path.join(args.workdir, "checkpoints"),
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True))
+
+    is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+
+    def savable(tree):  # typed PRNG keys are stored as their raw key data
+        return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+    step = manager.latest_step()
+    if step is None:
+        state, step = jax.jit(program.init)(jax.random.key(0)), 0
+    else:
+        typed = jax.eval_shape(program.init, jax.random.key(0))
+        raw = manager.restore(step, args=ocp.args.StandardRestore(jax.eval_shape(lambda k: savable(program.init(k)), jax.random.key(0))))
+        state = jax.tree.map(lambda t, x: jax.random.wrap_key_data(x) if is_key(t) else x, typed, raw)
+    _mark(args.workdir, event="restored", step=int(step))
+
+    def evaluate(state):
+        totals: dict = {}
+        for batch in program.eval_data():
+            for name, pair in jax.device_get(eval_step(state, batch)).items():
+                totals[name] = totals.get(name, 0) + np.asarray(pair, np.float64)
+        return {name: float(s / n) for name, (s, n) in totals.items()}
+
+    first = True
+    while step < args.steps:
+        state, _ = train_step(state, data[step])
+        step += 1
+        if first:
+            jax.block_until_ready(state)
+            _mark(args.workdir, event="first_step")
+            first = False
+        if step % args.every == 0 or step == args.steps:
+            manager.save(step, args=ocp.args.StandardSave(savable(state)), force=True)
+            evaluate(state)
+    manager.wait_until_finished()
+    manager.close()
+    _mark(args.workdir, event="done", step=int(step))
+
+
+def child_keras(args) -> None:
+    _mark(args.workdir, event="start", process_start=_process_start())
+    os.environ["KERAS_BACKEND"] = "jax"
+    import jax
+    import keras
+    import numpy as np
+
+    from prefect_jax.examples.digits import load_digits_split
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "compile-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _mark(args.workdir, event="imported")
+    x_train, y_train, x_test, y_test = load_digits_split()
+    rng = np.random.default_rng(0)
+    n = args.every * BATCH
+    idx = np.concatenate([rng.permutation(len(x_train)) for _ in range(-(-n // len(x_train)))])[:n]
+    x, y = x_train[idx], y_train[idx]
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(HIDDEN[0], activation="relu"),
+                              keras.layers.Dense(HIDDEN[1], activation="relu"), keras.layers.Dense(10)])  # fmt: skip
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])  # fmt: skip
+    workdir = args.workdir
+
+    class Marks(keras.callbacks.Callback):
+        first = True
+
+        def on_train_begin(self, logs=None):  # BackupAndRestore (listed before) has restored by now
+            _mark(workdir, event="restored", step=int(self.model.optimizer.iterations))
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.first:
+                _mark(workdir, event="first_step")
+                self.first = False
+
+    backup = keras.callbacks.BackupAndRestore(backup_dir=os.path.join(workdir, "backup"), save_freq="epoch", delete_checkpoint=False)
+    model.fit(x, y, batch_size=BATCH, epochs=args.steps // args.every, shuffle=False, validation_data=(x_test, y_test),
+              validation_batch_size=360, callbacks=[backup, Marks()], verbose=0)  # fmt: skip
+    _mark(workdir, event="done", step=int(model.optimizer.iterations))
+
+
+# -- the harness --------------------------------------------------------------------------------
+
+
+def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str], dict]:
+    if system == "prefect_jax":
+        cli = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
+        cmd = [cli, "run", "--program", "bench_programs:wide", "--job", "gp", "--storage", os.path.join(workdir, "storage"),
+               "--max-steps", str(args.steps), "--checkpoint-every-steps", str(args.every), "--exporters",
+               "--mlflow-tracking-uri", f"sqlite:///{workdir}/mlflow.db", "--compilation-cache", "job", "--no-progress",
+               "--json"]  # fmt: skip
+        env = dict(server_env, PYTHONPATH=HERE + os.pathsep + server_env.get("PYTHONPATH", ""))
+        return cmd, env
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", system, "--workdir", workdir, "--steps", str(args.steps),
+           "--every", str(args.every)]  # fmt: skip
+    return cmd, dict(server_env)
+
+
+def run_job(system: str, args, period: float | None, sig: str | None, server_env: dict) -> dict:
+    """Run the job to the end, killing each process `period` s after it starts; the totals."""
+    workdir = tempfile.mkdtemp(prefix=f"goodput-{system}-")
+    cmd, env = command(system, args, workdir, server_env)
+    attempts, t_all = [], time.time()
+    while True:
+        t0 = time.time()
+        with open(os.path.join(workdir, f"attempt-{len(attempts)}.log"), "w") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            killed = False
+            try:
+                proc.wait(timeout=period)
+            except subprocess.TimeoutExpired:
+                killed = True
+                if sig == "KILL":
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:  # to the main process, as Kubernetes or a spot VM's shutdown does
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        attempts.append({"wall_s": time.time() - t0, "exit": proc.returncode, "killed": killed})
+        if proc.returncode == 0:
+            break
+        if not killed or len(attempts) >= args.max_attempts:
+            with open(os.path.join(workdir, f"attempt-{len(attempts) - 1}.log")) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"{system}: attempt {len(attempts)} exited {proc.returncode} (killed={killed}):\n{tail}")
+    result = {"system": system, "period_s": period, "signal": sig, "total_s": time.time() - t_all, "attempts": len(attempts),
+              "exits": [a["exit"] for a in attempts], "attempt_wall_s": [round(a["wall_s"], 2) for a in attempts]}  # fmt: skip
+    result["breakdown"] = breakdown(system, workdir)
+    if os.environ.get("GOODPUT_KEEP") != "1":
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        result["workdir"] = workdir
+    log(f"{system} T={period} {sig}: {result['total_s']:.1f}s in {result['attempts']} attempt(s) {result['exits']}")
+    return result
+
+
+def breakdown(system: str, workdir: str) -> dict:
+    """Where each system's time went: the job's ledger (prefect_jax), or the peers' marks."""
+    if system == "prefect_jax":
+        with open(os.path.join(workdir, "storage", "gp", "goodput.json")) as f:
+            ledger = json.load(f)
+        sys.path.insert(0, os.path.dirname(HERE))
+        from prefect_jax.training.goodput import summarize
+
+        summary = summarize(ledger)
+        restarts = [sum(a["seconds"].get(k, 0.0) for k in ("startup", "restore", "compile")) for a in ledger["attempts"][1:]]
+        return {"source": "ledger", "goodput_ledger": round(summary["goodput"], 4), "lost_s": summary["lost_s"],
+                "productive_s": round(summary["productive_s"], 2), "restart_s": [round(r, 3) for r in restarts]}  # fmt: skip
+    marks: dict[int, dict] = {}
+    with open(os.path.join(workdir, "attempts.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            marks.setdefault(m["pid"], {})[m["event"]] = m
+    out = {"startup": 0.0, "restore": 0.0, "compile": 0.0}
+    for m in marks.values():
+        start = m["start"]["process_start"]
+        if "imported" in m:
+            out["startup"] += m["imported"]["t"] - start
+        if "restored" in m and "imported" in m:
+            out["restore"] += m["restored"]["t"] - m["imported"]["t"]
+        if "first_step" in m and "restored" in m:
+            out["compile"] += m["first_step"]["t"] - m["restored"]["t"]
+    restored = [m["restored"]["step"] for m in marks.values() if "restored" in m]
+    # A rerun's way back: from its process start to its first new step done (imports included).
+    restarts = [m["first_step"]["t"] - m["start"]["process_start"] for m in marks.values()
+                if "first_step" in m and m.get("restored", {}).get("step", 0) > 0]  # fmt: skip
+    return {"source": "marks", "lost_s": {k: round(v, 2) for k, v in out.items()}, "restored_steps": restored,
+            "restart_s": [round(r, 3) for r in restarts]}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default="prefect_jax,plain,keras")
+    parser.add_argument("--periods", default="15,30,60", help="seconds between preemptions (comma-separated)")
+    parser.add_argument("--signals", default="TERM,KILL")
+    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument("--every", type=int, default=500)
+    parser.add_argument("--max-attempts", type=int, default=40)
+    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--child", choices=["plain", "keras"], help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        {"plain": child_plain, "keras": child_keras}[args.child](args)
+        return
+    if args.steps % args.every:
+        parser.error(f"--steps ({args.steps}) must be a multiple of --every ({args.every}): one Keras epoch is --every steps")
+
+    sys.path.insert(0, HERE)
+    from run import StandingServer
+
+    systems = args.systems.split(",")
+    periods = [float(p) for p in args.periods.split(",") if p]
+    signals = [s for s in args.signals.split(",") if s]
+    work = tempfile.mkdtemp(prefix="goodput-")
+    base = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
+    base.pop("PREFECT_API_URL", None)
+    report: dict = {"steps": args.steps, "every": args.every, "program": "bench_programs:wide", "runs": []}
+    t = time.time()
+    with StandingServer(os.path.join(work, "server-home")) as server:
+        env = dict(base, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
+        uninterrupted = {s: run_job(s, args, None, None, env) for s in systems}
+        report["uninterrupted"] = uninterrupted
+        for period in periods:
+            for sig in signals:
+                for s in systems:
+                    r = run_job(s, args, period, sig, env)
+                    r["goodput"] = uninterrupted[s]["total_s"] / r["total_s"]
+                    if "plain" in uninterrupted:
+                        r["vs_plain"] = uninterrupted["plain"]["total_s"] / r["total_s"]
+                    report["runs"].append(r)
+    report["total_s"] = time.time() - t
+    line = json.dumps(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Goodput: how much of a job's wall time went into the steps it kept, and where the rest went.
+
+Every process that trains a job (an *attempt*: the first run, each rerun after a preemption)
+keeps an account of its own time by phase and writes it to ``<job>/goodput.json`` when it
+starts, at each checkpoint and when it ends. The file is small and rewritten whole (no fsync:
+it has to survive the process, not the machine). The next attempt learns from the step it
+restores which of the previous attempt's steps were kept; steps trained past it were lost and
+count as *recomputed*.
+
+Phases of an attempt (seconds):
+
+- ``startup``: from the process start to the restore (interpreter, imports, the Prefect flow
+  run and its task run, the program, Orbax and MLflow clients);
+- ``restore``: taking the lease and restoring the newest committed step (or init);
+- ``compile``: waiting for the train step's compile (or its load from the cache) and running
+  the first step;
+- ``train``: the training loop; split later into kept and ``recomputed``;
+- ``checkpoint``: the training thread blocked by saves and waiting for commits;
+- ``eval`` and ``export``: evaluations and exports run by the trainer (local mode);
+- ``other``: the rest of the attempt (Prefect task runs and state changes, MLflow waits);
+- ``between_attempts``: from an attempt's last record to the next attempt's process start:
+  work done after the last checkpoint of a killed process, its exit, and the wait for a rerun.
+
+``goodput = kept train seconds / wall seconds`` from the first attempt's process start to the
+last record. This module never imports prefect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any, Iterator
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+PHASES = ("startup", "restore", "compile", "train", "checkpoint", "eval", "export")
+LOST = ("startup", "restore", "compile", "recomputed", "checkpoint", "eval", "export", "other", "between_attempts")
+MAX_ATTEMPTS_KEPT = 500  # older attempts are folded into one line: the file stays small
+_TAIL = 8  # per attempt, the cumulative train time at its newest saves
+_process_clock_taken = False  # the first ledger of a process counts from the process start
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds, to the clock tick).
+
+    On Linux from ``/proc/self/stat`` against the boot-time clock: psutil's create time adds the
+    boot time, which the kernel gives in whole seconds (up to a second off). Elsewhere psutil's,
+    else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process(os.getpid()).create_time())
+    except Exception:  # noqa: BLE001 - no psutil: count from the first call
+        return time.time()
+
+
+class GoodputLedger:
+    """This process's attempt at a job, written into the job's goodput ledger.
+
+    Args:
+        storage: the job's `JobStorage`.
+        enabled: False in a process that does not write the job's records.
+    """
+
+    def __init__(self, storage, enabled: bool = True):
+        global _process_clock_taken
+        self.storage, self.enabled = storage, enabled
+        self.path = storage.path("goodput.json")
+        # A later trainer in the same process (a notebook, a test) starts its clock when it is made.
+        self.started_at = time.time() if _process_clock_taken else process_start_time()
+        _process_clock_taken = True
+        self.attempt: dict[str, Any] | None = None
+        self._restore_began: float | None = None
+
+    # -- the attempt's clock ------------------------------------------------------------------
+
+    def restore_began(self) -> None:
+        if self.attempt is None:
+            self._restore_began = time.time()
+
+    def begin(self, step: int) -> None:
+        """The live state is at `step` (restored, or made by init): open this process's attempt."""
+        if self.attempt is not None:  # restored again within one process (a retried task): same attempt
+            self.attempt["restored_again"] = self.attempt.get("restored_again", 0) + 1
+            return
+        now = time.time()
+        began = self._restore_began or now
+        self.attempt = {
+            "id": uuid.uuid4().hex[:12],
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "process_start": self.started_at,
+            "from_step": int(step),
+            "step": int(step),
+            "updated": now,
+            "ended": None,
+            "seconds": {"startup": max(0.0, began - self.started_at), "restore": now - began},
+            "tail": [[int(step), 0.0]],
+        }
+        self._write()
+
+    def add(self, phase: str, seconds: float) -> None:
+        if self.attempt is not None and seconds:
+            s = self.attempt["seconds"]
+            s[phase] = s.get(phase, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t)
+
+    def trained_to(self, step: int) -> None:
+        """A checkpoint of `step` was started: remember the train time it took to get there, and write."""
+        if self.attempt is None:
+            return
+        a = self.attempt
+        a["step"] = int(step)
+        a["tail"] = (a["tail"] + [[int(step), a["seconds"].get("train", 0.0)]])[-_TAIL:]
+        self._write()
+
+    def end(self, how: str) -> None:
+        """The attempt ends: ``finished``, ``preempted``, ``failed``."""
+        if self.attempt is not None and self.attempt["ended"] is None:
+            self.attempt["ended"] = how
+            self._write()
+
+    # -- the ledger ---------------------------------------------------------------------------
+
+    def _write(self) -> None:
+        if not self.enabled or self.attempt is None:
+            return
+        a = self.attempt
+        a["updated"] = time.time()
+        a["seconds"] = {k: round(v, 4) for k, v in a["seconds"].items()}
+        a["tail"] = [[s, round(t, 4)] for s, t in a["tail"]]
+        try:
+            ledger = self.read()
+            attempts = ledger.get("attempts", [])
+            if attempts and attempts[-1].get("id") == a["id"]:
+                attempts[-1] = a
+            else:
+                attempts.append(a)
+            if len(attempts) > MAX_ATTEMPTS_KEPT:
+                attempts = [_fold(attempts[: -MAX_ATTEMPTS_KEPT + 1])] + attempts[-MAX_ATTEMPTS_KEPT + 1 :]
+            self.storage.write_json(self.path, {"attempts": attempts}, durable=False)
+        except Exception:  # noqa: BLE001 - an account must never stop training
+            logger.warning("could not write the goodput ledger %s", self.path, exc_info=True)
+
+    def read(self) -> dict[str, Any]:
+        return read_ledger(self.storage)
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.read())
+
+
+def read_ledger(storage) -> dict[str, Any]:
+    try:
+        return storage.read_json(storage.path("goodput.json")) or {}
+    except Exception:  # noqa: BLE001 - unreadable: as if empty
+        return {}
+
+
+def _fold(attempts: list[dict]) -> dict:
+    """Many old attempts as one (their seconds summed), so the ledger stays small."""
+    first, last = attempts[0], attempts[-1]
+    seconds: dict[str, float] = {}
+    for a in attempts:
+        for k, v in a["seconds"].items():
+            seconds[k] = seconds.get(k, 0.0) + v
+    return {**last, "process_start": first["process_start"], "from_step": first["from_step"], "seconds": seconds,
+            "folded": sum(a.get("folded", 1) for a in attempts)}  # fmt: skip
+
+
+def _train_at(attempt: dict, step: int) -> float | None:
+    """The attempt's cumulative train seconds when it saved `step` (None: not one of its newest saves)."""
+    for s, secs in reversed(attempt.get("tail", [])):
+        if s == step:
+            return secs
+    return None
+
+
+def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
+    """The job's goodput and where its lost time went, from its ledger.
+
+    Returns ``{}`` for an empty ledger, else ``goodput``, ``wall_s``, ``productive_s``,
+    ``lost_s`` (by cause, see the module), ``attempts``, ``interrupted`` (attempts that did not
+    end by finishing) and ``steps`` (the step range the kept steps cover).
+    """
+    attempts = ledger.get("attempts") or []
+    if not attempts:
+        return {}
+    lost = dict.fromkeys(LOST, 0.0)
+    productive = 0.0
+    for i, a in enumerate(attempts):
+        secs = a["seconds"]
+        train = secs.get("train", 0.0)
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        if nxt is None:
+            kept = train
+        else:
+            at = _train_at(a, nxt["from_step"])
+            if at is None:  # the next attempt restored an older step than any this one recorded
+                at = 0.0 if nxt["from_step"] <= a["from_step"] else train
+            kept = min(train, at)
+            lost["between_attempts"] += max(0.0, nxt["process_start"] - a["updated"])
+        productive += kept
+        lost["recomputed"] += train - kept
+        for phase in PHASES:
+            if phase != "train":
+                lost[phase] += secs.get(phase, 0.0)
+        accounted = sum(secs.values())
+        lost["other"] += max(0.0, (a["updated"] - a["process_start"]) - accounted)
+    wall = attempts[-1]["updated"] - attempts[0]["process_start"]
+    return {
+        "goodput": productive / wall if wall > 0 else 0.0,
+        "wall_s": wall,
+        "productive_s": productive,
+        "lost_s": {k: round(v, 3) for k, v in lost.items()},
+        "attempts": sum(a.get("folded", 1) for a in attempts),
+        "interrupted": sum(1 for a in attempts[:-1] if a.get("ended") != "finished") + (attempts[-1].get("ended") not in ("finished", None)),
+        "steps": [attempts[0]["from_step"], attempts[-1]["step"]],
+    }
+
+
+def as_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The summary as table rows (``what``, ``seconds``, ``share of wall``), for people."""
+    if not summary:
+        return []
+    wall = summary["wall_s"] or 1.0
+    rows = [{"what": "productive training (steps kept)", "seconds": round(summary["productive_s"], 2),
+             "share of wall": round(summary["productive_s"] / wall, 4)}]  # fmt: skip
+    names = {
+        "startup": "start-up (process, imports, Prefect, clients)",
+        "restore": "restore (lease, checkpoint read, or init)",
+        "compile": "compile (or cache load) and first step",
+        "recomputed": "recomputed steps (trained, then lost)",
+        "checkpoint": "checkpoint stall (save, wait for commit)",
+        "eval": "evaluation",
+        "export": "export",
+        "other": "orchestration (task runs, MLflow waits)",
+        "between_attempts": "between attempts (killed work, exit, rerun wait)",
+    }
+    for key, label in names.items():
+        v = summary["lost_s"].get(key, 0.0)
+        rows.append({"what": label, "seconds": round(v, 2), "share of wall": round(v / wall, 4)})
+    return rows
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """One line for people: the goodput, the wall time, the attempts, the biggest losses."""
+    if not summary:
+        return "no attempt recorded"
+    losses = sorted(((v, k) for k, v in summary["lost_s"].items() if v >= 0.05), reverse=True)[:4]
+    lost = ", ".join(f"{k} {v:.1f}s" for v, k in losses)
+    return (f"{summary['goodput']:.1%} of {summary['wall_s']:.1f}s wall in kept training steps, "
+            f"{summary['attempts']} attempt(s), {summary['interrupted']} interrupted" + (f"; lost: {lost}" if lost else ""))  # fmt: skip
+
+
+def mlflow_metrics(summary: dict[str, Any], step: int) -> list[tuple[str, float, int]]:
+    """The summary as MLflow metric rows: ``goodput/goodput``, ``goodput/wall_s``, ``goodput/lost_s/<cause>``..."""
+    if not summary:
+        return []
+    rows = [("goodput/goodput", summary["goodput"], step), ("goodput/wall_s", summary["wall_s"], step),
+            ("goodput/productive_s", summary["productive_s"], step), ("goodput/attempts", float(summary["attempts"]), step),
+            ("goodput/interrupted", float(summary["interrupted"]), step)]  # fmt: skip
+    rows += [(f"goodput/lost_s/{k}", float(v), step) for k, v in summary["lost_s"].items()]
+    return rows
