@@ -30,7 +30,7 @@ def registered(tmp_path_factory, mlflow_uri):
     storage = tmp_path_factory.mktemp("registry") / "storage"
     config = JobConfig(
         program="prefect_jax.examples.digits:tiny", job="reg", storage=str(storage), train=TrainSpec(max_steps=60, log_every_steps=10),
-        checkpoint=CheckpointSpec(every_steps=20), eval=EvalSpec(exporters=EXPORTERS, registered_model="reg-digits"),
+        checkpoint=CheckpointSpec(every_steps=20), eval=EvalSpec(exporters=EXPORTERS, registered_model="reg-digits", learning_curve_every_secs=0),
         mlflow_tracking_uri=mlflow_uri,
     )  # fmt: skip
     trainer = Trainer(config)

@@ -251,6 +251,8 @@ class EvalSpec(_Spec):
         exporters: what to export after each evaluation.
         early_stopping: stop the job when a metric stops improving.
         hooks: eval hooks by import path (TF's `_ContinuousEvalListener`).
+        learning_curve_every_secs: the learning-curve image (MLflow) is drawn at most this often;
+            the final evaluation always draws it; 0 draws it at every evaluation.
         registered_model: the MLflow registered model the exports become versions of, with
             an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None: the
             job's name; ``""``: do not register.
@@ -265,6 +267,10 @@ class EvalSpec(_Spec):
     hooks: list[str] = Field(
         default_factory=list,
         description="Eval hooks by import path: before_eval(step) -> bool (False skips), after_eval(result) -> bool (True stops).",
+    )
+    learning_curve_every_secs: float = Field(
+        30.0, ge=0, description="Draw the MLflow learning-curve image at most this often (the final evaluation always "
+        "draws it; 0: at every evaluation). Drawing reads the run's history and renders a PNG: on fast jobs it competes with training.",
     )
     registered_model: str | None = Field(
         None, description="MLflow registered model of the exports (None: the job's name; '': none)."

@@ -107,6 +107,7 @@ class Tracker:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-jax-mlflow")
         self._pending: list[Future] = []
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the trainer's run is open
+        self._curve_drawn_at: float | None = None  # when the last learning curve was asked for (monotonic)
         self._submit(self._connect)
 
     # -- the background thread ----------------------------------------------------------
@@ -383,9 +384,14 @@ class Tracker:
             on_done(result)
         return result
 
-    def log_learning_curve(self, step: int, train_key: str, eval_keys: list[str]) -> None:
+    def log_learning_curve(self, step: int, train_key: str, eval_keys: list[str], min_interval_secs: float = 0.0) -> None:
         """In the background: the learning curve up to `step` (train `train_key` and the eval
-        metrics by step, from the run's history) as the image ``learning_curve`` at `step`."""
+        metrics by step, from the run's history) as the image ``learning_curve`` at `step`;
+        skipped if one was drawn less than `min_interval_secs` ago in this process."""
+        now = time.monotonic()
+        if self._curve_drawn_at is not None and now - self._curve_drawn_at < min_interval_secs:
+            return
+        self._curve_drawn_at = now
         self._submit(self._log_learning_curve, step, train_key, list(eval_keys))
 
     @_guarded

@@ -380,7 +380,8 @@ class Trainer:
         self._log_eval(result)
         self.records.put(result)
         train_key = TRAIN_PREFIX + ("loss" if "loss" in self.last_train_metrics else next(iter(self.last_train_metrics), "loss"))
-        self.tracker.log_learning_curve(step, train_key, [f"{spec.name}/{k}" for k in sorted(metrics)])
+        self.tracker.log_learning_curve(step, train_key, [f"{spec.name}/{k}" for k in sorted(metrics)],
+                                        min_interval_secs=0.0 if is_final else spec.learning_curve_every_secs)  # fmt: skip
         reason = control.after_eval_stop_reason(result, self.records, self.early_stopping, self.eval_hooks)
         if reason:
             logger.warning("%s: asking job %s to stop", reason, self.config.job)
