@@ -274,7 +274,20 @@ def _run_flow(
         # job, and the process tag lets the next run prove it dead (see mark_dead_local_runs).
         tags = prefect.tags("prefect-jax", f"job:{job}", process_tag())
         with tags, progress_bar(not args.no_progress and role in ("train_and_evaluate", "train"), args.max_steps):
+            _freeze_startup_objects()
             return flow(**kwargs)
+
+
+def _freeze_startup_objects() -> None:
+    """Move what the imports made (Prefect, JAX, Orbax, the program: over a million objects) out
+    of the garbage collector's reach (`gc.freeze`): they live as long as the process, and every
+    full collection would walk them again (pauses growing to ~0.3 s, ~1.3 s over a 40 s run on
+    2 CPUs). Objects made later are collected as usual. MLflow, imported on its own thread,
+    freezes its objects the same way once it is open (`Tracker`)."""
+    import gc
+
+    gc.freeze()
+    os.environ["PREFECT_JAX_GC_FREEZE"] = "1"
 
 
 def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> None:

@@ -25,6 +25,7 @@ Example:
 # with cloudpickle, which copies only the globals the function's code uses; string
 # annotations would leave TrainSpec & co. unresolvable there and every served run would fail
 # parameter validation (tests/test_deployment_rerun.py).
+import functools
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -32,6 +33,36 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from prefect_jax.tasks import evaluate_if_new, export, publisher, restore_or_init, train_until_checkpoint
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
+
+
+_OWN_TAGS = ("prefect-jax",)
+_OWN_TAG_PREFIXES = ("job:", "process:", "mlflow-run:")
+
+
+def _task_tags():
+    """The tags context for this flow's task runs: the caller's, less the ones prefect-jax puts on
+    its flow runs (``prefect-jax``, ``job:``, ``process:``, ``mlflow-run:``), which name the flow run.
+
+    Prefect gives every task run the tags in context, and a task run with tags asks the server's
+    concurrency service for slots on each of them (`prefect/task_engine.py`): a round trip through
+    Prefect's event-loop thread per task run, which stalled ~2 s now and then on two CPUs. A tag a
+    person set (a tag-based concurrency limit on the GPU tasks, say) stays and is honoured."""
+    from prefect.context import TagsContext
+
+    current = TagsContext.get().current_tags
+    keep = {t for t in current if t not in _OWN_TAGS and not t.startswith(_OWN_TAG_PREFIXES)}
+    return TagsContext(current_tags=keep)
+
+
+def _untagged_tasks(fn):
+    """Run a flow's body with `_task_tags` (its signature kept, for Prefect's parameters)."""
+
+    @functools.wraps(fn)
+    def body(*args, **kwargs):
+        with _task_tags():
+            return fn(*args, **kwargs)
+
+    return body
 
 
 def _config_from(parameters: dict[str, Any]) -> JobConfig | None:
@@ -232,6 +263,7 @@ def _publish_goodput(config: JobConfig, goodput: dict[str, Any]) -> None:
     on_crashed=[_close_mlflow_run("KILLED")],
     validate_parameters=True,
 )
+@_untagged_tasks
 def train_and_evaluate(
     program: str,
     job: str,
@@ -292,6 +324,7 @@ def train_and_evaluate(
     on_crashed=[_close_mlflow_run("KILLED")],
     validate_parameters=True,
 )
+@_untagged_tasks
 def train(
     program: str,
     job: str,
@@ -347,6 +380,7 @@ def _trainer_alive(js) -> bool:
 
 
 @flow(name="evaluate", flow_run_name="evaluate-{job}", validate_parameters=True)
+@_untagged_tasks
 def evaluate(
     program: str,
     job: str,
@@ -484,6 +518,7 @@ def evaluate(
 
 
 @flow(name="export", flow_run_name="export-{job}", validate_parameters=True)
+@_untagged_tasks
 def export_flow(
     program: str,
     job: str,

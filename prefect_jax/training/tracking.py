@@ -138,6 +138,10 @@ class Tracker:
             from mlflow.tracking import MlflowClient
 
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
+            if os.environ.get("PREFECT_JAX_GC_FREEZE") == "1":  # the command froze its imports: MLflow's too
+                import gc
+
+                gc.freeze()
         except Exception as exc:  # noqa: BLE001
             if strict():
                 raise
