@@ -21,15 +21,18 @@ excluded) to the same end: the steps, the checkpoints, the evaluations and, for 
 every task run, state change, artifact, event and MLflow write between them.
 
 Then: the orchestration cost per checkpoint interval (the flow against the plain loop at 1
-to 100 intervals over the same steps), the restart from a checkpoint (`restart.py`) and the
-checkpoint cost against state size (`storage.py --scale`). ``--baseline DIR`` also runs the
+to 100 intervals over the same steps), goodput under preemption (`goodput.py`), the restart
+from a checkpoint (`restart.py`) and the checkpoint cost against state size
+(`storage.py --scale`). Every side's whole process (`process_s`), peak RSS and the standing
+server's CPU time meanwhile are recorded too. ``--baseline DIR`` also runs the
 flow from another checkout of prefect_jax (e.g. an older commit) for a before/after table;
 ``--render JSON`` rewrites the report from the raw results of an earlier run
 (``BENCHMARKS.json``, written beside the report). ``--profile DIR`` also runs the flow side (and the baseline) once more under pyinstrument and
 writes the profiles there (those runs are not in the tables).
 
-    uv run --group bench python benchmarks/run.py            # the full run, ~10 min on 2 CPUs
-    uv run --group bench python benchmarks/run.py --quick    # a smoke test, ~2 min
+    uv run --group bench python benchmarks/run.py               # the full run, ~45 min on 2 CPUs (goodput ~30 of them)
+    uv run --group bench python benchmarks/run.py --no-goodput  # without the preemption runs, ~12 min
+    uv run --group bench python benchmarks/run.py --quick       # a smoke test, ~7 min
 """
 
 from __future__ import annotations

@@ -27,7 +27,22 @@ def test_entry_points():
     collections = {e.name: e.value for e in entry_points(group="prefect.collections")}
     assert collections["prefect_jax"] == "prefect_jax"
     scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
-    assert scripts["prefect-jax"] == "prefect_jax.cli:main"
+    assert scripts["prefect-jax"] == "prefect_jax.cli:entry"
+
+
+def test_the_console_script_keeps_exit_codes_and_output_through_its_quick_exit(tmp_path):
+    """`entry` ends the process with os._exit after main: codes, stdout and stderr must survive it."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
+    missing = subprocess.run([script, "status", "--job", "nope", "--storage", str(tmp_path)], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no job 'nope'" in missing.stderr, missing
+    usage = subprocess.run([script, "run"], capture_output=True, text=True)  # argparse's SystemExit(2)
+    assert usage.returncode == 2 and "--program" in usage.stderr, usage
+    helped = subprocess.run([script, "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "status" in helped.stdout, helped
 
 
 @pytest.mark.usefixtures("prefect_server")
