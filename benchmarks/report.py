@@ -169,7 +169,8 @@ GAPS = {
         "Each preemption costs prefect-jax its longer start-up (previous line), which at T = 15 s is a large share "
         "of every attempt. On SIGTERM it loses no steps (the step in flight is committed) where the plain loop and "
         "Keras lose the steps since their last checkpoint; with SIGKILL all three lose those, and prefect-jax also "
-        "its start-up."
+        "its start-up. (Before this run, task runs carried the command's job tags and each went through Prefect's "
+        "concurrency-slot service, stalling ~2 s now and then: the ledger's `other` was ~10 s per job; fixed.)"
     ),
     "goodput_T60_SIGTERM": (
         "The same start-up per attempt, plus the flow-run heartbeat join and the first flow run's MLflow store "
@@ -209,7 +210,10 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
            "`vs plain` = the plain loop's uninterrupted wall / this total. The plain loop has no SIGTERM handler (a SIGTERM "
            "kills it like a SIGKILL); Keras's `BackupAndRestore` backs up at epoch ends (every "
            f"{goodput['every']} steps). prefect-jax commits the step in flight on SIGTERM.",
-           "", "Uninterrupted: " + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in un.items()) + ".", "",
+           "", "Uninterrupted: " + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in un.items()) + ". One run of each; "
+           "these two cores are shared, and a goodput above 1 means that system's uninterrupted run happened to be slower "
+           "than its interrupted ones: read differences of less than ~0.1 as noise. The ledger's own goodput (kept "
+           "training time / wall, measured inside one job) is the steadier figure.", "",
            "| T s | signal | system | attempts | total s | goodput | vs plain | rerun to first new step s (mean) |",
            "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in goodput["runs"]:

@@ -30,7 +30,7 @@ flow from another checkout of prefect_jax (e.g. an older commit) for a before/af
 (``BENCHMARKS.json``, written beside the report). ``--profile DIR`` also runs the flow side (and the baseline) once more under pyinstrument and
 writes the profiles there (those runs are not in the tables).
 
-    uv run --group bench python benchmarks/run.py               # the full run, ~45 min on 2 CPUs (goodput ~30 of them)
+    uv run --group bench python benchmarks/run.py               # the full run, ~35 min on 2 CPUs (goodput ~25 of them)
     uv run --group bench python benchmarks/run.py --no-goodput  # without the preemption runs, ~12 min
     uv run --group bench python benchmarks/run.py --quick       # a smoke test, ~7 min
 """
@@ -396,7 +396,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="a checkout of prefect_jax to run as 'before' (e.g. a git worktree)")
     parser.add_argument("--profile", help="a folder for pyinstrument profiles of the flow side")
     parser.add_argument("--render", metavar="JSON", help="only rewrite --out from the raw results of an earlier run")
-    parser.add_argument("--no-goodput", action="store_true", help="skip the goodput-under-preemption runs (goodput.py, ~45 min)")
+    parser.add_argument("--no-goodput", action="store_true", help="skip the goodput-under-preemption runs (goodput.py, ~25 min)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.render:
