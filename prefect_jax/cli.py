@@ -286,8 +286,10 @@ def _freeze_startup_objects() -> None:
     freezes its objects the same way once it is open (`Tracker`)."""
     import gc
 
+    from prefect_jax.training import tracking
+
     gc.freeze()
-    os.environ["PREFECT_JAX_GC_FREEZE"] = "1"
+    tracking.freeze_after_connect = True
 
 
 def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> None:

@@ -43,6 +43,9 @@ def strict() -> bool:
     return os.environ.get("PREFECT_JAX_MLFLOW_STRICT", "").lower() in ("1", "true", "yes")
 
 
+freeze_after_connect = False  # set by the command, which owns its process: gc.freeze() once MLflow is imported
+
+
 class TrackingWarning(UserWarning):
     """An MLflow call failed; training went on."""
 
@@ -138,7 +141,7 @@ class Tracker:
             from mlflow.tracking import MlflowClient
 
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
-            if os.environ.get("PREFECT_JAX_GC_FREEZE") == "1":  # the command froze its imports: MLflow's too
+            if freeze_after_connect:  # the command froze its imports (prefect_jax.cli): MLflow's too
                 import gc
 
                 gc.freeze()
