@@ -82,6 +82,7 @@ class GoodputLedger:
         _process_clock_taken = True
         self.attempt: dict[str, Any] | None = None
         self._restore_began: float | None = None
+        self._earlier: list[dict[str, Any]] | None = None  # the attempts before this one, as read at its first write
 
     # -- the attempt's clock ------------------------------------------------------------------
 
@@ -148,12 +149,9 @@ class GoodputLedger:
         a["seconds"] = {k: round(v, 4) for k, v in a["seconds"].items()}
         a["tail"] = [[s, round(t, 4)] for s, t in a["tail"]]
         try:
-            ledger = self.read()
-            attempts = ledger.get("attempts", [])
-            if attempts and attempts[-1].get("id") == a["id"]:
-                attempts[-1] = a
-            else:
-                attempts.append(a)
+            if self._earlier is None:  # read once: while this process holds the job's lease nobody else writes it
+                self._earlier = [e for e in self.read().get("attempts", []) if e.get("id") != a["id"]]
+            attempts = self._earlier + [a]
             if len(attempts) > MAX_ATTEMPTS_KEPT:
                 attempts = [_fold(attempts[: -MAX_ATTEMPTS_KEPT + 1])] + attempts[-MAX_ATTEMPTS_KEPT + 1 :]
             self.storage.write_json(self.path, {"attempts": attempts}, durable=False)
