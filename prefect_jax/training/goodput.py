@@ -151,17 +151,24 @@ class GoodputLedger:
         try:
             if self._earlier is None:  # read once: while this process holds the job's lease nobody else writes it
                 self._earlier = [e for e in self.read().get("attempts", []) if e.get("id") != a["id"]]
-            attempts = self._earlier + [a]
-            if len(attempts) > MAX_ATTEMPTS_KEPT:
-                attempts = [_fold(attempts[: -MAX_ATTEMPTS_KEPT + 1])] + attempts[-MAX_ATTEMPTS_KEPT + 1 :]
-            self.storage.write_json(self.path, {"attempts": attempts}, durable=False)
+            self.storage.write_json(self.path, self._ledger(), durable=False)
         except Exception:  # noqa: BLE001 - an account must never stop training
             logger.warning("could not write the goodput ledger %s", self.path, exc_info=True)
+
+    def _ledger(self) -> dict[str, Any]:
+        """The ledger as this attempt last wrote it: the earlier attempts (the oldest folded) and this one."""
+        attempts = self._earlier + [self.attempt]
+        if len(attempts) > MAX_ATTEMPTS_KEPT:
+            attempts = [_fold(attempts[: -MAX_ATTEMPTS_KEPT + 1])] + attempts[-MAX_ATTEMPTS_KEPT + 1 :]
+        return {"attempts": attempts}
 
     def read(self) -> dict[str, Any]:
         return read_ledger(self.storage)
 
     def summary(self) -> dict[str, Any]:
+        """The job's goodput: from memory once this attempt has written its entry, else from storage."""
+        if self.attempt is not None and self._earlier is not None:
+            return summarize(self._ledger())
         return summarize(self.read())
 
 
