@@ -263,6 +263,12 @@ def _run_flow(
     check = (program, job, storage, args.max_steps if role in ("train_and_evaluate", "train") else None)
     if not storage.startswith(BLOCK_PREFIX):
         _preflight(*check)  # before a server starts: refused in a fraction of a second
+    from prefect_jax.training import cluster
+
+    if role in ("train_and_evaluate", "train") and cluster.initialize() is not None and cluster.process_index() > 0:
+        with prefect_backend():  # process 1+ of several: a child flow run of process 0's
+            _freeze_startup_objects()
+            return flows.run_as_process(flow=flow, parameters=kwargs)
     with prefect_backend():
         if storage.startswith(BLOCK_PREFIX):
             _preflight(*check)  # the block is read from the server
@@ -336,10 +342,75 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_processes(args: argparse.Namespace) -> int:
+    """``--processes N``: this command N times on this machine, as the N JAX processes of one job
+    (``PREFECT_JAX_*`` set for each; process 0 runs the flow run, the others its children), all
+    on one Prefect API (the embedded server, if none is configured). SIGTERM and SIGINT go to
+    every process; when one ends with an error, the others are asked to stop (SIGTERM), then
+    killed after the grace period. Exit code: the first failure's, else 0. Only process 0
+    prints the summary."""
+    import socket
+    import subprocess
+    import time
+
+    argv, n = list(args.argv), args.processes
+    for i, a in enumerate(argv):  # this command again, without --processes
+        if a == "--processes":
+            del argv[i : i + 2]
+            break
+        if a.startswith("--processes="):
+            del argv[i]
+            break
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with prefect_backend() as api_url:
+        procs: list[subprocess.Popen] = []
+        for k in range(n):
+            env = dict(os.environ, PREFECT_API_URL=api_url, PREFECT_JAX_NUM_PROCESSES=str(n), PREFECT_JAX_PROCESS_ID=str(k),
+                       PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")  # fmt: skip
+            extra = [] if k == 0 else ["--no-progress"]
+            procs.append(subprocess.Popen([sys.executable, "-m", "prefect_jax.cli", *argv, *extra], env=env,
+                                          stdout=None if k == 0 else subprocess.DEVNULL))  # fmt: skip
+
+        def forward(signum, frame):
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            failed: int | None = None
+            deadline = None
+            while any(p.poll() is None for p in procs):
+                for k, p in enumerate(procs):
+                    if p.returncode not in (None, 0) and failed is None:
+                        failed = p.returncode
+                        print(f"prefect-jax: process {k} of {n} ended with {p.returncode}: stopping the others", file=sys.stderr)
+                        forward(signal.SIGTERM, None)
+                        deadline = time.monotonic() + args.sigterm_grace_secs + 10
+                if deadline is not None and time.monotonic() > deadline:
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+                time.sleep(0.2)
+            codes = [p.returncode for p in procs]
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    if failed is None:
+        failed = next((c for c in codes if c != 0), 0)
+    return 128 - failed if failed < 0 else failed  # a child killed by signal S: 128 + S, as a shell says
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """``run`` (train_and_evaluate), and the roles ``train``, ``evaluate``, ``export``."""
     from prefect_jax.training.tracking import default_tracking_uri
 
+    if getattr(args, "processes", 1) < 1:
+        raise ValueError(f"--processes {args.processes}: the number of JAX processes must be 1 or more")
+    if getattr(args, "processes", 1) > 1:
+        return _launch_processes(args)
     tracking_uri = args.mlflow_tracking_uri or default_tracking_uri()
     role = {"run": "train_and_evaluate"}.get(args.command, args.command)
     summary = _run_flow(args, args.program, args.job, args.storage, tracking_uri, role)
@@ -531,6 +602,12 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "export":
             role.add_argument("--step", type=int, default=None, help="the evaluated step to export (default: the newest)")
+        if name in ("run", "train"):
+            role.add_argument(
+                "--processes", type=int, default=1, metavar="N",
+                help="train as N JAX processes on this machine (data parallel, one job; default 1). On a cluster, "
+                "set PREFECT_JAX_NUM_PROCESSES & co. per process instead (see the README)",
+            )  # fmt: skip
         role.set_defaults(fn=cmd_run)
 
     status = sub.add_parser("status", help="committed, evaluated and exported steps of a job")
@@ -572,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     write_bytecode()
     _quiet_env()
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command in ("demo", "run", "train", "evaluate", "export"):
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError, StorageNotWritableError

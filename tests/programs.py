@@ -62,14 +62,10 @@ def diverges_at_33():
     return NaNDigits(nan_at=33)
 
 
-class BigDigits(DigitsProgram):
-    """Tiny digits carrying 24 MiB of random (incompressible) ballast in its state, so that a
-    checkpoint takes long enough to write that a test can kill the process in the middle of it.
-
-    Its batches come at most one per `step_secs` (one pipeline thread), so an interval lasts
-    long enough for a signal sent "mid-interval" to land there: the digits pipeline alone
-    makes a step take well under a millisecond.
-    """
+class Paced:
+    """Batches at most one per `step_secs` (one pipeline thread): an interval lasts long enough
+    for a signal sent "mid-interval" to land there (the digits pipeline alone makes a step take
+    well under a millisecond)."""
 
     step_secs = 0.01
 
@@ -84,6 +80,14 @@ class BigDigits(DigitsProgram):
 
         options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=1)
         return super().train_data(seed).map(paced).to_iter_dataset(options)
+
+
+class BigDigits(Paced, DigitsProgram):
+    """Tiny digits carrying 24 MiB of random (incompressible) ballast in its state, so that a
+    checkpoint takes long enough to write that a test can kill the process in the middle of it.
+
+    Its batches are paced (`Paced`).
+    """
 
     def init(self, rng):
         import jax
@@ -100,3 +104,11 @@ class BigDigits(DigitsProgram):
 def big():
     return BigDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
 
+
+
+class PacedDigits(Paced, DigitsProgram):
+    """Tiny digits with paced batches (several JAX processes, `test_multiprocess`)."""
+
+
+def paced():
+    return PacedDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)

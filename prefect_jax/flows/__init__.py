@@ -178,6 +178,10 @@ def _progress_artifact(step: int, max_steps: int, job: str):
 
 
 def _evaluate_and_export(config: JobConfig, step: int) -> None:
+    from prefect_jax.training import cluster
+
+    if cluster.joined() is not None and cluster.process_index() != 0:
+        return  # process 0 evaluates and exports; no task runs that only say so
     result = evaluate_if_new(config, step)
     if config.eval.exporters:  # no task run per interval for exporters that are not there
         export(config, result)
@@ -185,28 +189,104 @@ def _evaluate_and_export(config: JobConfig, step: int) -> None:
 
 def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str | None]:
     """Train (and, in local mode, evaluate and export) until max_steps or a stop request."""
-    from prefect_jax.training.control import stop_requested
-    from prefect_jax.training.storage import JobStorage
+    from prefect_jax.training.live import get_trainer
 
     max_steps = config.train.max_steps
+    # The live trainer's view of a stop request: with several processes, process 0's, in all of them.
+    stop_requested = get_trainer(config).stop_requested
     progress = _progress_artifact(step, max_steps, config.job)
     if evaluate and step > 0:
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
         _evaluate_and_export(config, step)
-    storage = JobStorage(config.storage, config.job, config.storage_options)
     try:
         while step < max_steps:
-            stop = stop_requested(storage)
+            stop = stop_requested()
             if stop is not None:
                 return step, stop.get("reason")
             step = train_until_checkpoint(config, step)
             publisher.submit(update_progress_artifact, progress, **_progress(step, max_steps, config.job))
             if evaluate:
                 _evaluate_and_export(config, step)
-        stop = stop_requested(storage)
+        stop = stop_requested()
         return step, stop.get("reason") if stop else None
     finally:
         publisher.flush()
+
+
+def _join_processes() -> None:
+    """Several JAX processes train this job (`prefect_jax.training.cluster`, from the environment):
+    join them, and, in process 0, tell the others this flow run, whose children they run
+    (`run_as_process`). One process: nothing (JAX is not even imported)."""
+    from prefect.runtime import flow_run
+
+    from prefect_jax.training import cluster
+
+    if cluster.initialize() is not None and cluster.process_index() == 0:
+        cluster.publish("flow_run", str(flow_run.id))
+
+
+_TRAINING_FLOWS = ("train_and_evaluate", "train")
+
+
+def run_as_process(parent_flow_run_id: str | None = None, flow=None, parameters: dict[str, Any] | None = None) -> Any:
+    """Process k > 0 of a job trained by several JAX processes: run this process's part of
+    process 0's flow run, as a child flow run of it (``<parent name>-process-<k>``, shown under
+    the parent in the UI, through a ``process <k>`` task run there).
+
+    Every process runs the same flow body, so they make the same collective calls in the same
+    order; where a decision could differ (a stop request, a preemption notice, a checkpoint due
+    by time) process 0's or the union is used. Process 0 alone evaluates, exports, holds the
+    lease and writes MLflow.
+
+    Args:
+        parent_flow_run_id: process 0's flow run (default: the one process 0 published, or
+            ``PREFECT__FLOW_RUN_ID``, which a Kubernetes indexed job gives every pod).
+        flow: the flow (default: the parent's, `train_and_evaluate` or `train`).
+        parameters: its parameters (default: the parent's).
+
+    Returns:
+        The child flow run's result (the flow's summary).
+    """
+    import os
+    from uuid import UUID
+
+    from prefect import Task
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+    from prefect.states import Completed, Failed, Running
+
+    from prefect_jax.training import cluster
+
+    if cluster.initialize() is None or cluster.process_index() == 0:
+        raise ValueError(
+            "run_as_process is for the JAX processes other than process 0 of a job: set PREFECT_JAX_NUM_PROCESSES, "
+            "PREFECT_JAX_PROCESS_ID (1 or more) and PREFECT_JAX_COORDINATOR_ADDRESS, or run it in pod 1+ of an indexed job"
+        )
+    index = cluster.process_index()
+    parent_id = parent_flow_run_id or os.environ.get("PREFECT__FLOW_RUN_ID") or cluster.lookup("flow_run")
+    with get_client(sync_client=True) as client:
+        parent = client.read_flow_run(UUID(str(parent_id)))
+        if flow is None:
+            name = client.read_flow(parent.flow_id).name
+            if name not in _TRAINING_FLOWS:
+                raise ValueError(f"flow run {parent_id} runs flow {name!r}: only {_TRAINING_FLOWS} train in several processes")
+            flow = globals()[name]
+        parameters = dict(parent.parameters) if parameters is None else parameters
+        link = Task(name=f"process {index}", fn=lambda: None)
+        link.task_key = f"prefect_jax.flows.run_as_process.{index}"
+        link_run = client.create_task_run(
+            task=link, flow_run_id=parent.id, dynamic_key=f"{index}-{parent.run_count}", state=Running()
+        )
+        child = client.create_flow_run(
+            flow, name=f"{parent.name}-process-{index}", parameters=parameters, parent_task_run_id=link_run.id,
+            tags=[t for t in parent.tags if t != "prefect-jax"] + ["prefect-jax", f"jax-process:{index}"],
+        )  # fmt: skip
+    # The flow's own flow_run_name template would rename the child as its parent on start.
+    state = run_flow(flow.with_options(flow_run_name=child.name), flow_run=child, parameters=parameters, return_type="state")
+    with get_client(sync_client=True) as client:
+        ended = Completed() if state.is_completed() else Failed(message=f"process {index}: {state.message}")
+        client.set_task_run_state(link_run.id, ended, force=True)
+    return state.result()
 
 
 def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
@@ -309,6 +389,7 @@ def train_and_evaluate(
         program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment,
         compilation_cache_dir,
     )  # fmt: skip
+    _join_processes()
     step = restore_or_init(config, checkpoint_path=checkpoint_path)["step"]
     step, stopped = _train_loop(config, step, evaluate=True)
     summary = _summary(config, stopped)
@@ -353,6 +434,7 @@ def train(
         program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment,
         compilation_cache_dir,
     )  # fmt: skip
+    _join_processes()
     step = restore_or_init(config, checkpoint_path=checkpoint_path)["step"]
     step, stopped = _train_loop(config, step, evaluate=False)
     summary = _summary(config, stopped)

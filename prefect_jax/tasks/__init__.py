@@ -298,8 +298,15 @@ def _tag_flow_run(flow_run_id: str, tags: list[str]) -> None:
 
 def retry_if_transient(task, task_run, state) -> bool:
     """Retry I/O errors, timeouts and preemptions; fail at once on a bad program, a checkpoint
-    that does not fit, a NaN loss or a job held by another trainer."""
+    that does not fit, a NaN loss or a job held by another trainer. With several JAX processes,
+    never: a task retried in one process alone would wait forever for the others (the group's
+    rerun resumes them all from the newest committed step)."""
+    from prefect_jax.training import cluster
     from prefect_jax.training.errors import is_transient
+
+    if cluster.joined() is not None:
+        get_run_logger().error("not retrying: this job trains in %d JAX processes, which are rerun together", cluster.process_count())
+        return False
 
     try:
         exc = state.result(raise_on_failure=False)

@@ -17,6 +17,7 @@ import zlib
 from typing import Any, Callable
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 from prefect_jax.training.specs import CheckpointSpec
@@ -212,8 +213,8 @@ class Checkpoints:
     def _checksum_step_in_flight(self) -> None:
         """Orbax calls this on its save thread once the items are final and before the step's
         temporary directory becomes ``<step>``: the manifest is part of the same commit."""
-        if self._saving is None or "://" in self.directory:
-            return
+        if self._saving is None or "://" in self.directory or jax.process_index() != 0:
+            return  # several processes: process 0 finalizes the step, once every process wrote its part
         found = glob.glob(os.path.join(glob.escape(self.directory), f"{self._saving}.orbax-checkpoint-tmp*"))
         if len(found) == 1:
             write_manifest(found[0])
@@ -288,10 +289,33 @@ class Checkpoints:
             logger.warning("checkpoint step %d in %s has no checksums (written before prefect-jax wrote them): "
                            "restored unverified", step, self.directory)  # fmt: skip
         items = {"state": ocp.args.StandardRestore(abstract)}
-        if data_iter is not None:
+        other_layout = data_iter is not None and self._data_written_by_other_processes(step)
+        if data_iter is not None and not other_layout:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         restored = self.manager.restore(int(step), args=ocp.args.Composite(**items))
+        if other_layout:
+            self._restore_data_position(step, data_iter, other_layout)
         return from_savable(restored["state"], abstract_state), meta
+
+    def _data_written_by_other_processes(self, step: int) -> str | None:
+        """The iterator state file of process 0, when the step was written by another number of
+        processes than this job has now (None: the same number; Grain restores each process's own)."""
+        data = os.path.join(self.directory, str(step), "data")
+        own = os.path.join(data, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+        if "://" in self.directory or not os.path.isdir(data) or os.path.exists(own):
+            return None
+        first = sorted(glob.glob(os.path.join(glob.escape(data), "process_0-of-*.json")))
+        return first[0] if first else None
+
+    @staticmethod
+    def _restore_data_position(step: int, data_iter, path: str) -> None:
+        """Every process of a job reads the same batches (the loop splits each one over the
+        devices), so process 0's position is every process's, on any number of processes."""
+        with open(path) as f:
+            data_iter.set_state(json.load(f))
+        logger.warning("step %d was written by %s processes, restored into %d: the data position of its process 0 "
+                       "(%s) applies to each", step, os.path.basename(path).split("-of-")[1].split(".")[0],
+                       jax.process_count(), os.path.basename(path))  # fmt: skip
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -22,6 +22,8 @@ class EvalStatus(str, enum.Enum):
     # A checkpoint a preemption notice made off the every_steps cadence: kept to resume from,
     # never evaluated or exported (an interrupted job then evaluates the steps an uninterrupted one does).
     PREEMPTION_CHECKPOINT = "PREEMPTION_CHECKPOINT"
+    # One of several JAX processes other than process 0, which alone evaluates (on its replica).
+    OTHER_PROCESS = "OTHER_PROCESS"
 
 
 class EvalResult(BaseModel):

@@ -49,6 +49,12 @@ def process_index() -> int:
     return jax.process_index()
 
 
+def process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
 class Job:
     """The storage side of one job.
 
@@ -63,6 +69,13 @@ class Job:
         self.run_tags = dict(run_tags or {})
         self.is_primary = process_index() == 0
         self.storage = JobStorage(config.storage, config.job, config.storage_options)
+        self.processes = process_count()
+        if self.processes > 1 and not self.storage.orbax_native:
+            raise ValueError(
+                f"storage {redact_url(config.storage)!r}: {self.processes} JAX processes write one checkpoint together, "
+                "which Orbax does only on storage every process reaches by path: a shared file system (NFS, a "
+                "ReadWriteMany volume) or gs://. Use one of those, or train this job in one process"
+            )
         if self.is_primary:
             self.storage.check_writable()  # a refused write is found before anything is changed
         self.remote: RemoteSteps | None = None
@@ -98,6 +111,14 @@ class Job:
         """The writer's view after a crash: torn local steps moved aside; for remote storage,
         partial uploads removed and staged steps that never got uploaded dropped (they do not count)."""
         self.checkpoints.wait()
+        if self.processes > 1:
+            from prefect_jax.training.cluster import barrier
+
+            if self.is_primary:  # the others wait, then see what it left
+                self.checkpoints.quarantine_uncommitted()
+            barrier("prefect_jax.prepare_restore")
+            self.checkpoints.manager.reload()
+            return
         if self.remote is None:
             self.checkpoints.quarantine_uncommitted()
             return

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import grain
 import jax
+import numpy as np
 
 from prefect_jax.training.evaluation import aggregate
 from prefect_jax.training.specs import TrainSpec
@@ -50,8 +51,6 @@ def notify_progress(step: int, max_steps: int, metrics: dict[str, float]) -> Non
 
 def guard_int(value: int):
     """An int32 scalar for the step guard: a numpy scalar, so making one dispatches nothing."""
-    import numpy as np
-
     return np.int32(value)
 
 
@@ -106,8 +105,6 @@ def scanned(step: Callable) -> Callable:
 
 def stack(batches: list):
     """K host batches (pytrees of arrays) as one pytree with a leading axis of K."""
-    import numpy as np
-
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
@@ -159,6 +156,18 @@ class Loop:
         # On one device (CPU, or one GPU) the state is committed to it, so that the compile done
         # ahead of time (`start_precompile`) is the one the loop finds; several devices: no precompile.
         self.one_device = jax.sharding.SingleDeviceSharding(devices[0]) if len(devices) == 1 else None
+        # Several JAX processes (`prefect_jax.training.cluster`): data parallel over every device
+        # of every process; the state is replicated, each batch split along its first axis.
+        self.processes = jax.process_count()
+        self.mesh = self.replicated = self.batch_sharding = None
+        if len(devices) > 1:
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+            self.mesh = Mesh(np.array(devices), ("data",))
+            self.replicated = NamedSharding(self.mesh, PartitionSpec())
+            self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+            self._stacked_sharding = NamedSharding(self.mesh, PartitionSpec(None, "data"))
+        self.state_sharding = self.one_device or self.replicated
 
     # -- state and data ------------------------------------------------------------------
 
@@ -166,7 +175,10 @@ class Loop:
     def abstract_state(self):
         """``jax.eval_shape`` of init: the structure a restore must match."""
         if self._abstract is None:
-            self._abstract = jax.eval_shape(self.program.init, self.rng)
+            shapes = jax.eval_shape(self.program.init, self.rng)
+            # With the sharding the live state has: a checkpoint written by another number of
+            # devices or processes is restored into this one's layout (Orbax reshards it).
+            self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.state_sharding), shapes)
         return self._abstract
 
     def init_state(self):
@@ -175,9 +187,9 @@ class Loop:
         Run op by op, init dispatches (and compiles) every operation on its own: seconds for a
         small MLP, while the train step compiles on another thread. An init that cannot be
         traced (it reads values on the host) runs eagerly."""
-        if self.one_device is not None:
+        if self.state_sharding is not None:
             try:
-                return jax.jit(self.program.init, out_shardings=self.one_device)(self.rng)
+                return jax.jit(self.program.init, out_shardings=self.state_sharding)(self.rng)
             except TypeError:  # jax.errors.ConcretizationTypeError and kin, or a leaf that is not an array
                 logger.debug("init cannot be jitted: running it op by op", exc_info=True)
         return self.program.init(self.rng)
@@ -186,8 +198,37 @@ class Loop:
         return iterate(self.program.train_data(self.spec.seed), getattr(self.program, "read_options", None))
 
     def place(self, state):
-        """Commit a state to the one device (a restored state already is; an initialised one is not)."""
-        return jax.device_put(state, self.one_device) if self.one_device is not None else state
+        """Commit a state to the one device, or replicate it over every device (a restored state
+        already is; an initialised one may not be)."""
+        return jax.device_put(state, self.state_sharding) if self.state_sharding is not None else state
+
+    def local(self, tree):
+        """This process's own replica of a replicated state (several processes: a jitted call
+        on it runs here alone, as process 0's evaluations and exports do); else `tree`."""
+        if self.processes == 1:
+            return tree
+        return jax.tree.map(lambda a: a.addressable_data(0) if isinstance(a, jax.Array) else a, tree)
+
+    def batch(self, host_batch, axis: int = 0):
+        """A batch for the step: as it is on one device; else split along `axis` over every
+        device, each process giving its own part (every process reads the same batch, so a job
+        trains the same global batches on any number of processes)."""
+        if self.batch_sharding is None:
+            return host_batch
+        devices, index, count = len(self.mesh.devices.flat), jax.process_index(), self.processes
+        sharding = self.batch_sharding if axis == 0 else self._stacked_sharding
+
+        def part(x):
+            x = np.asarray(x)
+            if x.ndim <= axis or x.shape[axis] % devices:
+                raise ValueError(
+                    f"a train batch leaf of shape {x.shape} cannot be split over {devices} devices along axis {axis}: "
+                    f"make the batch size a multiple of {devices} (the devices of all {count} processes)"
+                )
+            size = x.shape[axis] // count
+            return jax.make_array_from_process_local_data(sharding, np.take(x, np.arange(index * size, (index + 1) * size), axis=axis))
+
+        return jax.tree.map(part, host_batch)
 
     # -- compilation ---------------------------------------------------------------------
 
@@ -199,7 +240,6 @@ class Loop:
         real call to report."""
         if self._precompiling is not None or self.one_device is None:
             return
-        import numpy as np
 
         def spec(tree):
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
@@ -249,6 +289,8 @@ class Loop:
         # On the device, as every later guard (the step's output) is: a host guard would make
         # the first call compile an executable of its own.
         guard = self.place((guard_int(step), guard_int(-1)))
+        if self.processes > 1:
+            from prefect_jax.training.cluster import any_process
         checked = None  # the guard of the previous log point
         first = self.compile_s is None  # this process's first step: timed to the end (compile or cache load)
         t_first = time.perf_counter()
@@ -256,11 +298,11 @@ class Loop:
         while step < target:
             start = step
             if per_dispatch == 1:
-                state, metrics, guard = self.train_step(state, next(it), guard)
+                state, metrics, guard = self.train_step(state, self.batch(next(it)), guard)
                 step += 1
             else:
                 n = min(per_dispatch, target - step)
-                state, metrics, guard = self.scan_steps(state, stack([next(it) for _ in range(n)]), guard)
+                state, metrics, guard = self.scan_steps(state, self.batch(stack([next(it) for _ in range(n)]), axis=1), guard)
                 step += n
             if first:
                 jax.block_until_ready(guard)
@@ -273,8 +315,11 @@ class Loop:
                 checked = guard
                 if _progress_listeners:
                     notify_progress(step, spec.max_steps, metrics_at(*logged[-1][1:]))
-            if stop():
-                break
+            if self.processes == 1:
+                if stop():
+                    break
+            elif due and step < target and any_process(stop())[0]:
+                break  # several processes stop together, at a log point, if any of them asks
         self.check_finite(guard, logged)
         return Interval(state, step, logged)
 

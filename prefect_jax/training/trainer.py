@@ -33,6 +33,9 @@ from typing import Any
 from prefect_jax.training import control
 from prefect_jax.training import exporters as exp
 from prefect_jax.training.checkpoints import CorruptCheckpointError, state_fingerprint
+from prefect_jax.training.cluster import any_process, from_primary
+from prefect_jax.training.cluster import initialize as initialize_cluster
+from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
 from prefect_jax.training.errors import NonFiniteLossError, PastMaxStepsError, Preempted
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.job import Job
@@ -62,6 +65,7 @@ class Trainer:
     """
 
     def __init__(self, config: JobConfig, program: Any = None, run_tags: dict[str, str] | None = None):
+        initialize_cluster()  # several JAX processes (from the environment): joined before JAX picks its devices
         self.config = config
         self.program = program if program is not None else load_program(config.program)
         self.job = Job(config, run_tags)
@@ -107,7 +111,14 @@ class Trainer:
         return self.job.committed_steps()
 
     def stop_requested(self) -> dict | None:
-        return self.job.stop_requested()
+        """The job's durable stop request, if any. With several processes, process 0's answer in
+        every process (a collective: they all call it at the same point, and agree whether to go on)."""
+        if self.job.processes == 1:
+            return self.job.stop_requested()
+        stop = self.job.stop_requested() if self.job.is_primary else None
+        if not from_primary(stop is not None):
+            return None
+        return stop or self.job.stop_requested() or {"reason": "stop requested (see process 0)"}
 
     # -- restore ---------------------------------------------------------------------
 
@@ -223,6 +234,10 @@ class Trainer:
                 self.state, self.step = interval.state, interval.step
                 self._account_interval(time.perf_counter() - started)
                 rows = self._train_rows(interval.logged)
+                # Several processes: a notice any of them got ends the interval in all of them,
+                # at the same step, which all of them checkpoint (a collective, once per interval).
+                if self.job.processes > 1 and any_process(notice.requested)[0]:
+                    notice.signum = notice.signum or 0
                 if notice.requested:
                     notice.handling = True
                     self._end_on_sigterm(rows)
@@ -309,8 +324,9 @@ class Trainer:
         self.lease.release()
         step, signum = self.step, self._guard.signum
         self._forget_live_state()
-        self._guard.forward()
-        raise Preempted(step, committed, signum)
+        if signum:  # 0: another process got the notice; this one saved the same step and ends too
+            self._guard.forward()
+        raise Preempted(step, committed, signum or None)
 
     def _require_live(self):
         if self.state is None:
@@ -335,6 +351,8 @@ class Trainer:
 
     def _evaluate_if_new(self, step: int | None, force: bool) -> EvalResult:
         spec = self.config.eval
+        if not self.job.is_primary:  # process 0 evaluates its replica; the others go on training
+            return EvalResult(status=EvalStatus.OTHER_PROCESS, name=spec.name, step=step)
         if self.lease.held:  # the trainer evaluating its own steps (local mode)
             self._guard.install()
         if step is None:
@@ -399,8 +417,15 @@ class Trainer:
             return False
 
     def _state_at(self, step: int):
+        """The state at `step` in this process alone: the live one (this process's replica), or restored."""
         if self.state is not None and self.step == step:
-            return self.state
+            return self.loop.local(self.state)
+        if self.job.processes > 1:  # into this process's first device only
+            import jax
+
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), self.abstract_state)
+            return self.job.restore(step, abstract)[0]
         return self.job.restore(step, self.abstract_state)[0]
 
     def _committed(self, step: int) -> bool:
@@ -534,7 +559,7 @@ class Trainer:
 
     def fingerprint(self) -> str:
         self._require_live()
-        return state_fingerprint(self.state)
+        return state_fingerprint(self.loop.local(self.state))
 
     def goodput(self) -> dict[str, Any]:
         """The job's goodput so far, over every attempt (see `prefect_jax.training.goodput`)."""
@@ -553,6 +578,8 @@ class Trainer:
                 self.job.goodput.end({"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower()))
                 self._log_goodput()
             self.job.finish(status)
+            if status == "FINISHED":
+                mark_cluster_finished()
         finally:
             self._guard.uninstall()
 

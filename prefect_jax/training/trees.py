@@ -32,9 +32,13 @@ def to_savable(tree):
 
 
 def abstract_savable(abstract):
-    return jax.tree_util.tree_map(
-        lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x, abstract
-    )
+    def savable(x):
+        if not _is_key(x):
+            return x
+        raw = jax.eval_shape(jax.random.key_data, x)
+        return jax.ShapeDtypeStruct(raw.shape, raw.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree_util.tree_map(savable, abstract)
 
 
 def from_savable(tree, abstract):

@@ -1,0 +1,289 @@
+"""The cluster a job trains on: TensorFlow's ``TF_CONFIG``, for JAX processes.
+
+One JAX process per host (or per GPU), all running the same program in lockstep (SPMD):
+`jax.distributed.initialize` joins them, `Loop` trains data-parallel over every process's
+devices, Orbax writes each process's part of a checkpoint and Grain's iterator state is saved
+per process, in the same step. Process 0 is the chief: it alone holds the job's lease, writes
+eval records and exports and talks to MLflow (`Job.is_primary`).
+
+Where the cluster comes from, first match wins (`from_env`):
+
+1. ``PREFECT_JAX_NUM_PROCESSES`` (> 1) with ``PREFECT_JAX_COORDINATOR_ADDRESS`` (``host:port``
+   of process 0) and the process id in ``PREFECT_JAX_PROCESS_ID``, or else
+   ``JOB_COMPLETION_INDEX`` (a Kubernetes Indexed Job or JobSet sets it per pod).
+2. ``CLUSTER_SPEC`` (Vertex AI custom jobs with several replicas) or ``TF_CONFIG`` (what
+   TensorFlow jobs already carry): the first host of the first pool (``workerpool0`` or
+   ``chief``) coordinates; processes are numbered pool by pool.
+3. SLURM (``SLURM_JOB_ID`` with ``SLURM_NTASKS`` > 1), Open MPI, or a Cloud TPU slice: JAX's
+   own cluster detection (``jax.distributed.initialize()`` with no arguments).
+4. Nothing: one process.
+
+Example:
+    ```python
+    cluster = from_env({"PREFECT_JAX_NUM_PROCESSES": "2", "PREFECT_JAX_PROCESS_ID": "1",
+                        "PREFECT_JAX_COORDINATOR_ADDRESS": "10.0.0.5:8476"})
+    print(cluster)  # 2 processes, this is process 1, coordinator 10.0.0.5:8476 (PREFECT_JAX_*)
+    ```
+
+This module imports jax only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+NUM_PROCESSES = "PREFECT_JAX_NUM_PROCESSES"
+PROCESS_ID = "PREFECT_JAX_PROCESS_ID"
+COORDINATOR = "PREFECT_JAX_COORDINATOR_ADDRESS"
+DEFAULT_PORT = 8476  # JAX's documented default coordinator port
+
+
+class ClusterConfigError(ValueError):
+    """The environment describes a cluster that cannot be joined (the message names the variable)."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Who trains a job together: `num_processes` JAX processes, this one `process_id`.
+
+    `coordinator_address` is process 0's ``host:port``. `auto` leaves the three to JAX's own
+    detection (SLURM, Open MPI, Cloud TPU). `source` says where they came from.
+    """
+
+    num_processes: int | None
+    process_id: int | None
+    coordinator_address: str | None
+    source: str
+    auto: bool = False
+
+    def __str__(self) -> str:
+        if self.auto:
+            return f"a cluster JAX detects itself ({self.source})"
+        return (f"{self.num_processes} processes, this is process {self.process_id}, "
+                f"coordinator {self.coordinator_address} ({self.source})")  # fmt: skip
+
+
+def _int(env: Mapping[str, str], name: str, fix: str) -> int:
+    raw = env.get(name, "")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ClusterConfigError(f"{name}={raw!r} is not an integer: {fix}") from None
+
+
+def _address(value: str, name: str) -> str:
+    host, _, port = value.rpartition(":")
+    if not host:
+        return f"{value}:{DEFAULT_PORT}"
+    if not port.isdigit():
+        raise ClusterConfigError(f"{name}={value!r} is not host:port (for example 10.0.0.5:{DEFAULT_PORT})")
+    return value
+
+
+def _checked(n: int, pid: int, coordinator: str, source: str, pid_name: str) -> ClusterConfig:
+    if n < 1:
+        raise ClusterConfigError(f"{NUM_PROCESSES}={n}: the number of JAX processes must be at least 1")
+    if not 0 <= pid < n:
+        raise ClusterConfigError(
+            f"{pid_name}={pid} is outside 0..{n - 1} for {n} processes: number the processes 0 to {n - 1} "
+            "(process 0 coordinates and writes MLflow, eval records and exports)"
+        )
+    return ClusterConfig(n, pid, coordinator, source)
+
+
+def _from_spec(raw: str, name: str) -> ClusterConfig | None:
+    """``CLUSTER_SPEC`` (Vertex AI) or ``TF_CONFIG``: ``{"cluster": {pool: [host:port, ...]}, "task": {"type", "index"}}``."""
+    try:
+        spec = json.loads(raw)
+        cluster, task = spec["cluster"], spec["task"]
+        pools = [p for p in ("chief", "master", "workerpool0", "worker", "workerpool1", "workerpool2", "workerpool3")
+                 if cluster.get(p)]  # fmt: skip
+        # An evaluator pool (TF) or a parameter-server pool is not part of the training processes.
+        kind, index = task["type"], int(task.get("index", 0))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ClusterConfigError(f"{name} is not a cluster spec with 'cluster' and 'task' ({exc!r}): {raw[:200]!r}") from None
+    if not pools or kind not in pools:
+        return None  # an evaluator or parameter server: trains alone, if at all
+    hosts = [h for p in pools for h in cluster[p]]
+    if len(hosts) < 2:
+        return None
+    pid = sum(len(cluster[p]) for p in pools[: pools.index(kind)]) + index
+    return _checked(len(hosts), pid, _address(hosts[0], name), name, f"{name} task index")
+
+
+def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig | None:
+    """The cluster this process belongs to, from its environment (see the module); None: one process.
+
+    Raises:
+        ClusterConfigError: a variable is malformed or inconsistent; the message names it.
+    """
+    env = os.environ if env is None else env
+    if env.get(NUM_PROCESSES):
+        n = _int(env, NUM_PROCESSES, "set it to the number of JAX processes that train the job together")
+        if n == 1:
+            return None
+        if env.get(PROCESS_ID):
+            pid, pid_name, source = _int(env, PROCESS_ID, "set it to this process's index, 0 to N-1"), PROCESS_ID, "PREFECT_JAX_*"
+        elif env.get("JOB_COMPLETION_INDEX"):
+            pid_name, source = "JOB_COMPLETION_INDEX", "Kubernetes indexed job"
+            pid = _int(env, pid_name, "it is set by Kubernetes for completionMode: Indexed")
+        else:
+            raise ClusterConfigError(
+                f"{NUM_PROCESSES}={n} but this process's index is unknown: set {PROCESS_ID} (0 to {n - 1}), "
+                "or run it as a pod of a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)"
+            )
+        if not env.get(COORDINATOR):
+            raise ClusterConfigError(
+                f"{NUM_PROCESSES}={n} but {COORDINATOR} is not set: set it to process 0's host:port, for example "
+                f"localhost:{DEFAULT_PORT} on one machine, or <job>-0.<headless service>:{DEFAULT_PORT} on Kubernetes"
+            )
+        return _checked(n, pid, _address(env[COORDINATOR], COORDINATOR), source, pid_name)
+    for name in ("CLUSTER_SPEC", "TF_CONFIG"):
+        if env.get(name):
+            found = _from_spec(env[name], name)
+            if found is not None:
+                return found
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_NTASKS", "1").isdigit() and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return ClusterConfig(None, None, None, "SLURM", auto=True)
+    if env.get("OMPI_COMM_WORLD_SIZE", "1").isdigit() and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return ClusterConfig(None, None, None, "Open MPI", auto=True)
+    if env.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
+        return ClusterConfig(None, None, None, "Cloud TPU", auto=True)
+    return None
+
+
+_joined: ClusterConfig | None = None
+
+
+def initialize(cluster: ClusterConfig | None = None, timeout_secs: int = 300) -> ClusterConfig | None:
+    """Join the job's JAX processes (once per process; before anything asks JAX for its devices).
+
+    On CPU the processes talk through gloo. JAX's preemption service is left off: it would take
+    SIGTERM from Prefect and from the trainer, which agrees with the other processes on the step
+    to save itself (`any_process`, at log points); the SIGTERM handler that was there before is
+    kept in any case.
+    """
+    global _joined
+    cluster = from_env() if cluster is None else cluster
+    if cluster is None or _joined is not None:
+        return _joined
+    import jax
+    from jax._src import distributed
+
+    if distributed.global_state.client is not None:  # the caller initialised JAX itself
+        _joined = cluster
+        return cluster
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_enable_preemption_service", False)
+    previous = signal.getsignal(signal.SIGTERM)
+    # A process that died is noticed by the others within `heartbeat` seconds (JAX's default: 100).
+    heartbeat = int(os.environ.get("PREFECT_JAX_HEARTBEAT_TIMEOUT_SECS", "30"))
+    kwargs: dict[str, Any] = {"initialization_timeout": timeout_secs, "heartbeat_timeout_seconds": heartbeat}
+    if not cluster.auto:
+        kwargs.update(coordinator_address=cluster.coordinator_address, num_processes=cluster.num_processes,
+                      process_id=cluster.process_id)  # fmt: skip
+    logger.info("joining the job's JAX processes: %s", cluster)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception as exc:
+        raise ClusterConfigError(
+            f"could not join the JAX processes ({cluster}): {exc}. Every process must start within "
+            f"{timeout_secs}s and reach the coordinator's address; check it and the port"
+        ) from exc
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+    _joined = cluster
+    atexit.register(_leave)  # runs before JAX's own exit handler (registered when jax was imported)
+    return cluster
+
+
+_finished = False
+
+
+def mark_finished() -> None:
+    """This process finished its part of the job: at exit, leave the cluster JAX's way (a barrier
+    every process reaches)."""
+    global _finished
+    _finished = True
+
+
+def _leave() -> None:
+    """At exit of a process that did not finish (an error, a lost peer, a preemption): skip JAX's
+    shutdown barrier, which would wait for every other process, a dead one for the whole
+    heartbeat timeout, and then abort this one. The job's state is in its committed checkpoints."""
+    if _joined is not None and not _finished:
+        try:
+            from jax._src import api
+
+            atexit.unregister(api.clean_up)
+        except (ImportError, AttributeError):  # another JAX: its own exit, slow but correct
+            pass
+
+
+def joined() -> ClusterConfig | None:
+    """The cluster `initialize` joined in this process, if any."""
+    return _joined
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def any_process(*flags: bool) -> tuple[bool, ...]:
+    """For each flag, whether it is set in any process (a collective: every process calls it at
+    the same point). One process: the flags as they are."""
+    if process_count() == 1:
+        return tuple(bool(f) for f in flags)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.array([bool(f) for f in flags]))
+    return tuple(bool(x) for x in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0))
+
+
+def from_primary(flag: bool) -> bool:
+    """Process 0's `flag`, in every process (a collective). One process: `flag`."""
+    if process_count() == 1:
+        return bool(flag)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.array(bool(flag))))
+
+
+def barrier(name: str) -> None:
+    """Wait until every process got here (no-op with one process)."""
+    if process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def publish(key: str, value: str) -> None:
+    """Put `value` in the coordination service's key-value store (process 0 tells the others)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.key_value_set(f"prefect_jax/{key}", value, allow_overwrite=True)
+
+
+def lookup(key: str, timeout_secs: float = 300) -> str:
+    """A value `publish` put (waits for it)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client.blocking_key_value_get(f"prefect_jax/{key}", int(timeout_secs * 1000))
