@@ -515,6 +515,40 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_process(args: argparse.Namespace) -> int:
+    """``prefect-jax process [--processes N --service S] -- <the worker's flow-run command>``: the
+    command of every replica of a multi-process work pool. It finds this process's place from
+    the environment (a Kubernetes indexed job: ``--processes``, ``JOB_COMPLETION_INDEX`` and
+    ``JOB_NAME``, process 0 being ``<job>-0.<service>:<port>``; Vertex AI: ``CLUSTER_SPEC``; or
+    ``PREFECT_JAX_*``), then process 0 runs the flow run (the command after ``--``, ``prefect
+    flow-run execute`` by default) and every other process runs its child flow run
+    (`prefect_jax.flows.run_as_process`)."""
+    from prefect_jax.training import cluster
+
+    env = os.environ
+    if args.processes is not None and args.processes < 1:
+        raise ValueError(f"--processes={args.processes}: the number of JAX processes must be 1 or more")
+    if args.processes is not None:
+        env.setdefault(cluster.NUM_PROCESSES, str(args.processes))
+    if not env.get(cluster.COORDINATOR) and (args.processes or 1) > 1:
+        if not env.get("JOB_NAME") or not args.service:
+            raise ValueError(
+                f"no coordinator address: set {cluster.COORDINATOR} (process 0's host:port), or run in an indexed job's pod "
+                "with JOB_NAME (the job's name, from the downward API) and --service (its headless service)"
+            )
+        env[cluster.COORDINATOR] = f"{env['JOB_NAME']}-0.{args.service}:{args.coordinator_port}"
+    command = [a for a in args.command if a != "--"] or ["prefect", "flow-run", "execute"]
+    found = cluster.from_env()
+    if found is None or found.process_id == 0:
+        sys.stdout.flush()
+        os.execvp(command[0], command)  # process 0 (or the only one): the flow run itself
+    from prefect_jax import flows
+
+    with prefect_backend():
+        flows.run_as_process()
+    return 0
+
+
 def cmd_automations_create(args: argparse.Namespace) -> int:
     from prefect_jax.deployments.automations import create_rerun_automation
 
@@ -609,6 +643,17 @@ def build_parser() -> argparse.ArgumentParser:
                 "set PREFECT_JAX_NUM_PROCESSES & co. per process instead (see the README)",
             )  # fmt: skip
         role.set_defaults(fn=cmd_run)
+
+    process = sub.add_parser(
+        "process", help="one pod of a multi-process work pool: process 0 runs the flow run, the others join it",
+        description=cmd_process.__doc__.split("\n\n")[0].replace("``", "'"),
+    )  # fmt: skip
+    process.add_argument("--processes", type=int, default=None, metavar="N",
+                         help="how many JAX processes train the job (default: from the environment, e.g. Vertex's CLUSTER_SPEC)")
+    process.add_argument("--service", default=None, help="the indexed job's headless service (process 0's address)")
+    process.add_argument("--coordinator-port", type=int, default=8476, help="process 0's coordinator port (default 8476)")
+    process.add_argument("command", nargs=argparse.REMAINDER, help="-- and the worker's command for process 0")
+    process.set_defaults(fn=cmd_process)
 
     status = sub.add_parser("status", help="committed, evaluated and exported steps of a job")
     status.add_argument("--job", required=True)

@@ -7,6 +7,11 @@
   ``JAX_PLATFORMS=cuda`` in the default env.
 - ``vertex-ai-gpu.json`` / ``vertex-ai-tpu.json``: job variables for a Vertex AI work pool
   (prefect-gcp's ``vertex-ai`` worker): an L4 GPU, or a TPU v5e slice, on Spot capacity.
+- Several JAX processes per flow run (`prefect_jax.training.cluster`):
+  ``kubernetes-gpu-multiprocess.json`` (an indexed job of ``num_processes`` GPU pods, with
+  ``kubernetes-headless-service.yaml`` for their DNS names) and
+  ``vertex-ai-tpu-multiprocess.json`` (workerpool0 plus ``workers`` replicas in workerpool1).
+  Every replica runs ``prefect-jax process``: process 0 the flow run, the others its children.
 - `automations`: an automation that reruns crashed trainer runs.
 - `job_resource_id`: the event resource id of a job (storage + job), for deployment triggers.
 
@@ -27,6 +32,8 @@ from typing import Any
 KUBERNETES_GPU_TEMPLATE = "kubernetes-gpu.json"
 VERTEX_GPU_JOB_VARIABLES = "vertex-ai-gpu.json"
 VERTEX_TPU_JOB_VARIABLES = "vertex-ai-tpu.json"
+KUBERNETES_GPU_MULTIPROCESS_TEMPLATE = "kubernetes-gpu-multiprocess.json"
+VERTEX_TPU_MULTIPROCESS_TEMPLATE = "vertex-ai-tpu-multiprocess.json"
 
 
 def job_resource_id(job: str, storage: str) -> str:
@@ -66,6 +73,16 @@ def load(name: str) -> dict[str, Any]:
 def kubernetes_gpu_template() -> dict[str, Any]:
     """The base job template of a Kubernetes GPU work pool."""
     return load(KUBERNETES_GPU_TEMPLATE)
+
+
+def kubernetes_gpu_multiprocess_template() -> dict[str, Any]:
+    """The base job template of a Kubernetes work pool whose flow runs train in several processes."""
+    return load(KUBERNETES_GPU_MULTIPROCESS_TEMPLATE)
+
+
+def vertex_tpu_multiprocess_template() -> dict[str, Any]:
+    """The base job template of a Vertex AI work pool whose flow runs train on several TPU hosts."""
+    return load(VERTEX_TPU_MULTIPROCESS_TEMPLATE)
 
 
 def vertex_job_variables(accelerator: str = "gpu") -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from prefect_jax.tasks import evaluate_if_new, export, publisher, restore_or_init, train_until_checkpoint
+from prefect_jax.tasks import evaluate_if_new, export, process_tag, publisher, restore_or_init, train_until_checkpoint
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
 
 
@@ -275,11 +275,13 @@ def run_as_process(parent_flow_run_id: str | None = None, flow=None, parameters:
         link = Task(name=f"process {index}", fn=lambda: None)
         link.task_key = f"prefect_jax.flows.run_as_process.{index}"
         link_run = client.create_task_run(
-            task=link, flow_run_id=parent.id, dynamic_key=f"{index}-{parent.run_count}", state=Running()
+            task=link, flow_run_id=parent.id, dynamic_key=f"{index}-{parent.run_count}", name=f"process {index}", state=Running()
         )
+        # The job's tags; not the parent's process and MLflow-run tags, which name process 0 and its run.
+        tags = [t for t in parent.tags if t not in _OWN_TAGS and not t.startswith(("process:", "mlflow-run:"))]
         child = client.create_flow_run(
             flow, name=f"{parent.name}-process-{index}", parameters=parameters, parent_task_run_id=link_run.id,
-            tags=[t for t in parent.tags if t != "prefect-jax"] + ["prefect-jax", f"jax-process:{index}"],
+            tags=[*tags, "prefect-jax", process_tag(), f"jax-process:{index}"],
         )  # fmt: skip
     # The flow's own flow_run_name template would rename the child as its parent on start.
     state = run_flow(flow.with_options(flow_run_name=child.name), flow_run=child, parameters=parameters, return_type="state")

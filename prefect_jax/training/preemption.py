@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Callable
@@ -43,6 +44,7 @@ class PreemptionGuard:
         self.active = False  # between install and uninstall: a finished trainer only passes it on
         self._on_signal = on_signal
         self._previous = None
+        self._handler = self._handle  # one bound method: what `signal.getsignal` returns is this object
 
     @property
     def requested(self) -> bool:
@@ -50,19 +52,35 @@ class PreemptionGuard:
 
     @property
     def installed(self) -> bool:
-        return signal.getsignal(signal.SIGTERM) == self._handle
+        return signal.getsignal(signal.SIGTERM) is self._handler
 
     def install(self) -> None:
         """Put the guard in front of the current SIGTERM handler (again, if someone replaced it)."""
         if threading.current_thread() is threading.main_thread() and not self.installed:
             self._previous = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._handle)
+            signal.signal(signal.SIGTERM, self._handler)
+            self._stand_in_for_prefects_bridge(self._previous, self._handler)
             self.active = True
 
     def uninstall(self) -> None:
         self.active = False
         if threading.current_thread() is threading.main_thread() and self.installed:
             signal.signal(signal.SIGTERM, self._previous)
+        self._stand_in_for_prefects_bridge(self._handler, self._previous)
+
+    @staticmethod
+    def _stand_in_for_prefects_bridge(current, replacement) -> None:
+        """Under ``prefect flow-run execute`` (a worker's flow run), the supervisor that gets a
+        SIGTERM first asks the engine process, over its control channel, to end the run as
+        rescheduled (``PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR``), then sends it the SIGTERM and
+        waits for it. The engine agrees only while Prefect's own SIGTERM bridge is the installed
+        handler (`prefect.utilities.engine.commit_control_intent_and_ack`); with the guard in front
+        of it, the supervisor killed the engine outright, the step in flight lost. So, while the
+        guard fronts that bridge, it is what Prefect counts as its bridge: the engine agrees, the
+        SIGTERM comes to the guard, which checkpoints and hands it on to the real bridge."""
+        engine = sys.modules.get("prefect.utilities.engine")  # never imported here: the engine has no prefect
+        if engine is not None and getattr(engine, "_prefect_sigterm_handler", None) is current:
+            engine._prefect_sigterm_handler = replacement
 
     def _handle(self, signum, frame):
         if not self.active:  # left in a chain of handlers by a trainer that has finished

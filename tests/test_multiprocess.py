@@ -1,0 +1,345 @@
+"""Several JAX processes train one job: real processes on this machine (`jax.distributed` on
+localhost, gloo collectives), launched the ways a user does, killed with real signals.
+
+- ``prefect-jax run --processes 2``: one job, process 0's flow run with process 1's as its child,
+  one MLflow run, each checkpoint step holding both processes' Grain iterator state.
+- Two processes started by hand with ``PREFECT_JAX_*`` (as a Kubernetes indexed job starts its
+  pods): SIGTERM to both saves the same step in both; SIGKILL of one ends the other promptly;
+  the reruns end with the uninterrupted run's `state_fingerprint`.
+- Resharding: the 2-process checkpoint restores into 1 process bit for bit, and a 1-process
+  checkpoint into 2.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from process_helpers import TESTS_DIR, cli_env, start_run, wait_until
+
+from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.cluster import ClusterConfigError, from_env
+from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+from prefect_jax.training.tracking import STORAGE_TAG
+
+PROGRAM = "programs:paced"
+MAX_STEPS, EVERY = 300, 100
+
+
+def _args(job: str, storage: str, mlflow_uri: str, max_steps: int = MAX_STEPS) -> list[str]:
+    return ["--program", PROGRAM, "--job", job, "--storage", storage, "--max-steps", str(max_steps),
+            "--checkpoint-every-steps", str(EVERY), "--log-every-steps", "10", "--keep-last", "10",
+            "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+
+
+def _summary(log_path) -> dict:
+    """The ``--json`` summary: process 0's last line on stdout (the other's log lines may follow it in a shared file)."""
+    return json.loads([line for line in open(log_path).read().splitlines() if line.startswith('{"')][-1])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_pair(args: list[str], api_url: str, tmp_path, name: str) -> list[subprocess.Popen]:
+    """Two `prefect-jax run` processes of one job, told who they are by the environment."""
+    port = _free_port()
+    return [
+        start_run(args, api_url, tmp_path / f"{name}.{k}.log", PREFECT_JAX_NUM_PROCESSES="2", PREFECT_JAX_PROCESS_ID=str(k),
+                  PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")  # fmt: skip
+        for k in range(2)
+    ]
+
+
+def _wait_all(procs, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.wait(timeout=max(1, deadline - time.monotonic()))
+    return [p.returncode for p in procs]
+
+
+# -- the cluster config -------------------------------------------------------------------
+
+
+def test_cluster_config_comes_from_the_launchers_environment():
+    explicit = {"PREFECT_JAX_NUM_PROCESSES": "4", "PREFECT_JAX_PROCESS_ID": "3", "PREFECT_JAX_COORDINATOR_ADDRESS": "10.0.0.5"}
+    c = from_env(explicit)
+    assert (c.num_processes, c.process_id, c.coordinator_address) == (4, 3, "10.0.0.5:8476")
+    k8s = {"PREFECT_JAX_NUM_PROCESSES": "2", "JOB_COMPLETION_INDEX": "1", "PREFECT_JAX_COORDINATOR_ADDRESS": "train-0.train:1234"}
+    c = from_env(k8s)
+    assert (c.process_id, c.coordinator_address, c.source) == (1, "train-0.train:1234", "Kubernetes indexed job")
+    vertex = {"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["chief:2222"], "workerpool1": ["w0:2222", "w1:2222"]},
+                                          "task": {"type": "workerpool1", "index": 1}})}  # fmt: skip
+    c = from_env(vertex)
+    assert (c.num_processes, c.process_id, c.coordinator_address) == (3, 2, "chief:2222")
+    tf = {"TF_CONFIG": json.dumps({"cluster": {"chief": ["c:1"], "worker": ["w:1"], "evaluator": ["e:1"]},
+                                   "task": {"type": "evaluator", "index": 0}})}  # fmt: skip
+    assert from_env(tf) is None  # TF's evaluator is no training process: it evaluates alone
+    assert from_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}).auto
+    assert from_env({"PREFECT_JAX_NUM_PROCESSES": "1"}) is None and from_env({}) is None
+
+    bad = [
+        ({"PREFECT_JAX_NUM_PROCESSES": "two"}, "PREFECT_JAX_NUM_PROCESSES='two' is not an integer"),
+        ({"PREFECT_JAX_NUM_PROCESSES": "2", "PREFECT_JAX_COORDINATOR_ADDRESS": "h:1"}, "set PREFECT_JAX_PROCESS_ID"),
+        ({"PREFECT_JAX_NUM_PROCESSES": "2", "PREFECT_JAX_PROCESS_ID": "1"}, "PREFECT_JAX_COORDINATOR_ADDRESS is not set"),
+        ({**explicit, "PREFECT_JAX_PROCESS_ID": "4"}, "PREFECT_JAX_PROCESS_ID=4 is outside 0..3"),
+        ({**explicit, "PREFECT_JAX_COORDINATOR_ADDRESS": "h:port"}, "is not host:port"),
+        ({"TF_CONFIG": "{"}, "TF_CONFIG is not a cluster spec"),
+    ]
+    for env, message in bad:
+        with pytest.raises(ClusterConfigError, match=message):
+            from_env(env)
+
+
+def test_a_pods_process_command_finds_process_0_from_its_job_and_service():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_JAX_")}
+    env.update(JOB_NAME="train-x7k2p", JOB_COMPLETION_INDEX="0")
+    shown = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "process", "--processes=2", "--service=prefect-jax", "--",
+         sys.executable, "-c", "import os; print(os.environ['PREFECT_JAX_COORDINATOR_ADDRESS'], os.environ['PREFECT_JAX_NUM_PROCESSES'])"],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert shown == ["train-x7k2p-0.prefect-jax:8476", "2"]  # process 0 runs the command after --
+    env.pop("JOB_NAME")
+    refused = subprocess.run([sys.executable, "-m", "prefect_jax.cli", "process", "--processes=2"], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "no coordinator address: set PREFECT_JAX_COORDINATOR_ADDRESS" in refused.stderr
+
+
+def test_the_multiprocess_work_pool_templates_render_with_the_workers_own_code(prefect_server):
+    import asyncio
+    import uuid
+
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.utilities.templating import apply_values
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    from prefect_jax.deployments import kubernetes_gpu_multiprocess_template, vertex_tpu_multiprocess_template
+
+    values = {"image": "us-docker.pkg.dev/p/prefect-jax/trainer:1", "num_processes": 4, "env": {"JAX_PLATFORMS": "cuda"}}
+    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(kubernetes_gpu_multiprocess_template(), values))
+    config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="nightly"))
+    spec = config.job_manifest["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 4, 4, 0)
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == "prefect-jax" and spec["template"]["metadata"]["labels"]["prefect-jax/cluster"] == "true"
+    container = pod["containers"][0]
+    assert container["command"] + container["args"] == [
+        "prefect-jax", "process", "--processes=4", "--service=prefect-jax", "--coordinator-port=8476", "--",
+        "prefect", "flow-run", "execute",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in container["env"]}
+    assert env["JAX_PLATFORMS"]["value"] == "cuda" and "PREFECT__FLOW_RUN_ID" in env
+    assert env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
+
+    template = vertex_tpu_multiprocess_template()
+    defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
+    job = apply_values(template["job_configuration"], {**defaults, "image": "img", "workers": 3, "prefect_api_url": "https://api"})
+    pools = job["job_spec"]["worker_pool_specs"]
+    assert [p["replica_count"] for p in pools] == [1, 3]
+    assert pools[0]["container_spec"]["command"] == "prefect-jax process -- prefect flow-run execute"
+    assert {e["name"]: e["value"] for e in pools[1]["container_spec"]["env"]}["PREFECT_API_URL"] == "https://api"
+    assert pools[1]["machine_spec"]["accelerator_type"] == "TPU_V5_LITEPOD"
+
+
+# -- real processes -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, prefect_server, mlflow_uri):
+    """``prefect-jax run --processes 2`` of the job, start to end: its summary and storage."""
+    tmp = tmp_path_factory.mktemp("two-processes")
+    storage = str(tmp / "storage")
+    log = tmp / "run.log"
+    with open(log, "w") as out:
+        done = subprocess.run([sys.executable, "-m", "prefect_jax.cli", "run", *_args("mp", storage, mlflow_uri), "--processes", "2"],
+                              stdout=out, stderr=subprocess.STDOUT, env=cli_env(prefect_server), cwd=TESTS_DIR, timeout=600)  # fmt: skip
+    assert done.returncode == 0, open(log).read()[-4000:]
+    return {"summary": _summary(log), "storage": storage, "log": log}
+
+
+slow = pytest.mark.slow
+
+
+@slow
+def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(uninterrupted, prefect_server, mlflow_uri):
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId, TaskRunFilter, TaskRunFilterFlowRunId
+
+    summary, storage = uninterrupted["summary"], uninterrupted["storage"]
+    assert summary["final_step"] == MAX_STEPS and summary["eval"]["accuracy"] > 0.8
+    checkpoints = os.path.join(storage, "mp", "checkpoints")
+    assert committed_steps(checkpoints) == [100, 200, 300]
+    # Each step holds both processes' iterator positions, beside the one (replicated) state.
+    data = os.path.join(checkpoints, "300", "data")
+    assert sorted(n for n in os.listdir(data) if n.endswith(".json")) == ["process_0-of-2.json", "process_1-of-2.json"]
+
+    # Prefect: process 0's flow run, with process 1's as its child through a "process 1" task run.
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags={"all_": ["job:mp"]}))
+        parents = [r for r in runs if r.parent_task_run_id is None]
+        assert len(parents) == 1 and parents[0].state.is_completed(), [(r.name, r.state) for r in runs]
+        run = parents[0]
+        links = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[run.id])))
+        link = [t for t in links if t.name.startswith("process 1")]
+        assert len(link) == 1 and link[0].state.is_completed()
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(any_=[link[0].id])))
+        assert [(c.name, c.state.is_completed()) for c in children] == [(f"{run.name}-process-1", True)]
+        # Process 1 trained (its own train task runs), process 0 alone evaluated and exported.
+        child_tasks = {t.name for t in client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[children[0].id])))}
+        assert "train 200 to 300" in child_tasks and not any(n.startswith(("evaluate", "export")) for n in child_tasks)
+        assert {"train 200 to 300", "evaluate 300", "export 300"} <= {t.name for t in links}
+
+    # MLflow: one run, by process 0, with each eval once.
+    client = MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name("prefect-jax")
+    mine = client.search_runs([experiment.experiment_id], f"tags.`{STORAGE_TAG}` = '{storage}'")
+    assert [r.info.run_id for r in mine] == [summary["mlflow_run_id"]]
+    accuracy = client.get_metric_history(summary["mlflow_run_id"], "eval/accuracy")
+    assert sorted(m.step for m in accuracy) == [100, 200, 300]
+
+
+def _deployment_run(client, storage: str, mlflow_uri: str):
+    """A flow run of a `train_and_evaluate` deployment (entrypoint and pull step as prefect.yaml's)."""
+    from prefect_jax.flows import train_and_evaluate
+
+    root = os.path.dirname(TESTS_DIR)
+    flow_id = client.create_flow(train_and_evaluate)
+    deployment_id = client.create_deployment(
+        flow_id=flow_id, name=f"two-pods-{os.path.basename(os.path.dirname(storage))}",
+        entrypoint="prefect_jax/flows/__init__.py:train_and_evaluate", path=root,
+        pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": root}}],
+        parameters={"program": PROGRAM, "job": "mp", "storage": storage, "mlflow_tracking_uri": mlflow_uri,
+                    "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": 10},
+                    "checkpoint_spec": {"every_steps": EVERY, "keep_last": 10}},
+    )  # fmt: skip
+    return client.create_flow_run_from_deployment(deployment_id)
+
+
+def _pods(flow_run_id, api_url: str, tmp_path, name: str) -> list[subprocess.Popen]:
+    """The two pods of an indexed job running the flow run: the command and environment the
+    multi-process Kubernetes template gives them (``prefect-jax process ... -- prefect flow-run execute``)."""
+    port = _free_port()
+    procs = []
+    for k in range(2):
+        # As the template's env: on SIGTERM, `prefect flow-run execute` tells its engine process,
+        # which checkpoints, and reschedules the run (a worker then starts every pod again).
+        env = cli_env(api_url, PREFECT__FLOW_RUN_ID=str(flow_run_id), JOB_COMPLETION_INDEX=str(k),
+                      PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                      PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR="reschedule")  # fmt: skip
+        cmd = [sys.executable, "-m", "prefect_jax.cli", "process", "--processes=2", "--",
+               sys.executable, "-m", "prefect", "flow-run", "execute"]  # fmt: skip
+        log = open(tmp_path / f"{name}.{k}.log", "w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=TESTS_DIR))
+    return procs
+
+
+@slow
+def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_exactly(uninterrupted, tmp_path, prefect_server, mlflow_uri):
+    from prefect.client.orchestration import get_client
+    from prefect.states import AwaitingRetry
+
+    from prefect_jax.training.trainer import Trainer
+
+    storage = str(tmp_path / "storage")
+    checkpoints = os.path.join(storage, "mp", "checkpoints")
+
+    def retry(client, run_id):  # the UI's Retry button
+        client.set_flow_run_state(run_id, AwaitingRetry(message="Retry from the UI"), force=True)
+
+    with get_client(sync_client=True) as client:
+        run = _deployment_run(client, storage, mlflow_uri)
+
+        # 1. SIGTERM to both pods mid-interval: both checkpoint the same step (off the cadence).
+        procs = _pods(run.id, prefect_server, tmp_path, "term")
+        wait_until(lambda: 100 in committed_steps(checkpoints), 300, "step 100 committed", procs[0])
+        time.sleep(0.4)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        _wait_all(procs, 120)
+        preempted = committed_steps(checkpoints)[-1]
+        assert 100 < preempted < 200, committed_steps(checkpoints)
+        data = os.path.join(checkpoints, str(preempted), "data")
+        positions = [json.load(open(os.path.join(data, f"process_{k}-of-2.json"))) for k in range(2)]
+        assert positions[0] == positions[1]  # the same batches consumed in both processes
+        for k in range(2):
+            assert f"SIGTERM at step {preempted}: checkpointing it" in open(tmp_path / f"term.{k}.log").read()
+        assert client.read_flow_run(run.id).state.name == "AwaitingRetry"  # rescheduled by pod 0's supervisor
+
+        # 2. The rerun; SIGKILL pod 1 mid-interval: pod 0 notices at once and ends (no hang on its lost peer).
+        procs = _pods(run.id, prefect_server, tmp_path, "kill")
+        wait_until(lambda: 200 in committed_steps(checkpoints), 300, "step 200 committed", procs[0])
+        time.sleep(0.4)
+        procs[1].send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        codes = _wait_all(procs, 120)
+        assert codes[1] == -signal.SIGKILL  # pod 0's `prefect flow-run execute` exits 0 whatever its run's state
+        assert time.monotonic() - started < 60, "pod 0 waited on its lost peer"
+        state = client.read_flow_run(run.id).state
+        assert state.is_failed() and "Connection" in state.message, state
+
+        # 3. Retry: the job ends where an uninterrupted run ends, bit for bit.
+        retry(client, run.id)
+        procs = _pods(run.id, prefect_server, tmp_path, "end")
+        assert _wait_all(procs, 300) == [0, 0], open(tmp_path / "end.0.log").read()[-3000:]
+        assert client.read_flow_run(run.id).state.is_completed()
+        assert committed_steps(checkpoints)[-1] == MAX_STEPS
+
+    # The two processes' final checkpoint, restored in this one process: the uninterrupted state.
+    config = JobConfig(program=PROGRAM, job="mp", storage=storage, train=TrainSpec(max_steps=MAX_STEPS),
+                       checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10), mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    trainer = Trainer(config)
+    try:
+        assert trainer.restore_or_init() == MAX_STEPS
+        assert trainer.fingerprint() == uninterrupted["summary"]["state_fingerprint"]
+        goodput = trainer.goodput()
+        assert goodput["attempts"] == 4 and goodput["interrupted"] == 2  # the pods' three, and this restore
+    finally:
+        trainer.close()
+
+
+@slow
+def test_checkpoints_reshard_between_two_processes_and_one(uninterrupted, tmp_path, prefect_server, mlflow_uri, caplog):
+    from prefect_jax.training.trainer import Trainer
+
+    def config(storage, max_steps):
+        return JobConfig(program=PROGRAM, job="mp", storage=storage, train=TrainSpec(max_steps=max_steps, log_every_steps=10),
+                         checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10), mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+
+    # 2 -> 1: this (one-process) test restores the two processes' last step bit for bit, with
+    # the data position, and trains on.
+    import shutil
+
+    storage = str(tmp_path / "two-to-one")
+    shutil.copytree(uninterrupted["storage"], storage)
+    trainer = Trainer(config(storage, MAX_STEPS + EVERY))
+    with caplog.at_level("WARNING", logger="prefect_jax.checkpoints"):
+        assert trainer.restore_or_init() == MAX_STEPS
+    assert "written by 2 processes, restored into 1" in caplog.text
+    assert trainer.fingerprint() == uninterrupted["summary"]["state_fingerprint"]
+    trainer.train_until_checkpoint()
+    assert trainer.step == MAX_STEPS + EVERY and trainer.last_train_metrics["loss"] < 1.0
+    trainer.finish()
+    trainer.close()
+
+    # 1 -> 2: a job checkpointed by one process goes on in two.
+    storage = str(tmp_path / "one-to-two")
+    trainer = Trainer(config(storage, MAX_STEPS))
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    one_process = trainer.fingerprint()
+    trainer.finish()
+    trainer.close()
+    procs = _start_pair(_args("mp", storage, mlflow_uri), prefect_server, tmp_path, "grow")
+    assert _wait_all(procs, 300) == [0, 0], open(tmp_path / "grow.0.log").read()[-3000:]
+    for k in range(2):
+        log = open(tmp_path / f"grow.{k}.log").read()
+        assert "step 100 was written by 1 processes, restored into 2" in log
+        assert _summary(tmp_path / f"grow.{k}.log")["final_step"] == MAX_STEPS
+    assert one_process != _summary(tmp_path / "grow.0.log")["state_fingerprint"]
