@@ -270,6 +270,22 @@ def gpu_markdown() -> list[str]:
     return out
 
 
+def multiprocess_markdown(mp: dict | None) -> list[str]:
+    """Two JAX processes against one (`multiprocess.py`)."""
+    if not mp:
+        return []
+    sps, extra = mp["steps_per_s"], mp["checkpoint_interval_extra_ms"]
+    return ["", "## Several processes (`multiprocess.py`)", "",
+            f"{mp['work']}; the engine, one process against two (`jax.distributed` on localhost, gloo collectives, one CPU "
+            "device each, the batch split between them), medians of interleaved rounds; the first interval (its compile) "
+            f"untimed. On this {mp['machine']} machine the two processes share the cores one process's XLA threads use, so "
+            "this measures what the collectives, the agreement at log points and the multi-process checkpoint cost, not "
+            "what a second GPU host gains.", "",
+            "| processes | steps/s | vs 1 process | extra ms per checkpoint interval |", "|---:|---:|---:|---:|",
+            f"| 1 | {sps['1']:.1f} | 1.00 | {extra['1']:.0f} |",
+            f"| 2 | {sps['2']:.1f} | {mp['throughput_2_vs_1']:.2f} | {extra['2']:.0f} |"]
+
+
 def _f(v, digits=2):
     return "—" if v is None else f"{v:.{digits}f}"
 
@@ -376,6 +392,7 @@ def write_markdown(report: dict, summary: dict) -> str:
                 out.append(f"| {name.replace('_', ' ')} | {_f(r['import_s'])} | {_f(r['setup_s'])} | {_f(r['restore_s'])} | "
                            f"{_f(r['first_step_s'], 3)} | {_f(total)} | {_f(r['raw_restore_s'] + r['raw_step_s'], 3)} |")
     out += goodput_markdown(report.get("goodput"), summary)
+    out += multiprocess_markdown(report.get("multiprocess"))
     out += gpu_markdown()
     rows = _get(report, "storage", "rows")
     if rows:

@@ -22,8 +22,8 @@ every task run, state change, artifact, event and MLflow write between them.
 
 Then: the orchestration cost per checkpoint interval (the flow against the plain loop at 1
 to 100 intervals over the same steps), goodput under preemption (`goodput.py`), the restart
-from a checkpoint (`restart.py`) and the checkpoint cost against state size
-(`storage.py --scale`). Every side's whole process (`process_s`), peak RSS and the standing
+from a checkpoint (`restart.py`), two JAX processes against one (`multiprocess.py`) and the
+checkpoint cost against state size (`storage.py --scale`). Every side's whole process (`process_s`), peak RSS and the standing
 server's CPU time meanwhile are recorded too. ``--baseline DIR`` also runs the
 flow from another checkout of prefect_jax (e.g. an older commit) for a before/after table;
 ``--render JSON`` rewrites the report from the raw results of an earlier run
@@ -471,6 +471,8 @@ def main() -> None:
         report["goodput"] = run_child(goodput_cmd, base_env, "goodput")
     restart_cmd = [sys.executable, os.path.join(HERE, "restart.py"), "--program", "bench_programs:mlp"]
     report["restart"] = run_child(restart_cmd, dict(base_env, PYTHONPATH=HERE), "restart")
+    multiprocess_cmd = [sys.executable, os.path.join(HERE, "multiprocess.py")] + (["--steps", "600", "--rounds", "1"] if args.quick else [])
+    report["multiprocess"] = run_child(multiprocess_cmd, base_env, "multiprocess")
     sizes = "1,16,64" if args.quick else "1,16,64,256,512,1024"
     report["storage"] = run_child([sys.executable, os.path.join(HERE, "storage.py"), "--scale", "--sizes", sizes],
                                   base_env, "storage scale")

@@ -27,7 +27,7 @@ from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.tracking import STORAGE_TAG
 
 PROGRAM = "programs:paced"
-MAX_STEPS, EVERY = 300, 100
+MAX_STEPS, EVERY = 400, 100
 
 
 def _args(job: str, storage: str, mlflow_uri: str, max_steps: int = MAX_STEPS) -> list[str]:
@@ -175,9 +175,9 @@ def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(unint
     summary, storage = uninterrupted["summary"], uninterrupted["storage"]
     assert summary["final_step"] == MAX_STEPS and summary["eval"]["accuracy"] > 0.8
     checkpoints = os.path.join(storage, "mp", "checkpoints")
-    assert committed_steps(checkpoints) == [100, 200, 300]
+    assert committed_steps(checkpoints) == [100, 200, 300, 400]
     # Each step holds both processes' iterator positions, beside the one (replicated) state.
-    data = os.path.join(checkpoints, "300", "data")
+    data = os.path.join(checkpoints, "400", "data")
     assert sorted(n for n in os.listdir(data) if n.endswith(".json")) == ["process_0-of-2.json", "process_1-of-2.json"]
 
     # Prefect: process 0's flow run, with process 1's as its child through a "process 1" task run.
@@ -193,8 +193,8 @@ def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(unint
         assert [(c.name, c.state.is_completed()) for c in children] == [(f"{run.name}-process-1", True)]
         # Process 1 trained (its own train task runs), process 0 alone evaluated and exported.
         child_tasks = {t.name for t in client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[children[0].id])))}
-        assert "train 200 to 300" in child_tasks and not any(n.startswith(("evaluate", "export")) for n in child_tasks)
-        assert {"train 200 to 300", "evaluate 300", "export 300"} <= {t.name for t in links}
+        assert "train 300 to 400" in child_tasks and not any(n.startswith(("evaluate", "export")) for n in child_tasks)
+        assert {"train 300 to 400", "evaluate 400", "export 400"} <= {t.name for t in links}
 
     # MLflow: one run, by process 0, with each eval once.
     client = MlflowClient(mlflow_uri)
@@ -202,7 +202,7 @@ def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(unint
     mine = client.search_runs([experiment.experiment_id], f"tags.`{STORAGE_TAG}` = '{storage}'")
     assert [r.info.run_id for r in mine] == [summary["mlflow_run_id"]]
     accuracy = client.get_metric_history(summary["mlflow_run_id"], "eval/accuracy")
-    assert sorted(m.step for m in accuracy) == [100, 200, 300]
+    assert sorted(m.step for m in accuracy) == [100, 200, 300, 400]
 
 
 def _deployment_run(client, storage: str, mlflow_uri: str):
@@ -253,28 +253,44 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
     def retry(client, run_id):  # the UI's Retry button
         client.set_flow_run_state(run_id, AwaitingRetry(message="Retry from the UI"), force=True)
 
+    def preempted_step(name: str, after: int) -> int:
+        step = committed_steps(checkpoints)[-1]
+        assert after < step < after + EVERY, committed_steps(checkpoints)
+        data = os.path.join(checkpoints, str(step), "data")
+        positions = [json.load(open(os.path.join(data, f"process_{k}-of-2.json"))) for k in range(2)]
+        assert positions[0] == positions[1]  # the same batches consumed in both processes
+        for k in range(2):
+            assert f"SIGTERM at step {step}: checkpointing it" in open(tmp_path / f"{name}.{k}.log").read()
+        return step
+
     with get_client(sync_client=True) as client:
         run = _deployment_run(client, storage, mlflow_uri)
 
-        # 1. SIGTERM to both pods mid-interval: both checkpoint the same step (off the cadence).
-        procs = _pods(run.id, prefect_server, tmp_path, "term")
+        # 1. SIGTERM to pod 1 alone mid-interval (its node is drained): both processes checkpoint
+        #    the same step, off the cadence, and the run ends Crashed, for the automation to rerun.
+        procs = _pods(run.id, prefect_server, tmp_path, "one")
         wait_until(lambda: 100 in committed_steps(checkpoints), 300, "step 100 committed", procs[0])
+        time.sleep(0.4)
+        procs[1].send_signal(signal.SIGTERM)
+        _wait_all(procs, 120)
+        preempted_step("one", 100)
+        assert "another process of the job got SIGTERM" in open(tmp_path / "one.0.log").read()
+        assert client.read_flow_run(run.id).state.is_crashed()
+
+        # 2. Retry; SIGTERM to both pods: the same, and pod 0's supervisor reschedules the run.
+        retry(client, run.id)
+        procs = _pods(run.id, prefect_server, tmp_path, "term")
+        wait_until(lambda: 200 in committed_steps(checkpoints), 300, "step 200 committed", procs[0])
         time.sleep(0.4)
         for p in procs:
             p.send_signal(signal.SIGTERM)
         _wait_all(procs, 120)
-        preempted = committed_steps(checkpoints)[-1]
-        assert 100 < preempted < 200, committed_steps(checkpoints)
-        data = os.path.join(checkpoints, str(preempted), "data")
-        positions = [json.load(open(os.path.join(data, f"process_{k}-of-2.json"))) for k in range(2)]
-        assert positions[0] == positions[1]  # the same batches consumed in both processes
-        for k in range(2):
-            assert f"SIGTERM at step {preempted}: checkpointing it" in open(tmp_path / f"term.{k}.log").read()
-        assert client.read_flow_run(run.id).state.name == "AwaitingRetry"  # rescheduled by pod 0's supervisor
+        preempted_step("term", 200)
+        assert client.read_flow_run(run.id).state.name == "AwaitingRetry"
 
-        # 2. The rerun; SIGKILL pod 1 mid-interval: pod 0 notices at once and ends (no hang on its lost peer).
+        # 3. The rerun; SIGKILL pod 1 mid-interval: pod 0 notices at once and ends (no hang on its lost peer).
         procs = _pods(run.id, prefect_server, tmp_path, "kill")
-        wait_until(lambda: 200 in committed_steps(checkpoints), 300, "step 200 committed", procs[0])
+        wait_until(lambda: 300 in committed_steps(checkpoints), 300, "step 300 committed", procs[0])
         time.sleep(0.4)
         procs[1].send_signal(signal.SIGKILL)
         started = time.monotonic()
@@ -284,7 +300,7 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
         state = client.read_flow_run(run.id).state
         assert state.is_failed() and "Connection" in state.message, state
 
-        # 3. Retry: the job ends where an uninterrupted run ends, bit for bit.
+        # 4. Retry: the job ends where an uninterrupted run ends, bit for bit.
         retry(client, run.id)
         procs = _pods(run.id, prefect_server, tmp_path, "end")
         assert _wait_all(procs, 300) == [0, 0], open(tmp_path / "end.0.log").read()[-3000:]
@@ -299,7 +315,7 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
         assert trainer.restore_or_init() == MAX_STEPS
         assert trainer.fingerprint() == uninterrupted["summary"]["state_fingerprint"]
         goodput = trainer.goodput()
-        assert goodput["attempts"] == 4 and goodput["interrupted"] == 2  # the pods' three, and this restore
+        assert goodput["attempts"] == 5 and goodput["interrupted"] == 3  # the pods' four, and this restore
     finally:
         trainer.close()
 

@@ -163,7 +163,7 @@ class Job:
         self.checkpoints.save(step, state, data_iter, {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags})
         if self.remote is not None:
             self.uploader.submit(step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed)
-        if self.commit_listeners:
+        if self.commit_listeners and self.is_primary:  # one event per step, however many processes wrote it
             announcer = threading.Thread(target=self._announce_commit, args=(step,), name="prefect-jax-commit", daemon=True)
             announcer.start()
             self._announcers = [t for t in self._announcers if t.is_alive()] + [announcer]

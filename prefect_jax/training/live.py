@@ -52,10 +52,13 @@ def live_trainer(config: JobConfig) -> Trainer | None:
 
 
 def finish_live(config: JobConfig, status: str) -> bool:
-    """If this process trains the job (its trainer holds the lease): let a checkpoint in flight
-    commit, close the MLflow run with `status`, free the lease. True if it did."""
+    """If this process trains the job (its trainer holds the lease, or is one of several processes
+    other than process 0): let a checkpoint in flight commit, close the MLflow run with `status`,
+    free the lease. True if it did."""
     trainer = live_trainer(config)
-    if trainer is None or not trainer.lease.held:  # never touch a job another trainer holds
+    # Never touch a job another trainer holds. A process other than process 0 of several holds
+    # no lease: it finishes its own part (its saves in flight, its SIGTERM guard).
+    if trainer is None or (trainer.job.is_primary and not trainer.lease.held):
         return False
     trainer.finish(status)
     return True

@@ -90,6 +90,13 @@ class PreemptionGuard:
         self.signum = _received = signum
         self.handle_if_pending()
 
+    def adopt(self, signum: int) -> None:
+        """Take another process's preemption notice as this one's (several JAX processes agree on
+        it): the trainer checkpoints the same step, and the signal goes on as if it came here."""
+        global _received
+        if self.signum is None:
+            self.signum = _received = signum
+
     def handle_if_pending(self) -> None:
         """Run `on_signal` if a signal came and nobody handles it (called after a deferred block)."""
         if self.signum is not None and not self.deferring and not self.handling:

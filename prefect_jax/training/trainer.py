@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from typing import Any
@@ -235,9 +236,11 @@ class Trainer:
                 self._account_interval(time.perf_counter() - started)
                 rows = self._train_rows(interval.logged)
                 # Several processes: a notice any of them got ends the interval in all of them,
-                # at the same step, which all of them checkpoint (a collective, once per interval).
-                if self.job.processes > 1 and any_process(notice.requested)[0]:
-                    notice.signum = notice.signum or 0
+                # at the same step, which all of them checkpoint (a collective, once per interval);
+                # each then ends as if it got the SIGTERM (Crashed in Prefect, rerun as a whole).
+                if self.job.processes > 1 and any_process(notice.requested)[0] and not notice.requested:
+                    logger.warning("another process of the job got SIGTERM: ending at step %d with it", self.step)
+                    notice.adopt(signal.SIGTERM)
                 if notice.requested:
                     notice.handling = True
                     self._end_on_sigterm(rows)
@@ -324,9 +327,8 @@ class Trainer:
         self.lease.release()
         step, signum = self.step, self._guard.signum
         self._forget_live_state()
-        if signum:  # 0: another process got the notice; this one saved the same step and ends too
-            self._guard.forward()
-        raise Preempted(step, committed, signum or None)
+        self._guard.forward()
+        raise Preempted(step, committed, signum)
 
     def _require_live(self):
         if self.state is None:
