@@ -7,7 +7,8 @@ half when P = 2) for `--steps` steps twice: with a checkpoint every `--long` ste
 `--short` steps. The first interval (compile, first save) is not timed. From the long run:
 seconds per step; from the short one: the extra seconds per checkpoint interval over training
 alone (the save's blocking part, the agreement between processes, the commit of the step
-before). Process 0's figures are reported.
+before), and, from the goodput ledger, how long each save blocked the training thread.
+Process 0's figures are reported.
 
     uv run python benchmarks/multiprocess.py            # prints one JSON line, writes benchmarks/MULTIPROCESS.json
 
@@ -35,7 +36,7 @@ def worker(args) -> None:
 
     def run(every: int) -> dict:
         config = JobConfig(
-            program="bench_programs:wide", job=f"mp-{every}", storage=args.storage,
+            program=args.program, job=f"mp-{every}", storage=args.storage,
             train=TrainSpec(max_steps=args.steps, log_every_steps=50), checkpoint=CheckpointSpec(every_steps=every, keep_last=2),
             mlflow_tracking_uri=args.mlflow,
         )  # fmt: skip
@@ -49,9 +50,13 @@ def worker(args) -> None:
         started = time.perf_counter()
         trainer.finish()
         finish_s = time.perf_counter() - started
+        saves = len(times)
+        # The goodput ledger's checkpoint phase: how long the saves blocked the training thread.
+        save_block_s = trainer.goodput().get("lost_s", {}).get("checkpoint", 0.0)
         trainer.close()
         timed = times[1:]  # the first interval compiles
-        return {"every": every, "intervals": len(timed), "seconds": sum(timed), "steps": every * len(timed), "finish_s": finish_s}
+        return {"every": every, "intervals": len(timed), "seconds": sum(timed), "steps": every * len(timed), "finish_s": finish_s,
+                "save_block_ms": 1000 * save_block_s / saves}
 
     long, short = run(args.long), run(args.short)
     per_step = long["seconds"] / long["steps"]
@@ -61,7 +66,8 @@ def worker(args) -> None:
     if jax.process_index() == 0:
         print("RESULT " + json.dumps({
             "processes": jax.process_count(), "devices": jax.device_count(), "steps_per_s": 1 / per_step,
-            "ms_per_step": 1000 * per_step, "checkpoint_interval_extra_ms": 1000 * extra, "long": long, "short": short,
+            "ms_per_step": 1000 * per_step, "checkpoint_interval_extra_ms": 1000 * extra, "save_block_ms": short["save_block_ms"],
+            "long": long, "short": short,
         }), flush=True)  # fmt: skip
 
 
@@ -71,7 +77,7 @@ def launch(processes: int, args) -> dict:
         port = sock.getsockname()[1]
     storage = tempfile.mkdtemp(prefix=f"mp-bench-{processes}-")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--storage", storage, "--mlflow", f"sqlite:///{storage}/mlflow.db",
-           "--steps", str(args.steps), "--long", str(args.long), "--short", str(args.short)]  # fmt: skip
+           "--steps", str(args.steps), "--long", str(args.long), "--short", str(args.short), "--program", args.program]  # fmt: skip
     procs = []
     for k in range(processes):
         env = dict(os.environ, JAX_PLATFORMS="cpu", PREFECT_JAX_MLFLOW_STRICT="0")
@@ -91,6 +97,7 @@ def main() -> None:
     parser.add_argument("--storage", help=argparse.SUPPRESS)
     parser.add_argument("--mlflow", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--program", default="bench_programs:wide", help="default bench_programs:wide (global batch 256)")
     parser.add_argument("--long", type=int, default=500, help="checkpoint cadence of the throughput run (default 500)")
     parser.add_argument("--short", type=int, default=100, help="checkpoint cadence of the per-interval run (default 100)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of 1 and 2 processes (default 2)")
@@ -107,10 +114,13 @@ def main() -> None:
         return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
 
     summary = {
-        "work": f"bench_programs:wide (64-1024-1024-10, global batch 256), {args.steps} steps, checkpoints every {args.long} / {args.short}",
+        "work": f"{args.program}, {args.steps} steps, checkpoints every {args.long} / {args.short}",
         "machine": f"{os.cpu_count()} CPUs",
+        "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "steps_per_s": {p: median([r[p]["steps_per_s"] for r in rounds]) for p in ("1", "2")},
         "checkpoint_interval_extra_ms": {p: median([r[p]["checkpoint_interval_extra_ms"] for r in rounds]) for p in ("1", "2")},
+        "save_block_ms": {p: median([r[p]["save_block_ms"] for r in rounds]) for p in ("1", "2")},
+        "ms_per_step": {p: median([r[p]["ms_per_step"] for r in rounds]) for p in ("1", "2")},
         "rounds": rounds,
     }
     summary["throughput_2_vs_1"] = summary["steps_per_s"]["2"] / summary["steps_per_s"]["1"]
