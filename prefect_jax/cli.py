@@ -324,7 +324,7 @@ def _browse_lines(summary: dict[str, Any]) -> list[str]:
     lines = ["", "Browse the results:", f"  MLflow:  uv run mlflow ui --backend-store-uri {uri}   (then open {run_url})"]
     if summary.get("registered_model"):
         lines.append(f"  Serve:   mlflow.pyfunc.load_model('models:/{summary['registered_model']}@best')   (with MLFLOW_TRACKING_URI={uri})")
-    if not os.environ.get("PREFECT_API_URL"):
+    if not os.environ.get("PREFECT_API_URL") or os.environ.get("PREFECT_JAX_EMBEDDED_API"):  # (the launcher's embedded server)
         lines.append("  Prefect: uv run prefect server start   (then open http://127.0.0.1:4200)")
     lines.append(f"  Status:  uv run prefect-jax status --job {summary['job']} --storage {summary['storage']}")
     return lines
@@ -364,16 +364,26 @@ def _launch_processes(args: argparse.Namespace) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    from prefect.settings import PREFECT_API_URL
+
+    embedded = not PREFECT_API_URL.value()  # as prefect_backend decides
     with prefect_backend() as api_url:
         procs: list[subprocess.Popen] = []
         for k in range(n):
             env = dict(os.environ, PREFECT_API_URL=api_url, PREFECT_JAX_NUM_PROCESSES=str(n), PREFECT_JAX_PROCESS_ID=str(k),
                        PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")  # fmt: skip
+            if embedded:
+                env["PREFECT_JAX_EMBEDDED_API"] = "1"
             extra = [] if k == 0 else ["--no-progress"]
+            # Their own sessions: a Ctrl-C or SIGTERM reaches each once, forwarded from here.
             procs.append(subprocess.Popen([sys.executable, "-m", "prefect_jax.cli", *argv, *extra], env=env,
-                                          stdout=None if k == 0 else subprocess.DEVNULL))  # fmt: skip
+                                          stdout=None if k == 0 else subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent))  # fmt: skip
+        signalled: list[int] = []
 
         def forward(signum, frame):
+            if frame is not None:  # a signal to this launcher: the children's exits that follow are no failure of theirs
+                signalled.append(signum)
             for p in procs:
                 if p.poll() is None:
                     p.send_signal(signum)
@@ -384,7 +394,7 @@ def _launch_processes(args: argparse.Namespace) -> int:
             deadline = None
             while any(p.poll() is None for p in procs):
                 for k, p in enumerate(procs):
-                    if p.returncode not in (None, 0) and failed is None:
+                    if p.returncode not in (None, 0) and failed is None and not signalled:
                         failed = p.returncode
                         print(f"prefect-jax: process {k} of {n} ended with {p.returncode}: stopping the others", file=sys.stderr)
                         forward(signal.SIGTERM, None)
@@ -539,6 +549,11 @@ def cmd_process(args: argparse.Namespace) -> int:
         env[cluster.COORDINATOR] = f"{env['JOB_NAME']}-0.{args.service}:{args.coordinator_port}"
     command = [a for a in args.command if a != "--"] or ["prefect", "flow-run", "execute"]
     found = cluster.from_env()
+    if found is not None and found.auto:
+        raise ValueError(
+            f"{cluster.NUM_PROCESSES}=auto: 'prefect-jax process' must know before JAX starts which process runs the flow "
+            "run; set PREFECT_JAX_PROCESS_ID, or run 'prefect-jax run' in each task (as with srun) instead"
+        )
     if found is None or found.process_id == 0:
         sys.stdout.flush()
         os.execvp(command[0], command)  # process 0 (or the only one): the flow run itself

@@ -74,14 +74,18 @@ def test_cluster_config_comes_from_the_launchers_environment():
     k8s = {"PREFECT_JAX_NUM_PROCESSES": "2", "JOB_COMPLETION_INDEX": "1", "PREFECT_JAX_COORDINATOR_ADDRESS": "train-0.train:1234"}
     c = from_env(k8s)
     assert (c.process_id, c.coordinator_address, c.source) == (1, "train-0.train:1234", "Kubernetes indexed job")
-    vertex = {"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["chief:2222"], "workerpool1": ["w0:2222", "w1:2222"]},
+    vertex = {"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["chief:2222"], "workerpool1": ["w0:2222", "w1:2222"],
+                                                      "workerpool2": ["reduction-server:2222"]},
                                           "task": {"type": "workerpool1", "index": 1}})}  # fmt: skip
-    c = from_env(vertex)
+    c = from_env(vertex)  # a reduction server (workerpool2) is no JAX training process
     assert (c.num_processes, c.process_id, c.coordinator_address) == (3, 2, "chief:2222")
     tf = {"TF_CONFIG": json.dumps({"cluster": {"chief": ["c:1"], "worker": ["w:1"], "evaluator": ["e:1"]},
                                    "task": {"type": "evaluator", "index": 0}})}  # fmt: skip
     assert from_env(tf) is None  # TF's evaluator is no training process: it evaluates alone
-    assert from_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}).auto
+    # JAX's own detection (srun tasks, Open MPI, TPU slices) is asked for; a run alone in a SLURM
+    # allocation of several tasks stays one process.
+    assert from_env({"PREFECT_JAX_NUM_PROCESSES": "auto", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}).auto
+    assert from_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}) is None
     assert from_env({"PREFECT_JAX_NUM_PROCESSES": "1"}) is None and from_env({}) is None
 
     bad = [

@@ -253,7 +253,7 @@ def run_as_process(parent_flow_run_id: str | None = None, flow=None, parameters:
     from prefect import Task
     from prefect.client.orchestration import get_client
     from prefect.flow_engine import run_flow
-    from prefect.states import Completed, Failed, Running
+    from prefect.states import Completed, Crashed, Failed, Running
 
     from prefect_jax.training import cluster
 
@@ -284,11 +284,25 @@ def run_as_process(parent_flow_run_id: str | None = None, flow=None, parameters:
             tags=[*tags, "prefect-jax", process_tag(), f"jax-process:{index}"],
         )  # fmt: skip
     # The flow's own flow_run_name template would rename the child as its parent on start.
-    state = run_flow(flow.with_options(flow_run_name=child.name), flow_run=child, parameters=parameters, return_type="state")
-    with get_client(sync_client=True) as client:
-        ended = Completed() if state.is_completed() else Failed(message=f"process {index}: {state.message}")
-        client.set_task_run_state(link_run.id, ended, force=True)
+    try:
+        state = run_flow(flow.with_options(flow_run_name=child.name), flow_run=child, parameters=parameters, return_type="state")
+    except BaseException as exc:  # a SIGTERM (TerminationSignal) or an interrupt: Prefect re-raises those
+        _end_link(link_run.id, Crashed(message=f"process {index}: {type(exc).__name__}: {exc}"))
+        raise
+    _end_link(link_run.id, Completed() if state.is_completed() else Failed(message=f"process {index}: {state.message}"))
     return state.result()
+
+
+def _end_link(task_run_id, state) -> None:
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_task_run_state(task_run_id, state, force=True)
+    except Exception as exc:  # noqa: BLE001 - the child's own state says what happened
+        import logging
+
+        logging.getLogger("prefect_jax.flows").warning("could not end the process task run: %r", exc)
 
 
 def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
@@ -301,7 +315,8 @@ def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
     trainer.finish("FINISHED")
     final = trainer.records.get(trainer.step)
     goodput = trainer.goodput()
-    _publish_goodput(config, goodput)
+    if trainer.job.is_primary:  # the others keep no ledger
+        _publish_goodput(config, goodput)
     return {
         "job": config.job,
         "final_step": trainer.step,

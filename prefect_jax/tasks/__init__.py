@@ -304,7 +304,7 @@ def retry_if_transient(task, task_run, state) -> bool:
     from prefect_jax.training import cluster
     from prefect_jax.training.errors import is_transient
 
-    if cluster.joined() is not None:
+    if cluster.several():
         get_run_logger().error("not retrying: this job trains in %d JAX processes, which are rerun together", cluster.process_count())
         return False
 

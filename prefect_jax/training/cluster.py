@@ -14,8 +14,9 @@ Where the cluster comes from, first match wins (`from_env`):
 2. ``CLUSTER_SPEC`` (Vertex AI custom jobs with several replicas) or ``TF_CONFIG`` (what
    TensorFlow jobs already carry): the first host of the first pool (``workerpool0`` or
    ``chief``) coordinates; processes are numbered pool by pool.
-3. SLURM (``SLURM_JOB_ID`` with ``SLURM_NTASKS`` > 1), Open MPI, or a Cloud TPU slice: JAX's
-   own cluster detection (``jax.distributed.initialize()`` with no arguments).
+3. ``PREFECT_JAX_NUM_PROCESSES=auto``: JAX's own cluster detection (``jax.distributed.initialize()``
+   with no arguments: SLURM's ``srun`` tasks, Open MPI, a Cloud TPU slice). Opt-in: a single run
+   started inside a SLURM allocation of several tasks stays one process.
 4. Nothing: one process.
 
 Example:
@@ -104,9 +105,9 @@ def _from_spec(raw: str, name: str) -> ClusterConfig | None:
     try:
         spec = json.loads(raw)
         cluster, task = spec["cluster"], spec["task"]
-        pools = [p for p in ("chief", "master", "workerpool0", "worker", "workerpool1", "workerpool2", "workerpool3")
-                 if cluster.get(p)]  # fmt: skip
-        # An evaluator pool (TF) or a parameter-server pool is not part of the training processes.
+        # The training pools only: Vertex's workerpool2 (parameter or reduction servers) and
+        # workerpool3 (evaluators), TF's ps and evaluator tasks are not JAX training processes.
+        pools = [p for p in ("chief", "master", "workerpool0", "worker", "workerpool1") if cluster.get(p)]
         kind, index = task["type"], int(task.get("index", 0))
     except (ValueError, KeyError, TypeError) as exc:
         raise ClusterConfigError(f"{name} is not a cluster spec with 'cluster' and 'task' ({exc!r}): {raw[:200]!r}") from None
@@ -126,8 +127,10 @@ def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig | None:
         ClusterConfigError: a variable is malformed or inconsistent; the message names it.
     """
     env = os.environ if env is None else env
+    if env.get(NUM_PROCESSES, "").strip().lower() == "auto":
+        return ClusterConfig(None, None, None, "JAX's cluster detection (SLURM, Open MPI, Cloud TPU)", auto=True)
     if env.get(NUM_PROCESSES):
-        n = _int(env, NUM_PROCESSES, "set it to the number of JAX processes that train the job together")
+        n = _int(env, NUM_PROCESSES, "set it to the number of JAX processes that train the job together, or 'auto'")
         if n == 1:
             return None
         if env.get(PROCESS_ID):
@@ -151,19 +154,13 @@ def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig | None:
             found = _from_spec(env[name], name)
             if found is not None:
                 return found
-    if env.get("SLURM_JOB_ID") and env.get("SLURM_NTASKS", "1").isdigit() and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return ClusterConfig(None, None, None, "SLURM", auto=True)
-    if env.get("OMPI_COMM_WORLD_SIZE", "1").isdigit() and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-        return ClusterConfig(None, None, None, "Open MPI", auto=True)
-    if env.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
-        return ClusterConfig(None, None, None, "Cloud TPU", auto=True)
     return None
 
 
 _joined: ClusterConfig | None = None
 
 
-def initialize(cluster: ClusterConfig | None = None, timeout_secs: int = 300) -> ClusterConfig | None:
+def initialize(cluster: ClusterConfig | None = None, timeout_secs: int | None = None) -> ClusterConfig | None:
     """Join the job's JAX processes (once per process; before anything asks JAX for its devices).
 
     On CPU the processes talk through gloo. JAX's preemption service is left off: it would take
@@ -183,6 +180,8 @@ def initialize(cluster: ClusterConfig | None = None, timeout_secs: int = 300) ->
         return cluster
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_preemption_service", False)
+    # Process 0 joins from inside its flow run, after Prefect's pull steps: the others may wait long.
+    timeout_secs = timeout_secs or int(os.environ.get("PREFECT_JAX_INIT_TIMEOUT_SECS", "600"))
     previous = signal.getsignal(signal.SIGTERM)
     # A process that died is noticed by the others within `heartbeat` seconds (JAX's default: 100).
     heartbeat = int(os.environ.get("PREFECT_JAX_HEARTBEAT_TIMEOUT_SECS", "30"))
@@ -243,6 +242,15 @@ def process_count() -> int:
     import jax
 
     return jax.process_count()
+
+
+def several() -> bool:
+    """Whether this process is one of several JAX processes (joined here, or by the caller's own
+    `jax.distributed.initialize`); never imports jax."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    return _joined is not None or (jax is not None and jax.process_count() > 1)
 
 
 def any_process(*flags: bool) -> tuple[bool, ...]:

@@ -150,7 +150,9 @@ class Job:
 
     def set_aside(self, step: int, exc: BaseException) -> None:
         """A step that failed to restore: move it aside (local), or drop its local copy (remote:
-        the remote step stays for someone to inspect)."""
+        the remote step stays for someone to inspect). With several processes, process 0 does."""
+        if not self.is_primary:
+            return
         if self.remote is None:
             self.checkpoints.quarantine(step, "corrupt" if isinstance(exc, CorruptCheckpointError) else "unreadable")
         else:
@@ -227,6 +229,8 @@ class Job:
         longer committed (moved aside as torn, unreadable or corrupt, or evaluated by an older
         version before their commit): move them aside, so those steps are evaluated again once
         they are committed again (the same metrics: training is exact)."""
+        if not self.is_primary:
+            return
         for later in [s for s in self.records.steps() if s > step]:
             moved = self.records.discard(later, "uncommitted")
             logger.warning("eval record of step %d (%s) is of a step that is not committed: moved aside to %s",

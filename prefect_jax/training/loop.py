@@ -160,7 +160,7 @@ class Loop:
         # of every process; the state is replicated, each batch split along its first axis.
         self.processes = jax.process_count()
         self.mesh = self.replicated = self.batch_sharding = None
-        if len(devices) > 1:
+        if self.processes > 1:  # one process keeps its one-device behaviour, on any number of devices
             from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
             self.mesh = Mesh(np.array(devices), ("data",))

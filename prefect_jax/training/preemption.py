@@ -24,6 +24,16 @@ def received_signal() -> int | None:
     return _received
 
 
+def _bridge_lock():
+    """The lock under which Prefect installs its SIGTERM bridge and acknowledges control intents
+    (a no-op lock when Prefect's engine is not loaded)."""
+    import contextlib
+
+    engine = sys.modules.get("prefect.utilities.engine")
+    lock = getattr(engine, "_prefect_sigterm_bridge_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
+
+
 class PreemptionGuard:
     """SIGTERM (a preemption notice) while a trainer holds its job, from its restore to its finish
     (main thread only).
@@ -57,16 +67,18 @@ class PreemptionGuard:
     def install(self) -> None:
         """Put the guard in front of the current SIGTERM handler (again, if someone replaced it)."""
         if threading.current_thread() is threading.main_thread() and not self.installed:
-            self._previous = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._handler)
-            self._stand_in_for_prefects_bridge(self._previous, self._handler)
+            with _bridge_lock():  # Prefect's control listener checks the handler under it
+                self._previous = signal.getsignal(signal.SIGTERM)
+                signal.signal(signal.SIGTERM, self._handler)
+                self._stand_in_for_prefects_bridge(self._previous, self._handler)
             self.active = True
 
     def uninstall(self) -> None:
         self.active = False
-        if threading.current_thread() is threading.main_thread() and self.installed:
-            signal.signal(signal.SIGTERM, self._previous)
-        self._stand_in_for_prefects_bridge(self._handler, self._previous)
+        with _bridge_lock():
+            if threading.current_thread() is threading.main_thread() and self.installed:
+                signal.signal(signal.SIGTERM, self._previous)
+            self._stand_in_for_prefects_bridge(self._handler, self._previous)
 
     @staticmethod
     def _stand_in_for_prefects_bridge(current, replacement) -> None:

@@ -422,12 +422,11 @@ class Trainer:
         """The state at `step` in this process alone: the live one (this process's replica), or restored."""
         if self.state is not None and self.step == step:
             return self.loop.local(self.state)
-        if self.job.processes > 1:  # into this process's first device only
-            import jax
-
-            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), self.abstract_state)
-            return self.job.restore(step, abstract)[0]
+        if self.job.processes > 1:  # Orbax's restore is collective: one process alone would wait forever
+            raise ValueError(
+                f"step {step} is not the live step ({self.step}): with {self.job.processes} JAX processes, process 0 "
+                "evaluates and exports the live step only; evaluate older steps with the evaluate flow, in its own process"
+            )
         return self.job.restore(step, self.abstract_state)[0]
 
     def _committed(self, step: int) -> bool:
