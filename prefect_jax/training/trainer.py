@@ -495,7 +495,6 @@ class Trainer:
         storage = self.storage
         info = {"program": self.config.program, "program_fingerprint": self.program_fingerprint, "job": self.config.job}
         for exporter in self.config.eval.exporters:
-            existed = storage.fs.exists(storage.export_dir(exporter.name, result.step))
             dest = exp.run_exporter(exporter, storage, result, self.config.train.max_steps, make_model, info)
             if dest is None:
                 continue
