@@ -37,7 +37,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import jax
-    import numpy as np
     import orbax.checkpoint as ocp
 
     from prefect_jax.examples import digits

@@ -36,7 +36,8 @@ from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, Trai
 
 
 _OWN_TAGS = ("prefect-jax",)
-_OWN_TAG_PREFIXES = ("job:", "process:", "mlflow-run:")
+_RUN_TAG_PREFIXES = ("process:", "mlflow-run:")  # name one flow run: its process, its MLflow run
+_OWN_TAG_PREFIXES = ("job:", *_RUN_TAG_PREFIXES)
 
 
 def _task_tags():
@@ -178,10 +179,6 @@ def _progress_artifact(step: int, max_steps: int, job: str):
 
 
 def _evaluate_and_export(config: JobConfig, step: int) -> None:
-    from prefect_jax.training import cluster
-
-    if cluster.joined() is not None and cluster.process_index() != 0:
-        return  # process 0 evaluates and exports; no task runs that only say so
     result = evaluate_if_new(config, step)
     if config.eval.exporters:  # no task run per interval for exporters that are not there
         export(config, result)
@@ -192,8 +189,11 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     from prefect_jax.training.live import get_trainer
 
     max_steps = config.train.max_steps
+    trainer = get_trainer(config)
     # The live trainer's view of a stop request: with several processes, process 0's, in all of them.
-    stop_requested = get_trainer(config).stop_requested
+    stop_requested = trainer.stop_requested
+    # With several processes, process 0 evaluates and exports: no task runs elsewhere that only say so.
+    evaluate = evaluate and trainer.job.is_primary
     progress = _progress_artifact(step, max_steps, config.job)
     if evaluate and step > 0:
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
@@ -278,7 +278,7 @@ def run_as_process(parent_flow_run_id: str | None = None, flow=None, parameters:
             task=link, flow_run_id=parent.id, dynamic_key=f"{index}-{parent.run_count}", name=f"process {index}", state=Running()
         )
         # The job's tags; not the parent's process and MLflow-run tags, which name process 0 and its run.
-        tags = [t for t in parent.tags if t not in _OWN_TAGS and not t.startswith(("process:", "mlflow-run:"))]
+        tags = [t for t in parent.tags if t not in _OWN_TAGS and not t.startswith(_RUN_TAG_PREFIXES)]
         child = client.create_flow_run(
             flow, name=f"{parent.name}-process-{index}", parameters=parameters, parent_task_run_id=link_run.id,
             tags=[*tags, "prefect-jax", process_tag(), f"jax-process:{index}"],

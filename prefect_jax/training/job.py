@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from prefect_jax.training import control
 from prefect_jax.training.checkpoints import Checkpoints, CorruptCheckpointError, is_committed, step_dirs
+from prefect_jax.training.cluster import barrier, process_count, process_index
 from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
 from prefect_jax.training.lease import Lease
@@ -40,19 +41,6 @@ from prefect_jax.training.tracking import STORAGE_TAG, Tracker
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")
-
-
-def process_index() -> int:
-    """This process's index among the job's JAX processes (0 with one process)."""
-    import jax
-
-    return jax.process_index()
-
-
-def process_count() -> int:
-    import jax
-
-    return jax.process_count()
 
 
 class Job:
@@ -112,8 +100,6 @@ class Job:
         partial uploads removed and staged steps that never got uploaded dropped (they do not count)."""
         self.checkpoints.wait()
         if self.processes > 1:
-            from prefect_jax.training.cluster import barrier
-
             if self.is_primary:  # the others wait, then see what it left
                 self.checkpoints.quarantine_uncommitted()
             barrier("prefect_jax.prepare_restore")
