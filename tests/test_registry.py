@@ -65,6 +65,7 @@ def test_every_exported_step_is_one_version_and_the_exporters_move_their_aliases
 
     import mlflow
 
+    mlflow.set_tracking_uri(mlflow_uri)  # the trainer's MLflow calls ran in its worker process, not here
     info = mlflow.models.get_model_info("models:/reg-digits@best")
     assert info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"] == (-1, 64)
     assert info.signature.outputs.to_dict()[0]["tensor-spec"]["shape"] == (-1, 10)

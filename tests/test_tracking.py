@@ -39,8 +39,11 @@ def test_one_run_per_job_with_params_and_metrics_at_their_steps(job_config):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [10, 20, 30, 40]
 
 
-def test_tracking_failure_warns_and_training_goes_on(job_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["worker process", "this process"])
+def test_tracking_failure_warns_and_training_goes_on(job_config, tmp_path, monkeypatch, where):
+    # MLflow's calls run in a worker process (its warnings come back here) or on a thread here.
     monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1" if where == "this process" else "0")
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     config = job_config(max_steps=20).model_copy(update={"mlflow_tracking_uri": f"sqlite:///{blocker}/sub/mlflow.db"})
@@ -88,7 +91,7 @@ def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_confi
     first = Trainer(config)
     first.restore_or_init()
     with monkeypatch.context() as m:
-        m.setattr(Tracker, "_log_new_metrics", lambda self, rows, prefix: None)  # the writes never happen
+        m.setattr(Tracker, "log_new_metrics", lambda self, rows, exclude_prefix="": None)  # the writes never happen
         first.train_until_checkpoint()
         first.checkpoints.wait()
     first.close()
@@ -109,7 +112,7 @@ def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(jo
     first.restore_or_init()
     first.train_until_checkpoint()
     with monkeypatch.context() as m:
-        m.setattr(Tracker, "_log_metrics_once", lambda self, rows, key, step: None)  # the write never happens
+        m.setattr(Tracker, "log_metrics_once", lambda self, rows, key, step: None)  # the write never happens
         assert first.evaluate_if_new().status.value == "EVALUATED"
         first.checkpoints.wait()
     first.close()
@@ -123,3 +126,72 @@ def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(jo
     history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.tracker.run_id, "eval/accuracy")
     assert sorted(m.step for m in history) == [20, 40]  # step 20 from its record, once
     rerun.close()
+
+
+def test_mlflow_runs_in_a_worker_process_and_dies_with_the_trainer(job_config, tmp_path):
+    # MLflow's import, its store and every write are Python work: in a worker process, none of
+    # it holds the training process's GIL. The trainer's process never imports MLflow at all,
+    # and a SIGKILLed trainer leaves no worker behind that could log what its rerun logs again.
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    config = job_config(max_steps=20, every_steps=10)
+    script = (
+        "import json, sys, time\n"
+        "from prefect_jax.training.specs import JobConfig\n"
+        "from prefect_jax.training.trainer import Trainer\n"
+        "from prefect_jax.training.tracking import _worker\n"
+        f"trainer = Trainer(JobConfig.model_validate_json({config.model_dump_json()!r}))\n"
+        "trainer.restore_or_init()\n"
+        "while trainer.step < 20:\n"
+        "    trainer.train_until_checkpoint()\n"
+        "    trainer.evaluate_if_new()\n"
+        "trainer.finish()\n"
+        "print(json.dumps({'mlflow_imported': 'mlflow' in sys.modules, 'run_id': trainer.tracker.run_id,\n"
+        "                  'worker': _worker().process.pid}), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        out = json.loads(proc.stdout.readline())
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert out["mlflow_imported"] is False
+    client = MlflowClient(config.mlflow_tracking_uri)
+    run = client.get_run(out["run_id"])
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(out["run_id"], "train/loss")) == [10, 20]
+    assert sorted(m.step for m in client.get_metric_history(out["run_id"], "eval/accuracy")) == [10, 20]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{out['worker']}"):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{out['worker']}"), "the MLflow worker outlived its SIGKILLed trainer"
+
+
+def test_a_dead_mlflow_worker_warns_once_and_training_goes_on(job_config, monkeypatch):
+    import os
+    import signal
+    import time
+
+    from prefect_jax.training import tracking
+
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
+    trainer = Trainer(job_config(max_steps=40, every_steps=10))
+    trainer.restore_or_init()
+    trainer.tracker.flush()
+    worker = tracking._worker()
+    os.kill(worker.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while worker.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.warns(TrackingWarning, match="MLflow worker process exited") as caught:
+        train_to_end(trainer)
+        trainer.finish()
+    assert trainer.step == 40
+    assert sum("worker process exited" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+    assert tracking._worker() is not worker and tracking._worker().alive  # the next tracker gets a new one

@@ -26,6 +26,7 @@ Example:
 # annotations would leave TrainSpec & co. unresolvable there and every served run would fail
 # parameter validation (tests/test_deployment_rerun.py).
 import functools
+import inspect
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -60,6 +61,12 @@ def _untagged_tasks(fn):
 
     @functools.wraps(fn)
     def body(*args, **kwargs):
+        from prefect_jax.training.cluster import leads_from_env
+
+        if leads_from_env():  # a deployment's flow run: MLflow imports in its worker while the program imports here
+            from prefect_jax.training.tracking import warm_up
+
+            warm_up(inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("mlflow_tracking_uri"))
         with _task_tags():
             return fn(*args, **kwargs)
 

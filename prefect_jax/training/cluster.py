@@ -157,6 +157,17 @@ def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig | None:
     return None
 
 
+def leads_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is process 0 of its job (or its only one), from the environment alone
+    (no JAX): the process that writes the job's MLflow run. True when JAX would have to tell
+    (``auto``) or a variable is malformed (the trainer's own start reports that)."""
+    try:
+        cluster = from_env(env)
+    except ClusterConfigError:
+        return True
+    return cluster is None or cluster.process_id in (None, 0)
+
+
 _joined: ClusterConfig | None = None
 
 

@@ -10,6 +10,7 @@ An export is a directory ``<job>/exports/<exporter>/<step>/`` holding:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -81,6 +82,23 @@ def serving_example(program: Any, rows: int = 5):
     except Exception:  # noqa: BLE001 - an example is a nicety; the zeros below still fit the signature
         pass
     return np.zeros((rows if not isinstance(spec.shape[0], int) else spec.shape[0], *tail), dtype=spec.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalExport:
+    """A step's export as a local directory (a copy, for remote storage). It pickles: MLflow's
+    worker process calls it to log the export as a model (see `Tracker.register_exports`)."""
+
+    storage: JobStorage
+    exporters: tuple[str, ...]
+
+    def __call__(self, step: int) -> str:
+        storage = self.storage
+        for name in self.exporters:
+            path = storage.export_dir(name, step)
+            if storage.fs.exists(path):
+                return path if storage.protocol == "file" else download_export(storage, path)
+        raise FileNotFoundError(f"no export of step {step} in {storage.path('exports')}")
 
 
 def download_export(storage: JobStorage, path: str) -> str:

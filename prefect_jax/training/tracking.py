@@ -1,9 +1,14 @@
 """MLflow records of a job: one run per job, found again by tag when the job runs again.
 
-Every MLflow call runs on one background thread, in the order made: importing MLflow and
-opening its store (seconds, for SQLite) overlap the restore and the first compile, and a
-training loop never waits on a metric write. Calls that answer something (`run_id`, the
-reads) wait for what came before them; `flush` and `finish` wait for everything.
+Every MLflow call runs in the background, in the order made: importing MLflow and opening its
+store (seconds of CPU, for SQLite) overlap the restore and the first compile, and a training
+loop never waits on a metric write. Calls that answer something (`run_id`, the reads) wait for
+what came before them; `flush` and `finish` wait for everything.
+
+The calls run in a child process (`prefect_jax.training.mlflow_worker`, one per training
+process), so MLflow's Python work never holds the GIL the training loop needs; with
+``PREFECT_JAX_MLFLOW_IN_PROCESS=1`` (or if the child cannot start) they run on a thread of
+this process instead.
 
 Tracking failures become warnings and training goes on, except in strict mode
 (``PREFECT_JAX_MLFLOW_STRICT=1``, set by the test suite), where they raise, as MLflow's
@@ -12,10 +17,15 @@ own Keras callback does in tests (a background failure is raised by the next cal
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import logging
 import os
+import pickle
+import queue
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -39,8 +49,19 @@ def default_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
 
 
+strict_here = threading.local()  # the MLflow worker: the calling process's strictness, per call
+
+
 def strict() -> bool:
+    value = getattr(strict_here, "value", None)
+    if value is not None:
+        return value
     return os.environ.get("PREFECT_JAX_MLFLOW_STRICT", "").lower() in ("1", "true", "yes")
+
+
+def in_process() -> bool:
+    """``PREFECT_JAX_MLFLOW_IN_PROCESS=1``: MLflow calls on a thread of this process, not in a child."""
+    return os.environ.get("PREFECT_JAX_MLFLOW_IN_PROCESS", "").lower() in ("1", "true", "yes")
 
 
 freeze_after_connect = False  # set by the command, which owns its process: gc.freeze() once MLflow is imported
@@ -93,13 +114,14 @@ class Tracker:
             one of several): every call then does nothing.
     """
 
-    def __init__(self, tracking_uri: str | None, experiment: str, job_key: str, enabled: bool = True):
+    def __init__(self, tracking_uri: str | None, experiment: str, job_key: str, enabled: bool = True,
+                 _worker_side: bool = False):  # fmt: skip
         self.enabled = enabled
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.experiment = experiment
         self.job_key = job_key
         self._run_id: str | None = None
-        self.experiment_id: str | None = None
+        self._experiment_id: str | None = None  # where the calls run (see `experiment_id`)
         self._started: Future | None = None
         self._client = None
         self._logged_until: int | None = None  # the last train step in MLflow before this process; None: not looked up
@@ -107,20 +129,35 @@ class Tracker:
         self._unwritten: dict[int, list[tuple[str, float, int]]] = {}  # train rows submitted, not yet written
         self._unwritten_lock = threading.Lock()
         self._ids = itertools.count()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-jax-mlflow")
         self._pending: list[Future] = []
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the trainer's run is open
         self._curve_drawn_at: float | None = None  # when the last learning curve was asked for (monotonic)
-        self._submit(self._connect)
+        self._pool: ThreadPoolExecutor | None = None  # the calls' thread (this process, or the worker's)
+        self._remote: _Remote | None = None  # the calls' worker process
+        self._own_client = None  # `client` of a tracker whose calls run in the worker
+        if _worker_side:  # in the worker: its reader hands this tracker's calls to its thread
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-jax-mlflow")
+            return
+        if not enabled:
+            return
+        if not in_process():
+            try:
+                self._remote = _Remote(_worker(), (self.tracking_uri, experiment, job_key))
+            except Exception as exc:  # noqa: BLE001 - MLflow still works, in this process
+                logger.warning("MLflow worker process not started (%r): MLflow calls run in this process", exc)
+        if self._remote is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-jax-mlflow")
+        self._call("_connect")
 
-    # -- the background thread ----------------------------------------------------------
+    # -- the background calls -------------------------------------------------------------
 
-    def _submit(self, fn: Callable, *args, **kwargs) -> Future:
+    def _call(self, name: str, *args) -> Future:
+        """Run method `name` in the background (in the worker process, or on this process's thread)."""
         if not self.enabled:
             future: Future = Future()
             future.set_result(None)
             return future
-        future = self._pool.submit(fn, *args, **kwargs)
+        future = self._remote.call(name, args) if self._remote is not None else self._pool.submit(getattr(self, name), *args)
         self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [future]
         return future
 
@@ -132,9 +169,9 @@ class Tracker:
         if failed:
             raise failed[0]
 
-    def _wait(self, fn: Callable, *args, **kwargs):
+    def _wait(self, name: str, *args):
         self.flush()
-        return self._submit(fn, *args, **kwargs).result()
+        return self._call(name, *args).result()
 
     def _connect(self) -> None:
         try:
@@ -152,16 +189,30 @@ class Tracker:
 
     @property
     def client(self):
-        """The MlflowClient (None if MLflow is unavailable), once every call made so far is done."""
+        """An MlflowClient for this tracker's store (None if MLflow is unavailable), once every
+        call made so far is done. With the calls in the worker process, a client of this process's own."""
         self.flush()
-        return self._client
+        if self._remote is None:
+            return self._client
+        if self._own_client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._own_client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._own_client
+
+    def _run(self) -> dict:
+        """What `start` found: ``{"run_id", "experiment_id"}`` (waits for it; empty before `start`)."""
+        return (self._started.result() or {}) if self._started is not None else {}
 
     @property
     def run_id(self) -> str | None:
         """The job's run id, once `start` has found or created it (None before `start`)."""
-        if self._started is not None:
-            self._started.result()
-        return self._run_id
+        return self._run().get("run_id")
+
+    @property
+    def experiment_id(self) -> str | None:
+        """The run's experiment id, once `start` has found it (None before `start`)."""
+        return self._run().get("experiment_id")
 
     @property
     def started(self) -> bool:
@@ -170,15 +221,21 @@ class Tracker:
 
     def run_id_if_known(self) -> str | None:
         """The run id if `start` has already found it; never waits."""
-        return self._run_id if self._started is not None and self._started.done() else None
+        started = self._started
+        if started is None or not started.done() or started.exception() is not None:
+            return None
+        return (started.result() or {}).get("run_id")
 
     def close(self) -> None:
         """Finish the calls made so far and stop the background thread."""
         try:
             self.flush()
         finally:
-            self._stop_system_metrics()
-            self._pool.shutdown(wait=True)
+            if self._remote is not None:
+                self._remote.close()
+            elif self._pool is not None:
+                self._stop_system_metrics()
+                self._pool.shutdown(wait=True)
 
     # -- the calls ------------------------------------------------------------------------
 
@@ -195,15 +252,15 @@ class Tracker:
         run's description, followed by the killed attempts. Returns at once; `run_id` waits
         for the answer.
         """
-        self._logged_until = None
-        self._logged_at = {}
-        self._started = self._submit(self._start, params, tags, run_id, reopen, killed, description)
+        self._started = self._call("_start", params, tags, run_id, reopen, killed, description)
 
     @_guarded
     def _start(
         self, params: dict[str, Any], tags: dict[str, str] | None, run_id: str | None, reopen: bool, killed: dict | None = None,
         description: str | None = None,
-    ) -> str:
+    ) -> dict[str, str]:
+        self._logged_until = None  # this run's history is looked up again (see _log_new_metrics)
+        self._logged_at = {}
         client = self._client
         exp = client.get_experiment_by_name(self.experiment)
         if exp is None:
@@ -236,13 +293,13 @@ class Tracker:
                 self._note_killed(run, killed)
             if reopen and (killed or run.info.status != "RUNNING"):
                 client.update_run(run.info.run_id, status="RUNNING")
-        self.experiment_id = exp_id
+        self._experiment_id = exp_id
         self._run_id = run.info.run_id
         if description is not None:
             self._describe(description)
         if reopen:
             self._start_system_metrics()
-        return self._run_id
+        return {"run_id": self._run_id, "experiment_id": exp_id}
 
     def _start_system_metrics(self) -> None:
         """MLflow's system metrics (``system/cpu_utilization_percentage``, memory, disk, network,
@@ -303,14 +360,14 @@ class Tracker:
     def run_url(self) -> str | None:
         """The job's run in the MLflow UI: on the tracking server itself for an http(s) store, else
         on ``PREFECT_JAX_MLFLOW_UI_URL`` (default ``http://127.0.0.1:5000``, what ``mlflow ui`` serves)."""
-        run_id = self.run_id
-        if not run_id or not self.experiment_id:
+        run_id, experiment_id = self.run_id, self.experiment_id
+        if not run_id or not experiment_id:
             return None
         base = self.tracking_uri if self.tracking_uri.startswith(("http://", "https://")) else (
             os.environ.get("PREFECT_JAX_MLFLOW_UI_URL") or "http://127.0.0.1:5000"
         )  # fmt: skip
         # MLflow 3's UI opens in its GenAI view unless the link asks for model training.
-        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}?{UI_MODEL_TRAINING}"
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_MODEL_TRAINING}"
 
     def _artifact_root(self) -> str | None:
         """For a SQLite store, artifacts go beside the database (not into ./mlruns of whatever the
@@ -329,23 +386,20 @@ class Tracker:
         rows, key = list(rows), next(self._ids)
         with self._unwritten_lock:
             self._unwritten[key] = rows
-        self._submit(self._log_new_metrics_then_forget, key, rows, exclude_prefix)
+        self._call("_log_new_metrics", rows, exclude_prefix).add_done_callback(lambda _, key=key: self._forget(key))
 
     def unwritten_metrics(self) -> list[tuple[str, float, int]]:
         """Rows given to `log_new_metrics` that are not in MLflow yet (a checkpoint carries them)."""
         with self._unwritten_lock:
             return [r for rows in self._unwritten.values() for r in rows]
 
-    def _log_new_metrics_then_forget(self, key: int, rows: list[tuple[str, float, int]], exclude_prefix: str) -> None:
-        try:
-            self._log_new_metrics(rows, exclude_prefix)
-        finally:
-            with self._unwritten_lock:
-                self._unwritten.pop(key, None)
+    def _forget(self, key: int) -> None:
+        with self._unwritten_lock:
+            self._unwritten.pop(key, None)
 
     def log_metrics_once(self, rows: Iterable[tuple[str, float, int]], key: str, step: int) -> None:
         """Log the rows unless `key` is already logged at `step` (a crash between log and record)."""
-        self._submit(self._log_metrics_once, list(rows), key, step)
+        self._call("_log_metrics_once", list(rows), key, step)
 
     @_guarded
     def _log_metrics(self, rows: list[tuple[str, float, int]]) -> None:
@@ -378,18 +432,19 @@ class Tracker:
                          on_done: Callable[[dict], None] | None = None, description: str = "", steps: list[int] = ()) -> Future:  # fmt: skip
         """In the background: each exported step (`steps`, and each step an alias points at)
         becomes an MLflow Model of the run and a version of registered model `name` (once), and
-        the aliases move (see `registry.sync_registry`)."""
-        return self._submit(self._register_exports, name, job, aliases, local_export, example, on_done, description, list(steps))
+        the aliases move (see `registry.sync_registry`). `local_export` must pickle (it runs in
+        the worker process); `on_done` gets the result in this process."""
+        future = self._call("_register_exports", name, job, aliases, local_export, example, description, list(steps))
+        if on_done is not None:
+            future.add_done_callback(lambda f: _after(f, on_done))
+        return future
 
     @_guarded
-    def _register_exports(self, name, job, aliases, local_export, example, on_done, description, steps) -> dict:
+    def _register_exports(self, name, job, aliases, local_export, example, description, steps) -> dict:
         from prefect_jax.training.registry import sync_registry
 
-        result = sync_registry(self._client, self.tracking_uri, self.experiment_id, self._run_id, name, job, self.job_key,
-                               aliases, local_export, example, description, steps)  # fmt: skip
-        if on_done is not None:
-            on_done(result)
-        return result
+        return sync_registry(self._client, self.tracking_uri, self._experiment_id, self._run_id, name, job, self.job_key,
+                             aliases, local_export, example, description, steps)  # fmt: skip
 
     def log_learning_curve(self, step: int, train_key: str, eval_keys: list[str], min_interval_secs: float = 0.0) -> None:
         """In the background: the learning curve up to `step` (train `train_key` and the eval
@@ -399,7 +454,7 @@ class Tracker:
         if self._curve_drawn_at is not None and now - self._curve_drawn_at < min_interval_secs:
             return
         self._curve_drawn_at = now
-        self._submit(self._log_learning_curve, step, train_key, list(eval_keys))
+        self._call("_log_learning_curve", step, train_key, list(eval_keys))
 
     @_guarded
     def _log_learning_curve(self, step: int, train_key: str, eval_keys: list[str]) -> None:
@@ -427,7 +482,7 @@ class Tracker:
         """In the background: the job's goodput (see `prefect_jax.training.goodput`) as ``goodput/*``
         metrics at `step`, the artifact ``goodput.json`` and the tag ``prefect_jax.goodput``."""
         if summary:
-            self._submit(self._log_goodput, dict(summary), int(step))
+            self._call("_log_goodput", dict(summary), int(step))
 
     @_guarded
     def _log_goodput(self, summary: dict[str, Any], step: int) -> None:
@@ -438,7 +493,7 @@ class Tracker:
         self._client.set_tag(self._run_id, "prefect_jax.goodput", f"{summary['goodput']:.3f} over {summary['attempts']} attempt(s)")
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self._submit(self._set_tags, dict(tags))
+        self._call("_set_tags", dict(tags))
 
     @_guarded
     def _set_tags(self, tags: dict[str, str]) -> None:
@@ -447,7 +502,7 @@ class Tracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         """Mark the run terminated with `status`, after every earlier call; waits for it."""
-        self._wait(self._finish, status)
+        self._wait("_finish", status)
 
     @_guarded
     def _finish(self, status: str) -> None:
@@ -466,8 +521,193 @@ class Tracker:
         return max(steps) if steps else None
 
     def metric_history(self, key: str) -> list[tuple[int, float]]:
-        return self._wait(self._metric_history, key)
+        return self._wait("_metric_history", key)
 
     @_guarded
     def _metric_history(self, key: str) -> list[tuple[int, float]]:
         return [(m.step, m.value) for m in self._client.get_metric_history(self._run_id, key)]
+
+
+def _after(future: Future, fn: Callable[[Any], None]) -> None:
+    """`fn(result)` of a background call that answered (not one that failed or was skipped)."""
+    if future.exception() is None and future.result() is not None:
+        try:
+            fn(future.result())
+        except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+            logger.warning("after an MLflow call: %r", exc)
+
+
+class _Worker:
+    """The child process that makes this process's MLflow calls (`prefect_jax.training.mlflow_worker`).
+
+    Started from a thread of its own that lives as long as it does: Linux ends the child when
+    that thread's process dies (its parent-death signal follows the thread that started it).
+    Frames are pickled here, before they are written, so a call that does not pickle fails
+    alone. If the child dies, the calls still waiting fail: in strict mode with an error, else
+    with a warning and no answer, and training goes on.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._futures: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.alive = False
+        self.pid = os.getpid()  # a forked child of this process starts a worker of its own
+        self.warmed: set[str] = set()  # the tracking URIs it was asked to open early (`warm_up`)
+        self._warned = False  # that it died (once)
+        self.process: subprocess.Popen | None = None
+        threading.Thread(target=self._write, name="prefect-jax-mlflow-send", daemon=True).start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _write(self) -> None:
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "prefect_jax.training.mlflow_worker", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+            )  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - the tracker falls back to a thread
+            self._error = exc
+            self._started.set()
+            return
+        self.alive = True
+        threading.Thread(target=self._read, name="prefect-jax-mlflow-receive", daemon=True).start()
+        self._started.set()
+        stdin = self.process.stdin
+        while True:
+            message = self._outbox.get()
+            if message is None:
+                stdin.close()  # the child finishes what it was asked, then exits
+                self.process.wait()  # this thread outlives it: its end would kill the child (PR_SET_PDEATHSIG)
+                return
+            try:
+                frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - this call alone fails
+                if message[0] == "call":
+                    self._resolve(message[1], False, exc)
+                continue
+            try:
+                stdin.write(frame)
+                stdin.flush()
+            except OSError:  # the child is gone: _read fails what waits
+                pass
+
+    def _read(self) -> None:
+        stdout = self.process.stdout
+        while True:
+            try:
+                call_id, ok, value, captured = pickle.load(stdout)
+            except EOFError:
+                break
+            except Exception as exc:  # noqa: BLE001 - an answer this process cannot read (no MLflow here)
+                logger.warning("MLflow worker: unreadable answer: %r", exc)
+                continue
+            for record in captured:  # where this process's user sees them: its warnings, its log
+                if record[0] == "warning":
+                    warnings.warn(record[1], TrackingWarning, stacklevel=2)
+                else:
+                    logging.getLogger(record[1]).log(record[2], "%s", record[3])
+            self._resolve(call_id, ok, value)
+        self.alive = False
+        code = self.process.wait()
+        with self._lock:
+            waiting, self._futures = self._futures, {}
+        for call_id in waiting:
+            self._resolve_dead(waiting[call_id], code)
+
+    def _resolve_dead(self, future: Future, code: int | None) -> None:
+        error = RuntimeError(f"the MLflow worker process exited (code {code}): MLflow calls are lost")
+        if strict():
+            future.set_exception(error)
+            return
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{error}; training goes on", TrackingWarning, stacklevel=2)
+            logger.warning("%s; training goes on", error)
+        future.set_result(None)
+
+    def _resolve(self, call_id: int, ok: bool, value) -> None:
+        with self._lock:
+            future = self._futures.pop(call_id, None)
+        if future is None:
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def send(self, message: tuple) -> None:
+        self._outbox.put(message)
+
+    def call(self, key: int, name: str, args: tuple) -> Future:
+        future: Future = Future()
+        if not self.alive:
+            self._resolve_dead(future, self.process.poll() if self.process else None)
+            return future
+        with self._lock:
+            call_id = next(self._ids)
+            self._futures[call_id] = future
+        self._outbox.put(("call", call_id, key, name, args, strict()))
+        return future
+
+    def stop(self, timeout: float) -> None:
+        """Close the child's input and give it `timeout` seconds to finish what it was asked."""
+        self._outbox.put(None)
+        if self.process is not None and self._futures:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+_worker_lock = threading.Lock()
+_the_worker: _Worker | None = None
+_keys = itertools.count()
+
+
+def _worker() -> _Worker:
+    """This process's MLflow worker (started on first use; again if it died)."""
+    global _the_worker
+    with _worker_lock:
+        if _the_worker is None or not _the_worker.alive or _the_worker.pid != os.getpid():
+            _the_worker = _Worker()
+            # Where concurrent.futures joins its threads at exit (not after a SIGTERM: see prefect_jax.cli.entry).
+            register = getattr(threading, "_register_atexit", atexit.register)
+            try:
+                register(_the_worker.stop, 30.0)
+            except RuntimeError:  # the interpreter is shutting down already
+                pass
+        return _the_worker
+
+
+def warm_up(tracking_uri: str | None = None) -> None:
+    """Start this process's MLflow worker now and have it import MLflow (seconds of CPU, on
+    another core) while this process imports the rest; a command calls it first thing. Does
+    nothing with ``PREFECT_JAX_MLFLOW_IN_PROCESS=1``."""
+    if in_process():
+        return
+    try:
+        worker, uri = _worker(), tracking_uri or default_tracking_uri()
+        if uri not in worker.warmed:
+            worker.warmed.add(uri)
+            worker.send(("warm", uri))
+    except Exception as exc:  # noqa: BLE001 - the trackers start it again, or run MLflow here
+        logger.warning("MLflow worker process not started early: %r", exc)
+
+
+class _Remote:
+    """One tracker's calls, in the worker process."""
+
+    def __init__(self, worker: _Worker, args: tuple):
+        self.worker, self.key = worker, next(_keys)
+        worker.send(("new", self.key, args, dict(os.environ)))
+
+    def call(self, name: str, args: tuple) -> Future:
+        return self.worker.call(self.key, name, args)
+
+    def close(self) -> None:
+        self.worker.send(("drop", self.key))

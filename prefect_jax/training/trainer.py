@@ -531,13 +531,6 @@ class Trainer:
         if not aliases:
             return
 
-        def local_export(step: int) -> str:
-            for exporter in self.config.eval.exporters:
-                path = storage.export_dir(exporter.name, step)
-                if storage.fs.exists(path):
-                    return path if storage.protocol == "file" else exp.download_export(storage, path)
-            raise FileNotFoundError(f"no export of step {step} in {storage.path('exports')}")
-
         def recorded(result: dict) -> None:
             storage.write_json(storage.path("registry.json"), {"tracking_uri": redact_url(self.tracker.tracking_uri), **result})
 
@@ -545,6 +538,7 @@ class Trainer:
             f"Exports of prefect-jax job `{self.config.job}` ({redact_url(storage.job_dir)}), one version per exported step. "
             f"Aliases: {', '.join('@' + a for a in sorted(aliases))}. Serve: `mlflow.pyfunc.load_model('models:/{name}@best')`."
         )
+        local_export = exp.LocalExport(storage, tuple(e.name for e in self.config.eval.exporters))
         self.tracker.register_exports(name, self.config.job, aliases, local_export, self._serving_example(), on_done=recorded,
                                       description=description, steps=sorted(exported))  # fmt: skip
 

@@ -1,0 +1,175 @@
+"""The process that makes a training process's MLflow calls (see `prefect_jax.training.tracking`).
+
+MLflow's import and its store's opening take about 2.5 s of CPU (SQLite: SQLAlchemy, Alembic),
+and every write is Python work: in the training process they hold the GIL that the training
+loop's dispatch needs. Here they run in a child process, on another core. One child serves
+every `Tracker` of its parent; each tracker's calls run in order on a thread of their own, as
+they did in-process.
+
+The protocol, pickled frames over the child's stdin and stdout (the child's own prints go to
+stderr):
+
+- parent to child: ``("warm", tracking URI)`` (import MLflow now: see `tracking.warm_up`),
+  ``("new", key, tracker args, environment)``, ``("call", id, key, method, args, strict)``,
+  ``("drop", key)``;
+- child to parent: ``(id, ok, value or exception, captured)``, where ``captured`` lists the
+  TrackingWarnings and ``prefect_jax`` log records of the call, which the parent raises and
+  logs again where its user sees them.
+
+The child ignores SIGTERM and SIGINT (its parent decides when the run ends, within its grace
+period) and dies with its parent (Linux ``PR_SET_PDEATHSIG``), so a SIGKILLed trainer leaves
+no writer behind that could log what its rerun logs again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import warnings
+
+_capture = threading.local()  # the records of the call running on this thread (None: not in a call)
+
+
+def _captured() -> list | None:
+    return getattr(_capture, "records", None)
+
+
+class _CaptureLogs(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self._stderr = logging.StreamHandler(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        records = _captured()
+        if records is None:
+            self._stderr.emit(record)
+        else:
+            records.append(("log", record.name, record.levelno, record.getMessage()))
+
+
+def _install_capture() -> None:
+    from prefect_jax.training.tracking import TrackingWarning
+
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        records = _captured()
+        if records is not None and issubclass(category, TrackingWarning):
+            records.append(("warning", str(message)))
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    warnings.simplefilter("always", TrackingWarning)
+    own = logging.getLogger("prefect_jax")
+    own.addHandler(_CaptureLogs())
+    own.setLevel(logging.INFO)
+    own.propagate = False
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the closed pipe ends this process instead
+        pass
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(0)
+
+
+def main() -> None:
+    _die_with_parent(int(sys.argv[1]))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    inbox = sys.stdin.buffer
+    outbox = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # MLflow's prints (and anyone's) go to stderr, not into the protocol
+    sys.stdout = sys.stderr
+    _install_capture()
+    from prefect_jax.training import tracking
+
+    send_lock = threading.Lock()
+    backends: dict[int, tracking.Tracker] = {}
+
+    def reply(call_id: int, ok: bool, value, records: list) -> None:
+        try:
+            frame = pickle.dumps((call_id, ok, value, records), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - an answer (or an error) that does not pickle
+            frame = pickle.dumps((call_id, False, RuntimeError(f"MLflow worker: {value!r} ({exc!r})"), records))
+        with send_lock:
+            outbox.write(frame)
+            outbox.flush()
+
+    def run(call_id: int, backend, name: str, args: tuple, strict: bool) -> None:
+        records: list = []
+        _capture.records, tracking.strict_here.value = records, strict
+        try:
+            value, ok = getattr(backend, name)(*args), True
+        except BaseException as exc:  # noqa: BLE001 - goes back to the caller
+            value, ok = exc, False
+        finally:
+            _capture.records = None
+        reply(call_id, ok, value, records)
+
+    def warm(tracking_uri: str) -> None:
+        """Import MLflow (and open an existing SQLite store) before the first tracker asks, then
+        matplotlib (the learning curve, drawn at the final evaluation)."""
+        try:
+            from mlflow.tracking import MlflowClient
+
+            if tracking_uri.startswith("sqlite:///"):
+                import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - SQLAlchemy, Alembic
+
+                if os.path.exists(tracking_uri[len("sqlite:///") :]):  # never create a database here
+                    MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
+            import matplotlib.backends.backend_agg  # noqa: F401
+            import matplotlib.figure  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - the tracker's own calls report what is wrong
+            print(f"prefect-jax MLflow worker: warming up for {tracking_uri}: {exc!r}", file=sys.stderr)
+
+    def dispatch(message: tuple) -> None:
+        kind = message[0]
+        if kind == "new":
+            _, key, args, environment = message
+            os.environ.clear()
+            os.environ.update(environment)  # what the parent's tracker sees (MLflow's settings, credentials)
+            backends[key] = tracking.Tracker(*args, _worker_side=True)
+        elif kind == "call":
+            _, call_id, key, name, args, strict = message
+            backend = backends[key]
+            backend._pool.submit(run, call_id, backend, name, args, strict)
+        elif kind == "warm":
+            threading.Thread(target=warm, args=(message[1],), name="prefect-jax-mlflow-warm", daemon=True).start()
+        elif kind == "drop":
+            backend = backends.pop(message[1], None)
+            if backend is not None:
+                backend._pool.submit(backend._stop_system_metrics)
+                backend._pool.shutdown(wait=False)
+
+    while True:
+        try:
+            message = pickle.load(inbox)
+        except EOFError:
+            break
+        except Exception as exc:  # noqa: BLE001 - the stream is no longer readable: end, the parent warns
+            print(f"prefect-jax MLflow worker: unreadable call: {exc!r}", file=sys.stderr)
+            break
+        try:
+            dispatch(message)
+        except Exception as exc:  # noqa: BLE001 - one bad message must not end the worker
+            if message[0] == "call":
+                reply(message[1], False, exc, [])
+            else:
+                print(f"prefect-jax MLflow worker: {message[0]} failed: {exc!r}", file=sys.stderr)
+    for backend in backends.values():  # the parent is gone or done: finish what it asked for
+        backend._pool.shutdown(wait=True)
+        backend._stop_system_metrics()
+
+
+if __name__ == "__main__":
+    main()
