@@ -84,6 +84,10 @@ def _die_with_parent(parent: int) -> None:
 
 def main() -> None:
     _die_with_parent(int(sys.argv[1]))
+    try:  # bookkeeping: the cores go to training first (PREFECT_JAX_MLFLOW_NICE, default 10; 0 for none)
+        os.nice(int(os.environ.get("PREFECT_JAX_MLFLOW_NICE", "10")))
+    except (OSError, ValueError):
+        pass
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inbox = sys.stdin.buffer

@@ -602,6 +602,7 @@ class _Worker:
             try:
                 call_id, ok, value, captured = pickle.load(stdout)
             except EOFError:
+                stdout.close()
                 break
             except Exception as exc:  # noqa: BLE001 - an answer this process cannot read (no MLflow here)
                 logger.warning("MLflow worker: unreadable answer: %r", exc)
@@ -612,10 +613,10 @@ class _Worker:
                 else:
                     logging.getLogger(record[1]).log(record[2], "%s", record[3])
             self._resolve(call_id, ok, value)
-        self.alive = False
-        code = self.process.wait()
-        with self._lock:
+        with self._lock:  # with `call`'s check: no call is left waiting for a dead child
+            self.alive = False
             waiting, self._futures = self._futures, {}
+        code = self.process.wait()
         for call_id in waiting:
             self._resolve_dead(waiting[call_id], code)
 
@@ -645,12 +646,14 @@ class _Worker:
 
     def call(self, key: int, name: str, args: tuple) -> Future:
         future: Future = Future()
-        if not self.alive:
+        with self._lock:
+            alive = self.alive
+            if alive:
+                call_id = next(self._ids)
+                self._futures[call_id] = future
+        if not alive:
             self._resolve_dead(future, self.process.poll() if self.process else None)
             return future
-        with self._lock:
-            call_id = next(self._ids)
-            self._futures[call_id] = future
         self._outbox.put(("call", call_id, key, name, args, strict()))
         return future
 
