@@ -240,12 +240,9 @@ def _run_flow(
     args: argparse.Namespace, program: str, job: str, storage: str, tracking_uri: str, role: str = "train_and_evaluate"
 ) -> dict[str, Any]:
     """Run the flow of `role` in this process (progress bar for the roles that train)."""
-    from prefect_jax.training.cluster import leads_from_env
+    from prefect_jax.training.tracking import warm_up
 
-    if leads_from_env():
-        from prefect_jax.training.tracking import warm_up
-
-        warm_up(tracking_uri)  # MLflow's import, in its worker process, beside the imports below
+    warm_up(tracking_uri)  # MLflow's import, in its worker process, beside the imports below
     from prefect_jax import flows
 
     train_spec, eval_spec, checkpoint_spec = _specs(args)

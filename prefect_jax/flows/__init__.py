@@ -61,12 +61,10 @@ def _untagged_tasks(fn):
 
     @functools.wraps(fn)
     def body(*args, **kwargs):
-        from prefect_jax.training.cluster import leads_from_env
+        from prefect_jax.training.tracking import warm_up
 
-        if leads_from_env():  # a deployment's flow run: MLflow imports in its worker while the program imports here
-            from prefect_jax.training.tracking import warm_up
-
-            warm_up(inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("mlflow_tracking_uri"))
+        # A deployment's flow run too: MLflow imports in its worker while the program imports here.
+        warm_up(inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("mlflow_tracking_uri"))
         with _task_tags():
             return fn(*args, **kwargs)
 

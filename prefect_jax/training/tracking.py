@@ -689,9 +689,12 @@ def _worker() -> _Worker:
 
 def warm_up(tracking_uri: str | None = None) -> None:
     """Start this process's MLflow worker now and have it import MLflow (seconds of CPU, on
-    another core) while this process imports the rest; a command calls it first thing. Does
-    nothing with ``PREFECT_JAX_MLFLOW_IN_PROCESS=1``."""
-    if in_process():
+    another core) while this process imports the rest; a command and every flow call it first
+    thing. Does nothing with ``PREFECT_JAX_MLFLOW_IN_PROCESS=1``, nor in a process other than
+    process 0 of its job (which writes no MLflow run; see `cluster.leads_from_env`)."""
+    from prefect_jax.training.cluster import leads_from_env
+
+    if in_process() or not leads_from_env():
         return
     try:
         worker, uri = _worker(), tracking_uri or default_tracking_uri()
