@@ -141,3 +141,50 @@ def test_the_flow_run_and_the_mlflow_run_name_each_other(tmp_path, mlflow_uri, p
             return (await client.read_flow_run(flow_run_id)).tags
 
     assert {"prefect-jax", "job:flow-job", f"mlflow-run:{run.info.run_id}"} <= set(asyncio.run(tags()))
+
+
+def test_progress_is_published_while_mlflow_is_still_starting(tmp_path, mlflow_uri, prefect_server, monkeypatch):
+    """The MLflow link waits for MLflow's run; the artifacts queued after it do not wait with it
+    (they once did: a progress bar stood still in the UI until MLflow's store had opened)."""
+    import threading
+
+    from prefect import flow
+    from prefect.runtime import flow_run
+
+    from prefect_jax.tasks import link_runs, publisher
+    from prefect_jax.training.specs import JobConfig
+    from prefect_jax.training.tracking import Tracker
+
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1")  # its thread is here, where the test can hold it
+    config = JobConfig(program="prefect_jax.examples.digits:tiny", job="slow-mlflow", storage=str(tmp_path),
+                       train=TrainSpec(max_steps=10))  # fmt: skip
+    opened, published = threading.Event(), threading.Event()
+
+    @flow
+    def job_flow() -> str:
+        tracker = Tracker(mlflow_uri, "prefect-jax", "slow-mlflow")
+        tracker._pool.submit(opened.wait, 60)  # MLflow's thread busy: the store takes long to open
+        tracker.start({"p": "1"})
+        link_runs(config, type("T", (), {"tracker": tracker})())
+        publisher.submit(published.set)  # queued after the link, as progress updates are
+        assert published.wait(30), "a progress update waited for MLflow's run"
+        assert not tracker._started.done()
+        opened.set()
+        tracker.finish("FINISHED")
+        publisher.flush()
+        return str(flow_run.id)
+
+    flow_run_id = job_flow()
+    links = [a for a in _artifacts(prefect_server, flow_run_id) if a["key"] == "slow-mlflow-mlflow-run"]
+    assert len(links) == 1, links
+
+    async def tags():
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as client:
+            return (await client.read_flow_run(flow_run_id)).tags
+
+    run_ids = [r.info.run_id for r in MlflowClient(mlflow_uri).search_runs(
+        [e.experiment_id for e in MlflowClient(mlflow_uri).search_experiments()], f"tags.`{JOB_TAG}` = 'slow-mlflow'")]  # fmt: skip
+    assert len(run_ids) == 1
+    assert {"prefect-jax", "job:slow-mlflow", f"mlflow-run:{run_ids[0]}"} <= set(asyncio.run(tags()))

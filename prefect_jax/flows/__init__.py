@@ -318,6 +318,7 @@ def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
     if trainer.state is None:
         trainer.restore_or_init()
     trainer.finish("FINISHED")
+    publisher.flush()  # the MLflow link, queued once MLflow answered (finish waited for that)
     final = trainer.records.get(trainer.step)
     goodput = trainer.goodput()
     if trainer.job.is_primary:  # the others keep no ledger

@@ -267,23 +267,30 @@ def prefect_flow_run_url() -> str | None:
 def link_runs(config: JobConfig, trainer) -> None:
     """Each side names the other: the flow run gets a link artifact to the job's MLflow run and the
     tags ``prefect-jax``, ``job:<job>`` and ``mlflow-run:<id>``; the MLflow run gets the flow run's
-    URL (tag ``prefect.flow_run_url``). In the background: the UI may lag, training does not."""
+    URL (tag ``prefect.flow_run_url``). In the background: the UI may lag, training does not.
+
+    The job's tags go out at once; the link and the run's tag once MLflow has started the run
+    (its store may take seconds to open), so that the progress artifacts queued meanwhile on the
+    publisher are not held up behind it."""
     flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
     if flow_url:  # queued after the MLflow thread's start of the run
         trainer.tracker.set_tags({"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)})
     tracker = trainer.tracker
+    if flow_run_id:
+        publisher.submit(_tag_flow_run, str(flow_run_id), ["prefect-jax", f"job:{config.job}"])
 
-    def link() -> None:  # on the publisher's thread: it waits for MLflow, training does not
+    def link() -> None:  # on the publisher's thread, once MLflow has answered
         mlflow_url, run_id = tracker.run_url(), tracker.run_id
         if mlflow_url:
             create_link_artifact(
                 link=mlflow_url, link_text=f"MLflow run of {config.job}", key=artifact_key(config.job, "mlflow-run"),
                 description=f"The MLflow run of job {config.job}: params, train and eval curves, exports ({tracker.tracking_uri})",
             )  # fmt: skip
-        if flow_run_id:
-            _tag_flow_run(str(flow_run_id), ["prefect-jax", f"job:{config.job}"] + ([f"mlflow-run:{run_id}"] if run_id else []))
+        if flow_run_id and run_id:
+            _tag_flow_run(str(flow_run_id), [f"mlflow-run:{run_id}"])
 
-    publisher.submit(link)
+    context = contextvars.copy_context()  # this flow and task run, for the link artifact
+    tracker.when_started(lambda: context.run(publisher.submit, link))
 
 
 def _tag_flow_run(flow_run_id: str, tags: list[str]) -> None:

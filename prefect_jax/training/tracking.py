@@ -219,6 +219,15 @@ class Tracker:
         """Whether `start` was called (its answer may still be on its way)."""
         return self._started is not None
 
+    def when_started(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` once `start` has answered (found or created the run, or failed): at once if
+        it has, or if `start` was never called; else on the thread that gets the answer."""
+        started = self._started
+        if started is None:
+            fn()
+        else:
+            started.add_done_callback(lambda _: fn())
+
     def run_id_if_known(self) -> str | None:
         """The run id if `start` has already found it; never waits."""
         started = self._started
