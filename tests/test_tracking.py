@@ -195,3 +195,27 @@ def test_a_dead_mlflow_worker_warns_once_and_training_goes_on(job_config, monkey
     assert trainer.step == 40
     assert sum("worker process exited" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
     assert tracking._worker() is not worker and tracking._worker().alive  # the next tracker gets a new one
+
+
+def test_warm_up_creates_a_new_sqlite_store_before_the_first_tracker_asks(tmp_path):
+    # A new store's schema takes seconds; the command asks for it before its own imports, so that
+    # they overlap. A tracker that starts meanwhile waits for it instead of creating it again.
+    import time
+
+    from prefect_jax.training import tracking
+
+    alone = tmp_path / "alone.db"
+    tracking.warm_up(f"sqlite:///{alone}")  # no tracker asks: the worker creates it anyway
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not alone.exists():
+        time.sleep(0.05)
+    assert alone.exists(), "warm_up did not open the new store"
+
+    uri = f"sqlite:///{tmp_path / 'raced.db'}"
+    tracking.warm_up(uri)
+    tracker = Tracker(uri, "prefect-jax", "warm-job")  # asks at once, while the store is still being created
+    tracker.start({"p": "1"})
+    tracker.finish("FINISHED")
+    runs = MlflowClient(uri).search_runs([tracker.experiment_id], f"tags.`{JOB_TAG}` = 'warm-job'")
+    assert [r.info.status for r in runs] == ["FINISHED"]
+    assert sorted(e.name for e in MlflowClient(uri).search_experiments()) == ["Default", "prefect-jax"]

@@ -109,10 +109,14 @@ def main() -> None:
             outbox.write(frame)
             outbox.flush()
 
+    warmed: dict[str, threading.Event] = {}  # tracking URI -> set once its warm-up is over
+
     def run(call_id: int, backend, name: str, args: tuple, strict: bool) -> None:
         records: list = []
         _capture.records, tracking.strict_here.value = records, strict
         try:
+            if (done := warmed.get(backend.tracking_uri)) is not None:
+                done.wait(600)  # its store is being opened (or created): once, not twice at a time
             value, ok = getattr(backend, name)(*args), True
         except BaseException as exc:  # noqa: BLE001 - goes back to the caller
             value, ok = exc, False
@@ -121,20 +125,26 @@ def main() -> None:
         reply(call_id, ok, value, records)
 
     def warm(tracking_uri: str) -> None:
-        """Import MLflow (and open an existing SQLite store) before the first tracker asks, then
-        matplotlib (the learning curve, drawn at the final evaluation)."""
+        """Import MLflow and open its store (creating a new SQLite database, whose schema takes
+        seconds) before the first tracker asks; then matplotlib (the learning curve, drawn at
+        evaluations). A command sends this before its own imports, which then overlap it."""
         try:
             from mlflow.tracking import MlflowClient
 
             if tracking_uri.startswith("sqlite:///"):
                 import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - SQLAlchemy, Alembic
 
-                if os.path.exists(tracking_uri[len("sqlite:///") :]):  # never create a database here
+                if os.path.isdir(os.path.dirname(tracking_uri[len("sqlite:///") :]) or "."):  # else the tracker says why
                     MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
-            import matplotlib.backends.backend_agg  # noqa: F401
-            import matplotlib.figure  # noqa: F401
         except Exception as exc:  # noqa: BLE001 - the tracker's own calls report what is wrong
             print(f"prefect-jax MLflow worker: warming up for {tracking_uri}: {exc!r}", file=sys.stderr)
+        finally:
+            warmed[tracking_uri].set()
+        try:
+            import matplotlib.backends.backend_agg  # noqa: F401
+            import matplotlib.figure  # noqa: F401
+        except Exception:  # noqa: BLE001 - the curve is drawn without it, or says why
+            pass
 
     def dispatch(message: tuple) -> None:
         kind = message[0]
@@ -148,6 +158,7 @@ def main() -> None:
             backend = backends[key]
             backend._pool.submit(run, call_id, backend, name, args, strict)
         elif kind == "warm":
+            warmed.setdefault(message[1], threading.Event())
             threading.Thread(target=warm, args=(message[1],), name="prefect-jax-mlflow-warm", daemon=True).start()
         elif kind == "drop":
             backend = backends.pop(message[1], None)
