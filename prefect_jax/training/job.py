@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import shutil
@@ -152,7 +153,11 @@ class Job:
         if self.remote is not None:
             self.uploader.submit(step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed)
         if self.commit_listeners and self.is_primary:  # one event per step, however many processes wrote it
-            announcer = threading.Thread(target=self._announce_commit, args=(step,), name="prefect-jax-commit", daemon=True)
+            # In the saver's context: a listener sees its settings (a Prefect API set for this
+            # block of code only, as the command's embedded server is) and its run.
+            context = contextvars.copy_context()
+            announcer = threading.Thread(target=context.run, args=(self._announce_commit, step), name="prefect-jax-commit",
+                                         daemon=True)  # fmt: skip
             announcer.start()
             self._announcers = [t for t in self._announcers if t.is_alive()] + [announcer]
 
