@@ -32,68 +32,136 @@ def _quiet_env() -> None:
 
 
 @contextlib.contextmanager
-def prefect_backend() -> Iterator[str]:
-    """Use the configured Prefect API, or run an embedded server for the duration of the block."""
+def prefect_backend(server: _EmbeddedServer | None = None) -> Iterator[str]:
+    """Use the configured Prefect API, or run an embedded server for the duration of the block
+    (`server`, when one was started early; see `_early_server`)."""
     import prefect.settings
     from prefect.settings import PREFECT_API_URL
 
     configured = PREFECT_API_URL.value()
     if configured:
+        if server is not None:  # a profile names a server after all
+            server.stop()
         try:
             yield configured
         finally:
             _drain_prefect_workers()
         return
-    server = _embedded_server_class()()
-    server.start(timeout=120)
-    # Its runs are browsed later with `prefect server start` (same database): links point there.
-    os.environ.setdefault("PREFECT_JAX_PREFECT_UI_URL", "http://127.0.0.1:4200")
+    server = server or _EmbeddedServer()
     try:
-        with prefect.settings.temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        api_url = server.wait(timeout=120)
+        # Its runs are browsed later with `prefect server start` (same database): links point there.
+        os.environ.setdefault("PREFECT_JAX_PREFECT_UI_URL", "http://127.0.0.1:4200")
+        with prefect.settings.temporary_settings(updates={PREFECT_API_URL: api_url}):
             try:
-                yield server.api_url
+                yield api_url
             finally:
                 _drain_prefect_workers()
     finally:
         server.stop()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """Linux: the server gets SIGTERM when this command dies, even by SIGKILL (no orphaned server)."""
+def _die_with_parent():
+    """A ``preexec_fn`` for a child that must not outlive this command: on Linux it gets SIGTERM
+    when this process dies, even by SIGKILL (PR_SET_PDEATHSIG). libc is looked up here, so the
+    forked child imports nothing (other threads may hold the import lock at the fork)."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except Exception:  # noqa: BLE001 - not Linux: the finally blocks still stop the server
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # pragma: no cover - runs in the forked child
 
 
-def _embedded_server_class():
-    """Prefect's ephemeral-server subprocess, tied to this process's life."""
-    import subprocess
+class _EmbeddedServer:
+    """Prefect's ephemeral API server, run as `prefect.server.api.server.SubprocessASGIServer`
+    runs it (uvicorn over ``prefect.server.api.server:create_app``, UI off, the same environment
+    variables), tied to this process's life (`_die_with_parent`).
 
-    import prefect
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import get_current_settings
+    Unlike SubprocessASGIServer, it is started without importing Prefect's server modules in this
+    process (FastAPI, the server's models: ~2 s of CPU), and it can be started before this process
+    imports Prefect and the program, which its own start-up (seconds) then overlaps."""
 
-    class EmbeddedServer(SubprocessASGIServer):
-        def _run_uvicorn_command(self) -> subprocess.Popen:
-            # As SubprocessASGIServer's, plus _die_with_parent.
-            env = {
-                **os.environ,
-                "PREFECT_UI_ENABLED": "0",
-                "PREFECT__SERVER_EPHEMERAL": "1",
-                "PREFECT__SERVER_FINAL": "1",
-                **get_current_settings().to_environment_variables(exclude_unset=True),
-            }
-            args = [
-                sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
-                "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-                "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
-            ]  # fmt: skip
-            return subprocess.Popen(args=args, env=env, preexec_fn=_die_with_parent)
+    def __init__(self):
+        self.process = self._spawn()
 
-    return EmbeddedServer
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def _spawn(self):
+        import importlib.util
+        import socket
+        import subprocess
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        app_dir = os.path.dirname(os.path.dirname(importlib.util.find_spec("prefect").origin))  # Prefect's `__module_path__.parent`
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory", "prefect.server.api.server:create_app",
+             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+            env=env, preexec_fn=_die_with_parent(),
+        )  # fmt: skip
+
+    def wait(self, timeout: float) -> str:
+        """Wait until the server answers its health check; its API URL. Raises RuntimeError if it
+        exits first (a port taken meanwhile: started again on another) or `timeout` runs out."""
+        import time
+        import urllib.request
+
+        # Said once it is used (a command refused for bad input says only why).
+        print(f"Starting temporary server on http://127.0.0.1:{self.port} (the command's own Prefect API: it stops with "
+              "the command; its runs stay in its database, browsed with `prefect server start`)", file=sys.stderr)  # fmt: skip
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.process.poll()
+            if code == 3:  # uvicorn could not bind the port (taken since it was picked)
+                self.process = self._spawn()
+                continue
+            if code is not None:
+                raise RuntimeError(
+                    f"the embedded Prefect server exited with code {code} before it answered: see its errors above, "
+                    "or run `prefect server start` and set PREFECT_API_URL to use that one"
+                )
+            try:
+                with opener.open(f"{self.api_url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self.api_url
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"the embedded Prefect server did not answer at {self.api_url} within {timeout:.0f} s: "
+                    "run `prefect server start` and set PREFECT_API_URL to use that one"
+                )
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _early_server() -> _EmbeddedServer | None:
+    """The embedded server of a command that will need one (no ``PREFECT_API_URL`` in its
+    environment; process 0 of its job), started now. A profile that names a server is read
+    only later, with Prefect: then this one is stopped unused."""
+    from prefect_jax.training.cluster import leads_from_env
+
+    if os.environ.get("PREFECT_API_URL") or not leads_from_env():
+        return None
+    return _EmbeddedServer()
 
 
 def _exit_on_sigterm(signum, frame):
@@ -243,9 +311,19 @@ def _run_flow(
     from prefect_jax.training.tracking import warm_up
 
     warm_up(tracking_uri)  # MLflow's import, in its worker process, beside the imports below
+    train_spec, eval_spec, checkpoint_spec = _specs(args)  # bad values: refused before anything starts
+    server = _early_server()  # the embedded Prefect server's start-up, beside the imports below too
+    try:
+        return _run_flow_with(args, program, job, storage, tracking_uri, role, (train_spec, eval_spec, checkpoint_spec), server)
+    finally:
+        if server is not None:  # stopped already unless something failed before it was used
+            server.stop()
+
+
+def _run_flow_with(args, program, job, storage, tracking_uri, role, specs, server) -> dict[str, Any]:
     from prefect_jax import flows
 
-    train_spec, eval_spec, checkpoint_spec = _specs(args)
+    train_spec, eval_spec, checkpoint_spec = specs
     common = dict(
         program=program, job=job, storage=storage, train_spec=train_spec, eval_spec=eval_spec,
         checkpoint_spec=checkpoint_spec, mlflow_tracking_uri=tracking_uri, mlflow_experiment=args.mlflow_experiment,
@@ -265,14 +343,14 @@ def _run_flow(
 
     check = (program, job, storage, args.max_steps if role in ("train_and_evaluate", "train") else None)
     if not storage.startswith(BLOCK_PREFIX):
-        _preflight(*check)  # before a server starts: refused in a fraction of a second
+        _preflight(*check)  # refused in a fraction of a second (a server started early is stopped unused)
     from prefect_jax.training import cluster
 
     if role in ("train_and_evaluate", "train") and cluster.initialize() is not None and cluster.process_index() > 0:
         with prefect_backend():  # process 1+ of several: a child flow run of process 0's
             _freeze_startup_objects()
             return flows.run_as_process(flow=flow, parameters=kwargs)
-    with prefect_backend():
+    with prefect_backend(server):
         if storage.startswith(BLOCK_PREFIX):
             _preflight(*check)  # the block is read from the server
         import prefect
@@ -381,7 +459,7 @@ def _launch_processes(args: argparse.Namespace) -> int:
             # Their own sessions: a Ctrl-C or SIGTERM reaches each once, forwarded from here.
             procs.append(subprocess.Popen([sys.executable, "-m", "prefect_jax.cli", *argv, *extra], env=env,
                                           stdout=None if k == 0 else subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=_die_with_parent))  # fmt: skip
+                                          preexec_fn=_die_with_parent()))  # fmt: skip
         signalled: list[int] = []
 
         def forward(signum, frame):
