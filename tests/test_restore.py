@@ -25,6 +25,20 @@ def test_new_job_initialises_at_step_zero(job_config):
     assert trainer.checkpoints.committed_steps() == []
 
 
+def test_init_is_the_same_state_each_time_and_on_its_device(job_config):
+    # Compiled with its own options (a quick compile: it runs once), init still makes one state:
+    # a rerun that initialises again (nothing committed yet) gets it bit for bit.
+    from prefect_jax.training.loop import Loop
+
+    config = job_config()
+    program = DigitsProgram(hidden=(16, 16))
+    first, second = Loop(program, config.train).init_state(), Loop(program, config.train).init_state()
+    assert state_fingerprint(first) == state_fingerprint(second)
+    assert {leaf.sharding for leaf in jax.tree.leaves(first)} == {jax.sharding.SingleDeviceSharding(jax.devices()[0])}
+    eager = program.init(jax.random.key(config.train.seed))
+    assert jax.tree.structure(eager) == jax.tree.structure(first)
+
+
 def test_resumes_from_latest_committed_step_with_identical_state(job_config):
     config = job_config(max_steps=40, every_steps=20)
     first = Trainer(config)
