@@ -11,8 +11,10 @@ SYSTEMS = (
     ("prefect_jax_scan", "`train_and_evaluate`, standing server, `steps_per_dispatch={dispatch}`"),
     ("prefect_jax_ephemeral", "`train_and_evaluate`, ephemeral Prefect (server started inside the run)"),
     ("cli", "the `prefect-jax run` command, standing server"),
+    ("cli_embedded", "the `prefect-jax run` command, no `PREFECT_API_URL` (its embedded server, as the README's `demo`)"),
     ("keras", "Keras 3 `fit` + `BackupAndRestore`, JAX backend"),
     ("before", "`train_and_evaluate`, standing server, before this change (`--baseline`)"),
+    ("before_cli_embedded", "the `prefect-jax run` command, embedded server, before this change (`--baseline`)"),
 )
 
 

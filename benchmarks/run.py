@@ -281,7 +281,7 @@ def run_cli(args, env: dict, label: str = "cli") -> dict | None:
            "--job", "bench", "--storage", workdir, "--max-steps", str(args.steps), "--checkpoint-every-steps", str(args.every),
            "--exporters", "--mlflow-tracking-uri", f"sqlite:///{workdir}/mlflow.db", "--json", "--no-progress"]  # fmt: skip
     try:
-        return run_child(cmd, dict(env, PYTHONPATH=HERE), label)
+        return run_child(cmd, dict(env, PYTHONPATH=os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))), label)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -451,6 +451,10 @@ def main() -> None:
         ephemeral_env = dict(base_env, PREFECT_HOME=os.path.join(work, "ephemeral-home"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
                              PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true")
         peers["prefect_jax_ephemeral"] = side("prefect_jax_ephemeral", args, ephemeral_env)
+        peers["cli_embedded"] = run_cli(args, ephemeral_env, label="cli, embedded server")
+        if args.baseline:
+            peers["before_cli_embedded"] = run_cli(args, dict(ephemeral_env, PYTHONPATH=os.path.abspath(args.baseline)),
+                                                   label="before: cli, embedded server")  # fmt: skip
         peers["keras"] = side("keras", args, env)
         report["peers"] = peers
 
