@@ -153,13 +153,39 @@ class _EmbeddedServer:
                 self.process.wait()
 
 
+def _api_url_may_be_set_elsewhere() -> bool:
+    """Whether Prefect may find an API URL outside the environment: in the active profile
+    (``prefect cloud login`` and ``prefect config set`` write it there), or in a ``prefect.toml``,
+    ``.env`` or ``pyproject.toml`` ``[tool.prefect]`` of the working directory. Read without
+    importing Prefect (~1.2 s); True when unsure."""
+    import tomllib
+
+    if os.path.exists("prefect.toml") or os.path.exists(".env"):
+        return True
+    try:
+        if os.path.exists("pyproject.toml"):
+            with open("pyproject.toml", "rb") as f:
+                if "prefect" in tomllib.load(f).get("tool", {}):
+                    return True
+        home = os.environ.get("PREFECT_HOME") or os.path.join(os.path.expanduser("~"), ".prefect")
+        path = os.environ.get("PREFECT_PROFILES_PATH") or os.path.join(home, "profiles.toml")
+        if not os.path.exists(path):
+            return False
+        with open(path, "rb") as f:
+            profiles = tomllib.load(f)
+        active = os.environ.get("PREFECT_PROFILE") or profiles.get("active") or "ephemeral"
+        return bool(profiles.get("profiles", {}).get(active, {}).get("PREFECT_API_URL"))
+    except Exception:  # noqa: BLE001 - unreadable: Prefect decides, later
+        return True
+
+
 def _early_server() -> _EmbeddedServer | None:
-    """The embedded server of a command that will need one (no ``PREFECT_API_URL`` in its
-    environment; process 0 of its job), started now. A profile that names a server is read
-    only later, with Prefect: then this one is stopped unused."""
+    """The embedded server of a command that will need one (no Prefect API URL set anywhere; process
+    0 of its job), started now. Where a setting may name a server (`_api_url_may_be_set_elsewhere`),
+    none: `prefect_backend` starts one later if Prefect finds no URL after all."""
     from prefect_jax.training.cluster import leads_from_env
 
-    if os.environ.get("PREFECT_API_URL") or not leads_from_env():
+    if os.environ.get("PREFECT_API_URL") or not leads_from_env() or _api_url_may_be_set_elsewhere():
         return None
     return _EmbeddedServer()
 

@@ -105,3 +105,36 @@ def test_the_roles_from_the_command_line(tmp_path, prefect_server, mlflow_uri):
     assert evaluated["evaluated"] == [20, 40] and evaluated["exports"]["final"] == [40]
     exported = _last_json(_cli("export", *job, "--step", "20", "--exporters", "latest", env=env))
     assert exported["exports"] == {"latest": str(tmp_path / "s" / "roles" / "exports" / "latest" / "20")}
+
+
+def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(tmp_path, monkeypatch):
+    # Started before Prefect is imported, the embedded server must not be started for a user whose
+    # profile names one (`prefect cloud login` writes PREFECT_API_URL there), nor where a settings
+    # file in the working directory may.
+    from prefect_jax.cli import _api_url_may_be_set_elsewhere
+
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert not _api_url_may_be_set_elsewhere()  # no profiles file at all
+    (tmp_path / "home").mkdir()
+    profiles = tmp_path / "home" / "profiles.toml"
+    profiles.write_text('active = "local"\n[profiles.local]\nPREFECT_LOGGING_LEVEL = "INFO"\n'
+                        '[profiles.cloud]\nPREFECT_API_URL = "https://api.prefect.cloud/api/accounts/a/workspaces/w"\n')
+    assert not _api_url_may_be_set_elsewhere()
+    monkeypatch.setenv("PREFECT_PROFILE", "cloud")
+    assert _api_url_may_be_set_elsewhere()
+    monkeypatch.delenv("PREFECT_PROFILE")
+    profiles.write_text(profiles.read_text().replace('active = "local"', 'active = "cloud"'))
+    assert _api_url_may_be_set_elsewhere()
+    profiles.write_text(profiles.read_text().replace('active = "cloud"', 'active = "local"'))
+    (work / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert not _api_url_may_be_set_elsewhere()
+    (work / "pyproject.toml").write_text('[tool.prefect.api]\nurl = "http://elsewhere:4200/api"\n')
+    assert _api_url_may_be_set_elsewhere()
+    (work / "pyproject.toml").unlink()
+    (work / "prefect.toml").write_text('[api]\nurl = "http://elsewhere:4200/api"\n')
+    assert _api_url_may_be_set_elsewhere()
