@@ -198,6 +198,10 @@ REMOVED = """## What was removed (profiled with pyinstrument and cProfile during
 | host sync on the NaN guard at every log step | 1 per 50 steps | 0 in the loop | the guard is read one log point later (and before the save) |
 | first step after a restore (compile) | 0.66 s after the restore | ~0.05 s | compiled on a background thread during the restore |
 | rerun to its first new step, warm compile cache, imports included | 13.3 s | see Restart | all of the above |
+| the command's embedded Prefect server: Prefect's server modules imported by the command to start it (issue 13) | ~2 s | 0 | the same uvicorn command as Prefect's `SubprocessASGIServer`, spawned without importing its module |
+| the embedded server's own start-up, after the command's imports (issue 13) | ~9 s | overlapped | spawned first thing; the command imports Prefect and the program while it starts (the `cli, embedded` rows) |
+| a fresh job's init compile (issue 13) | 1.25 s | 0.52 s | XLA backend optimisation level 1 for init, which runs once |
+| progress artifacts held up behind the MLflow link until MLflow's store opened (issue 13) | up to the whole job | 0 | the link is queued once MLflow has answered |
 """
 
 
