@@ -219,3 +219,44 @@ def test_warm_up_creates_a_new_sqlite_store_before_the_first_tracker_asks(tmp_pa
     runs = MlflowClient(uri).search_runs([tracker.experiment_id], f"tags.`{JOB_TAG}` = 'warm-job'")
     assert [r.info.status for r in runs] == ["FINISHED"]
     assert sorted(e.name for e in MlflowClient(uri).search_experiments()) == ["Default", "prefect-jax"]
+
+
+def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_makes_it(tmp_path):
+    # A command refused for bad input ends within a second or two, while its MLflow worker may be
+    # building a new store's schema: it must not leave a half-migrated database under the name.
+    import glob
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from prefect_jax.training import tracking
+    from prefect_jax.training.mlflow_worker import NEW_STORE_SUFFIX
+
+    db = tmp_path / "mlflow.db"
+    script = ("import sys, time\nfrom prefect_jax.training import tracking\n"
+              f"tracking.warm_up({'sqlite:///' + str(db)!r})\nprint(tracking._worker().process.pid, flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not glob.glob(str(db) + NEW_STORE_SUFFIX + "*"):
+            time.sleep(0.01)
+        assert glob.glob(str(db) + NEW_STORE_SUFFIX + "*"), "the store was not being built beside its name"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # the command, mid-creation; its worker dies with it
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{worker}"):
+        time.sleep(0.05)
+    assert not db.exists(), "a half-built store took the database's name"
+    assert glob.glob(str(db) + NEW_STORE_SUFFIX + "*"), "nothing left to clean up: the kill came too late to test"
+
+    uri = f"sqlite:///{db}"
+    tracking.warm_up(uri)
+    tracker = Tracker(uri, "prefect-jax", "after-kill")
+    tracker.start({"p": "1"})
+    tracker.finish("FINISHED")
+    assert [r.info.status for r in MlflowClient(uri).search_runs([tracker.experiment_id])] == ["FINISHED"]
+    assert not glob.glob(str(db) + NEW_STORE_SUFFIX + "*"), "the killed worker's file was not removed"

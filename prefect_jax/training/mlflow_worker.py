@@ -82,6 +82,45 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
+NEW_STORE_SUFFIX = ".prefect-jax-new-"  # <database>.prefect-jax-new-<pid>: a store being created
+
+
+def _create_sqlite_store(path: str) -> None:
+    """A new MLflow SQLite store at `path`, made whole or not at all.
+
+    Its schema takes seconds of Alembic migrations; a warm-up runs them before anyone asks, and
+    its command may be refused (bad input) and end meanwhile, killing this process part-way. So
+    the store is built in a file beside `path`, which then takes that name, unless a store was
+    made there meanwhile (a hard link never replaces one). What a killed worker left is removed
+    here, by the next one."""
+    import glob
+
+    from mlflow.tracking import MlflowClient
+
+    from prefect_jax.training.lease import process_alive
+
+    for stale in glob.glob(glob.escape(path) + NEW_STORE_SUFFIX + "*"):
+        pid = stale.rsplit("-", 1)[-1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            for leftover in glob.glob(glob.escape(stale) + "*"):  # with its journal, if any
+                os.remove(leftover)
+    building = f"{path}{NEW_STORE_SUFFIX}{os.getpid()}"
+    try:
+        client = MlflowClient(tracking_uri=f"sqlite:///{building}")
+        client.search_experiments(max_results=1)
+        try:  # no connection left open under the file's other name (MLflow's own attributes: best effort)
+            client._tracking_client.store.engine.dispose()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            os.link(building, path)
+        except FileExistsError:  # another process made one meanwhile: that one is the store
+            pass
+    finally:
+        if os.path.exists(building):
+            os.remove(building)
+
+
 def main() -> None:
     _die_with_parent(int(sys.argv[1]))
     try:  # bookkeeping: the cores go to training first (PREFECT_JAX_MLFLOW_NICE, default 10; 0 for none)
@@ -134,7 +173,10 @@ def main() -> None:
             if tracking_uri.startswith("sqlite:///"):
                 import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - SQLAlchemy, Alembic
 
-                if os.path.isdir(os.path.dirname(tracking_uri[len("sqlite:///") :]) or "."):  # else the tracker says why
+                path = tracking_uri[len("sqlite:///") :]
+                if os.path.isdir(os.path.dirname(path) or "."):  # else the tracker says why
+                    if not os.path.exists(path):
+                        _create_sqlite_store(path)
                     MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
         except Exception as exc:  # noqa: BLE001 - the tracker's own calls report what is wrong
             print(f"prefect-jax MLflow worker: warming up for {tracking_uri}: {exc!r}", file=sys.stderr)

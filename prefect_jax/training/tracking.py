@@ -575,9 +575,15 @@ class _Worker:
 
     def _write(self) -> None:
         try:
+            # This process's prefect_jax, not one the working directory happens to hold (-P: none
+            # of it on the path; the package's own folder first).
+            import prefect_jax
+
+            package_root = os.path.dirname(os.path.dirname(os.path.abspath(prefect_jax.__file__)))
+            pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "prefect_jax.training.mlflow_worker", str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+                [sys.executable, "-P", "-m", "prefect_jax.training.mlflow_worker", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env={**os.environ, "PYTHONPATH": pythonpath},
             )  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - the tracker falls back to a thread
             self._error = exc
