@@ -47,9 +47,14 @@ def prefect_backend(server: _EmbeddedServer | None = None) -> Iterator[str]:
         finally:
             _drain_prefect_workers()
         return
-    server = server or _EmbeddedServer()
+    if server is None:  # as SubprocessASGIServer: with the settings this process has (a profile, say)
+        from prefect.settings import get_current_settings
+
+        server = _EmbeddedServer(get_current_settings().to_environment_variables(exclude_unset=True))
     try:
-        api_url = server.wait(timeout=120)
+        # Prefect's own setting, at least 120 s: its default (20 s) is short for a first start on 2 CPUs.
+        timeout = max(120.0, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 0))
+        api_url = server.wait(timeout=timeout)
         # Its runs are browsed later with `prefect server start` (same database): links point there.
         os.environ.setdefault("PREFECT_JAX_PREFECT_UI_URL", "http://127.0.0.1:4200")
         with prefect.settings.temporary_settings(updates={PREFECT_API_URL: api_url}):
@@ -63,15 +68,23 @@ def prefect_backend(server: _EmbeddedServer | None = None) -> Iterator[str]:
 
 def _die_with_parent():
     """A ``preexec_fn`` for a child that must not outlive this command: on Linux it gets SIGTERM
-    when this process dies, even by SIGKILL (PR_SET_PDEATHSIG). libc is looked up here, so the
-    forked child imports nothing (other threads may hold the import lock at the fork)."""
+    when this process dies, even by SIGKILL (PR_SET_PDEATHSIG), and does not start if this process
+    died before that was set. libc is looked up here, so the forked child imports nothing (other
+    threads may hold the import lock at the fork)."""
     try:
         import ctypes
 
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except Exception:  # noqa: BLE001 - not Linux: the finally blocks still stop the server
         return None
-    return lambda: prctl(1, signal.SIGTERM)  # pragma: no cover - runs in the forked child
+    parent = os.getpid()
+
+    def set_death_signal() -> None:  # pragma: no cover - runs in the forked child
+        prctl(1, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return set_death_signal
 
 
 class _EmbeddedServer:
@@ -83,7 +96,9 @@ class _EmbeddedServer:
     process (FastAPI, the server's models: ~2 s of CPU), and it can be started before this process
     imports Prefect and the program, which its own start-up (seconds) then overlaps."""
 
-    def __init__(self):
+    def __init__(self, settings_env: dict[str, str] | None = None):
+        self.settings_env = settings_env or {}
+        self.answered = False
         self.process = self._spawn()
 
     @property
@@ -99,7 +114,8 @@ class _EmbeddedServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         app_dir = os.path.dirname(os.path.dirname(importlib.util.find_spec("prefect").origin))  # Prefect's `__module_path__.parent`
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+               **self.settings_env}  # fmt: skip
         return subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory", "prefect.server.api.server:create_app",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
@@ -116,20 +132,24 @@ class _EmbeddedServer:
         print(f"Starting temporary server on http://127.0.0.1:{self.port} (the command's own Prefect API: it stops with "
               "the command; its runs stay in its database, browsed with `prefect server start`)", file=sys.stderr)  # fmt: skip
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
-        deadline = time.monotonic() + timeout
+        deadline, respawns = time.monotonic() + timeout, 0
         while True:
             code = self.process.poll()
-            if code == 3:  # uvicorn could not bind the port (taken since it was picked)
+            if code == 3 and respawns < 3 and self._port_taken() and time.monotonic() < deadline:
+                respawns += 1  # uvicorn could not bind the port: taken by someone else since it was picked
                 self.process = self._spawn()
+                print(f"Port taken: starting the temporary server again on http://127.0.0.1:{self.port}", file=sys.stderr)
                 continue
             if code is not None:
                 raise RuntimeError(
-                    f"the embedded Prefect server exited with code {code} before it answered: see its errors above, "
-                    "or run `prefect server start` and set PREFECT_API_URL to use that one"
+                    f"the embedded Prefect server exited with code {code} before it answered (3: its start-up failed, "
+                    "its database migration say): see its errors above, or run `prefect server start` and set "
+                    "PREFECT_API_URL to use that one"
                 )
             try:
                 with opener.open(f"{self.api_url}/health", timeout=2) as response:
                     if response.status == 200:
+                        self.answered = True
                         return self.api_url
             except OSError:
                 pass
@@ -141,11 +161,26 @@ class _EmbeddedServer:
                 )
             time.sleep(0.1)
 
+    def _port_taken(self) -> bool:
+        import socket
+
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", self.port))
+            except OSError:
+                return True
+        return False
+
     def stop(self) -> None:
+        """SIGTERM; a server that answered gets 5 s to end before SIGKILL (as SubprocessASGIServer).
+        One still starting is left to end by itself once its start-up is over: uvicorn finishes
+        that first, and a SIGKILL part-way could leave Prefect's database half-migrated."""
         import subprocess
 
         if self.process.poll() is None:
             self.process.terminate()
+            if not self.answered:
+                return
             try:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -167,14 +202,26 @@ def _api_url_may_be_set_elsewhere() -> bool:
             with open("pyproject.toml", "rb") as f:
                 if "prefect" in tomllib.load(f).get("tool", {}):
                     return True
-        home = os.environ.get("PREFECT_HOME") or os.path.join(os.path.expanduser("~"), ".prefect")
-        path = os.environ.get("PREFECT_PROFILES_PATH") or os.path.join(home, "profiles.toml")
-        if not os.path.exists(path):
-            return False
-        with open(path, "rb") as f:
-            profiles = tomllib.load(f)
-        active = os.environ.get("PREFECT_PROFILE") or profiles.get("active") or "ephemeral"
-        return bool(profiles.get("profiles", {}).get(active, {}).get("PREFECT_API_URL"))
+        import importlib.util
+
+        def read(path: str) -> dict:
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+
+        # As Prefect's settings find the active profile (prefect/settings/sources.py, _get_profiles_path
+        # and ProfileSettingsTomlLoader); the settings files that can move profiles_path returned above.
+        shipped = os.path.join(os.path.dirname(importlib.util.find_spec("prefect").origin), "settings", "profiles.toml")
+        default = os.path.join(os.path.expanduser("~"), ".prefect", "profiles.toml")
+        path = os.environ.get("PREFECT_PROFILES_PATH") or (
+            os.path.join(os.environ["PREFECT_HOME"], "profiles.toml") if os.environ.get("PREFECT_HOME")
+            else default if os.path.exists(default) else shipped
+        )  # fmt: skip
+        data = read(path) if os.path.exists(path) else {}
+        profiles, active = data.get("profiles", {}), os.environ.get("PREFECT_PROFILE") or data.get("active")
+        if not active or active not in profiles:  # Prefect's default: the shipped file's active profile
+            shipped_data = read(shipped)
+            profiles, active = shipped_data.get("profiles", {}), shipped_data.get("active", "ephemeral")
+        return bool(profiles.get(active, {}).get("PREFECT_API_URL"))
     except Exception:  # noqa: BLE001 - unreadable: Prefect decides, later
         return True
 
@@ -373,7 +420,7 @@ def _run_flow_with(args, program, job, storage, tracking_uri, role, specs, serve
     from prefect_jax.training import cluster
 
     if role in ("train_and_evaluate", "train") and cluster.initialize() is not None and cluster.process_index() > 0:
-        with prefect_backend():  # process 1+ of several: a child flow run of process 0's
+        with prefect_backend(server):  # process 1+ of several: a child flow run of process 0's
             _freeze_startup_objects()
             return flows.run_as_process(flow=flow, parameters=kwargs)
     with prefect_backend(server):

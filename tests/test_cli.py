@@ -138,3 +138,10 @@ def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(t
     (work / "pyproject.toml").unlink()
     (work / "prefect.toml").write_text('[api]\nurl = "http://elsewhere:4200/api"\n')
     assert _api_url_may_be_set_elsewhere()
+    (work / "prefect.toml").unlink()
+    # No PREFECT_HOME and no ~/.prefect/profiles.toml: Prefect reads the profiles it ships.
+    monkeypatch.delenv("PREFECT_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "empty-home"))
+    assert not _api_url_may_be_set_elsewhere()
+    monkeypatch.setenv("PREFECT_PROFILE", "local")  # the shipped "local" profile names http://127.0.0.1:4200/api
+    assert _api_url_may_be_set_elsewhere()

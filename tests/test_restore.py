@@ -37,6 +37,10 @@ def test_init_is_the_same_state_each_time_and_on_its_device(job_config):
     assert {leaf.sharding for leaf in jax.tree.leaves(first)} == {jax.sharding.SingleDeviceSharding(jax.devices()[0])}
     eager = program.init(jax.random.key(config.train.seed))
     assert jax.tree.structure(eager) == jax.tree.structure(first)
+    # The quick compile is what runs (were the option refused, init would quietly compile slowly).
+    from prefect_jax.training.loop import INIT_COMPILER_OPTIONS
+
+    jax.jit(program.init).lower(jax.random.key(0)).compile(compiler_options=INIT_COMPILER_OPTIONS)
 
 
 def test_resumes_from_latest_committed_step_with_identical_state(job_config):
