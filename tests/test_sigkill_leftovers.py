@@ -105,12 +105,12 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(tmp_path, 
                        "the rerun to train", proc, poll=0.02)  # fmt: skip
             rerun_id = _lease(lease_path)["flow_run_id"]
 
-            def reopened() -> bool:
+            def reopened() -> bool:  # the kill recorded, then RUNNING again (the killed attempt left it RUNNING too)
                 (run,) = mlflow.search_runs(
                     [mlflow.get_experiment_by_name("prefect-jax").experiment_id],
                     filter_string=f"tags.`prefect_jax.job` = '{storage / job}'",
                 )
-                return run.info.status == "RUNNING"
+                return run.data.tags.get(KILLED_TAG) == "1" and run.info.status == "RUNNING"
 
             # MLflow opens beside training (in its worker process): the run is reopened within
             # moments of the first steps, while the rerun still trains.
