@@ -208,7 +208,15 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
         if not killed or len(attempts) >= args.max_attempts:
             with open(os.path.join(workdir, f"attempt-{len(attempts) - 1}.log")) as f:
                 tail = f.read()[-3000:]
-            raise RuntimeError(f"{system}: attempt {len(attempts)} exited {proc.returncode} (killed={killed}):\n{tail}")
+            if period is None:  # an uninterrupted job that fails: the harness is broken
+                raise RuntimeError(f"{system}: attempt {len(attempts)} exited {proc.returncode} (killed={killed}):\n{tail}")
+            # A job that cannot resume (say, a backup file torn by the signal) is a result: it never
+            # finishes without someone's help. Recorded, and the other runs go on.
+            error = next((line for line in reversed(tail.splitlines()) if line.strip()), f"exit {proc.returncode}")
+            log(f"{system} T={period} {sig}: attempt {len(attempts)} could not resume: {error}")
+            return {"system": system, "period_s": period, "signal": sig, "total_s": time.time() - t_all,
+                    "attempts": len(attempts), "exits": [a["exit"] for a in attempts], "failed": error[:300],
+                    "breakdown": {}}  # fmt: skip
     result = {"system": system, "period_s": period, "signal": sig, "total_s": time.time() - t_all, "attempts": len(attempts),
               "exits": [a["exit"] for a in attempts], "attempt_wall_s": [round(a["wall_s"], 2) for a in attempts]}  # fmt: skip
     result["breakdown"] = breakdown(system, workdir)
@@ -304,9 +312,10 @@ def main() -> None:
             for sig in signals:
                 for s in systems:
                     r = run_job(s, args, period, sig, env)
-                    r["goodput"] = uninterrupted[s]["total_s"] / r["total_s"]
+                    failed = "failed" in r  # no goodput: the job never finishes by itself
+                    r["goodput"] = 0.0 if failed else uninterrupted[s]["total_s"] / r["total_s"]
                     if "plain" in uninterrupted:
-                        r["vs_plain"] = uninterrupted["plain"]["total_s"] / r["total_s"]
+                        r["vs_plain"] = 0.0 if failed else uninterrupted["plain"]["total_s"] / r["total_s"]
                     report["runs"].append(r)
     report["total_s"] = time.time() - t
     line = json.dumps(report)

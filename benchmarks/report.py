@@ -130,16 +130,22 @@ def goodput_summary(goodput: dict | None) -> dict:
 # Why a target can be missed on this machine: printed under the targets table for each one missed.
 GAPS = {
     "process_vs_plain": (
-        "A process of the command imports Prefect (~1.8 s here) besides what the plain loop imports (MLflow's "
+        "A process of the command imports Prefect (~1.2-1.5 s here) besides what the plain loop imports (MLflow's "
         "~2.5 s of CPU runs in its worker process, started first thing, on the other core), creates a flow run and a task run "
         "per interval, and at the end of the flow Prefect joins its flow-run heartbeat thread, which sleeps in whole "
         "seconds (up to 1 s, 0.5 s on average, per flow run; `prefect/flow_engine.py` `_send_heartbeats`). On a "
-        "2000-step job of ~2 s of training these fixed costs are most of the ratio; they do not grow with the job."
+        "2000-step job of ~2 s of training these fixed costs are most of the ratio; they do not grow with the job. "
+        "(Parallel imports were tried: Prefect and the JAX stack imported on two threads took longer than one after "
+        "the other, 2.6 s against 2.3 s, the GIL.)"
     ),
     "loop_vs_plain": (
-        "Each interval pays the fixed cost of the next line; MLflow's work (in its worker process since this run, "
-        "3.50 -> 1.68) still shares the two cores with training. On an H100 the engine's loop is within 1.5% of a "
-        "plain loop (the GPU section below)."
+        "Besides each interval's fixed cost (next line): the flow side calls the flow from Python, so its MLflow worker "
+        "starts with the flow run, and on a new store its start-up (MLflow's import, its SQLite store and schema: ~4 s of "
+        "CPU at nice 10, beside training on the same two cores) ends after training; the flow's end waits for it, as "
+        "every MLflow write must land. The loop's end is MLflow's (see `flow: mlflow s` in the sweep), and a quicker "
+        "init only moves the first step, where the loop's clock starts, earlier. The command starts the worker before its "
+        "own imports, where this is off the critical path. On an H100 the engine's loop is within 1.5% of a plain loop "
+        "(the GPU section below)."
     ),
     "orchestration_ms_per_interval": (
         "Per interval: two Prefect task runs (train, evaluate: ~15 ms each of engine work and state changes), a "
@@ -226,8 +232,14 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
            "training time / wall, measured inside one job) is the steadier figure.", "",
            "| T s | signal | system | attempts | total s | goodput | vs plain | rerun to first new step s (mean) |",
            "|---:|---|---|---:|---:|---:|---:|---:|"]
+    if goodput.get("note"):  # where these rows come from, when not from this run (see --render)
+        out[4:4] = [goodput["note"], ""]
     for r in goodput["runs"]:
         restart = _mean(r["breakdown"].get("restart_s", []))
+        if r.get("failed"):  # the job could not resume by itself (goodput 0 in the summary)
+            out.append(f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | {r['attempts']} | "
+                       f"{_f(r['total_s'], 1)} | **could not resume**: `{r['failed'][:160]}` | | |")
+            continue
         out.append(f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | {r['attempts']} | {_f(r['total_s'], 1)} | "
                    f"{_f(r['goodput'], 3)} | {_f(r.get('vs_plain'), 3)} | {_f(restart)} |")
     out += ["", "Where prefect-jax's time went, from the job's own goodput ledger (`<job>/goodput.json`; the same numbers are "
