@@ -82,7 +82,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-NEW_STORE_SUFFIX = ".prefect-jax-new-"  # <database>.prefect-jax-new-<pid>: a store being created
+NEW_STORE_SUFFIX = ".prefect-jax-new-"  # <database>.prefect-jax-new-<host>-<pid>: a store being created
 
 
 def _create_sqlite_store(path: str) -> None:
@@ -94,17 +94,19 @@ def _create_sqlite_store(path: str) -> None:
     made there meanwhile (a hard link never replaces one). What a killed worker left is removed
     here, by the next one."""
     import glob
+    import socket
 
     from mlflow.tracking import MlflowClient
 
     from prefect_jax.training.lease import process_alive
 
-    for stale in glob.glob(glob.escape(path) + NEW_STORE_SUFFIX + "*"):
-        pid = stale.rsplit("-", 1)[-1]
+    mine = f"{path}{NEW_STORE_SUFFIX}{socket.gethostname()}-"  # only this host's processes can be proven dead
+    for stale in glob.glob(glob.escape(mine) + "*"):
+        pid = stale[len(mine) :]
         if pid.isdigit() and not process_alive(int(pid)):
             for leftover in glob.glob(glob.escape(stale) + "*"):  # with its journal, if any
                 os.remove(leftover)
-    building = f"{path}{NEW_STORE_SUFFIX}{os.getpid()}"
+    building = f"{mine}{os.getpid()}"
     try:
         client = MlflowClient(tracking_uri=f"sqlite:///{building}")
         client.search_experiments(max_results=1)
