@@ -87,6 +87,13 @@ def _die_with_parent():
     return set_death_signal
 
 
+def _prefect_package_dir() -> str:
+    """Where the installed ``prefect`` package is, found without importing it (~1.2 s)."""
+    import importlib.util
+
+    return os.path.dirname(importlib.util.find_spec("prefect").origin)
+
+
 class _EmbeddedServer:
     """Prefect's ephemeral API server, run as `prefect.server.api.server.SubprocessASGIServer`
     runs it (uvicorn over ``prefect.server.api.server:create_app``, UI off, the same environment
@@ -106,14 +113,13 @@ class _EmbeddedServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     def _spawn(self):
-        import importlib.util
         import socket
         import subprocess
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        app_dir = os.path.dirname(os.path.dirname(importlib.util.find_spec("prefect").origin))  # Prefect's `__module_path__.parent`
+        app_dir = os.path.dirname(_prefect_package_dir())  # Prefect's `__module_path__.parent`
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
                **self.settings_env}  # fmt: skip
         return subprocess.Popen(
@@ -202,15 +208,13 @@ def _api_url_may_be_set_elsewhere() -> bool:
             with open("pyproject.toml", "rb") as f:
                 if "prefect" in tomllib.load(f).get("tool", {}):
                     return True
-        import importlib.util
-
         def read(path: str) -> dict:
             with open(path, "rb") as f:
                 return tomllib.load(f)
 
         # As Prefect's settings find the active profile (prefect/settings/sources.py, _get_profiles_path
         # and ProfileSettingsTomlLoader); the settings files that can move profiles_path returned above.
-        shipped = os.path.join(os.path.dirname(importlib.util.find_spec("prefect").origin), "settings", "profiles.toml")
+        shipped = os.path.join(_prefect_package_dir(), "settings", "profiles.toml")
         default = os.path.join(os.path.expanduser("~"), ".prefect", "profiles.toml")
         path = os.environ.get("PREFECT_PROFILES_PATH") or (
             os.path.join(os.environ["PREFECT_HOME"], "profiles.toml") if os.environ.get("PREFECT_HOME")
