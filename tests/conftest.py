@@ -14,6 +14,7 @@ write_bytecode()  # this process and every one it starts cache what they compile
 # and MLflow failures fail the tests instead of warning.
 _HOME = tempfile.mkdtemp(prefix="prefect-jax-tests-")
 os.environ.setdefault("PREFECT_HOME", _HOME)
+os.environ.setdefault("PREFECT_JAX_CACHE_DIR", os.path.join(_HOME, "cache"))  # not the user's ~/.cache/prefect-jax
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_JAX_MLFLOW_STRICT"] = "1"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")

@@ -221,9 +221,12 @@ def test_warm_up_creates_a_new_sqlite_store_before_the_first_tracker_asks(tmp_pa
     assert sorted(e.name for e in MlflowClient(uri).search_experiments()) == ["Default", "prefect-jax"]
 
 
-def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_makes_it(tmp_path):
+@pytest.mark.parametrize("template", ["made meanwhile", "none"])
+def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_makes_it(tmp_path, template):
     # A command refused for bad input ends within a second or two, while its MLflow worker may be
     # building a new store's schema: it must not leave a half-migrated database under the name.
+    # Both places the migrations run: the cache's empty store (the first new store of a machine),
+    # and the store itself where the cache cannot be written.
     import glob
     import os
     import signal
@@ -231,19 +234,23 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
     import sys
     import time
 
-    from prefect_jax.training import tracking
     from prefect_jax.training.mlflow_worker import NEW_STORE_SUFFIX
 
-    db = tmp_path / "mlflow.db"
+    db, cache = tmp_path / "mlflow.db", tmp_path / "cache"
+    if template == "none":
+        cache.write_text("a file, not a folder: no template can be kept here")
+    building = str(cache / "mlflow-store-templates" / "*.db") if template != "none" else str(db)
+    env = dict(os.environ, PREFECT_JAX_CACHE_DIR=str(cache))
+    uri = f"sqlite:///{db}"
     script = ("import sys, time\nfrom prefect_jax.training import tracking\n"
-              f"tracking.warm_up({'sqlite:///' + str(db)!r})\nprint(tracking._worker().process.pid, flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+              f"tracking.warm_up({uri!r})\nprint(tracking._worker().process.pid, flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
         worker = int(proc.stdout.readline())
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not glob.glob(str(db) + NEW_STORE_SUFFIX + "*"):
+        while time.monotonic() < deadline and not glob.glob(building + NEW_STORE_SUFFIX + "*"):
             time.sleep(0.01)
-        assert glob.glob(str(db) + NEW_STORE_SUFFIX + "*"), "the store was not being built beside its name"
+        assert glob.glob(building + NEW_STORE_SUFFIX + "*"), "the schema was not being built beside its name"
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # the command, mid-creation; its worker dies with it
         proc.wait()
@@ -251,12 +258,50 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
     while time.monotonic() < deadline and os.path.exists(f"/proc/{worker}"):
         time.sleep(0.05)
     assert not db.exists(), "a half-built store took the database's name"
-    assert glob.glob(str(db) + NEW_STORE_SUFFIX + "*"), "nothing left to clean up: the kill came too late to test"
+    assert not glob.glob(building), "a half-built template took its name"
+    assert glob.glob(building + NEW_STORE_SUFFIX + "*"), "nothing left to clean up: the kill came too late to test"
 
-    uri = f"sqlite:///{db}"
-    tracking.warm_up(uri)
-    tracker = Tracker(uri, "prefect-jax", "after-kill")
-    tracker.start({"p": "1"})
-    tracker.finish("FINISHED")
-    assert [r.info.status for r in MlflowClient(uri).search_runs([tracker.experiment_id])] == ["FINISHED"]
-    assert not glob.glob(str(db) + NEW_STORE_SUFFIX + "*"), "the killed worker's file was not removed"
+    script = ("from prefect_jax.training import tracking\n"
+              f"tracking.warm_up({uri!r})\ntracker = tracking.Tracker({uri!r}, 'prefect-jax', 'after-kill')\n"
+              "tracker.start({'p': '1'})\ntracker.finish('FINISHED')\n")  # fmt: skip
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    client = MlflowClient(uri)
+    assert [r.info.status for r in client.search_runs([client.get_experiment_by_name("prefect-jax").experiment_id])] == ["FINISHED"]
+    assert not glob.glob(building + NEW_STORE_SUFFIX + "*"), "the killed worker's file was not removed"
+    if template != "none":
+        assert glob.glob(building), "the next new store did not make the template again"
+
+
+def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_experiment(tmp_path, monkeypatch):
+    # MLflow's migrations (~1.2 s of CPU) run once per machine, for the cache's empty store; each
+    # new store is a copy of it, opened by MLflow, which adds the store's own default experiment.
+    # A template that MLflow cannot open is removed, and that store made by the migrations.
+    import sqlite3
+
+    from prefect_jax.training.mlflow_worker import _create_sqlite_store
+
+    monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    _create_sqlite_store(str(tmp_path / "a" / "mlflow.db"))
+    [template] = (tmp_path / "cache" / "mlflow-store-templates").glob("*.db")
+    with sqlite3.connect(template) as db:
+        assert db.execute("SELECT COUNT(*) FROM experiments").fetchone() == (0,)  # no experiment: each store names its own
+        db.execute("PRAGMA user_version = 4242")  # a mark that copies carry
+
+    def store(name: str) -> int:
+        (tmp_path / name).mkdir()
+        _create_sqlite_store(str(tmp_path / name / "mlflow.db"))
+        with sqlite3.connect(tmp_path / name / "mlflow.db") as db:
+            mark = db.execute("PRAGMA user_version").fetchone()[0]
+        client = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
+        run = client.create_run(client.create_experiment(f"exp-{name}"))
+        client.log_metric(run.info.run_id, "loss", 0.5, step=1)
+        assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [0.5]
+        assert [e.name for e in client.search_experiments() if e.experiment_id == "0"] == ["Default"]
+        return mark
+
+    assert store("b") == 4242, "the store was not copied from the template"
+    template.write_bytes(b"not a database" * 100)
+    assert store("c") == 0  # made by MLflow's migrations instead
+    assert not template.exists(), "an unusable template was kept"
+    assert store("d") == 0 and template.exists()  # made again, by the next new store

@@ -85,35 +85,111 @@ def _die_with_parent(parent: int) -> None:
 NEW_STORE_SUFFIX = ".prefect-jax-new-"  # <database>.prefect-jax-new-<host>-<pid>: a store being created
 
 
-def _create_sqlite_store(path: str) -> None:
-    """A new MLflow SQLite store at `path`, made whole or not at all.
-
-    Its schema takes seconds of Alembic migrations; a warm-up runs them before anyone asks, and
-    its command may be refused (bad input) and end meanwhile, killing this process part-way. So
-    the store is built in a file beside `path`, which then takes that name, unless a store was
-    made there meanwhile (a hard link never replaces one). What a killed worker left is removed
-    here, by the next one."""
+def _remove_dead_leftovers(prefix: str) -> None:
+    """Remove the files ``<prefix><pid>*`` that processes of this host, now dead, left part-way
+    (only this host's processes can be proven dead: `prefix` names the host)."""
     import glob
-    import socket
-
-    from mlflow.tracking import MlflowClient
+    import re
 
     from prefect_jax.training.lease import process_alive
 
-    mine = f"{path}{NEW_STORE_SUFFIX}{socket.gethostname()}-"  # only this host's processes can be proven dead
-    for stale in glob.glob(glob.escape(mine) + "*"):
-        pid = stale[len(mine) :]
-        if pid.isdigit() and not process_alive(int(pid)):
-            for leftover in glob.glob(glob.escape(stale) + "*"):  # with its journal, if any
-                os.remove(leftover)
-    building = f"{mine}{os.getpid()}"
+    for stale in glob.glob(glob.escape(prefix) + "*"):
+        pid = re.match(r"\d*", stale[len(prefix) :]).group()  # <pid>, or <pid>-journal
+        if pid and not process_alive(int(pid)):
+            try:
+                os.remove(stale)  # with its journal, if any: both match
+            except FileNotFoundError:
+                pass
+
+
+def _store_template() -> str | None:
+    """An empty MLflow SQLite store (MLflow's tables at their newest schema, no rows) for this
+    MLflow and SQLAlchemy, kept in the cache root (``PREFECT_JAX_CACHE_DIR``, default
+    ``~/.cache/prefect-jax``): made once per machine by MLflow's own migrations (~1.2 s of CPU), then
+    copied (milliseconds) for each new store. Written whole or not at all. None where it cannot
+    be made (a read-only cache, another MLflow's private API): stores are then made as MLflow
+    makes them."""
+    import socket
+
     try:
-        client = MlflowClient(tracking_uri=f"sqlite:///{building}")
-        client.search_experiments(max_results=1)
+        import mlflow
+        import sqlalchemy
+        from mlflow.store.db.utils import _initialize_tables
+
+        from prefect_jax.training.storage import cache_root
+
+        folder = os.path.join(cache_root(), "mlflow-store-templates")
+        template = os.path.join(folder, f"mlflow-{mlflow.__version__}-sqlalchemy-{sqlalchemy.__version__}.db")
+        if os.path.exists(template):
+            return template
+        os.makedirs(folder, exist_ok=True)
+        mine = f"{template}{NEW_STORE_SUFFIX}{socket.gethostname()}-"
+        _remove_dead_leftovers(mine)
+        building = f"{mine}{os.getpid()}"
+        try:
+            engine = sqlalchemy.create_engine(f"sqlite:///{building}")
+            try:
+                _initialize_tables(engine)  # tables only: the default experiment names its store's folder
+            finally:
+                engine.dispose()
+            os.replace(building, template)
+        finally:
+            if os.path.exists(building):
+                os.remove(building)
+        return template
+    except Exception as exc:  # noqa: BLE001 - the store is made without one
+        print(f"prefect-jax MLflow worker: no store template: {exc!r}", file=sys.stderr)
+        return None
+
+
+def _open_store(path: str) -> None:
+    """Open the MLflow store at `path` as MLflow does (creating its tables and its default
+    experiment where missing), then close its connections: the file takes another name next."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments(max_results=1)
+    finally:
         try:  # no connection left open under the file's other name (MLflow's own attributes: best effort)
-            client._tracking_client.store.engine.dispose()
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            engine = SqlAlchemyStore._engine_map.get(f"sqlite:///{path}")
+            if engine is not None:
+                engine.dispose()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _create_sqlite_store(path: str) -> None:
+    """A new MLflow SQLite store at `path`, made whole or not at all.
+
+    Its schema takes seconds of Alembic migrations: the store starts as a copy of an empty one
+    (`_store_template`), and a warm-up makes it before anyone asks. Its command may be refused
+    (bad input) and end meanwhile, killing this process part-way. So the store is made in a file
+    beside `path`, which then takes that name, unless a store was made there meanwhile (a hard
+    link never replaces one). What a killed worker left is removed here, by the next one."""
+    import shutil
+    import socket
+
+    mine = f"{path}{NEW_STORE_SUFFIX}{socket.gethostname()}-"
+    _remove_dead_leftovers(mine)
+    building = f"{mine}{os.getpid()}"
+    try:
+        template = _store_template()
+        if template is not None:
+            shutil.copyfile(template, building)
+        try:
+            _open_store(building)
+        except Exception as exc:
+            if template is None:
+                raise
+            # Unreadable, or not this MLflow's schema: made again by the migrations, and the store too.
+            print(f"prefect-jax MLflow worker: store template {template} not usable ({exc!r}): removed",
+                  file=sys.stderr)  # fmt: skip
+            for bad in (template, building):
+                if os.path.exists(bad):
+                    os.remove(bad)
+            _open_store(building)
         try:
             os.link(building, path)
         except FileExistsError:  # another process made one meanwhile: that one is the store
