@@ -136,16 +136,18 @@ GAPS = {
         "seconds (up to 1 s, 0.5 s on average, per flow run; `prefect/flow_engine.py` `_send_heartbeats`). On a "
         "2000-step job of ~2 s of training these fixed costs are most of the ratio; they do not grow with the job. "
         "(Parallel imports were tried: Prefect and the JAX stack imported on two threads took longer than one after "
-        "the other, 2.6 s against 2.3 s, the GIL.)"
+        "the other, 2.6 s against 2.3 s, the GIL.) One run of each side: the ratio measured 1.26 and then 1.36 in two "
+        "runs on 2026-11-23 with the command's own time unchanged (9.13 s, 9.05 s) and the plain loop's 7.26 s, then "
+        "6.64 s."
     ),
     "loop_vs_plain": (
         "Besides each interval's fixed cost (next line): the flow side calls the flow from Python, so its MLflow worker "
-        "starts with the flow run, and on a new store its start-up (MLflow's import, its SQLite store and schema: ~4 s of "
-        "CPU at nice 10, beside training on the same two cores) ends after training; the flow's end waits for it, as "
-        "every MLflow write must land. The loop's end is MLflow's (see `flow: mlflow s` in the sweep), and a quicker "
-        "init only moves the first step, where the loop's clock starts, earlier. The command starts the worker before its "
-        "own imports, where this is off the critical path. On an H100 the engine's loop is within 1.5% of a plain loop "
-        "(the GPU section below)."
+        "starts with the flow run, and its start-up (MLflow's import and its SQLite store: ~2.5 s of CPU at nice 10, "
+        "beside training on the same two cores) can end after training; the flow's end waits for it, as every MLflow "
+        "write must land. A new store is now a copy of an empty one (0.10 s, where MLflow's migrations took 1.25 s), "
+        "which took the one-interval rows' `flow: mlflow s` from 2.66 s (previous run) to 1.16 s. The command starts "
+        "the worker before its own imports, where this is off the critical path. On an H100 the engine's loop is "
+        "within 1.5% of a plain loop (the GPU section below)."
     ),
     "orchestration_ms_per_interval": (
         "Per interval: two Prefect task runs (train, evaluate: ~15 ms each of engine work and state changes), a "
@@ -191,9 +193,12 @@ GAPS = {
         "concurrency-slot service, stalling ~2 s now and then: the ledger's `other` was ~10 s per job; fixed.)"
     ),
     "goodput_T60_SIGTERM": (
-        "The same start-up per attempt, and the first attempt's init and new MLflow store; see the ledger's rows. In the run the goodput rows come from, the machine was slower than in earlier "
-        "ones (the plain loop's uninterrupted 8000 steps took 114 s, 66 s before), so the job needed three 60 s attempts, "
-        "and Keras, whose whole job fits in two, finished in two."
+        "The job's uninterrupted 8000 steps take longer than two 60 s attempts on this machine (this run: 121.0 s; "
+        "the plain loop's 114.1 s, Keras's 111.1 s), so with any start-up prefect-jax needs three attempts, where Keras "
+        "fits in two; goodput at T = 60 s moves in steps of a whole attempt. Each attempt pays the start-up of the "
+        "rerun line above (the ledger: 9.3 s over three), and each flow run's end waits for Prefect's flow-run "
+        "heartbeat thread, which sleeps in whole seconds (up to 1 s; `prefect/flow_engine.py` `_send_heartbeats`, "
+        "on by default: `flows.heartbeat_frequency` 180 s)."
     ),
 }
 
