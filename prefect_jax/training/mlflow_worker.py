@@ -94,8 +94,9 @@ def _remove_dead_leftovers(prefix: str) -> None:
     from prefect_jax.training.lease import process_alive
 
     for stale in glob.glob(glob.escape(prefix) + "*"):
-        pid = re.match(r"\d*", stale[len(prefix) :]).group()  # <pid>, or <pid>-journal
-        if pid and not process_alive(int(pid)):
+        # <pid> or <pid>-journal only (a host named <host>-<digits> has files that start alike)
+        mine = re.fullmatch(r"(\d+)(-journal|-wal|-shm)?", stale[len(prefix) :])
+        if mine and not process_alive(int(mine.group(1))):
             try:
                 os.remove(stale)  # with its journal, if any: both match
             except FileNotFoundError:
