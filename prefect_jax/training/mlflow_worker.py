@@ -23,6 +23,7 @@ no writer behind that could log what its rerun logs again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -30,6 +31,7 @@ import signal
 import sys
 import threading
 import warnings
+from typing import Iterator
 
 _capture = threading.local()  # the records of the call running on this thread (None: not in a call)
 
@@ -85,14 +87,18 @@ def _die_with_parent(parent: int) -> None:
 NEW_STORE_SUFFIX = ".prefect-jax-new-"  # <database>.prefect-jax-new-<host>-<pid>: a store being created
 
 
-def _remove_dead_leftovers(prefix: str) -> None:
-    """Remove the files ``<prefix><pid>*`` that processes of this host, now dead, left part-way
-    (only this host's processes can be proven dead: `prefix` names the host)."""
+@contextlib.contextmanager
+def _built_beside(path: str) -> Iterator[str]:
+    """The name ``<path>.prefect-jax-new-<host>-<pid>`` to build a file under, beside `path`,
+    before it takes `path`'s name whole; removed afterwards if still there. What dead processes of
+    this host left under such names is removed first (only this host's can be proven dead)."""
     import glob
     import re
+    import socket
 
     from prefect_jax.training.lease import process_alive
 
+    prefix = f"{path}{NEW_STORE_SUFFIX}{socket.gethostname()}-"
     for stale in glob.glob(glob.escape(prefix) + "*"):
         # <pid> or <pid>-journal only (a host named <host>-<digits> has files that start alike)
         mine = re.fullmatch(r"(\d+)(-journal|-wal|-shm)?", stale[len(prefix) :])
@@ -101,6 +107,12 @@ def _remove_dead_leftovers(prefix: str) -> None:
                 os.remove(stale)  # with its journal, if any: both match
             except FileNotFoundError:
                 pass
+    building = f"{prefix}{os.getpid()}"
+    try:
+        yield building
+    finally:
+        if os.path.exists(building):
+            os.remove(building)
 
 
 def _store_template() -> str | None:
@@ -110,8 +122,6 @@ def _store_template() -> str | None:
     copied (milliseconds) for each new store. Written whole or not at all. None where it cannot
     be made (a read-only cache, another MLflow's private API): stores are then made as MLflow
     makes them."""
-    import socket
-
     try:
         import mlflow
         import sqlalchemy
@@ -124,19 +134,13 @@ def _store_template() -> str | None:
         if os.path.exists(template):
             return template
         os.makedirs(folder, exist_ok=True)
-        mine = f"{template}{NEW_STORE_SUFFIX}{socket.gethostname()}-"
-        _remove_dead_leftovers(mine)
-        building = f"{mine}{os.getpid()}"
-        try:
+        with _built_beside(template) as building:
             engine = sqlalchemy.create_engine(f"sqlite:///{building}")
             try:
                 _initialize_tables(engine)  # tables only: the default experiment names its store's folder
             finally:
                 engine.dispose()
             os.replace(building, template)
-        finally:
-            if os.path.exists(building):
-                os.remove(building)
         return template
     except Exception as exc:  # noqa: BLE001 - the store is made without one
         print(f"prefect-jax MLflow worker: no store template: {exc!r}", file=sys.stderr)
@@ -170,12 +174,8 @@ def _create_sqlite_store(path: str) -> None:
     beside `path`, which then takes that name, unless a store was made there meanwhile (a hard
     link never replaces one). What a killed worker left is removed here, by the next one."""
     import shutil
-    import socket
 
-    mine = f"{path}{NEW_STORE_SUFFIX}{socket.gethostname()}-"
-    _remove_dead_leftovers(mine)
-    building = f"{mine}{os.getpid()}"
-    try:
+    with _built_beside(path) as building:
         template = _store_template()
         if template is not None:
             shutil.copyfile(template, building)
@@ -195,9 +195,6 @@ def _create_sqlite_store(path: str) -> None:
             os.link(building, path)
         except FileExistsError:  # another process made one meanwhile: that one is the store
             pass
-    finally:
-        if os.path.exists(building):
-            os.remove(building)
 
 
 def main() -> None:
