@@ -42,28 +42,58 @@ def _slope(points):
     return sum((x - mx) * (y - my) for x, y in points) / den if den else None
 
 
+def _median(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _per_round_ratios(rounds: list[dict], name: str, key: str) -> list[float]:
+    """`name`'s `key` over the plain loop's, in each round where both finished."""
+    return [r for r in (_ratio(_get(rnd, name, key), _get(rnd, "plain", key)) for rnd in rounds) if r is not None]
+
+
+def _sweep_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
+    """One sweep's slopes: the flow's extra loop time over plain's, and its Prefect time, per interval."""
+    extra = [(row["intervals"], _get(row, "prefect_jax", "loop_s") - _get(row, "plain", "loop_s"))
+             for row in sweep if _get(row, "prefect_jax", "loop_s") and _get(row, "plain", "loop_s")]
+    return _slope(extra), _slope([(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in sweep])
+
+
 def summarize(report: dict) -> dict:
+    """Ratios and targets. With interleaved rounds (`report["rounds"]`, `report["interval_rounds"]`),
+    a ratio or a slope is the median of its per-round values (kept under ``per_round``); the sides
+    run once (ephemeral, embedded) are read against the plain loop's median."""
     peers = report["peers"]
-    floor_loop = _get(peers, "plain", "loop_s")
-    floor_wall = _get(peers, "plain", "wall_s")
-    floor_process = _get(peers, "plain", "process_s")
+    rounds = report.get("rounds") or [peers]
+    sweeps = report.get("interval_rounds") or [report["intervals"]]
+    per_round: dict = {}
+
+    def ratio(name, key):
+        if any(rnd.get(name) for rnd in rounds):
+            values = _per_round_ratios(rounds, name, key)
+            per_round.setdefault(name, {})[key] = values
+            return round(_median(values), 3) if values else None
+        return _ratio(_get(peers, name, key), _get(peers, "plain", key))
+
     ratios = {
-        name: {"loop": _ratio(_get(peers, name, "loop_s"), floor_loop),
-               "wall": _ratio(_get(peers, name, "wall_s"), floor_wall),
-               "process": _ratio(_get(peers, name, "process_s"), floor_process)}
+        name: {"loop": ratio(name, "loop_s"), "wall": ratio(name, "wall_s"), "process": ratio(name, "process_s")}
         for name, _ in SYSTEMS if peers.get(name)
     }
-    one = next((row for row in report["intervals"] if row["intervals"] == 1), {})
-    extra = [(row["intervals"], _get(row, "prefect_jax", "loop_s") - _get(row, "plain", "loop_s"))
-             for row in report["intervals"] if _get(row, "prefect_jax", "loop_s") and _get(row, "plain", "loop_s")]
-    per_interval = _slope(extra)
-    prefect_per_interval = _slope([(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in report["intervals"]])
+    slopes = [_sweep_slopes(sw) for sw in sweeps]
+    per_interval = _median([s[0] for s in slopes])
+    prefect_per_interval = _median([s[1] for s in slopes])
+    ones = [next((row for row in sw if row["intervals"] == 1), {}) for sw in sweeps]
+    scan_speedups = [_ratio(_get(o, "plain", "loop_s"), _get(o, "prefect_jax_scan", "loop_s")) for o in ones]
     restart = report.get("restart") or {}
     warm = restart.get("cache_warm") or {}
     floor = (warm.get("raw_restore_s") or 0) + (warm.get("raw_step_s") or 0)
     rerun = warm.get("rerun_s")
     stall = next((r for r in (_get(report, "storage", "rows") or []) if r["mib"] == 512), None)
-    scan_speedup = _ratio(_get(one, "plain", "loop_s"), _get(one, "prefect_jax_scan", "loop_s"))
+    scan_speedup = _median(scan_speedups)
+    scan_speedup = round(scan_speedup, 3) if scan_speedup is not None else None
     gp = goodput_summary(report.get("goodput"))
     targets = {
         "process_vs_plain": {"value": ratios.get("cli", {}).get("process"), "target": "<= 1.30"},
@@ -91,6 +121,17 @@ def summarize(report: dict) -> dict:
     }
     for key, t in targets.items():
         t["met"] = t["value"] is not None and checks[key](t["value"])
+    ms = lambda xs: [round(x * 1000, 1) if x is not None else None for x in xs]  # noqa: E731
+    round_values = {
+        "process_vs_plain": _get(per_round, "cli", "process_s"),
+        "loop_vs_plain": _get(per_round, "prefect_jax", "loop_s"),
+        "orchestration_ms_per_interval": ms([s[0] for s in slopes]),
+        "prefect_ms_per_interval": ms([s[1] for s in slopes]),
+        "steps_per_dispatch_speedup": scan_speedups,
+    }
+    for key, values in round_values.items():
+        if values and len(values) > 1:
+            targets[key]["per_round"] = values
     return {"benchmark": "prefect-jax", "when": report["when"], "steps": report["steps"], "every": report["every"],
             "ratios": ratios, "targets": targets, "machine": report["machine"],
             "rerun_to_first_step_vs_floor": _ratio(rerun, floor),
@@ -332,6 +373,15 @@ def _f(v, digits=2):
     return "—" if v is None else f"{v:.{digits}f}"
 
 
+def _rounds_line(report: dict) -> str:
+    n = len(report.get("rounds") or [])
+    if n <= 1:
+        return "One run of each side."
+    return (f"The headline sides (the first {len(report['rounds'][0])} rows' systems) and the interval sweep ran in {n} "
+            "interleaved rounds: the seconds shown are each side's median, a ratio or a slope the median of its "
+            "per-round values (the targets table lists them); the other sides ran once.")
+
+
 def write_markdown(report: dict, summary: dict) -> str:
     m, peers, dispatch = report["machine"], report["peers"], report["dispatch"]
     one = next((row for row in report["intervals"] if row["intervals"] == 1), {})
@@ -340,7 +390,7 @@ def write_markdown(report: dict, summary: dict) -> str:
         "# Benchmarks",
         "",
         f"Written by `uv run --group bench python benchmarks/run.py` on {report['when']} "
-        f"({report['total_s'] / 60:.0f} min). One run; these machines are shared and noisy, so read the "
+        f"({report['total_s'] / 60:.0f} min). {_rounds_line(report)} These machines are shared and noisy, so read the "
         "ratios (every side measured in the same run) rather than the seconds.",
         "",
         f"**Machine:** {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; {m['os']}; Python {m['python']}; "
@@ -378,7 +428,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     if _get(report, "goodput", "note"):
         out += ["The three goodput targets (rerun, margin, T = 60 s) are read from the goodput rows below, which are not "
                 "from this run: see the note there.", ""]
-    out += ["| target | measured | goal | met |", "|---|---:|---:|:---:|"]
+    out += ["| target | measured | goal | met | per round |", "|---|---:|---:|:---:|---|"]
     names = {
         "process_vs_plain": "whole process, `prefect-jax run` on a standing server / plain loop",
         "loop_vs_plain": "loop time, flow on a standing server / plain loop",
@@ -391,7 +441,8 @@ def write_markdown(report: dict, summary: dict) -> str:
         "goodput_T60_SIGTERM": "goodput of prefect-jax, SIGTERM every 60 s",
     }
     for key, t in summary["targets"].items():
-        out.append(f"| {names[key]} | {_f(t['value'])} | {t['target']} | {'yes' if t['met'] else '**no**'} |")
+        each = ", ".join(_f(v) for v in t.get("per_round") or [])
+        out.append(f"| {names[key]} | {_f(t['value'])} | {t['target']} | {'yes' if t['met'] else '**no**'} | {each} |")
     missed = [key for key, t in summary["targets"].items() if not t["met"] and GAPS.get(key)]
     if missed:
         out += ["", "What stands in the way:", ""]

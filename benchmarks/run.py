@@ -295,6 +295,26 @@ def side(name: str, args, env: dict, steps: int | None = None, every: int | None
     return run_child(cmd, env, label or name)
 
 
+def median_results(rounds: list[dict]) -> dict:
+    """Per side, the median of each number over the rounds it finished (None: it failed in all);
+    what is not a number (the final eval, the code's folder) from its first finished round."""
+    import statistics
+
+    out: dict = {}
+    for name in rounds[0]:
+        done = [r[name] for r in rounds if r.get(name)]
+        if not done:
+            out[name] = None
+            continue
+        merged = dict(done[0])
+        for key, value in done[0].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                merged[key] = statistics.median(d[key] for d in done if isinstance(d.get(key), (int, float)))
+        merged["rounds_finished"] = len(done)
+        out[name] = merged
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -397,7 +417,10 @@ def main() -> None:
     parser.add_argument("--baseline", help="a checkout of prefect_jax to run as 'before' (e.g. a git worktree)")
     parser.add_argument("--profile", help="a folder for pyinstrument profiles of the flow side")
     parser.add_argument("--render", metavar="JSON", help="only rewrite --out from the raw results of an earlier run")
-    parser.add_argument("--no-goodput", action="store_true", help="skip the goodput-under-preemption runs (goodput.py, ~25 min)")
+    parser.add_argument("--no-goodput", action="store_true", help="skip the goodput-under-preemption runs (goodput.py, ~45 min)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds of the headline sides and of the sweep (default 3, 1 with --quick); "
+                             "a ratio is the median of its per-round ratios")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.render:
@@ -412,6 +435,10 @@ def main() -> None:
 
     if args.quick:
         args.steps, args.every = 400, 100
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     work = tempfile.mkdtemp(prefix="prefect-jax-bench-")
     base_env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
     base_env.pop("PREFECT_API_URL", None)
@@ -436,14 +463,25 @@ def main() -> None:
                 result["server_cpu_s"] = server.cpu_s() - before
             return result
 
-        peers["plain"] = with_server_cpu(lambda: side("plain", args, env))
-        peers["plain_scan"] = with_server_cpu(lambda: side("plain_scan", args, env))
-        peers["prefect_jax"] = with_server_cpu(lambda: side("prefect_jax", args, env))
-        peers["prefect_jax_scan"] = with_server_cpu(lambda: side("prefect_jax_scan", args, env))
-        peers["cli"] = with_server_cpu(lambda: run_cli(args, env))
         before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline)) if args.baseline else None
+        # The headline sides, in interleaved rounds: a slow minute on these shared cores hits one
+        # round of every side, not every round of one side (ratios are medians of per-round ratios).
+        headline = {
+            "plain": lambda label: with_server_cpu(lambda: side("plain", args, env, label=label)),
+            "plain_scan": lambda label: with_server_cpu(lambda: side("plain_scan", args, env, label=label)),
+            "prefect_jax": lambda label: with_server_cpu(lambda: side("prefect_jax", args, env, label=label)),
+            "prefect_jax_scan": lambda label: with_server_cpu(lambda: side("prefect_jax_scan", args, env, label=label)),
+            "cli": lambda label: with_server_cpu(lambda: run_cli(args, env, label=label)),
+            "keras": lambda label: side("keras", args, env, label=label),
+        }
         if before_env:
-            peers["before"] = side("prefect_jax", args, before_env, label="before")
+            headline["before"] = lambda label: side("prefect_jax", args, before_env, label=label)
+        rounds = []
+        for r in range(args.rounds):
+            suffix = f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
+            rounds.append({name: run(name + suffix) for name, run in headline.items()})
+        report["rounds"] = rounds
+        peers.update(median_results(rounds))
         if args.profile:  # extra runs: a profiler slows what it watches, so these are not in the tables
             side("prefect_jax", args, env, label="prefect_jax, profiled", profile=os.path.join(args.profile, "after.txt"))
             if before_env:
@@ -455,20 +493,29 @@ def main() -> None:
         if args.baseline:
             peers["before_cli_embedded"] = run_cli(args, dict(ephemeral_env, PYTHONPATH=os.path.abspath(args.baseline)),
                                                    label="before: cli, embedded server")  # fmt: skip
-        peers["keras"] = side("keras", args, env)
         report["peers"] = peers
 
         intervals = [1, 10, 40] if args.quick else [1, 10, 50, 100]
-        sweep = []
-        for n in intervals:
-            every = max(1, args.steps // n)
-            row = {"intervals": n, "every": every}
-            # One interval is training speed itself: there the scan sides run too (steps_per_dispatch).
-            for name in ("plain", "prefect_jax") + (("plain_scan", "prefect_jax_scan") if n == 1 else ()):
-                r = side(name, args, env, every=every, label=f"{name} x{n}")
-                row[name] = r and {k: r[k] for k in ("wall_s", "loop_s", "engine_s", "mlflow_s", "prefect_s") if k in r}
-            sweep.append(row)
-        report["intervals"] = sweep
+        sweeps = []
+        for r in range(args.rounds):
+            sweep = []
+            suffix = f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
+            for n in intervals:
+                every = max(1, args.steps // n)
+                row = {"intervals": n, "every": every}
+                # One interval is training speed itself: there the scan sides run too (steps_per_dispatch).
+                for name in ("plain", "prefect_jax") + (("plain_scan", "prefect_jax_scan") if n == 1 else ()):
+                    res = side(name, args, env, every=every, label=f"{name} x{n}{suffix}")
+                    row[name] = res and {k: res[k] for k in ("wall_s", "loop_s", "engine_s", "mlflow_s", "prefect_s") if k in res}
+                sweep.append(row)
+            sweeps.append(sweep)
+        report["interval_rounds"] = sweeps
+        # The table's rows: each side's median over the rounds (the targets use per-round slopes and ratios).
+        report["intervals"] = [
+            {"intervals": row["intervals"], "every": row["every"],
+             **median_results([{k: v for k, v in sw[i].items() if k not in ("intervals", "every")} for sw in sweeps])}
+            for i, row in enumerate(sweeps[0])
+        ]  # fmt: skip
 
     if not args.no_goodput:
         goodput_cmd = [sys.executable, os.path.join(HERE, "goodput.py")] + (
