@@ -219,7 +219,7 @@ GAPS = {
         "Prefect's ~24 ms per interval (met) plus Orbax's cost of the two small items (Orbax alone, 40 saves of the "
         "benchmark's state: save and commit 114-123 ms with state, data position and metadata against 98-111 ms with "
         "the state alone, ~14 ms), ~38 ms before any commit wait: over 30 ms unless a checkpoint stops carrying the "
-        "input position (exact resume, issue 2) or the metadata."
+        "input position (exact resume, issue 3) or the metadata."
     ),
     "prefect_ms_per_interval": (
         "Two task runs per interval, ~15 ms each on this machine, most of it Prefect's task engine in this process "
@@ -250,15 +250,22 @@ GAPS = {
         "of every attempt. On SIGTERM it loses no steps (the step in flight is committed) where the plain loop and "
         "Keras lose the steps since their last checkpoint; with SIGKILL all three lose those, and prefect-jax also "
         "its start-up. (Before this run, task runs carried the command's job tags and each went through Prefect's "
-        "concurrency-slot service, stalling ~2 s now and then: the ledger's `other` was ~10 s per job; fixed.)"
+        "concurrency-slot service, stalling ~2 s now and then: the ledger's `other` was ~10 s per job; fixed.) "
+        "Each row is one job on shared cores: its goodput divides by the system's own single uninterrupted run, so a "
+        "slow minute in either moves it by ~0.1 (the T = 60 s line below); the margins swing with it (-0.06 in the "
+        "20:32 run, -0.14 in the 23:07 one)."
     ),
     "goodput_T60_SIGTERM": (
-        "The job's uninterrupted 8000 steps take longer than two 60 s attempts on this machine (this run: 121.0 s; "
-        "the plain loop's 114.1 s, Keras's 111.1 s), so with any start-up prefect-jax needs three attempts, where Keras "
-        "fits in two; goodput at T = 60 s moves in steps of a whole attempt. Each attempt pays the start-up of the "
-        "rerun line above (the ledger: 9.3 s over three), and each flow run's end waits for Prefect's flow-run "
-        "heartbeat thread, which sleeps in whole seconds (up to 1 s; `prefect/flow_engine.py` `_send_heartbeats`, "
-        "on by default: `flows.heartbeat_frequency` 180 s)."
+        "The job's uninterrupted 8000 steps take about two 60 s attempts on this machine (121.0 s, 2026-11-23 20:32; "
+        "120.1 s in the 23:07 goodput run), so with any start-up prefect-jax needs three attempts, and goodput at "
+        "T = 60 s moves in steps of a whole attempt: the 20:32 run read 0.894. Each attempt pays the start-up of the "
+        "rerun line above, and each flow run's end waits for Prefect's flow-run heartbeat thread, which sleeps in "
+        "whole seconds (up to 1 s; `prefect/flow_engine.py` `_send_heartbeats`, on by default: "
+        "`flows.heartbeat_frequency` 180 s). The 23:07 run's T = 60 s rows came in a slow spell of these shared "
+        "cores: prefect-jax's ledger counts 153.0 s of productive training in its SIGTERM job against 111.8 s "
+        "uninterrupted (the same 8000 steps, none recomputed), and the plain loop took 169.2 s and 172.0 s against "
+        "113.1 s uninterrupted; the ledger's own goodput (kept training time / the job's wall), which needs no "
+        "separate uninterrupted run to divide by, is 0.885 (0.884 in the 20:32 run)."
     ),
 }
 
