@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 SYSTEMS = (
     ("plain", "hand-written JAX + optax + Orbax loop (the floor)"),
@@ -43,11 +44,9 @@ def _slope(points):
 
 
 def _median(values):
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    """The median of the values that are there (None: a round that failed), or None."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _per_round_ratios(rounds: list[dict], name: str, key: str) -> list[float | None]:

@@ -310,7 +310,6 @@ def median_results(rounds: list[dict]) -> dict:
         for key, value in done[0].items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 merged[key] = statistics.median(d[key] for d in done if isinstance(d.get(key), (int, float)))
-        merged["rounds_finished"] = len(done)
         out[name] = merged
     return out
 
@@ -466,20 +465,21 @@ def main() -> None:
         before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline)) if args.baseline else None
         # The headline sides, in interleaved rounds: a slow minute on these shared cores hits one
         # round of every side, not every round of one side (ratios are medians of per-round ratios).
-        headline = {
-            "plain": lambda label: with_server_cpu(lambda: side("plain", args, env, label=label)),
-            "plain_scan": lambda label: with_server_cpu(lambda: side("plain_scan", args, env, label=label)),
-            "prefect_jax": lambda label: with_server_cpu(lambda: side("prefect_jax", args, env, label=label)),
-            "prefect_jax_scan": lambda label: with_server_cpu(lambda: side("prefect_jax_scan", args, env, label=label)),
-            "cli": lambda label: with_server_cpu(lambda: run_cli(args, env, label=label)),
-            "keras": lambda label: side("keras", args, env, label=label),
-        }
-        if before_env:
-            headline["before"] = lambda label: side("prefect_jax", args, before_env, label=label)
-        rounds = []
-        for r in range(args.rounds):
-            suffix = f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
-            rounds.append({name: run(name + suffix) for name, run in headline.items()})
+        headline = ["plain", "plain_scan", "prefect_jax", "prefect_jax_scan", "cli", "keras"] + (["before"] if before_env else [])
+
+        def run_headline(name: str, label: str) -> dict | None:
+            if name == "keras":  # no standing server in its process
+                return side("keras", args, env, label=label)
+            if name == "before":
+                return side("prefect_jax", args, before_env, label=label)
+            if name == "cli":
+                return with_server_cpu(lambda: run_cli(args, env, label=label))
+            return with_server_cpu(lambda: side(name, args, env, label=label))
+
+        def in_round(r: int) -> str:
+            return f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
+
+        rounds = [{name: run_headline(name, name + in_round(r)) for name in headline} for r in range(args.rounds)]
         report["rounds"] = rounds
         peers.update(median_results(rounds))
         if args.profile:  # extra runs: a profiler slows what it watches, so these are not in the tables
@@ -499,13 +499,12 @@ def main() -> None:
         sweeps = []
         for r in range(args.rounds):
             sweep = []
-            suffix = f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
             for n in intervals:
                 every = max(1, args.steps // n)
                 row = {"intervals": n, "every": every}
                 # One interval is training speed itself: there the scan sides run too (steps_per_dispatch).
                 for name in ("plain", "prefect_jax") + (("plain_scan", "prefect_jax_scan") if n == 1 else ()):
-                    res = side(name, args, env, every=every, label=f"{name} x{n}{suffix}")
+                    res = side(name, args, env, every=every, label=f"{name} x{n}{in_round(r)}")
                     row[name] = res and {k: res[k] for k in ("wall_s", "loop_s", "engine_s", "mlflow_s", "prefect_s") if k in res}
                 sweep.append(row)
             sweeps.append(sweep)
