@@ -18,7 +18,9 @@ grain, the program; for the flow also prefect_jax.flows, so prefect) to the end,
 checkpoint committed; it includes the flow's own extra imports (mlflow), its Prefect calls
 and MLflow records. ``loop_s`` runs from the end of the first training step (its compile
 excluded) to the same end: the steps, the checkpoints, the evaluations and, for the flow,
-every task run, state change, artifact, event and MLflow write between them.
+every task run, state change, artifact, event and MLflow write between them. ``train_s`` runs
+from the same start to the end of the last training step (before the last checkpoint and
+evaluation, and, for the flow, before its end): with one interval, training speed alone.
 
 Then: the orchestration cost per checkpoint interval (the flow against the plain loop at 1
 to 100 intervals over the same steps), goodput under preemption (`goodput.py`), the restart
@@ -30,8 +32,8 @@ flow from another checkout of prefect_jax (e.g. an older commit) for a before/af
 (``BENCHMARKS.json``, written beside the report). ``--profile DIR`` also runs the flow side (and the baseline) once more under pyinstrument and
 writes the profiles there (those runs are not in the tables).
 
-    uv run --group bench python benchmarks/run.py               # the full run, ~35 min on 2 CPUs (goodput ~25 of them)
-    uv run --group bench python benchmarks/run.py --no-goodput  # without the preemption runs, ~12 min
+    uv run --group bench python benchmarks/run.py               # the full run, ~70 min on 2 CPUs (goodput ~50 of them)
+    uv run --group bench python benchmarks/run.py --no-goodput  # without the preemption runs, ~22 min
     uv run --group bench python benchmarks/run.py --quick       # a smoke test, ~7 min
 """
 
@@ -115,7 +117,7 @@ def run_plain(args, workdir: str) -> dict:
         is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
         return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, state)
 
-    result, t_loop, step = {}, None, 0
+    result, t_loop, t_trained, step = {}, None, None, 0
     while step < args.steps:
         if k == 1:
             state, metrics = train_step(state, next(batches))
@@ -128,14 +130,17 @@ def run_plain(args, workdir: str) -> dict:
         if t_loop is None:
             jax.block_until_ready(state)
             t_loop = time.perf_counter()
+        if step == args.steps:  # the last step's end (the save below would wait for it anyway)
+            jax.block_until_ready(state)
+            t_trained = time.perf_counter()
         if step % args.every == 0 or step == args.steps:
             manager.save(step, args=ocp.args.StandardSave(savable(state)), force=True)
             result = evaluate(state)
     manager.wait_until_finished()
     manager.close()
     t_end = time.perf_counter()
-    return {"wall_s": t_end - t0, "loop_s": t_end - t_loop, "import_s": t0 - t_import, "eval": result,
-            "jax": jax.__version__, "devices": str(jax.devices())}
+    return {"wall_s": t_end - t0, "loop_s": t_end - t_loop, "train_s": t_trained - t_loop, "import_s": t0 - t_import,
+            "eval": result, "jax": jax.__version__, "devices": str(jax.devices())}
 
 
 def run_prefect_jax(args, workdir: str) -> dict:
@@ -152,7 +157,7 @@ def run_prefect_jax(args, workdir: str) -> dict:
     from prefect_jax.training import trainer as trainer_mod
     from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
 
-    clock: dict = {"engine_s": 0.0, "mlflow_s": 0.0, "first_step_at": None}
+    clock: dict = {"engine_s": 0.0, "mlflow_s": 0.0, "first_step_at": None, "trained_at": None}
 
     def timed(cls, name, key):
         original = getattr(cls, name)
@@ -196,6 +201,19 @@ def run_prefect_jax(args, workdir: str) -> dict:
             setattr(owner, attr, first)
 
     trainer_mod.Trainer.__init__ = init_and_watch_first_step
+    try:  # where the steps of an interval end (its last step done: the NaN guard read waits for it)
+        from prefect_jax.training.loop import Loop
+    except ImportError:  # an older checkout (--baseline)
+        Loop = None
+    if Loop is not None:
+        run_steps = Loop.run
+
+        def run_and_watch_last_step(self, *a, **kw):
+            interval = run_steps(self, *a, **kw)
+            clock["trained_at"] = time.perf_counter()
+            return interval
+
+        Loop.run = run_and_watch_last_step
     train = {"max_steps": args.steps, "log_every_steps": 50}
     if args.side == "prefect_jax_scan":
         train["steps_per_dispatch"] = args.dispatch
@@ -222,9 +240,10 @@ def run_prefect_jax(args, workdir: str) -> dict:
             f.write(profiler.output_text(unicode=True, color=False))
     assert summary["final_step"] == args.steps, summary
     loop_s = t_end - clock["first_step_at"]
+    train_s = clock["trained_at"] - clock["first_step_at"] if clock["trained_at"] is not None else None
     import prefect_jax
 
-    return {"wall_s": t_end - t0, "loop_s": loop_s, "import_s": t0 - t_import, "eval": summary["eval"],
+    return {"wall_s": t_end - t0, "loop_s": loop_s, "train_s": train_s, "import_s": t0 - t_import, "eval": summary["eval"],
             "engine_s": clock["engine_s"], "mlflow_s": clock["mlflow_s"],
             "prefect_s": (t_end - t0) - clock["engine_s"], "code": os.path.dirname(prefect_jax.__file__)}
 
@@ -505,7 +524,7 @@ def main() -> None:
                 # One interval is training speed itself: there the scan sides run too (steps_per_dispatch).
                 for name in ("plain", "prefect_jax") + (("plain_scan", "prefect_jax_scan") if n == 1 else ()):
                     res = side(name, args, env, every=every, label=f"{name} x{n}{in_round(r)}")
-                    row[name] = res and {k: res[k] for k in ("wall_s", "loop_s", "engine_s", "mlflow_s", "prefect_s") if k in res}
+                    row[name] = res and {k: res[k] for k in ("wall_s", "loop_s", "train_s", "engine_s", "mlflow_s", "prefect_s") if k in res}
                 sweep.append(row)
             sweeps.append(sweep)
         report["interval_rounds"] = sweeps
