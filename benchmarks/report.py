@@ -228,9 +228,9 @@ GAPS = {
     ),
     "steps_per_dispatch_speedup": (
         "Measured on the steps alone since 2026-11-24 (the loop time also held the flow's end and its MLflow "
-        "worker's start-up: 0.55 on that clock in the 2026-11-23 run). Per round 1.26, 1.00, 0.86 on 2026-11-24: in "
-        "the flow, the MLflow worker's start-up (~2.5 s of CPU at nice 10) competes with the one interval's ~2 s of "
-        "steps on these two cores (flow per-step 2.46 s against plain per-step 2.06 s on the same clock). "
+        "worker's start-up: 0.55 on that clock in the 2026-11-23 run). In the flow, the MLflow worker's start-up "
+        "(~2.5 s of CPU at nice 10) competes with the one interval's ~2 s of steps on these two cores: compare the "
+        "flow's and the plain loop's per-step times on the same clock (the steps-alone line of the intervals section). "
         "On an H100 the engine with "
         "`steps_per_dispatch=10` runs 1.5x as many steps per second as the plain per-step loop (the GPU section)."
     ),
