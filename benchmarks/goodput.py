@@ -26,6 +26,7 @@ step) and ran its first step; the harness sums start-up, restore and compile fro
 
     uv run --group bench python benchmarks/goodput.py                          # T = 15, 30, 60; SIGTERM, SIGKILL (~45 min)
     uv run --group bench python benchmarks/goodput.py --periods 20 --signals TERM --systems prefect_jax,plain --steps 2000
+    uv run --group bench python benchmarks/goodput.py --periods 15 --signals KILL --prefect-jax-args '--checkpoint-every-secs 5'
 
 Progress goes to stderr; the last stdout line is one JSON object (also --out).
 """
@@ -171,7 +172,7 @@ def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str
         cmd = [cli, "run", "--program", "bench_programs:wide", "--job", "gp", "--storage", os.path.join(workdir, "storage"),
                "--max-steps", str(args.steps), "--checkpoint-every-steps", str(args.every), "--exporters",
                "--mlflow-tracking-uri", f"sqlite:///{workdir}/mlflow.db", "--compilation-cache", "job", "--no-progress",
-               "--json"]  # fmt: skip
+               "--json"] + args.prefect_jax_args.split()  # fmt: skip
         env = dict(server_env, PYTHONPATH=HERE + os.pathsep + server_env.get("PYTHONPATH", ""))
         return cmd, env
     cmd = [sys.executable, os.path.abspath(__file__), "--child", system, "--workdir", workdir, "--steps", str(args.steps),
@@ -282,6 +283,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8000)
     parser.add_argument("--every", type=int, default=500)
     parser.add_argument("--max-attempts", type=int, default=40)
+    parser.add_argument("--prefect-jax-args", default="", metavar="ARGS",
+                        help="more arguments for the prefect-jax command, e.g. '--checkpoint-every-secs 5' (the peers keep --every)")
     parser.add_argument("--out", default=None, help="also write the JSON result here")
     parser.add_argument("--child", choices=["plain", "keras"], help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -301,7 +304,8 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="goodput-")
     base = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
     base.pop("PREFECT_API_URL", None)
-    report: dict = {"steps": args.steps, "every": args.every, "program": "bench_programs:wide", "runs": []}
+    report: dict = {"steps": args.steps, "every": args.every, "program": "bench_programs:wide", "runs": [],
+                    "prefect_jax_args": args.prefect_jax_args}
     t = time.time()
     with StandingServer(os.path.join(work, "server-home")) as server:
         env = dict(base, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))

@@ -49,8 +49,10 @@ def record_attempt(storage: JobStorage, step: int, max_without_progress: int | N
     if max_without_progress is not None and same > max_without_progress:
         raise NoProgressError(
             f"job {storage.job_dir} was rerun {same} times without getting past step {step} "
-            f"(max_reruns_without_progress={max_without_progress}); not trying again. Look at the logs of the "
-            f"crashed runs; after fixing the cause, delete {path} to reset the budget."
+            f"(max_reruns_without_progress={max_without_progress}); not trying again. If those runs crashed, look at "
+            f"their logs; if they were stopped (preempted, killed) before their first checkpoint, checkpoint more often "
+            f"(CheckpointSpec.every_secs, `--checkpoint-every-secs`) or give them longer. Then delete {path} to reset "
+            f"the budget."
         )
     storage.write_json(path, {"step": step, "reruns_without_progress": same, "owner": owner, "at": time.time()})
     return same
