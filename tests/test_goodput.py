@@ -56,6 +56,25 @@ def test_a_rerun_that_restores_an_older_step_than_any_recorded_counts_its_predec
     assert s["lost_s"]["recomputed"] == pytest.approx(8.0) and s["productive_s"] == pytest.approx(6.0)
 
 
+def test_a_finished_job_is_not_waiting_and_a_rerun_that_trains_nothing_is_left_out():
+    ledger = {"attempts": [
+        _attempt(0.0, 10.0, 0, 100, [[0, 0.0], [100, 8.0]], "finished", startup=1.0, train=8.0),
+        # Rerun from the UI an hour later: restored 100, trained nothing, finished (twice).
+        _attempt(3600.0, 3605.0, 100, 100, [[100, 0.0]], "finished", startup=4.0, restore=1.0),
+        _attempt(3700.0, 3704.0, 100, 100, [[100, 0.0]], "finished", startup=4.0),
+    ]}  # fmt: skip
+    alone = summarize({"attempts": ledger["attempts"][:1]})
+    assert summarize(ledger) == alone and alone["wall_s"] == 10.0 and alone["goodput"] == pytest.approx(0.8)
+    # A day later max_steps is raised: the new attempt's own time counts, the day between does not.
+    ledger["attempts"].append(_attempt(90000.0, 90012.0, 100, 200, [[100, 0.0], [200, 9.0]], None,
+                                       startup=2.0, train=9.0))  # fmt: skip
+    s = summarize(ledger)
+    assert s["wall_s"] == pytest.approx(10.0 + 12.0) and s["productive_s"] == pytest.approx(17.0)
+    assert s["lost_s"]["between_attempts"] == 0.0 and s["lost_s"]["startup"] == 3.0
+    assert s["productive_s"] + sum(s["lost_s"].values()) == pytest.approx(s["wall_s"])
+    assert (s["attempts"], s["interrupted"], s["steps"]) == (2, 0, [0, 200])  # the newest, still running, is not interrupted
+
+
 def test_process_start_time_is_this_process_to_the_tick():
     import time
 
@@ -97,6 +116,14 @@ def test_the_engine_accounts_every_phase_of_an_attempt_and_a_rerun_continues_the
     trainer.close()
     summary = trainer.goodput()
     assert summary["attempts"] == 2 and summary["interrupted"] == 0 and summary["steps"] == [0, 60], summary
+    # Run again with nothing left to train: the account does not change (no attempt, no wall added).
+    trainer = Trainer(config(60))
+    assert trainer.restore_or_init() == 60
+    trainer.finish()
+    trainer.close()
+    with open(tmp_path / "gp" / "goodput.json") as f:
+        assert len(json.load(f)["attempts"]) == 3  # the ledger keeps every attempt; the summary leaves it out
+    assert trainer.goodput() == summary
     assert summary["productive_s"] + sum(summary["lost_s"].values()) == pytest.approx(summary["wall_s"], rel=0.01)
     assert 0 < summary["goodput"] < 1
     from mlflow.tracking import MlflowClient

@@ -377,7 +377,8 @@ def restore_or_init(
     # the run id is known is found by the job tag; see Trainer.save).
     run_id = trainer.tracker.run_id_if_known()
     link_runs(config, trainer)
-    logger.info("job %s at step %d (%s); MLflow run %s", config.job, step, "restored" if step else "initialised", run_id)
+    mlflow_run = run_id or "opening (its link is added to this flow run once MLflow answers)"
+    logger.info("job %s at step %d (%s); MLflow run %s", config.job, step, "restored" if step else "initialised", mlflow_run)
     return {"step": step, "mlflow_run_id": run_id, "checkpoint_dir": trainer.checkpoints.directory}
 
 

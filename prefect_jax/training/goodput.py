@@ -22,7 +22,11 @@ Phases of an attempt (seconds):
   work done after the last checkpoint of a killed process, its exit, and the wait for a rerun.
 
 ``goodput = kept train seconds / wall seconds`` from the first attempt's process start to the
-last record. This module never imports prefect.
+last record. A job is not waiting while it is finished: the time between an attempt that
+finished and the next (a rerun with a larger ``max_steps``, days later) is neither wall nor
+lost, and a rerun of a finished job that trains nothing (it restores the last step and stops,
+as a rerun from the UI of a completed run does) is left out of the account. This module never
+imports prefect.
 """
 
 from __future__ import annotations
@@ -198,6 +202,13 @@ def _train_at(attempt: dict, step: int) -> float | None:
     return None
 
 
+def _rerun_of_finished_job(previous: dict, attempt: dict) -> bool:
+    """`attempt` came after `previous` finished the job and trained nothing: it restored the last
+    step and stopped (a rerun of a completed run). It cost no one any waiting for the job."""
+    return (previous.get("ended") == "finished" and attempt.get("ended") == "finished"
+            and attempt["from_step"] == attempt["step"] == previous["step"] and not attempt["seconds"].get("train"))  # fmt: skip
+
+
 def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
     """The job's goodput and where its lost time went, from its ledger.
 
@@ -206,10 +217,12 @@ def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
     end by finishing) and ``steps`` (the step range the kept steps cover).
     """
     attempts = ledger.get("attempts") or []
+    attempts = [a for i, a in enumerate(attempts) if i == 0 or not _rerun_of_finished_job(attempts[i - 1], a)]
     if not attempts:
         return {}
     lost = dict.fromkeys(LOST, 0.0)
-    productive = 0.0
+    productive = wall = 0.0
+    segment_start = attempts[0]["process_start"]  # the job waits from here until an attempt finishes it
     for i, a in enumerate(attempts):
         secs = a["seconds"]
         train = secs.get("train", 0.0)
@@ -221,7 +234,11 @@ def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
             if at is None:  # the next attempt restored an older step than any this one recorded
                 at = 0.0 if nxt["from_step"] <= a["from_step"] else train
             kept = min(train, at)
-            lost["between_attempts"] += max(0.0, nxt["process_start"] - a["updated"])
+            if a.get("ended") != "finished":
+                lost["between_attempts"] += max(0.0, nxt["process_start"] - a["updated"])
+        if nxt is None or a.get("ended") == "finished":
+            wall += a["updated"] - segment_start
+            segment_start = nxt["process_start"] if nxt is not None else 0.0
         productive += kept
         lost["recomputed"] += train - kept
         for phase in PHASES:
@@ -229,7 +246,6 @@ def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
                 lost[phase] += secs.get(phase, 0.0)
         accounted = sum(secs.values())
         lost["other"] += max(0.0, (a["updated"] - a["process_start"]) - accounted)
-    wall = attempts[-1]["updated"] - attempts[0]["process_start"]
     return {
         "goodput": productive / wall if wall > 0 else 0.0,
         "wall_s": wall,
