@@ -147,7 +147,16 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+    from prefect.client.schemas.sorting import ArtifactSort
+
     with get_client(sync_client=True) as prefect:  # the session's server (prefect_test_harness)
-        artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pre-goodput"])))
-    assert len(artifacts) == 1 and artifacts[0].type == "table", artifacts  # the one run that finished
-    assert "recomputed steps" in str(artifacts[0].data) and "goodput" in artifacts[0].description.lower()
+        artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pre-goodput"])),
+                                           sort=ArtifactSort.CREATED_DESC)  # fmt: skip
+        states = [prefect.read_flow_run(a.flow_run_id).state.type.value for a in artifacts]
+    # The run that finished and, before it, the SIGTERMed one (a SIGKILLed run says nothing): the
+    # Crashed run's page says what the preemptions had cost so far.
+    assert [a.type for a in artifacts] == ["table", "table"] and states == ["COMPLETED", "CRASHED"], (artifacts, states)
+    finished, preempted = artifacts
+    assert "recomputed steps" in str(finished.data) and "goodput" in finished.description.lower()
+    assert f"stopped by SIGTERM after step {at}" in preempted.description and "productive training" in str(preempted.data)
+    assert "2 attempt(s), 2 of them interrupted" in preempted.description, preempted.description

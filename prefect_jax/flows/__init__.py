@@ -99,8 +99,20 @@ def _close_mlflow_run(status: str):
         if config is not None:
             # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the lease.
             live.finish_live(config, ended)
+            if ended == "KILLED":
+                _publish_preempted_goodput(config, live.live_trainer(config), flow_run.id)
 
     return hook
+
+
+def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id) -> None:
+    """A run this process trained and a SIGTERM stopped: its flow run gets the job's goodput so
+    far, as a finished run does, so that the Crashed run in the UI says what the preemptions cost
+    (the trainer wrote its attempt's end to the ledger before handing the signal on)."""
+    attempt = trainer.job.goodput.attempt if trainer is not None and trainer.job.is_primary else None
+    if attempt and attempt.get("ended") == "preempted":
+        _publish_goodput(config, trainer.goodput(), f"This run was stopped by SIGTERM after step {attempt['step']}: "
+                         "a rerun resumes from its newest committed step. So far: ", flow_run_id)  # fmt: skip
 
 
 def _report_terminated(flow_run_id, state) -> None:
@@ -339,24 +351,29 @@ def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
     }
 
 
-def _publish_goodput(config: JobConfig, goodput: dict[str, Any]) -> None:
-    """The job's goodput as a table artifact (key ``<job>-goodput``): what preemptions cost, by cause."""
+def _publish_goodput(config: JobConfig, goodput: dict[str, Any], lead: str = "", flow_run_id=None) -> None:
+    """The job's goodput as a table artifact (key ``<job>-goodput``): what preemptions cost, by cause.
+
+    Of the current flow run, or of `flow_run_id` (a state hook runs outside the run's context)."""
     if not goodput:
         return
-    from prefect.artifacts import create_table_artifact
+    from prefect.artifacts import TableArtifact
 
     from prefect_jax.tasks import artifact_key
     from prefect_jax.training.goodput import as_rows
 
-    description = (
+    description = lead + (
         f"**Goodput of job `{config.job}`: {goodput['goodput']:.1%}** of {goodput['wall_s']:.1f} s of wall time went into "
         f"training steps that were kept, over {goodput['attempts']} attempt(s), {goodput['interrupted']} of them interrupted. "
         "The rows say where the rest went (`prefect-jax status` shows the same; MLflow has it as `goodput/*`)."
     )
     try:
-        create_table_artifact(key=artifact_key(config.job, "goodput"), table=as_rows(goodput), description=description)
-    except Exception as exc:  # noqa: BLE001 - an artifact must not fail a finished job
-        get_run_logger().warning("could not publish the goodput artifact: %r", exc)
+        TableArtifact(key=artifact_key(config.job, "goodput"), table=as_rows(goodput), description=description,
+                      flow_run_id=flow_run_id).create(_sync=True)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - an artifact must not fail a finished (or preempted) job
+        import logging
+
+        logging.getLogger("prefect_jax.flows").warning("could not publish the goodput artifact: %r", exc)
 
 
 @flow(
