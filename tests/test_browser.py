@@ -67,6 +67,7 @@ def test_a_flow_run_page_shows_step_named_task_runs_and_the_artifacts(ui_server,
     page.get_by_text("Artifacts", exact=True).first.click()
     page.get_by_text("ui-job-eval-results").first.wait_for(timeout=30_000)
     page.get_by_text("ui-job-mlflow-run").first.wait_for(timeout=30_000)  # the link to the MLflow run
+    page.get_by_text("ui-job-goodput").first.wait_for(timeout=30_000)  # what the job's time went into
     body = page.inner_text("body")
     assert "training ui-job: step 40 of 40" in body, body[-2000:]
     page.screenshot(path=str(OUTPUT / "flow-run-artifacts.png"), full_page=True)
