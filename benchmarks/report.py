@@ -179,9 +179,12 @@ GAPS = {
         "seconds (up to 1 s, 0.5 s on average, per flow run; `prefect/flow_engine.py` `_send_heartbeats`). On a "
         "2000-step job of ~2 s of training these fixed costs are most of the ratio; they do not grow with the job. "
         "(Parallel imports were tried: Prefect and the JAX stack imported on two threads took longer than one after "
-        "the other, 2.6 s against 2.3 s, the GIL.) Noise: one run of each side measured 1.26 and then 1.36 (2026-11-23, "
-        "the command's own time unchanged: 9.13 s, 9.05 s); since then the sides run in interleaved rounds, whose "
-        "values (the per-round column) spread as widely (1.33, 0.94, 1.22 in the first such run)."
+        "the other, 2.6 s against 2.3 s, the GIL.) A rerun sampled with py-spy (2026-11-25) spent its start-up "
+        "importing (the program and the JAX stack, then Prefect and the flows): the flow run's HTTP round trips "
+        "before the restore task waited ~30 ms in all, so nothing is left to overlap them with; the heartbeat join "
+        "at its exit took 0.34 s. The faster the cores, the larger these fixed costs' share: 1.28 on 2026-11-24 "
+        "(the plain loop's process 9.4 s) and 1.40 on 2026-11-25 (5.4 s), the command's extra ~2.7 s and ~2.1 s. "
+        "Noise: the per-round column."
     ),
     "loop_vs_plain": (
         "Besides each interval's fixed cost (next line): the flow side calls the flow from Python, so its MLflow worker "
@@ -196,8 +199,8 @@ GAPS = {
         "save's commit); once, at the end, `Trainer.finish` (every MLflow write landed, the run closed: 90-390 ms) and, "
         "after the flow body returned, 260-950 ms in Prefect's end of the flow run, most of it the join of its "
         "heartbeat thread (0-1 s). The plain loop's loop ends with its last commit. The target's budget here is "
-        "0.1 x ~3 s = ~0.3 s: the 20 task runs' Prefect work (~0.25 s) and the heartbeat join (0.5 s on average) "
-        "already exceed it, so on this 2000-step, 10-interval workload the target cannot be met while each interval "
+        "0.1 x the plain loop's 2-3.5 s = 0.2-0.35 s: the 20 task runs' Prefect work (0.15-0.3 s, the Prefect line "
+        "below) and the heartbeat join (0.5 s on average) already exceed it, so on this 2000-step, 10-interval workload the target cannot be met while each interval "
         "is a task run pair and the flow run ends through Prefect's engine. With checkpoints minutes apart, as on a "
         "GPU job, the per-interval cost is under 0.1% of an interval."
     ),
@@ -215,8 +218,8 @@ GAPS = {
         "commit take 2.2 ms). Writing the data position asynchronously (Grain's handler is synchronous, so the save "
         "waits for Orbax to create the step's directories) took the blocking part from 29 to 19 ms, and the commit "
         "grew by as much: per interval unchanged, with and without evaluations (108-119 against 108-116 ms); not kept. "
-        "The cost grows as intervals shorten (in the sweep's medians, ~21 ms per interval from 1 to 10 intervals, ~84 "
-        "from 10 to 100), as each commit then overlaps the next interval more. A floor under the present design: "
+        "The slope differs between ranges of the sweep below (each commit overlaps the next interval's steps on the "
+        "same two cores, more or less as the intervals shorten). A floor under the present design: "
         "Prefect's ~24 ms per interval (met) plus Orbax's cost of the two small items (Orbax alone, 40 saves of the "
         "benchmark's state: save and commit 114-123 ms with state, data position and metadata against 98-111 ms with "
         "the state alone, ~14 ms), ~38 ms before any commit wait: over 30 ms unless a checkpoint stops carrying the "
@@ -239,10 +242,11 @@ GAPS = {
         "A rerun's way back to its first new step is its start-up: imports (Prefect, JAX, Grain, Orbax, the program), "
         "the flow run and the restore task, the trainer; then restore and a cache load of the compiled step. The "
         "plain loop imports less and creates nothing. The goodput ledger's rows below split it: start-up (the "
-        "interpreter, Prefect's and JAX's imports, the flow run) is ~3.3 s of a ~3.7 s way back. MLflow's worker "
+        "interpreter, Prefect's and JAX's imports, the flow run) is most of it, against restore and compile. MLflow's worker "
         "runs at nice 10 so that it does not take the cores from it. A rerun restores (no init), so the quicker init "
         "compile of this stop does not shorten it; Prefect's and JAX's imports cannot overlap (tried: the GIL). "
-        "Prefect's import alone (~1.2-1.5 s) is 60-80% of the plain loop's whole way back (1.8-2.1 s), so while a "
+        "Prefect's import alone (0.7 s on 2026-11-25's cores, 1.2-1.5 s on 2026-11-24's) is about half of the plain "
+        "loop's whole way back (1.4-1.8 s and 1.8-2.1 s), so while a "
         "flow run exists before training starts (which is what makes a killed attempt show as Crashed and be rerun), "
         "the ratio cannot go under ~1.6 on this machine."
     ),
@@ -253,30 +257,34 @@ GAPS = {
         "its start-up. (Before this run, task runs carried the command's job tags and each went through Prefect's "
         "concurrency-slot service, stalling ~2 s now and then: the ledger's `other` was ~10 s per job; fixed.) "
         "Each row is one job on shared cores: its goodput divides by the system's own single uninterrupted run, so a "
-        "slow minute in either moves it by ~0.1 (the T = 60 s line below); the margins swing with it (-0.06 in the "
-        "20:32 run, -0.14 in the 23:07 one). Which system leads at T = 15 s turns on whether a start-up plus one "
-        "checkpoint interval fits in an attempt, so on slower cores the sign flips by period and signal (the first "
-        "other sample under the goodput rows, at ~1.5x these times: at T = 15 s the peers lose every SIGTERMed "
+        "slow minute in either moves it by ~0.1; the margins swing with it (-0.06 on 2026-11-23 20:32, -0.14 at "
+        "23:07, -0.43 on 2026-11-25). Which system leads at T = 15 s turns on how many checkpoint intervals fit in "
+        "an attempt after its start-up. On 2026-11-25 a 500-step interval took ~6.4 s: the plain loop, back in "
+        "~1.4 s, fit two before each kill at 15 s, prefect-jax, back in ~2.8 s, one (16 attempts against 9 with "
+        "SIGKILL, 83 s of killed work between attempts in its ledger; with SIGTERM, which costs prefect-jax no "
+        "steps, the plain loop's kills still came just after its second checkpoint: 0.76 against 0.85). On slower "
+        "cores the sign flips by period and signal (the 2026-11-24 19:13 sample under the goodput rows, at ~1.7x "
+        "these times: at T = 15 s the peers lose every SIGTERMed "
         "attempt's steps and did not finish in 40 attempts, where prefect-jax, which commits the step in flight, "
         "finished; with SIGKILL prefect-jax's ~5-6 s start-up left too little of 15 s for 500 steps, and its rerun "
         "guard (`max_reruns_without_progress`) stopped the job after 4 reruns at step 0, where the peers, starting "
         "in ~2 s, checkpointed now and then). A job preempted that often without notice needs checkpoints closer "
         "than an attempt's length (`CheckpointSpec.every_secs`, `--checkpoint-every-secs`; the guard's error now "
         "says so): with checkpoints every 5 s as well, the same job finished at T = 15 s with SIGKILL (0.427, the "
-        "plain loop 0.556: the last sample under the goodput rows)."
+        "plain loop 0.556: the 21:47 sample under the goodput rows)."
     ),
     "goodput_T60_SIGTERM": (
         "The job's uninterrupted 8000 steps take about two 60 s attempts on this machine (121.0 s, 2026-11-23 20:32; "
-        "120.1 s in the 23:07 goodput run), so with any start-up prefect-jax needs three attempts, and goodput at "
-        "T = 60 s moves in steps of a whole attempt: the 20:32 run read 0.894. Each attempt pays the start-up of the "
+        "120.1 s at 23:07; 108.3 s on 2026-11-25, when two attempts were enough and the target was met: 1.03), so "
+        "goodput at T = 60 s moves in steps of a whole attempt: the 20:32 run read 0.894. Each attempt pays the start-up of the "
         "rerun line above, and each flow run's end waits for Prefect's flow-run heartbeat thread, which sleeps in "
         "whole seconds (up to 1 s; `prefect/flow_engine.py` `_send_heartbeats`, on by default: "
         "`flows.heartbeat_frequency` 180 s). The 23:07 run's T = 60 s rows came in a slow spell of these shared "
-        "cores: prefect-jax's ledger counts 153.0 s of productive training in its SIGTERM job against 111.8 s "
+        "cores (the 23:07 sample under the goodput rows): prefect-jax's ledger counts 153.0 s of productive training in its SIGTERM job against 111.8 s "
         "uninterrupted (the same 8000 steps, none recomputed), and the plain loop took 169.2 s and 172.0 s against "
         "113.1 s uninterrupted; the ledger's own goodput (kept training time / the job's wall), which needs no "
-        "separate uninterrupted run to divide by, is 0.885 (0.884 in the 20:32 run). In the other sample (cores "
-        "~1.5x slower) the uninterrupted job took just over three attempts' length (183.6 s) and prefect-jax needed four: "
+        "separate uninterrupted run to divide by, is 0.885 (0.884 in the 20:32 run). In the 19:13 sample (cores "
+        "~1.7x slower) the uninterrupted job took just over three attempts' length (183.6 s) and prefect-jax needed four: "
         "there the target was met, 0.956. The heartbeat thread's whole-second sleep and its join on a sync flow's "
         "exit (`join(timeout=2)`) are unchanged in Prefect 3.9.1, the newest release on the registry (its async "
         "engine does not join)."
@@ -364,7 +372,7 @@ def goodput_samples_markdown(samples: list[dict] | None) -> list[str]:
     and signal on one line, with prefect-jax's margin over the best peer. They show how much the
     margins move from one run of these shared cores to the next; the targets read the main rows."""
     out = []
-    for s in samples or []:
+    for k, s in enumerate(samples or [], 1):
         systems = list(s["uninterrupted"])
         out += ["", f"### Another sample: {s['when']}", "", s["note"], "",
                 "Uninterrupted: " + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in s["uninterrupted"].items()) + ".", "",
@@ -378,11 +386,11 @@ def goodput_samples_markdown(samples: list[dict] | None) -> list[str]:
                 r = row.get(name)
                 if r and r.get("failed"):
                     notes.append(f"- T = {period:g} s, SIG{sig}, {name}: {r['failed']}.")
-                cells.append("not run" if r is None else f"0 (did not finish[^{len(notes)}])" if r.get("failed") else _f(r["goodput"], 3))
+                cells.append("not run" if r is None else f"0 (did not finish[^s{k}-{len(notes)}])" if r.get("failed") else _f(r["goodput"], 3))
             peers = [row[n]["goodput"] for n in systems if n != "prefect_jax" and n in row]
             margin = row["prefect_jax"]["goodput"] - max(peers) if "prefect_jax" in row and len(peers) == len(systems) - 1 else None
             out.append(f"| {period:g} | SIG{sig} | " + " | ".join(cells) + f" | {_f(margin, 3)} |")
-        out += [""] + [n.replace("- ", f"[^{i}]: ", 1) for i, n in enumerate(notes, 1)]
+        out += [""] + [n.replace("- ", f"[^s{k}-{i}]: ", 1) for i, n in enumerate(notes, 1)]
     return out
 
 
