@@ -5,10 +5,11 @@ The kill-and-rerun path (real processes, MLflow, the Prefect artifact) is in tes
 
 import json
 import os
+import random
 
 import pytest
 
-from prefect_jax.training.goodput import as_rows, describe, mlflow_metrics, process_start_time, summarize
+from prefect_jax.training.goodput import _bounded, as_rows, describe, mlflow_metrics, process_start_time, summarize
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
 
@@ -75,6 +76,55 @@ def test_a_finished_job_is_not_waiting_and_a_rerun_that_trains_nothing_is_left_o
     assert (s["attempts"], s["interrupted"], s["steps"]) == (2, 0, [0, 200])  # the newest, still running, is not interrupted
 
 
+def _history(rng: random.Random, n: int) -> list[dict]:
+    """A job's attempts over weeks: killed (SIGKILL: no end written, a gap to the rerun) and
+    preempted ones, the rerun sometimes restoring an older step than the newest it recorded (a
+    torn save), finishes followed by idle days, reruns of the finished job that train nothing
+    (a schedule, the UI) and larger max_steps."""
+    attempts, t, step, goal = [], 0.0, 0, 300
+    for _ in range(n):
+        start = t + rng.uniform(0.5, 5.0)
+        if step >= goal:
+            start += rng.uniform(1e3, 1e5)
+            if rng.random() < 0.6:
+                attempts.append(_attempt(start, start + 3.0, step, step, [[step, 0.0]], "finished", startup=2.0, restore=0.5))
+                t = attempts[-1]["updated"]
+                continue
+            goal += 300
+        train, tail, s = 0.0, [[step, 0.0]], step
+        saves = rng.randint(0, 3)
+        for _ in range(saves):
+            s, train = min(goal, s + 100), train + rng.uniform(5.0, 10.0)
+            tail.append([s, train])
+        ended = "finished" if s >= goal else rng.choice([None, "preempted"])
+        secs = {"startup": rng.uniform(1.0, 4.0), "restore": 0.5, "compile": 0.3, "train": train, "checkpoint": 0.1 * saves}
+        updated = start + sum(secs.values()) + rng.uniform(0.0, 1.0)
+        attempts.append(_attempt(start, updated, step, s, tail[-8:], ended, **secs))
+        step = tail[-2][0] if ended != "finished" and saves >= 2 and rng.random() < 0.3 else s
+        t = updated + (rng.uniform(0.0, 20.0) if ended is None else 0.0)
+    return attempts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_folding_old_attempts_keeps_the_file_small_and_the_summary_as_it_was(seed):
+    """A ledger past its size folds its oldest attempts into one entry (dropping the reruns that
+    trained nothing first): the summary must not change, idle days after a finish included."""
+    attempts = _history(random.Random(seed), 60)
+    whole = summarize({"attempts": attempts})
+    assert whole["productive_s"] + sum(whole["lost_s"].values()) == pytest.approx(whole["wall_s"], abs=0.01)  # lost_s is rounded
+    for limit in (2, 3, 5, 9, 20):
+        kept: list[dict] = []
+        for a in attempts:  # each attempt rewrites the file from the one it read
+            kept = json.loads(json.dumps(_bounded(kept + [a], limit)))
+            assert len(kept) <= limit
+        folded = summarize({"attempts": kept})
+        assert folded.keys() == whole.keys()
+        for key in ("goodput", "wall_s", "productive_s"):
+            assert folded[key] == pytest.approx(whole[key]), (limit, key)
+        assert folded["lost_s"] == pytest.approx(whole["lost_s"], abs=1e-6), limit
+        assert (folded["attempts"], folded["interrupted"], folded["steps"]) == (whole["attempts"], whole["interrupted"], whole["steps"])
+
+
 def test_process_start_time_is_this_process_to_the_tick():
     import time
 
@@ -130,3 +180,52 @@ def test_the_engine_accounts_every_phase_of_an_attempt_and_a_rerun_continues_the
 
     metrics = MlflowClient(mlflow_uri).get_run(run_id).data.metrics
     assert metrics["goodput/goodput"] == pytest.approx(summary["goodput"]) and metrics["goodput/attempts"] == 2
+
+
+def test_an_interrupted_runs_goodput_artifact_says_how_it_ended_and_never_holds_up_its_exit(job_config, prefect_server, monkeypatch):
+    """The on_crashed hook's artifact names the signal that stopped the run (none: "interrupted",
+    as Ctrl-C or a crash), goes to that flow run, and gives up after PREEMPTED_ARTIFACT_SECS when
+    the API does not answer: a preempted machine's exit must not wait on it."""
+    import signal
+    import socket
+    import time
+
+    from prefect import flow, get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+
+    from prefect_jax import flows
+
+    config = job_config(max_steps=20, every_steps=20, job="hk")
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.finish("KILLED")  # as the hook's finish_live does: the attempt ends "preempted"
+
+    @flow
+    def crashed_run():
+        pass
+
+    flow_run_id = crashed_run(return_state=True).state_details.flow_run_id
+    flows._publish_preempted_goodput(config, trainer, flow_run_id, None)
+    flows._publish_preempted_goodput(config, trainer, flow_run_id, signal.SIGINT)
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["hk-goodput"])),
+                                          sort=ArtifactSort.CREATED_DESC)  # fmt: skip
+    assert [a.flow_run_id for a in artifacts] == [flow_run_id, flow_run_id]
+    assert artifacts[0].description.startswith("This run was stopped by SIGINT after step 20: a rerun resumes")
+    assert artifacts[1].description.startswith("This run was interrupted (its newest checkpoint is step 20)")
+    assert "1 attempt(s), 1 of them interrupted" in artifacts[0].description
+
+    # An API that accepts connections and never answers (Prefect's client would wait 60 s a try).
+    monkeypatch.setattr(flows, "PREEMPTED_ARTIFACT_SECS", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/api"
+        with temporary_settings({PREFECT_API_URL: url, PREFECT_LOGGING_TO_API_ENABLED: False}):
+            started = time.monotonic()
+            flows._publish_preempted_goodput(config, trainer, flow_run_id, signal.SIGTERM)
+            assert time.monotonic() - started < 10
+    trainer.close()

@@ -100,19 +100,42 @@ def _close_mlflow_run(status: str):
             # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the lease.
             live.finish_live(config, ended)
             if ended == "KILLED":
-                _publish_preempted_goodput(config, live.live_trainer(config), flow_run.id)
+                signum = preemption.received_signal() if preemption is not None else None
+                _publish_preempted_goodput(config, live.live_trainer(config), flow_run.id, signum)
 
     return hook
 
 
-def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id) -> None:
-    """A run this process trained and a SIGTERM stopped: its flow run gets the job's goodput so
-    far, as a finished run does, so that the Crashed run in the UI says what the preemptions cost
-    (the trainer wrote its attempt's end to the ledger before handing the signal on)."""
+def _hook_logger(flow_run_id):
+    """The flow run's logger (its logs in the UI) where a state hook runs: outside the run's context."""
+    from prefect.logging.loggers import flow_run_logger
+
+    return flow_run_logger(flow_run_id=flow_run_id)
+
+
+PREEMPTED_ARTIFACT_SECS = 10.0  # the longest a SIGTERMed run's exit waits to publish its goodput
+
+
+def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id, signum: int | None) -> None:
+    """A run this process trained and a SIGTERM (or Ctrl-C, or a crash) stopped: its flow run
+    gets the job's goodput so far, as a finished run does, so that the Crashed run in the UI says
+    what the preemptions cost (the trainer wrote its attempt's end to the ledger before handing
+    the signal on). Within `PREEMPTED_ARTIFACT_SECS`: the exit of a preempted machine must not
+    wait on an API that does not answer (the checkpoint, the lease and MLflow are done by now)."""
     attempt = trainer.job.goodput.attempt if trainer is not None and trainer.job.is_primary else None
-    if attempt and attempt.get("ended") == "preempted":
-        _publish_goodput(config, trainer.goodput(), f"This run was stopped by SIGTERM after step {attempt['step']}: "
-                         "a rerun resumes from its newest committed step. So far: ", flow_run_id)  # fmt: skip
+    if not attempt or attempt.get("ended") != "preempted":
+        return
+    import contextvars
+    import signal
+
+    from prefect_jax.training.trainer import _within  # (imported: this process trained)
+
+    how = f"stopped by {signal.Signals(signum).name} after step {attempt['step']}" if signum else \
+        f"interrupted (its newest checkpoint is step {attempt['step']})"  # fmt: skip
+    lead = f"This run was {how}: a rerun resumes from its newest committed step. So far: "
+    publish = functools.partial(_publish_goodput, config, trainer.goodput(), lead, flow_run_id)
+    if not _within(functools.partial(contextvars.copy_context().run, publish), PREEMPTED_ARTIFACT_SECS):
+        _hook_logger(flow_run_id).warning("the goodput artifact was not published within %.0fs: gave up", PREEMPTED_ARTIFACT_SECS)
 
 
 def _report_terminated(flow_run_id, state) -> None:
@@ -126,7 +149,7 @@ def _report_terminated(flow_run_id, state) -> None:
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
     except Exception as exc:  # noqa: BLE001 - the run stays Failed; nothing is lost
-        get_run_logger().warning("could not mark the terminated run Crashed: %r", exc)
+        _hook_logger(flow_run_id).warning("could not mark the terminated run Crashed: %r", exc)
 
 
 _CONFIG_ARGS = (
@@ -368,12 +391,18 @@ def _publish_goodput(config: JobConfig, goodput: dict[str, Any], lead: str = "",
         "The rows say where the rest went (`prefect-jax status` shows the same; MLflow has it as `goodput/*`)."
     )
     try:
-        TableArtifact(key=artifact_key(config.job, "goodput"), table=as_rows(goodput), description=description,
-                      flow_run_id=flow_run_id).create(_sync=True)  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - an artifact must not fail a finished (or preempted) job
-        import logging
+        artifact = TableArtifact(key=artifact_key(config.job, "goodput"), table=as_rows(goodput), description=description)
+        if flow_run_id is None:
+            artifact.create(_sync=True)
+        else:  # outside a run context, where Prefect deprecates `Artifact.create`: its client call, as create makes it
+            from prefect.client.orchestration import get_client
+            from prefect.client.schemas.actions import ArtifactCreate
 
-        logging.getLogger("prefect_jax.flows").warning("could not publish the goodput artifact: %r", exc)
+            with get_client(sync_client=True) as client:
+                client.create_artifact(ArtifactCreate(type=artifact.type, key=artifact.key, description=description,
+                                                      flow_run_id=flow_run_id, data=artifact.format(_sync=True)))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - an artifact must not fail a finished (or preempted) job
+        (_hook_logger(flow_run_id) if flow_run_id else get_run_logger()).warning("could not publish the goodput artifact: %r", exc)
 
 
 @flow(

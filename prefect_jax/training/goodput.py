@@ -43,7 +43,7 @@ logger = logging.getLogger("prefect_jax.trainer")
 
 PHASES = ("startup", "restore", "compile", "train", "checkpoint", "eval", "export")
 LOST = ("startup", "restore", "compile", "recomputed", "checkpoint", "eval", "export", "other", "between_attempts")
-MAX_ATTEMPTS_KEPT = 500  # older attempts are folded into one line: the file stays small
+MAX_ATTEMPTS_KEPT = 500  # past it, no-op reruns are dropped and the oldest attempts folded (`_bounded`)
 _TAIL = 8  # per attempt, the cumulative train time at its newest saves
 _process_clock_taken = False  # the first ledger of a process counts from the process start
 
@@ -161,10 +161,7 @@ class GoodputLedger:
 
     def _ledger(self) -> dict[str, Any]:
         """The ledger as this attempt last wrote it: the earlier attempts (the oldest folded) and this one."""
-        attempts = self._earlier + [self.attempt]
-        if len(attempts) > MAX_ATTEMPTS_KEPT:
-            attempts = [_fold(attempts[: -MAX_ATTEMPTS_KEPT + 1])] + attempts[-MAX_ATTEMPTS_KEPT + 1 :]
-        return {"attempts": attempts}
+        return {"attempts": _bounded(self._earlier + [self.attempt])}
 
     def read(self) -> dict[str, Any]:
         return read_ledger(self.storage)
@@ -183,15 +180,26 @@ def read_ledger(storage) -> dict[str, Any]:
         return {}
 
 
-def _fold(attempts: list[dict]) -> dict:
-    """Many old attempts as one (their seconds summed), so the ledger stays small."""
-    first, last = attempts[0], attempts[-1]
-    seconds: dict[str, float] = {}
-    for a in attempts:
-        for k, v in a["seconds"].items():
-            seconds[k] = seconds.get(k, 0.0) + v
-    return {**last, "process_start": first["process_start"], "from_step": first["from_step"], "seconds": seconds,
-            "folded": sum(a.get("folded", 1) for a in attempts)}  # fmt: skip
+def _bounded(attempts: list[dict], limit: int = MAX_ATTEMPTS_KEPT) -> list[dict]:
+    """At most `limit` entries with the same summary: past it, the reruns of a finished job that
+    trained nothing are dropped, then the oldest attempts folded into one."""
+    if len(attempts) > limit:
+        attempts = _counted(attempts)
+    if len(attempts) > limit:
+        cut = len(attempts) - limit + 1
+        attempts = [_fold(attempts, cut)] + attempts[cut:]
+    return attempts
+
+
+def _fold(attempts: list[dict], cut: int) -> dict:
+    """``attempts[:cut]`` as one entry that carries their account (each judged against the
+    attempt after it, which ``attempts[cut]`` is for the last), so the file stays small and the
+    summary stays what it was. It keeps what the next attempt is judged against: the last folded
+    attempt's step, end and last record."""
+    last = attempts[cut - 1]
+    return {"folded": True, "carried": _account(attempts[: cut + 1], cut), "process_start": attempts[0]["process_start"],
+            "from_step": attempts[0]["from_step"], "step": last["step"], "ended": last.get("ended"),
+            "updated": last["updated"], "tail": last.get("tail", []), "seconds": {}}  # fmt: skip
 
 
 def _train_at(attempt: dict, step: int) -> float | None:
@@ -209,21 +217,24 @@ def _rerun_of_finished_job(previous: dict, attempt: dict) -> bool:
             and attempt["from_step"] == attempt["step"] == previous["step"] and not attempt["seconds"].get("train"))  # fmt: skip
 
 
-def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
-    """The job's goodput and where its lost time went, from its ledger.
+def _counted(attempts: list[dict]) -> list[dict]:
+    """The attempts the account counts: not the reruns of a finished job that trained nothing."""
+    return [a for i, a in enumerate(attempts) if i == 0 or not _rerun_of_finished_job(attempts[i - 1], a)]
 
-    Returns ``{}`` for an empty ledger, else ``goodput``, ``wall_s``, ``productive_s``,
-    ``lost_s`` (by cause, see the module), ``attempts``, ``interrupted`` (attempts that did not
-    end by finishing) and ``steps`` (the step range the kept steps cover).
-    """
-    attempts = ledger.get("attempts") or []
-    attempts = [a for i, a in enumerate(attempts) if i == 0 or not _rerun_of_finished_job(attempts[i - 1], a)]
-    if not attempts:
-        return {}
-    lost = dict.fromkeys(LOST, 0.0)
-    productive = wall = 0.0
-    segment_start = attempts[0]["process_start"]  # the job waits from here until an attempt finishes it
-    for i, a in enumerate(attempts):
+
+def _account(attempts: list[dict], stop: int) -> dict[str, Any]:
+    """The running account of ``attempts[:stop]``, each judged against the attempt after it (the
+    last of the list against none: it is the newest). ``attempts[0]`` may be a fold, whose
+    account is carried on from."""
+    first = attempts[0]
+    if "carried" in first:
+        acc = {**first["carried"], "lost": dict(first["carried"]["lost"])}
+    else:
+        acc = {"productive": 0.0, "wall": 0.0, "lost": dict.fromkeys(LOST, 0.0), "attempts": 0, "interrupted": 0,
+               "segment_start": first["process_start"], "from_step": first["from_step"]}  # fmt: skip
+    lost = acc["lost"]
+    for i in range(1 if "carried" in first else 0, stop):
+        a = attempts[i]
         secs = a["seconds"]
         train = secs.get("train", 0.0)
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
@@ -236,24 +247,40 @@ def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
             kept = min(train, at)
             if a.get("ended") != "finished":
                 lost["between_attempts"] += max(0.0, nxt["process_start"] - a["updated"])
-        if nxt is None or a.get("ended") == "finished":
-            wall += a["updated"] - segment_start
-            segment_start = nxt["process_start"] if nxt is not None else 0.0
-        productive += kept
+        if nxt is None or a.get("ended") == "finished":  # the job waited from segment_start until here
+            acc["wall"] += a["updated"] - acc["segment_start"]
+            acc["segment_start"] = nxt["process_start"] if nxt is not None else 0.0
+        acc["productive"] += kept
         lost["recomputed"] += train - kept
         for phase in PHASES:
             if phase != "train":
                 lost[phase] += secs.get(phase, 0.0)
-        accounted = sum(secs.values())
-        lost["other"] += max(0.0, (a["updated"] - a["process_start"]) - accounted)
+        lost["other"] += max(0.0, (a["updated"] - a["process_start"]) - sum(secs.values()))
+        acc["attempts"] += a.get("folded", 1)  # (an int in the folds of older versions)
+        acc["interrupted"] += a.get("ended") not in (("finished",) if nxt is not None else ("finished", None))
+    return acc
+
+
+def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
+    """The job's goodput and where its lost time went, from its ledger.
+
+    Returns ``{}`` for an empty ledger, else ``goodput``, ``wall_s``, ``productive_s``,
+    ``lost_s`` (by cause, see the module), ``attempts``, ``interrupted`` (attempts that did not
+    end by finishing) and ``steps`` (the step range the kept steps cover).
+    """
+    attempts = _counted(ledger.get("attempts") or [])
+    if not attempts:
+        return {}
+    acc = _account(attempts, len(attempts))
+    wall = acc["wall"]
     return {
-        "goodput": productive / wall if wall > 0 else 0.0,
+        "goodput": acc["productive"] / wall if wall > 0 else 0.0,
         "wall_s": wall,
-        "productive_s": productive,
-        "lost_s": {k: round(v, 3) for k, v in lost.items()},
-        "attempts": sum(a.get("folded", 1) for a in attempts),
-        "interrupted": sum(1 for a in attempts[:-1] if a.get("ended") != "finished") + (attempts[-1].get("ended") not in ("finished", None)),
-        "steps": [attempts[0]["from_step"], attempts[-1]["step"]],
+        "productive_s": acc["productive"],
+        "lost_s": {k: round(v, 3) for k, v in acc["lost"].items()},
+        "attempts": acc["attempts"],
+        "interrupted": acc["interrupted"],
+        "steps": [acc["from_step"], attempts[-1]["step"]],
     }
 
 
