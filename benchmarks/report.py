@@ -183,7 +183,7 @@ GAPS = {
         "importing (the program and the JAX stack, then Prefect and the flows): the flow run's HTTP round trips "
         "before the restore task waited ~30 ms in all, so nothing is left to overlap them with; the heartbeat join "
         "at its exit took 0.34 s. The faster the cores, the larger these fixed costs' share: 1.28 on 2026-11-24 "
-        "(the plain loop's process 9.4 s) and 1.40 on 2026-11-25 (5.4 s), the command's extra ~2.7 s and ~2.1 s. "
+        "(the plain loop's process 9.4 s) and 1.40 on 2026-11-25 (5.4 s), the command's extra ~2.5 s and ~2.1 s. "
         "Noise: the per-round column."
     ),
     "loop_vs_plain": (
