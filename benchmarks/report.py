@@ -310,6 +310,8 @@ REMOVED = """## What was removed (profiled with pyinstrument and cProfile during
 | a fresh job's init compile (issue 13) | 1.25 s | 0.52 s | XLA backend optimisation level 1 for init, which runs once |
 | progress artifacts held up behind the MLflow link until MLflow's store opened (issue 13) | up to the whole job | 0 | the link is queued once MLflow has answered |
 | a new MLflow SQLite store's schema (MLflow's Alembic migrations), in the MLflow worker, per new store (issue 13) | 1.25 s | 0.10 s | a copy of an empty store that the migrations make once per machine and MLflow version (`PREFECT_JAX_CACHE_DIR`) |
+| Python's garbage collector walking the heap while the command imports Prefect, JAX, Orbax and the program; in the MLflow worker while it imports MLflow (issue 13, measured 2026-11-25 outside this run) | imports 2.13 s; MLflow's 1.15 s | 1.76 s; 0.90 s | the collector is off until the start-up's objects are frozen (`gc.freeze`, which the command did already), then on: a rerun of the goodput job to its first new step, 2.82 s -> 2.35 s with the row below (medians of 8 alternated reruns) |
+| FastAPI's application stack, imported by Prefect's `Flow.serialize_parameters` (`jsonable_encoder`) on the way to a fresh process's flow run, and the progress artifact's API round trip before training (issue 13, measured 2026-11-25 outside this run: a rerun of the goodput job's, medians of 8 alternated reruns) | rerun to its first new step 2.70 s | 2.61 s | the flows serialize their parameters (strings, numbers, pydantic specs) as `jsonable_encoder` does without it (checked against it in `tests/test_flows_parameters.py`); the progress artifact is made on the publisher thread |
 """
 
 

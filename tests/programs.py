@@ -112,3 +112,21 @@ class PacedDigits(Paced, DigitsProgram):
 
 def paced():
     return PacedDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+class GcWatchingDigits(DigitsProgram):
+    """Tiny digits that note, at each evaluation, whether Python's garbage collector is on and how
+    many objects are frozen (one JSON line each in the file ``PREFECT_JAX_TEST_GC_LOG`` names)."""
+
+    def eval_data(self):
+        import gc
+        import json
+        import os
+
+        with open(os.environ["PREFECT_JAX_TEST_GC_LOG"], "a") as f:
+            f.write(json.dumps({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}) + "\n")
+        return super().eval_data()
+
+
+def gc_watching():
+    return GcWatchingDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)

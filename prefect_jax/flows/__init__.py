@@ -29,11 +29,70 @@ import functools
 import inspect
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Flow, flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from prefect_jax.tasks import evaluate_if_new, export, process_tag, publisher, restore_or_init, train_until_checkpoint
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
+
+
+class _NotPlainJSON(Exception):
+    pass
+
+
+def _plain_json(value: Any) -> Any:
+    """`value` as FastAPI's `jsonable_encoder` (Prefect's `Flow.serialize_parameters`) makes it, for
+    the values these flows take: strings, numbers, booleans, None, enums, pydantic models (the specs)
+    and lists and dicts of them. Anything else raises `_NotPlainJSON`."""
+    import enum
+
+    from pydantic import BaseModel
+
+    if isinstance(value, BaseModel):
+        return _plain_json(value.model_dump(mode="json", by_alias=True))
+    if isinstance(value, enum.Enum):
+        return value.value
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        # jsonable_encoder drops keys that start with "_sa" (SQLAlchemy's state): so does this.
+        return {k: _plain_json(v) for k, v in value.items() if not k.startswith("_sa")}
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(v) for v in value]
+    raise _NotPlainJSON
+
+
+class _Flow(Flow):
+    """Prefect's `Flow`, but a new flow run's parameters are serialized without importing FastAPI.
+
+    Prefect's `serialize_parameters` calls FastAPI's `jsonable_encoder`, and the first call imports
+    FastAPI's whole application stack (~0.2 s on these two cores) on the way to every flow run of a
+    fresh process: a run, a rerun after preemption. These flows' parameters are strings, numbers
+    and pydantic specs, which `_plain_json` encodes exactly as `jsonable_encoder` does (checked in
+    tests/test_flows_parameters.py against it); any other value still goes through Prefect's."""
+
+    def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        if self.ismethod or self.isclassmethod:  # Prefect's skips the bound object: leave those to it
+            return super().serialize_parameters(parameters)
+        plain, rest = {}, {}
+        for key, value in parameters.items():
+            try:
+                plain[key] = _plain_json(value)
+            except _NotPlainJSON:
+                rest[key] = value
+        serialized = super().serialize_parameters(rest) if rest else {}
+        return {k: plain[k] if k in plain else serialized[k] for k in parameters if k in plain or k in serialized}
+
+    def with_options(self, *args: Any, **kwargs: Any) -> "_Flow":
+        new = super().with_options(*args, **kwargs)
+        new.__class__ = _Flow
+        return new
+
+
+def _json_parameters(f: Flow) -> _Flow:
+    """Make a `@flow` a `_Flow` (placed above ``@flow``, which ``prefect deploy`` reads from the source)."""
+    f.__class__ = _Flow
+    return f
 
 
 _OWN_TAGS = ("prefect-jax",)
@@ -218,6 +277,15 @@ def _progress_artifact(step: int, max_steps: int, job: str):
     return create_progress_artifact(**_progress(step, max_steps, job))
 
 
+def _start_progress(progress: dict[str, Any], step: int, max_steps: int, job: str) -> None:
+    progress["id"] = _progress_artifact(step, max_steps, job)
+
+
+def _update_progress(progress: dict[str, Any], step: int, max_steps: int, job: str) -> None:
+    if progress.get("id") is not None:  # else its creation failed, and was logged
+        update_progress_artifact(progress["id"], **_progress(step, max_steps, job))
+
+
 def _evaluate_and_export(config: JobConfig, step: int) -> None:
     result = evaluate_if_new(config, step)
     if config.eval.exporters:  # no task run per interval for exporters that are not there
@@ -234,7 +302,9 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     stop_requested = trainer.stop_requested
     # With several processes, process 0 evaluates and exports: no task runs elsewhere that only say so.
     evaluate = evaluate and trainer.job.is_primary
-    progress = _progress_artifact(step, max_steps, config.job)
+    # Made and updated on the publisher's thread, in order: no HTTP round trip before training.
+    progress: dict[str, Any] = {}
+    publisher.submit(_start_progress, progress, step, max_steps, config.job)
     if evaluate and step > 0:
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
         _evaluate_and_export(config, step)
@@ -244,7 +314,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
             if stop is not None:
                 return step, stop.get("reason")
             step = train_until_checkpoint(config, step)
-            publisher.submit(update_progress_artifact, progress, **_progress(step, max_steps, config.job))
+            publisher.submit(_update_progress, progress, step, max_steps, config.job)
             if evaluate:
                 _evaluate_and_export(config, step)
         stop = stop_requested()
@@ -405,6 +475,7 @@ def _publish_goodput(config: JobConfig, goodput: dict[str, Any], lead: str = "",
         (_hook_logger(flow_run_id) if flow_run_id else get_run_logger()).warning("could not publish the goodput artifact: %r", exc)
 
 
+@_json_parameters
 @flow(
     name="train_and_evaluate",
     flow_run_name="train-and-evaluate-{job}",
@@ -467,6 +538,7 @@ def train_and_evaluate(
     return summary
 
 
+@_json_parameters
 @flow(
     name="train",
     flow_run_name="train-{job}",
@@ -530,6 +602,7 @@ def _trainer_alive(js) -> bool:
     return time.time() - float(current.get("heartbeat", 0)) <= float(current.get("timeout_secs", 120.0))
 
 
+@_json_parameters
 @flow(name="evaluate", flow_run_name="evaluate-{job}", validate_parameters=True)
 @_untagged_tasks
 def evaluate(
@@ -668,6 +741,7 @@ def evaluate(
     }
 
 
+@_json_parameters
 @flow(name="export", flow_run_name="export-{job}", validate_parameters=True)
 @_untagged_tasks
 def export_flow(
