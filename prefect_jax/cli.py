@@ -584,6 +584,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if getattr(args, "processes", 1) < 1:
         raise ValueError(f"--processes {args.processes}: the number of JAX processes must be 1 or more")
     if getattr(args, "processes", 1) > 1:
+        gc.enable()  # this process only watches the JAX processes it starts: no start-up to spare it
         return _launch_processes(args)
     tracking_uri = args.mlflow_tracking_uri or default_tracking_uri()
     role = {"run": "train_and_evaluate"}.get(args.command, args.command)
@@ -874,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_env()
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    collecting = gc.isenabled()
     if args.command in ("demo", "run", "train", "evaluate", "export"):
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         gc.disable()  # through the start-up's imports, until `_freeze_startup_objects` (which says why)
@@ -898,7 +900,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     finally:
-        gc.enable()  # a command that ended before its freeze (refused arguments, say)
+        if collecting:
+            gc.enable()  # a command that ended before its freeze (refused arguments, say)
 
 
 def entry() -> None:

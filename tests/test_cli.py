@@ -36,6 +36,7 @@ def test_bad_input_is_a_clear_error_and_nothing_runs(tmp_path):
     assert not (tmp_path / "j").exists()
 
 
+@pytest.mark.slow
 def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_command(tmp_path, prefect_server,
                                                                                      mlflow_uri, monkeypatch):
     """The command turns Python's garbage collector off through its start-up's imports (~0.4 s of
@@ -57,9 +58,22 @@ def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_co
     for name in ("PREFECT_SERVER_ANALYTICS_ENABLED", "TF_CPP_MIN_LOG_LEVEL", "GIT_PYTHON_REFRESH", "PYTHONDONTWRITEBYTECODE"):
         monkeypatch.setenv(name, os.environ.get(name, ""))  # what main() sets is undone after the test
     monkeypatch.setattr(sys, "dont_write_bytecode", sys.dont_write_bytecode)
-    assert gc.isenabled()
-    assert cli.main(["run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "r"), "--max-steps", "0"]) == 2
-    assert gc.isenabled()
+    monkeypatch.chdir(tmp_path)
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert gc.isenabled()
+        assert cli.main(["run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "r"), "--max-steps", "0",
+                         "--mlflow-tracking-uri", mlflow_uri]) == 2  # fmt: skip
+        assert gc.isenabled()
+        gc.disable()  # a caller's choice is left as it was
+        assert cli.main(["run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "r"), "--max-steps", "0",
+                         "--mlflow-tracking-uri", mlflow_uri]) == 2  # fmt: skip
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        signal.signal(signal.SIGTERM, handler)
 
 
 @pytest.mark.slow

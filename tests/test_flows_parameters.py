@@ -9,8 +9,10 @@ import sys
 import textwrap
 import uuid
 
+import pydantic
 import pytest
 from prefect import Flow
+from prefect.states import Completed
 
 from prefect_jax import flows
 from prefect_jax.training.specs import (
@@ -32,6 +34,21 @@ class Colour(enum.Enum):
 
 class Level(int, enum.Enum):
     HIGH = 3
+
+
+class Key(str, enum.Enum):
+    A = "a"
+
+
+class Unserializable(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(arbitrary_types_allowed=True)
+    thing: object = object()
+
+
+def _self_containing_list():
+    loop: list = [1]
+    loop.append(loop)
+    return loop
 
 
 def _prefects(flow, parameters):
@@ -66,6 +83,10 @@ CASES = {
     "values only Prefect's encoder takes": dict(
         path=pathlib.PurePosixPath("/a/b"), id=uuid.UUID(int=5), s={3}, by_int={1: "one"}, spec=TrainSpec(max_steps=1),
         obj=object(),
+    ),
+    "values Prefect records as placeholders": dict(
+        state=Completed(data="s3://bucket/x"), bad_model=Unserializable(), loop=_self_containing_list(),
+        enum_keys={Key.A: 1}, ok="kept",
     ),
 }
 

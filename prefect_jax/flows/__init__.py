@@ -43,18 +43,23 @@ class _NotPlainJSON(Exception):
 def _plain_json(value: Any) -> Any:
     """`value` as FastAPI's `jsonable_encoder` (Prefect's `Flow.serialize_parameters`) makes it, for
     the values these flows take: strings, numbers, booleans, None, enums, pydantic models (the specs)
-    and lists and dicts of them. Anything else raises `_NotPlainJSON`."""
+    and lists and dicts of them. Anything else raises `_NotPlainJSON`: Prefect's path takes it (a
+    future or a state, which it records as a placeholder; a value that does not serialize)."""
     import enum
 
+    from prefect.futures import PrefectFuture
+    from prefect.states import State
     from pydantic import BaseModel
 
+    if isinstance(value, (PrefectFuture, State)):
+        raise _NotPlainJSON
     if isinstance(value, BaseModel):
         return _plain_json(value.model_dump(mode="json", by_alias=True))
     if isinstance(value, enum.Enum):
         return value.value
     if value is None or isinstance(value, (str, int, float)):
         return value
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+    if isinstance(value, dict) and all(type(k) is str for k in value):  # jsonable_encoder encodes other keys
         # jsonable_encoder drops keys that start with "_sa" (SQLAlchemy's state): so does this.
         return {k: _plain_json(v) for k, v in value.items() if not k.startswith("_sa")}
     if isinstance(value, (list, tuple)):
@@ -78,7 +83,7 @@ class _Flow(Flow):
         for key, value in parameters.items():
             try:
                 plain[key] = _plain_json(value)
-            except _NotPlainJSON:
+            except (_NotPlainJSON, TypeError, ValueError, RecursionError):  # pydantic's errors are ValueErrors
                 rest[key] = value
         serialized = super().serialize_parameters(rest) if rest else {}
         return {k: plain[k] if k in plain else serialized[k] for k in parameters if k in plain or k in serialized}

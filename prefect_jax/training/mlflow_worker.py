@@ -239,6 +239,7 @@ def main() -> None:
             outbox.flush()
 
     warmed: dict[str, threading.Event] = {}  # tracking URI -> set once its warm-up is over
+    warming: set[str] = set()  # the tracking URIs whose warm-up thread is still importing
 
     def run(call_id: int, backend, name: str, args: tuple, strict: bool) -> None:
         records: list = []
@@ -251,7 +252,8 @@ def main() -> None:
             value, ok = exc, False
         finally:
             _capture.records = None
-            _startup_over()  # after the first call at the latest
+            if not warming:  # else the warm-up's end (matplotlib's imports too)
+                _startup_over()  # after the first call at the latest
         reply(call_id, ok, value, records)
 
     def warm(tracking_uri: str) -> None:
@@ -279,7 +281,9 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - the curve is drawn without it, or says why
             pass
         finally:
-            _startup_over()
+            warming.discard(tracking_uri)
+            if not warming:
+                _startup_over()
 
     def dispatch(message: tuple) -> None:
         kind = message[0]
@@ -294,6 +298,7 @@ def main() -> None:
             backend._pool.submit(run, call_id, backend, name, args, strict)
         elif kind == "warm":
             warmed.setdefault(message[1], threading.Event())
+            warming.add(message[1])
             threading.Thread(target=warm, args=(message[1],), name="prefect-jax-mlflow-warm", daemon=True).start()
         elif kind == "drop":
             backend = backends.pop(message[1], None)
