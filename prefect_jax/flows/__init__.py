@@ -71,7 +71,7 @@ class _Flow(Flow):
     """Prefect's `Flow`, but a new flow run's parameters are serialized without importing FastAPI.
 
     Prefect's `serialize_parameters` calls FastAPI's `jsonable_encoder`, and the first call imports
-    FastAPI's whole application stack (~0.2 s on these two cores) on the way to every flow run of a
+    FastAPI's whole application stack (0.07-0.2 s on these two cores) on the way to every flow run of a
     fresh process: a run, a rerun after preemption. These flows' parameters are strings, numbers
     and pydantic specs, which `_plain_json` encodes exactly as `jsonable_encoder` does (checked in
     tests/test_flows_parameters.py against it); any other value still goes through Prefect's."""
