@@ -385,7 +385,7 @@ def goodput_samples_markdown(samples: list[dict] | None) -> list[str]:
     for k, s in enumerate(samples or [], 1):
         systems = list(s["uninterrupted"])
         out += ["", f"### Another sample: {s['when']}", "", s["note"], "",
-                "Uninterrupted: " + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in s["uninterrupted"].items()) + ".", "",
+                "Uninterrupted: " + ", ".join(f"{name} {_f(v['total_s'], 1)} s" for name, v in s["uninterrupted"].items()) + ".", "",
                 "| T s | signal | " + " | ".join(systems) + " | prefect-jax minus the best peer |",
                 "|---:|---|" + "---:|" * len(systems) + "---:|"]
         notes = []

@@ -386,16 +386,22 @@ def _run_flow(
     args: argparse.Namespace, program: str, job: str, storage: str, tracking_uri: str, role: str = "train_and_evaluate"
 ) -> dict[str, Any]:
     """Run the flow of `role` in this process (progress bar for the roles that train)."""
-    from prefect_jax.training.tracking import warm_up
-
-    warm_up(tracking_uri)  # MLflow's import, in its worker process, beside the imports below
-    train_spec, eval_spec, checkpoint_spec = _specs(args)  # bad values: refused before anything starts
-    server = _early_server()  # the embedded Prefect server's start-up, beside the imports below too
+    collecting = gc.isenabled()
+    gc.disable()  # through the start-up's imports, until `_freeze_startup_objects` (which says why)
     try:
-        return _run_flow_with(args, program, job, storage, tracking_uri, role, (train_spec, eval_spec, checkpoint_spec), server)
+        from prefect_jax.training.tracking import warm_up
+
+        warm_up(tracking_uri)  # MLflow's import, in its worker process, beside the imports below
+        train_spec, eval_spec, checkpoint_spec = _specs(args)  # bad values: refused before anything starts
+        server = _early_server()  # the embedded Prefect server's start-up, beside the imports below too
+        try:
+            return _run_flow_with(args, program, job, storage, tracking_uri, role, (train_spec, eval_spec, checkpoint_spec), server)
+        finally:
+            if server is not None:  # stopped already unless something failed before it was used
+                server.stop()
     finally:
-        if server is not None:  # stopped already unless something failed before it was used
-            server.stop()
+        if collecting:
+            gc.enable()  # a run refused or failed before its freeze; a caller's choice otherwise kept
 
 
 def _run_flow_with(args, program, job, storage, tracking_uri, role, specs, server) -> dict[str, Any]:
@@ -450,7 +456,7 @@ def _freeze_startup_objects() -> None:
     2 CPUs). Objects made later are collected as usual. MLflow, imported on its own thread,
     freezes its objects the same way once it is open (`Tracker`).
 
-    The collector was off until now (`main`, for the commands that train, evaluate or export):
+    The collector was off until now (`_run_flow`, for the commands that train, evaluate or export):
     during the imports its passes walked the growing heap again and again, ~0.4 s of a 2 s
     start-up on 2 CPUs (2026-11-25: the goodput job's imports 2.13 s with it, 1.76 s without).
     The cyclic garbage those imports leave (~13,000 objects, ~4 MB) is frozen with the rest:
@@ -584,7 +590,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if getattr(args, "processes", 1) < 1:
         raise ValueError(f"--processes {args.processes}: the number of JAX processes must be 1 or more")
     if getattr(args, "processes", 1) > 1:
-        gc.enable()  # this process only watches the JAX processes it starts: no start-up to spare it
         return _launch_processes(args)
     tracking_uri = args.mlflow_tracking_uri or default_tracking_uri()
     role = {"run": "train_and_evaluate"}.get(args.command, args.command)
@@ -875,10 +880,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_env()
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    collecting = gc.isenabled()
     if args.command in ("demo", "run", "train", "evaluate", "export"):
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        gc.disable()  # through the start-up's imports, until `_freeze_startup_objects` (which says why)
     from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError, StorageNotWritableError
 
     try:
@@ -899,9 +902,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
             return 2
         raise
-    finally:
-        if collecting:
-            gc.enable()  # a command that ended before its freeze (refused arguments, say)
 
 
 def entry() -> None:

@@ -25,12 +25,16 @@ Example:
 # with cloudpickle, which copies only the globals the function's code uses; string
 # annotations would leave TrainSpec & co. unresolvable there and every served run would fail
 # parameter validation (tests/test_deployment_rerun.py).
+import enum
 import functools
 import inspect
 from typing import Any
 
 from prefect import Flow, flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.futures import PrefectFuture
+from prefect.states import State
+from pydantic import BaseModel
 
 from prefect_jax.tasks import evaluate_if_new, export, process_tag, publisher, restore_or_init, train_until_checkpoint
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
@@ -45,12 +49,6 @@ def _plain_json(value: Any) -> Any:
     the values these flows take: strings, numbers, booleans, None, enums, pydantic models (the specs)
     and lists and dicts of them. Anything else raises `_NotPlainJSON`: Prefect's path takes it (a
     future or a state, which it records as a placeholder; a value that does not serialize)."""
-    import enum
-
-    from prefect.futures import PrefectFuture
-    from prefect.states import State
-    from pydantic import BaseModel
-
     if isinstance(value, (PrefectFuture, State)):
         raise _NotPlainJSON
     if isinstance(value, BaseModel):
