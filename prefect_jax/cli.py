@@ -778,7 +778,7 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
         "--compilation-cache",
         default=None,
         metavar="DIR|job",
-        help="JAX persistent compilation cache directory ('job': under the job's storage), so reruns skip compiling",
+        help="JAX persistent compilation cache directory or URL ('job': under the job's storage), so reruns skip compiling",
     )
     p.add_argument("--checkpoint-path", default=None, help="warm-start a new job from this checkpoint step directory")
     p.add_argument("--mlflow-tracking-uri", default=None, help="MLflow tracking URI")

@@ -1,7 +1,7 @@
 """Train the tiny job two intervals in this (fresh) process and print, as one JSON line, how many
 times the train step was compiled, and how the persistent compilation cache answered for it.
 
-usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR]
+usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR [STORAGE_OPTIONS_JSON]]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class _Count(logging.Handler):
             self.counts["cache_hit"] += 1
 
 
-def main(storage: str, mlflow_uri: str, cache_dir: str | None = None) -> None:
+def main(storage: str, mlflow_uri: str, cache_dir: str | None = None, storage_options: str = "{}") -> None:
     import jax
 
     jax.config.update("jax_log_compiles", True)  # compiles and cache hits at WARNING
@@ -39,7 +39,7 @@ def main(storage: str, mlflow_uri: str, cache_dir: str | None = None) -> None:
     config = JobConfig(
         program="prefect_jax.examples.digits:tiny", job="compiles", storage=storage,
         train=TrainSpec(max_steps=80, log_every_steps=10), checkpoint=CheckpointSpec(every_steps=20, keep_last=None),
-        mlflow_tracking_uri=mlflow_uri, compilation_cache_dir=cache_dir,
+        mlflow_tracking_uri=mlflow_uri, compilation_cache_dir=cache_dir, storage_options=json.loads(storage_options),
     )  # fmt: skip
     trainer = Trainer(config)
     start = trainer.restore_or_init()

@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -59,15 +58,6 @@ INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 def guard_int(value: int):
     """An int32 scalar for the step guard: a numpy scalar, so making one dispatches nothing."""
     return np.int32(value)
-
-
-def enable_compilation_cache(directory: str) -> None:
-    """Turn on JAX's persistent compilation cache in `directory` (every compile is cached)."""
-    if "://" not in directory:
-        os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def iterate(dataset, read_options=None):

@@ -319,7 +319,8 @@ class JobConfig(_Spec):
             ``sqlite:///mlflow.db`` in the working directory).
         mlflow_experiment: MLflow experiment name.
         compilation_cache_dir: JAX's persistent compilation cache directory, or ``"job"``
-            for one under the job's storage.
+            for one under the job's storage. A URL (object storage) is mirrored in a local
+            directory that JAX uses (`prefect_jax.training.compile_cache`).
     """
 
     program: str
@@ -338,8 +339,8 @@ class JobConfig(_Spec):
     )
     compilation_cache_dir: str | None = Field(
         None,
-        description="JAX persistent compilation cache: a directory, or 'job' for <storage>/<job>/compile-cache "
-        "(local storage), so a resumed run does not recompile.",
+        description="JAX persistent compilation cache: a directory or URL, or 'job' for <storage>/<job>/compile-cache, "
+        "so a resumed run does not recompile (on object storage, also on another machine).",
     )
 
     @field_validator("job")

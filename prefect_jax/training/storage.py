@@ -111,10 +111,12 @@ class JobStorage:
     @property
     def checkpoint_dir(self) -> str:
         """Where Orbax writes: the job's checkpoints, or their local staging copy for other protocols."""
-        if self.orbax_native:
-            return self.path("checkpoints")
+        return self.path("checkpoints") if self.orbax_native else self.staging_dir("checkpoints")
+
+    def staging_dir(self, *parts: str) -> str:
+        """A local directory for this job's files on this machine (under `cache_root`, one per storage root)."""
         digest = hashlib.sha256(self.root.encode()).hexdigest()[:16]
-        return os.path.join(cache_root(), digest, self.job, "checkpoints")
+        return os.path.join(cache_root(), digest, self.job, *parts)
 
     def eval_dir(self, eval_name: str) -> str:
         return self.path("evals", check_name("eval name", eval_name))

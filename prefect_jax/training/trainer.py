@@ -40,7 +40,8 @@ from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
 from prefect_jax.training.errors import NonFiniteLossError, PastMaxStepsError, Preempted
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.job import Job
-from prefect_jax.training.loop import Loop, NonFiniteAt, add_progress_listener, enable_compilation_cache, notify_progress
+from prefect_jax.training.compile_cache import open_compilation_cache
+from prefect_jax.training.loop import Loop, NonFiniteAt, add_progress_listener, notify_progress
 from prefect_jax.training.preemption import PreemptionGuard
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
 from prefect_jax.training.redaction import redact_url
@@ -70,9 +71,9 @@ class Trainer:
         self.config = config
         self.program = program if program is not None else load_program(config.program)
         self.job = Job(config, run_tags)
+        self._compile_cache = None  # a mirror of a cache on remote storage (see compile_cache)
         if config.compilation_cache_dir:
-            cache = config.compilation_cache_dir
-            enable_compilation_cache(self.job.storage.path("compile-cache") if cache == "job" else cache)
+            self._compile_cache = open_compilation_cache(config.compilation_cache_dir, self.job.storage, push=self.job.is_primary)
         self.program_fingerprint = program_fingerprint(config.program, self.program)
         if config.eval.exporters and not has_serving(self.program):
             raise ProgramError(
@@ -248,6 +249,8 @@ class Trainer:
             self._forget_live_state()
             raise
         self.save(rows)
+        if self._compile_cache is not None:  # this interval's compiles, for a rerun elsewhere
+            self._compile_cache.push_async()
         self._live_is_preemption = False
         self._log_train_rows(rows)
         notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
@@ -580,6 +583,8 @@ class Trainer:
     def close(self) -> None:
         try:
             self.loop.join_precompile()
+            if self._compile_cache is not None:
+                self._compile_cache.close()
             self.job.close()
         finally:
             self._guard.uninstall()
