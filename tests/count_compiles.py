@@ -1,14 +1,21 @@
 """Train the tiny job two intervals in this (fresh) process and print, as one JSON line, how many
 times the train step was compiled, and how the persistent compilation cache answered for it.
 
-usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR [STORAGE_OPTIONS_JSON]]
+usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR [STORAGE_OPTIONS_JSON [lost]]]
+
+``lost``: the node is lost in the first interval. At the first log point (step 10, before any
+checkpoint), once the train step's cache entry is in storage, the counts are printed and the
+process SIGKILLs itself (after 60 s without the entry it prints ``{"timeout": ...}`` instead).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import sys
+import time
 
 
 class _Count(logging.Handler):
@@ -26,7 +33,7 @@ class _Count(logging.Handler):
             self.counts["cache_hit"] += 1
 
 
-def main(storage: str, mlflow_uri: str, cache_dir: str | None = None, storage_options: str = "{}") -> None:
+def main(storage: str, mlflow_uri: str, cache_dir: str | None = None, storage_options: str = "{}", mode: str = "") -> None:
     import jax
 
     jax.config.update("jax_log_compiles", True)  # compiles and cache hits at WARNING
@@ -43,6 +50,20 @@ def main(storage: str, mlflow_uri: str, cache_dir: str | None = None, storage_op
     )  # fmt: skip
     trainer = Trainer(config)
     start = trainer.restore_or_init()
+    if mode == "lost":
+        from prefect_jax.training.loop import add_progress_listener
+
+        def lose_the_node(step, max_steps, metrics):
+            deadline = time.monotonic() + 60
+            while not any(name.startswith("jit_step-") for name in trainer._compile_cache.pushed):
+                if time.monotonic() > deadline:
+                    print(json.dumps({"timeout": step, "pushed": trainer._compile_cache.pushed}), flush=True)
+                    os._exit(3)
+                time.sleep(0.05)
+            print(json.dumps({"start": start, "lost_at": step, **counter.counts}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        add_progress_listener(lose_the_node)
     while trainer.step < start + 40:
         trainer.train_until_checkpoint()
     trainer.finish()

@@ -223,7 +223,12 @@ class Trainer:
         try:
             with self._guard.deferred() as notice:
 
+                first = [self._compile_cache is not None]
+
                 def stop() -> bool:
+                    if first[0]:  # after the first step: its compile is in the cache, copied while training goes on
+                        first[0] = False
+                        self._compile_cache.push_async()
                     due = every_secs is not None and time.monotonic() - self._last_save >= every_secs
                     return notice.requested or due
 
@@ -249,8 +254,7 @@ class Trainer:
             self._forget_live_state()
             raise
         self.save(rows)
-        if self._compile_cache is not None:  # this interval's compiles, for a rerun elsewhere
-            self._compile_cache.push_async()
+        self._push_compiled()
         self._live_is_preemption = False
         self._log_train_rows(rows)
         notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
@@ -316,6 +320,8 @@ class Trainer:
         else:
             logger.warning("SIGTERM at step %s (between checkpoints): letting its checkpoint commit (grace %.0fs)", self.step, grace)
         committed = _within(self.job.wait_committed, grace) and self.step in self.job.committed_steps()
+        if self._compile_cache is not None:  # what this attempt compiled, for the rerun (on another node)
+            self._compile_cache.flush(min(10.0, max(0.0, grace - (time.monotonic() - started))))
         if committed:
             logger.warning("step %d committed in %.2fs after SIGTERM", self.step, time.monotonic() - started)
             if rows:
@@ -332,6 +338,11 @@ class Trainer:
         self._forget_live_state()
         self._guard.forward()
         raise Preempted(step, committed, signum)
+
+    def _push_compiled(self) -> None:
+        """Copy new compilation cache entries to storage in the background (nothing compiles now)."""
+        if self._compile_cache is not None:
+            self._compile_cache.push_async()
 
     def _require_live(self):
         if self.state is None:
@@ -352,7 +363,10 @@ class Trainer:
         evaluate) or THROTTLED (evaluated less than `throttle_secs` ago; `force` overrides).
         """
         with self.job.goodput.phase("eval"):  # a trainer's own evaluations (an evaluator keeps no ledger)
-            return self._evaluate_if_new(step, force)
+            result = self._evaluate_if_new(step, force)
+        if result.status == EvalStatus.EVALUATED:
+            self._push_compiled()
+        return result
 
     def _evaluate_if_new(self, step: int | None, force: bool) -> EvalResult:
         spec = self.config.eval
@@ -482,7 +496,10 @@ class Trainer:
         are kept as they are, and those a crash left unwritten are written now.
         """
         with self.job.goodput.phase("export"):
-            return self._export(result)
+            exported = self._export(result)
+        if exported:
+            self._push_compiled()
+        return exported
 
     def _export(self, result: EvalResult) -> dict[str, str]:
         written: dict[str, str] = {}
@@ -570,6 +587,8 @@ class Trainer:
     def finish(self, status: str = "FINISHED") -> None:
         """Wait for pending saves, close the MLflow run with `status`, release the lease."""
         try:
+            if self._compile_cache is not None:
+                self._compile_cache.flush()
             if self.job.goodput.attempt is not None:
                 self.job.wait_committed()
                 self.job.goodput.end({"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower()))
@@ -584,7 +603,7 @@ class Trainer:
         try:
             self.loop.join_precompile()
             if self._compile_cache is not None:
-                self._compile_cache.close()
+                self._compile_cache.flush()
             self.job.close()
         finally:
             self._guard.uninstall()
