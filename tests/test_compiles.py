@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
@@ -60,48 +61,121 @@ def test_a_cache_on_object_storage_follows_the_job_to_another_machine(tmp_path, 
     assert (rerun["start"], rerun["end"], rerun["cache_miss"]) == (0, 40, 0) and rerun["cache_hit"] >= 1
 
 
-def test_an_unreachable_cache_is_skipped_with_a_warning(tmp_path, caplog):
-    """Storage that does not answer costs the cache, not the job: nothing copied, a warning."""
+def test_an_unreachable_cache_is_skipped_with_a_warning(tmp_path, caplog, monkeypatch):
+    """Storage that does not answer, or stops answering half way through a copy, costs the cache,
+    not the job: nothing copied, no temporary files left, a warning without the secret."""
     from prefect_jax.training.compile_cache import CompileCacheMirror
 
-    mirror = CompileCacheMirror("s3://compiles/gone/compile-cache", str(tmp_path / "local"),
-                                storage_options(f"http://127.0.0.1:{closed_port()}"))  # fmt: skip
-    (tmp_path / "local").mkdir(exist_ok=True)
-    (tmp_path / "local" / "jit_step-0-cache").write_bytes(b"entry")
+    options = storage_options(f"http://127.0.0.1:{closed_port()}")
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "jit_step-0-cache").write_bytes(_entry())
+    mirror = CompileCacheMirror("s3://compiles/gone/compile-cache", str(local), options)
     with caplog.at_level(logging.WARNING, logger="prefect_jax.compile_cache"):
         assert mirror.pull() == []
         assert mirror.flush(timeout=120) and mirror.pushed == []
     messages = [r.getMessage() for r in caplog.records]
     assert any("could not be read" in m for m in messages) and any("could not copy" in m for m in messages), messages
-    assert sorted(os.listdir(tmp_path / "local")) == ["jit_step-0-cache"]  # no temporary files left
-    assert (tmp_path / "local" / "jit_step-0-cache").read_bytes() == b"entry"
+
+    class CutOff:  # lists, then fails half way through the copy
+        def ls(self, url, detail=False):
+            return [f"{url}/jit_step-9-cache"]
+
+        def get(self, remote, local_paths):
+            with open(local_paths[0], "wb") as f:
+                f.write(b"part of it")
+            raise ConnectionError(f"connection reset (signed with {options['secret']})")
+
+    monkeypatch.setattr(CompileCacheMirror, "fs", property(lambda self: CutOff()))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.compile_cache"):
+        assert mirror.pull() == []
+    assert "connection reset" in caplog.text and options["secret"] not in caplog.text, caplog.text
+    assert sorted(os.listdir(local)) == ["jit_step-0-cache"]  # no temporary files left
+    assert (local / "jit_step-0-cache").read_bytes() == _entry()
 
 
-def test_an_entry_written_while_it_is_copied_is_copied_again(tmp_path, monkeypatch):
-    """JAX writes an entry in place: one that changed while it was copied is not counted as
-    stored, and the next push copies it whole."""
+def _entry(size: int = 1000) -> bytes:
+    """A cache entry as JAX writes one (compressed as JAX compresses them)."""
+    from jax._src.compilation_cache import compress_executable
+
+    return compress_executable(b"an executable" * size)
+
+
+def test_only_whole_entries_are_copied(tmp_path, caplog):
+    """JAX writes an entry in place: one it is still writing is not copied (a later push copies
+    it whole). One cut short in storage (a copy cut off on a file system whose writes are not
+    atomic) is not copied in: it is compiled here, and copied over the cut one."""
     import fsspec
 
     from prefect_jax.training.compile_cache import CompileCacheMirror
 
     memory = fsspec.filesystem("memory")
-    entry = tmp_path / "jit_step-1-cache"
-    entry.write_bytes(b"first part")
-
-    class JaxStillWriting:
-        def put(self, local, remote):
-            memory.put(local, remote)
-            entry.write_bytes(b"first part, and the rest")  # the write goes on after the copy read it
-
-    url = f"memory://race-{uuid.uuid4().hex[:8]}/compile-cache"
-    mirror = CompileCacheMirror(url, str(tmp_path))
-    monkeypatch.setattr(CompileCacheMirror, "fs", property(lambda self: JaxStillWriting()))
-    assert mirror.flush(timeout=30) and mirror.pushed == []
-    assert memory.cat(f"{url}/jit_step-1-cache") == b"first part"
-    monkeypatch.setattr(CompileCacheMirror, "fs", property(lambda self: memory))
+    url = f"memory://whole-{uuid.uuid4().hex[:8]}/compile-cache"
+    whole = _entry()
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "jit_step-1-cache").write_bytes(whole[: len(whole) // 2])  # JAX is writing it
+    mirror = CompileCacheMirror(url, str(here))
+    assert mirror.flush(timeout=30) and mirror.pushed == [] and not memory.exists(f"{url}/jit_step-1-cache")
+    (here / "jit_step-1-cache").write_bytes(whole)
     assert mirror.flush(timeout=30) and mirror.pushed == ["jit_step-1-cache"]
-    assert memory.cat(f"{url}/jit_step-1-cache") == b"first part, and the rest"
+    assert memory.cat(f"{url}/jit_step-1-cache") == whole
     assert mirror.flush(timeout=30) and mirror.pushed == ["jit_step-1-cache"]  # nothing new: nothing copied
+
+    memory.pipe(f"{url}/jit_eval-2-cache", whole[:-9])
+    there = tmp_path / "there"
+    other = CompileCacheMirror(url, str(there))
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.compile_cache"):
+        assert other.pull() == ["jit_step-1-cache"]
+    assert "cut short" in caplog.text and "jit_eval-2-cache" in caplog.text, caplog.text
+    assert sorted(os.listdir(there)) == ["jit_step-1-atime", "jit_step-1-cache"]  # JAX's eviction reads -atime
+    (there / "jit_eval-2-cache").write_bytes(whole)  # compiled here
+    assert other.flush(timeout=30) and other.pushed == ["jit_eval-2-cache"]
+    assert memory.cat(f"{url}/jit_eval-2-cache") == whole
+
+
+def test_a_flush_inside_a_push_returns(tmp_path):
+    """A SIGTERM handler flushes on the main thread. Trainers list entries with the signal
+    deferred, but should a handler run inside `push_async` (holding its lock), its flush returns
+    within its time limit instead of waiting on itself, and the copy goes on after."""
+    from prefect_jax.training.compile_cache import CompileCacheMirror
+
+    (tmp_path / "jit_step-4-cache").write_bytes(_entry())
+    mirror = CompileCacheMirror(f"memory://sigterm-{uuid.uuid4().hex[:8]}/compile-cache", str(tmp_path))
+    done = []
+
+    def handler_inside_push():
+        with mirror._lock:  # as push_async holds it
+            done.append(mirror.flush(timeout=0.5))  # the copy needs the lock: not done yet
+
+    thread = threading.Thread(target=handler_inside_push, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert done == [False]
+    assert mirror.wait(30) and mirror.pushed == ["jit_step-4-cache"]
+
+
+def test_a_process_whose_jax_cache_is_open_keeps_it(tmp_path):
+    """JAX opens one compilation cache per process: a job asking for another one gets a warning,
+    and neither a mirror nor a change to JAX's settings."""
+    script = """
+import json, sys
+import jax
+from prefect_jax.training.compile_cache import enable_compilation_cache, open_compilation_cache, open_jax_cache_dir
+from prefect_jax.training.storage import JobStorage
+
+enable_compilation_cache(sys.argv[1])
+jax.jit(lambda x: x + 1)(1.0).block_until_ready()
+xla = jax.config.jax_persistent_cache_enable_xla_caches
+mirror = open_compilation_cache("memory://another/compile-cache", JobStorage(sys.argv[2], "j"))
+print(json.dumps([open_jax_cache_dir(), mirror is None, jax.config.jax_compilation_cache_dir, xla == jax.config.jax_persistent_cache_enable_xla_caches]))
+"""
+    first = str(tmp_path / "first")
+    proc = subprocess.run([sys.executable, "-c", script, first, str(tmp_path / "jobs")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [first, True, first, True]
+    assert "JAX opens one per process" in proc.stderr and "memory://another/compile-cache is not used" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_where_the_cache_is(tmp_path, monkeypatch):
@@ -114,10 +188,12 @@ def test_where_the_cache_is(tmp_path, monkeypatch):
     local, s3 = JobStorage(str(tmp_path / "jobs"), "j"), JobStorage("s3://b/jobs", "j", {"key": "k"})
     assert locate("job", local) == (str(tmp_path / "jobs" / "j" / "compile-cache"), None, {})
     assert locate(f"file://{tmp_path}/c/", s3) == (f"{tmp_path}/c", None, {})
+    assert locate(f"local://{tmp_path}/c", s3) == (f"{tmp_path}/c", None, {})
     url, mirror, options = locate("job", s3)
     assert (url, options) == ("s3://b/jobs/j/compile-cache", {"key": "k"})
     assert mirror.startswith(str(tmp_path / "machine")) and mirror == s3.staging_dir("compile-cache")
     assert locate("s3://other/cache/", s3)[1:] == (locate("s3://other/cache", s3)[1], {"key": "k"})
+    assert locate("s3a://other/cache", s3)[2] == {"key": "k"}  # the same file system (s3fs), another spelling
     url, mirror, options = locate("gs://other/cache", s3)
     assert url == "gs://other/cache" and mirror.startswith(str(tmp_path / "machine")) and options == {}
     assert mirror != locate("s3://other/cache", s3)[1]

@@ -12,32 +12,48 @@ A cache on remote storage is therefore mirrored: JAX uses a local directory with
 sub-caches off (its keys then name no path), the entries in storage are copied in before
 anything compiles, and the entries compiled here are copied back in the background: after
 the first step of each interval (the train step's entry, should the node be lost during the
-interval), after each interval, evaluation and export, and, waited for, when the job ends or
-is preempted. A rerun on another machine loads them. Copying is an optimisation: a failure
+interval; with several JAX processes, at the interval's first log point), after each
+checkpoint, evaluation and export; and, waited for, on SIGTERM (within its grace, at most
+10 s), when a training job ends (at most 30 s) and when the process exits (the evaluate and
+export flows). A rerun on another machine loads them. Copying is an optimisation: a failure
 is logged and the job compiles instead.
+
+Only whole entries are copied, either way: JAX writes an entry in place, and compresses every
+entry (`jax/_src/compilation_cache.py`), so an entry that does not decompress is still being
+written, or was cut short; it is left where it is. One found in storage is compiled here and
+copied over it.
 
 Every entry in storage is copied in: a job's own cache (``"job"``) holds only that job's
 compiles; a cache URL shared by many jobs copies theirs too. JAX opens one cache per process:
-the first trainer's directory serves the process (as for local directories).
+a trainer that asks for another one while JAX has one open gets none (a warning says so).
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
 import uuid
+import weakref
 
 import fsspec
 import jax
 from fsspec.implementations.local import LocalFileSystem
+from jax._src import compilation_cache as _jax_cache
 
+from prefect_jax.training.redaction import redact_url, scrub, secret_values
 from prefect_jax.training.storage import JobStorage, cache_root, normalize_root
 
 logger = logging.getLogger("prefect_jax.compile_cache")
 
-ENTRY_SUFFIX = "-cache"  # JAX's entry files (jax/_src/lru_cache.py); its "-atime" files are local bookkeeping
+ENTRY_SUFFIX = "-cache"  # JAX's entry files (jax/_src/lru_cache.py)
+ATIME_SUFFIX = "-atime"  # its last-use files: read by its eviction (jax_compilation_cache_max_size)
+PUSH_BATCH_BYTES = 64 << 20  # entries read into memory per upload batch
+END_FLUSH_SECS = 30.0  # how long a training job's end, and the process's exit, wait for copies
 
 
 def enable_compilation_cache(directory: str, xla_caches: bool = True) -> None:
@@ -60,8 +76,15 @@ def open_compilation_cache(setting: str, storage: JobStorage, push: bool = True)
     job's storage) or a directory or URL. Local directories are used as they are; a URL is
     mirrored (see the module docstring) and the mirror returned, its entries already pulled.
     ``push=False``: this process only reads the cache (with several JAX processes, process 0
-    writes it, as JAX does)."""
+    writes it, as JAX does). Where JAX has another cache open in this process already, nothing
+    is turned on (a warning says so): JAX opens one per process."""
     url, local, options = locate(setting, storage)
+    directory = url if local is None else local
+    current = open_jax_cache_dir()
+    if current is not None and os.path.abspath(current) != os.path.abspath(directory):
+        logger.warning("JAX's compilation cache in this process is %s already (JAX opens one per process): "
+                       "%s is not used; run the job in a process of its own to use it", current, redact_url(url))  # fmt: skip
+        return None
     if local is None:
         enable_compilation_cache(url)
         return None
@@ -69,6 +92,12 @@ def open_compilation_cache(setting: str, storage: JobStorage, push: bool = True)
     mirror.pull()
     enable_compilation_cache(local, xla_caches=False)
     return mirror
+
+
+def open_jax_cache_dir() -> str | None:
+    """The directory of the compilation cache JAX has open in this process (None: none yet)."""
+    path = getattr(_jax_cache._cache, "_path", None) if _jax_cache._cache_initialized else None
+    return None if path is None else str(path)
 
 
 def locate(setting: str, storage: JobStorage) -> tuple[str, str | None, dict]:
@@ -83,7 +112,7 @@ def locate(setting: str, storage: JobStorage) -> tuple[str, str | None, dict]:
     if setting == "job":
         return url, storage.staging_dir("compile-cache"), storage.storage_options
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    same = storage.protocol != "file" and _fs_class(url) is _fs_class(storage.root)
+    same = storage.protocol != "file" and _fs_class(url) == _fs_class(storage.root)
     return url, os.path.join(cache_root(), "compile-cache", digest), storage.storage_options if same else {}
 
 
@@ -96,16 +125,26 @@ def _fs_class(url: str) -> type | str:
         return protocol
 
 
-class CompileCacheMirror:
-    """A local copy of a remote compilation cache: `pull` copies the entries in storage that are
-    not here; `push_async` copies back, on one background thread, the entries made here that
-    are not in storage. Entries are named by their key, so names are compared, never contents.
+def is_whole_entry(data: bytes) -> bool:
+    """Whether `data` is a whole JAX cache entry: JAX compresses every entry, and a compressed
+    stream cut short does not decompress."""
+    if not data:
+        return False
+    try:
+        _jax_cache.decompress_executable(data)
+    except Exception:  # noqa: BLE001 - zlib.error, zstd's errors: not a whole entry
+        return False
+    return True
 
-    JAX writes an entry in place (`jax/_src/lru_cache.py`), so a copy taken while it writes
-    would be partial: `push_async` lists the entries on the caller's thread, at a point where
-    nothing compiles (the caller says so), and an entry whose size or modification time changed
-    by the end of its upload is not counted as stored (the next push copies it again). On
-    object stores each copy is one PUT: a reader never sees part of one.
+
+class CompileCacheMirror:
+    """A local copy of a remote compilation cache: `pull` copies the whole entries in storage
+    that are not here; `push_async` copies back, on one background thread, the whole entries made
+    here that are not in storage. Entries are named by their key, so names are compared; contents
+    are only checked to be whole.
+
+    A SIGTERM handler may call `flush` on the main thread while that thread is inside
+    `push_async`: the lock is reentrant and held only around bookkeeping.
 
     Args:
         url: the cache in storage (any fsspec URL).
@@ -121,16 +160,27 @@ class CompileCacheMirror:
         self.can_push = push
         self.pulled: list[str] = []
         self.pushed: list[str] = []
-        self._stored: set[str] = set()  # names known to be in storage
-        self._pending: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) when listed
+        self._stored: set[str] = set()  # names known to be whole in storage
+        self._partial: dict[str, tuple[int, int]] = {}  # local entries found not whole: (size, mtime_ns) then
+        self._pending: set[str] = set()
+        self._copying: set[str] = set()  # taken by the background thread, not stored yet
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._fs: fsspec.AbstractFileSystem | None = None
+        if push:
+            _mirrors.add(self)
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
-        options = dict(self.storage_options)
-        options.setdefault("use_listings_cache", False)
-        return fsspec.core.url_to_fs(self.url, **options)[0]
+        if self._fs is None:
+            options = dict(self.storage_options)
+            options.setdefault("use_listings_cache", False)
+            self._fs = fsspec.core.url_to_fs(self.url, **options)[0]
+        return self._fs
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        text = scrub(f"{type(exc).__name__}: {exc}", secret_values(self.url, self.storage_options))
+        logger.warning("compilation cache %s: %s (%s)", redact_url(self.url), what, text)
 
     def _local_entries(self) -> dict[str, tuple[int, int]]:
         entries = {}
@@ -149,92 +199,160 @@ class CompileCacheMirror:
     # -- pull --------------------------------------------------------------------------------
 
     def pull(self, timeout: float = 120.0) -> list[str]:
-        """Copy the entries in storage that are not here, waiting up to `timeout` seconds (a copy
-        still under way then goes on in the background; JAX compiles what is not here yet).
+        """Copy the whole entries in storage that are not here, waiting up to `timeout` seconds (a
+        copy still under way then goes on in the background; JAX compiles what is not here yet).
         The names copied; none on a failure (logged)."""
-        os.makedirs(self.local_dir, exist_ok=True)
         done: list[list[str]] = []
         worker = threading.Thread(target=lambda: done.append(self._pull()), name="prefect-jax-compile-cache", daemon=True)
         worker.start()
         worker.join(timeout)
         if worker.is_alive():
-            logger.warning("compilation cache %s: still copying after %.0fs; compiling what is not here yet", self.url, timeout)
+            logger.warning("compilation cache %s: still copying after %.0fs; compiling what is not here yet",
+                           redact_url(self.url), timeout)  # fmt: skip
             return []
         return done[0] if done else []
 
     def _pull(self) -> list[str]:
         temps: list[str] = []
         try:
+            os.makedirs(self.local_dir, exist_ok=True)
             fs = self.fs
             try:
                 listed = fs.ls(self.url, detail=False)
             except FileNotFoundError:
                 listed = []
             stored = {n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in listed) if n.endswith(ENTRY_SUFFIX)}
+            with self._lock:
+                self._stored |= stored  # not copied back, even if they arrive here after pull's timeout
             missing = sorted(stored - set(self._local_entries()))
             temps = [os.path.join(self.local_dir, f".{name}.tmp-{uuid.uuid4().hex}") for name in missing]
             if missing:
                 fs.get([f"{self.url}/{name}" for name in missing], temps)  # concurrent where the file system is async
+            copied, cut = [], []
             for name, temp in zip(missing, temps):
+                with open(temp, "rb") as f:
+                    whole = is_whole_entry(f.read())
+                if not whole:
+                    os.remove(temp)
+                    cut.append(name)
+                    continue
                 os.replace(temp, os.path.join(self.local_dir, name))  # whole, or not there
+                stamp = time.time_ns().to_bytes(8, "little")  # as JAX's put does: its eviction reads it
+                with open(os.path.join(self.local_dir, name[: -len(ENTRY_SUFFIX)] + ATIME_SUFFIX), "wb") as f:
+                    f.write(stamp)
+                copied.append(name)
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be read: compile instead
             for temp in temps:
                 try:
                     os.remove(temp)
                 except OSError:
                     pass
-            logger.warning("compilation cache %s could not be read (%s: %s): compiling what it lacks", self.url, type(exc).__name__, exc)
+            self._warn("could not be read; compiling what it lacks", exc)
             return []
         with self._lock:
-            self._stored |= stored
-            self.pulled += missing
-        if missing:
-            logger.info("compilation cache: %d entries copied from %s to %s", len(missing), self.url, self.local_dir)
-        return missing
+            self._stored -= set(cut)  # compiled here, then copied over the cut one
+            self.pulled += copied
+        if cut:
+            logger.warning("compilation cache %s: %d entries in storage are cut short (%s); they are compiled here "
+                           "and copied over", redact_url(self.url), len(cut), ", ".join(cut))  # fmt: skip
+        if copied:
+            logger.info("compilation cache: %d entries copied from %s to %s", len(copied), redact_url(self.url), self.local_dir)
+        return copied
 
     # -- push --------------------------------------------------------------------------------
 
     def push_async(self) -> None:
-        """List the entries made here that are not in storage and copy them on the background
-        thread. Call it where nothing compiles (after a step, an evaluation, an export)."""
+        """Copy the entries made here that are not in storage, on the background thread (an entry
+        JAX is still writing is copied by a later call). Never raises: a failure is logged."""
         if not self.can_push:
             return
-        with self._lock:
-            new = {n: stat for n, stat in self._local_entries().items() if n not in self._stored}
+        try:
+            with self._lock:
+                known = self._stored | self._pending | self._copying
+            new = {n for n, stat in self._local_entries().items() if n not in known and self._partial.get(n) != stat}
             if not new:
                 return
-            self._pending.update(new)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._push_pending, name="prefect-jax-compile-cache", daemon=True)
-                self._thread.start()
+            with self._lock:
+                self._pending |= new
+                if self._thread is not None:
+                    return
+                thread = self._thread = threading.Thread(target=self._push_pending, name="prefect-jax-compile-cache", daemon=True)
+            try:
+                thread.start()
+            except BaseException:
+                with self._lock:
+                    self._thread = None
+                raise
+        except Exception as exc:  # noqa: BLE001 - copying is an optimisation
+            self._warn("could not copy entries", exc)
 
     def _push_pending(self) -> None:
         """The background thread: copy what is pending until nothing is."""
         while True:
             with self._lock:
-                batch, self._pending = self._pending, {}
-                if not batch:
+                names, self._pending = sorted(self._pending), set()
+                self._copying = set(names)
+                if not names:
                     self._thread = None
                     return
-            names = sorted(batch)
             try:
-                local = [os.path.join(self.local_dir, n) for n in names]
-                self.fs.put(local, [f"{self.url}/{n}" for n in names])  # concurrent where the file system is async
+                batch: dict[str, bytes] = {}
+                for name in names:
+                    path = os.path.join(self.local_dir, name)
+                    try:
+                        stat = os.stat(path)
+                        with open(path, "rb") as f:
+                            data = f.read()
+                    except FileNotFoundError:  # evicted by JAX
+                        continue
+                    if not is_whole_entry(data):  # still being written, or cut short: a later push
+                        self._partial[name] = (stat.st_size, stat.st_mtime_ns)
+                        continue
+                    self._partial.pop(name, None)
+                    batch[name] = data
+                    if sum(map(len, batch.values())) >= PUSH_BATCH_BYTES:
+                        self._put(batch)
+                        batch = {}
+                if batch:
+                    self._put(batch)
             except Exception as exc:  # noqa: BLE001 - the next push tries again
-                logger.warning("compilation cache: could not copy entries to %s (%s: %s)", self.url, type(exc).__name__, exc)
-                continue
-            now = self._local_entries()
-            whole = [n for n in names if now.get(n) == batch[n]]  # unchanged while it was copied
-            with self._lock:
-                self._stored.update(whole)
-                self.pushed += whole
+                self._warn("could not copy entries", exc)
 
-    def flush(self, timeout: float = 30.0) -> bool:
-        """`push_async`, then wait up to `timeout` seconds for the copies; True if none is left
-        under way (a process may end without the rest: a rerun elsewhere compiles it again)."""
-        self.push_async()
+    def _put(self, batch: dict[str, bytes]) -> None:
+        self.fs.pipe({f"{self.url}/{name}": data for name, data in batch.items()})  # the bytes checked; one PUT each on object stores
+        with self._lock:
+            self._stored.update(batch)
+            self.pushed += sorted(batch)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the copies under way; True if none is left."""
         with self._lock:
             running = self._thread
-        if running is not None:
+        if running is None:
+            return True
+        try:
             running.join(max(0.0, timeout))
-        return running is None or not running.is_alive()
+        except RuntimeError:  # not started yet: a signal handler inside push_async
+            return False
+        return not running.is_alive()
+
+    def flush(self, timeout: float = END_FLUSH_SECS) -> bool:
+        """`push_async`, then `wait` up to `timeout` seconds: True if no copy is left under way (a
+        process may end without the rest: a rerun elsewhere compiles it again)."""
+        self.push_async()
+        return self.wait(timeout)
+
+
+_mirrors: weakref.WeakSet[CompileCacheMirror] = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """At the process's exit, let the copies under way finish (up to `END_FLUSH_SECS`), unless a
+    SIGTERM came: its handler waited within the grace already."""
+    preemption = sys.modules.get("prefect_jax.training.preemption")
+    if preemption is not None and preemption.received_signal() is not None:
+        return
+    deadline = time.monotonic() + END_FLUSH_SECS
+    for mirror in list(_mirrors):
+        mirror.wait(deadline - time.monotonic())

@@ -320,7 +320,8 @@ class JobConfig(_Spec):
         mlflow_experiment: MLflow experiment name.
         compilation_cache_dir: JAX's persistent compilation cache directory, or ``"job"``
             for one under the job's storage. A URL (object storage) is mirrored in a local
-            directory that JAX uses (`prefect_jax.training.compile_cache`).
+            directory that JAX uses (`prefect_jax.training.compile_cache`); it is opened with
+            ``storage_options`` where it is on the storage's file system (s3 with s3, ...).
     """
 
     program: str

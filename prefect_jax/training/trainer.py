@@ -40,7 +40,7 @@ from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
 from prefect_jax.training.errors import NonFiniteLossError, PastMaxStepsError, Preempted
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.job import Job
-from prefect_jax.training.compile_cache import open_compilation_cache
+from prefect_jax.training.compile_cache import END_FLUSH_SECS, open_compilation_cache
 from prefect_jax.training.loop import Loop, NonFiniteAt, add_progress_listener, notify_progress
 from prefect_jax.training.preemption import PreemptionGuard
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
@@ -340,9 +340,18 @@ class Trainer:
         raise Preempted(step, committed, signum)
 
     def _push_compiled(self) -> None:
-        """Copy new compilation cache entries to storage in the background (nothing compiles now)."""
+        """Copy new compilation cache entries to storage in the background. A SIGTERM meanwhile is
+        handled once the entries are listed: its handler flushes the same cache."""
         if self._compile_cache is not None:
-            self._compile_cache.push_async()
+            with self._guard.deferred():
+                self._compile_cache.push_async()
+            self._guard.handle_if_pending()
+
+    def _flush_compiled(self, timeout: float) -> None:
+        """`_push_compiled`, then wait up to `timeout` seconds for the copies."""
+        if self._compile_cache is not None:
+            self._push_compiled()
+            self._compile_cache.wait(timeout)
 
     def _require_live(self):
         if self.state is None:
@@ -587,8 +596,7 @@ class Trainer:
     def finish(self, status: str = "FINISHED") -> None:
         """Wait for pending saves, close the MLflow run with `status`, release the lease."""
         try:
-            if self._compile_cache is not None:
-                self._compile_cache.flush()
+            self._flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)  # KILLED: SIGTERM's handler waited
             if self.job.goodput.attempt is not None:
                 self.job.wait_committed()
                 self.job.goodput.end({"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower()))
@@ -602,8 +610,7 @@ class Trainer:
     def close(self) -> None:
         try:
             self.loop.join_precompile()
-            if self._compile_cache is not None:
-                self._compile_cache.flush()
+            self._flush_compiled(END_FLUSH_SECS)
             self.job.close()
         finally:
             self._guard.uninstall()
