@@ -156,6 +156,27 @@ def test_a_flush_inside_a_push_returns(tmp_path):
     assert mirror.wait(30) and mirror.pushed == ["jit_step-4-cache"]
 
 
+def test_the_process_exit_waits_for_copies_under_way(tmp_path):
+    """The evaluate and export flows end the process right after their last push: the exit
+    waits for the copy (here a slow one) instead of dropping it with the daemon thread."""
+    script = """
+import sys, time
+from prefect_jax.training.compile_cache import CompileCacheMirror
+
+mirror = CompileCacheMirror("file://" + sys.argv[1], sys.argv[2])
+put = mirror._put
+mirror._put = lambda batch: (time.sleep(2), put(batch))
+mirror.push_async()
+"""
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    remote.mkdir()
+    local.mkdir()
+    (local / "jit_export-5-cache").write_bytes(_entry())
+    proc = subprocess.run([sys.executable, "-c", script, str(remote), str(local)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (remote / "jit_export-5-cache").read_bytes() == _entry()
+
+
 def test_a_process_whose_jax_cache_is_open_keeps_it(tmp_path):
     """JAX opens one compilation cache per process: a job asking for another one gets a warning,
     and neither a mirror nor a change to JAX's settings."""
