@@ -218,3 +218,43 @@ def test_where_the_cache_is(tmp_path, monkeypatch):
     url, mirror, options = locate("gs://other/cache", s3)
     assert url == "gs://other/cache" and mirror.startswith(str(tmp_path / "machine")) and options == {}
     assert mirror != locate("s3://other/cache", s3)[1]
+
+
+def test_the_command_keeps_its_cache_with_the_job_on_a_storage_block(tmp_path, prefect_server, mlflow_uri, s3_server, monkeypatch):
+    """The users' path: `prefect-jax run --storage jax-checkpoint-storage/<block> --compilation-cache
+    job`, the credentials only in the block. The first run's compiles are in the bucket when the
+    command has exited (its flow ends through `finish`, its process without Python's teardown),
+    and a second run, on a machine whose local directories are elsewhere, loads the train step
+    instead of compiling it."""
+    from prefect_jax.blocks import CheckpointStorage
+    from s3_server import ACCESS_KEY, REGION, SECRET_KEY
+
+    s3_server.create_bucket("cli-compiles")
+    job = f"cached-{uuid.uuid4().hex[:6]}"
+    CheckpointStorage(
+        url="s3://cli-compiles/team",
+        storage_options={"client_kwargs": {"endpoint_url": s3_server.endpoint_url, "region_name": REGION}},
+        secret_options={"key": ACCESS_KEY, "secret": SECRET_KEY},
+    ).save("compile-cache-test", overwrite=True)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    isolate_aws_env(env)
+    env.update(PREFECT_API_URL=prefect_server, JAX_LOG_COMPILES="1", JAX_EXPLAIN_CACHE_MISSES="1")
+
+    def run(machine: str, steps: int) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefect_jax.cli", "run", "--program", "prefect_jax.examples.digits:tiny", "--job", job,
+             "--storage", "jax-checkpoint-storage/compile-cache-test", "--max-steps", str(steps), "--checkpoint-every-steps", "20",
+             "--compilation-cache", "job", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
+            capture_output=True, text=True, timeout=600, env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / machine)),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    first = run("a", 40)
+    assert "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" in first.stderr, first.stderr[-3000:]
+    stored = [p.rsplit("/", 1)[-1] for p in s3_server.filesystem().ls(f"cli-compiles/team/{job}/compile-cache", detail=False)]
+    assert any(n.startswith("jit_step-") for n in stored) and any(n.startswith("jit_eval_step-") for n in stored), stored
+    second = run("b", 80)
+    assert json.loads(second.stdout.splitlines()[-1])["final_step"] == 80
+    assert "Persistent compilation cache hit for 'jit_step'" in second.stderr, second.stderr[-3000:]
+    assert "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" not in second.stderr
