@@ -151,6 +151,18 @@ class S3Server:
             fs.invalidate_cache()
         return f"s3://{name}"
 
+    def save_block(self, name: str, url: str, secret: str = SECRET_KEY) -> str:
+        """Save a CheckpointStorage block for `url` on this server: the endpoint in its options, the
+        credentials in its secret options (as a user keeps them). Returns ``jax-checkpoint-storage/<name>``."""
+        from prefect_jax.blocks import CheckpointStorage
+
+        CheckpointStorage(
+            url=url,
+            storage_options={"client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION}},
+            secret_options={"key": ACCESS_KEY, "secret": secret},
+        ).save(name, overwrite=True)
+        return f"jax-checkpoint-storage/{name}"
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

@@ -226,16 +226,9 @@ def test_the_command_keeps_its_cache_with_the_job_on_a_storage_block(tmp_path, p
     command has exited (its flow ends through `finish`, its process without Python's teardown),
     and a second run, on a machine whose local directories are elsewhere, loads the train step
     instead of compiling it."""
-    from prefect_jax.blocks import CheckpointStorage
-    from s3_server import ACCESS_KEY, REGION, SECRET_KEY
-
     s3_server.create_bucket("cli-compiles")
     job = f"cached-{uuid.uuid4().hex[:6]}"
-    CheckpointStorage(
-        url="s3://cli-compiles/team",
-        storage_options={"client_kwargs": {"endpoint_url": s3_server.endpoint_url, "region_name": REGION}},
-        secret_options={"key": ACCESS_KEY, "secret": SECRET_KEY},
-    ).save("compile-cache-test", overwrite=True)
+    block = s3_server.save_block("compile-cache-test", "s3://cli-compiles/team")
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     isolate_aws_env(env)
     env.update(PREFECT_API_URL=prefect_server, JAX_LOG_COMPILES="1", JAX_EXPLAIN_CACHE_MISSES="1")
@@ -243,7 +236,7 @@ def test_the_command_keeps_its_cache_with_the_job_on_a_storage_block(tmp_path, p
     def run(machine: str, steps: int) -> subprocess.CompletedProcess:
         proc = subprocess.run(
             [sys.executable, "-m", "prefect_jax.cli", "run", "--program", "prefect_jax.examples.digits:tiny", "--job", job,
-             "--storage", "jax-checkpoint-storage/compile-cache-test", "--max-steps", str(steps), "--checkpoint-every-steps", "20",
+             "--storage", block, "--max-steps", str(steps), "--checkpoint-every-steps", "20",
              "--compilation-cache", "job", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
             capture_output=True, text=True, timeout=600, env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / machine)),
         )  # fmt: skip

@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from prefect_jax.blocks import CheckpointStorage
-from s3_server import ACCESS_KEY, REGION, isolate_aws_env
+from s3_server import isolate_aws_env
 
 pytestmark = pytest.mark.slow
 
@@ -41,11 +41,7 @@ def test_a_planted_secret_appears_nowhere(s3, tmp_path, prefect_server, mlflow_u
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "cache"))
     isolate_aws_env(os.environ)
-    CheckpointStorage(
-        url="s3://secret-jobs/team",
-        storage_options={"client_kwargs": {"endpoint_url": s3.endpoint_url, "region_name": REGION}},
-        secret_options={"key": ACCESS_KEY, "secret": PLANTED},
-    ).save("leak-test", overwrite=True)
+    s3.save_block("leak-test", "s3://secret-jobs/team", secret=PLANTED)
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_API_URL=prefect_server, PREFECT_LOGGING_LEVEL="DEBUG")
