@@ -1,11 +1,13 @@
 """Train the tiny job two intervals in this (fresh) process and print, as one JSON line, how many
 times the train step was compiled, and how the persistent compilation cache answered for it.
 
-usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR [STORAGE_OPTIONS_JSON [lost]]]
+usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR [STORAGE_OPTIONS_JSON [lost|slow-pull]]]
 
 ``lost``: the node is lost in the first interval. At the first log point (step 10, before any
 checkpoint), once the train step's cache entry is in storage, the counts are printed and the
 process SIGKILLs itself (after 60 s without the entry it prints ``{"timeout": ...}`` instead).
+``slow-pull``: copying a remote cache in takes 3 s longer (a large cache, a slow store): the
+trainer must wait for it before compiling its steps.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ def main(storage: str, mlflow_uri: str, cache_dir: str | None = None, storage_op
         train=TrainSpec(max_steps=80, log_every_steps=10), checkpoint=CheckpointSpec(every_steps=20, keep_last=None),
         mlflow_tracking_uri=mlflow_uri, compilation_cache_dir=cache_dir, storage_options=json.loads(storage_options),
     )  # fmt: skip
+    if mode == "slow-pull":
+        from prefect_jax.training.compile_cache import CompileCacheMirror
+
+        pull = CompileCacheMirror._pull
+        CompileCacheMirror._pull = lambda self: (time.sleep(3), pull(self))[1]
     trainer = Trainer(config)
     start = trainer.restore_or_init()
     if mode == "lost":

@@ -57,7 +57,8 @@ def test_a_cache_on_object_storage_follows_the_job_to_another_machine(tmp_path, 
     stored = s3_server.filesystem().ls(f"{storage}/compiles/compile-cache", detail=False)
     assert any(p.rsplit("/", 1)[-1].startswith("jit_step-") for p in stored), stored
 
-    rerun = _run(storage, mlflow_uri, "job", options, env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / "b")))
+    # Its copy in takes 3 s longer than usual: the trainer sets up meanwhile, and waits for it before compiling.
+    rerun = _run(storage, mlflow_uri, "job", options, "slow-pull", env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / "b")))
     assert (rerun["start"], rerun["end"], rerun["cache_miss"]) == (0, 40, 0) and rerun["cache_hit"] >= 1
 
 
@@ -133,6 +134,43 @@ def test_only_whole_entries_are_copied(tmp_path, caplog):
     (there / "jit_eval-2-cache").write_bytes(whole)  # compiled here
     assert other.flush(timeout=30) and other.pushed == ["jit_eval-2-cache"]
     assert memory.cat(f"{url}/jit_eval-2-cache") == whole
+
+
+def test_a_slow_copy_in_is_waited_for_until_its_time_is_up(tmp_path, caplog, monkeypatch):
+    """The copy in runs while the trainer sets up; `wait_pulled` waits for it until its time is
+    up, then gives up once (a warning; JAX compiles what has not arrived) and never waits again."""
+    import fsspec
+
+    from prefect_jax.training.compile_cache import CompileCacheMirror
+
+    memory = fsspec.filesystem("memory")
+    url = f"memory://slow-{uuid.uuid4().hex[:8]}/compile-cache"
+    memory.pipe(f"{url}/jit_step-6-cache", _entry())
+    release = threading.Event()
+
+    class Slow:
+        def ls(self, path, detail=False):
+            release.wait(30)
+            return memory.ls(path, detail=False)
+
+        def get(self, remote, local):
+            memory.get(remote, local)
+
+    monkeypatch.setattr(CompileCacheMirror, "fs", property(lambda self: Slow()))
+    mirror = CompileCacheMirror(url, str(tmp_path / "a"))
+    mirror.start_pull(timeout=0.3)
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.compile_cache"):
+        assert mirror.wait_pulled() == [] and mirror.wait_pulled() == []
+    assert caplog.text.count("still copying") == 1, caplog.text
+    release.set()
+    mirror._puller.join(30)
+    assert os.listdir(tmp_path / "a") != [] and mirror.pulled == ["jit_step-6-cache"]  # it went on in the background
+
+    release.clear()
+    other = CompileCacheMirror(url, str(tmp_path / "b"))
+    other.start_pull(timeout=30)
+    threading.Timer(0.3, release.set).start()
+    assert other.wait_pulled() == ["jit_step-6-cache"]  # waited for
 
 
 def test_a_flush_inside_a_push_returns(tmp_path):

@@ -9,8 +9,8 @@ the path of that autotune directory is part of every cache key JAX computes
 never found under another.
 
 A cache on remote storage is therefore mirrored: JAX uses a local directory with XLA's own
-sub-caches off (its keys then name no path), the entries in storage are copied in before
-anything compiles, and the entries compiled here are copied back in the background: after
+sub-caches off (its keys then name no path), the entries in storage are copied in while the
+job sets up and restores (the trainer waits for them before it compiles its steps), and the entries compiled here are copied back in the background: after
 the first step of each interval (the train step's entry, should the node be lost during the
 interval; with several JAX processes, at the interval's first log point), after each
 checkpoint, evaluation and export; and, waited for, on SIGTERM (within its grace, at most
@@ -74,7 +74,8 @@ def enable_compilation_cache(directory: str, xla_caches: bool = True) -> None:
 def open_compilation_cache(setting: str, storage: JobStorage, push: bool = True) -> CompileCacheMirror | None:
     """Turn on JAX's persistent compilation cache for a job: `setting` is ``"job"`` (under the
     job's storage) or a directory or URL. Local directories are used as they are; a URL is
-    mirrored (see the module docstring) and the mirror returned, its entries already pulled.
+    mirrored (see the module docstring) and the mirror returned, its entries being pulled in
+    the background: call its `wait_pulled` before compiling the job's steps.
     ``push=False``: this process only reads the cache (with several JAX processes, process 0
     writes it, as JAX does). Where JAX has another cache open in this process already, nothing
     is turned on (a warning says so): JAX opens one per process."""
@@ -89,7 +90,7 @@ def open_compilation_cache(setting: str, storage: JobStorage, push: bool = True)
         enable_compilation_cache(url)
         return None
     mirror = CompileCacheMirror(url, local, options, push=push)
-    mirror.pull()
+    mirror.start_pull()
     enable_compilation_cache(local, xla_caches=False)
     return mirror
 
@@ -167,6 +168,10 @@ class CompileCacheMirror:
         self._thread: threading.Thread | None = None
         self._lock = threading.RLock()
         self._fs: fsspec.AbstractFileSystem | None = None
+        self._puller: threading.Thread | None = None
+        self._pull_deadline = 0.0
+        self._pull_result: list[str] = []
+        self._pull_given_up = False
         if push:
             _mirrors.add(self)
 
@@ -199,18 +204,38 @@ class CompileCacheMirror:
     # -- pull --------------------------------------------------------------------------------
 
     def pull(self, timeout: float = 120.0) -> list[str]:
-        """Copy the whole entries in storage that are not here, waiting up to `timeout` seconds (a
-        copy still under way then goes on in the background; JAX compiles what is not here yet).
-        The names copied; none on a failure (logged)."""
-        done: list[list[str]] = []
-        worker = threading.Thread(target=lambda: done.append(self._pull()), name="prefect-jax-compile-cache", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
-            logger.warning("compilation cache %s: still copying after %.0fs; compiling what is not here yet",
-                           redact_url(self.url), timeout)  # fmt: skip
+        """`start_pull`, then `wait_pulled`."""
+        self.start_pull(timeout)
+        return self.wait_pulled()
+
+    def start_pull(self, timeout: float = 120.0) -> None:
+        """Start copying the whole entries in storage that are not here, on a background thread,
+        so that the copy overlaps the job's set-up and restore; `wait_pulled` waits for it, up to
+        `timeout` seconds from now."""
+        if self._puller is not None and self._puller.is_alive():
+            return
+        self._pull_deadline, self._pull_given_up, self._pull_result = time.monotonic() + timeout, False, []
+
+        def pull():
+            self._pull_result = self._pull()
+
+        self._puller = threading.Thread(target=pull, name="prefect-jax-compile-cache", daemon=True)
+        self._puller.start()
+
+    def wait_pulled(self) -> list[str]:
+        """Wait for `start_pull`'s copy until its time is up (then the copy goes on in the
+        background, and JAX compiles what is not here yet). The names copied; none on a failure
+        (logged)."""
+        puller = self._puller
+        if puller is None:
             return []
-        return done[0] if done else []
+        if puller.is_alive() and not self._pull_given_up:
+            puller.join(max(0.0, self._pull_deadline - time.monotonic()))
+            if puller.is_alive():
+                self._pull_given_up = True  # warned once; later calls do not wait
+                logger.warning("compilation cache %s: still copying after its time; compiling what is not here yet",
+                               redact_url(self.url))  # fmt: skip
+        return [] if puller.is_alive() else self._pull_result
 
     def _pull(self) -> list[str]:
         temps: list[str] = []

@@ -149,6 +149,7 @@ class Trainer:
             raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
         job.acquire_lease()
         self._guard.install()
+        self._wait_for_compile_cache()
         loop.start_precompile()
         job.prepare_restore()
         has_own = bool(job.committed_steps())
@@ -339,6 +340,12 @@ class Trainer:
         self._guard.forward()
         raise Preempted(step, committed, signum)
 
+    def _wait_for_compile_cache(self) -> None:
+        """Before compiling: let the entries of a cache on remote storage arrive (pulled since
+        the trainer was made, overlapping its set-up)."""
+        if self._compile_cache is not None:
+            self._compile_cache.wait_pulled()
+
     def _push_compiled(self) -> None:
         """Copy new compilation cache entries to storage in the background. A SIGTERM meanwhile is
         handled once the entries are listed: its handler flushes the same cache."""
@@ -409,6 +416,7 @@ class Trainer:
         except CorruptCheckpointError as exc:
             logger.error("not evaluating step %d: %s", step, exc)
             return missing
+        self._wait_for_compile_cache()
         metrics, n, examples = self.loop.evaluate(state, spec.steps)
         result = EvalResult(
             status=EvalStatus.EVALUATED, name=spec.name, step=step, metrics=metrics, num_batches=n,
@@ -518,6 +526,7 @@ class Trainer:
 
         def make_model() -> bytes:
             if not model:
+                self._wait_for_compile_cache()
                 model.append(exp.serialize_serving(self.program, self._state_at(result.step)))
             return model[0]
 
