@@ -10,13 +10,14 @@ never found under another.
 
 A cache on remote storage is therefore mirrored: JAX uses a local directory with XLA's own
 sub-caches off (its keys then name no path), the entries in storage are copied in while the
-job sets up and restores (the trainer waits for them before it compiles its steps), and the entries compiled here are copied back in the background: after
-the first step of each interval (the train step's entry, should the node be lost during the
-interval; with several JAX processes, at the interval's first log point), after each
-checkpoint, evaluation and export; and, waited for, on SIGTERM (within its grace, at most
-10 s), when a training job ends (at most 30 s) and when the process exits (the evaluate and
-export flows). A rerun on another machine loads them. Copying is an optimisation: a failure
-is logged and the job compiles instead.
+job sets up and restores (the trainer waits for them before it compiles its steps), and the
+entries compiled here are copied back in the background: after the first step of each interval
+(the train step's entry, should the node be lost during the interval; with several JAX
+processes, at the interval's first log point), after each checkpoint, evaluation and export;
+and, waited for, on SIGTERM (within its grace, at most 10 s), when a training job ends (at
+most 30 s) and when the process exits (the evaluate and export flows). A rerun on another
+machine loads them. Copying is an optimisation: a failure is logged and the job compiles
+instead.
 
 Only whole entries are copied, either way: JAX writes an entry in place, and compresses every
 entry (`jax/_src/compilation_cache.py`), so an entry that does not decompress is still being
@@ -322,6 +323,7 @@ class CompileCacheMirror:
                     return
             try:
                 batch: dict[str, bytes] = {}
+                size = 0
                 for name in names:
                     path = os.path.join(self.local_dir, name)
                     try:
@@ -335,9 +337,10 @@ class CompileCacheMirror:
                         continue
                     self._partial.pop(name, None)
                     batch[name] = data
-                    if sum(map(len, batch.values())) >= PUSH_BATCH_BYTES:
+                    size += len(data)
+                    if size >= PUSH_BATCH_BYTES:
                         self._put(batch)
-                        batch = {}
+                        batch, size = {}, 0
                 if batch:
                     self._put(batch)
             except Exception as exc:  # noqa: BLE001 - the next push tries again
