@@ -1,6 +1,7 @@
 """The train_and_evaluate flow against a real Prefect server (prefect_test_harness)."""
 
 import asyncio
+import threading
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -101,6 +102,50 @@ def test_flow_extends_a_finished_job_when_max_steps_grows(tmp_path, mlflow_uri):
     longer = _run(tmp_path, mlflow_uri, max_steps=40).result()
     assert first["final_step"] == 20 and longer["final_step"] == 40
     assert longer["mlflow_run_id"] == first["mlflow_run_id"]
+
+
+def _is_heartbeat(thread: threading.Thread) -> bool:
+    """A Prefect flow-run heartbeat thread (`prefect/flow_engine.py`: its target runs `heartbeat_loop`)."""
+    return any(getattr(a, "__name__", "") == "heartbeat_loop" for a in getattr(thread, "_args", ()))
+
+
+def _heartbeat_joins(monkeypatch) -> list:
+    """Record each join of a heartbeat thread."""
+    joins, join = [], threading.Thread.join
+
+    def recording_join(self, timeout=None):
+        if _is_heartbeat(self):
+            joins.append(self)
+        return join(self, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", recording_join)
+    return joins
+
+
+def test_flow_runs_end_without_waiting_for_the_heartbeat_thread(tmp_path, mlflow_uri, monkeypatch):
+    """Prefect's sync engine joins its heartbeat thread, which sleeps in whole seconds, at the end
+    of every flow run (0-1 s); these flows' runs do not wait for it (its async engine's way), and
+    the thread still ends by itself. A flow that is not prefect-jax's keeps Prefect's join."""
+    from prefect import flow
+
+    from prefect_jax.flows import HEARTBEAT_JOIN_SKIPPED
+
+    assert HEARTBEAT_JOIN_SKIPPED  # the pinned Prefect still has `_send_heartbeats(join_on_exit=)`
+    joins = _heartbeat_joins(monkeypatch)
+    seen = []
+
+    @flow
+    def other_flow():
+        seen.extend(t for t in threading.enumerate() if _is_heartbeat(t))
+
+    other_flow()
+    assert len(seen) == 1 and joins == seen  # heartbeats on (Prefect's default): Prefect's own flow joins its thread
+    test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri)
+    assert joins == seen, "a prefect-jax flow run waited for its heartbeat thread"
+    ours = [t for t in threading.enumerate() if _is_heartbeat(t) and t not in seen]
+    for t in ours:  # it was started, left, and ends at its next tick
+        t.join(timeout=5)
+        assert not t.is_alive()
 
 
 def test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri):

@@ -92,6 +92,47 @@ class _Flow(Flow):
         return new
 
 
+def _flow_runs_end_without_heartbeat_join() -> bool:
+    """A flow run of these flows ends without waiting for its heartbeat thread to wake.
+
+    Prefect's sync flow engine (`prefect/flow_engine.py` `_send_heartbeats`, Prefect 3.8 and 3.9)
+    runs a heartbeat thread that sleeps in whole seconds and, as the run ends, joins it: every
+    run's end waits for the rest of that second (0-1 s, 0.5 s on average; a third of the flow's
+    extra loop time over the plain loop in BENCHMARKS.md, seen as flow wall times that end at
+    the same fraction of a second). Its async engine passes ``join_on_exit=False``: the thread,
+    a daemon, sees the stop at its next tick and returns without emitting. The same for these
+    flows (the `_Flow` class); any other flow keeps Prefect's behaviour. Heartbeats themselves
+    are unchanged. Returns whether it applied: it does not where Prefect's function is gone or
+    takes no ``join_on_exit`` (tests/test_flow.py fails on the pinned Prefect if so)."""
+    import contextlib
+
+    from prefect import flow_engine
+
+    original = getattr(flow_engine, "_send_heartbeats", None)
+    if original is None or getattr(original, "_prefect_jax", False):
+        return original is not None
+    try:
+        if "join_on_exit" not in inspect.signature(original).parameters:
+            return False
+    except (TypeError, ValueError):
+        return False
+
+    @contextlib.contextmanager
+    def _send_heartbeats(engine, join_on_exit: bool = True):
+        if isinstance(getattr(engine, "flow", None), _Flow):
+            join_on_exit = False
+        with original(engine, join_on_exit=join_on_exit):
+            yield
+
+    _send_heartbeats._prefect_jax = True
+    _send_heartbeats.__wrapped__ = original
+    flow_engine._send_heartbeats = _send_heartbeats
+    return True
+
+
+HEARTBEAT_JOIN_SKIPPED = _flow_runs_end_without_heartbeat_join()
+
+
 def _json_parameters(f: Flow) -> _Flow:
     """Make a `@flow` a `_Flow` (placed above ``@flow``, which ``prefect deploy`` reads from the source)."""
     f.__class__ = _Flow
