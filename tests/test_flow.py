@@ -132,17 +132,17 @@ def test_flow_runs_end_without_waiting_for_the_heartbeat_thread(tmp_path, mlflow
 
     assert HEARTBEAT_JOIN_SKIPPED  # the pinned Prefect still has `_send_heartbeats(join_on_exit=)`
     joins = _heartbeat_joins(monkeypatch)
-    seen = []
+    seen, before = [], {t for t in threading.enumerate() if _is_heartbeat(t)}  # earlier runs' may still be about to stop
 
     @flow
     def other_flow():
-        seen.extend(t for t in threading.enumerate() if _is_heartbeat(t))
+        seen.extend(t for t in threading.enumerate() if _is_heartbeat(t) and t not in before)
 
     other_flow()
     assert len(seen) == 1 and joins == seen  # heartbeats on (Prefect's default): Prefect's own flow joins its thread
     test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri)
     assert joins == seen, "a prefect-jax flow run waited for its heartbeat thread"
-    ours = [t for t in threading.enumerate() if _is_heartbeat(t) and t not in seen]
+    ours = [t for t in threading.enumerate() if _is_heartbeat(t) and t not in seen and t not in before]
     for t in ours:  # it was started, left, and ends at its next tick
         t.join(timeout=5)
         assert not t.is_alive()

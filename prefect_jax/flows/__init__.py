@@ -712,7 +712,7 @@ def evaluate(
             "is the trainer running, and does it use the same storage and job name? "
             "Raise wait_for_first_checkpoint_secs for slow starts."
         )
-    from prefect_jax.training.live import get_trainer
+    from prefect_jax.training.live import get_trainer, land_mlflow_writes
 
     # An evaluator killed after writing eval records may not have logged them to MLflow yet.
     checked = get_trainer(config).reconcile_eval_metrics(first)
@@ -773,6 +773,7 @@ def evaluate(
             if not every_checkpoint:
                 break
         last_new_at = time.monotonic()  # idle counts from the end of the work, however long it took
+    land_mlflow_writes(config)
     publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
     return {
@@ -804,6 +805,7 @@ def export_flow(
     Exports already written are kept as they are. Returns ``{exporter: export dir}``.
     """
     from prefect_jax.training.evaluation import EvalRecords
+    from prefect_jax.training.live import land_mlflow_writes
     from prefect_jax.training.storage import JobStorage
 
     config = _job_config(program, job, storage, train_spec, eval_spec, checkpoint_spec, mlflow_tracking_uri, mlflow_experiment)
@@ -815,7 +817,9 @@ def export_flow(
     result = records.get(chosen)
     if result is None:
         raise ValueError(f"step {chosen} of job {job!r} was not evaluated ({config.eval.name!r} has {steps}): evaluate it first")
-    return export(config, result)
+    exported = export(config, result)
+    land_mlflow_writes(config)  # the model versions too
+    return exported
 
 
 __all__ = ["evaluate", "export_flow", "train", "train_and_evaluate"]

@@ -64,6 +64,15 @@ def finish_live(config: JobConfig, status: str) -> bool:
     return True
 
 
+def land_mlflow_writes(config: JobConfig) -> None:
+    """Wait until the MLflow writes this job's live trainer has made so far have landed (eval
+    metrics, model versions): an evaluate or export flow run ends only then, as a train flow run
+    ends once `Trainer.finish` has closed its run. In strict mode, raises the first that failed."""
+    trainer = live_trainer(config)
+    if trainer is not None:
+        trainer.tracker.flush()
+
+
 def drop_trainer(config: JobConfig) -> None:
     """Forget (and close) this job's live trainer."""
     trainer = _live.pop(_key(config), None)
