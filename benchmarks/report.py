@@ -175,14 +175,14 @@ GAPS = {
     "process_vs_plain": (
         "A process of the command imports Prefect (~0.6-0.7 s on 2026-11-25's cores, 1.2-1.5 s on 2026-11-24's) besides what the plain loop imports (MLflow's "
         "~2.5 s of CPU runs in its worker process, started first thing, on the other core), creates a flow run and a task run "
-        "per interval, and at the end of the flow Prefect joins its flow-run heartbeat thread, which sleeps in whole "
-        "seconds (up to 1 s, 0.5 s on average, per flow run; `prefect/flow_engine.py` `_send_heartbeats`). On a "
+        "per interval. (Until 2026-11-25 20:14 the end of each flow run also waited for Prefect's flow-run heartbeat "
+        "thread, which sleeps in whole seconds: 0-1 s, 0.5 s on average, `prefect/flow_engine.py` `_send_heartbeats`; "
+        "these flows no longer join it, as Prefect's async engine does not: 1.17 -> 1.04 between the 09:11 and 20:14 runs.) On a "
         "2000-step job of ~2 s of training these fixed costs are most of the ratio; they do not grow with the job. "
         "(Parallel imports were tried: Prefect and the JAX stack imported on two threads took longer than one after "
         "the other, 2.6 s against 2.3 s, the GIL.) A rerun sampled with py-spy (2026-11-25) spent its start-up "
         "importing (the program and the JAX stack, then Prefect and the flows): the flow run's HTTP round trips "
-        "before the restore task waited ~30 ms in all, so nothing is left to overlap them with; the heartbeat join "
-        "at its exit took 0.34 s. The faster the cores, the larger these fixed costs' share: 1.28 on 2026-11-24 "
+        "before the restore task waited ~30 ms in all, so nothing is left to overlap them with. The faster the cores, the larger these fixed costs' share: 1.28 on 2026-11-24 "
         "(the plain loop's process 9.4 s) and 1.40 on 2026-11-25 05:53 (5.4 s), the command's extra ~2.5 s and ~2.1 s. "
         "Since 2026-11-25 09:11 the command imports with the garbage collector off (~0.4 s of its start-up were the "
         "collector's passes over the growing heap) and without FastAPI (Prefect's parameter serialization imported it): "
@@ -200,11 +200,14 @@ GAPS = {
         "alone, 10 intervals, the engine's entry points timed, 3 runs on 2026-11-23): per interval, the two task runs' "
         "Prefect work (~24 ms, the Prefect line below) and the evaluation task (55-90 ms, most of it its wait for the "
         "save's commit); once, at the end, `Trainer.finish` (every MLflow write landed, the run closed: 90-390 ms) and, "
-        "after the flow body returned, 260-950 ms in Prefect's end of the flow run, most of it the join of its "
-        "heartbeat thread (0-1 s). The plain loop's loop ends with its last commit. The target's budget here is "
-        "0.1 x the plain loop's 2-3.5 s = 0.2-0.35 s: the 20 task runs' Prefect work (0.15-0.3 s, the Prefect line "
-        "below) and the heartbeat join (0.5 s on average) already exceed it, so on this 2000-step, 10-interval workload the target cannot be met while each interval "
-        "is a task run pair and the flow run ends through Prefect's engine. With checkpoints minutes apart, as on a "
+        "after the flow body returned, Prefect's end of the flow run (260-950 ms on 2026-11-23), which until the 20:14 "
+        "run was mostly the join of its heartbeat thread (0-1 s, 0.5 s on average; the flow side's wall times all ended "
+        "at the same fraction of a second): these flows no longer wait for it "
+        "(`prefect_jax.flows._flow_runs_end_without_heartbeat_join`), 1.66 -> 1.37 between the 09:11 and 20:14 runs. "
+        "The plain loop's loop ends with its last commit. The target's budget here is 0.1 x the plain loop's 2-3.5 s "
+        "= 0.2-0.35 s; the intervals' fixed cost (next line: ~55-65 ms each, 10 intervals) already exceeds it, so on "
+        "this 2000-step, 10-interval workload the target cannot be met while each interval is a task run pair and a "
+        "three-item Orbax save whose commit the evaluation waits for. With checkpoints minutes apart, as on a "
         "GPU job, the per-interval cost is under 0.1% of an interval."
     ),
     "orchestration_ms_per_interval": (
@@ -249,7 +252,7 @@ GAPS = {
         "runs at nice 10 so that it does not take the cores from it. A rerun restores (no init), so the quicker init "
         "compile does not shorten it; Prefect's and JAX's imports cannot overlap (tried: the GIL). Since 2026-11-25 "
         "09:11 the command imports with the garbage collector off and no longer imports FastAPI for the flow run's "
-        "parameters: its way back went from 2.7-2.9 s (the 05:53 run, ratio 1.93) to 2.3-2.6 s (1.62). What remains "
+        "parameters: its way back went from 2.7-2.9 s (the 05:53 run, ratio 1.93) to 2.3-2.6 s (1.62; 1.56 at 20:14). What remains "
         "over the plain loop's 1.5-1.8 s: Prefect's import (~0.6 s), the flows module (Prefect builds a JSON schema of "
         "each of its four flows' parameters, ~0.07 s), the flow run and the restore task with their API round trips "
         "(~0.1-0.2 s). Prefect's import alone is over a third of the plain loop's whole way back, so while a flow run "
@@ -264,11 +267,12 @@ GAPS = {
         "concurrency-slot service, stalling ~2 s now and then: the ledger's `other` was ~10 s per job; fixed.) "
         "Each row is one job on shared cores: its goodput divides by the system's own single uninterrupted run, so a "
         "slow minute in either moves it by ~0.1; the margins swing with it (-0.06 on 2026-11-23 20:32, -0.14 at "
-        "23:07, -0.43 on 2026-11-25 05:53, -0.16 at 09:11). Which system leads at T = 15 s turns on how many "
+        "23:07, -0.43 on 2026-11-25 05:53, -0.16 at 09:11, -0.41 at 20:14, each at T = 15 s with SIGKILL). Which system leads at T = 15 s turns on how many "
         "checkpoint intervals fit in an attempt after its start-up. A 500-step interval takes ~6.4 s: the plain "
         "loop, back in ~1.5 s, fits two before a kill at 15 s when the cores are quick, prefect-jax, back in 2.3-2.6 s "
-        "since the start-up savings of 09:11 (2.8 s before), one: with SIGKILL 16 attempts against the plain loop's "
-        "9 (05:53) and 11 (09:11), ~82 s of killed work between attempts in its ledger. With SIGTERM, which costs "
+        "since the start-up savings of 09:11 (2.8 s before), one: with SIGKILL 16 attempts (05:53, 09:11 and 20:14) against the plain loop's "
+        "9 (05:53), 11 (09:11) and 8 (20:14: two intervals in every attempt, 0.83), ~82-90 s of killed work between "
+        "attempts in its ledger; prefect-jax's own goodput there was 0.42-0.43 in all three runs. With SIGTERM, which costs "
         "prefect-jax no steps, it led at T = 15 s and 30 s in the 09:11 run (0.76 against 0.68 and 0.88 against "
         "0.84), where at 05:53 the plain loop's kills came just after its second checkpoint (0.76 against 0.85). On slower "
         "cores the sign flips by period and signal (the 2026-11-24 19:13 sample under the goodput rows, at ~1.7x "
@@ -285,8 +289,8 @@ GAPS = {
         "The job's uninterrupted 8000 steps take about two 60 s attempts on this machine (121.0 s, 2026-11-23 20:32; "
         "120.1 s at 23:07; 108.3 s on 2026-11-25, when two attempts were enough and the target was met: 1.03), so "
         "goodput at T = 60 s moves in steps of a whole attempt: the 20:32 run read 0.894. Each attempt pays the start-up of the "
-        "rerun line above, and each flow run's end waits for Prefect's flow-run heartbeat thread, which sleeps in "
-        "whole seconds (up to 1 s; `prefect/flow_engine.py` `_send_heartbeats`, on by default: "
+        "rerun line above (and, until the 20:14 run, a wait at each flow run's end for Prefect's flow-run heartbeat "
+        "thread, which sleeps in whole seconds: 0-1 s; `prefect/flow_engine.py` `_send_heartbeats`, on by default: "
         "`flows.heartbeat_frequency` 180 s). The 23:07 run's T = 60 s rows came in a slow spell of these shared "
         "cores (the 23:07 sample under the goodput rows): prefect-jax's ledger counts 153.0 s of productive training in its SIGTERM job against 111.8 s "
         "uninterrupted (the same 8000 steps, none recomputed), and the plain loop took 169.2 s and 172.0 s against "
@@ -294,8 +298,8 @@ GAPS = {
         "separate uninterrupted run to divide by, is 0.885 (0.884 in the 20:32 run). In the 19:13 sample (cores "
         "~1.7x slower) the uninterrupted job took just over three attempts' length (183.6 s) and prefect-jax needed four: "
         "there the target was met, 0.956. The heartbeat thread's whole-second sleep and its join on a sync flow's "
-        "exit (`join(timeout=2)`) are unchanged in Prefect 3.9.1, the newest release on the registry (its async "
-        "engine does not join)."
+        "exit (`join(timeout=2)`) are unchanged in Prefect 3.9.1, the newest release on the registry; these flows "
+        "pass `join_on_exit=False`, as its async engine does (0.93 at 20:14)."
     ),
 }
 
@@ -320,6 +324,7 @@ REMOVED = """## What was removed (profiled with pyinstrument and cProfile during
 | a new MLflow SQLite store's schema (MLflow's Alembic migrations), in the MLflow worker, per new store (issue 13) | 1.25 s | 0.10 s | a copy of an empty store that the migrations make once per machine and MLflow version (`PREFECT_JAX_CACHE_DIR`) |
 | Python's garbage collector walking the heap while the command imports Prefect, JAX, Orbax and the program; in the MLflow worker while it imports MLflow (issue 13, measured 2026-11-25 outside this run) | imports 2.13 s; MLflow's 1.15 s | 1.76 s; 0.90 s | the collector is off until the start-up's objects are frozen (`gc.freeze`, which the command did already), then on: a rerun of the goodput job to its first new step, 2.82 s -> 2.35 s with the row below (medians of 8 alternated reruns) |
 | FastAPI's application stack, imported by Prefect's `Flow.serialize_parameters` (`jsonable_encoder`) on the way to a fresh process's flow run, and the progress artifact's API round trip before training (issue 13, measured 2026-11-25 outside this run: a rerun of the goodput job's, medians of 8 alternated reruns) | rerun to its first new step 2.70 s | 2.61 s | the flows serialize their parameters (strings, numbers, pydantic specs) as `jsonable_encoder` does without it (checked against it in `tests/test_flows_parameters.py`); the progress artifact is made on the publisher thread |
+| the end of every flow run (a run, a rerun, an evaluator's, an export's): Prefect's sync engine joins its flow-run heartbeat thread, which sleeps in whole seconds (issue 13; the flow side's wall times all ended at the same fraction of a second) | 0-1 s, 0.5 s on average, per flow run | 0 | these flows pass `join_on_exit=False` to Prefect's `_send_heartbeats`, as its async engine does (the thread, a daemon, stops at its next tick without emitting); their evaluate and export runs now wait for their MLflow writes instead, which the join had covered; the targets' loop ratio 1.66 -> 1.37, the command's process 1.17 -> 1.04 (the 09:11 and 20:14 runs) |
 """
 
 
