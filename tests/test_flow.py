@@ -109,17 +109,24 @@ def _is_heartbeat(thread: threading.Thread) -> bool:
     return any(getattr(a, "__name__", "") == "heartbeat_loop" for a in getattr(thread, "_args", ()))
 
 
-def _heartbeat_joins(monkeypatch) -> list:
-    """Record each join of a heartbeat thread."""
-    joins, join = [], threading.Thread.join
+def _heartbeat_threads(monkeypatch) -> tuple[list, list]:
+    """Record each start and each join of a heartbeat thread."""
+    starts, joins = [], []
+    start, join = threading.Thread.start, threading.Thread.join
+
+    def recording_start(self):
+        if _is_heartbeat(self):
+            starts.append(self)
+        return start(self)
 
     def recording_join(self, timeout=None):
         if _is_heartbeat(self):
             joins.append(self)
         return join(self, timeout)
 
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
     monkeypatch.setattr(threading.Thread, "join", recording_join)
-    return joins
+    return starts, joins
 
 
 def test_flow_runs_end_without_waiting_for_the_heartbeat_thread(tmp_path, mlflow_uri, monkeypatch):
@@ -131,21 +138,19 @@ def test_flow_runs_end_without_waiting_for_the_heartbeat_thread(tmp_path, mlflow
     from prefect_jax.flows import HEARTBEAT_JOIN_SKIPPED
 
     assert HEARTBEAT_JOIN_SKIPPED  # the pinned Prefect still has `_send_heartbeats(join_on_exit=)`
-    joins = _heartbeat_joins(monkeypatch)
-    seen, before = [], {t for t in threading.enumerate() if _is_heartbeat(t)}  # earlier runs' may still be about to stop
+    starts, joins = _heartbeat_threads(monkeypatch)
 
     @flow
     def other_flow():
-        seen.extend(t for t in threading.enumerate() if _is_heartbeat(t) and t not in before)
+        pass
 
     other_flow()
-    assert len(seen) == 1 and joins == seen  # heartbeats on (Prefect's default): Prefect's own flow joins its thread
+    assert len(starts) == 1 and joins == starts  # heartbeats on (Prefect's default): Prefect's own flow joins its thread
     test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri)
-    assert joins == seen, "a prefect-jax flow run waited for its heartbeat thread"
-    ours = [t for t in threading.enumerate() if _is_heartbeat(t) and t not in seen and t not in before]
-    for t in ours:  # it was started, left, and ends at its next tick
-        t.join(timeout=5)
-        assert not t.is_alive()
+    assert len(starts) == 2, "the prefect-jax flow run started no heartbeat thread"
+    assert joins == starts[:1], "a prefect-jax flow run waited for its heartbeat thread"
+    starts[1].join(timeout=5)  # left running, it ends by itself at its next tick
+    assert not starts[1].is_alive()
 
 
 def test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri):

@@ -65,6 +65,31 @@ def test_tracking_failure_fails_in_strict_mode(tmp_path):
         tracker.flush()
 
 
+def test_land_waits_a_bounded_time_for_mlflow_unless_strict(tmp_path, monkeypatch, caplog):
+    """The end of an evaluate or export flow run waits for its MLflow writes (`live.land_mlflow_writes`):
+    at most its limit, then a warning, where a tracking server that hangs must not hold the run;
+    in strict mode until they land."""
+    import threading
+    import time
+
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1")  # MLflow's thread is here, where the test can hold it
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "e", "land-job")
+    release = threading.Event()
+    tracker._pool.submit(release.wait, 60)  # a tracking server that does not answer
+    tracker.start({"p": "1"})
+    began = time.monotonic()
+    with caplog.at_level("WARNING", logger="prefect_jax.tracking"):
+        tracker.land(0.5)
+    assert time.monotonic() - began < 10
+    assert "write(s) still on their way after 0.5s, 0 failed" in caplog.text
+    release.set()
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "1")
+    tracker.land(0.0)  # strict: waits until it lands, whatever the limit
+    assert tracker.run_id is not None and tracker._pending == []
+    tracker.close()
+
+
 def test_exports_are_logged_as_models_beside_the_sqlite_store(job_config, mlflow_uri):
     from prefect_jax.training.specs import FinalExporter
 

@@ -64,13 +64,17 @@ def finish_live(config: JobConfig, status: str) -> bool:
     return True
 
 
-def land_mlflow_writes(config: JobConfig) -> None:
+LAND_SECS = 30.0  # as long as a process's exit waits for its MLflow worker (tracking._worker)
+
+
+def land_mlflow_writes(config: JobConfig, timeout: float = LAND_SECS) -> None:
     """Wait until the MLflow writes this job's live trainer has made so far have landed (eval
     metrics, model versions): an evaluate or export flow run ends only then, as a train flow run
-    ends once `Trainer.finish` has closed its run. In strict mode, raises the first that failed."""
+    ends once `Trainer.finish` has closed its run. Up to `timeout` seconds, then a warning
+    (`Tracker.land`); in strict mode, until they land, raising the first that failed."""
     trainer = live_trainer(config)
     if trainer is not None:
-        trainer.tracker.flush()
+        trainer.tracker.land(timeout)
 
 
 def drop_trainer(config: JobConfig) -> None:

@@ -169,6 +169,26 @@ class Tracker:
         if failed:
             raise failed[0]
 
+    def land(self, timeout: float) -> None:
+        """Wait for every call made so far, as the end of an evaluate or export flow run does. In
+        strict mode: `flush`. Otherwise up to `timeout` seconds, and what failed or is still on its
+        way then is logged, not raised (an unreachable tracking server must not hold or fail the run:
+        the eval records are the durable truth, and the job's next evaluator logs what MLflow lacks)."""
+        if strict():
+            self.flush()
+            return
+        from concurrent.futures import wait
+
+        done, waiting = wait(list(self._pending), timeout=max(0.0, timeout))
+        failed = [f.exception() for f in done if f.exception() is not None]
+        self._pending = list(waiting)
+        if waiting or failed:
+            from prefect_jax.training.redaction import redact_url
+
+            logger.warning("MLflow at %s: %d write(s) still on their way after %gs, %d failed%s; the run goes on without them",
+                           redact_url(self.tracking_uri), len(waiting), timeout, len(failed),
+                           f" (first: {failed[0]!r})" if failed else "")  # fmt: skip
+
     def _wait(self, name: str, *args):
         self.flush()
         return self._call(name, *args).result()
