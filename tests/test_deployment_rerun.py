@@ -188,6 +188,10 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         assert done.run_count == 2
         summary = done.state.result()
         runs = _task_runs(client, flow_run.id)
+        deadline = time.monotonic() + 30  # task run states reach the server as events, moments after the flow run's own
+        while not all(r.state.is_completed() for r in runs if r.flow_run_run_count == 2) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            runs = _task_runs(client, flow_run.id)
         page = screenshot_flow_run(server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed")
     # The crashed attempt's task runs are not left Running (the retry that took the lease over marked them).
     assert not [r.name for r in runs if r.state.is_running() or r.state.is_pending()], [(r.name, r.state) for r in runs]
