@@ -183,11 +183,11 @@ class Tracker:
         failed = [f.exception() for f in done if f.exception() is not None]
         self._pending = list(waiting)
         if waiting or failed:
-            from prefect_jax.training.redaction import redact_url
+            from prefect_jax.training.redaction import redact_url, scrub, secret_values
 
+            first = f" (first: {scrub(repr(failed[0]), secret_values(self.tracking_uri, None))})" if failed else ""
             logger.warning("MLflow at %s: %d write(s) still on their way after %gs, %d failed%s; the run goes on without them",
-                           redact_url(self.tracking_uri), len(waiting), timeout, len(failed),
-                           f" (first: {failed[0]!r})" if failed else "")  # fmt: skip
+                           redact_url(self.tracking_uri), len(waiting), timeout, len(failed), first)  # fmt: skip
 
     def _wait(self, name: str, *args):
         self.flush()
