@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 logger = logging.getLogger("prefect_jax.tracking")
+EXIT_WAIT_SECS = 30.0  # how long a process's exit waits for its MLflow worker, and an evaluate or export run's end (`Tracker.land`)
 
 JOB_TAG = "prefect_jax.job"
 STORAGE_TAG = "prefect_jax.storage"
@@ -169,7 +170,7 @@ class Tracker:
         if failed:
             raise failed[0]
 
-    def land(self, timeout: float) -> None:
+    def land(self, timeout: float = EXIT_WAIT_SECS) -> None:
         """Wait for every call made so far, as the end of an evaluate or export flow run does. In
         strict mode: `flush`. Otherwise up to `timeout` seconds, and what failed or is still on its
         way then is logged, not raised (an unreachable tracking server must not hold or fail the run:
@@ -716,7 +717,7 @@ def _worker() -> _Worker:
             # Where concurrent.futures joins its threads at exit (not after a SIGTERM: see prefect_jax.cli.entry).
             register = getattr(threading, "_register_atexit", atexit.register)
             try:
-                register(_the_worker.stop, 30.0)
+                register(_the_worker.stop, EXIT_WAIT_SECS)
             except RuntimeError:  # the interpreter is shutting down already
                 pass
         return _the_worker
