@@ -10,7 +10,7 @@ import time
 import pytest
 
 from prefect_jax.training.checkpoints import committed_steps
-from prefect_jax.training.errors import LeaseHeldError
+from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
 from prefect_jax.training.trainer import Trainer
 
 
@@ -126,6 +126,85 @@ def test_the_same_flow_run_retried_takes_its_own_lease_back(job_config):
     _write_lease(config, flow_run_id="run-7", host="another-host")
     trainer = Trainer(config, run_tags={"prefect.flow_run_id": "run-7"})
     assert trainer.restore_or_init() == 0
+
+
+def test_a_second_process_of_the_same_flow_run_waits_for_the_first_to_end(job_config, caplog):
+    """Prefect's process worker reports one crash twice, so a rerun automation can start a flow
+    run twice: the second process waits while the first (alive, on this host) trains, then takes
+    over from where it stopped, so that one process writes the job."""
+    import subprocess
+    import sys
+    import threading
+
+    config = job_config()
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    path = _write_lease(config, flow_run_id="run-7", pid=first.pid)
+    seen = {}
+
+    def end_the_first():
+        time.sleep(2.0)
+        seen["lease while it lived"] = json.load(open(path))["token"]
+        first.kill()
+        first.wait()
+
+    threading.Thread(target=end_the_first, daemon=True).start()
+    trainer = Trainer(config, run_tags={"prefect.flow_run_id": "run-7"})
+    started = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert trainer.restore_or_init() == 0
+        waited = time.monotonic() - started
+        assert waited >= 2.0, f"took the lease of a live process of its own flow run after {waited:.1f}s"
+        assert seen["lease while it lived"] == "other"  # untouched while the first lived
+        assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in caplog.text
+        assert trainer.lease.taken_over["reason"] == f"process {first.pid} on this host is gone"
+        assert json.load(open(path))["pid"] == os.getpid()
+        # Its attempt starts when it took the job: its wait overlapped the first process's training.
+        assert trainer.job.goodput.attempt["seconds"]["startup"] < 0.5
+        trainer.train_until_checkpoint()
+        assert trainer.step == 20
+    finally:
+        first.kill()
+        trainer.close()
+
+
+def test_a_trainer_whose_job_was_taken_over_stops_before_its_next_checkpoint(job_config):
+    """Fencing: a trainer whose lease another took over (its heartbeat went stale, or a rerun of
+    its flow run started elsewhere) writes no further checkpoint and leaves the lease alone."""
+    from prefect_jax.training.live import finish_live, get_trainer
+
+    config = job_config(lease_timeout_secs=2.0)
+    trainer = get_trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.job.wait_committed()
+    assert committed_steps(_ckpt_dir(config)) == [20]
+    path = _write_lease(config, token="new-holder", flow_run_id="run-9", host="another-host", pid=4242)
+    with pytest.raises(LeaseLostError, match=r"taken over by another trainer \(flow_run_id=run-9, host=another-host, pid=4242\)"):
+        trainer.train_until_checkpoint()
+    trainer.job.wait_committed()
+    assert committed_steps(_ckpt_dir(config)) == [20]
+    assert [n for n in os.listdir(_ckpt_dir(config)) if n != "20"] == []  # no step 40, not even a temporary one
+    assert not trainer.lease.held
+    assert finish_live(config, "FAILED") is False  # the failure hook leaves the job (and its MLflow run) to its holder
+    with pytest.raises(LeaseLostError):  # nor does it take the lease back
+        trainer.train_until_checkpoint()
+    trainer.close()
+    assert json.load(open(path))["token"] == "new-holder"
+
+
+def test_the_heartbeat_notices_a_takeover(job_config):
+    config = job_config(lease_timeout_secs=2.0)  # a beat every 0.5 s
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    _write_lease(config, token="new-holder", flow_run_id="run-9", host="another-host")
+    deadline = time.monotonic() + 10
+    while trainer.lease.lost_to is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert trainer.lease.lost_to["token"] == "new-holder" and not trainer.lease.held
+    with pytest.raises(LeaseLostError):
+        trainer.train_until_checkpoint()
+    trainer.close()
 
 
 def test_heartbeat_keeps_the_lease_fresh(job_config):

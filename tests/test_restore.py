@@ -122,21 +122,27 @@ def test_wait_for_checkpoint_restores_one_committed_while_waiting(job_config):
     config = job_config()
     writer = Trainer(config)
     writer.restore_or_init()
+    writer.train_until_checkpoint()
+    writer.checkpoints.wait()
+    expected = writer.fingerprint()
+    writer.close()  # one writer per job: the step is written first, and appears while the waiter waits
+    checkpoints = os.path.join(config.storage, config.job, "checkpoints")
+    os.rename(os.path.join(checkpoints, "20"), os.path.join(checkpoints, ".not-yet-20"))
 
-    def write_later():
+    def commit_later():
         time.sleep(0.5)
-        writer.train_until_checkpoint()
-        writer.checkpoints.wait()
+        os.rename(os.path.join(checkpoints, ".not-yet-20"), os.path.join(checkpoints, "20"))
 
     waiter = Trainer(config)
-    thread = threading.Thread(target=write_later)
+    thread = threading.Thread(target=commit_later)
     thread.start()
+    start = time.monotonic()
     try:
         step = waiter.restore_or_init(wait_for_checkpoint=True, max_wait_secs=60, recovery_wait_secs=0.1)
     finally:
         thread.join()
-    assert step == 20
-    assert waiter.fingerprint() == writer.fingerprint()
+    assert step == 20 and time.monotonic() - start >= 0.4
+    assert waiter.fingerprint() == expected
 
 
 def test_wait_polls_with_fake_clock():

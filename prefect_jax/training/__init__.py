@@ -22,6 +22,7 @@ _EXPORTS = {
     "CorruptCheckpointError": "checkpoints",
     "NonFiniteLossError": "errors",
     "LeaseHeldError": "errors",
+    "LeaseLostError": "errors",
     "NoProgressError": "errors",
     "EvalResult": "evaluation",
     "EvalStatus": "evaluation",

@@ -94,6 +94,12 @@ class GoodputLedger:
         if self.attempt is None:
             self._restore_began = time.time()
 
+    def restart_clock(self) -> None:
+        """This process waited for another process of its flow run to end before it took the job
+        (see `Lease`): its attempt starts now; its start-up overlapped the other's training."""
+        if self.attempt is None:
+            self.started_at = self._restore_began = time.time()
+
     def begin(self, step: int) -> None:
         """The live state is at `step` (restored, or made by init): open this process's attempt."""
         if self.attempt is not None:  # restored again within one process (a retried task): same attempt

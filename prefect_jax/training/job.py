@@ -235,6 +235,11 @@ class Job:
             self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
             self.lease.acquire()
 
+    def verify_lease(self) -> None:
+        """Before a checkpoint: raise `LeaseLostError` if another trainer took the job over."""
+        if self.is_primary:
+            self.lease.verify()
+
     def stop_requested(self) -> dict | None:
         """A durable stop request of this job (early stopping, or a person), if any."""
         return control.stop_requested(self.storage)

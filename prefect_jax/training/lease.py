@@ -4,8 +4,15 @@ The holder refreshes a heartbeat from a background thread. Another trainer fails
 naming the owner, unless the lease is stale: its heartbeat is older than the timeout, or
 its holder was a process on this host that no longer exists (a SIGKILLed run, rerun on the
 same machine, need not wait out the timeout). A lease with the same owner id (the same
-Prefect flow run, retried) is taken over at once. The lease is released when training ends,
+Prefect flow run, retried) is taken over at once, unless its holder is a live process on this
+host: then Prefect started that flow run twice (its process worker reports one crash twice, and
+the rerun automation reacts to each), and the second process waits for the first to end before
+it takes over, so that one process trains the job. The lease is released when training ends,
 however it ends; after a SIGKILL it goes stale.
+
+A holder checks that it still holds the lease before each checkpoint (`verify`): one whose lease
+was taken over (its heartbeat went stale, or a rerun of its flow run started on another machine)
+stops there with `LeaseLostError` instead of writing over the new holder's steps.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ import threading
 import time
 import uuid
 
-from prefect_jax.training.errors import LeaseHeldError
+from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
 from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.lease")
+
+DUPLICATE_POLL_SECS = 1.0  # how often a second process of one flow run looks whether the first has ended
 
 
 def process_alive(pid: int) -> bool:
@@ -52,6 +61,9 @@ class Lease:
         # The record of the holder this process took the lease over from (its flow run, host,
         # pid, and ``reason``: why it was stale), or None: who to mark as crashed in the UIs.
         self.taken_over: dict | None = None
+        # The record of the trainer that took this process's lease over (see `verify`), or None.
+        self.lost_to: dict | None = None
+        self.waited_for_duplicate = False  # whether `acquire` waited for another process of this flow run
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -85,15 +97,70 @@ class Lease:
             return "same flow run (a retry)"
         return None
 
+    def _live_duplicate(self, current: dict) -> int | None:
+        """The pid of the holder when it is another live process on this host running the same
+        flow run as this one (Prefect started the flow run twice), else None."""
+        if not self.owner_id or current.get("flow_run_id") != self.owner_id or current.get("host") != socket.gethostname():
+            return None
+        pid = current.get("pid")
+        age = time.time() - float(current.get("heartbeat", 0))
+        if pid is None or int(pid) == os.getpid() or age > float(current.get("timeout_secs", self.timeout_secs)):
+            return None
+        return int(pid) if process_alive(int(pid)) else None
+
+    def _wait_for_duplicate(self, current: dict | None) -> dict | None:
+        """While the holder is another live process of this same flow run on this host, wait for
+        it to end (or its heartbeat to go stale); return the lease as it then is."""
+        pid = self._live_duplicate(current) if current is not None else None
+        if pid is None:
+            return current
+        logger.warning(
+            "flow run %s already trains job %s in process %d on this host: Prefect started this flow run twice "
+            "(a crash reported twice makes a rerun automation rerun it twice). Waiting for process %d to end, "
+            "so that one process trains the job; this one then resumes from the newest committed step.",
+            self.owner_id, self.storage.job_dir, pid, pid,
+        )  # fmt: skip
+        started = time.monotonic()
+        while current is not None and self._live_duplicate(current) is not None:
+            time.sleep(DUPLICATE_POLL_SECS)
+            current = self.read()
+        logger.warning("process %d ended (or went stale) after %.0fs: job %s is this process's to train",
+                       pid, time.monotonic() - started, self.storage.job_dir)  # fmt: skip
+        self.waited_for_duplicate = True
+        return current
+
     @property
     def held(self) -> bool:
         return self.token is not None
 
+    def verify(self) -> None:
+        """Fencing: raise `LeaseLostError` when another trainer took the lease over since this
+        process took it (read from storage: called before each checkpoint, a write). The lease
+        is then no longer this process's to release."""
+        if self.lost_to is None:
+            if not self.held:
+                return
+            current = self.read()
+            if current is not None and current.get("token") == self.token:
+                return
+            self._lose(current or {})
+        raise LeaseLostError(self.storage.job_dir, self.lost_to or {})
+
+    def _lose(self, current: dict) -> None:
+        if self.lost_to is None:
+            logger.error("lost the lease of %s to %s", self.storage.job_dir, current or "nobody (lease file gone)")
+        self.lost_to = current
+        self.token = None
+        self._stop.set()
+
     def acquire(self) -> None:
-        """Take the lease, or raise LeaseHeldError naming the live owner."""
+        """Take the lease, or raise LeaseHeldError naming the live owner (`LeaseLostError` once
+        it was taken over from this process: a process does not take a lost lease back)."""
+        if self.lost_to is not None:
+            self.verify()
         if self.held:
             return
-        current = self.read()
+        current = self._wait_for_duplicate(self.read())
         if current is not None:
             reason = self._stale_reason(current)
             if reason is None:
@@ -115,8 +182,8 @@ class Lease:
         while not self._stop.wait(interval):
             try:
                 current = self.read()
-                if not current or current.get("token") != self.token:
-                    logger.error("lost the lease of %s to %s", self.storage.job_dir, current)
+                if (not current or current.get("token") != self.token) and not self._stop.is_set():
+                    self._lose(current or {})  # the next checkpoint's `verify` stops training
                     return
                 self.storage.write_json(self.path, self._record())
             except Exception:  # noqa: BLE001 - a missed beat is retried on the next one

@@ -148,6 +148,8 @@ class Trainer:
         if newest is not None and newest > max_steps:
             raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
         job.acquire_lease()
+        if job.lease.waited_for_duplicate:  # another process of this flow run trained meanwhile: not this attempt's time
+            job.goodput.restart_clock()
         self._guard.install()
         self._wait_for_compile_cache()
         loop.start_precompile()
@@ -290,6 +292,7 @@ class Trainer:
         this step commits but before they reach MLflow has them logged by the rerun that
         restores this step (nothing is logged twice).
         """
+        self.job.verify_lease()  # one writer: a trainer whose job was taken over stops here
         train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
         meta = {
             "program": self.config.program,
