@@ -225,6 +225,21 @@ def job_config(params: dict):
     )
 
 
+def uninterrupted_fingerprint(config) -> str:
+    """Train the job from scratch to max_steps in this process with the engine, as the flow does."""
+    from prefect_jax.training.trainer import Trainer
+
+    trainer = Trainer(config)
+    try:
+        assert trainer.restore_or_init() == 0
+        while trainer.step < config.train.max_steps:
+            trainer.train_until_checkpoint()
+        trainer.finish()
+        return trainer.fingerprint()
+    finally:
+        trainer.close()
+
+
 def checkpoint_fingerprint(config, step: int) -> tuple[str, dict]:
     """Fingerprint and metadata of one committed step of a job, read-only (no lease, no MLflow)."""
     import jax

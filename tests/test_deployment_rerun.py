@@ -32,6 +32,7 @@ from deployment_helpers import (
     dead,
     job_config,
     logs,
+    uninterrupted_fingerprint,
     wait_for_deployments,
 )
 
@@ -54,25 +55,6 @@ def _params(storage: Path, job: str, mlflow_uri: str) -> dict:
         "checkpoint_spec": {"every_steps": EVERY},
         "mlflow_tracking_uri": mlflow_uri,
     }
-
-
-
-def _uninterrupted_fingerprint(config) -> str:
-    """Train the job from scratch to max_steps in this process with the engine, as the flow does."""
-    from prefect_jax.training.trainer import Trainer
-
-    trainer = Trainer(config)
-    try:
-        assert trainer.restore_or_init() == 0
-        while trainer.step < config.train.max_steps:
-            trainer.train_until_checkpoint()
-        trainer.finish()
-        return trainer.fingerprint()
-    finally:
-        trainer.close()
-
-
-
 
 
 
@@ -145,7 +127,7 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     storage, job, mlflow_uri = tmp_path / "storage", "rerun", f"sqlite:///{tmp_path}/mlflow.db"
     params = _params(storage, job, mlflow_uri)
     reference = job_config(_params(tmp_path / "reference", job, mlflow_uri))
-    expected = _uninterrupted_fingerprint(reference)
+    expected = uninterrupted_fingerprint(reference)
     assert checkpoint_fingerprint(reference, MAX_STEPS)[0] == expected
 
     server.wait_healthy()

@@ -27,7 +27,17 @@ from pathlib import Path
 
 import pytest
 
-from deployment_helpers import HERE, ROOT, PrefectServerProcess, _base_env, _GroupProcess, checkpoint_fingerprint, dead, job_config
+from deployment_helpers import (
+    HERE,
+    ROOT,
+    PrefectServerProcess,
+    _base_env,
+    _GroupProcess,
+    checkpoint_fingerprint,
+    dead,
+    job_config,
+    uninterrupted_fingerprint,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,20 +55,6 @@ def _params(storage: Path, mlflow_uri: str) -> dict:
         "checkpoint_spec": {"every_steps": EVERY},
         "mlflow_tracking_uri": mlflow_uri,
     }
-
-
-def _uninterrupted_fingerprint(config) -> str:
-    from prefect_jax.training.trainer import Trainer
-
-    trainer = Trainer(config)
-    try:
-        trainer.restore_or_init()
-        while trainer.step < config.train.max_steps:
-            trainer.train_until_checkpoint()
-        trainer.finish()
-        return trainer.fingerprint()
-    finally:
-        trainer.close()
 
 
 def _until(what: str, check, timeout: float, worker: _GroupProcess, every: float = 0.05):
@@ -99,7 +95,7 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
     mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"
     params = _params(tmp_path / "storage", mlflow_uri)
     sys.path.insert(0, str(HERE))  # programs:paced, for the reference run here
-    expected = _uninterrupted_fingerprint(job_config(_params(tmp_path / "reference", f"sqlite:///{tmp_path}/reference.db")))
+    expected = uninterrupted_fingerprint(job_config(_params(tmp_path / "reference", f"sqlite:///{tmp_path}/reference.db")))
     job_dir = tmp_path / "storage" / "on-worker"
     checkpoints = str(job_dir / "checkpoints")
 
