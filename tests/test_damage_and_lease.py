@@ -168,6 +168,39 @@ def test_a_second_process_of_the_same_flow_run_waits_for_the_first_to_end(job_co
         trainer.close()
 
 
+_WAIT_IN_A_FLOW_RUN = """
+import json, os, subprocess, sys, threading, time
+from prefect_jax.tasks import _wait_for_another_process_of_this_run
+from prefect_jax.training.specs import JobConfig
+
+config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=sys.argv[1], train={"max_steps": 40})
+first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+os.makedirs(os.path.join(sys.argv[1], "tiny"))
+with open(os.path.join(sys.argv[1], "tiny", "lease.json"), "w") as f:
+    json.dump({"token": "other", "flow_run_id": os.environ["PREFECT__FLOW_RUN_ID"], "host": os.uname().nodename,
+               "pid": first.pid, "heartbeat": time.time(), "timeout_secs": 120}, f)
+threading.Timer(1.5, first.kill).start()
+started = time.monotonic()
+_wait_for_another_process_of_this_run(config)
+print(json.dumps({"waited": time.monotonic() - started, "jax": "jax" in sys.modules}))
+"""
+
+
+def test_the_restore_task_waits_for_another_process_of_its_flow_run_before_it_starts_jax(tmp_path):
+    """On a GPU the first process holds the device's memory: the second must not start JAX
+    (which takes most of it) while it waits."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PREFECT__FLOW_RUN_ID="2f0e2a3c-0000-4000-8000-000000000007")
+    proc = subprocess.run([sys.executable, "-c", _WAIT_IN_A_FLOW_RUN, str(tmp_path / "storage")],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["waited"] >= 1.4 and result["jax"] is False, result
+    assert "already trains job" in proc.stderr
+
+
 def test_a_trainer_whose_job_was_taken_over_stops_before_its_next_checkpoint(job_config):
     """Fencing: a trainer whose lease another took over (its heartbeat went stale, or a rerun of
     its flow run started elsewhere) writes no further checkpoint and leaves the lease alone."""

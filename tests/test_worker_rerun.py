@@ -146,10 +146,11 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
     for sign in ("Directory not empty", "Save failed", "lost the lease", "Traceback"):
         assert sign not in log, f"{sign!r} in the worker's log:\n{log[-8000:]}"
     assert f"already trains job {job_dir} in process {rerun['pid']}" in log
-    # The attempts follow one another (a process that waited starts its attempt when it took over).
+    # The attempts follow one another: each began restoring (took the lease) after the one before
+    # it wrote its last record (a process that waited starts its attempt's clock when its wait ended).
     attempts = read_ledger(JobStorage(str(tmp_path / "storage"), "on-worker"))["attempts"]
     for earlier, later in zip(attempts, attempts[1:]):
-        assert later["process_start"] >= earlier["updated"] - 0.5, attempts
+        assert later["process_start"] + later["seconds"]["startup"] >= earlier["updated"] - 0.5, attempts
     assert _lease(job_dir) is None  # released by the last
 
     # The same end as the uninterrupted run, and every train metric in MLflow once.

@@ -127,6 +127,19 @@ def emit(event: str, config: JobConfig, payload: dict[str, Any]) -> None:
         get_run_logger().warning("could not emit %s: %r", event, exc)
 
 
+def _wait_for_another_process_of_this_run(config: JobConfig) -> None:
+    """Before this process starts JAX: if another live process on this host trains the job for
+    this same flow run (Prefect started the run twice), wait for it to end (`Lease.wait_for_duplicate`).
+    JAX is not started meanwhile: on a GPU the other process holds the device's memory."""
+    from prefect_jax.training.lease import Lease
+    from prefect_jax.training.live import live_trainer
+    from prefect_jax.training.storage import JobStorage
+
+    run_id = _run_tags().get("prefect.flow_run_id")
+    if run_id and live_trainer(config) is None:
+        Lease(JobStorage(config.storage, config.job, config.storage_options), owner_id=run_id).wait_for_duplicate()
+
+
 def _trainer(config: JobConfig):
     from prefect_jax.training.live import get_trainer
 
@@ -364,6 +377,7 @@ def restore_or_init(
         ``{"step": int, "mlflow_run_id": str | None (None while MLflow is still opening), "checkpoint_dir": str}``
     """
     logger = get_run_logger()
+    _wait_for_another_process_of_this_run(config)
     trainer = _trainer(config)
     step = trainer.restore_or_init(
         checkpoint_path=checkpoint_path,

@@ -94,11 +94,13 @@ class GoodputLedger:
         if self.attempt is None:
             self._restore_began = time.time()
 
-    def restart_clock(self) -> None:
+    def restart_clock(self, at: float) -> None:
         """This process waited for another process of its flow run to end before it took the job
-        (see `Lease`): its attempt starts now; its start-up overlapped the other's training."""
-        if self.attempt is None:
-            self.started_at = self._restore_began = time.time()
+        (see `Lease.wait_for_duplicate`): its attempt starts at `at`, when the wait ended; what it
+        did before overlapped the other's training."""
+        if self.attempt is None:  # (a trainer made after the wait started its clock later)
+            self.started_at = max(self.started_at, at)
+            self._restore_began = max(self._restore_began or at, at)
 
     def begin(self, step: int) -> None:
         """The live state is at `step` (restored, or made by init): open this process's attempt."""

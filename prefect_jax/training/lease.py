@@ -30,17 +30,29 @@ from prefect_jax.training.storage import JobStorage
 logger = logging.getLogger("prefect_jax.lease")
 
 DUPLICATE_POLL_SECS = 1.0  # how often a second process of one flow run looks whether the first has ended
+_duplicate_wait_ended: float | None = None  # when this process last stopped waiting for another process of its flow run
+
+
+def duplicate_wait_ended() -> float | None:
+    """When this process took over from another process of its own flow run that it had waited
+    for (`Lease.wait_for_duplicate`), or None: its attempt at the job starts then."""
+    return _duplicate_wait_ended
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process `pid` exists on this host (one we may not signal counts as alive)."""
+    """Whether process `pid` exists on this host (one we may not signal counts as alive; a
+    zombie, dead but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or it ended just now
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 class Lease:
@@ -63,7 +75,6 @@ class Lease:
         self.taken_over: dict | None = None
         # The record of the trainer that took this process's lease over (see `verify`), or None.
         self.lost_to: dict | None = None
-        self.waited_for_duplicate = False  # whether `acquire` waited for another process of this flow run
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -108,9 +119,13 @@ class Lease:
             return None
         return int(pid) if process_alive(int(pid)) else None
 
-    def _wait_for_duplicate(self, current: dict | None) -> dict | None:
+    def wait_for_duplicate(self) -> dict | None:
         """While the holder is another live process of this same flow run on this host, wait for
-        it to end (or its heartbeat to go stale); return the lease as it then is."""
+        it to end (or its heartbeat to go stale); return the lease as it then is. `acquire`
+        does this first; a flow does it before it starts JAX (the other process holds the
+        accelerator). See `duplicate_wait_ended`."""
+        global _duplicate_wait_ended
+        current = self.read()
         pid = self._live_duplicate(current) if current is not None else None
         if pid is None:
             return current
@@ -126,7 +141,7 @@ class Lease:
             current = self.read()
         logger.warning("process %d ended (or went stale) after %.0fs: job %s is this process's to train",
                        pid, time.monotonic() - started, self.storage.job_dir)  # fmt: skip
-        self.waited_for_duplicate = True
+        _duplicate_wait_ended = time.time()
         return current
 
     @property
@@ -160,7 +175,7 @@ class Lease:
             self.verify()
         if self.held:
             return
-        current = self._wait_for_duplicate(self.read())
+        current = self.wait_for_duplicate()
         if current is not None:
             reason = self._stale_reason(current)
             if reason is None:

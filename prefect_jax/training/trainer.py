@@ -40,6 +40,7 @@ from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
 from prefect_jax.training.errors import NonFiniteLossError, PastMaxStepsError, Preempted
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.job import Job
+from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.compile_cache import END_FLUSH_SECS, open_compilation_cache
 from prefect_jax.training.loop import Loop, NonFiniteAt, add_progress_listener, notify_progress
 from prefect_jax.training.preemption import PreemptionGuard
@@ -148,8 +149,9 @@ class Trainer:
         if newest is not None and newest > max_steps:
             raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
         job.acquire_lease()
-        if job.lease.waited_for_duplicate:  # another process of this flow run trained meanwhile: not this attempt's time
-            job.goodput.restart_clock()
+        waited = duplicate_wait_ended()
+        if waited is not None:  # another process of this flow run trained until then: not this attempt's time
+            job.goodput.restart_clock(waited)
         self._guard.install()
         self._wait_for_compile_cache()
         loop.start_precompile()
