@@ -436,6 +436,35 @@ def gpu_markdown() -> list[str]:
     return out
 
 
+def worker_rerun_markdown(wr: dict | None) -> list[str]:
+    """`worker_rerun.py`: reruns of a deployment's flow run through a process worker and the rerun automation."""
+    if not wr or not wr.get("runs"):
+        return []
+
+    def spread(rows: list[dict], key: str) -> str:
+        values = [r[key] for r in rows]
+        return f"{sum(values) / len(values):.2f} ({min(values):.1f}-{max(values):.1f})" if values else "—"
+
+    out = ["", "## Reruns through a process worker", "",
+           f"`benchmarks/worker_rerun.py` (measured {wr.get('measured', 'in this run')}): the `train` flow deployed to a "
+           f"`process` pool (`{wr.get('program')}`, a checkpoint every {wr.get('every_steps')} steps, the job's compilation "
+           "cache), the rerun automation, `prefect worker start`; each time the run's newest process has committed a "
+           "checkpoint it is SIGKILLed 2 s later. From the kill to the rerun's process start: the worker's crash report, "
+           "the automation, the worker's next poll (`PREFECT_WORKER_QUERY_SECONDS`) and the spawn; then from the process "
+           "start to its first new step (imports, the flow run, restore, the step's cache load). `second starts`: the run "
+           "started again while a rerun of it ran (the process worker reports one SIGKILL Crashed twice, and the "
+           "automation reacts to each); that process waits for the first, before it starts JAX, and when the first is "
+           "killed it takes over at once (Prefect's start-up and the flow run already done; JAX's not): such reruns are counted apart. Mean (range), seconds.", "",
+           "| worker poll s | run | kills | kill to rerun process | rerun process to first new step | kill to first new step | second starts | reruns by a process that had waited | errors in the worker's log |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in wr["runs"]:
+        rows = r.get("reruns") or []
+        out.append(f"| {r['query_seconds']:g} | {r['state']} | {r['kills']} | {spread(rows, 'kill_to_process_s')} | "
+                   f"{spread(rows, 'process_to_first_step_s')} | {spread(rows, 'kill_to_first_step_s')} | "
+                   f"{r['second_starts']} | {sum(bool(x.get('waited_for_another')) for x in rows)} | {r['errors']} |")
+    return out
+
+
 def multiprocess_markdown(mp: dict | None) -> list[str]:
     """Two JAX processes against one (`multiprocess.py`)."""
     if not mp:
@@ -610,6 +639,7 @@ def write_markdown(report: dict, summary: dict) -> str:
                 r = restart.get(name)
                 if r:
                     out.append(_restart_row(label, r, last="—" if r.get("cache_pulled") is None else r["cache_pulled"]))
+    out += worker_rerun_markdown(report.get("worker_rerun"))
     out += goodput_markdown(report.get("goodput"), summary)
     out += goodput_samples_markdown(report.get("goodput_samples"))
     out += multiprocess_markdown(report.get("multiprocess"))

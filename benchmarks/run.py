@@ -24,7 +24,8 @@ evaluation, and, for the flow, before its end): with one interval, training spee
 
 Then: the orchestration cost per checkpoint interval (the flow against the plain loop at 1
 to 100 intervals over the same steps), goodput under preemption (`goodput.py`), the restart
-from a checkpoint (`restart.py`), two JAX processes against one (`multiprocess.py`) and the
+from a checkpoint (`restart.py`), reruns of a deployment through a process worker and the
+rerun automation (`worker_rerun.py`), two JAX processes against one (`multiprocess.py`) and the
 checkpoint cost against state size (`storage.py --scale`). Every side's whole process (`process_s`), peak RSS and the standing
 server's CPU time meanwhile are recorded too. ``--baseline DIR`` also runs the
 flow from another checkout of prefect_jax (e.g. an older commit) for a before/after table;
@@ -541,6 +542,8 @@ def main() -> None:
         report["goodput"] = run_child(goodput_cmd, base_env, "goodput")
     restart_cmd = [sys.executable, os.path.join(HERE, "restart.py"), "--program", "bench_programs:mlp"]
     report["restart"] = run_child(restart_cmd, dict(base_env, PYTHONPATH=HERE), "restart")
+    worker_cmd = [sys.executable, os.path.join(HERE, "worker_rerun.py")] + (["--kills", "2"] if args.quick else [])
+    report["worker_rerun"] = run_child(worker_cmd, base_env, "worker rerun")
     # A smoke run's numbers stay out of the committed record (benchmarks/MULTIPROCESS.json).
     multiprocess_cmd = [sys.executable, os.path.join(HERE, "multiprocess.py")] + (
         ["--steps", "600", "--rounds", "1", "--out", os.path.join(work, "multiprocess.json")] if args.quick else [])

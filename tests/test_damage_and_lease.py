@@ -161,6 +161,7 @@ def test_a_second_process_of_the_same_flow_run_waits_for_the_first_to_end(job_co
         assert json.load(open(path))["pid"] == os.getpid()
         # Its attempt starts when it took the job: its wait overlapped the first process's training.
         assert trainer.job.goodput.attempt["seconds"]["startup"] < 0.5
+        assert trainer.job.goodput.attempt["waited_for_another_process"] is True
         trainer.train_until_checkpoint()
         assert trainer.step == 20
     finally:

@@ -21,6 +21,10 @@ Phases of an attempt (seconds):
 - ``between_attempts``: from an attempt's last record to the next attempt's process start:
   work done after the last checkpoint of a killed process, its exit, and the wait for a rerun.
 
+A process that waited for another process of its own flow run to end (Prefect started the run
+twice; see `prefect_jax.training.lease`) starts its attempt's clock when the wait ended, and its
+entry says ``waited_for_another_process``: what it did before overlapped the other's training.
+
 ``goodput = kept train seconds / wall seconds`` from the first attempt's process start to the
 last record. A job is not waiting while it is finished: the time between an attempt that
 finished and the next (a rerun with a larger ``max_steps``, days later) is neither wall nor
@@ -87,6 +91,7 @@ class GoodputLedger:
         self.attempt: dict[str, Any] | None = None
         self._restore_began: float | None = None
         self._earlier: list[dict[str, Any]] | None = None  # the attempts before this one, as read at its first write
+        self._waited = False  # this process waited for another process of its flow run first (`restart_clock`)
 
     # -- the attempt's clock ------------------------------------------------------------------
 
@@ -101,6 +106,7 @@ class GoodputLedger:
         if self.attempt is None:  # (a trainer made after the wait started its clock later)
             self.started_at = max(self.started_at, at)
             self._restore_began = max(self._restore_began or at, at)
+            self._waited = True
 
     def begin(self, step: int) -> None:
         """The live state is at `step` (restored, or made by init): open this process's attempt."""
@@ -120,6 +126,7 @@ class GoodputLedger:
             "ended": None,
             "seconds": {"startup": max(0.0, began - self.started_at), "restore": now - began},
             "tail": [[int(step), 0.0]],
+            **({"waited_for_another_process": True} if self._waited else {}),
         }
         self._write()
 
