@@ -449,19 +449,22 @@ def worker_rerun_markdown(wr: dict | None) -> list[str]:
            f"`benchmarks/worker_rerun.py` (measured {wr.get('measured', 'in this run')}): the `train` flow deployed to a "
            f"`process` pool (`{wr.get('program')}`, a checkpoint every {wr.get('every_steps')} steps, the job's compilation "
            "cache), the rerun automation, `prefect worker start`; each time the run's newest process has committed a "
-           "checkpoint it is SIGKILLed 2 s later. From the kill to the rerun's process start: the worker's crash report, "
-           "the automation, the worker's next poll (`PREFECT_WORKER_QUERY_SECONDS`) and the spawn; then from the process "
-           "start to its first new step (imports, the flow run, restore, the step's cache load). `second starts`: the run "
-           "started again while a rerun of it ran (the process worker reports one SIGKILL Crashed twice, and the "
-           "automation reacts to each); that process waits for the first, before it starts JAX, and when the first is "
-           "killed it takes over at once (Prefect's start-up and the flow run already done; JAX's not): such reruns are counted apart. Mean (range), seconds.", "",
-           "| worker poll s | run | kills | kill to rerun process | rerun process to first new step | kill to first new step | second starts | reruns by a process that had waited | errors in the worker's log |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "checkpoint it is SIGKILLed 2 s later. A fresh rerun: from the kill to its process start (the worker's crash "
+           "report, the automation, the worker's next poll, `PREFECT_WORKER_QUERY_SECONDS`, and the spawn), then from "
+           "its start to its first new step (imports, the flow run, restore, the step's cache load). The process worker "
+           "reports one SIGKILL Crashed twice and the automation reacts to each, so the run can be started a second time "
+           "while a rerun of it runs: that process waits for the first, before it starts JAX (`waits logged`), and when "
+           "the first is killed it takes over with Prefect's start-up and the flow run already done: those reruns are "
+           "in their own column, from the kill to their first new step. Mean (range), seconds.", "",
+           "| worker poll s | run | kills | fresh reruns | kill to process | process to first new step | kill to first new step | reruns by a waiting process: kill to first new step | waits logged | errors in the worker's log |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in wr["runs"]:
         rows = r.get("reruns") or []
-        out.append(f"| {r['query_seconds']:g} | {r['state']} | {r['kills']} | {spread(rows, 'kill_to_process_s')} | "
-                   f"{spread(rows, 'process_to_first_step_s')} | {spread(rows, 'kill_to_first_step_s')} | "
-                   f"{r['second_starts']} | {sum(bool(x.get('waited_for_another')) for x in rows)} | {r['errors']} |")
+        fresh = [x for x in rows if not x.get("waited_for_another")]
+        waited = [x for x in rows if x.get("waited_for_another")]
+        out.append(f"| {r['query_seconds']:g} | {r['state']} | {r['kills']} | {len(fresh)} | {spread(fresh, 'kill_to_process_s')} | "
+                   f"{spread(fresh, 'process_to_first_step_s')} | {spread(fresh, 'kill_to_first_step_s')} | "
+                   f"{spread(waited, 'kill_to_first_step_s') if waited else '—'} | {r['second_starts']} | {r['errors']} |")
     return out
 
 

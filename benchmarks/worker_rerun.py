@@ -13,9 +13,11 @@ lets the run finish. For each worker poll period (``PREFECT_WORKER_QUERY_SECONDS
 - ``process_to_first_step_s``: from the process start to the end of its first new step
   (imports, the flow run, restore, the step's cache load), from the job's goodput ledger;
 - ``kill_to_first_step_s``: the two together: what a preemption costs beyond the lost steps;
-- ``second_starts``: how often the run was started again while a rerun of it ran (Prefect's
-  process worker reports one SIGKILL Crashed twice, and the automation reacts to each): that
-  process waits for the first (the job's lease) and logs "already trains job"; ``errors``
+- ``second_starts``: the "already trains job" lines in the worker's log: a process of the run
+  started while a rerun of it ran (Prefect's process worker reports one SIGKILL Crashed twice,
+  and the automation reacts to each) waits for the first, and logs it (once before it starts
+  JAX, again if it waits once more for the lease); a rerun by such a process is marked
+  ``waited_for_another`` (its ``kill_to_process_s`` runs to the end of its wait); ``errors``
   counts ERROR lines in the worker's log (two processes writing one job showed there).
 
     uv run python benchmarks/worker_rerun.py [--query-seconds 10,2] [--kills 4]

@@ -147,8 +147,8 @@ def test_a_second_process_of_the_same_flow_run_waits_for_the_first_to_end(job_co
         first.kill()
         first.wait()
 
-    threading.Thread(target=end_the_first, daemon=True).start()
     trainer = Trainer(config, run_tags={"prefect.flow_run_id": "run-7"})
+    threading.Thread(target=end_the_first, daemon=True).start()
     started = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING):
@@ -214,7 +214,7 @@ def test_a_trainer_whose_job_was_taken_over_stops_before_its_next_checkpoint(job
     trainer.job.wait_committed()
     assert committed_steps(_ckpt_dir(config)) == [20]
     path = _write_lease(config, token="new-holder", flow_run_id="run-9", host="another-host", pid=4242)
-    with pytest.raises(LeaseLostError, match=r"taken over by another trainer \(flow_run_id=run-9, host=another-host, pid=4242\)"):
+    with pytest.raises(LeaseLostError, match=r"another trainer took it over \(flow_run_id=run-9, host=another-host, pid=4242\)"):
         trainer.train_until_checkpoint()
     trainer.job.wait_committed()
     assert committed_steps(_ckpt_dir(config)) == [20]
@@ -236,9 +236,16 @@ def test_the_heartbeat_notices_a_takeover(job_config):
     while trainer.lease.lost_to is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert trainer.lease.lost_to["token"] == "new-holder" and not trainer.lease.held
+    ledger = os.path.join(config.storage, config.job, "goodput.json")
+    before = open(ledger).read()
     with pytest.raises(LeaseLostError):
         trainer.train_until_checkpoint()
+    with pytest.raises(LeaseLostError):  # nor is the job this process's to call finished
+        trainer.finish()
+    trainer.job.goodput.end("failed")
+    assert not trainer.job.tracker.enabled  # the MLflow run is the new holder's
     trainer.close()
+    assert open(ledger).read() == before  # nor its goodput ledger
 
 
 def test_heartbeat_keeps_the_lease_fresh(job_config):

@@ -137,7 +137,8 @@ def _wait_for_another_process_of_this_run(config: JobConfig) -> None:
 
     run_id = _run_tags().get("prefect.flow_run_id")
     if run_id and live_trainer(config) is None:
-        Lease(JobStorage(config.storage, config.job, config.storage_options), owner_id=run_id).wait_for_duplicate()
+        storage = JobStorage(config.storage, config.job, config.storage_options)
+        Lease(storage, owner_id=run_id, timeout_secs=config.train.lease_timeout_secs).wait_for_duplicate()
 
 
 def _trainer(config: JobConfig):

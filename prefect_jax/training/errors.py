@@ -38,14 +38,15 @@ class LeaseLostError(LeaseHeldError):
     """Another trainer took this job's lease over while this process trained it: this process
     stops before its next write, so that one trainer writes the job."""
 
-    def __init__(self, job_dir: str, owner: dict):
+    def __init__(self, job_dir: str, owner: dict, why: str | None = None):
         self.owner = owner
         who = ", ".join(f"{k}={owner.get(k)}" for k in ("flow_run_id", "host", "pid") if owner.get(k) is not None)
+        why = why or (f"another trainer took it over ({who})" if who else "its lease file is gone (another trainer took it and ended)")
         RuntimeError.__init__(
             self,
-            f"job {job_dir} was taken over by another trainer ({who or 'its lease file is gone'}) while this process "
-            "trained it: this process stopped before its next checkpoint and leaves the job to that trainer, which "
-            "resumes from the newest committed step. A lease is taken over when its heartbeat is older than "
+            f"job {job_dir} is no longer this process's to train: {why}"
+            + " while this process trained it. This process stopped before its next write and leaves the job to "
+            "that trainer, which resumes from the newest committed step. A lease is taken over when its heartbeat is older than "
             "lease_timeout_secs (the storage was unreachable or the process stalled that long), or by a rerun of the "
             "same flow run on another machine; that trainer's run shows the job's progress.",
         )

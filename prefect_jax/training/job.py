@@ -30,9 +30,10 @@ from typing import Any, Callable
 
 from prefect_jax.training import control
 from prefect_jax.training.checkpoints import Checkpoints, CorruptCheckpointError, is_committed, step_dirs
-from prefect_jax.training.cluster import barrier, process_count, process_index
+from prefect_jax.training.cluster import barrier, from_primary, process_count, process_index
 from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
+from prefect_jax.training.errors import LeaseLostError
 from prefect_jax.training.lease import Lease
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
@@ -82,6 +83,7 @@ class Job:
         self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir, enabled=self.is_primary)
         self.lease = Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
         self.goodput = GoodputLedger(self.storage, enabled=self.is_primary)
+        self.lease.on_lost = self._lease_lost
         self.commit_listeners: list[Callable[[int], None]] = []
         self._announcers: list[threading.Thread] = []
         self._noted_takeover: str | None = None  # the lease token of the dead holder already recorded in MLflow
@@ -235,10 +237,26 @@ class Job:
             self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
             self.lease.acquire()
 
-    def verify_lease(self) -> None:
-        """Before a checkpoint: raise `LeaseLostError` if another trainer took the job over."""
+    def _lease_lost(self, holder: dict) -> None:
+        """Another trainer holds the job now: from here on this process writes none of its records
+        (goodput ledger, MLflow run: the new holder's), whatever path it ends by."""
+        self.goodput.enabled = False
+        self.tracker.enabled = False
+
+    def verify_lease(self, collective: bool = False) -> None:
+        """Before a write: raise `LeaseLostError` if another trainer took the job over. Process 0
+        holds the lease; `collective` (every process calls it at the same point, as before a
+        checkpoint, which they write together): every process raises with it."""
+        lost: LeaseLostError | None = None
         if self.is_primary:
-            self.lease.verify()
+            try:
+                self.lease.verify()
+            except LeaseLostError as exc:
+                lost = exc
+        if collective and self.processes > 1 and from_primary(lost is not None) and lost is None:
+            lost = LeaseLostError(redact_url(self.storage.job_dir), {}, why="process 0 of this job lost its lease")
+        if lost is not None:
+            raise lost
 
     def stop_requested(self) -> dict | None:
         """A durable stop request of this job (early stopping, or a person), if any."""

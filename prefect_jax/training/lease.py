@@ -23,20 +23,23 @@ import socket
 import threading
 import time
 import uuid
+from typing import Callable
 
 from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
+from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.lease")
 
 DUPLICATE_POLL_SECS = 1.0  # how often a second process of one flow run looks whether the first has ended
-_duplicate_wait_ended: float | None = None  # when this process last stopped waiting for another process of its flow run
+_duplicate_wait_ended: dict[str, float] = {}  # job dir: when this process stopped waiting for another of its flow run
 
 
-def duplicate_wait_ended() -> float | None:
-    """When this process took over from another process of its own flow run that it had waited
-    for (`Lease.wait_for_duplicate`), or None: its attempt at the job starts then."""
-    return _duplicate_wait_ended
+def duplicate_wait_ended(job_dir: str) -> float | None:
+    """When this process stopped waiting for another process of its own flow run to end its
+    training of the job at `job_dir` (`Lease.wait_for_duplicate`), or None; told once: this
+    process's attempt at the job starts then."""
+    return _duplicate_wait_ended.pop(job_dir, None)
 
 
 def process_alive(pid: int) -> bool:
@@ -47,7 +50,7 @@ def process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        pass
+        return True  # (another user's: /proc may hide its state)
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -75,6 +78,7 @@ class Lease:
         self.taken_over: dict | None = None
         # The record of the trainer that took this process's lease over (see `verify`), or None.
         self.lost_to: dict | None = None
+        self.on_lost: Callable[[dict], None] | None = None  # called once, with the new holder's record, when lost
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -124,7 +128,6 @@ class Lease:
         it to end (or its heartbeat to go stale); return the lease as it then is. `acquire`
         does this first; a flow does it before it starts JAX (the other process holds the
         accelerator). See `duplicate_wait_ended`."""
-        global _duplicate_wait_ended
         current = self.read()
         pid = self._live_duplicate(current) if current is not None else None
         if pid is None:
@@ -133,15 +136,15 @@ class Lease:
             "flow run %s already trains job %s in process %d on this host: Prefect started this flow run twice "
             "(a crash reported twice makes a rerun automation rerun it twice). Waiting for process %d to end, "
             "so that one process trains the job; this one then resumes from the newest committed step.",
-            self.owner_id, self.storage.job_dir, pid, pid,
+            self.owner_id, redact_url(self.storage.job_dir), pid, pid,
         )  # fmt: skip
         started = time.monotonic()
         while current is not None and self._live_duplicate(current) is not None:
             time.sleep(DUPLICATE_POLL_SECS)
             current = self.read()
         logger.warning("process %d ended (or went stale) after %.0fs: job %s is this process's to train",
-                       pid, time.monotonic() - started, self.storage.job_dir)  # fmt: skip
-        _duplicate_wait_ended = time.time()
+                       pid, time.monotonic() - started, redact_url(self.storage.job_dir))  # fmt: skip
+        _duplicate_wait_ended[self.storage.job_dir] = time.time()
         return current
 
     @property
@@ -155,18 +158,26 @@ class Lease:
         if self.lost_to is None:
             if not self.held:
                 return
-            current = self.read()
+            try:
+                current = self.read()
+            except Exception as exc:  # noqa: BLE001 - storage unreachable for a moment: the heartbeat goes on looking
+                logger.warning("could not read the lease of %s before a checkpoint (%s): going on",
+                               redact_url(self.storage.job_dir), type(exc).__name__)  # fmt: skip
+                return
             if current is not None and current.get("token") == self.token:
                 return
             self._lose(current or {})
-        raise LeaseLostError(self.storage.job_dir, self.lost_to or {})
+        raise LeaseLostError(redact_url(self.storage.job_dir), self.lost_to or {})
 
     def _lose(self, current: dict) -> None:
-        if self.lost_to is None:
-            logger.error("lost the lease of %s to %s", self.storage.job_dir, current or "nobody (lease file gone)")
+        first = self.lost_to is None
+        if first:
+            logger.error("lost the lease of %s to %s", redact_url(self.storage.job_dir), current or "nobody (its lease file is gone)")
         self.lost_to = current
         self.token = None
         self._stop.set()
+        if first and self.on_lost is not None:
+            self.on_lost(current)
 
     def acquire(self) -> None:
         """Take the lease, or raise LeaseHeldError naming the live owner (`LeaseLostError` once
@@ -197,8 +208,11 @@ class Lease:
         while not self._stop.wait(interval):
             try:
                 current = self.read()
-                if (not current or current.get("token") != self.token) and not self._stop.is_set():
-                    self._lose(current or {})  # the next checkpoint's `verify` stops training
+                if not current or current.get("token") != self.token:
+                    if not self._stop.is_set():  # (set: released meanwhile; the lease is not ours to write)
+                        self._lose(current or {})  # the next checkpoint's `verify` stops training
+                    return
+                if self._stop.is_set():
                     return
                 self.storage.write_json(self.path, self._record())
             except Exception:  # noqa: BLE001 - a missed beat is retried on the next one

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prefect_jax.training.errors import LeaseLostError
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.storage import JobStorage
 
@@ -59,6 +60,10 @@ def finish_live(config: JobConfig, status: str) -> bool:
     # Never touch a job another trainer holds. A process other than process 0 of several holds
     # no lease: it finishes its own part (its saves in flight, its SIGTERM guard).
     if trainer is None or (trainer.job.is_primary and not trainer.lease.held):
+        return False
+    try:
+        trainer.job.verify_lease()  # held, as far as this process knew: still?
+    except LeaseLostError:
         return False
     trainer.finish(status)
     return True

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -37,7 +38,7 @@ from prefect_jax.training.checkpoints import CorruptCheckpointError, state_finge
 from prefect_jax.training.cluster import any_process, from_primary
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
-from prefect_jax.training.errors import NonFiniteLossError, PastMaxStepsError, Preempted
+from prefect_jax.training.errors import LeaseLostError, NonFiniteLossError, PastMaxStepsError, Preempted
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.job import Job
 from prefect_jax.training.lease import duplicate_wait_ended
@@ -149,7 +150,7 @@ class Trainer:
         if newest is not None and newest > max_steps:
             raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
         job.acquire_lease()
-        waited = duplicate_wait_ended()
+        waited = duplicate_wait_ended(job.storage.job_dir)
         if waited is not None:  # another process of this flow run trained until then: not this attempt's time
             job.goodput.restart_clock(waited)
         self._guard.install()
@@ -235,7 +236,8 @@ class Trainer:
                         first[0] = False
                         self._compile_cache.push_async()
                     due = every_secs is not None and time.monotonic() - self._last_save >= every_secs
-                    return notice.requested or due
+                    lost = self.job.processes == 1 and self.lease.lost_to is not None  # (the save raises it)
+                    return notice.requested or due or lost
 
                 started = time.perf_counter()
                 try:
@@ -294,7 +296,7 @@ class Trainer:
         this step commits but before they reach MLflow has them logged by the rerun that
         restores this step (nothing is logged twice).
         """
-        self.job.verify_lease()  # one writer: a trainer whose job was taken over stops here
+        self.job.verify_lease(collective=True)  # one writer: a trainer whose job was taken over stops here
         train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
         meta = {
             "program": self.config.program,
@@ -319,6 +321,8 @@ class Trainer:
         export, between tasks), within `sigterm_grace_secs`; say which step is the newest
         committed one; close the MLflow run KILLED, free the lease, forward the signal."""
         grace, started = self.config.train.sigterm_grace_secs, time.monotonic()
+        with contextlib.suppress(LeaseLostError):  # taken over: the job's records are not this process's to write
+            self.job.verify_lease()
         if rows is not None:
             logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
             every, max_steps = self.config.checkpoint.every_steps, self.config.train.max_steps
@@ -435,6 +439,7 @@ class Trainer:
             return missing
         if not self.job.is_primary:
             return result
+        self.job.verify_lease()  # a trainer whose job was taken over records nothing more
         # Unless a crash came between this log and the record below, in an earlier attempt.
         self._log_eval(result)
         self.records.put(result)
@@ -527,6 +532,7 @@ class Trainer:
         written: dict[str, str] = {}
         if not exp.is_recorded(result) or not self.job.is_primary:
             return written
+        self.job.verify_lease()  # a trainer whose job was taken over exports nothing more
         model: list[bytes] = []
 
         def make_model() -> bytes:
@@ -610,6 +616,8 @@ class Trainer:
     def finish(self, status: str = "FINISHED") -> None:
         """Wait for pending saves, close the MLflow run with `status`, release the lease."""
         try:
+            if status == "FINISHED":
+                self.job.verify_lease()  # a job taken over is not this process's to call finished
             self._flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)  # KILLED: SIGTERM's handler waited
             if self.job.goodput.attempt is not None:
                 self.job.wait_committed()
