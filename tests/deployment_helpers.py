@@ -180,11 +180,9 @@ MODES = {"serve": serve, "serve-roles": serve_roles}
 
 def dead(pid: int) -> bool:
     """Gone, or a zombie (a child whose parent has not reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    from prefect_jax.training.lease import process_alive
+
+    return not process_alive(pid)
 
 
 def logs(*procs: _GroupProcess, chars: int = 6000) -> str:

@@ -31,6 +31,7 @@ from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.lease")
 
+_SAME_RUN = "same flow run (a retry)"  # why a lease is taken over from a retry of its own flow run
 DUPLICATE_POLL_SECS = 1.0  # how often a second process of one flow run looks whether the first has ended
 _duplicate_wait_ended: dict[str, float] = {}  # job dir: when this process stopped waiting for another of its flow run
 
@@ -109,19 +110,16 @@ class Lease:
             if pid == os.getpid() and current.get("token") != self.token:
                 return "left by this process"
         if self.owner_id and current.get("flow_run_id") == self.owner_id:
-            return "same flow run (a retry)"
+            return _SAME_RUN
         return None
 
     def _live_duplicate(self, current: dict) -> int | None:
         """The pid of the holder when it is another live process on this host running the same
-        flow run as this one (Prefect started the flow run twice), else None."""
-        if not self.owner_id or current.get("flow_run_id") != self.owner_id or current.get("host") != socket.gethostname():
-            return None
+        flow run as this one (Prefect started the flow run twice), else None: on this host, a
+        holder that `_stale_reason` finds stale only as "the same flow run" is alive."""
         pid = current.get("pid")
-        age = time.time() - float(current.get("heartbeat", 0))
-        if pid is None or int(pid) == os.getpid() or age > float(current.get("timeout_secs", self.timeout_secs)):
-            return None
-        return int(pid) if process_alive(int(pid)) else None
+        elsewhere = current.get("host") != socket.gethostname() or pid is None or int(pid) == os.getpid()
+        return None if elsewhere or self._stale_reason(current) != _SAME_RUN else int(pid)
 
     def wait_for_duplicate(self) -> dict | None:
         """While the holder is another live process of this same flow run on this host, wait for
