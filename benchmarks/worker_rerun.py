@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from deployment_helpers import PrefectServerProcess, _base_env, _GroupProcess  # noqa: E402
+from deployment_helpers import PrefectServerProcess, trainer_on_process_worker  # noqa: E402
 
 EVERY = 500
 
@@ -65,10 +65,6 @@ def _first_step_at(attempt: dict) -> float:
 def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> dict:
     """One flow run on a worker polling every `query_seconds`, killed `kills` times."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-
-    from prefect_jax.deployments.automations import create_rerun_automation
-    from prefect_jax.flows import train
 
     storage = work / f"storage-{pool}"
     job_dir = storage / "bench"
@@ -77,16 +73,10 @@ def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> 
         "train_spec": {"max_steps": EVERY * (kills + 2)}, "checkpoint_spec": {"every_steps": EVERY},
         "mlflow_tracking_uri": f"sqlite:///{work}/mlflow-{pool}.db", "compilation_cache_dir": "job",
     }  # fmt: skip
-    with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-    deployment_id = train.from_source(source=str(ROOT), entrypoint="prefect_jax/flows/__init__.py:train").deploy(
-        name=f"bench-{pool}", work_pool_name=pool, parameters=params, build=False, push=False, print_next_steps=False
-    )
-    create_rerun_automation(f"train/bench-{pool}")
-    env = _base_env(PREFECT_HOME=str(work / f"worker-{pool}"), PREFECT_API_URL=api, PREFECT_LOGGING_LEVEL="INFO",
-                    PREFECT_WORKER_QUERY_SECONDS=query_seconds, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]))  # fmt: skip
-    env.pop("PREFECT_JAX_MLFLOW_STRICT", None)  # as users run it
-    worker = _GroupProcess([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool], env, work / f"worker-{pool}.log")
+    deployment_id, worker = trainer_on_process_worker(
+        api, pool, f"bench-{pool}", params, work / f"worker-{pool}", work / f"worker-{pool}.log", query_seconds=query_seconds,
+        paths=[str(HERE)], PREFECT_JAX_MLFLOW_STRICT=None,  # not strict, as users run it
+    )  # fmt: skip
     try:
         with get_client(sync_client=True) as client:
             run = client.create_flow_run_from_deployment(deployment_id)

@@ -151,6 +151,31 @@ class ServeProcess(_GroupProcess):
         super().__init__([sys.executable, str(Path(__file__).resolve()), mode], env, log)
 
 
+def trainer_on_process_worker(api_url: str, pool: str, name: str, params: dict, home: Path, log: Path, query_seconds: str,
+                              paths: list[str], **extra_env: str):
+    """The README's deployment of the trainer: a ``process`` work pool `pool`, the `train` flow
+    of this checkout deployed to it as ``train/<name>`` with `params`, the rerun automation for
+    it, and ``prefect worker start --pool <pool>`` polling every `query_seconds` (PYTHONPATH:
+    `paths`, then this checkout). The caller's Prefect settings name `api_url`. Returns the
+    deployment id and the worker (stop it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from prefect_jax.deployments.automations import create_rerun_automation
+    from prefect_jax.flows import train
+
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    deployment_id = train.from_source(source=str(ROOT), entrypoint="prefect_jax/flows/__init__.py:train").deploy(
+        name=name, work_pool_name=pool, parameters=params, build=False, push=False, print_next_steps=False
+    )
+    create_rerun_automation(f"train/{name}")
+    env = _base_env(PREFECT_HOME=str(home), PREFECT_API_URL=api_url, PREFECT_LOGGING_LEVEL="INFO",
+                    PREFECT_WORKER_QUERY_SECONDS=query_seconds, PYTHONPATH=os.pathsep.join([*paths, str(ROOT)]), **extra_env)  # fmt: skip
+    env = {k: v for k, v in env.items() if v is not None}
+    return deployment_id, _GroupProcess([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool], env, log)
+
+
 def serve(name: str = DEPLOYMENT) -> None:
     from prefect_jax.flows import train_and_evaluate
 

@@ -29,13 +29,12 @@ import pytest
 
 from deployment_helpers import (
     HERE,
-    ROOT,
     PrefectServerProcess,
-    _base_env,
     _GroupProcess,
     checkpoint_fingerprint,
     dead,
     job_config,
+    trainer_on_process_worker,
     uninterrupted_fingerprint,
 )
 
@@ -80,12 +79,9 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
     import psutil
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import AwaitingRetry
 
-    from prefect_jax.deployments.automations import create_rerun_automation
-    from prefect_jax.flows import train
     from prefect_jax.training.checkpoints import committed_steps
     from prefect_jax.training.goodput import read_ledger
     from prefect_jax.training.storage import JobStorage
@@ -101,16 +97,10 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
 
     server.wait_healthy()
     with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name="cpu", type="process"))
-        deployment_id = train.from_source(source=str(ROOT), entrypoint="prefect_jax/flows/__init__.py:train").deploy(
-            name="trainer-on-worker", work_pool_name="cpu", parameters=params, build=False, push=False, print_next_steps=False,
+        deployment_id, worker = trainer_on_process_worker(
+            server.api_url, "cpu", "trainer-on-worker", params, tmp_path / "worker-home", tmp_path / "worker.log",
+            query_seconds="1", paths=[str(HERE)],
         )  # fmt: skip
-        create_rerun_automation("train/trainer-on-worker")
-        env = _base_env(
-            PREFECT_HOME=str(tmp_path / "worker-home"), PREFECT_API_URL=server.api_url, PREFECT_LOGGING_LEVEL="INFO",
-            PREFECT_WORKER_QUERY_SECONDS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]),
-        )  # fmt: skip
-        worker = _GroupProcess([sys.executable, "-m", "prefect", "worker", "start", "--pool", "cpu"], env, tmp_path / "worker.log")
         processes.append(worker)
         run = client.create_flow_run_from_deployment(deployment_id)
 
