@@ -321,13 +321,13 @@ class Trainer:
         export, between tasks), within `sigterm_grace_secs`; say which step is the newest
         committed one; close the MLflow run KILLED, free the lease, forward the signal."""
         grace, started = self.config.train.sigterm_grace_secs, time.monotonic()
-        with contextlib.suppress(LeaseLostError):  # taken over: the job's records are not this process's to write
-            self.job.verify_lease()
         if rows is not None:
             logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
             every, max_steps = self.config.checkpoint.every_steps, self.config.train.max_steps
-            self.save(rows, preemption=self.step < max_steps and not (every and self.step % every == 0))
+            self.save(rows, preemption=self.step < max_steps and not (every and self.step % every == 0))  # checks the lease
         else:
+            with contextlib.suppress(LeaseLostError):  # taken over: the job's records below are not this process's to write
+                self.job.verify_lease()
             logger.warning("SIGTERM at step %s (between checkpoints): letting its checkpoint commit (grace %.0fs)", self.step, grace)
         committed = _within(self.job.wait_committed, grace) and self.step in self.job.committed_steps()
         if self._compile_cache is not None:  # what this attempt compiled, for the rerun (on another node)
