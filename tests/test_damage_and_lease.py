@@ -169,37 +169,100 @@ def test_a_second_process_of_the_same_flow_run_waits_for_the_first_to_end(job_co
         trainer.close()
 
 
-_WAIT_IN_A_FLOW_RUN = """
+_LEASE_IN_A_FLOW_RUN = """
 import json, os, subprocess, sys, threading, time
-from prefect_jax.tasks import _wait_for_another_process_of_this_run
+from prefect_jax.tasks import _take_the_lease_before_jax, _trainer, _trainer_holding_the_lease
 from prefect_jax.training.specs import JobConfig
 
-config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=sys.argv[1], train={"max_steps": 40})
+storage, out = sys.argv[1], {}
+config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=storage, train={"max_steps": 40})
+lease_file = os.path.join(storage, "tiny", "lease.json")
 first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-os.makedirs(os.path.join(sys.argv[1], "tiny"))
-with open(os.path.join(sys.argv[1], "tiny", "lease.json"), "w") as f:
+os.makedirs(os.path.dirname(lease_file))
+with open(lease_file, "w") as f:
     json.dump({"token": "other", "flow_run_id": os.environ["PREFECT__FLOW_RUN_ID"], "host": os.uname().nodename,
                "pid": first.pid, "heartbeat": time.time(), "timeout_secs": 120}, f)
 threading.Timer(1.5, first.kill).start()
 started = time.monotonic()
-_wait_for_another_process_of_this_run(config)
-print(json.dumps({"waited": time.monotonic() - started, "jax": "jax" in sys.modules}))
+lease = _take_the_lease_before_jax(config)
+out.update(waited=time.monotonic() - started, jax=[m for m in ("jax", "jaxlib") if m in sys.modules],
+           holder=json.load(open(lease_file))["pid"], me=os.getpid())
+trainer = _trainer(config)
+out["adopted"] = trainer.lease is lease
+out["step"] = trainer.restore_or_init()
+out["taken_over"] = trainer.lease.taken_over["reason"]
+trainer.train_until_checkpoint()
+trainer.finish()
+trainer.close()
+out["released"] = not os.path.exists(lease_file)
+
+bad = config.model_copy(update={"job": "bad", "program": "prefect_jax.examples.digits:no_such_program"})
+try:
+    _trainer_holding_the_lease(bad)
+except Exception as exc:
+    out["bad"] = type(exc).__name__
+out["bad_released"] = not os.path.exists(os.path.join(storage, "bad", "lease.json"))
+print(json.dumps(out))
 """
 
 
-def test_the_restore_task_waits_for_another_process_of_its_flow_run_before_it_starts_jax(tmp_path):
-    """On a GPU the first process holds the device's memory: the second must not start JAX
-    (which takes most of it) while it waits."""
+def test_the_restore_task_takes_the_lease_before_it_starts_jax(tmp_path):
+    """In a flow run the lease is taken before JAX starts: a second process of the same flow run
+    (Prefect started it twice) waits before its own JAX start, which on a GPU would take the
+    device memory the first needs, whether it comes while the first trains or while it is still
+    starting up. Here a live process of the same run holds the job: the restore task's process
+    waits for it without starting JAX, takes the lease, and its trainer adopts that lease; a
+    trainer that cannot be made gives back a lease so taken."""
     import subprocess
     import sys
 
     env = dict(os.environ, PREFECT__FLOW_RUN_ID="2f0e2a3c-0000-4000-8000-000000000007")
-    proc = subprocess.run([sys.executable, "-c", _WAIT_IN_A_FLOW_RUN, str(tmp_path / "storage")],
-                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _LEASE_IN_A_FLOW_RUN, str(tmp_path / "storage")],
+                          capture_output=True, text=True, env=env, timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["waited"] >= 1.4 and result["jax"] is False, result
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["waited"] >= 1.4 and out["jax"] == [], out
     assert "already trains job" in proc.stderr
+    assert out["holder"] == out["me"], out  # held before JAX started
+    assert out["adopted"] is True and out["step"] == 0, out
+    assert out["taken_over"].endswith("on this host is gone"), out
+    assert out["released"] is True, out
+    assert out["bad"] is not None and out["bad_released"] is True, out
+
+
+_START = """
+import json, os, sys, time
+from prefect_jax.tasks import _take_the_lease_before_jax
+from prefect_jax.training.specs import JobConfig
+
+config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=sys.argv[1], train={"max_steps": 40})
+started = time.monotonic()
+_take_the_lease_before_jax(config)
+print(json.dumps({"waited": time.monotonic() - started, "jax": "jax" in sys.modules}), flush=True)
+time.sleep(float(sys.argv[2]))  # as its JAX start-up; then it ends (SIGKILLed, say) without releasing
+"""
+
+
+def test_a_second_start_of_a_flow_run_during_the_firsts_start_up_waits_before_jax(job_config, tmp_path):
+    """The double start Prefect makes of one rerun: the second process comes while the first is
+    still starting up (the dead attempt's lease is on the job). The first takes the lease, and the
+    second waits for it, not starting JAX, until the first is gone."""
+    import subprocess
+    import sys
+
+    config = job_config()
+    _write_lease(config, flow_run_id="2f0e2a3c-0000-4000-8000-000000000007", pid=2**22 + 1)  # the SIGKILLed attempt
+    env = dict(os.environ, PREFECT__FLOW_RUN_ID="2f0e2a3c-0000-4000-8000-000000000007")
+    args = [sys.executable, "-c", _START, config.storage]
+    first = subprocess.Popen(args + ["3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    took = json.loads(first.stdout.readline())  # the first holds the job now
+    second = subprocess.run(args + ["0"], env=env, capture_output=True, text=True, timeout=120)
+    first.wait(timeout=60)
+    assert took == {"waited": took["waited"], "jax": False} and took["waited"] < 1.0, took
+    assert second.returncode == 0, second.stderr[-3000:]
+    out = json.loads(second.stdout.strip().splitlines()[-1])
+    assert out["jax"] is False and out["waited"] >= 1.0, out
+    assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in second.stderr
 
 
 def test_a_trainer_whose_job_was_taken_over_stops_before_its_next_checkpoint(job_config):

@@ -127,18 +127,44 @@ def emit(event: str, config: JobConfig, payload: dict[str, Any]) -> None:
         get_run_logger().warning("could not emit %s: %r", event, exc)
 
 
-def _wait_for_another_process_of_this_run(config: JobConfig) -> None:
-    """Before this process starts JAX: if another live process on this host trains the job for
-    this same flow run (Prefect started the run twice), wait for it to end (`Lease.wait_for_duplicate`).
-    JAX is not started meanwhile: on a GPU the other process holds the device's memory."""
-    from prefect_jax.training.lease import Lease
+def _take_the_lease_before_jax(config: JobConfig):
+    """Before this process starts JAX, in a flow run of one JAX process: take the job's lease
+    (`lease.take_early`; the trainer made next adopts it) and return it, or None (no flow run, a
+    trainer of the job is live here already, or the job has several JAX processes, whose process
+    0 takes it once JAX has joined them). If another live process on this host trains the job for
+    this same flow run (Prefect started the run twice), this waits for it to end first
+    (`Lease.wait_for_duplicate`), without JAX: on a GPU that process holds the device's memory.
+    Taken this early, the lease also makes a second start of this flow run that comes while this
+    process is still starting up wait before its own JAX start, not after it."""
+    from prefect_jax.training.cluster import from_env
     from prefect_jax.training.live import live_trainer
     from prefect_jax.training.storage import JobStorage
 
     run_id = _run_tags().get("prefect.flow_run_id")
-    if run_id and live_trainer(config) is None:
-        storage = JobStorage(config.storage, config.job, config.storage_options)
-        Lease(storage, owner_id=run_id, timeout_secs=config.train.lease_timeout_secs).wait_for_duplicate()
+    if not run_id or live_trainer(config) is not None:
+        return None
+    try:
+        if from_env() is not None:
+            return None
+    except ValueError:  # a malformed cluster: the trainer's own start names the variable
+        return None
+    from prefect_jax.training.lease import take_early
+
+    return take_early(JobStorage(config.storage, config.job, config.storage_options), run_id, config.train.lease_timeout_secs)
+
+
+def _trainer_holding_the_lease(config: JobConfig):
+    """The job's trainer for the restore task, its lease taken before JAX started (see
+    `_take_the_lease_before_jax`); a lease so taken is given back if making the trainer fails."""
+    lease = _take_the_lease_before_jax(config)
+    try:
+        return _trainer(config)
+    except BaseException:
+        if lease is not None:
+            from prefect_jax.training.lease import release_early
+
+            release_early(lease)
+        raise
 
 
 def _trainer(config: JobConfig):
@@ -378,8 +404,7 @@ def restore_or_init(
         ``{"step": int, "mlflow_run_id": str | None (None while MLflow is still opening), "checkpoint_dir": str}``
     """
     logger = get_run_logger()
-    _wait_for_another_process_of_this_run(config)
-    trainer = _trainer(config)
+    trainer = _trainer_holding_the_lease(config)
     step = trainer.restore_or_init(
         checkpoint_path=checkpoint_path,
         wait_for_checkpoint=wait_for_checkpoint,

@@ -34,7 +34,7 @@ from prefect_jax.training.cluster import barrier, from_primary, process_count, p
 from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
 from prefect_jax.training.errors import LeaseLostError
-from prefect_jax.training.lease import Lease
+from prefect_jax.training.lease import Lease, adopt_early
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.specs import JobConfig
@@ -81,7 +81,12 @@ class Job:
         self.records = EvalRecords(self.storage, config.eval.name)
         self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self.newest_evaluated)
         self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir, enabled=self.is_primary)
-        self.lease = Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
+        # Taken already (before JAX started) when a flow run's restore task made this trainer.
+        early = adopt_early(self.storage.job_dir)
+        if early is not None and not self.is_primary:  # (taken only where the environment says one process)
+            early.release()
+            early = None
+        self.lease = early or Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
         self.goodput = GoodputLedger(self.storage, enabled=self.is_primary)
         self.lease.on_lost = self._lease_lost
         self.commit_listeners: list[Callable[[int], None]] = []

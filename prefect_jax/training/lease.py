@@ -7,8 +7,10 @@ same machine, need not wait out the timeout). A lease with the same owner id (th
 Prefect flow run, retried) is taken over at once, unless its holder is a live process on this
 host: then Prefect started that flow run twice (its process worker reports one crash twice, and
 the rerun automation reacts to each), and the second process waits for the first to end before
-it takes over, so that one process trains the job. The lease is released when training ends,
-however it ends; after a SIGKILL it goes stale.
+it takes over, so that one process trains the job. A flow run of one JAX process takes the lease
+before it starts JAX (`take_early`; its trainer adopts it), so that a second start of it waits
+before its own JAX start too. The lease is released when training ends, however it ends; after a
+SIGKILL it goes stale.
 
 A holder checks that it still holds the lease before each checkpoint (`verify`): one whose lease
 was taken over (its heartbeat went stale, or a rerun of its flow run started on another machine)
@@ -41,6 +43,33 @@ def duplicate_wait_ended(job_dir: str) -> float | None:
     training of the job at `job_dir` (`Lease.wait_for_duplicate`), or None; told once: this
     process's attempt at the job starts then."""
     return _duplicate_wait_ended.pop(job_dir, None)
+
+
+_taken_early: dict[str, "Lease"] = {}  # job dir: a lease taken before its trainer existed (`take_early`)
+
+
+def take_early(storage: JobStorage, owner_id: str | None, timeout_secs: float) -> "Lease":
+    """Take the job's lease before its trainer exists, so before this process starts JAX; the
+    job's next `Job` adopts it (`adopt_early`). A flow run's restore task does this: a second
+    process of the same flow run (Prefect started it twice) then finds this one holding the
+    job and waits (`Lease.wait_for_duplicate`) before it starts JAX, rather than after, when its
+    JAX start-up would already hold memory on a GPU that this process needs. Raises as `acquire`."""
+    lease = Lease(storage, owner_id=owner_id, timeout_secs=timeout_secs)
+    lease.acquire()
+    _taken_early[storage.job_dir] = lease
+    return lease
+
+
+def adopt_early(job_dir: str) -> "Lease | None":
+    """The lease `take_early` took of the job at `job_dir`, once (None: none was)."""
+    return _taken_early.pop(job_dir, None)
+
+
+def release_early(lease: "Lease") -> None:
+    """Give back a lease `take_early` took, adopted or not: making the trainer failed."""
+    if _taken_early.get(lease.storage.job_dir) is lease:
+        del _taken_early[lease.storage.job_dir]
+    lease.release()
 
 
 def process_alive(pid: int) -> bool:
