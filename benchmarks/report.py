@@ -529,8 +529,14 @@ def write_markdown(report: dict, summary: dict) -> str:
         f"checkpoint and a full evaluation every {report['every']} steps. Each system runs in a fresh process. "
         "`wall` starts after the shared imports (jax, flax, optax, orbax, grain, the program; prefect for the flows) "
         "and ends with the last checkpoint committed; `loop` starts at the end of the first step (its compile "
-        "excluded). The flows' `wall` includes importing MLflow, opening its SQLite store and Prefect's flow-run "
-        f"setup; the standing server started in {report['server_start_s']:.1f} s before any clock.",
+        "excluded). " + (
+            "The flow sides start their MLflow worker process before the shared imports, where a flow run starts "
+            "it (its body asks for it before its restore task imports JAX, Orbax, Grain and the program): MLflow "
+            "imports there on the other core meanwhile. Their `wall` includes Prefect's flow-run setup and what "
+            "is left of the worker's start (its SQLite store)"
+            if report.get("mlflow_warmed_first") else
+            "The flows' `wall` includes importing MLflow, opening its SQLite store and Prefect's flow-run setup"
+        ) + f"; the standing server started in {report['server_start_s']:.1f} s before any clock.",
         "",
         "## Systems",
         "",

@@ -15,8 +15,9 @@ each in its own fresh Python process, one after the other:
 
 Clocks (every side): ``wall_s`` runs from after the shared imports (jax, flax, optax, orbax,
 grain, the program; for the flow also prefect_jax.flows, so prefect) to the end, the last
-checkpoint committed; it includes the flow's own extra imports (mlflow), its Prefect calls
-and MLflow records. ``loop_s`` runs from the end of the first training step (its compile
+checkpoint committed; it includes the flow's Prefect calls and MLflow records (its MLflow
+worker process is started before the shared imports, where a flow run starts it: before its
+restore task imports JAX and the rest; MLflow imports there meanwhile, on the other core). ``loop_s`` runs from the end of the first training step (its compile
 excluded) to the same end: the steps, the checkpoints, the evaluations and, for the flow,
 every task run, state change, artifact, event and MLflow write between them. ``train_s`` runs
 from the same start to the end of the last training step (before the last checkpoint and
@@ -149,6 +150,17 @@ def run_prefect_jax(args, workdir: str) -> dict:
     (not changed) to find the end of the first step and to split the time spent in the engine,
     in MLflow and (the rest) in Prefect."""
     t_import = time.perf_counter()
+    mlflow_uri = f"sqlite:///{workdir}/mlflow.db"
+    # Where a flow run starts its MLflow worker: its body asks for it (`tracking.warm_up`) before
+    # the restore task imports JAX, Orbax, Grain and the program, so MLflow's import and store
+    # open on the other core meanwhile. This side imports those first (off its clocks), so it
+    # asks here, before them, not later on the training loop, where no flow run or command has it.
+    try:
+        from prefect_jax.training.tracking import warm_up
+    except ImportError:  # an older checkout (--baseline)
+        pass
+    else:
+        warm_up(mlflow_uri)
     import_jax_stack()
     import jax
 
@@ -232,7 +244,7 @@ def run_prefect_jax(args, workdir: str) -> dict:
         train_spec=TrainSpec(**train),
         checkpoint_spec=CheckpointSpec(every_steps=args.every, keep_last=3),
         eval_spec=EvalSpec(),
-        mlflow_tracking_uri=f"sqlite:///{workdir}/mlflow.db",
+        mlflow_tracking_uri=mlflow_uri,
     )
     t_end = time.perf_counter()
     if profiler is not None:
@@ -462,7 +474,8 @@ def main() -> None:
     base_env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
     base_env.pop("PREFECT_API_URL", None)
     report: dict = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "steps": args.steps, "every": args.every, "dispatch": args.dispatch, "machine": machine()}
+                    "steps": args.steps, "every": args.every, "dispatch": args.dispatch, "machine": machine(),
+                    "mlflow_warmed_first": True}
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     t_all = time.perf_counter()
