@@ -175,7 +175,8 @@ from prefect_jax.tasks import _take_the_lease_before_jax, _trainer, _trainer_hol
 from prefect_jax.training.specs import JobConfig
 
 storage, out = sys.argv[1], {}
-config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=storage, train={"max_steps": 40})
+config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=storage, train={"max_steps": 40},
+                   mlflow_tracking_uri=f"sqlite:///{storage}/mlflow.db")
 lease_file = os.path.join(storage, "tiny", "lease.json")
 first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 os.makedirs(os.path.dirname(lease_file))
@@ -239,7 +240,10 @@ config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", stora
 started = time.monotonic()
 _take_the_lease_before_jax(config)
 print(json.dumps({"waited": time.monotonic() - started, "jax": "jax" in sys.modules}), flush=True)
-time.sleep(float(sys.argv[2]))  # as its JAX start-up; then it ends (SIGKILLed, say) without releasing
+if len(sys.argv) > 2:  # the first: as if starting JAX, until told to end (SIGKILLed, say: it does not release)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 """
 
 
@@ -253,16 +257,47 @@ def test_a_second_start_of_a_flow_run_during_the_firsts_start_up_waits_before_ja
     config = job_config()
     _write_lease(config, flow_run_id="2f0e2a3c-0000-4000-8000-000000000007", pid=2**22 + 1)  # the SIGKILLed attempt
     env = dict(os.environ, PREFECT__FLOW_RUN_ID="2f0e2a3c-0000-4000-8000-000000000007")
-    args = [sys.executable, "-c", _START, config.storage]
-    first = subprocess.Popen(args + ["3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    took = json.loads(first.stdout.readline())  # the first holds the job now
-    second = subprocess.run(args + ["0"], env=env, capture_output=True, text=True, timeout=120)
-    first.wait(timeout=60)
-    assert took == {"waited": took["waited"], "jax": False} and took["waited"] < 1.0, took
-    assert second.returncode == 0, second.stderr[-3000:]
-    out = json.loads(second.stdout.strip().splitlines()[-1])
-    assert out["jax"] is False and out["waited"] >= 1.0, out
-    assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in second.stderr
+    args, end_first = [sys.executable, "-c", _START, config.storage], str(tmp_path / "end-the-first")
+    first = subprocess.Popen(args + [end_first], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = None
+    try:
+        took = json.loads(first.stdout.readline() or "{}")  # the first holds the job now
+        assert took.get("jax") is False and took["waited"] < 1.0, (took, first.stderr.read() if first.poll() else "")
+        second = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = ""
+        while "already trains job" not in seen:  # it waits for the first (or it ended: EOF)
+            line = second.stderr.readline()
+            if not line:
+                break
+            seen += line
+        assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in seen, seen[-3000:]
+        time.sleep(1.0)
+        assert second.poll() is None  # still waiting while the first lives
+        open(end_first, "w").close()
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 0, err[-3000:]
+        out = json.loads(out.strip().splitlines()[-1])
+        assert out["jax"] is False and out["waited"] >= 1.0, out
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def test_an_early_lease_is_adopted_only_for_its_own_flow_run(job_config):
+    from prefect_jax.training.lease import adopt_early, release_early, take_early
+    from prefect_jax.training.storage import JobStorage
+
+    config = job_config()
+    storage = JobStorage(config.storage, config.job)
+    lease = take_early(storage, "run-7", 120.0)
+    try:
+        assert adopt_early(storage.job_dir, "run-8") is None  # another run's trainer: not its lease
+        assert adopt_early(storage.job_dir, "run-7") is lease and adopt_early(storage.job_dir, "run-7") is None  # once
+    finally:
+        release_early(storage.job_dir, lease)
+    assert not lease.held and not os.path.exists(lease.path)
 
 
 def test_a_trainer_whose_job_was_taken_over_stops_before_its_next_checkpoint(job_config):

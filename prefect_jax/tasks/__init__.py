@@ -136,7 +136,7 @@ def _take_the_lease_before_jax(config: JobConfig):
     (`Lease.wait_for_duplicate`), without JAX: on a GPU that process holds the device's memory.
     Taken this early, the lease also makes a second start of this flow run that comes while this
     process is still starting up wait before its own JAX start, not after it."""
-    from prefect_jax.training.cluster import from_env
+    from prefect_jax.training.cluster import from_env, several
     from prefect_jax.training.live import live_trainer
     from prefect_jax.training.storage import JobStorage
 
@@ -144,26 +144,29 @@ def _take_the_lease_before_jax(config: JobConfig):
     if not run_id or live_trainer(config) is not None:
         return None
     try:
-        if from_env() is not None:
+        if from_env() is not None or several():  # (several: the caller joined JAX's processes itself)
             return None
     except ValueError:  # a malformed cluster: the trainer's own start names the variable
         return None
     from prefect_jax.training.lease import take_early
 
-    return take_early(JobStorage(config.storage, config.job, config.storage_options), run_id, config.train.lease_timeout_secs)
+    storage = JobStorage(config.storage, config.job, config.storage_options)
+    storage.check_writable()  # as the trainer does first: a refused write is named as such, not as the lease's
+    return take_early(storage, run_id, config.train.lease_timeout_secs)
 
 
 def _trainer_holding_the_lease(config: JobConfig):
     """The job's trainer for the restore task, its lease taken before JAX started (see
     `_take_the_lease_before_jax`); a lease so taken is given back if making the trainer fails."""
-    lease = _take_the_lease_before_jax(config)
+    lease = None
     try:
+        lease = _take_the_lease_before_jax(config)
         return _trainer(config)
     except BaseException:
-        if lease is not None:
-            from prefect_jax.training.lease import release_early
+        from prefect_jax.training.lease import release_early
+        from prefect_jax.training.storage import JobStorage
 
-            release_early(lease)
+        release_early(JobStorage(config.storage, config.job, config.storage_options).job_dir, lease)
         raise
 
 

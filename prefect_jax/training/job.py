@@ -82,13 +82,15 @@ class Job:
         self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self.newest_evaluated)
         self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir, enabled=self.is_primary)
         # Taken already (before JAX started) when a flow run's restore task made this trainer.
-        early = adopt_early(self.storage.job_dir)
+        early = adopt_early(self.storage.job_dir, self.run_tags.get("prefect.flow_run_id"))
         if early is not None and not self.is_primary:  # (taken only where the environment says one process)
             early.release()
             early = None
         self.lease = early or Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
         self.goodput = GoodputLedger(self.storage, enabled=self.is_primary)
         self.lease.on_lost = self._lease_lost
+        if self.lease.lost_to is not None:  # taken over while JAX started: `acquire` raises LeaseLostError
+            self._lease_lost(self.lease.lost_to)
         self.commit_listeners: list[Callable[[int], None]] = []
         self._announcers: list[threading.Thread] = []
         self._noted_takeover: str | None = None  # the lease token of the dead holder already recorded in MLflow

@@ -60,16 +60,20 @@ def take_early(storage: JobStorage, owner_id: str | None, timeout_secs: float) -
     return lease
 
 
-def adopt_early(job_dir: str) -> "Lease | None":
-    """The lease `take_early` took of the job at `job_dir`, once (None: none was)."""
-    return _taken_early.pop(job_dir, None)
+def adopt_early(job_dir: str, owner_id: str | None) -> "Lease | None":
+    """The lease `take_early` took of the job at `job_dir` for `owner_id` (its flow run), once;
+    None if none was (or it was taken for another owner: that one stays for its own trainer)."""
+    lease = _taken_early.get(job_dir)
+    if lease is None or lease.owner_id != owner_id:
+        return None
+    return _taken_early.pop(job_dir)
 
 
-def release_early(lease: "Lease") -> None:
-    """Give back a lease `take_early` took, adopted or not: making the trainer failed."""
-    if _taken_early.get(lease.storage.job_dir) is lease:
-        del _taken_early[lease.storage.job_dir]
-    lease.release()
+def release_early(job_dir: str, lease: "Lease | None" = None) -> None:
+    """Give back the lease `take_early` took of the job at `job_dir` (and `lease`, adopted or
+    not): making the trainer failed."""
+    for taken in {id(x): x for x in (_taken_early.pop(job_dir, None), lease) if x is not None}.values():
+        taken.release()
 
 
 def process_alive(pid: int) -> bool:
