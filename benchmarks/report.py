@@ -534,7 +534,7 @@ def write_markdown(report: dict, summary: dict) -> str:
             "it (its body asks for it before its restore task imports JAX, Orbax, Grain and the program): MLflow "
             "imports there on the other core meanwhile. Their `wall` includes Prefect's flow-run setup and what "
             "is left of the worker's start (its SQLite store)"
-            if report.get("mlflow_warmed_first") else
+            if (peers.get("prefect_jax") or {}).get("mlflow_warmed_first") else
             "The flows' `wall` includes importing MLflow, opening its SQLite store and Prefect's flow-run setup"
         ) + f"; the standing server started in {report['server_start_s']:.1f} s before any clock.",
         "",

@@ -151,21 +151,24 @@ def run_prefect_jax(args, workdir: str) -> dict:
     in MLflow and (the rest) in Prefect."""
     t_import = time.perf_counter()
     mlflow_uri = f"sqlite:///{workdir}/mlflow.db"
-    # Where a flow run starts its MLflow worker: its body asks for it (`tracking.warm_up`) before
-    # the restore task imports JAX, Orbax, Grain and the program, so MLflow's import and store
-    # open on the other core meanwhile. This side imports those first (off its clocks), so it
-    # asks here, before them, not later on the training loop, where no flow run or command has it.
+    from prefect_jax.flows import train_and_evaluate
+
+    # Where a deployment's flow run starts its MLflow worker: once Prefect and the flows are
+    # imported, its body asks for it (`tracking.warm_up`) before the restore task imports JAX,
+    # Orbax, Grain and the program, so MLflow imports and opens its store on the other core
+    # meanwhile. This side imports those before its clocks start, so it asks here, before them,
+    # not on the training loop, where no flow run or command has it.
     try:
         from prefect_jax.training.tracking import warm_up
     except ImportError:  # an older checkout (--baseline)
-        pass
+        warmed_first = False
     else:
         warm_up(mlflow_uri)
+        warmed_first = True
     import_jax_stack()
     import jax
 
     sys.path.insert(0, HERE)  # for "bench_programs:mlp"
-    from prefect_jax.flows import train_and_evaluate
     from prefect_jax.training import tracking
     from prefect_jax.training import trainer as trainer_mod
     from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
@@ -258,7 +261,8 @@ def run_prefect_jax(args, workdir: str) -> dict:
 
     return {"wall_s": t_end - t0, "loop_s": loop_s, "train_s": train_s, "import_s": t0 - t_import, "eval": summary["eval"],
             "engine_s": clock["engine_s"], "mlflow_s": clock["mlflow_s"],
-            "prefect_s": (t_end - t0) - clock["engine_s"], "code": os.path.dirname(prefect_jax.__file__)}
+            "prefect_s": (t_end - t0) - clock["engine_s"], "code": os.path.dirname(prefect_jax.__file__),
+            "mlflow_warmed_first": warmed_first}
 
 
 def run_keras(args, workdir: str) -> dict:
@@ -474,8 +478,7 @@ def main() -> None:
     base_env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
     base_env.pop("PREFECT_API_URL", None)
     report: dict = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "steps": args.steps, "every": args.every, "dispatch": args.dispatch, "machine": machine(),
-                    "mlflow_warmed_first": True}
+                    "steps": args.steps, "every": args.every, "dispatch": args.dispatch, "machine": machine()}
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     t_all = time.perf_counter()
