@@ -17,9 +17,10 @@ Clocks (every side): ``wall_s`` runs from after the shared imports (jax, flax, o
 grain, the program; for the flow also prefect_jax.flows, so prefect) to the end, the last
 checkpoint committed; it includes the flow's Prefect calls and MLflow records (its MLflow
 worker process is started before the shared imports, where a flow run starts it: before its
-restore task imports JAX and the rest; MLflow imports there meanwhile, on the other core). ``loop_s`` runs from the end of the first training step (its compile
-excluded) to the same end: the steps, the checkpoints, the evaluations and, for the flow,
-every task run, state change, artifact, event and MLflow write between them. ``train_s`` runs
+restore task imports JAX and the rest; MLflow imports there meanwhile, on the other core).
+``loop_s`` runs from the end of the first training step (its compile excluded) to the same
+end: the steps, the checkpoints, the evaluations and, for the flow, every task run, state
+change, artifact, event and MLflow write between them. ``train_s`` runs
 from the same start to the end of the last training step (before the last checkpoint and
 evaluation, and, for the flow, before its end): with one interval, training speed alone.
 

@@ -136,7 +136,9 @@ def _take_the_lease_before_jax(config: JobConfig):
     (`Lease.wait_for_duplicate`), without JAX: on a GPU that process holds the device's memory.
     Taken this early, the lease also makes a second start of this flow run that comes while this
     process is still starting up wait before its own JAX start, not after it."""
-    from prefect_jax.training.cluster import from_env, several
+    import sys
+
+    from prefect_jax.training.cluster import from_env, joined
     from prefect_jax.training.live import live_trainer
     from prefect_jax.training.storage import JobStorage
 
@@ -144,9 +146,12 @@ def _take_the_lease_before_jax(config: JobConfig):
     if not run_id or live_trainer(config) is not None:
         return None
     try:
-        if from_env() is not None or several():  # (several: the caller joined JAX's processes itself)
+        if from_env() is not None:
             return None
     except ValueError:  # a malformed cluster: the trainer's own start names the variable
+        return None
+    jax = sys.modules.get("jax")  # (asked without starting its backend, which would take a GPU's memory)
+    if joined() is not None or (jax is not None and jax.distributed.is_initialized()):  # the caller joined processes itself
         return None
     from prefect_jax.training.lease import take_early
 
@@ -166,7 +171,11 @@ def _trainer_holding_the_lease(config: JobConfig):
         from prefect_jax.training.lease import release_early
         from prefect_jax.training.storage import JobStorage
 
-        release_early(JobStorage(config.storage, config.job, config.storage_options).job_dir, lease)
+        try:  # (a lease in the registry that `lease` does not name yet: a signal came in between)
+            job_dir = JobStorage(config.storage, config.job, config.storage_options).job_dir
+        except Exception:  # noqa: BLE001 - the storage itself is what failed: nothing was taken
+            job_dir = None
+        release_early(job_dir, lease)
         raise
 
 

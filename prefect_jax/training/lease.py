@@ -69,7 +69,7 @@ def adopt_early(job_dir: str, owner_id: str | None) -> "Lease | None":
     return _taken_early.pop(job_dir)
 
 
-def release_early(job_dir: str, lease: "Lease | None" = None) -> None:
+def release_early(job_dir: str | None, lease: "Lease | None" = None) -> None:
     """Give back the lease `take_early` took of the job at `job_dir` (and `lease`, adopted or
     not): making the trainer failed."""
     for taken in {id(x): x for x in (_taken_early.pop(job_dir, None), lease) if x is not None}.values():
