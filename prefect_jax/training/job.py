@@ -66,7 +66,10 @@ class Job:
                 "which Orbax does only on storage every process reaches by path: a shared file system (NFS, a "
                 "ReadWriteMany volume) or gs://. Use one of those, or train this job in one process"
             )
-        if self.is_primary:
+        # Taken already, its storage checked, when a flow run's restore task made this trainer (before
+        # JAX started; one process, so this is process 0).
+        early = adopt_early(self.storage.job_dir, self.run_tags.get("prefect.flow_run_id"))
+        if self.is_primary and early is None:
             self.storage.check_writable()  # a refused write is found before anything is changed
         self.remote: RemoteSteps | None = None
         self._uploader: AsyncUploader | None = None
@@ -81,11 +84,6 @@ class Job:
         self.records = EvalRecords(self.storage, config.eval.name)
         self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self.newest_evaluated)
         self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir, enabled=self.is_primary)
-        # Taken already (before JAX started) when a flow run's restore task made this trainer.
-        early = adopt_early(self.storage.job_dir, self.run_tags.get("prefect.flow_run_id"))
-        if early is not None and not self.is_primary:  # (taken only where the environment says one process)
-            early.release()
-            early = None
         self.lease = early or Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
         self.goodput = GoodputLedger(self.storage, enabled=self.is_primary)
         self.lease.on_lost = self._lease_lost

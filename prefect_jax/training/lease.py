@@ -72,8 +72,9 @@ def adopt_early(job_dir: str, owner_id: str | None) -> "Lease | None":
 def release_early(job_dir: str | None, lease: "Lease | None" = None) -> None:
     """Give back the lease `take_early` took of the job at `job_dir` (and `lease`, adopted or
     not): making the trainer failed."""
-    for taken in {id(x): x for x in (_taken_early.pop(job_dir, None), lease) if x is not None}.values():
-        taken.release()
+    for taken in (_taken_early.pop(job_dir, None), lease):
+        if taken is not None:
+            taken.release()  # (once: a lease released already returns at once)
 
 
 def process_alive(pid: int) -> bool:
