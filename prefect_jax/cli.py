@@ -366,6 +366,7 @@ def _specs(args: argparse.Namespace):
         every_secs=args.checkpoint_every_secs,
         keep_last=args.keep_last,
         keep_every_steps=args.keep_every_steps,
+        backups=args.backups,
     )
     exporters = []
     for name in args.exporters:
@@ -748,6 +749,10 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
     p.add_argument("--checkpoint-every-secs", type=float, default=None, help="also checkpoint every N seconds")
     p.add_argument("--keep-last", type=int, default=3, help="keep the newest N checkpoints (default 3)")
     p.add_argument("--keep-every-steps", type=int, default=None, help="also keep checkpoints at multiples of N")
+    p.add_argument(
+        "--no-backups", dest="backups", action="store_false",
+        help="never write backups (resume-only checkpoints between the cadence's, written once attempts of the job were killed without notice)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="init and data-order seed (default 0)")
     p.add_argument("--log-every-steps", type=int, default=50, help="train metrics to MLflow every N steps (default 50)")
     p.add_argument(

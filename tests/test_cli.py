@@ -185,3 +185,14 @@ def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(t
     assert not _api_url_may_be_set_elsewhere()
     monkeypatch.setenv("PREFECT_PROFILE", "local")  # the shipped "local" profile names http://127.0.0.1:4200/api
     assert _api_url_may_be_set_elsewhere()
+
+
+def test_backups_are_on_unless_the_command_says_no_backups():
+    from prefect_jax.cli import _specs, build_parser
+
+    def backups(*flags):
+        args = build_parser().parse_args(["run", "--program", "prefect_jax.examples.digits:tiny", "--job", "j", "--storage", "/tmp/s",
+                                          *flags])
+        return _specs(args)[2].backups
+
+    assert backups() is True and backups("--no-backups") is False

@@ -229,3 +229,42 @@ def test_an_interrupted_runs_goodput_artifact_says_how_it_ended_and_never_holds_
             flows._publish_preempted_goodput(config, trainer, flow_run_id, signal.SIGTERM)
             assert time.monotonic() - started < 10
     trainer.close()
+
+
+def _life(start, end_record, ended, saves, checkpoint, dead=2.0):
+    """An attempt that started at `start`, wrote its last record at `end_record`, spent `dead` s in
+    start-up, restore and compile and `checkpoint` s stalled by its `saves` saves."""
+    return {**_attempt(start, end_record, 0, 0, [], ended, startup=dead / 2, restore=dead / 4, compile=dead / 4,
+                       checkpoint=checkpoint), "saves": saves}  # fmt: skip
+
+
+def test_backups_follow_young_daly_from_the_kills_the_ledger_shows():
+    from prefect_jax.training.goodput import backup_interval
+
+    # Never killed, or only preempted with notice (the step in flight was checkpointed): no backups.
+    assert backup_interval([_life(0, 50, "finished", 5, 0.5)], _life(60, 60, None, 0, 0.0)) is None
+    assert backup_interval([_life(0, 50, "preempted", 5, 0.5), _life(60, 110, "preempted", 5, 0.5)],
+                           _life(120, 120, None, 0, 0.0)) is None  # fmt: skip
+    # Two kills: each attempt lived until the next one started (60 s apart), 2 s of it dead time.
+    # The checkpoint stall: 0.6 s over the 3 saves on record in each killed attempt (its last
+    # save's stall never is), and 0.2 s over this attempt's 2 saves so far.
+    earlier = [_life(0, 50, None, 4, 0.6), _life(60, 110, None, 4, 0.6)]
+    current = _life(120, 125, None, 2, 0.2)
+    seconds, why = backup_interval(earlier, current)
+    cost = (0.6 + 0.6 + 0.2) / (3 + 3 + 2)
+    assert why == {"killed": 2, "of_attempts": 2, "mean_secs_between_kills": 58.0, "checkpoint_cost_secs": round(cost, 4),
+                   "checkpoint_cost_from_saves": 8}  # fmt: skip
+    assert seconds == pytest.approx((2 * cost * 58.0) ** 0.5)
+    # One of two attempts killed: the time both trained counts against that one kill.
+    seconds, why = backup_interval([_life(0, 50, "preempted", 4, 0.4), _life(60, 110, None, 4, 0.3)], current)
+    assert why["killed"] == 1 and why["mean_secs_between_kills"] == pytest.approx(48.0 + 58.0)
+    # Only the newest attempts count: kills long ago do not make a job back up forever.
+    old_kills = [_life(i * 60.0, i * 60.0 + 50, None, 4, 0.4) for i in range(3)]
+    clean = [_life(180.0 + i * 60.0, 230.0 + i * 60.0, "preempted", 4, 0.4) for i in range(5)]
+    assert backup_interval(old_kills + clean, _life(500, 500, None, 0, 0.0)) is None
+    # Quick kills and cheap saves: never closer than a second (nor than 5 stalls apart).
+    seconds, _ = backup_interval([_life(0, 2.5, None, 2, 0.001)], _life(3, 3, None, 0, 0.0))
+    assert seconds == 1.0
+    # No stall measured yet: a default cost, said so.
+    _, why = backup_interval([_life(0, 50, None, 1, 0.0)], _life(60, 60, None, 0, 0.0))
+    assert why["checkpoint_cost_from_saves"] == 0 and why["checkpoint_cost_secs"] == 0.1

@@ -160,3 +160,57 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     assert "recomputed steps" in str(finished.data) and "goodput" in finished.description.lower()
     assert f"stopped by SIGTERM after step {at}" in preempted.description and "productive training" in str(preempted.data)
     assert "2 attempt(s), 2 of them interrupted" in preempted.description, preempted.description
+
+
+def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_resumes_from_a_backup(
+    tmp_path, prefect_server, mlflow_uri
+):
+    """`CheckpointSpec.backups`: once an attempt was SIGKILLed, the next ones write resume-only
+    checkpoints within each interval (Young/Daly); a rerun resumes from one exactly, and none
+    is ever evaluated."""
+    storage, every, max_steps = str(tmp_path / "storage"), 300, 600
+    ckpt = os.path.join(storage, "bk", "checkpoints")
+    args = ["--program", "programs:paced", "--job", "bk", "--storage", storage, "--max-steps", str(max_steps),
+            "--checkpoint-every-steps", str(every), "--keep-last", "20", "--mlflow-tracking-uri", mlflow_uri, "--json",
+            "--no-progress"]  # fmt: skip
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def backups() -> list[int]:
+        return [s for s in committed_steps(ckpt) if s % every]
+
+    # 1. Killed without notice mid-interval: nothing in the ledger yet, so no backups.
+    proc = start_run(args, prefect_server, logs / "1.log")
+    _wait(lambda: committed_steps(ckpt) == [every], 180, f"step {every} to commit", proc)
+    time.sleep(0.5)
+    assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
+    assert backups() == [] and "backing up" not in (logs / "1.log").read_text()
+
+    # 2. The rerun backs up between checkpoints (its interval takes over 3 s: 10 ms a step); killed after one.
+    proc = start_run(args, prefect_server, logs / "2.log")
+    backup = _wait(lambda: backups(), 180, "a backup to commit", proc)[-1]
+    assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
+    log2 = (logs / "2.log").read_text()
+    assert "1 of its 1 latest attempts were killed without notice" in log2 and "backing up every" in log2, log2[-3000:]
+
+    # 3. Resumed from the backup (no step before it trained again), to the end: as if never killed.
+    proc = start_run(args, prefect_server, logs / "3.log")
+    assert proc.wait(timeout=400) == 0, (logs / "3.log").read_text()[-3000:]
+    log3 = (logs / "3.log").read_text()
+    resumed = int(re.search(r"training from step (\d+) to", log3).group(1))
+    assert resumed >= backup and resumed % every, f"resumed from {resumed}, not from the backup {backup} or a later one"
+    summary = json.loads(log3.strip().splitlines()[-1])
+    config = JobConfig(program="programs:paced", job="straight", storage=str(tmp_path / "straight"),
+                       train=TrainSpec(max_steps=max_steps), checkpoint=CheckpointSpec(every_steps=every),
+                       mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < max_steps:
+        trainer.train_until_checkpoint()
+    assert summary["state_fingerprint"] == trainer.fingerprint()
+    trainer.finish()
+    trainer.close()
+    assert status("bk", storage)["evaluated_steps"] == {"eval": [every, max_steps]}, "a backup was evaluated"
+    ledger = json.load(open(os.path.join(storage, "bk", "goodput.json")))["attempts"]
+    assert [a.get("backup_every_secs") is not None for a in ledger] == [False, True, True], ledger
+    assert all(a["backup_every_secs"] >= 1.0 for a in ledger[1:])

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -149,8 +150,16 @@ class GoodputLedger:
             return
         a = self.attempt
         a["step"] = int(step)
+        a["saves"] = a.get("saves", 0) + 1
         a["tail"] = (a["tail"] + [[int(step), a["seconds"].get("train", 0.0)]])[-_TAIL:]
         self._write()
+
+    def backup_every_secs(self) -> tuple[float, dict[str, Any]] | None:
+        """This job's backup interval (`backup_interval`) from the attempts before this one and
+        this attempt's own saves so far; None while none of its recent attempts was killed."""
+        if self.attempt is None or self._earlier is None:
+            return None
+        return backup_interval(self._earlier, self.attempt)
 
     def end(self, how: str) -> None:
         """The attempt ends: ``finished``, ``preempted``, ``failed``."""
@@ -186,6 +195,58 @@ class GoodputLedger:
         if self.attempt is not None and self._earlier is not None:
             return summarize(self._ledger())
         return summarize(self.read())
+
+
+BACKUP_WINDOW = 5  # the newest attempts a backup interval is estimated from
+DEFAULT_SAVE_COST_S = 0.1  # a checkpoint's stall before any was measured (a small model's save + commit on a CPU)
+
+
+def _save_cost(earlier: list[dict], current: dict | None) -> tuple[float, int]:
+    """Seconds the training thread stalled per checkpoint (save, commit waits), over the attempts.
+
+    An attempt records a save before its stall (`trained_to`), so a killed attempt's last save
+    has none on record: it is not counted."""
+    stalled, saves = 0.0, 0
+    for a in earlier + ([current] if current is not None else []):
+        unrecorded = a is not current and a.get("ended") is None
+        secs, n = a.get("seconds", {}).get("checkpoint", 0.0), a.get("saves", 0) - unrecorded
+        if secs > 0 and n > 0:
+            stalled, saves = stalled + secs, saves + n
+    return (stalled / saves, saves) if saves else (DEFAULT_SAVE_COST_S, 0)
+
+
+def backup_interval(earlier: list[dict], current: dict | None = None, window: int = BACKUP_WINDOW) -> tuple[float, dict[str, Any]] | None:
+    """How often to back up a job whose attempts get killed without notice (Young/Daly).
+
+    An attempt was *killed* when a later one exists and it never recorded an end (SIGKILL, a lost
+    node, an OOM kill): everything it trained after its last checkpoint was lost. One that ended
+    on a preemption notice lost nothing (its step in flight was checkpointed) and is not counted.
+    Over the newest `window` attempts before `current`, the mean time between kills is their time
+    past start-up, restore and compile (a killed one's until the next attempt's process start)
+    divided by the kills; with a checkpoint's stall ``C`` (measured: this job's checkpoint seconds
+    per save), ``sqrt(2 * C * M)`` seconds between checkpoints minimises the expected loss, the
+    first-order optimum of Young (1974) and Daly (2006). Never under ``max(1, 5 * C)`` s.
+
+    Returns ``(seconds, why)`` (``why``: the figures it came from), or None when none of those
+    attempts was killed.
+    """
+    recent = [a for a in earlier if not a.get("folded")][-window:]
+    following = recent[1:] + ([current] if current is not None else [])
+    kills, exposed = 0, 0.0
+    for a, nxt in zip(recent, following):
+        killed = a.get("ended") is None
+        end = nxt["process_start"] if killed else a.get("updated", a["process_start"])
+        dead = sum(a.get("seconds", {}).get(k, 0.0) for k in ("startup", "restore", "compile"))
+        exposed += max(0.0, end - a["process_start"] - dead)
+        kills += killed
+    if not kills:
+        return None
+    mtbk = max(exposed / kills, 1e-3)
+    cost, measured = _save_cost(recent, current)
+    seconds = max(math.sqrt(2.0 * cost * mtbk), 1.0, 5.0 * cost)
+    why = {"killed": kills, "of_attempts": len(following), "mean_secs_between_kills": round(mtbk, 2),
+           "checkpoint_cost_secs": round(cost, 4), "checkpoint_cost_from_saves": measured}  # fmt: skip
+    return seconds, why
 
 
 def read_ledger(storage) -> dict[str, Any]:

@@ -133,6 +133,14 @@ class CheckpointSpec(_Spec):
             before a separate evaluator reached it. None (the default) means: on for the
             `train` role, whose evaluator runs elsewhere; off for `train_and_evaluate`, which
             evaluates each step itself. A trainer whose evaluator never runs keeps every step.
+        backups: once attempts of this job were killed without notice (SIGKILL, a lost node: what
+            they trained since their last checkpoint was lost), also write *backups* between the
+            cadence's checkpoints: resume-only checkpoints (never evaluated), at the interval
+            that minimises the expected loss for the kills seen (Young/Daly,
+            ``sqrt(2 * checkpoint stall * mean time between kills)``; see
+            `prefect_jax.training.goodput.backup_interval`). They count in `keep_last` like any
+            step. Jobs that were never killed (or only got preemption notices, which lose
+            nothing) write none. One JAX process only.
     """
 
     every_steps: int | None = Field(1000, description="Checkpoint every N steps.")
@@ -141,6 +149,9 @@ class CheckpointSpec(_Spec):
     keep_every_steps: int | None = Field(None, description="Also keep steps that are multiples of N.")
     keep_until_evaluated: bool | None = Field(
         None, description="Keep steps the evaluator has not reached yet (None: on for the train role only)."
+    )
+    backups: bool = Field(
+        True, description="After kills without notice, also write resume-only backups at the Young/Daly interval."
     )
 
     @field_validator("every_steps")

@@ -93,6 +93,7 @@ class Trainer:
         self._example = None  # the serving input example (see _serving_example)
         self._live_is_preemption = False  # the live step was restored from a preemption checkpoint
         self._compile_accounted = False
+        self._push_after_first_step = False  # copy the compile cache after an interval's first step (`_train_part`)
         self._guard = PreemptionGuard(self._end_on_sigterm)
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
@@ -221,27 +222,51 @@ class Trainer:
         it raises `NonFiniteLossError` naming the step and nothing of it is checkpointed.
         On SIGTERM the step in flight finishes, is checkpointed within `sigterm_grace_secs`,
         and the signal goes on to the previous handler (see `PreemptionGuard`).
+        Once attempts of the job were killed without notice, backups (resume-only checkpoints,
+        `CheckpointSpec.backups`) are written within the interval, which goes on after each.
         """
         self._require_live()
         self.job.acquire_lease()
         self._guard.install()
+        self._push_after_first_step = self._compile_cache is not None
+        boundary, backup_every = self.next_boundary(), self._backup_every()
+        while True:
+            rows, backup = self._train_part(boundary, backup_every)
+            if not backup:
+                break
+            self.save(rows, backup=True)
+            self._log_train_rows(rows)
+            notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
+        self.save(rows)
+        self._push_compiled()
+        self._live_is_preemption = False
+        self._log_train_rows(rows)
+        notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
+        return self.step
+
+    def _train_part(self, boundary: int, backup_every: float | None) -> tuple[list[tuple[str, float, int]], bool]:
+        """Train towards `boundary` until a checkpoint is due: its train metric rows, and whether
+        the checkpoint due is a backup (the interval goes on after it)."""
         every_secs = self.config.checkpoint.every_secs
+        why: list[str] = []
         try:
             with self._guard.deferred() as notice:
 
-                first = [self._compile_cache is not None]
-
                 def stop() -> bool:
-                    if first[0]:  # after the first step: its compile is in the cache, copied while training goes on
-                        first[0] = False
+                    if self._push_after_first_step:  # its compile is in the cache, copied while training goes on
+                        self._push_after_first_step = False
                         self._compile_cache.push_async()
-                    due = every_secs is not None and time.monotonic() - self._last_save >= every_secs
+                    since = time.monotonic() - self._last_save
                     lost = self.job.processes == 1 and self.lease.lost_to is not None  # (the save raises it)
-                    return notice.requested or due or lost
+                    if notice.requested or lost or (every_secs is not None and since >= every_secs):
+                        why.append("checkpoint")
+                    elif backup_every is not None and since >= backup_every:
+                        why.append("backup")
+                    return bool(why)
 
                 started = time.perf_counter()
                 try:
-                    interval = self.loop.run(self.state, self.step, self.data_iter, self.next_boundary(), stop)
+                    interval = self.loop.run(self.state, self.step, self.data_iter, boundary, stop)
                 except NonFiniteAt as bad:
                     self.job.wait_committed()  # the error names the checkpoint a rerun resumes from
                     raise NonFiniteLossError(bad.step, bad.metrics, self.job.newest_committed()) from None
@@ -260,12 +285,26 @@ class Trainer:
         except BaseException:
             self._forget_live_state()
             raise
-        self.save(rows)
-        self._push_compiled()
-        self._live_is_preemption = False
-        self._log_train_rows(rows)
-        notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
-        return self.step
+        return rows, why == ["backup"] and self.step < boundary
+
+    def _backup_every(self) -> float | None:
+        """Seconds between backups for this job now (`goodput.backup_interval`), or None: none due."""
+        if not self.config.checkpoint.backups or self.job.processes > 1:
+            return None
+        found = self.job.goodput.backup_every_secs()
+        if found is None:
+            return None
+        seconds, why = found
+        attempt = self.job.goodput.attempt
+        if attempt.get("backup_every_secs") is None:  # once per attempt: in its log and its ledger entry
+            logger.warning(
+                "job %s: %d of its %d latest attempts were killed without notice (one every %.1fs of training): backing up "
+                "every %.1fs between checkpoints (Young/Daly, with a checkpoint stall of %.3fs); CheckpointSpec(backups=False) "
+                "turns this off", self.config.job, why["killed"], why["of_attempts"], why["mean_secs_between_kills"], seconds,
+                why["checkpoint_cost_secs"],
+            )  # fmt: skip
+        attempt["backup_every_secs"] = round(seconds, 3)
+        return seconds
 
     def _account_interval(self, seconds: float) -> None:
         """An interval's time in the goodput ledger: the compile (first in this process), then training."""
@@ -288,7 +327,7 @@ class Trainer:
         rows = [(k if k.startswith(TRAIN_PREFIX) else TRAIN_PREFIX + k, v, s) for k, v, s in rows]
         self.tracker.log_new_metrics(rows, exclude_prefix=f"{self.config.eval.name}/")
 
-    def save(self, train_metrics: list[tuple[str, float, int]] = (), preemption: bool = False) -> None:
+    def save(self, train_metrics: list[tuple[str, float, int]] = (), preemption: bool = False, backup: bool = False) -> None:
         """Start an asynchronous checkpoint of the live state at the current step.
 
         MLflow writes are asynchronous, so the interval's train metrics (`train_metrics`), and
@@ -306,7 +345,8 @@ class Trainer:
             # evaluators and reruns find the run by its job tag instead.
             "mlflow_run_id": self.tracker.run_id_if_known(),
             "train_metrics": [list(r) for r in train_metrics],
-            "preemption": preemption,  # off the cadence: resumed from, never evaluated
+            "preemption": preemption or backup,  # off the cadence: resumed from, never evaluated
+            **({"backup": True} if backup else {}),  # written because attempts of the job were killed
         }
         with self._guard.deferred():  # a SIGTERM now is handled once Orbax has the step
             self.job.goodput.trained_to(self.step)  # first: a save killed part-way leaves its steps counted as lost
