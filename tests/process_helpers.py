@@ -62,3 +62,22 @@ def status(job: str, storage: str) -> dict:
         capture_output=True, text=True, check=True, cwd=TESTS_DIR,
     ).stdout  # fmt: skip
     return json.loads(out.splitlines()[-1])
+
+
+def job_events(api_url, job, storage, prefix="prefect-jax.", expect=1, timeout=30):
+    """prefect-jax events about a job (its resource id: storage + job), read over the REST API
+    (events arrive asynchronously)."""
+    import httpx
+
+    from prefect_jax.deployments import job_resource_id
+
+    deadline = time.monotonic() + timeout
+    while True:
+        body = {"filter": {"event": {"prefix": [prefix]}, "any_resource": {"id": [job_resource_id(job, storage)]}},
+                "limit": 50}
+        response = httpx.post(f"{api_url}/events/filter", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        events = response.json()["events"]
+        if len(events) >= expect or time.monotonic() > deadline:
+            return events
+        time.sleep(0.5)

@@ -231,40 +231,99 @@ def test_an_interrupted_runs_goodput_artifact_says_how_it_ended_and_never_holds_
     trainer.close()
 
 
-def _life(start, end_record, ended, saves, checkpoint, dead=2.0):
+def _life(start, end_record, ended, saves, save_s, dead=2.0):
     """An attempt that started at `start`, wrote its last record at `end_record`, spent `dead` s in
-    start-up, restore and compile and `checkpoint` s stalled by its `saves` saves."""
-    return {**_attempt(start, end_record, 0, 0, [], ended, startup=dead / 2, restore=dead / 4, compile=dead / 4,
-                       checkpoint=checkpoint), "saves": saves}  # fmt: skip
+    start-up, restore and compile, and `save_s` s blocked by its `saves` timed saves."""
+    return {**_attempt(start, end_record, 0, 0, [], ended, startup=dead / 2, restore=dead / 4, compile=dead / 4),
+            "saves": saves, "save_s": save_s}  # fmt: skip
 
 
 def test_backups_follow_young_daly_from_the_kills_the_ledger_shows():
     from prefect_jax.training.goodput import backup_interval
 
+    current = _life(120, 120, None, 0, 0.0)
     # Never killed, or only preempted with notice (the step in flight was checkpointed): no backups.
-    assert backup_interval([_life(0, 50, "finished", 5, 0.5)], _life(60, 60, None, 0, 0.0)) is None
-    assert backup_interval([_life(0, 50, "preempted", 5, 0.5), _life(60, 110, "preempted", 5, 0.5)],
-                           _life(120, 120, None, 0, 0.0)) is None  # fmt: skip
-    # Two kills: each attempt lived until the next one started (60 s apart), 2 s of it dead time.
-    # The checkpoint stall: 0.6 s over the 3 saves on record in each killed attempt (its last
-    # save's stall never is), and 0.2 s over this attempt's 2 saves so far.
-    earlier = [_life(0, 50, None, 4, 0.6), _life(60, 110, None, 4, 0.6)]
-    current = _life(120, 125, None, 2, 0.2)
-    seconds, why = backup_interval(earlier, current)
-    cost = (0.6 + 0.6 + 0.2) / (3 + 3 + 2)
-    assert why == {"killed": 2, "of_attempts": 2, "mean_secs_between_kills": 58.0, "checkpoint_cost_secs": round(cost, 4),
-                   "checkpoint_cost_from_saves": 8}  # fmt: skip
-    assert seconds == pytest.approx((2 * cost * 58.0) ** 0.5)
+    assert backup_interval([_life(0, 50, "finished", 5, 0.5), _life(60, 110, "closed", 5, 0.5)], current, now=125) is None
+    assert backup_interval([_life(0, 50, "preempted", 5, 0.5), _life(60, 110, "preempted", 5, 0.5)], current, now=125) is None
+    # Two kills, each less than a save interval after the attempt's last record. Exposed: 48 s
+    # each (their last record less their 2 s of start-up, restore and compile), and this attempt's
+    # 3 s so far. A save blocked training 0.1 s (0.8 s over 8 timed saves).
+    earlier = [_life(0, 50, None, 4, 0.4), _life(60, 110, None, 4, 0.4)]
+    seconds, why = backup_interval(earlier, current, now=125)
+    assert why == {"killed": 2, "of_attempts": 2, "mean_secs_between_kills": 49.5, "save_secs": 0.1, "saves_timed": 8}
+    assert seconds == pytest.approx((2 * 0.1 * 49.5) ** 0.5)
+    # The longer this attempt goes without a kill, the rarer the backups.
+    assert backup_interval(earlier, current, now=125 + 3600)[0] > 3 * seconds
     # One of two attempts killed: the time both trained counts against that one kill.
-    seconds, why = backup_interval([_life(0, 50, "preempted", 4, 0.4), _life(60, 110, None, 4, 0.3)], current)
-    assert why["killed"] == 1 and why["mean_secs_between_kills"] == pytest.approx(48.0 + 58.0)
+    _, why = backup_interval([_life(0, 50, "preempted", 4, 0.4), _life(60, 110, None, 4, 0.4)], current, now=125)
+    assert why["killed"] == 1 and why["mean_secs_between_kills"] == pytest.approx(99.0)
     # Only the newest attempts count: kills long ago do not make a job back up forever.
     old_kills = [_life(i * 60.0, i * 60.0 + 50, None, 4, 0.4) for i in range(3)]
     clean = [_life(180.0 + i * 60.0, 230.0 + i * 60.0, "preempted", 4, 0.4) for i in range(5)]
-    assert backup_interval(old_kills + clean, _life(500, 500, None, 0, 0.0)) is None
-    # Quick kills and cheap saves: never closer than a second (nor than 5 stalls apart).
-    seconds, _ = backup_interval([_life(0, 2.5, None, 2, 0.001)], _life(3, 3, None, 0, 0.0))
-    assert seconds == 1.0
-    # No stall measured yet: a default cost, said so.
-    _, why = backup_interval([_life(0, 50, None, 1, 0.0)], _life(60, 60, None, 0, 0.0))
-    assert why["checkpoint_cost_from_saves"] == 0 and why["checkpoint_cost_secs"] == 0.1
+    assert backup_interval(old_kills + clean, _life(500, 500, None, 0, 0.0), now=505) is None
+    # Quick kills and quick saves: never closer than a second (nor than 5 saves' blocking).
+    assert backup_interval([_life(0, 2.5, None, 2, 0.004)], _life(3, 3, None, 0, 0.0), now=3.5)[0] == 1.0
+    assert backup_interval([_life(0, 5, None, 2, 1.0)], _life(6, 6, None, 0, 0.0), now=6.5)[0] == 2.5
+    # No save timed yet (what one costs is unknown: for a large state, seconds): none until one is.
+    assert backup_interval([_life(0, 50, None, 0, 0.0)], current, now=125) is None
+    assert backup_interval([_life(0, 50, None, 0, 0.0)], _life(120, 130, None, 1, 0.1), now=135) is not None
+
+
+def test_backups_are_kept_only_while_newest_and_leave_keep_last_to_the_other_steps():
+    from prefect_jax.training.checkpoints import retained
+    from prefect_jax.training.specs import CheckpointSpec
+
+    backups = {150, 250, 260}
+    steps = [100, 150, 200, 250, 260]
+    assert retained(steps, CheckpointSpec(keep_last=2), None, backups.__contains__) == {100, 200, 260}
+    assert retained(steps + [300], CheckpointSpec(keep_last=2), None, backups.__contains__) == {200, 300}
+    assert retained(steps, CheckpointSpec(keep_last=None), None, backups.__contains__) == {100, 200, 260}
+    # An evaluator elsewhere has reached 100: the steps from it on are kept for it, backups not (it never evaluates them).
+    assert retained(steps + [300], CheckpointSpec(keep_last=1, keep_until_evaluated=True), 100, backups.__contains__) == {100, 200, 300}
+
+
+def test_on_remote_storage_a_backup_waits_until_the_step_before_it_is_uploaded(tmp_path, mlflow_uri, monkeypatch):
+    """A backup is only worth something once it is on the remote storage (a killed spot machine
+    takes its disk along): with uploads slower than the backup interval, the next backup waits
+    for the upload before it instead of queueing behind it."""
+    import time
+    import uuid
+
+    from prefect_jax.training.remote import RemoteSteps
+    from prefect_jax.training.storage import JobStorage
+
+    storage = f"memory://backups-{uuid.uuid4().hex[:8]}"
+    # The ledger of an attempt killed 1 s into training: backups every second or so.
+    now, js = time.time(), JobStorage(storage, "bk")
+    js.write_json(js.path("goodput.json"), {"attempts": [_life(now - 20, now - 19, None, 1, 0.02, dead=0.0),
+                                                         _life(now - 18, now - 18, "preempted", 0, 0.0, dead=0.0)]})  # fmt: skip
+    uploads: dict[int, list[float]] = {}
+    upload = RemoteSteps.upload
+
+    def slow_upload(self, step, local_step_dir, **kw):  # 1.2 s a step: longer than the backup interval
+        uploads[step] = [time.monotonic()]
+        time.sleep(1.2)
+        try:
+            return upload(self, step, local_step_dir, **kw)
+        finally:
+            uploads[step].append(time.monotonic())
+
+    monkeypatch.setattr(RemoteSteps, "upload", slow_upload)
+    config = JobConfig(program="programs:paced", job="bk", storage=storage, train=TrainSpec(max_steps=600),
+                       checkpoint=CheckpointSpec(every_steps=600, keep_last=None), mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    saves: list[tuple[int, float]] = []
+    save = trainer.job.save
+    trainer.job.save = lambda step, *a, **kw: (saves.append((step, time.monotonic())), save(step, *a, **kw))[1]
+    assert trainer.train_until_checkpoint() == 600  # 6+ s of training (10 ms a step)
+    trainer.finish()
+    remote = trainer.job.remote
+    trainer.close()
+    backups = [(s, t) for s, t in saves if s < 600]
+    assert len(backups) >= 2, saves  # one a second, once the step before it is up: ~1.5 s apart
+    for step, at in backups[1:]:
+        assert all(uploads[s][1] <= at for s, _ in saves if s < step), f"backup {step} was started while a step was uploading"
+    assert sorted(uploads) == [s for s, _ in saves]
+    # Up there, a newer step supersedes every backup (retention keeps all other steps here: keep_last=None).
+    assert remote.committed_steps() == [600] and remote.read_meta(600)["step"] == 600

@@ -20,7 +20,7 @@ import time
 
 import pytest
 from mlflow.tracking import MlflowClient
-from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, status, wait_until
+from process_helpers import TESTS_DIR, cli_env, job_events, orbax_tmp_dirs, start_run, status, wait_until
 
 from prefect_jax.training.checkpoints import committed_steps
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
@@ -211,6 +211,9 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
     trainer.finish()
     trainer.close()
     assert status("bk", storage)["evaluated_steps"] == {"eval": [every, max_steps]}, "a backup was evaluated"
+    # An evaluator deployment is triggered by these events: a backup, which it would skip, emits none.
+    committed = job_events(prefect_server, "bk", storage, "prefect-jax.checkpoint.committed", expect=2)
+    assert sorted(e["payload"]["step"] for e in committed) == [every, max_steps], "a backup emitted a committed event"
     ledger = json.load(open(os.path.join(storage, "bk", "goodput.json")))["attempts"]
     assert [a.get("backup_every_secs") is not None for a in ledger] == [False, True, True], ledger
     assert all(a["backup_every_secs"] >= 1.0 for a in ledger[1:])

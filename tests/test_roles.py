@@ -2,10 +2,9 @@
 
 import json
 import os
-import time
 
-import httpx
 import pytest
+from process_helpers import job_events
 
 from prefect_jax.flows import evaluate, export_flow, train, train_and_evaluate
 from prefect_jax.training.control import record_attempt
@@ -28,23 +27,6 @@ def _params(tmp_path, mlflow_uri, job, max_steps=60, **eval_kw):
     )
 
 
-def _events(api_url, job, storage, prefix="prefect-jax.", expect=1, timeout=30):
-    """prefect-jax events about a job (its resource id: storage + job), read over the REST API
-    (events arrive asynchronously)."""
-    from prefect_jax.deployments import job_resource_id
-
-    deadline = time.monotonic() + timeout
-    while True:
-        body = {"filter": {"event": {"prefix": [prefix]}, "any_resource": {"id": [job_resource_id(job, storage)]}},
-                "limit": 50}
-        response = httpx.post(f"{api_url}/events/filter", json=body, timeout=30)
-        assert response.status_code == 200, response.text
-        events = response.json()["events"]
-        if len(events) >= expect or time.monotonic() > deadline:
-            return events
-        time.sleep(0.5)
-
-
 def test_trainer_then_evaluator_evaluate_every_checkpoint_once(tmp_path, mlflow_uri, prefect_server):
     params = _params(tmp_path, mlflow_uri, "roles", exporters=[LatestExporter(), FinalExporter()])
     trained = train(**params)
@@ -52,7 +34,7 @@ def test_trainer_then_evaluator_evaluate_every_checkpoint_once(tmp_path, mlflow_
     js = JobStorage(params["storage"], "roles")
     assert not os.path.exists(js.eval_dir("eval"))  # the trainer evaluates nothing
 
-    committed = _events(prefect_server, "roles", params["storage"], "prefect-jax.checkpoint.committed", expect=3)
+    committed = job_events(prefect_server, "roles", params["storage"], "prefect-jax.checkpoint.committed", expect=3)
     assert sorted(e["payload"]["step"] for e in committed) == [20, 40, 60]
 
     from prefect_jax.training import live
@@ -65,7 +47,7 @@ def test_trainer_then_evaluator_evaluate_every_checkpoint_once(tmp_path, mlflow_
     again = evaluate(**params, poll_secs=0.1)
     assert again["evaluated"] == [] and again["stopped"].startswith("evaluated the final step")
 
-    evals = _events(prefect_server, "roles", params["storage"], "prefect-jax.eval.completed", expect=3)
+    evals = job_events(prefect_server, "roles", params["storage"], "prefect-jax.eval.completed", expect=3)
     assert sorted(e["payload"]["step"] for e in evals) == [20, 40, 60]
 
     from mlflow.tracking import MlflowClient

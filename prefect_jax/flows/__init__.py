@@ -607,7 +607,8 @@ def train(
 
     Emits ``prefect-jax.checkpoint.committed`` (resource ``prefect-jax.job.<job>.<hash>`` of storage +
     job, see `prefect_jax.deployments.job_resource_id`; the step in the payload) for each committed
-    checkpoint, so an evaluator deployment can be triggered by events instead of polling. Stops
+    checkpoint (not for backups, which nobody evaluates: `CheckpointSpec.backups`), so an
+    evaluator deployment can be triggered by events instead of polling. Stops
     early when the job is asked to stop (``<job>/stop.json``, written by the evaluator's
     early-stopping hook). Parameters as `train_and_evaluate`
     (`eval_spec` is recorded in MLflow params and used by nobody else here).

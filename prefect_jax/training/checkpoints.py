@@ -122,6 +122,36 @@ class KeepNotYetEvaluated:
         return [newest is None or c.step >= newest for c in checkpoints]
 
 
+@dataclasses.dataclass
+class BackupsWhileNewest:
+    """An Orbax preservation policy: `inner` decides over the steps that are not backups (see
+    `CheckpointSpec.backups`), and a backup is kept only while it is the newest step: any newer
+    step, backup or not, supersedes it. A step `pinned` says is still needed (its upload to
+    remote storage is pending) is kept whatever they say."""
+
+    inner: Any
+    is_backup: Callable[[int], bool]
+    pinned: Callable[[int], bool] = lambda step: False
+
+    def should_preserve(self, checkpoints, *, context):
+        regular = [c for c in checkpoints if not self.is_backup(c.step)]
+        kept = dict(zip((c.step for c in regular), self.inner.should_preserve(regular, context=context)))
+        newest = max((c.step for c in checkpoints), default=None)
+        return [(kept[c.step] if c.step in kept else c.step == newest) or self.pinned(c.step) for c in checkpoints]
+
+
+def retained(steps: list[int], spec: CheckpointSpec, newest_evaluated: int | None, is_backup: Callable[[int], bool]) -> set[int]:
+    """The steps of `steps` (committed, oldest first) that retention keeps: what the Orbax
+    policies of `Checkpoints` keep, for storage Orbax does not manage (`RemoteSteps`)."""
+    regular = [s for s in steps if not is_backup(s)]
+    keep = set(regular[-spec.keep_last :]) if spec.keep_last else set(regular)
+    if spec.keep_every_steps:
+        keep |= {s for s in regular if s % spec.keep_every_steps == 0}
+    if spec.keep_until_evaluated:
+        keep |= {s for s in regular if newest_evaluated is None or s >= newest_evaluated}
+    return keep | set(steps[-1:])
+
+
 # -- the manager ------------------------------------------------------------------------
 
 
@@ -196,13 +226,15 @@ class Checkpoints:
         self.directory = directory
         self.spec = spec
         self._saving: int | None = None
+        self._backup: dict[int, bool] = {}  # step -> whether it is a backup (saved here, or its metadata read once)
+        self.pinned: Callable[[int], bool] = lambda step: False  # steps retention must keep for now (`Job`: uploads)
         policies = [pp.LatestN(n=spec.keep_last)]
         if spec.keep_every_steps:
             policies.append(pp.EveryNSteps(interval_steps=spec.keep_every_steps))
         if spec.keep_until_evaluated and newest_evaluated is not None:
             policies.append(KeepNotYetEvaluated(newest_evaluated))
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=pp.AnyPreservationPolicy(policies),
+            preservation_policy=BackupsWhileNewest(pp.AnyPreservationPolicy(policies), self.is_backup, lambda s: self.pinned(s)),
             enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_step_in_flight),
             create=not read_only,
@@ -224,6 +256,19 @@ class Checkpoints:
 
     def committed_steps(self) -> list[int]:
         return committed_steps(self.directory)
+
+    def is_backup(self, step: int) -> bool:
+        """Whether a committed step is a backup (its metadata says so; read once per step)."""
+        step = int(step)
+        if step not in self._backup:
+            try:  # the file, not `read_meta` (Orbax's restore): this runs inside Orbax's `save` (retention)
+                from etils import epath
+
+                meta = json.loads((epath.Path(self.directory) / str(step) / "meta" / "metadata").read_text())
+                self._backup[step] = bool(meta.get("backup"))
+            except Exception:  # noqa: BLE001 - unreadable: retention treats it as any step
+                self._backup[step] = False
+        return self._backup[step]
 
     def quarantine(self, step: int, why: str) -> None:
         """Move a step aside (see `quarantine`) and let Orbax forget it. Only the job's writer may do this."""
@@ -250,6 +295,7 @@ class Checkpoints:
         meta = dict(meta, step=int(step), tree=describe_tree(savable), saved_at=time.time())
         self.manager.wait_until_finished()  # Orbax does too; here, so that `_saving` names the step in flight
         self._saving = int(step)
+        self._backup[int(step)] = bool(meta.get("backup"))
         self.manager.save(
             int(step),
             args=ocp.args.Composite(

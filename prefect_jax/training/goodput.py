@@ -49,7 +49,7 @@ logger = logging.getLogger("prefect_jax.trainer")
 PHASES = ("startup", "restore", "compile", "train", "checkpoint", "eval", "export")
 LOST = ("startup", "restore", "compile", "recomputed", "checkpoint", "eval", "export", "other", "between_attempts")
 MAX_ATTEMPTS_KEPT = 500  # past it, no-op reruns are dropped and the oldest attempts folded (`_bounded`)
-_TAIL = 8  # per attempt, the cumulative train time at its newest saves
+_TAIL = 32  # per attempt, the cumulative train time at its newest saves (backups make many)
 _process_clock_taken = False  # the first ledger of a process counts from the process start
 
 
@@ -150,9 +150,18 @@ class GoodputLedger:
             return
         a = self.attempt
         a["step"] = int(step)
-        a["saves"] = a.get("saves", 0) + 1
         a["tail"] = (a["tail"] + [[int(step), a["seconds"].get("train", 0.0)]])[-_TAIL:]
         self._write()
+
+    def saved(self, seconds: float) -> None:
+        """A save is out of the training thread's way after `seconds` (it blocked training that
+        long: the lease check, this ledger, Orbax's blocking part and its wait for the save before)."""
+        if self.attempt is not None:
+            a = self.attempt
+            a["saves"] = a.get("saves", 0) + 1
+            a["save_s"] = round(a.get("save_s", 0.0) + seconds, 4)
+            if a["saves"] == 1:  # on record now, for a rerun if this attempt is killed before its next save
+                self._write()
 
     def backup_every_secs(self) -> tuple[float, dict[str, Any]] | None:
         """This job's backup interval (`backup_interval`) from the attempts before this one and
@@ -162,7 +171,8 @@ class GoodputLedger:
         return backup_interval(self._earlier, self.attempt)
 
     def end(self, how: str) -> None:
-        """The attempt ends: ``finished``, ``preempted``, ``failed``."""
+        """The attempt ends: ``finished``, ``preempted``, ``failed``, ``closed`` (its trainer was
+        closed without finishing, as a notebook may)."""
         if self.attempt is not None and self.attempt["ended"] is None:
             self.attempt["ended"] = how
             self._write()
@@ -198,54 +208,55 @@ class GoodputLedger:
 
 
 BACKUP_WINDOW = 5  # the newest attempts a backup interval is estimated from
-DEFAULT_SAVE_COST_S = 0.1  # a checkpoint's stall before any was measured (a small model's save + commit on a CPU)
+MIN_BACKUP_SECS = 1.0
 
 
-def _save_cost(earlier: list[dict], current: dict | None) -> tuple[float, int]:
-    """Seconds the training thread stalled per checkpoint (save, commit waits), over the attempts.
-
-    An attempt records a save before its stall (`trained_to`), so a killed attempt's last save
-    has none on record: it is not counted."""
-    stalled, saves = 0.0, 0
-    for a in earlier + ([current] if current is not None else []):
-        unrecorded = a is not current and a.get("ended") is None
-        secs, n = a.get("seconds", {}).get("checkpoint", 0.0), a.get("saves", 0) - unrecorded
-        if secs > 0 and n > 0:
-            stalled, saves = stalled + secs, saves + n
-    return (stalled / saves, saves) if saves else (DEFAULT_SAVE_COST_S, 0)
+def _save_cost(attempts: list[dict]) -> tuple[float, int] | None:
+    """Seconds a save blocked the training thread, on average over the saves `attempts` timed
+    (`GoodputLedger.saved`); None before any was."""
+    blocked, saves = sum(a.get("save_s", 0.0) for a in attempts), sum(a.get("saves", 0) for a in attempts)
+    return (blocked / saves, saves) if saves else None
 
 
-def backup_interval(earlier: list[dict], current: dict | None = None, window: int = BACKUP_WINDOW) -> tuple[float, dict[str, Any]] | None:
+def _exposed(a: dict, end: float) -> float:
+    """An attempt's time from the end of its start-up, restore and compile to `end`."""
+    dead = sum(a.get("seconds", {}).get(k, 0.0) for k in ("startup", "restore", "compile"))
+    return max(0.0, end - a["process_start"] - dead)
+
+
+def backup_interval(earlier: list[dict], current: dict | None = None, now: float | None = None,
+                    window: int = BACKUP_WINDOW) -> tuple[float, dict[str, Any]] | None:  # fmt: skip
     """How often to back up a job whose attempts get killed without notice (Young/Daly).
 
     An attempt was *killed* when a later one exists and it never recorded an end (SIGKILL, a lost
-    node, an OOM kill): everything it trained after its last checkpoint was lost. One that ended
-    on a preemption notice lost nothing (its step in flight was checkpointed) and is not counted.
-    Over the newest `window` attempts before `current`, the mean time between kills is their time
-    past start-up, restore and compile (a killed one's until the next attempt's process start)
-    divided by the kills; with a checkpoint's stall ``C`` (measured: this job's checkpoint seconds
-    per save), ``sqrt(2 * C * M)`` seconds between checkpoints minimises the expected loss, the
-    first-order optimum of Young (1974) and Daly (2006). Never under ``max(1, 5 * C)`` s.
+    node, an OOM kill): what it trained after its last checkpoint was lost. One that ended on a
+    preemption notice lost nothing (its step in flight was checkpointed) and is not a kill.
+    Over the newest `window` attempts before `current` and `current` itself (until `now`), the
+    mean time between kills ``M`` is their time past start-up, restore and compile (a killed
+    one's until its last record: it was killed less than one save interval later) divided by
+    the kills. With ``C`` the seconds a save blocks training (timed, over the same attempts),
+    ``sqrt(2 * C * M)`` seconds between checkpoints minimise the expected loss, the first-order
+    optimum of Young (1974) and Daly (2006); never under ``max(MIN_BACKUP_SECS, 5 * C)``.
 
     Returns ``(seconds, why)`` (``why``: the figures it came from), or None when none of those
-    attempts was killed.
+    attempts was killed, or no save of theirs was timed yet.
     """
+    now = time.time() if now is None else now
     recent = [a for a in earlier if not a.get("folded")][-window:]
     following = recent[1:] + ([current] if current is not None else [])
-    kills, exposed = 0, 0.0
-    for a, nxt in zip(recent, following):
-        killed = a.get("ended") is None
-        end = nxt["process_start"] if killed else a.get("updated", a["process_start"])
-        dead = sum(a.get("seconds", {}).get(k, 0.0) for k in ("startup", "restore", "compile"))
-        exposed += max(0.0, end - a["process_start"] - dead)
-        kills += killed
+    kills = sum(a.get("ended") is None for a, _ in zip(recent, following))
     if not kills:
         return None
+    exposed = sum(_exposed(a, a.get("updated", a["process_start"])) for a in recent)
+    if current is not None:
+        exposed += _exposed(current, now)
+    cost = _save_cost(recent + ([current] if current is not None else []))
+    if cost is None:
+        return None
     mtbk = max(exposed / kills, 1e-3)
-    cost, measured = _save_cost(recent, current)
-    seconds = max(math.sqrt(2.0 * cost * mtbk), 1.0, 5.0 * cost)
+    seconds = max(math.sqrt(2.0 * cost[0] * mtbk), MIN_BACKUP_SECS, 5.0 * cost[0])
     why = {"killed": kills, "of_attempts": len(following), "mean_secs_between_kills": round(mtbk, 2),
-           "checkpoint_cost_secs": round(cost, 4), "checkpoint_cost_from_saves": measured}  # fmt: skip
+           "save_secs": round(cost[0], 4), "saves_timed": cost[1]}  # fmt: skip
     return seconds, why
 
 

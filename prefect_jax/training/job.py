@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable
 
 from prefect_jax.training import control
-from prefect_jax.training.checkpoints import Checkpoints, CorruptCheckpointError, is_committed, step_dirs
+from prefect_jax.training.checkpoints import Checkpoints, CorruptCheckpointError, is_committed, retained, step_dirs
 from prefect_jax.training.cluster import barrier, from_primary, process_count, process_index
 from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
@@ -73,6 +73,7 @@ class Job:
             self.storage.check_writable()  # a refused write is found before anything is changed
         self.remote: RemoteSteps | None = None
         self._uploader: AsyncUploader | None = None
+        self._remote_backup: dict[int, bool] = {}  # remote step -> whether it is a backup (`_uploaded`)
         checkpoint_spec = config.checkpoint
         if not self.storage.orbax_native:
             # Orbax writes a local stage; steps count once uploaded (marker last). Retention is
@@ -83,6 +84,8 @@ class Job:
             )
         self.records = EvalRecords(self.storage, config.eval.name)
         self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self.newest_evaluated)
+        if self.remote is not None:  # a superseded backup stays in the stage until it is uploaded
+            self.checkpoints.pinned = lambda step: self._uploader is not None and step in self._uploader.pending
         self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir, enabled=self.is_primary)
         self.lease = early or Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
         self.goodput = GoodputLedger(self.storage, enabled=self.is_primary)
@@ -139,8 +142,17 @@ class Job:
         return self.checkpoints.restore(step, abstract_state, data_iter)
 
     def read_meta(self, step: int) -> dict:
-        self.fetch(step)
+        if self.remote is not None and step not in self.checkpoints.committed_steps():
+            return self.remote.read_meta(step)  # (not the whole step: an evaluator skipping backups reads this)
         return self.checkpoints.read_meta(step)
+
+    def _remote_is_backup(self, step: int) -> bool:
+        if step not in self._remote_backup:
+            try:
+                self._remote_backup[step] = bool(self.remote.read_meta(step).get("backup"))
+            except Exception:  # noqa: BLE001 - unreadable: retention treats it as any step
+                self._remote_backup[step] = False
+        return self._remote_backup[step]
 
     def set_aside(self, step: int, exc: BaseException) -> None:
         """A step that failed to restore: move it aside (local), or drop its local copy (remote:
@@ -155,11 +167,12 @@ class Job:
 
     def save(self, step: int, state, data_iter, meta: dict[str, Any]) -> None:
         """Start an asynchronous save of `step`; upload it when it commits (remote storage); tell
-        the commit listeners once it counts."""
+        the commit listeners once it counts (not of a backup: nobody evaluates it)."""
         self.checkpoints.save(step, state, data_iter, {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags})
         if self.remote is not None:
+            self._remote_backup[int(step)] = bool(meta.get("backup"))
             self.uploader.submit(step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed)
-        if self.commit_listeners and self.is_primary:  # one event per step, however many processes wrote it
+        if self.commit_listeners and self.is_primary and not meta.get("backup"):  # one event per step, however many processes wrote it
             # In the saver's context: a listener sees its settings (a Prefect API set for this
             # block of code only, as the command's embedded server is) and its run.
             context = contextvars.copy_context()
@@ -185,6 +198,10 @@ class Job:
             except Exception:  # noqa: BLE001 - a listener must not break training
                 logger.exception("commit listener failed for step %d", step)
 
+    def uploading(self) -> bool:
+        """Whether a step is still on its way to remote storage (queued or uploading)."""
+        return self._uploader is not None and bool(self._uploader.pending)
+
     def wait_committed(self) -> None:
         """Wait until every save started so far counts: committed by Orbax, and uploaded if remote."""
         self.checkpoints.wait()
@@ -201,14 +218,8 @@ class Job:
 
     def _uploaded(self, step: int) -> None:
         """After an upload: apply retention to the remote steps, keep only the newest locally."""
-        spec = self.config.checkpoint
         steps = self.remote.committed_steps()
-        keep = set(steps[-spec.keep_last :]) if spec.keep_last else set(steps)
-        if spec.keep_every_steps:
-            keep |= {s for s in steps if s % spec.keep_every_steps == 0}
-        if spec.keep_until_evaluated:
-            newest = self.newest_evaluated()
-            keep |= {s for s in steps if newest is None or s >= newest}
+        keep = retained(steps, self.config.checkpoint, self.newest_evaluated(), self._remote_is_backup)
         for old in steps:
             if old not in keep and old != step:
                 self.remote.delete(old)

@@ -343,6 +343,12 @@ class RemoteSteps:
             return StepManifest(int(step), {}, [], "", 0.0)
         return manifest
 
+    def read_meta(self, step: int) -> dict:
+        """The metadata item of a committed step (Orbax's ``meta/metadata`` JSON), without
+        downloading the step."""
+        data = self._call(f"reading the metadata of step {int(step)}", self.fs.cat_file, f"{self.step_path(step)}/meta/metadata")
+        return json.loads(data)
+
     def is_committed(self, step: int) -> bool:
         path = self.marker_path(step)
         self._invalidate(path)

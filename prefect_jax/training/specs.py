@@ -137,9 +137,11 @@ class CheckpointSpec(_Spec):
             they trained since their last checkpoint was lost), also write *backups* between the
             cadence's checkpoints: resume-only checkpoints (never evaluated), at the interval
             that minimises the expected loss for the kills seen (Young/Daly,
-            ``sqrt(2 * checkpoint stall * mean time between kills)``; see
-            `prefect_jax.training.goodput.backup_interval`). They count in `keep_last` like any
-            step. Jobs that were never killed (or only got preemption notices, which lose
+            ``sqrt(2 * save blocking * mean time between kills)``; see
+            `prefect_jax.training.goodput.backup_interval`; on remote storage, not before the
+            previous step is uploaded). A backup is kept only until a newer step commits (it
+            does not count in `keep_last`) and emits no ``prefect-jax.checkpoint.committed``
+            event. Jobs that were never killed (or only got preemption notices, which lose
             nothing) write none. One JAX process only.
     """
 

@@ -229,9 +229,9 @@ class Trainer:
         self.job.acquire_lease()
         self._guard.install()
         self._push_after_first_step = self._compile_cache is not None
-        boundary, backup_every = self.next_boundary(), self._backup_every()
+        boundary = self.next_boundary()
         while True:
-            rows, backup = self._train_part(boundary, backup_every)
+            rows, backup = self._train_part(boundary, self._backup_every())
             if not backup:
                 break
             self.save(rows, backup=True)
@@ -246,9 +246,12 @@ class Trainer:
 
     def _train_part(self, boundary: int, backup_every: float | None) -> tuple[list[tuple[str, float, int]], bool]:
         """Train towards `boundary` until a checkpoint is due: its train metric rows, and whether
-        the checkpoint due is a backup (the interval goes on after it)."""
+        the checkpoint due is a backup (the interval goes on after it). A backup is due
+        `backup_every` seconds into the part (not counting the evaluation, export or task runs
+        before it: they trained nothing a backup would keep)."""
         every_secs = self.config.checkpoint.every_secs
         why: list[str] = []
+        part_started = time.monotonic()
         try:
             with self._guard.deferred() as notice:
 
@@ -256,12 +259,12 @@ class Trainer:
                     if self._push_after_first_step:  # its compile is in the cache, copied while training goes on
                         self._push_after_first_step = False
                         self._compile_cache.push_async()
-                    since = time.monotonic() - self._last_save
+                    now = time.monotonic()
                     lost = self.job.processes == 1 and self.lease.lost_to is not None  # (the save raises it)
-                    if notice.requested or lost or (every_secs is not None and since >= every_secs):
+                    if notice.requested or lost or (every_secs is not None and now - self._last_save >= every_secs):
                         why.append("checkpoint")
-                    elif backup_every is not None and since >= backup_every:
-                        why.append("backup")
+                    elif backup_every is not None and now - part_started >= backup_every and not self.job.uploading():
+                        why.append("backup")  # (on remote storage, not before the last step is up there)
                     return bool(why)
 
                 started = time.perf_counter()
@@ -298,10 +301,10 @@ class Trainer:
         attempt = self.job.goodput.attempt
         if attempt.get("backup_every_secs") is None:  # once per attempt: in its log and its ledger entry
             logger.warning(
-                "job %s: %d of its %d latest attempts were killed without notice (one every %.1fs of training): backing up "
-                "every %.1fs between checkpoints (Young/Daly, with a checkpoint stall of %.3fs); CheckpointSpec(backups=False) "
-                "turns this off", self.config.job, why["killed"], why["of_attempts"], why["mean_secs_between_kills"], seconds,
-                why["checkpoint_cost_secs"],
+                "job %s: %d of its %d latest attempts were killed without notice (one every %.1fs past their start-up): "
+                "backing up every %.1fs between checkpoints (Young/Daly, with a save blocking training %.3fs); "
+                "CheckpointSpec(backups=False) turns this off", self.config.job, why["killed"], why["of_attempts"],
+                why["mean_secs_between_kills"], seconds, why["save_secs"],
             )  # fmt: skip
         attempt["backup_every_secs"] = round(seconds, 3)
         return seconds
@@ -335,6 +338,7 @@ class Trainer:
         this step commits but before they reach MLflow has them logged by the rerun that
         restores this step (nothing is logged twice).
         """
+        started = time.perf_counter()
         self.job.verify_lease(collective=True)  # one writer: a trainer whose job was taken over stops here
         train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
         meta = {
@@ -353,6 +357,7 @@ class Trainer:
             with self.job.goodput.phase("checkpoint"):
                 self.job.save(self.step, self.state, self.data_iter, meta)
             self._last_save = time.monotonic()
+            self.job.goodput.saved(time.perf_counter() - started)
         self._guard.handle_if_pending()
 
     def _end_on_sigterm(self, rows: list[tuple[str, float, int]] | None = None) -> None:
@@ -671,6 +676,7 @@ class Trainer:
 
     def close(self) -> None:
         try:
+            self.job.goodput.end("closed")  # (unless it ended already) not a kill: nothing to back up against
             self.loop.join_precompile()
             self._flush_compiled(END_FLUSH_SECS)
             self.job.close()
