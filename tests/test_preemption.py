@@ -192,6 +192,10 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
     assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
     log2 = (logs / "2.log").read_text()
     assert "1 of its 1 latest attempts were killed without notice" in log2 and "backing up every" in log2, log2[-3000:]
+    from prefect_jax.training.remote import job_step_is_backup
+    from prefect_jax.training.storage import JobStorage
+
+    assert job_step_is_backup(JobStorage(storage, "bk"), backup) and not job_step_is_backup(JobStorage(storage, "bk"), every)
 
     # 3. Resumed from the backup (no step before it trained again), to the end: as if never killed.
     proc = start_run(args, prefect_server, logs / "3.log")

@@ -686,7 +686,7 @@ def evaluate(
     import time
 
     from prefect_jax.training.checkpoints import wait_for_new_checkpoint
-    from prefect_jax.training.remote import job_committed_steps
+    from prefect_jax.training.remote import job_committed_steps, job_step_is_backup
     from prefect_jax.training.control import stop_requested
     from prefect_jax.training.evaluation import EvalRecords, EvalStatus
     from prefect_jax.training.exporters import list_exports
@@ -722,7 +722,8 @@ def evaluate(
         # ... nor written the exports of its newest evaluation (exporters keep what exists).
         export(config, records.get(records.steps()[-1]))
     evaluated: list[int] = []
-    resume_only: set[int] = set()  # preemption checkpoints: never evaluated
+    resume_only: set[int] = set()  # preemption checkpoints and backups: never evaluated
+    regular: set[int] = set()  # steps known not to be backups
     last_eval_at: float | None = None
     last_new_at = time.monotonic()
     stopped: str | None = None
@@ -737,6 +738,10 @@ def evaluate(
             stopped = f"the job was asked to stop: {request.get('reason')}"
             break
         pending = [s for s in job_committed_steps(js) if s not in done and s not in resume_only]
+        for step in pending:  # backups are resume-only: no task run for them
+            if step not in regular:
+                (resume_only if job_step_is_backup(js, step) else regular).add(step)
+        pending = [s for s in pending if s not in resume_only]
         if pending and not every_checkpoint:
             pending = pending[-1:]
         if not pending:

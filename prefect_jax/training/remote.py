@@ -581,3 +581,18 @@ def job_committed_steps(storage) -> list[int]:
 
         return committed_steps(storage.checkpoint_dir)
     return RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).committed_steps()
+
+
+def job_step_is_backup(storage, step: int) -> bool:
+    """Whether a committed step of a job is a backup (`CheckpointSpec.backups`), from its metadata
+    item alone (no restore, no download); False when that cannot be read (an evaluation says why)."""
+    try:
+        if storage.orbax_native:
+            from etils import epath
+
+            meta = json.loads((epath.Path(storage.checkpoint_dir) / str(int(step)) / "meta" / "metadata").read_text())
+        else:
+            meta = RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).read_meta(step)
+    except Exception:  # noqa: BLE001 - unreadable: not known to be a backup
+        return False
+    return bool(meta.get("backup"))
