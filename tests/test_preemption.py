@@ -47,13 +47,13 @@ def _kill(proc, sig):
     return proc.wait(timeout=120)
 
 
-def _uninterrupted_fingerprint(tmp_path, mlflow_uri):
-    config = JobConfig(program=PROGRAM, job="straight", storage=str(tmp_path / "straight"),
-                       train=TrainSpec(max_steps=MAX_STEPS), checkpoint=CheckpointSpec(every_steps=EVERY),
+def _uninterrupted_fingerprint(tmp_path, mlflow_uri, program=PROGRAM, max_steps=MAX_STEPS, every=EVERY):
+    config = JobConfig(program=program, job="straight", storage=str(tmp_path / "straight"),
+                       train=TrainSpec(max_steps=max_steps), checkpoint=CheckpointSpec(every_steps=every),
                        mlflow_tracking_uri=mlflow_uri)
     trainer = Trainer(config)
     trainer.restore_or_init()
-    while trainer.step < MAX_STEPS:
+    while trainer.step < max_steps:
         trainer.train_until_checkpoint()
     fingerprint = trainer.fingerprint()
     trainer.finish()
@@ -204,16 +204,7 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
     resumed = int(re.search(r"training from step (\d+) to", log3).group(1))
     assert resumed >= backup and resumed % every, f"resumed from {resumed}, not from the backup {backup} or a later one"
     summary = json.loads(log3.strip().splitlines()[-1])
-    config = JobConfig(program="programs:paced", job="straight", storage=str(tmp_path / "straight"),
-                       train=TrainSpec(max_steps=max_steps), checkpoint=CheckpointSpec(every_steps=every),
-                       mlflow_tracking_uri=mlflow_uri)  # fmt: skip
-    trainer = Trainer(config)
-    trainer.restore_or_init()
-    while trainer.step < max_steps:
-        trainer.train_until_checkpoint()
-    assert summary["state_fingerprint"] == trainer.fingerprint()
-    trainer.finish()
-    trainer.close()
+    assert summary["state_fingerprint"] == _uninterrupted_fingerprint(tmp_path, mlflow_uri, "programs:paced", max_steps, every)
     assert status("bk", storage)["evaluated_steps"] == {"eval": [every, max_steps]}, "a backup was evaluated"
     # An evaluator deployment is triggered by these events: a backup, which it would skip, emits none.
     committed = job_events(prefect_server, "bk", storage, "prefect-jax.checkpoint.committed", expect=2)
