@@ -166,6 +166,16 @@ def _handlers():
 ITEMS = ("state", "data", "meta")
 
 
+def read_meta_file(checkpoint_dir: str, step: int) -> dict:
+    """A step's metadata item read as a file (`remote.META_FILE`: local or gs://), not through
+    Orbax's restore."""
+    from etils import epath
+
+    from prefect_jax.training.remote import META_FILE
+
+    return json.loads((epath.Path(checkpoint_dir) / str(int(step)) / META_FILE).read_text())
+
+
 def is_committed(step_dir: str) -> bool:
     """A step directory counts once Orbax finalized it: the step's commit metadata file (written
     last, after every item) and every item directory are there."""
@@ -257,15 +267,14 @@ class Checkpoints:
     def committed_steps(self) -> list[int]:
         return committed_steps(self.directory)
 
-    def is_backup(self, step: int) -> bool:
-        """Whether a committed step is a backup (its metadata says so; read once per step)."""
+    def is_backup(self, step: int, read_meta: Callable[[int], dict] | None = None) -> bool:
+        """Whether a committed step of the job is a backup: known for the steps saved here, else
+        its metadata says so, read once per step by `read_meta` (default: this directory's file,
+        not `read_meta` (Orbax's restore): retention asks from inside Orbax's `save`)."""
         step = int(step)
         if step not in self._backup:
-            try:  # the file, not `read_meta` (Orbax's restore): this runs inside Orbax's `save` (retention)
-                from etils import epath
-
-                meta = json.loads((epath.Path(self.directory) / str(step) / "meta" / "metadata").read_text())
-                self._backup[step] = bool(meta.get("backup"))
+            try:
+                self._backup[step] = bool((read_meta or (lambda s: read_meta_file(self.directory, s)))(step).get("backup"))
             except Exception:  # noqa: BLE001 - unreadable: retention treats it as any step
                 self._backup[step] = False
         return self._backup[step]

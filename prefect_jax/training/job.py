@@ -73,7 +73,6 @@ class Job:
             self.storage.check_writable()  # a refused write is found before anything is changed
         self.remote: RemoteSteps | None = None
         self._uploader: AsyncUploader | None = None
-        self._remote_backup: dict[int, bool] = {}  # remote step -> whether it is a backup (`_uploaded`)
         checkpoint_spec = config.checkpoint
         if not self.storage.orbax_native:
             # Orbax writes a local stage; steps count once uploaded (marker last). Retention is
@@ -146,14 +145,6 @@ class Job:
             return self.remote.read_meta(step)  # (not the whole step: an evaluator skipping backups reads this)
         return self.checkpoints.read_meta(step)
 
-    def _remote_is_backup(self, step: int) -> bool:
-        if step not in self._remote_backup:
-            try:
-                self._remote_backup[step] = bool(self.remote.read_meta(step).get("backup"))
-            except Exception:  # noqa: BLE001 - unreadable: retention treats it as any step
-                self._remote_backup[step] = False
-        return self._remote_backup[step]
-
     def set_aside(self, step: int, exc: BaseException) -> None:
         """A step that failed to restore: move it aside (local), or drop its local copy (remote:
         the remote step stays for someone to inspect). With several processes, process 0 does."""
@@ -170,7 +161,6 @@ class Job:
         the commit listeners once it counts (not of a backup: nobody evaluates it)."""
         self.checkpoints.save(step, state, data_iter, {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags})
         if self.remote is not None:
-            self._remote_backup[int(step)] = bool(meta.get("backup"))
             self.uploader.submit(step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed)
         if self.commit_listeners and self.is_primary and not meta.get("backup"):  # one event per step, however many processes wrote it
             # In the saver's context: a listener sees its settings (a Prefect API set for this
@@ -219,7 +209,8 @@ class Job:
     def _uploaded(self, step: int) -> None:
         """After an upload: apply retention to the remote steps, keep only the newest locally."""
         steps = self.remote.committed_steps()
-        keep = retained(steps, self.config.checkpoint, self.newest_evaluated(), self._remote_is_backup)
+        keep = retained(steps, self.config.checkpoint, self.newest_evaluated(),
+                        lambda s: self.checkpoints.is_backup(s, self.remote.read_meta))  # fmt: skip
         for old in steps:
             if old not in keep and old != step:
                 self.remote.delete(old)

@@ -50,6 +50,8 @@ import fsspec
 from prefect_jax.training.redaction import redact_options, redact_url, scrub, secret_values
 from prefect_jax.training.storage import atomic_write
 
+META_FILE = "meta/metadata"  # a step's metadata item, the JSON Orbax's JsonCheckpointHandler writes
+
 __all__ = [
     "COMMIT_MARKER", "RemoteConfigError", "RemoteStorageError", "RemoteSteps", "RemoteUnreachableError",
     "StepManifest", "first_line", "is_transient", "job_committed_steps",
@@ -344,9 +346,8 @@ class RemoteSteps:
         return manifest
 
     def read_meta(self, step: int) -> dict:
-        """The metadata item of a committed step (Orbax's ``meta/metadata`` JSON), without
-        downloading the step."""
-        data = self._call(f"reading the metadata of step {int(step)}", self.fs.cat_file, f"{self.step_path(step)}/meta/metadata")
+        """The metadata item of a committed step (`META_FILE`), without downloading the step."""
+        data = self._call(f"reading the metadata of step {int(step)}", self.fs.cat_file, f"{self.step_path(step)}/{META_FILE}")
         return json.loads(data)
 
     def is_committed(self, step: int) -> bool:
@@ -588,9 +589,9 @@ def job_step_is_backup(storage, step: int) -> bool:
     item alone (no restore, no download); False when that cannot be read (an evaluation says why)."""
     try:
         if storage.orbax_native:
-            from etils import epath
+            from prefect_jax.training.checkpoints import read_meta_file
 
-            meta = json.loads((epath.Path(storage.checkpoint_dir) / str(int(step)) / "meta" / "metadata").read_text())
+            meta = read_meta_file(storage.checkpoint_dir, step)
         else:
             meta = RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).read_meta(step)
     except Exception:  # noqa: BLE001 - unreadable: not known to be a backup
