@@ -378,7 +378,7 @@ def _specs(args: argparse.Namespace):
             exporters.append(FinalExporter())
     eval_spec = EvalSpec(
         steps=args.eval_steps, name=args.eval_name, throttle_secs=args.throttle_secs, exporters=exporters,
-        registered_model=args.registered_model,
+        registered_model=args.registered_model, export_platforms=args.export_platforms,
     )  # fmt: skip
     return train_spec, eval_spec, checkpoint_spec
 
@@ -774,6 +774,14 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
         metavar="NAME",
         help="MLflow registered model the exports become versions of, aliases @best @final @newest "
         "(default: the job's name; '' for none)",
+    )
+    p.add_argument(
+        "--export-platforms",
+        type=lambda v: [p.strip() for p in v.split(",") if p.strip()],
+        default=None,
+        metavar="P,P",
+        help="platforms the exported model runs on, of cpu,cuda,rocm,tpu (default: where it trains plus cpu, cuda "
+        "and tpu; where it trains alone, with a warning, if serve() lowers only there)",
     )
     p.add_argument("--best-metric", default="loss", help="metric the best exporter compares (default loss)")
     p.add_argument("--best-mode", choices=["min", "max"], default="min", help="'min' or 'max' (default min)")

@@ -130,3 +130,30 @@ class GcWatchingDigits(DigitsProgram):
 
 def gc_watching():
     return GcWatchingDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+class CpuOnlyServe(DigitsProgram):
+    """serve() holds an op that lowers on the CPU alone, as a Pallas kernel lowers on its GPU alone."""
+
+    def serve(self, state, inputs):
+        return _cpu_only_identity().bind(super().serve(state, inputs))
+
+
+def _cpu_only_identity():
+    global _CPU_ONLY
+    if _CPU_ONLY is None:
+        from jax.extend.core import Primitive
+        from jax.interpreters import mlir
+
+        _CPU_ONLY = Primitive("cpu_only_identity")
+        _CPU_ONLY.def_impl(lambda x: x)
+        _CPU_ONLY.def_abstract_eval(lambda x: x)
+        mlir.register_lowering(_CPU_ONLY, lambda ctx, x: [x], platform="cpu")
+    return _CPU_ONLY
+
+
+_CPU_ONLY = None
+
+
+def cpu_only_serve():
+    return CpuOnlyServe(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)

@@ -196,3 +196,14 @@ def test_backups_are_on_unless_the_command_says_no_backups():
         return _specs(args)[2].backups
 
     assert backups() is True and backups("--no-backups") is False
+
+
+def test_export_platforms_come_from_the_command_and_default_to_none():
+    from prefect_jax.cli import _specs, build_parser
+
+    def platforms(*flags):
+        args = build_parser().parse_args(["run", "--program", "prefect_jax.examples.digits:tiny", "--job", "j", "--storage", "/tmp/s",
+                                          *flags])
+        return _specs(args)[1].export_platforms
+
+    assert platforms() is None and platforms("--export-platforms", "cuda, cpu") == ["cuda", "cpu"]

@@ -136,6 +136,98 @@ def test_a_fresh_process_without_prefect_jax_serves_models_best_exactly(register
         trainer.close()
 
 
+def test_a_model_trained_anywhere_loads_on_cpus_gpus_and_tpus_and_says_so(registered, mlflow_uri):
+    import jax
+    import mlflow
+
+    config, results, _ = registered
+    final = results[-1].step
+    with open(os.path.join(config.storage, "reg", "exports", "final", str(final), "model.jax_export"), "rb") as f:
+        assert jax.export.deserialize(bytearray(f.read())).platforms == ("cpu", "cuda", "tpu")
+    mlflow.set_tracking_uri(mlflow_uri)
+    assert mlflow.models.get_model_info("models:/reg-digits@final").metadata["prefect_jax"]["platforms"] == ["cpu", "cuda", "tpu"]
+
+
+def _export_job(job_config, job, program="programs:cpu_only_serve", **eval_updates):
+    config = job_config(max_steps=20, job=job, exporters=[LatestExporter()], program=program)
+    config = config.model_copy(update={"eval": config.eval.model_copy(update={"registered_model": job, **eval_updates})})
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    train_to_end(trainer)
+    trainer.finish()
+    trainer.close()
+    return os.path.join(config.storage, job, "exports", "latest", "20")
+
+
+def test_a_serve_that_lowers_only_here_is_exported_for_here_with_a_warning_and_a_named_platform_list_is_kept(
+    job_config, mlflow_uri, caplog
+):
+    import jax
+    import mlflow
+
+    from prefect_jax.training.exporters import serialize_serving
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    with caplog.at_level("WARNING", logger="prefect_jax.trainer"):
+        path = _export_job(job_config, "here-only")
+    assert "the export runs on cpu only" in caplog.text and "cpu_only_identity" in caplog.text
+    with open(os.path.join(path, "model.jax_export"), "rb") as f:
+        assert jax.export.deserialize(bytearray(f.read())).platforms == ("cpu",)
+    assert mlflow.models.get_model_info("models:/here-only@newest").metadata["prefect_jax"]["platforms"] == ["cpu"]
+
+    # Named platforms are the user's: no fallback, and an error that names them and the fix.
+    from programs import cpu_only_serve
+
+    program = cpu_only_serve()
+    state = jax.jit(program.init)(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"export_platforms=\['cpu', 'cuda'\].*cpu_only_identity.*\['cpu'\] for this machine's alone"):
+        serialize_serving(program, state, ["cpu", "cuda"])
+
+
+def test_an_export_for_accelerators_only_is_still_logged_and_a_cpu_says_where_it_runs(job_config, mlflow_uri):
+    import jax
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    path = _export_job(job_config, "tpu-only", "prefect_jax.examples.digits:tiny", export_platforms=["tpu"])  # lowers here; the MLflow worker runs it nowhere
+    info = mlflow.models.get_model_info("models:/tpu-only@newest")
+    assert info.metadata["prefect_jax"]["platforms"] == ["tpu"]
+    assert list(info.signature.outputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 10]
+    with pytest.raises(Exception, match="tpu"):
+        load_export(path)(np.zeros((2, 64), np.float32))
+    assert jax.default_backend() == "cpu"
+
+
+ON_AN_ACCELERATOR_HOST = r"""
+import os, sys
+import jax
+jax.devices()  # this process's JAX is open, on the CPU here
+os.environ["JAX_PLATFORMS"] = "cuda"  # as on a GPU pool: the MLflow worker is given this environment
+from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, LatestExporter, TrainSpec
+from prefect_jax.training.trainer import Trainer
+config = JobConfig(program="prefect_jax.examples.digits:tiny", job="accel", storage=sys.argv[1],
+                   train=TrainSpec(max_steps=20, log_every_steps=10), checkpoint=CheckpointSpec(every_steps=20),
+                   eval=EvalSpec(exporters=[LatestExporter()], registered_model="accel", learning_curve_every_secs=0),
+                   mlflow_tracking_uri=sys.argv[2])
+trainer = Trainer(config)
+trainer.restore_or_init()
+trainer.train_until_checkpoint()
+trainer.export(trainer.evaluate_if_new())
+trainer.finish()
+trainer.close()
+"""
+
+
+def test_the_mlflow_worker_checks_a_logged_model_on_the_cpu_not_on_the_trainers_accelerator(tmp_path, mlflow_uri):
+    """On a GPU host a second JAX client (the MLflow worker's, checking the logged model) would take
+    the GPU's memory beside the trainer's; it runs on the CPU, whatever JAX_PLATFORMS the job has."""
+    proc = subprocess.run([sys.executable, "-c", ON_AN_ACCELERATOR_HOST, str(tmp_path / "storage"), mlflow_uri],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    versions = MlflowClient(mlflow_uri).search_model_versions("name = 'accel'")
+    assert [v.tags["prefect_jax.step"] for v in versions] == ["20"], proc.stderr[-3000:]
+
+
 def test_the_run_reads_as_model_training(registered, mlflow_uri):
     config, _, run_id = registered
     client = MlflowClient(mlflow_uri)

@@ -15,12 +15,15 @@ import json
 import os
 import shutil
 import tempfile
+import logging
 import time
 from typing import Any, Callable
 
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
 from prefect_jax.training.specs import BestExporter, ExporterSpec, FinalExporter, LatestExporter
 from prefect_jax.training.storage import JobStorage
+
+logger = logging.getLogger("prefect_jax.trainer")  # shown in the flow run's logs
 
 MODEL_FILE = "model.jax_export"
 INFO_FILE = "export.json"
@@ -38,8 +41,18 @@ def is_the_final_export(result: EvalResult, max_steps: int) -> bool:
     return is_recorded(result) and result.step >= max_steps
 
 
-def serialize_serving(program: Any, state) -> bytes:
-    """``jax.export`` of ``serve(state, inputs)`` with `state` closed over as constants."""
+# Where an export runs by default: a model trained on a GPU or TPU pool also loads on a CPU
+# (a laptop, a CPU serving container), and one trained on CPUs on either accelerator.
+# jax.export lowers for all of them on any machine; one StableHLO module holds every platform's
+# code and the state's constants once (a few hundred bytes more than one platform).
+SERVING_PLATFORMS = ("cpu", "cuda", "tpu")
+
+
+def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...] | None = None) -> bytes:
+    """``jax.export`` of ``serve(state, inputs)`` with `state` closed over as constants, lowered
+    for `platforms` (``EvalSpec.export_platforms``). None: this machine's platform and
+    `SERVING_PLATFORMS`, or this machine's alone, with a warning, when ``serve`` lowers only here
+    (a Pallas kernel, a platform-specific custom call)."""
     import jax
 
     spec = program.serving_input()
@@ -47,7 +60,26 @@ def serialize_serving(program: Any, state) -> bytes:
     def serving(inputs):
         return program.serve(state, inputs)
 
-    return jax.export.export(jax.jit(serving))(spec).serialize()
+    here = jax.export.default_export_platform()
+    if platforms:
+        try:
+            return jax.export.export(jax.jit(serving), platforms=tuple(platforms))(spec).serialize()
+        except Exception as e:
+            raise ValueError(
+                f"the program's serve() does not lower for export_platforms={list(platforms)} "
+                f"({type(e).__name__}: {e}); leave out the platforms it cannot run on in "
+                f"EvalSpec.export_platforms (--export-platforms), e.g. [{here!r}] for this machine's alone"
+            ) from e
+    wanted = tuple(dict.fromkeys((here, *SERVING_PLATFORMS)))
+    try:
+        return jax.export.export(jax.jit(serving), platforms=wanted)(spec).serialize()
+    except Exception as e:
+        logger.warning(
+            "the export runs on %s only: serve() does not lower for all of %s (%s: %s). Set "
+            "EvalSpec.export_platforms (--export-platforms) to the platforms it runs on to silence this",
+            here, list(wanted), type(e).__name__, str(e).splitlines()[0] if str(e) else "",
+        )  # fmt: skip
+        return jax.export.export(jax.jit(serving))(spec).serialize()
 
 
 def load_export(path: str) -> Callable:

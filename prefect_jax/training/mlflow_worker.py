@@ -210,8 +210,16 @@ def _startup_over() -> None:
         gc.enable()
 
 
+def _jax_on_cpu() -> None:
+    """JAX in this process (a logged model's check: `registry.log_export_model`) runs on the CPU.
+    On a GPU or TPU host it would otherwise open a second client on the trainer's accelerator and
+    take its memory (75% of a GPU by default) or fail for want of it."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def main() -> None:
     gc.disable()  # until MLflow is imported: `_startup_over`
+    _jax_on_cpu()
     _die_with_parent(int(sys.argv[1]))
     try:  # bookkeeping: the cores go to training first (PREFECT_JAX_MLFLOW_NICE, default 10; 0 for none)
         os.nice(int(os.environ.get("PREFECT_JAX_MLFLOW_NICE", "10")))
@@ -291,6 +299,7 @@ def main() -> None:
             _, key, args, environment = message
             os.environ.clear()
             os.environ.update(environment)  # what the parent's tracker sees (MLflow's settings, credentials)
+            _jax_on_cpu()
             backends[key] = tracking.Tracker(*args, _worker_side=True)
         elif kind == "call":
             _, call_id, key, name, args, strict = message

@@ -95,13 +95,19 @@ def log_export_model(
     with open(model_file, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
     example = np.asarray(example, dtype=exported.in_avals[0].dtype)
-    signature = infer_signature(example, np.asarray(exported.call(example)))
+    if "cpu" in exported.platforms:  # this process's JAX runs on the CPU (`mlflow_worker._jax_on_cpu`)
+        output = np.asarray(exported.call(example))
+    else:  # exported for accelerators only (EvalSpec.export_platforms): the output's shape, from its signature
+        out = exported.out_avals[0]
+        output = np.zeros([d if isinstance(d, int) else len(example) for d in out.shape], out.dtype)
+    signature = infer_signature(example, output)
     info_path = os.path.join(export_dir, "export.json")
     metadata = {}
     if os.path.exists(info_path):
         with open(info_path) as f:
             info = json.load(f)
         metadata = {k: info[k] for k in ("program", "program_fingerprint", "metrics", "eval_name") if k in info}
+    metadata["platforms"] = list(exported.platforms)  # where it loads: cpu, cuda, tpu by default
     mlflow.set_tracking_uri(tracking_uri)  # Model.log reads the global URI
     # The model's requirements are the ones above, not the uv project of the working directory.
     os.environ.setdefault("MLFLOW_UV_AUTO_DETECT", "false")

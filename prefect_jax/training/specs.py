@@ -269,6 +269,9 @@ class EvalSpec(_Spec):
         registered_model: the MLflow registered model the exports become versions of, with
             an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None: the
             job's name; ``""``: do not register.
+        export_platforms: the platforms the exported model runs on (``jax.export`` lowers for
+            each: ``cpu``, ``cuda``, ``rocm``, ``tpu``); None: where it trained plus cpu, cuda
+            and tpu, or where it trained alone (with a warning) if ``serve`` lowers only there.
     """
 
     steps: int | None = Field(None, description="Eval batches; None: the whole eval set.")
@@ -288,6 +291,10 @@ class EvalSpec(_Spec):
     registered_model: str | None = Field(
         None, description="MLflow registered model of the exports (None: the job's name; '': none)."
     )
+    export_platforms: list[str] | None = Field(
+        None, description="Platforms the exported model runs on (cpu, cuda, rocm, tpu). None: where it trained "
+        "plus cpu, cuda and tpu, or where it trained alone if serve() lowers only there.",
+    )  # fmt: skip
 
     @field_validator("steps")
     @classmethod
@@ -305,6 +312,21 @@ class EvalSpec(_Spec):
         if v is None or v < 0:
             raise ValueError(f"{info.field_name}={v!r} must be >= 0 seconds; use 0 for no delay")
         return v
+
+    @field_validator("export_platforms")
+    @classmethod
+    def _platforms(cls, v):
+        if v is None:
+            return v
+        known = ("cpu", "cuda", "rocm", "tpu")  # exporters.KNOWN_PLATFORMS (no jax import here)
+        bad = [p for p in v if p not in known]
+        if bad or not v:
+            raise ValueError(
+                f"export_platforms={v!r}: {'unknown platform(s) ' + repr(bad) if bad else 'an empty list exports for nowhere'}; "
+                f"give some of {list(known)} (jax.export's names: 'cuda' for NVIDIA GPUs), or None for where it "
+                "trained plus cpu, cuda and tpu"
+            )
+        return list(dict.fromkeys(v))
 
     @model_validator(mode="after")
     def _unique_exporters(self):

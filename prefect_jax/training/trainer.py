@@ -583,7 +583,7 @@ class Trainer:
         def make_model() -> bytes:
             if not model:
                 self._wait_for_compile_cache()
-                model.append(exp.serialize_serving(self.program, self._state_at(result.step)))
+                model.append(exp.serialize_serving(self.program, self._state_at(result.step), self.config.eval.export_platforms))
             return model[0]
 
         storage = self.storage
