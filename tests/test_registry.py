@@ -236,6 +236,7 @@ def test_the_run_reads_as_model_training(registered, mlflow_uri):
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert {"train/loss", "train/accuracy", "eval/loss", "eval/accuracy"} <= set(run.data.metrics)
     assert "loss" not in run.data.metrics and "accuracy" not in run.data.metrics
+    assert run.data.tags["prefect_jax.devices"] == "1 x cpu (cpu)"
     note = run.data.tags["mlflow.note.content"]
     assert "prefect-jax job `reg`" in note and config.storage in note and "/checkpoints/<step>" in note
     images = [f.path for f in client.list_artifacts(run_id, "images")]

@@ -58,6 +58,18 @@ logger = logging.getLogger("prefect_jax.trainer")
 __all__ = ["Trainer", "add_progress_listener", "restore_or_init"]
 
 
+DEVICES_TAG = "prefect_jax.devices"  # the MLflow run's: what its newest training attempt runs on
+
+
+def describe_devices() -> str:
+    """``"1 x NVIDIA H100 80GB HBM3 (gpu)"``, ``"16 x TPU v5 lite (tpu), 4 processes"``."""
+    import jax
+
+    devices = jax.devices()
+    text = f"{len(devices)} x {', '.join(sorted({d.device_kind for d in devices}))} ({jax.default_backend()})"
+    return text + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+
+
 class Trainer:
     """One job's live training session.
 
@@ -182,6 +194,8 @@ class Trainer:
         self._log_train_rows([tuple(r) for r in (meta or {}).get("train_metrics", [])])
         if step < self.config.train.max_steps:
             job.record_attempt(step)
+            if job.is_primary:  # what this attempt trains on, for the MLflow run's reader
+                self.tracker.set_tags({DEVICES_TAG: describe_devices()})
         self.state, self.step, self.data_iter = loop.place(state), step, data_iter
         self._live_is_preemption = bool((meta or {}).get("preemption"))
         self._started_from = step  # committed, or init / a warm start: a rerun gets the same state
