@@ -132,28 +132,30 @@ def gc_watching():
     return GcWatchingDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
 
 
-class CpuOnlyServe(DigitsProgram):
-    """serve() holds an op that lowers on the CPU alone, as a Pallas kernel lowers on its GPU alone."""
+class HereOnlyServe(DigitsProgram):
+    """serve() holds an op that lowers on this machine's platform alone, as a Pallas kernel lowers
+    on its GPU alone."""
 
     def serve(self, state, inputs):
-        return _cpu_only_identity().bind(super().serve(state, inputs))
+        return _here_only_identity().bind(super().serve(state, inputs))
 
 
-def _cpu_only_identity():
-    global _CPU_ONLY
-    if _CPU_ONLY is None:
+def _here_only_identity():
+    global _HERE_ONLY
+    if _HERE_ONLY is None:
+        import jax
         from jax.extend.core import Primitive
         from jax.interpreters import mlir
 
-        _CPU_ONLY = Primitive("cpu_only_identity")
-        _CPU_ONLY.def_impl(lambda x: x)
-        _CPU_ONLY.def_abstract_eval(lambda x: x)
-        mlir.register_lowering(_CPU_ONLY, lambda ctx, x: [x], platform="cpu")
-    return _CPU_ONLY
+        _HERE_ONLY = Primitive("here_only_identity")
+        _HERE_ONLY.def_impl(lambda x: x)
+        _HERE_ONLY.def_abstract_eval(lambda x: x)
+        mlir.register_lowering(_HERE_ONLY, lambda ctx, x: [x], platform=jax.export.default_export_platform())
+    return _HERE_ONLY
 
 
-_CPU_ONLY = None
+_HERE_ONLY = None
 
 
-def cpu_only_serve():
-    return CpuOnlyServe(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+def here_only_serve():
+    return HereOnlyServe(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)

@@ -50,8 +50,8 @@ SERVING_PLATFORMS = ("cpu", "cuda", "tpu")
 
 def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...] | None = None) -> bytes:
     """``jax.export`` of ``serve(state, inputs)`` with `state` closed over as constants, lowered
-    for `platforms` (``EvalSpec.export_platforms``). None: this machine's platform and
-    `SERVING_PLATFORMS`, or this machine's alone, with a warning, when ``serve`` lowers only here
+    for `platforms` (``EvalSpec.export_platforms``). None: `SERVING_PLATFORMS` and this
+    machine's platform, or this machine's alone, with a warning, when ``serve`` lowers only here
     (a Pallas kernel, a platform-specific custom call)."""
     import jax
 
@@ -70,7 +70,7 @@ def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...
                 f"({type(e).__name__}: {e}); leave out the platforms it cannot run on in "
                 f"EvalSpec.export_platforms (--export-platforms), e.g. [{here!r}] for this machine's alone"
             ) from e
-    wanted = tuple(dict.fromkeys((here, *SERVING_PLATFORMS)))
+    wanted = tuple(dict.fromkeys((*SERVING_PLATFORMS, here)))
     try:
         return jax.export.export(jax.jit(serving), platforms=wanted)(spec).serialize()
     except Exception as e:
