@@ -202,7 +202,7 @@ GAPS = {
         "which took the one-interval rows' `flow: mlflow s` from 2.66 s (2026-11-24) to 1.16 s; MLflow's import with "
         "the garbage collector off in the worker (2026-11-25 09:11): 0.61 s -> 0.40 s in that row, one run each. The command starts "
         "the worker before its own imports, where this is off the critical path. On an H100 the engine's loop is "
-        "within 1.5% of a plain loop (the GPU section below). Where the flow's extra loop time goes (the flow side "
+        "within 1.5% of a plain loop (one call, 2026-11-23), on an H200 1.10x (median of 5 calls, 1.00-1.22, 2026-11-26: the GPU section below). Where the flow's extra loop time goes (the flow side "
         "alone, 10 intervals, the engine's entry points timed, 3 runs on 2026-11-23): per interval, the two task runs' "
         "Prefect work (~24 ms, the Prefect line below) and the evaluation task (55-90 ms, most of it its wait for the "
         "save's commit); once, at the end, `Trainer.finish` (every MLflow write landed, the run closed: 90-390 ms) and, "
@@ -252,7 +252,8 @@ GAPS = {
         "left is the scan's own speed-up on this CPU against single ~1.5-2 s per-step runs: the plain scan loop over "
         "the plain per-step loop read 1.05, 1.38 and 1.72 in the three rounds, this ratio 1.12, 1.46 and 1.11 (1.14, 1.16 and 1.90 at 03:47). "
         "On an H100 the engine with "
-        "`steps_per_dispatch=10` runs 1.5x as many steps per second as the plain per-step loop (the GPU section)."
+        "`steps_per_dispatch=10` runs 1.5x as many steps per second as the plain per-step loop, on an H200 1.48x "
+        "(median of 5 calls, 1.28-1.61; the GPU section)."
     ),
     "stall_pct_of_sync_save_512mib": "",
     "rerun_to_first_step_vs_plain": (
@@ -422,22 +423,25 @@ def goodput_samples_markdown(samples: list[dict] | None) -> list[str]:
 
 
 def gpu_markdown() -> list[str]:
-    """The GPU figures recorded by `benchmarks/gpu.py` on a lent GPU machine (this machine has none)."""
+    """The GPU figures recorded by `benchmarks/gpu.py` and `benchmarks/gpu_check.sh` on a lent GPU
+    machine (this machine has none)."""
     import glob
     import os
+    import statistics
 
-    out = []
+    out, notes = [], []
     for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "GPU-*.json"))):
         with open(path) as f:
             g = json.load(f)
         sp, er = g["speed"], g["exact_resume"]
         if not out:
-            out += ["", "## On a GPU (the engine)", "",
+            out += ["", "## On a GPU", "",
                     "`benchmarks/gpu.py`, run on a GPU machine lent to a session (recorded there, not re-measured by this run): "
-                    "the engine (`Trainer`, no Prefect or MLflow, which that machine lacks) against a plain jit + Orbax loop, "
+                    "the engine (`Trainer` alone, without Prefect) against a plain jit + Orbax loop, "
                     "a checkpoint and a full eval every `every` steps, the first interval (its compile) untimed. On a GPU the "
                     "engine donates the state's buffers to each step (the CPU backend cannot), so this is also where exact "
-                    "resume with donation is checked.", "",
+                    "resume with donation is checked. Since 2026-11-26 `benchmarks/gpu_check.sh` also runs the flow there "
+                    "(Prefect, MLflow and Grain carried as packed wheels: `benchmarks/gpu_wheels.sh`).", "",
                     "| device | recorded | MLP width, batch | steps, every | plain steps/s | engine steps/s | engine / plain time | "
                     "engine `steps_per_dispatch=10` steps/s | / plain time | exact resume (fingerprints) |",
                     "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
@@ -445,7 +449,35 @@ def gpu_markdown() -> list[str]:
                    f"{sp['plain_steps_per_s']:.0f} | {sp['engine_steps_per_s']:.0f} | {sp['engine_vs_plain_time']:.3f} | "
                    f"{sp['engine_scan10_steps_per_s']:.0f} | {sp['engine_scan10_vs_plain_time']:.3f} | "
                    f"{'equal' if er['equal'] else 'DIFFERENT'} (resumed at step {er['resumed_at']}) |")
-    return out
+        name = g["device_kind"]
+        calls = g.get("calls")
+        if calls:
+            def spread(key):
+                values = [c[key] for c in calls]
+                return f"median {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+            line = (f"- {name}, {len(calls)} calls of `gpu.py` on {g['recorded']} (the row is one of them): engine / plain time "
+                    f"{spread('engine_vs_plain_time')}; `steps_per_dispatch=10` / plain per-step time "
+                    f"{spread('engine_scan10_vs_plain_time')}. The plain loop's own speed moved between calls "
+                    f"({min(c['plain_steps_per_s'] for c in calls):.0f}-{max(c['plain_steps_per_s'] for c in calls):.0f} steps/s).")
+            ab = g.get("ab_before_backups")
+            if ab:
+                line += (f" The engine before backups ({ab['code']}) against this code, alternated in one call: "
+                         f"{', '.join(str(v) for v in ab['old_engine_steps_per_s'])} against "
+                         f"{', '.join(str(v) for v in ab['new_engine_steps_per_s'])} steps/s.")
+            notes.append(line)
+        fc = g.get("flow_check")
+        if fc:
+            d, t = fc["demo"], fc["tests"]
+            notes.append(
+                f"- {name}, the flow (`{fc['command']}`): `prefect-jax demo` (ephemeral Prefect server, SQLite MLflow, local "
+                f"checkpoints) trained {d['steps']} steps in {d['wall_s']} s wall (eval accuracy {d['eval_accuracy']}; goodput "
+                f"{d['goodput']}: start-up {d['lost_s']['startup']} s, restore {d['lost_s']['restore']} s, compile "
+                f"{d['lost_s']['compile']} s, checkpoints {d['lost_s']['checkpoint']} s); its MLflow run holds "
+                f"{d['system_gpu_metrics']} `system/gpu_0_*` metrics and the tag `prefect_jax.devices` = `{d['devices_tag']}`; "
+                f"its exports are lowered for {', '.join(d['export_platforms'])}, and {d['served_on_cpu']}. "
+                f"{t['passed']} tests passed on the GPU, {t['failed']} failed ({', '.join(t['files'])}; {t['seconds']} s; "
+                f"left out: {t['left_out']}).")
+    return out + ([""] + notes if notes else [])
 
 
 def worker_rerun_markdown(wr: dict | None) -> list[str]:
