@@ -513,6 +513,57 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _process_envs(n: int, coordinator: str, api_url: str, embedded: bool, environ: dict | None = None) -> list[dict[str, str]]:
+    """The environments of ``--processes N``'s processes: the cluster (``PREFECT_JAX_*``), one
+    Prefect API, and each process's share of this machine's GPUs (`_gpu_shares`)."""
+    environ = dict(os.environ if environ is None else environ)
+    shares = _gpu_shares(n, environ)
+    envs = []
+    for k in range(n):
+        env = dict(environ, PREFECT_API_URL=api_url, PREFECT_JAX_NUM_PROCESSES=str(n), PREFECT_JAX_PROCESS_ID=str(k),
+                   PREFECT_JAX_COORDINATOR_ADDRESS=coordinator)  # fmt: skip
+        if embedded:
+            env["PREFECT_JAX_EMBEDDED_API"] = "1"
+        if shares:
+            env["JAX_LOCAL_DEVICE_IDS"] = shares[k]
+        envs.append(env)
+    return envs
+
+
+def _gpu_shares(n: int, environ: dict[str, str]) -> list[str] | None:
+    """Each of `n` processes on this machine its own NVIDIA GPUs, as values of JAX's own
+    ``JAX_LOCAL_DEVICE_IDS`` (`jax.distributed.initialize` reads it): ``["0", "1"]`` for 2 of 2
+    GPUs, ``["0,1,2,3", "4,5,6,7"]`` for 2 of 8. Without them every process opens every GPU (JAX
+    gives each process one GPU by itself only under SLURM or Open MPI), and each client takes 75%
+    of every GPU's memory.
+
+    None: no NVIDIA GPU here (or ``JAX_PLATFORMS`` names none), ``JAX_LOCAL_DEVICE_IDS`` already
+    set, or GPUs that `n` does not divide (a warning says what to do)."""
+    import subprocess
+
+    platforms = environ.get("JAX_PLATFORMS", "").lower()
+    if environ.get("JAX_LOCAL_DEVICE_IDS") or (platforms and not any(p in platforms for p in ("cuda", "gpu"))):
+        return None
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # the ids JAX sees are 0..count-1 of these
+        count = len([v for v in visible.split(",") if v.strip() and not v.strip().startswith("-")])
+    else:
+        try:
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, env=environ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        count = sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+    if count == 0:
+        return None
+    if count % n:
+        print(f"prefect-jax: {n} processes on {count} GPUs: every process opens every GPU. Run a number of processes "
+              f"that divides {count}, or give each its GPUs with JAX_LOCAL_DEVICE_IDS (and XLA_PYTHON_CLIENT_PREALLOCATE=false "
+              "if they share one)", file=sys.stderr)  # fmt: skip
+        return None
+    per = count // n
+    return [",".join(str(i) for i in range(k * per, (k + 1) * per)) for k in range(n)]
+
+
 def _launch_processes(args: argparse.Namespace) -> int:
     """``--processes N``: this command N times on this machine, as the N JAX processes of one job
     (``PREFECT_JAX_*`` set for each; process 0 runs the flow run, the others its children), all
@@ -540,11 +591,7 @@ def _launch_processes(args: argparse.Namespace) -> int:
     embedded = not PREFECT_API_URL.value()  # as prefect_backend decides
     with prefect_backend() as api_url:
         procs: list[subprocess.Popen] = []
-        for k in range(n):
-            env = dict(os.environ, PREFECT_API_URL=api_url, PREFECT_JAX_NUM_PROCESSES=str(n), PREFECT_JAX_PROCESS_ID=str(k),
-                       PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")  # fmt: skip
-            if embedded:
-                env["PREFECT_JAX_EMBEDDED_API"] = "1"
+        for k, env in enumerate(_process_envs(n, f"127.0.0.1:{port}", api_url, embedded)):
             extra = [] if k == 0 else ["--no-progress"]
             # Their own sessions: a Ctrl-C or SIGTERM reaches each once, forwarded from here.
             procs.append(subprocess.Popen([sys.executable, "-m", "prefect_jax.cli", *argv, *extra], env=env,

@@ -101,6 +101,30 @@ def test_cluster_config_comes_from_the_launchers_environment():
             from_env(env)
 
 
+def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_ids(tmp_path, monkeypatch):
+    """``--processes N`` on a machine with GPUs: each process its own (JAX would open every GPU in
+    every process, each taking 75% of its memory); counted by nvidia-smi, or CUDA_VISIBLE_DEVICES."""
+    from prefect_jax.cli import _process_envs
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(8)))
+    smi.chmod(0o755)
+    base = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+
+    def shares(n, **env):
+        return [e.get("JAX_LOCAL_DEVICE_IDS") for e in _process_envs(n, "127.0.0.1:1", "http://api", False, dict(base, **env))]
+
+    envs = _process_envs(2, "127.0.0.1:1234", "http://api", True, base)
+    assert [(e["PREFECT_JAX_PROCESS_ID"], e["JAX_LOCAL_DEVICE_IDS"], e["PREFECT_JAX_EMBEDDED_API"]) for e in envs] == [
+        ("0", "0,1,2,3", "1"), ("1", "4,5,6,7", "1")]
+    assert shares(8) == [str(i) for i in range(8)]
+    assert shares(2, CUDA_VISIBLE_DEVICES="3,5") == ["0", "1"]  # JAX numbers the visible ones from 0
+    assert shares(2, JAX_PLATFORMS="cpu") == [None, None]  # CPU processes
+    assert shares(2, JAX_LOCAL_DEVICE_IDS="0") == ["0", "0"]  # the caller's choice stands
+    assert shares(3) == [None, None, None]  # 8 GPUs do not divide: warned, left to JAX
+    assert shares(2, PATH="/nonexistent") == [None, None]  # no nvidia-smi: no GPUs
+
+
 def test_a_pods_process_command_finds_process_0_from_its_job_and_service():
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_JAX_")}
     env.update(JOB_NAME="train-x7k2p", JOB_COMPLETION_INDEX="0")
