@@ -7,7 +7,8 @@
 #   benchmarks/gpu_wheels.sh      # .whl/site.tar.xz: with the repo, under the call's 64 MiB
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # also in a worktree, where .git is a file
+mkdir -p "$(dirname "$exclude")" && { grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"; }
 rm -rf .whl && mkdir -p .whl
 
 # The image's own packages (KINDS.md, 2026-11-17) are used as they are: the compute stack above all
@@ -42,7 +43,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl -r .whl/req.txt 2>&1 | grep -v '^WARNING' || true
 rm -f .whl/all.txt
 # Unpacked (a wheel is a zip: pip's --target does little more) and packed again with xz: 63 MiB of
-# wheels become ~37 MiB, which leaves room in the call's 64 MiB for the repo.
+# wheels become ~38 MiB, which leaves room in the call's 64 MiB for the repo.
 n=$(ls .whl/*.whl | wc -l)
 site=$(mktemp -d)
 for w in .whl/*.whl; do unzip -q -o "$w" -d "$site"; done

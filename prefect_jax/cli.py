@@ -515,53 +515,63 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _process_envs(n: int, coordinator: str, api_url: str, embedded: bool, environ: dict | None = None) -> list[dict[str, str]]:
     """The environments of ``--processes N``'s processes: the cluster (``PREFECT_JAX_*``), one
-    Prefect API, and each process's share of this machine's GPUs (`_gpu_shares`)."""
+    Prefect API, and each process's share of this machine's GPUs (`_gpu_envs`)."""
     environ = dict(os.environ if environ is None else environ)
-    shares = _gpu_shares(n, environ)
     envs = []
-    for k in range(n):
+    for k, gpus in enumerate(_gpu_envs(n, environ)):
         env = dict(environ, PREFECT_API_URL=api_url, PREFECT_JAX_NUM_PROCESSES=str(n), PREFECT_JAX_PROCESS_ID=str(k),
-                   PREFECT_JAX_COORDINATOR_ADDRESS=coordinator)  # fmt: skip
+                   PREFECT_JAX_COORDINATOR_ADDRESS=coordinator, **gpus)  # fmt: skip
         if embedded:
             env["PREFECT_JAX_EMBEDDED_API"] = "1"
-        if shares:
-            env["JAX_LOCAL_DEVICE_IDS"] = shares[k]
         envs.append(env)
     return envs
 
 
-def _gpu_shares(n: int, environ: dict[str, str]) -> list[str] | None:
-    """Each of `n` processes on this machine its own NVIDIA GPUs, as values of JAX's own
-    ``JAX_LOCAL_DEVICE_IDS`` (`jax.distributed.initialize` reads it): ``["0", "1"]`` for 2 of 2
-    GPUs, ``["0,1,2,3", "4,5,6,7"]`` for 2 of 8. Without them every process opens every GPU (JAX
-    gives each process one GPU by itself only under SLURM or Open MPI), and each client takes 75%
-    of every GPU's memory.
-
-    None: no NVIDIA GPU here (or ``JAX_PLATFORMS`` names none), ``JAX_LOCAL_DEVICE_IDS`` already
-    set, or GPUs that `n` does not divide (a warning says what to do)."""
+def _visible_gpus(environ: dict[str, str]) -> int:
+    """How many NVIDIA GPUs a process started with `environ` sees: ``CUDA_VISIBLE_DEVICES`` (CUDA
+    stops at its first entry that is no index, ``GPU-`` or ``MIG-`` UUID), else ``nvidia-smi -L``."""
     import subprocess
 
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for entry in visible.split(","):
+            entry = entry.strip()
+            if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+                break
+            count += 1
+        return count
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, env=environ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+
+
+def _gpu_envs(n: int, environ: dict[str, str]) -> list[dict[str, str]]:
+    """What each of `n` processes on this machine needs to share its NVIDIA GPUs: its own, as
+    JAX's ``JAX_LOCAL_DEVICE_IDS`` (`jax.distributed.initialize` reads it), ``{"JAX_LOCAL_DEVICE_IDS":
+    "0,1,2,3"}`` and ``"4,5,6,7"`` for 2 processes on 8 GPUs. Without it every process opens every
+    GPU (JAX splits them by itself only under SLURM or Open MPI), each client taking 75% of every
+    GPU's memory. Fewer GPUs than processes: they share them, without preallocation.
+
+    Nothing: no NVIDIA GPU here (or ``JAX_PLATFORMS`` names none), or ``JAX_LOCAL_DEVICE_IDS``
+    set already."""
     platforms = environ.get("JAX_PLATFORMS", "").lower()
     if environ.get("JAX_LOCAL_DEVICE_IDS") or (platforms and not any(p in platforms for p in ("cuda", "gpu"))):
-        return None
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:  # the ids JAX sees are 0..count-1 of these
-        count = len([v for v in visible.split(",") if v.strip() and not v.strip().startswith("-")])
-    else:
-        try:
-            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, env=environ).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-        count = sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+        return [{} for _ in range(n)]
+    count = _visible_gpus(environ)
     if count == 0:
-        return None
-    if count % n:
-        print(f"prefect-jax: {n} processes on {count} GPUs: every process opens every GPU. Run a number of processes "
-              f"that divides {count}, or give each its GPUs with JAX_LOCAL_DEVICE_IDS (and XLA_PYTHON_CLIENT_PREALLOCATE=false "
-              "if they share one)", file=sys.stderr)  # fmt: skip
-        return None
+        return [{} for _ in range(n)]
+    if count < n:
+        print(f"prefect-jax: {n} processes share {count} GPU(s): each opens all of them, without preallocating "
+              "their memory (XLA_PYTHON_CLIENT_PREALLOCATE=false)", file=sys.stderr)  # fmt: skip
+        return [{"XLA_PYTHON_CLIENT_PREALLOCATE": environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")} for _ in range(n)]
     per = count // n
-    return [",".join(str(i) for i in range(k * per, (k + 1) * per)) for k in range(n)]
+    if count % n:
+        print(f"prefect-jax: {n} processes on {count} GPUs: {per} each, GPUs {per * n}-{count - 1} idle; run a number "
+              f"of processes that divides {count} to use them all", file=sys.stderr)  # fmt: skip
+    return [{"JAX_LOCAL_DEVICE_IDS": ",".join(str(i) for i in range(k * per, (k + 1) * per))} for k in range(n)]
 
 
 def _launch_processes(args: argparse.Namespace) -> int:
@@ -824,11 +834,11 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
     )
     p.add_argument(
         "--export-platforms",
-        type=lambda v: [p.strip() for p in v.split(",") if p.strip()],
+        type=lambda v: [name.strip() for name in v.split(",") if name.strip()],
         default=None,
         metavar="P,P",
-        help="platforms the exported model runs on, of cpu,cuda,rocm,tpu (default: where it trains plus cpu, cuda "
-        "and tpu; where it trains alone, with a warning, if serve() lowers only there)",
+        help="platforms the exported model runs on, of cpu,cuda,rocm,tpu (default: all that serve() lowers for; "
+        "a warning names those left out)",
     )
     p.add_argument("--best-metric", default="loss", help="metric the best exporter compares (default loss)")
     p.add_argument("--best-mode", choices=["min", "max"], default="min", help="'min' or 'max' (default min)")

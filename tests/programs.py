@@ -132,30 +132,37 @@ def gc_watching():
     return GcWatchingDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
 
 
-class HereOnlyServe(DigitsProgram):
-    """serve() holds an op that lowers on this machine's platform alone, as a Pallas kernel lowers
-    on its GPU alone."""
+class SomePlatformsServe(DigitsProgram):
+    """serve() holds an op that lowers on this machine's platform and one more (`SOME_PLATFORMS`)
+    alone, as a Pallas kernel lowers on GPUs alone."""
 
     def serve(self, state, inputs):
-        return _here_only_identity().bind(super().serve(state, inputs))
+        return _some_platforms_identity().bind(super().serve(state, inputs))
 
 
-def _here_only_identity():
-    global _HERE_ONLY
-    if _HERE_ONLY is None:
-        import jax
+def some_platforms() -> tuple[str, str]:
+    import jax
+
+    here = jax.export.default_export_platform()
+    return here, "cuda" if here != "cuda" else "cpu"
+
+
+def _some_platforms_identity():
+    global _SOME
+    if _SOME is None:
         from jax.extend.core import Primitive
         from jax.interpreters import mlir
 
-        _HERE_ONLY = Primitive("here_only_identity")
-        _HERE_ONLY.def_impl(lambda x: x)
-        _HERE_ONLY.def_abstract_eval(lambda x: x)
-        mlir.register_lowering(_HERE_ONLY, lambda ctx, x: [x], platform=jax.export.default_export_platform())
-    return _HERE_ONLY
+        _SOME = Primitive("some_platforms_identity")
+        _SOME.def_impl(lambda x: x)
+        _SOME.def_abstract_eval(lambda x: x)
+        for platform in some_platforms():
+            mlir.register_lowering(_SOME, lambda ctx, x: [x], platform=platform)
+    return _SOME
 
 
-_HERE_ONLY = None
+_SOME = None
 
 
-def here_only_serve():
-    return HereOnlyServe(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+def some_platforms_serve():
+    return SomePlatformsServe(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)

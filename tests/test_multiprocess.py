@@ -101,7 +101,7 @@ def test_cluster_config_comes_from_the_launchers_environment():
             from_env(env)
 
 
-def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_ids(tmp_path, monkeypatch):
+def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_ids(tmp_path, capsys):
     """``--processes N`` on a machine with GPUs: each process its own (JAX would open every GPU in
     every process, each taking 75% of its memory); counted by nvidia-smi, or CUDA_VISIBLE_DEVICES."""
     from prefect_jax.cli import _process_envs
@@ -111,17 +111,29 @@ def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_i
     smi.chmod(0o755)
     base = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "HOME": str(tmp_path)}
 
-    def shares(n, **env):
-        return [e.get("JAX_LOCAL_DEVICE_IDS") for e in _process_envs(n, "127.0.0.1:1", "http://api", False, dict(base, **env))]
+    def shares(n, key="JAX_LOCAL_DEVICE_IDS", **env):
+        return [e.get(key) for e in _process_envs(n, "127.0.0.1:1", "http://api", False, dict(base, **env))]
 
     envs = _process_envs(2, "127.0.0.1:1234", "http://api", True, base)
     assert [(e["PREFECT_JAX_PROCESS_ID"], e["JAX_LOCAL_DEVICE_IDS"], e["PREFECT_JAX_EMBEDDED_API"]) for e in envs] == [
         ("0", "0,1,2,3", "1"), ("1", "4,5,6,7", "1")]
     assert shares(8) == [str(i) for i in range(8)]
-    assert shares(2, CUDA_VISIBLE_DEVICES="3,5") == ["0", "1"]  # JAX numbers the visible ones from 0
+    assert capsys.readouterr().err == ""
+    assert shares(3) == ["0,1", "2,3", "4,5"]  # 8 do not divide by 3: 2 each, 2 idle, and a warning
+    assert "GPUs 6-7 idle" in capsys.readouterr().err
+    # CUDA_VISIBLE_DEVICES: JAX numbers the visible GPUs from 0; CUDA stops at an entry that is none.
+    assert shares(2, CUDA_VISIBLE_DEVICES="3,5") == ["0", "1"]
+    assert shares(2, CUDA_VISIBLE_DEVICES="GPU-8f3a,MIG-77c1") == ["0", "1"]
+    assert shares(2, CUDA_VISIBLE_DEVICES="0,1,-1,2") == ["0", "1"]
+    for nothing in ("", "NoDevFiles", "-1"):
+        assert shares(2, CUDA_VISIBLE_DEVICES=nothing) == [None, None]
+    # Fewer GPUs than processes: they share, without preallocating 75% of the memory each.
+    assert shares(2, CUDA_VISIBLE_DEVICES="0") == [None, None]
+    assert shares(2, "XLA_PYTHON_CLIENT_PREALLOCATE", CUDA_VISIBLE_DEVICES="0") == ["false", "false"]
+    assert "2 processes share 1 GPU(s)" in capsys.readouterr().err
     assert shares(2, JAX_PLATFORMS="cpu") == [None, None]  # CPU processes
+    assert shares(2, JAX_PLATFORMS="cuda,cpu") == ["0,1,2,3", "4,5,6,7"]
     assert shares(2, JAX_LOCAL_DEVICE_IDS="0") == ["0", "0"]  # the caller's choice stands
-    assert shares(3) == [None, None, None]  # 8 GPUs do not divide: warned, left to JAX
     assert shares(2, PATH="/nonexistent") == [None, None]  # no nvidia-smi: no GPUs
 
 

@@ -136,65 +136,91 @@ def test_a_fresh_process_without_prefect_jax_serves_models_best_exactly(register
         trainer.close()
 
 
-def test_a_model_trained_anywhere_loads_on_cpus_gpus_and_tpus_and_says_so(registered, mlflow_uri):
+def _everywhere():
+    import jax
+
+    from prefect_jax.training.specs import EXPORT_PLATFORMS
+
+    return tuple(dict.fromkeys((*EXPORT_PLATFORMS, jax.export.default_export_platform())))  # cpu, cuda, rocm, tpu
+
+
+def test_a_model_trained_anywhere_loads_on_every_platform_and_says_so(registered, mlflow_uri):
     import jax
     import mlflow
 
     config, results, _ = registered
     final = results[-1].step
     with open(os.path.join(config.storage, "reg", "exports", "final", str(final), "model.jax_export"), "rb") as f:
-        assert jax.export.deserialize(bytearray(f.read())).platforms == ("cpu", "cuda", "tpu")
+        assert jax.export.deserialize(bytearray(f.read())).platforms == _everywhere()
     mlflow.set_tracking_uri(mlflow_uri)
-    assert mlflow.models.get_model_info("models:/reg-digits@final").metadata["prefect_jax"]["platforms"] == ["cpu", "cuda", "tpu"]
+    assert mlflow.models.get_model_info("models:/reg-digits@final").metadata["prefect_jax"]["platforms"] == list(_everywhere())
 
 
-def _export_job(job_config, job, program="programs:here_only_serve", **eval_updates):
-    config = job_config(max_steps=20, job=job, exporters=[LatestExporter()], program=program)
+def _export_job(job_config, job, program="programs:some_platforms_serve", **eval_updates):
+    config = job_config(max_steps=40, job=job, exporters=[LatestExporter()], program=program)
     config = config.model_copy(update={"eval": config.eval.model_copy(update={"registered_model": job, **eval_updates})})
     trainer = Trainer(config)
     trainer.restore_or_init()
     train_to_end(trainer)
     trainer.finish()
     trainer.close()
-    return os.path.join(config.storage, job, "exports", "latest", "20")
+    return os.path.join(config.storage, job, "exports", "latest", "40")
 
 
-def test_a_serve_that_lowers_only_here_is_exported_for_here_with_a_warning_and_a_named_platform_list_is_kept(
+def test_platforms_a_serve_does_not_lower_for_are_left_out_with_one_warning_and_named_ones_fail_naming_them(
     job_config, mlflow_uri, caplog
 ):
+    import types
+
     import jax
     import mlflow
 
     from prefect_jax.training.exporters import serialize_serving
 
+    from programs import some_platforms, some_platforms_serve
+
     here = jax.export.default_export_platform()  # "cpu" in CI
+    kept = [p for p in _everywhere() if p in some_platforms()]  # cpu, cuda in CI
+    others = [p for p in _everywhere() if p not in kept]  # rocm, tpu
     mlflow.set_tracking_uri(mlflow_uri)
     with caplog.at_level("WARNING", logger="prefect_jax.trainer"):
-        path = _export_job(job_config, "here-only")
-    assert f"the export runs on {here} only" in caplog.text and "here_only_identity" in caplog.text
+        path = _export_job(job_config, "some-platforms")  # exports at steps 20 and 40
+    warnings = [r.getMessage() for r in caplog.records if "the export runs on" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, not at every export
+    assert warnings[0].startswith(f"the export runs on {', '.join(kept)}, not on {', '.join(others)}"), warnings
+    assert "some_platforms_identity" in warnings[0]
     with open(os.path.join(path, "model.jax_export"), "rb") as f:
-        assert jax.export.deserialize(bytearray(f.read())).platforms == (here,)
-    assert mlflow.models.get_model_info("models:/here-only@newest").metadata["prefect_jax"]["platforms"] == [here]
+        assert jax.export.deserialize(bytearray(f.read())).platforms == tuple(kept)
+    assert mlflow.models.get_model_info("models:/some-platforms@newest").metadata["prefect_jax"]["platforms"] == kept
 
-    # Named platforms are the user's: no fallback, and an error that names them and the fix.
-    from programs import here_only_serve
-
-    program = here_only_serve()
+    # Named platforms are the user's: an error that names those that fail, and the fix.
+    program = some_platforms_serve()
     state = jax.jit(program.init)(jax.random.key(0))
-    other = "tpu" if here != "tpu" else "cpu"
-    with pytest.raises(ValueError, match=rf"export_platforms=\['{here}', '{other}'\].*here_only_identity.*\['{here}'\] for this machine's alone"):
-        serialize_serving(program, state, [here, other])
+    with pytest.raises(ValueError, match=rf"does not lower for \['{others[0]}'\] of export_platforms=\['{here}', '{others[0]}'\] "
+                                         rf"\({others[0]}: .*some_platforms_identity.*leave them out of EvalSpec.export_platforms"):
+        serialize_serving(program, state, [here, others[0]])
+
+    # A serve() that fails everywhere, or here, raises its own error, not one about platforms.
+    def broken(state, inputs):
+        raise RuntimeError("serve is broken")
+
+    bad = types.SimpleNamespace(serving_input=program.serving_input, serve=broken)
+    for platforms in (None, [here, others[0]]):
+        with pytest.raises(RuntimeError, match="serve is broken"):
+            serialize_serving(bad, state, platforms)
 
 
-def test_an_export_for_accelerators_only_is_still_logged_and_a_cpu_says_where_it_runs(job_config, mlflow_uri):
+def test_an_export_for_other_platforms_only_is_still_logged_and_loading_it_here_says_where_it_runs(job_config, mlflow_uri):
+    import jax
     import mlflow
 
+    other = "tpu" if jax.export.default_export_platform() != "tpu" else "cpu"
     mlflow.set_tracking_uri(mlflow_uri)
-    path = _export_job(job_config, "tpu-only", "prefect_jax.examples.digits:tiny", export_platforms=["tpu"])  # lowers here; the MLflow worker runs it nowhere
-    info = mlflow.models.get_model_info("models:/tpu-only@newest")
-    assert info.metadata["prefect_jax"]["platforms"] == ["tpu"]
+    path = _export_job(job_config, "other-only", "prefect_jax.examples.digits:tiny", export_platforms=[other])
+    info = mlflow.models.get_model_info("models:/other-only@newest")
+    assert info.metadata["prefect_jax"]["platforms"] == [other]
     assert list(info.signature.outputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 10]
-    with pytest.raises(Exception, match="tpu"):
+    with pytest.raises(Exception, match=other):
         load_export(path)(np.zeros((2, 64), np.float32))
 
 
@@ -202,7 +228,7 @@ ON_AN_ACCELERATOR_HOST = r"""
 import os, sys
 import jax
 jax.devices()  # this process's JAX is open, on the CPU here
-os.environ["JAX_PLATFORMS"] = "cuda"  # as on a GPU pool: the MLflow worker is given this environment
+os.environ["JAX_PLATFORMS"] = "no-such-platform"  # as JAX_PLATFORMS=cuda on a GPU pool: the MLflow worker must not use it
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, LatestExporter, TrainSpec
 from prefect_jax.training.trainer import Trainer
 config = JobConfig(program="prefect_jax.examples.digits:tiny", job="accel", storage=sys.argv[1],
@@ -238,7 +264,7 @@ def test_the_run_reads_as_model_training(registered, mlflow_uri):
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert {"train/loss", "train/accuracy", "eval/loss", "eval/accuracy"} <= set(run.data.metrics)
     assert "loss" not in run.data.metrics and "accuracy" not in run.data.metrics
-    assert run.data.tags["prefect_jax.devices"] == f"1 x {jax.devices()[0].device_kind} ({jax.default_backend()})"  # 1 x cpu (cpu)
+    assert run.data.tags["prefect_jax.devices"] == f"{len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})"  # 1 x cpu (cpu)
     note = run.data.tags["mlflow.note.content"]
     assert "prefect-jax job `reg`" in note and config.storage in note and "/checkpoints/<step>" in note
     images = [f.path for f in client.list_artifacts(run_id, "images")]

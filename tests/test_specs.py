@@ -30,7 +30,7 @@ from prefect_jax.training.specs import (
         (lambda: EvalSpec(name="../x"), "eval name", "'../x'", "no '..'"),
         (lambda: LatestExporter(keep=0), "keep", "0", "keep at least 1"),
         (lambda: EvalSpec(export_platforms=["cpu", "gpu"]), "export_platforms", "['gpu']", "'cuda' for NVIDIA GPUs"),
-        (lambda: EvalSpec(export_platforms=[]), "export_platforms", "[]", "None for where it trained"),
+        (lambda: EvalSpec(export_platforms=[]), "export_platforms", "[]", "None for all that serve() lowers for"),
     ],
 )
 def test_bad_values_are_refused_naming_field_value_and_fix(build, field, value, fix):

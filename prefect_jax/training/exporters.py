@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import tempfile
-import logging
 import time
 from typing import Any, Callable
 
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
-from prefect_jax.training.specs import BestExporter, ExporterSpec, FinalExporter, LatestExporter
+from prefect_jax.training.specs import EXPORT_PLATFORMS, BestExporter, ExporterSpec, FinalExporter, LatestExporter
 from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.trainer")  # shown in the flow run's logs
@@ -41,18 +41,22 @@ def is_the_final_export(result: EvalResult, max_steps: int) -> bool:
     return is_recorded(result) and result.step >= max_steps
 
 
-# Where an export runs by default: a model trained on a GPU or TPU pool also loads on a CPU
-# (a laptop, a CPU serving container), and one trained on CPUs on either accelerator.
-# jax.export lowers for all of them on any machine; one StableHLO module holds every platform's
-# code and the state's constants once (a few hundred bytes more than one platform).
-SERVING_PLATFORMS = ("cpu", "cuda", "tpu")
+# A program's platforms that serve() does not lower for, found at its first export and left out
+# of the next ones without trying again (and without a warning each time).
+_left_out: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
 def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...] | None = None) -> bytes:
     """``jax.export`` of ``serve(state, inputs)`` with `state` closed over as constants, lowered
-    for `platforms` (``EvalSpec.export_platforms``). None: `SERVING_PLATFORMS` and this
-    machine's platform, or this machine's alone, with a warning, when ``serve`` lowers only here
-    (a Pallas kernel, a platform-specific custom call)."""
+    for `platforms` (``EvalSpec.export_platforms``); None: every one of `EXPORT_PLATFORMS` that
+    ``serve`` lowers for, so that a model trained on GPUs loads on a laptop's CPU. One module
+    holds every platform's code, and the state's constants once.
+
+    Raises:
+        ValueError: named `platforms` that ``serve`` does not lower for (the message names each,
+            with its error).
+        Exception: ``serve``'s own error, where it does not lower on this machine either.
+    """
     import jax
 
     spec = program.serving_input()
@@ -60,26 +64,36 @@ def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...
     def serving(inputs):
         return program.serve(state, inputs)
 
-    here = jax.export.default_export_platform()
+    fn, here = jax.jit(serving), jax.export.default_export_platform()
+    key = (type(program).__module__, type(program).__qualname__)
     if platforms:
-        try:
-            return jax.export.export(jax.jit(serving), platforms=tuple(platforms))(spec).serialize()
-        except Exception as e:
-            raise ValueError(
-                f"the program's serve() does not lower for export_platforms={list(platforms)} "
-                f"({type(e).__name__}: {e}); leave out the platforms it cannot run on in "
-                f"EvalSpec.export_platforms (--export-platforms), e.g. [{here!r}] for this machine's alone"
-            ) from e
-    wanted = tuple(dict.fromkeys((*SERVING_PLATFORMS, here)))
+        wanted = tuple(platforms)
+    else:
+        wanted = tuple(p for p in dict.fromkeys((*EXPORT_PLATFORMS, here)) if p not in _left_out.get(key, ()))
     try:
-        return jax.export.export(jax.jit(serving), platforms=wanted)(spec).serialize()
-    except Exception as e:
-        logger.warning(
-            "the export runs on %s only: serve() does not lower for all of %s (%s: %s). Set "
-            "EvalSpec.export_platforms (--export-platforms) to the platforms it runs on to silence this",
-            here, list(wanted), type(e).__name__, str(e).splitlines()[0] if str(e) else "",
-        )  # fmt: skip
-        return jax.export.export(jax.jit(serving))(spec).serialize()
+        return jax.export.export(fn, platforms=wanted)(spec).serialize()
+    except Exception:
+        failed = {}
+        for platform in wanted:  # which of them: each alone (~0.05 s for a small model)
+            try:
+                jax.export.export(fn, platforms=(platform,))(spec)
+            except Exception as exc:  # noqa: BLE001 - named below, or raised as it is
+                failed[platform] = exc
+        if not failed or here in failed:
+            raise  # serve() itself fails (or fails here, where it trains): its own error
+    why = "; ".join(f"{p}: {type(e).__name__}: {' '.join(str(e).split())[:300]}" for p, e in failed.items())
+    if platforms:
+        raise ValueError(
+            f"the program's serve() does not lower for {list(failed)} of export_platforms={list(platforms)} ({why}); "
+            "leave them out of EvalSpec.export_platforms (--export-platforms)"
+        )
+    kept = tuple(p for p in wanted if p not in failed)
+    _left_out[key] = (*_left_out.get(key, ()), *failed)
+    logger.warning(
+        "the export runs on %s, not on %s: serve() does not lower there (%s). Set EvalSpec.export_platforms "
+        "(--export-platforms) to %s to skip trying", ", ".join(kept), ", ".join(failed), why, ",".join(kept),
+    )  # fmt: skip
+    return jax.export.export(fn, platforms=kept)(spec).serialize()
 
 
 def load_export(path: str) -> Callable:

@@ -95,11 +95,11 @@ def log_export_model(
     with open(model_file, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
     example = np.asarray(example, dtype=exported.in_avals[0].dtype)
-    if "cpu" in exported.platforms:  # this process's JAX runs on the CPU (`mlflow_worker._jax_on_cpu`)
+    if jax.export.default_export_platform() in exported.platforms:  # the MLflow worker's: cpu (`mlflow_worker._jax_on_cpu`)
         output = np.asarray(exported.call(example))
-    else:  # exported for accelerators only (EvalSpec.export_platforms): the output's shape, from its signature
-        out = exported.out_avals[0]
-        output = np.zeros([d if isinstance(d, int) else len(example) for d in out.shape], out.dtype)
+    else:  # not exported for this platform (EvalSpec.export_platforms): the output's shape and type, from its signature
+        out = jax.eval_shape(exported.call, example)
+        output = np.zeros(out.shape, out.dtype)
     signature = infer_signature(example, output)
     info_path = os.path.join(export_dir, "export.json")
     metadata = {}

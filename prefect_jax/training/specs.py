@@ -251,6 +251,11 @@ class EarlyStopping(_Spec):
         return _positive("max_steps_without_improvement", v, "give a number of global steps, e.g. 1000")
 
 
+# The platforms `jax.export` lowers for, on any machine (exporters.serialize_serving): an
+# export runs on each it was lowered for.
+EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
 class EvalSpec(_Spec):
     """How to evaluate (TF's `EvalSpec`).
 
@@ -270,8 +275,8 @@ class EvalSpec(_Spec):
             an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None: the
             job's name; ``""``: do not register.
         export_platforms: the platforms the exported model runs on (``jax.export`` lowers for
-            each: ``cpu``, ``cuda``, ``rocm``, ``tpu``); None: where it trained plus cpu, cuda
-            and tpu, or where it trained alone (with a warning) if ``serve`` lowers only there.
+            each of `EXPORT_PLATFORMS`); None: all of them, less those ``serve`` does not lower
+            for (a warning names them).
     """
 
     steps: int | None = Field(None, description="Eval batches; None: the whole eval set.")
@@ -292,8 +297,8 @@ class EvalSpec(_Spec):
         None, description="MLflow registered model of the exports (None: the job's name; '': none)."
     )
     export_platforms: list[str] | None = Field(
-        None, description="Platforms the exported model runs on (cpu, cuda, rocm, tpu). None: where it trained "
-        "plus cpu, cuda and tpu, or where it trained alone if serve() lowers only there.",
+        None, description=f"Platforms the exported model runs on, of {', '.join(EXPORT_PLATFORMS)}. None: all of "
+        "them, less those serve() does not lower for (a warning names them).",
     )  # fmt: skip
 
     @field_validator("steps")
@@ -318,13 +323,12 @@ class EvalSpec(_Spec):
     def _platforms(cls, v):
         if v is None:
             return v
-        known = ("cpu", "cuda", "rocm", "tpu")  # exporters.KNOWN_PLATFORMS (no jax import here)
-        bad = [p for p in v if p not in known]
+        bad = [p for p in v if p not in EXPORT_PLATFORMS]
         if bad or not v:
             raise ValueError(
                 f"export_platforms={v!r}: {'unknown platform(s) ' + repr(bad) if bad else 'an empty list exports for nowhere'}; "
-                f"give some of {list(known)} (jax.export's names: 'cuda' for NVIDIA GPUs), or None for where it "
-                "trained plus cpu, cuda and tpu"
+                f"give some of {list(EXPORT_PLATFORMS)} (jax.export's names: 'cuda' for NVIDIA GPUs, 'rocm' for AMD), "
+                "or None for all that serve() lowers for"
             )
         return list(dict.fromkeys(v))
 

@@ -604,7 +604,8 @@ class _Worker:
             pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
             self.process = subprocess.Popen(
                 [sys.executable, "-P", "-m", "prefect_jax.training.mlflow_worker", str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env={**os.environ, "PYTHONPATH": pythonpath},
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+                env={**os.environ, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu"},  # see mlflow_worker._jax_on_cpu
             )  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - the tracker falls back to a thread
             self._error = exc
