@@ -107,7 +107,7 @@ def log_export_model(
         with open(info_path) as f:
             info = json.load(f)
         metadata = {k: info[k] for k in ("program", "program_fingerprint", "metrics", "eval_name") if k in info}
-    metadata["platforms"] = list(exported.platforms)  # where it loads: cpu, cuda, tpu by default
+    metadata["platforms"] = list(exported.platforms)  # where it loads: cpu, cuda, rocm, tpu by default
     mlflow.set_tracking_uri(tracking_uri)  # Model.log reads the global URI
     # The model's requirements are the ones above, not the uv project of the working directory.
     os.environ.setdefault("MLFLOW_UV_AUTO_DETECT", "false")
