@@ -213,13 +213,14 @@ def _startup_over() -> None:
 def _jax_on_cpu() -> None:
     """JAX in this process (a logged model's check: `registry.log_export_model`) runs on the CPU.
     On a GPU or TPU host it would otherwise open a second client on the trainer's accelerator and
-    take its memory (75% of a GPU by default) or fail for want of it."""
+    take its memory (75% of a GPU by default) or fail for want of it. The process starts so
+    (`tracking._Worker` sets it), and a tracker's environment, put in place of this process's,
+    gets it again."""
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def main() -> None:
     gc.disable()  # until MLflow is imported: `_startup_over`
-    _jax_on_cpu()
     _die_with_parent(int(sys.argv[1]))
     try:  # bookkeeping: the cores go to training first (PREFECT_JAX_MLFLOW_NICE, default 10; 0 for none)
         os.nice(int(os.environ.get("PREFECT_JAX_MLFLOW_NICE", "10")))
