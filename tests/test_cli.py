@@ -187,23 +187,18 @@ def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(t
     assert _api_url_may_be_set_elsewhere()
 
 
-def test_backups_are_on_unless_the_command_says_no_backups():
+def _run_specs(*flags):
+    """The (train, eval, checkpoint) specs of ``prefect-jax run`` with `flags`."""
     from prefect_jax.cli import _specs, build_parser
 
-    def backups(*flags):
-        args = build_parser().parse_args(["run", "--program", "prefect_jax.examples.digits:tiny", "--job", "j", "--storage", "/tmp/s",
-                                          *flags])
-        return _specs(args)[2].backups
+    args = build_parser().parse_args(["run", "--program", "prefect_jax.examples.digits:tiny", "--job", "j", "--storage", "/tmp/s", *flags])
+    return _specs(args)
 
-    assert backups() is True and backups("--no-backups") is False
+
+def test_backups_are_on_unless_the_command_says_no_backups():
+    assert _run_specs()[2].backups is True and _run_specs("--no-backups")[2].backups is False
 
 
 def test_export_platforms_come_from_the_command_and_default_to_none():
-    from prefect_jax.cli import _specs, build_parser
-
-    def platforms(*flags):
-        args = build_parser().parse_args(["run", "--program", "prefect_jax.examples.digits:tiny", "--job", "j", "--storage", "/tmp/s",
-                                          *flags])
-        return _specs(args)[1].export_platforms
-
-    assert platforms() is None and platforms("--export-platforms", "cuda, cpu") == ["cuda", "cpu"]
+    assert _run_specs()[1].export_platforms is None
+    assert _run_specs("--export-platforms", "cuda, cpu")[1].export_platforms == ["cuda", "cpu"]
