@@ -257,6 +257,13 @@ def test_backups_follow_young_daly_from_the_kills_the_ledger_shows():
     # One of two attempts killed: the time both trained counts against that one kill.
     _, why = backup_interval([_life(0, 50, "preempted", 4, 0.4), _life(60, 110, None, 4, 0.4)], current, now=125)
     assert why["killed"] == 1 and why["mean_secs_between_kills"] == pytest.approx(99.0)
+    # A multi-process job's attempt cut short by another process's death is a kill of the job;
+    # one that failed on its own is not.
+    from prefect_jax.training.goodput import LOST_PROCESS
+
+    _, why = backup_interval([_life(0, 50, "failed", 4, 0.4), _life(60, 110, LOST_PROCESS, 4, 0.4)], current, now=125)
+    assert why["killed"] == 1
+    assert backup_interval([_life(0, 50, "failed", 4, 0.4)], current, now=125) is None
     # Only the newest attempts count: kills long ago do not make a job back up forever.
     old_kills = [_life(i * 60.0, i * 60.0 + 50, None, 4, 0.4) for i in range(3)]
     clean = [_life(180.0 + i * 60.0, 230.0 + i * 60.0, "preempted", 4, 0.4) for i in range(5)]
@@ -267,6 +274,28 @@ def test_backups_follow_young_daly_from_the_kills_the_ledger_shows():
     # No save timed yet (what one costs is unknown: for a large state, seconds): none until one is.
     assert backup_interval([_life(0, 50, None, 0, 0.0)], current, now=125) is None
     assert backup_interval([_life(0, 50, None, 0, 0.0)], _life(120, 130, None, 1, 0.1), now=135) is not None
+
+
+def test_a_collectives_error_says_whether_another_process_of_the_job_went_away():
+    from prefect_jax.training.cluster import lost_a_process
+
+    # As gloo raised it here when the other process was SIGKILLed mid all-reduce.
+    gloo = ValueError("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+                      "[127.0.0.1]:5803: Connection reset by peer")  # fmt: skip
+    assert lost_a_process(gloo)
+    try:  # found through the chain too (the task's own error wrapping the collective's)
+        try:
+            raise gloo
+        except ValueError as inner:
+            raise RuntimeError("train 200 to 400 failed") from inner
+    except RuntimeError as outer:
+        assert lost_a_process(outer)
+    assert lost_a_process(RuntimeError("NCCL operation ncclAllReduce failed: remote process exited or there was a network error"))
+    assert lost_a_process(RuntimeError("UNAVAILABLE: The coordination service has stopped; task /job:jax_worker/task:1 heartbeat timeout"))
+    # The program's own errors are not a kill.
+    assert not lost_a_process(ValueError("batch size 30 does not divide over 4 devices"))
+    assert not lost_a_process(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB"))
+    assert not lost_a_process(RuntimeError("NCCL version mismatch"))
 
 
 def test_backups_are_kept_only_while_newest_and_leave_keep_last_to_the_other_steps():

@@ -12,6 +12,7 @@ localhost, gloo collectives), launched the ways a user does, killed with real si
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import time
 import pytest
 from process_helpers import TESTS_DIR, cli_env, start_run, wait_until
 
-from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.checkpoints import committed_steps, read_meta_file
 from prefect_jax.training.cluster import ClusterConfigError, from_env
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.tracking import STORAGE_TAG
@@ -30,9 +31,9 @@ PROGRAM = "programs:paced"
 MAX_STEPS, EVERY = 400, 100
 
 
-def _args(job: str, storage: str, mlflow_uri: str, max_steps: int = MAX_STEPS) -> list[str]:
+def _args(job: str, storage: str, mlflow_uri: str, max_steps: int = MAX_STEPS, every: int = EVERY) -> list[str]:
     return ["--program", PROGRAM, "--job", job, "--storage", storage, "--max-steps", str(max_steps),
-            "--checkpoint-every-steps", str(EVERY), "--log-every-steps", "10", "--keep-last", "10",
+            "--checkpoint-every-steps", str(every), "--log-every-steps", "10", "--keep-last", "10",
             "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
 
 
@@ -399,3 +400,64 @@ def test_checkpoints_reshard_between_two_processes_and_one(uninterrupted, tmp_pa
         assert "step 100 was written by 1 processes, restored into 2" in log
         assert _summary(tmp_path / f"grow.{k}.log")["final_step"] == MAX_STEPS
     assert one_process != _summary(tmp_path / "grow.0.log")["state_fingerprint"]
+
+
+@slow
+def test_after_kills_without_notice_every_process_writes_the_same_backups_and_the_rerun_resumes_from_one(
+    uninterrupted, tmp_path, prefect_server, mlflow_uri
+):
+    """`CheckpointSpec.backups` with two processes: a process SIGKILLed (process 1: process 0's
+    attempt ends ``lost a process``; then process 0 itself: its attempt never ends) makes the
+    next attempts back up; both processes write each backup at the same step (one collective
+    save), and the rerun resumes from one to the uninterrupted run's state, bit for bit."""
+    from prefect_jax.training.goodput import LOST_PROCESS
+
+    every = 2 * EVERY  # intervals of 2-3 s of training: room for backups (at least 1 s apart)
+    storage = str(tmp_path / "storage")
+    checkpoints = os.path.join(storage, "mpbk", "checkpoints")
+    args = _args("mpbk", storage, mlflow_uri, every=every)
+
+    def ledger() -> list[dict]:
+        return json.load(open(os.path.join(storage, "mpbk", "goodput.json")))["attempts"]
+
+    def backups() -> list[int]:
+        return [s for s in committed_steps(checkpoints) if s % every]
+
+    def kill(procs, k: int, name: str) -> None:
+        procs[k].send_signal(signal.SIGKILL)
+        _wait_all(procs, 120)  # the other one ends at its next collective
+        assert procs[k].returncode == -signal.SIGKILL
+        assert procs[1 - k].returncode != 0, open(tmp_path / f"{name}.{1 - k}.log").read()[-3000:]
+
+    # 1. Process 1 killed mid-interval: process 0's attempt fails on the lost connection, which
+    #    the ledger counts as a kill of the job. No backups yet.
+    procs = _start_pair(args, prefect_server, tmp_path, "one")
+    wait_until(lambda: every in committed_steps(checkpoints), 300, f"step {every} committed", procs[0])
+    time.sleep(0.5)
+    kill(procs, 1, "one")
+    assert backups() == []
+    assert ledger()[-1]["ended"] == LOST_PROCESS, ledger()
+    assert "its attempt counts as killed without notice" in open(tmp_path / "one.0.log").read()
+
+    # 2. The rerun backs up between checkpoints, in both processes at once; process 0 killed after one.
+    procs = _start_pair(args, prefect_server, tmp_path, "two")
+    backup = wait_until(lambda: backups(), 300, "a backup committed", procs[0])[-1]
+    kill(procs, 0, "two")
+    log = open(tmp_path / "two.0.log").read()
+    assert "1 of its 1 latest attempts were killed without notice" in log and "backing up every" in log, log[-3000:]
+    data = os.path.join(checkpoints, str(backup), "data")
+    positions = [json.load(open(os.path.join(data, f"process_{k}-of-2.json"))) for k in range(2)]
+    assert positions[0] == positions[1]  # one save of both processes' parts, at the same step
+    meta = read_meta_file(checkpoints, backup)
+    assert meta["backup"] is True and meta["preemption"] is True
+
+    # 3. Resumed from the backup (or a later one), to the end: as if never killed.
+    procs = _start_pair(args, prefect_server, tmp_path, "three")
+    assert _wait_all(procs, 300) == [0, 0], open(tmp_path / "three.0.log").read()[-3000:]
+    resumed = int(re.search(r"training from step (\d+) to", open(tmp_path / "three.0.log").read()).group(1))
+    assert resumed >= backup and resumed % every, f"resumed from {resumed}, not from the backup {backup} or a later one"
+    for k in range(2):
+        assert _summary(tmp_path / f"three.{k}.log")["state_fingerprint"] == uninterrupted["summary"]["state_fingerprint"]
+    attempts = ledger()
+    assert [a["ended"] for a in attempts] == [LOST_PROCESS, None, "finished"], attempts
+    assert [a.get("backup_every_secs") is not None for a in attempts] == [False, True, True], attempts

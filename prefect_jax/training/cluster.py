@@ -32,12 +32,14 @@ This module imports jax only inside the functions that need it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
+import re
 import signal
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -238,6 +240,53 @@ def _leave() -> None:
             pass
 
 
+# What a collective raises in a process whose peer died (SIGKILL, a lost node, an OOM kill):
+# gloo on CPUs ("Gloo all-reduce failed: ... Connection reset by peer", a ValueError), NCCL on
+# GPUs, the coordination service (gRPC UNAVAILABLE, missed heartbeats).
+_LOST_PROCESS = re.compile(
+    r"connection (reset|refused|closed)|closed by peer|broken pipe|socket closed|\bunavailable\b|heartbeat"
+    r"|nccl[^\n]*(remote|abort|timed? ?out|system error|network)|barrier timed out|coordination service",
+    re.IGNORECASE,
+)
+
+
+def lost_a_process(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it came from) says another process of the job went away,
+    as a collective reports it: the job was cut short by a kill without notice somewhere."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if _LOST_PROCESS.search(f"{type(exc).__name__}: {exc}"):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+_lost: str | None = None  # the first error of this process that said another process went away
+
+
+def note_if_lost(exc: BaseException) -> None:
+    """Remember `exc` if it says another process went away (`lost_a_process`): see `lost_process`.
+    The collectives here call it; so does the trainer for its training (the step's own
+    collectives, Orbax's)."""
+    global _lost
+    if _lost is None and _joined is not None and lost_a_process(exc):
+        _lost = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+
+
+def lost_process() -> str | None:
+    """The error by which this process saw another process of its job go away, if it did."""
+    return _lost
+
+
+@contextlib.contextmanager
+def _collective() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        note_if_lost(exc)
+        raise
+
+
 def joined() -> ClusterConfig | None:
     """The cluster `initialize` joined in this process, if any."""
     return _joined
@@ -272,7 +321,8 @@ def any_process(*flags: bool) -> tuple[bool, ...]:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    gathered = multihost_utils.process_allgather(np.array([bool(f) for f in flags]))
+    with _collective():
+        gathered = multihost_utils.process_allgather(np.array([bool(f) for f in flags]))
     return tuple(bool(x) for x in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0))
 
 
@@ -283,7 +333,8 @@ def from_primary(flag: bool) -> bool:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    return bool(multihost_utils.broadcast_one_to_all(np.array(bool(flag))))
+    with _collective():
+        return bool(multihost_utils.broadcast_one_to_all(np.array(bool(flag))))
 
 
 def barrier(name: str) -> None:
@@ -291,7 +342,8 @@ def barrier(name: str) -> None:
     if process_count() > 1:
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices(name)
+        with _collective():
+            multihost_utils.sync_global_devices(name)
 
 
 def publish(key: str, value: str) -> None:

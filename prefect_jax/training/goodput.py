@@ -172,7 +172,8 @@ class GoodputLedger:
 
     def end(self, how: str) -> None:
         """The attempt ends: ``finished``, ``preempted``, ``failed``, ``closed`` (its trainer was
-        closed without finishing, as a notebook may)."""
+        closed without finishing, as a notebook may), `LOST_PROCESS` (another process of the job
+        went away mid-collective: killed without notice, as if this one were)."""
         if self.attempt is not None and self.attempt["ended"] is None:
             self.attempt["ended"] = how
             self._write()
@@ -208,6 +209,7 @@ class GoodputLedger:
 
 
 BACKUP_WINDOW = 5  # the newest attempts a backup interval is estimated from
+LOST_PROCESS = "lost a process"  # how process 0's attempt ends when another process of the job was killed
 MIN_BACKUP_SECS = 1.0
 
 
@@ -229,7 +231,8 @@ def backup_interval(earlier: list[dict], current: dict | None = None, now: float
     """How often to back up a job whose attempts get killed without notice (Young/Daly).
 
     An attempt was *killed* when a later one exists and it never recorded an end (SIGKILL, a lost
-    node, an OOM kill): what it trained after its last checkpoint was lost. One that ended on a
+    node, an OOM kill), or it ended `LOST_PROCESS` (such a kill took another process of a
+    multi-process job): what it trained after its last checkpoint was lost. One that ended on a
     preemption notice lost nothing (its step in flight was checkpointed) and is not a kill.
     Over the newest `window` attempts before `current` and `current` itself (until `now`), the
     mean time between kills ``M`` is their time past start-up, restore and compile (a killed
@@ -244,7 +247,7 @@ def backup_interval(earlier: list[dict], current: dict | None = None, now: float
     now = time.time() if now is None else now
     recent = [a for a in earlier if not a.get("folded")][-window:]
     following = recent[1:] + ([current] if current is not None else [])
-    kills = sum(a.get("ended") is None for a, _ in zip(recent, following))
+    kills = sum(a.get("ended") in (None, LOST_PROCESS) for a, _ in zip(recent, following))
     if not kills:
         return None
     exposed = sum(_exposed(a, a.get("updated", a["process_start"])) for a in recent)

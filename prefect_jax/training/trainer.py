@@ -35,11 +35,12 @@ from typing import Any
 from prefect_jax.training import control
 from prefect_jax.training import exporters as exp
 from prefect_jax.training.checkpoints import CorruptCheckpointError, state_fingerprint
-from prefect_jax.training.cluster import any_process, from_primary
+from prefect_jax.training.cluster import any_process, from_primary, lost_process, note_if_lost
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
 from prefect_jax.training.errors import LeaseLostError, NonFiniteLossError, PastMaxStepsError, Preempted
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
+from prefect_jax.training.goodput import LOST_PROCESS
 from prefect_jax.training.job import Job
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.compile_cache import END_FLUSH_SECS, open_compilation_cache
@@ -240,18 +241,22 @@ class Trainer:
         `CheckpointSpec.backups`) are written within the interval, which goes on after each.
         """
         self._require_live()
-        self.job.acquire_lease()
-        self._guard.install()
-        self._push_after_first_step = self._compile_cache is not None
-        boundary = self.next_boundary()
-        while True:
-            rows, backup = self._train_part(boundary, self._backup_every())
-            if not backup:
-                break
-            self.save(rows, backup=True)
-            self._log_train_rows(rows)
-            notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
-        self.save(rows)
+        try:
+            self.job.acquire_lease()
+            self._guard.install()
+            self._push_after_first_step = self._compile_cache is not None
+            boundary = self.next_boundary()
+            while True:
+                rows, backup = self._train_part(boundary, self._backup_every())
+                if not backup:
+                    break
+                self.save(rows, backup=True)
+                self._log_train_rows(rows)
+                notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
+            self.save(rows)
+        except Exception as exc:
+            note_if_lost(exc)  # its attempt ends as a kill (`_ended_as`)
+            raise
         self._push_compiled()
         self._live_is_preemption = False
         self._log_train_rows(rows)
@@ -290,23 +295,30 @@ class Trainer:
                 self.state, self.step = interval.state, interval.step
                 self._account_interval(time.perf_counter() - started)
                 rows = self._train_rows(interval.logged)
-                # Several processes: a notice any of them got ends the interval in all of them,
-                # at the same step, which all of them checkpoint (a collective, once per interval);
-                # each then ends as if it got the SIGTERM (Crashed in Prefect, rerun as a whole).
-                if self.job.processes > 1 and any_process(notice.requested)[0] and not notice.requested:
-                    logger.warning("another process of the job got SIGTERM: ending at step %d with it", self.step)
-                    notice.adopt(signal.SIGTERM)
+                checkpoint_due = "checkpoint" in why
+                if self.job.processes > 1:
+                    # Several processes (one collective per part): a notice any of them got ends
+                    # the interval in all of them, at the same step, which all of them checkpoint;
+                    # each then ends as if it got the SIGTERM (Crashed in Prefect, rerun as a
+                    # whole). They agree on the kind of checkpoint too: a regular one if any of
+                    # them wants it, else the backup process 0 asked for.
+                    noticed, checkpoint_due = any_process(notice.requested, checkpoint_due)
+                    if noticed and not notice.requested:
+                        logger.warning("another process of the job got SIGTERM: ending at step %d with it", self.step)
+                        notice.adopt(signal.SIGTERM)
                 if notice.requested:
                     notice.handling = True
                     self._end_on_sigterm(rows)
         except BaseException:
             self._forget_live_state()
             raise
-        return rows, why == ["backup"] and self.step < boundary
+        # Short of the boundary, the part ended for a backup (in some process) unless a checkpoint is due.
+        return rows, not checkpoint_due and self.step < boundary
 
     def _backup_every(self) -> float | None:
-        """Seconds between backups for this job now (`goodput.backup_interval`), or None: none due."""
-        if not self.config.checkpoint.backups or self.job.processes > 1:
+        """Seconds between backups for this job now (`goodput.backup_interval`), or None: none due.
+        With several processes, process 0 (which keeps the ledger) asks, and the others follow."""
+        if not self.config.checkpoint.backups or not self.job.is_primary:
             return None
         found = self.job.goodput.backup_every_secs()
         if found is None:
@@ -322,6 +334,17 @@ class Trainer:
             )  # fmt: skip
         attempt["backup_every_secs"] = round(seconds, 3)
         return seconds
+
+    def _ended_as(self, how: str) -> str:
+        """How the attempt ends in the ledger: `how`, unless this process saw another process of
+        the job go away (`cluster.lost_process`): then `goodput.LOST_PROCESS`, a kill without
+        notice, so that the job's next attempts back up between checkpoints as after its own."""
+        lost = lost_process() if self.job.processes > 1 and how in ("failed", "closed") else None
+        if lost is None or self.job.goodput.attempt is None or self.job.goodput.attempt["ended"] is not None:
+            return how
+        logger.warning("job %s: another of its %d processes went away (%s): its attempt counts as killed without notice",
+                       self.config.job, self.job.processes, lost)  # fmt: skip
+        return LOST_PROCESS
 
     def _account_interval(self, seconds: float) -> None:
         """An interval's time in the goodput ledger: the compile (first in this process), then training."""
@@ -680,7 +703,7 @@ class Trainer:
             self._flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)  # KILLED: SIGTERM's handler waited
             if self.job.goodput.attempt is not None:
                 self.job.wait_committed()
-                self.job.goodput.end({"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower()))
+                self.job.goodput.end(self._ended_as({"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower())))
                 self._log_goodput()
             self.job.finish(status)
             if status == "FINISHED":
@@ -690,7 +713,7 @@ class Trainer:
 
     def close(self) -> None:
         try:
-            self.job.goodput.end("closed")  # (unless it ended already) not a kill: nothing to back up against
+            self.job.goodput.end(self._ended_as("closed"))  # (unless it ended already) not a kill, unless a process went away
             self.loop.join_precompile()
             self._flush_compiled(END_FLUSH_SECS)
             self.job.close()
