@@ -200,6 +200,17 @@ def test_platforms_a_serve_does_not_lower_for_are_left_out_with_one_warning_and_
                                          rf"\({others[0]}: .*some_platforms_identity.*leave them out of EvalSpec.export_platforms"):
         serialize_serving(program, state, [here, others[0]])
 
+    # ... and before training, when the trainer is made: not at the first export, an interval in.
+    def trainer_for(platforms):
+        config = job_config(job="early", exporters=[LatestExporter()], program="programs:some_platforms_serve")
+        return Trainer(config.model_copy(update={"eval": config.eval.model_copy(update={"export_platforms": platforms})}))
+
+    with pytest.raises(ValueError, match=rf"does not lower for \['{others[0]}'\] of export_platforms=\['{kept[-1]}', '{others[0]}'\]"):
+        trainer_for([kept[-1], others[0]])
+    trainer = trainer_for(kept)  # those it lowers for: no error, and the job is free to train
+    assert trainer.restore_or_init() == 0
+    trainer.close()
+
     # A serve() that fails everywhere, or here, raises its own error, not one about platforms.
     def broken(state, inputs):
         raise RuntimeError("serve is broken")

@@ -81,12 +81,9 @@ def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...
                 failed[platform] = exc
         if not failed or here in failed:
             raise  # serve() itself fails (or fails here, where it trains): its own error
-    why = "; ".join(f"{p}: {type(e).__name__}: {' '.join(str(e).split())[:300]}" for p, e in failed.items())
+    why = _why(failed)
     if platforms:
-        raise ValueError(
-            f"the program's serve() does not lower for {list(failed)} of export_platforms={list(platforms)} ({why}); "
-            "leave them out of EvalSpec.export_platforms (--export-platforms)"
-        )
+        raise _named_platforms_error(failed, platforms)
     kept = tuple(p for p in wanted if p not in failed)
     _left_out[key] = (*_left_out.get(key, ()), *failed)
     logger.warning(
@@ -94,6 +91,45 @@ def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...
         "(--export-platforms) to %s to skip trying", ", ".join(kept), ", ".join(failed), why, ",".join(kept),
     )  # fmt: skip
     return jax.export.export(fn, platforms=kept)(spec).serialize()
+
+
+def _why(failed: dict[str, Exception]) -> str:
+    return "; ".join(f"{p}: {type(e).__name__}: {' '.join(str(e).split())[:300]}" for p, e in failed.items())
+
+
+def _named_platforms_error(failed: dict[str, Exception], platforms) -> ValueError:
+    return ValueError(
+        f"the program's serve() does not lower for {list(failed)} of export_platforms={list(platforms)} ({_why(failed)}); "
+        "leave them out of EvalSpec.export_platforms (--export-platforms)"
+    )
+
+
+def check_serving_platforms(program: Any, abstract_state, platforms: list[str] | tuple[str, ...]) -> None:
+    """Before training: raise the error `serialize_serving` would raise at the job's first export
+    (an interval in, perhaps hours) for named `platforms` that ``serve`` does not lower for.
+    Lowers ``serve`` with the state as an argument (its shapes, no values: ~0.05 s a platform for
+    a small model); where that does not lower on this machine's own platform either (``serve``
+    needs concrete values), it says nothing and the first export decides.
+
+    Raises:
+        ValueError: as `serialize_serving`, naming the platforms and their errors.
+    """
+    import jax
+
+    spec, here = program.serving_input(), jax.export.default_export_platform()
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_state)  # one device, as an export's constants
+    fn = jax.jit(lambda state, inputs: program.serve(state, inputs))
+    failed = {}
+    for platform in dict.fromkeys((here, *platforms)):
+        try:
+            jax.export.export(fn, platforms=(platform,))(state, spec)
+        except Exception as exc:  # noqa: BLE001 - named below
+            failed[platform] = exc
+    if here in failed:
+        logger.debug("serve() does not lower over the abstract state here (%s): export platforms checked at the first export", _why(failed))
+        return
+    if failed:
+        raise _named_platforms_error(failed, platforms)
 
 
 def load_export(path: str) -> Callable:

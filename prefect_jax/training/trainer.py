@@ -90,12 +90,18 @@ class Trainer:
         if config.compilation_cache_dir:
             self._compile_cache = open_compilation_cache(config.compilation_cache_dir, self.job.storage, push=self.job.is_primary)
         self.program_fingerprint = program_fingerprint(config.program, self.program)
-        if config.eval.exporters and not has_serving(self.program):
-            raise ProgramError(
-                f"exporters {[e.name for e in config.eval.exporters]} are configured, but program "
-                f"{config.program!r} has no serve(state, inputs) and serving_input(): add them, or drop the exporters"
-            )
-        self.loop = Loop(self.program, config.train)
+        try:
+            if config.eval.exporters and not has_serving(self.program):
+                raise ProgramError(
+                    f"exporters {[e.name for e in config.eval.exporters]} are configured, but program "
+                    f"{config.program!r} has no serve(state, inputs) and serving_input(): add them, or drop the exporters"
+                )
+            self.loop = Loop(self.program, config.train)
+            if config.eval.exporters and config.eval.export_platforms:  # named ones: refused now, not an interval in
+                exp.check_serving_platforms(self.program, self.loop.abstract_state, config.eval.export_platforms)
+        except BaseException:
+            self.job.close()  # its lease (a flow run's restore task took it early), its MLflow worker
+            raise
         self.state = None
         self.step: int | None = None
         self.data_iter = None
