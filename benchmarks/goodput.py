@@ -34,6 +34,7 @@ Progress goes to stderr; the last stdout line is one JSON object (also --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -180,6 +181,41 @@ def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str
     return cmd, dict(server_env)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), whatever their sessions: `prefect-jax run
+    --processes N` starts its N processes in sessions of their own."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_all(pid: int) -> None:
+    """SIGKILL `pid`'s process group and every process below it, in one sweep: a lost machine
+    gives no process a chance to act (a launcher's children would otherwise get its death signal,
+    SIGTERM, and checkpoint)."""
+    procs = [pid, *_descendants(pid)]  # listed while they live: the dead's children move to init
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGSTOP)  # frozen first: none of them sees another's death
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
 def run_job(system: str, args, period: float | None, sig: str | None, server_env: dict) -> dict:
     """Run the job to the end, killing each process `period` s after it starts; the totals."""
     workdir = tempfile.mkdtemp(prefix=f"goodput-{system}-")
@@ -194,8 +230,8 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
                 proc.wait(timeout=period)
             except subprocess.TimeoutExpired:
                 killed = True
-                if sig == "KILL":
-                    os.killpg(proc.pid, signal.SIGKILL)
+                if sig == "KILL":  # the machine is lost: every process of the job dies at once
+                    _kill_all(proc.pid)
                 else:  # to the main process, as Kubernetes or a spot VM's shutdown does
                     proc.send_signal(signal.SIGTERM)
                 try:

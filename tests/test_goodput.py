@@ -271,9 +271,12 @@ def test_backups_follow_young_daly_from_the_kills_the_ledger_shows():
     # Quick kills and quick saves: never closer than a second (nor than 5 saves' blocking).
     assert backup_interval([_life(0, 2.5, None, 2, 0.004)], _life(3, 3, None, 0, 0.0), now=3.5)[0] == 1.0
     assert backup_interval([_life(0, 5, None, 2, 1.0)], _life(6, 6, None, 0, 0.0), now=6.5)[0] == 2.5
-    # No save timed yet (what one costs is unknown: for a large state, seconds): none until one is.
-    assert backup_interval([_life(0, 50, None, 0, 0.0)], current, now=125) is None
-    assert backup_interval([_life(0, 50, None, 0, 0.0)], _life(120, 130, None, 1, 0.1), now=135) is not None
+    # Killed before any save was timed (kills more often than checkpoints: the job would never get
+    # past its first step): one backup as soon as allowed, which times a save; then the formula.
+    seconds, why = backup_interval([_life(0, 50, None, 0, 0.0)], current, now=125)
+    assert seconds == 1.0 and why["save_secs"] is None and why["saves_timed"] == 0
+    seconds, why = backup_interval([_life(0, 50, None, 0, 0.0)], _life(120, 130, None, 1, 0.1), now=135)
+    assert why["save_secs"] == 0.1 and seconds == pytest.approx((2 * 0.1 * why["mean_secs_between_kills"]) ** 0.5)
 
 
 def test_a_collectives_error_says_whether_another_process_of_the_job_went_away():

@@ -241,8 +241,12 @@ def backup_interval(earlier: list[dict], current: dict | None = None, now: float
     ``sqrt(2 * C * M)`` seconds between checkpoints minimise the expected loss, the first-order
     optimum of Young (1974) and Daly (2006); never under ``max(MIN_BACKUP_SECS, 5 * C)``.
 
-    Returns ``(seconds, why)`` (``why``: the figures it came from), or None when none of those
-    attempts was killed, or no save of theirs was timed yet.
+    Before any save of theirs was timed (every one was killed before its first checkpoint, as
+    happens when kills come more often than checkpoints: such a job would never get past its
+    first step), ``MIN_BACKUP_SECS``: that backup times a save, and the next follow the formula.
+
+    Returns ``(seconds, why)`` (``why``: the figures it came from; ``save_secs`` None before a
+    save was timed), or None when none of those attempts was killed.
     """
     now = time.time() if now is None else now
     recent = [a for a in earlier if not a.get("folded")][-window:]
@@ -254,13 +258,12 @@ def backup_interval(earlier: list[dict], current: dict | None = None, now: float
     if current is not None:
         exposed += _exposed(current, now)
     cost = _save_cost(recent + ([current] if current is not None else []))
-    if cost is None:
-        return None
     mtbk = max(exposed / kills, 1e-3)
-    seconds = max(math.sqrt(2.0 * cost[0] * mtbk), MIN_BACKUP_SECS, 5.0 * cost[0])
     why = {"killed": kills, "of_attempts": len(following), "mean_secs_between_kills": round(mtbk, 2),
-           "save_secs": round(cost[0], 4), "saves_timed": cost[1]}  # fmt: skip
-    return seconds, why
+           "save_secs": round(cost[0], 4) if cost else None, "saves_timed": cost[1] if cost else 0}  # fmt: skip
+    if cost is None:  # killed before any save: one as soon as allowed, which times what a save costs
+        return MIN_BACKUP_SECS, why
+    return max(math.sqrt(2.0 * cost[0] * mtbk), MIN_BACKUP_SECS, 5.0 * cost[0]), why
 
 
 def read_ledger(storage) -> dict[str, Any]:

@@ -332,11 +332,12 @@ class Trainer:
         seconds, why = found
         attempt = self.job.goodput.attempt
         if attempt.get("backup_every_secs") is None:  # once per attempt: in its log and its ledger entry
+            cost = "no save timed yet" if why["save_secs"] is None else f"a save blocking training {why['save_secs']:.3f}s"
             logger.warning(
                 "job %s: %d of its %d latest attempts were killed without notice (one every %.1fs past their start-up): "
-                "backing up every %.1fs between checkpoints (Young/Daly, with a save blocking training %.3fs); "
+                "backing up every %.1fs between checkpoints (Young/Daly, with %s); "
                 "CheckpointSpec(backups=False) turns this off", self.config.job, why["killed"], why["of_attempts"],
-                why["mean_secs_between_kills"], seconds, why["save_secs"],
+                why["mean_secs_between_kills"], seconds, cost,
             )  # fmt: skip
         attempt["backup_every_secs"] = round(seconds, 3)
         return seconds
