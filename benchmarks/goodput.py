@@ -205,10 +205,14 @@ def _kill_all(pid: int) -> None:
     """SIGKILL `pid`'s process group and every process below it, in one sweep: a lost machine
     gives no process a chance to act (a launcher's children would otherwise get its death signal,
     SIGTERM, and checkpoint)."""
-    procs = [pid, *_descendants(pid)]  # listed while they live: the dead's children move to init
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGSTOP)  # frozen first: none of them sees another's death
+    procs: list[int] = []
+    new = [pid, *_descendants(pid)]  # listed while they live: the dead's children move to init
+    while new:  # frozen first, none of them sees another's death; again for any forked meanwhile
+        for p in new:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGSTOP)
+        procs += new
+        new = [p for p in _descendants(pid) if p not in procs]
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
     for p in procs:

@@ -114,6 +114,30 @@ def paced():
     return PacedDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
 
 
+class BadShardInProcess1(PacedDigits):
+    """Paced digits whose input fails in process 1 of several at its 150th batch (a bad shard, a
+    bug of that host's): that process fails on its own, and no other."""
+
+    def train_data(self, seed: int):
+        import jax
+
+        data = super().train_data(seed)
+        if jax.process_index() != 1:
+            return data
+        read = iter(range(1, 10**9))
+
+        def check(batch):
+            if next(read) == 150:
+                raise ValueError("shard 7 of process 1 is unreadable")
+            return batch
+
+        return data.map(check)
+
+
+def bad_shard_in_process_1():
+    return BadShardInProcess1(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
 class GcWatchingDigits(DigitsProgram):
     """Tiny digits that note, at each evaluation, whether Python's garbage collector is on and how
     many objects are frozen (one JSON line each in the file ``PREFECT_JAX_TEST_GC_LOG`` names)."""

@@ -295,10 +295,20 @@ def test_a_collectives_error_says_whether_another_process_of_the_job_went_away()
         assert lost_a_process(outer)
     assert lost_a_process(RuntimeError("NCCL operation ncclAllReduce failed: remote process exited or there was a network error"))
     assert lost_a_process(RuntimeError("UNAVAILABLE: The coordination service has stopped; task /job:jax_worker/task:1 heartbeat timeout"))
-    # The program's own errors are not a kill.
-    assert not lost_a_process(ValueError("batch size 30 does not divide over 4 devices"))
-    assert not lost_a_process(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB"))
-    assert not lost_a_process(RuntimeError("NCCL version mismatch"))
+    assert lost_a_process(RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service. Either the leader task was "
+                                       "preempted/died/restarted unexpectedly or this task is experiencing network issues."))
+    # The program's own errors, its storage's and its lease's are not a kill.
+    from prefect_jax.training.errors import LeaseHeldError
+
+    for own in (ValueError("batch size 30 does not divide over 4 devices"),
+                RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB"),
+                RuntimeError("NCCL version mismatch"), RuntimeError("NCCL error: unhandled system error"),
+                OSError("503 Service Unavailable"), BlockingIOError(11, "Resource temporarily unavailable"),
+                ConnectionRefusedError(111, "Connection refused"), BrokenPipeError(32, "Broken pipe"),
+                RuntimeError("UNAVAILABLE: failed to connect to all addresses (gcs)"),
+                RuntimeError("DEADLINE_EXCEEDED: Barrier timed out"),
+                LeaseHeldError("/s/job", {"pid": 1, "host": "h", "heartbeat": 0}, 5.0, 120.0)):  # fmt: skip
+        assert not lost_a_process(own), own
 
 
 def test_backups_are_kept_only_while_newest_and_leave_keep_last_to_the_other_steps():

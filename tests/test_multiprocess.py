@@ -461,3 +461,21 @@ def test_after_kills_without_notice_every_process_writes_the_same_backups_and_th
     attempts = ledger()
     assert [a["ended"] for a in attempts] == [LOST_PROCESS, None, "finished"], attempts
     assert [a.get("backup_every_secs") is not None for a in attempts] == [False, True, True], attempts
+
+
+@slow
+def test_a_process_that_fails_on_its_own_says_so_and_the_job_is_not_taken_for_killed(tmp_path, prefect_server, mlflow_uri):
+    """Process 1's input fails (its error told to process 0 through the coordination service
+    before it exits): process 0's collective then fails on the lost connection, but its attempt
+    ends ``failed``, not ``lost a process``: no kill, so no backups for a job that fails."""
+    storage = str(tmp_path / "storage")
+    args = _args("mpbad", storage, mlflow_uri)
+    args[args.index(PROGRAM)] = "programs:bad_shard_in_process_1"
+    procs = _start_pair(args, prefect_server, tmp_path, "bad")
+    codes = _wait_all(procs, 300)
+    assert codes[0] != 0 and codes[1] != 0, codes
+    log0 = open(tmp_path / "bad.0.log").read()
+    assert "shard 7 of process 1 is unreadable" in open(tmp_path / "bad.1.log").read()
+    assert "process 1 failed on its own (ValueError: shard 7 of process 1 is unreadable" in log0, log0[-3000:]
+    attempts = json.load(open(os.path.join(storage, "mpbad", "goodput.json")))["attempts"]
+    assert [a["ended"] for a in attempts] == ["failed"], attempts

@@ -240,12 +240,18 @@ def _leave() -> None:
             pass
 
 
-# What a collective raises in a process whose peer died (SIGKILL, a lost node, an OOM kill):
-# gloo on CPUs ("Gloo all-reduce failed: ... Connection reset by peer", a ValueError), NCCL on
-# GPUs, the coordination service (gRPC UNAVAILABLE, missed heartbeats).
+# What a collective raises in a process whose peer died (SIGKILL, a lost node, an OOM kill), with
+# its transport named: gloo on CPUs ("UNKNOWN: Gloo AllGather failed: [.../pair.cc:538] Read error
+# [127.0.0.1]:47312: Connection reset by peer", "... Connection closed by peer", seen here), NCCL on
+# GPUs ("remote process exited or there was a network error"), JAX's coordination service ("Failed
+# to send RPC to coordination service. Either the leader task was preempted/died/restarted",
+# "... heartbeat timeout"). A storage's "503 Service Unavailable", a lease's heartbeat or a refused
+# connection of the program's own are no peer's death.
 _LOST_PROCESS = re.compile(
-    r"connection (reset|refused|closed)|closed by peer|broken pipe|socket closed|\bunavailable\b|heartbeat"
-    r"|nccl[^\n]*(remote|abort|timed? ?out|system error|network)|barrier timed out|coordination service",
+    r"gloo\b[^\n]*(connection (reset|closed|refused)|closed by peer|broken pipe|(read|write) error)"
+    r"|nccl\b[^\n]*(remote process|network error|abort)"
+    r"|coordination service[^\n]*(unavailable|preempted|died|stopped|heartbeat)"
+    r"|unavailable[^\n]*coordination service|task[^\n]*heartbeat time ?d? ?out",
     re.IGNORECASE,
 )
 
@@ -257,20 +263,29 @@ def lost_a_process(exc: BaseException) -> bool:
     while exc is not None and seen < 8:
         if _LOST_PROCESS.search(f"{type(exc).__name__}: {exc}"):
             return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+        exc, seen = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__), seen + 1
     return False
 
 
 _lost: str | None = None  # the first error of this process that said another process went away
 
 
-def note_if_lost(exc: BaseException) -> None:
-    """Remember `exc` if it says another process went away (`lost_a_process`): see `lost_process`.
-    The collectives here call it; so does the trainer for its training (the step's own
-    collectives, Orbax's)."""
+def note_failure(exc: BaseException) -> None:
+    """This process of a multi-process job failed with `exc`. If it says another process went
+    away (`lost_a_process`), remember it (`lost_process`); else it is this process's own failure:
+    tell the others (`failed_processes`), so that theirs, which follows from it, is not taken for
+    a kill. The collectives here call it; the trainer too, for its restore and training."""
     global _lost
-    if _lost is None and _joined is not None and lost_a_process(exc):
-        _lost = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    if not several():
+        return
+    if lost_a_process(exc):
+        if _lost is None:
+            _lost = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        return
+    try:
+        publish(f"failed/{process_index()}", f"{type(exc).__name__}: {exc}"[:500])
+    except Exception:  # noqa: BLE001 - the coordination service itself may be gone
+        pass
 
 
 def lost_process() -> str | None:
@@ -278,12 +293,30 @@ def lost_process() -> str | None:
     return _lost
 
 
+def forget_lost() -> None:
+    """A new trainer in this process: what an earlier one saw is not its attempt's."""
+    global _lost
+    _lost = None
+
+
+def failed_processes() -> dict[str, str]:
+    """The processes of this job that said they failed on their own (`note_failure`): the key
+    ``failed/<index>`` and the error, from the coordination service; empty if it cannot answer."""
+    try:
+        from jax._src import distributed
+
+        found = distributed.global_state.client.key_value_dir_get("prefect_jax/failed/")
+        return {k.removeprefix("prefect_jax/"): v for k, v in found}
+    except Exception:  # noqa: BLE001 - gone with the others, or no client
+        return {}
+
+
 @contextlib.contextmanager
 def _collective() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        note_if_lost(exc)
+        note_failure(exc)
         raise
 
 

@@ -41,6 +41,7 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
             trainer.run_tags.update(run_tags)
         return trainer
     if trainer is not None:
+        del _live[key]  # (closed: never handed out again, even if the new one is refused)
         trainer.close()
     trainer = Trainer(config, run_tags=run_tags)
     _live[key] = trainer

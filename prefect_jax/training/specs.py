@@ -142,7 +142,8 @@ class CheckpointSpec(_Spec):
             previous step is uploaded). A backup is kept only until a newer step commits (it
             does not count in `keep_last`) and emits no ``prefect-jax.checkpoint.committed``
             event. Jobs that were never killed (or only got preemption notices, which lose
-            nothing) write none. One JAX process only.
+            nothing) write none. With several JAX processes, process 0 decides and all of
+            them write each backup; a process that went away counts as a kill.
     """
 
     every_steps: int | None = Field(1000, description="Checkpoint every N steps.")

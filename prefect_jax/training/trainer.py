@@ -35,7 +35,7 @@ from typing import Any
 from prefect_jax.training import control
 from prefect_jax.training import exporters as exp
 from prefect_jax.training.checkpoints import CorruptCheckpointError, state_fingerprint
-from prefect_jax.training.cluster import any_process, from_primary, lost_process, note_if_lost
+from prefect_jax.training.cluster import any_process, failed_processes, forget_lost, from_primary, lost_process, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
 from prefect_jax.training.errors import LeaseLostError, NonFiniteLossError, PastMaxStepsError, Preempted
@@ -83,14 +83,15 @@ class Trainer:
 
     def __init__(self, config: JobConfig, program: Any = None, run_tags: dict[str, str] | None = None):
         initialize_cluster()  # several JAX processes (from the environment): joined before JAX picks its devices
+        forget_lost()  # (a lost process seen by an earlier trainer in this process is not this one's)
         self.config = config
         self.program = program if program is not None else load_program(config.program)
         self.job = Job(config, run_tags)
-        self._compile_cache = None  # a mirror of a cache on remote storage (see compile_cache)
-        if config.compilation_cache_dir:
-            self._compile_cache = open_compilation_cache(config.compilation_cache_dir, self.job.storage, push=self.job.is_primary)
-        self.program_fingerprint = program_fingerprint(config.program, self.program)
         try:
+            self._compile_cache = None  # a mirror of a cache on remote storage (see compile_cache)
+            if config.compilation_cache_dir:
+                self._compile_cache = open_compilation_cache(config.compilation_cache_dir, self.job.storage, push=self.job.is_primary)
+            self.program_fingerprint = program_fingerprint(config.program, self.program)
             if config.eval.exporters and not has_serving(self.program):
                 raise ProgramError(
                     f"exporters {[e.name for e in config.eval.exporters]} are configured, but program "
@@ -100,7 +101,10 @@ class Trainer:
             if config.eval.exporters and config.eval.export_platforms:  # named ones: refused now, not an interval in
                 exp.check_serving_platforms(self.program, self.loop.abstract_state, config.eval.export_platforms)
         except BaseException:
-            self.job.close()  # its lease (a flow run's restore task took it early), its MLflow worker
+            try:
+                self.job.close()  # its lease (a flow run's restore task took it early), its MLflow worker
+            except Exception:  # noqa: BLE001 - the refusal above is what the caller must see
+                logger.warning("could not close job %s after its trainer was refused", config.job, exc_info=True)
             raise
         self.state = None
         self.step: int | None = None
@@ -163,6 +167,13 @@ class Trainer:
         Raises:
             LeaseHeldError: another live trainer holds the job.
         """
+        try:
+            return self._restore_or_init(checkpoint_path, wait_for_checkpoint, max_wait_secs, recovery_wait_secs)
+        except Exception as exc:
+            note_failure(exc)  # several processes: a peer lost in the collective restore, or this one's own failure
+            raise
+
+    def _restore_or_init(self, checkpoint_path, wait_for_checkpoint, max_wait_secs, recovery_wait_secs) -> int:
         job, loop = self.job, self.loop
         job.goodput.restore_began()
         job.checkpoints.wait()
@@ -261,7 +272,7 @@ class Trainer:
                 notify_progress(self.step, self.config.train.max_steps, self.last_train_metrics)
             self.save(rows)
         except Exception as exc:
-            note_if_lost(exc)  # its attempt ends as a kill (`_ended_as`)
+            note_failure(exc)  # another process went away: the attempt ends as a kill (`_ended_as`)
             raise
         self._push_compiled()
         self._live_is_preemption = False
@@ -343,11 +354,19 @@ class Trainer:
         return seconds
 
     def _ended_as(self, how: str) -> str:
-        """How the attempt ends in the ledger: `how`, unless this process saw another process of
-        the job go away (`cluster.lost_process`): then `goodput.LOST_PROCESS`, a kill without
-        notice, so that the job's next attempts back up between checkpoints as after its own."""
-        lost = lost_process() if self.job.processes > 1 and how in ("failed", "closed") else None
-        if lost is None or self.job.goodput.attempt is None or self.job.goodput.attempt["ended"] is not None:
+        """How process 0's attempt ends in the ledger: `how`, unless it saw another process of
+        the job go away (`cluster.lost_process`) that did not say it failed on its own
+        (`cluster.failed_processes`): then `goodput.LOST_PROCESS`, a kill without notice, so that
+        the job's next attempts back up between checkpoints as after a kill of process 0."""
+        if not (self.job.is_primary and self.job.processes > 1 and how in ("failed", "closed")):
+            return how
+        lost, attempt = lost_process(), self.job.goodput.attempt
+        if lost is None or attempt is None or attempt["ended"] is not None:
+            return how
+        failed = failed_processes()
+        if failed:
+            logger.warning("job %s: %s failed on its own (%s); this attempt is no kill", self.config.job,
+                           ", ".join(sorted(failed)).replace("failed/", "process "), "; ".join(failed.values())[:500])  # fmt: skip
             return how
         logger.warning("job %s: another of its %d processes went away (%s): its attempt counts as killed without notice",
                        self.config.job, self.job.processes, lost)  # fmt: skip
