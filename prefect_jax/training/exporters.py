@@ -76,9 +76,9 @@ def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...
         failed = _failing_platforms(fn, wanted, spec)
         if not failed or here in failed:
             raise  # serve() itself fails (or fails here, where it trains): its own error
-    why = _why(failed)
     if platforms:
         raise _named_platforms_error(failed, platforms)
+    why = _why(failed)
     kept = tuple(p for p in wanted if p not in failed)
     _left_out[key] = (*_left_out.get(key, ()), *failed)
     logger.warning(
