@@ -440,9 +440,9 @@ def gpu_markdown() -> list[str]:
             out += ["", "## On a GPU", "",
                     "`benchmarks/gpu.py`, run on a GPU machine lent to a session (recorded there, not re-measured by this run): "
                     "the engine (`Trainer` alone, without Prefect) against a plain jit + Orbax loop, "
-                    "a checkpoint and a full eval every `every` steps, the first interval (its compile) untimed. On a GPU the "
-                    "engine donates the state's buffers to each step (the CPU backend cannot), so this is also where exact "
-                    "resume with donation is checked. Since 2026-11-26 `benchmarks/gpu_check.sh` also runs the flow there "
+                    "a checkpoint and a full eval every `every` steps, the first interval (its compile) untimed. The engine "
+                    "donates the state's buffers to each step (on the CPU too since 2026-11-26; until then only here), so "
+                    "this is also where exact resume with donation is checked on a GPU. Since 2026-11-26 `benchmarks/gpu_check.sh` also runs the flow there "
                     "(Prefect, MLflow and Grain carried as packed wheels: `benchmarks/gpu_wheels.sh`).", "",
                     "| device | recorded | MLP width, batch | steps, every | plain steps/s | engine steps/s | engine / plain time | "
                     "engine `steps_per_dispatch=10` steps/s | / plain time | exact resume (fingerprints) |",

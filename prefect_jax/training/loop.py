@@ -138,9 +138,11 @@ class Loop:
 
     def __init__(self, program: Any, spec: TrainSpec):
         self.program, self.spec = program, spec
-        # The CPU backend cannot donate buffers (it would warn on every compile); GPU/TPU can.
+        # The state is donated: each step writes the new state over the old one's buffers
+        # (on GPU/TPU, and on the CPU since jaxlib 0.3.24), instead of copying it into new ones;
+        # a buffer another holder still references (Orbax, copying a save to the host) is copied.
         # The guard is never donated: the loop reads an earlier one after later steps ran.
-        donate = (0,) if jax.default_backend() != "cpu" else ()
+        donate = (0,)
         guarded = guarded_step(program.train_step, spec.check_finite)
         self.train_step = jax.jit(guarded, donate_argnums=donate)
         self.scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
