@@ -83,3 +83,20 @@ def test_steps_per_dispatch_must_be_positive():
 
     with pytest.raises(ValueError, match="steps_per_dispatch=0 must be a positive number"):
         TrainSpec(max_steps=10, steps_per_dispatch=0)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_steps_donate_the_train_state_so_one_copy_of_it_is_held(job_config, k):
+    # As on a GPU: each step (or scan of steps) writes the new state over the old one's buffers,
+    # so the device holds one copy of the state, and the CPU suite runs the path GPU jobs take.
+    trainer = Trainer(job_config(max_steps=20, every_steps=10, job=f"donated{k}", steps_per_dispatch=k))
+    trainer.restore_or_init()
+    started = trainer.state
+    trainer.train_until_checkpoint()
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(started))
+    trainer.checkpoints.wait()  # step 10 saved: its state is free to donate too
+    saved = trainer.state
+    trainer.train_until_checkpoint()
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(saved))
+    assert trainer.step == 20 and not any(leaf.is_deleted() for leaf in jax.tree.leaves(trainer.state))
+    trainer.close()
