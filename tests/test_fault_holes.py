@@ -102,8 +102,13 @@ def test_sigterm_during_a_save_and_kills_around_an_evaluation_lose_nothing(tmp_p
     assert js.read_json(js.export_dir("best") + "/best.json")["step"] == best["step"]
     job = status("holes", storage)
     assert job["evaluated_steps"]["eval"] == job["committed_steps"] == [100, 200, 300, 400]
-    history = MlflowClient(mlflow_uri).get_metric_history(summary["mlflow_run_id"], "eval/loss")
+    client = MlflowClient(mlflow_uri)
+    history = client.get_metric_history(summary["mlflow_run_id"], "eval/loss")
     assert sorted(m.step for m in history) == [100, 200, 300, 400], "each evaluation in MLflow exactly once"
+    # The train metrics of the interval whose save the SIGTERM met (its process ended before
+    # logging them; the checkpoint carries them), and every other, each exactly once.
+    train = sorted(m.step for m in client.get_metric_history(summary["mlflow_run_id"], "train/loss"))
+    assert train == list(range(10, MAX_STEPS + 1, 10)), train
 
 
 def _trained_without_evaluator(job_config, **kw):

@@ -109,16 +109,22 @@ def test_exports_are_logged_as_models_beside_the_sqlite_store(job_config, mlflow
     assert [a.path for a in client.list_logged_model_artifacts(model.model_id, "artifacts")] == ["artifacts/model.jax_export"]
 
 
-def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_config, monkeypatch):
+@pytest.mark.parametrize("ended", ["crashed", "preempted"])
+def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_config, monkeypatch, ended):
     # MLflow writes are asynchronous: a process can die after a checkpoint commits and before
     # that interval's metrics reach MLflow. They travel in the checkpoint, and the rerun logs them.
-    config = job_config(max_steps=40, every_steps=20)
+    # A preempted attempt (SIGTERM during the save) logs its goodput at that step as it ends:
+    # those metrics are no train metrics, and do not hide the missing ones.
+    config = job_config(max_steps=40, every_steps=20, job=f"lost-{ended}")
     first = Trainer(config)
     first.restore_or_init()
     with monkeypatch.context() as m:
-        m.setattr(Tracker, "log_new_metrics", lambda self, rows, exclude_prefix="": None)  # the writes never happen
+        m.setattr(Tracker, "log_new_metrics", lambda self, rows, prefix="": None)  # the writes never happen
         first.train_until_checkpoint()
         first.checkpoints.wait()
+    if ended == "preempted":
+        first.finish("KILLED")  # as a SIGTERM's handler ends it: goodput/* at step 20, the run KILLED
+        assert 20 in [m.step for m in MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "goodput/goodput")]
     first.close()
     assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "train/loss") == []
 

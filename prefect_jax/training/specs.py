@@ -257,6 +257,10 @@ class EarlyStopping(_Spec):
 EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
+RESERVED_EVAL_NAMES = ("train", "goodput")
+"""Metric prefixes of prefect-jax's own (``train/<metric>``, ``goodput/<metric>``): no evaluation's name."""
+
+
 class EvalSpec(_Spec):
     """How to evaluate (TF's `EvalSpec`).
 
@@ -310,6 +314,12 @@ class EvalSpec(_Spec):
     @field_validator("name")
     @classmethod
     def _name(cls, v):
+        if v in RESERVED_EVAL_NAMES:  # their metrics would mix with the evaluation's in MLflow
+            raise ValueError(
+                f"eval name {v!r} is taken: prefect-jax logs its own MLflow metrics as '{v}/<metric>' "
+                f"(the train metrics as train/..., the goodput as goodput/...); give the evaluation another name, "
+                "e.g. 'eval' (the default) or 'validation'"
+            )
         return check_name("eval name", v)
 
     @field_validator("start_delay_secs", "throttle_secs")

@@ -407,16 +407,19 @@ class Tracker:
             return "file://" + os.path.join(os.path.dirname(os.path.abspath(db)), "mlartifacts", self.experiment)
         return None
 
-    def log_new_metrics(self, rows: Iterable[tuple[str, float, int]], exclude_prefix: str = "") -> None:
-        """Log the rows past the last step this run had before this process started (in the background).
+    def log_new_metrics(self, rows: Iterable[tuple[str, float, int]], prefix: str) -> None:
+        """Log the rows (metrics named ``<prefix>...``) past the last step at which this run had a
+        metric under `prefix` before this process started (in the background).
 
         A resumed job recomputes, bit for bit, the steps between its checkpoint and a crash,
-        some of which may have been logged: they are not logged twice.
+        some of which may have been logged: they are not logged twice. Other metrics (an
+        evaluation's, the goodput's at the step a preempted attempt ended) do not count: rows
+        carried by the checkpoint a process ended at, and never logged by it, are logged.
         """
         rows, key = list(rows), next(self._ids)
         with self._unwritten_lock:
             self._unwritten[key] = rows
-        self._call("_log_new_metrics", rows, exclude_prefix).add_done_callback(lambda _, key=key: self._forget(key))
+        self._call("_log_new_metrics", rows, prefix).add_done_callback(lambda _, key=key: self._forget(key))
 
     def unwritten_metrics(self) -> list[tuple[str, float, int]]:
         """Rows given to `log_new_metrics` that are not in MLflow yet (a checkpoint carries them)."""
@@ -441,9 +444,9 @@ class Tracker:
             self._client.log_batch(self._run_id, metrics=metrics[i : i + 1000])
 
     @_guarded
-    def _log_new_metrics(self, rows: list[tuple[str, float, int]], exclude_prefix: str) -> None:
+    def _log_new_metrics(self, rows: list[tuple[str, float, int]], prefix: str) -> None:
         if self._logged_until is None:
-            last = self._last_logged_step(exclude_prefix)
+            last = self._last_logged_step(prefix)
             self._logged_until = -1 if last is None else last
         fresh = [r for r in rows if r[2] > self._logged_until]
         if fresh:
@@ -543,10 +546,10 @@ class Tracker:
     # -- reads (wait for the calls before them) -----------------------------------------------
 
     @_guarded
-    def _last_logged_step(self, exclude_prefix: str) -> int | None:
-        """The highest step at which any metric (except those under `exclude_prefix`) was logged."""
+    def _last_logged_step(self, prefix: str) -> int | None:
+        """The highest step at which a metric named ``<prefix>...`` was logged."""
         client = self._client
-        keys = [k for k in client.get_run(self._run_id).data.metrics if not (exclude_prefix and k.startswith(exclude_prefix))]
+        keys = [k for k in client.get_run(self._run_id).data.metrics if k.startswith(prefix)]
         steps = [m.step for k in keys for m in client.get_metric_history(self._run_id, k)]
         return max(steps) if steps else None
 

@@ -391,7 +391,7 @@ class Trainer:
     def _log_train_rows(self, rows) -> None:
         """Train metrics go to MLflow as ``train/<name>`` (eval metrics are ``<eval name>/<name>``)."""
         rows = [(k if k.startswith(TRAIN_PREFIX) else TRAIN_PREFIX + k, v, s) for k, v, s in rows]
-        self.tracker.log_new_metrics(rows, exclude_prefix=f"{self.config.eval.name}/")
+        self.tracker.log_new_metrics(rows, prefix=TRAIN_PREFIX)
 
     def save(self, train_metrics: list[tuple[str, float, int]] = (), preemption: bool = False, backup: bool = False) -> None:
         """Start an asynchronous checkpoint of the live state at the current step.
