@@ -235,16 +235,15 @@ def test_an_export_for_other_platforms_only_is_still_logged_and_loading_it_here_
         load_export(path)(np.zeros((2, 64), np.float32))
 
 
-ON_AN_ACCELERATOR_HOST = r"""
+TRAIN_AND_EXPORT = r"""
 import os, sys
-import jax
-jax.devices()  # this process's JAX is open, on the CPU here
-os.environ["JAX_PLATFORMS"] = "no-such-platform"  # as JAX_PLATFORMS=cuda on a GPU pool: the MLflow worker must not use it
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, LatestExporter, TrainSpec
 from prefect_jax.training.trainer import Trainer
-config = JobConfig(program="prefect_jax.examples.digits:tiny", job="accel", storage=sys.argv[1],
+job, platforms = sys.argv[3], (sys.argv[4].split(",") if len(sys.argv) > 4 else None)
+config = JobConfig(program="prefect_jax.examples.digits:tiny", job=job, storage=sys.argv[1],
                    train=TrainSpec(max_steps=20, log_every_steps=10), checkpoint=CheckpointSpec(every_steps=20),
-                   eval=EvalSpec(exporters=[LatestExporter()], registered_model="accel", learning_curve_every_secs=0),
+                   eval=EvalSpec(exporters=[LatestExporter()], registered_model=job, learning_curve_every_secs=0,
+                                 export_platforms=platforms),
                    mlflow_tracking_uri=sys.argv[2])
 trainer = Trainer(config)
 trainer.restore_or_init()
@@ -254,15 +253,46 @@ trainer.finish()
 trainer.close()
 """
 
+ON_AN_ACCELERATOR_HOST = r"""
+import os
+import jax
+jax.devices()  # this process's JAX is open, on the CPU here
+os.environ["JAX_PLATFORMS"] = "no-such-platform"  # as JAX_PLATFORMS=cuda on a GPU pool: the MLflow worker must not use it
+""" + TRAIN_AND_EXPORT
+
+
+def _train_and_export(script: str, tmp_path, mlflow_uri, job: str, *platforms: str) -> str:
+    """Run `script` (a 20-step job exported at its end) in a fresh process; its stderr, once its
+    one export is version 1 of the registered model `job` (the MLflow worker's stderr is its)."""
+    args = [str(tmp_path / "storage"), mlflow_uri, job] + ([",".join(platforms)] if platforms else [])
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    versions = MlflowClient(mlflow_uri).search_model_versions(f"name = '{job}'")
+    assert [v.tags["prefect_jax.step"] for v in versions] == ["20"], proc.stderr[-3000:]
+    return proc.stderr
+
 
 def test_the_mlflow_worker_checks_a_logged_model_on_the_cpu_not_on_the_trainers_accelerator(tmp_path, mlflow_uri):
     """On a GPU host a second JAX client (the MLflow worker's, checking the logged model) would take
     the GPU's memory beside the trainer's; it runs on the CPU, whatever JAX_PLATFORMS the job has."""
-    proc = subprocess.run([sys.executable, "-c", ON_AN_ACCELERATOR_HOST, str(tmp_path / "storage"), mlflow_uri],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    versions = MlflowClient(mlflow_uri).search_model_versions("name = 'accel'")
-    assert [v.tags["prefect_jax.step"] for v in versions] == ["20"], proc.stderr[-3000:]
+    _train_and_export(ON_AN_ACCELERATOR_HOST, tmp_path, mlflow_uri, "accel")
+
+
+def test_an_export_for_other_platforms_only_is_logged_without_mlflow_calling_it_broken(tmp_path, mlflow_uri):
+    """MLflow checks that a logged model serves its input example. An export for other platforms
+    cannot run here, so that check could only warn that the model is broken: it is skipped for
+    them, and the example is kept (the model page shows it; `load_serving_example` reads it)."""
+    import jax
+    import mlflow
+    from mlflow.models.utils import load_serving_example
+
+    other = "tpu" if jax.export.default_export_platform() != "tpu" else "cpu"
+    stderr = _train_and_export(TRAIN_AND_EXPORT, tmp_path, mlflow_uri, "elsewhere", other)
+    assert "Failed to validate serving input example" not in stderr, stderr[-3000:]
+    mlflow.set_tracking_uri(mlflow_uri)
+    info = mlflow.models.get_model_info("models:/elsewhere@newest")
+    assert info.metadata["prefect_jax"]["platforms"] == [other] and info.flavors["python_function"]
+    assert json.loads(load_serving_example("models:/elsewhere@newest"))["inputs"]
 
 
 def test_the_run_reads_as_model_training(registered, mlflow_uri):

@@ -82,6 +82,25 @@ def requirements() -> list[str]:
     return [f"jax=={jax.__version__}", f"jaxlib=={jaxlib.__version__}", f"numpy=={numpy.__version__}"]
 
 
+class _PyfuncUnchecked:
+    """`mlflow.pyfunc` as `Model.log`'s flavor for an export that does not run on this process's
+    platform (`EvalSpec.export_platforms` without it). `Model.log(validate_serving_input=False)`
+    skips MLflow's check that the logged model serves its input example, which can only fail
+    here (with a warning that the model is broken); MLflow hands the same keywords to the
+    flavor's `save_model`, and pyfunc's refuses that one, so it stops here."""
+
+    __name__ = "mlflow.pyfunc"  # the flavor's name in the MLmodel file, as with the module itself
+
+    @staticmethod
+    def save_model(*args, validate_serving_input: bool = True, **kwargs):
+        import mlflow.pyfunc
+
+        return mlflow.pyfunc.save_model(*args, **kwargs)
+
+
+_PYFUNC_UNCHECKED = _PyfuncUnchecked()
+
+
 def log_export_model(
     client, tracking_uri: str, experiment_id: str, run_id: str, job: str, job_key: str, step: int, export_dir: str, example
 ) -> Any:
@@ -95,7 +114,8 @@ def log_export_model(
     with open(model_file, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
     example = np.asarray(example, dtype=exported.in_avals[0].dtype)
-    if jax.export.default_export_platform() in exported.platforms:  # the MLflow worker's: cpu (`mlflow_worker._jax_on_cpu`)
+    runs_here = jax.export.default_export_platform() in exported.platforms  # the MLflow worker's: cpu (`mlflow_worker._jax_on_cpu`)
+    if runs_here:
         output = np.asarray(exported.call(example))
     else:  # not exported for this platform (EvalSpec.export_platforms): the output's shape and type, from its signature
         out = jax.eval_shape(exported.call, example)
@@ -121,7 +141,9 @@ def log_export_model(
         model_info = Model.log(
             artifact_path=None,
             name=name,
-            flavor=mlflow.pyfunc,
+            # MLflow serves the example through the logged model to check it: only where it runs.
+            flavor=mlflow.pyfunc if runs_here else _PYFUNC_UNCHECKED,
+            **({} if runs_here else {"validate_serving_input": False}),
             python_model=PYFUNC_FILE,
             artifacts={"jax_export": model_file},
             signature=signature,
