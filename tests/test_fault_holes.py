@@ -79,6 +79,12 @@ def test_sigterm_during_a_save_and_kills_around_an_evaluation_lose_nothing(tmp_p
     assert "step 200 committed" in log1, log1[-3000:]
     assert committed_steps(ckpt)[-1] == 200, "the step whose save was in flight is committed"
     assert all(int(os.path.basename(p)[:-5]) in committed_steps(ckpt) for p in glob.glob(f"{evals}/*.json"))
+    # Its train metrics are in MLflow already, up to the step committed (no rerun needed for them).
+    client = MlflowClient(mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("prefect-jax").experiment_id],
+                                filter_string=f"tags.`prefect_jax.job` = '{storage}/holes'")  # fmt: skip
+    logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    assert logged == list(range(10, 201, 10)), logged
 
     # 2. SIGKILL as soon as the final step's evaluation is recorded, or its checkpoint commits,
     #    whichever comes first: an eval record must never exist for a step that is not committed.

@@ -30,6 +30,7 @@ from prefect_jax.training.specs import (
         (lambda: EvalSpec(name="../x"), "eval name", "'../x'", "no '..'"),
         (lambda: EvalSpec(name="train"), "eval name", "'train'", "give the evaluation another name"),
         (lambda: EvalSpec(name="goodput"), "eval name", "'goodput'", "give the evaluation another name"),
+        (lambda: EvalSpec(name="system"), "eval name", "'system'", "give the evaluation another name"),
         (lambda: LatestExporter(keep=0), "keep", "0", "keep at least 1"),
         (lambda: EvalSpec(export_platforms=["cpu", "gpu"]), "export_platforms", "['gpu']", "'cuda' for NVIDIA GPUs"),
         (lambda: EvalSpec(export_platforms=[]), "export_platforms", "[]", "None for all that serve() lowers for"),

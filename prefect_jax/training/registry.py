@@ -89,7 +89,7 @@ class _PyfuncUnchecked:
     here (with a warning that the model is broken); MLflow hands the same keywords to the
     flavor's `save_model`, and pyfunc's refuses that one, so it stops here."""
 
-    __name__ = "mlflow.pyfunc"  # the flavor's name in the MLmodel file, as with the module itself
+    __name__ = "mlflow.pyfunc"  # as the module's: Model.log names a LoggedModel it makes after it (not here: it gets one)
 
     @staticmethod
     def save_model(*args, validate_serving_input: bool = True, **kwargs):

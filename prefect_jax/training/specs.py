@@ -257,8 +257,8 @@ class EarlyStopping(_Spec):
 EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
-RESERVED_EVAL_NAMES = ("train", "goodput")
-"""Metric prefixes of prefect-jax's own (``train/<metric>``, ``goodput/<metric>``): no evaluation's name."""
+RESERVED_EVAL_NAMES = ("train", "goodput", "system")
+"""Metric prefixes taken (``train/``, ``goodput/``: prefect-jax's; ``system/``: MLflow's system metrics): no evaluation's name."""
 
 
 class EvalSpec(_Spec):
@@ -267,7 +267,8 @@ class EvalSpec(_Spec):
     Args:
         steps: number of eval batches; None evaluates the whole eval set.
         name: name of this evaluation; metrics are logged as ``<name>/<metric>`` and
-            records are kept under ``<job>/evals/<name>/``.
+            records are kept under ``<job>/evals/<name>/``. Not ``train``, ``goodput`` or
+            ``system`` (`RESERVED_EVAL_NAMES`): those metrics are prefect-jax's and MLflow's.
         start_delay_secs: the continuous evaluator waits this long before its first eval.
         throttle_secs: do not evaluate again sooner than this many seconds after the last
             evaluation (the final checkpoint is always evaluated).
@@ -317,7 +318,8 @@ class EvalSpec(_Spec):
         if v in RESERVED_EVAL_NAMES:  # their metrics would mix with the evaluation's in MLflow
             raise ValueError(
                 f"eval name {v!r} is taken: prefect-jax logs its own MLflow metrics as '{v}/<metric>' "
-                f"(the train metrics as train/..., the goodput as goodput/...); give the evaluation another name, "
+                f"(the train metrics as train/..., the goodput as goodput/...; MLflow its system metrics as system/...); "
+                "give the evaluation another name, "
                 "e.g. 'eval' (the default) or 'validation'"
             )
         return check_name("eval name", v)

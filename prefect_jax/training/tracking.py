@@ -125,7 +125,7 @@ class Tracker:
         self._experiment_id: str | None = None  # where the calls run (see `experiment_id`)
         self._started: Future | None = None
         self._client = None
-        self._logged_until: int | None = None  # the last train step in MLflow before this process; None: not looked up
+        self._logged_until: dict[str, int] = {}  # prefix -> its last step in MLflow (looked up once per run and process)
         self._logged_at: dict[str, set[int]] = {}  # steps of a metric known to be in MLflow (looked up once)
         self._unwritten: dict[int, list[tuple[str, float, int]]] = {}  # train rows submitted, not yet written
         self._unwritten_lock = threading.Lock()
@@ -289,7 +289,7 @@ class Tracker:
         self, params: dict[str, Any], tags: dict[str, str] | None, run_id: str | None, reopen: bool, killed: dict | None = None,
         description: str | None = None,
     ) -> dict[str, str]:
-        self._logged_until = None  # this run's history is looked up again (see _log_new_metrics)
+        self._logged_until = {}  # this run's history is looked up again (see _log_new_metrics)
         self._logged_at = {}
         client = self._client
         exp = client.get_experiment_by_name(self.experiment)
@@ -445,13 +445,13 @@ class Tracker:
 
     @_guarded
     def _log_new_metrics(self, rows: list[tuple[str, float, int]], prefix: str) -> None:
-        if self._logged_until is None:
+        if prefix not in self._logged_until:
             last = self._last_logged_step(prefix)
-            self._logged_until = -1 if last is None else last
-        fresh = [r for r in rows if r[2] > self._logged_until]
+            self._logged_until[prefix] = -1 if last is None else last
+        fresh = [r for r in rows if r[2] > self._logged_until[prefix]]
         if fresh:
             self._log_metrics(fresh)
-            self._logged_until = max(r[2] for r in fresh)
+            self._logged_until[prefix] = max(r[2] for r in fresh)
 
     @_guarded
     def _log_metrics_once(self, rows: list[tuple[str, float, int]], key: str, step: int) -> None:

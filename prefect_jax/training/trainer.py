@@ -115,6 +115,7 @@ class Trainer:
         self._evals_reconciled = False
         self._example = None  # the serving input example (see _serving_example)
         self._live_is_preemption = False  # the live step was restored from a preemption checkpoint
+        self._rows_saving: list[tuple[str, float, int]] | None = None  # train rows of a save a SIGTERM met (`save`)
         self._compile_accounted = False
         self._push_after_first_step = False  # copy the compile cache after an interval's first step (`_train_part`)
         self._guard = PreemptionGuard(self._end_on_sigterm)
@@ -421,7 +422,11 @@ class Trainer:
                 self.job.save(self.step, self.state, self.data_iter, meta)
             self._last_save = time.monotonic()
             self.job.goodput.saved(time.perf_counter() - started)
-        self._guard.handle_if_pending()
+        self._rows_saving = train_metrics  # a SIGTERM handled now logs them once the step commits
+        try:
+            self._guard.handle_if_pending()
+        finally:
+            self._rows_saving = None
 
     def _end_on_sigterm(self, rows: list[tuple[str, float, int]] | None = None) -> None:
         """A preemption notice: checkpoint the live step (in the loop, `rows` are its interval's
@@ -429,6 +434,7 @@ class Trainer:
         export, between tasks), within `sigterm_grace_secs`; say which step is the newest
         committed one; close the MLflow run KILLED, free the lease, forward the signal."""
         grace, started = self.config.train.sigterm_grace_secs, time.monotonic()
+        saved_rows = rows if rows is not None else self._rows_saving  # (None: no save just ended here)
         if rows is not None:
             logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
             every, max_steps = self.config.checkpoint.every_steps, self.config.train.max_steps
@@ -442,8 +448,8 @@ class Trainer:
             self._compile_cache.flush(min(10.0, max(0.0, grace - (time.monotonic() - started))))
         if committed:
             logger.warning("step %d committed in %.2fs after SIGTERM", self.step, time.monotonic() - started)
-            if rows:
-                self._log_train_rows(rows)
+            if saved_rows:  # the interval's train metrics (the checkpoint has them too, for a rerun)
+                self._log_train_rows(saved_rows)
         else:
             logger.error("the checkpoint of step %s did not commit within %.0fs: abandoned; step %s stays the newest valid one",
                          self.step, grace, self.job.newest_committed())  # fmt: skip
