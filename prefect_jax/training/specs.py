@@ -317,10 +317,9 @@ class EvalSpec(_Spec):
     def _name(cls, v):
         if v in RESERVED_EVAL_NAMES:  # their metrics would mix with the evaluation's in MLflow
             raise ValueError(
-                f"eval name {v!r} is taken: prefect-jax logs its own MLflow metrics as '{v}/<metric>' "
-                f"(the train metrics as train/..., the goodput as goodput/...; MLflow its system metrics as system/...); "
-                "give the evaluation another name, "
-                "e.g. 'eval' (the default) or 'validation'"
+                f"eval name {v!r} is taken: its metrics would be logged as '{v}/<metric>', among others' (prefect-jax "
+                "logs the train metrics as train/... and the goodput as goodput/..., MLflow its system metrics as "
+                "system/...); give the evaluation another name, e.g. 'eval' (the default) or 'validation'"
             )
         return check_name("eval name", v)
 
