@@ -82,12 +82,12 @@ def requirements() -> list[str]:
     return [f"jax=={jax.__version__}", f"jaxlib=={jaxlib.__version__}", f"numpy=={numpy.__version__}"]
 
 
-class _PyfuncUnchecked:
-    """`mlflow.pyfunc` as `Model.log`'s flavor for an export that does not run on this process's
-    platform (`EvalSpec.export_platforms` without it). `Model.log(validate_serving_input=False)`
-    skips MLflow's check that the logged model serves its input example, which can only fail
-    here (with a warning that the model is broken); MLflow hands the same keywords to the
-    flavor's `save_model`, and pyfunc's refuses that one, so it stops here."""
+class _Pyfunc:
+    """`mlflow.pyfunc` as `Model.log`'s flavor, so that `Model.log(validate_serving_input=...)`
+    can say whether MLflow checks that the logged model serves its input example: not for an
+    export that does not run on this process's platform (`EvalSpec.export_platforms` without
+    it), where the check can only fail (with a warning that the model is broken). MLflow hands
+    the same keywords to the flavor's `save_model`, and pyfunc's refuses that one, so it stops here."""
 
     __name__ = "mlflow.pyfunc"  # as the module's: Model.log names a LoggedModel it makes after it (not here: it gets one)
 
@@ -98,7 +98,7 @@ class _PyfuncUnchecked:
         return mlflow.pyfunc.save_model(*args, **kwargs)
 
 
-_PYFUNC_UNCHECKED = _PyfuncUnchecked()
+_PYFUNC = _Pyfunc()
 
 
 def log_export_model(
@@ -141,9 +141,8 @@ def log_export_model(
         model_info = Model.log(
             artifact_path=None,
             name=name,
-            # MLflow serves the example through the logged model to check it: only where it runs.
-            flavor=mlflow.pyfunc if runs_here else _PYFUNC_UNCHECKED,
-            **({} if runs_here else {"validate_serving_input": False}),
+            flavor=_PYFUNC,
+            validate_serving_input=runs_here,  # MLflow serves the example through the model to check it: where it runs
             python_model=PYFUNC_FILE,
             artifacts={"jax_export": model_file},
             signature=signature,
