@@ -267,6 +267,7 @@ def lost_a_process(exc: BaseException) -> bool:
     return False
 
 
+_KEYS = "prefect_jax/"  # this package's keys in the coordination service (`publish`, `lookup`, `failed_processes`)
 _lost: str | None = None  # the first error of this process that said another process went away
 
 
@@ -305,8 +306,8 @@ def failed_processes() -> dict[str, str]:
     try:
         from jax._src import distributed
 
-        found = distributed.global_state.client.key_value_dir_get("prefect_jax/failed/")
-        return {k.removeprefix("prefect_jax/"): v for k, v in found}
+        found = distributed.global_state.client.key_value_dir_get(f"{_KEYS}failed/")
+        return {k.removeprefix(_KEYS): v for k, v in found}
     except Exception:  # noqa: BLE001 - gone with the others, or no client
         return {}
 
@@ -383,11 +384,11 @@ def publish(key: str, value: str) -> None:
     """Put `value` in the coordination service's key-value store (process 0 tells the others)."""
     from jax._src import distributed
 
-    distributed.global_state.client.key_value_set(f"prefect_jax/{key}", value, allow_overwrite=True)
+    distributed.global_state.client.key_value_set(f"{_KEYS}{key}", value, allow_overwrite=True)
 
 
 def lookup(key: str, timeout_secs: float = 300) -> str:
     """A value `publish` put (waits for it)."""
     from jax._src import distributed
 
-    return distributed.global_state.client.blocking_key_value_get(f"prefect_jax/{key}", int(timeout_secs * 1000))
+    return distributed.global_state.client.blocking_key_value_get(f"{_KEYS}{key}", int(timeout_secs * 1000))
