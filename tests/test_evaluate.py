@@ -104,3 +104,88 @@ def test_eval_step_must_return_sum_count_pairs(job_config):
     trainer.restore_or_init()
     with pytest.raises(ValueError, match=r"must be a \(sum, count\) pair"):
         trainer.evaluate_if_new(0)
+
+
+def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_goes_on(job_config, monkeypatch):
+    """The evaluation of the live step does not hold training for its save's commit (on an H100
+    that wait was 0.2 s of every interval, issue 13): it returns at once, pending, and the step is
+    recorded (records, MLflow, `on_recorded`) once it commits, by the next interval's training."""
+    import inspect
+    import threading
+
+    from prefect_jax.training.checkpoints import Checkpoints
+
+    commit = threading.Event()  # step 20's commit waits for this (Orbax calls the hook on its save thread)
+    checksum = Checkpoints._checksum_step_in_flight
+    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (commit.wait(60), checksum(self)))
+    recorded = []
+
+    def on_recorded(result):
+        in_loop = any(f.function == "run" and f.filename.endswith("loop.py") for f in inspect.stack())
+        recorded.append((result, in_loop))
+
+    trainer = Trainer(job_config(max_steps=40, every_steps=20))
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    result = trainer.evaluate_if_new(on_recorded=on_recorded)  # (waiting for the commit here would hang for 60 s)
+    assert result.status is EvalStatus.EVALUATED and result.step == 20 and result.pending_commit
+    assert trainer.records.steps() == [] and recorded == []
+    assert 20 not in trainer.committed_steps()
+
+    commit.set()
+    trainer.job.checkpoints.wait()
+    trainer.train_until_checkpoint()  # to 40: step 20 is recorded from its first dispatch
+    assert [(r.step, r.pending_commit, in_loop) for r, in_loop in recorded] == [(20, False, True)]
+    assert recorded[0][0].metrics == result.metrics
+    assert trainer.records.get(20).metrics == result.metrics
+    final = trainer.evaluate_if_new(on_recorded=on_recorded)  # the final step: recorded before it returns
+    assert final.step == 40 and not final.pending_commit and [r.step for r, _ in recorded] == [20, 40]
+    trainer.finish()
+    history = trainer.tracker.metric_history("eval/accuracy")
+    assert [s for s, _ in history] == [20, 40]
+
+
+
+KILLED_BEFORE_THE_COMMIT = """
+import sys, threading
+from prefect_jax.training.checkpoints import Checkpoints
+from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.trainer import Trainer
+Checkpoints._checksum_step_in_flight = lambda self: threading.Event().wait(20)  # no commit before the kill
+trainer = Trainer(JobConfig.model_validate_json(sys.argv[1]))
+trainer.restore_or_init()
+trainer.train_until_checkpoint()
+result = trainer.evaluate_if_new()
+print("evaluated", result.step, result.pending_commit, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_process_killed_before_the_evaluated_step_commits_leaves_no_record_of_it(job_config, tmp_path):
+    """SIGKILL after the live step's evaluation returned, before its save committed: nothing says
+    the step was evaluated (records, MLflow); the rerun trains it again and evaluates it once."""
+    import subprocess
+    import sys
+
+    from process_helpers import TESTS_DIR
+
+    config = job_config(max_steps=40, every_steps=20)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_BEFORE_THE_COMMIT, config.model_dump_json()], cwd=TESTS_DIR,
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "killed.log", "w"), text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert line.split() == ["evaluated", "20", "True"], (line, (tmp_path / "killed.log").read_text()[-3000:])
+
+    rerun = Trainer(config)
+    assert rerun.records.steps() == [] and rerun.committed_steps() == []
+    assert rerun.restore_or_init() == 0
+    assert rerun.tracker.metric_history("eval/accuracy") == []
+    while rerun.step < 40:
+        rerun.train_until_checkpoint()
+        rerun.evaluate_if_new()
+    rerun.finish()
+    assert rerun.records.steps() == [20, 40]
+    assert [s for s, _ in rerun.tracker.metric_history("eval/accuracy")] == [20, 40]

@@ -142,10 +142,10 @@ def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(jo
     first = Trainer(config)
     first.restore_or_init()
     first.train_until_checkpoint()
+    first.checkpoints.wait()  # (committed: the evaluation is recorded before it returns)
     with monkeypatch.context() as m:
         m.setattr(Tracker, "log_metrics_once", lambda self, rows, key, step: None)  # the write never happens
         assert first.evaluate_if_new().status.value == "EVALUATED"
-        first.checkpoints.wait()
     first.close()
     assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "eval/accuracy") == []
 

@@ -481,10 +481,10 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
 
     logger = get_run_logger()
     trainer = _trainer(config)
-    result = trainer.evaluate_if_new(step, force=force)
-    if result.status is EvalStatus.EVALUATED:
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
-        logger.info("%s at step %d: %s", config.eval.name, result.step, metrics)
+
+    def recorded(result) -> None:
+        """Once the step is committed and its evaluation recorded: here, or (the live step's save
+        still in flight) from the training that goes on meanwhile, in the next task run."""
         publisher.submit(
             create_table_artifact,
             key=artifact_key(config.job, config.eval.name, "results"),
@@ -493,6 +493,12 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
         )
         emit(EVAL_EVENT, config, {"step": result.step, "eval_name": result.name, "metrics": result.metrics,
                                   "is_final": result.is_final, "stop_reason": result.stop_reason})
+
+    result = trainer.evaluate_if_new(step, force=force, on_recorded=recorded)
+    if result.status is EvalStatus.EVALUATED:
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
+        when = f" (recorded once step {result.step} commits: training goes on)" if result.pending_commit else ""
+        logger.info("%s at step %d: %s%s", config.eval.name, result.step, metrics, when)
     else:
         logger.info("%s of step %s: %s", config.eval.name, step, result.status.value)
     return result

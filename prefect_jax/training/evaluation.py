@@ -43,6 +43,12 @@ class EvalResult(BaseModel):
     evaluated_at: float | None = None
     is_final: bool = False
     stop_reason: str | None = Field(None, description="Why an eval hook asked the job to stop, if it did.")
+    pending_commit: bool = Field(
+        False,
+        description="Evaluated on the trainer's live step while that step's checkpoint was still being written: "
+        "recorded (MLflow, the durable records, the eval event) once the checkpoint commits, while training goes on; "
+        "never if it does not commit (the rerun evaluates the step again).",
+    )
 
     @model_validator(mode="after")
     def _validate(self):

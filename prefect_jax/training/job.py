@@ -192,6 +192,11 @@ class Job:
         """Whether a step is still on its way to remote storage (queued or uploading)."""
         return self._uploader is not None and bool(self._uploader.pending)
 
+    def save_landed(self) -> bool:
+        """Whether no save is in flight (a check that does not wait): Orbax finished every save
+        started so far (committed, or failed) and, on remote storage, every upload is done."""
+        return not self.checkpoints.manager.is_saving_in_progress() and not self.uploading()
+
     def wait_committed(self) -> None:
         """Wait until every save started so far counts: committed by Orbax, and uploaded if remote."""
         self.checkpoints.wait()

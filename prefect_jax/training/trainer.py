@@ -30,7 +30,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from prefect_jax.training import control
 from prefect_jax.training import exporters as exp
@@ -116,6 +116,10 @@ class Trainer:
         self._example = None  # the serving input example (see _serving_example)
         self._live_is_preemption = False  # the live step was restored from a preemption checkpoint
         self._rows_saving: list[tuple[str, float, int]] | None = None  # train rows of a save a SIGTERM met (`save`)
+        # An evaluation of the live step whose save was in flight, and what to call once it is
+        # recorded: recorded when the step commits, while training goes on (`_evaluate_if_new`).
+        self._pending: tuple[EvalResult, Callable[[EvalResult], None] | None] | None = None
+        self._record_from_loop = True  # off after a failed try there: the next save records it, or raises
         self._compile_accounted = False
         self._push_after_first_step = False  # copy the compile cache after an interval's first step (`_train_part`)
         self._guard = PreemptionGuard(self._end_on_sigterm)
@@ -293,6 +297,8 @@ class Trainer:
             with self._guard.deferred() as notice:
 
                 def stop() -> bool:
+                    if self._pending is not None and self._record_from_loop:
+                        self._record_pending_if_landed()
                     if self._push_after_first_step:  # its compile is in the cache, copied while training goes on
                         self._push_after_first_step = False
                         self._compile_cache.push_async()
@@ -309,6 +315,7 @@ class Trainer:
                     interval = self.loop.run(self.state, self.step, self.data_iter, boundary, stop)
                 except NonFiniteAt as bad:
                     self.job.wait_committed()  # the error names the checkpoint a rerun resumes from
+                    self._record_pending(wait=True)
                     raise NonFiniteLossError(bad.step, bad.metrics, self.job.newest_committed()) from None
                 self.state, self.step = interval.state, interval.step
                 self._account_interval(time.perf_counter() - started)
@@ -403,6 +410,7 @@ class Trainer:
         restores this step (nothing is logged twice).
         """
         started = time.perf_counter()
+        self._record_pending(wait=True)  # the evaluation of the step before, if its commit has not been seen yet
         self.job.verify_lease(collective=True)  # one writer: a trainer whose job was taken over stops here
         train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
         meta = {
@@ -444,6 +452,9 @@ class Trainer:
                 self.job.verify_lease()
             logger.warning("SIGTERM at step %s (between checkpoints): letting its checkpoint commit (grace %.0fs)", self.step, grace)
         committed = _within(self.job.wait_committed, grace) and self.step in self.job.committed_steps()
+        if self._pending is not None:  # an evaluation whose step was committing: recorded if it did, before the run closes
+            self._record_pending_if_landed()
+            self._pending = None  # (else the rerun evaluates that step)
         if self._compile_cache is not None:  # what this attempt compiled, for the rerun (on another node)
             self._compile_cache.flush(min(10.0, max(0.0, grace - (time.monotonic() - started))))
         if committed:
@@ -494,21 +505,33 @@ class Trainer:
 
     # -- evaluate --------------------------------------------------------------------
 
-    def evaluate_if_new(self, step: int | None = None, force: bool = False) -> EvalResult:
+    def evaluate_if_new(
+        self, step: int | None = None, force: bool = False, on_recorded: Callable[[EvalResult], None] | None = None
+    ) -> EvalResult:
         """Evaluate `step` (default: the live step, else the newest committed one) unless done before.
 
         Returns an EvalResult with status EVALUATED (metrics logged to MLflow and recorded
         durably), NO_NEW_CHECKPOINT (already evaluated), MISSING_CHECKPOINT (nothing to
         evaluate) or THROTTLED (evaluated less than `throttle_secs` ago; `force` overrides).
+
+        A step is recorded only once its checkpoint has committed. The live step's save is
+        usually still in flight here: then the result is EVALUATED with ``pending_commit``, and
+        it is recorded once the step commits, by the training that goes on meanwhile (or by the
+        next save, evaluation, export or `finish`), so that training does not wait for the commit.
+        Where something decides on the result before training goes on (early stopping, eval
+        hooks, the final step) or the job has several processes, this waits for the commit and
+        records the step before it returns. `on_recorded(result)` is called once the result is
+        recorded, now or later (never if the step does not commit).
         """
         with self.job.goodput.phase("eval"):  # a trainer's own evaluations (an evaluator keeps no ledger)
-            result = self._evaluate_if_new(step, force)
+            result = self._evaluate_if_new(step, force, on_recorded)
         if result.status == EvalStatus.EVALUATED:
             self._push_compiled()
         return result
 
-    def _evaluate_if_new(self, step: int | None, force: bool) -> EvalResult:
+    def _evaluate_if_new(self, step: int | None, force: bool, on_recorded) -> EvalResult:
         spec = self.config.eval
+        self._record_pending(wait=True, inside="eval")
         if not self.job.is_primary:  # process 0 evaluates its replica; the others go on training
             return EvalResult(status=EvalStatus.OTHER_PROCESS, name=spec.name, step=step)
         if self.lease.held:  # the trainer evaluating its own steps (local mode)
@@ -548,11 +571,66 @@ class Trainer:
         # The live step's save may still be in flight (the evaluation overlapped it): a step is
         # recorded, logged and exported only once it is committed, so that a crash before the
         # commit leaves nothing that says it was evaluated (the rerun evaluates it again).
+        if live and step != self._started_from and not self.job.save_landed() and self._may_record_later(is_final):
+            pending = result.model_copy(update={"pending_commit": True})
+            self._pending, self._record_from_loop = (pending, on_recorded), True
+            return pending
         if live and not self._committed(step):
             logger.error("step %d did not commit: its evaluation is not recorded", step)
             return missing
-        if not self.job.is_primary:
-            return result
+        return self._record(result, on_recorded)
+
+    def _may_record_later(self, is_final: bool) -> bool:
+        """Whether an evaluation of the live step may be recorded once its step commits, training
+        going on meanwhile: not when something decides on it first (early stopping, eval hooks:
+        a stop they ask for ends the job at this step), at the final step, or with several
+        processes (their commit is collective)."""
+        return not is_final and self.early_stopping is None and not self.eval_hooks and self.job.processes == 1
+
+    def _record_pending_if_landed(self) -> None:
+        """From the training loop (or a SIGTERM's end): record the pending evaluation if its save
+        has landed; a failure is retried by the next save, which waits for it."""
+        if not self.job.save_landed():
+            return
+        try:
+            self._record_pending(wait=False)
+        except Exception as exc:  # noqa: BLE001 - not the training's to end: the next save records it, or raises
+            self._record_from_loop = False
+            logger.warning("could not record the evaluation of step %d yet (the next save tries again): %r",
+                           self._pending[0].step if self._pending else -1, exc)  # fmt: skip
+
+    def _record_pending(self, wait: bool, inside: str | None = None) -> EvalResult | None:
+        """Record the pending evaluation (see `evaluate_if_new`) if its step committed (`wait`:
+        once the saves in flight have landed; `inside`: the goodput phase this runs in); the
+        recorded result, or None (nothing pending, or its step did not commit)."""
+        if self._pending is None:
+            return None
+        result, on_recorded = self._pending
+        if wait:
+            self._wait_committed(inside)
+        if result.step not in self.committed_steps():
+            self._pending = None
+            logger.error("step %d did not commit: its evaluation is not recorded", result.step)
+            return None
+        recorded = self._record(result.model_copy(update={"pending_commit": False}), on_recorded)
+        self._pending = None  # (kept until recorded: a failed record is retried)
+        return recorded
+
+    def _record_pending_or_warn(self) -> None:
+        """At the end of a trainer (one that did not finish): the pending evaluation recorded if
+        its step commits; if that fails, the rerun evaluates the step."""
+        if self._pending is None:
+            return
+        try:
+            self._record_pending(wait=True)
+        except Exception as exc:  # noqa: BLE001 - ending anyway: what stops the record is not to hide why it ends
+            logger.warning("the evaluation of step %d was not recorded (the rerun evaluates it): %r", self._pending[0].step, exc)
+            self._pending = None
+
+    def _record(self, result: EvalResult, on_recorded) -> EvalResult:
+        """Log an evaluation of a committed step to MLflow, record it durably, ask for a stop if
+        its hooks say so; then `on_recorded(result)`."""
+        step, spec, metrics, is_final = result.step, self.config.eval, result.metrics, result.is_final
         self.job.verify_lease()  # a trainer whose job was taken over records nothing more
         # Unless a crash came between this log and the record below, in an earlier attempt.
         self._log_eval(result)
@@ -566,6 +644,11 @@ class Trainer:
             self.job.request_stop(reason, step, by=f"eval {spec.name}")
             self.tracker.set_tags({"prefect_jax.stop_reason": reason[:5000]})
             result = result.model_copy(update={"stop_reason": reason})
+        if on_recorded is not None:
+            try:
+                on_recorded(result)
+            except Exception:  # noqa: BLE001 - the record stands; what the caller publishes is best effort
+                logger.exception("after recording the evaluation of step %d", step)
         return result
 
     def _is_preemption_checkpoint(self, step: int, live: bool) -> bool:
@@ -594,11 +677,17 @@ class Trainer:
         if step == self._started_from:
             return True
         if step == self.step:
-            with self.job.goodput.phase("checkpoint"):
-                waited = time.perf_counter()
-                self.job.wait_committed()
-            self.job.goodput.add("eval", -(time.perf_counter() - waited))  # inside the eval's phase: not eval time
+            self._wait_committed(inside="eval")
         return step in self.committed_steps()
+
+    def _wait_committed(self, inside: str | None = None) -> None:
+        """Wait for the saves in flight, as checkpoint time in the goodput ledger (not as time of
+        `inside`, the phase this runs in)."""
+        with self.job.goodput.phase("checkpoint"):
+            waited = time.perf_counter()
+            self.job.wait_committed()
+        if inside is not None:
+            self.job.goodput.add(inside, -(time.perf_counter() - waited))
 
     def _log_eval(self, result: EvalResult) -> None:
         """Log an evaluation's metrics unless they are in MLflow already (one history read per process)."""
@@ -644,6 +733,11 @@ class Trainer:
 
     def _export(self, result: EvalResult) -> dict[str, str]:
         written: dict[str, str] = {}
+        if result.pending_commit:  # exports are of committed, recorded steps: this one's commit comes first
+            recorded = self._record_pending(wait=True, inside="export") if self._pending else self.records.get(result.step)
+            if recorded is None:
+                return written
+            result = recorded
         if not exp.is_recorded(result) or not self.job.is_primary:
             return written
         self.job.verify_lease()  # a trainer whose job was taken over exports nothing more
@@ -732,6 +826,9 @@ class Trainer:
         try:
             if status == "FINISHED":
                 self.job.verify_lease()  # a job taken over is not this process's to call finished
+                self._record_pending(wait=True)
+            else:
+                self._record_pending_or_warn()
             self._flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)  # KILLED: SIGTERM's handler waited
             if self.job.goodput.attempt is not None:
                 self.job.wait_committed()
@@ -745,6 +842,7 @@ class Trainer:
 
     def close(self) -> None:
         try:
+            self._record_pending_or_warn()
             self.job.goodput.end(self._ended_as("closed"))  # (unless it ended already) not a kill, unless a process went away
             self.loop.join_precompile()
             self._flush_compiled(END_FLUSH_SECS)
