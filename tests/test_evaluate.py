@@ -109,41 +109,53 @@ def test_eval_step_must_return_sum_count_pairs(job_config):
 def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_goes_on(job_config, monkeypatch):
     """The evaluation of the live step does not hold training for its save's commit (on an H100
     that wait was 0.2 s of every interval, issue 13): it returns at once, pending, and the step is
-    recorded (records, MLflow, `on_recorded`) once it commits, by the next interval's training."""
+    recorded (records, MLflow, `on_recorded`) once it commits, by the next interval's training
+    loop, and not before."""
     import inspect
     import threading
+    import time
 
     from prefect_jax.training.checkpoints import Checkpoints
+    from prefect_jax.training.loop import add_progress_listener
 
-    commit = threading.Event()  # step 20's commit waits for this (Orbax calls the hook on its save thread)
+    commit = threading.Event()  # step 100's commit waits for this (Orbax calls the hook on its save thread)
     checksum = Checkpoints._checksum_step_in_flight
     monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (commit.wait(60), checksum(self)))
+    trainer = Trainer(job_config(max_steps=200, every_steps=100))
     recorded = []
 
     def on_recorded(result):
         in_loop = any(f.function == "run" and f.filename.endswith("loop.py") for f in inspect.stack())
-        recorded.append((result, in_loop))
+        recorded.append((result, in_loop, commit.is_set(), result.step in trainer.committed_steps()))
 
-    trainer = Trainer(job_config(max_steps=40, every_steps=20))
+    def at_log_step(step, max_steps, metrics):
+        if step == 130:  # 30 dispatches into the interval, each of which found the save in flight: it may commit now
+            commit.set()
+            deadline = time.monotonic() + 60
+            while not trainer.job.save_landed() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
     result = trainer.evaluate_if_new(on_recorded=on_recorded)  # (waiting for the commit here would hang for 60 s)
-    assert result.status is EvalStatus.EVALUATED and result.step == 20 and result.pending_commit
+    assert result.status is EvalStatus.EVALUATED and result.step == 100 and result.pending_commit
     assert trainer.records.steps() == [] and recorded == []
-    assert 20 not in trainer.committed_steps()
+    assert 100 not in trainer.committed_steps()
 
-    commit.set()
-    trainer.job.checkpoints.wait()
-    trainer.train_until_checkpoint()  # to 40: step 20 is recorded from its first dispatch
-    assert [(r.step, r.pending_commit, in_loop) for r, in_loop in recorded] == [(20, False, True)]
+    remove = add_progress_listener(at_log_step)
+    try:
+        trainer.train_until_checkpoint()  # to 200: step 100 is recorded from the first dispatch after its commit
+    finally:
+        remove()
+    # Recorded once, from the loop, after the commit (not while the save was in flight), as evaluated.
+    assert [(r.step, r.pending_commit, *rest) for r, *rest in recorded] == [(100, False, True, True, True)]
     assert recorded[0][0].metrics == result.metrics
-    assert trainer.records.get(20).metrics == result.metrics
+    assert trainer.records.get(100).metrics == result.metrics
     final = trainer.evaluate_if_new(on_recorded=on_recorded)  # the final step: recorded before it returns
-    assert final.step == 40 and not final.pending_commit and [r.step for r, _ in recorded] == [20, 40]
+    assert final.step == 200 and not final.pending_commit and [r.step for r, *_ in recorded] == [100, 200]
     trainer.finish()
     history = trainer.tracker.metric_history("eval/accuracy")
-    assert [s for s, _ in history] == [20, 40]
-
+    assert [s for s, _ in history] == [100, 200]
 
 
 KILLED_BEFORE_THE_COMMIT = """
@@ -151,7 +163,7 @@ import sys, threading
 from prefect_jax.training.checkpoints import Checkpoints
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.trainer import Trainer
-Checkpoints._checksum_step_in_flight = lambda self: threading.Event().wait(20)  # no commit before the kill
+Checkpoints._checksum_step_in_flight = lambda self: threading.Event().wait()  # no commit before the kill
 trainer = Trainer(JobConfig.model_validate_json(sys.argv[1]))
 trainer.restore_or_init()
 trainer.train_until_checkpoint()
@@ -166,17 +178,22 @@ def test_a_process_killed_before_the_evaluated_step_commits_leaves_no_record_of_
     the step was evaluated (records, MLflow); the rerun trains it again and evaluates it once."""
     import subprocess
     import sys
+    import threading
 
     from process_helpers import TESTS_DIR
 
     config = job_config(max_steps=40, every_steps=20)
     proc = subprocess.Popen([sys.executable, "-c", KILLED_BEFORE_THE_COMMIT, config.model_dump_json()], cwd=TESTS_DIR,
                             stdout=subprocess.PIPE, stderr=open(tmp_path / "killed.log", "w"), text=True)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    reader.start()
     try:
-        line = proc.stdout.readline()
+        reader.join(timeout=180)  # (an evaluation that waited for the commit would never print)
     finally:
         proc.kill()
         proc.wait(timeout=60)
+    line = lines[0] if lines else "(nothing within 180 s)"
     assert line.split() == ["evaluated", "20", "True"], (line, (tmp_path / "killed.log").read_text()[-3000:])
 
     rerun = Trainer(config)

@@ -315,7 +315,8 @@ class Trainer:
                     interval = self.loop.run(self.state, self.step, self.data_iter, boundary, stop)
                 except NonFiniteAt as bad:
                     self.job.wait_committed()  # the error names the checkpoint a rerun resumes from
-                    self._record_pending(wait=True)
+                    with contextlib.suppress(Exception):  # (kept pending if it fails: `finish` or `close` tries again)
+                        self._record_pending(wait=True)
                     raise NonFiniteLossError(bad.step, bad.metrics, self.job.newest_committed()) from None
                 self.state, self.step = interval.state, interval.step
                 self._account_interval(time.perf_counter() - started)
@@ -410,21 +411,21 @@ class Trainer:
         restores this step (nothing is logged twice).
         """
         started = time.perf_counter()
-        self._record_pending(wait=True)  # the evaluation of the step before, if its commit has not been seen yet
-        self.job.verify_lease(collective=True)  # one writer: a trainer whose job was taken over stops here
-        train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
-        meta = {
-            "program": self.config.program,
-            "program_fingerprint": self.program_fingerprint,
-            "config_fingerprint": self.config.fingerprint(),
-            # Known unless MLflow is still opening (the first save of a fresh process): then
-            # evaluators and reruns find the run by its job tag instead.
-            "mlflow_run_id": self.tracker.run_id_if_known(),
-            "train_metrics": [list(r) for r in train_metrics],
-            "preemption": preemption or backup,  # off the cadence: resumed from, never evaluated
-            **({"backup": True} if backup else {}),  # written because attempts of the job were killed
-        }
         with self._guard.deferred():  # a SIGTERM now is handled once Orbax has the step
+            self._record_pending(wait=True)  # the evaluation of the step before, if its commit has not been seen yet
+            self.job.verify_lease(collective=True)  # one writer: a trainer whose job was taken over stops here
+            train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
+            meta = {
+                "program": self.config.program,
+                "program_fingerprint": self.program_fingerprint,
+                "config_fingerprint": self.config.fingerprint(),
+                # Known unless MLflow is still opening (the first save of a fresh process): then
+                # evaluators and reruns find the run by its job tag instead.
+                "mlflow_run_id": self.tracker.run_id_if_known(),
+                "train_metrics": [list(r) for r in train_metrics],
+                "preemption": preemption or backup,  # off the cadence: resumed from, never evaluated
+                **({"backup": True} if backup else {}),  # written because attempts of the job were killed
+            }
             self.job.goodput.trained_to(self.step)  # first: a save killed part-way leaves its steps counted as lost
             with self.job.goodput.phase("checkpoint"):
                 self.job.save(self.step, self.state, self.data_iter, meta)
@@ -443,6 +444,13 @@ class Trainer:
         committed one; close the MLflow run KILLED, free the lease, forward the signal."""
         grace, started = self.config.train.sigterm_grace_secs, time.monotonic()
         saved_rows = rows if rows is not None else self._rows_saving  # (None: no save just ended here)
+        if rows is not None and self._pending is not None:
+            try:
+                self._record_pending(wait=True)
+            except Exception as exc:  # noqa: BLE001 - then no newer step: the rerun resumes from that one and evaluates it
+                logger.warning("SIGTERM at step %d: the evaluation of step %d could not be recorded (%r): not checkpointing "
+                               "step %d", self.step, self._pending[0].step, exc, self.step)  # fmt: skip
+                self._pending, rows, saved_rows = None, None, None
         if rows is not None:
             logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
             every, max_steps = self.config.checkpoint.every_steps, self.config.train.max_steps
@@ -612,9 +620,12 @@ class Trainer:
             self._pending = None
             logger.error("step %d did not commit: its evaluation is not recorded", result.step)
             return None
-        recorded = self._record(result.model_copy(update={"pending_commit": False}), on_recorded)
-        self._pending = None  # (kept until recorded: a failed record is retried)
-        return recorded
+        self._pending = None  # (off first: a SIGTERM handled while this records finds nothing pending)
+        try:
+            return self._record(result.model_copy(update={"pending_commit": False}), on_recorded)
+        except Exception:
+            self._pending = (result, on_recorded)  # retried (records and MLflow logs are idempotent)
+            raise
 
     def _record_pending_or_warn(self) -> None:
         """At the end of a trainer (one that did not finish): the pending evaluation recorded if
@@ -734,7 +745,8 @@ class Trainer:
     def _export(self, result: EvalResult) -> dict[str, str]:
         written: dict[str, str] = {}
         if result.pending_commit:  # exports are of committed, recorded steps: this one's commit comes first
-            recorded = self._record_pending(wait=True, inside="export") if self._pending else self.records.get(result.step)
+            mine = self._pending is not None and self._pending[0].step == result.step
+            recorded = self._record_pending(wait=True, inside="export") if mine else self.records.get(result.step)
             if recorded is None:
                 return written
             result = recorded
