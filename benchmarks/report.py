@@ -201,11 +201,16 @@ GAPS = {
         "medians of 12.83 s against 12.67 s. A new store is now a copy of an empty one (0.10 s, where MLflow's migrations took 1.25 s), "
         "which took the one-interval rows' `flow: mlflow s` from 2.66 s (2026-11-24) to 1.16 s; MLflow's import with "
         "the garbage collector off in the worker (2026-11-25 09:11): 0.61 s -> 0.40 s in that row, one run each. The command starts "
-        "the worker before its own imports, where this is off the critical path. On an H100 the engine's loop is "
-        "within 1.5% of a plain loop (one call, 2026-11-23), on an H200 1.10x (median of 5 calls, 1.00-1.22, 2026-11-26: the GPU section below). Where the flow's extra loop time goes (the flow side "
+        "the worker before its own imports, where this is off the critical path. On an H100 the engine's loop "
+        "took 0.89 and 0.96x a plain loop's time (2 calls, 2026-11-26), since its evaluation no longer waits for the "
+        "save's commit (the same day, same kind of machine, before: 1.16 and 1.17x; the wait was ~0.2 s of each "
+        "interval); on an H200 1.10x before that change (median of 5 calls, 1.00-1.22, 2026-11-26: the GPU section below). Where the flow's extra loop time goes (the flow side "
         "alone, 10 intervals, the engine's entry points timed, 3 runs on 2026-11-23): per interval, the two task runs' "
         "Prefect work (~24 ms, the Prefect line below) and the evaluation task (55-90 ms, most of it its wait for the "
-        "save's commit); once, at the end, `Trainer.finish` (every MLflow write landed, the run closed: 90-390 ms) and, "
+        "save's commit, which it no longer waits for since 2026-11-26: the step is recorded once it commits, while the "
+        "next interval trains; on these two cores the commit's Python then shares the GIL with the training thread, "
+        "so the flow's loop here did not measurably gain: 6 alternated runs of each on a standing server, loop / plain "
+        "loop median 1.40 against 1.45 before, per run 1.29-1.74 against 1.35-1.59); once, at the end, `Trainer.finish` (every MLflow write landed, the run closed: 90-390 ms) and, "
         "after the flow body returned, Prefect's end of the flow run (260-950 ms on 2026-11-23), which until the 20:14 "
         "run was mostly the join of its heartbeat thread (0-1 s, 0.5 s on average; the flow side's wall times all ended "
         "at the same fraction of a second): these flows no longer wait for it "
@@ -213,7 +218,7 @@ GAPS = {
         "The plain loop's loop ends with its last commit. The target's budget here is 0.1 x the plain loop's 2-3.5 s "
         "= 0.2-0.35 s; the intervals' fixed cost (next line: ~55-65 ms each, 10 intervals) already exceeds it, so on "
         "this 2000-step, 10-interval workload the target cannot be met while each interval is a task run pair and a "
-        "three-item Orbax save whose commit the evaluation waits for. With checkpoints minutes apart, as on a "
+        "three-item Orbax save whose commit, in Python, shares these two cores with the training. With checkpoints minutes apart, as on a "
         "GPU job, the per-interval cost is under 0.1% of an interval."
     ),
     "orchestration_ms_per_interval": (
@@ -252,8 +257,9 @@ GAPS = {
         "left is the scan's own speed-up on this CPU against single ~1.5-2 s per-step runs: the plain scan loop over "
         "the plain per-step loop read 1.05, 1.38 and 1.72 in the three rounds, this ratio 1.12, 1.46 and 1.11 (1.14, 1.16 and 1.90 at 03:47). "
         "On an H100 the engine with "
-        "`steps_per_dispatch=10` runs 1.5x as many steps per second as the plain per-step loop, on an H200 1.48x "
-        "(median of 5 calls, 1.28-1.61; the GPU section)."
+        "`steps_per_dispatch=10` runs 2.0 and 2.2x as many steps per second as the plain per-step loop (2 calls, "
+        "2026-11-26, checkpoints every 500 steps, the evaluation no longer waiting for their commit; 1.5x on 2026-11-23), "
+        "on an H200 1.48x (median of 5 calls, 1.28-1.61, before that change; the GPU section)."
     ),
     "stall_pct_of_sync_save_512mib": "",
     "rerun_to_first_step_vs_plain": (
@@ -468,6 +474,24 @@ def gpu_markdown() -> list[str]:
                          f"{', '.join(str(v) for v in ab['old_engine_steps_per_s'])} against "
                          f"{', '.join(str(v) for v in ab['new_engine_steps_per_s'])} steps/s.")
             notes.append(line)
+        ab = g.get("ab_eval_commit_wait")
+        if ab:
+            before = ", ".join(f"{c['engine_vs_plain_time']:.2f}" for c in ab["before_calls"])
+            hack = ab["hack_ab"]
+            notes.append(
+                f"- {name}, the evaluation no longer holding training for its step's commit (2026-11-26): before it "
+                f"({ab['code_before']}), the same kind of machine the same day, engine / plain time "
+                f"{before} in {len(ab['before_calls'])} calls of `gpu.py` "
+                f"(the engine's checkpoint time in its goodput ledger {', '.join(f'{v:.2f}' for v in ab['before_checkpoint_lost_s'])} s, "
+                f"after {', '.join(f'{v:.2f}' for v in ab['after_checkpoint_lost_s'])} s). "
+                f"The wait alone, switched off by a patch in one process ({hack['rounds']} alternated rounds, steps/s): "
+                f"waiting {', '.join(map(str, hack['waiting']))}, not waiting {', '.join(map(str, hack['not_waiting']))}, "
+                f"the plain loop {', '.join(map(str, hack['plain']))}; the evaluation's wait for the commit, median per "
+                f"round, {', '.join(f'{v:.0f}' for v in hack['commit_wait_ms_median'])} ms an interval.")
+        earlier = g.get("earlier")
+        if earlier:
+            notes.append(f"- {name}, earlier row ({earlier['recorded']}, one call): engine / plain time "
+                         f"{earlier['engine_vs_plain_time']:.3f}, `steps_per_dispatch=10` / plain {earlier['engine_scan10_vs_plain_time']:.3f}.")
         fc = g.get("flow_check")
         if fc:
             d, t = fc["demo"], fc["tests"]
@@ -480,6 +504,16 @@ def gpu_markdown() -> list[str]:
                 f"its exports are lowered for {', '.join(d['export_platforms'])}, and {d['served_on_cpu']}. "
                 f"{t['passed']} tests passed on the GPU, {t['failed']} failed ({', '.join(t['files'])}; {t['seconds']} s; "
                 f"left out: {t['left_out']}).")
+            su = fc.get("startup")
+            if su:
+                again = su["demo_again"]
+                notes.append(
+                    f"- {name}, where the demo's start-up goes (each piece in a fresh process): Python {su['python']} s, "
+                    f"`import jax` {su['import jax']} s, JAX's client start (with the import) {su['JAX client start']} s, "
+                    f"`import prefect_jax.flows` {su['import prefect_jax.flows']} s, `import mlflow` {su['import mlflow']} s; "
+                    f"the demo again in a new folder with the machine's caches warm: {again['wall_s']} s wall, start-up "
+                    f"{again['startup']} s, compile {again['compile']} s, restore {again['restore']} s. The first demo's "
+                    f"start-up also holds the first imports from a cold disk cache and the ephemeral Prefect server's start.")
     return out + ([""] + notes if notes else [])
 
 
