@@ -125,7 +125,8 @@ class EvalRecords:
     def put(self, result: EvalResult) -> None:
         if result.status is not EvalStatus.EVALUATED:
             raise ValueError(f"only EVALUATED results are recorded, got {result.status.value}")
-        self.storage.write_json(f"{self.dir}/{result.step}.json", result.model_dump(mode="json"))
+        # (`pending_commit` is not kept: a record is of a committed step)
+        self.storage.write_json(f"{self.dir}/{result.step}.json", result.model_dump(mode="json", exclude={"pending_commit"}))
         self._known[int(result.step)] = result
 
     def discard(self, step: int, why: str) -> str:
