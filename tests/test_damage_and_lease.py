@@ -357,3 +357,42 @@ def test_heartbeat_keeps_the_lease_fresh(job_config):
     assert json.load(open(path))["heartbeat"] > first
     trainer.close()
     assert not os.path.exists(path)
+
+
+def test_a_retry_that_takes_its_job_back_marks_only_the_dead_attempts_task_runs_crashed(prefect_server):
+    """The retry's restore task marks the killed attempt's unfinished task runs Crashed, in the
+    background; the retry's own next task run may exist by then, Pending with no attempt number
+    yet (found so in a suite run: its `evaluate` was marked Crashed after it completed). Real
+    task runs on a real Prefect server: the one made before the restore task is marked, the one
+    made after it is not."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.states import Pending, Running
+
+    from prefect_jax.tasks import _mark_crashed
+
+    @task
+    def step():
+        pass
+
+    @flow
+    def job():
+        pass
+
+    from prefect._internal.uuid7 import uuid7  # how Prefect's task engine makes task run ids
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(job, state=Running())
+        dead = client.create_task_run(step, run.id, "dead", id=uuid7(), state=Running())  # the killed attempt's
+        restore = client.create_task_run(step, run.id, "restore", id=uuid7(), state=Running())  # the retry's
+        after = client.create_task_run(step, run.id, "next", id=uuid7(), state=Pending())  # the retry's next, no attempt number yet
+        assert after.flow_run_run_count == dead.flow_run_run_count == 0
+
+        @flow
+        def takeover():
+            _mark_crashed({"flow_run_id": str(run.id), "host": "h", "pid": 1, "reason": "a test"}, str(run.id), 2, str(restore.id))
+
+        takeover()
+        assert client.read_task_run(dead.id).state.is_crashed()
+        assert client.read_task_run(after.id).state.is_pending()
+        assert client.read_task_run(restore.id).state.is_running()

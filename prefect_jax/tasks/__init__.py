@@ -300,8 +300,19 @@ def _mark_crashed(taken: dict, current_flow_run: str | None, run_count: int, cur
         for run in task_runs:
             if str(run.id) == str(current_task_run) or (same and run.flow_run_run_count == run_count):
                 continue  # this attempt's own
+            if same and current_task_run is not None and _made_after(run.id, current_task_run):
+                continue  # this attempt's next task run, made since (its attempt number is not set while it is Pending)
             client.set_task_run_state(run.id, Crashed(message=message), force=True)
             logger.warning("marked task run %r (%s, attempt %d of flow run %s) Crashed", run.name, run.id, run.flow_run_run_count, dead)
+
+
+def _made_after(run_id, other_id) -> bool:
+    """Whether task run `run_id` was made after `other_id`: Prefect's client makes task run ids as
+    UUIDv7 (time first), in the process that runs the tasks."""
+    from uuid import UUID
+
+    a, b = UUID(str(run_id)), UUID(str(other_id))
+    return a.version == 7 and b.version == 7 and a.int > b.int
 
 
 def prefect_flow_run_url() -> str | None:
