@@ -598,14 +598,14 @@ class Trainer:
     def _record_pending_if_landed(self) -> None:
         """From the training loop (or a SIGTERM's end): record the pending evaluation if its save
         has landed; a failure is retried by the next save, which waits for it."""
-        if not self.job.save_landed():
+        if self._pending is None or not self.job.save_landed():
             return
+        step = self._pending[0].step
         try:
             self._record_pending(wait=False)
         except Exception as exc:  # noqa: BLE001 - not the training's to end: the next save records it, or raises
             self._record_from_loop = False
-            logger.warning("could not record the evaluation of step %d yet (the next save tries again): %r",
-                           self._pending[0].step if self._pending else -1, exc)  # fmt: skip
+            logger.warning("could not record the evaluation of step %d yet (the next save tries again): %r", step, exc)
 
     def _record_pending(self, wait: bool, inside: str | None = None) -> EvalResult | None:
         """Record the pending evaluation (see `evaluate_if_new`) if its step committed (`wait`:
