@@ -97,6 +97,56 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(tmp_path, mlf
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "eval/accuracy")] == [20, 40]
 
 
+def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(tmp_path, mlflow_uri, prefect_server, monkeypatch):
+    """The live step's evaluation returns before its save commits, and the step is recorded later,
+    from the next train task run's loop. Its results artifact and its eval event still belong to
+    the evaluate task run (the Prefect UI shows them there), not to the train task run that
+    happened to see the commit."""
+    import json
+    from datetime import datetime
+
+    from process_helpers import job_events
+
+    from prefect_jax.training.checkpoints import Checkpoints
+    from prefect_jax.training.loop import add_progress_listener
+
+    commit = threading.Event()  # step 100's commit waits for this (Orbax calls the hook on its save thread)
+    checksum = Checkpoints._checksum_step_in_flight
+    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 100 or commit.wait(60), checksum(self)))
+
+    def at_log_step(step, max_steps, metrics):
+        if step == 130:  # well into the next train task run: step 100 may commit now
+            commit.set()
+
+    remove = add_progress_listener(at_log_step)
+    storage = str(tmp_path / "storage")
+    try:
+        state = train_and_evaluate(
+            program="prefect_jax.examples.digits:tiny", job="late-record", storage=storage,
+            train_spec=TrainSpec(max_steps=200, log_every_steps=10), checkpoint_spec=CheckpointSpec(every_steps=100),
+            mlflow_tracking_uri=mlflow_uri, return_state=True,
+        )  # fmt: skip
+    finally:
+        remove()
+    assert state.is_completed() and commit.is_set()
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    evaluate_100, evaluate_200 = runs["evaluate 100"], runs["evaluate 200"]
+    results = [a for a in _artifacts(prefect_server, state.state_details.flow_run_id) if a["key"] == "late-record-eval-results"]
+    by_steps = {tuple(row["step"] for row in json.loads(a["data"])): a for a in results}
+    assert set(by_steps) == {(100,), (100, 200)}
+    first = by_steps[(100,)]
+    # Recorded after the evaluate task run had ended (the commit came while step 100 -> 200 trained) ...
+    assert datetime.fromisoformat(first["created"]) > evaluate_100.end_time
+    # ... and still on it, as the final step's is on its own.
+    assert first["task_run_id"] == str(evaluate_100.id)
+    assert by_steps[(100, 200)]["task_run_id"] == str(evaluate_200.id)
+    events = job_events(prefect_server, "late-record", storage, prefix="prefect-jax.eval.", expect=2)
+    related = {e["payload"]["step"]: {r["prefect.resource.id"] for r in e["related"]} for e in events}
+    assert f"prefect.task-run.{evaluate_100.id}" in related[100]
+    assert f"prefect.task-run.{runs['train 100 to 200'].id}" not in related[100]
+    assert f"prefect.task-run.{evaluate_200.id}" in related[200]
+
+
 def test_flow_extends_a_finished_job_when_max_steps_grows(tmp_path, mlflow_uri):
     first = _run(tmp_path, mlflow_uri, max_steps=20).result()
     longer = _run(tmp_path, mlflow_uri, max_steps=40).result()

@@ -492,10 +492,10 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
 
     logger = get_run_logger()
     trainer = _trainer(config)
+    # This task run's context: the record may come later, from another task run (see `recorded`).
+    evaluating = contextvars.copy_context()
 
-    def recorded(result) -> None:
-        """Once the step is committed and its evaluation recorded: here, or (the live step's save
-        still in flight) from the training that goes on meanwhile, in the next task run."""
+    def publish(result) -> None:
         publisher.submit(
             create_table_artifact,
             key=artifact_key(config.job, config.eval.name, "results"),
@@ -504,6 +504,13 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
         )
         emit(EVAL_EVENT, config, {"step": result.step, "eval_name": result.name, "metrics": result.metrics,
                                   "is_final": result.is_final, "stop_reason": result.stop_reason})
+
+    def recorded(result) -> None:
+        """Once the step is committed and its evaluation recorded: here, or (the live step's save
+        still in flight) later, from the next train task run's loop or the export task run. The
+        results artifact and the event belong to this evaluate task run either way (the Prefect
+        UI shows them on it), so they are made in its context."""
+        evaluating.copy().run(publish, result)
 
     result = trainer.evaluate_if_new(step, force=force, on_recorded=recorded)
     if result.status is EvalStatus.EVALUATED:
