@@ -86,3 +86,59 @@ def test_exporters_need_a_serving_function(job_config):
 
     with pytest.raises(ProgramError, match="no serve\\(state, inputs\\) and serving_input\\(\\)"):
         Trainer(job_config(exporters=[LatestExporter()]), program=NoServe())
+
+
+def test_an_evaluation_that_exports_nothing_does_not_wait_for_its_steps_commit(job_config, monkeypatch):
+    """With exporters, the export of the live step's evaluation waits for the step's commit
+    (exports are of recorded steps), unless no exporter would write anything for it (a best
+    that it does not beat, the final exporter before the last step): then training goes on at
+    once and the step is recorded once it commits, as without exporters."""
+    import threading
+
+    from prefect_jax.training.checkpoints import Checkpoints
+
+    commit = threading.Event()  # step 200's commit waits for this (Orbax calls the hook on its save thread)
+    checksum = Checkpoints._checksum_step_in_flight
+    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 200 or commit.wait(60), checksum(self)))
+    # The highest loss is the best here: once step 100 is exported, later (trained) steps do not beat it.
+    exporters = [BestExporter(metric="loss", mode="max"), FinalExporter()]
+    trainer = Trainer(job_config(max_steps=300, every_steps=100, exporters=exporters))
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    first = trainer.evaluate_if_new()
+    assert trainer.export(first) == {"best": trainer.storage.export_dir("best", 100)}
+    trainer.train_until_checkpoint()
+    second = trainer.evaluate_if_new()
+    assert second.step == 200 and second.pending_commit and second.metrics["loss"] < first.metrics["loss"]
+    assert trainer.export(second) == {}  # (waiting for the commit here would hang for 60 s)
+    assert not commit.is_set() and 200 not in trainer.committed_steps() and trainer.records.steps() == [100]
+
+    commit.set()
+    trainer.train_until_checkpoint()  # to 300: step 200 is recorded (from the loop, or by this save) first
+    assert trainer.records.get(200).metrics == second.metrics
+    final = trainer.evaluate_if_new()
+    assert final.step == 300 and not final.pending_commit
+    assert trainer.export(final) == {"final": trainer.storage.export_dir("final", 300)}
+    assert list_exports(trainer.storage) == {"best": [100], "final": [300]}
+    trainer.finish()
+
+
+def test_an_evaluation_that_exports_waits_for_its_steps_commit(job_config, monkeypatch):
+    """The other side: an evaluation that a `BestExporter` exports (it beats the best) is recorded,
+    its commit waited for, before the export is written."""
+    import threading
+
+    from prefect_jax.training.checkpoints import Checkpoints
+
+    commit = threading.Event()
+    checksum = Checkpoints._checksum_step_in_flight
+    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 20 or commit.wait(60), checksum(self)))
+    trainer = Trainer(job_config(max_steps=40, exporters=[BestExporter(metric="accuracy", mode="max")]))
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    result = trainer.evaluate_if_new()
+    assert result.step == 20 and result.pending_commit
+    threading.Timer(0.5, commit.set).start()
+    assert trainer.export(result) == {"best": trainer.storage.export_dir("best", 20)}
+    assert commit.is_set() and 20 in trainer.committed_steps() and trainer.records.steps() == [20]
+    trainer.finish()

@@ -234,6 +234,20 @@ def _prune(storage: JobStorage, name: str, keep: int | None, protect: set[int] =
             storage.fs.rm(storage.export_dir(name, step), recursive=True)
 
 
+def exports_nothing(exporter: ExporterSpec, storage: JobStorage, result: EvalResult, max_steps: int) -> bool:
+    """True where `run_exporter` certainly exports nothing for `result` once it is recorded: a
+    `FinalExporter` before the final step, a `BestExporter` whose durable best (another step's)
+    is at least as good. An evaluation not yet recorded (its step's save still in flight) is then
+    not waited for by the export: it is recorded once the step commits, as without exporters."""
+    if isinstance(exporter, FinalExporter):
+        return not is_the_final_export(result, max_steps)
+    if isinstance(exporter, BestExporter) and exporter.metric in result.metrics:  # (else run_exporter names the metrics)
+        best = storage.read_json(f"{storage.export_dir(exporter.name)}/best.json")
+        return best is not None and best.get("step") != int(result.step) and not _better(
+            result.metrics[exporter.metric], best["value"], exporter.mode)  # fmt: skip
+    return False
+
+
 def _better(value: float, best: float | None, mode: str) -> bool:
     if best is None:
         return True

@@ -745,6 +745,9 @@ class Trainer:
     def _export(self, result: EvalResult) -> dict[str, str]:
         written: dict[str, str] = {}
         if result.pending_commit:  # exports are of committed, recorded steps: this one's commit comes first
+            max_steps = self.config.train.max_steps
+            if all(exp.exports_nothing(e, self.storage, result, max_steps) for e in self.config.eval.exporters):
+                return written  # nothing to export: training goes on, and the step is recorded once it commits
             mine = self._pending is not None and self._pending[0].step == result.step
             recorded = self._record_pending(wait=True, inside="export") if mine else self.records.get(result.step)
             if recorded is None:
