@@ -205,6 +205,8 @@ def test_export_platforms_come_from_the_command_and_default_to_none():
 
 
 @pytest.mark.slow
+# The command spawns its server before it imports JAX; in this test process JAX may be running.
+@pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
 def test_the_embedded_server_starts_without_registering_block_types_and_blocks_still_work(tmp_path, monkeypatch):
     """The command's embedded server skips Prefect's block type registration at its start (to
     decide on it, even memoized, Prefect imports every installed Prefect collection: 1.5 s of its
