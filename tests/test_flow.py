@@ -1,6 +1,7 @@
 """The train_and_evaluate flow against a real Prefect server (prefect_test_harness)."""
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -102,7 +103,6 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(tmp_pa
     from the next train task run's loop. Its results artifact and its eval event still belong to
     the evaluate task run (the Prefect UI shows them there), not to the train task run that
     happened to see the commit."""
-    import json
     from datetime import datetime
 
     from process_helpers import job_events
@@ -145,6 +145,42 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(tmp_pa
     assert f"prefect.task-run.{evaluate_100.id}" in related[100]
     assert f"prefect.task-run.{runs['train 100 to 200'].id}" not in related[100]
     assert f"prefect.task-run.{evaluate_200.id}" in related[200]
+
+
+def test_a_deferred_evaluation_in_an_async_flow_still_publishes_its_results(job_config, prefect_server, monkeypatch):
+    """The tasks in a user's own `async` flow: there each sync task run opens its own Prefect
+    client and closes it when it ends, so a record made later (the next train task's loop) must
+    not publish through the evaluate task run's client; its artifact still links to that run."""
+    from prefect import flow
+
+    from prefect_jax.tasks import evaluate_if_new, publisher, restore_or_init, train_until_checkpoint
+    from prefect_jax.training.checkpoints import Checkpoints
+    from prefect_jax.training.loop import add_progress_listener
+
+    commit = threading.Event()
+    checksum = Checkpoints._checksum_step_in_flight
+    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 100 or commit.wait(60), checksum(self)))
+    remove = add_progress_listener(lambda step, *_: step == 130 and commit.set())
+    config = job_config(max_steps=200, every_steps=100, job="async-job")
+
+    @flow
+    async def my_job():
+        step = restore_or_init(config)["step"]
+        for _ in range(2):
+            step = train_until_checkpoint(config, step)
+            result = evaluate_if_new(config, step)
+        publisher.flush()
+        return result.step
+
+    try:
+        state = asyncio.run(my_job(return_state=True))
+    finally:
+        remove()
+    assert state.is_completed() and commit.is_set()
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    results = [a for a in _artifacts(prefect_server, state.state_details.flow_run_id) if a["key"] == "async-job-eval-results"]
+    on = {a["task_run_id"]: [row["step"] for row in json.loads(a["data"])] for a in results}
+    assert on == {str(runs["evaluate 100"].id): [100], str(runs["evaluate 200"].id): [100, 200]}
 
 
 def test_flow_extends_a_finished_job_when_max_steps_grows(tmp_path, mlflow_uri):

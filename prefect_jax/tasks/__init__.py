@@ -69,10 +69,11 @@ class _Publisher:
         self._queue.put((contextvars.copy_context(), fn, args, kwargs))
 
     def _work(self) -> None:
+        clients: dict[str, Any] = {}  # this thread's own Prefect clients, by API URL, open for its life
         while True:
             context, fn, args, kwargs = self._queue.get()
             try:
-                context.run(fn, *args, **kwargs)
+                context.run(_with_own_client, clients, fn, args, kwargs)
             except Exception as exc:  # noqa: BLE001 - the UI may lag; training goes on
                 logging.getLogger("prefect_jax.tasks").warning("could not publish %s: %r", getattr(fn, "__name__", fn), exc)
             finally:
@@ -84,6 +85,27 @@ class _Publisher:
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
         return not self._queue.unfinished_tasks
+
+
+def _with_own_client(clients: dict[str, Any], fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run `fn` (in a copy of its caller's context: the runs it is about) with the publisher's own
+    Prefect client rather than the caller's: by the time it runs, the caller's may be closed (a sync
+    task run in an async flow, or outside any flow, closes the client it opened when it ends)."""
+    from prefect.context import AsyncClientContext, SyncClientContext
+    from prefect.settings import PREFECT_API_URL
+
+    no_client = SyncClientContext.__var__.set(None), AsyncClientContext.__var__.set(None)
+    try:
+        url = PREFECT_API_URL.value()
+        if url not in clients:
+            own = SyncClientContext()  # (made while no client is in the context: a new one)
+            own.client.__enter__()
+            clients[url] = own
+        SyncClientContext.__var__.set(clients[url])
+        return fn(*args, **kwargs)
+    finally:
+        SyncClientContext.__var__.reset(no_client[0])
+        AsyncClientContext.__var__.reset(no_client[1])
 
 
 publisher = _Publisher()
