@@ -130,7 +130,9 @@ class _EmbeddedServer:
         app_dir = os.path.dirname(_prefect_package_dir())  # Prefect's `__module_path__.parent`
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
                **self.settings_env}  # fmt: skip
-        if not any(name in env for name in _BLOCK_REGISTRATION_SETTINGS + _BLOCK_REGISTRATION_ALIASES):
+        named = _BLOCK_REGISTRATION_SETTINGS + _BLOCK_REGISTRATION_ALIASES
+        profile = _profile_settings()
+        if profile is not None and not any(name.upper() in named for name in (*env, *profile)):
             # Block types are not registered at its start: to find out whether they must be (even
             # memoized), Prefect imports every installed Prefect collection first (with the dev
             # group's prefect-kubernetes and prefect-gcp, 1.5 s of a 4.7 s start). `prefect server
@@ -213,15 +215,23 @@ def _api_url_may_be_set_elsewhere() -> bool:
     (``prefect cloud login`` and ``prefect config set`` write it there), or in a ``prefect.toml``,
     ``.env`` or ``pyproject.toml`` ``[tool.prefect]`` of the working directory. Read without
     importing Prefect (~1.2 s); True when unsure."""
+    found = _profile_settings()
+    return found is None or bool(found.get("PREFECT_API_URL"))
+
+
+def _profile_settings() -> dict[str, Any] | None:
+    """The settings of Prefect's active profile, found as Prefect finds them, read without importing
+    Prefect; None where a ``prefect.toml``, ``.env`` or ``pyproject.toml`` ``[tool.prefect]`` of the
+    working directory may set more, or where a file is unreadable."""
     import tomllib
 
     if os.path.exists("prefect.toml") or os.path.exists(".env"):
-        return True
+        return None
     try:
         if os.path.exists("pyproject.toml"):
             with open("pyproject.toml", "rb") as f:
                 if "prefect" in tomllib.load(f).get("tool", {}):
-                    return True
+                    return None
         def read(path: str) -> dict:
             with open(path, "rb") as f:
                 return tomllib.load(f)
@@ -239,9 +249,9 @@ def _api_url_may_be_set_elsewhere() -> bool:
         if not active or active not in profiles:  # Prefect's default: the shipped file's active profile
             shipped_data = read(shipped)
             profiles, active = shipped_data.get("profiles", {}), shipped_data.get("active", "ephemeral")
-        return bool(profiles.get(active, {}).get("PREFECT_API_URL"))
+        return {str(k).upper(): v for k, v in profiles.get(active, {}).items()}
     except Exception:  # noqa: BLE001 - unreadable: Prefect decides, later
-        return True
+        return None
 
 
 def _early_server() -> _EmbeddedServer | None:

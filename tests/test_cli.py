@@ -211,7 +211,7 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
     """The command's embedded server skips Prefect's block type registration at its start (to
     decide on it, even memoized, Prefect imports every installed Prefect collection: 1.5 s of its
     4.7 s start with the dev group's). A block saved through it registers its own type and loads
-    back; a user's own registration setting is kept."""
+    back; a user's own registration setting (environment or profile) is kept."""
     import httpx
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -223,9 +223,12 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
         response.raise_for_status()
         return {t["slug"] for t in response.json()}
 
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))  # a new database
-    for name in ("PREFECT_SERVER_REGISTER_BLOCKS_ON_START", "PREFECT_API_BLOCKS_REGISTER_ON_START"):
+    from prefect_jax.cli import _BLOCK_REGISTRATION_ALIASES, _BLOCK_REGISTRATION_SETTINGS
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))  # a new database, no profiles file
+    for name in (*_BLOCK_REGISTRATION_SETTINGS, *_BLOCK_REGISTRATION_ALIASES, "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)  # no settings file of the working directory
     server = _EmbeddedServer()
     try:
         api_url = server.wait(timeout=120)
@@ -237,7 +240,8 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
     finally:
         server.stop()
 
-    monkeypatch.setenv("PREFECT_SERVER_REGISTER_BLOCKS_ON_START", "true")  # the user's own: kept
+    # The user's own setting is kept, here in their active profile (`prefect config set` writes it there).
+    (tmp_path / "home" / "profiles.toml").write_text('active = "mine"\n[profiles.mine]\nPREFECT_SERVER_REGISTER_BLOCKS_ON_START = "true"\n')
     server = _EmbeddedServer()
     try:
         assert "secret" in block_types(server.wait(timeout=120))
