@@ -241,7 +241,15 @@ GAPS = {
         "Prefect's ~24 ms per interval (met) plus Orbax's cost of the two small items (Orbax alone, 40 saves of the "
         "benchmark's state: save and commit 114-123 ms with state, data position and metadata against 98-111 ms with "
         "the state alone, ~14 ms), ~38 ms before any commit wait: over 30 ms unless a checkpoint stops carrying the "
-        "input position (exact resume, issue 3) or the metadata."
+        "input position (exact resume, issue 3) or the metadata. Profiled again on 2026-11-26 (the flow side, 100 "
+        "intervals of 20 steps, after the evaluation stopped waiting for the commit): the flow's main thread spent per "
+        "interval ~35 ms in Prefect's engine for the two task runs, ~40 ms in Orbax's blocking save and ~18 ms waiting "
+        "for the previous commit before the next save; of Prefect's share, a third was system calls that release the GIL "
+        "(`os.urandom` for run ids, `lstat` for the result record's path) and then wait to get it back from a busy "
+        "background thread (Orbax's commit threads, Prefect's events worker, the artifact publisher) for up to Python's "
+        "5 ms switch interval. A 0.5 ms switch interval did not help (the engine alone, 4 alternated rounds: 76-84 "
+        "against 78-88 ms per interval; the plain loop 61-81 against 66-69 ms). The engine alone costs 13-17 ms per "
+        "interval over the plain loop; the rest is Prefect's two task runs and their events."
     ),
     "prefect_ms_per_interval": (
         "Two task runs per interval, ~15 ms each on this machine, most of it Prefect's task engine in this process "
