@@ -158,6 +158,45 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
     assert [s for s, _ in history] == [100, 200]
 
 
+def test_a_record_made_from_the_training_loop_is_evaluation_time_in_the_goodput_ledger(job_config, monkeypatch):
+    """The live step's evaluation recorded later, from the next interval's training loop: the
+    record's time goes to the ledger's evaluation time (MLflow's `goodput/*` metrics, the goodput
+    artifact), not to training time."""
+    import threading
+    import time
+
+    from prefect_jax.training.checkpoints import Checkpoints
+    from prefect_jax.training.loop import add_progress_listener
+
+    commit = threading.Event()
+    checksum = Checkpoints._checksum_step_in_flight
+    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 100 or commit.wait(60), checksum(self)))
+    trainer = Trainer(job_config(max_steps=200, every_steps=100))
+
+    def at_log_step(step, max_steps, metrics):
+        if step == 130:
+            commit.set()
+            while not trainer.job.save_landed():
+                time.sleep(0.01)
+
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    assert trainer.evaluate_if_new(on_recorded=lambda result: time.sleep(0.5)).pending_commit  # a slow record
+    seconds = trainer.job.goodput.attempt["seconds"]
+    before = {phase: seconds.get(phase, 0.0) for phase in ("train", "eval")}
+    remove = add_progress_listener(at_log_step)
+    try:
+        started = time.perf_counter()
+        trainer.train_until_checkpoint()  # step 100 recorded from its loop
+        took = time.perf_counter() - started
+    finally:
+        remove()
+    assert trainer.records.steps() == [100]
+    assert seconds["eval"] - before["eval"] >= 0.5
+    assert seconds["train"] - before["train"] <= took - 0.5  # (not counted twice)
+    trainer.finish()
+
+
 KILLED_BEFORE_THE_COMMIT = """
 import sys, threading
 from prefect_jax.training.checkpoints import Checkpoints

@@ -298,7 +298,7 @@ class Trainer:
 
                 def stop() -> bool:
                     if self._pending is not None and self._record_from_loop:
-                        self._record_pending_if_landed()
+                        self._record_pending_if_landed(inside="train")
                     if self._push_after_first_step:  # its compile is in the cache, copied while training goes on
                         self._push_after_first_step = False
                         self._compile_cache.push_async()
@@ -595,17 +595,22 @@ class Trainer:
         processes (their commit is collective)."""
         return not is_final and self.early_stopping is None and not self.eval_hooks and self.job.processes == 1
 
-    def _record_pending_if_landed(self) -> None:
+    def _record_pending_if_landed(self, inside: str | None = None) -> None:
         """From the training loop (or a SIGTERM's end): record the pending evaluation if its save
-        has landed; a failure is retried by the next save, which waits for it."""
+        has landed; a failure is retried by the next save, which waits for it. The record is
+        evaluation time in the goodput ledger (not time of `inside`, the phase this runs in)."""
         if self._pending is None or not self.job.save_landed():
             return
-        step = self._pending[0].step
+        step, started = self._pending[0].step, time.perf_counter()
         try:
-            self._record_pending(wait=False)
+            with self.job.goodput.phase("eval"):
+                self._record_pending(wait=False)
         except Exception as exc:  # noqa: BLE001 - not the training's to end: the next save records it, or raises
             self._record_from_loop = False
             logger.warning("could not record the evaluation of step %d yet (the next save tries again): %r", step, exc)
+        finally:
+            if inside is not None:
+                self.job.goodput.add(inside, -(time.perf_counter() - started))
 
     def _record_pending(self, wait: bool, inside: str | None = None) -> EvalResult | None:
         """Record the pending evaluation (see `evaluate_if_new`) if its step committed (`wait`:
