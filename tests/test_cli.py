@@ -216,14 +216,12 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from prefect_jax.blocks import CheckpointStorage
-    from prefect_jax.cli import _drain_prefect_workers, _EmbeddedServer
+    from prefect_jax.cli import _BLOCK_REGISTRATION_ALIASES, _BLOCK_REGISTRATION_SETTINGS, _drain_prefect_workers, _EmbeddedServer
 
     def block_types(api_url):
         response = httpx.post(f"{api_url}/block_types/filter", json={}, timeout=30)
         response.raise_for_status()
         return {t["slug"] for t in response.json()}
-
-    from prefect_jax.cli import _BLOCK_REGISTRATION_ALIASES, _BLOCK_REGISTRATION_SETTINGS
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))  # a new database, no profiles file
     for name in (*_BLOCK_REGISTRATION_SETTINGS, *_BLOCK_REGISTRATION_ALIASES, "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):

@@ -176,7 +176,8 @@ def test_a_record_made_from_the_training_loop_is_evaluation_time_in_the_goodput_
     def at_log_step(step, max_steps, metrics):
         if step == 130:
             commit.set()
-            while not trainer.job.save_landed():
+            deadline = time.monotonic() + 60
+            while not trainer.job.save_landed() and time.monotonic() < deadline:
                 time.sleep(0.01)
 
     trainer.restore_or_init()
