@@ -102,3 +102,31 @@ def train_to_end(trainer):
         results.append(result)
     trainer.checkpoints.wait()
     return results
+
+
+def hold_commit(monkeypatch, step: int):
+    """Hold Orbax's commit of checkpoint `step` until the returned event is set (60 s at most): the
+    hook Orbax calls on its save thread before the step's directory becomes final waits for it."""
+    import threading
+
+    from prefect_jax.training.checkpoints import Checkpoints
+
+    commit = threading.Event()
+    checksum = Checkpoints._checksum_step_in_flight
+    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != step or commit.wait(60), checksum(self)))
+    return commit
+
+
+def release_commit_at(trainer, commit, at_step: int):
+    """A progress listener (`loop.add_progress_listener`) that, at log step `at_step` of the
+    trainer's loop, releases a held commit and waits (60 s at most) until the save has landed."""
+    import time
+
+    def at_log_step(step, max_steps, metrics):
+        if step == at_step:
+            commit.set()
+            deadline = time.monotonic() + 60
+            while not trainer.job.save_landed() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    return at_log_step

@@ -112,15 +112,11 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
     recorded (records, MLflow, `on_recorded`) once it commits, by the next interval's training
     loop, and not before."""
     import inspect
-    import threading
-    import time
 
-    from prefect_jax.training.checkpoints import Checkpoints
+    from conftest import hold_commit, release_commit_at
     from prefect_jax.training.loop import add_progress_listener
 
-    commit = threading.Event()  # step 100's commit waits for this (Orbax calls the hook on its save thread)
-    checksum = Checkpoints._checksum_step_in_flight
-    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (commit.wait(60), checksum(self)))
+    commit = hold_commit(monkeypatch, 100)
     trainer = Trainer(job_config(max_steps=200, every_steps=100))
     recorded = []
 
@@ -128,13 +124,8 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
         in_loop = any(f.function == "run" and f.filename.endswith("loop.py") for f in inspect.stack())
         recorded.append((result, in_loop, commit.is_set(), result.step in trainer.committed_steps()))
 
-    def at_log_step(step, max_steps, metrics):
-        if step == 130:  # 30 dispatches into the interval, each of which found the save in flight: it may commit now
-            commit.set()
-            deadline = time.monotonic() + 60
-            while not trainer.job.save_landed() and time.monotonic() < deadline:
-                time.sleep(0.01)
-
+    # 30 dispatches into the next interval, each of which found the save in flight: it may commit now.
+    at_log_step = release_commit_at(trainer, commit, 130)
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
     result = trainer.evaluate_if_new(on_recorded=on_recorded)  # (waiting for the commit here would hang for 60 s)
@@ -162,24 +153,14 @@ def test_a_record_made_from_the_training_loop_is_evaluation_time_in_the_goodput_
     """The live step's evaluation recorded later, from the next interval's training loop: the
     record's time goes to the ledger's evaluation time (MLflow's `goodput/*` metrics, the goodput
     artifact), not to training time."""
-    import threading
     import time
 
-    from prefect_jax.training.checkpoints import Checkpoints
+    from conftest import hold_commit, release_commit_at
     from prefect_jax.training.loop import add_progress_listener
 
-    commit = threading.Event()
-    checksum = Checkpoints._checksum_step_in_flight
-    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 100 or commit.wait(60), checksum(self)))
+    commit = hold_commit(monkeypatch, 100)
     trainer = Trainer(job_config(max_steps=200, every_steps=100))
-
-    def at_log_step(step, max_steps, metrics):
-        if step == 130:
-            commit.set()
-            deadline = time.monotonic() + 60
-            while not trainer.job.save_landed() and time.monotonic() < deadline:
-                time.sleep(0.01)
-
+    at_log_step = release_commit_at(trainer, commit, 130)
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
     assert trainer.evaluate_if_new(on_recorded=lambda result: time.sleep(0.5)).pending_commit  # a slow record

@@ -93,13 +93,9 @@ def test_an_evaluation_that_exports_nothing_does_not_wait_for_its_steps_commit(j
     (exports are of recorded steps), unless no exporter would write anything for it (a best
     that it does not beat, the final exporter before the last step): then training goes on at
     once and the step is recorded once it commits, as without exporters."""
-    import threading
+    from conftest import hold_commit
 
-    from prefect_jax.training.checkpoints import Checkpoints
-
-    commit = threading.Event()  # step 200's commit waits for this (Orbax calls the hook on its save thread)
-    checksum = Checkpoints._checksum_step_in_flight
-    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 200 or commit.wait(60), checksum(self)))
+    commit = hold_commit(monkeypatch, 200)
     # The highest loss is the best here: once step 100 is exported, later (trained) steps do not beat it.
     exporters = [BestExporter(metric="loss", mode="max"), FinalExporter()]
     trainer = Trainer(job_config(max_steps=300, every_steps=100, exporters=exporters))
@@ -128,11 +124,9 @@ def test_an_evaluation_that_exports_waits_for_its_steps_commit(job_config, monke
     its commit waited for, before the export is written."""
     import threading
 
-    from prefect_jax.training.checkpoints import Checkpoints
+    from conftest import hold_commit
 
-    commit = threading.Event()
-    checksum = Checkpoints._checksum_step_in_flight
-    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 20 or commit.wait(60), checksum(self)))
+    commit = hold_commit(monkeypatch, 20)
     trainer = Trainer(job_config(max_steps=40, exporters=[BestExporter(metric="accuracy", mode="max")]))
     trainer.restore_or_init()
     trainer.train_until_checkpoint()

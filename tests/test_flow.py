@@ -107,12 +107,10 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(tmp_pa
 
     from process_helpers import job_events
 
-    from prefect_jax.training.checkpoints import Checkpoints
+    from conftest import hold_commit
     from prefect_jax.training.loop import add_progress_listener
 
-    commit = threading.Event()  # step 100's commit waits for this (Orbax calls the hook on its save thread)
-    checksum = Checkpoints._checksum_step_in_flight
-    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 100 or commit.wait(60), checksum(self)))
+    commit = hold_commit(monkeypatch, 100)
 
     def at_log_step(step, max_steps, metrics):
         if step == 130:  # well into the next train task run: step 100 may commit now
@@ -154,12 +152,10 @@ def test_a_deferred_evaluation_in_an_async_flow_still_publishes_its_results(job_
     from prefect import flow
 
     from prefect_jax.tasks import evaluate_if_new, publisher, restore_or_init, train_until_checkpoint
-    from prefect_jax.training.checkpoints import Checkpoints
+    from conftest import hold_commit
     from prefect_jax.training.loop import add_progress_listener
 
-    commit = threading.Event()
-    checksum = Checkpoints._checksum_step_in_flight
-    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != 100 or commit.wait(60), checksum(self)))
+    commit = hold_commit(monkeypatch, 100)
     remove = add_progress_listener(lambda step, *_: step == 130 and commit.set())
     config = job_config(max_steps=200, every_steps=100, job="async-job")
 
