@@ -601,16 +601,13 @@ class Trainer:
         evaluation time in the goodput ledger (not time of `inside`, the phase this runs in)."""
         if self._pending is None or not self.job.save_landed():
             return
-        step, started = self._pending[0].step, time.perf_counter()
+        step = self._pending[0].step
         try:
-            with self.job.goodput.phase("eval"):
+            with self._phase_within("eval", inside):
                 self._record_pending(wait=False)
         except Exception as exc:  # noqa: BLE001 - not the training's to end: the next save records it, or raises
             self._record_from_loop = False
             logger.warning("could not record the evaluation of step %d yet (the next save tries again): %r", step, exc)
-        finally:
-            if inside is not None:
-                self.job.goodput.add(inside, -(time.perf_counter() - started))
 
     def _record_pending(self, wait: bool, inside: str | None = None) -> EvalResult | None:
         """Record the pending evaluation (see `evaluate_if_new`) if its step committed (`wait`:
@@ -699,11 +696,20 @@ class Trainer:
     def _wait_committed(self, inside: str | None = None) -> None:
         """Wait for the saves in flight, as checkpoint time in the goodput ledger (not as time of
         `inside`, the phase this runs in)."""
-        with self.job.goodput.phase("checkpoint"):
-            waited = time.perf_counter()
+        with self._phase_within("checkpoint", inside):
             self.job.wait_committed()
-        if inside is not None:
-            self.job.goodput.add(inside, -(time.perf_counter() - waited))
+
+    @contextlib.contextmanager
+    def _phase_within(self, phase: str, inside: str | None):
+        """Time spent in the block is `phase` time in the goodput ledger, taken off `inside` (the
+        phase the block runs within, whose own clock counts it too; None: none)."""
+        started = time.perf_counter()
+        try:
+            with self.job.goodput.phase(phase):
+                yield
+        finally:
+            if inside is not None:
+                self.job.goodput.add(inside, -(time.perf_counter() - started))
 
     def _log_eval(self, result: EvalResult) -> None:
         """Log an evaluation's metrics unless they are in MLflow already (one history read per process)."""
