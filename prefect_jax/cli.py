@@ -415,7 +415,10 @@ def _run_flow(
     try:
         from prefect_jax.training.tracking import warm_up
 
-        warm_up(tracking_uri)  # MLflow's import, in its worker process, beside the imports below
+        # MLflow's import, in its worker process, beside the imports below (and, where this
+        # process will register exports, what logging a model needs: JAX on the worker's CPU).
+        registers = role in ("train_and_evaluate", "evaluate") and bool(args.exporters) and args.registered_model != ""
+        warm_up(tracking_uri, registry=registers)
         train_spec, eval_spec, checkpoint_spec = _specs(args)  # bad values: refused before anything starts
         server = _early_server()  # the embedded Prefect server's start-up, beside the imports below too
         try:

@@ -336,3 +336,72 @@ def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_expe
     assert store("c") == 0  # made by MLflow's migrations instead
     assert not template.exists(), "an unusable template was kept"
     assert store("d") == 0 and template.exists()  # made again, by the next new store
+
+
+WARM_REGISTRY = r"""
+import json, sys, time
+from prefect_jax.training import tracking
+uri, how = sys.argv[1], sys.argv[2]
+tracking.warm_up(uri, registry=how == "warm_up")  # the command's way, before its own imports
+tracker = tracking.Tracker(uri, "prefect-jax", "warm-" + how)
+if how == "tracker":
+    tracker.warm_registry()  # the trainer's way, once it knows the job registers exports
+tracker.start({"p": "1"})
+tracker.flush()  # MLflow imported in the worker, its store open, the run made
+pid = tracking._worker().process.pid
+
+def jax_in_worker():
+    with open(f"/proc/{pid}/maps") as f:
+        return "jaxlib" in f.read()
+
+deadline = time.monotonic() + (120 if how != "none" else 3)
+while time.monotonic() < deadline and not jax_in_worker():
+    time.sleep(0.05)
+print(json.dumps({"jax": jax_in_worker()}), flush=True)
+tracker.finish("FINISHED")
+"""
+
+
+@pytest.mark.parametrize("how", ["warm_up", "tracker", "none"])
+def test_the_mlflow_worker_readies_jax_for_a_job_that_registers_exports_and_only_then(tmp_path, how):
+    """A job that registers its exports has the MLflow worker import JAX and start its CPU client
+    (`registry.warm`) before its first logged model needs them, so that model does not hold every
+    later MLflow write behind ~1 s of imports; one that does not keeps JAX out of the worker. The
+    job's JAX_PLATFORMS (here one that does not exist, as ``cuda`` on a GPU pool) is not the
+    worker's: it readies JAX on the CPU, without an error."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="no-such-platform")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = subprocess.run([sys.executable, "-c", WARM_REGISTRY, uri, how], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"jax": how != "none"}, proc.stderr[-3000:]
+    assert "making the model registry ready" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_mlflow_worker_runs_jax_on_the_cpu_unoptimised_unless_the_job_says_otherwise():
+    from prefect_jax.training.mlflow_worker import _jax_on_cpu
+
+    job = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": "--xla_gpu_autotune_level=0", "OTHER": "kept"}
+    assert _jax_on_cpu(job) == {
+        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_backend_optimization_level=0", "OTHER": "kept"}
+    assert _jax_on_cpu({})["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    assert _jax_on_cpu({"XLA_FLAGS": "--xla_backend_optimization_level=2"})["XLA_FLAGS"] == "--xla_backend_optimization_level=2"
+    assert job["JAX_PLATFORMS"] == "cuda"  # the job's own mapping is left as it was
+
+
+@pytest.mark.parametrize("exporters", [True, False])
+def test_a_trainer_that_will_register_exports_has_the_worker_ready_them_at_its_start(job_config, monkeypatch, exporters):
+    from prefect_jax.training.specs import LatestExporter
+
+    asked = []
+    monkeypatch.setattr(Tracker, "warm_registry", lambda self: asked.append(self.job_key))
+    trainer = Trainer(job_config(max_steps=20, exporters=[LatestExporter()] if exporters else []))
+    try:
+        trainer.restore_or_init()
+        assert asked == ([trainer.tracker.job_key] if exporters else [])
+    finally:
+        trainer.close()

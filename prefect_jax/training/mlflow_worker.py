@@ -10,6 +10,7 @@ The protocol, pickled frames over the child's stdin and stdout (the child's own 
 stderr):
 
 - parent to child: ``("warm", tracking URI)`` (import MLflow now: see `tracking.warm_up`),
+  ``("warm_registry",)`` (what logging a model needs: see `Tracker.warm_registry`),
   ``("new", key, tracker args, environment)``, ``("call", id, key, method, args, strict)``,
   ``("drop", key)``;
 - child to parent: ``(id, ok, value or exception, captured)``, where ``captured`` lists the
@@ -210,17 +211,36 @@ def _startup_over() -> None:
         gc.enable()
 
 
-def _jax_on_cpu() -> None:
-    """JAX in this process (a logged model's check: `registry.log_export_model`) runs on the CPU.
-    On a GPU or TPU host it would otherwise open a second client on the trainer's accelerator and
-    take its memory (75% of a GPU by default) or fail for want of it. The process starts so
-    (`tracking._Worker` sets it), and a tracker's environment, put in place of this process's,
-    gets it again."""
-    os.environ["JAX_PLATFORMS"] = "cpu"
+def _jax_on_cpu(environment) -> dict:
+    """`environment` for JAX in this process (a logged model's check: `registry.log_export_model`):
+    on the CPU. On a GPU or TPU host it would otherwise open a second client on the trainer's
+    accelerator and take its memory (75% of a GPU by default) or fail for want of it.
+
+    XLA compiles here without its backend optimisations: a model is run once, on its input
+    example, to check that it serves (MLflow's check, with the trained weights as constants, so
+    a compile per logged model), never to serve. That compile took 40 ms against 60 ms for the
+    digits model (2026-11-26, 2 CPUs), and the check runs for every exported step."""
+    environment = {**environment, "JAX_PLATFORMS": "cpu"}
+    flags = environment.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:  # (one the job sets stays)
+        environment["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    return environment
+
+
+def _set_environ(environment) -> None:
+    """This process's environment becomes `environment` (with `_jax_on_cpu`'s settings), key by
+    key: a thread importing JAX meanwhile (`registry.warm`) never sees it without them."""
+    wanted = _jax_on_cpu(environment)
+    for key in [k for k in os.environ if k not in wanted]:
+        del os.environ[key]
+    for key, value in wanted.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def main() -> None:
     gc.disable()  # until MLflow is imported: `_startup_over`
+    _set_environ(os.environ)
     _die_with_parent(int(sys.argv[1]))
     try:  # bookkeeping: the cores go to training first (PREFECT_JAX_MLFLOW_NICE, default 10; 0 for none)
         os.nice(int(os.environ.get("PREFECT_JAX_MLFLOW_NICE", "10")))
@@ -294,13 +314,23 @@ def main() -> None:
             if not warming:
                 _startup_over()
 
+    registry_warmed = threading.Event()  # asked for once: see `Tracker.warm_registry`
+
+    def warm_registry() -> None:
+        for event in list(warmed.values()):  # MLflow's store first: a tracker's first call waits for it
+            event.wait(600)
+        try:
+            from prefect_jax.training.registry import warm
+
+            warm()
+        except Exception as exc:  # noqa: BLE001 - the first logged model does it, or says what is wrong
+            print(f"prefect-jax MLflow worker: making the model registry ready: {exc!r}", file=sys.stderr)
+
     def dispatch(message: tuple) -> None:
         kind = message[0]
         if kind == "new":
             _, key, args, environment = message
-            os.environ.clear()
-            os.environ.update(environment)  # what the parent's tracker sees (MLflow's settings, credentials)
-            _jax_on_cpu()
+            _set_environ(environment)  # what the parent's tracker sees (MLflow's settings, credentials)
             backends[key] = tracking.Tracker(*args, _worker_side=True)
         elif kind == "call":
             _, call_id, key, name, args, strict = message
@@ -310,6 +340,10 @@ def main() -> None:
             warmed.setdefault(message[1], threading.Event())
             warming.add(message[1])
             threading.Thread(target=warm, args=(message[1],), name="prefect-jax-mlflow-warm", daemon=True).start()
+        elif kind == "warm_registry":
+            if not registry_warmed.is_set():
+                registry_warmed.set()
+                threading.Thread(target=warm_registry, name="prefect-jax-mlflow-warm-registry", daemon=True).start()
         elif kind == "drop":
             backend = backends.pop(message[1], None)
             if backend is not None:

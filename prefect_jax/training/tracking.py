@@ -461,6 +461,15 @@ class Tracker:
             self._log_metrics(rows)
             self._logged_at[key].add(step)
 
+    def warm_registry(self) -> None:
+        """Have the worker process make ready, now and beside this tracker's calls, what its first
+        logged model would otherwise wait for (`registry.warm`: JAX and its CPU client, MLflow's
+        model modules, its map of installed packages): ~1 s of CPU at its nice level, which the
+        first `register_exports` paid in the queue, ahead of every later MLflow write. Once per
+        worker; in-process MLflow (``PREFECT_JAX_MLFLOW_IN_PROCESS``) does it at that first export."""
+        if self._remote is not None:
+            self._remote.worker.send(("warm_registry",))
+
     def register_exports(self, name: str, job: str, aliases: dict[str, int], local_export: Callable[[int], str], example,
                          on_done: Callable[[dict], None] | None = None, description: str = "", steps: list[int] = ()) -> Future:  # fmt: skip
         """In the background: each exported step (`steps`, and each step an alias points at)
@@ -727,11 +736,13 @@ def _worker() -> _Worker:
         return _the_worker
 
 
-def warm_up(tracking_uri: str | None = None) -> None:
+def warm_up(tracking_uri: str | None = None, registry: bool = False) -> None:
     """Start this process's MLflow worker now and have it import MLflow (seconds of CPU, on
     another core) while this process imports the rest; a command and every flow call it first
-    thing. Does nothing with ``PREFECT_JAX_MLFLOW_IN_PROCESS=1``, nor in a process other than
-    process 0 of its job (which writes no MLflow run; see `cluster.leads_from_env`)."""
+    thing. `registry`: the job will register its exports, so once MLflow is ready the worker
+    makes ready what logging a model needs too (see `Tracker.warm_registry`). Does nothing with
+    ``PREFECT_JAX_MLFLOW_IN_PROCESS=1``, nor in a process other than process 0 of its job (which
+    writes no MLflow run; see `cluster.leads_from_env`)."""
     from prefect_jax.training.cluster import leads_from_env
 
     if in_process() or not leads_from_env():
@@ -741,6 +752,8 @@ def warm_up(tracking_uri: str | None = None) -> None:
         if uri not in worker.warmed:
             worker.warmed.add(uri)
             worker.send(("warm", uri))
+        if registry:
+            worker.send(("warm_registry",))
     except Exception as exc:  # noqa: BLE001 - the trackers start it again, or run MLflow here
         logger.warning("MLflow worker process not started early: %r", exc)
 
