@@ -373,3 +373,35 @@ def test_a_model_logged_by_a_killed_process_is_registered_not_logged_again(job_c
     run = client.get_run(trainer.tracker.run_id)
     models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")
     assert sorted(m.tags["prefect_jax.step"] for m in models) == ["20", "40"]  # step 20 logged once
+
+
+def test_a_model_whose_serve_returns_several_arrays_is_logged_with_its_outputs_signature(tmp_path, mlflow_uri):
+    """The signature's output is traced (`jax.eval_shape`), not computed: for a `serve` that
+    returns a tuple it is the array the logged model predicts (NumPy's stack of the tuple)."""
+    import jax
+    import jax.numpy as jnp
+    import mlflow
+
+    from prefect_jax.training.registry import log_export_model
+
+    w = np.linspace(-1, 1, 40, dtype=np.float32).reshape(4, 10)
+
+    def serve(x):
+        return x @ w, jnp.tanh(x @ w)
+
+    batch = jax.export.symbolic_shape("b")[0]
+    export = tmp_path / "export"
+    export.mkdir()
+    exported = jax.export.export(jax.jit(serve))(jax.ShapeDtypeStruct((batch, 4), np.float32))
+    (export / "model.jax_export").write_bytes(exported.serialize())
+    client = MlflowClient(mlflow_uri)
+    experiment = client.create_experiment("several-outputs")
+    run = client.create_run(experiment)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    model_id = log_export_model(client, mlflow_uri, experiment, run.info.run_id, "several", "several-key", 1, str(export), x)
+    mlflow.set_tracking_uri(mlflow_uri)
+    info = mlflow.models.get_model_info(f"models:/{model_id}")
+    predicted = mlflow.pyfunc.load_model(f"models:/{model_id}").predict(x)
+    np.testing.assert_allclose(predicted, np.asarray(serve(x)), rtol=1e-5, atol=1e-6)
+    (output,) = info.signature.outputs.inputs
+    assert (str(output.type), output.shape) == ("float32", (-1, *predicted.shape[1:])), info.signature

@@ -344,20 +344,15 @@ from prefect_jax.training import tracking
 uri, how = sys.argv[1], sys.argv[2]
 tracking.warm_up(uri, registry=how == "warm_up")  # the command's way, before its own imports
 tracker = tracking.Tracker(uri, "prefect-jax", "warm-" + how)
-if how == "tracker":
-    tracker.warm_registry()  # the trainer's way, once it knows the job registers exports
 tracker.start({"p": "1"})
 tracker.flush()  # MLflow imported in the worker, its store open, the run made
-pid = tracking._worker().process.pid
-
-def jax_in_worker():
-    with open(f"/proc/{pid}/maps") as f:
-        return "jaxlib" in f.read()
-
-deadline = time.monotonic() + (120 if how != "none" else 3)
-while time.monotonic() < deadline and not jax_in_worker():
-    time.sleep(0.05)
-print(json.dumps({"jax": jax_in_worker()}), flush=True)
+if how == "none":
+    time.sleep(3)
+else:  # the trainer's way (once it evaluates); after the command's, a second request: the first's outcome
+    asked = tracker.warm_registry() if how == "tracker" else tracking._worker().request("warm_registry")
+    asked.result(300)  # its error, if it failed
+with open(f"/proc/{tracking._worker().process.pid}/maps") as f:
+    print(json.dumps({"jax": "jaxlib" in f.read()}), flush=True)
 tracker.finish("FINISHED")
 """
 
@@ -365,10 +360,11 @@ tracker.finish("FINISHED")
 @pytest.mark.parametrize("how", ["warm_up", "tracker", "none"])
 def test_the_mlflow_worker_readies_jax_for_a_job_that_registers_exports_and_only_then(tmp_path, how):
     """A job that registers its exports has the MLflow worker import JAX and start its CPU client
-    (`registry.warm`) before its first logged model needs them, so that model does not hold every
-    later MLflow write behind ~1 s of imports; one that does not keeps JAX out of the worker. The
-    job's JAX_PLATFORMS (here one that does not exist, as ``cuda`` on a GPU pool) is not the
-    worker's: it readies JAX on the CPU, without an error."""
+    (`registry.warm_jax`, `registry.warm_mlflow`) before its first logged model needs them, so
+    that model does not hold every later MLflow write behind ~1 s of imports; one that does not
+    keeps JAX out of the worker. The job's JAX_PLATFORMS (here one that does not exist, as
+    ``cuda`` on a GPU pool) is not the worker's: it starts JAX's client on the CPU, or the
+    request's answer is the error."""
     import json
     import os
     import subprocess
@@ -393,15 +389,36 @@ def test_the_mlflow_worker_runs_jax_on_the_cpu_unoptimised_unless_the_job_says_o
     assert job["JAX_PLATFORMS"] == "cuda"  # the job's own mapping is left as it was
 
 
-@pytest.mark.parametrize("exporters", [True, False])
-def test_a_trainer_that_will_register_exports_has_the_worker_ready_them_at_its_start(job_config, monkeypatch, exporters):
+@pytest.mark.parametrize("registers", ["yes", "no exporters", "no registered model"])
+def test_a_trainer_that_will_register_exports_has_the_worker_ready_them_when_it_first_evaluates(job_config, monkeypatch, registers):
     from prefect_jax.training.specs import LatestExporter
 
     asked = []
     monkeypatch.setattr(Tracker, "warm_registry", lambda self: asked.append(self.job_key))
-    trainer = Trainer(job_config(max_steps=20, exporters=[LatestExporter()] if exporters else []))
+    config = job_config(max_steps=40, exporters=[] if registers == "no exporters" else [LatestExporter()])
+    if registers == "no registered model":
+        config = config.model_copy(update={"eval": config.eval.model_copy(update={"registered_model": ""})})
+    trainer = Trainer(config)
     try:
         trainer.restore_or_init()
-        assert asked == ([trainer.tracker.job_key] if exporters else [])
+        trainer.train_until_checkpoint()
+        assert asked == []  # a trainer that only trains (the `train` role) never asks
+        trainer.evaluate_if_new()
+        trainer.train_until_checkpoint()
+        trainer.evaluate_if_new()
+        assert asked == ([trainer.tracker.job_key] if registers == "yes" else [])  # once
     finally:
         trainer.close()
+
+
+def test_the_flows_that_register_exports_have_the_worker_ready_them_at_their_start():
+    from prefect_jax.flows import _registers_exports
+    from prefect_jax.training.specs import EvalSpec, LatestExporter
+
+    spec = EvalSpec(exporters=[LatestExporter()])
+    assert [_registers_exports(f, spec) for f in ("train_and_evaluate", "evaluate", "export_flow", "train")] == [True, True, True, False]
+    assert _registers_exports("train_and_evaluate", spec.model_dump(mode="json"))  # a deployment's parameters
+    assert _registers_exports("train_and_evaluate", {"exporters": [{"kind": "latest"}]})
+    assert not _registers_exports("train_and_evaluate", spec.model_copy(update={"registered_model": ""}))
+    assert not _registers_exports("train_and_evaluate", EvalSpec())
+    assert not _registers_exports("train_and_evaluate", None)

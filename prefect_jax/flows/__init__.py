@@ -159,6 +159,16 @@ def _task_tags():
     return TagsContext(current_tags=keep)
 
 
+def _registers_exports(flow: str, eval_spec) -> bool:
+    """Whether flow function `flow` registers exports in the MLflow registry with `eval_spec` (an
+    `EvalSpec`, its dict as a deployment passes it, or None): the flows that evaluate or export,
+    with exporters and a registered model (`EvalSpec.registered_model` "" is none)."""
+    if flow not in ("train_and_evaluate", "evaluate", "export_flow") or eval_spec is None:
+        return False
+    spec = eval_spec if isinstance(eval_spec, dict) else eval_spec.model_dump()
+    return bool(spec.get("exporters")) and spec.get("registered_model") != ""
+
+
 def _untagged_tasks(fn):
     """Run a flow's body with `_task_tags` (its signature kept, for Prefect's parameters)."""
 
@@ -166,8 +176,10 @@ def _untagged_tasks(fn):
     def body(*args, **kwargs):
         from prefect_jax.training.tracking import warm_up
 
-        # A deployment's flow run too: MLflow imports in its worker while the program imports here.
-        warm_up(inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("mlflow_tracking_uri"))
+        # A deployment's flow run too: MLflow imports in its worker while the program imports here
+        # (and, where the flow registers exports, what logging a model needs).
+        arguments = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+        warm_up(arguments.get("mlflow_tracking_uri"), registry=_registers_exports(fn.__name__, arguments.get("eval_spec")))
         with _task_tags():
             return fn(*args, **kwargs)
 

@@ -10,7 +10,8 @@ The protocol, pickled frames over the child's stdin and stdout (the child's own 
 stderr):
 
 - parent to child: ``("warm", tracking URI)`` (import MLflow now: see `tracking.warm_up`),
-  ``("warm_registry",)`` (what logging a model needs: see `Tracker.warm_registry`),
+  ``("warm_registry", id)`` (make ready what logging a model needs, answered with ``id`` once
+  done: see `Tracker.warm_registry`),
   ``("new", key, tracker args, environment)``, ``("call", id, key, method, args, strict)``,
   ``("drop", key)``;
 - child to parent: ``(id, ok, value or exception, captured)``, where ``captured`` lists the
@@ -229,7 +230,8 @@ def _jax_on_cpu(environment) -> dict:
 
 def _set_environ(environment) -> None:
     """This process's environment becomes `environment` (with `_jax_on_cpu`'s settings), key by
-    key: a thread importing JAX meanwhile (`registry.warm`) never sees it without them."""
+    key: Python code reading it meanwhile never sees it without them. (C code reading it, as JAX
+    starting its client does, must not run meanwhile: see ``environ_lock`` in `main`.)"""
     wanted = _jax_on_cpu(environment)
     for key in [k for k in os.environ if k not in wanted]:
         del os.environ[key]
@@ -256,6 +258,8 @@ def main() -> None:
     from prefect_jax.training import tracking
 
     send_lock = threading.Lock()
+    environ_lock = threading.Lock()  # the environment changes (a tracker's) while no thread starts JAX
+    first_call_done = threading.Event()  # a tracker's first call ran (MLflow imported), warmed up or not
     backends: dict[int, tracking.Tracker] = {}
 
     def reply(call_id: int, ok: bool, value, records: list) -> None:
@@ -281,6 +285,7 @@ def main() -> None:
             value, ok = exc, False
         finally:
             _capture.records = None
+            first_call_done.set()
             if not warming:  # else the warm-up's end (matplotlib's imports too)
                 _startup_over()  # after the first call at the latest
         reply(call_id, ok, value, records)
@@ -314,23 +319,32 @@ def main() -> None:
             if not warming:
                 _startup_over()
 
-    registry_warmed = threading.Event()  # asked for once: see `Tracker.warm_registry`
+    registry_lock = threading.Lock()  # one warm-up of the registry; a request after it gets its outcome
+    registry_outcome: list = []  # [(ok, None or its exception)] once it ran
 
-    def warm_registry() -> None:
-        for event in list(warmed.values()):  # MLflow's store first: a tracker's first call waits for it
-            event.wait(600)
-        try:
-            from prefect_jax.training.registry import warm
+    def warm_registry(call_id: int) -> None:
+        with registry_lock:
+            if not registry_outcome:
+                for event in list(warmed.values()) or [first_call_done]:  # MLflow's store first: a tracker's first call waits for it
+                    event.wait(600)
+                try:
+                    from prefect_jax.training import registry
 
-            warm()
-        except Exception as exc:  # noqa: BLE001 - the first logged model does it, or says what is wrong
-            print(f"prefect-jax MLflow worker: making the model registry ready: {exc!r}", file=sys.stderr)
+                    with environ_lock:  # JAX reads the environment (C getenv) as it starts its client
+                        registry.warm_jax()
+                    registry.warm_mlflow()
+                    registry_outcome.append((True, None))
+                except Exception as exc:  # noqa: BLE001 - the first logged model does it, or says what is wrong
+                    print(f"prefect-jax MLflow worker: making the model registry ready: {exc!r}", file=sys.stderr)
+                    registry_outcome.append((False, exc))
+        reply(call_id, *registry_outcome[0], [])
 
     def dispatch(message: tuple) -> None:
         kind = message[0]
         if kind == "new":
             _, key, args, environment = message
-            _set_environ(environment)  # what the parent's tracker sees (MLflow's settings, credentials)
+            with environ_lock:
+                _set_environ(environment)  # what the parent's tracker sees (MLflow's settings, credentials)
             backends[key] = tracking.Tracker(*args, _worker_side=True)
         elif kind == "call":
             _, call_id, key, name, args, strict = message
@@ -341,9 +355,7 @@ def main() -> None:
             warming.add(message[1])
             threading.Thread(target=warm, args=(message[1],), name="prefect-jax-mlflow-warm", daemon=True).start()
         elif kind == "warm_registry":
-            if not registry_warmed.is_set():
-                registry_warmed.set()
-                threading.Thread(target=warm_registry, name="prefect-jax-mlflow-warm-registry", daemon=True).start()
+            threading.Thread(target=warm_registry, args=(message[1],), name="prefect-jax-mlflow-warm-registry", daemon=True).start()
         elif kind == "drop":
             backend = backends.pop(message[1], None)
             if backend is not None:

@@ -101,17 +101,23 @@ class _Pyfunc:
 _PYFUNC = _Pyfunc()
 
 
-def warm() -> None:
-    """Do what a process's first `log_export_model` would otherwise do first (~1 s of CPU on 2
-    cores, most of it once per process): import JAX, start its CPU client and XLA's compiler,
-    import MLflow's model modules, and build MLflow's map of installed packages (its check of a
-    model's requirements walks every installed distribution's files: 0.53 s here)."""
+def warm_jax() -> None:
+    """Import JAX and start its CPU client and XLA's compiler, as a process's first
+    `log_export_model` would (see `warm_mlflow`)."""
     import jax
-    import mlflow.pyfunc  # noqa: F401
     import numpy as np
-    from mlflow.models import Model, infer_signature  # noqa: F401
 
     jax.jit(lambda x: x + 1)(np.zeros(1, np.float32)).block_until_ready()
+
+
+def warm_mlflow() -> None:
+    """Import MLflow's model modules and build its map of installed packages (its check of a
+    model's requirements walks every installed distribution's files: 0.53 s here), as a
+    process's first `log_export_model` would. With `warm_jax`, ~1 s of CPU on these 2 cores,
+    most of it once per process."""
+    import mlflow.pyfunc  # noqa: F401
+    from mlflow.models import Model, infer_signature  # noqa: F401
+
     try:
         from mlflow.utils.requirements_utils import _init_packages_to_modules_map
     except ImportError:  # (a private name of MLflow's: the first model builds the map itself)
@@ -135,8 +141,8 @@ def log_export_model(
     runs_here = jax.export.default_export_platform() in exported.platforms  # the MLflow worker's: cpu (`mlflow_worker._jax_on_cpu`)
     # The signature needs the output's shape and type only: traced, not compiled and run (MLflow's
     # check below runs the model, where it runs; a compile each, the weights being constants).
-    out = jax.eval_shape(exported.call, example)
-    output = np.zeros(out.shape, out.dtype)
+    out = jax.eval_shape(exported.call, example)  # (a pytree: as np.asarray(exported.call(example)) makes it one array)
+    output = np.asarray(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out))
     signature = infer_signature(example, output)
     info_path = os.path.join(export_dir, "export.json")
     metadata = {}

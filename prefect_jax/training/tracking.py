@@ -461,14 +461,15 @@ class Tracker:
             self._log_metrics(rows)
             self._logged_at[key].add(step)
 
-    def warm_registry(self) -> None:
+    def warm_registry(self) -> Future | None:
         """Have the worker process make ready, now and beside this tracker's calls, what its first
-        logged model would otherwise wait for (`registry.warm`: JAX and its CPU client, MLflow's
-        model modules, its map of installed packages): ~1 s of CPU at its nice level, which the
-        first `register_exports` paid in the queue, ahead of every later MLflow write. Once per
-        worker; in-process MLflow (``PREFECT_JAX_MLFLOW_IN_PROCESS``) does it at that first export."""
-        if self._remote is not None:
-            self._remote.worker.send(("warm_registry",))
+        logged model would otherwise wait for (`registry.warm_jax`, `registry.warm_mlflow`: JAX
+        and its CPU client, MLflow's model modules, its map of installed packages): ~1 s of CPU
+        at its nice level, which the first `register_exports` paid in the queue, ahead of every
+        later MLflow write. Once per worker. Returns what answers once it is done (its error, if
+        any; the first export then fails with its own); None where MLflow runs in this process
+        (``PREFECT_JAX_MLFLOW_IN_PROCESS``), which does it at that first export."""
+        return self._remote.worker.request("warm_registry") if self._remote is not None else None
 
     def register_exports(self, name: str, job: str, aliases: dict[str, int], local_export: Callable[[int], str], example,
                          on_done: Callable[[dict], None] | None = None, description: str = "", steps: list[int] = ()) -> Future:  # fmt: skip
@@ -592,6 +593,7 @@ class _Worker:
     def __init__(self):
         self._lock = threading.Lock()
         self._futures: dict[int, Future] = {}
+        self._background: set[int] = set()  # requests of `request`: nothing waits for them at the end
         self._ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._started = threading.Event()
@@ -665,9 +667,13 @@ class _Worker:
         with self._lock:  # with `call`'s check: no call is left waiting for a dead child
             self.alive = False
             waiting, self._futures = self._futures, {}
+            background, self._background = self._background, set()
         code = self.process.wait()
         for call_id in waiting:
-            self._resolve_dead(waiting[call_id], code)
+            if call_id in background:
+                waiting[call_id].set_result(None)  # (no MLflow call was lost)
+            else:
+                self._resolve_dead(waiting[call_id], code)
 
     def _resolve_dead(self, future: Future, code: int | None) -> None:
         error = RuntimeError(f"the MLflow worker process exited (code {code}): MLflow calls are lost")
@@ -683,6 +689,7 @@ class _Worker:
     def _resolve(self, call_id: int, ok: bool, value) -> None:
         with self._lock:
             future = self._futures.pop(call_id, None)
+            self._background.discard(call_id)
         if future is None:
             return
         if ok:
@@ -706,10 +713,26 @@ class _Worker:
         self._outbox.put(("call", call_id, key, name, args, strict()))
         return future
 
+    def request(self, kind: str) -> Future:
+        """Ask the worker for something of its own (``"warm_registry"``), answered as a call is;
+        the end of this process does not wait for it, and a worker gone meanwhile answers None."""
+        future: Future = Future()
+        with self._lock:
+            alive = self.alive
+            if alive:
+                call_id = next(self._ids)
+                self._futures[call_id] = future
+                self._background.add(call_id)
+        if not alive:
+            future.set_result(None)
+            return future
+        self._outbox.put((kind, call_id))
+        return future
+
     def stop(self, timeout: float) -> None:
         """Close the child's input and give it `timeout` seconds to finish what it was asked."""
         self._outbox.put(None)
-        if self.process is not None and self._futures:
+        if self.process is not None and set(self._futures) - self._background:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -753,7 +776,7 @@ def warm_up(tracking_uri: str | None = None, registry: bool = False) -> None:
             worker.warmed.add(uri)
             worker.send(("warm", uri))
         if registry:
-            worker.send(("warm_registry",))
+            worker.request("warm_registry")
     except Exception as exc:  # noqa: BLE001 - the trackers start it again, or run MLflow here
         logger.warning("MLflow worker process not started early: %r", exc)
 

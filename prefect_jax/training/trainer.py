@@ -213,7 +213,6 @@ class Trainer:
         job.discard_records_after(step)
         # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
         job.attach_tracking(self._params(), (meta or {}).get("mlflow_run_id"))
-        self._warm_registry()
         # The restored interval's train metrics, in case its process died before writing them.
         self._log_train_rows([tuple(r) for r in (meta or {}).get("train_metrics", [])])
         if step < self.config.train.max_steps:
@@ -735,7 +734,7 @@ class Trainer:
                 self._evals_reconciled = False  # nothing to join yet: try again next time
                 return 0
             self.job.attach_tracking(self._params(), self.job.read_meta(source).get("mlflow_run_id"), reopen=False)
-            self._warm_registry()
+        self._warm_registry()  # (once per evaluating process, as this)
         recorded = [r for r in self.records.all() if r.metrics]
         for result in recorded:
             self._log_eval(result)
@@ -795,8 +794,9 @@ class Trainer:
         return (self.config.job if name is None else name) or None
 
     def _warm_registry(self) -> None:
-        """Where this process will register exports, the MLflow worker makes that ready while it
-        trains or evaluates (see `Tracker.warm_registry`)."""
+        """Where this process will register exports (it evaluates: a trainer of the `train` role
+        never does), the MLflow worker makes that ready while it evaluates (see
+        `Tracker.warm_registry`; a command or a flow run that evaluates asks at its start)."""
         if self.config.eval.exporters and self.registered_model is not None and self.job.is_primary and self.tracker.enabled:
             self.tracker.warm_registry()
 
