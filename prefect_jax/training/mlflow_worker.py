@@ -212,6 +212,10 @@ def _startup_over() -> None:
         gc.enable()
 
 
+# A tracker's calls that import JAX or matplotlib (see ``heavy_imports`` in `main`).
+_IMPORTING_CALLS = frozenset({"_register_exports", "_log_learning_curve"})
+
+
 def _jax_on_cpu(environment) -> dict:
     """`environment` for JAX in this process (a logged model's check: `registry.log_export_model`):
     on the CPU. On a GPU or TPU host it would otherwise open a second client on the trainer's
@@ -260,6 +264,10 @@ def main() -> None:
     send_lock = threading.Lock()
     environ_lock = threading.Lock()  # the environment changes (a tracker's) while no thread starts JAX
     first_call_done = threading.Event()  # a tracker's first call ran (MLflow imported), warmed up or not
+    # JAX's and matplotlib's imports, one thread at a time: two threads importing module graphs
+    # that meet (NumPy's C extension, before MLflow had imported it) broke the worker
+    # ("partially initialized module", then "cannot load module more than once per process").
+    heavy_imports = threading.Lock()
     backends: dict[int, tracking.Tracker] = {}
 
     def reply(call_id: int, ok: bool, value, records: list) -> None:
@@ -280,7 +288,8 @@ def main() -> None:
         try:
             if (done := warmed.get(backend.tracking_uri)) is not None:
                 done.wait(600)  # its store is being opened (or created): once, not twice at a time
-            value, ok = getattr(backend, name)(*args), True
+            with heavy_imports if name in _IMPORTING_CALLS else contextlib.nullcontext():
+                value, ok = getattr(backend, name)(*args), True
         except BaseException as exc:  # noqa: BLE001 - goes back to the caller
             value, ok = exc, False
         finally:
@@ -310,8 +319,9 @@ def main() -> None:
         finally:
             warmed[tracking_uri].set()
         try:
-            import matplotlib.backends.backend_agg  # noqa: F401
-            import matplotlib.figure  # noqa: F401
+            with heavy_imports:
+                import matplotlib.backends.backend_agg  # noqa: F401
+                import matplotlib.figure  # noqa: F401
         except Exception:  # noqa: BLE001 - the curve is drawn without it, or says why
             pass
         finally:
@@ -330,9 +340,10 @@ def main() -> None:
                 try:
                     from prefect_jax.training import registry
 
-                    with environ_lock:  # JAX reads the environment (C getenv) as it starts its client
-                        registry.warm_jax()
-                    registry.warm_mlflow()
+                    with heavy_imports:
+                        with environ_lock:  # JAX reads the environment (C getenv) as it starts its client
+                            registry.warm_jax()
+                        registry.warm_mlflow()
                     registry_outcome.append((True, None))
                 except Exception as exc:  # noqa: BLE001 - the first logged model does it, or says what is wrong
                     print(f"prefect-jax MLflow worker: making the model registry ready: {exc!r}", file=sys.stderr)
