@@ -310,13 +310,15 @@ def run_child(cmd: list[str], env: dict, name: str) -> dict | None:
     return result
 
 
-def run_cli(args, env: dict, label: str = "cli") -> dict | None:
-    """The user's command, `prefect-jax run`, as its own process on the same work (no exporters,
-    as the other sides export nothing): timed whole, as a person or a worker runs it."""
+def run_cli(args, env: dict, label: str = "cli", exports: bool = False) -> dict | None:
+    """The user's command, `prefect-jax run`, as its own process on the same work: timed whole, as
+    a person or a worker runs it. No exporters (the other sides export nothing), or with
+    `exports` its defaults (latest, best, final: each export a version of an MLflow registered
+    model), as a user who sets none runs it."""
     workdir = tempfile.mkdtemp(prefix="bench-cli-")
     cmd = [os.path.join(os.path.dirname(sys.executable), "prefect-jax"), "run", "--program", "bench_programs:mlp",
            "--job", "bench", "--storage", workdir, "--max-steps", str(args.steps), "--checkpoint-every-steps", str(args.every),
-           "--exporters", "--mlflow-tracking-uri", f"sqlite:///{workdir}/mlflow.db", "--json", "--no-progress"]  # fmt: skip
+           *([] if exports else ["--exporters"]), "--mlflow-tracking-uri", f"sqlite:///{workdir}/mlflow.db", "--json", "--no-progress"]  # fmt: skip
     try:
         return run_child(cmd, dict(env, PYTHONPATH=os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))), label)
     finally:
@@ -502,15 +504,15 @@ def main() -> None:
         before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline)) if args.baseline else None
         # The headline sides, in interleaved rounds: a slow minute on these shared cores hits one
         # round of every side, not every round of one side (ratios are medians of per-round ratios).
-        headline = ["plain", "plain_scan", "prefect_jax", "prefect_jax_scan", "cli", "keras"] + (["before"] if before_env else [])
+        headline = ["plain", "plain_scan", "prefect_jax", "prefect_jax_scan", "cli", "cli_exports", "keras"] + (["before"] if before_env else [])
 
         def run_headline(name: str, label: str) -> dict | None:
             if name == "keras":  # no standing server in its process
                 return side("keras", args, env, label=label)
             if name == "before":
                 return side("prefect_jax", args, before_env, label=label)
-            if name == "cli":
-                return with_server_cpu(lambda: run_cli(args, env, label=label))
+            if name in ("cli", "cli_exports"):
+                return with_server_cpu(lambda: run_cli(args, env, label=label, exports=name == "cli_exports"))
             return with_server_cpu(lambda: side(name, args, env, label=label))
 
         def in_round(r: int) -> str:
