@@ -700,33 +700,34 @@ class _Worker:
     def send(self, message: tuple) -> None:
         self._outbox.put(message)
 
-    def call(self, key: int, name: str, args: tuple) -> Future:
+    def _new_call(self, background: bool = False) -> tuple[Future, int | None]:
+        """A future for an answer and its call id (None: the worker is gone)."""
         future: Future = Future()
         with self._lock:
-            alive = self.alive
-            if alive:
-                call_id = next(self._ids)
-                self._futures[call_id] = future
-        if not alive:
+            if not self.alive:
+                return future, None
+            call_id = next(self._ids)
+            self._futures[call_id] = future
+            if background:
+                self._background.add(call_id)
+        return future, call_id
+
+    def call(self, key: int, name: str, args: tuple) -> Future:
+        future, call_id = self._new_call()
+        if call_id is None:
             self._resolve_dead(future, self.process.poll() if self.process else None)
-            return future
-        self._outbox.put(("call", call_id, key, name, args, strict()))
+        else:
+            self._outbox.put(("call", call_id, key, name, args, strict()))
         return future
 
     def request(self, kind: str) -> Future:
         """Ask the worker for something of its own (``"warm_registry"``), answered as a call is;
         the end of this process does not wait for it, and a worker gone meanwhile answers None."""
-        future: Future = Future()
-        with self._lock:
-            alive = self.alive
-            if alive:
-                call_id = next(self._ids)
-                self._futures[call_id] = future
-                self._background.add(call_id)
-        if not alive:
+        future, call_id = self._new_call(background=True)
+        if call_id is None:
             future.set_result(None)
-            return future
-        self._outbox.put((kind, call_id))
+        else:
+            self._outbox.put((kind, call_id))
         return future
 
     def stop(self, timeout: float) -> None:
