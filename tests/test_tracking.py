@@ -346,13 +346,21 @@ tracking.warm_up(uri, registry=how == "warm_up")  # the command's way, before it
 tracker = tracking.Tracker(uri, "prefect-jax", "warm-" + how)
 tracker.start({"p": "1"})
 tracker.flush()  # MLflow imported in the worker, its store open, the run made
-if how == "none":
-    time.sleep(3)
-else:  # the trainer's way (once it evaluates); after the command's, a second request: the first's outcome
-    asked = tracker.warm_registry() if how == "tracker" else tracking._worker().request("warm_registry")
-    asked.result(300)  # its error, if it failed
-with open(f"/proc/{tracking._worker().process.pid}/maps") as f:
-    print(json.dumps({"jax": "jaxlib" in f.read()}), flush=True)
+pid = tracking._worker().process.pid
+
+def jax_in_worker():
+    with open(f"/proc/{pid}/maps") as f:
+        return "jaxlib" in f.read()
+
+if how == "tracker":  # the trainer's way, once it evaluates
+    tracker.warm_registry().result(300)  # (its error, if it failed)
+deadline = time.monotonic() + (120 if how == "warm_up" else 3)
+while time.monotonic() < deadline and not jax_in_worker():
+    time.sleep(0.05)
+loaded = jax_in_worker()
+if how == "warm_up" and loaded:  # a second request answers with the first's outcome, once it is over
+    tracking._worker().request("warm_registry").result(300)
+print(json.dumps({"jax": loaded}), flush=True)
 tracker.finish("FINISHED")
 """
 
@@ -379,13 +387,15 @@ def test_the_mlflow_worker_readies_jax_for_a_job_that_registers_exports_and_only
 
 
 def test_the_mlflow_worker_runs_jax_on_the_cpu_unoptimised_unless_the_job_says_otherwise():
-    from prefect_jax.training.mlflow_worker import _jax_on_cpu
+    from prefect_jax.training.mlflow_worker import _worker_environment
 
     job = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": "--xla_gpu_autotune_level=0", "OTHER": "kept"}
-    assert _jax_on_cpu(job) == {
-        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_backend_optimization_level=0", "OTHER": "kept"}
-    assert _jax_on_cpu({})["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
-    assert _jax_on_cpu({"XLA_FLAGS": "--xla_backend_optimization_level=2"})["XLA_FLAGS"] == "--xla_backend_optimization_level=2"
+    assert _worker_environment(job) == {
+        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_backend_optimization_level=0", "OTHER": "kept",
+        "MLFLOW_UV_AUTO_DETECT": "false"}  # fmt: skip
+    assert _worker_environment({})["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    assert _worker_environment({"XLA_FLAGS": "--xla_backend_optimization_level=2"})["XLA_FLAGS"] == "--xla_backend_optimization_level=2"
+    assert _worker_environment({"MLFLOW_UV_AUTO_DETECT": "true"})["MLFLOW_UV_AUTO_DETECT"] == "true"
     assert job["JAX_PLATFORMS"] == "cuda"  # the job's own mapping is left as it was
 
 

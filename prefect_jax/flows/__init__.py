@@ -165,7 +165,10 @@ def _registers_exports(flow: str, eval_spec) -> bool:
     with exporters and a registered model (`EvalSpec.registered_model` "" is none)."""
     if flow not in ("train_and_evaluate", "evaluate", "export_flow") or eval_spec is None:
         return False
-    spec = eval_spec if isinstance(eval_spec, dict) else eval_spec.model_dump()
+    try:
+        spec = eval_spec if isinstance(eval_spec, dict) else EvalSpec.model_validate(eval_spec).model_dump()
+    except Exception:  # noqa: BLE001 - not an eval spec: the flow's own validation says why
+        return False
     return bool(spec.get("exporters")) and spec.get("registered_model") != ""
 
 

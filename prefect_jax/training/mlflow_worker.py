@@ -212,31 +212,33 @@ def _startup_over() -> None:
         gc.enable()
 
 
-# A tracker's calls that import JAX or matplotlib (see ``heavy_imports`` in `main`).
-_IMPORTING_CALLS = frozenset({"_register_exports", "_log_learning_curve"})
-
-
-def _jax_on_cpu(environment) -> dict:
-    """`environment` for JAX in this process (a logged model's check: `registry.log_export_model`):
-    on the CPU. On a GPU or TPU host it would otherwise open a second client on the trainer's
-    accelerator and take its memory (75% of a GPU by default) or fail for want of it.
+def _worker_environment(environment) -> dict:
+    """`environment` as this process uses it. JAX (a logged model's check:
+    `registry.log_export_model`) runs on the CPU: on a GPU or TPU host it would otherwise open a
+    second client on the trainer's accelerator and take its memory (75% of a GPU by default) or
+    fail for want of it.
 
     XLA compiles here without its backend optimisations: a model is run once, on its input
     example, to check that it serves (MLflow's check, with the trained weights as constants, so
     a compile per logged model), never to serve. That compile took 40 ms against 60 ms for the
-    digits model (2026-11-26, 2 CPUs), and the check runs for every exported step."""
+    digits model (2026-11-26, 2 CPUs), and the check runs for every exported step.
+
+    MLflow does not look for a uv project in the working directory for a logged model's
+    requirements (`registry.requirements` names them), unless the job says otherwise."""
     environment = {**environment, "JAX_PLATFORMS": "cpu"}
     flags = environment.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:  # (one the job sets stays)
         environment["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    environment.setdefault("MLFLOW_UV_AUTO_DETECT", "false")
     return environment
 
 
 def _set_environ(environment) -> None:
-    """This process's environment becomes `environment` (with `_jax_on_cpu`'s settings), key by
-    key: Python code reading it meanwhile never sees it without them. (C code reading it, as JAX
-    starting its client does, must not run meanwhile: see ``environ_lock`` in `main`.)"""
-    wanted = _jax_on_cpu(environment)
+    """This process's environment becomes `environment` (with `_worker_environment`'s settings), key by
+    key: Python code reading it meanwhile never sees it without them. (C code reading it meanwhile
+    could read a changing array: JAX starting its client waits for it, ``environ_lock`` in `main`;
+    XLA's later reads, at a model's compile, do not.)"""
+    wanted = _worker_environment(environment)
     for key in [k for k in os.environ if k not in wanted]:
         del os.environ[key]
     for key, value in wanted.items():
@@ -259,15 +261,18 @@ def main() -> None:
     os.dup2(2, 1)  # MLflow's prints (and anyone's) go to stderr, not into the protocol
     sys.stdout = sys.stderr
     _install_capture()
+    # NumPy before any other thread exists: every thread here comes to it (MLflow, JAX,
+    # matplotlib, the reader unpickling an input example), and its C extension imported on two
+    # threads at once broke the worker ("partially initialized module", then "cannot load module
+    # more than once per process"). MLflow imports it anyway.
+    import numpy  # noqa: F401
+
     from prefect_jax.training import tracking
 
     send_lock = threading.Lock()
-    environ_lock = threading.Lock()  # the environment changes (a tracker's) while no thread starts JAX
+    environ_lock = threading.Lock()  # a tracker's environment is put in place while JAX starts its client
     first_call_done = threading.Event()  # a tracker's first call ran (MLflow imported), warmed up or not
-    # JAX's and matplotlib's imports, one thread at a time: two threads importing module graphs
-    # that meet (NumPy's C extension, before MLflow had imported it) broke the worker
-    # ("partially initialized module", then "cannot load module more than once per process").
-    heavy_imports = threading.Lock()
+    heavy_imports = threading.Lock()  # JAX's and matplotlib's imports (and JAX's start), one thread at a time
     backends: dict[int, tracking.Tracker] = {}
 
     def reply(call_id: int, ok: bool, value, records: list) -> None:
@@ -288,8 +293,11 @@ def main() -> None:
         try:
             if (done := warmed.get(backend.tracking_uri)) is not None:
                 done.wait(600)  # its store is being opened (or created): once, not twice at a time
-            with heavy_imports if name in _IMPORTING_CALLS else contextlib.nullcontext():
-                value, ok = getattr(backend, name)(*args), True
+            if name == "_register_exports":
+                ready_registry()  # (its outcome aside: the call fails with its own error, if any)
+            elif name == "_log_learning_curve":
+                import_matplotlib()
+            value, ok = getattr(backend, name)(*args), True
         except BaseException as exc:  # noqa: BLE001 - goes back to the caller
             value, ok = exc, False
         finally:
@@ -319,24 +327,30 @@ def main() -> None:
         finally:
             warmed[tracking_uri].set()
         try:
-            with heavy_imports:
-                import matplotlib.backends.backend_agg  # noqa: F401
-                import matplotlib.figure  # noqa: F401
-        except Exception:  # noqa: BLE001 - the curve is drawn without it, or says why
-            pass
+            import_matplotlib()
         finally:
             warming.discard(tracking_uri)
             if not warming:
                 _startup_over()
 
-    registry_lock = threading.Lock()  # one warm-up of the registry; a request after it gets its outcome
-    registry_outcome: list = []  # [(ok, None or its exception)] once it ran
+    def import_matplotlib() -> None:
+        """matplotlib's modules for the learning curve (see ``heavy_imports``)."""
+        try:
+            with heavy_imports:
+                import matplotlib.backends.backend_agg  # noqa: F401
+                import matplotlib.figure  # noqa: F401
+        except Exception:  # noqa: BLE001 - the curve is drawn without it, or says why
+            pass
 
-    def warm_registry(call_id: int) -> None:
+    registry_lock = threading.Lock()
+    registry_outcome: list = []  # [(ok, None or the error)] once `ready_registry` ran
+
+    def ready_registry() -> tuple[bool, Exception | None]:
+        """Once per worker (a later caller waits for it and gets its outcome): JAX started on the
+        CPU and MLflow's model modules imported (`registry.warm_jax`, `registry.warm_mlflow`), with
+        no other thread importing JAX or matplotlib, nor changing the environment, meanwhile."""
         with registry_lock:
             if not registry_outcome:
-                for event in list(warmed.values()) or [first_call_done]:  # MLflow's store first: a tracker's first call waits for it
-                    event.wait(600)
                 try:
                     from prefect_jax.training import registry
 
@@ -345,18 +359,33 @@ def main() -> None:
                             registry.warm_jax()
                         registry.warm_mlflow()
                     registry_outcome.append((True, None))
-                except Exception as exc:  # noqa: BLE001 - the first logged model does it, or says what is wrong
+                except BaseException as exc:  # noqa: BLE001 - the first logged model does it again, or says what is wrong
                     print(f"prefect-jax MLflow worker: making the model registry ready: {exc!r}", file=sys.stderr)
-                    registry_outcome.append((False, exc))
-        reply(call_id, *registry_outcome[0], [])
+                    # (its own type would make the parent import JAX's or MLflow's to read it)
+                    registry_outcome.append((False, RuntimeError(f"MLflow worker: making the model registry ready: {exc!r}")))
+        return registry_outcome[0]
+
+    def warm_registry(call_id: int) -> None:
+        ok, value = False, RuntimeError("MLflow worker: the model registry's warm-up did not end")
+        try:
+            for event in list(warmed.values()) or [first_call_done]:  # MLflow's store first: a tracker's first call waits for it
+                event.wait(600)
+            ok, value = ready_registry()
+        finally:
+            reply(call_id, ok, value, [])
+
+    def set_environ(environment) -> None:
+        with environ_lock:
+            _set_environ(environment)
 
     def dispatch(message: tuple) -> None:
         kind = message[0]
         if kind == "new":
             _, key, args, environment = message
-            with environ_lock:
-                _set_environ(environment)  # what the parent's tracker sees (MLflow's settings, credentials)
-            backends[key] = tracking.Tracker(*args, _worker_side=True)
+            backend = backends[key] = tracking.Tracker(*args, _worker_side=True)
+            # What the parent's tracker sees (MLflow's settings, credentials), before its calls;
+            # on its thread, not this one, which would wait while JAX starts (`ready_registry`).
+            backend._pool.submit(set_environ, environment)
         elif kind == "call":
             _, call_id, key, name, args, strict = message
             backend = backends[key]

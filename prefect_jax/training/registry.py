@@ -138,7 +138,7 @@ def log_export_model(
     with open(model_file, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
     example = np.asarray(example, dtype=exported.in_avals[0].dtype)
-    runs_here = jax.export.default_export_platform() in exported.platforms  # the MLflow worker's: cpu (`mlflow_worker._jax_on_cpu`)
+    runs_here = jax.export.default_export_platform() in exported.platforms  # the MLflow worker's: cpu (`mlflow_worker._worker_environment`)
     # The signature needs the output's shape and type only: traced, not compiled and run (MLflow's
     # check below runs the model, where it runs; a compile each, the weights being constants).
     out = jax.eval_shape(exported.call, example)  # (a pytree: as np.asarray(exported.call(example)) makes it one array)
@@ -152,7 +152,8 @@ def log_export_model(
         metadata = {k: info[k] for k in ("program", "program_fingerprint", "metrics", "eval_name") if k in info}
     metadata["platforms"] = list(exported.platforms)  # where it loads: cpu, cuda, rocm, tpu by default
     mlflow.set_tracking_uri(tracking_uri)  # Model.log reads the global URI
-    # The model's requirements are the ones above, not the uv project of the working directory.
+    # The model's requirements are the ones above, not the uv project of the working directory
+    # (the MLflow worker's environment says so already: `mlflow_worker._worker_environment`).
     os.environ.setdefault("MLFLOW_UV_AUTO_DETECT", "false")
     # Created here, in the run's experiment (Model.log alone would use the process's active
     # experiment), then filled by Model.log.

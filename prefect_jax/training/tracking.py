@@ -468,7 +468,8 @@ class Tracker:
         at its nice level, which the first `register_exports` paid in the queue, ahead of every
         later MLflow write. Once per worker. Returns what answers once it is done (its error, if
         any; the first export then fails with its own); None where MLflow runs in this process
-        (``PREFECT_JAX_MLFLOW_IN_PROCESS``), which does it at that first export."""
+        (``PREFECT_JAX_MLFLOW_IN_PROCESS``, or no worker could start), which does it at that
+        first export."""
         return self._remote.worker.request("warm_registry") if self._remote is not None else None
 
     def register_exports(self, name: str, job: str, aliases: dict[str, int], local_export: Callable[[int], str], example,
@@ -619,7 +620,7 @@ class _Worker:
             self.process = subprocess.Popen(
                 [sys.executable, "-P", "-m", "prefect_jax.training.mlflow_worker", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-                env={**os.environ, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu"},  # see mlflow_worker._jax_on_cpu
+                env={**os.environ, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu"},  # see mlflow_worker._worker_environment
             )  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - the tracker falls back to a thread
             self._error = exc
@@ -733,7 +734,9 @@ class _Worker:
     def stop(self, timeout: float) -> None:
         """Close the child's input and give it `timeout` seconds to finish what it was asked."""
         self._outbox.put(None)
-        if self.process is not None and set(self._futures) - self._background:
+        with self._lock:
+            waiting = bool(set(self._futures) - self._background)
+        if self.process is not None and waiting:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
