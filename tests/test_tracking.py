@@ -353,13 +353,15 @@ def jax_in_worker():
         return "jaxlib" in f.read()
 
 if how == "tracker":  # the trainer's way, once it evaluates
-    tracker.warm_registry().result(300)  # (its error, if it failed)
+    asked = tracker.warm_registry()
+    assert tracker.warm_registry() is asked  # asked once per worker
+    asked.result(300)  # (its error, if it failed)
 deadline = time.monotonic() + (120 if how == "warm_up" else 3)
 while time.monotonic() < deadline and not jax_in_worker():
     time.sleep(0.05)
 loaded = jax_in_worker()
-if how == "warm_up" and loaded:  # a second request answers with the first's outcome, once it is over
-    tracking._worker().request("warm_registry").result(300)
+if how == "warm_up" and loaded:  # the command's request's answer (its error, if it failed)
+    tracking._worker().warm_registry().result(300)
 print(json.dumps({"jax": loaded}), flush=True)
 tracker.finish("FINISHED")
 """

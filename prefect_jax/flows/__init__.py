@@ -166,10 +166,9 @@ def _registers_exports(flow: str, eval_spec) -> bool:
     if flow not in ("train_and_evaluate", "evaluate", "export_flow") or eval_spec is None:
         return False
     try:
-        spec = eval_spec if isinstance(eval_spec, dict) else EvalSpec.model_validate(eval_spec).model_dump()
+        return EvalSpec.model_validate(eval_spec).registers_exports
     except Exception:  # noqa: BLE001 - not an eval spec: the flow's own validation says why
         return False
-    return bool(spec.get("exporters")) and spec.get("registered_model") != ""
 
 
 def _untagged_tasks(fn):

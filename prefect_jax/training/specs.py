@@ -307,6 +307,12 @@ class EvalSpec(_Spec):
         "them, less those serve() does not lower for (a warning names them).",
     )  # fmt: skip
 
+    @property
+    def registers_exports(self) -> bool:
+        """Whether an evaluator with this spec registers exports in the MLflow registry: it has
+        exporters and a registered model (`registered_model` "" is none)."""
+        return bool(self.exporters) and self.registered_model != ""
+
     @field_validator("steps")
     @classmethod
     def _steps(cls, v):

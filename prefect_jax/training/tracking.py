@@ -470,7 +470,7 @@ class Tracker:
         any; the first export then fails with its own); None where MLflow runs in this process
         (``PREFECT_JAX_MLFLOW_IN_PROCESS``, or no worker could start), which does it at that
         first export."""
-        return self._remote.worker.request("warm_registry") if self._remote is not None else None
+        return self._remote.worker.warm_registry() if self._remote is not None else None
 
     def register_exports(self, name: str, job: str, aliases: dict[str, int], local_export: Callable[[int], str], example,
                          on_done: Callable[[dict], None] | None = None, description: str = "", steps: list[int] = ()) -> Future:  # fmt: skip
@@ -595,6 +595,7 @@ class _Worker:
         self._lock = threading.Lock()
         self._futures: dict[int, Future] = {}
         self._background: set[int] = set()  # requests of `request`: nothing waits for them at the end
+        self._registry_warmed: Future | None = None  # `warm_registry`'s answer, once asked
         self._ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._started = threading.Event()
@@ -731,6 +732,13 @@ class _Worker:
             self._outbox.put((kind, call_id))
         return future
 
+    def warm_registry(self) -> Future:
+        """The worker's registry warm-up (see `Tracker.warm_registry`), asked for once: a command,
+        its flow run and its evaluating trainer each ask, and get the same answer."""
+        if self._registry_warmed is None:
+            self._registry_warmed = self.request("warm_registry")
+        return self._registry_warmed
+
     def stop(self, timeout: float) -> None:
         """Close the child's input and give it `timeout` seconds to finish what it was asked."""
         self._outbox.put(None)
@@ -780,7 +788,7 @@ def warm_up(tracking_uri: str | None = None, registry: bool = False) -> None:
             worker.warmed.add(uri)
             worker.send(("warm", uri))
         if registry:
-            worker.request("warm_registry")
+            worker.warm_registry()
     except Exception as exc:  # noqa: BLE001 - the trackers start it again, or run MLflow here
         logger.warning("MLflow worker process not started early: %r", exc)
 

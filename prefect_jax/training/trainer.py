@@ -797,7 +797,7 @@ class Trainer:
         """Where this process will register exports (it evaluates: a trainer of the `train` role
         never does), the MLflow worker makes that ready while it evaluates (see
         `Tracker.warm_registry`; a command or a flow run that evaluates asks at its start)."""
-        if self.config.eval.exporters and self.registered_model is not None and self.job.is_primary and self.tracker.enabled:
+        if self.config.eval.registers_exports and self.job.is_primary and self.tracker.enabled:
             self.tracker.warm_registry()
 
     def _register_exports(self) -> None:
