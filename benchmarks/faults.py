@@ -20,7 +20,9 @@ For each kill point × signal it checks, against the uninterrupted run:
 - MLflow: one run, FINISHED; ``eval/*`` at each evaluated step exactly once; the train
   metrics at every log step exactly once;
 - Prefect: the rerun's flow run Completed, every earlier one of the job Crashed or Failed,
-  no task run of the job left Running or Pending.
+  no task run of the job left Running or Pending;
+- notice: a SIGTERM that landed ended its run (exit 143), not trained on to the end (exit 0):
+  a notice the job did not heed costs a spot node every step since its last checkpoint.
 
 It writes the table to ``FAULTS.md`` (and prints it); the last stdout line is one JSON object.
 """
@@ -64,6 +66,7 @@ POINTS = {
     "s3_upload": "s3:// storage: step 200 partly uploaded, no commit marker yet",
 }
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+CHECKS = ("fingerprint", "exports", "mlflow", "prefect", "notice")  # the table's columns, in the docstring's order
 
 
 def _env(api_url: str, s3: S3Server | None, cache: Path) -> dict[str, str]:
@@ -267,6 +270,8 @@ def run_point(point: str, sig: str, ctx: dict, round_: int = 1) -> dict:
     if summary is not None:
         summary["best"] = _best(job, ctx, remote)
     row = _outcome(job, storage, summary, ctx["reference_s3" if remote else "reference"], ctx["mlflow_uri"], ctx["api_url"], env)
+    heeded = not (hit and sig == "TERM" and rc1 == 0)
+    row["notice"] = (heeded, "" if heeded else "the SIGTERM landed and the run trained on to its end (exit 0)")
     return {"point": point, "signal": sig, "job": job, "hit": hit, "first_rc": rc1, "attempts": attempts,
             **{k: {"ok": ok, "detail": detail} for k, (ok, detail) in row.items()}}  # fmt: skip
 
@@ -290,7 +295,7 @@ def reference_run(ctx: dict, remote: bool) -> dict:
 
 
 def markdown(results: list[dict], seconds: float) -> str:
-    cols = ("fingerprint", "exports", "mlflow", "prefect")
+    cols = CHECKS
     lines = [
         "# Fault-injection sweep",
         "",
@@ -300,8 +305,8 @@ def markdown(results: list[dict], seconds: float) -> str:
         "each run killed once at the moment named (its whole process group), then rerun at once until it exits 0;",
         "cells count the scenarios that passed (several rounds: the moments land a little differently each time).",
         "",
-        "| kill point | signal | landed | first exit | runs to finish | fingerprint | exports + registry | MLflow | Prefect states |",
-        "|---|---|---|---:|---:|---|---|---|---|",
+        "| kill point | signal | landed | first exit | runs to finish | fingerprint | exports + registry | MLflow | Prefect states | notice heeded |",
+        "|---|---|---|---:|---:|---|---|---|---|---|",
     ]
     for point in POINTS:
         for sig in SIGNALS:
@@ -363,7 +368,7 @@ def main() -> None:
     text = markdown(results, time.monotonic() - started)
     Path(args.out).write_text(text)
     print(text)
-    passed = sum(all(r[c]["ok"] for c in ("fingerprint", "exports", "mlflow", "prefect")) for r in results)
+    passed = sum(all(r[c]["ok"] for c in CHECKS) for r in results)
     print(json.dumps({"scenarios": len(results), "all_checks_passed": passed, "minutes": round((time.monotonic() - started) / 60, 1)}))
 
 

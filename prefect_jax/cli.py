@@ -271,7 +271,9 @@ def _exit_on_sigterm(signum, frame):
     During a flow run Prefect's own handler takes over and, once the run is marked Crashed,
     hands the signal back here.
     """
-    raise SystemExit(128 + signum)
+    from prefect_jax.training.preemption import SignalExit
+
+    raise SignalExit(signum)
 
 
 def _drain_prefect_workers() -> None:
@@ -977,6 +979,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command in ("demo", "run", "train", "evaluate", "export"):
+        from prefect_jax.training.preemption import deliver_lost_notices
+
+        deliver_lost_notices()
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError, StorageNotWritableError
 

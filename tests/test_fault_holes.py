@@ -252,3 +252,77 @@ def test_sigterm_while_prefect_creates_a_task_run_ends_terminated_not_failed(tmp
         [client.get_experiment_by_name("prefect-jax").experiment_id], filter_string=f"tags.`prefect_jax.job` = '{storage}/in-creation'"
     )
     assert mlflow_run.info.status == "KILLED"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["start", "restore", "eval"])
+def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(where, tmp_path, prefect_server, mlflow_uri):
+    """A SIGTERM handled inside a garbage-collector callback (JAX runs one at every collection),
+    where Python drops the handler's exception: the fault sweep's lost notice. Before, the job
+    trained on to its end and exited 0 (at `start`, `restore`), or, with the guard's forward
+    dropped (`eval`), it evaluated and exported after closing its MLflow run KILLED and freeing its
+    lease, then trained a step more. Now the signal is delivered again: the job ends terminated
+    at once, having trained nothing past the notice. ``restore`` runs the flow without the
+    command around it, as a worker's or `serve`'s flow run does."""
+    import httpx
+
+    storage, job = str(tmp_path / "storage"), f"gc-{where}"
+    args = ["--program", "prefect_jax.examples.digits:tiny", "--job", job, "--storage", storage,
+            "--max-steps", "60", "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--no-progress"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "sigterm_in_gc_callback.py", where, *args], capture_output=True, text=True,
+                          env=cli_env(prefect_server), cwd=TESTS_DIR, timeout=300)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "Exception ignored in: <function sigterm_inside_a_gc_callback" in out, out[-3000:]  # it was dropped
+    assert "the exception of signal 15's handler was dropped where it was raised (above): sending the signal again" in out
+    # The command exits 128 + 15; a flow run called bare ends as Prefect ends it: by the signal itself.
+    assert proc.returncode == (-signal.SIGTERM if where == "restore" else 143), out[-3000:]
+    assert committed_steps(os.path.join(storage, job, "checkpoints")) == ([20] if where == "eval" else []), out[-3000:]
+    assert not os.path.exists(os.path.join(storage, job, "exports")), out[-3000:]
+    runs = httpx.post(f"{prefect_server}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}}},
+                      timeout=30).json()  # fmt: skip
+    assert [r["state_type"] for r in runs] == ([] if where == "start" else ["CRASHED"]), runs
+    if where == "eval":
+        client = MlflowClient(mlflow_uri)
+        (mlflow_run,) = client.search_runs(
+            [client.get_experiment_by_name("prefect-jax").experiment_id], filter_string=f"tags.`prefect_jax.job` = '{storage}/{job}'"
+        )
+        assert mlflow_run.info.status == "KILLED"
+        assert "accuracy" not in mlflow_run.data.metrics and "eval_loss" not in mlflow_run.data.metrics, mlflow_run.data.metrics
+
+
+def test_a_guard_whose_forwarded_notice_python_drops_delivers_it_again(monkeypatch):
+    """The Python API (no command, no flow): the trainer's guard, handling a SIGTERM inside a gc
+    callback, forwards it to the handler before it, whose exception Python drops; the signal is
+    delivered again, and the handler's exception then reaches ordinary code."""
+    import time
+
+    from sigterm_in_gc_callback import sigterm_inside_a_gc_callback
+
+    from prefect_jax.training import preemption
+
+    class Ended(Exception):
+        pass
+
+    calls: list[str] = []
+
+    def previous(signum, frame):
+        calls.append("previous")
+        raise Ended(signum)
+
+    before = signal.signal(signal.SIGTERM, previous)
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: calls.append(f"dropped {type(unraisable.exc_value).__name__}"))
+    guard = preemption.PreemptionGuard(lambda: (calls.append("on_signal"), guard.forward()))
+    try:
+        guard.install()
+        with pytest.raises(Ended):
+            sigterm_inside_a_gc_callback()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # ordinary code, where the signal comes again
+                time.sleep(0.001)
+    finally:
+        guard.uninstall()
+        signal.signal(signal.SIGTERM, before)
+    # Delivered again until the handler's exception reaches ordinary code (a collection of this
+    # process's heap can outlast the first delivery again: JAX's gc callback drops it then).
+    assert calls[:3] == ["on_signal", "previous", "dropped Ended"] and calls[-1] == "previous", calls
+    assert calls[3:] == ["previous", "dropped Ended"] * ((len(calls) - 4) // 2) + ["previous"], calls

@@ -176,8 +176,10 @@ def _untagged_tasks(fn):
 
     @functools.wraps(fn)
     def body(*args, **kwargs):
+        from prefect_jax.training.preemption import deliver_lost_notices
         from prefect_jax.training.tracking import warm_up
 
+        deliver_lost_notices()  # a deployment's run too: a SIGTERM is never dropped for good (its docstring)
         # A deployment's flow run too: MLflow imports in its worker while the program imports here
         # (and, where the flow registers exports, what logging a model needs).
         arguments = inspect.signature(fn).bind_partial(*args, **kwargs).arguments

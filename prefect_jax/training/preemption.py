@@ -3,10 +3,14 @@
 Spot and preemptible nodes get SIGTERM some seconds before they go. The trainer turns it into
 a checkpoint of the step in flight (or lets the save in flight commit), then hands the signal
 to whoever handled it before: Prefect (the run ends Crashed, or is rescheduled), or the default.
+A notice whose handler's exception Python drops (raised inside a gc callback) is delivered
+again (`deliver_lost_notices`).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -15,7 +19,11 @@ import time
 from typing import Callable
 
 
-_received: int | None = None  # the signal a guard of this process took, if any
+_received: int | None = None  # the signal a guard of this process took (or one delivered again), if any
+_notice_kinds: dict[type, int] = {}  # what the handlers a guard forwarded to raised, for which signal
+_previous_unraisablehook = sys.unraisablehook  # (the hook before `deliver_lost_notices`)
+_exiting = False  # the interpreter is exiting: nothing is delivered again
+RESEND_DELAY_SECS = 0.01  # from a dropped notice to its delivery again
 
 
 def received_signal() -> int | None:
@@ -24,11 +32,83 @@ def received_signal() -> int | None:
     return _received
 
 
+def _notice_in(exc: BaseException) -> int | None:
+    """The signal number if `exc` is what a SIGTERM's handler raises to end the process: Prefect's
+    `TerminationSignal` (its bridge), the trainer's `Preempted`, the command's `SignalExit`, or
+    whatever the handler a guard forwarded the signal to raised."""
+    if isinstance(exc, SignalExit):
+        return exc.signum
+    if getattr(exc, "_prefect_jax_signal", None) is not None:  # raised by a handler a guard forwarded to
+        _notice_kinds[type(exc)] = exc._prefect_jax_signal  # (that handler, called again, raises it untagged)
+        return exc._prefect_jax_signal
+    for kind, signum in _notice_kinds.items():
+        if isinstance(exc, kind):
+            return signum
+    for module, name, attribute in (("prefect.exceptions", "TerminationSignal", "signal"),
+                                    ("prefect_jax.training.errors", "Preempted", "signum")):  # fmt: skip
+        kind = getattr(sys.modules.get(module), name, None)
+        if kind is not None and isinstance(exc, kind):
+            return getattr(exc, attribute, None)
+    return None
+
+
+class SignalExit(SystemExit):
+    """SystemExit(128 + signum) of a command ended by a signal's handler (see `deliver_lost_notices`)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(128 + signum)
+
+
+def _deliver_again(unraisable) -> None:
+    """`sys.unraisablehook` while prefect-jax runs: a notice whose handler's exception Python
+    dropped is delivered again (see `deliver_lost_notices`); anything else goes to the hook
+    that was there before."""
+    signum = _notice_in(unraisable.exc_value) if unraisable.exc_value is not None else None
+    if signum is not None and not _exiting:
+        global _received
+        _received = signum
+        # Not from here: the handler would run inside this hook, and Python drops what a hook raises too.
+        threading.Thread(target=_send_soon, args=(signum,), name="prefect-jax-notice-again", daemon=True).start()
+    _previous_unraisablehook(unraisable)
+    if signum is not None and not _exiting:
+        print(f"prefect-jax: the exception of signal {signum}'s handler was dropped where it was raised (above): "
+              "sending the signal again", file=sys.stderr)  # fmt: skip
+
+
+def _send_soon(signum: int) -> None:
+    time.sleep(RESEND_DELAY_SECS)  # the main thread leaves the hook (and the callback that dropped it)
+    os.kill(os.getpid(), signum)
+
+
+def deliver_lost_notices() -> None:
+    """Deliver again a SIGTERM whose handler's exception Python drops (idempotent, process-wide).
+
+    A signal's Python handler runs in the main thread wherever the interpreter next checks for
+    signals, and that can be a garbage-collector callback (JAX registers one, run at every
+    collection), a `__del__` or a weakref callback: Python drops an exception raised there
+    ("Exception ignored in: ..."). A SIGTERM whose handler raises (Prefect's bridge: its
+    `TerminationSignal`, which ends the flow run Crashed; the trainer's guard forwarding to it)
+    was then lost: the job trained on to its end, as if no notice came, and on a spot node the
+    hard kill that follows costs every step since the last checkpoint. Python hands such
+    exceptions to `sys.unraisablehook`; this puts a hook there that sends the same signal to
+    the process again, from a helper thread a moment later, so that it is handled in ordinary
+    code. Other unraisable exceptions go to the hook that was there before."""
+    global _previous_unraisablehook
+    if sys.unraisablehook is not _deliver_again:
+        _previous_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _deliver_again
+
+
+@atexit.register
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True  # objects torn down at exit are not the job's notice
+
+
 def _bridge_lock():
     """The lock under which Prefect installs its SIGTERM bridge and acknowledges control intents
     (a no-op lock when Prefect's engine is not loaded)."""
-    import contextlib
-
     engine = sys.modules.get("prefect.utilities.engine")
     lock = getattr(engine, "_prefect_sigterm_bridge_lock", None)
     return lock if lock is not None else contextlib.nullcontext()
@@ -66,6 +146,7 @@ class PreemptionGuard:
 
     def install(self) -> None:
         """Put the guard in front of the current SIGTERM handler (again, if someone replaced it)."""
+        deliver_lost_notices()  # (forwarding raises the previous handler's exception: not to be dropped)
         if threading.current_thread() is threading.main_thread() and not self.installed:
             with _bridge_lock():  # Prefect's control listener checks the handler under it
                 self._previous = signal.getsignal(signal.SIGTERM)
@@ -138,7 +219,12 @@ class PreemptionGuard:
     def _pass_on(self, signum: int) -> None:
         previous = self._previous
         if callable(previous):
-            previous(signum, None)
+            try:
+                previous(signum, None)
+            except BaseException as exc:
+                with contextlib.suppress(AttributeError):  # what `deliver_lost_notices` sends again, if dropped
+                    exc._prefect_jax_signal = signum
+                raise
         elif previous in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
