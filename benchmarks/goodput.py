@@ -21,6 +21,11 @@ slow uninterrupted run is not flattered. Systems:
   are usually written: a SIGTERM kills it like a SIGKILL.
 - ``keras``: Keras 3 ``fit`` on JAX with ``BackupAndRestore`` (one epoch = --every steps).
 
+The job must outlast the periods, or nothing is signalled and a row compares uninterrupted runs:
+where a system's uninterrupted run lasts less than --min-periods (1.5) of the longest period, the
+harness raises --steps in proportion (a multiple of --every) and runs the uninterrupted jobs
+again; the result says so (``sized``).
+
 For the peers, each process writes when it started, finished importing, restored (and at which
 step) and ran its first step; the harness sums start-up, restore and compile from those.
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -315,12 +321,24 @@ def warm_up(env: dict) -> None:
                         f"sqlite:///{d}/mlflow.db", "--no-progress"], env=env, capture_output=True, check=True)  # fmt: skip
 
 
+def sized_steps(steps: int, every: int, uninterrupted: dict[str, dict], min_wall_s: float) -> int:
+    """`steps`, or more (a multiple of `every`) where the shortest uninterrupted run lasted under
+    `min_wall_s`: scaled by the wall it lacked (with 10% to spare: start-up does not scale)."""
+    walls = [u["total_s"] for u in uninterrupted.values() if "failed" not in u]
+    if not walls or min(walls) >= min_wall_s:
+        return steps
+    return math.ceil(steps * min_wall_s * 1.1 / min(walls) / every) * every
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="prefect_jax,plain,keras")
     parser.add_argument("--periods", default="15,30,60", help="seconds between preemptions (comma-separated)")
     parser.add_argument("--signals", default="TERM,KILL")
     parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument("--min-periods", type=float, default=1.5, metavar="N",
+                        help="more steps (then the uninterrupted runs again) where a system's uninterrupted run lasts less "
+                             "than N of the longest period, so that every period interrupts every system (0: never)")  # fmt: skip
     parser.add_argument("--every", type=int, default=500)
     parser.add_argument("--max-attempts", type=int, default=40)
     parser.add_argument("--prefect-jax-args", default="", metavar="ARGS",
@@ -351,6 +369,14 @@ def main() -> None:
         env = dict(base, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
         warm_up(env)
         uninterrupted = {s: run_job(s, args, None, None, env) for s in systems}
+        steps = sized_steps(args.steps, args.every, uninterrupted, args.min_periods * max(periods, default=0))
+        if steps != args.steps:  # quick cores: a job shorter than a period is never interrupted, and measures nothing
+            report["sized"] = {"steps_before": args.steps, "uninterrupted_before": uninterrupted,
+                               "min_wall_s": args.min_periods * max(periods)}  # fmt: skip
+            log(f"the shortest uninterrupted run took {min(u['total_s'] for u in uninterrupted.values()):.1f} s, under "
+                f"{args.min_periods:g} x {max(periods):g} s: {steps} steps instead of {args.steps}")  # fmt: skip
+            args.steps = report["steps"] = steps
+            uninterrupted = {s: run_job(s, args, None, None, env) for s in systems}
         report["uninterrupted"] = uninterrupted
         for period in periods:
             for sig in signals:

@@ -392,6 +392,12 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
            "training time / wall, measured inside one job) is the steadier figure.", "",
            "| T s | signal | system | attempts | total s | goodput | vs plain | rerun to first new step s (mean) |",
            "|---:|---|---|---:|---:|---:|---:|---:|"]
+    sized = goodput.get("sized")
+    if sized:  # the job was lengthened to outlast the periods (goodput.py --min-periods)
+        before = min(u["total_s"] for u in sized["uninterrupted_before"].values())
+        out[3] += (f" The job was sized to the cores: at {sized['steps_before']} steps the shortest uninterrupted run took "
+                   f"{before:.1f} s, under {sized['min_wall_s']:g} s (`--min-periods` of the longest period: a shorter job is "
+                   f"never signalled at that period), so {goodput['steps']} steps.")
     if goodput.get("note"):  # where these rows come from, when not from this run (see --render)
         out[5:5] = [goodput["note"], ""]
     for r in goodput["runs"]:
