@@ -21,8 +21,9 @@ For each kill point × signal it checks, against the uninterrupted run:
   metrics at every log step exactly once;
 - Prefect: the rerun's flow run Completed, every earlier one of the job Crashed or Failed,
   no task run of the job left Running or Pending;
-- notice: a SIGTERM that landed ended its run (exit 143), not trained on to the end (exit 0):
-  a notice the job did not heed costs a spot node every step since its last checkpoint.
+- notice: a SIGTERM that landed ended its run (the command exits 143), not trained on to the
+  end (exit 0, the one exit this check fails): a notice the job did not heed costs a spot node
+  every step since its last checkpoint.
 
 It writes the table to ``FAULTS.md`` (and prints it); the last stdout line is one JSON object.
 """

@@ -271,9 +271,7 @@ def _exit_on_sigterm(signum, frame):
     During a flow run Prefect's own handler takes over and, once the run is marked Crashed,
     hands the signal back here.
     """
-    from prefect_jax.training.preemption import SignalExit
-
-    raise SignalExit(signum)
+    raise SystemExit(128 + signum)
 
 
 def _drain_prefect_workers() -> None:
@@ -981,8 +979,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("demo", "run", "train", "evaluate", "export"):
         from prefect_jax.training.preemption import deliver_lost_notices
 
-        deliver_lost_notices()
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        deliver_lost_notices()
     from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError, StorageNotWritableError
 
     try:

@@ -261,9 +261,10 @@ def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(wh
     where Python drops the handler's exception: the fault sweep's lost notice. Before, the job
     trained on to its end and exited 0 (at `start`, `restore`), or, with the guard's forward
     dropped (`eval`), it evaluated and exported after closing its MLflow run KILLED and freeing its
-    lease, then trained a step more. Now the signal is delivered again: the job ends terminated
-    at once, having trained nothing past the notice. ``restore`` runs the flow without the
-    command around it, as a worker's or `serve`'s flow run does."""
+    lease, then trained a step more. Now the signal is delivered again (~10 ms later; the trainer
+    that handled it refuses to go on meanwhile): the job ends terminated, having trained nothing
+    past the notice. ``restore`` runs the flow without the command around it, as a worker's or
+    `serve`'s flow run does."""
     import httpx
 
     storage, job = str(tmp_path / "storage"), f"gc-{where}"
@@ -273,7 +274,7 @@ def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(wh
                           env=cli_env(prefect_server), cwd=TESTS_DIR, timeout=300)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert "Exception ignored in: <function sigterm_inside_a_gc_callback" in out, out[-3000:]  # it was dropped
-    assert "the exception of signal 15's handler was dropped where it was raised (above): sending the signal again" in out
+    assert "prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: sending SIGTERM again" in out
     # The command exits 128 + 15; a flow run called bare ends as Prefect ends it: by the signal itself.
     assert proc.returncode == (-signal.SIGTERM if where == "restore" else 143), out[-3000:]
     assert committed_steps(os.path.join(storage, job, "checkpoints")) == ([20] if where == "eval" else []), out[-3000:]
@@ -290,39 +291,111 @@ def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(wh
         assert "accuracy" not in mlflow_run.data.metrics and "eval_loss" not in mlflow_run.data.metrics, mlflow_run.data.metrics
 
 
-def test_a_guard_whose_forwarded_notice_python_drops_delivers_it_again(monkeypatch):
-    """The Python API (no command, no flow): the trainer's guard, handling a SIGTERM inside a gc
-    callback, forwards it to the handler before it, whose exception Python drops; the signal is
-    delivered again, and the handler's exception then reaches ordinary code."""
+@pytest.fixture
+def sigterm_handler(monkeypatch):
+    """A SIGTERM handler for this test (raising `raises`, if set), a hook Python's dropped exceptions
+    go to before prefect-jax's, and the module state a notice leaves reset afterwards: yields the
+    list of what happened ("handler", "dropped <type>")."""
+    import sigterm_in_gc_callback
+
+    from prefect_jax.training import preemption
+
+    calls: list[str] = []
+
+    class Handler:
+        raises: type[BaseException] | None = None
+
+        def __call__(self, signum, frame):
+            calls.append("handler")
+            if self.raises is not None:
+                raise self.raises(signum)
+
+    handler = Handler()
+    monkeypatch.setattr(preemption, "_received", None)
+    monkeypatch.setattr(preemption, "_handler_codes", set(preemption._handler_codes))
+    monkeypatch.setattr(sigterm_in_gc_callback, "_sent", [])
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: calls.append(f"dropped {type(unraisable.exc_value).__name__}"))
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield calls, handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+class Ended(Exception):
+    pass
+
+
+def _wait_in_ordinary_code(secs: float) -> None:
     import time
 
+    deadline = time.monotonic() + secs
+    while time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def test_a_guard_whose_forwarded_notice_python_drops_delivers_it_again(sigterm_handler):
+    """The Python API (no command, no flow): the trainer's guard, handling a SIGTERM inside a gc
+    callback, forwards it to the handler before it, whose exception Python drops; the signal is
+    delivered again until the handler's exception reaches ordinary code."""
     from sigterm_in_gc_callback import sigterm_inside_a_gc_callback
 
     from prefect_jax.training import preemption
 
-    class Ended(Exception):
-        pass
-
-    calls: list[str] = []
-
-    def previous(signum, frame):
-        calls.append("previous")
-        raise Ended(signum)
-
-    before = signal.signal(signal.SIGTERM, previous)
-    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: calls.append(f"dropped {type(unraisable.exc_value).__name__}"))
+    calls, handler = sigterm_handler
+    handler.raises = Ended
     guard = preemption.PreemptionGuard(lambda: (calls.append("on_signal"), guard.forward()))
     try:
         guard.install()
         with pytest.raises(Ended):
             sigterm_inside_a_gc_callback()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # ordinary code, where the signal comes again
-                time.sleep(0.001)
+            _wait_in_ordinary_code(30)
     finally:
         guard.uninstall()
-        signal.signal(signal.SIGTERM, before)
-    # Delivered again until the handler's exception reaches ordinary code (a collection of this
-    # process's heap can outlast the first delivery again: JAX's gc callback drops it then).
-    assert calls[:3] == ["on_signal", "previous", "dropped Ended"] and calls[-1] == "previous", calls
-    assert calls[3:] == ["previous", "dropped Ended"] * ((len(calls) - 4) // 2) + ["previous"], calls
+    # (A collection of this process's heap can outlast the first delivery again: JAX's gc callback drops it then.)
+    assert calls[:3] == ["on_signal", "handler", "dropped Ended"] and calls[3:] == ["handler", "dropped Ended"] * ((len(calls) - 4) // 2) + ["handler"], calls
+    assert preemption.received_signal() == signal.SIGTERM
+
+
+def test_a_notice_dropped_while_an_earlier_one_is_handled_is_not_sent_again(sigterm_handler):
+    """A second SIGTERM whose handler's exception is dropped while the first one's is being handled
+    (Prefect's crash handling, say) is not sent again: the first one ends the process, and a
+    signal sent again would break into its handling."""
+    from sigterm_in_gc_callback import sigterm_inside_a_gc_callback
+
+    from prefect_jax.training import preemption
+
+    calls, handler = sigterm_handler
+    handler.raises = Ended
+    preemption.deliver_lost_notices()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait_in_ordinary_code(30)
+    except Ended:
+        sigterm_inside_a_gc_callback()
+        _wait_in_ordinary_code(0.5)  # (a signal sent again would come within ~10 ms)
+    assert calls == ["handler", "handler", "dropped Ended"], calls
+
+
+def test_a_trainer_whose_notice_went_on_to_a_handler_that_returned_does_nothing_more(sigterm_handler, job_config):
+    """The trainer checkpointed, closed its MLflow run KILLED and freed its lease on a SIGTERM it
+    handled inside a gc callback; the handler it forwarded to returned, and its own `Preempted` was
+    dropped. It then refuses to go on (an evaluation, an export, training): `Preempted` again."""
+    from sigterm_in_gc_callback import sigterm_inside_a_gc_callback
+
+    from prefect_jax.training.errors import Preempted
+
+    calls, _ = sigterm_handler
+    trainer = Trainer(job_config(max_steps=40, every_steps=20))
+    try:
+        trainer.restore_or_init()
+        trainer.train_until_checkpoint()
+        sigterm_inside_a_gc_callback()  # between tasks: the guard handles it at once
+        _wait_in_ordinary_code(0.5)
+        assert calls[:2] == ["handler", "dropped Preempted"], calls
+        for go_on in (trainer.evaluate_if_new, trainer.train_until_checkpoint, trainer.restore_or_init):
+            with pytest.raises(Preempted, match="preempted at step 20"):
+                go_on()
+        assert committed_steps(trainer.storage.checkpoint_dir) == [20]
+    finally:
+        trainer.close()

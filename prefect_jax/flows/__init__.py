@@ -37,7 +37,11 @@ from prefect.states import State
 from pydantic import BaseModel
 
 from prefect_jax.tasks import evaluate_if_new, export, process_tag, publisher, restore_or_init, train_until_checkpoint
+from prefect_jax.training.preemption import deliver_lost_notices
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
+
+# A worker's flow run loads these flows before Prefect's engine puts its SIGTERM bridge in place.
+deliver_lost_notices()
 
 
 class _NotPlainJSON(Exception):
@@ -176,10 +180,9 @@ def _untagged_tasks(fn):
 
     @functools.wraps(fn)
     def body(*args, **kwargs):
-        from prefect_jax.training.preemption import deliver_lost_notices
         from prefect_jax.training.tracking import warm_up
 
-        deliver_lost_notices()  # a deployment's run too: a SIGTERM is never dropped for good (its docstring)
+        deliver_lost_notices()  # (again: someone may have replaced the hook since the import)
         # A deployment's flow run too: MLflow imports in its worker while the program imports here
         # (and, where the flow registers exports, what logging a model needs).
         arguments = inspect.signature(fn).bind_partial(*args, **kwargs).arguments

@@ -20,10 +20,9 @@ from typing import Callable
 
 
 _received: int | None = None  # the signal a guard of this process took (or one delivered again), if any
-_notice_kinds: dict[type, int] = {}  # what the handlers a guard forwarded to raised, for which signal
-_previous_unraisablehook = sys.unraisablehook  # (the hook before `deliver_lost_notices`)
+_handler_codes: set = set()  # the code of every SIGTERM handler seen (`_raised_by_a_handler`)
 _exiting = False  # the interpreter is exiting: nothing is delivered again
-RESEND_DELAY_SECS = 0.01  # from a dropped notice to its delivery again
+RESEND_DELAY_SECS = 0.01  # from a dropped notice's hook returning to the signal sent again
 
 
 def received_signal() -> int | None:
@@ -32,72 +31,106 @@ def received_signal() -> int | None:
     return _received
 
 
-def _notice_in(exc: BaseException) -> int | None:
-    """The signal number if `exc` is what a SIGTERM's handler raises to end the process: Prefect's
-    `TerminationSignal` (its bridge), the trainer's `Preempted`, the command's `SignalExit`, or
-    whatever the handler a guard forwarded the signal to raised."""
-    if isinstance(exc, SignalExit):
-        return exc.signum
-    if getattr(exc, "_prefect_jax_signal", None) is not None:  # raised by a handler a guard forwarded to
-        _notice_kinds[type(exc)] = exc._prefect_jax_signal  # (that handler, called again, raises it untagged)
-        return exc._prefect_jax_signal
-    for kind, signum in _notice_kinds.items():
-        if isinstance(exc, kind):
-            return signum
-    for module, name, attribute in (("prefect.exceptions", "TerminationSignal", "signal"),
-                                    ("prefect_jax.training.errors", "Preempted", "signum")):  # fmt: skip
-        kind = getattr(sys.modules.get(module), name, None)
-        if kind is not None and isinstance(exc, kind):
-            return getattr(exc, attribute, None)
-    return None
-
-
-class SignalExit(SystemExit):
-    """SystemExit(128 + signum) of a command ended by a signal's handler (see `deliver_lost_notices`)."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(128 + signum)
-
-
-def _deliver_again(unraisable) -> None:
-    """`sys.unraisablehook` while prefect-jax runs: a notice whose handler's exception Python
-    dropped is delivered again (see `deliver_lost_notices`); anything else goes to the hook
-    that was there before."""
-    signum = _notice_in(unraisable.exc_value) if unraisable.exc_value is not None else None
-    if signum is not None and not _exiting:
-        global _received
-        _received = signum
-        # Not from here: the handler would run inside this hook, and Python drops what a hook raises too.
-        threading.Thread(target=_send_soon, args=(signum,), name="prefect-jax-notice-again", daemon=True).start()
-    _previous_unraisablehook(unraisable)
-    if signum is not None and not _exiting:
-        print(f"prefect-jax: the exception of signal {signum}'s handler was dropped where it was raised (above): "
-              "sending the signal again", file=sys.stderr)  # fmt: skip
-
-
-def _send_soon(signum: int) -> None:
-    time.sleep(RESEND_DELAY_SECS)  # the main thread leaves the hook (and the callback that dropped it)
-    os.kill(os.getpid(), signum)
-
-
 def deliver_lost_notices() -> None:
-    """Deliver again a SIGTERM whose handler's exception Python drops (idempotent, process-wide).
+    """Deliver again a SIGTERM whose handler's exception Python drops (idempotent, process-wide;
+    call it once the SIGTERM handlers that may raise are installed, or from their callers).
 
     A signal's Python handler runs in the main thread wherever the interpreter next checks for
     signals, and that can be a garbage-collector callback (JAX registers one, run at every
     collection), a `__del__` or a weakref callback: Python drops an exception raised there
     ("Exception ignored in: ..."). A SIGTERM whose handler raises (Prefect's bridge: its
-    `TerminationSignal`, which ends the flow run Crashed; the trainer's guard forwarding to it)
-    was then lost: the job trained on to its end, as if no notice came, and on a spot node the
-    hard kill that follows costs every step since the last checkpoint. Python hands such
-    exceptions to `sys.unraisablehook`; this puts a hook there that sends the same signal to
-    the process again, from a helper thread a moment later, so that it is handled in ordinary
-    code. Other unraisable exceptions go to the hook that was there before."""
-    global _previous_unraisablehook
-    if sys.unraisablehook is not _deliver_again:
-        _previous_unraisablehook = sys.unraisablehook
-        sys.unraisablehook = _deliver_again
+    `TerminationSignal`, which ends the flow run Crashed; the trainer's guard forwarding to it;
+    the command's `SystemExit`) was then lost: the job trained on to its end, as if no notice
+    came, and on a spot node the hard kill that follows costs every step since the last
+    checkpoint. Python hands such exceptions to `sys.unraisablehook`; this chains a hook there
+    that, for an exception that came out of a SIGTERM handler (its traceback runs through one),
+    sends SIGTERM to the process again from a helper thread once the hook has returned, so that
+    the handler runs again, in ordinary code with luck (else it is dropped and sent again). Not
+    for an exception raised while an earlier handler's was being handled (that one is on its
+    way: Prefect's crash handling, say), nor at the interpreter's exit. Every unraisable
+    exception still goes to the hook that was there before."""
+    _note_handlers()
+    if getattr(sys.unraisablehook, "delivers_lost_notices", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        _deliver_again(unraisable, previous)
+
+    hook.delivers_lost_notices = True
+    sys.unraisablehook = hook
+
+
+def _deliver_again(unraisable, previous) -> None:
+    global _received
+    exc, sent = unraisable.exc_value, None
+    try:
+        if _a_lost_notice(exc, unraisable.err_msg):
+            with contextlib.suppress(AttributeError):
+                exc._prefect_jax_sent_again = True  # (once, if hooks of this kind are chained)
+            _received = signal.SIGTERM
+            sent = _send_when_set(signal.SIGTERM)
+        previous(unraisable)
+        if sent is not None:
+            print("prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: sending "
+                  "SIGTERM again", file=sys.stderr)  # fmt: skip
+    except BaseException as again:
+        # A SIGTERM sent again (for another drop) whose handler ran in here: Python would drop it too.
+        if not _a_lost_notice(again, None):
+            raise
+        _received = signal.SIGTERM
+        sent = sent or _send_when_set(signal.SIGTERM)
+    finally:
+        if sent is not None:
+            sent.set()  # the signal's handler must not run inside this hook
+
+
+def _a_lost_notice(exc: BaseException | None, err_msg: str | None) -> bool:
+    if exc is None or _exiting or sys.is_finalizing() or (err_msg or "").startswith("Exception ignored in atexit"):
+        return False
+    if getattr(exc, "_prefect_jax_sent_again", False) or not _raised_by_a_handler(exc):
+        return False
+    seen, context = {id(exc)}, exc.__context__
+    while context is not None and id(context) not in seen:  # raised while an earlier notice was being handled
+        if _raised_by_a_handler(context):
+            return False
+        seen.add(id(context))
+        context = context.__context__
+    return True
+
+
+def _raised_by_a_handler(exc: BaseException) -> bool:
+    """Whether `exc` came out of a SIGTERM handler: its traceback runs through one's code."""
+    _note_handlers()
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in _handler_codes:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _note_handlers() -> None:
+    """Remember the code of the SIGTERM handler in place and of Prefect's bridge."""
+    engine = sys.modules.get("prefect.utilities.engine")
+    for handler in (signal.getsignal(signal.SIGTERM), getattr(engine, "_prefect_sigterm_handler", None)):
+        function = getattr(handler, "__func__", handler)  # (a bound method: its function)
+        code = getattr(function, "__code__", None) or getattr(getattr(type(handler), "__call__", None), "__code__", None)
+        if code is not None:
+            _handler_codes.add(code)
+
+
+def _send_when_set(signum: int) -> threading.Event:
+    """Send `signum` to this process `RESEND_DELAY_SECS` after the event returned is set."""
+    ready = threading.Event()
+
+    def send() -> None:
+        ready.wait()
+        time.sleep(RESEND_DELAY_SECS)  # the main thread leaves the callback (or `__del__`) that dropped it
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=send, name="prefect-jax-sigterm-again", daemon=True).start()
+    return ready
 
 
 @atexit.register
@@ -146,7 +179,7 @@ class PreemptionGuard:
 
     def install(self) -> None:
         """Put the guard in front of the current SIGTERM handler (again, if someone replaced it)."""
-        deliver_lost_notices()  # (forwarding raises the previous handler's exception: not to be dropped)
+        deliver_lost_notices()  # (forwarding raises the previous handler's exception, Prefect's: not to be dropped)
         if threading.current_thread() is threading.main_thread() and not self.installed:
             with _bridge_lock():  # Prefect's control listener checks the handler under it
                 self._previous = signal.getsignal(signal.SIGTERM)
@@ -219,13 +252,11 @@ class PreemptionGuard:
     def _pass_on(self, signum: int) -> None:
         previous = self._previous
         if callable(previous):
-            try:
-                previous(signum, None)
-            except BaseException as exc:
-                with contextlib.suppress(AttributeError):  # what `deliver_lost_notices` sends again, if dropped
-                    exc._prefect_jax_signal = signum
-                raise
+            previous(signum, None)
         elif previous in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             time.sleep(5)  # the default action ends the process
+
+
+_handler_codes.add(PreemptionGuard._handle.__code__)  # the guard is a SIGTERM handler too (`_raised_by_a_handler`)

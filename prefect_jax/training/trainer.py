@@ -123,6 +123,7 @@ class Trainer:
         self._compile_accounted = False
         self._push_after_first_step = False  # copy the compile cache after an interval's first step (`_train_part`)
         self._guard = PreemptionGuard(self._end_on_sigterm)
+        self._preempted: Preempted | None = None  # the notice handled (whatever the handler it went on to did)
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
         self.early_stopping = (
@@ -179,6 +180,7 @@ class Trainer:
             raise
 
     def _restore_or_init(self, checkpoint_path, wait_for_checkpoint, max_wait_secs, recovery_wait_secs) -> int:
+        self._stop_if_preempted()
         job, loop = self.job, self.loop
         job.goodput.restore_began()
         job.checkpoints.wait()
@@ -477,10 +479,17 @@ class Trainer:
         # MLflow may be slow (or its thread busy): never much past the grace period.
         _within(lambda: self.tracker.finish("KILLED"), max(1.0, grace - (time.monotonic() - started)))
         self.lease.release()
-        step, signum = self.step, self._guard.signum
+        self._preempted = Preempted(self.step, committed, self._guard.signum)
         self._forget_live_state()
         self._guard.forward()
-        raise Preempted(step, committed, signum)
+        raise self._preempted
+
+    def _stop_if_preempted(self) -> None:
+        """Raise `Preempted` if this trainer handled a notice: where the handler it went on to
+        raised in a place that dropped that (a gc callback: `deliver_lost_notices` sends the signal
+        again, a moment later), nothing more of the job is done meanwhile."""
+        if self._preempted is not None:
+            raise self._preempted
 
     def _wait_for_compile_cache(self) -> None:
         """Before compiling: let the entries of a cache on remote storage arrive (pulled since
@@ -503,6 +512,7 @@ class Trainer:
             self._compile_cache.wait(timeout)
 
     def _require_live(self):
+        self._stop_if_preempted()
         if self.state is None:
             raise RuntimeError("no live state: call restore_or_init() first")
 
@@ -538,6 +548,7 @@ class Trainer:
         return result
 
     def _evaluate_if_new(self, step: int | None, force: bool, on_recorded) -> EvalResult:
+        self._stop_if_preempted()
         spec = self.config.eval
         self._record_pending(wait=True, inside="eval")
         if not self.job.is_primary:  # process 0 evaluates its replica; the others go on training
@@ -755,6 +766,7 @@ class Trainer:
         return exported
 
     def _export(self, result: EvalResult) -> dict[str, str]:
+        self._stop_if_preempted()
         written: dict[str, str] = {}
         if result.pending_commit:  # exports are of committed, recorded steps: this one's commit comes first
             max_steps = self.config.train.max_steps
