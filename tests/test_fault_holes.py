@@ -18,6 +18,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -313,13 +314,28 @@ def sigterm_handler(monkeypatch):
     handler = Handler()
     monkeypatch.setattr(preemption, "_received", None)
     monkeypatch.setattr(preemption, "_handler_codes", set(preemption._handler_codes))
+    monkeypatch.setattr(preemption, "_sending", None)
     monkeypatch.setattr(sigterm_in_gc_callback, "_sent", [])
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: calls.append(f"dropped {type(unraisable.exc_value).__name__}"))
     before = signal.signal(signal.SIGTERM, handler)
     try:
         yield calls, handler
     finally:
+        for thread in threading.enumerate():  # a signal still to be sent again comes here, not to pytest
+            if thread.name == preemption.RESEND_THREAD:
+                thread.join(timeout=30)
+        _wait_in_ordinary_code(0.05)
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.fixture
+def sends(monkeypatch):
+    """The signals prefect-jax would send again (recorded, not sent)."""
+    from prefect_jax.training import preemption
+
+    sent: list[int] = []
+    monkeypatch.setattr(preemption, "_send_when_set", lambda signum: (sent.append(signum), threading.Event())[1])
+    return sent
 
 
 class Ended(Exception):
@@ -357,24 +373,113 @@ def test_a_guard_whose_forwarded_notice_python_drops_delivers_it_again(sigterm_h
     assert preemption.received_signal() == signal.SIGTERM
 
 
-def test_a_notice_dropped_while_an_earlier_one_is_handled_is_not_sent_again(sigterm_handler):
-    """A second SIGTERM whose handler's exception is dropped while the first one's is being handled
-    (Prefect's crash handling, say) is not sent again: the first one ends the process, and a
-    signal sent again would break into its handling."""
-    from sigterm_in_gc_callback import sigterm_inside_a_gc_callback
+def test_a_notice_dropped_while_an_earlier_one_is_handled_is_not_sent_again(sigterm_handler, sends):
+    """A SIGTERM whose handler's exception is dropped is sent again, unless it was raised while an
+    earlier one's was being handled (Prefect's crash handling, say): the first one ends the
+    process, and a signal sent again would break into its handling."""
+    import sigterm_in_gc_callback
 
     from prefect_jax.training import preemption
 
     calls, handler = sigterm_handler
     handler.raises = Ended
     preemption.deliver_lost_notices()
+    sigterm_in_gc_callback.sigterm_inside_a_gc_callback()  # in ordinary code: sent again
+    assert (calls, sends) == (["handler", "dropped Ended"], [signal.SIGTERM])
+    sigterm_in_gc_callback._sent.clear()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         _wait_in_ordinary_code(30)
     except Ended:
-        sigterm_inside_a_gc_callback()
-        _wait_in_ordinary_code(0.5)  # (a signal sent again would come within ~10 ms)
-    assert calls == ["handler", "handler", "dropped Ended"], calls
+        sigterm_in_gc_callback.sigterm_inside_a_gc_callback()  # while the first one is handled: not sent again
+    assert (calls[2:], sends) == (["handler", "handler", "dropped Ended"], [signal.SIGTERM])
+
+
+def test_drops_before_the_signal_goes_again_send_it_once(sigterm_handler):
+    """Two notices dropped before the first is sent again: one signal (a second would break into
+    the handling of the first)."""
+    from prefect_jax.training import preemption
+
+    calls, _ = sigterm_handler
+    first, second = preemption._send_when_set(signal.SIGTERM), preemption._send_when_set(signal.SIGTERM)
+    assert first is second
+    first.set()
+    _wait_in_ordinary_code(1.0)
+    assert calls == ["handler"]
+
+
+def test_only_a_sigterm_handlers_dropped_exception_is_a_notice(monkeypatch, sends):
+    """With no handler of its own in place (SIG_DFL: an IntEnum, whose class's call is Enum's), an
+    exception dropped on its way out of an Enum lookup, or anything else, is no notice."""
+    import enum
+
+    from prefect_jax.training import preemption
+
+    class Colour(enum.Enum):
+        RED = 1
+
+    class Finalised:
+        def __del__(self):
+            Colour(7)
+
+    dropped: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(type(unraisable.exc_value).__name__))
+    monkeypatch.setattr(preemption, "_handler_codes", set(preemption._handler_codes))
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        preemption.deliver_lost_notices()
+        Finalised()  # (dropped at once)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert (dropped, sends) == (["ValueError"], [])
+
+
+def test_a_signal_sent_again_whose_handler_runs_inside_the_hook_is_sent_again(sigterm_handler, monkeypatch, sends):
+    """The handler of a SIGTERM that comes while the hook itself runs (here: the hook before it
+    raises the signal) raises inside the hook, where Python would drop it too, and then for good:
+    the hook catches it and sends the signal again."""
+    from prefect_jax.training import preemption
+
+    calls, handler = sigterm_handler
+    handler.raises = Ended
+
+    def hook_that_takes_a_signal(unraisable):
+        calls.append(f"dropped {type(unraisable.exc_value).__name__}")
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(sys, "unraisablehook", hook_that_takes_a_signal)
+    preemption.deliver_lost_notices()
+
+    class Finalised:
+        def __del__(self):
+            raise KeyError("no notice")
+
+    Finalised()  # (dropped at once: the hook runs, and takes the SIGTERM)
+    assert (calls, sends) == (["dropped KeyError", "handler"], [signal.SIGTERM])
+
+
+def test_a_notice_whose_handling_fails_still_goes_on_to_the_handler_before(sigterm_handler, job_config, monkeypatch):
+    """The trainer's handling of a notice fails (storage gone with the node, say): the signal still
+    goes on to the handler before the guard (Prefect's bridge ends the run), with the failure as
+    its context, and the trainer refuses to go on. Before, the failure alone came out, the notice
+    was never forwarded, and the guard, still handling it, took no later SIGTERM."""
+    from prefect_jax.training.errors import Preempted
+
+    calls, handler = sigterm_handler
+    handler.raises = Ended
+    trainer = Trainer(job_config(max_steps=40, every_steps=20))
+    try:
+        trainer.restore_or_init()
+        trainer.train_until_checkpoint()
+        monkeypatch.setattr(trainer.job, "committed_steps", lambda: (_ for _ in ()).throw(OSError("storage went away")))
+        with pytest.raises(Ended) as ended:
+            os.kill(os.getpid(), signal.SIGTERM)  # between tasks: the guard handles it at once
+            _wait_in_ordinary_code(30)
+        assert isinstance(ended.value.__context__, OSError) and calls == ["handler"], calls
+        with pytest.raises(Preempted, match="preempted at step 20"):
+            trainer.evaluate_if_new()
+    finally:
+        trainer.close()
 
 
 def test_a_trainer_whose_notice_went_on_to_a_handler_that_returned_does_nothing_more(sigterm_handler, job_config):

@@ -145,6 +145,35 @@ def test_wait_for_checkpoint_restores_one_committed_while_waiting(job_config):
     assert waiter.fingerprint() == expected
 
 
+def test_a_step_committed_while_torn_ones_are_looked_for_is_kept(job_config, monkeypatch):
+    """The writer commits a step just as a waiting trainer looks for torn steps to move aside (what
+    the test above hit once on busy cores): the step is committed, and kept."""
+    from prefect_jax.training import checkpoints as module
+
+    config = job_config()
+    writer = Trainer(config)
+    writer.restore_or_init()
+    writer.train_until_checkpoint()
+    writer.close()
+    checkpoints = os.path.join(config.storage, config.job, "checkpoints")
+    os.rename(os.path.join(checkpoints, "20"), os.path.join(checkpoints, ".not-yet-20"))
+    listed = module.step_dirs
+
+    def list_then_commit(directory):
+        steps = listed(directory)
+        if os.path.exists(os.path.join(checkpoints, ".not-yet-20")):  # committed just after the first listing
+            os.rename(os.path.join(checkpoints, ".not-yet-20"), os.path.join(checkpoints, "20"))
+        return steps
+
+    monkeypatch.setattr(module, "step_dirs", list_then_commit)
+    waiter = Checkpoints(checkpoints)
+    try:
+        waiter.quarantine_uncommitted()
+    finally:
+        waiter.close()
+    assert committed_steps(checkpoints) == [20], os.listdir(checkpoints)
+
+
 def test_wait_polls_with_fake_clock():
     now = [0.0]
     sleeps = []

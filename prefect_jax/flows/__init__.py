@@ -40,9 +40,6 @@ from prefect_jax.tasks import evaluate_if_new, export, process_tag, publisher, r
 from prefect_jax.training.preemption import deliver_lost_notices
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
 
-# A worker's flow run loads these flows before Prefect's engine puts its SIGTERM bridge in place.
-deliver_lost_notices()
-
 
 class _NotPlainJSON(Exception):
     pass

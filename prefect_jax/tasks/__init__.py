@@ -38,8 +38,14 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
 from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.preemption import deliver_lost_notices
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage
+
+# A SIGTERM whose handler's exception Python drops is sent again. Here, at import: a worker's flow
+# run (these flows', or a user's own of these tasks) loads its flow before Prefect's engine puts
+# its SIGTERM bridge in place.
+deliver_lost_notices()
 
 
 def artifact_key(*parts: str) -> str:

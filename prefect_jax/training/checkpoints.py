@@ -288,9 +288,10 @@ class Checkpoints:
 
     def quarantine_uncommitted(self) -> None:
         """Move aside integer directories without a commit (a save killed part-way)."""
-        committed = set(self.committed_steps())
         for step in step_dirs(self.directory):
-            if step not in committed:
+            # Each looked at as it is now: a step committed since a list of committed steps was
+            # made (a waiting trainer's, by the job's writer) is no torn one.
+            if not is_committed(os.path.join(self.directory, str(step))):
                 logger.warning("checkpoint step %d in %s was never committed: skipping it", step, self.directory)
                 self.quarantine(step, "uncommitted")
 

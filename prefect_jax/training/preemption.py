@@ -114,29 +114,51 @@ def _note_handlers() -> None:
     """Remember the code of the SIGTERM handler in place and of Prefect's bridge."""
     engine = sys.modules.get("prefect.utilities.engine")
     for handler in (signal.getsignal(signal.SIGTERM), getattr(engine, "_prefect_sigterm_handler", None)):
+        if isinstance(handler, int) or not callable(handler):  # SIG_DFL, SIG_IGN (an IntEnum: its class's call is Enum's)
+            continue
         function = getattr(handler, "__func__", handler)  # (a bound method: its function)
-        code = getattr(function, "__code__", None) or getattr(getattr(type(handler), "__call__", None), "__code__", None)
+        code = getattr(function, "__code__", None)
+        if code is None:  # an object with a __call__ of its own class's (never its metaclass's)
+            import inspect
+
+            code = getattr(inspect.getattr_static(type(handler), "__call__", None), "__code__", None)
         if code is not None:
             _handler_codes.add(code)
 
 
 def _send_when_set(signum: int) -> threading.Event:
-    """Send `signum` to this process `RESEND_DELAY_SECS` after the event returned is set."""
-    ready = threading.Event()
+    """Send `signum` to this process `RESEND_DELAY_SECS` after the event returned is set; once,
+    for every drop until then (two would break into the handling of the first)."""
+    global _sending
+    with _sending_lock:
+        if _sending is not None:
+            return _sending
+        ready = _sending = threading.Event()
 
     def send() -> None:
+        global _sending
         ready.wait()
         time.sleep(RESEND_DELAY_SECS)  # the main thread leaves the callback (or `__del__`) that dropped it
+        with _sending_lock:
+            _sending = None  # (a drop of this one is sent again)
         os.kill(os.getpid(), signum)
 
-    threading.Thread(target=send, name="prefect-jax-sigterm-again", daemon=True).start()
+    threading.Thread(target=send, name=RESEND_THREAD, daemon=True).start()
     return ready
 
 
-@atexit.register
+RESEND_THREAD = "prefect-jax-sigterm-again"
+_sending: threading.Event | None = None  # a signal to be sent again, not sent yet
+_sending_lock = threading.Lock()
+
+
 def _at_exit() -> None:
     global _exiting
     _exiting = True  # objects torn down at exit are not the job's notice
+
+
+# At the interpreter's exit: before it waits for threads and runs the atexit callbacks, if it can say so.
+getattr(threading, "_register_atexit", atexit.register)(_at_exit)
 
 
 def _bridge_lock():

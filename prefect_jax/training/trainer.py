@@ -123,7 +123,7 @@ class Trainer:
         self._compile_accounted = False
         self._push_after_first_step = False  # copy the compile cache after an interval's first step (`_train_part`)
         self._guard = PreemptionGuard(self._end_on_sigterm)
-        self._preempted: Preempted | None = None  # the notice handled (whatever the handler it went on to did)
+        self._preempted: tuple | None = None  # (step, committed, signal) of the notice handled, once forwarded
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
         self.early_stopping = (
@@ -446,50 +446,59 @@ class Trainer:
         committed one; close the MLflow run KILLED, free the lease, forward the signal."""
         grace, started = self.config.train.sigterm_grace_secs, time.monotonic()
         saved_rows = rows if rows is not None else self._rows_saving  # (None: no save just ended here)
-        if rows is not None and self._pending is not None:
-            try:
-                self._record_pending(wait=True)
-            except Exception as exc:  # noqa: BLE001 - then no newer step: the rerun resumes from that one and evaluates it
-                logger.warning("SIGTERM at step %d: the evaluation of step %d could not be recorded (%r): not checkpointing "
-                               "step %d", self.step, self._pending[0].step, exc, self.step)  # fmt: skip
-                self._pending, rows, saved_rows = None, None, None
-        if rows is not None:
-            logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
-            every, max_steps = self.config.checkpoint.every_steps, self.config.train.max_steps
-            self.save(rows, preemption=self.step < max_steps and not (every and self.step % every == 0))  # checks the lease
-        else:
-            with contextlib.suppress(LeaseLostError):  # taken over: the job's records below are not this process's to write
-                self.job.verify_lease()
-            logger.warning("SIGTERM at step %s (between checkpoints): letting its checkpoint commit (grace %.0fs)", self.step, grace)
-        committed = _within(self.job.wait_committed, grace) and self.step in self.job.committed_steps()
-        if self._pending is not None:  # an evaluation whose step was committing: recorded if it did, before the run closes
-            self._record_pending_if_landed()
-            self._pending = None  # (else the rerun evaluates that step)
-        if self._compile_cache is not None:  # what this attempt compiled, for the rerun (on another node)
-            self._compile_cache.flush(min(10.0, max(0.0, grace - (time.monotonic() - started))))
-        if committed:
-            logger.warning("step %d committed in %.2fs after SIGTERM", self.step, time.monotonic() - started)
-            if saved_rows:  # the interval's train metrics (the checkpoint has them too, for a rerun)
-                self._log_train_rows(saved_rows)
-        else:
-            logger.error("the checkpoint of step %s did not commit within %.0fs: abandoned; step %s stays the newest valid one",
-                         self.step, grace, self.job.newest_committed())  # fmt: skip
-        self.job.goodput.end("preempted")
-        self._log_goodput()
-        # MLflow may be slow (or its thread busy): never much past the grace period.
-        _within(lambda: self.tracker.finish("KILLED"), max(1.0, grace - (time.monotonic() - started)))
-        self.lease.release()
-        self._preempted = Preempted(self.step, committed, self._guard.signum)
-        self._forget_live_state()
-        self._guard.forward()
-        raise self._preempted
+        committed, released = False, False
+        try:
+            if rows is not None and self._pending is not None:
+                try:
+                    self._record_pending(wait=True)
+                except Exception as exc:  # noqa: BLE001 - then no newer step: the rerun resumes from that one and evaluates it
+                    logger.warning("SIGTERM at step %d: the evaluation of step %d could not be recorded (%r): not checkpointing "
+                                   "step %d", self.step, self._pending[0].step, exc, self.step)  # fmt: skip
+                    self._pending, rows, saved_rows = None, None, None
+            if rows is not None:
+                logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", self.step, grace)
+                every, max_steps = self.config.checkpoint.every_steps, self.config.train.max_steps
+                self.save(rows, preemption=self.step < max_steps and not (every and self.step % every == 0))  # checks the lease
+            else:
+                with contextlib.suppress(LeaseLostError):  # taken over: the job's records below are not this process's to write
+                    self.job.verify_lease()
+                logger.warning("SIGTERM at step %s (between checkpoints): letting its checkpoint commit (grace %.0fs)", self.step, grace)
+            committed = _within(self.job.wait_committed, grace) and self.step in self.job.committed_steps()
+            if self._pending is not None:  # an evaluation whose step was committing: recorded if it did, before the run closes
+                self._record_pending_if_landed()
+                self._pending = None  # (else the rerun evaluates that step)
+            if self._compile_cache is not None:  # what this attempt compiled, for the rerun (on another node)
+                self._compile_cache.flush(min(10.0, max(0.0, grace - (time.monotonic() - started))))
+            if committed:
+                logger.warning("step %d committed in %.2fs after SIGTERM", self.step, time.monotonic() - started)
+                if saved_rows:  # the interval's train metrics (the checkpoint has them too, for a rerun)
+                    self._log_train_rows(saved_rows)
+            else:
+                logger.error("the checkpoint of step %s did not commit within %.0fs: abandoned; step %s stays the newest valid one",
+                             self.step, grace, self.job.newest_committed())  # fmt: skip
+            self.job.goodput.end("preempted")
+            self._log_goodput()
+            # MLflow may be slow (or its thread busy): never much past the grace period.
+            _within(lambda: self.tracker.finish("KILLED"), max(1.0, grace - (time.monotonic() - started)))
+            self.lease.release()
+            released = True
+        finally:
+            # Whatever failed above (storage going away with the node, say), the notice goes on:
+            # else the guard, handling it still, would take no later SIGTERM either.
+            if not released:
+                with contextlib.suppress(Exception):
+                    self.lease.release()
+            self._preempted = (self.step, committed, self._guard.signum)
+            self._forget_live_state()
+            self._guard.forward()
+        raise Preempted(*self._preempted)
 
     def _stop_if_preempted(self) -> None:
         """Raise `Preempted` if this trainer handled a notice: where the handler it went on to
         raised in a place that dropped that (a gc callback: `deliver_lost_notices` sends the signal
         again, a moment later), nothing more of the job is done meanwhile."""
         if self._preempted is not None:
-            raise self._preempted
+            raise Preempted(*self._preempted)
 
     def _wait_for_compile_cache(self) -> None:
         """Before compiling: let the entries of a cache on remote storage arrive (pulled since
