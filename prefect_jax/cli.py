@@ -271,6 +271,9 @@ def _exit_on_sigterm(signum, frame):
     During a flow run Prefect's own handler takes over and, once the run is marked Crashed,
     hands the signal back here.
     """
+    from prefect_jax.training import preemption
+
+    preemption.note_received(signum)  # (an import it breaks may fail otherwise: `main` still says why)
     raise SystemExit(128 + signum)
 
 
@@ -985,7 +988,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.fn(args)
-    except Exception as exc:
+    except BaseException as exc:
+        if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+            raise
+        # Any other error (an Exception, or such as pyo3's `PanicException`, a BaseException: seen
+        # when a SIGTERM's SystemExit broke pydantic-core's import of `datetime`).
         from prefect_jax.training.preemption import received_signal
 
         signum = received_signal()

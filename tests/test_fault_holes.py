@@ -504,3 +504,24 @@ def test_a_trainer_whose_notice_went_on_to_a_handler_that_returned_does_nothing_
         assert committed_steps(trainer.storage.checkpoint_dir) == [20]
     finally:
         trainer.close()
+
+
+def test_a_sigterm_that_breaks_an_import_in_the_command_still_ends_it_terminated(sigterm_handler, monkeypatch, capsys):
+    """The command's SIGTERM handler raises SystemExit wherever the main thread is: inside a C
+    extension's import (pydantic-core's, in the `start` case above on busy cores) that became
+    pyo3's `PanicException`, a BaseException, and the command exited 1. It exits 143, saying so."""
+    from prefect_jax import cli
+
+    class PanicException(BaseException):  # (pyo3 makes one per extension)
+        pass
+
+    def run_broken_by_a_sigterm(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the command's handler: SystemExit(143)
+            _wait_in_ordinary_code(30)
+        except SystemExit as exc:
+            raise PanicException("failed to import `datetime` C API") from exc
+
+    monkeypatch.setattr(cli, "cmd_run", run_broken_by_a_sigterm)
+    assert cli.main(["run", "--program", "programs:tiny", "--job", "broken", "--storage", "unused"]) == 143
+    assert "terminated by signal 15; the newest committed step is kept" in capsys.readouterr().err

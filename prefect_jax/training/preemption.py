@@ -31,6 +31,12 @@ def received_signal() -> int | None:
     return _received
 
 
+def note_received(signum: int) -> None:
+    """Record that this process got `signum` (a handler other than a guard's: the command's)."""
+    global _received
+    _received = signum
+
+
 def deliver_lost_notices() -> None:
     """Deliver again a SIGTERM whose handler's exception Python drops (idempotent, process-wide;
     call it once the SIGTERM handlers that may raise are installed, or from their callers).
