@@ -155,7 +155,7 @@ def _send_when_set(signum: int) -> threading.Event:
 
 RESEND_THREAD = "prefect-jax-sigterm-again"
 _sending: threading.Event | None = None  # a signal to be sent again, not sent yet
-_sending_lock = threading.Lock()
+_sending_lock = threading.RLock()  # (re-entrant: a collection inside it may drop a notice, whose hook comes here)
 
 
 def _at_exit() -> None:
