@@ -44,8 +44,15 @@ def sigterm_inside_a_gc_callback() -> None:
     assert _sent
 
 
-def _at_restore() -> None:
+def _at_restore(argv: list[str]) -> None:
+    import importlib
+
     from prefect_jax.training.trainer import Trainer
+
+    # What the trainer would import first (JAX, the program's module) is imported already: a
+    # handler's exception raised inside a C extension's import can come out as another error
+    # (see the command's), and this case is about how the flow run ends.
+    importlib.import_module(argv[argv.index("--program") + 1].split(":")[0])
 
     init = Trainer.__init__
 
@@ -97,9 +104,10 @@ def _at_eval() -> None:
 
 if __name__ == "__main__":
     where, argv = sys.argv[1], sys.argv[2:]
-    {"start": _at_start, "restore": _at_restore, "eval": _at_eval}[where]()
     if where == "restore":
+        _at_restore(argv)
         sys.exit(_run_the_flow(argv))
+    {"start": _at_start, "eval": _at_eval}[where]()
     from prefect_jax.cli import main
 
     sys.exit(main(["run", *argv]))
