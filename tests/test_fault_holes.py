@@ -289,7 +289,8 @@ def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(wh
             [client.get_experiment_by_name("prefect-jax").experiment_id], filter_string=f"tags.`prefect_jax.job` = '{storage}/{job}'"
         )
         assert mlflow_run.info.status == "KILLED"
-        assert "accuracy" not in mlflow_run.data.metrics and "eval_loss" not in mlflow_run.data.metrics, mlflow_run.data.metrics
+        assert "train/loss" in mlflow_run.data.metrics  # (the names are these: the check below can fail)
+        assert not [k for k in mlflow_run.data.metrics if k.startswith("eval/")], mlflow_run.data.metrics
 
 
 @pytest.fixture
