@@ -94,6 +94,7 @@ def _deliver_again(unraisable, previous) -> None:
 def _a_lost_notice(exc: BaseException | None, err_msg: str | None) -> bool:
     if exc is None or _exiting or sys.is_finalizing() or (err_msg or "").startswith("Exception ignored in atexit"):
         return False
+    _note_handlers()
     if getattr(exc, "_prefect_jax_sent_again", False) or not _raised_by_a_handler(exc):
         return False
     seen, context = {id(exc)}, exc.__context__
@@ -106,8 +107,8 @@ def _a_lost_notice(exc: BaseException | None, err_msg: str | None) -> bool:
 
 
 def _raised_by_a_handler(exc: BaseException) -> bool:
-    """Whether `exc` came out of a SIGTERM handler: its traceback runs through one's code."""
-    _note_handlers()
+    """Whether `exc` came out of a SIGTERM handler: its traceback runs through the code of one
+    `_note_handlers` saw."""
     tb = exc.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code in _handler_codes:

@@ -446,7 +446,7 @@ class Trainer:
         committed one; close the MLflow run KILLED, free the lease, forward the signal."""
         grace, started = self.config.train.sigterm_grace_secs, time.monotonic()
         saved_rows = rows if rows is not None else self._rows_saving  # (None: no save just ended here)
-        committed, released = False, False
+        committed = False
         try:
             if rows is not None and self._pending is not None:
                 try:
@@ -481,13 +481,11 @@ class Trainer:
             # MLflow may be slow (or its thread busy): never much past the grace period.
             _within(lambda: self.tracker.finish("KILLED"), max(1.0, grace - (time.monotonic() - started)))
             self.lease.release()
-            released = True
         finally:
             # Whatever failed above (storage going away with the node, say), the notice goes on:
             # else the guard, handling it still, would take no later SIGTERM either.
-            if not released:
-                with contextlib.suppress(Exception):
-                    self.lease.release()
+            with contextlib.suppress(Exception):
+                self.lease.release()  # (returns at once once released)
             self._preempted = (self.step, committed, self._guard.signum)
             self._forget_live_state()
             self._guard.forward()
