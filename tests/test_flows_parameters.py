@@ -133,3 +133,51 @@ def test_a_fresh_process_serializes_the_commands_parameters_without_importing_fa
     before, ours, prefects, out = json.loads(run.stdout.strip().splitlines()[-1])
     assert (before, ours, prefects) == (False, False, True)  # Prefect's own path imports it: the check can fail
     assert out["eval_spec"]["exporters"][0]["kind"] == "latest"
+
+
+@pytest.mark.parametrize("flow", FLOWS, ids=lambda f: f.name)
+def test_a_flows_parameter_schema_read_is_prefects_own(flow):
+    from prefect.utilities.callables import ParameterSchema, parameter_schema
+
+    for f in (flow, flow.with_options(flow_run_name="x")):
+        assert isinstance(f.parameters, ParameterSchema)
+        assert f.parameters == parameter_schema(f.fn) == parameter_schema(f)  # as `prefect deploy` builds it
+        assert set(f.parameters.properties) >= {"program", "job", "storage"}
+
+
+def test_a_fresh_process_builds_no_parameter_schema_as_it_imports_the_flows():
+    """The saving itself (~0.06 s of every flow run's process start here): importing the flows
+    builds none of their four schemas; one is built at its first read, once, and in a pickled
+    copy (how `serve` sends a flow; the first form of this change recursed there); a flow of
+    someone else's still gets Prefect's at its declaration."""
+    code = textwrap.dedent(
+        """
+        import json
+        import prefect.utilities.callables as callables
+        built = []
+        generate = callables.generate_parameter_schema
+        def counting(*args, **kwargs):
+            built.append(1)
+            return generate(*args, **kwargs)
+        callables.generate_parameter_schema = counting
+        from prefect import flow
+        from prefect_jax import flows
+        at_import = len(built)
+        @flow
+        def someone_elses(x: int) -> int:
+            return x
+        theirs = len(built) - at_import
+        schema = flows.train_and_evaluate.parameters
+        again = flows.train_and_evaluate.parameters
+        import cloudpickle, pickle  # as `serve` sends a flow to its runs' processes, its schema unbuilt
+        sent = sorted(pickle.loads(cloudpickle.dumps(flows.train)).parameters.properties)
+        print(json.dumps([flows.SCHEMAS_ON_DEMAND, at_import, theirs, len(built), schema is again,
+                          sorted(schema.properties), sent]))
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    applied, at_import, theirs, total, same, properties, sent = json.loads(run.stdout.strip().splitlines()[-1])
+    assert applied and at_import == 0 and theirs == 1  # the counter counts: someone else's flow was built
+    assert total == 3 and same  # one for train_and_evaluate, at its first read only; one for the copy sent
+    assert "train_spec" in properties and sent == properties

@@ -92,6 +92,71 @@ class _Flow(Flow):
         new.__class__ = _Flow
         return new
 
+    @property
+    def parameters(self):
+        """The flow's parameter schema (Prefect's `ParameterSchema`), built when first read: see
+        `_parameter_schemas_on_demand`."""
+        value = self.__dict__.get("parameters")
+        if isinstance(value, _SchemaOnDemand):
+            value = self.__dict__["parameters"] = value.get()
+        return value
+
+    @parameters.setter
+    def parameters(self, value) -> None:
+        self.__dict__["parameters"] = value
+
+
+class _SchemaOnDemand:
+    """A flow function's parameter schema, built by Prefect's `parameter_schema` when first asked
+    for (a plain `Flow` made over one of these functions reads its attributes as the schema's)."""
+
+    __slots__ = ("_fn", "_build", "_schema")
+
+    def __init__(self, fn, build):
+        self._fn, self._build, self._schema = fn, build, None
+
+    def get(self):
+        if self._schema is None:
+            self._schema = self._build(self._fn)
+        return self._schema
+
+    def __getattr__(self, name: str):  # (not for its own slots or dunders: pickle's lookups, say)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.get(), name)
+
+
+def _parameter_schemas_on_demand() -> bool:
+    """These flows' parameter schemas are built when read, not as the module is imported.
+
+    Prefect's `Flow.__init__` builds a JSON schema of the function's parameters (pydantic's JSON
+    schema of the specs: ~0.1 s for the four flows in a fresh process on these two CPUs, the
+    flows module's own import time) and stores it as `Flow.parameters`, which nothing on the
+    way to a flow run reads: `prefect deploy`, `serve` and `to_deployment` build the schema
+    again from the flow (`parameter_schema(flow)`). Every process that runs one of these flows
+    imports them all (the command, each rerun after a preemption, a worker's flow run), so it
+    paid for four schemas to use none. Prefect's `parameter_schema`, as `prefect.flows` calls
+    it, now defers for the functions `_untagged_tasks` marks (these flows' bodies); `_Flow`
+    builds the schema at its first read of `parameters`, the same value as before
+    (tests/test_flows_parameters.py). Any other flow keeps Prefect's behaviour. Returns whether
+    it applied: it does not where `prefect.flows` no longer calls `parameter_schema` by that
+    name (the same test fails on the pinned Prefect if so)."""
+    from prefect import flows as prefect_flows
+
+    original = getattr(prefect_flows, "parameter_schema", None)
+    if original is None or getattr(original, "_prefect_jax", False):
+        return original is not None
+
+    @functools.wraps(original)
+    def parameter_schema(fn):
+        if getattr(fn, "_prefect_jax_schema_on_demand", False):
+            return _SchemaOnDemand(fn, original)
+        return original(fn)
+
+    parameter_schema._prefect_jax = True
+    prefect_flows.parameter_schema = parameter_schema
+    return True
+
 
 def _flow_runs_end_without_heartbeat_join() -> bool:
     """A flow run of these flows ends without waiting for its heartbeat thread to wake.
@@ -132,6 +197,7 @@ def _flow_runs_end_without_heartbeat_join() -> bool:
 
 
 HEARTBEAT_JOIN_SKIPPED = _flow_runs_end_without_heartbeat_join()
+SCHEMAS_ON_DEMAND = _parameter_schemas_on_demand()
 
 
 def _json_parameters(f: Flow) -> _Flow:
@@ -173,7 +239,8 @@ def _registers_exports(flow: str, eval_spec) -> bool:
 
 
 def _untagged_tasks(fn):
-    """Run a flow's body with `_task_tags` (its signature kept, for Prefect's parameters)."""
+    """Run a flow's body with `_task_tags` (its signature kept, for Prefect's parameters); its
+    flow's parameter schema is built when first read (`_parameter_schemas_on_demand`)."""
 
     @functools.wraps(fn)
     def body(*args, **kwargs):
@@ -187,6 +254,7 @@ def _untagged_tasks(fn):
         with _task_tags():
             return fn(*args, **kwargs)
 
+    body._prefect_jax_schema_on_demand = True  # its flow's parameter schema: see _parameter_schemas_on_demand
     return body
 
 
