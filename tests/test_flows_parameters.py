@@ -135,24 +135,39 @@ def test_a_fresh_process_serializes_the_commands_parameters_without_importing_fa
     assert out["eval_spec"]["exporters"][0]["kind"] == "latest"
 
 
-@pytest.mark.parametrize("flow", FLOWS, ids=lambda f: f.name)
-def test_a_flows_parameter_schema_read_is_prefects_own(flow):
+def _is_prefects_own(flow) -> bool:
     from prefect.utilities.callables import ParameterSchema, parameter_schema
 
-    for f in (flow, flow.with_options(flow_run_name="x")):
-        assert isinstance(f.parameters, ParameterSchema)
-        assert f.parameters == parameter_schema(f.fn) == parameter_schema(f)  # as `prefect deploy` builds it
+    schema = flow.parameters
+    return isinstance(schema, ParameterSchema) and schema == parameter_schema(flow.fn) == parameter_schema(flow)
+
+
+@pytest.mark.parametrize("flow", FLOWS, ids=lambda f: f.name)
+def test_a_flows_parameter_schema_read_is_prefects_own(flow):
+    """Read from the flow, a copy (`with_options`), Prefect's infrastructure-bound copy (which
+    copies the flow's attributes), and the flow loaded from its file as ``prefect deploy`` and a
+    worker load a file entrypoint (a second execution of the module, in a process that has it)."""
+    from prefect.flows import bind_flow_to_infrastructure, load_flow_from_entrypoint
+    from prefect.workers.process import ProcessWorker
+
+    path = pathlib.Path(flows.__file__)
+    copies = [flow, flow.with_options(flow_run_name="x"), bind_flow_to_infrastructure(flow, "pool", ProcessWorker),
+              load_flow_from_entrypoint(f"{path}:{flow.fn.__name__}")]  # fmt: skip
+    for f in copies:
+        assert _is_prefects_own(f), f
         assert set(f.parameters.properties) >= {"program", "job", "storage"}
 
 
 def test_a_fresh_process_builds_no_parameter_schema_as_it_imports_the_flows():
-    """The saving itself (~0.06 s of every flow run's process start here): importing the flows
-    builds none of their four schemas; one is built at its first read, once, and in a pickled
-    copy (how `serve` sends a flow; the first form of this change recursed there); a flow of
-    someone else's still gets Prefect's at its declaration."""
+    """The saving itself (~60 ms of every flow run's process start here): importing the flows
+    builds none of their four schemas; a flow's is built at its first read, once; copies made
+    before that read (`with_options`; Prefect's infrastructure-bound copy; a pickled flow, as
+    `serve` sends one: a first form of this change recursed there) each have Prefect's own; a
+    flow of someone else's still gets Prefect's at its declaration."""
     code = textwrap.dedent(
         """
-        import json
+        import json, pickle
+        import cloudpickle
         import prefect.utilities.callables as callables
         built = []
         generate = callables.generate_parameter_schema
@@ -161,6 +176,8 @@ def test_a_fresh_process_builds_no_parameter_schema_as_it_imports_the_flows():
             return generate(*args, **kwargs)
         callables.generate_parameter_schema = counting
         from prefect import flow
+        from prefect.flows import bind_flow_to_infrastructure
+        from prefect.workers.process import ProcessWorker
         from prefect_jax import flows
         at_import = len(built)
         @flow
@@ -169,15 +186,18 @@ def test_a_fresh_process_builds_no_parameter_schema_as_it_imports_the_flows():
         theirs = len(built) - at_import
         schema = flows.train_and_evaluate.parameters
         again = flows.train_and_evaluate.parameters
-        import cloudpickle, pickle  # as `serve` sends a flow to its runs' processes, its schema unbuilt
-        sent = sorted(pickle.loads(cloudpickle.dumps(flows.train)).parameters.properties)
-        print(json.dumps([flows.SCHEMAS_ON_DEMAND, at_import, theirs, len(built), schema is again,
-                          sorted(schema.properties), sent]))
+        read = len(built)
+        own = callables.parameter_schema(flows.train.fn)
+        copies = [flows.train.with_options(name="x"), bind_flow_to_infrastructure(flows.train, "pool", ProcessWorker),
+                  pickle.loads(cloudpickle.dumps(flows.train))]
+        print(json.dumps([flows.SCHEMAS_ON_DEMAND, at_import, theirs, read, schema is again, sorted(schema.properties),
+                          [type(c.parameters).__name__ for c in copies], [c.parameters == own for c in copies]]))
         """
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    applied, at_import, theirs, total, same, properties, sent = json.loads(run.stdout.strip().splitlines()[-1])
+    applied, at_import, theirs, read, same, properties, types, equal = json.loads(run.stdout.strip().splitlines()[-1])
     assert applied and at_import == 0 and theirs == 1  # the counter counts: someone else's flow was built
-    assert total == 3 and same  # one for train_and_evaluate, at its first read only; one for the copy sent
-    assert "train_spec" in properties and sent == properties
+    assert read == 2 and same  # train_and_evaluate's, at its first read only
+    assert "train_spec" in properties
+    assert types == ["ParameterSchema"] * 3 and equal == [True] * 3
