@@ -199,7 +199,7 @@ GAPS = {
         "1.72), with Prefect's own per-interval share up as well (20.1 ms against 15.4) and the interval's path "
         "unchanged but for a check of the backup clock per dispatch (backups: none without kills): afterwards the "
         "100-interval flow side from 82ae271 (before backups) against this code, 3 alternated runs each, read loop "
-        "medians of 12.83 s against 12.67 s. In the 2026-11-26 19:57 run it read 1.65 (per round 1.65, 1.71, 1.49) with "
+        "medians of 12.83 s against 12.67 s. In the 2026-11-27 00:42 run 1.54 (per round 1.64, 1.50, 1.54; the plain loop's loop 1.3 s). In the 2026-11-26 19:57 run it read 1.65 (per round 1.65, 1.71, 1.49) with "
         "the per-interval cost down (57.1 ms against 77.1): these cores ran every side faster that evening (the plain "
         "loop's loop 1.27 s against 2.17 s at 03:47), so the same fixed cost per interval weighs more against it. A new store is now a copy of an empty one (0.10 s, where MLflow's migrations took 1.25 s), "
         "which took the one-interval rows' `flow: mlflow s` from 2.66 s (2026-11-24) to 1.16 s; MLflow's import with "
@@ -239,7 +239,7 @@ GAPS = {
         "waits for Orbax to create the step's directories) took the blocking part from 29 to 19 ms, and the commit "
         "grew by as much: per interval unchanged, with and without evaluations (108-119 against 108-116 ms); not kept. "
         "The slope differs between ranges of the sweep below (each commit overlaps the next interval's steps on the "
-        "same two cores, more or less as the intervals shorten; 57.3 ms at 20:14, 66.6 ms at 2026-11-26 01:06, 77.1 ms at 03:47 (per round 64.8-77.8 ms) and 57.1 ms at 19:57 "
+        "same two cores, more or less as the intervals shorten; 57.3 ms at 20:14, 66.6 ms at 2026-11-26 01:06, 77.1 ms at 03:47 (per round 64.8-77.8 ms), 57.1 ms at 19:57 and 56.8 ms on 2026-11-27 00:42 (per round 54.4-60.2 ms) "
         "(per round 54.9-57.7 ms), with nothing in the loop changed: per-round slopes 53.7-70.3 ms over the two runs). A floor under the present design: "
         "Prefect's ~24 ms per interval (met) plus Orbax's cost of the two small items (Orbax alone, 40 saves of the "
         "benchmark's state: save and commit 114-123 ms with state, data position and metadata against 98-111 ms with "
@@ -266,7 +266,7 @@ GAPS = {
         "Started where a flow run starts it (before the JAX imports), the flow's scan steps matched the plain scan "
         "loop's (01:06, medians: 1.35 s against 1.36 s; per-step 1.65 s against the plain loop's 1.88 s), so what is "
         "left is the scan's own speed-up on this CPU against single ~1.5-2 s per-step runs: the plain scan loop over "
-        "the plain per-step loop read 1.05, 1.38 and 1.72 in the three rounds, this ratio 1.12, 1.46 and 1.11 (1.14, 1.16 and 1.90 at 03:47; 1.06, 1.06 and 1.18 at 19:57). "
+        "the plain per-step loop read 1.05, 1.38 and 1.72 in the three rounds, this ratio 1.12, 1.46 and 1.11 (1.14, 1.16 and 1.90 at 03:47; 1.06, 1.06 and 1.18 at 19:57; 1.12, 1.11 and 1.32 on 2026-11-27 00:42). An unrolled scan was tried on 2026-11-27 (`lax.scan(..., unroll=k)`, which removes XLA's while loop): on the steps alone, 2000 steps of this MLP with its Grain reads, unroll 5 and 10 ran 1.24 and 1.15x the per-step loop against 1.17x rolled (4 rounds, medians); on the flow's one-interval clock, 3 alternated rounds, rolled 1.21, unroll 10 1.21, unroll 5 1.28: within these rows' noise, and an unrolled step compiles k times the program, so not kept. "
         "On an H100 the engine with "
         "`steps_per_dispatch=10` runs 2.0 and 2.2x as many steps per second as the plain per-step loop (2 calls, "
         "2026-11-26, checkpoints every 500 steps, the evaluation no longer waiting for their commit; 1.5x on 2026-11-23), "
@@ -282,14 +282,25 @@ GAPS = {
         "compile does not shorten it; Prefect's and JAX's imports cannot overlap (tried: the GIL). Since 2026-11-25 "
         "09:11 the command imports with the garbage collector off and no longer imports FastAPI for the flow run's "
         "parameters: its way back went from 2.7-2.9 s (the 05:53 run, ratio 1.93) to 2.3-2.6 s (1.62; 1.56 at 20:14; "
-        "1.47 on 2026-11-26 01:06, 1.56 at 03:47, 1.40 at 19:57). What remains "
-        "over the plain loop's 1.5-1.8 s: Prefect's import (~0.6 s), the flows module (Prefect builds a JSON schema of "
-        "each of its four flows' parameters, ~0.07 s), the flow run and the restore task with their API round trips "
-        "(~0.1-0.2 s). Prefect's import alone is over a third of the plain loop's whole way back, so while a flow run "
+        "1.47 on 2026-11-26 01:06, 1.56 at 03:47, 1.40 at 19:57; 1.53 on 2026-11-27 00:42, where the plain loop's "
+        "reruns were quicker than before: 1.07-1.41 s, mean per row, against prefect-jax's 1.67-1.75 s). What remains "
+        "over the plain loop's: Prefect's import (~0.6 s), the flows module, the flow run and the restore task with "
+        "their API round trips (~0.1-0.2 s). Since 2026-11-27 the flows module no longer builds Prefect's JSON schema "
+        "of its four flows' parameters at import (`_parameter_schemas_on_demand`: the flows' import after the "
+        "program's 0.61 -> 0.55 s, 6 alternated runs; the goodput job's rerun to its first new step, 12 alternated "
+        "reruns, median 1.90 -> 1.86 s, within its noise: 8 others read no difference). Prefect's import alone is over a third of the plain loop's whole way back, so while a flow run "
         "exists before training starts (which is what makes a killed attempt show as Crashed and be rerun), the ratio "
         "cannot go under ~1.4 on this machine."
     ),
     "goodput_margin_vs_peers": (
+        "In the 2026-11-27 00:42 run, the job sized to 16500 steps (every system signalled at every period), prefect-jax "
+        "led every SIGTERM row (T = 15 s 0.874 against the plain loop's 0.855 and Keras's 0.767; T = 30 s 0.988 against "
+        "0.960 and 0.920; T = 60 s 1.038 against 1.018 and 0.988) and trailed every SIGKILL row by 0.023 at most (T = 15 s "
+        "0.805 against the plain loop's 0.828; T = 30 s 0.937 against Keras's 0.960; T = 60 s 0.965 against Keras's "
+        "0.974): under these rows' noise (~0.1), and what is left there is the start-up of each rerun (previous line; "
+        "its ledger at T = 15 s SIGKILL: 13.4 s over 9 attempts against the plain loop's 6.6 s over 8, and 2.3 s "
+        "recomputed). Keras's T = 15 s SIGKILL job could not resume: a kill tore its backup file (h5py: `file "
+        "signature not found`), and every rerun failed on it. "
         "In the 2026-11-26 19:57 run prefect-jax led at T = 15 s (SIGTERM 0.933 against Keras's 0.825 and the plain "
         "loop's 0.819; SIGKILL 0.913 against 0.837 and 0.625), at T = 30 s (1.012 and 0.991 against 0.927 and 0.947) "
         "and at T = 60 s with SIGTERM (1.041 against 1.016); the worst row was T = 60 s with SIGKILL, 0.981 against "
@@ -301,7 +312,7 @@ GAPS = {
         "steps (95.8 s and 86.6 s uninterrupted); each was signalled once, at 60 s: prefect-jax 97.8 s in two attempts "
         "(exits 143, 0), goodput 0.980 (its ledger's 0.929: start-up 3.3 s, restore 0.8 s, compile 0.5 s, nothing "
         "recomputed), the plain loop 96.7 s (its SIGTERM kills it: 9500 steps restored), 0.895; against the plain "
-        "loop's uninterrupted wall, prefect-jax 0.885. Keras and SIGKILL at that length: not run. Before that run the worst row was T = 15 s with SIGKILL, where a kill costs every "
+        "loop's uninterrupted wall, prefect-jax 0.885 (the 2026-11-27 run above measured every system and signal at that length). Before that run the worst row was T = 15 s with SIGKILL, where a kill costs every "
         "system the steps since its last checkpoint and prefect-jax also its longer start-up (previous line). Until the 2026-11-26 03:47 run prefect-jax lost "
         "most there: with checkpoints every 500 steps (~6.4 s) and back in 2.3-2.6 s, one checkpoint fitted in an "
         "attempt, and it read 0.42-0.45 in four runs (2026-11-25 05:53, 09:11, 20:14 and 2026-11-26 01:06: 14-16 "
@@ -372,6 +383,7 @@ REMOVED = """## What was removed (profiled with pyinstrument and cProfile during
 | Python's garbage collector walking the heap while the command imports Prefect, JAX, Orbax and the program; in the MLflow worker while it imports MLflow (issue 13, measured 2026-11-25 outside this run) | imports 2.13 s; MLflow's 1.15 s | 1.76 s; 0.90 s | the collector is off until the start-up's objects are frozen (`gc.freeze`, which the command did already), then on: a rerun of the goodput job to its first new step, 2.82 s -> 2.35 s with the row below (medians of 8 alternated reruns) |
 | FastAPI's application stack, imported by Prefect's `Flow.serialize_parameters` (`jsonable_encoder`) on the way to a fresh process's flow run, and the progress artifact's API round trip before training (issue 13, measured 2026-11-25 outside this run: a rerun of the goodput job's, medians of 8 alternated reruns) | rerun to its first new step 2.70 s | 2.61 s | the flows serialize their parameters (strings, numbers, pydantic specs) as `jsonable_encoder` does without it (checked against it in `tests/test_flows_parameters.py`); the progress artifact is made on the publisher thread |
 | the end of every flow run (a run, a rerun, an evaluator's, an export's): Prefect's sync engine joins its flow-run heartbeat thread, which sleeps in whole seconds (issue 13; the flow side's wall times all ended at the same fraction of a second) | 0-1 s, 0.5 s on average, per flow run | 0 | these flows pass `join_on_exit=False` to Prefect's `_send_heartbeats`, as its async engine does (the thread, a daemon, stops at its next tick without emitting); their evaluate and export runs now wait for their MLflow writes instead (up to 30 s outside strict mode), which the join had covered; the targets' loop ratio 1.66 -> 1.37, the command's process 1.17 -> 1.04 (the 09:11 and 20:14 runs) |
+| Prefect's JSON schema of each of the four flows' parameters, built as `prefect_jax.flows` is imported, in every process that runs one (the command, each rerun, a worker's flow run), and read by none of them (issue 13, measured 2026-11-27 outside this run, 6 alternated imports each) | the flows' import after the program's 0.61 s | 0.55 s | built at the first read of `Flow.parameters` (`prefect deploy` and `serve` build their own from the flow) |
 | the command's embedded Prefect server, at its start: block type registration, for which Prefect imports every installed Prefect collection even when memoized (here the dev group's prefect-kubernetes and prefect-gcp; issue 13, measured 2026-11-26 outside this run, 3 alternated starts and 3 alternated demos each) | the server answers after 4.57-4.90 s; the README's demo 10.9-11.3 s | 3.08-3.27 s; 9.9-10.9 s | it starts with `PREFECT_SERVER_REGISTER_BLOCKS_ON_START` and `PREFECT_SERVER_MEMOIZE_BLOCK_AUTO_REGISTRATION` false unless the user set either; `prefect server start` registers the block types (the UI's catalog), `Block.save` its own type |
 | the wait at the end of a job with the command's default exporters (latest, best, final) for MLflow to register its exports: the first logged model paid the MLflow worker's JAX import, its CPU client and MLflow's map of installed packages (~1.7 s on these busy cores) ahead of every later write, and each model compiled its export twice (once for the signature's output, once for MLflow's serving check; issue 13, measured 2026-11-26 outside this run, 4 alternated pairs each) | the README's demo 7.9-9.1 s, of which 1.5-1.8 s after its goodput ledger's end; `prefect-jax run` on this workload with its default exporters, standing server, 7.5-8.5 s | 7.1-8.1 s, 0.7-0.95 s; 6.9-7.5 s | the worker readies JAX and MLflow's model modules when a job that registers starts (`Tracker.warm_registry`); the signature's output is traced, not run (`jax.eval_shape`); the serving check compiles without XLA's backend optimisations (the worker never serves) |
 """
