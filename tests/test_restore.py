@@ -53,9 +53,29 @@ def test_resumes_from_latest_committed_step_with_identical_state(job_config):
     expected = first.fingerprint()
     first.close()
 
-    second = Trainer(config)
+    second = Trainer(job_config(max_steps=60, every_steps=20))
     assert second.restore_or_init() == 40
     assert second.fingerprint() == expected
+    # A rerun restores: it makes no init key (the key would be its first JAX computation, a
+    # compile or cache load on the way to its first step), and trains on without one.
+    assert second.loop._rng is None
+    assert second.train_until_checkpoint() == 60
+    assert second.loop._rng is None
+    second.close()
+
+
+def test_the_abstract_state_is_init_traced_with_the_seeds_key(job_config):
+    from prefect_jax.training.loop import Loop
+
+    config = job_config()
+    program = DigitsProgram(hidden=(16, 16))
+    loop = Loop(program, config.train)
+    expected = jax.eval_shape(program.init, jax.random.key(config.train.seed))
+    assert jax.tree.structure(loop.abstract_state) == jax.tree.structure(expected)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(loop.abstract_state)] == [(e.shape, e.dtype) for e in jax.tree.leaves(expected)]
+    assert loop._rng is None  # traced: no key made
+    assert state_fingerprint(loop.init_state()) == state_fingerprint(Loop(program, config.train).init_state())
+    assert loop._rng is not None
 
 
 def test_resumed_run_ends_bit_for_bit_equal_to_uninterrupted_run(job_config, tmp_path):

@@ -147,7 +147,7 @@ class Loop:
         self.train_step = jax.jit(guarded, donate_argnums=donate)
         self.scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
         self.eval_step = jax.jit(program.eval_step)
-        self.rng = jax.random.key(spec.seed)
+        self._rng = None  # see `rng`
         self._abstract = None
         self.compile_s: float | None = None  # join of the compile + the first step, once per process (goodput)
         self._precompiling: threading.Thread | None = None
@@ -171,10 +171,20 @@ class Loop:
     # -- state and data ------------------------------------------------------------------
 
     @property
+    def rng(self):
+        """Init's key, made when first used. A rerun restores and needs none; the key would be
+        the process's first JAX computation, compiled (or loaded from the cache) on the rerun's
+        way to its first step: 25-60 ms here."""
+        if self._rng is None:
+            self._rng = jax.random.key(self.spec.seed)
+        return self._rng
+
+    @property
     def abstract_state(self):
-        """``jax.eval_shape`` of init: the structure a restore must match."""
+        """``jax.eval_shape`` of init: the structure a restore must match (traced with an
+        abstract key: no computation runs)."""
         if self._abstract is None:
-            shapes = jax.eval_shape(self.program.init, self.rng)
+            shapes = jax.eval_shape(lambda: self.program.init(jax.random.key(self.spec.seed)))
             # With the sharding the live state has: a checkpoint written by another number of
             # devices or processes is restored into this one's layout (Orbax reshards it).
             self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.state_sharding), shapes)
