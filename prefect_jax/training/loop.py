@@ -176,15 +176,18 @@ class Loop:
         the process's first JAX computation, compiled (or loaded from the cache) on the rerun's
         way to its first step: 25-60 ms here."""
         if self._rng is None:
-            self._rng = jax.random.key(self.spec.seed)
+            self._rng = self._init_key()
         return self._rng
+
+    def _init_key(self):
+        return jax.random.key(self.spec.seed)
 
     @property
     def abstract_state(self):
         """``jax.eval_shape`` of init: the structure a restore must match (traced with an
         abstract key: no computation runs)."""
         if self._abstract is None:
-            shapes = jax.eval_shape(lambda: self.program.init(jax.random.key(self.spec.seed)))
+            shapes = jax.eval_shape(lambda: self.program.init(self._init_key()))
             # With the sharding the live state has: a checkpoint written by another number of
             # devices or processes is restored into this one's layout (Orbax reshards it).
             self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.state_sharding), shapes)
