@@ -242,3 +242,23 @@ def test_typed_prng_keys_survive_a_checkpoint(tmp_path):
     assert jax.dtypes.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
     assert state_fingerprint(restored) == state_fingerprint(state)
     assert meta["step"] == 1 and meta["tree"]["key"] == [[2], "uint32"]
+
+
+def test_retention_deletes_steps_without_orbax_s_polling_thread_pool(tmp_path, monkeypatch):
+    # Left to Orbax, a machine of 4 or more CPUs (a GPU machine's 16, not CI's 2) deletes each old
+    # step in the commit with a thread pool that polls every 0.1 s; the next save waits for it.
+    import grain
+    from orbax.checkpoint._src.path import deleter
+
+    from prefect_jax.training.checkpoints import CheckpointSpec
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    pooled = []
+    monkeypatch.setattr(deleter._ParallelDirectoryDeleter, "delete", lambda self, path: pooled.append(path))
+    ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1, keep_last=1))
+    it = iter(grain.MapDataset.range(10).to_iter_dataset())
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": np.full(4, step, np.float32)}, it, {})
+    ckpt.wait()
+    assert ckpt.committed_steps() == [3] and sorted(os.listdir(tmp_path / "ck")) == ["3"]
+    assert pooled == []
