@@ -74,8 +74,13 @@ def test_the_abstract_state_is_init_traced_with_the_seeds_key(job_config):
     assert jax.tree.structure(loop.abstract_state) == jax.tree.structure(expected)
     assert [(a.shape, a.dtype) for a in jax.tree.leaves(loop.abstract_state)] == [(e.shape, e.dtype) for e in jax.tree.leaves(expected)]
     assert loop._rng is None  # traced: no key made
-    assert state_fingerprint(loop.init_state()) == state_fingerprint(Loop(program, config.train).init_state())
-    assert loop._rng is not None
+    # Nor by init, which makes it inside its program from the seed: the state init makes from the
+    # seed's key, for any seed `jax.random.key` takes.
+    assert state_fingerprint(loop.init_state()) == state_fingerprint(jax.jit(program.init)(jax.random.key(config.train.seed)))
+    assert loop._rng is None
+    for seed in (7, 2**32 + 5, -1):
+        spec = config.train.model_copy(update={"seed": seed})
+        assert state_fingerprint(Loop(program, spec).init_state()) == state_fingerprint(jax.jit(program.init)(jax.random.key(seed)))
 
 
 def test_resumed_run_ends_bit_for_bit_equal_to_uninterrupted_run(job_config, tmp_path):

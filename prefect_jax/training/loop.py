@@ -200,8 +200,12 @@ class Loop:
         small MLP, while the train step compiles on another thread. An init that cannot be
         traced (it reads values on the host) runs eagerly."""
         if self.state_sharding is not None:
+            seed = np.int64(self.spec.seed)  # traced as `jax.random.key` takes it: the same key for every seed
             try:
-                lowered = jax.jit(self.program.init, out_shardings=self.state_sharding).lower(self.rng)
+                # The key is made inside the program from the seed, an argument (as a constant,
+                # XLA could fold init into constants): no eager computation of its own to compile
+                # and run first, and one executable (one cache entry) for every seed.
+                lowered = jax.jit(lambda seed: self.program.init(jax.random.key(seed)), out_shardings=self.state_sharding).lower(seed)
             except TypeError:  # jax.errors.ConcretizationTypeError and kin, or a leaf that is not an array
                 logger.debug("init cannot be jitted: running it op by op", exc_info=True)
             else:
@@ -210,7 +214,7 @@ class Loop:
                 except Exception:  # noqa: BLE001 - a backend without the option: its default
                     logger.debug("init's compiler options refused", exc_info=True)
                     compiled = lowered.compile()
-                return compiled(self.rng)
+                return compiled(seed)
         return self.program.init(self.rng)
 
     def fresh_iter(self):
