@@ -537,6 +537,52 @@ def gpu_markdown() -> list[str]:
                 f"waiting {', '.join(map(str, hack['waiting']))}, not waiting {', '.join(map(str, hack['not_waiting']))}, "
                 f"the plain loop {', '.join(map(str, hack['plain']))}; the evaluation's wait for the commit, median per "
                 f"round, {', '.join(f'{v:.0f}' for v in hack['commit_wait_ms_median'])} ms an interval.")
+        ab = g.get("ab_retention_deletion")
+        if ab:
+            def sided(code, every):
+                return [c for c in ab["calls"] if c["code"] == code and c["every"] == every]
+
+            def ratios(calls, key="engine_vs_plain_time"):
+                return ", ".join(f"{c[key]:.2f}" for c in calls)
+
+            def steps(calls):
+                return ", ".join(str(c["engine_steps_per_s"]) for c in calls)
+
+            alone = ab["deletion_alone_ms"]
+            old100, new100, old500, new500 = sided("old", 100), sided("new", 100), sided("old", 500), sided("new", 500)
+            notes.append(
+                f"- {name}, retention's deletions on one thread ({ab['recorded']}, {ab['code_after']}): on a machine of 4 or "
+                f"more CPUs Orbax deletes each old step, inside the commit the next save waits for, with a pool of "
+                f"threads whose scheduler polls its queue every 0.1 s: {alone['orbax_pool_16_cpus']} ms for a 10-file step "
+                f"against {alone['one_thread']:.0f} ms on one thread: {alone['what']}. `gpu.py --every 100` (a checkpoint "
+                f"and a full eval every 100 steps), alternated calls: engine / plain time before ({ab['code_before']}) "
+                f"{ratios(old100)}, after {ratios(new100)} (engine steps/s {steps(old100)} against {steps(new100)}; "
+                f"`steps_per_dispatch=10` / plain {ratios(old100, 'engine_scan10_vs_plain_time')} against "
+                f"{ratios(new100, 'engine_scan10_vs_plain_time')}), about 0.1 s an interval; every 500 steps, one call each, "
+                f"{ratios(old500)} against {ratios(new500)} (an interval of ~0.5 s had room for the deletion). "
+                f"The plain loop keeps Orbax's defaults, as a user writing it would.")
+        ab = g.get("ab_fresh_start")
+        if ab:
+            import statistics as stats
+
+            def med(code, key):
+                return stats.median(r[key] for r in ab["runs"] if r["code"] == code)
+
+            def span(code, key):
+                values = [r[key] for r in ab["runs"] if r["code"] == code]
+                return f"{min(values):.2f}-{max(values):.2f}"
+
+            (pre, lazy, inside), n = ab["codes"], sum(r["code"] == next(iter(ab["codes"])) for r in ab["runs"])
+            notes.append(
+                f"- {name}, a fresh job's start ({ab['recorded']}; the digits MLP in a fresh process: the trainer, "
+                f"restore-or-init, the first 20-step interval with its compile; {n} alternated rounds, medians): init's "
+                f"key {ab['codes'][pre]} ({pre}) {med(pre, 'total'):.2f} s, {ab['codes'][lazy]} ({lazy}) "
+                f"{med(lazy, 'total'):.2f} s, {ab['codes'][inside]} ({inside}) {med(inside, 'total'):.2f} s. The eager key "
+                f"in the trainer's construction was the process's first computation on the GPU ({span(pre, 'trainer')} s "
+                f"against {span(lazy, 'trainer')} s); the last two differ in where the first step waits for its compile "
+                f"(restore-or-init {span(lazy, 'restore_or_init')} against {span(inside, 'restore_or_init')} s, the first "
+                f"interval {span(lazy, 'first_interval')} against {span(inside, 'first_interval')} s), not in total, "
+                f"which the train step's compile on its thread sets.")
         earlier = g.get("earlier")
         if earlier:
             notes.append(f"- {name}, earlier row ({earlier['recorded']}, one call): engine / plain time "
@@ -545,7 +591,7 @@ def gpu_markdown() -> list[str]:
         if fc:
             d, t = fc["demo"], fc["tests"]
             notes.append(
-                f"- {name}, the flow (`{fc['command']}`): `prefect-jax demo` (ephemeral Prefect server, SQLite MLflow, local "
+                f"- {name}, the flow (`{fc['command']}`{', ' + fc['recorded'] if fc.get('recorded') else ''}): `prefect-jax demo` (ephemeral Prefect server, SQLite MLflow, local "
                 f"checkpoints) trained {d['steps']} steps in {d['wall_s']} s wall (eval accuracy {d['eval_accuracy']}; goodput "
                 f"{d['goodput']}: start-up {d['lost_s']['startup']} s, restore {d['lost_s']['restore']} s, compile "
                 f"{d['lost_s']['compile']} s, checkpoints {d['lost_s']['checkpoint']} s); its MLflow run holds "
@@ -563,6 +609,15 @@ def gpu_markdown() -> list[str]:
                     f"the demo again in a new folder with the machine's caches warm: {again['wall_s']} s wall, start-up "
                     f"{again['startup']} s, compile {again['compile']} s, restore {again['restore']} s. The first demo's "
                     f"start-up also holds the first imports from a cold disk cache and the ephemeral Prefect server's start.")
+                before = fc.get("earlier")
+                if before:
+                    lost = before["demo_lost_s"]
+                    notes[-1] += (
+                        f" On {before['recorded']} (the same machine kind): the demo {before['demo_wall_s']} s wall "
+                        f"(start-up {lost['startup']} s, restore {lost['restore']} s, compile {lost['compile']} s), "
+                        f"`import jax` {before['import jax']} s, the demo again {before['demo_again_wall_s']} s: that "
+                        f"machine ran Python faster; the restore and compile shares moved with where init's key is made "
+                        f"(the fresh-start line).")
     return out + ([""] + notes if notes else [])
 
 
