@@ -1,5 +1,6 @@
 """Every restore-or-init branch, on real Orbax checkpoints in temp dirs."""
 
+import json
 import os
 import threading
 import time
@@ -267,3 +268,66 @@ def test_retention_deletes_steps_without_orbax_s_polling_thread_pool(tmp_path, m
     ckpt.wait()
     assert ckpt.committed_steps() == [3] and sorted(os.listdir(tmp_path / "ck")) == ["3"]
     assert pooled == []
+
+
+def test_the_data_position_is_written_in_the_commit_not_before_save_returns(tmp_path, monkeypatch):
+    # Grain's own handler is synchronous: Orbax made `save` wait for its file, behind the
+    # creation of every item's directory (~7 of a save's ~15 ms). The position is read at the
+    # save and written by the commit: the iterator moving on after `save` does not change it.
+    import grain
+    from etils import epath
+
+    from prefect_jax.training.checkpoints import CheckpointSpec
+
+    released, write_text = threading.Event(), epath.Path.write_text
+    written_while_held = []
+
+    def gated(self, *args, **kwargs):
+        if self.name.startswith("process_"):
+            released.wait(5)
+            written_while_held.append(not released.is_set() or None)
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(epath.Path, "write_text", gated)
+    ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))
+    it = iter(grain.MapDataset.range(100).shuffle(seed=3).to_iter_dataset())
+    for _ in range(7):
+        next(it)
+    ckpt.save(7, {"w": np.ones(3, np.float32)}, it, {})
+    returned_while_held = not released.is_set()
+    after = [next(it) for _ in range(5)]  # moves on while the commit is held
+    released.set()
+    ckpt.wait()
+    assert returned_while_held and written_while_held == [None]
+    again = iter(grain.MapDataset.range(100).shuffle(seed=3).to_iter_dataset())
+    ckpt.restore(7, jax.eval_shape(lambda: {"w": np.ones(3, np.float32)}), again)
+    assert [next(again) for _ in range(5)] == after
+
+
+@pytest.mark.parametrize("writer", ["grain", "prefect_jax"])
+def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer):
+    # Steps written by an earlier prefect-jax (Grain's own handler) restore here, and an
+    # evaluator or trainer still on it reads the steps this one writes: one file, one format.
+    import grain
+    import orbax.checkpoint as ocp
+
+    from prefect_jax.training.checkpoints import IteratorRestore, IteratorSave, _handlers
+
+    def manager(handlers):
+        return ocp.CheckpointManager(str(tmp_path / "ck"), item_handlers=handlers)
+
+    grains = dict(_handlers(), data=grain.checkpoint.CheckpointHandler())
+    save_with, restore_with = (grains, _handlers()) if writer == "grain" else (_handlers(), grains)
+    save_args, restore_args = (grain.checkpoint.CheckpointSave, IteratorRestore) if writer == "grain" else (IteratorSave, grain.checkpoint.CheckpointRestore)
+    data = lambda: iter(grain.MapDataset.range(50).shuffle(seed=1).to_iter_dataset())  # noqa: E731
+    it = data()
+    for _ in range(9):
+        next(it)
+    with manager(save_with) as m:
+        m.save(9, args=ocp.args.Composite(data=save_args(it), meta=ocp.args.JsonSave({"step": 9})))
+    want = [next(it) for _ in range(3)]
+    again = data()
+    with manager(restore_with) as m:
+        m.restore(9, args=ocp.args.Composite(data=restore_args(again)))
+    assert [next(again) for _ in range(3)] == want
+    assert json.loads((tmp_path / "ck" / "9" / "data" / "process_0-of-1.json").read_text()) == {"next_index": 9}

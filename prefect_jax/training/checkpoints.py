@@ -155,10 +155,47 @@ def retained(steps: list[int], spec: CheckpointSpec, newest_evaluated: int | Non
 # -- the manager ------------------------------------------------------------------------
 
 
+class _IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
+    """Grain's iterator item, its file written in the save's commit instead of before `save` returns.
+
+    Grain's handler is synchronous, so Orbax ran its one small write on a thread that the save
+    waited for, behind the creation of every item's directory: ~7.5 of a three-item save's
+    ~15 ms (isolated, this repo's benchmark MLP on 2 CPUs). Here the position is read at the save
+    (the iterator moves on after it) and written by a commit future, as Orbax's JSON item is.
+    The same file (``process_<i>-of-<n>.json``, Grain's text), restored by Grain's own code:
+    steps written before or after this read the same either way."""
+
+    async def async_save(self, directory, args):
+        item = args.item
+        text = json.dumps(item.get_state(), indent=4) if isinstance(item, grain.DatasetIterator) else item.get_state().decode()
+        index, count = jax.process_index(), jax.process_count()
+
+        async def write():
+            (directory / f"process_{index}-of-{count}.json").write_text(text)
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="prefect_jax_data_save")]
+
+
+@ocp.args.register_with_handler(_IteratorHandler, for_save=True)
+@dataclasses.dataclass
+class IteratorSave(ocp.args.CheckpointArgs):
+    """Save a Grain iterator's position (the ``data`` item) with `_IteratorHandler`."""
+
+    item: Any
+
+
+@ocp.args.register_with_handler(_IteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class IteratorRestore(ocp.args.CheckpointArgs):
+    """Set a Grain iterator to the position a step saved (the ``data`` item)."""
+
+    item: Any
+
+
 def _handlers():
     return {
         "state": ocp.StandardCheckpointHandler(),
-        "data": grain.checkpoint.CheckpointHandler(),
+        "data": _IteratorHandler(),
         "meta": ocp.JsonCheckpointHandler(),
     }
 
@@ -315,7 +352,7 @@ class Checkpoints:
             int(step),
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(savable),
-                data=grain.checkpoint.CheckpointSave(data_iter),
+                data=IteratorSave(data_iter),
                 meta=ocp.args.JsonSave(meta),
             ),
             force=True,
@@ -352,7 +389,7 @@ class Checkpoints:
         items = {"state": ocp.args.StandardRestore(abstract)}
         other_layout = data_iter is not None and self._data_written_by_other_processes(step)
         if data_iter is not None and not other_layout:
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+            items["data"] = IteratorRestore(data_iter)
         restored = self.manager.restore(int(step), args=ocp.args.Composite(**items))
         if other_layout:
             self._restore_data_position(step, data_iter, other_layout)
