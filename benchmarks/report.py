@@ -563,10 +563,8 @@ def gpu_markdown() -> list[str]:
                 f"The plain loop keeps Orbax's defaults, as a user writing it would.")
         ab = g.get("ab_fresh_start")
         if ab:
-            import statistics as stats
-
             def med(code, key):
-                return stats.median(r[key] for r in ab["runs"] if r["code"] == code)
+                return statistics.median(r[key] for r in ab["runs"] if r["code"] == code)
 
             def span(code, key):
                 values = [r[key] for r in ab["runs"] if r["code"] == code]
