@@ -11,6 +11,7 @@ import pytest
 
 from prefect_jax.examples.digits import DigitsProgram
 from prefect_jax.training.checkpoints import (
+    MANIFEST_FILE,
     CheckpointMismatchError,
     Checkpoints,
     committed_steps,
@@ -76,12 +77,18 @@ def test_the_abstract_state_is_init_traced_with_the_seeds_key(job_config):
     assert [(a.shape, a.dtype) for a in jax.tree.leaves(loop.abstract_state)] == [(e.shape, e.dtype) for e in jax.tree.leaves(expected)]
     assert loop._rng is None  # traced: no key made
     # Nor by init, which makes it inside its program from the seed: the state init makes from the
-    # seed's key, for any seed `jax.random.key` takes.
-    assert state_fingerprint(loop.init_state()) == state_fingerprint(jax.jit(program.init)(jax.random.key(config.train.seed)))
+    # seed's key (compiled as init is: other options may differ in the last bits), for seeds
+    # past int32 both ways (with 64-bit JAX off, as here, `jax.random.key` wraps them).
+    from prefect_jax.training.loop import INIT_COMPILER_OPTIONS
+
+    def from_key(seed):
+        key = jax.random.key(seed)
+        return state_fingerprint(jax.jit(program.init).lower(key).compile(compiler_options=INIT_COMPILER_OPTIONS)(key))
+
+    assert state_fingerprint(loop.init_state()) == from_key(config.train.seed)
     assert loop._rng is None
-    for seed in (7, 2**32 + 5, -1):
-        spec = config.train.model_copy(update={"seed": seed})
-        assert state_fingerprint(Loop(program, spec).init_state()) == state_fingerprint(jax.jit(program.init)(jax.random.key(seed)))
+    for seed in (7, 2**31, -1, -(2**31) - 1):
+        assert state_fingerprint(Loop(program, config.train.model_copy(update={"seed": seed})).init_state()) == from_key(seed)
 
 
 def test_resumed_run_ends_bit_for_bit_equal_to_uninterrupted_run(job_config, tmp_path):
@@ -302,6 +309,8 @@ def test_the_data_position_is_written_in_the_commit_not_before_save_returns(tmp_
     again = iter(grain.MapDataset.range(100).shuffle(seed=3).to_iter_dataset())
     ckpt.restore(7, jax.eval_shape(lambda: {"w": np.ones(3, np.float32)}), again)
     assert [next(again) for _ in range(5)] == after
+    with open(tmp_path / "ck" / "7" / MANIFEST_FILE) as f:
+        assert "data/process_0-of-1.json" in json.load(f)["files"]  # checksummed with the rest of the step
 
 
 @pytest.mark.parametrize("writer", ["grain", "prefect_jax"])
@@ -319,15 +328,70 @@ def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer)
     grains = dict(_handlers(), data=grain.checkpoint.CheckpointHandler())
     save_with, restore_with = (grains, _handlers()) if writer == "grain" else (_handlers(), grains)
     save_args, restore_args = (grain.checkpoint.CheckpointSave, IteratorRestore) if writer == "grain" else (IteratorSave, grain.checkpoint.CheckpointRestore)
-    data = lambda: iter(grain.MapDataset.range(50).shuffle(seed=1).to_iter_dataset())  # noqa: E731
-    it = data()
-    for _ in range(9):
-        next(it)
-    with manager(save_with) as m:
-        m.save(9, args=ocp.args.Composite(data=save_args(it), meta=ocp.args.JsonSave({"step": 9})))
-    want = [next(it) for _ in range(3)]
-    again = data()
-    with manager(restore_with) as m:
-        m.restore(9, args=ocp.args.Composite(data=restore_args(again)))
-    assert [next(again) for _ in range(3)] == want
+    def dataset():
+        return iter(grain.MapDataset.range(50).shuffle(seed=1).to_iter_dataset())
+
+    def loader():  # a DataLoader's iterator: its state is bytes
+        source, sampler = list(range(50)), grain.samplers.IndexSampler(50, shuffle=True, seed=1, num_epochs=1)
+        return iter(grain.DataLoader(data_source=source, sampler=sampler, worker_count=0))
+
+    for step, data in ((9, dataset), (12, loader)):
+        it = data()
+        for _ in range(step):
+            next(it)
+        with manager(save_with) as m:
+            m.save(step, args=ocp.args.Composite(data=save_args(it), meta=ocp.args.JsonSave({"step": step})))
+        want = [next(it) for _ in range(3)]
+        again = data()
+        with manager(restore_with) as m:
+            m.restore(step, args=ocp.args.Composite(data=restore_args(again)))
+        assert [next(again) for _ in range(3)] == want
     assert json.loads((tmp_path / "ck" / "9" / "data" / "process_0-of-1.json").read_text()) == {"next_index": 9}
+
+
+@pytest.mark.parametrize("kind", ["dataset", "loader"])
+def test_a_step_of_another_process_count_restores_either_iterator_s_position(tmp_path, kind):
+    # Written by 2 processes, restored by 1: process 0's position applies (every process reads
+    # the same batches). A DataLoader's position is bytes, a dataset iterator's a dict.
+    import grain
+
+    from prefect_jax.training.checkpoints import CheckpointSpec, write_manifest
+
+    def data():
+        if kind == "dataset":
+            return iter(grain.MapDataset.range(50).shuffle(seed=1).to_iter_dataset())
+        sampler = grain.samplers.IndexSampler(50, shuffle=True, seed=1, num_epochs=1)
+        return iter(grain.DataLoader(data_source=list(range(50)), sampler=sampler, worker_count=0))
+
+    ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))
+    it = data()
+    for _ in range(6):
+        next(it)
+    state = {"w": np.ones(3, np.float32)}
+    ckpt.save(6, state, it, {})
+    ckpt.wait()
+    want = [next(it) for _ in range(3)]
+    step_dir = tmp_path / "ck" / "6"
+    (step_dir / "data" / "process_0-of-1.json").rename(step_dir / "data" / "process_0-of-2.json")
+    write_manifest(str(step_dir))  # as two processes' commit would have listed it
+    again = data()
+    ckpt.restore(6, jax.eval_shape(lambda: state), again)
+    assert [next(again) for _ in range(3)] == want
+
+
+
+def test_a_step_names_a_public_handler_for_its_data_position(tmp_path):
+    # Each step records its items' handlers (`_CHECKPOINT_METADATA`): a stable, importable name.
+    import importlib
+
+    import grain
+
+    from prefect_jax.training.checkpoints import CheckpointSpec, IteratorHandler
+
+    ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))
+    ckpt.save(1, {"w": np.ones(3, np.float32)}, iter(grain.MapDataset.range(5).to_iter_dataset()), {})
+    ckpt.wait()
+    with open(tmp_path / "ck" / "1" / "_CHECKPOINT_METADATA") as f:
+        name = json.load(f)["item_handlers"]["data"]
+    module, _, attr = name.rpartition(".")
+    assert name == "prefect_jax.training.checkpoints.IteratorHandler" and getattr(importlib.import_module(module), attr) is IteratorHandler

@@ -155,7 +155,7 @@ def retained(steps: list[int], spec: CheckpointSpec, newest_evaluated: int | Non
 # -- the manager ------------------------------------------------------------------------
 
 
-class _IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
+class IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
     """Grain's iterator item, its file written in the save's commit instead of before `save` returns.
 
     Grain's handler is synchronous, so Orbax ran its one small write on a thread that the save
@@ -163,7 +163,9 @@ class _IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHa
     ~15 ms (isolated, this repo's benchmark MLP on 2 CPUs). Here the position is read at the save
     (the iterator moves on after it) and written by a commit future, as Orbax's JSON item is.
     The same file (``process_<i>-of-<n>.json``, Grain's text), restored by Grain's own code:
-    steps written before or after this read the same either way."""
+    steps written before or after this read the same either way. A public name: it is recorded
+    in each step's ``_CHECKPOINT_METADATA`` (Orbax's handler registry takes one class per name,
+    so it cannot borrow Grain's)."""
 
     async def async_save(self, directory, args):
         item = args.item
@@ -176,15 +178,15 @@ class _IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHa
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="prefect_jax_data_save")]
 
 
-@ocp.args.register_with_handler(_IteratorHandler, for_save=True)
+@ocp.args.register_with_handler(IteratorHandler, for_save=True)
 @dataclasses.dataclass
 class IteratorSave(ocp.args.CheckpointArgs):
-    """Save a Grain iterator's position (the ``data`` item) with `_IteratorHandler`."""
+    """Save a Grain iterator's position (the ``data`` item) with `IteratorHandler`."""
 
     item: Any
 
 
-@ocp.args.register_with_handler(_IteratorHandler, for_restore=True)
+@ocp.args.register_with_handler(IteratorHandler, for_restore=True)
 @dataclasses.dataclass
 class IteratorRestore(ocp.args.CheckpointArgs):
     """Set a Grain iterator to the position a step saved (the ``data`` item)."""
@@ -195,7 +197,7 @@ class IteratorRestore(ocp.args.CheckpointArgs):
 def _handlers():
     return {
         "state": ocp.StandardCheckpointHandler(),
-        "data": _IteratorHandler(),
+        "data": IteratorHandler(),
         "meta": ocp.JsonCheckpointHandler(),
     }
 
@@ -410,7 +412,8 @@ class Checkpoints:
         """Every process of a job reads the same batches (the loop splits each one over the
         devices), so process 0's position is every process's, on any number of processes."""
         with open(path) as f:
-            data_iter.set_state(json.load(f))
+            text = f.read()  # Grain's: a dataset iterator's state as JSON, a DataLoader's as its bytes
+        data_iter.set_state(json.loads(text) if isinstance(data_iter, grain.DatasetIterator) else text.encode())
         logger.warning("step %d was written by %s processes, restored into %d: the data position of its process 0 "
                        "(%s) applies to each", step, os.path.basename(path).split("-of-")[1].split(".")[0],
                        jax.process_count(), os.path.basename(path))  # fmt: skip

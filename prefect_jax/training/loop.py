@@ -200,7 +200,7 @@ class Loop:
         small MLP, while the train step compiles on another thread. An init that cannot be
         traced (it reads values on the host) runs eagerly."""
         if self.state_sharding is not None:
-            seed = np.int64(self.spec.seed)  # traced as `jax.random.key` takes it: the same key for every seed
+            seed = np.int64(self.spec.seed)  # traced, `jax.random.key(seed)` is the key it makes eagerly, for every seed
             try:
                 # The key is made inside the program from the seed, an argument (as a constant,
                 # XLA could fold init into constants): no eager computation of its own to compile
