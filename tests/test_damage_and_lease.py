@@ -396,3 +396,41 @@ def test_a_retry_that_takes_its_job_back_marks_only_the_dead_attempts_task_runs_
         assert client.read_task_run(dead.id).state.is_crashed()
         assert client.read_task_run(after.id).state.is_pending()
         assert client.read_task_run(restore.id).state.is_running()
+
+
+def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_waits_for_it(job_config, caplog, monkeypatch):
+    """Seen in a suite run (a flow run started twice by the automation, on 2 loaded CPUs): the
+    first process's heartbeat came late, so its lease looked stale; the second took it over and
+    the first's late beat landed over that write. The second waits for the first, as for any
+    live process of its own flow run, instead of failing the flow run with LeaseHeldError."""
+    import subprocess
+    import sys
+    import threading
+
+    from prefect_jax.training.lease import Lease
+    from prefect_jax.training.storage import JobStorage
+
+    config = job_config()
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    path = _write_lease(config, flow_run_id="run-8", pid=first.pid, heartbeat=time.time() - 600)  # looks stale
+    storage = JobStorage(config.storage, config.job)
+    write_json, beats = JobStorage.write_json, []
+
+    def with_a_late_beat(self, target, obj, *args, **kwargs):
+        write_json(self, target, obj, *args, **kwargs)
+        if target == path and not beats:  # the first's beat, read before this write, lands after it
+            beats.append(dict(obj, token="other", pid=first.pid, heartbeat=time.time()))
+            write_json(self, target, beats[0])
+            threading.Timer(1.5, lambda: (first.kill(), first.wait())).start()
+
+    monkeypatch.setattr(JobStorage, "write_json", with_a_late_beat)
+    lease = Lease(storage, owner_id="run-8", timeout_secs=120)
+    try:
+        with caplog.at_level(logging.WARNING):
+            lease.acquire()
+        assert lease.held and first.poll() is not None  # taken once the first had ended
+        assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in caplog.text
+        assert json.load(open(path))["token"] == lease.token
+    finally:
+        lease.release()
+        first.kill()

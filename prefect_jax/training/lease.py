@@ -218,19 +218,25 @@ class Lease:
             self.verify()
         if self.held:
             return
-        current = self.wait_for_duplicate()
-        if current is not None:
-            reason = self._stale_reason(current)
-            if reason is None:
-                raise LeaseHeldError(self.storage.job_dir, current, time.time() - float(current.get("heartbeat", 0)), self.timeout_secs)
-            logger.warning("taking over the lease of %s (%s): %s", self.storage.job_dir, reason, current)
-            self.taken_over = dict(current, reason=reason)
-        self.token = uuid.uuid4().hex
-        self.storage.write_json(self.path, self._record())
-        confirmed = self.read()
-        if not confirmed or confirmed.get("token") != self.token:  # another trainer won the race
-            self.token = None
-            raise LeaseHeldError(self.storage.job_dir, confirmed or {}, 0.0, self.timeout_secs)
+        while True:
+            current = self.wait_for_duplicate()
+            if current is not None:
+                reason = self._stale_reason(current)
+                if reason is None:
+                    raise LeaseHeldError(self.storage.job_dir, current, time.time() - float(current.get("heartbeat", 0)), self.timeout_secs)
+                logger.warning("taking over the lease of %s (%s): %s", self.storage.job_dir, reason, current)
+                self.taken_over = dict(current, reason=reason)
+            self.token = uuid.uuid4().hex
+            self.storage.write_json(self.path, self._record())
+            confirmed = self.read()
+            if confirmed and confirmed.get("token") == self.token:
+                break
+            self.token = None  # another trainer won the race
+            if confirmed is None or self._live_duplicate(confirmed) is None:
+                raise LeaseHeldError(self.storage.job_dir, confirmed or {}, 0.0, self.timeout_secs)
+            # A live process of this same flow run on this host (its heartbeat, late under load,
+            # landed over this write; or it won a race with this one for a lease just freed):
+            # wait for it as for any such process, rather than fail the run.
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="prefect-jax-lease", daemon=True)
         self._thread.start()
