@@ -421,7 +421,7 @@ def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_wa
         if target == path and not beats:  # the first's beat, read before this write, lands after it
             beats.append(dict(obj, token="other", pid=first.pid, heartbeat=time.time()))
             write_json(self, target, beats[0])
-            threading.Timer(1.5, lambda: (first.kill(), first.wait())).start()
+            threading.Timer(1.5, lambda: (os.remove(path), first.kill(), first.wait())).start()  # it ends, releasing
 
     monkeypatch.setattr(JobStorage, "write_json", with_a_late_beat)
     lease = Lease(storage, owner_id="run-8", timeout_secs=120)
@@ -431,6 +431,7 @@ def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_wa
         assert lease.held and first.poll() is not None  # taken once the first had ended
         assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in caplog.text
         assert json.load(open(path))["token"] == lease.token
+        assert lease.taken_over is None  # released, not taken over: its task runs are not marked crashed
     finally:
         lease.release()
         first.kill()

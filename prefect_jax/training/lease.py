@@ -219,6 +219,7 @@ class Lease:
         if self.held:
             return
         while True:
+            self.taken_over = None  # (what this pass takes over, if anything: see `mark_taken_over`)
             current = self.wait_for_duplicate()
             if current is not None:
                 reason = self._stale_reason(current)
