@@ -313,6 +313,16 @@ def test_the_data_position_is_written_in_the_commit_not_before_save_returns(tmp_
         assert "data/process_0-of-1.json" in json.load(f)["files"]  # checksummed with the rest of the step
 
 
+def _shuffled_iterator(kind: str):
+    """50 shuffled records: a dataset iterator (its state a dict) or a DataLoader's (bytes)."""
+    import grain
+
+    if kind == "dataset":
+        return iter(grain.MapDataset.range(50).shuffle(seed=1).to_iter_dataset())
+    sampler = grain.samplers.IndexSampler(50, shuffle=True, seed=1, num_epochs=1)
+    return iter(grain.DataLoader(data_source=list(range(50)), sampler=sampler, worker_count=0))
+
+
 @pytest.mark.parametrize("writer", ["grain", "prefect_jax"])
 def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer):
     # Steps written by an earlier prefect-jax (Grain's own handler) restore here, and an
@@ -328,14 +338,8 @@ def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer)
     grains = dict(_handlers(), data=grain.checkpoint.CheckpointHandler())
     save_with, restore_with = (grains, _handlers()) if writer == "grain" else (_handlers(), grains)
     save_args, restore_args = (grain.checkpoint.CheckpointSave, IteratorRestore) if writer == "grain" else (IteratorSave, grain.checkpoint.CheckpointRestore)
-    def dataset():
-        return iter(grain.MapDataset.range(50).shuffle(seed=1).to_iter_dataset())
-
-    def loader():  # a DataLoader's iterator: its state is bytes
-        source, sampler = list(range(50)), grain.samplers.IndexSampler(50, shuffle=True, seed=1, num_epochs=1)
-        return iter(grain.DataLoader(data_source=source, sampler=sampler, worker_count=0))
-
-    for step, data in ((9, dataset), (12, loader)):
+    for step, kind in ((9, "dataset"), (12, "loader")):
+        data = lambda: _shuffled_iterator(kind)  # noqa: E731
         it = data()
         for _ in range(step):
             next(it)
@@ -353,16 +357,9 @@ def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer)
 def test_a_step_of_another_process_count_restores_either_iterator_s_position(tmp_path, kind):
     # Written by 2 processes, restored by 1: process 0's position applies (every process reads
     # the same batches). A DataLoader's position is bytes, a dataset iterator's a dict.
-    import grain
-
     from prefect_jax.training.checkpoints import CheckpointSpec, write_manifest
 
-    def data():
-        if kind == "dataset":
-            return iter(grain.MapDataset.range(50).shuffle(seed=1).to_iter_dataset())
-        sampler = grain.samplers.IndexSampler(50, shuffle=True, seed=1, num_epochs=1)
-        return iter(grain.DataLoader(data_source=list(range(50)), sampler=sampler, worker_count=0))
-
+    data = lambda: _shuffled_iterator(kind)  # noqa: E731
     ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))
     it = data()
     for _ in range(6):

@@ -155,6 +155,18 @@ def retained(steps: list[int], spec: CheckpointSpec, newest_evaluated: int | Non
 # -- the manager ------------------------------------------------------------------------
 
 
+def _position_text(data_iter) -> str:
+    """A Grain iterator's position as Grain's handler writes it: a dataset iterator's state as
+    JSON, a DataLoader's bytes as text. `_set_position` reads it back."""
+    if isinstance(data_iter, grain.DatasetIterator):
+        return json.dumps(data_iter.get_state(), indent=4)
+    return data_iter.get_state().decode()
+
+
+def _set_position(data_iter, text: str) -> None:
+    data_iter.set_state(json.loads(text) if isinstance(data_iter, grain.DatasetIterator) else text.encode())
+
+
 class IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
     """Grain's iterator item, its file written in the save's commit instead of before `save` returns.
 
@@ -168,8 +180,7 @@ class IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHan
     so it cannot borrow Grain's)."""
 
     async def async_save(self, directory, args):
-        item = args.item
-        text = json.dumps(item.get_state(), indent=4) if isinstance(item, grain.DatasetIterator) else item.get_state().decode()
+        text = _position_text(args.item)
         index, count = jax.process_index(), jax.process_count()
 
         async def write():
@@ -412,8 +423,7 @@ class Checkpoints:
         """Every process of a job reads the same batches (the loop splits each one over the
         devices), so process 0's position is every process's, on any number of processes."""
         with open(path) as f:
-            text = f.read()  # Grain's: a dataset iterator's state as JSON, a DataLoader's as its bytes
-        data_iter.set_state(json.loads(text) if isinstance(data_iter, grain.DatasetIterator) else text.encode())
+            _set_position(data_iter, f.read())
         logger.warning("step %d was written by %s processes, restored into %d: the data position of its process 0 "
                        "(%s) applies to each", step, os.path.basename(path).split("-of-")[1].split(".")[0],
                        jax.process_count(), os.path.basename(path))  # fmt: skip

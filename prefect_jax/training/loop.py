@@ -176,18 +176,20 @@ class Loop:
         the process's first JAX computation, compiled (or loaded from the cache) on the rerun's
         way to its first step: 25-60 ms here."""
         if self._rng is None:
-            self._rng = self._init_key()
+            self._rng = jax.random.key(self.spec.seed)
         return self._rng
 
-    def _init_key(self):
-        return jax.random.key(self.spec.seed)
+    def _init_from_seed(self, seed):
+        """The program's init from its seed's key, made inside the trace: what init compiles and
+        what the abstract state traces (a traced `jax.random.key(seed)` is the eager key, for every seed)."""
+        return self.program.init(jax.random.key(seed))
 
     @property
     def abstract_state(self):
         """``jax.eval_shape`` of init: the structure a restore must match (traced with an
         abstract key: no computation runs)."""
         if self._abstract is None:
-            shapes = jax.eval_shape(lambda: self.program.init(self._init_key()))
+            shapes = jax.eval_shape(self._init_from_seed, np.int64(self.spec.seed))
             # With the sharding the live state has: a checkpoint written by another number of
             # devices or processes is restored into this one's layout (Orbax reshards it).
             self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.state_sharding), shapes)
@@ -200,12 +202,12 @@ class Loop:
         small MLP, while the train step compiles on another thread. An init that cannot be
         traced (it reads values on the host) runs eagerly."""
         if self.state_sharding is not None:
-            seed = np.int64(self.spec.seed)  # traced, `jax.random.key(seed)` is the key it makes eagerly, for every seed
+            seed = np.int64(self.spec.seed)
             try:
                 # The key is made inside the program from the seed, an argument (as a constant,
                 # XLA could fold init into constants): no eager computation of its own to compile
                 # and run first, and one executable (one cache entry) for every seed.
-                lowered = jax.jit(lambda seed: self.program.init(jax.random.key(seed)), out_shardings=self.state_sharding).lower(seed)
+                lowered = jax.jit(self._init_from_seed, out_shardings=self.state_sharding).lower(seed)
             except TypeError:  # jax.errors.ConcretizationTypeError and kin, or a leaf that is not an array
                 logger.debug("init cannot be jitted: running it op by op", exc_info=True)
             else:
