@@ -62,6 +62,18 @@ def _sweep_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
     return _slope(extra), _slope([(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in sweep])
 
 
+def _cpu_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
+    """One sweep's CPU seconds per interval: the flow's process over the plain loop's, and the
+    standing server's while the flow ran over its while the plain loop ran (runs before 2026-11-27
+    did not record them: None)."""
+    def slope(key):
+        points = [(row["intervals"], _get(row, "prefect_jax", key) - _get(row, "plain", key))
+                  for row in sweep if _get(row, "prefect_jax", key) is not None and _get(row, "plain", key) is not None]
+        return _slope(points)
+
+    return slope("cpu_s"), slope("server_cpu_s")
+
+
 def summarize(report: dict) -> dict:
     """Ratios and targets. With interleaved rounds (`report["rounds"]`, `report["interval_rounds"]`),
     a ratio or a slope is the median of its per-round values (kept under ``per_round``); the sides
@@ -139,7 +151,20 @@ def summarize(report: dict) -> dict:
             "ratios": ratios, "targets": targets, "machine": report["machine"],
             "rerun_to_first_step_vs_floor": _ratio(rerun, floor),
             "peak_rss_mib": {name: round(peers[name]["peak_rss_mib"]) for name, _ in SYSTEMS if _get(peers, name, "peak_rss_mib")},
+            "cpu_ms_per_interval": cpu_per_interval(sweeps),
             "goodput": gp.get("table")}
+
+
+def cpu_per_interval(sweeps: list[list[dict]]) -> dict | None:
+    """The extra CPU time of each checkpoint interval, ms (medians of per-round slopes): in the
+    flow's process (over the plain loop's) and in the standing server, on the same cores."""
+    slopes = [_cpu_slopes(sw) for sw in sweeps]
+    process, server = _median([s[0] for s in slopes]), _median([s[1] for s in slopes])
+    if process is None and server is None:
+        return None
+    ms = lambda x: round(x * 1000, 1) if x is not None else None  # noqa: E731
+    return {"process": ms(process), "server": ms(server),
+            "per_round": {"process": [ms(s[0]) for s in slopes], "server": [ms(s[1]) for s in slopes]}}
 
 
 def _mean(xs):
@@ -803,13 +828,25 @@ def write_markdown(report: dict, summary: dict) -> str:
             + (" Each cell is the median over the rounds; the targets take each round's own slope, then their median."
                if len(report.get("interval_rounds") or []) > 1 else ""),
             "", *scan_line,
-            "| intervals | every | plain loop s | flow loop s | extra s | extra ms / interval | flow: prefect s | flow: mlflow s |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| intervals | every | plain loop s | flow loop s | extra s | extra ms / interval | flow: prefect s | flow: mlflow s "
+            "| plain: CPU s | flow: CPU s | server CPU s, plain / flow |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in report["intervals"]:
         p, f = row.get("plain") or {}, row.get("prefect_jax") or {}
         extra = f.get("loop_s") - p.get("loop_s") if f.get("loop_s") and p.get("loop_s") else None
         out.append(f"| {row['intervals']} | {row['every']} | {_f(p.get('loop_s'))} | {_f(f.get('loop_s'))} | {_f(extra)} | "
-                   f"{_f(extra and extra * 1000 / row['intervals'], 1)} | {_f(f.get('prefect_s'))} | {_f(f.get('mlflow_s'))} |")
+                   f"{_f(extra and extra * 1000 / row['intervals'], 1)} | {_f(f.get('prefect_s'))} | {_f(f.get('mlflow_s'))} | "
+                   f"{_f(p.get('cpu_s'))} | {_f(f.get('cpu_s'))} | {_f(p.get('server_cpu_s'))} / {_f(f.get('server_cpu_s'))} |")
+    cpu = summary.get("cpu_ms_per_interval")
+    if cpu:
+        out += ["", f"CPU per checkpoint interval (the slopes of the CPU columns, flow minus plain loop; median of "
+                f"per-round slopes): the flow's process {_f(cpu['process'], 1)} ms (per round "
+                f"{', '.join(_f(x, 1) for x in cpu['per_round']['process'])}), the standing Prefect server "
+                f"{_f(cpu['server'], 1)} ms ({', '.join(_f(x, 1) for x in cpu['per_round']['server'])}). `CPU` is a "
+                "side's whole process (user and system, with the MLflow worker it waited for); the server's is "
+                "counted from the side's start until the server is idle again. Both share the training's two cores: "
+                "where the plain loop keeps them busy, each interval's extra CPU time costs at least half as much "
+                "extra wall time."]
     restart = report.get("restart") or {}
     if restart:
         out += ["", "## Restart", "",

@@ -289,7 +289,8 @@ SIDES = {
 def run_child(cmd: list[str], env: dict, name: str) -> dict | None:
     """Run a child; its last stdout line is its JSON result, to which this adds ``process_s`` (the
     whole process, from its start to its exit: interpreter, imports, work, teardown) and
-    ``peak_rss_mib`` (its peak resident memory, from the kernel's rusage)."""
+    ``peak_rss_mib`` (its peak resident memory, from the kernel's rusage) and ``cpu_s`` (its user and
+    system CPU time, with that of the children it waited for, such as its MLflow worker)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
@@ -304,7 +305,7 @@ def run_child(cmd: list[str], env: dict, name: str) -> dict | None:
         log(f"{name} FAILED (exit {proc.returncode}):\n{stderr[-3000:]}")
         return None
     result = json.loads(lines[-1])
-    result.update(process_s=process_s, peak_rss_mib=usage.ru_maxrss / 1024)
+    result.update(process_s=process_s, peak_rss_mib=usage.ru_maxrss / 1024, cpu_s=usage.ru_utime + usage.ru_stime)
     log(f"{name} ({process_s:.0f}s): " + ", ".join(
         f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items() if not isinstance(v, (dict, list))))
     return result
@@ -494,9 +495,12 @@ def main() -> None:
         warm_up(env)  # a first flow run, not measured: the server registers the flow, the client its profile
         peers = {}
 
-        def with_server_cpu(run):  # the server's CPU seconds while a side ran (same two cores)
+        def with_server_cpu(run):
+            """The server's CPU seconds for a side (same two cores): while it ran, and until the
+            server is idle again (it records a flow run's last events after the run ends)."""
             before = server.cpu_s()
             result = run()
+            server._settle(limit_s=10.0)
             if result is not None:
                 result["server_cpu_s"] = server.cpu_s() - before
             return result
@@ -543,8 +547,9 @@ def main() -> None:
                 row = {"intervals": n, "every": every}
                 # One interval is training speed itself: there the scan sides run too (steps_per_dispatch).
                 for name in ("plain", "prefect_jax") + (("plain_scan", "prefect_jax_scan") if n == 1 else ()):
-                    res = side(name, args, env, every=every, label=f"{name} x{n}{in_round(r)}")
-                    row[name] = res and {k: res[k] for k in ("wall_s", "loop_s", "train_s", "engine_s", "mlflow_s", "prefect_s") if k in res}
+                    res = with_server_cpu(lambda: side(name, args, env, every=every, label=f"{name} x{n}{in_round(r)}"))
+                    row[name] = res and {k: res[k] for k in ("wall_s", "loop_s", "train_s", "engine_s", "mlflow_s", "prefect_s",
+                                                             "cpu_s", "server_cpu_s") if k in res}
                 sweep.append(row)
             sweeps.append(sweep)
         report["interval_rounds"] = sweeps
