@@ -215,6 +215,8 @@ GAPS = {
         "1.17 in that run. Noise: the per-round column."
     ),
     "loop_vs_plain": (
+        "1.45 in the 2026-11-27 05:37 run (per round 1.45, 1.64, 1.42): on this 10-interval workload the intervals' "
+        "cost (next line) is the gap, and the next line's CPU figures say why it stays. "
         "Besides each interval's fixed cost (next line): until the 2026-11-26 01:06 run the flow side started its MLflow "
         "worker with the flow run, after its shared imports, so the worker's start-up (MLflow's import and its SQLite "
         "store: ~2.5 s of CPU at nice 10) ran beside training on the same two cores; a flow run and the command start "
@@ -250,6 +252,19 @@ GAPS = {
         "GPU job, the per-interval cost is under 0.1% of an interval."
     ),
     "orchestration_ms_per_interval": (
+        "In CPU time (the sweep records it since the 2026-11-27 05:37 run; its per-round slopes): each interval took "
+        "the flow 153-190 ms of CPU, 86-112 ms in its own process and 67-78 ms in the standing Prefect server, in "
+        "96-116 ms of loop time, so ~80% of both cores; the plain loop 51-62 ms of CPU in 42-50 ms (~62%). The "
+        "flow's intervals are bound by CPU on these two cores, and the server, which the plain loop does not use, "
+        "takes over a third of it. `benchmarks/server_cost.py` (the table under the sweep) splits the server's "
+        "share by kind of call, each alone: the interval's two task runs cost it 26 ms (Prefect's task-run recorder "
+        "and event persister writing each run's three states to SQLite: ~13 ms a task run, against ~2 ms in the "
+        "flow's process), the results table 7.6 ms, the progress update 3.8 ms and the two events 1.9 ms: ~40 ms "
+        "alone, ~70 ms beside training on the same cores. Within the target, the loop may take the plain loop's "
+        "~45 ms plus 30 ms per interval; at the flow's ~80% of two cores that is ~120 ms of CPU, less than the "
+        "flow's process and the server use together. With the server on another machine (Prefect Cloud, a team's "
+        "server), the flow's process alone would come to ~55-70 ms of loop time per interval, 5-25 ms over the "
+        "plain loop: an estimate from these CPU figures, not measured (this machine has two cores and no other). "
         "Per interval: two Prefect task runs (train, evaluate: ~15 ms each of engine work and state changes), a "
         "three-item Orbax save (state, data position, metadata; ~30 ms blocking), the evaluation's wait for that "
         "save to commit before its durable record is written (~40 ms: a record names only committed steps, see "
@@ -316,7 +331,8 @@ GAPS = {
         "09:11 the command imports with the garbage collector off and no longer imports FastAPI for the flow run's "
         "parameters: its way back went from 2.7-2.9 s (the 05:53 run, ratio 1.93) to 2.3-2.6 s (1.62; 1.56 at 20:14; "
         "1.47 on 2026-11-26 01:06, 1.56 at 03:47, 1.40 at 19:57; 1.53 on 2026-11-27 00:42, where the plain loop's "
-        "reruns were quicker than before: 1.07-1.41 s, mean per row, against prefect-jax's 1.67-1.75 s). What remains "
+        "reruns were quicker than before: 1.07-1.41 s, mean per row, against prefect-jax's 1.67-1.75 s; 1.47 on 2026-11-27 "
+        "05:37: 1.14-1.62 s against 1.72-1.84 s). What remains "
         "over the plain loop's: Prefect's import (~0.6 s), the flows module, the flow run and the restore task with "
         "their API round trips (~0.1-0.2 s). Since 2026-11-27 the flows module no longer builds Prefect's JSON schema "
         "of its four flows' parameters at import (`_parameter_schemas_on_demand`: the flows' import after the "
@@ -328,7 +344,11 @@ GAPS = {
         "cannot go under ~1.4 on this machine."
     ),
     "goodput_margin_vs_peers": (
-        "In the 2026-11-27 00:42 run, the job sized to 16500 steps (every system signalled at every period), prefect-jax "
+        "In the 2026-11-27 05:37 run (17000 steps) prefect-jax led at every period and signal but one: T = 30 s with "
+        "SIGKILL, 0.993 against the plain loop's 1.014 (Keras 0.948), where its ledger shows nothing recomputed "
+        "(backups) and start-up 5.9 s over 4 attempts against the plain loop's 3.3 s (the next line); T = 15 s "
+        "SIGKILL 0.857 against 0.838 and 0.768, T = 60 s SIGKILL 1.053 against 1.026 and 0.957, every SIGTERM row "
+        "by 0.07 or more. In the 2026-11-27 00:42 run, the job sized to 16500 steps (every system signalled at every period), prefect-jax "
         "led every SIGTERM row (T = 15 s 0.874 against the plain loop's 0.855 and Keras's 0.767; T = 30 s 0.988 against "
         "0.960 and 0.920; T = 60 s 1.038 against 1.018 and 0.988) and trailed every SIGKILL row by 0.023 at most (T = 15 s "
         "0.805 against the plain loop's 0.828; T = 30 s 0.937 against Keras's 0.960; T = 60 s 0.965 against Keras's "
@@ -652,6 +672,34 @@ def gpu_markdown() -> list[str]:
     return out + ([""] + notes if notes else [])
 
 
+SERVER_COST_KINDS = (
+    ("two_task_runs", "two task runs (train, evaluate)"),
+    ("two_events", "two events (checkpoint committed, eval completed)"),
+    ("table_artifact", "a table artifact (the results)"),
+    ("progress_update", "a progress artifact update"),
+)
+
+
+def server_cost_markdown(sc: dict | None) -> list[str]:
+    """`server_cost.py`: the Prefect server's CPU per kind of call that an interval makes."""
+    if not sc:
+        return []
+    out = ["", f"What the Prefect calls of one interval cost the standing server (`benchmarks/server_cost.py`, measured "
+           f"{sc.get('measured', 'in this run')}: a flow of {sc['iterations']} iterations of each kind alone, "
+           f"{sc['repeats']} interleaved repeats, medians; the server's CPU from the flow's start until it is idle "
+           f"again, less an empty flow's ({_f(sc['empty_flow_server_cpu_ms'], 1)} ms per iteration); the flow process's "
+           f"CPU likewise, less an empty flow's ({_f(sc.get('empty_flow_cpu_ms'), 1)} ms)):", "",
+           "| per iteration | server CPU ms | the flow's CPU ms |", "|---|---:|---:|"]
+    totals = [0.0, 0.0]
+    for key, label in SERVER_COST_KINDS:
+        row = sc.get(key) or {}
+        totals[0] += row.get("server_cpu_ms") or 0.0
+        totals[1] += row.get("flow_cpu_ms") or 0.0
+        out.append(f"| {label} | {_f(row.get('server_cpu_ms'), 1)} | {_f(row.get('flow_cpu_ms'), 1)} |")
+    out.append(f"| all of an interval's | {_f(totals[0], 1)} | {_f(totals[1], 1)} |")
+    return out
+
+
 def worker_rerun_markdown(wr: dict | None) -> list[str]:
     """`worker_rerun.py`: reruns of a deployment's flow run through a process worker and the rerun automation."""
     if not wr or not wr.get("runs"):
@@ -847,6 +895,7 @@ def write_markdown(report: dict, summary: dict) -> str:
                 "counted from the side's start until the server is idle again. Both share the training's two cores: "
                 "where the plain loop keeps them busy, each interval's extra CPU time costs at least half as much "
                 "extra wall time."]
+    out += server_cost_markdown(report.get("server_cost"))
     restart = report.get("restart") or {}
     if restart:
         out += ["", "## Restart", "",

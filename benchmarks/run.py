@@ -572,6 +572,8 @@ def main() -> None:
     multiprocess_cmd = [sys.executable, os.path.join(HERE, "multiprocess.py")] + (
         ["--steps", "600", "--rounds", "1", "--out", os.path.join(work, "multiprocess.json")] if args.quick else [])
     report["multiprocess"] = run_child(multiprocess_cmd, base_env, "multiprocess")
+    server_cost_cmd = [sys.executable, os.path.join(HERE, "server_cost.py")] + (["--repeats", "1"] if args.quick else [])
+    report["server_cost"] = run_child(server_cost_cmd, base_env, "server cost")
     sizes = "1,16,64" if args.quick else "1,16,64,256,512,1024"
     report["storage"] = run_child([sys.executable, os.path.join(HERE, "storage.py"), "--scale", "--sizes", sizes],
                                   base_env, "storage scale")
