@@ -216,7 +216,7 @@ GAPS = {
     ),
     "loop_vs_plain": (
         "1.45 in the 2026-11-27 05:37 run (per round 1.45, 1.64, 1.42): on this 10-interval workload the intervals' "
-        "cost (next line) is the gap, and the next line's CPU figures say why it stays. "
+        "cost (next line) is about the gap, and the next line's CPU figures say why it stays. "
         "Besides each interval's fixed cost (next line): until the 2026-11-26 01:06 run the flow side started its MLflow "
         "worker with the flow run, after its shared imports, so the worker's start-up (MLflow's import and its SQLite "
         "store: ~2.5 s of CPU at nice 10) ran beside training on the same two cores; a flow run and the command start "
@@ -254,17 +254,21 @@ GAPS = {
     "orchestration_ms_per_interval": (
         "In CPU time (the sweep records it since the 2026-11-27 05:37 run; its per-round slopes): each interval took "
         "the flow 153-190 ms of CPU, 86-112 ms in its own process and 67-78 ms in the standing Prefect server, in "
-        "96-116 ms of loop time, so ~80% of both cores; the plain loop 51-62 ms of CPU in 42-50 ms (~62%). The "
-        "flow's intervals are bound by CPU on these two cores, and the server, which the plain loop does not use, "
-        "takes over a third of it. `benchmarks/server_cost.py` (the table under the sweep) splits the server's "
-        "share by kind of call, each alone: the interval's two task runs cost it 26 ms (Prefect's task-run recorder "
-        "and event persister writing each run's three states to SQLite: ~13 ms a task run, against ~2 ms in the "
-        "flow's process), the results table 7.6 ms, the progress update 3.8 ms and the two events 1.9 ms: ~40 ms "
-        "alone, ~70 ms beside training on the same cores. Within the target, the loop may take the plain loop's "
-        "~45 ms plus 30 ms per interval; at the flow's ~80% of two cores that is ~120 ms of CPU, less than the "
-        "flow's process and the server use together. With the server on another machine (Prefect Cloud, a team's "
-        "server), the flow's process alone would come to ~55-70 ms of loop time per interval, 5-25 ms over the "
-        "plain loop: an estimate from these CPU figures, not measured (this machine has two cores and no other). "
+        "96-116 ms of loop time: CPU time at ~80% of both cores' loop time (an upper bound on their use: the CPU "
+        "columns count whole processes, the slopes only add intervals), against the plain loop's 51-62 ms of CPU in "
+        "42-50 ms (~62%). That is consistent with intervals bound by CPU on these two cores, and the server, which "
+        "the plain loop does not use, takes 41-44% of it. `benchmarks/server_cost.py` (the table under the sweep) "
+        "splits the server's share by kind of call, each alone: the interval's two task runs cost it 26 ms (~13 ms "
+        "a task run, against ~2 ms in the flow's process; a py-spy profile of the server during the flow side had "
+        "most of its samples in its SQLite connection thread and its task-run recorder and event persister "
+        "services), the results table 7.6 ms, the progress update 3.8 ms and the two events 1.9 ms: ~40 ms alone "
+        "against ~70 ms in the sweep (the difference is not split: the flow's task runs carry larger parameters "
+        "and results tables, and share the cores with training). Within the target, the loop may take the plain "
+        "loop's ~45 ms plus 30 ms per interval; at the flow's ~80% use of two cores that is ~120 ms of CPU, less "
+        "than the flow's process and the server use together. With the server on another machine (Prefect Cloud, "
+        "a team's server), the flow's process alone would come to ~55-70 ms of loop time per interval at that use "
+        "(5-25 ms over the plain loop), ~70-90 ms at the plain loop's ~62% (20-45 ms over): an estimate from "
+        "these CPU figures, not measured (this machine has two cores and no other). "
         "Per interval: two Prefect task runs (train, evaluate: ~15 ms each of engine work and state changes), a "
         "three-item Orbax save (state, data position, metadata; ~30 ms blocking), the evaluation's wait for that "
         "save to commit before its durable record is written (~40 ms: a record names only committed steps, see "
@@ -690,13 +694,15 @@ def server_cost_markdown(sc: dict | None) -> list[str]:
            f"again, less an empty flow's ({_f(sc['empty_flow_server_cpu_ms'], 1)} ms per iteration); the flow process's "
            f"CPU likewise, less an empty flow's ({_f(sc.get('empty_flow_cpu_ms'), 1)} ms)):", "",
            "| per iteration | server CPU ms | the flow's CPU ms |", "|---|---:|---:|"]
-    totals = [0.0, 0.0]
-    for key, label in SERVER_COST_KINDS:
-        row = sc.get(key) or {}
-        totals[0] += row.get("server_cpu_ms") or 0.0
-        totals[1] += row.get("flow_cpu_ms") or 0.0
+    rows = [sc.get(key) or {} for key, _ in SERVER_COST_KINDS]
+    for row, (_, label) in zip(rows, SERVER_COST_KINDS):
         out.append(f"| {label} | {_f(row.get('server_cpu_ms'), 1)} | {_f(row.get('flow_cpu_ms'), 1)} |")
-    out.append(f"| all of an interval's | {_f(totals[0], 1)} | {_f(totals[1], 1)} |")
+
+    def total(key):  # None (shown as a dash) where a kind is missing
+        values = [row.get(key) for row in rows]
+        return None if None in values else sum(values)
+
+    out.append(f"| all of an interval's | {_f(total('server_cpu_ms'), 1)} | {_f(total('flow_cpu_ms'), 1)} |")
     return out
 
 
@@ -807,7 +813,9 @@ def write_markdown(report: dict, summary: dict) -> str:
         "`process` is the whole process, from its start to its exit (interpreter, imports, the work, teardown); "
         "`peak RSS` its peak resident memory (the kernel's rusage).",
         "",
-        "`server CPU` is the CPU time the standing Prefect server used while the side ran, on the same two cores.",
+        "`server CPU` is the CPU time the standing Prefect server used for the side, on the same two cores: from the side's "
+        "start until the server is idle again (it records a flow run's last events after the run ends; until the "
+        "2026-11-27 05:37 run, only while the side ran).",
         "",
         "| system | process s | wall s | loop s | process / floor | wall / floor | loop / floor | peak RSS MiB | server CPU s | final eval accuracy |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -892,9 +900,8 @@ def write_markdown(report: dict, summary: dict) -> str:
                 f"{', '.join(_f(x, 1) for x in cpu['per_round']['process'])}), the standing Prefect server "
                 f"{_f(cpu['server'], 1)} ms ({', '.join(_f(x, 1) for x in cpu['per_round']['server'])}). `CPU` is a "
                 "side's whole process (user and system, with the MLflow worker it waited for); the server's is "
-                "counted from the side's start until the server is idle again. Both share the training's two cores: "
-                "where the plain loop keeps them busy, each interval's extra CPU time costs at least half as much "
-                "extra wall time."]
+                "counted from the side's start until the server is idle again. Both share the training's two cores, so "
+                "an interval's extra CPU time costs wall time to the extent that the training leaves the cores busy."]
     out += server_cost_markdown(report.get("server_cost"))
     restart = report.get("restart") or {}
     if restart:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = ("empty", "two_task_runs", "two_events", "table_artifact", "progress_update")
@@ -58,11 +60,19 @@ def iterations():
 
 iterations()  # warm-up: the server registers the flow
 print("ready", flush=True)
-sys.stdin.readline()
+if not sys.stdin.readline():  # the parent went away
+    sys.exit(1)
 iterations()
 print("done", flush=True)
 sys.stdin.readline()  # its CPU time is read before it exits
 """
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    """Each line of `stream` into `lines`, then "" at its end (the child exited)."""
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+    lines.put("")
 
 
 def main() -> None:
@@ -78,6 +88,14 @@ def main() -> None:
         t = psutil.Process(pid).cpu_times()
         return t.user + t.system
 
+    def expect(lines: queue.Queue, word: str, kind: str, timeout: float = 300.0) -> None:
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"server_cost: the {kind} flow did not say {word!r} within {timeout:.0f} s") from None
+        if line.strip() != word:
+            raise RuntimeError(f"server_cost: the {kind} flow said {line.strip()!r} (exited?) where {word!r} was due")
+
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
     with tempfile.TemporaryDirectory(prefix="server-cost-") as work, StandingServer(os.path.join(work, "home")) as server:
         env = dict(os.environ, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client"),
@@ -86,18 +104,25 @@ def main() -> None:
             for kind in KINDS:  # interleaved: a slow minute on shared cores hits every kind once
                 child = subprocess.Popen([sys.executable, "-c", CHILD, kind, str(args.iterations)], env=env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                assert child.stdout.readline().strip() == "ready", kind
-                server._settle(limit_s=10.0)
-                before, client_before = server.cpu_s(), process_cpu_s(child.pid)
-                child.stdin.write("\n")
-                child.stdin.flush()
-                assert child.stdout.readline().strip() == "done", kind
-                client_s = process_cpu_s(child.pid) - client_before
-                server._settle(limit_s=10.0)  # the server records a flow run's last events after it ends
-                server_s = server.cpu_s() - before
-                child.stdin.write("\n")
-                child.stdin.close()
-                child.wait()
+                lines: queue.Queue = queue.Queue()  # its stdout, read on a thread: a stalled child times out
+                threading.Thread(target=_read_lines, args=(child.stdout, lines), daemon=True).start()
+                try:
+                    expect(lines, "ready", kind)
+                    server._settle(limit_s=10.0)
+                    before, client_before = server.cpu_s(), process_cpu_s(child.pid)
+                    child.stdin.write("\n")
+                    child.stdin.flush()
+                    expect(lines, "done", kind)
+                    client_s = process_cpu_s(child.pid) - client_before
+                    server._settle(limit_s=10.0)  # the server records a flow run's last events after it ends
+                    server_s = server.cpu_s() - before
+                    child.stdin.write("\n")
+                    child.stdin.close()
+                    child.wait(timeout=60)
+                finally:
+                    if child.poll() is None:  # left behind by a failure: it must not outlive this run
+                        child.kill()
+                        child.wait()
                 samples[kind].append((server_s, client_s))
                 print(f"[server_cost] {kind}, round {r + 1}/{args.repeats}: per iteration, server CPU "
                       f"{server_s * 1000 / args.iterations:.1f} ms, the flow's CPU {client_s * 1000 / args.iterations:.1f} ms",
