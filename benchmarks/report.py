@@ -690,7 +690,7 @@ def server_cost_markdown(sc: dict | None) -> list[str]:
         return []
     out = ["", f"What the Prefect calls of one interval cost the standing server (`benchmarks/server_cost.py`, measured "
            f"{sc.get('measured', 'in this run')}: a flow of {sc['iterations']} iterations of each kind alone, "
-           f"{sc['repeats']} interleaved repeats, medians; the server's CPU from the flow's start until it is idle "
+           f"{sc['repeats']} interleaved repeat{'s' if sc['repeats'] != 1 else ''}, medians; the server's CPU from the flow's start until it is idle "
            f"again, less an empty flow's ({_f(sc['empty_flow_server_cpu_ms'], 1)} ms per iteration); the flow process's "
            f"CPU likewise, less an empty flow's ({_f(sc.get('empty_flow_cpu_ms'), 1)} ms)):", "",
            "| per iteration | server CPU ms | the flow's CPU ms |", "|---|---:|---:|"]

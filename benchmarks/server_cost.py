@@ -31,7 +31,7 @@ KINDS = ("empty", "two_task_runs", "two_events", "table_artifact", "progress_upd
 
 # The flow each child process runs: one kind, `n` iterations, after one unmeasured warm-up run.
 CHILD = r"""
-import json, sys
+import sys
 from prefect import flow, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
