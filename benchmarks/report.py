@@ -55,23 +55,23 @@ def _per_round_ratios(rounds: list[dict], name: str, key: str) -> list[float | N
     return [_ratio(_get(rnd, name, key), _get(rnd, "plain", key)) for rnd in rounds]
 
 
+def _extra_slope(sweep: list[dict], key: str) -> float | None:
+    """One sweep's slope over the intervals of the flow's `key` less the plain loop's (rows where
+    either lacks it are left out: a failed side, or a run from before `key` was recorded)."""
+    return _slope([(row["intervals"], _get(row, "prefect_jax", key) - _get(row, "plain", key))
+                   for row in sweep if _get(row, "prefect_jax", key) is not None and _get(row, "plain", key) is not None])
+
+
 def _sweep_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
     """One sweep's slopes: the flow's extra loop time over plain's, and its Prefect time, per interval."""
-    extra = [(row["intervals"], _get(row, "prefect_jax", "loop_s") - _get(row, "plain", "loop_s"))
-             for row in sweep if _get(row, "prefect_jax", "loop_s") and _get(row, "plain", "loop_s")]
-    return _slope(extra), _slope([(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in sweep])
+    return _extra_slope(sweep, "loop_s"), _slope([(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in sweep])
 
 
 def _cpu_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
     """One sweep's CPU seconds per interval: the flow's process over the plain loop's, and the
     standing server's while the flow ran over its while the plain loop ran (runs before 2026-11-27
     did not record them: None)."""
-    def slope(key):
-        points = [(row["intervals"], _get(row, "prefect_jax", key) - _get(row, "plain", key))
-                  for row in sweep if _get(row, "prefect_jax", key) is not None and _get(row, "plain", key) is not None]
-        return _slope(points)
-
-    return slope("cpu_s"), slope("server_cpu_s")
+    return _extra_slope(sweep, "cpu_s"), _extra_slope(sweep, "server_cpu_s")
 
 
 def summarize(report: dict) -> dict:

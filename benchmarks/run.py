@@ -383,7 +383,7 @@ class StandingServer:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
                         self.start_s = time.perf_counter() - t
-                        self._settle()
+                        self.settle()
                         return self
             except OSError:
                 time.sleep(0.5)
@@ -406,10 +406,11 @@ class StandingServer:
                 pass
         return total
 
-    def _settle(self, limit_s: float = 60.0) -> None:
-        """Wait until the server is idle (its processes below 10% of a CPU over a second): it goes on
-        migrating its database and starting its services after it answers, and that must not
-        land on the first side measured."""
+    def settle(self, limit_s: float = 60.0) -> None:
+        """Wait until the server is idle (its processes below 10% of a CPU over a second), at most
+        `limit_s`: it goes on migrating its database and starting its services after it answers
+        (which must not land on the first side measured), and on recording a flow run's events
+        after the run ends. Sets `settled` (idle within the limit) and `settle_s` (the wait)."""
         import psutil
 
         t = time.perf_counter()
@@ -503,7 +504,7 @@ def main() -> None:
             server is idle again (it records a flow run's last events after the run ends)."""
             before = server.cpu_s()
             result = run()
-            server._settle(limit_s=10.0)
+            server.settle(limit_s=10.0)
             if result is not None:
                 result["server_cpu_s"] = server.cpu_s() - before
                 if not server.settled:  # still busy after 10 s: its reading holds work that is not the side's

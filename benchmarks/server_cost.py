@@ -108,13 +108,13 @@ def main() -> None:
                 threading.Thread(target=_read_lines, args=(child.stdout, lines), daemon=True).start()
                 try:
                     expect(lines, "ready", kind)
-                    server._settle(limit_s=10.0)
+                    server.settle(limit_s=10.0)
                     before, client_before = server.cpu_s(), process_cpu_s(child.pid)
                     child.stdin.write("\n")
                     child.stdin.flush()
                     expect(lines, "done", kind)
                     client_s = process_cpu_s(child.pid) - client_before
-                    server._settle(limit_s=10.0)  # the server records a flow run's last events after it ends
+                    server.settle(limit_s=10.0)  # the server records a flow run's last events after it ends
                     server_s = server.cpu_s() - before
                     child.stdin.write("\n")
                     child.stdin.close()

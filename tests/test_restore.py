@@ -376,7 +376,6 @@ def test_a_step_of_another_process_count_restores_either_iterator_s_position(tmp
     assert [next(again) for _ in range(3)] == want
 
 
-
 def test_a_step_names_a_public_handler_for_its_data_position(tmp_path):
     # Each step records its items' handlers (`_CHECKPOINT_METADATA`): a stable, importable name.
     import importlib
