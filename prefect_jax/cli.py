@@ -508,7 +508,9 @@ def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> N
     from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.remote import job_committed_steps
     from prefect_jax.training.storage import JobStorage
+    from prefect_jax.tasks import ui_refresh_secs
 
+    ui_refresh_secs()
     load_program(program)
     url, options = resolve_storage(storage)
     js = JobStorage(url, job, options)

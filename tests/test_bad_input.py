@@ -149,3 +149,12 @@ def test_these_refusals_are_not_retried():
     assert not is_transient(StorageNotWritableError("/data", PermissionError(13, "Permission denied")))
     assert not is_transient(PastMaxStepsError("/data/j", 40, 30))
     assert is_transient(PermissionError(13, "Permission denied"))  # unchanged for other I/O
+
+
+def test_a_bad_ui_refresh_setting_is_one_clear_line_before_any_flow_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", "soon")
+    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"))
+    assert proc.returncode == 2
+    line = _one_error_line(proc, "run")
+    assert "PREFECT_JAX_UI_REFRESH_SECS='soon'" in line and "set it to e.g. 2" in line, line
+    assert not (tmp_path / "s").exists()

@@ -320,3 +320,65 @@ def test_progress_is_published_while_mlflow_is_still_starting(tmp_path, mlflow_u
         [e.experiment_id for e in MlflowClient(mlflow_uri).search_experiments()], f"tags.`{JOB_TAG}` = 'slow-mlflow'")]  # fmt: skip
     assert len(run_ids) == 1
     assert {"prefect-jax", "job:slow-mlflow", f"mlflow-run:{run_ids[0]}"} <= set(asyncio.run(tags()))
+
+
+@pytest.mark.parametrize(("refresh_secs", "updates"), [("60", 2), ("0", 5)])
+def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
+    tmp_path, mlflow_uri, prefect_server, monkeypatch, refresh_secs, updates
+):
+    """The results table and the progress bar show only the latest state: with checkpoints
+    seconds apart, a flow run makes one version of each every PREFECT_JAX_UI_REFRESH_SECS at most
+    (the first at once; the newest at the end, on its own evaluate task run); 0 makes one for
+    every evaluation and every checkpoint."""
+    from prefect_jax import flows
+
+    monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", refresh_secs)
+    progress_updates = []
+    update = flows._update_progress
+    monkeypatch.setattr(flows, "_update_progress", lambda progress, step, *a: (progress_updates.append(step), update(progress, step, *a)))
+    state = train_and_evaluate(
+        program="prefect_jax.examples.digits:tiny", job="refresh", storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=50, log_every_steps=10), checkpoint_spec=CheckpointSpec(every_steps=10),
+        mlflow_tracking_uri=mlflow_uri, return_state=True,
+    )  # fmt: skip
+    assert state.is_completed()
+    flow_run_id = state.state_details.flow_run_id
+    runs = {r.name: str(r.id) for r in asyncio.run(_task_runs(flow_run_id))}
+    artifacts = _artifacts(prefect_server, flow_run_id)
+    tables = sorted(([row["step"] for row in json.loads(a["data"])], a["task_run_id"]) for a in artifacts if a["key"] == "refresh-eval-results")
+    steps = [10, 20, 30, 40, 50]
+    shown = [0, 4] if refresh_secs == "60" else [0, 1, 2, 3, 4]
+    assert tables == [(steps[: i + 1], runs[f"evaluate {steps[i]}"]) for i in shown]
+    assert progress_updates == ([10, 50] if refresh_secs == "60" else steps)
+    assert len(progress_updates) == updates
+    assert [a["data"] for a in artifacts if a["type"] == "progress"] == [100.0]
+
+
+def test_a_held_refresh_runs_once_its_time_is_up_and_never_ahead_of_calls_before_it(monkeypatch):
+    """The publisher's `refresh`: the first call of a key runs at once, later ones within
+    PREFECT_JAX_UI_REFRESH_SECS are replaced by the newest, which runs when the time is up
+    without a flush; a refresh never runs before a call submitted ahead of it."""
+    import time
+
+    from prefect_jax.tasks import _Publisher
+
+    monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", "0.5")
+    publisher, ran, gate = _Publisher(), [], threading.Event()
+    publisher.submit(lambda: gate.wait(30) and ran.append("first"))
+    publisher.refresh("k", lambda: ran.append(("k", 1, time.monotonic())))
+    publisher.refresh("other", lambda: ran.append("other"))
+    time.sleep(0.2)
+    assert ran == []  # all behind the first call
+    gate.set()
+    deadline = time.monotonic() + 10
+    while len(ran) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran[0] == "first" and ran[2] == "other" and ran[1][:2] == ("k", 1)
+    for i in (2, 3, 4):
+        publisher.refresh("k", lambda i=i: ran.append(("k", i, time.monotonic())))
+    while len(ran) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.6)
+    assert [r[:2] for r in ran[3:]] == [("k", 4)]  # 2 and 3 replaced, 4 ran with no flush
+    assert ran[3][2] - ran[1][2] >= 0.5
+    assert publisher.flush(5) and len(ran) == 4

@@ -27,6 +27,7 @@ Example:
 # parameter validation (tests/test_deployment_rerun.py).
 import enum
 import functools
+import itertools
 import inspect
 from typing import Any
 
@@ -36,7 +37,9 @@ from prefect.futures import PrefectFuture
 from prefect.states import State
 from pydantic import BaseModel
 
-from prefect_jax.tasks import evaluate_if_new, export, process_tag, publisher, restore_or_init, train_until_checkpoint
+from prefect_jax.tasks import (
+    evaluate_if_new, export, process_tag, publisher, restore_or_init, train_until_checkpoint, ui_refresh_secs,
+)
 from prefect_jax.training.preemption import deliver_lost_notices
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
 
@@ -359,6 +362,7 @@ def _job_config(
 ) -> JobConfig:
     from prefect_jax.blocks import resolve_storage
 
+    ui_refresh_secs()  # a bad PREFECT_JAX_UI_REFRESH_SECS fails here, before anything runs
     url, options = resolve_storage(storage)
     return JobConfig(
         program=program,
@@ -403,6 +407,9 @@ def _start_progress(progress: dict[str, Any], step: int, max_steps: int, job: st
     progress["id"] = _progress_artifact(step, max_steps, job)
 
 
+_progress_keys = itertools.count()
+
+
 def _update_progress(progress: dict[str, Any], step: int, max_steps: int, job: str) -> None:
     if progress.get("id") is not None:  # else its creation failed, and was logged
         update_progress_artifact(progress["id"], **_progress(step, max_steps, job))
@@ -424,8 +431,10 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     stop_requested = trainer.stop_requested
     # With several processes, process 0 evaluates and exports: no task runs elsewhere that only say so.
     evaluate = evaluate and trainer.job.is_primary
-    # Made and updated on the publisher's thread, in order: no HTTP round trip before training.
+    # Made and updated on the publisher's thread, in order: no HTTP round trip before training;
+    # updated at most every PREFECT_JAX_UI_REFRESH_SECS, and at the end.
     progress: dict[str, Any] = {}
+    key = ("progress", next(_progress_keys))
     publisher.submit(_start_progress, progress, step, max_steps, config.job)
     if evaluate and step > 0:
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
@@ -436,7 +445,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
             if stop is not None:
                 return step, stop.get("reason")
             step = train_until_checkpoint(config, step)
-            publisher.submit(_update_progress, progress, step, max_steps, config.job)
+            publisher.refresh(key, _update_progress, progress, step, max_steps, config.job)
             if evaluate:
                 _evaluate_and_export(config, step)
         stop = stop_requested()
