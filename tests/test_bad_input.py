@@ -151,10 +151,11 @@ def test_these_refusals_are_not_retried():
     assert is_transient(PermissionError(13, "Permission denied"))  # unchanged for other I/O
 
 
-def test_a_bad_ui_refresh_setting_is_one_clear_line_before_any_flow_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", "soon")
+@pytest.mark.parametrize("value", ["soon", "inf"])
+def test_a_bad_ui_refresh_setting_is_one_clear_line_before_any_flow_runs(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", value)
     proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"))
     assert proc.returncode == 2
     line = _one_error_line(proc, "run")
-    assert "PREFECT_JAX_UI_REFRESH_SECS='soon'" in line and "set it to e.g. 2" in line, line
+    assert f"PREFECT_JAX_UI_REFRESH_SECS={value!r}" in line and "set it to e.g. 2" in line, line
     assert not (tmp_path / "s").exists()

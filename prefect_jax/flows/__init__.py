@@ -257,7 +257,7 @@ def _untagged_tasks(fn):
 
 def _config_from(parameters: dict[str, Any]) -> JobConfig | None:
     try:
-        return _job_config(**{k: parameters[k] for k in _CONFIG_ARGS if k in parameters})
+        return _job_config(**{k: parameters[k] for k in _CONFIG_ARGS if k in parameters}, check_settings=False)
     except Exception:  # noqa: BLE001 - a hook must not raise over bad parameters
         return None
 
@@ -359,10 +359,12 @@ def _job_config(
     mlflow_tracking_uri: str | None = None,
     mlflow_experiment: str = "prefect-jax",
     compilation_cache_dir: str | None = None,
+    check_settings: bool = True,
 ) -> JobConfig:
     from prefect_jax.blocks import resolve_storage
 
-    ui_refresh_secs()  # a bad PREFECT_JAX_UI_REFRESH_SECS fails here, before anything runs
+    if check_settings:  # (not in a state hook: it must find the job to close its MLflow run)
+        ui_refresh_secs()  # a bad PREFECT_JAX_UI_REFRESH_SECS fails here, before anything runs
     url, options = resolve_storage(storage)
     return JobConfig(
         program=program,

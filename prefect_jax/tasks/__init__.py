@@ -26,6 +26,7 @@ import atexit
 import os
 import contextvars
 import logging
+import math
 import queue
 import re
 import threading
@@ -59,14 +60,15 @@ UI_REFRESH_SECS = 2.0
 def ui_refresh_secs() -> float:
     """The shortest time between two refreshes of one artifact that only shows the latest state
     (the progress bar, the results table): `PREFECT_JAX_UI_REFRESH_SECS`, default 2; 0 refreshes
-    at every change. Raises ValueError, naming the value and the fix, on anything else."""
+    at every change. Raises ValueError, naming the value and the fix, on anything else (a word,
+    a negative number, NaN, infinity)."""
     raw = os.environ.get("PREFECT_JAX_UI_REFRESH_SECS", str(UI_REFRESH_SECS))
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value >= 0:  # (NaN too)
-        raise ValueError(f"PREFECT_JAX_UI_REFRESH_SECS={raw!r} is not a number of seconds >= 0: "
+    if not (value >= 0 and math.isfinite(value)):  # (NaN too)
+        raise ValueError(f"PREFECT_JAX_UI_REFRESH_SECS={raw!r} is not a finite number of seconds >= 0: "
                          "set it to e.g. 2, or 0 to refresh Prefect's artifacts at every change")
     return value
 
@@ -80,9 +82,9 @@ class _Publisher:
     training does not stop. Flows `flush` before they return.
 
     `refresh` is for calls that a later call of the same key makes stale (a progress update, the
-    results table with every row): one runs at most every `ui_refresh_secs()` per key; one that
-    comes sooner is held, replaced by any later one of its key, and runs when the time is up or at
-    `flush`. With checkpoints seconds apart, the Prefect server records a fraction of the artifact
+    results table with every row): one runs at most every `ui_refresh_secs()` per key (sooner
+    only at `flush`); one that comes sooner is held, replaced by any later one of its key, and runs
+    when the time is up or at `flush`. After a flush the next call of a key runs at once. With checkpoints seconds apart, the Prefect server records a fraction of the artifact
     versions and events it would otherwise (each costs it ~4-8 ms of CPU), and the UI, which
     polls, shows the same.
     """
@@ -133,7 +135,7 @@ class _Publisher:
             now = time.monotonic()
             wait = min((self._due_in(key, now) for key in self._held), default=None)
             try:
-                key, call = self._queue.get(timeout=None if wait is None else max(wait, 0.0))
+                key, call = self._queue.get(timeout=None if wait is None else min(max(wait, 0.0), threading.TIMEOUT_MAX))
             except queue.Empty:
                 key, call, got = None, None, False
             else:
@@ -180,7 +182,10 @@ class _Publisher:
                 self._put(None, None)  # wakes the thread to run them
             while (self._queue.unfinished_tasks or self._held) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            return not (self._queue.unfinished_tasks or self._held)
+            done = not (self._queue.unfinished_tasks or self._held)
+            if done:
+                self._last_run.clear()  # the next flow run's first refresh shows at once
+            return done
         finally:
             with self._lock:
                 self._hurry -= 1
