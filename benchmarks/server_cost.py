@@ -1,7 +1,8 @@
 """What each kind of Prefect call that a checkpoint interval makes costs the Prefect server, in CPU.
 
-A `train_and_evaluate` interval is two task runs (train, evaluate), two events (checkpoint
-committed, eval completed), one table artifact (the results) and one progress artifact update.
+A `train_and_evaluate` interval is two task runs (train, evaluate) and two events (checkpoint
+committed, eval completed); a table artifact (the results) and a progress artifact update come
+with it when `PREFECT_JAX_UI_REFRESH_SECS` (2 s) has passed since the last of each.
 This runs a flow of 100 iterations of each kind alone against a standing `prefect server` of its
 own (SQLite, as `run.py` starts one) and prints the server's CPU time per iteration, from the
 flow's start until the server is idle again, beside an empty flow's. The loop's own log lines are

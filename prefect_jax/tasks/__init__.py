@@ -83,9 +83,10 @@ class _Publisher:
 
     `refresh` is for calls that a later call of the same key makes stale (a progress update, the
     results table with every row): one runs at most every `ui_refresh_secs()` per key (sooner
-    only at `flush`); one that comes sooner is held, replaced by any later one of its key, and runs
-    when the time is up or at `flush`. After a flush the next call of a key runs at once. With checkpoints seconds apart, the Prefect server records a fraction of the artifact
-    versions and events it would otherwise (each costs it ~4-8 ms of CPU), and the UI, which
+    only at `flush`); one that comes sooner is held, replaced by any later one of its key, and
+    runs when the time is up or at `flush`. After a flush the next call of a key runs at once.
+    With checkpoints seconds apart, the Prefect server records a fraction of the artifact
+    versions and events it would otherwise (each costs it ~4-10 ms of CPU), and the UI, which
     polls, shows the same.
     """
 
