@@ -622,15 +622,20 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
     # This task run's context: the record may come later, from another task run (see `recorded`).
     evaluating = contextvars.copy_context()
 
-    def publish(result) -> None:
-        key = artifact_key(config.job, config.eval.name, "results")
-        publisher.refresh(  # its newest version holds every row: at most every PREFECT_JAX_UI_REFRESH_SECS
-            ("table", key),
-            create_table_artifact,
+    key = artifact_key(config.job, config.eval.name, "results")
+
+    def results_table(step: int) -> None:
+        """On the publisher's thread, only for a version that is published (not one a newer
+        replaced): every recorded step up to `step` (listing the records is a storage round trip)."""
+        create_table_artifact(
             key=key,
-            table=[as_row(r) for r in trainer.records.all()],
+            table=[as_row(r) for r in trainer.records.all() if r.step <= step],
             description=f"{config.eval.name} results of job {config.job} by global step",
         )
+
+    def publish(result) -> None:
+        # Its newest version holds every row: at most every PREFECT_JAX_UI_REFRESH_SECS.
+        publisher.refresh(("table", key), results_table, result.step)
         emit(EVAL_EVENT, config, {"step": result.step, "eval_name": result.name, "metrics": result.metrics,
                                   "is_final": result.is_final, "stop_reason": result.stop_reason})
 
