@@ -1038,6 +1038,9 @@ def entry() -> None:
     shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls first at exit
     if shutdown is None:  # pragma: no cover - another Python: the usual exit
         sys.exit(code)
+    cluster = sys.modules.get("prefect_jax.training.cluster")
+    if cluster is not None:  # a process of several that lost another exits from its atexit handler: with this code
+        cluster.exit_code = code
     if code != 128 + signal.SIGTERM:
         shutdown()
     atexit._run_exitfuncs()

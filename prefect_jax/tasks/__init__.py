@@ -515,6 +515,21 @@ def retry_if_transient(task, task_run, state) -> bool:
     return transient
 
 
+def retry_unless_lost(task, task_run, state) -> bool:
+    """Retry (evaluations and exports: process 0's own work), unless another JAX process of the
+    job went away: the job's processes are rerun together, from the newest committed step."""
+    from prefect_jax.training import cluster
+
+    try:
+        exc = state.result(raise_on_failure=False)
+    except BaseException as err:  # noqa: BLE001 - as in retry_if_transient
+        exc = err
+    if isinstance(exc, BaseException) and cluster.lost_a_process(exc):
+        get_run_logger().error("not retrying: %s", exc)
+        return False
+    return True
+
+
 def _train_run_name() -> str:
     params = task_run.parameters
     config, start = params["config"], params["from_step"]
@@ -608,7 +623,14 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
     return step
 
 
-@task(name="evaluate_if_new", task_run_name="evaluate {step}", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+@task(
+    name="evaluate_if_new",
+    task_run_name="evaluate {step}",
+    cache_policy=NO_CACHE,
+    retries=1,
+    retry_delay_seconds=2,
+    retry_condition_fn=retry_unless_lost,
+)
 def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = False):
     """Evaluate `step` unless it was evaluated before (durable record); publish a table artifact.
 
@@ -656,7 +678,14 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
     return result
 
 
-@task(name="export", task_run_name="export {result.step}", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+@task(
+    name="export",
+    task_run_name="export {result.step}",
+    cache_policy=NO_CACHE,
+    retries=1,
+    retry_delay_seconds=2,
+    retry_condition_fn=retry_unless_lost,
+)
 def export(config: JobConfig, result) -> dict[str, str]:
     """Run the eval spec's exporters on an evaluated result; returns ``{exporter: export dir}``."""
     logger = get_run_logger()

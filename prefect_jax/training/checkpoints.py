@@ -20,6 +20,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from prefect_jax.training import cluster
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (  # noqa: F401 - state_fingerprint & co. are imported from here too
     abstract_savable,
@@ -358,7 +359,7 @@ class Checkpoints:
         """Start an asynchronous save of `state`, the iterator position and `meta` at `step`."""
         savable = to_savable(state)
         meta = dict(meta, step=int(step), tree=describe_tree(savable), saved_at=time.time())
-        self.manager.wait_until_finished()  # Orbax does too; here, so that `_saving` names the step in flight
+        self.wait()  # Orbax does too; here, so that `_saving` names the step in flight
         self._saving = int(step)
         self._backup[int(step)] = bool(meta.get("backup"))
         self.manager.save(
@@ -429,10 +430,16 @@ class Checkpoints:
                        jax.process_count(), os.path.basename(path))  # fmt: skip
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait until the save in flight (if any) is committed, or failed. With several processes
+        its commit is theirs together: `LostProcess` if one went away meanwhile (`cluster.wait_unless_lost`)."""
+        cluster.wait_unless_lost(self.manager.wait_until_finished, f"the commit of step {self._saving}")
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.wait()
+        except cluster.LostProcess as exc:  # Orbax's threads wait for it at their barriers until JAX aborts
+            logger.warning("not closing the checkpoints (%s): the job's committed steps stand", exc)
+            return
         self.manager.close()
 
 

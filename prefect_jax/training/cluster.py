@@ -37,9 +37,14 @@ import json
 import logging
 import os
 import re
+import selectors
 import signal
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -190,6 +195,7 @@ def initialize(cluster: ClusterConfig | None = None, timeout_secs: int | None = 
 
     if distributed.global_state.client is not None:  # the caller initialised JAX itself
         _joined = cluster
+        _start_watch()
         return cluster
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_preemption_service", False)
@@ -214,17 +220,22 @@ def initialize(cluster: ClusterConfig | None = None, timeout_secs: int | None = 
         signal.signal(signal.SIGTERM, previous)
     _joined = cluster
     atexit.register(_leave)  # runs before JAX's own exit handler (registered when jax was imported)
+    _start_watch()
     return cluster
 
 
 _finished = False
+exit_code = 1  # what a process that lost another exits with (`_leave`); a command that knows its own sets it
 
 
 def mark_finished() -> None:
     """This process finished its part of the job: at exit, leave the cluster JAX's way (a barrier
-    every process reaches)."""
+    every process reaches), and its watch connections say goodbye (`peer_gone`)."""
     global _finished
     _finished = True
+    for sock in list(_watch_socks):
+        with contextlib.suppress(OSError):
+            sock.sendall(_BYE)
 
 
 def _leave() -> None:
@@ -238,6 +249,18 @@ def _leave() -> None:
             atexit.unregister(api.clean_up)
         except (ImportError, AttributeError):  # another JAX: its own exit, slow but correct
             pass
+        if _lost is not None:
+            # This process saw another go away (a collective's lost connection, `LostProcess`).
+            # JAX's coordination service, torn down with the interpreter while calls wait on the
+            # lost process, would abort this one (SIGABRT, ~5 s on; after the heartbeat timeout
+            # if a thread still waits at a barrier). The run's state and logs are out (Prefect's
+            # queues drain before `atexit`), the job's state is in its committed checkpoints.
+            logger.warning("exiting without JAX's shutdown, which would wait for the lost process: %s", _lost)
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(exit_code)
 
 
 # What a collective raises in a process whose peer died (SIGKILL, a lost node, an OOM kill), with
@@ -261,7 +284,7 @@ def lost_a_process(exc: BaseException) -> bool:
     as a collective reports it: the job was cut short by a kill without notice somewhere."""
     seen = 0
     while exc is not None and seen < 8:
-        if _LOST_PROCESS.search(f"{type(exc).__name__}: {exc}"):
+        if isinstance(exc, LostProcess) or _LOST_PROCESS.search(f"{type(exc).__name__}: {exc}"):
             return True
         exc, seen = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__), seen + 1
     return False
@@ -392,3 +415,161 @@ def lookup(key: str, timeout_secs: float = 300) -> str:
     from jax._src import distributed
 
     return distributed.global_state.client.blocking_key_value_get(f"{_KEYS}{key}", int(timeout_secs * 1000))
+
+
+# -- the peer watch ---------------------------------------------------------------------------
+#
+# A process whose peer died is told so by its next collective (gloo reads a closed socket: "Connection reset
+# by peer"). Not while it waits at one of Orbax's barriers (a save's start, the commit's end, the "saving in
+# progress" flag): those wait on JAX's coordination service, which notices a dead process only when its
+# heartbeats stop for `PREFECT_JAX_HEARTBEAT_TIMEOUT_SECS` (30 s) and then aborts every process (SIGABRT:
+# the run ends Crashed, its cause unsaid). So each process holds one TCP connection to process 0, which the
+# kernel closes when either dies; a process that finished its part says goodbye first (`mark_finished`).
+# `wait_unless_lost` runs such a wait and ends it with `LostProcess` when a connection closed without one.
+
+_BYE = b"bye\n"
+_WATCH_KEY = "watch/port"
+_gone: str | None = None  # how another process of the job went away (its watch connection closed), if it did
+_gone_at = 0.0  # when (time.monotonic())
+_watch_socks: list[socket.socket] = []
+LOST_GRACE_SECS = 2.0  # a wait that ends on its own within this long after a peer's connection closed was not lost
+
+
+class LostProcess(ConnectionError):
+    """Another process of the job went away (killed, or its machine lost) while this one waited for it."""
+
+
+def peer_gone() -> str | None:
+    """How another process of this job went away without finishing (its watch connection to or
+    from process 0 closed with no goodbye), if one did; None while all are there."""
+    return _gone
+
+
+def _note_gone(what: str) -> None:
+    global _gone, _gone_at
+    if _gone is None:
+        _gone, _gone_at = what, time.monotonic()
+        logger.warning("%s", what)
+
+
+def _start_watch() -> None:
+    """Join the peer watch (no-op with one process): process 0 listens and publishes its port in
+    the coordination service; each other process connects and sends its index, before this
+    returns (so a process killed from here on is noticed); a daemon thread then reads."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.num_processes < 2 or state.client is None:
+        return
+    try:
+        if state.process_id == 0:
+            if socket.has_dualstack_ipv6():
+                server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+            else:
+                server = socket.create_server(("", 0))
+            publish(_WATCH_KEY, str(server.getsockname()[1]))
+            target, args = _watch_as_process_0, (server, state.num_processes)
+        else:
+            host = (state.coordinator_address or "").rsplit(":", 1)[0].strip("[]")
+            sock = socket.create_connection((host, int(lookup(_WATCH_KEY, timeout_secs=60))), timeout=30)
+            sock.settimeout(None)
+            sock.sendall(f"{state.process_id}\n".encode())
+            _watch_socks.append(sock)
+            target, args = _watch_process_0, (sock,)
+    except Exception as exc:  # noqa: BLE001 - no watch: a lost process is noticed by collectives and heartbeats only
+        logger.warning("no peer watch (a lost process is noticed by the next collective, or after the heartbeat timeout): %r", exc)
+        return
+    threading.Thread(target=target, args=args, name="prefect-jax-peer-watch", daemon=True).start()
+    register = getattr(threading, "_register_atexit", None)  # (CPython's: as Prefect's own queue services use it)
+    if register is not None:
+        register(_exit_without_lost_waits)
+
+
+def _exit_without_lost_waits() -> None:
+    """At exit, before Python joins the threads that are not daemons: if this process saw another
+    go away (`lost_process`) and did not finish, Orbax's save threads wait for it at their
+    barriers until JAX's heartbeat timeout aborts the process (SIGABRT, ~30 s on). Exit without
+    joining them: what they were saving is no commit, and the job's committed steps are on storage."""
+    locks, guard = getattr(threading, "_shutdown_locks", None), getattr(threading, "_shutdown_locks_lock", None)
+    if _lost is None or _finished or locks is None or guard is None:
+        return
+    for thread in threading.enumerate():
+        target = getattr(thread, "_target", None)
+        module = getattr(target, "__module__", None) or type(thread).__module__
+        if thread.daemon or not module.startswith("orbax."):
+            continue
+        logger.warning("not waiting at exit for %s (%s): %s", thread.name, module, _lost)
+        with guard:
+            locks.discard(getattr(thread, "_tstate_lock", None))
+
+
+def _watch_as_process_0(server: socket.socket, count: int) -> None:
+    """Process 0: accept each other process's connection (it sends its index first), then note
+    any that closes without a goodbye."""
+    selector = selectors.DefaultSelector()
+    selector.register(server, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is server:
+                conn, _ = server.accept()
+                _watch_socks.append(conn)
+                selector.register(conn, selectors.EVENT_READ, data=bytearray())
+                continue
+            conn, received = key.fileobj, key.data
+            try:
+                data = conn.recv(256)
+            except OSError:
+                data = b""
+            received += data
+            if data:
+                continue
+            selector.unregister(conn)
+            conn.close()
+            if _BYE not in received:
+                index = bytes(received).split(b"\n", 1)[0].decode(errors="replace") or "?"
+                _note_gone(f"process {index} of the job's {count} went away: its connection to process 0 closed "
+                           "without a goodbye (it was killed, or it or its machine failed)")  # fmt: skip
+
+
+def _watch_process_0(sock: socket.socket) -> None:
+    """Another process: note if process 0's connection closes without a goodbye."""
+    received = bytearray()
+    while True:
+        try:
+            data = sock.recv(256)
+        except OSError:
+            data = b""
+        if not data:
+            break
+        received += data
+    if _BYE not in received:
+        _note_gone("process 0 of the job went away: its connection to this process closed without a goodbye "
+                   "(it was killed, or it or its machine failed)")  # fmt: skip
+
+
+def wait_unless_lost(wait: Callable[[], None], what: str, grace_secs: float = LOST_GRACE_SECS) -> None:
+    """Run `wait` (one that waits for the other processes, such as Orbax's commit) to its end, or
+    raise `LostProcess` when another process went away (`peer_gone`) and `wait` did not end
+    within `grace_secs` of it (a peer that finished its part may leave just before the barrier
+    it passed returns here). One process: `wait()`."""
+    if not several():
+        wait()
+        return
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            wait()
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="prefect-jax-wait", daemon=True).start()
+    while not done.wait(0.05):
+        if _gone is not None and time.monotonic() - _gone_at >= grace_secs:
+            exc = LostProcess(f"{_gone}; this process stopped waiting for {what}")
+            note_failure(exc)
+            raise exc
+    if failed:
+        raise failed[0]

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from prefect_jax.training import control
 from prefect_jax.training.checkpoints import Checkpoints, CorruptCheckpointError, is_committed, retained, step_dirs
-from prefect_jax.training.cluster import barrier, from_primary, process_count, process_index
+from prefect_jax.training.cluster import LostProcess, barrier, from_primary, process_count, process_index
 from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
 from prefect_jax.training.errors import LeaseLostError
@@ -173,7 +173,10 @@ class Job:
 
     def _announce_commit(self, step: int) -> None:
         """Tell the commit listeners once `step` is committed (from a background thread)."""
-        self.checkpoints.wait()
+        try:
+            self.checkpoints.wait()
+        except LostProcess:  # another process went away after its part: the step counts if process 0 committed it
+            pass
         if self.remote is not None:
             deadline = time.monotonic() + 3600
             while step not in self.remote.committed_steps() and time.monotonic() < deadline:
@@ -197,9 +200,16 @@ class Job:
         started so far (committed, or failed) and, on remote storage, every upload is done."""
         return not self.checkpoints.manager.is_saving_in_progress() and not self.uploading()
 
-    def wait_committed(self) -> None:
-        """Wait until every save started so far counts: committed by Orbax, and uploaded if remote."""
-        self.checkpoints.wait()
+    def wait_committed(self, ending: bool = False) -> None:
+        """Wait until every save started so far counts: committed by Orbax, and uploaded if remote.
+        `ending` (an attempt that did not finish): a save that another process, gone, never
+        completes is left as it is (`cluster.LostProcess` otherwise)."""
+        try:
+            self.checkpoints.wait()
+        except LostProcess as exc:
+            if not ending:
+                raise
+            logger.warning("not waiting for the save in flight: %s", exc)
         if self._uploader is not None:
             self._uploader.wait()
         for announcer in self._announcers:  # the commit events of those saves are out too
@@ -333,7 +343,7 @@ class Job:
     def finish(self, status: str) -> None:
         """Wait for pending saves, close the MLflow run with `status`, release the lease."""
         try:
-            self.wait_committed()
+            self.wait_committed(ending=status != "FINISHED")
             self.tracker.finish(status)
         finally:
             self.lease.release()

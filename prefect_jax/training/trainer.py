@@ -35,7 +35,7 @@ from typing import Any, Callable
 from prefect_jax.training import control
 from prefect_jax.training import exporters as exp
 from prefect_jax.training.checkpoints import CorruptCheckpointError, state_fingerprint
-from prefect_jax.training.cluster import any_process, failed_processes, forget_lost, from_primary, lost_process, note_failure
+from prefect_jax.training.cluster import LostProcess, any_process, failed_processes, forget_lost, from_primary, lost_process, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
 from prefect_jax.training.errors import LeaseLostError, NonFiniteLossError, PastMaxStepsError, Preempted
@@ -596,8 +596,9 @@ class Trainer:
         )  # fmt: skip
         # The live step's save may still be in flight (the evaluation overlapped it): a step is
         # recorded, logged and exported only once it is committed, so that a crash before the
-        # commit leaves nothing that says it was evaluated (the rerun evaluates it again).
-        if live and step != self._started_from and not self.job.save_landed() and self._may_record_later(is_final):
+        # commit leaves nothing that says it was evaluated (the rerun evaluates it again). (Asked
+        # only where it may wait: with several processes Orbax's flag is behind their barriers.)
+        if live and step != self._started_from and self._may_record_later(is_final) and not self.job.save_landed():
             pending = result.model_copy(update={"pending_commit": True})
             self._pending, self._record_from_loop = (pending, on_recorded), True
             return pending
@@ -708,7 +709,12 @@ class Trainer:
         if step == self._started_from:
             return True
         if step == self.step:
-            self._wait_committed(inside="eval")
+            try:
+                self._wait_committed(inside="eval")
+            except LostProcess:  # another process went away after its part of the commit: process 0's is final
+                if step not in self.committed_steps():
+                    raise
+                logger.warning("step %d is committed (another process went away after it: %s)", step, lost_process())
         return step in self.committed_steps()
 
     def _wait_committed(self, inside: str | None = None) -> None:
@@ -884,7 +890,7 @@ class Trainer:
                 self._record_pending_or_warn()
             self._flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)  # KILLED: SIGTERM's handler waited
             if self.job.goodput.attempt is not None:
-                self.job.wait_committed()
+                self.job.wait_committed(ending=status != "FINISHED")
                 self.job.goodput.end(self._ended_as({"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower())))
                 self._log_goodput()
             self.job.finish(status)
