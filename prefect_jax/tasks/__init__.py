@@ -520,6 +520,8 @@ def retry_unless_lost(task, task_run, state) -> bool:
     job went away: the job's processes are rerun together, from the newest committed step."""
     from prefect_jax.training import cluster
 
+    if not cluster.several():
+        return True
     try:
         exc = state.result(raise_on_failure=False)
     except BaseException as err:  # noqa: BLE001 - as in retry_if_transient

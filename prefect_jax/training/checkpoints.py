@@ -12,6 +12,7 @@ import glob
 import json
 import logging
 import os
+import threading
 import time
 import zlib
 from typing import Any, Callable
@@ -287,6 +288,7 @@ class Checkpoints:
         self.directory = directory
         self.spec = spec
         self._saving: int | None = None
+        self._raised = threading.local()  # per thread: the failed saves' errors `wait` raised to it
         self._backup: dict[int, bool] = {}  # step -> whether it is a backup (saved here, or its metadata read once)
         self.pinned: Callable[[int], bool] = lambda step: False  # steps retention must keep for now (`Job`: uploads)
         policies = [pp.LatestN(n=spec.keep_last)]
@@ -430,9 +432,24 @@ class Checkpoints:
                        jax.process_count(), os.path.basename(path))  # fmt: skip
 
     def wait(self) -> None:
-        """Wait until the save in flight (if any) is committed, or failed. With several processes
-        its commit is theirs together: `LostProcess` if one went away meanwhile (`cluster.wait_unless_lost`)."""
-        cluster.wait_unless_lost(self.manager.wait_until_finished, f"the commit of step {self._saving}")
+        """Wait until the save in flight (if any) is committed, or failed (its error is raised once
+        to each thread that waits, as Orbax does). With several processes the commit is theirs
+        together: `LostProcess` if one went away meanwhile (`cluster.wait_unless_lost`)."""
+        if not cluster.several():
+            self.manager.wait_until_finished()
+            return
+        try:
+            cluster.wait_unless_lost(self.manager.wait_until_finished, f"the commit of step {self._saving}")
+        except cluster.LostProcess:
+            raise
+        except BaseException as exc:
+            # The wait ran on a helper thread, a new one each time, to which Orbax raises a failed
+            # save's error again: raise it once to this caller's thread, as Orbax itself would.
+            raised = self._raised.__dict__.setdefault("errors", [])
+            if any(exc is seen for seen in raised):
+                return
+            raised.append(exc)
+            raise
 
     def close(self) -> None:
         try:

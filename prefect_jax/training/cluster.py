@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import selectors
 import signal
 import socket
@@ -230,12 +231,10 @@ exit_code = 1  # what a process that lost another exits with (`_leave`); a comma
 
 def mark_finished() -> None:
     """This process finished its part of the job: at exit, leave the cluster JAX's way (a barrier
-    every process reaches), and its watch connections say goodbye (`peer_gone`)."""
+    every process reaches); it says goodbye to the others (`say_goodbye`)."""
     global _finished
     _finished = True
-    for sock in list(_watch_socks):
-        with contextlib.suppress(OSError):
-            sock.sendall(_BYE)
+    say_goodbye()
 
 
 def _leave() -> None:
@@ -420,14 +419,15 @@ def lookup(key: str, timeout_secs: float = 300) -> str:
 # -- the peer watch ---------------------------------------------------------------------------
 #
 # A process whose peer died is told so by its next collective (gloo reads a closed socket: "Connection reset
-# by peer"). Not while it waits at one of Orbax's barriers (a save's start, the commit's end, the "saving in
-# progress" flag): those wait on JAX's coordination service, which notices a dead process only when its
-# heartbeats stop for `PREFECT_JAX_HEARTBEAT_TIMEOUT_SECS` (30 s) and then aborts every process (SIGABRT:
-# the run ends Crashed, its cause unsaid). So each process holds one TCP connection to process 0, which the
-# kernel closes when either dies; a process that finished its part says goodbye first (`mark_finished`).
-# `wait_unless_lost` runs such a wait and ends it with `LostProcess` when a connection closed without one.
+# by peer"). Not while it waits for Orbax's commit (its "saving in progress" flag is set behind two barriers
+# of JAX's coordination service, which notices a dead process only when its heartbeats stop for
+# `PREFECT_JAX_HEARTBEAT_TIMEOUT_SECS` (30 s), and then aborts every process: SIGABRT, the run Crashed, its
+# cause unsaid). So each process holds one TCP connection to process 0, which the kernel closes when either
+# process dies; a process whose part is done says goodbye first (`say_goodbye`), and process 0 tells the
+# others when one went away. `wait_unless_lost` runs such a wait and ends it with `LostProcess` when a
+# process went away. A machine lost without a word (no FIN) is still noticed by the heartbeat timeout only.
 
-_BYE = b"bye\n"
+_BYE = b"bye"
 _WATCH_KEY = "watch/port"
 _gone: str | None = None  # how another process of the job went away (its watch connection closed), if it did
 _gone_at = 0.0  # when (time.monotonic())
@@ -436,7 +436,15 @@ LOST_GRACE_SECS = 2.0  # a wait that ends on its own within this long after a pe
 
 
 class LostProcess(ConnectionError):
-    """Another process of the job went away (killed, or its machine lost) while this one waited for it."""
+    """Another process of the job went away (killed, or it failed) while this one waited for it."""
+
+
+def say_goodbye() -> None:
+    """This process's part of the job is done (finished, or preempted with its checkpoint
+    committed): its leaving is no loss to the others (`peer_gone`)."""
+    for sock in list(_watch_socks):
+        with contextlib.suppress(OSError):
+            sock.sendall(_BYE + b"\n")
 
 
 def peer_gone() -> str | None:
@@ -453,9 +461,10 @@ def _note_gone(what: str) -> None:
 
 
 def _start_watch() -> None:
-    """Join the peer watch (no-op with one process): process 0 listens and publishes its port in
-    the coordination service; each other process connects and sends its index, before this
-    returns (so a process killed from here on is noticed); a daemon thread then reads."""
+    """Join the peer watch (no-op with one process): process 0 listens and publishes its port (and
+    a token) in the coordination service; each other process connects and sends its index and
+    the token before this returns (a process killed from here on is noticed); a daemon thread
+    then reads. Any failure is one warning: the job runs on, noticing a lost process as before."""
     from jax._src import distributed
 
     state = distributed.global_state
@@ -463,17 +472,25 @@ def _start_watch() -> None:
         return
     try:
         if state.process_id == 0:
-            if socket.has_dualstack_ipv6():
-                server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-            else:
-                server = socket.create_server(("", 0))
-            publish(_WATCH_KEY, str(server.getsockname()[1]))
-            target, args = _watch_as_process_0, (server, state.num_processes)
+            token = secrets.token_hex(8)
+            try:
+                if socket.has_dualstack_ipv6():
+                    server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+                else:
+                    server = socket.create_server(("", 0))
+            except OSError:
+                publish(_WATCH_KEY, "none")  # the others do not wait for it
+                raise
+            publish(_WATCH_KEY, f"{server.getsockname()[1]} {token}")
+            target, args = _watch_as_process_0, (server, state.num_processes, token)
         else:
+            found = lookup(_WATCH_KEY, timeout_secs=60).split()
+            if len(found) != 2:
+                raise ConnectionError("process 0 opened no port for it")
             host = (state.coordinator_address or "").rsplit(":", 1)[0].strip("[]")
-            sock = socket.create_connection((host, int(lookup(_WATCH_KEY, timeout_secs=60))), timeout=30)
+            sock = socket.create_connection((host, int(found[0])), timeout=5)
             sock.settimeout(None)
-            sock.sendall(f"{state.process_id}\n".encode())
+            sock.sendall(f"{state.process_id} {found[1]}\n".encode())
             _watch_socks.append(sock)
             target, args = _watch_process_0, (sock,)
     except Exception as exc:  # noqa: BLE001 - no watch: a lost process is noticed by collectives and heartbeats only
@@ -503,16 +520,16 @@ def _exit_without_lost_waits() -> None:
             locks.discard(getattr(thread, "_tstate_lock", None))
 
 
-def _watch_as_process_0(server: socket.socket, count: int) -> None:
-    """Process 0: accept each other process's connection (it sends its index first), then note
-    any that closes without a goodbye."""
+def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
+    """Process 0: accept the other processes' connections (each sends ``<index> <token>`` first;
+    any other is closed and ignored), note one that closes without a goodbye, and tell the rest."""
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
+    peers: dict[socket.socket, int] = {}  # the connections that named their process
     while True:
         for key, _ in selector.select():
             if key.fileobj is server:
                 conn, _ = server.accept()
-                _watch_socks.append(conn)
                 selector.register(conn, selectors.EVENT_READ, data=bytearray())
                 continue
             conn, received = key.fileobj, key.data
@@ -521,30 +538,51 @@ def _watch_as_process_0(server: socket.socket, count: int) -> None:
             except OSError:
                 data = b""
             received += data
+            if data and conn not in peers and (b"\n" in received or len(received) > 256):
+                first = bytes(received).split(b"\n", 1)[0].decode(errors="replace").split()
+                if len(first) == 2 and first[1] == token and first[0].isdigit() and 0 < int(first[0]) < count:
+                    peers[conn] = int(first[0])
+                    _watch_socks.append(conn)
+                    continue
+                data = b""  # not one of the job's processes: close it, and it is no loss
             if data:
                 continue
             selector.unregister(conn)
             conn.close()
-            if _BYE not in received:
-                index = bytes(received).split(b"\n", 1)[0].decode(errors="replace") or "?"
-                _note_gone(f"process {index} of the job's {count} went away: its connection to process 0 closed "
-                           "without a goodbye (it was killed, or it or its machine failed)")  # fmt: skip
+            index = peers.pop(conn, None)
+            if index is None or b"\n" + _BYE + b"\n" in received:
+                continue
+            with contextlib.suppress(ValueError):
+                _watch_socks.remove(conn)
+            _note_gone(f"process {index} of the job's {count} went away: its connection to process 0 closed without "
+                       "a goodbye (it was killed, or it failed)")  # fmt: skip
+            for other in list(peers):
+                with contextlib.suppress(OSError):
+                    other.sendall(f"gone {index}\n".encode())
 
 
 def _watch_process_0(sock: socket.socket) -> None:
-    """Another process: note if process 0's connection closes without a goodbye."""
-    received = bytearray()
-    while True:
+    """Another process: note if process 0's connection closes without a goodbye, or if process 0
+    says another process went away."""
+    received, bye = bytearray(), False
+    while not bye:
         try:
             data = sock.recv(256)
         except OSError:
             data = b""
         if not data:
             break
-        received += data
-    if _BYE not in received:
+        *lines, rest = bytes(received + data).split(b"\n")
+        received = bytearray(rest)
+        for line in lines:
+            if line == _BYE:
+                bye = True
+            elif line.startswith(b"gone "):
+                _note_gone(f"process {line[5:].decode(errors='replace')} of the job went away (process 0 saw its "
+                           "connection close without a goodbye: it was killed, or it failed)")  # fmt: skip
+    if not bye:
         _note_gone("process 0 of the job went away: its connection to this process closed without a goodbye "
-                   "(it was killed, or it or its machine failed)")  # fmt: skip
+                   "(it was killed, or it failed)")  # fmt: skip
 
 
 def wait_unless_lost(wait: Callable[[], None], what: str, grace_secs: float = LOST_GRACE_SECS) -> None:

@@ -38,6 +38,7 @@ from prefect_jax.training.checkpoints import CorruptCheckpointError, state_finge
 from prefect_jax.training.cluster import LostProcess, any_process, failed_processes, forget_lost, from_primary, lost_process, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
+from prefect_jax.training.cluster import say_goodbye
 from prefect_jax.training.errors import LeaseLostError, NonFiniteLossError, PastMaxStepsError, Preempted
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.goodput import LOST_PROCESS
@@ -896,6 +897,8 @@ class Trainer:
             self.job.finish(status)
             if status == "FINISHED":
                 mark_cluster_finished()
+            elif status == "KILLED":  # preempted, its checkpoint committed: its leaving is no loss to the others
+                say_goodbye()
         finally:
             self._guard.uninstall()
 
