@@ -505,11 +505,8 @@ def retry_if_transient(task, task_run, state) -> bool:
         get_run_logger().error("not retrying: this job trains in %d JAX processes, which are rerun together", cluster.process_count())
         return False
 
-    try:
-        exc = state.result(raise_on_failure=False)
-    except BaseException as err:  # noqa: BLE001 - result() itself may raise the stored exception
-        exc = err
-    transient = not isinstance(exc, BaseException) or is_transient(exc)
+    exc = _failure(state)
+    transient = exc is None or is_transient(exc)
     if not transient:
         get_run_logger().error("not retrying %s: %s", type(exc).__name__, exc)
     return transient
@@ -522,14 +519,20 @@ def retry_unless_lost(task, task_run, state) -> bool:
 
     if not cluster.several():
         return True
-    try:
-        exc = state.result(raise_on_failure=False)
-    except BaseException as err:  # noqa: BLE001 - as in retry_if_transient
-        exc = err
-    if isinstance(exc, BaseException) and cluster.lost_a_process(exc):
+    exc = _failure(state)
+    if exc is not None and cluster.lost_a_process(exc):
         get_run_logger().error("not retrying: %s", exc)
         return False
     return True
+
+
+def _failure(state) -> BaseException | None:
+    """The exception a failed task run's `state` holds, if any."""
+    try:
+        exc = state.result(raise_on_failure=False)
+    except BaseException as err:  # noqa: BLE001 - result() itself may raise the stored exception
+        exc = err
+    return exc if isinstance(exc, BaseException) else None
 
 
 def _train_run_name() -> str:
