@@ -23,7 +23,7 @@ import pytest
 from process_helpers import TESTS_DIR, cli_env, start_run, wait_until
 
 from prefect_jax.training.checkpoints import committed_steps, read_meta_file
-from prefect_jax.training.cluster import ClusterConfigError, from_env
+from prefect_jax.training.cluster import LOST_GRACE_SECS, ClusterConfigError, from_env
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.tracking import STORAGE_TAG
 
@@ -516,7 +516,7 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
             if mode == "kill":
                 assert procs[k].returncode == 3, log  # its own code: no SIGABRT from JAX's coordination service
                 lost_after = float(re.search(r"lost ([0-9.]+)s after the peer went away", log).group(1))
-                assert cluster_grace() <= lost_after < cluster_grace() + 5, log  # the grace: a peer may leave as its barrier returns
+                assert LOST_GRACE_SECS <= lost_after < LOST_GRACE_SECS + 5, log  # the grace: a peer may leave as its barrier returns
                 assert f"process {last} of the job" in log and "went away" in log, log
                 assert f"stopped waiting for process {last} at the barrier" in log, log
             else:
@@ -528,8 +528,3 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
             if p.poll() is None:
                 p.kill()
 
-
-def cluster_grace() -> float:
-    from prefect_jax.training.cluster import LOST_GRACE_SECS
-
-    return LOST_GRACE_SECS
