@@ -550,10 +550,10 @@ def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
             selector.unregister(conn)
             conn.close()
             index = peers.pop(conn, None)
+            with contextlib.suppress(ValueError):  # closed: no goodbye of this process's goes to it
+                _watch_socks.remove(conn)
             if index is None or b"\n" + _BYE + b"\n" in received:
                 continue
-            with contextlib.suppress(ValueError):
-                _watch_socks.remove(conn)
             _note_gone(f"process {index} of the job's {count} went away: its connection to process 0 closed without "
                        "a goodbye (it was killed, or it failed)")  # fmt: skip
             for other in list(peers):
