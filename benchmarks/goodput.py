@@ -316,7 +316,8 @@ def warm_up(env: dict) -> None:
     flow run registers the flow and warms its database; the client writes its profile)."""
     with tempfile.TemporaryDirectory(prefix="goodput-warmup-") as d:
         cli = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
-        subprocess.run([cli, "run", "--program", "prefect_jax.examples.digits:tiny", "--job", "warm", "--storage", d,
+        cli = [cli] if os.path.exists(cli) else [sys.executable, "-m", "prefect_jax.cli"]  # packages on PYTHONPATH (gpu_check.sh)
+        subprocess.run([*cli, "run", "--program", "prefect_jax.examples.digits:tiny", "--job", "warm", "--storage", d,
                         "--max-steps", "20", "--checkpoint-every-steps", "10", "--exporters", "--mlflow-tracking-uri",
                         f"sqlite:///{d}/mlflow.db", "--no-progress"], env=env, capture_output=True, check=True)  # fmt: skip
 

@@ -278,8 +278,11 @@ GAPS = {
         "of two cores that is ~110 ms of CPU, less than the 136-152 ms the flow's process and the server use "
         "together. With the server on another machine (Prefect Cloud, a team's server), the flow's process alone "
         "would come to ~53-64 ms of loop time per interval at that use (15-26 ms over the plain loop), ~69-82 ms at "
-        "the plain loop's ~62% (31-44 ms over): an estimate from these CPU figures, not measured (this machine has "
-        "two cores and no other). "
+        "the plain loop's ~62% (31-44 ms over): an estimate from these CPU figures. Measured since on the 16-CPU "
+        "machine lent to a session (2026-11-27, `benchmarks/server_apart.py`, the section \"With the Prefect server on "
+        "cores of its own\" below), the training on two of its CPUs: 37-49 ms (median 43) with the server on two "
+        "other CPUs against 52-58 ms (54.6) with it on the training's two: the server's share of the loop time is "
+        "~11 ms of it; the rest is the flow's own process, which used ~57 ms more CPU per interval than the plain loop. "
         "Per interval: two Prefect task runs (train, evaluate: ~15 ms each of engine work and state changes), a "
         "three-item Orbax save (state, data position, metadata; ~30 ms blocking), the evaluation's wait for that "
         "save to commit before its durable record is written (~40 ms: a record names only committed steps, see "
@@ -760,6 +763,57 @@ def worker_rerun_markdown(wr: dict | None) -> list[str]:
     return out
 
 
+def server_apart_markdown() -> list[str]:
+    """`benchmarks/server_apart.py`'s record (SERVER_APART.json, measured on a machine with more
+    than two CPUs; this run does not re-measure it)."""
+    import os
+    import statistics
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "SERVER_APART.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        a = json.load(f)
+    few, many = a["intervals"][0], a["intervals"][-1]
+
+    def slopes(where: str, side: str, key: str) -> list[float]:
+        out = []
+        for r in sorted({row["round"] for row in a["rows"]}):
+            got = {row["intervals"]: row for row in a["rows"] if (row["round"], row["where"], row["side"]) == (r, where, side)}
+            if key in got.get(few, {}) and key in got.get(many, {}):
+                out.append(1000 * (got[many][key] - got[few][key]) / (many - few))
+        return out
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.1f} ({', '.join(f'{v:.1f}' for v in values)})" if values else "—"
+
+    out = ["", "## With the Prefect server on cores of its own", "",
+           f"`benchmarks/server_apart.py` ({a['when']}, {a['device']}; not re-measured by this run): one standing "
+           f"`prefect server`, its threads pinned in turn to CPUs {a['server_cores']} (apart) and to the training's "
+           f"CPUs {a['train_cores']} (shared, as on this project's 2-CPU machines); the plain loop and the flow "
+           f"(`run.py`'s sides, {a['steps']} steps) at {few} and {many} checkpoint intervals in each placement, "
+           f"{len({r['round'] for r in a['rows']})} alternated rounds. Per interval, the slope between {few} and {many} "
+           "intervals, ms: median (per round). The plain loop deletes old steps on one thread, as the engine does "
+           "(`BENCH_PLAIN_DELETION_THREADS=1`).", "",
+           f"| server | flow extra loop time per interval over the plain loop | flow / plain loop time at {few} intervals | "
+           "flow loop time per interval | plain loop time per interval | flow's own CPU per interval | plain's CPU per interval | "
+           "server CPU per interval |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for where in ("apart", "shared"):
+        s = a["summary"].get(where)
+        if not s:
+            continue
+        ratio = s[f"loop_over_plain_at_{few}"]
+        out.append(f"| {where} | {spread(s['per_round_ms'])} | {ratio:.2f} ({', '.join(f'{v:.2f}' for v in s['per_round_ratio'])}) | "
+                   f"{spread(slopes(where, 'prefect_jax', 'loop_s'))} | {spread(slopes(where, 'plain', 'loop_s'))} | "
+                   f"{spread(slopes(where, 'prefect_jax', 'cpu_s'))} | {spread(slopes(where, 'plain', 'cpu_s'))} | "
+                   f"{spread(slopes(where, 'prefect_jax', 'server_cpu_s'))} |")
+    floor = a.get("orbax_default_floor")
+    if floor:
+        out += ["", f"Before ({floor['when']}, {floor['rounds']} rounds): {floor['note']}."]
+    return out
+
+
 def multiprocess_markdown(mp: dict | None) -> list[str]:
     """Two JAX processes against one (`multiprocess.py`)."""
     if not mp:
@@ -959,6 +1013,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     out += goodput_samples_markdown(report.get("goodput_samples"))
     out += multiprocess_markdown(report.get("multiprocess"))
     out += gpu_markdown()
+    out += server_apart_markdown()
     rows = _get(report, "storage", "rows")
     if rows:
         out += ["", "## Checkpoint cost against state size (local disk)", "",

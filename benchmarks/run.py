@@ -81,6 +81,14 @@ def import_jax_stack():
     jax.devices()
 
 
+def deletion_threads() -> dict:
+    """Orbax's defaults, as a user writing the loop keeps them, unless BENCH_PLAIN_DELETION_THREADS
+    is set (`server_apart.py`: 1, as the engine, which on a machine of 4+ CPUs is ~0.1 s an interval
+    quicker: see its `num_deletion_threads`)."""
+    threads = os.environ.get("BENCH_PLAIN_DELETION_THREADS")
+    return {"num_deletion_threads": int(threads)} if threads else {}
+
+
 def run_plain(args, workdir: str) -> dict:
     """The floor: jit(train_step) (or a jitted lax.scan of --dispatch steps), the program's Grain
     pipeline, an async Orbax CheckpointManager, a full eval every --every steps."""
@@ -106,7 +114,8 @@ def run_plain(args, workdir: str) -> dict:
     batches = iter(program.train_data(0).to_iter_dataset(program.read_options))  # as the trainer reads it
     manager = ocp.CheckpointManager(
         os.path.join(workdir, "checkpoints"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True),
+        options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True,
+                                             **deletion_threads()),
     )
 
     def evaluate(state) -> dict:
