@@ -344,6 +344,7 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
         state = client.read_flow_run(run.id).state
         assert state.is_failed() and "connection" in state.message.lower(), state
         assert "Terminating process" not in log, log[-3000:]  # no SIGABRT from JAX's coordination service
+        assert log.count("not waiting for the save in flight") <= 1, log[-3000:]  # the trainer's and the job's end: said once
         assert os.path.exists(os.path.join(storage, "mp", "evals", "eval", "300.json")), log[-3000:]  # not evaluated again
 
         # 4. Retry: the job ends where an uninterrupted run ends, bit for bit.

@@ -93,6 +93,7 @@ class Job:
             self._lease_lost(self.lease.lost_to)
         self.commit_listeners: list[Callable[[int], None]] = []
         self._announcers: list[threading.Thread] = []
+        self._left_in_flight: str | None = None  # the save in flight an ending attempt stopped waiting for (said once)
         self._noted_takeover: str | None = None  # the lease token of the dead holder already recorded in MLflow
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -209,7 +210,9 @@ class Job:
         except LostProcess as exc:
             if not ending:
                 raise
-            logger.warning("not waiting for the save in flight: %s", exc)
+            if self._left_in_flight is None:  # the trainer's finish and the job's each end here: one warning
+                self._left_in_flight = str(exc)
+                logger.warning("not waiting for the save in flight: %s", exc)
         if self._uploader is not None:
             self._uploader.wait()
         for announcer in self._announcers:  # the commit events of those saves are out too
