@@ -102,6 +102,11 @@ class Job:
         """The job's committed steps: on its storage (remote steps count once uploaded)."""
         return self.remote.committed_steps() if self.remote is not None else self.checkpoints.committed_steps()
 
+    def is_committed(self, step: int) -> bool:
+        """Whether `step` counts: `step in committed_steps()`, asked of that step alone (on remote
+        storage one request for its commit marker, not a listing and one per step)."""
+        return self.remote.is_committed(step) if self.remote is not None else int(step) in self.checkpoints.committed_steps()
+
     def newest_committed(self) -> int | None:
         steps = self.committed_steps()
         return steps[-1] if steps else None
@@ -180,11 +185,11 @@ class Job:
             pass
         if self.remote is not None:
             deadline = time.monotonic() + 3600
-            while step not in self.remote.committed_steps() and time.monotonic() < deadline:
-                if step not in self.uploader.pending and step not in self.remote.committed_steps():
+            while not self.remote.is_committed(step) and time.monotonic() < deadline:
+                if step not in self.uploader.pending and not self.remote.is_committed(step):
                     return  # the upload failed; it is reported by the next save or finish
                 time.sleep(0.2)
-        if step not in self.committed_steps():
+        if not self.is_committed(step):
             return
         for fn in list(self.commit_listeners):
             try:
@@ -268,14 +273,15 @@ class Job:
         self.goodput.enabled = False
         self.tracker.enabled = False
 
-    def verify_lease(self, collective: bool = False) -> None:
+    def verify_lease(self, collective: bool = False, read: bool = True) -> None:
         """Before a write: raise `LeaseLostError` if another trainer took the job over. Process 0
         holds the lease; `collective` (every process calls it at the same point, as before a
-        checkpoint, which they write together): every process raises with it."""
+        checkpoint, which they write together): every process raises with it. `read=False`: the
+        lease was read a moment ago (`Lease.verify`)."""
         lost: LeaseLostError | None = None
         if self.is_primary:
             try:
-                self.lease.verify()
+                self.lease.verify(read=read)
             except LeaseLostError as exc:
                 lost = exc
         if collective and self.processes > 1 and from_primary(lost is not None) and lost is None:

@@ -183,12 +183,13 @@ class Lease:
     def held(self) -> bool:
         return self.token is not None
 
-    def verify(self) -> None:
+    def verify(self, read: bool = True) -> None:
         """Fencing: raise `LeaseLostError` when another trainer took the lease over since this
         process took it (read from storage: called before each checkpoint, a write). The lease
-        is then no longer this process's to release."""
+        is then no longer this process's to release. `read=False`: the caller verified it a
+        moment ago; only a loss the heartbeat saw since then is raised (no read of storage)."""
         if self.lost_to is None:
-            if not self.held:
+            if not self.held or not read:
                 return
             try:
                 current = self.read()

@@ -152,12 +152,14 @@ class JobStorage:
     # -- small JSON files ------------------------------------------------------------
 
     def read_json(self, path: str) -> Any | None:
-        fs = self.fs
+        """The JSON file at `path`, or None when there is none. One read: on object storage one
+        GET (opening the file first asked for its size: a HEAD, and a LIST where it is missing,
+        as a stop request and a step's eval record mostly are), and never a cached listing."""
         try:
-            with fs.open(path, "r") as f:
-                return json.load(f)
+            data = self.fs.cat_file(path)
         except FileNotFoundError:
             return None
+        return json.loads(data)
 
     def write_json(self, path: str, obj: Any, durable: bool = True) -> None:
         """Write JSON so a reader never sees half a file (rename on local disks; one PUT elsewhere).

@@ -112,6 +112,7 @@ class Trainer:
         self.data_iter = None
         self.last_train_metrics: dict[str, float] = {}
         self._started_from: int | None = None  # the step the live state was restored (or initialised) at
+        self._no_stop_at: int | None = None  # the live step at which no stop was requested when last asked
         self._last_save = time.monotonic()
         self._evals_reconciled = False
         self._example = None  # the serving input example (see _serving_example)
@@ -147,13 +148,24 @@ class Trainer:
 
     def stop_requested(self) -> dict | None:
         """The job's durable stop request, if any. With several processes, process 0's answer in
-        every process (a collective: they all call it at the same point, and agree whether to go on)."""
-        if self.job.processes == 1:
-            return self.job.stop_requested()
-        stop = self.job.stop_requested() if self.job.is_primary else None
-        if not from_primary(stop is not None):
+        every process (a collective: they all call it at the same point, and agree whether to go on).
+
+        Asked again at the same live step (the flow asks before each train task, and the task
+        asks at its start), the answer stands: no read of the job's storage (a GET on object
+        storage), no collective; a request made meanwhile is seen at the next step. One that this
+        trainer's evaluation makes (early stopping) is seen at once with one process."""
+        if self.step is not None and self._no_stop_at == self.step:
             return None
-        return stop or self.job.stop_requested() or {"reason": "stop requested (see process 0)"}
+        if self.job.processes == 1:
+            stop = self.job.stop_requested()
+        else:
+            stop = self.job.stop_requested() if self.job.is_primary else None
+            if from_primary(stop is not None):
+                stop = stop or self.job.stop_requested() or {"reason": "stop requested (see process 0)"}
+            else:
+                stop = None
+        self._no_stop_at = self.step if stop is None else None
+        return stop
 
     # -- restore ---------------------------------------------------------------------
 
@@ -182,6 +194,7 @@ class Trainer:
 
     def _restore_or_init(self, checkpoint_path, wait_for_checkpoint, max_wait_secs, recovery_wait_secs) -> int:
         self._stop_if_preempted()
+        self._no_stop_at = None  # (a restore may land on the step last asked at: ask again)
         job, loop = self.job, self.loop
         job.goodput.restore_began()
         job.checkpoints.wait()
@@ -415,8 +428,10 @@ class Trainer:
         """
         started = time.perf_counter()
         with self._guard.deferred():  # a SIGTERM now is handled once Orbax has the step
-            self._record_pending(wait=True)  # the evaluation of the step before, if its commit has not been seen yet
-            self.job.verify_lease(collective=True)  # one writer: a trainer whose job was taken over stops here
+            # The evaluation of the step before, if its commit has not been seen yet. Its record
+            # verified the lease after the commit wait: not read again for this save.
+            recorded = self._record_pending(wait=True)
+            self.job.verify_lease(collective=True, read=recorded is None)  # one writer: a trainer whose job was taken over stops here
             train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
             meta = {
                 "program": self.config.program,
@@ -464,7 +479,7 @@ class Trainer:
                 with contextlib.suppress(LeaseLostError):  # taken over: the job's records below are not this process's to write
                     self.job.verify_lease()
                 logger.warning("SIGTERM at step %s (between checkpoints): letting its checkpoint commit (grace %.0fs)", self.step, grace)
-            committed = _within(self.job.wait_committed, grace) and self.step in self.job.committed_steps()
+            committed = _within(self.job.wait_committed, grace) and self.job.is_committed(self.step)
             if self._pending is not None:  # an evaluation whose step was committing: recorded if it did, before the run closes
                 self._record_pending_if_landed()
                 self._pending = None  # (else the rerun evaluates that step)
@@ -567,7 +582,7 @@ class Trainer:
             step = self.step if self.state is not None else self.job.newest_committed()
         live = self.state is not None and self.step == step
         missing = EvalResult(status=EvalStatus.MISSING_CHECKPOINT, name=spec.name, step=step)
-        if step is None or (not live and step not in self.committed_steps()):
+        if step is None or (not live and not self.job.is_committed(step)):
             return missing
         if not self._evals_reconciled:
             self.reconcile_eval_metrics(step)
@@ -638,7 +653,7 @@ class Trainer:
         result, on_recorded = self._pending
         if wait:
             self._wait_committed(inside)
-        if result.step not in self.committed_steps():
+        if not self.job.is_committed(result.step):
             self._pending = None
             logger.error("step %d did not commit: its evaluation is not recorded", result.step)
             return None
@@ -675,6 +690,8 @@ class Trainer:
         if reason:
             logger.warning("%s: asking job %s to stop", reason, self.config.job)
             self.job.request_stop(reason, step, by=f"eval {spec.name}")
+            if self.job.processes == 1:  # (with several, only process 0 records: their answers must stay alike)
+                self._no_stop_at = None
             self.tracker.set_tags({"prefect_jax.stop_reason": reason[:5000]})
             result = result.model_copy(update={"stop_reason": reason})
         if on_recorded is not None:
@@ -713,10 +730,10 @@ class Trainer:
             try:
                 self._wait_committed(inside="eval")
             except LostProcess:  # another process went away after its part of the commit: process 0's is final
-                if step not in self.committed_steps():
+                if not self.job.is_committed(step):
                     raise
                 logger.warning("step %d is committed (another process went away after it: %s)", step, lost_process())
-        return step in self.committed_steps()
+        return self.job.is_committed(step)
 
     def _wait_committed(self, inside: str | None = None) -> None:
         """Wait for the saves in flight, as checkpoint time in the goodput ledger (not as time of
