@@ -472,7 +472,9 @@ def test_a_notice_whose_handling_fails_still_goes_on_to_the_handler_before(sigte
     try:
         trainer.restore_or_init()
         trainer.train_until_checkpoint()
-        monkeypatch.setattr(trainer.job, "committed_steps", lambda: (_ for _ in ()).throw(OSError("storage went away")))
+        gone = lambda *a: (_ for _ in ()).throw(OSError("storage went away"))  # noqa: E731
+        monkeypatch.setattr(trainer.job, "committed_steps", gone)
+        monkeypatch.setattr(trainer.job, "is_committed", gone)
         with pytest.raises(Ended) as ended:
             os.kill(os.getpid(), signal.SIGTERM)  # between tasks: the guard handles it at once
             _wait_in_ordinary_code(30)

@@ -122,14 +122,14 @@ def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(s3, tmp_path, pr
     assert not fs.exists("jobs/team/s3job/lease.json")
 
 
-def test_the_training_thread_asks_object_storage_little_per_interval(s3, tmp_path, prefect_server, mlflow_uri, monkeypatch):
+def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_restore(s3, tmp_path, prefect_server, mlflow_uri, monkeypatch):
     """Each request to object storage that the training thread waits for is a round trip (tens of
     ms on S3) in every interval. Counted per kind in the flow's intervals (its restore and end
     aside), 6 intervals on moto's S3: the stop request is read once an interval (the flow asks,
     then its train task, at the same step), the lease once (a pending evaluation's record verified
     it a moment before the save), each with one GET (not a HEAD, or a HEAD and a LIST where the
     file is missing, first), and no interval lists the checkpoints (a step's commit is one HEAD
-    of its marker)."""
+    of its marker). A rerun's restore lists them twice, not six times."""
     import sys
     import threading
     from collections import Counter
@@ -142,16 +142,22 @@ def test_the_training_thread_asks_object_storage_little_per_interval(s3, tmp_pat
     calls: Counter = Counter()
     sync = fsspec.asyn.sync
 
-    def in_intervals() -> bool:
+    restoring: Counter = Counter()
+
+    def within(name: str) -> bool:
         frame = sys._getframe(2)
-        while frame is not None and frame.f_code.co_name != "_train_loop":
+        while frame is not None and frame.f_code.co_name != name:
             frame = frame.f_back
         return frame is not None
 
     def counted(loop, func, *args, **kwargs):
-        if threading.current_thread() is threading.main_thread() and in_intervals():
+        if threading.current_thread() is threading.main_thread():
             path = str(args[0]) if args else ""
-            calls[(func.__name__, path.rstrip("/").rsplit("/", 1)[-1])] += 1
+            key = (func.__name__, path.rstrip("/").rsplit("/", 1)[-1])
+            if within("_train_loop"):
+                calls[key] += 1
+            elif within("_restore_or_init"):
+                restoring[key] += 1
         return sync(loop, func, *args, **kwargs)
 
     monkeypatch.setattr(fsspec.asyn, "sync", counted)
@@ -167,3 +173,15 @@ def test_the_training_thread_asks_object_storage_little_per_interval(s3, tmp_pat
     assert not [c for c in calls if c[1] in ("stop.json", "lease.json") and c[0] != "_cat_file"], shown  # one GET each
     assert not [c for c in calls if c[0] == "_ls" and c[1] == "checkpoints"], shown  # (was one or two an interval)
     assert calls[("_info", MARKER)] <= intervals + 1, shown  # one HEAD per step's commit
+
+    # A rerun on a new machine (an empty local stage) lists the committed steps twice: before it
+    # takes the lease and once it holds it (was 6 times, each a LIST and a HEAD per step).
+    restoring.clear()
+    monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "another-machine"))
+    summary = train_and_evaluate(program="prefect_jax.examples.digits:tiny", job="j", storage=block,
+                                 train_spec=TrainSpec(max_steps=(intervals + 1) * every, log_every_steps=every),
+                                 checkpoint_spec=CheckpointSpec(every_steps=every), mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    assert summary["final_step"] == (intervals + 1) * every
+    shown = sorted(restoring.items(), key=lambda kv: -kv[1])
+    assert restoring[("_ls", "checkpoints")] == 2, shown
+    assert restoring[("_info", MARKER)] <= 2 * 3, shown  # (keep_last: 3 steps)

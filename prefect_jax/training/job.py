@@ -111,27 +111,31 @@ class Job:
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
-    def prepare_restore(self) -> None:
+    def prepare_restore(self) -> list[int] | None:
         """The writer's view after a crash: torn local steps moved aside; for remote storage,
-        partial uploads removed and staged steps that never got uploaded dropped (they do not count)."""
+        partial uploads removed and staged steps that never got uploaded dropped (they do not count).
+        Returns the committed remote steps it listed (oldest first), where no upload of this
+        process is in flight: the restore need not list them again (a listing and a request per
+        step on object storage); else None."""
         self.checkpoints.wait()
         if self.processes > 1:
             if self.is_primary:  # the others wait, then see what it left
                 self.checkpoints.quarantine_uncommitted()
             barrier("prefect_jax.prepare_restore")
             self.checkpoints.manager.reload()
-            return
+            return None
         if self.remote is None:
             self.checkpoints.quarantine_uncommitted()
-            return
+            return None
         pending = set(self._uploader.pending) if self._uploader is not None else set()
-        for step in self.remote.delete_uncommitted(keep=lambda s: s in pending):
+        committed: list[int] = []
+        for step in self.remote.delete_uncommitted(keep=lambda s: s in pending, committed=committed):
             logger.warning("checkpoint step %d at %s was never committed: removed", step, self.remote.safe_url)
-        committed = set(self.remote.committed_steps())
         for step in step_dirs(self.checkpoints.directory):
             if step not in committed and step not in pending:
                 shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
         self.checkpoints.manager.reload()
+        return None if pending else committed
 
     def fetch(self, step: int) -> None:
         """Make a committed remote step readable in the local stage (download it unless it is there)."""

@@ -538,12 +538,17 @@ class RemoteSteps:
         self._invalidate(self.marker_path(step))
         self._remove_tree(step)
 
-    def delete_uncommitted(self, keep: Callable[[int], bool] = lambda step: False) -> list[int]:
+    def delete_uncommitted(self, keep: Callable[[int], bool] = lambda step: False, committed: list[int] | None = None) -> list[int]:
         """Remove integer-named steps without a commit marker (uploads killed part-way), except those
-        `keep` names (uploads in flight). Only the job's writer may call this. Returns the steps removed."""
+        `keep` names (uploads in flight). Only the job's writer may call this. Returns the steps
+        removed; `committed`, a list, gets the committed steps it saw (what `committed_steps` would
+        list next, but for a step `keep` names that commits meanwhile), oldest first."""
         removed = []
         for step in self.step_names():
-            if not keep(step) and not self.is_committed(step):
+            if self.is_committed(step):
+                if committed is not None:
+                    committed.append(step)
+            elif not keep(step):
                 logger.warning("step %d in %s was never committed (an upload stopped part-way): removing it",
                                step, self.safe_url)
                 self._remove_tree(step)

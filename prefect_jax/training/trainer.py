@@ -208,8 +208,8 @@ class Trainer:
         self._guard.install()
         self._wait_for_compile_cache()
         loop.start_precompile()
-        job.prepare_restore()
-        has_own = bool(job.committed_steps())
+        listed = job.prepare_restore()  # (remote: the committed steps, listed once for the restore below)
+        has_own = bool(listed if listed is not None else job.committed_steps())
         state, step, meta, data_iter = restore_or_init(
             job.checkpoints,
             loop.init_state,
@@ -221,7 +221,7 @@ class Trainer:
             max_wait_secs=max_wait_secs,
             recovery_wait_secs=recovery_wait_secs,
             on_unreadable=job.set_aside,
-            list_steps=job.committed_steps,
+            list_steps=(lambda: listed) if listed else job.committed_steps,  # (none yet: a wait for one lists again)
             prepare_step=job.fetch if job.remote is not None else None,
         )
         if checkpoint_path and not has_own and step:
