@@ -227,3 +227,38 @@ def test_a_process_killed_before_the_evaluated_step_commits_leaves_no_record_of_
     rerun.finish()
     assert rerun.records.steps() == [20, 40]
     assert [s for s, _ in rerun.tracker.metric_history("eval/accuracy")] == [20, 40]
+
+
+def test_a_stop_request_is_read_once_per_ask_at_a_step_and_the_trainers_own_is_seen_at_once(job_config, monkeypatch):
+    """The flow asks whether to stop before each train task, and the task asks again at its start,
+    at the same step: the second ask, moments later, does not read storage (a GET on object
+    storage). A request made after that is read at the next ask once the moment has passed, and one
+    that the trainer's own evaluation makes (an eval hook, early stopping) at once."""
+    from prefect_jax.training import trainer as trainer_module
+
+    class StopAtOnce:
+        def after_eval(self, result):
+            return True
+
+    trainer = Trainer(job_config(max_steps=60, every_steps=20))
+    try:
+        trainer.restore_or_init()
+        reads = []
+        real = trainer.job.stop_requested
+        monkeypatch.setattr(trainer.job, "stop_requested", lambda: reads.append(trainer.step) or real())
+        assert trainer.stop_requested() is None and trainer.stop_requested() is None
+        assert reads == [0]
+        trainer.job.request_stop("a person asked", 0, by="test")  # (another process, as `prefect-jax stop` is)
+        monkeypatch.setattr(trainer_module, "STOP_ANSWER_SECS", 0.0)  # (the moment has passed)
+        assert trainer.stop_requested()["reason"] == "a person asked" and reads == [0, 0]
+        trainer.job.storage.fs.rm(trainer.job.storage.path("stop.json"))
+
+        monkeypatch.setattr(trainer_module, "STOP_ANSWER_SECS", 60.0)
+        trainer.train_until_checkpoint()
+        assert trainer.stop_requested() is None and reads == [0, 0, 20]
+        trainer.eval_hooks = [StopAtOnce()]
+        result = trainer.evaluate_if_new()
+        assert result.status is EvalStatus.EVALUATED and result.stop_reason
+        assert trainer.stop_requested()["reason"] == result.stop_reason and reads == [0, 0, 20, 20]
+    finally:
+        trainer.close()

@@ -277,15 +277,15 @@ class Job:
         self.goodput.enabled = False
         self.tracker.enabled = False
 
-    def verify_lease(self, collective: bool = False, read: bool = True) -> None:
+    def verify_lease(self, collective: bool = False, max_age: float = 0.0) -> None:
         """Before a write: raise `LeaseLostError` if another trainer took the job over. Process 0
         holds the lease; `collective` (every process calls it at the same point, as before a
-        checkpoint, which they write together): every process raises with it. `read=False`: the
-        lease was read a moment ago (`Lease.verify`)."""
+        checkpoint, which they write together): every process raises with it. `max_age`: see
+        `Lease.verify`."""
         lost: LeaseLostError | None = None
         if self.is_primary:
             try:
-                self.lease.verify(read=read)
+                self.lease.verify(max_age=max_age)
             except LeaseLostError as exc:
                 lost = exc
         if collective and self.processes > 1 and from_primary(lost is not None) and lost is None:

@@ -114,6 +114,7 @@ class Lease:
         # The record of the trainer that took this process's lease over (see `verify`), or None.
         self.lost_to: dict | None = None
         self.on_lost: Callable[[dict], None] | None = None  # called once, with the new holder's record, when lost
+        self._confirmed_at: float | None = None  # when `verify` last read the lease and found it ours (monotonic)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -183,13 +184,15 @@ class Lease:
     def held(self) -> bool:
         return self.token is not None
 
-    def verify(self, read: bool = True) -> None:
+    def verify(self, max_age: float = 0.0) -> None:
         """Fencing: raise `LeaseLostError` when another trainer took the lease over since this
         process took it (read from storage: called before each checkpoint, a write). The lease
-        is then no longer this process's to release. `read=False`: the caller verified it a
-        moment ago; only a loss the heartbeat saw since then is raised (no read of storage)."""
+        is then no longer this process's to release. `max_age`: not read again if a read found it
+        ours less than that many seconds ago (a loss the heartbeat saw since is still raised)."""
         if self.lost_to is None:
-            if not self.held or not read:
+            if not self.held:
+                return
+            if self._confirmed_at is not None and time.monotonic() - self._confirmed_at < max_age:
                 return
             try:
                 current = self.read()
@@ -198,6 +201,7 @@ class Lease:
                                redact_url(self.storage.job_dir), type(exc).__name__)  # fmt: skip
                 return
             if current is not None and current.get("token") == self.token:
+                self._confirmed_at = time.monotonic()
                 return
             self._lose(current or {})
         raise LeaseLostError(redact_url(self.storage.job_dir), self.lost_to or {})

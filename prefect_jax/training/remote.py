@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping
 import fsspec
 
 from prefect_jax.training.redaction import redact_options, redact_url, scrub, secret_values
-from prefect_jax.training.storage import atomic_write
+from prefect_jax.training.storage import atomic_write, small_read
 
 META_FILE = "meta/metadata"  # a step's metadata item, the JSON Orbax's JsonCheckpointHandler writes
 
@@ -336,7 +336,7 @@ class RemoteSteps:
         path = self.marker_path(step)
         self._invalidate(path)
         try:
-            data = self._call(f"reading the commit marker of step {int(step)}", self.fs.cat_file, path)
+            data = self._call(f"reading the commit marker of step {int(step)}", self.fs.cat_file, path, **small_read(self.fs))
         except FileNotFoundError:
             return None
         manifest = StepManifest.from_json(data, int(step))
@@ -347,7 +347,8 @@ class RemoteSteps:
 
     def read_meta(self, step: int) -> dict:
         """The metadata item of a committed step (`META_FILE`), without downloading the step."""
-        data = self._call(f"reading the metadata of step {int(step)}", self.fs.cat_file, f"{self.step_path(step)}/{META_FILE}")
+        data = self._call(f"reading the metadata of step {int(step)}", self.fs.cat_file, f"{self.step_path(step)}/{META_FILE}",
+                          **small_read(self.fs))  # fmt: skip
         return json.loads(data)
 
     def is_committed(self, step: int) -> bool:

@@ -54,6 +54,13 @@ def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
     os.replace(tmp, path)
 
 
+def small_read(fs) -> dict[str, Any]:
+    """Options for `fs.cat_file` of a small file: one GET. (s3fs otherwise asks for the size
+    first, to download a large object in parallel parts: a HEAD, and a LIST where it is missing.)"""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return {"max_concurrency": 1} if "s3" in protocols else {}
+
+
 def cache_root() -> str:
     """Where local copies of remote checkpoints are staged: ``PREFECT_JAX_CACHE_DIR`` or ``~/.cache/prefect-jax``."""
     return os.path.abspath(os.environ.get("PREFECT_JAX_CACHE_DIR") or os.path.expanduser("~/.cache/prefect-jax"))
@@ -156,7 +163,7 @@ class JobStorage:
         GET (opening the file first asked for its size: a HEAD, and a LIST where it is missing,
         as a stop request and a step's eval record mostly are), and never a cached listing."""
         try:
-            data = self.fs.cat_file(path)
+            data = self.fs.cat_file(path, **small_read(self.fs))
         except FileNotFoundError:
             return None
         return json.loads(data)

@@ -61,6 +61,9 @@ __all__ = ["Trainer", "add_progress_listener", "restore_or_init"]
 
 
 DEVICES_TAG = "prefect_jax.devices"  # the MLflow run's: what its newest training attempt runs on
+# How long a "no stop" answer stands at the same live step (`Trainer.stop_requested`): the flow's
+# ask and its train task's, moments apart; not a task retry (2 s on), nor anyone polling.
+STOP_ANSWER_SECS = 1.0
 
 
 def describe_devices() -> str:
@@ -112,7 +115,7 @@ class Trainer:
         self.data_iter = None
         self.last_train_metrics: dict[str, float] = {}
         self._started_from: int | None = None  # the step the live state was restored (or initialised) at
-        self._no_stop_at: int | None = None  # the live step at which no stop was requested when last asked
+        self._no_stop_at: tuple[int, float] | None = None  # (live step, monotonic time) of the last "no stop" read
         self._last_save = time.monotonic()
         self._evals_reconciled = False
         self._example = None  # the serving input example (see _serving_example)
@@ -150,22 +153,21 @@ class Trainer:
         """The job's durable stop request, if any. With several processes, process 0's answer in
         every process (a collective: they all call it at the same point, and agree whether to go on).
 
-        Asked again at the same live step (the flow asks before each train task, and the task
-        asks at its start), the answer stands: no read of the job's storage (a GET on object
-        storage), no collective; a request made meanwhile is seen at the next step. One that this
-        trainer's evaluation makes (early stopping) is seen at once with one process."""
-        if self.step is not None and self._no_stop_at == self.step:
-            return None
+        With one process, asked again at the same live step within `STOP_ANSWER_SECS` (the flow
+        asks before each train task, and the task at its start), a "no stop" answer stands: no
+        second read of the job's storage (a GET on object storage). A request made in between is
+        seen at the next ask; one that this trainer's evaluation makes (early stopping), at once."""
         if self.job.processes == 1:
+            last = self._no_stop_at
+            if last is not None and last[0] == self.step and time.monotonic() - last[1] < STOP_ANSWER_SECS:
+                return None
             stop = self.job.stop_requested()
-        else:
-            stop = self.job.stop_requested() if self.job.is_primary else None
-            if from_primary(stop is not None):
-                stop = stop or self.job.stop_requested() or {"reason": "stop requested (see process 0)"}
-            else:
-                stop = None
-        self._no_stop_at = self.step if stop is None else None
-        return stop
+            self._no_stop_at = (self.step, time.monotonic()) if stop is None and self.step is not None else None
+            return stop
+        stop = self.job.stop_requested() if self.job.is_primary else None
+        if not from_primary(stop is not None):
+            return None
+        return stop or self.job.stop_requested() or {"reason": "stop requested (see process 0)"}
 
     # -- restore ---------------------------------------------------------------------
 
@@ -429,9 +431,11 @@ class Trainer:
         started = time.perf_counter()
         with self._guard.deferred():  # a SIGTERM now is handled once Orbax has the step
             # The evaluation of the step before, if its commit has not been seen yet. Its record
-            # verified the lease after the commit wait: not read again for this save.
+            # verified the lease after the commit wait: not read again for this save if that read
+            # found it ours within the last second.
             recorded = self._record_pending(wait=True)
-            self.job.verify_lease(collective=True, read=recorded is None)  # one writer: a trainer whose job was taken over stops here
+            # One writer: a trainer whose job was taken over stops here.
+            self.job.verify_lease(collective=True, max_age=1.0 if recorded is not None else 0.0)
             train_metrics = self.tracker.unwritten_metrics() + list(train_metrics)
             meta = {
                 "program": self.config.program,
@@ -479,7 +483,7 @@ class Trainer:
                 with contextlib.suppress(LeaseLostError):  # taken over: the job's records below are not this process's to write
                     self.job.verify_lease()
                 logger.warning("SIGTERM at step %s (between checkpoints): letting its checkpoint commit (grace %.0fs)", self.step, grace)
-            committed = _within(self.job.wait_committed, grace) and self.job.is_committed(self.step)
+            committed = _within(self.job.wait_committed, grace) and self.step is not None and self.job.is_committed(self.step)
             if self._pending is not None:  # an evaluation whose step was committing: recorded if it did, before the run closes
                 self._record_pending_if_landed()
                 self._pending = None  # (else the rerun evaluates that step)
@@ -690,8 +694,7 @@ class Trainer:
         if reason:
             logger.warning("%s: asking job %s to stop", reason, self.config.job)
             self.job.request_stop(reason, step, by=f"eval {spec.name}")
-            if self.job.processes == 1:  # (with several, only process 0 records: their answers must stay alike)
-                self._no_stop_at = None
+            self._no_stop_at = None
             self.tracker.set_tags({"prefect_jax.stop_reason": reason[:5000]})
             result = result.model_copy(update={"stop_reason": reason})
         if on_recorded is not None:
