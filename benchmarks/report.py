@@ -763,6 +763,37 @@ def worker_rerun_markdown(wr: dict | None) -> list[str]:
     return out
 
 
+def s3_requests_markdown() -> list[str]:
+    """`benchmarks/s3_requests.py`'s record (S3_REQUESTS.json; this run does not re-measure it)."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "S3_REQUESTS.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        r = json.load(f)
+    rows = [("this code (" + r.get("code", "") + ")", r)] + ([("before (" + r["before"]["code"] + ")", r["before"])] if r.get("before") else [])
+
+    def ops(p: dict) -> str:
+        by = p["requests_by_operation"]
+        return ", ".join(f"{op} {by[op]:g}" for op in ("GetObject", "HeadObject", "ListObjectsV2", "PutObject") if op in by)
+
+    out = ["", "## Object storage: requests per checkpoint interval", "",
+           f"`benchmarks/s3_requests.py` ({r['when']}; not re-measured by this run): the flow on moto's S3 server on "
+           f"loopback, a checkpoint and an evaluation every {r['every']} steps; per interval, the slope between two "
+           "runs' counts. The training thread's calls are the round trips each interval waits for (moto answers in a few "
+           "ms, a real bucket in tens); the requests include the uploader's and the commit announcer's, in the "
+           "background. The rerun is on a new machine (an empty local stage): its restore's calls before the first step."
+           + (f" {r['note']}." if r.get("note") else ""), "",
+           "| code | training-thread calls / interval | their wait, ms | S3 requests / interval | by operation | rerun's restore: calls, wait s |",
+           "|---|---:|---:|---:|---|---:|"]
+    for label, x in rows:
+        p, rr = x["per_interval"], x["rerun_restore"]
+        out.append(f"| {label} | {p['training_thread_calls']:g} | {p['training_thread_wait_ms']:.0f} | {p['requests']:g} | {ops(p)} | "
+                   f"{rr['calls_total']}, {rr['wait_s']:.2f} |")
+    return out
+
+
 def server_apart_markdown() -> list[str]:
     """`benchmarks/server_apart.py`'s record (SERVER_APART.json, measured on a machine with more
     than two CPUs; this run does not re-measure it)."""
@@ -1014,6 +1045,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     out += multiprocess_markdown(report.get("multiprocess"))
     out += gpu_markdown()
     out += server_apart_markdown()
+    out += s3_requests_markdown()
     rows = _get(report, "storage", "rows")
     if rows:
         out += ["", "## Checkpoint cost against state size (local disk)", "",

@@ -1,0 +1,151 @@
+"""What a job on S3 asks the storage, per checkpoint interval: the `train_and_evaluate` flow (the
+digits `tiny` program, a checkpoint and an evaluation every --every steps, 3 kept) on moto's S3
+server on loopback, in this process, against an ephemeral Prefect server (Prefect's test harness).
+
+Counted: every request that reaches S3 (per operation, all threads: the training thread, the
+uploader, the commit announcer) and the storage calls the training thread waits for, with their
+wall time (moto on loopback answers in a few ms; a real bucket in tens). Per interval is the slope
+between --intervals' two counts, so start-up and end drop out. Then a rerun on a new machine (an
+empty local stage): the calls its restore makes on the training thread before the first step.
+
+    uv run python benchmarks/s3_requests.py [--every 10] [--intervals 10,30] [--out benchmarks/S3_REQUESTS.json]
+
+Counts do not depend on the machine's speed (but for the commit announcer's polls, every 0.2 s
+while an upload is on its way); the wall times do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(os.path.dirname(HERE), "tests")
+
+
+def log(msg: str) -> None:
+    print(f"[s3-requests] {msg}", file=sys.stderr, flush=True)
+
+
+class Counts:
+    """Requests to S3 (per operation) and the training thread's storage calls (in the flow's
+    intervals, and in a restore), counted where aiobotocore and fsspec make them."""
+
+    def __init__(self):
+        self.requests: collections.Counter = collections.Counter()
+        self.calls = {"intervals": collections.Counter(), "restore": collections.Counter()}
+        self.secs = {"intervals": 0.0, "restore": 0.0}
+
+    def install(self) -> None:
+        import aiobotocore.client
+        import fsspec.asyn
+
+        api_call, sync = aiobotocore.client.AioBaseClient._make_api_call, fsspec.asyn.sync
+
+        async def request(client, operation, params):
+            self.requests[operation] += 1
+            return await api_call(client, operation, params)
+
+        def where() -> str | None:
+            frame = sys._getframe(2)
+            while frame is not None:
+                if frame.f_code.co_name == "_train_loop":
+                    return "intervals"
+                if frame.f_code.co_name == "_restore_or_init":
+                    return "restore"
+                frame = frame.f_back
+            return None
+
+        def call(loop, func, *args, **kwargs):
+            part = where() if threading.current_thread() is threading.main_thread() else None
+            began = time.perf_counter()
+            try:
+                return sync(loop, func, *args, **kwargs)
+            finally:
+                if part is not None:
+                    self.calls[part][func.__name__] += 1
+                    self.secs[part] += time.perf_counter() - began
+
+        aiobotocore.client.AioBaseClient._make_api_call = request
+        fsspec.asyn.sync = call
+
+    def snapshot(self) -> dict:
+        return {"requests": dict(self.requests), "requests_total": sum(self.requests.values()),
+                "interval_calls": dict(self.calls["intervals"]), "interval_calls_total": sum(self.calls["intervals"].values()),
+                "interval_wait_s": self.secs["intervals"]}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--intervals", default="10,30", help="two interval counts: the slope between them is per interval")
+    parser.add_argument("--out", default=os.path.join(HERE, "S3_REQUESTS.json"))
+    args = parser.parse_args()
+    few, many = sorted(int(n) for n in args.intervals.split(","))
+    if few < 1 or many <= few:
+        parser.error(f"--intervals {args.intervals}: give two counts, the second larger, such as 10,30")
+    sys.path.insert(0, TESTS)
+    from s3_server import S3Server, isolate_aws_env
+
+    isolate_aws_env()
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    counts = Counts()
+    counts.install()
+    from prefect.testing.utilities import prefect_test_harness
+
+    work = tempfile.mkdtemp(prefix="s3-requests-")
+    report: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "every": args.every, "runs": {}}
+    with S3Server() as s3, prefect_test_harness(server_startup_timeout=180):
+        s3.create_bucket("requests")
+        from prefect_jax.flows import train_and_evaluate
+        from prefect_jax.training.specs import CheckpointSpec, TrainSpec
+
+        def flow(job: str, intervals: int, machine: str) -> None:
+            os.environ["PREFECT_JAX_CACHE_DIR"] = os.path.join(work, machine)
+            summary = train_and_evaluate(program="prefect_jax.examples.digits:tiny", job=job, storage=block,
+                                         train_spec=TrainSpec(max_steps=intervals * args.every, log_every_steps=args.every),
+                                         checkpoint_spec=CheckpointSpec(every_steps=args.every, keep_last=3),
+                                         mlflow_tracking_uri=f"sqlite:///{work}/mlflow.db")  # fmt: skip
+            assert summary["final_step"] == intervals * args.every, summary
+
+        block = s3.save_block("requests", "s3://requests/jobs")
+        for n in (few, many):
+            before = counts.snapshot()
+            flow(f"j{n}", n, f"machine-{n}")
+            after = counts.snapshot()
+            report["runs"][n] = {k: (after[k] - before[k]) if not isinstance(after[k], dict)
+                                 else {op: after[k].get(op, 0) - before[k].get(op, 0) for op in after[k]}
+                                 for k in after}  # fmt: skip
+            log(f"{n} intervals: {report['runs'][n]['requests_total']} requests, "
+                f"{report['runs'][n]['interval_calls_total']} training-thread calls in the intervals")
+        # A rerun on a new machine (its stage empty): what its restore asks before the first step.
+        counts.calls["restore"].clear()
+        counts.secs["restore"] = 0.0
+        flow(f"j{many}", many + 1, "a-new-machine")
+        report["rerun_restore"] = {"calls": dict(counts.calls["restore"]), "calls_total": sum(counts.calls["restore"].values()),
+                                   "wait_s": round(counts.secs["restore"], 3)}  # fmt: skip
+    a, b = report["runs"][few], report["runs"][many]
+    per = lambda key: (b[key] - a[key]) / (many - few)  # noqa: E731
+    report["per_interval"] = {
+        "requests": round(per("requests_total"), 2),
+        "requests_by_operation": {op: round((b["requests"].get(op, 0) - a["requests"].get(op, 0)) / (many - few), 2)
+                                  for op in sorted(set(a["requests"]) | set(b["requests"]))},
+        "training_thread_calls": round(per("interval_calls_total"), 2),
+        "training_thread_calls_by_kind": {k: round((b["interval_calls"].get(k, 0) - a["interval_calls"].get(k, 0)) / (many - few), 2)
+                                          for k in sorted(set(a["interval_calls"]) | set(b["interval_calls"]))},
+        "training_thread_wait_ms": round(1000 * per("interval_wait_s"), 1),
+    }  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({"per_interval": report["per_interval"], "rerun_restore": report["rerun_restore"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
