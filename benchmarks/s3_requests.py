@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,52 +32,16 @@ def log(msg: str) -> None:
     print(f"[s3-requests] {msg}", file=sys.stderr, flush=True)
 
 
-class Counts:
-    """Requests to S3 (per operation) and the training thread's storage calls (in the flow's
-    intervals, and in a restore), counted where aiobotocore and fsspec make them."""
-
-    def __init__(self):
-        self.requests: collections.Counter = collections.Counter()
-        self.calls = {"intervals": collections.Counter(), "restore": collections.Counter()}
-        self.secs = {"intervals": 0.0, "restore": 0.0}
-
-    def install(self) -> None:
-        import aiobotocore.client
-        import fsspec.asyn
-
-        api_call, sync = aiobotocore.client.AioBaseClient._make_api_call, fsspec.asyn.sync
-
-        async def request(client, operation, params):
-            self.requests[operation] += 1
-            return await api_call(client, operation, params)
-
-        def where() -> str | None:
-            frame = sys._getframe(2)
-            while frame is not None:
-                if frame.f_code.co_name == "_train_loop":
-                    return "intervals"
-                if frame.f_code.co_name == "_restore_or_init":
-                    return "restore"
-                frame = frame.f_back
-            return None
-
-        def call(loop, func, *args, **kwargs):
-            part = where() if threading.current_thread() is threading.main_thread() else None
-            began = time.perf_counter()
-            try:
-                return sync(loop, func, *args, **kwargs)
-            finally:
-                if part is not None:
-                    self.calls[part][func.__name__] += 1
-                    self.secs[part] += time.perf_counter() - began
-
-        aiobotocore.client.AioBaseClient._make_api_call = request
-        fsspec.asyn.sync = call
-
-    def snapshot(self) -> dict:
-        return {"requests": dict(self.requests), "requests_total": sum(self.requests.values()),
-                "interval_calls": dict(self.calls["intervals"]), "interval_calls_total": sum(self.calls["intervals"].values()),
-                "interval_wait_s": self.secs["intervals"]}  # fmt: skip
+def snapshot(counts) -> dict:
+    """The totals so far of a `StorageCalls` (tests/s3_server.py): requests per operation, the
+    training thread's calls per kind in the flow's intervals, and their wait."""
+    requests, calls = collections.Counter(), collections.Counter()
+    for (operation, _), n in counts.requests.items():
+        requests[operation] += n
+    for (kind, _), n in counts.calls["_train_loop"].items():
+        calls[kind] += n
+    return {"requests": dict(requests), "requests_total": sum(requests.values()), "interval_calls": dict(calls),
+            "interval_calls_total": sum(calls.values()), "interval_wait_s": counts.secs["_train_loop"]}  # fmt: skip
 
 
 def main() -> None:
@@ -91,12 +54,12 @@ def main() -> None:
     if few < 1 or many <= few:
         parser.error(f"--intervals {args.intervals}: give two counts, the second larger, such as 10,30")
     sys.path.insert(0, TESTS)
-    from s3_server import S3Server, isolate_aws_env
+    from s3_server import S3Server, StorageCalls, isolate_aws_env
 
     isolate_aws_env()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    counts = Counts()
+    counts = StorageCalls()
     counts.install()
     from prefect.testing.utilities import prefect_test_harness
 
@@ -117,20 +80,24 @@ def main() -> None:
 
         block = s3.save_block("requests", "s3://requests/jobs")
         for n in (few, many):
-            before = counts.snapshot()
+            before = snapshot(counts)
             flow(f"j{n}", n, f"machine-{n}")
-            after = counts.snapshot()
+            after = snapshot(counts)
             report["runs"][n] = {k: (after[k] - before[k]) if not isinstance(after[k], dict)
                                  else {op: after[k].get(op, 0) - before[k].get(op, 0) for op in after[k]}
                                  for k in after}  # fmt: skip
             log(f"{n} intervals: {report['runs'][n]['requests_total']} requests, "
                 f"{report['runs'][n]['interval_calls_total']} training-thread calls in the intervals")
         # A rerun on a new machine (its stage empty): what its restore asks before the first step.
-        counts.calls["restore"].clear()
-        counts.secs["restore"] = 0.0
+        restore = counts.calls["_restore_or_init"]
+        restore.clear()
+        counts.secs["_restore_or_init"] = 0.0
         flow(f"j{many}", many + 1, "a-new-machine")
-        report["rerun_restore"] = {"calls": dict(counts.calls["restore"]), "calls_total": sum(counts.calls["restore"].values()),
-                                   "wait_s": round(counts.secs["restore"], 3)}  # fmt: skip
+        kinds = collections.Counter()
+        for (kind, _), n in restore.items():
+            kinds[kind] += n
+        report["rerun_restore"] = {"calls": dict(kinds), "calls_total": sum(kinds.values()),
+                                   "wait_s": round(counts.secs["_restore_or_init"], 3)}  # fmt: skip
     a, b = report["runs"][few], report["runs"][many]
     per = lambda key: (b[key] - a[key]) / (many - few)  # noqa: E731
     report["per_interval"] = {

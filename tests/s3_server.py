@@ -88,6 +88,65 @@ def storage_options(endpoint_url: str, key: str = ACCESS_KEY, secret: str = SECR
     return options
 
 
+def _file(path) -> str:
+    return str(path or "").rstrip("/").rsplit("/", 1)[-1]
+
+
+class StorageCalls:
+    """What a job asks object storage, counted where it is asked, in this process:
+
+    - ``requests``: every request that reaches S3 (any thread), per (operation, file), as
+      aiobotocore sends it (s3fs's calls may send several: a HEAD before a GET, a LIST after a
+      HEAD that found nothing);
+    - ``calls[part]``: the fsspec calls the main thread waits for, per (call, file), while the
+      innermost of `parts` on its stack is ``part`` (``"_train_loop"``: a flow's intervals;
+      ``"_restore_or_init"``: a restore); ``secs[part]``: their wall time.
+
+    `install(setattr)` patches aiobotocore and fsspec (`monkeypatch.setattr` in a test, so that
+    it is undone; the builtin in a benchmark's own process)."""
+
+    def __init__(self, parts: tuple[str, ...] = ("_train_loop", "_restore_or_init")):
+        import collections
+
+        self.parts = parts
+        self.requests: collections.Counter = collections.Counter()
+        self.calls = {part: collections.Counter() for part in parts}
+        self.secs = dict.fromkeys(parts, 0.0)
+
+    def _part(self) -> str | None:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_name in self.parts:
+                return frame.f_code.co_name
+            frame = frame.f_back
+        return None
+
+    def install(self, setattr=setattr) -> None:
+        import threading
+
+        import aiobotocore.client
+        import fsspec.asyn
+
+        api_call, sync = aiobotocore.client.AioBaseClient._make_api_call, fsspec.asyn.sync
+
+        async def request(client, operation, params):
+            self.requests[(operation, _file(params.get("Key") or params.get("Prefix")))] += 1
+            return await api_call(client, operation, params)
+
+        def call(loop, func, *args, **kwargs):
+            part = self._part() if threading.current_thread() is threading.main_thread() else None
+            began = time.perf_counter()
+            try:
+                return sync(loop, func, *args, **kwargs)
+            finally:
+                if part is not None:
+                    self.calls[part][(func.__name__, _file(args[0] if args else ""))] += 1
+                    self.secs[part] += time.perf_counter() - began
+
+        setattr(aiobotocore.client.AioBaseClient, "_make_api_call", request)
+        setattr(fsspec.asyn, "sync", call)
+
+
 class S3Server:
     """moto's S3 server on 127.0.0.1:<free port>, in a subprocess, for the duration of a `with` block.
 
