@@ -140,7 +140,8 @@ class StorageCalls:
                 return sync(loop, func, *args, **kwargs)
             finally:
                 if part is not None:
-                    self.calls[part][(func.__name__, _file(args[0] if args else ""))] += 1
+                    path = next((a for a in args if isinstance(a, (str, list))), "")  # (a method's own: after the file system)
+                    self.calls[part][(func.__name__, _file(path))] += 1
                     self.secs[part] += time.perf_counter() - began
 
         setattr(aiobotocore.client.AioBaseClient, "_make_api_call", request)

@@ -275,8 +275,10 @@ def test_async_uploader_commits_a_step_only_when_its_upload_is_done(remote, tmp_
         uploader.submit(30, step_dir, ready=lambda path: local_committed.is_set())
         assert uploader.pending == [30]
         assert uploader.wait(timeout=0.3) is False  # waits on the local commit
+        assert uploader.wait_for(30, timeout=0.1) is False  # (a step's own wait, without asking the storage)
         assert remote.committed_steps() == []
         local_committed.set()
+        assert uploader.wait_for(30) is True and remote.is_committed(30)
         assert uploader.wait() is True
         assert remote.committed_steps() == [30]
         assert uploader.pending == [] and uploaded == [30] and uploader.uploaded == [30]
@@ -292,11 +294,14 @@ def test_async_uploader_raises_errors_on_the_next_call_and_keeps_going(remote, t
     assert uploader.wait() is True  # raised once, then forgotten
 
     uploader.submit(39, str(tmp_path / "missing"))
-    while uploader.pending:  # the failure is recorded before the step leaves `pending`
-        time.sleep(0.01)
+    assert uploader.wait_for(39) is False  # failed; the failure is still raised once, below
+    assert not uploader.pending  # the failure is recorded before the step leaves `pending`
     with pytest.raises(FileNotFoundError):
         uploader.submit(40, step_dir)  # the earlier failure surfaces on submit; 40 was not queued
     uploader.submit(40, step_dir)
+    assert uploader.wait_for(40) is True
+    uploader.submit(40, step_dir)  # already committed: left alone, and still done
+    assert uploader.wait_for(40) is True
     assert uploader.close() is True
     assert remote.committed_steps() == [40]
     with pytest.raises(RuntimeError, match="closed"):

@@ -128,7 +128,7 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     aside), 6 intervals on moto's S3: the stop request is read once an interval (the flow asks,
     then its train task, at the same step), the lease once (a pending evaluation's record verified
     it a moment before the save), each with one GET (not a HEAD, or a HEAD and a LIST where the
-    file is missing, first), and no interval lists the checkpoints (a step's commit is one HEAD
+    file is missing, first), and no interval lists the checkpoints (a step's commit is one GET
     of its marker). A rerun's restore lists them twice, not six times."""
     from prefect_jax.flows import train_and_evaluate
 
@@ -152,8 +152,15 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     assert requests[("GetObject", "stop.json")] >= intervals, seen
     assert not [r for r in requests if r[1] == "stop.json" and r[0] != "GetObject"], seen
     assert not [r for r in requests if r[1] == "lease.json" and r[0] in ("HeadObject", "ListObjectsV2")], seen
-    assert not [c for c in calls if c[0] == "_ls" and c[1] == "checkpoints"], shown  # (was one or two an interval)
-    assert calls[("_info", MARKER)] <= intervals + 1, shown  # one HEAD per step's commit
+    assert not [c for c in calls if c[0] in ("_ls", "_find") and c[1] == "checkpoints"], shown  # (was one or two an interval)
+    assert calls[("_cat_file", MARKER)] <= intervals + 1, shown  # one GET per step's commit
+    # In the background too (the uploader, its retention, the commit announcer), a marker is asked
+    # with one GET, not a HEAD (and a LIST where it is missing): per step, once by the upload, once
+    # by the announcer after the upload (it waits on the uploader, where it polled every 0.2 s) and
+    # once on the training thread; retention lists the steps with their markers at once (where it
+    # asked each step's marker). (The old code: 48 HEADs and LISTs of markers here.)
+    assert not [r for r in requests if r[1] == MARKER and r[0] in ("HeadObject", "ListObjectsV2")], seen
+    assert requests[("GetObject", MARKER)] <= 3 * (intervals + 1), seen
 
     # A rerun on a new machine (an empty local stage) lists the committed steps twice: before it
     # takes the lease and once it holds it (was 6 times, each a LIST and a HEAD per step).
@@ -164,5 +171,6 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
                                  checkpoint_spec=CheckpointSpec(every_steps=every), mlflow_tracking_uri=mlflow_uri)  # fmt: skip
     assert summary["final_step"] == (intervals + 1) * every
     shown = sorted(restoring.items(), key=lambda kv: -kv[1])
-    assert restoring[("_ls", "checkpoints")] == 2, shown
-    assert restoring[("_info", MARKER)] <= 2 * 3, shown  # (keep_last: 3 steps)
+    assert restoring[("_find", "checkpoints")] == 2, shown  # (each names every step's files: their markers too)
+    assert not [c for c in restoring if c[1] == "checkpoints" and c[0] != "_find"], shown
+    assert restoring[("_cat_file", MARKER)] <= 2, shown  # (was one per step and listing: keep_last is 3)

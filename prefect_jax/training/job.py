@@ -25,7 +25,6 @@ import os
 import shutil
 import socket
 import threading
-import time
 from typing import Any, Callable
 
 from prefect_jax.training import control
@@ -187,13 +186,9 @@ class Job:
             self.checkpoints.wait()
         except LostProcess:  # another process went away after its part: the step counts if process 0 committed it
             pass
-        if self.remote is not None:
-            deadline = time.monotonic() + 3600
-            while not self.remote.is_committed(step) and time.monotonic() < deadline:
-                if step not in self.uploader.pending and not self.remote.is_committed(step):
-                    return  # the upload failed; it is reported by the next save or finish
-                time.sleep(0.2)
-        if not self.is_committed(step):
+        if self.remote is not None and not self.uploader.wait_for(step, timeout=3600):
+            return  # the upload failed (reported by the next save or finish), or is still not done
+        if not self.is_committed(step):  # (not deleted by retention since: one request)
             return
         for fn in list(self.commit_listeners):
             try:
@@ -235,12 +230,9 @@ class Job:
 
     def _uploaded(self, step: int) -> None:
         """After an upload: apply retention to the remote steps, keep only the newest locally."""
-        steps = self.remote.committed_steps()
-        keep = retained(steps, self.config.checkpoint, self.newest_evaluated(),
-                        lambda s: self.checkpoints.is_backup(s, self.remote.read_meta))  # fmt: skip
-        for old in steps:
-            if old not in keep and old != step:
-                self.remote.delete(old)
+        self.remote.retain(lambda steps: retained(steps, self.config.checkpoint, self.newest_evaluated(),
+                                                  lambda s: self.checkpoints.is_backup(s, self.remote.read_meta)),
+                           but=step)  # fmt: skip
         for old in step_dirs(self.checkpoints.directory):
             if old < step and old not in self._uploader.pending:
                 shutil.rmtree(os.path.join(self.checkpoints.directory, str(old)), ignore_errors=True)

@@ -43,7 +43,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import fsspec
 
@@ -321,8 +321,16 @@ class RemoteSteps:
 
     # -- listing -------------------------------------------------------------------------
 
+    @property
+    def _flat(self) -> bool:
+        """An object store: one listing of the directory names every file of every step (a step is
+        a key prefix), where a file system lists a directory's entries only."""
+        return self.protocol in _OBJECT_STORE_PROTOCOLS
+
     def step_names(self) -> list[int]:
         """Every integer-named entry under the directory, committed or not."""
+        if self._flat:
+            return sorted(self._step_files())
         self._invalidate(self.root)
         try:
             entries = self._call("listing checkpoint steps", self.fs.ls, self.root, detail=False)
@@ -330,6 +338,26 @@ class RemoteSteps:
             return []
         names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in entries}
         return sorted(int(n) for n in names if n.isdigit())
+
+    def _step_files(self) -> dict[int, list[str]]:
+        """Object stores: every integer-named step and the paths of its files, from one listing of
+        the directory (a LIST request per 1000 files), where a listing of the steps and then a
+        request per step for its commit marker would be one round trip per step."""
+        self._invalidate(self.root)
+        try:
+            paths = self._call("listing checkpoint steps", self.fs.find, self.root, detail=False)
+        except FileNotFoundError:
+            return {}
+        steps: dict[int, list[str]] = {}
+        for path in paths:
+            rel = str(path)[len(self.root) + 1:] if str(path).startswith(self.root + "/") else ""
+            name = rel.split("/", 1)[0]
+            if name.isdigit() and "/" in rel:
+                steps.setdefault(int(name), []).append(str(path))
+        return steps
+
+    def _committed_in(self, files: list[str]) -> bool:
+        return any(path.endswith("/" + COMMIT_MARKER) and path.count("/") == self.root.count("/") + 2 for path in files)
 
     def read_manifest(self, step: int) -> StepManifest | None:
         """The commit marker's manifest of `step`, or None when the step is not committed."""
@@ -352,16 +380,20 @@ class RemoteSteps:
         return json.loads(data)
 
     def is_committed(self, step: int) -> bool:
+        """Whether `step` has its commit marker: one request (a GET of the small marker, where
+        asking for its size is a HEAD and, on s3fs, a LIST as well when it is missing)."""
         path = self.marker_path(step)
         self._invalidate(path)
         try:
-            self._call(f"checking the commit marker of step {int(step)}", self.fs.info, path)
+            self._call(f"checking the commit marker of step {int(step)}", self.fs.cat_file, path, **small_read(self.fs))
             return True
         except FileNotFoundError:
             return False
 
     def committed_steps(self) -> list[int]:
         """Committed steps (those with a commit marker), oldest first."""
+        if self._flat:
+            return sorted(step for step, files in self._step_files().items() if self._committed_in(files))
         return [s for s in self.step_names() if self.is_committed(s)]
 
     def latest_committed(self) -> int | None:
@@ -397,7 +429,8 @@ class RemoteSteps:
         dirs, files = _local_tree(local)
         manifest = StepManifest(step, files, dirs, uuid.uuid4().hex, time.time())
         started = time.monotonic()
-        self._remove_tree(step)  # files of an earlier, uncommitted upload
+        if not self._flat:
+            self._remove_tree(step)  # an earlier, uncommitted upload (object stores: after the copy, below)
         target = self.step_path(step)
         lpaths = [os.path.join(local, *f.split("/")) for f in files]
         rpaths = [f"{target}/{f}" for f in files]
@@ -421,11 +454,16 @@ class RemoteSteps:
                     step, len(files), size / 2**20, self.safe_url, time.monotonic() - started)
         return True
 
-    def _remove_tree(self, step: int) -> None:
+    def _remove_tree(self, step: int, files: list[str] | None = None) -> None:
+        """Remove a step's files: `files` where a listing named them all (object stores: removed
+        in bulk without listing them again; none, nothing to do), else the step's directory."""
         path = self.step_path(step)
         self._invalidate(path)
         try:
-            self._call(f"removing step {step}", self.fs.rm, path, recursive=True)
+            if files is None:
+                self._call(f"removing step {step}", self.fs.rm, path, recursive=True)
+            elif files:
+                self._call(f"removing step {step}", self.fs.rm, files)
         except FileNotFoundError:
             pass
         self._invalidate(path)
@@ -445,7 +483,16 @@ class RemoteSteps:
         return sizes
 
     def _verify_remote(self, step: int, manifest: StepManifest) -> None:
+        """Check the copy against the manifest, before the marker makes it count. Files there that
+        the manifest does not name were left by an earlier upload of this step that never committed
+        (stopped part-way): removed now, from the same listing. (Listing first, before the copy,
+        would cost a new step a LIST, a HEAD and another LIST on s3fs, which asks twice whether an
+        empty prefix is a file or a directory.)"""
         remote = self._remote_sizes(step)
+        stale = [f"{self.step_path(step)}/{f}" for f in remote if f not in manifest.files]
+        if stale:
+            self._call(f"removing what an earlier upload of step {step} left", self.fs.rm, stale)
+            self._invalidate(self.step_path(step))
         bad = [f for f, size in manifest.files.items() if remote.get(f) != size]
         if bad:
             raise OSError(
@@ -529,15 +576,32 @@ class RemoteSteps:
 
     # -- retention -------------------------------------------------------------------------
 
-    def delete(self, step: int) -> None:
-        """Remove one step: its commit marker first (so it stops counting), then its files."""
+    def delete(self, step: int, files: list[str] | None = None) -> None:
+        """Remove one step: its commit marker first (so it stops counting), then its files
+        (`files`: all of them, as a listing of this committed step named them; else listed here)."""
         step = int(step)
+        marker = self.marker_path(step)
         try:
-            self._call(f"removing the commit marker of step {step}", self.fs.rm_file, self.marker_path(step))
+            self._call(f"removing the commit marker of step {step}", self.fs.rm_file, marker)
         except FileNotFoundError:
             pass
-        self._invalidate(self.marker_path(step))
-        self._remove_tree(step)
+        self._invalidate(marker)
+        self._remove_tree(step, None if files is None else [f for f in files if f.rstrip("/") != marker])
+
+    def retain(self, keep: Callable[[list[int]], Collection[int]], but: int | None = None) -> list[int]:
+        """Delete the committed steps that `keep` (given them all, oldest first) does not name,
+        but never `but`; returns the steps deleted. On an object store one listing names the steps,
+        their markers and their files (then no request per step)."""
+        if self._flat:
+            tree = self._step_files()
+            steps = sorted(step for step, files in tree.items() if self._committed_in(files))
+        else:
+            tree, steps = {}, self.committed_steps()
+        kept = set(keep(steps))
+        gone = [old for old in steps if old not in kept and old != but]
+        for old in gone:
+            self.delete(old, tree.get(old))
+        return gone
 
     def delete_uncommitted(self, keep: Callable[[int], bool] = lambda step: False, committed: list[int] | None = None) -> list[int]:
         """Remove integer-named steps without a commit marker (uploads killed part-way), except those
@@ -545,14 +609,15 @@ class RemoteSteps:
         removed; `committed`, a list, gets the committed steps it saw (what `committed_steps` would
         list next, but for a step `keep` names that commits meanwhile), oldest first."""
         removed = []
-        for step in self.step_names():
-            if self.is_committed(step):
+        tree = self._step_files() if self._flat else None
+        for step in sorted(tree) if tree is not None else self.step_names():
+            if self._committed_in(tree[step]) if tree is not None else self.is_committed(step):
                 if committed is not None:
                     committed.append(step)
             elif not keep(step):
                 logger.warning("step %d in %s was never committed (an upload stopped part-way): removing it",
                                step, self.safe_url)
-                self._remove_tree(step)
+                self._remove_tree(step, tree[step] if tree is not None else None)
                 removed.append(step)
         return removed
 

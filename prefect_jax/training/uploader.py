@@ -70,6 +70,7 @@ class AsyncUploader:
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self.uploaded: list[int] = []
+        self._done: set[int] = set()  # steps whose last upload committed them
 
     # -- public --------------------------------------------------------------------------------
 
@@ -131,6 +132,23 @@ class AsyncUploader:
         self._raise_pending_error()
         return done
 
+    def wait_for(self, step: int, timeout: float | None = None) -> bool:
+        """Block until `step`'s upload is done (or failed), without asking the storage.
+
+        Returns:
+            True when the step was uploaded (or found committed already); False when its upload
+            failed (the error is still raised by the next `submit` or `wait`) or `timeout` passed.
+        """
+        step = int(step)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while step in self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+            return step in self._done
+
     def close(self, timeout: float | None = None) -> bool:
         """Finish the queued uploads (up to `timeout`), then stop the thread.
 
@@ -190,6 +208,8 @@ class AsyncUploader:
                     self._idle.notify_all()
 
     def _upload(self, job: _Job) -> None:
+        with self._lock:
+            self._done.discard(job.step)
         if job.ready is not None:
             deadline = time.monotonic() + job.ready_timeout
             delay = 0.01
@@ -212,5 +232,7 @@ class AsyncUploader:
                 logger.warning("upload of step %d to %s failed (%s); retry %d of %d in %.1fs", job.step,
                                self.remote.safe_url, first_line(str(exc), 200), attempt, self.retries, delay)
                 time.sleep(delay)
+        with self._lock:  # committed: what follows (retention) does not change that
+            self._done.add(job.step)
         if self.on_uploaded is not None:
             self.on_uploaded(job.step)
