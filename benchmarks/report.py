@@ -772,11 +772,14 @@ def s3_requests_markdown() -> list[str]:
         return []
     with open(path) as f:
         r = json.load(f)
-    rows = [("this code (" + r.get("code", "") + ")", r)] + ([("before (" + r["before"]["code"] + ")", r["before"])] if r.get("before") else [])
+    earlier = r.get("before") or []  # the records of the code before, newest first
+    rows = [("this code (" + r.get("code", "") + ")", r)] + [
+        ("before (" + x["code"] + ")", x) for x in (earlier if isinstance(earlier, list) else [earlier])]
 
     def ops(p: dict) -> str:
         by = p["requests_by_operation"]
-        return ", ".join(f"{op} {by[op]:g}" for op in ("GetObject", "HeadObject", "ListObjectsV2", "PutObject") if op in by)
+        return ", ".join(f"{op} {by[op]:g}" for op in ("GetObject", "HeadObject", "ListObjectsV2", "PutObject", "DeleteObject",
+                                                        "DeleteObjects") if op in by)  # fmt: skip
 
     out = ["", "## Object storage: requests per checkpoint interval", "",
            f"`benchmarks/s3_requests.py` ({r['when']}; not re-measured by this run): the flow on moto's S3 server on "
@@ -792,6 +795,63 @@ def s3_requests_markdown() -> list[str]:
         out.append(f"| {label} | {p['training_thread_calls']:g} | {p['training_thread_wait_ms']:.0f} | {p['requests']:g} | {ops(p)} | "
                    f"{rr['calls_total']}, {rr['wait_s']:.2f} |")
     return out
+
+
+def thread_cpu_markdown() -> list[str]:
+    """`benchmarks/thread_cpu.py`'s record (THREAD_CPU.json; this run does not re-measure it)."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "THREAD_CPU.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        r = json.load(f)
+    per = r.get("per_interval_ms") or {}
+    plain, flow = per.get("plain", {}), per.get("prefect_jax", {})
+    if not flow:
+        return []
+    few, many = r["intervals"]
+    m = r.get("machine") or {}
+    order = sorted(set(plain) | set(flow), key=lambda k: -max(flow.get(k, 0.0), plain.get(k, 0.0)))
+    order = [k for k in order if k not in ("loop time", "the process, in all")]
+    shown = [k for k in order if max(abs(flow.get(k, 0.0)), abs(plain.get(k, 0.0))) >= 0.5]
+    rest = [k for k in order if k not in shown]
+
+    def cell(side: dict, k: str) -> str:
+        return f"{side[k]:.1f}" if k in side else "—"
+
+    out = ["", "## CPU per checkpoint interval, by thread", "",
+           f"`benchmarks/thread_cpu.py` ({r['when']}, {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs; "
+           f"not re-measured by this run): the plain loop and the flow on a standing server, {r['steps']} steps at {few} and "
+           f"{many} checkpoint intervals, {len(r['rounds'])} alternated rounds. CPU milliseconds per interval (the slope "
+           "between the two counts, the median over rounds) of each kind of Python thread in the side's process, of the "
+           "rest of the process (native threads: XLA's), of its child processes (the flow's MLflow worker) and of the "
+           "Prefect server. CPU, not loop time: on two cores, what the loop waits for is how much of this overlaps.", "",
+           "| | plain loop | flow |", "|---|---:|---:|"]
+    for k in ["loop time", "the process, in all"] + shown:
+        out.append(f"| {'loop time (wall, not CPU)' if k == 'loop time' else k} | {cell(plain, k)} | {cell(flow, k)} |")
+    if rest:
+        out.append(f"| other threads ({len(rest)} kinds, under 0.5 ms each) | {sum(plain.get(k, 0.0) for k in rest):.1f} | "
+                   f"{sum(flow.get(k, 0.0) for k in rest):.1f} |")
+    extra = lambda k: flow.get(k, 0.0) - plain.get(k, 0.0)  # noqa: E731
+    orbax = sum(extra(k) for k in order if any(t in k for t in ORBAX_THREADS))
+    prefect = sum(extra(k) for k in order if any(t in k for t in PREFECT_THREADS))
+    out += ["", f"Per interval the flow's process used {extra('the process, in all'):.1f} ms of CPU more than the plain loop's: "
+            f"its main thread {extra('thread MainThread'):.1f} (the two task runs and the package's own work between "
+            f"steps), Orbax's threads {orbax:.1f} (`array_type_handler`, `serialize_shardings`, `async_save`, `asyncio`, "
+            "`save_finalize`, `write_metadata_after_commits`, `metadata_store`, the commit futures' `_target_setting_result` "
+            "and the two small items' `json_ch_save` and `prefect_jax_data_save`: the flow's checkpoint has three items, "
+            f"the plain loop's one), Prefect's event client {prefect:.1f} (`GlobalEventLoopThread`: the events' websocket, "
+            f"`EventsWorkerThread`), native threads {extra('native threads (XLA, ...)'):.1f}; besides, its MLflow worker "
+            f"process {extra('child processes (the MLflow worker)'):.1f} (at nice 10) and the Prefect server "
+            f"{extra('the Prefect server'):.1f}. The loop took {extra('loop time'):.1f} ms longer per interval."]
+    return out
+
+
+ORBAX_THREADS = ("array_type_handler", "serialize_shardings", "async_save", "asyncio", "save_finalize",
+                 "write_metadata_after_commits", "metadata_store", "_target_setting_result", "json_ch_save",
+                 "prefect_jax_data_save")  # fmt: skip
+PREFECT_THREADS = ("GlobalEventLoopThread", "EventsWorkerThread")
 
 
 def server_apart_markdown() -> list[str]:
@@ -1046,6 +1106,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     out += gpu_markdown()
     out += server_apart_markdown()
     out += s3_requests_markdown()
+    out += thread_cpu_markdown()
     rows = _get(report, "storage", "rows")
     if rows:
         out += ["", "## Checkpoint cost against state size (local disk)", "",

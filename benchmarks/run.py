@@ -481,6 +481,10 @@ def main() -> None:
         return
 
     if args.side:
+        if os.environ.get("BENCH_THREAD_CPU"):  # benchmarks/thread_cpu.py: this side's CPU by thread
+            from thread_cpu import install
+
+            install(os.environ["BENCH_THREAD_CPU"])
         with tempfile.TemporaryDirectory(prefix=f"bench-{args.side}-") as workdir:
             print(json.dumps(SIDES[args.side](args, workdir)), flush=True)
         return

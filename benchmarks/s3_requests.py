@@ -20,6 +20,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -35,13 +36,16 @@ def log(msg: str) -> None:
 def snapshot(counts) -> dict:
     """The totals so far of a `StorageCalls` (tests/s3_server.py): requests per operation, the
     training thread's calls per kind in the flow's intervals, and their wait."""
-    requests, calls = collections.Counter(), collections.Counter()
-    for (operation, _), n in counts.requests.items():
+    requests, calls, by_file = collections.Counter(), collections.Counter(), collections.Counter()
+    for (operation, name), n in counts.requests.items():
         requests[operation] += n
+        # a step's files by name, but for its numbers (the step's, an eval record's) and hashes (data files)
+        by_file[f"{operation} {re.sub(r'[0-9]+', 'N', re.sub(r'[0-9a-f]{16,}', '<hash>', name))}"] += n
     for (kind, _), n in counts.calls["_train_loop"].items():
         calls[kind] += n
     return {"requests": dict(requests), "requests_total": sum(requests.values()), "interval_calls": dict(calls),
-            "interval_calls_total": sum(calls.values()), "interval_wait_s": counts.secs["_train_loop"]}  # fmt: skip
+            "interval_calls_total": sum(calls.values()), "interval_wait_s": counts.secs["_train_loop"],
+            "requests_by_file": dict(by_file)}  # fmt: skip
 
 
 def main() -> None:
@@ -104,6 +108,10 @@ def main() -> None:
         "requests": round(per("requests_total"), 2),
         "requests_by_operation": {op: round((b["requests"].get(op, 0) - a["requests"].get(op, 0)) / (many - few), 2)
                                   for op in sorted(set(a["requests"]) | set(b["requests"]))},
+        # (a step's files are named by their last part: "PutObject manifest.ocdbt")
+        "requests_by_operation_and_file": {k: v for k in sorted(set(a["requests_by_file"]) | set(b["requests_by_file"]))
+                                           if (v := round((b["requests_by_file"].get(k, 0) - a["requests_by_file"].get(k, 0))
+                                                          / (many - few), 2))},
         "training_thread_calls": round(per("interval_calls_total"), 2),
         "training_thread_calls_by_kind": {k: round((b["interval_calls"].get(k, 0) - a["interval_calls"].get(k, 0)) / (many - few), 2)
                                           for k in sorted(set(a["interval_calls"]) | set(b["interval_calls"]))},
