@@ -90,6 +90,35 @@ def test_land_waits_a_bounded_time_for_mlflow_unless_strict(tmp_path, monkeypatc
     tracker.close()
 
 
+def test_after_a_lost_process_the_end_waits_for_mlflow_a_few_seconds_only(tmp_path, monkeypatch, caplog):
+    """Once another process of the job went away, JAX's coordination service aborts this one about
+    its heartbeat timeout later (the run would end Crashed, not Failed): the end of a run and the
+    process's exit wait for MLflow `LOST_EXIT_WAIT_SECS` at most, not `EXIT_WAIT_SECS`."""
+    import threading
+    import time
+
+    from prefect_jax.training import cluster, tracking
+
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1")
+    monkeypatch.setattr(tracking, "LOST_EXIT_WAIT_SECS", 0.3)
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "e", "lost-job")
+    release = threading.Event()
+    tracker._pool.submit(release.wait, 60)  # a tracking server that does not answer
+    tracker.start({"p": "1"})
+    assert tracking.exit_wait(30) == 30  # nothing lost: the full wait
+    monkeypatch.setattr(cluster, "_lost", "process 1 of the job's 2 went away")
+    began = time.monotonic()
+    with caplog.at_level("WARNING", logger="prefect_jax.tracking"):
+        tracker.land(30)
+    assert time.monotonic() - began < 10
+    assert "write(s) still on their way after 0.3s" in caplog.text
+    release.set()
+    monkeypatch.setattr(cluster, "_lost", None)
+    tracker.land()
+    tracker.close()
+
+
 def test_exports_are_logged_as_models_beside_the_sqlite_store(job_config, mlflow_uri):
     from prefect_jax.training.specs import FinalExporter
 

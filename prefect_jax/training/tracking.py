@@ -34,6 +34,17 @@ from typing import Any, Callable, Iterable
 
 logger = logging.getLogger("prefect_jax.tracking")
 EXIT_WAIT_SECS = 30.0  # how long a process's exit waits for its MLflow worker, and an evaluate or export run's end (`Tracker.land`)
+# The same waits once another process of the job went away (`cluster.lost_process`): JAX's
+# coordination service aborts this process about its heartbeat timeout (30 s) after the loss if it
+# is still there, and the run would end Crashed instead of Failed.
+LOST_EXIT_WAIT_SECS = 5.0
+
+
+def exit_wait(timeout: float) -> float:
+    """`timeout` for a wait at the end of a run or process; shorter after a lost process."""
+    from prefect_jax.training.cluster import lost_process
+
+    return min(timeout, LOST_EXIT_WAIT_SECS) if lost_process() else timeout
 
 JOB_TAG = "prefect_jax.job"
 STORAGE_TAG = "prefect_jax.storage"
@@ -180,6 +191,7 @@ class Tracker:
             return
         from concurrent.futures import wait
 
+        timeout = exit_wait(timeout)
         done, waiting = wait(list(self._pending), timeout=max(0.0, timeout))
         failed = [f.exception() for f in done if f.exception() is not None]
         self._pending = list(waiting)
@@ -746,7 +758,7 @@ class _Worker:
             waiting = bool(set(self._futures) - self._background)
         if self.process is not None and waiting:
             try:
-                self.process.wait(timeout)
+                self.process.wait(exit_wait(timeout))
             except subprocess.TimeoutExpired:
                 pass
 
