@@ -763,15 +763,22 @@ def worker_rerun_markdown(wr: dict | None) -> list[str]:
     return out
 
 
-def s3_requests_markdown() -> list[str]:
-    """`benchmarks/s3_requests.py`'s record (S3_REQUESTS.json; this run does not re-measure it)."""
+def _record(name: str) -> dict | None:
+    """A benchmark's record kept beside this file (a script run apart from run.py), if there is one."""
     import os
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "S3_REQUESTS.json")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     if not os.path.exists(path):
-        return []
+        return None
     with open(path) as f:
-        r = json.load(f)
+        return json.load(f)
+
+
+def s3_requests_markdown() -> list[str]:
+    """`benchmarks/s3_requests.py`'s record (S3_REQUESTS.json; this run does not re-measure it)."""
+    r = _record("S3_REQUESTS.json")
+    if r is None:
+        return []
     earlier = r.get("before") or []  # the records of the code before, newest first
     rows = [("this code (" + r.get("code", "") + ")", r)] + [
         ("before (" + x["code"] + ")", x) for x in (earlier if isinstance(earlier, list) else [earlier])]
@@ -799,13 +806,9 @@ def s3_requests_markdown() -> list[str]:
 
 def thread_cpu_markdown() -> list[str]:
     """`benchmarks/thread_cpu.py`'s record (THREAD_CPU.json; this run does not re-measure it)."""
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "THREAD_CPU.json")
-    if not os.path.exists(path):
+    r = _record("THREAD_CPU.json")
+    if r is None:
         return []
-    with open(path) as f:
-        r = json.load(f)
     per = r.get("per_interval_ms") or {}
     plain, flow = per.get("plain", {}), per.get("prefect_jax", {})
     if not flow:
@@ -857,14 +860,11 @@ PREFECT_THREADS = ("GlobalEventLoopThread", "EventsWorkerThread")
 def server_apart_markdown() -> list[str]:
     """`benchmarks/server_apart.py`'s record (SERVER_APART.json, measured on a machine with more
     than two CPUs; this run does not re-measure it)."""
-    import os
     import statistics
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "SERVER_APART.json")
-    if not os.path.exists(path):
+    a = _record("SERVER_APART.json")
+    if a is None:
         return []
-    with open(path) as f:
-        a = json.load(f)
     few, many = a["intervals"][0], a["intervals"][-1]
 
     def slopes(where: str, side: str, key: str) -> list[float]:

@@ -65,23 +65,36 @@ def test_tracking_failure_fails_in_strict_mode(tmp_path):
         tracker.flush()
 
 
+def held_tracker(tmp_path, monkeypatch, job: str):
+    """A started Tracker whose MLflow thread (in this process, where the test can hold it) is held
+    until the returned event is set: a tracking server that does not answer. Not strict."""
+    import threading
+
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1")
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "e", job)
+    release = threading.Event()
+    tracker._pool.submit(release.wait, 60)
+    tracker.start({"p": "1"})
+    return tracker, release
+
+
+def land_timed(tracker, caplog, limit: float) -> float:
+    """`tracker.land(limit)`, its warnings captured; how long it took."""
+    import time
+
+    began = time.monotonic()
+    with caplog.at_level("WARNING", logger="prefect_jax.tracking"):
+        tracker.land(limit)
+    return time.monotonic() - began
+
+
 def test_land_waits_a_bounded_time_for_mlflow_unless_strict(tmp_path, monkeypatch, caplog):
     """The end of an evaluate or export flow run waits for its MLflow writes (`live.land_mlflow_writes`):
     at most its limit, then a warning, where a tracking server that hangs must not hold the run;
     in strict mode until they land."""
-    import threading
-    import time
-
-    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
-    monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1")  # MLflow's thread is here, where the test can hold it
-    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "e", "land-job")
-    release = threading.Event()
-    tracker._pool.submit(release.wait, 60)  # a tracking server that does not answer
-    tracker.start({"p": "1"})
-    began = time.monotonic()
-    with caplog.at_level("WARNING", logger="prefect_jax.tracking"):
-        tracker.land(0.5)
-    assert time.monotonic() - began < 10
+    tracker, release = held_tracker(tmp_path, monkeypatch, "land-job")
+    assert land_timed(tracker, caplog, 0.5) < 10
     assert "write(s) still on their way after 0.5s, 0 failed" in caplog.text
     release.set()
     monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "1")
@@ -94,24 +107,13 @@ def test_after_a_lost_process_the_end_waits_for_mlflow_a_few_seconds_only(tmp_pa
     """Once another process of the job went away, JAX's coordination service aborts this one about
     its heartbeat timeout later (the run would end Crashed, not Failed): the end of a run and the
     process's exit wait for MLflow `LOST_EXIT_WAIT_SECS` at most, not `EXIT_WAIT_SECS`."""
-    import threading
-    import time
-
     from prefect_jax.training import cluster, tracking
 
-    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
-    monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1")
     monkeypatch.setattr(tracking, "LOST_EXIT_WAIT_SECS", 0.3)
-    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "e", "lost-job")
-    release = threading.Event()
-    tracker._pool.submit(release.wait, 60)  # a tracking server that does not answer
-    tracker.start({"p": "1"})
+    tracker, release = held_tracker(tmp_path, monkeypatch, "lost-job")
     assert tracking.exit_wait(30) == 30  # nothing lost: the full wait
     monkeypatch.setattr(cluster, "_lost", "process 1 of the job's 2 went away")
-    began = time.monotonic()
-    with caplog.at_level("WARNING", logger="prefect_jax.tracking"):
-        tracker.land(30)
-    assert time.monotonic() - began < 10
+    assert land_timed(tracker, caplog, 30) < 10
     assert "write(s) still on their way after 0.3s" in caplog.text
     release.set()
     monkeypatch.setattr(cluster, "_lost", None)
