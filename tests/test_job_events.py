@@ -180,3 +180,36 @@ def test_deployed_evaluator_cancels_new_runs_and_fires_for_its_own_job_only(tmp_
         assert len(runs()) == 1, runs()
     finally:
         server.stop()
+
+
+def test_one_thread_tells_the_commit_listeners_of_each_step_in_order_in_the_savers_context():
+    """`Job.save` hands each step to one announcer thread (a thread started per save cost the
+    training thread a thread start every interval): steps are announced in order, each in the
+    context it was saved in (the listener emits a Prefect event with the saver's settings), a
+    failing listener call does not stop the next ones, and the thread ends when idle."""
+    import contextvars
+
+    from prefect_jax.training.job import _Announcer
+
+    saver = contextvars.ContextVar("saver", default="nobody")
+    seen = []
+
+    def announce(step: int) -> None:
+        seen.append((step, saver.get(), threading.current_thread()))
+        if step == 2:
+            raise RuntimeError("a listener failed")
+
+    announcer = _Announcer(announce)
+    announcer.IDLE_SECS = 0.3
+    for step in (1, 2, 3):
+        saver.set(f"saver of {step}")
+        announcer.submit(step)
+    assert announcer.wait(timeout=10)
+    assert [(s, who) for s, who, _ in seen] == [(1, "saver of 1"), (2, "saver of 2"), (3, "saver of 3")]
+    assert len({id(t) for _, _, t in seen}) == 1  # one thread for all three
+    deadline = time.monotonic() + 10
+    while announcer._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert announcer._thread is None and not seen[-1][2].is_alive()  # idle: it ended
+    announcer.submit(4)  # and the next save starts one again
+    assert announcer.wait(timeout=10) and seen[-1][0] == 4

@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import queue
 import shutil
 import socket
 import threading
+import time
 from typing import Any, Callable
 
 from prefect_jax.training import control
@@ -42,6 +44,60 @@ from prefect_jax.training.tracking import STORAGE_TAG, Tracker
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")
+
+
+class _Announcer:
+    """One thread that runs `announce(step)` for each step submitted, in order, each in the
+    submitter's context (a listener sees its settings, such as a Prefect API set for one block of
+    code, as the command's embedded server is, and its run). A thread started per save cost the
+    training thread a thread start in every interval (~1 ms on two busy cores, the GIL handed over)."""
+
+    IDLE_SECS = 10.0  # the thread ends after this long without a step (the next save starts one)
+
+    def __init__(self, announce: Callable[[int], None]):
+        self._announce = announce
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._unfinished = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, step: int) -> None:
+        with self._idle:
+            self._unfinished += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="prefect-jax-commit", daemon=True)
+                self._thread.start()
+        self._queue.put((contextvars.copy_context(), step))
+
+    def wait(self, timeout: float) -> bool:
+        """Until every step submitted so far was announced (or `timeout` passed: False)."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._unfinished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            try:
+                context, step = self._queue.get(timeout=self.IDLE_SECS)
+            except queue.Empty:
+                with self._idle:
+                    if not self._unfinished:  # (a step being submitted counts already: then it waits for it)
+                        self._thread = None
+                        return
+                continue
+            try:
+                context.run(self._announce, step)
+            except Exception:  # noqa: BLE001 - the next steps are still announced
+                logger.exception("telling the commit listeners of step %d failed", step)
+            finally:
+                with self._idle:
+                    self._unfinished -= 1
+                    self._idle.notify_all()
 
 
 class Job:
@@ -91,7 +147,7 @@ class Job:
         if self.lease.lost_to is not None:  # taken over while JAX started: `acquire` raises LeaseLostError
             self._lease_lost(self.lease.lost_to)
         self.commit_listeners: list[Callable[[int], None]] = []
-        self._announcers: list[threading.Thread] = []
+        self._announcer = _Announcer(self._announce_commit)
         self._left_in_flight: str | None = None  # the save in flight an ending attempt stopped waiting for (said once)
         self._noted_takeover: str | None = None  # the lease token of the dead holder already recorded in MLflow
 
@@ -102,9 +158,14 @@ class Job:
         return self.remote.committed_steps() if self.remote is not None else self.checkpoints.committed_steps()
 
     def is_committed(self, step: int) -> bool:
-        """Whether `step` counts: `step in committed_steps()`, asked of that step alone (on remote
-        storage one request for its commit marker, not a listing and one per step)."""
-        return self.remote.is_committed(step) if self.remote is not None else int(step) in self.checkpoints.committed_steps()
+        """Whether `step` counts: `step in committed_steps()`, asked of that step alone. On remote
+        storage: known without a request for a step this process uploaded (and its retention did
+        not remove since); else one request for its commit marker, not a listing and one per step."""
+        if self.remote is None:
+            return int(step) in self.checkpoints.committed_steps()
+        if self._uploader is not None and self._uploader.committed(step):
+            return True
+        return self.remote.is_committed(step)
 
     def newest_committed(self) -> int | None:
         steps = self.committed_steps()
@@ -172,13 +233,7 @@ class Job:
         if self.remote is not None:
             self.uploader.submit(step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed)
         if self.commit_listeners and self.is_primary and not meta.get("backup"):  # one event per step, however many processes wrote it
-            # In the saver's context: a listener sees its settings (a Prefect API set for this
-            # block of code only, as the command's embedded server is) and its run.
-            context = contextvars.copy_context()
-            announcer = threading.Thread(target=context.run, args=(self._announce_commit, step), name="prefect-jax-commit",
-                                         daemon=True)  # fmt: skip
-            announcer.start()
-            self._announcers = [t for t in self._announcers if t.is_alive()] + [announcer]
+            self._announcer.submit(step)
 
     def _announce_commit(self, step: int) -> None:
         """Tell the commit listeners once `step` is committed (from a background thread)."""
@@ -188,7 +243,7 @@ class Job:
             pass
         if self.remote is not None and not self.uploader.wait_for(step, timeout=3600):
             return  # the upload failed (reported by the next save or finish), or is still not done
-        if not self.is_committed(step):  # (not deleted by retention since: one request)
+        if not self.is_committed(step):  # (not removed by retention since)
             return
         for fn in list(self.commit_listeners):
             try:
@@ -219,8 +274,7 @@ class Job:
                 logger.warning("not waiting for the save in flight: %s", exc)
         if self._uploader is not None:
             self._uploader.wait()
-        for announcer in self._announcers:  # the commit events of those saves are out too
-            announcer.join(timeout=30)
+        self._announcer.wait(timeout=30)  # the commit events of those saves are out too
 
     @property
     def uploader(self) -> AsyncUploader | None:
@@ -230,9 +284,10 @@ class Job:
 
     def _uploaded(self, step: int) -> None:
         """After an upload: apply retention to the remote steps, keep only the newest locally."""
-        self.remote.retain(lambda steps: retained(steps, self.config.checkpoint, self.newest_evaluated(),
-                                                  lambda s: self.checkpoints.is_backup(s, self.remote.read_meta)),
-                           but=step)  # fmt: skip
+        gone = self.remote.retain(lambda steps: retained(steps, self.config.checkpoint, self.newest_evaluated(),
+                                                         lambda s: self.checkpoints.is_backup(s, self.remote.read_meta)),
+                                  but=step)  # fmt: skip
+        self._uploader.forget(gone)
         for old in step_dirs(self.checkpoints.directory):
             if old < step and old not in self._uploader.pending:
                 shutil.rmtree(os.path.join(self.checkpoints.directory, str(old)), ignore_errors=True)
