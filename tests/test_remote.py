@@ -279,6 +279,9 @@ def test_async_uploader_commits_a_step_only_when_its_upload_is_done(remote, tmp_
         assert remote.committed_steps() == []
         local_committed.set()
         assert uploader.wait_for(30) is True and remote.is_committed(30)
+        assert uploader.committed(30)  # known here, without a request
+        uploader.forget([30])  # (retention removed it)
+        assert not uploader.committed(30) and uploader.wait_for(30) is False
         assert uploader.wait() is True
         assert remote.committed_steps() == [30]
         assert uploader.pending == [] and uploaded == [30] and uploader.uploaded == [30]

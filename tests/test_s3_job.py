@@ -128,8 +128,8 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     aside), 6 intervals on moto's S3: the stop request is read once an interval (the flow asks,
     then its train task, at the same step), the lease once (a pending evaluation's record verified
     it a moment before the save), each with one GET (not a HEAD, or a HEAD and a LIST where the
-    file is missing, first), and no interval lists the checkpoints (a step's commit is one GET
-    of its marker). A rerun's restore lists them twice, not six times."""
+    file is missing, first), and no interval lists the checkpoints or asks a step's marker (its
+    upload, in this process, committed it). A rerun's restore lists them twice, not six times."""
     from prefect_jax.flows import train_and_evaluate
 
     block = s3.save_block("requests-test", "s3://jobs/requests")
@@ -159,15 +159,15 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     assert not [r for r in requests if r[1] == "stop.json" and r[0] != "GetObject"], seen
     assert not [r for r in requests if r[1] == "lease.json" and r[0] in ("HeadObject", "ListObjectsV2")], seen
     assert not [c for c in calls if c[0] in ("_ls", "_find") and c[1] == "checkpoints"], shown  # (was one or two an interval)
-    assert calls[("_cat_file", MARKER)] <= intervals + 1, shown  # one GET per step's commit
+    # A step this process uploaded is known to be committed: no request on the training thread.
+    assert not [c for c in calls if c[1] == MARKER], shown  # (was one HEAD an interval)
     # In the background too (the uploader, its retention, the commit announcer), a marker is asked
-    # with one GET, not a HEAD (and a LIST where it is missing): per step, once by the upload, once
-    # by the announcer after the upload and once on the training thread. The announcer waits on the
-    # uploader; polling every 0.2 s, it made 43 GETs here. Retention lists the steps with their
-    # markers at once, where it asked each step's marker. (The old code: 48 HEADs and LISTs of
-    # markers here.)
+    # once per step, by its upload (is it there already?), with one GET, not a HEAD (and a LIST
+    # where it is missing). The announcer waits on the uploader; polling every 0.2 s, it made 43
+    # requests here. Retention lists the steps with their markers at once, where it asked each
+    # step's marker. (The code before: 48 HEADs and LISTs of markers here.)
     assert not [r for r in requests if r[1] == MARKER and r[0] in ("HeadObject", "ListObjectsV2")], seen
-    assert requests[("GetObject", MARKER)] <= 3 * (intervals + 1), seen
+    assert requests[("GetObject", MARKER)] <= intervals + 1, seen
 
     # A rerun on a new machine (an empty local stage) lists the committed steps twice: before it
     # takes the lease and once it holds it (was 6 times, each a LIST and a HEAD per step).

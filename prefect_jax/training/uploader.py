@@ -149,6 +149,17 @@ class AsyncUploader:
                 self._idle.wait(left)
             return step in self._done
 
+    def committed(self, step: int) -> bool:
+        """Whether this uploader committed `step` (its upload, or one found already committed),
+        and it was not `forget`-ten since: known here, without asking the storage."""
+        with self._lock:
+            return int(step) in self._done
+
+    def forget(self, steps) -> None:
+        """Steps removed from the storage since (retention): no longer `committed`."""
+        with self._lock:
+            self._done.difference_update(int(s) for s in steps)
+
     def close(self, timeout: float | None = None) -> bool:
         """Finish the queued uploads (up to `timeout`), then stop the thread.
 
