@@ -318,7 +318,16 @@ GAPS = {
         "background thread (Orbax's commit threads, Prefect's events worker, the artifact publisher) for up to Python's "
         "5 ms switch interval. A 0.5 ms switch interval did not help (the engine alone, 4 alternated rounds: 76-84 "
         "against 78-88 ms per interval; the plain loop 61-81 against 66-69 ms). The engine alone costs 13-17 ms per "
-        "interval over the plain loop; the rest is Prefect's two task runs and their events."
+        "interval over the plain loop; the rest is Prefect's two task runs and their events. Split by thread on "
+        "2026-11-27 (`benchmarks/thread_cpu.py`, the section \"CPU per checkpoint interval, by thread\" below): per "
+        "interval the flow's process used ~25 ms more CPU than the plain loop's (its main thread ~9-10, Orbax's threads "
+        "for the three-item save ~7, Prefect's event client ~5.5), its MLflow worker ~8 (at nice 10) and the Prefect "
+        "server ~43-48, the largest part, against a loop ~44 ms longer. Taking the syscalls off the main thread's "
+        "Prefect path (each lets a busy background thread take the GIL: 26 `os.urandom` calls an interval for "
+        "Prefect's ids and 28 `lstat`s for its result records' paths; a cProfile put them at ~10 ms an interval) "
+        "was tried by patching both out, for the measurement only: loop 8.33-9.57 s against 8.75-9.94 s at 100 "
+        "intervals (3 alternated pairs), within the noise. The commit announcer, a thread started each interval on "
+        "the training thread (~1.5 ms under this contention), is one thread per job since 2026-11-27."
     ),
     "prefect_ms_per_interval": (
         "Two task runs per interval, ~15 ms each on this machine, most of it Prefect's task engine in this process "
