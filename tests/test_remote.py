@@ -179,6 +179,21 @@ def test_delete_removes_the_marker_then_the_files(remote, tmp_path, s3):
     assert remote.step_names() == [2] and remote.committed_steps() == [2]
 
 
+def test_retention_lists_once_and_forgets_each_step_before_it_stops_counting(remote, tmp_path, s3):
+    for step in (1, 2, 3):
+        step_dir, _ = make_step(str(tmp_path / "stage"), step, small_state(step))
+        remote.upload(step, step_dir)
+    told = []
+
+    def deleting(step: int) -> None:  # (the uploader forgets it: still committed at this point)
+        told.append((step, remote.is_committed(step)))
+
+    assert remote.retain(lambda steps: steps[-1:], but=2, deleting=deleting) == [1]
+    assert told == [(1, True)]
+    assert remote.committed_steps() == [2, 3]
+    assert not s3.filesystem().find(f"{remote.root}/1")  # every file, in bulk from the one listing
+
+
 def test_memory_and_local_urls_work_too(tmp_path):
     """The same commit rule on other fsspec protocols (memory:// is per process)."""
     step_dir, state = make_step(str(tmp_path / "stage"), 4, small_state(4))
@@ -189,6 +204,8 @@ def test_memory_and_local_urls_work_too(tmp_path):
         assert remote.committed_steps() == [4]
         restored, _, nxt = restore(remote.download(4, str(tmp_path / "cache" / uuid.uuid4().hex[:6])), state)
         assert state_fingerprint(restored) == state_fingerprint(state) and nxt == 3
+        assert remote.retain(lambda steps: [], but=4) == [] and remote.retain(lambda steps: []) == [4]
+        assert remote.committed_steps() == [] and remote.step_names() == []
 
 
 # -- a process killed mid-upload -------------------------------------------------------------------

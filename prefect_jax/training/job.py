@@ -284,10 +284,9 @@ class Job:
 
     def _uploaded(self, step: int) -> None:
         """After an upload: apply retention to the remote steps, keep only the newest locally."""
-        gone = self.remote.retain(lambda steps: retained(steps, self.config.checkpoint, self.newest_evaluated(),
-                                                         lambda s: self.checkpoints.is_backup(s, self.remote.read_meta)),
-                                  but=step)  # fmt: skip
-        self._uploader.forget(gone)
+        self.remote.retain(lambda steps: retained(steps, self.config.checkpoint, self.newest_evaluated(),
+                                                  lambda s: self.checkpoints.is_backup(s, self.remote.read_meta)),
+                           but=step, deleting=lambda old: self._uploader.forget([old]))  # fmt: skip
         for old in step_dirs(self.checkpoints.directory):
             if old < step and old not in self._uploader.pending:
                 shutil.rmtree(os.path.join(self.checkpoints.directory, str(old)), ignore_errors=True)

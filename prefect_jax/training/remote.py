@@ -588,10 +588,12 @@ class RemoteSteps:
         self._invalidate(marker)
         self._remove_tree(step, None if files is None else [f for f in files if f.rstrip("/") != marker])
 
-    def retain(self, keep: Callable[[list[int]], Collection[int]], but: int | None = None) -> list[int]:
+    def retain(self, keep: Callable[[list[int]], Collection[int]], but: int | None = None,
+               deleting: Callable[[int], None] | None = None) -> list[int]:  # fmt: skip
         """Delete the committed steps that `keep` (given them all, oldest first) does not name,
-        but never `but`; returns the steps deleted. On an object store one listing names the steps,
-        their markers and their files (then no request per step)."""
+        but never `but`; returns the steps deleted, each told to `deleting` before it stops
+        counting. On an object store one listing names the steps, their markers and their files
+        (then no request per step)."""
         if self._flat:
             tree = self._step_files()
             steps = sorted(step for step, files in tree.items() if self._committed_in(files))
@@ -600,6 +602,8 @@ class RemoteSteps:
         kept = set(keep(steps))
         gone = [old for old in steps if old not in kept and old != but]
         for old in gone:
+            if deleting is not None:
+                deleting(old)
             self.delete(old, tree.get(old))
         return gone
 
