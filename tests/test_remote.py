@@ -175,8 +175,24 @@ def test_delete_removes_the_marker_then_the_files(remote, tmp_path, s3):
     assert not s3.filesystem().exists(f"{remote.root}/1")
 
     s3.filesystem().rm_file(f"{remote.root}/3/{COMMIT_MARKER}")  # 3 is now an uncommitted leftover
-    assert remote.delete_uncommitted() == [3]
+    s3.filesystem().pipe_file(f"{remote.root}/4/", b"")  # a "directory" key some tools write, alone
+    assert remote.delete_uncommitted() == [3, 4]
     assert remote.step_names() == [2] and remote.committed_steps() == [2]
+
+
+def test_a_listing_not_under_the_directory_falls_back_to_asking_step_by_step(remote, tmp_path, monkeypatch, caplog):
+    """Retention, the restore's sweep and `committed_steps` read one listing of every step's files
+    on an object store; where its paths are not under the directory as the filesystem names it (a
+    backend's own form), the steps are listed and their markers asked one by one, as before."""
+    for step in (1, 2):
+        step_dir, _ = make_step(str(tmp_path / "stage"), step, small_state(step))
+        remote.upload(step, step_dir)
+    assert remote._step_files() is not None
+    monkeypatch.setattr(remote.fs, "find", lambda path, **kw: [f"elsewhere/{p}" for p in ("1/x", "2/y")])
+    with caplog.at_level("WARNING", logger="prefect_jax.remote"):
+        assert remote.committed_steps() == [1, 2] and remote.step_names() == [1, 2]
+    assert "not a path under it: listing its steps one by one" in caplog.text
+    assert remote.retain(lambda steps: steps[-1:]) == [1] and remote.committed_steps() == [2]
 
 
 def test_retention_lists_once_and_forgets_each_step_before_it_stops_counting(remote, tmp_path, s3):

@@ -181,3 +181,29 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     assert restoring[("_find", "checkpoints")] == 2, shown  # (each names every step's files: their markers too)
     assert not [c for c in restoring if c[1] == "checkpoints" and c[0] != "_find"], shown
     assert restoring[("_cat_file", MARKER)] <= 2, shown  # (was one per step and listing: keep_last is 3)
+
+
+def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes_it(s3, tmp_path, monkeypatch, mlflow_uri):
+    """On object storage the trainer's commit checks ask nothing for a step its own uploader
+    committed, and retention makes it forget a step before the step stops counting: the commit
+    announcer tells the listeners of each step once its upload is done, and never of one that is
+    gone."""
+    monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    config = JobConfig(program="prefect_jax.examples.digits:tiny", job="known", storage="s3://jobs/known", storage_options=s3.storage_options,
+                       train=TrainSpec(max_steps=30, log_every_steps=10), mlflow_tracking_uri=mlflow_uri,
+                       checkpoint=CheckpointSpec(every_steps=10, keep_last=1, keep_until_evaluated=False))  # fmt: skip
+    trainer = Trainer(config)
+    announced: list[int] = []
+    trainer.commit_listeners.append(announced.append)
+    trainer.restore_or_init()
+    while trainer.step < 30:
+        trainer.train_until_checkpoint()
+        trainer.job.wait_committed()  # (each step's upload, retention and announcement done)
+    job = trainer.job
+    assert announced == [10, 20, 30] and job.committed_steps() == [30]
+    asked: list[int] = []
+    is_committed = job.remote.is_committed
+    monkeypatch.setattr(job.remote, "is_committed", lambda step: (asked.append(step), is_committed(step))[1])
+    assert job.is_committed(30) and asked == []  # uploaded here: known without a request
+    assert not job.is_committed(10) and asked == [10]  # removed by retention: forgotten, so asked (and gone)
+    trainer.finish()

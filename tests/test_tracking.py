@@ -107,6 +107,8 @@ def test_after_a_lost_process_the_end_waits_for_mlflow_a_few_seconds_only(tmp_pa
     """Once another process of the job went away, JAX's coordination service aborts this one about
     its heartbeat timeout later (the run would end Crashed, not Failed): the end of a run and the
     process's exit wait for MLflow `LOST_EXIT_WAIT_SECS` at most, not `EXIT_WAIT_SECS`."""
+    import time
+
     from prefect_jax.training import cluster, tracking
 
     monkeypatch.setattr(tracking, "LOST_EXIT_WAIT_SECS", 0.3)
@@ -115,6 +117,11 @@ def test_after_a_lost_process_the_end_waits_for_mlflow_a_few_seconds_only(tmp_pa
     monkeypatch.setattr(cluster, "_lost", "process 1 of the job's 2 went away")
     assert land_timed(tracker, caplog, 30) < 10
     assert "write(s) still on their way after 0.3s" in caplog.text
+    began = time.monotonic()
+    with caplog.at_level("WARNING", logger="prefect_jax.tracking"):
+        tracker.finish("FAILED")  # the train run's own end (`Job.finish`): bounded too
+    assert time.monotonic() - began < 10
+    assert "the run was not marked FAILED within 0.3s" in caplog.text
     release.set()
     monkeypatch.setattr(cluster, "_lost", None)
     tracker.land()

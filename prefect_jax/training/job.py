@@ -40,7 +40,7 @@ from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.storage import JobStorage
-from prefect_jax.training.tracking import STORAGE_TAG, Tracker
+from prefect_jax.training.tracking import STORAGE_TAG, Tracker, exit_wait
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -50,7 +50,9 @@ class _Announcer:
     """One thread that runs `announce(step)` for each step submitted, in order, each in the
     submitter's context (a listener sees its settings, such as a Prefect API set for one block of
     code, as the command's embedded server is, and its run). A thread started per save cost the
-    training thread a thread start in every interval (~1 ms on two busy cores, the GIL handed over)."""
+    training thread a thread start in every interval (~1 ms on two busy cores, the GIL handed over).
+    In order: a slow listener delays the next steps' announcements (the listener only queues a
+    Prefect event), and a step that retention removed before its turn is not announced."""
 
     IDLE_SECS = 10.0  # the thread ends after this long without a step (the next save starts one)
 
@@ -274,7 +276,7 @@ class Job:
                 logger.warning("not waiting for the save in flight: %s", exc)
         if self._uploader is not None:
             self._uploader.wait()
-        self._announcer.wait(timeout=30)  # the commit events of those saves are out too
+        self._announcer.wait(timeout=exit_wait(30))  # the commit events of those saves are out too
 
     @property
     def uploader(self) -> AsyncUploader | None:

@@ -329,8 +329,9 @@ class RemoteSteps:
 
     def step_names(self) -> list[int]:
         """Every integer-named entry under the directory, committed or not."""
-        if self._flat:
-            return sorted(self._step_files())
+        tree = self._step_files()
+        if tree is not None:
+            return sorted(tree)
         self._invalidate(self.root)
         try:
             entries = self._call("listing checkpoint steps", self.fs.ls, self.root, detail=False)
@@ -339,21 +340,31 @@ class RemoteSteps:
         names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in entries}
         return sorted(int(n) for n in names if n.isdigit())
 
-    def _step_files(self) -> dict[int, list[str]]:
+    def _step_files(self) -> dict[int, list[str]] | None:
         """Object stores: every integer-named step and the paths of its files, from one listing of
         the directory (a LIST request per 1000 files), where a listing of the steps and then a
-        request per step for its commit marker would be one round trip per step."""
+        request per step for its commit marker would be one round trip per step. None elsewhere,
+        or where the listing's paths are not under the directory as this filesystem names it
+        (then the steps are listed, and their markers asked, one by one)."""
+        if not self._flat:
+            return None
         self._invalidate(self.root)
         try:
             paths = self._call("listing checkpoint steps", self.fs.find, self.root, detail=False)
         except FileNotFoundError:
             return {}
         steps: dict[int, list[str]] = {}
-        for path in paths:
-            rel = str(path)[len(self.root) + 1:] if str(path).startswith(self.root + "/") else ""
+        under = self.root + "/"
+        for path in map(str, paths):
+            path = path if path.startswith(under) else self.fs._strip_protocol(path)
+            if not path.startswith(under):
+                logger.warning("listing %s gave %r, not a path under it: listing its steps one by one instead",
+                               self.safe_url, scrub(path, self._secrets))  # fmt: skip
+                return None
+            rel = path[len(under):]
             name = rel.split("/", 1)[0]
             if name.isdigit() and "/" in rel:
-                steps.setdefault(int(name), []).append(str(path))
+                steps.setdefault(int(name), []).append(path)
         return steps
 
     def _committed_in(self, files: list[str]) -> bool:
@@ -392,8 +403,9 @@ class RemoteSteps:
 
     def committed_steps(self) -> list[int]:
         """Committed steps (those with a commit marker), oldest first."""
-        if self._flat:
-            return sorted(step for step, files in self._step_files().items() if self._committed_in(files))
+        tree = self._step_files()
+        if tree is not None:
+            return sorted(step for step, files in tree.items() if self._committed_in(files))
         return [s for s in self.step_names() if self.is_committed(s)]
 
     def latest_committed(self) -> int | None:
@@ -459,6 +471,8 @@ class RemoteSteps:
         in bulk without listing them again; none, nothing to do), else the step's directory."""
         path = self.step_path(step)
         self._invalidate(path)
+        if files is not None and any(f.endswith("/") for f in files):
+            files = None  # a "directory" key (some tools write them) is removed only by removing the tree
         try:
             if files is None:
                 self._call(f"removing step {step}", self.fs.rm, path, recursive=True)
@@ -594,8 +608,8 @@ class RemoteSteps:
         but never `but`; returns the steps deleted, each told to `deleting` before it stops
         counting. On an object store one listing names the steps, their markers and their files
         (then no request per step)."""
-        if self._flat:
-            tree = self._step_files()
+        tree = self._step_files()
+        if tree is not None:
             steps = sorted(step for step, files in tree.items() if self._committed_in(files))
         else:
             tree, steps = {}, self.committed_steps()
@@ -613,7 +627,7 @@ class RemoteSteps:
         removed; `committed`, a list, gets the committed steps it saw (what `committed_steps` would
         list next, but for a step `keep` names that commits meanwhile), oldest first."""
         removed = []
-        tree = self._step_files() if self._flat else None
+        tree = self._step_files()
         for step in sorted(tree) if tree is not None else self.step_names():
             if self._committed_in(tree[step]) if tree is not None else self.is_committed(step):
                 if committed is not None:

@@ -40,11 +40,15 @@ EXIT_WAIT_SECS = 30.0  # how long a process's exit waits for its MLflow worker, 
 LOST_EXIT_WAIT_SECS = 5.0
 
 
-def exit_wait(timeout: float) -> float:
-    """`timeout` for a wait at the end of a run or process; shorter after a lost process."""
+def _lost() -> bool:
     from prefect_jax.training.cluster import lost_process
 
-    return min(timeout, LOST_EXIT_WAIT_SECS) if lost_process() else timeout
+    return lost_process() is not None
+
+
+def exit_wait(timeout: float) -> float:
+    """`timeout` for a wait at the end of a run or process; shorter after a lost process."""
+    return min(timeout, LOST_EXIT_WAIT_SECS) if _lost() else timeout
 
 JOB_TAG = "prefect_jax.job"
 STORAGE_TAG = "prefect_jax.storage"
@@ -557,8 +561,20 @@ class Tracker:
             self._client.set_tag(self._run_id, k, v)
 
     def finish(self, status: str = "FINISHED") -> None:
-        """Mark the run terminated with `status`, after every earlier call; waits for it."""
-        self._wait("_finish", status)
+        """Mark the run terminated with `status`, after every earlier call; waits for it (after a
+        lost process, `exit_wait` at most for the calls before it and for itself, then a warning)."""
+        if not _lost() or strict():
+            self._wait("_finish", status)
+            return
+        self.land()
+        try:
+            self._call("_finish", status).result(timeout=exit_wait(EXIT_WAIT_SECS))
+        except TimeoutError:
+            from prefect_jax.training.redaction import redact_url
+
+            logger.warning("MLflow at %s: the run was not marked %s within %gs (another process of the job went away); "
+                           "it stays RUNNING until a rerun of the job reopens it", redact_url(self.tracking_uri), status,
+                           exit_wait(EXIT_WAIT_SECS))  # fmt: skip
 
     @_guarded
     def _finish(self, status: str) -> None:
