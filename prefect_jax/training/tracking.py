@@ -50,6 +50,7 @@ def exit_wait(timeout: float) -> float:
     """`timeout` for a wait at the end of a run or process; shorter after a lost process."""
     return min(timeout, LOST_EXIT_WAIT_SECS) if _lost() else timeout
 
+
 JOB_TAG = "prefect_jax.job"
 STORAGE_TAG = "prefect_jax.storage"
 KILLED_TAG = "prefect_jax.killed_attempts"  # how many attempts died without closing the run (see Tracker._note_killed)
