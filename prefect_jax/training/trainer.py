@@ -590,7 +590,11 @@ class Trainer:
             return missing
         if not self._evals_reconciled:
             self.reconcile_eval_metrics(step)
-        done = self.records.get(step)
+        # The live step's save still in flight: no record of it can exist (a step is recorded, by
+        # this trainer or an evaluator, once it is committed; a rerun moved aside the records past
+        # the step it resumed from), so none is read (a round trip on object storage).
+        in_flight = live and step != self._started_from and self.job.processes == 1 and not self.job.save_landed()
+        done = None if in_flight else self.records.get(step)
         if done is not None:
             return done.model_copy(update={"status": EvalStatus.NO_NEW_CHECKPOINT})
         is_final = step >= self.config.train.max_steps
