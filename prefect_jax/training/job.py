@@ -26,7 +26,6 @@ import queue
 import shutil
 import socket
 import threading
-import time
 from typing import Any, Callable
 
 from prefect_jax.training import control
@@ -73,14 +72,8 @@ class _Announcer:
 
     def wait(self, timeout: float) -> bool:
         """Until every step submitted so far was announced (or `timeout` passed: False)."""
-        deadline = time.monotonic() + timeout
         with self._idle:
-            while self._unfinished:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+            return self._idle.wait_for(lambda: not self._unfinished, timeout)
 
     def _run(self) -> None:
         while True:

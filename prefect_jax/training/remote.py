@@ -370,13 +370,19 @@ class RemoteSteps:
     def _committed_in(self, files: list[str]) -> bool:
         return any(path.endswith("/" + COMMIT_MARKER) and path.count("/") == self.root.count("/") + 2 for path in files)
 
-    def read_manifest(self, step: int) -> StepManifest | None:
-        """The commit marker's manifest of `step`, or None when the step is not committed."""
+    def _read_marker(self, step: int) -> bytes | None:
+        """The commit marker of `step` (one GET of the small file), or None when there is none."""
         path = self.marker_path(step)
         self._invalidate(path)
         try:
-            data = self._call(f"reading the commit marker of step {int(step)}", self.fs.cat_file, path, **small_read(self.fs))
+            return self._call(f"reading the commit marker of step {int(step)}", self.fs.cat_file, path, **small_read(self.fs))
         except FileNotFoundError:
+            return None
+
+    def read_manifest(self, step: int) -> StepManifest | None:
+        """The commit marker's manifest of `step`, or None when the step is not committed."""
+        data = self._read_marker(step)
+        if data is None:
             return None
         manifest = StepManifest.from_json(data, int(step))
         if manifest is None:  # a marker is written after every file: the step counts, its manifest is lost
@@ -393,20 +399,18 @@ class RemoteSteps:
     def is_committed(self, step: int) -> bool:
         """Whether `step` has its commit marker: one request (a GET of the small marker, where
         asking for its size is a HEAD and, on s3fs, a LIST as well when it is missing)."""
-        path = self.marker_path(step)
-        self._invalidate(path)
-        try:
-            self._call(f"checking the commit marker of step {int(step)}", self.fs.cat_file, path, **small_read(self.fs))
-            return True
-        except FileNotFoundError:
-            return False
+        return self._read_marker(step) is not None
 
     def committed_steps(self) -> list[int]:
         """Committed steps (those with a commit marker), oldest first."""
         tree = self._step_files()
         if tree is not None:
-            return sorted(step for step, files in tree.items() if self._committed_in(files))
+            return self._committed_of(tree)
         return [s for s in self.step_names() if self.is_committed(s)]
+
+    def _committed_of(self, tree: dict[int, list[str]]) -> list[int]:
+        """The committed steps of a `_step_files` listing, oldest first."""
+        return sorted(step for step, files in tree.items() if self._committed_in(files))
 
     def latest_committed(self) -> int | None:
         steps = self.committed_steps()
@@ -609,16 +613,13 @@ class RemoteSteps:
         counting. On an object store one listing names the steps, their markers and their files
         (then no request per step)."""
         tree = self._step_files()
-        if tree is not None:
-            steps = sorted(step for step, files in tree.items() if self._committed_in(files))
-        else:
-            tree, steps = {}, self.committed_steps()
+        steps = self._committed_of(tree) if tree is not None else self.committed_steps()
         kept = set(keep(steps))
         gone = [old for old in steps if old not in kept and old != but]
         for old in gone:
             if deleting is not None:
                 deleting(old)
-            self.delete(old, tree.get(old))
+            self.delete(old, tree[old] if tree is not None else None)
         return gone
 
     def delete_uncommitted(self, keep: Callable[[int], bool] = lambda step: False, committed: list[int] | None = None) -> list[int]:

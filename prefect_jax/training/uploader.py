@@ -121,14 +121,8 @@ class AsyncUploader:
         Raises:
             Whatever an upload raised after its retries.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._idle.wait(left)
-            done = not self._pending
+            done = self._idle.wait_for(lambda: not self._pending, timeout)
         self._raise_pending_error()
         return done
 
@@ -140,14 +134,8 @@ class AsyncUploader:
             failed (the error is still raised by the next `submit` or `wait`) or `timeout` passed.
         """
         step = int(step)
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while step in self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(left)
-            return step in self._done
+            return self._idle.wait_for(lambda: step not in self._pending, timeout) and step in self._done
 
     def committed(self, step: int) -> bool:
         """Whether this uploader committed `step` (its upload, or one found already committed),
