@@ -20,6 +20,9 @@ slow uninterrupted run is not flattered. Systems:
   function of i, so a resume is exact), async checkpoints; no SIGTERM handler, as such loops
   are usually written: a SIGTERM kills it like a SIGKILL.
 - ``keras``: Keras 3 ``fit`` on JAX with ``BackupAndRestore`` (one epoch = --every steps).
+- ``plain_prefect`` and ``plain_flow`` (`floor.py`'s rerun floor; not in the default
+  ``--systems``): the plain loop importing Prefect first, and the plain loop as a Prefect flow run
+  of task runs (see `child_plain`).
 
 The job must outlast the periods, or nothing is signalled and a row compares uninterrupted runs:
 where a system's uninterrupted run lasts less than --min-periods (1.5) of the longest period, the
@@ -76,7 +79,24 @@ def _mark(workdir: str, **fields) -> None:
 
 
 def child_plain(args) -> None:
+    """The plain loop. For `floor.py`'s rerun floor, as ``plain_prefect`` it imports Prefect
+    first, as the command does (its flows, before the program; the garbage collector off
+    meanwhile, as the command's start-up), and does nothing with it; as ``plain_flow`` it runs in
+    a Prefect flow run that imports Prefect first and splits the work into task runs as
+    `train_and_evaluate` does (the restore in one, each interval's steps and save in one, its
+    evaluation in another), nothing else of prefect-jax."""
     _mark(args.workdir, event="start", process_start=_process_start())
+    in_flow = args.child == "plain_flow"
+    if args.child == "plain_prefect":
+        import gc
+
+        gc.disable()
+        import prefect  # noqa: F401
+
+        gc.enable()
+    if in_flow:  # as the command, which imports Prefect (its flows) before the program
+        from prefect import flow, task
+        from prefect.cache_policies import NO_CACHE
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
@@ -97,36 +117,56 @@ def child_plain(args) -> None:
     def savable(tree):  # typed PRNG keys are stored as their raw key data
         return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
 
-    step = manager.latest_step()
-    if step is None:
-        state, step = jax.jit(program.init)(jax.random.key(0)), 0
-    else:
-        typed = jax.eval_shape(program.init, jax.random.key(0))
-        raw = manager.restore(step, args=ocp.args.StandardRestore(jax.eval_shape(lambda k: savable(program.init(k)), jax.random.key(0))))
-        state = jax.tree.map(lambda t, x: jax.random.wrap_key_data(x) if is_key(t) else x, typed, raw)
-    _mark(args.workdir, event="restored", step=int(step))
+    live: dict = {"first": True}  # the state, and whether the first step is still to come
 
-    def evaluate(state):
+    def restore() -> int:
+        step = manager.latest_step()
+        if step is None:
+            live["state"], step = jax.jit(program.init)(jax.random.key(0)), 0
+        else:
+            typed = jax.eval_shape(program.init, jax.random.key(0))
+            raw = manager.restore(step, args=ocp.args.StandardRestore(jax.eval_shape(lambda k: savable(program.init(k)), jax.random.key(0))))
+            live["state"] = jax.tree.map(lambda t, x: jax.random.wrap_key_data(x) if is_key(t) else x, typed, raw)
+        _mark(args.workdir, event="restored", step=int(step))
+        return int(step)
+
+    def evaluate(step: int) -> dict:
         totals: dict = {}
         for batch in program.eval_data():
-            for name, pair in jax.device_get(eval_step(state, batch)).items():
+            for name, pair in jax.device_get(eval_step(live["state"], batch)).items():
                 totals[name] = totals.get(name, 0) + np.asarray(pair, np.float64)
         return {name: float(s / n) for name, (s, n) in totals.items()}
 
-    first = True
-    while step < args.steps:
-        state, _ = train_step(state, data[step])
-        step += 1
-        if first:
-            jax.block_until_ready(state)
-            _mark(args.workdir, event="first_step")
-            first = False
-        if step % args.every == 0 or step == args.steps:
-            manager.save(step, args=ocp.args.StandardSave(savable(state)), force=True)
-            evaluate(state)
-    manager.wait_until_finished()
+    def interval(step: int) -> int:
+        """The steps from `step` to the next checkpoint (or the end), then the save."""
+        while True:
+            live["state"], _ = train_step(live["state"], data[step])
+            step += 1
+            if live["first"]:
+                jax.block_until_ready(live["state"])
+                _mark(args.workdir, event="first_step")
+                live["first"] = False
+            if step % args.every == 0 or step == args.steps:
+                manager.save(step, args=ocp.args.StandardSave(savable(live["state"])), force=True)
+                return step
+
+    def job() -> int:
+        step = restore()
+        while step < args.steps:
+            step = interval(step)
+            evaluate(step)
+        manager.wait_until_finished()
+        return step
+
+    if in_flow:
+        restore = task(restore, name="restore_or_init", cache_policy=NO_CACHE)
+        interval = task(interval, name="train_until_checkpoint", task_run_name="train {step}", cache_policy=NO_CACHE)
+        evaluate = task(evaluate, name="evaluate_if_new", task_run_name="evaluate {step}", cache_policy=NO_CACHE)
+        step = flow(name="plain-in-task-runs")(job)()
+    else:
+        step = job()
     manager.close()
-    _mark(args.workdir, event="done", step=int(step))
+    _mark(args.workdir, event="done", step=step)
 
 
 def child_keras(args) -> None:
@@ -345,11 +385,11 @@ def main() -> None:
     parser.add_argument("--prefect-jax-args", default="", metavar="ARGS",
                         help="more arguments for the prefect-jax command, e.g. '--checkpoint-every-secs 5' (the peers keep --every)")
     parser.add_argument("--out", default=None, help="also write the JSON result here")
-    parser.add_argument("--child", choices=["plain", "keras"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["plain", "plain_prefect", "plain_flow", "keras"], help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        {"plain": child_plain, "keras": child_keras}[args.child](args)
+        {"keras": child_keras}.get(args.child, child_plain)(args)
         return
     if args.steps % args.every:
         parser.error(f"--steps ({args.steps}) must be a multiple of --every ({args.every}): one Keras epoch is --every steps")

@@ -860,6 +860,88 @@ def thread_cpu_markdown() -> list[str]:
     return out
 
 
+def _floor() -> dict | None:
+    """`benchmarks/floor.py`'s record (FLOOR.json), with its per-interval and rerun parts, or None."""
+    r = _record("FLOOR.json")
+    return r if r and (r.get("per_interval_ms") or r.get("rerun")) else None
+
+
+def floor_lead(key: str) -> str:
+    """A target's floor from FLOOR.json, put first in its "what stands in the way" line ("" if none)."""
+    r = _floor()
+    if r is None:
+        return ""
+    per, rerun = r.get("per_interval_ms") or {}, r.get("rerun") or {}
+    plain, tasks, flow = per.get("plain"), per.get("plain_tasks"), per.get("prefect_jax")
+    few = r["intervals"][0]
+    where = f"`benchmarks/floor.py`, {r['when']}, the section \"The floor under the targets\" below"
+    if key == "orchestration_ms_per_interval" and plain and tasks and flow:
+        return (f"The floor ({where}): the plain loop with each interval's steps and save in one Prefect task run and "
+                f"its evaluation in another, nothing else of prefect-jax, took {tasks['loop_s'] - plain['loop_s']:.1f} ms "
+                f"more per interval than the plain loop (the server {tasks['server_cpu_s']:.1f} ms of CPU an interval on "
+                f"the same two cores), of the 30 ms the target allows; the flow {flow['loop_s'] - tasks['loop_s']:.1f} ms "
+                "more than that (its engine, Orbax's three-item save, the NaN guard read, the eval record, events, MLflow). ")
+    ratio = f"loop / plain loop at {few} intervals"
+    if key == "loop_vs_plain" and tasks and flow and tasks.get(ratio):
+        each = ", ".join(f"{d['per_interval_ms']['plain_tasks'][ratio]:.2f}" for d in r["rounds"]
+                         if d["per_interval_ms"].get("plain_tasks", {}).get(ratio))
+        return (f"The floor ({where}): the plain loop with each of its {few} intervals in two Prefect task runs and "
+                f"nothing else of prefect-jax read {tasks[ratio]:.2f} of the plain loop's loop time (per round {each}), "
+                f"over the 1.10 target before any of prefect-jax's work; the flow {flow[ratio]:.2f} in the same rounds. ")
+    ratios = rerun.get("median / plain loop") or {}
+    if key == "rerun_to_first_step_vs_plain" and ratios.get("plain_prefect"):
+        return (f"The floor ({where}; {rerun['reruns']} alternated reruns each, medians): the plain loop that only imports "
+                f"Prefect first, as any rerun that Prefect runs must, came back to its first new step in "
+                f"{ratios['plain_prefect']:.2f} of the plain loop's time; the same loop as a Prefect flow run of task runs "
+                f"(nothing of prefect-jax) {ratios.get('plain_flow', float('nan')):.2f}; `prefect-jax run` "
+                f"{ratios.get('prefect_jax', float('nan')):.2f}. ")
+    return ""
+
+
+def floor_markdown() -> list[str]:
+    """`benchmarks/floor.py`'s record (FLOOR.json; this run does not re-measure it)."""
+    r = _floor()
+    if r is None:
+        return []
+    m = r.get("machine") or {}
+    out = ["", "## The floor under the targets", "",
+           f"`benchmarks/floor.py` ({r['when']}, {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs; not re-measured by this "
+           "run): what Prefect alone costs where the targets compare prefect-jax with the plain loop, measured by "
+           "running the plain loop itself under Prefect, with nothing of prefect-jax."]
+    per = r.get("per_interval_ms") or {}
+    if per:
+        few, many = r["intervals"]
+        ratio = f"loop / plain loop at {few} intervals"
+        labels = {"plain": "the plain loop", "plain_tasks": "the plain loop, each interval in two Prefect task runs "
+                  "(the steps and the save; the evaluation) in a flow run", "prefect_jax": "the `train_and_evaluate` flow"}
+        out += ["", f"Per checkpoint interval: {r['steps']} steps at {few} and {many} intervals, {len(r['rounds'])} "
+                "alternated rounds, on one standing `prefect server` on the same two cores; the slope between the two "
+                "counts (ms), the median over rounds.", "",
+                f"| side | loop time / interval | over the plain loop | its process's CPU / interval | server CPU / interval | "
+                f"loop time / plain loop's, {few} intervals |", "|---|---:|---:|---:|---:|---:|"]
+        for name, label in labels.items():
+            p = per.get(name)
+            if p:
+                out.append(f"| {label} | {p['loop_s']:.1f} | {p['loop_s'] - per['plain']['loop_s']:.1f} | {p['cpu_s']:.1f} | "
+                           f"{p['server_cpu_s']:.1f} | {_f(p.get(ratio))} |")
+    rerun = r.get("rerun")
+    if rerun:
+        labels = {"plain": "the plain loop (`goodput.py`'s)",
+                  "plain_prefect": "the plain loop, importing Prefect first (the collector off meanwhile, as the command)",
+                  "plain_flow": "the plain loop as a Prefect flow run: the restore, each interval's steps and save, and "
+                                "its evaluation in task runs",
+                  "prefect_jax": "`prefect-jax run`"}
+        out += ["", f"A rerun's way back, from its process start to its first new step done: `bench_programs:wide` "
+                f"trained to step {rerun['every']}, then {rerun['reruns']} reruns of each, in alternated order, each "
+                "restoring the newest step (JAX's compilation cache warm) and training one more.", "",
+                "| side | median s | / plain loop | each rerun, s |", "|---|---:|---:|---|"]
+        for name, label in labels.items():
+            if rerun["way_back_s"].get(name):
+                out.append(f"| {label} | {rerun['median_s'][name]:.2f} | {_f((rerun.get('median / plain loop') or {}).get(name))} | "
+                           f"{', '.join(f'{v:.2f}' for v in rerun['way_back_s'][name])} |")
+    return out
+
+
 ORBAX_THREADS = ("array_type_handler", "serialize_shardings", "async_save", "asyncio", "save_finalize",
                  "write_metadata_after_commits", "metadata_store", "_target_setting_result", "json_ch_save",
                  "prefect_jax_data_save")  # fmt: skip
@@ -1031,7 +1113,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     missed = [key for key, t in summary["targets"].items() if not t["met"] and GAPS.get(key)]
     if missed:
         out += ["", "What stands in the way:", ""]
-        out += [f"- **{names[key]}**: {GAPS[key]}" for key in missed]
+        out += [f"- **{names[key]}**: {floor_lead(key)}{GAPS[key]}" for key in missed]
     before, after = peers.get("before"), peers.get("prefect_jax")
     if before and after:
         out += ["", "## Before and after (this run)", "",
@@ -1116,6 +1198,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     out += server_apart_markdown()
     out += s3_requests_markdown()
     out += thread_cpu_markdown()
+    out += floor_markdown()
     rows = _get(report, "storage", "rows")
     if rows:
         out += ["", "## Checkpoint cost against state size (local disk)", "",

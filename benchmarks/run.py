@@ -6,6 +6,9 @@ each in its own fresh Python process, one after the other:
 
 - ``plain``: a hand-written JAX + optax + Orbax loop (jit per step): the floor;
 - ``plain_scan``: the same loop running --dispatch steps per jitted ``lax.scan``;
+- ``plain_tasks`` (`floor.py`'s, not in this run): the plain loop with each interval's steps and
+  save in one Prefect task run and its evaluation in another, in a flow run, nothing else of
+  prefect-jax: the floor Prefect's task runs set under the per-interval targets;
 - ``prefect_jax``: the `train_and_evaluate` flow against a standing ``prefect server``
   (started once, before any clock), one step per dispatch, and with ``steps_per_dispatch``;
 - ``prefect_jax_ephemeral``: the flow with no API URL (Prefect's ephemeral mode starts its own
@@ -93,6 +96,11 @@ def run_plain(args, workdir: str) -> dict:
     """The floor: jit(train_step) (or a jitted lax.scan of --dispatch steps), the program's Grain
     pipeline, an async Orbax CheckpointManager, a full eval every --every steps."""
     t_import = time.perf_counter()
+    if args.side == "plain_tasks":  # before the clock, as the flow side imports prefect_jax.flows
+        from prefect import flow, task
+        from prefect.cache_policies import NO_CACHE
+
+        from prefect_jax.flows import _json_parameters
     import_jax_stack()
     import jax
     import numpy as np
@@ -129,26 +137,56 @@ def run_plain(args, workdir: str) -> dict:
         is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
         return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, state)
 
-    result, t_loop, t_trained, step = {}, None, None, 0
-    while step < args.steps:
-        if k == 1:
-            state, metrics = train_step(state, next(batches))
-            step += 1
-        else:
-            n = min(k, args.every - step % args.every)
-            chunk = [next(batches) for _ in range(n)]
-            state, metrics = train_step(state, jax.tree.map(lambda *xs: np.stack(xs), *chunk))
-            step += n
-        if t_loop is None:
-            jax.block_until_ready(state)
-            t_loop = time.perf_counter()
-        if step == args.steps:  # the last step's end (the save below would wait for it anyway)
-            jax.block_until_ready(state)
-            t_trained = time.perf_counter()
-        if step % args.every == 0 or step == args.steps:
-            manager.save(step, args=ocp.args.StandardSave(savable(state)), force=True)
+    clock = {"loop": None, "trained": None}
+
+    def interval(step: int) -> int:
+        """The steps from `step` to the next checkpoint (or the end), then the save."""
+        nonlocal state
+        while True:
+            if k == 1:
+                state, metrics = train_step(state, next(batches))
+                step += 1
+            else:
+                n = min(k, args.every - step % args.every)
+                chunk = [next(batches) for _ in range(n)]
+                state, metrics = train_step(state, jax.tree.map(lambda *xs: np.stack(xs), *chunk))
+                step += n
+            if clock["loop"] is None:
+                jax.block_until_ready(state)
+                clock["loop"] = time.perf_counter()
+            if step == args.steps:  # the last step's end (the save below would wait for it anyway)
+                jax.block_until_ready(state)
+                clock["trained"] = time.perf_counter()
+            if step % args.every == 0 or step == args.steps:
+                manager.save(step, args=ocp.args.StandardSave(savable(state)), force=True)
+                return step
+
+    def intervals() -> dict:
+        step, result = 0, {}
+        while step < args.steps:
+            step = interval(step)
             result = evaluate(state)
-    manager.wait_until_finished()
+        manager.wait_until_finished()
+        return result
+
+    def intervals_in_task_runs() -> dict:
+        """`plain_tasks`: the same, each interval's steps and save in one Prefect task run and its
+        evaluation in another, in a flow run, as `train_and_evaluate` splits them."""
+        step, result = 0, {}
+        while step < args.steps:
+            step = train_task(step)
+            result = eval_task(step)
+        manager.wait_until_finished()
+        return result
+
+    if args.side == "plain_tasks":
+        train_task = task(interval, name="train_until_checkpoint", task_run_name="train {step}", cache_policy=NO_CACHE)
+        eval_task = task(lambda step: evaluate(state), name="evaluate_if_new", task_run_name="evaluate {step}",
+                         cache_policy=NO_CACHE)
+        # A `train_and_evaluate` flow run's end (no wait for Prefect's heartbeat thread: `_Flow`).
+        intervals_in_task_runs = _json_parameters(flow(name="plain-in-task-runs")(intervals_in_task_runs))
+    result = intervals_in_task_runs() if args.side == "plain_tasks" else intervals()
+    t_loop, t_trained = clock["loop"], clock["trained"]
     manager.close()
     t_end = time.perf_counter()
     return {"wall_s": t_end - t0, "loop_s": t_end - t_loop, "train_s": t_trained - t_loop, "import_s": t0 - t_import,
@@ -285,6 +323,7 @@ def run_keras(args, workdir: str) -> dict:
 SIDES = {
     "plain": run_plain,
     "plain_scan": run_plain,
+    "plain_tasks": run_plain,
     "prefect_jax": run_prefect_jax,
     "prefect_jax_scan": run_prefect_jax,
     "prefect_jax_ephemeral": run_prefect_jax,
