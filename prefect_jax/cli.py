@@ -481,21 +481,14 @@ def _run_flow_with(args, program, job, storage, tracking_uri, role, specs, serve
 
 def _freeze_startup_objects() -> None:
     """Move what the imports made (Prefect, JAX, Orbax, the program: over a million objects) out
-    of the garbage collector's reach (`gc.freeze`): they live as long as the process, and every
-    full collection would walk them again (pauses growing to ~0.3 s, ~1.3 s over a 40 s run on
-    2 CPUs). Objects made later are collected as usual. MLflow, imported on its own thread,
-    freezes its objects the same way once it is open (`Tracker`).
+    of the garbage collector's reach and turn it on (`prefect_jax.startup`, which says why).
 
     The collector was off until now (`_run_flow`, for the commands that train, evaluate or export):
     during the imports its passes walked the growing heap again and again, ~0.4 s of a 2 s
-    start-up on 2 CPUs (2026-11-25: the goodput job's imports 2.13 s with it, 1.76 s without).
-    The cyclic garbage those imports leave (~13,000 objects, ~4 MB) is frozen with the rest:
-    collecting it first would cost ~0.18 s."""
-    from prefect_jax.training import tracking
+    start-up on 2 CPUs (2026-11-25: the goodput job's imports 2.13 s with it, 1.76 s without)."""
+    from prefect_jax.startup import freeze_startup_objects
 
-    gc.freeze()
-    gc.enable()
-    tracking.freeze_after_connect = True
+    freeze_startup_objects()
 
 
 def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> None:

@@ -389,3 +389,65 @@ def test_a_held_refresh_runs_once_its_time_is_up_and_never_ahead_of_calls_before
     assert publisher.flush(5) and len(ran) == 5 and ran[4] == "other again"
     publisher.refresh("k", lambda: ran.append("after the flush"))
     assert publisher.flush(5) and ran[5] == "after the flush"
+
+
+@pytest.mark.parametrize(
+    ("argv", "one_run"),
+    [
+        (["/venv/lib/python3.11/site-packages/prefect/engine.py"], True),  # python -m prefect.engine (process worker, serve)
+        (["prefect.engine"], True),  # Prefect's in-process bootstrap of the engine
+        (["/venv/bin/prefect", "flow-run", "execute", "1234"], True),  # other workers' default command
+        (["/venv/bin/prefect", "worker", "start", "--pool", "cpu"], False),
+        (["/venv/bin/prefect-jax", "run"], False),  # the command freezes for itself
+        (["/venv/bin/pytest"], False),
+        ([], False),
+    ],
+)
+def test_only_a_process_prefect_started_for_one_flow_run_counts_as_one(argv, one_run):
+    from prefect_jax.startup import runs_one_flow_run
+
+    assert runs_one_flow_run(argv) is one_run
+
+
+def test_a_flow_run_in_its_own_process_imports_with_the_collector_off_then_freezes_them(tmp_path, mlflow_uri, monkeypatch):
+    """In a process Prefect started for the flow run (here: its argv made the engine's), the
+    collector is off from the flow's start until its trainer is made (JAX's, Orbax's and the
+    program's imports), then what that made is frozen and the collector is on again; once per
+    process. Called from any other process (pytest's here), a flow leaves the collector alone."""
+    import gc
+    import sys
+
+    from prefect_jax import startup
+    from prefect_jax.training import live, tracking
+
+    seen: list[tuple[str, bool]] = []
+    original = live.get_trainer
+
+    def watched(*a, **kw):
+        seen.append(("making the trainer", gc.isenabled()))
+        return original(*a, **kw)
+
+    monkeypatch.setattr(live, "get_trainer", watched)
+    monkeypatch.setattr(startup, "_frozen", False)  # (an in-process command test may have frozen this process)
+    monkeypatch.setattr(tracking, "freeze_after_connect", tracking.freeze_after_connect)
+    frozen_before = gc.get_freeze_count()
+    assert gc.isenabled()
+
+    assert _run(tmp_path / "pytest", mlflow_uri).is_completed()
+    assert seen and all(on for _, on in seen), "a flow called from pytest's process turned the collector off"
+    assert gc.get_freeze_count() == frozen_before and not startup._frozen
+
+    seen.clear()
+    monkeypatch.setattr(sys, "argv", [sys.argv[0].rsplit("/", 1)[0] + "/prefect/engine.py"])
+    try:
+        state = _run(tmp_path / "engine", mlflow_uri)
+        assert state.is_completed(), state
+        assert seen and not seen[0][1], "the collector was on while the flow run's trainer was made"
+        assert gc.isenabled(), "the collector stayed off after the start-up"
+        assert startup._frozen and gc.get_freeze_count() > frozen_before
+        frozen = gc.get_freeze_count()
+        assert _run(tmp_path / "engine-again", mlflow_uri).is_completed()  # once per process
+        assert gc.get_freeze_count() <= frozen and gc.isenabled()  # (frozen objects still go when unreferenced)
+    finally:
+        gc.unfreeze()  # (pytest's process goes on: its objects collectable again)
+        gc.enable()
