@@ -97,9 +97,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--intervals", default="10,100", help="two interval counts over --steps: the slope between them is per interval")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--sides", default="plain,prefect_jax", help="two of run.py's sides, the floor first (plain_tasks: floor.py's)")
     parser.add_argument("--out", default=os.path.join(HERE, "THREAD_CPU.json"))
     args = parser.parse_args()
     few, many = sorted(int(n) for n in args.intervals.split(","))
+    sides = tuple(args.sides.split(","))
     if few < 1 or many <= few:
         parser.error(f"--intervals {args.intervals}: give two counts, the second larger, such as 10,100")
     side_args = argparse.Namespace(steps=args.steps, every=None, dispatch=10)
@@ -116,7 +118,7 @@ def main() -> None:
         warm_up(env)
         for r in range(args.rounds):
             got: dict = {}
-            for name in ("plain", "prefect_jax") if r % 2 == 0 else ("prefect_jax", "plain"):
+            for name in sides if r % 2 == 0 else sides[::-1]:
                 for n in (few, many):
                     path = os.path.join(work, f"{name}-{n}-{r}.json")
                     before = server.cpu_s()
@@ -130,7 +132,7 @@ def main() -> None:
                     cpu["the Prefect server"] = server.cpu_s() - before
                     got[(name, n)] = {"cpu": cpu, "loop_s": res.get("loop_s")}
             per: dict = {}
-            for name in ("plain", "prefect_jax"):
+            for name in sides:
                 a, b = got.get((name, few)), got.get((name, many))
                 if a and b:
                     per[name] = {k: round(1000 * (b["cpu"].get(k, 0.0) - a["cpu"].get(k, 0.0)) / (many - few), 2)
@@ -140,7 +142,7 @@ def main() -> None:
             report["per_interval_ms"] = {
                 name: {k: statistics.median(p[name][k] for p in report["rounds"] if name in p and k in p[name])
                        for k in set().union(*(p[name] for p in report["rounds"] if name in p))}
-                for name in ("plain", "prefect_jax") if any(name in p for p in report["rounds"])
+                for name in sides if any(name in p for p in report["rounds"])
             }  # fmt: skip
             with open(args.out, "w") as f:  # after every round: a cut-off run keeps what it measured
                 json.dump(report, f, indent=1)

@@ -113,7 +113,8 @@ def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> 
         nxt = min(after, key=_first_step_at)
         reruns.append({"kill": at + 1, "kill_to_process_s": nxt["process_start"] - when,
                        "process_to_first_step_s": _first_step_at(nxt) - nxt["process_start"],
-                       "kill_to_first_step_s": _first_step_at(nxt) - when, "waited_for_another": bool(nxt.get("waited_for_another_process"))})  # fmt: skip
+                       "kill_to_first_step_s": _first_step_at(nxt) - when, "waited_for_another": bool(nxt.get("waited_for_another_process")),
+                       **{f"{k}_s": nxt["seconds"].get(k, 0.0) for k in ("startup", "restore", "compile")}})  # fmt: skip
     return {
         "query_seconds": float(query_seconds),
         "state": state.type.value,
