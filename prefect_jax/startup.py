@@ -12,11 +12,13 @@ So a process that exists for one job keeps the collector off through its start-u
 what the start-up made out of the collector's reach (`gc.freeze`) and turns it back on: objects
 made later are collected as usual. The `prefect-jax` command does this for itself
 (`prefect_jax.cli`). A flow run that Prefect started in a process of its own (a worker's or a
-runner's ``python -m prefect.engine``, or ``prefect flow-run execute``) does it from its flow's
-start to the end of its first trainer's making (imports, the program): `collector_off_for_startup`
-and `end_startup`. Anywhere else (a flow called from a user's own Python process, a test) the
-collector is left alone: freezing there would keep garbage cycles of that process's earlier
-work for good.
+runner's ``python -m prefect.engine``, or ``prefect flow-run execute``) does it while it makes
+its first trainer (JAX's, Orbax's, Grain's and the program's imports, the trainer's set-up;
+`prefect_jax.training.live.get_trainer`): `collector_off_for_startup` and `end_startup`. Not
+longer: an evaluator may wait hours for a first checkpoint before it makes its trainer, and
+garbage made with the collector off would pile up. Anywhere else (a flow called from a user's
+own Python process, a test) the collector is left alone: freezing there would keep garbage
+cycles of that process's earlier work for good.
 
 This module imports neither jax nor prefect.
 """
@@ -46,8 +48,8 @@ def runs_one_flow_run(argv: list[str] | None = None) -> bool:
 
 
 def collector_off_for_startup() -> None:
-    """At a flow's start, in a process that runs one flow run (`runs_one_flow_run`) and has not
-    frozen its start-up yet: turn the collector off until `end_startup`."""
+    """Before the first trainer is made, in a process that runs one flow run (`runs_one_flow_run`)
+    and has not frozen its start-up yet: turn the collector off until `end_startup`."""
     global _collector_was_on
     if _frozen or _collector_was_on is not None or not runs_one_flow_run():
         return
@@ -56,7 +58,7 @@ def collector_off_for_startup() -> None:
 
 
 def end_startup() -> None:
-    """The start-up is over (the first trainer is made, or the flow's body ended): if
+    """The start-up is over (the first trainer is made, or its making failed): if
     `collector_off_for_startup` turned the collector off, freeze what the start-up made and turn
     the collector back on (unless it was off before). Otherwise nothing."""
     global _collector_was_on

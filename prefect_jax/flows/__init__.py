@@ -37,7 +37,6 @@ from prefect.futures import PrefectFuture
 from prefect.states import State
 from pydantic import BaseModel
 
-from prefect_jax import startup
 from prefect_jax.tasks import (
     evaluate_if_new, export, process_tag, publisher, restore_or_init, train_until_checkpoint, ui_refresh_secs,
 )
@@ -245,19 +244,13 @@ def _untagged_tasks(fn):
     def body(*args, **kwargs):
         from prefect_jax.training.tracking import warm_up
 
-        # In a process Prefect started for this flow run: the collector off through the start-up,
-        # until the first trainer is made (`_trainer`), then its objects frozen (see the module).
-        startup.collector_off_for_startup()
-        try:
-            deliver_lost_notices()  # (again: someone may have replaced the hook since the import)
-            # A deployment's flow run too: MLflow imports in its worker while the program imports
-            # here (and, where the flow registers exports, what logging a model needs).
-            arguments = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
-            warm_up(arguments.get("mlflow_tracking_uri"), registry=_registers_exports(fn.__name__, arguments.get("eval_spec")))
-            with _task_tags():
-                return fn(*args, **kwargs)
-        finally:
-            startup.end_startup()  # (a body that made no trainer, or failed before)
+        deliver_lost_notices()  # (again: someone may have replaced the hook since the import)
+        # A deployment's flow run too: MLflow imports in its worker while the program imports here
+        # (and, where the flow registers exports, what logging a model needs).
+        arguments = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+        warm_up(arguments.get("mlflow_tracking_uri"), registry=_registers_exports(fn.__name__, arguments.get("eval_spec")))
+        with _task_tags():
+            return fn(*args, **kwargs)
 
     return body
 

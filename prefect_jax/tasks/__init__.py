@@ -307,11 +307,9 @@ def _trainer_holding_the_lease(config: JobConfig):
 
 
 def _trainer(config: JobConfig):
-    from prefect_jax.startup import end_startup
     from prefect_jax.training.live import get_trainer
 
     trainer = get_trainer(config, run_tags=_run_tags())
-    end_startup()  # its imports and the program's are done (the collector back on, if a flow turned it off)
     if not trainer.commit_listeners:
         from prefect.events import emit_event
 

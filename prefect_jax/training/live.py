@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prefect_jax import startup
 from prefect_jax.training.errors import LeaseLostError
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.storage import JobStorage
@@ -32,8 +33,6 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
     A cached trainer is reused only if its config is identical; otherwise it is closed
     and replaced.
     """
-    from prefect_jax.training.trainer import Trainer
-
     key = _key(config)
     trainer = _live.get(key)
     if trainer is not None and trainer.config == config:
@@ -43,7 +42,15 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
     if trainer is not None:
         del _live[key]  # (closed: never handed out again, even if the new one is refused)
         trainer.close()
-    trainer = Trainer(config, run_tags=run_tags)
+    # A process that Prefect started for one flow run makes its first trainer (JAX's, Orbax's,
+    # Grain's and the program's imports) with the collector off, then freezes (see the module).
+    startup.collector_off_for_startup()
+    try:
+        from prefect_jax.training.trainer import Trainer
+
+        trainer = Trainer(config, run_tags=run_tags)
+    finally:
+        startup.end_startup()
     _live[key] = trainer
     return trainer
 
