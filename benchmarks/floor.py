@@ -86,30 +86,18 @@ def main() -> None:
     sys.path.insert(0, HERE)
     import run as bench  # benchmarks/run.py: its sides and its standing server
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--intervals", default="10,100", help="two interval counts over --steps: the slope between them is per interval")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = bench.sides_parser(__doc__.splitlines()[0], rounds=3)
     parser.add_argument("--reruns", type=int, default=8, help="reruns of each system for the rerun's floor (0: none)")
     parser.add_argument("--out", default=os.path.join(HERE, "FLOOR.json"))
     args = parser.parse_args()
-    few, many = sorted(int(n) for n in args.intervals.split(","))
-    if few < 1 or many <= few:
-        parser.error(f"--intervals {args.intervals}: give two counts, the second larger, such as 10,100")
+    few, many = bench.interval_counts(parser, args.intervals)
     if args.rounds < 0 or args.reruns < 0:
         parser.error(f"--rounds {args.rounds}, --reruns {args.reruns}: give 0 (none) or more")
     side_args = argparse.Namespace(steps=args.steps, every=None, dispatch=10)
-    work = tempfile.mkdtemp(prefix="floor-")
-    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
-    env.pop("PREFECT_API_URL", None)
     report: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": args.steps,
                     "intervals": [few, many], "rounds": []}  # fmt: skip
-    with bench.StandingServer(os.path.join(work, "server-home")) as server:
-        report["machine"] = bench.machine()
-        env = dict(env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
-        from goodput import warm_up
-
-        warm_up(env)
+    with bench.sides_server("floor-") as (server, env, machine):
+        report["machine"] = machine
         for r in range(args.rounds):
             got: dict = {}
             order = SIDES if r % 2 == 0 else SIDES[::-1]  # alternated: a slow minute hits each side
@@ -126,8 +114,8 @@ def main() -> None:
                                      "per_interval_ms": per_interval(got, few, many)})
             done = [p["per_interval_ms"] for p in report["rounds"]]
             report["per_interval_ms"] = {
-                name: {k: statistics.median(d[name][k] for d in done if name in d and d[name].get(k) is not None)
-                       for k in set().union(*(d.get(name, {}) for d in done))}
+                name: {k: statistics.median(values) for k in set().union(*(d.get(name, {}) for d in done))
+                       if (values := [d[name][k] for d in done if d.get(name, {}).get(k) is not None])}
                 for name in SIDES if any(name in d for d in done)
             }  # fmt: skip
             with open(args.out, "w") as f:  # after every round: a cut-off run keeps what it measured

@@ -21,8 +21,8 @@ slow uninterrupted run is not flattered. Systems:
   are usually written: a SIGTERM kills it like a SIGKILL.
 - ``keras``: Keras 3 ``fit`` on JAX with ``BackupAndRestore`` (one epoch = --every steps).
 - ``plain_prefect`` and ``plain_flow`` (`floor.py`'s rerun floor; not in the default
-  ``--systems``): the plain loop importing Prefect first, and the plain loop as a Prefect flow run
-  of task runs (see `child_plain`).
+  ``--systems``): the plain loop importing Prefect first (the collector off for that import), and
+  the plain loop as a Prefect flow run of task runs (see `child_plain`).
 
 The job must outlast the periods, or nothing is signalled and a row compares uninterrupted runs:
 where a system's uninterrupted run lasts less than --min-periods (1.5) of the longest period, the
@@ -80,8 +80,9 @@ def _mark(workdir: str, **fields) -> None:
 
 def child_plain(args) -> None:
     """The plain loop. For `floor.py`'s rerun floor, as ``plain_prefect`` it imports Prefect
-    first, as the command does (its flows, before the program; the garbage collector off
-    meanwhile, as the command's start-up), and does nothing with it; as ``plain_flow`` it runs in
+    first, as the command does (its flows, before the program), with the garbage collector off
+    for that import only (the command keeps it off through all its imports, then freezes them),
+    and does nothing with it; as ``plain_flow`` it runs in
     a Prefect flow run that imports Prefect first and splits the work into task runs as
     `train_and_evaluate` does (the restore in one, each interval's steps and save in one, its
     evaluation in another), nothing else of prefect-jax."""

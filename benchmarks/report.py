@@ -473,7 +473,7 @@ REMOVED = """## What was removed (profiled with pyinstrument and cProfile during
 | progress artifacts held up behind the MLflow link until MLflow's store opened (issue 13) | up to the whole job | 0 | the link is queued once MLflow has answered |
 | a new MLflow SQLite store's schema (MLflow's Alembic migrations), in the MLflow worker, per new store (issue 13) | 1.25 s | 0.10 s | a copy of an empty store that the migrations make once per machine and MLflow version (`PREFECT_JAX_CACHE_DIR`) |
 | Python's garbage collector walking the heap while the command imports Prefect, JAX, Orbax and the program; in the MLflow worker while it imports MLflow (issue 13, measured 2026-11-25 outside this run) | imports 2.13 s; MLflow's 1.15 s | 1.76 s; 0.90 s | the collector is off until the start-up's objects are frozen (`gc.freeze`, which the command did already), then on: a rerun of the goodput job to its first new step, 2.82 s -> 2.35 s with the row below (medians of 8 alternated reruns) |
-| Python's garbage collector in a deployment's flow run (a worker's or a runner's `python -m prefect.engine`, or `prefect flow-run execute`): on while the trainer is made (JAX's, Orbax's, Grain's and the program's imports), walking Prefect's objects, which the engine imported first, again and again, and unfrozen through the restore (issue 13, measured 2026-11-27 outside this run: the goodput job's rerun through the flow in a process whose `sys.argv` is the engine's against the same call from a script, 8 alternated reruns each, standing server) | way back to the first new step 1.98 s (1.93-2.08), of which start-up 1.60 s and restore 0.32 s | 1.69 s (1.60-1.77); 1.45 s and 0.18 s | in a process that Prefect started for one flow run, the first trainer is made with the collector off, then what the start-up made is frozen and the collector turned on, as the command does for itself (`prefect_jax.startup`, from `prefect_jax.training.live.get_trainer`); a flow called from any other process leaves the collector alone |
+| Python's garbage collector in a deployment's flow run (a worker's `python -m prefect.engine`, which `prefect flow-run execute` starts too, or a multi-process job's `prefect-jax process`): on while the trainer is made (JAX's, Orbax's, Grain's and the program's imports), walking Prefect's objects, which the engine imported first, again and again, and unfrozen through the restore (issue 13, measured 2026-11-27 outside this run: the goodput job's rerun through the flow in a process whose `sys.argv` is the engine's against the same call from a script, 8 alternated reruns each, standing server) | way back to the first new step 1.98 s (1.93-2.08), of which start-up 1.60 s and restore 0.32 s | 1.69 s (1.60-1.77); 1.45 s and 0.18 s | in a process that Prefect started for one flow run, the first trainer is made with the collector off, then what the start-up made is frozen and the collector turned on, as the command does for itself (`prefect_jax.startup`, from `prefect_jax.training.live.get_trainer`); a flow called from any other process (your script, `flow.serve()` of a flow it holds) leaves the collector alone |
 | FastAPI's application stack, imported by Prefect's `Flow.serialize_parameters` (`jsonable_encoder`) on the way to a fresh process's flow run, and the progress artifact's API round trip before training (issue 13, measured 2026-11-25 outside this run: a rerun of the goodput job's, medians of 8 alternated reruns) | rerun to its first new step 2.70 s | 2.61 s | the flows serialize their parameters (strings, numbers, pydantic specs) as `jsonable_encoder` does without it (checked against it in `tests/test_flows_parameters.py`); the progress artifact is made on the publisher thread |
 | the end of every flow run (a run, a rerun, an evaluator's, an export's): Prefect's sync engine joins its flow-run heartbeat thread, which sleeps in whole seconds (issue 13; the flow side's wall times all ended at the same fraction of a second) | 0-1 s, 0.5 s on average, per flow run | 0 | these flows pass `join_on_exit=False` to Prefect's `_send_heartbeats`, as its async engine does (the thread, a daemon, stops at its next tick without emitting); their evaluate and export runs now wait for their MLflow writes instead (up to 30 s outside strict mode), which the join had covered; the targets' loop ratio 1.66 -> 1.37, the command's process 1.17 -> 1.04 (the 09:11 and 20:14 runs) |
 | Prefect's JSON schema of each of the four flows' parameters, built as `prefect_jax.flows` is imported, in every process that runs one (the command, each rerun, a worker's flow run), and read by none of them (issue 13, measured 2026-11-27 outside this run, 6 alternated imports each) | the flows' import after the program's 0.61 s | 0.55 s | built at the first read of `Flow.parameters` (`prefect deploy` and `serve` build their own from the flow) |
@@ -817,7 +817,7 @@ def s3_requests_markdown() -> list[str]:
 def thread_cpu_markdown() -> list[str]:
     """`benchmarks/thread_cpu.py`'s record (THREAD_CPU.json; this run does not re-measure it)."""
     r = _record("THREAD_CPU.json")
-    if r is None:
+    if r is None or r.get("sides", ["plain", "prefect_jax"]) != ["plain", "prefect_jax"]:
         return []
     per = r.get("per_interval_ms") or {}
     plain, flow = per.get("plain", {}), per.get("prefect_jax", {})
@@ -876,7 +876,7 @@ def floor_lead(key: str) -> str:
     plain, tasks, flow = per.get("plain"), per.get("plain_tasks"), per.get("prefect_jax")
     few = r["intervals"][0]
     where = f"`benchmarks/floor.py`, {r['when']}, the section \"The floor under the targets\" below"
-    if key == "orchestration_ms_per_interval" and plain and tasks and flow:
+    if key == "orchestration_ms_per_interval" and plain and tasks and flow:  # (each side's slopes, median over rounds)
         return (f"The floor ({where}): the plain loop with each interval's steps and save in one Prefect task run and "
                 f"its evaluation in another, nothing else of prefect-jax, took {tasks['loop_s'] - plain['loop_s']:.1f} ms "
                 f"more per interval than the plain loop (the server {tasks['server_cpu_s']:.1f} ms of CPU an interval on "
@@ -922,13 +922,13 @@ def floor_markdown() -> list[str]:
                 f"loop time / plain loop's, {few} intervals |", "|---|---:|---:|---:|---:|---:|"]
         for name, label in labels.items():
             p = per.get(name)
-            if p:
+            if p and per.get("plain"):
                 out.append(f"| {label} | {p['loop_s']:.1f} | {p['loop_s'] - per['plain']['loop_s']:.1f} | {p['cpu_s']:.1f} | "
                            f"{p['server_cpu_s']:.1f} | {_f(p.get(ratio))} |")
     rerun = r.get("rerun")
     if rerun:
         labels = {"plain": "the plain loop (`goodput.py`'s)",
-                  "plain_prefect": "the plain loop, importing Prefect first (the collector off meanwhile, as the command)",
+                  "plain_prefect": "the plain loop, importing Prefect first (with the collector off for that import only)",
                   "plain_flow": "the plain loop as a Prefect flow run: the restore, each interval's steps and save, and "
                                 "its evaluation in task runs",
                   "prefect_jax": "`prefect-jax run`"}

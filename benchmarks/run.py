@@ -46,6 +46,7 @@ writes the profiles there (those runs are not in the tables).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -161,31 +162,23 @@ def run_plain(args, workdir: str) -> dict:
                 manager.save(step, args=ocp.args.StandardSave(savable(state)), force=True)
                 return step
 
-    def intervals() -> dict:
+    def intervals(train=interval, evaluation=lambda step: evaluate(state)) -> dict:
         step, result = 0, {}
         while step < args.steps:
-            step = interval(step)
-            result = evaluate(state)
+            step = train(step)
+            result = evaluation(step)
         manager.wait_until_finished()
         return result
 
-    def intervals_in_task_runs() -> dict:
-        """`plain_tasks`: the same, each interval's steps and save in one Prefect task run and its
-        evaluation in another, in a flow run, as `train_and_evaluate` splits them."""
-        step, result = 0, {}
-        while step < args.steps:
-            step = train_task(step)
-            result = eval_task(step)
-        manager.wait_until_finished()
-        return result
-
-    if args.side == "plain_tasks":
+    if args.side == "plain_tasks":  # each interval's steps and save in one task run, its evaluation in another
         train_task = task(interval, name="train_until_checkpoint", task_run_name="train {step}", cache_policy=NO_CACHE)
         eval_task = task(lambda step: evaluate(state), name="evaluate_if_new", task_run_name="evaluate {step}",
                          cache_policy=NO_CACHE)
         # A `train_and_evaluate` flow run's end (no wait for Prefect's heartbeat thread: `_Flow`).
-        intervals_in_task_runs = _json_parameters(flow(name="plain-in-task-runs")(intervals_in_task_runs))
-    result = intervals_in_task_runs() if args.side == "plain_tasks" else intervals()
+        in_task_runs = _json_parameters(flow(name="plain-in-task-runs")(lambda: intervals(train_task, eval_task)))
+        result = in_task_runs()
+    else:
+        result = intervals()
     t_loop, t_trained = clock["loop"], clock["trained"]
     manager.close()
     t_end = time.perf_counter()
@@ -482,6 +475,38 @@ class StandingServer:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+@contextlib.contextmanager
+def sides_server(prefix: str):
+    """One standing server for a script that drives this file's sides (`thread_cpu.py`,
+    `floor.py`): yields (server, env, machine), env naming the server, after a first flow run."""
+    from goodput import warm_up
+
+    work = tempfile.mkdtemp(prefix=prefix)
+    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
+    env.pop("PREFECT_API_URL", None)
+    with StandingServer(os.path.join(work, "server-home")) as server:
+        env = dict(env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
+        warm_up(env)
+        yield server, env, machine()
+
+
+def sides_parser(description: str, rounds: int) -> argparse.ArgumentParser:
+    """The options of a script that drives this file's sides at two interval counts."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--intervals", default="10,100", help="two interval counts over --steps: the slope between them is per interval")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    return parser
+
+
+def interval_counts(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    """`--intervals` as two counts, the second larger: the slope between them is per interval."""
+    few, many = sorted(int(n) for n in text.split(","))
+    if few < 1 or many <= few:
+        parser.error(f"--intervals {text}: give two counts, the second larger, such as 10,100")
+    return few, many
 
 
 def machine() -> dict:

@@ -93,29 +93,21 @@ def main() -> None:
     sys.path.insert(0, HERE)
     import run as bench  # benchmarks/run.py: its sides and its standing server
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--intervals", default="10,100", help="two interval counts over --steps: the slope between them is per interval")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--sides", default="plain,prefect_jax", help="two of run.py's sides, the floor first (plain_tasks: floor.py's)")
+    parser = bench.sides_parser(__doc__.splitlines()[0], rounds=2)
+    parser.add_argument("--sides", default="plain,prefect_jax",
+                        help="two of run.py's sides, the floor first (plain_tasks: floor.py's); BENCHMARKS.md renders plain,prefect_jax only")
     parser.add_argument("--out", default=os.path.join(HERE, "THREAD_CPU.json"))
     args = parser.parse_args()
-    few, many = sorted(int(n) for n in args.intervals.split(","))
+    few, many = bench.interval_counts(parser, args.intervals)
     sides = tuple(args.sides.split(","))
-    if few < 1 or many <= few:
-        parser.error(f"--intervals {args.intervals}: give two counts, the second larger, such as 10,100")
+    if len(sides) != 2 or not set(sides) <= {"plain", "plain_tasks", "prefect_jax"}:
+        parser.error(f"--sides {args.sides}: give two of plain, plain_tasks, prefect_jax, the floor first")
     side_args = argparse.Namespace(steps=args.steps, every=None, dispatch=10)
-    work = tempfile.mkdtemp(prefix="thread-cpu-")
-    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
-    env.pop("PREFECT_API_URL", None)
+    work = tempfile.mkdtemp(prefix="thread-cpu-")  # each side's record
     report: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": args.steps,
-                    "intervals": [few, many], "rounds": []}  # fmt: skip
-    with bench.StandingServer(os.path.join(work, "server-home")) as server:
-        report["machine"] = bench.machine()
-        env = dict(env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
-        from goodput import warm_up
-
-        warm_up(env)
+                    "intervals": [few, many], "sides": list(sides), "rounds": []}  # fmt: skip
+    with bench.sides_server("thread-cpu-server-") as (server, env, machine):
+        report["machine"] = machine
         for r in range(args.rounds):
             got: dict = {}
             for name in sides if r % 2 == 0 else sides[::-1]:

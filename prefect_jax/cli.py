@@ -809,8 +809,9 @@ def cmd_process(args: argparse.Namespace) -> int:
     if found is None or found.process_id == 0:
         sys.stdout.flush()
         os.execvp(command[0], command)  # process 0 (or the only one): the flow run itself
-    from prefect_jax import flows
+    from prefect_jax import flows, startup
 
+    startup.claim_process()  # its first trainer is made with the collector off, then frozen
     with prefect_backend():
         flows.run_as_process()
     return 0

@@ -49,8 +49,10 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
         from prefect_jax.training.trainer import Trainer
 
         trainer = Trainer(config, run_tags=run_tags)
-    finally:
-        startup.end_startup()
+    except BaseException:
+        startup.end_startup(failed=True)  # (nothing frozen: the failure's frames and half-made parts go)
+        raise
+    startup.end_startup()
     _live[key] = trainer
     return trainer
 
