@@ -82,10 +82,10 @@ def child_plain(args) -> None:
     """The plain loop. For `floor.py`'s rerun floor, as ``plain_prefect`` it imports Prefect
     first, as the command does (its flows, before the program), with the garbage collector off
     for that import only (the command keeps it off through all its imports, then freezes them),
-    and does nothing with it; as ``plain_flow`` it runs in
-    a Prefect flow run that imports Prefect first and splits the work into task runs as
-    `train_and_evaluate` does (the restore in one, each interval's steps and save in one, its
-    evaluation in another), nothing else of prefect-jax."""
+    and does nothing with it; as ``plain_flow`` it runs in a Prefect flow run that imports Prefect
+    first and splits the work into task runs as `train_and_evaluate` does (the restore in one,
+    each interval's steps and save in one, its evaluation in another), nothing else of
+    prefect-jax."""
     _mark(args.workdir, event="start", process_start=_process_start())
     in_flow = args.child == "plain_flow"
     if args.child == "plain_prefect":
