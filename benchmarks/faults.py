@@ -336,9 +336,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="keep storage, logs and stores here (default: a temporary directory)")
     args = parser.parse_args()
 
-    from prefect_jax.bytecode import write_bytecode
-
-    write_bytecode()
+    sys.dont_write_bytecode = False  # this process and its commands load .pyc files, as run.py
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     started = time.monotonic()
     with (contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="prefect-jax-faults-")) as tmp:
         work = Path(tmp)

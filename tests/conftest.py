@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from prefect_jax.bytecode import write_bytecode
+from bytecode_cache import write_bytecode
 
 write_bytecode()  # this process and every one it starts cache what they compile
 # Before prefect is imported anywhere: no telemetry, no writes to the user's ~/.prefect,

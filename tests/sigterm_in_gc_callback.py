@@ -65,15 +65,15 @@ def _at_restore(argv: list[str]) -> None:
 
 
 def _at_start() -> None:
-    import prefect_jax.cli
+    import prefect_jax.cli.commands
 
-    run_flow = prefect_jax.cli._run_flow
+    run_flow = prefect_jax.cli.commands._run_flow
 
     def run_flow_after_sigterm(*args, **kwargs):
         sigterm_inside_a_gc_callback()
         return run_flow(*args, **kwargs)
 
-    prefect_jax.cli._run_flow = run_flow_after_sigterm
+    prefect_jax.cli.commands._run_flow = run_flow_after_sigterm
 
 
 def _run_the_flow(argv: list[str]) -> int:

@@ -55,9 +55,8 @@ def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_co
 
     from prefect_jax import cli
 
-    for name in ("PREFECT_SERVER_ANALYTICS_ENABLED", "TF_CPP_MIN_LOG_LEVEL", "GIT_PYTHON_REFRESH", "PYTHONDONTWRITEBYTECODE"):
+    for name in ("PREFECT_SERVER_ANALYTICS_ENABLED", "TF_CPP_MIN_LOG_LEVEL", "GIT_PYTHON_REFRESH"):
         monkeypatch.setenv(name, os.environ.get(name, ""))  # what main() sets is undone after the test
-    monkeypatch.setattr(sys, "dont_write_bytecode", sys.dont_write_bytecode)
     monkeypatch.chdir(tmp_path)
     import signal
 
@@ -151,7 +150,7 @@ def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(t
     # Started before Prefect is imported, the embedded server must not be started for a user whose
     # profile names one (`prefect cloud login` writes PREFECT_API_URL there), nor where a settings
     # file in the working directory may.
-    from prefect_jax.cli import _api_url_may_be_set_elsewhere
+    from prefect_jax.cli.server import api_url_may_be_set_elsewhere
 
     for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
         monkeypatch.delenv(name, raising=False)
@@ -159,40 +158,41 @@ def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(t
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    assert not _api_url_may_be_set_elsewhere()  # no profiles file at all
+    assert not api_url_may_be_set_elsewhere()  # no profiles file at all
     (tmp_path / "home").mkdir()
     profiles = tmp_path / "home" / "profiles.toml"
     profiles.write_text('active = "local"\n[profiles.local]\nPREFECT_LOGGING_LEVEL = "INFO"\n'
                         '[profiles.cloud]\nPREFECT_API_URL = "https://api.prefect.cloud/api/accounts/a/workspaces/w"\n')
-    assert not _api_url_may_be_set_elsewhere()
+    assert not api_url_may_be_set_elsewhere()
     monkeypatch.setenv("PREFECT_PROFILE", "cloud")
-    assert _api_url_may_be_set_elsewhere()
+    assert api_url_may_be_set_elsewhere()
     monkeypatch.delenv("PREFECT_PROFILE")
     profiles.write_text(profiles.read_text().replace('active = "local"', 'active = "cloud"'))
-    assert _api_url_may_be_set_elsewhere()
+    assert api_url_may_be_set_elsewhere()
     profiles.write_text(profiles.read_text().replace('active = "cloud"', 'active = "local"'))
     (work / "pyproject.toml").write_text('[project]\nname = "x"\n')
-    assert not _api_url_may_be_set_elsewhere()
+    assert not api_url_may_be_set_elsewhere()
     (work / "pyproject.toml").write_text('[tool.prefect.api]\nurl = "http://elsewhere:4200/api"\n')
-    assert _api_url_may_be_set_elsewhere()
+    assert api_url_may_be_set_elsewhere()
     (work / "pyproject.toml").unlink()
     (work / "prefect.toml").write_text('[api]\nurl = "http://elsewhere:4200/api"\n')
-    assert _api_url_may_be_set_elsewhere()
+    assert api_url_may_be_set_elsewhere()
     (work / "prefect.toml").unlink()
     # No PREFECT_HOME and no ~/.prefect/profiles.toml: Prefect reads the profiles it ships.
     monkeypatch.delenv("PREFECT_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "empty-home"))
-    assert not _api_url_may_be_set_elsewhere()
+    assert not api_url_may_be_set_elsewhere()
     monkeypatch.setenv("PREFECT_PROFILE", "local")  # the shipped "local" profile names http://127.0.0.1:4200/api
-    assert _api_url_may_be_set_elsewhere()
+    assert api_url_may_be_set_elsewhere()
 
 
 def _run_specs(*flags):
     """The (train, eval, checkpoint) specs of ``prefect-jax run`` with `flags`."""
-    from prefect_jax.cli import _specs, build_parser
+    from prefect_jax.cli import build_parser
+    from prefect_jax.cli.commands import specs_from_args
 
     args = build_parser().parse_args(["run", "--program", "prefect_jax.examples.digits:tiny", "--job", "j", "--storage", "/tmp/s", *flags])
-    return _specs(args)
+    return specs_from_args(args)
 
 
 def test_backups_are_on_unless_the_command_says_no_backups():
@@ -216,7 +216,12 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from prefect_jax.blocks import CheckpointStorage
-    from prefect_jax.cli import _BLOCK_REGISTRATION_ALIASES, _BLOCK_REGISTRATION_SETTINGS, _drain_prefect_workers, _EmbeddedServer
+    from prefect_jax.cli.server import (
+        BLOCK_REGISTRATION_ALIASES,
+        BLOCK_REGISTRATION_SETTINGS,
+        EmbeddedServer,
+        drain_prefect_workers,
+    )
 
     def block_types(api_url):
         response = httpx.post(f"{api_url}/block_types/filter", json={}, timeout=30)
@@ -224,23 +229,23 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
         return {t["slug"] for t in response.json()}
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))  # a new database, no profiles file
-    for name in (*_BLOCK_REGISTRATION_SETTINGS, *_BLOCK_REGISTRATION_ALIASES, "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+    for name in (*BLOCK_REGISTRATION_SETTINGS, *BLOCK_REGISTRATION_ALIASES, "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)  # no settings file of the working directory
-    server = _EmbeddedServer()
+    server = EmbeddedServer()
     try:
         api_url = server.wait(timeout=120)
         assert "secret" not in block_types(api_url)  # Prefect's own block types: not registered at the start
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             CheckpointStorage(url=str(tmp_path / "ckpt")).save("nightly")
             assert CheckpointStorage.load("nightly").url == str(tmp_path / "ckpt")
-            _drain_prefect_workers()  # (the save's events go to this server before it stops)
+            drain_prefect_workers()  # (the save's events go to this server before it stops)
     finally:
         server.stop()
 
     # The user's own setting is kept, here in their active profile (`prefect config set` writes it there).
     (tmp_path / "home" / "profiles.toml").write_text('active = "mine"\n[profiles.mine]\nPREFECT_SERVER_REGISTER_BLOCKS_ON_START = "true"\n')
-    server = _EmbeddedServer()
+    server = EmbeddedServer()
     try:
         assert "secret" in block_types(server.wait(timeout=120))
     finally:

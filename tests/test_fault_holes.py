@@ -514,6 +514,7 @@ def test_a_sigterm_that_breaks_an_import_in_the_command_still_ends_it_terminated
     extension's import (pydantic-core's, in the `start` case above on busy cores) that became
     pyo3's `PanicException`, a BaseException, and the command exited 1. It exits 143, saying so."""
     from prefect_jax import cli
+    from prefect_jax.cli import commands
 
     class PanicException(BaseException):  # (pyo3 makes one per extension)
         pass
@@ -525,6 +526,6 @@ def test_a_sigterm_that_breaks_an_import_in_the_command_still_ends_it_terminated
         except SystemExit as exc:
             raise PanicException("failed to import `datetime` C API") from exc
 
-    monkeypatch.setattr(cli, "cmd_run", run_broken_by_a_sigterm)
+    monkeypatch.setattr(commands, "cmd_run", run_broken_by_a_sigterm)
     assert cli.main(["run", "--program", "programs:tiny", "--job", "broken", "--storage", "unused"]) == 143
     assert "terminated by signal 15; the newest committed step is kept" in capsys.readouterr().err

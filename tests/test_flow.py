@@ -391,79 +391,14 @@ def test_a_held_refresh_runs_once_its_time_is_up_and_never_ahead_of_calls_before
     assert publisher.flush(5) and ran[5] == "after the flush"
 
 
-@pytest.mark.parametrize(
-    ("argv", "one_run"),
-    [
-        (["/venv/lib/python3.11/site-packages/prefect/engine.py"], True),  # python -m prefect.engine (process worker, serve)
-        (["prefect.engine"], True),  # Prefect's in-process bootstrap of the engine (an older Prefect)
-        (["prefect.flow_engine", "flows.py:train"], True),  # the bootstrap of Prefect 3.8's flow engine
-        (["/venv/lib/python3.11/site-packages/prefect/flow_engine.py"], True),  # python -m prefect.flow_engine
-        (["/venv/bin/prefect", "flow-run", "execute", "1234"], True),  # other workers' default command
-        (["/venv/bin/prefect", "worker", "start", "--pool", "cpu"], False),
-        (["/venv/bin/prefect-jax", "run"], False),  # the command freezes for itself
-        (["/venv/bin/pytest"], False),
-        ([], False),
-    ],
-)
-def test_only_a_process_prefect_started_for_one_flow_run_counts_as_one(argv, one_run):
-    from prefect_jax.startup import runs_one_flow_run
-
-    assert runs_one_flow_run(argv) is one_run
-
-
-def test_the_start_up_window_belongs_to_the_thread_that_opened_it_and_a_failure_freezes_nothing(monkeypatch):
-    """Another thread making a trainer meanwhile neither opens a second window nor closes this
-    one; a first trainer that failed turns the collector back on and freezes nothing, so that a
-    retry's trainer still starts up with it off and freezes."""
-    import gc
-    import threading
-
-    from prefect_jax import startup
-    from prefect_jax.training import tracking
-
-    monkeypatch.setattr(startup, "_claimed", True)
-    monkeypatch.setattr(startup, "_window", None)
-    monkeypatch.setattr(startup, "_frozen", False)
-    monkeypatch.setattr(tracking, "freeze_after_connect", tracking.freeze_after_connect)
-    assert gc.isenabled()
-    frozen_before = gc.get_freeze_count()
-    try:
-        startup.collector_off_for_startup()
-        assert not gc.isenabled()
-
-        def other_thread():
-            startup.collector_off_for_startup()
-            startup.end_startup()
-
-        t = threading.Thread(target=other_thread)
-        t.start()
-        t.join()
-        assert not gc.isenabled(), "another thread's end closed this thread's window"
-        startup.end_startup(failed=True)
-        assert gc.isenabled() and not startup._frozen and gc.get_freeze_count() <= frozen_before
-
-        startup.collector_off_for_startup()  # the retry
-        assert not gc.isenabled()
-        startup.end_startup()
-        assert gc.isenabled() and startup._frozen and gc.get_freeze_count() > frozen_before
-        startup.collector_off_for_startup()  # once per process
-        assert gc.isenabled()
-    finally:
-        gc.unfreeze()
-        gc.enable()
-
-
-def test_a_flow_run_in_its_own_process_imports_with_the_collector_off_then_freezes_them(tmp_path, mlflow_uri, monkeypatch):
-    """In a process Prefect started for the flow run (here: its argv made the engine's), the
-    collector is off while its first trainer is made (JAX's, Orbax's and the program's imports,
-    the trainer's set-up), then what the start-up made is frozen and the collector is on again;
-    once per process. Called from any other process (pytest's here), a flow leaves the collector
-    alone."""
+def test_a_flow_run_leaves_the_collector_alone_in_any_process(tmp_path, mlflow_uri, monkeypatch):
+    """A flow never touches Python's garbage collector of the process it runs in: not in one
+    called from a user's process (pytest's here), nor in one Prefect started for the flow run
+    (here: its argv made the engine's). Only the `prefect-jax` command's own process tunes it
+    (`prefect_jax.cli.startup`)."""
     import gc
     import sys
 
-    from prefect_jax import startup
-    from prefect_jax.training import tracking
     from prefect_jax.training.trainer import Trainer
 
     seen: list[bool] = []  # whether the collector was on as each trainer was made
@@ -474,27 +409,15 @@ def test_a_flow_run_in_its_own_process_imports_with_the_collector_off_then_freez
         return made(self, *a, **kw)
 
     monkeypatch.setattr(Trainer, "__init__", watched)
-    monkeypatch.setattr(startup, "_window", None)
-    monkeypatch.setattr(startup, "_frozen", False)  # (an in-process command test may have frozen this process)
-    monkeypatch.setattr(tracking, "freeze_after_connect", tracking.freeze_after_connect)
     frozen_before = gc.get_freeze_count()
     assert gc.isenabled()
 
     assert _run(tmp_path / "pytest", mlflow_uri).is_completed()
     assert seen and all(seen), "a flow called from pytest's process turned the collector off"
-    assert gc.get_freeze_count() <= frozen_before and not startup._frozen
+    assert gc.get_freeze_count() <= frozen_before
 
     seen.clear()
     monkeypatch.setattr(sys, "argv", [sys.argv[0].rsplit("/", 1)[0] + "/prefect/engine.py"])
-    try:
-        state = _run(tmp_path / "engine", mlflow_uri)
-        assert state.is_completed(), state
-        assert seen and not seen[0], "the collector was on while the flow run's first trainer was made"
-        assert gc.isenabled(), "the collector stayed off after the start-up"
-        assert startup._frozen and gc.get_freeze_count() > frozen_before
-        frozen = gc.get_freeze_count()
-        assert _run(tmp_path / "engine-again", mlflow_uri).is_completed()  # once per process
-        assert seen[-1] and gc.get_freeze_count() <= frozen and gc.isenabled()  # (frozen objects still go when unreferenced)
-    finally:
-        gc.unfreeze()  # (pytest's process goes on: its objects collectable again)
-        gc.enable()
+    assert _run(tmp_path / "engine", mlflow_uri).is_completed()
+    assert seen and all(seen), "a flow run in a process Prefect started turned the collector off"
+    assert gc.isenabled() and gc.get_freeze_count() <= frozen_before

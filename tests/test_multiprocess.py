@@ -105,7 +105,7 @@ def test_cluster_config_comes_from_the_launchers_environment():
 def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_ids(tmp_path, capsys):
     """``--processes N`` on a machine with GPUs: each process its own (JAX would open every GPU in
     every process, each taking 75% of its memory); counted by nvidia-smi, or CUDA_VISIBLE_DEVICES."""
-    from prefect_jax.cli import _process_envs
+    from prefect_jax.cli.launch import process_envs
 
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(8)))
@@ -113,9 +113,9 @@ def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_i
     base = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "HOME": str(tmp_path)}
 
     def shares(n, key="JAX_LOCAL_DEVICE_IDS", **env):
-        return [e.get(key) for e in _process_envs(n, "127.0.0.1:1", "http://api", False, dict(base, **env))]
+        return [e.get(key) for e in process_envs(n, "127.0.0.1:1", "http://api", False, dict(base, **env))]
 
-    envs = _process_envs(2, "127.0.0.1:1234", "http://api", True, base)
+    envs = process_envs(2, "127.0.0.1:1234", "http://api", True, base)
     assert [(e["PREFECT_JAX_PROCESS_ID"], e["JAX_LOCAL_DEVICE_IDS"], e["PREFECT_JAX_EMBEDDED_API"]) for e in envs] == [
         ("0", "0,1,2,3", "1"), ("1", "4,5,6,7", "1")]
     assert shares(8) == [str(i) for i in range(8)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prefect_jax import startup
 from prefect_jax.training.errors import LeaseLostError
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.storage import JobStorage
@@ -42,17 +41,9 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
     if trainer is not None:
         del _live[key]  # (closed: never handed out again, even if the new one is refused)
         trainer.close()
-    # A process that Prefect started for one flow run makes its first trainer (JAX's, Orbax's,
-    # Grain's and the program's imports) with the collector off, then freezes (see the module).
-    startup.collector_off_for_startup()
-    try:
-        from prefect_jax.training.trainer import Trainer
+    from prefect_jax.training.trainer import Trainer
 
-        trainer = Trainer(config, run_tags=run_tags)
-    except BaseException:
-        startup.end_startup(failed=True)  # (nothing frozen: the failure's frames and half-made parts go)
-        raise
-    startup.end_startup()
+    trainer = Trainer(config, run_tags=run_tags)
     _live[key] = trainer
     return trainer
 

@@ -1,0 +1,198 @@
+"""The commands that run a flow in this process: ``demo``, ``run`` (`train_and_evaluate`), the
+roles ``train``, ``evaluate`` and ``export``, and ``automations create``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from prefect_jax.cli import console, startup
+from prefect_jax.cli.server import early_server, prefect_backend
+
+DEMO_PROGRAM = "prefect_jax.examples.digits:program"
+DEMO_JOB = "digits"
+_TRAINS = ("train_and_evaluate", "train")  # the roles that train (a progress bar, max_steps)
+
+
+def specs_from_args(args: argparse.Namespace):
+    """TrainSpec, EvalSpec and CheckpointSpec from the command line."""
+    from prefect_jax.training.facade import build_specs
+
+    train = dict(
+        max_steps=args.max_steps,
+        seed=args.seed,
+        log_every_steps=args.log_every_steps,
+        steps_per_dispatch=args.steps_per_dispatch,
+        sigterm_grace_secs=args.sigterm_grace_secs,
+        lease_timeout_secs=args.lease_timeout_secs,
+    )
+    checkpoint = dict(
+        every_steps=args.checkpoint_every_steps,
+        every_secs=args.checkpoint_every_secs,
+        keep_last=args.keep_last,
+        keep_every_steps=args.keep_every_steps,
+        backups=args.backups,
+    )
+    evaluation = dict(
+        steps=args.eval_steps,
+        name=args.eval_name,
+        throttle_secs=args.throttle_secs,
+        registered_model=args.registered_model,
+        export_platforms=args.export_platforms,
+    )
+    return build_specs(
+        train, checkpoint, evaluation, args.exporters, args.best_metric, args.best_mode
+    )
+
+
+def _run_flow(
+    args: argparse.Namespace,
+    program: str,
+    job: str,
+    storage: str,
+    tracking_uri: str,
+    role: str = "train_and_evaluate",
+) -> dict[str, Any]:
+    """Run the flow of `role` in this process (progress bar for the roles that train)."""
+    # Through the start-up's imports, until `startup.freeze_startup_objects` (which says why).
+    with startup.collector_off():
+        from prefect_jax.training.facade import warm_up_tracking
+
+        # MLflow's import, in its worker process, beside the imports below (and, where this
+        # process will register exports, what logging a model needs: JAX on the worker's CPU).
+        registers = (
+            role in ("train_and_evaluate", "evaluate")
+            and bool(args.exporters)
+            and args.registered_model != ""
+        )
+        warm_up_tracking(tracking_uri, registry=registers)
+        specs = specs_from_args(args)  # bad values: refused before anything starts
+        server = early_server()  # the embedded server's start-up, beside the imports below too
+        try:
+            return _run_flow_with(args, program, job, storage, tracking_uri, role, specs, server)
+        finally:
+            if server is not None:  # stopped already unless something failed before it was used
+                server.stop()
+
+
+def _run_flow_with(
+    args, program, job, storage, tracking_uri, role, specs, server
+) -> dict[str, Any]:
+    from prefect_jax import flows
+
+    train_spec, eval_spec, checkpoint_spec = specs
+    common = dict(
+        program=program,
+        job=job,
+        storage=storage,
+        train_spec=train_spec,
+        eval_spec=eval_spec,
+        checkpoint_spec=checkpoint_spec,
+        mlflow_tracking_uri=tracking_uri,
+        mlflow_experiment=args.mlflow_experiment,
+    )
+    if role in _TRAINS:
+        flow = flows.train_and_evaluate if role == "train_and_evaluate" else flows.train
+        kwargs = dict(
+            common,
+            checkpoint_path=args.checkpoint_path,
+            compilation_cache_dir=args.compilation_cache,
+        )
+    elif role == "evaluate":
+        flow, kwargs = flows.evaluate, dict(
+            common,
+            compilation_cache_dir=args.compilation_cache,
+            every_checkpoint=not args.newest_only,
+            once=args.once,
+            wait_for_first_checkpoint_secs=args.wait_for_first_checkpoint_secs,
+            poll_secs=args.poll_secs,
+            idle_timeout_secs=args.idle_timeout_secs,
+        )
+    else:
+        flow, kwargs = flows.export_flow, dict(common, step=args.step)
+    from prefect_jax.blocks import BLOCK_PREFIX
+
+    check = (program, job, storage, args.max_steps if role in _TRAINS else None)
+    if not storage.startswith(BLOCK_PREFIX):
+        # Refused in a fraction of a second (a server started early is stopped unused).
+        _preflight(*check)
+    from prefect_jax.training.facade import joins_as_secondary
+
+    if role in _TRAINS and joins_as_secondary():
+        with prefect_backend(server):  # process 1+ of several: a child flow run of process 0's
+            startup.freeze_startup_objects()
+            return flows.run_as_process(flow=flow, parameters=kwargs)
+    with prefect_backend(server):
+        if storage.startswith(BLOCK_PREFIX):
+            _preflight(*check)  # the block is read from the server
+        import prefect
+
+        from prefect_jax.tasks import process_tag
+
+        # Tagged from its creation: a run killed before its first task is still found by the
+        # job, and the process tag lets the next run prove it dead (see mark_dead_local_runs).
+        tags = prefect.tags("prefect-jax", f"job:{job}", process_tag())
+        bar = console.progress_bar(not args.no_progress and role in _TRAINS, args.max_steps)
+        with tags, bar:
+            startup.freeze_startup_objects()
+            return flow(**kwargs)
+
+
+def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> None:
+    """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
+    flow run with a traceback in front of it. The flow checks the same things again (a
+    deployment's runs do not come through here)."""
+    from prefect_jax.blocks import resolve_storage
+    from prefect_jax.tasks import ui_refresh_secs
+    from prefect_jax.training.facade import preflight
+
+    ui_refresh_secs()
+    preflight(program, job, storage, max_steps, resolve=resolve_storage)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``demo``: the digits example, with its storage and MLflow under ``--workdir``."""
+    workdir = os.path.abspath(args.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    storage = os.path.join(workdir, "storage")
+    tracking_uri = args.mlflow_tracking_uri or f"sqlite:///{os.path.join(workdir, 'mlflow.db')}"
+    summary = _run_flow(args, DEMO_PROGRAM, DEMO_JOB, storage, tracking_uri)
+    summary["storage"] = storage
+    summary["browse"] = console.browse_lines(summary)
+    console.emit(summary, args.json)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``run`` (train_and_evaluate), and the roles ``train``, ``evaluate``, ``export``."""
+    from prefect_jax.training.facade import default_tracking_uri
+
+    if getattr(args, "processes", 1) < 1:
+        raise ValueError(
+            f"--processes {args.processes}: the number of JAX processes must be 1 or more"
+        )
+    if getattr(args, "processes", 1) > 1:
+        from prefect_jax.cli.launch import launch_processes
+
+        return launch_processes(args)
+    tracking_uri = args.mlflow_tracking_uri or default_tracking_uri()
+    role = {"run": "train_and_evaluate"}.get(args.command, args.command)
+    summary = _run_flow(args, args.program, args.job, args.storage, tracking_uri, role)
+    if role == "export":
+        summary = {"job": args.job, "exports": summary}
+    summary["storage"] = args.storage
+    if role in _TRAINS:
+        summary["browse"] = console.browse_lines(summary)
+    console.emit(summary, args.json)
+    return 0
+
+
+def cmd_automations_create(args: argparse.Namespace) -> int:
+    """``automations create``: rerun a trainer deployment's crashed runs automatically."""
+    from prefect_jax.deployments.automations import create_rerun_automation
+
+    automation_id = create_rerun_automation(args.deployment, args.name)
+    print(json.dumps({"automation_id": str(automation_id), "deployment": args.deployment}))
+    return 0

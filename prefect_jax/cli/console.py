@@ -1,0 +1,129 @@
+"""What the command prints: a live progress bar while it trains, and its summary at the end
+(aligned lines for people, or one JSON object as the last line on stdout with ``--json``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def _logs_above(console) -> Iterator[None]:
+    """Log lines printed above a live progress bar, not glued onto it: Prefect's console handlers
+    print through the bar's console, other stderr handlers write through rich's redirected
+    stderr."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    swapped: list[tuple[logging.Handler, str, Any]] = []
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if isinstance(handler, PrefectConsoleHandler):
+            swapped.append((handler, "console", handler.console))
+            handler.console = console
+        elif isinstance(handler, logging.StreamHandler) and handler.stream in (
+            sys.__stderr__,
+            sys.__stdout__,
+        ):
+            swapped.append((handler, "stream", handler.stream))
+            handler.setStream(sys.stderr)  # rich's proxy while the bar is live
+    try:
+        yield
+    finally:
+        for handler, attr, old in swapped:
+            if attr == "console":
+                handler.console = old
+            else:
+                handler.setStream(old)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, max_steps: int) -> Iterator[None]:
+    """A live progress bar on stderr while training runs in this process."""
+    if not enabled:
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from prefect_jax.training.facade import on_progress
+
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[metrics]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress, _logs_above(progress.console):
+        # Until the first step is known: starting Prefect, restoring, compiling.
+        task_id = progress.add_task(
+            "starting", total=max_steps, metrics="(Prefect, restore, compile)"
+        )
+
+        def update(step: int, max_steps: int, metrics: dict) -> None:
+            text = " ".join(f"{k}={float(v):.4f}" for k, v in sorted(metrics.items()))
+            progress.update(
+                task_id, description="training", completed=step, total=max_steps, metrics=text
+            )
+
+        remove = on_progress(update)
+        try:
+            yield
+        finally:
+            remove()
+
+
+def emit(summary: dict[str, Any], as_json: bool) -> None:
+    """Print a command's summary: one JSON object (`as_json`), or a line per key and then the
+    ``browse`` lines."""
+    if as_json:
+        print(json.dumps(summary, sort_keys=True, default=str))
+        return
+    for key, value in summary.items():
+        if key == "browse":
+            continue
+        if key == "goodput":
+            from prefect_jax.training.facade import describe_goodput
+
+            value = describe_goodput(value)
+        print(f"{key:>20}: {value}")
+    for line in summary.get("browse", []):
+        print(line)
+
+
+def browse_lines(summary: dict[str, Any]) -> list[str]:
+    """Where to look at a finished job's results: MLflow, the registered model, Prefect's UI
+    (where the command ran its own server), and `status`."""
+    uri = summary["mlflow_tracking_uri"]
+    run_url = summary.get("mlflow_run_url") or "http://127.0.0.1:5000"
+    lines = [
+        "",
+        "Browse the results:",
+        f"  MLflow:  uv run mlflow ui --backend-store-uri {uri}   (then open {run_url})",
+    ]
+    if summary.get("registered_model"):
+        lines.append(
+            f"  Serve:   mlflow.pyfunc.load_model('models:/{summary['registered_model']}@best')"
+            f"   (with MLFLOW_TRACKING_URI={uri})"
+        )
+    # (PREFECT_JAX_EMBEDDED_API: the launcher's embedded server.)
+    if not os.environ.get("PREFECT_API_URL") or os.environ.get("PREFECT_JAX_EMBEDDED_API"):
+        lines.append("  Prefect: uv run prefect server start   (then open http://127.0.0.1:4200)")
+    job, storage = summary["job"], summary["storage"]
+    lines.append(f"  Status:  uv run prefect-jax status --job {job} --storage {storage}")
+    return lines

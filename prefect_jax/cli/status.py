@@ -1,0 +1,55 @@
+"""``prefect-jax status``: a job's committed, evaluated and exported steps, its goodput and its
+registered model, read from its storage (and MLflow); no Prefect server needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def job_status(job: str, storage: str) -> dict[str, Any]:
+    """Committed steps, evaluated steps per eval name, and exports of a job (`storage`: a URL or
+    ``jax-checkpoint-storage/<block>``), with the resource id its events carry."""
+    from prefect_jax.blocks import resolve_storage
+    from prefect_jax.deployments import job_resource_id
+    from prefect_jax.training import facade
+
+    url, options = resolve_storage(storage)
+    found = facade.job_status(job, url, options)
+    status = {
+        "job": job,
+        "storage": found.pop("storage"),
+        "event_resource_id": job_resource_id(job, url),
+    }
+    status.update(found)
+    return status
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``status``: print `job_status` (as one JSON object with ``--json``)."""
+    status = job_status(args.job, args.storage)
+    if args.json:
+        print(json.dumps(status, sort_keys=True))
+        return 0
+    print(f"job {status['job']} in {status['storage']}")
+    print(f"  event resource id: {status['event_resource_id']}  (a deployment trigger's match)")
+    print(f"  committed steps: {status['committed_steps'] or 'none'}")
+    for name, steps in status["evaluated_steps"].items() or [("eval", [])]:
+        print(f"  evaluated ({name}): {steps or 'none'}")
+    for name, steps in status["exports"].items():
+        print(f"  exports ({name}): {steps}")
+    from prefect_jax.training.facade import describe_goodput
+
+    print(f"  goodput: {describe_goodput(status['goodput'])}")
+    registry = status.get("registered_model")
+    if registry:
+        versions = ", ".join(f"v{v} (step {s})" for s, v in registry["versions"].items()) or "none"
+        aliases = ", ".join(f"@{a} = v{v}" for a, v in registry["aliases"].items()) or "none"
+        print(
+            f"  registered model {registry['name']} ({registry['tracking_uri']}): {versions}; "
+            f"aliases {aliases}"
+        )
+        if registry.get("note"):
+            print(f"    {registry['note']}")
+    return 0

@@ -1,0 +1,337 @@
+"""The engine as a command sees it: a small public surface over the engine's modules.
+
+The `prefect-jax` command (`prefect_jax.cli`) asks the engine a handful of questions (is this job
+fit to start, what does storage hold of it, which process of its job is this one) and hands it
+a few signals; each is one function here, so the command does not depend on where the engine
+keeps each piece. Like the rest of the engine this module never imports prefect, and importing
+it imports neither jax nor mlflow: a command refused for bad input must stay quick.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from typing import Any
+
+from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError, StorageNotWritableError
+
+# Errors that refuse a job for a reason its user can act on: a command prints one line, exit 1.
+REFUSALS: tuple[type[Exception], ...] = (
+    LeaseHeldError,
+    NonFiniteLossError,
+    StorageNotWritableError,
+)
+
+
+def build_specs(
+    train: Mapping[str, Any],
+    checkpoint: Mapping[str, Any],
+    evaluation: Mapping[str, Any],
+    exporters: Iterable[str] = (),
+    best_metric: str = "loss",
+    best_mode: str = "min",
+):
+    """The `TrainSpec`, `CheckpointSpec` and `EvalSpec` of a job, from plain values.
+
+    Args:
+        train: `TrainSpec`'s fields (``max_steps`` at least).
+        checkpoint: `CheckpointSpec`'s fields.
+        evaluation: `EvalSpec`'s fields, but for its exporters.
+        exporters: The exporters to run after each evaluation, by name, of ``latest``, ``best``
+            and ``final``.
+        best_metric: The metric the ``best`` exporter compares.
+        best_mode: ``min`` or ``max``: which of its values is best.
+
+    Returns:
+        ``(train_spec, eval_spec, checkpoint_spec)``.
+
+    Raises:
+        pydantic.ValidationError: A value is refused; the message names the field, the value and
+            the fix (a ``ValueError``).
+
+    Example:
+        >>> train, evaluation, checkpoints = build_specs(
+        ...     {"max_steps": 100}, {"every_steps": 20}, {"name": "eval"}, ["latest", "best"]
+        ... )
+        >>> (train.max_steps, checkpoints.every_steps, [e.name for e in evaluation.exporters])
+        (100, 20, ['latest', 'best'])
+    """
+    from prefect_jax.training.specs import (
+        BestExporter,
+        CheckpointSpec,
+        EvalSpec,
+        FinalExporter,
+        LatestExporter,
+        TrainSpec,
+    )
+
+    train_spec = TrainSpec(**train)
+    checkpoint_spec = CheckpointSpec(**checkpoint)
+    made = []
+    for name in exporters:
+        if name == "latest":
+            made.append(LatestExporter())
+        elif name == "best":
+            made.append(BestExporter(metric=best_metric, mode=best_mode))
+        elif name == "final":
+            made.append(FinalExporter())
+    eval_spec = EvalSpec(exporters=made, **evaluation)
+    return train_spec, eval_spec, checkpoint_spec
+
+
+def preflight(
+    program: str,
+    job: str,
+    storage: str,
+    max_steps: int | None = None,
+    resolve: Callable[[str], tuple[str, Mapping[str, Any]]] | None = None,
+) -> None:
+    """Refuse what a training flow would refuse, before anything starts.
+
+    Loads the program, checks that the job's storage is writable and, with `max_steps`, that no
+    committed step of the job is past it. The flows check the same again.
+
+    Args:
+        program: The program's import path, ``"package.module:attribute"``.
+        job: The job's name.
+        storage: The storage root, a directory or an fsspec URL.
+        max_steps: The step the job trains to; None for a role that does not train.
+        resolve: Turns `storage` into a URL and its fsspec options (credentials), once the program
+            is loaded (a Prefect block's, say); by default `storage` is the URL, with no options.
+
+    Raises:
+        ProgramError: The program cannot be imported or is no program.
+        StorageNotWritableError: The storage cannot be written.
+        PastMaxStepsError: The job has a committed step past `max_steps`.
+    """
+    from prefect_jax.training.errors import PastMaxStepsError
+    from prefect_jax.training.program import load_program
+    from prefect_jax.training.redaction import redact_url
+    from prefect_jax.training.remote import job_committed_steps
+    from prefect_jax.training.storage import JobStorage
+
+    load_program(program)
+    url, options = resolve(storage) if resolve is not None else (storage, {})
+    js = JobStorage(url, job, dict(options or {}))
+    js.check_writable()
+    committed = job_committed_steps(js) if max_steps is not None else []
+    if committed and committed[-1] > max_steps:
+        raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
+
+
+def committed_steps(job: str, url: str, options: Mapping[str, Any] | None = None) -> list[int]:
+    """The job's committed checkpoint steps, oldest first (torn or unfinished steps left out)."""
+    from prefect_jax.training.remote import job_committed_steps
+    from prefect_jax.training.storage import JobStorage
+
+    return job_committed_steps(JobStorage(url, job, dict(options or {})))
+
+
+def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What storage holds of a job: its committed steps, evaluated steps and exports, goodput,
+    and its registered model's versions and aliases (read from MLflow, or as last recorded).
+
+    Args:
+        job: The job's name.
+        url: The storage root, a directory or an fsspec URL.
+        options: fsspec options for `url` (credentials), if any.
+
+    Returns:
+        ``storage`` (the root), ``committed_steps``, ``evaluated_steps`` (per eval name),
+        ``exports`` (per exporter), ``goodput`` and, once an export was registered,
+        ``registered_model``.
+
+    Raises:
+        FileNotFoundError: No such job there; the message names the jobs that are.
+    """
+    from prefect_jax.training.exporters import list_exports
+    from prefect_jax.training.goodput import read_ledger, summarize
+    from prefect_jax.training.redaction import redact_url
+    from prefect_jax.training.remote import job_committed_steps
+    from prefect_jax.training.storage import JobStorage
+
+    js = JobStorage(url, job, dict(options or {}))
+    if not js.fs.exists(js.job_dir):
+        try:
+            jobs = sorted(
+                p.rstrip("/").rsplit("/", 1)[-1]
+                for p in js.fs.ls(js.root, detail=False)
+                if js.fs.isdir(p)
+            )
+        except FileNotFoundError:
+            jobs = []
+        there = f"jobs there: {', '.join(jobs)}" if jobs else "no job there at all"
+        raise FileNotFoundError(
+            f"no job {job!r} in storage {redact_url(js.root)} ({there}); check --job and --storage"
+        )
+    committed = job_committed_steps(js)
+    try:
+        evals = js.fs.ls(js.path("evals"), detail=False)
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in evals)
+    except FileNotFoundError:
+        names = []
+    status: dict[str, Any] = {
+        "storage": js.root,
+        "committed_steps": committed,
+        "evaluated_steps": {n: js.list_int_names(js.eval_dir(n)) for n in names},
+        "exports": list_exports(js),
+        "goodput": summarize(read_ledger(js)),
+    }
+    recorded = js.read_json(js.path("registry.json"))
+    if recorded:
+        status["registered_model"] = _registry_status(recorded, js.job_dir)
+    return status
+
+
+def _registry_status(recorded: dict, job_key: str) -> dict[str, Any]:
+    """The job's versions and aliases in the MLflow Model Registry, read from MLflow (the copy the
+    job last recorded in its storage if MLflow cannot be reached)."""
+    from prefect_jax.training.redaction import redact_url
+
+    name, uri = recorded["name"], recorded["tracking_uri"]
+    out = {
+        "name": name,
+        "tracking_uri": redact_url(uri),
+        "versions": recorded["versions"],
+        "aliases": recorded["aliases"],
+    }
+    try:
+        from mlflow.tracking import MlflowClient
+
+        from prefect_jax.training.registry import job_versions
+
+        client = MlflowClient(uri)
+        versions = job_versions(client, name, job_key)
+        mine = {str(v.version) for v in versions.values()}
+        aliases = {
+            a: str(v)
+            for a, v in (client.get_registered_model(name).aliases or {}).items()
+            if str(v) in mine
+        }
+        out.update(
+            versions={str(s): str(v.version) for s, v in sorted(versions.items())},
+            aliases=dict(sorted(aliases.items())),
+        )
+    except Exception as exc:  # noqa: BLE001 - status still shows what the job recorded
+        out["note"] = f"MLflow not reachable ({type(exc).__name__}): as last recorded by the job"
+    return out
+
+
+def describe_goodput(summary: dict[str, Any]) -> str:
+    """One line for people of a job's goodput summary (`job_status`'s ``goodput``)."""
+    from prefect_jax.training.goodput import describe
+
+    return describe(summary)
+
+
+def on_progress(listener: Callable[[int, int, dict], None]) -> Callable[[], None]:
+    """Call ``listener(step, max_steps, last_metrics)`` as training in this process advances.
+
+    Returns:
+        A function that removes the listener.
+    """
+    from prefect_jax.training.loop import add_progress_listener
+
+    return add_progress_listener(listener)
+
+
+def default_tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else SQLite in the working directory (MLflow's default)."""
+    from prefect_jax.training.tracking import default_tracking_uri as default
+
+    return default()
+
+
+def warm_up_tracking(tracking_uri: str, registry: bool = False) -> None:
+    """Have MLflow imported now, in this process's MLflow worker, while the caller imports the
+    rest (with `registry`: what registering exports needs too)."""
+    from prefect_jax.training.tracking import warm_up
+
+    warm_up(tracking_uri, registry=registry)
+
+
+def note_signal(signum: int) -> None:
+    """Record that this process was told to stop by `signum` (the command's own handler)."""
+    from prefect_jax.training import preemption
+
+    preemption.note_received(signum)
+
+
+def received_signal() -> int | None:
+    """The stop signal this process received (a trainer's guard or `note_signal`), or None."""
+    from prefect_jax.training.preemption import received_signal as received
+
+    return received()
+
+
+def deliver_lost_notices() -> None:
+    """Send SIGTERM again where Python dropped its handler's exception (a garbage-collector
+    callback, a ``__del__``): see `prefect_jax.training.preemption.deliver_lost_notices`."""
+    from prefect_jax.training.preemption import deliver_lost_notices as deliver
+
+    deliver()
+
+
+def leads_from_env() -> bool:
+    """Whether this process is process 0 of its job (or its only one), from its environment
+    alone: the one that writes the job's MLflow run, and starts a Prefect server if one is due."""
+    from prefect_jax.training.cluster import leads_from_env as leads
+
+    return leads()
+
+
+def joins_as_secondary() -> bool:
+    """Join the job's JAX processes, if this one is of several (imports jax then); whether it is
+    one other than process 0, which runs a child flow run of process 0's."""
+    from prefect_jax.training import cluster
+
+    return cluster.initialize() is not None and cluster.process_index() > 0
+
+
+def pod_process_id(
+    environ: MutableMapping[str, str],
+    processes: int | None = None,
+    service: str | None = None,
+    coordinator_port: int = 8476,
+) -> int | None:
+    """This pod's process index in a multi-process job, from its environment; None: one process.
+
+    Completes `environ` first: ``PREFECT_JAX_NUM_PROCESSES`` from `processes` (unless set), and,
+    for more than one process with no coordinator set, process 0's address in a Kubernetes
+    indexed job, ``<JOB_NAME>-0.<service>:<coordinator_port>``.
+
+    Raises:
+        ValueError: `processes` is below 1, no coordinator can be found, or the environment asks
+            JAX to find the cluster (``auto``), which must not be left to it here.
+        ClusterConfigError: A variable is malformed (a ``ValueError``).
+    """
+    from prefect_jax.training import cluster
+
+    if processes is not None and processes < 1:
+        raise ValueError(f"--processes={processes}: the number of JAX processes must be 1 or more")
+    if processes is not None:
+        environ.setdefault(cluster.NUM_PROCESSES, str(processes))
+    if not environ.get(cluster.COORDINATOR) and (processes or 1) > 1:
+        if not environ.get("JOB_NAME") or not service:
+            raise ValueError(
+                f"no coordinator address: set {cluster.COORDINATOR} (process 0's host:port), or "
+                "run in an indexed job's pod with JOB_NAME (the job's name, from the downward "
+                "API) and --service (its headless service)"
+            )
+        environ[cluster.COORDINATOR] = f"{environ['JOB_NAME']}-0.{service}:{coordinator_port}"
+    found = cluster.from_env(environ)
+    if found is not None and found.auto:
+        raise ValueError(
+            f"{cluster.NUM_PROCESSES}=auto: 'prefect-jax process' must know before JAX starts "
+            "which process runs the flow run; set PREFECT_JAX_PROCESS_ID, or run "
+            "'prefect-jax run' in each task (as with srun) instead"
+        )
+    return None if found is None else found.process_id
+
+
+def set_exit_code(code: int) -> None:
+    """The code this process exits with if it leaves a job of several processes from an exit
+    handler (it lost another process). Loads nothing: a process that never joined one has none."""
+    cluster = sys.modules.get("prefect_jax.training.cluster")
+    if cluster is not None:
+        cluster.exit_code = code
