@@ -226,7 +226,8 @@ class ByteLMProgram:
             loss, grads = jax.tree.map(lambda g: g / k, (loss, grads))
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "learning_rate": self.schedule(state["step"])}
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.schedule(state["step"])}
         return {"params": params, "opt": opt, "rng": rng, "step": state["step"] + 1}, metrics
 
     def eval_step(self, state, batch):
