@@ -70,7 +70,10 @@ def manager(directory: str, asynchronous: bool = True):
     import grain
     import orbax.checkpoint as ocp
 
-    handlers = {"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()}
+    handlers = {
+        "state": ocp.StandardCheckpointHandler(),
+        "data": grain.checkpoint.CheckpointHandler(),
+    }
     # One deletion thread, as the engine has: Orbax's pool polls its queue, a delay per
     # deleted step on a many-CPU machine that would count against the bare loop alone.
     options = dict(max_to_keep=3, enable_async_checkpointing=asynchronous)
@@ -85,7 +88,9 @@ def save_args(state, it):
     import grain
     import orbax.checkpoint as ocp
 
-    return ocp.args.Composite(state=ocp.args.StandardSave(savable(state)), data=grain.checkpoint.CheckpointSave(it))
+    return ocp.args.Composite(
+        state=ocp.args.StandardSave(savable(state)), data=grain.checkpoint.CheckpointSave(it)
+    )
 
 
 def evaluate(eval_fn, state, program) -> dict:
@@ -186,8 +191,15 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny", help="tiny, small or gpu100m")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--checkpoint-every", type=int, default=None, help="default: --steps / 3")
-    parser.add_argument("--warmup", type=int, default=None, help="steps before the clocks start (default: half an interval)")
-    parser.add_argument("--config", default="{}", help="JSON overrides of the preset's Config fields")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps before the clocks start (default: half an interval)",
+    )
+    parser.add_argument(
+        "--config", default="{}", help="JSON overrides of the preset's Config fields"
+    )
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -218,26 +230,43 @@ def main() -> None:
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     window_tokens = (args.steps - args.warmup) * tokens_per_step
     out: dict = {
-        "preset": args.preset, "params": program.param_count, "device_kind": device.device_kind,
-        "backend": jax.default_backend(), "jax": jax.__version__, "steps": args.steps,
-        "checkpoint_every": args.checkpoint_every, "warmup": args.warmup,
-        "overrides": overrides, "tokens_per_step": tokens_per_step, "compute_dtype": cfg.compute_dtype, "corpus_s": corpus_s,
-    }  # fmt: skip
+        "preset": args.preset,
+        "params": program.param_count,
+        "device_kind": device.device_kind,
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every,
+        "warmup": args.warmup,
+        "overrides": overrides,
+        "tokens_per_step": tokens_per_step,
+        "compute_dtype": cfg.compute_dtype,
+        "corpus_s": corpus_s,
+    }
     work = tempfile.mkdtemp(prefix="lm-bench-")
-    print(f"[lm] {args.preset}: {program.param_count:,} params on {device.device_kind}; work {work}", flush=True)
+    print(
+        f"[lm] {args.preset}: {program.param_count:,} params on {device.device_kind}; work {work}",
+        flush=True,
+    )
 
     sides = {}
     out["sync_save_s"] = sync_save_s(program, os.path.join(work, "sync"))
     emit(out, args.out)
     print(f"[lm] synchronous save: {out['sync_save_s']:.3f} s", flush=True)
     bare_dir = os.path.join(work, "bare")
-    for name, run in (("bare_nosave", lambda: bare(program, args, None, step_fn, eval_fn)),
-                      ("bare", lambda: bare(program, args, bare_dir, step_fn, eval_fn)),
-                      ("flow", lambda: flow(program_path, args, work))):  # fmt: skip
+    for name, run in (
+        ("bare_nosave", lambda: bare(program, args, None, step_fn, eval_fn)),
+        ("bare", lambda: bare(program, args, bare_dir, step_fn, eval_fn)),
+        ("flow", lambda: flow(program_path, args, work)),
+    ):
         sides[name] = run()
         sides[name]["tokens_per_s"] = window_tokens / sides[name]["loop_s"]
         emit(dict(out, sides=sides), args.out)  # what a run cut short still leaves
-        print(f"[lm] {name}: loop {sides[name]['loop_s']:.2f} s, {sides[name]['tokens_per_s']:,.0f} tokens/s", flush=True)
+        side = sides[name]
+        print(
+            f"[lm] {name}: loop {side['loop_s']:.2f} s, {side['tokens_per_s']:,.0f} tokens/s",
+            flush=True,
+        )
     saves = sides["bare"]["saves"]
     peak = peak_flops(device.device_kind, args.peak_tflops)
     for name, side in sides.items():
@@ -246,14 +275,19 @@ def main() -> None:
             lost = (side["loop_s"] - sides["bare_nosave"]["loop_s"]) / saves
             side["stall_per_save_s"] = lost
             side["stall_share_of_sync_save"] = lost / out["sync_save_s"]
-    out.update({
-        "sides": sides,
-        "loop_ratio": sides["flow"]["loop_s"] / sides["bare"]["loop_s"],
-        "tokens_per_s_ratio": sides["flow"]["tokens_per_s"] / sides["bare"]["tokens_per_s"],
-        "peak_flops": peak,
-        # Same seed, data and steps: every side ends with the same eval (up to float order).
-        "same_eval": all(abs(side["eval"]["loss"] - sides["bare"]["eval"]["loss"]) < 1e-3 for side in sides.values()),
-    })  # fmt: skip
+    out.update(
+        {
+            "sides": sides,
+            "loop_ratio": sides["flow"]["loop_s"] / sides["bare"]["loop_s"],
+            "tokens_per_s_ratio": sides["flow"]["tokens_per_s"] / sides["bare"]["tokens_per_s"],
+            "peak_flops": peak,
+            # Same seed, data and steps: every side ends with the same eval (up to float order).
+            "same_eval": all(
+                abs(side["eval"]["loss"] - sides["bare"]["eval"]["loss"]) < 1e-3
+                for side in sides.values()
+            ),
+        }
+    )
     print(emit(out, args.out), flush=True)
 
 

@@ -1,4 +1,4 @@
-"""The byte-level transformer LM example: its corpus, its train step and its exports (tiny preset)."""
+"""The byte-level transformer LM example: its corpus, train step and exports (tiny preset)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def test_the_split_is_by_file_and_disjoint(tmp_path):
     train, evals = built.files["train"], built.files["eval"]
     assert not set(train) & set(evals) and len(evals) == 3
     assert sorted(train + evals) == corpus.source_files(corpus.source_root(), 60)
-    assert (train, evals) == tuple(corpus.split_files(corpus.source_files(corpus.source_root(), 60)))
+    assert (train, evals) == tuple(
+        corpus.split_files(corpus.source_files(corpus.source_root(), 60))
+    )
     assert built.windows["train"] > 10 * built.windows["eval"] > 0
 
 
@@ -48,13 +50,17 @@ def test_an_empty_corpus_folder_is_a_clear_error(tmp_path, monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv(corpus.SOURCE_ENV, str(empty))
-    with pytest.raises(corpus.CorpusError, match=f"no .py files under '{empty}'.*{corpus.SOURCE_ENV}"):
+    with pytest.raises(
+        corpus.CorpusError, match=f"no .py files under '{empty}'.*{corpus.SOURCE_ENV}"
+    ):
         corpus.build(32, cache=str(tmp_path / "cache"))
 
 
 def test_config_from_the_environment():
     assert config_from_env({}) == PRESETS["small"]
-    cfg = config_from_env({"PREFECT_JAX_BYTELM_PRESET": "tiny", "PREFECT_JAX_BYTELM_CONFIG": '{"grad_accum": 2}'})
+    cfg = config_from_env(
+        {"PREFECT_JAX_BYTELM_PRESET": "tiny", "PREFECT_JAX_BYTELM_CONFIG": '{"grad_accum": 2}'}
+    )
     assert cfg == dataclasses.replace(PRESETS["tiny"], grad_accum=2)
     with pytest.raises(ValueError, match="unknown field"):
         config_from_env({"PREFECT_JAX_BYTELM_CONFIG": '{"width": 2}'})
@@ -67,7 +73,9 @@ def test_the_presets_sizes():
 
     assert 1_000 < bytelm.tiny.param_count < 50_000
     assert 1_000_000 < bytelm.small.param_count < 10_000_000
-    assert bytelm.gpu100m.param_count >= 100_000_000 and bytelm.gpu100m.cfg.compute_dtype == "bfloat16"
+    assert (
+        bytelm.gpu100m.param_count >= 100_000_000 and bytelm.gpu100m.cfg.compute_dtype == "bfloat16"
+    )
 
 
 def test_train_steps_lower_the_loss_on_a_repeated_batch():
@@ -96,7 +104,10 @@ def test_bfloat16_compute_keeps_float32_master_weights():
 def test_gradient_accumulation_equals_one_larger_batch():
     # Plain SGD: the parameter change is the gradient itself (Adam would amplify rounding
     # differences of near-zero gradients into whole steps).
-    whole, accumulated = tiny(dropout=0.0, batch_size=8), tiny(dropout=0.0, batch_size=2, grad_accum=4)
+    whole, accumulated = (
+        tiny(dropout=0.0, batch_size=8),
+        tiny(dropout=0.0, batch_size=2, grad_accum=4),
+    )
     for program in (whole, accumulated):
         program.tx = optax.sgd(1.0)
     batch = whole.train_data(0)[0]
@@ -117,7 +128,9 @@ def test_eval_metrics_are_exact_sums_over_batches_of_any_size():
     data = program.eval_data()
     assert [len(data[i]["tokens"]) for i in range(len(data))] == [16, 16, 8]
     eval_step = jax.jit(program.eval_step)
-    metrics, batches, tokens = aggregate(eval_step, state, (data[i] for i in range(len(data))), None)
+    metrics, batches, tokens = aggregate(
+        eval_step, state, (data[i] for i in range(len(data))), None
+    )
     assert (batches, tokens) == (3, 40 * 32)
     whole = {"tokens": np.concatenate([data[i]["tokens"] for i in range(len(data))])}
     sums = jax.device_get(eval_step(state, whole))  # the 40 sequences as one batch

@@ -14,5 +14,15 @@ tiny = ByteLMProgram(PRESETS["tiny"])
 small = ByteLMProgram(PRESETS["small"])
 gpu100m = ByteLMProgram(PRESETS["gpu100m"])
 
-__all__ = ["PRESETS", "ByteLMProgram", "ByteTransformer", "Config", "CorpusError", "config_from_env",
-           "program", "tiny", "small", "gpu100m"]
+__all__ = [
+    "PRESETS",
+    "ByteLMProgram",
+    "ByteTransformer",
+    "Config",
+    "CorpusError",
+    "config_from_env",
+    "program",
+    "tiny",
+    "small",
+    "gpu100m",
+]

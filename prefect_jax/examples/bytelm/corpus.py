@@ -50,7 +50,7 @@ class CorpusError(RuntimeError):
 
 
 def source_root() -> str:
-    """The folder whose ``.py`` files make the corpus: ``PREFECT_JAX_BYTELM_SOURCE`` or the stdlib."""
+    """The folder whose ``.py`` files make the corpus: ``$PREFECT_JAX_BYTELM_SOURCE`` or stdlib."""
     return os.path.abspath(os.environ.get(SOURCE_ENV) or sysconfig.get_paths()["stdlib"])
 
 
@@ -62,7 +62,9 @@ def source_files(root: str, max_files: int | None = None) -> list[str]:
     """
     found = []
     for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        dirs[:] = sorted(
+            d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__")
+        )
         rel = os.path.relpath(folder, root)
         found += [os.path.normpath(os.path.join(rel, f)) for f in files if f.endswith(".py")]
     found.sort()
@@ -113,7 +115,9 @@ def build(seq_len: int, max_files: int | None = None, cache: str | None = None) 
         _build_into(final, root, window, max_files)
     with open(os.path.join(final, META)) as f:
         meta = json.load(f)
-    shards = {s: [os.path.join(final, name) for name in meta["shards"][s]] for s in ("train", "eval")}
+    shards = {
+        s: [os.path.join(final, name) for name in meta["shards"][s]] for s in ("train", "eval")
+    }
     return Corpus(final, window, shards, meta["windows"], meta["files"])
 
 
@@ -123,24 +127,32 @@ def _build_into(final: str, root: str, window: int, max_files: int | None) -> No
     files = source_files(root, max_files)
     if not files:
         raise CorpusError(
-            f"no .py files under {root!r}, the byte-level LM's corpus folder: it is the standard library "
-            f"of {sys.executable}, or the folder in ${SOURCE_ENV}; point ${SOURCE_ENV} at a folder of .py "
-            "files (or unset it to use the standard library)"
+            f"no .py files under {root!r}, the byte-level LM's corpus folder: it is the "
+            f"standard library of {sys.executable}, or the folder in ${SOURCE_ENV}; point "
+            f"${SOURCE_ENV} at a folder of .py files (or unset it to use the standard library)"
         )
     splits = dict(zip(("train", "eval"), split_files(files)))
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     try:
-        meta = {"format": FORMAT, "root": root, "window": window, "python": sys.version,
-                "files": splits, "shards": {}, "windows": {}}  # fmt: skip
+        meta = {
+            "format": FORMAT,
+            "root": root,
+            "window": window,
+            "python": sys.version,
+            "files": splits,
+            "shards": {},
+            "windows": {},
+        }
         for split, names in splits.items():
             stream = SEPARATOR.join(_read(root, name) for name in names)
             count = len(stream) // window
             if count == 0:
                 raise CorpusError(
-                    f"the {split} split of {root!r} ({len(names)} files, {len(stream)} bytes) holds no "
-                    f"window of {window} bytes: give more files ({SOURCE_ENV}) or a shorter seq_len"
+                    f"the {split} split of {root!r} ({len(names)} files, {len(stream)} bytes) "
+                    f"holds no window of {window} bytes: give more files ({SOURCE_ENV}) "
+                    "or a shorter seq_len"
                 )
             per_shard = max(1, SHARD_BYTES // window)
             n_shards = -(-count // per_shard)

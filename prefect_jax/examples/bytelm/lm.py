@@ -53,7 +53,7 @@ class Config:
         eval_sequences: evaluate the first this many eval windows (None: all of them).
         learning_rate: peak learning rate, reached after `warmup_steps`.
         warmup_steps: linear warmup from 0.
-        decay_steps: cosine decay to ``learning_rate * min_lr_ratio`` by this step (warmup included).
+        decay_steps: cosine decay to ``learning_rate * min_lr_ratio`` by this step (with warmup).
         min_lr_ratio: the final learning rate as a share of the peak.
         weight_decay: AdamW's decoupled weight decay (matrices only, not norms).
         b1, b2: Adam's moment decays.
@@ -91,17 +91,43 @@ class Config:
 
 PRESETS = {
     # A few thousand parameters, sequences of 32 bytes, the first 400 files: for tests.
-    "tiny": Config(seq_len=32, d_model=16, n_layers=2, n_heads=2, d_ff=32, batch_size=8,
-                   eval_batch_size=16, eval_sequences=64, learning_rate=3e-3, warmup_steps=10,
-                   decay_steps=2000, max_files=400, read_threads=0, prefetch=0),
+    "tiny": Config(
+        seq_len=32,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        d_ff=32,
+        batch_size=8,
+        eval_batch_size=16,
+        eval_sequences=64,
+        learning_rate=3e-3,
+        warmup_steps=10,
+        decay_steps=2000,
+        max_files=400,
+        read_threads=0,
+        prefetch=0,
+    ),
     # The default: a few million parameters.
     "small": Config(),
     # Over 100M parameters, bfloat16 compute on float32 master weights: a GPU's work.
-    "gpu100m": Config(seq_len=1024, d_model=1024, n_layers=8, n_heads=16, d_ff=4096, dropout=0.0,
-                      compute_dtype="bfloat16", batch_size=32, eval_batch_size=32,
-                      eval_sequences=256, learning_rate=3e-4, warmup_steps=100,
-                      decay_steps=10000, read_threads=8, prefetch=16),
-}  # fmt: skip
+    "gpu100m": Config(
+        seq_len=1024,
+        d_model=1024,
+        n_layers=8,
+        n_heads=16,
+        d_ff=4096,
+        dropout=0.0,
+        compute_dtype="bfloat16",
+        batch_size=32,
+        eval_batch_size=32,
+        eval_sequences=256,
+        learning_rate=3e-4,
+        warmup_steps=100,
+        decay_steps=10000,
+        read_threads=8,
+        prefetch=16,
+    ),
+}
 
 
 def config_from_env(environ=None) -> Config:
@@ -119,13 +145,18 @@ def config_from_env(environ=None) -> Config:
     try:
         overrides = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"${CONFIG_ENV}={raw!r} is not JSON ({exc}); give an object, e.g. '{{\"batch_size\": 32}}'") from exc
+        raise ValueError(
+            f"${CONFIG_ENV}={raw!r} is not JSON ({exc}); "
+            "give an object, e.g. '{\"batch_size\": 32}'"
+        ) from exc
     if not isinstance(overrides, dict):
         raise ValueError(f"${CONFIG_ENV}={raw!r} must be a JSON object of Config fields")
     fields = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"${CONFIG_ENV} names unknown field(s) {unknown}; fields: {sorted(fields)}")
+        raise ValueError(
+            f"${CONFIG_ENV} names unknown field(s) {unknown}; fields: {sorted(fields)}"
+        )
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
@@ -152,14 +183,19 @@ class ByteLMProgram:
                 raise ValueError(f"{field}={getattr(cfg, field)!r} must be at least 1")
         self.dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
         self.schedule = optax.warmup_cosine_decay_schedule(
-            0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.decay_steps, cfg.warmup_steps + 1),
+            0.0,
+            cfg.learning_rate,
+            cfg.warmup_steps,
+            max(cfg.decay_steps, cfg.warmup_steps + 1),
             end_value=cfg.learning_rate * cfg.min_lr_ratio,
         )
         # Decay the matrices (embeddings, projections), not the norms' scales.
         decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
         self.tx = optax.chain(
             optax.clip_by_global_norm(cfg.grad_clip),
-            optax.adamw(self.schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+            optax.adamw(
+                self.schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
+            ),
         )
         abstract = nnx.eval_shape(lambda: self._model(nnx.Rngs(0)))
         self.graphdef, params = nnx.split(abstract, nnx.Param)
@@ -168,8 +204,17 @@ class ByteLMProgram:
 
     def _model(self, rngs):
         c = self.cfg
-        return ByteTransformer(c.seq_len, c.d_model, c.n_layers, c.n_heads, c.d_ff, c.positions,
-                               self.dtype, c.attention, rngs=rngs)  # fmt: skip
+        return ByteTransformer(
+            c.seq_len,
+            c.d_model,
+            c.n_layers,
+            c.n_heads,
+            c.d_ff,
+            c.positions,
+            self.dtype,
+            c.attention,
+            rngs=rngs,
+        )
 
     @property
     def config(self) -> dict:
@@ -179,7 +224,9 @@ class ByteLMProgram:
     def read_options(self):
         """Grain reads training batches with `Config.read_threads` threads, `prefetch` ahead."""
         threads = self.cfg.read_threads
-        return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=self.cfg.prefetch if threads else 0)
+        return grain.ReadOptions(
+            num_threads=threads, prefetch_buffer_size=self.cfg.prefetch if threads else 0
+        )
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 per matmul weight (forward and backward) plus attention's
@@ -195,10 +242,15 @@ class ByteLMProgram:
         init_rng, dropout_rng = jax.random.split(rng)
         model = self._model(nnx.Rngs(params=init_rng))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return {"params": params, "opt": self.tx.init(params), "rng": dropout_rng, "step": jnp.zeros((), jnp.int32)}
+        return {
+            "params": params,
+            "opt": self.tx.init(params),
+            "rng": dropout_rng,
+            "step": jnp.zeros((), jnp.int32),
+        }
 
     def apply(self, params, tokens, rng=None):
-        """Next-token logits (float32) for int token ids (batch, seq); dropout when `rng` is given."""
+        """Next-token logits (float32) for int token ids (batch, seq); dropout with an `rng`."""
         return nnx.merge(self.graphdef, params)(tokens, self.cfg.dropout, rng)
 
     def _loss(self, params, tokens, rng):
@@ -227,7 +279,11 @@ class ByteLMProgram:
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.schedule(state["step"])}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "learning_rate": self.schedule(state["step"]),
+        }
         return {"params": params, "opt": opt, "rng": rng, "step": state["step"] + 1}, metrics
 
     def eval_step(self, state, batch):
@@ -238,7 +294,11 @@ class ByteLMProgram:
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
         correct = (logits.argmax(-1) == tokens[:, 1:]).astype(jnp.float32)
         n = jnp.asarray(losses.size, jnp.float32)
-        return {"loss": (losses.sum(), n), "bits_per_byte": (losses.sum() / math.log(2), n), "accuracy": (correct.sum(), n)}
+        return {
+            "loss": (losses.sum(), n),
+            "bits_per_byte": (losses.sum() / math.log(2), n),
+            "accuracy": (correct.sum(), n),
+        }
 
     def corpus(self) -> corpus.Corpus:
         """The corpus for this config's sequence length (built on first use; see `corpus.build`)."""

@@ -40,7 +40,9 @@ def rotary(x, base: float = 10000.0):
 class Block(nnx.Module):
     """x + attention(norm(x)), then x + mlp(norm(x)); dropout on each branch's output."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dtype, rope: bool, attention, *, rngs: nnx.Rngs):
+    def __init__(
+        self, d_model: int, n_heads: int, d_ff: int, dtype, rope: bool, attention, *, rngs: nnx.Rngs
+    ):
         linear = dict(use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.n_heads, self.rope, self.attention = n_heads, rope, attention
         self.norm1 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
@@ -74,25 +76,55 @@ class ByteTransformer(nnx.Module):
         attention: `jax.nn.dot_product_attention`'s implementation (None: JAX's choice).
     """
 
-    def __init__(self, seq_len: int, d_model: int, n_layers: int, n_heads: int, d_ff: int,
-                 positions: str = "rope", dtype=jnp.float32, attention=None, *, rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        seq_len: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        d_ff: int,
+        positions: str = "rope",
+        dtype=jnp.float32,
+        attention=None,
+        *,
+        rngs: nnx.Rngs,
+    ):
         if positions not in ("rope", "learned"):
-            raise ValueError(f"positions={positions!r}: use 'rope' (rotary) or 'learned' (a position table)")
+            raise ValueError(
+                f"positions={positions!r}: use 'rope' (rotary) or 'learned' (a position table)"
+            )
         if d_model % n_heads or (d_model // n_heads) % 2:
-            raise ValueError(f"d_model={d_model} must split into n_heads={n_heads} heads of an even width")
+            raise ValueError(
+                f"d_model={d_model} must split into n_heads={n_heads} heads of an even width"
+            )
         self.dtype = dtype
         self.embed = nnx.Embed(VOCAB, d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.pos = nnx.Embed(seq_len, d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs) if positions == "learned" else None
+        self.pos = (
+            nnx.Embed(seq_len, d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+            if positions == "learned"
+            else None
+        )
         rope = positions == "rope"
-        self.blocks = _Modules([Block(d_model, n_heads, d_ff, dtype, rope, attention, rngs=rngs) for _ in range(n_layers)])
+        self.blocks = _Modules(
+            [
+                Block(d_model, n_heads, d_ff, dtype, rope, attention, rngs=rngs)
+                for _ in range(n_layers)
+            ]
+        )
         self.norm = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
-        self.head = nnx.Linear(d_model, VOCAB, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.head = nnx.Linear(
+            d_model, VOCAB, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs
+        )
 
     def __call__(self, tokens, rate: float = 0.0, rng=None):
         x = self.embed(tokens)
         if self.pos is not None:
             x = x + self.pos(jnp.arange(tokens.shape[1]))[None]
-        keys = [None] * len(self.blocks) if rng is None else list(jax.random.split(rng, len(self.blocks) + 1))
+        keys = (
+            [None] * len(self.blocks)
+            if rng is None
+            else list(jax.random.split(rng, len(self.blocks) + 1))
+        )
         if rng is not None:
             x = dropout(x, rate, keys.pop())
         for block, key in zip(self.blocks, keys):
