@@ -1,0 +1,303 @@
+"""The byte-level LM trained two ways in one run: prefect-jax's flow, and a bare JAX loop.
+
+Both sides train the same program (`prefect_jax.examples.bytelm`, a preset) from the same seed
+over the same Grain pipeline, save an asynchronous Orbax checkpoint (the state and the Grain
+iterator) every --checkpoint-every steps and at the end, keep the newest 3, and evaluate every
+saved step over the same eval batches. Sides, one after the other in this process:
+
+- ``bare_nosave``: the bare loop without checkpoints (the floor for the checkpoint stall);
+- ``bare``: a hand-written loop: ``jax.jit`` train step (state donated), Grain iterator, Orbax
+  ``CheckpointManager`` async saves, eval by ``jax.jit`` eval step summed on the device;
+- ``flow``: `prefect_jax.flows.train_and_evaluate` (an ephemeral Prefect server unless
+  ``PREFECT_API_URL`` names one; MLflow on SQLite in the work folder).
+
+Clocks: each side's loop time runs from the end of step --warmup (compiles done: the first
+steps, and the eval step compiled before it, as the engine does ahead of its loop) to the last
+checkpoint committed and the last evaluation read. tokens/s counts the tokens trained in that
+window. The checkpoint stall is the loop time a side lost per save against ``bare_nosave``, as a
+share of one synchronous save of the same state timed in the same run. MFU is
+``flops_per_token * tokens/s / peak`` (``ByteLMProgram.flops_per_token``: 6 per weight plus
+attention's ``12 * layers * seq * d_model``); peak from --peak-tflops, or the device kind's dense
+bf16 peak (H100, H200: 989 TFLOP/s); null on a CPU.
+
+    uv run python benchmarks/lm.py --preset tiny --steps 60        # a couple of minutes on CPU
+    python benchmarks/lm.py --preset gpu100m --steps 300 --checkpoint-every 100 --out lm.json
+
+Prints one JSON line (and writes it to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# A loaded machine starts the ephemeral server slower than Prefect's default wait.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
+"""Dense bf16 peaks by device kind (a substring of ``device_kind``)."""
+
+
+def peak_flops(device_kind: str, given: float | None) -> float | None:
+    if given:
+        return given * 1e12
+    for name, tflops in PEAK_TFLOPS.items():
+        if name in device_kind:
+            return tflops * 1e12
+    return None
+
+
+def savable(state):
+    """The state as Orbax saves it: typed PRNG keys as their raw key data."""
+    import jax
+
+    def raw(x):
+        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    return jax.tree.map(raw, state)
+
+
+def manager(directory: str, asynchronous: bool = True):
+    """A CheckpointManager as a user writes one: the state and the Grain iterator, newest 3 kept."""
+    import grain
+    import orbax.checkpoint as ocp
+
+    handlers = {
+        "state": ocp.StandardCheckpointHandler(),
+        "data": grain.checkpoint.CheckpointHandler(),
+    }
+    # One deletion thread, as the engine has: Orbax's pool polls its queue, a delay per
+    # deleted step on a many-CPU machine that would count against the bare loop alone.
+    options = dict(max_to_keep=3, enable_async_checkpointing=asynchronous)
+    try:
+        opts = ocp.CheckpointManagerOptions(**options, num_deletion_threads=1)
+    except TypeError:  # an Orbax without the option
+        opts = ocp.CheckpointManagerOptions(**options)
+    return ocp.CheckpointManager(directory, item_handlers=handlers, options=opts)
+
+
+def save_args(state, it):
+    import grain
+    import orbax.checkpoint as ocp
+
+    return ocp.args.Composite(
+        state=ocp.args.StandardSave(savable(state)), data=grain.checkpoint.CheckpointSave(it)
+    )
+
+
+def evaluate(eval_fn, state, program) -> dict:
+    """Every eval batch, sums kept on the device, one read at the end."""
+    import jax
+
+    data, totals = program.eval_data(), None
+    for i in range(len(data)):
+        out = eval_fn(state, data[i])
+        totals = out if totals is None else jax.tree.map(lambda a, b: a + b, totals, out)
+    return {k: float(s) / float(n) for k, (s, n) in jax.device_get(totals).items()}
+
+
+def bare(program, args, directory: str | None, step_fn, eval_fn) -> dict:
+    """The hand-written loop; `directory` None: no checkpoints. `step_fn` and `eval_fn`: the
+    program's steps under ``jax.jit`` (the state donated), shared by both bare sides."""
+    import jax
+
+    state = jax.jit(program.init)(jax.random.key(0))
+    it = iter(program.train_data(0).to_iter_dataset(program.read_options))
+    evaluate(eval_fn, state, program)  # its compile, before the clock (the engine's runs ahead)
+    mgr = manager(directory) if directory else None
+    t0, saves, evals = None, 0, []
+    for i in range(1, args.steps + 1):
+        state, metrics = step_fn(state, next(it))
+        if i == args.warmup:
+            jax.block_until_ready(metrics)
+            t0 = time.perf_counter()
+        if i % args.checkpoint_every == 0 or i == args.steps:
+            if mgr is not None:
+                mgr.save(i, args=save_args(state, it))
+                saves += 1
+            evals.append(evaluate(eval_fn, state, program))
+    if mgr is not None:
+        mgr.wait_until_finished()
+    jax.block_until_ready(state)
+    loop_s = time.perf_counter() - t0
+    if mgr is not None:
+        mgr.close()
+    return {"loop_s": loop_s, "saves": saves, "eval": evals[-1], "loss": float(metrics["loss"])}
+
+
+def sync_save_s(program, directory: str) -> float:
+    """One synchronous save of a freshly initialised state and iterator (the second of two:
+    the first pays Orbax's set-up)."""
+    import jax
+
+    state = jax.jit(program.init)(jax.random.key(1))
+    it = iter(program.train_data(0).to_iter_dataset(program.read_options))
+    next(it)
+    jax.block_until_ready(state)
+    mgr = manager(directory, asynchronous=False)
+    times = []
+    for step in (1, 2):
+        t = time.perf_counter()
+        mgr.save(step, args=save_args(state, it))
+        mgr.wait_until_finished()
+        times.append(time.perf_counter() - t)
+    mgr.close()
+    return times[-1]
+
+
+def flow(program_path: str, args, work: str) -> dict:
+    import jax
+
+    from prefect_jax.flows import train_and_evaluate
+    from prefect_jax.training.loop import add_progress_listener
+    from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
+
+    clock: dict = {}
+
+    def at_log_point(step, max_steps, metrics):
+        if "t0" not in clock and step >= args.warmup:
+            jax.block_until_ready(metrics)
+            clock["t0"], clock["step"] = time.perf_counter(), step
+
+    remove = add_progress_listener(at_log_point)
+    try:
+        summary = train_and_evaluate(
+            program=program_path,
+            job="lm",
+            storage=os.path.join(work, "flow"),
+            train_spec=TrainSpec(max_steps=args.steps, log_every_steps=args.warmup),
+            checkpoint_spec=CheckpointSpec(every_steps=args.checkpoint_every, keep_last=3),
+            eval_spec=EvalSpec(),
+            mlflow_tracking_uri=f"sqlite:///{work}/mlflow.db",
+        )
+        t_end = time.perf_counter()
+    finally:
+        remove()
+    assert summary["final_step"] == args.steps, summary
+    assert clock["step"] == args.warmup, clock  # the window starts where the bare loop's does
+    return {"loop_s": t_end - clock["t0"], "eval": summary["eval"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny", help="tiny, small or gpu100m")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="default: --steps / 3")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps before the clocks start (default: half an interval)",
+    )
+    parser.add_argument(
+        "--config", default="{}", help="JSON overrides of the preset's Config fields"
+    )
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    args.checkpoint_every = args.checkpoint_every or max(1, args.steps // 3)
+    args.warmup = args.warmup or max(1, args.checkpoint_every // 2)
+    if args.warmup >= args.checkpoint_every or args.warmup >= args.steps:
+        parser.error("--warmup must be below --checkpoint-every and --steps")
+
+    import jax
+
+    from prefect_jax.examples import bytelm
+
+    if args.preset not in bytelm.PRESETS:
+        parser.error(f"--preset {args.preset!r}: one of {sorted(bytelm.PRESETS)}")
+    overrides = json.loads(args.config)
+    program = bytelm.ByteLMProgram(dataclasses.replace(bytelm.PRESETS[args.preset], **overrides))
+    bytelm.bench = program  # the flow loads it by path, in this process
+    program_path = "prefect_jax.examples.bytelm:bench"
+    step_fn = jax.jit(program.train_step, donate_argnums=(0,))
+    eval_fn = jax.jit(program.eval_step)
+    import prefect_jax.flows  # noqa: F401 - imported before every clock, for every side alike
+
+    t = time.perf_counter()
+    program.corpus()
+    corpus_s = time.perf_counter() - t
+    device = jax.devices()[0]
+    cfg = program.cfg
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    window_tokens = (args.steps - args.warmup) * tokens_per_step
+    out: dict = {
+        "preset": args.preset,
+        "params": program.param_count,
+        "device_kind": device.device_kind,
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every,
+        "warmup": args.warmup,
+        "overrides": overrides,
+        "tokens_per_step": tokens_per_step,
+        "compute_dtype": cfg.compute_dtype,
+        "corpus_s": corpus_s,
+    }
+    work = tempfile.mkdtemp(prefix="lm-bench-")
+    print(
+        f"[lm] {args.preset}: {program.param_count:,} params on {device.device_kind}; work {work}",
+        flush=True,
+    )
+
+    sides = {}
+    out["sync_save_s"] = sync_save_s(program, os.path.join(work, "sync"))
+    emit(out, args.out)
+    print(f"[lm] synchronous save: {out['sync_save_s']:.3f} s", flush=True)
+    bare_dir = os.path.join(work, "bare")
+    for name, run in (
+        ("bare_nosave", lambda: bare(program, args, None, step_fn, eval_fn)),
+        ("bare", lambda: bare(program, args, bare_dir, step_fn, eval_fn)),
+        ("flow", lambda: flow(program_path, args, work)),
+    ):
+        sides[name] = run()
+        sides[name]["tokens_per_s"] = window_tokens / sides[name]["loop_s"]
+        emit(dict(out, sides=sides), args.out)  # what a run cut short still leaves
+        side = sides[name]
+        print(
+            f"[lm] {name}: loop {side['loop_s']:.2f} s, {side['tokens_per_s']:,.0f} tokens/s",
+            flush=True,
+        )
+    saves = sides["bare"]["saves"]
+    peak = peak_flops(device.device_kind, args.peak_tflops)
+    for name, side in sides.items():
+        side["mfu"] = program.flops_per_token() * side["tokens_per_s"] / peak if peak else None
+        if name != "bare_nosave":
+            lost = (side["loop_s"] - sides["bare_nosave"]["loop_s"]) / saves
+            side["stall_per_save_s"] = lost
+            side["stall_share_of_sync_save"] = lost / out["sync_save_s"]
+    out.update(
+        {
+            "sides": sides,
+            "loop_ratio": sides["flow"]["loop_s"] / sides["bare"]["loop_s"],
+            "tokens_per_s_ratio": sides["flow"]["tokens_per_s"] / sides["bare"]["tokens_per_s"],
+            "peak_flops": peak,
+            # Same seed, data and steps: every side ends with the same eval (up to float order).
+            "same_eval": all(
+                abs(side["eval"]["loss"] - sides["bare"]["eval"]["loss"]) < 1e-3
+                for side in sides.values()
+            ),
+        }
+    )
+    print(emit(out, args.out), flush=True)
+
+
+def emit(out: dict, path: str | None) -> str:
+    line = json.dumps(out)
+    if path:
+        with open(path, "w") as f:
+            f.write(line + "\n")
+    return line
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The byte-level LM benchmark (benchmarks/lm.py) on a lent GPU machine, in one device call:
+#
+#   benchmarks/gpu_wheels.sh                   # here: .whl/site.tar.xz (Prefect, MLflow, Grain, ...)
+#   device run: bash benchmarks/lm_gpu.sh      # carry [".whl"]; $OUT/lm.json and $OUT/lm.log return
+#
+# The gpu100m preset (over 100M parameters, bfloat16 compute on float32 master weights): the
+# flow and the bare loop, --steps steps each with a checkpoint every --checkpoint-every, sized to
+# end within the call with its compiles. STEPS, EVERY, LM_CONFIG (JSON overrides of the preset,
+# e.g. '{"attention": "cudnn"}') and PEAK_TFLOPS change it; LM_TIMEOUT bounds the run.
+# Here, to try the script itself on the CPU:
+#   SKIP_WHEELS=1 PY=.venv/bin/python PLATFORM=cpu PRESET=tiny STEPS=60 EVERY=20 benchmarks/lm_gpu.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+PY=${PY:-python3}
+PLATFORM=${PLATFORM:-cuda}
+export PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false GIT_PYTHON_REFRESH=quiet
+t0=$(date +%s)
+stamp() { echo "[lm-gpu +$(($(date +%s) - t0))s] $*"; }
+
+if [ -z "${SKIP_WHEELS:-}" ]; then
+  mkdir -p /tmp/site && tar -xJf .whl/site.tar.xz -C /tmp/site || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+  stamp "packages unpacked"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+$PY -c "
+import jax, flax, optax, orbax.checkpoint as ocp, grain, array_record, prefect, mlflow, sys
+print('python', sys.version.split()[0], '| jax', jax.__version__, jax.devices(), '| flax', flax.__version__,
+      '| optax', optax.__version__, '| orbax', ocp.__version__, '| prefect', prefect.__version__)" || exit 4
+
+# The corpus (the standard library's sources) is built under a fresh cache: its build is timed
+# in the JSON (corpus_s), outside the sides' clocks.
+export PREFECT_JAX_CACHE_DIR=${PREFECT_JAX_CACHE_DIR:-$(mktemp -d)}
+flags=(--preset "${PRESET:-gpu100m}" --steps "${STEPS:-300}" --checkpoint-every "${EVERY:-100}"
+       --config "${LM_CONFIG:-{\}}" --out "$OUT/lm.json")
+[ -n "${PEAK_TFLOPS:-}" ] && flags+=(--peak-tflops "$PEAK_TFLOPS")
+stamp "lm.py: start"
+JAX_PLATFORMS=$PLATFORM timeout "${LM_TIMEOUT:-330}" $PY benchmarks/lm.py "${flags[@]}" >"$OUT/lm.log" 2>&1
+rc=$?
+grep -E "^\[lm\]|Error|error:" "$OUT/lm.log" | tail -20
+stamp "lm.py: rc=$rc"
+[ -f "$OUT/lm.json" ] && cat "$OUT/lm.json"
+exit $rc

@@ -1,0 +1,331 @@
+"""The byte-level LM as a prefect-jax program: configs, presets, the train and eval steps.
+
+The train state is ``{"params", "opt", "rng", "step"}``: float32 master weights, the optax
+state (AdamW with warmup + cosine decay after global-norm clipping), the dropout key and the
+step count (the learning rate's position in its schedule), so a checkpoint holds every stream
+an exact resume needs. A train batch is ``{"tokens": uint8 (batch * grad_accum, seq_len + 1)}``;
+the step splits it into ``grad_accum`` micro-batches, sums their gradients in a ``lax.scan`` and
+applies one update.
+
+Today the knobs come from the environment (the program contract has no typed parameters yet):
+``PREFECT_JAX_BYTELM_PRESET`` names a preset of `PRESETS` (default ``small``) and
+``PREFECT_JAX_BYTELM_CONFIG`` holds JSON overrides of its fields, e.g.
+``'{"batch_size": 32, "compute_dtype": "bfloat16"}'``. The config is part of the program's
+fingerprint, so a job resumed under another config is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import threading
+
+import grain
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from prefect_jax.examples.bytelm import corpus
+from prefect_jax.examples.bytelm.model import VOCAB, ByteTransformer
+
+PRESET_ENV = "PREFECT_JAX_BYTELM_PRESET"
+CONFIG_ENV = "PREFECT_JAX_BYTELM_CONFIG"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One byte-level LM run: the model, the optimizer, the batches and the corpus.
+
+    Args:
+        seq_len: tokens per sequence (the corpus is cut into windows of ``seq_len + 1`` bytes).
+        d_model, n_layers, n_heads, d_ff: the transformer's widths and depth.
+        positions: ``"rope"`` (rotary) or ``"learned"`` (a position table).
+        dropout: dropout rate on the embeddings and each residual branch.
+        compute_dtype: ``"float32"`` or ``"bfloat16"`` (matmuls; the weights stay float32).
+        attention: `jax.nn.dot_product_attention`'s implementation (None: JAX's choice;
+            ``"cudnn"``: cuDNN's fused attention on NVIDIA GPUs, bfloat16 only).
+        batch_size: sequences per micro-batch.
+        grad_accum: micro-batches per update (a train batch holds ``batch_size * grad_accum``).
+        eval_batch_size: sequences per eval batch (the last may be smaller; metrics are exact).
+        eval_sequences: evaluate the first this many eval windows (None: all of them).
+        learning_rate: peak learning rate, reached after `warmup_steps`.
+        warmup_steps: linear warmup from 0.
+        decay_steps: cosine decay to ``learning_rate * min_lr_ratio`` by this step (with warmup).
+        min_lr_ratio: the final learning rate as a share of the peak.
+        weight_decay: AdamW's decoupled weight decay (matrices only, not norms).
+        b1, b2: Adam's moment decays.
+        grad_clip: clip the gradient's global norm to this.
+        max_files: build the corpus from the first this many source files only (None: all).
+        read_threads: Grain's reading threads for training batches (0: the training thread).
+        prefetch: batches Grain reads ahead (with threads).
+    """
+
+    seq_len: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 1024
+    positions: str = "rope"
+    dropout: float = 0.1
+    compute_dtype: str = "float32"
+    attention: str | None = None
+    batch_size: int = 16
+    grad_accum: int = 1
+    eval_batch_size: int = 32
+    eval_sequences: int | None = 512
+    learning_rate: float = 1e-3
+    warmup_steps: int = 200
+    decay_steps: int = 20000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    max_files: int | None = None
+    read_threads: int = 2
+    prefetch: int = 8
+
+
+PRESETS = {
+    # A few thousand parameters, sequences of 32 bytes, the first 400 files: for tests.
+    "tiny": Config(
+        seq_len=32,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        d_ff=32,
+        batch_size=8,
+        eval_batch_size=16,
+        eval_sequences=64,
+        learning_rate=3e-3,
+        warmup_steps=10,
+        decay_steps=2000,
+        max_files=400,
+        read_threads=0,
+        prefetch=0,
+    ),
+    # The default: a few million parameters.
+    "small": Config(),
+    # Over 100M parameters, bfloat16 compute on float32 master weights: a GPU's work.
+    "gpu100m": Config(
+        seq_len=1024,
+        d_model=1024,
+        n_layers=8,
+        n_heads=16,
+        d_ff=4096,
+        dropout=0.0,
+        compute_dtype="bfloat16",
+        batch_size=32,
+        eval_batch_size=32,
+        eval_sequences=256,
+        learning_rate=3e-4,
+        warmup_steps=100,
+        decay_steps=10000,
+        read_threads=8,
+        prefetch=16,
+    ),
+}
+
+
+def config_from_env(environ=None) -> Config:
+    """The preset named by ``PREFECT_JAX_BYTELM_PRESET`` (default ``small``) with the JSON
+    overrides in ``PREFECT_JAX_BYTELM_CONFIG``.
+
+    Raises:
+        ValueError: an unknown preset or field, or overrides that are not a JSON object.
+    """
+    environ = os.environ if environ is None else environ
+    name = environ.get(PRESET_ENV) or "small"
+    if name not in PRESETS:
+        raise ValueError(f"${PRESET_ENV}={name!r} is not a preset; use one of {sorted(PRESETS)}")
+    raw = environ.get(CONFIG_ENV) or "{}"
+    try:
+        overrides = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"${CONFIG_ENV}={raw!r} is not JSON ({exc}); "
+            "give an object, e.g. '{\"batch_size\": 32}'"
+        ) from exc
+    if not isinstance(overrides, dict):
+        raise ValueError(f"${CONFIG_ENV}={raw!r} must be a JSON object of Config fields")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"${CONFIG_ENV} names unknown field(s) {unknown}; fields: {sorted(fields)}"
+        )
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+class ByteLMProgram:
+    """The byte-level transformer LM as a prefect-jax program (see `prefect_jax.training.program`).
+
+    Args:
+        config: the run's `Config` (default: from the environment, see `config_from_env`).
+
+    Example:
+        ```python
+        from prefect_jax.examples.bytelm import PRESETS, ByteLMProgram
+        import dataclasses
+        program = ByteLMProgram(dataclasses.replace(PRESETS["small"], grad_accum=4))
+        ```
+    """
+
+    def __init__(self, config: Config | None = None):
+        self.cfg = cfg = config if config is not None else config_from_env()
+        if cfg.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype={cfg.compute_dtype!r}: use 'float32' or 'bfloat16'")
+        for field in ("batch_size", "grad_accum", "eval_batch_size", "seq_len", "decay_steps"):
+            if getattr(cfg, field) < 1:
+                raise ValueError(f"{field}={getattr(cfg, field)!r} must be at least 1")
+        self.dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
+        self.schedule = optax.warmup_cosine_decay_schedule(
+            0.0,
+            cfg.learning_rate,
+            cfg.warmup_steps,
+            max(cfg.decay_steps, cfg.warmup_steps + 1),
+            end_value=cfg.learning_rate * cfg.min_lr_ratio,
+        )
+        # Decay the matrices (embeddings, projections), not the norms' scales.
+        decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+        self.tx = optax.chain(
+            optax.clip_by_global_norm(cfg.grad_clip),
+            optax.adamw(
+                self.schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
+            ),
+        )
+        abstract = nnx.eval_shape(lambda: self._model(nnx.Rngs(0)))
+        self.graphdef, params = nnx.split(abstract, nnx.Param)
+        self.param_count = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+        self._corpus, self._corpus_lock = None, threading.Lock()
+
+    def _model(self, rngs):
+        c = self.cfg
+        return ByteTransformer(
+            c.seq_len,
+            c.d_model,
+            c.n_layers,
+            c.n_heads,
+            c.d_ff,
+            c.positions,
+            self.dtype,
+            c.attention,
+            rngs=rngs,
+        )
+
+    @property
+    def config(self) -> dict:
+        return {"model": "bytelm", **dataclasses.asdict(self.cfg)}
+
+    @property
+    def read_options(self):
+        """Grain reads training batches with `Config.read_threads` threads, `prefetch` ahead."""
+        threads = self.cfg.read_threads
+        return grain.ReadOptions(
+            num_threads=threads, prefetch_buffer_size=self.cfg.prefetch if threads else 0
+        )
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 per matmul weight (forward and backward) plus attention's
+        ``12 * layers * seq_len * d_model`` (PaLM's count; the causal half is not subtracted).
+        The input embeddings are lookups, not matmuls, and do not count."""
+        c = self.cfg
+        lookups = VOCAB * c.d_model + (c.seq_len * c.d_model if c.positions == "learned" else 0)
+        return 6.0 * (self.param_count - lookups) + 12.0 * c.n_layers * c.seq_len * c.d_model
+
+    # -- the contract -------------------------------------------------------------------
+
+    def init(self, rng):
+        init_rng, dropout_rng = jax.random.split(rng)
+        model = self._model(nnx.Rngs(params=init_rng))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return {
+            "params": params,
+            "opt": self.tx.init(params),
+            "rng": dropout_rng,
+            "step": jnp.zeros((), jnp.int32),
+        }
+
+    def apply(self, params, tokens, rng=None):
+        """Next-token logits (float32) for int token ids (batch, seq); dropout with an `rng`."""
+        return nnx.merge(self.graphdef, params)(tokens, self.cfg.dropout, rng)
+
+    def _loss(self, params, tokens, rng):
+        tokens = tokens.astype(jnp.int32)
+        logits = self.apply(params, tokens[:, :-1], rng)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    def train_step(self, state, batch):
+        rng, step_rng = jax.random.split(state["rng"])
+        k = self.cfg.grad_accum
+        tokens = batch["tokens"]
+        grad_fn = jax.value_and_grad(self._loss)
+        if k == 1:
+            loss, grads = grad_fn(state["params"], tokens, step_rng)
+        else:
+            micro = tokens.reshape(k, tokens.shape[0] // k, tokens.shape[1])
+            keys = jax.random.split(step_rng, k)
+
+            def accumulate(carry, xs):
+                loss, grads = grad_fn(state["params"], *xs)
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, (micro, keys))
+            loss, grads = jax.tree.map(lambda g: g / k, (loss, grads))
+        updates, opt = self.tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "learning_rate": self.schedule(state["step"]),
+        }
+        return {"params": params, "opt": opt, "rng": rng, "step": state["step"] + 1}, metrics
+
+    def eval_step(self, state, batch):
+        """Sums and counts over the batch's tokens: mean loss (nats), bits per byte, accuracy.
+        Perplexity is ``exp`` of the aggregated loss (a derived metric: not a sum)."""
+        tokens = batch["tokens"].astype(jnp.int32)
+        logits = self.apply(state["params"], tokens[:, :-1])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        correct = (logits.argmax(-1) == tokens[:, 1:]).astype(jnp.float32)
+        n = jnp.asarray(losses.size, jnp.float32)
+        return {
+            "loss": (losses.sum(), n),
+            "bits_per_byte": (losses.sum() / math.log(2), n),
+            "accuracy": (correct.sum(), n),
+        }
+
+    def corpus(self) -> corpus.Corpus:
+        """The corpus for this config's sequence length (built on first use; see `corpus.build`)."""
+        with self._corpus_lock:  # the engine's compile thread may ask at the same time
+            if self._corpus is None:
+                self._corpus = corpus.build(self.cfg.seq_len, self.cfg.max_files)
+        return self._corpus
+
+    def train_data(self, seed: int):
+        return corpus.train_dataset(self.corpus(), self.cfg.batch_size * self.cfg.grad_accum, seed)
+
+    def eval_data(self):
+        return corpus.eval_dataset(self.corpus(), self.cfg.eval_batch_size, self.cfg.eval_sequences)
+
+    # -- serving ------------------------------------------------------------------------
+
+    def serving_input(self):
+        """int32 token ids (batch, seq_len): the batch is symbolic, the sequence length fixed."""
+        return jax.ShapeDtypeStruct(jax.export.symbolic_shape(f"b, {self.cfg.seq_len}"), jnp.int32)
+
+    def serve(self, state, tokens):
+        """Next-token logits, float32 (batch, seq, 256), for int32 token ids (batch, seq)."""
+        return self.apply(state["params"], tokens)
+
+    def serving_example(self):
+        import numpy as np
+
+        text = b"def main():\n    print('hello')\n"
+        row = np.frombuffer(text.ljust(self.cfg.seq_len)[: self.cfg.seq_len], np.uint8)
+        return np.stack([row, row[::-1]]).astype(np.int32)

@@ -1,0 +1,178 @@
+"""The byte-level transformer LM example: its corpus, train step and exports (tiny preset)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from prefect_jax.examples.bytelm import PRESETS, ByteLMProgram, config_from_env, corpus
+
+TINY = "prefect_jax.examples.bytelm:tiny"
+
+
+def tiny(**overrides) -> ByteLMProgram:
+    return ByteLMProgram(dataclasses.replace(PRESETS["tiny"], **overrides))
+
+
+def test_the_corpus_is_built_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    first = corpus.build(32, max_files=60, cache=str(tmp_path))
+    assert os.path.dirname(first.path) == str(tmp_path / "bytelm")
+    assert sorted(os.listdir(tmp_path / "bytelm")) == [os.path.basename(first.path)]  # no temp left
+
+    def no_build(*args):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(corpus, "_build_into", no_build)
+    again = corpus.build(32, max_files=60, cache=str(tmp_path))
+    assert again == first
+    batch = corpus.train_dataset(again, 4, seed=0)[0]
+    assert batch["tokens"].shape == (4, 33) and batch["tokens"].dtype == np.uint8
+
+
+def test_the_split_is_by_file_and_disjoint(tmp_path):
+    built = corpus.build(32, max_files=60, cache=str(tmp_path))
+    train, evals = built.files["train"], built.files["eval"]
+    assert not set(train) & set(evals) and len(evals) == 3
+    assert sorted(train + evals) == corpus.source_files(corpus.source_root(), 60)
+    assert (train, evals) == tuple(
+        corpus.split_files(corpus.source_files(corpus.source_root(), 60))
+    )
+    assert built.windows["train"] > 10 * built.windows["eval"] > 0
+
+
+def test_an_empty_corpus_folder_is_a_clear_error(tmp_path, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv(corpus.SOURCE_ENV, str(empty))
+    with pytest.raises(
+        corpus.CorpusError, match=f"no .py files under '{empty}'.*{corpus.SOURCE_ENV}"
+    ):
+        corpus.build(32, cache=str(tmp_path / "cache"))
+
+
+def test_config_from_the_environment():
+    assert config_from_env({}) == PRESETS["small"]
+    cfg = config_from_env(
+        {"PREFECT_JAX_BYTELM_PRESET": "tiny", "PREFECT_JAX_BYTELM_CONFIG": '{"grad_accum": 2}'}
+    )
+    assert cfg == dataclasses.replace(PRESETS["tiny"], grad_accum=2)
+    with pytest.raises(ValueError, match="unknown field"):
+        config_from_env({"PREFECT_JAX_BYTELM_CONFIG": '{"width": 2}'})
+    with pytest.raises(ValueError, match="not a preset"):
+        config_from_env({"PREFECT_JAX_BYTELM_PRESET": "huge"})
+
+
+def test_the_presets_sizes():
+    from prefect_jax.examples import bytelm
+
+    assert 1_000 < bytelm.tiny.param_count < 50_000
+    assert 1_000_000 < bytelm.small.param_count < 10_000_000
+    assert (
+        bytelm.gpu100m.param_count >= 100_000_000 and bytelm.gpu100m.cfg.compute_dtype == "bfloat16"
+    )
+
+
+def test_train_steps_lower_the_loss_on_a_repeated_batch():
+    program = tiny(warmup_steps=1)
+    state = program.init(jax.random.key(0))
+    batch = program.train_data(0)[0]
+    step = jax.jit(program.train_step)
+    losses = []
+    for _ in range(30):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.5
+    assert int(state["step"]) == 30
+
+
+def test_bfloat16_compute_keeps_float32_master_weights():
+    program = tiny(compute_dtype="bfloat16", n_layers=1)
+    state = program.init(jax.random.key(0))
+    state, metrics = jax.jit(program.train_step)(state, program.train_data(0)[0])
+    dtypes = {leaf.dtype for leaf in jax.tree.leaves(state["params"])}
+    assert dtypes == {jnp.dtype(jnp.float32)}
+    assert program.apply(state["params"], jnp.zeros((1, 8), jnp.int32)).dtype == jnp.float32
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_gradient_accumulation_equals_one_larger_batch():
+    # Plain SGD: the parameter change is the gradient itself (Adam would amplify rounding
+    # differences of near-zero gradients into whole steps).
+    whole, accumulated = (
+        tiny(dropout=0.0, batch_size=8),
+        tiny(dropout=0.0, batch_size=2, grad_accum=4),
+    )
+    for program in (whole, accumulated):
+        program.tx = optax.sgd(1.0)
+    batch = whole.train_data(0)[0]
+    assert batch["tokens"].shape == accumulated.train_data(0)[0]["tokens"].shape == (8, 33)
+    state = whole.init(jax.random.key(0))
+    one, m1 = jax.jit(whole.train_step)(state, batch)
+    four, m4 = jax.jit(accumulated.train_step)(state, batch)
+    np.testing.assert_allclose(float(m1["loss"]), float(m4["loss"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(four["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_eval_metrics_are_exact_sums_over_batches_of_any_size():
+    from prefect_jax.training.evaluation import aggregate
+
+    program = tiny(eval_sequences=40)  # batches of 16, 16 and 8
+    state = program.init(jax.random.key(0))
+    data = program.eval_data()
+    assert [len(data[i]["tokens"]) for i in range(len(data))] == [16, 16, 8]
+    eval_step = jax.jit(program.eval_step)
+    metrics, batches, tokens = aggregate(
+        eval_step, state, (data[i] for i in range(len(data))), None
+    )
+    assert (batches, tokens) == (3, 40 * 32)
+    whole = {"tokens": np.concatenate([data[i]["tokens"] for i in range(len(data))])}
+    sums = jax.device_get(eval_step(state, whole))  # the 40 sequences as one batch
+    for name in ("loss", "bits_per_byte", "accuracy"):
+        assert metrics[name] == pytest.approx(sums[name][0] / sums[name][1], rel=1e-5)
+    assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / np.log(2), rel=1e-6)
+
+
+def test_exact_resume_through_the_engine(job_config):
+    """2N steps in one trainer, and N steps, a fresh trainer restoring step N, N more: the same
+    state (data position, dropout key, step and optimizer state come back from the checkpoint)."""
+    from prefect_jax.training.trainer import Trainer
+
+    straight = Trainer(job_config(max_steps=20, every_steps=10, job="straight", program=TINY))
+    straight.restore_or_init()
+    while straight.step < 20:
+        straight.train_until_checkpoint()
+    expected = straight.fingerprint()
+    straight.close()
+
+    first = Trainer(job_config(max_steps=20, every_steps=10, job="resumed", program=TINY))
+    first.restore_or_init()
+    first.train_until_checkpoint()
+    first.checkpoints.wait()
+    first.close()
+    second = Trainer(job_config(max_steps=20, every_steps=10, job="resumed", program=TINY))
+    assert second.restore_or_init() == 10
+    while second.step < 20:
+        second.train_until_checkpoint()
+    assert second.fingerprint() == expected
+    second.close()
+
+
+def test_the_export_maps_token_ids_to_next_token_logits():
+    from prefect_jax.training.exporters import serialize_serving
+
+    program = tiny()
+    state = program.init(jax.random.key(0))
+    served = jax.export.deserialize(bytearray(serialize_serving(program, state, ["cpu"])))
+    tokens = np.arange(3 * 32, dtype=np.int32).reshape(3, 32) % 256
+    logits = served.call(tokens)
+    assert logits.shape == (3, 32, 256) and logits.dtype == jnp.float32
+    one = served.call(tokens[:1])  # the batch is symbolic
+    np.testing.assert_allclose(np.asarray(one), np.asarray(logits[:1]), rtol=1e-5, atol=1e-5)
+    assert program.serving_example().shape == (2, 32)
