@@ -101,7 +101,7 @@ def run_plain(args, workdir: str) -> dict:
         from prefect import flow, task
         from prefect.cache_policies import NO_CACHE
 
-        from prefect_jax.flows import _json_parameters
+        import prefect_jax.flows  # noqa: F401
     import_jax_stack()
     import jax
     import numpy as np
@@ -174,8 +174,7 @@ def run_plain(args, workdir: str) -> dict:
         train_task = task(interval, name="train_until_checkpoint", task_run_name="train {step}", cache_policy=NO_CACHE)
         eval_task = task(lambda step: evaluate(state), name="evaluate_if_new", task_run_name="evaluate {step}",
                          cache_policy=NO_CACHE)
-        # A `train_and_evaluate` flow run's end (no wait for Prefect's heartbeat thread: `_Flow`).
-        in_task_runs = _json_parameters(flow(name="plain-in-task-runs")(lambda: intervals(train_task, eval_task)))
+        in_task_runs = flow(name="plain-in-task-runs")(lambda: intervals(train_task, eval_task))
         result = in_task_runs()
     else:
         result = intervals()

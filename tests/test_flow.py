@@ -186,55 +186,6 @@ def test_flow_extends_a_finished_job_when_max_steps_grows(tmp_path, mlflow_uri):
     assert longer["mlflow_run_id"] == first["mlflow_run_id"]
 
 
-def _is_heartbeat(thread: threading.Thread) -> bool:
-    """A Prefect flow-run heartbeat thread (`prefect/flow_engine.py`: its target runs `heartbeat_loop`)."""
-    return any(getattr(a, "__name__", "") == "heartbeat_loop" for a in getattr(thread, "_args", ()))
-
-
-def _heartbeat_threads(monkeypatch) -> tuple[list, list]:
-    """Record each start and each join of a heartbeat thread."""
-    starts, joins = [], []
-    start, join = threading.Thread.start, threading.Thread.join
-
-    def recording_start(self):
-        if _is_heartbeat(self):
-            starts.append(self)
-        return start(self)
-
-    def recording_join(self, timeout=None):
-        if _is_heartbeat(self):
-            joins.append(self)
-        return join(self, timeout)
-
-    monkeypatch.setattr(threading.Thread, "start", recording_start)
-    monkeypatch.setattr(threading.Thread, "join", recording_join)
-    return starts, joins
-
-
-def test_flow_runs_end_without_waiting_for_the_heartbeat_thread(tmp_path, mlflow_uri, monkeypatch):
-    """Prefect's sync engine joins its heartbeat thread, which sleeps in whole seconds, at the end
-    of every flow run (0-1 s); these flows' runs do not wait for it (its async engine's way), and
-    the thread still ends by itself. A flow that is not prefect-jax's keeps Prefect's join."""
-    from prefect import flow
-
-    from prefect_jax.flows import HEARTBEAT_JOIN_SKIPPED
-
-    assert HEARTBEAT_JOIN_SKIPPED  # the pinned Prefect still has `_send_heartbeats(join_on_exit=)`
-    starts, joins = _heartbeat_threads(monkeypatch)
-
-    @flow
-    def other_flow():
-        pass
-
-    other_flow()
-    assert len(starts) == 1 and joins == starts  # heartbeats on (Prefect's default): Prefect's own flow joins its thread
-    test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri)
-    assert len(starts) == 2, "the prefect-jax flow run started no heartbeat thread"
-    assert joins == starts[:1], "a prefect-jax flow run waited for its heartbeat thread"
-    starts[1].join(timeout=5)  # left running, it ends by itself at its next tick
-    assert not starts[1].is_alive()
-
-
 def test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri):
     state = train_and_evaluate(
         program="prefect_jax.examples.digits:missing",
@@ -330,14 +281,18 @@ def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
     seconds apart, a flow run makes one version of each every PREFECT_JAX_UI_REFRESH_SECS at most
     (the first at once; the newest at the end, on its own evaluate task run); 0 makes one for
     every evaluation and every checkpoint."""
-    from prefect_jax import flows
+    from prefect_jax.flows import progress
     from prefect_jax.tasks import publisher
 
     monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", refresh_secs)
     monkeypatch.setattr(publisher, "_last_run", {})  # (as after any flow run's flush)
     progress_updates = []
-    update = flows._update_progress
-    monkeypatch.setattr(flows, "_update_progress", lambda progress, step, *a: (progress_updates.append(step), update(progress, step, *a)))
+    update = progress.update_progress
+    def recording(shown, step, *a):
+        progress_updates.append(step)
+        update(shown, step, *a)
+
+    monkeypatch.setattr(progress, "update_progress", recording)
     state = train_and_evaluate(
         program="prefect_jax.examples.digits:tiny", job="refresh", storage=str(tmp_path / "storage"),
         train_spec=TrainSpec(max_steps=50, log_every_steps=10), checkpoint_spec=CheckpointSpec(every_steps=10),

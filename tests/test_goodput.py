@@ -195,7 +195,7 @@ def test_an_interrupted_runs_goodput_artifact_says_how_it_ended_and_never_holds_
     from prefect.client.schemas.sorting import ArtifactSort
     from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
-    from prefect_jax import flows
+    from prefect_jax.flows import hooks as flows
 
     config = job_config(max_steps=20, every_steps=20, job="hk")
     trainer = Trainer(config)

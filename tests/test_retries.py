@@ -6,7 +6,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from prefect_jax.flows import train_and_evaluate
-from prefect_jax.training.specs import CheckpointSpec, TrainSpec
+from prefect_jax.training.specs import CheckpointSpec, RetrySpec, TrainSpec
 from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.tracking import JOB_TAG
 from test_flow import _task_runs
@@ -14,7 +14,7 @@ from test_flow import _task_runs
 pytestmark = [pytest.mark.usefixtures("prefect_server"), pytest.mark.slow]
 
 
-def _run(tmp_path, mlflow_uri, program, job):
+def _run(tmp_path, mlflow_uri, program, job, **options):
     return train_and_evaluate(
         program=program,
         job=job,
@@ -23,6 +23,7 @@ def _run(tmp_path, mlflow_uri, program, job):
         checkpoint_spec=CheckpointSpec(every_steps=20),
         mlflow_tracking_uri=mlflow_uri,
         return_state=True,
+        **options,
     )
 
 
@@ -43,6 +44,13 @@ def test_a_transient_failure_is_retried_from_the_checkpoint_and_ends_exactly(tmp
     runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
     assert runs["train 20 to 40"].run_count == 2 and runs["train 20 to 40"].state.is_completed()
     assert runs["train 0 to 20"].run_count == 1
+
+
+def test_a_retry_spec_without_retries_does_not_retry_a_transient_failure(tmp_path, mlflow_uri):
+    state = _run(tmp_path, mlflow_uri, "programs:transient", "flaky", retry_spec=RetrySpec(retries=0))
+    assert state.is_failed()
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    assert runs["train 20 to 40"].run_count == 1 and runs["train 20 to 40"].state.is_failed()
 
 
 def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_uri):

@@ -362,6 +362,30 @@ class EvalSpec(_Spec):
         return self
 
 
+class RetrySpec(_Spec):
+    """How often a failed task run is retried, by kind of task (Prefect's `retries` and
+    `retry_delay_seconds`). Only failures a retry can fix are retried at all (an I/O error, a
+    timeout, a preemption: `prefect_jax.training.errors.is_transient`); a job trained by several
+    JAX processes retries no training task (its processes are rerun together).
+
+    Args:
+        retries: retries of the training tasks (``restore_or_init``, ``train_until_checkpoint``).
+        eval_retries: retries of ``evaluate_if_new`` and ``export``.
+        retry_delay_seconds: seconds between a failure and its retry.
+    """
+
+    retries: int = Field(2, description="Retries of restore_or_init and train_until_checkpoint.")
+    eval_retries: int = Field(1, description="Retries of evaluate_if_new and export.")
+    retry_delay_seconds: float = Field(2.0, description="Seconds between a failure and its retry.")
+
+    @field_validator("retries", "eval_retries", "retry_delay_seconds")
+    @classmethod
+    def _not_negative(cls, v, info):
+        if v < 0:
+            raise ValueError(f"{info.field_name}={v!r} must be 0 or more; 0 turns retries off")
+        return v
+
+
 class JobConfig(_Spec):
     """Everything that defines one training job; JSON-able, so it travels as a flow parameter.
 
@@ -372,6 +396,7 @@ class JobConfig(_Spec):
         train: the TrainSpec.
         eval: the EvalSpec.
         checkpoint: the CheckpointSpec.
+        retry: the RetrySpec (how often the tasks retry).
         mlflow_tracking_uri: MLflow tracking URI (None: ``MLFLOW_TRACKING_URI`` or
             ``sqlite:///mlflow.db`` in the working directory).
         mlflow_experiment: MLflow experiment name.
@@ -387,6 +412,7 @@ class JobConfig(_Spec):
     train: TrainSpec
     eval: EvalSpec = Field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    retry: RetrySpec = Field(default_factory=RetrySpec)
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str = "prefect-jax"
     storage_options: dict[str, Any] = Field(
@@ -424,6 +450,7 @@ __all__ = [
     "ExporterSpec",
     "FinalExporter",
     "LatestExporter",
+    "RetrySpec",
     "TrainSpec",
     "check_name",
 ]

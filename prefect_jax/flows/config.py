@@ -1,0 +1,67 @@
+"""A flow's parameters as the job's `JobConfig`."""
+
+# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
+# flow to its child process with cloudpickle, which copies only the globals the function's code
+# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
+# would fail parameter validation (tests/test_deployment_rerun.py).
+from typing import Any
+
+from prefect_jax.tasks import ui_refresh_secs
+from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, RetrySpec, TrainSpec
+
+
+_CONFIG_ARGS = (
+    "program",
+    "job",
+    "storage",
+    "train_spec",
+    "eval_spec",
+    "checkpoint_spec",
+    "mlflow_tracking_uri",
+    "mlflow_experiment",
+    "compilation_cache_dir",
+    "retry_spec",
+)
+
+
+def _job_config(
+    program: str,
+    job: str,
+    storage: str,
+    train_spec: TrainSpec | dict,
+    eval_spec: EvalSpec | dict | None = None,
+    checkpoint_spec: CheckpointSpec | dict | None = None,
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str = "prefect-jax",
+    compilation_cache_dir: str | None = None,
+    retry_spec: RetrySpec | dict | None = None,
+    check_settings: bool = True,
+) -> JobConfig:
+    """The job's `JobConfig` from a flow's parameters (the specs as given or as their dicts)."""
+    from prefect_jax.blocks import resolve_storage
+
+    if check_settings:  # (not in a state hook: it must find the job to close its MLflow run)
+        ui_refresh_secs()  # a bad PREFECT_JAX_UI_REFRESH_SECS fails here, before anything runs
+    url, options = resolve_storage(storage)
+    return JobConfig(
+        program=program,
+        job=job,
+        storage=url,
+        storage_options=options,
+        train=train_spec,
+        eval=eval_spec or EvalSpec(),
+        checkpoint=checkpoint_spec or CheckpointSpec(),
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
+        compilation_cache_dir=compilation_cache_dir,
+        retry=retry_spec or RetrySpec(),
+    )
+
+
+def _config_from(parameters: dict[str, Any]) -> JobConfig | None:
+    """The job of a flow run's `parameters`, or None where they do not make one (a state hook's)."""
+    try:
+        given = {k: parameters[k] for k in _CONFIG_ARGS if k in parameters}
+        return _job_config(**given, check_settings=False)
+    except Exception:  # noqa: BLE001 - a hook must not raise over bad parameters
+        return None

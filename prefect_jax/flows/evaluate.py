@@ -1,0 +1,111 @@
+"""The `evaluate` flow: the continuous evaluator role, over `prefect_jax.training.evaluator`."""
+
+# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
+# flow to its child process with cloudpickle, which copies only the globals the function's code
+# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
+# would fail parameter validation (tests/test_deployment_rerun.py).
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from prefect_jax.flows.config import _job_config
+from prefect_jax.flows.retries import job_tasks
+from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.tasks import publisher
+from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
+
+
+@flow(name="evaluate", flow_run_name="evaluate-{job}", validate_parameters=True)
+@_untagged_tasks
+def evaluate(
+    program: str,
+    job: str,
+    storage: str,
+    train_spec: TrainSpec,
+    eval_spec: EvalSpec = EvalSpec(),
+    checkpoint_spec: CheckpointSpec = CheckpointSpec(),
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str = "prefect-jax",
+    compilation_cache_dir: str | None = None,
+    every_checkpoint: bool = True,
+    once: bool = False,
+    wait_for_first_checkpoint_secs: float = 3600.0,
+    poll_secs: float = 10.0,
+    idle_timeout_secs: float | None = None,
+    retry_spec: RetrySpec = RetrySpec(),
+) -> dict[str, Any]:
+    """The continuous evaluator role (TF's evaluator task), on the same job as a `train` run.
+
+    Waits `eval_spec.start_delay_secs`; waits for the job's first committed checkpoint up to
+    `wait_for_first_checkpoint_secs` (TF's `wait_for_session`) and then fails with a clear
+    error; evaluates every newly committed step exactly once (or only the newest, with
+    `every_checkpoint=False`), never sooner than `eval_spec.throttle_secs` after the last
+    evaluation; runs the exporters after each evaluation; stops once it has evaluated a step
+    at or past `max_steps` (with the final export), when an eval hook asks the job to stop,
+    when `once` is set and nothing new is left, or after `idle_timeout_secs` without a new
+    checkpoint while no trainer holds the job's lease (a live trainer is waited for: one
+    event-triggered run keeps up with it, checking for new steps every `poll_secs`). Evaluated
+    steps are recorded durably under ``<job>/evals/<name>/``, so a restarted evaluator never
+    evaluates a step twice. The other parameters are `train_and_evaluate`'s.
+
+    Returns:
+        ``job``, ``evaluated`` (steps evaluated by this run), ``last_step``, ``eval`` (its
+        metrics), ``stopped`` (why), ``exports``.
+
+    Example:
+        ```python
+        from prefect_jax.flows import evaluate
+        from prefect_jax.training.specs import TrainSpec
+
+        # Beside a `train` run of the same job and storage:
+        result = evaluate(
+            program="prefect_jax.examples.digits:tiny",
+            job="tiny",
+            storage="/tmp/prefect-jax",
+            train_spec=TrainSpec(max_steps=40),
+            once=True,
+        )
+        print(result["evaluated"], result["stopped"])
+        ```
+    """
+    from prefect_jax.training.evaluator import Evaluator
+    from prefect_jax.training.exporters import list_exports
+
+    logger = get_run_logger()
+    config = _job_config(
+        program,
+        job,
+        storage,
+        train_spec,
+        eval_spec,
+        checkpoint_spec,
+        mlflow_tracking_uri,
+        mlflow_experiment,
+        compilation_cache_dir,
+        retry_spec,
+    )
+    tasks = job_tasks(config.retry)
+    evaluator = Evaluator.for_job(
+        config,
+        evaluate=lambda step: tasks.evaluate_if_new(config, step, force=True),
+        export=lambda result: tasks.export(config, result),
+        every_checkpoint=every_checkpoint,
+        once=once,
+        wait_for_first_checkpoint_secs=wait_for_first_checkpoint_secs,
+        poll_secs=poll_secs,
+        idle_timeout_secs=idle_timeout_secs,
+        log=logger.info,
+        warn=logger.warning,
+    )
+    first = evaluator.wait_for_first_checkpoint()
+    from prefect_jax.training.live import get_trainer, land_mlflow_writes
+
+    # An evaluator killed after writing eval records may not have logged them to MLflow yet.
+    checked = get_trainer(config).reconcile_eval_metrics(first)
+    logger.info("checked %d recorded evaluations against MLflow", checked)
+    evaluator.resume_exports()
+    stopped = evaluator.run()
+    land_mlflow_writes(config)
+    publisher.flush()
+    logger.info("evaluator of %s stops: %s", job, stopped)
+    return {"job": job, **evaluator.summary(), "exports": list_exports(evaluator.storage)}

@@ -1,0 +1,84 @@
+"""The `export` flow: the exporters on an evaluated step, on demand."""
+
+# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
+# flow to its child process with cloudpickle, which copies only the globals the function's code
+# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
+# would fail parameter validation (tests/test_deployment_rerun.py).
+from prefect import flow
+
+from prefect_jax.flows.config import _job_config
+from prefect_jax.flows.retries import job_tasks
+from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
+
+
+@flow(name="export", flow_run_name="export-{job}", validate_parameters=True)
+@_untagged_tasks
+def export_flow(
+    program: str,
+    job: str,
+    storage: str,
+    train_spec: TrainSpec,
+    eval_spec: EvalSpec = EvalSpec(),
+    checkpoint_spec: CheckpointSpec = CheckpointSpec(),
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str = "prefect-jax",
+    step: int | None = None,
+    retry_spec: RetrySpec = RetrySpec(),
+) -> dict[str, str]:
+    """Run the eval spec's exporters on an evaluated step (default: the newest evaluated one).
+
+    Exports already written are kept as they are. The other parameters are
+    `train_and_evaluate`'s.
+
+    Returns:
+        ``{exporter: export dir}``.
+
+    Example:
+        ```python
+        from prefect_jax.flows import export_flow
+        from prefect_jax.training.specs import EvalSpec, LatestExporter, TrainSpec
+
+        exports = export_flow(
+            program="prefect_jax.examples.digits:tiny",
+            job="tiny",
+            storage="/tmp/prefect-jax",
+            train_spec=TrainSpec(max_steps=40),
+            eval_spec=EvalSpec(exporters=[LatestExporter()]),
+        )
+        print(exports)
+        ```
+    """
+    from prefect_jax.training.evaluation import EvalRecords
+    from prefect_jax.training.live import land_mlflow_writes
+    from prefect_jax.training.storage import JobStorage
+
+    config = _job_config(
+        program,
+        job,
+        storage,
+        train_spec,
+        eval_spec,
+        checkpoint_spec,
+        mlflow_tracking_uri,
+        mlflow_experiment,
+        retry_spec=retry_spec,
+    )
+    js = JobStorage(config.storage, config.job, config.storage_options)
+    records = EvalRecords(js, config.eval.name)
+    steps = records.steps()
+    if step is None and not steps:
+        raise ValueError(
+            f"job {job!r} has no evaluated step yet (eval name {config.eval.name!r}): "
+            "evaluate it first"
+        )
+    chosen = steps[-1] if step is None else step
+    result = records.get(chosen)
+    if result is None:
+        raise ValueError(
+            f"step {chosen} of job {job!r} was not evaluated ({config.eval.name!r} has {steps}): "
+            "evaluate it first"
+        )
+    exported = job_tasks(config.retry).export(config, result)
+    land_mlflow_writes(config)  # the model versions too
+    return exported

@@ -1,0 +1,152 @@
+"""The flows' state hooks (a failed or crashed run closes its MLflow run, frees the lease, and
+publishes the goodput so far) and the goodput artifact of a finished job."""
+
+# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
+# flow to its child process with cloudpickle, which copies only the globals the function's code
+# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
+# would fail parameter validation (tests/test_deployment_rerun.py).
+import functools
+from typing import Any
+
+from prefect import get_run_logger
+
+from prefect_jax.flows.config import _config_from
+from prefect_jax.training.specs import JobConfig
+
+
+def _close_mlflow_run(status: str):
+    """A state hook that ends the job this process trained with MLflow status `status`."""
+
+    def hook(flow, flow_run, state):
+        import sys
+
+        # Prefect may run this hook in a worker or `serve` process that never trained: do not
+        # import jax, Orbax and MLflow there just to find nothing (it delays the rerun).
+        live = sys.modules.get("prefect_jax.training.live")
+        if live is None:
+            return
+
+        ended = status
+        preemption = sys.modules.get("prefect_jax.training.preemption")
+        if status == "FAILED" and preemption is not None and preemption.received_signal():
+            # A SIGTERM that landed while Prefect was creating a task run makes Prefect's crash
+            # handling fail ("Task run is not set"): the run was terminated, not failed.
+            ended = "KILLED"
+            _report_terminated(flow_run.id, state)
+        config = _config_from(flow_run.parameters)
+        if config is not None:
+            # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the
+            # lease.
+            live.finish_live(config, ended)
+            if ended == "KILLED":
+                signum = preemption.received_signal() if preemption is not None else None
+                _publish_preempted_goodput(config, live.live_trainer(config), flow_run.id, signum)
+
+    return hook
+
+
+def _hook_logger(flow_run_id):
+    """The flow run's logger (its logs in the UI) where a state hook runs: outside the run's
+    context."""
+    from prefect.logging.loggers import flow_run_logger
+
+    return flow_run_logger(flow_run_id=flow_run_id)
+
+
+PREEMPTED_ARTIFACT_SECS = 10.0  # the longest a SIGTERMed run's exit waits to publish its goodput
+
+
+def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id, signum: int | None) -> None:
+    """A run this process trained and a SIGTERM (or Ctrl-C, or a crash) stopped: its flow run
+    gets the job's goodput so far, as a finished run does, so that the Crashed run in the UI says
+    what the preemptions cost (the trainer wrote its attempt's end to the ledger before handing
+    the signal on). Within `PREEMPTED_ARTIFACT_SECS`: the exit of a preempted machine must not
+    wait on an API that does not answer (the checkpoint, the lease and MLflow are done by now)."""
+    attempt = (
+        trainer.job.goodput.attempt if trainer is not None and trainer.job.is_primary else None
+    )
+    if not attempt or attempt.get("ended") != "preempted":
+        return
+    import contextvars
+    import signal
+
+    from prefect_jax.training.trainer import _within  # (imported: this process trained)
+
+    how = (
+        f"stopped by {signal.Signals(signum).name} after step {attempt['step']}"
+        if signum
+        else f"interrupted (its newest checkpoint is step {attempt['step']})"
+    )
+    lead = f"This run was {how}: a rerun resumes from its newest committed step. So far: "
+    publish = functools.partial(_publish_goodput, config, trainer.goodput(), lead, flow_run_id)
+    if not _within(
+        functools.partial(contextvars.copy_context().run, publish), PREEMPTED_ARTIFACT_SECS
+    ):
+        _hook_logger(flow_run_id).warning(
+            "the goodput artifact was not published within %.0fs: gave up", PREEMPTED_ARTIFACT_SECS
+        )
+
+
+def _report_terminated(flow_run_id, state) -> None:
+    """Mark the flow run Crashed, as Prefect does a run its SIGTERM ends (and as automations that
+    rerun crashed runs expect)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    message = (
+        "Execution was aborted by a termination signal (SIGTERM); "
+        f"Prefect reported: {state.message}"
+    )
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+    except Exception as exc:  # noqa: BLE001 - the run stays Failed; nothing is lost
+        _hook_logger(flow_run_id).warning("could not mark the terminated run Crashed: %r", exc)
+
+
+def _publish_goodput(
+    config: JobConfig, goodput: dict[str, Any], lead: str = "", flow_run_id=None
+) -> None:
+    """The job's goodput as a table artifact (key ``<job>-goodput``): what preemptions cost, by
+    cause.
+
+    Of the current flow run, or of `flow_run_id` (a state hook runs outside the run's context)."""
+    if not goodput:
+        return
+    from prefect.artifacts import TableArtifact
+
+    from prefect_jax.tasks import artifact_key
+    from prefect_jax.training.goodput import as_rows
+
+    description = lead + (
+        f"**Goodput of job `{config.job}`: {goodput['goodput']:.1%}** of "
+        f"{goodput['wall_s']:.1f} s of wall time went into training steps that were kept, over "
+        f"{goodput['attempts']} attempt(s), {goodput['interrupted']} of them interrupted. "
+        "The rows say where the rest went (`prefect-jax status` shows the same; MLflow has it "
+        "as `goodput/*`)."
+    )
+    try:
+        artifact = TableArtifact(
+            key=artifact_key(config.job, "goodput"), table=as_rows(goodput), description=description
+        )
+        if flow_run_id is None:
+            artifact.create(_sync=True)
+        else:  # outside a run context, where Prefect deprecates `Artifact.create`: its client
+            # call, as create makes it
+            from prefect.client.orchestration import get_client
+            from prefect.client.schemas.actions import ArtifactCreate
+
+            with get_client(sync_client=True) as client:
+                client.create_artifact(
+                    ArtifactCreate(
+                        type=artifact.type,
+                        key=artifact.key,
+                        description=description,
+                        flow_run_id=flow_run_id,
+                        data=artifact.format(_sync=True),
+                    )
+                )
+    except Exception as exc:  # noqa: BLE001 - an artifact must not fail a finished job
+        (_hook_logger(flow_run_id) if flow_run_id else get_run_logger()).warning(
+            "could not publish the goodput artifact: %r", exc
+        )

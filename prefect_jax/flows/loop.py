@@ -1,0 +1,86 @@
+"""The training loop the `train_and_evaluate` and `train` flows share, and their summary."""
+
+# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
+# flow to its child process with cloudpickle, which copies only the globals the function's code
+# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
+# would fail parameter validation (tests/test_deployment_rerun.py).
+from typing import Any
+
+from prefect_jax.flows import progress
+from prefect_jax.flows.hooks import _publish_goodput
+from prefect_jax.flows.retries import job_tasks
+from prefect_jax.tasks import publisher
+from prefect_jax.training.specs import JobConfig
+
+
+def _evaluate_and_export(config: JobConfig, step: int) -> None:
+    tasks = job_tasks(config.retry)
+    result = tasks.evaluate_if_new(config, step)
+    if config.eval.exporters:  # no task run per interval for exporters that are not there
+        tasks.export(config, result)
+
+
+def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str | None]:
+    """Train (and, in local mode, evaluate and export) until max_steps or a stop request."""
+    from prefect_jax.training.live import get_trainer
+
+    max_steps = config.train.max_steps
+    train_until_checkpoint = job_tasks(config.retry).train_until_checkpoint
+    trainer = get_trainer(config)
+    # The live trainer's view of a stop request: with several processes, process 0's, in all of
+    # them.
+    stop_requested = trainer.stop_requested
+    # With several processes, process 0 evaluates and exports: no task runs elsewhere that only
+    # say so.
+    evaluate = evaluate and trainer.job.is_primary
+    # Made and updated on the publisher's thread, in order: no HTTP round trip before training;
+    # updated at most every PREFECT_JAX_UI_REFRESH_SECS, and at the end.
+    shown: dict[str, Any] = {}
+    key = progress.progress_key()
+    publisher.submit(progress.start_progress, shown, step, max_steps, config.job)
+    if evaluate and step > 0:
+        # A crash between a checkpoint and its evaluation leaves that step unevaluated.
+        _evaluate_and_export(config, step)
+    try:
+        while step < max_steps:
+            stop = stop_requested()
+            if stop is not None:
+                return step, stop.get("reason")
+            step = train_until_checkpoint(config, step)
+            publisher.refresh(key, progress.update_progress, shown, step, max_steps, config.job)
+            if evaluate:
+                _evaluate_and_export(config, step)
+        stop = stop_requested()
+        return step, stop.get("reason") if stop else None
+    finally:
+        publisher.flush()
+
+
+def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
+    """Close the job's run (MLflow, the lease), publish its goodput, and say where it ended."""
+    from prefect_jax.training.exporters import list_exports
+    from prefect_jax.training.live import get_trainer
+
+    trainer = get_trainer(config)
+    if trainer.state is None:
+        trainer.restore_or_init()
+    trainer.finish("FINISHED")
+    publisher.flush()  # the MLflow link, queued once MLflow answered (finish waited for that)
+    final = trainer.records.get(trainer.step)
+    goodput = trainer.goodput()
+    if trainer.job.is_primary:  # the others keep no ledger
+        _publish_goodput(config, goodput)
+    return {
+        "job": config.job,
+        "final_step": trainer.step,
+        "eval": final.metrics if final else {},
+        "checkpoint_dir": trainer.checkpoints.directory,
+        "mlflow_tracking_uri": trainer.tracker.tracking_uri,
+        "mlflow_run_id": trainer.tracker.run_id,
+        "mlflow_run_url": trainer.tracker.run_url(),
+        "registered_model": trainer.registered_model if config.eval.exporters else None,
+        "exports": list_exports(trainer.storage),
+        "state_fingerprint": trainer.fingerprint(),
+        "stopped": stopped,
+        "goodput": goodput,
+    }

@@ -1,0 +1,67 @@
+"""What wraps each flow's body: its task runs without the flow run's own tags, and MLflow warmed up
+while the program imports."""
+
+# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
+# flow to its child process with cloudpickle, which copies only the globals the function's code
+# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
+# would fail parameter validation (tests/test_deployment_rerun.py).
+import functools
+import inspect
+
+from prefect_jax.training.names import JOB_RUN_TAG, MLFLOW_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
+from prefect_jax.training.preemption import deliver_lost_notices
+from prefect_jax.training.specs import EvalSpec
+
+_OWN_TAGS = (OWN_TAG,)
+_RUN_TAG_PREFIXES = (
+    PROCESS_RUN_TAG,
+    MLFLOW_RUN_TAG,
+)  # name one flow run: its process, its MLflow run
+_OWN_TAG_PREFIXES = (JOB_RUN_TAG, *_RUN_TAG_PREFIXES)
+
+
+def _task_tags():
+    """The tags context for this flow's task runs: the caller's, less the ones prefect-jax puts on
+    its flow runs (``prefect-jax``, ``job:``, ``process:``, ``mlflow-run:``), which name the flow
+    run.
+
+    Prefect gives every task run the tags in context, and a task run with tags asks the server's
+    concurrency service for slots on each of them (`prefect/task_engine.py`): a round trip through
+    Prefect's event-loop thread per task run, which stalled ~2 s now and then on two CPUs. A tag a
+    person set (a tag-based concurrency limit on the GPU tasks, say) stays and is honoured."""
+    from prefect.context import TagsContext
+
+    current = TagsContext.get().current_tags
+    keep = {t for t in current if t not in _OWN_TAGS and not t.startswith(_OWN_TAG_PREFIXES)}
+    return TagsContext(current_tags=keep)
+
+
+def _registers_exports(flow: str, eval_spec) -> bool:
+    """Whether flow function `flow` registers exports in the MLflow registry with `eval_spec` (an
+    `EvalSpec`, its dict as a deployment passes it, or None): the flows that evaluate or export,
+    with exporters and a registered model (`EvalSpec.registered_model` "" is none)."""
+    if flow not in ("train_and_evaluate", "evaluate", "export_flow") or eval_spec is None:
+        return False
+    try:
+        return EvalSpec.model_validate(eval_spec).registers_exports
+    except Exception:  # noqa: BLE001 - not an eval spec: the flow's own validation says why
+        return False
+
+
+def _untagged_tasks(fn):
+    """Run a flow's body with `_task_tags` (its signature kept, for Prefect's parameters)."""
+
+    @functools.wraps(fn)
+    def body(*args, **kwargs):
+        from prefect_jax.training.tracking import warm_up
+
+        deliver_lost_notices()  # (again: someone may have replaced the hook since the import)
+        # A deployment's flow run too: MLflow imports in its worker while the program imports here
+        # (and, where the flow registers exports, what logging a model needs).
+        arguments = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+        registry = _registers_exports(fn.__name__, arguments.get("eval_spec"))
+        warm_up(arguments.get("mlflow_tracking_uri"), registry=registry)
+        with _task_tags():
+            return fn(*args, **kwargs)
+
+    return body

@@ -1,0 +1,91 @@
+"""The `train` flow: the trainer role, checkpoints only (evaluation is the `evaluate` flow's)."""
+
+# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
+# flow to its child process with cloudpickle, which copies only the globals the function's code
+# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
+# would fail parameter validation (tests/test_deployment_rerun.py).
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from prefect_jax.flows.config import _job_config
+from prefect_jax.flows.hooks import _close_mlflow_run
+from prefect_jax.flows.loop import _summary, _train_loop
+from prefect_jax.flows.processes import _join_processes
+from prefect_jax.flows.retries import job_tasks
+from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
+
+
+@flow(
+    name="train",
+    flow_run_name="train-{job}",
+    on_failure=[_close_mlflow_run("FAILED")],
+    on_crashed=[_close_mlflow_run("KILLED")],
+    validate_parameters=True,
+)
+@_untagged_tasks
+def train(
+    program: str,
+    job: str,
+    storage: str,
+    train_spec: TrainSpec,
+    eval_spec: EvalSpec = EvalSpec(),
+    checkpoint_spec: CheckpointSpec = CheckpointSpec(),
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str = "prefect-jax",
+    checkpoint_path: str | None = None,
+    compilation_cache_dir: str | None = None,
+    retry_spec: RetrySpec = RetrySpec(),
+) -> dict[str, Any]:
+    """The trainer role: train and checkpoint until `max_steps`; evaluation is someone else's.
+
+    Emits ``prefect-jax.checkpoint.committed`` (resource ``prefect-jax.job.<job>.<hash>`` of
+    storage + job, see `prefect_jax.deployments.job_resource_id`; the step in the payload) for
+    each committed checkpoint (not for backups, which nobody evaluates:
+    `CheckpointSpec.backups`), so an evaluator deployment can be triggered by events instead of
+    polling. Stops early when the job is asked to stop (``<job>/stop.json``, written by the
+    evaluator's early-stopping hook). Parameters as `train_and_evaluate` (`eval_spec` is
+    recorded in MLflow params and used by nobody else here).
+
+    Returns:
+        The summary `train_and_evaluate` returns.
+
+    Example:
+        ```python
+        from prefect_jax.flows import train
+        from prefect_jax.training.specs import CheckpointSpec, TrainSpec
+
+        summary = train(
+            program="prefect_jax.examples.digits:tiny",
+            job="tiny",
+            storage="/tmp/prefect-jax",
+            train_spec=TrainSpec(max_steps=40),
+            checkpoint_spec=CheckpointSpec(every_steps=20),
+        )
+        print(summary["final_step"])
+        ```
+    """
+    checkpoint_spec = CheckpointSpec.model_validate(checkpoint_spec)
+    if checkpoint_spec.keep_until_evaluated is None:
+        # The evaluator runs elsewhere: retention keeps the steps it has not reached yet.
+        checkpoint_spec = checkpoint_spec.model_copy(update={"keep_until_evaluated": True})
+    config = _job_config(
+        program,
+        job,
+        storage,
+        train_spec,
+        eval_spec,
+        checkpoint_spec,
+        mlflow_tracking_uri,
+        mlflow_experiment,
+        compilation_cache_dir,
+        retry_spec,
+    )
+    _join_processes()
+    step = job_tasks(config.retry).restore_or_init(config, checkpoint_path=checkpoint_path)["step"]
+    step, stopped = _train_loop(config, step, evaluate=False)
+    summary = _summary(config, stopped)
+    why = f" (stopped: {stopped})" if stopped else ""
+    get_run_logger().info("trainer of %s done at step %d%s", job, summary["final_step"], why)
+    return summary

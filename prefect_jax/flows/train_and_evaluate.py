@@ -1,0 +1,107 @@
+"""The `train_and_evaluate` flow: TensorFlow's `train_and_evaluate` in local mode."""
+
+# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
+# flow to its child process with cloudpickle, which copies only the globals the function's code
+# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
+# would fail parameter validation (tests/test_deployment_rerun.py).
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from prefect_jax.flows.config import _job_config
+from prefect_jax.flows.hooks import _close_mlflow_run
+from prefect_jax.flows.loop import _summary, _train_loop
+from prefect_jax.flows.processes import _join_processes
+from prefect_jax.flows.retries import job_tasks
+from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
+
+
+@flow(
+    name="train_and_evaluate",
+    flow_run_name="train-and-evaluate-{job}",
+    on_failure=[_close_mlflow_run("FAILED")],
+    on_crashed=[_close_mlflow_run("KILLED")],
+    validate_parameters=True,
+)
+@_untagged_tasks
+def train_and_evaluate(
+    program: str,
+    job: str,
+    storage: str,
+    train_spec: TrainSpec,
+    eval_spec: EvalSpec = EvalSpec(),
+    checkpoint_spec: CheckpointSpec = CheckpointSpec(),
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str = "prefect-jax",
+    checkpoint_path: str | None = None,
+    compilation_cache_dir: str | None = None,
+    retry_spec: RetrySpec = RetrySpec(),
+) -> dict[str, Any]:
+    """Train until `train_spec.max_steps`, evaluating and exporting every new checkpoint.
+
+    TensorFlow's `train_and_evaluate` in local mode, as Prefect tasks: restore-or-init,
+    then train-until-checkpoint / evaluate-if-new / export until `max_steps` (or until an
+    eval hook such as early stopping asks to stop). Running it again on the same job resumes
+    at the last committed checkpoint: no step is retrained, no step evaluated twice, and the
+    same MLflow run is continued.
+
+    Args:
+        program: import path of the program, ``"package.module:attribute"``.
+        job: job name; files live under ``<storage>/<job>/``.
+        storage: storage root: a local directory or any fsspec URL (``s3://``, ``gs://``...), or
+            ``"jax-checkpoint-storage/<block name>"`` for a saved `CheckpointStorage` block.
+        train_spec: how long to train.
+        eval_spec: how to evaluate, the exporters, early stopping.
+        checkpoint_spec: checkpoint cadence and retention.
+        mlflow_tracking_uri: MLflow tracking URI (default: ``MLFLOW_TRACKING_URI`` or
+            ``sqlite:///mlflow.db``).
+        mlflow_experiment: MLflow experiment name.
+        checkpoint_path: warm-start a new job from this checkpoint step directory (ignored
+            once the job has checkpoints of its own).
+        compilation_cache_dir: JAX persistent compilation cache directory, or ``"job"`` for
+            one under the job's storage: a resumed run does not recompile.
+        retry_spec: how often the tasks retry a transient failure.
+
+    Returns:
+        A summary: ``job``, ``final_step``, ``eval`` (final metrics), ``checkpoint_dir``,
+        ``mlflow_tracking_uri``, ``mlflow_run_id``, ``exports``, ``state_fingerprint``,
+        ``stopped`` (why the job stopped early, or None).
+
+    Example:
+        ```python
+        from prefect_jax.flows import train_and_evaluate
+        from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
+
+        summary = train_and_evaluate(
+            program="prefect_jax.examples.digits:program",
+            job="digits",
+            storage="/tmp/prefect-jax",
+            train_spec=TrainSpec(max_steps=1000),
+            checkpoint_spec=CheckpointSpec(every_steps=200),
+            eval_spec=EvalSpec(),
+        )
+        print(summary["eval"])
+        ```
+    """
+    config = _job_config(
+        program,
+        job,
+        storage,
+        train_spec,
+        eval_spec,
+        checkpoint_spec,
+        mlflow_tracking_uri,
+        mlflow_experiment,
+        compilation_cache_dir,
+        retry_spec,
+    )
+    _join_processes()
+    step = job_tasks(config.retry).restore_or_init(config, checkpoint_path=checkpoint_path)["step"]
+    step, stopped = _train_loop(config, step, evaluate=True)
+    summary = _summary(config, stopped)
+    why = f" (stopped: {stopped})" if stopped else ""
+    get_run_logger().info(
+        "job %s done at step %d: %s%s", job, summary["final_step"], summary["eval"], why
+    )
+    return summary

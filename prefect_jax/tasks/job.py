@@ -1,0 +1,97 @@
+"""The job's trainer for a task run: the live one of this process (`prefect_jax.training.live`),
+announcing each committed checkpoint as a Prefect event, and for the restore task with the job's
+lease taken before JAX starts."""
+
+from __future__ import annotations
+
+from prefect_jax.tasks.events import job_resource
+from prefect_jax.tasks.runs import _run_tags
+from prefect_jax.training.names import CHECKPOINT_EVENT, EVENT_STEP_LABEL
+from prefect_jax.training.preemption import deliver_lost_notices
+from prefect_jax.training.specs import JobConfig
+
+# A SIGTERM whose handler's exception Python drops is sent again. Here, at import: a worker's flow
+# run (these flows', or a user's own of these tasks) loads its flow before Prefect's engine puts
+# its SIGTERM bridge in place.
+deliver_lost_notices()
+
+
+def _take_the_lease_before_jax(config: JobConfig):
+    """Before this process starts JAX, in a flow run of one JAX process: take the job's lease
+    (`lease.take_early`; the trainer made next adopts it) and return it, or None (no flow run, a
+    trainer of the job is live here already, or the job has several JAX processes, whose process
+    0 takes it once JAX has joined them). If another live process on this host trains the job for
+    this same flow run (Prefect started the run twice), this waits for it to end first
+    (`Lease.wait_for_duplicate`), without JAX: on a GPU that process holds the device's memory.
+    Taken this early, the lease also makes a second start of this flow run that comes while this
+    process is still starting up wait before its own JAX start, not after it."""
+    import sys
+
+    from prefect_jax.training.cluster import from_env, joined
+    from prefect_jax.training.live import live_trainer
+    from prefect_jax.training.storage import JobStorage
+
+    run_id = _run_tags().get("prefect.flow_run_id")
+    if not run_id or live_trainer(config) is not None:
+        return None
+    try:
+        if from_env() is not None:
+            return None
+    except ValueError:  # a malformed cluster: the trainer's own start names the variable
+        return None
+    jax = sys.modules.get(
+        "jax"
+    )  # (asked without starting its backend, which would take a GPU's memory)
+    if joined() is not None or (
+        jax is not None and jax.distributed.is_initialized()
+    ):  # the caller joined processes itself
+        return None
+    from prefect_jax.training.lease import take_early
+
+    storage = JobStorage(config.storage, config.job, config.storage_options)
+    # As the trainer does first: a refused write is named as such, not as the lease's.
+    storage.check_writable()
+    return take_early(storage, run_id, config.train.lease_timeout_secs)
+
+
+def _trainer_holding_the_lease(config: JobConfig):
+    """The job's trainer for the restore task, its lease taken before JAX started (see
+    `_take_the_lease_before_jax`); a lease so taken is given back if making the trainer fails."""
+    lease = None
+    try:
+        lease = _take_the_lease_before_jax(config)
+        return _trainer(config)
+    except BaseException:
+        from prefect_jax.training.lease import release_early
+        from prefect_jax.training.storage import JobStorage
+
+        try:  # (a lease in the registry that `lease` does not name yet: a signal came in between)
+            job_dir = JobStorage(config.storage, config.job, config.storage_options).job_dir
+        except Exception:  # noqa: BLE001 - the storage itself is what failed: nothing was taken
+            job_dir = None
+        release_early(job_dir, lease)
+        raise
+
+
+def _trainer(config: JobConfig):
+    from prefect_jax.training.live import get_trainer
+
+    trainer = get_trainer(config, run_tags=_run_tags())
+    if not trainer.commit_listeners:
+        from prefect.events import emit_event
+
+        resource = job_resource(config)
+
+        def announce(step: int) -> None:  # runs in a background thread once the step is committed
+            emit_event(
+                event=CHECKPOINT_EVENT,
+                resource={**resource, EVENT_STEP_LABEL: str(step)},
+                payload={
+                    "step": step,
+                    "checkpoint_dir": trainer.checkpoints.directory,
+                    "max_steps": config.train.max_steps,
+                },
+            )
+
+        trainer.commit_listeners.append(announce)
+    return trainer

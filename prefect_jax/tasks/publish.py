@@ -1,0 +1,203 @@
+"""The publisher: Prefect API calls that only refresh what people see (artifacts), made in order on
+one background thread, so that a training loop never waits on an HTTP round trip for them."""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import logging
+import math
+import os
+import queue
+import re
+import threading
+import time
+from typing import Any, Callable
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")[:100]
+
+
+UI_REFRESH_SECS = 2.0
+
+
+def ui_refresh_secs() -> float:
+    """The shortest time between two refreshes of one artifact that only shows the latest state
+    (the progress bar, the results table): `PREFECT_JAX_UI_REFRESH_SECS`, default 2; 0 refreshes
+    at every change. Raises ValueError, naming the value and the fix, on anything else (a word,
+    a negative number, NaN, infinity)."""
+    raw = os.environ.get("PREFECT_JAX_UI_REFRESH_SECS", str(UI_REFRESH_SECS))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):  # (NaN too)
+        raise ValueError(
+            f"PREFECT_JAX_UI_REFRESH_SECS={raw!r} is not a finite number of seconds >= 0: "
+            "set it to e.g. 2, or 0 to refresh Prefect's artifacts at every change"
+        )
+    return value
+
+
+class _Publisher:
+    """Prefect API calls that only refresh what people see (artifacts), made in order by one
+    background thread, so a training loop never waits on an HTTP round trip for them.
+
+    Each call runs in a copy of the caller's context, so an artifact is still linked to the
+    flow and task run that asked for it. Failures are logged, never raised: the UI may lag,
+    training does not stop. Flows `flush` before they return.
+
+    `refresh` is for calls that a later call of the same key makes stale (a progress update, the
+    results table with every row): one runs at most every `ui_refresh_secs()` per key (sooner
+    only at `flush`); one that comes sooner is held, replaced by any later one of its key, and
+    runs when the time is up or at `flush`. After a flush the next call of a key runs at once.
+    With checkpoints seconds apart, the Prefect server records a fraction of the artifact
+    versions and events it would otherwise (each costs it ~4-10 ms of CPU), and the UI, which
+    polls, shows the same.
+    """
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()  # (key or None, call), in order of submission
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._held: dict[
+            Any, tuple
+        ] = {}  # key -> its newest call that has had its turn, not run yet
+        self._last_run: dict[Any, float] = {}  # key -> when its last call ran (monotonic)
+        self._hurry = 0  # flushes under way: held calls run at once
+        self._warned = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        self._put(None, (contextvars.copy_context(), fn, args, kwargs))
+
+    def refresh(self, key: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        """Like `submit`, for a call that only refreshes what the next call of `key` refreshes
+        too (see the class). It never runs before a call submitted ahead of it."""
+        self._put(key, (contextvars.copy_context(), fn, args, kwargs))
+
+    def _put(self, key: Any, call: tuple | None) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._work, name="prefect-jax-publish", daemon=True
+                )
+                self._thread.start()
+        self._queue.put((key, call))
+
+    def _due_in(self, key: Any, now: float) -> float:
+        """Seconds until `key`'s held call may run (<= 0: now)."""
+        if self._hurry:
+            return 0.0
+        last = self._last_run.get(key)
+        return -1.0 if last is None else last + self._refresh_secs() - now
+
+    def _refresh_secs(self) -> float:
+        try:
+            return ui_refresh_secs()
+        except (
+            ValueError
+        ) as exc:  # (the flows check it before training; tasks in a user's flow get this)
+            if not self._warned:
+                self._warned = True
+                logging.getLogger("prefect_jax.tasks").warning(
+                    "%s; refreshing every %s s", exc, UI_REFRESH_SECS
+                )
+            return UI_REFRESH_SECS
+
+    def _work(self) -> None:
+        clients: dict[
+            str, Any
+        ] = {}  # this thread's own Prefect clients, by API URL, open for its life
+        while True:
+            now = time.monotonic()
+            wait = min((self._due_in(key, now) for key in self._held), default=None)
+            try:
+                key, call = self._queue.get(
+                    timeout=None if wait is None else min(max(wait, 0.0), threading.TIMEOUT_MAX)
+                )
+            except queue.Empty:
+                key, call, got = None, None, False
+            else:
+                got = True
+            try:
+                if call is not None and key is None:
+                    self._run(clients, call)
+                elif call is not None:
+                    self._held[key] = call  # replaces an older one of its key
+                self._run_held(clients)
+            finally:
+                if got:
+                    self._queue.task_done()
+
+    def _run_held(self, clients: dict[str, Any]) -> None:
+        """Run every held call whose key's time is up (all of them during a flush)."""
+        while True:
+            now = time.monotonic()
+            due = next((key for key in self._held if self._due_in(key, now) <= 0), None)
+            if due is None:
+                return
+            self._last_run[due] = now
+            try:
+                self._run(clients, self._held[due])
+            finally:
+                del self._held[due]  # (after it ran: `flush` waits for held calls)
+
+    @staticmethod
+    def _run(clients: dict[str, Any], call: tuple) -> None:
+        context, fn, args, kwargs = call
+        try:
+            context.run(_with_own_client, clients, fn, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the UI may lag; training goes on
+            logging.getLogger("prefect_jax.tasks").warning(
+                "could not publish %s: %r", getattr(fn, "__name__", fn), exc
+            )
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Run every held call now and wait until every submitted call has run (at most
+        `timeout` seconds); True if all did."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._hurry += 1
+        try:
+            if self._held:
+                self._put(None, None)  # wakes the thread to run them
+            while (self._queue.unfinished_tasks or self._held) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            done = not (self._queue.unfinished_tasks or self._held)
+            if done:
+                self._last_run.clear()  # the next flow run's first refresh shows at once
+            return done
+        finally:
+            with self._lock:
+                self._hurry -= 1
+
+
+def _with_own_client(
+    clients: dict[str, Any], fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> Any:
+    """Run `fn` (in a copy of its caller's context: the runs it is about) with the publisher's own
+    Prefect client rather than the caller's: by the time it runs, the caller's may be closed (a sync
+    task run in an async flow, or outside any flow, closes the client it opened when it ends)."""
+    from prefect.context import AsyncClientContext, SyncClientContext
+    from prefect.settings import PREFECT_API_URL
+
+    no_client = SyncClientContext.__var__.set(None), AsyncClientContext.__var__.set(None)
+    try:
+        url = PREFECT_API_URL.value()
+        if url not in clients:
+            own = SyncClientContext()  # (made while no client is in the context: a new one)
+            own.client.__enter__()
+            clients[url] = own
+        SyncClientContext.__var__.set(clients[url])
+        return fn(*args, **kwargs)
+    finally:
+        SyncClientContext.__var__.reset(no_client[0])
+        AsyncClientContext.__var__.reset(no_client[1])
+
+
+publisher = _Publisher()
+atexit.register(
+    publisher.flush, 15.0
+)  # flows flush before returning; this covers tasks used in other flows

@@ -1,0 +1,89 @@
+"""The `restore_or_init` task: TF's `SessionManager.prepare_session` for a job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from prefect_jax.tasks.job import _trainer_holding_the_lease
+from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
+from prefect_jax.tasks.runs import link_runs, mark_dead_local_runs, mark_taken_over
+from prefect_jax.training.specs import JobConfig
+
+
+@task(
+    name="restore_or_init",
+    task_run_name="restore or init {config.job}",
+    cache_policy=NO_CACHE,
+    retries=DEFAULT_RETRIES.retries,
+    retry_delay_seconds=DEFAULT_RETRIES.retry_delay_seconds,
+    retry_condition_fn=retry_if_transient,
+)
+def restore_or_init(
+    config: JobConfig,
+    checkpoint_path: str | None = None,
+    wait_for_checkpoint: bool = False,
+    max_wait_secs: float = 7200,
+    recovery_wait_secs: float = 30,
+) -> dict[str, Any]:
+    """Resume the job from its latest committed checkpoint, or from `checkpoint_path`, or init.
+
+    Mirrors `SessionManager.prepare_session`: a job that has checkpoints resumes from its
+    newest committed one; a new job starts from `checkpoint_path` (warm start) when given,
+    else from `init`. With `wait_for_checkpoint`, waits up to `max_wait_secs` for a first
+    checkpoint, logging every `recovery_wait_secs`.
+
+    The job's MLflow run is found or created on a background thread while the checkpoint is
+    restored, the first step compiles and training starts; the task does not wait for it.
+
+    Args:
+        config: the job.
+        checkpoint_path: warm-start a new job from this checkpoint step directory.
+        wait_for_checkpoint: wait for a first committed checkpoint instead of initialising.
+        max_wait_secs: the longest that wait lasts.
+        recovery_wait_secs: how often the wait says it is still waiting.
+
+    Returns:
+        ``{"step": int, "mlflow_run_id": str | None, "checkpoint_dir": str}`` (the MLflow run
+        id None while MLflow is still opening)
+
+    Example:
+        ```python
+        from prefect import flow
+        from prefect_jax.tasks import restore_or_init
+        from prefect_jax.training.specs import JobConfig, TrainSpec
+
+        @flow
+        def resume():
+            config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny",
+                               storage="/tmp/prefect-jax", train=TrainSpec(max_steps=20))
+            return restore_or_init(config)["step"]
+
+        resume()
+        ```
+    """
+    logger = get_run_logger()
+    trainer = _trainer_holding_the_lease(config)
+    step = trainer.restore_or_init(
+        checkpoint_path=checkpoint_path,
+        wait_for_checkpoint=wait_for_checkpoint,
+        max_wait_secs=max_wait_secs,
+        recovery_wait_secs=recovery_wait_secs,
+    )
+    mark_taken_over(trainer)
+    mark_dead_local_runs(config)
+    # MLflow opens on its own thread: training does not wait for it (a checkpoint saved before
+    # the run id is known is found by the job tag; see Trainer.save).
+    run_id = trainer.tracker.run_id_if_known()
+    link_runs(config, trainer)
+    mlflow_run = run_id or "opening (its link is added to this flow run once MLflow answers)"
+    logger.info(
+        "job %s at step %d (%s); MLflow run %s",
+        config.job,
+        step,
+        "restored" if step else "initialised",
+        mlflow_run,
+    )
+    return {"step": step, "mlflow_run_id": run_id, "checkpoint_dir": trainer.checkpoints.directory}

@@ -1,0 +1,247 @@
+"""The flow runs and task runs of a job in Prefect: links between a flow run and its MLflow run,
+tags, and marking Crashed what a dead trainer left Running."""
+
+from __future__ import annotations
+
+import contextvars
+import os
+
+from prefect import get_run_logger
+from prefect.artifacts import create_link_artifact
+from prefect.runtime import flow_run, task_run
+
+from prefect_jax.tasks.publish import artifact_key, publisher
+from prefect_jax.training.names import JOB_RUN_TAG, MLFLOW_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
+from prefect_jax.training.specs import JobConfig
+
+
+def _run_tags() -> dict[str, str]:
+    run_id = flow_run.id
+    if not run_id:
+        return {}
+    url = prefect_flow_run_url()
+    return {"prefect.flow_run_id": str(run_id), **({"prefect.flow_run_url": url} if url else {})}
+
+
+_marked_takeovers: set[str] = (
+    set()
+)  # lease tokens of dead holders whose runs were marked (once per process)
+
+
+def mark_taken_over(trainer) -> None:
+    """After the trainer took over the lease of a dead holder (SIGKILLed, its machine lost), mark
+    what it left Running in Prefect as Crashed (in the background; failures are warnings): its
+    flow run (unless it is this one, retried) and that flow run's unfinished task runs, except
+    this attempt's own. Also closes the dead flow run's progress artifact."""
+    taken = trainer.lease.taken_over
+    if not taken or not taken.get("flow_run_id") or taken.get("token") in _marked_takeovers:
+        return
+    _marked_takeovers.add(taken.get("token"))
+    current = (str(flow_run.id) if flow_run.id else None, flow_run.run_count, task_run.id)
+    publisher.submit(_mark_crashed, dict(taken), *current)
+
+
+def process_tag() -> str:
+    """The tag the command gives the flow runs it runs in this process."""
+    import socket
+
+    return f"{PROCESS_RUN_TAG}{socket.gethostname()}:{os.getpid()}"
+
+
+def mark_dead_local_runs(config: JobConfig) -> None:
+    """Mark Crashed the job's flow runs (and their unfinished task runs) still Running or Pending
+    whose process, on this host, is gone: a command killed before it took the job's lease (at
+    flow start, say) left nobody else to do it. Only runs that carry a `process_tag` are looked
+    at, and only a process this host can prove dead counts. In the background."""
+    if flow_run.id:
+        publisher.submit(_mark_dead_local_runs, config.job, str(flow_run.id))
+
+
+def _mark_dead_local_runs(job: str, current_flow_run: str) -> None:
+    import socket
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from prefect_jax.training.lease import process_alive
+
+    host = socket.gethostname()
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[f"{JOB_RUN_TAG}{job}"]),
+                state=FlowRunFilterState(
+                    type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])
+                ),
+            ),
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+            limit=50,
+        )
+    for run in runs:
+        tag = next((t for t in run.tags if t.startswith(PROCESS_RUN_TAG)), None)
+        if str(run.id) == current_flow_run or tag is None:
+            continue
+        run_host, _, pid = tag[len(PROCESS_RUN_TAG) :].rpartition(":")
+        if run_host != host or not pid.isdigit() or process_alive(int(pid)):
+            continue
+        taken = {
+            "flow_run_id": str(run.id),
+            "host": run_host,
+            "pid": int(pid),
+            "reason": "its process is gone",
+        }
+        _mark_crashed(taken, current_flow_run, 0, None)
+
+
+def _mark_crashed(
+    taken: dict, current_flow_run: str | None, run_count: int, current_task_run: str | None
+) -> None:
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterType,
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    logger = get_run_logger()
+    dead, same = UUID(str(taken["flow_run_id"])), str(taken["flow_run_id"]) == current_flow_run
+    who = f"host {taken.get('host')}, pid {taken.get('pid')}"
+    message = (
+        f"its trainer ({who}) was lost ({taken.get('reason')}): flow run {current_flow_run} "
+        "took over the job"
+    )
+    unfinished = [
+        StateType.SCHEDULED,
+        StateType.PENDING,
+        StateType.RUNNING,
+        StateType.PAUSED,
+        StateType.CANCELLING,
+    ]
+    with get_client(sync_client=True) as client:
+        if not same:
+            previous = client.read_flow_run(dead)
+            if previous.state is not None and previous.state.type in (
+                StateType.PENDING,
+                StateType.RUNNING,
+                StateType.CANCELLING,
+            ):
+                client.set_flow_run_state(dead, Crashed(message=message), force=True)
+                logger.warning("marked flow run %s (%s) Crashed: %s", previous.name, dead, message)
+            for artifact in client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[dead]),
+                    type=ArtifactFilterType(any_=["progress"]),
+                )
+            ):
+                from prefect.artifacts import update_progress_artifact
+
+                update_progress_artifact(
+                    artifact.id,
+                    float(artifact.data or 0),
+                    f"{artifact.description or ''} (killed: {message})",
+                )
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[dead])),
+            task_run_filter=TaskRunFilter(
+                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=unfinished))
+            ),
+        )
+        for run in task_runs:
+            if str(run.id) == str(current_task_run) or (
+                same and run.flow_run_run_count == run_count
+            ):
+                continue  # this attempt's own
+            if same and current_task_run is not None and _made_after(run.id, current_task_run):
+                # This attempt's next task run, made since (its attempt number is not set while
+                # it is Pending).
+                continue
+            client.set_task_run_state(run.id, Crashed(message=message), force=True)
+            logger.warning(
+                "marked task run %r (%s, attempt %d of flow run %s) Crashed",
+                run.name,
+                run.id,
+                run.flow_run_run_count,
+                dead,
+            )
+
+
+def _made_after(run_id, other_id) -> bool:
+    """Whether task run `run_id` was made after `other_id`: Prefect's client makes task run ids as
+    UUIDv7 (time first), in the process that runs the tasks."""
+    from uuid import UUID
+
+    a, b = UUID(str(run_id)), UUID(str(other_id))
+    return a.version == 7 and b.version == 7 and a.int > b.int
+
+
+def prefect_flow_run_url() -> str | None:
+    """This flow run in the Prefect UI. A command that ran its own embedded server names the UI of
+    ``prefect server start`` (``PREFECT_JAX_PREFECT_UI_URL``), where its runs are found
+    afterwards."""
+    run_id = flow_run.id
+    if not run_id:
+        return None
+    from prefect.settings import PREFECT_UI_URL
+
+    base = os.environ.get("PREFECT_JAX_PREFECT_UI_URL") or PREFECT_UI_URL.value()
+    return f"{base.rstrip('/')}/runs/flow-run/{run_id}" if base else None
+
+
+def link_runs(config: JobConfig, trainer) -> None:
+    """Each side names the other: the flow run gets a link artifact to the job's MLflow run and the
+    tags ``prefect-jax``, ``job:<job>`` and ``mlflow-run:<id>``; the MLflow run gets the flow run's
+    URL (tag ``prefect.flow_run_url``). In the background: the UI may lag, training does not.
+
+    The job's tags go out at once; the link and the run's tag once MLflow has started the run
+    (its store may take seconds to open), so that the progress artifacts queued meanwhile on the
+    publisher are not held up behind it."""
+    flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
+    if flow_url:  # queued after the MLflow thread's start of the run
+        trainer.tracker.set_tags(
+            {"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)}
+        )
+    tracker = trainer.tracker
+    if flow_run_id:
+        publisher.submit(_tag_flow_run, str(flow_run_id), [OWN_TAG, f"{JOB_RUN_TAG}{config.job}"])
+
+    def link() -> None:  # on the publisher's thread, once MLflow has answered
+        mlflow_url, run_id = tracker.run_url(), tracker.run_id
+        if mlflow_url:
+            create_link_artifact(
+                link=mlflow_url,
+                link_text=f"MLflow run of {config.job}",
+                key=artifact_key(config.job, "mlflow-run"),
+                description=f"The MLflow run of job {config.job}: params, train and eval curves, "
+                f"exports ({tracker.tracking_uri})",
+            )
+        if flow_run_id and run_id:
+            _tag_flow_run(str(flow_run_id), [f"{MLFLOW_RUN_TAG}{run_id}"])
+
+    context = contextvars.copy_context()  # this flow and task run, for the link artifact
+    tracker.when_started(lambda: context.run(publisher.submit, link))
+
+
+def _tag_flow_run(flow_run_id: str, tags: list[str]) -> None:
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(UUID(flow_run_id)).tags or []
+        client.update_flow_run(UUID(flow_run_id), tags=sorted(set(current) | set(tags)))

@@ -1,0 +1,83 @@
+"""The `train_until_checkpoint` task: one checkpoint interval of training."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
+
+from prefect_jax.tasks.job import _trainer
+from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
+from prefect_jax.tasks.runs import mark_taken_over
+from prefect_jax.training.specs import JobConfig
+
+
+def _train_run_name() -> str:
+    params = task_run.parameters
+    config, start = params["config"], params["from_step"]
+    if isinstance(config, dict):
+        config = JobConfig.model_validate(config)
+    every, max_steps = config.checkpoint.every_steps, config.train.max_steps
+    end = min(max_steps, (start // every + 1) * every) if every else max_steps
+    return f"train {start} to {end}"  # no arrow: the run graph drops it ("train 200400")
+
+
+@task(
+    name="train_until_checkpoint",
+    task_run_name=_train_run_name,
+    cache_policy=NO_CACHE,
+    retries=DEFAULT_RETRIES.retries,
+    retry_delay_seconds=DEFAULT_RETRIES.retry_delay_seconds,
+    retry_condition_fn=retry_if_transient,
+)
+def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
+    """Train from `from_step` to the next checkpoint boundary and save (asynchronously).
+
+    If this process does not hold the live state at `from_step` (a retry after a failure,
+    another worker), the newest committed checkpoint is restored first. Transient failures
+    (I/O, preemption) are retried from there; permanent ones (a bad program, a shape
+    mismatch, a NaN/Inf loss, a job leased by another trainer) fail at once.
+
+    Args:
+        config: the job.
+        from_step: the step the caller believes the job is at (what the previous task returned).
+
+    Returns:
+        The step reached (and checkpointed).
+
+    Example:
+        ```python
+        from prefect import flow
+        from prefect_jax.tasks import restore_or_init, train_until_checkpoint
+        from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+
+        @flow
+        def train_tiny():
+            config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny",
+                               storage="/tmp/prefect-jax", train=TrainSpec(max_steps=20),
+                               checkpoint=CheckpointSpec(every_steps=10))
+            step = restore_or_init(config)["step"]
+            while step < config.train.max_steps:
+                step = train_until_checkpoint(config, step)
+            return step
+
+        train_tiny()
+        ```
+    """
+    logger = get_run_logger()
+    trainer = _trainer(config)
+    stop = trainer.stop_requested()
+    if stop is not None:
+        logger.warning("not training: the job was asked to stop (%s)", stop.get("reason"))
+        return from_step
+    if trainer.state is None or trainer.step != from_step:
+        restored = trainer.restore_or_init()
+        mark_taken_over(trainer)
+        logger.info(
+            "live state not at step %d here: restored step %d from storage", from_step, restored
+        )
+    logger.info("training from step %d to %d", trainer.step, trainer.next_boundary())
+    step = trainer.train_until_checkpoint()
+    metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.last_train_metrics.items()))
+    logger.info("step %d checkpointed (%s)", step, metrics)
+    return step

@@ -1,0 +1,293 @@
+"""The continuous evaluator: TensorFlow's evaluator task (`_TrainingExecutor.run_evaluator`) over a
+job's storage, split as TF splits it: wait for the first checkpoint, find the steps to evaluate
+next, evaluate one of them, and a loop over those until the job is done.
+
+No Prefect here: the caller passes how a step is evaluated and how a result is exported (the
+`evaluate` flow passes its tasks), how to log, and (tests) the clock and the sleep. What it has
+evaluated is read from the job's durable records (`EvalRecords`), so a restarted evaluator never
+evaluates a step twice.
+
+Example:
+    ```python
+    from prefect_jax.training.evaluator import Evaluator
+    from prefect_jax.training.live import get_trainer
+    from prefect_jax.training.specs import JobConfig, TrainSpec
+
+    config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny",
+                       storage="/tmp/prefect-jax", train=TrainSpec(max_steps=20))
+    trainer = get_trainer(config)
+    evaluator = Evaluator.for_job(config, lambda step: trainer.evaluate_if_new(step, force=True),
+                                  once=True, wait_for_first_checkpoint_secs=60)
+    evaluator.wait_for_first_checkpoint()
+    print(evaluator.run(), evaluator.summary())
+    ```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+from prefect_jax.training.evaluation import EvalResult, EvalStatus
+from prefect_jax.training.specs import JobConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Records(Protocol):
+    """What the evaluator reads of the job's evaluation records (`EvalRecords` has it)."""
+
+    def steps(self) -> list[int]: ...
+
+    def get(self, step: int) -> EvalResult | None: ...
+
+
+def trainer_alive(storage) -> bool:
+    """Whether a trainer holds the job's lease (`JobStorage` `storage`) with a fresh heartbeat."""
+    import socket
+
+    from prefect_jax.training.lease import Lease, process_alive
+
+    try:
+        current = Lease(storage).read()
+    except Exception:  # noqa: BLE001 - unreadable: as if no trainer, the idle timeout decides
+        return False
+    if not current:
+        return False
+    pid = str(current.get("pid", ""))
+    if (
+        current.get("host") == socket.gethostname()
+        and pid.isdigit()
+        and not process_alive(int(pid))
+    ):
+        return False  # a trainer on this host that was killed: its lease is stale
+    heartbeat = float(current.get("heartbeat", 0))
+    return time.time() - heartbeat <= float(current.get("timeout_secs", 120.0))
+
+
+@dataclasses.dataclass
+class Evaluator:
+    """Evaluates every newly committed step of one job once, until the job is done.
+
+    Args:
+        job: the job's name (for messages).
+        max_steps: the job's `TrainSpec.max_steps`: a step at or past it is the final one.
+        evaluate: evaluates a committed step, unthrottled (the evaluator throttles), and
+            returns its `EvalResult`.
+        records: the job's evaluation records (`EvalRecords`): what was evaluated.
+        committed_steps: the job's committed checkpoint steps, oldest first.
+        is_backup: whether a committed step is a backup (resume-only: never evaluated).
+        stop_request: the job's stop request (an early-stopping hook's), or None.
+        trainer_alive: whether a trainer still holds the job (the idle timeout waits for it).
+        export: exports an evaluated result (None: no exporters).
+        where: where the checkpoints are, for the message of a first checkpoint that never came.
+        storage: the job's `JobStorage` (`for_job`'s), for the caller.
+        every_checkpoint: evaluate every new step; False: only the newest.
+        once: stop when nothing new is left to evaluate.
+        start_delay_secs: wait this long before looking for the first checkpoint.
+        throttle_secs: the least time between two evaluations (not before the final step).
+        wait_for_first_checkpoint_secs: how long to wait for the first committed checkpoint.
+        poll_secs: how often to look for new checkpoints.
+        idle_timeout_secs: stop after this long without a new checkpoint while no trainer is
+            alive (None: never).
+        log: ``log(message, *args)`` for progress.
+        warn: ``warn(message, *args)`` for steps lost to retention.
+        clock: a monotonic clock, in seconds.
+        sleep: sleeps a number of seconds.
+    """
+
+    job: str
+    max_steps: int
+    evaluate: Callable[[int], EvalResult]
+    records: Records
+    committed_steps: Callable[[], list[int]]
+    is_backup: Callable[[int], bool] = lambda step: False
+    stop_request: Callable[[], dict | None] = lambda: None
+    trainer_alive: Callable[[], bool] = lambda: False
+    export: Callable[[EvalResult], Any] | None = None
+    where: str = ""
+    storage: Any = None
+    every_checkpoint: bool = True
+    once: bool = False
+    start_delay_secs: float = 0.0
+    throttle_secs: float = 0.0
+    wait_for_first_checkpoint_secs: float = 3600.0
+    poll_secs: float = 10.0
+    idle_timeout_secs: float | None = None
+    log: Callable[..., None] = logger.info
+    warn: Callable[..., None] = logger.warning
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    evaluated: list[int] = dataclasses.field(default_factory=list, init=False)
+    last: EvalResult | None = dataclasses.field(default=None, init=False)
+    stopped: str | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._resume_only: set[int] = set()  # preemption checkpoints and backups: never evaluated
+        self._regular: set[int] = set()  # steps known not to be backups
+        self._last_eval_at: float | None = None
+
+    @classmethod
+    def for_job(
+        cls,
+        config: JobConfig,
+        evaluate: Callable[[int], EvalResult],
+        export: Callable[[EvalResult], Any] | None = None,
+        **options: Any,
+    ) -> Evaluator:
+        """An evaluator of `config`'s job on its storage, with the eval spec's start delay and
+        throttle; `export` only where the eval spec has exporters. `options`: the other fields."""
+        from prefect_jax.training.control import stop_requested
+        from prefect_jax.training.evaluation import EvalRecords
+        from prefect_jax.training.remote import job_committed_steps, job_step_is_backup
+        from prefect_jax.training.storage import JobStorage
+
+        js = JobStorage(config.storage, config.job, config.storage_options)
+        return cls(
+            job=config.job,
+            max_steps=config.train.max_steps,
+            evaluate=evaluate,
+            records=EvalRecords(js, config.eval.name),
+            committed_steps=lambda: job_committed_steps(js),
+            is_backup=lambda step: job_step_is_backup(js, step),
+            stop_request=lambda: stop_requested(js),
+            trainer_alive=lambda: trainer_alive(js),
+            export=export if config.eval.exporters else None,
+            where=js.remote_checkpoint_url or js.checkpoint_dir,
+            storage=js,
+            start_delay_secs=config.eval.start_delay_secs,
+            throttle_secs=config.eval.throttle_secs,
+            **options,
+        )
+
+    def wait_for_first_checkpoint(self) -> int:
+        """Wait `start_delay_secs`, then for the job's first committed checkpoint (TF's
+        `wait_for_session`); return its newest committed step.
+
+        Raises:
+            TimeoutError: none came within `wait_for_first_checkpoint_secs`.
+        """
+        from prefect_jax.training.checkpoints import wait_for_new_checkpoint
+
+        if self.start_delay_secs:
+            self.log(
+                "waiting start_delay_secs=%g before the first evaluation", self.start_delay_secs
+            )
+            self.sleep(self.start_delay_secs)
+        first = wait_for_new_checkpoint(
+            self.committed_steps,
+            None,
+            self.wait_for_first_checkpoint_secs,
+            self.poll_secs,
+            self.log,
+            sleep=self.sleep,
+            clock=self.clock,
+        )
+        if first is None:
+            raise TimeoutError(
+                f"no committed checkpoint of job {self.job!r} in {self.where} after "
+                f"{self.wait_for_first_checkpoint_secs:g}s: is the trainer running, and does it "
+                "use the same storage and job name? Raise wait_for_first_checkpoint_secs for slow "
+                "starts."
+            )
+        return first
+
+    def resume_exports(self) -> None:
+        """Export the newest evaluated step again: an evaluator killed after its evaluation may
+        not have written its exports (exporters keep what exists)."""
+        steps = self.records.steps()
+        if self.export is not None and steps:
+            self.export(self.records.get(steps[-1]))
+
+    def stop_reason(self, done: set[int] | None = None) -> str | None:
+        """Why the evaluator is done before looking for new steps: the final step was evaluated,
+        or the job was asked to stop. `done`: the evaluated steps (default: the records')."""
+        done = set(self.records.steps()) if done is None else done
+        if any(s >= self.max_steps for s in done):
+            return f"evaluated the final step ({max(done)} >= max_steps={self.max_steps})"
+        request = self.stop_request()
+        if request is not None:
+            return f"the job was asked to stop: {request.get('reason')}"
+        return None
+
+    def pending_steps(self, done: set[int] | None = None) -> list[int]:
+        """The committed steps to evaluate next, oldest first (only the newest unless
+        `every_checkpoint`): not evaluated (`done`, default: the records'), not a backup nor a
+        preemption checkpoint. Whether a step is a backup is read once per step."""
+        done = set(self.records.steps()) if done is None else done
+        committed = self.committed_steps()
+        pending = [s for s in committed if s not in done and s not in self._resume_only]
+        for step in pending:  # backups are resume-only: no evaluation for them
+            if step not in self._regular:
+                (self._resume_only if self.is_backup(step) else self._regular).add(step)
+        pending = [s for s in pending if s not in self._resume_only]
+        if pending and not self.every_checkpoint:
+            pending = pending[-1:]
+        return pending
+
+    def evaluate_once(self, step: int) -> EvalResult:
+        """Evaluate `step` (no sooner than `throttle_secs` after the previous evaluation, but for
+        the final step) and export it; an early-stopping result sets `stopped`."""
+        if self._last_eval_at is not None and step < self.max_steps:
+            wait = self.throttle_secs - (self.clock() - self._last_eval_at)
+            if wait > 0:
+                self.sleep(wait)
+        result = self.evaluate(step)
+        if result.status is EvalStatus.EVALUATED:
+            self._last_eval_at = self.clock()
+            self.evaluated.append(step)
+            self.last = result
+            if self.export is not None:
+                self.export(result)
+            if result.stop_reason:
+                self.stopped = result.stop_reason
+        elif result.status is EvalStatus.PREEMPTION_CHECKPOINT:
+            self._resume_only.add(step)
+        elif result.status is EvalStatus.MISSING_CHECKPOINT:
+            self.warn("step %d was deleted by retention before it could be evaluated", step)
+        return result
+
+    def run(self) -> str:
+        """Evaluate new steps as they are committed until the job is done; return why it stopped:
+        the final step evaluated, a stop request, an early-stopping result, nothing new left
+        (`once`), or `idle_timeout_secs` without a new checkpoint and without a live trainer."""
+        last_new_at = self.clock()
+        while self.stopped is None:
+            done = set(self.records.steps())
+            self.stopped = self.stop_reason(done)
+            if self.stopped is not None:
+                break
+            pending = self.pending_steps(done)
+            if not pending:
+                if self.once:
+                    self.stopped = "nothing new to evaluate (once=True)"
+                    break
+                idle = self.idle_timeout_secs
+                if (
+                    idle is not None
+                    and self.clock() - last_new_at > idle
+                    and not self.trainer_alive()
+                ):
+                    self.stopped = f"no new checkpoint for {idle:g}s (idle_timeout_secs)"
+                    break
+                self.sleep(self.poll_secs)
+                continue
+            for step in pending:
+                self.evaluate_once(step)
+                if self.stopped is not None or not self.every_checkpoint:
+                    break
+            last_new_at = self.clock()  # idle counts from the end of the work, however long it took
+        return self.stopped
+
+    def summary(self) -> dict[str, Any]:
+        """``evaluated`` (the steps this evaluator evaluated), ``last_step``, ``eval`` (its
+        metrics) and ``stopped`` (why)."""
+        last = self.last
+        return {
+            "evaluated": self.evaluated,
+            "last_step": last.step if last else None,
+            "eval": last.metrics if last else {},
+            "stopped": self.stopped,
+        }

@@ -1,0 +1,209 @@
+"""The continuous evaluator (`prefect_jax.training.evaluator.Evaluator`) alone: a fake clock, fake
+storage and fake evaluations, no Prefect, no JAX training."""
+
+import pytest
+
+from prefect_jax.training.evaluation import EvalResult, EvalStatus
+from prefect_jax.training.evaluator import Evaluator
+
+
+class Clock:
+    """A monotonic clock that moves only when slept on."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, secs: float) -> None:
+        self.sleeps.append(secs)
+        self.now += secs
+
+
+class Records:
+    def __init__(self, results=()):
+        self.results = {r.step: r for r in results}
+
+    def steps(self) -> list[int]:
+        return sorted(self.results)
+
+    def get(self, step: int):
+        return self.results.get(step)
+
+
+def _evaluated(step: int, stop_reason=None) -> EvalResult:
+    return EvalResult(
+        status=EvalStatus.EVALUATED,
+        step=step,
+        metrics={"loss": 1.0 / (step + 1)},
+        stop_reason=stop_reason,
+    )
+
+
+class Job:
+    """A job's storage as the evaluator reads it: committed steps (appearing over time), records,
+    backups; the evaluations it was asked for and the exports it made."""
+
+    def __init__(self, clock, committed=(), appear=None, backups=(), statuses=None, records=()):
+        self.clock, self.committed = clock, list(committed)
+        self.appear = dict(appear or {})  # step -> time it is committed
+        self.backups, self.statuses = set(backups), dict(statuses or {})
+        self.records = Records(records)
+        self.asked: list[tuple[int, float]] = []
+        self.exported: list[int] = []
+        self.backup_reads: list[int] = []
+
+    def committed_steps(self) -> list[int]:
+        return sorted(self.committed + [s for s, at in self.appear.items() if at <= self.clock.now])
+
+    def is_backup(self, step: int) -> bool:
+        self.backup_reads.append(step)
+        return step in self.backups
+
+    def evaluate(self, step: int) -> EvalResult:
+        self.asked.append((step, self.clock.now))
+        status = self.statuses.get(step, EvalStatus.EVALUATED)
+        if status is EvalStatus.MISSING_CHECKPOINT:
+            self.committed.remove(step)  # retention deleted it: no longer committed
+        if status is not EvalStatus.EVALUATED:
+            return EvalResult(status=status, step=step)
+        result = _evaluated(
+            step, stop_reason="no improvement" if step == self.statuses.get("stop") else None
+        )
+        self.records.results[step] = result
+        return result
+
+    def export(self, result: EvalResult) -> None:
+        self.exported.append(result.step)
+
+
+def _evaluator(job: Job, clock: Clock, **options) -> Evaluator:
+    options.setdefault("max_steps", 100)
+    return Evaluator(
+        job="j",
+        evaluate=job.evaluate,
+        records=job.records,
+        committed_steps=job.committed_steps,
+        is_backup=job.is_backup,
+        export=job.export,
+        clock=clock,
+        sleep=clock.sleep,
+        poll_secs=5.0,
+        **options,
+    )
+
+
+def test_it_evaluates_each_committed_step_once_until_the_final_step():
+    clock = Clock()
+    job = Job(clock, committed=[10], appear={20: 7.0, 100: 12.0})
+    evaluator = _evaluator(job, clock)
+    assert evaluator.wait_for_first_checkpoint() == 10
+    stopped = evaluator.run()
+    assert stopped == "evaluated the final step (100 >= max_steps=100)"
+    assert job.asked == [(10, 0.0), (20, 10.0), (100, 15.0)]  # polled every 5 s
+    assert job.exported == [10, 20, 100]
+    assert clock.sleeps == [5.0, 5.0, 5.0]
+    assert evaluator.summary() == {
+        "evaluated": [10, 20, 100],
+        "last_step": 100,
+        "eval": {"loss": 1.0 / 101},
+        "stopped": stopped,
+    }
+
+
+def test_it_skips_what_the_records_hold_and_only_the_newest_without_every_checkpoint():
+    clock = Clock()
+    job = Job(clock, committed=[10, 20, 30, 40], records=[_evaluated(10)])
+    evaluator = _evaluator(job, clock, every_checkpoint=False, max_steps=40)
+    assert evaluator.pending_steps() == [40]
+    assert evaluator.run() == "evaluated the final step (40 >= max_steps=40)"
+    assert [step for step, _ in job.asked] == [40]
+    assert evaluator.evaluated == [40]
+
+
+def test_backups_and_preemption_checkpoints_are_never_evaluated_and_read_once():
+    clock = Clock()
+    job = Job(
+        clock,
+        committed=[10, 15, 17, 20],
+        backups=[15],
+        statuses={17: EvalStatus.PREEMPTION_CHECKPOINT},
+    )
+    evaluator = _evaluator(job, clock, once=True)
+    assert evaluator.run() == "nothing new to evaluate (once=True)"
+    assert [step for step, _ in job.asked] == [10, 17, 20]
+    assert evaluator.evaluated == [10, 20] and job.exported == [10, 20]
+    assert evaluator.pending_steps() == []
+    assert sorted(job.backup_reads) == [10, 15, 17, 20]  # each step's metadata read once
+
+
+def test_the_throttle_spaces_evaluations_but_not_the_final_one():
+    clock = Clock()
+    job = Job(clock, committed=[10, 20, 100])
+    evaluator = _evaluator(job, clock, throttle_secs=60.0)
+    assert evaluator.run() == "evaluated the final step (100 >= max_steps=100)"
+    assert job.asked == [(10, 0.0), (20, 60.0), (100, 60.0)]
+
+
+def test_an_early_stopping_result_or_a_stop_request_stops_it():
+    clock = Clock()
+    job = Job(clock, committed=[10, 20, 30], statuses={"stop": 20})
+    evaluator = _evaluator(job, clock)
+    assert evaluator.run() == "no improvement"
+    assert [step for step, _ in job.asked] == [10, 20]
+
+    job = Job(clock, committed=[10])
+    evaluator = _evaluator(job, clock, stop_request=lambda: {"reason": "enough"})
+    assert evaluator.run() == "the job was asked to stop: enough"
+    assert job.asked == []
+
+
+def test_the_idle_timeout_waits_for_a_live_trainer():
+    clock = Clock()
+    job = Job(clock, committed=[10])
+    alive = iter([True, True, False])
+    evaluator = _evaluator(job, clock, idle_timeout_secs=12.0, trainer_alive=lambda: next(alive))
+    assert evaluator.run() == "no new checkpoint for 12s (idle_timeout_secs)"
+    # Idle from the end of step 10's evaluation (t=0): 5, 10, 15 > 12 (alive), 20 (alive),
+    # 25 (gone).
+    assert clock.now == 25.0 and clock.sleeps == [5.0] * 5
+
+
+def test_no_first_checkpoint_is_a_clear_timeout_after_the_start_delay():
+    clock = Clock()
+    job = Job(clock)
+    logged = []
+    evaluator = _evaluator(
+        job,
+        clock,
+        start_delay_secs=3.0,
+        wait_for_first_checkpoint_secs=20.0,
+        where="/storage/j/checkpoints",
+        log=lambda msg, *a: logged.append(msg % a),
+    )
+    with pytest.raises(
+        TimeoutError,
+        match=r"no committed checkpoint of job 'j' in /storage/j/checkpoints after 20s",
+    ):
+        evaluator.wait_for_first_checkpoint()
+    assert clock.sleeps == [3.0, 5.0, 5.0, 5.0, 5.0]
+    assert logged[0] == "waiting start_delay_secs=3 before the first evaluation"
+
+
+def test_a_step_lost_to_retention_is_a_warning_and_resume_exports_the_newest_record():
+    clock = Clock()
+    job = Job(
+        clock,
+        committed=[10, 20],
+        statuses={10: EvalStatus.MISSING_CHECKPOINT},
+        records=[_evaluated(5)],
+    )
+    warned = []
+    evaluator = _evaluator(job, clock, once=True, warn=lambda msg, *a: warned.append(msg % a))
+    evaluator.resume_exports()
+    assert job.exported == [5]
+    assert evaluator.run() == "nothing new to evaluate (once=True)"
+    assert warned == ["step 10 was deleted by retention before it could be evaluated"]
+    assert evaluator.evaluated == [20] and job.exported == [5, 20]
