@@ -3,7 +3,8 @@
 import pytest
 from mlflow.tracking import MlflowClient
 
-from prefect_jax.training.tracking import JOB_TAG, Tracker, TrackingWarning
+from prefect_jax.training.names import JOB_TAG
+from prefect_jax.training.tracking import Tracker, TrackingWarning
 from prefect_jax.training.trainer import Trainer
 from conftest import train_to_end
 

@@ -35,11 +35,12 @@ from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
 from prefect_jax.training.errors import LeaseLostError
 from prefect_jax.training.lease import Lease, adopt_early
+from prefect_jax.training.names import RUN_NAME_TAG, STORAGE_TAG
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.storage import JobStorage
-from prefect_jax.training.tracking import STORAGE_TAG, Tracker, exit_wait
+from prefect_jax.training.tracking import Tracker, exit_wait
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -359,7 +360,7 @@ class Job:
         """
         self.tracker.start(
             params=params,
-            tags={STORAGE_TAG: redact_url(self.storage.root), "mlflow.runName": self.config.job, **self.run_tags},
+            tags={STORAGE_TAG: redact_url(self.storage.root), RUN_NAME_TAG: self.config.job, **self.run_tags},
             run_id=run_id,
             reopen=reopen,
             killed=self._killed_attempt() if reopen else None,

@@ -47,19 +47,17 @@ from typing import Any, Callable, Collection, Mapping
 
 import fsspec
 
+from prefect_jax.training.names import COMMIT_MARKER, STEP_META_FILE
 from prefect_jax.training.redaction import redact_options, redact_url, scrub, secret_values
 from prefect_jax.training.storage import atomic_write, small_read
 
-META_FILE = "meta/metadata"  # a step's metadata item, the JSON Orbax's JsonCheckpointHandler writes
-
 __all__ = [
-    "COMMIT_MARKER", "RemoteConfigError", "RemoteStorageError", "RemoteSteps", "RemoteUnreachableError",
-    "StepManifest", "first_line", "is_transient", "job_committed_steps",
+    "RemoteConfigError", "RemoteStorageError", "RemoteSteps", "RemoteUnreachableError",
+    "StepManifest", "first_line", "is_transient",
 ]  # fmt: skip
 
 logger = logging.getLogger("prefect_jax.remote")
 
-COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"
 MARKER_FORMAT = 1
 
 # Protocols fsspec resolves to the local disk: markers are written with a rename there.
@@ -391,8 +389,8 @@ class RemoteSteps:
         return manifest
 
     def read_meta(self, step: int) -> dict:
-        """The metadata item of a committed step (`META_FILE`), without downloading the step."""
-        data = self._call(f"reading the metadata of step {int(step)}", self.fs.cat_file, f"{self.step_path(step)}/{META_FILE}",
+        """The metadata item of a committed step (`names.STEP_META_FILE`), without downloading the step."""
+        data = self._call(f"reading the metadata of step {int(step)}", self.fs.cat_file, f"{self.step_path(step)}/{STEP_META_FILE}",
                           **small_read(self.fs))  # fmt: skip
         return json.loads(data)
 
@@ -663,27 +661,3 @@ def _move_aside_and_remove(path: str) -> None:
     except FileNotFoundError:
         return
     shutil.rmtree(aside, ignore_errors=True)
-
-
-def job_committed_steps(storage) -> list[int]:
-    """Committed checkpoint steps of a job (`JobStorage`), wherever its storage is."""
-    if storage.orbax_native:
-        from prefect_jax.training.checkpoints import committed_steps
-
-        return committed_steps(storage.checkpoint_dir)
-    return RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).committed_steps()
-
-
-def job_step_is_backup(storage, step: int) -> bool:
-    """Whether a committed step of a job is a backup (`CheckpointSpec.backups`), from its metadata
-    item alone (no restore, no download); False when that cannot be read (an evaluation says why)."""
-    try:
-        if storage.orbax_native:
-            from prefect_jax.training.checkpoints import read_meta_file
-
-            meta = read_meta_file(storage.checkpoint_dir, step)
-        else:
-            meta = RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).read_meta(step)
-    except Exception:  # noqa: BLE001 - unreadable: not known to be a backup
-        return False
-    return bool(meta.get("backup"))

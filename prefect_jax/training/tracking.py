@@ -32,6 +32,18 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
+from prefect_jax.training.names import (
+    EXPERIMENT_KIND_TAG,
+    GOODPUT_TAG,
+    JOB_TAG,
+    KILLED_ATTEMPT_TAG,
+    KILLED_TAG,
+    MODEL_TRAINING,
+    NOTE_TAG,
+    RUN_NAME_TAG,
+    UI_MODEL_TRAINING,
+)
+
 logger = logging.getLogger("prefect_jax.tracking")
 EXIT_WAIT_SECS = 30.0  # how long a process's exit waits for its MLflow worker, and an evaluate or export run's end (`Tracker.land`)
 # The same waits once another process of the job went away (`cluster.lost_process`): JAX's
@@ -49,16 +61,6 @@ def _lost() -> bool:
 def exit_wait(timeout: float) -> float:
     """`timeout` for a wait at the end of a run or process; shorter after a lost process."""
     return min(timeout, LOST_EXIT_WAIT_SECS) if _lost() else timeout
-
-
-JOB_TAG = "prefect_jax.job"
-STORAGE_TAG = "prefect_jax.storage"
-KILLED_TAG = "prefect_jax.killed_attempts"  # how many attempts died without closing the run (see Tracker._note_killed)
-DEFAULT_EXPERIMENT = "prefect-jax"
-# The MLflow UI opens an experiment in the view its kind names (else it may guess GenAI).
-EXPERIMENT_KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
-UI_MODEL_TRAINING = "workflowType=machine_learning"  # the query that opens MLflow's UI in its model-training view
-NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
 
 
 def default_tracking_uri() -> str:
@@ -329,7 +331,7 @@ class Tracker:
             )
             run = found[0] if found else None
         if run is None:
-            run = client.create_run(exp_id, tags={JOB_TAG: self.job_key, **(tags or {})}, run_name=tags.get("mlflow.runName") if tags else None)
+            run = client.create_run(exp_id, tags={JOB_TAG: self.job_key, **(tags or {})}, run_name=tags.get(RUN_NAME_TAG) if tags else None)
             from mlflow.entities import Param
 
             items = [Param(k, v) for k, v in sorted(params.items())]
@@ -378,7 +380,7 @@ class Tracker:
     def _describe(self, description: str) -> None:
         """Set the run's description (the killed attempts stay listed after it)."""
         tags = self._client.get_run(self._run_id).data.tags
-        killed = [tags[f"prefect_jax.killed.{n}"] for n in range(1, int(tags.get(KILLED_TAG, "0") or 0) + 1) if f"prefect_jax.killed.{n}" in tags]
+        killed = [tags[f"{KILLED_ATTEMPT_TAG}{n}"] for n in range(1, int(tags.get(KILLED_TAG, "0") or 0) + 1) if f"{KILLED_ATTEMPT_TAG}{n}" in tags]
         note = "\n\n".join([description.strip(), *killed])[-5000:]
         if tags.get(NOTE_TAG) != note:
             self._client.set_tag(self._run_id, NOTE_TAG, note)
@@ -400,7 +402,7 @@ class Tracker:
         note = (tags.get(NOTE_TAG, "") + "\n\n" + line).strip()[-5000:]
         from mlflow.entities import RunTag
 
-        tags = {KILLED_TAG: str(n), f"prefect_jax.killed.{n}": line, NOTE_TAG: note}
+        tags = {KILLED_TAG: str(n), f"{KILLED_ATTEMPT_TAG}{n}": line, NOTE_TAG: note}
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         logger.warning("MLflow run %s: %s", run_id, line)
 
@@ -551,7 +553,7 @@ class Tracker:
 
         self._log_metrics(mlflow_metrics(summary, step))
         self._client.log_dict(self._run_id, summary, "goodput.json")
-        self._client.set_tag(self._run_id, "prefect_jax.goodput", f"{summary['goodput']:.3f} over {summary['attempts']} attempt(s)")
+        self._client.set_tag(self._run_id, GOODPUT_TAG, f"{summary['goodput']:.3f} over {summary['attempts']} attempt(s)")
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self._call("_set_tags", dict(tags))
