@@ -35,12 +35,13 @@ from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
 from prefect_jax.training.errors import LeaseLostError
 from prefect_jax.training.lease import Lease, adopt_early
+from prefect_jax.training.mlflow_client import exit_wait
 from prefect_jax.training.names import RUN_NAME_TAG, STORAGE_TAG
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.storage import JobStorage
-from prefect_jax.training.tracking import Tracker, exit_wait
+from prefect_jax.training.tracking import Tracker
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")

@@ -9,7 +9,7 @@ they did in-process.
 The protocol, pickled frames over the child's stdin and stdout (the child's own prints go to
 stderr):
 
-- parent to child: ``("warm", tracking URI)`` (import MLflow now: see `tracking.warm_up`),
+- parent to child: ``("warm", tracking URI)`` (import MLflow now: see `mlflow_client.warm_up`),
   ``("warm_registry", id)`` (make ready what logging a model needs, answered with ``id`` once
   done: see `Tracker.warm_registry`),
   ``("new", key, tracker args, environment)``, ``("call", id, key, method, args, strict)``,
@@ -57,7 +57,7 @@ class _CaptureLogs(logging.Handler):
 
 
 def _install_capture() -> None:
-    from prefect_jax.training.tracking import TrackingWarning
+    from prefect_jax.training.mlflow_client import TrackingWarning
 
     show = warnings.showwarning
 
@@ -267,7 +267,7 @@ def main() -> None:
     # more than once per process"). MLflow imports it anyway.
     import numpy  # noqa: F401
 
-    from prefect_jax.training import tracking
+    from prefect_jax.training import mlflow_client, tracking
 
     send_lock = threading.Lock()
     environ_lock = threading.Lock()  # a tracker's environment is put in place while JAX starts its client
@@ -289,7 +289,7 @@ def main() -> None:
 
     def run(call_id: int, backend, name: str, args: tuple, strict: bool) -> None:
         records: list = []
-        _capture.records, tracking.strict_here.value = records, strict
+        _capture.records, mlflow_client.strict_here.value = records, strict
         try:
             if (done := warmed.get(backend.tracking_uri)) is not None:
                 done.wait(600)  # its store is being opened (or created): once, not twice at a time
