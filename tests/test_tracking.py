@@ -304,7 +304,7 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
     import sys
     import time
 
-    from prefect_jax.training.mlflow_worker import NEW_STORE_SUFFIX
+    from prefect_jax.training.mlflow_store import NEW_STORE_SUFFIX
 
     db, cache = tmp_path / "mlflow.db", tmp_path / "cache"
     if template == "none":
@@ -348,11 +348,11 @@ def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_expe
     # A template that MLflow cannot open is removed, and that store made by the migrations.
     import sqlite3
 
-    from prefect_jax.training.mlflow_worker import _create_sqlite_store
+    from prefect_jax.training.mlflow_store import create_sqlite_store
 
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "a").mkdir()
-    _create_sqlite_store(str(tmp_path / "a" / "mlflow.db"))
+    create_sqlite_store(str(tmp_path / "a" / "mlflow.db"))
     [template] = (tmp_path / "cache" / "mlflow-store-templates").glob("*.db")
     with sqlite3.connect(template) as db:
         assert db.execute("SELECT COUNT(*) FROM experiments").fetchone() == (0,)  # no experiment: each store names its own
@@ -360,7 +360,7 @@ def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_expe
 
     def store(name: str) -> int:
         (tmp_path / name).mkdir()
-        _create_sqlite_store(str(tmp_path / name / "mlflow.db"))
+        create_sqlite_store(str(tmp_path / name / "mlflow.db"))
         with sqlite3.connect(tmp_path / name / "mlflow.db") as db:
             mark = db.execute("PRAGMA user_version").fetchone()[0]
         client = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")

@@ -119,7 +119,7 @@ def _leave() -> None:
         if _lost is not None:
             # This process saw another go away (a collective's lost connection, `LostProcess`).
             # JAX's coordination service, torn down with the interpreter while calls wait on the
-            # lost process, would abort this one (SIGABRT, ~5 s on; after the heartbeat timeout
+            # lost process, would abort this one (SIGABRT, seconds on; after the heartbeat timeout
             # if a thread still waits at a barrier). The run's state and logs are out (Prefect's
             # queues drain before `atexit`), the job's state is in its committed checkpoints.
             logger.warning("exiting without JAX's shutdown, which would wait for the lost process: %s", _lost)
@@ -295,7 +295,7 @@ def _watch() -> None:
 def _exit_without_lost_waits() -> None:
     """At exit, before Python joins the threads that are not daemons: if this process saw another
     go away (`lost_process`) and did not finish, Orbax's save threads wait for it at their
-    barriers until JAX's heartbeat timeout aborts the process (SIGABRT, ~30 s on). Exit without
+    barriers until JAX's heartbeat timeout aborts the process (SIGABRT). Exit without
     joining them: what they were saving is no commit, and the job's committed steps are on storage."""
     locks, guard = getattr(threading, "_shutdown_locks", None), getattr(threading, "_shutdown_locks_lock", None)
     if _lost is None or _finished or locks is None or guard is None:

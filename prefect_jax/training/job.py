@@ -19,16 +19,14 @@ Example:
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
-import queue
 import shutil
 import socket
-import threading
 from typing import Any, Callable
 
 from prefect_jax.training import control
+from prefect_jax.training.announcer import Announcer
 from prefect_jax.training.checkpoints import Checkpoints, CorruptCheckpointError, is_committed, retained, step_dirs
 from prefect_jax.training.cluster import LostProcess, barrier, from_primary, process_count, process_index
 from prefect_jax.training.evaluation import EvalRecords
@@ -45,56 +43,6 @@ from prefect_jax.training.tracking import Tracker
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")
-
-
-class _Announcer:
-    """One thread that runs `announce(step)` for each step submitted, in order, each in the
-    submitter's context (a listener sees its settings, such as a Prefect API set for one block of
-    code, as the command's embedded server is, and its run). A thread started per save cost the
-    training thread a thread start in every interval (~1 ms on two busy cores, the GIL handed over).
-    In order: a slow listener delays the next steps' announcements (the listener only queues a
-    Prefect event), and a step that retention removed before its turn is not announced."""
-
-    IDLE_SECS = 10.0  # the thread ends after this long without a step (the next save starts one)
-
-    def __init__(self, announce: Callable[[int], None]):
-        self._announce = announce
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Condition()
-        self._unfinished = 0
-        self._thread: threading.Thread | None = None
-
-    def submit(self, step: int) -> None:
-        with self._idle:
-            self._unfinished += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="prefect-jax-commit", daemon=True)
-                self._thread.start()
-        self._queue.put((contextvars.copy_context(), step))
-
-    def wait(self, timeout: float) -> bool:
-        """Until every step submitted so far was announced (or `timeout` passed: False)."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._unfinished, timeout)
-
-    def _run(self) -> None:
-        while True:
-            try:
-                context, step = self._queue.get(timeout=self.IDLE_SECS)
-            except queue.Empty:
-                with self._idle:
-                    if not self._unfinished:  # (a step being submitted counts already: then it waits for it)
-                        self._thread = None
-                        return
-                continue
-            try:
-                context.run(self._announce, step)
-            except Exception:  # noqa: BLE001 - the next steps are still announced
-                logger.exception("telling the commit listeners of step %d failed", step)
-            finally:
-                with self._idle:
-                    self._unfinished -= 1
-                    self._idle.notify_all()
 
 
 class Job:
@@ -144,7 +92,7 @@ class Job:
         if self.lease.lost_to is not None:  # taken over while JAX started: `acquire` raises LeaseLostError
             self._lease_lost(self.lease.lost_to)
         self.commit_listeners: list[Callable[[int], None]] = []
-        self._announcer = _Announcer(self._announce_commit)
+        self._announcer = Announcer(self._announce_commit)
         self._left_in_flight: str | None = None  # the save in flight an ending attempt stopped waiting for (said once)
         self._noted_takeover: str | None = None  # the lease token of the dead holder already recorded in MLflow
 

@@ -25,7 +25,6 @@ no writer behind that could log what its rerun logs again.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -34,7 +33,8 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Iterator
+
+from prefect_jax.training.mlflow_store import create_sqlite_store
 
 _capture = threading.local()  # the records of the call running on this thread (None: not in a call)
 
@@ -85,119 +85,6 @@ def _die_with_parent(parent: int) -> None:
         pass
     if os.getppid() != parent:  # the parent died before the line above
         os._exit(0)
-
-
-NEW_STORE_SUFFIX = ".prefect-jax-new-"  # <database>.prefect-jax-new-<host>-<pid>: a store being created
-
-
-@contextlib.contextmanager
-def _built_beside(path: str) -> Iterator[str]:
-    """The name ``<path>.prefect-jax-new-<host>-<pid>`` to build a file under, beside `path`,
-    before it takes `path`'s name whole; removed afterwards if still there. What dead processes of
-    this host left under such names is removed first (only this host's can be proven dead)."""
-    import glob
-    import re
-    import socket
-
-    from prefect_jax.training.lease import process_alive
-
-    prefix = f"{path}{NEW_STORE_SUFFIX}{socket.gethostname()}-"
-    for stale in glob.glob(glob.escape(prefix) + "*"):
-        # <pid> or <pid>-journal only (a host named <host>-<digits> has files that start alike)
-        mine = re.fullmatch(r"(\d+)(-journal|-wal|-shm)?", stale[len(prefix) :])
-        if mine and not process_alive(int(mine.group(1))):
-            try:
-                os.remove(stale)  # with its journal, if any: both match
-            except FileNotFoundError:
-                pass
-    building = f"{prefix}{os.getpid()}"
-    try:
-        yield building
-    finally:
-        if os.path.exists(building):
-            os.remove(building)
-
-
-def _store_template() -> str | None:
-    """An empty MLflow SQLite store (MLflow's tables at their newest schema, no rows) for this
-    MLflow and SQLAlchemy, kept in the cache root (``PREFECT_JAX_CACHE_DIR``, default
-    ``~/.cache/prefect-jax``): made once per machine by MLflow's own migrations (~1.2 s of CPU), then
-    copied (milliseconds) for each new store. Written whole or not at all. None where it cannot
-    be made (a read-only cache, another MLflow's private API): stores are then made as MLflow
-    makes them."""
-    try:
-        import mlflow
-        import sqlalchemy
-        from mlflow.store.db.utils import _initialize_tables
-
-        from prefect_jax.training.storage import cache_root
-
-        folder = os.path.join(cache_root(), "mlflow-store-templates")
-        template = os.path.join(folder, f"mlflow-{mlflow.__version__}-sqlalchemy-{sqlalchemy.__version__}.db")
-        if os.path.exists(template):
-            return template
-        os.makedirs(folder, exist_ok=True)
-        with _built_beside(template) as building:
-            engine = sqlalchemy.create_engine(f"sqlite:///{building}")
-            try:
-                _initialize_tables(engine)  # tables only: the default experiment names its store's folder
-            finally:
-                engine.dispose()
-            os.replace(building, template)
-        return template
-    except Exception as exc:  # noqa: BLE001 - the store is made without one
-        print(f"prefect-jax MLflow worker: no store template: {exc!r}", file=sys.stderr)
-        return None
-
-
-def _open_store(path: str) -> None:
-    """Open the MLflow store at `path` as MLflow does (creating its tables and its default
-    experiment where missing), then close its connections: the file takes another name next."""
-    from mlflow.tracking import MlflowClient
-
-    try:
-        MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments(max_results=1)
-    finally:
-        try:  # no connection left open under the file's other name (MLflow's own attributes: best effort)
-            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-            engine = SqlAlchemyStore._engine_map.get(f"sqlite:///{path}")
-            if engine is not None:
-                engine.dispose()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def _create_sqlite_store(path: str) -> None:
-    """A new MLflow SQLite store at `path`, made whole or not at all.
-
-    Its schema takes seconds of Alembic migrations: the store starts as a copy of an empty one
-    (`_store_template`), and a warm-up makes it before anyone asks. Its command may be refused
-    (bad input) and end meanwhile, killing this process part-way. So the store is made in a file
-    beside `path`, which then takes that name, unless a store was made there meanwhile (a hard
-    link never replaces one). What a killed worker left is removed here, by the next one."""
-    import shutil
-
-    with _built_beside(path) as building:
-        template = _store_template()
-        if template is not None:
-            shutil.copyfile(template, building)
-        try:
-            _open_store(building)
-        except Exception as exc:
-            if template is None:
-                raise
-            # Unreadable, or not this MLflow's schema: made again by the migrations, and the store too.
-            print(f"prefect-jax MLflow worker: store template {template} not usable ({exc!r}): removed",
-                  file=sys.stderr)  # fmt: skip
-            for bad in (template, building):
-                if os.path.exists(bad):
-                    os.remove(bad)
-            _open_store(building)
-        try:
-            os.link(building, path)
-        except FileExistsError:  # another process made one meanwhile: that one is the store
-            pass
 
 
 def _startup_over() -> None:
@@ -320,7 +207,7 @@ def main() -> None:
                 path = tracking_uri[len("sqlite:///") :]
                 if os.path.isdir(os.path.dirname(path) or "."):  # else the tracker says why
                     if not os.path.exists(path):
-                        _create_sqlite_store(path)
+                        create_sqlite_store(path)
                     MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
         except Exception as exc:  # noqa: BLE001 - the tracker's own calls report what is wrong
             print(f"prefect-jax MLflow worker: warming up for {tracking_uri}: {exc!r}", file=sys.stderr)

@@ -172,7 +172,7 @@ class RunCalls:
     def warm_registry(self) -> Future | None:
         """Have the worker process make ready, now and beside this tracker's calls, what its first
         logged model would otherwise wait for (`registry.warm_jax`, `registry.warm_mlflow`: JAX
-        and its CPU client, MLflow's model modules, its map of installed packages): ~1 s of CPU
+        and its CPU client, MLflow's model modules, its map of installed packages): seconds of CPU
         at its nice level, which the first `register_exports` paid in the queue, ahead of every
         later MLflow write. Once per worker. Returns what answers once it is done (its error, if
         any; the first export then fails with its own); None where MLflow runs in this process
