@@ -43,6 +43,7 @@ try:
     print(f"gone: {peer_watch.peer_gone()}", flush=True)
     os._exit(0)
 except peer_watch.LostProcess as exc:
-    print(f"lost {time.monotonic() - peer_watch._gone_at:.2f}s after the peer went away: {exc}", flush=True)
+    lost_after = time.monotonic() - peer_watch._gone_at
+    print(f"lost {lost_after:.2f}s after the peer went away: {exc}", flush=True)
     cluster.exit_code = 3  # at exit, without waiting for JAX's shutdown or its abort
     sys.exit(3)

@@ -74,7 +74,8 @@ def _engine_imports() -> dict[str, set[str]]:
         found = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                found |= {a.name.split(".")[2] for a in node.names if a.name.startswith(package + ".")}
+                names = [a.name for a in node.names]
+                found |= {n.split(".")[2] for n in names if n.startswith(package + ".")}
             elif isinstance(node, ast.ImportFrom) and node.module == package:
                 found |= {a.name for a in node.names if a.name in modules}
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + "."):

@@ -264,7 +264,8 @@ def test_a_dead_mlflow_worker_warns_once_and_training_goes_on(job_config, monkey
         trainer.finish()
     assert trainer.step == 40
     assert sum("worker process exited" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
-    assert mlflow_client.worker() is not worker and mlflow_client.worker().alive  # the next tracker gets a new one
+    # The next tracker gets a new one.
+    assert mlflow_client.worker() is not worker and mlflow_client.worker().alive
 
 
 def test_warm_up_creates_a_new_sqlite_store_before_the_first_tracker_asks(tmp_path):
@@ -313,7 +314,8 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
     env = dict(os.environ, PREFECT_JAX_CACHE_DIR=str(cache))
     uri = f"sqlite:///{db}"
     script = ("import sys, time\nfrom prefect_jax.training import mlflow_client\n"
-              f"mlflow_client.warm_up({uri!r})\nprint(mlflow_client.worker().process.pid, flush=True)\ntime.sleep(120)\n")
+              f"mlflow_client.warm_up({uri!r})\n"
+              "print(mlflow_client.worker().process.pid, flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
         worker = int(proc.stdout.readline())
@@ -332,7 +334,8 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
     assert glob.glob(building + NEW_STORE_SUFFIX + "*"), "nothing left to clean up: the kill came too late to test"
 
     script = ("from prefect_jax.training import mlflow_client, tracking\n"
-              f"mlflow_client.warm_up({uri!r})\ntracker = tracking.Tracker({uri!r}, 'prefect-jax', 'after-kill')\n"
+              f"mlflow_client.warm_up({uri!r})\n"
+              f"tracker = tracking.Tracker({uri!r}, 'prefect-jax', 'after-kill')\n"
               "tracker.start({'p': '1'})\ntracker.finish('FINISHED')\n")  # fmt: skip
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     client = MlflowClient(uri)

@@ -36,7 +36,9 @@ class Announcer:
         with self._idle:
             self._unfinished += 1
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="prefect-jax-commit", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="prefect-jax-commit", daemon=True
+                )
                 self._thread.start()
         self._queue.put((contextvars.copy_context(), step))
 
@@ -51,7 +53,8 @@ class Announcer:
                 context, step = self._queue.get(timeout=self.IDLE_SECS)
             except queue.Empty:
                 with self._idle:
-                    if not self._unfinished:  # (a step being submitted counts already: then it waits for it)
+                    # (a step being submitted counts already: then it waits for it)
+                    if not self._unfinished:
                         self._thread = None
                         return
                 continue

@@ -47,7 +47,9 @@ logger = logging.getLogger("prefect_jax.trainer")
 _joined: ClusterConfig | None = None
 
 
-def initialize(cluster: ClusterConfig | None = None, timeout_secs: int | None = None) -> ClusterConfig | None:
+def initialize(
+    cluster: ClusterConfig | None = None, timeout_secs: int | None = None
+) -> ClusterConfig | None:
     """Join the job's JAX processes (once per process; before anything asks JAX for its devices).
 
     On CPU the processes talk through gloo. JAX's preemption service is left off: it would take
@@ -68,15 +70,22 @@ def initialize(cluster: ClusterConfig | None = None, timeout_secs: int | None = 
         return cluster
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_preemption_service", False)
-    # Process 0 joins from inside its flow run, after Prefect's pull steps: the others may wait long.
+    # Process 0 joins from inside its flow run, after Prefect's pull steps: the others may wait
+    # long.
     timeout_secs = timeout_secs or int(os.environ.get("PREFECT_JAX_INIT_TIMEOUT_SECS", "600"))
     previous = signal.getsignal(signal.SIGTERM)
     # A process that died is noticed by the others within `heartbeat` seconds (JAX's default: 100).
     heartbeat = int(os.environ.get("PREFECT_JAX_HEARTBEAT_TIMEOUT_SECS", "30"))
-    kwargs: dict[str, Any] = {"initialization_timeout": timeout_secs, "heartbeat_timeout_seconds": heartbeat}
+    kwargs: dict[str, Any] = {
+        "initialization_timeout": timeout_secs,
+        "heartbeat_timeout_seconds": heartbeat,
+    }
     if not cluster.auto:
-        kwargs.update(coordinator_address=cluster.coordinator_address, num_processes=cluster.num_processes,
-                      process_id=cluster.process_id)  # fmt: skip
+        kwargs.update(
+            coordinator_address=cluster.coordinator_address,
+            num_processes=cluster.num_processes,
+            process_id=cluster.process_id,
+        )
     logger.info("joining the job's JAX processes: %s", cluster)
     try:
         jax.distributed.initialize(**kwargs)
@@ -94,7 +103,8 @@ def initialize(cluster: ClusterConfig | None = None, timeout_secs: int | None = 
 
 
 _finished = False
-exit_code = 1  # what a process that lost another exits with (`_leave`); a command that knows its own sets it
+# what a process that lost another exits with (`_leave`); a command that knows its own sets it
+exit_code = 1
 
 
 def mark_finished() -> None:
@@ -122,7 +132,9 @@ def _leave() -> None:
             # lost process, would abort this one (SIGABRT, seconds on; after the heartbeat timeout
             # if a thread still waits at a barrier). The run's state and logs are out (Prefect's
             # queues drain before `atexit`), the job's state is in its committed checkpoints.
-            logger.warning("exiting without JAX's shutdown, which would wait for the lost process: %s", _lost)
+            logger.warning(
+                "exiting without JAX's shutdown, which would wait for the lost process: %s", _lost
+            )
             logging.shutdown()
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
@@ -153,11 +165,15 @@ def lost_a_process(exc: BaseException) -> bool:
     while exc is not None and seen < 8:
         if isinstance(exc, LostProcess) or _LOST_PROCESS.search(f"{type(exc).__name__}: {exc}"):
             return True
-        exc, seen = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__), seen + 1
+        exc, seen = (
+            exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__),
+            seen + 1,
+        )
     return False
 
 
-_KEYS = "prefect_jax/"  # this package's keys in the coordination service (`publish`, `lookup`, `failed_processes`)
+# this package's keys in the coordination service (`publish`, `lookup`, `failed_processes`)
+_KEYS = "prefect_jax/"
 _lost: str | None = None  # the first error of this process that said another process went away
 
 
@@ -281,13 +297,16 @@ def lookup(key: str, timeout_secs: float = 300) -> str:
     """A value `publish` put (waits for it)."""
     from jax._src import distributed
 
-    return distributed.global_state.client.blocking_key_value_get(f"{_KEYS}{key}", int(timeout_secs * 1000))
+    return distributed.global_state.client.blocking_key_value_get(
+        f"{_KEYS}{key}", int(timeout_secs * 1000)
+    )
 
 
 def _watch() -> None:
     """Start the peer watch; once it runs, exit without waiting for a lost process's saves."""
     if peer_watch.start(publish, lookup):
-        register = getattr(threading, "_register_atexit", None)  # (CPython's: as Prefect's own queue services use it)
+        # (CPython's: as Prefect's own queue services use it)
+        register = getattr(threading, "_register_atexit", None)
         if register is not None:
             register(_exit_without_lost_waits)
 
@@ -296,8 +315,12 @@ def _exit_without_lost_waits() -> None:
     """At exit, before Python joins the threads that are not daemons: if this process saw another
     go away (`lost_process`) and did not finish, Orbax's save threads wait for it at their
     barriers until JAX's heartbeat timeout aborts the process (SIGABRT). Exit without
-    joining them: what they were saving is no commit, and the job's committed steps are on storage."""
-    locks, guard = getattr(threading, "_shutdown_locks", None), getattr(threading, "_shutdown_locks_lock", None)
+    joining them: what they were saving is no commit, and the job's committed steps are on
+    storage."""
+    locks, guard = (
+        getattr(threading, "_shutdown_locks", None),
+        getattr(threading, "_shutdown_locks_lock", None),
+    )
     if _lost is None or _finished or locks is None or guard is None:
         return
     for thread in threading.enumerate():
@@ -310,9 +333,9 @@ def _exit_without_lost_waits() -> None:
             locks.discard(getattr(thread, "_tstate_lock", None))
 
 
-
-
-def wait_unless_lost(wait: Callable[[], None], what: str, grace_secs: float = LOST_GRACE_SECS) -> None:
+def wait_unless_lost(
+    wait: Callable[[], None], what: str, grace_secs: float = LOST_GRACE_SECS
+) -> None:
     """Run `wait` (one that waits for the other processes, such as Orbax's commit) to its end, or
     raise `LostProcess` when another process went away and `wait` did not end within
     `grace_secs` of it (see `peer_watch.wait_unless_lost`); the loss is noted (`note_failure`).

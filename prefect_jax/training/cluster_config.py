@@ -43,7 +43,8 @@ DEFAULT_PORT = 8476  # JAX's documented default coordinator port
 
 
 class ClusterConfigError(ValueError):
-    """The environment describes a cluster that cannot be joined (the message names the variable)."""
+    """The environment describes a cluster that cannot be joined (the message names the
+    variable)."""
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,10 @@ class ClusterConfig:
     def __str__(self) -> str:
         if self.auto:
             return f"a cluster JAX detects itself ({self.source})"
-        return (f"{self.num_processes} processes, this is process {self.process_id}, "
-                f"coordinator {self.coordinator_address} ({self.source})")  # fmt: skip
+        return (
+            f"{self.num_processes} processes, this is process {self.process_id}, coordinator "
+            f"{self.coordinator_address} ({self.source})"
+        )
 
 
 def _int(env: Mapping[str, str], name: str, fix: str) -> int:
@@ -80,32 +83,41 @@ def _address(value: str, name: str) -> str:
     if not host:
         return f"{value}:{DEFAULT_PORT}"
     if not port.isdigit():
-        raise ClusterConfigError(f"{name}={value!r} is not host:port (for example 10.0.0.5:{DEFAULT_PORT})")
+        raise ClusterConfigError(
+            f"{name}={value!r} is not host:port (for example 10.0.0.5:{DEFAULT_PORT})"
+        )
     return value
 
 
 def _checked(n: int, pid: int, coordinator: str, source: str, pid_name: str) -> ClusterConfig:
     if n < 1:
-        raise ClusterConfigError(f"{NUM_PROCESSES}={n}: the number of JAX processes must be at least 1")
+        raise ClusterConfigError(
+            f"{NUM_PROCESSES}={n}: the number of JAX processes must be at least 1"
+        )
     if not 0 <= pid < n:
         raise ClusterConfigError(
-            f"{pid_name}={pid} is outside 0..{n - 1} for {n} processes: number the processes 0 to {n - 1} "
-            "(process 0 coordinates and writes MLflow, eval records and exports)"
+            f"{pid_name}={pid} is outside 0..{n - 1} for {n} processes: number the processes 0 to "
+            f"{n - 1} (process 0 coordinates and writes MLflow, eval records and exports)"
         )
     return ClusterConfig(n, pid, coordinator, source)
 
 
 def _from_spec(raw: str, name: str) -> ClusterConfig | None:
-    """``CLUSTER_SPEC`` (Vertex AI) or ``TF_CONFIG``: ``{"cluster": {pool: [host:port, ...]}, "task": {"type", "index"}}``."""
+    """``CLUSTER_SPEC`` (Vertex AI) or ``TF_CONFIG``: ``{"cluster": {pool: [host:port, ...]},
+    "task": {"type", "index"}}``."""
     try:
         spec = json.loads(raw)
         cluster, task = spec["cluster"], spec["task"]
         # The training pools only: Vertex's workerpool2 (parameter or reduction servers) and
         # workerpool3 (evaluators), TF's ps and evaluator tasks are not JAX training processes.
-        pools = [p for p in ("chief", "master", "workerpool0", "worker", "workerpool1") if cluster.get(p)]
+        pools = [
+            p for p in ("chief", "master", "workerpool0", "worker", "workerpool1") if cluster.get(p)
+        ]
         kind, index = task["type"], int(task.get("index", 0))
     except (ValueError, KeyError, TypeError) as exc:
-        raise ClusterConfigError(f"{name} is not a cluster spec with 'cluster' and 'task' ({exc!r}): {raw[:200]!r}") from None
+        raise ClusterConfigError(
+            f"{name} is not a cluster spec with 'cluster' and 'task' ({exc!r}): {raw[:200]!r}"
+        ) from None
     if not pools or kind not in pools:
         return None  # an evaluator or parameter server: trains alone, if at all
     hosts = [h for p in pools for h in cluster[p]]
@@ -116,32 +128,44 @@ def _from_spec(raw: str, name: str) -> ClusterConfig | None:
 
 
 def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig | None:
-    """The cluster this process belongs to, from its environment (see the module); None: one process.
+    """The cluster this process belongs to, from its environment (see the module); None: one
+    process.
 
     Raises:
         ClusterConfigError: a variable is malformed or inconsistent; the message names it.
     """
     env = os.environ if env is None else env
     if env.get(NUM_PROCESSES, "").strip().lower() == "auto":
-        return ClusterConfig(None, None, None, "JAX's cluster detection (SLURM, Open MPI, Cloud TPU)", auto=True)
+        return ClusterConfig(
+            None, None, None, "JAX's cluster detection (SLURM, Open MPI, Cloud TPU)", auto=True
+        )
     if env.get(NUM_PROCESSES):
-        n = _int(env, NUM_PROCESSES, "set it to the number of JAX processes that train the job together, or 'auto'")
+        n = _int(
+            env,
+            NUM_PROCESSES,
+            "set it to the number of JAX processes that train the job together, or 'auto'",
+        )
         if n == 1:
             return None
         if env.get(PROCESS_ID):
-            pid, pid_name, source = _int(env, PROCESS_ID, "set it to this process's index, 0 to N-1"), PROCESS_ID, "PREFECT_JAX_*"
+            pid, pid_name, source = (
+                _int(env, PROCESS_ID, "set it to this process's index, 0 to N-1"),
+                PROCESS_ID,
+                "PREFECT_JAX_*",
+            )
         elif env.get("JOB_COMPLETION_INDEX"):
             pid_name, source = "JOB_COMPLETION_INDEX", "Kubernetes indexed job"
             pid = _int(env, pid_name, "it is set by Kubernetes for completionMode: Indexed")
         else:
             raise ClusterConfigError(
-                f"{NUM_PROCESSES}={n} but this process's index is unknown: set {PROCESS_ID} (0 to {n - 1}), "
-                "or run it as a pod of a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)"
+                f"{NUM_PROCESSES}={n} but this process's index is unknown: set {PROCESS_ID} (0 to "
+                f"{n - 1}), or run it as a pod of a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)"
             )
         if not env.get(COORDINATOR):
             raise ClusterConfigError(
-                f"{NUM_PROCESSES}={n} but {COORDINATOR} is not set: set it to process 0's host:port, for example "
-                f"localhost:{DEFAULT_PORT} on one machine, or <job>-0.<headless service>:{DEFAULT_PORT} on Kubernetes"
+                f"{NUM_PROCESSES}={n} but {COORDINATOR} is not set: set it to process 0's "
+                f"host:port, for example localhost:{DEFAULT_PORT} on one machine, or "
+                f"<job>-0.<headless service>:{DEFAULT_PORT} on Kubernetes"
             )
         return _checked(n, pid, _address(env[COORDINATOR], COORDINATOR), source, pid_name)
     for name in ("CLUSTER_SPEC", "TF_CONFIG"):

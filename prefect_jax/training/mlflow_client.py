@@ -27,7 +27,9 @@ import warnings
 from concurrent.futures import Future
 
 logger = logging.getLogger("prefect_jax.tracking")
-EXIT_WAIT_SECS = 30.0  # how long a process's exit waits for its MLflow worker, and an evaluate or export run's end (`Tracker.land`)
+# how long a process's exit waits for its MLflow worker, and an evaluate or export run's end
+# (`Tracker.land`)
+EXIT_WAIT_SECS = 30.0
 # The same waits once another process of the job went away (`cluster.lost_process`): JAX's
 # coordination service aborts this process about its heartbeat timeout (30 s) after the loss if it
 # is still there, and the run would end Crashed instead of Failed.
@@ -47,7 +49,8 @@ def exit_wait(timeout: float) -> float:
 
 
 def default_tracking_uri() -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else SQLite in the working directory (MLflow's own default)."""
+    """``MLFLOW_TRACKING_URI`` if set, else SQLite in the working directory (MLflow's own
+    default)."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
 
 
@@ -64,7 +67,8 @@ def strict() -> bool:
 
 
 def in_process() -> bool:
-    """``PREFECT_JAX_MLFLOW_IN_PROCESS=1``: MLflow calls on a thread of this process, not in a child."""
+    """``PREFECT_JAX_MLFLOW_IN_PROCESS=1``: MLflow calls on a thread of this process, not in a
+    child."""
     return os.environ.get("PREFECT_JAX_MLFLOW_IN_PROCESS", "").lower() in ("1", "true", "yes")
 
 
@@ -85,7 +89,10 @@ def guarded(fn):
         except Exception as exc:  # noqa: BLE001 - tracking must never stop training
             if strict():
                 raise
-            msg = f"MLflow {fn.__name__} failed against {self.tracking_uri}: {exc!r}; training goes on"
+            msg = (
+                f"MLflow {fn.__name__} failed against {self.tracking_uri}: {exc!r}; training goes "
+                "on"
+            )
             warnings.warn(msg, TrackingWarning, stacklevel=2)
             logger.warning(msg)
             return None
@@ -93,9 +100,9 @@ def guarded(fn):
     return wrapper
 
 
-
 class _Worker:
-    """The child process that makes this process's MLflow calls (`prefect_jax.training.mlflow_worker`).
+    """The child process that makes this process's MLflow calls
+    (`prefect_jax.training.mlflow_worker`).
 
     Started from a thread of its own that lives as long as it does: Linux ends the child when
     that thread's process dies (its parent-death signal follows the thread that started it).
@@ -107,7 +114,8 @@ class _Worker:
     def __init__(self):
         self._lock = threading.Lock()
         self._futures: dict[int, Future] = {}
-        self._background: set[int] = set()  # requests of `request`: nothing waits for them at the end
+        # requests of `request`: nothing waits for them at the end
+        self._background: set[int] = set()
         self._registry_warmed: Future | None = None  # `warm_registry`'s answer, once asked
         self._ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -132,10 +140,22 @@ class _Worker:
             package_root = os.path.dirname(os.path.dirname(os.path.abspath(prefect_jax.__file__)))
             pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
             self.process = subprocess.Popen(
-                [sys.executable, "-P", "-m", "prefect_jax.training.mlflow_worker", str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-                env={**os.environ, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu"},  # see mlflow_worker._worker_environment
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-P",
+                    "-m",
+                    "prefect_jax.training.mlflow_worker",
+                    str(os.getpid()),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                close_fds=True,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": pythonpath,
+                    "JAX_PLATFORMS": "cpu",
+                },  # see mlflow_worker._worker_environment
+            )
         except BaseException as exc:  # noqa: BLE001 - the tracker falls back to a thread
             self._error = exc
             self._started.set()
@@ -148,7 +168,8 @@ class _Worker:
             message = self._outbox.get()
             if message is None:
                 stdin.close()  # the child finishes what it was asked, then exits
-                self.process.wait()  # this thread outlives it: its end would kill the child (PR_SET_PDEATHSIG)
+                # this thread outlives it: its end would kill the child (PR_SET_PDEATHSIG)
+                self.process.wait()
                 return
             try:
                 frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -170,7 +191,8 @@ class _Worker:
             except EOFError:
                 stdout.close()
                 break
-            except Exception as exc:  # noqa: BLE001 - an answer this process cannot read (no MLflow here)
+            # An answer this process cannot read (no MLflow here).
+            except Exception as exc:  # noqa: BLE001
                 logger.warning("MLflow worker: unreadable answer: %r", exc)
                 continue
             for record in captured:  # where this process's user sees them: its warnings, its log
@@ -191,7 +213,9 @@ class _Worker:
                 self._resolve_dead(waiting[call_id], code)
 
     def _resolve_dead(self, future: Future, code: int | None) -> None:
-        error = RuntimeError(f"the MLflow worker process exited (code {code}): MLflow calls are lost")
+        error = RuntimeError(
+            f"the MLflow worker process exited (code {code}): MLflow calls are lost"
+        )
         if strict():
             future.set_exception(error)
             return
@@ -275,7 +299,8 @@ def worker() -> _Worker:
     with _worker_lock:
         if _the_worker is None or not _the_worker.alive or _the_worker.pid != os.getpid():
             _the_worker = _Worker()
-            # Where concurrent.futures joins its threads at exit (not after a SIGTERM: see prefect_jax.cli.entry).
+            # Where concurrent.futures joins its threads at exit (not after a SIGTERM: see
+            # prefect_jax.cli.entry).
             register = getattr(threading, "_register_atexit", atexit.register)
             try:
                 register(_the_worker.stop, EXIT_WAIT_SECS)

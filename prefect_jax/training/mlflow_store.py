@@ -14,7 +14,9 @@ import os
 import sys
 from typing import Iterator
 
-NEW_STORE_SUFFIX = ".prefect-jax-new-"  # <database>.prefect-jax-new-<host>-<pid>: a store being created
+NEW_STORE_SUFFIX = (
+    ".prefect-jax-new-"  # <database>.prefect-jax-new-<host>-<pid>: a store being created
+)
 
 
 @contextlib.contextmanager
@@ -48,7 +50,8 @@ def built_beside(path: str) -> Iterator[str]:
 def store_template() -> str | None:
     """An empty MLflow SQLite store (MLflow's tables at their newest schema, no rows) for this
     MLflow and SQLAlchemy, kept in the cache root (``PREFECT_JAX_CACHE_DIR``, default
-    ``~/.cache/prefect-jax``): made once per machine by MLflow's own migrations (seconds of CPU), then
+    ``~/.cache/prefect-jax``): made once per machine by MLflow's own migrations (seconds of CPU),
+    then
     copied (a file copy) for each new store. Written whole or not at all. None where it cannot
     be made (a read-only cache, another MLflow's private API): stores are then made as MLflow
     makes them."""
@@ -60,14 +63,17 @@ def store_template() -> str | None:
         from prefect_jax.training.storage import cache_root
 
         folder = os.path.join(cache_root(), "mlflow-store-templates")
-        template = os.path.join(folder, f"mlflow-{mlflow.__version__}-sqlalchemy-{sqlalchemy.__version__}.db")
+        template = os.path.join(
+            folder, f"mlflow-{mlflow.__version__}-sqlalchemy-{sqlalchemy.__version__}.db"
+        )
         if os.path.exists(template):
             return template
         os.makedirs(folder, exist_ok=True)
         with built_beside(template) as building:
             engine = sqlalchemy.create_engine(f"sqlite:///{building}")
             try:
-                _initialize_tables(engine)  # tables only: the default experiment names its store's folder
+                # tables only: the default experiment names its store's folder
+                _initialize_tables(engine)
             finally:
                 engine.dispose()
             os.replace(building, template)
@@ -85,7 +91,8 @@ def open_store(path: str) -> None:
     try:
         MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments(max_results=1)
     finally:
-        try:  # no connection left open under the file's other name (MLflow's own attributes: best effort)
+        # no connection left open under the file's other name (MLflow's own attributes: best effort)
+        try:
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
             engine = SqlAlchemyStore._engine_map.get(f"sqlite:///{path}")
@@ -114,9 +121,13 @@ def create_sqlite_store(path: str) -> None:
         except Exception as exc:
             if template is None:
                 raise
-            # Unreadable, or not this MLflow's schema: made again by the migrations, and the store too.
-            print(f"prefect-jax MLflow worker: store template {template} not usable ({exc!r}): removed",
-                  file=sys.stderr)  # fmt: skip
+            # Unreadable, or not this MLflow's schema: made again by the migrations, and the store
+            # too.
+            print(
+                f"prefect-jax MLflow worker: store template {template} not usable ({exc!r}): "
+                "removed",
+                file=sys.stderr,
+            )
             for bad in (template, building):
                 if os.path.exists(bad):
                     os.remove(bad)

@@ -121,7 +121,8 @@ def _worker_environment(environment) -> dict:
 
 
 def _set_environ(environment) -> None:
-    """This process's environment becomes `environment` (with `_worker_environment`'s settings), key by
+    """This process's environment becomes `environment` (with `_worker_environment`'s settings), key
+    by
     key: Python code reading it meanwhile never sees it without them. (C code reading it meanwhile
     could read a changing array: JAX starting its client waits for it, ``environ_lock`` in `main`;
     XLA's later reads, at a model's compile, do not.)"""
@@ -137,7 +138,8 @@ def main() -> None:
     gc.disable()  # until MLflow is imported: `_startup_over`
     _set_environ(os.environ)
     _die_with_parent(int(sys.argv[1]))
-    try:  # bookkeeping: the cores go to training first (PREFECT_JAX_MLFLOW_NICE, default 10; 0 for none)
+    # bookkeeping: the cores go to training first (PREFECT_JAX_MLFLOW_NICE, default 10; 0 for none)
+    try:
         os.nice(int(os.environ.get("PREFECT_JAX_MLFLOW_NICE", "10")))
     except (OSError, ValueError):
         pass
@@ -157,16 +159,21 @@ def main() -> None:
     from prefect_jax.training import mlflow_client, tracking
 
     send_lock = threading.Lock()
-    environ_lock = threading.Lock()  # a tracker's environment is put in place while JAX starts its client
-    first_call_done = threading.Event()  # a tracker's first call ran (MLflow imported), warmed up or not
-    heavy_imports = threading.Lock()  # JAX's and matplotlib's imports (and JAX's start), one thread at a time
+    # a tracker's environment is put in place while JAX starts its client
+    environ_lock = threading.Lock()
+    # a tracker's first call ran (MLflow imported), warmed up or not
+    first_call_done = threading.Event()
+    # JAX's and matplotlib's imports (and JAX's start), one thread at a time
+    heavy_imports = threading.Lock()
     backends: dict[int, tracking.Tracker] = {}
 
     def reply(call_id: int, ok: bool, value, records: list) -> None:
         try:
             frame = pickle.dumps((call_id, ok, value, records), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - an answer (or an error) that does not pickle
-            frame = pickle.dumps((call_id, False, RuntimeError(f"MLflow worker: {value!r} ({exc!r})"), records))
+            frame = pickle.dumps(
+                (call_id, False, RuntimeError(f"MLflow worker: {value!r} ({exc!r})"), records)
+            )
         with send_lock:
             outbox.write(frame)
             outbox.flush()
@@ -210,7 +217,10 @@ def main() -> None:
                         create_sqlite_store(path)
                     MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
         except Exception as exc:  # noqa: BLE001 - the tracker's own calls report what is wrong
-            print(f"prefect-jax MLflow worker: warming up for {tracking_uri}: {exc!r}", file=sys.stderr)
+            print(
+                f"prefect-jax MLflow worker: warming up for {tracking_uri}: {exc!r}",
+                file=sys.stderr,
+            )
         finally:
             warmed[tracking_uri].set()
         try:
@@ -242,20 +252,34 @@ def main() -> None:
                     from prefect_jax.training import registry
 
                     with heavy_imports:
-                        with environ_lock:  # JAX reads the environment (C getenv) as it starts its client
+                        # JAX reads the environment (C getenv) as it starts its client
+                        with environ_lock:
                             registry.warm_jax()
                         registry.warm_mlflow()
                     registry_outcome.append((True, None))
-                except BaseException as exc:  # noqa: BLE001 - the first logged model does it again, or says what is wrong
-                    print(f"prefect-jax MLflow worker: making the model registry ready: {exc!r}", file=sys.stderr)
+                # The first logged model does it again, or says what is wrong.
+                except BaseException as exc:  # noqa: BLE001
+                    print(
+                        f"prefect-jax MLflow worker: making the model registry ready: {exc!r}",
+                        file=sys.stderr,
+                    )
                     # (its own type would make the parent import JAX's or MLflow's to read it)
-                    registry_outcome.append((False, RuntimeError(f"MLflow worker: making the model registry ready: {exc!r}")))
+                    registry_outcome.append(
+                        (
+                            False,
+                            RuntimeError(
+                                f"MLflow worker: making the model registry ready: {exc!r}"
+                            ),
+                        )
+                    )
         return registry_outcome[0]
 
     def warm_registry(call_id: int) -> None:
         ok, value = False, RuntimeError("MLflow worker: the model registry's warm-up did not end")
         try:
-            for event in list(warmed.values()) or [first_call_done]:  # MLflow's store first: a tracker's first call waits for it
+            for event in list(warmed.values()) or [
+                first_call_done
+            ]:  # MLflow's store first: a tracker's first call waits for it
                 event.wait(600)
             ok, value = ready_registry()
         finally:
@@ -280,9 +304,16 @@ def main() -> None:
         elif kind == "warm":
             warmed.setdefault(message[1], threading.Event())
             warming.add(message[1])
-            threading.Thread(target=warm, args=(message[1],), name="prefect-jax-mlflow-warm", daemon=True).start()
+            threading.Thread(
+                target=warm, args=(message[1],), name="prefect-jax-mlflow-warm", daemon=True
+            ).start()
         elif kind == "warm_registry":
-            threading.Thread(target=warm_registry, args=(message[1],), name="prefect-jax-mlflow-warm-registry", daemon=True).start()
+            threading.Thread(
+                target=warm_registry,
+                args=(message[1],),
+                name="prefect-jax-mlflow-warm-registry",
+                daemon=True,
+            ).start()
         elif kind == "drop":
             backend = backends.pop(message[1], None)
             if backend is not None:
@@ -294,7 +325,8 @@ def main() -> None:
             message = pickle.load(inbox)
         except EOFError:
             break
-        except Exception as exc:  # noqa: BLE001 - the stream is no longer readable: end, the parent warns
+        # The stream is no longer readable: end, the parent warns.
+        except Exception as exc:  # noqa: BLE001
             print(f"prefect-jax MLflow worker: unreadable call: {exc!r}", file=sys.stderr)
             break
         try:

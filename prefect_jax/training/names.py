@@ -50,4 +50,4 @@ STEP_MANIFEST_FILE = "prefect_jax_manifest.json"  # checksums of the step's file
 COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"  # written last on remote storage: the step is whole
 
 # MLflow: one tag per attempt that died without closing the run (counted by KILLED_TAG)
-KILLED_ATTEMPT_TAG = "prefect_jax.killed."  # prefect_jax.killed.<n>: who the n-th killed attempt was
+KILLED_ATTEMPT_TAG = "prefect_jax.killed."  # prefect_jax.killed.<n>: who the n-th one was

@@ -29,10 +29,13 @@ logger = logging.getLogger("prefect_jax.trainer")
 
 _BYE = b"bye"
 _WATCH_KEY = "watch/port"
-_gone: str | None = None  # how another process of the job went away (its watch connection closed), if it did
+_gone: str | None = (
+    None  # how another process of the job went away (its watch connection closed), if it did
+)
 _gone_at = 0.0  # when (time.monotonic())
 _watch_socks: list[socket.socket] = []
-LOST_GRACE_SECS = 2.0  # a wait that ends on its own within this long after a peer's connection closed was not lost
+# a wait that ends on its own within this long after a peer's connection closed was not lost
+LOST_GRACE_SECS = 2.0
 
 
 class LostProcess(ConnectionError):
@@ -77,7 +80,9 @@ def start(publish: Callable[[str, str], None], lookup: Callable[..., str]) -> bo
             token = secrets.token_hex(8)
             try:
                 if socket.has_dualstack_ipv6():
-                    server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+                    server = socket.create_server(
+                        ("", 0), family=socket.AF_INET6, dualstack_ipv6=True
+                    )
                 else:
                     server = socket.create_server(("", 0))
             except OSError:
@@ -95,13 +100,16 @@ def start(publish: Callable[[str, str], None], lookup: Callable[..., str]) -> bo
             sock.sendall(f"{state.process_id} {found[1]}\n".encode())
             _watch_socks.append(sock)
             target, args = _watch_process_0, (sock,)
-    except Exception as exc:  # noqa: BLE001 - no watch: a lost process is noticed by collectives and heartbeats only
-        logger.warning("no peer watch (a lost process is noticed by the next collective, or after the heartbeat timeout): %r", exc)
+    # No watch: a lost process is noticed by collectives and heartbeats only.
+    except Exception as exc:  # noqa: BLE001
+        logger.warning(
+            "no peer watch (a lost process is noticed by the next collective, or after the "
+            "heartbeat timeout): %r",
+            exc,
+        )
         return False
     threading.Thread(target=target, args=args, name="prefect-jax-peer-watch", daemon=True).start()
     return True
-
-
 
 
 def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
@@ -124,7 +132,12 @@ def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
             received += data
             if data and conn not in peers and (b"\n" in received or len(received) > 256):
                 first = bytes(received).split(b"\n", 1)[0].decode(errors="replace").split()
-                if len(first) == 2 and first[1] == token and first[0].isdigit() and 0 < int(first[0]) < count:
+                if (
+                    len(first) == 2
+                    and first[1] == token
+                    and first[0].isdigit()
+                    and 0 < int(first[0]) < count
+                ):
                     peers[conn] = int(first[0])
                     _watch_socks.append(conn)
                     continue
@@ -138,8 +151,10 @@ def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
                 _watch_socks.remove(conn)
             if index is None or b"\n" + _BYE + b"\n" in received:
                 continue
-            _note_gone(f"process {index} of the job's {count} went away: its connection to process 0 closed without "
-                       "a goodbye (it was killed, or it failed)")  # fmt: skip
+            _note_gone(
+                f"process {index} of the job's {count} went away: its connection to process 0 "
+                "closed without a goodbye (it was killed, or it failed)"
+            )
             for other in list(peers):
                 with contextlib.suppress(OSError):
                     other.sendall(f"gone {index}\n".encode())
@@ -162,11 +177,15 @@ def _watch_process_0(sock: socket.socket) -> None:
             if line == _BYE:
                 bye = True
             elif line.startswith(b"gone "):
-                _note_gone(f"process {line[5:].decode(errors='replace')} of the job went away (process 0 saw its "
-                           "connection close without a goodbye: it was killed, or it failed)")  # fmt: skip
+                _note_gone(
+                    f"process {line[5:].decode(errors='replace')} of the job went away (process 0 "
+                    "saw its connection close without a goodbye: it was killed, or it failed)"
+                )
     if not bye:
-        _note_gone("process 0 of the job went away: its connection to this process closed without a goodbye "
-                   "(it was killed, or it failed)")  # fmt: skip
+        _note_gone(
+            "process 0 of the job went away: its connection to this process closed without a "
+            "goodbye (it was killed, or it failed)"
+        )
 
 
 def wait_unless_lost(

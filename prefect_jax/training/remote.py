@@ -1,4 +1,5 @@
-"""Checkpoint steps on any fsspec URL: upload with a commit marker written last, download to a cache.
+"""Checkpoint steps on any fsspec URL: upload with a commit marker written last, download to a
+cache.
 
 Orbax (0.12.8) writes checkpoints to local absolute paths and ``gs://`` only. For every other
 protocol (``s3://``, ``az://``, ``memory://``, ...) a step is saved locally by Orbax first, then
@@ -57,9 +58,14 @@ from prefect_jax.training.remote_transfer import StepTransfers
 from prefect_jax.training.storage import small_read
 
 __all__ = [
-    "RemoteConfigError", "RemoteStorageError", "RemoteSteps", "RemoteUnreachableError",
-    "StepManifest", "first_line", "is_transient",
-]  # fmt: skip
+    "RemoteConfigError",
+    "RemoteStorageError",
+    "RemoteSteps",
+    "RemoteUnreachableError",
+    "StepManifest",
+    "first_line",
+    "is_transient",
+]
 
 logger = logging.getLogger("prefect_jax.remote")
 
@@ -80,7 +86,9 @@ class RemoteSteps(ErrorTranslation, StepTransfers):
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None):
         if not isinstance(url, str) or not url.strip():
-            raise RemoteConfigError(f"remote checkpoint URL {url!r} is empty: give a URL such as s3://bucket/prefix")
+            raise RemoteConfigError(
+                f"remote checkpoint URL {url!r} is empty: give a URL such as s3://bucket/prefix"
+            )
         url = url.strip()
         if "://" not in url:
             url = os.path.abspath(os.path.expanduser(url))
@@ -91,7 +99,8 @@ class RemoteSteps(ErrorTranslation, StepTransfers):
         self._secrets = secret_values(self.url, self._options)
         options = dict(self._options)
         if self.protocol in OBJECT_STORE_PROTOCOLS:
-            options.setdefault("use_listings_cache", False)  # see steps committed by other processes
+            # see steps committed by other processes
+            options.setdefault("use_listings_cache", False)
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         except Exception as exc:  # noqa: BLE001 - every construction failure becomes a clear error
@@ -158,24 +167,35 @@ class RemoteSteps(ErrorTranslation, StepTransfers):
         for path in map(str, paths):
             path = path if path.startswith(under) else self.fs._strip_protocol(path)
             if not path.startswith(under):
-                logger.warning("listing %s gave %r, not a path under it: listing its steps one by one instead",
-                               self.safe_url, scrub(path, self._secrets))  # fmt: skip
+                logger.warning(
+                    "listing %s gave %r, not a path under it: listing its steps one by one instead",
+                    self.safe_url,
+                    scrub(path, self._secrets),
+                )
                 return None
-            rel = path[len(under):]
+            rel = path[len(under) :]
             name = rel.split("/", 1)[0]
             if name.isdigit() and "/" in rel:
                 steps.setdefault(int(name), []).append(path)
         return steps
 
     def _committed_in(self, files: list[str]) -> bool:
-        return any(path.endswith("/" + COMMIT_MARKER) and path.count("/") == self.root.count("/") + 2 for path in files)
+        return any(
+            path.endswith("/" + COMMIT_MARKER) and path.count("/") == self.root.count("/") + 2
+            for path in files
+        )
 
     def _read_marker(self, step: int) -> bytes | None:
         """The commit marker of `step` (one GET of the small file), or None when there is none."""
         path = self.marker_path(step)
         self._invalidate(path)
         try:
-            return self._call(f"reading the commit marker of step {int(step)}", self.fs.cat_file, path, **small_read(self.fs))
+            return self._call(
+                f"reading the commit marker of step {int(step)}",
+                self.fs.cat_file,
+                path,
+                **small_read(self.fs),
+            )
         except FileNotFoundError:
             return None
 
@@ -185,15 +205,25 @@ class RemoteSteps(ErrorTranslation, StepTransfers):
         if data is None:
             return None
         manifest = StepManifest.from_json(data, int(step))
-        if manifest is None:  # a marker is written after every file: the step counts, its manifest is lost
-            logger.warning("commit marker of step %d in %s is unreadable; listing its files instead", step, self.safe_url)
+        # a marker is written after every file: the step counts, its manifest is lost
+        if manifest is None:
+            logger.warning(
+                "commit marker of step %d in %s is unreadable; listing its files instead",
+                step,
+                self.safe_url,
+            )
             return StepManifest(int(step), {}, [], "", 0.0)
         return manifest
 
     def read_meta(self, step: int) -> dict:
-        """The metadata item of a committed step (`names.STEP_META_FILE`), without downloading the step."""
-        data = self._call(f"reading the metadata of step {int(step)}", self.fs.cat_file, f"{self.step_path(step)}/{STEP_META_FILE}",
-                          **small_read(self.fs))  # fmt: skip
+        """The metadata item of a committed step (`names.STEP_META_FILE`), without downloading the
+        step."""
+        data = self._call(
+            f"reading the metadata of step {int(step)}",
+            self.fs.cat_file,
+            f"{self.step_path(step)}/{STEP_META_FILE}",
+            **small_read(self.fs),
+        )
         return json.loads(data)
 
     def is_committed(self, step: int) -> bool:
@@ -228,10 +258,16 @@ class RemoteSteps(ErrorTranslation, StepTransfers):
         except FileNotFoundError:
             pass
         self._invalidate(marker)
-        self._remove_tree(step, None if files is None else [f for f in files if f.rstrip("/") != marker])
+        self._remove_tree(
+            step, None if files is None else [f for f in files if f.rstrip("/") != marker]
+        )
 
-    def retain(self, keep: Callable[[list[int]], Collection[int]], but: int | None = None,
-               deleting: Callable[[int], None] | None = None) -> list[int]:  # fmt: skip
+    def retain(
+        self,
+        keep: Callable[[list[int]], Collection[int]],
+        but: int | None = None,
+        deleting: Callable[[int], None] | None = None,
+    ) -> list[int]:
         """Delete the committed steps that `keep` (given them all, oldest first) does not name,
         but never `but`; returns the steps deleted, each told to `deleting` before it stops
         counting. On an object store one listing names the steps, their markers and their files
@@ -246,8 +282,11 @@ class RemoteSteps(ErrorTranslation, StepTransfers):
             self.delete(old, tree[old] if tree is not None else None)
         return gone
 
-    def delete_uncommitted(self, keep: Callable[[int], bool] = lambda step: False, committed: list[int] | None = None) -> list[int]:
-        """Remove integer-named steps without a commit marker (uploads killed part-way), except those
+    def delete_uncommitted(
+        self, keep: Callable[[int], bool] = lambda step: False, committed: list[int] | None = None
+    ) -> list[int]:
+        """Remove integer-named steps without a commit marker (uploads killed part-way), except
+        those
         `keep` names (uploads in flight). Only the job's writer may call this. Returns the steps
         removed; `committed`, a list, gets the committed steps it saw (what `committed_steps` would
         list next, but for a step `keep` names that commits meanwhile), oldest first."""
@@ -258,8 +297,11 @@ class RemoteSteps(ErrorTranslation, StepTransfers):
                 if committed is not None:
                     committed.append(step)
             elif not keep(step):
-                logger.warning("step %d in %s was never committed (an upload stopped part-way): removing it",
-                               step, self.safe_url)
+                logger.warning(
+                    "step %d in %s was never committed (an upload stopped part-way): removing it",
+                    step,
+                    self.safe_url,
+                )
                 self._remove_tree(step, tree[step] if tree is not None else None)
                 removed.append(step)
         return removed

@@ -18,7 +18,8 @@ from prefect_jax.training.redaction import redact_options, redact_url, scrub
 
 
 class RemoteStorageError(Exception):
-    """A remote checkpoint directory cannot be used; the message names the (redacted) URL and what to check."""
+    """A remote checkpoint directory cannot be used; the message names the (redacted) URL and what
+    to check."""
 
     def __init__(self, message: str, url: str = ""):
         super().__init__(message)
@@ -26,7 +27,8 @@ class RemoteStorageError(Exception):
 
 
 class RemoteConfigError(RemoteStorageError, ValueError):
-    """Unknown protocol, missing package, missing or refused credentials, bad options: a retry cannot fix it."""
+    """Unknown protocol, missing package, missing or refused credentials, bad options: a retry
+    cannot fix it."""
 
 
 class RemoteUnreachableError(RemoteStorageError, ConnectionError):
@@ -34,15 +36,36 @@ class RemoteUnreachableError(RemoteStorageError, ConnectionError):
 
 
 _CREDENTIAL_ERRORS = {
-    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "UnknownCredentialError",
-    "NoAuthTokenError", "ProfileNotFound", "DefaultCredentialsError", "RefreshError",
-    "ClientAuthenticationError", "CredentialUnavailableError", "InvalidConfigError",
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "UnknownCredentialError",
+    "NoAuthTokenError",
+    "ProfileNotFound",
+    "DefaultCredentialsError",
+    "RefreshError",
+    "ClientAuthenticationError",
+    "CredentialUnavailableError",
+    "InvalidConfigError",
 }
 _UNREACHABLE_ERRORS = {
-    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-    "ProxyConnectionError", "HTTPClientError", "ClientConnectorError", "ClientConnectionError",
-    "ClientOSError", "ServerDisconnectedError", "ServerTimeoutError", "FSTimeoutError",
-    "ServiceRequestError", "ServiceResponseError", "TransportError", "ConnectionError", "TimeoutError",
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ProxyConnectionError",
+    "HTTPClientError",
+    "ClientConnectorError",
+    "ClientConnectionError",
+    "ClientOSError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+    "FSTimeoutError",
+    "ServiceRequestError",
+    "ServiceResponseError",
+    "TransportError",
+    "ConnectionError",
+    "TimeoutError",
 }
 
 
@@ -64,31 +87,45 @@ def _is_unreachable_error(exc: BaseException) -> bool:
 
 def is_transient(exc: BaseException) -> bool:
     """True when retrying the same transfer may succeed: I/O errors, timeouts, an endpoint that did
-    not answer. False for configuration errors, refused credentials, and files that are not there."""
+    not answer. False for configuration errors, refused credentials, and files that are not
+    there."""
     if isinstance(exc, RemoteConfigError):
         return False
     if _is_unreachable_error(exc):
         return True
-    if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)):
+    if isinstance(
+        exc,
+        (
+            PermissionError,
+            FileNotFoundError,
+            FileExistsError,
+            NotADirectoryError,
+            IsADirectoryError,
+        ),
+    ):
         return False
     return isinstance(exc, OSError)
 
 
 _CREDENTIAL_HINTS = {
-    "s3": "pass key/secret (and token) in the storage options, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
-    "AWS_PROFILE, or anon=True for a public bucket",
-    "gs": "pass token= (a service-account JSON file) in the storage options, or set GOOGLE_APPLICATION_CREDENTIALS",
-    "az": "pass account_name with account_key, sas_token or connection_string in the storage options, or set "
-    "AZURE_STORAGE_CONNECTION_STRING",
+    "s3": "pass key/secret (and token) in the storage options, set AWS_ACCESS_KEY_ID/"
+    "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or anon=True for a public bucket",
+    "gs": "pass token= (a service-account JSON file) in the storage options, or set "
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "az": "pass account_name with account_key, sas_token or connection_string in the storage "
+    "options, or set AZURE_STORAGE_CONNECTION_STRING",
 }
-_CREDENTIAL_HINTS.update(s3a=_CREDENTIAL_HINTS["s3"], gcs=_CREDENTIAL_HINTS["gs"], abfs=_CREDENTIAL_HINTS["az"],
-                         abfss=_CREDENTIAL_HINTS["az"])
+_CREDENTIAL_HINTS.update(
+    s3a=_CREDENTIAL_HINTS["s3"],
+    gcs=_CREDENTIAL_HINTS["gs"],
+    abfs=_CREDENTIAL_HINTS["az"],
+    abfss=_CREDENTIAL_HINTS["az"],
+)
 
 
 def first_line(text: str, limit: int = 300) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[:limit] + "..."
-
 
 
 class ErrorTranslation:
@@ -112,20 +149,30 @@ class ErrorTranslation:
 
     def _config_error(self, exc: BaseException) -> RemoteConfigError:
         if isinstance(exc, ValueError) and "protocol not known" in str(exc).lower():
-            known = ", ".join(p for p in ("file", "memory", "s3", "gs", "az", "abfs", "http", "sftp", "hdfs")
-                              if p in fsspec.available_protocols())
+            known = ", ".join(
+                p
+                for p in ("file", "memory", "s3", "gs", "az", "abfs", "http", "sftp", "hdfs")
+                if p in fsspec.available_protocols()
+            )
             return RemoteConfigError(
-                f"remote checkpoint URL {self.safe_url}: fsspec knows no protocol {self.protocol!r}. Check the "
-                f"spelling of the URL's scheme (known ones include {known}), or install the package that "
-                "implements it.", self.safe_url)
+                f"remote checkpoint URL {self.safe_url}: fsspec knows no protocol "
+                f"{self.protocol!r}. Check the spelling of the URL's scheme (known ones include "
+                f"{known}), or install the package that implements it.",
+                self.safe_url,
+            )
         if isinstance(exc, ImportError):
             return RemoteConfigError(
-                f"remote checkpoint URL {self.safe_url}: protocol {self.protocol!r} needs a package that is not "
-                f"installed ({self._cause(exc)}). Install it in this environment (s3fs for s3://, gcsfs for "
-                "gs://, adlfs for az://).", self.safe_url)
+                f"remote checkpoint URL {self.safe_url}: protocol {self.protocol!r} needs a "
+                f"package that is not installed ({self._cause(exc)}). Install it in this "
+                "environment (s3fs for s3://, gcsfs for gs://, adlfs for az://).",
+                self.safe_url,
+            )
         return RemoteConfigError(
-            f"remote checkpoint URL {self.safe_url}: cannot open {self.protocol}:// with the given storage options "
-            f"({self._cause(exc)}). Check the storage options (redacted: {self.storage_options}).", self.safe_url)
+            f"remote checkpoint URL {self.safe_url}: cannot open {self.protocol}:// with the given "
+            f"storage options ({self._cause(exc)}). Check the storage options (redacted: "
+            f"{self.storage_options}).",
+            self.safe_url,
+        )
 
     def _translate(self, exc: BaseException, doing: str) -> BaseException | None:
         """A clear error for a failure of `doing`, or None to let `exc` through unchanged."""
@@ -133,17 +180,27 @@ class ErrorTranslation:
         if isinstance(exc, RemoteStorageError):
             return None
         if _is_credentials_error(exc):
-            hint = _CREDENTIAL_HINTS.get(self.protocol, "pass the credentials in the storage options")
+            hint = _CREDENTIAL_HINTS.get(
+                self.protocol, "pass the credentials in the storage options"
+            )
             return RemoteConfigError(
-                f"no usable credentials for {where} while {doing} ({self._cause(exc)}): {hint}.", self.safe_url)
+                f"no usable credentials for {where} while {doing} ({self._cause(exc)}): {hint}.",
+                self.safe_url,
+            )
         if isinstance(exc, PermissionError):
             return RemoteConfigError(
-                f"access to {where} was refused while {doing} ({self._cause(exc)}): check that the credentials "
-                "are right and allowed to list, read, write and delete under this prefix.", self.safe_url)
+                f"access to {where} was refused while {doing} ({self._cause(exc)}): check that the "
+                "credentials are right and allowed to list, read, write and delete under this "
+                "prefix.",
+                self.safe_url,
+            )
         if _is_unreachable_error(exc):
             return RemoteUnreachableError(
-                f"cannot reach {where} while {doing} ({self._cause(exc)}): check the endpoint URL, the network "
-                "and that the storage service is up; this is retried as a transient error.", self.safe_url)
+                f"cannot reach {where} while {doing} ({self._cause(exc)}): check the endpoint URL, "
+                "the network and that the storage service is up; this is retried as a transient "
+                "error.",
+                self.safe_url,
+            )
         if isinstance(exc, TypeError) and "keyword argument" in str(exc):
             return self._config_error(exc)
         if isinstance(exc, ImportError):

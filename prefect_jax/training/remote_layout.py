@@ -29,14 +29,14 @@ LOCAL_PROTOCOLS = ("file", "local")
 OBJECT_STORE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2")
 
 
-
 def protocol_of(url: str) -> str:
     last = url.split("::")[0]
     return last.split("://", 1)[0] if "://" in last else "file"
 
 
 def local_tree(local_dir: str) -> tuple[list[str], dict[str, int]]:
-    """(sub-directories, {file: size}) under `local_dir`, as sorted ``/``-separated relative paths."""
+    """(sub-directories, {file: size}) under `local_dir`, as sorted ``/``-separated relative
+    paths."""
     dirs: list[str] = []
     files: dict[str, int] = {}
     for here, subdirs, names in os.walk(local_dir):
@@ -64,21 +64,33 @@ class StepManifest:
 
     def to_json(self) -> bytes:
         return json.dumps(
-            {"format": MARKER_FORMAT, "step": self.step, "files": self.files, "dirs": self.dirs,
-             "upload_id": self.upload_id, "uploaded_at": self.uploaded_at, "host": socket.gethostname(),
-             "pid": os.getpid()},
-            indent=1, sort_keys=True,
+            {
+                "format": MARKER_FORMAT,
+                "step": self.step,
+                "files": self.files,
+                "dirs": self.dirs,
+                "upload_id": self.upload_id,
+                "uploaded_at": self.uploaded_at,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            },
+            indent=1,
+            sort_keys=True,
         ).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str, step: int) -> "StepManifest | None":
         try:
             obj = json.loads(data)
-            return cls(int(obj["step"]), {str(k): int(v) for k, v in obj["files"].items()},
-                       [str(d) for d in obj.get("dirs", [])], str(obj["upload_id"]), float(obj.get("uploaded_at", 0)))
+            return cls(
+                int(obj["step"]),
+                {str(k): int(v) for k, v in obj["files"].items()},
+                [str(d) for d in obj.get("dirs", [])],
+                str(obj["upload_id"]),
+                float(obj.get("uploaded_at", 0)),
+            )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
-
 
 
 def local_copy_matches(path: str, manifest: StepManifest) -> bool:
@@ -91,13 +103,18 @@ def local_copy_matches(path: str, manifest: StepManifest) -> bool:
     if local is None or local.upload_id != manifest.upload_id:
         return False
     try:
-        return all(os.path.getsize(os.path.join(path, *f.split("/"))) == size for f, size in manifest.files.items())
+        return all(
+            os.path.getsize(os.path.join(path, *f.split("/"))) == size
+            for f, size in manifest.files.items()
+        )
     except OSError:
         return False
 
 
 def move_aside_and_remove(path: str) -> None:
-    aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.stale-{uuid.uuid4().hex[:12]}")
+    aside = os.path.join(
+        os.path.dirname(path), f".{os.path.basename(path)}.stale-{uuid.uuid4().hex[:12]}"
+    )
     try:
         os.rename(path, aside)
     except FileNotFoundError:

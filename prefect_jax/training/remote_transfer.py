@@ -48,21 +48,34 @@ class StepTransfers:
         step = int(step)
         local = os.path.abspath(local_step_dir)
         if not os.path.isdir(local):
-            raise FileNotFoundError(f"local checkpoint step {local} is not a directory: nothing to upload as step {step}")
+            raise FileNotFoundError(
+                f"local checkpoint step {local} is not a directory: nothing to upload as step "
+                f"{step}"
+            )
         if self.is_committed(step):
             if not overwrite:
-                logger.info("step %d is already committed in %s; not uploading it again", step, self.safe_url)
+                logger.info(
+                    "step %d is already committed in %s; not uploading it again",
+                    step,
+                    self.safe_url,
+                )
                 return False
-            self._call(f"removing the commit marker of step {step}", self.fs.rm_file, self.marker_path(step))
+            self._call(
+                f"removing the commit marker of step {step}",
+                self.fs.rm_file,
+                self.marker_path(step),
+            )
         dirs, files = local_tree(local)
         manifest = StepManifest(step, files, dirs, uuid.uuid4().hex, time.time())
         started = time.monotonic()
         if not self._flat:
-            self._remove_tree(step)  # an earlier, uncommitted upload (object stores: after the copy, below)
+            # an earlier, uncommitted upload (object stores: after the copy, below)
+            self._remove_tree(step)
         target = self.step_path(step)
         lpaths = [os.path.join(local, *f.split("/")) for f in files]
         rpaths = [f"{target}/{f}" for f in files]
-        if self.protocol not in OBJECT_STORE_PROTOCOLS:  # directories first, parents before children
+        # directories first, parents before children
+        if self.protocol not in OBJECT_STORE_PROTOCOLS:
             lpaths = [local] + [os.path.join(local, *d.split("/")) for d in dirs] + lpaths
             rpaths = [target] + [f"{target}/{d}" for d in dirs] + rpaths
         try:
@@ -70,16 +83,26 @@ class StepTransfers:
         except FileNotFoundError as exc:
             if not os.path.isdir(local):
                 raise FileNotFoundError(
-                    f"local checkpoint step {local} disappeared while it was uploaded as step {step} (was it "
-                    "removed by local retention before its upload finished?); the step is not committed") from exc
+                    f"local checkpoint step {local} disappeared while it was uploaded as step "
+                    f"{step} (was it removed by local retention before its upload finished?); the "
+                    "step is not committed"
+                ) from exc
             raise RemoteConfigError(
-                f"cannot write step {step} under {self.safe_url} ({self._cause(exc)}): check that the bucket or "
-                "container exists and the URL is spelled right.", self.safe_url) from None
+                f"cannot write step {step} under {self.safe_url} ({self._cause(exc)}): check that "
+                "the bucket or container exists and the URL is spelled right.",
+                self.safe_url,
+            ) from None
         self._verify_remote(step, manifest)
         self._write_marker(step, manifest)
         size = sum(files.values())
-        logger.info("uploaded step %d (%d files, %.1f MiB) to %s in %.1fs",
-                    step, len(files), size / 2**20, self.safe_url, time.monotonic() - started)
+        logger.info(
+            "uploaded step %d (%d files, %.1f MiB) to %s in %.1fs",
+            step,
+            len(files),
+            size / 2**20,
+            self.safe_url,
+            time.monotonic() - started,
+        )
         return True
 
     def _remove_tree(self, step: int, files: list[str] | None = None) -> None:
@@ -88,7 +111,8 @@ class StepTransfers:
         path = self.step_path(step)
         self._invalidate(path)
         if files is not None and any(f.endswith("/") for f in files):
-            files = None  # a "directory" key (some tools write them) is removed only by removing the tree
+            # A "directory" key (some tools write them) is removed only by removing the tree.
+            files = None
         try:
             if files is None:
                 self._call(f"removing step {step}", self.fs.rm, path, recursive=True)
@@ -107,7 +131,7 @@ class StepTransfers:
             return {}
         sizes = {}
         for name, info in found.items():
-            rel = name[len(path) + 1:] if name.startswith(path + "/") else name.rsplit("/", 1)[-1]
+            rel = name[len(path) + 1 :] if name.startswith(path + "/") else name.rsplit("/", 1)[-1]
             if info.get("type", "file") != "directory" and rel != COMMIT_MARKER:
                 sizes[rel] = int(info.get("size") or 0)
         return sizes
@@ -126,8 +150,10 @@ class StepTransfers:
         bad = [f for f, size in manifest.files.items() if remote.get(f) != size]
         if bad:
             raise OSError(
-                f"upload of step {step} to {self.safe_url} is incomplete after copying: {len(bad)} file(s) missing "
-                f"or of the wrong size (first: {bad[0]}); it is not committed and will be uploaded again")
+                f"upload of step {step} to {self.safe_url} is incomplete after copying: {len(bad)} "
+                f"file(s) missing or of the wrong size (first: {bad[0]}); it is not committed and "
+                "will be uploaded again"
+            )
 
     def _write_marker(self, step: int, manifest: StepManifest) -> None:
         path = self.marker_path(step)
@@ -156,8 +182,9 @@ class StepTransfers:
         manifest = self.read_manifest(step)
         if manifest is None:
             raise FileNotFoundError(
-                f"step {step} is not committed in {self.safe_url} (committed steps: {self.committed_steps()}); "
-                "a step counts once its upload wrote the commit marker")
+                f"step {step} is not committed in {self.safe_url} (committed steps: "
+                f"{self.committed_steps()}); a step counts once its upload wrote the commit marker"
+            )
         local_dir = os.path.abspath(local_dir)
         os.makedirs(local_dir, exist_ok=True)
         target = os.path.join(local_dir, str(step))
@@ -177,10 +204,16 @@ class StepTransfers:
             lpaths = [os.path.join(tmp, *f.split("/")) for f in files]
             if rpaths:
                 self._call(f"downloading step {step}", self.fs.get, rpaths, lpaths)
-            wrong = [f for f, size in files.items() if os.path.getsize(os.path.join(tmp, *f.split("/"))) != size]
+            wrong = [
+                f
+                for f, size in files.items()
+                if os.path.getsize(os.path.join(tmp, *f.split("/"))) != size
+            ]
             if wrong:
-                raise OSError(f"download of step {step} from {self.safe_url}: {len(wrong)} file(s) came down with the "
-                              f"wrong size (first: {wrong[0]}); retry the download")
+                raise OSError(
+                    f"download of step {step} from {self.safe_url}: {len(wrong)} file(s) came down "
+                    f"with the wrong size (first: {wrong[0]}); retry the download"
+                )
             with open(os.path.join(tmp, COMMIT_MARKER), "wb") as f:
                 f.write(manifest.to_json())
             if os.path.lexists(target):
@@ -188,18 +221,27 @@ class StepTransfers:
             try:
                 os.rename(tmp, target)
             except OSError:
-                if local_copy_matches(target, manifest):  # another process put the same copy there first
+                # another process put the same copy there first
+                if local_copy_matches(target, manifest):
                     shutil.rmtree(tmp, ignore_errors=True)
                     return target
                 raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        logger.info("downloaded step %d (%d files, %.1f MiB) from %s to %s in %.1fs", step, len(files),
-                    sum(files.values()) / 2**20, self.safe_url, target, time.monotonic() - started)
+        logger.info(
+            "downloaded step %d (%d files, %.1f MiB) from %s to %s in %.1fs",
+            step,
+            len(files),
+            sum(files.values()) / 2**20,
+            self.safe_url,
+            target,
+            time.monotonic() - started,
+        )
         return target
 
     def download_latest(self, local_dir: str) -> tuple[int, str] | None:
-        """Download the newest committed step: ``(step, local path)``, or None when nothing is committed."""
+        """Download the newest committed step: ``(step, local path)``, or None when nothing is
+        committed."""
         step = self.latest_committed()
         return None if step is None else (step, self.download(step, local_dir))

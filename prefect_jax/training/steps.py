@@ -34,14 +34,17 @@ def job_committed_steps(storage) -> list[int]:
 
 def job_step_is_backup(storage, step: int) -> bool:
     """Whether a committed step of a job is a backup (`CheckpointSpec.backups`), from its metadata
-    item alone (no restore, no download); False when that cannot be read (an evaluation says why)."""
+    item alone (no restore, no download); False when that cannot be read (an evaluation says
+    why)."""
     try:
         if storage.orbax_native:
             from prefect_jax.training.checkpoints import read_meta_file
 
             meta = read_meta_file(storage.checkpoint_dir, step)
         else:
-            meta = RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).read_meta(step)
+            meta = RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).read_meta(
+                step
+            )
     except Exception:  # noqa: BLE001 - unreadable: not known to be a backup
         return False
     return bool(meta.get("backup"))

@@ -33,14 +33,17 @@ from prefect_jax.training.mlflow_client import (
     strict,
     worker,
 )
+
 # Imported from here by the command and the flows (to be imported from mlflow_client instead).
 from prefect_jax.training.mlflow_client import default_tracking_uri, warm_up  # noqa: F401
 from prefect_jax.training.tracking_metrics import MetricCalls
-from prefect_jax.training.tracking_run import RunCalls
+from prefect_jax.training.tracking_run import RegistryCalls, RunCalls
 
 logger = logging.getLogger("prefect_jax.tracking")
 
-freeze_after_connect = False  # set by the command, which owns its process: gc.freeze() once MLflow is imported
+freeze_after_connect = (
+    False  # set by the command, which owns its process: gc.freeze() once MLflow is imported
+)
 
 
 def flatten_params(prefix: str, obj: Any) -> dict[str, str]:
@@ -57,8 +60,7 @@ def flatten_params(prefix: str, obj: Any) -> dict[str, str]:
     return out
 
 
-
-class Tracker(RunCalls, MetricCalls):
+class Tracker(RunCalls, RegistryCalls, MetricCalls):
     """The MLflow run of one job.
 
     Args:
@@ -69,8 +71,14 @@ class Tracker(RunCalls, MetricCalls):
             one of several): every call then does nothing.
     """
 
-    def __init__(self, tracking_uri: str | None, experiment: str, job_key: str, enabled: bool = True,
-                 _worker_side: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        tracking_uri: str | None,
+        experiment: str,
+        job_key: str,
+        enabled: bool = True,
+        _worker_side: bool = False,
+    ):
         self.enabled = enabled
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.experiment = experiment
@@ -79,15 +87,25 @@ class Tracker(RunCalls, MetricCalls):
         self._experiment_id: str | None = None  # where the calls run (see `experiment_id`)
         self._started: Future | None = None
         self._client = None
-        self._logged_until: dict[str, int] = {}  # prefix -> its last step in MLflow (looked up once per run and process)
-        self._logged_at: dict[str, set[int]] = {}  # steps of a metric known to be in MLflow (looked up once)
-        self._unwritten: dict[int, list[tuple[str, float, int]]] = {}  # train rows submitted, not yet written
+        self._logged_until: dict[
+            str, int
+        ] = {}  # prefix -> its last step in MLflow (looked up once per run and process)
+        self._logged_at: dict[
+            str, set[int]
+        ] = {}  # steps of a metric known to be in MLflow (looked up once)
+        self._unwritten: dict[
+            int, list[tuple[str, float, int]]
+        ] = {}  # train rows submitted, not yet written
         self._unwritten_lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: list[Future] = []
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the trainer's run is open
-        self._curve_drawn_at: float | None = None  # when the last learning curve was asked for (monotonic)
-        self._pool: ThreadPoolExecutor | None = None  # the calls' thread (this process, or the worker's)
+        self._curve_drawn_at: float | None = (
+            None  # when the last learning curve was asked for (monotonic)
+        )
+        self._pool: ThreadPoolExecutor | None = (
+            None  # the calls' thread (this process, or the worker's)
+        )
         self._remote: RemoteCalls | None = None  # the calls' worker process
         self._own_client = None  # `client` of a tracker whose calls run in the worker
         if _worker_side:  # in the worker: its reader hands this tracker's calls to its thread
@@ -99,7 +117,9 @@ class Tracker(RunCalls, MetricCalls):
             try:
                 self._remote = RemoteCalls(worker(), (self.tracking_uri, experiment, job_key))
             except Exception as exc:  # noqa: BLE001 - MLflow still works, in this process
-                logger.warning("MLflow worker process not started (%r): MLflow calls run in this process", exc)
+                logger.warning(
+                    "MLflow worker process not started (%r): MLflow calls run in this process", exc
+                )
         if self._remote is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-jax-mlflow")
         self._call("_connect")
@@ -107,13 +127,20 @@ class Tracker(RunCalls, MetricCalls):
     # -- the background calls -------------------------------------------------------------
 
     def _call(self, name: str, *args) -> Future:
-        """Run method `name` in the background (in the worker process, or on this process's thread)."""
+        """Run method `name` in the background (in the worker process, or on this process's
+        thread)."""
         if not self.enabled:
             future: Future = Future()
             future.set_result(None)
             return future
-        future = self._remote.call(name, args) if self._remote is not None else self._pool.submit(getattr(self, name), *args)
-        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [future]
+        future = (
+            self._remote.call(name, args)
+            if self._remote is not None
+            else self._pool.submit(getattr(self, name), *args)
+        )
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [
+            future
+        ]
         return future
 
     def flush(self) -> None:
@@ -127,8 +154,10 @@ class Tracker(RunCalls, MetricCalls):
     def land(self, timeout: float = EXIT_WAIT_SECS) -> None:
         """Wait for every call made so far, as the end of an evaluate or export flow run does. In
         strict mode: `flush`. Otherwise up to `timeout` seconds, and what failed or is still on its
-        way then is logged, not raised (an unreachable tracking server must not hold or fail the run:
-        the eval records are the durable truth, and the job's next evaluator logs what MLflow lacks)."""
+        way then is logged, not raised (an unreachable tracking server must not hold or fail the
+        run:
+        the eval records are the durable truth, and the job's next evaluator logs what MLflow
+        lacks)."""
         if strict():
             self.flush()
             return
@@ -141,9 +170,20 @@ class Tracker(RunCalls, MetricCalls):
         if waiting or failed:
             from prefect_jax.training.redaction import redact_url, scrub, secret_values
 
-            first = f" (first: {scrub(repr(failed[0]), secret_values(self.tracking_uri, None))})" if failed else ""
-            logger.warning("MLflow at %s: %d write(s) still on their way after %gs, %d failed%s; the run goes on without them",
-                           redact_url(self.tracking_uri), len(waiting), timeout, len(failed), first)  # fmt: skip
+            first = (
+                f" (first: {scrub(repr(failed[0]), secret_values(self.tracking_uri, None))})"
+                if failed
+                else ""
+            )
+            logger.warning(
+                "MLflow at %s: %d write(s) still on their way after %gs, %d failed%s; the run "
+                "goes on without them",
+                redact_url(self.tracking_uri),
+                len(waiting),
+                timeout,
+                len(failed),
+                first,
+            )
 
     def _wait(self, name: str, *args):
         self.flush()
@@ -154,19 +194,23 @@ class Tracker(RunCalls, MetricCalls):
             from mlflow.tracking import MlflowClient
 
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
-            if freeze_after_connect:  # the command froze its imports (prefect_jax.cli): MLflow's too
+            # the command froze its imports (prefect_jax.cli): MLflow's too
+            if freeze_after_connect:
                 import gc
 
                 gc.freeze()
         except Exception as exc:  # noqa: BLE001
             if strict():
                 raise
-            warnings.warn(f"MLflow unavailable at {self.tracking_uri}: {exc!r}", TrackingWarning, stacklevel=2)
+            warnings.warn(
+                f"MLflow unavailable at {self.tracking_uri}: {exc!r}", TrackingWarning, stacklevel=2
+            )
 
     @property
     def client(self):
         """An MlflowClient for this tracker's store (None if MLflow is unavailable), once every
-        call made so far is done. With the calls in the worker process, a client of this process's own."""
+        call made so far is done. With the calls in the worker process, a client of this process's
+        own."""
         self.flush()
         if self._remote is None:
             return self._client
@@ -177,7 +221,8 @@ class Tracker(RunCalls, MetricCalls):
         return self._own_client
 
     def _run(self) -> dict:
-        """What `start` found: ``{"run_id", "experiment_id"}`` (waits for it; empty before `start`)."""
+        """What `start` found: ``{"run_id", "experiment_id"}`` (waits for it; empty before
+        `start`)."""
         return (self._started.result() or {}) if self._started is not None else {}
 
     @property
@@ -221,4 +266,3 @@ class Tracker(RunCalls, MetricCalls):
             elif self._pool is not None:
                 self._stop_system_metrics()
                 self._pool.shutdown(wait=True)
-

@@ -16,7 +16,8 @@ from prefect_jax.training.names import GOODPUT_TAG
 
 
 class MetricCalls:
-    """Metric bookkeeping: what is in MLflow already, what is still on its way (part of `Tracker`)."""
+    """Metric bookkeeping: what is in MLflow already, what is still on its way (part of
+    `Tracker`)."""
 
     def log_new_metrics(self, rows: Iterable[tuple[str, float, int]], prefix: str) -> None:
         """Log the rows (metrics named ``<prefix>...``) past the last step at which this run had a
@@ -30,10 +31,13 @@ class MetricCalls:
         rows, key = list(rows), next(self._ids)
         with self._unwritten_lock:
             self._unwritten[key] = rows
-        self._call("_log_new_metrics", rows, prefix).add_done_callback(lambda _, key=key: self._forget(key))
+        self._call("_log_new_metrics", rows, prefix).add_done_callback(
+            lambda _, key=key: self._forget(key)
+        )
 
     def unwritten_metrics(self) -> list[tuple[str, float, int]]:
-        """Rows given to `log_new_metrics` that are not in MLflow yet (a checkpoint carries them)."""
+        """Rows given to `log_new_metrics` that are not in MLflow yet (a checkpoint carries
+        them)."""
         with self._unwritten_lock:
             return [r for rows in self._unwritten.values() for r in rows]
 
@@ -42,7 +46,8 @@ class MetricCalls:
             self._unwritten.pop(key, None)
 
     def log_metrics_once(self, rows: Iterable[tuple[str, float, int]], key: str, step: int) -> None:
-        """Log the rows unless `key` is already logged at `step` (a crash between log and record)."""
+        """Log the rows unless `key` is already logged at `step` (a crash between log and
+        record)."""
         self._call("_log_metrics_once", list(rows), key, step)
 
     @guarded
@@ -72,7 +77,9 @@ class MetricCalls:
             self._log_metrics(rows)
             self._logged_at[key].add(step)
 
-    def log_learning_curve(self, step: int, train_key: str, eval_keys: list[str], min_interval_secs: float = 0.0) -> None:
+    def log_learning_curve(
+        self, step: int, train_key: str, eval_keys: list[str], min_interval_secs: float = 0.0
+    ) -> None:
         """In the background: the learning curve up to `step` (train `train_key` and the eval
         metrics by step, from the run's history) as the image ``learning_curve`` at `step`;
         skipped if one was drawn less than `min_interval_secs` ago in this process."""
@@ -88,13 +95,22 @@ class MetricCalls:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        history = {k: sorted((m.step, m.value) for m in self._client.get_metric_history(self._run_id, k)) for k in [train_key, *eval_keys]}
+        history = {
+            k: sorted((m.step, m.value) for m in self._client.get_metric_history(self._run_id, k))
+            for k in [train_key, *eval_keys]
+        }
         figure = Figure(figsize=(7, 4), dpi=100)
         ax = figure.add_subplot()
         for key, points in history.items():
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o" if key != train_key else None, label=key, linewidth=1.5 if key != train_key else 1)
+                ax.plot(
+                    xs,
+                    ys,
+                    marker="o" if key != train_key else None,
+                    label=key,
+                    linewidth=1.5 if key != train_key else 1,
+                )
         ax.set_xlabel("step")
         ax.set_title(f"learning curve at step {step}")
         ax.grid(alpha=0.3)
@@ -105,7 +121,8 @@ class MetricCalls:
         self._client.log_image(self._run_id, image, key="learning_curve", step=int(step))
 
     def log_goodput(self, summary: dict[str, Any], step: int) -> None:
-        """In the background: the job's goodput (see `prefect_jax.training.goodput`) as ``goodput/*``
+        """In the background: the job's goodput (see `prefect_jax.training.goodput`) as
+        ``goodput/*``
         metrics at `step`, the artifact ``goodput.json`` and the tag ``prefect_jax.goodput``."""
         if summary:
             self._call("_log_goodput", dict(summary), int(step))
@@ -116,7 +133,11 @@ class MetricCalls:
 
         self._log_metrics(mlflow_metrics(summary, step))
         self._client.log_dict(self._run_id, summary, "goodput.json")
-        self._client.set_tag(self._run_id, GOODPUT_TAG, f"{summary['goodput']:.3f} over {summary['attempts']} attempt(s)")
+        self._client.set_tag(
+            self._run_id,
+            GOODPUT_TAG,
+            f"{summary['goodput']:.3f} over {summary['attempts']} attempt(s)",
+        )
 
     # -- reads (wait for the calls before them) ------------------------------------------
 
@@ -134,4 +155,3 @@ class MetricCalls:
     @guarded
     def _metric_history(self, key: str) -> list[tuple[int, float]]:
         return [(m.step, m.value) for m in self._client.get_metric_history(self._run_id, key)]
-

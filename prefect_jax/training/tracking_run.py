@@ -1,9 +1,10 @@
 """The run side of a `Tracker`: find or create the job's MLflow run, reopen it, close it, record
 the attempts that died without closing it, its tags, its link in the MLflow UI, and the exports
-it registers (`prefect_jax.training.registry`).
+it registers (`prefect_jax.training.registry`, `RegistryCalls`).
 
-`RunCalls` is one of `Tracker`'s bases: its public methods queue a call (`Tracker._call`); the
-underscored ones run it, in the MLflow worker process or on the tracker's thread.
+`RunCalls` and `RegistryCalls` are bases of `Tracker` (with `MetricCalls`): their public methods
+queue a call (`Tracker._call`); the underscored ones run it, in the MLflow worker process or on
+the tracker's thread.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import os
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from prefect_jax.training.mlflow_client import EXIT_WAIT_SECS, exit_wait, guarded, process_lost, strict
+from prefect_jax.training.mlflow_client import (
+    EXIT_WAIT_SECS,
+    exit_wait,
+    guarded,
+    process_lost,
+    strict,
+)
 from prefect_jax.training.names import (
     EXPERIMENT_KIND_TAG,
     JOB_TAG,
@@ -32,10 +39,16 @@ class RunCalls:
     """The job's run: start, describe, tag, finish; model registration (part of `Tracker`)."""
 
     def start(
-        self, params: dict[str, Any], tags: dict[str, str] | None = None, run_id: str | None = None, reopen: bool = True,
-        killed: dict[str, Any] | None = None, description: str | None = None,
+        self,
+        params: dict[str, Any],
+        tags: dict[str, str] | None = None,
+        run_id: str | None = None,
+        reopen: bool = True,
+        killed: dict[str, Any] | None = None,
+        description: str | None = None,
     ) -> None:
-        """Find this job's run (by `run_id` or by job tag) or create it; mark it RUNNING if `reopen`.
+        """Find this job's run (by `run_id` or by job tag) or create it; mark it RUNNING if
+        `reopen`.
 
         Params are logged only when the run is created, so a rerun never conflicts with them.
         `killed` describes an attempt that died without closing the run (a SIGKILLed trainer
@@ -48,7 +61,12 @@ class RunCalls:
 
     @guarded
     def _start(
-        self, params: dict[str, Any], tags: dict[str, str] | None, run_id: str | None, reopen: bool, killed: dict | None = None,
+        self,
+        params: dict[str, Any],
+        tags: dict[str, str] | None,
+        run_id: str | None,
+        reopen: bool,
+        killed: dict | None = None,
         description: str | None = None,
     ) -> dict[str, str]:
         self._logged_until = {}  # this run's history is looked up again (see _log_new_metrics)
@@ -56,7 +74,11 @@ class RunCalls:
         client = self._client
         exp = client.get_experiment_by_name(self.experiment)
         if exp is None:
-            exp_id = client.create_experiment(self.experiment, artifact_location=self._artifact_root(), tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
+            exp_id = client.create_experiment(
+                self.experiment,
+                artifact_location=self._artifact_root(),
+                tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING},
+            )
         else:
             exp_id = exp.experiment_id
             if EXPERIMENT_KIND_TAG not in exp.tags:  # a person's choice of view is left alone
@@ -70,11 +92,18 @@ class RunCalls:
         if run is None:
             escaped = self.job_key.replace("'", "\\'")
             found = client.search_runs(
-                [exp_id], filter_string=f"tags.`{JOB_TAG}` = '{escaped}'", max_results=1, order_by=["attributes.start_time ASC"]
+                [exp_id],
+                filter_string=f"tags.`{JOB_TAG}` = '{escaped}'",
+                max_results=1,
+                order_by=["attributes.start_time ASC"],
             )
             run = found[0] if found else None
         if run is None:
-            run = client.create_run(exp_id, tags={JOB_TAG: self.job_key, **(tags or {})}, run_name=tags.get(RUN_NAME_TAG) if tags else None)
+            run = client.create_run(
+                exp_id,
+                tags={JOB_TAG: self.job_key, **(tags or {})},
+                run_name=tags.get(RUN_NAME_TAG) if tags else None,
+            )
             from mlflow.entities import Param
 
             items = [Param(k, v) for k, v in sorted(params.items())]
@@ -100,12 +129,18 @@ class RunCalls:
         contend for the file lock); MLflow's switch set false turns them off everywhere."""
         switch = os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").strip().lower()
         remote = self.tracking_uri.startswith(("http://", "https://", "databricks"))
-        if self._system_metrics is not None or switch in ("false", "0") or not (remote or switch in ("true", "1")):
+        if (
+            self._system_metrics is not None
+            or switch in ("false", "0")
+            or not (remote or switch in ("true", "1"))
+        ):
             return
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            self._system_metrics = SystemMetricsMonitor(self._run_id, resume_logging=True, tracking_uri=self.tracking_uri)
+            self._system_metrics = SystemMetricsMonitor(
+                self._run_id, resume_logging=True, tracking_uri=self.tracking_uri
+            )
             self._system_metrics.start()
         except Exception as exc:  # noqa: BLE001 - nice to have; training goes on
             logger.warning("MLflow system metrics not started: %r", exc)
@@ -123,7 +158,11 @@ class RunCalls:
     def _describe(self, description: str) -> None:
         """Set the run's description (the killed attempts stay listed after it)."""
         tags = self._client.get_run(self._run_id).data.tags
-        killed = [tags[f"{KILLED_ATTEMPT_TAG}{n}"] for n in range(1, int(tags.get(KILLED_TAG, "0") or 0) + 1) if f"{KILLED_ATTEMPT_TAG}{n}" in tags]
+        killed = [
+            tags[f"{KILLED_ATTEMPT_TAG}{n}"]
+            for n in range(1, int(tags.get(KILLED_TAG, "0") or 0) + 1)
+            if f"{KILLED_ATTEMPT_TAG}{n}" in tags
+        ]
         note = "\n\n".join([description.strip(), *killed])[-5000:]
         if tags.get(NOTE_TAG) != note:
             self._client.set_tag(self._run_id, NOTE_TAG, note)
@@ -138,9 +177,10 @@ class RunCalls:
             client.set_terminated(run_id, status="KILLED")
         n = int(tags.get(KILLED_TAG, "0") or 0) + 1
         line = (
-            f"Attempt killed (run marked KILLED, then RUNNING again): host {killed.get('host')}, pid {killed.get('pid')}, Prefect flow run "
-            f"{killed.get('flow_run_id') or '-'}; its lease was taken over ({killed.get('reason')}) and training "
-            f"resumed from step {killed.get('resumed_from')}."
+            f"Attempt killed (run marked KILLED, then RUNNING again): host {killed.get('host')}, "
+            f"pid {killed.get('pid')}, Prefect flow run {killed.get('flow_run_id') or '-'}; its "
+            f"lease was taken over ({killed.get('reason')}) and training resumed from step "
+            f"{killed.get('resumed_from')}."
         )
         note = (tags.get(NOTE_TAG, "") + "\n\n" + line).strip()[-5000:]
         from mlflow.entities import RunTag
@@ -151,13 +191,16 @@ class RunCalls:
 
     def run_url(self) -> str | None:
         """The job's run in the MLflow UI: on the tracking server itself for an http(s) store, else
-        on ``PREFECT_JAX_MLFLOW_UI_URL`` (default ``http://127.0.0.1:5000``, what ``mlflow ui`` serves)."""
+        on ``PREFECT_JAX_MLFLOW_UI_URL`` (default ``http://127.0.0.1:5000``, what ``mlflow ui``
+        serves)."""
         run_id, experiment_id = self.run_id, self.experiment_id
         if not run_id or not experiment_id:
             return None
-        base = self.tracking_uri if self.tracking_uri.startswith(("http://", "https://")) else (
-            os.environ.get("PREFECT_JAX_MLFLOW_UI_URL") or "http://127.0.0.1:5000"
-        )  # fmt: skip
+        base = (
+            self.tracking_uri
+            if self.tracking_uri.startswith(("http://", "https://"))
+            else (os.environ.get("PREFECT_JAX_MLFLOW_UI_URL") or "http://127.0.0.1:5000")
+        )
         # MLflow 3's UI opens in its GenAI view unless the link asks for model training.
         return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_MODEL_TRAINING}"
 
@@ -166,8 +209,49 @@ class RunCalls:
         working directory was); other stores keep their server's default."""
         if self.tracking_uri.startswith("sqlite:///"):
             db = self.tracking_uri[len("sqlite:///") :]
-            return "file://" + os.path.join(os.path.dirname(os.path.abspath(db)), "mlartifacts", self.experiment)
+            return "file://" + os.path.join(
+                os.path.dirname(os.path.abspath(db)), "mlartifacts", self.experiment
+            )
         return None
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self._call("_set_tags", dict(tags))
+
+    @guarded
+    def _set_tags(self, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self._client.set_tag(self._run_id, k, v)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Mark the run terminated with `status`, after every earlier call; waits for it (after a
+        lost process, `exit_wait` at most for the calls before it and for itself, then a
+        warning)."""
+        if not process_lost() or strict():
+            self._wait("_finish", status)
+            return
+        self.land()
+        try:
+            self._call("_finish", status).result(timeout=exit_wait(EXIT_WAIT_SECS))
+        except TimeoutError:
+            from prefect_jax.training.redaction import redact_url
+
+            logger.warning(
+                "MLflow at %s: the run was not marked %s within %gs (another process of the job "
+                "went away); it stays RUNNING until a rerun of the job reopens it",
+                redact_url(self.tracking_uri),
+                status,
+                exit_wait(EXIT_WAIT_SECS),
+            )
+
+    @guarded
+    def _finish(self, status: str) -> None:
+        self._stop_system_metrics()
+        if self._run_id:
+            self._client.set_terminated(self._run_id, status=status)
+
+
+class RegistryCalls:
+    """The job's exports as MLflow Models and registry versions (part of `Tracker`)."""
 
     def warm_registry(self) -> Future | None:
         """Have the worker process make ready, now and beside this tracker's calls, what its first
@@ -180,53 +264,48 @@ class RunCalls:
         first export."""
         return self._remote.worker.warm_registry() if self._remote is not None else None
 
-    def register_exports(self, name: str, job: str, aliases: dict[str, int], local_export: Callable[[int], str], example,
-                         on_done: Callable[[dict], None] | None = None, description: str = "", steps: list[int] = ()) -> Future:  # fmt: skip
+    def register_exports(
+        self,
+        name: str,
+        job: str,
+        aliases: dict[str, int],
+        local_export: Callable[[int], str],
+        example,
+        on_done: Callable[[dict], None] | None = None,
+        description: str = "",
+        steps: list[int] = (),
+    ) -> Future:
         """In the background: each exported step (`steps`, and each step an alias points at)
         becomes an MLflow Model of the run and a version of registered model `name` (once), and
         the aliases move (see `registry.sync_registry`). `local_export` must pickle (it runs in
         the worker process); `on_done` gets the result in this process."""
-        future = self._call("_register_exports", name, job, aliases, local_export, example, description, list(steps))
+        future = self._call(
+            "_register_exports", name, job, aliases, local_export, example, description, list(steps)
+        )
         if on_done is not None:
             future.add_done_callback(lambda f: _after(f, on_done))
         return future
 
     @guarded
-    def _register_exports(self, name, job, aliases, local_export, example, description, steps) -> dict:
+    def _register_exports(
+        self, name, job, aliases, local_export, example, description, steps
+    ) -> dict:
         from prefect_jax.training.registry import sync_registry
 
-        return sync_registry(self._client, self.tracking_uri, self._experiment_id, self._run_id, name, job, self.job_key,
-                             aliases, local_export, example, description, steps)  # fmt: skip
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        self._call("_set_tags", dict(tags))
-
-    @guarded
-    def _set_tags(self, tags: dict[str, str]) -> None:
-        for k, v in tags.items():
-            self._client.set_tag(self._run_id, k, v)
-
-    def finish(self, status: str = "FINISHED") -> None:
-        """Mark the run terminated with `status`, after every earlier call; waits for it (after a
-        lost process, `exit_wait` at most for the calls before it and for itself, then a warning)."""
-        if not process_lost() or strict():
-            self._wait("_finish", status)
-            return
-        self.land()
-        try:
-            self._call("_finish", status).result(timeout=exit_wait(EXIT_WAIT_SECS))
-        except TimeoutError:
-            from prefect_jax.training.redaction import redact_url
-
-            logger.warning("MLflow at %s: the run was not marked %s within %gs (another process of the job went away); "
-                           "it stays RUNNING until a rerun of the job reopens it", redact_url(self.tracking_uri), status,
-                           exit_wait(EXIT_WAIT_SECS))  # fmt: skip
-
-    @guarded
-    def _finish(self, status: str) -> None:
-        self._stop_system_metrics()
-        if self._run_id:
-            self._client.set_terminated(self._run_id, status=status)
+        return sync_registry(
+            self._client,
+            self.tracking_uri,
+            self._experiment_id,
+            self._run_id,
+            name,
+            job,
+            self.job_key,
+            aliases,
+            local_export,
+            example,
+            description,
+            steps,
+        )
 
 
 def _after(future: Future, fn: Callable[[Any], None]) -> None:
@@ -236,4 +315,3 @@ def _after(future: Future, fn: Callable[[Any], None]) -> None:
             fn(future.result())
         except Exception as exc:  # noqa: BLE001 - tracking must never stop training
             logger.warning("after an MLflow call: %r", exc)
-
