@@ -104,12 +104,10 @@ class Job(JobCheckpoints):
             self._lease_lost(self.lease.lost_to)
         self.commit_listeners: list[Callable[[int], None]] = []
         self._announcer = Announcer(self._announce_commit)
-        self._left_in_flight: str | None = (
-            None  # the save in flight an ending attempt stopped waiting for (said once)
-        )
-        self._noted_takeover: str | None = (
-            None  # the lease token of the dead holder already recorded in MLflow
-        )
+        # The save in flight an ending attempt stopped waiting for (said once)
+        self._left_in_flight: str | None = None
+        # The lease token of the dead holder already recorded in MLflow
+        self._noted_takeover: str | None = None
 
     # -- eval records ---------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from prefect_jax.training.checkpoints import (
     retained,
     step_dirs,
 )
-from prefect_jax.training.cluster import LostProcess, barrier
+from prefect_jax.training.cluster import barrier
 from prefect_jax.training.mlflow_client import exit_wait
+from prefect_jax.training.peer_watch import LostProcess
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -163,7 +164,7 @@ class JobCheckpoints:
     def wait_committed(self, ending: bool = False) -> None:
         """Wait until every save started so far counts: committed by Orbax, and uploaded if remote.
         `ending` (an attempt that did not finish): a save that another process, gone, never
-        completes is left as it is (`cluster.LostProcess` otherwise)."""
+        completes is left as it is (`peer_watch.LostProcess` otherwise)."""
         try:
             self.checkpoints.wait()
         except LostProcess as exc:

@@ -14,9 +14,8 @@ import os
 import sys
 from typing import Iterator
 
-NEW_STORE_SUFFIX = (
-    ".prefect-jax-new-"  # <database>.prefect-jax-new-<host>-<pid>: a store being created
-)
+# <database>.prefect-jax-new-<host>-<pid>: a store being created
+NEW_STORE_SUFFIX = ".prefect-jax-new-"
 
 
 @contextlib.contextmanager

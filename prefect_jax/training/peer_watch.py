@@ -29,9 +29,8 @@ logger = logging.getLogger("prefect_jax.trainer")
 
 _BYE = b"bye"
 _WATCH_KEY = "watch/port"
-_gone: str | None = (
-    None  # how another process of the job went away (its watch connection closed), if it did
-)
+# How another process of the job went away (its watch connection closed), if it did
+_gone: str | None = None
 _gone_at = 0.0  # when (time.monotonic())
 _watch_socks: list[socket.socket] = []
 # a wait that ends on its own within this long after a peer's connection closed was not lost

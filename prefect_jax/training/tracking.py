@@ -41,9 +41,8 @@ from prefect_jax.training.tracking_run import RegistryCalls, RunCalls
 
 logger = logging.getLogger("prefect_jax.tracking")
 
-freeze_after_connect = (
-    False  # set by the command, which owns its process: gc.freeze() once MLflow is imported
-)
+# Set by the command, which owns its process: gc.freeze() once MLflow is imported
+freeze_after_connect = False
 
 
 def flatten_params(prefix: str, obj: Any) -> dict[str, str]:
@@ -87,25 +86,20 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
         self._experiment_id: str | None = None  # where the calls run (see `experiment_id`)
         self._started: Future | None = None
         self._client = None
-        self._logged_until: dict[
-            str, int
-        ] = {}  # prefix -> its last step in MLflow (looked up once per run and process)
-        self._logged_at: dict[
-            str, set[int]
-        ] = {}  # steps of a metric known to be in MLflow (looked up once)
-        self._unwritten: dict[
-            int, list[tuple[str, float, int]]
-        ] = {}  # train rows submitted, not yet written
+        # Prefix -> its last step in MLflow (looked up once per run and process)
+        self._logged_until: dict[str, int] = {}
+        # Steps of a metric known to be in MLflow (looked up once)
+        self._logged_at: dict[str, set[int]] = {}
+        # Train rows submitted, not yet written
+        self._unwritten: dict[int, list[tuple[str, float, int]]] = {}
         self._unwritten_lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: list[Future] = []
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the trainer's run is open
-        self._curve_drawn_at: float | None = (
-            None  # when the last learning curve was asked for (monotonic)
-        )
-        self._pool: ThreadPoolExecutor | None = (
-            None  # the calls' thread (this process, or the worker's)
-        )
+        # When the last learning curve was asked for (monotonic)
+        self._curve_drawn_at: float | None = None
+        # The calls' thread (this process, or the worker's)
+        self._pool: ThreadPoolExecutor | None = None
         self._remote: RemoteCalls | None = None  # the calls' worker process
         self._own_client = None  # `client` of a tracker whose calls run in the worker
         if _worker_side:  # in the worker: its reader hands this tracker's calls to its thread
