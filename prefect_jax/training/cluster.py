@@ -30,17 +30,14 @@ from typing import Any, Callable, Iterator
 
 from prefect_jax.training import peer_watch
 from prefect_jax.training.cluster_config import ClusterConfig, ClusterConfigError, from_env
-from prefect_jax.training.peer_watch import LOST_GRACE_SECS, LostProcess
+from prefect_jax.training.peer_watch import LOST_GRACE_SECS, LostProcess, say_goodbye
 
-# Imported from here by the command, tasks, flows, checkpoints and the trainer (to be imported
-# from cluster_config and peer_watch instead).
+# Imported from here by the command (to be imported from cluster_config instead).
 from prefect_jax.training.cluster_config import (  # noqa: F401
     COORDINATOR,
     NUM_PROCESSES,
-    PROCESS_ID,
     leads_from_env,
 )
-from prefect_jax.training.peer_watch import peer_gone, say_goodbye  # noqa: F401
 
 logger = logging.getLogger("prefect_jax.trainer")
 

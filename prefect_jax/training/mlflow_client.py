@@ -315,8 +315,8 @@ def warm_up(tracking_uri: str | None = None, registry: bool = False) -> None:
     thing. `registry`: the job will register its exports, so once MLflow is ready the worker
     makes ready what logging a model needs too (see `Tracker.warm_registry`). Does nothing with
     ``PREFECT_JAX_MLFLOW_IN_PROCESS=1``, nor in a process other than process 0 of its job (which
-    writes no MLflow run; see `cluster.leads_from_env`)."""
-    from prefect_jax.training.cluster import leads_from_env
+    writes no MLflow run; see `cluster_config.leads_from_env`)."""
+    from prefect_jax.training.cluster_config import leads_from_env
 
     if in_process() or not leads_from_env():
         return
