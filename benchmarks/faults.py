@@ -47,7 +47,7 @@ TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
 from deployment_helpers import PrefectServerProcess  # noqa: E402
-from prefect_jax.training.remote import COMMIT_MARKER  # noqa: E402
+from prefect_jax.training.names import COMMIT_MARKER  # noqa: E402
 from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server  # noqa: E402
 
 PROGRAM = "programs:big"

@@ -194,13 +194,18 @@ def run_prefect_jax(args, workdir: str) -> dict:
     from prefect_jax.flows import train_and_evaluate
 
     # Where a deployment's flow run starts its MLflow worker: once Prefect and the flows are
-    # imported, its body asks for it (`tracking.warm_up`) before the restore task imports JAX,
+    # imported, its body asks for it (`mlflow_client.warm_up`) before the restore task imports JAX,
     # Orbax, Grain and the program, so MLflow imports and opens its store on the other core
     # meanwhile. This side imports those before its clocks start, so it asks here, before them,
     # not on the training loop, where no flow run or command has it.
     try:
-        from prefect_jax.training.tracking import warm_up
-    except ImportError:  # an older checkout (--baseline)
+        from prefect_jax.training.mlflow_client import warm_up
+    except ImportError:  # an older checkout (--baseline): its tracking module, if it has one
+        try:
+            from prefect_jax.training.tracking import warm_up
+        except ImportError:
+            warm_up = None
+    if warm_up is None:
         warmed_first = False
     else:
         warm_up(mlflow_uri)

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from prefect_jax.training import cluster
+from prefect_jax.training import cluster, peer_watch
 
 index, count, port, mode, flag = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 cluster.initialize(cluster.ClusterConfig(num_processes=count, process_id=index, coordinator_address=f"127.0.0.1:{port}", source="test"))
@@ -40,9 +40,10 @@ try:
     while not os.path.exists(flag):
         time.sleep(0.05)
     time.sleep(0.5)
-    print(f"gone: {cluster.peer_gone()}", flush=True)
+    print(f"gone: {peer_watch.peer_gone()}", flush=True)
     os._exit(0)
-except cluster.LostProcess as exc:
-    print(f"lost {time.monotonic() - cluster._gone_at:.2f}s after the peer went away: {exc}", flush=True)
+except peer_watch.LostProcess as exc:
+    lost_after = time.monotonic() - peer_watch._gone_at
+    print(f"lost {lost_after:.2f}s after the peer went away: {exc}", flush=True)
     cluster.exit_code = 3  # at exit, without waiting for JAX's shutdown or its abort
     sys.exit(3)

@@ -117,7 +117,7 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
 
     from prefect_jax.training.checkpoints import committed_steps
     from prefect_jax.training.storage import JobStorage
-    from prefect_jax.training.tracking import JOB_TAG
+    from prefect_jax.training.names import JOB_TAG
 
     server = PrefectServerProcess(tmp_path / "prefect-server", ui=True)
     processes.append(server)

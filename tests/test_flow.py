@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from prefect_jax.flows import train_and_evaluate
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, FinalExporter, LatestExporter, TrainSpec
 from prefect_jax.training.storage import JobStorage
-from prefect_jax.training.tracking import JOB_TAG
+from prefect_jax.training.names import JOB_TAG
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

@@ -189,7 +189,7 @@ def test_one_thread_tells_the_commit_listeners_of_each_step_in_order_in_the_save
     failing listener call does not stop the next ones, and the thread ends when idle."""
     import contextvars
 
-    from prefect_jax.training.job import _Announcer
+    from prefect_jax.training.announcer import Announcer
 
     saver = contextvars.ContextVar("saver", default="nobody")
     seen = []
@@ -199,7 +199,7 @@ def test_one_thread_tells_the_commit_listeners_of_each_step_in_order_in_the_save
         if step == 2:
             raise RuntimeError("a listener failed")
 
-    announcer = _Announcer(announce)
+    announcer = Announcer(announce)
     announcer.IDLE_SECS = 0.3
     for step in (1, 2, 3):
         saver.set(f"saver of {step}")

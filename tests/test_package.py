@@ -56,3 +56,46 @@ def test_blocks_save_and_load(tmp_path):
     assert MlflowTracking.load("test-mlflow").experiment == "e"
     with pytest.raises(ValueError, match="not a valid name"):
         storage.job_storage("../x")
+
+
+def _engine_imports() -> dict[str, set[str]]:
+    """{module: the engine modules it imports}, for every module under prefect_jax/training,
+    from its import statements, function-local ones included."""
+    import ast
+    import pathlib
+
+    import prefect_jax.training
+
+    package = "prefect_jax.training"
+    folder = pathlib.Path(prefect_jax.training.__file__).parent
+    modules = {path.stem: path for path in folder.glob("*.py") if path.stem != "__init__"}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+                found |= {n.split(".")[2] for n in names if n.startswith(package + ".")}
+            elif isinstance(node, ast.ImportFrom) and node.module == package:
+                found |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + "."):
+                found.add(node.module.split(".")[2])
+        graph[name] = (found & set(modules)) - {name}
+    return graph
+
+
+def test_no_engine_module_imports_one_that_imports_it_back():
+    """No import circle under prefect_jax/training, direct or through others, lazy or not: a
+    module that only shares a name with another imports it from `names`."""
+    graph = _engine_imports()
+    circles = []
+    for start in sorted(graph):  # depth-first from each module, back to itself
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for dep in sorted(graph[node]):
+                if dep == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif dep not in path and dep > start:  # each circle once, from its smallest module
+                    stack.append((dep, [*path, dep]))
+    assert not circles, "import circles under prefect_jax/training:\n" + "\n".join(circles)

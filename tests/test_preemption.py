@@ -195,7 +195,7 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
     log2 = (logs / "2.log").read_text()
     assert "1 of its 1 latest attempts were killed without notice" in log2 and "backing up every 1.0s" in log2, log2[-3000:]
     assert "no save timed yet" in log2
-    from prefect_jax.training.remote import job_step_is_backup
+    from prefect_jax.training.steps import job_step_is_backup
     from prefect_jax.training.storage import JobStorage
 
     assert job_step_is_backup(JobStorage(storage, "bk"), backup)

@@ -22,8 +22,14 @@ import numpy as np
 import pytest
 
 from prefect_jax.training.checkpoints import CheckpointSpec, Checkpoints, committed_steps, is_committed, state_fingerprint
+from prefect_jax.training.names import COMMIT_MARKER
 from prefect_jax.training.redaction import redact_options, redact_url
-from prefect_jax.training.remote import COMMIT_MARKER, RemoteConfigError, RemoteSteps, RemoteUnreachableError, is_transient
+from prefect_jax.training.remote import RemoteSteps
+from prefect_jax.training.remote_errors import (
+    RemoteConfigError,
+    RemoteUnreachableError,
+    is_transient,
+)
 from prefect_jax.training.uploader import AsyncUploader
 from s3_server import closed_port, isolate_aws_env, storage_options
 

@@ -155,7 +155,7 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
     from prefect_jax.deployments.automations import RERUN_MESSAGE, create_rerun_automation
     from prefect_jax.training.evaluation import EvalRecords
     from prefect_jax.training.storage import JobStorage
-    from prefect_jax.training.tracking import JOB_TAG
+    from prefect_jax.training.names import JOB_TAG
 
     started = time.monotonic()
     server = PrefectServerProcess(tmp_path / "prefect-server")

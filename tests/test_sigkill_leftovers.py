@@ -76,7 +76,7 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(tmp_path, 
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
 
-    from prefect_jax.training.tracking import KILLED_TAG
+    from prefect_jax.training.names import KILLED_TAG
 
     storage, job = tmp_path / "storage", "killed"
     ckpt, lease_path = storage / job / "checkpoints", storage / job / "lease.json"

@@ -3,7 +3,8 @@
 import pytest
 from mlflow.tracking import MlflowClient
 
-from prefect_jax.training.tracking import JOB_TAG, Tracker, TrackingWarning
+from prefect_jax.training.names import JOB_TAG
+from prefect_jax.training.tracking import Tracker, TrackingWarning
 from prefect_jax.training.trainer import Trainer
 from conftest import train_to_end
 
@@ -109,11 +110,11 @@ def test_after_a_lost_process_the_end_waits_for_mlflow_a_few_seconds_only(tmp_pa
     process's exit wait for MLflow `LOST_EXIT_WAIT_SECS` at most, not `EXIT_WAIT_SECS`."""
     import time
 
-    from prefect_jax.training import cluster, tracking
+    from prefect_jax.training import cluster, mlflow_client
 
-    monkeypatch.setattr(tracking, "LOST_EXIT_WAIT_SECS", 0.3)
+    monkeypatch.setattr(mlflow_client, "LOST_EXIT_WAIT_SECS", 0.3)
     tracker, release = held_tracker(tmp_path, monkeypatch, "lost-job")
-    assert tracking.exit_wait(30) == 30  # nothing lost: the full wait
+    assert mlflow_client.exit_wait(30) == 30  # nothing lost: the full wait
     monkeypatch.setattr(cluster, "_lost", "process 1 of the job's 2 went away")
     assert land_timed(tracker, caplog, 30) < 10
     assert "write(s) still on their way after 0.3s" in caplog.text
@@ -213,7 +214,7 @@ def test_mlflow_runs_in_a_worker_process_and_dies_with_the_trainer(job_config, t
         "import json, sys, time\n"
         "from prefect_jax.training.specs import JobConfig\n"
         "from prefect_jax.training.trainer import Trainer\n"
-        "from prefect_jax.training.tracking import _worker\n"
+        "from prefect_jax.training.mlflow_client import worker\n"
         f"trainer = Trainer(JobConfig.model_validate_json({config.model_dump_json()!r}))\n"
         "trainer.restore_or_init()\n"
         "while trainer.step < 20:\n"
@@ -221,7 +222,7 @@ def test_mlflow_runs_in_a_worker_process_and_dies_with_the_trainer(job_config, t
         "    trainer.evaluate_if_new()\n"
         "trainer.finish()\n"
         "print(json.dumps({'mlflow_imported': 'mlflow' in sys.modules, 'run_id': trainer.tracker.run_id,\n"
-        "                  'worker': _worker().process.pid}), flush=True)\n"
+        "                  'worker': worker().process.pid}), flush=True)\n"
         "time.sleep(60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -247,13 +248,13 @@ def test_a_dead_mlflow_worker_warns_once_and_training_goes_on(job_config, monkey
     import signal
     import time
 
-    from prefect_jax.training import tracking
+    from prefect_jax.training import mlflow_client
 
     monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
     trainer = Trainer(job_config(max_steps=40, every_steps=10))
     trainer.restore_or_init()
     trainer.tracker.flush()
-    worker = tracking._worker()
+    worker = mlflow_client.worker()
     os.kill(worker.process.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while worker.alive and time.monotonic() < deadline:
@@ -263,7 +264,8 @@ def test_a_dead_mlflow_worker_warns_once_and_training_goes_on(job_config, monkey
         trainer.finish()
     assert trainer.step == 40
     assert sum("worker process exited" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
-    assert tracking._worker() is not worker and tracking._worker().alive  # the next tracker gets a new one
+    # The next tracker gets a new one.
+    assert mlflow_client.worker() is not worker and mlflow_client.worker().alive
 
 
 def test_warm_up_creates_a_new_sqlite_store_before_the_first_tracker_asks(tmp_path):
@@ -271,17 +273,17 @@ def test_warm_up_creates_a_new_sqlite_store_before_the_first_tracker_asks(tmp_pa
     # they overlap. A tracker that starts meanwhile waits for it instead of creating it again.
     import time
 
-    from prefect_jax.training import tracking
+    from prefect_jax.training import mlflow_client
 
     alone = tmp_path / "alone.db"
-    tracking.warm_up(f"sqlite:///{alone}")  # no tracker asks: the worker creates it anyway
+    mlflow_client.warm_up(f"sqlite:///{alone}")  # no tracker asks: the worker creates it anyway
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not alone.exists():
         time.sleep(0.05)
     assert alone.exists(), "warm_up did not open the new store"
 
     uri = f"sqlite:///{tmp_path / 'raced.db'}"
-    tracking.warm_up(uri)
+    mlflow_client.warm_up(uri)
     tracker = Tracker(uri, "prefect-jax", "warm-job")  # asks at once, while the store is still being created
     tracker.start({"p": "1"})
     tracker.finish("FINISHED")
@@ -303,7 +305,7 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
     import sys
     import time
 
-    from prefect_jax.training.mlflow_worker import NEW_STORE_SUFFIX
+    from prefect_jax.training.mlflow_store import NEW_STORE_SUFFIX
 
     db, cache = tmp_path / "mlflow.db", tmp_path / "cache"
     if template == "none":
@@ -311,8 +313,9 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
     building = str(cache / "mlflow-store-templates" / "*.db") if template != "none" else str(db)
     env = dict(os.environ, PREFECT_JAX_CACHE_DIR=str(cache))
     uri = f"sqlite:///{db}"
-    script = ("import sys, time\nfrom prefect_jax.training import tracking\n"
-              f"tracking.warm_up({uri!r})\nprint(tracking._worker().process.pid, flush=True)\ntime.sleep(120)\n")
+    script = ("import sys, time\nfrom prefect_jax.training import mlflow_client\n"
+              f"mlflow_client.warm_up({uri!r})\n"
+              "print(mlflow_client.worker().process.pid, flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
         worker = int(proc.stdout.readline())
@@ -330,8 +333,9 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
     assert not glob.glob(building), "a half-built template took its name"
     assert glob.glob(building + NEW_STORE_SUFFIX + "*"), "nothing left to clean up: the kill came too late to test"
 
-    script = ("from prefect_jax.training import tracking\n"
-              f"tracking.warm_up({uri!r})\ntracker = tracking.Tracker({uri!r}, 'prefect-jax', 'after-kill')\n"
+    script = ("from prefect_jax.training import mlflow_client, tracking\n"
+              f"mlflow_client.warm_up({uri!r})\n"
+              f"tracker = tracking.Tracker({uri!r}, 'prefect-jax', 'after-kill')\n"
               "tracker.start({'p': '1'})\ntracker.finish('FINISHED')\n")  # fmt: skip
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     client = MlflowClient(uri)
@@ -347,11 +351,11 @@ def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_expe
     # A template that MLflow cannot open is removed, and that store made by the migrations.
     import sqlite3
 
-    from prefect_jax.training.mlflow_worker import _create_sqlite_store
+    from prefect_jax.training.mlflow_store import create_sqlite_store
 
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "a").mkdir()
-    _create_sqlite_store(str(tmp_path / "a" / "mlflow.db"))
+    create_sqlite_store(str(tmp_path / "a" / "mlflow.db"))
     [template] = (tmp_path / "cache" / "mlflow-store-templates").glob("*.db")
     with sqlite3.connect(template) as db:
         assert db.execute("SELECT COUNT(*) FROM experiments").fetchone() == (0,)  # no experiment: each store names its own
@@ -359,7 +363,7 @@ def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_expe
 
     def store(name: str) -> int:
         (tmp_path / name).mkdir()
-        _create_sqlite_store(str(tmp_path / name / "mlflow.db"))
+        create_sqlite_store(str(tmp_path / name / "mlflow.db"))
         with sqlite3.connect(tmp_path / name / "mlflow.db") as db:
             mark = db.execute("PRAGMA user_version").fetchone()[0]
         client = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
@@ -378,13 +382,13 @@ def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_expe
 
 WARM_REGISTRY = r"""
 import json, sys, time
-from prefect_jax.training import tracking
+from prefect_jax.training import mlflow_client, tracking
 uri, how = sys.argv[1], sys.argv[2]
-tracking.warm_up(uri, registry=how == "warm_up")  # the command's way, before its own imports
+mlflow_client.warm_up(uri, registry=how == "warm_up")  # the command's way, before its own imports
 tracker = tracking.Tracker(uri, "prefect-jax", "warm-" + how)
 tracker.start({"p": "1"})
 tracker.flush()  # MLflow imported in the worker, its store open, the run made
-pid = tracking._worker().process.pid
+pid = mlflow_client.worker().process.pid
 
 def jax_in_worker():
     with open(f"/proc/{pid}/maps") as f:
@@ -399,7 +403,7 @@ while time.monotonic() < deadline and not jax_in_worker():
     time.sleep(0.05)
 loaded = jax_in_worker()
 if how == "warm_up" and loaded:  # the command's request's answer (its error, if it failed)
-    tracking._worker().warm_registry().result(300)
+    mlflow_client.worker().warm_registry().result(300)
 print(json.dumps({"jax": loaded}), flush=True)
 tracker.finish("FINISHED")
 """

@@ -22,6 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from prefect_jax.training import cluster
+from prefect_jax.training.names import STEP_MANIFEST_FILE as MANIFEST_FILE
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (  # noqa: F401 - state_fingerprint & co. are imported from here too
     abstract_savable,
@@ -36,7 +37,6 @@ from prefect_jax.training.trees import (  # noqa: F401 - state_fingerprint & co.
 logger = logging.getLogger("prefect_jax.checkpoints")
 
 _COMMIT_FILE = "_CHECKPOINT_METADATA"
-MANIFEST_FILE = "prefect_jax_manifest.json"
 # Written or rewritten by Orbax around the commit, after the manifest: not covered by it.
 _UNCHECKED = {_COMMIT_FILE, MANIFEST_FILE, "commit_success.txt"}
 
@@ -223,7 +223,7 @@ def read_meta_file(checkpoint_dir: str, step: int) -> dict:
     Orbax's restore."""
     from etils import epath
 
-    from prefect_jax.training.remote import META_FILE
+    from prefect_jax.training.names import STEP_META_FILE as META_FILE
 
     return json.loads((epath.Path(checkpoint_dir) / str(int(step)) / META_FILE).read_text())
 

@@ -19,83 +19,30 @@ Example:
 
 from __future__ import annotations
 
-import contextvars
 import logging
-import os
-import queue
-import shutil
-import socket
-import threading
-from typing import Any, Callable
+from typing import Callable
 
 from prefect_jax.training import control
-from prefect_jax.training.checkpoints import Checkpoints, CorruptCheckpointError, is_committed, retained, step_dirs
-from prefect_jax.training.cluster import LostProcess, barrier, from_primary, process_count, process_index
+from prefect_jax.training.announcer import Announcer
+from prefect_jax.training.checkpoints import Checkpoints
+from prefect_jax.training.cluster import from_primary, process_count, process_index
+from prefect_jax.training.errors import LeaseLostError
 from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
-from prefect_jax.training.errors import LeaseLostError
+from prefect_jax.training.job_checkpoints import JobCheckpoints
 from prefect_jax.training.lease import Lease, adopt_early
+from prefect_jax.training.names import RUN_NAME_TAG, STORAGE_TAG
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.storage import JobStorage
-from prefect_jax.training.tracking import STORAGE_TAG, Tracker, exit_wait
+from prefect_jax.training.tracking import Tracker
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")
 
 
-class _Announcer:
-    """One thread that runs `announce(step)` for each step submitted, in order, each in the
-    submitter's context (a listener sees its settings, such as a Prefect API set for one block of
-    code, as the command's embedded server is, and its run). A thread started per save cost the
-    training thread a thread start in every interval (~1 ms on two busy cores, the GIL handed over).
-    In order: a slow listener delays the next steps' announcements (the listener only queues a
-    Prefect event), and a step that retention removed before its turn is not announced."""
-
-    IDLE_SECS = 10.0  # the thread ends after this long without a step (the next save starts one)
-
-    def __init__(self, announce: Callable[[int], None]):
-        self._announce = announce
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Condition()
-        self._unfinished = 0
-        self._thread: threading.Thread | None = None
-
-    def submit(self, step: int) -> None:
-        with self._idle:
-            self._unfinished += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="prefect-jax-commit", daemon=True)
-                self._thread.start()
-        self._queue.put((contextvars.copy_context(), step))
-
-    def wait(self, timeout: float) -> bool:
-        """Until every step submitted so far was announced (or `timeout` passed: False)."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._unfinished, timeout)
-
-    def _run(self) -> None:
-        while True:
-            try:
-                context, step = self._queue.get(timeout=self.IDLE_SECS)
-            except queue.Empty:
-                with self._idle:
-                    if not self._unfinished:  # (a step being submitted counts already: then it waits for it)
-                        self._thread = None
-                        return
-                continue
-            try:
-                context.run(self._announce, step)
-            except Exception:  # noqa: BLE001 - the next steps are still announced
-                logger.exception("telling the commit listeners of step %d failed", step)
-            finally:
-                with self._idle:
-                    self._unfinished -= 1
-                    self._idle.notify_all()
-
-
-class Job:
+class Job(JobCheckpoints):
     """The storage side of one job.
 
     Args:
@@ -112,11 +59,13 @@ class Job:
         self.processes = process_count()
         if self.processes > 1 and not self.storage.orbax_native:
             raise ValueError(
-                f"storage {redact_url(config.storage)!r}: {self.processes} JAX processes write one checkpoint together, "
-                "which Orbax does only on storage every process reaches by path: a shared file system (NFS, a "
-                "ReadWriteMany volume) or gs://. Use one of those, or train this job in one process"
+                f"storage {redact_url(config.storage)!r}: {self.processes} JAX processes write one "
+                "checkpoint together, which Orbax does only on storage every process reaches by "
+                "path: a shared file system (NFS, a ReadWriteMany volume) or gs://. Use one of "
+                "those, or train this job in one process"
             )
-        # Taken already, its storage checked, when a flow run's restore task made this trainer (before
+        # Taken already, its storage checked, when a flow run's restore task made this trainer
+        # (before
         # JAX started; one process, so this is process 0).
         early = adopt_early(self.storage.job_dir, self.run_tags.get("prefect.flow_run_id"))
         if self.is_primary and early is None:
@@ -127,164 +76,38 @@ class Job:
         if not self.storage.orbax_native:
             # Orbax writes a local stage; steps count once uploaded (marker last). Retention is
             # applied to the remote copy after each upload, not by Orbax to the stage.
-            self.remote = RemoteSteps(self.storage.remote_checkpoint_url, self.storage.storage_options)
+            self.remote = RemoteSteps(
+                self.storage.remote_checkpoint_url, self.storage.storage_options
+            )
             checkpoint_spec = checkpoint_spec.model_copy(
                 update={"keep_last": None, "keep_every_steps": None, "keep_until_evaluated": None}
             )
         self.records = EvalRecords(self.storage, config.eval.name)
-        self.checkpoints = Checkpoints(self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self.newest_evaluated)
+        self.checkpoints = Checkpoints(
+            self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self.newest_evaluated
+        )
         if self.remote is not None:  # a superseded backup stays in the stage until it is uploaded
-            self.checkpoints.pinned = lambda step: self._uploader is not None and step in self._uploader.pending
-        self.tracker = Tracker(config.mlflow_tracking_uri, config.mlflow_experiment, self.storage.job_dir, enabled=self.is_primary)
+            self.checkpoints.pinned = lambda step: (
+                self._uploader is not None and step in self._uploader.pending
+            )
+        self.tracker = Tracker(
+            config.mlflow_tracking_uri,
+            config.mlflow_experiment,
+            self.storage.job_dir,
+            enabled=self.is_primary,
+        )
         self.lease = early or Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
         self.goodput = GoodputLedger(self.storage, enabled=self.is_primary)
         self.lease.on_lost = self._lease_lost
-        if self.lease.lost_to is not None:  # taken over while JAX started: `acquire` raises LeaseLostError
+        # taken over while JAX started: `acquire` raises LeaseLostError
+        if self.lease.lost_to is not None:
             self._lease_lost(self.lease.lost_to)
         self.commit_listeners: list[Callable[[int], None]] = []
-        self._announcer = _Announcer(self._announce_commit)
-        self._left_in_flight: str | None = None  # the save in flight an ending attempt stopped waiting for (said once)
-        self._noted_takeover: str | None = None  # the lease token of the dead holder already recorded in MLflow
-
-    # -- checkpoints ----------------------------------------------------------------------
-
-    def committed_steps(self) -> list[int]:
-        """The job's committed steps: on its storage (remote steps count once uploaded)."""
-        return self.remote.committed_steps() if self.remote is not None else self.checkpoints.committed_steps()
-
-    def is_committed(self, step: int) -> bool:
-        """Whether `step` counts: `step in committed_steps()`, asked of that step alone. On remote
-        storage: known without a request for a step this process uploaded (and its retention did
-        not remove since); else one request for its commit marker, not a listing and one per step."""
-        if self.remote is None:
-            return int(step) in self.checkpoints.committed_steps()
-        if self._uploader is not None and self._uploader.committed(step):
-            return True
-        return self.remote.is_committed(step)
-
-    def newest_committed(self) -> int | None:
-        steps = self.committed_steps()
-        return steps[-1] if steps else None
-
-    def prepare_restore(self) -> list[int] | None:
-        """The writer's view after a crash: torn local steps moved aside; for remote storage,
-        partial uploads removed and staged steps that never got uploaded dropped (they do not count).
-        Returns the committed remote steps it listed (oldest first), where no upload of this
-        process is in flight: the restore need not list them again (a listing and a request per
-        step on object storage); else None."""
-        self.checkpoints.wait()
-        if self.processes > 1:
-            if self.is_primary:  # the others wait, then see what it left
-                self.checkpoints.quarantine_uncommitted()
-            barrier("prefect_jax.prepare_restore")
-            self.checkpoints.manager.reload()
-            return None
-        if self.remote is None:
-            self.checkpoints.quarantine_uncommitted()
-            return None
-        pending = set(self._uploader.pending) if self._uploader is not None else set()
-        committed: list[int] = []
-        for step in self.remote.delete_uncommitted(keep=lambda s: s in pending, committed=committed):
-            logger.warning("checkpoint step %d at %s was never committed: removed", step, self.remote.safe_url)
-        for step in step_dirs(self.checkpoints.directory):
-            if step not in committed and step not in pending:
-                shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
-        self.checkpoints.manager.reload()
-        return None if pending else committed
-
-    def fetch(self, step: int) -> None:
-        """Make a committed remote step readable in the local stage (download it unless it is there)."""
-        if self.remote is None or step in self.checkpoints.committed_steps():
-            return
-        self.remote.download(step, self.checkpoints.directory)
-        self.checkpoints.manager.reload()
-
-    def restore(self, step: int, abstract_state, data_iter=None):
-        """Restore a committed step (downloaded first if remote): ``(state, metadata)``."""
-        self.checkpoints.wait()
-        self.fetch(step)
-        return self.checkpoints.restore(step, abstract_state, data_iter)
-
-    def read_meta(self, step: int) -> dict:
-        if self.remote is not None and step not in self.checkpoints.committed_steps():
-            return self.remote.read_meta(step)  # (not the whole step: an evaluator skipping backups reads this)
-        return self.checkpoints.read_meta(step)
-
-    def set_aside(self, step: int, exc: BaseException) -> None:
-        """A step that failed to restore: move it aside (local), or drop its local copy (remote:
-        the remote step stays for someone to inspect). With several processes, process 0 does."""
-        if not self.is_primary:
-            return
-        if self.remote is None:
-            self.checkpoints.quarantine(step, "corrupt" if isinstance(exc, CorruptCheckpointError) else "unreadable")
-        else:
-            shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
-            self.checkpoints.manager.reload()
-
-    def save(self, step: int, state, data_iter, meta: dict[str, Any]) -> None:
-        """Start an asynchronous save of `step`; upload it when it commits (remote storage); tell
-        the commit listeners once it counts (not of a backup: nobody evaluates it)."""
-        self.checkpoints.save(step, state, data_iter, {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags})
-        if self.remote is not None:
-            self.uploader.submit(step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed)
-        if self.commit_listeners and self.is_primary and not meta.get("backup"):  # one event per step, however many processes wrote it
-            self._announcer.submit(step)
-
-    def _announce_commit(self, step: int) -> None:
-        """Tell the commit listeners once `step` is committed (from a background thread)."""
-        try:
-            self.checkpoints.wait()
-        except LostProcess:  # another process went away after its part: the step counts if process 0 committed it
-            pass
-        if self.remote is not None and not self.uploader.wait_for(step, timeout=3600):
-            return  # the upload failed (reported by the next save or finish), or is still not done
-        if not self.is_committed(step):  # (not removed by retention since)
-            return
-        for fn in list(self.commit_listeners):
-            try:
-                fn(step)
-            except Exception:  # noqa: BLE001 - a listener must not break training
-                logger.exception("commit listener failed for step %d", step)
-
-    def uploading(self) -> bool:
-        """Whether a step is still on its way to remote storage (queued or uploading)."""
-        return self._uploader is not None and bool(self._uploader.pending)
-
-    def save_landed(self) -> bool:
-        """Whether no save is in flight (a check that does not wait): Orbax finished every save
-        started so far (committed, or failed) and, on remote storage, every upload is done."""
-        return not self.checkpoints.manager.is_saving_in_progress() and not self.uploading()
-
-    def wait_committed(self, ending: bool = False) -> None:
-        """Wait until every save started so far counts: committed by Orbax, and uploaded if remote.
-        `ending` (an attempt that did not finish): a save that another process, gone, never
-        completes is left as it is (`cluster.LostProcess` otherwise)."""
-        try:
-            self.checkpoints.wait()
-        except LostProcess as exc:
-            if not ending:
-                raise
-            if self._left_in_flight is None:  # the trainer's finish and the job's each end here: one warning
-                self._left_in_flight = str(exc)
-                logger.warning("not waiting for the save in flight: %s", exc)
-        if self._uploader is not None:
-            self._uploader.wait()
-        self._announcer.wait(timeout=exit_wait(30))  # the commit events of those saves are out too
-
-    @property
-    def uploader(self) -> AsyncUploader | None:
-        if self.remote is not None and self._uploader is None:
-            self._uploader = AsyncUploader(self.remote, on_uploaded=self._uploaded)
-        return self._uploader
-
-    def _uploaded(self, step: int) -> None:
-        """After an upload: apply retention to the remote steps, keep only the newest locally."""
-        self.remote.retain(lambda steps: retained(steps, self.config.checkpoint, self.newest_evaluated(),
-                                                  lambda s: self.checkpoints.is_backup(s, self.remote.read_meta)),
-                           but=step, deleting=lambda old: self._uploader.forget([old]))  # fmt: skip
-        for old in step_dirs(self.checkpoints.directory):
-            if old < step and old not in self._uploader.pending:
-                shutil.rmtree(os.path.join(self.checkpoints.directory, str(old)), ignore_errors=True)
+        self._announcer = Announcer(self._announce_commit)
+        # The save in flight an ending attempt stopped waiting for (said once)
+        self._left_in_flight: str | None = None
+        # The lease token of the dead holder already recorded in MLflow
+        self._noted_takeover: str | None = None
 
     # -- eval records ---------------------------------------------------------------------
 
@@ -301,8 +124,12 @@ class Job:
             return
         for later in [s for s in self.records.steps() if s > step]:
             moved = self.records.discard(later, "uncommitted")
-            logger.warning("eval record of step %d (%s) is of a step that is not committed: moved aside to %s",
-                           later, self.config.eval.name, moved)  # fmt: skip
+            logger.warning(
+                "eval record of step %d (%s) is of a step that is not committed: moved aside to %s",
+                later,
+                self.config.eval.name,
+                moved,
+            )
 
     # -- the lease, stop requests, reruns -------------------------------------------------
 
@@ -330,7 +157,9 @@ class Job:
             except LeaseLostError as exc:
                 lost = exc
         if collective and self.processes > 1 and from_primary(lost is not None) and lost is None:
-            lost = LeaseLostError(redact_url(self.storage.job_dir), {}, why="process 0 of this job lost its lease")
+            lost = LeaseLostError(
+                redact_url(self.storage.job_dir), {}, why="process 0 of this job lost its lease"
+            )
         if lost is not None:
             raise lost
 
@@ -346,12 +175,17 @@ class Job:
         """Count a (re)run starting at `step`; raises `NoProgressError` past the rerun budget."""
         if self.is_primary:
             control.record_attempt(
-                self.storage, step, self.config.train.max_reruns_without_progress, self.run_tags.get("prefect.flow_run_id", "")
+                self.storage,
+                step,
+                self.config.train.max_reruns_without_progress,
+                self.run_tags.get("prefect.flow_run_id", ""),
             )
 
     # -- MLflow ---------------------------------------------------------------------------
 
-    def attach_tracking(self, params: dict[str, str], run_id: str | None = None, reopen: bool = True) -> None:
+    def attach_tracking(
+        self, params: dict[str, str], run_id: str | None = None, reopen: bool = True
+    ) -> None:
         """Find (by id, else by job tag) or create this job's MLflow run (in the background).
 
         After taking over the lease of a dead trainer (SIGKILLed: it never closed the run), the
@@ -359,7 +193,11 @@ class Job:
         """
         self.tracker.start(
             params=params,
-            tags={STORAGE_TAG: redact_url(self.storage.root), "mlflow.runName": self.config.job, **self.run_tags},
+            tags={
+                STORAGE_TAG: redact_url(self.storage.root),
+                RUN_NAME_TAG: self.config.job,
+                **self.run_tags,
+            },
             run_id=run_id,
             reopen=reopen,
             killed=self._killed_attempt() if reopen else None,
@@ -374,10 +212,12 @@ class Job:
         lines = [
             f"**prefect-jax job `{c.job}`**: program `{c.program}`, {c.train.max_steps} steps.",
             "",
-            f"- Storage: `{root}` (`prefect-jax status --job {c.job} --storage {redact_url(self.storage.root)}`)",
+            f"- Storage: `{root}` (`prefect-jax status --job {c.job} --storage "
+            f"{redact_url(self.storage.root)}`)",
             f"- Checkpoints (Orbax steps): `{checkpoints}/<step>`",
             f"- Eval records: `{root}/evals/{c.eval.name}/<step>.json`",
-            f"- Exports: `{root}/exports/<exporter>/<step>`" + (f"; registered model `{model}`" if model and c.eval.exporters else ""),
+            f"- Exports: `{root}/exports/<exporter>/<step>`"
+            + (f"; registered model `{model}`" if model and c.eval.exporters else ""),
         ]
         url = self.run_tags.get("prefect.flow_run_url")
         if url:
@@ -385,7 +225,8 @@ class Job:
         return "\n".join(lines)
 
     def _killed_attempt(self) -> dict | None:
-        """The dead holder whose lease this process took over, once (the step training resumes from added)."""
+        """The dead holder whose lease this process took over, once (the step training resumes from
+        added)."""
         taken = self.lease.taken_over
         if not taken or taken.get("token") == self._noted_takeover:
             return None

@@ -9,7 +9,7 @@ they did in-process.
 The protocol, pickled frames over the child's stdin and stdout (the child's own prints go to
 stderr):
 
-- parent to child: ``("warm", tracking URI)`` (import MLflow now: see `tracking.warm_up`),
+- parent to child: ``("warm", tracking URI)`` (import MLflow now: see `mlflow_client.warm_up`),
   ``("warm_registry", id)`` (make ready what logging a model needs, answered with ``id`` once
   done: see `Tracker.warm_registry`),
   ``("new", key, tracker args, environment)``, ``("call", id, key, method, args, strict)``,
@@ -25,7 +25,6 @@ no writer behind that could log what its rerun logs again.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -34,7 +33,8 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Iterator
+
+from prefect_jax.training.mlflow_store import create_sqlite_store
 
 _capture = threading.local()  # the records of the call running on this thread (None: not in a call)
 
@@ -57,7 +57,7 @@ class _CaptureLogs(logging.Handler):
 
 
 def _install_capture() -> None:
-    from prefect_jax.training.tracking import TrackingWarning
+    from prefect_jax.training.mlflow_client import TrackingWarning
 
     show = warnings.showwarning
 
@@ -85,119 +85,6 @@ def _die_with_parent(parent: int) -> None:
         pass
     if os.getppid() != parent:  # the parent died before the line above
         os._exit(0)
-
-
-NEW_STORE_SUFFIX = ".prefect-jax-new-"  # <database>.prefect-jax-new-<host>-<pid>: a store being created
-
-
-@contextlib.contextmanager
-def _built_beside(path: str) -> Iterator[str]:
-    """The name ``<path>.prefect-jax-new-<host>-<pid>`` to build a file under, beside `path`,
-    before it takes `path`'s name whole; removed afterwards if still there. What dead processes of
-    this host left under such names is removed first (only this host's can be proven dead)."""
-    import glob
-    import re
-    import socket
-
-    from prefect_jax.training.lease import process_alive
-
-    prefix = f"{path}{NEW_STORE_SUFFIX}{socket.gethostname()}-"
-    for stale in glob.glob(glob.escape(prefix) + "*"):
-        # <pid> or <pid>-journal only (a host named <host>-<digits> has files that start alike)
-        mine = re.fullmatch(r"(\d+)(-journal|-wal|-shm)?", stale[len(prefix) :])
-        if mine and not process_alive(int(mine.group(1))):
-            try:
-                os.remove(stale)  # with its journal, if any: both match
-            except FileNotFoundError:
-                pass
-    building = f"{prefix}{os.getpid()}"
-    try:
-        yield building
-    finally:
-        if os.path.exists(building):
-            os.remove(building)
-
-
-def _store_template() -> str | None:
-    """An empty MLflow SQLite store (MLflow's tables at their newest schema, no rows) for this
-    MLflow and SQLAlchemy, kept in the cache root (``PREFECT_JAX_CACHE_DIR``, default
-    ``~/.cache/prefect-jax``): made once per machine by MLflow's own migrations (~1.2 s of CPU), then
-    copied (milliseconds) for each new store. Written whole or not at all. None where it cannot
-    be made (a read-only cache, another MLflow's private API): stores are then made as MLflow
-    makes them."""
-    try:
-        import mlflow
-        import sqlalchemy
-        from mlflow.store.db.utils import _initialize_tables
-
-        from prefect_jax.training.storage import cache_root
-
-        folder = os.path.join(cache_root(), "mlflow-store-templates")
-        template = os.path.join(folder, f"mlflow-{mlflow.__version__}-sqlalchemy-{sqlalchemy.__version__}.db")
-        if os.path.exists(template):
-            return template
-        os.makedirs(folder, exist_ok=True)
-        with _built_beside(template) as building:
-            engine = sqlalchemy.create_engine(f"sqlite:///{building}")
-            try:
-                _initialize_tables(engine)  # tables only: the default experiment names its store's folder
-            finally:
-                engine.dispose()
-            os.replace(building, template)
-        return template
-    except Exception as exc:  # noqa: BLE001 - the store is made without one
-        print(f"prefect-jax MLflow worker: no store template: {exc!r}", file=sys.stderr)
-        return None
-
-
-def _open_store(path: str) -> None:
-    """Open the MLflow store at `path` as MLflow does (creating its tables and its default
-    experiment where missing), then close its connections: the file takes another name next."""
-    from mlflow.tracking import MlflowClient
-
-    try:
-        MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments(max_results=1)
-    finally:
-        try:  # no connection left open under the file's other name (MLflow's own attributes: best effort)
-            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-            engine = SqlAlchemyStore._engine_map.get(f"sqlite:///{path}")
-            if engine is not None:
-                engine.dispose()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def _create_sqlite_store(path: str) -> None:
-    """A new MLflow SQLite store at `path`, made whole or not at all.
-
-    Its schema takes seconds of Alembic migrations: the store starts as a copy of an empty one
-    (`_store_template`), and a warm-up makes it before anyone asks. Its command may be refused
-    (bad input) and end meanwhile, killing this process part-way. So the store is made in a file
-    beside `path`, which then takes that name, unless a store was made there meanwhile (a hard
-    link never replaces one). What a killed worker left is removed here, by the next one."""
-    import shutil
-
-    with _built_beside(path) as building:
-        template = _store_template()
-        if template is not None:
-            shutil.copyfile(template, building)
-        try:
-            _open_store(building)
-        except Exception as exc:
-            if template is None:
-                raise
-            # Unreadable, or not this MLflow's schema: made again by the migrations, and the store too.
-            print(f"prefect-jax MLflow worker: store template {template} not usable ({exc!r}): removed",
-                  file=sys.stderr)  # fmt: skip
-            for bad in (template, building):
-                if os.path.exists(bad):
-                    os.remove(bad)
-            _open_store(building)
-        try:
-            os.link(building, path)
-        except FileExistsError:  # another process made one meanwhile: that one is the store
-            pass
 
 
 def _startup_over() -> None:
@@ -234,7 +121,8 @@ def _worker_environment(environment) -> dict:
 
 
 def _set_environ(environment) -> None:
-    """This process's environment becomes `environment` (with `_worker_environment`'s settings), key by
+    """This process's environment becomes `environment` (with `_worker_environment`'s settings), key
+    by
     key: Python code reading it meanwhile never sees it without them. (C code reading it meanwhile
     could read a changing array: JAX starting its client waits for it, ``environ_lock`` in `main`;
     XLA's later reads, at a model's compile, do not.)"""
@@ -250,7 +138,8 @@ def main() -> None:
     gc.disable()  # until MLflow is imported: `_startup_over`
     _set_environ(os.environ)
     _die_with_parent(int(sys.argv[1]))
-    try:  # bookkeeping: the cores go to training first (PREFECT_JAX_MLFLOW_NICE, default 10; 0 for none)
+    # bookkeeping: the cores go to training first (PREFECT_JAX_MLFLOW_NICE, default 10; 0 for none)
+    try:
         os.nice(int(os.environ.get("PREFECT_JAX_MLFLOW_NICE", "10")))
     except (OSError, ValueError):
         pass
@@ -267,19 +156,24 @@ def main() -> None:
     # more than once per process"). MLflow imports it anyway.
     import numpy  # noqa: F401
 
-    from prefect_jax.training import tracking
+    from prefect_jax.training import mlflow_client, tracking
 
     send_lock = threading.Lock()
-    environ_lock = threading.Lock()  # a tracker's environment is put in place while JAX starts its client
-    first_call_done = threading.Event()  # a tracker's first call ran (MLflow imported), warmed up or not
-    heavy_imports = threading.Lock()  # JAX's and matplotlib's imports (and JAX's start), one thread at a time
+    # a tracker's environment is put in place while JAX starts its client
+    environ_lock = threading.Lock()
+    # a tracker's first call ran (MLflow imported), warmed up or not
+    first_call_done = threading.Event()
+    # JAX's and matplotlib's imports (and JAX's start), one thread at a time
+    heavy_imports = threading.Lock()
     backends: dict[int, tracking.Tracker] = {}
 
     def reply(call_id: int, ok: bool, value, records: list) -> None:
         try:
             frame = pickle.dumps((call_id, ok, value, records), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - an answer (or an error) that does not pickle
-            frame = pickle.dumps((call_id, False, RuntimeError(f"MLflow worker: {value!r} ({exc!r})"), records))
+            frame = pickle.dumps(
+                (call_id, False, RuntimeError(f"MLflow worker: {value!r} ({exc!r})"), records)
+            )
         with send_lock:
             outbox.write(frame)
             outbox.flush()
@@ -289,7 +183,7 @@ def main() -> None:
 
     def run(call_id: int, backend, name: str, args: tuple, strict: bool) -> None:
         records: list = []
-        _capture.records, tracking.strict_here.value = records, strict
+        _capture.records, mlflow_client.strict_here.value = records, strict
         try:
             if (done := warmed.get(backend.tracking_uri)) is not None:
                 done.wait(600)  # its store is being opened (or created): once, not twice at a time
@@ -320,10 +214,13 @@ def main() -> None:
                 path = tracking_uri[len("sqlite:///") :]
                 if os.path.isdir(os.path.dirname(path) or "."):  # else the tracker says why
                     if not os.path.exists(path):
-                        _create_sqlite_store(path)
+                        create_sqlite_store(path)
                     MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
         except Exception as exc:  # noqa: BLE001 - the tracker's own calls report what is wrong
-            print(f"prefect-jax MLflow worker: warming up for {tracking_uri}: {exc!r}", file=sys.stderr)
+            print(
+                f"prefect-jax MLflow worker: warming up for {tracking_uri}: {exc!r}",
+                file=sys.stderr,
+            )
         finally:
             warmed[tracking_uri].set()
         try:
@@ -355,20 +252,34 @@ def main() -> None:
                     from prefect_jax.training import registry
 
                     with heavy_imports:
-                        with environ_lock:  # JAX reads the environment (C getenv) as it starts its client
+                        # JAX reads the environment (C getenv) as it starts its client
+                        with environ_lock:
                             registry.warm_jax()
                         registry.warm_mlflow()
                     registry_outcome.append((True, None))
-                except BaseException as exc:  # noqa: BLE001 - the first logged model does it again, or says what is wrong
-                    print(f"prefect-jax MLflow worker: making the model registry ready: {exc!r}", file=sys.stderr)
+                # The first logged model does it again, or says what is wrong.
+                except BaseException as exc:  # noqa: BLE001
+                    print(
+                        f"prefect-jax MLflow worker: making the model registry ready: {exc!r}",
+                        file=sys.stderr,
+                    )
                     # (its own type would make the parent import JAX's or MLflow's to read it)
-                    registry_outcome.append((False, RuntimeError(f"MLflow worker: making the model registry ready: {exc!r}")))
+                    registry_outcome.append(
+                        (
+                            False,
+                            RuntimeError(
+                                f"MLflow worker: making the model registry ready: {exc!r}"
+                            ),
+                        )
+                    )
         return registry_outcome[0]
 
     def warm_registry(call_id: int) -> None:
         ok, value = False, RuntimeError("MLflow worker: the model registry's warm-up did not end")
         try:
-            for event in list(warmed.values()) or [first_call_done]:  # MLflow's store first: a tracker's first call waits for it
+            for event in list(warmed.values()) or [
+                first_call_done
+            ]:  # MLflow's store first: a tracker's first call waits for it
                 event.wait(600)
             ok, value = ready_registry()
         finally:
@@ -393,9 +304,16 @@ def main() -> None:
         elif kind == "warm":
             warmed.setdefault(message[1], threading.Event())
             warming.add(message[1])
-            threading.Thread(target=warm, args=(message[1],), name="prefect-jax-mlflow-warm", daemon=True).start()
+            threading.Thread(
+                target=warm, args=(message[1],), name="prefect-jax-mlflow-warm", daemon=True
+            ).start()
         elif kind == "warm_registry":
-            threading.Thread(target=warm_registry, args=(message[1],), name="prefect-jax-mlflow-warm-registry", daemon=True).start()
+            threading.Thread(
+                target=warm_registry,
+                args=(message[1],),
+                name="prefect-jax-mlflow-warm-registry",
+                daemon=True,
+            ).start()
         elif kind == "drop":
             backend = backends.pop(message[1], None)
             if backend is not None:
@@ -407,7 +325,8 @@ def main() -> None:
             message = pickle.load(inbox)
         except EOFError:
             break
-        except Exception as exc:  # noqa: BLE001 - the stream is no longer readable: end, the parent warns
+        # The stream is no longer readable: end, the parent warns.
+        except Exception as exc:  # noqa: BLE001
             print(f"prefect-jax MLflow worker: unreadable call: {exc!r}", file=sys.stderr)
             break
         try:

@@ -48,3 +48,6 @@ MLFLOW_RUN_TAG = "mlflow-run:"  # mlflow-run:<run id>, on every flow run that wr
 STEP_META_FILE = "meta/metadata"  # a step's metadata item, the JSON Orbax's JsonCheckpointHandler writes
 STEP_MANIFEST_FILE = "prefect_jax_manifest.json"  # checksums of the step's files
 COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"  # written last on remote storage: the step is whole
+
+# MLflow: one tag per attempt that died without closing the run (counted by KILLED_TAG)
+KILLED_ATTEMPT_TAG = "prefect_jax.killed."  # prefect_jax.killed.<n>: who the n-th one was

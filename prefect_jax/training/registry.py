@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from prefect_jax.training.tracking import JOB_TAG
+from prefect_jax.training.names import JOB_TAG, RESERVED_ALIASES, STEP_TAG
 
 logger = logging.getLogger("prefect_jax.registry")
 
@@ -34,13 +34,13 @@ class _NoPipVersionWarning(logging.Filter):
 logging.getLogger("mlflow.utils.environment").addFilter(_NoPipVersionWarning())
 
 PYFUNC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyfunc_model.py")
-STEP_TAG = "prefect_jax.step"
 
 
 def alias_for(exporter_name: str) -> str:
     """The registry alias an exporter moves: its name (``latest`` is reserved by MLflow: ``newest``)."""
-    if exporter_name.lower() == "latest":
-        return "newest"
+    reserved = RESERVED_ALIASES.get(exporter_name.lower())
+    if reserved is not None:
+        return reserved
     return exporter_name.replace(".", "-")
 
 

@@ -257,8 +257,7 @@ class EarlyStopping(_Spec):
 EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
-RESERVED_EVAL_NAMES = ("train", "goodput", "system")
-"""Metric prefixes taken (``train/``, ``goodput/``: prefect-jax's; ``system/``: MLflow's system metrics): no evaluation's name."""
+from prefect_jax.training.names import RESERVED_EVAL_NAMES  # noqa: E402
 
 
 class EvalSpec(_Spec):

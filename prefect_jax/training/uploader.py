@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from prefect_jax.training.remote import RemoteSteps, first_line, is_transient
+from prefect_jax.training.remote import RemoteSteps
+from prefect_jax.training.remote_errors import first_line, is_transient
 
 logger = logging.getLogger("prefect_jax.remote")
 

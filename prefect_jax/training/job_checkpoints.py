@@ -1,0 +1,203 @@
+"""A job's checkpoints as its `Job` keeps them: Orbax's steps on local disk or ``gs://``, or a
+local stage whose steps count once uploaded (`prefect_jax.training.remote`); the upload after each
+save, retention of the remote copies, and the commit listeners told once a step counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+from typing import Any
+
+from prefect_jax.training.checkpoints import (
+    CorruptCheckpointError,
+    is_committed,
+    retained,
+    step_dirs,
+)
+from prefect_jax.training.cluster import barrier
+from prefect_jax.training.mlflow_client import exit_wait
+from prefect_jax.training.peer_watch import LostProcess
+from prefect_jax.training.uploader import AsyncUploader
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+
+class JobCheckpoints:
+    """Saving, listing, restoring and uploading a job's steps (part of `Job`, which sets
+    ``checkpoints``, ``remote``, ``_uploader``, ``processes``, ``is_primary`` and the rest)."""
+
+    def committed_steps(self) -> list[int]:
+        """The job's committed steps: on its storage (remote steps count once uploaded)."""
+        return (
+            self.remote.committed_steps()
+            if self.remote is not None
+            else self.checkpoints.committed_steps()
+        )
+
+    def is_committed(self, step: int) -> bool:
+        """Whether `step` counts: `step in committed_steps()`, asked of that step alone. On remote
+        storage: known without a request for a step this process uploaded (and its retention did
+        not remove since); else one request for its commit marker, not a listing and one per
+        step."""
+        if self.remote is None:
+            return int(step) in self.checkpoints.committed_steps()
+        if self._uploader is not None and self._uploader.committed(step):
+            return True
+        return self.remote.is_committed(step)
+
+    def newest_committed(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def prepare_restore(self) -> list[int] | None:
+        """The writer's view after a crash: torn local steps moved aside; for remote storage,
+        partial uploads removed and staged steps that never got uploaded dropped (they do not
+        count).
+        Returns the committed remote steps it listed (oldest first), where no upload of this
+        process is in flight: the restore need not list them again (a listing and a request per
+        step on object storage); else None."""
+        self.checkpoints.wait()
+        if self.processes > 1:
+            if self.is_primary:  # the others wait, then see what it left
+                self.checkpoints.quarantine_uncommitted()
+            barrier("prefect_jax.prepare_restore")
+            self.checkpoints.manager.reload()
+            return None
+        if self.remote is None:
+            self.checkpoints.quarantine_uncommitted()
+            return None
+        pending = set(self._uploader.pending) if self._uploader is not None else set()
+        committed: list[int] = []
+        for step in self.remote.delete_uncommitted(
+            keep=lambda s: s in pending, committed=committed
+        ):
+            logger.warning(
+                "checkpoint step %d at %s was never committed: removed", step, self.remote.safe_url
+            )
+        for step in step_dirs(self.checkpoints.directory):
+            if step not in committed and step not in pending:
+                shutil.rmtree(
+                    os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True
+                )
+        self.checkpoints.manager.reload()
+        return None if pending else committed
+
+    def fetch(self, step: int) -> None:
+        """Make a committed remote step readable in the local stage (download it unless it is
+        there)."""
+        if self.remote is None or step in self.checkpoints.committed_steps():
+            return
+        self.remote.download(step, self.checkpoints.directory)
+        self.checkpoints.manager.reload()
+
+    def restore(self, step: int, abstract_state, data_iter=None):
+        """Restore a committed step (downloaded first if remote): ``(state, metadata)``."""
+        self.checkpoints.wait()
+        self.fetch(step)
+        return self.checkpoints.restore(step, abstract_state, data_iter)
+
+    def read_meta(self, step: int) -> dict:
+        if self.remote is not None and step not in self.checkpoints.committed_steps():
+            # (not the whole step: an evaluator skipping backups reads this)
+            return self.remote.read_meta(step)
+        return self.checkpoints.read_meta(step)
+
+    def set_aside(self, step: int, exc: BaseException) -> None:
+        """A step that failed to restore: move it aside (local), or drop its local copy (remote:
+        the remote step stays for someone to inspect). With several processes, process 0 does."""
+        if not self.is_primary:
+            return
+        if self.remote is None:
+            self.checkpoints.quarantine(
+                step, "corrupt" if isinstance(exc, CorruptCheckpointError) else "unreadable"
+            )
+        else:
+            shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
+            self.checkpoints.manager.reload()
+
+    def save(self, step: int, state, data_iter, meta: dict[str, Any]) -> None:
+        """Start an asynchronous save of `step`; upload it when it commits (remote storage); tell
+        the commit listeners once it counts (not of a backup: nobody evaluates it)."""
+        self.checkpoints.save(
+            step,
+            state,
+            data_iter,
+            {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags},
+        )
+        if self.remote is not None:
+            self.uploader.submit(
+                step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed
+            )
+        # one event per step, however many processes wrote it
+        if self.commit_listeners and self.is_primary and not meta.get("backup"):
+            self._announcer.submit(step)
+
+    def _announce_commit(self, step: int) -> None:
+        """Tell the commit listeners once `step` is committed (from a background thread)."""
+        try:
+            self.checkpoints.wait()
+        # another process went away after its part: the step counts if process 0 committed it
+        except LostProcess:
+            pass
+        if self.remote is not None and not self.uploader.wait_for(step, timeout=3600):
+            return  # the upload failed (reported by the next save or finish), or is still not done
+        if not self.is_committed(step):  # (not removed by retention since)
+            return
+        for fn in list(self.commit_listeners):
+            try:
+                fn(step)
+            except Exception:  # noqa: BLE001 - a listener must not break training
+                logger.exception("commit listener failed for step %d", step)
+
+    def uploading(self) -> bool:
+        """Whether a step is still on its way to remote storage (queued or uploading)."""
+        return self._uploader is not None and bool(self._uploader.pending)
+
+    def save_landed(self) -> bool:
+        """Whether no save is in flight (a check that does not wait): Orbax finished every save
+        started so far (committed, or failed) and, on remote storage, every upload is done."""
+        return not self.checkpoints.manager.is_saving_in_progress() and not self.uploading()
+
+    def wait_committed(self, ending: bool = False) -> None:
+        """Wait until every save started so far counts: committed by Orbax, and uploaded if remote.
+        `ending` (an attempt that did not finish): a save that another process, gone, never
+        completes is left as it is (`peer_watch.LostProcess` otherwise)."""
+        try:
+            self.checkpoints.wait()
+        except LostProcess as exc:
+            if not ending:
+                raise
+            # the trainer's finish and the job's each end here: one warning
+            if self._left_in_flight is None:
+                self._left_in_flight = str(exc)
+                logger.warning("not waiting for the save in flight: %s", exc)
+        if self._uploader is not None:
+            self._uploader.wait()
+        self._announcer.wait(timeout=exit_wait(30))  # the commit events of those saves are out too
+
+    @property
+    def uploader(self) -> AsyncUploader | None:
+        if self.remote is not None and self._uploader is None:
+            self._uploader = AsyncUploader(self.remote, on_uploaded=self._uploaded)
+        return self._uploader
+
+    def _uploaded(self, step: int) -> None:
+        """After an upload: apply retention to the remote steps, keep only the newest locally."""
+        self.remote.retain(
+            lambda steps: retained(
+                steps,
+                self.config.checkpoint,
+                self.newest_evaluated(),
+                lambda s: self.checkpoints.is_backup(s, self.remote.read_meta),
+            ),
+            but=step,
+            deleting=lambda old: self._uploader.forget([old]),
+        )
+        for old in step_dirs(self.checkpoints.directory):
+            if old < step and old not in self._uploader.pending:
+                shutil.rmtree(
+                    os.path.join(self.checkpoints.directory, str(old)), ignore_errors=True
+                )

@@ -1,0 +1,317 @@
+"""The run side of a `Tracker`: find or create the job's MLflow run, reopen it, close it, record
+the attempts that died without closing it, its tags, its link in the MLflow UI, and the exports
+it registers (`prefect_jax.training.registry`, `RegistryCalls`).
+
+`RunCalls` and `RegistryCalls` are bases of `Tracker` (with `MetricCalls`): their public methods
+queue a call (`Tracker._call`); the underscored ones run it, in the MLflow worker process or on
+the tracker's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from prefect_jax.training.mlflow_client import (
+    EXIT_WAIT_SECS,
+    exit_wait,
+    guarded,
+    process_lost,
+    strict,
+)
+from prefect_jax.training.names import (
+    EXPERIMENT_KIND_TAG,
+    JOB_TAG,
+    KILLED_ATTEMPT_TAG,
+    KILLED_TAG,
+    MODEL_TRAINING,
+    NOTE_TAG,
+    RUN_NAME_TAG,
+    UI_MODEL_TRAINING,
+)
+
+logger = logging.getLogger("prefect_jax.tracking")
+
+
+class RunCalls:
+    """The job's run: start, describe, tag, finish; model registration (part of `Tracker`)."""
+
+    def start(
+        self,
+        params: dict[str, Any],
+        tags: dict[str, str] | None = None,
+        run_id: str | None = None,
+        reopen: bool = True,
+        killed: dict[str, Any] | None = None,
+        description: str | None = None,
+    ) -> None:
+        """Find this job's run (by `run_id` or by job tag) or create it; mark it RUNNING if
+        `reopen`.
+
+        Params are logged only when the run is created, so a rerun never conflicts with them.
+        `killed` describes an attempt that died without closing the run (a SIGKILLed trainer
+        whose lease this process took over): the run is marked KILLED before it is reopened,
+        and the attempt is recorded for good (see `_note_killed`). `description` becomes the
+        run's description, followed by the killed attempts. Returns at once; `run_id` waits
+        for the answer.
+        """
+        self._started = self._call("_start", params, tags, run_id, reopen, killed, description)
+
+    @guarded
+    def _start(
+        self,
+        params: dict[str, Any],
+        tags: dict[str, str] | None,
+        run_id: str | None,
+        reopen: bool,
+        killed: dict | None = None,
+        description: str | None = None,
+    ) -> dict[str, str]:
+        self._logged_until = {}  # this run's history is looked up again (see _log_new_metrics)
+        self._logged_at = {}
+        client = self._client
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            exp_id = client.create_experiment(
+                self.experiment,
+                artifact_location=self._artifact_root(),
+                tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING},
+            )
+        else:
+            exp_id = exp.experiment_id
+            if EXPERIMENT_KIND_TAG not in exp.tags:  # a person's choice of view is left alone
+                client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+        run = None
+        if run_id:
+            try:
+                run = client.get_run(run_id)
+            except Exception:  # noqa: BLE001 - deleted or another store: fall back to the tag
+                run = None
+        if run is None:
+            escaped = self.job_key.replace("'", "\\'")
+            found = client.search_runs(
+                [exp_id],
+                filter_string=f"tags.`{JOB_TAG}` = '{escaped}'",
+                max_results=1,
+                order_by=["attributes.start_time ASC"],
+            )
+            run = found[0] if found else None
+        if run is None:
+            run = client.create_run(
+                exp_id,
+                tags={JOB_TAG: self.job_key, **(tags or {})},
+                run_name=tags.get(RUN_NAME_TAG) if tags else None,
+            )
+            from mlflow.entities import Param
+
+            items = [Param(k, v) for k, v in sorted(params.items())]
+            for i in range(0, len(items), 100):
+                client.log_batch(run.info.run_id, params=items[i : i + 100])
+        else:
+            if killed:
+                self._note_killed(run, killed)
+            if reopen and (killed or run.info.status != "RUNNING"):
+                client.update_run(run.info.run_id, status="RUNNING")
+        self._experiment_id = exp_id
+        self._run_id = run.info.run_id
+        if description is not None:
+            self._describe(description)
+        if reopen:
+            self._start_system_metrics()
+        return {"run_id": self._run_id, "experiment_id": exp_id}
+
+    def _start_system_metrics(self) -> None:
+        """MLflow's system metrics (``system/cpu_utilization_percentage``, memory, disk, network,
+        GPU where it finds one) for the trainer's run: on with a tracking server, on a SQLite
+        store only with ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=true`` (its own writer would
+        contend for the file lock); MLflow's switch set false turns them off everywhere."""
+        switch = os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").strip().lower()
+        remote = self.tracking_uri.startswith(("http://", "https://", "databricks"))
+        if (
+            self._system_metrics is not None
+            or switch in ("false", "0")
+            or not (remote or switch in ("true", "1"))
+        ):
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system_metrics = SystemMetricsMonitor(
+                self._run_id, resume_logging=True, tracking_uri=self.tracking_uri
+            )
+            self._system_metrics.start()
+        except Exception as exc:  # noqa: BLE001 - nice to have; training goes on
+            logger.warning("MLflow system metrics not started: %r", exc)
+            self._system_metrics = None
+
+    def _stop_system_metrics(self) -> None:
+        monitor, self._system_metrics = self._system_metrics, None
+        if monitor is not None:
+            try:
+                monitor.finish()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("MLflow system metrics did not stop cleanly: %r", exc)
+
+    @guarded
+    def _describe(self, description: str) -> None:
+        """Set the run's description (the killed attempts stay listed after it)."""
+        tags = self._client.get_run(self._run_id).data.tags
+        killed = [
+            tags[f"{KILLED_ATTEMPT_TAG}{n}"]
+            for n in range(1, int(tags.get(KILLED_TAG, "0") or 0) + 1)
+            if f"{KILLED_ATTEMPT_TAG}{n}" in tags
+        ]
+        note = "\n\n".join([description.strip(), *killed])[-5000:]
+        if tags.get(NOTE_TAG) != note:
+            self._client.set_tag(self._run_id, NOTE_TAG, note)
+
+    def _note_killed(self, run, killed: dict[str, Any]) -> None:
+        """Close the run of a dead attempt KILLED (if it still says RUNNING), and record that
+        attempt, since the run is RUNNING again at once: tag ``prefect_jax.killed_attempts`` (a
+        count), ``prefect_jax.killed.<n>`` (who, and the step training resumed from) and a line
+        in the run's description (``mlflow.note.content``)."""
+        client, run_id, tags = self._client, run.info.run_id, run.data.tags
+        if run.info.status == "RUNNING":
+            client.set_terminated(run_id, status="KILLED")
+        n = int(tags.get(KILLED_TAG, "0") or 0) + 1
+        line = (
+            f"Attempt killed (run marked KILLED, then RUNNING again): host {killed.get('host')}, "
+            f"pid {killed.get('pid')}, Prefect flow run {killed.get('flow_run_id') or '-'}; its "
+            f"lease was taken over ({killed.get('reason')}) and training resumed from step "
+            f"{killed.get('resumed_from')}."
+        )
+        note = (tags.get(NOTE_TAG, "") + "\n\n" + line).strip()[-5000:]
+        from mlflow.entities import RunTag
+
+        tags = {KILLED_TAG: str(n), f"{KILLED_ATTEMPT_TAG}{n}": line, NOTE_TAG: note}
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        logger.warning("MLflow run %s: %s", run_id, line)
+
+    def run_url(self) -> str | None:
+        """The job's run in the MLflow UI: on the tracking server itself for an http(s) store, else
+        on ``PREFECT_JAX_MLFLOW_UI_URL`` (default ``http://127.0.0.1:5000``, what ``mlflow ui``
+        serves)."""
+        run_id, experiment_id = self.run_id, self.experiment_id
+        if not run_id or not experiment_id:
+            return None
+        base = (
+            self.tracking_uri
+            if self.tracking_uri.startswith(("http://", "https://"))
+            else (os.environ.get("PREFECT_JAX_MLFLOW_UI_URL") or "http://127.0.0.1:5000")
+        )
+        # MLflow 3's UI opens in its GenAI view unless the link asks for model training.
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_MODEL_TRAINING}"
+
+    def _artifact_root(self) -> str | None:
+        """For a SQLite store, artifacts go beside the database (not into ./mlruns of whatever the
+        working directory was); other stores keep their server's default."""
+        if self.tracking_uri.startswith("sqlite:///"):
+            db = self.tracking_uri[len("sqlite:///") :]
+            return "file://" + os.path.join(
+                os.path.dirname(os.path.abspath(db)), "mlartifacts", self.experiment
+            )
+        return None
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self._call("_set_tags", dict(tags))
+
+    @guarded
+    def _set_tags(self, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self._client.set_tag(self._run_id, k, v)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Mark the run terminated with `status`, after every earlier call; waits for it (after a
+        lost process, `exit_wait` at most for the calls before it and for itself, then a
+        warning)."""
+        if not process_lost() or strict():
+            self._wait("_finish", status)
+            return
+        self.land()
+        try:
+            self._call("_finish", status).result(timeout=exit_wait(EXIT_WAIT_SECS))
+        except TimeoutError:
+            from prefect_jax.training.redaction import redact_url
+
+            logger.warning(
+                "MLflow at %s: the run was not marked %s within %gs (another process of the job "
+                "went away); it stays RUNNING until a rerun of the job reopens it",
+                redact_url(self.tracking_uri),
+                status,
+                exit_wait(EXIT_WAIT_SECS),
+            )
+
+    @guarded
+    def _finish(self, status: str) -> None:
+        self._stop_system_metrics()
+        if self._run_id:
+            self._client.set_terminated(self._run_id, status=status)
+
+
+class RegistryCalls:
+    """The job's exports as MLflow Models and registry versions (part of `Tracker`)."""
+
+    def warm_registry(self) -> Future | None:
+        """Have the worker process make ready, now and beside this tracker's calls, what its first
+        logged model would otherwise wait for (`registry.warm_jax`, `registry.warm_mlflow`: JAX
+        and its CPU client, MLflow's model modules, its map of installed packages): seconds of CPU
+        at its nice level, which the first `register_exports` paid in the queue, ahead of every
+        later MLflow write. Once per worker. Returns what answers once it is done (its error, if
+        any; the first export then fails with its own); None where MLflow runs in this process
+        (``PREFECT_JAX_MLFLOW_IN_PROCESS``, or no worker could start), which does it at that
+        first export."""
+        return self._remote.worker.warm_registry() if self._remote is not None else None
+
+    def register_exports(
+        self,
+        name: str,
+        job: str,
+        aliases: dict[str, int],
+        local_export: Callable[[int], str],
+        example,
+        on_done: Callable[[dict], None] | None = None,
+        description: str = "",
+        steps: list[int] = (),
+    ) -> Future:
+        """In the background: each exported step (`steps`, and each step an alias points at)
+        becomes an MLflow Model of the run and a version of registered model `name` (once), and
+        the aliases move (see `registry.sync_registry`). `local_export` must pickle (it runs in
+        the worker process); `on_done` gets the result in this process."""
+        future = self._call(
+            "_register_exports", name, job, aliases, local_export, example, description, list(steps)
+        )
+        if on_done is not None:
+            future.add_done_callback(lambda f: _after(f, on_done))
+        return future
+
+    @guarded
+    def _register_exports(
+        self, name, job, aliases, local_export, example, description, steps
+    ) -> dict:
+        from prefect_jax.training.registry import sync_registry
+
+        return sync_registry(
+            self._client,
+            self.tracking_uri,
+            self._experiment_id,
+            self._run_id,
+            name,
+            job,
+            self.job_key,
+            aliases,
+            local_export,
+            example,
+            description,
+            steps,
+        )
+
+
+def _after(future: Future, fn: Callable[[Any], None]) -> None:
+    """`fn(result)` of a background call that answered (not one that failed or was skipped)."""
+    if future.exception() is None and future.result() is not None:
+        try:
+            fn(future.result())
+        except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+            logger.warning("after an MLflow call: %r", exc)
