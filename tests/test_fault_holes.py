@@ -24,7 +24,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, status, wait_until
 
-from prefect_jax.training.checkpoints import MANIFEST_FILE, committed_steps
+from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.exporters import list_exports
 from prefect_jax.training.specs import BestExporter, CheckpointSpec, EvalSpec, FinalExporter, JobConfig, LatestExporter, TrainSpec
 from prefect_jax.training.storage import JobStorage
@@ -201,7 +202,7 @@ def test_a_flipped_bit_is_caught_and_the_step_moved_aside(job_config, caplog):
     straight.finish()
     straight.close()
     ckpt = straight.storage.checkpoint_dir
-    assert os.path.isfile(os.path.join(ckpt, "60", MANIFEST_FILE))
+    assert os.path.isfile(os.path.join(ckpt, "60", STEP_MANIFEST_FILE))
 
     damaged = _flip_one_bit(os.path.join(ckpt, "60"))
     rerun = Trainer(config.model_copy(update={"job": "straight"}))
@@ -221,7 +222,7 @@ def test_a_step_written_before_checksums_restores_with_a_warning(job_config, cap
     trainer.train_until_checkpoint()
     trainer.finish()
     trainer.close()
-    os.remove(os.path.join(trainer.storage.checkpoint_dir, "20", MANIFEST_FILE))
+    os.remove(os.path.join(trainer.storage.checkpoint_dir, "20", STEP_MANIFEST_FILE))
     again = Trainer(config)
     assert again.restore_or_init() == 20
     assert "has no checksums" in caplog.text

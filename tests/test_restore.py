@@ -11,13 +11,13 @@ import pytest
 
 from prefect_jax.examples.digits import DigitsProgram
 from prefect_jax.training.checkpoints import (
-    MANIFEST_FILE,
     CheckpointMismatchError,
     Checkpoints,
     committed_steps,
     state_fingerprint,
     wait_for_new_checkpoint,
 )
+from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.trainer import Trainer, restore_or_init
 
 
@@ -309,7 +309,7 @@ def test_the_data_position_is_written_in_the_commit_not_before_save_returns(tmp_
     again = iter(grain.MapDataset.range(100).shuffle(seed=3).to_iter_dataset())
     ckpt.restore(7, jax.eval_shape(lambda: {"w": np.ones(3, np.float32)}), again)
     assert [next(again) for _ in range(5)] == after
-    with open(tmp_path / "ck" / "7" / MANIFEST_FILE) as f:
+    with open(tmp_path / "ck" / "7" / STEP_MANIFEST_FILE) as f:
         assert "data/process_0-of-1.json" in json.load(f)["files"]  # checksummed with the rest of the step
 
 
@@ -357,7 +357,8 @@ def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer)
 def test_a_step_of_another_process_count_restores_either_iterator_s_position(tmp_path, kind):
     # Written by 2 processes, restored by 1: process 0's position applies (every process reads
     # the same batches). A DataLoader's position is bytes, a dataset iterator's a dict.
-    from prefect_jax.training.checkpoints import CheckpointSpec, write_manifest
+    from prefect_jax.training.checkpoints import CheckpointSpec
+    from prefect_jax.training.checksums import write_manifest
 
     data = lambda: _shuffled_iterator(kind)  # noqa: E731
     ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))

@@ -46,6 +46,7 @@ from prefect_jax.training.job import Job
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.compile_cache import END_FLUSH_SECS, open_compilation_cache
 from prefect_jax.training.loop import Loop, NonFiniteAt, add_progress_listener, notify_progress
+from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.preemption import PreemptionGuard
 from prefect_jax.training.program import ProgramError, has_serving, load_program, program_fingerprint
 from prefect_jax.training.redaction import redact_url
@@ -360,25 +361,11 @@ class Trainer:
         return rows, not checkpoint_due and self.step < boundary
 
     def _backup_every(self) -> float | None:
-        """Seconds between backups for this job now (`goodput.backup_interval`), or None: none due.
+        """Seconds between backups for this job now (`CheckpointPolicy.backup_every`), or None.
         With several processes, process 0 (which keeps the ledger) asks, and the others follow."""
-        if not self.config.checkpoint.backups or not self.job.is_primary:
+        if not self.job.is_primary:
             return None
-        found = self.job.goodput.backup_every_secs()
-        if found is None:
-            return None
-        seconds, why = found
-        attempt = self.job.goodput.attempt
-        if attempt.get("backup_every_secs") is None:  # once per attempt: in its log and its ledger entry
-            cost = "no save timed yet" if why["save_secs"] is None else f"a save blocking training {why['save_secs']:.3f}s"
-            logger.warning(
-                "job %s: %d of its %d latest attempts were killed without notice (one every %.1fs past their start-up): "
-                "backing up every %.1fs between checkpoints (Young/Daly, with %s); "
-                "CheckpointSpec(backups=False) turns this off", self.config.job, why["killed"], why["of_attempts"],
-                why["mean_secs_between_kills"], seconds, cost,
-            )  # fmt: skip
-        attempt["backup_every_secs"] = round(seconds, 3)
-        return seconds
+        return CheckpointPolicy.from_spec(self.config.checkpoint).backup_every(self.job.goodput, self.config.job)
 
     def _ended_as(self, how: str) -> str:
         """How process 0's attempt ends in the ledger: `how`, unless it saw another process of
