@@ -147,7 +147,7 @@ def test_the_engine_accounts_every_phase_of_an_attempt_and_a_rerun_continues_the
         trainer.train_until_checkpoint()
         trainer.evaluate_if_new()
     trainer.finish()
-    run_id = trainer.tracker.run_id
+    run_id = trainer.job.tracker.run_id
     trainer.close()
     with open(tmp_path / "gp" / "goodput.json") as f:
         (attempt,) = json.load(f)["attempts"]
