@@ -73,7 +73,9 @@ def child(args) -> dict:
         "restore_s": t_restore - t_setup,
         "first_step_s": t_step - t_restore,
         "rerun_s": t_step - t_import,
-        "cache_pulled": len(trainer.compile_cache.pulled) if trainer.compile_cache is not None else None,
+        "cache_pulled": (
+            len(trainer.compile_cache.pulled) if trainer.compile_cache is not None else None
+        ),
     }
     # The floor: a bare Orbax restore of the same step, and one step of an already-compiled function.
     trainer.job.checkpoints.wait()

@@ -25,8 +25,8 @@ from mlflow.tracking import MlflowClient
 from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, status, wait_until
 
 from prefect_jax.training.checkpoints import committed_steps
-from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.exporters import list_exports
+from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.specs import BestExporter, CheckpointSpec, EvalSpec, FinalExporter, JobConfig, LatestExporter, TrainSpec
 from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.trainer import Trainer
@@ -58,7 +58,8 @@ def _uninterrupted(tmp_path, mlflow_uri):
     fingerprint = trainer.fingerprint()
     trainer.finish()
     trainer.close()
-    return list_exports(trainer.job.storage), trainer.job.storage.read_json(trainer.job.storage.export_dir("best") + "/best.json"), fingerprint
+    storage = trainer.job.storage
+    return list_exports(storage), storage.read_json(storage.export_dir("best") + "/best.json"), fingerprint
 
 
 @pytest.mark.slow

@@ -33,7 +33,8 @@ def test_scanned_steps_match_one_step_per_dispatch(job_config):
     scanned = _train(job_config(max_steps=30, every_steps=10, job="k4", steps_per_dispatch=4))
 
     assert scanned.step == per_step.step == 30
-    assert scanned.job.checkpoints.committed_steps() == per_step.job.checkpoints.committed_steps() == [10, 20, 30]
+    scanned_steps = scanned.job.checkpoints.committed_steps()
+    assert scanned_steps == per_step.job.checkpoints.committed_steps() == [10, 20, 30]
     # The data stream is at the same position, and the dropout key advanced the same way.
     assert scanned.data_iter.get_state() == per_step.data_iter.get_state()
     np.testing.assert_array_equal(

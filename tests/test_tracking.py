@@ -8,6 +8,12 @@ from prefect_jax.training.trainer import Trainer
 from conftest import train_to_end
 
 
+def history_of(trainer, key: str):
+    """The MLflow history of metric `key` in `trainer`'s run."""
+    client = MlflowClient(trainer.config.mlflow_tracking_uri)
+    return client.get_metric_history(trainer.job.tracker.run_id, key)
+
+
 def test_one_run_per_job_with_params_and_metrics_at_their_steps(job_config):
     config = job_config(max_steps=40, every_steps=20)
     first = Trainer(config)
@@ -162,15 +168,15 @@ def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_confi
         first.job.checkpoints.wait()
     if ended == "preempted":
         first.finish("KILLED")  # as a SIGTERM's handler ends it: goodput/* at step 20, the run KILLED
-        assert 20 in [m.step for m in MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.job.tracker.run_id, "goodput/goodput")]
+        assert 20 in [m.step for m in history_of(first, "goodput/goodput")]
     first.close()
-    assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.job.tracker.run_id, "train/loss") == []
+    assert history_of(first, "train/loss") == []
 
     rerun = Trainer(config)
     assert rerun.restore_or_init() == 20
     rerun.train_until_checkpoint()
     rerun.finish()
-    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.job.tracker.run_id, "train/loss")
+    history = history_of(rerun, "train/loss")
     assert sorted(m.step for m in history) == [10, 20, 30, 40]  # each once
     rerun.close()
 
@@ -185,14 +191,14 @@ def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(jo
         m.setattr(Tracker, "log_metrics_once", lambda self, rows, key, step: None)  # the write never happens
         assert first.evaluate_if_new().status.value == "EVALUATED"
     first.close()
-    assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.job.tracker.run_id, "eval/accuracy") == []
+    assert history_of(first, "eval/accuracy") == []
 
     rerun = Trainer(config)
     assert rerun.restore_or_init() == 20
     rerun.train_until_checkpoint()
     rerun.evaluate_if_new()
     rerun.finish()
-    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.job.tracker.run_id, "eval/accuracy")
+    history = history_of(rerun, "eval/accuracy")
     assert sorted(m.step for m in history) == [20, 40]  # step 20 from its record, once
     rerun.close()
 
@@ -220,7 +226,8 @@ def test_mlflow_runs_in_a_worker_process_and_dies_with_the_trainer(job_config, t
         "    trainer.train_until_checkpoint()\n"
         "    trainer.evaluate_if_new()\n"
         "trainer.finish()\n"
-        "print(json.dumps({'mlflow_imported': 'mlflow' in sys.modules, 'run_id': trainer.job.tracker.run_id,\n"
+        "print(json.dumps({'mlflow_imported': 'mlflow' in sys.modules,\n"
+        "                  'run_id': trainer.job.tracker.run_id,\n"
         "                  'worker': _worker().process.pid}), flush=True)\n"
         "time.sleep(60)\n"
     )

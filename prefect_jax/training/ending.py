@@ -42,9 +42,8 @@ class AttemptEnd:
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
-        self.preempted: tuple | None = (
-            None  # (step, committed, signal) of the notice handled, once forwarded
-        )
+        # (step, committed, signal) of the notice handled, once forwarded
+        self.preempted: tuple | None = None
 
     def stop_if_preempted(self) -> None:
         """Raise `Preempted` if this trainer handled a notice: where the handler it went on to
@@ -61,9 +60,8 @@ class AttemptEnd:
         t, job = self.trainer, self.trainer.job
         pending = t.evaluations.pending
         grace, started = t.config.train.sigterm_grace_secs, time.monotonic()
-        saved_rows = (
-            rows if rows is not None else t.intervals.rows_saving
-        )  # (None: no save just ended here)
+        # (None: no save just ended here)
+        saved_rows = rows if rows is not None else t.intervals.rows_saving
         committed = False
         try:
             if rows is not None and pending.held is not None:
@@ -83,13 +81,11 @@ class AttemptEnd:
                     rows, saved_rows = None, None
             if rows is not None:
                 logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", t.step, grace)
-                t.intervals.save(
-                    rows, preemption=t.policy.is_off_cadence(t.step)
-                )  # checks the lease
+                # checks the lease
+                t.intervals.save(rows, preemption=t.policy.is_off_cadence(t.step))
             else:
-                with contextlib.suppress(
-                    LeaseLostError
-                ):  # taken over: the job's records below are not this process's to write
+                # taken over: the job's records below are not this process's to write
+                with contextlib.suppress(LeaseLostError):
                     job.verify_lease()
                 logger.warning(
                     "SIGTERM at step %s (between checkpoints): letting its checkpoint commit "
@@ -99,21 +95,18 @@ class AttemptEnd:
                 )
             committed = within(job.wait_committed, grace) and t.step is not None
             committed = committed and job.is_committed(t.step)
-            if (
-                pending.held is not None
-            ):  # an evaluation whose step was committing: recorded if it did, before the run closes
+            # an evaluation whose step was committing: recorded if it did, before the run closes
+            if pending.held is not None:
                 pending.record_if_landed()
                 pending.drop()  # (else the rerun evaluates that step)
-            if (
-                t.compile_cache is not None
-            ):  # what this attempt compiled, for the rerun (on another node)
+            # what this attempt compiled, for the rerun (on another node)
+            if t.compile_cache is not None:
                 t.compile_cache.flush(min(10.0, max(0.0, grace - (time.monotonic() - started))))
             if committed:
                 took = time.monotonic() - started
                 logger.warning("step %d committed in %.2fs after SIGTERM", t.step, took)
-                if (
-                    saved_rows
-                ):  # the interval's train metrics (the checkpoint has them too, for a rerun)
+                # the interval's train metrics (the checkpoint has them too, for a rerun)
+                if saved_rows:
                     t.intervals.log_train_rows(saved_rows)
             else:
                 logger.error(
@@ -184,9 +177,8 @@ class AttemptEnd:
                 t.evaluations.pending.record(wait=True)
             else:
                 t.evaluations.pending.record_or_warn()
-            t.flush_compiled(
-                0.0 if status == "KILLED" else END_FLUSH_SECS
-            )  # KILLED: SIGTERM's handler waited
+            # KILLED: SIGTERM's handler waited
+            t.flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)
             if job.goodput.attempt is not None:
                 job.wait_committed(ending=status != "FINISHED")
                 how = {"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower())
@@ -195,9 +187,8 @@ class AttemptEnd:
             job.finish(status)
             if status == "FINISHED":
                 mark_cluster_finished()
-            elif (
-                status == "KILLED"
-            ):  # preempted, its checkpoint committed: its leaving is no loss to the others
+            # preempted, its checkpoint committed: its leaving is no loss to the others
+            elif status == "KILLED":
                 say_goodbye()
         finally:
             t.guard.uninstall()
@@ -207,9 +198,8 @@ class AttemptEnd:
         t = self.trainer
         try:
             t.evaluations.pending.record_or_warn()
-            t.job.goodput.end(
-                self.ended_as("closed")
-            )  # (unless it ended already) not a kill, unless a process went away
+            # (unless it ended already) not a kill, unless a process went away
+            t.job.goodput.end(self.ended_as("closed"))
             t.loop.join_precompile()
             t.flush_compiled(END_FLUSH_SECS)
             t.job.close()

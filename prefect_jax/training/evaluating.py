@@ -46,9 +46,8 @@ class Evaluations:
     ) -> EvalResult:
         """`Trainer.evaluate_if_new`."""
         t = self.trainer
-        with t.job.goodput.phase(
-            "eval"
-        ):  # a trainer's own evaluations (an evaluator keeps no ledger)
+        # a trainer's own evaluations (an evaluator keeps no ledger)
+        with t.job.goodput.phase("eval"):
             result = self._evaluate_if_new(step, force, on_recorded)
         if result.status == EvalStatus.EVALUATED:
             t.push_compiled()
@@ -159,9 +158,8 @@ class Evaluations:
         if step == t.step:
             try:
                 self.pending.wait_committed(inside="eval")
-            except (
-                LostProcess
-            ):  # another process went away after its part of the commit: process 0's is final
+            # another process went away after its part of the commit: process 0's is final
+            except LostProcess:
                 if not job.is_committed(step):
                     raise
                 logger.warning(

@@ -46,9 +46,8 @@ class Exports:
         t, job, config = self.trainer, self.trainer.job, self.trainer.config
         t.ending.stop_if_preempted()
         written: dict[str, str] = {}
-        if (
-            result.pending_commit
-        ):  # exports are of committed, recorded steps: this one's commit comes first
+        # exports are of committed, recorded steps: this one's commit comes first
+        if result.pending_commit:
             max_steps = config.train.max_steps
             if all(
                 exp.exports_nothing(e, job.storage, result, max_steps)
@@ -113,14 +112,12 @@ class Exports:
         for exporter in config.eval.exporters:
             steps = exp.exported_steps(storage, exporter.name)
             exported.update(steps)
-            if isinstance(
-                exporter, BestExporter
-            ):  # the best recorded (so committed) evaluation that was exported
+            # the best recorded (so committed) evaluation that was exported
+            if isinstance(exporter, BestExporter):
                 records = [r for r in map(job.records.get, steps) if r is not None]
                 scored = [r for r in records if exporter.metric in r.metrics]
-                sign = (
-                    1 if exporter.mode == "min" else -1
-                )  # ties: the earliest step, as the exporter keeps it
+                # ties: the earliest step, as the exporter keeps it
+                sign = 1 if exporter.mode == "min" else -1
                 best = (
                     min(scored, key=lambda r: (sign * r.metrics[exporter.metric], r.step))
                     if scored

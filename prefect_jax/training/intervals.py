@@ -77,14 +77,12 @@ class Intervals:
 
                 def stop() -> bool:
                     t.evaluations.pending.record_from_loop()
-                    if (
-                        self._push_after_first_step
-                    ):  # its compile is in the cache, copied while training goes on
+                    # its compile is in the cache, copied while training goes on
+                    if self._push_after_first_step:
                         self._push_after_first_step = False
                         t.compile_cache.push_async()
-                    lost = (
-                        job.processes == 1 and job.lease.lost_to is not None
-                    )  # (the save raises it)
+                    # (the save raises it)
+                    lost = job.processes == 1 and job.lease.lost_to is not None
                     # (on remote storage, no backup before the last step is up there)
                     due = t.policy.due(
                         part_started, backup_every, notice.requested or lost, job.uploading
@@ -98,9 +96,8 @@ class Intervals:
                     interval = t.loop.run(t.state, t.step, t.data_iter, boundary, stop)
                 except NonFiniteAt as bad:
                     job.wait_committed()  # the error names the checkpoint a rerun resumes from
-                    with contextlib.suppress(
-                        Exception
-                    ):  # (kept pending if it fails: `finish` or `close` tries again)
+                    # (kept pending if it fails: `finish` or `close` tries again)
+                    with contextlib.suppress(Exception):
                         t.evaluations.pending.record(wait=True)
                     raise NonFiniteLossError(
                         bad.step, bad.metrics, job.newest_committed()
@@ -185,13 +182,11 @@ class Intervals:
                 "train_metrics": [list(r) for r in train_metrics],
                 "preemption": preemption
                 or backup,  # off the cadence: resumed from, never evaluated
-                **(
-                    {"backup": True} if backup else {}
-                ),  # written because attempts of the job were killed
+                # written because attempts of the job were killed
+                **({"backup": True} if backup else {}),
             }
-            job.goodput.trained_to(
-                t.step
-            )  # first: a save killed part-way leaves its steps counted as lost
+            # first: a save killed part-way leaves its steps counted as lost
+            job.goodput.trained_to(t.step)
             with job.goodput.phase("checkpoint"):
                 job.save(t.step, t.state, t.data_iter, meta)
             t.policy.saved()

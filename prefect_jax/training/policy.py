@@ -314,8 +314,7 @@ def backup_interval(
         "save_secs": round(cost[0], 4) if cost else None,
         "saves_timed": cost[1] if cost else 0,
     }
-    if (
-        cost is None
-    ):  # killed before any save: one as soon as allowed, which times what a save costs
+    # killed before any save: one as soon as allowed, which times what a save costs
+    if cost is None:
         return MIN_BACKUP_SECS, why
     return max(math.sqrt(2.0 * cost[0] * mtbk), MIN_BACKUP_SECS, 5.0 * cost[0]), why

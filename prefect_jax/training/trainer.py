@@ -102,9 +102,8 @@ class Trainer:
                     "serving_input(): add them, or drop the exporters"
                 )
             self.loop = Loop(self.program, config.train)
-            if (
-                config.eval.exporters and config.eval.export_platforms
-            ):  # named ones: refused now, not an interval in
+            # named ones: refused now, not an interval in
+            if config.eval.exporters and config.eval.export_platforms:
                 platforms = config.eval.export_platforms
                 exp.check_serving_platforms(self.program, self.loop.abstract_state, platforms)
         except BaseException:
@@ -122,13 +121,11 @@ class Trainer:
         self.step: int | None = None
         self.data_iter = None
         self.last_train_metrics: dict[str, float] = {}
-        self.started_from: int | None = (
-            None  # the step the live state was restored (or initialised) at
-        )
+        # the step the live state was restored (or initialised) at
+        self.started_from: int | None = None
         self.live_is_preemption = False  # the live step was restored from a preemption checkpoint
-        self._no_stop_at: tuple[int, float] | None = (
-            None  # (live step, monotonic time) of the last "no stop" read
-        )
+        # (live step, monotonic time) of the last "no stop" read
+        self._no_stop_at: tuple[int, float] | None = None
         self.policy = CheckpointPolicy.from_spec(config.checkpoint, config.train.max_steps)
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
@@ -202,9 +199,8 @@ class Trainer:
                 self, checkpoint_path, wait_for_checkpoint, max_wait_secs, recovery_wait_secs
             )
         except Exception as exc:
-            note_failure(
-                exc
-            )  # several processes: a peer lost in the collective restore, or this one's own failure
+            # several processes: a peer lost in the collective restore, or this one's own failure
+            note_failure(exc)
             raise
 
     def params(self) -> dict[str, str]:
