@@ -20,6 +20,7 @@ from prefect_jax.training.cluster import LostProcess, lost_process
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.names import STOP_REASON_TAG, TRAIN_PREFIX
 from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
+from prefect_jax.training.session import job_params
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
@@ -189,7 +190,7 @@ class Evaluations:
                 self.reconciled = False  # nothing to join yet: try again next time
                 return 0
             run_id = job.read_meta(source).get("mlflow_run_id")
-            job.attach_tracking(t.params(), run_id, reopen=False)
+            job.attach_tracking(job_params(t.config, t.program), run_id, reopen=False)
         t.exports.warm_registry()  # (once per evaluating process, as this)
         recorded = [r for r in job.records.all() if r.metrics]
         for result in recorded:

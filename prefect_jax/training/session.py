@@ -13,6 +13,7 @@ from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.loop import notify_progress
 from prefect_jax.training.names import DEVICES_TAG
 from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.tracking import flatten_params
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
@@ -129,6 +130,21 @@ def describe_devices() -> str:
     return text + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
 
 
+def job_params(config, program) -> dict[str, str]:
+    """A job's MLflow params: its program, specs and program config, flattened."""
+    return flatten_params(
+        "",
+        {
+            "program": config.program,
+            "job": config.job,
+            "train": config.train.model_dump(mode="json"),
+            "eval": config.eval.model_dump(mode="json"),
+            "checkpoint": config.checkpoint.model_dump(mode="json"),
+            "program_config": getattr(program, "config", None) or {},
+        },
+    )
+
+
 def restore_trainer(
     trainer: Trainer,
     checkpoint_path: str | None,
@@ -177,7 +193,7 @@ def restore_trainer(
         data_iter = loop.fresh_iter()
     job.discard_records_after(step)
     # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
-    job.attach_tracking(trainer.params(), (meta or {}).get("mlflow_run_id"))
+    job.attach_tracking(job_params(trainer.config, trainer.program), (meta or {}).get("mlflow_run_id"))
     # The restored interval's train metrics, in case its process died before writing them.
     trainer.intervals.log_train_rows([tuple(r) for r in (meta or {}).get("train_metrics", [])])
     if step < trainer.config.train.max_steps:

@@ -53,7 +53,6 @@ from prefect_jax.training.program import (
 from prefect_jax.training.session import restore_or_init, restore_trainer
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.trees import state_fingerprint
-from prefect_jax.training.tracking import flatten_params
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -202,21 +201,6 @@ class Trainer:
             # several processes: a peer lost in the collective restore, or this one's own failure
             note_failure(exc)
             raise
-
-    def params(self) -> dict[str, str]:
-        """The job's MLflow params: its program, specs and program config, flattened."""
-        c = self.config
-        return flatten_params(
-            "",
-            {
-                "program": c.program,
-                "job": c.job,
-                "train": c.train.model_dump(mode="json"),
-                "eval": c.eval.model_dump(mode="json"),
-                "checkpoint": c.checkpoint.model_dump(mode="json"),
-                "program_config": getattr(self.program, "config", None) or {},
-            },
-        )
 
     # -- the verbs: train, evaluate, export ------------------------------------------
 
