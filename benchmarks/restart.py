@@ -73,12 +73,14 @@ def child(args) -> dict:
         "restore_s": t_restore - t_setup,
         "first_step_s": t_step - t_restore,
         "rerun_s": t_step - t_import,
-        "cache_pulled": len(trainer._compile_cache.pulled) if trainer._compile_cache is not None else None,
+        "cache_pulled": (
+            len(trainer.compile_cache.pulled) if trainer.compile_cache is not None else None
+        ),
     }
     # The floor: a bare Orbax restore of the same step, and one step of an already-compiled function.
-    trainer.checkpoints.wait()
+    trainer.job.checkpoints.wait()
     t = time.perf_counter()
-    state, _ = trainer.checkpoints.restore(step + 1, trainer.abstract_state)
+    state, _ = trainer.job.checkpoints.restore(step + 1, trainer.loop.abstract_state)
     jax.block_until_ready(state)
     result["raw_restore_s"] = time.perf_counter() - t
     batch = next(trainer.data_iter)

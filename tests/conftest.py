@@ -100,7 +100,7 @@ def train_to_end(trainer):
         result = trainer.evaluate_if_new()
         trainer.export(result)
         results.append(result)
-    trainer.checkpoints.wait()
+    trainer.job.checkpoints.wait()
     return results
 
 

@@ -62,9 +62,10 @@ def main(storage: str, mlflow_uri: str, cache_dir: str | None = None, storage_op
 
         def lose_the_node(step, max_steps, metrics):
             deadline = time.monotonic() + 60
-            while not any(name.startswith("jit_step-") for name in trainer._compile_cache.pushed):
+            while not any(name.startswith("jit_step-") for name in trainer.compile_cache.pushed):
                 if time.monotonic() > deadline:
-                    print(json.dumps({"timeout": step, "pushed": trainer._compile_cache.pushed}), flush=True)
+                    pushed = trainer.compile_cache.pushed
+                    print(json.dumps({"timeout": step, "pushed": pushed}), flush=True)
                     os._exit(3)
                 time.sleep(0.05)
             print(json.dumps({"start": start, "lost_at": step, **counter.counts}), flush=True)

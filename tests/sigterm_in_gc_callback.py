@@ -90,16 +90,16 @@ def _run_the_flow(argv: list[str]) -> int:
 
 
 def _at_eval() -> None:
-    from prefect_jax.training.trainer import Trainer
+    from prefect_jax.training.evaluating import Evaluations
 
-    evaluate = Trainer._evaluate_if_new
+    evaluate = Evaluations._evaluate_if_new
 
     def evaluate_with_sigterm(self, *args, **kwargs):
         if not _sent:
             sigterm_inside_a_gc_callback()
         return evaluate(self, *args, **kwargs)
 
-    Trainer._evaluate_if_new = evaluate_with_sigterm
+    Evaluations._evaluate_if_new = evaluate_with_sigterm
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def test_a_damaged_newest_step_falls_back_and_training_redoes_it_exactly(trained
     assert committed_steps(_ckpt_dir(config)) == [20, 40]
     assert trainer.fingerprint() == prints[40]
     trainer.train_until_checkpoint()  # step 60 is written again, over nothing
-    trainer.checkpoints.wait()
+    trainer.job.checkpoints.wait()
     assert trainer.fingerprint() == prints[60]
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60]
 
@@ -118,7 +118,7 @@ def test_a_dead_process_on_this_host_is_taken_over_at_once(job_config):
     _write_lease(config, pid=int(dead.stdout))
     trainer = Trainer(config)
     assert trainer.restore_or_init() == 0
-    assert trainer.lease.held
+    assert trainer.job.lease.held
 
 
 def test_the_same_flow_run_retried_takes_its_own_lease_back(job_config):
@@ -157,7 +157,7 @@ def test_a_second_process_of_the_same_flow_run_waits_for_the_first_to_end(job_co
         assert waited >= 2.0, f"took the lease of a live process of its own flow run after {waited:.1f}s"
         assert seen["lease while it lived"] == "other"  # untouched while the first lived
         assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in caplog.text
-        assert trainer.lease.taken_over["reason"] == f"process {first.pid} on this host is gone"
+        assert trainer.job.lease.taken_over["reason"] == f"process {first.pid} on this host is gone"
         assert json.load(open(path))["pid"] == os.getpid()
         # Its attempt starts when it took the job: its wait overlapped the first process's training.
         assert trainer.job.goodput.attempt["seconds"]["startup"] < 0.5
@@ -189,9 +189,9 @@ lease = _take_the_lease_before_jax(config)
 out.update(waited=time.monotonic() - started, jax=[m for m in ("jax", "jaxlib") if m in sys.modules],
            holder=json.load(open(lease_file))["pid"], me=os.getpid())
 trainer = _trainer(config)
-out["adopted"] = trainer.lease is lease
+out["adopted"] = trainer.job.lease is lease
 out["step"] = trainer.restore_or_init()
-out["taken_over"] = trainer.lease.taken_over["reason"]
+out["taken_over"] = trainer.job.lease.taken_over["reason"]
 trainer.train_until_checkpoint()
 trainer.finish()
 trainer.close()
@@ -317,7 +317,7 @@ def test_a_trainer_whose_job_was_taken_over_stops_before_its_next_checkpoint(job
     trainer.job.wait_committed()
     assert committed_steps(_ckpt_dir(config)) == [20]
     assert [n for n in os.listdir(_ckpt_dir(config)) if n != "20"] == []  # no step 40, not even a temporary one
-    assert not trainer.lease.held
+    assert not trainer.job.lease.held
     assert finish_live(config, "FAILED") is False  # the failure hook leaves the job (and its MLflow run) to its holder
     with pytest.raises(LeaseLostError):  # nor does it take the lease back
         trainer.train_until_checkpoint()
@@ -331,9 +331,9 @@ def test_the_heartbeat_notices_a_takeover(job_config):
     trainer.restore_or_init()
     _write_lease(config, token="new-holder", flow_run_id="run-9", host="another-host")
     deadline = time.monotonic() + 10
-    while trainer.lease.lost_to is None and time.monotonic() < deadline:
+    while trainer.job.lease.lost_to is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert trainer.lease.lost_to["token"] == "new-holder" and not trainer.lease.held
+    assert trainer.job.lease.lost_to["token"] == "new-holder" and not trainer.job.lease.held
     ledger = os.path.join(config.storage, config.job, "goodput.json")
     before = open(ledger).read()
     with pytest.raises(LeaseLostError):

@@ -45,14 +45,14 @@ def test_each_step_is_evaluated_once_across_restarts(job_config):
     assert first.status is EvalStatus.EVALUATED and first.step == 20
     again = trainer.evaluate_if_new()
     assert again.status is EvalStatus.NO_NEW_CHECKPOINT and again.metrics == first.metrics
-    trainer.checkpoints.wait()
+    trainer.job.checkpoints.wait()
     trainer.close()
 
     restarted = Trainer(config)
     assert restarted.restore_or_init() == 20
     assert restarted.evaluate_if_new().status is EvalStatus.NO_NEW_CHECKPOINT
-    assert restarted.records.steps() == [20]
-    history = restarted.tracker.metric_history("eval/accuracy")
+    assert restarted.job.records.steps() == [20]
+    history = restarted.job.tracker.metric_history("eval/accuracy")
     assert history == [(20, first.metrics["accuracy"])]
 
 
@@ -67,7 +67,7 @@ def test_evaluating_a_committed_step_from_storage(job_config):
     writer = Trainer(config)
     writer.restore_or_init()
     writer.train_until_checkpoint()
-    writer.checkpoints.wait()
+    writer.job.checkpoints.wait()
     reader = Trainer(config.model_copy(update={"eval": config.eval.model_copy(update={"name": "other"})}))
     result = reader.evaluate_if_new()  # no live state: restores the newest committed step
     assert result.status is EvalStatus.EVALUATED and result.step == 20 and result.name == "other"
@@ -130,7 +130,7 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
     trainer.train_until_checkpoint()
     result = trainer.evaluate_if_new(on_recorded=on_recorded)  # (waiting for the commit here would hang for 60 s)
     assert result.status is EvalStatus.EVALUATED and result.step == 100 and result.pending_commit
-    assert trainer.records.steps() == [] and recorded == []
+    assert trainer.job.records.steps() == [] and recorded == []
     assert 100 not in trainer.committed_steps()
 
     remove = add_progress_listener(at_log_step)
@@ -141,11 +141,11 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
     # Recorded once, from the loop, after the commit (not while the save was in flight), as evaluated.
     assert [(r.step, r.pending_commit, *rest) for r, *rest in recorded] == [(100, False, True, True, True)]
     assert recorded[0][0].metrics == result.metrics
-    assert trainer.records.get(100).metrics == result.metrics
+    assert trainer.job.records.get(100).metrics == result.metrics
     final = trainer.evaluate_if_new(on_recorded=on_recorded)  # the final step: recorded before it returns
     assert final.step == 200 and not final.pending_commit and [r.step for r, *_ in recorded] == [100, 200]
     trainer.finish()
-    history = trainer.tracker.metric_history("eval/accuracy")
+    history = trainer.job.tracker.metric_history("eval/accuracy")
     assert [s for s, _ in history] == [100, 200]
 
 
@@ -173,7 +173,7 @@ def test_a_record_made_from_the_training_loop_is_evaluation_time_in_the_goodput_
         took = time.perf_counter() - started
     finally:
         remove()
-    assert trainer.records.steps() == [100]
+    assert trainer.job.records.steps() == [100]
     assert seconds["eval"] - before["eval"] >= 0.5
     assert seconds["train"] - before["train"] <= took - 0.5  # (not counted twice)
     trainer.finish()
@@ -218,15 +218,15 @@ def test_a_process_killed_before_the_evaluated_step_commits_leaves_no_record_of_
     assert line.split() == ["evaluated", "20", "True"], (line, (tmp_path / "killed.log").read_text()[-3000:])
 
     rerun = Trainer(config)
-    assert rerun.records.steps() == [] and rerun.committed_steps() == []
+    assert rerun.job.records.steps() == [] and rerun.committed_steps() == []
     assert rerun.restore_or_init() == 0
-    assert rerun.tracker.metric_history("eval/accuracy") == []
+    assert rerun.job.tracker.metric_history("eval/accuracy") == []
     while rerun.step < 40:
         rerun.train_until_checkpoint()
         rerun.evaluate_if_new()
     rerun.finish()
-    assert rerun.records.steps() == [20, 40]
-    assert [s for s, _ in rerun.tracker.metric_history("eval/accuracy")] == [20, 40]
+    assert rerun.job.records.steps() == [20, 40]
+    assert [s for s, _ in rerun.job.tracker.metric_history("eval/accuracy")] == [20, 40]
 
 
 def test_a_stop_request_is_read_once_per_ask_at_a_step_and_the_trainers_own_is_seen_at_once(job_config, monkeypatch):

@@ -18,7 +18,7 @@ def test_exports_run_without_the_program_and_match_serve(job_config):
     trainer = Trainer(job_config(max_steps=20, exporters=[FinalExporter()]))
     trainer.restore_or_init()
     train_to_end(trainer)
-    path = trainer.storage.export_dir("final", 20)
+    path = trainer.job.storage.export_dir("final", 20)
     info = json.load(open(f"{path}/export.json"))
     assert info["step"] == 20 and set(info["metrics"]) == {"accuracy", "loss"}
     _, _, x, _ = load_digits_split()
@@ -31,7 +31,7 @@ def test_latest_keeps_the_newest_n(job_config):
     trainer = Trainer(job_config(max_steps=80, every_steps=20, exporters=[LatestExporter(keep=2)]))
     trainer.restore_or_init()
     train_to_end(trainer)
-    assert list_exports(trainer.storage) == {"latest": [60, 80]}
+    assert list_exports(trainer.job.storage) == {"latest": [60, 80]}
 
 
 def test_best_exports_only_improvements_and_remembers_across_restarts(job_config):
@@ -39,8 +39,8 @@ def test_best_exports_only_improvements_and_remembers_across_restarts(job_config
     trainer = Trainer(config)
     trainer.restore_or_init()
     train_to_end(trainer)
-    best = json.load(open(trainer.storage.export_dir("best") + "/best.json"))
-    exported = list_exports(trainer.storage)["best"]
+    best = json.load(open(trainer.job.storage.export_dir("best") + "/best.json"))
+    exported = list_exports(trainer.job.storage)["best"]
     assert best["step"] == exported[-1]
     trainer.close()
 
@@ -51,8 +51,8 @@ def test_best_exports_only_improvements_and_remembers_across_restarts(job_config
     again.restore_or_init()
     better = EvalResult(status=EvalStatus.EVALUATED, step=40, metrics={"loss": best["value"] - 1, "accuracy": 1.0})
     if best["step"] != 40:
-        assert again.export(better) == {"best": again.storage.export_dir("best", 40)}
-        assert json.load(open(again.storage.export_dir("best") + "/best.json"))["step"] == 40
+        assert again.export(better) == {"best": again.job.storage.export_dir("best", 40)}
+        assert json.load(open(again.job.storage.export_dir("best") + "/best.json"))["step"] == 40
 
 
 def test_best_with_unknown_metric_names_the_metrics(job_config):
@@ -69,7 +69,7 @@ def test_final_exports_only_at_max_steps(job_config):
     results = train_to_end(trainer)
     assert [r.step for r in results] == [20, 40]
     assert [is_the_final_export(r, 40) for r in results] == [False, True]
-    assert list_exports(trainer.storage) == {"final": [40]}
+    assert list_exports(trainer.job.storage) == {"final": [40]}
 
 
 def test_exporters_need_a_serving_function(job_config):
@@ -102,20 +102,21 @@ def test_an_evaluation_that_exports_nothing_does_not_wait_for_its_steps_commit(j
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
     first = trainer.evaluate_if_new()
-    assert trainer.export(first) == {"best": trainer.storage.export_dir("best", 100)}
+    assert trainer.export(first) == {"best": trainer.job.storage.export_dir("best", 100)}
     trainer.train_until_checkpoint()
     second = trainer.evaluate_if_new()
     assert second.step == 200 and second.pending_commit and second.metrics["loss"] < first.metrics["loss"]
     assert trainer.export(second) == {}  # (waiting for the commit here would hang for 60 s)
-    assert not commit.is_set() and 200 not in trainer.committed_steps() and trainer.records.steps() == [100]
+    assert not commit.is_set() and 200 not in trainer.committed_steps()
+    assert trainer.job.records.steps() == [100]
 
     commit.set()
     trainer.train_until_checkpoint()  # to 300: step 200 is recorded (from the loop, or by this save) first
-    assert trainer.records.get(200).metrics == second.metrics
+    assert trainer.job.records.get(200).metrics == second.metrics
     final = trainer.evaluate_if_new()
     assert final.step == 300 and not final.pending_commit
-    assert trainer.export(final) == {"final": trainer.storage.export_dir("final", 300)}
-    assert list_exports(trainer.storage) == {"best": [100], "final": [300]}
+    assert trainer.export(final) == {"final": trainer.job.storage.export_dir("final", 300)}
+    assert list_exports(trainer.job.storage) == {"best": [100], "final": [300]}
     trainer.finish()
 
 
@@ -133,6 +134,7 @@ def test_an_evaluation_that_exports_waits_for_its_steps_commit(job_config, monke
     result = trainer.evaluate_if_new()
     assert result.step == 20 and result.pending_commit
     threading.Timer(0.5, commit.set).start()
-    assert trainer.export(result) == {"best": trainer.storage.export_dir("best", 20)}
-    assert commit.is_set() and 20 in trainer.committed_steps() and trainer.records.steps() == [20]
+    assert trainer.export(result) == {"best": trainer.job.storage.export_dir("best", 20)}
+    assert commit.is_set() and 20 in trainer.committed_steps()
+    assert trainer.job.records.steps() == [20]
     trainer.finish()

@@ -24,8 +24,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, status, wait_until
 
-from prefect_jax.training.checkpoints import MANIFEST_FILE, committed_steps
+from prefect_jax.training.checkpoints import committed_steps
 from prefect_jax.training.exporters import list_exports
+from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.specs import BestExporter, CheckpointSpec, EvalSpec, FinalExporter, JobConfig, LatestExporter, TrainSpec
 from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.trainer import Trainer
@@ -57,7 +58,8 @@ def _uninterrupted(tmp_path, mlflow_uri):
     fingerprint = trainer.fingerprint()
     trainer.finish()
     trainer.close()
-    return list_exports(trainer.storage), trainer.storage.read_json(trainer.storage.export_dir("best") + "/best.json"), fingerprint
+    storage = trainer.job.storage
+    return list_exports(storage), storage.read_json(storage.export_dir("best") + "/best.json"), fingerprint
 
 
 @pytest.mark.slow
@@ -200,8 +202,8 @@ def test_a_flipped_bit_is_caught_and_the_step_moved_aside(job_config, caplog):
     clean = straight.fingerprint()
     straight.finish()
     straight.close()
-    ckpt = straight.storage.checkpoint_dir
-    assert os.path.isfile(os.path.join(ckpt, "60", MANIFEST_FILE))
+    ckpt = straight.job.storage.checkpoint_dir
+    assert os.path.isfile(os.path.join(ckpt, "60", STEP_MANIFEST_FILE))
 
     damaged = _flip_one_bit(os.path.join(ckpt, "60"))
     rerun = Trainer(config.model_copy(update={"job": "straight"}))
@@ -221,7 +223,7 @@ def test_a_step_written_before_checksums_restores_with_a_warning(job_config, cap
     trainer.train_until_checkpoint()
     trainer.finish()
     trainer.close()
-    os.remove(os.path.join(trainer.storage.checkpoint_dir, "20", MANIFEST_FILE))
+    os.remove(os.path.join(trainer.job.storage.checkpoint_dir, "20", STEP_MANIFEST_FILE))
     again = Trainer(config)
     assert again.restore_or_init() == 20
     assert "has no checksums" in caplog.text
@@ -504,7 +506,7 @@ def test_a_trainer_whose_notice_went_on_to_a_handler_that_returned_does_nothing_
         for go_on in (trainer.evaluate_if_new, trainer.train_until_checkpoint, trainer.restore_or_init):
             with pytest.raises(Preempted, match="preempted at step 20"):
                 go_on()
-        assert committed_steps(trainer.storage.checkpoint_dir) == [20]
+        assert committed_steps(trainer.job.storage.checkpoint_dir) == [20]
     finally:
         trainer.close()
 

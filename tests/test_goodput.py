@@ -147,7 +147,7 @@ def test_the_engine_accounts_every_phase_of_an_attempt_and_a_rerun_continues_the
         trainer.train_until_checkpoint()
         trainer.evaluate_if_new()
     trainer.finish()
-    run_id = trainer.tracker.run_id
+    run_id = trainer.job.tracker.run_id
     trainer.close()
     with open(tmp_path / "gp" / "goodput.json") as f:
         (attempt,) = json.load(f)["attempts"]
@@ -238,47 +238,6 @@ def _life(start, end_record, ended, saves, save_s, dead=2.0):
             "saves": saves, "save_s": save_s}  # fmt: skip
 
 
-def test_backups_follow_young_daly_from_the_kills_the_ledger_shows():
-    from prefect_jax.training.goodput import backup_interval
-
-    current = _life(120, 120, None, 0, 0.0)
-    # Never killed, or only preempted with notice (the step in flight was checkpointed): no backups.
-    assert backup_interval([_life(0, 50, "finished", 5, 0.5), _life(60, 110, "closed", 5, 0.5)], current, now=125) is None
-    assert backup_interval([_life(0, 50, "preempted", 5, 0.5), _life(60, 110, "preempted", 5, 0.5)], current, now=125) is None
-    # Two kills, each less than a save interval after the attempt's last record. Exposed: 48 s
-    # each (their last record less their 2 s of start-up, restore and compile), and this attempt's
-    # 3 s so far. A save blocked training 0.1 s (0.8 s over 8 timed saves).
-    earlier = [_life(0, 50, None, 4, 0.4), _life(60, 110, None, 4, 0.4)]
-    seconds, why = backup_interval(earlier, current, now=125)
-    assert why == {"killed": 2, "of_attempts": 2, "mean_secs_between_kills": 49.5, "save_secs": 0.1, "saves_timed": 8}
-    assert seconds == pytest.approx((2 * 0.1 * 49.5) ** 0.5)
-    # The longer this attempt goes without a kill, the rarer the backups.
-    assert backup_interval(earlier, current, now=125 + 3600)[0] > 3 * seconds
-    # One of two attempts killed: the time both trained counts against that one kill.
-    _, why = backup_interval([_life(0, 50, "preempted", 4, 0.4), _life(60, 110, None, 4, 0.4)], current, now=125)
-    assert why["killed"] == 1 and why["mean_secs_between_kills"] == pytest.approx(99.0)
-    # A multi-process job's attempt cut short by another process's death is a kill of the job;
-    # one that failed on its own is not.
-    from prefect_jax.training.goodput import LOST_PROCESS
-
-    _, why = backup_interval([_life(0, 50, "failed", 4, 0.4), _life(60, 110, LOST_PROCESS, 4, 0.4)], current, now=125)
-    assert why["killed"] == 1
-    assert backup_interval([_life(0, 50, "failed", 4, 0.4)], current, now=125) is None
-    # Only the newest attempts count: kills long ago do not make a job back up forever.
-    old_kills = [_life(i * 60.0, i * 60.0 + 50, None, 4, 0.4) for i in range(3)]
-    clean = [_life(180.0 + i * 60.0, 230.0 + i * 60.0, "preempted", 4, 0.4) for i in range(5)]
-    assert backup_interval(old_kills + clean, _life(500, 500, None, 0, 0.0), now=505) is None
-    # Quick kills and quick saves: never closer than a second (nor than 5 saves' blocking).
-    assert backup_interval([_life(0, 2.5, None, 2, 0.004)], _life(3, 3, None, 0, 0.0), now=3.5)[0] == 1.0
-    assert backup_interval([_life(0, 5, None, 2, 1.0)], _life(6, 6, None, 0, 0.0), now=6.5)[0] == 2.5
-    # Killed before any save was timed (kills more often than checkpoints: the job would never get
-    # past its first step): one backup as soon as allowed, which times a save; then the formula.
-    seconds, why = backup_interval([_life(0, 50, None, 0, 0.0)], current, now=125)
-    assert seconds == 1.0 and why["save_secs"] is None and why["saves_timed"] == 0
-    seconds, why = backup_interval([_life(0, 50, None, 0, 0.0)], _life(120, 130, None, 1, 0.1), now=135)
-    assert why["save_secs"] == 0.1 and seconds == pytest.approx((2 * 0.1 * why["mean_secs_between_kills"]) ** 0.5)
-
-
 def test_a_collectives_error_says_whether_another_process_of_the_job_went_away():
     from prefect_jax.training.cluster import lost_a_process
 
@@ -309,19 +268,6 @@ def test_a_collectives_error_says_whether_another_process_of_the_job_went_away()
                 RuntimeError("DEADLINE_EXCEEDED: Barrier timed out"),
                 LeaseHeldError("/s/job", {"pid": 1, "host": "h", "heartbeat": 0}, 5.0, 120.0)):  # fmt: skip
         assert not lost_a_process(own), own
-
-
-def test_backups_are_kept_only_while_newest_and_leave_keep_last_to_the_other_steps():
-    from prefect_jax.training.checkpoints import retained
-    from prefect_jax.training.specs import CheckpointSpec
-
-    backups = {150, 250, 260}
-    steps = [100, 150, 200, 250, 260]
-    assert retained(steps, CheckpointSpec(keep_last=2), None, backups.__contains__) == {100, 200, 260}
-    assert retained(steps + [300], CheckpointSpec(keep_last=2), None, backups.__contains__) == {200, 300}
-    assert retained(steps, CheckpointSpec(keep_last=None), None, backups.__contains__) == {100, 200, 260}
-    # An evaluator elsewhere has reached 100: the steps from it on are kept for it, backups not (it never evaluates them).
-    assert retained(steps + [300], CheckpointSpec(keep_last=1, keep_until_evaluated=True), 100, backups.__contains__) == {100, 200, 300}
 
 
 def test_on_remote_storage_a_backup_waits_until_the_step_before_it_is_uploaded(tmp_path, mlflow_uri, monkeypatch):

@@ -76,7 +76,7 @@ def tracked_job(mlflow_server, tmp_path_factory):
         trainer.restore_or_init()
         train_to_end(trainer)
         time.sleep(2)  # a few system-metric samples
-        url, run_id = trainer.tracker.run_url(), trainer.tracker.run_id
+        url, run_id = trainer.job.tracker.run_url(), trainer.job.tracker.run_id
         trainer.finish()
         trainer.close()
     finally:

@@ -36,7 +36,7 @@ def registered(tmp_path_factory, mlflow_uri):
     trainer = Trainer(config)
     trainer.restore_or_init()
     results = train_to_end(trainer)
-    run_id = trainer.tracker.run_id
+    run_id = trainer.job.tracker.run_id
     trainer.finish()
     trainer.close()
     return config, results, run_id
@@ -88,7 +88,7 @@ def test_a_rerun_registers_nothing_twice(registered, mlflow_uri):
         result = again.evaluate_if_new()
         assert result.status == EvalStatus.NO_NEW_CHECKPOINT
         again.export(result)
-        again.tracker.flush()
+        again.job.tracker.flush()
     finally:
         again.finish()
         again.close()
@@ -130,7 +130,7 @@ def test_a_fresh_process_without_prefect_jax_serves_models_best_exactly(register
     # And the serving function itself, on the state of that step, in this process.
     trainer = Trainer(config)
     try:
-        state = trainer.job.restore(best, trainer.abstract_state)[0]
+        state = trainer.job.restore(best, trainer.loop.abstract_state)[0]
         np.testing.assert_allclose(served, np.asarray(program.serve(state, x)), rtol=1e-6, atol=1e-7)
     finally:
         trainer.close()
@@ -370,7 +370,7 @@ def test_a_model_logged_by_a_killed_process_is_registered_not_logged_again(job_c
         mlflow.set_tracking_uri(before)
     client = MlflowClient(mlflow_uri)
     assert {s: str(v.version) for s, v in _versions(client, "half-done").items()} == {20: "1", 40: "2"}
-    run = client.get_run(trainer.tracker.run_id)
+    run = client.get_run(trainer.job.tracker.run_id)
     models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")
     assert sorted(m.tags["prefect_jax.step"] for m in models) == ["20", "40"]  # step 20 logged once
 

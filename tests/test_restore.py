@@ -11,20 +11,20 @@ import pytest
 
 from prefect_jax.examples.digits import DigitsProgram
 from prefect_jax.training.checkpoints import (
-    MANIFEST_FILE,
     CheckpointMismatchError,
     Checkpoints,
     committed_steps,
     state_fingerprint,
     wait_for_new_checkpoint,
 )
+from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.trainer import Trainer, restore_or_init
 
 
 def test_new_job_initialises_at_step_zero(job_config):
     trainer = Trainer(job_config())
     assert trainer.restore_or_init() == 0
-    assert trainer.checkpoints.committed_steps() == []
+    assert trainer.job.checkpoints.committed_steps() == []
 
 
 def test_init_is_the_same_state_each_time_and_on_its_device(job_config):
@@ -51,7 +51,7 @@ def test_resumes_from_latest_committed_step_with_identical_state(job_config):
     first.restore_or_init()
     first.train_until_checkpoint()
     first.train_until_checkpoint()
-    first.checkpoints.wait()
+    first.job.checkpoints.wait()
     expected = first.fingerprint()
     first.close()
 
@@ -102,7 +102,7 @@ def test_resumed_run_ends_bit_for_bit_equal_to_uninterrupted_run(job_config, tmp
     interrupted = Trainer(job_config(max_steps=60, every_steps=20, job="resumed"))
     interrupted.restore_or_init()
     interrupted.train_until_checkpoint()
-    interrupted.checkpoints.wait()
+    interrupted.job.checkpoints.wait()
     interrupted.close()  # the process "goes away" after step 20
     resumed = Trainer(job_config(max_steps=60, every_steps=20, job="resumed"))
     assert resumed.restore_or_init() == 20
@@ -115,8 +115,8 @@ def test_explicit_checkpoint_path_warm_starts_a_new_job(job_config):
     source = Trainer(job_config(job="source"))
     source.restore_or_init()
     source.train_until_checkpoint()
-    source.checkpoints.wait()
-    path = os.path.join(source.checkpoints.directory, "20")
+    source.job.checkpoints.wait()
+    path = os.path.join(source.job.checkpoints.directory, "20")
 
     target = Trainer(job_config(job="target"))
     assert target.restore_or_init(checkpoint_path=path) == 20
@@ -156,7 +156,7 @@ def test_wait_for_checkpoint_restores_one_committed_while_waiting(job_config):
     writer = Trainer(config)
     writer.restore_or_init()
     writer.train_until_checkpoint()
-    writer.checkpoints.wait()
+    writer.job.checkpoints.wait()
     expected = writer.fingerprint()
     writer.close()  # one writer per job: the step is written first, and appears while the waiter waits
     checkpoints = os.path.join(config.storage, config.job, "checkpoints")
@@ -227,10 +227,10 @@ def test_mismatched_tree_lists_differing_leaves_by_path(job_config, tmp_path):
     trainer = Trainer(config)
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
-    trainer.checkpoints.wait()
+    trainer.job.checkpoints.wait()
 
     other = DigitsProgram(hidden=(32, 16))  # l2 and l3 change shape
-    checkpoints = Checkpoints(trainer.checkpoints.directory, read_only=True)
+    checkpoints = Checkpoints(trainer.job.checkpoints.directory, read_only=True)
     abstract = jax.eval_shape(other.init, jax.random.key(0))
     with pytest.raises(CheckpointMismatchError) as err:
         checkpoints.restore(20, abstract)
@@ -309,7 +309,7 @@ def test_the_data_position_is_written_in_the_commit_not_before_save_returns(tmp_
     again = iter(grain.MapDataset.range(100).shuffle(seed=3).to_iter_dataset())
     ckpt.restore(7, jax.eval_shape(lambda: {"w": np.ones(3, np.float32)}), again)
     assert [next(again) for _ in range(5)] == after
-    with open(tmp_path / "ck" / "7" / MANIFEST_FILE) as f:
+    with open(tmp_path / "ck" / "7" / STEP_MANIFEST_FILE) as f:
         assert "data/process_0-of-1.json" in json.load(f)["files"]  # checksummed with the rest of the step
 
 
@@ -357,7 +357,8 @@ def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer)
 def test_a_step_of_another_process_count_restores_either_iterator_s_position(tmp_path, kind):
     # Written by 2 processes, restored by 1: process 0's position applies (every process reads
     # the same batches). A DataLoader's position is bytes, a dataset iterator's a dict.
-    from prefect_jax.training.checkpoints import CheckpointSpec, write_manifest
+    from prefect_jax.training.checkpoints import CheckpointSpec
+    from prefect_jax.training.checksums import write_manifest
 
     data = lambda: _shuffled_iterator(kind)  # noqa: E731
     ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))

@@ -197,7 +197,7 @@ def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes
                        checkpoint=CheckpointSpec(every_steps=10, keep_last=1, keep_until_evaluated=False))  # fmt: skip
     trainer = Trainer(config)
     announced: list[int] = []
-    trainer.commit_listeners.append(announced.append)
+    trainer.job.commit_listeners.append(announced.append)
     trainer.restore_or_init()
     while trainer.step < 30:
         trainer.train_until_checkpoint()

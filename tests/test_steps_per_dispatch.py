@@ -18,7 +18,7 @@ def _train(config) -> Trainer:
     trainer.restore_or_init()
     while trainer.step < config.train.max_steps:
         trainer.train_until_checkpoint()
-    trainer.checkpoints.wait()
+    trainer.job.checkpoints.wait()
     return trainer
 
 
@@ -33,7 +33,8 @@ def test_scanned_steps_match_one_step_per_dispatch(job_config):
     scanned = _train(job_config(max_steps=30, every_steps=10, job="k4", steps_per_dispatch=4))
 
     assert scanned.step == per_step.step == 30
-    assert scanned.checkpoints.committed_steps() == per_step.checkpoints.committed_steps() == [10, 20, 30]
+    scanned_steps = scanned.job.checkpoints.committed_steps()
+    assert scanned_steps == per_step.job.checkpoints.committed_steps() == [10, 20, 30]
     # The data stream is at the same position, and the dropout key advanced the same way.
     assert scanned.data_iter.get_state() == per_step.data_iter.get_state()
     np.testing.assert_array_equal(
@@ -43,8 +44,8 @@ def test_scanned_steps_match_one_step_per_dispatch(job_config):
     for a, b in zip(_leaves(scanned.state), _leaves(per_step.state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     # Training metrics went to MLflow at the same steps, with the same values.
-    k1 = per_step.tracker.client.get_metric_history(per_step.tracker.run_id, "train/loss")
-    k4 = scanned.tracker.client.get_metric_history(scanned.tracker.run_id, "train/loss")
+    k1 = per_step.job.tracker.client.get_metric_history(per_step.job.tracker.run_id, "train/loss")
+    k4 = scanned.job.tracker.client.get_metric_history(scanned.job.tracker.run_id, "train/loss")
     assert [m.step for m in k4] == [m.step for m in k1] == [10, 20, 30]
     np.testing.assert_allclose([m.value for m in k4], [m.value for m in k1], rtol=1e-4)
     per_step.close()
@@ -56,10 +57,10 @@ def test_scanned_steps_resume_from_a_checkpoint_like_one_step_per_dispatch(job_c
     first = Trainer(job_config(max_steps=20, every_steps=10, job="resumed", steps_per_dispatch=3))
     first.restore_or_init()
     first.train_until_checkpoint()
-    first.checkpoints.wait()
+    first.job.checkpoints.wait()
     first.close()
     resumed = _train(job_config(max_steps=20, every_steps=10, job="resumed", steps_per_dispatch=3))
-    assert resumed.checkpoints.committed_steps() == [10, 20]
+    assert resumed.job.checkpoints.committed_steps() == [10, 20]
     assert resumed.data_iter.get_state() == straight.data_iter.get_state()
     for a, b in zip(_leaves(resumed.state), _leaves(straight.state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -74,8 +75,8 @@ def test_scanned_steps_name_the_first_nan_step_and_keep_it_out_of_checkpoints(jo
     assert trainer.train_until_checkpoint() == 20
     with pytest.raises(NonFiniteLossError, match="step 33 .*newest checkpoint is step 20"):
         trainer.train_until_checkpoint()
-    trainer.checkpoints.wait()
-    assert trainer.checkpoints.committed_steps() == [20]
+    trainer.job.checkpoints.wait()
+    assert trainer.job.checkpoints.committed_steps() == [20]
     trainer.close()
 
 
@@ -95,7 +96,7 @@ def test_the_steps_donate_the_train_state_so_one_copy_of_it_is_held(job_config, 
     started = trainer.state
     trainer.train_until_checkpoint()
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(started))
-    trainer.checkpoints.wait()  # step 10 saved: its state is free to donate too
+    trainer.job.checkpoints.wait()  # step 10 saved: its state is free to donate too
     gc.collect()  # (a host view of it left in a reference cycle would make JAX copy it instead)
     saved = trainer.state
     trainer.train_until_checkpoint()

@@ -9,26 +9,32 @@ from prefect_jax.training.trainer import Trainer
 from conftest import train_to_end
 
 
+def history_of(trainer, key: str):
+    """The MLflow history of metric `key` in `trainer`'s run."""
+    client = MlflowClient(trainer.config.mlflow_tracking_uri)
+    return client.get_metric_history(trainer.job.tracker.run_id, key)
+
+
 def test_one_run_per_job_with_params_and_metrics_at_their_steps(job_config):
     config = job_config(max_steps=40, every_steps=20)
     first = Trainer(config)
     first.restore_or_init()
     first.train_until_checkpoint()
     first.evaluate_if_new()
-    first.checkpoints.wait()
+    first.job.checkpoints.wait()
     first.finish()
     first.close()
 
     rerun = Trainer(config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 40})}))
     rerun.restore_or_init()
-    assert rerun.tracker.run_id == first.tracker.run_id
+    assert rerun.job.tracker.run_id == first.job.tracker.run_id
     train_to_end(rerun)
     rerun.finish()
 
     client = MlflowClient(config.mlflow_tracking_uri)
     runs = client.search_runs(
         [client.get_experiment_by_name("prefect-jax").experiment_id],
-        filter_string=f"tags.`{JOB_TAG}` = '{rerun.storage.job_dir}'",
+        filter_string=f"tags.`{JOB_TAG}` = '{rerun.job.storage.job_dir}'",
     )
     assert len(runs) == 1
     run = runs[0]
@@ -51,7 +57,7 @@ def test_tracking_failure_warns_and_training_goes_on(job_config, tmp_path, monke
     with pytest.warns(TrackingWarning, match=f"sqlite:///{blocker}/sub/mlflow.db"):
         trainer = Trainer(config)
         trainer.restore_or_init()
-        trainer.tracker.flush()  # MLflow is opened in the background: wait for it
+        trainer.job.tracker.flush()  # MLflow is opened in the background: wait for it
     trainer.train_until_checkpoint()
     assert trainer.step == 20
     trainer.finish()  # waits for the (failing) writes: warnings, no error
@@ -160,18 +166,18 @@ def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_confi
     with monkeypatch.context() as m:
         m.setattr(Tracker, "log_new_metrics", lambda self, rows, prefix="": None)  # the writes never happen
         first.train_until_checkpoint()
-        first.checkpoints.wait()
+        first.job.checkpoints.wait()
     if ended == "preempted":
         first.finish("KILLED")  # as a SIGTERM's handler ends it: goodput/* at step 20, the run KILLED
-        assert 20 in [m.step for m in MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "goodput/goodput")]
+        assert 20 in [m.step for m in history_of(first, "goodput/goodput")]
     first.close()
-    assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "train/loss") == []
+    assert history_of(first, "train/loss") == []
 
     rerun = Trainer(config)
     assert rerun.restore_or_init() == 20
     rerun.train_until_checkpoint()
     rerun.finish()
-    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.tracker.run_id, "train/loss")
+    history = history_of(rerun, "train/loss")
     assert sorted(m.step for m in history) == [10, 20, 30, 40]  # each once
     rerun.close()
 
@@ -181,19 +187,19 @@ def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(jo
     first = Trainer(config)
     first.restore_or_init()
     first.train_until_checkpoint()
-    first.checkpoints.wait()  # (committed: the evaluation is recorded before it returns)
+    first.job.checkpoints.wait()  # (committed: the evaluation is recorded before it returns)
     with monkeypatch.context() as m:
         m.setattr(Tracker, "log_metrics_once", lambda self, rows, key, step: None)  # the write never happens
         assert first.evaluate_if_new().status.value == "EVALUATED"
     first.close()
-    assert MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.tracker.run_id, "eval/accuracy") == []
+    assert history_of(first, "eval/accuracy") == []
 
     rerun = Trainer(config)
     assert rerun.restore_or_init() == 20
     rerun.train_until_checkpoint()
     rerun.evaluate_if_new()
     rerun.finish()
-    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(rerun.tracker.run_id, "eval/accuracy")
+    history = history_of(rerun, "eval/accuracy")
     assert sorted(m.step for m in history) == [20, 40]  # step 20 from its record, once
     rerun.close()
 
@@ -221,7 +227,8 @@ def test_mlflow_runs_in_a_worker_process_and_dies_with_the_trainer(job_config, t
         "    trainer.train_until_checkpoint()\n"
         "    trainer.evaluate_if_new()\n"
         "trainer.finish()\n"
-        "print(json.dumps({'mlflow_imported': 'mlflow' in sys.modules, 'run_id': trainer.tracker.run_id,\n"
+        "print(json.dumps({'mlflow_imported': 'mlflow' in sys.modules,\n"
+        "                  'run_id': trainer.job.tracker.run_id,\n"
         "                  'worker': worker().process.pid}), flush=True)\n"
         "time.sleep(60)\n"
     )
@@ -253,7 +260,7 @@ def test_a_dead_mlflow_worker_warns_once_and_training_goes_on(job_config, monkey
     monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
     trainer = Trainer(job_config(max_steps=40, every_steps=10))
     trainer.restore_or_init()
-    trainer.tracker.flush()
+    trainer.job.tracker.flush()
     worker = mlflow_client.worker()
     os.kill(worker.process.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
@@ -460,7 +467,7 @@ def test_a_trainer_that_will_register_exports_has_the_worker_ready_them_when_it_
         trainer.evaluate_if_new()
         trainer.train_until_checkpoint()
         trainer.evaluate_if_new()
-        assert asked == ([trainer.tracker.job_key] if registers == "yes" else [])  # once
+        assert asked == ([trainer.job.tracker.job_key] if registers == "yes" else [])  # once
     finally:
         trainer.close()
 

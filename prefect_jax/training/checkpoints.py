@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from typing import Any, Callable
 
 import grain
@@ -22,7 +21,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from prefect_jax.training import cluster
-from prefect_jax.training.names import STEP_MANIFEST_FILE as MANIFEST_FILE
+from prefect_jax.training.checksums import ORBAX_COMMIT_FILE as _COMMIT_FILE
+from prefect_jax.training.checksums import CorruptCheckpointError  # noqa: F401 - job.py's import
+from prefect_jax.training.checksums import verify_manifest, write_manifest
+from prefect_jax.training.names import STEP_META_FILE
+from prefect_jax.training.policy import CheckpointPolicy
+from prefect_jax.training.policy import retained  # noqa: F401 - TEMPORARY: job.py's import
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (  # noqa: F401 - state_fingerprint & co. are imported from here too
     abstract_savable,
@@ -36,122 +40,8 @@ from prefect_jax.training.trees import (  # noqa: F401 - state_fingerprint & co.
 
 logger = logging.getLogger("prefect_jax.checkpoints")
 
-_COMMIT_FILE = "_CHECKPOINT_METADATA"
-# Written or rewritten by Orbax around the commit, after the manifest: not covered by it.
-_UNCHECKED = {_COMMIT_FILE, MANIFEST_FILE, "commit_success.txt"}
-
-
 class CheckpointMismatchError(ValueError):
     """A checkpoint's tree differs from the tree the program's `init` builds."""
-
-
-class CorruptCheckpointError(OSError):
-    """A committed step's files differ from the checksums written with it (bit rot, a bad
-    disk or copy, an edit): restoring it would resume from silently wrong values."""
-
-    def __init__(self, step_dir: str, problems: list[str]):
-        self.step_dir, self.problems = step_dir, problems
-        shown = "; ".join(problems[:5]) + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else "")
-        super().__init__(f"checkpoint {step_dir} is corrupt ({shown}): its files differ from the checksums written at its commit")
-
-
-# -- content checksums ------------------------------------------------------------------
-
-
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _checked_files(step_dir: str) -> list[str]:
-    out = []
-    for root, _, files in os.walk(step_dir):
-        for name in files:
-            if name not in _UNCHECKED:
-                out.append(os.path.relpath(os.path.join(root, name), step_dir))
-    return sorted(out)
-
-
-def write_manifest(step_dir: str) -> None:
-    """Write ``{file: [size, crc32]}`` of every file of a step (before Orbax's commit renames it)."""
-    files = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _crc32(os.path.join(step_dir, rel))] for rel in _checked_files(step_dir)}
-    tmp = os.path.join(step_dir, MANIFEST_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"algorithm": "crc32", "files": files}, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(step_dir, MANIFEST_FILE))
-
-
-def verify_manifest(step_dir: str) -> bool:
-    """Check a step's files against its manifest; False when it has none (written before checksums).
-
-    Raises:
-        CorruptCheckpointError: a file is missing, has another size, or other bytes.
-    """
-    path = os.path.join(step_dir, MANIFEST_FILE)
-    if "://" in step_dir or not os.path.isfile(path):
-        return False
-    with open(path) as f:
-        files = json.load(f)["files"]
-    problems = []
-    for rel, (size, crc) in sorted(files.items()):
-        full = os.path.join(step_dir, rel)
-        if not os.path.isfile(full):
-            problems.append(f"{rel} is missing")
-        elif os.path.getsize(full) != size:
-            problems.append(f"{rel} has {os.path.getsize(full)} bytes, {size} were written")
-        elif _crc32(full) != crc:
-            problems.append(f"{rel} has other bytes than were written (crc32 differs)")
-    if problems:
-        raise CorruptCheckpointError(step_dir, problems)
-    return True
-
-
-@dataclasses.dataclass
-class KeepNotYetEvaluated:
-    """An Orbax preservation policy: keep every step from the newest evaluated one on, so that
-    retention never deletes a step before a separate evaluator reached it (and the newest
-    evaluated step stays readable for its exports)."""
-
-    newest_evaluated: Callable[[], int | None]
-
-    def should_preserve(self, checkpoints, *, context):
-        newest = self.newest_evaluated()
-        return [newest is None or c.step >= newest for c in checkpoints]
-
-
-@dataclasses.dataclass
-class BackupsWhileNewest:
-    """An Orbax preservation policy: `inner` decides over the steps that are not backups (see
-    `CheckpointSpec.backups`), and a backup is kept only while it is the newest step: any newer
-    step, backup or not, supersedes it. A step `pinned` says is still needed (its upload to
-    remote storage is pending) is kept whatever they say."""
-
-    inner: Any
-    is_backup: Callable[[int], bool]
-    pinned: Callable[[int], bool] = lambda step: False
-
-    def should_preserve(self, checkpoints, *, context):
-        regular = [c for c in checkpoints if not self.is_backup(c.step)]
-        kept = dict(zip((c.step for c in regular), self.inner.should_preserve(regular, context=context)))
-        newest = max((c.step for c in checkpoints), default=None)
-        return [(kept[c.step] if c.step in kept else c.step == newest) or self.pinned(c.step) for c in checkpoints]
-
-
-def retained(steps: list[int], spec: CheckpointSpec, newest_evaluated: int | None, is_backup: Callable[[int], bool]) -> set[int]:
-    """The steps of `steps` (committed, oldest first) that retention keeps: what the Orbax
-    policies of `Checkpoints` keep, for storage Orbax does not manage (`RemoteSteps`)."""
-    regular = [s for s in steps if not is_backup(s)]
-    keep = set(regular[-spec.keep_last :]) if spec.keep_last else set(regular)
-    if spec.keep_every_steps:
-        keep |= {s for s in regular if s % spec.keep_every_steps == 0}
-    if spec.keep_until_evaluated:
-        keep |= {s for s in regular if newest_evaluated is None or s >= newest_evaluated}
-    return keep | set(steps[-1:])
 
 
 # -- the manager ------------------------------------------------------------------------
@@ -219,13 +109,11 @@ ITEMS = ("state", "data", "meta")
 
 
 def read_meta_file(checkpoint_dir: str, step: int) -> dict:
-    """A step's metadata item read as a file (`remote.META_FILE`: local or gs://), not through
-    Orbax's restore."""
+    """A step's metadata item read as a file (`names.STEP_META_FILE`: local or gs://), not
+    through Orbax's restore."""
     from etils import epath
 
-    from prefect_jax.training.names import STEP_META_FILE as META_FILE
-
-    return json.loads((epath.Path(checkpoint_dir) / str(int(step)) / META_FILE).read_text())
+    return json.loads((epath.Path(checkpoint_dir) / str(int(step)) / STEP_META_FILE).read_text())
 
 
 def is_committed(step_dir: str) -> bool:
@@ -269,7 +157,7 @@ class Checkpoints:
 
     Args:
         directory: absolute local path (or ``gs://`` URL) of the job's checkpoints.
-        spec: cadence and retention.
+        spec: cadence and retention (retention: `CheckpointPolicy.preservation`).
         read_only: open an existing directory for restore only (no directory creation).
         newest_evaluated: with `spec.keep_until_evaluated`, returns the newest evaluated step
             (None: none yet); retention keeps every step newer than it.
@@ -282,8 +170,6 @@ class Checkpoints:
         read_only: bool = False,
         newest_evaluated: Callable[[], int | None] | None = None,
     ):
-        from orbax.checkpoint import checkpoint_managers as pp
-
         spec = spec or CheckpointSpec()
         self.directory = directory
         self.spec = spec
@@ -291,13 +177,11 @@ class Checkpoints:
         self._raised = threading.local()  # per thread: the failed saves' errors `wait` raised to it
         self._backup: dict[int, bool] = {}  # step -> whether it is a backup (saved here, or its metadata read once)
         self.pinned: Callable[[int], bool] = lambda step: False  # steps retention must keep for now (`Job`: uploads)
-        policies = [pp.LatestN(n=spec.keep_last)]
-        if spec.keep_every_steps:
-            policies.append(pp.EveryNSteps(interval_steps=spec.keep_every_steps))
-        if spec.keep_until_evaluated and newest_evaluated is not None:
-            policies.append(KeepNotYetEvaluated(newest_evaluated))
+        retention = CheckpointPolicy.from_spec(spec).preservation(
+            self.is_backup, lambda s: self.pinned(s), newest_evaluated
+        )
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=BackupsWhileNewest(pp.AnyPreservationPolicy(policies), self.is_backup, lambda s: self.pinned(s)),
+            preservation_policy=retention,
             enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_step_in_flight),
             # Retention's deletions run in the commit, which the next save waits for. Left to

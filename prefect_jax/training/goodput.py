@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import socket
 import time
@@ -163,12 +162,10 @@ class GoodputLedger:
             if a["saves"] == 1:  # on record now, for a rerun if this attempt is killed before its next save
                 self._write()
 
-    def backup_every_secs(self) -> tuple[float, dict[str, Any]] | None:
-        """This job's backup interval (`backup_interval`) from the attempts before this one and
-        this attempt's own saves so far; None while none of its recent attempts was killed."""
-        if self.attempt is None or self._earlier is None:
-            return None
-        return backup_interval(self._earlier, self.attempt)
+    @property
+    def earlier(self) -> list[dict[str, Any]] | None:
+        """The attempts before this one, as read at this attempt's first write (None before it)."""
+        return self._earlier
 
     def end(self, how: str) -> None:
         """The attempt ends: ``finished``, ``preempted``, ``failed``, ``closed`` (its trainer was
@@ -208,62 +205,9 @@ class GoodputLedger:
         return summarize(self.read())
 
 
-BACKUP_WINDOW = 5  # the newest attempts a backup interval is estimated from
-LOST_PROCESS = "lost a process"  # how process 0's attempt ends when another process of the job was killed
-MIN_BACKUP_SECS = 1.0
-
-
-def _save_cost(attempts: list[dict]) -> tuple[float, int] | None:
-    """Seconds a save blocked the training thread, on average over the saves `attempts` timed
-    (`GoodputLedger.saved`); None before any was."""
-    blocked, saves = sum(a.get("save_s", 0.0) for a in attempts), sum(a.get("saves", 0) for a in attempts)
-    return (blocked / saves, saves) if saves else None
-
-
-def _exposed(a: dict, end: float) -> float:
-    """An attempt's time from the end of its start-up, restore and compile to `end`."""
-    dead = sum(a.get("seconds", {}).get(k, 0.0) for k in ("startup", "restore", "compile"))
-    return max(0.0, end - a["process_start"] - dead)
-
-
-def backup_interval(earlier: list[dict], current: dict | None = None, now: float | None = None,
-                    window: int = BACKUP_WINDOW) -> tuple[float, dict[str, Any]] | None:  # fmt: skip
-    """How often to back up a job whose attempts get killed without notice (Young/Daly).
-
-    An attempt was *killed* when a later one exists and it never recorded an end (SIGKILL, a lost
-    node, an OOM kill), or it ended `LOST_PROCESS` (such a kill took another process of a
-    multi-process job): what it trained after its last checkpoint was lost. One that ended on a
-    preemption notice lost nothing (its step in flight was checkpointed) and is not a kill.
-    Over the newest `window` attempts before `current` and `current` itself (until `now`), the
-    mean time between kills ``M`` is their time past start-up, restore and compile (a killed
-    one's until its last record: it was killed less than one save interval later) divided by
-    the kills. With ``C`` the seconds a save blocks training (timed, over the same attempts),
-    ``sqrt(2 * C * M)`` seconds between checkpoints minimise the expected loss, the first-order
-    optimum of Young (1974) and Daly (2006); never under ``max(MIN_BACKUP_SECS, 5 * C)``.
-
-    Before any save of theirs was timed (every one was killed before its first checkpoint, as
-    happens when kills come more often than checkpoints: such a job would never get past its
-    first step), ``MIN_BACKUP_SECS``: that backup times a save, and the next follow the formula.
-
-    Returns ``(seconds, why)`` (``why``: the figures it came from; ``save_secs`` None before a
-    save was timed), or None when none of those attempts was killed.
-    """
-    now = time.time() if now is None else now
-    recent = [a for a in earlier if not a.get("folded")][-window:]
-    following = recent[1:] + ([current] if current is not None else [])
-    kills = sum(a.get("ended") in (None, LOST_PROCESS) for a, _ in zip(recent, following))
-    if not kills:
-        return None
-    exposed = sum(_exposed(a, a.get("updated", a["process_start"])) for a in recent)
-    if current is not None:
-        exposed += _exposed(current, now)
-    cost = _save_cost(recent + ([current] if current is not None else []))
-    mtbk = max(exposed / kills, 1e-3)
-    why = {"killed": kills, "of_attempts": len(following), "mean_secs_between_kills": round(mtbk, 2),
-           "save_secs": round(cost[0], 4) if cost else None, "saves_timed": cost[1] if cost else 0}  # fmt: skip
-    if cost is None:  # killed before any save: one as soon as allowed, which times what a save costs
-        return MIN_BACKUP_SECS, why
-    return max(math.sqrt(2.0 * cost[0] * mtbk), MIN_BACKUP_SECS, 5.0 * cost[0]), why
+# How process 0's attempt ends when another process of the job was killed: a kill without notice
+# (`policy.backup_interval`).
+LOST_PROCESS = "lost a process"
 
 
 def read_ledger(storage) -> dict[str, Any]:

@@ -36,7 +36,7 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
     trainer = _live.get(key)
     if trainer is not None and trainer.config == config:
         if run_tags:
-            trainer.run_tags.update(run_tags)
+            trainer.job.run_tags.update(run_tags)
         return trainer
     if trainer is not None:
         del _live[key]  # (closed: never handed out again, even if the new one is refused)
@@ -60,7 +60,7 @@ def finish_live(config: JobConfig, status: str) -> bool:
     trainer = live_trainer(config)
     # Never touch a job another trainer holds. A process other than process 0 of several holds
     # no lease: it finishes its own part (its saves in flight, its SIGTERM guard).
-    if trainer is None or (trainer.job.is_primary and not trainer.lease.held):
+    if trainer is None or (trainer.job.is_primary and not trainer.job.lease.held):
         return False
     try:
         trainer.job.verify_lease()  # held, as far as this process knew: still?
@@ -77,7 +77,7 @@ def land_mlflow_writes(config: JobConfig) -> None:
     (`Tracker.land`); in strict mode, until they land, raising the first that failed."""
     trainer = live_trainer(config)
     if trainer is not None:
-        trainer.tracker.land()
+        trainer.job.tracker.land()
 
 
 def drop_trainer(config: JobConfig) -> None:

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from prefect_jax.training.checkpoints import CheckpointMismatchError, Checkpoints, committed_steps, wait_for_new_checkpoint
+from prefect_jax.training.errors import PastMaxStepsError
+from prefect_jax.training.lease import duplicate_wait_ended
+from prefect_jax.training.loop import notify_progress
+from prefect_jax.training.names import DEVICES_TAG
+from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.tracking import flatten_params
+
+if TYPE_CHECKING:
+    from prefect_jax.training.trainer import Trainer
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -106,3 +115,95 @@ def restore_or_init(
             return state, step, meta, data_iter
         log(f"no committed checkpoint in {checkpoint_dir}: initialising from scratch")
     return init(), 0, None, new_iter()
+
+
+# -- a trainer's restore -------------------------------------------------------------
+
+
+def describe_devices() -> str:
+    """``"1 x NVIDIA H100 80GB HBM3 (gpu)"``, ``"16 x TPU v5 lite (tpu), 4 processes"``."""
+    import jax
+
+    devices = jax.devices()
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    text = f"{len(devices)} x {kinds} ({jax.default_backend()})"
+    return text + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+
+
+def job_params(config, program) -> dict[str, str]:
+    """A job's MLflow params: its program, specs and program config, flattened."""
+    return flatten_params(
+        "",
+        {
+            "program": config.program,
+            "job": config.job,
+            "train": config.train.model_dump(mode="json"),
+            "eval": config.eval.model_dump(mode="json"),
+            "checkpoint": config.checkpoint.model_dump(mode="json"),
+            "program_config": getattr(program, "config", None) or {},
+        },
+    )
+
+
+def restore_trainer(
+    trainer: Trainer,
+    checkpoint_path: str | None,
+    wait_for_checkpoint: bool,
+    max_wait_secs: float,
+    recovery_wait_secs: float,
+) -> int:
+    """`Trainer.restore_or_init`: the job's lease, then its live state (restored or made by init)
+    in `trainer`, its MLflow run attached, its attempt opened in the goodput ledger."""
+    trainer.ending.stop_if_preempted()
+    trainer.forget_stop_answer()  # (a restore may land on the step last asked at: ask again)
+    job, loop = trainer.job, trainer.loop
+    job.goodput.restore_began()
+    job.checkpoints.wait()
+    newest, max_steps = job.newest_committed(), trainer.config.train.max_steps
+    if newest is not None and newest > max_steps:
+        raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
+    job.acquire_lease()
+    waited = duplicate_wait_ended(job.storage.job_dir)
+    # another process of this flow run trained until then: not this attempt's time
+    if waited is not None:
+        job.goodput.restart_clock(waited)
+    trainer.guard.install()
+    trainer.wait_for_compile_cache()
+    loop.start_precompile()
+    # (remote: the committed steps, listed once for the restore below)
+    listed = job.prepare_restore()
+    has_own = bool(listed if listed is not None else job.committed_steps())
+    state, step, meta, data_iter = restore_or_init(
+        job.checkpoints,
+        loop.init_state,
+        loop.abstract_state,
+        checkpoint_dir=job.checkpoints.directory if (has_own or not checkpoint_path) else None,
+        checkpoint_path=None if has_own else checkpoint_path,
+        make_data_iter=loop.fresh_iter,
+        wait_for_checkpoint=wait_for_checkpoint,
+        max_wait_secs=max_wait_secs,
+        recovery_wait_secs=recovery_wait_secs,
+        on_unreadable=job.set_aside,
+        # (none yet: a wait for one lists again)
+        list_steps=(lambda: listed) if listed else job.committed_steps,
+        prepare_step=job.fetch if job.remote is not None else None,
+    )
+    if checkpoint_path and not has_own and step:
+        # warm start: weights from elsewhere, this job's data from the start
+        data_iter = loop.fresh_iter()
+    job.discard_records_after(step)
+    # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
+    job.attach_tracking(job_params(trainer.config, trainer.program), (meta or {}).get("mlflow_run_id"))
+    # The restored interval's train metrics, in case its process died before writing them.
+    trainer.intervals.log_train_rows([tuple(r) for r in (meta or {}).get("train_metrics", [])])
+    if step < trainer.config.train.max_steps:
+        job.record_attempt(step)
+        if job.is_primary:  # what this attempt trains on, for the MLflow run's reader
+            job.tracker.set_tags({DEVICES_TAG: describe_devices()})
+    trainer.state, trainer.step, trainer.data_iter = loop.place(state), step, data_iter
+    trainer.live_is_preemption = bool((meta or {}).get("preemption"))
+    trainer.started_from = step  # committed, or init / a warm start: a rerun gets the same state
+    trainer.policy.saved()  # (the time cadence counts from the restore)
+    job.goodput.begin(step)
+    notify_progress(step, trainer.config.train.max_steps, {})
+    return step

@@ -121,7 +121,8 @@ class CheckpointSpec(_Spec):
 
     A checkpoint is written when either cadence is reached (whichever comes first), and
     always at `max_steps`. Retention follows Orbax: the newest `keep_last` steps are kept,
-    plus every step that is a multiple of `keep_every_steps`.
+    plus every step that is a multiple of `keep_every_steps`. The decisions themselves are
+    `prefect_jax.training.policy.CheckpointPolicy.from_spec(spec, max_steps)`'s.
 
     Args:
         every_steps: write a checkpoint every this many steps.
@@ -138,7 +139,7 @@ class CheckpointSpec(_Spec):
             cadence's checkpoints: resume-only checkpoints (never evaluated), at the interval
             that minimises the expected loss for the kills seen (Young/Daly,
             ``sqrt(2 * save blocking * mean time between kills)``; see
-            `prefect_jax.training.goodput.backup_interval`; on remote storage, not before the
+            `prefect_jax.training.policy.backup_interval`; on remote storage, not before the
             previous step is uploaded). A backup is kept only until a newer step commits (it
             does not count in `keep_last`) and emits no ``prefect-jax.checkpoint.committed``
             event. Jobs that were never killed (or only got preemption notices, which lose

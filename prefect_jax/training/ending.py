@@ -1,0 +1,207 @@
+"""How a trainer's attempt at its job ends: finished, closed, or preempted by a SIGTERM.
+
+A preemption notice (SIGTERM, taken by the trainer's `PreemptionGuard`) checkpoints the live
+step or lets the save in flight commit, within `sigterm_grace_secs`; then the MLflow run closes
+KILLED, the lease is freed and the signal goes on to the previous handler. Each end is written
+to the goodput ledger, where a process of the job that went away without a word counts as a kill
+(the job's next attempts back up between checkpoints). This module never imports prefect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from prefect_jax.training.cluster import failed_processes, lost_process, say_goodbye
+from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
+from prefect_jax.training.compile_cache import END_FLUSH_SECS
+from prefect_jax.training.errors import LeaseLostError, Preempted
+from prefect_jax.training.goodput import LOST_PROCESS
+
+if TYPE_CHECKING:
+    from prefect_jax.training.trainer import Trainer
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+Rows = list[tuple[str, float, int]]
+
+
+def within(fn, timeout: float) -> bool:
+    """Run `fn` on a helper thread; True if it returned within `timeout` seconds."""
+    worker = threading.Thread(target=fn, daemon=True)
+    worker.start()
+    worker.join(timeout=max(0.0, timeout))
+    return not worker.is_alive()
+
+
+class AttemptEnd:
+    """The end of one trainer's attempt (see `Trainer.finish`, `Trainer.close`)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        # (step, committed, signal) of the notice handled, once forwarded
+        self.preempted: tuple | None = None
+
+    def stop_if_preempted(self) -> None:
+        """Raise `Preempted` if this trainer handled a notice: where the handler it went on to
+        raised in a place that dropped that (a gc callback: `deliver_lost_notices` sends the signal
+        again, a moment later), nothing more of the job is done meanwhile."""
+        if self.preempted is not None:
+            raise Preempted(*self.preempted)
+
+    def on_sigterm(self, rows: Rows | None = None) -> None:
+        """A preemption notice: checkpoint the live step (in the loop, `rows` are its interval's
+        train metrics) or let its save in flight commit (anywhere else: during an evaluation, an
+        export, between tasks), within `sigterm_grace_secs`; say which step is the newest
+        committed one; close the MLflow run KILLED, free the lease, forward the signal."""
+        t, job = self.trainer, self.trainer.job
+        pending = t.evaluations.pending
+        grace, started = t.config.train.sigterm_grace_secs, time.monotonic()
+        # (None: no save just ended here)
+        saved_rows = rows if rows is not None else t.intervals.rows_saving
+        committed = False
+        try:
+            if rows is not None and pending.held is not None:
+                try:
+                    pending.record(wait=True)
+                # then no newer step: the rerun resumes from that one and evaluates it
+                except Exception as exc:  # noqa: BLE001
+                    logger.warning(
+                        "SIGTERM at step %d: the evaluation of step %d could not be recorded (%r): "
+                        "not checkpointing step %d",
+                        t.step,
+                        pending.step,
+                        exc,
+                        t.step,
+                    )
+                    pending.drop()
+                    rows, saved_rows = None, None
+            if rows is not None:
+                logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", t.step, grace)
+                # checks the lease
+                t.intervals.save(rows, preemption=t.policy.is_off_cadence(t.step))
+            else:
+                # taken over: the job's records below are not this process's to write
+                with contextlib.suppress(LeaseLostError):
+                    job.verify_lease()
+                logger.warning(
+                    "SIGTERM at step %s (between checkpoints): letting its checkpoint commit "
+                    "(grace %.0fs)",
+                    t.step,
+                    grace,
+                )
+            committed = within(job.wait_committed, grace) and t.step is not None
+            committed = committed and job.is_committed(t.step)
+            # an evaluation whose step was committing: recorded if it did, before the run closes
+            if pending.held is not None:
+                pending.record_if_landed()
+                pending.drop()  # (else the rerun evaluates that step)
+            # what this attempt compiled, for the rerun (on another node)
+            if t.compile_cache is not None:
+                t.compile_cache.flush(min(10.0, max(0.0, grace - (time.monotonic() - started))))
+            if committed:
+                took = time.monotonic() - started
+                logger.warning("step %d committed in %.2fs after SIGTERM", t.step, took)
+                # the interval's train metrics (the checkpoint has them too, for a rerun)
+                if saved_rows:
+                    t.intervals.log_train_rows(saved_rows)
+            else:
+                logger.error(
+                    "the checkpoint of step %s did not commit within %.0fs: abandoned; "
+                    "step %s stays the newest valid one",
+                    t.step,
+                    grace,
+                    job.newest_committed(),
+                )
+            job.goodput.end("preempted")
+            self.log_goodput()
+            # MLflow may be slow (or its thread busy): never much past the grace period.
+            within(
+                lambda: job.tracker.finish("KILLED"), max(1.0, grace - (time.monotonic() - started))
+            )
+            job.lease.release()
+        finally:
+            # Whatever failed above (storage going away with the node, say), the notice goes on:
+            # else the guard, handling it still, would take no later SIGTERM either.
+            with contextlib.suppress(Exception):
+                job.lease.release()  # (returns at once once released)
+            self.preempted = (t.step, committed, t.guard.signum)
+            t.forget_live_state()
+            t.guard.forward()
+        raise Preempted(*self.preempted)
+
+    def ended_as(self, how: str) -> str:
+        """How process 0's attempt ends in the ledger: `how`, unless it saw another process of
+        the job go away (`cluster.lost_process`) that did not say it failed on its own
+        (`cluster.failed_processes`): then `goodput.LOST_PROCESS`, a kill without notice, so that
+        the job's next attempts back up between checkpoints as after a kill of process 0."""
+        job, name = self.trainer.job, self.trainer.config.job
+        if not (job.is_primary and job.processes > 1 and how in ("failed", "closed")):
+            return how
+        lost, attempt = lost_process(), job.goodput.attempt
+        if lost is None or attempt is None or attempt["ended"] is not None:
+            return how
+        failed = failed_processes()
+        if failed:
+            who = ", ".join(sorted(failed)).replace("failed/", "process ")
+            why = "; ".join(failed.values())[:500]
+            logger.warning(
+                "job %s: %s failed on its own (%s); this attempt is no kill", name, who, why
+            )
+            return how
+        logger.warning(
+            "job %s: another of its %d processes went away (%s): its attempt counts as killed "
+            "without notice",
+            name,
+            job.processes,
+            lost,
+        )
+        return LOST_PROCESS
+
+    def log_goodput(self) -> None:
+        """The goodput summary to MLflow (``goodput/*`` metrics at the current step,
+        ``goodput.json``)."""
+        t = self.trainer
+        if t.job.goodput.attempt is not None and t.step is not None:
+            t.job.tracker.log_goodput(t.goodput(), t.step)
+
+    def finish(self, status: str) -> None:
+        """`Trainer.finish`."""
+        t, job = self.trainer, self.trainer.job
+        try:
+            if status == "FINISHED":
+                job.verify_lease()  # a job taken over is not this process's to call finished
+                t.evaluations.pending.record(wait=True)
+            else:
+                t.evaluations.pending.record_or_warn()
+            # KILLED: SIGTERM's handler waited
+            t.flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)
+            if job.goodput.attempt is not None:
+                job.wait_committed(ending=status != "FINISHED")
+                how = {"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower())
+                job.goodput.end(self.ended_as(how))
+                self.log_goodput()
+            job.finish(status)
+            if status == "FINISHED":
+                mark_cluster_finished()
+            # preempted, its checkpoint committed: its leaving is no loss to the others
+            elif status == "KILLED":
+                say_goodbye()
+        finally:
+            t.guard.uninstall()
+
+    def close(self) -> None:
+        """`Trainer.close`."""
+        t = self.trainer
+        try:
+            t.evaluations.pending.record_or_warn()
+            # (unless it ended already) not a kill, unless a process went away
+            t.job.goodput.end(self.ended_as("closed"))
+            t.loop.join_precompile()
+            t.flush_compiled(END_FLUSH_SECS)
+            t.job.close()
+        finally:
+            t.guard.uninstall()

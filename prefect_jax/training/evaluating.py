@@ -1,0 +1,230 @@
+"""A trainer's evaluations of its job's steps: each committed step once, recorded durably.
+
+TensorFlow's continuous evaluation, as a trainer (local mode) or an evaluator process does it:
+evaluate the live step (else the newest committed one) unless it was evaluated before, log its
+metrics to MLflow at the step, write the durable eval record, and ask the job to stop when
+early stopping or an eval hook says so. The live step's save may still be in flight: its
+evaluation is then recorded once the step commits (`pending`). This module never imports
+prefect.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+from prefect_jax.training import control
+from prefect_jax.training.checksums import CorruptCheckpointError
+from prefect_jax.training.cluster import LostProcess, lost_process
+from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
+from prefect_jax.training.names import STOP_REASON_TAG, TRAIN_PREFIX
+from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
+from prefect_jax.training.session import job_params
+
+if TYPE_CHECKING:
+    from prefect_jax.training.trainer import Trainer
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+
+class Evaluations:
+    """The evaluations of one trainer's job (see `Trainer.evaluate_if_new`).
+
+    Args:
+        trainer: the trainer whose live state and job are evaluated.
+        on_stop: called when an evaluation asked the job to stop (the trainer's stop answer
+            is stale then).
+    """
+
+    def __init__(self, trainer: Trainer, on_stop: Callable[[], None]):
+        self.trainer, self.on_stop = trainer, on_stop
+        self.pending = PendingEvaluation(trainer.job, self.record)
+        self.reconciled = False  # this process logged the recorded evaluations MLflow lacked
+
+    def evaluate_if_new(
+        self, step: int | None, force: bool, on_recorded: OnRecorded | None
+    ) -> EvalResult:
+        """`Trainer.evaluate_if_new`."""
+        t = self.trainer
+        # a trainer's own evaluations (an evaluator keeps no ledger)
+        with t.job.goodput.phase("eval"):
+            result = self._evaluate_if_new(step, force, on_recorded)
+        if result.status == EvalStatus.EVALUATED:
+            t.push_compiled()
+        return result
+
+    def _evaluate_if_new(self, step: int | None, force: bool, on_recorded) -> EvalResult:
+        t, job = self.trainer, self.trainer.job
+        t.ending.stop_if_preempted()
+        spec = t.config.eval
+        self.pending.record(wait=True, inside="eval")
+        if not job.is_primary:  # process 0 evaluates its replica; the others go on training
+            return EvalResult(status=EvalStatus.OTHER_PROCESS, name=spec.name, step=step)
+        if job.lease.held:  # the trainer evaluating its own steps (local mode)
+            t.guard.install()
+        if step is None:
+            step = t.step if t.state is not None else job.newest_committed()
+        live = t.state is not None and t.step == step
+        missing = EvalResult(status=EvalStatus.MISSING_CHECKPOINT, name=spec.name, step=step)
+        if step is None or (not live and not job.is_committed(step)):
+            return missing
+        if not self.reconciled:
+            self.reconcile(step)
+        # The live step's save still in flight: no record of it can exist (a step is recorded, by
+        # this trainer or an evaluator, once it is committed; a rerun moved aside the records past
+        # the step it resumed from), so none is read (a round trip on object storage).
+        restored = step == t.started_from
+        in_flight = live and not restored and job.processes == 1 and not job.save_landed()
+        done = None if in_flight else job.records.get(step)
+        if done is not None:
+            return done.model_copy(update={"status": EvalStatus.NO_NEW_CHECKPOINT})
+        is_final = step >= t.config.train.max_steps
+        if not is_final and self._is_preemption_checkpoint(step, live):
+            logger.info(
+                "step %d is a preemption checkpoint (off the every_steps cadence): kept to resume "
+                "from, not evaluated",
+                step,
+            )
+            return EvalResult(status=EvalStatus.PREEMPTION_CHECKPOINT, name=spec.name, step=step)
+        if not (force or is_final) and throttled(job.records, spec.throttle_secs):
+            return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
+        for hook in t.eval_hooks:
+            before = getattr(hook, "before_eval", None)
+            if before is not None and before(step) is False:
+                return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
+        try:
+            state = self.state_at(step)
+        except CorruptCheckpointError as exc:
+            logger.error("not evaluating step %d: %s", step, exc)
+            return missing
+        t.wait_for_compile_cache()
+        metrics, n, examples = t.loop.evaluate(state, spec.steps)
+        result = EvalResult(
+            status=EvalStatus.EVALUATED,
+            name=spec.name,
+            step=step,
+            metrics=metrics,
+            num_batches=n,
+            num_examples=examples,
+            evaluated_at=time.time(),
+            is_final=is_final,
+        )
+        # The live step's save may still be in flight (the evaluation overlapped it): a step is
+        # recorded, logged and exported only once it is committed, so that a crash before the
+        # commit leaves nothing that says it was evaluated (the rerun evaluates it again). (Asked
+        # only where it may wait: with several processes Orbax's flag is behind their barriers.)
+        decides = t.early_stopping is not None or bool(t.eval_hooks)
+        if (
+            live
+            and not restored
+            and may_record_later(is_final, decides, job.processes)
+            and not job.save_landed()
+        ):
+            return self.pending.hold(result, on_recorded)
+        if live and not self._committed(step):
+            logger.error("step %d did not commit: its evaluation is not recorded", step)
+            return missing
+        return self.record(result, on_recorded)
+
+    def _is_preemption_checkpoint(self, step: int, live: bool) -> bool:
+        if live:
+            return self.trainer.live_is_preemption
+        try:
+            return bool(self.trainer.job.read_meta(step).get("preemption"))
+        except Exception:  # noqa: BLE001 - unreadable metadata: the evaluation says what is wrong
+            return False
+
+    def state_at(self, step: int):
+        """The state at `step` in this process alone: the live one (this process's replica), or
+        restored."""
+        t, job = self.trainer, self.trainer.job
+        if t.state is not None and t.step == step:
+            return t.loop.local(t.state)
+        if job.processes > 1:  # Orbax's restore is collective: one process alone would wait forever
+            raise ValueError(
+                f"step {step} is not the live step ({t.step}): with {job.processes} JAX processes, "
+                "process 0 evaluates and exports the live step only; evaluate older steps with the "
+                "evaluate flow, in its own process"
+            )
+        return job.restore(step, t.loop.abstract_state)[0]
+
+    def _committed(self, step: int) -> bool:
+        """Whether `step` counts, once the saves in flight have landed (waits for them). The state
+        training started from counts too: committed, or made by init (or a warm start), which a
+        rerun makes again, bit for bit."""
+        t, job = self.trainer, self.trainer.job
+        if step == t.started_from:
+            return True
+        if step == t.step:
+            try:
+                self.pending.wait_committed(inside="eval")
+            # another process went away after its part of the commit: process 0's is final
+            except LostProcess:
+                if not job.is_committed(step):
+                    raise
+                logger.warning(
+                    "step %d is committed (another process went away after it: %s)",
+                    step,
+                    lost_process(),
+                )
+        return job.is_committed(step)
+
+    def _log(self, result: EvalResult) -> None:
+        """Log an evaluation's metrics unless they are in MLflow already (one history read per
+        process)."""
+        rows = [(f"{result.name}/{k}", v, result.step) for k, v in sorted(result.metrics.items())]
+        self.trainer.job.tracker.log_metrics_once(rows, rows[0][0], result.step)
+
+    def reconcile(self, step: int | None = None) -> int:
+        """`Trainer.reconcile_eval_metrics`."""
+        t, job = self.trainer, self.trainer.job
+        self.reconciled = True
+        if not job.tracker.started:  # an evaluator: join the trainer's run, leave its status alone
+            steps = job.committed_steps()
+            if step is not None and (step in steps or step == t.step):
+                source = step
+            else:
+                source = steps[-1] if steps else None
+            if source is None:
+                self.reconciled = False  # nothing to join yet: try again next time
+                return 0
+            run_id = job.read_meta(source).get("mlflow_run_id")
+            job.attach_tracking(job_params(t.config, t.program), run_id, reopen=False)
+        t.exports.warm_registry()  # (once per evaluating process, as this)
+        recorded = [r for r in job.records.all() if r.metrics]
+        for result in recorded:
+            self._log(result)
+        return len(recorded)
+
+    def record(self, result: EvalResult, on_recorded: OnRecorded | None) -> EvalResult:
+        """Log an evaluation of a committed step to MLflow, record it durably, ask for a stop if
+        its hooks say so; then `on_recorded(result)`."""
+        t, job = self.trainer, self.trainer.job
+        step, spec, metrics, is_final = result.step, t.config.eval, result.metrics, result.is_final
+        job.verify_lease()  # a trainer whose job was taken over records nothing more
+        # Unless a crash came between this log and the record below, in an earlier attempt.
+        self._log(result)
+        job.records.put(result)
+        last = t.last_train_metrics
+        train_key = TRAIN_PREFIX + ("loss" if "loss" in last else next(iter(last), "loss"))
+        job.tracker.log_learning_curve(
+            step,
+            train_key,
+            [f"{spec.name}/{k}" for k in sorted(metrics)],
+            min_interval_secs=0.0 if is_final else spec.learning_curve_every_secs,
+        )
+        reason = control.after_eval_stop_reason(result, job.records, t.early_stopping, t.eval_hooks)
+        if reason:
+            logger.warning("%s: asking job %s to stop", reason, t.config.job)
+            job.request_stop(reason, step, by=f"eval {spec.name}")
+            self.on_stop()
+            job.tracker.set_tags({STOP_REASON_TAG: reason[:5000]})
+            result = result.model_copy(update={"stop_reason": reason})
+        if on_recorded is not None:
+            try:
+                on_recorded(result)
+            # the record stands; what the caller publishes is best effort
+            except Exception:  # noqa: BLE001
+                logger.exception("after recording the evaluation of step %d", step)
+        return result

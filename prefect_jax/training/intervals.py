@@ -1,0 +1,198 @@
+"""A trainer's checkpoint intervals: train until a checkpoint is due, then save it.
+
+An interval trains the live state from one checkpoint to the next (`CheckpointPolicy` says where
+it ends and when a checkpoint or a backup is due), checks the loss on the way, and saves the
+step asynchronously with the interval's train metrics. Its time goes to the goodput ledger
+(compile, train, checkpoint). This module never imports prefect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from prefect_jax.training.cluster import any_process, note_failure
+from prefect_jax.training.errors import NonFiniteLossError
+from prefect_jax.training.loop import NonFiniteAt, notify_progress
+from prefect_jax.training.names import TRAIN_PREFIX
+
+if TYPE_CHECKING:
+    from prefect_jax.training.trainer import Trainer
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+Rows = list[tuple[str, float, int]]
+
+
+class Intervals:
+    """The training and saving of one trainer (see `Trainer.train_until_checkpoint`)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.rows_saving: Rows | None = None  # train rows of a save a SIGTERM met (`save`)
+        self._compile_accounted = False
+        self._push_after_first_step = False  # copy the compile cache after an interval's first step
+
+    def train_until_checkpoint(self) -> int:
+        """`Trainer.train_until_checkpoint`."""
+        t = self.trainer
+        try:
+            t.job.acquire_lease()
+            t.guard.install()
+            self._push_after_first_step = t.compile_cache is not None
+            boundary = t.policy.next_boundary(t.step)
+            while True:
+                backup_every = (
+                    t.policy.backup_every(t.job.goodput, t.config.job) if t.job.is_primary else None
+                )
+                rows, backup = self._train_part(boundary, backup_every)
+                if not backup:
+                    break
+                self.save(rows, backup=True)
+                self.log_train_rows(rows)
+                notify_progress(t.step, t.config.train.max_steps, t.last_train_metrics)
+            self.save(rows)
+        except Exception as exc:
+            note_failure(exc)  # another process went away: the attempt ends as a kill (`ended_as`)
+            raise
+        t.push_compiled()
+        t.live_is_preemption = False
+        self.log_train_rows(rows)
+        notify_progress(t.step, t.config.train.max_steps, t.last_train_metrics)
+        return t.step
+
+    def _train_part(self, boundary: int, backup_every: float | None) -> tuple[Rows, bool]:
+        """Train towards `boundary` until a checkpoint is due: its train metric rows, and whether
+        the checkpoint due is a backup (the interval goes on after it). With several JAX
+        processes, process 0 (which keeps the ledger) decides on backups (`backup_every`), and
+        the others follow."""
+        t, job = self.trainer, self.trainer.job
+        why: list[str] = []
+        part_started = t.policy.clock()
+        try:
+            with t.guard.deferred() as notice:
+
+                def stop() -> bool:
+                    t.evaluations.pending.record_from_loop()
+                    # its compile is in the cache, copied while training goes on
+                    if self._push_after_first_step:
+                        self._push_after_first_step = False
+                        t.compile_cache.push_async()
+                    # (the save raises it)
+                    lost = job.processes == 1 and job.lease.lost_to is not None
+                    # (on remote storage, no backup before the last step is up there)
+                    due = t.policy.due(
+                        part_started, backup_every, notice.requested or lost, job.uploading
+                    )
+                    if due is not None:
+                        why.append(due)
+                    return bool(why)
+
+                started = time.perf_counter()
+                try:
+                    interval = t.loop.run(t.state, t.step, t.data_iter, boundary, stop)
+                except NonFiniteAt as bad:
+                    job.wait_committed()  # the error names the checkpoint a rerun resumes from
+                    # (kept pending if it fails: `finish` or `close` tries again)
+                    with contextlib.suppress(Exception):
+                        t.evaluations.pending.record(wait=True)
+                    raise NonFiniteLossError(
+                        bad.step, bad.metrics, job.newest_committed()
+                    ) from None
+                t.state, t.step = interval.state, interval.step
+                self._account(time.perf_counter() - started)
+                rows = self._train_rows(interval.logged)
+                checkpoint_due = "checkpoint" in why
+                if job.processes > 1:
+                    # Several processes (one collective per part): a notice any of them got ends
+                    # the interval in all of them, at the same step, which all of them checkpoint;
+                    # each then ends as if it got the SIGTERM (Crashed in Prefect, rerun as a
+                    # whole). They agree on the kind of checkpoint too: a regular one if any of
+                    # them wants it, else the backup process 0 asked for.
+                    noticed, checkpoint_due = any_process(notice.requested, checkpoint_due)
+                    if noticed and not notice.requested:
+                        logger.warning(
+                            "another process of the job got SIGTERM: ending at step %d with it",
+                            t.step,
+                        )
+                        notice.adopt(signal.SIGTERM)
+                if notice.requested:
+                    notice.handling = True
+                    t.ending.on_sigterm(rows)
+        except BaseException:
+            t.forget_live_state()
+            raise
+        # Short of the boundary, the part ended for a backup (in some process) unless a checkpoint
+        # is due.
+        return rows, not checkpoint_due and t.step < boundary
+
+    def _account(self, seconds: float) -> None:
+        """An interval's time in the goodput ledger: the compile (first in this process), then
+        training."""
+        compile_s, goodput = self.trainer.loop.compile_s, self.trainer.job.goodput
+        if compile_s is not None and not self._compile_accounted:
+            self._compile_accounted = True
+            goodput.add("compile", compile_s)
+            seconds -= compile_s
+        goodput.add("train", seconds)
+
+    def _train_rows(self, logged) -> Rows:
+        rows = self.trainer.loop.train_rows(logged)
+        if rows:
+            last = rows[-1][2]
+            self.trainer.last_train_metrics = {k: v for k, v, s in rows if s == last}
+        return rows
+
+    def log_train_rows(self, rows) -> None:
+        """Train metrics go to MLflow as ``train/<name>`` (eval metrics are
+        ``<eval name>/<name>``)."""
+        rows = [(k if k.startswith(TRAIN_PREFIX) else TRAIN_PREFIX + k, v, s) for k, v, s in rows]
+        self.trainer.job.tracker.log_new_metrics(rows, prefix=TRAIN_PREFIX)
+
+    def save(
+        self, train_metrics: Rows = (), preemption: bool = False, backup: bool = False
+    ) -> None:
+        """Start an asynchronous checkpoint of the live state at the current step.
+
+        MLflow writes are asynchronous, so the interval's train metrics (`train_metrics`), and
+        any earlier ones still on their way, go into the checkpoint too: a process killed after
+        this step commits but before they reach MLflow has them logged by the rerun that
+        restores this step (nothing is logged twice).
+        """
+        t, job = self.trainer, self.trainer.job
+        started = time.perf_counter()
+        with t.guard.deferred():  # a SIGTERM now is handled once Orbax has the step
+            # The evaluation of the step before, if its commit has not been seen yet. Its record
+            # verified the lease after the commit wait: not read again for this save if that read
+            # found it ours within the last second.
+            recorded = t.evaluations.pending.record(wait=True)
+            # One writer: a trainer whose job was taken over stops here.
+            job.verify_lease(collective=True, max_age=1.0 if recorded is not None else 0.0)
+            train_metrics = job.tracker.unwritten_metrics() + list(train_metrics)
+            meta = {
+                "program": t.config.program,
+                "program_fingerprint": t.program_fingerprint,
+                "config_fingerprint": t.config.fingerprint(),
+                # Known unless MLflow is still opening (the first save of a fresh process): then
+                # evaluators and reruns find the run by its job tag instead.
+                "mlflow_run_id": job.tracker.run_id_if_known(),
+                "train_metrics": [list(r) for r in train_metrics],
+                "preemption": preemption
+                or backup,  # off the cadence: resumed from, never evaluated
+                # written because attempts of the job were killed
+                **({"backup": True} if backup else {}),
+            }
+            # first: a save killed part-way leaves its steps counted as lost
+            job.goodput.trained_to(t.step)
+            with job.goodput.phase("checkpoint"):
+                job.save(t.step, t.state, t.data_iter, meta)
+            t.policy.saved()
+            job.goodput.saved(time.perf_counter() - started)
+        self.rows_saving = train_metrics  # a SIGTERM handled now logs them once the step commits
+        try:
+            t.guard.handle_if_pending()
+        finally:
+            self.rows_saving = None
