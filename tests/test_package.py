@@ -60,7 +60,7 @@ def test_blocks_save_and_load(tmp_path):
 
 def _engine_imports() -> dict[str, set[str]]:
     """{module: the engine modules it imports}, for every module under prefect_jax/training,
-    from its import statements, function-local ones included."""
+    from its import statements, function-local ones included (type-checking ones not)."""
     import ast
     import pathlib
 
@@ -69,10 +69,21 @@ def _engine_imports() -> dict[str, set[str]]:
     package = "prefect_jax.training"
     folder = pathlib.Path(prefect_jax.training.__file__).parent
     modules = {path.stem: path for path in folder.glob("*.py") if path.stem != "__init__"}
+    def runtime_nodes(tree):
+        """Every node but those under `if TYPE_CHECKING:` (annotations only: no import at run time)."""
+        stack = [tree]
+        while stack:
+            node = stack.pop()
+            yield node
+            for child in ast.iter_child_nodes(node):
+                type_only = isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING"
+                if not type_only:
+                    stack.append(child)
+
     graph = {}
     for name, path in modules.items():
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
                 found |= {n.split(".")[2] for n in names if n.startswith(package + ".")}

@@ -130,10 +130,11 @@ def _run_flow_with(
         import prefect
 
         from prefect_jax.tasks import process_tag
+        from prefect_jax.training.names import JOB_RUN_TAG, OWN_TAG
 
         # Tagged from its creation: a run killed before its first task is still found by the
         # job, and the process tag lets the next run prove it dead (see mark_dead_local_runs).
-        tags = prefect.tags("prefect-jax", f"job:{job}", process_tag())
+        tags = prefect.tags(OWN_TAG, f"{JOB_RUN_TAG}{job}", process_tag())
         bar = console.progress_bar(not args.no_progress and role in _TRAINS, args.max_steps)
         with tags, bar:
             startup.freeze_startup_objects()

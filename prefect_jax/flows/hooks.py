@@ -70,7 +70,7 @@ def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id, signum: 
     import contextvars
     import signal
 
-    from prefect_jax.training.trainer import _within  # (imported: this process trained)
+    from prefect_jax.training.ending import within  # (imported: this process trained)
 
     how = (
         f"stopped by {signal.Signals(signum).name} after step {attempt['step']}"
@@ -79,7 +79,7 @@ def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id, signum: 
     )
     lead = f"This run was {how}: a rerun resumes from its newest committed step. So far: "
     publish = functools.partial(_publish_goodput, config, trainer.goodput(), lead, flow_run_id)
-    if not _within(
+    if not within(
         functools.partial(contextvars.copy_context().run, publish), PREEMPTED_ARTIFACT_SECS
     ):
         _hook_logger(flow_run_id).warning(

@@ -66,7 +66,7 @@ def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
         trainer.restore_or_init()
     trainer.finish("FINISHED")
     publisher.flush()  # the MLflow link, queued once MLflow answered (finish waited for that)
-    final = trainer.records.get(trainer.step)
+    final = trainer.job.records.get(trainer.step)
     goodput = trainer.goodput()
     if trainer.job.is_primary:  # the others keep no ledger
         _publish_goodput(config, goodput)
@@ -74,12 +74,12 @@ def _summary(config: JobConfig, stopped: str | None) -> dict[str, Any]:
         "job": config.job,
         "final_step": trainer.step,
         "eval": final.metrics if final else {},
-        "checkpoint_dir": trainer.checkpoints.directory,
-        "mlflow_tracking_uri": trainer.tracker.tracking_uri,
-        "mlflow_run_id": trainer.tracker.run_id,
-        "mlflow_run_url": trainer.tracker.run_url(),
+        "checkpoint_dir": trainer.job.checkpoints.directory,
+        "mlflow_tracking_uri": trainer.job.tracker.tracking_uri,
+        "mlflow_run_id": trainer.job.tracker.run_id,
+        "mlflow_run_url": trainer.job.tracker.run_url(),
         "registered_model": trainer.registered_model if config.eval.exporters else None,
-        "exports": list_exports(trainer.storage),
+        "exports": list_exports(trainer.job.storage),
         "state_fingerprint": trainer.fingerprint(),
         "stopped": stopped,
         "goodput": goodput,

@@ -53,7 +53,7 @@ def _untagged_tasks(fn):
 
     @functools.wraps(fn)
     def body(*args, **kwargs):
-        from prefect_jax.training.tracking import warm_up
+        from prefect_jax.training.mlflow_client import warm_up
 
         deliver_lost_notices()  # (again: someone may have replaced the hook since the import)
         # A deployment's flow run too: MLflow imports in its worker while the program imports here

@@ -14,6 +14,7 @@ from prefect_jax.flows.loop import _summary, _train_loop
 from prefect_jax.flows.processes import _join_processes
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
 
@@ -54,7 +55,8 @@ def train(
     Example:
         ```python
         from prefect_jax.flows import train
-        from prefect_jax.training.specs import CheckpointSpec, TrainSpec
+        from prefect_jax.training.policy import CheckpointPolicy
+from prefect_jax.training.specs import CheckpointSpec, TrainSpec
 
         summary = train(
             program="prefect_jax.examples.digits:tiny",
@@ -66,10 +68,10 @@ def train(
         print(summary["final_step"])
         ```
     """
-    checkpoint_spec = CheckpointSpec.model_validate(checkpoint_spec)
-    if checkpoint_spec.keep_until_evaluated is None:
-        # The evaluator runs elsewhere: retention keeps the steps it has not reached yet.
-        checkpoint_spec = checkpoint_spec.model_copy(update={"keep_until_evaluated": True})
+    # The evaluator runs elsewhere: retention keeps the steps it has not reached yet.
+    checkpoint_spec = CheckpointPolicy.spec_for_role(
+        CheckpointSpec.model_validate(checkpoint_spec), "train"
+    )
     config = _job_config(
         program,
         job,

@@ -70,7 +70,7 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
         trip)."""
         create_table_artifact(
             key=key,
-            table=[as_row(r) for r in trainer.records.all() if r.step <= step],
+            table=[as_row(r) for r in trainer.job.records.all() if r.step <= step],
             description=f"{config.eval.name} results of job {config.job} by global step",
         )
 

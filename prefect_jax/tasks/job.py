@@ -77,7 +77,7 @@ def _trainer(config: JobConfig):
     from prefect_jax.training.live import get_trainer
 
     trainer = get_trainer(config, run_tags=_run_tags())
-    if not trainer.commit_listeners:
+    if not trainer.job.commit_listeners:
         from prefect.events import emit_event
 
         resource = job_resource(config)
@@ -88,10 +88,10 @@ def _trainer(config: JobConfig):
                 resource={**resource, EVENT_STEP_LABEL: str(step)},
                 payload={
                     "step": step,
-                    "checkpoint_dir": trainer.checkpoints.directory,
+                    "checkpoint_dir": trainer.job.checkpoints.directory,
                     "max_steps": config.train.max_steps,
                 },
             )
 
-        trainer.commit_listeners.append(announce)
+        trainer.job.commit_listeners.append(announce)
     return trainer

@@ -76,7 +76,7 @@ def restore_or_init(
     mark_dead_local_runs(config)
     # MLflow opens on its own thread: training does not wait for it (a checkpoint saved before
     # the run id is known is found by the job tag; see Trainer.save).
-    run_id = trainer.tracker.run_id_if_known()
+    run_id = trainer.job.tracker.run_id_if_known()
     link_runs(config, trainer)
     mlflow_run = run_id or "opening (its link is added to this flow run once MLflow answers)"
     logger.info(
@@ -86,4 +86,4 @@ def restore_or_init(
         "restored" if step else "initialised",
         mlflow_run,
     )
-    return {"step": step, "mlflow_run_id": run_id, "checkpoint_dir": trainer.checkpoints.directory}
+    return {"step": step, "mlflow_run_id": run_id, "checkpoint_dir": trainer.job.checkpoints.directory}

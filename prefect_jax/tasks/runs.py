@@ -33,7 +33,7 @@ def mark_taken_over(trainer) -> None:
     what it left Running in Prefect as Crashed (in the background; failures are warnings): its
     flow run (unless it is this one, retried) and that flow run's unfinished task runs, except
     this attempt's own. Also closes the dead flow run's progress artifact."""
-    taken = trainer.lease.taken_over
+    taken = trainer.job.lease.taken_over
     if not taken or not taken.get("flow_run_id") or taken.get("token") in _marked_takeovers:
         return
     _marked_takeovers.add(taken.get("token"))
@@ -213,10 +213,10 @@ def link_runs(config: JobConfig, trainer) -> None:
     publisher are not held up behind it."""
     flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
     if flow_url:  # queued after the MLflow thread's start of the run
-        trainer.tracker.set_tags(
+        trainer.job.tracker.set_tags(
             {"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)}
         )
-    tracker = trainer.tracker
+    tracker = trainer.job.tracker
     if flow_run_id:
         publisher.submit(_tag_flow_run, str(flow_run_id), [OWN_TAG, f"{JOB_RUN_TAG}{config.job}"])
 

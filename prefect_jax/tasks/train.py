@@ -9,6 +9,7 @@ from prefect.runtime import task_run
 from prefect_jax.tasks.job import _trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
 from prefect_jax.tasks.runs import mark_taken_over
+from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import JobConfig
 
 
@@ -17,8 +18,7 @@ def _train_run_name() -> str:
     config, start = params["config"], params["from_step"]
     if isinstance(config, dict):
         config = JobConfig.model_validate(config)
-    every, max_steps = config.checkpoint.every_steps, config.train.max_steps
-    end = min(max_steps, (start // every + 1) * every) if every else max_steps
+    end = CheckpointPolicy.from_spec(config.checkpoint, config.train.max_steps).next_boundary(start)
     return f"train {start} to {end}"  # no arrow: the run graph drops it ("train 200400")
 
 
@@ -76,7 +76,7 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
         logger.info(
             "live state not at step %d here: restored step %d from storage", from_step, restored
         )
-    logger.info("training from step %d to %d", trainer.step, trainer.next_boundary())
+    logger.info("training from step %d to %d", trainer.step, trainer.policy.next_boundary(trainer.step))
     step = trainer.train_until_checkpoint()
     metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.last_train_metrics.items()))
     logger.info("step %d checkpointed (%s)", step, metrics)

@@ -26,7 +26,6 @@ from prefect_jax.training.checksums import CorruptCheckpointError  # noqa: F401 
 from prefect_jax.training.checksums import verify_manifest, write_manifest
 from prefect_jax.training.names import STEP_META_FILE
 from prefect_jax.training.policy import CheckpointPolicy
-from prefect_jax.training.policy import retained  # noqa: F401 - TEMPORARY: job.py's import
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (  # noqa: F401 - state_fingerprint & co. are imported from here too
     abstract_savable,

@@ -32,13 +32,6 @@ from prefect_jax.training import peer_watch
 from prefect_jax.training.cluster_config import ClusterConfig, ClusterConfigError, from_env
 from prefect_jax.training.peer_watch import LOST_GRACE_SECS, LostProcess, say_goodbye
 
-# Imported from here by the command (to be imported from cluster_config instead).
-from prefect_jax.training.cluster_config import (  # noqa: F401
-    COORDINATOR,
-    NUM_PROCESSES,
-    leads_from_env,
-)
-
 logger = logging.getLogger("prefect_jax.trainer")
 
 _joined: ClusterConfig | None = None

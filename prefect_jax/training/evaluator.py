@@ -141,7 +141,7 @@ class Evaluator:
         throttle; `export` only where the eval spec has exporters. `options`: the other fields."""
         from prefect_jax.training.control import stop_requested
         from prefect_jax.training.evaluation import EvalRecords
-        from prefect_jax.training.remote import job_committed_steps, job_step_is_backup
+        from prefect_jax.training.steps import job_committed_steps, job_step_is_backup
         from prefect_jax.training.storage import JobStorage
 
         js = JobStorage(config.storage, config.job, config.storage_options)

@@ -107,7 +107,7 @@ def preflight(
     from prefect_jax.training.errors import PastMaxStepsError
     from prefect_jax.training.program import load_program
     from prefect_jax.training.redaction import redact_url
-    from prefect_jax.training.remote import job_committed_steps
+    from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
     load_program(program)
@@ -121,7 +121,7 @@ def preflight(
 
 def committed_steps(job: str, url: str, options: Mapping[str, Any] | None = None) -> list[int]:
     """The job's committed checkpoint steps, oldest first (torn or unfinished steps left out)."""
-    from prefect_jax.training.remote import job_committed_steps
+    from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
     return job_committed_steps(JobStorage(url, job, dict(options or {})))
@@ -147,7 +147,7 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
     from prefect_jax.training.exporters import list_exports
     from prefect_jax.training.goodput import read_ledger, summarize
     from prefect_jax.training.redaction import redact_url
-    from prefect_jax.training.remote import job_committed_steps
+    from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
     js = JobStorage(url, job, dict(options or {}))
@@ -237,7 +237,7 @@ def on_progress(listener: Callable[[int, int, dict], None]) -> Callable[[], None
 
 def default_tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI`` if set, else SQLite in the working directory (MLflow's default)."""
-    from prefect_jax.training.tracking import default_tracking_uri as default
+    from prefect_jax.training.mlflow_client import default_tracking_uri as default
 
     return default()
 
@@ -245,7 +245,7 @@ def default_tracking_uri() -> str:
 def warm_up_tracking(tracking_uri: str, registry: bool = False) -> None:
     """Have MLflow imported now, in this process's MLflow worker, while the caller imports the
     rest (with `registry`: what registering exports needs too)."""
-    from prefect_jax.training.tracking import warm_up
+    from prefect_jax.training.mlflow_client import warm_up
 
     warm_up(tracking_uri, registry=registry)
 
@@ -275,7 +275,7 @@ def deliver_lost_notices() -> None:
 def leads_from_env() -> bool:
     """Whether this process is process 0 of its job (or its only one), from its environment
     alone: the one that writes the job's MLflow run, and starts a Prefect server if one is due."""
-    from prefect_jax.training.cluster import leads_from_env as leads
+    from prefect_jax.training.cluster_config import leads_from_env as leads
 
     return leads()
 
@@ -305,7 +305,7 @@ def pod_process_id(
             JAX to find the cluster (``auto``), which must not be left to it here.
         ClusterConfigError: A variable is malformed (a ``ValueError``).
     """
-    from prefect_jax.training import cluster
+    from prefect_jax.training import cluster_config as cluster
 
     if processes is not None and processes < 1:
         raise ValueError(f"--processes={processes}: the number of JAX processes must be 1 or more")

@@ -43,6 +43,8 @@ import time
 import uuid
 from typing import Any, Iterator
 
+from prefect_jax.training.names import GOODPUT_PREFIX
+
 logger = logging.getLogger("prefect_jax.trainer")
 
 PHASES = ("startup", "restore", "compile", "train", "checkpoint", "eval", "export")
@@ -356,11 +358,16 @@ def describe(summary: dict[str, Any]) -> str:
 
 
 def mlflow_metrics(summary: dict[str, Any], step: int) -> list[tuple[str, float, int]]:
-    """The summary as MLflow metric rows: ``goodput/goodput``, ``goodput/wall_s``, ``goodput/lost_s/<cause>``..."""
+    """The summary as MLflow metric rows: ``goodput/goodput``, ``goodput/wall_s``,
+    ``goodput/lost_s/<cause>``..."""
     if not summary:
         return []
-    rows = [("goodput/goodput", summary["goodput"], step), ("goodput/wall_s", summary["wall_s"], step),
-            ("goodput/productive_s", summary["productive_s"], step), ("goodput/attempts", float(summary["attempts"]), step),
-            ("goodput/interrupted", float(summary["interrupted"]), step)]  # fmt: skip
-    rows += [(f"goodput/lost_s/{k}", float(v), step) for k, v in summary["lost_s"].items()]
-    return rows
+    values = {
+        "goodput": summary["goodput"],
+        "wall_s": summary["wall_s"],
+        "productive_s": summary["productive_s"],
+        "attempts": float(summary["attempts"]),
+        "interrupted": float(summary["interrupted"]),
+        **{f"lost_s/{cause}": float(v) for cause, v in summary["lost_s"].items()},
+    }
+    return [(GOODPUT_PREFIX + key, value, step) for key, value in values.items()]

@@ -14,12 +14,12 @@ from typing import Any
 from prefect_jax.training.checkpoints import (
     CorruptCheckpointError,
     is_committed,
-    retained,
     step_dirs,
 )
 from prefect_jax.training.cluster import barrier
 from prefect_jax.training.mlflow_client import exit_wait
 from prefect_jax.training.peer_watch import LostProcess
+from prefect_jax.training.policy import retained
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")

@@ -35,7 +35,7 @@ from prefect_jax.training.mlflow_client import (
 )
 
 # Imported from here by the command and the flows (to be imported from mlflow_client instead).
-from prefect_jax.training.mlflow_client import default_tracking_uri, warm_up  # noqa: F401
+from prefect_jax.training.mlflow_client import default_tracking_uri
 from prefect_jax.training.tracking_metrics import MetricCalls
 from prefect_jax.training.tracking_run import RegistryCalls, RunCalls
 

@@ -35,7 +35,6 @@ from prefect_jax.training.cluster import from_primary, forget_lost, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.ending import AttemptEnd
-from prefect_jax.training.ending import within as _within  # noqa: F401 - TEMPORARY: flows' import
 from prefect_jax.training.evaluating import Evaluations
 from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.exporting import Exports
@@ -316,15 +315,3 @@ class Trainer:
 
     def close(self) -> None:
         self.ending.close()
-
-    # TEMPORARY: removed after the merge, once tasks/ and flows/ use `trainer.job.<part>` and
-    # `trainer.policy.next_boundary(trainer.step)` (the trainer room's report lists each caller).
-    def next_boundary(self) -> int:
-        return self.policy.next_boundary(self.step)
-
-    storage = property(lambda self: self.job.storage)
-    checkpoints = property(lambda self: self.job.checkpoints)
-    records = property(lambda self: self.job.records)
-    tracker = property(lambda self: self.job.tracker)
-    lease = property(lambda self: self.job.lease)
-    commit_listeners = property(lambda self: self.job.commit_listeners)
