@@ -47,13 +47,16 @@ TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
 from deployment_helpers import PrefectServerProcess  # noqa: E402
-from prefect_jax.training.names import COMMIT_MARKER  # noqa: E402
 from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server  # noqa: E402
+
+from prefect_jax.training.names import COMMIT_MARKER  # noqa: E402
 
 PROGRAM = "programs:big"
 MAX_STEPS, EVERY, LOG_EVERY = 400, 100, 10
 STEPS = list(range(EVERY, MAX_STEPS + 1, EVERY))
-KILL_STEP = 200  # the moments are those of the interval 100 to 200 and of step 200's save, eval, export
+KILL_STEP = (
+    200  # the moments are those of the interval 100 to 200 and of step 200's save, eval, export
+)
 
 POINTS = {
     "flow_start": "Prefect began the flow run (before the restore)",
@@ -67,25 +70,58 @@ POINTS = {
     "s3_upload": "s3:// storage: step 200 partly uploaded, no commit marker yet",
 }
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
-CHECKS = ("fingerprint", "exports", "mlflow", "prefect", "notice")  # the table's columns, in the docstring's order
+CHECKS = (
+    "fingerprint",
+    "exports",
+    "mlflow",
+    "prefect",
+    "notice",
+)  # the table's columns, in the docstring's order
 
 
 def _env(api_url: str, s3: S3Server | None, cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in UNSET_AWS_ENV and k != "PREFECT_API_URL"}
     env.update(ISOLATED_AWS_ENV)
     env.update(
-        PREFECT_API_URL=api_url, PREFECT_LOGGING_LEVEL="INFO", PREFECT_JAX_CACHE_DIR=str(cache),
+        PREFECT_API_URL=api_url,
+        PREFECT_LOGGING_LEVEL="INFO",
+        PREFECT_JAX_CACHE_DIR=str(cache),
         PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]),
-    )  # fmt: skip
+    )
     if s3 is not None:
-        env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, FSSPEC_S3_ENDPOINT_URL=s3.endpoint_url)
+        env.update(
+            AWS_ACCESS_KEY_ID=ACCESS_KEY,
+            AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+            FSSPEC_S3_ENDPOINT_URL=s3.endpoint_url,
+        )
     return env
 
 
 def _args(job: str, storage: str, mlflow_uri: str) -> list[str]:
-    return [sys.executable, "-m", "prefect_jax.cli", "run", "--program", PROGRAM, "--job", job, "--storage", storage,
-            "--max-steps", str(MAX_STEPS), "--checkpoint-every-steps", str(EVERY), "--log-every-steps", str(LOG_EVERY),
-            "--keep-last", "10", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "prefect_jax.cli",
+        "run",
+        "--program",
+        PROGRAM,
+        "--job",
+        job,
+        "--storage",
+        storage,
+        "--max-steps",
+        str(MAX_STEPS),
+        "--checkpoint-every-steps",
+        str(EVERY),
+        "--log-every-steps",
+        str(LOG_EVERY),
+        "--keep-last",
+        "10",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
 
 
 def _dir_bytes(path: Path) -> int:
@@ -130,7 +166,9 @@ def _moment(point: str, log: Path, ckpt: Path, s3_prefix: str | None, s3fs) -> b
 
 def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     out = open(log, "w")
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=TESTS, start_new_session=True)
+    return subprocess.Popen(
+        args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=TESTS, start_new_session=True
+    )
 
 
 def _last_json(log: Path) -> dict | None:
@@ -171,7 +209,11 @@ def _prefect_check(api_url: str, job: str) -> tuple[bool, str]:
     flow_runs = httpx.post(
         f"{api_url}/flow_runs/filter",
         # By name, not by the job's tag: a run killed before its first task was never tagged.
-        json={"flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 50},
+        json={
+            "flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}},
+            "sort": "EXPECTED_START_TIME_ASC",
+            "limit": 50,
+        },
         timeout=30,
     ).json()
     if not flow_runs:
@@ -184,25 +226,61 @@ def _prefect_check(api_url: str, job: str) -> tuple[bool, str]:
         problems.append(f"earlier flow runs {states[:-1]}")
     task_runs = httpx.post(
         f"{api_url}/task_runs/filter",
-        json={"flow_runs": {"id": {"any_": [fr["id"] for fr in flow_runs]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200},
+        json={
+            "flow_runs": {"id": {"any_": [fr["id"] for fr in flow_runs]}},
+            "sort": "EXPECTED_START_TIME_ASC",
+            "limit": 200,
+        },
         timeout=30,
     ).json()
-    stuck = [f"{tr['name']}: {tr['state_type']}" for tr in task_runs if tr["state_type"] in ("RUNNING", "PENDING")]
+    stuck = [
+        f"{tr['name']}: {tr['state_type']}"
+        for tr in task_runs
+        if tr["state_type"] in ("RUNNING", "PENDING")
+    ]
     if stuck:
         problems.append(f"task runs left {stuck}")
     return not problems, "; ".join(problems) or f"{len(flow_runs)} flow runs: {'/'.join(states)}"
 
 
-def _outcome(job: str, storage: str, summary: dict | None, reference: dict, mlflow_uri: str, api_url: str, env) -> dict:
+def _outcome(
+    job: str,
+    storage: str,
+    summary: dict | None,
+    reference: dict,
+    mlflow_uri: str,
+    api_url: str,
+    env,
+) -> dict:
     """The four checks of one finished job against the reference."""
     status = json.loads(
-        subprocess.run([sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage, "--json"],
-                       capture_output=True, text=True, env=env, cwd=TESTS, check=True).stdout.splitlines()[-1]
-    )  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "prefect_jax.cli",
+                "status",
+                "--job",
+                job,
+                "--storage",
+                storage,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=TESTS,
+            check=True,
+        ).stdout.splitlines()[-1]
+    )
     row: dict = {}
     if summary is None:
-        return {"fingerprint": (False, "the rerun printed no summary"), "exports": (False, ""), "mlflow": (False, ""),
-                "prefect": _prefect_check(api_url, job)}  # fmt: skip
+        return {
+            "fingerprint": (False, "the rerun printed no summary"),
+            "exports": (False, ""),
+            "mlflow": (False, ""),
+            "prefect": _prefect_check(api_url, job),
+        }
     same_fp = summary.get("state_fingerprint") == reference["state_fingerprint"]
     fp_problems = [] if same_fp else ["fingerprint differs"]
     # A SIGTERM mid-interval commits the step in flight too (a preemption checkpoint, off the cadence).
@@ -212,9 +290,20 @@ def _outcome(job: str, storage: str, summary: dict | None, reference: dict, mlfl
         fp_problems.append(f"evaluated {status['evaluated_steps']}")
     row["fingerprint"] = (not fp_problems, "; ".join(fp_problems))
     registry = {k: status.get("registered_model", {}).get(k) for k in ("versions", "aliases")}
-    same_exports = status["exports"] == reference["exports"] and summary.get("best") == reference["best"] and registry == reference["registry"]
-    row["exports"] = (same_exports, "" if same_exports else f"{status['exports']} best {summary.get('best')} registry {registry}")
-    row["mlflow"] = _mlflow_check(mlflow_uri, summary["mlflow_run_id"], status["evaluated_steps"].get("eval", []))
+    same_exports = (
+        status["exports"] == reference["exports"]
+        and summary.get("best") == reference["best"]
+        and registry == reference["registry"]
+    )
+    row["exports"] = (
+        same_exports,
+        ""
+        if same_exports
+        else f"{status['exports']} best {summary.get('best')} registry {registry}",
+    )
+    row["mlflow"] = _mlflow_check(
+        mlflow_uri, summary["mlflow_run_id"], status["evaluated_steps"].get("eval", [])
+    )
     row["prefect"] = _prefect_check(api_url, job)
     return row
 
@@ -226,7 +315,10 @@ def _best(job: str, ctx: dict, remote: bool) -> dict | None:
     else:
         import fsspec
 
-        fs, path = fsspec.filesystem("file"), str(ctx["work"] / "storage" / job / "exports" / "best" / "best.json")
+        fs, path = (
+            fsspec.filesystem("file"),
+            str(ctx["work"] / "storage" / job / "exports" / "best" / "best.json"),
+        )
     try:
         with fs.open(path, "r") as f:
             return json.load(f)
@@ -270,11 +362,29 @@ def run_point(point: str, sig: str, ctx: dict, round_: int = 1) -> dict:
             summary = _last_json(log)
     if summary is not None:
         summary["best"] = _best(job, ctx, remote)
-    row = _outcome(job, storage, summary, ctx["reference_s3" if remote else "reference"], ctx["mlflow_uri"], ctx["api_url"], env)
+    row = _outcome(
+        job,
+        storage,
+        summary,
+        ctx["reference_s3" if remote else "reference"],
+        ctx["mlflow_uri"],
+        ctx["api_url"],
+        env,
+    )
     heeded = not (hit and sig == "TERM" and rc1 == 0)
-    row["notice"] = (heeded, "" if heeded else "the SIGTERM landed and the run trained on to its end (exit 0)")
-    return {"point": point, "signal": sig, "job": job, "hit": hit, "first_rc": rc1, "attempts": attempts,
-            **{k: {"ok": ok, "detail": detail} for k, (ok, detail) in row.items()}}  # fmt: skip
+    row["notice"] = (
+        heeded,
+        "" if heeded else "the SIGTERM landed and the run trained on to its end (exit 0)",
+    )
+    return {
+        "point": point,
+        "signal": sig,
+        "job": job,
+        "hit": hit,
+        "first_rc": rc1,
+        "attempts": attempts,
+        **{k: {"ok": ok, "detail": detail} for k, (ok, detail) in row.items()},
+    }
 
 
 def reference_run(ctx: dict, remote: bool) -> dict:
@@ -287,12 +397,33 @@ def reference_run(ctx: dict, remote: bool) -> dict:
         raise RuntimeError(f"the uninterrupted run failed:\n{log.read_text()[-4000:]}")
     summary = _last_json(log)
     status = json.loads(
-        subprocess.run([sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage, "--json"],
-                       capture_output=True, text=True, env=env, cwd=TESTS, check=True).stdout.splitlines()[-1]
-    )  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "prefect_jax.cli",
+                "status",
+                "--job",
+                job,
+                "--storage",
+                storage,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=TESTS,
+            check=True,
+        ).stdout.splitlines()[-1]
+    )
     best = _best(job, ctx, remote)
     registry = {k: status.get("registered_model", {}).get(k) for k in ("versions", "aliases")}
-    return {"state_fingerprint": summary["state_fingerprint"], "exports": status["exports"], "best": best, "registry": registry}
+    return {
+        "state_fingerprint": summary["state_fingerprint"],
+        "exports": status["exports"],
+        "best": best,
+        "registry": registry,
+    }
 
 
 def markdown(results: list[dict], seconds: float) -> str:
@@ -317,13 +448,23 @@ def markdown(results: list[dict], seconds: float) -> str:
             cells = []
             for c in cols:
                 failed = [r[c]["detail"] for r in rs if not r[c]["ok"]]
-                cells.append(f"{len(rs) - len(failed)}/{len(rs)}" + (f" FAIL: {failed[0]}" if failed else ""))
+                cells.append(
+                    f"{len(rs) - len(failed)}/{len(rs)}" + (f" FAIL: {failed[0]}" if failed else "")
+                )
             landed = sum(r["hit"] for r in rs)
             exits = ", ".join(sorted({str(r["first_rc"]) for r in rs}))
             runs = ", ".join(sorted({str(r["attempts"]) for r in rs}))
-            lines.append(f"| {point}: {POINTS[point]} | SIG{sig} | {landed}/{len(rs)} | {exits} | {runs} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {point}: {POINTS[point]} | SIG{sig} | {landed}/{len(rs)} | {exits} | {runs} | "
+                + " | ".join(cells)
+                + " |"
+            )
     counts = {c: sum(r[c]["ok"] for r in results) for c in cols}
-    lines.append("| **passed** | | | | | " + " | ".join(f"**{counts[c]}/{len(results)}**" for c in cols) + " |")
+    lines.append(
+        "| **passed** | | | | | "
+        + " | ".join(f"**{counts[c]}/{len(results)}**" for c in cols)
+        + " |"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -331,15 +472,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--points", nargs="*", choices=list(POINTS), default=list(POINTS))
     parser.add_argument("--signals", nargs="*", choices=list(SIGNALS), default=list(SIGNALS))
-    parser.add_argument("--out", default=str(ROOT / "FAULTS.md"), help="where the table goes (default FAULTS.md)")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds over every point (the moments land differently each time)")
-    parser.add_argument("--workdir", default=None, help="keep storage, logs and stores here (default: a temporary directory)")
+    parser.add_argument(
+        "--out", default=str(ROOT / "FAULTS.md"), help="where the table goes (default FAULTS.md)"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds over every point (the moments land differently each time)",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="keep storage, logs and stores here (default: a temporary directory)",
+    )
     args = parser.parse_args()
 
     sys.dont_write_bytecode = False  # this process and its commands load .pyc files, as run.py
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     started = time.monotonic()
-    with (contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="prefect-jax-faults-")) as tmp:
+    with (
+        contextlib.nullcontext(args.workdir)
+        if args.workdir
+        else tempfile.TemporaryDirectory(prefix="prefect-jax-faults-")
+    ) as tmp:
         work = Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         (work / "logs").mkdir(exist_ok=True)
@@ -350,7 +506,12 @@ def main() -> None:
             if s3 is not None:
                 s3.start()
                 s3.create_bucket("faults")
-            ctx = {"work": work, "api_url": server.api_url, "s3": s3, "mlflow_uri": f"sqlite:///{work}/mlflow.db"}
+            ctx = {
+                "work": work,
+                "api_url": server.api_url,
+                "s3": s3,
+                "mlflow_uri": f"sqlite:///{work}/mlflow.db",
+            }
             ctx["reference"] = reference_run(ctx, remote=False)
             if s3 is not None:
                 ctx["reference_s3"] = reference_run(ctx, remote=True)
@@ -369,7 +530,15 @@ def main() -> None:
     Path(args.out).write_text(text)
     print(text)
     passed = sum(all(r[c]["ok"] for c in CHECKS) for r in results)
-    print(json.dumps({"scenarios": len(results), "all_checks_passed": passed, "minutes": round((time.monotonic() - started) / 60, 1)}))
+    print(
+        json.dumps(
+            {
+                "scenarios": len(results),
+                "all_checks_passed": passed,
+                "minutes": round((time.monotonic() - started) / 60, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

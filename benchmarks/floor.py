@@ -61,11 +61,17 @@ def rerun_floor(env: dict, reruns: int, every: int = 500) -> dict:
     back = {name: goodput.breakdown(name, work[name])["restart_s"] for name in RERUN_SYSTEMS}
     for d in work.values():
         shutil.rmtree(d, ignore_errors=True)
-    out: dict = {"reruns": reruns, "every": every, "way_back_s": back,
-                 "median_s": {name: round(statistics.median(v), 3) for name, v in back.items() if v}}
+    out: dict = {
+        "reruns": reruns,
+        "every": every,
+        "way_back_s": back,
+        "median_s": {name: round(statistics.median(v), 3) for name, v in back.items() if v},
+    }
     plain = out["median_s"].get("plain")
     if plain:
-        out["median / plain loop"] = {name: round(m / plain, 3) for name, m in out["median_s"].items()}
+        out["median / plain loop"] = {
+            name: round(m / plain, 3) for name, m in out["median_s"].items()
+        }
     return out
 
 
@@ -78,7 +84,10 @@ def per_interval(got: dict, few: int, many: int) -> dict:
         if a and b:
             out[name] = {k: round(1000 * (b[k] - a[k]) / (many - few), 2) for k in a if k in b}
             out[name][f"loop / plain loop at {few} intervals"] = (
-                round(a["loop_s"] / got[("plain", few)]["loop_s"], 3) if got.get(("plain", few)) else None)
+                round(a["loop_s"] / got[("plain", few)]["loop_s"], 3)
+                if got.get(("plain", few))
+                else None
+            )
     return out
 
 
@@ -87,15 +96,24 @@ def main() -> None:
     import run as bench  # benchmarks/run.py: its sides and its standing server
 
     parser = bench.sides_parser(__doc__.splitlines()[0], rounds=3)
-    parser.add_argument("--reruns", type=int, default=8, help="reruns of each system for the rerun's floor (0: none)")
+    parser.add_argument(
+        "--reruns",
+        type=int,
+        default=8,
+        help="reruns of each system for the rerun's floor (0: none)",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "FLOOR.json"))
     args = parser.parse_args()
     few, many = bench.interval_counts(parser, args.intervals)
     if args.rounds < 0 or args.reruns < 0:
         parser.error(f"--rounds {args.rounds}, --reruns {args.reruns}: give 0 (none) or more")
     side_args = argparse.Namespace(steps=args.steps, every=None, dispatch=10)
-    report: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": args.steps,
-                    "intervals": [few, many], "rounds": []}  # fmt: skip
+    report: dict = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "steps": args.steps,
+        "intervals": [few, many],
+        "rounds": [],
+    }
     with bench.sides_server("floor-") as (server, env, machine):
         report["machine"] = machine
         for r in range(args.rounds):
@@ -104,21 +122,39 @@ def main() -> None:
             for n in (few, many):
                 for name in order:
                     before = server.cpu_s()
-                    res = bench.side(name, side_args, env, every=max(1, args.steps // n),
-                                     label=f"{name} x{n}, round {r + 1}/{args.rounds}")
+                    res = bench.side(
+                        name,
+                        side_args,
+                        env,
+                        every=max(1, args.steps // n),
+                        label=f"{name} x{n}, round {r + 1}/{args.rounds}",
+                    )
                     server.settle(limit_s=10.0)
                     if res is not None:
-                        got[(name, n)] = {"loop_s": res["loop_s"], "cpu_s": res["cpu_s"],
-                                          "server_cpu_s": server.cpu_s() - before}
-            report["rounds"].append({"raw": {f"{name} x{n}": v for (name, n), v in got.items()},
-                                     "per_interval_ms": per_interval(got, few, many)})
+                        got[(name, n)] = {
+                            "loop_s": res["loop_s"],
+                            "cpu_s": res["cpu_s"],
+                            "server_cpu_s": server.cpu_s() - before,
+                        }
+            report["rounds"].append(
+                {
+                    "raw": {f"{name} x{n}": v for (name, n), v in got.items()},
+                    "per_interval_ms": per_interval(got, few, many),
+                }
+            )
             done = [p["per_interval_ms"] for p in report["rounds"]]
             report["per_interval_ms"] = {
-                name: {k: statistics.median(values) for k in set().union(*(d.get(name, {}) for d in done))
-                       if (values := [d[name][k] for d in done if d.get(name, {}).get(k) is not None])}
-                for name in SIDES if any(name in d for d in done)
-            }  # fmt: skip
-            with open(args.out, "w") as f:  # after every round: a cut-off run keeps what it measured
+                name: {
+                    k: statistics.median(values)
+                    for k in set().union(*(d.get(name, {}) for d in done))
+                    if (values := [d[name][k] for d in done if d.get(name, {}).get(k) is not None])
+                }
+                for name in SIDES
+                if any(name in d for d in done)
+            }
+            with open(
+                args.out, "w"
+            ) as f:  # after every round: a cut-off run keeps what it measured
                 json.dump(report, f, indent=1)
         if args.reruns > 0:
             report["rerun"] = rerun_floor(env, args.reruns)

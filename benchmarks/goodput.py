@@ -108,10 +108,15 @@ def child_plain(args) -> None:
     jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "compile-cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     _mark(args.workdir, event="imported")
-    train_step, eval_step = jax.jit(program.train_step, donate_argnums=(0,)), jax.jit(program.eval_step)  # as the engine
+    train_step, eval_step = (
+        jax.jit(program.train_step, donate_argnums=(0,)),
+        jax.jit(program.eval_step),
+    )  # as the engine
     data = program.train_data(0)  # a random-access dataset: batch i is data[i]
-    manager = ocp.CheckpointManager(os.path.join(args.workdir, "checkpoints"),
-                                    options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True))
+    manager = ocp.CheckpointManager(
+        os.path.join(args.workdir, "checkpoints"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True),
+    )
 
     is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
 
@@ -126,8 +131,15 @@ def child_plain(args) -> None:
             live["state"], step = jax.jit(program.init)(jax.random.key(0)), 0
         else:
             typed = jax.eval_shape(program.init, jax.random.key(0))
-            raw = manager.restore(step, args=ocp.args.StandardRestore(jax.eval_shape(lambda k: savable(program.init(k)), jax.random.key(0))))
-            live["state"] = jax.tree.map(lambda t, x: jax.random.wrap_key_data(x) if is_key(t) else x, typed, raw)
+            raw = manager.restore(
+                step,
+                args=ocp.args.StandardRestore(
+                    jax.eval_shape(lambda k: savable(program.init(k)), jax.random.key(0))
+                ),
+            )
+            live["state"] = jax.tree.map(
+                lambda t, x: jax.random.wrap_key_data(x) if is_key(t) else x, typed, raw
+            )
         _mark(args.workdir, event="restored", step=int(step))
         return int(step)
 
@@ -161,8 +173,15 @@ def child_plain(args) -> None:
 
     if in_flow:
         restore = task(restore, name="restore_or_init", cache_policy=NO_CACHE)
-        interval = task(interval, name="train_until_checkpoint", task_run_name="train {step}", cache_policy=NO_CACHE)
-        evaluate = task(evaluate, name="evaluate_if_new", task_run_name="evaluate {step}", cache_policy=NO_CACHE)
+        interval = task(
+            interval,
+            name="train_until_checkpoint",
+            task_run_name="train {step}",
+            cache_policy=NO_CACHE,
+        )
+        evaluate = task(
+            evaluate, name="evaluate_if_new", task_run_name="evaluate {step}", cache_policy=NO_CACHE
+        )
         step = flow(name="plain-in-task-runs")(job)()
     else:
         step = job()
@@ -188,10 +207,19 @@ def child_keras(args) -> None:
     idx = np.concatenate([rng.permutation(len(x_train)) for _ in range(-(-n // len(x_train)))])[:n]
     x, y = x_train[idx], y_train[idx]
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(HIDDEN[0], activation="relu"),
-                              keras.layers.Dense(HIDDEN[1], activation="relu"), keras.layers.Dense(10)])  # fmt: skip
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])  # fmt: skip
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(HIDDEN[0], activation="relu"),
+            keras.layers.Dense(HIDDEN[1], activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     workdir = args.workdir
 
     class Marks(keras.callbacks.Callback):
@@ -205,9 +233,20 @@ def child_keras(args) -> None:
                 _mark(workdir, event="first_step")
                 self.first = False
 
-    backup = keras.callbacks.BackupAndRestore(backup_dir=os.path.join(workdir, "backup"), save_freq="epoch", delete_checkpoint=False)
-    model.fit(x, y, batch_size=BATCH, epochs=args.steps // args.every, shuffle=False, validation_data=(x_test, y_test),
-              validation_batch_size=360, callbacks=[backup, Marks()], verbose=0)  # fmt: skip
+    backup = keras.callbacks.BackupAndRestore(
+        backup_dir=os.path.join(workdir, "backup"), save_freq="epoch", delete_checkpoint=False
+    )
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=args.steps // args.every,
+        shuffle=False,
+        validation_data=(x_test, y_test),
+        validation_batch_size=360,
+        callbacks=[backup, Marks()],
+        verbose=0,
+    )
     _mark(workdir, event="done", step=int(model.optimizer.iterations))
 
 
@@ -217,14 +256,41 @@ def child_keras(args) -> None:
 def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str], dict]:
     if system == "prefect_jax":
         cli = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
-        cmd = [cli, "run", "--program", "bench_programs:wide", "--job", "gp", "--storage", os.path.join(workdir, "storage"),
-               "--max-steps", str(args.steps), "--checkpoint-every-steps", str(args.every), "--exporters",
-               "--mlflow-tracking-uri", f"sqlite:///{workdir}/mlflow.db", "--compilation-cache", "job", "--no-progress",
-               "--json"] + args.prefect_jax_args.split()  # fmt: skip
+        cmd = [
+            cli,
+            "run",
+            "--program",
+            "bench_programs:wide",
+            "--job",
+            "gp",
+            "--storage",
+            os.path.join(workdir, "storage"),
+            "--max-steps",
+            str(args.steps),
+            "--checkpoint-every-steps",
+            str(args.every),
+            "--exporters",
+            "--mlflow-tracking-uri",
+            f"sqlite:///{workdir}/mlflow.db",
+            "--compilation-cache",
+            "job",
+            "--no-progress",
+            "--json",
+        ] + args.prefect_jax_args.split()
         env = dict(server_env, PYTHONPATH=HERE + os.pathsep + server_env.get("PYTHONPATH", ""))
         return cmd, env
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", system, "--workdir", workdir, "--steps", str(args.steps),
-           "--every", str(args.every)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        system,
+        "--workdir",
+        workdir,
+        "--steps",
+        str(args.steps),
+        "--every",
+        str(args.every),
+    ]
     return cmd, dict(server_env)
 
 
@@ -275,7 +341,9 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
     while True:
         t0 = time.time()
         with open(os.path.join(workdir, f"attempt-{len(attempts)}.log"), "w") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
             killed = False
             try:
                 proc.wait(timeout=period)
@@ -297,16 +365,35 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
             with open(os.path.join(workdir, f"attempt-{len(attempts) - 1}.log")) as f:
                 tail = f.read()[-3000:]
             if period is None:  # an uninterrupted job that fails: the harness is broken
-                raise RuntimeError(f"{system}: attempt {len(attempts)} exited {proc.returncode} (killed={killed}):\n{tail}")
+                raise RuntimeError(
+                    f"{system}: attempt {len(attempts)} exited {proc.returncode} (killed={killed}):\n{tail}"
+                )
             # A job that cannot resume (say, a backup file torn by the signal) is a result: it never
             # finishes without someone's help. Recorded, and the other runs go on.
-            error = next((line for line in reversed(tail.splitlines()) if line.strip()), f"exit {proc.returncode}")
+            error = next(
+                (line for line in reversed(tail.splitlines()) if line.strip()),
+                f"exit {proc.returncode}",
+            )
             log(f"{system} T={period} {sig}: attempt {len(attempts)} could not resume: {error}")
-            return {"system": system, "period_s": period, "signal": sig, "total_s": time.time() - t_all,
-                    "attempts": len(attempts), "exits": [a["exit"] for a in attempts], "failed": error[:300],
-                    "breakdown": {}}  # fmt: skip
-    result = {"system": system, "period_s": period, "signal": sig, "total_s": time.time() - t_all, "attempts": len(attempts),
-              "exits": [a["exit"] for a in attempts], "attempt_wall_s": [round(a["wall_s"], 2) for a in attempts]}  # fmt: skip
+            return {
+                "system": system,
+                "period_s": period,
+                "signal": sig,
+                "total_s": time.time() - t_all,
+                "attempts": len(attempts),
+                "exits": [a["exit"] for a in attempts],
+                "failed": error[:300],
+                "breakdown": {},
+            }
+    result = {
+        "system": system,
+        "period_s": period,
+        "signal": sig,
+        "total_s": time.time() - t_all,
+        "attempts": len(attempts),
+        "exits": [a["exit"] for a in attempts],
+        "attempt_wall_s": [round(a["wall_s"], 2) for a in attempts],
+    }
     result["breakdown"] = breakdown(system, workdir)
     if os.environ.get("GOODPUT_KEEP") != "1":
         import shutil
@@ -314,7 +401,9 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
         shutil.rmtree(workdir, ignore_errors=True)
     else:
         result["workdir"] = workdir
-    log(f"{system} T={period} {sig}: {result['total_s']:.1f}s in {result['attempts']} attempt(s) {result['exits']}")
+    log(
+        f"{system} T={period} {sig}: {result['total_s']:.1f}s in {result['attempts']} attempt(s) {result['exits']}"
+    )
     return result
 
 
@@ -327,9 +416,17 @@ def breakdown(system: str, workdir: str) -> dict:
         from prefect_jax.training.goodput import summarize
 
         summary = summarize(ledger)
-        restarts = [sum(a["seconds"].get(k, 0.0) for k in ("startup", "restore", "compile")) for a in ledger["attempts"][1:]]
-        return {"source": "ledger", "goodput_ledger": round(summary["goodput"], 4), "lost_s": summary["lost_s"],
-                "productive_s": round(summary["productive_s"], 2), "restart_s": [round(r, 3) for r in restarts]}  # fmt: skip
+        restarts = [
+            sum(a["seconds"].get(k, 0.0) for k in ("startup", "restore", "compile"))
+            for a in ledger["attempts"][1:]
+        ]
+        return {
+            "source": "ledger",
+            "goodput_ledger": round(summary["goodput"], 4),
+            "lost_s": summary["lost_s"],
+            "productive_s": round(summary["productive_s"], 2),
+            "restart_s": [round(r, 3) for r in restarts],
+        }
     marks: dict[int, dict] = {}
     with open(os.path.join(workdir, "attempts.jsonl")) as f:
         for line in f:
@@ -346,10 +443,17 @@ def breakdown(system: str, workdir: str) -> dict:
             out["compile"] += m["first_step"]["t"] - m["restored"]["t"]
     restored = [m["restored"]["step"] for m in marks.values() if "restored" in m]
     # A rerun's way back: from its process start to its first new step done (imports included).
-    restarts = [m["first_step"]["t"] - m["start"]["process_start"] for m in marks.values()
-                if "first_step" in m and m.get("restored", {}).get("step", 0) > 0]  # fmt: skip
-    return {"source": "marks", "lost_s": {k: round(v, 2) for k, v in out.items()}, "restored_steps": restored,
-            "restart_s": [round(r, 3) for r in restarts]}  # fmt: skip
+    restarts = [
+        m["first_step"]["t"] - m["start"]["process_start"]
+        for m in marks.values()
+        if "first_step" in m and m.get("restored", {}).get("step", 0) > 0
+    ]
+    return {
+        "source": "marks",
+        "lost_s": {k: round(v, 2) for k, v in out.items()},
+        "restored_steps": restored,
+        "restart_s": [round(r, 3) for r in restarts],
+    }
 
 
 def warm_up(env: dict) -> None:
@@ -357,10 +461,32 @@ def warm_up(env: dict) -> None:
     flow run registers the flow and warms its database; the client writes its profile)."""
     with tempfile.TemporaryDirectory(prefix="goodput-warmup-") as d:
         cli = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
-        cli = [cli] if os.path.exists(cli) else [sys.executable, "-m", "prefect_jax.cli"]  # packages on PYTHONPATH (gpu_check.sh)
-        subprocess.run([*cli, "run", "--program", "prefect_jax.examples.digits:tiny", "--job", "warm", "--storage", d,
-                        "--max-steps", "20", "--checkpoint-every-steps", "10", "--exporters", "--mlflow-tracking-uri",
-                        f"sqlite:///{d}/mlflow.db", "--no-progress"], env=env, capture_output=True, check=True)  # fmt: skip
+        cli = (
+            [cli] if os.path.exists(cli) else [sys.executable, "-m", "prefect_jax.cli"]
+        )  # packages on PYTHONPATH (gpu_check.sh)
+        subprocess.run(
+            [
+                *cli,
+                "run",
+                "--program",
+                "prefect_jax.examples.digits:tiny",
+                "--job",
+                "warm",
+                "--storage",
+                d,
+                "--max-steps",
+                "20",
+                "--checkpoint-every-steps",
+                "10",
+                "--exporters",
+                "--mlflow-tracking-uri",
+                f"sqlite:///{d}/mlflow.db",
+                "--no-progress",
+            ],
+            env=env,
+            capture_output=True,
+            check=True,
+        )
 
 
 def sized_steps(steps: int, every: int, uninterrupted: dict[str, dict], min_wall_s: float) -> int:
@@ -375,25 +501,40 @@ def sized_steps(steps: int, every: int, uninterrupted: dict[str, dict], min_wall
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="prefect_jax,plain,keras")
-    parser.add_argument("--periods", default="15,30,60", help="seconds between preemptions (comma-separated)")
+    parser.add_argument(
+        "--periods", default="15,30,60", help="seconds between preemptions (comma-separated)"
+    )
     parser.add_argument("--signals", default="TERM,KILL")
     parser.add_argument("--steps", type=int, default=8000)
-    parser.add_argument("--min-periods", type=float, default=1.5, metavar="N",
-                        help="more steps (then the uninterrupted runs again) where a system's uninterrupted run lasts less "
-                             "than N of the longest period, so that every period interrupts every system (0: never)")  # fmt: skip
+    parser.add_argument(
+        "--min-periods",
+        type=float,
+        default=1.5,
+        metavar="N",
+        help="more steps (then the uninterrupted runs again) where a system's uninterrupted run lasts less "
+        "than N of the longest period, so that every period interrupts every system (0: never)",
+    )
     parser.add_argument("--every", type=int, default=500)
     parser.add_argument("--max-attempts", type=int, default=40)
-    parser.add_argument("--prefect-jax-args", default="", metavar="ARGS",
-                        help="more arguments for the prefect-jax command, e.g. '--checkpoint-every-secs 5' (the peers keep --every)")
+    parser.add_argument(
+        "--prefect-jax-args",
+        default="",
+        metavar="ARGS",
+        help="more arguments for the prefect-jax command, e.g. '--checkpoint-every-secs 5' (the peers keep --every)",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON result here")
-    parser.add_argument("--child", choices=["plain", "plain_prefect", "plain_flow", "keras"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=["plain", "plain_prefect", "plain_flow", "keras"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         {"keras": child_keras}.get(args.child, child_plain)(args)
         return
     if args.steps % args.every:
-        parser.error(f"--steps ({args.steps}) must be a multiple of --every ({args.every}): one Keras epoch is --every steps")
+        parser.error(
+            f"--steps ({args.steps}) must be a multiple of --every ({args.every}): one Keras epoch is --every steps"
+        )
 
     sys.path.insert(0, HERE)
     from run import StandingServer
@@ -402,21 +543,37 @@ def main() -> None:
     periods = [float(p) for p in args.periods.split(",") if p]
     signals = [s for s in args.signals.split(",") if s]
     work = tempfile.mkdtemp(prefix="goodput-")
-    base = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
+    base = dict(
+        os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING"
+    )
     base.pop("PREFECT_API_URL", None)
-    report: dict = {"steps": args.steps, "every": args.every, "program": "bench_programs:wide", "runs": [],
-                    "prefect_jax_args": args.prefect_jax_args}
+    report: dict = {
+        "steps": args.steps,
+        "every": args.every,
+        "program": "bench_programs:wide",
+        "runs": [],
+        "prefect_jax_args": args.prefect_jax_args,
+    }
     t = time.time()
     with StandingServer(os.path.join(work, "server-home")) as server:
         env = dict(base, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
         warm_up(env)
         uninterrupted = {s: run_job(s, args, None, None, env) for s in systems}
-        steps = sized_steps(args.steps, args.every, uninterrupted, args.min_periods * max(periods, default=0))
-        if steps != args.steps:  # quick cores: a job shorter than a period is never interrupted, and measures nothing
-            report["sized"] = {"steps_before": args.steps, "uninterrupted_before": uninterrupted,
-                               "min_wall_s": args.min_periods * max(periods)}  # fmt: skip
-            log(f"the shortest uninterrupted run took {min(u['total_s'] for u in uninterrupted.values()):.1f} s, under "
-                f"{args.min_periods:g} x {max(periods):g} s: {steps} steps instead of {args.steps}")  # fmt: skip
+        steps = sized_steps(
+            args.steps, args.every, uninterrupted, args.min_periods * max(periods, default=0)
+        )
+        if (
+            steps != args.steps
+        ):  # quick cores: a job shorter than a period is never interrupted, and measures nothing
+            report["sized"] = {
+                "steps_before": args.steps,
+                "uninterrupted_before": uninterrupted,
+                "min_wall_s": args.min_periods * max(periods),
+            }
+            log(
+                f"the shortest uninterrupted run took {min(u['total_s'] for u in uninterrupted.values()):.1f} s, under "
+                f"{args.min_periods:g} x {max(periods):g} s: {steps} steps instead of {args.steps}"
+            )
             args.steps = report["steps"] = steps
             uninterrupted = {s: run_job(s, args, None, None, env) for s in systems}
         report["uninterrupted"] = uninterrupted
@@ -427,7 +584,9 @@ def main() -> None:
                     failed = "failed" in r  # no goodput: the job never finishes by itself
                     r["goodput"] = 0.0 if failed else uninterrupted[s]["total_s"] / r["total_s"]
                     if "plain" in uninterrupted:
-                        r["vs_plain"] = 0.0 if failed else uninterrupted["plain"]["total_s"] / r["total_s"]
+                        r["vs_plain"] = (
+                            0.0 if failed else uninterrupted["plain"]["total_s"] / r["total_s"]
+                        )
                     report["runs"].append(r)
     report["total_s"] = time.time() - t
     line = json.dumps(report)

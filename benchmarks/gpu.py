@@ -43,19 +43,35 @@ def main() -> None:
     from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
     from prefect_jax.training.trainer import Trainer
 
-    program = digits.DigitsProgram(hidden=(args.width, args.width), batch_size=args.batch, dropout=0.1)
+    program = digits.DigitsProgram(
+        hidden=(args.width, args.width), batch_size=args.batch, dropout=0.1
+    )
     digits.gpu_bench = program  # importable as prefect_jax.examples.digits:gpu_bench
     spec = "prefect_jax.examples.digits:gpu_bench"
-    out: dict = {"devices": [str(d) for d in jax.devices()], "device_kind": jax.devices()[0].device_kind,
-                 "backend": jax.default_backend(), "jax": jax.__version__,
-                 "width": args.width, "batch": args.batch, "steps": args.steps, "every": args.every}  # fmt: skip
+    out: dict = {
+        "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "width": args.width,
+        "batch": args.batch,
+        "steps": args.steps,
+        "every": args.every,
+    }
     print(f"[gpu] {out['devices']}", flush=True)
     work = tempfile.mkdtemp(prefix="gpu-bench-")
     tracking = f"file://{work}/mlruns"
 
     def config(job, max_steps, every, dispatch=1):
-        return JobConfig(program=spec, job=job, storage=work, train=TrainSpec(max_steps=max_steps, steps_per_dispatch=dispatch),
-                         checkpoint=CheckpointSpec(every_steps=every), eval=EvalSpec(), mlflow_tracking_uri=tracking)  # fmt: skip
+        return JobConfig(
+            program=spec,
+            job=job,
+            storage=work,
+            train=TrainSpec(max_steps=max_steps, steps_per_dispatch=dispatch),
+            checkpoint=CheckpointSpec(every_steps=every),
+            eval=EvalSpec(),
+            mlflow_tracking_uri=tracking,
+        )
 
     # 1. Exact resume, donation on.
     every = 100
@@ -79,14 +95,22 @@ def main() -> None:
     second.finish()
     second.close()
     out["exact_resume"] = {"resumed_at": resumed_at, "equal": got == want, "fingerprint": want}
-    print(f"[gpu] exact resume from step {resumed_at}: {'equal' if got == want else 'DIFFERENT'}", flush=True)
+    print(
+        f"[gpu] exact resume from step {resumed_at}: {'equal' if got == want else 'DIFFERENT'}",
+        flush=True,
+    )
 
     # 2. Speed.
     def plain() -> float:
-        step_fn, eval_fn = jax.jit(program.train_step, donate_argnums=(0,)), jax.jit(program.eval_step)
+        step_fn, eval_fn = (
+            jax.jit(program.train_step, donate_argnums=(0,)),
+            jax.jit(program.eval_step),
+        )
         state = jax.jit(program.init)(jax.random.key(0))
         data = program.train_data(0)
-        manager = ocp.CheckpointManager(os.path.join(work, "plain"), options=ocp.CheckpointManagerOptions(max_to_keep=3))
+        manager = ocp.CheckpointManager(
+            os.path.join(work, "plain"), options=ocp.CheckpointManagerOptions(max_to_keep=3)
+        )
         is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
         state, _ = step_fn(state, data[0])
         jax.block_until_ready(state)
@@ -94,7 +118,12 @@ def main() -> None:
         for i in range(1, args.steps):
             state, _ = step_fn(state, data[i])
             if (i + 1) % args.every == 0:
-                manager.save(i + 1, args=ocp.args.StandardSave(jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, state)))
+                manager.save(
+                    i + 1,
+                    args=ocp.args.StandardSave(
+                        jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, state)
+                    ),
+                )
                 for batch in program.eval_data():
                     jax.device_get(eval_fn(state, batch))
         manager.wait_until_finished()
@@ -104,7 +133,9 @@ def main() -> None:
     def engine(dispatch: int, job: str) -> float:
         trainer = Trainer(config(job, args.steps, args.every, dispatch))
         trainer.restore_or_init()
-        first_boundary = trainer.train_until_checkpoint()  # the first interval (its compile) is not timed
+        first_boundary = (
+            trainer.train_until_checkpoint()
+        )  # the first interval (its compile) is not timed
         trainer.evaluate_if_new()
         jax.block_until_ready(trainer.state)
         t = time.perf_counter()
@@ -113,7 +144,9 @@ def main() -> None:
             trainer.evaluate_if_new()
         trainer.job.wait_committed()
         jax.block_until_ready(trainer.state)
-        seconds = (time.perf_counter() - t) * (args.steps - 1) / (args.steps - first_boundary)  # same steps as plain
+        seconds = (
+            (time.perf_counter() - t) * (args.steps - 1) / (args.steps - first_boundary)
+        )  # same steps as plain
         out.setdefault("goodput", {})[job] = trainer.goodput()
         trainer.finish()
         trainer.close()
@@ -124,10 +157,16 @@ def main() -> None:
     scan_s = engine(10, "engine_scan")
     n = args.steps - 1
     out["speed"] = {
-        "plain_steps_per_s": n / plain_s, "engine_steps_per_s": n / engine_s, "engine_scan10_steps_per_s": n / scan_s,
-        "engine_vs_plain_time": engine_s / plain_s, "engine_scan10_vs_plain_time": scan_s / plain_s,
-    }  # fmt: skip
-    print(f"[gpu] steps/s: plain {n / plain_s:.0f}, engine {n / engine_s:.0f}, engine steps_per_dispatch=10 {n / scan_s:.0f}", flush=True)
+        "plain_steps_per_s": n / plain_s,
+        "engine_steps_per_s": n / engine_s,
+        "engine_scan10_steps_per_s": n / scan_s,
+        "engine_vs_plain_time": engine_s / plain_s,
+        "engine_scan10_vs_plain_time": scan_s / plain_s,
+    }
+    print(
+        f"[gpu] steps/s: plain {n / plain_s:.0f}, engine {n / engine_s:.0f}, engine steps_per_dispatch=10 {n / scan_s:.0f}",
+        flush=True,
+    )
     line = json.dumps(out, default=str)
     if args.out:
         with open(args.out, "w") as f:

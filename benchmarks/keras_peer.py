@@ -42,7 +42,9 @@ def log(msg: str) -> None:
 
 def run_keras(steps: int, every: int, workdir: str) -> dict:
     if steps % every:
-        raise ValueError(f"--steps ({steps}) must be a multiple of --every ({every}): one epoch is --every steps")
+        raise ValueError(
+            f"--steps ({steps}) must be a multiple of --every ({every}): one epoch is --every steps"
+        )
     t_import = time.perf_counter()
     os.environ["KERAS_BACKEND"] = "jax"  # before keras is imported
     import jax
@@ -77,20 +79,26 @@ def run_keras(steps: int, every: int, workdir: str) -> dict:
             self.epochs += 1
             with open(os.path.join(self.backup_dir, "training_metadata.json")) as f:
                 self.backups += json.load(f)["epoch"] == epoch + 1
-            log(f"keras epoch {epoch + 1} (step {(epoch + 1) * every}): train loss {logs['loss']:.4f}, "
-                f"val loss {logs['val_loss']:.4f}, val accuracy {logs['val_accuracy']:.4f}")
+            log(
+                f"keras epoch {epoch + 1} (step {(epoch + 1) * every}): train loss {logs['loss']:.4f}, "
+                f"val loss {logs['val_loss']:.4f}, val accuracy {logs['val_accuracy']:.4f}"
+            )
 
     def new_model():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([
-            keras.Input((64,)),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(10),
-        ])  # built by the Input, as BackupAndRestore requires
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )  # built by the Input, as BackupAndRestore requires
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
         return model
 
     backup_dir = os.path.join(workdir, "backup")
@@ -98,10 +106,20 @@ def run_keras(steps: int, every: int, workdir: str) -> dict:
 
     def fit(model, x, y, x_test, y_test):
         probe = Probe(backup_dir)
-        backup = keras.callbacks.BackupAndRestore(backup_dir=backup_dir, save_freq="epoch", delete_checkpoint=False)
-        history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False,
-                            validation_data=(x_test, y_test), validation_batch_size=EVAL_BATCH,
-                            callbacks=[backup, probe], verbose=0)
+        backup = keras.callbacks.BackupAndRestore(
+            backup_dir=backup_dir, save_freq="epoch", delete_checkpoint=False
+        )
+        history = model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=epochs,
+            shuffle=False,
+            validation_data=(x_test, y_test),
+            validation_batch_size=EVAL_BATCH,
+            callbacks=[backup, probe],
+            verbose=0,
+        )
         return history, probe
 
     t0 = time.perf_counter()
@@ -116,41 +134,64 @@ def run_keras(steps: int, every: int, workdir: str) -> dict:
 
     # Honesty checks, off the clock.
     assert probe.epochs == epochs and probe.backups == epochs, vars(probe)
-    assert probe.evals == epochs and probe.test_batches == epochs * -(-len(x_test) // EVAL_BATCH), vars(probe)
+    assert probe.evals == epochs and probe.test_batches == epochs * -(-len(x_test) // EVAL_BATCH), (
+        vars(probe)
+    )
     assert int(model.optimizer.iterations) == steps, int(model.optimizer.iterations)
-    final = {"loss": history.history["val_loss"][-1], "accuracy": history.history["val_accuracy"][-1]}
+    final = {
+        "loss": history.history["val_loss"][-1],
+        "accuracy": history.history["val_accuracy"][-1],
+    }
     logits = np.asarray(model(x_test), np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    recomputed = {"loss": float(-logp[np.arange(len(y_test)), y_test].mean()),
-                  "accuracy": float((logits.argmax(-1) == y_test).mean())}
+    recomputed = {
+        "loss": float(-logp[np.arange(len(y_test)), y_test].mean()),
+        "accuracy": float((logits.argmax(-1) == y_test).mean()),
+    }
     assert all(abs(final[k] - recomputed[k]) < 1e-4 for k in final), (final, recomputed)
 
     log("resume check: a fresh model, fit again on the same backup_dir ...")
     resumed = new_model()
     _, resumed_probe = fit(resumed, x, y, x_test, y_test)
-    resumed_eval = resumed.evaluate(x_test, y_test, batch_size=EVAL_BATCH, verbose=0, return_dict=True)
+    resumed_eval = resumed.evaluate(
+        x_test, y_test, batch_size=EVAL_BATCH, verbose=0, return_dict=True
+    )
     assert all(abs(resumed_eval[k] - final[k]) < 1e-4 for k in final), (resumed_eval, final)
     assert int(resumed.optimizer.iterations) == steps, int(resumed.optimizer.iterations)
 
-    return {"wall_s": t_end - t0, "loop_s": t_end - probe.t_first, "import_s": t0 - t_import,
-            "eval": final, "keras": keras.__version__, "backend": keras.backend.backend(),
-            "jax": jax.__version__, "devices": str(jax.devices()),
-            "jit_compile": model.jit_compile, "steps_per_execution": model.steps_per_execution,
-            "epochs_run": probe.epochs, "evals_run": probe.evals, "backups_seen": probe.backups,
-            "resumed_epochs_run": resumed_probe.epochs}
+    return {
+        "wall_s": t_end - t0,
+        "loop_s": t_end - probe.t_first,
+        "import_s": t0 - t_import,
+        "eval": final,
+        "keras": keras.__version__,
+        "backend": keras.backend.backend(),
+        "jax": jax.__version__,
+        "devices": str(jax.devices()),
+        "jit_compile": model.jit_compile,
+        "steps_per_execution": model.steps_per_execution,
+        "epochs_run": probe.epochs,
+        "evals_run": probe.evals,
+        "backups_seen": probe.backups,
+        "resumed_epochs_run": resumed_probe.epochs,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000, help="training steps (default 2000)")
-    parser.add_argument("--every", type=int, default=200, help="backup + full eval every N steps (default 200)")
+    parser.add_argument(
+        "--every", type=int, default=200, help="backup + full eval every N steps (default 200)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-keras-") as workdir:
         result = run_keras(args.steps, args.every, workdir)
-    log(f"keras: wall {result['wall_s']:.2f}s (steps 2..{args.steps}: {result['loop_s']:.2f}s; "
+    log(
+        f"keras: wall {result['wall_s']:.2f}s (steps 2..{args.steps}: {result['loop_s']:.2f}s; "
         f"imports {result['import_s']:.2f}s, not counted), eval {result['eval']}, "
-        f"resumed fit ran {result['resumed_epochs_run']} epochs")
+        f"resumed fit ran {result['resumed_epochs_run']} epochs"
+    )
     print(json.dumps(result), flush=True)
 
 

@@ -10,13 +10,25 @@ SYSTEMS = (
     ("plain_scan", "the same loop, {dispatch} steps per jitted `lax.scan`"),
     ("prefect_jax", "`train_and_evaluate`, standing `prefect server`"),
     ("prefect_jax_scan", "`train_and_evaluate`, standing server, `steps_per_dispatch={dispatch}`"),
-    ("prefect_jax_ephemeral", "`train_and_evaluate`, ephemeral Prefect (server started inside the run)"),
+    (
+        "prefect_jax_ephemeral",
+        "`train_and_evaluate`, ephemeral Prefect (server started inside the run)",
+    ),
     ("cli", "the `prefect-jax run` command, standing server"),
-    ("cli_exports", "the `prefect-jax run` command, standing server, its default exporters (latest, best, final; each export a version of an MLflow registered model)"),
-    ("cli_embedded", "the `prefect-jax run` command, no `PREFECT_API_URL` (its embedded server, as the README's `demo`)"),
+    (
+        "cli_exports",
+        "the `prefect-jax run` command, standing server, its default exporters (latest, best, final; each export a version of an MLflow registered model)",
+    ),
+    (
+        "cli_embedded",
+        "the `prefect-jax run` command, no `PREFECT_API_URL` (its embedded server, as the README's `demo`)",
+    ),
     ("keras", "Keras 3 `fit` + `BackupAndRestore`, JAX backend"),
     ("before", "`train_and_evaluate`, standing server, before this change (`--baseline`)"),
-    ("before_cli_embedded", "the `prefect-jax run` command, embedded server, before this change (`--baseline`)"),
+    (
+        "before_cli_embedded",
+        "the `prefect-jax run` command, embedded server, before this change (`--baseline`)",
+    ),
 )
 
 
@@ -58,13 +70,20 @@ def _per_round_ratios(rounds: list[dict], name: str, key: str) -> list[float | N
 def _extra_slope(sweep: list[dict], key: str) -> float | None:
     """One sweep's slope over the intervals of the flow's `key` less the plain loop's (rows where
     either lacks it are left out: a failed side, or a run from before `key` was recorded)."""
-    return _slope([(row["intervals"], _get(row, "prefect_jax", key) - _get(row, "plain", key))
-                   for row in sweep if _get(row, "prefect_jax", key) is not None and _get(row, "plain", key) is not None])
+    return _slope(
+        [
+            (row["intervals"], _get(row, "prefect_jax", key) - _get(row, "plain", key))
+            for row in sweep
+            if _get(row, "prefect_jax", key) is not None and _get(row, "plain", key) is not None
+        ]
+    )
 
 
 def _sweep_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
     """One sweep's slopes: the flow's extra loop time over plain's, and its Prefect time, per interval."""
-    return _extra_slope(sweep, "loop_s"), _slope([(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in sweep])
+    return _extra_slope(sweep, "loop_s"), _slope(
+        [(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in sweep]
+    )
 
 
 def _cpu_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
@@ -92,8 +111,13 @@ def summarize(report: dict) -> dict:
         return _ratio(_get(peers, name, key), _get(peers, "plain", key))
 
     ratios = {
-        name: {"loop": ratio(name, "loop_s"), "wall": ratio(name, "wall_s"), "process": ratio(name, "process_s")}
-        for name, _ in SYSTEMS if peers.get(name)
+        name: {
+            "loop": ratio(name, "loop_s"),
+            "wall": ratio(name, "wall_s"),
+            "process": ratio(name, "process_s"),
+        }
+        for name, _ in SYSTEMS
+        if peers.get(name)
     }
     slopes = [_sweep_slopes(sw) for sw in sweeps]
     per_interval = _median([s[0] for s in slopes])
@@ -101,7 +125,9 @@ def summarize(report: dict) -> dict:
     ones = [next((row for row in sw if row["intervals"] == 1), {}) for sw in sweeps]
     # Training speed: the steps alone (`train_s`); reports from before it was recorded: the loop.
     speed_key = "train_s" if any(_get(o, "prefect_jax_scan", "train_s") for o in ones) else "loop_s"
-    scan_speedups = [_ratio(_get(o, "plain", speed_key), _get(o, "prefect_jax_scan", speed_key)) for o in ones]
+    scan_speedups = [
+        _ratio(_get(o, "plain", speed_key), _get(o, "prefect_jax_scan", speed_key)) for o in ones
+    ]
     restart = report.get("restart") or {}
     warm = restart.get("cache_warm") or {}
     floor = (warm.get("raw_restore_s") or 0) + (warm.get("raw_step_s") or 0)
@@ -113,12 +139,25 @@ def summarize(report: dict) -> dict:
     targets = {
         "process_vs_plain": {"value": ratios.get("cli", {}).get("process"), "target": "<= 1.30"},
         "loop_vs_plain": {"value": ratios.get("prefect_jax", {}).get("loop"), "target": "<= 1.10"},
-        "orchestration_ms_per_interval": {"value": round(per_interval * 1000, 1) if per_interval is not None else None,
-                                          "target": "<= 30"},
-        "prefect_ms_per_interval": {"value": round(prefect_per_interval * 1000, 1) if prefect_per_interval is not None else None,
-                                    "target": "<= 30"},
-        "steps_per_dispatch_speedup": {"value": scan_speedup, "target": ">= 1.2", "clock": speed_key},
-        "stall_pct_of_sync_save_512mib": {"value": stall and round(stall["stall_pct"], 2), "target": "<= 5"},
+        "orchestration_ms_per_interval": {
+            "value": round(per_interval * 1000, 1) if per_interval is not None else None,
+            "target": "<= 30",
+        },
+        "prefect_ms_per_interval": {
+            "value": round(prefect_per_interval * 1000, 1)
+            if prefect_per_interval is not None
+            else None,
+            "target": "<= 30",
+        },
+        "steps_per_dispatch_speedup": {
+            "value": scan_speedup,
+            "target": ">= 1.2",
+            "clock": speed_key,
+        },
+        "stall_pct_of_sync_save_512mib": {
+            "value": stall and round(stall["stall_pct"], 2),
+            "target": "<= 5",
+        },
         "rerun_to_first_step_vs_plain": {"value": gp.get("restart_vs_plain"), "target": "<= 1.30"},
         "goodput_margin_vs_peers": {"value": gp.get("worst_margin"), "target": ">= 0"},
         "goodput_T60_SIGTERM": {"value": gp.get("t60_term"), "target": ">= 0.90"},
@@ -147,12 +186,23 @@ def summarize(report: dict) -> dict:
     for key, values in round_values.items():
         if values and len(values) > 1:
             targets[key]["per_round"] = values
-    return {"benchmark": "prefect-jax", "when": report["when"], "steps": report["steps"], "every": report["every"],
-            "ratios": ratios, "targets": targets, "machine": report["machine"],
-            "rerun_to_first_step_vs_floor": _ratio(rerun, floor),
-            "peak_rss_mib": {name: round(peers[name]["peak_rss_mib"]) for name, _ in SYSTEMS if _get(peers, name, "peak_rss_mib")},
-            "cpu_ms_per_interval": cpu_per_interval(sweeps),
-            "goodput": gp.get("table")}
+    return {
+        "benchmark": "prefect-jax",
+        "when": report["when"],
+        "steps": report["steps"],
+        "every": report["every"],
+        "ratios": ratios,
+        "targets": targets,
+        "machine": report["machine"],
+        "rerun_to_first_step_vs_floor": _ratio(rerun, floor),
+        "peak_rss_mib": {
+            name: round(peers[name]["peak_rss_mib"])
+            for name, _ in SYSTEMS
+            if _get(peers, name, "peak_rss_mib")
+        },
+        "cpu_ms_per_interval": cpu_per_interval(sweeps),
+        "goodput": gp.get("table"),
+    }
 
 
 def cpu_per_interval(sweeps: list[list[dict]]) -> dict | None:
@@ -163,8 +213,11 @@ def cpu_per_interval(sweeps: list[list[dict]]) -> dict | None:
     if process is None and server is None:
         return None
     ms = lambda x: round(x * 1000, 1) if x is not None else None  # noqa: E731
-    return {"process": ms(process), "server": ms(server),
-            "per_round": {"process": [ms(s[0]) for s in slopes], "server": [ms(s[1]) for s in slopes]}}
+    return {
+        "process": ms(process),
+        "server": ms(server),
+        "per_round": {"process": [ms(s[0]) for s in slopes], "server": [ms(s[1]) for s in slopes]},
+    }
 
 
 def _mean(xs):
@@ -179,21 +232,36 @@ def goodput_summary(goodput: dict | None) -> dict:
     if not goodput or not goodput.get("runs"):
         return {}
     runs = goodput["runs"]
-    table = {f"{r['system']} T={r['period_s']:g} {r['signal']}": round(r["goodput"], 3) for r in runs}
+    table = {
+        f"{r['system']} T={r['period_s']:g} {r['signal']}": round(r["goodput"], 3) for r in runs
+    }
     margins = []
     for period, sig in sorted({(r["period_s"], r["signal"]) for r in runs}):
-        same = {r["system"]: r["goodput"] for r in runs if (r["period_s"], r["signal"]) == (period, sig)}
+        same = {
+            r["system"]: r["goodput"] for r in runs if (r["period_s"], r["signal"]) == (period, sig)
+        }
         peers = [v for k, v in same.items() if k != "prefect_jax"]
         if "prefect_jax" in same and peers:
             margins.append(same["prefect_jax"] - max(peers))
-    t60 = [r["goodput"] for r in runs if r["system"] == "prefect_jax" and r["period_s"] == 60 and r["signal"] == "TERM"]
+    t60 = [
+        r["goodput"]
+        for r in runs
+        if r["system"] == "prefect_jax" and r["period_s"] == 60 and r["signal"] == "TERM"
+    ]
 
     def restart(system):
-        return _mean([x for r in runs if r["system"] == system for x in r["breakdown"].get("restart_s", [])])
+        return _mean(
+            [x for r in runs if r["system"] == system for x in r["breakdown"].get("restart_s", [])]
+        )
 
     pj, plain = restart("prefect_jax"), restart("plain")
-    return {"table": table, "worst_margin": round(min(margins), 3) if margins else None, "t60_term": round(t60[0], 3) if t60 else None,
-            "restart_vs_plain": _ratio(pj, plain), "restart_s": {"prefect_jax": pj, "plain": plain, "keras": restart("keras")}}
+    return {
+        "table": table,
+        "worst_margin": round(min(margins), 3) if margins else None,
+        "t60_term": round(t60[0], 3) if t60 else None,
+        "restart_vs_plain": _ratio(pj, plain),
+        "restart_s": {"prefect_jax": pj, "plain": plain, "keras": restart("keras")},
+    }
 
 
 # What a missed target means and what stands in its way, printed under the targets table (a few
@@ -272,7 +340,14 @@ TARGET_NAMES = {
 }
 
 LOST_COLUMNS = (
-    "startup", "restore", "compile", "recomputed", "checkpoint", "eval", "other", "between_attempts"
+    "startup",
+    "restore",
+    "compile",
+    "recomputed",
+    "checkpoint",
+    "eval",
+    "other",
+    "between_attempts",
 )
 
 
@@ -280,64 +355,96 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
     if not goodput or not goodput.get("runs"):
         return []
     un = goodput["uninterrupted"]
-    out = ["", "## Goodput under preemption", "",
-           "| T s | signal | system | attempts | total s | goodput | vs plain | rerun to first "
-           "new step s (mean) |",
-           "|---:|---|---|---:|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "## Goodput under preemption",
+        "",
+        "| T s | signal | system | attempts | total s | goodput | vs plain | rerun to first "
+        "new step s (mean) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in goodput["runs"]:
         restart = _mean(r["breakdown"].get("restart_s", []))
         if r.get("failed"):  # the job could not resume by itself (goodput 0 in the summary)
-            out.append(f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | {r['attempts']} "
-                       f"| {_f(r['total_s'], 1)} | **could not resume**: `{r['failed'][:160]}` | "
-                       f"| |")
+            out.append(
+                f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | {r['attempts']} "
+                f"| {_f(r['total_s'], 1)} | **could not resume**: `{r['failed'][:160]}` | "
+                f"| |"
+            )
             continue
-        out.append(f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | {r['attempts']} | "
-                   f"{_f(r['total_s'], 1)} | {_f(r['goodput'], 3)} | {_f(r.get('vs_plain'), 3)} | "
-                   f"{_f(restart)} |")
-    out += ["", f"`benchmarks/goodput.py`: `{goodput['program']}` (a 64-1024-1024-10 MLP, batch "
-                f"256), {goodput['steps']} steps, a checkpoint and a full evaluation every "
-                f"{goodput['every']}, each system in fresh processes, signalled T seconds after "
-                "each start and restarted at once until one finishes. `goodput` = the system's "
-                "uninterrupted wall / its total wall; `vs plain` = the plain loop's "
-                "uninterrupted wall / this total. Uninterrupted: "
-            + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in un.items())
-            + ". The plain loop has no SIGTERM handler; Keras backs up at epoch ends. One run of "
-            "each: read differences under ~0.1 as noise."]
+        out.append(
+            f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | {r['attempts']} | "
+            f"{_f(r['total_s'], 1)} | {_f(r['goodput'], 3)} | {_f(r.get('vs_plain'), 3)} | "
+            f"{_f(restart)} |"
+        )
+    out += [
+        "",
+        f"`benchmarks/goodput.py`: `{goodput['program']}` (a 64-1024-1024-10 MLP, batch "
+        f"256), {goodput['steps']} steps, a checkpoint and a full evaluation every "
+        f"{goodput['every']}, each system in fresh processes, signalled T seconds after "
+        "each start and restarted at once until one finishes. `goodput` = the system's "
+        "uninterrupted wall / its total wall; `vs plain` = the plain loop's "
+        "uninterrupted wall / this total. Uninterrupted: "
+        + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in un.items())
+        + ". The plain loop has no SIGTERM handler; Keras backs up at epoch ends. One run of "
+        "each: read differences under ~0.1 as noise.",
+    ]
     sized = goodput.get("sized")
     if sized:  # the job was lengthened to outlast the periods (goodput.py --min-periods)
         before = min(u["total_s"] for u in sized["uninterrupted_before"].values())
-        out[-1] += (f" The job was sized to the cores: {sized['steps_before']} steps took "
-                    f"{before:.1f} s, under {sized['min_wall_s']:g} s (`--min-periods`), so "
-                    f"{goodput['steps']} steps.")
+        out[-1] += (
+            f" The job was sized to the cores: {sized['steps_before']} steps took "
+            f"{before:.1f} s, under {sized['min_wall_s']:g} s (`--min-periods`), so "
+            f"{goodput['steps']} steps."
+        )
     if goodput.get("note"):  # where these rows come from, when not from this run (see --render)
         out += ["", goodput["note"]]
     lost = " | ".join(c.replace("_", " ") for c in LOST_COLUMNS)
-    out += ["", f"| T s | signal | ledger goodput | productive | {lost} |",
-            "|---:|---|---:|---:|" + "---:|" * len(LOST_COLUMNS)]
+    out += [
+        "",
+        f"| T s | signal | ledger goodput | productive | {lost} |",
+        "|---:|---|---:|---:|" + "---:|" * len(LOST_COLUMNS),
+    ]
     pj = [("uninterrupted", "", un.get("prefect_jax"))] + [
         (f"{r['period_s']:g}", f"SIG{r['signal']}", r)
-        for r in goodput["runs"] if r["system"] == "prefect_jax"]
+        for r in goodput["runs"]
+        if r["system"] == "prefect_jax"
+    ]
     for period, sig, r in pj:
         b = (r or {}).get("breakdown") or {}
         if b.get("source") != "ledger":
             continue
-        out.append(f"| {period} | {sig} | {_f(b['goodput_ledger'], 3)} | "
-                   f"{_f(b['productive_s'], 1)} | "
-                   + " | ".join(_f(b["lost_s"].get(c), 1) for c in LOST_COLUMNS) + " |")
-    out += ["", "Where prefect-jax's time went, seconds, from the job's own goodput ledger "
-                "(`<job>/goodput.json`, also in MLflow as `goodput/*` and in the Prefect table "
-                "artifact `<job>-goodput`)."]
+        out.append(
+            f"| {period} | {sig} | {_f(b['goodput_ledger'], 3)} | "
+            f"{_f(b['productive_s'], 1)} | "
+            + " | ".join(_f(b["lost_s"].get(c), 1) for c in LOST_COLUMNS)
+            + " |"
+        )
+    out += [
+        "",
+        "Where prefect-jax's time went, seconds, from the job's own goodput ledger "
+        "(`<job>/goodput.json`, also in MLflow as `goodput/*` and in the Prefect table "
+        "artifact `<job>-goodput`).",
+    ]
     peers = [r for r in goodput["runs"] if r["breakdown"].get("source") == "marks"]
     if peers:
-        out += ["", "| T s | signal | system | start-up | restore | compile |",
-                "|---:|---|---|---:|---:|---:|"]
+        out += [
+            "",
+            "| T s | signal | system | start-up | restore | compile |",
+            "|---:|---|---|---:|---:|---:|",
+        ]
         for r in peers:
             lost = r["breakdown"]["lost_s"]
-            out.append(f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | "
-                       f"{_f(lost['startup'], 1)} | {_f(lost['restore'], 1)} | "
-                       f"{_f(lost['compile'], 1)} |")
-        out += ["", "The peers' time, seconds summed over attempts, from their processes' marks "
-                    "(start, imports done, restored, first step)."]
+            out.append(
+                f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | "
+                f"{_f(lost['startup'], 1)} | {_f(lost['restore'], 1)} | "
+                f"{_f(lost['compile'], 1)} |"
+            )
+        out += [
+            "",
+            "The peers' time, seconds summed over attempts, from their processes' marks "
+            "(start, imports done, restored, first step).",
+        ]
     return out
 
 
@@ -355,31 +462,41 @@ def gpu_markdown() -> list[str]:
             g = json.load(f)
         sp, er = g["speed"], g["exact_resume"]
         if not out:
-            out += ["", "## On a GPU", "",
-                    "| device | recorded | MLP width, batch | steps, every | plain steps/s | "
-                    "engine steps/s | engine / plain time | engine `steps_per_dispatch=10` "
-                    "steps/s | / plain time | exact resume (fingerprints) |",
-                    "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
-        out.append(f"| {g['device_kind']} | {g['recorded']} | {g['width']}, {g['batch']} | "
-                   f"{g['steps']}, {g['every']} | {sp['plain_steps_per_s']:.0f} | "
-                   f"{sp['engine_steps_per_s']:.0f} | {sp['engine_vs_plain_time']:.3f} | "
-                   f"{sp['engine_scan10_steps_per_s']:.0f} | "
-                   f"{sp['engine_scan10_vs_plain_time']:.3f} | "
-                   f"{'equal' if er['equal'] else 'DIFFERENT'} (resumed at step "
-                   f"{er['resumed_at']}) |")
+            out += [
+                "",
+                "## On a GPU",
+                "",
+                "| device | recorded | MLP width, batch | steps, every | plain steps/s | "
+                "engine steps/s | engine / plain time | engine `steps_per_dispatch=10` "
+                "steps/s | / plain time | exact resume (fingerprints) |",
+                "|---|---|---|---|---:|---:|---:|---:|---:|---|",
+            ]
+        out.append(
+            f"| {g['device_kind']} | {g['recorded']} | {g['width']}, {g['batch']} | "
+            f"{g['steps']}, {g['every']} | {sp['plain_steps_per_s']:.0f} | "
+            f"{sp['engine_steps_per_s']:.0f} | {sp['engine_vs_plain_time']:.3f} | "
+            f"{sp['engine_scan10_steps_per_s']:.0f} | "
+            f"{sp['engine_scan10_vs_plain_time']:.3f} | "
+            f"{'equal' if er['equal'] else 'DIFFERENT'} (resumed at step "
+            f"{er['resumed_at']}) |"
+        )
         name = g["device_kind"]
         line = f"- {name}: {g['machine']}."
         calls = g.get("calls")
         if calls:
+
             def spread(key):
                 values = [c[key] for c in calls]
                 middle = statistics.median(values)
                 return f"median {middle:.2f} ({min(values):.2f}-{max(values):.2f})"
-            line += (f" {len(calls)} calls of `gpu.py` (the row is one of them): engine / plain "
-                     f"time {spread('engine_vs_plain_time')}; `steps_per_dispatch=10` / plain "
-                     f"per-step time {spread('engine_scan10_vs_plain_time')}; the plain loop "
-                     f"{min(c['plain_steps_per_s'] for c in calls):.0f}-"
-                     f"{max(c['plain_steps_per_s'] for c in calls):.0f} steps/s.")
+
+            line += (
+                f" {len(calls)} calls of `gpu.py` (the row is one of them): engine / plain "
+                f"time {spread('engine_vs_plain_time')}; `steps_per_dispatch=10` / plain "
+                f"per-step time {spread('engine_scan10_vs_plain_time')}; the plain loop "
+                f"{min(c['plain_steps_per_s'] for c in calls):.0f}-"
+                f"{max(c['plain_steps_per_s'] for c in calls):.0f} steps/s."
+            )
         notes.append(line)
         fc = g.get("flow_check")
         if fc:
@@ -392,7 +509,8 @@ def gpu_markdown() -> list[str]:
                 f"{d['system_gpu_metrics']} `system/gpu_0_*` metrics, `prefect_jax.devices` = "
                 f"`{d['devices_tag']}`; exports lowered for {', '.join(d['export_platforms'])}, "
                 f"and {d['served_on_cpu']}. {t['passed']} tests passed on the GPU, {t['failed']} "
-                f"failed ({', '.join(t['files'])}; left out: {t['left_out']}).")
+                f"failed ({', '.join(t['files'])}; left out: {t['left_out']})."
+            )
             su = fc.get("startup")
             if su:
                 again = su["demo_again"]
@@ -402,15 +520,24 @@ def gpu_markdown() -> list[str]:
                     f"{su['JAX client start']} s, `import prefect_jax.flows` "
                     f"{su['import prefect_jax.flows']} s, `import mlflow` {su['import mlflow']} "
                     f"s; the demo again with warm caches {again['wall_s']} s wall (start-up "
-                    f"{again['startup']} s).")
+                    f"{again['startup']} s)."
+                )
     if not out:
         return []
-    return out + ["", "`benchmarks/gpu.py` on a GPU machine lent to a session (not re-measured "
-                      "by this run): the engine (`Trainer`, no Prefect) against a plain jit + "
-                      "Orbax loop, a checkpoint and a full eval every `every` steps, the first "
-                      "interval untimed, and exact resume with buffer donation; "
-                      "`benchmarks/gpu_check.sh` "
-                  "runs the flow there.", ""] + notes
+    return (
+        out
+        + [
+            "",
+            "`benchmarks/gpu.py` on a GPU machine lent to a session (not re-measured "
+            "by this run): the engine (`Trainer`, no Prefect) against a plain jit + "
+            "Orbax loop, a checkpoint and a full eval every `every` steps, the first "
+            "interval untimed, and exact resume with buffer donation; "
+            "`benchmarks/gpu_check.sh` "
+            "runs the flow there.",
+            "",
+        ]
+        + notes
+    )
 
 
 SERVER_COST_KINDS = (
@@ -428,24 +555,28 @@ def server_cost_markdown(sc: dict | None) -> list[str]:
     out = ["", "| per iteration | server CPU ms | the flow's CPU ms |", "|---|---:|---:|"]
     rows = [sc.get(key) or {} for key, _ in SERVER_COST_KINDS]
     for row, (_, label) in zip(rows, SERVER_COST_KINDS):
-        out.append(f"| {label} | {_f(row.get('server_cpu_ms'), 1)} | "
-                   f"{_f(row.get('flow_cpu_ms'), 1)} |")
+        out.append(
+            f"| {label} | {_f(row.get('server_cpu_ms'), 1)} | {_f(row.get('flow_cpu_ms'), 1)} |"
+        )
 
     def total(key):  # None (shown as a dash) where a kind is missing
         values = [row.get(key) for row in rows]
         return None if None in values else sum(values)
 
     out.append(f"| all four | {_f(total('server_cpu_ms'), 1)} | {_f(total('flow_cpu_ms'), 1)} |")
-    return out + ["", f"What one interval's Prefect calls cost the standing server "
-                      f"(`benchmarks/server_cost.py`, {sc.get('measured', 'this run')}: "
-                      f"{sc['iterations']} iterations of each kind alone, less an empty flow's). "
-                      "The results table and the progress update are made at most every "
-                      "`PREFECT_JAX_UI_REFRESH_SECS` (2 s), the task runs and events at every "
-                      "interval."]
+    return out + [
+        "",
+        f"What one interval's Prefect calls cost the standing server "
+        f"(`benchmarks/server_cost.py`, {sc.get('measured', 'this run')}: "
+        f"{sc['iterations']} iterations of each kind alone, less an empty flow's). "
+        "The results table and the progress update are made at most every "
+        "`PREFECT_JAX_UI_REFRESH_SECS` (2 s), the task runs and events at every "
+        "interval.",
+    ]
 
 
 def worker_rerun_markdown(wr: dict | None) -> list[str]:
-    "`worker_rerun.py`: reruns of a deployment's flow run through a process worker and the rerun "
+    "`worker_rerun.py`: reruns of a deployment's flow run through a process worker and the rerun"
     "automation."
     if not wr or not wr.get("runs"):
         return []
@@ -456,30 +587,39 @@ def worker_rerun_markdown(wr: dict | None) -> list[str]:
             return "—"
         return f"{sum(values) / len(values):.2f} ({min(values):.1f}-{max(values):.1f})"
 
-    out = ["", "## Reruns through a process worker", "",
-           "| worker poll s | run | kills | fresh reruns | kill to process | process to first "
-           "new step | kill to first new step | reruns by a waiting process: kill to first new "
-           "step | waits logged | errors in the worker's log |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "## Reruns through a process worker",
+        "",
+        "| worker poll s | run | kills | fresh reruns | kill to process | process to first "
+        "new step | kill to first new step | reruns by a waiting process: kill to first new "
+        "step | waits logged | errors in the worker's log |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in wr["runs"]:
         rows = r.get("reruns") or []
         fresh = [x for x in rows if not x.get("waited_for_another")]
         waited = [x for x in rows if x.get("waited_for_another")]
-        out.append(f"| {r['query_seconds']:g} | {r['state']} | {r['kills']} | {len(fresh)} | "
-                   f"{spread(fresh, 'kill_to_process_s')} | "
-                   f"{spread(fresh, 'process_to_first_step_s')} | "
-                   f"{spread(fresh, 'kill_to_first_step_s')} | "
-                   f"{spread(waited, 'kill_to_first_step_s') if waited else '—'} | "
-                   f"{r['second_starts']} | {r['errors']} |")
-    return out + ["", f"`benchmarks/worker_rerun.py` ({wr.get('measured', 'this run')}): the "
-                      f"`train` flow on a `process` pool with the rerun automation, SIGKILLed 2 s "
-                      f"after each checkpoint. Mean (range), seconds. A waiting process is "
-                      "Prefect's second start of the same run (its worker reports one SIGKILL "
-                      "twice): it waits for the first, and takes over when that one is killed."]
+        out.append(
+            f"| {r['query_seconds']:g} | {r['state']} | {r['kills']} | {len(fresh)} | "
+            f"{spread(fresh, 'kill_to_process_s')} | "
+            f"{spread(fresh, 'process_to_first_step_s')} | "
+            f"{spread(fresh, 'kill_to_first_step_s')} | "
+            f"{spread(waited, 'kill_to_first_step_s') if waited else '—'} | "
+            f"{r['second_starts']} | {r['errors']} |"
+        )
+    return out + [
+        "",
+        f"`benchmarks/worker_rerun.py` ({wr.get('measured', 'this run')}): the "
+        f"`train` flow on a `process` pool with the rerun automation, SIGKILLed 2 s "
+        f"after each checkpoint. Mean (range), seconds. A waiting process is "
+        "Prefect's second start of the same run (its worker reports one SIGKILL "
+        "twice): it waits for the first, and takes over when that one is killed.",
+    ]
 
 
 def _record(name: str) -> dict | None:
-    "A benchmark's record kept beside this file (a script run apart from run.py), if there is "
+    "A benchmark's record kept beside this file (a script run apart from run.py), if there is"
     "one."
     import os
 
@@ -497,21 +637,35 @@ def s3_requests_markdown() -> list[str]:
         return []
     p, rr = r["per_interval"], r["rerun_restore"]
     by = p["requests_by_operation"]
-    ops = ", ".join(f"{op} {by[op]:g}" for op in
-                    ("GetObject", "HeadObject", "ListObjectsV2", "PutObject", "DeleteObject",
-                     "DeleteObjects") if op in by)
-    return ["", "## Object storage: requests per checkpoint interval", "",
-            "| training-thread calls / interval | their wait, ms | S3 requests / interval | by "
-            "operation | rerun's restore: calls, wait s |",
-            "|---:|---:|---:|---|---:|",
-            f"| {p['training_thread_calls']:g} | {p['training_thread_wait_ms']:.0f} | "
-            f"{p['requests']:g} | {ops} | "
-            f"{rr['calls_total']}, {rr['wait_s']:.2f} |", "",
-            f"`benchmarks/s3_requests.py` ({r['when']}, code {r.get('code', '?')}; not "
-            f"re-measured by this run): the flow on moto's S3 server on loopback, a checkpoint "
-            f"and an evaluation every {r['every']} steps. The training thread's calls are the "
-            "round trips each interval waits for; the requests include the background uploads. "
-            "The rerun restores on a new machine (an empty local stage)."]
+    ops = ", ".join(
+        f"{op} {by[op]:g}"
+        for op in (
+            "GetObject",
+            "HeadObject",
+            "ListObjectsV2",
+            "PutObject",
+            "DeleteObject",
+            "DeleteObjects",
+        )
+        if op in by
+    )
+    return [
+        "",
+        "## Object storage: requests per checkpoint interval",
+        "",
+        "| training-thread calls / interval | their wait, ms | S3 requests / interval | by "
+        "operation | rerun's restore: calls, wait s |",
+        "|---:|---:|---:|---|---:|",
+        f"| {p['training_thread_calls']:g} | {p['training_thread_wait_ms']:.0f} | "
+        f"{p['requests']:g} | {ops} | "
+        f"{rr['calls_total']}, {rr['wait_s']:.2f} |",
+        "",
+        f"`benchmarks/s3_requests.py` ({r['when']}, code {r.get('code', '?')}; not "
+        f"re-measured by this run): the flow on moto's S3 server on loopback, a checkpoint "
+        f"and an evaluation every {r['every']} steps. The training thread's calls are the "
+        "round trips each interval waits for; the requests include the background uploads. "
+        "The rerun restores on a new machine (an empty local stage).",
+    ]
 
 
 def thread_cpu_markdown() -> list[str]:
@@ -533,27 +687,39 @@ def thread_cpu_markdown() -> list[str]:
     def cell(side: dict, k: str) -> str:
         return f"{side[k]:.1f}" if k in side else "—"
 
-    out = ["", "## CPU per checkpoint interval, by thread", "",
-           "| | plain loop | flow |", "|---|---:|---:|"]
+    out = [
+        "",
+        "## CPU per checkpoint interval, by thread",
+        "",
+        "| | plain loop | flow |",
+        "|---|---:|---:|",
+    ]
     for k in ["loop time", "the process, in all"] + shown:
-        out.append(f"| {'loop time (wall, not CPU)' if k == 'loop time' else k} | "
-                   f"{cell(plain, k)} | {cell(flow, k)} |")
+        out.append(
+            f"| {'loop time (wall, not CPU)' if k == 'loop time' else k} | "
+            f"{cell(plain, k)} | {cell(flow, k)} |"
+        )
     if rest:
-        out.append(f"| other threads ({len(rest)} kinds, under 0.5 ms each) | "
-                   f"{sum(plain.get(k, 0.0) for k in rest):.1f} | "
-                   f"{sum(flow.get(k, 0.0) for k in rest):.1f} |")
+        out.append(
+            f"| other threads ({len(rest)} kinds, under 0.5 ms each) | "
+            f"{sum(plain.get(k, 0.0) for k in rest):.1f} | "
+            f"{sum(flow.get(k, 0.0) for k in rest):.1f} |"
+        )
     extra = lambda k: flow.get(k, 0.0) - plain.get(k, 0.0)  # noqa: E731
     orbax = sum(extra(k) for k in order if any(t in k for t in ORBAX_THREADS))
     prefect = sum(extra(k) for k in order if any(t in k for t in PREFECT_THREADS))
-    out += ["", f"`benchmarks/thread_cpu.py` ({r['when']}, {m.get('cpu', '?')}, "
-                f"{m.get('cpus', '?')} CPUs; not re-measured by this run): CPU ms per interval "
-                f"(the slope between {few} and {many} intervals, median of {len(r['rounds'])} "
-                "rounds) of each kind of thread, the MLflow worker and the Prefect server. Over "
-                f"the plain loop, the flow's process used {extra('the process, in all'):.1f} ms: "
-                f"its main thread {extra('thread MainThread'):.1f}, Orbax's threads {orbax:.1f} "
-                f"(a three-item save), Prefect's event client {prefect:.1f}; besides, its MLflow "
-                f"worker {extra('child processes (the MLflow worker)'):.1f} and the server "
-                f"{extra('the Prefect server'):.1f}."]
+    out += [
+        "",
+        f"`benchmarks/thread_cpu.py` ({r['when']}, {m.get('cpu', '?')}, "
+        f"{m.get('cpus', '?')} CPUs; not re-measured by this run): CPU ms per interval "
+        f"(the slope between {few} and {many} intervals, median of {len(r['rounds'])} "
+        "rounds) of each kind of thread, the MLflow worker and the Prefect server. Over "
+        f"the plain loop, the flow's process used {extra('the process, in all'):.1f} ms: "
+        f"its main thread {extra('thread MainThread'):.1f}, Orbax's threads {orbax:.1f} "
+        f"(a three-item save), Prefect's event client {prefect:.1f}; besides, its MLflow "
+        f"worker {extra('child processes (the MLflow worker)'):.1f} and the server "
+        f"{extra('the Prefect server'):.1f}.",
+    ]
     return out
 
 
@@ -564,7 +730,7 @@ def _floor() -> dict | None:
 
 
 def floor_lead(key: str) -> str:
-    "A target's floor from FLOOR.json, put first in its note ( if none): what Prefect alone "
+    "A target's floor from FLOOR.json, put first in its note ( if none): what Prefect alone"
     "costs there."
     r = _floor()
     if r is None:
@@ -575,19 +741,25 @@ def floor_lead(key: str) -> str:
     where = "[the floor](#the-floor-under-the-targets)"
     # Each side's slopes, the median over rounds.
     if key == "orchestration_ms_per_interval" and plain and tasks and flow:
-        return (f"In {where}, Prefect's two task runs alone add "
-                f"{tasks['loop_s'] - plain['loop_s']:.1f} ms per interval to the plain loop; the "
-                f"flow adds {flow['loop_s'] - tasks['loop_s']:.1f} ms more. ")
+        return (
+            f"In {where}, Prefect's two task runs alone add "
+            f"{tasks['loop_s'] - plain['loop_s']:.1f} ms per interval to the plain loop; the "
+            f"flow adds {flow['loop_s'] - tasks['loop_s']:.1f} ms more. "
+        )
     ratio = f"loop / plain loop at {few} intervals"
     if key == "loop_vs_plain" and tasks and flow and tasks.get(ratio):
-        return (f"In {where}, the plain loop with its intervals in two Prefect task runs reads "
-                f"{tasks[ratio]:.2f}, the flow {flow[ratio]:.2f}. ")
+        return (
+            f"In {where}, the plain loop with its intervals in two Prefect task runs reads "
+            f"{tasks[ratio]:.2f}, the flow {flow[ratio]:.2f}. "
+        )
     ratios = rerun.get("median / plain loop") or {}
     if key == "rerun_to_first_step_vs_plain" and ratios.get("plain_prefect"):
-        return (f"In {where}, the plain loop that only imports Prefect first comes back in "
-                f"{ratios['plain_prefect']:.2f} of its time, as a flow run of task runs in "
-                f"{ratios.get('plain_flow', float('nan')):.2f}, `prefect-jax run` in "
-                f"{ratios.get('prefect_jax', float('nan')):.2f}. ")
+        return (
+            f"In {where}, the plain loop that only imports Prefect first comes back in "
+            f"{ratios['plain_prefect']:.2f} of its time, as a flow run of task runs in "
+            f"{ratios.get('plain_flow', float('nan')):.2f}, `prefect-jax run` in "
+            f"{ratios.get('prefect_jax', float('nan')):.2f}. "
+        )
     return ""
 
 
@@ -602,48 +774,76 @@ def floor_markdown() -> list[str]:
     if per:
         few, many = r["intervals"]
         ratio = f"loop / plain loop at {few} intervals"
-        labels = {"plain": "the plain loop",
-                  "plain_tasks": "the plain loop, each interval in two Prefect task runs "
-                                 "(the steps and the save; the evaluation) in a flow run",
-                  "prefect_jax": "the `train_and_evaluate` flow"}
-        out += ["", f"| side | loop time / interval | over the plain loop | its process's CPU / "
-                    f"interval | server CPU / interval | "
-                f"loop time / plain loop's, {few} intervals |", "|---|---:|---:|---:|---:|---:|"]
+        labels = {
+            "plain": "the plain loop",
+            "plain_tasks": "the plain loop, each interval in two Prefect task runs "
+            "(the steps and the save; the evaluation) in a flow run",
+            "prefect_jax": "the `train_and_evaluate` flow",
+        }
+        out += [
+            "",
+            f"| side | loop time / interval | over the plain loop | its process's CPU / "
+            f"interval | server CPU / interval | "
+            f"loop time / plain loop's, {few} intervals |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for name, label in labels.items():
             p = per.get(name)
             if p and per.get("plain"):
-                out.append(f"| {label} | {p['loop_s']:.1f} | "
-                           f"{p['loop_s'] - per['plain']['loop_s']:.1f} | {p['cpu_s']:.1f} | "
-                           f"{p['server_cpu_s']:.1f} | {_f(p.get(ratio))} |")
-        out += ["", f"Per checkpoint interval, ms: {r['steps']} steps at {few} and {many} "
-                    f"intervals on one standing `prefect server`, the slope between the two, the "
-                    f"median of {len(r['rounds'])} rounds."]
+                out.append(
+                    f"| {label} | {p['loop_s']:.1f} | "
+                    f"{p['loop_s'] - per['plain']['loop_s']:.1f} | {p['cpu_s']:.1f} | "
+                    f"{p['server_cpu_s']:.1f} | {_f(p.get(ratio))} |"
+                )
+        out += [
+            "",
+            f"Per checkpoint interval, ms: {r['steps']} steps at {few} and {many} "
+            f"intervals on one standing `prefect server`, the slope between the two, the "
+            f"median of {len(r['rounds'])} rounds.",
+        ]
     rerun = r.get("rerun")
     if rerun:
-        labels = {"plain": "the plain loop (`goodput.py`'s)",
-                  "plain_prefect": "the plain loop, importing Prefect first "
-                                   "(with the collector off for that import only)",
-                  "plain_flow": "the plain loop as a Prefect flow run: the restore, each "
-                                "interval's steps and save, and its evaluation in task runs",
-                  "prefect_jax": "`prefect-jax run`"}
+        labels = {
+            "plain": "the plain loop (`goodput.py`'s)",
+            "plain_prefect": "the plain loop, importing Prefect first "
+            "(with the collector off for that import only)",
+            "plain_flow": "the plain loop as a Prefect flow run: the restore, each "
+            "interval's steps and save, and its evaluation in task runs",
+            "prefect_jax": "`prefect-jax run`",
+        }
         out += ["", "| side | median s | / plain loop | each rerun, s |", "|---|---:|---:|---|"]
         for name, label in labels.items():
             if rerun["way_back_s"].get(name):
-                out.append(f"| {label} | {rerun['median_s'][name]:.2f} | "
-                           f"{_f((rerun.get('median / plain loop') or {}).get(name))} | "
-                           f"{', '.join(f'{v:.2f}' for v in rerun['way_back_s'][name])} |")
-        out += ["", f"A rerun's way back, from its process start to its first new step: "
-                    f"`bench_programs:wide` trained to step {rerun['every']}, then "
-                    f"{rerun['reruns']} alternated reruns of each (compilation cache warm)."]
-    return out + ["", f"`benchmarks/floor.py` ({r['when']}, {m.get('cpu', '?')}, "
-                      f"{m.get('cpus', '?')} CPUs; not re-measured by this run): the plain loop "
-                      "itself run under Prefect, with nothing of prefect-jax, where the targets "
-                      "compare prefect-jax with the plain loop."]
+                out.append(
+                    f"| {label} | {rerun['median_s'][name]:.2f} | "
+                    f"{_f((rerun.get('median / plain loop') or {}).get(name))} | "
+                    f"{', '.join(f'{v:.2f}' for v in rerun['way_back_s'][name])} |"
+                )
+        out += [
+            "",
+            f"A rerun's way back, from its process start to its first new step: "
+            f"`bench_programs:wide` trained to step {rerun['every']}, then "
+            f"{rerun['reruns']} alternated reruns of each (compilation cache warm).",
+        ]
+    return out + [
+        "",
+        f"`benchmarks/floor.py` ({r['when']}, {m.get('cpu', '?')}, "
+        f"{m.get('cpus', '?')} CPUs; not re-measured by this run): the plain loop "
+        "itself run under Prefect, with nothing of prefect-jax, where the targets "
+        "compare prefect-jax with the plain loop.",
+    ]
 
 
 ORBAX_THREADS = (
-    "array_type_handler", "serialize_shardings", "async_save", "asyncio", "save_finalize",
-    "write_metadata_after_commits", "metadata_store", "_target_setting_result", "json_ch_save",
+    "array_type_handler",
+    "serialize_shardings",
+    "async_save",
+    "asyncio",
+    "save_finalize",
+    "write_metadata_after_commits",
+    "metadata_store",
+    "_target_setting_result",
+    "json_ch_save",
     "prefect_jax_data_save",
 )
 PREFECT_THREADS = ("GlobalEventLoopThread", "EventsWorkerThread")
@@ -662,8 +862,11 @@ def server_apart_markdown() -> list[str]:
     def slopes(where: str, side: str, key: str) -> list[float]:
         out = []
         for r in sorted({row["round"] for row in a["rows"]}):
-            got = {row["intervals"]: row for row in a["rows"]
-                   if (row["round"], row["where"], row["side"]) == (r, where, side)}
+            got = {
+                row["intervals"]: row
+                for row in a["rows"]
+                if (row["round"], row["where"], row["side"]) == (r, where, side)
+            }
             if key in got.get(few, {}) and key in got.get(many, {}):
                 out.append(1000 * (got[many][key] - got[few][key]) / (many - few))
         return out
@@ -673,29 +876,38 @@ def server_apart_markdown() -> list[str]:
             return "—"
         return f"{statistics.median(values):.1f} ({', '.join(f'{v:.1f}' for v in values)})"
 
-    out = ["", "## With the Prefect server on cores of its own", "",
-           f"| server | flow extra loop time per interval over the plain loop | flow / plain loop "
-           f"time at {few} intervals | flow loop time per interval | plain loop time per interval "
-           "| flow's own CPU per interval | plain's CPU per interval | server CPU per interval |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "## With the Prefect server on cores of its own",
+        "",
+        f"| server | flow extra loop time per interval over the plain loop | flow / plain loop "
+        f"time at {few} intervals | flow loop time per interval | plain loop time per interval "
+        "| flow's own CPU per interval | plain's CPU per interval | server CPU per interval |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for where in ("apart", "shared"):
         s = a["summary"].get(where)
         if not s:
             continue
         ratio = s[f"loop_over_plain_at_{few}"]
-        out.append(f"| {where} | {spread(s['per_round_ms'])} | {ratio:.2f} "
-                   f"({', '.join(f'{v:.2f}' for v in s['per_round_ratio'])}) | "
-                   f"{spread(slopes(where, 'prefect_jax', 'loop_s'))} | "
-                   f"{spread(slopes(where, 'plain', 'loop_s'))} | "
-                   f"{spread(slopes(where, 'prefect_jax', 'cpu_s'))} | "
-                   f"{spread(slopes(where, 'plain', 'cpu_s'))} | "
-                   f"{spread(slopes(where, 'prefect_jax', 'server_cpu_s'))} |")
-    return out + ["", f"`benchmarks/server_apart.py` ({a['when']}, {a['device']}; not re-measured "
-                      f"by this run): the training on CPUs {a['train_cores']}, the standing "
-                      f"server pinned to CPUs {a['server_cores']} (apart) or to the training's "
-                      f"(shared, as on the 2-CPU machines); {few} and {many} intervals, ms per "
-                      f"interval: median (per round). The plain loop deletes old steps on one "
-                      "thread, as the engine does."]
+        out.append(
+            f"| {where} | {spread(s['per_round_ms'])} | {ratio:.2f} "
+            f"({', '.join(f'{v:.2f}' for v in s['per_round_ratio'])}) | "
+            f"{spread(slopes(where, 'prefect_jax', 'loop_s'))} | "
+            f"{spread(slopes(where, 'plain', 'loop_s'))} | "
+            f"{spread(slopes(where, 'prefect_jax', 'cpu_s'))} | "
+            f"{spread(slopes(where, 'plain', 'cpu_s'))} | "
+            f"{spread(slopes(where, 'prefect_jax', 'server_cpu_s'))} |"
+        )
+    return out + [
+        "",
+        f"`benchmarks/server_apart.py` ({a['when']}, {a['device']}; not re-measured "
+        f"by this run): the training on CPUs {a['train_cores']}, the standing "
+        f"server pinned to CPUs {a['server_cores']} (apart) or to the training's "
+        f"(shared, as on the 2-CPU machines); {few} and {many} intervals, ms per "
+        f"interval: median (per round). The plain loop deletes old steps on one "
+        "thread, as the engine does.",
+    ]
 
 
 def multiprocess_markdown(mp: dict | None) -> list[str]:
@@ -704,19 +916,24 @@ def multiprocess_markdown(mp: dict | None) -> list[str]:
         return []
     sps, extra = mp["steps_per_s"], mp["checkpoint_interval_extra_ms"]
     block, ms = mp["save_block_ms"], mp["ms_per_step"]
-    return ["", "## Several processes (`multiprocess.py`)", "",
-            "| processes | ms per step | steps/s | vs 1 process | extra ms per checkpoint "
-            "interval | save blocks ms |",
-            "|---:|---:|---:|---:|---:|---:|",
-            f"| 1 | {ms['1']:.1f} | {sps['1']:.1f} | 1.00 | {extra['1']:.0f} | {block['1']:.0f} |",
-            f"| 2 | {ms['2']:.1f} | {sps['2']:.1f} | {mp['throughput_2_vs_1']:.2f} | "
-            f"{extra['2']:.0f} | {block['2']:.0f} |", "",
-            f"{mp['work']}; the engine in one process against two (`jax.distributed` on "
-            f"localhost, gloo). On this {mp['machine']} machine both processes share the same "
-            f"cores, so this measures what the collectives (mostly gloo's all-reduce of the "
-            "gradients), the agreement at log points and the collective checkpoint cost, not "
-            "what a second host gains. `save blocks`: the part of a save the training thread "
-            "waits for."]
+    return [
+        "",
+        "## Several processes (`multiprocess.py`)",
+        "",
+        "| processes | ms per step | steps/s | vs 1 process | extra ms per checkpoint "
+        "interval | save blocks ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+        f"| 1 | {ms['1']:.1f} | {sps['1']:.1f} | 1.00 | {extra['1']:.0f} | {block['1']:.0f} |",
+        f"| 2 | {ms['2']:.1f} | {sps['2']:.1f} | {mp['throughput_2_vs_1']:.2f} | "
+        f"{extra['2']:.0f} | {block['2']:.0f} |",
+        "",
+        f"{mp['work']}; the engine in one process against two (`jax.distributed` on "
+        f"localhost, gloo). On this {mp['machine']} machine both processes share the same "
+        f"cores, so this measures what the collectives (mostly gloo's all-reduce of the "
+        "gradients), the agreement at log points and the collective checkpoint cost, not "
+        "what a second host gains. `save blocks`: the part of a save the training thread "
+        "waits for.",
+    ]
 
 
 def _f(v, digits=2):
@@ -727,35 +944,51 @@ def _rounds_line(report: dict) -> str:
     n = len(report.get("rounds") or [])
     if n <= 1:
         return "One run of each side."
-    return (f"The headline sides and the interval sweep ran in {n} interleaved rounds: seconds "
-            f"are medians, a ratio or a slope the median of its per-round values; the other sides "
-            "ran once.")
+    return (
+        f"The headline sides and the interval sweep ran in {n} interleaved rounds: seconds "
+        f"are medians, a ratio or a slope the median of its per-round values; the other sides "
+        "ran once."
+    )
 
 
 def _restart_row(label: str, r: dict, last=None) -> str:
-    "A row of the Restart tables: the parts of a rerun to its first new step, and the floor (or "
+    "A row of the Restart tables: the parts of a rerun to its first new step, and the floor (or"
     "`last`)."
     tail = _f(r["raw_restore_s"] + r["raw_step_s"], 3) if last is None else str(last)
-    return (f"| {label} | {_f(r['import_s'])} | {_f(r['setup_s'])} | {_f(r['restore_s'])} | "
-            f"{_f(r['first_step_s'], 3)} | {_f(r['rerun_s'])} | {tail} |")
+    return (
+        f"| {label} | {_f(r['import_s'])} | {_f(r['setup_s'])} | {_f(r['restore_s'])} | "
+        f"{_f(r['first_step_s'], 3)} | {_f(r['rerun_s'])} | {tail} |"
+    )
 
 
 def targets_markdown(report: dict, summary: dict) -> list[str]:
     """The targets table, then a short note for each one missed."""
     names = {k: v.format(dispatch=report["dispatch"]) for k, v in TARGET_NAMES.items()}
-    out = ["", "## Targets", "",
-           "| target | measured | goal | met | per round |", "|---|---:|---:|:---:|---|"]
+    out = [
+        "",
+        "## Targets",
+        "",
+        "| target | measured | goal | met | per round |",
+        "|---|---:|---:|:---:|---|",
+    ]
     for key, t in summary["targets"].items():
         each = ", ".join(_f(v) for v in t.get("per_round") or [])
-        out.append(f"| {names[key]} | {_f(t['value'])} | {t['target']} | "
-                   f"{'yes' if t['met'] else '**no**'} | {each} |")
-    out += ["", "Ratios and slopes compare sides measured in the same run; the per-interval "
-                "slopes come from the [sweep](#cost-against-the-number-of-checkpoint-intervals), "
-                "the rerun and goodput targets from the [goodput "
-                "runs](#goodput-under-preemption)."]
+        out.append(
+            f"| {names[key]} | {_f(t['value'])} | {t['target']} | "
+            f"{'yes' if t['met'] else '**no**'} | {each} |"
+        )
+    out += [
+        "",
+        "Ratios and slopes compare sides measured in the same run; the per-interval "
+        "slopes come from the [sweep](#cost-against-the-number-of-checkpoint-intervals), "
+        "the rerun and goodput targets from the [goodput "
+        "runs](#goodput-under-preemption).",
+    ]
     if _get(report, "goodput", "note"):
-        out += ["The three goodput targets are read from goodput rows that are not from this "
-                "run: see the note there."]
+        out += [
+            "The three goodput targets are read from goodput rows that are not from this "
+            "run: see the note there."
+        ]
     missed = [key for key, t in summary["targets"].items() if not t["met"] and GAPS.get(key)]
     if missed:
         out += ["", "What stands in the way:", ""]
@@ -766,10 +999,14 @@ def targets_markdown(report: dict, summary: dict) -> list[str]:
 def systems_markdown(report: dict, summary: dict) -> list[str]:
     """The headline sides: one row each, then what the clocks mean."""
     peers, dispatch = report["peers"], report["dispatch"]
-    out = ["", "## Systems", "",
-           "| system | process s | wall s | loop s | process / floor | wall / floor | loop / "
-           "floor | peak RSS MiB | server CPU s | final eval accuracy |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "## Systems",
+        "",
+        "| system | process s | wall s | loop s | process / floor | wall / floor | loop / "
+        "floor | peak RSS MiB | server CPU s | final eval accuracy |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, label in SYSTEMS:
         r = peers.get(name)
         if name not in peers:
@@ -779,26 +1016,35 @@ def systems_markdown(report: dict, summary: dict) -> list[str]:
             continue
         ratio = summary["ratios"][name]
         acc = _get(r, "eval", "accuracy")
-        out.append(f"| {label.format(dispatch=dispatch)} | {_f(r.get('process_s'))} | "
-                   f"{_f(r.get('wall_s'))} | {_f(r.get('loop_s'))} | {_f(ratio.get('process'))} | "
-                   f"{_f(ratio['wall'])} | {_f(ratio['loop'])} | {_f(r.get('peak_rss_mib'), 0)} | "
-                   f"{_f(r.get('server_cpu_s'))} | {_f(acc, 4)} |")
-    out += ["", f"The work: a 64-256-256-10 MLP on scikit-learn digits, batch 128, "
-                f"{report['steps']} steps, an async checkpoint and a full evaluation every "
-                f"{report['every']} steps, each side in a fresh process. `process`: the whole "
-                "process, start to exit; `wall`: after the shared imports to the last checkpoint "
-                "committed; `loop`: from the end of the first step (its compile excluded). "
-                f"`server CPU`: the standing server's CPU time for the side, on the same two "
-                f"cores (it started in {report['server_start_s']:.1f} s, before any clock)."]
+        out.append(
+            f"| {label.format(dispatch=dispatch)} | {_f(r.get('process_s'))} | "
+            f"{_f(r.get('wall_s'))} | {_f(r.get('loop_s'))} | {_f(ratio.get('process'))} | "
+            f"{_f(ratio['wall'])} | {_f(ratio['loop'])} | {_f(r.get('peak_rss_mib'), 0)} | "
+            f"{_f(r.get('server_cpu_s'))} | {_f(acc, 4)} |"
+        )
+    out += [
+        "",
+        f"The work: a 64-256-256-10 MLP on scikit-learn digits, batch 128, "
+        f"{report['steps']} steps, an async checkpoint and a full evaluation every "
+        f"{report['every']} steps, each side in a fresh process. `process`: the whole "
+        "process, start to exit; `wall`: after the shared imports to the last checkpoint "
+        "committed; `loop`: from the end of the first step (its compile excluded). "
+        f"`server CPU`: the standing server's CPU time for the side, on the same two "
+        f"cores (it started in {report['server_start_s']:.1f} s, before any clock).",
+    ]
     before, after = peers.get("before"), peers.get("prefect_jax")
     if before and after:
-        out += ["", "Before and after (this run; the flow side from the `--baseline` checkout):",
-                "",
-                "| | wall s | loop s | flow outside the engine s |", "|---|---:|---:|---:|",
-                f"| before | {_f(before['wall_s'])} | {_f(before['loop_s'])} | "
-                f"{_f(before.get('prefect_s'))} |",
-                f"| after | {_f(after['wall_s'])} | {_f(after['loop_s'])} | "
-                f"{_f(after.get('prefect_s'))} |"]
+        out += [
+            "",
+            "Before and after (this run; the flow side from the `--baseline` checkout):",
+            "",
+            "| | wall s | loop s | flow outside the engine s |",
+            "|---|---:|---:|---:|",
+            f"| before | {_f(before['wall_s'])} | {_f(before['loop_s'])} | "
+            f"{_f(before.get('prefect_s'))} |",
+            f"| after | {_f(after['wall_s'])} | {_f(after['loop_s'])} | "
+            f"{_f(after.get('prefect_s'))} |",
+        ]
     return out
 
 
@@ -806,43 +1052,62 @@ def sweep_markdown(report: dict, summary: dict) -> list[str]:
     """The same steps split into more checkpoint intervals: the per-interval cost."""
     dispatch = report["dispatch"]
     one = next((row for row in report["intervals"] if row["intervals"] == 1), {})
-    out = ["", "## Cost against the number of checkpoint intervals", "",
-           "| intervals | every | plain loop s | flow loop s | extra s | extra ms / interval | "
-           "flow: prefect s | flow: mlflow s | plain: CPU s | flow: CPU s | server CPU s, plain "
-           "/ flow |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "## Cost against the number of checkpoint intervals",
+        "",
+        "| intervals | every | plain loop s | flow loop s | extra s | extra ms / interval | "
+        "flow: prefect s | flow: mlflow s | plain: CPU s | flow: CPU s | server CPU s, plain "
+        "/ flow |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in report["intervals"]:
         p, f = row.get("plain") or {}, row.get("prefect_jax") or {}
         extra = f.get("loop_s") - p.get("loop_s") if f.get("loop_s") and p.get("loop_s") else None
-        out.append(f"| {row['intervals']} | {row['every']} | {_f(p.get('loop_s'))} | "
-                   f"{_f(f.get('loop_s'))} | {_f(extra)} | "
-                   f"{_f(extra and extra * 1000 / row['intervals'], 1)} | "
-                   f"{_f(f.get('prefect_s'))} | {_f(f.get('mlflow_s'))} | {_f(p.get('cpu_s'))} | "
-                   f"{_f(f.get('cpu_s'))} | {_f(p.get('server_cpu_s'))} / "
-                   f"{_f(f.get('server_cpu_s'))} |")
-    out += ["", f"The same {report['steps']} steps in more intervals (each a checkpoint and a "
-                f"full eval). `extra`: the flow's loop time minus the plain loop's, whose slope "
-                "is the per-interval cost; `prefect`: the flow's time outside the engine; "
-                "`mlflow`: its thread's time in MLflow calls; `CPU`: each side's whole process."
-            + (" Cells are medians over the rounds."
-               if len(report.get("interval_rounds") or []) > 1 else "")]
+        out.append(
+            f"| {row['intervals']} | {row['every']} | {_f(p.get('loop_s'))} | "
+            f"{_f(f.get('loop_s'))} | {_f(extra)} | "
+            f"{_f(extra and extra * 1000 / row['intervals'], 1)} | "
+            f"{_f(f.get('prefect_s'))} | {_f(f.get('mlflow_s'))} | {_f(p.get('cpu_s'))} | "
+            f"{_f(f.get('cpu_s'))} | {_f(p.get('server_cpu_s'))} / "
+            f"{_f(f.get('server_cpu_s'))} |"
+        )
+    out += [
+        "",
+        f"The same {report['steps']} steps in more intervals (each a checkpoint and a "
+        f"full eval). `extra`: the flow's loop time minus the plain loop's, whose slope "
+        "is the per-interval cost; `prefect`: the flow's time outside the engine; "
+        "`mlflow`: its thread's time in MLflow calls; `CPU`: each side's whole process."
+        + (
+            " Cells are medians over the rounds."
+            if len(report.get("interval_rounds") or []) > 1
+            else ""
+        ),
+    ]
     cpu = summary.get("cpu_ms_per_interval")
     if cpu:
         each = {k: ", ".join(_f(x, 1) for x in v) for k, v in cpu["per_round"].items()}
-        out += ["", f"CPU per interval over the plain loop (median of per-round slopes): the "
-                    f"flow's process {_f(cpu['process'], 1)} ms (per round {each['process']}), "
-                    f"the standing server {_f(cpu['server'], 1)} ms ({each['server']}), on the "
-                    f"same two cores."]
+        out += [
+            "",
+            f"CPU per interval over the plain loop (median of per-round slopes): the "
+            f"flow's process {_f(cpu['process'], 1)} ms (per round {each['process']}), "
+            f"the standing server {_f(cpu['server'], 1)} ms ({each['server']}), on the "
+            f"same two cores.",
+        ]
     if one.get("plain_scan") and one.get("prefect_jax_scan"):
-        line = (f"One interval, `{dispatch}` steps per dispatch: loop time plain scan loop "
-                f"{_f(_get(one, 'plain_scan', 'loop_s'))} s, flow "
-                f"{_f(_get(one, 'prefect_jax_scan', 'loop_s'))} s")
+        line = (
+            f"One interval, `{dispatch}` steps per dispatch: loop time plain scan loop "
+            f"{_f(_get(one, 'plain_scan', 'loop_s'))} s, flow "
+            f"{_f(_get(one, 'prefect_jax_scan', 'loop_s'))} s"
+        )
         if _get(one, "prefect_jax_scan", "train_s"):
-            line += (f"; the steps alone (first step's end to last step's end) plain scan "
-                     f"{_f(_get(one, 'plain_scan', 'train_s'))} s, flow "
-                     f"{_f(_get(one, 'prefect_jax_scan', 'train_s'))} s, plain per-step "
-                     f"{_f(_get(one, 'plain', 'train_s'))} s, flow per-step "
-                     f"{_f(_get(one, 'prefect_jax', 'train_s'))} s")
+            line += (
+                f"; the steps alone (first step's end to last step's end) plain scan "
+                f"{_f(_get(one, 'plain_scan', 'train_s'))} s, flow "
+                f"{_f(_get(one, 'prefect_jax_scan', 'train_s'))} s, plain per-step "
+                f"{_f(_get(one, 'plain', 'train_s'))} s, flow per-step "
+                f"{_f(_get(one, 'prefect_jax', 'train_s'))} s"
+            )
         out += ["", line + "."]
     return out + server_cost_markdown(report.get("server_cost"))
 
@@ -852,32 +1117,47 @@ def restart_markdown(report: dict) -> list[str]:
     restart = report.get("restart") or {}
     if not restart:
         return []
-    out = ["", "## Restart", "",
-           "| compilation cache | imports s | setup s | restore s | first step s | setup + "
-           "restore + step s | floor s |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "## Restart",
+        "",
+        "| compilation cache | imports s | setup s | restore s | first step s | setup + "
+        "restore + step s | floor s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in ("no_cache", "cache_cold", "cache_warm"):
         r = restart.get(name)
         if r:
             out.append(_restart_row(name.replace("_", " "), r))
-    out += ["", "A job resumed in fresh processes to its first new step: `setup` builds the "
-                "trainer, `restore` takes the lease and restores, `first step` includes its "
-                "compile or cache load. The floor: a bare Orbax restore plus one compiled step."]
+    out += [
+        "",
+        "A job resumed in fresh processes to its first new step: `setup` builds the "
+        "trainer, `restore` takes the lease and restores, `first step` includes its "
+        "compile or cache load. The floor: a bare Orbax restore plus one compiled step.",
+    ]
     if restart.get("s3_cache_new_machine"):
-        out += ["", "| job on S3, new machine | imports s | setup s | restore s | first step s | "
-                    "setup + restore + step s | entries copied in |",
-                "|---|---:|---:|---:|---:|---:|---:|"]
-        for name, label in (("s3_no_cache", "no cache"), ("s3_cache_cold", "the job's cache, "
-                                                                           "empty"),
-                            ("s3_cache_new_machine", "the job's cache, filled on another machine")):
+        out += [
+            "",
+            "| job on S3, new machine | imports s | setup s | restore s | first step s | "
+            "setup + restore + step s | entries copied in |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, label in (
+            ("s3_no_cache", "no cache"),
+            ("s3_cache_cold", "the job's cache, empty"),
+            ("s3_cache_new_machine", "the job's cache, filled on another machine"),
+        ):
             r = restart.get(name)
             if r:
                 pulled = r.get("cache_pulled")
                 out.append(_restart_row(label, r, last="—" if pulled is None else pulled))
-        out += ["", f"On moto's S3 ({restart.get('s3_measured', 'this run')}), each rerun on a "
-                    f"new machine: `setup` starts copying the job's cache in, `restore` downloads "
-                    "the checkpoint while the step compiles. Where the download outlasts the "
-                    "compile, as for this small model, the cache cannot shorten the rerun."]
+        out += [
+            "",
+            f"On moto's S3 ({restart.get('s3_measured', 'this run')}), each rerun on a "
+            f"new machine: `setup` starts copying the job's cache in, `restore` downloads "
+            "the checkpoint while the step compiles. Where the download outlasts the "
+            "compile, as for this small model, the cache cannot shorten the rerun.",
+        ]
     return out
 
 
@@ -885,17 +1165,26 @@ def storage_markdown(report: dict) -> list[str]:
     rows = _get(report, "storage", "rows")
     if not rows:
         return []
-    out = ["", "## Checkpoint cost against state size (local disk)", "",
-           "| state MiB | save s | sync save s | stall s | stall % of sync | restore s | raw "
-           "write s | raw read s |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "## Checkpoint cost against state size (local disk)",
+        "",
+        "| state MiB | save s | sync save s | stall s | stall % of sync | restore s | raw "
+        "write s | raw read s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['mib']} | {_f(r['save_s'], 3)} | {_f(r['sync_save_s'], 3)} | "
-                   f"{_f(r['stall_s'], 3)} | {_f(r['stall_pct'], 1)} | {_f(r['restore_s'], 3)} | "
-                   f"{_f(r['raw_write_s'], 3)} | {_f(r['raw_read_s'], 3)} |")
-    return out + ["", "`stall`: how long `save` blocks the training loop; `sync save`: a save "
-                      "waited for to the end; `raw`: the same bytes written and read without "
-                      "Orbax."]
+        out.append(
+            f"| {r['mib']} | {_f(r['save_s'], 3)} | {_f(r['sync_save_s'], 3)} | "
+            f"{_f(r['stall_s'], 3)} | {_f(r['stall_pct'], 1)} | {_f(r['restore_s'], 3)} | "
+            f"{_f(r['raw_write_s'], 3)} | {_f(r['raw_read_s'], 3)} |"
+        )
+    return out + [
+        "",
+        "`stall`: how long `save` blocks the training loop; `sync save`: a save "
+        "waited for to the end; `raw`: the same bytes written and read without "
+        "Orbax.",
+    ]
 
 
 def write_markdown(report: dict, summary: dict) -> str:

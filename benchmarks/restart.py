@@ -54,10 +54,18 @@ def child(args) -> dict:
     config = JobConfig.model_validate_json(args.config)
     options = json.loads(args.storage_options or "{}")
     fs, root = fsspec.core.url_to_fs(config.storage, **options)
-    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{root}/{config.job}/checkpoints", detail=False)]
+    names = [
+        p.rstrip("/").rsplit("/", 1)[-1]
+        for p in fs.ls(f"{root}/{config.job}/checkpoints", detail=False)
+    ]
     latest = max(int(n) for n in names if n.isdigit())
-    config = config.model_copy(update={"train": TrainSpec(max_steps=latest + 1), "checkpoint": CheckpointSpec(every_steps=1),
-                                       "storage_options": options})  # fmt: skip
+    config = config.model_copy(
+        update={
+            "train": TrainSpec(max_steps=latest + 1),
+            "checkpoint": CheckpointSpec(every_steps=1),
+            "storage_options": options,
+        }
+    )
     trainer = trainer_mod.Trainer(config)
     t_setup = time.perf_counter()
     step = trainer.restore_or_init()
@@ -87,7 +95,9 @@ def child(args) -> dict:
     from prefect_jax.training.loop import guard_int
 
     guard = (guard_int(0), guard_int(-1))
-    state = trainer.loop.train_step(state, batch, guard)[0]  # (the state is donated: the next step takes the new one)
+    state = trainer.loop.train_step(state, batch, guard)[
+        0
+    ]  # (the state is donated: the next step takes the new one)
     jax.block_until_ready(state)
     t = time.perf_counter()
     jax.block_until_ready(trainer.loop.train_step(state, batch, guard))
@@ -97,7 +107,12 @@ def child(args) -> dict:
     return {k: v if v is None or isinstance(v, int) else round(v, 3) for k, v in result.items()}
 
 
-def run_child(config_json: str, cache_dir: str | None, storage_options: dict | None = None, machine: str | None = None) -> dict:
+def run_child(
+    config_json: str,
+    cache_dir: str | None,
+    storage_options: dict | None = None,
+    machine: str | None = None,
+) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", config_json]
     if cache_dir:
         cmd += ["--cache", cache_dir]
@@ -130,7 +145,9 @@ def s3_restarts(config, work: str) -> dict:
     results = {}
     with S3Server() as s3:
         s3.create_bucket("restart")
-        job = config.model_copy(update={"storage": "s3://restart/jobs", "storage_options": s3.storage_options})
+        job = config.model_copy(
+            update={"storage": "s3://restart/jobs", "storage_options": s3.storage_options}
+        )
         train_to_checkpoint(job)
         runs = (("s3_no_cache", None), ("s3_cache_cold", "job"), ("s3_cache_new_machine", "job"))
         for i, (name, cache_dir) in enumerate(runs):
@@ -184,10 +201,15 @@ def main() -> None:
         "benchmark": "restart",
         "program": args.program,
         **results,
-        "warm_vs_no_cache_first_step": round(warm["first_step_s"] / results["no_cache"]["first_step_s"], 3),
+        "warm_vs_no_cache_first_step": round(
+            warm["first_step_s"] / results["no_cache"]["first_step_s"], 3
+        ),
         "warm_rerun_vs_floor": round(warm["rerun_s"] / floor, 3),
         "s3_new_machine_vs_no_cache_first_step": round(
-            results["s3_cache_new_machine"]["first_step_s"] / results["s3_no_cache"]["first_step_s"], 3),
+            results["s3_cache_new_machine"]["first_step_s"]
+            / results["s3_no_cache"]["first_step_s"],
+            3,
+        ),
         "s3_measured": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.platform()}; {os.cpu_count()} cpus; python {platform.python_version()}",
     }

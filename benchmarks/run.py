@@ -120,11 +120,14 @@ def run_plain(args, workdir: str) -> dict:
     train_step = jax.jit(program.train_step if k == 1 else scan, donate_argnums=donate)
     eval_step = jax.jit(program.eval_step)
     state = program.init(jax.random.key(0))
-    batches = iter(program.train_data(0).to_iter_dataset(program.read_options))  # as the trainer reads it
+    batches = iter(
+        program.train_data(0).to_iter_dataset(program.read_options)
+    )  # as the trainer reads it
     manager = ocp.CheckpointManager(
         os.path.join(workdir, "checkpoints"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True,
-                                             **deletion_threads()),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=3, enable_async_checkpointing=True, **deletion_threads()
+        ),
     )
 
     def evaluate(state) -> dict:
@@ -170,10 +173,21 @@ def run_plain(args, workdir: str) -> dict:
         manager.wait_until_finished()
         return result
 
-    if args.side == "plain_tasks":  # each interval's steps and save in one task run, its evaluation in another
-        train_task = task(interval, name="train_until_checkpoint", task_run_name="train {step}", cache_policy=NO_CACHE)
-        eval_task = task(lambda step: evaluate(state), name="evaluate_if_new", task_run_name="evaluate {step}",
-                         cache_policy=NO_CACHE)
+    if (
+        args.side == "plain_tasks"
+    ):  # each interval's steps and save in one task run, its evaluation in another
+        train_task = task(
+            interval,
+            name="train_until_checkpoint",
+            task_run_name="train {step}",
+            cache_policy=NO_CACHE,
+        )
+        eval_task = task(
+            lambda step: evaluate(state),
+            name="evaluate_if_new",
+            task_run_name="evaluate {step}",
+            cache_policy=NO_CACHE,
+        )
         in_task_runs = flow(name="plain-in-task-runs")(lambda: intervals(train_task, eval_task))
         result = in_task_runs()
     else:
@@ -181,8 +195,15 @@ def run_plain(args, workdir: str) -> dict:
     t_loop, t_trained = clock["loop"], clock["trained"]
     manager.close()
     t_end = time.perf_counter()
-    return {"wall_s": t_end - t0, "loop_s": t_end - t_loop, "train_s": t_trained - t_loop, "import_s": t0 - t_import,
-            "eval": result, "jax": jax.__version__, "devices": str(jax.devices())}
+    return {
+        "wall_s": t_end - t0,
+        "loop_s": t_end - t_loop,
+        "train_s": t_trained - t_loop,
+        "import_s": t0 - t_import,
+        "eval": result,
+        "jax": jax.__version__,
+        "devices": str(jax.devices()),
+    }
 
 
 def run_prefect_jax(args, workdir: str) -> dict:
@@ -232,11 +253,25 @@ def run_prefect_jax(args, workdir: str) -> dict:
 
         setattr(cls, name, wrapper)
 
-    for name in ("train_until_checkpoint", "evaluate_if_new", "export", "restore_or_init", "finish"):
+    for name in (
+        "train_until_checkpoint",
+        "evaluate_if_new",
+        "export",
+        "restore_or_init",
+        "finish",
+    ):
         timed(trainer_mod.Trainer, name, "engine_s")
     # log_metrics and has_metric_at: the names in older checkouts (--baseline)
-    for name in ("start", "log_new_metrics", "log_metrics_once", "log_metrics", "finish", "has_metric_at", "set_tags",
-                 "log_artifacts"):
+    for name in (
+        "start",
+        "log_new_metrics",
+        "log_metrics_once",
+        "log_metrics",
+        "finish",
+        "has_metric_at",
+        "set_tags",
+        "log_artifacts",
+    ):
         if hasattr(tracking.Tracker, name):
             timed(tracking.Tracker, name, "mlflow_s")
     init = trainer_mod.Trainer.__init__
@@ -245,7 +280,11 @@ def run_prefect_jax(args, workdir: str) -> dict:
         init(self, *a, **kw)
         # The compiled steps live on trainer.loop; older checkouts (--baseline) kept them on the trainer.
         loop = getattr(self, "loop", None)
-        steps = [(loop, "train_step"), (loop, "scan_steps")] if loop is not None else [(self, "_train_step"), (self, "_scan_steps")]
+        steps = (
+            [(loop, "train_step"), (loop, "scan_steps")]
+            if loop is not None
+            else [(self, "_train_step"), (self, "_scan_steps")]
+        )
         for owner, attr in steps:
             fn = getattr(owner, attr, None)
             if fn is None:
@@ -301,13 +340,23 @@ def run_prefect_jax(args, workdir: str) -> dict:
             f.write(profiler.output_text(unicode=True, color=False))
     assert summary["final_step"] == args.steps, summary
     loop_s = t_end - clock["first_step_at"]
-    train_s = clock["trained_at"] - clock["first_step_at"] if clock["trained_at"] is not None else None
+    train_s = (
+        clock["trained_at"] - clock["first_step_at"] if clock["trained_at"] is not None else None
+    )
     import prefect_jax
 
-    return {"wall_s": t_end - t0, "loop_s": loop_s, "train_s": train_s, "import_s": t0 - t_import, "eval": summary["eval"],
-            "engine_s": clock["engine_s"], "mlflow_s": clock["mlflow_s"],
-            "prefect_s": (t_end - t0) - clock["engine_s"], "code": os.path.dirname(prefect_jax.__file__),
-            "mlflow_warmed_first": warmed_first}
+    return {
+        "wall_s": t_end - t0,
+        "loop_s": loop_s,
+        "train_s": train_s,
+        "import_s": t0 - t_import,
+        "eval": summary["eval"],
+        "engine_s": clock["engine_s"],
+        "mlflow_s": clock["mlflow_s"],
+        "prefect_s": (t_end - t0) - clock["engine_s"],
+        "code": os.path.dirname(prefect_jax.__file__),
+        "mlflow_warmed_first": warmed_first,
+    }
 
 
 def run_keras(args, workdir: str) -> dict:
@@ -350,9 +399,19 @@ def run_child(cmd: list[str], env: dict, name: str) -> dict | None:
         log(f"{name} FAILED (exit {proc.returncode}):\n{stderr[-3000:]}")
         return None
     result = json.loads(lines[-1])
-    result.update(process_s=process_s, peak_rss_mib=usage.ru_maxrss / 1024, cpu_s=usage.ru_utime + usage.ru_stime)
-    log(f"{name} ({process_s:.0f}s): " + ", ".join(
-        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items() if not isinstance(v, (dict, list))))
+    result.update(
+        process_s=process_s,
+        peak_rss_mib=usage.ru_maxrss / 1024,
+        cpu_s=usage.ru_utime + usage.ru_stime,
+    )
+    log(
+        f"{name} ({process_s:.0f}s): "
+        + ", ".join(
+            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in result.items()
+            if not isinstance(v, (dict, list))
+        )
+    )
     return result
 
 
@@ -362,19 +421,56 @@ def run_cli(args, env: dict, label: str = "cli", exports: bool = False) -> dict 
     `exports` its defaults (latest, best, final: each export a version of an MLflow registered
     model), as a user who sets none runs it."""
     workdir = tempfile.mkdtemp(prefix="bench-cli-")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "prefect-jax"), "run", "--program", "bench_programs:mlp",
-           "--job", "bench", "--storage", workdir, "--max-steps", str(args.steps), "--checkpoint-every-steps", str(args.every),
-           *([] if exports else ["--exporters"]), "--mlflow-tracking-uri", f"sqlite:///{workdir}/mlflow.db", "--json", "--no-progress"]  # fmt: skip
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "prefect-jax"),
+        "run",
+        "--program",
+        "bench_programs:mlp",
+        "--job",
+        "bench",
+        "--storage",
+        workdir,
+        "--max-steps",
+        str(args.steps),
+        "--checkpoint-every-steps",
+        str(args.every),
+        *([] if exports else ["--exporters"]),
+        "--mlflow-tracking-uri",
+        f"sqlite:///{workdir}/mlflow.db",
+        "--json",
+        "--no-progress",
+    ]
     try:
-        return run_child(cmd, dict(env, PYTHONPATH=os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))), label)
+        return run_child(
+            cmd,
+            dict(env, PYTHONPATH=os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))),
+            label,
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def side(name: str, args, env: dict, steps: int | None = None, every: int | None = None, label: str | None = None,
-         profile: str | None = None) -> dict | None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--side", name, "--steps", str(steps or args.steps),
-           "--every", str(every or args.every), "--dispatch", str(args.dispatch)]
+def side(
+    name: str,
+    args,
+    env: dict,
+    steps: int | None = None,
+    every: int | None = None,
+    label: str | None = None,
+    profile: str | None = None,
+) -> dict | None:
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--side",
+        name,
+        "--steps",
+        str(steps or args.steps),
+        "--every",
+        str(every or args.every),
+        "--dispatch",
+        str(args.dispatch),
+    ]
     if profile:
         cmd += ["--profile", profile]
     return run_child(cmd, env, label or name)
@@ -394,7 +490,9 @@ def median_results(rounds: list[dict]) -> dict:
         merged = dict(done[0])
         for key, value in done[0].items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                merged[key] = statistics.median(d[key] for d in done if isinstance(d.get(key), (int, float)))
+                merged[key] = statistics.median(
+                    d[key] for d in done if isinstance(d.get(key), (int, float))
+                )
         out[name] = merged
     return out
 
@@ -411,16 +509,33 @@ class StandingServer:
     def __init__(self, home: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
-        self.env = dict(os.environ, PREFECT_HOME=home, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                        PREFECT_UI_ENABLED="false")
+        self.env = dict(
+            os.environ,
+            PREFECT_HOME=home,
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PREFECT_UI_ENABLED="false",
+        )
         self.env.pop("PREFECT_API_URL", None)
         self.proc = None
 
     def __enter__(self):
         t = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -439,7 +554,10 @@ class StandingServer:
         import psutil
 
         try:
-            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+            procs = [
+                psutil.Process(self.proc.pid),
+                *psutil.Process(self.proc.pid).children(recursive=True),
+            ]
         except psutil.Error:
             return 0.0
         total = 0.0
@@ -461,7 +579,10 @@ class StandingServer:
         t = time.perf_counter()
         procs = [psutil.Process(self.proc.pid)]
         while time.perf_counter() - t < limit_s:
-            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+            procs = [
+                psutil.Process(self.proc.pid),
+                *psutil.Process(self.proc.pid).children(recursive=True),
+            ]
             for p in procs:
                 p.cpu_percent(None)
             time.sleep(1.0)
@@ -488,7 +609,9 @@ def sides_server(prefix: str):
     from goodput import warm_up
 
     work = tempfile.mkdtemp(prefix=prefix)
-    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
+    env = dict(
+        os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING"
+    )
     env.pop("PREFECT_API_URL", None)
     with StandingServer(os.path.join(work, "server-home")) as server:
         env = dict(env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
@@ -500,7 +623,11 @@ def sides_parser(description: str, rounds: int) -> argparse.ArgumentParser:
     """The options of a script that drives this file's sides at two interval counts."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--intervals", default="10,100", help="two interval counts over --steps: the slope between them is per interval")
+    parser.add_argument(
+        "--intervals",
+        default="10,100",
+        help="two interval counts over --steps: the slope between them is per interval",
+    )
     parser.add_argument("--rounds", type=int, default=rounds)
     return parser
 
@@ -523,24 +650,53 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": round(mem, 1), "os": platform.platform(),
-            "python": platform.python_version(), "jax": jax.__version__, "devices": str(jax.devices())}
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_gib": round(mem, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "devices": str(jax.devices()),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--every", type=int, default=200, help="checkpoint + full eval every N steps")
-    parser.add_argument("--dispatch", type=int, default=10, help="steps per dispatch of the scan sides")
-    parser.add_argument("--quick", action="store_true", help="a smoke test: fewer steps, sizes and intervals")
-    parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"), help="the report (default BENCHMARKS.md)")
-    parser.add_argument("--baseline", help="a checkout of prefect_jax to run as 'before' (e.g. a git worktree)")
+    parser.add_argument(
+        "--every", type=int, default=200, help="checkpoint + full eval every N steps"
+    )
+    parser.add_argument(
+        "--dispatch", type=int, default=10, help="steps per dispatch of the scan sides"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke test: fewer steps, sizes and intervals"
+    )
+    parser.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "BENCHMARKS.md"),
+        help="the report (default BENCHMARKS.md)",
+    )
+    parser.add_argument(
+        "--baseline", help="a checkout of prefect_jax to run as 'before' (e.g. a git worktree)"
+    )
     parser.add_argument("--profile", help="a folder for pyinstrument profiles of the flow side")
-    parser.add_argument("--render", metavar="JSON", help="only rewrite --out from the raw results of an earlier run")
-    parser.add_argument("--no-goodput", action="store_true", help="skip the goodput-under-preemption runs (goodput.py, ~45 min)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved rounds of the headline sides and of the sweep (default 3, 1 with --quick); "
-                             "a ratio is the median of its per-round ratios")
+    parser.add_argument(
+        "--render", metavar="JSON", help="only rewrite --out from the raw results of an earlier run"
+    )
+    parser.add_argument(
+        "--no-goodput",
+        action="store_true",
+        help="skip the goodput-under-preemption runs (goodput.py, ~45 min)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds of the headline sides and of the sweep (default 3, 1 with --quick); "
+        "a ratio is the median of its per-round ratios",
+    )
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.render:
@@ -549,7 +705,9 @@ def main() -> None:
         return
 
     if args.side:
-        if os.environ.get("BENCH_THREAD_CPU"):  # benchmarks/thread_cpu.py: this side's CPU by thread
+        if os.environ.get(
+            "BENCH_THREAD_CPU"
+        ):  # benchmarks/thread_cpu.py: this side's CPU by thread
             from thread_cpu import install
 
             install(os.environ["BENCH_THREAD_CPU"])
@@ -564,20 +722,31 @@ def main() -> None:
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
     work = tempfile.mkdtemp(prefix="prefect-jax-bench-")
-    base_env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
+    base_env = dict(
+        os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING"
+    )
     base_env.pop("PREFECT_API_URL", None)
-    report: dict = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "steps": args.steps, "every": args.every, "dispatch": args.dispatch, "machine": machine()}
+    report: dict = {
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "steps": args.steps,
+        "every": args.every,
+        "dispatch": args.dispatch,
+        "machine": machine(),
+    }
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     t_all = time.perf_counter()
     with StandingServer(os.path.join(work, "server-home")) as server:
         log(f"prefect server up at {server.url} in {server.start_s:.1f}s (not counted)")
         report["server_start_s"] = server.start_s
-        env = dict(base_env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
+        env = dict(
+            base_env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home")
+        )
         from goodput import warm_up
 
-        warm_up(env)  # a first flow run, not measured: the server registers the flow, the client its profile
+        warm_up(
+            env
+        )  # a first flow run, not measured: the server registers the flow, the client its profile
         peers = {}
 
         def with_server_cpu(run):
@@ -588,15 +757,27 @@ def main() -> None:
             server.settle(limit_s=10.0)
             if result is not None:
                 result["server_cpu_s"] = server.cpu_s() - before
-                if not server.settled:  # still busy after 10 s: its reading holds work that is not the side's
+                if (
+                    not server.settled
+                ):  # still busy after 10 s: its reading holds work that is not the side's
                     result["server_busy_after_s"] = round(server.settle_s, 1)
-                    log(f"the server was still busy {server.settle_s:.0f} s after that side: its server CPU includes other work")
+                    log(
+                        f"the server was still busy {server.settle_s:.0f} s after that side: its server CPU includes other work"
+                    )
             return result
 
         before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline)) if args.baseline else None
         # The headline sides, in interleaved rounds: a slow minute on these shared cores hits one
         # round of every side, not every round of one side (ratios are medians of per-round ratios).
-        headline = ["plain", "plain_scan", "prefect_jax", "prefect_jax_scan", "cli", "cli_exports", "keras"] + (["before"] if before_env else [])
+        headline = [
+            "plain",
+            "plain_scan",
+            "prefect_jax",
+            "prefect_jax_scan",
+            "cli",
+            "cli_exports",
+            "keras",
+        ] + (["before"] if before_env else [])
 
         def run_headline(name: str, label: str) -> dict | None:
             if name == "keras":  # no standing server in its process
@@ -604,26 +785,52 @@ def main() -> None:
             if name == "before":
                 return side("prefect_jax", args, before_env, label=label)
             if name in ("cli", "cli_exports"):
-                return with_server_cpu(lambda: run_cli(args, env, label=label, exports=name == "cli_exports"))
+                return with_server_cpu(
+                    lambda: run_cli(args, env, label=label, exports=name == "cli_exports")
+                )
             return with_server_cpu(lambda: side(name, args, env, label=label))
 
         def in_round(r: int) -> str:
             return f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
 
-        rounds = [{name: run_headline(name, name + in_round(r)) for name in headline} for r in range(args.rounds)]
+        rounds = [
+            {name: run_headline(name, name + in_round(r)) for name in headline}
+            for r in range(args.rounds)
+        ]
         report["rounds"] = rounds
         peers.update(median_results(rounds))
-        if args.profile:  # extra runs: a profiler slows what it watches, so these are not in the tables
-            side("prefect_jax", args, env, label="prefect_jax, profiled", profile=os.path.join(args.profile, "after.txt"))
+        if (
+            args.profile
+        ):  # extra runs: a profiler slows what it watches, so these are not in the tables
+            side(
+                "prefect_jax",
+                args,
+                env,
+                label="prefect_jax, profiled",
+                profile=os.path.join(args.profile, "after.txt"),
+            )
             if before_env:
-                side("prefect_jax", args, before_env, label="before, profiled", profile=os.path.join(args.profile, "before.txt"))
-        ephemeral_env = dict(base_env, PREFECT_HOME=os.path.join(work, "ephemeral-home"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
-                             PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true")
+                side(
+                    "prefect_jax",
+                    args,
+                    before_env,
+                    label="before, profiled",
+                    profile=os.path.join(args.profile, "before.txt"),
+                )
+        ephemeral_env = dict(
+            base_env,
+            PREFECT_HOME=os.path.join(work, "ephemeral-home"),
+            PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+            PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true",
+        )
         peers["prefect_jax_ephemeral"] = side("prefect_jax_ephemeral", args, ephemeral_env)
         peers["cli_embedded"] = run_cli(args, ephemeral_env, label="cli, embedded server")
         if args.baseline:
-            peers["before_cli_embedded"] = run_cli(args, dict(ephemeral_env, PYTHONPATH=os.path.abspath(args.baseline)),
-                                                   label="before: cli, embedded server")  # fmt: skip
+            peers["before_cli_embedded"] = run_cli(
+                args,
+                dict(ephemeral_env, PYTHONPATH=os.path.abspath(args.baseline)),
+                label="before: cli, embedded server",
+            )
         report["peers"] = peers
 
         intervals = [1, 10, 40] if args.quick else [1, 10, 50, 100]
@@ -634,37 +841,79 @@ def main() -> None:
                 every = max(1, args.steps // n)
                 row = {"intervals": n, "every": every}
                 # One interval is training speed itself: there the scan sides run too (steps_per_dispatch).
-                for name in ("plain", "prefect_jax") + (("plain_scan", "prefect_jax_scan") if n == 1 else ()):
-                    res = with_server_cpu(lambda: side(name, args, env, every=every, label=f"{name} x{n}{in_round(r)}"))
-                    row[name] = res and {k: res[k] for k in ("wall_s", "loop_s", "train_s", "engine_s", "mlflow_s", "prefect_s",
-                                                             "cpu_s", "server_cpu_s") if k in res}
+                for name in ("plain", "prefect_jax") + (
+                    ("plain_scan", "prefect_jax_scan") if n == 1 else ()
+                ):
+                    res = with_server_cpu(
+                        lambda: side(
+                            name, args, env, every=every, label=f"{name} x{n}{in_round(r)}"
+                        )
+                    )
+                    row[name] = res and {
+                        k: res[k]
+                        for k in (
+                            "wall_s",
+                            "loop_s",
+                            "train_s",
+                            "engine_s",
+                            "mlflow_s",
+                            "prefect_s",
+                            "cpu_s",
+                            "server_cpu_s",
+                        )
+                        if k in res
+                    }
                 sweep.append(row)
             sweeps.append(sweep)
         report["interval_rounds"] = sweeps
         # The table's rows: each side's median over the rounds (the targets use per-round slopes and ratios).
         report["intervals"] = [
-            {"intervals": row["intervals"], "every": row["every"],
-             **median_results([{k: v for k, v in sw[i].items() if k not in ("intervals", "every")} for sw in sweeps])}
+            {
+                "intervals": row["intervals"],
+                "every": row["every"],
+                **median_results(
+                    [
+                        {k: v for k, v in sw[i].items() if k not in ("intervals", "every")}
+                        for sw in sweeps
+                    ]
+                ),
+            }
             for i, row in enumerate(sweeps[0])
-        ]  # fmt: skip
+        ]
 
     if not args.no_goodput:
         goodput_cmd = [sys.executable, os.path.join(HERE, "goodput.py")] + (
-            ["--periods", "10", "--steps", "1500", "--every", "250"] if args.quick else [])
+            ["--periods", "10", "--steps", "1500", "--every", "250"] if args.quick else []
+        )
         report["goodput"] = run_child(goodput_cmd, base_env, "goodput")
-    restart_cmd = [sys.executable, os.path.join(HERE, "restart.py"), "--program", "bench_programs:mlp"]
+    restart_cmd = [
+        sys.executable,
+        os.path.join(HERE, "restart.py"),
+        "--program",
+        "bench_programs:mlp",
+    ]
     report["restart"] = run_child(restart_cmd, dict(base_env, PYTHONPATH=HERE), "restart")
-    worker_cmd = [sys.executable, os.path.join(HERE, "worker_rerun.py")] + (["--kills", "2"] if args.quick else [])
+    worker_cmd = [sys.executable, os.path.join(HERE, "worker_rerun.py")] + (
+        ["--kills", "2"] if args.quick else []
+    )
     report["worker_rerun"] = run_child(worker_cmd, base_env, "worker rerun")
     # A smoke run's numbers stay out of the committed record (benchmarks/MULTIPROCESS.json).
     multiprocess_cmd = [sys.executable, os.path.join(HERE, "multiprocess.py")] + (
-        ["--steps", "600", "--rounds", "1", "--out", os.path.join(work, "multiprocess.json")] if args.quick else [])
+        ["--steps", "600", "--rounds", "1", "--out", os.path.join(work, "multiprocess.json")]
+        if args.quick
+        else []
+    )
     report["multiprocess"] = run_child(multiprocess_cmd, base_env, "multiprocess")
-    server_cost_cmd = [sys.executable, os.path.join(HERE, "server_cost.py")] + (["--repeats", "1"] if args.quick else [])
+    server_cost_cmd = [sys.executable, os.path.join(HERE, "server_cost.py")] + (
+        ["--repeats", "1"] if args.quick else []
+    )
     report["server_cost"] = run_child(server_cost_cmd, base_env, "server cost")
     sizes = "1,16,64" if args.quick else "1,16,64,256,512,1024"
-    report["storage"] = run_child([sys.executable, os.path.join(HERE, "storage.py"), "--scale", "--sizes", sizes],
-                                  base_env, "storage scale")
+    report["storage"] = run_child(
+        [sys.executable, os.path.join(HERE, "storage.py"), "--scale", "--sizes", sizes],
+        base_env,
+        "storage scale",
+    )
     report["total_s"] = time.perf_counter() - t_all
     shutil.rmtree(work, ignore_errors=True)
 

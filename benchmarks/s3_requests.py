@@ -41,23 +41,36 @@ def snapshot(counts) -> dict:
     for (operation, name), n in counts.requests.items():
         requests[operation] += n
         # a step's files by name, but for its numbers (the step's, an eval record's) and hashes (data files)
-        by_file[f"{operation} {re.sub(r'[0-9]+', 'N', re.sub(r'[0-9a-f]{16,}', '<hash>', name))}"] += n
+        by_file[
+            f"{operation} {re.sub(r'[0-9]+', 'N', re.sub(r'[0-9a-f]{16,}', '<hash>', name))}"
+        ] += n
     for (kind, _), n in counts.calls["_train_loop"].items():
         calls[kind] += n
-    return {"requests": dict(requests), "requests_total": sum(requests.values()), "interval_calls": dict(calls),
-            "interval_calls_total": sum(calls.values()), "interval_wait_s": counts.secs["_train_loop"],
-            "requests_by_file": dict(by_file)}  # fmt: skip
+    return {
+        "requests": dict(requests),
+        "requests_total": sum(requests.values()),
+        "interval_calls": dict(calls),
+        "interval_calls_total": sum(calls.values()),
+        "interval_wait_s": counts.secs["_train_loop"],
+        "requests_by_file": dict(by_file),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--intervals", default="10,30", help="two interval counts: the slope between them is per interval")
+    parser.add_argument(
+        "--intervals",
+        default="10,30",
+        help="two interval counts: the slope between them is per interval",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "S3_REQUESTS.json"))
     args = parser.parse_args()
     few, many = sorted(int(n) for n in args.intervals.split(","))
     if few < 1 or many <= few:
-        parser.error(f"--intervals {args.intervals}: give two counts, the second larger, such as 10,30")
+        parser.error(
+            f"--intervals {args.intervals}: give two counts, the second larger, such as 10,30"
+        )
     sys.path.insert(0, TESTS)
     from s3_server import S3Server, StorageCalls, isolate_aws_env
 
@@ -69,7 +82,11 @@ def main() -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     work = tempfile.mkdtemp(prefix="s3-requests-")
-    report: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "every": args.every, "runs": {}}
+    report: dict = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "every": args.every,
+        "runs": {},
+    }
     with S3Server() as s3, prefect_test_harness(server_startup_timeout=180):
         s3.create_bucket("requests")
         from prefect_jax.flows import train_and_evaluate
@@ -77,10 +94,14 @@ def main() -> None:
 
         def flow(job: str, intervals: int, machine: str) -> None:
             os.environ["PREFECT_JAX_CACHE_DIR"] = os.path.join(work, machine)
-            summary = train_and_evaluate(program="prefect_jax.examples.digits:tiny", job=job, storage=block,
-                                         train_spec=TrainSpec(max_steps=intervals * args.every, log_every_steps=args.every),
-                                         checkpoint_spec=CheckpointSpec(every_steps=args.every, keep_last=3),
-                                         mlflow_tracking_uri=f"sqlite:///{work}/mlflow.db")  # fmt: skip
+            summary = train_and_evaluate(
+                program="prefect_jax.examples.digits:tiny",
+                job=job,
+                storage=block,
+                train_spec=TrainSpec(max_steps=intervals * args.every, log_every_steps=args.every),
+                checkpoint_spec=CheckpointSpec(every_steps=args.every, keep_last=3),
+                mlflow_tracking_uri=f"sqlite:///{work}/mlflow.db",
+            )
             assert summary["final_step"] == intervals * args.every, summary
 
         block = s3.save_block("requests", "s3://requests/jobs")
@@ -88,11 +109,16 @@ def main() -> None:
             before = snapshot(counts)
             flow(f"j{n}", n, f"machine-{n}")
             after = snapshot(counts)
-            report["runs"][n] = {k: (after[k] - before[k]) if not isinstance(after[k], dict)
-                                 else {op: after[k].get(op, 0) - before[k].get(op, 0) for op in after[k]}
-                                 for k in after}  # fmt: skip
-            log(f"{n} intervals: {report['runs'][n]['requests_total']} requests, "
-                f"{report['runs'][n]['interval_calls_total']} training-thread calls in the intervals")
+            report["runs"][n] = {
+                k: (after[k] - before[k])
+                if not isinstance(after[k], dict)
+                else {op: after[k].get(op, 0) - before[k].get(op, 0) for op in after[k]}
+                for k in after
+            }
+            log(
+                f"{n} intervals: {report['runs'][n]['requests_total']} requests, "
+                f"{report['runs'][n]['interval_calls_total']} training-thread calls in the intervals"
+            )
         # A rerun on a new machine (its stage empty): what its restore asks before the first step.
         restore = counts.calls["_restore_or_init"]
         restore.clear()
@@ -101,26 +127,48 @@ def main() -> None:
         kinds = collections.Counter()
         for (kind, _), n in restore.items():
             kinds[kind] += n
-        report["rerun_restore"] = {"calls": dict(kinds), "calls_total": sum(kinds.values()),
-                                   "wait_s": round(counts.secs["_restore_or_init"], 3)}  # fmt: skip
+        report["rerun_restore"] = {
+            "calls": dict(kinds),
+            "calls_total": sum(kinds.values()),
+            "wait_s": round(counts.secs["_restore_or_init"], 3),
+        }
     a, b = report["runs"][few], report["runs"][many]
     per = lambda key: (b[key] - a[key]) / (many - few)  # noqa: E731
     report["per_interval"] = {
         "requests": round(per("requests_total"), 2),
-        "requests_by_operation": {op: round((b["requests"].get(op, 0) - a["requests"].get(op, 0)) / (many - few), 2)
-                                  for op in sorted(set(a["requests"]) | set(b["requests"]))},
+        "requests_by_operation": {
+            op: round((b["requests"].get(op, 0) - a["requests"].get(op, 0)) / (many - few), 2)
+            for op in sorted(set(a["requests"]) | set(b["requests"]))
+        },
         # (a step's files are named by their last part: "PutObject manifest.ocdbt")
-        "requests_by_operation_and_file": {k: v for k in sorted(set(a["requests_by_file"]) | set(b["requests_by_file"]))
-                                           if (v := round((b["requests_by_file"].get(k, 0) - a["requests_by_file"].get(k, 0))
-                                                          / (many - few), 2))},
+        "requests_by_operation_and_file": {
+            k: v
+            for k in sorted(set(a["requests_by_file"]) | set(b["requests_by_file"]))
+            if (
+                v := round(
+                    (b["requests_by_file"].get(k, 0) - a["requests_by_file"].get(k, 0))
+                    / (many - few),
+                    2,
+                )
+            )
+        },
         "training_thread_calls": round(per("interval_calls_total"), 2),
-        "training_thread_calls_by_kind": {k: round((b["interval_calls"].get(k, 0) - a["interval_calls"].get(k, 0)) / (many - few), 2)
-                                          for k in sorted(set(a["interval_calls"]) | set(b["interval_calls"]))},
+        "training_thread_calls_by_kind": {
+            k: round(
+                (b["interval_calls"].get(k, 0) - a["interval_calls"].get(k, 0)) / (many - few), 2
+            )
+            for k in sorted(set(a["interval_calls"]) | set(b["interval_calls"]))
+        },
         "training_thread_wait_ms": round(1000 * per("interval_wait_s"), 1),
-    }  # fmt: skip
+    }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(json.dumps({"per_interval": report["per_interval"], "rerun_restore": report["rerun_restore"]}), flush=True)
+    print(
+        json.dumps(
+            {"per_interval": report["per_interval"], "rerun_restore": report["rerun_restore"]}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -93,20 +93,41 @@ def main() -> None:
         try:
             line = lines.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"server_cost: the {kind} flow did not say {word!r} within {timeout:.0f} s") from None
+            raise RuntimeError(
+                f"server_cost: the {kind} flow did not say {word!r} within {timeout:.0f} s"
+            ) from None
         if line.strip() != word:
-            raise RuntimeError(f"server_cost: the {kind} flow said {line.strip()!r} (exited?) where {word!r} was due")
+            raise RuntimeError(
+                f"server_cost: the {kind} flow said {line.strip()!r} (exited?) where {word!r} was due"
+            )
 
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
-    with tempfile.TemporaryDirectory(prefix="server-cost-") as work, StandingServer(os.path.join(work, "home")) as server:
-        env = dict(os.environ, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client"),
-                   PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
+    with (
+        tempfile.TemporaryDirectory(prefix="server-cost-") as work,
+        StandingServer(os.path.join(work, "home")) as server,
+    ):
+        env = dict(
+            os.environ,
+            PREFECT_API_URL=server.url,
+            PREFECT_HOME=os.path.join(work, "client"),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PREFECT_LOGGING_LEVEL="WARNING",
+        )
         for r in range(args.repeats):
             for kind in KINDS:  # interleaved: a slow minute on shared cores hits every kind once
-                child = subprocess.Popen([sys.executable, "-c", CHILD, kind, str(args.iterations)], env=env,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                lines: queue.Queue = queue.Queue()  # its stdout, read on a thread: a stalled child times out
-                threading.Thread(target=_read_lines, args=(child.stdout, lines), daemon=True).start()
+                child = subprocess.Popen(
+                    [sys.executable, "-c", CHILD, kind, str(args.iterations)],
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                lines: queue.Queue = (
+                    queue.Queue()
+                )  # its stdout, read on a thread: a stalled child times out
+                threading.Thread(
+                    target=_read_lines, args=(child.stdout, lines), daemon=True
+                ).start()
                 try:
                     expect(lines, "ready", kind)
                     server.settle(limit_s=10.0)
@@ -115,29 +136,44 @@ def main() -> None:
                     child.stdin.flush()
                     expect(lines, "done", kind)
                     client_s = process_cpu_s(child.pid) - client_before
-                    server.settle(limit_s=10.0)  # the server records a flow run's last events after it ends
+                    server.settle(
+                        limit_s=10.0
+                    )  # the server records a flow run's last events after it ends
                     server_s = server.cpu_s() - before
                     child.stdin.write("\n")
                     child.stdin.close()
                     child.wait(timeout=60)
                 finally:
-                    if child.poll() is None:  # left behind by a failure: it must not outlive this run
+                    if (
+                        child.poll() is None
+                    ):  # left behind by a failure: it must not outlive this run
                         child.kill()
                         child.wait()
                 samples[kind].append((server_s, client_s))
-                print(f"[server_cost] {kind}, round {r + 1}/{args.repeats}: per iteration, server CPU "
-                      f"{server_s * 1000 / args.iterations:.1f} ms, the flow's CPU {client_s * 1000 / args.iterations:.1f} ms",
-                      file=sys.stderr)
+                print(
+                    f"[server_cost] {kind}, round {r + 1}/{args.repeats}: per iteration, server CPU "
+                    f"{server_s * 1000 / args.iterations:.1f} ms, the flow's CPU {client_s * 1000 / args.iterations:.1f} ms",
+                    file=sys.stderr,
+                )
 
     def ms(values):
         return round(statistics.median(values) * 1000 / args.iterations, 1)
 
     empty, empty_client = ms([s for s, _ in samples["empty"]]), ms([c for _, c in samples["empty"]])
-    out = {"iterations": args.iterations, "repeats": args.repeats, "empty_flow_server_cpu_ms": empty,
-           "empty_flow_cpu_ms": empty_client,
-           **{kind: {"server_cpu_ms": round(ms([s for s, _ in samples[kind]]) - empty, 1),
-                     "flow_cpu_ms": round(ms([c for _, c in samples[kind]]) - empty_client, 1)}
-              for kind in KINDS if kind != "empty"}}
+    out = {
+        "iterations": args.iterations,
+        "repeats": args.repeats,
+        "empty_flow_server_cpu_ms": empty,
+        "empty_flow_cpu_ms": empty_client,
+        **{
+            kind: {
+                "server_cpu_ms": round(ms([s for s, _ in samples[kind]]) - empty, 1),
+                "flow_cpu_ms": round(ms([c for _, c in samples[kind]]) - empty_client, 1),
+            }
+            for kind in KINDS
+            if kind != "empty"
+        },
+    }
     print(json.dumps(out))
 
 

@@ -108,7 +108,14 @@ def raw_io(host, path: str) -> tuple[float, float]:
 
 
 def local_round(
-    ckpt, state, abstract, data_iter, first_step: int, raw_path: str, fingerprint: str | None = None, keep_raw: bool = False
+    ckpt,
+    state,
+    abstract,
+    data_iter,
+    first_step: int,
+    raw_path: str,
+    fingerprint: str | None = None,
+    keep_raw: bool = False,
 ) -> dict:
     """One round of the local measurements on `ckpt` (a `Checkpoints`), writing steps
     ``first_step .. first_step + 2``; see the module docstring for what each time means.
@@ -177,10 +184,20 @@ def scale_table(sizes_mib: list[int] | None, workdir: str, repeats: int = 1) -> 
         state, abstract = make_state(mib)
         fingerprint = state_fingerprint(state)
         data_iter = make_data_iter()
-        ckpt = Checkpoints(os.path.join(size_dir, "checkpoints"), CheckpointSpec(every_steps=1, keep_last=3))
+        ckpt = Checkpoints(
+            os.path.join(size_dir, "checkpoints"), CheckpointSpec(every_steps=1, keep_last=3)
+        )
         try:
             rounds = [
-                local_round(ckpt, state, abstract, data_iter, 1 + 3 * r, os.path.join(size_dir, "raw.npy"), fingerprint)
+                local_round(
+                    ckpt,
+                    state,
+                    abstract,
+                    data_iter,
+                    1 + 3 * r,
+                    os.path.join(size_dir, "raw.npy"),
+                    fingerprint,
+                )
                 for r in range(repeats)
             ]
         finally:
@@ -235,7 +252,15 @@ def run_scale(sizes: list[int], repeats: int) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(scale_markdown(rows), file=sys.stderr, flush=True)
-    print(json.dumps({"benchmark": "storage_scale", "rows": [_rounded(r) for r in rows], "machine": machine()}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "storage_scale",
+                "rows": [_rounded(r) for r in rows],
+                "machine": machine(),
+            }
+        )
+    )
 
 
 def run_single(mib: int) -> None:
@@ -284,7 +309,9 @@ def run_single(mib: int) -> None:
         result["s3_restore_total_s"] = result["s3_download_s"] + t_restore
         fs = s3.filesystem()
         result["raw_put_s"], _ = timed(lambda: fs.put_file(raw_path, "bench/raw.npy"))
-        result["raw_get_s"], _ = timed(lambda: fs.get_file("bench/raw.npy", os.path.join(work, "raw-back.npy")))
+        result["raw_get_s"], _ = timed(
+            lambda: fs.get_file("bench/raw.npy", os.path.join(work, "raw-back.npy"))
+        )
         log(f"s3: {result}")
 
     local.close()
@@ -310,9 +337,12 @@ def main(argv: list[str] | None = None) -> None:
         "--sizes",
         type=lambda s: [int(x) for x in s.split(",") if x.strip()],
         default=None,
-        help="comma-separated MiB sizes for --scale (default %s)" % ",".join(map(str, DEFAULT_SIZES)),
+        help="comma-separated MiB sizes for --scale (default %s)"
+        % ",".join(map(str, DEFAULT_SIZES)),
     )
-    parser.add_argument("--repeats", type=int, default=1, help="rounds a size for --scale (median; default 1)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds a size for --scale (median; default 1)"
+    )
     args = parser.parse_args(argv)
     if args.sizes is not None and not args.scale:
         parser.error("--sizes needs --scale")

@@ -58,9 +58,15 @@ def install(path: str) -> None:
 
         cpu = collections.Counter(ended)
         for thread in threading.enumerate():
-            if thread is not threading.current_thread() and thread.ident is not None and thread.is_alive():
+            if (
+                thread is not threading.current_thread()
+                and thread.ident is not None
+                and thread.is_alive()
+            ):
                 try:
-                    cpu[thread_kind(thread.name)] += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                    cpu[thread_kind(thread.name)] += time.clock_gettime(
+                        time.pthread_getcpuclockid(thread.ident)
+                    )
                 except (OSError, ValueError):  # it ended meanwhile
                     pass
         cpu["MainThread"] = time.thread_time()
@@ -74,8 +80,15 @@ def install(path: str) -> None:
             except psutil.Error:
                 pass
         with open(path, "w") as f:
-            json.dump({"threads": dict(cpu), "process": process, "native": process - sum(cpu.values()),
-                       "children": children}, f)  # fmt: skip
+            json.dump(
+                {
+                    "threads": dict(cpu),
+                    "process": process,
+                    "native": process - sum(cpu.values()),
+                    "children": children,
+                },
+                f,
+            )
 
     atexit.register(dump)
 
@@ -94,18 +107,28 @@ def main() -> None:
     import run as bench  # benchmarks/run.py: its sides and its standing server
 
     parser = bench.sides_parser(__doc__.splitlines()[0], rounds=2)
-    parser.add_argument("--sides", default="plain,prefect_jax",
-                        help="two of run.py's sides, the floor first (plain_tasks: floor.py's); BENCHMARKS.md renders plain,prefect_jax only")
+    parser.add_argument(
+        "--sides",
+        default="plain,prefect_jax",
+        help="two of run.py's sides, the floor first (plain_tasks: floor.py's); BENCHMARKS.md renders plain,prefect_jax only",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "THREAD_CPU.json"))
     args = parser.parse_args()
     few, many = bench.interval_counts(parser, args.intervals)
     sides = tuple(args.sides.split(","))
     if len(sides) != 2 or not set(sides) <= {"plain", "plain_tasks", "prefect_jax"}:
-        parser.error(f"--sides {args.sides}: give two of plain, plain_tasks, prefect_jax, the floor first")
+        parser.error(
+            f"--sides {args.sides}: give two of plain, plain_tasks, prefect_jax, the floor first"
+        )
     side_args = argparse.Namespace(steps=args.steps, every=None, dispatch=10)
     work = tempfile.mkdtemp(prefix="thread-cpu-")  # each side's record
-    report: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": args.steps,
-                    "intervals": [few, many], "sides": list(sides), "rounds": []}  # fmt: skip
+    report: dict = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "steps": args.steps,
+        "intervals": [few, many],
+        "sides": list(sides),
+        "rounds": [],
+    }
     with bench.sides_server("thread-cpu-server-") as (server, env, machine):
         report["machine"] = machine
         for r in range(args.rounds):
@@ -114,8 +137,13 @@ def main() -> None:
                 for n in (few, many):
                     path = os.path.join(work, f"{name}-{n}-{r}.json")
                     before = server.cpu_s()
-                    res = bench.side(name, side_args, dict(env, BENCH_THREAD_CPU=path), every=max(1, args.steps // n),
-                                     label=f"{name} x{n}, round {r + 1}/{args.rounds}")  # fmt: skip
+                    res = bench.side(
+                        name,
+                        side_args,
+                        dict(env, BENCH_THREAD_CPU=path),
+                        every=max(1, args.steps // n),
+                        label=f"{name} x{n}, round {r + 1}/{args.rounds}",
+                    )
                     server.settle(limit_s=10.0)
                     if res is None or not os.path.exists(path):
                         continue
@@ -127,16 +155,29 @@ def main() -> None:
             for name in sides:
                 a, b = got.get((name, few)), got.get((name, many))
                 if a and b:
-                    per[name] = {k: round(1000 * (b["cpu"].get(k, 0.0) - a["cpu"].get(k, 0.0)) / (many - few), 2)
-                                 for k in set(a["cpu"]) | set(b["cpu"])}  # fmt: skip
-                    per[name]["loop time"] = round(1000 * (b["loop_s"] - a["loop_s"]) / (many - few), 2)
+                    per[name] = {
+                        k: round(
+                            1000 * (b["cpu"].get(k, 0.0) - a["cpu"].get(k, 0.0)) / (many - few), 2
+                        )
+                        for k in set(a["cpu"]) | set(b["cpu"])
+                    }
+                    per[name]["loop time"] = round(
+                        1000 * (b["loop_s"] - a["loop_s"]) / (many - few), 2
+                    )
             report["rounds"].append(per)
             report["per_interval_ms"] = {
-                name: {k: statistics.median(p[name][k] for p in report["rounds"] if name in p and k in p[name])
-                       for k in set().union(*(p[name] for p in report["rounds"] if name in p))}
-                for name in sides if any(name in p for p in report["rounds"])
-            }  # fmt: skip
-            with open(args.out, "w") as f:  # after every round: a cut-off run keeps what it measured
+                name: {
+                    k: statistics.median(
+                        p[name][k] for p in report["rounds"] if name in p and k in p[name]
+                    )
+                    for k in set().union(*(p[name] for p in report["rounds"] if name in p))
+                }
+                for name in sides
+                if any(name in p for p in report["rounds"])
+            }
+            with open(
+                args.out, "w"
+            ) as f:  # after every round: a cut-off run keeps what it measured
                 json.dump(report, f, indent=1)
     print(json.dumps(report.get("per_interval_ms")), flush=True)
 

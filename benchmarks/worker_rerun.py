@@ -69,14 +69,25 @@ def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> 
     storage = work / f"storage-{pool}"
     job_dir = storage / "bench"
     params = {
-        "program": "bench_programs:wide", "job": "bench", "storage": str(storage),
-        "train_spec": {"max_steps": EVERY * (kills + 2)}, "checkpoint_spec": {"every_steps": EVERY},
-        "mlflow_tracking_uri": f"sqlite:///{work}/mlflow-{pool}.db", "compilation_cache_dir": "job",
-    }  # fmt: skip
+        "program": "bench_programs:wide",
+        "job": "bench",
+        "storage": str(storage),
+        "train_spec": {"max_steps": EVERY * (kills + 2)},
+        "checkpoint_spec": {"every_steps": EVERY},
+        "mlflow_tracking_uri": f"sqlite:///{work}/mlflow-{pool}.db",
+        "compilation_cache_dir": "job",
+    }
     deployment_id, worker = trainer_on_process_worker(
-        api, pool, f"bench-{pool}", params, work / f"worker-{pool}", work / f"worker-{pool}.log", query_seconds=query_seconds,
-        paths=[str(HERE)], PREFECT_JAX_MLFLOW_STRICT=None,  # not strict, as users run it
-    )  # fmt: skip
+        api,
+        pool,
+        f"bench-{pool}",
+        params,
+        work / f"worker-{pool}",
+        work / f"worker-{pool}.log",
+        query_seconds=query_seconds,
+        paths=[str(HERE)],
+        PREFECT_JAX_MLFLOW_STRICT=None,  # not strict, as users run it
+    )
     try:
         with get_client(sync_client=True) as client:
             run = client.create_flow_run_from_deployment(deployment_id)
@@ -86,21 +97,30 @@ def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> 
                 attempts = _ledger(job_dir)
                 newest = attempts[-1] if attempts else None
                 # The newest process, once it has committed a checkpoint of its own: 2 s into its next interval.
-                if newest and newest["pid"] not in killed and newest["step"] > newest["from_step"] and not newest.get("ended"):
+                if (
+                    newest
+                    and newest["pid"] not in killed
+                    and newest["step"] > newest["from_step"]
+                    and not newest.get("ended")
+                ):
                     time.sleep(2.0)
                     try:
                         os.kill(newest["pid"], signal.SIGKILL)
                     except ProcessLookupError:
                         continue
                     killed[newest["pid"]] = time.time()
-                    log(f"poll {query_seconds}s: SIGKILL {newest['pid']} (step {newest['step']} committed)")
+                    log(
+                        f"poll {query_seconds}s: SIGKILL {newest['pid']} (step {newest['step']} committed)"
+                    )
                 time.sleep(0.1)
             while time.monotonic() < deadline:
                 state = client.read_flow_run(run.id).state
                 if state.is_final() and not state.is_crashed():
                     break
                 time.sleep(1)
-        time.sleep(3)  # a second process of the run, if one waits, ends once it sees the job finished
+        time.sleep(
+            3
+        )  # a second process of the run, if one waits, ends once it sees the job finished
     finally:
         worker.stop()
     text = worker.tail(5_000_000)
@@ -111,10 +131,16 @@ def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> 
         if not after:
             continue
         nxt = min(after, key=_first_step_at)
-        reruns.append({"kill": at + 1, "kill_to_process_s": nxt["process_start"] - when,
-                       "process_to_first_step_s": _first_step_at(nxt) - nxt["process_start"],
-                       "kill_to_first_step_s": _first_step_at(nxt) - when, "waited_for_another": bool(nxt.get("waited_for_another_process")),
-                       **{f"{k}_s": nxt["seconds"].get(k, 0.0) for k in ("startup", "restore", "compile")}})  # fmt: skip
+        reruns.append(
+            {
+                "kill": at + 1,
+                "kill_to_process_s": nxt["process_start"] - when,
+                "process_to_first_step_s": _first_step_at(nxt) - nxt["process_start"],
+                "kill_to_first_step_s": _first_step_at(nxt) - when,
+                "waited_for_another": bool(nxt.get("waited_for_another_process")),
+                **{f"{k}_s": nxt["seconds"].get(k, 0.0) for k in ("startup", "restore", "compile")},
+            }
+        )
     return {
         "query_seconds": float(query_seconds),
         "state": state.type.value,
@@ -123,13 +149,19 @@ def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> 
         "reruns": reruns,
         "second_starts": text.count("already trains job"),
         "errors": sum(1 for line in text.splitlines() if "| ERROR" in line),
-        **{f"{k}_mean": statistics.mean(r[k] for r in reruns) for k in ("kill_to_process_s", "process_to_first_step_s", "kill_to_first_step_s") if reruns},
+        **{
+            f"{k}_mean": statistics.mean(r[k] for r in reruns)
+            for k in ("kill_to_process_s", "process_to_first_step_s", "kill_to_first_step_s")
+            if reruns
+        },
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--query-seconds", default="10,2", help="worker poll periods, one run each (default 10,2)")
+    parser.add_argument(
+        "--query-seconds", default="10,2", help="worker poll periods, one run each (default 10,2)"
+    )
     parser.add_argument("--kills", type=int, default=4, help="SIGKILLs per run (default 4)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
@@ -138,13 +170,23 @@ def main() -> None:
     try:
         server.wait_healthy()
         os.environ.update(PREFECT_API_URL=server.api_url, PREFECT_HOME=str(work / "home"))
-        results = [run_one(q.strip(), args.kills, work, server.api_url, f"pool-{i}") for i, q in enumerate(args.query_seconds.split(","))]
+        results = [
+            run_one(q.strip(), args.kills, work, server.api_url, f"pool-{i}")
+            for i, q in enumerate(args.query_seconds.split(","))
+        ]
     finally:
         server.stop()
     for r in results:
-        log(f"poll {r['query_seconds']:g}s: {r['state']}, kill -> first new step {r.get('kill_to_first_step_s_mean', float('nan')):.2f}s "
-            f"(to the process {r.get('kill_to_process_s_mean', float('nan')):.2f}s), second starts {r['second_starts']}, errors {r['errors']}")
-    out = {"measured": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "program": "bench_programs:wide", "every_steps": EVERY, "runs": results}
+        log(
+            f"poll {r['query_seconds']:g}s: {r['state']}, kill -> first new step {r.get('kill_to_first_step_s_mean', float('nan')):.2f}s "
+            f"(to the process {r.get('kill_to_process_s_mean', float('nan')):.2f}s), second starts {r['second_starts']}, errors {r['errors']}"
+        )
+    out = {
+        "measured": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "program": "bench_programs:wide",
+        "every_steps": EVERY,
+        "runs": results,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(out), flush=True)

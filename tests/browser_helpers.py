@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -22,7 +22,9 @@ OUTPUT = Path(os.environ.get("PREFECT_JAX_TEST_OUTPUT", ROOT / "test-output")) /
 def require_chromium() -> str:
     if CHROMIUM is None:
         if os.environ.get("CI") or os.environ.get("PREFECT_JAX_REQUIRE_BROWSER"):
-            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium for the browser tests")
+            pytest.fail(
+                "chromium is not installed: .ci/run installs Debian's chromium for the browser tests"
+            )
         pytest.skip("no chromium here (apt-get install chromium)")
     return CHROMIUM
 
@@ -35,7 +37,9 @@ def browser_page() -> Iterator:
     executable = require_chromium()
     OUTPUT.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        browser = p.chromium.launch(
+            executable_path=executable, args=["--no-sandbox", "--disable-dev-shm-usage"]
+        )
         try:
             yield browser.new_page(viewport={"width": 1400, "height": 1000})
         finally:

@@ -14,7 +14,9 @@ write_bytecode()  # this process and every one it starts cache what they compile
 # and MLflow failures fail the tests instead of warning.
 _HOME = tempfile.mkdtemp(prefix="prefect-jax-tests-")
 os.environ.setdefault("PREFECT_HOME", _HOME)
-os.environ.setdefault("PREFECT_JAX_CACHE_DIR", os.path.join(_HOME, "cache"))  # not the user's ~/.cache/prefect-jax
+os.environ.setdefault(
+    "PREFECT_JAX_CACHE_DIR", os.path.join(_HOME, "cache")
+)  # not the user's ~/.cache/prefect-jax
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_JAX_MLFLOW_STRICT"] = "1"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -58,7 +60,16 @@ def job_config(tmp_path, mlflow_uri):
     """Build a JobConfig for the tiny program in a fresh temp dir: job_config(max_steps=40, ...)."""
     from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
 
-    def make(max_steps=40, every_steps=20, job="tiny", exporters=(), eval_steps=None, keep_last=3, program=TINY, **train):
+    def make(
+        max_steps=40,
+        every_steps=20,
+        job="tiny",
+        exporters=(),
+        eval_steps=None,
+        keep_last=3,
+        program=TINY,
+        **train,
+    ):
         return JobConfig(
             program=program,
             job=job,
@@ -113,7 +124,11 @@ def hold_commit(monkeypatch, step: int):
 
     commit = threading.Event()
     checksum = Checkpoints._checksum_step_in_flight
-    monkeypatch.setattr(Checkpoints, "_checksum_step_in_flight", lambda self: (self._saving != step or commit.wait(60), checksum(self)))
+    monkeypatch.setattr(
+        Checkpoints,
+        "_checksum_step_in_flight",
+        lambda self: (self._saving != step or commit.wait(60), checksum(self)),
+    )
     return commit
 
 

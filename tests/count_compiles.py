@@ -35,7 +35,13 @@ class _Count(logging.Handler):
             self.counts["cache_hit"] += 1
 
 
-def main(storage: str, mlflow_uri: str, cache_dir: str | None = None, storage_options: str = "{}", mode: str = "") -> None:
+def main(
+    storage: str,
+    mlflow_uri: str,
+    cache_dir: str | None = None,
+    storage_options: str = "{}",
+    mode: str = "",
+) -> None:
     import jax
 
     jax.config.update("jax_log_compiles", True)  # compiles and cache hits at WARNING
@@ -46,10 +52,15 @@ def main(storage: str, mlflow_uri: str, cache_dir: str | None = None, storage_op
     from prefect_jax.training.trainer import Trainer
 
     config = JobConfig(
-        program="prefect_jax.examples.digits:tiny", job="compiles", storage=storage,
-        train=TrainSpec(max_steps=80, log_every_steps=10), checkpoint=CheckpointSpec(every_steps=20, keep_last=None),
-        mlflow_tracking_uri=mlflow_uri, compilation_cache_dir=cache_dir, storage_options=json.loads(storage_options),
-    )  # fmt: skip
+        program="prefect_jax.examples.digits:tiny",
+        job="compiles",
+        storage=storage,
+        train=TrainSpec(max_steps=80, log_every_steps=10),
+        checkpoint=CheckpointSpec(every_steps=20, keep_last=None),
+        mlflow_tracking_uri=mlflow_uri,
+        compilation_cache_dir=cache_dir,
+        storage_options=json.loads(storage_options),
+    )
     if mode == "slow-pull":
         from prefect_jax.training.compile_cache import CompileCacheMirror
 

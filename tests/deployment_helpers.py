@@ -60,7 +60,12 @@ class _GroupProcess:
         self.log = log
         self._log_file = open(log, "ab")
         self.proc = subprocess.Popen(
-            args, env=env, cwd=cwd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
+            args,
+            env=env,
+            cwd=cwd,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     @property
@@ -111,9 +116,23 @@ class PrefectServerProcess(_GroupProcess):
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.ui_url = f"http://127.0.0.1:{self.port}"
         if ui:  # the UI, calling this server's API (not the default :4200)
-            extra_env = {"PREFECT_UI_ENABLED": "true", "PREFECT_UI_API_URL": self.api_url, **extra_env}
+            extra_env = {
+                "PREFECT_UI_ENABLED": "true",
+                "PREFECT_UI_API_URL": self.api_url,
+                **extra_env,
+            }
         env = _base_env(PREFECT_HOME=str(home), PREFECT_LOGGING_LEVEL="WARNING", **extra_env)
-        args = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+        args = [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         super().__init__(args, env, home / "server.log")
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
@@ -122,7 +141,9 @@ class PrefectServerProcess(_GroupProcess):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(f"prefect server exited with {self.proc.returncode}:\n{self.tail()}")
+                raise RuntimeError(
+                    f"prefect server exited with {self.proc.returncode}:\n{self.tail()}"
+                )
             try:
                 if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
                     return
@@ -143,7 +164,9 @@ class ServeProcess(_GroupProcess):
             PREFECT_API_URL=api_url,
             PREFECT_LOGGING_LEVEL="INFO",
             PREFECT_RUNNER_POLL_FREQUENCY="1",  # pick up a scheduled (or retried) run within a second
-            PYTHONPATH=os.pathsep.join(p for p in (str(HERE), str(ROOT), os.environ.get("PYTHONPATH")) if p),
+            PYTHONPATH=os.pathsep.join(
+                p for p in (str(HERE), str(ROOT), os.environ.get("PYTHONPATH")) if p
+            ),
         )
         env.update(extra_env)
         if mode not in MODES:
@@ -151,8 +174,17 @@ class ServeProcess(_GroupProcess):
         super().__init__([sys.executable, str(Path(__file__).resolve()), mode], env, log)
 
 
-def trainer_on_process_worker(api_url: str, pool: str, name: str, params: dict, home: Path, log: Path, query_seconds: str,
-                              paths: list[str], **extra_env: str):
+def trainer_on_process_worker(
+    api_url: str,
+    pool: str,
+    name: str,
+    params: dict,
+    home: Path,
+    log: Path,
+    query_seconds: str,
+    paths: list[str],
+    **extra_env: str,
+):
     """The README's deployment of the trainer: a ``process`` work pool `pool`, the `train` flow
     of this checkout deployed to it as ``train/<name>`` with `params`, the rerun automation for
     it, and ``prefect worker start --pool <pool>`` polling every `query_seconds` (PYTHONPATH:
@@ -166,14 +198,29 @@ def trainer_on_process_worker(api_url: str, pool: str, name: str, params: dict, 
 
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-    deployment_id = train.from_source(source=str(ROOT), entrypoint="prefect_jax/flows/__init__.py:train").deploy(
-        name=name, work_pool_name=pool, parameters=params, build=False, push=False, print_next_steps=False
+    deployment_id = train.from_source(
+        source=str(ROOT), entrypoint="prefect_jax/flows/__init__.py:train"
+    ).deploy(
+        name=name,
+        work_pool_name=pool,
+        parameters=params,
+        build=False,
+        push=False,
+        print_next_steps=False,
     )
     create_rerun_automation(f"train/{name}")
-    env = _base_env(PREFECT_HOME=str(home), PREFECT_API_URL=api_url, PREFECT_LOGGING_LEVEL="INFO",
-                    PREFECT_WORKER_QUERY_SECONDS=query_seconds, PYTHONPATH=os.pathsep.join([*paths, str(ROOT)]), **extra_env)  # fmt: skip
+    env = _base_env(
+        PREFECT_HOME=str(home),
+        PREFECT_API_URL=api_url,
+        PREFECT_LOGGING_LEVEL="INFO",
+        PREFECT_WORKER_QUERY_SECONDS=query_seconds,
+        PYTHONPATH=os.pathsep.join([*paths, str(ROOT)]),
+        **extra_env,
+    )
     env = {k: v for k, v in env.items() if v is not None}
-    return deployment_id, _GroupProcess([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool], env, log)
+    return deployment_id, _GroupProcess(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool], env, log
+    )
 
 
 def serve(name: str = DEPLOYMENT) -> None:
@@ -215,7 +262,9 @@ def logs(*procs: _GroupProcess, chars: int = 6000) -> str:
     return "\n".join(f"--- {p.log.name} ---\n{p.tail(chars)}" for p in procs)
 
 
-def wait_for_deployments(client, serve: ServeProcess, names: list[str], timeout: float = 120.0) -> dict:
+def wait_for_deployments(
+    client, serve: ServeProcess, names: list[str], timeout: float = 120.0
+) -> dict:
     """``{name: deployment}`` once `serve` has registered every deployment in `names`."""
     found: dict = {}
     deadline = time.monotonic() + timeout
@@ -231,7 +280,9 @@ def wait_for_deployments(client, serve: ServeProcess, names: list[str], timeout:
         if len(found) == len(names):
             return found
         time.sleep(0.5)
-    raise AssertionError(f"deployments {sorted(set(names) - set(found))} not registered after {timeout:.0f}s\n{logs(serve)}")
+    raise AssertionError(
+        f"deployments {sorted(set(names) - set(found))} not registered after {timeout:.0f}s\n{logs(serve)}"
+    )
 
 
 def job_config(params: dict):

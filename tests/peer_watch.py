@@ -17,8 +17,21 @@ import time
 
 from prefect_jax.training import cluster, peer_watch
 
-index, count, port, mode, flag = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-cluster.initialize(cluster.ClusterConfig(num_processes=count, process_id=index, coordinator_address=f"127.0.0.1:{port}", source="test"))
+index, count, port, mode, flag = (
+    int(sys.argv[1]),
+    int(sys.argv[2]),
+    sys.argv[3],
+    sys.argv[4],
+    sys.argv[5],
+)
+cluster.initialize(
+    cluster.ClusterConfig(
+        num_processes=count,
+        process_id=index,
+        coordinator_address=f"127.0.0.1:{port}",
+        source="test",
+    )
+)
 
 from jax._src import distributed  # noqa: E402
 
@@ -35,7 +48,9 @@ if index == last:
 
 print("waiting", flush=True)
 try:
-    cluster.wait_unless_lost(lambda: client.wait_at_barrier("end", 120_000), f"process {last} at the barrier")
+    cluster.wait_unless_lost(
+        lambda: client.wait_at_barrier("end", 120_000), f"process {last} at the barrier"
+    )
     print("wait ended", flush=True)
     while not os.path.exists(flag):
         time.sleep(0.05)

@@ -27,11 +27,16 @@ def start_run(args: list[str], api_url: str, log_path, **extra_env: str) -> subp
     log = open(log_path, "w")
     return subprocess.Popen(
         [sys.executable, "-m", "prefect_jax.cli", "run", *args],
-        stdout=log, stderr=subprocess.STDOUT, env=cli_env(api_url, **extra_env), cwd=TESTS_DIR,
-    )  # fmt: skip
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=cli_env(api_url, **extra_env),
+        cwd=TESTS_DIR,
+    )
 
 
-def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 0.002):
+def wait_until(
+    predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 0.002
+):
     """Poll `predicate` until it is true; fail naming `what` on timeout or if `proc` ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -48,7 +53,11 @@ def orbax_tmp_dirs(checkpoint_dir: str, step: int | None = None) -> list[str]:
     """Temporary directories of saves in flight (of `step`, or of any step)."""
     prefix = f"{step}.orbax-checkpoint-tmp" if step is not None else ""
     try:
-        return [n for n in os.listdir(checkpoint_dir) if ".orbax-checkpoint-tmp" in n and n.startswith(prefix)]
+        return [
+            n
+            for n in os.listdir(checkpoint_dir)
+            if ".orbax-checkpoint-tmp" in n and n.startswith(prefix)
+        ]
     except FileNotFoundError:
         return []
 
@@ -58,9 +67,22 @@ def status(job: str, storage: str) -> dict:
     import json
 
     out = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage, "--json"],
-        capture_output=True, text=True, check=True, cwd=TESTS_DIR,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "prefect_jax.cli",
+            "status",
+            "--job",
+            job,
+            "--storage",
+            storage,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=TESTS_DIR,
+    ).stdout
     return json.loads(out.splitlines()[-1])
 
 
@@ -73,8 +95,13 @@ def job_events(api_url, job, storage, prefix="prefect-jax.", expect=1, timeout=3
 
     deadline = time.monotonic() + timeout
     while True:
-        body = {"filter": {"event": {"prefix": [prefix]}, "any_resource": {"id": [job_resource_id(job, storage)]}},
-                "limit": 50}
+        body = {
+            "filter": {
+                "event": {"prefix": [prefix]},
+                "any_resource": {"id": [job_resource_id(job, storage)]},
+            },
+            "limit": 50,
+        }
         response = httpx.post(f"{api_url}/events/filter", json=body, timeout=30)
         assert response.status_code == 200, response.text
         events = response.json()["events"]

@@ -14,7 +14,9 @@ class FailingDigits(DigitsProgram):
     behaves (None: every time).
     """
 
-    def __init__(self, fail_at: int, error: type[BaseException] = OSError, failures: int | None = 1):
+    def __init__(
+        self, fail_at: int, error: type[BaseException] = OSError, failures: int | None = 1
+    ):
         super().__init__(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
         self.fail_at, self.error, self.failures_left = fail_at, error, failures
         self._lock = threading.Lock()
@@ -103,7 +105,6 @@ class BigDigits(Paced, DigitsProgram):
 
 def big():
     return BigDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
-
 
 
 class PacedDigits(Paced, DigitsProgram):

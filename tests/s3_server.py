@@ -75,13 +75,19 @@ def closed_port() -> int:
     return free_port()
 
 
-def storage_options(endpoint_url: str, key: str = ACCESS_KEY, secret: str = SECRET_KEY, **extra) -> dict:
+def storage_options(
+    endpoint_url: str, key: str = ACCESS_KEY, secret: str = SECRET_KEY, **extra
+) -> dict:
     """s3fs storage options for a loopback endpoint: explicit credentials, short timeouts, few retries."""
     options = {
         "key": key,
         "secret": secret,
         "client_kwargs": {"endpoint_url": endpoint_url, "region_name": REGION},
-        "config_kwargs": {"connect_timeout": 2, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}},
+        "config_kwargs": {
+            "connect_timeout": 2,
+            "read_timeout": 30,
+            "retries": {"max_attempts": 2, "mode": "standard"},
+        },
         "skip_instance_cache": True,
     }
     options.update(extra)
@@ -140,7 +146,9 @@ class StorageCalls:
                 return sync(loop, func, *args, **kwargs)
             finally:
                 if part is not None:
-                    path = next((a for a in args if isinstance(a, (str, list))), "")  # (a method's own: after the file system)
+                    path = next(
+                        (a for a in args if isinstance(a, (str, list))), ""
+                    )  # (a method's own: after the file system)
                     self.calls[part][(func.__name__, _file(path))] += 1
                     self.secs[part] += time.perf_counter() - began
 
@@ -167,7 +175,7 @@ class S3Server:
     def storage_options(self) -> dict:
         return storage_options(self.endpoint_url)
 
-    def start(self) -> "S3Server":
+    def start(self) -> S3Server:
         env = dict(os.environ)
         isolate_aws_env(env)
         env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = ACCESS_KEY, SECRET_KEY
@@ -188,7 +196,9 @@ class S3Server:
             except OSError:
                 time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"moto server did not listen on {self.endpoint_url} within {self.startup_timeout:.0f}s:\n{self.log()}")
+        raise RuntimeError(
+            f"moto server did not listen on {self.endpoint_url} within {self.startup_timeout:.0f}s:\n{self.log()}"
+        )
 
     def log(self) -> str:
         if self._log is None:
@@ -218,7 +228,9 @@ class S3Server:
 
         CheckpointStorage(
             url=url,
-            storage_options={"client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION}},
+            storage_options={
+                "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION}
+            },
             secret_options={"key": ACCESS_KEY, "secret": secret},
         ).save(name, overwrite=True)
         return f"jax-checkpoint-storage/{name}"
@@ -236,7 +248,7 @@ class S3Server:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> "S3Server":
+    def __enter__(self) -> S3Server:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -33,7 +33,9 @@ def sigterm_inside_a_gc_callback() -> None:
         if phase == "start" and not _sent:
             _sent.append(True)
             os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(100_000):  # (CPython runs the handler as `os.kill` returns; else at this loop's first check)
+            for _ in range(
+                100_000
+            ):  # (CPython runs the handler as `os.kill` returns; else at this loop's first check)
                 pass
 
     gc.callbacks.append(callback)
@@ -83,9 +85,14 @@ def _run_the_flow(argv: list[str]) -> int:
     from prefect_jax.training.specs import CheckpointSpec, TrainSpec
 
     args = build_parser().parse_args(["run", *argv])
-    train_and_evaluate(program=args.program, job=args.job, storage=args.storage, mlflow_tracking_uri=args.mlflow_tracking_uri,
-                       train_spec=TrainSpec(max_steps=args.max_steps),
-                       checkpoint_spec=CheckpointSpec(every_steps=args.checkpoint_every_steps))  # fmt: skip
+    train_and_evaluate(
+        program=args.program,
+        job=args.job,
+        storage=args.storage,
+        mlflow_tracking_uri=args.mlflow_tracking_uri,
+        train_spec=TrainSpec(max_steps=args.max_steps),
+        checkpoint_spec=CheckpointSpec(every_steps=args.checkpoint_every_steps),
+    )
     return 0
 
 

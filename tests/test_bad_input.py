@@ -17,7 +17,13 @@ TINY = "prefect_jax.examples.digits:tiny"
 
 def _cli(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    return subprocess.run([*prefix, sys.executable, "-m", "prefect_jax.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "prefect_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def _one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:
@@ -42,14 +48,25 @@ def _tree_digest(root) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, mlflow_uri):
     """A job with steps 20 and 40 committed, evaluated and exported (shared by this module)."""
-    from prefect_jax.training.specs import CheckpointSpec, EvalSpec, FinalExporter, JobConfig, TrainSpec
+    from prefect_jax.training.specs import (
+        CheckpointSpec,
+        EvalSpec,
+        FinalExporter,
+        JobConfig,
+        TrainSpec,
+    )
     from prefect_jax.training.trainer import Trainer
 
     storage = tmp_path_factory.mktemp("bad-input") / "storage"
     config = JobConfig(
-        program=TINY, job="j", storage=str(storage), train=TrainSpec(max_steps=40, log_every_steps=10),
-        checkpoint=CheckpointSpec(every_steps=20), eval=EvalSpec(exporters=[FinalExporter()]), mlflow_tracking_uri=mlflow_uri,
-    )  # fmt: skip
+        program=TINY,
+        job="j",
+        storage=str(storage),
+        train=TrainSpec(max_steps=40, log_every_steps=10),
+        checkpoint=CheckpointSpec(every_steps=20),
+        eval=EvalSpec(exporters=[FinalExporter()]),
+        mlflow_tracking_uri=mlflow_uri,
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     train_to_end(trainer)
@@ -58,27 +75,47 @@ def trained(tmp_path_factory, mlflow_uri):
     return config, storage
 
 
-def test_max_steps_below_the_committed_step_is_refused_by_the_cli_and_the_engine(trained, mlflow_uri):
+def test_max_steps_below_the_committed_step_is_refused_by_the_cli_and_the_engine(
+    trained, mlflow_uri
+):
     from prefect_jax.training.errors import PastMaxStepsError
     from prefect_jax.training.trainer import Trainer
 
     config, storage = trained
     before = _tree_digest(storage)
-    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(storage), "--max-steps", "30",
-                "--mlflow-tracking-uri", mlflow_uri, "--json")  # fmt: skip
+    proc = _cli(
+        "run",
+        "--program",
+        TINY,
+        "--job",
+        "j",
+        "--storage",
+        str(storage),
+        "--max-steps",
+        "30",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+    )
     assert proc.returncode == 2
     line = _one_error_line(proc, "run")
-    assert "max_steps=30 is below step 40" in line and "--max-steps" in line and "above 40" in line, line
+    assert (
+        "max_steps=30 is below step 40" in line and "--max-steps" in line and "above 40" in line
+    ), line
     assert proc.stdout == ""  # no summary claiming a final step above max_steps
 
     # A deployment's run does not come through the CLI: the engine refuses it too, before the lease.
-    trainer = Trainer(config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 30})}))
+    trainer = Trainer(
+        config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 30})})
+    )
     try:
         with pytest.raises(PastMaxStepsError, match="max_steps=30 is below step 40"):
             trainer.restore_or_init()
     finally:
         trainer.close()
-    assert _tree_digest(storage) == before  # nothing saved lost, nothing written (no lease, no attempt)
+    assert (
+        _tree_digest(storage) == before
+    )  # nothing saved lost, nothing written (no lease, no attempt)
 
 
 def _read_only(path) -> tuple[str, ...]:
@@ -92,24 +129,45 @@ def _read_only(path) -> tuple[str, ...]:
         return ()
     setpriv = shutil.which("setpriv")
     if setpriv is None:
-        pytest.fail("running as root needs setpriv (util-linux) to drop CAP_DAC_OVERRIDE for this test")
+        pytest.fail(
+            "running as root needs setpriv (util-linux) to drop CAP_DAC_OVERRIDE for this test"
+        )
     caps = "-dac_override,-dac_read_search,-fowner"
     return (setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}")
 
 
 @pytest.mark.parametrize("command", ["run", "evaluate"])
-def test_read_only_storage_is_one_clear_error_and_nothing_changes(trained, tmp_path, mlflow_uri, command):
+def test_read_only_storage_is_one_clear_error_and_nothing_changes(
+    trained, tmp_path, mlflow_uri, command
+):
     _, storage = trained
     copy = tmp_path / "read-only"
     shutil.copytree(storage, copy)
     prefix = _read_only(copy)
     before = _tree_digest(copy)
     try:
-        proc = _cli(command, "--program", TINY, "--job", "j", "--storage", str(copy), "--max-steps", "60",
-                    "--mlflow-tracking-uri", mlflow_uri, "--no-progress", prefix=prefix)  # fmt: skip
+        proc = _cli(
+            command,
+            "--program",
+            TINY,
+            "--job",
+            "j",
+            "--storage",
+            str(copy),
+            "--max-steps",
+            "60",
+            "--mlflow-tracking-uri",
+            mlflow_uri,
+            "--no-progress",
+            prefix=prefix,
+        )
         assert proc.returncode == 1, proc.stderr[-3000:]
         line = _one_error_line(proc, command)
-        assert f"storage {copy} is not writable" in line and "PermissionError" in line and "--storage" in line, line
+        assert (
+            f"storage {copy} is not writable" in line
+            and "PermissionError" in line
+            and "--storage" in line
+        ), line
         assert _tree_digest(copy) == before
     finally:
         for folder, _, _ in os.walk(copy):
@@ -146,13 +204,17 @@ def test_these_refusals_are_not_retried():
     """A flow's task retries transient errors only: these two need the user, not a retry."""
     from prefect_jax.training.errors import PastMaxStepsError, StorageNotWritableError, is_transient
 
-    assert not is_transient(StorageNotWritableError("/data", PermissionError(13, "Permission denied")))
+    assert not is_transient(
+        StorageNotWritableError("/data", PermissionError(13, "Permission denied"))
+    )
     assert not is_transient(PastMaxStepsError("/data/j", 40, 30))
     assert is_transient(PermissionError(13, "Permission denied"))  # unchanged for other I/O
 
 
 @pytest.mark.parametrize("value", ["soon", "inf"])
-def test_a_bad_ui_refresh_setting_is_one_clear_line_before_any_flow_runs(tmp_path, monkeypatch, value):
+def test_a_bad_ui_refresh_setting_is_one_clear_line_before_any_flow_runs(
+    tmp_path, monkeypatch, value
+):
     monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", value)
     proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"))
     assert proc.returncode == 2

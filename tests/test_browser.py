@@ -39,17 +39,43 @@ def _flow_run_id(api_url: str, job: str) -> str:
     """Over the REST API (Playwright's sync API owns this thread's event loop)."""
     import httpx
 
-    runs = httpx.post(f"{api_url}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}}}).json()
+    runs = httpx.post(
+        f"{api_url}/flow_runs/filter",
+        json={"flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}}},
+    ).json()
     return runs[0]["id"]
 
 
-def test_a_flow_run_page_shows_step_named_task_runs_and_the_artifacts(ui_server, page, tmp_path, mlflow_uri):
+def test_a_flow_run_page_shows_step_named_task_runs_and_the_artifacts(
+    ui_server, page, tmp_path, mlflow_uri
+):
     run = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", TINY, "--job", "ui-job", "--storage",
-         str(tmp_path / "storage"), "--max-steps", "40", "--checkpoint-every-steps", "20",
-         "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
-        env=_base_env(PREFECT_API_URL=ui_server.api_url), capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "prefect_jax.cli",
+            "run",
+            "--program",
+            TINY,
+            "--job",
+            "ui-job",
+            "--storage",
+            str(tmp_path / "storage"),
+            "--max-steps",
+            "40",
+            "--checkpoint-every-steps",
+            "20",
+            "--mlflow-tracking-uri",
+            mlflow_uri,
+            "--json",
+            "--no-progress",
+        ],
+        env=_base_env(PREFECT_API_URL=ui_server.api_url),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["final_step"] == 40
@@ -60,14 +86,25 @@ def test_a_flow_run_page_shows_step_named_task_runs_and_the_artifacts(ui_server,
     page.screenshot(path=str(OUTPUT / "flow-run.png"), full_page=True)
 
     page.get_by_text("Task Runs", exact=True).first.click()
-    for name in ("restore or init ui-job", "train 0 to 20", "train 20 to 40", "evaluate 20", "evaluate 40", "export 40"):
+    for name in (
+        "restore or init ui-job",
+        "train 0 to 20",
+        "train 20 to 40",
+        "evaluate 20",
+        "evaluate 40",
+        "export 40",
+    ):
         page.get_by_text(name, exact=True).first.wait_for(timeout=30_000)
     page.screenshot(path=str(OUTPUT / "flow-run-task-runs.png"), full_page=True)
 
     page.get_by_text("Artifacts", exact=True).first.click()
     page.get_by_text("ui-job-eval-results").first.wait_for(timeout=30_000)
-    page.get_by_text("ui-job-mlflow-run").first.wait_for(timeout=30_000)  # the link to the MLflow run
-    page.get_by_text("ui-job-goodput").first.wait_for(timeout=30_000)  # what the job's time went into
+    page.get_by_text("ui-job-mlflow-run").first.wait_for(
+        timeout=30_000
+    )  # the link to the MLflow run
+    page.get_by_text("ui-job-goodput").first.wait_for(
+        timeout=30_000
+    )  # what the job's time went into
     body = page.inner_text("body")
     assert "training ui-job: step 40 of 40" in body, body[-2000:]
     page.screenshot(path=str(OUTPUT / "flow-run-artifacts.png"), full_page=True)

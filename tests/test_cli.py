@@ -30,45 +30,108 @@ def _last_json(proc):
 
 
 def test_bad_input_is_a_clear_error_and_nothing_runs(tmp_path):
-    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path), "--max-steps", "0", "--json")
+    proc = _cli(
+        "run",
+        "--program",
+        TINY,
+        "--job",
+        "j",
+        "--storage",
+        str(tmp_path),
+        "--max-steps",
+        "0",
+        "--json",
+    )
     assert proc.returncode == 2
     assert "max_steps=0 must be a positive number" in proc.stderr
     assert not (tmp_path / "j").exists()
 
 
 @pytest.mark.slow
-def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_command(tmp_path, prefect_server,
-                                                                                     mlflow_uri, monkeypatch):
+def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_command(
+    tmp_path, prefect_server, mlflow_uri, monkeypatch
+):
     """The command turns Python's garbage collector off through its start-up's imports (~0.4 s of
     its start-up on 2 CPUs) and on again, with the imports frozen, before the flow runs: a job of
     hours must not run without it. A command refused before it starts turns it back on too."""
     log = tmp_path / "gc.jsonl"
-    proc = _cli("run", "--program", "tests.programs:gc_watching", "--job", "gc", "--storage", str(tmp_path / "s"),
-                "--max-steps", "20", "--checkpoint-every-steps", "10", "--mlflow-tracking-uri", mlflow_uri, "--json",
-                "--no-progress", env={"PREFECT_API_URL": prefect_server, "PREFECT_JAX_TEST_GC_LOG": str(log)})  # fmt: skip
+    proc = _cli(
+        "run",
+        "--program",
+        "tests.programs:gc_watching",
+        "--job",
+        "gc",
+        "--storage",
+        str(tmp_path / "s"),
+        "--max-steps",
+        "20",
+        "--checkpoint-every-steps",
+        "10",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+        env={"PREFECT_API_URL": prefect_server, "PREFECT_JAX_TEST_GC_LOG": str(log)},
+    )
     assert _last_json(proc)["final_step"] == 20
     seen = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(seen) >= 2 and all(s["enabled"] for s in seen), seen
-    assert all(s["frozen"] > 100_000 for s in seen), seen  # Prefect's, JAX's and the program's objects
+    assert all(s["frozen"] > 100_000 for s in seen), (
+        seen
+    )  # Prefect's, JAX's and the program's objects
 
     import gc
 
     from prefect_jax import cli
 
     for name in ("PREFECT_SERVER_ANALYTICS_ENABLED", "TF_CPP_MIN_LOG_LEVEL", "GIT_PYTHON_REFRESH"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))  # what main() sets is undone after the test
+        monkeypatch.setenv(
+            name, os.environ.get(name, "")
+        )  # what main() sets is undone after the test
     monkeypatch.chdir(tmp_path)
     import signal
 
     handler = signal.getsignal(signal.SIGTERM)
     try:
         assert gc.isenabled()
-        assert cli.main(["run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "r"), "--max-steps", "0",
-                         "--mlflow-tracking-uri", mlflow_uri]) == 2  # fmt: skip
+        assert (
+            cli.main(
+                [
+                    "run",
+                    "--program",
+                    TINY,
+                    "--job",
+                    "j",
+                    "--storage",
+                    str(tmp_path / "r"),
+                    "--max-steps",
+                    "0",
+                    "--mlflow-tracking-uri",
+                    mlflow_uri,
+                ]
+            )
+            == 2
+        )
         assert gc.isenabled()
         gc.disable()  # a caller's choice is left as it was
-        assert cli.main(["run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "r"), "--max-steps", "0",
-                         "--mlflow-tracking-uri", mlflow_uri]) == 2  # fmt: skip
+        assert (
+            cli.main(
+                [
+                    "run",
+                    "--program",
+                    TINY,
+                    "--job",
+                    "j",
+                    "--storage",
+                    str(tmp_path / "r"),
+                    "--max-steps",
+                    "0",
+                    "--mlflow-tracking-uri",
+                    mlflow_uri,
+                ]
+            )
+            == 2
+        )
         assert not gc.isenabled()
     finally:
         gc.enable()
@@ -78,11 +141,34 @@ def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_co
 @pytest.mark.slow
 def test_run_json_rerun_and_status(tmp_path, prefect_server, mlflow_uri):
     env = {"PREFECT_API_URL": prefect_server}
-    args = ["run", "--program", TINY, "--job", "cli-job", "--storage", str(tmp_path / "s"), "--max-steps", "40",
-            "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
+    args = [
+        "run",
+        "--program",
+        TINY,
+        "--job",
+        "cli-job",
+        "--storage",
+        str(tmp_path / "s"),
+        "--max-steps",
+        "40",
+        "--checkpoint-every-steps",
+        "20",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
     first = _last_json(_cli(*args, env=env))
-    expected_keys = {"job", "final_step", "eval", "checkpoint_dir", "mlflow_tracking_uri", "mlflow_run_id", "exports",
-                     "state_fingerprint"}
+    expected_keys = {
+        "job",
+        "final_step",
+        "eval",
+        "checkpoint_dir",
+        "mlflow_tracking_uri",
+        "mlflow_run_id",
+        "exports",
+        "state_fingerprint",
+    }
     assert expected_keys <= set(first)
     assert first["final_step"] == 40 and first["job"] == "cli-job"
     assert first["exports"] == {"best": first["exports"]["best"], "final": [40], "latest": [20, 40]}
@@ -91,13 +177,17 @@ def test_run_json_rerun_and_status(tmp_path, prefect_server, mlflow_uri):
     assert second["state_fingerprint"] == first["state_fingerprint"]
     assert second["mlflow_run_id"] == first["mlflow_run_id"]
 
-    status = _last_json(_cli("status", "--job", "cli-job", "--storage", str(tmp_path / "s"), "--json"))
+    status = _last_json(
+        _cli("status", "--job", "cli-job", "--storage", str(tmp_path / "s"), "--json")
+    )
     assert status["committed_steps"] == [20, 40]
     assert status["evaluated_steps"] == {"eval": [20, 40]}
     assert status["exports"]["latest"] == [20, 40]
     from prefect_jax.deployments import job_resource_id
 
-    assert status["event_resource_id"] == job_resource_id("cli-job", str(tmp_path / "s"))  # what its events carry
+    assert status["event_resource_id"] == job_resource_id(
+        "cli-job", str(tmp_path / "s")
+    )  # what its events carry
 
 
 def _port_open(port):
@@ -108,8 +198,17 @@ def _port_open(port):
 @pytest.mark.slow
 def test_demo_on_embedded_defaults_reaches_accuracy_and_ends_cleanly(tmp_path):
     workdir = tmp_path / "demo"
-    proc = _cli("demo", "--workdir", str(workdir), "--max-steps", "200", "--checkpoint-every-steps", "100", "--json",
-                env={"PREFECT_LOGGING_LEVEL": "INFO"})
+    proc = _cli(
+        "demo",
+        "--workdir",
+        str(workdir),
+        "--max-steps",
+        "200",
+        "--checkpoint-every-steps",
+        "100",
+        "--json",
+        env={"PREFECT_LOGGING_LEVEL": "INFO"},
+    )
     summary = _last_json(proc)
     assert summary["eval"]["accuracy"] >= 0.95
     assert summary["final_step"] == 200
@@ -119,34 +218,58 @@ def test_demo_on_embedded_defaults_reaches_accuracy_and_ends_cleanly(tmp_path):
     # One server: none started again by Prefect for a thread outside the command's settings (the
     # checkpoint events are sent from one: they go to this server too).
     assert proc.stderr.count("Starting temporary server") == 1, proc.stderr[-3000:]
-    port = int(re.search(r"Starting temporary server on http://127.0.0.1:(\d+)", proc.stderr).group(1))
+    port = int(
+        re.search(r"Starting temporary server on http://127.0.0.1:(\d+)", proc.stderr).group(1)
+    )
     assert not _port_open(port), "the embedded Prefect server outlived the command"
     assert any("mlflow ui --backend-store-uri" in line for line in summary["browse"])
 
 
 def test_a_misspelt_flag_is_refused_with_the_subcommands_usage(tmp_path):
-    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path), "--max-step", "40")
+    proc = _cli(
+        "run", "--program", TINY, "--job", "j", "--storage", str(tmp_path), "--max-step", "40"
+    )
     assert proc.returncode == 2
     assert "usage: prefect-jax run" in proc.stderr  # the subcommand's usage, not the top-level one
     assert "prefect-jax run: error: unrecognized arguments: --max-step 40" in proc.stderr
-    assert not (tmp_path / "j").exists(), "no prefix matching: nothing ran as if --max-steps had been given"
+    assert not (tmp_path / "j").exists(), (
+        "no prefix matching: nothing ran as if --max-steps had been given"
+    )
 
 
 @pytest.mark.slow
 def test_the_roles_from_the_command_line(tmp_path, prefect_server, mlflow_uri):
     """`train` (with --steps-per-dispatch), then `evaluate --once`, then `export`: TF's chief and evaluator."""
     env = {"PREFECT_API_URL": prefect_server}
-    job = ["--program", TINY, "--job", "roles", "--storage", str(tmp_path / "s"), "--max-steps", "40",
-           "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
+    job = [
+        "--program",
+        TINY,
+        "--job",
+        "roles",
+        "--storage",
+        str(tmp_path / "s"),
+        "--max-steps",
+        "40",
+        "--checkpoint-every-steps",
+        "20",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
     trained = _last_json(_cli("train", *job, "--steps-per-dispatch", "5", env=env))
     assert trained["final_step"] == 40 and trained["exports"] == {}
     evaluated = _last_json(_cli("evaluate", *job, "--once", "--poll-secs", "0.2", env=env))
     assert evaluated["evaluated"] == [20, 40] and evaluated["exports"]["final"] == [40]
     exported = _last_json(_cli("export", *job, "--step", "20", "--exporters", "latest", env=env))
-    assert exported["exports"] == {"latest": str(tmp_path / "s" / "roles" / "exports" / "latest" / "20")}
+    assert exported["exports"] == {
+        "latest": str(tmp_path / "s" / "roles" / "exports" / "latest" / "20")
+    }
 
 
-def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(tmp_path, monkeypatch):
+def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(
+    tmp_path, monkeypatch
+):
     # Started before Prefect is imported, the embedded server must not be started for a user whose
     # profile names one (`prefect cloud login` writes PREFECT_API_URL there), nor where a settings
     # file in the working directory may.
@@ -161,8 +284,10 @@ def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(t
     assert not api_url_may_be_set_elsewhere()  # no profiles file at all
     (tmp_path / "home").mkdir()
     profiles = tmp_path / "home" / "profiles.toml"
-    profiles.write_text('active = "local"\n[profiles.local]\nPREFECT_LOGGING_LEVEL = "INFO"\n'
-                        '[profiles.cloud]\nPREFECT_API_URL = "https://api.prefect.cloud/api/accounts/a/workspaces/w"\n')
+    profiles.write_text(
+        'active = "local"\n[profiles.local]\nPREFECT_LOGGING_LEVEL = "INFO"\n'
+        '[profiles.cloud]\nPREFECT_API_URL = "https://api.prefect.cloud/api/accounts/a/workspaces/w"\n'
+    )
     assert not api_url_may_be_set_elsewhere()
     monkeypatch.setenv("PREFECT_PROFILE", "cloud")
     assert api_url_may_be_set_elsewhere()
@@ -182,7 +307,9 @@ def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(t
     monkeypatch.delenv("PREFECT_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "empty-home"))
     assert not api_url_may_be_set_elsewhere()
-    monkeypatch.setenv("PREFECT_PROFILE", "local")  # the shipped "local" profile names http://127.0.0.1:4200/api
+    monkeypatch.setenv(
+        "PREFECT_PROFILE", "local"
+    )  # the shipped "local" profile names http://127.0.0.1:4200/api
     assert api_url_may_be_set_elsewhere()
 
 
@@ -191,7 +318,18 @@ def _run_specs(*flags):
     from prefect_jax.cli import build_parser
     from prefect_jax.cli.commands import specs_from_args
 
-    args = build_parser().parse_args(["run", "--program", "prefect_jax.examples.digits:tiny", "--job", "j", "--storage", "/tmp/s", *flags])
+    args = build_parser().parse_args(
+        [
+            "run",
+            "--program",
+            "prefect_jax.examples.digits:tiny",
+            "--job",
+            "j",
+            "--storage",
+            "/tmp/s",
+            *flags,
+        ]
+    )
     return specs_from_args(args)
 
 
@@ -207,7 +345,9 @@ def test_export_platforms_come_from_the_command_and_default_to_none():
 @pytest.mark.slow
 # The command spawns its server before it imports JAX; in this test process JAX may be running.
 @pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
-def test_the_embedded_server_starts_without_registering_block_types_and_blocks_still_work(tmp_path, monkeypatch):
+def test_the_embedded_server_starts_without_registering_block_types_and_blocks_still_work(
+    tmp_path, monkeypatch
+):
     """The command's embedded server skips Prefect's block type registration at its start (to
     decide on it, even memoized, Prefect imports every installed Prefect collection: 1.5 s of its
     4.7 s start with the dev group's). A block saved through it registers its own type and loads
@@ -229,13 +369,20 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
         return {t["slug"] for t in response.json()}
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))  # a new database, no profiles file
-    for name in (*BLOCK_REGISTRATION_SETTINGS, *BLOCK_REGISTRATION_ALIASES, "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+    for name in (
+        *BLOCK_REGISTRATION_SETTINGS,
+        *BLOCK_REGISTRATION_ALIASES,
+        "PREFECT_PROFILE",
+        "PREFECT_PROFILES_PATH",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)  # no settings file of the working directory
     server = EmbeddedServer()
     try:
         api_url = server.wait(timeout=120)
-        assert "secret" not in block_types(api_url)  # Prefect's own block types: not registered at the start
+        assert "secret" not in block_types(
+            api_url
+        )  # Prefect's own block types: not registered at the start
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             CheckpointStorage(url=str(tmp_path / "ckpt")).save("nightly")
             assert CheckpointStorage.load("nightly").url == str(tmp_path / "ckpt")
@@ -244,7 +391,9 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
         server.stop()
 
     # The user's own setting is kept, here in their active profile (`prefect config set` writes it there).
-    (tmp_path / "home" / "profiles.toml").write_text('active = "mine"\n[profiles.mine]\nPREFECT_SERVER_REGISTER_BLOCKS_ON_START = "true"\n')
+    (tmp_path / "home" / "profiles.toml").write_text(
+        'active = "mine"\n[profiles.mine]\nPREFECT_SERVER_REGISTER_BLOCKS_ON_START = "true"\n'
+    )
     server = EmbeddedServer()
     try:
         assert "secret" in block_types(server.wait(timeout=120))

@@ -21,13 +21,21 @@ pytestmark = pytest.mark.slow
 
 
 def _run(*args: str, env: dict | None = None) -> dict:
-    proc = subprocess.run([sys.executable, "count_compiles.py", *args], capture_output=True, text=True, cwd=TESTS_DIR,
-                          timeout=300, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "count_compiles.py", *args],
+        capture_output=True,
+        text=True,
+        cwd=TESTS_DIR,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_the_train_step_compiles_once_per_run_and_not_at_all_from_a_warm_cache(tmp_path, mlflow_uri):
+def test_the_train_step_compiles_once_per_run_and_not_at_all_from_a_warm_cache(
+    tmp_path, mlflow_uri
+):
     first = _run(str(tmp_path / "a"), mlflow_uri)
     assert (first["start"], first["end"], first["compiled"]) == (0, 40, 1)
     rerun = _run(str(tmp_path / "a"), mlflow_uri)
@@ -40,7 +48,9 @@ def test_the_train_step_compiles_once_per_run_and_not_at_all_from_a_warm_cache(t
     assert warm["start"] == 40 and warm["cache_miss"] == 0 and warm["cache_hit"] >= 1
 
 
-def test_a_cache_on_object_storage_follows_the_job_to_another_machine(tmp_path, mlflow_uri, s3_server):
+def test_a_cache_on_object_storage_follows_the_job_to_another_machine(
+    tmp_path, mlflow_uri, s3_server
+):
     """The job's cache on S3 ("job": under its storage). Its first node is lost in the first
     interval, before any checkpoint (SIGKILL, no clean end): the train step it compiled is in
     storage already, and the rerun, on a machine whose local directories are elsewhere, loads
@@ -50,16 +60,36 @@ def test_a_cache_on_object_storage_follows_the_job_to_another_machine(tmp_path, 
     isolate_aws_env(env)
     bucket = s3_server.create_bucket("compiles")
     storage, options = f"{bucket}/{uuid.uuid4().hex[:8]}", json.dumps(s3_server.storage_options)
-    proc = subprocess.run([sys.executable, "count_compiles.py", storage, mlflow_uri, "job", options, "lost"], capture_output=True,
-                          text=True, cwd=TESTS_DIR, timeout=300, env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / "a")))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "count_compiles.py", storage, mlflow_uri, "job", options, "lost"],
+        capture_output=True,
+        text=True,
+        cwd=TESTS_DIR,
+        timeout=300,
+        env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / "a")),
+    )
     lost = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert proc.returncode == -9 and (lost["start"], lost["lost_at"], lost["cache_miss"], lost["cache_hit"]) == (0, 10, 1, 0), (lost, proc.stderr[-2000:])
+    assert proc.returncode == -9 and (
+        lost["start"],
+        lost["lost_at"],
+        lost["cache_miss"],
+        lost["cache_hit"],
+    ) == (0, 10, 1, 0), (lost, proc.stderr[-2000:])
     stored = s3_server.filesystem().ls(f"{storage}/compiles/compile-cache", detail=False)
     assert any(p.rsplit("/", 1)[-1].startswith("jit_step-") for p in stored), stored
 
     # Its copy in takes 3 s longer than usual: the trainer sets up meanwhile, and waits for it before compiling.
-    rerun = _run(storage, mlflow_uri, "job", options, "slow-pull", env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / "b")))
-    assert (rerun["start"], rerun["end"], rerun["cache_miss"]) == (0, 40, 0) and rerun["cache_hit"] >= 1
+    rerun = _run(
+        storage,
+        mlflow_uri,
+        "job",
+        options,
+        "slow-pull",
+        env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / "b")),
+    )
+    assert (rerun["start"], rerun["end"], rerun["cache_miss"]) == (0, 40, 0) and rerun[
+        "cache_hit"
+    ] >= 1
 
 
 def test_an_unreachable_cache_is_skipped_with_a_warning(tmp_path, caplog, monkeypatch):
@@ -76,7 +106,9 @@ def test_an_unreachable_cache_is_skipped_with_a_warning(tmp_path, caplog, monkey
         assert mirror.pull() == []
         assert mirror.flush(timeout=120) and mirror.pushed == []
     messages = [r.getMessage() for r in caplog.records]
-    assert any("could not be read" in m for m in messages) and any("could not copy" in m for m in messages), messages
+    assert any("could not be read" in m for m in messages) and any(
+        "could not copy" in m for m in messages
+    ), messages
 
     class CutOff:  # lists, then fails half way through the copy
         def ls(self, url, detail=False):
@@ -118,11 +150,17 @@ def test_only_whole_entries_are_copied(tmp_path, caplog):
     here.mkdir()
     (here / "jit_step-1-cache").write_bytes(whole[: len(whole) // 2])  # JAX is writing it
     mirror = CompileCacheMirror(url, str(here))
-    assert mirror.flush(timeout=30) and mirror.pushed == [] and not memory.exists(f"{url}/jit_step-1-cache")
+    assert (
+        mirror.flush(timeout=30)
+        and mirror.pushed == []
+        and not memory.exists(f"{url}/jit_step-1-cache")
+    )
     (here / "jit_step-1-cache").write_bytes(whole)
     assert mirror.flush(timeout=30) and mirror.pushed == ["jit_step-1-cache"]
     assert memory.cat(f"{url}/jit_step-1-cache") == whole
-    assert mirror.flush(timeout=30) and mirror.pushed == ["jit_step-1-cache"]  # nothing new: nothing copied
+    assert mirror.flush(timeout=30) and mirror.pushed == [
+        "jit_step-1-cache"
+    ]  # nothing new: nothing copied
 
     memory.pipe(f"{url}/jit_eval-2-cache", whole[:-9])
     there = tmp_path / "there"
@@ -130,7 +168,10 @@ def test_only_whole_entries_are_copied(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="prefect_jax.compile_cache"):
         assert other.pull() == ["jit_step-1-cache"]
     assert "cut short" in caplog.text and "jit_eval-2-cache" in caplog.text, caplog.text
-    assert sorted(os.listdir(there)) == ["jit_step-1-atime", "jit_step-1-cache"]  # JAX's eviction reads -atime
+    assert sorted(os.listdir(there)) == [
+        "jit_step-1-atime",
+        "jit_step-1-cache",
+    ]  # JAX's eviction reads -atime
     (there / "jit_eval-2-cache").write_bytes(whole)  # compiled here
     assert other.flush(timeout=30) and other.pushed == ["jit_eval-2-cache"]
     assert memory.cat(f"{url}/jit_eval-2-cache") == whole
@@ -164,7 +205,9 @@ def test_a_slow_copy_in_is_waited_for_until_its_time_is_up(tmp_path, caplog, mon
     assert caplog.text.count("still copying") == 1, caplog.text
     release.set()
     mirror._puller.join(30)
-    assert os.listdir(tmp_path / "a") != [] and mirror.pulled == ["jit_step-6-cache"]  # it went on in the background
+    assert os.listdir(tmp_path / "a") != [] and mirror.pulled == [
+        "jit_step-6-cache"
+    ]  # it went on in the background
 
     release.clear()
     other = CompileCacheMirror(url, str(tmp_path / "b"))
@@ -180,7 +223,9 @@ def test_a_flush_inside_a_push_returns(tmp_path):
     from prefect_jax.training.compile_cache import CompileCacheMirror
 
     (tmp_path / "jit_step-4-cache").write_bytes(_entry())
-    mirror = CompileCacheMirror(f"memory://sigterm-{uuid.uuid4().hex[:8]}/compile-cache", str(tmp_path))
+    mirror = CompileCacheMirror(
+        f"memory://sigterm-{uuid.uuid4().hex[:8]}/compile-cache", str(tmp_path)
+    )
     done = []
 
     def handler_inside_push():
@@ -210,7 +255,12 @@ mirror.push_async()
     remote.mkdir()
     local.mkdir()
     (local / "jit_export-5-cache").write_bytes(_entry())
-    proc = subprocess.run([sys.executable, "-c", script, str(remote), str(local)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(remote), str(local)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (remote / "jit_export-5-cache").read_bytes() == _entry()
 
@@ -231,10 +281,18 @@ mirror = open_compilation_cache("memory://another/compile-cache", JobStorage(sys
 print(json.dumps([open_jax_cache_dir(), mirror is None, jax.config.jax_compilation_cache_dir, xla == jax.config.jax_persistent_cache_enable_xla_caches]))
 """
     first = str(tmp_path / "first")
-    proc = subprocess.run([sys.executable, "-c", script, first, str(tmp_path / "jobs")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, first, str(tmp_path / "jobs")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [first, True, first, True]
-    assert "JAX opens one per process" in proc.stderr and "memory://another/compile-cache is not used" in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "JAX opens one per process" in proc.stderr
+        and "memory://another/compile-cache is not used" in proc.stderr
+    ), proc.stderr[-3000:]
 
 
 def test_where_the_cache_is(tmp_path, monkeypatch):
@@ -244,21 +302,32 @@ def test_where_the_cache_is(tmp_path, monkeypatch):
     from prefect_jax.training.storage import JobStorage
 
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "machine"))
-    local, s3 = JobStorage(str(tmp_path / "jobs"), "j"), JobStorage("s3://b/jobs", "j", {"key": "k"})
+    local, s3 = (
+        JobStorage(str(tmp_path / "jobs"), "j"),
+        JobStorage("s3://b/jobs", "j", {"key": "k"}),
+    )
     assert locate("job", local) == (str(tmp_path / "jobs" / "j" / "compile-cache"), None, {})
     assert locate(f"file://{tmp_path}/c/", s3) == (f"{tmp_path}/c", None, {})
     assert locate(f"local://{tmp_path}/c", s3) == (f"{tmp_path}/c", None, {})
     url, mirror, options = locate("job", s3)
     assert (url, options) == ("s3://b/jobs/j/compile-cache", {"key": "k"})
-    assert mirror.startswith(str(tmp_path / "machine")) and mirror == s3.staging_dir("compile-cache")
+    assert mirror.startswith(str(tmp_path / "machine")) and mirror == s3.staging_dir(
+        "compile-cache"
+    )
     assert locate("s3://other/cache/", s3)[1:] == (locate("s3://other/cache", s3)[1], {"key": "k"})
-    assert locate("s3a://other/cache", s3)[2] == {"key": "k"}  # the same file system (s3fs), another spelling
+    assert locate("s3a://other/cache", s3)[2] == {
+        "key": "k"
+    }  # the same file system (s3fs), another spelling
     url, mirror, options = locate("gs://other/cache", s3)
-    assert url == "gs://other/cache" and mirror.startswith(str(tmp_path / "machine")) and options == {}
+    assert (
+        url == "gs://other/cache" and mirror.startswith(str(tmp_path / "machine")) and options == {}
+    )
     assert mirror != locate("s3://other/cache", s3)[1]
 
 
-def test_the_command_keeps_its_cache_with_the_job_on_a_storage_block(tmp_path, prefect_server, mlflow_uri, s3_server, monkeypatch):
+def test_the_command_keeps_its_cache_with_the_job_on_a_storage_block(
+    tmp_path, prefect_server, mlflow_uri, s3_server, monkeypatch
+):
     """The users' path: `prefect-jax run --storage jax-checkpoint-storage/<block> --compilation-cache
     job`, the credentials only in the block. The first run's compiles are in the bucket when the
     command has exited (its flow ends through `finish`, its process without Python's teardown),
@@ -273,18 +342,45 @@ def test_the_command_keeps_its_cache_with_the_job_on_a_storage_block(tmp_path, p
 
     def run(machine: str, steps: int) -> subprocess.CompletedProcess:
         proc = subprocess.run(
-            [sys.executable, "-m", "prefect_jax.cli", "run", "--program", "prefect_jax.examples.digits:tiny", "--job", job,
-             "--storage", block, "--max-steps", str(steps), "--checkpoint-every-steps", "20",
-             "--compilation-cache", "job", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
-            capture_output=True, text=True, timeout=600, env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / machine)),
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "prefect_jax.cli",
+                "run",
+                "--program",
+                "prefect_jax.examples.digits:tiny",
+                "--job",
+                job,
+                "--storage",
+                block,
+                "--max-steps",
+                str(steps),
+                "--checkpoint-every-steps",
+                "20",
+                "--compilation-cache",
+                "job",
+                "--mlflow-tracking-uri",
+                mlflow_uri,
+                "--json",
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(env, PREFECT_JAX_CACHE_DIR=str(tmp_path / machine)),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
     first = run("a", 40)
     assert "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" in first.stderr, first.stderr[-3000:]
-    stored = [p.rsplit("/", 1)[-1] for p in s3_server.filesystem().ls(f"cli-compiles/team/{job}/compile-cache", detail=False)]
-    assert any(n.startswith("jit_step-") for n in stored) and any(n.startswith("jit_eval_step-") for n in stored), stored
+    stored = [
+        p.rsplit("/", 1)[-1]
+        for p in s3_server.filesystem().ls(f"cli-compiles/team/{job}/compile-cache", detail=False)
+    ]
+    assert any(n.startswith("jit_step-") for n in stored) and any(
+        n.startswith("jit_eval_step-") for n in stored
+    ), stored
     second = run("b", 80)
     assert json.loads(second.stdout.splitlines()[-1])["final_step"] == 80
     assert "Persistent compilation cache hit for 'jit_step'" in second.stderr, second.stderr[-3000:]

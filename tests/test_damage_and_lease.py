@@ -51,7 +51,12 @@ def test_an_uncommitted_step_dir_is_skipped_with_a_warning(trained, caplog):
 def test_a_damaged_newest_step_falls_back_and_training_redoes_it_exactly(trained, caplog, damage):
     config, prints = trained
     state_dir = os.path.join(_ckpt_dir(config), "60", "state")
-    files = [os.path.join(root, f) for root, _, fs in os.walk(state_dir) for f in fs if "ocdbt" in root or f.startswith("manifest")]
+    files = [
+        os.path.join(root, f)
+        for root, _, fs in os.walk(state_dir)
+        for f in fs
+        if "ocdbt" in root or f.startswith("manifest")
+    ]
     assert files
     for path in files:
         if damage == "truncate":
@@ -81,8 +86,14 @@ def test_orbax_temporary_dirs_are_not_steps(trained):
 def _write_lease(config, **fields):
     path = os.path.join(config.storage, config.job, "lease.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    lease = {"token": "other", "flow_run_id": "run-1", "host": socket.gethostname(), "pid": os.getppid(),
-             "heartbeat": time.time(), "timeout_secs": 120}
+    lease = {
+        "token": "other",
+        "flow_run_id": "run-1",
+        "host": socket.gethostname(),
+        "pid": os.getppid(),
+        "heartbeat": time.time(),
+        "timeout_secs": 120,
+    }
     lease.update(fields)
     with open(path, "w") as f:
         json.dump(lease, f)
@@ -92,7 +103,9 @@ def _write_lease(config, **fields):
 def test_a_live_owner_keeps_the_job_and_is_named(job_config):
     config = job_config()
     path = _write_lease(config)
-    with pytest.raises(LeaseHeldError, match=rf"flow_run_id=run-1, host={socket.gethostname()}, pid={os.getppid()}"):
+    with pytest.raises(
+        LeaseHeldError, match=rf"flow_run_id=run-1, host={socket.gethostname()}, pid={os.getppid()}"
+    ):
         Trainer(config).restore_or_init()
     assert json.load(open(path))["token"] == "other"  # untouched
 
@@ -114,7 +127,9 @@ def test_a_dead_process_on_this_host_is_taken_over_at_once(job_config):
     import subprocess
     import sys
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     _write_lease(config, pid=int(dead.stdout))
     trainer = Trainer(config)
     assert trainer.restore_or_init() == 0
@@ -154,9 +169,14 @@ def test_a_second_process_of_the_same_flow_run_waits_for_the_first_to_end(job_co
         with caplog.at_level(logging.WARNING):
             assert trainer.restore_or_init() == 0
         waited = time.monotonic() - started
-        assert waited >= 2.0, f"took the lease of a live process of its own flow run after {waited:.1f}s"
+        assert waited >= 2.0, (
+            f"took the lease of a live process of its own flow run after {waited:.1f}s"
+        )
         assert seen["lease while it lived"] == "other"  # untouched while the first lived
-        assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in caplog.text
+        assert (
+            f"already trains job {config.storage}/{config.job} in process {first.pid}"
+            in caplog.text
+        )
         assert trainer.job.lease.taken_over["reason"] == f"process {first.pid} on this host is gone"
         assert json.load(open(path))["pid"] == os.getpid()
         # Its attempt starts when it took the job: its wait overlapped the first process's training.
@@ -218,8 +238,13 @@ def test_the_restore_task_takes_the_lease_before_it_starts_jax(tmp_path):
     import sys
 
     env = dict(os.environ, PREFECT__FLOW_RUN_ID="2f0e2a3c-0000-4000-8000-000000000007")
-    proc = subprocess.run([sys.executable, "-c", _LEASE_IN_A_FLOW_RUN, str(tmp_path / "storage")],
-                          capture_output=True, text=True, env=env, timeout=180)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _LEASE_IN_A_FLOW_RUN, str(tmp_path / "storage")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["waited"] >= 1.4 and out["jax"] == [], out
@@ -247,7 +272,9 @@ if len(sys.argv) > 2:  # the first: as if starting JAX, until told to end (SIGKI
 """
 
 
-def test_a_second_start_of_a_flow_run_during_the_firsts_start_up_waits_before_jax(job_config, tmp_path):
+def test_a_second_start_of_a_flow_run_during_the_firsts_start_up_waits_before_jax(
+    job_config, tmp_path
+):
     """The double start Prefect makes of one rerun: the second process comes while the first is
     still starting up (the dead attempt's lease is on the job). The first takes the lease, and the
     second waits for it, not starting JAX, until the first is gone."""
@@ -255,22 +282,36 @@ def test_a_second_start_of_a_flow_run_during_the_firsts_start_up_waits_before_ja
     import sys
 
     config = job_config()
-    _write_lease(config, flow_run_id="2f0e2a3c-0000-4000-8000-000000000007", pid=2**22 + 1)  # the SIGKILLed attempt
+    _write_lease(
+        config, flow_run_id="2f0e2a3c-0000-4000-8000-000000000007", pid=2**22 + 1
+    )  # the SIGKILLed attempt
     env = dict(os.environ, PREFECT__FLOW_RUN_ID="2f0e2a3c-0000-4000-8000-000000000007")
-    args, end_first = [sys.executable, "-c", _START, config.storage], str(tmp_path / "end-the-first")
-    first = subprocess.Popen(args + [end_first], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args, end_first = (
+        [sys.executable, "-c", _START, config.storage],
+        str(tmp_path / "end-the-first"),
+    )
+    first = subprocess.Popen(
+        args + [end_first], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     second = None
     try:
         took = json.loads(first.stdout.readline() or "{}")  # the first holds the job now
-        assert took.get("jax") is False and took["waited"] < 1.0, (took, first.stderr.read() if first.poll() else "")
-        second = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert took.get("jax") is False and took["waited"] < 1.0, (
+            took,
+            first.stderr.read() if first.poll() else "",
+        )
+        second = subprocess.Popen(
+            args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         seen = ""
         while "already trains job" not in seen:  # it waits for the first (or it ended: EOF)
             line = second.stderr.readline()
             if not line:
                 break
             seen += line
-        assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in seen, seen[-3000:]
+        assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in seen, (
+            seen[-3000:]
+        )
         time.sleep(1.0)
         assert second.poll() is None  # still waiting while the first lives
         open(end_first, "w").close()
@@ -294,7 +335,10 @@ def test_an_early_lease_is_adopted_only_for_its_own_flow_run(job_config):
     lease = take_early(storage, "run-7", 120.0)
     try:
         assert adopt_early(storage.job_dir, "run-8") is None  # another run's trainer: not its lease
-        assert adopt_early(storage.job_dir, "run-7") is lease and adopt_early(storage.job_dir, "run-7") is None  # once
+        assert (
+            adopt_early(storage.job_dir, "run-7") is lease
+            and adopt_early(storage.job_dir, "run-7") is None
+        )  # once
     finally:
         release_early(storage.job_dir, lease)
     assert not lease.held and not os.path.exists(lease.path)
@@ -311,14 +355,23 @@ def test_a_trainer_whose_job_was_taken_over_stops_before_its_next_checkpoint(job
     trainer.train_until_checkpoint()
     trainer.job.wait_committed()
     assert committed_steps(_ckpt_dir(config)) == [20]
-    path = _write_lease(config, token="new-holder", flow_run_id="run-9", host="another-host", pid=4242)
-    with pytest.raises(LeaseLostError, match=r"another trainer took it over \(flow_run_id=run-9, host=another-host, pid=4242\)"):
+    path = _write_lease(
+        config, token="new-holder", flow_run_id="run-9", host="another-host", pid=4242
+    )
+    with pytest.raises(
+        LeaseLostError,
+        match=r"another trainer took it over \(flow_run_id=run-9, host=another-host, pid=4242\)",
+    ):
         trainer.train_until_checkpoint()
     trainer.job.wait_committed()
     assert committed_steps(_ckpt_dir(config)) == [20]
-    assert [n for n in os.listdir(_ckpt_dir(config)) if n != "20"] == []  # no step 40, not even a temporary one
+    assert [
+        n for n in os.listdir(_ckpt_dir(config)) if n != "20"
+    ] == []  # no step 40, not even a temporary one
     assert not trainer.job.lease.held
-    assert finish_live(config, "FAILED") is False  # the failure hook leaves the job (and its MLflow run) to its holder
+    assert (
+        finish_live(config, "FAILED") is False
+    )  # the failure hook leaves the job (and its MLflow run) to its holder
     with pytest.raises(LeaseLostError):  # nor does it take the lease back
         trainer.train_until_checkpoint()
     trainer.close()
@@ -348,7 +401,9 @@ def test_the_heartbeat_notices_a_takeover(job_config):
 
 def test_heartbeat_keeps_the_lease_fresh(job_config):
     config = job_config()
-    config = config.model_copy(update={"train": config.train.model_copy(update={"lease_timeout_secs": 2.0})})
+    config = config.model_copy(
+        update={"train": config.train.model_copy(update={"lease_timeout_secs": 2.0})}
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     path = os.path.join(config.storage, config.job, "lease.json")
@@ -359,7 +414,9 @@ def test_heartbeat_keeps_the_lease_fresh(job_config):
     assert not os.path.exists(path)
 
 
-def test_a_retry_that_takes_its_job_back_marks_only_the_dead_attempts_task_runs_crashed(prefect_server):
+def test_a_retry_that_takes_its_job_back_marks_only_the_dead_attempts_task_runs_crashed(
+    prefect_server,
+):
     """The retry's restore task marks the killed attempt's unfinished task runs Crashed, in the
     background; the retry's own next task run may exist by then, Pending with no attempt number
     yet (found so in a suite run: its `evaluate` was marked Crashed after it completed). Real
@@ -383,14 +440,25 @@ def test_a_retry_that_takes_its_job_back_marks_only_the_dead_attempts_task_runs_
 
     with get_client(sync_client=True) as client:
         run = client.create_flow_run(job, state=Running())
-        dead = client.create_task_run(step, run.id, "dead", id=uuid7(), state=Running())  # the killed attempt's
-        restore = client.create_task_run(step, run.id, "restore", id=uuid7(), state=Running())  # the retry's
-        after = client.create_task_run(step, run.id, "next", id=uuid7(), state=Pending())  # the retry's next, no attempt number yet
+        dead = client.create_task_run(
+            step, run.id, "dead", id=uuid7(), state=Running()
+        )  # the killed attempt's
+        restore = client.create_task_run(
+            step, run.id, "restore", id=uuid7(), state=Running()
+        )  # the retry's
+        after = client.create_task_run(
+            step, run.id, "next", id=uuid7(), state=Pending()
+        )  # the retry's next, no attempt number yet
         assert after.flow_run_run_count == dead.flow_run_run_count == 0
 
         @flow
         def takeover():
-            _mark_crashed({"flow_run_id": str(run.id), "host": "h", "pid": 1, "reason": "a test"}, str(run.id), 2, str(restore.id))
+            _mark_crashed(
+                {"flow_run_id": str(run.id), "host": "h", "pid": 1, "reason": "a test"},
+                str(run.id),
+                2,
+                str(restore.id),
+            )
 
         takeover()
         assert client.read_task_run(dead.id).state.is_crashed()
@@ -398,7 +466,9 @@ def test_a_retry_that_takes_its_job_back_marks_only_the_dead_attempts_task_runs_
         assert client.read_task_run(restore.id).state.is_running()
 
 
-def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_waits_for_it(job_config, caplog, monkeypatch):
+def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_waits_for_it(
+    job_config, caplog, monkeypatch
+):
     """Seen in a suite run (a flow run started twice by the automation, on 2 loaded CPUs): the
     first process's heartbeat came late, so its lease looked stale; the second took it over and
     the first's late beat landed over that write. The second waits for the first, as for any
@@ -412,7 +482,9 @@ def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_wa
 
     config = job_config()
     first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    path = _write_lease(config, flow_run_id="run-8", pid=first.pid, heartbeat=time.time() - 600)  # looks stale
+    path = _write_lease(
+        config, flow_run_id="run-8", pid=first.pid, heartbeat=time.time() - 600
+    )  # looks stale
     storage = JobStorage(config.storage, config.job)
     write_json, beats = JobStorage.write_json, []
 
@@ -421,7 +493,9 @@ def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_wa
         if target == path and not beats:  # the first's beat, read before this write, lands after it
             beats.append(dict(obj, token="other", pid=first.pid, heartbeat=time.time()))
             write_json(self, target, beats[0])
-            threading.Timer(1.5, lambda: (os.remove(path), first.kill(), first.wait())).start()  # it ends, releasing
+            threading.Timer(
+                1.5, lambda: (os.remove(path), first.kill(), first.wait())
+            ).start()  # it ends, releasing
 
     monkeypatch.setattr(JobStorage, "write_json", with_a_late_beat)
     lease = Lease(storage, owner_id="run-8", timeout_secs=120)
@@ -429,9 +503,14 @@ def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_wa
         with caplog.at_level(logging.WARNING):
             lease.acquire()
         assert lease.held and first.poll() is not None  # taken once the first had ended
-        assert f"already trains job {config.storage}/{config.job} in process {first.pid}" in caplog.text
+        assert (
+            f"already trains job {config.storage}/{config.job} in process {first.pid}"
+            in caplog.text
+        )
         assert json.load(open(path))["token"] == lease.token
-        assert lease.taken_over is None  # released, not taken over: its task runs are not marked crashed
+        assert (
+            lease.taken_over is None
+        )  # released, not taken over: its task runs are not marked crashed
     finally:
         lease.release()
         first.kill()

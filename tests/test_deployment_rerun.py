@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from browser_helpers import retry_in_the_ui, screenshot_flow_run
 from deployment_helpers import (
     DEPLOYMENT,
@@ -57,8 +56,9 @@ def _params(storage: Path, job: str, mlflow_uri: str) -> dict:
     }
 
 
-
-def _wait_for_commit(checkpoint_dir: Path, at_least: int, client, flow_run_id, serve: ServeProcess, timeout: float) -> int:
+def _wait_for_commit(
+    checkpoint_dir: Path, at_least: int, client, flow_run_id, serve: ServeProcess, timeout: float
+) -> int:
     """Poll (every 20 ms) until a step >= `at_least` is committed; fail fast if the run ends first."""
     from prefect_jax.training.checkpoints import committed_steps
 
@@ -70,7 +70,9 @@ def _wait_for_commit(checkpoint_dir: Path, at_least: int, client, flow_run_id, s
             return steps[-1]
         if time.monotonic() >= next_check:
             state = client.read_flow_run(flow_run_id).state
-            assert serve.alive() and not state.is_final(), f"the run ended before step {at_least}: {state}\n{logs(serve)}"
+            assert serve.alive() and not state.is_final(), (
+                f"the run ended before step {at_least}: {state}\n{logs(serve)}"
+            )
             next_check = time.monotonic() + 1.0
         time.sleep(0.02)
     raise AssertionError(f"no committed step >= {at_least} after {timeout:.0f}s\n{logs(serve)}")
@@ -84,7 +86,9 @@ def _wait_final(client, flow_run_id, serve: ServeProcess, timeout: float):
             return run
         assert serve.alive(), f"serve exited while the retried run is {run.state}\n{logs(serve)}"
         time.sleep(0.5)
-    raise AssertionError(f"the retried run is still {client.read_flow_run(flow_run_id).state} after {timeout:.0f}s\n{logs(serve)}")
+    raise AssertionError(
+        f"the retried run is still {client.read_flow_run(flow_run_id).state} after {timeout:.0f}s\n{logs(serve)}"
+    )
 
 
 def _task_runs(client, flow_run_id):
@@ -101,9 +105,23 @@ def _task_runs(client, flow_run_id):
 def _status(job: str, storage: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     proc = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", str(storage), "--json"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "prefect_jax.cli",
+            "status",
+            "--job",
+            job,
+            "--storage",
+            str(storage),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -116,8 +134,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
     from prefect_jax.training.checkpoints import committed_steps
-    from prefect_jax.training.storage import JobStorage
     from prefect_jax.training.names import JOB_TAG
+    from prefect_jax.training.storage import JobStorage
 
     server = PrefectServerProcess(tmp_path / "prefect-server", ui=True)
     processes.append(server)
@@ -132,21 +150,38 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
 
     server.wait_healthy()
     job_dir = storage / job
-    results = tmp_path / "results"  # flow results persisted, so the summary the flow returned can be read back
-    serve_env = {"PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true", "PREFECT_LOCAL_STORAGE_PATH": str(results)}
-    with temporary_settings({PREFECT_API_URL: server.api_url, PREFECT_LOCAL_STORAGE_PATH: results}), get_client(
-        sync_client=True
-    ) as client:
-        first = ServeProcess(server.api_url, tmp_path / "serve-home", tmp_path / "serve-1.log", **serve_env)
+    results = (
+        tmp_path / "results"
+    )  # flow results persisted, so the summary the flow returned can be read back
+    serve_env = {
+        "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
+        "PREFECT_LOCAL_STORAGE_PATH": str(results),
+    }
+    with (
+        temporary_settings({PREFECT_API_URL: server.api_url, PREFECT_LOCAL_STORAGE_PATH: results}),
+        get_client(sync_client=True) as client,
+    ):
+        first = ServeProcess(
+            server.api_url, tmp_path / "serve-home", tmp_path / "serve-1.log", **serve_env
+        )
         processes.append(first)
-        wait_for_deployments(client, first, [f"train_and_evaluate/{DEPLOYMENT}"])[f"train_and_evaluate/{DEPLOYMENT}"]
-        flow_run = run_deployment(name=f"train_and_evaluate/{DEPLOYMENT}", parameters=params, timeout=0)
+        wait_for_deployments(client, first, [f"train_and_evaluate/{DEPLOYMENT}"])[
+            f"train_and_evaluate/{DEPLOYMENT}"
+        ]
+        flow_run = run_deployment(
+            name=f"train_and_evaluate/{DEPLOYMENT}", parameters=params, timeout=0
+        )
 
         # The deployment run is SIGKILLed mid-run (its flow-run process; serve lives on).
-        _wait_for_commit(job_dir / "checkpoints", KILL_FROM, client, flow_run.id, first, timeout=180)
+        _wait_for_commit(
+            job_dir / "checkpoints", KILL_FROM, client, flow_run.id, first, timeout=180
+        )
         lease = json.loads((job_dir / "lease.json").read_text())
         flow_run_pids = first.children()
-        assert lease["pid"] in flow_run_pids and lease["flow_run_id"] == str(flow_run.id), (lease, flow_run_pids)
+        assert lease["pid"] in flow_run_pids and lease["flow_run_id"] == str(flow_run.id), (
+            lease,
+            flow_run_pids,
+        )
         os.kill(lease["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 30
         while not dead(lease["pid"]) and time.monotonic() < deadline:
@@ -155,10 +190,14 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
 
         committed = committed_steps(str(job_dir / "checkpoints"))
         resume_from = committed[-1]
-        assert KILL_FROM <= resume_from < MAX_STEPS, f"the kill did not land mid-run: committed {committed}"
+        assert KILL_FROM <= resume_from < MAX_STEPS, (
+            f"the kill did not land mid-run: committed {committed}"
+        )
         left = json.loads((job_dir / "lease.json").read_text())
         assert left["pid"] == lease["pid"], "a SIGKILLed trainer leaves its lease behind"
-        deadline = time.monotonic() + 60  # serve saw its child die: the server shows the run Crashed
+        deadline = (
+            time.monotonic() + 60
+        )  # serve saw its child die: the server shows the run Crashed
         while not (killed := client.read_flow_run(flow_run.id)).state.is_crashed():
             assert time.monotonic() < deadline, f"the killed run is {killed.state}\n{logs(first)}"
             time.sleep(0.5)
@@ -170,13 +209,22 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         assert done.run_count == 2
         summary = done.state.result()
         runs = _task_runs(client, flow_run.id)
-        deadline = time.monotonic() + 30  # task run states reach the server as events, moments after the flow run's own
-        while not all(r.state.is_completed() for r in runs if r.flow_run_run_count == 2) and time.monotonic() < deadline:
+        deadline = (
+            time.monotonic() + 30
+        )  # task run states reach the server as events, moments after the flow run's own
+        while (
+            not all(r.state.is_completed() for r in runs if r.flow_run_run_count == 2)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.5)
             runs = _task_runs(client, flow_run.id)
-        page = screenshot_flow_run(server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed")
+        page = screenshot_flow_run(
+            server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed"
+        )
     # The crashed attempt's task runs are not left Running (the retry that took the lease over marked them).
-    assert not [r.name for r in runs if r.state.is_running() or r.state.is_pending()], [(r.name, r.state) for r in runs]
+    assert not [r.name for r in runs if r.state.is_running() or r.state.is_pending()], [
+        (r.name, r.state) for r in runs
+    ]
     assert f"train {resume_from} to {resume_from + EVERY}" in page
 
     # Same end as the uninterrupted run: the flow's own summary, and its final checkpoint.
@@ -188,11 +236,18 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     assert meta["prefect.flow_run_id"] == str(flow_run.id) and meta["pid"] != lease["pid"]
 
     # The retry resumed at the newest committed step: it trained only the intervals after it.
-    trained = {n: [r.name for r in runs if r.flow_run_run_count == n and r.name.startswith("train ")] for n in (1, 2)}
+    trained = {
+        n: [r.name for r in runs if r.flow_run_run_count == n and r.name.startswith("train ")]
+        for n in (1, 2)
+    }
     assert trained[1][0] == f"train 0 to {EVERY}"
-    assert trained[2] == [f"train {s} to {s + EVERY}" for s in range(resume_from, MAX_STEPS, EVERY)], trained
+    assert trained[2] == [
+        f"train {s} to {s + EVERY}" for s in range(resume_from, MAX_STEPS, EVERY)
+    ], trained
     retried = [r for r in runs if r.flow_run_run_count == 2]
-    assert retried[0].name == f"restore or init {job}" and all(r.state.is_completed() for r in retried)
+    assert retried[0].name == f"restore or init {job}" and all(
+        r.state.is_completed() for r in retried
+    )
 
     # It took over the dead trainer's lease, and released it at the end.
     assert "taking over the lease" in first.tail(200_000), logs(first)
@@ -205,8 +260,16 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     mlflow = MlflowClient(params["mlflow_tracking_uri"])
     experiment = mlflow.get_experiment_by_name("prefect-jax")
     key = JobStorage(str(storage), job).job_dir
-    (mlflow_run,) = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{key}'")
-    assert mlflow_run.info.run_id == summary["mlflow_run_id"] and mlflow_run.info.status == "FINISHED"
+    (mlflow_run,) = mlflow.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{key}'"
+    )
+    assert (
+        mlflow_run.info.run_id == summary["mlflow_run_id"] and mlflow_run.info.status == "FINISHED"
+    )
     run_id = mlflow_run.info.run_id
-    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "train/loss")) == list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
-    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "eval/accuracy")) == list(range(EVERY, MAX_STEPS + 1, EVERY))
+    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "train/loss")) == list(
+        range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY)
+    )
+    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "eval/accuracy")) == list(
+        range(EVERY, MAX_STEPS + 1, EVERY)
+    )

@@ -29,13 +29,17 @@ def test_kubernetes_gpu_template_declares_every_placeholder_and_requests_gpus():
     template = kubernetes_gpu_template()
     declared = set(template["variables"]["properties"])
     assert _placeholders(template["job_configuration"]) <= declared
-    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"][
+        "containers"
+    ][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpu_count }}"
     assert template["variables"]["properties"]["env"]["default"]["JAX_PLATFORMS"] == "cuda"
 
 
 def _deployments():
-    return {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    return {
+        d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    }
 
 
 def test_prefect_yaml_deployments_load_and_their_parameters_validate():
@@ -43,14 +47,25 @@ def test_prefect_yaml_deployments_load_and_their_parameters_validate():
     from prefect.flows import load_flow_from_entrypoint
 
     deployments = _deployments()
-    assert set(deployments) == {"digits-nightly", "digits-trainer-cpu", "digits-trainer", "digits-evaluator", "digits-export"}
+    assert set(deployments) == {
+        "digits-nightly",
+        "digits-trainer-cpu",
+        "digits-trainer",
+        "digits-evaluator",
+        "digits-export",
+    }
     flows = {}
     for name, d in deployments.items():
         flow = load_flow_from_entrypoint(str(ROOT / d["entrypoint"]))
         flow.validate_parameters(d["parameters"])  # raises on a bad parameter
         flows[name] = flow.name
-    assert flows == {"digits-nightly": "train_and_evaluate", "digits-trainer-cpu": "train", "digits-trainer": "train",
-                     "digits-evaluator": "evaluate", "digits-export": "export"}  # fmt: skip
+    assert flows == {
+        "digits-nightly": "train_and_evaluate",
+        "digits-trainer-cpu": "train",
+        "digits-trainer": "train",
+        "digits-evaluator": "evaluate",
+        "digits-export": "export",
+    }
     assert deployments["digits-nightly"]["schedules"][0]["cron"] == "0 2 * * *"
     trigger = DeploymentEventTrigger(**deployments["digits-evaluator"]["triggers"][0])
     assert trigger.expect == {"prefect-jax.checkpoint.committed"}
@@ -73,12 +88,17 @@ async def _pool_and_deployment(template, job_variables):
             await client.delete_work_pool(pool_name)
         except Exception:  # noqa: BLE001 - not there yet
             pass
-        await client.create_work_pool(WorkPoolCreate(name=pool_name, type="kubernetes", base_job_template=template))
+        await client.create_work_pool(
+            WorkPoolCreate(name=pool_name, type="kubernetes", base_job_template=template)
+        )
         flow_id = await client.create_flow(train)
         return await client.create_deployment(
-            flow_id=flow_id, name="trainer-test", work_pool_name=pool_name, job_variables=job_variables,
+            flow_id=flow_id,
+            name="trainer-test",
+            work_pool_name=pool_name,
+            job_variables=job_variables,
             entrypoint="prefect_jax/flows/__init__.py:train",
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.usefixtures("prefect_server")
@@ -106,7 +126,12 @@ def test_gpu_template_is_the_kubernetes_workers_default_plus_gpu_variables():
     official = KubernetesWorker.get_default_base_job_template()["variables"]["properties"]
     ours = kubernetes_gpu_template()["variables"]["properties"]
     assert set(official) <= set(ours)
-    assert set(ours) - set(official) == {"gpu_count", "node_selector", "tolerations", "termination_grace_period_seconds"}
+    assert set(ours) - set(official) == {
+        "gpu_count",
+        "node_selector",
+        "tolerations",
+        "termination_grace_period_seconds",
+    }
 
 
 def test_the_kubernetes_worker_renders_a_gpu_job_manifest():
@@ -114,7 +139,9 @@ def test_the_kubernetes_worker_renders_a_gpu_job_manifest():
 
     trainer_vars = _deployments()["digits-trainer"]["work_pool"]["job_variables"]
     config = asyncio.run(
-        KubernetesWorkerJobConfiguration.from_template_and_values(kubernetes_gpu_template(), trainer_vars)
+        KubernetesWorkerJobConfiguration.from_template_and_values(
+            kubernetes_gpu_template(), trainer_vars
+        )
     )
     pod = config.job_manifest["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -124,7 +151,11 @@ def test_the_kubernetes_worker_renders_a_gpu_job_manifest():
     assert pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert pod["terminationGracePeriodSeconds"] == 30
-    env = config.env if isinstance(config.env, dict) else {e["name"]: e.get("value") for e in config.env}
+    env = (
+        config.env
+        if isinstance(config.env, dict)
+        else {e["name"]: e.get("value") for e in config.env}
+    )
     assert env["JAX_PLATFORMS"] == "cuda"
 
 
@@ -142,5 +173,7 @@ def test_vertex_job_variables_validate_and_render_with_the_vertex_workers_templa
     defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
     job = apply_values(template["job_configuration"], {**defaults, **values})
     machine = job["job_spec"]["worker_pool_specs"][0]["machine_spec"]
-    assert machine == {k: values[k] for k in ("accelerator_count", "accelerator_type", "machine_type")}
+    assert machine == {
+        k: values[k] for k in ("accelerator_count", "accelerator_type", "machine_type")
+    }
     assert job["job_spec"]["scheduling"] == {"strategy": "SPOT"}

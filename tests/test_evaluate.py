@@ -24,7 +24,9 @@ def test_metrics_are_exact_over_uneven_batches(job_config):
     logits = np.asarray(program.apply(trainer.state["params"], x))
     assert result.status is EvalStatus.EVALUATED
     assert result.num_batches == 4 and result.num_examples == 359
-    assert result.metrics["accuracy"] == pytest.approx(float((logits.argmax(-1) == y).mean()), abs=1e-7)
+    assert result.metrics["accuracy"] == pytest.approx(
+        float((logits.argmax(-1) == y).mean()), abs=1e-7
+    )
     expected_loss = float(np.mean(-jax.nn.log_softmax(logits)[np.arange(len(y)), y]))
     assert result.metrics["loss"] == pytest.approx(expected_loss, rel=1e-5)
 
@@ -68,7 +70,9 @@ def test_evaluating_a_committed_step_from_storage(job_config):
     writer.restore_or_init()
     writer.train_until_checkpoint()
     writer.job.checkpoints.wait()
-    reader = Trainer(config.model_copy(update={"eval": config.eval.model_copy(update={"name": "other"})}))
+    reader = Trainer(
+        config.model_copy(update={"eval": config.eval.model_copy(update={"name": "other"})})
+    )
     result = reader.evaluate_if_new()  # no live state: restores the newest committed step
     assert result.status is EvalStatus.EVALUATED and result.step == 20 and result.name == "other"
     assert reader.state is None
@@ -76,7 +80,9 @@ def test_evaluating_a_committed_step_from_storage(job_config):
 
 def test_throttle_skips_but_never_the_final_step(job_config):
     config = job_config(max_steps=40)
-    config = config.model_copy(update={"eval": config.eval.model_copy(update={"throttle_secs": 3600})})
+    config = config.model_copy(
+        update={"eval": config.eval.model_copy(update={"throttle_secs": 3600})}
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
@@ -106,7 +112,9 @@ def test_eval_step_must_return_sum_count_pairs(job_config):
         trainer.evaluate_if_new(0)
 
 
-def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_goes_on(job_config, monkeypatch):
+def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_goes_on(
+    job_config, monkeypatch
+):
     """The evaluation of the live step does not hold training for its save's commit (on an H100
     that wait was 0.2 s of every interval, issue 13): it returns at once, pending, and the step is
     recorded (records, MLflow, `on_recorded`) once it commits, by the next interval's training
@@ -114,6 +122,7 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
     import inspect
 
     from conftest import hold_commit, release_commit_at
+
     from prefect_jax.training.loop import add_progress_listener
 
     commit = hold_commit(monkeypatch, 100)
@@ -121,14 +130,20 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
     recorded = []
 
     def on_recorded(result):
-        in_loop = any(f.function == "run" and f.filename.endswith("loop.py") for f in inspect.stack())
-        recorded.append((result, in_loop, commit.is_set(), result.step in trainer.committed_steps()))
+        in_loop = any(
+            f.function == "run" and f.filename.endswith("loop.py") for f in inspect.stack()
+        )
+        recorded.append(
+            (result, in_loop, commit.is_set(), result.step in trainer.committed_steps())
+        )
 
     # 30 dispatches into the next interval, each of which found the save in flight: it may commit now.
     at_log_step = release_commit_at(trainer, commit, 130)
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
-    result = trainer.evaluate_if_new(on_recorded=on_recorded)  # (waiting for the commit here would hang for 60 s)
+    result = trainer.evaluate_if_new(
+        on_recorded=on_recorded
+    )  # (waiting for the commit here would hang for 60 s)
     assert result.status is EvalStatus.EVALUATED and result.step == 100 and result.pending_commit
     assert trainer.job.records.steps() == [] and recorded == []
     assert 100 not in trainer.committed_steps()
@@ -139,23 +154,34 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
     finally:
         remove()
     # Recorded once, from the loop, after the commit (not while the save was in flight), as evaluated.
-    assert [(r.step, r.pending_commit, *rest) for r, *rest in recorded] == [(100, False, True, True, True)]
+    assert [(r.step, r.pending_commit, *rest) for r, *rest in recorded] == [
+        (100, False, True, True, True)
+    ]
     assert recorded[0][0].metrics == result.metrics
     assert trainer.job.records.get(100).metrics == result.metrics
-    final = trainer.evaluate_if_new(on_recorded=on_recorded)  # the final step: recorded before it returns
-    assert final.step == 200 and not final.pending_commit and [r.step for r, *_ in recorded] == [100, 200]
+    final = trainer.evaluate_if_new(
+        on_recorded=on_recorded
+    )  # the final step: recorded before it returns
+    assert (
+        final.step == 200
+        and not final.pending_commit
+        and [r.step for r, *_ in recorded] == [100, 200]
+    )
     trainer.finish()
     history = trainer.job.tracker.metric_history("eval/accuracy")
     assert [s for s, _ in history] == [100, 200]
 
 
-def test_a_record_made_from_the_training_loop_is_evaluation_time_in_the_goodput_ledger(job_config, monkeypatch):
+def test_a_record_made_from_the_training_loop_is_evaluation_time_in_the_goodput_ledger(
+    job_config, monkeypatch
+):
     """The live step's evaluation recorded later, from the next interval's training loop: the
     record's time goes to the ledger's evaluation time (MLflow's `goodput/*` metrics, the goodput
     artifact), not to training time."""
     import time
 
     from conftest import hold_commit, release_commit_at
+
     from prefect_jax.training.loop import add_progress_listener
 
     commit = hold_commit(monkeypatch, 100)
@@ -163,7 +189,9 @@ def test_a_record_made_from_the_training_loop_is_evaluation_time_in_the_goodput_
     at_log_step = release_commit_at(trainer, commit, 130)
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
-    assert trainer.evaluate_if_new(on_recorded=lambda result: time.sleep(0.5)).pending_commit  # a slow record
+    assert trainer.evaluate_if_new(
+        on_recorded=lambda result: time.sleep(0.5)
+    ).pending_commit  # a slow record
     seconds = trainer.job.goodput.attempt["seconds"]
     before = {phase: seconds.get(phase, 0.0) for phase in ("train", "eval")}
     remove = add_progress_listener(at_log_step)
@@ -194,7 +222,9 @@ threading.Event().wait()
 """
 
 
-def test_a_process_killed_before_the_evaluated_step_commits_leaves_no_record_of_it(job_config, tmp_path):
+def test_a_process_killed_before_the_evaluated_step_commits_leaves_no_record_of_it(
+    job_config, tmp_path
+):
     """SIGKILL after the live step's evaluation returned, before its save committed: nothing says
     the step was evaluated (records, MLflow); the rerun trains it again and evaluates it once."""
     import subprocess
@@ -204,8 +234,13 @@ def test_a_process_killed_before_the_evaluated_step_commits_leaves_no_record_of_
     from process_helpers import TESTS_DIR
 
     config = job_config(max_steps=40, every_steps=20)
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_BEFORE_THE_COMMIT, config.model_dump_json()], cwd=TESTS_DIR,
-                            stdout=subprocess.PIPE, stderr=open(tmp_path / "killed.log", "w"), text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_BEFORE_THE_COMMIT, config.model_dump_json()],
+        cwd=TESTS_DIR,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "killed.log", "w"),
+        text=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
     reader.start()
@@ -215,7 +250,10 @@ def test_a_process_killed_before_the_evaluated_step_commits_leaves_no_record_of_
         proc.kill()
         proc.wait(timeout=60)
     line = lines[0] if lines else "(nothing within 180 s)"
-    assert line.split() == ["evaluated", "20", "True"], (line, (tmp_path / "killed.log").read_text()[-3000:])
+    assert line.split() == ["evaluated", "20", "True"], (
+        line,
+        (tmp_path / "killed.log").read_text()[-3000:],
+    )
 
     rerun = Trainer(config)
     assert rerun.job.records.steps() == [] and rerun.committed_steps() == []
@@ -229,7 +267,9 @@ def test_a_process_killed_before_the_evaluated_step_commits_leaves_no_record_of_
     assert [s for s, _ in rerun.job.tracker.metric_history("eval/accuracy")] == [20, 40]
 
 
-def test_a_stop_request_is_read_once_per_ask_at_a_step_and_the_trainers_own_is_seen_at_once(job_config, monkeypatch):
+def test_a_stop_request_is_read_once_per_ask_at_a_step_and_the_trainers_own_is_seen_at_once(
+    job_config, monkeypatch
+):
     """The flow asks whether to stop before each train task, and the task asks again at its start,
     at the same step: the second ask, moments later, does not read storage (a GET on object
     storage). A request made after that is read at the next ask once the moment has passed, and one
@@ -245,10 +285,14 @@ def test_a_stop_request_is_read_once_per_ask_at_a_step_and_the_trainers_own_is_s
         trainer.restore_or_init()
         reads = []
         real = trainer.job.stop_requested
-        monkeypatch.setattr(trainer.job, "stop_requested", lambda: reads.append(trainer.step) or real())
+        monkeypatch.setattr(
+            trainer.job, "stop_requested", lambda: reads.append(trainer.step) or real()
+        )
         assert trainer.stop_requested() is None and trainer.stop_requested() is None
         assert reads == [0]
-        trainer.job.request_stop("a person asked", 0, by="test")  # (another process, as `prefect-jax stop` is)
+        trainer.job.request_stop(
+            "a person asked", 0, by="test"
+        )  # (another process, as `prefect-jax stop` is)
         monkeypatch.setattr(trainer_module, "STOP_ANSWER_SECS", 0.0)  # (the moment has passed)
         assert trainer.stop_requested()["reason"] == "a person asked" and reads == [0, 0]
         trainer.job.storage.fs.rm(trainer.job.storage.path("stop.json"))

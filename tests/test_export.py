@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import train_to_end
 
 from prefect_jax.examples.digits import load_digits_split
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
@@ -11,7 +12,6 @@ from prefect_jax.training.exporters import is_the_final_export, list_exports, lo
 from prefect_jax.training.program import ProgramError
 from prefect_jax.training.specs import BestExporter, FinalExporter, LatestExporter
 from prefect_jax.training.trainer import Trainer
-from conftest import train_to_end
 
 
 def test_exports_run_without_the_program_and_match_serve(job_config):
@@ -46,10 +46,14 @@ def test_best_exports_only_improvements_and_remembers_across_restarts(job_config
 
     # A new process sees the durable best value: a worse result exports nothing, a better one does.
     again = Trainer(config)
-    worse = EvalResult(status=EvalStatus.EVALUATED, step=41, metrics={"loss": best["value"] + 1, "accuracy": 0.0})
+    worse = EvalResult(
+        status=EvalStatus.EVALUATED, step=41, metrics={"loss": best["value"] + 1, "accuracy": 0.0}
+    )
     assert again.export(worse) == {}
     again.restore_or_init()
-    better = EvalResult(status=EvalStatus.EVALUATED, step=40, metrics={"loss": best["value"] - 1, "accuracy": 1.0})
+    better = EvalResult(
+        status=EvalStatus.EVALUATED, step=40, metrics={"loss": best["value"] - 1, "accuracy": 1.0}
+    )
     if best["step"] != 40:
         assert again.export(better) == {"best": again.job.storage.export_dir("best", 40)}
         assert json.load(open(again.job.storage.export_dir("best") + "/best.json"))["step"] == 40
@@ -59,7 +63,9 @@ def test_best_with_unknown_metric_names_the_metrics(job_config):
     trainer = Trainer(job_config(max_steps=20, exporters=[BestExporter(metric="f1")]))
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
-    with pytest.raises(ValueError, match=r"compares metric 'f1', but the eval results hold \['accuracy', 'loss'\]"):
+    with pytest.raises(
+        ValueError, match=r"compares metric 'f1', but the eval results hold \['accuracy', 'loss'\]"
+    ):
         trainer.export(trainer.evaluate_if_new())
 
 
@@ -88,7 +94,9 @@ def test_exporters_need_a_serving_function(job_config):
         Trainer(job_config(exporters=[LatestExporter()]), program=NoServe())
 
 
-def test_an_evaluation_that_exports_nothing_does_not_wait_for_its_steps_commit(job_config, monkeypatch):
+def test_an_evaluation_that_exports_nothing_does_not_wait_for_its_steps_commit(
+    job_config, monkeypatch
+):
     """With exporters, the export of the live step's evaluation waits for the step's commit
     (exports are of recorded steps), unless no exporter would write anything for it (a best
     that it does not beat, the final exporter before the last step): then training goes on at
@@ -105,7 +113,11 @@ def test_an_evaluation_that_exports_nothing_does_not_wait_for_its_steps_commit(j
     assert trainer.export(first) == {"best": trainer.job.storage.export_dir("best", 100)}
     trainer.train_until_checkpoint()
     second = trainer.evaluate_if_new()
-    assert second.step == 200 and second.pending_commit and second.metrics["loss"] < first.metrics["loss"]
+    assert (
+        second.step == 200
+        and second.pending_commit
+        and second.metrics["loss"] < first.metrics["loss"]
+    )
     assert trainer.export(second) == {}  # (waiting for the commit here would hang for 60 s)
     assert not commit.is_set() and 200 not in trainer.committed_steps()
     assert trainer.job.records.steps() == [100]
@@ -128,7 +140,9 @@ def test_an_evaluation_that_exports_waits_for_its_steps_commit(job_config, monke
     from conftest import hold_commit
 
     commit = hold_commit(monkeypatch, 20)
-    trainer = Trainer(job_config(max_steps=40, exporters=[BestExporter(metric="accuracy", mode="max")]))
+    trainer = Trainer(
+        job_config(max_steps=40, exporters=[BestExporter(metric="accuracy", mode="max")])
+    )
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
     result = trainer.evaluate_if_new()

@@ -27,7 +27,15 @@ from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, statu
 from prefect_jax.training.checkpoints import committed_steps
 from prefect_jax.training.exporters import list_exports
 from prefect_jax.training.names import STEP_MANIFEST_FILE
-from prefect_jax.training.specs import BestExporter, CheckpointSpec, EvalSpec, FinalExporter, JobConfig, LatestExporter, TrainSpec
+from prefect_jax.training.specs import (
+    BestExporter,
+    CheckpointSpec,
+    EvalSpec,
+    FinalExporter,
+    JobConfig,
+    LatestExporter,
+    TrainSpec,
+)
 from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.trainer import Trainer
 
@@ -36,20 +44,41 @@ MAX_STEPS, EVERY = 400, 100
 
 
 def _run_args(storage, mlflow_uri, job="holes"):
-    return ["--program", PROGRAM, "--job", job, "--storage", storage, "--max-steps", str(MAX_STEPS),
-            "--checkpoint-every-steps", str(EVERY), "--log-every-steps", "10", "--keep-last", "10",
-            "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+    return [
+        "--program",
+        PROGRAM,
+        "--job",
+        job,
+        "--storage",
+        storage,
+        "--max-steps",
+        str(MAX_STEPS),
+        "--checkpoint-every-steps",
+        str(EVERY),
+        "--log-every-steps",
+        "10",
+        "--keep-last",
+        "10",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
 
 
 def _uninterrupted(tmp_path, mlflow_uri):
     """The same job run straight through in this process: its exports, best step and fingerprint."""
     config = JobConfig(
-        program=PROGRAM, job="straight", storage=str(tmp_path / "straight"),
+        program=PROGRAM,
+        job="straight",
+        storage=str(tmp_path / "straight"),
         train=TrainSpec(max_steps=MAX_STEPS, log_every_steps=10),
         checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10),
-        eval=EvalSpec(exporters=[LatestExporter(), BestExporter(metric="loss", mode="min"), FinalExporter()]),
+        eval=EvalSpec(
+            exporters=[LatestExporter(), BestExporter(metric="loss", mode="min"), FinalExporter()]
+        ),
         mlflow_tracking_uri=mlflow_uri,
-    )  # fmt: skip
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     while trainer.step < MAX_STEPS:
@@ -59,11 +88,17 @@ def _uninterrupted(tmp_path, mlflow_uri):
     trainer.finish()
     trainer.close()
     storage = trainer.job.storage
-    return list_exports(storage), storage.read_json(storage.export_dir("best") + "/best.json"), fingerprint
+    return (
+        list_exports(storage),
+        storage.read_json(storage.export_dir("best") + "/best.json"),
+        fingerprint,
+    )
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_save_and_kills_around_an_evaluation_lose_nothing(tmp_path, prefect_server, mlflow_uri):
+def test_sigterm_during_a_save_and_kills_around_an_evaluation_lose_nothing(
+    tmp_path, prefect_server, mlflow_uri
+):
     storage = str(tmp_path / "storage")
     ckpt = os.path.join(storage, "holes", "checkpoints")
     evals = os.path.join(storage, "holes", "evals", "eval")
@@ -81,24 +116,36 @@ def test_sigterm_during_a_save_and_kills_around_an_evaluation_lose_nothing(tmp_p
     assert at == 200, log1[-3000:]
     assert "step 200 committed" in log1, log1[-3000:]
     assert committed_steps(ckpt)[-1] == 200, "the step whose save was in flight is committed"
-    assert all(int(os.path.basename(p)[:-5]) in committed_steps(ckpt) for p in glob.glob(f"{evals}/*.json"))
+    assert all(
+        int(os.path.basename(p)[:-5]) in committed_steps(ckpt) for p in glob.glob(f"{evals}/*.json")
+    )
     # Its train metrics are in MLflow already, up to the step committed (no rerun needed for them).
     client = MlflowClient(mlflow_uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("prefect-jax").experiment_id],
-                                filter_string=f"tags.`prefect_jax.job` = '{storage}/holes'")  # fmt: skip
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("prefect-jax").experiment_id],
+        filter_string=f"tags.`prefect_jax.job` = '{storage}/holes'",
+    )
     logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
     assert logged == list(range(10, 201, 10)), logged
 
     # 2. SIGKILL as soon as the final step's evaluation is recorded, or its checkpoint commits,
     #    whichever comes first: an eval record must never exist for a step that is not committed.
     proc = start_run(_run_args(storage, mlflow_uri), prefect_server, logs / "2.log")
-    wait_until(lambda: orbax_tmp_dirs(ckpt, MAX_STEPS), 240, f"the save of step {MAX_STEPS} to start", proc)
-    wait_until(lambda: os.path.exists(f"{evals}/{MAX_STEPS}.json") or MAX_STEPS in committed_steps(ckpt), 120,
-               f"step {MAX_STEPS} to be evaluated or committed", proc)  # fmt: skip
+    wait_until(
+        lambda: orbax_tmp_dirs(ckpt, MAX_STEPS), 240, f"the save of step {MAX_STEPS} to start", proc
+    )
+    wait_until(
+        lambda: os.path.exists(f"{evals}/{MAX_STEPS}.json") or MAX_STEPS in committed_steps(ckpt),
+        120,
+        f"step {MAX_STEPS} to be evaluated or committed",
+        proc,
+    )
     proc.kill()
     proc.wait(timeout=60)
     if os.path.exists(f"{evals}/{MAX_STEPS}.json"):
-        assert MAX_STEPS in committed_steps(ckpt), "step 400 was recorded as evaluated before it was committed"
+        assert MAX_STEPS in committed_steps(ckpt), (
+            "step 400 was recorded as evaluated before it was committed"
+        )
 
     # 3. Run to the end: the same exporters (steps and best) and state as an uninterrupted run.
     proc = start_run(_run_args(storage, mlflow_uri), prefect_server, logs / "3.log")
@@ -113,16 +160,22 @@ def test_sigterm_during_a_save_and_kills_around_an_evaluation_lose_nothing(tmp_p
     assert job["evaluated_steps"]["eval"] == job["committed_steps"] == [100, 200, 300, 400]
     client = MlflowClient(mlflow_uri)
     history = client.get_metric_history(summary["mlflow_run_id"], "eval/loss")
-    assert sorted(m.step for m in history) == [100, 200, 300, 400], "each evaluation in MLflow exactly once"
+    assert sorted(m.step for m in history) == [100, 200, 300, 400], (
+        "each evaluation in MLflow exactly once"
+    )
     # The train metrics of the interval whose save the SIGTERM met (its process ended before
     # logging them; the checkpoint carries them), and every other, each exactly once.
-    train = sorted(m.step for m in client.get_metric_history(summary["mlflow_run_id"], "train/loss"))
+    train = sorted(
+        m.step for m in client.get_metric_history(summary["mlflow_run_id"], "train/loss")
+    )
     assert train == list(range(10, MAX_STEPS + 1, 10)), train
 
 
 def _trained_without_evaluator(job_config, **kw):
     config = job_config(max_steps=60, every_steps=10, keep_last=1, **kw)
-    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"keep_until_evaluated": True})})
+    config = config.model_copy(
+        update={"checkpoint": config.checkpoint.model_copy(update={"keep_until_evaluated": True})}
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     while trainer.step < config.train.max_steps:
@@ -139,18 +192,38 @@ def test_a_killed_evaluator_loses_no_eval_metric(job_config, prefect_server, mlf
     config = _trained_without_evaluator(job_config)
     steps = committed_steps(JobStorage(config.storage, config.job).checkpoint_dir)
     assert steps == [10, 20, 30, 40, 50, 60], "retention kept the steps no evaluator has reached"
-    params = {"program": config.program, "job": config.job, "storage": config.storage,
-              "train_spec": config.train.model_dump(mode="json"), "checkpoint_spec": config.checkpoint.model_dump(mode="json"),
-              "mlflow_tracking_uri": mlflow_uri, "poll_secs": 0.2, "idle_timeout_secs": 600}  # fmt: skip
+    params = {
+        "program": config.program,
+        "job": config.job,
+        "storage": config.storage,
+        "train_spec": config.train.model_dump(mode="json"),
+        "checkpoint_spec": config.checkpoint.model_dump(mode="json"),
+        "mlflow_tracking_uri": mlflow_uri,
+        "poll_secs": 0.2,
+        "idle_timeout_secs": 600,
+    }
     code = f"from prefect_jax.flows import evaluate; evaluate(**{params!r})"
-    db = sqlite3.connect(mlflow_uri[len("sqlite:///"):], timeout=30, isolation_level=None)
-    db.execute("BEGIN EXCLUSIVE")  # MLflow is reachable but every write waits (a slow tracking server)
+    db = sqlite3.connect(mlflow_uri[len("sqlite:///") :], timeout=30, isolation_level=None)
+    db.execute(
+        "BEGIN EXCLUSIVE"
+    )  # MLflow is reachable but every write waits (a slow tracking server)
     records = JobStorage(config.storage, config.job).eval_dir("eval")
     log = open(tmp_path / "evaluator.log", "w")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=TESTS_DIR,
-                            env=cli_env(prefect_server, PREFECT_JAX_MLFLOW_STRICT="0"))  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=TESTS_DIR,
+        env=cli_env(prefect_server, PREFECT_JAX_MLFLOW_STRICT="0"),
+    )
     try:
-        wait_until(lambda: len(glob.glob(f"{records}/*.json")) == len(steps), 240, "every step to be recorded", proc, poll=0.05)
+        wait_until(
+            lambda: len(glob.glob(f"{records}/*.json")) == len(steps),
+            240,
+            "every step to be recorded",
+            proc,
+            poll=0.05,
+        )
     finally:
         proc.kill()
         proc.wait(timeout=60)
@@ -158,9 +231,12 @@ def test_a_killed_evaluator_loses_no_eval_metric(job_config, prefect_server, mlf
         db.close()
     client = MlflowClient(mlflow_uri)
     (run,) = client.search_runs(
-        [client.get_experiment_by_name("prefect-jax").experiment_id], filter_string=f"tags.`prefect_jax.job` = '{os.path.join(config.storage, config.job)}'"
+        [client.get_experiment_by_name("prefect-jax").experiment_id],
+        filter_string=f"tags.`prefect_jax.job` = '{os.path.join(config.storage, config.job)}'",
     )
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [], "the killed evaluator wrote nothing"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [], (
+        "the killed evaluator wrote nothing"
+    )
 
     from prefect_jax.flows import evaluate
 
@@ -176,7 +252,9 @@ def test_retention_keeps_what_the_evaluator_has_not_reached(job_config):
     for step in (10, 20, 30):
         assert evaluator.evaluate_if_new(step).status.value == "EVALUATED"
     evaluator.close()
-    trainer = Trainer(config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 70})}))
+    trainer = Trainer(
+        config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 70})})
+    )
     trainer.restore_or_init()
     trainer.train_until_checkpoint()  # its save applies retention: keep_last=1, and 30.. (not evaluated yet)
     trainer.finish()
@@ -231,35 +309,65 @@ def test_a_step_written_before_checksums_restores_with_a_warning(job_config, cap
 
 
 @pytest.mark.slow
-def test_sigterm_while_prefect_creates_a_task_run_ends_terminated_not_failed(tmp_path, prefect_server, mlflow_uri):
+def test_sigterm_while_prefect_creates_a_task_run_ends_terminated_not_failed(
+    tmp_path, prefect_server, mlflow_uri
+):
     """Prefect's crash handling fails if SIGTERM lands while it creates a task run ("Task run is
     not set"), turning a preemption into a Failed run and an error exit. The run still ends as
     terminated: exit 143, flow run Crashed (what rerun automations match), MLflow run KILLED."""
     import httpx
 
     storage = str(tmp_path / "storage")
-    args = ["run", "--program", "prefect_jax.examples.digits:tiny", "--job", "in-creation", "--storage", storage,
-            "--max-steps", "40", "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--no-progress"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "sigterm_in_task_creation.py", *args], capture_output=True, text=True,
-                          env=cli_env(prefect_server), cwd=TESTS_DIR, timeout=300)  # fmt: skip
+    args = [
+        "run",
+        "--program",
+        "prefect_jax.examples.digits:tiny",
+        "--job",
+        "in-creation",
+        "--storage",
+        storage,
+        "--max-steps",
+        "40",
+        "--checkpoint-every-steps",
+        "20",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--no-progress",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "sigterm_in_task_creation.py", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(prefect_server),
+        cwd=TESTS_DIR,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert "Task run is not set" in out, out[-3000:]  # the Prefect failure did happen
     assert proc.returncode == 143, out[-3000:]
-    assert "terminated by signal 15; the newest committed step is kept" in proc.stderr.splitlines()[-1]
+    assert (
+        "terminated by signal 15; the newest committed step is kept" in proc.stderr.splitlines()[-1]
+    )
     assert status("in-creation", storage)["committed_steps"] == [20]
-    (run,) = httpx.post(f"{prefect_server}/flow_runs/filter", json={"flow_runs": {"tags": {"all_": ["job:in-creation"]}}, "limit": 5},
-                        timeout=30).json()  # fmt: skip
+    (run,) = httpx.post(
+        f"{prefect_server}/flow_runs/filter",
+        json={"flow_runs": {"tags": {"all_": ["job:in-creation"]}}, "limit": 5},
+        timeout=30,
+    ).json()
     assert run["state_type"] == "CRASHED", run["state"]
     client = MlflowClient(mlflow_uri)
     (mlflow_run,) = client.search_runs(
-        [client.get_experiment_by_name("prefect-jax").experiment_id], filter_string=f"tags.`prefect_jax.job` = '{storage}/in-creation'"
+        [client.get_experiment_by_name("prefect-jax").experiment_id],
+        filter_string=f"tags.`prefect_jax.job` = '{storage}/in-creation'",
     )
     assert mlflow_run.info.status == "KILLED"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["start", "restore", "eval"])
-def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(where, tmp_path, prefect_server, mlflow_uri):
+def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(
+    where, tmp_path, prefect_server, mlflow_uri
+):
     """A SIGTERM handled inside a garbage-collector callback (JAX runs one at every collection),
     where Python drops the handler's exception: the fault sweep's lost notice. Before, the job
     trained on to its end and exited 0 (at `start`, `restore`), or, with the guard's forward
@@ -271,28 +379,62 @@ def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(wh
     import httpx
 
     storage, job = str(tmp_path / "storage"), f"gc-{where}"
-    args = ["--program", "prefect_jax.examples.digits:tiny", "--job", job, "--storage", storage,
-            "--max-steps", "60", "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--no-progress"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "sigterm_in_gc_callback.py", where, *args], capture_output=True, text=True,
-                          env=cli_env(prefect_server), cwd=TESTS_DIR, timeout=300)  # fmt: skip
+    args = [
+        "--program",
+        "prefect_jax.examples.digits:tiny",
+        "--job",
+        job,
+        "--storage",
+        storage,
+        "--max-steps",
+        "60",
+        "--checkpoint-every-steps",
+        "20",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--no-progress",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "sigterm_in_gc_callback.py", where, *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(prefect_server),
+        cwd=TESTS_DIR,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
-    assert "Exception ignored in: <function sigterm_inside_a_gc_callback" in out, out[-3000:]  # it was dropped
-    assert "prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: sending SIGTERM again" in out
+    assert "Exception ignored in: <function sigterm_inside_a_gc_callback" in out, out[
+        -3000:
+    ]  # it was dropped
+    assert (
+        "prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: sending SIGTERM again"
+        in out
+    )
     # The command exits 128 + 15; a flow run called bare ends as Prefect ends it: by the signal itself.
     assert proc.returncode == (-signal.SIGTERM if where == "restore" else 143), out[-3000:]
-    assert committed_steps(os.path.join(storage, job, "checkpoints")) == ([20] if where == "eval" else []), out[-3000:]
+    assert committed_steps(os.path.join(storage, job, "checkpoints")) == (
+        [20] if where == "eval" else []
+    ), out[-3000:]
     assert not os.path.exists(os.path.join(storage, job, "exports")), out[-3000:]
-    runs = httpx.post(f"{prefect_server}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}}},
-                      timeout=30).json()  # fmt: skip
+    runs = httpx.post(
+        f"{prefect_server}/flow_runs/filter",
+        json={"flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}}},
+        timeout=30,
+    ).json()
     assert [r["state_type"] for r in runs] == ([] if where == "start" else ["CRASHED"]), runs
     if where == "eval":
         client = MlflowClient(mlflow_uri)
         (mlflow_run,) = client.search_runs(
-            [client.get_experiment_by_name("prefect-jax").experiment_id], filter_string=f"tags.`prefect_jax.job` = '{storage}/{job}'"
+            [client.get_experiment_by_name("prefect-jax").experiment_id],
+            filter_string=f"tags.`prefect_jax.job` = '{storage}/{job}'",
         )
         assert mlflow_run.info.status == "KILLED"
-        assert "train/loss" in mlflow_run.data.metrics  # (the names are these: the check below can fail)
-        assert not [k for k in mlflow_run.data.metrics if k.startswith("eval/")], mlflow_run.data.metrics
+        assert (
+            "train/loss" in mlflow_run.data.metrics
+        )  # (the names are these: the check below can fail)
+        assert not [k for k in mlflow_run.data.metrics if k.startswith("eval/")], (
+            mlflow_run.data.metrics
+        )
 
 
 @pytest.fixture
@@ -319,12 +461,18 @@ def sigterm_handler(monkeypatch):
     monkeypatch.setattr(preemption, "_handler_codes", set(preemption._handler_codes))
     monkeypatch.setattr(preemption, "_sending", None)
     monkeypatch.setattr(sigterm_in_gc_callback, "_sent", [])
-    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: calls.append(f"dropped {type(unraisable.exc_value).__name__}"))
+    monkeypatch.setattr(
+        sys,
+        "unraisablehook",
+        lambda unraisable: calls.append(f"dropped {type(unraisable.exc_value).__name__}"),
+    )
     before = signal.signal(signal.SIGTERM, handler)
     try:
         yield calls, handler
     finally:
-        for thread in threading.enumerate():  # a signal still to be sent again comes here, not to pytest
+        for (
+            thread
+        ) in threading.enumerate():  # a signal still to be sent again comes here, not to pytest
             if thread.name == preemption.RESEND_THREAD:
                 thread.join(timeout=30)
         _wait_in_ordinary_code(0.05)
@@ -337,7 +485,9 @@ def sends(monkeypatch):
     from prefect_jax.training import preemption
 
     sent: list[int] = []
-    monkeypatch.setattr(preemption, "_send_when_set", lambda signum: (sent.append(signum), threading.Event())[1])
+    monkeypatch.setattr(
+        preemption, "_send_when_set", lambda signum: (sent.append(signum), threading.Event())[1]
+    )
     return sent
 
 
@@ -372,7 +522,10 @@ def test_a_guard_whose_forwarded_notice_python_drops_delivers_it_again(sigterm_h
     finally:
         guard.uninstall()
     # (A collection of this process's heap can outlast the first delivery again: JAX's gc callback drops it then.)
-    assert calls[:3] == ["on_signal", "handler", "dropped Ended"] and calls[3:] == ["handler", "dropped Ended"] * ((len(calls) - 4) // 2) + ["handler"], calls
+    assert calls[:3] == ["on_signal", "handler", "dropped Ended"] and calls[3:] == [
+        "handler",
+        "dropped Ended",
+    ] * ((len(calls) - 4) // 2) + ["handler"], calls
     assert preemption.received_signal() == signal.SIGTERM
 
 
@@ -404,7 +557,10 @@ def test_drops_before_the_signal_goes_again_send_it_once(sigterm_handler):
     from prefect_jax.training import preemption
 
     calls, _ = sigterm_handler
-    first, second = preemption._send_when_set(signal.SIGTERM), preemption._send_when_set(signal.SIGTERM)
+    first, second = (
+        preemption._send_when_set(signal.SIGTERM),
+        preemption._send_when_set(signal.SIGTERM),
+    )
     assert first is second
     first.set()
     _wait_in_ordinary_code(1.0)
@@ -426,7 +582,11 @@ def test_only_a_sigterm_handlers_dropped_exception_is_a_notice(monkeypatch, send
             Colour(7)
 
     dropped: list[str] = []
-    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(type(unraisable.exc_value).__name__))
+    monkeypatch.setattr(
+        sys,
+        "unraisablehook",
+        lambda unraisable: dropped.append(type(unraisable.exc_value).__name__),
+    )
     monkeypatch.setattr(preemption, "_handler_codes", set(preemption._handler_codes))
     before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
@@ -437,7 +597,9 @@ def test_only_a_sigterm_handlers_dropped_exception_is_a_notice(monkeypatch, send
     assert (dropped, sends) == (["ValueError"], [])
 
 
-def test_a_signal_sent_again_whose_handler_runs_inside_the_hook_is_sent_again(sigterm_handler, monkeypatch, sends):
+def test_a_signal_sent_again_whose_handler_runs_inside_the_hook_is_sent_again(
+    sigterm_handler, monkeypatch, sends
+):
     """The handler of a SIGTERM that comes while the hook itself runs (here: the hook before it
     raises the signal) raises inside the hook, where Python would drop it too, and then for good:
     the hook catches it and sends the signal again."""
@@ -461,7 +623,9 @@ def test_a_signal_sent_again_whose_handler_runs_inside_the_hook_is_sent_again(si
     assert (calls, sends) == (["dropped KeyError", "handler"], [signal.SIGTERM])
 
 
-def test_a_notice_whose_handling_fails_still_goes_on_to_the_handler_before(sigterm_handler, job_config, monkeypatch):
+def test_a_notice_whose_handling_fails_still_goes_on_to_the_handler_before(
+    sigterm_handler, job_config, monkeypatch
+):
     """The trainer's handling of a notice fails (storage gone with the node, say): the signal still
     goes on to the handler before the guard (Prefect's bridge ends the run), with the failure as
     its context, and the trainer refuses to go on. Before, the failure alone came out, the notice
@@ -487,7 +651,9 @@ def test_a_notice_whose_handling_fails_still_goes_on_to_the_handler_before(sigte
         trainer.close()
 
 
-def test_a_trainer_whose_notice_went_on_to_a_handler_that_returned_does_nothing_more(sigterm_handler, job_config):
+def test_a_trainer_whose_notice_went_on_to_a_handler_that_returned_does_nothing_more(
+    sigterm_handler, job_config
+):
     """The trainer checkpointed, closed its MLflow run KILLED and freed its lease on a SIGTERM it
     handled inside a gc callback; the handler it forwarded to returned, and its own `Preempted` was
     dropped. It then refuses to go on (an evaluation, an export, training): `Preempted` again."""
@@ -503,7 +669,11 @@ def test_a_trainer_whose_notice_went_on_to_a_handler_that_returned_does_nothing_
         sigterm_inside_a_gc_callback()  # between tasks: the guard handles it at once
         _wait_in_ordinary_code(0.5)
         assert calls[:2] == ["handler", "dropped Preempted"], calls
-        for go_on in (trainer.evaluate_if_new, trainer.train_until_checkpoint, trainer.restore_or_init):
+        for go_on in (
+            trainer.evaluate_if_new,
+            trainer.train_until_checkpoint,
+            trainer.restore_or_init,
+        ):
             with pytest.raises(Preempted, match="preempted at step 20"):
                 go_on()
         assert committed_steps(trainer.job.storage.checkpoint_dir) == [20]
@@ -511,7 +681,9 @@ def test_a_trainer_whose_notice_went_on_to_a_handler_that_returned_does_nothing_
         trainer.close()
 
 
-def test_a_sigterm_that_breaks_an_import_in_the_command_still_ends_it_terminated(sigterm_handler, monkeypatch, capsys):
+def test_a_sigterm_that_breaks_an_import_in_the_command_still_ends_it_terminated(
+    sigterm_handler, monkeypatch, capsys
+):
     """The command's SIGTERM handler raises SystemExit wherever the main thread is: inside a C
     extension's import (pydantic-core's, in the `start` case above on busy cores) that became
     pyo3's `PanicException`, a BaseException, and the command exited 1. It exits 143, saying so."""
@@ -529,5 +701,8 @@ def test_a_sigterm_that_breaks_an_import_in_the_command_still_ends_it_terminated
             raise PanicException("failed to import `datetime` C API") from exc
 
     monkeypatch.setattr(commands, "cmd_run", run_broken_by_a_sigterm)
-    assert cli.main(["run", "--program", "programs:tiny", "--job", "broken", "--storage", "unused"]) == 143
+    assert (
+        cli.main(["run", "--program", "programs:tiny", "--job", "broken", "--storage", "unused"])
+        == 143
+    )
     assert "terminated by signal 15; the newest committed step is kept" in capsys.readouterr().err

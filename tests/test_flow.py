@@ -8,9 +8,15 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from prefect_jax.flows import train_and_evaluate
-from prefect_jax.training.specs import CheckpointSpec, EvalSpec, FinalExporter, LatestExporter, TrainSpec
-from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.names import JOB_TAG
+from prefect_jax.training.specs import (
+    CheckpointSpec,
+    EvalSpec,
+    FinalExporter,
+    LatestExporter,
+    TrainSpec,
+)
+from prefect_jax.training.storage import JobStorage
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -47,13 +53,19 @@ def _artifacts(api_url, flow_run_id):
     """Artifacts of a flow run and its task runs, read over the REST API."""
     import httpx
 
-    body = {"artifacts": {"flow_run_id": {"any_": [str(flow_run_id)]}}, "sort": "CREATED_DESC", "limit": 200}
+    body = {
+        "artifacts": {"flow_run_id": {"any_": [str(flow_run_id)]}},
+        "sort": "CREATED_DESC",
+        "limit": 200,
+    }
     response = httpx.post(f"{api_url}/artifacts/filter", json=body, timeout=30)
     response.raise_for_status()
     return response.json()
 
 
-def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(tmp_path, mlflow_uri, prefect_server):
+def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
+    tmp_path, mlflow_uri, prefect_server
+):
     state = _run(tmp_path, mlflow_uri)
     assert state.is_completed()
     summary = state.result()
@@ -67,7 +79,15 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(tmp_path, mlf
     artifacts = _artifacts(prefect_server, state.state_details.flow_run_id)
     names = sorted(r.name for r in runs)
     assert names == sorted(
-        ["restore or init flow-job", "train 0 to 20", "train 20 to 40", "evaluate 20", "evaluate 40", "export 20", "export 40"]
+        [
+            "restore or init flow-job",
+            "train 0 to 20",
+            "train 20 to 40",
+            "evaluate 20",
+            "evaluate 40",
+            "export 20",
+            "export 40",
+        ]
     )
     assert all(r.state.is_completed() for r in runs)
     tables = [a for a in artifacts if a["type"] == "table"]
@@ -75,7 +95,10 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(tmp_path, mlf
     results = next(a for a in tables if a["key"] == "flow-job-eval-results")
     assert '"step": 40' in results["data"]  # newest version holds every evaluated step
     goodput = next(a for a in tables if a["key"] == "flow-job-goodput")
-    assert "productive training (steps kept)" in goodput["data"] and summary["goodput"]["attempts"] == 1
+    assert (
+        "productive training (steps kept)" in goodput["data"]
+        and summary["goodput"]["attempts"] == 1
+    )
     progress = [a for a in artifacts if a["type"] == "progress"]
     assert [a["data"] for a in progress] == [100.0]
 
@@ -95,19 +118,24 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(tmp_path, mlf
     job_dir = JobStorage(str(tmp_path / "storage"), "flow-job").job_dir
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_dir}'")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "eval/accuracy")] == [20, 40]
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "eval/accuracy")] == [
+        20,
+        40,
+    ]
 
 
-def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(tmp_path, mlflow_uri, prefect_server, monkeypatch):
+def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(
+    tmp_path, mlflow_uri, prefect_server, monkeypatch
+):
     """The live step's evaluation returns before its save commits, and the step is recorded later,
     from the next train task run's loop. Its results artifact and its eval event still belong to
     the evaluate task run (the Prefect UI shows them there), not to the train task run that
     happened to see the commit."""
     from datetime import datetime
 
+    from conftest import hold_commit
     from process_helpers import job_events
 
-    from conftest import hold_commit
     from prefect_jax.training.loop import add_progress_listener
 
     commit = hold_commit(monkeypatch, 100)
@@ -120,16 +148,24 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(tmp_pa
     storage = str(tmp_path / "storage")
     try:
         state = train_and_evaluate(
-            program="prefect_jax.examples.digits:tiny", job="late-record", storage=storage,
-            train_spec=TrainSpec(max_steps=200, log_every_steps=10), checkpoint_spec=CheckpointSpec(every_steps=100),
-            mlflow_tracking_uri=mlflow_uri, return_state=True,
-        )  # fmt: skip
+            program="prefect_jax.examples.digits:tiny",
+            job="late-record",
+            storage=storage,
+            train_spec=TrainSpec(max_steps=200, log_every_steps=10),
+            checkpoint_spec=CheckpointSpec(every_steps=100),
+            mlflow_tracking_uri=mlflow_uri,
+            return_state=True,
+        )
     finally:
         remove()
     assert state.is_completed() and commit.is_set()
     runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
     evaluate_100, evaluate_200 = runs["evaluate 100"], runs["evaluate 200"]
-    results = [a for a in _artifacts(prefect_server, state.state_details.flow_run_id) if a["key"] == "late-record-eval-results"]
+    results = [
+        a
+        for a in _artifacts(prefect_server, state.state_details.flow_run_id)
+        if a["key"] == "late-record-eval-results"
+    ]
     by_steps = {tuple(row["step"] for row in json.loads(a["data"])): a for a in results}
     assert set(by_steps) == {(100,), (100, 200)}
     first = by_steps[(100,)]
@@ -138,21 +174,32 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(tmp_pa
     # ... and still on it, as the final step's is on its own.
     assert first["task_run_id"] == str(evaluate_100.id)
     assert by_steps[(100, 200)]["task_run_id"] == str(evaluate_200.id)
-    events = job_events(prefect_server, "late-record", storage, prefix="prefect-jax.eval.", expect=2)
-    related = {e["payload"]["step"]: {r["prefect.resource.id"] for r in e["related"]} for e in events}
+    events = job_events(
+        prefect_server, "late-record", storage, prefix="prefect-jax.eval.", expect=2
+    )
+    related = {
+        e["payload"]["step"]: {r["prefect.resource.id"] for r in e["related"]} for e in events
+    }
     assert f"prefect.task-run.{evaluate_100.id}" in related[100]
     assert f"prefect.task-run.{runs['train 100 to 200'].id}" not in related[100]
     assert f"prefect.task-run.{evaluate_200.id}" in related[200]
 
 
-def test_a_deferred_evaluation_in_an_async_flow_still_publishes_its_results(job_config, prefect_server, monkeypatch):
+def test_a_deferred_evaluation_in_an_async_flow_still_publishes_its_results(
+    job_config, prefect_server, monkeypatch
+):
     """The tasks in a user's own `async` flow: there each sync task run opens its own Prefect
     client and closes it when it ends, so a record made later (the next train task's loop) must
     not publish through the evaluate task run's client; its artifact still links to that run."""
+    from conftest import hold_commit
     from prefect import flow
 
-    from prefect_jax.tasks import evaluate_if_new, publisher, restore_or_init, train_until_checkpoint
-    from conftest import hold_commit
+    from prefect_jax.tasks import (
+        evaluate_if_new,
+        publisher,
+        restore_or_init,
+        train_until_checkpoint,
+    )
     from prefect_jax.training.loop import add_progress_listener
 
     commit = hold_commit(monkeypatch, 100)
@@ -174,7 +221,11 @@ def test_a_deferred_evaluation_in_an_async_flow_still_publishes_its_results(job_
         remove()
     assert state.is_completed() and commit.is_set()
     runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
-    results = [a for a in _artifacts(prefect_server, state.state_details.flow_run_id) if a["key"] == "async-job-eval-results"]
+    results = [
+        a
+        for a in _artifacts(prefect_server, state.state_details.flow_run_id)
+        if a["key"] == "async-job-eval-results"
+    ]
     on = {a["task_run_id"]: [row["step"] for row in json.loads(a["data"])] for a in results}
     assert on == {str(runs["evaluate 100"].id): [100], str(runs["evaluate 200"].id): [100, 200]}
 
@@ -207,7 +258,11 @@ def test_the_flow_run_and_the_mlflow_run_name_each_other(tmp_path, mlflow_uri, p
     assert state.is_completed()
     summary, flow_run_id = state.result(), str(state.state_details.flow_run_id)
     run = MlflowClient(mlflow_uri).get_run(summary["mlflow_run_id"])
-    links = [a for a in _artifacts(prefect_server, flow_run_id) if a["type"] == "markdown" and a["key"] == "flow-job-mlflow-run"]
+    links = [
+        a
+        for a in _artifacts(prefect_server, flow_run_id)
+        if a["type"] == "markdown" and a["key"] == "flow-job-mlflow-run"
+    ]
     assert len(links) == 1, links
     expected = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
     assert expected in links[0]["data"]
@@ -223,10 +278,14 @@ def test_the_flow_run_and_the_mlflow_run_name_each_other(tmp_path, mlflow_uri, p
         async with get_client() as client:
             return (await client.read_flow_run(flow_run_id)).tags
 
-    assert {"prefect-jax", "job:flow-job", f"mlflow-run:{run.info.run_id}"} <= set(asyncio.run(tags()))
+    assert {"prefect-jax", "job:flow-job", f"mlflow-run:{run.info.run_id}"} <= set(
+        asyncio.run(tags())
+    )
 
 
-def test_progress_is_published_while_mlflow_is_still_starting(tmp_path, mlflow_uri, prefect_server, monkeypatch):
+def test_progress_is_published_while_mlflow_is_still_starting(
+    tmp_path, mlflow_uri, prefect_server, monkeypatch
+):
     """The MLflow link waits for MLflow's run; the artifacts queued after it do not wait with it
     (they once did: a progress bar stood still in the UI until MLflow's store had opened)."""
     import threading
@@ -238,9 +297,15 @@ def test_progress_is_published_while_mlflow_is_still_starting(tmp_path, mlflow_u
     from prefect_jax.training.specs import JobConfig
     from prefect_jax.training.tracking import Tracker
 
-    monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1")  # its thread is here, where the test can hold it
-    config = JobConfig(program="prefect_jax.examples.digits:tiny", job="slow-mlflow", storage=str(tmp_path),
-                       train=TrainSpec(max_steps=10))  # fmt: skip
+    monkeypatch.setenv(
+        "PREFECT_JAX_MLFLOW_IN_PROCESS", "1"
+    )  # its thread is here, where the test can hold it
+    config = JobConfig(
+        program="prefect_jax.examples.digits:tiny",
+        job="slow-mlflow",
+        storage=str(tmp_path),
+        train=TrainSpec(max_steps=10),
+    )
     opened, published = threading.Event(), threading.Event()
 
     @flow
@@ -258,7 +323,9 @@ def test_progress_is_published_while_mlflow_is_still_starting(tmp_path, mlflow_u
         return str(flow_run.id)
 
     flow_run_id = job_flow()
-    links = [a for a in _artifacts(prefect_server, flow_run_id) if a["key"] == "slow-mlflow-mlflow-run"]
+    links = [
+        a for a in _artifacts(prefect_server, flow_run_id) if a["key"] == "slow-mlflow-mlflow-run"
+    ]
     assert len(links) == 1, links
 
     async def tags():
@@ -267,10 +334,17 @@ def test_progress_is_published_while_mlflow_is_still_starting(tmp_path, mlflow_u
         async with get_client() as client:
             return (await client.read_flow_run(flow_run_id)).tags
 
-    run_ids = [r.info.run_id for r in MlflowClient(mlflow_uri).search_runs(
-        [e.experiment_id for e in MlflowClient(mlflow_uri).search_experiments()], f"tags.`{JOB_TAG}` = 'slow-mlflow'")]  # fmt: skip
+    run_ids = [
+        r.info.run_id
+        for r in MlflowClient(mlflow_uri).search_runs(
+            [e.experiment_id for e in MlflowClient(mlflow_uri).search_experiments()],
+            f"tags.`{JOB_TAG}` = 'slow-mlflow'",
+        )
+    ]
     assert len(run_ids) == 1
-    assert {"prefect-jax", "job:slow-mlflow", f"mlflow-run:{run_ids[0]}"} <= set(asyncio.run(tags()))
+    assert {"prefect-jax", "job:slow-mlflow", f"mlflow-run:{run_ids[0]}"} <= set(
+        asyncio.run(tags())
+    )
 
 
 @pytest.mark.parametrize(("refresh_secs", "updates"), [("3600", 2), ("0", 5)])
@@ -288,21 +362,30 @@ def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
     monkeypatch.setattr(publisher, "_last_run", {})  # (as after any flow run's flush)
     progress_updates = []
     update = progress.update_progress
+
     def recording(shown, step, *a):
         progress_updates.append(step)
         update(shown, step, *a)
 
     monkeypatch.setattr(progress, "update_progress", recording)
     state = train_and_evaluate(
-        program="prefect_jax.examples.digits:tiny", job="refresh", storage=str(tmp_path / "storage"),
-        train_spec=TrainSpec(max_steps=50, log_every_steps=10), checkpoint_spec=CheckpointSpec(every_steps=10),
-        mlflow_tracking_uri=mlflow_uri, return_state=True,
-    )  # fmt: skip
+        program="prefect_jax.examples.digits:tiny",
+        job="refresh",
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=50, log_every_steps=10),
+        checkpoint_spec=CheckpointSpec(every_steps=10),
+        mlflow_tracking_uri=mlflow_uri,
+        return_state=True,
+    )
     assert state.is_completed()
     flow_run_id = state.state_details.flow_run_id
     runs = {r.name: str(r.id) for r in asyncio.run(_task_runs(flow_run_id))}
     artifacts = _artifacts(prefect_server, flow_run_id)
-    tables = sorted(([row["step"] for row in json.loads(a["data"])], a["task_run_id"]) for a in artifacts if a["key"] == "refresh-eval-results")
+    tables = sorted(
+        ([row["step"] for row in json.loads(a["data"])], a["task_run_id"])
+        for a in artifacts
+        if a["key"] == "refresh-eval-results"
+    )
     steps = [10, 20, 30, 40, 50]
     shown = [0, 4] if refresh_secs == "3600" else [0, 1, 2, 3, 4]
     assert tables == [(steps[: i + 1], runs[f"evaluate {steps[i]}"]) for i in shown]
@@ -340,7 +423,9 @@ def test_a_held_refresh_runs_once_its_time_is_up_and_never_ahead_of_calls_before
     assert [r[:2] for r in ran[3:]] == [("k", 4)]  # 2 and 3 replaced, 4 ran with no flush
     assert ran[3][2] - ran[1][2] >= 2
     publisher.refresh("k", lambda: 1 / 0)  # held (k ran just now), then fails at the flush: logged
-    publisher.refresh("other", lambda: ran.append("other again"))  # ("other" ran over 2 s ago: at once)
+    publisher.refresh(
+        "other", lambda: ran.append("other again")
+    )  # ("other" ran over 2 s ago: at once)
     assert publisher.flush(5) and len(ran) == 5 and ran[4] == "other again"
     publisher.refresh("k", lambda: ran.append("after the flush"))
     assert publisher.flush(5) and ran[5] == "after the flush"

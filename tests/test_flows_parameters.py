@@ -21,7 +21,9 @@ def _is_prefects_own(flow) -> bool:
     from prefect.utilities.callables import ParameterSchema, parameter_schema
 
     schema = flow.parameters
-    return isinstance(schema, ParameterSchema) and schema == parameter_schema(flow.fn) == parameter_schema(flow)
+    return isinstance(schema, ParameterSchema) and schema == parameter_schema(
+        flow.fn
+    ) == parameter_schema(flow)
 
 
 @pytest.mark.parametrize("flow", FLOWS, ids=lambda f: f.name)
@@ -33,8 +35,12 @@ def test_a_flows_parameter_schema_read_is_prefects_own(flow):
     from prefect.workers.process import ProcessWorker
 
     path = pathlib.Path(flows.__file__)
-    copies = [flow, flow.with_options(flow_run_name="x"), bind_flow_to_infrastructure(flow, "pool", ProcessWorker),
-              load_flow_from_entrypoint(f"{path}:{flow.fn.__name__}")]  # fmt: skip
+    copies = [
+        flow,
+        flow.with_options(flow_run_name="x"),
+        bind_flow_to_infrastructure(flow, "pool", ProcessWorker),
+        load_flow_from_entrypoint(f"{path}:{flow.fn.__name__}"),
+    ]
     for f in copies:
         assert _is_prefects_own(f), f
         assert set(f.parameters.properties) >= {"program", "job", "storage"}

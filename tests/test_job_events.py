@@ -13,12 +13,11 @@ import sys
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import yaml
-
 from deployment_helpers import ROOT, PrefectServerProcess, _base_env
 
 from prefect_jax.deployments import job_resource_id
@@ -29,7 +28,9 @@ TINY = "prefect_jax.examples.digits:tiny"
 
 
 def _evaluator() -> dict:
-    deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    deployments = {
+        d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    }
     return deployments["digits-evaluator"]
 
 
@@ -38,7 +39,10 @@ def _config(job: str, storage: str) -> JobConfig:
 
 
 def test_same_named_jobs_on_two_storages_have_different_resource_ids(tmp_path):
-    ours, theirs = _config("digits", "/var/lib/prefect-jax"), _config("digits", str(tmp_path / "demo"))
+    ours, theirs = (
+        _config("digits", "/var/lib/prefect-jax"),
+        _config("digits", str(tmp_path / "demo")),
+    )
     assert job_resource(ours)["prefect.resource.id"] != job_resource(theirs)["prefect.resource.id"]
     assert job_resource(ours) == {
         "prefect.resource.id": job_resource_id("digits", "/var/lib/prefect-jax"),
@@ -46,11 +50,22 @@ def test_same_named_jobs_on_two_storages_have_different_resource_ids(tmp_path):
         "prefect-jax.storage": "/var/lib/prefect-jax",
     }
     rid = job_resource_id("digits", "/var/lib/prefect-jax")
-    assert rid.startswith("prefect-jax.job.digits.") and not set("*?[]!") & set(rid)  # no glob characters
+    assert rid.startswith("prefect-jax.job.digits.") and not set("*?[]!") & set(
+        rid
+    )  # no glob characters
     # The same storage written differently, or with rotated secrets, is the same job.
-    assert {job_resource_id("digits", s) for s in ("/var/lib/prefect-jax/", "file:///var/lib/prefect-jax")} == {rid}
-    assert job_resource_id("j", "s3://AKIAEXAMPLE:one@bucket/p") == job_resource_id("j", "s3://AKIAEXAMPLE:two@bucket/p")
-    assert job_resource_id("j", "s3://bucket/p") != job_resource_id("j", "s3://bucket/q") != job_resource_id("k", "s3://bucket/q")
+    assert {
+        job_resource_id("digits", s)
+        for s in ("/var/lib/prefect-jax/", "file:///var/lib/prefect-jax")
+    } == {rid}
+    assert job_resource_id("j", "s3://AKIAEXAMPLE:one@bucket/p") == job_resource_id(
+        "j", "s3://AKIAEXAMPLE:two@bucket/p"
+    )
+    assert (
+        job_resource_id("j", "s3://bucket/p")
+        != job_resource_id("j", "s3://bucket/q")
+        != job_resource_id("k", "s3://bucket/q")
+    )
     assert "secret" not in job_resource_id("j", "gs://secret@bucket/p")  # a hash, never the URL
 
 
@@ -58,7 +73,9 @@ def test_the_evaluator_trigger_matches_the_digits_job_it_deploys():
     evaluator = _evaluator()
     params = evaluator["parameters"]
     (trigger,) = evaluator["triggers"]
-    assert trigger["match"] == {"prefect.resource.id": job_resource_id(params["job"], params["storage"])}
+    assert trigger["match"] == {
+        "prefect.resource.id": job_resource_id(params["job"], params["storage"])
+    }
 
 
 def _covers(trigger_spec: dict, config: JobConfig) -> bool:
@@ -72,8 +89,13 @@ def _covers(trigger_spec: dict, config: JobConfig) -> bool:
     deployment_trigger.set_deployment_id(uuid.uuid4())
     automation = deployment_trigger.as_automation()  # as `prefect deploy` makes it
     trigger = EventTrigger.model_validate(automation.trigger.model_dump(mode="json"))
-    event = Event(occurred=datetime.now(timezone.utc), event=CHECKPOINT_EVENT, resource=job_resource(config),
-                  payload={"step": 500}, id=uuid.uuid4())  # fmt: skip
+    event = Event(
+        occurred=datetime.now(UTC),
+        event=CHECKPOINT_EVENT,
+        resource=job_resource(config),
+        payload={"step": 500},
+        id=uuid.uuid4(),
+    )
     return trigger.covers(event.receive())
 
 
@@ -82,18 +104,27 @@ def test_the_trigger_does_not_fire_for_a_same_named_job_on_another_storage(tmp_p
     (trigger,) = evaluator["triggers"]
     params = evaluator["parameters"]
     assert _covers(trigger, _config(params["job"], params["storage"]))
-    assert not _covers(trigger, _config(params["job"], str(tmp_path / "prefect-jax-demo")))  # `prefect-jax demo`
+    assert not _covers(
+        trigger, _config(params["job"], str(tmp_path / "prefect-jax-demo"))
+    )  # `prefect-jax demo`
     assert not _covers(trigger, _config("digits-nightly", params["storage"]))
 
 
 def test_the_evaluator_deployment_keeps_up_in_one_run():
     evaluator = _evaluator()
-    assert "once" not in evaluator["parameters"], "one run evaluates every checkpoint, not one run per checkpoint"
+    assert "once" not in evaluator["parameters"], (
+        "one run evaluates every checkpoint, not one run per checkpoint"
+    )
     assert evaluator["parameters"]["idle_timeout_secs"] > 0
-    assert evaluator["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}  # no pile of runs
+    assert evaluator["concurrency_limit"] == {
+        "limit": 1,
+        "collision_strategy": "CANCEL_NEW",
+    }  # no pile of runs
 
 
-def test_the_evaluator_waits_out_its_idle_timeout_while_the_trainer_holds_the_lease(job_config, mlflow_uri):
+def test_the_evaluator_waits_out_its_idle_timeout_while_the_trainer_holds_the_lease(
+    job_config, mlflow_uri
+):
     """A trainer between checkpoints (its lease fresh) keeps the evaluator going past
     `idle_timeout_secs`; once the lease is gone, the evaluator stops idle."""
     from prefect_jax.flows import evaluate
@@ -110,12 +141,25 @@ def test_the_evaluator_waits_out_its_idle_timeout_while_the_trainer_holds_the_le
     trainer.close()
     live.drop_all(close=False)
     js = JobStorage(config.storage, config.job)
-    lease = {"token": "t", "flow_run_id": None, "host": "another-node", "pid": 1, "heartbeat": time.time(), "timeout_secs": 120}
+    lease = {
+        "token": "t",
+        "flow_run_id": None,
+        "host": "another-node",
+        "pid": 1,
+        "heartbeat": time.time(),
+        "timeout_secs": 120,
+    }
     js.write_json(js.path("lease.json"), lease)  # a trainer on another node, still going
-    params = {"program": config.program, "job": config.job, "storage": config.storage,
-              "train_spec": dict(config.train.model_dump(mode="json"), max_steps=100),
-              "checkpoint_spec": config.checkpoint.model_dump(mode="json"), "mlflow_tracking_uri": mlflow_uri,
-              "poll_secs": 0.1, "idle_timeout_secs": 0.5}  # fmt: skip
+    params = {
+        "program": config.program,
+        "job": config.job,
+        "storage": config.storage,
+        "train_spec": dict(config.train.model_dump(mode="json"), max_steps=100),
+        "checkpoint_spec": config.checkpoint.model_dump(mode="json"),
+        "mlflow_tracking_uri": mlflow_uri,
+        "poll_secs": 0.1,
+        "idle_timeout_secs": 0.5,
+    }
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(evaluate(**params)), daemon=True)
     thread.start()
@@ -128,13 +172,21 @@ def test_the_evaluator_waits_out_its_idle_timeout_while_the_trainer_holds_the_le
     js.fs.rm(js.path("lease.json"))  # the trainer is done (or gone)
     thread.join(60)
     assert not thread.is_alive()
-    assert result["evaluated"] == [20, 40] and result["stopped"].startswith("no new checkpoint"), result
+    assert result["evaluated"] == [20, 40] and result["stopped"].startswith("no new checkpoint"), (
+        result
+    )
 
 
 def _prefect(api_url: str, home: Path, *args: str) -> subprocess.CompletedProcess:
     env = _base_env(PREFECT_HOME=str(home), PREFECT_API_URL=api_url)
-    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 @pytest.mark.slow
@@ -153,7 +205,9 @@ def test_deployed_evaluator_cancels_new_runs_and_fires_for_its_own_job_only(tmp_
         assert created.returncode == 0, created.stdout + created.stderr
         deployed = _prefect(api, home, "--no-prompt", "deploy", "--name", "digits-evaluator")
         assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
-        deployment = httpx.get(f"{api}/deployments/name/evaluate/digits-evaluator", timeout=30).json()
+        deployment = httpx.get(
+            f"{api}/deployments/name/evaluate/digits-evaluator", timeout=30
+        ).json()
         assert deployment["global_concurrency_limit"]["limit"] == 1, deployment
         assert deployment["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
         assert "once" not in deployment["parameters"]
@@ -161,8 +215,13 @@ def test_deployed_evaluator_cancels_new_runs_and_fires_for_its_own_job_only(tmp_
         params = _evaluator()["parameters"]
 
         def emit(storage: str, step: int) -> None:
-            event = {"id": str(uuid.uuid4()), "occurred": datetime.now(timezone.utc).isoformat(), "event": CHECKPOINT_EVENT,
-                     "resource": job_resource(_config(params["job"], storage)), "payload": {"step": step}}  # fmt: skip
+            event = {
+                "id": str(uuid.uuid4()),
+                "occurred": datetime.now(UTC).isoformat(),
+                "event": CHECKPOINT_EVENT,
+                "resource": job_resource(_config(params["job"], storage)),
+                "payload": {"step": step},
+            }
             response = httpx.post(f"{api}/events", json=[event], timeout=30)
             assert response.status_code == 204, response.text
 
@@ -174,7 +233,9 @@ def test_deployed_evaluator_cancels_new_runs_and_fires_for_its_own_job_only(tmp_
         emit(params["storage"], 500)  # the deployed job
         deadline = time.monotonic() + 60
         while not runs():
-            assert time.monotonic() < deadline, "the deployed job's event made no evaluator run:\n" + server.tail()
+            assert time.monotonic() < deadline, (
+                "the deployed job's event made no evaluator run:\n" + server.tail()
+            )
             time.sleep(0.5)
         time.sleep(5)  # the demo job's event, emitted first, has had its chance too
         assert len(runs()) == 1, runs()
@@ -205,7 +266,11 @@ def test_one_thread_tells_the_commit_listeners_of_each_step_in_order_in_the_save
         saver.set(f"saver of {step}")
         announcer.submit(step)
     assert announcer.wait(timeout=10)
-    assert [(s, who) for s, who, _ in seen] == [(1, "saver of 1"), (2, "saver of 2"), (3, "saver of 3")]
+    assert [(s, who) for s, who, _ in seen] == [
+        (1, "saver of 1"),
+        (2, "saver of 2"),
+        (3, "saver of 3"),
+    ]
     assert len({id(t) for _, _, t in seen}) == 1  # one thread for all three
     deadline = time.monotonic() + 10
     while announcer._thread is not None and time.monotonic() < deadline:

@@ -30,10 +30,24 @@ def mlflow_server(tmp_path_factory):
     port = free_port()
     log = open(home / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db",
-         "--artifacts-destination", str(home / "artifacts"), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,  # its workers go with it
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{home}/mlflow.db",
+            "--artifacts-destination",
+            str(home / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its workers go with it
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -60,18 +74,32 @@ def mlflow_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tracked_job(mlflow_server, tmp_path_factory):
     """A 60-step job tracked on the server, with system metrics sampled every second."""
-    from prefect_jax.training.specs import BestExporter, CheckpointSpec, EvalSpec, FinalExporter, JobConfig, LatestExporter, TrainSpec
+    from prefect_jax.training.specs import (
+        BestExporter,
+        CheckpointSpec,
+        EvalSpec,
+        FinalExporter,
+        JobConfig,
+        LatestExporter,
+        TrainSpec,
+    )
     from prefect_jax.training.trainer import Trainer
 
     mp = pytest.MonkeyPatch()
     mp.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     try:
         config = JobConfig(
-            program="prefect_jax.examples.digits:tiny", job=JOB, storage=str(tmp_path_factory.mktemp("ui") / "storage"),
-            train=TrainSpec(max_steps=60, log_every_steps=10), checkpoint=CheckpointSpec(every_steps=20),
-            eval=EvalSpec(exporters=[LatestExporter(), BestExporter(), FinalExporter()], registered_model=MODEL),
+            program="prefect_jax.examples.digits:tiny",
+            job=JOB,
+            storage=str(tmp_path_factory.mktemp("ui") / "storage"),
+            train=TrainSpec(max_steps=60, log_every_steps=10),
+            checkpoint=CheckpointSpec(every_steps=20),
+            eval=EvalSpec(
+                exporters=[LatestExporter(), BestExporter(), FinalExporter()],
+                registered_model=MODEL,
+            ),
             mlflow_tracking_uri=mlflow_server,
-        )  # fmt: skip
+        )
         trainer = Trainer(config)
         trainer.restore_or_init()
         train_to_end(trainer)
@@ -84,22 +112,34 @@ def tracked_job(mlflow_server, tmp_path_factory):
     return url, run_id
 
 
-def test_the_run_page_shows_the_description_eval_curves_and_logged_models(mlflow_server, tracked_job):
+def test_the_run_page_shows_the_description_eval_curves_and_logged_models(
+    mlflow_server, tracked_job
+):
     run_url, run_id = tracked_job
     assert run_url.startswith(mlflow_server) and run_url.endswith("?workflowType=machine_learning")
     run = MlflowClient(mlflow_server).get_run(run_id)
-    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics), sorted(run.data.metrics)
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics), sorted(
+        run.data.metrics
+    )
 
     with browser_page() as page:
         page.goto(run_url, wait_until="load")
-        page.get_by_text(f"{JOB}-step-60").first.wait_for(timeout=60_000)  # the logged models of the metrics
+        page.get_by_text(f"{JOB}-step-60").first.wait_for(
+            timeout=60_000
+        )  # the logged models of the metrics
         text = page.inner_text("body")
         page.screenshot(path=str(OUTPUT / "mlflow-run.png"), full_page=True)
-        assert "Model training" in text and "Training runs" not in text, "the run opens in the model-training view"
+        assert "Model training" in text and "Training runs" not in text, (
+            "the run opens in the model-training view"
+        )
         assert f"prefect-jax job {JOB}" in text and "eval/accuracy" in text and "train/loss" in text
 
-        page.goto(run_url.replace(f"/runs/{run_id}?", f"/runs/{run_id}/model-metrics?"), wait_until="load")
-        page.get_by_text(f"{JOB} (eval/accuracy)").first.wait_for(timeout=60_000)  # the eval chart's legend
+        page.goto(
+            run_url.replace(f"/runs/{run_id}?", f"/runs/{run_id}/model-metrics?"), wait_until="load"
+        )
+        page.get_by_text(f"{JOB} (eval/accuracy)").first.wait_for(
+            timeout=60_000
+        )  # the eval chart's legend
         page.screenshot(path=str(OUTPUT / "mlflow-charts.png"), full_page=True)
 
 
@@ -108,10 +148,14 @@ def test_the_registered_model_page_shows_its_versions_and_aliases(mlflow_server,
     aliases = client.get_registered_model(MODEL).aliases
     assert set(aliases) == {"best", "final", "newest"}
     with browser_page() as page:
-        page.goto(f"{mlflow_server}/#/models/{MODEL}?workflowType=machine_learning", wait_until="load")
+        page.goto(
+            f"{mlflow_server}/#/models/{MODEL}?workflowType=machine_learning", wait_until="load"
+        )
         page.get_by_text("Version 3").first.wait_for(timeout=60_000)
         for alias in aliases:
-            page.get_by_text(f"@\u00a0{alias}", exact=True).first.wait_for(timeout=10_000)  # the alias chips
+            page.get_by_text(f"@\u00a0{alias}", exact=True).first.wait_for(
+                timeout=10_000
+            )  # the alias chips
         text = page.inner_text("body")
         page.screenshot(path=str(OUTPUT / "mlflow-registered-model.png"), full_page=True)
     # Each version row: its step, then the aliases on it.
@@ -119,5 +163,8 @@ def test_the_registered_model_page_shows_its_versions_and_aliases(mlflow_server,
     for alias, version in aliases.items():
         step = rows[version].tags["prefect_jax.step"]
         row = text[text.index(f"Version {version}\n") :]
-        assert f"prefect_jax.step\n: {step}\n" in row and f"@\u00a0{alias}" in row.split("\nVersion ")[0], (alias, row[:300])
+        assert (
+            f"prefect_jax.step\n: {step}\n" in row
+            and f"@\u00a0{alias}" in row.split("\nVersion ")[0]
+        ), (alias, row[:300])
     assert f"job {JOB}, step 60" in text and f"job {JOB}, step 20" in text

@@ -32,15 +32,36 @@ PROGRAM = "programs:paced"
 MAX_STEPS, EVERY = 400, 100
 
 
-def _args(job: str, storage: str, mlflow_uri: str, max_steps: int = MAX_STEPS, every: int = EVERY) -> list[str]:
-    return ["--program", PROGRAM, "--job", job, "--storage", storage, "--max-steps", str(max_steps),
-            "--checkpoint-every-steps", str(every), "--log-every-steps", "10", "--keep-last", "10",
-            "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+def _args(
+    job: str, storage: str, mlflow_uri: str, max_steps: int = MAX_STEPS, every: int = EVERY
+) -> list[str]:
+    return [
+        "--program",
+        PROGRAM,
+        "--job",
+        job,
+        "--storage",
+        storage,
+        "--max-steps",
+        str(max_steps),
+        "--checkpoint-every-steps",
+        str(every),
+        "--log-every-steps",
+        "10",
+        "--keep-last",
+        "10",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
 
 
 def _summary(log_path) -> dict:
     """The ``--json`` summary: process 0's last line on stdout (the other's log lines may follow it in a shared file)."""
-    return json.loads([line for line in open(log_path).read().splitlines() if line.startswith('{"')][-1])
+    return json.loads(
+        [line for line in open(log_path).read().splitlines() if line.startswith('{"')][-1]
+    )
 
 
 def _free_port() -> int:
@@ -53,8 +74,14 @@ def _start_pair(args: list[str], api_url: str, tmp_path, name: str) -> list[subp
     """Two `prefect-jax run` processes of one job, told who they are by the environment."""
     port = _free_port()
     return [
-        start_run(args, api_url, tmp_path / f"{name}.{k}.log", PREFECT_JAX_NUM_PROCESSES="2", PREFECT_JAX_PROCESS_ID=str(k),
-                  PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")  # fmt: skip
+        start_run(
+            args,
+            api_url,
+            tmp_path / f"{name}.{k}.log",
+            PREFECT_JAX_NUM_PROCESSES="2",
+            PREFECT_JAX_PROCESS_ID=str(k),
+            PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        )
         for k in range(2)
     ]
 
@@ -70,30 +97,65 @@ def _wait_all(procs, timeout: float) -> list[int]:
 
 
 def test_cluster_config_comes_from_the_launchers_environment():
-    explicit = {"PREFECT_JAX_NUM_PROCESSES": "4", "PREFECT_JAX_PROCESS_ID": "3", "PREFECT_JAX_COORDINATOR_ADDRESS": "10.0.0.5"}
+    explicit = {
+        "PREFECT_JAX_NUM_PROCESSES": "4",
+        "PREFECT_JAX_PROCESS_ID": "3",
+        "PREFECT_JAX_COORDINATOR_ADDRESS": "10.0.0.5",
+    }
     c = from_env(explicit)
     assert (c.num_processes, c.process_id, c.coordinator_address) == (4, 3, "10.0.0.5:8476")
-    k8s = {"PREFECT_JAX_NUM_PROCESSES": "2", "JOB_COMPLETION_INDEX": "1", "PREFECT_JAX_COORDINATOR_ADDRESS": "train-0.train:1234"}
+    k8s = {
+        "PREFECT_JAX_NUM_PROCESSES": "2",
+        "JOB_COMPLETION_INDEX": "1",
+        "PREFECT_JAX_COORDINATOR_ADDRESS": "train-0.train:1234",
+    }
     c = from_env(k8s)
-    assert (c.process_id, c.coordinator_address, c.source) == (1, "train-0.train:1234", "Kubernetes indexed job")
-    vertex = {"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["chief:2222"], "workerpool1": ["w0:2222", "w1:2222"],
-                                                      "workerpool2": ["reduction-server:2222"]},
-                                          "task": {"type": "workerpool1", "index": 1}})}  # fmt: skip
+    assert (c.process_id, c.coordinator_address, c.source) == (
+        1,
+        "train-0.train:1234",
+        "Kubernetes indexed job",
+    )
+    vertex = {
+        "CLUSTER_SPEC": json.dumps(
+            {
+                "cluster": {
+                    "workerpool0": ["chief:2222"],
+                    "workerpool1": ["w0:2222", "w1:2222"],
+                    "workerpool2": ["reduction-server:2222"],
+                },
+                "task": {"type": "workerpool1", "index": 1},
+            }
+        )
+    }
     c = from_env(vertex)  # a reduction server (workerpool2) is no JAX training process
     assert (c.num_processes, c.process_id, c.coordinator_address) == (3, 2, "chief:2222")
-    tf = {"TF_CONFIG": json.dumps({"cluster": {"chief": ["c:1"], "worker": ["w:1"], "evaluator": ["e:1"]},
-                                   "task": {"type": "evaluator", "index": 0}})}  # fmt: skip
+    tf = {
+        "TF_CONFIG": json.dumps(
+            {
+                "cluster": {"chief": ["c:1"], "worker": ["w:1"], "evaluator": ["e:1"]},
+                "task": {"type": "evaluator", "index": 0},
+            }
+        )
+    }
     assert from_env(tf) is None  # TF's evaluator is no training process: it evaluates alone
     # JAX's own detection (srun tasks, Open MPI, TPU slices) is asked for; a run alone in a SLURM
     # allocation of several tasks stays one process.
-    assert from_env({"PREFECT_JAX_NUM_PROCESSES": "auto", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}).auto
+    assert from_env(
+        {"PREFECT_JAX_NUM_PROCESSES": "auto", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}
+    ).auto
     assert from_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}) is None
     assert from_env({"PREFECT_JAX_NUM_PROCESSES": "1"}) is None and from_env({}) is None
 
     bad = [
         ({"PREFECT_JAX_NUM_PROCESSES": "two"}, "PREFECT_JAX_NUM_PROCESSES='two' is not an integer"),
-        ({"PREFECT_JAX_NUM_PROCESSES": "2", "PREFECT_JAX_COORDINATOR_ADDRESS": "h:1"}, "set PREFECT_JAX_PROCESS_ID"),
-        ({"PREFECT_JAX_NUM_PROCESSES": "2", "PREFECT_JAX_PROCESS_ID": "1"}, "PREFECT_JAX_COORDINATOR_ADDRESS is not set"),
+        (
+            {"PREFECT_JAX_NUM_PROCESSES": "2", "PREFECT_JAX_COORDINATOR_ADDRESS": "h:1"},
+            "set PREFECT_JAX_PROCESS_ID",
+        ),
+        (
+            {"PREFECT_JAX_NUM_PROCESSES": "2", "PREFECT_JAX_PROCESS_ID": "1"},
+            "PREFECT_JAX_COORDINATOR_ADDRESS is not set",
+        ),
         ({**explicit, "PREFECT_JAX_PROCESS_ID": "4"}, "PREFECT_JAX_PROCESS_ID=4 is outside 0..3"),
         ({**explicit, "PREFECT_JAX_COORDINATOR_ADDRESS": "h:port"}, "is not host:port"),
         ({"TF_CONFIG": "{"}, "TF_CONFIG is not a cluster spec"),
@@ -103,22 +165,32 @@ def test_cluster_config_comes_from_the_launchers_environment():
             from_env(env)
 
 
-def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_ids(tmp_path, capsys):
+def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_ids(
+    tmp_path, capsys
+):
     """``--processes N`` on a machine with GPUs: each process its own (JAX would open every GPU in
     every process, each taking 75% of its memory); counted by nvidia-smi, or CUDA_VISIBLE_DEVICES."""
     from prefect_jax.cli.launch import process_envs
 
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(8)))
+    smi.write_text(
+        "#!/bin/sh\n"
+        + "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(8))
+    )
     smi.chmod(0o755)
     base = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "HOME": str(tmp_path)}
 
     def shares(n, key="JAX_LOCAL_DEVICE_IDS", **env):
-        return [e.get(key) for e in process_envs(n, "127.0.0.1:1", "http://api", False, dict(base, **env))]
+        return [
+            e.get(key)
+            for e in process_envs(n, "127.0.0.1:1", "http://api", False, dict(base, **env))
+        ]
 
     envs = process_envs(2, "127.0.0.1:1234", "http://api", True, base)
-    assert [(e["PREFECT_JAX_PROCESS_ID"], e["JAX_LOCAL_DEVICE_IDS"], e["PREFECT_JAX_EMBEDDED_API"]) for e in envs] == [
-        ("0", "0,1,2,3", "1"), ("1", "4,5,6,7", "1")]
+    assert [
+        (e["PREFECT_JAX_PROCESS_ID"], e["JAX_LOCAL_DEVICE_IDS"], e["PREFECT_JAX_EMBEDDED_API"])
+        for e in envs
+    ] == [("0", "0,1,2,3", "1"), ("1", "4,5,6,7", "1")]
     assert shares(8) == [str(i) for i in range(8)]
     assert capsys.readouterr().err == ""
     assert shares(3) == ["0,1", "2,3", "4,5"]  # 8 do not divide by 3: 2 each, 2 idle, and a warning
@@ -131,7 +203,10 @@ def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_i
         assert shares(2, CUDA_VISIBLE_DEVICES=nothing) == [None, None]
     # Fewer GPUs than processes: they share, without preallocating 75% of the memory each.
     assert shares(2, CUDA_VISIBLE_DEVICES="0") == [None, None]
-    assert shares(2, "XLA_PYTHON_CLIENT_PREALLOCATE", CUDA_VISIBLE_DEVICES="0") == ["false", "false"]
+    assert shares(2, "XLA_PYTHON_CLIENT_PREALLOCATE", CUDA_VISIBLE_DEVICES="0") == [
+        "false",
+        "false",
+    ]
     assert "2 processes share 1 GPU(s)" in capsys.readouterr().err
     assert shares(2, JAX_PLATFORMS="cpu") == [None, None]  # CPU processes
     assert shares(2, JAX_PLATFORMS="cuda,cpu") == ["0,1,2,3", "4,5,6,7"]
@@ -143,14 +218,35 @@ def test_a_pods_process_command_finds_process_0_from_its_job_and_service():
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_JAX_")}
     env.update(JOB_NAME="train-x7k2p", JOB_COMPLETION_INDEX="0")
     shown = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "process", "--processes=2", "--service=prefect-jax", "--",
-         sys.executable, "-c", "import os; print(os.environ['PREFECT_JAX_COORDINATOR_ADDRESS'], os.environ['PREFECT_JAX_NUM_PROCESSES'])"],
-        env=env, capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "prefect_jax.cli",
+            "process",
+            "--processes=2",
+            "--service=prefect-jax",
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print(os.environ['PREFECT_JAX_COORDINATOR_ADDRESS'], os.environ['PREFECT_JAX_NUM_PROCESSES'])",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert shown == ["train-x7k2p-0.prefect-jax:8476", "2"]  # process 0 runs the command after --
     env.pop("JOB_NAME")
-    refused = subprocess.run([sys.executable, "-m", "prefect_jax.cli", "process", "--processes=2"], env=env, capture_output=True, text=True)
-    assert refused.returncode == 2 and "no coordinator address: set PREFECT_JAX_COORDINATOR_ADDRESS" in refused.stderr
+    refused = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "process", "--processes=2"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        refused.returncode == 2
+        and "no coordinator address: set PREFECT_JAX_COORDINATOR_ADDRESS" in refused.stderr
+    )
 
 
 def test_the_multiprocess_work_pool_templates_render_with_the_workers_own_code(prefect_server):
@@ -161,31 +257,67 @@ def test_the_multiprocess_work_pool_templates_render_with_the_workers_own_code(p
     from prefect.utilities.templating import apply_values
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-    from prefect_jax.deployments import kubernetes_gpu_multiprocess_template, vertex_tpu_multiprocess_template
+    from prefect_jax.deployments import (
+        kubernetes_gpu_multiprocess_template,
+        vertex_tpu_multiprocess_template,
+    )
 
-    values = {"image": "us-docker.pkg.dev/p/prefect-jax/trainer:1", "num_processes": 4, "env": {"JAX_PLATFORMS": "cuda"}}
-    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(kubernetes_gpu_multiprocess_template(), values))
+    values = {
+        "image": "us-docker.pkg.dev/p/prefect-jax/trainer:1",
+        "num_processes": 4,
+        "env": {"JAX_PLATFORMS": "cuda"},
+    }
+    config = asyncio.run(
+        KubernetesWorkerJobConfiguration.from_template_and_values(
+            kubernetes_gpu_multiprocess_template(), values
+        )
+    )
     config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="nightly"))
     spec = config.job_manifest["spec"]
-    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 4, 4, 0)
+    assert (
+        spec["completionMode"],
+        spec["completions"],
+        spec["parallelism"],
+        spec["backoffLimit"],
+    ) == ("Indexed", 4, 4, 0)
     pod = spec["template"]["spec"]
-    assert pod["subdomain"] == "prefect-jax" and spec["template"]["metadata"]["labels"]["prefect-jax/cluster"] == "true"
+    assert (
+        pod["subdomain"] == "prefect-jax"
+        and spec["template"]["metadata"]["labels"]["prefect-jax/cluster"] == "true"
+    )
     container = pod["containers"][0]
     assert container["command"] + container["args"] == [
-        "prefect-jax", "process", "--processes=4", "--service=prefect-jax", "--coordinator-port=8476", "--",
-        "prefect", "flow-run", "execute",
-    ]  # fmt: skip
+        "prefect-jax",
+        "process",
+        "--processes=4",
+        "--service=prefect-jax",
+        "--coordinator-port=8476",
+        "--",
+        "prefect",
+        "flow-run",
+        "execute",
+    ]
     env = {e["name"]: e for e in container["env"]}
     assert env["JAX_PLATFORMS"]["value"] == "cuda" and "PREFECT__FLOW_RUN_ID" in env
-    assert env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
+    assert (
+        env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.labels['batch.kubernetes.io/job-name']"
+    )
 
     template = vertex_tpu_multiprocess_template()
     defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
-    job = apply_values(template["job_configuration"], {**defaults, "image": "img", "workers": 3, "prefect_api_url": "https://api"})
+    job = apply_values(
+        template["job_configuration"],
+        {**defaults, "image": "img", "workers": 3, "prefect_api_url": "https://api"},
+    )
     pools = job["job_spec"]["worker_pool_specs"]
     assert [p["replica_count"] for p in pools] == [1, 3]
-    assert pools[0]["container_spec"]["command"] == "prefect-jax process -- prefect flow-run execute"
-    assert {e["name"]: e["value"] for e in pools[1]["container_spec"]["env"]}["PREFECT_API_URL"] == "https://api"
+    assert (
+        pools[0]["container_spec"]["command"] == "prefect-jax process -- prefect flow-run execute"
+    )
+    assert {e["name"]: e["value"] for e in pools[1]["container_spec"]["env"]}[
+        "PREFECT_API_URL"
+    ] == "https://api"
     assert pools[1]["machine_spec"]["accelerator_type"] == "TPU_V5_LITEPOD"
 
 
@@ -199,8 +331,22 @@ def uninterrupted(tmp_path_factory, prefect_server, mlflow_uri):
     storage = str(tmp / "storage")
     log = tmp / "run.log"
     with open(log, "w") as out:
-        done = subprocess.run([sys.executable, "-m", "prefect_jax.cli", "run", *_args("mp", storage, mlflow_uri), "--processes", "2"],
-                              stdout=out, stderr=subprocess.STDOUT, env=cli_env(prefect_server), cwd=TESTS_DIR, timeout=600)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "prefect_jax.cli",
+                "run",
+                *_args("mp", storage, mlflow_uri),
+                "--processes",
+                "2",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=cli_env(prefect_server),
+            cwd=TESTS_DIR,
+            timeout=600,
+        )
     assert done.returncode == 0, open(log).read()[-4000:]
     return {"summary": _summary(log), "storage": storage, "log": log}
 
@@ -209,10 +355,17 @@ slow = pytest.mark.slow
 
 
 @slow
-def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(uninterrupted, prefect_server, mlflow_uri):
+def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(
+    uninterrupted, prefect_server, mlflow_uri
+):
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId, TaskRunFilter, TaskRunFilterFlowRunId
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentTaskRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
 
     summary, storage = uninterrupted["summary"], uninterrupted["storage"]
     assert summary["final_step"] == MAX_STEPS and summary["eval"]["accuracy"] > 0.8
@@ -220,22 +373,44 @@ def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(unint
     assert committed_steps(checkpoints) == [100, 200, 300, 400]
     # Each step holds both processes' iterator positions, beside the one (replicated) state.
     data = os.path.join(checkpoints, "400", "data")
-    assert sorted(n for n in os.listdir(data) if n.endswith(".json")) == ["process_0-of-2.json", "process_1-of-2.json"]
+    assert sorted(n for n in os.listdir(data) if n.endswith(".json")) == [
+        "process_0-of-2.json",
+        "process_1-of-2.json",
+    ]
 
     # Prefect: process 0's flow run, with process 1's as its child through a "process 1" task run.
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags={"all_": ["job:mp"]}))
         parents = [r for r in runs if r.parent_task_run_id is None]
-        assert len(parents) == 1 and parents[0].state.is_completed(), [(r.name, r.state) for r in runs]
+        assert len(parents) == 1 and parents[0].state.is_completed(), [
+            (r.name, r.state) for r in runs
+        ]
         run = parents[0]
-        links = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[run.id])))
+        links = client.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[run.id]))
+        )
         link = [t for t in links if t.name.startswith("process 1")]
         assert len(link) == 1 and link[0].state.is_completed()
-        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(any_=[link[0].id])))
-        assert [(c.name, c.state.is_completed()) for c in children] == [(f"{run.name}-process-1", True)]
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_task_run_id=FlowRunFilterParentTaskRunId(any_=[link[0].id])
+            )
+        )
+        assert [(c.name, c.state.is_completed()) for c in children] == [
+            (f"{run.name}-process-1", True)
+        ]
         # Process 1 trained (its own train task runs), process 0 alone evaluated and exported.
-        child_tasks = {t.name for t in client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[children[0].id])))}
-        assert "train 300 to 400" in child_tasks and not any(n.startswith(("evaluate", "export")) for n in child_tasks)
+        child_tasks = {
+            t.name
+            for t in client.read_task_runs(
+                task_run_filter=TaskRunFilter(
+                    flow_run_id=TaskRunFilterFlowRunId(any_=[children[0].id])
+                )
+            )
+        }
+        assert "train 300 to 400" in child_tasks and not any(
+            n.startswith(("evaluate", "export")) for n in child_tasks
+        )
         assert {"train 300 to 400", "evaluate 400", "export 400"} <= {t.name for t in links}
 
     # MLflow: one run, by process 0, with each eval once.
@@ -254,13 +429,20 @@ def _deployment_run(client, storage: str, mlflow_uri: str):
     root = os.path.dirname(TESTS_DIR)
     flow_id = client.create_flow(train_and_evaluate)
     deployment_id = client.create_deployment(
-        flow_id=flow_id, name=f"two-pods-{os.path.basename(os.path.dirname(storage))}",
-        entrypoint="prefect_jax/flows/__init__.py:train_and_evaluate", path=root,
+        flow_id=flow_id,
+        name=f"two-pods-{os.path.basename(os.path.dirname(storage))}",
+        entrypoint="prefect_jax/flows/__init__.py:train_and_evaluate",
+        path=root,
         pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": root}}],
-        parameters={"program": PROGRAM, "job": "mp", "storage": storage, "mlflow_tracking_uri": mlflow_uri,
-                    "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": 10},
-                    "checkpoint_spec": {"every_steps": EVERY, "keep_last": 10}},
-    )  # fmt: skip
+        parameters={
+            "program": PROGRAM,
+            "job": "mp",
+            "storage": storage,
+            "mlflow_tracking_uri": mlflow_uri,
+            "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": 10},
+            "checkpoint_spec": {"every_steps": EVERY, "keep_last": 10},
+        },
+    )
     return client.create_flow_run_from_deployment(deployment_id)
 
 
@@ -272,18 +454,37 @@ def _pods(flow_run_id, api_url: str, tmp_path, name: str) -> list[subprocess.Pop
     for k in range(2):
         # As the template's env: on SIGTERM, `prefect flow-run execute` tells its engine process,
         # which checkpoints, and reschedules the run (a worker then starts every pod again).
-        env = cli_env(api_url, PREFECT__FLOW_RUN_ID=str(flow_run_id), JOB_COMPLETION_INDEX=str(k),
-                      PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                      PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR="reschedule")  # fmt: skip
-        cmd = [sys.executable, "-m", "prefect_jax.cli", "process", "--processes=2", "--",
-               sys.executable, "-m", "prefect", "flow-run", "execute"]  # fmt: skip
+        env = cli_env(
+            api_url,
+            PREFECT__FLOW_RUN_ID=str(flow_run_id),
+            JOB_COMPLETION_INDEX=str(k),
+            PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR="reschedule",
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefect_jax.cli",
+            "process",
+            "--processes=2",
+            "--",
+            sys.executable,
+            "-m",
+            "prefect",
+            "flow-run",
+            "execute",
+        ]
         log = open(tmp_path / f"{name}.{k}.log", "w")
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=TESTS_DIR))
+        procs.append(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=TESTS_DIR)
+        )
     return procs
 
 
 @slow
-def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_exactly(uninterrupted, tmp_path, prefect_server, mlflow_uri):
+def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_exactly(
+    uninterrupted, tmp_path, prefect_server, mlflow_uri
+):
     from prefect.client.orchestration import get_client
     from prefect.states import AwaitingRetry
 
@@ -299,10 +500,15 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
         step = committed_steps(checkpoints)[-1]
         assert after < step < after + EVERY, committed_steps(checkpoints)
         data = os.path.join(checkpoints, str(step), "data")
-        positions = [json.load(open(os.path.join(data, f"process_{k}-of-2.json"))) for k in range(2)]
+        positions = [
+            json.load(open(os.path.join(data, f"process_{k}-of-2.json"))) for k in range(2)
+        ]
         assert positions[0] == positions[1]  # the same batches consumed in both processes
         for k in range(2):
-            assert f"SIGTERM at step {step}: checkpointing it" in open(tmp_path / f"{name}.{k}.log").read()
+            assert (
+                f"SIGTERM at step {step}: checkpointing it"
+                in open(tmp_path / f"{name}.{k}.log").read()
+            )
         return step
 
     with get_client(sync_client=True) as client:
@@ -339,14 +545,22 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
         procs[1].send_signal(signal.SIGKILL)
         started = time.monotonic()
         codes = _wait_all(procs, 120)
-        assert codes[1] == -signal.SIGKILL  # pod 0's `prefect flow-run execute` exits 0 whatever its run's state
+        assert (
+            codes[1] == -signal.SIGKILL
+        )  # pod 0's `prefect flow-run execute` exits 0 whatever its run's state
         log = open(tmp_path / "kill.0.log").read()
         assert time.monotonic() - started < 20, f"pod 0 waited on its lost peer: {log[-3000:]}"
         state = client.read_flow_run(run.id).state
         assert state.is_failed() and "connection" in state.message.lower(), state
-        assert "Terminating process" not in log, log[-3000:]  # no SIGABRT from JAX's coordination service
-        assert log.count("not waiting for the save in flight") <= 1, log[-3000:]  # the trainer's and the job's end: said once
-        assert os.path.exists(os.path.join(storage, "mp", "evals", "eval", "300.json")), log[-3000:]  # not evaluated again
+        assert "Terminating process" not in log, log[
+            -3000:
+        ]  # no SIGABRT from JAX's coordination service
+        assert log.count("not waiting for the save in flight") <= 1, log[
+            -3000:
+        ]  # the trainer's and the job's end: said once
+        assert os.path.exists(os.path.join(storage, "mp", "evals", "eval", "300.json")), log[
+            -3000:
+        ]  # not evaluated again
 
         # 4. Retry: the job ends where an uninterrupted run ends, bit for bit.
         retry(client, run.id)
@@ -356,25 +570,41 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
         assert committed_steps(checkpoints)[-1] == MAX_STEPS
 
     # The two processes' final checkpoint, restored in this one process: the uninterrupted state.
-    config = JobConfig(program=PROGRAM, job="mp", storage=storage, train=TrainSpec(max_steps=MAX_STEPS),
-                       checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10), mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    config = JobConfig(
+        program=PROGRAM,
+        job="mp",
+        storage=storage,
+        train=TrainSpec(max_steps=MAX_STEPS),
+        checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10),
+        mlflow_tracking_uri=mlflow_uri,
+    )
     trainer = Trainer(config)
     try:
         assert trainer.restore_or_init() == MAX_STEPS
         assert trainer.fingerprint() == uninterrupted["summary"]["state_fingerprint"]
         goodput = trainer.goodput()
-        assert goodput["attempts"] == 5 and goodput["interrupted"] == 3  # the pods' four, and this restore
+        assert (
+            goodput["attempts"] == 5 and goodput["interrupted"] == 3
+        )  # the pods' four, and this restore
     finally:
         trainer.close()
 
 
 @slow
-def test_checkpoints_reshard_between_two_processes_and_one(uninterrupted, tmp_path, prefect_server, mlflow_uri, caplog):
+def test_checkpoints_reshard_between_two_processes_and_one(
+    uninterrupted, tmp_path, prefect_server, mlflow_uri, caplog
+):
     from prefect_jax.training.trainer import Trainer
 
     def config(storage, max_steps):
-        return JobConfig(program=PROGRAM, job="mp", storage=storage, train=TrainSpec(max_steps=max_steps, log_every_steps=10),
-                         checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10), mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+        return JobConfig(
+            program=PROGRAM,
+            job="mp",
+            storage=storage,
+            train=TrainSpec(max_steps=max_steps, log_every_steps=10),
+            checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10),
+            mlflow_tracking_uri=mlflow_uri,
+        )
 
     # 2 -> 1: this (one-process) test restores the two processes' last step bit for bit, with
     # the data position, and trains on.
@@ -439,7 +669,9 @@ def test_after_kills_without_notice_every_process_writes_the_same_backups_and_th
     # 1. Process 1 killed mid-interval: process 0's attempt fails on the lost connection, which
     #    the ledger counts as a kill of the job. No backups yet.
     procs = _start_pair(args, prefect_server, tmp_path, "one")
-    wait_until(lambda: every in committed_steps(checkpoints), 300, f"step {every} committed", procs[0])
+    wait_until(
+        lambda: every in committed_steps(checkpoints), 300, f"step {every} committed", procs[0]
+    )
     time.sleep(0.5)
     kill(procs, 1, "one")
     assert backups() == []
@@ -451,7 +683,9 @@ def test_after_kills_without_notice_every_process_writes_the_same_backups_and_th
     backup = wait_until(lambda: backups(), 300, "a backup committed", procs[0])[-1]
     kill(procs, 0, "two")
     log = open(tmp_path / "two.0.log").read()
-    assert "1 of its 1 latest attempts were killed without notice" in log and "backing up every" in log, log[-3000:]
+    assert (
+        "1 of its 1 latest attempts were killed without notice" in log and "backing up every" in log
+    ), log[-3000:]
     data = os.path.join(checkpoints, str(backup), "data")
     positions = [json.load(open(os.path.join(data, f"process_{k}-of-2.json"))) for k in range(2)]
     assert positions[0] == positions[1]  # one save of both processes' parts, at the same step
@@ -461,17 +695,28 @@ def test_after_kills_without_notice_every_process_writes_the_same_backups_and_th
     # 3. Resumed from the backup (or a later one), to the end: as if never killed.
     procs = _start_pair(args, prefect_server, tmp_path, "three")
     assert _wait_all(procs, 300) == [0, 0], open(tmp_path / "three.0.log").read()[-3000:]
-    resumed = int(re.search(r"training from step (\d+) to", open(tmp_path / "three.0.log").read()).group(1))
-    assert resumed >= backup and resumed % every, f"resumed from {resumed}, not from the backup {backup} or a later one"
+    resumed = int(
+        re.search(r"training from step (\d+) to", open(tmp_path / "three.0.log").read()).group(1)
+    )
+    assert resumed >= backup and resumed % every, (
+        f"resumed from {resumed}, not from the backup {backup} or a later one"
+    )
     for k in range(2):
-        assert _summary(tmp_path / f"three.{k}.log")["state_fingerprint"] == uninterrupted["summary"]["state_fingerprint"]
+        assert (
+            _summary(tmp_path / f"three.{k}.log")["state_fingerprint"]
+            == uninterrupted["summary"]["state_fingerprint"]
+        )
     attempts = ledger()
     assert [a["ended"] for a in attempts] == [LOST_PROCESS, None, "finished"], attempts
-    assert [a.get("backup_every_secs") is not None for a in attempts] == [False, True, True], attempts
+    assert [a.get("backup_every_secs") is not None for a in attempts] == [False, True, True], (
+        attempts
+    )
 
 
 @slow
-def test_a_process_that_fails_on_its_own_says_so_and_the_job_is_not_taken_for_killed(tmp_path, prefect_server, mlflow_uri):
+def test_a_process_that_fails_on_its_own_says_so_and_the_job_is_not_taken_for_killed(
+    tmp_path, prefect_server, mlflow_uri
+):
     """Process 1's input fails (its error told to process 0 through the coordination service
     before it exits): process 0's collective then fails on the lost connection, but its attempt
     ends ``failed``, not ``lost a process``: no kill, so no backups for a job that fails."""
@@ -483,30 +728,52 @@ def test_a_process_that_fails_on_its_own_says_so_and_the_job_is_not_taken_for_ki
     assert codes[0] != 0 and codes[1] != 0, codes
     log0 = open(tmp_path / "bad.0.log").read()
     assert "shard 7 of process 1 is unreadable" in open(tmp_path / "bad.1.log").read()
-    assert "process 1 failed on its own (ValueError: shard 7 of process 1 is unreadable" in log0, log0[-3000:]
+    assert "process 1 failed on its own (ValueError: shard 7 of process 1 is unreadable" in log0, (
+        log0[-3000:]
+    )
     attempts = json.load(open(os.path.join(storage, "mpbad", "goodput.json")))["attempts"]
     assert [a["ended"] for a in attempts] == ["failed"], attempts
 
 
 @pytest.mark.parametrize("mode, count", [("kill", 3), ("finish", 2)])
-def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_finished(tmp_path, mode, count):
+def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_finished(
+    tmp_path, mode, count
+):
     """`cluster.wait_unless_lost`: processes waiting at one of the coordination service's
     barriers (as Orbax's commit does) learn within seconds that a peer was SIGKILLed (process 0:
     its watch connection closed; the others: from process 0), not after JAX's heartbeat timeout
     (30 s), and exit with their own code rather than JAX's SIGABRT; a peer that finished its part
     and left is not taken for lost."""
     port, flag, last = _free_port(), tmp_path / "last-exited", count - 1
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]),
+    }
     procs = [
-        subprocess.Popen([sys.executable, "peer_watch.py", str(k), str(count), str(port), mode, str(flag)],
-                         stdout=open(tmp_path / f"{k}.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=TESTS_DIR)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "peer_watch.py", str(k), str(count), str(port), mode, str(flag)],
+            stdout=open(tmp_path / f"{k}.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=TESTS_DIR,
+        )
         for k in range(count)
     ]
     try:
         for k in range(last):
-            wait_until(lambda: "waiting" in open(tmp_path / f"{k}.log").read(), 120, f"process {k} waiting", procs[k])
+            wait_until(
+                lambda: "waiting" in open(tmp_path / f"{k}.log").read(),
+                120,
+                f"process {k} waiting",
+                procs[k],
+            )
         if mode == "kill":
-            wait_until(lambda: "sleeping" in open(tmp_path / f"{last}.log").read(), 60, "the last process sleeping", procs[last])
+            wait_until(
+                lambda: "sleeping" in open(tmp_path / f"{last}.log").read(),
+                60,
+                "the last process sleeping",
+                procs[last],
+            )
             procs[last].send_signal(signal.SIGKILL)
         else:
             assert procs[last].wait(timeout=60) == 0
@@ -516,9 +783,15 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
             procs[k].wait(timeout=60)
             log = open(tmp_path / f"{k}.log").read()
             if mode == "kill":
-                assert procs[k].returncode == 3, log  # its own code: no SIGABRT from JAX's coordination service
-                lost_after = float(re.search(r"lost ([0-9.]+)s after the peer went away", log).group(1))
-                assert LOST_GRACE_SECS <= lost_after < LOST_GRACE_SECS + 5, log  # the grace: a peer may leave as its barrier returns
+                assert procs[k].returncode == 3, (
+                    log
+                )  # its own code: no SIGABRT from JAX's coordination service
+                lost_after = float(
+                    re.search(r"lost ([0-9.]+)s after the peer went away", log).group(1)
+                )
+                assert LOST_GRACE_SECS <= lost_after < LOST_GRACE_SECS + 5, (
+                    log
+                )  # the grace: a peer may leave as its barrier returns
                 assert f"process {last} of the job" in log and "went away" in log, log
                 assert f"stopped waiting for process {last} at the barrier" in log, log
             else:
@@ -529,4 +802,3 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
         for p in procs:
             if p.poll() is None:
                 p.kill()
-

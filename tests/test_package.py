@@ -9,7 +9,9 @@ import pytest
 
 def _modules_after(statement):
     code = f"import sys; {statement}; print(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     return set(out.split())
 
 
@@ -37,9 +39,15 @@ def test_the_console_script_keeps_exit_codes_and_output_through_its_quick_exit(t
     import sys
 
     script = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
-    missing = subprocess.run([script, "status", "--job", "nope", "--storage", str(tmp_path)], capture_output=True, text=True)
+    missing = subprocess.run(
+        [script, "status", "--job", "nope", "--storage", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert missing.returncode == 2 and "no job 'nope'" in missing.stderr, missing
-    usage = subprocess.run([script, "run"], capture_output=True, text=True)  # argparse's SystemExit(2)
+    usage = subprocess.run(
+        [script, "run"], capture_output=True, text=True
+    )  # argparse's SystemExit(2)
     assert usage.returncode == 2 and "--program" in usage.stderr, usage
     helped = subprocess.run([script, "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "status" in helped.stdout, helped
@@ -50,7 +58,9 @@ def test_blocks_save_and_load(tmp_path):
     from prefect_jax.blocks import CheckpointStorage, MlflowTracking
 
     CheckpointStorage(url=str(tmp_path / "ckpts")).save("test-storage", overwrite=True)
-    MlflowTracking(tracking_uri="sqlite:///x.db", experiment="e").save("test-mlflow", overwrite=True)
+    MlflowTracking(tracking_uri="sqlite:///x.db", experiment="e").save(
+        "test-mlflow", overwrite=True
+    )
     storage = CheckpointStorage.load("test-storage")
     assert storage.job_storage("j").checkpoint_dir == f"{tmp_path}/ckpts/j/checkpoints"
     assert MlflowTracking.load("test-mlflow").experiment == "e"
@@ -69,6 +79,7 @@ def _engine_imports() -> dict[str, set[str]]:
     package = "prefect_jax.training"
     folder = pathlib.Path(prefect_jax.training.__file__).parent
     modules = {path.stem: path for path in folder.glob("*.py") if path.stem != "__init__"}
+
     def runtime_nodes(tree):
         """Every node but those under `if TYPE_CHECKING:` (annotations only: no import at run time)."""
         stack = [tree]
@@ -76,7 +87,9 @@ def _engine_imports() -> dict[str, set[str]]:
             node = stack.pop()
             yield node
             for child in ast.iter_child_nodes(node):
-                type_only = isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING"
+                type_only = (
+                    isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING"
+                )
                 if not type_only:
                     stack.append(child)
 

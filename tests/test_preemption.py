@@ -20,7 +20,15 @@ import time
 
 import pytest
 from mlflow.tracking import MlflowClient
-from process_helpers import TESTS_DIR, cli_env, job_events, orbax_tmp_dirs, start_run, status, wait_until
+from process_helpers import (
+    TESTS_DIR,
+    cli_env,
+    job_events,
+    orbax_tmp_dirs,
+    start_run,
+    status,
+    wait_until,
+)
 
 from prefect_jax.training.checkpoints import committed_steps
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
@@ -33,9 +41,26 @@ MAX_STEPS, EVERY = 600, 100
 
 
 def _start(storage, mlflow_uri, api_url, log_path):
-    args = ["--program", PROGRAM, "--job", "pre", "--storage", storage, "--max-steps", str(MAX_STEPS),
-            "--checkpoint-every-steps", str(EVERY), "--log-every-steps", "10", "--keep-last", "10",
-            "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+    args = [
+        "--program",
+        PROGRAM,
+        "--job",
+        "pre",
+        "--storage",
+        storage,
+        "--max-steps",
+        str(MAX_STEPS),
+        "--checkpoint-every-steps",
+        str(EVERY),
+        "--log-every-steps",
+        "10",
+        "--keep-last",
+        "10",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
     return start_run(args, api_url, log_path)
 
 
@@ -47,10 +72,17 @@ def _kill(proc, sig):
     return proc.wait(timeout=120)
 
 
-def _uninterrupted_fingerprint(tmp_path, mlflow_uri, program=PROGRAM, max_steps=MAX_STEPS, every=EVERY):
-    config = JobConfig(program=program, job="straight", storage=str(tmp_path / "straight"),
-                       train=TrainSpec(max_steps=max_steps), checkpoint=CheckpointSpec(every_steps=every),
-                       mlflow_tracking_uri=mlflow_uri)
+def _uninterrupted_fingerprint(
+    tmp_path, mlflow_uri, program=PROGRAM, max_steps=MAX_STEPS, every=EVERY
+):
+    config = JobConfig(
+        program=program,
+        job="straight",
+        storage=str(tmp_path / "straight"),
+        train=TrainSpec(max_steps=max_steps),
+        checkpoint=CheckpointSpec(every_steps=every),
+        mlflow_tracking_uri=mlflow_uri,
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     while trainer.step < max_steps:
@@ -78,26 +110,58 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     #    lease fresh, a second run of the same job fails fast, naming the owner.
     proc = _start(storage, mlflow_uri, prefect_server, logs / "2.log")
     lease_path = os.path.join(storage, "pre", "lease.json")
-    _wait(lambda: "training from step 100 to 200" in (logs / "2.log").read_text(), 180, "training to resume", proc)
+    _wait(
+        lambda: "training from step 100 to 200" in (logs / "2.log").read_text(),
+        180,
+        "training to resume",
+        proc,
+    )
     proc.send_signal(signal.SIGSTOP)
     try:
         assert json.load(open(lease_path))["pid"] == proc.pid
         second = subprocess.run(
-            [sys.executable, "-m", "prefect_jax.cli", "run", "--program", PROGRAM, "--job", "pre", "--storage", storage,
-             "--max-steps", str(MAX_STEPS), "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
-            capture_output=True, text=True, env=cli_env(prefect_server), cwd=TESTS_DIR, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "prefect_jax.cli",
+                "run",
+                "--program",
+                PROGRAM,
+                "--job",
+                "pre",
+                "--storage",
+                storage,
+                "--max-steps",
+                str(MAX_STEPS),
+                "--mlflow-tracking-uri",
+                mlflow_uri,
+                "--json",
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            env=cli_env(prefect_server),
+            cwd=TESTS_DIR,
+            timeout=300,
         )
     finally:
         proc.send_signal(signal.SIGCONT)
     assert second.returncode == 1, second.stderr[-2000:]
-    assert "is being trained by another process" in second.stderr and f"pid={proc.pid}" in second.stderr
-    assert json.load(open(lease_path))["pid"] == proc.pid, "the failed run must leave the owner's lease alone"
+    assert (
+        "is being trained by another process" in second.stderr
+        and f"pid={proc.pid}" in second.stderr
+    )
+    assert json.load(open(lease_path))["pid"] == proc.pid, (
+        "the failed run must leave the owner's lease alone"
+    )
     time.sleep(0.3)
     assert _kill(proc, signal.SIGTERM) == 143
     log2 = (logs / "2.log").read_text()
     at = int(re.search(r"SIGTERM at step (\d+): checkpointing it", log2).group(1))
     assert f"step {at} committed" in log2
-    assert status("pre", storage)["committed_steps"][-1] == at, "zero steps lost: the step the signal arrived at is committed"
+    assert status("pre", storage)["committed_steps"][-1] == at, (
+        "zero steps lost: the step the signal arrived at is committed"
+    )
     assert "Finished in state Crashed" in log2 and not os.path.exists(lease_path)
     client = MlflowClient(mlflow_uri)
     (killed_run,) = client.search_runs(
@@ -109,7 +173,9 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     # 3. SIGKILL mid-interval, after the next boundary committed.
     proc = _start(storage, mlflow_uri, prefect_server, logs / "3.log")
     next_boundary = (at // EVERY + 1) * EVERY
-    _wait(lambda: next_boundary in committed_steps(ckpt), 240, f"step {next_boundary} to commit", proc)
+    _wait(
+        lambda: next_boundary in committed_steps(ckpt), 240, f"step {next_boundary} to commit", proc
+    )
     time.sleep(0.5)
     assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
 
@@ -126,39 +192,57 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     eval_steps = [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")]
     # The step SIGTERM checkpointed off the cadence was resumed from, and never evaluated.
     cadence = list(range(EVERY, MAX_STEPS + 1, EVERY))
-    assert eval_steps == cadence, f"eval steps {eval_steps}; the preemption checkpoint was step {at}"
+    assert eval_steps == cadence, (
+        f"eval steps {eval_steps}; the preemption checkpoint was step {at}"
+    )
     assert status("pre", storage)["evaluated_steps"] == {"eval": cadence}
     loss_steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(loss_steps) == len(set(loss_steps)), "a train metric was logged twice"
 
     # What the preemptions cost, as the job's goodput ledger, MLflow and Prefect tell it.
     goodput = status("pre", storage)["goodput"]
-    assert goodput["attempts"] == 4 and goodput["interrupted"] == 3, goodput  # the refused run never trained
+    assert goodput["attempts"] == 4 and goodput["interrupted"] == 3, (
+        goodput
+    )  # the refused run never trained
     assert 0 < goodput["goodput"] < 1 and goodput["steps"] == [0, MAX_STEPS], goodput
     lost = goodput["lost_s"]
-    assert lost["recomputed"] > 0, "steps 100 to 200 were trained twice (the save of 200 was killed)"
+    assert lost["recomputed"] > 0, (
+        "steps 100 to 200 were trained twice (the save of 200 was killed)"
+    )
     assert lost["between_attempts"] > 0 and lost["startup"] > 0 and lost["restore"] > 0, lost
     assert summary["goodput"] == goodput
     metrics = run.data.metrics
-    assert metrics["goodput/goodput"] == pytest.approx(goodput["goodput"]) and metrics["goodput/attempts"] == 4
+    assert (
+        metrics["goodput/goodput"] == pytest.approx(goodput["goodput"])
+        and metrics["goodput/attempts"] == 4
+    )
     assert client.get_metric_history(run.info.run_id, "goodput/goodput")[-1].step == MAX_STEPS
-    logged = json.loads(open(client.download_artifacts(run.info.run_id, "goodput.json", str(tmp_path))).read())
+    logged = json.loads(
+        open(client.download_artifacts(run.info.run_id, "goodput.json", str(tmp_path))).read()
+    )
     assert logged["attempts"] == 4
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
     from prefect.client.schemas.sorting import ArtifactSort
 
     with get_client(sync_client=True) as prefect:  # the session's server (prefect_test_harness)
-        artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pre-goodput"])),
-                                           sort=ArtifactSort.CREATED_DESC)  # fmt: skip
+        artifacts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pre-goodput"])),
+            sort=ArtifactSort.CREATED_DESC,
+        )
         states = [prefect.read_flow_run(a.flow_run_id).state.type.value for a in artifacts]
     # The run that finished and, before it, the SIGTERMed one (a SIGKILLed run says nothing): the
     # Crashed run's page says what the preemptions had cost so far.
-    assert [a.type for a in artifacts] == ["table", "table"] and states == ["COMPLETED", "CRASHED"], (artifacts, states)
+    assert [a.type for a in artifacts] == ["table", "table"] and states == [
+        "COMPLETED",
+        "CRASHED",
+    ], (artifacts, states)
     finished, preempted = artifacts
     assert "recomputed steps" in str(finished.data) and "goodput" in finished.description.lower()
-    assert f"stopped by SIGTERM after step {at}" in preempted.description and "productive training" in str(preempted.data)
+    assert (
+        f"stopped by SIGTERM after step {at}" in preempted.description
+        and "productive training" in str(preempted.data)
+    )
     assert "2 attempt(s), 2 of them interrupted" in preempted.description, preempted.description
 
 
@@ -170,9 +254,24 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
     is ever evaluated."""
     storage, every, max_steps = str(tmp_path / "storage"), 300, 600
     ckpt = os.path.join(storage, "bk", "checkpoints")
-    args = ["--program", "programs:paced", "--job", "bk", "--storage", storage, "--max-steps", str(max_steps),
-            "--checkpoint-every-steps", str(every), "--keep-last", "20", "--mlflow-tracking-uri", mlflow_uri, "--json",
-            "--no-progress"]  # fmt: skip
+    args = [
+        "--program",
+        "programs:paced",
+        "--job",
+        "bk",
+        "--storage",
+        storage,
+        "--max-steps",
+        str(max_steps),
+        "--checkpoint-every-steps",
+        str(every),
+        "--keep-last",
+        "20",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
     logs = tmp_path / "logs"
     logs.mkdir()
 
@@ -181,7 +280,12 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
 
     # 1. Killed without notice before its first checkpoint: nothing in the ledger yet, so no backups.
     proc = start_run(args, prefect_server, logs / "1.log")
-    _wait(lambda: os.path.exists(os.path.join(storage, "bk", "goodput.json")), 180, "the attempt to begin", proc)
+    _wait(
+        lambda: os.path.exists(os.path.join(storage, "bk", "goodput.json")),
+        180,
+        "the attempt to begin",
+        proc,
+    )
     time.sleep(1.0)  # compiling, or its first ~100 steps (10 ms each)
     assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
     assert committed_steps(ckpt) == [] and "backing up" not in (logs / "1.log").read_text()
@@ -193,7 +297,10 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
     backup = _wait(lambda: backups(), 180, "a backup to commit", proc)[-1]
     assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
     log2 = (logs / "2.log").read_text()
-    assert "1 of its 1 latest attempts were killed without notice" in log2 and "backing up every 1.0s" in log2, log2[-3000:]
+    assert (
+        "1 of its 1 latest attempts were killed without notice" in log2
+        and "backing up every 1.0s" in log2
+    ), log2[-3000:]
     assert "no save timed yet" in log2
     from prefect_jax.training.steps import job_step_is_backup
     from prefect_jax.training.storage import JobStorage
@@ -205,14 +312,24 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
     assert proc.wait(timeout=400) == 0, (logs / "3.log").read_text()[-3000:]
     log3 = (logs / "3.log").read_text()
     resumed = int(re.search(r"training from step (\d+) to", log3).group(1))
-    assert resumed >= backup and resumed % every, f"resumed from {resumed}, not from the backup {backup} or a later one"
+    assert resumed >= backup and resumed % every, (
+        f"resumed from {resumed}, not from the backup {backup} or a later one"
+    )
     summary = json.loads(log3.strip().splitlines()[-1])
-    assert summary["state_fingerprint"] == _uninterrupted_fingerprint(tmp_path, mlflow_uri, "programs:paced", max_steps, every)
-    assert status("bk", storage)["evaluated_steps"] == {"eval": [every, max_steps]}, "a backup was evaluated"
+    assert summary["state_fingerprint"] == _uninterrupted_fingerprint(
+        tmp_path, mlflow_uri, "programs:paced", max_steps, every
+    )
+    assert status("bk", storage)["evaluated_steps"] == {"eval": [every, max_steps]}, (
+        "a backup was evaluated"
+    )
     assert not job_step_is_backup(JobStorage(storage, "bk"), every)
     # An evaluator deployment is triggered by these events: a backup, which it would skip, emits none.
-    committed = job_events(prefect_server, "bk", storage, "prefect-jax.checkpoint.committed", expect=2)
-    assert sorted(e["payload"]["step"] for e in committed) == [every, max_steps], "a backup emitted a committed event"
+    committed = job_events(
+        prefect_server, "bk", storage, "prefect-jax.checkpoint.committed", expect=2
+    )
+    assert sorted(e["payload"]["step"] for e in committed) == [every, max_steps], (
+        "a backup emitted a committed event"
+    )
     ledger = json.load(open(os.path.join(storage, "bk", "goodput.json")))["attempts"]
     assert [a.get("backup_every_secs") is not None for a in ledger] == [False, True, True], ledger
     assert all(a["backup_every_secs"] >= 1.0 for a in ledger[1:])

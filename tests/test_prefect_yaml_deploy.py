@@ -14,6 +14,7 @@ import asyncio
 import subprocess
 import sys
 import time
+from datetime import UTC
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,18 @@ from prefect_jax.training.checkpoints import committed_steps
 pytestmark = pytest.mark.slow
 
 
-def _prefect(api_url: str, home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def _prefect(
+    api_url: str, home: Path, *args: str, timeout: float = 180
+) -> subprocess.CompletedProcess:
     env = _base_env(PREFECT_HOME=str(home), PREFECT_API_URL=api_url)
-    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri):
@@ -35,13 +44,23 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
     from prefect.client.schemas.filters import FlowRunFilter
 
     home = tmp_path / "home"
-    server = PrefectServerProcess(tmp_path / "server", PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2")
+    server = PrefectServerProcess(
+        tmp_path / "server", PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2"
+    )
     worker = None
     try:
         server.wait_healthy()
         api = server.api_url
-        for pool in (["cpu", "--type", "process"],
-                     ["gpu", "--type", "kubernetes", "--base-job-template", "prefect_jax/deployments/kubernetes-gpu.json"]):
+        for pool in (
+            ["cpu", "--type", "process"],
+            [
+                "gpu",
+                "--type",
+                "kubernetes",
+                "--base-job-template",
+                "prefect_jax/deployments/kubernetes-gpu.json",
+            ],
+        ):
             created = _prefect(api, home, "work-pool", "create", *pool)
             assert created.returncode == 0, created.stdout + created.stderr
         deployed = _prefect(api, home, "--no-prompt", "deploy", "--all")
@@ -58,8 +77,13 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
 
         async def check_and_schedule():
             async with get_client() as client:
-                names = ["train_and_evaluate/digits-nightly", "train/digits-trainer-cpu", "train/digits-trainer",
-                         "evaluate/digits-evaluator", "export/digits-export"]  # fmt: skip
+                names = [
+                    "train_and_evaluate/digits-nightly",
+                    "train/digits-trainer-cpu",
+                    "train/digits-trainer",
+                    "evaluate/digits-evaluator",
+                    "export/digits-export",
+                ]
                 deployments = {n: await client.read_deployment_by_name(n) for n in names}
                 nightly = deployments["train_and_evaluate/digits-nightly"]
                 assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
@@ -67,7 +91,9 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
                 by_nightly = FlowRunFilter(deployment_id={"any_": [nightly.id]})
                 deadline = time.monotonic() + 60
                 while not (scheduled := await client.read_flow_runs(flow_run_filter=by_nightly)):
-                    assert time.monotonic() < deadline, "the scheduler made no run of the nightly schedule:\n" + server.tail()
+                    assert time.monotonic() < deadline, (
+                        "the scheduler made no run of the nightly schedule:\n" + server.tail()
+                    )
                     await asyncio.sleep(1)
                 assert all(r.state.is_scheduled() for r in scheduled)
                 # Now keep them from running here: pause the schedule, drop its runs.
@@ -76,18 +102,27 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
                 for run in await client.read_flow_runs(flow_run_filter=by_nightly):
                     await client.delete_flow_run(run.id)
                 # A schedule of its own, due now, with a small job: the scheduler makes its run.
-                from datetime import datetime, timedelta, timezone
+                from datetime import datetime, timedelta
 
                 from prefect.client.schemas.actions import DeploymentScheduleCreate
                 from prefect.client.schemas.schedules import IntervalSchedule
 
-                due_now = IntervalSchedule(interval=timedelta(days=1), anchor_date=datetime.now(timezone.utc) + timedelta(seconds=5))
+                due_now = IntervalSchedule(
+                    interval=timedelta(days=1), anchor_date=datetime.now(UTC) + timedelta(seconds=5)
+                )
                 await client.create_deployment_schedules(
-                    nightly.id, [DeploymentScheduleCreate(schedule=due_now, active=True, parameters=params, max_scheduled_runs=1)]
+                    nightly.id,
+                    [
+                        DeploymentScheduleCreate(
+                            schedule=due_now, active=True, parameters=params, max_scheduled_runs=1
+                        )
+                    ],
                 )
                 deadline = time.monotonic() + 60
                 while not (made := await client.read_flow_runs(flow_run_filter=by_nightly)):
-                    assert time.monotonic() < deadline, "the scheduler made no run of the test schedule:\n" + server.tail()
+                    assert time.monotonic() < deadline, (
+                        "the scheduler made no run of the test schedule:\n" + server.tail()
+                    )
                     await asyncio.sleep(1)
                 assert made[0].parameters["job"] == "nightly-test"
                 return made[0]
@@ -98,14 +133,18 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
             run = asyncio.run(check_and_schedule())
             worker = _GroupProcess(
                 [sys.executable, "-m", "prefect", "worker", "start", "--pool", "cpu", "--run-once"],
-                _base_env(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_LOGGING_LEVEL="INFO"),
+                _base_env(
+                    PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_LOGGING_LEVEL="INFO"
+                ),
                 tmp_path / "worker.log",
             )
             worker.proc.wait(timeout=300)
 
             async def runs_of_the_schedule():
                 async with get_client() as client:
-                    runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id={"any_": [run.deployment_id]}))
+                    runs = await client.read_flow_runs(
+                        flow_run_filter=FlowRunFilter(deployment_id={"any_": [run.deployment_id]})
+                    )
                     return [r for r in runs if r.parameters.get("job") == "nightly-test"]
 
             runs = asyncio.run(runs_of_the_schedule())

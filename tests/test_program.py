@@ -14,7 +14,10 @@ def test_loads_the_example_program():
     [
         ("no_colon_here", "not of the form 'package.module:attribute'"),
         ("a:b:c", "not of the form"),
-        ("prefect_jax.nonexistent_module:program", "cannot import module 'prefect_jax.nonexistent_module'"),
+        (
+            "prefect_jax.nonexistent_module:program",
+            "cannot import module 'prefect_jax.nonexistent_module'",
+        ),
         ("prefect_jax.examples.digits:nope", "has no attribute 'nope'"),
     ],
 )
@@ -48,7 +51,12 @@ def test_digits_arrays_are_scikit_learns_without_importing_it():
     np.testing.assert_array_equal(target, load_digits().target)
     # The file is read without running scikit-learn's (slow) import.
     code = "import sys; from prefect_jax.examples.digits import digits_arrays; digits_arrays(); print('sklearn' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        == "False"
+    )
 
 
 def test_digits_batches_reshuffle_each_epoch_and_cover_it_once():
@@ -66,5 +74,9 @@ def test_digits_batches_reshuffle_each_epoch_and_cover_it_once():
     assert not np.array_equal(first, second)  # reshuffled each epoch
     np.testing.assert_array_equal(source[9]["x"][:, 0], source[9]["y"])  # x and y stay paired
     # The same seed gives the same stream, in any access order (what a restored iterator relies on).
-    np.testing.assert_array_equal(_ShuffledBatches(ids, ids[:, 0], batch, seed=3)[9]["y"], source[9]["y"])
-    assert not np.array_equal(_ShuffledBatches(ids, ids[:, 0], batch, seed=4)[9]["y"], source[9]["y"])
+    np.testing.assert_array_equal(
+        _ShuffledBatches(ids, ids[:, 0], batch, seed=3)[9]["y"], source[9]["y"]
+    )
+    assert not np.array_equal(
+        _ShuffledBatches(ids, ids[:, 0], batch, seed=4)[9]["y"], source[9]["y"]
+    )

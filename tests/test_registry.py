@@ -29,10 +29,16 @@ def registered(tmp_path_factory, mlflow_uri):
 
     storage = tmp_path_factory.mktemp("registry") / "storage"
     config = JobConfig(
-        program="prefect_jax.examples.digits:tiny", job="reg", storage=str(storage), train=TrainSpec(max_steps=60, log_every_steps=10),
-        checkpoint=CheckpointSpec(every_steps=20), eval=EvalSpec(exporters=EXPORTERS, registered_model="reg-digits", learning_curve_every_secs=0),
+        program="prefect_jax.examples.digits:tiny",
+        job="reg",
+        storage=str(storage),
+        train=TrainSpec(max_steps=60, log_every_steps=10),
+        checkpoint=CheckpointSpec(every_steps=20),
+        eval=EvalSpec(
+            exporters=EXPORTERS, registered_model="reg-digits", learning_curve_every_secs=0
+        ),
         mlflow_tracking_uri=mlflow_uri,
-    )  # fmt: skip
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     results = train_to_end(trainer)
@@ -43,17 +49,25 @@ def registered(tmp_path_factory, mlflow_uri):
 
 
 def _versions(client, name="reg-digits"):
-    return {int(v.tags["prefect_jax.step"]): v for v in client.search_model_versions(f"name = '{name}'")}
+    return {
+        int(v.tags["prefect_jax.step"]): v for v in client.search_model_versions(f"name = '{name}'")
+    }
 
 
-def test_every_exported_step_is_one_version_and_the_exporters_move_their_aliases(registered, mlflow_uri):
+def test_every_exported_step_is_one_version_and_the_exporters_move_their_aliases(
+    registered, mlflow_uri
+):
     config, results, run_id = registered
     client = MlflowClient(mlflow_uri)
     versions = _versions(client)
     assert sorted(versions) == [20, 40, 60]
     best = min(results, key=lambda r: (-r.metrics["accuracy"], r.step)).step
     aliases = client.get_registered_model("reg-digits").aliases
-    assert aliases == {"newest": versions[60].version, "final": versions[60].version, "best": versions[best].version}
+    assert aliases == {
+        "newest": versions[60].version,
+        "final": versions[60].version,
+        "best": versions[best].version,
+    }
 
     # Each version's source is an MLflow Model logged to the job's run at its step, with a signature.
     for step, version in versions.items():
@@ -61,19 +75,29 @@ def test_every_exported_step_is_one_version_and_the_exporters_move_their_aliases
         model = client.get_logged_model(version.source.removeprefix("models:/"))
         assert model.source_run_id == run_id and model.tags["prefect_jax.step"] == str(step)
     outputs = client.get_run(run_id).outputs.model_outputs
-    assert sorted((o.step, f"models:/{o.model_id}") for o in outputs) == sorted((s, v.source) for s, v in versions.items())
+    assert sorted((o.step, f"models:/{o.model_id}") for o in outputs) == sorted(
+        (s, v.source) for s, v in versions.items()
+    )
 
     import mlflow
 
-    mlflow.set_tracking_uri(mlflow_uri)  # the trainer's MLflow calls ran in its worker process, not here
+    mlflow.set_tracking_uri(
+        mlflow_uri
+    )  # the trainer's MLflow calls ran in its worker process, not here
     info = mlflow.models.get_model_info("models:/reg-digits@best")
     assert info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"] == (-1, 64)
     assert info.signature.outputs.to_dict()[0]["tensor-spec"]["shape"] == (-1, 10)
 
-    status = json.loads(_cli("status", "--job", "reg", "--storage", config.storage, "--json").stdout.splitlines()[-1])
+    status = json.loads(
+        _cli("status", "--job", "reg", "--storage", config.storage, "--json").stdout.splitlines()[
+            -1
+        ]
+    )
     assert status["registered_model"]["name"] == "reg-digits"
     assert status["registered_model"]["aliases"] == {a: str(v) for a, v in aliases.items()}
-    assert status["registered_model"]["versions"] == {str(s): str(v.version) for s, v in versions.items()}
+    assert status["registered_model"]["versions"] == {
+        str(s): str(v.version) for s, v in versions.items()
+    }
 
 
 def test_a_rerun_registers_nothing_twice(registered, mlflow_uri):
@@ -82,7 +106,9 @@ def test_a_rerun_registers_nothing_twice(registered, mlflow_uri):
     before = {s: v.version for s, v in _versions(client).items()}
     logged_before = len(client.get_run(run_id).outputs.model_outputs)
 
-    again = Trainer(config)  # a rerun: the job is done; the last result is found, re-exported, re-synced
+    again = Trainer(
+        config
+    )  # a rerun: the job is done; the last result is found, re-exported, re-synced
     try:
         assert again.restore_or_init() == 60
         result = again.evaluate_if_new()
@@ -106,7 +132,9 @@ print(json.dumps({"y": model.predict(x).tolist(), "modules": sorted(m for m, mod
 """
 
 
-def test_a_fresh_process_without_prefect_jax_serves_models_best_exactly(registered, mlflow_uri, tmp_path):
+def test_a_fresh_process_without_prefect_jax_serves_models_best_exactly(
+    registered, mlflow_uri, tmp_path
+):
     config, results, _ = registered
     from prefect_jax.training.program import load_program
 
@@ -114,12 +142,20 @@ def test_a_fresh_process_without_prefect_jax_serves_models_best_exactly(register
     x = serving_example(program, rows=7)
     np.save(tmp_path / "x.npy", x)
     best = min(results, key=lambda r: (-r.metrics["accuracy"], r.step)).step
-    in_process = np.asarray(load_export(os.path.join(config.storage, "reg", "exports", "best", str(best)))(x))
+    in_process = np.asarray(
+        load_export(os.path.join(config.storage, "reg", "exports", "best", str(best)))(x)
+    )
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["MLFLOW_TRACKING_URI"] = mlflow_uri
-    proc = subprocess.run([sys.executable, "-c", FRESH, "models:/reg-digits@best", str(tmp_path / "x.npy")],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH, "models:/reg-digits@best", str(tmp_path / "x.npy")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["modules"] == []
@@ -131,7 +167,9 @@ def test_a_fresh_process_without_prefect_jax_serves_models_best_exactly(register
     trainer = Trainer(config)
     try:
         state = trainer.job.restore(best, trainer.loop.abstract_state)[0]
-        np.testing.assert_allclose(served, np.asarray(program.serve(state, x)), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            served, np.asarray(program.serve(state, x)), rtol=1e-6, atol=1e-7
+        )
     finally:
         trainer.close()
 
@@ -141,7 +179,9 @@ def _everywhere():
 
     from prefect_jax.training.specs import EXPORT_PLATFORMS
 
-    return tuple(dict.fromkeys((*EXPORT_PLATFORMS, jax.export.default_export_platform())))  # cpu, cuda, rocm, tpu
+    return tuple(
+        dict.fromkeys((*EXPORT_PLATFORMS, jax.export.default_export_platform()))
+    )  # cpu, cuda, rocm, tpu
 
 
 def test_a_model_trained_anywhere_loads_on_every_platform_and_says_so(registered, mlflow_uri):
@@ -150,15 +190,22 @@ def test_a_model_trained_anywhere_loads_on_every_platform_and_says_so(registered
 
     config, results, _ = registered
     final = results[-1].step
-    with open(os.path.join(config.storage, "reg", "exports", "final", str(final), "model.jax_export"), "rb") as f:
+    with open(
+        os.path.join(config.storage, "reg", "exports", "final", str(final), "model.jax_export"),
+        "rb",
+    ) as f:
         assert jax.export.deserialize(bytearray(f.read())).platforms == _everywhere()
     mlflow.set_tracking_uri(mlflow_uri)
-    assert mlflow.models.get_model_info("models:/reg-digits@final").metadata["prefect_jax"]["platforms"] == list(_everywhere())
+    assert mlflow.models.get_model_info("models:/reg-digits@final").metadata["prefect_jax"][
+        "platforms"
+    ] == list(_everywhere())
 
 
 def _export_job(job_config, job, program="programs:some_platforms_serve", **eval_updates):
     config = job_config(max_steps=40, job=job, exporters=[LatestExporter()], program=program)
-    config = config.model_copy(update={"eval": config.eval.model_copy(update={"registered_model": job, **eval_updates})})
+    config = config.model_copy(
+        update={"eval": config.eval.model_copy(update={"registered_model": job, **eval_updates})}
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     train_to_end(trainer)
@@ -174,10 +221,9 @@ def test_platforms_a_serve_does_not_lower_for_are_left_out_with_one_warning_and_
 
     import jax
     import mlflow
+    from programs import some_platforms, some_platforms_serve
 
     from prefect_jax.training.exporters import serialize_serving
-
-    from programs import some_platforms, some_platforms_serve
 
     here = jax.export.default_export_platform()  # "cpu" in CI
     kept = [p for p in _everywhere() if p in some_platforms()]  # cpu, cuda in CI
@@ -187,25 +233,44 @@ def test_platforms_a_serve_does_not_lower_for_are_left_out_with_one_warning_and_
         path = _export_job(job_config, "some-platforms")  # exports at steps 20 and 40
     warnings = [r.getMessage() for r in caplog.records if "the export runs on" in r.getMessage()]
     assert len(warnings) == 1, warnings  # once, not at every export
-    assert warnings[0].startswith(f"the export runs on {', '.join(kept)}, not on {', '.join(others)}"), warnings
+    assert warnings[0].startswith(
+        f"the export runs on {', '.join(kept)}, not on {', '.join(others)}"
+    ), warnings
     assert "some_platforms_identity" in warnings[0]
     with open(os.path.join(path, "model.jax_export"), "rb") as f:
         assert jax.export.deserialize(bytearray(f.read())).platforms == tuple(kept)
-    assert mlflow.models.get_model_info("models:/some-platforms@newest").metadata["prefect_jax"]["platforms"] == kept
+    assert (
+        mlflow.models.get_model_info("models:/some-platforms@newest").metadata["prefect_jax"][
+            "platforms"
+        ]
+        == kept
+    )
 
     # Named platforms are the user's: an error that names those that fail, and the fix.
     program = some_platforms_serve()
     state = jax.jit(program.init)(jax.random.key(0))
-    with pytest.raises(ValueError, match=rf"does not lower for \['{others[0]}'\] of export_platforms=\['{here}', '{others[0]}'\] "
-                                         rf"\({others[0]}: .*some_platforms_identity.*leave them out of EvalSpec.export_platforms"):
+    with pytest.raises(
+        ValueError,
+        match=rf"does not lower for \['{others[0]}'\] of export_platforms=\['{here}', '{others[0]}'\] "
+        rf"\({others[0]}: .*some_platforms_identity.*leave them out of EvalSpec.export_platforms",
+    ):
         serialize_serving(program, state, [here, others[0]])
 
     # ... and before training, when the trainer is made: not at the first export, an interval in.
     def trainer_for(platforms):
-        config = job_config(job="early", exporters=[LatestExporter()], program="programs:some_platforms_serve")
-        return Trainer(config.model_copy(update={"eval": config.eval.model_copy(update={"export_platforms": platforms})}))
+        config = job_config(
+            job="early", exporters=[LatestExporter()], program="programs:some_platforms_serve"
+        )
+        return Trainer(
+            config.model_copy(
+                update={"eval": config.eval.model_copy(update={"export_platforms": platforms})}
+            )
+        )
 
-    with pytest.raises(ValueError, match=rf"does not lower for \['{others[0]}'\] of export_platforms=\['{kept[-1]}', '{others[0]}'\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"does not lower for \['{others[0]}'\] of export_platforms=\['{kept[-1]}', '{others[0]}'\]",
+    ):
         trainer_for([kept[-1], others[0]])
     trainer = trainer_for(kept)  # those it lowers for: no error, and the job is free to train
     assert trainer.restore_or_init() == 0
@@ -221,13 +286,17 @@ def test_platforms_a_serve_does_not_lower_for_are_left_out_with_one_warning_and_
             serialize_serving(bad, state, platforms)
 
 
-def test_an_export_for_other_platforms_only_is_still_logged_and_loading_it_here_says_where_it_runs(job_config, mlflow_uri):
+def test_an_export_for_other_platforms_only_is_still_logged_and_loading_it_here_says_where_it_runs(
+    job_config, mlflow_uri
+):
     import jax
     import mlflow
 
     other = "tpu" if jax.export.default_export_platform() != "tpu" else "cpu"
     mlflow.set_tracking_uri(mlflow_uri)
-    path = _export_job(job_config, "other-only", "prefect_jax.examples.digits:tiny", export_platforms=[other])
+    path = _export_job(
+        job_config, "other-only", "prefect_jax.examples.digits:tiny", export_platforms=[other]
+    )
     info = mlflow.models.get_model_info("models:/other-only@newest")
     assert info.metadata["prefect_jax"]["platforms"] == [other]
     assert list(info.signature.outputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 10]
@@ -253,32 +322,43 @@ trainer.finish()
 trainer.close()
 """
 
-ON_AN_ACCELERATOR_HOST = r"""
+ON_AN_ACCELERATOR_HOST = (
+    r"""
 import os
 import jax
 jax.devices()  # this process's JAX is open, on the CPU here
 os.environ["JAX_PLATFORMS"] = "no-such-platform"  # as JAX_PLATFORMS=cuda on a GPU pool: the MLflow worker must not use it
-""" + TRAIN_AND_EXPORT
+"""
+    + TRAIN_AND_EXPORT
+)
 
 
 def _train_and_export(script: str, tmp_path, mlflow_uri, job: str, *platforms: str) -> str:
     """Run `script` (a 20-step job exported at its end) in a fresh process; its stderr, once its
     one export is version 1 of the registered model `job` (the MLflow worker's stderr is its)."""
-    args = [str(tmp_path / "storage"), mlflow_uri, job] + ([",".join(platforms)] if platforms else [])
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    args = [str(tmp_path / "storage"), mlflow_uri, job] + (
+        [",".join(platforms)] if platforms else []
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     versions = MlflowClient(mlflow_uri).search_model_versions(f"name = '{job}'")
     assert [v.tags["prefect_jax.step"] for v in versions] == ["20"], proc.stderr[-3000:]
     return proc.stderr
 
 
-def test_the_mlflow_worker_checks_a_logged_model_on_the_cpu_not_on_the_trainers_accelerator(tmp_path, mlflow_uri):
+def test_the_mlflow_worker_checks_a_logged_model_on_the_cpu_not_on_the_trainers_accelerator(
+    tmp_path, mlflow_uri
+):
     """On a GPU host a second JAX client (the MLflow worker's, checking the logged model) would take
     the GPU's memory beside the trainer's; it runs on the CPU, whatever JAX_PLATFORMS the job has."""
     _train_and_export(ON_AN_ACCELERATOR_HOST, tmp_path, mlflow_uri, "accel")
 
 
-def test_an_export_for_other_platforms_only_is_logged_without_mlflow_calling_it_broken(tmp_path, mlflow_uri):
+def test_an_export_for_other_platforms_only_is_logged_without_mlflow_calling_it_broken(
+    tmp_path, mlflow_uri
+):
     """MLflow checks that a logged model serves its input example. An export for other platforms
     cannot run here, so that check could only warn that the model is broken: it is skipped for
     them, and the example is kept (the model page shows it; `load_serving_example` reads it)."""
@@ -305,28 +385,45 @@ def test_the_run_reads_as_model_training(registered, mlflow_uri):
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert {"train/loss", "train/accuracy", "eval/loss", "eval/accuracy"} <= set(run.data.metrics)
     assert "loss" not in run.data.metrics and "accuracy" not in run.data.metrics
-    assert run.data.tags["prefect_jax.devices"] == f"{len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})"  # 1 x cpu (cpu)
+    assert (
+        run.data.tags["prefect_jax.devices"]
+        == f"{len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})"
+    )  # 1 x cpu (cpu)
     note = run.data.tags["mlflow.note.content"]
-    assert "prefect-jax job `reg`" in note and config.storage in note and "/checkpoints/<step>" in note
+    assert (
+        "prefect-jax job `reg`" in note and config.storage in note and "/checkpoints/<step>" in note
+    )
     images = [f.path for f in client.list_artifacts(run_id, "images")]
     assert len([p for p in images if "learning_curve" in p and p.endswith(".png")]) == 3, images
 
 
 def _cli(*args):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    proc = subprocess.run([sys.executable, "-m", "prefect_jax.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
-def test_an_export_a_killed_process_never_registered_is_registered_by_the_next_sync(job_config, monkeypatch, mlflow_uri):
+def test_an_export_a_killed_process_never_registered_is_registered_by_the_next_sync(
+    job_config, monkeypatch, mlflow_uri
+):
     from prefect_jax.training.tracking import Tracker
 
     config = job_config(max_steps=40, exporters=[LatestExporter()])
-    config = config.model_copy(update={"eval": config.eval.model_copy(update={"registered_model": "catch-up"})})
+    config = config.model_copy(
+        update={"eval": config.eval.model_copy(update={"registered_model": "catch-up"})}
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
-    with monkeypatch.context() as m:  # step 20 is exported, then the process dies before its MLflow thread registers it
+    with (
+        monkeypatch.context() as m
+    ):  # step 20 is exported, then the process dies before its MLflow thread registers it
         m.setattr(Tracker, "register_exports", lambda self, *args, **kwargs: None)
         trainer.train_until_checkpoint()
         trainer.export(trainer.evaluate_if_new())
@@ -337,30 +434,49 @@ def test_an_export_a_killed_process_never_registered_is_registered_by_the_next_s
     client = MlflowClient(mlflow_uri)
     versions = {s: str(v.version) for s, v in _versions(client, "catch-up").items()}
     assert versions == {20: "1", 40: "2"}  # in step order
-    assert {a: str(v) for a, v in client.get_registered_model("catch-up").aliases.items()} == {"newest": "2"}
+    assert {a: str(v) for a, v in client.get_registered_model("catch-up").aliases.items()} == {
+        "newest": "2"
+    }
 
 
-def test_a_model_logged_by_a_killed_process_is_registered_not_logged_again(job_config, monkeypatch, mlflow_uri, tmp_path):
+def test_a_model_logged_by_a_killed_process_is_registered_not_logged_again(
+    job_config, monkeypatch, mlflow_uri, tmp_path
+):
     import mlflow
 
     from prefect_jax.training import registry
     from prefect_jax.training.tracking import Tracker
 
     config = job_config(max_steps=40, exporters=[LatestExporter()])
-    config = config.model_copy(update={"eval": config.eval.model_copy(update={"registered_model": "half-done"})})
+    config = config.model_copy(
+        update={"eval": config.eval.model_copy(update={"registered_model": "half-done"})}
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
 
-    def log_only(self, name, job, aliases, local_export, example, **kwargs):  # killed between the log and the version
-        registry.log_export_model(self.client, self.tracking_uri, self.experiment_id, self.run_id, job, self.job_key, 20,
-                                  local_export(20), example)  # fmt: skip
+    def log_only(
+        self, name, job, aliases, local_export, example, **kwargs
+    ):  # killed between the log and the version
+        registry.log_export_model(
+            self.client,
+            self.tracking_uri,
+            self.experiment_id,
+            self.run_id,
+            job,
+            self.job_key,
+            20,
+            local_export(20),
+            example,
+        )
 
     with monkeypatch.context() as m:
         m.setattr(Tracker, "register_exports", log_only)
         trainer.train_until_checkpoint()
         trainer.export(trainer.evaluate_if_new())
     before = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/elsewhere.db")  # a fresh process knows no tracking URI
+    mlflow.set_tracking_uri(
+        f"sqlite:///{tmp_path}/elsewhere.db"
+    )  # a fresh process knows no tracking URI
     try:
         trainer.train_until_checkpoint()
         trainer.export(trainer.evaluate_if_new())
@@ -369,13 +485,20 @@ def test_a_model_logged_by_a_killed_process_is_registered_not_logged_again(job_c
         trainer.close()
         mlflow.set_tracking_uri(before)
     client = MlflowClient(mlflow_uri)
-    assert {s: str(v.version) for s, v in _versions(client, "half-done").items()} == {20: "1", 40: "2"}
+    assert {s: str(v.version) for s, v in _versions(client, "half-done").items()} == {
+        20: "1",
+        40: "2",
+    }
     run = client.get_run(trainer.job.tracker.run_id)
-    models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")
+    models = client.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'"
+    )
     assert sorted(m.tags["prefect_jax.step"] for m in models) == ["20", "40"]  # step 20 logged once
 
 
-def test_a_model_whose_serve_returns_several_arrays_is_logged_with_its_outputs_signature(tmp_path, mlflow_uri):
+def test_a_model_whose_serve_returns_several_arrays_is_logged_with_its_outputs_signature(
+    tmp_path, mlflow_uri
+):
     """The signature's output is traced (`jax.eval_shape`), not computed: for a `serve` that
     returns a tuple it is the array the logged model predicts (NumPy's stack of the tuple)."""
     import jax
@@ -398,10 +521,14 @@ def test_a_model_whose_serve_returns_several_arrays_is_logged_with_its_outputs_s
     experiment = client.create_experiment("several-outputs")
     run = client.create_run(experiment)
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
-    model_id = log_export_model(client, mlflow_uri, experiment, run.info.run_id, "several", "several-key", 1, str(export), x)
+    model_id = log_export_model(
+        client, mlflow_uri, experiment, run.info.run_id, "several", "several-key", 1, str(export), x
+    )
     mlflow.set_tracking_uri(mlflow_uri)
     info = mlflow.models.get_model_info(f"models:/{model_id}")
     predicted = mlflow.pyfunc.load_model(f"models:/{model_id}").predict(x)
     np.testing.assert_allclose(predicted, np.asarray(serve(x)), rtol=1e-5, atol=1e-6)
     (output,) = info.signature.outputs.inputs
-    assert (str(output.type), output.shape) == ("float32", (-1, *predicted.shape[1:])), info.signature
+    assert (str(output.type), output.shape) == ("float32", (-1, *predicted.shape[1:])), (
+        info.signature
+    )

@@ -20,8 +20,15 @@ import grain
 import jax
 import numpy as np
 import pytest
+from s3_server import closed_port, isolate_aws_env, storage_options
 
-from prefect_jax.training.checkpoints import CheckpointSpec, Checkpoints, committed_steps, is_committed, state_fingerprint
+from prefect_jax.training.checkpoints import (
+    Checkpoints,
+    CheckpointSpec,
+    committed_steps,
+    is_committed,
+    state_fingerprint,
+)
 from prefect_jax.training.names import COMMIT_MARKER
 from prefect_jax.training.redaction import redact_options, redact_url
 from prefect_jax.training.remote import RemoteSteps
@@ -31,7 +38,6 @@ from prefect_jax.training.remote_errors import (
     is_transient,
 )
 from prefect_jax.training.uploader import AsyncUploader
-from s3_server import closed_port, isolate_aws_env, storage_options
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,7 +89,10 @@ def small_state(seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     return {
         "key": jax.random.key(seed),
-        "params": {"w": rng.standard_normal((16, 8), dtype=np.float32), "b": np.zeros(8, np.float32)},
+        "params": {
+            "w": rng.standard_normal((16, 8), dtype=np.float32),
+            "b": np.zeros(8, np.float32),
+        },
         "step": np.asarray(seed, np.int32),
     }
 
@@ -91,7 +100,10 @@ def small_state(seed: int = 0) -> dict:
 def big_state() -> dict:
     """About 50 MiB of random arrays."""
     rng = np.random.default_rng(1)
-    return {"w": rng.standard_normal((3, 2048, 2048), dtype=np.float32), "v": rng.standard_normal((1024, 512), dtype=np.float32)}
+    return {
+        "w": rng.standard_normal((3, 2048, 2048), dtype=np.float32),
+        "v": rng.standard_normal((1024, 512), dtype=np.float32),
+    }
 
 
 def restore(step_dir: str, state: dict):
@@ -143,7 +155,9 @@ def test_upload_is_idempotent_and_download_reuses_the_cached_copy(remote, tmp_pa
     assert remote.download(5, str(tmp_path / "cache")) == first
     assert os.stat(os.path.join(first, "_CHECKPOINT_METADATA")).st_ino == inode  # not fetched again
 
-    assert remote.upload(5, step_dir, overwrite=True) is True  # a new upload id: the cached copy is stale
+    assert (
+        remote.upload(5, step_dir, overwrite=True) is True
+    )  # a new upload id: the cached copy is stale
     again = remote.download(5, str(tmp_path / "cache"))
     assert again == first and os.stat(os.path.join(again, "_CHECKPOINT_METADATA")).st_ino != inode
     assert sorted(os.listdir(tmp_path / "cache")) == ["5"]
@@ -153,12 +167,16 @@ def test_a_step_uploaded_without_its_marker_is_not_listed_and_is_replaced(remote
     step_dir, state = make_step(str(tmp_path / "stage"), 10, small_state(10))
     fs = s3.filesystem()
     # An upload that stopped before the marker: some files, plus junk an old attempt left.
-    fs.put_file(os.path.join(step_dir, "_CHECKPOINT_METADATA"), f"{remote.root}/10/_CHECKPOINT_METADATA")
+    fs.put_file(
+        os.path.join(step_dir, "_CHECKPOINT_METADATA"), f"{remote.root}/10/_CHECKPOINT_METADATA"
+    )
     fs.pipe_file(f"{remote.root}/10/state/stale-from-an-old-attempt", b"x" * 10)
 
     assert remote.step_names() == [10]
     assert remote.committed_steps() == []
-    with pytest.raises(FileNotFoundError, match=r"step 10 is not committed in s3://ckpt/.*committed steps: \[\]"):
+    with pytest.raises(
+        FileNotFoundError, match=r"step 10 is not committed in s3://ckpt/.*committed steps: \[\]"
+    ):
         remote.download(10, str(tmp_path / "cache"))
     assert not (tmp_path / "cache" / "10").exists()
 
@@ -186,7 +204,9 @@ def test_delete_removes_the_marker_then_the_files(remote, tmp_path, s3):
     assert remote.step_names() == [2] and remote.committed_steps() == [2]
 
 
-def test_a_listing_not_under_the_directory_falls_back_to_asking_step_by_step(remote, tmp_path, monkeypatch, caplog):
+def test_a_listing_not_under_the_directory_falls_back_to_asking_step_by_step(
+    remote, tmp_path, monkeypatch, caplog
+):
     """Retention, the restore's sweep and `committed_steps` read one listing of every step's files
     on an object store; where its paths are not under the directory as the filesystem names it (a
     backend's own form), the steps are listed and their markers asked one by one, as before."""
@@ -194,7 +214,9 @@ def test_a_listing_not_under_the_directory_falls_back_to_asking_step_by_step(rem
         step_dir, _ = make_step(str(tmp_path / "stage"), step, small_state(step))
         remote.upload(step, step_dir)
     assert remote._step_files() is not None
-    monkeypatch.setattr(remote.fs, "find", lambda path, **kw: [f"elsewhere/{p}" for p in ("1/x", "2/y")])
+    monkeypatch.setattr(
+        remote.fs, "find", lambda path, **kw: [f"elsewhere/{p}" for p in ("1/x", "2/y")]
+    )
     with caplog.at_level("WARNING", logger="prefect_jax.remote"):
         assert remote.committed_steps() == [1, 2] and remote.step_names() == [1, 2]
     assert "not a path under it: listing its steps one by one" in caplog.text
@@ -224,9 +246,13 @@ def test_memory_and_local_urls_work_too(tmp_path):
         assert remote.committed_steps() == []
         remote.upload(4, step_dir)
         assert remote.committed_steps() == [4]
-        restored, _, nxt = restore(remote.download(4, str(tmp_path / "cache" / uuid.uuid4().hex[:6])), state)
+        restored, _, nxt = restore(
+            remote.download(4, str(tmp_path / "cache" / uuid.uuid4().hex[:6])), state
+        )
         assert state_fingerprint(restored) == state_fingerprint(state) and nxt == 3
-        assert remote.retain(lambda steps: [], but=4) == [] and remote.retain(lambda steps: []) == [4]
+        assert remote.retain(lambda steps: [], but=4) == [] and remote.retain(lambda steps: []) == [
+            4
+        ]
         assert remote.committed_steps() == [] and remote.step_names() == []
 
 
@@ -266,7 +292,10 @@ def test_a_process_killed_mid_upload_leaves_no_committed_step(remote, url, s3, t
     script.write_text(CHILD)
     child = subprocess.Popen(
         [sys.executable, str(script), url, "20", step_dir],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     child.stdin.write(json.dumps(s3.storage_options))
     child.stdin.close()
@@ -280,7 +309,10 @@ def test_a_process_killed_mid_upload_leaves_no_committed_step(remote, url, s3, t
             lines.append(line)
             if line == "PAUSED":
                 break
-        assert lines[-1:] == ["PAUSED"], (lines, child.stderr.read() if child.poll() is not None else "")
+        assert lines[-1:] == ["PAUSED"], (
+            lines,
+            child.stderr.read() if child.poll() is not None else "",
+        )
         fs = s3.filesystem()
         deadline = time.monotonic() + 30
         while not fs.find(f"{remote.root}/20") and time.monotonic() < deadline:
@@ -314,7 +346,9 @@ def test_async_uploader_commits_a_step_only_when_its_upload_is_done(remote, tmp_
         uploader.submit(30, step_dir, ready=lambda path: local_committed.is_set())
         assert uploader.pending == [30]
         assert uploader.wait(timeout=0.3) is False  # waits on the local commit
-        assert uploader.wait_for(30, timeout=0.1) is False  # (a step's own wait, without asking the storage)
+        assert (
+            uploader.wait_for(30, timeout=0.1) is False
+        )  # (a step's own wait, without asking the storage)
         assert remote.committed_steps() == []
         local_committed.set()
         assert uploader.wait_for(30) is True and remote.is_committed(30)
@@ -332,7 +366,9 @@ def test_async_uploader_raises_errors_on_the_next_call_and_keeps_going(remote, t
     uploader.submit(39, str(tmp_path / "missing"))  # not a directory: permanent, not retried
     with pytest.raises(FileNotFoundError, match="missing is not a directory") as err:
         uploader.wait()
-    assert any("while uploading checkpoint step 39" in note for note in getattr(err.value, "__notes__", []))
+    assert any(
+        "while uploading checkpoint step 39" in note for note in getattr(err.value, "__notes__", [])
+    )
     assert uploader.wait() is True  # raised once, then forgotten
 
     uploader.submit(39, str(tmp_path / "missing"))
@@ -408,9 +444,14 @@ def test_unknown_protocol_is_a_clear_configuration_error():
 
 def test_an_unreachable_endpoint_fails_fast_naming_the_redacted_url(url):
     endpoint = f"http://127.0.0.1:{closed_port()}"
-    remote = RemoteSteps(url, storage_options(endpoint, key="AKIAEXAMPLEACCESSKEY", secret=SECRET, token=TOKEN))
-    for call in (remote.committed_steps, lambda: remote.upload(1, os.path.dirname(__file__)),
-                 lambda: remote.download(1, "/tmp/never")):
+    remote = RemoteSteps(
+        url, storage_options(endpoint, key="AKIAEXAMPLEACCESSKEY", secret=SECRET, token=TOKEN)
+    )
+    for call in (
+        remote.committed_steps,
+        lambda: remote.upload(1, os.path.dirname(__file__)),
+        lambda: remote.download(1, "/tmp/never"),
+    ):
         started = time.monotonic()
         with pytest.raises(RemoteUnreachableError) as err:
             call()
@@ -440,7 +481,10 @@ def test_a_missing_bucket_is_named(s3, tmp_path):
     step_dir, _ = make_step(str(tmp_path / "stage"), 1, small_state(1))
     remote = RemoteSteps("s3://no-such-bucket/job/checkpoints", s3.storage_options)
     assert remote.committed_steps() == []  # like a job that has not started
-    with pytest.raises(RemoteConfigError, match=r"under s3://no-such-bucket/job/checkpoints .*bucket or container exists"):
+    with pytest.raises(
+        RemoteConfigError,
+        match=r"under s3://no-such-bucket/job/checkpoints .*bucket or container exists",
+    ):
         remote.upload(1, step_dir)
     assert not s3.filesystem().exists("no-such-bucket")  # not created behind the user's back
 
@@ -470,8 +514,11 @@ def test_redaction_helpers():
         "key": "AKIAEXAMPLEACCESSKEY",
         "secret": SECRET,
         "token": TOKEN,
-        "client_kwargs": {"endpoint_url": f"http://u:{SECRET}@127.0.0.1:9000", "aws_secret_access_key": SECRET,
-                          "region_name": "us-east-1"},
+        "client_kwargs": {
+            "endpoint_url": f"http://u:{SECRET}@127.0.0.1:9000",
+            "aws_secret_access_key": SECRET,
+            "region_name": "us-east-1",
+        },
         "account_key": SECRET,
         "sas_token": None,
     }
@@ -479,5 +526,7 @@ def test_redaction_helpers():
     assert SECRET not in json.dumps(shown) and TOKEN not in json.dumps(shown)
     assert shown["key"] == "AKIA***" and shown["secret"] == "***" and shown["sas_token"] is None
     assert shown["client_kwargs"]["region_name"] == "us-east-1"
-    assert shown["client_kwargs"]["endpoint_url"] == "http://***:***@127.0.0.1:9000"  # short user names are hidden too
+    assert (
+        shown["client_kwargs"]["endpoint_url"] == "http://***:***@127.0.0.1:9000"
+    )  # short user names are hidden too
     assert options["secret"] == SECRET  # the original is untouched

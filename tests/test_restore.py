@@ -34,9 +34,14 @@ def test_init_is_the_same_state_each_time_and_on_its_device(job_config):
 
     config = job_config()
     program = DigitsProgram(hidden=(16, 16))
-    first, second = Loop(program, config.train).init_state(), Loop(program, config.train).init_state()
+    first, second = (
+        Loop(program, config.train).init_state(),
+        Loop(program, config.train).init_state(),
+    )
     assert state_fingerprint(first) == state_fingerprint(second)
-    assert {leaf.sharding for leaf in jax.tree.leaves(first)} == {jax.sharding.SingleDeviceSharding(jax.devices()[0])}
+    assert {leaf.sharding for leaf in jax.tree.leaves(first)} == {
+        jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    }
     eager = program.init(jax.random.key(config.train.seed))
     assert jax.tree.structure(eager) == jax.tree.structure(first)
     # The quick compile is what runs (were the option refused, init would quietly compile slowly).
@@ -74,7 +79,9 @@ def test_the_abstract_state_is_init_traced_with_the_seeds_key(job_config):
     loop = Loop(program, config.train)
     expected = jax.eval_shape(program.init, jax.random.key(config.train.seed))
     assert jax.tree.structure(loop.abstract_state) == jax.tree.structure(expected)
-    assert [(a.shape, a.dtype) for a in jax.tree.leaves(loop.abstract_state)] == [(e.shape, e.dtype) for e in jax.tree.leaves(expected)]
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(loop.abstract_state)] == [
+        (e.shape, e.dtype) for e in jax.tree.leaves(expected)
+    ]
     assert loop._rng is None  # traced: no key made
     # Nor by init, which makes it inside its program from the seed: the state init makes from the
     # seed's key (compiled as init is: other options may differ in the last bits), for seeds
@@ -83,12 +90,16 @@ def test_the_abstract_state_is_init_traced_with_the_seeds_key(job_config):
 
     def from_key(seed):
         key = jax.random.key(seed)
-        return state_fingerprint(jax.jit(program.init).lower(key).compile(compiler_options=INIT_COMPILER_OPTIONS)(key))
+        return state_fingerprint(
+            jax.jit(program.init).lower(key).compile(compiler_options=INIT_COMPILER_OPTIONS)(key)
+        )
 
     assert state_fingerprint(loop.init_state()) == from_key(config.train.seed)
     assert loop._rng is None
     for seed in (7, 2**31, -1, -(2**31) - 1):
-        assert state_fingerprint(Loop(program, config.train.model_copy(update={"seed": seed})).init_state()) == from_key(seed)
+        assert state_fingerprint(
+            Loop(program, config.train.model_copy(update={"seed": seed})).init_state()
+        ) == from_key(seed)
 
 
 def test_resumed_run_ends_bit_for_bit_equal_to_uninterrupted_run(job_config, tmp_path):
@@ -127,14 +138,18 @@ def test_checkpoint_dir_and_path_together_is_an_error(job_config):
     program = DigitsProgram(hidden=(8, 8))
     rng = jax.random.key(0)
     with pytest.raises(ValueError, match="pass checkpoint_dir .* or checkpoint_path .* not both"):
-        restore_or_init(None, lambda: program.init(rng), None, checkpoint_dir="/a", checkpoint_path="/a/10")
+        restore_or_init(
+            None, lambda: program.init(rng), None, checkpoint_dir="/a", checkpoint_path="/a/10"
+        )
 
 
 def test_checkpoint_path_that_is_not_a_committed_step_is_an_error(tmp_path):
     program = DigitsProgram(hidden=(8, 8))
     rng = jax.random.key(0)
     (tmp_path / "7").mkdir()
-    with pytest.raises(ValueError, match=r"not a committed checkpoint step directory; committed steps in .*: \[\]"):
+    with pytest.raises(
+        ValueError, match=r"not a committed checkpoint step directory; committed steps in .*: \[\]"
+    ):
         restore_or_init(None, lambda: program.init(rng), None, checkpoint_path=str(tmp_path / "7"))
 
 
@@ -147,7 +162,10 @@ def test_integer_dirs_without_commit_are_not_steps(tmp_path):
 def test_wait_for_checkpoint_gives_up_at_the_deadline_then_inits(job_config):
     trainer = Trainer(job_config())
     start = time.monotonic()
-    assert trainer.restore_or_init(wait_for_checkpoint=True, max_wait_secs=0.6, recovery_wait_secs=0.2) == 0
+    assert (
+        trainer.restore_or_init(wait_for_checkpoint=True, max_wait_secs=0.6, recovery_wait_secs=0.2)
+        == 0
+    )
     assert 0.55 <= time.monotonic() - start < 10
 
 
@@ -171,7 +189,9 @@ def test_wait_for_checkpoint_restores_one_committed_while_waiting(job_config):
     thread.start()
     start = time.monotonic()
     try:
-        step = waiter.restore_or_init(wait_for_checkpoint=True, max_wait_secs=60, recovery_wait_secs=0.1)
+        step = waiter.restore_or_init(
+            wait_for_checkpoint=True, max_wait_secs=60, recovery_wait_secs=0.1
+        )
     finally:
         thread.join()
     assert step == 20 and time.monotonic() - start >= 0.4
@@ -194,7 +214,9 @@ def test_a_step_committed_while_torn_ones_are_looked_for_is_kept(job_config, mon
 
     def list_then_commit(directory):
         steps = listed(directory)
-        if os.path.exists(os.path.join(checkpoints, ".not-yet-20")):  # committed just after the first listing
+        if os.path.exists(
+            os.path.join(checkpoints, ".not-yet-20")
+        ):  # committed just after the first listing
             os.rename(os.path.join(checkpoints, ".not-yet-20"), os.path.join(checkpoints, "20"))
         return steps
 
@@ -216,9 +238,25 @@ def test_wait_polls_with_fake_clock():
         now[0] += s
 
     steps = iter([[], [], [5, 10]])
-    assert wait_for_new_checkpoint(lambda: next(steps), None, 100, 30, log=lambda m: None, sleep=sleep, clock=lambda: now[0]) == 10
+    assert (
+        wait_for_new_checkpoint(
+            lambda: next(steps),
+            None,
+            100,
+            30,
+            log=lambda m: None,
+            sleep=sleep,
+            clock=lambda: now[0],
+        )
+        == 10
+    )
     assert sleeps == [30, 30]
-    assert wait_for_new_checkpoint(lambda: [3], 3, 45, 30, log=lambda m: None, sleep=sleep, clock=lambda: now[0]) is None
+    assert (
+        wait_for_new_checkpoint(
+            lambda: [3], 3, 45, 30, log=lambda m: None, sleep=sleep, clock=lambda: now[0]
+        )
+        is None
+    )
     assert sleeps[2:] == [30, 15]
 
 
@@ -267,7 +305,9 @@ def test_retention_deletes_steps_without_orbax_s_polling_thread_pool(tmp_path, m
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     pooled = []
-    monkeypatch.setattr(deleter._ParallelDirectoryDeleter, "delete", lambda self, path: pooled.append(path))
+    monkeypatch.setattr(
+        deleter._ParallelDirectoryDeleter, "delete", lambda self, path: pooled.append(path)
+    )
     ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1, keep_last=1))
     it = iter(grain.MapDataset.range(10).to_iter_dataset())
     for step in (1, 2, 3):
@@ -310,7 +350,9 @@ def test_the_data_position_is_written_in_the_commit_not_before_save_returns(tmp_
     ckpt.restore(7, jax.eval_shape(lambda: {"w": np.ones(3, np.float32)}), again)
     assert [next(again) for _ in range(5)] == after
     with open(tmp_path / "ck" / "7" / STEP_MANIFEST_FILE) as f:
-        assert "data/process_0-of-1.json" in json.load(f)["files"]  # checksummed with the rest of the step
+        assert (
+            "data/process_0-of-1.json" in json.load(f)["files"]
+        )  # checksummed with the rest of the step
 
 
 def _shuffled_iterator(kind: str):
@@ -337,20 +379,29 @@ def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer)
 
     grains = dict(_handlers(), data=grain.checkpoint.CheckpointHandler())
     save_with, restore_with = (grains, _handlers()) if writer == "grain" else (_handlers(), grains)
-    save_args, restore_args = (grain.checkpoint.CheckpointSave, IteratorRestore) if writer == "grain" else (IteratorSave, grain.checkpoint.CheckpointRestore)
+    save_args, restore_args = (
+        (grain.checkpoint.CheckpointSave, IteratorRestore)
+        if writer == "grain"
+        else (IteratorSave, grain.checkpoint.CheckpointRestore)
+    )
     for step, kind in ((9, "dataset"), (12, "loader")):
         data = lambda: _shuffled_iterator(kind)  # noqa: E731
         it = data()
         for _ in range(step):
             next(it)
         with manager(save_with) as m:
-            m.save(step, args=ocp.args.Composite(data=save_args(it), meta=ocp.args.JsonSave({"step": step})))
+            m.save(
+                step,
+                args=ocp.args.Composite(data=save_args(it), meta=ocp.args.JsonSave({"step": step})),
+            )
         want = [next(it) for _ in range(3)]
         again = data()
         with manager(restore_with) as m:
             m.restore(step, args=ocp.args.Composite(data=restore_args(again)))
         assert [next(again) for _ in range(3)] == want
-    assert json.loads((tmp_path / "ck" / "9" / "data" / "process_0-of-1.json").read_text()) == {"next_index": 9}
+    assert json.loads((tmp_path / "ck" / "9" / "data" / "process_0-of-1.json").read_text()) == {
+        "next_index": 9
+    }
 
 
 @pytest.mark.parametrize("kind", ["dataset", "loader"])
@@ -386,9 +437,14 @@ def test_a_step_names_a_public_handler_for_its_data_position(tmp_path):
     from prefect_jax.training.checkpoints import CheckpointSpec, IteratorHandler
 
     ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))
-    ckpt.save(1, {"w": np.ones(3, np.float32)}, iter(grain.MapDataset.range(5).to_iter_dataset()), {})
+    ckpt.save(
+        1, {"w": np.ones(3, np.float32)}, iter(grain.MapDataset.range(5).to_iter_dataset()), {}
+    )
     ckpt.wait()
     with open(tmp_path / "ck" / "1" / "_CHECKPOINT_METADATA") as f:
         name = json.load(f)["item_handlers"]["data"]
     module, _, attr = name.rpartition(".")
-    assert name == "prefect_jax.training.checkpoints.IteratorHandler" and getattr(importlib.import_module(module), attr) is IteratorHandler
+    assert (
+        name == "prefect_jax.training.checkpoints.IteratorHandler"
+        and getattr(importlib.import_module(module), attr) is IteratorHandler
+    )

@@ -4,12 +4,12 @@ import asyncio
 
 import pytest
 from mlflow.tracking import MlflowClient
+from test_flow import _task_runs
 
 from prefect_jax.flows import train_and_evaluate
+from prefect_jax.training.names import JOB_TAG
 from prefect_jax.training.specs import CheckpointSpec, RetrySpec, TrainSpec
 from prefect_jax.training.storage import JobStorage
-from prefect_jax.training.names import JOB_TAG
-from test_flow import _task_runs
 
 pytestmark = [pytest.mark.usefixtures("prefect_server"), pytest.mark.slow]
 
@@ -31,7 +31,9 @@ def _mlflow_run(mlflow_uri, tmp_path, job):
     client = MlflowClient(mlflow_uri)
     exp = client.get_experiment_by_name("prefect-jax")
     job_dir = JobStorage(str(tmp_path / "storage"), job).job_dir
-    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_dir}'")
+    (run,) = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_dir}'"
+    )
     return run
 
 
@@ -47,7 +49,9 @@ def test_a_transient_failure_is_retried_from_the_checkpoint_and_ends_exactly(tmp
 
 
 def test_a_retry_spec_without_retries_does_not_retry_a_transient_failure(tmp_path, mlflow_uri):
-    state = _run(tmp_path, mlflow_uri, "programs:transient", "flaky", retry_spec=RetrySpec(retries=0))
+    state = _run(
+        tmp_path, mlflow_uri, "programs:transient", "flaky", retry_spec=RetrySpec(retries=0)
+    )
     assert state.is_failed()
     runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
     assert runs["train 20 to 40"].run_count == 1 and runs["train 20 to 40"].state.is_failed()
@@ -69,7 +73,10 @@ def test_a_nan_loss_stops_at_its_step_without_retry_or_checkpoint(tmp_path, mlfl
 
     state = _run(tmp_path, mlflow_uri, "programs:diverges_at_33", "nan")
     assert state.is_failed()
-    with pytest.raises(NonFiniteLossError, match="non-finite training metric at step 33 .*newest checkpoint is step 20"):
+    with pytest.raises(
+        NonFiniteLossError,
+        match="non-finite training metric at step 33 .*newest checkpoint is step 20",
+    ):
         state.result()
     committed = sorted(p.name for p in (tmp_path / "storage" / "nan" / "checkpoints").iterdir())
     assert committed == ["20"]

@@ -9,7 +9,14 @@ from process_helpers import job_events
 from prefect_jax.flows import evaluate, export_flow, train, train_and_evaluate
 from prefect_jax.training.control import record_attempt
 from prefect_jax.training.errors import NoProgressError
-from prefect_jax.training.specs import CheckpointSpec, EarlyStopping, EvalSpec, FinalExporter, LatestExporter, TrainSpec
+from prefect_jax.training.specs import (
+    CheckpointSpec,
+    EarlyStopping,
+    EvalSpec,
+    FinalExporter,
+    LatestExporter,
+    TrainSpec,
+)
 from prefect_jax.training.storage import JobStorage
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -27,14 +34,18 @@ def _params(tmp_path, mlflow_uri, job, max_steps=60, **eval_kw):
     )
 
 
-def test_trainer_then_evaluator_evaluate_every_checkpoint_once(tmp_path, mlflow_uri, prefect_server):
+def test_trainer_then_evaluator_evaluate_every_checkpoint_once(
+    tmp_path, mlflow_uri, prefect_server
+):
     params = _params(tmp_path, mlflow_uri, "roles", exporters=[LatestExporter(), FinalExporter()])
     trained = train(**params)
     assert trained["final_step"] == 60 and trained["eval"] == {}
     js = JobStorage(params["storage"], "roles")
     assert not os.path.exists(js.eval_dir("eval"))  # the trainer evaluates nothing
 
-    committed = job_events(prefect_server, "roles", params["storage"], "prefect-jax.checkpoint.committed", expect=3)
+    committed = job_events(
+        prefect_server, "roles", params["storage"], "prefect-jax.checkpoint.committed", expect=3
+    )
     assert sorted(e["payload"]["step"] for e in committed) == [20, 40, 60]
 
     from prefect_jax.training import live
@@ -47,7 +58,9 @@ def test_trainer_then_evaluator_evaluate_every_checkpoint_once(tmp_path, mlflow_
     again = evaluate(**params, poll_secs=0.1)
     assert again["evaluated"] == [] and again["stopped"].startswith("evaluated the final step")
 
-    evals = job_events(prefect_server, "roles", params["storage"], "prefect-jax.eval.completed", expect=3)
+    evals = job_events(
+        prefect_server, "roles", params["storage"], "prefect-jax.eval.completed", expect=3
+    )
     assert sorted(e["payload"]["step"] for e in evals) == [20, 40, 60]
 
     from mlflow.tracking import MlflowClient
@@ -67,8 +80,15 @@ def test_the_evaluator_leaves_a_preemption_checkpoint_alone(tmp_path, mlflow_uri
     from prefect_jax.training.trainer import Trainer
 
     params = _params(tmp_path, mlflow_uri, "preempted")
-    config = JobConfig(program=params["program"], job="preempted", storage=params["storage"], train=params["train_spec"],
-                       checkpoint=params["checkpoint_spec"], eval=params["eval_spec"], mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    config = JobConfig(
+        program=params["program"],
+        job="preempted",
+        storage=params["storage"],
+        train=params["train_spec"],
+        checkpoint=params["checkpoint_spec"],
+        eval=params["eval_spec"],
+        mlflow_tracking_uri=mlflow_uri,
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     trainer.train_until_checkpoint()  # 20
@@ -79,7 +99,9 @@ def test_the_evaluator_leaves_a_preemption_checkpoint_alone(tmp_path, mlflow_uri
     trainer.close()
     rerun = Trainer(config)
     assert rerun.restore_or_init() == 25
-    assert rerun.evaluate_if_new().status.value == "PREEMPTION_CHECKPOINT"  # the trainer's catch-up skips it too
+    assert (
+        rerun.evaluate_if_new().status.value == "PREEMPTION_CHECKPOINT"
+    )  # the trainer's catch-up skips it too
     while rerun.step < 60:
         rerun.train_until_checkpoint()
     rerun.finish()
@@ -90,7 +112,9 @@ def test_the_evaluator_leaves_a_preemption_checkpoint_alone(tmp_path, mlflow_uri
     live.drop_all(close=False)
     result = evaluate(**params, poll_secs=0.1)
     assert result["evaluated"] == [20, 40, 60]
-    assert JobStorage(params["storage"], "preempted").list_int_names(JobStorage(params["storage"], "preempted").eval_dir("eval")) == [20, 40, 60]
+    assert JobStorage(params["storage"], "preempted").list_int_names(
+        JobStorage(params["storage"], "preempted").eval_dir("eval")
+    ) == [20, 40, 60]
 
 
 def test_evaluator_only_newest(tmp_path, mlflow_uri):
@@ -101,15 +125,24 @@ def test_evaluator_only_newest(tmp_path, mlflow_uri):
 
 
 def test_evaluator_gives_up_waiting_for_a_first_checkpoint(tmp_path, mlflow_uri):
-    state = evaluate(**_params(tmp_path, mlflow_uri, "nobody"), wait_for_first_checkpoint_secs=0.5, poll_secs=0.1,
-                     return_state=True)  # fmt: skip
+    state = evaluate(
+        **_params(tmp_path, mlflow_uri, "nobody"),
+        wait_for_first_checkpoint_secs=0.5,
+        poll_secs=0.1,
+        return_state=True,
+    )
     assert state.is_failed()
-    with pytest.raises(TimeoutError, match="no committed checkpoint of job 'nobody' .* after 0.5s: is the trainer running"):
+    with pytest.raises(
+        TimeoutError,
+        match="no committed checkpoint of job 'nobody' .* after 0.5s: is the trainer running",
+    ):
         state.result()
 
 
 def test_early_stopping_stops_both_roles(tmp_path, mlflow_uri):
-    never_enough = EarlyStopping(metric="accuracy", mode="max", max_steps_without_improvement=20, min_delta=1.0)
+    never_enough = EarlyStopping(
+        metric="accuracy", mode="max", max_steps_without_improvement=20, min_delta=1.0
+    )
     params = _params(tmp_path, mlflow_uri, "early", max_steps=100, early_stopping=never_enough)
     summary = train_and_evaluate(**params)
     assert summary["final_step"] == 40
@@ -125,7 +158,10 @@ def test_rerun_budget_without_progress(tmp_path):
     assert record_attempt(js, 100, 2) == 0
     assert record_attempt(js, 100, 2) == 1
     assert record_attempt(js, 100, 2) == 2
-    with pytest.raises(NoProgressError, match="rerun 3 times without getting past step 100 .*max_reruns_without_progress=2.*"
-                       "checkpoint more often .*--checkpoint-every-secs.*attempts.json to reset"):
+    with pytest.raises(
+        NoProgressError,
+        match="rerun 3 times without getting past step 100 .*max_reruns_without_progress=2.*"
+        "checkpoint more often .*--checkpoint-every-secs.*attempts.json to reset",
+    ):
         record_attempt(js, 100, 2)
     assert record_attempt(js, 120, 2) == 0  # progress resets the count

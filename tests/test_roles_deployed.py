@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from deployment_helpers import (
     EVALUATOR,
     TRAINER,
@@ -61,7 +60,6 @@ def _params(storage: Path, job: str, mlflow_uri: str, **train: object) -> dict:
         "checkpoint_spec": {"every_steps": EVERY, "keep_last": None},
         "mlflow_tracking_uri": mlflow_uri,
     }
-
 
 
 def _uninterrupted(config) -> tuple[str, dict[int, dict[str, float]]]:
@@ -125,7 +123,9 @@ def _wait_for_state(client, run_id, name: str, procs, timeout: float, why: str) 
         for proc in procs:
             assert proc.alive(), f"{proc.log.name} exited\n{logs(*procs)}"
         time.sleep(0.25)
-    raise AssertionError(f"{why} within {timeout:.0f}s: states {_state_names(client, run_id)}\n{logs(*procs)}")
+    raise AssertionError(
+        f"{why} within {timeout:.0f}s: states {_state_names(client, run_id)}\n{logs(*procs)}"
+    )
 
 
 def _state_names(client, run_id) -> list[str]:
@@ -154,8 +154,8 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
 
     from prefect_jax.deployments.automations import RERUN_MESSAGE, create_rerun_automation
     from prefect_jax.training.evaluation import EvalRecords
-    from prefect_jax.training.storage import JobStorage
     from prefect_jax.training.names import JOB_TAG
+    from prefect_jax.training.storage import JobStorage
 
     started = time.monotonic()
     server = PrefectServerProcess(tmp_path / "prefect-server")
@@ -167,26 +167,42 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
     params = _params(storage, job, mlflow_uri)
     budget_dir = storage / "budget"
     budget_params = _params(storage, "budget", mlflow_uri, max_reruns_without_progress=0)
-    expected, expected_metrics = _uninterrupted(job_config(_params(tmp_path / "reference", job, mlflow_uri)))
+    expected, expected_metrics = _uninterrupted(
+        job_config(_params(tmp_path / "reference", job, mlflow_uri))
+    )
     assert sorted(expected_metrics) == STEPS
     marks = {"reference": time.monotonic()}
 
     server.wait_healthy()
     marks["server"] = time.monotonic()
     job_dir = storage / job
-    results = tmp_path / "results"  # flow results persisted, so the summaries the flows returned can be read back
-    serve_env = {"PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true", "PREFECT_LOCAL_STORAGE_PATH": str(results)}
-    with temporary_settings({PREFECT_API_URL: server.api_url, PREFECT_LOCAL_STORAGE_PATH: results}), get_client(
-        sync_client=True
-    ) as client:
-        serve = ServeProcess(server.api_url, tmp_path / "serve-home", tmp_path / "serve.log", mode="serve-roles", **serve_env)
+    results = (
+        tmp_path / "results"
+    )  # flow results persisted, so the summaries the flows returned can be read back
+    serve_env = {
+        "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
+        "PREFECT_LOCAL_STORAGE_PATH": str(results),
+    }
+    with (
+        temporary_settings({PREFECT_API_URL: server.api_url, PREFECT_LOCAL_STORAGE_PATH: results}),
+        get_client(sync_client=True) as client,
+    ):
+        serve = ServeProcess(
+            server.api_url,
+            tmp_path / "serve-home",
+            tmp_path / "serve.log",
+            mode="serve-roles",
+            **serve_env,
+        )
         processes.append(serve)
         wait_for_deployments(client, serve, [TRAINER, EVALUATOR])
         create_rerun_automation(TRAINER)
         marks["serve"] = time.monotonic()
 
         trainer_run = run_deployment(name=TRAINER, parameters=params, timeout=0)
-        evaluator_run = run_deployment(name=EVALUATOR, parameters={**params, **EVALUATOR_EXTRA}, timeout=0)
+        evaluator_run = run_deployment(
+            name=EVALUATOR, parameters={**params, **EVALUATOR_EXTRA}, timeout=0
+        )
         # At the same time, the rerun budget on a second job of the same trainer deployment.
         budget_run = run_deployment(name=TRAINER, parameters=budget_params, timeout=0)
         runs = [trainer_run.id, evaluator_run.id, budget_run.id]
@@ -200,47 +216,93 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
             if budget_lease is None and (budget_dir / "attempts.json").exists():
                 budget_attempts = json.loads((budget_dir / "attempts.json").read_text())
                 budget_lease = json.loads((budget_dir / "lease.json").read_text())
-                assert budget_lease["flow_run_id"] == str(budget_run.id) and budget_lease["pid"] in serve.children()
+                assert (
+                    budget_lease["flow_run_id"] == str(budget_run.id)
+                    and budget_lease["pid"] in serve.children()
+                )
                 _kill(budget_lease["pid"])
-                assert not _committed(budget_dir), "the budget job's kill came after its first checkpoint"
+                assert not _committed(budget_dir), (
+                    "the budget job's kill came after its first checkpoint"
+                )
             if lease is None and (_committed(job_dir) or [0])[-1] >= KILL_FROM:
                 lease = json.loads((job_dir / "lease.json").read_text())
-                assert lease["flow_run_id"] == str(trainer_run.id) and lease["pid"] in serve.children(), (lease, serve.children())
+                assert (
+                    lease["flow_run_id"] == str(trainer_run.id) and lease["pid"] in serve.children()
+                ), (lease, serve.children())
                 _kill(lease["pid"])
                 marks["kill"] = time.monotonic()
                 killed_at = _committed(job_dir)
             if time.monotonic() >= next_check:
-                assert time.monotonic() < deadline, f"the trainers were not both killed in time\n{logs(serve)}"
+                assert time.monotonic() < deadline, (
+                    f"the trainers were not both killed in time\n{logs(serve)}"
+                )
                 assert serve.alive(), f"serve exited\n{logs(serve)}"
-                alive = [evaluator_run.id] + [r.id for r, k in ((trainer_run, lease), (budget_run, budget_lease)) if k is None]
+                alive = [evaluator_run.id] + [
+                    r.id for r, k in ((trainer_run, lease), (budget_run, budget_lease)) if k is None
+                ]
                 for run_id in alive:  # not yet killed: still running
                     state = client.read_flow_run(run_id).state
-                    assert not state.is_final(), f"run {run_id} ended before its kill: {state}\n{logs(serve)}"
+                    assert not state.is_final(), (
+                        f"run {run_id} ended before its kill: {state}\n{logs(serve)}"
+                    )
                 next_check = time.monotonic() + 1.0
             time.sleep(0.02)
         resume_from = killed_at[-1]
-        assert KILL_FROM <= resume_from < MAX_STEPS, f"the kill did not land mid-run: committed {killed_at}"
-        assert budget_attempts == {**budget_attempts, "step": 0, "reruns_without_progress": 0, "owner": str(budget_run.id)}
+        assert KILL_FROM <= resume_from < MAX_STEPS, (
+            f"the kill did not land mid-run: committed {killed_at}"
+        )
+        assert budget_attempts == {
+            **budget_attempts,
+            "step": 0,
+            "reruns_without_progress": 0,
+            "owner": str(budget_run.id),
+        }
         assert serve.alive() and not client.read_flow_run(evaluator_run.id).state.is_final()
 
         # Nobody helps from here: serve reports the crashes, the automation reruns, serve runs them again.
         for run_id in (trainer_run.id, budget_run.id):
-            _wait_for_state(client, run_id, "Crashed", [server, serve], 60, "serve did not report its dead child as Crashed")
-            _wait_for_state(client, run_id, "AwaitingRetry", [server, serve], 60, "the automation did not set AwaitingRetry")
+            _wait_for_state(
+                client,
+                run_id,
+                "Crashed",
+                [server, serve],
+                60,
+                "serve did not report its dead child as Crashed",
+            )
+            _wait_for_state(
+                client,
+                run_id,
+                "AwaitingRetry",
+                [server, serve],
+                60,
+                "the automation did not set AwaitingRetry",
+            )
         marks["rerun"] = time.monotonic()
         done = _wait_final(client, runs, [server, serve], deadline=time.monotonic() + 240)
         marks["done"] = time.monotonic()
-        trained, evaluated, failed = done[trainer_run.id], done[evaluator_run.id], done[budget_run.id]
+        trained, evaluated, failed = (
+            done[trainer_run.id],
+            done[evaluator_run.id],
+            done[budget_run.id],
+        )
         assert trained.state.is_completed(), f"{trained.state}\n{logs(serve, server)}"
         assert evaluated.state.is_completed(), f"{evaluated.state}\n{logs(serve, server)}"
-        assert trained.run_count == 2 and evaluated.run_count == 1, (trained.run_count, evaluated.run_count)
+        assert trained.run_count == 2 and evaluated.run_count == 1, (
+            trained.run_count,
+            evaluated.run_count,
+        )
         history = _state_names(client, trainer_run.id)
         crashed = history.index("Crashed")
         assert history[crashed + 1] == "AwaitingRetry", history
-        awaiting = [s for s in client.read_flow_run_states(trainer_run.id) if s.name == "AwaitingRetry"]
+        awaiting = [
+            s for s in client.read_flow_run_states(trainer_run.id) if s.name == "AwaitingRetry"
+        ]
         assert [s.message for s in awaiting] == [RERUN_MESSAGE], history
         summary, evaluator_summary = trained.state.result(), evaluated.state.result()
-        trainer_tasks, evaluator_tasks = _task_runs(client, trainer_run.id), _task_runs(client, evaluator_run.id)
+        trainer_tasks, evaluator_tasks = (
+            _task_runs(client, trainer_run.id),
+            _task_runs(client, evaluator_run.id),
+        )
 
         # The budget job's rerun made no progress (max_reruns_without_progress=0): it failed, saying so,
         # and the automation (which reacts to Crashed only) left it there.
@@ -248,7 +310,9 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
         assert failed.run_count == 2, failed.run_count
         assert "without getting past step 0" in (failed.state.message or ""), failed.state
         budget_history = _state_names(client, budget_run.id)
-        assert budget_history.count("Crashed") == 1 and budget_history.count("AwaitingRetry") == 1, budget_history
+        assert (
+            budget_history.count("Crashed") == 1 and budget_history.count("AwaitingRetry") == 1
+        ), budget_history
         assert budget_history[-1] == "Failed", budget_history
 
     # -- the trainer: resumed at the newest committed step, ended exactly where an uninterrupted run ends.
@@ -257,9 +321,18 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
     fingerprint, meta = checkpoint_fingerprint(job_config(params), MAX_STEPS)
     assert fingerprint == expected
     assert meta["prefect.flow_run_id"] == str(trainer_run.id) and meta["pid"] != lease["pid"]
-    by_run = {n: [r.name for r in trainer_tasks if r.flow_run_run_count == n and r.name.startswith("train ")] for n in (1, 2)}
+    by_run = {
+        n: [
+            r.name
+            for r in trainer_tasks
+            if r.flow_run_run_count == n and r.name.startswith("train ")
+        ]
+        for n in (1, 2)
+    }
     assert by_run[1][0] == f"train 0 to {EVERY}"
-    assert by_run[2] == [f"train {s} to {s + EVERY}" for s in range(resume_from, MAX_STEPS, EVERY)], by_run
+    assert by_run[2] == [
+        f"train {s} to {s + EVERY}" for s in range(resume_from, MAX_STEPS, EVERY)
+    ], by_run
     assert not (job_dir / "lease.json").exists()  # released at the end
     assert _committed(job_dir) == STEPS  # keep_last=None: every checkpoint is still there
 
@@ -268,24 +341,38 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
     assert evaluator_summary["stopped"].startswith("evaluated the final step"), evaluator_summary
     eval_tasks = sorted(r.name for r in evaluator_tasks if r.name.startswith("evaluate "))
     assert eval_tasks == sorted(f"evaluate {s}" for s in STEPS), eval_tasks
-    assert sorted(p.name for p in (job_dir / "evals" / "eval").iterdir()) == sorted(f"{s}.json" for s in STEPS)
+    assert sorted(p.name for p in (job_dir / "evals" / "eval").iterdir()) == sorted(
+        f"{s}.json" for s in STEPS
+    )
     records = EvalRecords(JobStorage(str(storage), job), "eval").all()
     assert [r.step for r in records] == STEPS
     for record in records:
         commit = _commit_time(job_dir, record.step)
-        assert record.evaluated_at >= commit, f"step {record.step} evaluated at {record.evaluated_at}, committed at {commit}"
+        assert record.evaluated_at >= commit, (
+            f"step {record.step} evaluated at {record.evaluated_at}, committed at {commit}"
+        )
         # What an uninterrupted run measures at that step: the evaluator saw the committed state.
-        assert record.metrics == expected_metrics[record.step], (record.step, record.metrics, expected_metrics[record.step])
+        assert record.metrics == expected_metrics[record.step], (
+            record.step,
+            record.metrics,
+            expected_metrics[record.step],
+        )
 
     # -- MLflow: one run for the job, FINISHED, each eval step and train log step once.
     mlflow = MlflowClient(mlflow_uri)
     experiment = mlflow.get_experiment_by_name("prefect-jax")
     key = JobStorage(str(storage), job).job_dir
-    (mlflow_run,) = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{key}'")
-    assert mlflow_run.info.run_id == summary["mlflow_run_id"] and mlflow_run.info.status == "FINISHED"
+    (mlflow_run,) = mlflow.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{key}'"
+    )
+    assert (
+        mlflow_run.info.run_id == summary["mlflow_run_id"] and mlflow_run.info.status == "FINISHED"
+    )
     run_id = mlflow_run.info.run_id
     assert sorted(m.step for m in mlflow.get_metric_history(run_id, "eval/accuracy")) == STEPS
-    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "train/loss")) == list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
+    assert sorted(m.step for m in mlflow.get_metric_history(run_id, "train/loss")) == list(
+        range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY)
+    )
 
     print(
         f"\nroles deployed: trainer killed at committed {killed_at}, resumed at {resume_from}; states {history}; "

@@ -13,10 +13,10 @@ import sys
 import time
 
 import pytest
+from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, StorageCalls
 
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
-from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, StorageCalls
 
 pytestmark = pytest.mark.slow
 
@@ -51,12 +51,30 @@ def _cli(*args):
 
 
 def _run_args(mlflow_uri):
-    return ["run", "--program", PROGRAM, "--job", "s3job", "--storage", "s3://jobs/team", "--max-steps", str(MAX_STEPS),
-            "--checkpoint-every-steps", str(EVERY), "--keep-last", "10", "--mlflow-tracking-uri", mlflow_uri,
-            "--json", "--no-progress"]  # fmt: skip
+    return [
+        "run",
+        "--program",
+        PROGRAM,
+        "--job",
+        "s3job",
+        "--storage",
+        "s3://jobs/team",
+        "--max-steps",
+        str(MAX_STEPS),
+        "--checkpoint-every-steps",
+        str(EVERY),
+        "--keep-last",
+        "10",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
 
 
-def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(s3, tmp_path, prefect_server, mlflow_uri):
+def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(
+    s3, tmp_path, prefect_server, mlflow_uri
+):
     fs = s3.filesystem()
     prefix = "jobs/team/s3job/checkpoints"
 
@@ -68,8 +86,13 @@ def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(s3, tmp_path, pr
         return {int(n): fs.exists(f"{prefix}/{n}/{MARKER}") for n in names if n.isdigit()}
 
     log1 = open(tmp_path / "1.log", "w")
-    proc = subprocess.Popen(_cli(*_run_args(mlflow_uri)), stdout=log1, stderr=subprocess.STDOUT,
-                            env=_env(s3, tmp_path / "cache-1", prefect_server), cwd=TESTS_DIR)  # fmt: skip
+    proc = subprocess.Popen(
+        _cli(*_run_args(mlflow_uri)),
+        stdout=log1,
+        stderr=subprocess.STDOUT,
+        env=_env(s3, tmp_path / "cache-1", prefect_server),
+        cwd=TESTS_DIR,
+    )
     killed_mid_upload = None
     deadline = time.monotonic() + 300
     try:
@@ -85,27 +108,47 @@ def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(s3, tmp_path, pr
         if proc.poll() is None and killed_mid_upload is None:
             proc.kill()
         proc.wait(timeout=60)
-    assert killed_mid_upload is not None, "never caught an upload in progress:\n" + (tmp_path / "1.log").read_text()[-3000:]
+    assert killed_mid_upload is not None, (
+        "never caught an upload in progress:\n" + (tmp_path / "1.log").read_text()[-3000:]
+    )
     after_kill = remote()
     assert after_kill.get(killed_mid_upload) is False, "the step killed mid-upload must not count"
 
-    status = subprocess.run(_cli("status", "--job", "s3job", "--storage", "s3://jobs/team", "--json"), capture_output=True,
-                            text=True, env=_env(s3, tmp_path / "cache-1", prefect_server), cwd=TESTS_DIR)  # fmt: skip
+    status = subprocess.run(
+        _cli("status", "--job", "s3job", "--storage", "s3://jobs/team", "--json"),
+        capture_output=True,
+        text=True,
+        env=_env(s3, tmp_path / "cache-1", prefect_server),
+        cwd=TESTS_DIR,
+    )
     assert status.returncode == 0, status.stderr[-2000:]
     committed = json.loads(status.stdout.splitlines()[-1])["committed_steps"]
-    assert killed_mid_upload not in committed and committed == sorted(s for s, done in after_kill.items() if done)
+    assert killed_mid_upload not in committed and committed == sorted(
+        s for s, done in after_kill.items() if done
+    )
 
     # A new node: empty local cache; resumes from the newest uploaded step.
-    rerun = subprocess.run(_cli(*_run_args(mlflow_uri)), capture_output=True, text=True,
-                           env=_env(s3, tmp_path / "cache-2", prefect_server), cwd=TESTS_DIR, timeout=600)  # fmt: skip
+    rerun = subprocess.run(
+        _cli(*_run_args(mlflow_uri)),
+        capture_output=True,
+        text=True,
+        env=_env(s3, tmp_path / "cache-2", prefect_server),
+        cwd=TESTS_DIR,
+        timeout=600,
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.splitlines()[-1])
     assert summary["final_step"] == MAX_STEPS
     assert f"job s3job at step {committed[-1]} (restored)" in rerun.stderr
 
-    config = JobConfig(program=PROGRAM, job="straight", storage=str(tmp_path / "local"),
-                       train=TrainSpec(max_steps=MAX_STEPS), checkpoint=CheckpointSpec(every_steps=EVERY),
-                       mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    config = JobConfig(
+        program=PROGRAM,
+        job="straight",
+        storage=str(tmp_path / "local"),
+        train=TrainSpec(max_steps=MAX_STEPS),
+        checkpoint=CheckpointSpec(every_steps=EVERY),
+        mlflow_tracking_uri=mlflow_uri,
+    )
     straight = Trainer(config)
     straight.restore_or_init()
     while straight.step < MAX_STEPS:
@@ -115,14 +158,22 @@ def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(s3, tmp_path, pr
 
     final = remote()
     assert all(final.values()) and MAX_STEPS in final
-    evaluated = json.loads(subprocess.run(
-        _cli("status", "--job", "s3job", "--storage", "s3://jobs/team", "--json"), capture_output=True, text=True,
-        env=_env(s3, tmp_path / "cache-3", prefect_server), cwd=TESTS_DIR).stdout.splitlines()[-1])["evaluated_steps"]
+    evaluated = json.loads(
+        subprocess.run(
+            _cli("status", "--job", "s3job", "--storage", "s3://jobs/team", "--json"),
+            capture_output=True,
+            text=True,
+            env=_env(s3, tmp_path / "cache-3", prefect_server),
+            cwd=TESTS_DIR,
+        ).stdout.splitlines()[-1]
+    )["evaluated_steps"]
     assert evaluated["eval"][-1] == MAX_STEPS
     assert not fs.exists("jobs/team/s3job/lease.json")
 
 
-def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_restore(s3, tmp_path, prefect_server, mlflow_uri, monkeypatch):
+def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_restore(
+    s3, tmp_path, prefect_server, mlflow_uri, monkeypatch
+):
     """Each request to object storage that the training thread waits for is a round trip (tens of
     ms on S3) in every interval. Counted per kind in the flow's intervals (its restore and end
     aside), 6 intervals on moto's S3: the stop request is read once an interval (the flow asks,
@@ -135,32 +186,55 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     block = s3.save_block("requests-test", "s3://jobs/requests")
     counted = StorageCalls()
     counted.install(monkeypatch.setattr)
-    calls, restoring, requests = counted.calls["_train_loop"], counted.calls["_restore_or_init"], counted.requests
+    calls, restoring, requests = (
+        counted.calls["_train_loop"],
+        counted.calls["_restore_or_init"],
+        counted.requests,
+    )
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "cache"))
     # Each upload takes 0.5 s longer, as a larger step to a distant bucket would: what the job asks
     # of the storage must not grow with it (the commit announcer polled every 0.2 s meanwhile).
     from prefect_jax.training.remote import RemoteSteps
 
     upload = RemoteSteps.upload
-    monkeypatch.setattr(RemoteSteps, "upload", lambda self, *a, **kw: (time.sleep(0.5), upload(self, *a, **kw))[1])
+    monkeypatch.setattr(
+        RemoteSteps, "upload", lambda self, *a, **kw: (time.sleep(0.5), upload(self, *a, **kw))[1]
+    )
     intervals, every = 6, 10
-    summary = train_and_evaluate(program="prefect_jax.examples.digits:tiny", job="j", storage=block,
-                                 train_spec=TrainSpec(max_steps=intervals * every, log_every_steps=every),
-                                 checkpoint_spec=CheckpointSpec(every_steps=every), mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    summary = train_and_evaluate(
+        program="prefect_jax.examples.digits:tiny",
+        job="j",
+        storage=block,
+        train_spec=TrainSpec(max_steps=intervals * every, log_every_steps=every),
+        checkpoint_spec=CheckpointSpec(every_steps=every),
+        mlflow_tracking_uri=mlflow_uri,
+    )
     assert summary["final_step"] == intervals * every
     shown = sorted(calls.items(), key=lambda kv: -kv[1])
-    assert intervals <= calls[("_cat_file", "stop.json")] <= intervals + 3, shown  # (was two reads an interval)
+    assert intervals <= calls[("_cat_file", "stop.json")] <= intervals + 3, (
+        shown
+    )  # (was two reads an interval)
     # Fencing: read before each interval's checkpoint (by the save, or by the pending record just before it).
-    assert intervals <= calls[("_cat_file", "lease.json")] <= intervals + 3, shown  # (was two an interval)
-    assert not [c for c in calls if c[1] in ("stop.json", "lease.json") and c[0] != "_cat_file"], shown
+    assert intervals <= calls[("_cat_file", "lease.json")] <= intervals + 3, (
+        shown
+    )  # (was two an interval)
+    assert not [c for c in calls if c[1] in ("stop.json", "lease.json") and c[0] != "_cat_file"], (
+        shown
+    )
     # Each read is one GET: no HEAD first (nor a LIST where the file is missing), in any thread.
     seen = sorted(requests.items(), key=lambda kv: -kv[1])
     assert requests[("GetObject", "stop.json")] >= intervals, seen
     assert not [r for r in requests if r[1] == "stop.json" and r[0] != "GetObject"], seen
-    assert not [r for r in requests if r[1] == "lease.json" and r[0] in ("HeadObject", "ListObjectsV2")], seen
-    assert not [c for c in calls if c[0] in ("_ls", "_find") and c[1] == "checkpoints"], shown  # (was one or two an interval)
+    assert not [
+        r for r in requests if r[1] == "lease.json" and r[0] in ("HeadObject", "ListObjectsV2")
+    ], seen
+    assert not [c for c in calls if c[0] in ("_ls", "_find") and c[1] == "checkpoints"], (
+        shown
+    )  # (was one or two an interval)
     # The live step's eval record is not read while its save is in flight: none can exist yet.
-    record_reads = sum(n for (kind, name), n in calls.items() if kind == "_cat_file" and name[:1].isdigit())
+    record_reads = sum(
+        n for (kind, name), n in calls.items() if kind == "_cat_file" and name[:1].isdigit()
+    )
     assert record_reads <= 1, shown  # (was one an interval)
     # A step this process uploaded is known to be committed: no request on the training thread.
     assert not [c for c in calls if c[1] == MARKER], shown  # (was one HEAD an interval)
@@ -169,32 +243,51 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     # where it is missing). The announcer waits on the uploader; polling every 0.2 s, it made 43
     # requests here. Retention lists the steps with their markers at once, where it asked each
     # step's marker. (The code before: 48 HEADs and LISTs of markers here.)
-    assert not [r for r in requests if r[1] == MARKER and r[0] in ("HeadObject", "ListObjectsV2")], seen
+    assert not [
+        r for r in requests if r[1] == MARKER and r[0] in ("HeadObject", "ListObjectsV2")
+    ], seen
     assert requests[("GetObject", MARKER)] <= intervals + 1, seen
 
     # A rerun on a new machine (an empty local stage) lists the committed steps twice: before it
     # takes the lease and once it holds it (was 6 times, each a LIST and a HEAD per step).
     restoring.clear()
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "another-machine"))
-    summary = train_and_evaluate(program="prefect_jax.examples.digits:tiny", job="j", storage=block,
-                                 train_spec=TrainSpec(max_steps=(intervals + 1) * every, log_every_steps=every),
-                                 checkpoint_spec=CheckpointSpec(every_steps=every), mlflow_tracking_uri=mlflow_uri)  # fmt: skip
+    summary = train_and_evaluate(
+        program="prefect_jax.examples.digits:tiny",
+        job="j",
+        storage=block,
+        train_spec=TrainSpec(max_steps=(intervals + 1) * every, log_every_steps=every),
+        checkpoint_spec=CheckpointSpec(every_steps=every),
+        mlflow_tracking_uri=mlflow_uri,
+    )
     assert summary["final_step"] == (intervals + 1) * every
     shown = sorted(restoring.items(), key=lambda kv: -kv[1])
-    assert restoring[("_find", "checkpoints")] == 2, shown  # (each names every step's files: their markers too)
+    assert restoring[("_find", "checkpoints")] == 2, (
+        shown
+    )  # (each names every step's files: their markers too)
     assert not [c for c in restoring if c[1] == "checkpoints" and c[0] != "_find"], shown
-    assert restoring[("_cat_file", MARKER)] <= 2, shown  # (was one per step and listing: keep_last is 3)
+    assert restoring[("_cat_file", MARKER)] <= 2, (
+        shown
+    )  # (was one per step and listing: keep_last is 3)
 
 
-def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes_it(s3, tmp_path, monkeypatch, mlflow_uri):
+def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes_it(
+    s3, tmp_path, monkeypatch, mlflow_uri
+):
     """On object storage the trainer's commit checks ask nothing for a step its own uploader
     committed, and retention makes it forget a step before the step stops counting: the commit
     announcer tells the listeners of each step once its upload is done, and never of one that is
     gone."""
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "cache"))
-    config = JobConfig(program="prefect_jax.examples.digits:tiny", job="known", storage="s3://jobs/known", storage_options=s3.storage_options,
-                       train=TrainSpec(max_steps=30, log_every_steps=10), mlflow_tracking_uri=mlflow_uri,
-                       checkpoint=CheckpointSpec(every_steps=10, keep_last=1, keep_until_evaluated=False))  # fmt: skip
+    config = JobConfig(
+        program="prefect_jax.examples.digits:tiny",
+        job="known",
+        storage="s3://jobs/known",
+        storage_options=s3.storage_options,
+        train=TrainSpec(max_steps=30, log_every_steps=10),
+        mlflow_tracking_uri=mlflow_uri,
+        checkpoint=CheckpointSpec(every_steps=10, keep_last=1, keep_until_evaluated=False),
+    )
     trainer = Trainer(config)
     announced: list[int] = []
     trainer.job.commit_listeners.append(announced.append)
@@ -206,7 +299,11 @@ def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes
     assert announced == [10, 20, 30] and job.committed_steps() == [30]
     asked: list[int] = []
     is_committed = job.remote.is_committed
-    monkeypatch.setattr(job.remote, "is_committed", lambda step: (asked.append(step), is_committed(step))[1])
+    monkeypatch.setattr(
+        job.remote, "is_committed", lambda step: (asked.append(step), is_committed(step))[1]
+    )
     assert job.is_committed(30) and asked == []  # uploaded here: known without a request
-    assert not job.is_committed(10) and asked == [10]  # removed by retention: forgotten, so asked (and gone)
+    assert not job.is_committed(10) and asked == [
+        10
+    ]  # removed by retention: forgotten, so asked (and gone)
     trainer.finish()

@@ -15,9 +15,9 @@ import sys
 import httpx
 import pytest
 from mlflow.tracking import MlflowClient
+from s3_server import isolate_aws_env
 
 from prefect_jax.blocks import CheckpointStorage
-from s3_server import isolate_aws_env
 
 pytestmark = pytest.mark.slow
 
@@ -46,29 +46,70 @@ def test_a_planted_secret_appears_nowhere(s3, tmp_path, prefect_server, mlflow_u
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_API_URL=prefect_server, PREFECT_LOGGING_LEVEL="DEBUG")
     proc = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", "prefect_jax.examples.digits:tiny", "--job", "leaky",
-         "--storage", "jax-checkpoint-storage/leak-test", "--max-steps", "40", "--checkpoint-every-steps", "20",
-         "--log-every-steps", "10", "--exporters", "latest", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "prefect_jax.cli",
+            "run",
+            "--program",
+            "prefect_jax.examples.digits:tiny",
+            "--job",
+            "leaky",
+            "--storage",
+            "jax-checkpoint-storage/leak-test",
+            "--max-steps",
+            "40",
+            "--checkpoint-every-steps",
+            "20",
+            "--log-every-steps",
+            "10",
+            "--exporters",
+            "latest",
+            "--mlflow-tracking-uri",
+            mlflow_uri,
+            "--json",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.splitlines()[-1])
     assert summary["final_step"] == 40
     flow_run_id = re.search(r"/runs/flow-run/([0-9a-f-]{36})", proc.stderr).group(1)
     places = {
         "command output": proc.stdout + proc.stderr,
-        "prefect logs": _post(prefect_server, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}),
+        "prefect logs": _post(
+            prefect_server,
+            "/logs/filter",
+            {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200},
+        ),
         "flow run": httpx.get(f"{prefect_server}/flow_runs/{flow_run_id}", timeout=30).text,
-        "artifacts": _post(prefect_server, "/artifacts/filter",
-                           {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "CREATED_DESC", "limit": 200}),
-        "events": _post(prefect_server, "/events/filter", {"filter": {"event": {"prefix": ["prefect-jax."]}}, "limit": 50}),
+        "artifacts": _post(
+            prefect_server,
+            "/artifacts/filter",
+            {
+                "artifacts": {"flow_run_id": {"any_": [flow_run_id]}},
+                "sort": "CREATED_DESC",
+                "limit": 200,
+            },
+        ),
+        "events": _post(
+            prefect_server,
+            "/events/filter",
+            {"filter": {"event": {"prefix": ["prefect-jax."]}}, "limit": 50},
+        ),
     }
     run = MlflowClient(mlflow_uri).get_run(summary["mlflow_run_id"])
     places["mlflow params"] = json.dumps(run.data.params)
     places["mlflow tags"] = json.dumps(run.data.tags)
     fs = s3.filesystem()
     files = [p for p in fs.find("secret-jobs/team/leaky") if fs.size(p) < 1_000_000]
-    assert any(p.endswith("/meta/metadata") for p in files) and any(p.endswith("export.json") for p in files)
+    assert any(p.endswith("/meta/metadata") for p in files) and any(
+        p.endswith("export.json") for p in files
+    )
     for path in files:
         places[f"s3://{path}"] = fs.cat_file(path).decode(errors="replace")
     for root, _, names in os.walk(tmp_path / "cache"):
@@ -79,20 +120,32 @@ def test_a_planted_secret_appears_nowhere(s3, tmp_path, prefect_server, mlflow_u
 
     # The searches read real content (so "not found" means something).
     assert "jax-checkpoint-storage/leak-test" in places["flow run"]
-    assert "checkpointed" in places["prefect logs"] and "prefect-jax.checkpoint.committed" in places["events"]
+    assert (
+        "checkpointed" in places["prefect logs"]
+        and "prefect-jax.checkpoint.committed" in places["events"]
+    )
     assert "train.max_steps" in places["mlflow params"]
-    assert any('"step": 40' in a["data"] for a in json.loads(places["artifacts"]) if a["type"] == "table")
+    assert any(
+        '"step": 40' in a["data"] for a in json.loads(places["artifacts"]) if a["type"] == "table"
+    )
     # The evaluator role reads the same bucket (its own eval name, so it has work to do).
     from prefect_jax.flows import evaluate
     from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
 
     evaluated = evaluate(
-        program="prefect_jax.examples.digits:tiny", job="leaky", storage="jax-checkpoint-storage/leak-test",
-        train_spec=TrainSpec(max_steps=40), checkpoint_spec=CheckpointSpec(every_steps=20),
-        eval_spec=EvalSpec(name="second-opinion"), mlflow_tracking_uri=mlflow_uri, poll_secs=0.2,
-    )  # fmt: skip
+        program="prefect_jax.examples.digits:tiny",
+        job="leaky",
+        storage="jax-checkpoint-storage/leak-test",
+        train_spec=TrainSpec(max_steps=40),
+        checkpoint_spec=CheckpointSpec(every_steps=20),
+        eval_spec=EvalSpec(name="second-opinion"),
+        mlflow_tracking_uri=mlflow_uri,
+        poll_secs=0.2,
+    )
     assert evaluated["evaluated"] == [20, 40]
-    assert sorted(fs.ls("secret-jobs/team/leaky/evals/second-opinion", detail=False))[-1].endswith("40.json")
+    assert sorted(fs.ls("secret-jobs/team/leaky/evals/second-opinion", detail=False))[-1].endswith(
+        "40.json"
+    )
 
     leaked = [where for where, text in places.items() if PLANTED in text]
     assert leaked == []

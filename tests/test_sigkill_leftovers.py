@@ -35,14 +35,23 @@ UNFINISHED = ("SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING")
 def _task_runs(client, flow_run_id) -> list:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+    return client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200
+    )
 
 
 def _progress_artifacts(client, flow_run_id) -> list:
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterType,
+    )
 
     return client.read_artifacts(
-        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=["progress"]))
+        artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+            type=ArtifactFilterType(any_=["progress"]),
+        )
     )
 
 
@@ -54,10 +63,16 @@ def _kill_mid_interval(client, flow_run_id, ckpt: Path, alive, timeout: float = 
         if not (committed_steps(str(ckpt)) if ckpt.exists() else []):
             return None
         assert alive(), "the run ended before it could be killed"
-        running = [r.name for r in _task_runs(client, flow_run_id) if r.state_type.value == "RUNNING" and r.name.startswith("train ")]
+        running = [
+            r.name
+            for r in _task_runs(client, flow_run_id)
+            if r.state_type.value == "RUNNING" and r.name.startswith("train ")
+        ]
         return next((n for n in running if int(n.split()[1]) >= EVERY), None)
 
-    return wait_until(running_interval, timeout, "an interval after the first checkpoint to run", poll=0.05)
+    return wait_until(
+        running_interval, timeout, "an interval after the first checkpoint to run", poll=0.05
+    )
 
 
 def _lease(path: Path) -> dict | None:
@@ -68,11 +83,17 @@ def _lease(path: Path) -> dict | None:
 
 
 def _leftovers(client, flow_run_id) -> list[str]:
-    return [f"{r.name}: {r.state_name}" for r in _task_runs(client, flow_run_id) if r.state_type.value in UNFINISHED]
+    return [
+        f"{r.name}: {r.state_name}"
+        for r in _task_runs(client, flow_run_id)
+        if r.state_type.value in UNFINISHED
+    ]
 
 
 @pytest.mark.timeout(420)
-def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(tmp_path, prefect_server, mlflow_uri):
+def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(
+    tmp_path, prefect_server, mlflow_uri
+):
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
 
@@ -80,9 +101,24 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(tmp_path, 
 
     storage, job = tmp_path / "storage", "killed"
     ckpt, lease_path = storage / job / "checkpoints", storage / job / "lease.json"
-    args = ["--program", PROGRAM, "--job", job, "--storage", str(storage), "--max-steps", str(MAX_STEPS),
-            "--checkpoint-every-steps", str(EVERY), "--log-every-steps", "50", "--mlflow-tracking-uri", mlflow_uri,
-            "--json", "--no-progress"]  # fmt: skip
+    args = [
+        "--program",
+        PROGRAM,
+        "--job",
+        job,
+        "--storage",
+        str(storage),
+        "--max-steps",
+        str(MAX_STEPS),
+        "--checkpoint-every-steps",
+        str(EVERY),
+        "--log-every-steps",
+        "50",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
     mlflow = MlflowClient(mlflow_uri)
     with get_client(sync_client=True) as client:
         proc = start_run(args, prefect_server, tmp_path / "1.log")
@@ -101,11 +137,18 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(tmp_path, 
         # The rerun takes the job over: while it trains, the MLflow run is RUNNING again, the kill recorded.
         proc = start_run(args, prefect_server, tmp_path / "2.log")
         try:
-            wait_until(lambda: f"training from step {resumed_from} to" in (tmp_path / "2.log").read_text(), 240,
-                       "the rerun to train", proc, poll=0.02)  # fmt: skip
+            wait_until(
+                lambda: f"training from step {resumed_from} to" in (tmp_path / "2.log").read_text(),
+                240,
+                "the rerun to train",
+                proc,
+                poll=0.02,
+            )
             rerun_id = _lease(lease_path)["flow_run_id"]
 
-            def reopened() -> bool:  # the kill recorded, then RUNNING again (the killed attempt left it RUNNING too)
+            def reopened() -> (
+                bool
+            ):  # the kill recorded, then RUNNING again (the killed attempt left it RUNNING too)
                 (run,) = mlflow.search_runs(
                     [mlflow.get_experiment_by_name("prefect-jax").experiment_id],
                     filter_string=f"tags.`prefect_jax.job` = '{storage / job}'",
@@ -114,7 +157,13 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(tmp_path, 
 
             # MLflow opens beside training (in its worker process): the run is reopened within
             # moments of the first steps, while the rerun still trains.
-            wait_until(reopened, 60, "the MLflow run to be RUNNING again while the rerun trains", proc, poll=0.05)
+            wait_until(
+                reopened,
+                60,
+                "the MLflow run to be RUNNING again while the rerun trains",
+                proc,
+                poll=0.05,
+            )
             assert proc.wait(timeout=300) == 0, (tmp_path / "2.log").read_text()[-4000:]
         finally:
             proc.kill()
@@ -129,10 +178,14 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(tmp_path, 
 
     assert rerun_id != killed_id and rerun.state.is_completed(), rerun.state
     assert killed.state.is_crashed(), f"the killed flow run is {killed.state.name}\n{out[-4000:]}"
-    assert f"pid {lease['pid']}" in killed.state.message and rerun_id in killed.state.message, killed.state.message
+    assert f"pid {lease['pid']}" in killed.state.message and rerun_id in killed.state.message, (
+        killed.state.message
+    )
     assert not leftovers, leftovers
     assert interval in crashed, (interval, crashed)
-    assert [a for a in artifacts if "killed" in (a.description or "")], [a.description for a in artifacts]
+    assert [a for a in artifacts if "killed" in (a.description or "")], [
+        a.description for a in artifacts
+    ]
 
     assert summary["final_step"] == MAX_STEPS
     run = mlflow.get_run(summary["mlflow_run_id"])
@@ -140,12 +193,18 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(tmp_path, 
     tags = run.data.tags
     assert tags[KILLED_TAG] == "1", tags
     note = tags["prefect_jax.killed.1"]
-    assert f"pid {lease['pid']}" in note and killed_id in note and f"resumed from step {resumed_from}" in note, note
+    assert (
+        f"pid {lease['pid']}" in note
+        and killed_id in note
+        and f"resumed from step {resumed_from}" in note
+    ), note
     assert note in tags["mlflow.note.content"]
 
 
 @pytest.mark.timeout(420)
-def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_running_task(tmp_path, prefect_server, processes):
+def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_running_task(
+    tmp_path, prefect_server, processes
+):
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.states import AwaitingRetry, Crashed
@@ -165,7 +224,9 @@ def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_runn
         processes.append(first)
         wait_for_deployments(client, first, [name])
         flow_run = run_deployment(name=name, parameters=params, timeout=0)
-        interval = _kill_mid_interval(client, flow_run.id, storage / job / "checkpoints", first.alive)
+        interval = _kill_mid_interval(
+            client, flow_run.id, storage / job / "checkpoints", first.alive
+        )
         pids = first.children()
         first.kill_group(signal.SIGKILL)
         first.proc.wait(timeout=30)
@@ -175,8 +236,12 @@ def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_runn
         assert len(_progress_artifacts(client, flow_run.id)) == 1
 
         # What the user does: the run crashed; they click Retry (the UI sends exactly this).
-        client.set_flow_run_state(flow_run.id, Crashed(message="the machine was lost (SIGKILL)"), force=True)
-        client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=True)
+        client.set_flow_run_state(
+            flow_run.id, Crashed(message="the machine was lost (SIGKILL)"), force=True
+        )
+        client.set_flow_run_state(
+            flow_run.id, AwaitingRetry(message="Retry from the UI"), force=True
+        )
         second = ServeProcess(prefect_server, tmp_path / "serve-home", tmp_path / "serve-2.log")
         processes.append(second)
 
@@ -187,41 +252,74 @@ def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_runn
 
         done = wait_until(final, 300, "the retried run to end", poll=0.5)
         runs = _task_runs(client, flow_run.id)
-        deadline = time.monotonic() + 30  # task run states reach the server as events, moments after the flow run's own:
-        while any(r.state_type.value in UNFINISHED for r in runs) and time.monotonic() < deadline:  # a leftover stays
+        deadline = (
+            time.monotonic() + 30
+        )  # task run states reach the server as events, moments after the flow run's own:
+        while (
+            any(r.state_type.value in UNFINISHED for r in runs) and time.monotonic() < deadline
+        ):  # a leftover stays
             time.sleep(0.5)
             runs = _task_runs(client, flow_run.id)
         artifacts = _progress_artifacts(client, flow_run.id)
 
     assert done.state.is_completed() and done.run_count == 2, f"{done.state}\n{logs(first, second)}"
-    leftovers = [f"{r.name} (attempt {r.flow_run_run_count}): {r.state_name}" for r in runs if r.state_type.value in UNFINISHED]
+    leftovers = [
+        f"{r.name} (attempt {r.flow_run_run_count}): {r.state_name}"
+        for r in runs
+        if r.state_type.value in UNFINISHED
+    ]
     assert not leftovers, leftovers
     killed = [r for r in runs if r.flow_run_run_count == 1 and r.name == interval]
-    assert [r.state_type.value for r in killed] == ["CRASHED"], [(r.name, r.state_name) for r in runs]
+    assert [r.state_type.value for r in killed] == ["CRASHED"], [
+        (r.name, r.state_name) for r in runs
+    ]
     assert len(artifacts) == 1, [(a.id, a.description) for a in artifacts]
-    assert artifacts[0].data == 100.0 and f"step {MAX_STEPS} of {MAX_STEPS}" in artifacts[0].description
+    assert (
+        artifacts[0].data == 100.0
+        and f"step {MAX_STEPS} of {MAX_STEPS}" in artifacts[0].description
+    )
 
 
 @pytest.mark.timeout(300)
-def test_a_run_killed_before_it_took_the_job_is_marked_crashed_by_the_next(tmp_path, prefect_server, mlflow_uri):
+def test_a_run_killed_before_it_took_the_job_is_marked_crashed_by_the_next(
+    tmp_path, prefect_server, mlflow_uri
+):
     """Killed at flow start, before its lease: no takeover names it. The command tags its flow run
     with the job and its process from the start, and the next run proves that process gone."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
     job, log1 = "killed-at-start", tmp_path / "1.log"
-    args = ["--program", "prefect_jax.examples.digits:tiny", "--job", job, "--storage", str(tmp_path / "storage"),
-            "--max-steps", "20", "--checkpoint-every-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]  # fmt: skip
+    args = [
+        "--program",
+        "prefect_jax.examples.digits:tiny",
+        "--job",
+        job,
+        "--storage",
+        str(tmp_path / "storage"),
+        "--max-steps",
+        "20",
+        "--checkpoint-every-steps",
+        "20",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
     proc = start_run(args, prefect_server, log1)
     try:
-        wait_until(lambda: "Beginning flow run" in log1.read_text(), 180, "the flow run to begin", proc)
+        wait_until(
+            lambda: "Beginning flow run" in log1.read_text(), 180, "the flow run to begin", proc
+        )
     finally:
         proc.kill()
     assert proc.wait(timeout=60) == -signal.SIGKILL
     with get_client(sync_client=True) as client:
 
         def runs():
-            return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"job:{job}"])), limit=10)
+            return client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"job:{job}"])), limit=10
+            )
 
         (killed,) = wait_until(runs, 30, "the killed flow run, tagged with its job")
         assert f"process:{socket.gethostname()}:{proc.pid}" in killed.tags
@@ -235,4 +333,6 @@ def test_a_run_killed_before_it_took_the_job_is_marked_crashed_by_the_next(tmp_p
     dead = states[str(killed.id)]
     killed_pid = next(t for t in killed.tags if t.startswith("process:")).rsplit(":", 1)[1]
     assert dead.is_crashed(), dead
-    assert f"pid {killed_pid}" in dead.message and "its process is gone" in dead.message, dead.message
+    assert f"pid {killed_pid}" in dead.message and "its process is gone" in dead.message, (
+        dead.message
+    )

@@ -35,13 +35,24 @@ SCRIPT = textwrap.dedent(
 
 def test_a_save_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path, mlflow_uri):
     config = JobConfig(
-        program="programs:big", job="grace", storage=str(tmp_path / "s"),
-        train=TrainSpec(max_steps=100_000, sigterm_grace_secs=0.001), checkpoint=CheckpointSpec(every_steps=500),
+        program="programs:big",
+        job="grace",
+        storage=str(tmp_path / "s"),
+        train=TrainSpec(max_steps=100_000, sigterm_grace_secs=0.001),
+        checkpoint=CheckpointSpec(every_steps=500),
         mlflow_tracking_uri=mlflow_uri,
-    )  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, config.model_dump_json()], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=TESTS_DIR)  # fmt: skip
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, config.model_dump_json()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=TESTS_DIR,
+    )
     ckpt = os.path.join(config.storage, "grace", "checkpoints")
     deadline = time.monotonic() + 240
     while not committed_steps(ckpt):
@@ -50,12 +61,16 @@ def test_a_save_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path, ml
     time.sleep(0.3)  # mid-interval
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGTERM, err[-3000:]  # the default handler ends the process after the attempt
+    assert proc.returncode == -signal.SIGTERM, err[
+        -3000:
+    ]  # the default handler ends the process after the attempt
     assert "did not commit within 0s: abandoned" in err
     newest = committed_steps(ckpt)[-1]
     assert newest % 500 == 0, "only a boundary step committed; the abandoned one does not count"
 
-    trainer = Trainer(config)  # the next run restores the newest valid step, whatever was left behind
+    trainer = Trainer(
+        config
+    )  # the next run restores the newest valid step, whatever was left behind
     assert trainer.restore_or_init() == newest
     assert step_dirs(ckpt) == committed_steps(ckpt)
     trainer.close()

@@ -20,20 +20,60 @@ from prefect_jax.training.specs import (
     [
         (lambda: TrainSpec(max_steps=0), "max_steps", "0", "total number of training steps"),
         (lambda: TrainSpec(max_steps=-5), "max_steps", "-5", "total number of training steps"),
-        (lambda: TrainSpec(max_steps=10, log_every_steps=0), "log_every_steps", "0", "log every N>=1"),
+        (
+            lambda: TrainSpec(max_steps=10, log_every_steps=0),
+            "log_every_steps",
+            "0",
+            "log every N>=1",
+        ),
         (lambda: CheckpointSpec(every_steps=0), "every_steps", "0", "checkpoint every N>=1"),
-        (lambda: CheckpointSpec(every_secs=-1.0), "every_secs", "-1.0", "positive number of seconds"),
+        (
+            lambda: CheckpointSpec(every_secs=-1.0),
+            "every_secs",
+            "-1.0",
+            "positive number of seconds",
+        ),
         (lambda: CheckpointSpec(keep_last=0), "keep_last", "0", "keep at least 1"),
-        (lambda: CheckpointSpec(every_steps=None, every_secs=None), "every_steps=None", "every_secs=None", "set every_steps"),
+        (
+            lambda: CheckpointSpec(every_steps=None, every_secs=None),
+            "every_steps=None",
+            "every_secs=None",
+            "set every_steps",
+        ),
         (lambda: EvalSpec(steps=0), "steps", "0", "None for the whole eval set"),
         (lambda: EvalSpec(throttle_secs=-1), "throttle_secs", "-1", ">= 0"),
         (lambda: EvalSpec(name="../x"), "eval name", "'../x'", "no '..'"),
-        (lambda: EvalSpec(name="train"), "eval name", "'train'", "give the evaluation another name"),
-        (lambda: EvalSpec(name="goodput"), "eval name", "'goodput'", "give the evaluation another name"),
-        (lambda: EvalSpec(name="system"), "eval name", "'system'", "give the evaluation another name"),
+        (
+            lambda: EvalSpec(name="train"),
+            "eval name",
+            "'train'",
+            "give the evaluation another name",
+        ),
+        (
+            lambda: EvalSpec(name="goodput"),
+            "eval name",
+            "'goodput'",
+            "give the evaluation another name",
+        ),
+        (
+            lambda: EvalSpec(name="system"),
+            "eval name",
+            "'system'",
+            "give the evaluation another name",
+        ),
         (lambda: LatestExporter(keep=0), "keep", "0", "keep at least 1"),
-        (lambda: EvalSpec(export_platforms=["cpu", "gpu"]), "export_platforms", "['gpu']", "'cuda' for NVIDIA GPUs"),
-        (lambda: EvalSpec(export_platforms=[]), "export_platforms", "[]", "None for all that serve() lowers for"),
+        (
+            lambda: EvalSpec(export_platforms=["cpu", "gpu"]),
+            "export_platforms",
+            "['gpu']",
+            "'cuda' for NVIDIA GPUs",
+        ),
+        (
+            lambda: EvalSpec(export_platforms=[]),
+            "export_platforms",
+            "[]",
+            "None for all that serve() lowers for",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_field_value_and_fix(build, field, value, fix):
@@ -65,7 +105,13 @@ def test_specs_round_trip_through_json_with_exporter_kinds():
         job="j-1",
         storage="/tmp/x",
         train=TrainSpec(max_steps=10),
-        eval=EvalSpec(exporters=[LatestExporter(keep=2), BestExporter(metric="accuracy", mode="max"), FinalExporter()]),
+        eval=EvalSpec(
+            exporters=[
+                LatestExporter(keep=2),
+                BestExporter(metric="accuracy", mode="max"),
+                FinalExporter(),
+            ]
+        ),
         checkpoint=CheckpointSpec(every_steps=5, keep_every_steps=10),
     )
     again = JobConfig.model_validate(json.loads(config.model_dump_json()))

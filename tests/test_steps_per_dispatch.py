@@ -24,7 +24,9 @@ def _train(config) -> Trainer:
 
 def _leaves(state):
     is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
-    return jax.tree.leaves(jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, jax.device_get(state)))
+    return jax.tree.leaves(
+        jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, jax.device_get(state))
+    )
 
 
 def test_scanned_steps_match_one_step_per_dispatch(job_config):
@@ -68,9 +70,15 @@ def test_scanned_steps_resume_from_a_checkpoint_like_one_step_per_dispatch(job_c
     resumed.close()
 
 
-def test_scanned_steps_name_the_first_nan_step_and_keep_it_out_of_checkpoints(job_config, monkeypatch):
+def test_scanned_steps_name_the_first_nan_step_and_keep_it_out_of_checkpoints(
+    job_config, monkeypatch
+):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    trainer = Trainer(job_config(max_steps=60, every_steps=20, program="programs:diverges_at_33", steps_per_dispatch=8))
+    trainer = Trainer(
+        job_config(
+            max_steps=60, every_steps=20, program="programs:diverges_at_33", steps_per_dispatch=8
+        )
+    )
     trainer.restore_or_init()
     assert trainer.train_until_checkpoint() == 20
     with pytest.raises(NonFiniteLossError, match="step 33 .*newest checkpoint is step 20"):
@@ -91,7 +99,9 @@ def test_steps_per_dispatch_must_be_positive():
 def test_the_steps_donate_the_train_state_so_one_copy_of_it_is_held(job_config, k):
     # As on a GPU: each step (or scan of steps) writes the new state over the old one's buffers,
     # so the device holds one copy of the state, and the CPU suite runs the path GPU jobs take.
-    trainer = Trainer(job_config(max_steps=20, every_steps=10, job=f"donated{k}", steps_per_dispatch=k))
+    trainer = Trainer(
+        job_config(max_steps=20, every_steps=10, job=f"donated{k}", steps_per_dispatch=k)
+    )
     trainer.restore_or_init()
     started = trainer.state
     trainer.train_until_checkpoint()
@@ -101,5 +111,7 @@ def test_the_steps_donate_the_train_state_so_one_copy_of_it_is_held(job_config, 
     saved = trainer.state
     trainer.train_until_checkpoint()
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(saved))
-    assert trainer.step == 20 and not any(leaf.is_deleted() for leaf in jax.tree.leaves(trainer.state))
+    assert trainer.step == 20 and not any(
+        leaf.is_deleted() for leaf in jax.tree.leaves(trainer.state)
+    )
     trainer.close()

@@ -1,12 +1,12 @@
 """MLflow: one run per job across reruns, params, metrics at their steps, failures."""
 
 import pytest
+from conftest import train_to_end
 from mlflow.tracking import MlflowClient
 
 from prefect_jax.training.names import JOB_TAG
 from prefect_jax.training.tracking import Tracker, TrackingWarning
 from prefect_jax.training.trainer import Trainer
-from conftest import train_to_end
 
 
 def history_of(trainer, key: str):
@@ -25,7 +25,9 @@ def test_one_run_per_job_with_params_and_metrics_at_their_steps(job_config):
     first.finish()
     first.close()
 
-    rerun = Trainer(config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 40})}))
+    rerun = Trainer(
+        config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 40})})
+    )
     rerun.restore_or_init()
     assert rerun.job.tracker.run_id == first.job.tracker.run_id
     train_to_end(rerun)
@@ -43,7 +45,12 @@ def test_one_run_per_job_with_params_and_metrics_at_their_steps(job_config):
     assert run.data.params["checkpoint.every_steps"] == "20"
     assert run.data.params["program_config.hidden"] == "[32, 32]"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [20, 40]
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [10, 20, 30, 40]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
+        10,
+        20,
+        30,
+        40,
+    ]
 
 
 @pytest.mark.parametrize("where", ["worker process", "this process"])
@@ -53,7 +60,9 @@ def test_tracking_failure_warns_and_training_goes_on(job_config, tmp_path, monke
     monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1" if where == "this process" else "0")
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    config = job_config(max_steps=20).model_copy(update={"mlflow_tracking_uri": f"sqlite:///{blocker}/sub/mlflow.db"})
+    config = job_config(max_steps=20).model_copy(
+        update={"mlflow_tracking_uri": f"sqlite:///{blocker}/sub/mlflow.db"}
+    )
     with pytest.warns(TrackingWarning, match=f"sqlite:///{blocker}/sub/mlflow.db"):
         trainer = Trainer(config)
         trainer.restore_or_init()
@@ -110,7 +119,9 @@ def test_land_waits_a_bounded_time_for_mlflow_unless_strict(tmp_path, monkeypatc
     tracker.close()
 
 
-def test_after_a_lost_process_the_end_waits_for_mlflow_a_few_seconds_only(tmp_path, monkeypatch, caplog):
+def test_after_a_lost_process_the_end_waits_for_mlflow_a_few_seconds_only(
+    tmp_path, monkeypatch, caplog
+):
     """Once another process of the job went away, JAX's coordination service aborts this one about
     its heartbeat timeout later (the run would end Crashed, not Failed): the end of a run and the
     process's exit wait for MLflow `LOST_EXIT_WAIT_SECS` at most, not `EXIT_WAIT_SECS`."""
@@ -138,7 +149,9 @@ def test_after_a_lost_process_the_end_waits_for_mlflow_a_few_seconds_only(tmp_pa
 def test_exports_are_logged_as_models_beside_the_sqlite_store(job_config, mlflow_uri):
     from prefect_jax.training.specs import FinalExporter
 
-    config = job_config(max_steps=20, exporters=[FinalExporter()]).model_copy(update={"mlflow_experiment": "artifacts-test"})
+    config = job_config(max_steps=20, exporters=[FinalExporter()]).model_copy(
+        update={"mlflow_experiment": "artifacts-test"}
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     train_to_end(trainer)
@@ -147,15 +160,26 @@ def test_exports_are_logged_as_models_beside_the_sqlite_store(job_config, mlflow
     experiment = client.get_experiment_by_name("artifacts-test")
     db_dir = mlflow_uri[len("sqlite:///") :].rsplit("/", 1)[0]
     assert experiment.artifact_location == f"file://{db_dir}/mlartifacts/artifacts-test"
-    (model,) = client.search_logged_models([experiment.experiment_id])  # the export, as an MLflow Model
+    (model,) = client.search_logged_models(
+        [experiment.experiment_id]
+    )  # the export, as an MLflow Model
     assert model.artifact_location.startswith(f"file://{db_dir}/mlartifacts/artifacts-test/")
     names = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
-    assert {"MLmodel", "pyfunc_model.py", "artifacts", "input_example.json"} <= names and "__pycache__" not in names, names
-    assert [a.path for a in client.list_logged_model_artifacts(model.model_id, "artifacts")] == ["artifacts/model.jax_export"]
+    assert {
+        "MLmodel",
+        "pyfunc_model.py",
+        "artifacts",
+        "input_example.json",
+    } <= names and "__pycache__" not in names, names
+    assert [a.path for a in client.list_logged_model_artifacts(model.model_id, "artifacts")] == [
+        "artifacts/model.jax_export"
+    ]
 
 
 @pytest.mark.parametrize("ended", ["crashed", "preempted"])
-def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_config, monkeypatch, ended):
+def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(
+    job_config, monkeypatch, ended
+):
     # MLflow writes are asynchronous: a process can die after a checkpoint commits and before
     # that interval's metrics reach MLflow. They travel in the checkpoint, and the rerun logs them.
     # A preempted attempt (SIGTERM during the save) logs its goodput at that step as it ends:
@@ -164,11 +188,15 @@ def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_confi
     first = Trainer(config)
     first.restore_or_init()
     with monkeypatch.context() as m:
-        m.setattr(Tracker, "log_new_metrics", lambda self, rows, prefix="": None)  # the writes never happen
+        m.setattr(
+            Tracker, "log_new_metrics", lambda self, rows, prefix="": None
+        )  # the writes never happen
         first.train_until_checkpoint()
         first.job.checkpoints.wait()
     if ended == "preempted":
-        first.finish("KILLED")  # as a SIGTERM's handler ends it: goodput/* at step 20, the run KILLED
+        first.finish(
+            "KILLED"
+        )  # as a SIGTERM's handler ends it: goodput/* at step 20, the run KILLED
         assert 20 in [m.step for m in history_of(first, "goodput/goodput")]
     first.close()
     assert history_of(first, "train/loss") == []
@@ -182,14 +210,18 @@ def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(job_confi
     rerun.close()
 
 
-def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(job_config, monkeypatch):
+def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(
+    job_config, monkeypatch
+):
     config = job_config(max_steps=40, every_steps=20)
     first = Trainer(config)
     first.restore_or_init()
     first.train_until_checkpoint()
     first.job.checkpoints.wait()  # (committed: the evaluation is recorded before it returns)
     with monkeypatch.context() as m:
-        m.setattr(Tracker, "log_metrics_once", lambda self, rows, key, step: None)  # the write never happens
+        m.setattr(
+            Tracker, "log_metrics_once", lambda self, rows, key, step: None
+        )  # the write never happens
         assert first.evaluate_if_new().status.value == "EVALUATED"
     first.close()
     assert history_of(first, "eval/accuracy") == []
@@ -232,7 +264,9 @@ def test_mlflow_runs_in_a_worker_process_and_dies_with_the_trainer(job_config, t
         "                  'worker': worker().process.pid}), flush=True)\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
     try:
         out = json.loads(proc.stdout.readline())
     finally:
@@ -242,12 +276,20 @@ def test_mlflow_runs_in_a_worker_process_and_dies_with_the_trainer(job_config, t
     client = MlflowClient(config.mlflow_tracking_uri)
     run = client.get_run(out["run_id"])
     assert run.info.status == "FINISHED"
-    assert sorted(m.step for m in client.get_metric_history(out["run_id"], "train/loss")) == [10, 20]
-    assert sorted(m.step for m in client.get_metric_history(out["run_id"], "eval/accuracy")) == [10, 20]
+    assert sorted(m.step for m in client.get_metric_history(out["run_id"], "train/loss")) == [
+        10,
+        20,
+    ]
+    assert sorted(m.step for m in client.get_metric_history(out["run_id"], "eval/accuracy")) == [
+        10,
+        20,
+    ]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and os.path.exists(f"/proc/{out['worker']}"):
         time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{out['worker']}"), "the MLflow worker outlived its SIGKILLed trainer"
+    assert not os.path.exists(f"/proc/{out['worker']}"), (
+        "the MLflow worker outlived its SIGKILLed trainer"
+    )
 
 
 def test_a_dead_mlflow_worker_warns_once_and_training_goes_on(job_config, monkeypatch):
@@ -270,7 +312,9 @@ def test_a_dead_mlflow_worker_warns_once_and_training_goes_on(job_config, monkey
         train_to_end(trainer)
         trainer.finish()
     assert trainer.step == 40
-    assert sum("worker process exited" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+    assert sum("worker process exited" in str(w.message) for w in caught) == 1, [
+        str(w.message) for w in caught
+    ]
     # The next tracker gets a new one.
     assert mlflow_client.worker() is not worker and mlflow_client.worker().alive
 
@@ -291,16 +335,23 @@ def test_warm_up_creates_a_new_sqlite_store_before_the_first_tracker_asks(tmp_pa
 
     uri = f"sqlite:///{tmp_path / 'raced.db'}"
     mlflow_client.warm_up(uri)
-    tracker = Tracker(uri, "prefect-jax", "warm-job")  # asks at once, while the store is still being created
+    tracker = Tracker(
+        uri, "prefect-jax", "warm-job"
+    )  # asks at once, while the store is still being created
     tracker.start({"p": "1"})
     tracker.finish("FINISHED")
     runs = MlflowClient(uri).search_runs([tracker.experiment_id], f"tags.`{JOB_TAG}` = 'warm-job'")
     assert [r.info.status for r in runs] == ["FINISHED"]
-    assert sorted(e.name for e in MlflowClient(uri).search_experiments()) == ["Default", "prefect-jax"]
+    assert sorted(e.name for e in MlflowClient(uri).search_experiments()) == [
+        "Default",
+        "prefect-jax",
+    ]
 
 
 @pytest.mark.parametrize("template", ["made meanwhile", "none"])
-def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_makes_it(tmp_path, template):
+def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_makes_it(
+    tmp_path, template
+):
     # A command refused for bad input ends within a second or two, while its MLflow worker may be
     # building a new store's schema: it must not leave a half-migrated database under the name.
     # Both places the migrations run: the cache's empty store (the first new store of a machine),
@@ -320,16 +371,22 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
     building = str(cache / "mlflow-store-templates" / "*.db") if template != "none" else str(db)
     env = dict(os.environ, PREFECT_JAX_CACHE_DIR=str(cache))
     uri = f"sqlite:///{db}"
-    script = ("import sys, time\nfrom prefect_jax.training import mlflow_client\n"
-              f"mlflow_client.warm_up({uri!r})\n"
-              "print(mlflow_client.worker().process.pid, flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    script = (
+        "import sys, time\nfrom prefect_jax.training import mlflow_client\n"
+        f"mlflow_client.warm_up({uri!r})\n"
+        "print(mlflow_client.worker().process.pid, flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         worker = int(proc.stdout.readline())
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not glob.glob(building + NEW_STORE_SUFFIX + "*"):
             time.sleep(0.01)
-        assert glob.glob(building + NEW_STORE_SUFFIX + "*"), "the schema was not being built beside its name"
+        assert glob.glob(building + NEW_STORE_SUFFIX + "*"), (
+            "the schema was not being built beside its name"
+        )
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # the command, mid-creation; its worker dies with it
         proc.wait()
@@ -338,21 +395,32 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
         time.sleep(0.05)
     assert not db.exists(), "a half-built store took the database's name"
     assert not glob.glob(building), "a half-built template took its name"
-    assert glob.glob(building + NEW_STORE_SUFFIX + "*"), "nothing left to clean up: the kill came too late to test"
+    assert glob.glob(building + NEW_STORE_SUFFIX + "*"), (
+        "nothing left to clean up: the kill came too late to test"
+    )
 
-    script = ("from prefect_jax.training import mlflow_client, tracking\n"
-              f"mlflow_client.warm_up({uri!r})\n"
-              f"tracker = tracking.Tracker({uri!r}, 'prefect-jax', 'after-kill')\n"
-              "tracker.start({'p': '1'})\ntracker.finish('FINISHED')\n")  # fmt: skip
+    script = (
+        "from prefect_jax.training import mlflow_client, tracking\n"
+        f"mlflow_client.warm_up({uri!r})\n"
+        f"tracker = tracking.Tracker({uri!r}, 'prefect-jax', 'after-kill')\n"
+        "tracker.start({'p': '1'})\ntracker.finish('FINISHED')\n"
+    )
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     client = MlflowClient(uri)
-    assert [r.info.status for r in client.search_runs([client.get_experiment_by_name("prefect-jax").experiment_id])] == ["FINISHED"]
-    assert not glob.glob(building + NEW_STORE_SUFFIX + "*"), "the killed worker's file was not removed"
+    assert [
+        r.info.status
+        for r in client.search_runs([client.get_experiment_by_name("prefect-jax").experiment_id])
+    ] == ["FINISHED"]
+    assert not glob.glob(building + NEW_STORE_SUFFIX + "*"), (
+        "the killed worker's file was not removed"
+    )
     if template != "none":
         assert glob.glob(building), "the next new store did not make the template again"
 
 
-def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_experiment(tmp_path, monkeypatch):
+def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_experiment(
+    tmp_path, monkeypatch
+):
     # MLflow's migrations (~1.2 s of CPU) run once per machine, for the cache's empty store; each
     # new store is a copy of it, opened by MLflow, which adds the store's own default experiment.
     # A template that MLflow cannot open is removed, and that store made by the migrations.
@@ -365,7 +433,9 @@ def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_expe
     create_sqlite_store(str(tmp_path / "a" / "mlflow.db"))
     [template] = (tmp_path / "cache" / "mlflow-store-templates").glob("*.db")
     with sqlite3.connect(template) as db:
-        assert db.execute("SELECT COUNT(*) FROM experiments").fetchone() == (0,)  # no experiment: each store names its own
+        assert db.execute("SELECT COUNT(*) FROM experiments").fetchone() == (
+            0,
+        )  # no experiment: each store names its own
         db.execute("PRAGMA user_version = 4242")  # a mark that copies carry
 
     def store(name: str) -> int:
@@ -377,7 +447,9 @@ def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_expe
         run = client.create_run(client.create_experiment(f"exp-{name}"))
         client.log_metric(run.info.run_id, "loss", 0.5, step=1)
         assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [0.5]
-        assert [e.name for e in client.search_experiments() if e.experiment_id == "0"] == ["Default"]
+        assert [e.name for e in client.search_experiments() if e.experiment_id == "0"] == [
+            "Default"
+        ]
         return mark
 
     assert store("b") == 4242, "the store was not copied from the template"
@@ -417,7 +489,9 @@ tracker.finish("FINISHED")
 
 
 @pytest.mark.parametrize("how", ["warm_up", "tracker", "none"])
-def test_the_mlflow_worker_readies_jax_for_a_job_that_registers_exports_and_only_then(tmp_path, how):
+def test_the_mlflow_worker_readies_jax_for_a_job_that_registers_exports_and_only_then(
+    tmp_path, how
+):
     """A job that registers its exports has the MLflow worker import JAX and start its CPU client
     (`registry.warm_jax`, `registry.warm_mlflow`) before its first logged model needs them, so
     that model does not hold every later MLflow write behind ~1 s of imports; one that does not
@@ -431,7 +505,13 @@ def test_the_mlflow_worker_readies_jax_for_a_job_that_registers_exports_and_only
 
     env = dict(os.environ, JAX_PLATFORMS="no-such-platform")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    proc = subprocess.run([sys.executable, "-c", WARM_REGISTRY, uri, how], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", WARM_REGISTRY, uri, how],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == {"jax": how != "none"}, proc.stderr[-3000:]
     assert "making the model registry ready" not in proc.stderr, proc.stderr[-3000:]
@@ -442,23 +522,35 @@ def test_the_mlflow_worker_runs_jax_on_the_cpu_unoptimised_unless_the_job_says_o
 
     job = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": "--xla_gpu_autotune_level=0", "OTHER": "kept"}
     assert _worker_environment(job) == {
-        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_backend_optimization_level=0", "OTHER": "kept",
-        "MLFLOW_UV_AUTO_DETECT": "false"}  # fmt: skip
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_backend_optimization_level=0",
+        "OTHER": "kept",
+        "MLFLOW_UV_AUTO_DETECT": "false",
+    }
     assert _worker_environment({})["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
-    assert _worker_environment({"XLA_FLAGS": "--xla_backend_optimization_level=2"})["XLA_FLAGS"] == "--xla_backend_optimization_level=2"
+    assert (
+        _worker_environment({"XLA_FLAGS": "--xla_backend_optimization_level=2"})["XLA_FLAGS"]
+        == "--xla_backend_optimization_level=2"
+    )
     assert _worker_environment({"MLFLOW_UV_AUTO_DETECT": "true"})["MLFLOW_UV_AUTO_DETECT"] == "true"
     assert job["JAX_PLATFORMS"] == "cuda"  # the job's own mapping is left as it was
 
 
 @pytest.mark.parametrize("registers", ["yes", "no exporters", "no registered model"])
-def test_a_trainer_that_will_register_exports_has_the_worker_ready_them_when_it_first_evaluates(job_config, monkeypatch, registers):
+def test_a_trainer_that_will_register_exports_has_the_worker_ready_them_when_it_first_evaluates(
+    job_config, monkeypatch, registers
+):
     from prefect_jax.training.specs import LatestExporter
 
     asked = []
     monkeypatch.setattr(Tracker, "warm_registry", lambda self: asked.append(self.job_key))
-    config = job_config(max_steps=40, exporters=[] if registers == "no exporters" else [LatestExporter()])
+    config = job_config(
+        max_steps=40, exporters=[] if registers == "no exporters" else [LatestExporter()]
+    )
     if registers == "no registered model":
-        config = config.model_copy(update={"eval": config.eval.model_copy(update={"registered_model": ""})})
+        config = config.model_copy(
+            update={"eval": config.eval.model_copy(update={"registered_model": ""})}
+        )
     trainer = Trainer(config)
     try:
         trainer.restore_or_init()
@@ -477,9 +569,16 @@ def test_the_flows_that_register_exports_have_the_worker_ready_them_at_their_sta
     from prefect_jax.training.specs import EvalSpec, LatestExporter
 
     spec = EvalSpec(exporters=[LatestExporter()])
-    assert [_registers_exports(f, spec) for f in ("train_and_evaluate", "evaluate", "export_flow", "train")] == [True, True, True, False]
-    assert _registers_exports("train_and_evaluate", spec.model_dump(mode="json"))  # a deployment's parameters
+    assert [
+        _registers_exports(f, spec)
+        for f in ("train_and_evaluate", "evaluate", "export_flow", "train")
+    ] == [True, True, True, False]
+    assert _registers_exports(
+        "train_and_evaluate", spec.model_dump(mode="json")
+    )  # a deployment's parameters
     assert _registers_exports("train_and_evaluate", {"exporters": [{"kind": "latest"}]})
-    assert not _registers_exports("train_and_evaluate", spec.model_copy(update={"registered_model": ""}))
+    assert not _registers_exports(
+        "train_and_evaluate", spec.model_copy(update={"registered_model": ""})
+    )
     assert not _registers_exports("train_and_evaluate", EvalSpec())
     assert not _registers_exports("train_and_evaluate", None)

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from deployment_helpers import (
     HERE,
     PrefectServerProcess,
@@ -75,7 +74,9 @@ def _lease(job_dir: Path) -> dict | None:
 
 
 @pytest.mark.timeout(600)
-def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_trains_in_one_process(tmp_path, processes):
+def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_trains_in_one_process(
+    tmp_path, processes
+):
     import psutil
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
@@ -91,23 +92,41 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
     mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"
     params = _params(tmp_path / "storage", mlflow_uri)
     sys.path.insert(0, str(HERE))  # programs:paced, for the reference run here
-    expected = uninterrupted_fingerprint(job_config(_params(tmp_path / "reference", f"sqlite:///{tmp_path}/reference.db")))
+    expected = uninterrupted_fingerprint(
+        job_config(_params(tmp_path / "reference", f"sqlite:///{tmp_path}/reference.db"))
+    )
     job_dir = tmp_path / "storage" / "on-worker"
     checkpoints = str(job_dir / "checkpoints")
 
     server.wait_healthy()
-    with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
+    with (
+        temporary_settings({PREFECT_API_URL: server.api_url}),
+        get_client(sync_client=True) as client,
+    ):
         deployment_id, worker = trainer_on_process_worker(
-            server.api_url, "cpu", "trainer-on-worker", params, tmp_path / "worker-home", tmp_path / "worker.log",
-            query_seconds="1", paths=[str(HERE)],
-        )  # fmt: skip
+            server.api_url,
+            "cpu",
+            "trainer-on-worker",
+            params,
+            tmp_path / "worker-home",
+            tmp_path / "worker.log",
+            query_seconds="1",
+            paths=[str(HERE)],
+        )
         processes.append(worker)
         run = client.create_flow_run_from_deployment(deployment_id)
 
         # SIGKILL the run's process (the worker's child) once a checkpoint is committed.
-        _until(f"committed step >= {KILL_FROM}", lambda: (committed_steps(checkpoints) or [0])[-1] >= KILL_FROM, 240, worker)
+        _until(
+            f"committed step >= {KILL_FROM}",
+            lambda: (committed_steps(checkpoints) or [0])[-1] >= KILL_FROM,
+            240,
+            worker,
+        )
         first = _lease(job_dir)
-        assert first["pid"] in [p.pid for p in psutil.Process(worker.pid).children(recursive=True)], first
+        assert first["pid"] in [
+            p.pid for p in psutil.Process(worker.pid).children(recursive=True)
+        ], first
         os.kill(first["pid"], signal.SIGKILL)
         _until("the killed process gone", lambda: dead(first["pid"]), 30, worker)
         resume_from = committed_steps(checkpoints)[-1]
@@ -118,17 +137,43 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
         def rerun_training():
             lease = _lease(job_dir)
             trained_on = (committed_steps(checkpoints) or [0])[-1] > resume_from
-            return lease if lease and lease["pid"] != first["pid"] and not dead(lease["pid"]) and trained_on else None
+            return (
+                lease
+                if lease and lease["pid"] != first["pid"] and not dead(lease["pid"]) and trained_on
+                else None
+            )
 
         rerun = _until("a rerun that trains", rerun_training, 120, worker)
         client.set_flow_run_state(run.id, AwaitingRetry(), force=True)
-        _until("a second process of the run waiting for the first",
-               lambda: "already trains job" in worker.tail(400_000), 60, worker)  # fmt: skip
+        _until(
+            "a second process of the run waiting for the first",
+            lambda: "already trains job" in worker.tail(400_000),
+            60,
+            worker,
+        )
 
         # Every process of the run ends; the run ends Completed.
-        _until("the job's last step", lambda: MAX_STEPS in committed_steps(checkpoints), 240, worker, every=0.5)
-        _until("no flow-run process left", lambda: not psutil.Process(worker.pid).children(recursive=True), 120, worker, every=0.5)
-        final = _until("a final state", lambda: (r := client.read_flow_run(run.id)).state.is_final() and r, 60, worker, every=0.5)
+        _until(
+            "the job's last step",
+            lambda: MAX_STEPS in committed_steps(checkpoints),
+            240,
+            worker,
+            every=0.5,
+        )
+        _until(
+            "no flow-run process left",
+            lambda: not psutil.Process(worker.pid).children(recursive=True),
+            120,
+            worker,
+            every=0.5,
+        )
+        final = _until(
+            "a final state",
+            lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
+            60,
+            worker,
+            every=0.5,
+        )
     log = worker.tail(2_000_000)
     assert final.state.is_completed(), f"{final.state}\n{log[-8000:]}"
 
@@ -140,7 +185,9 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
     # it wrote its last record (a process that waited starts its attempt's clock when its wait ended).
     attempts = read_ledger(JobStorage(str(tmp_path / "storage"), "on-worker"))["attempts"]
     for earlier, later in zip(attempts, attempts[1:]):
-        assert later["process_start"] + later["seconds"]["startup"] >= earlier["updated"] - 0.5, attempts
+        assert later["process_start"] + later["seconds"]["startup"] >= earlier["updated"] - 0.5, (
+            attempts
+        )
     assert _lease(job_dir) is None  # released by the last
 
     # The same end as the uninterrupted run, and every train metric in MLflow once.

@@ -42,15 +42,23 @@ class CheckpointStorage(Block):
     _logo_url = "https://raw.githubusercontent.com/jax-ml/jax/main/images/jax_logo_250px.png"
     _description = "Storage root for prefect-jax checkpoints, eval records and exports."
 
-    url: str = Field(description="Storage root: a local directory or a URL such as gs://bucket/prefix.")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="Extra fsspec storage options.")
+    url: str = Field(
+        description="Storage root: a local directory or a URL such as gs://bucket/prefix."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra fsspec storage options."
+    )
     secret_options: dict[str, SecretStr] = Field(
-        default_factory=dict, description="fsspec options that are secrets (e.g. key and secret for s3://)."
+        default_factory=dict,
+        description="fsspec options that are secrets (e.g. key and secret for s3://).",
     )
 
     def fsspec_options(self) -> dict[str, Any]:
         """The storage options with the secrets revealed, for the filesystem only."""
-        return {**self.storage_options, **{k: v.get_secret_value() for k, v in self.secret_options.items()}}
+        return {
+            **self.storage_options,
+            **{k: v.get_secret_value() for k, v in self.secret_options.items()},
+        }
 
     @field_validator("url")
     @classmethod
@@ -74,7 +82,7 @@ def resolve_storage(storage: str) -> tuple[str, dict[str, Any]]:
     """
     if not storage.startswith(BLOCK_PREFIX):
         return storage, {}
-    name = storage[len(BLOCK_PREFIX):]
+    name = storage[len(BLOCK_PREFIX) :]
     try:
         block = CheckpointStorage.load(name)
     except ValueError as exc:

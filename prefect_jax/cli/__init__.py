@@ -49,50 +49,98 @@ def _exit_on_sigterm(signum, frame):
 
 def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
     add = p.add_argument
-    add("--max-steps", type=int, default=max_steps,
-        help=f"train until this global step (default {max_steps})")
-    add("--checkpoint-every-steps", type=int, default=every,
-        help=f"checkpoint cadence in steps (default {every})")
+    add(
+        "--max-steps",
+        type=int,
+        default=max_steps,
+        help=f"train until this global step (default {max_steps})",
+    )
+    add(
+        "--checkpoint-every-steps",
+        type=int,
+        default=every,
+        help=f"checkpoint cadence in steps (default {every})",
+    )
     add("--checkpoint-every-secs", type=float, default=None, help="also checkpoint every N seconds")
     add("--keep-last", type=int, default=3, help="keep the newest N checkpoints (default 3)")
-    add("--keep-every-steps", type=int, default=None,
-        help="also keep checkpoints at multiples of N")
-    add("--no-backups", dest="backups", action="store_false",
+    add(
+        "--keep-every-steps", type=int, default=None, help="also keep checkpoints at multiples of N"
+    )
+    add(
+        "--no-backups",
+        dest="backups",
+        action="store_false",
         help="never write backups (resume-only checkpoints between the cadence's, written once "
-        "attempts of the job were killed without notice)")
+        "attempts of the job were killed without notice)",
+    )
     add("--seed", type=int, default=0, help="init and data-order seed (default 0)")
-    add("--log-every-steps", type=int, default=50,
-        help="train metrics to MLflow every N steps (default 50)")
-    add("--steps-per-dispatch", type=int, default=1,
-        help="run K steps per call into the device, as one lax.scan (default 1)")
+    add(
+        "--log-every-steps",
+        type=int,
+        default=50,
+        help="train metrics to MLflow every N steps (default 50)",
+    )
+    add(
+        "--steps-per-dispatch",
+        type=int,
+        default=1,
+        help="run K steps per call into the device, as one lax.scan (default 1)",
+    )
     add("--eval-steps", type=int, default=None, help="eval batches (default: the whole eval set)")
     add("--eval-name", default="eval", help="eval name (default 'eval')")
     add("--throttle-secs", type=float, default=0.0, help="minimum seconds between evaluations")
-    add("--exporters", nargs="*", choices=["latest", "best", "final"],
+    add(
+        "--exporters",
+        nargs="*",
+        choices=["latest", "best", "final"],
         default=["latest", "best", "final"],
-        help="exporters to run after each evaluation (default: latest best final)")
-    add("--registered-model", default=None, metavar="NAME",
+        help="exporters to run after each evaluation (default: latest best final)",
+    )
+    add(
+        "--registered-model",
+        default=None,
+        metavar="NAME",
         help="MLflow registered model the exports become versions of, aliases @best @final "
-        "@newest (default: the job's name; '' for none)")
-    add("--export-platforms",
+        "@newest (default: the job's name; '' for none)",
+    )
+    add(
+        "--export-platforms",
         type=lambda v: [name.strip() for name in v.split(",") if name.strip()],
-        default=None, metavar="P,P",
+        default=None,
+        metavar="P,P",
         help="platforms the exported model runs on, of cpu,cuda,rocm,tpu (default: all that "
-        "serve() lowers for; a warning names those left out)")
+        "serve() lowers for; a warning names those left out)",
+    )
     add("--best-metric", default="loss", help="metric the best exporter compares (default loss)")
     add("--best-mode", choices=["min", "max"], default="min", help="'min' or 'max' (default min)")
-    add("--sigterm-grace-secs", type=float, default=25.0,
-        help="on SIGTERM, seconds to commit the step in flight")
-    add("--lease-timeout-secs", type=float, default=120.0,
-        help="take over a job lease silent this long")
-    add("--compilation-cache", default=None, metavar="DIR|job",
+    add(
+        "--sigterm-grace-secs",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, seconds to commit the step in flight",
+    )
+    add(
+        "--lease-timeout-secs",
+        type=float,
+        default=120.0,
+        help="take over a job lease silent this long",
+    )
+    add(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR|job",
         help="JAX persistent compilation cache directory or URL ('job': under the job's "
-        "storage), so reruns skip compiling")
-    add("--checkpoint-path", default=None,
-        help="warm-start a new job from this checkpoint step directory")
+        "storage), so reruns skip compiling",
+    )
+    add(
+        "--checkpoint-path",
+        default=None,
+        help="warm-start a new job from this checkpoint step directory",
+    )
     add("--mlflow-tracking-uri", default=None, help="MLflow tracking URI")
-    add("--mlflow-experiment", default="prefect-jax",
-        help="MLflow experiment (default prefect-jax)")
+    add(
+        "--mlflow-experiment", default="prefect-jax", help="MLflow experiment (default prefect-jax)"
+    )
     add("--json", action="store_true", help="print one JSON object as the last line on stdout")
     add("--no-progress", action="store_true", help="no progress bar")
 
@@ -111,28 +159,55 @@ def _add_role(sub, name: str) -> None:
     add = role.add_argument
     add("--program", required=True, help="program import path, 'package.module:attribute'")
     add("--job", required=True, help="job name")
-    add("--storage", required=True,
+    add(
+        "--storage",
+        required=True,
         help="storage root: a directory, an fsspec URL (s3://, gs://...) or "
-        "jax-checkpoint-storage/<block>")
+        "jax-checkpoint-storage/<block>",
+    )
     _add_training_args(role, max_steps=1000, every=200)
     if name == "evaluate":
         add("--once", action="store_true", help="stop when nothing new is left to evaluate")
-        add("--newest-only", action="store_true",
-            help="evaluate only the newest checkpoint, not every one")
-        add("--poll-secs", type=float, default=10.0,
-            help="how often to look for new checkpoints (default 10)")
-        add("--idle-timeout-secs", type=float, default=None,
-            help="stop after this long without a new checkpoint")
-        add("--wait-for-first-checkpoint-secs", type=float, default=3600.0,
-            help="give up waiting for a first checkpoint after this long")
+        add(
+            "--newest-only",
+            action="store_true",
+            help="evaluate only the newest checkpoint, not every one",
+        )
+        add(
+            "--poll-secs",
+            type=float,
+            default=10.0,
+            help="how often to look for new checkpoints (default 10)",
+        )
+        add(
+            "--idle-timeout-secs",
+            type=float,
+            default=None,
+            help="stop after this long without a new checkpoint",
+        )
+        add(
+            "--wait-for-first-checkpoint-secs",
+            type=float,
+            default=3600.0,
+            help="give up waiting for a first checkpoint after this long",
+        )
     if name == "export":
-        add("--step", type=int, default=None,
-            help="the evaluated step to export (default: the newest)")
+        add(
+            "--step",
+            type=int,
+            default=None,
+            help="the evaluated step to export (default: the newest)",
+        )
     if name in ("run", "train"):
-        add("--processes", type=int, default=1, metavar="N",
+        add(
+            "--processes",
+            type=int,
+            default=1,
+            metavar="N",
             help="train as N JAX processes on this machine (data parallel, one job; default 1). "
             "On a cluster, set PREFECT_JAX_NUM_PROCESSES & co. per process instead (see the "
-            "README)")
+            "README)",
+        )
     role.set_defaults(fn=commands.cmd_run)
 
 
@@ -145,8 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
 
     demo = sub.add_parser("demo", help="train the digits example on embedded defaults")
-    demo.add_argument("--workdir", default="./prefect-jax-demo",
-                      help="where checkpoints and MLflow go (default ./prefect-jax-demo)")
+    demo.add_argument(
+        "--workdir",
+        default="./prefect-jax-demo",
+        help="where checkpoints and MLflow go (default ./prefect-jax-demo)",
+    )
     _add_training_args(demo, max_steps=1000, every=200)
     demo.set_defaults(fn=commands.cmd_demo)
 
@@ -159,15 +237,26 @@ def build_parser() -> argparse.ArgumentParser:
         "join it",
         description=launch.cmd_process.__doc__.split("\n\n")[0].replace("``", "'"),
     )
-    process.add_argument("--processes", type=int, default=None, metavar="N",
-                         help="how many JAX processes train the job (default: from the "
-                         "environment, e.g. Vertex's CLUSTER_SPEC)")
-    process.add_argument("--service", default=None,
-                         help="the indexed job's headless service (process 0's address)")
-    process.add_argument("--coordinator-port", type=int, default=8476,
-                         help="process 0's coordinator port (default 8476)")
-    process.add_argument("command", nargs=argparse.REMAINDER,
-                         help="-- and the worker's command for process 0")
+    process.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="how many JAX processes train the job (default: from the "
+        "environment, e.g. Vertex's CLUSTER_SPEC)",
+    )
+    process.add_argument(
+        "--service", default=None, help="the indexed job's headless service (process 0's address)"
+    )
+    process.add_argument(
+        "--coordinator-port",
+        type=int,
+        default=8476,
+        help="process 0's coordinator port (default 8476)",
+    )
+    process.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- and the worker's command for process 0"
+    )
     process.set_defaults(fn=launch.cmd_process)
 
     job_status = sub.add_parser("status", help="committed, evaluated and exported steps of a job")
@@ -183,10 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="rerun crashed runs of a trainer deployment automatically (they resume from their "
         "checkpoint)",
     )
-    create.add_argument("--deployment", required=True,
-                        help="the trainer deployment, 'flow-name/deployment-name'")
-    create.add_argument("--name", default=None,
-                        help="automation name (default: 'prefect-jax: rerun crashed <deployment>')")
+    create.add_argument(
+        "--deployment", required=True, help="the trainer deployment, 'flow-name/deployment-name'"
+    )
+    create.add_argument(
+        "--name",
+        default=None,
+        help="automation name (default: 'prefect-jax: rerun crashed <deployment>')",
+    )
     create.set_defaults(fn=commands.cmd_automations_create)
     return parser
 

@@ -101,14 +101,17 @@ def _run_flow_with(
             compilation_cache_dir=args.compilation_cache,
         )
     elif role == "evaluate":
-        flow, kwargs = flows.evaluate, dict(
-            common,
-            compilation_cache_dir=args.compilation_cache,
-            every_checkpoint=not args.newest_only,
-            once=args.once,
-            wait_for_first_checkpoint_secs=args.wait_for_first_checkpoint_secs,
-            poll_secs=args.poll_secs,
-            idle_timeout_secs=args.idle_timeout_secs,
+        flow, kwargs = (
+            flows.evaluate,
+            dict(
+                common,
+                compilation_cache_dir=args.compilation_cache,
+                every_checkpoint=not args.newest_only,
+                once=args.once,
+                wait_for_first_checkpoint_secs=args.wait_for_first_checkpoint_secs,
+                poll_secs=args.poll_secs,
+                idle_timeout_secs=args.idle_timeout_secs,
+            ),
         )
     else:
         flow, kwargs = flows.export_flow, dict(common, step=args.step)

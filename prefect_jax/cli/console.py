@@ -7,7 +7,8 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -61,15 +62,18 @@ def progress_bar(enabled: bool, max_steps: int) -> Iterator[None]:
     from prefect_jax.training.facade import on_progress
 
     console = Console(stderr=True)
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[metrics]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as progress, _logs_above(progress.console):
+    with (
+        Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[metrics]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        ) as progress,
+        _logs_above(progress.console),
+    ):
         # Until the first step is known: starting Prefect, restoring, compiling.
         task_id = progress.add_task(
             "starting", total=max_steps, metrics="(Prefect, restore, compile)"

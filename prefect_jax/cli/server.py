@@ -12,7 +12,8 @@ import contextlib
 import os
 import signal
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # Prefect's server settings that, both false, skip block type registration at its start (and the
 # import of every Prefect collection that deciding on it takes), and their older names: where a
@@ -135,10 +136,21 @@ class EmbeddedServer:
             # `Block.save` its own type.
             env.update(dict.fromkeys(BLOCK_REGISTRATION_SETTINGS, "false"))
         command = [
-            sys.executable, "-m", "uvicorn", "--app-dir", app_dir,
-            "--factory", "prefect.server.api.server:create_app",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--log-level", "error", "--lifespan", "on",
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            app_dir,
+            "--factory",
+            "prefect.server.api.server:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "error",
+            "--lifespan",
+            "on",
         ]
         return subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
 
@@ -165,8 +177,9 @@ class EmbeddedServer:
                 respawns += 1
                 self.process = self._spawn()
                 again = f"http://127.0.0.1:{self.port}"
-                print(f"Port taken: starting the temporary server again on {again}",
-                      file=sys.stderr)
+                print(
+                    f"Port taken: starting the temporary server again on {again}", file=sys.stderr
+                )
                 continue
             if code is not None:
                 raise RuntimeError(

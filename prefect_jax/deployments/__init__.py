@@ -52,10 +52,9 @@ def job_resource_id(job: str, storage: str) -> str:
         storage: its storage, as given to the flows (a local path, a URL, or
             ``jax-checkpoint-storage/<block>``, which is loaded from the Prefect server).
     """
+    from prefect_jax.blocks import BLOCK_PREFIX
     from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.storage import normalize_root
-
-    from prefect_jax.blocks import BLOCK_PREFIX
 
     if storage.startswith(BLOCK_PREFIX):
         from prefect_jax.blocks import resolve_storage

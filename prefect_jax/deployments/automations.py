@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from uuid import UUID
 
-RERUN_MESSAGE = "Rerun after a crash (prefect-jax automation): resumes at the last committed checkpoint"
+RERUN_MESSAGE = (
+    "Rerun after a crash (prefect-jax automation): resumes at the last committed checkpoint"
+)
 
 
 def rerun_automation(deployment_id: UUID | str, deployment_name: str, name: str | None = None):
@@ -46,7 +48,11 @@ def rerun_automation(deployment_id: UUID | str, deployment_name: str, name: str 
             posture=Posture.Reactive,
             threshold=1,
         ),
-        actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRetry", message=RERUN_MESSAGE, force=True)],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.SCHEDULED, name="AwaitingRetry", message=RERUN_MESSAGE, force=True
+            )
+        ],
     )
 
 

@@ -86,7 +86,9 @@ class _Slices(grain.sources.RandomAccessDataSource if hasattr(grain, "sources") 
         return {"x": self.x[rows], "y": self.y[rows]}
 
 
-class _ShuffledBatches(grain.sources.RandomAccessDataSource if hasattr(grain, "sources") else object):
+class _ShuffledBatches(
+    grain.sources.RandomAccessDataSource if hasattr(grain, "sources") else object
+):
     """Endless training batches: batch ``i`` is slice ``i % per_epoch`` of epoch ``i // per_epoch``'s
     permutation (seeded by (seed, epoch)), gathered with one numpy fancy index.
 
@@ -99,7 +101,9 @@ class _ShuffledBatches(grain.sources.RandomAccessDataSource if hasattr(grain, "s
 
     def __init__(self, x, y, batch_size: int, seed: int):
         if len(x) < batch_size:
-            raise ValueError(f"batch_size={batch_size} is larger than the {len(x)} training examples; lower it")
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the {len(x)} training examples; lower it"
+            )
         self.x, self.y, self.batch_size, self.seed = x, y, batch_size, seed
         self.per_epoch = len(x) // batch_size
         self._epoch, self._perm = -1, None

@@ -9,7 +9,6 @@ from typing import Any
 from prefect_jax.tasks import ui_refresh_secs
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, RetrySpec, TrainSpec
 
-
 _CONFIG_ARGS = (
     "program",
     "job",

@@ -12,7 +12,8 @@ import queue
 import re
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def artifact_key(*parts: str) -> str:

@@ -86,4 +86,8 @@ def restore_or_init(
         "restored" if step else "initialised",
         mlflow_run,
     )
-    return {"step": step, "mlflow_run_id": run_id, "checkpoint_dir": trainer.job.checkpoints.directory}
+    return {
+        "step": step,
+        "mlflow_run_id": run_id,
+        "checkpoint_dir": trainer.job.checkpoints.directory,
+    }

@@ -76,7 +76,9 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
         logger.info(
             "live state not at step %d here: restored step %d from storage", from_step, restored
         )
-    logger.info("training from step %d to %d", trainer.step, trainer.policy.next_boundary(trainer.step))
+    logger.info(
+        "training from step %d to %d", trainer.step, trainer.policy.next_boundary(trainer.step)
+    )
     step = trainer.train_until_checkpoint()
     metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.last_train_metrics.items()))
     logger.info("step %d checkpointed (%s)", step, metrics)

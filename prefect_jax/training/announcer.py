@@ -10,7 +10,7 @@ import contextvars
 import logging
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger("prefect_jax.trainer")
 

@@ -14,7 +14,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grain
 import jax
@@ -22,8 +23,11 @@ import orbax.checkpoint as ocp
 
 from prefect_jax.training import cluster
 from prefect_jax.training.checksums import ORBAX_COMMIT_FILE as _COMMIT_FILE
-from prefect_jax.training.checksums import CorruptCheckpointError  # noqa: F401 - job.py's import
-from prefect_jax.training.checksums import verify_manifest, write_manifest
+from prefect_jax.training.checksums import (
+    CorruptCheckpointError,  # noqa: F401 - job.py's import
+    verify_manifest,
+    write_manifest,
+)
 from prefect_jax.training.names import STEP_META_FILE
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec
@@ -38,6 +42,7 @@ from prefect_jax.training.trees import (  # noqa: F401 - state_fingerprint & co.
 )
 
 logger = logging.getLogger("prefect_jax.checkpoints")
+
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint's tree differs from the tree the program's `init` builds."""
@@ -55,7 +60,9 @@ def _position_text(data_iter) -> str:
 
 
 def _set_position(data_iter, text: str) -> None:
-    data_iter.set_state(json.loads(text) if isinstance(data_iter, grain.DatasetIterator) else text.encode())
+    data_iter.set_state(
+        json.loads(text) if isinstance(data_iter, grain.DatasetIterator) else text.encode()
+    )
 
 
 class IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
@@ -77,7 +84,9 @@ class IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHan
         async def write():
             (directory / f"process_{index}-of-{count}.json").write_text(text)
 
-        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="prefect_jax_data_save")]
+        return [
+            ocp.future.CommitFutureAwaitingContractedSignals(write(), name="prefect_jax_data_save")
+        ]
 
 
 @ocp.args.register_with_handler(IteratorHandler, for_save=True)
@@ -129,12 +138,16 @@ def step_dirs(checkpoint_dir: str) -> list[int]:
         names = os.listdir(checkpoint_dir)
     except FileNotFoundError:
         return []
-    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(checkpoint_dir, n)))
+    return sorted(
+        int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(checkpoint_dir, n))
+    )
 
 
 def committed_steps(checkpoint_dir: str) -> list[int]:
     """Committed steps under a checkpoint directory, oldest first."""
-    return [s for s in step_dirs(checkpoint_dir) if is_committed(os.path.join(checkpoint_dir, str(s)))]
+    return [
+        s for s in step_dirs(checkpoint_dir) if is_committed(os.path.join(checkpoint_dir, str(s)))
+    ]
 
 
 def quarantine(checkpoint_dir: str, step: int, why: str) -> str:
@@ -174,15 +187,21 @@ class Checkpoints:
         self.spec = spec
         self._saving: int | None = None
         self._raised = threading.local()  # per thread: the failed saves' errors `wait` raised to it
-        self._backup: dict[int, bool] = {}  # step -> whether it is a backup (saved here, or its metadata read once)
-        self.pinned: Callable[[int], bool] = lambda step: False  # steps retention must keep for now (`Job`: uploads)
+        self._backup: dict[
+            int, bool
+        ] = {}  # step -> whether it is a backup (saved here, or its metadata read once)
+        self.pinned: Callable[[int], bool] = lambda step: (
+            False
+        )  # steps retention must keep for now (`Job`: uploads)
         retention = CheckpointPolicy.from_spec(spec).preservation(
             self.is_backup, lambda s: self.pinned(s), newest_evaluated
         )
         options = ocp.CheckpointManagerOptions(
             preservation_policy=retention,
             enable_async_checkpointing=True,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_step_in_flight),
+            async_options=ocp.AsyncOptions(
+                post_finalization_callback=self._checksum_step_in_flight
+            ),
             # Retention's deletions run in the commit, which the next save waits for. Left to
             # Orbax, a machine of 4 or more CPUs deletes each local step with a thread pool whose
             # scheduler polls its queue every 0.1 s: >= 100 ms per deleted step (a GPU machine's
@@ -198,12 +217,18 @@ class Checkpoints:
         temporary directory becomes ``<step>``: the manifest is part of the same commit."""
         if self._saving is None or "://" in self.directory or jax.process_index() != 0:
             return  # several processes: process 0 finalizes the step, once every process wrote its part
-        found = glob.glob(os.path.join(glob.escape(self.directory), f"{self._saving}.orbax-checkpoint-tmp*"))
+        found = glob.glob(
+            os.path.join(glob.escape(self.directory), f"{self._saving}.orbax-checkpoint-tmp*")
+        )
         if len(found) == 1:
             write_manifest(found[0])
         else:
-            logger.warning("no single temporary directory for step %s in %s (%s): step saved without checksums",
-                           self._saving, self.directory, found)  # fmt: skip
+            logger.warning(
+                "no single temporary directory for step %s in %s (%s): step saved without checksums",
+                self._saving,
+                self.directory,
+                found,
+            )
 
     def committed_steps(self) -> list[int]:
         return committed_steps(self.directory)
@@ -215,7 +240,9 @@ class Checkpoints:
         step = int(step)
         if step not in self._backup:
             try:
-                self._backup[step] = bool((read_meta or (lambda s: read_meta_file(self.directory, s)))(step).get("backup"))
+                self._backup[step] = bool(
+                    (read_meta or (lambda s: read_meta_file(self.directory, s)))(step).get("backup")
+                )
             except Exception:  # noqa: BLE001 - unreadable: retention treats it as any step
                 self._backup[step] = False
         return self._backup[step]
@@ -224,7 +251,9 @@ class Checkpoints:
         """Move a step aside (see `quarantine`) and let Orbax forget it. Only the job's writer may do this."""
         self.manager.wait_until_finished()
         dst = quarantine(self.directory, step, why)
-        logger.warning("checkpoint step %d of %s moved aside to %s (%s)", step, self.directory, dst, why)
+        logger.warning(
+            "checkpoint step %d of %s moved aside to %s (%s)", step, self.directory, dst, why
+        )
         self.manager.reload()
 
     def quarantine_uncommitted(self) -> None:
@@ -233,7 +262,11 @@ class Checkpoints:
             # Each looked at as it is now: a step committed since a list of committed steps was
             # made (a waiting trainer's, by the job's writer) is no torn one.
             if not is_committed(os.path.join(self.directory, str(step))):
-                logger.warning("checkpoint step %d in %s was never committed: skipping it", step, self.directory)
+                logger.warning(
+                    "checkpoint step %d in %s was never committed: skipping it",
+                    step,
+                    self.directory,
+                )
                 self.quarantine(step, "uncommitted")
 
     def latest_committed(self) -> int | None:
@@ -260,7 +293,9 @@ class Checkpoints:
     def read_meta(self, step: int) -> dict:
         if int(step) not in self.manager.all_steps():
             self.manager.reload()
-        return self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return self.manager.restore(
+            int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        )["meta"]
 
     def restore(self, step: int, abstract_state, data_iter=None) -> tuple[Any, dict]:
         """Restore `step` into the structure of `abstract_state` (from ``jax.eval_shape(init)``).
@@ -273,7 +308,9 @@ class Checkpoints:
         abstract = abstract_savable(abstract_state)
         diffs = tree_differences(meta.get("tree", {}), describe_tree(abstract))
         if diffs:
-            shown = "\n  ".join(diffs[:20]) + (f"\n  ... and {len(diffs) - 20} more" if len(diffs) > 20 else "")
+            shown = "\n  ".join(diffs[:20]) + (
+                f"\n  ... and {len(diffs) - 20} more" if len(diffs) > 20 else ""
+            )
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory}/{step} does not match the state the program's init builds "
                 f"({len(diffs)} leaves differ):\n  {shown}\n"
@@ -282,9 +319,15 @@ class Checkpoints:
             )
         if int(step) not in self.manager.all_steps():
             self.manager.reload()  # committed by another process after this manager listed the directory
-        if "://" not in self.directory and not verify_manifest(os.path.join(self.directory, str(step))):
-            logger.warning("checkpoint step %d in %s has no checksums (written before prefect-jax wrote them): "
-                           "restored unverified", step, self.directory)  # fmt: skip
+        if "://" not in self.directory and not verify_manifest(
+            os.path.join(self.directory, str(step))
+        ):
+            logger.warning(
+                "checkpoint step %d in %s has no checksums (written before prefect-jax wrote them): "
+                "restored unverified",
+                step,
+                self.directory,
+            )
         items = {"state": ocp.args.StandardRestore(abstract)}
         other_layout = data_iter is not None and self._data_written_by_other_processes(step)
         if data_iter is not None and not other_layout:
@@ -310,9 +353,14 @@ class Checkpoints:
         devices), so process 0's position is every process's, on any number of processes."""
         with open(path) as f:
             _set_position(data_iter, f.read())
-        logger.warning("step %d was written by %s processes, restored into %d: the data position of its process 0 "
-                       "(%s) applies to each", step, os.path.basename(path).split("-of-")[1].split(".")[0],
-                       jax.process_count(), os.path.basename(path))  # fmt: skip
+        logger.warning(
+            "step %d was written by %s processes, restored into %d: the data position of its process 0 "
+            "(%s) applies to each",
+            step,
+            os.path.basename(path).split("-of-")[1].split(".")[0],
+            jax.process_count(),
+            os.path.basename(path),
+        )
 
     def wait(self) -> None:
         """Wait until the save in flight (if any) is committed, or failed (its error is raised once
@@ -322,7 +370,9 @@ class Checkpoints:
             self.manager.wait_until_finished()
             return
         try:
-            cluster.wait_unless_lost(self.manager.wait_until_finished, f"the commit of step {self._saving}")
+            cluster.wait_unless_lost(
+                self.manager.wait_until_finished, f"the commit of step {self._saving}"
+            )
         except cluster.LostProcess:
             raise
         except BaseException as exc:
@@ -337,7 +387,9 @@ class Checkpoints:
     def close(self) -> None:
         try:
             self.wait()
-        except cluster.LostProcess as exc:  # Orbax's threads wait for it at their barriers until JAX aborts
+        except (
+            cluster.LostProcess
+        ) as exc:  # Orbax's threads wait for it at their barriers until JAX aborts
             logger.warning("not closing the checkpoints (%s): the job's committed steps stand", exc)
             return
         self.manager.close()
@@ -367,6 +419,8 @@ def wait_for_new_checkpoint(
         if left <= 0:
             return None
         if clock() >= next_log:  # say so at first, then every 30 s, not at every poll
-            log(f"no committed checkpoint yet; waiting up to {left:.0f}s more (polling every {poll_secs:g}s)")
+            log(
+                f"no committed checkpoint yet; waiting up to {left:.0f}s more (polling every {poll_secs:g}s)"
+            )
             next_log = clock() + 30
         sleep(min(poll_secs, left))

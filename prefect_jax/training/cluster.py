@@ -26,7 +26,8 @@ import re
 import signal
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prefect_jax.training import peer_watch
 from prefect_jax.training.cluster_config import ClusterConfig, ClusterConfigError, from_env

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 NUM_PROCESSES = "PREFECT_JAX_NUM_PROCESSES"
 PROCESS_ID = "PREFECT_JAX_PROCESS_ID"

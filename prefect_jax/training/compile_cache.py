@@ -72,7 +72,9 @@ def enable_compilation_cache(directory: str, xla_caches: bool = True) -> None:
         jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
 
 
-def open_compilation_cache(setting: str, storage: JobStorage, push: bool = True) -> CompileCacheMirror | None:
+def open_compilation_cache(
+    setting: str, storage: JobStorage, push: bool = True
+) -> CompileCacheMirror | None:
     """Turn on JAX's persistent compilation cache for a job: `setting` is ``"job"`` (under the
     job's storage) or a directory or URL. Local directories are used as they are; a URL is
     mirrored (see the module docstring) and the mirror returned, its entries being pulled in
@@ -84,8 +86,12 @@ def open_compilation_cache(setting: str, storage: JobStorage, push: bool = True)
     directory = url if local is None else local
     current = open_jax_cache_dir()
     if current is not None and os.path.abspath(current) != os.path.abspath(directory):
-        logger.warning("JAX's compilation cache in this process is %s already (JAX opens one per process): "
-                       "%s is not used; run the job in a process of its own to use it", current, redact_url(url))  # fmt: skip
+        logger.warning(
+            "JAX's compilation cache in this process is %s already (JAX opens one per process): "
+            "%s is not used; run the job in a process of its own to use it",
+            current,
+            redact_url(url),
+        )
         return None
     if local is None:
         enable_compilation_cache(url)
@@ -107,7 +113,9 @@ def locate(setting: str, storage: JobStorage) -> tuple[str, str | None, dict]:
     fsspec options for the URL: the job's storage options where the URL is on the storage's
     file system)."""
     url = storage.path("compile-cache") if setting == "job" else normalize_root(setting)
-    if "://" in url and _fs_class(url) is LocalFileSystem:  # local://, or a local path the storage spells so
+    if (
+        "://" in url and _fs_class(url) is LocalFileSystem
+    ):  # local://, or a local path the storage spells so
         url = os.path.abspath(url.split("://", 1)[1])
     if "://" not in url:
         return url, None, {}
@@ -115,7 +123,11 @@ def locate(setting: str, storage: JobStorage) -> tuple[str, str | None, dict]:
         return url, storage.staging_dir("compile-cache"), storage.storage_options
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     same = storage.protocol != "file" and _fs_class(url) == _fs_class(storage.root)
-    return url, os.path.join(cache_root(), "compile-cache", digest), storage.storage_options if same else {}
+    return (
+        url,
+        os.path.join(cache_root(), "compile-cache", digest),
+        storage.storage_options if same else {},
+    )
 
 
 def _fs_class(url: str) -> type | str:
@@ -155,7 +167,9 @@ class CompileCacheMirror:
         push: whether this process copies entries back (False: read only).
     """
 
-    def __init__(self, url: str, local_dir: str, storage_options: dict | None = None, push: bool = True):
+    def __init__(
+        self, url: str, local_dir: str, storage_options: dict | None = None, push: bool = True
+    ):
         self.url = url.rstrip("/")
         self.local_dir = local_dir
         self.storage_options = dict(storage_options or {})
@@ -163,7 +177,9 @@ class CompileCacheMirror:
         self.pulled: list[str] = []
         self.pushed: list[str] = []
         self._stored: set[str] = set()  # names known to be whole in storage
-        self._partial: dict[str, tuple[int, int]] = {}  # local entries found not whole: (size, mtime_ns) then
+        self._partial: dict[
+            str, tuple[int, int]
+        ] = {}  # local entries found not whole: (size, mtime_ns) then
         self._pending: set[str] = set()
         self._copying: set[str] = set()  # taken by the background thread, not stored yet
         self._thread: threading.Thread | None = None
@@ -215,7 +231,11 @@ class CompileCacheMirror:
         `timeout` seconds from now."""
         if self._puller is not None and self._puller.is_alive():
             return
-        self._pull_deadline, self._pull_given_up, self._pull_result = time.monotonic() + timeout, False, []
+        self._pull_deadline, self._pull_given_up, self._pull_result = (
+            time.monotonic() + timeout,
+            False,
+            [],
+        )
 
         def pull():
             self._pull_result = self._pull()
@@ -234,8 +254,10 @@ class CompileCacheMirror:
             puller.join(max(0.0, self._pull_deadline - time.monotonic()))
             if puller.is_alive():
                 self._pull_given_up = True  # warned once; later calls do not wait
-                logger.warning("compilation cache %s: still copying after its time; compiling what is not here yet",
-                               redact_url(self.url))  # fmt: skip
+                logger.warning(
+                    "compilation cache %s: still copying after its time; compiling what is not here yet",
+                    redact_url(self.url),
+                )
         return [] if puller.is_alive() else self._pull_result
 
     def _pull(self) -> list[str]:
@@ -247,13 +269,23 @@ class CompileCacheMirror:
                 listed = fs.ls(self.url, detail=False)
             except FileNotFoundError:
                 listed = []
-            stored = {n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in listed) if n.endswith(ENTRY_SUFFIX)}
+            stored = {
+                n
+                for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in listed)
+                if n.endswith(ENTRY_SUFFIX)
+            }
             with self._lock:
-                self._stored |= stored  # not copied back, even if they arrive here after pull's timeout
+                self._stored |= (
+                    stored  # not copied back, even if they arrive here after pull's timeout
+                )
             missing = sorted(stored - set(self._local_entries()))
-            temps = [os.path.join(self.local_dir, f".{name}.tmp-{uuid.uuid4().hex}") for name in missing]
+            temps = [
+                os.path.join(self.local_dir, f".{name}.tmp-{uuid.uuid4().hex}") for name in missing
+            ]
             if missing:
-                fs.get([f"{self.url}/{name}" for name in missing], temps)  # concurrent where the file system is async
+                fs.get(
+                    [f"{self.url}/{name}" for name in missing], temps
+                )  # concurrent where the file system is async
             copied, cut = [], []
             for name, temp in zip(missing, temps):
                 with open(temp, "rb") as f:
@@ -263,8 +295,12 @@ class CompileCacheMirror:
                     cut.append(name)
                     continue
                 os.replace(temp, os.path.join(self.local_dir, name))  # whole, or not there
-                stamp = time.time_ns().to_bytes(8, "little")  # as JAX's put does: its eviction reads it
-                with open(os.path.join(self.local_dir, name[: -len(ENTRY_SUFFIX)] + ATIME_SUFFIX), "wb") as f:
+                stamp = time.time_ns().to_bytes(
+                    8, "little"
+                )  # as JAX's put does: its eviction reads it
+                with open(
+                    os.path.join(self.local_dir, name[: -len(ENTRY_SUFFIX)] + ATIME_SUFFIX), "wb"
+                ) as f:
                     f.write(stamp)
                 copied.append(name)
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be read: compile instead
@@ -279,10 +315,20 @@ class CompileCacheMirror:
             self._stored -= set(cut)  # compiled here, then copied over the cut one
             self.pulled += copied
         if cut:
-            logger.warning("compilation cache %s: %d entries in storage are cut short (%s); they are compiled here "
-                           "and copied over", redact_url(self.url), len(cut), ", ".join(cut))  # fmt: skip
+            logger.warning(
+                "compilation cache %s: %d entries in storage are cut short (%s); they are compiled here "
+                "and copied over",
+                redact_url(self.url),
+                len(cut),
+                ", ".join(cut),
+            )
         if copied:
-            logger.info("compilation cache: %d entries copied from %s to %s", len(copied), redact_url(self.url), self.local_dir)
+            logger.info(
+                "compilation cache: %d entries copied from %s to %s",
+                len(copied),
+                redact_url(self.url),
+                self.local_dir,
+            )
         return copied
 
     # -- push --------------------------------------------------------------------------------
@@ -295,14 +341,20 @@ class CompileCacheMirror:
         try:
             with self._lock:
                 known = self._stored | self._pending | self._copying
-            new = {n for n, stat in self._local_entries().items() if n not in known and self._partial.get(n) != stat}
+            new = {
+                n
+                for n, stat in self._local_entries().items()
+                if n not in known and self._partial.get(n) != stat
+            }
             if not new:
                 return
             with self._lock:
                 self._pending |= new
                 if self._thread is not None:
                     return
-                thread = self._thread = threading.Thread(target=self._push_pending, name="prefect-jax-compile-cache", daemon=True)
+                thread = self._thread = threading.Thread(
+                    target=self._push_pending, name="prefect-jax-compile-cache", daemon=True
+                )
             try:
                 thread.start()
             except BaseException:
@@ -347,7 +399,9 @@ class CompileCacheMirror:
                 self._warn("could not copy entries", exc)
 
     def _put(self, batch: dict[str, bytes]) -> None:
-        self.fs.pipe({f"{self.url}/{name}": data for name, data in batch.items()})  # the bytes checked; one PUT each on object stores
+        self.fs.pipe(
+            {f"{self.url}/{name}": data for name, data in batch.items()}
+        )  # the bytes checked; one PUT each on object stores
         with self._lock:
             self._stored.update(batch)
             self.pushed += sorted(batch)

@@ -29,7 +29,9 @@ def stop_path(storage: JobStorage) -> str:
 
 def request_stop(storage: JobStorage, reason: str, step: int | None = None, by: str = "") -> None:
     """Ask every role of the job to stop (durable: survives restarts)."""
-    storage.write_json(stop_path(storage), {"reason": reason, "step": step, "by": by, "at": time.time()})
+    storage.write_json(
+        stop_path(storage), {"reason": reason, "step": step, "by": by, "at": time.time()}
+    )
 
 
 def stop_requested(storage: JobStorage) -> dict | None:
@@ -37,7 +39,9 @@ def stop_requested(storage: JobStorage) -> dict | None:
     return storage.read_json(stop_path(storage))
 
 
-def record_attempt(storage: JobStorage, step: int, max_without_progress: int | None, owner: str = "") -> int:
+def record_attempt(
+    storage: JobStorage, step: int, max_without_progress: int | None, owner: str = ""
+) -> int:
     """Record that a trainer run starts at `step`; return how many runs in a row started there.
 
     Raises:
@@ -54,7 +58,9 @@ def record_attempt(storage: JobStorage, step: int, max_without_progress: int | N
             f"(CheckpointSpec.every_secs, `--checkpoint-every-secs`) or give them longer. Then delete {path} to reset "
             f"the budget."
         )
-    storage.write_json(path, {"step": step, "reruns_without_progress": same, "owner": owner, "at": time.time()})
+    storage.write_json(
+        path, {"step": step, "reruns_without_progress": same, "owner": owner, "at": time.time()}
+    )
     return same
 
 
@@ -65,9 +71,14 @@ class EarlyStoppingHook:
     eval records, so it gives the same answer after a restart.
     """
 
-    def __init__(self, metric: str, mode: str, max_steps_without_improvement: int, min_delta: float = 0.0):
+    def __init__(
+        self, metric: str, mode: str, max_steps_without_improvement: int, min_delta: float = 0.0
+    ):
         self.metric, self.mode = metric, mode
-        self.max_steps_without_improvement, self.min_delta = max_steps_without_improvement, min_delta
+        self.max_steps_without_improvement, self.min_delta = (
+            max_steps_without_improvement,
+            min_delta,
+        )
 
     def should_stop(self, records: list[EvalResult]) -> str | None:
         series = [(r.step, r.metrics[self.metric]) for r in records if self.metric in r.metrics]
@@ -98,14 +109,20 @@ def load_hooks(paths: list[str]) -> list[Any]:
             for part in attr.split("."):
                 obj = getattr(obj, part)
         except (ImportError, AttributeError, ValueError) as exc:
-            raise ProgramError(f"eval hook {path!r} cannot be loaded ({exc}); use 'package.module:attribute'") from exc
+            raise ProgramError(
+                f"eval hook {path!r} cannot be loaded ({exc}); use 'package.module:attribute'"
+            ) from exc
         if not (hasattr(obj, "before_eval") or hasattr(obj, "after_eval")):
-            raise ProgramError(f"eval hook {path!r} defines neither before_eval(step) nor after_eval(result)")
+            raise ProgramError(
+                f"eval hook {path!r} defines neither before_eval(step) nor after_eval(result)"
+            )
         hooks.append(obj)
     return hooks
 
 
-def after_eval_stop_reason(result: EvalResult, records: EvalRecords, early: EarlyStoppingHook | None, hooks: list) -> str | None:
+def after_eval_stop_reason(
+    result: EvalResult, records: EvalRecords, early: EarlyStoppingHook | None, hooks: list
+) -> str | None:
     """Run the after-eval hooks on a new result; a reason to stop the job, or None."""
     if early is not None:
         reason = early.should_stop(records.all())

@@ -26,7 +26,11 @@ class LeaseHeldError(RuntimeError):
 
     def __init__(self, job_dir: str, owner: dict, age_secs: float, timeout_secs: float):
         self.owner = owner
-        who = ", ".join(f"{k}={owner.get(k)}" for k in ("flow_run_id", "host", "pid") if owner.get(k) is not None)
+        who = ", ".join(
+            f"{k}={owner.get(k)}"
+            for k in ("flow_run_id", "host", "pid")
+            if owner.get(k) is not None
+        )
         super().__init__(
             f"job {job_dir} is being trained by another process ({who}; heartbeat {age_secs:.0f}s ago). "
             f"Only one trainer may write a job: wait for it to finish, cancel it, or, if it is gone, "
@@ -40,8 +44,16 @@ class LeaseLostError(LeaseHeldError):
 
     def __init__(self, job_dir: str, owner: dict, why: str | None = None):
         self.owner = owner
-        who = ", ".join(f"{k}={owner.get(k)}" for k in ("flow_run_id", "host", "pid") if owner.get(k) is not None)
-        why = why or (f"another trainer took it over ({who})" if who else "its lease file is gone (another trainer took it and ended)")
+        who = ", ".join(
+            f"{k}={owner.get(k)}"
+            for k in ("flow_run_id", "host", "pid")
+            if owner.get(k) is not None
+        )
+        why = why or (
+            f"another trainer took it over ({who})"
+            if who
+            else "its lease file is gone (another trainer took it and ended)"
+        )
         RuntimeError.__init__(
             self,
             f"job {job_dir} is no longer this process's to train: {why}"
@@ -85,7 +97,9 @@ class Preempted(Exception):
     def __init__(self, step: int, committed: bool, signum: int | None = None):
         self.step, self.committed, self.signum = step, committed, signum
         what = "committed" if committed else "could not be committed within the grace period"
-        super().__init__(f"preempted at step {step} (signal {signum}); the checkpoint of step {step} {what}")
+        super().__init__(
+            f"preempted at step {step} (signal {signum}); the checkpoint of step {step} {what}"
+        )
 
 
 # Errors a retry cannot fix: the program, the config or the data is wrong.

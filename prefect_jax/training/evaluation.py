@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -42,7 +43,9 @@ class EvalResult(BaseModel):
     num_examples: int | None = None
     evaluated_at: float | None = None
     is_final: bool = False
-    stop_reason: str | None = Field(None, description="Why an eval hook asked the job to stop, if it did.")
+    stop_reason: str | None = Field(
+        None, description="Why an eval hook asked the job to stop, if it did."
+    )
     pending_commit: bool = Field(
         False,
         description="Evaluated on the trainer's live step while that step's checkpoint was still being written: "
@@ -54,13 +57,19 @@ class EvalResult(BaseModel):
     def _validate(self):
         if self.status is EvalStatus.EVALUATED:
             if self.step is None or self.step < 0:
-                raise ValueError(f"EvalResult EVALUATED needs the global step it was computed at, got step={self.step!r}")
+                raise ValueError(
+                    f"EvalResult EVALUATED needs the global step it was computed at, got step={self.step!r}"
+                )
             if not self.metrics:
-                raise ValueError(f"EvalResult EVALUATED at step {self.step} has no metrics: eval_step returned an empty dict")
+                raise ValueError(
+                    f"EvalResult EVALUATED at step {self.step} has no metrics: eval_step returned an empty dict"
+                )
         return self
 
 
-def aggregate(eval_step: Callable, state, batches, steps: int | None) -> tuple[dict[str, float], int, int | None]:
+def aggregate(
+    eval_step: Callable, state, batches, steps: int | None
+) -> tuple[dict[str, float], int, int | None]:
     """Run `eval_step` over `batches` (at most `steps`) and divide summed values by summed counts.
 
     `eval_step` returns ``{name: (sum, count)}``. Sums stay on the device until the end, so
@@ -126,7 +135,10 @@ class EvalRecords:
         if result.status is not EvalStatus.EVALUATED:
             raise ValueError(f"only EVALUATED results are recorded, got {result.status.value}")
         # (`pending_commit` is not kept: a record is of a committed step)
-        self.storage.write_json(f"{self.dir}/{result.step}.json", result.model_dump(mode="json", exclude={"pending_commit"}))
+        self.storage.write_json(
+            f"{self.dir}/{result.step}.json",
+            result.model_dump(mode="json", exclude={"pending_commit"}),
+        )
         self._known[int(result.step)] = result
 
     def discard(self, step: int, why: str) -> str:
@@ -148,7 +160,9 @@ class EvalRecords:
         return [r for r in (self.get(s) for s in self.steps()) if r is not None]
 
 
-def throttled(records: EvalRecords, throttle_secs: float, now: Callable[[], float] = time.time) -> bool:
+def throttled(
+    records: EvalRecords, throttle_secs: float, now: Callable[[], float] = time.time
+) -> bool:
     if throttle_secs <= 0:
         return False
     last = records.last_evaluated_at()

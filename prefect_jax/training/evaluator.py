@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
 from prefect_jax.training.specs import JobConfig

@@ -17,10 +17,17 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
-from prefect_jax.training.specs import EXPORT_PLATFORMS, BestExporter, ExporterSpec, FinalExporter, LatestExporter
+from prefect_jax.training.specs import (
+    EXPORT_PLATFORMS,
+    BestExporter,
+    ExporterSpec,
+    FinalExporter,
+    LatestExporter,
+)
 from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.trainer")  # shown in the flow run's logs
@@ -33,7 +40,11 @@ def is_recorded(result: EvalResult) -> bool:
     """An evaluation with metrics: EVALUATED now, or found recorded (NO_NEW_CHECKPOINT). Exporters
     run on both: a process killed between an evaluation's record and its exports has them
     written by the next run, which finds the step already evaluated."""
-    return result.status in (EvalStatus.EVALUATED, EvalStatus.NO_NEW_CHECKPOINT) and result.step is not None and bool(result.metrics)
+    return (
+        result.status in (EvalStatus.EVALUATED, EvalStatus.NO_NEW_CHECKPOINT)
+        and result.step is not None
+        and bool(result.metrics)
+    )
 
 
 def is_the_final_export(result: EvalResult, max_steps: int) -> bool:
@@ -46,7 +57,9 @@ def is_the_final_export(result: EvalResult, max_steps: int) -> bool:
 _left_out: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
-def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...] | None = None) -> bytes:
+def serialize_serving(
+    program: Any, state, platforms: list[str] | tuple[str, ...] | None = None
+) -> bytes:
     """``jax.export`` of ``serve(state, inputs)`` with `state` closed over as constants, lowered
     for `platforms` (``EvalSpec.export_platforms``); None: every one of `EXPORT_PLATFORMS` that
     ``serve`` lowers for, so that a model trained on GPUs loads on a laptop's CPU. One module
@@ -69,7 +82,9 @@ def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...
     if platforms:
         wanted = tuple(platforms)
     else:
-        wanted = tuple(p for p in dict.fromkeys((*EXPORT_PLATFORMS, here)) if p not in _left_out.get(key, ()))
+        wanted = tuple(
+            p for p in dict.fromkeys((*EXPORT_PLATFORMS, here)) if p not in _left_out.get(key, ())
+        )
     try:
         return jax.export.export(fn, platforms=wanted)(spec).serialize()
     except Exception:
@@ -83,8 +98,12 @@ def serialize_serving(program: Any, state, platforms: list[str] | tuple[str, ...
     _left_out[key] = (*_left_out.get(key, ()), *failed)
     logger.warning(
         "the export runs on %s, not on %s: serve() does not lower there (%s). Set EvalSpec.export_platforms "
-        "(--export-platforms) to %s to skip trying", ", ".join(kept), ", ".join(failed), why, ",".join(kept),
-    )  # fmt: skip
+        "(--export-platforms) to %s to skip trying",
+        ", ".join(kept),
+        ", ".join(failed),
+        why,
+        ",".join(kept),
+    )
     return jax.export.export(fn, platforms=kept)(spec).serialize()
 
 
@@ -102,7 +121,9 @@ def _failing_platforms(fn, platforms, *args) -> dict[str, Exception]:
 
 
 def _why(failed: dict[str, Exception]) -> str:
-    return "; ".join(f"{p}: {type(e).__name__}: {' '.join(str(e).split())[:300]}" for p, e in failed.items())
+    return "; ".join(
+        f"{p}: {type(e).__name__}: {' '.join(str(e).split())[:300]}" for p, e in failed.items()
+    )
 
 
 def _named_platforms_error(failed: dict[str, Exception], platforms) -> ValueError:
@@ -112,7 +133,9 @@ def _named_platforms_error(failed: dict[str, Exception], platforms) -> ValueErro
     )
 
 
-def check_serving_platforms(program: Any, abstract_state, platforms: list[str] | tuple[str, ...]) -> None:
+def check_serving_platforms(
+    program: Any, abstract_state, platforms: list[str] | tuple[str, ...]
+) -> None:
     """Before training: raise the error `serialize_serving` would raise at the job's first export
     (an interval in, perhaps hours) for named `platforms` that ``serve`` does not lower for.
     Lowers ``serve`` with the state as an argument (its shapes, no values: ~0.05 s a platform for
@@ -125,11 +148,16 @@ def check_serving_platforms(program: Any, abstract_state, platforms: list[str] |
     import jax
 
     spec, here = program.serving_input(), jax.export.default_export_platform()
-    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_state)  # one device, as an export's constants
+    state = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_state
+    )  # one device, as an export's constants
     fn = jax.jit(lambda state, inputs: program.serve(state, inputs))
     failed = _failing_platforms(fn, dict.fromkeys((here, *platforms)), state, spec)
     if here in failed:
-        logger.debug("serve() does not lower over the abstract state here (%s): export platforms checked at the first export", _why(failed))
+        logger.debug(
+            "serve() does not lower over the abstract state here (%s): export platforms checked at the first export",
+            _why(failed),
+        )
         return
     if failed:
         raise _named_platforms_error(failed, platforms)
@@ -162,11 +190,17 @@ def serving_example(program: Any, rows: int = 5):
         batch = data[0] if hasattr(data, "__getitem__") else next(iter(data))
         for leaf in jax.tree.leaves(batch):
             leaf = np.asarray(leaf)
-            if leaf.ndim == len(spec.shape) and tuple(leaf.shape[1:]) == tail and np.can_cast(leaf.dtype, spec.dtype, "same_kind"):
+            if (
+                leaf.ndim == len(spec.shape)
+                and tuple(leaf.shape[1:]) == tail
+                and np.can_cast(leaf.dtype, spec.dtype, "same_kind")
+            ):
                 return leaf[:rows].astype(spec.dtype)
     except Exception:  # noqa: BLE001 - an example is a nicety; the zeros below still fit the signature
         pass
-    return np.zeros((rows if not isinstance(spec.shape[0], int) else spec.shape[0], *tail), dtype=spec.dtype)
+    return np.zeros(
+        (rows if not isinstance(spec.shape[0], int) else spec.shape[0], *tail), dtype=spec.dtype
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +259,9 @@ def exported_steps(storage: JobStorage, name: str) -> list[int]:
     return storage.list_int_names(storage.export_dir(name))
 
 
-def _prune(storage: JobStorage, name: str, keep: int | None, protect: set[int] = frozenset()) -> None:
+def _prune(
+    storage: JobStorage, name: str, keep: int | None, protect: set[int] = frozenset()
+) -> None:
     if keep is None:
         return
     steps = exported_steps(storage, name)
@@ -234,17 +270,24 @@ def _prune(storage: JobStorage, name: str, keep: int | None, protect: set[int] =
             storage.fs.rm(storage.export_dir(name, step), recursive=True)
 
 
-def exports_nothing(exporter: ExporterSpec, storage: JobStorage, result: EvalResult, max_steps: int) -> bool:
+def exports_nothing(
+    exporter: ExporterSpec, storage: JobStorage, result: EvalResult, max_steps: int
+) -> bool:
     """True where `run_exporter` certainly exports nothing for `result` once it is recorded: a
     `FinalExporter` before the final step, a `BestExporter` whose durable best (another step's)
     is at least as good. An evaluation not yet recorded (its step's save still in flight) is then
     not waited for by the export: it is recorded once the step commits, as without exporters."""
     if isinstance(exporter, FinalExporter):
         return not is_the_final_export(result, max_steps)
-    if isinstance(exporter, BestExporter) and exporter.metric in result.metrics:  # (else run_exporter names the metrics)
+    if (
+        isinstance(exporter, BestExporter) and exporter.metric in result.metrics
+    ):  # (else run_exporter names the metrics)
         best = storage.read_json(f"{storage.export_dir(exporter.name)}/best.json")
-        return best is not None and best.get("step") != int(result.step) and not _better(
-            result.metrics[exporter.metric], best["value"], exporter.mode)  # fmt: skip
+        return (
+            best is not None
+            and best.get("step") != int(result.step)
+            and not _better(result.metrics[exporter.metric], best["value"], exporter.mode)
+        )
     return False
 
 
@@ -299,10 +342,25 @@ def run_exporter(
             storage,
             dest,
             make_model(),
-            dict(info, step=step, eval_name=result.name, metrics=result.metrics, exporter=exporter.model_dump(), exported_at=time.time()),
+            dict(
+                info,
+                step=step,
+                eval_name=result.name,
+                metrics=result.metrics,
+                exporter=exporter.model_dump(),
+                exported_at=time.time(),
+            ),
         )
     if isinstance(exporter, BestExporter):
-        storage.write_json(best_path, {"step": step, "metric": exporter.metric, "value": result.metrics[exporter.metric], "mode": exporter.mode})
+        storage.write_json(
+            best_path,
+            {
+                "step": step,
+                "metric": exporter.metric,
+                "value": result.metrics[exporter.metric],
+                "mode": exporter.mode,
+            },
+        )
         _prune(storage, exporter.name, exporter.keep, protect={step})
     elif isinstance(exporter, LatestExporter):
         _prune(storage, exporter.name, exporter.keep, protect={step})

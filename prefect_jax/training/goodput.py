@@ -41,15 +41,28 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prefect_jax.training.names import GOODPUT_PREFIX
 
 logger = logging.getLogger("prefect_jax.trainer")
 
 PHASES = ("startup", "restore", "compile", "train", "checkpoint", "eval", "export")
-LOST = ("startup", "restore", "compile", "recomputed", "checkpoint", "eval", "export", "other", "between_attempts")
-MAX_ATTEMPTS_KEPT = 500  # past it, no-op reruns are dropped and the oldest attempts folded (`_bounded`)
+LOST = (
+    "startup",
+    "restore",
+    "compile",
+    "recomputed",
+    "checkpoint",
+    "eval",
+    "export",
+    "other",
+    "between_attempts",
+)
+MAX_ATTEMPTS_KEPT = (
+    500  # past it, no-op reruns are dropped and the oldest attempts folded (`_bounded`)
+)
 _TAIL = 32  # per attempt, the cumulative train time at its newest saves (backups make many)
 _process_clock_taken = False  # the first ledger of a process counts from the process start
 
@@ -92,8 +105,12 @@ class GoodputLedger:
         _process_clock_taken = True
         self.attempt: dict[str, Any] | None = None
         self._restore_began: float | None = None
-        self._earlier: list[dict[str, Any]] | None = None  # the attempts before this one, as read at its first write
-        self._waited = False  # this process waited for another process of its flow run first (`restart_clock`)
+        self._earlier: list[dict[str, Any]] | None = (
+            None  # the attempts before this one, as read at its first write
+        )
+        self._waited = (
+            False  # this process waited for another process of its flow run first (`restart_clock`)
+        )
 
     # -- the attempt's clock ------------------------------------------------------------------
 
@@ -112,7 +129,9 @@ class GoodputLedger:
 
     def begin(self, step: int) -> None:
         """The live state is at `step` (restored, or made by init): open this process's attempt."""
-        if self.attempt is not None:  # restored again within one process (a retried task): same attempt
+        if (
+            self.attempt is not None
+        ):  # restored again within one process (a retried task): same attempt
             self.attempt["restored_again"] = self.attempt.get("restored_again", 0) + 1
             return
         now = time.time()
@@ -161,7 +180,9 @@ class GoodputLedger:
             a = self.attempt
             a["saves"] = a.get("saves", 0) + 1
             a["save_s"] = round(a.get("save_s", 0.0) + seconds, 4)
-            if a["saves"] == 1:  # on record now, for a rerun if this attempt is killed before its next save
+            if (
+                a["saves"] == 1
+            ):  # on record now, for a rerun if this attempt is killed before its next save
                 self._write()
 
     @property
@@ -187,8 +208,12 @@ class GoodputLedger:
         a["seconds"] = {k: round(v, 4) for k, v in a["seconds"].items()}
         a["tail"] = [[s, round(t, 4)] for s, t in a["tail"]]
         try:
-            if self._earlier is None:  # read once: while this process holds the job's lease nobody else writes it
-                self._earlier = [e for e in self.read().get("attempts", []) if e.get("id") != a["id"]]
+            if (
+                self._earlier is None
+            ):  # read once: while this process holds the job's lease nobody else writes it
+                self._earlier = [
+                    e for e in self.read().get("attempts", []) if e.get("id") != a["id"]
+                ]
             self.storage.write_json(self.path, self._ledger(), durable=False)
         except Exception:  # noqa: BLE001 - an account must never stop training
             logger.warning("could not write the goodput ledger %s", self.path, exc_info=True)
@@ -236,9 +261,17 @@ def _fold(attempts: list[dict], cut: int) -> dict:
     summary stays what it was. It keeps what the next attempt is judged against: the last folded
     attempt's step, end and last record."""
     last = attempts[cut - 1]
-    return {"folded": True, "carried": _account(attempts[: cut + 1], cut), "process_start": attempts[0]["process_start"],
-            "from_step": attempts[0]["from_step"], "step": last["step"], "ended": last.get("ended"),
-            "updated": last["updated"], "tail": last.get("tail", []), "seconds": {}}  # fmt: skip
+    return {
+        "folded": True,
+        "carried": _account(attempts[: cut + 1], cut),
+        "process_start": attempts[0]["process_start"],
+        "from_step": attempts[0]["from_step"],
+        "step": last["step"],
+        "ended": last.get("ended"),
+        "updated": last["updated"],
+        "tail": last.get("tail", []),
+        "seconds": {},
+    }
 
 
 def _train_at(attempt: dict, step: int) -> float | None:
@@ -252,13 +285,21 @@ def _train_at(attempt: dict, step: int) -> float | None:
 def _rerun_of_finished_job(previous: dict, attempt: dict) -> bool:
     """`attempt` came after `previous` finished the job and trained nothing: it restored the last
     step and stopped (a rerun of a completed run). It cost no one any waiting for the job."""
-    return (previous.get("ended") == "finished" and attempt.get("ended") == "finished"
-            and attempt["from_step"] == attempt["step"] == previous["step"] and not attempt["seconds"].get("train"))  # fmt: skip
+    return (
+        previous.get("ended") == "finished"
+        and attempt.get("ended") == "finished"
+        and attempt["from_step"] == attempt["step"] == previous["step"]
+        and not attempt["seconds"].get("train")
+    )
 
 
 def _counted(attempts: list[dict]) -> list[dict]:
     """The attempts the account counts: not the reruns of a finished job that trained nothing."""
-    return [a for i, a in enumerate(attempts) if i == 0 or not _rerun_of_finished_job(attempts[i - 1], a)]
+    return [
+        a
+        for i, a in enumerate(attempts)
+        if i == 0 or not _rerun_of_finished_job(attempts[i - 1], a)
+    ]
 
 
 def _account(attempts: list[dict], stop: int) -> dict[str, Any]:
@@ -269,8 +310,15 @@ def _account(attempts: list[dict], stop: int) -> dict[str, Any]:
     if "carried" in first:
         acc = {**first["carried"], "lost": dict(first["carried"]["lost"])}
     else:
-        acc = {"productive": 0.0, "wall": 0.0, "lost": dict.fromkeys(LOST, 0.0), "attempts": 0, "interrupted": 0,
-               "segment_start": first["process_start"], "from_step": first["from_step"]}  # fmt: skip
+        acc = {
+            "productive": 0.0,
+            "wall": 0.0,
+            "lost": dict.fromkeys(LOST, 0.0),
+            "attempts": 0,
+            "interrupted": 0,
+            "segment_start": first["process_start"],
+            "from_step": first["from_step"],
+        }
     lost = acc["lost"]
     for i in range(1 if "carried" in first else 0, stop):
         a = attempts[i]
@@ -286,7 +334,9 @@ def _account(attempts: list[dict], stop: int) -> dict[str, Any]:
             kept = min(train, at)
             if a.get("ended") != "finished":
                 lost["between_attempts"] += max(0.0, nxt["process_start"] - a["updated"])
-        if nxt is None or a.get("ended") == "finished":  # the job waited from segment_start until here
+        if (
+            nxt is None or a.get("ended") == "finished"
+        ):  # the job waited from segment_start until here
             acc["wall"] += a["updated"] - acc["segment_start"]
             acc["segment_start"] = nxt["process_start"] if nxt is not None else 0.0
         acc["productive"] += kept
@@ -296,7 +346,9 @@ def _account(attempts: list[dict], stop: int) -> dict[str, Any]:
                 lost[phase] += secs.get(phase, 0.0)
         lost["other"] += max(0.0, (a["updated"] - a["process_start"]) - sum(secs.values()))
         acc["attempts"] += a.get("folded", 1)  # (an int in the folds of older versions)
-        acc["interrupted"] += a.get("ended") not in (("finished",) if nxt is not None else ("finished", None))
+        acc["interrupted"] += a.get("ended") not in (
+            ("finished",) if nxt is not None else ("finished", None)
+        )
     return acc
 
 
@@ -328,8 +380,13 @@ def as_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     if not summary:
         return []
     wall = summary["wall_s"] or 1.0
-    rows = [{"what": "productive training (steps kept)", "seconds": round(summary["productive_s"], 2),
-             "share of wall": round(summary["productive_s"] / wall, 4)}]  # fmt: skip
+    rows = [
+        {
+            "what": "productive training (steps kept)",
+            "seconds": round(summary["productive_s"], 2),
+            "share of wall": round(summary["productive_s"] / wall, 4),
+        }
+    ]
     names = {
         "startup": "start-up (process, imports, Prefect, clients)",
         "restore": "restore (lease, checkpoint read, or init)",
@@ -353,8 +410,11 @@ def describe(summary: dict[str, Any]) -> str:
         return "no attempt recorded"
     losses = sorted(((v, k) for k, v in summary["lost_s"].items() if v >= 0.05), reverse=True)[:4]
     lost = ", ".join(f"{k} {v:.1f}s" for v, k in losses)
-    return (f"{summary['goodput']:.1%} of {summary['wall_s']:.1f}s wall in kept training steps, "
-            f"{summary['attempts']} attempt(s), {summary['interrupted']} interrupted" + (f"; lost: {lost}" if lost else ""))  # fmt: skip
+    return (
+        f"{summary['goodput']:.1%} of {summary['wall_s']:.1f}s wall in kept training steps, "
+        f"{summary['attempts']} attempt(s), {summary['interrupted']} interrupted"
+        + (f"; lost: {lost}" if lost else "")
+    )
 
 
 def mlflow_metrics(summary: dict[str, Any], step: int) -> list[tuple[str, float, int]]:

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from prefect_jax.training import control
 from prefect_jax.training.announcer import Announcer

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
 from prefect_jax.training.redaction import redact_url
@@ -34,8 +34,12 @@ from prefect_jax.training.storage import JobStorage
 logger = logging.getLogger("prefect_jax.lease")
 
 _SAME_RUN = "same flow run (a retry)"  # why a lease is taken over from a retry of its own flow run
-DUPLICATE_POLL_SECS = 1.0  # how often a second process of one flow run looks whether the first has ended
-_duplicate_wait_ended: dict[str, float] = {}  # job dir: when this process stopped waiting for another of its flow run
+DUPLICATE_POLL_SECS = (
+    1.0  # how often a second process of one flow run looks whether the first has ended
+)
+_duplicate_wait_ended: dict[
+    str, float
+] = {}  # job dir: when this process stopped waiting for another of its flow run
 
 
 def duplicate_wait_ended(job_dir: str) -> float | None:
@@ -45,10 +49,12 @@ def duplicate_wait_ended(job_dir: str) -> float | None:
     return _duplicate_wait_ended.pop(job_dir, None)
 
 
-_taken_early: dict[str, "Lease"] = {}  # job dir: a lease taken before its trainer existed (`take_early`)
+_taken_early: dict[
+    str, Lease
+] = {}  # job dir: a lease taken before its trainer existed (`take_early`)
 
 
-def take_early(storage: JobStorage, owner_id: str | None, timeout_secs: float) -> "Lease":
+def take_early(storage: JobStorage, owner_id: str | None, timeout_secs: float) -> Lease:
     """Take the job's lease before its trainer exists, so before this process starts JAX; the
     job's next `Job` adopts it (`adopt_early`). A flow run's restore task does this: a second
     process of the same flow run (Prefect started it twice) then finds this one holding the
@@ -60,7 +66,7 @@ def take_early(storage: JobStorage, owner_id: str | None, timeout_secs: float) -
     return lease
 
 
-def adopt_early(job_dir: str, owner_id: str | None) -> "Lease | None":
+def adopt_early(job_dir: str, owner_id: str | None) -> Lease | None:
     """The lease `take_early` took of the job at `job_dir` for `owner_id` (its flow run), once;
     None if none was (or it was taken for another owner: that one stays for its own trainer)."""
     lease = _taken_early.get(job_dir)
@@ -69,7 +75,7 @@ def adopt_early(job_dir: str, owner_id: str | None) -> "Lease | None":
     return _taken_early.pop(job_dir)
 
 
-def release_early(job_dir: str | None, lease: "Lease | None" = None) -> None:
+def release_early(job_dir: str | None, lease: Lease | None = None) -> None:
     """Give back the lease `take_early` took of the job at `job_dir` (and `lease`, adopted or
     not): making the trainer failed."""
     for taken in (_taken_early.pop(job_dir, None), lease):
@@ -102,7 +108,9 @@ class Lease:
         timeout_secs: a heartbeat older than this is stale.
     """
 
-    def __init__(self, storage: JobStorage, owner_id: str | None = None, timeout_secs: float = 120.0):
+    def __init__(
+        self, storage: JobStorage, owner_id: str | None = None, timeout_secs: float = 120.0
+    ):
         self.storage = storage
         self.path = storage.path("lease.json")
         self.owner_id = owner_id
@@ -113,8 +121,12 @@ class Lease:
         self.taken_over: dict | None = None
         # The record of the trainer that took this process's lease over (see `verify`), or None.
         self.lost_to: dict | None = None
-        self.on_lost: Callable[[dict], None] | None = None  # called once, with the new holder's record, when lost
-        self._confirmed_at: float | None = None  # when `verify` last read the lease and found it ours (monotonic)
+        self.on_lost: Callable[[dict], None] | None = (
+            None  # called once, with the new holder's record, when lost
+        )
+        self._confirmed_at: float | None = (
+            None  # when `verify` last read the lease and found it ours (monotonic)
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -153,7 +165,9 @@ class Lease:
         flow run as this one (Prefect started the flow run twice), else None: on this host, a
         holder that `_stale_reason` finds stale only as "the same flow run" is alive."""
         pid = current.get("pid")
-        elsewhere = current.get("host") != socket.gethostname() or pid is None or int(pid) == os.getpid()
+        elsewhere = (
+            current.get("host") != socket.gethostname() or pid is None or int(pid) == os.getpid()
+        )
         return None if elsewhere or self._stale_reason(current) != _SAME_RUN else int(pid)
 
     def wait_for_duplicate(self) -> dict | None:
@@ -169,14 +183,21 @@ class Lease:
             "flow run %s already trains job %s in process %d on this host: Prefect started this flow run twice "
             "(a crash reported twice makes a rerun automation rerun it twice). Waiting for process %d to end, "
             "so that one process trains the job; this one then resumes from the newest committed step.",
-            self.owner_id, redact_url(self.storage.job_dir), pid, pid,
-        )  # fmt: skip
+            self.owner_id,
+            redact_url(self.storage.job_dir),
+            pid,
+            pid,
+        )
         started = time.monotonic()
         while current is not None and self._live_duplicate(current) is not None:
             time.sleep(DUPLICATE_POLL_SECS)
             current = self.read()
-        logger.warning("process %d ended (or went stale) after %.0fs: job %s is this process's to train",
-                       pid, time.monotonic() - started, redact_url(self.storage.job_dir))  # fmt: skip
+        logger.warning(
+            "process %d ended (or went stale) after %.0fs: job %s is this process's to train",
+            pid,
+            time.monotonic() - started,
+            redact_url(self.storage.job_dir),
+        )
         _duplicate_wait_ended[self.storage.job_dir] = time.time()
         return current
 
@@ -197,8 +218,11 @@ class Lease:
             try:
                 current = self.read()
             except Exception as exc:  # noqa: BLE001 - storage unreachable for a moment: the heartbeat goes on looking
-                logger.warning("could not read the lease of %s before a checkpoint (%s): going on",
-                               redact_url(self.storage.job_dir), type(exc).__name__)  # fmt: skip
+                logger.warning(
+                    "could not read the lease of %s before a checkpoint (%s): going on",
+                    redact_url(self.storage.job_dir),
+                    type(exc).__name__,
+                )
                 return
             if current is not None and current.get("token") == self.token:
                 self._confirmed_at = time.monotonic()
@@ -209,7 +233,11 @@ class Lease:
     def _lose(self, current: dict) -> None:
         first = self.lost_to is None
         if first:
-            logger.error("lost the lease of %s to %s", redact_url(self.storage.job_dir), current or "nobody (its lease file is gone)")
+            logger.error(
+                "lost the lease of %s to %s",
+                redact_url(self.storage.job_dir),
+                current or "nobody (its lease file is gone)",
+            )
         self.lost_to = current
         self.token = None
         self._stop.set()
@@ -224,13 +252,22 @@ class Lease:
         if self.held:
             return
         while True:
-            self.taken_over = None  # (what this pass takes over, if anything: see `mark_taken_over`)
+            self.taken_over = (
+                None  # (what this pass takes over, if anything: see `mark_taken_over`)
+            )
             current = self.wait_for_duplicate()
             if current is not None:
                 reason = self._stale_reason(current)
                 if reason is None:
-                    raise LeaseHeldError(self.storage.job_dir, current, time.time() - float(current.get("heartbeat", 0)), self.timeout_secs)
-                logger.warning("taking over the lease of %s (%s): %s", self.storage.job_dir, reason, current)
+                    raise LeaseHeldError(
+                        self.storage.job_dir,
+                        current,
+                        time.time() - float(current.get("heartbeat", 0)),
+                        self.timeout_secs,
+                    )
+                logger.warning(
+                    "taking over the lease of %s (%s): %s", self.storage.job_dir, reason, current
+                )
                 self.taken_over = dict(current, reason=reason)
             self.token = uuid.uuid4().hex
             self.storage.write_json(self.path, self._record())
@@ -253,7 +290,9 @@ class Lease:
             try:
                 current = self.read()
                 if not current or current.get("token") != self.token:
-                    if not self._stop.is_set():  # (set: released meanwhile; the lease is not ours to write)
+                    if (
+                        not self._stop.is_set()
+                    ):  # (set: released meanwhile; the lease is not ours to write)
                         self._lose(current or {})  # the next checkpoint's `verify` stops training
                     return
                 if self._stop.is_set():

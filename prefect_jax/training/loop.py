@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grain
 import jax
@@ -64,7 +65,11 @@ def iterate(dataset, read_options=None):
     """An iterator (with get_state/set_state) over a Grain MapDataset (read with `read_options`,
     default Grain's) or IterDataset."""
     if hasattr(dataset, "to_iter_dataset"):
-        dataset = dataset.to_iter_dataset(read_options) if read_options is not None else dataset.to_iter_dataset()
+        dataset = (
+            dataset.to_iter_dataset(read_options)
+            if read_options is not None
+            else dataset.to_iter_dataset()
+        )
     return iter(dataset)
 
 
@@ -149,17 +154,23 @@ class Loop:
         self.eval_step = jax.jit(program.eval_step)
         self._rng = None  # see `rng`
         self._abstract = None
-        self.compile_s: float | None = None  # join of the compile + the first step, once per process (goodput)
+        self.compile_s: float | None = (
+            None  # join of the compile + the first step, once per process (goodput)
+        )
         self._precompiling: threading.Thread | None = None
         devices = jax.devices()
         # On one device (CPU, or one GPU) the state is committed to it, so that the compile done
         # ahead of time (`start_precompile`) is the one the loop finds; several devices: no precompile.
-        self.one_device = jax.sharding.SingleDeviceSharding(devices[0]) if len(devices) == 1 else None
+        self.one_device = (
+            jax.sharding.SingleDeviceSharding(devices[0]) if len(devices) == 1 else None
+        )
         # Several JAX processes (`prefect_jax.training.cluster`): data parallel over every device
         # of every process; the state is replicated, each batch split along its first axis.
         self.processes = jax.process_count()
         self.mesh = self.replicated = self.batch_sharding = None
-        if self.processes > 1:  # one process keeps its one-device behaviour, on any number of devices
+        if (
+            self.processes > 1
+        ):  # one process keeps its one-device behaviour, on any number of devices
             from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
             self.mesh = Mesh(np.array(devices), ("data",))
@@ -192,7 +203,10 @@ class Loop:
             shapes = jax.eval_shape(self._init_from_seed, np.int64(self.spec.seed))
             # With the sharding the live state has: a checkpoint written by another number of
             # devices or processes is restored into this one's layout (Orbax reshards it).
-            self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.state_sharding), shapes)
+            self._abstract = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.state_sharding),
+                shapes,
+            )
         return self._abstract
 
     def init_state(self):
@@ -207,8 +221,12 @@ class Loop:
                 # The key is made inside the program from the seed, an argument (as a constant,
                 # XLA could fold init into constants): no eager computation of its own to compile
                 # and run first, and one executable (one cache entry) for every seed.
-                lowered = jax.jit(self._init_from_seed, out_shardings=self.state_sharding).lower(seed)
-            except TypeError:  # jax.errors.ConcretizationTypeError and kin, or a leaf that is not an array
+                lowered = jax.jit(self._init_from_seed, out_shardings=self.state_sharding).lower(
+                    seed
+                )
+            except (
+                TypeError
+            ):  # jax.errors.ConcretizationTypeError and kin, or a leaf that is not an array
                 logger.debug("init cannot be jitted: running it op by op", exc_info=True)
             else:
                 try:  # init runs once: compiled for a quick compile, not a quick run (1.25 -> 0.5 s for the digits MLP)
@@ -220,19 +238,25 @@ class Loop:
         return self.program.init(self.rng)
 
     def fresh_iter(self):
-        return iterate(self.program.train_data(self.spec.seed), getattr(self.program, "read_options", None))
+        return iterate(
+            self.program.train_data(self.spec.seed), getattr(self.program, "read_options", None)
+        )
 
     def place(self, state):
         """Commit a state to the one device, or replicate it over every device (a restored state
         already is; an initialised one may not be)."""
-        return jax.device_put(state, self.state_sharding) if self.state_sharding is not None else state
+        return (
+            jax.device_put(state, self.state_sharding) if self.state_sharding is not None else state
+        )
 
     def local(self, tree):
         """This process's own replica of a replicated state (several processes: a jitted call
         on it runs here alone, as process 0's evaluations and exports do); else `tree`."""
         if self.processes == 1:
             return tree
-        return jax.tree.map(lambda a: a.addressable_data(0) if isinstance(a, jax.Array) else a, tree)
+        return jax.tree.map(
+            lambda a: a.addressable_data(0) if isinstance(a, jax.Array) else a, tree
+        )
 
     def batch(self, host_batch, axis: int = 0):
         """A batch for the step: as it is on one device; else split along `axis` over every
@@ -251,7 +275,9 @@ class Loop:
                     f"make the batch size a multiple of {devices} (the devices of all {count} processes)"
                 )
             size = x.shape[axis] // count
-            own = (slice(None),) * axis + (slice(index * size, (index + 1) * size),)  # a view: no copy before the device's
+            own = (slice(None),) * axis + (
+                slice(index * size, (index + 1) * size),
+            )  # a view: no copy before the device's
             return jax.make_array_from_process_local_data(sharding, x[own])
 
         return jax.tree.map(part, host_batch)
@@ -268,23 +294,33 @@ class Loop:
             return
 
         def spec(tree):
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree
+            )
 
         # The state the loop gets is committed to the one device (see `place`): a spec without
         # that sharding would compile an executable the loop never finds.
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.one_device), self.abstract_state)
+        state = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.one_device),
+            self.abstract_state,
+        )
 
         def compile_steps():
             try:
                 train_data = self.program.train_data(self.spec.seed)
                 if isinstance(train_data, grain.MapDataset):
                     batch = spec(train_data[0])
-                    guard = jax.tree.map(lambda g: jax.ShapeDtypeStruct((), g.dtype, sharding=self.one_device), spec((guard_int(0), guard_int(-1))))
+                    guard = jax.tree.map(
+                        lambda g: jax.ShapeDtypeStruct((), g.dtype, sharding=self.one_device),
+                        spec((guard_int(0), guard_int(-1))),
+                    )
                     k = self.spec.steps_per_dispatch
                     if k == 1:
                         self.train_step.lower(state, batch, guard).compile()
                     else:
-                        stacked = jax.tree.map(lambda b: jax.ShapeDtypeStruct((k, *b.shape), b.dtype), batch)
+                        stacked = jax.tree.map(
+                            lambda b: jax.ShapeDtypeStruct((k, *b.shape), b.dtype), batch
+                        )
                         self.scan_steps.lower(state, stacked, guard).compile()
                 eval_data = self.program.eval_data()
                 if isinstance(eval_data, grain.MapDataset):
@@ -318,7 +354,9 @@ class Loop:
         if self.processes > 1:
             from prefect_jax.training.cluster import any_process
         checked = None  # the guard of the previous log point
-        first = self.compile_s is None  # this process's first step: timed to the end (compile or cache load)
+        first = (
+            self.compile_s is None
+        )  # this process's first step: timed to the end (compile or cache load)
         t_first = time.perf_counter()
         self.join_precompile()  # its executable is the one this loop calls
         while step < target:
@@ -328,14 +366,18 @@ class Loop:
                 step += 1
             else:
                 n = min(per_dispatch, target - step)
-                state, metrics, guard = self.scan_steps(state, self.batch(stack([next(it) for _ in range(n)]), axis=1), guard)
+                state, metrics, guard = self.scan_steps(
+                    state, self.batch(stack([next(it) for _ in range(n)]), axis=1), guard
+                )
                 step += n
             if first:
                 jax.block_until_ready(guard)
                 self.compile_s, first = time.perf_counter() - t_first, False
             due = [s for s in range(start + 1, step + 1) if s % log_every == 0 or s == target]
             if due:
-                logged.extend((s, metrics, None if per_dispatch == 1 else s - start - 1) for s in due)
+                logged.extend(
+                    (s, metrics, None if per_dispatch == 1 else s - start - 1) for s in due
+                )
                 if checked is not None:
                     self.check_finite(checked, logged)
                 checked = guard

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 # <database>.prefect-jax-new-<host>-<pid>: a store being created
 NEW_STORE_SUFFIX = ".prefect-jax-new-"

@@ -9,7 +9,9 @@ here imports anything: every layer may import it, the engine and the Prefect sid
 
 # MLflow: the job's run and experiment
 DEFAULT_EXPERIMENT = "prefect-jax"
-JOB_TAG = "prefect_jax.job"  # on the run: the job's key (job name and storage); how a rerun finds its run
+JOB_TAG = (
+    "prefect_jax.job"  # on the run: the job's key (job name and storage); how a rerun finds its run
+)
 STORAGE_TAG = "prefect_jax.storage"  # on the run: the job's storage URL, secrets redacted
 KILLED_TAG = "prefect_jax.killed_attempts"  # how many attempts died without closing the run
 DEVICES_TAG = "prefect_jax.devices"  # what the newest training attempt runs on
@@ -20,7 +22,9 @@ RUN_NAME_TAG = "mlflow.runName"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
 # The MLflow UI opens an experiment in the view its kind names (else it may guess GenAI).
 EXPERIMENT_KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
-UI_MODEL_TRAINING = "workflowType=machine_learning"  # the query that opens MLflow's UI in its model-training view
+UI_MODEL_TRAINING = (
+    "workflowType=machine_learning"  # the query that opens MLflow's UI in its model-training view
+)
 
 # MLflow: metric prefixes (an evaluation's metrics are prefixed with its EvalSpec name)
 TRAIN_PREFIX = "train/"
@@ -41,11 +45,17 @@ EVENT_STORAGE_LABEL = "prefect-jax.storage"
 EVENT_STEP_LABEL = "prefect-jax.step"
 OWN_TAG = "prefect-jax"  # on every flow run and task run the package makes
 JOB_RUN_TAG = "job:"  # job:<job>, on every flow run of a job
-PROCESS_RUN_TAG = "process:"  # process:<host>:<pid> of a flow run the command runs in its own process
-MLFLOW_RUN_TAG = "mlflow-run:"  # mlflow-run:<run id>, on every flow run that writes to that MLflow run
+PROCESS_RUN_TAG = (
+    "process:"  # process:<host>:<pid> of a flow run the command runs in its own process
+)
+MLFLOW_RUN_TAG = (
+    "mlflow-run:"  # mlflow-run:<run id>, on every flow run that writes to that MLflow run
+)
 
 # Storage: the files of one checkpoint step beside Orbax's own
-STEP_META_FILE = "meta/metadata"  # a step's metadata item, the JSON Orbax's JsonCheckpointHandler writes
+STEP_META_FILE = (
+    "meta/metadata"  # a step's metadata item, the JSON Orbax's JsonCheckpointHandler writes
+)
 STEP_MANIFEST_FILE = "prefect_jax_manifest.json"  # checksums of the step's files
 COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"  # written last on remote storage: the step is whole
 

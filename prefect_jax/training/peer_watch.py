@@ -23,7 +23,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger("prefect_jax.trainer")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from prefect_jax.training.evaluation import EvalResult
 

@@ -13,7 +13,8 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from prefect_jax.training.goodput import LOST_PROCESS
 from prefect_jax.training.specs import CheckpointSpec

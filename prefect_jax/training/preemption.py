@@ -16,10 +16,11 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-
-_received: int | None = None  # the signal a guard of this process took (or one delivered again), if any
+_received: int | None = (
+    None  # the signal a guard of this process took (or one delivered again), if any
+)
 _handler_codes: set = set()  # the code of every SIGTERM handler seen (`_raised_by_a_handler`)
 _exiting = False  # the interpreter is exiting: nothing is delivered again
 RESEND_DELAY_SECS = 0.01  # from a dropped notice's hook returning to the signal sent again
@@ -78,8 +79,11 @@ def _deliver_again(unraisable, previous) -> None:
             sent = _send_when_set(signal.SIGTERM)
         previous(unraisable)
         if sent is not None:
-            print("prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: sending "
-                  "SIGTERM again", file=sys.stderr)  # fmt: skip
+            print(
+                "prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: sending "
+                "SIGTERM again",
+                file=sys.stderr,
+            )
     except BaseException as again:
         # A SIGTERM sent again (for another drop) whose handler ran in here: Python would drop it too.
         if not _a_lost_notice(again, None):
@@ -92,13 +96,20 @@ def _deliver_again(unraisable, previous) -> None:
 
 
 def _a_lost_notice(exc: BaseException | None, err_msg: str | None) -> bool:
-    if exc is None or _exiting or sys.is_finalizing() or (err_msg or "").startswith("Exception ignored in atexit"):
+    if (
+        exc is None
+        or _exiting
+        or sys.is_finalizing()
+        or (err_msg or "").startswith("Exception ignored in atexit")
+    ):
         return False
     _note_handlers()
     if getattr(exc, "_prefect_jax_sent_again", False) or not _raised_by_a_handler(exc):
         return False
     seen, context = {id(exc)}, exc.__context__
-    while context is not None and id(context) not in seen:  # raised while an earlier notice was being handled
+    while (
+        context is not None and id(context) not in seen
+    ):  # raised while an earlier notice was being handled
         if _raised_by_a_handler(context):
             return False
         seen.add(id(context))
@@ -120,15 +131,22 @@ def _raised_by_a_handler(exc: BaseException) -> bool:
 def _note_handlers() -> None:
     """Remember the code of the SIGTERM handler in place and of Prefect's bridge."""
     engine = sys.modules.get("prefect.utilities.engine")
-    for handler in (signal.getsignal(signal.SIGTERM), getattr(engine, "_prefect_sigterm_handler", None)):
-        if isinstance(handler, int) or not callable(handler):  # SIG_DFL, SIG_IGN (an IntEnum: its class's call is Enum's)
+    for handler in (
+        signal.getsignal(signal.SIGTERM),
+        getattr(engine, "_prefect_sigterm_handler", None),
+    ):
+        if isinstance(handler, int) or not callable(
+            handler
+        ):  # SIG_DFL, SIG_IGN (an IntEnum: its class's call is Enum's)
             continue
         function = getattr(handler, "__func__", handler)  # (a bound method: its function)
         code = getattr(function, "__code__", None)
         if code is None:  # an object with a __call__ of its own class's (never its metaclass's)
             import inspect
 
-            code = getattr(inspect.getattr_static(type(handler), "__call__", None), "__code__", None)
+            code = getattr(
+                inspect.getattr_static(type(handler), "__call__", None), "__code__", None
+            )
         if code is not None:
             _handler_codes.add(code)
 
@@ -145,7 +163,9 @@ def _send_when_set(signum: int) -> threading.Event:
     def send() -> None:
         global _sending
         ready.wait()
-        time.sleep(RESEND_DELAY_SECS)  # the main thread leaves the callback (or `__del__`) that dropped it
+        time.sleep(
+            RESEND_DELAY_SECS
+        )  # the main thread leaves the callback (or `__del__`) that dropped it
         with _sending_lock:
             _sending = None  # (a drop of this one is sent again)
         os.kill(os.getpid(), signum)
@@ -156,7 +176,9 @@ def _send_when_set(signum: int) -> threading.Event:
 
 RESEND_THREAD = "prefect-jax-sigterm-again"
 _sending: threading.Event | None = None  # a signal to be sent again, not sent yet
-_sending_lock = threading.RLock()  # (re-entrant: a collection inside it may drop a notice, whose hook comes here)
+_sending_lock = (
+    threading.RLock()
+)  # (re-entrant: a collection inside it may drop a notice, whose hook comes here)
 
 
 def _at_exit() -> None:
@@ -196,7 +218,9 @@ class PreemptionGuard:
         self.active = False  # between install and uninstall: a finished trainer only passes it on
         self._on_signal = on_signal
         self._previous = None
-        self._handler = self._handle  # one bound method: what `signal.getsignal` returns is this object
+        self._handler = (
+            self._handle
+        )  # one bound method: what `signal.getsignal` returns is this object
 
     @property
     def requested(self) -> bool:
@@ -233,7 +257,9 @@ class PreemptionGuard:
         of it, the supervisor killed the engine outright, the step in flight lost. So, while the
         guard fronts that bridge, it is what Prefect counts as its bridge: the engine agrees, the
         SIGTERM comes to the guard, which checkpoints and hands it on to the real bridge."""
-        engine = sys.modules.get("prefect.utilities.engine")  # never imported here: the engine has no prefect
+        engine = sys.modules.get(
+            "prefect.utilities.engine"
+        )  # never imported here: the engine has no prefect
         if engine is not None and getattr(engine, "_prefect_sigterm_handler", None) is current:
             engine._prefect_sigterm_handler = replacement
 
@@ -288,4 +314,6 @@ class PreemptionGuard:
             time.sleep(5)  # the default action ends the process
 
 
-_handler_codes.add(PreemptionGuard._handle.__code__)  # the guard is a SIGTERM handler too (`_raised_by_a_handler`)
+_handler_codes.add(
+    PreemptionGuard._handle.__code__
+)  # the guard is a SIGTERM handler too (`_raised_by_a_handler`)

@@ -6,7 +6,8 @@ project logs, records in MLflow or puts in an exception goes through these funct
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 REDACTED = "***"
@@ -14,11 +15,31 @@ REDACTED = "***"
 
 # Option names (lowercase substrings) whose values are secrets.
 _SECRET_WORDS = (
-    "secret", "password", "passwd", "token", "credential", "private", "signature", "sas",
-    "account_key", "accountkey", "connection_string", "api_key", "apikey", "session_key",
+    "secret",
+    "password",
+    "passwd",
+    "token",
+    "credential",
+    "private",
+    "signature",
+    "sas",
+    "account_key",
+    "accountkey",
+    "connection_string",
+    "api_key",
+    "apikey",
+    "session_key",
 )
 # Option names that identify a principal but are not secret by themselves: shown shortened.
-_KEY_ID_NAMES = ("key", "aws_access_key_id", "access_key", "access_key_id", "username", "user", "client_id")
+_KEY_ID_NAMES = (
+    "key",
+    "aws_access_key_id",
+    "access_key",
+    "access_key_id",
+    "username",
+    "user",
+    "client_id",
+)
 # Query parameters of signed URLs that must not be shown.
 _SECRET_QUERY_WORDS = ("sig", "token", "secret", "password", "credential", "key", "auth")
 
@@ -44,16 +65,25 @@ def _redact_one_url(url: str) -> str:
         userinfo, host = netloc.rsplit("@", 1)
         user = userinfo.split(":", 1)[0]
         # user:password shows the (shortened) user; a lone user part may itself be a token.
-        netloc = f"{_shorten(user) if user else ''}:{REDACTED}@{host}" if ":" in userinfo else f"{REDACTED}@{host}"
+        netloc = (
+            f"{_shorten(user) if user else ''}:{REDACTED}@{host}"
+            if ":" in userinfo
+            else f"{REDACTED}@{host}"
+        )
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode(
-            [(k, REDACTED if any(w in k.lower() for w in _SECRET_QUERY_WORDS) else v) for k, v in pairs],
+            [
+                (k, REDACTED if any(w in k.lower() for w in _SECRET_QUERY_WORDS) else v)
+                for k, v in pairs
+            ],
             safe="*",
         )
     if netloc == parts.netloc and query == parts.query:
-        return url  # nothing secret: as given (urlunsplit would turn sqlite:////abs into sqlite://abs)
+        return (
+            url  # nothing secret: as given (urlunsplit would turn sqlite:////abs into sqlite://abs)
+        )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
@@ -130,5 +160,3 @@ def scrub(text: str, secrets: list[str]) -> str:
     for secret in secrets:
         text = text.replace(secret, REDACTED)
     return text
-
-

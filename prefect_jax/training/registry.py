@@ -17,7 +17,8 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prefect_jax.training.names import JOB_TAG, RESERVED_ALIASES, STEP_TAG
 
@@ -54,14 +55,24 @@ def job_versions(client, name: str, job_key: str) -> dict[int, Any]:
         versions = client.search_model_versions(f"name = {_quote(name)}")
     except Exception:  # noqa: BLE001 - no such registered model yet
         return {}
-    return {int(v.tags[STEP_TAG]): v for v in versions if v.tags.get(JOB_TAG) == job_key and STEP_TAG in v.tags}
+    return {
+        int(v.tags[STEP_TAG]): v
+        for v in versions
+        if v.tags.get(JOB_TAG) == job_key and STEP_TAG in v.tags
+    }
 
 
 def _logged_model(client, experiment_id: str, run_id: str, step: int):
     """The MLflow Model of `step` already logged to the run (by a process that died before registering it)."""
-    found = client.search_logged_models([experiment_id], filter_string=f"source_run_id = {_quote(run_id)}", max_results=100)
+    found = client.search_logged_models(
+        [experiment_id], filter_string=f"source_run_id = {_quote(run_id)}", max_results=100
+    )
     for model in found:
-        if model.tags.get(STEP_TAG) == str(step) and model.status.name in ("READY", "PENDING") and _has_artifacts(client, model):
+        if (
+            model.tags.get(STEP_TAG) == str(step)
+            and model.status.name in ("READY", "PENDING")
+            and _has_artifacts(client, model)
+        ):
             return model
     return None
 
@@ -79,7 +90,11 @@ def requirements() -> list[str]:
     import jaxlib
     import numpy
 
-    return [f"jax=={jax.__version__}", f"jaxlib=={jaxlib.__version__}", f"numpy=={numpy.__version__}"]
+    return [
+        f"jax=={jax.__version__}",
+        f"jaxlib=={jaxlib.__version__}",
+        f"numpy=={numpy.__version__}",
+    ]
 
 
 class _Pyfunc:
@@ -126,7 +141,15 @@ def warm_mlflow() -> None:
 
 
 def log_export_model(
-    client, tracking_uri: str, experiment_id: str, run_id: str, job: str, job_key: str, step: int, export_dir: str, example
+    client,
+    tracking_uri: str,
+    experiment_id: str,
+    run_id: str,
+    job: str,
+    job_key: str,
+    step: int,
+    export_dir: str,
+    example,
 ) -> Any:
     """Log the export in `export_dir` (local) as an MLflow Model of the run at `step`; returns its LoggedModel id."""
     import jax
@@ -138,10 +161,14 @@ def log_export_model(
     with open(model_file, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
     example = np.asarray(example, dtype=exported.in_avals[0].dtype)
-    runs_here = jax.export.default_export_platform() in exported.platforms  # the MLflow worker's: cpu (`mlflow_worker._worker_environment`)
+    runs_here = (
+        jax.export.default_export_platform() in exported.platforms
+    )  # the MLflow worker's: cpu (`mlflow_worker._worker_environment`)
     # The signature needs the output's shape and type only: traced, not compiled and run (MLflow's
     # check below runs the model, where it runs; a compile each, the weights being constants).
-    out = jax.eval_shape(exported.call, example)  # (a pytree: as np.asarray(exported.call(example)) makes it one array)
+    out = jax.eval_shape(
+        exported.call, example
+    )  # (a pytree: as np.asarray(exported.call(example)) makes it one array)
     output = np.asarray(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out))
     signature = infer_signature(example, output)
     info_path = os.path.join(export_dir, "export.json")
@@ -149,8 +176,14 @@ def log_export_model(
     if os.path.exists(info_path):
         with open(info_path) as f:
             info = json.load(f)
-        metadata = {k: info[k] for k in ("program", "program_fingerprint", "metrics", "eval_name") if k in info}
-    metadata["platforms"] = list(exported.platforms)  # where it loads: cpu, cuda, rocm, tpu by default
+        metadata = {
+            k: info[k]
+            for k in ("program", "program_fingerprint", "metrics", "eval_name")
+            if k in info
+        }
+    metadata["platforms"] = list(
+        exported.platforms
+    )  # where it loads: cpu, cuda, rocm, tpu by default
     mlflow.set_tracking_uri(tracking_uri)  # Model.log reads the global URI
     # The model's requirements are the ones above, not the uv project of the working directory
     # (the MLflow worker's environment says so already: `mlflow_worker._worker_environment`).
@@ -158,7 +191,9 @@ def log_export_model(
     # Created here, in the run's experiment (Model.log alone would use the process's active
     # experiment), then filled by Model.log.
     name, tags = f"{job}-step-{step}", {JOB_TAG: job_key, STEP_TAG: str(step)}
-    logged = client.create_logged_model(experiment_id, name=name, source_run_id=run_id, tags=tags, model_type="jax.export")
+    logged = client.create_logged_model(
+        experiment_id, name=name, source_run_id=run_id, tags=tags, model_type="jax.export"
+    )
     # MLflow loads the model to check the example: no __pycache__ of that into the model's files.
     writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
@@ -235,15 +270,29 @@ def sync_registry(
             except FileNotFoundError:
                 if step in aliases.values():
                     raise
-                logger.info("step %d was exported, then pruned before it could be registered: skipped", step)
+                logger.info(
+                    "step %d was exported, then pruned before it could be registered: skipped", step
+                )
                 continue
-            model_id = log_export_model(client, tracking_uri, experiment_id, run_id, job, job_key, step, export_dir, example)
+            model_id = log_export_model(
+                client, tracking_uri, experiment_id, run_id, job, job_key, step, export_dir, example
+            )
         source = f"models:/{model_id}"
         versions[step] = client.create_model_version(
-            name, source=source, run_id=run_id, model_id=model_id, tags={JOB_TAG: job_key, STEP_TAG: str(step)},
+            name,
+            source=source,
+            run_id=run_id,
+            model_id=model_id,
+            tags={JOB_TAG: job_key, STEP_TAG: str(step)},
             description=f"job {job}, step {step}",
-        )  # fmt: skip
-        logger.info("registered model %s version %s: job %s step %d", name, versions[step].version, job, step)
+        )
+        logger.info(
+            "registered model %s version %s: job %s step %d",
+            name,
+            versions[step].version,
+            job,
+            step,
+        )
     current = dict(client.get_registered_model(name).aliases or {})  # {alias: version}
     for alias, step in aliases.items():
         version = versions[step].version

@@ -39,7 +39,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 import fsspec
 

@@ -10,7 +10,7 @@ redacted URL and what to check; secrets never reach one (`prefect_jax.training.r
 from __future__ import annotations
 
 import socket
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import fsspec
 

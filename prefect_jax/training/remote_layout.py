@@ -79,7 +79,7 @@ class StepManifest:
         ).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str, step: int) -> "StepManifest | None":
+    def from_json(cls, data: bytes | str, step: int) -> StepManifest | None:
         try:
             obj = json.loads(data)
             return cls(

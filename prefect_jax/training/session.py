@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from prefect_jax.training.checkpoints import CheckpointMismatchError, Checkpoints, committed_steps, wait_for_new_checkpoint
+from prefect_jax.training.checkpoints import (
+    CheckpointMismatchError,
+    Checkpoints,
+    committed_steps,
+    wait_for_new_checkpoint,
+)
 from prefect_jax.training.errors import PastMaxStepsError
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.loop import notify_progress
@@ -106,7 +112,10 @@ def restore_or_init(
             except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
                 logger.warning(
                     "checkpoint step %d in %s is unreadable (%s: %s); falling back to the previous committed step",
-                    step, checkpoint_dir, type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "",
+                    step,
+                    checkpoint_dir,
+                    type(exc).__name__,
+                    str(exc).splitlines()[0][:300] if str(exc) else "",
                 )
                 if on_unreadable is not None:
                     on_unreadable(step, exc)
@@ -193,7 +202,9 @@ def restore_trainer(
         data_iter = loop.fresh_iter()
     job.discard_records_after(step)
     # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
-    job.attach_tracking(job_params(trainer.config, trainer.program), (meta or {}).get("mlflow_run_id"))
+    job.attach_tracking(
+        job_params(trainer.config, trainer.program), (meta or {}).get("mlflow_run_id")
+    )
     # The restored interval's train metrics, in case its process died before writing them.
     trainer.intervals.log_train_rows([tuple(r) for r in (meta or {}).get("train_metrics", [])])
     if step < trainer.config.train.max_steps:

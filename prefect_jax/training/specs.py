@@ -11,7 +11,7 @@ This module imports neither jax nor prefect.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -32,7 +32,12 @@ def check_name(kind: str, value: str) -> str:
         ValueError: the name is empty, contains a path separator, is ``.`` or ``..``, or
             uses characters outside ``[A-Za-z0-9_.-]``.
     """
-    if not isinstance(value, str) or not _NAME_RE.match(value) or value in (".", "..") or ".." in value:
+    if (
+        not isinstance(value, str)
+        or not _NAME_RE.match(value)
+        or value in (".", "..")
+        or ".." in value
+    ):
         raise ValueError(
             f"{kind} {value!r} is not a valid name: use 1-128 characters from [A-Za-z0-9_.-], "
             "starting with a letter or digit, with no '..' and no path separators "
@@ -75,25 +80,32 @@ class TrainSpec(_Spec):
     seed: int = Field(0, description="Seed for init and for the training data order.")
     log_every_steps: int = Field(50, description="Log train metrics to MLflow every N steps.")
     steps_per_dispatch: int = Field(
-        1, description="Steps per device call: K>1 runs K steps in one jitted lax.scan (same checkpoints; equal up to float reassociation)."
+        1,
+        description="Steps per device call: K>1 runs K steps in one jitted lax.scan (same checkpoints; equal up to float reassociation).",
     )
     check_finite: bool = Field(
-        True, description="Stop at a NaN/Inf loss (checked every log_every_steps and before each checkpoint)."
+        True,
+        description="Stop at a NaN/Inf loss (checked every log_every_steps and before each checkpoint).",
     )
     sigterm_grace_secs: float = Field(
-        25.0, description="On SIGTERM, how long the checkpoint of the step in flight may take before it is abandoned."
+        25.0,
+        description="On SIGTERM, how long the checkpoint of the step in flight may take before it is abandoned.",
     )
     lease_timeout_secs: float = Field(
-        120.0, description="A job's lease whose heartbeat is older than this is taken over by a new trainer."
+        120.0,
+        description="A job's lease whose heartbeat is older than this is taken over by a new trainer.",
     )
     max_reruns_without_progress: int | None = Field(
-        3, description="Refuse to train after this many reruns in a row started at the same step (None: no limit)."
+        3,
+        description="Refuse to train after this many reruns in a row started at the same step (None: no limit).",
     )
 
     @field_validator("max_steps")
     @classmethod
     def _max_steps(cls, v):
-        return _positive("max_steps", v, "set it to the total number of training steps, e.g. max_steps=1000")
+        return _positive(
+            "max_steps", v, "set it to the total number of training steps, e.g. max_steps=1000"
+        )
 
     @field_validator("log_every_steps")
     @classmethod
@@ -103,17 +115,29 @@ class TrainSpec(_Spec):
     @field_validator("steps_per_dispatch")
     @classmethod
     def _per_dispatch(cls, v):
-        return _positive("steps_per_dispatch", v, "use 1 for one step per call, or K>1 to scan K steps per call, e.g. 10")
+        return _positive(
+            "steps_per_dispatch",
+            v,
+            "use 1 for one step per call, or K>1 to scan K steps per call, e.g. 10",
+        )
 
     @field_validator("sigterm_grace_secs")
     @classmethod
     def _grace(cls, v):
-        return _positive("sigterm_grace_secs", v, "give the seconds a preempted node has to save (e.g. 25 on a 30 s notice)")
+        return _positive(
+            "sigterm_grace_secs",
+            v,
+            "give the seconds a preempted node has to save (e.g. 25 on a 30 s notice)",
+        )
 
     @field_validator("lease_timeout_secs")
     @classmethod
     def _lease(cls, v):
-        return _positive("lease_timeout_secs", v, "give the seconds after which a silent trainer's lease is taken over, e.g. 120")
+        return _positive(
+            "lease_timeout_secs",
+            v,
+            "give the seconds after which a silent trainer's lease is taken over, e.g. 120",
+        )
 
 
 class CheckpointSpec(_Spec):
@@ -150,23 +174,37 @@ class CheckpointSpec(_Spec):
     every_steps: int | None = Field(1000, description="Checkpoint every N steps.")
     every_secs: float | None = Field(None, description="Checkpoint every N seconds.")
     keep_last: int | None = Field(3, description="Keep the newest N checkpoints (None: all).")
-    keep_every_steps: int | None = Field(None, description="Also keep steps that are multiples of N.")
+    keep_every_steps: int | None = Field(
+        None, description="Also keep steps that are multiples of N."
+    )
     keep_until_evaluated: bool | None = Field(
-        None, description="Keep steps the evaluator has not reached yet (None: on for the train role only)."
+        None,
+        description="Keep steps the evaluator has not reached yet (None: on for the train role only).",
     )
     backups: bool = Field(
-        True, description="After kills without notice, also write resume-only backups at the Young/Daly interval."
+        True,
+        description="After kills without notice, also write resume-only backups at the Young/Daly interval.",
     )
 
     @field_validator("every_steps")
     @classmethod
     def _every_steps(cls, v):
-        return _positive("every_steps", v, "checkpoint every N>=1 steps, or set every_steps=None and use every_secs", True)
+        return _positive(
+            "every_steps",
+            v,
+            "checkpoint every N>=1 steps, or set every_steps=None and use every_secs",
+            True,
+        )
 
     @field_validator("every_secs")
     @classmethod
     def _every_secs(cls, v):
-        return _positive("every_secs", v, "give a positive number of seconds, or None to checkpoint by steps only", True)
+        return _positive(
+            "every_secs",
+            v,
+            "give a positive number of seconds, or None to checkpoint by steps only",
+            True,
+        )
 
     @field_validator("keep_last")
     @classmethod
@@ -222,7 +260,9 @@ class BestExporter(_KeepingExporter):
     kind: Literal["best"] = "best"
     name: str = "best"
     metric: str = Field("loss", description="Eval metric to compare.")
-    mode: Literal["min", "max"] = Field("min", description="'min' if lower is better, 'max' if higher.")
+    mode: Literal["min", "max"] = Field(
+        "min", description="'min' if lower is better, 'max' if higher."
+    )
 
 
 class FinalExporter(_Exporter):
@@ -232,7 +272,7 @@ class FinalExporter(_Exporter):
     name: str = "final"
 
 
-ExporterSpec = Annotated[Union[LatestExporter, BestExporter, FinalExporter], Field(discriminator="kind")]
+ExporterSpec = Annotated[LatestExporter | BestExporter | FinalExporter, Field(discriminator="kind")]
 
 
 class EarlyStopping(_Spec):
@@ -243,14 +283,20 @@ class EarlyStopping(_Spec):
     """
 
     metric: str = Field("loss", description="Eval metric to watch.")
-    mode: Literal["min", "max"] = Field("min", description="'min' if lower is better, 'max' if higher.")
-    max_steps_without_improvement: int = Field(description="Stop once the best value is this many steps old.")
+    mode: Literal["min", "max"] = Field(
+        "min", description="'min' if lower is better, 'max' if higher."
+    )
+    max_steps_without_improvement: int = Field(
+        description="Stop once the best value is this many steps old."
+    )
     min_delta: float = Field(0.0, description="Smaller changes do not count as improvement.")
 
     @field_validator("max_steps_without_improvement")
     @classmethod
     def _patience(cls, v):
-        return _positive("max_steps_without_improvement", v, "give a number of global steps, e.g. 1000")
+        return _positive(
+            "max_steps_without_improvement", v, "give a number of global steps, e.g. 1000"
+        )
 
 
 # The platforms `jax.export` lowers for, on any machine (exporters.serialize_serving): an
@@ -289,23 +335,30 @@ class EvalSpec(_Spec):
     name: str = Field("eval", description="Eval name (metric prefix, record folder).")
     start_delay_secs: float = Field(0.0, description="Delay before the first evaluation.")
     throttle_secs: float = Field(0.0, description="Minimum seconds between evaluations.")
-    exporters: list[ExporterSpec] = Field(default_factory=list, description="Exporters run after each eval.")
-    early_stopping: EarlyStopping | None = Field(None, description="Stop when a metric stops improving.")
+    exporters: list[ExporterSpec] = Field(
+        default_factory=list, description="Exporters run after each eval."
+    )
+    early_stopping: EarlyStopping | None = Field(
+        None, description="Stop when a metric stops improving."
+    )
     hooks: list[str] = Field(
         default_factory=list,
         description="Eval hooks by import path: before_eval(step) -> bool (False skips), after_eval(result) -> bool (True stops).",
     )
     learning_curve_every_secs: float = Field(
-        30.0, ge=0, description="Draw the MLflow learning-curve image at most this often (the final evaluation always "
+        30.0,
+        ge=0,
+        description="Draw the MLflow learning-curve image at most this often (the final evaluation always "
         "draws it; 0: at every evaluation). Drawing reads the run's history and renders a PNG: on fast jobs it competes with training.",
     )
     registered_model: str | None = Field(
         None, description="MLflow registered model of the exports (None: the job's name; '': none)."
     )
     export_platforms: list[str] | None = Field(
-        None, description=f"Platforms the exported model runs on, of {', '.join(EXPORT_PLATFORMS)}. None: all of "
+        None,
+        description=f"Platforms the exported model runs on, of {', '.join(EXPORT_PLATFORMS)}. None: all of "
         "them, less those serve() does not lower for (a warning names them).",
-    )  # fmt: skip
+    )
 
     @property
     def registers_exports(self) -> bool:
@@ -316,7 +369,9 @@ class EvalSpec(_Spec):
     @field_validator("steps")
     @classmethod
     def _steps(cls, v):
-        return _positive("steps", v, "give the number of eval batches, or None for the whole eval set", True)
+        return _positive(
+            "steps", v, "give the number of eval batches, or None for the whole eval set", True
+        )
 
     @field_validator("name")
     @classmethod

@@ -32,12 +32,14 @@ ORBAX_PROTOCOLS = ("file", "local", "gs", "gcs")
 def normalize_root(url: str) -> str:
     """Turn a storage URL into an absolute URL or path; local paths become absolute."""
     if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"storage URL {url!r} is empty: give a local directory or a URL such as gs://bucket/prefix")
+        raise ValueError(
+            f"storage URL {url!r} is empty: give a local directory or a URL such as gs://bucket/prefix"
+        )
     url = url.strip()
     if "://" not in url:
         return os.path.abspath(os.path.expanduser(url))
     if url.startswith("file://"):
-        return os.path.abspath(url[len("file://"):])
+        return os.path.abspath(url[len("file://") :])
     return url.rstrip("/")
 
 
@@ -63,7 +65,9 @@ def small_read(fs) -> dict[str, Any]:
 
 def cache_root() -> str:
     """Where local copies of remote checkpoints are staged: ``PREFECT_JAX_CACHE_DIR`` or ``~/.cache/prefect-jax``."""
-    return os.path.abspath(os.environ.get("PREFECT_JAX_CACHE_DIR") or os.path.expanduser("~/.cache/prefect-jax"))
+    return os.path.abspath(
+        os.environ.get("PREFECT_JAX_CACHE_DIR") or os.path.expanduser("~/.cache/prefect-jax")
+    )
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,11 @@ class JobStorage:
                 fs.pipe_file(probe, b"")
                 fs.rm_file(probe)
         except OSError as exc:
-            if isinstance(exc, PermissionError) or exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            if isinstance(exc, PermissionError) or exc.errno in (
+                errno.EACCES,
+                errno.EPERM,
+                errno.EROFS,
+            ):
                 from prefect_jax.training.redaction import redact_url, scrub, secret_values
 
                 cause = type(exc)(scrub(str(exc), secret_values(self.root, self.storage_options)))
@@ -173,7 +181,9 @@ class JobStorage:
         ``durable=False``: no fsync on local disks (see `atomic_write`)."""
         data = json.dumps(obj, indent=1, sort_keys=True).encode()
         if self.protocol == "file":
-            os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # object stores have no directories (and must not create buckets)
+            os.makedirs(
+                path.rsplit("/", 1)[0], exist_ok=True
+            )  # object stores have no directories (and must not create buckets)
             atomic_write(path, data, durable)
         else:
             self.fs.pipe_file(path, data)

@@ -21,21 +21,21 @@ import itertools
 import logging
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
+# Imported from here by the command and the flows (to be imported from mlflow_client instead).
 from prefect_jax.training.mlflow_client import (
     EXIT_WAIT_SECS,
     RemoteCalls,
     TrackingWarning,
+    default_tracking_uri,
     exit_wait,
     in_process,
     strict,
     worker,
 )
-
-# Imported from here by the command and the flows (to be imported from mlflow_client instead).
-from prefect_jax.training.mlflow_client import default_tracking_uri
 from prefect_jax.training.tracking_metrics import MetricCalls
 from prefect_jax.training.tracking_run import RegistryCalls, RunCalls
 

@@ -9,7 +9,8 @@ the underscored ones run it, in the MLflow worker process or on the tracker's th
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prefect_jax.training.mlflow_client import guarded
 from prefect_jax.training.names import GOODPUT_TAG

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prefect_jax.training import control
 from prefect_jax.training import exporters as exp
-from prefect_jax.training.cluster import from_primary, forget_lost, note_failure
+from prefect_jax.training.cluster import forget_lost, from_primary, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.ending import AttemptEnd

@@ -44,7 +44,9 @@ def abstract_savable(abstract):
 def from_savable(tree, abstract):
     """Inverse of `to_savable`, using the abstract tree to know which leaves were keys."""
     return jax.tree_util.tree_map(
-        lambda x, a: jax.random.wrap_key_data(x, impl=a.dtype._impl) if _is_key(a) else x, tree, abstract
+        lambda x, a: jax.random.wrap_key_data(x, impl=a.dtype._impl) if _is_key(a) else x,
+        tree,
+        abstract,
     )
 
 

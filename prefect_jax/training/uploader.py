@@ -12,8 +12,8 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.remote_errors import first_line, is_transient
@@ -105,11 +105,15 @@ class AsyncUploader:
         """
         self._raise_pending_error()
         if self._closing.is_set():
-            raise RuntimeError(f"uploader for {self.remote.safe_url} is closed; step {step} was not queued")
+            raise RuntimeError(
+                f"uploader for {self.remote.safe_url} is closed; step {step} was not queued"
+            )
         with self._lock:
             self._pending.append(int(step))
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="prefect-jax-upload", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="prefect-jax-upload", daemon=True
+                )
                 self._thread.start()
         self._queue.put(_Job(int(step), os.path.abspath(local_step_dir), ready, ready_timeout))
 
@@ -136,7 +140,10 @@ class AsyncUploader:
         """
         step = int(step)
         with self._idle:
-            return self._idle.wait_for(lambda: step not in self._pending, timeout) and step in self._done
+            return (
+                self._idle.wait_for(lambda: step not in self._pending, timeout)
+                and step in self._done
+            )
 
     def committed(self, step: int) -> bool:
         """Whether this uploader committed `step` (its upload, or one found already committed),
@@ -164,7 +171,7 @@ class AsyncUploader:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=0 if timeout is not None and self.pending else None)
 
-    def __enter__(self) -> "AsyncUploader":
+    def __enter__(self) -> AsyncUploader:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -191,11 +198,15 @@ class AsyncUploader:
                 self._upload(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller on submit/wait
                 try:
-                    exc.add_note(f"while uploading checkpoint step {job.step} from {job.local_step_dir} "
-                                 f"to {self.remote.safe_url}")
+                    exc.add_note(
+                        f"while uploading checkpoint step {job.step} from {job.local_step_dir} "
+                        f"to {self.remote.safe_url}"
+                    )
                 except AttributeError:
                     pass
-                logger.error("upload of step %d to %s failed: %s", job.step, self.remote.safe_url, exc)
+                logger.error(
+                    "upload of step %d to %s failed: %s", job.step, self.remote.safe_url, exc
+                )
                 with self._lock:
                     if self._error is None:
                         self._error = exc
@@ -215,8 +226,10 @@ class AsyncUploader:
             delay = 0.01
             while not job.ready(job.local_step_dir):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"local checkpoint step {job.local_step_dir} was not committed within "
-                                       f"{job.ready_timeout:g}s; it was not uploaded")
+                    raise TimeoutError(
+                        f"local checkpoint step {job.local_step_dir} was not committed within "
+                        f"{job.ready_timeout:g}s; it was not uploaded"
+                    )
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
         attempt = 0
@@ -229,8 +242,15 @@ class AsyncUploader:
                     raise
                 delay = min(self.backoff_secs * 2**attempt, self.max_backoff_secs)
                 attempt += 1
-                logger.warning("upload of step %d to %s failed (%s); retry %d of %d in %.1fs", job.step,
-                               self.remote.safe_url, first_line(str(exc), 200), attempt, self.retries, delay)
+                logger.warning(
+                    "upload of step %d to %s failed (%s); retry %d of %d in %.1fs",
+                    job.step,
+                    self.remote.safe_url,
+                    first_line(str(exc), 200),
+                    attempt,
+                    self.retries,
+                    delay,
+                )
                 time.sleep(delay)
         with self._lock:  # committed: what follows (retention) does not change that
             self._done.add(job.step)
