@@ -485,7 +485,7 @@ def gpu_markdown() -> list[str]:
         calls = g.get("calls")
         if calls:
 
-            def spread(key):
+            def spread(key, calls=calls):
                 values = [c[key] for c in calls]
                 middle = statistics.median(values)
                 return f"median {middle:.2f} ({min(values):.2f}-{max(values):.2f})"
@@ -554,7 +554,7 @@ def server_cost_markdown(sc: dict | None) -> list[str]:
         return []
     out = ["", "| per iteration | server CPU ms | the flow's CPU ms |", "|---|---:|---:|"]
     rows = [sc.get(key) or {} for key, _ in SERVER_COST_KINDS]
-    for row, (_, label) in zip(rows, SERVER_COST_KINDS):
+    for row, (_, label) in zip(rows, SERVER_COST_KINDS, strict=True):
         out.append(
             f"| {label} | {_f(row.get('server_cpu_ms'), 1)} | {_f(row.get('flow_cpu_ms'), 1)} |"
         )

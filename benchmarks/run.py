@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -845,8 +846,8 @@ def main() -> None:
                     ("plain_scan", "prefect_jax_scan") if n == 1 else ()
                 ):
                     res = with_server_cpu(
-                        lambda: side(
-                            name, args, env, every=every, label=f"{name} x{n}{in_round(r)}"
+                        functools.partial(
+                            side, name, args, env, every=every, label=f"{name} x{n}{in_round(r)}"
                         )
                     )
                     row[name] = res and {

@@ -337,8 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         "--sizes",
         type=lambda s: [int(x) for x in s.split(",") if x.strip()],
         default=None,
-        help="comma-separated MiB sizes for --scale (default %s)"
-        % ",".join(map(str, DEFAULT_SIZES)),
+        help=f"comma-separated MiB sizes for --scale (default {','.join(map(str, DEFAULT_SIZES))})",
     )
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds a size for --scale (median; default 1)"

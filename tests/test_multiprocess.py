@@ -762,7 +762,7 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
     try:
         for k in range(last):
             wait_until(
-                lambda: "waiting" in open(tmp_path / f"{k}.log").read(),
+                lambda k=k: "waiting" in open(tmp_path / f"{k}.log").read(),
                 120,
                 f"process {k} waiting",
                 procs[k],

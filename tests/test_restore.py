@@ -385,7 +385,7 @@ def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer)
         else (IteratorSave, grain.checkpoint.CheckpointRestore)
     )
     for step, kind in ((9, "dataset"), (12, "loader")):
-        data = lambda: _shuffled_iterator(kind)  # noqa: E731
+        data = lambda kind=kind: _shuffled_iterator(kind)  # noqa: E731
         it = data()
         for _ in range(step):
             next(it)

@@ -184,7 +184,7 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
     # The attempts follow one another: each began restoring (took the lease) after the one before
     # it wrote its last record (a process that waited starts its attempt's clock when its wait ended).
     attempts = read_ledger(JobStorage(str(tmp_path / "storage"), "on-worker"))["attempts"]
-    for earlier, later in zip(attempts, attempts[1:]):
+    for earlier, later in zip(attempts, attempts[1:], strict=False):
         assert later["process_start"] + later["seconds"]["startup"] >= earlier["updated"] - 0.5, (
             attempts
         )
