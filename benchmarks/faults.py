@@ -283,7 +283,8 @@ def _outcome(
         }
     same_fp = summary.get("state_fingerprint") == reference["state_fingerprint"]
     fp_problems = [] if same_fp else ["fingerprint differs"]
-    # A SIGTERM mid-interval commits the step in flight too (a preemption checkpoint, off the cadence).
+    # A SIGTERM mid-interval commits the step in flight too (a
+    # preemption checkpoint, off the cadence).
     if [s for s in status["committed_steps"] if s % EVERY == 0] != STEPS:
         fp_problems.append(f"committed {status['committed_steps']}")
     if status["evaluated_steps"].get("eval") != STEPS:

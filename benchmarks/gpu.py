@@ -1,8 +1,8 @@
 """The engine on an accelerator: exact resume with buffer donation, and speed against a plain loop.
 
 The engine donates the train state's buffers to each step (on the CPU too, since 2026-11-26);
-this is where exact resume with donation is checked on a GPU. Without Prefect or MLflow (the device machine has
-neither): `Trainer` alone, as in a notebook; MLflow is skipped with a warning if absent.
+this is where exact resume with donation is checked on a GPU. Without Prefect or MLflow (the device
+machine has neither): `Trainer` alone, as in a notebook; MLflow is skipped with a warning if absent.
 
 1. Exact resume: a job trained to 3 checkpoints in one trainer, and the same job trained to 1,
    its trainer dropped, then restored by a fresh trainer and trained on, end with the same

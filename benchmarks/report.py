@@ -80,7 +80,8 @@ def _extra_slope(sweep: list[dict], key: str) -> float | None:
 
 
 def _sweep_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
-    """One sweep's slopes: the flow's extra loop time over plain's, and its Prefect time, per interval."""
+    """One sweep's slopes: the flow's extra loop time over plain's, and
+    its Prefect time, per interval."""
     return _extra_slope(sweep, "loop_s"), _slope(
         [(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in sweep]
     )
@@ -94,9 +95,10 @@ def _cpu_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
 
 
 def summarize(report: dict) -> dict:
-    """Ratios and targets. With interleaved rounds (`report["rounds"]`, `report["interval_rounds"]`),
-    a ratio or a slope is the median of its per-round values (kept under ``per_round``); the sides
-    run once (ephemeral, embedded) are read against the plain loop's median."""
+    """Ratios and targets. With interleaved rounds (`report["rounds"]`,
+    `report["interval_rounds"]`), a ratio or a slope is the median of its per-round
+    values (kept under ``per_round``); the sides run once (ephemeral, embedded) are read
+    against the plain loop's median."""
     peers = report["peers"]
     rounds = report.get("rounds") or [peers]
     sweeps = report.get("interval_rounds") or [report["intervals"]]

@@ -31,12 +31,12 @@ Then: the orchestration cost per checkpoint interval (the flow against the plain
 to 100 intervals over the same steps), goodput under preemption (`goodput.py`), the restart
 from a checkpoint (`restart.py`), reruns of a deployment through a process worker and the
 rerun automation (`worker_rerun.py`), two JAX processes against one (`multiprocess.py`) and the
-checkpoint cost against state size (`storage.py --scale`). Every side's whole process (`process_s`), peak RSS and the standing
-server's CPU time meanwhile are recorded too. ``--baseline DIR`` also runs the
-flow from another checkout of prefect_jax (e.g. an older commit) for a before/after table;
-``--render JSON`` rewrites the report from the raw results of an earlier run
-(``BENCHMARKS.json``, written beside the report). ``--profile DIR`` also runs the flow side (and the baseline) once more under pyinstrument and
-writes the profiles there (those runs are not in the tables).
+checkpoint cost against state size (`storage.py --scale`). Every side's whole process (`process_s`),
+peak RSS and the standing server's CPU time meanwhile are recorded too. ``--baseline DIR`` also runs
+the flow from another checkout of prefect_jax (e.g. an older commit) for a before/after table;
+``--render JSON`` rewrites the report from the raw results of an earlier run (``BENCHMARKS.json``,
+written beside the report). ``--profile DIR`` also runs the flow side (and the baseline) once more
+under pyinstrument and writes the profiles there (those runs are not in the tables).
 
     uv run --group bench python benchmarks/run.py               # the full run, ~70 min on 2 CPUs (goodput ~50 of them)
     uv run --group bench python benchmarks/run.py --no-goodput  # without the preemption runs, ~22 min
@@ -279,7 +279,8 @@ def run_prefect_jax(args, workdir: str) -> dict:
 
     def init_and_watch_first_step(self, *a, **kw):
         init(self, *a, **kw)
-        # The compiled steps live on trainer.loop; older checkouts (--baseline) kept them on the trainer.
+        # The compiled steps live on trainer.loop; older checkouts
+        # (--baseline) kept them on the trainer.
         loop = getattr(self, "loop", None)
         steps = (
             [(loop, "train_step"), (loop, "scan_steps")]
@@ -384,8 +385,8 @@ SIDES = {
 def run_child(cmd: list[str], env: dict, name: str) -> dict | None:
     """Run a child; its last stdout line is its JSON result, to which this adds ``process_s`` (the
     whole process, from its start to its exit: interpreter, imports, work, teardown) and
-    ``peak_rss_mib`` (its peak resident memory, from the kernel's rusage) and ``cpu_s`` (its user and
-    system CPU time, with that of the children it waited for, such as its MLflow worker)."""
+    ``peak_rss_mib`` (its peak resident memory, from the kernel's rusage) and ``cpu_s`` (its user
+    and system CPU time, with that of the children it waited for, such as its MLflow worker)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
@@ -551,7 +552,8 @@ class StandingServer:
         raise RuntimeError("prefect server did not start within 180 s")
 
     def cpu_s(self) -> float:
-        """CPU seconds the server's processes have used so far (it shares this machine's cores with the sides)."""
+        """CPU seconds the server's processes have used so far (it shares this
+        machine's cores with the sides)."""
         import psutil
 
         try:
@@ -841,7 +843,8 @@ def main() -> None:
             for n in intervals:
                 every = max(1, args.steps // n)
                 row = {"intervals": n, "every": every}
-                # One interval is training speed itself: there the scan sides run too (steps_per_dispatch).
+                # One interval is training speed itself: there the scan
+                # sides run too (steps_per_dispatch).
                 for name in ("plain", "prefect_jax") + (
                     ("plain_scan", "prefect_jax_scan") if n == 1 else ()
                 ):
@@ -867,7 +870,8 @@ def main() -> None:
                 sweep.append(row)
             sweeps.append(sweep)
         report["interval_rounds"] = sweeps
-        # The table's rows: each side's median over the rounds (the targets use per-round slopes and ratios).
+        # The table's rows: each side's median over the rounds (the targets
+        # use per-round slopes and ratios).
         report["intervals"] = [
             {
                 "intervals": row["intervals"],

@@ -40,7 +40,8 @@ def snapshot(counts) -> dict:
     requests, calls, by_file = collections.Counter(), collections.Counter(), collections.Counter()
     for (operation, name), n in counts.requests.items():
         requests[operation] += n
-        # a step's files by name, but for its numbers (the step's, an eval record's) and hashes (data files)
+        # a step's files by name, but for its numbers (the step's, an eval
+        # record's) and hashes (data files)
         by_file[
             f"{operation} {re.sub(r'[0-9]+', 'N', re.sub(r'[0-9a-f]{16,}', '<hash>', name))}"
         ] += n

@@ -28,7 +28,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Threads that Orbax, Prefect and this package start by the hundred get numbered names: one row each.
+# Threads that Orbax, Prefect and this package start by the hundred
+# get numbered names: one row each.
 _NUMBERED = re.compile(r"[-_ ]?\(?\d+\)?")
 
 

@@ -96,7 +96,8 @@ def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> 
             while len(killed) < kills and time.monotonic() < deadline:
                 attempts = _ledger(job_dir)
                 newest = attempts[-1] if attempts else None
-                # The newest process, once it has committed a checkpoint of its own: 2 s into its next interval.
+                # The newest process, once it has committed a checkpoint of its
+                # own: 2 s into its next interval.
                 if (
                     newest
                     and newest["pid"] not in killed

@@ -60,7 +60,8 @@ def retry_in_the_ui(ui_url: str, flow_run_id: str, shots: str = "retry") -> None
 
 
 def screenshot_flow_run(ui_url: str, flow_run_id: str, name: str, wait_for_text: str) -> str:
-    """A full-page screenshot of a flow run's page once `wait_for_text` shows; returns the page's text."""
+    """A full-page screenshot of a flow run's page once `wait_for_text`
+    shows; returns the page's text."""
     with browser_page() as page:
         page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
         page.get_by_text(wait_for_text).first.wait_for(timeout=30_000)

@@ -239,7 +239,8 @@ def test_a_misspelt_flag_is_refused_with_the_subcommands_usage(tmp_path):
 
 @pytest.mark.slow
 def test_the_roles_from_the_command_line(tmp_path, prefect_server, mlflow_uri):
-    """`train` (with --steps-per-dispatch), then `evaluate --once`, then `export`: TF's chief and evaluator."""
+    """`train` (with --steps-per-dispatch), then `evaluate --once`, then
+    `export`: TF's chief and evaluator."""
     env = {"PREFECT_API_URL": prefect_server}
     job = [
         "--program",
@@ -390,7 +391,8 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
     finally:
         server.stop()
 
-    # The user's own setting is kept, here in their active profile (`prefect config set` writes it there).
+    # The user's own setting is kept, here in their active profile
+    # (`prefect config set` writes it there).
     (tmp_path / "home" / "profiles.toml").write_text(
         'active = "mine"\n[profiles.mine]\nPREFECT_SERVER_REGISTER_BLOCKS_ON_START = "true"\n'
     )

@@ -78,7 +78,8 @@ def test_a_cache_on_object_storage_follows_the_job_to_another_machine(
     stored = s3_server.filesystem().ls(f"{storage}/compiles/compile-cache", detail=False)
     assert any(p.rsplit("/", 1)[-1].startswith("jit_step-") for p in stored), stored
 
-    # Its copy in takes 3 s longer than usual: the trainer sets up meanwhile, and waits for it before compiling.
+    # Its copy in takes 3 s longer than usual: the trainer sets up meanwhile, and
+    # waits for it before compiling.
     rerun = _run(
         storage,
         mlflow_uri,
@@ -328,11 +329,11 @@ def test_where_the_cache_is(tmp_path, monkeypatch):
 def test_the_command_keeps_its_cache_with_the_job_on_a_storage_block(
     tmp_path, prefect_server, mlflow_uri, s3_server, monkeypatch
 ):
-    """The users' path: `prefect-jax run --storage jax-checkpoint-storage/<block> --compilation-cache
-    job`, the credentials only in the block. The first run's compiles are in the bucket when the
-    command has exited (its flow ends through `finish`, its process without Python's teardown),
-    and a second run, on a machine whose local directories are elsewhere, loads the train step
-    instead of compiling it."""
+    """The users' path: `prefect-jax run --storage jax-checkpoint-storage/<block>
+    --compilation-cache job`, the credentials only in the block. The first run's compiles are in
+    the bucket when the command has exited (its flow ends through `finish`, its process without
+    Python's teardown), and a second run, on a machine whose local directories are elsewhere,
+    loads the train step instead of compiling it."""
     s3_server.create_bucket("cli-compiles")
     job = f"cached-{uuid.uuid4().hex[:6]}"
     block = s3_server.save_block("compile-cache-test", "s3://cli-compiles/team")

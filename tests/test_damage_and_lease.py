@@ -16,7 +16,8 @@ from prefect_jax.training.trainer import Trainer
 
 @pytest.fixture
 def trained(job_config):
-    """A job of 60 steps with committed checkpoints at 20, 40 and 60, and its uninterrupted fingerprint."""
+    """A job of 60 steps with committed checkpoints at 20, 40 and 60, and
+    its uninterrupted fingerprint."""
     config = job_config(max_steps=60, every_steps=20)
     trainer = Trainer(config)
     trainer.restore_or_init()

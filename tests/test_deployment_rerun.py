@@ -4,10 +4,10 @@ A real ``prefect server start`` with its UI and a ``serve`` process (both starte
 `train_and_evaluate` deployment. Once a checkpoint is committed, the deployment run's process is
 SIGKILLed (no handler runs; serve, its worker, lives on and reports it Crashed). A person opens
 the run in a real browser (Debian's chromium), sees Crashed, clicks Retry and confirms; serve
-runs it again. (A machine lost with its worker: tests/test_sigkill_leftovers.py.) The retried run must take over the dead
-trainer's lease, resume at the newest committed step (nothing retrained from 0, no step logged
-or evaluated twice) and end with the same state fingerprint as an uninterrupted run of the
-same job config.
+runs it again. (A machine lost with its worker: tests/test_sigkill_leftovers.py.) The retried run
+must take over the dead trainer's lease, resume at the newest committed step (nothing retrained
+from 0, no step logged or evaluated twice) and end with the same state fingerprint as an
+uninterrupted run of the same job config.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     server = PrefectServerProcess(tmp_path / "prefect-server", ui=True)
     processes.append(server)
 
-    # While the server starts: the uninterrupted run of the same job config in other storage (it also
-    # creates the MLflow tables, which takes seconds; the two jobs get one MLflow run each).
+    # While the server starts: the uninterrupted run of the same job config in other storage (it
+    # also creates the MLflow tables, which takes seconds; the two jobs get one MLflow run each).
     storage, job, mlflow_uri = tmp_path / "storage", "rerun", f"sqlite:///{tmp_path}/mlflow.db"
     params = _params(storage, job, mlflow_uri)
     reference = job_config(_params(tmp_path / "reference", job, mlflow_uri))
@@ -221,7 +221,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         page = screenshot_flow_run(
             server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed"
         )
-    # The crashed attempt's task runs are not left Running (the retry that took the lease over marked them).
+    # The crashed attempt's task runs are not left Running (the retry that
+    # took the lease over marked them).
     assert not [r.name for r in runs if r.state.is_running() or r.state.is_pending()], [
         (r.name, r.state) for r in runs
     ]
@@ -253,7 +254,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     assert "taking over the lease" in first.tail(200_000), logs(first)
     assert not (job_dir / "lease.json").exists()
 
-    # Every step committed, each checkpoint evaluated once, one MLflow run with each step logged once.
+    # Every step committed, each checkpoint evaluated once, one MLflow
+    # run with each step logged once.
     status = _status(job, storage)
     assert MAX_STEPS in status["committed_steps"]
     assert status["evaluated_steps"] == {"eval": list(range(EVERY, MAX_STEPS + 1, EVERY))}

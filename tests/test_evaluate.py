@@ -137,7 +137,8 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
             (result, in_loop, commit.is_set(), result.step in trainer.committed_steps())
         )
 
-    # 30 dispatches into the next interval, each of which found the save in flight: it may commit now.
+    # 30 dispatches into the next interval, each of which found the
+    # save in flight: it may commit now.
     at_log_step = release_commit_at(trainer, commit, 130)
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
@@ -150,10 +151,12 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
 
     remove = add_progress_listener(at_log_step)
     try:
-        trainer.train_until_checkpoint()  # to 200: step 100 is recorded from the first dispatch after its commit
+        # to 200: step 100 is recorded from the first dispatch after its commit
+        trainer.train_until_checkpoint()
     finally:
         remove()
-    # Recorded once, from the loop, after the commit (not while the save was in flight), as evaluated.
+    # Recorded once, from the loop, after the commit (not while the
+    # save was in flight), as evaluated.
     assert [(r.step, r.pending_commit, *rest) for r, *rest in recorded] == [
         (100, False, True, True, True)
     ]

@@ -38,7 +38,8 @@ def _attempt(start, updated, from_step, step, tail, ended, **seconds):
 def test_summary_splits_kept_and_recomputed_steps_and_counts_the_gaps():
     ledger = {
         "attempts": [
-            # Trained 0 -> 300 (saves at 100, 200, 300) in 30 s of train time, killed after its last record.
+            # Trained 0 -> 300 (saves at 100, 200, 300) in 30 s of train
+            # time, killed after its last record.
             _attempt(
                 1000.0,
                 1050.0,
@@ -476,5 +477,6 @@ def test_on_remote_storage_a_backup_waits_until_the_step_before_it_is_uploaded(
             f"backup {step} was started while a step was uploading"
         )
     assert sorted(uploads) == [s for s, _ in saves]
-    # Up there, a newer step supersedes every backup (retention keeps all other steps here: keep_last=None).
+    # Up there, a newer step supersedes every backup (retention keeps all
+    # other steps here: keep_last=None).
     assert remote.committed_steps() == [600] and remote.read_meta(600)["step"] == 600

@@ -1,4 +1,5 @@
-"""Packaging promises: a cheap `import prefect_jax`, an engine free of prefect, the entry points, blocks."""
+"""Packaging promises: a cheap `import prefect_jax`, an engine free of
+prefect, the entry points, blocks."""
 
 import subprocess
 import sys

@@ -278,7 +278,8 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
     def backups() -> list[int]:
         return [s for s in committed_steps(ckpt) if s % every]
 
-    # 1. Killed without notice before its first checkpoint: nothing in the ledger yet, so no backups.
+    # 1. Killed without notice before its first checkpoint: nothing in
+    # the ledger yet, so no backups.
     proc = start_run(args, prefect_server, logs / "1.log")
     _wait(
         lambda: os.path.exists(os.path.join(storage, "bk", "goodput.json")),
@@ -323,7 +324,8 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
         "a backup was evaluated"
     )
     assert not job_step_is_backup(JobStorage(storage, "bk"), every)
-    # An evaluator deployment is triggered by these events: a backup, which it would skip, emits none.
+    # An evaluator deployment is triggered by these events: a backup,
+    # which it would skip, emits none.
     committed = job_events(
         prefect_server, "bk", storage, "prefect-jax.checkpoint.committed", expect=2
     )

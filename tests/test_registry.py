@@ -69,7 +69,8 @@ def test_every_exported_step_is_one_version_and_the_exporters_move_their_aliases
         "best": versions[best].version,
     }
 
-    # Each version's source is an MLflow Model logged to the job's run at its step, with a signature.
+    # Each version's source is an MLflow Model logged to the job's run
+    # at its step, with a signature.
     for step, version in versions.items():
         assert version.run_id == run_id and version.source.startswith("models:/m-")
         model = client.get_logged_model(version.source.removeprefix("models:/"))
@@ -352,7 +353,8 @@ def test_the_mlflow_worker_checks_a_logged_model_on_the_cpu_not_on_the_trainers_
     tmp_path, mlflow_uri
 ):
     """On a GPU host a second JAX client (the MLflow worker's, checking the logged model) would take
-    the GPU's memory beside the trainer's; it runs on the CPU, whatever JAX_PLATFORMS the job has."""
+    the GPU's memory beside the trainer's; it runs on the CPU, whatever JAX_PLATFORMS the job has.
+    """
     _train_and_export(ON_AN_ACCELERATOR_HOST, tmp_path, mlflow_uri, "accel")
 
 

@@ -176,7 +176,8 @@ def test_wait_for_checkpoint_restores_one_committed_while_waiting(job_config):
     writer.train_until_checkpoint()
     writer.job.checkpoints.wait()
     expected = writer.fingerprint()
-    writer.close()  # one writer per job: the step is written first, and appears while the waiter waits
+    # one writer per job: the step is written first, and appears while the waiter waits
+    writer.close()
     checkpoints = os.path.join(config.storage, config.job, "checkpoints")
     os.rename(os.path.join(checkpoints, "20"), os.path.join(checkpoints, ".not-yet-20"))
 

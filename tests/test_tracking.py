@@ -106,9 +106,9 @@ def land_timed(tracker, caplog, limit: float) -> float:
 
 
 def test_land_waits_a_bounded_time_for_mlflow_unless_strict(tmp_path, monkeypatch, caplog):
-    """The end of an evaluate or export flow run waits for its MLflow writes (`live.land_mlflow_writes`):
-    at most its limit, then a warning, where a tracking server that hangs must not hold the run;
-    in strict mode until they land."""
+    """The end of an evaluate or export flow run waits for its MLflow writes
+    (`live.land_mlflow_writes`): at most its limit, then a warning, where a tracking server that
+    hangs must not hold the run; in strict mode until they land."""
     tracker, release = held_tracker(tmp_path, monkeypatch, "land-job")
     assert land_timed(tracker, caplog, 0.5) < 10
     assert "write(s) still on their way after 0.5s, 0 failed" in caplog.text
