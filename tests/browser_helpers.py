@@ -23,7 +23,8 @@ def require_chromium() -> str:
     if CHROMIUM is None:
         if os.environ.get("CI") or os.environ.get("PREFECT_JAX_REQUIRE_BROWSER"):
             pytest.fail(
-                "chromium is not installed: .ci/run installs Debian's chromium for the browser tests"
+                "chromium is not installed: "
+                ".ci/run installs Debian's chromium for the browser tests"
             )
         pytest.skip("no chromium here (apt-get install chromium)")
     return CHROMIUM

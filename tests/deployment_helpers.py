@@ -282,7 +282,8 @@ def wait_for_deployments(
             return found
         time.sleep(0.5)
     raise AssertionError(
-        f"deployments {sorted(set(names) - set(found))} not registered after {timeout:.0f}s\n{logs(serve)}"
+        f"deployments {sorted(set(names) - set(found))} not registered after {timeout:.0f}s\n"
+        f"{logs(serve)}"
     )
 
 

@@ -199,7 +199,8 @@ class S3Server:
                 time.sleep(0.1)
         self.stop()
         raise RuntimeError(
-            f"moto server did not listen on {self.endpoint_url} within {self.startup_timeout:.0f}s:\n{self.log()}"
+            f"moto server did not listen on {self.endpoint_url} within "
+            f"{self.startup_timeout:.0f}s:\n{self.log()}"
         )
 
     def log(self) -> str:

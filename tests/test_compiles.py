@@ -272,14 +272,21 @@ def test_a_process_whose_jax_cache_is_open_keeps_it(tmp_path):
     script = """
 import json, sys
 import jax
-from prefect_jax.training.compile_cache import enable_compilation_cache, open_compilation_cache, open_jax_cache_dir
+from prefect_jax.training.compile_cache import (
+    enable_compilation_cache, open_compilation_cache, open_jax_cache_dir,
+)
 from prefect_jax.training.storage import JobStorage
 
 enable_compilation_cache(sys.argv[1])
 jax.jit(lambda x: x + 1)(1.0).block_until_ready()
 xla = jax.config.jax_persistent_cache_enable_xla_caches
 mirror = open_compilation_cache("memory://another/compile-cache", JobStorage(sys.argv[2], "j"))
-print(json.dumps([open_jax_cache_dir(), mirror is None, jax.config.jax_compilation_cache_dir, xla == jax.config.jax_persistent_cache_enable_xla_caches]))
+print(json.dumps([
+    open_jax_cache_dir(),
+    mirror is None,
+    jax.config.jax_compilation_cache_dir,
+    xla == jax.config.jax_persistent_cache_enable_xla_caches,
+]))
 """
     first = str(tmp_path / "first")
     proc = subprocess.run(

@@ -59,7 +59,8 @@ def _params(storage: Path, job: str, mlflow_uri: str) -> dict:
 def _wait_for_commit(
     checkpoint_dir: Path, at_least: int, client, flow_run_id, serve: ServeProcess, timeout: float
 ) -> int:
-    """Poll (every 20 ms) until a step >= `at_least` is committed; fail fast if the run ends first."""
+    """Poll (every 20 ms) until a step >= `at_least` is committed; fail fast if the run ends
+    first."""
     from prefect_jax.training.checkpoints import committed_steps
 
     deadline = time.monotonic() + timeout
@@ -87,7 +88,8 @@ def _wait_final(client, flow_run_id, serve: ServeProcess, timeout: float):
         assert serve.alive(), f"serve exited while the retried run is {run.state}\n{logs(serve)}"
         time.sleep(0.5)
     raise AssertionError(
-        f"the retried run is still {client.read_flow_run(flow_run_id).state} after {timeout:.0f}s\n{logs(serve)}"
+        f"the retried run is still {client.read_flow_run(flow_run_id).state} after "
+        f"{timeout:.0f}s\n{logs(serve)}"
     )
 
 

@@ -215,7 +215,8 @@ import sys, threading
 from prefect_jax.training.checkpoints import Checkpoints
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.trainer import Trainer
-Checkpoints._checksum_step_in_flight = lambda self: threading.Event().wait()  # no commit before the kill
+# No commit before the kill.
+Checkpoints._checksum_step_in_flight = lambda self: threading.Event().wait()
 trainer = Trainer(JobConfig.model_validate_json(sys.argv[1]))
 trainer.restore_or_init()
 trainer.train_until_checkpoint()

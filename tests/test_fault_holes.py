@@ -408,8 +408,8 @@ def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(
         -3000:
     ]  # it was dropped
     assert (
-        "prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: sending SIGTERM again"
-        in out
+        "prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: "
+        "sending SIGTERM again" in out
     )
     # The command exits 128 + 15; a flow run called bare ends as Prefect
     # ends it: by the signal itself.

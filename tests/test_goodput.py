@@ -366,8 +366,8 @@ def test_a_collectives_error_says_whether_another_process_of_the_job_went_away()
 
     # As gloo raised it here when the other process was SIGKILLed mid all-reduce.
     gloo = ValueError(
-        "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
-        "[127.0.0.1]:5803: Connection reset by peer"
+        "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+        "Read error [127.0.0.1]:5803: Connection reset by peer"
     )
     assert lost_a_process(gloo)
     try:  # found through the chain too (the task's own error wrapping the collective's)
@@ -379,12 +379,14 @@ def test_a_collectives_error_says_whether_another_process_of_the_job_went_away()
         assert lost_a_process(outer)
     assert lost_a_process(
         RuntimeError(
-            "NCCL operation ncclAllReduce failed: remote process exited or there was a network error"
+            "NCCL operation ncclAllReduce failed: "
+            "remote process exited or there was a network error"
         )
     )
     assert lost_a_process(
         RuntimeError(
-            "UNAVAILABLE: The coordination service has stopped; task /job:jax_worker/task:1 heartbeat timeout"
+            "UNAVAILABLE: The coordination service has stopped; "
+            "task /job:jax_worker/task:1 heartbeat timeout"
         )
     )
     assert lost_a_process(

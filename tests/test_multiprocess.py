@@ -231,7 +231,8 @@ def test_a_pods_process_command_finds_process_0_from_its_job_and_service():
             "--",
             sys.executable,
             "-c",
-            "import os; print(os.environ['PREFECT_JAX_COORDINATOR_ADDRESS'], os.environ['PREFECT_JAX_NUM_PROCESSES'])",
+            "import os; print(os.environ['PREFECT_JAX_COORDINATOR_ADDRESS'], "
+            "os.environ['PREFECT_JAX_NUM_PROCESSES'])",
         ],
         env=env,
         capture_output=True,
@@ -426,7 +427,8 @@ def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(
 
 
 def _deployment_run(client, storage: str, mlflow_uri: str):
-    """A flow run of a `train_and_evaluate` deployment (entrypoint and pull step as prefect.yaml's)."""
+    """A flow run of a `train_and_evaluate` deployment (entrypoint and pull step as
+    prefect.yaml's)."""
     from prefect_jax.flows import train_and_evaluate
 
     root = os.path.dirname(TESTS_DIR)
@@ -644,7 +646,7 @@ def test_checkpoints_reshard_between_two_processes_and_one(
 
 
 @slow
-def test_after_kills_without_notice_every_process_writes_the_same_backups_and_the_rerun_resumes_from_one(
+def test_after_kills_without_notice_every_process_writes_the_same_backups_and_the_rerun_resumes(
     uninterrupted, tmp_path, prefect_server, mlflow_uri
 ):
     """`CheckpointSpec.backups` with two processes: a process SIGKILLed (process 1: process 0's

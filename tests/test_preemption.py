@@ -246,7 +246,7 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     assert "2 attempt(s), 2 of them interrupted" in preempted.description, preempted.description
 
 
-def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_resumes_from_a_backup(
+def test_after_a_kill_without_notice_reruns_back_up_between_checkpoints_and_resume_from_a_backup(
     tmp_path, prefect_server, mlflow_uri
 ):
     """`CheckpointSpec.backups`: once an attempt was SIGKILLed, the next ones write resume-only

@@ -273,7 +273,8 @@ CHILD = textwrap.dedent(
 
     async def put_file(self, lpath, rpath, *args, **kwargs):
         import os
-        if os.path.getsize(lpath) > 8 * 2**20:  # the big array file: stop here and wait to be killed
+        # The big array file: stop here and wait to be killed.
+        if os.path.getsize(lpath) > 8 * 2**20:
             print("PAUSED", flush=True)
             await asyncio.sleep(3600)
         return await original(self, lpath, rpath, *args, **kwargs)

@@ -146,7 +146,7 @@ def _task_runs(client, flow_run_id):
 
 
 @pytest.mark.timeout(420)
-def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_evaluates_each_checkpoint_once(
+def test_deployed_trainer_killed_is_rerun_by_the_automation_the_evaluator_evaluates_each_step_once(
     tmp_path, processes
 ):
     from mlflow.tracking import MlflowClient
@@ -380,8 +380,8 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
     )
 
     print(
-        f"\nroles deployed: trainer killed at committed {killed_at}, resumed at {resume_from}; states {history}; "
-        + ", ".join(f"{k} +{v - started:.0f}s" for k, v in marks.items())
+        f"\nroles deployed: trainer killed at committed {killed_at}, resumed at {resume_from}; "
+        f"states {history}; " + ", ".join(f"{k} +{v - started:.0f}s" for k, v in marks.items())
     )
 
 
