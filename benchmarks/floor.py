@@ -21,7 +21,8 @@ evaluation in task runs, nothing else of prefect-jax) and the ``prefect-jax run`
 command. Each rerun's way back is from its process start to its first new step done,
 as the goodput runs measure it.
 
-    uv run --group bench python benchmarks/floor.py [--intervals 10,100] [--rounds 3] [--reruns 8] [--out benchmarks/FLOOR.json]
+    uv run --group bench python benchmarks/floor.py [--intervals 10,100] [--rounds 3] [--reruns 8]
+        [--out benchmarks/FLOOR.json]
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ RERUN_SYSTEMS = ("plain", "plain_prefect", "plain_flow", "prefect_jax")
 
 
 def rerun_floor(env: dict, reruns: int, every: int = 500) -> dict:
-    """Each system's way back to its first new step over `reruns` reruns (seconds; see the module)."""
+    """Each system's way back to its first new step over `reruns` reruns (seconds; see the
+    module)."""
     import goodput
 
     work = {name: tempfile.mkdtemp(prefix=f"floor-rerun-{name}-") for name in RERUN_SYSTEMS}

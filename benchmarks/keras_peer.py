@@ -82,7 +82,8 @@ def run_keras(steps: int, every: int, workdir: str) -> dict:
             with open(os.path.join(self.backup_dir, "training_metadata.json")) as f:
                 self.backups += json.load(f)["epoch"] == epoch + 1
             log(
-                f"keras epoch {epoch + 1} (step {(epoch + 1) * every}): train loss {logs['loss']:.4f}, "
+                f"keras epoch {epoch + 1} (step {(epoch + 1) * every}): "
+                f"train loss {logs['loss']:.4f}, "
                 f"val loss {logs['val_loss']:.4f}, val accuracy {logs['val_accuracy']:.4f}"
             )
 

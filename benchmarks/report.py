@@ -17,11 +17,13 @@ SYSTEMS = (
     ("cli", "the `prefect-jax run` command, standing server"),
     (
         "cli_exports",
-        "the `prefect-jax run` command, standing server, its default exporters (latest, best, final; each export a version of an MLflow registered model)",
+        "the `prefect-jax run` command, standing server, its default exporters "
+        "(latest, best, final; each export a version of an MLflow registered model)",
     ),
     (
         "cli_embedded",
-        "the `prefect-jax run` command, no `PREFECT_API_URL` (its embedded server, as the README's `demo`)",
+        "the `prefect-jax run` command, no `PREFECT_API_URL` "
+        "(its embedded server, as the README's `demo`)",
     ),
     ("keras", "Keras 3 `fit` + `BackupAndRestore`, JAX backend"),
     ("before", "`train_and_evaluate`, standing server, before this change (`--baseline`)"),

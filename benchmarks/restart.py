@@ -212,7 +212,9 @@ def main() -> None:
             3,
         ),
         "s3_measured": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.platform()}; {os.cpu_count()} cpus; python {platform.python_version()}",
+        "machine": (
+            f"{platform.platform()}; {os.cpu_count()} cpus; python {platform.python_version()}"
+        ),
     }
     print(json.dumps(summary))
 

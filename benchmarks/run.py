@@ -38,9 +38,9 @@ the flow from another checkout of prefect_jax (e.g. an older commit) for a befor
 written beside the report). ``--profile DIR`` also runs the flow side (and the baseline) once more
 under pyinstrument and writes the profiles there (those runs are not in the tables).
 
-    uv run --group bench python benchmarks/run.py               # the full run, ~70 min on 2 CPUs (goodput ~50 of them)
-    uv run --group bench python benchmarks/run.py --no-goodput  # without the preemption runs, ~22 min
-    uv run --group bench python benchmarks/run.py --quick       # a smoke test, ~7 min
+    uv run --group bench python benchmarks/run.py               # the full run, goodput most of it
+    uv run --group bench python benchmarks/run.py --no-goodput  # without the preemption runs
+    uv run --group bench python benchmarks/run.py --quick       # a smoke test
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def import_jax_stack():
 
 def deletion_threads() -> dict:
     """Orbax's defaults, as a user writing the loop keeps them, unless BENCH_PLAIN_DELETION_THREADS
-    is set (`server_apart.py`: 1, as the engine, which on a machine of 4+ CPUs is ~0.1 s an interval
+    is set (`server_apart.py`: 1, as the engine, which on a machine of 4+ CPUs makes an interval
     quicker: see its `num_deletion_threads`)."""
     threads = os.environ.get("BENCH_PLAIN_DELETION_THREADS")
     return {"num_deletion_threads": int(threads)} if threads else {}
@@ -697,8 +697,8 @@ def main() -> None:
         "--rounds",
         type=int,
         default=None,
-        help="interleaved rounds of the headline sides and of the sweep (default 3, 1 with --quick); "
-        "a ratio is the median of its per-round ratios",
+        help="interleaved rounds of the headline sides and of the sweep "
+        "(default 3, 1 with --quick); a ratio is the median of its per-round ratios",
     )
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -760,12 +760,12 @@ def main() -> None:
             server.settle(limit_s=10.0)
             if result is not None:
                 result["server_cpu_s"] = server.cpu_s() - before
-                if (
-                    not server.settled
-                ):  # still busy after 10 s: its reading holds work that is not the side's
+                # Still busy after 10 s: its reading holds work that is not the side's.
+                if not server.settled:
                     result["server_busy_after_s"] = round(server.settle_s, 1)
                     log(
-                        f"the server was still busy {server.settle_s:.0f} s after that side: its server CPU includes other work"
+                        f"the server was still busy {server.settle_s:.0f} s after that side: "
+                        "its server CPU includes other work"
                     )
             return result
 

@@ -119,7 +119,8 @@ def main() -> None:
     train, apart = cores(args.train_cores), cores(args.server_cores)
     if train & apart:
         parser.error(
-            f"--train-cores {args.train_cores} and --server-cores {args.server_cores} share CPUs: give disjoint sets"
+            f"--train-cores {args.train_cores} and --server-cores {args.server_cores} share CPUs: "
+            "give disjoint sets"
         )
     intervals = sorted({int(n) for n in args.intervals.split(",")})
     if len(intervals) < 2 or intervals[0] < 1:
@@ -130,7 +131,7 @@ def main() -> None:
 
     work = tempfile.mkdtemp(prefix="server-apart-")
     # The plain loop deletes old steps on one thread, as the engine does: with Orbax's default pool
-    # it pays ~0.1 s an interval more on a machine of 4+ CPUs (os.cpu_count(), not the pinned
+    # it pays more an interval on a machine of 4+ CPUs (os.cpu_count(), not the pinned
     # cores), which would hide the flow's own cost under the floor's.
     env = dict(
         os.environ,
