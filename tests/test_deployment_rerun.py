@@ -41,7 +41,7 @@ TINY = "prefect_jax.examples.digits:tiny"
 MAX_STEPS = 800
 EVERY = 100
 LOG_EVERY = 50
-KILL_FROM = 200  # SIGKILL once this step (or a later one) is committed: ~3 s of training are left
+KILL_FROM = 200  # SIGKILL once this step (or a later one) is committed: training is not over
 
 
 def _params(storage: Path, job: str, mlflow_uri: str) -> dict:

@@ -115,10 +115,10 @@ def test_eval_step_must_return_sum_count_pairs(job_config):
 def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_goes_on(
     job_config, monkeypatch
 ):
-    """The evaluation of the live step does not hold training for its save's commit (on an H100
-    that wait was 0.2 s of every interval, issue 13): it returns at once, pending, and the step is
-    recorded (records, MLflow, `on_recorded`) once it commits, by the next interval's training
-    loop, and not before."""
+    """The evaluation of the live step does not hold training for its save's commit (on a GPU
+    that wait was a large share of every interval, issue 13): it returns at once, pending, and
+    the step is recorded (records, MLflow, `on_recorded`) once it commits, by the next interval's
+    training loop, and not before."""
     import inspect
 
     from conftest import hold_commit, release_commit_at

@@ -320,7 +320,7 @@ def test_retention_deletes_steps_without_orbax_s_polling_thread_pool(tmp_path, m
 
 def test_the_data_position_is_written_in_the_commit_not_before_save_returns(tmp_path, monkeypatch):
     # Grain's own handler is synchronous: Orbax made `save` wait for its file, behind the
-    # creation of every item's directory (~7 of a save's ~15 ms). The position is read at the
+    # creation of every item's directory (a large part of a save). The position is read at the
     # save and written by the commit: the iterator moving on after `save` does not change it.
     import grain
     from etils import epath

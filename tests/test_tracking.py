@@ -421,7 +421,7 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
 def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_experiment(
     tmp_path, monkeypatch
 ):
-    # MLflow's migrations (~1.2 s of CPU) run once per machine, for the cache's empty store; each
+    # MLflow's migrations (seconds of CPU) run once per machine, for the cache's empty store; each
     # new store is a copy of it, opened by MLflow, which adds the store's own default experiment.
     # A template that MLflow cannot open is removed, and that store made by the migrations.
     import sqlite3
@@ -494,7 +494,7 @@ def test_the_mlflow_worker_readies_jax_for_a_job_that_registers_exports_and_only
 ):
     """A job that registers its exports has the MLflow worker import JAX and start its CPU client
     (`registry.warm_jax`, `registry.warm_mlflow`) before its first logged model needs them, so
-    that model does not hold every later MLflow write behind ~1 s of imports; one that does not
+    that model does not hold every later MLflow write behind those imports; one that does not
     keeps JAX out of the worker. The job's JAX_PLATFORMS (here one that does not exist, as
     ``cuda`` on a GPU pool) is not the worker's: it starts JAX's client on the CPU, or the
     request's answer is the error."""
