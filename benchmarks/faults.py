@@ -1,7 +1,7 @@
 """The fault-injection sweep: kill the real CLI at named moments, rerun it at once (as the rerun
 automation would), and compare what is left with an uninterrupted run of the same job.
 
-    uv run python benchmarks/faults.py                      # every kill point, SIGKILL and SIGTERM (~20 min)
+    uv run python benchmarks/faults.py                      # every kill point, SIGKILL and SIGTERM
     uv run python benchmarks/faults.py --points save_tmp eval --signals KILL
 
 Everything is real: a standing ``prefect server``, ``prefect-jax run`` processes (each in its
@@ -283,7 +283,8 @@ def _outcome(
         }
     same_fp = summary.get("state_fingerprint") == reference["state_fingerprint"]
     fp_problems = [] if same_fp else ["fingerprint differs"]
-    # A SIGTERM mid-interval commits the step in flight too (a preemption checkpoint, off the cadence).
+    # A SIGTERM mid-interval commits the step in flight too (a
+    # preemption checkpoint, off the cadence).
     if [s for s in status["committed_steps"] if s % EVERY == 0] != STEPS:
         fp_problems.append(f"committed {status['committed_steps']}")
     if status["evaluated_steps"].get("eval") != STEPS:
@@ -431,13 +432,19 @@ def markdown(results: list[dict], seconds: float) -> str:
     lines = [
         "# Fault-injection sweep",
         "",
-        "Written by `uv run python benchmarks/faults.py` (see its docstring for what each column checks).",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}; {seconds / 60:.1f} min.",
-        "The job: `tests/programs.py:big` (24 MiB state), 400 steps, checkpoint + eval + exporters every 100;",
-        "each run killed once at the moment named (its whole process group), then rerun at once until it exits 0;",
-        "cells count the scenarios that passed (several rounds: the moments land a little differently each time).",
+        "Written by `uv run python benchmarks/faults.py` "
+        "(see its docstring for what each column checks).",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}; "
+        f"{seconds / 60:.1f} min.",
+        "The job: `tests/programs.py:big` (24 MiB state), 400 steps, "
+        "checkpoint + eval + exporters every 100;",
+        "each run killed once at the moment named (its whole process group), "
+        "then rerun at once until it exits 0;",
+        "cells count the scenarios that passed "
+        "(several rounds: the moments land a little differently each time).",
         "",
-        "| kill point | signal | landed | first exit | runs to finish | fingerprint | exports + registry | MLflow | Prefect states | notice heeded |",
+        "| kill point | signal | landed | first exit | runs to finish | fingerprint "
+        "| exports + registry | MLflow | Prefect states | notice heeded |",
         "|---|---|---|---:|---:|---|---|---|---|---|",
     ]
     for point in POINTS:

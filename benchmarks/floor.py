@@ -17,10 +17,12 @@ restoring the newest step and training one more, in alternated order: the plain 
 (`goodput.py`'s), the same loop after importing Prefect as the command does (``plain_prefect``:
 what any Prefect-run rerun pays before its first step, less its flow run), the same loop as a
 Prefect flow run (``plain_flow``: Prefect imported first, the restore, the steps and the
-evaluation in task runs, nothing else of prefect-jax) and the ``prefect-jax run`` command. Each rerun's way back is from its process start to its first new
-step done, as the goodput runs measure it.
+evaluation in task runs, nothing else of prefect-jax) and the ``prefect-jax run``
+command. Each rerun's way back is from its process start to its first new step done,
+as the goodput runs measure it.
 
-    uv run --group bench python benchmarks/floor.py [--intervals 10,100] [--rounds 3] [--reruns 8] [--out benchmarks/FLOOR.json]
+    uv run --group bench python benchmarks/floor.py [--intervals 10,100] [--rounds 3] [--reruns 8]
+        [--out benchmarks/FLOOR.json]
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ RERUN_SYSTEMS = ("plain", "plain_prefect", "plain_flow", "prefect_jax")
 
 
 def rerun_floor(env: dict, reruns: int, every: int = 500) -> dict:
-    """Each system's way back to its first new step over `reruns` reruns (seconds; see the module)."""
+    """Each system's way back to its first new step over `reruns` reruns (seconds; see the
+    module)."""
     import goodput
 
     work = {name: tempfile.mkdtemp(prefix=f"floor-rerun-{name}-") for name in RERUN_SYSTEMS}

@@ -1,4 +1,4 @@
-"""Goodput under preemption: a job killed every T seconds and rerun at once, per system.
+r"""Goodput under preemption: a job killed every T seconds and rerun at once, per system.
 
 Each system trains the same job (`bench_programs:wide`: a 64-1024-1024-10 MLP on digits, batch
 256, --steps steps, a checkpoint and a full evaluation every --every steps, JAX's persistent
@@ -32,9 +32,11 @@ again; the result says so (``sized``).
 For the peers, each process writes when it started, finished importing, restored (and at which
 step) and ran its first step; the harness sums start-up, restore and compile from those.
 
-    uv run --group bench python benchmarks/goodput.py                          # T = 15, 30, 60; SIGTERM, SIGKILL (~45 min)
-    uv run --group bench python benchmarks/goodput.py --periods 20 --signals TERM --systems prefect_jax,plain --steps 2000
-    uv run --group bench python benchmarks/goodput.py --periods 15 --signals KILL --prefect-jax-args '--checkpoint-every-secs 5'
+    uv run --group bench python benchmarks/goodput.py  # T = 15, 30, 60; SIGTERM, SIGKILL
+    uv run --group bench python benchmarks/goodput.py --periods 20 --signals TERM \
+        --systems prefect_jax,plain --steps 2000
+    uv run --group bench python benchmarks/goodput.py --periods 15 --signals KILL \
+        --prefect-jax-args '--checkpoint-every-secs 5'
 
 Progress goes to stderr; the last stdout line is one JSON object (also --out).
 """
@@ -366,7 +368,8 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
                 tail = f.read()[-3000:]
             if period is None:  # an uninterrupted job that fails: the harness is broken
                 raise RuntimeError(
-                    f"{system}: attempt {len(attempts)} exited {proc.returncode} (killed={killed}):\n{tail}"
+                    f"{system}: attempt {len(attempts)} exited {proc.returncode} "
+                    f"(killed={killed}):\n{tail}"
                 )
             # A job that cannot resume (say, a backup file torn by the signal) is a result: it never
             # finishes without someone's help. Recorded, and the other runs go on.
@@ -402,7 +405,8 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
     else:
         result["workdir"] = workdir
     log(
-        f"{system} T={period} {sig}: {result['total_s']:.1f}s in {result['attempts']} attempt(s) {result['exits']}"
+        f"{system} T={period} {sig}: {result['total_s']:.1f}s in {result['attempts']} attempt(s) "
+        f"{result['exits']}"
     )
     return result
 
@@ -511,8 +515,9 @@ def main() -> None:
         type=float,
         default=1.5,
         metavar="N",
-        help="more steps (then the uninterrupted runs again) where a system's uninterrupted run lasts less "
-        "than N of the longest period, so that every period interrupts every system (0: never)",
+        help="more steps (then the uninterrupted runs again) where a system's uninterrupted run "
+        "lasts less than N of the longest period, so that every period interrupts every system "
+        "(0: never)",
     )
     parser.add_argument("--every", type=int, default=500)
     parser.add_argument("--max-attempts", type=int, default=40)
@@ -520,7 +525,8 @@ def main() -> None:
         "--prefect-jax-args",
         default="",
         metavar="ARGS",
-        help="more arguments for the prefect-jax command, e.g. '--checkpoint-every-secs 5' (the peers keep --every)",
+        help="more arguments for the prefect-jax command, e.g. '--checkpoint-every-secs 5' "
+        "(the peers keep --every)",
     )
     parser.add_argument("--out", default=None, help="also write the JSON result here")
     parser.add_argument(
@@ -533,7 +539,8 @@ def main() -> None:
         return
     if args.steps % args.every:
         parser.error(
-            f"--steps ({args.steps}) must be a multiple of --every ({args.every}): one Keras epoch is --every steps"
+            f"--steps ({args.steps}) must be a multiple of --every ({args.every}): "
+            "one Keras epoch is --every steps"
         )
 
     sys.path.insert(0, HERE)
@@ -571,7 +578,8 @@ def main() -> None:
                 "min_wall_s": args.min_periods * max(periods),
             }
             log(
-                f"the shortest uninterrupted run took {min(u['total_s'] for u in uninterrupted.values()):.1f} s, under "
+                "the shortest uninterrupted run took "
+                f"{min(u['total_s'] for u in uninterrupted.values()):.1f} s, under "
                 f"{args.min_periods:g} x {max(periods):g} s: {steps} steps instead of {args.steps}"
             )
             args.steps = report["steps"] = steps

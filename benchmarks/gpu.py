@@ -1,8 +1,8 @@
 """The engine on an accelerator: exact resume with buffer donation, and speed against a plain loop.
 
 The engine donates the train state's buffers to each step (on the CPU too, since 2026-11-26);
-this is where exact resume with donation is checked on a GPU. Without Prefect or MLflow (the device machine has
-neither): `Trainer` alone, as in a notebook; MLflow is skipped with a warning if absent.
+this is where exact resume with donation is checked on a GPU. Without Prefect or MLflow (the device
+machine has neither): `Trainer` alone, as in a notebook; MLflow is skipped with a warning if absent.
 
 1. Exact resume: a job trained to 3 checkpoints in one trainer, and the same job trained to 1,
    its trainer dropped, then restored by a fresh trainer and trained on, end with the same
@@ -11,7 +11,8 @@ neither): `Trainer` alone, as in a notebook; MLflow is skipped with a warning if
    --every steps: a plain jit loop with Orbax, the engine with one step per dispatch, and with
    `steps_per_dispatch=10`; steps per second and ratios to the plain loop, in one run.
 
-    python benchmarks/gpu.py [--width 2048] [--batch 512] [--steps 3000] [--every 500] [--out gpu.json]
+    python benchmarks/gpu.py [--width 2048] [--batch 512] [--steps 3000] [--every 500]
+        [--out gpu.json]
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def main() -> None:
         "engine_scan10_vs_plain_time": scan_s / plain_s,
     }
     print(
-        f"[gpu] steps/s: plain {n / plain_s:.0f}, engine {n / engine_s:.0f}, engine steps_per_dispatch=10 {n / scan_s:.0f}",
+        f"[gpu] steps/s: plain {n / plain_s:.0f}, engine {n / engine_s:.0f}, "
+        f"engine steps_per_dispatch=10 {n / scan_s:.0f}",
         flush=True,
     )
     line = json.dumps(out, default=str)

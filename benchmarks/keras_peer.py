@@ -5,7 +5,8 @@ logits, batch 128, on scikit-learn digits for --steps steps; every --every steps
 `keras.callbacks.BackupAndRestore` backup and a full evaluation on the 360-image test split.
 One Keras epoch is exactly --every steps: the training array is every*128 rows of concatenated
 shuffled permutations of the train split, fed with shuffle=False; the test split is one
-360-row validation batch. Keras defaults are kept (jit_compile="auto", so XLA; steps_per_execution=1).
+360-row validation batch. Keras defaults are kept (jit_compile="auto",
+so XLA; steps_per_execution=1).
 
 import_s (not counted) imports keras, jax and the digits program. wall_s covers everything
 after: data, model build, compile, training, evals and backups, until `fit` returns.
@@ -58,7 +59,8 @@ def run_keras(steps: int, every: int, workdir: str) -> dict:
     jax.devices()
 
     class Probe(keras.callbacks.Callback):
-        """Times batch 0 and counts epochs, eval batches and backups (listed after BackupAndRestore)."""
+        """Times batch 0 and counts epochs, eval batches and backups
+        (listed after BackupAndRestore)."""
 
         def __init__(self, backup_dir: str):
             super().__init__()
@@ -80,7 +82,8 @@ def run_keras(steps: int, every: int, workdir: str) -> dict:
             with open(os.path.join(self.backup_dir, "training_metadata.json")) as f:
                 self.backups += json.load(f)["epoch"] == epoch + 1
             log(
-                f"keras epoch {epoch + 1} (step {(epoch + 1) * every}): train loss {logs['loss']:.4f}, "
+                f"keras epoch {epoch + 1} (step {(epoch + 1) * every}): "
+                f"train loss {logs['loss']:.4f}, "
                 f"val loss {logs['val_loss']:.4f}, val accuracy {logs['val_accuracy']:.4f}"
             )
 

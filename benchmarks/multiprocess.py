@@ -10,7 +10,7 @@ alone (the save's blocking part, the agreement between processes, the commit of 
 before), and, from the goodput ledger, how long each save blocked the training thread.
 Process 0's figures are reported.
 
-    uv run python benchmarks/multiprocess.py            # prints one JSON line, writes benchmarks/MULTIPROCESS.json
+    uv run python benchmarks/multiprocess.py  # prints one JSON line, writes MULTIPROCESS.json
 
 On a 2-core machine, two processes share the two cores the single process's XLA threads use:
 the ratio says what the collectives and the split cost here, not what two GPU hosts gain.

@@ -17,11 +17,13 @@ SYSTEMS = (
     ("cli", "the `prefect-jax run` command, standing server"),
     (
         "cli_exports",
-        "the `prefect-jax run` command, standing server, its default exporters (latest, best, final; each export a version of an MLflow registered model)",
+        "the `prefect-jax run` command, standing server, its default exporters "
+        "(latest, best, final; each export a version of an MLflow registered model)",
     ),
     (
         "cli_embedded",
-        "the `prefect-jax run` command, no `PREFECT_API_URL` (its embedded server, as the README's `demo`)",
+        "the `prefect-jax run` command, no `PREFECT_API_URL` "
+        "(its embedded server, as the README's `demo`)",
     ),
     ("keras", "Keras 3 `fit` + `BackupAndRestore`, JAX backend"),
     ("before", "`train_and_evaluate`, standing server, before this change (`--baseline`)"),
@@ -80,7 +82,8 @@ def _extra_slope(sweep: list[dict], key: str) -> float | None:
 
 
 def _sweep_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
-    """One sweep's slopes: the flow's extra loop time over plain's, and its Prefect time, per interval."""
+    """One sweep's slopes: the flow's extra loop time over plain's, and
+    its Prefect time, per interval."""
     return _extra_slope(sweep, "loop_s"), _slope(
         [(row["intervals"], _get(row, "prefect_jax", "prefect_s")) for row in sweep]
     )
@@ -94,9 +97,10 @@ def _cpu_slopes(sweep: list[dict]) -> tuple[float | None, float | None]:
 
 
 def summarize(report: dict) -> dict:
-    """Ratios and targets. With interleaved rounds (`report["rounds"]`, `report["interval_rounds"]`),
-    a ratio or a slope is the median of its per-round values (kept under ``per_round``); the sides
-    run once (ephemeral, embedded) are read against the plain loop's median."""
+    """Ratios and targets. With interleaved rounds (`report["rounds"]`,
+    `report["interval_rounds"]`), a ratio or a slope is the median of its per-round
+    values (kept under ``per_round``); the sides run once (ephemeral, embedded) are read
+    against the plain loop's median."""
     peers = report["peers"]
     rounds = report.get("rounds") or [peers]
     sweeps = report.get("interval_rounds") or [report["intervals"]]
@@ -485,7 +489,7 @@ def gpu_markdown() -> list[str]:
         calls = g.get("calls")
         if calls:
 
-            def spread(key):
+            def spread(key, calls=calls):
                 values = [c[key] for c in calls]
                 middle = statistics.median(values)
                 return f"median {middle:.2f} ({min(values):.2f}-{max(values):.2f})"
@@ -554,7 +558,7 @@ def server_cost_markdown(sc: dict | None) -> list[str]:
         return []
     out = ["", "| per iteration | server CPU ms | the flow's CPU ms |", "|---|---:|---:|"]
     rows = [sc.get(key) or {} for key, _ in SERVER_COST_KINDS]
-    for row, (_, label) in zip(rows, SERVER_COST_KINDS):
+    for row, (_, label) in zip(rows, SERVER_COST_KINDS, strict=True):
         out.append(
             f"| {label} | {_f(row.get('server_cpu_ms'), 1)} | {_f(row.get('flow_cpu_ms'), 1)} |"
         )

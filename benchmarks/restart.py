@@ -85,7 +85,8 @@ def child(args) -> dict:
             len(trainer.compile_cache.pulled) if trainer.compile_cache is not None else None
         ),
     }
-    # The floor: a bare Orbax restore of the same step, and one step of an already-compiled function.
+    # The floor: a bare Orbax restore of the same step, and one step
+    # of an already-compiled function.
     trainer.job.checkpoints.wait()
     t = time.perf_counter()
     state, _ = trainer.job.checkpoints.restore(step + 1, trainer.loop.abstract_state)
@@ -211,7 +212,9 @@ def main() -> None:
             3,
         ),
         "s3_measured": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.platform()}; {os.cpu_count()} cpus; python {platform.python_version()}",
+        "machine": (
+            f"{platform.platform()}; {os.cpu_count()} cpus; python {platform.python_version()}"
+        ),
     }
     print(json.dumps(summary))
 

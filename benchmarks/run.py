@@ -31,16 +31,16 @@ Then: the orchestration cost per checkpoint interval (the flow against the plain
 to 100 intervals over the same steps), goodput under preemption (`goodput.py`), the restart
 from a checkpoint (`restart.py`), reruns of a deployment through a process worker and the
 rerun automation (`worker_rerun.py`), two JAX processes against one (`multiprocess.py`) and the
-checkpoint cost against state size (`storage.py --scale`). Every side's whole process (`process_s`), peak RSS and the standing
-server's CPU time meanwhile are recorded too. ``--baseline DIR`` also runs the
-flow from another checkout of prefect_jax (e.g. an older commit) for a before/after table;
-``--render JSON`` rewrites the report from the raw results of an earlier run
-(``BENCHMARKS.json``, written beside the report). ``--profile DIR`` also runs the flow side (and the baseline) once more under pyinstrument and
-writes the profiles there (those runs are not in the tables).
+checkpoint cost against state size (`storage.py --scale`). Every side's whole process (`process_s`),
+peak RSS and the standing server's CPU time meanwhile are recorded too. ``--baseline DIR`` also runs
+the flow from another checkout of prefect_jax (e.g. an older commit) for a before/after table;
+``--render JSON`` rewrites the report from the raw results of an earlier run (``BENCHMARKS.json``,
+written beside the report). ``--profile DIR`` also runs the flow side (and the baseline) once more
+under pyinstrument and writes the profiles there (those runs are not in the tables).
 
-    uv run --group bench python benchmarks/run.py               # the full run, ~70 min on 2 CPUs (goodput ~50 of them)
-    uv run --group bench python benchmarks/run.py --no-goodput  # without the preemption runs, ~22 min
-    uv run --group bench python benchmarks/run.py --quick       # a smoke test, ~7 min
+    uv run --group bench python benchmarks/run.py               # the full run, goodput most of it
+    uv run --group bench python benchmarks/run.py --no-goodput  # without the preemption runs
+    uv run --group bench python benchmarks/run.py --quick       # a smoke test
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -87,7 +88,7 @@ def import_jax_stack():
 
 def deletion_threads() -> dict:
     """Orbax's defaults, as a user writing the loop keeps them, unless BENCH_PLAIN_DELETION_THREADS
-    is set (`server_apart.py`: 1, as the engine, which on a machine of 4+ CPUs is ~0.1 s an interval
+    is set (`server_apart.py`: 1, as the engine, which on a machine of 4+ CPUs makes an interval
     quicker: see its `num_deletion_threads`)."""
     threads = os.environ.get("BENCH_PLAIN_DELETION_THREADS")
     return {"num_deletion_threads": int(threads)} if threads else {}
@@ -278,7 +279,8 @@ def run_prefect_jax(args, workdir: str) -> dict:
 
     def init_and_watch_first_step(self, *a, **kw):
         init(self, *a, **kw)
-        # The compiled steps live on trainer.loop; older checkouts (--baseline) kept them on the trainer.
+        # The compiled steps live on trainer.loop; older checkouts
+        # (--baseline) kept them on the trainer.
         loop = getattr(self, "loop", None)
         steps = (
             [(loop, "train_step"), (loop, "scan_steps")]
@@ -383,8 +385,8 @@ SIDES = {
 def run_child(cmd: list[str], env: dict, name: str) -> dict | None:
     """Run a child; its last stdout line is its JSON result, to which this adds ``process_s`` (the
     whole process, from its start to its exit: interpreter, imports, work, teardown) and
-    ``peak_rss_mib`` (its peak resident memory, from the kernel's rusage) and ``cpu_s`` (its user and
-    system CPU time, with that of the children it waited for, such as its MLflow worker)."""
+    ``peak_rss_mib`` (its peak resident memory, from the kernel's rusage) and ``cpu_s`` (its user
+    and system CPU time, with that of the children it waited for, such as its MLflow worker)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
@@ -550,7 +552,8 @@ class StandingServer:
         raise RuntimeError("prefect server did not start within 180 s")
 
     def cpu_s(self) -> float:
-        """CPU seconds the server's processes have used so far (it shares this machine's cores with the sides)."""
+        """CPU seconds the server's processes have used so far (it shares this
+        machine's cores with the sides)."""
         import psutil
 
         try:
@@ -694,8 +697,8 @@ def main() -> None:
         "--rounds",
         type=int,
         default=None,
-        help="interleaved rounds of the headline sides and of the sweep (default 3, 1 with --quick); "
-        "a ratio is the median of its per-round ratios",
+        help="interleaved rounds of the headline sides and of the sweep "
+        "(default 3, 1 with --quick); a ratio is the median of its per-round ratios",
     )
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -757,12 +760,12 @@ def main() -> None:
             server.settle(limit_s=10.0)
             if result is not None:
                 result["server_cpu_s"] = server.cpu_s() - before
-                if (
-                    not server.settled
-                ):  # still busy after 10 s: its reading holds work that is not the side's
+                # Still busy after 10 s: its reading holds work that is not the side's.
+                if not server.settled:
                     result["server_busy_after_s"] = round(server.settle_s, 1)
                     log(
-                        f"the server was still busy {server.settle_s:.0f} s after that side: its server CPU includes other work"
+                        f"the server was still busy {server.settle_s:.0f} s after that side: "
+                        "its server CPU includes other work"
                     )
             return result
 
@@ -840,13 +843,14 @@ def main() -> None:
             for n in intervals:
                 every = max(1, args.steps // n)
                 row = {"intervals": n, "every": every}
-                # One interval is training speed itself: there the scan sides run too (steps_per_dispatch).
+                # One interval is training speed itself: there the scan
+                # sides run too (steps_per_dispatch).
                 for name in ("plain", "prefect_jax") + (
                     ("plain_scan", "prefect_jax_scan") if n == 1 else ()
                 ):
                     res = with_server_cpu(
-                        lambda: side(
-                            name, args, env, every=every, label=f"{name} x{n}{in_round(r)}"
+                        functools.partial(
+                            side, name, args, env, every=every, label=f"{name} x{n}{in_round(r)}"
                         )
                     )
                     row[name] = res and {
@@ -866,7 +870,8 @@ def main() -> None:
                 sweep.append(row)
             sweeps.append(sweep)
         report["interval_rounds"] = sweeps
-        # The table's rows: each side's median over the rounds (the targets use per-round slopes and ratios).
+        # The table's rows: each side's median over the rounds (the targets
+        # use per-round slopes and ratios).
         report["intervals"] = [
             {
                 "intervals": row["intervals"],

@@ -8,7 +8,8 @@ wall time (moto on loopback answers in a few ms; a real bucket in tens). Per int
 between --intervals' two counts, so start-up and end drop out. Then a rerun on a new machine (an
 empty local stage): the calls its restore makes on the training thread before the first step.
 
-    uv run python benchmarks/s3_requests.py [--every 10] [--intervals 10,30] [--out benchmarks/S3_REQUESTS.json]
+    uv run python benchmarks/s3_requests.py [--every 10] [--intervals 10,30]
+        [--out benchmarks/S3_REQUESTS.json]
 
 Counts do not depend on the machine's speed (until 7881de6 the commit announcer's did: it asked
 every 0.2 s while an upload was on its way); the wall times do. Requests are also counted by
@@ -40,7 +41,8 @@ def snapshot(counts) -> dict:
     requests, calls, by_file = collections.Counter(), collections.Counter(), collections.Counter()
     for (operation, name), n in counts.requests.items():
         requests[operation] += n
-        # a step's files by name, but for its numbers (the step's, an eval record's) and hashes (data files)
+        # a step's files by name, but for its numbers (the step's, an eval
+        # record's) and hashes (data files)
         by_file[
             f"{operation} {re.sub(r'[0-9]+', 'N', re.sub(r'[0-9a-f]{16,}', '<hash>', name))}"
         ] += n
@@ -117,7 +119,8 @@ def main() -> None:
             }
             log(
                 f"{n} intervals: {report['runs'][n]['requests_total']} requests, "
-                f"{report['runs'][n]['interval_calls_total']} training-thread calls in the intervals"
+                f"{report['runs'][n]['interval_calls_total']} "
+                "training-thread calls in the intervals"
             )
         # A rerun on a new machine (its stage empty): what its restore asks before the first step.
         restore = counts.calls["_restore_or_init"]

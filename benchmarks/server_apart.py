@@ -59,7 +59,8 @@ def pin(server: bench.StandingServer, where: set[int]) -> None:
 
 
 def summarize(rows: list[dict], intervals: list[int]) -> dict:
-    """Per placement: each round's per-interval slope (ms) and loop / plain ratio, and their medians."""
+    """Per placement: each round's per-interval slope (ms) and loop /
+    plain ratio, and their medians."""
     few, many = intervals[0], intervals[-1]
     out: dict = {}
     for where in ("apart", "shared"):
@@ -118,7 +119,8 @@ def main() -> None:
     train, apart = cores(args.train_cores), cores(args.server_cores)
     if train & apart:
         parser.error(
-            f"--train-cores {args.train_cores} and --server-cores {args.server_cores} share CPUs: give disjoint sets"
+            f"--train-cores {args.train_cores} and --server-cores {args.server_cores} share CPUs: "
+            "give disjoint sets"
         )
     intervals = sorted({int(n) for n in args.intervals.split(",")})
     if len(intervals) < 2 or intervals[0] < 1:
@@ -129,8 +131,8 @@ def main() -> None:
 
     work = tempfile.mkdtemp(prefix="server-apart-")
     # The plain loop deletes old steps on one thread, as the engine does: with Orbax's default pool
-    # it pays ~0.1 s an interval more on a machine of 4+ CPUs (os.cpu_count(), not the pinned cores),
-    # which would hide the flow's own cost under the floor's.
+    # it pays more an interval on a machine of 4+ CPUs (os.cpu_count(), not the pinned
+    # cores), which would hide the flow's own cost under the floor's.
     env = dict(
         os.environ,
         PREFECT_SERVER_ANALYTICS_ENABLED="false",

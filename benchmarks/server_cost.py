@@ -34,7 +34,9 @@ KINDS = ("empty", "two_task_runs", "two_events", "table_artifact", "progress_upd
 CHILD = r"""
 import sys
 from prefect import flow, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_progress_artifact, create_table_artifact, update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
@@ -53,9 +55,11 @@ def iterations():
             step(i)
         elif kind == "two_events":
             for name in ("committed", "evaluated"):
-                emit_event(event=f"server-cost.{name}", resource={"prefect.resource.id": "server-cost.job"}, payload={"step": i})
+                emit_event(event=f"server-cost.{name}",
+                           resource={"prefect.resource.id": "server-cost.job"}, payload={"step": i})
         elif kind == "table_artifact":
-            create_table_artifact(key="server-cost", table=[{"step": j, "accuracy": 0.5, "loss": 0.1} for j in range(i + 1)])
+            table = [{"step": j, "accuracy": 0.5, "loss": 0.1} for j in range(i + 1)]
+            create_table_artifact(key="server-cost", table=table)
         elif kind == "progress_update":
             update_progress_artifact(progress, 100.0 * (i + 1) / n)
 
@@ -98,7 +102,8 @@ def main() -> None:
             ) from None
         if line.strip() != word:
             raise RuntimeError(
-                f"server_cost: the {kind} flow said {line.strip()!r} (exited?) where {word!r} was due"
+                f"server_cost: the {kind} flow said {line.strip()!r} (exited?) "
+                f"where {word!r} was due"
             )
 
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
@@ -151,8 +156,9 @@ def main() -> None:
                         child.wait()
                 samples[kind].append((server_s, client_s))
                 print(
-                    f"[server_cost] {kind}, round {r + 1}/{args.repeats}: per iteration, server CPU "
-                    f"{server_s * 1000 / args.iterations:.1f} ms, the flow's CPU {client_s * 1000 / args.iterations:.1f} ms",
+                    f"[server_cost] {kind}, round {r + 1}/{args.repeats}: per iteration, "
+                    f"server CPU {server_s * 1000 / args.iterations:.1f} ms, "
+                    f"the flow's CPU {client_s * 1000 / args.iterations:.1f} ms",
                     file=sys.stderr,
                 )
 

@@ -92,7 +92,8 @@ def make_data_iter():
 
 
 def raw_io(host, path: str) -> tuple[float, float]:
-    """(write_s, read_s): `host` (a numpy array) written with ``np.save`` + fsync, then read back."""
+    """(write_s, read_s): `host` (a numpy array) written with ``np.save`` + fsync, then read
+    back."""
     import numpy as np
 
     def write():
@@ -211,7 +212,8 @@ def scale_table(sizes_mib: list[int] | None, workdir: str, repeats: int = 1) -> 
         rows.append(row)
         log(
             f"{mib} MiB: save {row['save_s']:.3f}s, stall {row['stall_s']:.4f}s "
-            f"({row['stall_pct']:.1f}% of sync save {row['sync_save_s']:.3f}s), restore {row['restore_s']:.3f}s"
+            f"({row['stall_pct']:.1f}% of sync save {row['sync_save_s']:.3f}s), "
+            f"restore {row['restore_s']:.3f}s"
         )
     return rows
 
@@ -337,8 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         "--sizes",
         type=lambda s: [int(x) for x in s.split(",") if x.strip()],
         default=None,
-        help="comma-separated MiB sizes for --scale (default %s)"
-        % ",".join(map(str, DEFAULT_SIZES)),
+        help=f"comma-separated MiB sizes for --scale (default {','.join(map(str, DEFAULT_SIZES))})",
     )
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds a size for --scale (median; default 1)"

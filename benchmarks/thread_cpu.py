@@ -6,7 +6,8 @@ it ends or as the process exits), the rest of the process (XLA's and other nativ
 its child processes' (the flow's MLflow worker); the server's CPU is read around each side. Per
 interval is the slope between the two counts, per round, then the median over rounds.
 
-    uv run --group bench python benchmarks/thread_cpu.py [--intervals 10,100] [--rounds 2] [--out benchmarks/THREAD_CPU.json]
+    uv run --group bench python benchmarks/thread_cpu.py [--intervals 10,100] [--rounds 2]
+        [--out benchmarks/THREAD_CPU.json]
 
 CPU time, not wall time: on two cores shared with the server, the flow's loop time per interval
 depends on how this CPU overlaps (`run.py`'s sweep measures that). A side records itself when
@@ -28,7 +29,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Threads that Orbax, Prefect and this package start by the hundred get numbered names: one row each.
+# Threads that Orbax, Prefect and this package start by the hundred
+# get numbered names: one row each.
 _NUMBERED = re.compile(r"[-_ ]?\(?\d+\)?")
 
 
@@ -110,7 +112,8 @@ def main() -> None:
     parser.add_argument(
         "--sides",
         default="plain,prefect_jax",
-        help="two of run.py's sides, the floor first (plain_tasks: floor.py's); BENCHMARKS.md renders plain,prefect_jax only",
+        help="two of run.py's sides, the floor first (plain_tasks: floor.py's); "
+        "BENCHMARKS.md renders plain,prefect_jax only",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "THREAD_CPU.json"))
     args = parser.parse_args()

@@ -96,7 +96,8 @@ def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> 
             while len(killed) < kills and time.monotonic() < deadline:
                 attempts = _ledger(job_dir)
                 newest = attempts[-1] if attempts else None
-                # The newest process, once it has committed a checkpoint of its own: 2 s into its next interval.
+                # The newest process, once it has committed a checkpoint of its
+                # own: 2 s into its next interval.
                 if (
                     newest
                     and newest["pid"] not in killed
@@ -110,7 +111,8 @@ def run_one(query_seconds: str, kills: int, work: Path, api: str, pool: str) -> 
                         continue
                     killed[newest["pid"]] = time.time()
                     log(
-                        f"poll {query_seconds}s: SIGKILL {newest['pid']} (step {newest['step']} committed)"
+                        f"poll {query_seconds}s: SIGKILL {newest['pid']} "
+                        f"(step {newest['step']} committed)"
                     )
                 time.sleep(0.1)
             while time.monotonic() < deadline:
@@ -178,8 +180,10 @@ def main() -> None:
         server.stop()
     for r in results:
         log(
-            f"poll {r['query_seconds']:g}s: {r['state']}, kill -> first new step {r.get('kill_to_first_step_s_mean', float('nan')):.2f}s "
-            f"(to the process {r.get('kill_to_process_s_mean', float('nan')):.2f}s), second starts {r['second_starts']}, errors {r['errors']}"
+            f"poll {r['query_seconds']:g}s: {r['state']}, kill -> first new step "
+            f"{r.get('kill_to_first_step_s_mean', float('nan')):.2f}s "
+            f"(to the process {r.get('kill_to_process_s_mean', float('nan')):.2f}s), "
+            f"second starts {r['second_starts']}, errors {r['errors']}"
         )
     out = {
         "measured": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),

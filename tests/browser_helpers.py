@@ -23,7 +23,8 @@ def require_chromium() -> str:
     if CHROMIUM is None:
         if os.environ.get("CI") or os.environ.get("PREFECT_JAX_REQUIRE_BROWSER"):
             pytest.fail(
-                "chromium is not installed: .ci/run installs Debian's chromium for the browser tests"
+                "chromium is not installed: "
+                ".ci/run installs Debian's chromium for the browser tests"
             )
         pytest.skip("no chromium here (apt-get install chromium)")
     return CHROMIUM
@@ -60,7 +61,8 @@ def retry_in_the_ui(ui_url: str, flow_run_id: str, shots: str = "retry") -> None
 
 
 def screenshot_flow_run(ui_url: str, flow_run_id: str, name: str, wait_for_text: str) -> str:
-    """A full-page screenshot of a flow run's page once `wait_for_text` shows; returns the page's text."""
+    """A full-page screenshot of a flow run's page once `wait_for_text`
+    shows; returns the page's text."""
     with browser_page() as page:
         page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
         page.get_by_text(wait_for_text).first.wait_for(timeout=30_000)

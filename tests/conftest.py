@@ -51,7 +51,8 @@ def s3_server():
 
 @pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory):
-    """One MLflow SQLite store for the session (creating its tables takes seconds); jobs differ by storage path."""
+    """One MLflow SQLite store for the session (creating its tables takes
+    seconds); jobs differ by storage path."""
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
 
 
@@ -85,7 +86,8 @@ def job_config(tmp_path, mlflow_uri):
 
 @pytest.fixture
 def processes():
-    """Subprocesses the test starts; every one is stopped (its whole process group) however the test ends."""
+    """Subprocesses the test starts; every one is stopped (its whole
+    process group) however the test ends."""
     started: list = []
     try:
         yield started

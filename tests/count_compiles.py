@@ -1,7 +1,9 @@
 """Train the tiny job two intervals in this (fresh) process and print, as one JSON line, how many
 times the train step was compiled, and how the persistent compilation cache answered for it.
 
-usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR [STORAGE_OPTIONS_JSON [lost|slow-pull]]]
+usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR [OPTIONS_JSON [lost|slow-pull]]]
+
+``OPTIONS_JSON``: the storage options, as JSON.
 
 ``lost``: the node is lost in the first interval. At the first log point (step 10, before any
 checkpoint), once the train step's cache entry is in storage, the counts are printed and the

@@ -163,7 +163,8 @@ class ServeProcess(_GroupProcess):
             PREFECT_HOME=str(home),
             PREFECT_API_URL=api_url,
             PREFECT_LOGGING_LEVEL="INFO",
-            PREFECT_RUNNER_POLL_FREQUENCY="1",  # pick up a scheduled (or retried) run within a second
+            # pick up a scheduled (or retried) run within a second
+            PREFECT_RUNNER_POLL_FREQUENCY="1",
             PYTHONPATH=os.pathsep.join(
                 p for p in (str(HERE), str(ROOT), os.environ.get("PYTHONPATH")) if p
             ),
@@ -281,7 +282,8 @@ def wait_for_deployments(
             return found
         time.sleep(0.5)
     raise AssertionError(
-        f"deployments {sorted(set(names) - set(found))} not registered after {timeout:.0f}s\n{logs(serve)}"
+        f"deployments {sorted(set(names) - set(found))} not registered after {timeout:.0f}s\n"
+        f"{logs(serve)}"
     )
 
 

@@ -1,4 +1,5 @@
-"""Real `prefect-jax` processes for the kill tests: start one, wait for what it writes, signal it."""
+"""Real `prefect-jax` processes for the kill tests: start one, wait for what it writes, signal
+it."""
 
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ def closed_port() -> int:
 def storage_options(
     endpoint_url: str, key: str = ACCESS_KEY, secret: str = SECRET_KEY, **extra
 ) -> dict:
-    """s3fs storage options for a loopback endpoint: explicit credentials, short timeouts, few retries."""
+    """s3fs storage options for a loopback endpoint: explicit
+    credentials, short timeouts, few retries."""
     options = {
         "key": key,
         "secret": secret,
@@ -157,7 +158,8 @@ class StorageCalls:
 
 
 class S3Server:
-    """moto's S3 server on 127.0.0.1:<free port>, in a subprocess, for the duration of a `with` block.
+    """moto's S3 server on 127.0.0.1:<free port>, in a subprocess, for
+    the duration of a `with` block.
 
     Attributes:
         endpoint_url: ``http://127.0.0.1:<port>``.
@@ -197,7 +199,8 @@ class S3Server:
                 time.sleep(0.1)
         self.stop()
         raise RuntimeError(
-            f"moto server did not listen on {self.endpoint_url} within {self.startup_timeout:.0f}s:\n{self.log()}"
+            f"moto server did not listen on {self.endpoint_url} within "
+            f"{self.startup_timeout:.0f}s:\n{self.log()}"
         )
 
     def log(self) -> str:
@@ -223,7 +226,8 @@ class S3Server:
 
     def save_block(self, name: str, url: str, secret: str = SECRET_KEY) -> str:
         """Save a CheckpointStorage block for `url` on this server: the endpoint in its options, the
-        credentials in its secret options (as a user keeps them). Returns ``jax-checkpoint-storage/<name>``."""
+        credentials in its secret options (as a user keeps them). Returns
+        ``jax-checkpoint-storage/<name>``."""
         from prefect_jax.blocks import CheckpointStorage
 
         CheckpointStorage(

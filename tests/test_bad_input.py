@@ -121,7 +121,7 @@ def test_max_steps_below_the_committed_step_is_refused_by_the_cli_and_the_engine
 def _read_only(path) -> tuple[str, ...]:
     """Make `path` read-only for the command; returns the prefix that runs it without root's
     override of file permissions (as root, DAC_OVERRIDE would let it write anyway)."""
-    for folder, dirs, files in os.walk(path):
+    for folder, _, files in os.walk(path):
         for name in files:
             os.chmod(os.path.join(folder, name), 0o444)
         os.chmod(folder, 0o555)

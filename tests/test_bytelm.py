@@ -116,7 +116,7 @@ def test_gradient_accumulation_equals_one_larger_batch():
     one, m1 = jax.jit(whole.train_step)(state, batch)
     four, m4 = jax.jit(accumulated.train_step)(state, batch)
     np.testing.assert_allclose(float(m1["loss"]), float(m4["loss"]), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(four["params"])):
+    for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(four["params"]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 

@@ -51,8 +51,8 @@ def test_bad_input_is_a_clear_error_and_nothing_runs(tmp_path):
 def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_command(
     tmp_path, prefect_server, mlflow_uri, monkeypatch
 ):
-    """The command turns Python's garbage collector off through its start-up's imports (~0.4 s of
-    its start-up on 2 CPUs) and on again, with the imports frozen, before the flow runs: a job of
+    """The command turns Python's garbage collector off through its start-up's imports (a large
+    part of its start-up) and on again, with the imports frozen, before the flow runs: a job of
     hours must not run without it. A command refused before it starts turns it back on too."""
     log = tmp_path / "gc.jsonl"
     proc = _cli(
@@ -239,7 +239,8 @@ def test_a_misspelt_flag_is_refused_with_the_subcommands_usage(tmp_path):
 
 @pytest.mark.slow
 def test_the_roles_from_the_command_line(tmp_path, prefect_server, mlflow_uri):
-    """`train` (with --steps-per-dispatch), then `evaluate --once`, then `export`: TF's chief and evaluator."""
+    """`train` (with --steps-per-dispatch), then `evaluate --once`, then
+    `export`: TF's chief and evaluator."""
     env = {"PREFECT_API_URL": prefect_server}
     job = [
         "--program",
@@ -349,8 +350,8 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
     tmp_path, monkeypatch
 ):
     """The command's embedded server skips Prefect's block type registration at its start (to
-    decide on it, even memoized, Prefect imports every installed Prefect collection: 1.5 s of its
-    4.7 s start with the dev group's). A block saved through it registers its own type and loads
+    decide on it, even memoized, Prefect imports every installed Prefect collection: a large part
+    of its start with the dev group's). A block saved through it registers its own type and loads
     back; a user's own registration setting (environment or profile) is kept."""
     import httpx
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -390,7 +391,8 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
     finally:
         server.stop()
 
-    # The user's own setting is kept, here in their active profile (`prefect config set` writes it there).
+    # The user's own setting is kept, here in their active profile
+    # (`prefect config set` writes it there).
     (tmp_path / "home" / "profiles.toml").write_text(
         'active = "mine"\n[profiles.mine]\nPREFECT_SERVER_REGISTER_BLOCKS_ON_START = "true"\n'
     )

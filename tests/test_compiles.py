@@ -78,7 +78,8 @@ def test_a_cache_on_object_storage_follows_the_job_to_another_machine(
     stored = s3_server.filesystem().ls(f"{storage}/compiles/compile-cache", detail=False)
     assert any(p.rsplit("/", 1)[-1].startswith("jit_step-") for p in stored), stored
 
-    # Its copy in takes 3 s longer than usual: the trainer sets up meanwhile, and waits for it before compiling.
+    # Its copy in takes 3 s longer than usual: the trainer sets up meanwhile, and
+    # waits for it before compiling.
     rerun = _run(
         storage,
         mlflow_uri,
@@ -271,14 +272,21 @@ def test_a_process_whose_jax_cache_is_open_keeps_it(tmp_path):
     script = """
 import json, sys
 import jax
-from prefect_jax.training.compile_cache import enable_compilation_cache, open_compilation_cache, open_jax_cache_dir
+from prefect_jax.training.compile_cache import (
+    enable_compilation_cache, open_compilation_cache, open_jax_cache_dir,
+)
 from prefect_jax.training.storage import JobStorage
 
 enable_compilation_cache(sys.argv[1])
 jax.jit(lambda x: x + 1)(1.0).block_until_ready()
 xla = jax.config.jax_persistent_cache_enable_xla_caches
 mirror = open_compilation_cache("memory://another/compile-cache", JobStorage(sys.argv[2], "j"))
-print(json.dumps([open_jax_cache_dir(), mirror is None, jax.config.jax_compilation_cache_dir, xla == jax.config.jax_persistent_cache_enable_xla_caches]))
+print(json.dumps([
+    open_jax_cache_dir(),
+    mirror is None,
+    jax.config.jax_compilation_cache_dir,
+    xla == jax.config.jax_persistent_cache_enable_xla_caches,
+]))
 """
     first = str(tmp_path / "first")
     proc = subprocess.run(
@@ -328,11 +336,11 @@ def test_where_the_cache_is(tmp_path, monkeypatch):
 def test_the_command_keeps_its_cache_with_the_job_on_a_storage_block(
     tmp_path, prefect_server, mlflow_uri, s3_server, monkeypatch
 ):
-    """The users' path: `prefect-jax run --storage jax-checkpoint-storage/<block> --compilation-cache
-    job`, the credentials only in the block. The first run's compiles are in the bucket when the
-    command has exited (its flow ends through `finish`, its process without Python's teardown),
-    and a second run, on a machine whose local directories are elsewhere, loads the train step
-    instead of compiling it."""
+    """The users' path: `prefect-jax run --storage jax-checkpoint-storage/<block>
+    --compilation-cache job`, the credentials only in the block. The first run's compiles are in
+    the bucket when the command has exited (its flow ends through `finish`, its process without
+    Python's teardown), and a second run, on a machine whose local directories are elsewhere,
+    loads the train step instead of compiling it."""
     s3_server.create_bucket("cli-compiles")
     job = f"cached-{uuid.uuid4().hex[:6]}"
     block = s3_server.save_block("compile-cache-test", "s3://cli-compiles/team")

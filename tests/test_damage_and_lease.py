@@ -16,7 +16,8 @@ from prefect_jax.training.trainer import Trainer
 
 @pytest.fixture
 def trained(job_config):
-    """A job of 60 steps with committed checkpoints at 20, 40 and 60, and its uninterrupted fingerprint."""
+    """A job of 60 steps with committed checkpoints at 20, 40 and 60, and
+    its uninterrupted fingerprint."""
     config = job_config(max_steps=60, every_steps=20)
     trainer = Trainer(config)
     trainer.restore_or_init()
@@ -195,18 +196,20 @@ from prefect_jax.tasks import _take_the_lease_before_jax, _trainer, _trainer_hol
 from prefect_jax.training.specs import JobConfig
 
 storage, out = sys.argv[1], {}
-config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=storage, train={"max_steps": 40},
-                   mlflow_tracking_uri=f"sqlite:///{storage}/mlflow.db")
+config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=storage,
+                   train={"max_steps": 40}, mlflow_tracking_uri=f"sqlite:///{storage}/mlflow.db")
 lease_file = os.path.join(storage, "tiny", "lease.json")
 first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 os.makedirs(os.path.dirname(lease_file))
 with open(lease_file, "w") as f:
-    json.dump({"token": "other", "flow_run_id": os.environ["PREFECT__FLOW_RUN_ID"], "host": os.uname().nodename,
-               "pid": first.pid, "heartbeat": time.time(), "timeout_secs": 120}, f)
+    json.dump({"token": "other", "flow_run_id": os.environ["PREFECT__FLOW_RUN_ID"],
+               "host": os.uname().nodename, "pid": first.pid, "heartbeat": time.time(),
+               "timeout_secs": 120}, f)
 threading.Timer(1.5, first.kill).start()
 started = time.monotonic()
 lease = _take_the_lease_before_jax(config)
-out.update(waited=time.monotonic() - started, jax=[m for m in ("jax", "jaxlib") if m in sys.modules],
+out.update(waited=time.monotonic() - started,
+           jax=[m for m in ("jax", "jaxlib") if m in sys.modules],
            holder=json.load(open(lease_file))["pid"], me=os.getpid())
 trainer = _trainer(config)
 out["adopted"] = trainer.job.lease is lease
@@ -217,7 +220,9 @@ trainer.finish()
 trainer.close()
 out["released"] = not os.path.exists(lease_file)
 
-bad = config.model_copy(update={"job": "bad", "program": "prefect_jax.examples.digits:no_such_program"})
+bad = config.model_copy(
+    update={"job": "bad", "program": "prefect_jax.examples.digits:no_such_program"}
+)
 try:
     _trainer_holding_the_lease(bad)
 except Exception as exc:
@@ -261,11 +266,13 @@ import json, os, sys, time
 from prefect_jax.tasks import _take_the_lease_before_jax
 from prefect_jax.training.specs import JobConfig
 
-config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=sys.argv[1], train={"max_steps": 40})
+config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=sys.argv[1],
+                   train={"max_steps": 40})
 started = time.monotonic()
 _take_the_lease_before_jax(config)
 print(json.dumps({"waited": time.monotonic() - started, "jax": "jax" in sys.modules}), flush=True)
-if len(sys.argv) > 2:  # the first: as if starting JAX, until told to end (SIGKILLed, say: it does not release)
+# The first: as if starting JAX, until told to end (SIGKILLed, say: it does not release).
+if len(sys.argv) > 2:
     deadline = time.monotonic() + 120
     while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
         time.sleep(0.05)

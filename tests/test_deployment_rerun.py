@@ -4,10 +4,10 @@ A real ``prefect server start`` with its UI and a ``serve`` process (both starte
 `train_and_evaluate` deployment. Once a checkpoint is committed, the deployment run's process is
 SIGKILLed (no handler runs; serve, its worker, lives on and reports it Crashed). A person opens
 the run in a real browser (Debian's chromium), sees Crashed, clicks Retry and confirms; serve
-runs it again. (A machine lost with its worker: tests/test_sigkill_leftovers.py.) The retried run must take over the dead
-trainer's lease, resume at the newest committed step (nothing retrained from 0, no step logged
-or evaluated twice) and end with the same state fingerprint as an uninterrupted run of the
-same job config.
+runs it again. (A machine lost with its worker: tests/test_sigkill_leftovers.py.) The retried run
+must take over the dead trainer's lease, resume at the newest committed step (nothing retrained
+from 0, no step logged or evaluated twice) and end with the same state fingerprint as an
+uninterrupted run of the same job config.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ TINY = "prefect_jax.examples.digits:tiny"
 MAX_STEPS = 800
 EVERY = 100
 LOG_EVERY = 50
-KILL_FROM = 200  # SIGKILL once this step (or a later one) is committed: ~3 s of training are left
+KILL_FROM = 200  # SIGKILL once this step (or a later one) is committed: training is not over
 
 
 def _params(storage: Path, job: str, mlflow_uri: str) -> dict:
@@ -59,7 +59,8 @@ def _params(storage: Path, job: str, mlflow_uri: str) -> dict:
 def _wait_for_commit(
     checkpoint_dir: Path, at_least: int, client, flow_run_id, serve: ServeProcess, timeout: float
 ) -> int:
-    """Poll (every 20 ms) until a step >= `at_least` is committed; fail fast if the run ends first."""
+    """Poll (every 20 ms) until a step >= `at_least` is committed; fail fast if the run ends
+    first."""
     from prefect_jax.training.checkpoints import committed_steps
 
     deadline = time.monotonic() + timeout
@@ -87,7 +88,8 @@ def _wait_final(client, flow_run_id, serve: ServeProcess, timeout: float):
         assert serve.alive(), f"serve exited while the retried run is {run.state}\n{logs(serve)}"
         time.sleep(0.5)
     raise AssertionError(
-        f"the retried run is still {client.read_flow_run(flow_run_id).state} after {timeout:.0f}s\n{logs(serve)}"
+        f"the retried run is still {client.read_flow_run(flow_run_id).state} after "
+        f"{timeout:.0f}s\n{logs(serve)}"
     )
 
 
@@ -140,8 +142,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     server = PrefectServerProcess(tmp_path / "prefect-server", ui=True)
     processes.append(server)
 
-    # While the server starts: the uninterrupted run of the same job config in other storage (it also
-    # creates the MLflow tables, which takes seconds; the two jobs get one MLflow run each).
+    # While the server starts: the uninterrupted run of the same job config in other storage (it
+    # also creates the MLflow tables, which takes seconds; the two jobs get one MLflow run each).
     storage, job, mlflow_uri = tmp_path / "storage", "rerun", f"sqlite:///{tmp_path}/mlflow.db"
     params = _params(storage, job, mlflow_uri)
     reference = job_config(_params(tmp_path / "reference", job, mlflow_uri))
@@ -221,7 +223,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         page = screenshot_flow_run(
             server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed"
         )
-    # The crashed attempt's task runs are not left Running (the retry that took the lease over marked them).
+    # The crashed attempt's task runs are not left Running (the retry that
+    # took the lease over marked them).
     assert not [r.name for r in runs if r.state.is_running() or r.state.is_pending()], [
         (r.name, r.state) for r in runs
     ]
@@ -253,7 +256,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     assert "taking over the lease" in first.tail(200_000), logs(first)
     assert not (job_dir / "lease.json").exists()
 
-    # Every step committed, each checkpoint evaluated once, one MLflow run with each step logged once.
+    # Every step committed, each checkpoint evaluated once, one MLflow
+    # run with each step logged once.
     status = _status(job, storage)
     assert MAX_STEPS in status["committed_steps"]
     assert status["evaluated_steps"] == {"eval": list(range(EVERY, MAX_STEPS + 1, EVERY))}

@@ -71,7 +71,8 @@ def test_prefect_yaml_deployments_load_and_their_parameters_validate():
     assert trigger.expect == {"prefect-jax.checkpoint.committed"}
     assert deployments["digits-trainer"]["work_pool"]["name"] == "gpu"
     assert deployments["digits-evaluator"]["work_pool"]["name"] == "cpu"
-    # Every role has a variant on the local process pool (the README's setup); GPU pools are overrides.
+    # Every role has a variant on the local process pool (the README's
+    # setup); GPU pools are overrides.
     cpu_roles = {flows[n] for n, d in deployments.items() if d["work_pool"]["name"] == "cpu"}
     assert cpu_roles == {"train_and_evaluate", "train", "evaluate", "export"}
 

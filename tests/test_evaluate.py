@@ -115,10 +115,10 @@ def test_eval_step_must_return_sum_count_pairs(job_config):
 def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_goes_on(
     job_config, monkeypatch
 ):
-    """The evaluation of the live step does not hold training for its save's commit (on an H100
-    that wait was 0.2 s of every interval, issue 13): it returns at once, pending, and the step is
-    recorded (records, MLflow, `on_recorded`) once it commits, by the next interval's training
-    loop, and not before."""
+    """The evaluation of the live step does not hold training for its save's commit (on a GPU
+    that wait was a large share of every interval, issue 13): it returns at once, pending, and
+    the step is recorded (records, MLflow, `on_recorded`) once it commits, by the next interval's
+    training loop, and not before."""
     import inspect
 
     from conftest import hold_commit, release_commit_at
@@ -137,7 +137,8 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
             (result, in_loop, commit.is_set(), result.step in trainer.committed_steps())
         )
 
-    # 30 dispatches into the next interval, each of which found the save in flight: it may commit now.
+    # 30 dispatches into the next interval, each of which found the
+    # save in flight: it may commit now.
     at_log_step = release_commit_at(trainer, commit, 130)
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
@@ -150,10 +151,12 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
 
     remove = add_progress_listener(at_log_step)
     try:
-        trainer.train_until_checkpoint()  # to 200: step 100 is recorded from the first dispatch after its commit
+        # to 200: step 100 is recorded from the first dispatch after its commit
+        trainer.train_until_checkpoint()
     finally:
         remove()
-    # Recorded once, from the loop, after the commit (not while the save was in flight), as evaluated.
+    # Recorded once, from the loop, after the commit (not while the
+    # save was in flight), as evaluated.
     assert [(r.step, r.pending_commit, *rest) for r, *rest in recorded] == [
         (100, False, True, True, True)
     ]
@@ -212,7 +215,8 @@ import sys, threading
 from prefect_jax.training.checkpoints import Checkpoints
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.trainer import Trainer
-Checkpoints._checksum_step_in_flight = lambda self: threading.Event().wait()  # no commit before the kill
+# No commit before the kill.
+Checkpoints._checksum_step_in_flight = lambda self: threading.Event().wait()
 trainer = Trainer(JobConfig.model_validate_json(sys.argv[1]))
 trainer.restore_or_init()
 trainer.train_until_checkpoint()

@@ -104,7 +104,8 @@ def test_an_evaluation_that_exports_nothing_does_not_wait_for_its_steps_commit(
     from conftest import hold_commit
 
     commit = hold_commit(monkeypatch, 200)
-    # The highest loss is the best here: once step 100 is exported, later (trained) steps do not beat it.
+    # The highest loss is the best here: once step 100 is exported, later
+    # (trained) steps do not beat it.
     exporters = [BestExporter(metric="loss", mode="max"), FinalExporter()]
     trainer = Trainer(job_config(max_steps=300, every_steps=100, exporters=exporters))
     trainer.restore_or_init()
@@ -123,7 +124,8 @@ def test_an_evaluation_that_exports_nothing_does_not_wait_for_its_steps_commit(
     assert trainer.job.records.steps() == [100]
 
     commit.set()
-    trainer.train_until_checkpoint()  # to 300: step 200 is recorded (from the loop, or by this save) first
+    # to 300: step 200 is recorded (from the loop, or by this save) first
+    trainer.train_until_checkpoint()
     assert trainer.job.records.get(200).metrics == second.metrics
     final = trainer.evaluate_if_new()
     assert final.step == 300 and not final.pending_commit

@@ -256,7 +256,8 @@ def test_retention_keeps_what_the_evaluator_has_not_reached(job_config):
         config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 70})})
     )
     trainer.restore_or_init()
-    trainer.train_until_checkpoint()  # its save applies retention: keep_last=1, and 30.. (not evaluated yet)
+    # its save applies retention: keep_last=1, and 30.. (not evaluated yet)
+    trainer.train_until_checkpoint()
     trainer.finish()
     trainer.close()
     assert committed_steps(ckpt) == [30, 40, 50, 60, 70]
@@ -407,10 +408,11 @@ def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(
         -3000:
     ]  # it was dropped
     assert (
-        "prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: sending SIGTERM again"
-        in out
+        "prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: "
+        "sending SIGTERM again" in out
     )
-    # The command exits 128 + 15; a flow run called bare ends as Prefect ends it: by the signal itself.
+    # The command exits 128 + 15; a flow run called bare ends as Prefect
+    # ends it: by the signal itself.
     assert proc.returncode == (-signal.SIGTERM if where == "restore" else 143), out[-3000:]
     assert committed_steps(os.path.join(storage, job, "checkpoints")) == (
         [20] if where == "eval" else []
@@ -439,9 +441,9 @@ def test_a_sigterm_whose_handler_runs_inside_a_gc_callback_still_ends_the_job(
 
 @pytest.fixture
 def sigterm_handler(monkeypatch):
-    """A SIGTERM handler for this test (raising `raises`, if set), a hook Python's dropped exceptions
-    go to before prefect-jax's, and the module state a notice leaves reset afterwards: yields the
-    list of what happened ("handler", "dropped <type>")."""
+    """A SIGTERM handler for this test (raising `raises`, if set), a hook Python's dropped
+    exceptions go to before prefect-jax's, and the module state a notice leaves reset afterwards:
+    yields the list of what happened ("handler", "dropped <type>")."""
     import sigterm_in_gc_callback
 
     from prefect_jax.training import preemption
@@ -521,7 +523,8 @@ def test_a_guard_whose_forwarded_notice_python_drops_delivers_it_again(sigterm_h
             _wait_in_ordinary_code(30)
     finally:
         guard.uninstall()
-    # (A collection of this process's heap can outlast the first delivery again: JAX's gc callback drops it then.)
+    # (A collection of this process's heap can outlast the first delivery again:
+    # JAX's gc callback drops it then.)
     assert calls[:3] == ["on_signal", "handler", "dropped Ended"] and calls[3:] == [
         "handler",
         "dropped Ended",
@@ -547,7 +550,8 @@ def test_a_notice_dropped_while_an_earlier_one_is_handled_is_not_sent_again(sigt
         os.kill(os.getpid(), signal.SIGTERM)
         _wait_in_ordinary_code(30)
     except Ended:
-        sigterm_in_gc_callback.sigterm_inside_a_gc_callback()  # while the first one is handled: not sent again
+        # while the first one is handled: not sent again
+        sigterm_in_gc_callback.sigterm_inside_a_gc_callback()
     assert (calls[2:], sends) == (["handler", "handler", "dropped Ended"], [signal.SIGTERM])
 
 

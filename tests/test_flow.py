@@ -169,7 +169,8 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(
     by_steps = {tuple(row["step"] for row in json.loads(a["data"])): a for a in results}
     assert set(by_steps) == {(100,), (100, 200)}
     first = by_steps[(100,)]
-    # Recorded after the evaluate task run had ended (the commit came while step 100 -> 200 trained) ...
+    # Recorded after the evaluate task run had ended (the commit came
+    # while step 100 -> 200 trained) ...
     assert datetime.fromisoformat(first["created"]) > evaluate_100.end_time
     # ... and still on it, as the final step's is on its own.
     assert first["task_run_id"] == str(evaluate_100.id)

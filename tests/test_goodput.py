@@ -38,7 +38,8 @@ def _attempt(start, updated, from_step, step, tail, ended, **seconds):
 def test_summary_splits_kept_and_recomputed_steps_and_counts_the_gaps():
     ledger = {
         "attempts": [
-            # Trained 0 -> 300 (saves at 100, 200, 300) in 30 s of train time, killed after its last record.
+            # Trained 0 -> 300 (saves at 100, 200, 300) in 30 s of train
+            # time, killed after its last record.
             _attempt(
                 1000.0,
                 1050.0,
@@ -365,8 +366,8 @@ def test_a_collectives_error_says_whether_another_process_of_the_job_went_away()
 
     # As gloo raised it here when the other process was SIGKILLed mid all-reduce.
     gloo = ValueError(
-        "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
-        "[127.0.0.1]:5803: Connection reset by peer"
+        "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+        "Read error [127.0.0.1]:5803: Connection reset by peer"
     )
     assert lost_a_process(gloo)
     try:  # found through the chain too (the task's own error wrapping the collective's)
@@ -378,12 +379,14 @@ def test_a_collectives_error_says_whether_another_process_of_the_job_went_away()
         assert lost_a_process(outer)
     assert lost_a_process(
         RuntimeError(
-            "NCCL operation ncclAllReduce failed: remote process exited or there was a network error"
+            "NCCL operation ncclAllReduce failed: "
+            "remote process exited or there was a network error"
         )
     )
     assert lost_a_process(
         RuntimeError(
-            "UNAVAILABLE: The coordination service has stopped; task /job:jax_worker/task:1 heartbeat timeout"
+            "UNAVAILABLE: The coordination service has stopped; "
+            "task /job:jax_worker/task:1 heartbeat timeout"
         )
     )
     assert lost_a_process(
@@ -476,5 +479,6 @@ def test_on_remote_storage_a_backup_waits_until_the_step_before_it_is_uploaded(
             f"backup {step} was started while a step was uploading"
         )
     assert sorted(uploads) == [s for s, _ in saves]
-    # Up there, a newer step supersedes every backup (retention keeps all other steps here: keep_last=None).
+    # Up there, a newer step supersedes every backup (retention keeps all
+    # other steps here: keep_last=None).
     assert remote.committed_steps() == [600] and remote.read_meta(600)["step"] == 600

@@ -58,7 +58,8 @@ def _args(
 
 
 def _summary(log_path) -> dict:
-    """The ``--json`` summary: process 0's last line on stdout (the other's log lines may follow it in a shared file)."""
+    """The ``--json`` summary: process 0's last line on stdout (the other's log lines
+    may follow it in a shared file)."""
     return json.loads(
         [line for line in open(log_path).read().splitlines() if line.startswith('{"')][-1]
     )
@@ -169,7 +170,8 @@ def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_i
     tmp_path, capsys
 ):
     """``--processes N`` on a machine with GPUs: each process its own (JAX would open every GPU in
-    every process, each taking 75% of its memory); counted by nvidia-smi, or CUDA_VISIBLE_DEVICES."""
+    every process, each taking 75% of its memory); counted by nvidia-smi, or CUDA_VISIBLE_DEVICES.
+    """
     from prefect_jax.cli.launch import process_envs
 
     smi = tmp_path / "nvidia-smi"
@@ -195,7 +197,8 @@ def test_processes_on_one_machine_share_its_gpus_out_through_jaxs_local_device_i
     assert capsys.readouterr().err == ""
     assert shares(3) == ["0,1", "2,3", "4,5"]  # 8 do not divide by 3: 2 each, 2 idle, and a warning
     assert "GPUs 6-7 idle" in capsys.readouterr().err
-    # CUDA_VISIBLE_DEVICES: JAX numbers the visible GPUs from 0; CUDA stops at an entry that is none.
+    # CUDA_VISIBLE_DEVICES: JAX numbers the visible GPUs from 0; CUDA
+    # stops at an entry that is none.
     assert shares(2, CUDA_VISIBLE_DEVICES="3,5") == ["0", "1"]
     assert shares(2, CUDA_VISIBLE_DEVICES="GPU-8f3a,MIG-77c1") == ["0", "1"]
     assert shares(2, CUDA_VISIBLE_DEVICES="0,1,-1,2") == ["0", "1"]
@@ -228,7 +231,8 @@ def test_a_pods_process_command_finds_process_0_from_its_job_and_service():
             "--",
             sys.executable,
             "-c",
-            "import os; print(os.environ['PREFECT_JAX_COORDINATOR_ADDRESS'], os.environ['PREFECT_JAX_NUM_PROCESSES'])",
+            "import os; print(os.environ['PREFECT_JAX_COORDINATOR_ADDRESS'], "
+            "os.environ['PREFECT_JAX_NUM_PROCESSES'])",
         ],
         env=env,
         capture_output=True,
@@ -423,7 +427,8 @@ def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(
 
 
 def _deployment_run(client, storage: str, mlflow_uri: str):
-    """A flow run of a `train_and_evaluate` deployment (entrypoint and pull step as prefect.yaml's)."""
+    """A flow run of a `train_and_evaluate` deployment (entrypoint and pull step as
+    prefect.yaml's)."""
     from prefect_jax.flows import train_and_evaluate
 
     root = os.path.dirname(TESTS_DIR)
@@ -448,7 +453,8 @@ def _deployment_run(client, storage: str, mlflow_uri: str):
 
 def _pods(flow_run_id, api_url: str, tmp_path, name: str) -> list[subprocess.Popen]:
     """The two pods of an indexed job running the flow run: the command and environment the
-    multi-process Kubernetes template gives them (``prefect-jax process ... -- prefect flow-run execute``)."""
+    multi-process Kubernetes template gives them (``prefect-jax process ...
+    -- prefect flow-run execute``)."""
     port = _free_port()
     procs = []
     for k in range(2):
@@ -640,7 +646,7 @@ def test_checkpoints_reshard_between_two_processes_and_one(
 
 
 @slow
-def test_after_kills_without_notice_every_process_writes_the_same_backups_and_the_rerun_resumes_from_one(
+def test_after_kills_without_notice_every_process_writes_the_same_backups_and_the_rerun_resumes(
     uninterrupted, tmp_path, prefect_server, mlflow_uri
 ):
     """`CheckpointSpec.backups` with two processes: a process SIGKILLed (process 1: process 0's
@@ -678,7 +684,8 @@ def test_after_kills_without_notice_every_process_writes_the_same_backups_and_th
     assert ledger()[-1]["ended"] == LOST_PROCESS, ledger()
     assert "its attempt counts as killed without notice" in open(tmp_path / "one.0.log").read()
 
-    # 2. The rerun backs up between checkpoints, in both processes at once; process 0 killed after one.
+    # 2. The rerun backs up between checkpoints, in both processes at
+    # once; process 0 killed after one.
     procs = _start_pair(args, prefect_server, tmp_path, "two")
     backup = wait_until(lambda: backups(), 300, "a backup committed", procs[0])[-1]
     kill(procs, 0, "two")
@@ -762,7 +769,7 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
     try:
         for k in range(last):
             wait_until(
-                lambda: "waiting" in open(tmp_path / f"{k}.log").read(),
+                lambda k=k: "waiting" in open(tmp_path / f"{k}.log").read(),
                 120,
                 f"process {k} waiting",
                 procs[k],

@@ -1,4 +1,5 @@
-"""Packaging promises: a cheap `import prefect_jax`, an engine free of prefect, the entry points, blocks."""
+"""Packaging promises: a cheap `import prefect_jax`, an engine free of
+prefect, the entry points, blocks."""
 
 import subprocess
 import sys
@@ -33,7 +34,8 @@ def test_entry_points():
 
 
 def test_the_console_script_keeps_exit_codes_and_output_through_its_quick_exit(tmp_path):
-    """`entry` ends the process with os._exit after main: codes, stdout and stderr must survive it."""
+    """`entry` ends the process with os._exit after main: codes, stdout and stderr must survive
+    it."""
     import os
     import subprocess
     import sys
@@ -81,7 +83,8 @@ def _engine_imports() -> dict[str, set[str]]:
     modules = {path.stem: path for path in folder.glob("*.py") if path.stem != "__init__"}
 
     def runtime_nodes(tree):
-        """Every node but those under `if TYPE_CHECKING:` (annotations only: no import at run time)."""
+        """Every node but those under `if TYPE_CHECKING:` (annotations only: no import at run
+        time)."""
         stack = [tree]
         while stack:
             node = stack.pop()

@@ -193,9 +193,13 @@ def test_orbax_keeps_what_retained_keeps():
         (CheckpointSpec(keep_last=1, keep_until_evaluated=True), None),
     ]:
         policy = CheckpointPolicy.from_spec(spec)
-        orbax = policy.preservation(backups.__contains__, lambda s: False, lambda: newest_evaluated)
+        orbax = policy.preservation(
+            backups.__contains__,
+            lambda s: False,
+            lambda newest_evaluated=newest_evaluated: newest_evaluated,
+        )
         kept = orbax.should_preserve([_Step(s) for s in steps], context=None)
-        assert {s for s, k in zip(steps, kept) if k} == policy.retained(
+        assert {s for s, k in zip(steps, kept, strict=True) if k} == policy.retained(
             steps, newest_evaluated, backups.__contains__
         )
     # A pinned step (its upload pending) is kept whatever retention says.
@@ -203,7 +207,7 @@ def test_orbax_keeps_what_retained_keeps():
         backups.__contains__, {150}.__contains__
     )
     kept = orbax.should_preserve([_Step(s) for s in steps], context=None)
-    assert {s for s, k in zip(steps, kept) if k} == {150, 300}
+    assert {s for s, k in zip(steps, kept, strict=True) if k} == {150, 300}
 
 
 def test_backups_follow_young_daly_from_the_kills_the_ledger_shows():

@@ -246,7 +246,7 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     assert "2 attempt(s), 2 of them interrupted" in preempted.description, preempted.description
 
 
-def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_resumes_from_a_backup(
+def test_after_a_kill_without_notice_reruns_back_up_between_checkpoints_and_resume_from_a_backup(
     tmp_path, prefect_server, mlflow_uri
 ):
     """`CheckpointSpec.backups`: once an attempt was SIGKILLed, the next ones write resume-only
@@ -278,7 +278,8 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
     def backups() -> list[int]:
         return [s for s in committed_steps(ckpt) if s % every]
 
-    # 1. Killed without notice before its first checkpoint: nothing in the ledger yet, so no backups.
+    # 1. Killed without notice before its first checkpoint: nothing in
+    # the ledger yet, so no backups.
     proc = start_run(args, prefect_server, logs / "1.log")
     _wait(
         lambda: os.path.exists(os.path.join(storage, "bk", "goodput.json")),
@@ -323,7 +324,8 @@ def test_after_a_kill_without_notice_the_rerun_backs_up_between_checkpoints_and_
         "a backup was evaluated"
     )
     assert not job_step_is_backup(JobStorage(storage, "bk"), every)
-    # An evaluator deployment is triggered by these events: a backup, which it would skip, emits none.
+    # An evaluator deployment is triggered by these events: a backup,
+    # which it would skip, emits none.
     committed = job_events(
         prefect_server, "bk", storage, "prefect-jax.checkpoint.committed", expect=2
     )

@@ -50,7 +50,10 @@ def test_digits_arrays_are_scikit_learns_without_importing_it():
     np.testing.assert_array_equal(data, load_digits().data)
     np.testing.assert_array_equal(target, load_digits().target)
     # The file is read without running scikit-learn's (slow) import.
-    code = "import sys; from prefect_jax.examples.digits import digits_arrays; digits_arrays(); print('sklearn' in sys.modules)"
+    code = (
+        "import sys; from prefect_jax.examples.digits import digits_arrays; digits_arrays(); "
+        "print('sklearn' in sys.modules)"
+    )
     assert (
         subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True

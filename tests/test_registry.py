@@ -69,7 +69,8 @@ def test_every_exported_step_is_one_version_and_the_exporters_move_their_aliases
         "best": versions[best].version,
     }
 
-    # Each version's source is an MLflow Model logged to the job's run at its step, with a signature.
+    # Each version's source is an MLflow Model logged to the job's run
+    # at its step, with a signature.
     for step, version in versions.items():
         assert version.run_id == run_id and version.source.startswith("models:/m-")
         model = client.get_logged_model(version.source.removeprefix("models:/"))
@@ -128,7 +129,8 @@ sys.modules["prefect_jax"] = None  # importing prefect-jax (or the program's mod
 import mlflow, numpy as np
 model = mlflow.pyfunc.load_model(sys.argv[1])
 x = np.load(sys.argv[2])
-print(json.dumps({"y": model.predict(x).tolist(), "modules": sorted(m for m, mod in sys.modules.items() if m.startswith("prefect") and mod is not None)}))
+modules = sorted(m for m, mod in sys.modules.items() if m.startswith("prefect") and mod is not None)
+print(json.dumps({"y": model.predict(x).tolist(), "modules": modules}))
 """
 
 
@@ -214,7 +216,7 @@ def _export_job(job_config, job, program="programs:some_platforms_serve", **eval
     return os.path.join(config.storage, job, "exports", "latest", "40")
 
 
-def test_platforms_a_serve_does_not_lower_for_are_left_out_with_one_warning_and_named_ones_fail_naming_them(
+def test_platforms_a_serve_does_not_lower_for_are_left_out_with_a_warning_and_named_ones_fail(
     job_config, mlflow_uri, caplog
 ):
     import types
@@ -251,7 +253,8 @@ def test_platforms_a_serve_does_not_lower_for_are_left_out_with_one_warning_and_
     state = jax.jit(program.init)(jax.random.key(0))
     with pytest.raises(
         ValueError,
-        match=rf"does not lower for \['{others[0]}'\] of export_platforms=\['{here}', '{others[0]}'\] "
+        match=rf"does not lower for \['{others[0]}'\] "
+        rf"of export_platforms=\['{here}', '{others[0]}'\] "
         rf"\({others[0]}: .*some_platforms_identity.*leave them out of EvalSpec.export_platforms",
     ):
         serialize_serving(program, state, [here, others[0]])
@@ -269,7 +272,8 @@ def test_platforms_a_serve_does_not_lower_for_are_left_out_with_one_warning_and_
 
     with pytest.raises(
         ValueError,
-        match=rf"does not lower for \['{others[0]}'\] of export_platforms=\['{kept[-1]}', '{others[0]}'\]",
+        match=rf"does not lower for \['{others[0]}'\] "
+        rf"of export_platforms=\['{kept[-1]}', '{others[0]}'\]",
     ):
         trainer_for([kept[-1], others[0]])
     trainer = trainer_for(kept)  # those it lowers for: no error, and the job is free to train
@@ -306,13 +310,16 @@ def test_an_export_for_other_platforms_only_is_still_logged_and_loading_it_here_
 
 TRAIN_AND_EXPORT = r"""
 import os, sys
-from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, LatestExporter, TrainSpec
+from prefect_jax.training.specs import (
+    CheckpointSpec, EvalSpec, JobConfig, LatestExporter, TrainSpec,
+)
 from prefect_jax.training.trainer import Trainer
 job, platforms = sys.argv[3], (sys.argv[4].split(",") if len(sys.argv) > 4 else None)
 config = JobConfig(program="prefect_jax.examples.digits:tiny", job=job, storage=sys.argv[1],
-                   train=TrainSpec(max_steps=20, log_every_steps=10), checkpoint=CheckpointSpec(every_steps=20),
-                   eval=EvalSpec(exporters=[LatestExporter()], registered_model=job, learning_curve_every_secs=0,
-                                 export_platforms=platforms),
+                   train=TrainSpec(max_steps=20, log_every_steps=10),
+                   checkpoint=CheckpointSpec(every_steps=20),
+                   eval=EvalSpec(exporters=[LatestExporter()], registered_model=job,
+                                 learning_curve_every_secs=0, export_platforms=platforms),
                    mlflow_tracking_uri=sys.argv[2])
 trainer = Trainer(config)
 trainer.restore_or_init()
@@ -327,7 +334,8 @@ ON_AN_ACCELERATOR_HOST = (
 import os
 import jax
 jax.devices()  # this process's JAX is open, on the CPU here
-os.environ["JAX_PLATFORMS"] = "no-such-platform"  # as JAX_PLATFORMS=cuda on a GPU pool: the MLflow worker must not use it
+# As JAX_PLATFORMS=cuda on a GPU pool: the MLflow worker must not use it.
+os.environ["JAX_PLATFORMS"] = "no-such-platform"
 """
     + TRAIN_AND_EXPORT
 )
@@ -352,7 +360,8 @@ def test_the_mlflow_worker_checks_a_logged_model_on_the_cpu_not_on_the_trainers_
     tmp_path, mlflow_uri
 ):
     """On a GPU host a second JAX client (the MLflow worker's, checking the logged model) would take
-    the GPU's memory beside the trainer's; it runs on the CPU, whatever JAX_PLATFORMS the job has."""
+    the GPU's memory beside the trainer's; it runs on the CPU, whatever JAX_PLATFORMS the job has.
+    """
     _train_and_export(ON_AN_ACCELERATOR_HOST, tmp_path, mlflow_uri, "accel")
 
 

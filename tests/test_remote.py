@@ -1,4 +1,5 @@
-"""Checkpoint steps on fsspec URLs Orbax cannot write: upload with a commit marker, download, restore.
+"""Checkpoint steps on fsspec URLs Orbax cannot write: upload with a
+commit marker, download, restore.
 
 Against a real S3 API (moto's server on 127.0.0.1, in a subprocess), with real Orbax steps.
 """
@@ -73,7 +74,8 @@ def remote(s3, url):
 
 
 def make_step(directory: str, step: int, state: dict, consumed: int = 3) -> tuple[str, dict]:
-    """A real Orbax step (state + Grain iterator position + meta) under `directory`; returns (step dir, state)."""
+    """A real Orbax step (state + Grain iterator position + meta) under
+    `directory`; returns (step dir, state)."""
     ckpt = Checkpoints(directory, CheckpointSpec(every_steps=1))
     it = iter(grain.MapDataset.range(100).to_iter_dataset())
     for _ in range(consumed):
@@ -107,7 +109,8 @@ def big_state() -> dict:
 
 
 def restore(step_dir: str, state: dict):
-    """Restore a (downloaded) step with Orbax, read-only; returns (state, meta, next iterator element)."""
+    """Restore a (downloaded) step with Orbax, read-only; returns
+    (state, meta, next iterator element)."""
     parent, name = os.path.split(step_dir)
     ckpt = Checkpoints(parent, read_only=True)
     it = iter(grain.MapDataset.range(100).to_iter_dataset())
@@ -270,7 +273,8 @@ CHILD = textwrap.dedent(
 
     async def put_file(self, lpath, rpath, *args, **kwargs):
         import os
-        if os.path.getsize(lpath) > 8 * 2**20:  # the big array file: stop here and wait to be killed
+        # The big array file: stop here and wait to be killed.
+        if os.path.getsize(lpath) > 8 * 2**20:
             print("PAUSED", flush=True)
             await asyncio.sleep(3600)
         return await original(self, lpath, rpath, *args, **kwargs)

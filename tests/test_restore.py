@@ -176,7 +176,8 @@ def test_wait_for_checkpoint_restores_one_committed_while_waiting(job_config):
     writer.train_until_checkpoint()
     writer.job.checkpoints.wait()
     expected = writer.fingerprint()
-    writer.close()  # one writer per job: the step is written first, and appears while the waiter waits
+    # one writer per job: the step is written first, and appears while the waiter waits
+    writer.close()
     checkpoints = os.path.join(config.storage, config.job, "checkpoints")
     os.rename(os.path.join(checkpoints, "20"), os.path.join(checkpoints, ".not-yet-20"))
 
@@ -319,7 +320,7 @@ def test_retention_deletes_steps_without_orbax_s_polling_thread_pool(tmp_path, m
 
 def test_the_data_position_is_written_in_the_commit_not_before_save_returns(tmp_path, monkeypatch):
     # Grain's own handler is synchronous: Orbax made `save` wait for its file, behind the
-    # creation of every item's directory (~7 of a save's ~15 ms). The position is read at the
+    # creation of every item's directory (a large part of a save). The position is read at the
     # save and written by the commit: the iterator moving on after `save` does not change it.
     import grain
     from etils import epath
@@ -385,7 +386,7 @@ def test_a_data_position_reads_back_whichever_handler_wrote_it(tmp_path, writer)
         else (IteratorSave, grain.checkpoint.CheckpointRestore)
     )
     for step, kind in ((9, "dataset"), (12, "loader")):
-        data = lambda: _shuffled_iterator(kind)  # noqa: E731
+        data = lambda kind=kind: _shuffled_iterator(kind)  # noqa: E731
         it = data()
         for _ in range(step):
             next(it)

@@ -1,4 +1,5 @@
-"""train_until_checkpoint retries: a failed interval restores the last checkpoint and resumes exactly."""
+"""train_until_checkpoint retries: a failed interval restores the last
+checkpoint and resumes exactly."""
 
 import asyncio
 

@@ -1,4 +1,5 @@
-"""Trainer, evaluator and export as separate flows on one job; events; early stopping; rerun budget."""
+"""Trainer, evaluator and export as separate flows on one job; events; early stopping; rerun
+budget."""
 
 import json
 import os

@@ -1,4 +1,5 @@
-"""The trainer and evaluator roles deployed for real, the trainer preempted and rerun by the automation.
+"""The trainer and evaluator roles deployed for real, the trainer
+preempted and rerun by the automation.
 
 A real ``prefect server start`` (with its services: the triggers and actions services evaluate
 automations) and one ``serve`` process serving two deployments, ``train/trainer`` and
@@ -115,7 +116,8 @@ def _wait_final(client, run_ids, procs, deadline: float) -> dict:
 
 
 def _wait_for_state(client, run_id, name: str, procs, timeout: float, why: str) -> None:
-    """Until the run's state history holds a state called `name` (transitions can be quicker than a poll)."""
+    """Until the run's state history holds a state called `name`
+    (transitions can be quicker than a poll)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if name in _state_names(client, run_id):
@@ -144,7 +146,7 @@ def _task_runs(client, flow_run_id):
 
 
 @pytest.mark.timeout(420)
-def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_evaluates_each_checkpoint_once(
+def test_deployed_trainer_killed_is_rerun_by_the_automation_the_evaluator_evaluates_each_step_once(
     tmp_path, processes
 ):
     from mlflow.tracking import MlflowClient
@@ -207,9 +209,10 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
         budget_run = run_deployment(name=TRAINER, parameters=budget_params, timeout=0)
         runs = [trainer_run.id, evaluator_run.id, budget_run.id]
 
-        # Spot nodes lose the trainers: SIGKILL each one's flow-run process (its job's lease names it),
-        # and only it: the job's once a step >= KILL_FROM is committed; the budget job's as soon as its
-        # run has recorded its attempt, before its first checkpoint, so that its rerun starts at step 0 again.
+        # Spot nodes lose the trainers: SIGKILL each one's flow-run process (its job's lease
+        # names it), and only it: the job's once a step >= KILL_FROM is committed; the budget
+        # job's as soon as its run has recorded its attempt, before its first checkpoint, so that
+        # its rerun starts at step 0 again.
         lease = budget_lease = budget_attempts = None
         deadline, next_check = time.monotonic() + 150, 0.0
         while lease is None or budget_lease is None:
@@ -259,7 +262,8 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
         }
         assert serve.alive() and not client.read_flow_run(evaluator_run.id).state.is_final()
 
-        # Nobody helps from here: serve reports the crashes, the automation reruns, serve runs them again.
+        # Nobody helps from here: serve reports the crashes, the automation
+        # reruns, serve runs them again.
         for run_id in (trainer_run.id, budget_run.id):
             _wait_for_state(
                 client,
@@ -304,8 +308,8 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
             _task_runs(client, evaluator_run.id),
         )
 
-        # The budget job's rerun made no progress (max_reruns_without_progress=0): it failed, saying so,
-        # and the automation (which reacts to Crashed only) left it there.
+        # The budget job's rerun made no progress (max_reruns_without_progress=0): it failed, saying
+        # so, and the automation (which reacts to Crashed only) left it there.
         assert failed.state.is_failed(), f"{failed.state}\n{logs(serve)}"
         assert failed.run_count == 2, failed.run_count
         assert "without getting past step 0" in (failed.state.message or ""), failed.state
@@ -315,7 +319,8 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
         ), budget_history
         assert budget_history[-1] == "Failed", budget_history
 
-    # -- the trainer: resumed at the newest committed step, ended exactly where an uninterrupted run ends.
+    # -- the trainer: resumed at the newest committed step, ended exactly
+    # where an uninterrupted run ends.
     assert summary["final_step"] == MAX_STEPS
     assert summary["state_fingerprint"] == expected
     fingerprint, meta = checkpoint_fingerprint(job_config(params), MAX_STEPS)
@@ -375,8 +380,8 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_and_the_evaluator_ev
     )
 
     print(
-        f"\nroles deployed: trainer killed at committed {killed_at}, resumed at {resume_from}; states {history}; "
-        + ", ".join(f"{k} +{v - started:.0f}s" for k, v in marks.items())
+        f"\nroles deployed: trainer killed at committed {killed_at}, resumed at {resume_from}; "
+        f"states {history}; " + ", ".join(f"{k} +{v - started:.0f}s" for k, v in marks.items())
     )
 
 

@@ -1,4 +1,5 @@
-"""A job on s3:// (moto's S3 server on loopback): trains, survives SIGKILL mid-upload, resumes exactly.
+"""A job on s3:// (moto's S3 server on loopback): trains, survives
+SIGKILL mid-upload, resumes exactly.
 
 Orbax cannot write s3://: steps are staged locally, uploaded in the background, and count once
 their commit marker (written last) is there. The rerun uses a fresh local cache, as a new node
@@ -214,7 +215,8 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     assert intervals <= calls[("_cat_file", "stop.json")] <= intervals + 3, (
         shown
     )  # (was two reads an interval)
-    # Fencing: read before each interval's checkpoint (by the save, or by the pending record just before it).
+    # Fencing: read before each interval's checkpoint (by the save, or by the
+    # pending record just before it).
     assert intervals <= calls[("_cat_file", "lease.json")] <= intervals + 3, (
         shown
     )  # (was two an interval)

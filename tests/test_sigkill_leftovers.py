@@ -134,7 +134,8 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(
         assert client.read_flow_run(killed_id).state.is_running(), "nobody told the server"
         assert _leftovers(client, killed_id), f"{interval} should be left Running by the SIGKILL"
 
-        # The rerun takes the job over: while it trains, the MLflow run is RUNNING again, the kill recorded.
+        # The rerun takes the job over: while it trains, the MLflow run is
+        # RUNNING again, the kill recorded.
         proc = start_run(args, prefect_server, tmp_path / "2.log")
         try:
             wait_until(

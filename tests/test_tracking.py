@@ -106,9 +106,9 @@ def land_timed(tracker, caplog, limit: float) -> float:
 
 
 def test_land_waits_a_bounded_time_for_mlflow_unless_strict(tmp_path, monkeypatch, caplog):
-    """The end of an evaluate or export flow run waits for its MLflow writes (`live.land_mlflow_writes`):
-    at most its limit, then a warning, where a tracking server that hangs must not hold the run;
-    in strict mode until they land."""
+    """The end of an evaluate or export flow run waits for its MLflow writes
+    (`live.land_mlflow_writes`): at most its limit, then a warning, where a tracking server that
+    hangs must not hold the run; in strict mode until they land."""
     tracker, release = held_tracker(tmp_path, monkeypatch, "land-job")
     assert land_timed(tracker, caplog, 0.5) < 10
     assert "write(s) still on their way after 0.5s, 0 failed" in caplog.text
@@ -421,7 +421,7 @@ def test_a_store_creation_killed_part_way_leaves_no_store_and_the_next_warm_up_m
 def test_new_stores_are_copies_of_one_empty_store_each_with_its_own_default_experiment(
     tmp_path, monkeypatch
 ):
-    # MLflow's migrations (~1.2 s of CPU) run once per machine, for the cache's empty store; each
+    # MLflow's migrations (seconds of CPU) run once per machine, for the cache's empty store; each
     # new store is a copy of it, opened by MLflow, which adds the store's own default experiment.
     # A template that MLflow cannot open is removed, and that store made by the migrations.
     import sqlite3
@@ -494,7 +494,7 @@ def test_the_mlflow_worker_readies_jax_for_a_job_that_registers_exports_and_only
 ):
     """A job that registers its exports has the MLflow worker import JAX and start its CPU client
     (`registry.warm_jax`, `registry.warm_mlflow`) before its first logged model needs them, so
-    that model does not hold every later MLflow write behind ~1 s of imports; one that does not
+    that model does not hold every later MLflow write behind those imports; one that does not
     keeps JAX out of the worker. The job's JAX_PLATFORMS (here one that does not exist, as
     ``cuda`` on a GPU pool) is not the worker's: it starts JAX's client on the CPU, or the
     request's answer is the error."""

@@ -39,7 +39,8 @@ from deployment_helpers import (
 
 pytestmark = pytest.mark.slow
 
-PROGRAM = "programs:paced"  # 10 ms a step: 1500 steps train for ~15 s, long enough to start a second process meanwhile
+# 10 ms a step: 1500 steps train for ~15 s, long enough to start a second process meanwhile
+PROGRAM = "programs:paced"
 MAX_STEPS, EVERY, LOG_EVERY = 1500, 100, 50
 KILL_FROM = 200
 
@@ -132,8 +133,9 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
         resume_from = committed_steps(checkpoints)[-1]
         assert resume_from < MAX_STEPS
 
-        # The automation reruns it; once the rerun trains, the run is set AwaitingRetry again (as the
-        # automation does on the worker's late second report): the worker starts a second process.
+        # The automation reruns it; once the rerun trains, the run is set
+        # AwaitingRetry again (as the automation does on the worker's late second
+        # report): the worker starts a second process.
         def rerun_training():
             lease = _lease(job_dir)
             trained_on = (committed_steps(checkpoints) or [0])[-1] > resume_from
@@ -177,14 +179,16 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
     log = worker.tail(2_000_000)
     assert final.state.is_completed(), f"{final.state}\n{log[-8000:]}"
 
-    # One writer at a time: no checkpoint written twice, no failed save; the rerun that waited said so.
+    # One writer at a time: no checkpoint written twice, no failed save;
+    # the rerun that waited said so.
     for sign in ("Directory not empty", "Save failed", "lost the lease", "Traceback"):
         assert sign not in log, f"{sign!r} in the worker's log:\n{log[-8000:]}"
     assert f"already trains job {job_dir} in process {rerun['pid']}" in log
-    # The attempts follow one another: each began restoring (took the lease) after the one before
-    # it wrote its last record (a process that waited starts its attempt's clock when its wait ended).
+    # The attempts follow one another: each began restoring (took the lease) after the one
+    # before it wrote its last record (a process that waited starts its attempt's clock when its
+    # wait ended).
     attempts = read_ledger(JobStorage(str(tmp_path / "storage"), "on-worker"))["attempts"]
-    for earlier, later in zip(attempts, attempts[1:]):
+    for earlier, later in zip(attempts, attempts[1:], strict=False):
         assert later["process_start"] + later["seconds"]["startup"] >= earlier["updated"] - 0.5, (
             attempts
         )
