@@ -5,7 +5,8 @@ Example:
     from prefect_jax.blocks import CheckpointStorage, MlflowTracking
 
     CheckpointStorage(url="/mnt/checkpoints").save("nightly", overwrite=True)
-    MlflowTracking(tracking_uri="http://mlflow:5000", experiment="digits").save("team", overwrite=True)
+    tracking = MlflowTracking(tracking_uri="http://mlflow:5000", experiment="digits")
+    tracking.save("team", overwrite=True)
 
     storage = CheckpointStorage.load("nightly")
     print(storage.job_storage("digits").checkpoint_dir)
@@ -75,7 +76,8 @@ class CheckpointStorage(Block):
 
 
 def resolve_storage(storage: str) -> tuple[str, dict[str, Any]]:
-    """A storage URL as is, or ``jax-checkpoint-storage/<name>`` loaded from Prefect: (url, fsspec options).
+    """A storage URL as is, or ``jax-checkpoint-storage/<name>`` loaded from Prefect: (url, fsspec
+    options).
 
     Raises:
         ValueError: the block does not exist (the message names it and how to create it).

@@ -43,7 +43,9 @@ def job_resource_id(job: str, storage: str) -> str:
     normalized storage root with credentials redacted, and the job, so same-named jobs on two
     storages never trigger each other's deployments. Use it as the ``match`` of a trigger::
 
-        uv run python -c "from prefect_jax.deployments import job_resource_id; print(job_resource_id('digits', '/var/lib/prefect-jax'))"
+        uv run python -c "
+        from prefect_jax.deployments import job_resource_id
+        print(job_resource_id('digits', '/var/lib/prefect-jax'))"
 
     or read it from ``prefect-jax status --job <job> --storage <storage>``.
 
@@ -75,7 +77,8 @@ def kubernetes_gpu_template() -> dict[str, Any]:
 
 
 def kubernetes_gpu_multiprocess_template() -> dict[str, Any]:
-    """The base job template of a Kubernetes work pool whose flow runs train in several processes."""
+    """The base job template of a Kubernetes work pool whose flow runs train in several
+    processes."""
     return load(KUBERNETES_GPU_MULTIPROCESS_TEMPLATE)
 
 

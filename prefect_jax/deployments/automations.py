@@ -37,9 +37,9 @@ def rerun_automation(deployment_id: UUID | str, deployment_name: str, name: str 
     return Automation(
         name=name or f"prefect-jax: rerun crashed {deployment_name}",
         description=(
-            f"Sets crashed flow runs of deployment {deployment_name} to AwaitingRetry (as the UI's Retry "
-            "button does), so they resume from their last checkpoint. The job's trainer stops the loop "
-            "after max_reruns_without_progress reruns that make no progress."
+            f"Sets crashed flow runs of deployment {deployment_name} to AwaitingRetry (as the UI's "
+            "Retry button does), so they resume from their last checkpoint. The job's trainer "
+            "stops the loop after max_reruns_without_progress reruns that make no progress."
         ),
         trigger=EventTrigger(
             expect={"prefect.flow-run.Crashed"},

@@ -46,7 +46,7 @@ class MLP(nnx.Module):
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits as (data (1797, 64) in 0..16, target): read from the CSV file that
-    scikit-learn ships, without importing scikit-learn (2 s of a restart); the same arrays
+    scikit-learn ships, without importing scikit-learn (a slow import on a restart); the same arrays
     as ``sklearn.datasets.load_digits()``, which is the fallback if the file moved."""
     spec = importlib.util.find_spec("sklearn")  # locates the package without running it
     for folder in (spec.submodule_search_locations or []) if spec else []:
@@ -62,7 +62,8 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
 @functools.lru_cache(maxsize=4)
 def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0):
-    """Digits as float32 in [0, 1], split once with a fixed permutation: (x_train, y_train, x_test, y_test)."""
+    """Digits as float32 in [0, 1], split once with a fixed permutation: (x_train, y_train,
+    x_test, y_test)."""
     data, target = digits_arrays()
     x = (data / 16.0).astype(np.float32)
     y = target.astype(np.int32)
@@ -89,14 +90,14 @@ class _Slices(grain.sources.RandomAccessDataSource if hasattr(grain, "sources") 
 class _ShuffledBatches(
     grain.sources.RandomAccessDataSource if hasattr(grain, "sources") else object
 ):
-    """Endless training batches: batch ``i`` is slice ``i % per_epoch`` of epoch ``i // per_epoch``'s
-    permutation (seeded by (seed, epoch)), gathered with one numpy fancy index.
+    """Endless training batches: batch ``i`` is slice ``i % per_epoch`` of epoch
+    ``i // per_epoch``'s permutation (seeded by (seed, epoch)), gathered with one numpy fancy
+    index.
 
     Same reshuffle-each-epoch, drop-the-remainder semantics as Grain's per-record
-    ``shuffle().repeat().batch()``, at a fraction of the Python cost per batch (a few
-    microseconds instead of a few milliseconds: that pipeline, not the model, was the time
-    of a step on this MLP). Random access by index, so Grain's iterator state (the next
-    index) is all a checkpoint needs to resume the stream exactly.
+    ``shuffle().repeat().batch()``, at a fraction of the Python cost per batch (that pipeline,
+    not the model, was most of a step's time on this MLP). Random access by index, so Grain's
+    iterator state (the next index) is all a checkpoint needs to resume the stream exactly.
     """
 
     def __init__(self, x, y, batch_size: int, seed: int):

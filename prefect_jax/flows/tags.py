@@ -27,8 +27,9 @@ def _task_tags():
 
     Prefect gives every task run the tags in context, and a task run with tags asks the server's
     concurrency service for slots on each of them (`prefect/task_engine.py`): a round trip through
-    Prefect's event-loop thread per task run, which stalled ~2 s now and then on two CPUs. A tag a
-    person set (a tag-based concurrency limit on the GPU tasks, say) stays and is honoured."""
+    Prefect's event-loop thread per task run, which stalled now and then on a small machine. A
+    tag a person set (a tag-based concurrency limit on the GPU tasks, say) stays and is
+    honoured."""
     from prefect.context import TagsContext
 
     current = TagsContext.get().current_tags

@@ -55,8 +55,8 @@ class _Publisher:
     only at `flush`); one that comes sooner is held, replaced by any later one of its key, and
     runs when the time is up or at `flush`. After a flush the next call of a key runs at once.
     With checkpoints seconds apart, the Prefect server records a fraction of the artifact
-    versions and events it would otherwise (each costs it ~4-10 ms of CPU), and the UI, which
-    polls, shows the same.
+    versions and events it would otherwise (each costs it CPU), and the UI, which polls, shows
+    the same.
     """
 
     def __init__(self):

@@ -53,10 +53,11 @@ def record_attempt(
     if max_without_progress is not None and same > max_without_progress:
         raise NoProgressError(
             f"job {storage.job_dir} was rerun {same} times without getting past step {step} "
-            f"(max_reruns_without_progress={max_without_progress}); not trying again. If those runs crashed, look at "
-            f"their logs; if they were stopped (preempted, killed) before their first checkpoint, checkpoint more often "
-            f"(CheckpointSpec.every_secs, `--checkpoint-every-secs`) or give them longer. Then delete {path} to reset "
-            f"the budget."
+            f"(max_reruns_without_progress={max_without_progress}); not trying again. If those "
+            "runs crashed, look at their logs; if they were stopped (preempted, killed) before "
+            "their first checkpoint, checkpoint more often (CheckpointSpec.every_secs, "
+            f"`--checkpoint-every-secs`) or give them longer. Then delete {path} to reset the "
+            "budget."
         )
     storage.write_json(
         path, {"step": step, "reruns_without_progress": same, "owner": owner, "at": time.time()}
@@ -93,7 +94,8 @@ class EarlyStoppingHook:
         if last_step - best_step >= self.max_steps_without_improvement:
             return (
                 f"early stopping: {self.metric} has not improved by more than {self.min_delta} for "
-                f"{last_step - best_step} steps (best {best:.6g} at step {best_step}, last eval at step {last_step})"
+                f"{last_step - best_step} steps (best {best:.6g} at step {best_step}, last eval at "
+                f"step {last_step})"
             )
         return None
 

@@ -15,9 +15,10 @@ class NonFiniteLossError(FloatingPointError):
         self.step, self.metrics, self.last_checkpoint = step, metrics, last_checkpoint
         shown = ", ".join(f"{k}={v}" for k, v in sorted(metrics.items()))
         super().__init__(
-            f"non-finite training metric at step {step} ({shown}); training stopped and this state was "
-            f"not checkpointed (the newest checkpoint is step {last_checkpoint}). Lower the learning rate, "
-            "add gradient clipping, or check the input data near this step; a rerun resumes from that checkpoint."
+            f"non-finite training metric at step {step} ({shown}); training stopped and this state "
+            f"was not checkpointed (the newest checkpoint is step {last_checkpoint}). Lower the "
+            "learning rate, add gradient clipping, or check the input data near this step; a rerun "
+            "resumes from that checkpoint."
         )
 
 
@@ -32,9 +33,10 @@ class LeaseHeldError(RuntimeError):
             if owner.get(k) is not None
         )
         super().__init__(
-            f"job {job_dir} is being trained by another process ({who}; heartbeat {age_secs:.0f}s ago). "
-            f"Only one trainer may write a job: wait for it to finish, cancel it, or, if it is gone, "
-            f"the lease is taken over once its heartbeat is older than {timeout_secs:.0f}s."
+            f"job {job_dir} is being trained by another process ({who}; heartbeat {age_secs:.0f}s "
+            "ago). Only one trainer may write a job: wait for it to finish, cancel it, or, if it "
+            "is gone, the lease is taken over once its heartbeat is older than "
+            f"{timeout_secs:.0f}s."
         )
 
 
@@ -57,10 +59,11 @@ class LeaseLostError(LeaseHeldError):
         RuntimeError.__init__(
             self,
             f"job {job_dir} is no longer this process's to train: {why}"
-            + " while this process trained it. This process stopped before its next write and leaves the job to "
-            "that trainer, which resumes from the newest committed step. A lease is taken over when its heartbeat is older than "
-            "lease_timeout_secs (the storage was unreachable or the process stalled that long), or by a rerun of the "
-            "same flow run on another machine; that trainer's run shows the job's progress.",
+            + " while this process trained it. This process stopped before its next write and "
+            "leaves the job to that trainer, which resumes from the newest committed step. A "
+            "lease is taken over when its heartbeat is older than lease_timeout_secs (the storage "
+            "was unreachable or the process stalled that long), or by a rerun of the same flow "
+            "run on another machine; that trainer's run shows the job's progress.",
         )
 
 
@@ -70,9 +73,9 @@ class PastMaxStepsError(ValueError):
     def __init__(self, job_dir: str, committed: int, max_steps: int):
         self.committed, self.max_steps = committed, max_steps
         super().__init__(
-            f"max_steps={max_steps} is below step {committed}, already committed by job {job_dir}: there is "
-            f"nothing to train, and nothing was changed. Pass a max_steps (--max-steps) above {committed} to "
-            "train on, or another job name (--job) to start over."
+            f"max_steps={max_steps} is below step {committed}, already committed by job {job_dir}: "
+            "there is nothing to train, and nothing was changed. Pass a max_steps (--max-steps) "
+            f"above {committed} to train on, or another job name (--job) to start over."
         )
 
 
@@ -81,9 +84,9 @@ class StorageNotWritableError(PermissionError):
 
     def __init__(self, root: str, cause: BaseException):
         super().__init__(
-            f"storage {root} is not writable by this process ({type(cause).__name__}: {cause}); nothing was "
-            "written there. Give a storage (--storage) this user can write to, or fix its permissions or "
-            "credentials."
+            f"storage {root} is not writable by this process ({type(cause).__name__}: {cause}); "
+            "nothing was written there. Give a storage (--storage) this user can write to, or fix "
+            "its permissions or credentials."
         )
 
 
@@ -117,7 +120,8 @@ PERMANENT = (
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True when retrying from the newest checkpoint may succeed (I/O errors, preemption, timeouts...)."""
+    """True when retrying from the newest checkpoint may succeed (I/O errors, preemption,
+    timeouts...)."""
     if isinstance(exc, StorageNotWritableError):
         return False
     if isinstance(exc, (OSError, TimeoutError, ConnectionError, Preempted)):

@@ -21,7 +21,8 @@ class EvalStatus(str, enum.Enum):
     NO_NEW_CHECKPOINT = "NO_NEW_CHECKPOINT"
     THROTTLED = "THROTTLED"
     # A checkpoint a preemption notice made off the every_steps cadence: kept to resume from,
-    # never evaluated or exported (an interrupted job then evaluates the steps an uninterrupted one does).
+    # never evaluated or exported (an interrupted job then evaluates the steps an uninterrupted one
+    # does).
     PREEMPTION_CHECKPOINT = "PREEMPTION_CHECKPOINT"
     # One of several JAX processes other than process 0, which alone evaluates (on its replica).
     OTHER_PROCESS = "OTHER_PROCESS"
@@ -48,9 +49,10 @@ class EvalResult(BaseModel):
     )
     pending_commit: bool = Field(
         False,
-        description="Evaluated on the trainer's live step while that step's checkpoint was still being written: "
-        "recorded (MLflow, the durable records, the eval event) once the checkpoint commits, while training goes on; "
-        "never if it does not commit (the rerun evaluates the step again).",
+        description="Evaluated on the trainer's live step while that step's checkpoint was still "
+        "being written: recorded (MLflow, the durable records, the eval event) once the "
+        "checkpoint commits, while training goes on; never if it does not commit (the rerun "
+        "evaluates the step again).",
     )
 
     @model_validator(mode="after")
@@ -58,11 +60,13 @@ class EvalResult(BaseModel):
         if self.status is EvalStatus.EVALUATED:
             if self.step is None or self.step < 0:
                 raise ValueError(
-                    f"EvalResult EVALUATED needs the global step it was computed at, got step={self.step!r}"
+                    "EvalResult EVALUATED needs the global step it was computed at, got "
+                    f"step={self.step!r}"
                 )
             if not self.metrics:
                 raise ValueError(
-                    f"EvalResult EVALUATED at step {self.step} has no metrics: eval_step returned an empty dict"
+                    f"EvalResult EVALUATED at step {self.step} has no metrics: eval_step returned "
+                    "an empty dict"
                 )
         return self
 
@@ -142,7 +146,8 @@ class EvalRecords:
         self._known[int(result.step)] = result
 
     def discard(self, step: int, why: str) -> str:
-        """Move a step's record aside (``<step>.json.<why>-<time>``, no longer counted); returns where."""
+        """Move a step's record aside (``<step>.json.<why>-<time>``, no longer counted); returns
+        where."""
         src = f"{self.dir}/{int(step)}.json"
         dst = f"{src}.{why}-{int(time.time())}"
         self.storage.fs.mv(src, dst)

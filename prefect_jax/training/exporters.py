@@ -97,8 +97,8 @@ def serialize_serving(
     kept = tuple(p for p in wanted if p not in failed)
     _left_out[key] = (*_left_out.get(key, ()), *failed)
     logger.warning(
-        "the export runs on %s, not on %s: serve() does not lower there (%s). Set EvalSpec.export_platforms "
-        "(--export-platforms) to %s to skip trying",
+        "the export runs on %s, not on %s: serve() does not lower there (%s). Set "
+        "EvalSpec.export_platforms (--export-platforms) to %s to skip trying",
         ", ".join(kept),
         ", ".join(failed),
         why,
@@ -108,7 +108,7 @@ def serialize_serving(
 
 
 def _failing_platforms(fn, platforms, *args) -> dict[str, Exception]:
-    """The platforms `fn` does not lower for, each tried alone (~0.05 s for a small model), with its error."""
+    """The platforms `fn` does not lower for, each tried alone, with its error."""
     import jax
 
     failed = {}
@@ -128,8 +128,9 @@ def _why(failed: dict[str, Exception]) -> str:
 
 def _named_platforms_error(failed: dict[str, Exception], platforms) -> ValueError:
     return ValueError(
-        f"the program's serve() does not lower for {list(failed)} of export_platforms={list(platforms)} ({_why(failed)}); "
-        "leave them out of EvalSpec.export_platforms (--export-platforms)"
+        f"the program's serve() does not lower for {list(failed)} of "
+        f"export_platforms={list(platforms)} ({_why(failed)}); leave them out of "
+        "EvalSpec.export_platforms (--export-platforms)"
     )
 
 
@@ -138,9 +139,9 @@ def check_serving_platforms(
 ) -> None:
     """Before training: raise the error `serialize_serving` would raise at the job's first export
     (an interval in, perhaps hours) for named `platforms` that ``serve`` does not lower for.
-    Lowers ``serve`` with the state as an argument (its shapes, no values: ~0.05 s a platform for
-    a small model); where that does not lower on this machine's own platform either (``serve``
-    needs concrete values), it says nothing and the first export decides.
+    Lowers ``serve`` with the state as an argument (its shapes, no values: cheap for a small
+    model); where that does not lower on this machine's own platform either (``serve`` needs
+    concrete values), it says nothing and the first export decides.
 
     Raises:
         ValueError: as `serialize_serving`, naming the platforms and their errors.
@@ -155,7 +156,8 @@ def check_serving_platforms(
     failed = _failing_platforms(fn, dict.fromkeys((here, *platforms)), state, spec)
     if here in failed:
         logger.debug(
-            "serve() does not lower over the abstract state here (%s): export platforms checked at the first export",
+            "serve() does not lower over the abstract state here (%s): export platforms checked "
+            "at the first export",
             _why(failed),
         )
         return
@@ -238,7 +240,8 @@ def download_export(storage: JobStorage, path: str) -> str:
 
 
 def _write_export(storage: JobStorage, dest: str, model_bytes: bytes, info: dict) -> None:
-    """Write the export into a temporary sibling, then move it into place: readers see all or nothing."""
+    """Write the export into a temporary sibling, then move it into place: readers see all or
+    nothing."""
     fs = storage.fs
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
@@ -329,8 +332,8 @@ def run_exporter(
     if isinstance(exporter, BestExporter):
         if exporter.metric not in result.metrics:
             raise ValueError(
-                f"BestExporter {exporter.name!r} compares metric {exporter.metric!r}, but the eval results "
-                f"hold {sorted(result.metrics)}; set metric= to one of those"
+                f"BestExporter {exporter.name!r} compares metric {exporter.metric!r}, but the eval "
+                f"results hold {sorted(result.metrics)}; set metric= to one of those"
             )
         best = storage.read_json(best_path)
         if best is not None and best.get("step") == step:

@@ -180,9 +180,10 @@ class Lease:
         if pid is None:
             return current
         logger.warning(
-            "flow run %s already trains job %s in process %d on this host: Prefect started this flow run twice "
-            "(a crash reported twice makes a rerun automation rerun it twice). Waiting for process %d to end, "
-            "so that one process trains the job; this one then resumes from the newest committed step.",
+            "flow run %s already trains job %s in process %d on this host: Prefect started this "
+            "flow run twice (a crash reported twice makes a rerun automation rerun it twice). "
+            "Waiting for process %d to end, so that one process trains the job; this one then "
+            "resumes from the newest committed step.",
             self.owner_id,
             redact_url(self.storage.job_dir),
             pid,

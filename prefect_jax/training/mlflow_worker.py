@@ -1,6 +1,6 @@
 """The process that makes a training process's MLflow calls (see `prefect_jax.training.tracking`).
 
-MLflow's import and its store's opening take about 2.5 s of CPU (SQLite: SQLAlchemy, Alembic),
+MLflow's import and its store's opening cost much CPU (SQLite: SQLAlchemy, Alembic),
 and every write is Python work: in the training process they hold the GIL that the training
 loop's dispatch needs. Here they run in a child process, on another core. One child serves
 every `Tracker` of its parent; each tracker's calls run in order on a thread of their own, as
@@ -90,10 +90,9 @@ def _die_with_parent(parent: int) -> None:
 def _startup_over() -> None:
     """MLflow is imported (and its store open): freeze what that made and turn the collector on.
 
-    The worker starts with the collector off (`main`): MLflow's import alone took 1.15 s with it
-    and 0.90 s without (2026-11-25, 2 CPUs), CPU that the job's training shares. What the
-    imports left is frozen, out of every later collection's walk (as the command does,
-    `prefect_jax.cli._freeze_startup_objects`)."""
+    The worker starts with the collector off (`main`): MLflow's import costs less CPU without
+    it, CPU that the job's training shares. What the imports left is frozen, out of every later
+    collection's walk (as the command does, `prefect_jax.cli.startup.freeze_startup_objects`)."""
     if not gc.isenabled():
         gc.freeze()
         gc.enable()
@@ -107,8 +106,8 @@ def _worker_environment(environment) -> dict:
 
     XLA compiles here without its backend optimisations: a model is run once, on its input
     example, to check that it serves (MLflow's check, with the trained weights as constants, so
-    a compile per logged model), never to serve. That compile took 40 ms against 60 ms for the
-    digits model (2026-11-26, 2 CPUs), and the check runs for every exported step.
+    a compile per logged model), never to serve. That compile is shorter without them, and the
+    check runs for every exported step.
 
     MLflow does not look for a uv project in the working directory for a logged model's
     requirements (`registry.requirements` names them), unless the job says otherwise."""

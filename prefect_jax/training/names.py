@@ -31,7 +31,8 @@ TRAIN_PREFIX = "train/"
 GOODPUT_PREFIX = "goodput/"
 SYSTEM_PREFIX = "system/"  # MLflow's own system metrics
 RESERVED_EVAL_NAMES = ("train", "goodput", "system")
-"""Metric prefixes taken (``train/``, ``goodput/``: prefect-jax's; ``system/``: MLflow's system metrics): no evaluation's name."""
+"""Metric prefixes taken (``train/``, ``goodput/``: prefect-jax's; ``system/``: MLflow's system
+metrics): no evaluation's name."""
 
 # MLflow: registry aliases. An exporter moves the alias of its own name, except ``latest``,
 # which MLflow reserves (``models:/<name>/latest`` is the highest version): that one is ``newest``.

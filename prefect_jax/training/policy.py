@@ -243,7 +243,11 @@ class BackupsWhileNewest:
     def should_preserve(self, checkpoints, *, context):
         regular = [c for c in checkpoints if not self.is_backup(c.step)]
         kept = dict(
-            zip((c.step for c in regular), self.inner.should_preserve(regular, context=context))
+            zip(
+                (c.step for c in regular),
+                self.inner.should_preserve(regular, context=context),
+                strict=True,
+            )
         )
         newest = max((c.step for c in checkpoints), default=None)
         return [
@@ -300,7 +304,9 @@ def backup_interval(
     now = time.time() if now is None else now
     recent = [a for a in earlier if not a.get("folded")][-window:]
     following = recent[1:] + ([current] if current is not None else [])
-    kills = sum(a.get("ended") in (None, LOST_PROCESS) for a, _ in zip(recent, following))
+    kills = sum(
+        a.get("ended") in (None, LOST_PROCESS) for a, _ in zip(recent, following, strict=False)
+    )
     if not kills:
         return None
     exposed = sum(_exposed(a, a.get("updated", a["process_start"])) for a in recent)

@@ -80,12 +80,13 @@ def _deliver_again(unraisable, previous) -> None:
         previous(unraisable)
         if sent is not None:
             print(
-                "prefect-jax: the exception of the SIGTERM handler above was dropped where it was raised: sending "
-                "SIGTERM again",
+                "prefect-jax: the exception of the SIGTERM handler above was dropped where it was "
+                "raised: sending SIGTERM again",
                 file=sys.stderr,
             )
     except BaseException as again:
-        # A SIGTERM sent again (for another drop) whose handler ran in here: Python would drop it too.
+        # A SIGTERM sent again (for another drop) whose handler ran in here: Python would drop it
+        # too.
         if not _a_lost_notice(again, None):
             raise
         _received = signal.SIGTERM
@@ -186,7 +187,8 @@ def _at_exit() -> None:
     _exiting = True  # objects torn down at exit are not the job's notice
 
 
-# At the interpreter's exit: before it waits for threads and runs the atexit callbacks, if it can say so.
+# At the interpreter's exit: before it waits for threads and runs the atexit callbacks, if it can
+# say so.
 getattr(threading, "_register_atexit", atexit.register)(_at_exit)
 
 
@@ -232,7 +234,8 @@ class PreemptionGuard:
 
     def install(self) -> None:
         """Put the guard in front of the current SIGTERM handler (again, if someone replaced it)."""
-        deliver_lost_notices()  # (forwarding raises the previous handler's exception, Prefect's: not to be dropped)
+        # (forwarding raises the previous handler's exception, Prefect's: not to be dropped)
+        deliver_lost_notices()
         if threading.current_thread() is threading.main_thread() and not self.installed:
             with _bridge_lock():  # Prefect's control listener checks the handler under it
                 self._previous = signal.getsignal(signal.SIGTERM)
@@ -279,7 +282,8 @@ class PreemptionGuard:
             self.signum = _received = signum
 
     def handle_if_pending(self) -> None:
-        """Run `on_signal` if a signal came and nobody handles it (called after a deferred block)."""
+        """Run `on_signal` if a signal came and nobody handles it (called after a deferred
+        block)."""
         if self.signum is not None and not self.deferring and not self.handling:
             self.handling = True
             self._on_signal()

@@ -81,8 +81,8 @@ def load_program(path: str) -> Any:
             obj = obj()
         except TypeError as exc:
             raise ProgramError(
-                f"program path {path!r} names a callable that could not be called without arguments "
-                f"({exc}); point it at a program object or a zero-argument factory"
+                f"program path {path!r} names a callable that could not be called without "
+                f"arguments ({exc}); point it at a program object or a zero-argument factory"
             ) from exc
     check_program(obj, path)
     return obj
@@ -93,9 +93,9 @@ def check_program(program: Any, name: str = "program") -> None:
     missing = [m for m in REQUIRED if not callable(getattr(program, m, None))]
     if missing:
         raise ProgramError(
-            f"{name} ({type(program).__name__}) is missing {', '.join(missing)}: a program must provide "
-            "init(rng), train_step(state, batch), eval_step(state, batch), train_data(seed) and eval_data() "
-            "(see prefect_jax.training.program)"
+            f"{name} ({type(program).__name__}) is missing {', '.join(missing)}: a program must "
+            "provide init(rng), train_step(state, batch), eval_step(state, batch), "
+            "train_data(seed) and eval_data() (see prefect_jax.training.program)"
         )
 
 

@@ -126,7 +126,8 @@ def redact_options(options: Mapping[str, Any] | None) -> dict:
 
 
 def secret_values(url: str, options: Mapping[str, Any] | None) -> list[str]:
-    """Every secret string in the options (and the URL's password), longest first, to scrub from messages."""
+    """Every secret string in the options (and the URL's password), longest first, to scrub from
+    messages."""
     found: list[str] = []
 
     def walk(value, name: str = ""):

@@ -26,7 +26,8 @@ logger = logging.getLogger("prefect_jax.registry")
 
 
 class _NoPipVersionWarning(logging.Filter):
-    """MLflow warns on every model that a uv environment has no pip to name in conda.yaml: noise here."""
+    """MLflow warns on every model that a uv environment has no pip to name in conda.yaml: noise
+    here."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Failed to resolve installed pip version" not in record.getMessage()
@@ -38,7 +39,8 @@ PYFUNC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyfunc_m
 
 
 def alias_for(exporter_name: str) -> str:
-    """The registry alias an exporter moves: its name (``latest`` is reserved by MLflow: ``newest``)."""
+    """The registry alias an exporter moves: its name (``latest`` is reserved by MLflow:
+    ``newest``)."""
     reserved = RESERVED_ALIASES.get(exporter_name.lower())
     if reserved is not None:
         return reserved
@@ -63,7 +65,8 @@ def job_versions(client, name: str, job_key: str) -> dict[int, Any]:
 
 
 def _logged_model(client, experiment_id: str, run_id: str, step: int):
-    """The MLflow Model of `step` already logged to the run (by a process that died before registering it)."""
+    """The MLflow Model of `step` already logged to the run (by a process that died before
+    registering it)."""
     found = client.search_logged_models(
         [experiment_id], filter_string=f"source_run_id = {_quote(run_id)}", max_results=100
     )
@@ -85,7 +88,8 @@ def _has_artifacts(client, model) -> bool:
 
 
 def requirements() -> list[str]:
-    """What the pyfunc needs to load: exact versions of JAX, jaxlib and NumPy (MLflow adds itself)."""
+    """What the pyfunc needs to load: exact versions of JAX, jaxlib and NumPy (MLflow adds
+    itself)."""
     import jax
     import jaxlib
     import numpy
@@ -102,9 +106,11 @@ class _Pyfunc:
     can say whether MLflow checks that the logged model serves its input example: not for an
     export that does not run on this process's platform (`EvalSpec.export_platforms` without
     it), where the check can only fail (with a warning that the model is broken). MLflow hands
-    the same keywords to the flavor's `save_model`, and pyfunc's refuses that one, so it stops here."""
+    the same keywords to the flavor's `save_model`, and pyfunc's refuses that one, so it stops
+    here."""
 
-    __name__ = "mlflow.pyfunc"  # as the module's: Model.log names a LoggedModel it makes after it (not here: it gets one)
+    # As the module's: Model.log names a LoggedModel it makes after it (not here: it gets one).
+    __name__ = "mlflow.pyfunc"
 
     @staticmethod
     def save_model(*args, validate_serving_input: bool = True, **kwargs):
@@ -127,9 +133,8 @@ def warm_jax() -> None:
 
 def warm_mlflow() -> None:
     """Import MLflow's model modules and build its map of installed packages (its check of a
-    model's requirements walks every installed distribution's files: 0.53 s here), as a
-    process's first `log_export_model` would. With `warm_jax`, ~1 s of CPU on these 2 cores,
-    most of it once per process."""
+    model's requirements walks every installed distribution's files), as a process's first
+    `log_export_model` would. With `warm_jax`, most of that CPU is spent once per process."""
     import mlflow.pyfunc  # noqa: F401
     from mlflow.models import Model, infer_signature  # noqa: F401
 
@@ -151,7 +156,8 @@ def log_export_model(
     export_dir: str,
     example,
 ) -> Any:
-    """Log the export in `export_dir` (local) as an MLflow Model of the run at `step`; returns its LoggedModel id."""
+    """Log the export in `export_dir` (local) as an MLflow Model of the run at `step`; returns its
+    LoggedModel id."""
     import jax
     import mlflow
     import numpy as np
@@ -201,7 +207,8 @@ def log_export_model(
             artifact_path=None,
             name=name,
             flavor=_PYFUNC,
-            validate_serving_input=runs_here,  # MLflow serves the example through the model to check it: where it runs
+            # MLflow serves the example through the model to check it: where it runs
+            validate_serving_input=runs_here,
             python_model=PYFUNC_FILE,
             artifacts={"jax_export": model_file},
             signature=signature,

@@ -67,7 +67,8 @@ def restore_or_init(
             storage downloads it).
 
     Returns:
-        (state, step, metadata of the restored checkpoint or None after init, data iterator or None).
+        (state, step, metadata of the restored checkpoint or None after init, data iterator or
+        None).
 
     Raises:
         ValueError: both `checkpoint_dir` and `checkpoint_path` were given, or
@@ -77,16 +78,18 @@ def restore_or_init(
     new_iter = make_data_iter or (lambda: None)
     if checkpoint_dir and checkpoint_path:
         raise ValueError(
-            f"both checkpoint_dir={checkpoint_dir!r} and checkpoint_path={checkpoint_path!r} were given: "
-            "pass checkpoint_dir to resume from its latest checkpoint, or checkpoint_path to restore one step, not both"
+            f"both checkpoint_dir={checkpoint_dir!r} and checkpoint_path={checkpoint_path!r} were "
+            "given: pass checkpoint_dir to resume from its latest checkpoint, or checkpoint_path "
+            "to restore one step, not both"
         )
     if checkpoint_path:
         path = checkpoint_path.rstrip("/")
         parent, name = os.path.split(path)
         if not name.isdigit() or int(name) not in committed_steps(parent):
             raise ValueError(
-                f"checkpoint_path={checkpoint_path!r} is not a committed checkpoint step directory; "
-                f"committed steps in {parent!r}: {committed_steps(parent)}. Point it at '<checkpoints>/<step>'."
+                f"checkpoint_path={checkpoint_path!r} is not a committed checkpoint step "
+                f"directory; committed steps in {parent!r}: {committed_steps(parent)}. Point it at "
+                "'<checkpoints>/<step>'."
             )
         source = Checkpoints(parent, read_only=True)
         try:
@@ -111,7 +114,8 @@ def restore_or_init(
                 raise
             except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
                 logger.warning(
-                    "checkpoint step %d in %s is unreadable (%s: %s); falling back to the previous committed step",
+                    "checkpoint step %d in %s is unreadable (%s: %s); falling back to the "
+                    "previous committed step",
                     step,
                     checkpoint_dir,
                     type(exc).__name__,

@@ -44,7 +44,8 @@ def normalize_root(url: str) -> str:
 
 
 def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
-    """Write a local file so that readers see the old file or the whole new one (temp file, fsync, rename).
+    """Write a local file so that readers see the old file or the whole new one (temp file, fsync,
+    rename).
 
     ``durable=False`` skips the fsync: the file survives the process (a kill), not the machine."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
@@ -64,7 +65,8 @@ def small_read(fs) -> dict[str, Any]:
 
 
 def cache_root() -> str:
-    """Where local copies of remote checkpoints are staged: ``PREFECT_JAX_CACHE_DIR`` or ``~/.cache/prefect-jax``."""
+    """Where local copies of remote checkpoints are staged: ``PREFECT_JAX_CACHE_DIR`` or
+    ``~/.cache/prefect-jax``."""
     return os.path.abspath(
         os.environ.get("PREFECT_JAX_CACHE_DIR") or os.path.expanduser("~/.cache/prefect-jax")
     )
@@ -105,7 +107,8 @@ class JobStorage:
 
     @property
     def remote_checkpoint_url(self) -> str | None:
-        """The checkpoints URL on storage Orbax cannot write (steps are staged locally, then uploaded)."""
+        """The checkpoints URL on storage Orbax cannot write (steps are staged locally, then
+        uploaded)."""
         return None if self.orbax_native else self.path("checkpoints")
 
     @property
@@ -121,11 +124,13 @@ class JobStorage:
 
     @property
     def checkpoint_dir(self) -> str:
-        """Where Orbax writes: the job's checkpoints, or their local staging copy for other protocols."""
+        """Where Orbax writes: the job's checkpoints, or their local staging copy for other
+        protocols."""
         return self.path("checkpoints") if self.orbax_native else self.staging_dir("checkpoints")
 
     def staging_dir(self, *parts: str) -> str:
-        """A local directory for this job's files on this machine (under `cache_root`, one per storage root)."""
+        """A local directory for this job's files on this machine (under `cache_root`, one per
+        storage root)."""
         digest = hashlib.sha256(self.root.encode()).hexdigest()[:16]
         return os.path.join(cache_root(), digest, self.job, *parts)
 
@@ -138,7 +143,8 @@ class JobStorage:
 
     def check_writable(self) -> None:
         """Raise `StorageNotWritableError` naming the root unless a file can be written (and
-        removed) in the job's directory: a refused write is found before the job changes anything."""
+        removed) in the job's directory: a refused write is found before the job changes
+        anything."""
         from prefect_jax.training.errors import StorageNotWritableError
 
         probe = self.path(f".write-probe-{uuid.uuid4().hex}")
@@ -189,7 +195,8 @@ class JobStorage:
             self.fs.pipe_file(path, data)
 
     def list_int_names(self, path: str) -> list[int]:
-        """Integer-named entries directly under `path` (``<step>`` dirs or ``<step>.json`` files), sorted."""
+        """Integer-named entries directly under `path` (``<step>`` dirs or ``<step>.json`` files),
+        sorted."""
         fs = self.fs
         try:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]

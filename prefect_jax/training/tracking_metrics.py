@@ -104,7 +104,7 @@ class MetricCalls:
         ax = figure.add_subplot()
         for key, points in history.items():
             if points:
-                xs, ys = zip(*points)
+                xs, ys = zip(*points, strict=True)
                 ax.plot(
                     xs,
                     ys,

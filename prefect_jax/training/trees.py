@@ -1,4 +1,5 @@
-"""Train states as pytrees: paths, shapes and dtypes, the savable form of PRNG keys, fingerprints."""
+"""Train states as pytrees: paths, shapes and dtypes, the savable form of PRNG keys,
+fingerprints."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def tree_differences(saved: dict[str, list], expected: dict[str, list]) -> list[
 
 
 def state_fingerprint(state) -> str:
-    """SHA-256 of a train state's leaves (path, dtype, shape and bytes): equal states, equal hashes."""
+    """SHA-256 of a train state's leaves (path, dtype, shape and bytes): equal states, equal
+    hashes."""
     h = hashlib.sha256()
     for path, leaf in leaf_paths(to_savable(state)):
         arr = np.asarray(jax.device_get(leaf))

@@ -131,7 +131,7 @@ def _build_into(final: str, root: str, window: int, max_files: int | None) -> No
             f"standard library of {sys.executable}, or the folder in ${SOURCE_ENV}; point "
             f"${SOURCE_ENV} at a folder of .py files (or unset it to use the standard library)"
         )
-    splits = dict(zip(("train", "eval"), split_files(files)))
+    splits = dict(zip(("train", "eval"), split_files(files), strict=True))
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)

@@ -127,6 +127,6 @@ class ByteTransformer(nnx.Module):
         )
         if rng is not None:
             x = dropout(x, rate, keys.pop())
-        for block, key in zip(self.blocks, keys):
+        for block, key in zip(self.blocks, keys, strict=True):
             x = block(x, rate, key)
         return self.head(self.norm(x)).astype(jnp.float32)
