@@ -154,7 +154,7 @@ def test_exact_resume_through_the_engine(job_config):
     first = Trainer(job_config(max_steps=20, every_steps=10, job="resumed", program=TINY))
     first.restore_or_init()
     first.train_until_checkpoint()
-    first.checkpoints.wait()
+    first.job.checkpoints.wait()
     first.close()
     second = Trainer(job_config(max_steps=20, every_steps=10, job="resumed", program=TINY))
     assert second.restore_or_init() == 10
