@@ -45,7 +45,7 @@ def test_init_is_the_same_state_each_time_and_on_its_device(job_config):
     eager = program.init(jax.random.key(config.train.seed))
     assert jax.tree.structure(eager) == jax.tree.structure(first)
     # The quick compile is what runs (were the option refused, init would quietly compile slowly).
-    from prefect_jax.training.loop import INIT_COMPILER_OPTIONS
+    from prefect_jax.training.compiled_steps import INIT_COMPILER_OPTIONS
 
     jax.jit(program.init).lower(jax.random.key(0)).compile(compiler_options=INIT_COMPILER_OPTIONS)
 
@@ -86,7 +86,7 @@ def test_the_abstract_state_is_init_traced_with_the_seeds_key(job_config):
     # Nor by init, which makes it inside its program from the seed: the state init makes from the
     # seed's key (compiled as init is: other options may differ in the last bits), for seeds
     # past int32 both ways (with 64-bit JAX off, as here, `jax.random.key` wraps them).
-    from prefect_jax.training.loop import INIT_COMPILER_OPTIONS
+    from prefect_jax.training.compiled_steps import INIT_COMPILER_OPTIONS
 
     def from_key(seed):
         key = jax.random.key(seed)
