@@ -10,15 +10,11 @@ import numpy as np
 import pytest
 
 from prefect_jax.examples.digits import DigitsProgram
-from prefect_jax.training.checkpoints import (
-    CheckpointMismatchError,
-    Checkpoints,
-    committed_steps,
-    state_fingerprint,
-    wait_for_new_checkpoint,
-)
+from prefect_jax.training.checkpoint_dirs import committed_steps, wait_for_new_checkpoint
+from prefect_jax.training.checkpoints import CheckpointMismatchError, Checkpoints
 from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.trainer import Trainer, restore_or_init
+from prefect_jax.training.trees import state_fingerprint
 
 
 def test_new_job_initialises_at_step_zero(job_config):
