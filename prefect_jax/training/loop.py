@@ -232,7 +232,6 @@ class Loop:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.one_device),
             self.abstract_state,
         )
-
         args = (self.program, self.spec.seed, self.spec.steps_per_dispatch, state)
         args += (self.one_device, self.train_step, self.scan_steps, self.eval_step)
         # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
