@@ -417,7 +417,7 @@ def breakdown(system: str, workdir: str) -> dict:
         with open(os.path.join(workdir, "storage", "gp", "goodput.json")) as f:
             ledger = json.load(f)
         sys.path.insert(0, os.path.dirname(HERE))
-        from prefect_jax.training.goodput import summarize
+        from prefect_jax.training.goodput_summary import summarize
 
         summary = summarize(ledger)
         restarts = [

@@ -93,7 +93,7 @@ def child(args) -> dict:
     jax.block_until_ready(state)
     result["raw_restore_s"] = time.perf_counter() - t
     batch = next(trainer.data_iter)
-    from prefect_jax.training.loop import guard_int
+    from prefect_jax.training.compiled_steps import guard_int
 
     guard = (guard_int(0), guard_int(-1))
     state = trainer.loop.train_step(state, batch, guard)[

@@ -127,7 +127,7 @@ def local_round(
     """
     import numpy as np
 
-    from prefect_jax.training.checkpoints import state_fingerprint
+    from prefect_jax.training.trees import state_fingerprint
 
     fingerprint = fingerprint or state_fingerprint(state)
     s = first_step
@@ -172,8 +172,9 @@ def scale_table(sizes_mib: list[int] | None, workdir: str, repeats: int = 1) -> 
     Returns one dict a size: ``mib``, ``repeats``, the `LOCAL_KEYS` times (s), ``stall_pct``
     (100 * stall_s / sync_save_s), ``save_vs_raw_write`` and ``restore_vs_raw_read``.
     """
-    from prefect_jax.training.checkpoints import Checkpoints, state_fingerprint
+    from prefect_jax.training.checkpoints import Checkpoints
     from prefect_jax.training.specs import CheckpointSpec
+    from prefect_jax.training.trees import state_fingerprint
 
     sizes = list(sizes_mib or DEFAULT_SIZES)
     if repeats < 1:
@@ -269,9 +270,10 @@ def run_single(mib: int) -> None:
     sys.path.insert(0, TESTS)
     from s3_server import S3Server, isolate_aws_env
 
-    from prefect_jax.training.checkpoints import Checkpoints, state_fingerprint
+    from prefect_jax.training.checkpoints import Checkpoints
     from prefect_jax.training.remote import RemoteSteps
     from prefect_jax.training.specs import CheckpointSpec
+    from prefect_jax.training.trees import state_fingerprint
 
     isolate_aws_env()
     work = tempfile.mkdtemp(prefix="prefect-jax-storage-")

@@ -64,7 +64,7 @@ def main(
         storage_options=json.loads(storage_options),
     )
     if mode == "slow-pull":
-        from prefect_jax.training.compile_cache import CompileCacheMirror
+        from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
 
         pull = CompileCacheMirror._pull
         CompileCacheMirror._pull = lambda self: (time.sleep(3), pull(self))[1]

@@ -320,9 +320,10 @@ def checkpoint_fingerprint(config, step: int) -> tuple[str, dict]:
     """Fingerprint and metadata of one committed step of a job, read-only (no lease, no MLflow)."""
     import jax
 
-    from prefect_jax.training.checkpoints import Checkpoints, state_fingerprint
+    from prefect_jax.training.checkpoints import Checkpoints
     from prefect_jax.training.program import load_program
     from prefect_jax.training.storage import JobStorage
+    from prefect_jax.training.trees import state_fingerprint
 
     program = load_program(config.program)
     abstract = jax.eval_shape(program.init, jax.random.key(config.train.seed))

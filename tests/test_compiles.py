@@ -96,7 +96,7 @@ def test_a_cache_on_object_storage_follows_the_job_to_another_machine(
 def test_an_unreachable_cache_is_skipped_with_a_warning(tmp_path, caplog, monkeypatch):
     """Storage that does not answer, or stops answering half way through a copy, costs the cache,
     not the job: nothing copied, no temporary files left, a warning without the secret."""
-    from prefect_jax.training.compile_cache import CompileCacheMirror
+    from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
 
     options = storage_options(f"http://127.0.0.1:{closed_port()}")
     local = tmp_path / "local"
@@ -142,7 +142,7 @@ def test_only_whole_entries_are_copied(tmp_path, caplog):
     atomic) is not copied in: it is compiled here, and copied over the cut one."""
     import fsspec
 
-    from prefect_jax.training.compile_cache import CompileCacheMirror
+    from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
 
     memory = fsspec.filesystem("memory")
     url = f"memory://whole-{uuid.uuid4().hex[:8]}/compile-cache"
@@ -183,7 +183,7 @@ def test_a_slow_copy_in_is_waited_for_until_its_time_is_up(tmp_path, caplog, mon
     up, then gives up once (a warning; JAX compiles what has not arrived) and never waits again."""
     import fsspec
 
-    from prefect_jax.training.compile_cache import CompileCacheMirror
+    from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
 
     memory = fsspec.filesystem("memory")
     url = f"memory://slow-{uuid.uuid4().hex[:8]}/compile-cache"
@@ -221,7 +221,7 @@ def test_a_flush_inside_a_push_returns(tmp_path):
     """A SIGTERM handler flushes on the main thread. Trainers list entries with the signal
     deferred, but should a handler run inside `push_async` (holding its lock), its flush returns
     within its time limit instead of waiting on itself, and the copy goes on after."""
-    from prefect_jax.training.compile_cache import CompileCacheMirror
+    from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
 
     (tmp_path / "jit_step-4-cache").write_bytes(_entry())
     mirror = CompileCacheMirror(
@@ -245,7 +245,7 @@ def test_the_process_exit_waits_for_copies_under_way(tmp_path):
     waits for the copy (here a slow one) instead of dropping it with the daemon thread."""
     script = """
 import sys, time
-from prefect_jax.training.compile_cache import CompileCacheMirror
+from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
 
 mirror = CompileCacheMirror("file://" + sys.argv[1], sys.argv[2])
 put = mirror._put

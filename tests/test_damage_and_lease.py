@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
 from prefect_jax.training.trainer import Trainer
 

@@ -61,7 +61,7 @@ def _wait_for_commit(
 ) -> int:
     """Poll (every 20 ms) until a step >= `at_least` is committed; fail fast if the run ends
     first."""
-    from prefect_jax.training.checkpoints import committed_steps
+    from prefect_jax.training.checkpoint_dirs import committed_steps
 
     deadline = time.monotonic() + timeout
     next_check = 0.0
@@ -135,7 +135,7 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
-    from prefect_jax.training.checkpoints import committed_steps
+    from prefect_jax.training.checkpoint_dirs import committed_steps
     from prefect_jax.training.names import JOB_TAG
     from prefect_jax.training.storage import JobStorage
 

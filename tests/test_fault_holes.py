@@ -24,7 +24,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, status, wait_until
 
-from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.exporters import list_exports
 from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.specs import (

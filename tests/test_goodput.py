@@ -9,14 +9,8 @@ import random
 
 import pytest
 
-from prefect_jax.training.goodput import (
-    _bounded,
-    as_rows,
-    describe,
-    mlflow_metrics,
-    process_start_time,
-    summarize,
-)
+from prefect_jax.training.goodput import _bounded, process_start_time
+from prefect_jax.training.goodput_summary import as_rows, describe, mlflow_metrics, summarize
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
 

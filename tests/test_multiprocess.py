@@ -22,7 +22,7 @@ import time
 import pytest
 from process_helpers import TESTS_DIR, cli_env, start_run, wait_until
 
-from prefect_jax.training.checkpoints import committed_steps, read_meta_file
+from prefect_jax.training.checkpoint_dirs import committed_steps, read_meta_file
 from prefect_jax.training.cluster_config import ClusterConfigError, from_env
 from prefect_jax.training.names import STORAGE_TAG
 from prefect_jax.training.peer_watch import LOST_GRACE_SECS

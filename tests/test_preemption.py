@@ -30,7 +30,7 @@ from process_helpers import (
     wait_until,
 )
 
-from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from deployment_helpers import ROOT, PrefectServerProcess, _base_env, _GroupProcess
 
-from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.checkpoint_dirs import committed_steps
 
 pytestmark = pytest.mark.slow
 

@@ -23,13 +23,8 @@ import numpy as np
 import pytest
 from s3_server import closed_port, isolate_aws_env, storage_options
 
-from prefect_jax.training.checkpoints import (
-    Checkpoints,
-    CheckpointSpec,
-    committed_steps,
-    is_committed,
-    state_fingerprint,
-)
+from prefect_jax.training.checkpoint_dirs import committed_steps, is_committed
+from prefect_jax.training.checkpoints import Checkpoints, CheckpointSpec
 from prefect_jax.training.names import COMMIT_MARKER
 from prefect_jax.training.redaction import redact_options, redact_url
 from prefect_jax.training.remote import RemoteSteps
@@ -38,6 +33,7 @@ from prefect_jax.training.remote_errors import (
     RemoteUnreachableError,
     is_transient,
 )
+from prefect_jax.training.trees import state_fingerprint
 from prefect_jax.training.uploader import AsyncUploader
 
 pytestmark = pytest.mark.timeout(180)

@@ -10,15 +10,11 @@ import numpy as np
 import pytest
 
 from prefect_jax.examples.digits import DigitsProgram
-from prefect_jax.training.checkpoints import (
-    CheckpointMismatchError,
-    Checkpoints,
-    committed_steps,
-    state_fingerprint,
-    wait_for_new_checkpoint,
-)
+from prefect_jax.training.checkpoint_dirs import committed_steps, wait_for_new_checkpoint
+from prefect_jax.training.checkpoints import CheckpointMismatchError, Checkpoints
 from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.trainer import Trainer, restore_or_init
+from prefect_jax.training.trees import state_fingerprint
 
 
 def test_new_job_initialises_at_step_zero(job_config):
@@ -45,7 +41,7 @@ def test_init_is_the_same_state_each_time_and_on_its_device(job_config):
     eager = program.init(jax.random.key(config.train.seed))
     assert jax.tree.structure(eager) == jax.tree.structure(first)
     # The quick compile is what runs (were the option refused, init would quietly compile slowly).
-    from prefect_jax.training.loop import INIT_COMPILER_OPTIONS
+    from prefect_jax.training.compiled_steps import INIT_COMPILER_OPTIONS
 
     jax.jit(program.init).lower(jax.random.key(0)).compile(compiler_options=INIT_COMPILER_OPTIONS)
 
@@ -86,7 +82,7 @@ def test_the_abstract_state_is_init_traced_with_the_seeds_key(job_config):
     # Nor by init, which makes it inside its program from the seed: the state init makes from the
     # seed's key (compiled as init is: other options may differ in the last bits), for seeds
     # past int32 both ways (with 64-bit JAX off, as here, `jax.random.key` wraps them).
-    from prefect_jax.training.loop import INIT_COMPILER_OPTIONS
+    from prefect_jax.training.compiled_steps import INIT_COMPILER_OPTIONS
 
     def from_key(seed):
         key = jax.random.key(seed)

@@ -83,7 +83,7 @@ def _uninterrupted(config) -> tuple[str, dict[int, dict[str, float]]]:
 
 
 def _committed(job_dir: Path) -> list[int]:
-    from prefect_jax.training.checkpoints import committed_steps
+    from prefect_jax.training.checkpoint_dirs import committed_steps
 
     return committed_steps(str(job_dir / "checkpoints"))
 
@@ -387,6 +387,6 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_the_evaluator_evalua
 
 def _commit_time(job_dir: Path, step: int) -> float:
     """When Orbax committed `step`: the mtime of its commit file, written last."""
-    from prefect_jax.training.checkpoints import _COMMIT_FILE
+    from prefect_jax.training.checksums import ORBAX_COMMIT_FILE as _COMMIT_FILE
 
     return os.stat(job_dir / "checkpoints" / str(step) / _COMMIT_FILE).st_mtime

@@ -23,7 +23,7 @@ import pytest
 from deployment_helpers import DEPLOYMENT, ServeProcess, dead, logs, wait_for_deployments
 from process_helpers import start_run, wait_until
 
-from prefect_jax.training.checkpoints import committed_steps
+from prefect_jax.training.checkpoint_dirs import committed_steps
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from prefect_jax.training.checkpoints import committed_steps, step_dirs
+from prefect_jax.training.checkpoint_dirs import committed_steps, step_dirs
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
 

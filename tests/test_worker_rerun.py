@@ -84,7 +84,7 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import AwaitingRetry
 
-    from prefect_jax.training.checkpoints import committed_steps
+    from prefect_jax.training.checkpoint_dirs import committed_steps
     from prefect_jax.training.goodput import read_ledger
     from prefect_jax.training.storage import JobStorage
 

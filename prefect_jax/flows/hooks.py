@@ -116,7 +116,7 @@ def _publish_goodput(
     from prefect.artifacts import TableArtifact
 
     from prefect_jax.tasks import artifact_key
-    from prefect_jax.training.goodput import as_rows
+    from prefect_jax.training.goodput_summary import as_rows
 
     description = lead + (
         f"**Goodput of job `{config.job}`: {goodput['goodput']:.1%}** of "

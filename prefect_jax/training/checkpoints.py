@@ -2,7 +2,11 @@
 
 A step counts only once it is committed (Orbax finalized it). Saves are asynchronous:
 `save` returns as soon as the arrays are copied off the device, and the write goes on in
-the background while training continues.
+the background while training continues. Reading the directory without a manager (committed
+steps, a step's metadata, torn steps) is `prefect_jax.training.checkpoint_dirs`'s.
+
+`IteratorHandler`'s path, ``prefect_jax.training.checkpoints.IteratorHandler``, is written into
+every step's Orbax metadata: it stays defined here, or old steps would not restore.
 """
 
 from __future__ import annotations
@@ -22,21 +26,20 @@ import jax
 import orbax.checkpoint as ocp
 
 from prefect_jax.training import cluster
-from prefect_jax.training.checksums import ORBAX_COMMIT_FILE as _COMMIT_FILE
-from prefect_jax.training.checksums import (
-    CorruptCheckpointError,  # noqa: F401 - job.py's import
-    verify_manifest,
-    write_manifest,
+from prefect_jax.training.checkpoint_dirs import (
+    committed_steps,
+    is_committed,
+    quarantine,
+    read_meta_file,
+    step_dirs,
 )
-from prefect_jax.training.names import STEP_META_FILE
+from prefect_jax.training.checksums import verify_manifest, write_manifest
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec
-from prefect_jax.training.trees import (  # noqa: F401 - state_fingerprint & co. are imported from here too
+from prefect_jax.training.trees import (
     abstract_savable,
     describe_tree,
     from_savable,
-    leaf_paths,
-    state_fingerprint,
     to_savable,
     tree_differences,
 )
@@ -66,16 +69,17 @@ def _set_position(data_iter, text: str) -> None:
 
 
 class IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
-    """Grain's iterator item, its file written in the save's commit instead of before `save` returns.
+    """Grain's iterator item, its file written in the save's commit instead of before `save`
+    returns.
 
     Grain's handler is synchronous, so Orbax ran its one small write on a thread that the save
-    waited for, behind the creation of every item's directory: ~7.5 of a three-item save's
-    ~15 ms (isolated, this repo's benchmark MLP on 2 CPUs). Here the position is read at the save
-    (the iterator moves on after it) and written by a commit future, as Orbax's JSON item is.
-    The same file (``process_<i>-of-<n>.json``, Grain's text), restored by Grain's own code:
-    steps written before or after this read the same either way. A public name: it is recorded
-    in each step's ``_CHECKPOINT_METADATA`` (Orbax's handler registry takes one class per name,
-    so it cannot borrow Grain's)."""
+    waited for, behind the creation of every item's directory: a large share of a small
+    three-item save's blocking time. Here the position is read at the save (the iterator moves
+    on after it) and written by a commit future, as Orbax's JSON item is. The same file
+    (``process_<i>-of-<n>.json``, Grain's text), restored by Grain's own code: steps written
+    before or after this read the same either way. A public name: it is recorded in each step's
+    ``_CHECKPOINT_METADATA`` (Orbax's handler registry takes one class per name, so it cannot
+    borrow Grain's)."""
 
     async def async_save(self, directory, args):
         text = _position_text(args.item)
@@ -113,54 +117,6 @@ def _handlers():
     }
 
 
-ITEMS = ("state", "data", "meta")
-
-
-def read_meta_file(checkpoint_dir: str, step: int) -> dict:
-    """A step's metadata item read as a file (`names.STEP_META_FILE`: local or gs://), not
-    through Orbax's restore."""
-    from etils import epath
-
-    return json.loads((epath.Path(checkpoint_dir) / str(int(step)) / STEP_META_FILE).read_text())
-
-
-def is_committed(step_dir: str) -> bool:
-    """A step directory counts once Orbax finalized it: the step's commit metadata file (written
-    last, after every item) and every item directory are there."""
-    return os.path.isfile(os.path.join(step_dir, _COMMIT_FILE)) and all(
-        os.path.isdir(os.path.join(step_dir, item)) for item in ITEMS
-    )
-
-
-def step_dirs(checkpoint_dir: str) -> list[int]:
-    """Every integer-named directory, committed or not (what Orbax itself would call a step)."""
-    try:
-        names = os.listdir(checkpoint_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(
-        int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(checkpoint_dir, n))
-    )
-
-
-def committed_steps(checkpoint_dir: str) -> list[int]:
-    """Committed steps under a checkpoint directory, oldest first."""
-    return [
-        s for s in step_dirs(checkpoint_dir) if is_committed(os.path.join(checkpoint_dir, str(s)))
-    ]
-
-
-def quarantine(checkpoint_dir: str, step: int, why: str) -> str:
-    """Move a torn or unreadable step aside (``<step>.<why>-<time>``), where no reader counts it as a step.
-
-    Kept, not deleted, so that nothing is lost that someone may want to inspect.
-    """
-    src = os.path.join(checkpoint_dir, str(step))
-    dst = f"{src}.{why}-{int(time.time())}"
-    os.replace(src, dst)
-    return dst
-
-
 class Checkpoints:
     """Orbax CheckpointManager for one job, with the commit rule and tree checks of this project.
 
@@ -186,13 +142,12 @@ class Checkpoints:
         self.directory = directory
         self.spec = spec
         self._saving: int | None = None
-        self._raised = threading.local()  # per thread: the failed saves' errors `wait` raised to it
-        self._backup: dict[
-            int, bool
-        ] = {}  # step -> whether it is a backup (saved here, or its metadata read once)
-        self.pinned: Callable[[int], bool] = lambda step: (
-            False
-        )  # steps retention must keep for now (`Job`: uploads)
+        # Per thread: the failed saves' errors `wait` raised to it.
+        self._raised = threading.local()
+        # Step -> whether it is a backup (saved here, or its metadata read once).
+        self._backup: dict[int, bool] = {}
+        # The steps retention must keep for now (`Job`: uploads).
+        self.pinned: Callable[[int], bool] = lambda step: False
         retention = CheckpointPolicy.from_spec(spec).preservation(
             self.is_backup, lambda s: self.pinned(s), newest_evaluated
         )
@@ -204,8 +159,8 @@ class Checkpoints:
             ),
             # Retention's deletions run in the commit, which the next save waits for. Left to
             # Orbax, a machine of 4 or more CPUs deletes each local step with a thread pool whose
-            # scheduler polls its queue every 0.1 s: >= 100 ms per deleted step (a GPU machine's
-            # 16 CPUs: 103 ms for a 10-file step), where one thread's rmtree takes ~1 ms.
+            # scheduler polls its queue every 0.1 s, so each deleted step waits for a poll, where
+            # one thread's rmtree is far quicker.
             num_deletion_threads=1,
             create=not read_only,
             read_only=read_only,
@@ -216,7 +171,8 @@ class Checkpoints:
         """Orbax calls this on its save thread once the items are final and before the step's
         temporary directory becomes ``<step>``: the manifest is part of the same commit."""
         if self._saving is None or "://" in self.directory or jax.process_index() != 0:
-            return  # several processes: process 0 finalizes the step, once every process wrote its part
+            # Several processes: process 0 finalizes the step, once every process wrote its part.
+            return
         found = glob.glob(
             os.path.join(glob.escape(self.directory), f"{self._saving}.orbax-checkpoint-tmp*")
         )
@@ -224,7 +180,8 @@ class Checkpoints:
             write_manifest(found[0])
         else:
             logger.warning(
-                "no single temporary directory for step %s in %s (%s): step saved without checksums",
+                "no single temporary directory for step %s in %s (%s): "
+                "step saved without checksums",
                 self._saving,
                 self.directory,
                 found,
@@ -248,7 +205,8 @@ class Checkpoints:
         return self._backup[step]
 
     def quarantine(self, step: int, why: str) -> None:
-        """Move a step aside (see `quarantine`) and let Orbax forget it. Only the job's writer may do this."""
+        """Move a step aside (see `checkpoint_dirs.quarantine`) and let Orbax forget it. Only the
+        job's writer may do this."""
         self.manager.wait_until_finished()
         dst = quarantine(self.directory, step, why)
         logger.warning(
@@ -312,19 +270,20 @@ class Checkpoints:
                 f"\n  ... and {len(diffs) - 20} more" if len(diffs) > 20 else ""
             )
             raise CheckpointMismatchError(
-                f"checkpoint {self.directory}/{step} does not match the state the program's init builds "
-                f"({len(diffs)} leaves differ):\n  {shown}\n"
-                "The program changed since this checkpoint was written: restore it with the program that "
-                "wrote it, or start a new job (a different job name or storage)."
+                f"checkpoint {self.directory}/{step} does not match the state the program's init "
+                f"builds ({len(diffs)} leaves differ):\n  {shown}\n"
+                "The program changed since this checkpoint was written: restore it with the "
+                "program that wrote it, or start a new job (a different job name or storage)."
             )
         if int(step) not in self.manager.all_steps():
-            self.manager.reload()  # committed by another process after this manager listed the directory
+            # Committed by another process after this manager listed the directory.
+            self.manager.reload()
         if "://" not in self.directory and not verify_manifest(
             os.path.join(self.directory, str(step))
         ):
             logger.warning(
-                "checkpoint step %d in %s has no checksums (written before prefect-jax wrote them): "
-                "restored unverified",
+                "checkpoint step %d in %s has no checksums (written before prefect-jax wrote "
+                "them): restored unverified",
                 step,
                 self.directory,
             )
@@ -339,7 +298,8 @@ class Checkpoints:
 
     def _data_written_by_other_processes(self, step: int) -> str | None:
         """The iterator state file of process 0, when the step was written by another number of
-        processes than this job has now (None: the same number; Grain restores each process's own)."""
+        processes than this job has now (None: the same number; Grain restores each process's
+        own)."""
         data = os.path.join(self.directory, str(step), "data")
         own = os.path.join(data, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
         if "://" in self.directory or not os.path.isdir(data) or os.path.exists(own):
@@ -354,8 +314,8 @@ class Checkpoints:
         with open(path) as f:
             _set_position(data_iter, f.read())
         logger.warning(
-            "step %d was written by %s processes, restored into %d: the data position of its process 0 "
-            "(%s) applies to each",
+            "step %d was written by %s processes, restored into %d: the data position of its "
+            "process 0 (%s) applies to each",
             step,
             os.path.basename(path).split("-of-")[1].split(".")[0],
             jax.process_count(),
@@ -387,40 +347,8 @@ class Checkpoints:
     def close(self) -> None:
         try:
             self.wait()
-        except (
-            cluster.LostProcess
-        ) as exc:  # Orbax's threads wait for it at their barriers until JAX aborts
+        except cluster.LostProcess as exc:
+            # Orbax's threads wait for it at their barriers until JAX aborts.
             logger.warning("not closing the checkpoints (%s): the job's committed steps stand", exc)
             return
         self.manager.close()
-
-
-def wait_for_new_checkpoint(
-    list_steps: Callable[[], list[int]],
-    after: int | None,
-    timeout: float,
-    poll_secs: float,
-    log: Callable[[str], None] = logger.info,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> int | None:
-    """Poll until a committed step newer than `after` appears, or `timeout` seconds pass.
-
-    Returns:
-        The newest committed step, or None when the deadline passed without one.
-    """
-    deadline = clock() + timeout
-    next_log = clock()
-    while True:
-        steps = [s for s in list_steps() if after is None or s > after]
-        if steps:
-            return steps[-1]
-        left = deadline - clock()
-        if left <= 0:
-            return None
-        if clock() >= next_log:  # say so at first, then every 30 s, not at every poll
-            log(
-                f"no committed checkpoint yet; waiting up to {left:.0f}s more (polling every {poll_secs:g}s)"
-            )
-            next_log = clock() + 30
-        sleep(min(poll_secs, left))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from prefect_jax.training.cluster import failed_processes, lost_process, say_goodbye
 from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
-from prefect_jax.training.compile_cache import END_FLUSH_SECS
+from prefect_jax.training.compile_cache_mirror import END_FLUSH_SECS
 from prefect_jax.training.errors import LeaseLostError, Preempted
 from prefect_jax.training.goodput import LOST_PROCESS
 

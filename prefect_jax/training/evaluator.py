@@ -170,7 +170,7 @@ class Evaluator:
         Raises:
             TimeoutError: none came within `wait_for_first_checkpoint_secs`.
         """
-        from prefect_jax.training.checkpoints import wait_for_new_checkpoint
+        from prefect_jax.training.checkpoint_dirs import wait_for_new_checkpoint
 
         if self.start_delay_secs:
             self.log(

@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prefect_jax.training.evaluation import EvalResult, EvalStatus
-from prefect_jax.training.specs import (
+from prefect_jax.training.eval_specs import (
     EXPORT_PLATFORMS,
     BestExporter,
     ExporterSpec,
     FinalExporter,
     LatestExporter,
 )
+from prefect_jax.training.evaluation import EvalResult, EvalStatus
 from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.trainer")  # shown in the flow run's logs

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prefect_jax.training import exporters as exp
+from prefect_jax.training.eval_specs import BestExporter
 from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.registry import alias_for
-from prefect_jax.training.specs import BestExporter
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer

@@ -145,7 +145,8 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
         FileNotFoundError: No such job there; the message names the jobs that are.
     """
     from prefect_jax.training.exporters import list_exports
-    from prefect_jax.training.goodput import read_ledger, summarize
+    from prefect_jax.training.goodput import read_ledger
+    from prefect_jax.training.goodput_summary import summarize
     from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
@@ -219,7 +220,7 @@ def _registry_status(recorded: dict, job_key: str) -> dict[str, Any]:
 
 def describe_goodput(summary: dict[str, Any]) -> str:
     """One line for people of a job's goodput summary (`job_status`'s ``goodput``)."""
-    from prefect_jax.training.goodput import describe
+    from prefect_jax.training.goodput_summary import describe
 
     return describe(summary)
 

@@ -7,30 +7,14 @@ it has to survive the process, not the machine). The next attempt learns from th
 restores which of the previous attempt's steps were kept; steps trained past it were lost and
 count as *recomputed*.
 
-Phases of an attempt (seconds):
-
-- ``startup``: from the process start to the restore (interpreter, imports, the Prefect flow
-  run and its task run, the program, Orbax and MLflow clients);
-- ``restore``: taking the lease and restoring the newest committed step (or init);
-- ``compile``: waiting for the train step's compile (or its load from the cache) and running
-  the first step;
-- ``train``: the training loop; split later into kept and ``recomputed``;
-- ``checkpoint``: the training thread blocked by saves and waiting for commits;
-- ``eval`` and ``export``: evaluations and exports run by the trainer (local mode);
-- ``other``: the rest of the attempt (Prefect task runs and state changes, MLflow waits);
-- ``between_attempts``: from an attempt's last record to the next attempt's process start:
-  work done after the last checkpoint of a killed process, its exit, and the wait for a rerun.
+Phases of an attempt, what the account makes of them and the summary (`summarize`,
+`describe`, `mlflow_metrics`) are `prefect_jax.training.goodput_summary`'s.
 
 A process that waited for another process of its own flow run to end (Prefect started the run
 twice; see `prefect_jax.training.lease`) starts its attempt's clock when the wait ended, and its
 entry says ``waited_for_another_process``: what it did before overlapped the other's training.
 
-``goodput = kept train seconds / wall seconds`` from the first attempt's process start to the
-last record. A job is not waiting while it is finished: the time between an attempt that
-finished and the next (a rerun with a larger ``max_steps``, days later) is neither wall nor
-lost, and a rerun of a finished job that trains nothing (it restores the last step and stops,
-as a rerun from the UI of a completed run does) is left out of the account. This module never
-imports prefect.
+This module never imports prefect.
 """
 
 from __future__ import annotations
@@ -44,25 +28,12 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from prefect_jax.training.names import GOODPUT_PREFIX
+from prefect_jax.training.goodput_summary import counted_attempts, running_account, summarize
 
 logger = logging.getLogger("prefect_jax.trainer")
 
-PHASES = ("startup", "restore", "compile", "train", "checkpoint", "eval", "export")
-LOST = (
-    "startup",
-    "restore",
-    "compile",
-    "recomputed",
-    "checkpoint",
-    "eval",
-    "export",
-    "other",
-    "between_attempts",
-)
-MAX_ATTEMPTS_KEPT = (
-    500  # past it, no-op reruns are dropped and the oldest attempts folded (`_bounded`)
-)
+# Past it, no-op reruns are dropped and the oldest attempts folded (`_bounded`).
+MAX_ATTEMPTS_KEPT = 500
 _TAIL = 32  # per attempt, the cumulative train time at its newest saves (backups make many)
 _process_clock_taken = False  # the first ledger of a process counts from the process start
 
@@ -105,12 +76,10 @@ class GoodputLedger:
         _process_clock_taken = True
         self.attempt: dict[str, Any] | None = None
         self._restore_began: float | None = None
-        self._earlier: list[dict[str, Any]] | None = (
-            None  # the attempts before this one, as read at its first write
-        )
-        self._waited = (
-            False  # this process waited for another process of its flow run first (`restart_clock`)
-        )
+        # The attempts before this one, as read at its first write.
+        self._earlier: list[dict[str, Any]] | None = None
+        # This process waited for another process of its flow run first (`restart_clock`).
+        self._waited = False
 
     # -- the attempt's clock ------------------------------------------------------------------
 
@@ -129,9 +98,8 @@ class GoodputLedger:
 
     def begin(self, step: int) -> None:
         """The live state is at `step` (restored, or made by init): open this process's attempt."""
-        if (
-            self.attempt is not None
-        ):  # restored again within one process (a retried task): same attempt
+        if self.attempt is not None:
+            # Restored again within one process (a retried task): the same attempt.
             self.attempt["restored_again"] = self.attempt.get("restored_again", 0) + 1
             return
         now = time.time()
@@ -165,7 +133,8 @@ class GoodputLedger:
             self.add(name, time.perf_counter() - t)
 
     def trained_to(self, step: int) -> None:
-        """A checkpoint of `step` was started: remember the train time it took to get there, and write."""
+        """A checkpoint of `step` was started: remember the train time it took to get there, and
+        write."""
         if self.attempt is None:
             return
         a = self.attempt
@@ -175,14 +144,14 @@ class GoodputLedger:
 
     def saved(self, seconds: float) -> None:
         """A save is out of the training thread's way after `seconds` (it blocked training that
-        long: the lease check, this ledger, Orbax's blocking part and its wait for the save before)."""
+        long: the lease check, this ledger, Orbax's blocking part and its wait for the save
+        before)."""
         if self.attempt is not None:
             a = self.attempt
             a["saves"] = a.get("saves", 0) + 1
             a["save_s"] = round(a.get("save_s", 0.0) + seconds, 4)
-            if (
-                a["saves"] == 1
-            ):  # on record now, for a rerun if this attempt is killed before its next save
+            if a["saves"] == 1:
+                # On record now, for a rerun if this attempt is killed before its next save.
                 self._write()
 
     @property
@@ -208,9 +177,8 @@ class GoodputLedger:
         a["seconds"] = {k: round(v, 4) for k, v in a["seconds"].items()}
         a["tail"] = [[s, round(t, 4)] for s, t in a["tail"]]
         try:
-            if (
-                self._earlier is None
-            ):  # read once: while this process holds the job's lease nobody else writes it
+            if self._earlier is None:
+                # Read once: while this process holds the job's lease nobody else writes it.
                 self._earlier = [
                     e for e in self.read().get("attempts", []) if e.get("id") != a["id"]
                 ]
@@ -219,14 +187,16 @@ class GoodputLedger:
             logger.warning("could not write the goodput ledger %s", self.path, exc_info=True)
 
     def _ledger(self) -> dict[str, Any]:
-        """The ledger as this attempt last wrote it: the earlier attempts (the oldest folded) and this one."""
+        """The ledger as this attempt last wrote it: the earlier attempts (the oldest folded) and
+        this one."""
         return {"attempts": _bounded(self._earlier + [self.attempt])}
 
     def read(self) -> dict[str, Any]:
         return read_ledger(self.storage)
 
     def summary(self) -> dict[str, Any]:
-        """The job's goodput: from memory once this attempt has written its entry, else from storage."""
+        """The job's goodput: from memory once this attempt has written its entry, else from
+        storage."""
         if self.attempt is not None and self._earlier is not None:
             return summarize(self._ledger())
         return summarize(self.read())
@@ -248,7 +218,7 @@ def _bounded(attempts: list[dict], limit: int = MAX_ATTEMPTS_KEPT) -> list[dict]
     """At most `limit` entries with the same summary: past it, the reruns of a finished job that
     trained nothing are dropped, then the oldest attempts folded into one."""
     if len(attempts) > limit:
-        attempts = _counted(attempts)
+        attempts = counted_attempts(attempts)
     if len(attempts) > limit:
         cut = len(attempts) - limit + 1
         attempts = [_fold(attempts, cut)] + attempts[cut:]
@@ -263,7 +233,7 @@ def _fold(attempts: list[dict], cut: int) -> dict:
     last = attempts[cut - 1]
     return {
         "folded": True,
-        "carried": _account(attempts[: cut + 1], cut),
+        "carried": running_account(attempts[: cut + 1], cut),
         "process_start": attempts[0]["process_start"],
         "from_step": attempts[0]["from_step"],
         "step": last["step"],
@@ -272,162 +242,3 @@ def _fold(attempts: list[dict], cut: int) -> dict:
         "tail": last.get("tail", []),
         "seconds": {},
     }
-
-
-def _train_at(attempt: dict, step: int) -> float | None:
-    """The attempt's cumulative train seconds when it saved `step` (None: not one of its newest saves)."""
-    for s, secs in reversed(attempt.get("tail", [])):
-        if s == step:
-            return secs
-    return None
-
-
-def _rerun_of_finished_job(previous: dict, attempt: dict) -> bool:
-    """`attempt` came after `previous` finished the job and trained nothing: it restored the last
-    step and stopped (a rerun of a completed run). It cost no one any waiting for the job."""
-    return (
-        previous.get("ended") == "finished"
-        and attempt.get("ended") == "finished"
-        and attempt["from_step"] == attempt["step"] == previous["step"]
-        and not attempt["seconds"].get("train")
-    )
-
-
-def _counted(attempts: list[dict]) -> list[dict]:
-    """The attempts the account counts: not the reruns of a finished job that trained nothing."""
-    return [
-        a
-        for i, a in enumerate(attempts)
-        if i == 0 or not _rerun_of_finished_job(attempts[i - 1], a)
-    ]
-
-
-def _account(attempts: list[dict], stop: int) -> dict[str, Any]:
-    """The running account of ``attempts[:stop]``, each judged against the attempt after it (the
-    last of the list against none: it is the newest). ``attempts[0]`` may be a fold, whose
-    account is carried on from."""
-    first = attempts[0]
-    if "carried" in first:
-        acc = {**first["carried"], "lost": dict(first["carried"]["lost"])}
-    else:
-        acc = {
-            "productive": 0.0,
-            "wall": 0.0,
-            "lost": dict.fromkeys(LOST, 0.0),
-            "attempts": 0,
-            "interrupted": 0,
-            "segment_start": first["process_start"],
-            "from_step": first["from_step"],
-        }
-    lost = acc["lost"]
-    for i in range(1 if "carried" in first else 0, stop):
-        a = attempts[i]
-        secs = a["seconds"]
-        train = secs.get("train", 0.0)
-        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
-        if nxt is None:
-            kept = train
-        else:
-            at = _train_at(a, nxt["from_step"])
-            if at is None:  # the next attempt restored an older step than any this one recorded
-                at = 0.0 if nxt["from_step"] <= a["from_step"] else train
-            kept = min(train, at)
-            if a.get("ended") != "finished":
-                lost["between_attempts"] += max(0.0, nxt["process_start"] - a["updated"])
-        if (
-            nxt is None or a.get("ended") == "finished"
-        ):  # the job waited from segment_start until here
-            acc["wall"] += a["updated"] - acc["segment_start"]
-            acc["segment_start"] = nxt["process_start"] if nxt is not None else 0.0
-        acc["productive"] += kept
-        lost["recomputed"] += train - kept
-        for phase in PHASES:
-            if phase != "train":
-                lost[phase] += secs.get(phase, 0.0)
-        lost["other"] += max(0.0, (a["updated"] - a["process_start"]) - sum(secs.values()))
-        acc["attempts"] += a.get("folded", 1)  # (an int in the folds of older versions)
-        acc["interrupted"] += a.get("ended") not in (
-            ("finished",) if nxt is not None else ("finished", None)
-        )
-    return acc
-
-
-def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
-    """The job's goodput and where its lost time went, from its ledger.
-
-    Returns ``{}`` for an empty ledger, else ``goodput``, ``wall_s``, ``productive_s``,
-    ``lost_s`` (by cause, see the module), ``attempts``, ``interrupted`` (attempts that did not
-    end by finishing) and ``steps`` (the step range the kept steps cover).
-    """
-    attempts = _counted(ledger.get("attempts") or [])
-    if not attempts:
-        return {}
-    acc = _account(attempts, len(attempts))
-    wall = acc["wall"]
-    return {
-        "goodput": acc["productive"] / wall if wall > 0 else 0.0,
-        "wall_s": wall,
-        "productive_s": acc["productive"],
-        "lost_s": {k: round(v, 3) for k, v in acc["lost"].items()},
-        "attempts": acc["attempts"],
-        "interrupted": acc["interrupted"],
-        "steps": [acc["from_step"], attempts[-1]["step"]],
-    }
-
-
-def as_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The summary as table rows (``what``, ``seconds``, ``share of wall``), for people."""
-    if not summary:
-        return []
-    wall = summary["wall_s"] or 1.0
-    rows = [
-        {
-            "what": "productive training (steps kept)",
-            "seconds": round(summary["productive_s"], 2),
-            "share of wall": round(summary["productive_s"] / wall, 4),
-        }
-    ]
-    names = {
-        "startup": "start-up (process, imports, Prefect, clients)",
-        "restore": "restore (lease, checkpoint read, or init)",
-        "compile": "compile (or cache load) and first step",
-        "recomputed": "recomputed steps (trained, then lost)",
-        "checkpoint": "checkpoint stall (save, wait for commit)",
-        "eval": "evaluation",
-        "export": "export",
-        "other": "orchestration (task runs, MLflow waits)",
-        "between_attempts": "between attempts (killed work, exit, rerun wait)",
-    }
-    for key, label in names.items():
-        v = summary["lost_s"].get(key, 0.0)
-        rows.append({"what": label, "seconds": round(v, 2), "share of wall": round(v / wall, 4)})
-    return rows
-
-
-def describe(summary: dict[str, Any]) -> str:
-    """One line for people: the goodput, the wall time, the attempts, the biggest losses."""
-    if not summary:
-        return "no attempt recorded"
-    losses = sorted(((v, k) for k, v in summary["lost_s"].items() if v >= 0.05), reverse=True)[:4]
-    lost = ", ".join(f"{k} {v:.1f}s" for v, k in losses)
-    return (
-        f"{summary['goodput']:.1%} of {summary['wall_s']:.1f}s wall in kept training steps, "
-        f"{summary['attempts']} attempt(s), {summary['interrupted']} interrupted"
-        + (f"; lost: {lost}" if lost else "")
-    )
-
-
-def mlflow_metrics(summary: dict[str, Any], step: int) -> list[tuple[str, float, int]]:
-    """The summary as MLflow metric rows: ``goodput/goodput``, ``goodput/wall_s``,
-    ``goodput/lost_s/<cause>``..."""
-    if not summary:
-        return []
-    values = {
-        "goodput": summary["goodput"],
-        "wall_s": summary["wall_s"],
-        "productive_s": summary["productive_s"],
-        "attempts": float(summary["attempts"]),
-        "interrupted": float(summary["interrupted"]),
-        **{f"lost_s/{cause}": float(v) for cause, v in summary["lost_s"].items()},
-    }
-    return [(GOODPUT_PREFIX + key, value, step) for key, value in values.items()]

@@ -11,11 +11,8 @@ import shutil
 import socket
 from typing import Any
 
-from prefect_jax.training.checkpoints import (
-    CorruptCheckpointError,
-    is_committed,
-    step_dirs,
-)
+from prefect_jax.training.checkpoint_dirs import is_committed, step_dirs
+from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import barrier
 from prefect_jax.training.mlflow_client import exit_wait
 from prefect_jax.training.peer_watch import LostProcess

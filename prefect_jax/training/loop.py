@@ -1,4 +1,5 @@
-"""How training advances: the compiled steps, the input iterator, the NaN guard and progress.
+"""How training advances: the input iterator, the placement of state and batches, the NaN
+guard and progress, over the compiled steps of `prefect_jax.training.compiled_steps`.
 
 A `Loop` knows the program and the train spec, never the job's storage: it turns a state, a
 step and an iterator into a later state, step and iterator, and tells who listens how far it
@@ -26,6 +27,14 @@ import grain
 import jax
 import numpy as np
 
+from prefect_jax.training.compiled_steps import (
+    compiled_init,
+    guard_int,
+    jit_steps,
+    metrics_at,
+    precompile_steps,
+    stack,
+)
 from prefect_jax.training.evaluation import aggregate
 from prefect_jax.training.specs import TrainSpec
 
@@ -49,18 +58,6 @@ def notify_progress(step: int, max_steps: int, metrics: dict[str, float]) -> Non
             logger.exception("progress listener failed")
 
 
-# XLA's backend (LLVM) optimisation level for init, a program that runs once: level 1 compiles
-# it in ~40% of the default's time. Floats may differ from the default's in their last bits (for
-# the digits MLP they do not); a rerun that initialises again compiles it the same way, so it
-# gets the same state, bit for bit.
-INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
-
-
-def guard_int(value: int):
-    """An int32 scalar for the step guard: a numpy scalar, so making one dispatches nothing."""
-    return np.int32(value)
-
-
 def iterate(dataset, read_options=None):
     """An iterator (with get_state/set_state) over a Grain MapDataset (read with `read_options`,
     default Grain's) or IterDataset."""
@@ -71,48 +68,6 @@ def iterate(dataset, read_options=None):
             else dataset.to_iter_dataset()
         )
     return iter(dataset)
-
-
-def guarded_step(train_step: Callable, check_finite: bool) -> Callable:
-    """Wrap `train_step` to also count steps and remember the first with a NaN/Inf loss, on the device."""
-    import jax.numpy as jnp
-
-    def step(state, batch, guard):
-        state, metrics = train_step(state, batch)
-        count, first_bad = guard
-        count = count + 1
-        if check_finite and metrics:
-            keys = [k for k in metrics if "loss" in k] or list(metrics)
-            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(metrics[k])) for k in keys]))
-            first_bad = jnp.where((first_bad < 0) & ~finite, count, first_bad)
-        return state, metrics, (count, first_bad)
-
-    return step
-
-
-def scanned(step: Callable) -> Callable:
-    """`step(state, batch, guard)` over a leading axis of stacked batches, in one `lax.scan`:
-    returns (state, metrics stacked per step, guard)."""
-
-    def run(state, batches, guard):
-        def body(carry, batch):
-            state, metrics, guard = step(carry[0], batch, carry[1])
-            return (state, guard), metrics
-
-        (state, guard), metrics = jax.lax.scan(body, (state, guard), batches)
-        return state, metrics, guard
-
-    return run
-
-
-def stack(batches: list):
-    """K host batches (pytrees of arrays) as one pytree with a leading axis of K."""
-    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
-
-
-def metrics_at(metrics, index: int | None):
-    """One step's metrics: as they are (one step per dispatch), or row `index` of a scan's stack."""
-    return metrics if index is None else jax.tree.map(lambda m: m[index], metrics)
 
 
 class NonFiniteAt(Exception):
@@ -126,7 +81,8 @@ class NonFiniteAt(Exception):
 @dataclass
 class Interval:
     """Where one `Loop.run` ended: the state and step reached and the metrics logged on the way,
-    as ``(step, metrics, row)`` (row: None for one step's metrics, else its row in a scan's stack)."""
+    as ``(step, metrics, row)`` (row: None for one step's metrics, else its row in a scan's
+    stack)."""
 
     state: Any
     step: int
@@ -134,7 +90,8 @@ class Interval:
 
 
 class Loop:
-    """The compiled functions of one program, and the loop that calls them.
+    """The loop over one program's compiled steps (`compiled_steps.jit_steps`): where the state
+    and the batches live, and how far each call goes.
 
     Args:
         program: the program (see `prefect_jax.training.program`).
@@ -143,24 +100,16 @@ class Loop:
 
     def __init__(self, program: Any, spec: TrainSpec):
         self.program, self.spec = program, spec
-        # The state is donated: each step writes the new state over the old one's buffers
-        # (on GPU/TPU, and on the CPU since jaxlib 0.3.24), instead of copying it into new ones;
-        # a buffer another holder still references (Orbax, copying a save to the host) is copied.
-        # The guard is never donated: the loop reads an earlier one after later steps ran.
-        donate = (0,)
-        guarded = guarded_step(program.train_step, spec.check_finite)
-        self.train_step = jax.jit(guarded, donate_argnums=donate)
-        self.scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
-        self.eval_step = jax.jit(program.eval_step)
+        self.train_step, self.scan_steps, self.eval_step = jit_steps(program, spec.check_finite)
         self._rng = None  # see `rng`
         self._abstract = None
-        self.compile_s: float | None = (
-            None  # join of the compile + the first step, once per process (goodput)
-        )
+        # The join of the compile and the first step, once per process (goodput).
+        self.compile_s: float | None = None
         self._precompiling: threading.Thread | None = None
         devices = jax.devices()
         # On one device (CPU, or one GPU) the state is committed to it, so that the compile done
-        # ahead of time (`start_precompile`) is the one the loop finds; several devices: no precompile.
+        # ahead of time (`start_precompile`) is the one the loop finds; several devices: no
+        # precompile.
         self.one_device = (
             jax.sharding.SingleDeviceSharding(devices[0]) if len(devices) == 1 else None
         )
@@ -168,9 +117,8 @@ class Loop:
         # of every process; the state is replicated, each batch split along its first axis.
         self.processes = jax.process_count()
         self.mesh = self.replicated = self.batch_sharding = None
-        if (
-            self.processes > 1
-        ):  # one process keeps its one-device behaviour, on any number of devices
+        # One process keeps its one-device behaviour, on any number of devices.
+        if self.processes > 1:
             from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
             self.mesh = Mesh(np.array(devices), ("data",))
@@ -185,14 +133,15 @@ class Loop:
     def rng(self):
         """Init's key, made when first used. A rerun restores and needs none; the key would be
         the process's first JAX computation, compiled (or loaded from the cache) on the rerun's
-        way to its first step: 25-60 ms here."""
+        way to its first step."""
         if self._rng is None:
             self._rng = jax.random.key(self.spec.seed)
         return self._rng
 
     def _init_from_seed(self, seed):
         """The program's init from its seed's key, made inside the trace: what init compiles and
-        what the abstract state traces (a traced `jax.random.key(seed)` is the eager key, for every seed)."""
+        what the abstract state traces (a traced `jax.random.key(seed)` is the eager key, for
+        every seed)."""
         return self.program.init(jax.random.key(seed))
 
     @property
@@ -212,29 +161,14 @@ class Loop:
     def init_state(self):
         """The program's `init`, compiled as one XLA program and placed on the one device.
 
-        Run op by op, init dispatches (and compiles) every operation on its own: seconds for a
-        small MLP, while the train step compiles on another thread. An init that cannot be
-        traced (it reads values on the host) runs eagerly."""
+        Run op by op, init dispatches (and compiles) every operation on its own, while the
+        train step compiles on another thread. An init that cannot be traced (it reads values
+        on the host) runs eagerly."""
         if self.state_sharding is not None:
             seed = np.int64(self.spec.seed)
-            try:
-                # The key is made inside the program from the seed, an argument (as a constant,
-                # XLA could fold init into constants): no eager computation of its own to compile
-                # and run first, and one executable (one cache entry) for every seed.
-                lowered = jax.jit(self._init_from_seed, out_shardings=self.state_sharding).lower(
-                    seed
-                )
-            except (
-                TypeError
-            ):  # jax.errors.ConcretizationTypeError and kin, or a leaf that is not an array
-                logger.debug("init cannot be jitted: running it op by op", exc_info=True)
-            else:
-                try:  # init runs once: compiled for a quick compile, not a quick run (1.25 -> 0.5 s for the digits MLP)
-                    compiled = lowered.compile(compiler_options=INIT_COMPILER_OPTIONS)
-                except Exception:  # noqa: BLE001 - a backend without the option: its default
-                    logger.debug("init's compiler options refused", exc_info=True)
-                    compiled = lowered.compile()
-                return compiled(seed)
+            init = compiled_init(self._init_from_seed, seed, self.state_sharding)
+            if init is not None:
+                return init(seed)
         return self.program.init(self.rng)
 
     def fresh_iter(self):
@@ -271,13 +205,13 @@ class Loop:
             x = np.asarray(x)
             if x.ndim <= axis or x.shape[axis] % devices:
                 raise ValueError(
-                    f"a train batch leaf of shape {x.shape} cannot be split over {devices} devices along axis {axis}: "
-                    f"make the batch size a multiple of {devices} (the devices of all {count} processes)"
+                    f"a train batch leaf of shape {x.shape} cannot be split over {devices} "
+                    f"devices along axis {axis}: make the batch size a multiple of {devices} "
+                    f"(the devices of all {count} processes)"
                 )
             size = x.shape[axis] // count
-            own = (slice(None),) * axis + (
-                slice(index * size, (index + 1) * size),
-            )  # a view: no copy before the device's
+            # A view: no copy before the device's.
+            own = (slice(None),) * axis + (slice(index * size, (index + 1) * size),)
             return jax.make_array_from_process_local_data(sharding, x[own])
 
         return jax.tree.map(part, host_batch)
@@ -292,45 +226,18 @@ class Loop:
         real call to report."""
         if self._precompiling is not None or self.one_device is None:
             return
-
-        def spec(tree):
-            return jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree
-            )
-
         # The state the loop gets is committed to the one device (see `place`): a spec without
         # that sharding would compile an executable the loop never finds.
         state = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.one_device),
             self.abstract_state,
         )
-
-        def compile_steps():
-            try:
-                train_data = self.program.train_data(self.spec.seed)
-                if isinstance(train_data, grain.MapDataset):
-                    batch = spec(train_data[0])
-                    guard = jax.tree.map(
-                        lambda g: jax.ShapeDtypeStruct((), g.dtype, sharding=self.one_device),
-                        spec((guard_int(0), guard_int(-1))),
-                    )
-                    k = self.spec.steps_per_dispatch
-                    if k == 1:
-                        self.train_step.lower(state, batch, guard).compile()
-                    else:
-                        stacked = jax.tree.map(
-                            lambda b: jax.ShapeDtypeStruct((k, *b.shape), b.dtype), batch
-                        )
-                        self.scan_steps.lower(state, stacked, guard).compile()
-                eval_data = self.program.eval_data()
-                if isinstance(eval_data, grain.MapDataset):
-                    self.eval_step.lower(state, spec(eval_data[0])).compile()
-            except Exception:  # noqa: BLE001 - the real call compiles again and reports it
-                logger.debug("background compile failed", exc_info=True)
-
-        self.abstract_state  # noqa: B018 - traced here, not in two threads at once
+        args = (self.program, self.spec.seed, self.spec.steps_per_dispatch, state)
+        args += (self.one_device, self.train_step, self.scan_steps, self.eval_step)
         # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
-        self._precompiling = threading.Thread(target=compile_steps, name="prefect-jax-compile")
+        self._precompiling = threading.Thread(
+            target=precompile_steps, args=args, name="prefect-jax-compile"
+        )
         self._precompiling.start()
 
     def join_precompile(self) -> None:
@@ -354,9 +261,8 @@ class Loop:
         if self.processes > 1:
             from prefect_jax.training.cluster import any_process
         checked = None  # the guard of the previous log point
-        first = (
-            self.compile_s is None
-        )  # this process's first step: timed to the end (compile or cache load)
+        # This process's first step: timed to the end (compile or cache load).
+        first = self.compile_s is None
         t_first = time.perf_counter()
         self.join_precompile()  # its executable is the one this loop calls
         while step < target:
@@ -406,7 +312,8 @@ class Loop:
 
     @staticmethod
     def train_rows(logged) -> list[tuple[str, float, int]]:
-        """An interval's logged train metrics as MLflow rows ``(name, value, step)`` (one device-to-host copy)."""
+        """An interval's logged train metrics as MLflow rows ``(name, value, step)`` (one
+        device-to-host copy)."""
         if not logged:
             return []
         values = [(s, metrics_at(m, row)) for s, m, row in jax.device_get(logged)]
@@ -415,9 +322,10 @@ class Loop:
     # -- evaluation ----------------------------------------------------------------------
 
     def evaluate(self, state, steps: int | None) -> tuple[dict[str, float], int, int | None]:
-        """`eval_step` over the program's eval data (at most `steps` batches), aggregated exactly."""
-        # A finite pass needs no resumable iterator: a MapDataset is read by index, without Grain's
-        # prefetch threads (starting them cost more than this whole eval on small sets).
+        """`eval_step` over the program's eval data (at most `steps` batches), aggregated
+        exactly."""
+        # A finite pass needs no resumable iterator: a MapDataset is read by index, without
+        # Grain's prefetch threads (starting them cost more than this whole eval on small sets).
         eval_data = self.program.eval_data()
         if isinstance(eval_data, grain.MapDataset):
             batches = (eval_data[i] for i in range(len(eval_data)))

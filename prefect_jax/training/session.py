@@ -8,12 +8,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prefect_jax.training.checkpoints import (
-    CheckpointMismatchError,
-    Checkpoints,
-    committed_steps,
-    wait_for_new_checkpoint,
-)
+from prefect_jax.training.checkpoint_dirs import committed_steps, wait_for_new_checkpoint
+from prefect_jax.training.checkpoints import CheckpointMismatchError, Checkpoints
 from prefect_jax.training.errors import PastMaxStepsError
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.loop import notify_progress

@@ -26,7 +26,7 @@ __all__ = ["job_committed_steps", "job_step_is_backup"]
 def job_committed_steps(storage) -> list[int]:
     """Committed checkpoint steps of a job (`JobStorage`), wherever its storage is."""
     if storage.orbax_native:
-        from prefect_jax.training.checkpoints import committed_steps
+        from prefect_jax.training.checkpoint_dirs import committed_steps
 
         return committed_steps(storage.checkpoint_dir)
     return RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).committed_steps()
@@ -38,7 +38,7 @@ def job_step_is_backup(storage, step: int) -> bool:
     why)."""
     try:
         if storage.orbax_native:
-            from prefect_jax.training.checkpoints import read_meta_file
+            from prefect_jax.training.checkpoint_dirs import read_meta_file
 
             meta = read_meta_file(storage.checkpoint_dir, step)
         else:

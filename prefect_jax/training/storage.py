@@ -24,7 +24,7 @@ from typing import Any
 
 import fsspec
 
-from prefect_jax.training.specs import check_name
+from prefect_jax.training.spec_base import check_name
 
 ORBAX_PROTOCOLS = ("file", "local", "gs", "gcs")
 

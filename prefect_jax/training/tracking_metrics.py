@@ -130,7 +130,7 @@ class MetricCalls:
 
     @guarded
     def _log_goodput(self, summary: dict[str, Any], step: int) -> None:
-        from prefect_jax.training.goodput import mlflow_metrics
+        from prefect_jax.training.goodput_summary import mlflow_metrics
 
         self._log_metrics(mlflow_metrics(summary, step))
         self._client.log_dict(self._run_id, summary, "goodput.json")

@@ -1,0 +1,160 @@
+"""The compiled step functions a `Loop` calls: the guarded train step, its `lax.scan` over K
+stacked batches, init compiled as one program, and the ahead-of-time compile of the steps.
+
+Pure functions of the program and the train spec: where the state lives and how the steps
+are driven is the `Loop`'s (`prefect_jax.training.loop`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+# XLA's backend (LLVM) optimisation level for init, a program that runs once: a lower level
+# compiles it in a fraction of the default's time. Floats may differ from the default's in their
+# last bits (for the digits MLP they do not); a rerun that initialises again compiles it the same
+# way, so it gets the same state, bit for bit.
+INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+
+
+def guard_int(value: int):
+    """An int32 scalar for the step guard: a numpy scalar, so making one dispatches nothing."""
+    return np.int32(value)
+
+
+def guarded_step(train_step: Callable, check_finite: bool) -> Callable:
+    """Wrap `train_step` to also count steps and remember the first with a NaN/Inf loss, on the
+    device."""
+    import jax.numpy as jnp
+
+    def step(state, batch, guard):
+        state, metrics = train_step(state, batch)
+        count, first_bad = guard
+        count = count + 1
+        if check_finite and metrics:
+            keys = [k for k in metrics if "loss" in k] or list(metrics)
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(metrics[k])) for k in keys]))
+            first_bad = jnp.where((first_bad < 0) & ~finite, count, first_bad)
+        return state, metrics, (count, first_bad)
+
+    return step
+
+
+def scanned(step: Callable) -> Callable:
+    """`step(state, batch, guard)` over a leading axis of stacked batches, in one `lax.scan`:
+    returns (state, metrics stacked per step, guard)."""
+
+    def run(state, batches, guard):
+        def body(carry, batch):
+            state, metrics, guard = step(carry[0], batch, carry[1])
+            return (state, guard), metrics
+
+        (state, guard), metrics = jax.lax.scan(body, (state, guard), batches)
+        return state, metrics, guard
+
+    return run
+
+
+def jit_steps(program: Any, check_finite: bool) -> tuple[Callable, Callable, Callable]:
+    """The program's steps, jitted: the guarded train step (`guarded_step`), the same over K
+    stacked batches (`scanned`), and the eval step."""
+    # The state is donated: each step writes the new state over the old one's buffers (on
+    # GPU/TPU, and on the CPU since jaxlib 0.3.24), instead of copying it into new ones; a
+    # buffer another holder still references (Orbax, copying a save to the host) is copied.
+    # The guard is never donated: the loop reads an earlier one after later steps ran.
+    donate = (0,)
+    guarded = guarded_step(program.train_step, check_finite)
+    train_step = jax.jit(guarded, donate_argnums=donate)
+    scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
+    return train_step, scan_steps, jax.jit(program.eval_step)
+
+
+def stack(batches: list):
+    """K host batches (pytrees of arrays) as one pytree with a leading axis of K."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+
+def metrics_at(metrics, index: int | None):
+    """One step's metrics: as they are (one step per dispatch), or row `index` of a scan's stack."""
+    return metrics if index is None else jax.tree.map(lambda m: m[index], metrics)
+
+
+def compiled_init(init_from_seed: Callable, seed, sharding) -> Callable | None:
+    """`init_from_seed` jitted with its output on `sharding` and compiled for a quick compile
+    (`INIT_COMPILER_OPTIONS`: it runs once), or with the backend's defaults where the options
+    are refused. None when init cannot be traced (it reads values on the host): run it eagerly.
+    """
+    try:
+        # The key is made inside the program from the seed, an argument (as a constant, XLA
+        # could fold init into constants): no eager computation of its own to compile and run
+        # first, and one executable (one cache entry) for every seed.
+        lowered = jax.jit(init_from_seed, out_shardings=sharding).lower(seed)
+    except TypeError:  # jax.errors.ConcretizationTypeError and kin, or a leaf that is not an array
+        logger.debug("init cannot be jitted: running it op by op", exc_info=True)
+        return None
+    try:
+        return lowered.compile(compiler_options=INIT_COMPILER_OPTIONS)
+    except Exception:  # noqa: BLE001 - a backend without the option: its default
+        logger.debug("init's compiler options refused", exc_info=True)
+        return lowered.compile()
+
+
+def precompile_steps(
+    program: Any,
+    seed: int,
+    steps_per_dispatch: int,
+    state,
+    device,
+    train_step,
+    scan_steps,
+    eval_step,
+) -> None:
+    """Compile the jitted `train_step` (or `scan_steps`) and `eval_step` for `state` (abstract,
+    on `device`) and the shapes of the program's first batches, so the real call finds the
+    executable in jit's cache. Only for Grain MapDatasets, whose first batch is read by index
+    without starting the pipeline; any failure is left for the real call to report."""
+
+    def spec(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+
+    try:
+        train_data = program.train_data(seed)
+        if isinstance(train_data, grain.MapDataset):
+            batch = spec(train_data[0])
+            guard = jax.tree.map(
+                lambda g: jax.ShapeDtypeStruct((), g.dtype, sharding=device),
+                spec((guard_int(0), guard_int(-1))),
+            )
+            k = steps_per_dispatch
+            if k == 1:
+                train_step.lower(state, batch, guard).compile()
+            else:
+                stacked = jax.tree.map(
+                    lambda b: jax.ShapeDtypeStruct((k, *b.shape), b.dtype), batch
+                )
+                scan_steps.lower(state, stacked, guard).compile()
+        eval_data = program.eval_data()
+        if isinstance(eval_data, grain.MapDataset):
+            eval_step.lower(state, spec(eval_data[0])).compile()
+    except Exception:  # noqa: BLE001 - the real call compiles again and reports it
+        logger.debug("background compile failed", exc_info=True)
+
+
+__all__ = [
+    "INIT_COMPILER_OPTIONS",
+    "compiled_init",
+    "guard_int",
+    "guarded_step",
+    "jit_steps",
+    "metrics_at",
+    "precompile_steps",
+    "scanned",
+    "stack",
+]

@@ -1,0 +1,224 @@
+"""Evaluation specs: how to evaluate (TF's `EvalSpec`), what to export after each
+evaluation (`LatestExporter`, `BestExporter`, `FinalExporter`) and when to stop early.
+
+Plain, JSON-able pydantic models like the other specs; `prefect_jax.training.specs`
+re-exports every name here, and that is where flows, deployments and users import them from.
+
+This module imports neither jax nor prefect.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from prefect_jax.training.names import RESERVED_EVAL_NAMES
+from prefect_jax.training.spec_base import Spec, check_name, positive
+
+# The platforms `jax.export` lowers for, on any machine (exporters.serialize_serving): an
+# export runs on each it was lowered for.
+EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+class _Exporter(Spec):
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return check_name("exporter name", v)
+
+
+class _KeepingExporter(_Exporter):
+    keep: int | None = Field(5, description="Number of exports to keep (None: all).")
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, v):
+        return positive("keep", v, "keep at least 1 export, or None to keep all", True)
+
+
+class LatestExporter(_KeepingExporter):
+    """
+    Export every evaluated checkpoint, keeping the newest `keep` exports (TF's `LatestExporter`).
+    """
+
+    kind: Literal["latest"] = "latest"
+    name: str = "latest"
+
+
+class BestExporter(_KeepingExporter):
+    """Export a checkpoint when its eval `metric` beats every earlier one (TF's `BestExporter`).
+
+    The best value so far is stored next to the exports, so it survives restarts.
+    """
+
+    kind: Literal["best"] = "best"
+    name: str = "best"
+    metric: str = Field("loss", description="Eval metric to compare.")
+    mode: Literal["min", "max"] = Field(
+        "min", description="'min' if lower is better, 'max' if higher."
+    )
+
+
+class FinalExporter(_Exporter):
+    """Export only the final checkpoint, the one at or past `max_steps` (TF's `FinalExporter`)."""
+
+    kind: Literal["final"] = "final"
+    name: str = "final"
+
+
+ExporterSpec = Annotated[LatestExporter | BestExporter | FinalExporter, Field(discriminator="kind")]
+
+
+class EarlyStopping(Spec):
+    """Stop training when an eval metric stops improving (TF's `stop_if_no_decrease_hook`).
+
+    Both roles stop: the evaluator writes ``<job>/stop.json`` and the trainer stops at its
+    next checkpoint boundary.
+    """
+
+    metric: str = Field("loss", description="Eval metric to watch.")
+    mode: Literal["min", "max"] = Field(
+        "min", description="'min' if lower is better, 'max' if higher."
+    )
+    max_steps_without_improvement: int = Field(
+        description="Stop once the best value is this many steps old."
+    )
+    min_delta: float = Field(0.0, description="Smaller changes do not count as improvement.")
+
+    @field_validator("max_steps_without_improvement")
+    @classmethod
+    def _patience(cls, v):
+        return positive(
+            "max_steps_without_improvement", v, "give a number of global steps, e.g. 1000"
+        )
+
+
+class EvalSpec(Spec):
+    """How to evaluate (TF's `EvalSpec`).
+
+    Args:
+        steps: number of eval batches; None evaluates the whole eval set.
+        name: name of this evaluation; metrics are logged as ``<name>/<metric>`` and
+            records are kept under ``<job>/evals/<name>/``. Not ``train``, ``goodput`` or
+            ``system`` (`RESERVED_EVAL_NAMES`): those metrics are prefect-jax's and MLflow's.
+        start_delay_secs: the continuous evaluator waits this long before its first eval.
+        throttle_secs: do not evaluate again sooner than this many seconds after the last
+            evaluation (the final checkpoint is always evaluated).
+        exporters: what to export after each evaluation.
+        early_stopping: stop the job when a metric stops improving.
+        hooks: eval hooks by import path (TF's `_ContinuousEvalListener`).
+        learning_curve_every_secs: the learning-curve image (MLflow) is drawn at most this often;
+            the final evaluation always draws it; 0 draws it at every evaluation.
+        registered_model: the MLflow registered model the exports become versions of, with
+            an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None: the
+            job's name; ``""``: do not register.
+        export_platforms: the platforms the exported model runs on (``jax.export`` lowers for
+            each of `EXPORT_PLATFORMS`); None: all of them, less those ``serve`` does not lower
+            for (a warning names them).
+    """
+
+    steps: int | None = Field(None, description="Eval batches; None: the whole eval set.")
+    name: str = Field("eval", description="Eval name (metric prefix, record folder).")
+    start_delay_secs: float = Field(0.0, description="Delay before the first evaluation.")
+    throttle_secs: float = Field(0.0, description="Minimum seconds between evaluations.")
+    exporters: list[ExporterSpec] = Field(
+        default_factory=list, description="Exporters run after each eval."
+    )
+    early_stopping: EarlyStopping | None = Field(
+        None, description="Stop when a metric stops improving."
+    )
+    hooks: list[str] = Field(
+        default_factory=list,
+        description="Eval hooks by import path: before_eval(step) -> bool (False skips), "
+        "after_eval(result) -> bool (True stops).",
+    )
+    learning_curve_every_secs: float = Field(
+        30.0,
+        ge=0,
+        description="Draw the MLflow learning-curve image at most this often (the final "
+        "evaluation always draws it; 0: at every evaluation). Drawing reads the run's history "
+        "and renders a PNG: on fast jobs it competes with training.",
+    )
+    registered_model: str | None = Field(
+        None, description="MLflow registered model of the exports (None: the job's name; '': none)."
+    )
+    export_platforms: list[str] | None = Field(
+        None,
+        description=f"Platforms the exported model runs on, of {', '.join(EXPORT_PLATFORMS)}. "
+        "None: all of them, less those serve() does not lower for (a warning names them).",
+    )
+
+    @property
+    def registers_exports(self) -> bool:
+        """Whether an evaluator with this spec registers exports in the MLflow registry: it has
+        exporters and a registered model (`registered_model` "" is none)."""
+        return bool(self.exporters) and self.registered_model != ""
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, v):
+        return positive(
+            "steps", v, "give the number of eval batches, or None for the whole eval set", True
+        )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if v in RESERVED_EVAL_NAMES:  # their metrics would mix with the evaluation's in MLflow
+            raise ValueError(
+                f"eval name {v!r} is taken: its metrics would be logged as '{v}/<metric>', "
+                "among others' (prefect-jax logs the train metrics as train/... and the goodput "
+                "as goodput/..., MLflow its system metrics as system/...); give the evaluation "
+                "another name, e.g. 'eval' (the default) or 'validation'"
+            )
+        return check_name("eval name", v)
+
+    @field_validator("start_delay_secs", "throttle_secs")
+    @classmethod
+    def _non_negative(cls, v, info):
+        if v is None or v < 0:
+            raise ValueError(f"{info.field_name}={v!r} must be >= 0 seconds; use 0 for no delay")
+        return v
+
+    @field_validator("export_platforms")
+    @classmethod
+    def _platforms(cls, v):
+        if v is None:
+            return v
+        bad = [p for p in v if p not in EXPORT_PLATFORMS]
+        if bad or not v:
+            what = (
+                "unknown platform(s) " + repr(bad) if bad else "an empty list exports for nowhere"
+            )
+            raise ValueError(
+                f"export_platforms={v!r}: {what}; "
+                f"give some of {list(EXPORT_PLATFORMS)} (jax.export's names: 'cuda' for NVIDIA "
+                "GPUs, 'rocm' for AMD), or None for all that serve() lowers for"
+            )
+        return list(dict.fromkeys(v))
+
+    @model_validator(mode="after")
+    def _unique_exporters(self):
+        names = [e.name for e in self.exporters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(
+                f"exporters share the name(s) {dupes}: each exporter writes under exports/<name>/, "
+                "so give each a distinct name= (e.g. LatestExporter(name='latest'), "
+                "BestExporter(name='best'))"
+            )
+        return self
+
+
+__all__ = [
+    "EXPORT_PLATFORMS",
+    "BestExporter",
+    "EarlyStopping",
+    "EvalSpec",
+    "ExporterSpec",
+    "FinalExporter",
+    "LatestExporter",
+]
