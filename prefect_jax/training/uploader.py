@@ -95,7 +95,7 @@ class AsyncUploader:
             step: the step number.
             local_step_dir: the local directory of the step (committed, or becoming committed).
             ready: if given, the uploader thread polls ``ready(local_step_dir)`` until it is true
-                (e.g. Orbax committed the step: ``checkpoints.is_committed``) before uploading,
+                (e.g. Orbax committed the step: ``checkpoint_dirs.is_committed``) before uploading,
                 so a caller can submit right after starting an asynchronous save.
             ready_timeout: how long to wait for `ready` before failing this upload.
 
