@@ -73,8 +73,8 @@ def finish_live(config: JobConfig, status: str) -> bool:
 def land_mlflow_writes(config: JobConfig) -> None:
     """Wait until the MLflow writes this job's live trainer has made so far have landed (eval
     metrics, model versions): an evaluate or export flow run ends only then, as a train flow run
-    ends once `Trainer.finish` has closed its run. Up to `mlflow_client.EXIT_WAIT_SECS`, then a warning
-    (`Tracker.land`); in strict mode, until they land, raising the first that failed."""
+    ends once `Trainer.finish` has closed its run. Up to `mlflow_client.EXIT_WAIT_SECS`, then a
+    warning (`Tracker.land`); in strict mode, until they land, raising the first that failed."""
     trainer = live_trainer(config)
     if trainer is not None:
         trainer.job.tracker.land()
