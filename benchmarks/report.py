@@ -552,6 +552,47 @@ SERVER_COST_KINDS = (
 )
 
 
+def lm_gpu_markdown() -> list[str]:
+    """`benchmarks/lm.py`'s runs of the byte-level LM on a lent GPU (LM-GPU-*.json)."""
+    import glob
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = []
+    for path in sorted(glob.glob(os.path.join(here, "LM-GPU-*.json"))):
+        with open(path) as f:
+            rec = json.load(f)
+        out += [
+            "",
+            f"## The byte-level LM on a GPU (`lm.py`, {os.path.basename(path)})",
+            "",
+            f"{rec['device']}. {rec['note']}",
+            "",
+            "| run | side | steps (every) | loop s | tokens/s | MFU | stall per save, "
+            "share of a sync save |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for i, run in enumerate(rec["runs"], 1):
+            fpt = run.get("flops_per_token")
+            peak = run.get("peak_flops") or 989e12
+            floor = run["sides"].get("bare_nosave")
+            saves = run["steps"] // run["checkpoint_every"] + (
+                run["steps"] % run["checkpoint_every"] > 0
+            )
+            for name, side in run["sides"].items():
+                mfu = side.get("mfu") or (fpt * side["tokens_per_s"] / peak if fpt else None)
+                stall = "-"
+                if floor and name != "bare_nosave":
+                    lost = (side["loop_s"] - floor["loop_s"]) / saves
+                    stall = f"{lost:.2f} s, {lost / run['sync_save_s']:.0%}"
+                out.append(
+                    f"| {i} | {name} | {run['steps']} ({run['checkpoint_every']}) | "
+                    f"{side['loop_s']:.1f} | {side['tokens_per_s']:,.0f} | "
+                    f"{'-' if mfu is None else f'{mfu:.1%}'} | {stall} |"
+                )
+    return out
+
+
 def server_cost_markdown(sc: dict | None) -> list[str]:
     """`server_cost.py`: the Prefect server's CPU per kind of call that an interval makes."""
     if not sc:
@@ -1210,6 +1251,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     out += goodput_markdown(report.get("goodput"), summary)
     out += multiprocess_markdown(report.get("multiprocess"))
     out += gpu_markdown()
+    out += lm_gpu_markdown()
     out += server_apart_markdown()
     out += s3_requests_markdown()
     out += thread_cpu_markdown()
