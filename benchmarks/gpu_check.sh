@@ -11,25 +11,8 @@
 # 2. benchmarks/gpu.py: the engine against a plain jit + Orbax loop, and exact resume with donation.
 # 3. The tests that kill real processes, count compiles and train through the flow, on the GPU.
 # Here, to try the script itself on the CPU: SKIP_WHEELS=1 PY=.venv/bin/python PLATFORM=cpu benchmarks/gpu_check.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$(mktemp -d)}
-PY=${PY:-python3}
-PLATFORM=${PLATFORM:-cuda}
-export PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false GIT_PYTHON_REFRESH=quiet
-t0=$(date +%s)
-stamp() { echo "[gpu-check +$(($(date +%s) - t0))s] $*"; }
-
-if [ -z "${SKIP_WHEELS:-}" ]; then
-  mkdir -p /tmp/site && tar -xJf .whl/site.tar.xz -C /tmp/site || exit 3
-  export PYTHONPATH=/tmp/site:$PWD
-  stamp "packages unpacked"
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-$PY -c "
-import jax, flax, optax, orbax.checkpoint as ocp, grain, prefect, mlflow, sys
-print('python', sys.version.split()[0], '| jax', jax.__version__, jax.devices(), '| flax', flax.__version__, '| optax', optax.__version__,
-      '| orbax', ocp.__version__, '| prefect', prefect.__version__, '| mlflow', mlflow.__version__)" || exit 4
+STAMP_NAME=gpu-check
+source "$(dirname "$0")/gpu_env.sh"
 
 # 1. The demo on the GPU.
 demo=$(mktemp -d)

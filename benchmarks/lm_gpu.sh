@@ -12,25 +12,8 @@
 # (BENCHMARKS.md, "The byte-level LM on a GPU") plus its compiles: size STEPS to the lease.
 # Here, to try the script itself on the CPU:
 #   SKIP_WHEELS=1 PY=.venv/bin/python PLATFORM=cpu PRESET=tiny STEPS=60 EVERY=20 benchmarks/lm_gpu.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$(mktemp -d)}
-PY=${PY:-python3}
-PLATFORM=${PLATFORM:-cuda}
-export PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false GIT_PYTHON_REFRESH=quiet
-t0=$(date +%s)
-stamp() { echo "[lm-gpu +$(($(date +%s) - t0))s] $*"; }
-
-if [ -z "${SKIP_WHEELS:-}" ]; then
-  mkdir -p /tmp/site && tar -xJf .whl/site.tar.xz -C /tmp/site || exit 3
-  export PYTHONPATH=/tmp/site:$PWD
-  stamp "packages unpacked"
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-$PY -c "
-import jax, flax, optax, orbax.checkpoint as ocp, grain, array_record, prefect, mlflow, sys
-print('python', sys.version.split()[0], '| jax', jax.__version__, jax.devices(), '| flax', flax.__version__,
-      '| optax', optax.__version__, '| orbax', ocp.__version__, '| prefect', prefect.__version__)" || exit 4
+STAMP_NAME=lm-gpu
+source "$(dirname "$0")/gpu_env.sh"
 
 # The corpus (the standard library's sources) is built under a fresh cache: its build is timed
 # in the JSON (corpus_s), outside the sides' clocks.
