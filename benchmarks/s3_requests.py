@@ -123,9 +123,9 @@ def main() -> None:
                 "training-thread calls in the intervals"
             )
         # A rerun on a new machine (its stage empty): what its restore asks before the first step.
-        restore = counts.calls["_restore_or_init"]
+        restore = counts.calls["restore_trainer"]
         restore.clear()
-        counts.secs["_restore_or_init"] = 0.0
+        counts.secs["restore_trainer"] = 0.0
         flow(f"j{many}", many + 1, "a-new-machine")
         kinds = collections.Counter()
         for (kind, _), n in restore.items():
@@ -133,7 +133,7 @@ def main() -> None:
         report["rerun_restore"] = {
             "calls": dict(kinds),
             "calls_total": sum(kinds.values()),
-            "wait_s": round(counts.secs["_restore_or_init"], 3),
+            "wait_s": round(counts.secs["restore_trainer"], 3),
         }
     a, b = report["runs"][few], report["runs"][many]
     per = lambda key: (b[key] - a[key]) / (many - few)  # noqa: E731

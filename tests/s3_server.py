@@ -107,12 +107,12 @@ class StorageCalls:
       HEAD that found nothing);
     - ``calls[part]``: the fsspec calls the main thread waits for, per (call, file), while the
       innermost of `parts` on its stack is ``part`` (``"_train_loop"``: a flow's intervals;
-      ``"_restore_or_init"``: a restore); ``secs[part]``: their wall time.
+      ``"restore_trainer"``: a restore); ``secs[part]``: their wall time.
 
     `install(setattr)` patches aiobotocore and fsspec (`monkeypatch.setattr` in a test, so that
     it is undone; the builtin in a benchmark's own process)."""
 
-    def __init__(self, parts: tuple[str, ...] = ("_train_loop", "_restore_or_init")):
+    def __init__(self, parts: tuple[str, ...] = ("_train_loop", "restore_trainer")):
         import collections
 
         self.parts = parts

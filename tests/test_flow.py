@@ -314,7 +314,7 @@ def test_progress_is_published_while_mlflow_is_still_starting(
         tracker = Tracker(mlflow_uri, "prefect-jax", "slow-mlflow")
         tracker._pool.submit(opened.wait, 60)  # MLflow's thread busy: the store takes long to open
         tracker.start({"p": "1"})
-        link_runs(config, type("T", (), {"tracker": tracker})())
+        link_runs(config, tracker)
         publisher.submit(published.set)  # queued after the link, as progress updates are
         assert published.wait(30), "a progress update waited for MLflow's run"
         assert not tracker._started.done()

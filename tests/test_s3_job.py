@@ -189,7 +189,7 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     counted.install(monkeypatch.setattr)
     calls, restoring, requests = (
         counted.calls["_train_loop"],
-        counted.calls["_restore_or_init"],
+        counted.calls["restore_trainer"],
         counted.requests,
     )
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "cache"))

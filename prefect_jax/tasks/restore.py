@@ -77,7 +77,7 @@ def restore_or_init(
     # MLflow opens on its own thread: training does not wait for it (a checkpoint saved before
     # the run id is known is found by the job tag; see Trainer.save).
     run_id = trainer.job.tracker.run_id_if_known()
-    link_runs(config, trainer)
+    link_runs(config, trainer.job.tracker)
     mlflow_run = run_id or "opening (its link is added to this flow run once MLflow answers)"
     logger.info(
         "job %s at step %d (%s); MLflow run %s",

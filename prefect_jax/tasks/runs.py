@@ -203,7 +203,7 @@ def prefect_flow_run_url() -> str | None:
     return f"{base.rstrip('/')}/runs/flow-run/{run_id}" if base else None
 
 
-def link_runs(config: JobConfig, trainer) -> None:
+def link_runs(config: JobConfig, tracker) -> None:
     """Each side names the other: the flow run gets a link artifact to the job's MLflow run and the
     tags ``prefect-jax``, ``job:<job>`` and ``mlflow-run:<id>``; the MLflow run gets the flow run's
     URL (tag ``prefect.flow_run_url``). In the background: the UI may lag, training does not.
@@ -213,10 +213,9 @@ def link_runs(config: JobConfig, trainer) -> None:
     publisher are not held up behind it."""
     flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
     if flow_url:  # queued after the MLflow thread's start of the run
-        trainer.job.tracker.set_tags(
+        tracker.set_tags(
             {"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)}
         )
-    tracker = trainer.job.tracker
     if flow_run_id:
         publisher.submit(_tag_flow_run, str(flow_run_id), [OWN_TAG, f"{JOB_RUN_TAG}{config.job}"])
 
