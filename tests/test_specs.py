@@ -88,6 +88,30 @@ def test_duplicate_exporter_names_are_refused():
         EvalSpec(exporters=[LatestExporter(), LatestExporter(keep=2)])
 
 
+def test_exporters_take_one_exporter_an_iterable_or_none_as_tf_eval_spec_does():
+    """TF's `EvalSpec(exporters=...)`: one exporter, an iterable of them, or None."""
+    latest, best = LatestExporter(), BestExporter(metric="loss", mode="min")
+    assert EvalSpec(exporters=latest).exporters == [latest]
+    assert EvalSpec(exporters=(latest, best)).exporters == [latest, best]
+    assert EvalSpec(exporters=iter([best])).exporters == [best]
+    assert EvalSpec(exporters=None).exporters == []
+    # A deployment's JSON may carry one exporter too.
+    spec = EvalSpec.model_validate_json('{"exporters": {"kind": "final"}}')
+    assert spec.exporters == [FinalExporter()]
+
+
+@pytest.mark.parametrize(
+    "value, named", [("latest", "exporters='latest'"), (3, "exporters=3"), ([1], "exporters[0]=1")]
+)
+def test_what_is_not_an_exporter_is_refused_naming_the_value_and_the_fix(value, named):
+    with pytest.raises(ValidationError) as err:
+        EvalSpec(exporters=value)
+    assert named in str(err.value)
+    assert "give LatestExporter(), BestExporter(metric=..., mode=...) or FinalExporter()" in str(
+        err.value
+    )
+
+
 def test_unknown_fields_are_refused():
     with pytest.raises(ValidationError, match="max_step"):
         TrainSpec(max_step=10)

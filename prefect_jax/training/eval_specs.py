@@ -183,6 +183,30 @@ class EvalSpec(Spec):
             raise ValueError(f"{info.field_name}={v!r} must be >= 0 seconds; use 0 for no delay")
         return v
 
+    @field_validator("exporters", mode="before")
+    @classmethod
+    def _exporters(cls, v):
+        """As TF's `EvalSpec`: one exporter, an iterable of them, or None (none)."""
+        kinds = ("latest", "best", "final")
+        fix = (
+            "give LatestExporter(), BestExporter(metric=..., mode=...) or FinalExporter(), a list "
+            'of them, or None (in JSON: {"kind": "latest"}, {"kind": "best", ...}, '
+            '{"kind": "final"})'
+        )
+        if v is None:
+            return []
+        if isinstance(v, (_Exporter, dict)):
+            v = [v]
+        elif isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+            raise ValueError(f"exporters={v!r} is not an exporter nor a list of them: {fix}")
+        v = list(v)
+        for i, e in enumerate(v):
+            if not isinstance(e, _Exporter) and not (
+                isinstance(e, dict) and e.get("kind") in kinds
+            ):
+                raise ValueError(f"exporters[{i}]={e!r} is not an exporter: {fix}")
+        return v
+
     @field_validator("export_platforms")
     @classmethod
     def _platforms(cls, v):
