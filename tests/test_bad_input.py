@@ -4,6 +4,7 @@ the fix, a non-zero exit, no Prefect flow run failing with a traceback first, no
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -184,6 +185,26 @@ def test_read_only_storage_is_one_clear_error_and_nothing_changes(
 )
 def test_a_bad_program_is_one_clear_line_before_any_flow_runs(tmp_path, program, expected):
     proc = _cli("run", "--program", program, "--job", "j", "--storage", str(tmp_path / "s"))
+    assert proc.returncode == 2
+    assert expected in _one_error_line(proc, "run")
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("task_type", "expected"),
+    [
+        ("local", "TF_CONFIG: task type 'local' is not a cluster task"),
+        ("gpu", "TF_CONFIG: task type 'gpu' is not supported; supported task types are ['chief'"),
+    ],
+)
+def test_a_tf_config_task_type_tf_refuses_is_one_clear_line_and_nothing_is_written(
+    tmp_path, monkeypatch, task_type, expected
+):
+    """TF's train_and_evaluate raises for task type `local` and for a type it has no run_<type>
+    for, naming the supported ones; a job ported with its TF_CONFIG is refused the same way."""
+    tf_config = {"cluster": {"worker": ["w0:2222", "w1:2222"]}, "task": {"type": task_type}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"))
     assert proc.returncode == 2
     assert expected in _one_error_line(proc, "run")
     assert not (tmp_path / "s").exists()

@@ -160,6 +160,15 @@ def test_cluster_config_comes_from_the_launchers_environment():
         ({**explicit, "PREFECT_JAX_PROCESS_ID": "4"}, "PREFECT_JAX_PROCESS_ID=4 is outside 0..3"),
         ({**explicit, "PREFECT_JAX_COORDINATOR_ADDRESS": "h:port"}, "is not host:port"),
         ({"TF_CONFIG": "{"}, "TF_CONFIG is not a cluster spec"),
+        # As TF's train_and_evaluate: `local` is not a cluster task, an unknown type is named.
+        (
+            {"TF_CONFIG": json.dumps({"cluster": {"worker": ["w:1"]}, "task": {"type": "local"}})},
+            "task type 'local' is not a cluster task; for one process, leave 'cluster' and 'task'",
+        ),
+        (
+            {"TF_CONFIG": json.dumps({"cluster": {"worker": ["w:1"]}, "task": {"type": "gpu"}})},
+            r"task type 'gpu' is not supported; supported task types are \['chief', 'master'",
+        ),
     ]
     for env, message in bad:
         with pytest.raises(ClusterConfigError, match=message):

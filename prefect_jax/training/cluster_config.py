@@ -102,6 +102,20 @@ def _checked(n: int, pid: int, coordinator: str, source: str, pid_name: str) -> 
     return ClusterConfig(n, pid, coordinator, source)
 
 
+# TF's task types (its executor's run_<type>) and Vertex AI's worker pools.
+TASK_TYPES = (
+    "chief",
+    "master",
+    "worker",
+    "ps",
+    "evaluator",
+    "workerpool0",
+    "workerpool1",
+    "workerpool2",
+    "workerpool3",
+)
+
+
 def _from_spec(raw: str, name: str) -> ClusterConfig | None:
     """``CLUSTER_SPEC`` (Vertex AI) or ``TF_CONFIG``: ``{"cluster": {pool: [host:port, ...]},
     "task": {"type", "index"}}``."""
@@ -118,6 +132,16 @@ def _from_spec(raw: str, name: str) -> ClusterConfig | None:
         raise ClusterConfigError(
             f"{name} is not a cluster spec with 'cluster' and 'task' ({exc!r}): {raw[:200]!r}"
         ) from None
+    if kind == "local":  # as TF's train_and_evaluate refuses it
+        raise ClusterConfigError(
+            f"{name}: task type 'local' is not a cluster task; for one process, leave 'cluster' "
+            f"and 'task' out of {name} (or unset it)"
+        )
+    if kind not in TASK_TYPES:
+        raise ClusterConfigError(
+            f"{name}: task type {kind!r} is not supported; supported task types are "
+            f"{list(TASK_TYPES)}"
+        )
     if not pools or kind not in pools:
         return None  # an evaluator or parameter server: trains alone, if at all
     hosts = [h for p in pools for h in cluster[p]]

@@ -88,8 +88,9 @@ def preflight(
 ) -> None:
     """Refuse what a training flow would refuse, before anything starts.
 
-    Loads the program, checks that the job's storage is writable and, with `max_steps`, that no
-    committed step of the job is past it. The flows check the same again.
+    Reads the cluster from the environment (``TF_CONFIG`` & co.), loads the program, checks that
+    the job's storage is writable and, with `max_steps`, that no committed step of the job is past
+    it. The flows check the same again.
 
     Args:
         program: The program's import path, ``"package.module:attribute"``.
@@ -100,16 +101,19 @@ def preflight(
             is loaded (a Prefect block's, say); by default `storage` is the URL, with no options.
 
     Raises:
+        ClusterConfigError: The cluster variables are malformed or name an unsupported task type.
         ProgramError: The program cannot be imported or is no program.
         StorageNotWritableError: The storage cannot be written.
         PastMaxStepsError: The job has a committed step past `max_steps`.
     """
+    from prefect_jax.training.cluster_config import from_env
     from prefect_jax.training.errors import PastMaxStepsError
     from prefect_jax.training.program import load_program
     from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
+    from_env()  # before anything is written
     load_program(program)
     url, options = resolve(storage) if resolve is not None else (storage, {})
     js = JobStorage(url, job, dict(options or {}))
