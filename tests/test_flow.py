@@ -238,6 +238,40 @@ def test_flow_extends_a_finished_job_when_max_steps_grows(tmp_path, mlflow_uri):
     assert longer["mlflow_run_id"] == first["mlflow_run_id"]
 
 
+def test_a_final_step_left_unevaluated_fails_the_run_and_the_rerun_evaluates_it(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    """TF's train_and_evaluate (local mode) raises when training ends without an evaluated final
+    checkpoint ("There was no new checkpoint after the training"): the run must not end Completed
+    with no final metrics. Here the final step's evaluation is lost (as when its record fails to
+    land); the rerun evaluates and exports that step, and ends Completed."""
+    from prefect_jax.flows import loop
+    from prefect_jax.training.errors import FinalEvaluationMissingError
+
+    evaluate_and_export = loop._evaluate_and_export
+    monkeypatch.setattr(
+        loop,
+        "_evaluate_and_export",
+        lambda config, step: None if step == 40 else evaluate_and_export(config, step),
+    )
+    state = _run(tmp_path, mlflow_uri, max_steps=40)
+    assert state.is_failed()
+    with pytest.raises(FinalEvaluationMissingError, match="final step 40, but that step's evaluat"):
+        state.result()
+    run = MlflowClient(mlflow_uri).search_runs(
+        [MlflowClient(mlflow_uri).get_experiment_by_name("prefect-jax").experiment_id],
+        filter_string="tags.`prefect_jax.job` LIKE '%flow-job%'",
+    )[0]
+    assert run.info.status == "FAILED"
+
+    monkeypatch.setattr(loop, "_evaluate_and_export", evaluate_and_export)
+    rerun = _run(tmp_path, mlflow_uri, max_steps=40)
+    assert rerun.is_completed()
+    summary = rerun.result()
+    assert summary["final_step"] == 40 and summary["eval"]
+    assert summary["exports"]["final"] == [40]
+
+
 def test_flow_with_a_bad_program_fails_and_names_it(tmp_path, mlflow_uri):
     state = train_and_evaluate(
         program="prefect_jax.examples.digits:missing",

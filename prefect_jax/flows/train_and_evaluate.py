@@ -99,7 +99,7 @@ def train_and_evaluate(
     _join_processes()
     step = job_tasks(config.retry).restore_or_init(config, checkpoint_path=checkpoint_path)["step"]
     step, stopped = _train_loop(config, step, evaluate=True)
-    summary = _summary(config, stopped)
+    summary = _summary(config, stopped, evaluates=True)
     why = f" (stopped: {stopped})" if stopped else ""
     get_run_logger().info(
         "job %s done at step %d: %s%s", job, summary["final_step"], summary["eval"], why

@@ -90,6 +90,19 @@ class StorageNotWritableError(PermissionError):
         )
 
 
+class FinalEvaluationMissingError(RuntimeError):
+    """Local mode trained to max_steps, but the final step's evaluation was not recorded: as TF's
+    train_and_evaluate, which raises when training ends without an evaluated final checkpoint."""
+
+    def __init__(self, job: str, step: int):
+        self.job, self.step = job, step
+        super().__init__(
+            f"job {job!r} trained to its final step {step}, but that step's evaluation was not "
+            "recorded (the log above says why), so the job has no final metrics or final export. "
+            f"Run the flow again: it restores step {step}, evaluates and exports it, and ends."
+        )
+
+
 class NoProgressError(RuntimeError):
     """The job was rerun too many times in a row without getting past a step."""
 
