@@ -62,7 +62,7 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.dont_write_bytecode = False  # as prefect_jax.bytecode, for this process and its sides:
+sys.dont_write_bytecode = False  # as tests/bytecode_cache.py, for this process and its sides:
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # every side loads .pyc files, none compiles
 
 

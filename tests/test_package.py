@@ -126,3 +126,16 @@ def test_no_engine_module_imports_one_that_imports_it_back():
                 elif dep not in path and dep > start:  # each circle once, from its smallest module
                     stack.append((dep, [*path, dep]))
     assert not circles, "import circles under prefect_jax/training:\n" + "\n".join(circles)
+
+
+def test_every_name_the_engine_package_exports_is_defined_where_it_says():
+    """`prefect_jax.training`'s lazy exports resolve (a split that moved a name must move its
+    entry too)."""
+    import importlib
+
+    import prefect_jax.training as training
+
+    for name, module in training._EXPORTS.items():
+        assert hasattr(importlib.import_module(f"prefect_jax.training.{module}"), name), (
+            f"prefect_jax.training.{name} points at {module}, which has no {name}"
+        )

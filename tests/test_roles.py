@@ -95,7 +95,7 @@ def test_the_evaluator_leaves_a_preemption_checkpoint_alone(tmp_path, mlflow_uri
     trainer.train_until_checkpoint()  # 20
     interval = trainer.loop.run(trainer.state, 20, trainer.data_iter, 25, lambda: False)
     trainer.state, trainer.step = interval.state, 25
-    trainer.intervals.save(preemption=True)  # what _end_on_sigterm does mid-interval
+    trainer.intervals.save(preemption=True)  # what AttemptEnd.on_sigterm does mid-interval
     trainer.job.checkpoints.wait()
     trainer.close()
     rerun = Trainer(config)

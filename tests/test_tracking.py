@@ -565,7 +565,7 @@ def test_a_trainer_that_will_register_exports_has_the_worker_ready_them_when_it_
 
 
 def test_the_flows_that_register_exports_have_the_worker_ready_them_at_their_start():
-    from prefect_jax.flows import _registers_exports
+    from prefect_jax.flows.tags import _registers_exports
     from prefect_jax.training.specs import EvalSpec, LatestExporter
 
     spec = EvalSpec(exporters=[LatestExporter()])

@@ -194,8 +194,10 @@ def cmd_process(args: argparse.Namespace) -> int:
     from prefect_jax.cli import startup
 
     # This process is the command's own: its start-up's imports with the collector off, then
-    # frozen (see `prefect_jax.cli.startup`).
+    # frozen (see `prefect_jax.cli.startup`). The engine (JAX, Orbax, Grain) is imported here too,
+    # not later by the child flow run's first trainer, so that its objects are frozen with the rest.
     with startup.collector_off():
+        import prefect_jax.training.trainer  # noqa: F401
         from prefect_jax import flows
 
         with prefect_backend():

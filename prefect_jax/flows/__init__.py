@@ -30,18 +30,7 @@ Example:
 from prefect_jax.flows.evaluate import evaluate
 from prefect_jax.flows.export import export_flow
 from prefect_jax.flows.processes import run_as_process
-from prefect_jax.flows.tags import _registers_exports
 from prefect_jax.flows.train import train
 from prefect_jax.flows.train_and_evaluate import train_and_evaluate
-from prefect_jax.tasks import process_tag, ui_refresh_secs
 
-__all__ = [
-    "_registers_exports",
-    "evaluate",
-    "export_flow",
-    "process_tag",
-    "run_as_process",
-    "train",
-    "train_and_evaluate",
-    "ui_refresh_secs",
-]
+__all__ = ["evaluate", "export_flow", "run_as_process", "train", "train_and_evaluate"]
