@@ -105,6 +105,9 @@ class Trainer:
                     f"program {config.program!r} has no serve(state, inputs) and "
                     "serving_input(): add them, or drop the exporters"
                 )
+            for exporter in config.eval.exporters:  # a bad path refused now, not at an export
+                if getattr(exporter, "compare_fn", None):
+                    exp.load_compare_fn(exporter.compare_fn)
             self.loop = Loop(self.program, config.train)
             # named ones: refused now, not an interval in
             if config.eval.exporters and config.eval.export_platforms:
