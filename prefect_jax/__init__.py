@@ -5,7 +5,8 @@ Grain input pipelines, MLflow records. Importing this package is cheap: it impor
 neither jax nor prefect; reach for the parts you need:
 
 - `prefect_jax.flows`: `train_and_evaluate`.
-- `prefect_jax.tasks`: `restore_or_init`, `train_until_checkpoint`, `evaluate_if_new`, `export`.
+- `prefect_jax.tasks`: `restore_or_init`, `recover`, `train_until_checkpoint`, `evaluate_if_new`,
+  `export`.
 - `prefect_jax.training`: the engine, usable without Prefect.
 - `prefect_jax.blocks`: where checkpoints live, where MLflow records go.
 """

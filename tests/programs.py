@@ -191,3 +191,9 @@ _SOME = None
 
 def some_platforms_serve():
     return SomePlatformsServe(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+def higher_accuracy(best_eval_result: dict, current_eval_result: dict) -> bool:
+    """A `BestExporter.compare_fn` in TF's signature: the current result is better when its
+    accuracy is higher (whatever its loss)."""
+    return current_eval_result["accuracy"] > best_eval_result["accuracy"]

@@ -154,3 +154,79 @@ def test_an_evaluation_that_exports_waits_for_its_steps_commit(job_config, monke
     assert commit.is_set() and 20 in trainer.committed_steps()
     assert trainer.job.records.steps() == [20]
     trainer.finish()
+
+
+def _evaluated(step: int, loss: float, accuracy: float) -> EvalResult:
+    metrics = {"loss": loss, "accuracy": accuracy}
+    return EvalResult(status=EvalStatus.EVALUATED, step=step, metrics=metrics)
+
+
+# Step 20 has the lowest loss, step 30 the highest accuracy: loss and accuracy disagree.
+_RESULTS = [_evaluated(10, 0.5, 0.7), _evaluated(20, 0.4, 0.6), _evaluated(30, 0.6, 0.9)]
+
+
+def _best_exports(tmp_path, exporter) -> tuple[list[int], dict]:
+    """Run `exporter` on `_RESULTS` in order, as an evaluator would; the exported steps and the
+    best record it left."""
+    from prefect_jax.training.exporters import run_exporter
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path / "storage"), "best")
+    for result in _RESULTS:
+        run_exporter(exporter, storage, result, 100, lambda: b"model", {})
+    best = json.load(open(storage.export_dir(exporter.name) + "/best.json"))
+    return list_exports(storage)[exporter.name], best
+
+
+def test_a_compare_fn_decides_which_step_is_best(tmp_path):
+    """TF's `BestExporter(compare_fn=...)`: `compare_fn(best_eval_result, current_eval_result)`
+    True exports the current one. Higher accuracy exports 10 and 30 (the default, lower loss,
+    would export 10 and 20); the best is remembered beside the exports, and the registry's
+    `@best` alias follows the same comparison."""
+    from prefect_jax.training.exporters import best_of
+
+    exporter = BestExporter(compare_fn="programs:higher_accuracy", keep=None)
+    exported, best = _best_exports(tmp_path, exporter)
+    assert exported == [10, 30]
+    assert best == {
+        "step": 30,
+        "metrics": {"loss": 0.6, "accuracy": 0.9},
+        "compare_fn": "programs:higher_accuracy",
+    }
+    assert best_of(exporter, _RESULTS).step == 30
+    # a worse result after a restart (the best read back from best.json) exports nothing
+    from prefect_jax.training.exporters import run_exporter
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path / "storage"), "best")
+    assert run_exporter(exporter, storage, _evaluated(40, 0.1, 0.8), 100, bytes, {}) is None
+
+
+def test_the_default_best_is_tf_s_lower_loss(tmp_path):
+    """TF's default `BestExporter` compares `loss`, lower is better: unchanged by compare_fn."""
+    from prefect_jax.training.exporters import best_of
+
+    exporter = BestExporter(keep=None)
+    assert (exporter.metric, exporter.mode, exporter.compare_fn) == ("loss", "min", None)
+    exported, best = _best_exports(tmp_path, exporter)
+    assert exported == [10, 20]
+    assert (best["step"], best["metric"], best["value"], best["mode"]) == (20, "loss", 0.4, "min")
+    assert best_of(exporter, _RESULTS).step == 20
+
+
+def test_compare_fn_and_metric_together_are_refused_naming_both():
+    with pytest.raises(
+        ValueError,
+        match=r"both compare_fn='programs:higher_accuracy' and metric='accuracy', mode='max'",
+    ):
+        BestExporter(compare_fn="programs:higher_accuracy", metric="accuracy", mode="max")
+    with pytest.raises(ValueError, match=r"compare_fn='higher_accuracy' is not an import path"):
+        BestExporter(compare_fn="higher_accuracy")
+    # what a flow parameter or a deployment carries round-trips
+    spec = BestExporter(compare_fn="programs:higher_accuracy")
+    assert BestExporter.model_validate(spec.model_dump(mode="json")) == spec
+
+
+def test_a_compare_fn_that_does_not_load_is_refused_at_job_start_naming_it(job_config):
+    with pytest.raises(ProgramError, match=r"compare_fn 'programs:lower_f1' cannot be loaded"):
+        Trainer(job_config(exporters=[BestExporter(compare_fn="programs:lower_f1")]))

@@ -28,8 +28,10 @@ def export_flow(
 ) -> dict[str, str]:
     """Run the eval spec's exporters on an evaluated step (default: the newest evaluated one).
 
-    Exports already written are kept as they are. The other parameters are
-    `train_and_evaluate`'s.
+    The step's checkpoint is restored with the `recover` task (TF's `recover_session`): a job
+    without checkpoints, or a step whose checkpoint is gone, ends with an error that says so,
+    and nothing is initialised. Exports already written are kept as they are. The other
+    parameters are `train_and_evaluate`'s.
 
     Returns:
         ``{exporter: export dir}``.
@@ -51,6 +53,8 @@ def export_flow(
     """
     from prefect_jax.training.evaluation import EvalRecords
     from prefect_jax.training.live import land_mlflow_writes
+    from prefect_jax.training.redaction import redact_url
+    from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
     config = _job_config(
@@ -67,7 +71,15 @@ def export_flow(
     js = JobStorage(config.storage, config.job, config.storage_options)
     records = EvalRecords(js, config.eval.name)
     steps = records.steps()
+    tasks = job_tasks(config.retry)
+    where = redact_url(js.remote_checkpoint_url or js.checkpoint_dir)
     if step is None and not steps:
+        if not job_committed_steps(js):  # (a listing: nothing is restored, nothing made)
+            raise ValueError(
+                f"job {job!r} has no committed checkpoint in {where}: nothing to export; train "
+                "it first (the train or train_and_evaluate flow, with the same storage and job), "
+                "then evaluate it"
+            )
         raise ValueError(
             f"job {job!r} has no evaluated step yet (eval name {config.eval.name!r}): "
             "evaluate it first"
@@ -79,6 +91,14 @@ def export_flow(
             f"step {chosen} of job {job!r} was not evaluated ({config.eval.name!r} has {steps}): "
             "evaluate it first"
         )
-    exported = job_tasks(config.retry).export(config, result)
+    # TF's recover_session: the step's own checkpoint, never a fresh state in its place
+    if not tasks.recover(config, step=chosen)["restored"]:
+        raise ValueError(
+            f"step {chosen} of job {job!r} was evaluated, but its checkpoint is no longer "
+            f"committed in {where} (retention removed it?): nothing to export; export a step "
+            "that still has its checkpoint, or keep evaluated steps (CheckpointSpec.keep_last, "
+            "keep_until_evaluated)"
+        )
+    exported = tasks.export(config, result)
     land_mlflow_writes(config)  # the model versions too
     return exported

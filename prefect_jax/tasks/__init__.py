@@ -1,4 +1,5 @@
-"""Prefect tasks over the engine: restore_or_init, train_until_checkpoint, evaluate_if_new, export.
+"""Prefect tasks over the engine: restore_or_init, recover, train_until_checkpoint, evaluate_if_new,
+export.
 
 Each task passes small references (the JSON-able `JobConfig`, a step, an `EvalResult`),
 never arrays. The live train state stays in this process between tasks of one flow run
@@ -31,6 +32,7 @@ from prefect_jax.tasks.publish import (
     publisher,
     ui_refresh_secs,
 )
+from prefect_jax.tasks.recover import recover
 from prefect_jax.tasks.restore import restore_or_init
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient, retry_unless_lost
 from prefect_jax.tasks.runs import (
@@ -65,6 +67,7 @@ __all__ = [
     "prefect_flow_run_url",
     "process_tag",
     "publisher",
+    "recover",
     "restore_or_init",
     "retry_if_transient",
     "retry_unless_lost",

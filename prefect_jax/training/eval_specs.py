@@ -49,17 +49,55 @@ class LatestExporter(_KeepingExporter):
 
 
 class BestExporter(_KeepingExporter):
-    """Export a checkpoint when its eval `metric` beats every earlier one (TF's `BestExporter`).
+    """Export a checkpoint when its evaluation beats every earlier one (TF's `BestExporter`).
 
-    The best value so far is stored next to the exports, so it survives restarts.
+    Better is `metric` under `mode` (TF's default: ``loss``, lower is better), or `compare_fn`,
+    TF's ``compare_fn(best_eval_result, current_eval_result) -> bool`` (True: the current one is
+    better) by import path, ``"package.module:function"``. Each eval result it gets is a dict:
+    the evaluation's metrics, and ``global_step`` (as TF's eval results hold it). Give either
+    `compare_fn` or `metric`/`mode`, not both. The function is loaded when the job's trainer
+    starts; a path that does not load is refused there, named.
+
+    The best so far (its step and metrics) is stored next to the exports, so it survives
+    restarts.
     """
 
     kind: Literal["best"] = "best"
     name: str = "best"
-    metric: str = Field("loss", description="Eval metric to compare.")
-    mode: Literal["min", "max"] = Field(
-        "min", description="'min' if lower is better, 'max' if higher."
+    metric: str | None = Field(None, description="Eval metric to compare (default 'loss').")
+    mode: Literal["min", "max"] | None = Field(
+        None, description="'min' if lower is better (the default), 'max' if higher."
     )
+    compare_fn: str | None = Field(
+        None,
+        description="'package.module:function', TF's compare_fn(best_eval_result, "
+        "current_eval_result) -> bool over metrics dicts (with global_step); instead of "
+        "metric/mode.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _comparison(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fn = data.get("compare_fn")
+        if fn is None:  # TF's default: loss, lower is better
+            metric, mode = data.get("metric"), data.get("mode")
+            return {**data, "metric": "loss" if metric is None else metric, "mode": mode or "min"}
+        given = {k: data[k] for k in ("metric", "mode") if data.get(k) is not None}
+        if given:
+            raise ValueError(
+                f"BestExporter got both compare_fn={fn!r} and "
+                f"{', '.join(f'{k}={v!r}' for k, v in given.items())}: compare_fn decides which "
+                "result is better on its own; give compare_fn, or metric and mode, not both"
+            )
+        module, _, function = fn.partition(":") if isinstance(fn, str) else ("", "", "")
+        if not module or not function:
+            raise ValueError(
+                f"compare_fn={fn!r} is not an import path: give 'package.module:function', a "
+                "function compare_fn(best_eval_result, current_eval_result) -> bool"
+            )
+        return data
 
 
 class FinalExporter(_Exporter):

@@ -163,20 +163,34 @@ class Evaluator:
             **options,
         )
 
+    def wait_start_delay(self) -> None:
+        """Wait `start_delay_secs` (TF's evaluator does before its first evaluation)."""
+        if self.start_delay_secs:
+            self.log(
+                "waiting start_delay_secs=%g before the first evaluation", self.start_delay_secs
+            )
+            self.sleep(self.start_delay_secs)
+
+    def no_first_checkpoint(self) -> TimeoutError:
+        """The error of a first committed checkpoint that never came."""
+        return TimeoutError(
+            f"no committed checkpoint of job {self.job!r} in {self.where} after "
+            f"{self.wait_for_first_checkpoint_secs:g}s: is the trainer running, and does it "
+            "use the same storage and job name? Raise wait_for_first_checkpoint_secs for slow "
+            "starts."
+        )
+
     def wait_for_first_checkpoint(self) -> int:
         """Wait `start_delay_secs`, then for the job's first committed checkpoint (TF's
-        `wait_for_session`); return its newest committed step.
+        `wait_for_session`); return its newest committed step. (The `evaluate` flow waits with
+        its `recover` task instead, which also restores that step.)
 
         Raises:
             TimeoutError: none came within `wait_for_first_checkpoint_secs`.
         """
         from prefect_jax.training.checkpoint_dirs import wait_for_new_checkpoint
 
-        if self.start_delay_secs:
-            self.log(
-                "waiting start_delay_secs=%g before the first evaluation", self.start_delay_secs
-            )
-            self.sleep(self.start_delay_secs)
+        self.wait_start_delay()
         first = wait_for_new_checkpoint(
             self.committed_steps,
             None,
@@ -187,12 +201,7 @@ class Evaluator:
             clock=self.clock,
         )
         if first is None:
-            raise TimeoutError(
-                f"no committed checkpoint of job {self.job!r} in {self.where} after "
-                f"{self.wait_for_first_checkpoint_secs:g}s: is the trainer running, and does it "
-                "use the same storage and job name? Raise wait_for_first_checkpoint_secs for slow "
-                "starts."
-            )
+            raise self.no_first_checkpoint()
         return first
 
     def resume_exports(self) -> None:

@@ -11,6 +11,7 @@ An export is a directory ``<job>/exports/<exporter>/<step>/`` holding:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -282,14 +283,14 @@ def exports_nothing(
     not waited for by the export: it is recorded once the step commits, as without exporters."""
     if isinstance(exporter, FinalExporter):
         return not is_the_final_export(result, max_steps)
-    if (
-        isinstance(exporter, BestExporter) and exporter.metric in result.metrics
+    if isinstance(exporter, BestExporter) and (
+        exporter.compare_fn or exporter.metric in result.metrics
     ):  # (else run_exporter names the metrics)
         best = storage.read_json(f"{storage.export_dir(exporter.name)}/best.json")
         return (
             best is not None
             and best.get("step") != int(result.step)
-            and not _better(result.metrics[exporter.metric], best["value"], exporter.mode)
+            and not beats(exporter, result.metrics, int(result.step), best)
         )
     return False
 
@@ -298,6 +299,85 @@ def _better(value: float, best: float | None, mode: str) -> bool:
     if best is None:
         return True
     return value < best if mode == "min" else value > best
+
+
+def load_compare_fn(path: str) -> Callable[[dict, dict], Any]:
+    """A `BestExporter.compare_fn` by its import path, ``"package.module:function"``.
+
+    Raises:
+        ProgramError: it does not load, or is not callable; the message names the path.
+    """
+    from prefect_jax.training.program import ProgramError
+
+    module, _, attr = path.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ProgramError(
+            f"BestExporter compare_fn {path!r} cannot be loaded ({type(exc).__name__}: {exc}); "
+            "give 'package.module:function', importable where the job runs"
+        ) from exc
+    if not callable(obj):
+        raise ProgramError(
+            f"BestExporter compare_fn {path!r} is a {type(obj).__name__}, not a function "
+            "compare_fn(best_eval_result, current_eval_result) -> bool"
+        )
+    return obj
+
+
+def eval_result_dict(metrics: dict[str, float], step: int) -> dict[str, Any]:
+    """An evaluation as a `compare_fn` gets it: its metrics and ``global_step``, as TF's eval
+    results are."""
+    return {**metrics, "global_step": int(step)}
+
+
+def beats(exporter: BestExporter, metrics: dict, step: int, best: dict | None) -> bool:
+    """Whether the evaluation (`metrics` at `step`) is better than `best` (``best.json``, None:
+    no best yet): by `compare_fn(best, current)`, else `metric` under `mode`."""
+    if best is None:
+        return True
+    if exporter.compare_fn is None:
+        return _better(metrics[exporter.metric], best["value"], exporter.mode)
+    # (a best written before the exporter had a compare_fn holds its one metric)
+    best_metrics = best.get("metrics") or {best.get("metric"): best.get("value")}
+    best_result = eval_result_dict(best_metrics, best["step"])
+    try:
+        return bool(
+            load_compare_fn(exporter.compare_fn)(best_result, eval_result_dict(metrics, step))
+        )
+    except Exception as exc:
+        raise ValueError(
+            f"BestExporter {exporter.name!r}: compare_fn {exporter.compare_fn!r} failed comparing "
+            f"step {step} with the best so far, step {best['step']} ({type(exc).__name__}: "
+            f"{exc}); it gets two dicts of eval metrics with global_step (keys: "
+            f"{sorted(eval_result_dict(metrics, step))})"
+        ) from exc
+
+
+def best_of(exporter: BestExporter, results: list[EvalResult]) -> EvalResult | None:
+    """The best of `results` as the exporter judges (ties: the earliest step, as it keeps it)."""
+    best: EvalResult | None = None
+    for result in sorted(results, key=lambda r: r.step):
+        if exporter.compare_fn is None and exporter.metric not in result.metrics:
+            continue
+        stored = None if best is None else _best_record(exporter, best)
+        if beats(exporter, result.metrics, int(result.step), stored):
+            best = result
+    return best
+
+
+def _best_record(exporter: BestExporter, result: EvalResult) -> dict[str, Any]:
+    """What ``best.json`` holds for `result`."""
+    record: dict[str, Any] = {"step": int(result.step), "metrics": dict(result.metrics)}
+    if exporter.compare_fn is None:
+        record.update(
+            metric=exporter.metric, value=result.metrics[exporter.metric], mode=exporter.mode
+        )
+    else:
+        record["compare_fn"] = exporter.compare_fn
+    return record
 
 
 def run_exporter(
@@ -330,7 +410,7 @@ def run_exporter(
     if isinstance(exporter, FinalExporter) and not is_the_final_export(result, max_steps):
         return None
     if isinstance(exporter, BestExporter):
-        if exporter.metric not in result.metrics:
+        if exporter.compare_fn is None and exporter.metric not in result.metrics:
             raise ValueError(
                 f"BestExporter {exporter.name!r} compares metric {exporter.metric!r}, but the eval "
                 f"results hold {sorted(result.metrics)}; set metric= to one of those"
@@ -338,7 +418,7 @@ def run_exporter(
         best = storage.read_json(best_path)
         if best is not None and best.get("step") == step:
             return dest if storage.fs.exists(dest) else None
-        if not _better(result.metrics[exporter.metric], best and best["value"], exporter.mode):
+        if not beats(exporter, result.metrics, step, best):
             return None
     if not storage.fs.exists(dest):
         _write_export(
@@ -355,15 +435,7 @@ def run_exporter(
             ),
         )
     if isinstance(exporter, BestExporter):
-        storage.write_json(
-            best_path,
-            {
-                "step": step,
-                "metric": exporter.metric,
-                "value": result.metrics[exporter.metric],
-                "mode": exporter.mode,
-            },
-        )
+        storage.write_json(best_path, _best_record(exporter, result))
         _prune(storage, exporter.name, exporter.keep, protect={step})
     elif isinstance(exporter, LatestExporter):
         _prune(storage, exporter.name, exporter.keep, protect={step})

@@ -115,14 +115,7 @@ class Exports:
             # the best recorded (so committed) evaluation that was exported
             if isinstance(exporter, BestExporter):
                 records = [r for r in map(job.records.get, steps) if r is not None]
-                scored = [r for r in records if exporter.metric in r.metrics]
-                # ties: the earliest step, as the exporter keeps it
-                sign = 1 if exporter.mode == "min" else -1
-                best = (
-                    min(scored, key=lambda r: (sign * r.metrics[exporter.metric], r.step))
-                    if scored
-                    else None
-                )
+                best = exp.best_of(exporter, records)
                 step = best.step if best is not None else None
             else:
                 step = steps[-1] if steps else None

@@ -1,5 +1,6 @@
-"""`SessionManager.prepare_session` for a JAX train state: restore the newest committed step,
-or one explicit step, or run init; optionally wait for a first checkpoint."""
+"""TF's `SessionManager` for a JAX train state: `prepare_session` (restore the newest committed
+step, or one explicit step, or run init) and `recover_session` (restore only, never init);
+optionally wait for a first checkpoint."""
 
 from __future__ import annotations
 
@@ -23,6 +24,91 @@ if TYPE_CHECKING:
 logger = logging.getLogger("prefect_jax.trainer")
 
 
+def recover_session(
+    checkpoints: Checkpoints | None,
+    abstract_state,
+    *,
+    checkpoint_dir: str | None = None,
+    checkpoint_path: str | None = None,
+    make_data_iter: Callable[[], Any] | None = None,
+    wait_for_checkpoint: bool = False,
+    max_wait_secs: float = 7200,
+    recovery_wait_secs: float = 30,
+    on_unreadable: Callable[[int, BaseException], None] | None = None,
+    list_steps: Callable[[], list[int]] | None = None,
+    prepare_step: Callable[[int], None] | None = None,
+    log: Callable[[str], None] = logger.info,
+) -> tuple[bool, Any, int | None, dict | None, Any]:
+    """`SessionManager.recover_session` for a JAX train state: restore, never init.
+
+    Restores the latest readable committed step under `checkpoint_dir`, or the one step at
+    `checkpoint_path`, as `restore_or_init` does; where there is none (after waiting up to
+    `max_wait_secs` with `wait_for_checkpoint`), builds nothing and says so: TF's
+    ``(sess, False)``. The arguments are `restore_or_init`'s.
+
+    Returns:
+        (restored, state, step, metadata, data iterator): ``(False, None, None, None, None)``
+        where nothing was restored.
+
+    Raises:
+        ValueError: both `checkpoint_dir` and `checkpoint_path` were given, or
+            `checkpoint_path` is not a committed step directory.
+        CheckpointMismatchError: the checkpoint's tree differs from `abstract_state`.
+    """
+    new_iter = make_data_iter or (lambda: None)
+    if checkpoint_dir and checkpoint_path:
+        raise ValueError(
+            f"both checkpoint_dir={checkpoint_dir!r} and checkpoint_path={checkpoint_path!r} were "
+            "given: pass checkpoint_dir to resume from its latest checkpoint, or checkpoint_path "
+            "to restore one step, not both"
+        )
+    if checkpoint_path:
+        path = checkpoint_path.rstrip("/")
+        parent, name = os.path.split(path)
+        if not name.isdigit() or int(name) not in committed_steps(parent):
+            raise ValueError(
+                f"checkpoint_path={checkpoint_path!r} is not a committed checkpoint step "
+                f"directory; committed steps in {parent!r}: {committed_steps(parent)}. Point it at "
+                "'<checkpoints>/<step>'."
+            )
+        source = Checkpoints(parent, read_only=True)
+        try:
+            data_iter = new_iter()
+            state, meta = source.restore(int(name), abstract_state, data_iter)
+        finally:
+            source.close()
+        log(f"restored step {name} from {path}")
+        return True, state, int(name), meta, data_iter
+    if checkpoint_dir:
+        assert checkpoints is not None and checkpoints.directory == checkpoint_dir
+        list_steps = list_steps or checkpoints.committed_steps
+        if not list_steps() and wait_for_checkpoint:
+            wait_for_new_checkpoint(list_steps, None, max_wait_secs, recovery_wait_secs, log)
+        for step in reversed(list_steps()):
+            data_iter = new_iter()
+            try:
+                if prepare_step is not None:
+                    prepare_step(step)
+                state, meta = checkpoints.restore(step, abstract_state, data_iter)
+            except CheckpointMismatchError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
+                logger.warning(
+                    "checkpoint step %d in %s is unreadable (%s: %s); falling back to the "
+                    "previous committed step",
+                    step,
+                    checkpoint_dir,
+                    type(exc).__name__,
+                    str(exc).splitlines()[0][:300] if str(exc) else "",
+                )
+                if on_unreadable is not None:
+                    on_unreadable(step, exc)
+                continue
+            log(f"restored step {step} from {checkpoint_dir}")
+            return True, state, step, meta, data_iter
+    return False, None, None, None, None
+
+
 def restore_or_init(
     checkpoints: Checkpoints | None,
     init: Callable[[], Any],
@@ -39,7 +125,7 @@ def restore_or_init(
     prepare_step: Callable[[int], None] | None = None,
     log: Callable[[str], None] = logger.info,
 ) -> tuple[Any, int, dict | None, Any]:
-    """`SessionManager.prepare_session` for a JAX train state.
+    """`SessionManager.prepare_session` for a JAX train state: `recover_session`, else init.
 
     Restores the latest committed step under `checkpoint_dir`, or the one step at
     `checkpoint_path`; with neither (or nothing committed yet), runs `init`. A newest step
@@ -71,59 +157,25 @@ def restore_or_init(
             `checkpoint_path` is not a committed step directory.
         CheckpointMismatchError: the checkpoint's tree differs from `abstract_state`.
     """
-    new_iter = make_data_iter or (lambda: None)
-    if checkpoint_dir and checkpoint_path:
-        raise ValueError(
-            f"both checkpoint_dir={checkpoint_dir!r} and checkpoint_path={checkpoint_path!r} were "
-            "given: pass checkpoint_dir to resume from its latest checkpoint, or checkpoint_path "
-            "to restore one step, not both"
-        )
-    if checkpoint_path:
-        path = checkpoint_path.rstrip("/")
-        parent, name = os.path.split(path)
-        if not name.isdigit() or int(name) not in committed_steps(parent):
-            raise ValueError(
-                f"checkpoint_path={checkpoint_path!r} is not a committed checkpoint step "
-                f"directory; committed steps in {parent!r}: {committed_steps(parent)}. Point it at "
-                "'<checkpoints>/<step>'."
-            )
-        source = Checkpoints(parent, read_only=True)
-        try:
-            data_iter = new_iter()
-            state, meta = source.restore(int(name), abstract_state, data_iter)
-        finally:
-            source.close()
-        log(f"restored step {name} from {path}")
-        return state, int(name), meta, data_iter
+    restored, state, step, meta, data_iter = recover_session(
+        checkpoints,
+        abstract_state,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_path=checkpoint_path,
+        make_data_iter=make_data_iter,
+        wait_for_checkpoint=wait_for_checkpoint,
+        max_wait_secs=max_wait_secs,
+        recovery_wait_secs=recovery_wait_secs,
+        on_unreadable=on_unreadable,
+        list_steps=list_steps,
+        prepare_step=prepare_step,
+        log=log,
+    )
+    if restored:
+        return state, step, meta, data_iter
     if checkpoint_dir:
-        assert checkpoints is not None and checkpoints.directory == checkpoint_dir
-        list_steps = list_steps or checkpoints.committed_steps
-        if not list_steps() and wait_for_checkpoint:
-            wait_for_new_checkpoint(list_steps, None, max_wait_secs, recovery_wait_secs, log)
-        for step in reversed(list_steps()):
-            data_iter = new_iter()
-            try:
-                if prepare_step is not None:
-                    prepare_step(step)
-                state, meta = checkpoints.restore(step, abstract_state, data_iter)
-            except CheckpointMismatchError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
-                logger.warning(
-                    "checkpoint step %d in %s is unreadable (%s: %s); falling back to the "
-                    "previous committed step",
-                    step,
-                    checkpoint_dir,
-                    type(exc).__name__,
-                    str(exc).splitlines()[0][:300] if str(exc) else "",
-                )
-                if on_unreadable is not None:
-                    on_unreadable(step, exc)
-                continue
-            log(f"restored step {step} from {checkpoint_dir}")
-            return state, step, meta, data_iter
         log(f"no committed checkpoint in {checkpoint_dir}: initialising from scratch")
-    return init(), 0, None, new_iter()
+    return init(), 0, None, (make_data_iter or (lambda: None))()
 
 
 # -- a trainer's restore -------------------------------------------------------------
@@ -213,8 +265,56 @@ def restore_trainer(
             job.tracker.set_tags({DEVICES_TAG: describe_devices()})
     trainer.state, trainer.step, trainer.data_iter = loop.place(state), step, data_iter
     trainer.live_is_preemption = bool((meta or {}).get("preemption"))
+    trainer.recovered = False
     trainer.started_from = step  # committed, or init / a warm start: a rerun gets the same state
     trainer.policy.saved()  # (the time cadence counts from the restore)
     job.goodput.begin(step)
     notify_progress(step, trainer.config.train.max_steps, {})
     return step
+
+
+def recover_trainer(
+    trainer: Trainer,
+    step: int | None,
+    wait_for_checkpoint: bool,
+    max_wait_secs: float,
+    recovery_wait_secs: float,
+) -> tuple[bool, int | None]:
+    """`Trainer.recover`: the job's committed `step` (None: its newest readable one) as the
+    trainer's live state, for evaluation and export; never init, never the lease, MLflow or the
+    goodput ledger (those are the job's writer's)."""
+    trainer.ending.stop_if_preempted()
+    job, loop = trainer.job, trainer.loop
+    if trainer.state is not None and (step is None or step == trainer.step):
+        # this process holds the job's state already (local mode: the trainer's own)
+        return True, trainer.step
+    if trainer.state is not None and not trainer.recovered:
+        # a training state is not swapped for an older step: an evaluation restores it itself
+        return job.is_committed(step), step
+    job.checkpoints.wait()
+    if step is not None:
+        if not job.is_committed(step):
+            return False, None
+        list_steps = lambda: [step]  # noqa: E731 - that one step, no fallback to another
+    else:
+        list_steps = job.committed_steps
+    restored, state, at, meta, _ = recover_session(
+        job.checkpoints,
+        loop.abstract_state,
+        checkpoint_dir=job.checkpoints.directory,
+        wait_for_checkpoint=wait_for_checkpoint,
+        max_wait_secs=max_wait_secs,
+        recovery_wait_secs=recovery_wait_secs,
+        list_steps=list_steps,
+        prepare_step=job.fetch if job.remote is not None else None,
+    )
+    if not restored:
+        where = redact_url(job.storage.remote_checkpoint_url or job.storage.checkpoint_dir)
+        logger.info("no committed checkpoint in %s: nothing recovered, nothing initialised", where)
+        return False, None
+    # no data iterator: a recovered state is evaluated and exported, never trained on
+    trainer.state, trainer.step, trainer.data_iter = loop.place(state), at, None
+    trainer.recovered = True
+    trainer.live_is_preemption = bool((meta or {}).get("preemption"))
+    trainer.started_from = at
+    return True, at

@@ -5,7 +5,7 @@ Layout of one job under a storage root::
     <root>/<job>/checkpoints/<step>/...            Orbax step (state, data iterator, metadata)
     <root>/<job>/evals/<eval-name>/<step>.json     this step was evaluated, with its metrics
     <root>/<job>/exports/<exporter>/<step>/        serving artifact
-    <root>/<job>/exports/<exporter>/best.json      best value so far (BestExporter)
+    <root>/<job>/exports/<exporter>/best.json      best step and metrics so far (BestExporter)
 
 Everything except the Orbax step goes through fsspec, so it works on any protocol fsspec
 reaches. Orbax itself writes local absolute paths and ``gs://``; on other protocols steps are

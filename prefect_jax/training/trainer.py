@@ -50,13 +50,18 @@ from prefect_jax.training.program import (
     load_program,
     program_fingerprint,
 )
-from prefect_jax.training.session import restore_or_init, restore_trainer
+from prefect_jax.training.session import (
+    recover_session,
+    recover_trainer,
+    restore_or_init,
+    restore_trainer,
+)
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.trees import state_fingerprint
 
 logger = logging.getLogger("prefect_jax.trainer")
 
-__all__ = ["Trainer", "add_progress_listener", "restore_or_init"]
+__all__ = ["Trainer", "add_progress_listener", "recover_session", "restore_or_init"]
 
 # How long a "no stop" answer stands at the same live step (`Trainer.stop_requested`): the flow's
 # ask and its train task's, moments apart; not a task retry (2 s on), nor anyone polling.
@@ -100,6 +105,9 @@ class Trainer:
                     f"program {config.program!r} has no serve(state, inputs) and "
                     "serving_input(): add them, or drop the exporters"
                 )
+            for exporter in config.eval.exporters:  # a bad path refused now, not at an export
+                if getattr(exporter, "compare_fn", None):
+                    exp.load_compare_fn(exporter.compare_fn)
             self.loop = Loop(self.program, config.train)
             # named ones: refused now, not an interval in
             if config.eval.exporters and config.eval.export_platforms:
@@ -123,6 +131,7 @@ class Trainer:
         # the step the live state was restored (or initialised) at
         self.started_from: int | None = None
         self.live_is_preemption = False  # the live step was restored from a preemption checkpoint
+        self.recovered = False  # the live state came from `recover`: evaluated, never trained on
         # (live step, monotonic time) of the last "no stop" read
         self._no_stop_at: tuple[int, float] | None = None
         self.policy = CheckpointPolicy.from_spec(config.checkpoint, config.train.max_steps)
@@ -202,6 +211,28 @@ class Trainer:
             note_failure(exc)
             raise
 
+    def recover(
+        self,
+        step: int | None = None,
+        wait_for_checkpoint: bool = False,
+        max_wait_secs: float = 7200,
+        recovery_wait_secs: float = 30,
+    ) -> tuple[bool, int | None]:
+        """TF's `SessionManager.recover_session`: restore the job's committed `step` (None: its
+        newest readable one) as the live state, or nothing; never init.
+
+        For an evaluator or an export: no lease is taken, no MLflow run is opened or joined,
+        nothing is written. With `wait_for_checkpoint`, waits up to `max_wait_secs` for a first
+        committed step, looking every `recovery_wait_secs`. A trainer that has a live state
+        already (it trains the job in this process) keeps it: it is returned when it is the step
+        asked for, else the answer is whether that step is committed (its evaluation or export
+        restores it). A recovered state cannot be trained on: `restore_or_init` first.
+
+        Returns:
+            ``(restored, step)``: ``(False, None)`` where there is no such committed step.
+        """
+        return recover_trainer(self, step, wait_for_checkpoint, max_wait_secs, recovery_wait_secs)
+
     # -- the verbs: train, evaluate, export ------------------------------------------
 
     def train_until_checkpoint(self) -> int:
@@ -216,6 +247,11 @@ class Trainer:
         `CheckpointSpec.backups`) are written within the interval, which goes on after each.
         """
         self._require_live()
+        if self.recovered:
+            raise RuntimeError(
+                f"the live state of job {self.config.job!r} (step {self.step}) was recovered for "
+                "evaluation and export, without the job's lease: call restore_or_init() to train"
+            )
         return self.intervals.train_until_checkpoint()
 
     def evaluate_if_new(
