@@ -36,9 +36,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """The continuous evaluator role (TF's evaluator task), on the same job as a `train` run.
 
-    Waits `eval_spec.start_delay_secs`; recovers the job's newest committed checkpoint (the
-    `recover` task, TF's `recover_session`: never an init), waiting for a first one up to
-    `wait_for_first_checkpoint_secs` (TF's `wait_for_session`), and then fails with a clear
+    Waits `eval_spec.start_delay_secs`; waits for the job's first committed checkpoint up to
+    `wait_for_first_checkpoint_secs` (TF's `wait_for_session`, reading the storage only) and
+    recovers it (the `recover` task, TF's `recover_session`: never an init), or fails with a clear
     error; evaluates every newly committed step exactly once (or only the newest, with
     `every_checkpoint=False`), never sooner than `eval_spec.throttle_secs` after the last
     evaluation; runs the exporters after each evaluation; stops once it has evaluated a step
@@ -98,17 +98,11 @@ def evaluate(
         log=logger.info,
         warn=logger.warning,
     )
-    evaluator.wait_start_delay()
-    # TF's evaluator recovers, never inits: a job without a checkpoint ends here, named
-    recovered = tasks.recover(
-        config,
-        wait_for_checkpoint=True,
-        max_wait_secs=wait_for_first_checkpoint_secs,
-        recovery_wait_secs=poll_secs,
-    )
-    if not recovered["restored"]:
+    # The wait reads the storage only: JAX (and a GPU) is not taken until there is a step.
+    first = evaluator.wait_for_first_checkpoint()
+    # TF's evaluator recovers, never inits (`recover_session`): the step found is restored.
+    if not tasks.recover(config, step=first)["restored"]:
         raise evaluator.no_first_checkpoint()
-    first = recovered["step"]
     from prefect_jax.training.live import get_trainer, land_mlflow_writes
 
     # An evaluator killed after writing eval records may not have logged them to MLflow yet.

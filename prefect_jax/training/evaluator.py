@@ -182,8 +182,7 @@ class Evaluator:
 
     def wait_for_first_checkpoint(self) -> int:
         """Wait `start_delay_secs`, then for the job's first committed checkpoint (TF's
-        `wait_for_session`); return its newest committed step. (The `evaluate` flow waits with
-        its `recover` task instead, which also restores that step.)
+        `wait_for_session`), reading the storage only; return its newest committed step.
 
         Raises:
             TimeoutError: none came within `wait_for_first_checkpoint_secs`.
