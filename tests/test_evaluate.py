@@ -373,3 +373,53 @@ def test_eval_hooks_by_import_path_are_made_from_a_class_and_refused_with_the_fi
         load_hooks(["programs:TwoArgumentListener"])
     with pytest.raises(ProgramError, match=r"eval hook 'builtins:dict' defines none of"):
         load_hooks(["builtins:dict"])
+
+
+def test_the_evaluators_start_delay_and_throttle_come_from_the_eval_spec_as_tfs(job_config):
+    """TF's evaluator (`run_evaluator`): it waits `start_delay_secs` before its first evaluation,
+    and starts an evaluation no sooner than `throttle_secs` after the last one started (the time
+    an evaluation takes counts). The final step is not throttled (prefect-jax's). The `evaluate`
+    flow builds its evaluator with `Evaluator.for_job` from the job's `EvalSpec`, as here, on a
+    fake clock."""
+    from prefect_jax.training.evaluator import Evaluator
+
+    config = job_config(max_steps=60)
+    config = config.model_copy(
+        update={
+            "eval": config.eval.model_copy(update={"start_delay_secs": 120, "throttle_secs": 600})
+        }
+    )
+    writer = Trainer(config)
+    try:
+        writer.restore_or_init()
+        while writer.step < 60:
+            writer.train_until_checkpoint()
+        writer.job.checkpoints.wait()
+    finally:
+        writer.close()
+
+    now, sleeps, asked = [0.0], [], []
+
+    def sleep(secs):
+        sleeps.append(secs)
+        now[0] += secs
+
+    reader = Trainer(config)
+    try:
+
+        def evaluate(step):  # the flow's: evaluate_if_new(config, step, force=True)
+            asked.append((step, now[0]))
+            now[0] += 5.0  # the evaluation takes time on the clock
+            return reader.evaluate_if_new(step, force=True)
+
+        evaluator = Evaluator.for_job(
+            config, evaluate, clock=lambda: now[0], sleep=sleep, poll_secs=1.0
+        )
+        assert evaluator.wait_for_first_checkpoint() == 60
+        assert sleeps == [120]  # before it looks for a checkpoint
+        assert evaluator.run() == "evaluated the final step (60 >= max_steps=60)"
+        assert asked == [(20, 120.0), (40, 720.0), (60, 725.0)]
+        assert sleeps == [120, 595.0]
+        assert reader.job.records.steps() == [20, 40, 60]
+    finally:
+        reader.close()

@@ -147,6 +147,36 @@ def test_the_throttle_spaces_evaluations_but_not_the_final_one():
     assert job.asked == [(10, 0.0), (20, 60.0), (100, 60.0)]
 
 
+def test_the_throttle_counts_from_the_start_of_the_last_evaluation_as_tfs():
+    """TF's evaluator throttle: "do not re-evaluate unless the last evaluation was started at
+    least this many seconds ago": the time an evaluation takes counts toward the wait."""
+    clock = Clock()
+    job = Job(clock, committed=[10, 20, 30])
+    slow = job.evaluate
+
+    def evaluate(step):
+        result = slow(step)
+        clock.now += 15.0  # each evaluation takes 15 s
+        return result
+
+    job.evaluate = evaluate
+    evaluator = _evaluator(job, clock, throttle_secs=60.0, once=True)
+    assert evaluator.run() == "nothing new to evaluate (once=True)"
+    assert job.asked == [(10, 0.0), (20, 60.0), (30, 120.0)]
+    assert clock.sleeps == [45.0, 45.0]
+
+
+def test_start_delay_secs_comes_before_the_first_evaluation_as_tfs():
+    """TF's evaluator: it waits `start_delay_secs` before its first evaluation, even where a
+    checkpoint is there already."""
+    clock = Clock()
+    job = Job(clock, committed=[10])
+    evaluator = _evaluator(job, clock, start_delay_secs=120.0, once=True)
+    assert evaluator.wait_for_first_checkpoint() == 10
+    evaluator.run()
+    assert job.asked == [(10, 120.0)] and clock.sleeps == [120.0]
+
+
 def test_an_evaluator_whose_listener_stopped_evaluating_ends_after_that_export():
     """TF's `run_evaluator`: a `_ContinuousEvalListener` that answers False ends the continuous
     evaluation; the evaluation it answered after was exported first."""

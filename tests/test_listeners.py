@@ -1,5 +1,6 @@
 """TF's eval listener and throttle through the flows: a `_ContinuousEvalListener` ported
-unchanged through the `evaluate` flow and through local mode (`train_and_evaluate`)."""
+unchanged through the `evaluate` flow and through local mode (`train_and_evaluate`), and the
+throttled middle evaluation of local mode."""
 
 import pytest
 from programs import StopAfterTwo
@@ -77,3 +78,12 @@ def test_a_tf_listener_in_local_mode_ends_the_evaluations_and_training_goes_on(
     assert summary["evaluation_stopped"] == AFTER_40
     assert summary["eval"] == {} and summary["exports"] == {"latest": [20, 40]}
     assert StopAfterTwo.seen == [20, 40] and _records(params) == [20, 40]
+
+
+def test_local_mode_throttles_the_middle_evaluation_but_never_the_final(tmp_path, mlflow_uri):
+    """TF's local mode (`_NewCheckpointListenerForEvaluate`): a checkpoint less than
+    `throttle_secs` after the last evaluation is not evaluated; the final one always is."""
+    params = _params(tmp_path, mlflow_uri, "throttled", max_steps=60, throttle_secs=3600)
+    summary = train_and_evaluate(**params)
+    assert summary["final_step"] == 60 and set(summary["eval"]) == {"accuracy", "loss"}
+    assert _records(params) == [20, 60]  # 40 came within the hour after 20: THROTTLED

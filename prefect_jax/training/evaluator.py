@@ -229,17 +229,19 @@ class Evaluator:
         return pending
 
     def evaluate_once(self, step: int) -> EvalResult:
-        """Evaluate `step` (no sooner than `throttle_secs` after the previous evaluation, but for
-        the final step) and export it; an early-stopping result, or an eval
+        """Evaluate `step` (no sooner than `throttle_secs` after the previous evaluation started,
+        as TF's, but for the final step) and export it; an early-stopping result, or an eval
         listener that stops evaluating (TF's `before_eval` / `after_eval` answering False), sets
         `stopped`."""
         if self._last_eval_at is not None and step < self.max_steps:
             wait = self.throttle_secs - (self.clock() - self._last_eval_at)
             if wait > 0:
+                self.log("waiting %g s before the next evaluation (throttle_secs)", wait)
                 self.sleep(wait)
+        started = self.clock()
         result = self.evaluate(step)
         if result.status is EvalStatus.EVALUATED:
-            self._last_eval_at = self.clock()
+            self._last_eval_at = started
             self.evaluated.append(step)
             self.last = result
             # TF exports before it asks after_eval: a listener's last evaluation is exported
