@@ -197,3 +197,29 @@ def higher_accuracy(best_eval_result: dict, current_eval_result: dict) -> bool:
     """A `BestExporter.compare_fn` in TF's signature: the current result is better when its
     accuracy is higher (whatever its loss)."""
     return current_eval_result["accuracy"] > best_eval_result["accuracy"]
+
+
+class StopAfterTwo:
+    """An eval listener in TF's `_ContinuousEvalListener` shape, as a TF user wrote it:
+    `before_eval` takes no argument, `after_eval(eval_result)` answers False to end the
+    continuous evaluation after two evaluations. `seen` records the steps of every instance."""
+
+    seen: list[int] = []
+
+    def __init__(self):
+        self.evaluations = 0
+
+    def before_eval(self):
+        return True
+
+    def after_eval(self, eval_result):
+        StopAfterTwo.seen.append(eval_result.step)
+        self.evaluations += 1
+        return self.evaluations < 2
+
+
+class TwoArgumentListener:
+    """A before_eval no evaluator can call (two arguments)."""
+
+    def before_eval(self, step, other):
+        return True

@@ -281,7 +281,7 @@ def test_a_stop_request_is_read_once_per_ask_at_a_step_and_the_trainers_own_is_s
     from prefect_jax.training import trainer as trainer_module
 
     class StopAtOnce:
-        def after_eval(self, result):
+        def should_stop_job(self, result):
             return True
 
     trainer = Trainer(job_config(max_steps=60, every_steps=20))
@@ -310,3 +310,116 @@ def test_a_stop_request_is_read_once_per_ask_at_a_step_and_the_trainers_own_is_s
         assert trainer.stop_requested()["reason"] == result.stop_reason and reads == [0, 0, 20, 20]
     finally:
         trainer.close()
+
+
+def test_a_tf_listener_whose_before_eval_answers_false_stops_the_trainers_evaluations(job_config):
+    """TF's `_ContinuousEvalListener.before_eval`: False skips the evaluation and ends the
+    continuous evaluation; TF's takes no argument, and one that takes the step gets it."""
+
+    class TFShaped:  # as in TF: before_eval(self)
+        def __init__(self):
+            self.asked = 0
+
+        def before_eval(self):
+            self.asked += 1
+            return self.asked < 2
+
+    class WithStep:
+        def __init__(self):
+            self.seen = []
+
+        def before_eval(self, step):
+            self.seen.append(step)
+            return True
+
+    trainer = Trainer(job_config(max_steps=60))
+    try:
+        tf_shaped, with_step = TFShaped(), WithStep()
+        trainer.eval_hooks = [with_step, tf_shaped]
+        trainer.restore_or_init()
+        trainer.train_until_checkpoint()
+        assert trainer.evaluate_if_new().status is EvalStatus.EVALUATED
+        trainer.train_until_checkpoint()
+        stopped = trainer.evaluate_if_new()
+        assert stopped.status is EvalStatus.EVALUATION_STOPPED and stopped.step == 40
+        assert stopped.evaluation_stopped == (
+            "eval listener TFShaped.before_eval returned False before step 40: no more "
+            "evaluations (TF's _ContinuousEvalListener)"
+        )
+        trainer.train_until_checkpoint()  # training goes on; the final step is not evaluated
+        final = trainer.evaluate_if_new()
+        assert final.status is EvalStatus.EVALUATION_STOPPED and final.step == 60
+        assert tf_shaped.asked == 2 and with_step.seen == [20, 40]
+        assert trainer.job.records.steps() == [20]
+        assert trainer.job.stop_requested() is None  # the job was not asked to stop
+    finally:
+        trainer.close()
+
+
+def test_eval_hooks_by_import_path_are_made_from_a_class_and_refused_with_the_fix():
+    from programs import StopAfterTwo
+
+    from prefect_jax.training.control import load_hooks
+    from prefect_jax.training.program import ProgramError
+
+    (hook,) = load_hooks(["programs:StopAfterTwo"])
+    assert isinstance(hook, StopAfterTwo) and hook.evaluations == 0
+    with pytest.raises(
+        ProgramError,
+        match=r"eval hook 'programs:TwoArgumentListener': before_eval takes 2 required "
+        r"positional arguments \(at most 2\); define it as before_eval\(\) or "
+        r"before_eval\(step\)",
+    ):
+        load_hooks(["programs:TwoArgumentListener"])
+    with pytest.raises(ProgramError, match=r"eval hook 'builtins:dict' defines none of"):
+        load_hooks(["builtins:dict"])
+
+
+def test_the_evaluators_start_delay_and_throttle_come_from_the_eval_spec_as_tfs(job_config):
+    """TF's evaluator (`run_evaluator`): it waits `start_delay_secs` before its first evaluation,
+    and starts an evaluation no sooner than `throttle_secs` after the last one started (the time
+    an evaluation takes counts). The final step is not throttled (prefect-jax's). The `evaluate`
+    flow builds its evaluator with `Evaluator.for_job` from the job's `EvalSpec`, as here, on a
+    fake clock."""
+    from prefect_jax.training.evaluator import Evaluator
+
+    config = job_config(max_steps=60)
+    config = config.model_copy(
+        update={
+            "eval": config.eval.model_copy(update={"start_delay_secs": 120, "throttle_secs": 600})
+        }
+    )
+    writer = Trainer(config)
+    try:
+        writer.restore_or_init()
+        while writer.step < 60:
+            writer.train_until_checkpoint()
+        writer.job.checkpoints.wait()
+    finally:
+        writer.close()
+
+    now, sleeps, asked = [0.0], [], []
+
+    def sleep(secs):
+        sleeps.append(secs)
+        now[0] += secs
+
+    reader = Trainer(config)
+    try:
+
+        def evaluate(step):  # the flow's: evaluate_if_new(config, step, force=True)
+            asked.append((step, now[0]))
+            now[0] += 5.0  # the evaluation takes time on the clock
+            return reader.evaluate_if_new(step, force=True)
+
+        evaluator = Evaluator.for_job(
+            config, evaluate, clock=lambda: now[0], sleep=sleep, poll_secs=1.0
+        )
+        assert evaluator.wait_for_first_checkpoint() == 60
+        assert sleeps == [120]  # before it looks for a checkpoint
+        assert evaluator.run() == "evaluated the final step (60 >= max_steps=60)"
+        assert asked == [(20, 120.0), (40, 720.0), (60, 725.0)]
+        assert sleeps == [120, 595.0]
+        assert reader.job.records.steps() == [20, 40, 60]
+    finally:
+        reader.close()

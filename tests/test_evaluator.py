@@ -147,6 +147,60 @@ def test_the_throttle_spaces_evaluations_but_not_the_final_one():
     assert job.asked == [(10, 0.0), (20, 60.0), (100, 60.0)]
 
 
+def test_the_throttle_counts_from_the_start_of_the_last_evaluation_as_tfs():
+    """TF's evaluator throttle: "do not re-evaluate unless the last evaluation was started at
+    least this many seconds ago": the time an evaluation takes counts toward the wait."""
+    clock = Clock()
+    job = Job(clock, committed=[10, 20, 30])
+    slow = job.evaluate
+
+    def evaluate(step):
+        result = slow(step)
+        clock.now += 15.0  # each evaluation takes 15 s
+        return result
+
+    job.evaluate = evaluate
+    evaluator = _evaluator(job, clock, throttle_secs=60.0, once=True)
+    assert evaluator.run() == "nothing new to evaluate (once=True)"
+    assert job.asked == [(10, 0.0), (20, 60.0), (30, 120.0)]
+    assert clock.sleeps == [45.0, 45.0]
+
+
+def test_start_delay_secs_comes_before_the_first_evaluation_as_tfs():
+    """TF's evaluator: it waits `start_delay_secs` before its first evaluation, even where a
+    checkpoint is there already."""
+    clock = Clock()
+    job = Job(clock, committed=[10])
+    evaluator = _evaluator(job, clock, start_delay_secs=120.0, once=True)
+    assert evaluator.wait_for_first_checkpoint() == 10
+    evaluator.run()
+    assert job.asked == [(10, 120.0)] and clock.sleeps == [120.0]
+
+
+def test_an_evaluator_whose_listener_stopped_evaluating_ends_after_that_export():
+    """TF's `run_evaluator`: a `_ContinuousEvalListener` that answers False ends the continuous
+    evaluation; the evaluation it answered after was exported first."""
+    clock = Clock()
+    job = Job(clock, committed=[10, 20, 30])
+    plain = job.evaluate
+
+    def evaluate(step):
+        result = plain(step)
+        if step == 20:  # what the trainer returns once after_eval answered False
+            return result.model_copy(update={"evaluation_stopped": "listener said no"})
+        return result
+
+    job.evaluate = evaluate
+    evaluator = _evaluator(job, clock)
+    assert evaluator.run() == "listener said no"
+    assert [step for step, _ in job.asked] == [10, 20] and job.exported == [10, 20]
+    stopped = EvalResult(status=EvalStatus.EVALUATION_STOPPED, step=30, evaluation_stopped="no")
+    job2 = Job(clock, committed=[30])
+    job2.evaluate = lambda step: stopped  # before_eval answered False: nothing to export
+    evaluator = _evaluator(job2, clock)
+    assert evaluator.run() == "no" and job2.exported == [] and evaluator.evaluated == []
+
+
 def test_an_early_stopping_result_or_a_stop_request_stops_it():
     clock = Clock()
     job = Job(clock, committed=[10, 20, 30], statuses={"stop": 20})

@@ -6,6 +6,8 @@
 # would fail parameter validation (tests/test_deployment_rerun.py).
 from typing import Any
 
+from prefect import get_run_logger
+
 from prefect_jax.flows import progress
 from prefect_jax.flows.hooks import _publish_goodput
 from prefect_jax.flows.retries import job_tasks
@@ -13,11 +15,26 @@ from prefect_jax.tasks import publisher
 from prefect_jax.training.specs import JobConfig
 
 
-def _evaluate_and_export(config: JobConfig, step: int) -> None:
+def _evaluate_and_export(config: JobConfig, step: int) -> bool:
+    """Evaluate and export `step`; whether evaluation goes on (an eval listener may stop it)."""
+    from prefect_jax.training.evaluation import EvalStatus
+
     tasks = job_tasks(config.retry)
     result = tasks.evaluate_if_new(config, step)
-    if config.eval.exporters:  # no task run per interval for exporters that are not there
+    # no task run per interval for exporters that are not there, nor for nothing evaluated
+    if config.eval.exporters and result.status is not EvalStatus.EVALUATION_STOPPED:
         tasks.export(config, result)
+    if result.evaluation_stopped:
+        # A listener ends the evaluations, not the job: training goes on to max_steps, as the
+        # trainer does beside an evaluator that stopped (should_stop_job stops the job).
+        get_run_logger().warning(
+            "%s; job %s trains on to max_steps=%d without evaluating or exporting",
+            result.evaluation_stopped,
+            config.job,
+            config.train.max_steps,
+        )
+        return False
+    return True
 
 
 def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str | None]:
@@ -40,7 +57,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     publisher.submit(progress.start_progress, shown, step, max_steps, config.job)
     if evaluate and step > 0:
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
-        _evaluate_and_export(config, step)
+        evaluate = _evaluate_and_export(config, step)
     try:
         while step < max_steps:
             stop = stop_requested()
@@ -49,7 +66,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
             step = train_until_checkpoint(config, step)
             publisher.refresh(key, progress.update_progress, shown, step, max_steps, config.job)
             if evaluate:
-                _evaluate_and_export(config, step)
+                evaluate = _evaluate_and_export(config, step)
         stop = stop_requested()
         return step, stop.get("reason") if stop else None
     finally:
@@ -92,5 +109,6 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
         "exports": list_exports(trainer.job.storage),
         "state_fingerprint": trainer.fingerprint(),
         "stopped": stopped,
+        "evaluation_stopped": trainer.evaluations.stopped,
         "goodput": goodput,
     }

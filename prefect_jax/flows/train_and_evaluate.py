@@ -41,10 +41,12 @@ def train_and_evaluate(
     """Train until `train_spec.max_steps`, evaluating and exporting every new checkpoint.
 
     TensorFlow's `train_and_evaluate` in local mode, as Prefect tasks: restore-or-init,
-    then train-until-checkpoint / evaluate-if-new / export until `max_steps` (or until an
-    eval hook such as early stopping asks to stop). Running it again on the same job resumes
-    at the last committed checkpoint: no step is retrained, no step evaluated twice, and the
-    same MLflow run is continued.
+    then train-until-checkpoint / evaluate-if-new / export until `max_steps` (or until early
+    stopping or an eval hook's `should_stop_job` asks the job to stop). An eval listener whose
+    `before_eval` / `after_eval` answers False (TF's `_ContinuousEvalListener`) ends the
+    evaluations and exports, not the training, which goes on to `max_steps`. Running it again on
+    the same job resumes at the last committed checkpoint: no step is retrained, no step
+    evaluated twice, and the same MLflow run is continued.
 
     Args:
         program: import path of the program, ``"package.module:attribute"``.
@@ -66,7 +68,8 @@ def train_and_evaluate(
     Returns:
         A summary: ``job``, ``final_step``, ``eval`` (final metrics), ``checkpoint_dir``,
         ``mlflow_tracking_uri``, ``mlflow_run_id``, ``exports``, ``state_fingerprint``,
-        ``stopped`` (why the job stopped early, or None).
+        ``stopped`` (why the job stopped early, or None), ``evaluation_stopped`` (why an eval
+        listener stopped the evaluations, or None: training went on to ``max_steps``).
 
     Example:
         ```python

@@ -37,7 +37,8 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
             before is still not evaluated again.
 
     Returns:
-        An `EvalResult` (EVALUATED, NO_NEW_CHECKPOINT, MISSING_CHECKPOINT or THROTTLED).
+        An `EvalResult` (EVALUATED, NO_NEW_CHECKPOINT, MISSING_CHECKPOINT, THROTTLED or
+        EVALUATION_STOPPED).
 
     Example:
         ```python

@@ -7,13 +7,15 @@
   `max_reruns_without_progress` of those, the trainer refuses to go on and says so, so an
   automation that reruns crashed runs cannot loop forever.
 
-Also TF's `_ContinuousEvalListener` (`before_eval` / `after_eval`) as eval hooks, and an
-early-stopping hook built on it (TF's `stop_if_no_decrease_hook`).
+Also the eval hooks: TF's `_ContinuousEvalListener` (`before_eval` / `after_eval`: a falsy answer
+stops evaluating), prefect-jax's own `should_stop_job(result)` (True stops the whole job), and
+early stopping (TF's `stop_if_no_decrease_hook`).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from typing import Any
 
@@ -100,9 +102,59 @@ class EarlyStoppingHook:
         return None
 
 
+HOOK_METHODS = ("before_eval", "after_eval", "should_stop_job")
+
+
+def _positional(method) -> tuple[int, int]:
+    """How many positional arguments `method` requires, and how many it accepts at most."""
+    required = accepted = 0
+    for param in inspect.signature(method).parameters.values():
+        if param.kind is param.VAR_POSITIONAL:
+            accepted = 1_000
+        elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            accepted += 1
+            required += param.default is param.empty
+    return required, accepted
+
+
+def _check_hook(path: str, hook: Any) -> None:
+    if not any(hasattr(hook, name) for name in HOOK_METHODS):
+        raise ProgramError(
+            f"eval hook {path!r} defines none of before_eval() or before_eval(step), "
+            "after_eval(result), should_stop_job(result): define at least one"
+        )
+    # TF's before_eval takes no argument; prefect-jax also passes the step to one that takes it.
+    wanted = {
+        "before_eval": (0, 1, "before_eval() or before_eval(step)"),
+        "after_eval": (1, 1, "after_eval(result)"),
+        "should_stop_job": (1, 1, "should_stop_job(result)"),
+    }
+    for name, (least, most, shape) in wanted.items():
+        method = getattr(hook, name, None)
+        if method is None:
+            continue
+        try:
+            required, accepted = _positional(method)
+        except (TypeError, ValueError):  # no signature to read (a builtin): called as documented
+            continue
+        if required > most or accepted < least:
+            raise ProgramError(
+                f"eval hook {path!r}: {name} takes {required} required positional arguments "
+                f"(at most {accepted}); define it as {shape}"
+            )
+
+
 def load_hooks(paths: list[str]) -> list[Any]:
-    """Load eval hooks named by import path; each may define `before_eval(step) -> bool`
-    (False skips that evaluation) and `after_eval(result) -> bool` (True stops the job)."""
+    """Load eval hooks named by import path; a class is instantiated with no arguments (one
+    listener per trainer, as TF makes one per evaluator). A hook may define:
+
+    - `before_eval()` or `before_eval(step)`: TF's; a falsy answer stops evaluating (no more
+      evaluations or exports by this evaluator; see `before_eval_stop`).
+    - `after_eval(result)`: TF's; called with each recorded `EvalResult`, a falsy answer stops
+      evaluating after that evaluation and its exports.
+    - `should_stop_job(result)`: prefect-jax's own; True asks the whole job to stop, as a stop
+      request does (`<job>/stop.json`: the trainer and the evaluator both end).
+    """
     hooks = []
     for path in paths:
         try:
@@ -114,24 +166,71 @@ def load_hooks(paths: list[str]) -> list[Any]:
             raise ProgramError(
                 f"eval hook {path!r} cannot be loaded ({exc}); use 'package.module:attribute'"
             ) from exc
-        if not (hasattr(obj, "before_eval") or hasattr(obj, "after_eval")):
-            raise ProgramError(
-                f"eval hook {path!r} defines neither before_eval(step) nor after_eval(result)"
-            )
+        if isinstance(obj, type):
+            try:
+                obj = obj()
+            except TypeError as exc:
+                raise ProgramError(
+                    f"eval hook class {path!r} cannot be made with no arguments ({exc}); give "
+                    "its arguments defaults, or name an instance"
+                ) from exc
+        _check_hook(path, obj)
         hooks.append(obj)
     return hooks
 
 
-def after_eval_stop_reason(
+def _name(hook: Any, method: str) -> str:
+    owner = hook.__name__ if inspect.ismodule(hook) else type(hook).__name__
+    return f"{owner}.{method}"
+
+
+def before_eval_stop(hooks: list, step: int) -> str | None:
+    """Ask each hook's `before_eval` before evaluating `step` (with the step if it takes one);
+    why evaluating stops (TF: a falsy answer ends the continuous evaluation), or None."""
+    for hook in hooks:
+        before = getattr(hook, "before_eval", None)
+        if before is None:
+            continue
+        try:
+            takes_step = _positional(before)[1] > 0
+        except (TypeError, ValueError):
+            takes_step = True
+        answer = before(step) if takes_step else before()
+        if not answer:
+            return (
+                f"eval listener {_name(hook, 'before_eval')} returned {answer!r} before step "
+                f"{step}: no more evaluations (TF's _ContinuousEvalListener)"
+            )
+    return None
+
+
+def after_eval_stop(hooks: list, result: EvalResult) -> str | None:
+    """Give a recorded result to each hook's `after_eval`; why evaluating stops (TF: a falsy
+    answer ends the continuous evaluation), or None."""
+    for hook in hooks:
+        after = getattr(hook, "after_eval", None)
+        if after is None:
+            continue
+        answer = after(result)
+        if not answer:
+            return (
+                f"eval listener {_name(hook, 'after_eval')} returned {answer!r} after step "
+                f"{result.step}: no more evaluations (TF's _ContinuousEvalListener)"
+            )
+    return None
+
+
+def job_stop_reason(
     result: EvalResult, records: EvalRecords, early: EarlyStoppingHook | None, hooks: list
 ) -> str | None:
-    """Run the after-eval hooks on a new result; a reason to stop the job, or None."""
+    """Early stopping and each hook's `should_stop_job` on a new result; a reason to stop the
+    job, or None."""
     if early is not None:
         reason = early.should_stop(records.all())
         if reason:
             return reason
     for hook in hooks:
-        after = getattr(hook, "after_eval", None)
-        if after is not None and after(result):
-            return f"eval hook {type(hook).__name__}.after_eval asked to stop at step {result.step}"
+        should_stop = getattr(hook, "should_stop_job", None)
+        if should_stop is not None and should_stop(result):
+            return f"eval hook {_name(hook, 'should_stop_job')} asked to stop at step {result.step}"
     return None

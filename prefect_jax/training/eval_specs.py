@@ -170,8 +170,9 @@ class EvalSpec(Spec):
     )
     hooks: list[str] = Field(
         default_factory=list,
-        description="Eval hooks by import path: before_eval(step) -> bool (False skips), "
-        "after_eval(result) -> bool (True stops).",
+        description="Eval hooks by import path (a class is instantiated): TF's "
+        "before_eval() or before_eval(step) and after_eval(result) (False stops evaluating), "
+        "and should_stop_job(result) (True stops the job).",
     )
     learning_curve_every_secs: float = Field(
         30.0,

@@ -2,10 +2,11 @@
 
 TensorFlow's continuous evaluation, as a trainer (local mode) or an evaluator process does it:
 evaluate the live step (else the newest committed one) unless it was evaluated before, log its
-metrics to MLflow at the step, write the durable eval record, and ask the job to stop when
-early stopping or an eval hook says so. The live step's save may still be in flight: its
-evaluation is then recorded once the step commits (`pending`). This module never imports
-prefect.
+metrics to MLflow at the step, write the durable eval record, ask the job to stop when early
+stopping or a hook's `should_stop_job` says so, and stop evaluating when an eval listener's
+`before_eval` / `after_eval` answers False (TF's `_ContinuousEvalListener`). The live step's
+save may still be in flight: its evaluation is then recorded once the step commits (`pending`).
+This module never imports prefect.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class Evaluations:
         self.trainer, self.on_stop = trainer, on_stop
         self.pending = PendingEvaluation(trainer.job, self.record)
         self.reconciled = False  # this process logged the recorded evaluations MLflow lacked
+        # Why an eval listener stopped this trainer's evaluations (in memory, as TF's listener:
+        # a new process asks its own listeners again).
+        self.stopped: str | None = None
 
     def evaluate_if_new(
         self, step: int | None, force: bool, on_recorded: OnRecorded | None
@@ -66,6 +70,13 @@ class Evaluations:
             t.guard.install()
         if step is None:
             step = t.step if t.state is not None else job.newest_committed()
+        if self.stopped is not None:
+            return EvalResult(
+                status=EvalStatus.EVALUATION_STOPPED,
+                name=spec.name,
+                step=step,
+                evaluation_stopped=self.stopped,
+            )
         live = t.state is not None and t.step == step
         missing = EvalResult(status=EvalStatus.MISSING_CHECKPOINT, name=spec.name, step=step)
         if step is None or (not live and not job.is_committed(step)):
@@ -90,10 +101,12 @@ class Evaluations:
             return EvalResult(status=EvalStatus.PREEMPTION_CHECKPOINT, name=spec.name, step=step)
         if not (force or is_final) and throttled(job.records, spec.throttle_secs):
             return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
-        for hook in t.eval_hooks:
-            before = getattr(hook, "before_eval", None)
-            if before is not None and before(step) is False:
-                return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
+        stopped = control.before_eval_stop(t.eval_hooks, step)
+        if stopped:
+            return self._stop_evaluating(
+                EvalResult(status=EvalStatus.EVALUATION_STOPPED, name=spec.name, step=step),
+                stopped,
+            )
         try:
             state = self.state_at(step)
         except CorruptCheckpointError as exc:
@@ -127,6 +140,13 @@ class Evaluations:
             logger.error("step %d did not commit: its evaluation is not recorded", step)
             return missing
         return self.record(result, on_recorded)
+
+    def _stop_evaluating(self, result: EvalResult, reason: str) -> EvalResult:
+        """An eval listener stopped evaluating: no evaluation or export by this trainer from now
+        on; `result` says why."""
+        self.stopped = reason
+        logger.warning("%s", reason)
+        return result.model_copy(update={"evaluation_stopped": reason})
 
     def _is_preemption_checkpoint(self, step: int, live: bool) -> bool:
         if live:
@@ -215,13 +235,16 @@ class Evaluations:
             [f"{spec.name}/{k}" for k in sorted(metrics)],
             min_interval_secs=0.0 if is_final else spec.learning_curve_every_secs,
         )
-        reason = control.after_eval_stop_reason(result, job.records, t.early_stopping, t.eval_hooks)
+        reason = control.job_stop_reason(result, job.records, t.early_stopping, t.eval_hooks)
         if reason:
             logger.warning("%s: asking job %s to stop", reason, t.config.job)
             job.request_stop(reason, step, by=f"eval {spec.name}")
             self.on_stop()
             job.tracker.set_tags({STOP_REASON_TAG: reason[:5000]})
             result = result.model_copy(update={"stop_reason": reason})
+        stopped = control.after_eval_stop(t.eval_hooks, result)
+        if stopped:
+            result = self._stop_evaluating(result, stopped)
         if on_recorded is not None:
             try:
                 on_recorded(result)

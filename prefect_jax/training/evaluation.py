@@ -26,6 +26,9 @@ class EvalStatus(str, enum.Enum):
     PREEMPTION_CHECKPOINT = "PREEMPTION_CHECKPOINT"
     # One of several JAX processes other than process 0, which alone evaluates (on its replica).
     OTHER_PROCESS = "OTHER_PROCESS"
+    # An eval listener stopped this trainer's evaluations (TF's before_eval / after_eval
+    # answered False): nothing more is evaluated or exported by it.
+    EVALUATION_STOPPED = "EVALUATION_STOPPED"
 
 
 class EvalResult(BaseModel):
@@ -46,6 +49,11 @@ class EvalResult(BaseModel):
     is_final: bool = False
     stop_reason: str | None = Field(
         None, description="Why an eval hook asked the job to stop, if it did."
+    )
+    evaluation_stopped: str | None = Field(
+        None,
+        description="Why an eval listener stopped evaluating (its before_eval or after_eval "
+        "answered False), if it did: no more evaluations or exports; training goes on.",
     )
     pending_commit: bool = Field(
         False,

@@ -237,17 +237,22 @@ class Evaluator:
         return pending
 
     def evaluate_once(self, step: int) -> EvalResult:
-        """Evaluate `step` (no sooner than `throttle_secs` after the previous evaluation, but for
-        the final step) and export it; an early-stopping result sets `stopped`."""
+        """Evaluate `step` (no sooner than `throttle_secs` after the previous evaluation started,
+        as TF's, but for the final step) and export it; an early-stopping result, or an eval
+        listener that stops evaluating (TF's `before_eval` / `after_eval` answering False), sets
+        `stopped`."""
         if self._last_eval_at is not None and step < self.max_steps:
             wait = self.throttle_secs - (self.clock() - self._last_eval_at)
             if wait > 0:
+                self.log("waiting %g s before the next evaluation (throttle_secs)", wait)
                 self.sleep(wait)
+        started = self.clock()
         result = self.evaluate(step)
         if result.status is EvalStatus.EVALUATED:
-            self._last_eval_at = self.clock()
+            self._last_eval_at = started
             self.evaluated.append(step)
             self.last = result
+            # TF exports before it asks after_eval: a listener's last evaluation is exported
             if self.export is not None:
                 self.export(result)
             if result.stop_reason:
@@ -256,11 +261,14 @@ class Evaluator:
             self._resume_only.add(step)
         elif result.status is EvalStatus.MISSING_CHECKPOINT:
             self.warn("step %d was deleted by retention before it could be evaluated", step)
+        if result.evaluation_stopped and self.stopped is None:
+            self.stopped = result.evaluation_stopped
         return result
 
     def run(self) -> str:
         """Evaluate new steps as they are committed until the job is done; return why it stopped:
-        the final step evaluated, a stop request, an early-stopping result, nothing new left
+        the final step evaluated, a stop request, an early-stopping result, an eval listener that
+        stopped evaluating, nothing new left
         (`once`), or `idle_timeout_secs` without a new checkpoint and without a live trainer."""
         last_new_at = self.clock()
         while self.stopped is None:

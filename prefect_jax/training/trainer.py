@@ -265,7 +265,8 @@ class Trainer:
 
         Returns an EvalResult with status EVALUATED (metrics logged to MLflow and recorded
         durably), NO_NEW_CHECKPOINT (already evaluated), MISSING_CHECKPOINT (nothing to
-        evaluate) or THROTTLED (evaluated less than `throttle_secs` ago; `force` overrides).
+        evaluate), THROTTLED (evaluated less than `throttle_secs` ago; `force` overrides) or
+        EVALUATION_STOPPED (an eval listener stopped this trainer's evaluations).
 
         A step is recorded only once its checkpoint has committed. The live step's save is
         usually still in flight here: then the result is EVALUATED with ``pending_commit``, and
