@@ -77,8 +77,9 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
     """Close the job's run (MLflow, the lease), publish its goodput, and say where it ended.
 
     `evaluates` (local mode): a job that trained to max_steps without being stopped must have its
-    final step evaluated, else `FinalEvaluationMissingError` (before the run is closed: the flow
-    fails, and its failure hook closes the MLflow run as FAILED)."""
+    final step evaluated (unless an eval listener ended the evaluations), else
+    `FinalEvaluationMissingError` (before the run is closed: the flow fails, and its failure hook
+    closes the MLflow run as FAILED)."""
     from prefect_jax.training.errors import FinalEvaluationMissingError
     from prefect_jax.training.exporters import list_exports
     from prefect_jax.training.live import get_trainer
@@ -87,7 +88,7 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
     if trainer.state is None:
         trainer.restore_or_init()
     at_the_end = stopped is None and trainer.step >= config.train.max_steps
-    if evaluates and at_the_end and trainer.job.is_primary:
+    if evaluates and at_the_end and trainer.job.is_primary and not trainer.evaluations.stopped:
         trainer.evaluations.pending.record(wait=True)  # the final step's, once its save commits
         if trainer.job.records.get(trainer.step) is None:
             raise FinalEvaluationMissingError(config.job, trainer.step)
