@@ -183,7 +183,7 @@ def test_a_compare_fn_decides_which_step_is_best(tmp_path):
     True exports the current one. Higher accuracy exports 10 and 30 (the default, lower loss,
     would export 10 and 20); the best is remembered beside the exports, and the registry's
     `@best` alias follows the same comparison."""
-    from prefect_jax.training.exporters import best_of
+    from prefect_jax.training.best import best_of
 
     exporter = BestExporter(compare_fn="programs:higher_accuracy", keep=None)
     exported, best = _best_exports(tmp_path, exporter)
@@ -204,7 +204,7 @@ def test_a_compare_fn_decides_which_step_is_best(tmp_path):
 
 def test_the_default_best_is_tf_s_lower_loss(tmp_path):
     """TF's default `BestExporter` compares `loss`, lower is better: unchanged by compare_fn."""
-    from prefect_jax.training.exporters import best_of
+    from prefect_jax.training.best import best_of
 
     exporter = BestExporter(keep=None)
     assert (exporter.metric, exporter.mode, exporter.compare_fn) == ("loss", "min", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prefect_jax.training import exporters as exp
+from prefect_jax.training.best import best_of
 from prefect_jax.training.eval_specs import BestExporter
 from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.redaction import redact_url
@@ -115,7 +116,7 @@ class Exports:
             # the best recorded (so committed) evaluation that was exported
             if isinstance(exporter, BestExporter):
                 records = [r for r in map(job.records.get, steps) if r is not None]
-                best = exp.best_of(exporter, records)
+                best = best_of(exporter, records)
                 step = best.step if best is not None else None
             else:
                 step = steps[-1] if steps else None

@@ -282,7 +282,13 @@ def recover_trainer(
 ) -> tuple[bool, int | None]:
     """`Trainer.recover`: the job's committed `step` (None: its newest readable one) as the
     trainer's live state, for evaluation and export; never init, never the lease, MLflow or the
-    goodput ledger (those are the job's writer's)."""
+    goodput ledger (those are the job's writer's): it runs beside the job's trainer.
+
+    With `wait_for_checkpoint`, waits up to `max_wait_secs` for a first committed step, looking
+    every `recovery_wait_secs`. A trainer that has a live state already (it trains the job in
+    this process) keeps it: it is returned when it is the step asked for, else the answer is
+    whether that step is committed (its evaluation or export restores it). A recovered state
+    cannot be trained on: `restore_or_init` first."""
     trainer.ending.stop_if_preempted()
     job, loop = trainer.job, trainer.loop
     if trainer.state is not None and (step is None or step == trainer.step):

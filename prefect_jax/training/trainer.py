@@ -32,6 +32,7 @@ from typing import Any
 
 from prefect_jax.training import control
 from prefect_jax.training import exporters as exp
+from prefect_jax.training.best import load_compare_fn
 from prefect_jax.training.cluster import forget_lost, from_primary, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.compile_cache import open_compilation_cache
@@ -107,7 +108,7 @@ class Trainer:
                 )
             for exporter in config.eval.exporters:  # a bad path refused now, not at an export
                 if getattr(exporter, "compare_fn", None):
-                    exp.load_compare_fn(exporter.compare_fn)
+                    load_compare_fn(exporter.compare_fn)
             self.loop = Loop(self.program, config.train)
             # named ones: refused now, not an interval in
             if config.eval.exporters and config.eval.export_platforms:
@@ -219,14 +220,8 @@ class Trainer:
         recovery_wait_secs: float = 30,
     ) -> tuple[bool, int | None]:
         """TF's `SessionManager.recover_session`: restore the job's committed `step` (None: its
-        newest readable one) as the live state, or nothing; never init.
-
-        For an evaluator or an export: no lease is taken, no MLflow run is opened or joined,
-        nothing is written. With `wait_for_checkpoint`, waits up to `max_wait_secs` for a first
-        committed step, looking every `recovery_wait_secs`. A trainer that has a live state
-        already (it trains the job in this process) keeps it: it is returned when it is the step
-        asked for, else the answer is whether that step is committed (its evaluation or export
-        restores it). A recovered state cannot be trained on: `restore_or_init` first.
+        newest readable one) as the live state, for evaluation and export, or nothing; never
+        init (`session.recover_trainer` says what it leaves alone).
 
         Returns:
             ``(restored, step)``: ``(False, None)`` where there is no such committed step.

@@ -1,0 +1,96 @@
+"""BestExporter's judgement: which evaluation is the best so far, by `metric` and `mode` or by a
+`compare_fn` by import path (TF's `BestExporter(compare_fn=...)`), and what ``best.json`` holds."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from prefect_jax.training.eval_specs import BestExporter
+from prefect_jax.training.evaluation import EvalResult
+
+
+def _better(value: float, best: float | None, mode: str) -> bool:
+    if best is None:
+        return True
+    return value < best if mode == "min" else value > best
+
+
+def load_compare_fn(path: str) -> Callable[[dict, dict], Any]:
+    """A `BestExporter.compare_fn` by its import path, ``"package.module:function"``.
+
+    Raises:
+        ProgramError: it does not load, or is not callable; the message names the path.
+    """
+    from prefect_jax.training.program import ProgramError
+
+    module, _, attr = path.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ProgramError(
+            f"BestExporter compare_fn {path!r} cannot be loaded ({type(exc).__name__}: {exc}); "
+            "give 'package.module:function', importable where the job runs"
+        ) from exc
+    if not callable(obj):
+        raise ProgramError(
+            f"BestExporter compare_fn {path!r} is a {type(obj).__name__}, not a function "
+            "compare_fn(best_eval_result, current_eval_result) -> bool"
+        )
+    return obj
+
+
+def eval_result_dict(metrics: dict[str, float], step: int) -> dict[str, Any]:
+    """An evaluation as a `compare_fn` gets it: its metrics and ``global_step``, as TF's eval
+    results are."""
+    return {**metrics, "global_step": int(step)}
+
+
+def beats(exporter: BestExporter, metrics: dict, step: int, best: dict | None) -> bool:
+    """Whether the evaluation (`metrics` at `step`) is better than `best` (``best.json``, None:
+    no best yet): by `compare_fn(best, current)`, else `metric` under `mode`."""
+    if best is None:
+        return True
+    if exporter.compare_fn is None:
+        return _better(metrics[exporter.metric], best["value"], exporter.mode)
+    # (a best written before the exporter had a compare_fn holds its one metric)
+    best_metrics = best.get("metrics") or {best.get("metric"): best.get("value")}
+    best_result = eval_result_dict(best_metrics, best["step"])
+    try:
+        return bool(
+            load_compare_fn(exporter.compare_fn)(best_result, eval_result_dict(metrics, step))
+        )
+    except Exception as exc:
+        raise ValueError(
+            f"BestExporter {exporter.name!r}: compare_fn {exporter.compare_fn!r} failed comparing "
+            f"step {step} with the best so far, step {best['step']} ({type(exc).__name__}: "
+            f"{exc}); it gets two dicts of eval metrics with global_step (keys: "
+            f"{sorted(eval_result_dict(metrics, step))})"
+        ) from exc
+
+
+def best_of(exporter: BestExporter, results: list[EvalResult]) -> EvalResult | None:
+    """The best of `results` as the exporter judges (ties: the earliest step, as it keeps it)."""
+    best: EvalResult | None = None
+    for result in sorted(results, key=lambda r: r.step):
+        if exporter.compare_fn is None and exporter.metric not in result.metrics:
+            continue
+        stored = None if best is None else best_record(exporter, best)
+        if beats(exporter, result.metrics, int(result.step), stored):
+            best = result
+    return best
+
+
+def best_record(exporter: BestExporter, result: EvalResult) -> dict[str, Any]:
+    """What ``best.json`` holds for `result`."""
+    record: dict[str, Any] = {"step": int(result.step), "metrics": dict(result.metrics)}
+    if exporter.compare_fn is None:
+        record.update(
+            metric=exporter.metric, value=result.metrics[exporter.metric], mode=exporter.mode
+        )
+    else:
+        record["compare_fn"] = exporter.compare_fn
+    return record
