@@ -23,6 +23,7 @@ import signal
 import sys
 
 from prefect_jax.cli import commands, launch, status
+from prefect_jax.training.names import DEFAULT_EXPERIMENT
 
 __all__ = ["build_parser", "entry", "main"]
 
@@ -139,7 +140,9 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
     )
     add("--mlflow-tracking-uri", default=None, help="MLflow tracking URI")
     add(
-        "--mlflow-experiment", default="prefect-jax", help="MLflow experiment (default prefect-jax)"
+        "--mlflow-experiment",
+        default=DEFAULT_EXPERIMENT,
+        help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})",
     )
     add("--json", action="store_true", help="print one JSON object as the last line on stdout")
     add("--no-progress", action="store_true", help="no progress bar")

@@ -7,6 +7,7 @@
 from typing import Any
 
 from prefect_jax.tasks import ui_refresh_secs
+from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, RetrySpec, TrainSpec
 
 _CONFIG_ARGS = (
@@ -31,7 +32,7 @@ def _job_config(
     eval_spec: EvalSpec | dict | None = None,
     checkpoint_spec: CheckpointSpec | dict | None = None,
     mlflow_tracking_uri: str | None = None,
-    mlflow_experiment: str = "prefect-jax",
+    mlflow_experiment: str = DEFAULT_EXPERIMENT,
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec | dict | None = None,
     check_settings: bool = True,

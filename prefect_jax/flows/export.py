@@ -9,6 +9,7 @@ from prefect import flow
 from prefect_jax.flows.config import _job_config
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
 
@@ -22,7 +23,7 @@ def export_flow(
     eval_spec: EvalSpec = EvalSpec(),
     checkpoint_spec: CheckpointSpec = CheckpointSpec(),
     mlflow_tracking_uri: str | None = None,
-    mlflow_experiment: str = "prefect-jax",
+    mlflow_experiment: str = DEFAULT_EXPERIMENT,
     step: int | None = None,
     retry_spec: RetrySpec = RetrySpec(),
 ) -> dict[str, str]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from prefect_jax.flows.tags import _OWN_TAGS, _RUN_TAG_PREFIXES
 from prefect_jax.tasks import process_tag
+from prefect_jax.training.names import OWN_TAG
 
 
 def _join_processes() -> None:
@@ -99,7 +100,7 @@ def run_as_process(
             name=f"{parent.name}-process-{index}",
             parameters=parameters,
             parent_task_run_id=link_run.id,
-            tags=[*tags, "prefect-jax", process_tag(), f"jax-process:{index}"],
+            tags=[*tags, OWN_TAG, process_tag(), f"jax-process:{index}"],
         )
     # The flow's own flow_run_name template would rename the child as its parent on start.
     try:

@@ -29,7 +29,6 @@ UI_MODEL_TRAINING = (
 # MLflow: metric prefixes (an evaluation's metrics are prefixed with its EvalSpec name)
 TRAIN_PREFIX = "train/"
 GOODPUT_PREFIX = "goodput/"
-SYSTEM_PREFIX = "system/"  # MLflow's own system metrics
 RESERVED_EVAL_NAMES = ("train", "goodput", "system")
 """Metric prefixes taken (``train/``, ``goodput/``: prefect-jax's; ``system/``: MLflow's system
 metrics): no evaluation's name."""

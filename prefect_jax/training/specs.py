@@ -26,6 +26,7 @@ from prefect_jax.training.eval_specs import (
     FinalExporter,
     LatestExporter,
 )
+from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.spec_base import Spec, check_name, positive
 
 
@@ -256,7 +257,7 @@ class JobConfig(Spec):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     mlflow_tracking_uri: str | None = None
-    mlflow_experiment: str = "prefect-jax"
+    mlflow_experiment: str = DEFAULT_EXPERIMENT
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         exclude=True,
