@@ -92,46 +92,15 @@ def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_co
     import signal
 
     handler = signal.getsignal(signal.SIGTERM)
+    # A command refused before it trains (max_steps 0): exit code 2.
+    refused = ["run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "r")]
+    refused += ["--max-steps", "0", "--mlflow-tracking-uri", mlflow_uri]
     try:
         assert gc.isenabled()
-        assert (
-            cli.main(
-                [
-                    "run",
-                    "--program",
-                    TINY,
-                    "--job",
-                    "j",
-                    "--storage",
-                    str(tmp_path / "r"),
-                    "--max-steps",
-                    "0",
-                    "--mlflow-tracking-uri",
-                    mlflow_uri,
-                ]
-            )
-            == 2
-        )
+        assert cli.main(refused) == 2
         assert gc.isenabled()
         gc.disable()  # a caller's choice is left as it was
-        assert (
-            cli.main(
-                [
-                    "run",
-                    "--program",
-                    TINY,
-                    "--job",
-                    "j",
-                    "--storage",
-                    str(tmp_path / "r"),
-                    "--max-steps",
-                    "0",
-                    "--mlflow-tracking-uri",
-                    mlflow_uri,
-                ]
-            )
-            == 2
-        )
+        assert cli.main(refused) == 2
         assert not gc.isenabled()
     finally:
         gc.enable()
