@@ -211,7 +211,9 @@ class Evaluations:
                 self.reconciled = False  # nothing to join yet: try again next time
                 return 0
             run_id = job.read_meta(source).get("mlflow_run_id")
-            job.attach_tracking(job_params(t.config, t.program), run_id, reopen=False)
+            job.attach_tracking(
+                job_params(t.config, t.program, t.program_params), run_id, reopen=False
+            )
         t.exports.warm_registry()  # (once per evaluating process, as this)
         recorded = [r for r in job.records.all() if r.metrics]
         for result in recorded:

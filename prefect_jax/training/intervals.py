@@ -176,6 +176,8 @@ class Intervals:
                 "program": t.config.program,
                 "program_fingerprint": t.program_fingerprint,
                 "config_fingerprint": t.config.fingerprint(),
+                # checked when the job resumes from this step (`program_params.check_restore`)
+                "program_params": t.program_params.as_meta(),
                 # Known unless MLflow is still opening (the first save of a fresh process): then
                 # evaluators and reruns find the run by its job tag instead.
                 "mlflow_run_id": job.tracker.run_id_if_known(),

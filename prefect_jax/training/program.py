@@ -22,7 +22,11 @@ Optionally:
   a pipeline that only slices arrays is faster with ``grain.ReadOptions(num_threads=0)``).
 
 Programs are named by import path, ``"package.module:attribute"``, so a Prefect deployment
-can carry the name as a JSON parameter.
+can carry the name as a JSON parameter. The attribute may be a factory whose one parameter is
+typed (a pydantic model or a dataclass): the job's ``program_params`` (a JSON-able dict) are
+validated into that type and the factory is called with it; a ``max_steps`` field left None is
+filled with the job's ``max_steps`` (see `prefect_jax.training.program_params`, and
+docs/program.md).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import importlib
 import json
 from typing import Any
 
+from prefect_jax.training.program_params import ProgramParams, params_type, validate_params
+
 REQUIRED = ("init", "train_step", "eval_step", "train_data", "eval_data")
 SERVING = ("serve", "serving_input")
 
@@ -40,20 +46,37 @@ class ProgramError(ValueError):
     """The program path cannot be loaded, or the object lacks part of the contract."""
 
 
-def load_program(path: str) -> Any:
+def load_program(
+    path: str, params: dict[str, Any] | None = None, max_steps: int | None = None
+) -> Any:
     """Import ``"package.module:attribute"`` and check it provides the program contract.
 
     Args:
         path: import path of the program object, e.g. ``"prefect_jax.examples.digits:program"``.
+        params: the program's parameters, for a factory with a typed parameter (see
+            `load_program_with_params`); None or ``{}`` for none.
+        max_steps: the job's ``max_steps``, filled into a ``max_steps`` field left None.
 
     Returns:
         The program object. If the attribute is a class or a factory function taking no
-        arguments, it is called once to build the program.
+        arguments, it is called once to build the program; if its one parameter is typed (a
+        pydantic model or a dataclass), it is called with `params` validated into that type.
 
     Raises:
-        ProgramError: the path is malformed, the module or attribute does not exist, or the
-            object misses a required method (the message lists them).
+        ProgramError: the path is malformed, the module or attribute does not exist, the
+            object misses a required method (the message lists them), or `params` were given
+            to a program that takes none.
+        ProgramParamsError: `params` do not fit the program's parameter type (the message names
+            the key and value and lists the fields with their types).
     """
+    return load_program_with_params(path, params, max_steps)[0]
+
+
+def load_program_with_params(
+    path: str, params: dict[str, Any] | None = None, max_steps: int | None = None
+) -> tuple[Any, ProgramParams]:
+    """`load_program`, and the parameters it was built with, as they are recorded (in
+    checkpoints, MLflow params, ``status``) and checked when the job restores a step."""
     if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
         raise ProgramError(
             f"program path {path!r} is not of the form 'package.module:attribute' "
@@ -76,16 +99,35 @@ def load_program(path: str) -> Any:
             f"program path {path!r}: module {module_name!r} has no attribute {attr!r}; "
             f"names it defines: {sorted(n for n in vars(module) if not n.startswith('_'))[:20]}"
         ) from exc
+    recorded = ProgramParams()
     if isinstance(obj, type) or (callable(obj) and not all(hasattr(obj, m) for m in REQUIRED)):
-        try:
-            obj = obj()
-        except TypeError as exc:
-            raise ProgramError(
-                f"program path {path!r} names a callable that could not be called without "
-                f"arguments ({exc}); point it at a program object or a zero-argument factory"
-            ) from exc
+        typed = params_type(obj)
+        if typed is not None:
+            instance, recorded = validate_params(typed, params, path, max_steps)
+            obj = obj(instance)
+        else:
+            _refuse_params(path, params, "a factory without a typed parameter")
+            try:
+                obj = obj()
+            except TypeError as exc:
+                raise ProgramError(
+                    f"program path {path!r} names a callable that could not be called without "
+                    f"arguments ({exc}); point it at a program object, a zero-argument factory "
+                    "or a factory whose one parameter is a pydantic model or a dataclass"
+                ) from exc
+    else:
+        _refuse_params(path, params, "a program object")
     check_program(obj, path)
-    return obj
+    return obj, recorded
+
+
+def _refuse_params(path: str, params: dict[str, Any] | None, what: str) -> None:
+    if params:
+        raise ProgramError(
+            f"program params {params!r} were given, but {path!r} names {what}, which takes "
+            "none: drop the params, or point the path at a factory whose one parameter is a "
+            "pydantic model or a dataclass (see docs/program.md)"
+        )
 
 
 def check_program(program: Any, name: str = "program") -> None:

@@ -9,12 +9,17 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prefect_jax.training.checkpoint_dirs import committed_steps, wait_for_new_checkpoint
+from prefect_jax.training.checkpoint_dirs import (
+    committed_steps,
+    read_meta_file,
+    wait_for_new_checkpoint,
+)
 from prefect_jax.training.checkpoints import CheckpointMismatchError, Checkpoints
 from prefect_jax.training.errors import PastMaxStepsError
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.loop import notify_progress
 from prefect_jax.training.names import DEVICES_TAG
+from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.tracking import flatten_params
 
@@ -90,7 +95,7 @@ def recover_session(
                 if prepare_step is not None:
                     prepare_step(step)
                 state, meta = checkpoints.restore(step, abstract_state, data_iter)
-            except CheckpointMismatchError:
+            except (CheckpointMismatchError, ProgramParamsMismatchError):
                 raise
             except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
                 logger.warning(
@@ -191,9 +196,10 @@ def describe_devices() -> str:
     return text + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
 
 
-def job_params(config, program) -> dict[str, str]:
-    """A job's MLflow params: its program, specs and program config, flattened."""
-    return flatten_params(
+def job_params(config, program, program_params=None) -> dict[str, str]:
+    """A job's MLflow params: its program, specs and program config, flattened, and each of the
+    program's typed parameters (`ProgramParams`) as ``program.<field>``."""
+    params = flatten_params(
         "",
         {
             "program": config.program,
@@ -204,6 +210,9 @@ def job_params(config, program) -> dict[str, str]:
             "program_config": getattr(program, "config", None) or {},
         },
     )
+    if program_params is not None:
+        params.update(flatten_params("program", program_params.values))
+    return params
 
 
 def restore_trainer(
@@ -234,6 +243,16 @@ def restore_trainer(
     # (remote: the committed steps, listed once for the restore below)
     listed = job.prepare_restore()
     has_own = bool(listed if listed is not None else job.committed_steps())
+
+    def prepare_step(step: int) -> None:
+        """Before a step of the job's own is restored: fetched (remote storage), and refused if it
+        was trained with other program params (before its tree is compared: a model of another
+        size would be refused for its shapes, not for the params that made them)."""
+        if job.remote is not None:
+            job.fetch(step)
+        meta = read_meta_file(job.checkpoints.directory, step)
+        check_restore(meta, trainer.program_params, trainer.config.job, step)
+
     state, step, meta, data_iter = restore_or_init(
         job.checkpoints,
         loop.init_state,
@@ -247,7 +266,7 @@ def restore_trainer(
         on_unreadable=job.set_aside,
         # (none yet: a wait for one lists again)
         list_steps=(lambda: listed) if listed else job.committed_steps,
-        prepare_step=job.fetch if job.remote is not None else None,
+        prepare_step=prepare_step,
     )
     if checkpoint_path and not has_own and step:
         # warm start: weights from elsewhere, this job's data from the start
@@ -255,7 +274,8 @@ def restore_trainer(
     job.discard_records_after(step)
     # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
     job.attach_tracking(
-        job_params(trainer.config, trainer.program), (meta or {}).get("mlflow_run_id")
+        job_params(trainer.config, trainer.program, trainer.program_params),
+        (meta or {}).get("mlflow_run_id"),
     )
     # The restored interval's train metrics, in case its process died before writing them.
     trainer.intervals.log_train_rows([tuple(r) for r in (meta or {}).get("train_metrics", [])])

@@ -234,6 +234,9 @@ class JobConfig(Spec):
 
     Args:
         program: import path of the program, ``"package.module:attribute"``.
+        program_params: the program's typed parameters, for a program path naming a factory
+            whose one parameter is a pydantic model or a dataclass (see
+            `prefect_jax.training.program_params`); None for none.
         job: job name; the job's files live under ``<storage>/<job>/``.
         storage: storage root (local directory or URL).
         train: the TrainSpec.
@@ -250,6 +253,11 @@ class JobConfig(Spec):
     """
 
     program: str
+    program_params: dict[str, Any] | None = Field(
+        None,
+        description="The program's parameters (its factory's typed parameter, as a dict); "
+        "recorded in checkpoints and MLflow, checked when the job resumes.",
+    )
     job: str
     storage: str
     train: TrainSpec
@@ -282,7 +290,10 @@ class JobConfig(Spec):
         import hashlib
         import json
 
-        blob = json.dumps({"program": self.program, "seed": self.train.seed}, sort_keys=True)
+        shape = {"program": self.program, "seed": self.train.seed}
+        if self.program_params:  # (jobs without params keep the fingerprint they had)
+            shape["program_params"] = self.program_params
+        blob = json.dumps(shape, sort_keys=True, default=repr)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -48,9 +48,10 @@ from prefect_jax.training.preemption import PreemptionGuard
 from prefect_jax.training.program import (
     ProgramError,
     has_serving,
-    load_program,
+    load_program_with_params,
     program_fingerprint,
 )
+from prefect_jax.training.program_params import ProgramParams
 from prefect_jax.training.session import (
     recover_session,
     recover_trainer,
@@ -91,7 +92,13 @@ class Trainer:
         # (a lost process seen by an earlier trainer in this process is not this one's)
         forget_lost()
         self.config = config
-        self.program = program if program is not None else load_program(config.program)
+        if program is None:
+            program, self.program_params = load_program_with_params(
+                config.program, config.program_params, config.train.max_steps
+            )
+        else:  # built by the caller: its params are what the job says
+            self.program_params = ProgramParams(values=dict(config.program_params or {}))
+        self.program = program
         self.job = Job(config, run_tags)
         try:
             self.compile_cache = None  # a mirror of a cache on remote storage (see compile_cache)

@@ -1,0 +1,253 @@
+"""A program's typed parameters: validated from a dict, recorded, checked on restore.
+
+A program path may name a factory whose one parameter is annotated with a pydantic ``BaseModel``
+or a dataclass (``def program(params: ByteLMParams) -> ByteLMProgram``). The engine validates
+the job's ``program_params`` (a dict: from ``--program-param``, a flow parameter or a deployment)
+into that type and calls the factory with it. Two declarations on the type matter to the engine:
+
+- a field named ``max_steps`` (an ``int | None``) left None is filled with the job's
+  ``TrainSpec.max_steps``, so a program can tie its learning-rate schedule's horizon to the job;
+  a value filled so is recorded but not compared on restore (a job resumed with a larger
+  ``max_steps`` stretches its schedule from there on, as the user asked);
+- ``restore_exempt``, a class attribute naming fields that do not change what is computed
+  (reading threads, prefetch depth): recorded, never compared on restore.
+
+Every other field's value is recorded in each checkpoint's metadata (``program_params``), logged
+as MLflow params ``program.<field>``, and compared when a job restores one of its own steps: a
+difference refuses the restore (`ProgramParamsMismatchError`) before any training.
+
+This module imports neither jax nor prefect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import types
+import typing
+from typing import Any
+
+ENGINE_FILLED = ("max_steps",)
+EXEMPT_ATTR = "restore_exempt"
+META_KEY = "program_params"
+
+
+class ProgramParamsError(ValueError):
+    """Program parameters that do not fit the program's parameter type."""
+
+
+class ProgramParamsMismatchError(ValueError):
+    """A job's checkpoint was trained with other program parameters than the ones given."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramParams:
+    """The parameters a program was built with, as recorded.
+
+    Args:
+        type_name: the parameter type's name (None: the program takes no parameters).
+        values: every field's value, JSON-able (what the program was built with).
+        filled: fields the engine filled from the job (``max_steps``): not compared on restore.
+        exempt: fields the type declares do not change the computation: not compared on restore.
+    """
+
+    type_name: str | None = None
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    filled: tuple[str, ...] = ()
+    exempt: tuple[str, ...] = ()
+
+    def compared(self) -> dict[str, Any]:
+        """The values a restore compares: all but the filled and exempt ones."""
+        skip = set(self.filled) | set(self.exempt)
+        return {k: v for k, v in self.values.items() if k not in skip}
+
+    def as_meta(self) -> dict[str, Any]:
+        """What a checkpoint's metadata records (`from_meta` reads it back)."""
+        return {
+            "type": self.type_name,
+            "values": self.values,
+            "filled": list(self.filled),
+            "exempt": list(self.exempt),
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> ProgramParams:
+        return cls(
+            meta.get("type"),
+            dict(meta.get("values") or {}),
+            tuple(meta.get("filled") or ()),
+            tuple(meta.get("exempt") or ()),
+        )
+
+
+def _unwrap_optional(tp):
+    """``X | None`` (or ``Optional[X]``) as ``X``; any other type as it is."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else None
+    return tp
+
+
+def _is_params_type(tp) -> bool:
+    if not isinstance(tp, type):
+        return False
+    if dataclasses.is_dataclass(tp):
+        return True
+    try:
+        from pydantic import BaseModel
+    except ImportError:  # pragma: no cover - pydantic is a dependency
+        return False
+    return issubclass(tp, BaseModel)
+
+
+def params_type(factory: Any) -> type | None:
+    """The parameter type of a program factory: the annotation of its one parameter (or of its
+    first, if the others have defaults) when that is a pydantic model or a dataclass (``X | None``
+    counts as ``X``); None for anything else."""
+    if not callable(factory):
+        return None
+    target = factory.__init__ if isinstance(factory, type) else factory
+    try:
+        signature = inspect.signature(factory)
+        hints = typing.get_type_hints(target)
+    except (TypeError, ValueError, NameError):
+        return None
+    params = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if not params or any(p.default is p.empty for p in params[1:]):
+        return None
+    tp = _unwrap_optional(hints.get(params[0].name))
+    return tp if _is_params_type(tp) else None
+
+
+def _field_types(tp: type) -> dict[str, str]:
+    """``{field: "its type"}`` of a pydantic model or a dataclass, in declaration order."""
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(tp)}
+    else:
+        fields = {name: f.annotation for name, f in tp.model_fields.items()}
+    return {name: _type_text(t) for name, t in fields.items()}
+
+
+def _type_text(tp) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def describe_fields(tp: type) -> str:
+    """``"name: type, ..."`` of every field of `tp`, for error messages."""
+    return ", ".join(f"{name}: {text}" for name, text in _field_types(tp).items())
+
+
+def validate_params(
+    tp: type, given: dict[str, Any] | None, where: str, max_steps: int | None = None
+) -> tuple[Any, ProgramParams]:
+    """`given` validated into `tp`, with ``max_steps`` filled from the job where the type has
+    the field and it was not given.
+
+    Args:
+        tp: the parameter type (pydantic model or dataclass).
+        given: the job's program params (None: none given).
+        where: the program's path, for error messages.
+        max_steps: the job's ``TrainSpec.max_steps``.
+
+    Returns:
+        (the instance the factory is called with, what is recorded of it).
+
+    Raises:
+        ProgramParamsError: `given` is not a dict, names a field `tp` lacks, or a value its
+            field refuses; the message names the key and value and lists the fields and types.
+    """
+    from pydantic import TypeAdapter, ValidationError
+
+    fields = _field_types(tp)
+    listing = f"fields of {tp.__name__}: {describe_fields(tp)}"
+    if given is not None and not isinstance(given, dict):
+        raise ProgramParamsError(
+            f"program params for {where} must be a dict of {tp.__name__}'s fields, not "
+            f"{given!r}; {listing}"
+        )
+    data = dict(given or {})
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        bad = ", ".join(f"{k}={data[k]!r}" for k in unknown)
+        raise ProgramParamsError(
+            f"program params for {where}: {bad} is not a field of {tp.__name__}; give only "
+            f"its fields ({listing})"
+        )
+    filled = []
+    if max_steps is not None:
+        for name in ENGINE_FILLED:
+            if name in fields and data.get(name) is None:
+                data[name] = max_steps
+                filled.append(name)
+    try:
+        instance = TypeAdapter(tp).validate_python(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or tp.__name__
+            value = err.get("input")
+            problems.append(f"{loc}={value!r}: {err['msg']}")
+        raise ProgramParamsError(
+            f"program params for {where} refused: {'; '.join(problems)} ({listing})"
+        ) from None
+    values = json.loads(json.dumps(TypeAdapter(tp).dump_python(instance, mode="json")))
+    exempt = tuple(name for name in getattr(tp, EXEMPT_ATTR, ()) if name in fields)
+    return instance, ProgramParams(tp.__name__, values, tuple(filled), exempt)
+
+
+def differences(saved: ProgramParams, given: ProgramParams) -> list[tuple[str, Any, Any]]:
+    """``(field, saved value, given value)`` for each compared field that differs (a field only
+    one side has counts, with ``<unset>`` on the other)."""
+    a, b = saved.compared(), given.compared()
+    skip = set(saved.filled) | set(saved.exempt) | set(given.filled) | set(given.exempt)
+    out = []
+    for key in sorted((set(a) | set(b)) - skip):
+        if a.get(key, "<unset>") != b.get(key, "<unset>"):
+            out.append((key, a.get(key, "<unset>"), b.get(key, "<unset>")))
+    return out
+
+
+def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) -> None:
+    """Refuse to resume job `job` from its `step` (whose metadata is `meta`) with program params
+    other than the ones it was trained with. A checkpoint that recorded none (written before
+    program params were recorded) is not checked.
+
+    Raises:
+        ProgramParamsMismatchError: naming each key that differs (saved vs given) and the fix.
+    """
+    if not meta or META_KEY not in meta:
+        return
+    diffs = differences(ProgramParams.from_meta(meta[META_KEY]), given)
+    if not diffs:
+        return
+    listed = "; ".join(f"{k}: saved {s!r}, given {g!r}" for k, s, g in diffs)
+    same = " ".join(f"--program-param {k}={json.dumps(s)}" for k, s, _ in diffs if s != "<unset>")
+    raise ProgramParamsMismatchError(
+        f"job {job!r} was trained to step {step} with other program params than the ones given "
+        f"({listed}); nothing was restored or trained. Resume it with the same params"
+        f"{f' ({same})' if same else ''}, or train the new params under a new job name"
+    )
+
+
+def step_meta(storage, step: int) -> dict[str, Any] | None:
+    """A committed step's metadata (`JobStorage`, wherever it is), read without a restore or a
+    download; None where it cannot be read."""
+    try:
+        if storage.orbax_native:
+            from prefect_jax.training.checkpoint_dirs import read_meta_file
+
+            meta = read_meta_file(storage.checkpoint_dir, step)
+        else:
+            from prefect_jax.training.remote import RemoteSteps
+
+            remote = RemoteSteps(storage.remote_checkpoint_url, storage.storage_options)
+            meta = remote.read_meta(step)
+    except Exception:  # noqa: BLE001 - unreadable: the restore will say why
+        return None
+    return meta
