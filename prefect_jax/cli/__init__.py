@@ -161,6 +161,21 @@ def _add_role(sub, name: str) -> None:
     role = sub.add_parser(name, help=_ROLE_HELP[name], description=_ROLE_HELP[name])
     add = role.add_argument
     add("--program", required=True, help="program import path, 'package.module:attribute'")
+    add(
+        "--program-param",
+        dest="program_param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a program parameter (repeatable); VALUE is read as JSON, else as a string, e.g. "
+        "--program-param preset=tiny --program-param batch_size=32",
+    )
+    add(
+        "--program-params",
+        default=None,
+        metavar="JSON",
+        help="program parameters as one JSON object ('--program-param's win on the same key)",
+    )
     add("--job", required=True, help="job name")
     add(
         "--storage",

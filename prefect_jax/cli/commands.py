@@ -47,6 +47,38 @@ def specs_from_args(args: argparse.Namespace):
     )
 
 
+def program_params_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The program's params from ``--program-params JSON`` and each ``--program-param KEY=VALUE``
+    (a VALUE that is not JSON is a string: ``preset=tiny`` and ``preset='"tiny"'`` agree);
+    None where neither was given."""
+    params: dict[str, Any] = {}
+    raw = getattr(args, "program_params", None)
+    if raw is not None:
+        try:
+            params = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"--program-params {raw!r} is not JSON ({exc}); give an object, e.g. "
+                "'{\"batch_size\": 32}'"
+            ) from None
+        if not isinstance(params, dict):
+            raise ValueError(
+                f"--program-params {raw!r} must be a JSON object of the program's parameters, "
+                "e.g. '{\"batch_size\": 32}'"
+            )
+    for item in getattr(args, "program_param", None) or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"--program-param {item!r} is not KEY=VALUE; e.g. --program-param batch_size=32"
+            )
+        try:
+            params[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            params[key.strip()] = text
+    return params if (params or raw is not None) else None
+
+
 def _run_flow(
     args: argparse.Namespace,
     program: str,
@@ -69,6 +101,7 @@ def _run_flow(
         )
         warm_up_tracking(tracking_uri, registry=registers)
         specs = specs_from_args(args)  # bad values: refused before anything starts
+        program_params_from_args(args)  # a malformed --program-param(s) too
         server = early_server()  # the embedded server's start-up, beside the imports below too
         try:
             return _run_flow_with(args, program, job, storage, tracking_uri, role, specs, server)
@@ -93,6 +126,9 @@ def _run_flow_with(
         mlflow_tracking_uri=tracking_uri,
         mlflow_experiment=args.mlflow_experiment,
     )
+    program_params = program_params_from_args(args)
+    if program_params is not None:  # (left out otherwise: a flow without it still runs)
+        common["program_params"] = program_params
     if role in _TRAINS:
         flow = flows.train_and_evaluate if role == "train_and_evaluate" else flows.train
         kwargs = dict(
@@ -117,7 +153,7 @@ def _run_flow_with(
         flow, kwargs = flows.export_flow, dict(common, step=args.step)
     from prefect_jax.blocks import BLOCK_PREFIX
 
-    check = (program, job, storage, args.max_steps if role in _TRAINS else None)
+    check = (program, job, storage, args.max_steps if role in _TRAINS else None, program_params)
     if not storage.startswith(BLOCK_PREFIX):
         # Refused in a fraction of a second (a server started early is stopped unused).
         _preflight(*check)
@@ -144,7 +180,13 @@ def _run_flow_with(
             return flow(**kwargs)
 
 
-def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> None:
+def _preflight(
+    program: str,
+    job: str,
+    storage: str,
+    max_steps: int | None,
+    program_params: dict[str, Any] | None = None,
+) -> None:
     """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
     flow run with a traceback in front of it. The flow checks the same things again (a
     deployment's runs do not come through here)."""
@@ -153,7 +195,9 @@ def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> N
     from prefect_jax.training.facade import preflight
 
     ui_refresh_secs()
-    preflight(program, job, storage, max_steps, resolve=resolve_storage)
+    preflight(
+        program, job, storage, max_steps, resolve=resolve_storage, program_params=program_params
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -42,6 +42,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from prefect_jax.training.facade import describe_goodput
 
     print(f"  goodput: {describe_goodput(status['goodput'])}")
+    if status.get("program_params"):
+        given = ", ".join(f"{k}={json.dumps(v)}" for k, v in status["program_params"].items())
+        print(f"  program params (newest step): {given}")
     registry = status.get("registered_model")
     if registry:
         versions = ", ".join(f"v{v} (step {s})" for s, v in registry["versions"].items()) or "none"

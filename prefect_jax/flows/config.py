@@ -21,6 +21,7 @@ _CONFIG_ARGS = (
     "mlflow_experiment",
     "compilation_cache_dir",
     "retry_spec",
+    "program_params",
 )
 
 
@@ -36,6 +37,7 @@ def _job_config(
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec | dict | None = None,
     check_settings: bool = True,
+    program_params: dict[str, Any] | None = None,
 ) -> JobConfig:
     """The job's `JobConfig` from a flow's parameters (the specs as given or as their dicts)."""
     from prefect_jax.blocks import resolve_storage
@@ -55,6 +57,7 @@ def _job_config(
         mlflow_experiment=mlflow_experiment,
         compilation_cache_dir=compilation_cache_dir,
         retry=retry_spec or RetrySpec(),
+        program_params=program_params,
     )
 
 

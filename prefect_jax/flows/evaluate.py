@@ -34,6 +34,7 @@ def evaluate(
     poll_secs: float = 10.0,
     idle_timeout_secs: float | None = None,
     retry_spec: RetrySpec = RetrySpec(),
+    program_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The continuous evaluator role (TF's evaluator task), on the same job as a `train` run.
 
@@ -85,6 +86,7 @@ def evaluate(
         mlflow_experiment,
         compilation_cache_dir,
         retry_spec,
+        program_params=program_params,
     )
     tasks = job_tasks(config.retry)
     evaluator = Evaluator.for_job(

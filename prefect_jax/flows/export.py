@@ -4,6 +4,8 @@
 # flow to its child process with cloudpickle, which copies only the globals the function's code
 # uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
 # would fail parameter validation (tests/test_deployment_rerun.py).
+from typing import Any
+
 from prefect import flow
 
 from prefect_jax.flows.config import _job_config
@@ -26,6 +28,7 @@ def export_flow(
     mlflow_experiment: str = DEFAULT_EXPERIMENT,
     step: int | None = None,
     retry_spec: RetrySpec = RetrySpec(),
+    program_params: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """Run the eval spec's exporters on an evaluated step (default: the newest evaluated one).
 
@@ -68,6 +71,7 @@ def export_flow(
         mlflow_tracking_uri,
         mlflow_experiment,
         retry_spec=retry_spec,
+        program_params=program_params,
     )
     js = JobStorage(config.storage, config.job, config.storage_options)
     records = EvalRecords(js, config.eval.name)

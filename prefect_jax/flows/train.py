@@ -39,6 +39,7 @@ def train(
     checkpoint_path: str | None = None,
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec = RetrySpec(),
+    program_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The trainer role: train and checkpoint until `max_steps`; evaluation is someone else's.
 
@@ -84,6 +85,7 @@ def train(
         mlflow_experiment,
         compilation_cache_dir,
         retry_spec,
+        program_params=program_params,
     )
     _join_processes()
     step = job_tasks(config.retry).restore_or_init(config, checkpoint_path=checkpoint_path)["step"]

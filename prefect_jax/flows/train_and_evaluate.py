@@ -38,6 +38,7 @@ def train_and_evaluate(
     checkpoint_path: str | None = None,
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec = RetrySpec(),
+    program_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train until `train_spec.max_steps`, evaluating and exporting every new checkpoint.
 
@@ -65,6 +66,9 @@ def train_and_evaluate(
         compilation_cache_dir: JAX persistent compilation cache directory, or ``"job"`` for
             one under the job's storage: a resumed run does not recompile.
         retry_spec: how often the tasks retry a transient failure.
+        program_params: the program's typed parameters (a dict of its factory's parameter
+            type's fields, see docs/program.md); recorded in checkpoints and MLflow params
+            ``program.<field>``, and a resume with other values is refused.
 
     Returns:
         A summary: ``job``, ``final_step``, ``eval`` (final metrics), ``checkpoint_dir``,
@@ -99,6 +103,7 @@ def train_and_evaluate(
         mlflow_experiment,
         compilation_cache_dir,
         retry_spec,
+        program_params=program_params,
     )
     _join_processes()
     step = job_tasks(config.retry).restore_or_init(config, checkpoint_path=checkpoint_path)["step"]

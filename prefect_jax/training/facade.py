@@ -85,12 +85,14 @@ def preflight(
     storage: str,
     max_steps: int | None = None,
     resolve: Callable[[str], tuple[str, Mapping[str, Any]]] | None = None,
+    program_params: Mapping[str, Any] | None = None,
 ) -> None:
     """Refuse what a training flow would refuse, before anything starts.
 
-    Reads the cluster from the environment (``TF_CONFIG`` & co.), loads the program, checks that
-    the job's storage is writable and, with `max_steps`, that no committed step of the job is past
-    it. The flows check the same again.
+    Reads the cluster from the environment (``TF_CONFIG`` & co.), loads the program with its
+    params, checks that the job's storage is writable and, with `max_steps`, that no committed
+    step of the job is past it and that its newest was trained with the same program params. The
+    flows check the same again.
 
     Args:
         program: The program's import path, ``"package.module:attribute"``.
@@ -99,28 +101,36 @@ def preflight(
         max_steps: The step the job trains to; None for a role that does not train.
         resolve: Turns `storage` into a URL and its fsspec options (credentials), once the program
             is loaded (a Prefect block's, say); by default `storage` is the URL, with no options.
+        program_params: The program's typed parameters (`JobConfig.program_params`), if any.
 
     Raises:
         ClusterConfigError: The cluster variables are malformed or name an unsupported task type.
         ProgramError: The program cannot be imported or is no program.
+        ProgramParamsError: `program_params` do not fit the program's parameter type.
+        ProgramParamsMismatchError: The job's newest step was trained with other params.
         StorageNotWritableError: The storage cannot be written.
         PastMaxStepsError: The job has a committed step past `max_steps`.
     """
     from prefect_jax.training.cluster_config import from_env
     from prefect_jax.training.errors import PastMaxStepsError
-    from prefect_jax.training.program import load_program
+    from prefect_jax.training.program import load_program_with_params
+    from prefect_jax.training.program_params import check_restore, step_meta
     from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
     from_env()  # before anything is written
-    load_program(program)
+    _, params = load_program_with_params(
+        program, dict(program_params) if program_params else None, max_steps
+    )
     url, options = resolve(storage) if resolve is not None else (storage, {})
     js = JobStorage(url, job, dict(options or {}))
     js.check_writable()
     committed = job_committed_steps(js) if max_steps is not None else []
     if committed and committed[-1] > max_steps:
         raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
+    if committed:
+        check_restore(step_meta(js, committed[-1]), params, job, committed[-1])
 
 
 def committed_steps(job: str, url: str, options: Mapping[str, Any] | None = None) -> list[int]:
@@ -142,8 +152,9 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
 
     Returns:
         ``storage`` (the root), ``committed_steps``, ``evaluated_steps`` (per eval name),
-        ``exports`` (per exporter), ``goodput`` and, once an export was registered,
-        ``registered_model``.
+        ``exports`` (per exporter), ``goodput``, ``program_params`` (those the newest committed
+        step was trained with; absent where it recorded none) and, once an export was
+        registered, ``registered_model``.
 
     Raises:
         FileNotFoundError: No such job there; the message names the jobs that are.
@@ -182,6 +193,12 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
         "exports": list_exports(js),
         "goodput": summarize(read_ledger(js)),
     }
+    if committed:
+        from prefect_jax.training.program_params import META_KEY, step_meta
+
+        recorded_params = (step_meta(js, committed[-1]) or {}).get(META_KEY)
+        if recorded_params is not None:
+            status["program_params"] = recorded_params.get("values", {})
     recorded = js.read_json(js.path("registry.json"))
     if recorded:
         status["registered_model"] = _registry_status(recorded, js.job_dir)
