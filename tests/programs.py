@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
 
 from prefect_jax.examples.digits import DigitsProgram
 
@@ -223,3 +227,44 @@ class TwoArgumentListener:
 
     def before_eval(self, step, other):
         return True
+
+
+class DigitsParams(BaseModel):
+    """Typed params of `typed_digits` (a pydantic model): `max_steps` is the engine's to fill,
+    `read_threads` changes nothing computed (exempt from the restore check)."""
+
+    model_config = ConfigDict(extra="forbid")
+    restore_exempt: ClassVar[tuple[str, ...]] = ("read_threads",)
+
+    learning_rate: float = 3e-3
+    width: int = 32
+    max_steps: int | None = None
+    read_threads: int = 0
+
+
+def typed_digits(params: DigitsParams) -> DigitsProgram:
+    """The tiny digits program built from typed params; it keeps them to be looked at."""
+    program = DigitsProgram(
+        hidden=(params.width, params.width),
+        learning_rate=params.learning_rate,
+        batch_size=32,
+        dropout=0.1,
+    )
+    program.params = params
+    return program
+
+
+@dataclasses.dataclass
+class WidthParams:
+    """Typed params as a dataclass."""
+
+    width: int = 32
+    dropout: float = 0.1
+
+
+def dataclass_digits(params: WidthParams) -> DigitsProgram:
+    program = DigitsProgram(
+        hidden=(params.width, params.width), batch_size=32, dropout=params.dropout
+    )
+    program.params = params
+    return program

@@ -176,3 +176,122 @@ def test_the_export_maps_token_ids_to_next_token_logits():
     one = served.call(tokens[:1])  # the batch is symbolic
     np.testing.assert_allclose(np.asarray(one), np.asarray(logits[:1]), rtol=1e-5, atol=1e-5)
     assert program.serving_example().shape == (2, 32)
+
+
+# -- typed program params ----------------------------------------------------------------
+
+PROGRAM = "prefect_jax.examples.bytelm:program"
+
+
+def test_the_schedules_horizon_is_the_jobs_max_steps_unless_decay_steps_is_given():
+    from prefect_jax.training.program import load_program
+
+    short = load_program(PROGRAM, {"preset": "tiny"}, max_steps=120)
+    long = load_program(PROGRAM, {"preset": "tiny"}, max_steps=5000)
+    peak, floor = 3e-3, 3e-3 * PRESETS["tiny"].min_lr_ratio
+    assert short.cfg.decay_steps == 120 and long.cfg.decay_steps == 5000
+    assert float(short.schedule(120)) == pytest.approx(floor)
+    assert float(long.schedule(120)) > 0.9 * peak  # still near the peak at step 120
+    pinned = load_program(PROGRAM, {"preset": "tiny", "decay_steps": 300}, max_steps=120)
+    assert pinned.cfg.decay_steps == 300 and float(pinned.schedule(300)) == pytest.approx(floor)
+    # No job (the program built by hand): the preset's horizon.
+    assert load_program(PROGRAM, {"preset": "tiny"}).cfg.decay_steps == PRESETS["tiny"].decay_steps
+
+
+def test_the_environment_is_the_fallback_where_no_params_are_given(monkeypatch):
+    from prefect_jax.training.program import load_program_with_params
+
+    monkeypatch.setenv("PREFECT_JAX_BYTELM_PRESET", "tiny")
+    monkeypatch.setenv("PREFECT_JAX_BYTELM_CONFIG", '{"grad_accum": 2}')
+    program, recorded = load_program_with_params(PROGRAM, None, max_steps=40)
+    assert program.cfg == dataclasses.replace(PRESETS["tiny"], grad_accum=2, decay_steps=40)
+    assert recorded.values["preset"] == "tiny" and recorded.values["grad_accum"] == 2
+    given, _ = load_program_with_params(PROGRAM, {"preset": "tiny", "n_layers": 1}, max_steps=40)
+    assert given.cfg.grad_accum == 1 and given.cfg.n_layers == 1  # params given: env unused
+
+
+def test_a_resume_with_other_params_is_refused_before_any_training(job_config):
+    from prefect_jax.training.program_params import ProgramParamsMismatchError
+    from prefect_jax.training.trainer import Trainer
+
+    def config(**params):
+        made = job_config(max_steps=8, every_steps=4, job="lm-params", program=PROGRAM)
+        return made.model_copy(update={"program_params": {"preset": "tiny", **params}})
+
+    first = Trainer(config(learning_rate=0.01))
+    first.restore_or_init()
+    first.train_until_checkpoint()
+    first.job.checkpoints.wait()
+    first.close()
+    # The same shapes, another learning rate: the restore would succeed; it is refused.
+    second = Trainer(config(learning_rate=0.02))
+    with pytest.raises(
+        ProgramParamsMismatchError,
+        match=r"job 'lm-params' was trained to step 4 with other program params.*"
+        r"learning_rate: saved 0\.01, given 0\.02.*--program-param learning_rate=0\.01.*new job",
+    ):
+        second.restore_or_init()
+    second.close()
+    # An exempt field (reading threads) changes nothing computed: resumed.
+    third = Trainer(config(learning_rate=0.01, read_threads=1))
+    assert third.restore_or_init() == 4 and third.job.committed_steps() == [4]
+    third.close()
+
+
+@pytest.mark.slow
+def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
+    tmp_path, prefect_server, mlflow_uri
+):
+    import json
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from prefect_jax.training.checkpoint_dirs import committed_steps, read_meta_file
+
+    storage = str(tmp_path / "s")
+
+    def cli(*args):
+        env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL",)}
+        env.update(PREFECT_API_URL=prefect_server)
+        env.pop("PREFECT_JAX_BYTELM_PRESET", None)
+        return subprocess.run(
+            [sys.executable, "-m", "prefect_jax.cli", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+
+    run = ["run", "--program", PROGRAM, "--job", "lm", "--storage", storage]
+    run += ["--checkpoint-every-steps", "4", "--exporters", "--eval-steps", "1"]
+    run += ["--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
+    params = ["--program-params", '{"preset": "tiny", "n_layers": 1}']
+    params += ["--program-param", "d_model=24", "--program-param", "positions=learned"]
+    proc = cli(*run, "--max-steps", "4", *params)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    logged = MlflowClient(mlflow_uri).get_run(summary["mlflow_run_id"]).data.params
+    assert logged["program.d_model"] == "24" and logged["program.positions"] == "learned"
+    assert logged["program.preset"] == "tiny" and logged["program.max_steps"] == "4"
+    assert logged["program_config.d_model"] == "24"  # the model was built with it
+    assert logged["program_config.n_layers"] == "1" and logged["program_config.decay_steps"] == "4"
+    meta = read_meta_file(summary["checkpoint_dir"], 4)["program_params"]
+    assert meta["type"] == "ByteLMParams" and meta["values"]["d_model"] == 24
+    assert meta["filled"] == ["max_steps"]
+
+    # Other params on the same job: refused before anything runs, the checkpoint kept.
+    proc = cli(*run, "--max-steps", "8", *params[:2], "--program-param", "d_model=16")
+    assert proc.returncode == 2
+    assert "d_model: saved 24, given 16" in proc.stderr and "positions: saved 'learned'" in (
+        proc.stderr
+    )
+    assert "new job name" in proc.stderr
+    assert committed_steps(summary["checkpoint_dir"]) == [4]
+
+    proc = cli("status", "--job", "lm", "--storage", storage, "--json")
+    status = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert status["program_params"]["d_model"] == 24
+    text = cli("status", "--job", "lm", "--storage", storage).stdout
+    assert 'program params (newest step): preset="tiny"' in text and "d_model=24" in text

@@ -83,3 +83,99 @@ def test_digits_batches_reshuffle_each_epoch_and_cover_it_once():
     assert not np.array_equal(
         _ShuffledBatches(ids, ids[:, 0], batch, seed=4)[9]["y"], source[9]["y"]
     )
+
+
+# -- typed program params --------------------------------------------------------------
+
+
+def test_a_factorys_typed_params_are_validated_and_build_the_program():
+    from prefect_jax.training.program import load_program_with_params
+
+    program, recorded = load_program_with_params(
+        "programs:typed_digits", {"learning_rate": 0.01, "width": 16}, max_steps=300
+    )
+    assert program.params.learning_rate == 0.01 and program.hidden == (16, 16)
+    # max_steps left None is the job's; recorded as filled, read_threads as exempt
+    assert program.params.max_steps == 300
+    assert recorded.values == {
+        "learning_rate": 0.01,
+        "width": 16,
+        "max_steps": 300,
+        "read_threads": 0,
+    }
+    assert recorded.filled == ("max_steps",) and recorded.exempt == ("read_threads",)
+    assert recorded.compared() == {"learning_rate": 0.01, "width": 16}
+    # given, max_steps is the program's own (and compared)
+    again, recorded = load_program_with_params(
+        "programs:typed_digits", {"max_steps": 50}, max_steps=300
+    )
+    assert again.params.max_steps == 50 and recorded.filled == ()
+    # a dataclass works the same; no params: the type's defaults
+    program = load_program("programs:dataclass_digits", {"width": "24"})
+    assert program.params == __import__("programs").WidthParams(width=24)
+    assert load_program("programs:dataclass_digits").hidden == (32, 32)
+
+
+@pytest.mark.parametrize(
+    "path, params, match",
+    [
+        (
+            "programs:typed_digits",
+            {"learning_rat": 0.1},
+            r"learning_rat=0\.1 is not a field of DigitsParams.*learning_rate: float, width: int, "
+            r"max_steps: int \| None, read_threads: int",
+        ),
+        (
+            "programs:typed_digits",
+            {"width": "wide"},
+            r"width='wide': Input should be a valid integer.*fields of DigitsParams: "
+            r"learning_rate: float",
+        ),
+        (
+            "programs:dataclass_digits",
+            {"dropout": [1]},
+            r"dropout=\[1\]: Input should be a valid number.*width: int, dropout: float",
+        ),
+        (
+            "programs:typed_digits",
+            ["width", 3],
+            r"must be a dict of DigitsParams's fields, not \['width', 3\]",
+        ),
+    ],
+)
+def test_bad_params_name_the_key_and_value_and_list_the_fields(path, params, match):
+    from prefect_jax.training.program_params import ProgramParamsError
+
+    with pytest.raises(ProgramParamsError, match=match):
+        load_program(path, params)
+
+
+def test_params_given_to_a_program_that_takes_none_are_refused():
+    with pytest.raises(ProgramError, match=r"program params \{'width': 3\} were given.*takes none"):
+        load_program("prefect_jax.examples.digits:program", {"width": 3})
+    assert load_program("prefect_jax.examples.digits:program", {}) is not None
+
+
+def test_a_restore_compares_all_but_the_filled_and_exempt_params():
+    from prefect_jax.training.program_params import (
+        ProgramParams,
+        ProgramParamsMismatchError,
+        check_restore,
+    )
+
+    saved = ProgramParams(
+        "P", {"lr": 0.1, "max_steps": 100, "threads": 2}, ("max_steps",), ("threads",)
+    )
+    meta = {"program_params": saved.as_meta()}
+    same = ProgramParams(
+        "P", {"lr": 0.1, "max_steps": 200, "threads": 8}, ("max_steps",), ("threads",)
+    )
+    check_restore(meta, same, "j", 20)  # more steps, other threads: the same computation
+    check_restore({}, ProgramParams("P", {"lr": 9}), "j", 20)  # recorded none: not checked
+    other = ProgramParams("P", {"lr": 0.2, "max_steps": 200, "threads": 2}, ("max_steps",))
+    with pytest.raises(
+        ProgramParamsMismatchError,
+        match=r"job 'j' was trained to step 20 with other program params.*lr: saved 0\.1, "
+        r"given 0\.2.*same params \(--program-param lr=0\.1\), or .* a new job name",
+    ):
+        check_restore(meta, other, "j", 20)
