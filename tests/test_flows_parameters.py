@@ -44,3 +44,53 @@ def test_a_flows_parameter_schema_read_is_prefects_own(flow):
     for f in copies:
         assert _is_prefects_own(f), f
         assert set(f.parameters.properties) >= {"program", "job", "storage"}
+
+
+@pytest.mark.parametrize("flow", FLOWS, ids=lambda f: f.name)
+def test_every_flow_takes_program_params(flow):
+    assert "program_params" in flow.parameters.properties
+
+
+@pytest.mark.slow
+def test_program_params_reach_the_program_mlflow_and_checkpoints_and_a_change_is_refused(
+    tmp_path, mlflow_uri, prefect_server
+):
+    """`program_params` as a flow parameter: the program is built with them, MLflow has them as
+    ``program.<field>`` and the checkpoints record them; a rerun of the job with another value is
+    refused before it trains, its checkpoints kept."""
+    from mlflow.tracking import MlflowClient
+
+    from prefect_jax.training.checkpoint_dirs import committed_steps, read_meta_file
+    from prefect_jax.training.program_params import ProgramParamsMismatchError
+    from prefect_jax.training.specs import CheckpointSpec, TrainSpec
+
+    def run(max_steps, **params):
+        return flows.train_and_evaluate(
+            program="programs:typed_digits",
+            program_params=params,
+            job="typed",
+            storage=str(tmp_path / "storage"),
+            train_spec=TrainSpec(max_steps=max_steps, log_every_steps=10),
+            checkpoint_spec=CheckpointSpec(every_steps=10),
+            mlflow_tracking_uri=mlflow_uri,
+        )
+
+    summary = run(20, width=16, learning_rate=0.01)
+    logged = MlflowClient(mlflow_uri).get_run(summary["mlflow_run_id"]).data.params
+    assert logged["program.width"] == "16" and logged["program.learning_rate"] == "0.01"
+    assert logged["program.max_steps"] == "20"  # filled from the train spec
+    assert "16, 16" in logged["program_config.hidden"]  # the program was built with them
+    recorded = read_meta_file(summary["checkpoint_dir"], 20)["program_params"]
+    assert recorded["values"] == {
+        "learning_rate": 0.01,
+        "width": 16,
+        "max_steps": 20,
+        "read_threads": 0,
+    }
+    with pytest.raises(
+        ProgramParamsMismatchError, match=r"learning_rate: saved 0\.01, given 0\.02"
+    ):
+        run(40, width=16, learning_rate=0.02)
+    assert committed_steps(summary["checkpoint_dir"]) == [10, 20]
+    # The same params (and more steps, read by another number of threads): resumed.
+    assert run(30, width=16, learning_rate=0.01, read_threads=2)["final_step"] == 30
