@@ -94,3 +94,20 @@ def test_program_params_reach_the_program_mlflow_and_checkpoints_and_a_change_is
     assert committed_steps(summary["checkpoint_dir"]) == [10, 20]
     # The same params (and more steps, read by another number of threads): resumed.
     assert run(30, width=16, learning_rate=0.01, read_threads=2)["final_step"] == 30
+
+
+def test_the_prefect_yaml_bytelm_deployment_carries_valid_program_params():
+    """prefect.yaml's example passes program_params: the flow's validation accepts them and the
+    program is built with them (``prefect deploy --all`` is tests/test_prefect_yaml_deploy.py's)."""
+    import yaml
+
+    from prefect_jax.training.program import load_program
+
+    root = pathlib.Path(__file__).parent.parent
+    spec = yaml.safe_load((root / "prefect.yaml").read_text())
+    (deployment,) = [d for d in spec["deployments"] if d["name"] == "bytelm-tiny"]
+    params = flows.train_and_evaluate.validate_parameters(deployment["parameters"])
+    assert params["program_params"] == {"preset": "tiny", "grad_accum": 2, "learning_rate": 0.003}
+    max_steps = params["train_spec"].max_steps
+    program = load_program(params["program"], params["program_params"], max_steps)
+    assert program.cfg.grad_accum == 2 and program.cfg.decay_steps == max_steps == 2000
