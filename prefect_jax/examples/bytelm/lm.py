@@ -7,11 +7,12 @@ an exact resume needs. A train batch is ``{"tokens": uint8 (batch * grad_accum, 
 the step splits it into ``grad_accum`` micro-batches, sums their gradients in a ``lax.scan`` and
 applies one update.
 
-Today the knobs come from the environment (the program contract has no typed parameters yet):
-``PREFECT_JAX_BYTELM_PRESET`` names a preset of `PRESETS` (default ``small``) and
-``PREFECT_JAX_BYTELM_CONFIG`` holds JSON overrides of its fields, e.g.
-``'{"batch_size": 32, "compute_dtype": "bfloat16"}'``. The config is part of the program's
-fingerprint, so a job resumed under another config is refused.
+The knobs are the typed program params `prefect_jax.examples.bytelm.params.ByteLMParams` (a
+preset of `PRESETS` and overrides of its `Config` fields), given to the factory
+``prefect_jax.examples.bytelm:program``; the engine records them and refuses a resume with others.
+As a fallback where none are given (and for `ByteLMProgram()` built without a config),
+``PREFECT_JAX_BYTELM_PRESET`` names a preset (default ``small``) and ``PREFECT_JAX_BYTELM_CONFIG``
+holds JSON overrides of its fields, e.g. ``'{"batch_size": 32, "compute_dtype": "bfloat16"}'``.
 """
 
 from __future__ import annotations
