@@ -210,6 +210,7 @@ def test_the_environment_is_the_fallback_where_no_params_are_given(monkeypatch):
     assert given.cfg.grad_accum == 1 and given.cfg.n_layers == 1  # params given: env unused
 
 
+@pytest.mark.slow
 def test_a_resume_with_other_params_is_refused_before_any_training(job_config):
     from prefect_jax.training.program_params import ProgramParamsMismatchError
     from prefect_jax.training.trainer import Trainer
