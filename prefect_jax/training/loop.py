@@ -369,7 +369,7 @@ class Loop:
 
     def evaluate(self, state, steps: int | None) -> tuple[dict[str, float], int, int | None]:
         """`eval_step` over the program's eval data (at most `steps` batches), aggregated
-        exactly."""
+        exactly, with the program's derived metrics (``derive_metrics``)."""
         # A finite pass needs no resumable iterator: a MapDataset is read by index, without
         # Grain's prefetch threads (starting them cost more than this whole eval on small sets).
         eval_data = self.program.eval_data()
@@ -377,4 +377,5 @@ class Loop:
             batches = (eval_data[i] for i in range(len(eval_data)))
         else:
             batches = iterate(eval_data)
-        return aggregate(self.eval_step, state, batches, steps)
+        derive = getattr(self.program, "derive_metrics", None)
+        return aggregate(self.eval_step, state, batches, steps, derive)
