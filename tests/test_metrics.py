@@ -103,6 +103,11 @@ def test_a_resumed_job_logs_the_means_an_uninterrupted_one_does(job_config):
     logged, expected = _history(resumed, "train/loss"), _history(straight, "train/loss")
     assert [s for s, _ in logged] == [s for s, _ in expected] == [4, 8, 10, 12, 16, 20]
     np.testing.assert_allclose([v for _, v in logged], [v for _, v in expected], rtol=1e-5)
+    losses = _bare_losses(TINY, config.train.seed, 20)
+    means = [
+        np.mean(losses[a:b]) for a, b in [(0, 4), (4, 8), (8, 10), (10, 12), (12, 16), (16, 20)]
+    ]
+    np.testing.assert_allclose([v for _, v in logged], means, rtol=1e-4)
     straight.close()
     resumed.close()
 
