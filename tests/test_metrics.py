@@ -112,6 +112,33 @@ def test_a_resumed_job_logs_the_means_an_uninterrupted_one_does(job_config):
     resumed.close()
 
 
+def test_a_job_resumed_from_a_checkpoint_between_log_points_logs_the_same_means(job_config):
+    # A preemption (or backup) checkpoint at step 6, between the log points 4 and 8: it carries
+    # the sums of steps 5 and 6, so the rerun's mean at step 8 is over steps 5..8, as an
+    # uninterrupted job's is.
+    config = _with_log_every(job_config(max_steps=20, every_steps=10, job="preempted"), 4)
+    first = Trainer(config)
+    first.restore_or_init()
+    first.job.acquire_lease()
+    calls = iter([False] * 5 + [True])  # the loop asks after each step: stop after step 6
+    interval = first.loop.run(first.state, 0, first.data_iter, 10, lambda: next(calls))
+    first.state, first.step = interval.state, interval.step
+    assert first.step == 6
+    first.intervals.save(first.loop.train_rows(interval.logged), preemption=True)
+    first.job.checkpoints.wait()
+    first.close()
+    resumed = _train(config)
+    assert resumed.started_from == 6
+    losses = _bare_losses(TINY, config.train.seed, 20)
+    logged = _history(resumed, "train/loss")
+    assert [s for s, _ in logged] == [4, 8, 10, 12, 16, 20]
+    windows = [(0, 4), (4, 8), (8, 10), (10, 12), (12, 16), (16, 20)]
+    np.testing.assert_allclose(
+        [v for _, v in logged], [np.mean(losses[a:b]) for a, b in windows], rtol=1e-4
+    )
+    resumed.close()
+
+
 def test_a_run_that_stops_off_a_log_point_carries_its_sums_to_the_next_call():
     # A backup or a stop request ends `Loop.run` between log points: the next call from that step
     # goes on summing, so the log point after it still holds the mean of all its steps.
@@ -181,3 +208,38 @@ def test_a_derived_metric_named_like_an_aggregated_one_is_refused(job_config, te
     trainer.job.checkpoints.wait()
     assert trainer.job.checkpoints.committed_steps() == [20]  # nothing saved is lost
     trainer.close()
+
+
+def test_the_byte_lm_logs_perplexity_and_its_extra_train_metrics_as_means(job_config):
+    config = job_config(max_steps=10, every_steps=10, program="prefect_jax.examples.bytelm:tiny")
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    result = trainer.evaluate_if_new()
+    trainer.job.checkpoints.wait()
+    trainer.finish()
+    assert result.metrics["perplexity"] == pytest.approx(math.exp(result.metrics["loss"]))
+    assert _history(trainer, "eval/perplexity") == [
+        (10, pytest.approx(result.metrics["perplexity"]))
+    ]
+    # The program's own extra metrics, as means of the logged steps (the warmup's learning
+    # rates 0..9 steps in), and the tokens it learnt from per second.
+    program = trainer.loop.program
+    lr = _history(trainer, "train/learning_rate")
+    assert [s for s, _ in lr] == [10]
+    assert lr[0][1] == pytest.approx(np.mean([float(program.schedule(i)) for i in range(10)]))
+    assert [s for s, _ in _history(trainer, "train/grad_norm")] == [10]
+    (steps,) = _history(trainer, "train/steps_per_sec")
+    (tokens,) = _history(trainer, "train/tokens_per_sec")
+    assert tokens[1] == pytest.approx(steps[1] * program.tokens_per_step)
+    trainer.close()
+
+
+def test_the_progress_card_shows_train_means_and_eval_metrics():
+    from prefect_jax.flows.progress import _progress, shown_metrics
+
+    shown = shown_metrics({"loss": 2.5, "steps_per_sec": 40.0}, {"perplexity": 12.18}, "eval")
+    assert _progress(10, 40, "job", shown)["description"] == (
+        "training job: step 10 of 40 | train/loss 2.5, train/steps_per_sec 40, "
+        "eval/perplexity 12.18"
+    )

@@ -313,6 +313,25 @@ class Loop:
             self.check_finite(guard, logged)
         return Interval(state, step, logged)
 
+    def carried_sums(self, step: int) -> dict | None:
+        """The train metric sums since the last log point that a `run` ending at `step` left
+        (None: none), as JSON for a checkpoint's metadata: a job restored from a checkpoint
+        taken between log points (a preemption's, a backup's) goes on summing from them, and
+        logs the means an uninterrupted job does. Waits for the last step (as a save does)."""
+        if self._carried is None or self._carried[0] != step:
+            return None
+        sums, n = jax.device_get(self._carried[1])
+        if not int(n):
+            return None
+        return {"n": int(n), "sums": {k: float(v) for k, v in sums.items()}}
+
+    def carry(self, step: int, carried: dict | None) -> None:
+        """Go on summing from `carried` (`carried_sums` of a restored checkpoint at `step`)."""
+        self._carried = None
+        if carried:
+            sums = {k: np.float32(v) for k, v in carried["sums"].items()}
+            self._carried = (step, (sums, np.int32(carried["n"])))
+
     def _guard(self, state, host_batch, step: int, target: int):
         """The guard a call starts from, on the device: the sums the previous call left at
         `step`, else zeros (a fresh or restored state)."""
@@ -321,8 +340,8 @@ class Loop:
             self._metric_shapes = jax.eval_shape(self.program.train_step, state, host_batch)[1]
         sums, n = metric_sums(self._metric_shapes), 0
         carried = getattr(self, "_carried", None)
-        if carried is not None and carried[0] == step:
-            sums, n = carried[1]  # on the device already: nothing waits
+        if carried is not None and carried[0] == step and set(carried[1][0]) == set(sums):
+            sums, n = carried[1]  # on the device already (or restored): nothing waits
         self._carried = None
         # On the device, as every later guard (the step's output) is: a host guard would make
         # the first call compile an executable of its own.
