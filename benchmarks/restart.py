@@ -93,9 +93,10 @@ def child(args) -> dict:
     jax.block_until_ready(state)
     result["raw_restore_s"] = time.perf_counter() - t
     batch = next(trainer.data_iter)
-    from prefect_jax.training.compiled_steps import guard_int
+    from prefect_jax.training.compiled_steps import metric_sums, new_guard
 
-    guard = (guard_int(0), guard_int(-1))
+    shapes = jax.eval_shape(trainer.loop.program.train_step, state, batch)[1]
+    guard = new_guard(0, metric_sums(shapes), 1, 1)
     state = trainer.loop.train_step(state, batch, guard)[
         0
     ]  # (the state is donated: the next step takes the new one)

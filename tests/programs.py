@@ -268,3 +268,25 @@ def dataclass_digits(params: WidthParams) -> DigitsProgram:
     )
     program.params = params
     return program
+
+
+class DigitsWithPerplexity(DigitsProgram):
+    """Tiny digits that derives ``perplexity`` (exp of the mean eval loss) and declares
+    ``tokens_per_step`` (its batch size, as if an example were a token)."""
+
+    tokens_per_step = 32
+
+    def __init__(self):
+        super().__init__(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+    def derive_metrics(self, means):
+        import math
+
+        return {"perplexity": math.exp(means["loss"])}
+
+
+def clashing_derived():
+    """A derive_metrics that returns a name eval_step already aggregates."""
+    program = DigitsWithPerplexity()
+    program.derive_metrics = lambda means: {"loss": 0.0}
+    return program

@@ -55,6 +55,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     shown: dict[str, Any] = {}
     key = progress.progress_key()
     publisher.submit(progress.start_progress, shown, step, max_steps, config.job)
+    last_eval = None  # the latest evaluation this loop made, shown on the progress card
     if evaluate and step > 0:
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
         evaluate = _evaluate_and_export(config, step)
@@ -64,9 +65,16 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
             if stop is not None:
                 return step, stop.get("reason")
             step = train_until_checkpoint(config, step)
-            publisher.refresh(key, progress.update_progress, shown, step, max_steps, config.job)
             if evaluate:
                 evaluate = _evaluate_and_export(config, step)
+                # (its record, once committed: kept in memory by the records)
+                last_eval = trainer.job.records.get(step) or last_eval
+            metrics = progress.shown_metrics(
+                trainer.last_train_metrics, last_eval.metrics if last_eval else {}, config.eval.name
+            )
+            publisher.refresh(
+                key, progress.update_progress, shown, step, max_steps, config.job, metrics
+            )
         stop = stop_requested()
         return step, stop.get("reason") if stop else None
     finally:

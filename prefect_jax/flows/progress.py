@@ -11,10 +11,20 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 
-def _progress(step: int, max_steps: int, job: str) -> dict[str, Any]:
+def _progress(step: int, max_steps: int, job: str, metrics=None) -> dict[str, Any]:
+    description = f"training {job}: step {step} of {max_steps}"
+    if metrics:
+        description += " | " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+    return {"progress": 100.0 * min(step, max_steps) / max_steps, "description": description}
+
+
+def shown_metrics(train: dict[str, float], evaluated: dict[str, float], name: str = "eval"):
+    """The metrics the progress card shows: the last log point's train means (and throughput) as
+    ``train/<name>``, and the last evaluation's metrics, derived ones included, as
+    ``<eval name>/<name>``."""
     return {
-        "progress": 100.0 * min(step, max_steps) / max_steps,
-        "description": f"training {job}: step {step} of {max_steps}",
+        **{f"train/{k}": v for k, v in sorted(train.items())},
+        **{f"{name}/{k}": v for k, v in sorted(evaluated.items())},
     }
 
 
@@ -60,7 +70,10 @@ def progress_key() -> tuple[str, int]:
     return ("progress", next(_keys))
 
 
-def update_progress(shown: dict[str, Any], step: int, max_steps: int, job: str) -> None:
-    """Show `step` on the progress artifact `start_progress` made."""
+def update_progress(
+    shown: dict[str, Any], step: int, max_steps: int, job: str, metrics=None
+) -> None:
+    """Show `step` (and `metrics`, see `shown_metrics`) on the progress artifact
+    `start_progress` made."""
     if shown.get("id") is not None:  # else its creation failed, and was logged
-        update_progress_artifact(shown["id"], **_progress(step, max_steps, job))
+        update_progress_artifact(shown["id"], **_progress(step, max_steps, job, metrics))

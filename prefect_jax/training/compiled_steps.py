@@ -29,20 +29,45 @@ def guard_int(value: int):
     return np.int32(value)
 
 
+def metric_sums(metric_shapes) -> dict:
+    """Zeroed float32 sums, one per train metric (`metric_shapes`: ``jax.eval_shape`` of the
+    program's `train_step` metrics): the accumulator a fresh guard starts from."""
+    return {k: np.zeros(np.shape(v), np.float32) for k, v in metric_shapes.items()}
+
+
+def new_guard(step: int, sums: dict, log_every: int, target: int, n=0) -> tuple:
+    """The carried guard of `guarded_step`, host values: ``(count, first_bad, (sums, n,
+    log_every, target))``. The train metrics' sums since the last log point live in it, on
+    the device; `log_every` and `target` are values, not constants, so a new target compiles
+    nothing."""
+    n = n if hasattr(n, "dtype") else guard_int(n)  # (a device count stays there)
+    accumulator = (sums, n, guard_int(log_every), guard_int(target))
+    return (guard_int(step), guard_int(-1), accumulator)
+
+
 def guarded_step(train_step: Callable, check_finite: bool) -> Callable:
-    """Wrap `train_step` to also count steps and remember the first with a NaN/Inf loss, on the
-    device."""
+    """Wrap `train_step` to also count steps, remember the first with a NaN/Inf loss, and
+    return as its metrics the mean of each metric over the steps since the previous log point
+    (a multiple of ``log_every`` or the target), all on the device: the loop never waits for
+    the means it logs."""
     import jax.numpy as jnp
 
     def step(state, batch, guard):
         state, metrics = train_step(state, batch)
-        count, first_bad = guard
+        count, first_bad, (sums, n, log_every, target) = guard
         count = count + 1
         if check_finite and metrics:
             keys = [k for k in metrics if "loss" in k] or list(metrics)
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(metrics[k])) for k in keys]))
             first_bad = jnp.where((first_bad < 0) & ~finite, count, first_bad)
-        return state, metrics, (count, first_bad)
+        sums = {k: sums[k] + jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        n = n + 1
+        means = {k: s / n.astype(jnp.float32) for k, s in sums.items()}
+        # A log point logs these means; the next one starts from zero.
+        logs = (count % log_every == 0) | (count == target)
+        sums = {k: jnp.where(logs, jnp.zeros_like(s), s) for k, s in sums.items()}
+        n = jnp.where(logs, jnp.zeros_like(n), n)
+        return state, means, (count, first_bad, (sums, n, log_every, target))
 
     return step
 
@@ -82,7 +107,8 @@ def stack(batches: list):
 
 
 def metrics_at(metrics, index: int | None):
-    """One step's metrics: as they are (one step per dispatch), or row `index` of a scan's stack."""
+    """One log point's metrics (means since the log point before, see `guarded_step`): as they
+    are (one step per dispatch), or row `index` of a scan's stack."""
     return metrics if index is None else jax.tree.map(lambda m: m[index], metrics)
 
 
@@ -130,7 +156,12 @@ def precompile_steps(
             batch = spec(train_data[0])
             guard = jax.tree.map(
                 lambda g: jax.ShapeDtypeStruct((), g.dtype, sharding=device),
-                spec((guard_int(0), guard_int(-1))),
+                # (the loop's guard: its sums shaped like the step's metrics)
+                spec(
+                    new_guard(
+                        0, metric_sums(jax.eval_shape(program.train_step, state, batch)[1]), 1, 1
+                    )
+                ),
             )
             k = steps_per_dispatch
             if k == 1:
@@ -153,7 +184,9 @@ __all__ = [
     "guard_int",
     "guarded_step",
     "jit_steps",
+    "metric_sums",
     "metrics_at",
+    "new_guard",
     "precompile_steps",
     "scanned",
     "stack",

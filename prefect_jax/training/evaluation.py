@@ -79,13 +79,44 @@ class EvalResult(BaseModel):
         return self
 
 
+def derived(derive_metrics: Callable | None, means: dict[str, float]) -> dict[str, float]:
+    """`means` with the metrics `derive_metrics` (the program's, optional) computes from them,
+    e.g. perplexity from the mean loss.
+
+    Raises:
+        ValueError: `derive_metrics` returned no dict of numbers, or a name `eval_step` already
+            aggregates.
+    """
+    if derive_metrics is None:
+        return means
+    extra = derive_metrics(dict(means))
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"derive_metrics returned {type(extra).__name__} {extra!r}: it must return a dict of "
+            "new metric names to floats, e.g. {'perplexity': math.exp(means['loss'])}"
+        )
+    clash = sorted(set(extra) & set(means))
+    if clash:
+        raise ValueError(
+            f"derive_metrics returned {clash}, already aggregated by eval_step: give a derived "
+            "metric a name of its own"
+        )
+    try:
+        return {**means, **{str(k): float(v) for k, v in extra.items()}}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"derive_metrics returned {extra!r}: each value must be a number ({exc})"
+        ) from None
+
+
 def aggregate(
-    eval_step: Callable, state, batches, steps: int | None
+    eval_step: Callable, state, batches, steps: int | None, derive_metrics: Callable | None = None
 ) -> tuple[dict[str, float], int, int | None]:
     """Run `eval_step` over `batches` (at most `steps`) and divide summed values by summed counts.
 
     `eval_step` returns ``{name: (sum, count)}``. Sums stay on the device until the end, so
-    the host waits once per evaluation, not once per batch.
+    the host waits once per evaluation, not once per batch. The program's optional
+    `derive_metrics` then adds metrics computed from those means (see `derived`).
 
     Returns:
         (metrics, number of batches, number of examples if the program reports ``count``).
@@ -115,7 +146,7 @@ def aggregate(
         metrics[name] = total / count if count else math.nan
         if examples is None:
             examples = int(count)
-    return metrics, n, examples
+    return derived(derive_metrics, metrics), n, examples
 
 
 class EvalRecords:

@@ -29,9 +29,10 @@ import numpy as np
 
 from prefect_jax.training.compiled_steps import (
     compiled_init,
-    guard_int,
     jit_steps,
+    metric_sums,
     metrics_at,
+    new_guard,
     precompile_steps,
     stack,
 )
@@ -81,12 +82,13 @@ class NonFiniteAt(Exception):
 @dataclass
 class Interval:
     """Where one `Loop.run` ended: the state and step reached and the metrics logged on the way,
-    as ``(step, metrics, row)`` (row: None for one step's metrics, else its row in a scan's
-    stack)."""
+    as ``(step, metrics, row, rates)`` (metrics: the means since the log point before, on the
+    device; row: None for one dispatched step, else its row in a scan's stack; rates: the
+    throughput, host floats)."""
 
     state: Any
     step: int
-    logged: list[tuple[int, Any, int | None]]
+    logged: list[tuple[int, Any, int | None, dict[str, float]]]
 
 
 class Loop:
@@ -103,6 +105,8 @@ class Loop:
         self.train_step, self.scan_steps, self.eval_step = jit_steps(program, spec.check_finite)
         self._rng = None  # see `rng`
         self._abstract = None
+        self._metric_shapes = None  # see `_guard`
+        self._carried = None  # (step, (sums, n)) where the last `run` ended
         # The join of the compile and the first step, once per process (goodput).
         self.compile_s: float | None = None
         self._precompiling: threading.Thread | None = None
@@ -250,14 +254,13 @@ class Loop:
         """Train from `step` to `target`, or until `stop()` says so (checked after each dispatch).
 
         Metrics stay on the device; the NaN guard of a log point is read one log point later,
-        so the loop never waits on the device. Raises `NonFiniteAt` at the first NaN/Inf loss.
+        so the loop never waits on the device. Each log point's metrics are the means over the
+        steps since the log point before (summed on the device, in the guard), plus the
+        throughput (`throughput`). Raises `NonFiniteAt` at the first NaN/Inf loss.
         """
         spec = self.spec
         log_every, per_dispatch = spec.log_every_steps, spec.steps_per_dispatch
-        logged: list[tuple[int, Any, int | None]] = []
-        # On the device, as every later guard (the step's output) is: a host guard would make
-        # the first call compile an executable of its own.
-        guard = self.place((guard_int(step), guard_int(-1)))
+        logged: list[tuple[int, Any, int | None, dict[str, float]]] = []
         if self.processes > 1:
             from prefect_jax.training.cluster import any_process
         checked = None  # the guard of the previous log point
@@ -265,37 +268,97 @@ class Loop:
         first = self.compile_s is None
         t_first = time.perf_counter()
         self.join_precompile()  # its executable is the one this loop calls
+        guard = None
+        clock = (step, time.perf_counter())  # the throughput's window starts here
         while step < target:
             start = step
             if per_dispatch == 1:
-                state, metrics, guard = self.train_step(state, self.batch(next(it)), guard)
+                batch = next(it)
+                guard = guard or self._guard(state, batch, step, target)
+                state, metrics, guard = self.train_step(state, self.batch(batch), guard)
                 step += 1
             else:
                 n = min(per_dispatch, target - step)
+                batches = [next(it) for _ in range(n)]
+                guard = guard or self._guard(state, batches[0], step, target)
                 state, metrics, guard = self.scan_steps(
-                    state, self.batch(stack([next(it) for _ in range(n)]), axis=1), guard
+                    state, self.batch(stack(batches), axis=1), guard
                 )
                 step += n
             if first:
                 jax.block_until_ready(guard)
                 self.compile_s, first = time.perf_counter() - t_first, False
+                clock = (step, time.perf_counter())  # throughput without the compile
             due = [s for s in range(start + 1, step + 1) if s % log_every == 0 or s == target]
             if due:
+                rates, clock = self.throughput(clock, step), (step, time.perf_counter())
                 logged.extend(
-                    (s, metrics, None if per_dispatch == 1 else s - start - 1) for s in due
+                    (s, metrics, None if per_dispatch == 1 else s - start - 1, rates) for s in due
                 )
                 if checked is not None:
                     self.check_finite(checked, logged)
                 checked = guard
                 if _progress_listeners:
-                    notify_progress(step, spec.max_steps, metrics_at(*logged[-1][1:]))
+                    shown = metrics_at(*logged[-1][1:3])
+                    notify_progress(step, spec.max_steps, {**shown, **rates})
             if self.processes == 1:
                 if stop():
                     break
             elif due and step < target and any_process(stop())[0]:
                 break  # several processes stop together, at a log point, if any of them asks
-        self.check_finite(guard, logged)
+        if guard is not None:
+            # The next call from this step goes on summing where this one stopped (a part
+            # that ended off a log point, for a backup); a restore starts from zero.
+            self._carried = (step, guard[2][:2])
+            self.check_finite(guard, logged)
         return Interval(state, step, logged)
+
+    def carried_sums(self, step: int) -> dict | None:
+        """The train metric sums since the last log point that a `run` ending at `step` left
+        (None: none), as JSON for a checkpoint's metadata: a job restored from a checkpoint
+        taken between log points (a preemption's, a backup's) goes on summing from them, and
+        logs the means an uninterrupted job does. Waits for the last step (as a save does)."""
+        if self._carried is None or self._carried[0] != step:
+            return None
+        sums, n = jax.device_get(self._carried[1])
+        if not int(n):
+            return None
+        return {"n": int(n), "sums": {k: float(v) for k, v in sums.items()}}
+
+    def carry(self, step: int, carried: dict | None) -> None:
+        """Go on summing from `carried` (`carried_sums` of a restored checkpoint at `step`)."""
+        self._carried = None
+        if carried:
+            sums = {k: np.float32(v) for k, v in carried["sums"].items()}
+            self._carried = (step, (sums, np.int32(carried["n"])))
+
+    def _guard(self, state, host_batch, step: int, target: int):
+        """The guard a call starts from, on the device: the sums the previous call left at
+        `step`, else zeros (a fresh or restored state)."""
+        if self._metric_shapes is None:
+            # Traced once per loop (no compute): the structure of the sums the guard carries.
+            self._metric_shapes = jax.eval_shape(self.program.train_step, state, host_batch)[1]
+        sums, n = metric_sums(self._metric_shapes), 0
+        carried = getattr(self, "_carried", None)
+        if carried is not None and carried[0] == step and set(carried[1][0]) == set(sums):
+            sums, n = carried[1]  # on the device already (or restored): nothing waits
+        self._carried = None
+        # On the device, as every later guard (the step's output) is: a host guard would make
+        # the first call compile an executable of its own.
+        return self.place(new_guard(step, sums, self.spec.log_every_steps, target, n))
+
+    def throughput(self, clock: tuple[int, float], step: int) -> dict[str, float]:
+        """Steps (and tokens, for a program with ``tokens_per_step``) per second since `clock`
+        (a step and its `time.perf_counter`), as the host dispatched them: over a log interval
+        that is the device's rate, since dispatches queue behind the running step."""
+        seconds = time.perf_counter() - clock[1]
+        if seconds <= 0 or step <= clock[0]:
+            return {}
+        rates = {"steps_per_sec": (step - clock[0]) / seconds}
+        tokens = getattr(self.program, "tokens_per_step", None)
+        if tokens:
+            rates["tokens_per_sec"] = rates["steps_per_sec"] * float(tokens)
+        return rates
 
     def check_finite(self, guard, logged) -> None:
         """Raise `NonFiniteAt` if the guard saw a NaN/Inf loss (with that step's logged metrics)."""
@@ -304,7 +367,7 @@ class Loop:
         first_bad = int(guard[1])
         if first_bad >= 0:
             shown = {}
-            for s, m, row in logged:
+            for s, m, row, _ in logged:
                 if s >= first_bad:
                     shown = {k: float(v) for k, v in jax.device_get(metrics_at(m, row)).items()}
                     break
@@ -312,18 +375,20 @@ class Loop:
 
     @staticmethod
     def train_rows(logged) -> list[tuple[str, float, int]]:
-        """An interval's logged train metrics as MLflow rows ``(name, value, step)`` (one
-        device-to-host copy)."""
+        """An interval's logged train metrics as MLflow rows ``(name, value, step)``: each log
+        point's means and throughput (one device-to-host copy)."""
         if not logged:
             return []
-        values = [(s, metrics_at(m, row)) for s, m, row in jax.device_get(logged)]
+        values = [
+            (s, {**metrics_at(m, row), **rates}) for s, m, row, rates in jax.device_get(logged)
+        ]
         return [(k, float(v), s) for s, m in values for k, v in m.items()]
 
     # -- evaluation ----------------------------------------------------------------------
 
     def evaluate(self, state, steps: int | None) -> tuple[dict[str, float], int, int | None]:
         """`eval_step` over the program's eval data (at most `steps` batches), aggregated
-        exactly."""
+        exactly, with the program's derived metrics (``derive_metrics``)."""
         # A finite pass needs no resumable iterator: a MapDataset is read by index, without
         # Grain's prefetch threads (starting them cost more than this whole eval on small sets).
         eval_data = self.program.eval_data()
@@ -331,4 +396,5 @@ class Loop:
             batches = (eval_data[i] for i in range(len(eval_data)))
         else:
             batches = iterate(eval_data)
-        return aggregate(self.eval_step, state, batches, steps)
+        derive = getattr(self.program, "derive_metrics", None)
+        return aggregate(self.eval_step, state, batches, steps, derive)

@@ -5,7 +5,8 @@ A program is any object that provides:
 - ``init(rng) -> state``: the train state, a pytree of arrays (Flax NNX state + optax
   state, or any pytree). ``rng`` is a ``jax.random.key``.
 - ``train_step(state, batch) -> (state, metrics)``: pure and jit-able; ``metrics`` is a
-  dict of scalars. Any randomness comes from keys kept inside ``state``.
+  dict of scalars, each logged as the mean over the steps since the previous log point (summed
+  on the device). Any randomness comes from keys kept inside ``state``.
 - ``eval_step(state, batch) -> metrics``: pure and jit-able; a dict mapping each metric
   name to a ``(sum, count)`` pair, so the engine aggregates exactly over batches of any size.
 - ``train_data(seed) -> grain dataset``: an endless Grain ``MapDataset`` or ``IterDataset``
@@ -16,6 +17,10 @@ Optionally:
 
 - ``serve(state, inputs) -> outputs`` and ``serving_input() -> jax.ShapeDtypeStruct``: what
   exporters write (a serialized ``jax.export`` artifact that runs without the program's code).
+- ``derive_metrics(means) -> dict[str, float]``: eval metrics computed from the aggregated
+  means (``{name: sum / count}`` over the whole eval set), e.g. perplexity ``exp(means["loss"])``;
+  new names only. They join the evaluation's metrics (MLflow, records, ``BestExporter``).
+- ``tokens_per_step``: tokens one train step consumes: the engine logs ``tokens_per_sec``.
 - ``config``: a JSON-able dict describing the program, part of its fingerprint.
 - ``read_options``: the ``grain.ReadOptions`` the trainer iterates a ``MapDataset`` from
   ``train_data`` with (default Grain's: prefetch threads, right for heavy per-record work;

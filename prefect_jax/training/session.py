@@ -284,6 +284,7 @@ def restore_trainer(
         if job.is_primary:  # what this attempt trains on, for the MLflow run's reader
             job.tracker.set_tags({DEVICES_TAG: describe_devices()})
     trainer.state, trainer.step, trainer.data_iter = loop.place(state), step, data_iter
+    loop.carry(step, (meta or {}).get("train_sums"))  # the means resume where they were
     trainer.live_is_preemption = bool((meta or {}).get("preemption"))
     trainer.recovered = False
     trainer.started_from = step  # committed, or init / a warm start: a rerun gets the same state

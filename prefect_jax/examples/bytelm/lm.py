@@ -289,7 +289,7 @@ class ByteLMProgram:
 
     def eval_step(self, state, batch):
         """Sums and counts over the batch's tokens: mean loss (nats), bits per byte, accuracy.
-        Perplexity is ``exp`` of the aggregated loss (a derived metric: not a sum)."""
+        Perplexity is ``exp`` of the aggregated loss (`derive_metrics`: not a sum)."""
         tokens = batch["tokens"].astype(jnp.int32)
         logits = self.apply(state["params"], tokens[:, :-1])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
@@ -300,6 +300,16 @@ class ByteLMProgram:
             "bits_per_byte": (losses.sum() / math.log(2), n),
             "accuracy": (correct.sum(), n),
         }
+
+    def derive_metrics(self, means: dict[str, float]) -> dict[str, float]:
+        """Perplexity, ``exp`` of the mean loss over every evaluated token (exact: from the
+        aggregated loss, not a mean of per-batch perplexities)."""
+        return {"perplexity": math.exp(min(means["loss"], 700.0))}  # (700: exp's float range)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one train step learns from (the engine's ``tokens_per_sec``)."""
+        return self.cfg.batch_size * self.cfg.grad_accum * self.cfg.seq_len
 
     def corpus(self) -> corpus.Corpus:
         """The corpus for this config's sequence length (built on first use; see `corpus.build`)."""
