@@ -15,6 +15,7 @@ from prefect_jax.training.eval_specs import BestExporter
 from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.registry import alias_for
+from prefect_jax.training.serving import input_signature, serving_specs
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
@@ -80,6 +81,7 @@ class Exports:
             "program": config.program,
             "program_fingerprint": t.program_fingerprint,
             "job": config.job,
+            "inputs": input_signature(serving_specs(t.program)),
         }
         for exporter in config.eval.exporters:
             dest = exp.run_exporter(

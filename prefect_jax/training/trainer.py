@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect_jax.training import control
-from prefect_jax.training import exporters as exp
 from prefect_jax.training.best import load_compare_fn
 from prefect_jax.training.cluster import forget_lost, from_primary, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
@@ -51,6 +50,7 @@ from prefect_jax.training.program import (
     load_program,
     program_fingerprint,
 )
+from prefect_jax.training.serving import check_serving
 from prefect_jax.training.session import (
     recover_session,
     recover_trainer,
@@ -110,10 +110,15 @@ class Trainer:
                 if getattr(exporter, "compare_fn", None):
                     load_compare_fn(exporter.compare_fn)
             self.loop = Loop(self.program, config.train)
-            # named ones: refused now, not an interval in
-            if config.eval.exporters and config.eval.export_platforms:
-                platforms = config.eval.export_platforms
-                exp.check_serving_platforms(self.program, self.loop.abstract_state, platforms)
+            # a serve() that does not trace, or lower for named platforms: refused now, not an
+            # interval in
+            if config.eval.exporters:
+                check_serving(
+                    self.program,
+                    config.program,
+                    self.loop.abstract_state,
+                    config.eval.export_platforms,
+                )
         except BaseException:
             try:
                 # its lease (a flow run's restore task took it early), its MLflow worker
