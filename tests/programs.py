@@ -269,3 +269,20 @@ class IntOnSymbolicDim(DigitsProgram):
 
 def int_on_symbolic_dim():
     return IntOnSymbolicDim(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+class FailsAtExport(DigitsProgram):
+    """serve() traces on the abstract state (the check before training passes) but raises on the
+    trained values, as a serve with a host-side check of its weights would: the export fails."""
+
+    def serve(self, state, x):
+        import jax
+        import numpy as np
+
+        if any(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(state)):
+            raise RuntimeError("serve() refuses these weights")
+        return super().serve(state, x)
+
+
+def fails_at_export():
+    return FailsAtExport(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
