@@ -182,16 +182,23 @@ def _tensor_specs(tree):
     )
 
 
-def export_signature(exported):
+def export_signature(exported, example=None):
     """The MLflow signature of a ``jax.export``: its inputs and outputs as tensors, from the
-    export's avals (no trace, no compile), symbolic dimensions -1."""
+    export's avals (no compile), symbolic dimensions -1. Outputs in a tuple or list are what the
+    pyfunc predicts, NumPy's stack of them: their spec is traced on `example` (an input example)."""
     import jax
+    import numpy as np
     from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
 
     outputs = jax.tree_util.tree_unflatten(exported.out_tree, exported.out_avals)
-    return ModelSignature(
-        inputs=_tensor_specs(_serving_inputs(exported)), outputs=_tensor_specs(outputs)
-    )
+    if isinstance(outputs, (tuple, list)) and example is not None:
+        out = jax.eval_shape(exported.call, example)
+        stacked = np.asarray(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out))
+        out_schema = Schema([TensorSpec(stacked.dtype, (-1, *stacked.shape[1:]))])
+    else:
+        out_schema = _tensor_specs(outputs)
+    return ModelSignature(inputs=_tensor_specs(_serving_inputs(exported)), outputs=out_schema)
 
 
 def log_export_model(
@@ -218,7 +225,7 @@ def log_export_model(
     runs_here = (
         jax.export.default_export_platform() in exported.platforms
     )  # the MLflow worker's: cpu (`mlflow_worker._worker_environment`)
-    signature = export_signature(exported)
+    signature = export_signature(exported, example)
     info_path = os.path.join(export_dir, "export.json")
     metadata = {}
     if os.path.exists(info_path):
