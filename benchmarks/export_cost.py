@@ -3,7 +3,7 @@
 this machine's platform and cpu synchronously (the new default), and the new default in the
 background (the train flows' way: `Trainer.export_in_background`).
 
-    uv run python benchmarks/export_cost.py [--intervals 5] [--out FILE.json]
+    uv run python benchmarks/export_cost.py [--intervals 5] [--out benchmarks/EXPORT_COST.json]
 
 The cost is the training thread's time in the export calls, plus its wait for a background export
 at the next one (or at `finish`); MLflow registration is off (it runs on its own thread)."""
@@ -92,8 +92,25 @@ def main() -> None:
                 flush=True,
             )
     if args.out:
+        import os
+        import platform
+
+        import jax
+
+        record = {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "intervals": args.intervals,
+            "every": args.every,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "jax": jax.__version__,
+                "devices": str(jax.devices()),
+                "os": platform.platform(),
+            },
+            "rows": rows,
+        }
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
