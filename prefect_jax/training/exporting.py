@@ -94,8 +94,8 @@ class Exports:
     ) -> dict[str, str]:
         """`Trainer.export`; with `on_done`, `Trainer.export_in_background`."""
         t = self.trainer
-        self.join()  # one export at a time, in step order: the registry's order
         with t.job.goodput.phase("export"):
+            self.join()  # one export at a time, in step order: the registry's order
             exported = self._export(result, on_done)
         if exported:
             t.push_compiled()
@@ -150,6 +150,11 @@ class Exports:
             return written
         job.verify_lease()  # a trainer whose job was taken over exports nothing more
         model: list[bytes] = []
+        if on_done is not None and all(
+            exp.exports_nothing(e, job.storage, result, config.train.max_steps)
+            for e in config.eval.exporters
+        ):
+            return written  # nothing to export: no copy of the state, no thread
         # In the background, of a host copy: training donates the live state's buffers.
         state = host_copy(t.evaluations.state_at(result.step)) if on_done else None
 
