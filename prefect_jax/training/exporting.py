@@ -101,6 +101,13 @@ class Exports:
             t.push_compiled()
         return exported
 
+    def wait(self) -> None:
+        """Before a checkpoint is saved: wait for the export in the background (its failure is
+        raised by the next `join`). A committed step after an evaluated one then says that one's
+        exports are written: a rerun from it, after a kill, exports only its own step."""
+        if self._running is not None:
+            self._running.join()
+
     def join(self) -> dict[str, str]:
         """Wait for the export in the background (if any): what it wrote.
 

@@ -306,8 +306,8 @@ class Trainer:
         """`export`, lowered and written on a thread while training goes on: the decisions (is
         the step committed and recorded, does an exporter export it) and a host copy of the state
         are made here; `on_done(written)` is called on that thread once written and registered.
-        The next export, `finish` and `join_exports` wait for it, and raise
-        `ExportFailedError` if it failed."""
+        The next checkpoint's save waits for it; the next export, `finish` and `join_exports`
+        too, and raise `ExportFailedError` if it failed."""
         self.exports.export(result, on_done=on_done)
 
     def join_exports(self) -> dict[str, str]:
