@@ -4,6 +4,8 @@ joined before the next export and at the job's end; a failure fails the job, nev
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -25,8 +27,10 @@ def test_a_background_export_is_of_its_step_while_training_goes_on(job_config):
     at_20 = np.asarray(trainer.program.serve(trainer.state, x[:5]))
     assert trainer.export_in_background(trainer.evaluate_if_new(), on_done=done.append) is None
     trainer.train_until_checkpoint()  # donates the step-20 buffers: the export has its own copy
-    written = trainer.join_exports()
     storage = trainer.job.storage
+    # the step-40 save waited for it: a rerun from step 40 needs no export of step 20
+    assert os.path.exists(storage.export_dir("latest", 20)) and len(done) == 1
+    written = trainer.join_exports()
     assert done == [written] and set(written) == {"latest", "best"}
     np.testing.assert_allclose(
         np.asarray(load_export(storage.export_dir("latest", 20))(x[:5])), at_20, rtol=1e-6
