@@ -286,3 +286,22 @@ class FailsAtExport(DigitsProgram):
 
 def fails_at_export():
     return FailsAtExport(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+class SlowExport(DigitsProgram):
+    """serve() takes a while to trace on the trained values (at an export, not in the check before
+    training), as a large model's lowering does: longer than a tiny interval's training."""
+
+    def serve(self, state, x):
+        import time
+
+        import jax
+        import numpy as np
+
+        if any(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(state)):
+            time.sleep(2.0)
+        return super().serve(state, x)
+
+
+def slow_export():
+    return SlowExport(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)

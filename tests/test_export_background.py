@@ -19,7 +19,7 @@ EXPORTERS = [LatestExporter(), BestExporter(metric="accuracy", mode="max"), Fina
 
 
 def test_a_background_export_is_of_its_step_while_training_goes_on(job_config):
-    trainer = Trainer(job_config(max_steps=40, exporters=EXPORTERS))
+    trainer = Trainer(job_config(max_steps=40, exporters=EXPORTERS, program="programs:slow_export"))
     trainer.restore_or_init()
     _, _, x, _ = load_digits_split()
     done: list[dict] = []
