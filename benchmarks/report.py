@@ -713,6 +713,41 @@ def s3_requests_markdown() -> list[str]:
     ]
 
 
+def export_cost_markdown() -> list[str]:
+    """`benchmarks/export_cost.py`'s record (EXPORT_COST.json; this run does not re-measure it)."""
+    r = _record("EXPORT_COST.json")
+    if r is None:
+        return []
+    m = r.get("machine") or {}
+    out = [
+        "",
+        "## Export cost per checkpoint interval (`export_cost.py`)",
+        "",
+        "| exports | export, first interval s | export, then median s | train, median s | "
+        "train + export, median s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in r["rows"]:
+        both = row.get("interval_secs_median")
+        out.append(
+            f"| {row['mode']} | {row['first']:.3f} | {row['median_after_first']:.3f} | "
+            f"{row['train_secs_per_interval_median']:.3f} | "
+            f"{'—' if both is None else f'{both:.3f}'} |"
+        )
+    return out + [
+        "",
+        f"`benchmarks/export_cost.py` ({r['when']}, {m.get('cpus', '?')} CPUs, JAX "
+        f"{m.get('jax', '?')} on {m.get('devices', '?')}; not re-measured by this run): the digits "
+        f"program with three exporters (latest, best, final), {r['intervals']} intervals of "
+        f"{r['every']} steps; the training thread's time in the export per interval (with, in "
+        "the background, its wait for the previous export; its wait at the next save is in the "
+        "train time). One lowering per step serves the three exporters; the platforms are the "
+        "job's and cpu unless named (all four before); the lowering and writing overlap the next "
+        "interval's training. On 2 shared CPUs the background thread competes with training for "
+        "them: compare train + export.",
+    ]
+
+
 def thread_cpu_markdown() -> list[str]:
     """`benchmarks/thread_cpu.py`'s record (THREAD_CPU.json; this run does not re-measure it)."""
     r = _record("THREAD_CPU.json")
@@ -1255,6 +1290,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     out += server_apart_markdown()
     out += s3_requests_markdown()
     out += thread_cpu_markdown()
+    out += export_cost_markdown()
     out += floor_markdown()
     out += storage_markdown(report)
     out += ["", "## JSON", "", "```json", json.dumps(summary), "```", ""]

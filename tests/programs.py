@@ -290,3 +290,85 @@ def clashing_derived():
     program = DigitsWithPerplexity()
     program.derive_metrics = lambda means: {"loss": 0.0}
     return program
+
+
+class NamedInputsDigits(DigitsProgram):
+    """serve() takes two named inputs: the images, and a temperature per row (its own symbolic
+    batch: both dims from one `symbolic_shape` call)."""
+
+    def serving_input(self):
+        import jax
+        import jax.numpy as jnp
+
+        (b,) = jax.export.symbolic_shape("b")
+        return {
+            "pixels": jax.ShapeDtypeStruct((b, 64), jnp.float32),
+            "temperature": jax.ShapeDtypeStruct((b,), jnp.float32),
+        }
+
+    def serve(self, state, inputs):
+        import jax
+
+        logits = self.apply(state["params"], inputs["pixels"])
+        return jax.nn.softmax(logits / inputs["temperature"][:, None], axis=-1)
+
+    def serving_example(self):
+        import numpy as np
+
+        from prefect_jax.examples.digits import load_digits_split
+
+        pixels = load_digits_split()[2][:4]
+        return {"pixels": pixels, "temperature": np.linspace(0.5, 2.0, 4, dtype=np.float32)}
+
+
+def named_inputs():
+    return NamedInputsDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+class IntOnSymbolicDim(DigitsProgram):
+    """serve() takes int() of the symbolic batch: it cannot be exported (the wall of issue 52)."""
+
+    def serve(self, state, x):
+        import jax.numpy as jnp
+
+        return super().serve(state, x) + jnp.zeros((int(x.shape[0]), 10))
+
+
+def int_on_symbolic_dim():
+    return IntOnSymbolicDim(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+class FailsAtExport(DigitsProgram):
+    """serve() traces on the abstract state (the check before training passes) but raises on the
+    trained values, as a serve with a host-side check of its weights would: the export fails."""
+
+    def serve(self, state, x):
+        import jax
+        import numpy as np
+
+        if any(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(state)):
+            raise RuntimeError("serve() refuses these weights")
+        return super().serve(state, x)
+
+
+def fails_at_export():
+    return FailsAtExport(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+class SlowExport(DigitsProgram):
+    """serve() takes a while to trace on the trained values (at an export, not in the check before
+    training), as a large model's lowering does: longer than a tiny interval's training."""
+
+    def serve(self, state, x):
+        import time
+
+        import jax
+        import numpy as np
+
+        if any(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(state)):
+            time.sleep(2.0)
+        return super().serve(state, x)
+
+
+def slow_export():
+    return SlowExport(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)

@@ -35,7 +35,10 @@ def registered(tmp_path_factory, mlflow_uri):
         train=TrainSpec(max_steps=60, log_every_steps=10),
         checkpoint=CheckpointSpec(every_steps=20),
         eval=EvalSpec(
-            exporters=EXPORTERS, registered_model="reg-digits", learning_curve_every_secs=0
+            exporters=EXPORTERS,
+            registered_model="reg-digits",
+            learning_curve_every_secs=0,
+            export_platforms=["all"],  # (the default: this machine's platform and cpu)
         ),
         mlflow_tracking_uri=mlflow_uri,
     )
@@ -232,7 +235,8 @@ def test_platforms_a_serve_does_not_lower_for_are_left_out_with_a_warning_and_na
     others = [p for p in _everywhere() if p not in kept]  # rocm, tpu
     mlflow.set_tracking_uri(mlflow_uri)
     with caplog.at_level("WARNING", logger="prefect_jax.trainer"):
-        path = _export_job(job_config, "some-platforms")  # exports at steps 20 and 40
+        # exports at steps 20 and 40
+        path = _export_job(job_config, "some-platforms", export_platforms=["all"])
     warnings = [r.getMessage() for r in caplog.records if "the export runs on" in r.getMessage()]
     assert len(warnings) == 1, warnings  # once, not at every export
     assert warnings[0].startswith(

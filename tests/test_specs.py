@@ -72,7 +72,7 @@ from prefect_jax.training.specs import (
             lambda: EvalSpec(export_platforms=[]),
             "export_platforms",
             "[]",
-            "None for all that serve() lowers for",
+            "None for the job's platform and cpu",
         ),
     ],
 )

@@ -109,8 +109,8 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
         type=lambda v: [name.strip() for name in v.split(",") if name.strip()],
         default=None,
         metavar="P,P",
-        help="platforms the exported model runs on, of cpu,cuda,rocm,tpu (default: all that "
-        "serve() lowers for; a warning names those left out)",
+        help="platforms the exported model runs on, of cpu,cuda,rocm,tpu, or 'all' (default: the "
+        "one the job runs on and cpu; a warning names those serve() does not lower for)",
     )
     add("--best-metric", default="loss", help="metric the best exporter compares (default loss)")
     add("--best-mode", choices=["min", "max"], default="min", help="'min' or 'max' (default min)")

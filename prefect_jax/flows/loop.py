@@ -23,7 +23,9 @@ def _evaluate_and_export(config: JobConfig, step: int) -> bool:
     result = tasks.evaluate_if_new(config, step)
     # no task run per interval for exporters that are not there, nor for nothing evaluated
     if config.eval.exporters and result.status is not EvalStatus.EVALUATION_STOPPED:
-        tasks.export(config, result)
+        # lowered and written while the next interval trains (joined before the next export
+        # and at the job's end, which fail if it failed)
+        tasks.export(config, result, background=True)
     if result.evaluation_stopped:
         # A listener ends the evaluations, not the job: training goes on to max_steps, as the
         # trainer does beside an evaluator that stopped (should_stop_job stops the job).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -19,7 +21,7 @@ from prefect_jax.training.specs import JobConfig
     retry_delay_seconds=DEFAULT_RETRIES.retry_delay_seconds,
     retry_condition_fn=retry_unless_lost,
 )
-def export(config: JobConfig, result) -> dict[str, str]:
+def export(config: JobConfig, result, background: bool = False) -> dict[str, str]:
     """Run the eval spec's exporters on an evaluated result.
 
     Serving artifacts under ``<job>/exports/<exporter>/<step>/``, MLflow models and registry
@@ -29,9 +31,12 @@ def export(config: JobConfig, result) -> dict[str, str]:
     Args:
         config: the job.
         result: the step's `EvalResult` (what `evaluate_if_new` returned).
+        background: lower and write on a thread while training goes on (the train flows);
+            the next export and the job's end wait for it, and fail if it failed
+            (`Trainer.export_in_background`). Its log lines and event come once it is written.
 
     Returns:
-        ``{exporter: export dir}`` of what was written.
+        ``{exporter: export dir}`` of what was written (in the background: ``{}``).
 
     Example:
         ```python
@@ -52,9 +57,20 @@ def export(config: JobConfig, result) -> dict[str, str]:
         ```
     """
     logger = get_run_logger()
+
+    def announce(written: dict[str, str]) -> None:
+        for name, path in written.items():
+            logger.info("exporter %s: %s", name, path)
+        if written:
+            emit(EXPORT_EVENT, config, {"step": result.step, "exports": written})
+
+    if background:
+        # (the run context, for the event and the log lines, on the export's thread)
+        context = contextvars.copy_context()
+        _trainer(config).export_in_background(
+            result, on_done=lambda written: context.run(announce, written)
+        )
+        return {}
     written = _trainer(config).export(result)
-    for name, path in written.items():
-        logger.info("exporter %s: %s", name, path)
-    if written:
-        emit(EXPORT_EVENT, config, {"step": result.step, "exports": written})
+    announce(written)
     return written

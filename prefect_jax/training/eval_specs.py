@@ -19,6 +19,8 @@ from prefect_jax.training.spec_base import Spec, check_name, positive
 # The platforms `jax.export` lowers for, on any machine (exporters.serialize_serving): an
 # export runs on each it was lowered for.
 EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+# `EvalSpec.export_platforms=["all"]`: each of EXPORT_PLATFORMS that serve() lowers for.
+ALL_PLATFORMS = "all"
 
 
 class _Exporter(Spec):
@@ -154,8 +156,10 @@ class EvalSpec(Spec):
             an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None: the
             job's name; ``""``: do not register.
         export_platforms: the platforms the exported model runs on (``jax.export`` lowers for
-            each of `EXPORT_PLATFORMS`); None: all of them, less those ``serve`` does not lower
-            for (a warning names them).
+            each, once per exported step, for all the exporters); None: the platform the job
+            runs on and ``cpu``; ``["all"]``: every one of `EXPORT_PLATFORMS`. For those two, a
+            platform ``serve`` does not lower for is left out (a warning names it); a named one
+            must lower (checked before training).
     """
 
     steps: int | None = Field(None, description="Eval batches; None: the whole eval set.")
@@ -187,7 +191,8 @@ class EvalSpec(Spec):
     export_platforms: list[str] | None = Field(
         None,
         description=f"Platforms the exported model runs on, of {', '.join(EXPORT_PLATFORMS)}. "
-        "None: all of them, less those serve() does not lower for (a warning names them).",
+        "None: the one the job runs on and cpu; ['all']: all of them, less those serve() does "
+        "not lower for (a warning names them).",
     )
 
     @property
@@ -249,8 +254,8 @@ class EvalSpec(Spec):
     @field_validator("export_platforms")
     @classmethod
     def _platforms(cls, v):
-        if v is None:
-            return v
+        if v is None or list(v) == [ALL_PLATFORMS]:
+            return v if v is None else [ALL_PLATFORMS]
         bad = [p for p in v if p not in EXPORT_PLATFORMS]
         if bad or not v:
             what = (
@@ -259,7 +264,8 @@ class EvalSpec(Spec):
             raise ValueError(
                 f"export_platforms={v!r}: {what}; "
                 f"give some of {list(EXPORT_PLATFORMS)} (jax.export's names: 'cuda' for NVIDIA "
-                "GPUs, 'rocm' for AMD), or None for all that serve() lowers for"
+                "GPUs, 'rocm' for AMD), ['all'] for all that serve() lowers for, or None for "
+                "the job's platform and cpu"
             )
         return list(dict.fromkeys(v))
 
@@ -277,6 +283,7 @@ class EvalSpec(Spec):
 
 
 __all__ = [
+    "ALL_PLATFORMS",
     "EXPORT_PLATFORMS",
     "BestExporter",
     "EarlyStopping",

@@ -22,6 +22,7 @@ from typing import Any
 
 from prefect_jax.training.best import beats, best_record
 from prefect_jax.training.eval_specs import (
+    ALL_PLATFORMS,
     EXPORT_PLATFORMS,
     BestExporter,
     ExporterSpec,
@@ -29,6 +30,7 @@ from prefect_jax.training.eval_specs import (
     LatestExporter,
 )
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
+from prefect_jax.training.serving import serving_example, serving_specs  # noqa: F401 - (its home was here)
 from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.trainer")  # shown in the flow run's logs
@@ -58,13 +60,29 @@ def is_the_final_export(result: EvalResult, max_steps: int) -> bool:
 _left_out: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
+def resolve_platforms(
+    platforms: list[str] | tuple[str, ...] | None,
+) -> tuple[tuple[str, ...], bool]:
+    """The platforms an export lowers for (``EvalSpec.export_platforms``), and whether the user
+    named them (then each must lower). None: this machine's platform (where the job trains) and
+    ``cpu`` (a laptop loads it); ``["all"]``: every one of `EXPORT_PLATFORMS`; for those two, a
+    platform ``serve`` does not lower for is left out with a warning."""
+    import jax
+
+    here = jax.export.default_export_platform()
+    if not platforms:
+        return tuple(dict.fromkeys((here, "cpu"))), False
+    if ALL_PLATFORMS in platforms:
+        return tuple(dict.fromkeys((*EXPORT_PLATFORMS, here))), False
+    return tuple(platforms), True
+
+
 def serialize_serving(
     program: Any, state, platforms: list[str] | tuple[str, ...] | None = None
 ) -> bytes:
     """``jax.export`` of ``serve(state, inputs)`` with `state` closed over as constants, lowered
-    for `platforms` (``EvalSpec.export_platforms``); None: every one of `EXPORT_PLATFORMS` that
-    ``serve`` lowers for, so that a model trained on GPUs loads on a laptop's CPU. One module
-    holds every platform's code, and the state's constants once.
+    for `platforms` (``EvalSpec.export_platforms``, see `resolve_platforms`). One module holds
+    every platform's code, and the state's constants once.
 
     Raises:
         ValueError: named `platforms` that ``serve`` does not lower for (the message names each,
@@ -73,27 +91,24 @@ def serialize_serving(
     """
     import jax
 
-    spec = program.serving_input()
+    spec = serving_specs(program)
 
     def serving(inputs):
         return program.serve(state, inputs)
 
     fn, here = jax.jit(serving), jax.export.default_export_platform()
     key = (type(program).__module__, type(program).__qualname__)
-    if platforms:
-        wanted = tuple(platforms)
-    else:
-        wanted = tuple(
-            p for p in dict.fromkeys((*EXPORT_PLATFORMS, here)) if p not in _left_out.get(key, ())
-        )
+    wanted, named = resolve_platforms(platforms)
+    if not named:
+        wanted = tuple(p for p in wanted if p not in _left_out.get(key, ()))
     try:
         return jax.export.export(fn, platforms=wanted)(spec).serialize()
     except Exception:
-        failed = _failing_platforms(fn, wanted, spec)
+        failed = failing_platforms(fn, wanted, spec)
         if not failed or here in failed:
             raise  # serve() itself fails (or fails here, where it trains): its own error
-    if platforms:
-        raise _named_platforms_error(failed, platforms)
+    if named:
+        raise named_platforms_error(failed, platforms)
     why = _why(failed)
     kept = tuple(p for p in wanted if p not in failed)
     _left_out[key] = (*_left_out.get(key, ()), *failed)
@@ -108,7 +123,7 @@ def serialize_serving(
     return jax.export.export(fn, platforms=kept)(spec).serialize()
 
 
-def _failing_platforms(fn, platforms, *args) -> dict[str, Exception]:
+def failing_platforms(fn, platforms, *args) -> dict[str, Exception]:
     """The platforms `fn` does not lower for, each tried alone, with its error."""
     import jax
 
@@ -127,43 +142,16 @@ def _why(failed: dict[str, Exception]) -> str:
     )
 
 
-def _named_platforms_error(failed: dict[str, Exception], platforms) -> ValueError:
+def named_platforms_error(
+    failed: dict[str, Exception], platforms, program: str | None = None
+) -> ValueError:
+    """The refusal of named `platforms` that ``serve`` does not lower for."""
+    who = f"program {program!r}: " if program else ""
     return ValueError(
-        f"the program's serve() does not lower for {list(failed)} of "
+        f"{who}the program's serve() does not lower for {list(failed)} of "
         f"export_platforms={list(platforms)} ({_why(failed)}); leave them out of "
         "EvalSpec.export_platforms (--export-platforms)"
     )
-
-
-def check_serving_platforms(
-    program: Any, abstract_state, platforms: list[str] | tuple[str, ...]
-) -> None:
-    """Before training: raise the error `serialize_serving` would raise at the job's first export
-    (an interval in, perhaps hours) for named `platforms` that ``serve`` does not lower for.
-    Lowers ``serve`` with the state as an argument (its shapes, no values: cheap for a small
-    model); where that does not lower on this machine's own platform either (``serve`` needs
-    concrete values), it says nothing and the first export decides.
-
-    Raises:
-        ValueError: as `serialize_serving`, naming the platforms and their errors.
-    """
-    import jax
-
-    spec, here = program.serving_input(), jax.export.default_export_platform()
-    state = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_state
-    )  # one device, as an export's constants
-    fn = jax.jit(lambda state, inputs: program.serve(state, inputs))
-    failed = _failing_platforms(fn, dict.fromkeys((here, *platforms)), state, spec)
-    if here in failed:
-        logger.debug(
-            "serve() does not lower over the abstract state here (%s): export platforms checked "
-            "at the first export",
-            _why(failed),
-        )
-        return
-    if failed:
-        raise _named_platforms_error(failed, platforms)
 
 
 def load_export(path: str) -> Callable:
@@ -175,35 +163,6 @@ def load_export(path: str) -> Callable:
     with fsspec.open(target, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
     return exported.call
-
-
-def serving_example(program: Any, rows: int = 5):
-    """A few real serving inputs (NumPy): the first rows of the first eval batch's array that
-    fits ``program.serving_input()`` (or ``program.serving_example()`` if the program has one);
-    zeros of the serving shape when nothing fits."""
-    import jax
-    import numpy as np
-
-    if callable(getattr(program, "serving_example", None)):
-        return np.asarray(program.serving_example())
-    spec = program.serving_input()
-    tail = tuple(int(d) for d in spec.shape[1:])
-    try:
-        data = program.eval_data()
-        batch = data[0] if hasattr(data, "__getitem__") else next(iter(data))
-        for leaf in jax.tree.leaves(batch):
-            leaf = np.asarray(leaf)
-            if (
-                leaf.ndim == len(spec.shape)
-                and tuple(leaf.shape[1:]) == tail
-                and np.can_cast(leaf.dtype, spec.dtype, "same_kind")
-            ):
-                return leaf[:rows].astype(spec.dtype)
-    except Exception:  # noqa: BLE001 - an example is a nicety; the zeros below still fit the signature
-        pass
-    return np.zeros(
-        (rows if not isinstance(spec.shape[0], int) else spec.shape[0], *tail), dtype=spec.dtype
-    )
 
 
 @dataclasses.dataclass(frozen=True)

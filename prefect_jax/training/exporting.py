@@ -7,6 +7,9 @@ and each exporter's alias moves to its step. This module never imports prefect.
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prefect_jax.training import exporters as exp
@@ -15,9 +18,59 @@ from prefect_jax.training.eval_specs import BestExporter
 from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.registry import alias_for
+from prefect_jax.training.serving import input_signature, serving_specs
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+
+class ExportFailedError(RuntimeError):
+    """An export made in the background failed (see `Trainer.export_in_background`)."""
+
+
+def host_copy(state):
+    """`state` in host memory (NumPy), for an export made while training goes on; PRNG keys
+    (not NumPy) copied on their device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def copy(a):
+        if isinstance(a, jax.Array):
+            return (
+                jnp.copy(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else np.array(a)
+            )
+        return a
+
+    return jax.tree.map(copy, state)
+
+
+class _Background:
+    """One step's export (lowering, writing, registering) on its own thread."""
+
+    def __init__(self, step: int, write: Callable[[], dict[str, str]], on_done):
+        self.step, self.written, self.error = step, {}, None
+        self._write, self._on_done = write, on_done
+        # (daemon: a process killed meanwhile leaves no torn export, see exporters._write_export)
+        self._thread = threading.Thread(target=self._run, name=f"export-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.written = self._write()
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread by `join`
+            self.error = exc
+            logger.error("the export of step %d failed: %r", self.step, exc)
+            return
+        try:
+            self._on_done(self.written)
+        except Exception:  # noqa: BLE001 - an announcement; the export is written
+            logger.warning("after the export of step %d", self.step, exc_info=True)
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 class Exports:
@@ -26,6 +79,8 @@ class Exports:
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self._example = None  # the serving input example (see `serving_example`)
+        self._running: _Background | None = None  # an export in the background
+        self._failed: _Background | None = None
 
     @property
     def registered_model(self) -> str | None:
@@ -34,16 +89,50 @@ class Exports:
         name = config.eval.registered_model
         return (config.job if name is None else name) or None
 
-    def export(self, result: EvalResult) -> dict[str, str]:
-        """`Trainer.export`."""
+    def export(
+        self, result: EvalResult, on_done: Callable[[dict[str, str]], None] | None = None
+    ) -> dict[str, str]:
+        """`Trainer.export`; with `on_done`, `Trainer.export_in_background`."""
         t = self.trainer
         with t.job.goodput.phase("export"):
-            exported = self._export(result)
+            self.join()  # one export at a time, in step order: the registry's order
+            exported = self._export(result, on_done)
         if exported:
             t.push_compiled()
         return exported
 
-    def _export(self, result: EvalResult) -> dict[str, str]:
+    def wait(self) -> None:
+        """Before a checkpoint is saved: wait for the export in the background (its failure is
+        raised by the next `join`). A committed step after an evaluated one then says that one's
+        exports are written: a rerun from it, after a kill, exports only its own step."""
+        if self._running is not None:
+            self._running.join()
+
+    def join(self) -> dict[str, str]:
+        """Wait for the export in the background (if any): what it wrote.
+
+        Raises:
+            ExportFailedError: it failed (again at each call: the job must not end as if its
+                exports were written).
+        """
+        running, self._running = self._running, None
+        if running is not None:
+            running.join()
+            if running.error is None:
+                if running.written:
+                    self.trainer.push_compiled()
+                return running.written
+            self._failed = running
+        if self._failed is not None:
+            failed = self._failed
+            raise ExportFailedError(
+                f"the export of step {failed.step} (in the background, while training went on) "
+                f"failed: {type(failed.error).__name__}: {failed.error}. The job stops here; its "
+                "checkpoints are kept, and a rerun exports its newest evaluated step"
+            ) from failed.error
+        return {}
+
+    def _export(self, result: EvalResult, on_done=None) -> dict[str, str]:
         t, job, config = self.trainer, self.trainer.job, self.trainer.config
         t.ending.stop_if_preempted()
         written: dict[str, str] = {}
@@ -68,29 +157,44 @@ class Exports:
             return written
         job.verify_lease()  # a trainer whose job was taken over exports nothing more
         model: list[bytes] = []
+        if on_done is not None and all(
+            exp.exports_nothing(e, job.storage, result, config.train.max_steps)
+            for e in config.eval.exporters
+        ):
+            return written  # nothing to export: no copy of the state, no thread
+        # In the background, of a host copy: training donates the live state's buffers.
+        state = host_copy(t.evaluations.state_at(result.step)) if on_done else None
 
         def make_model() -> bytes:
+            # one lowering per step, for every exporter and every platform
             if not model:
                 t.wait_for_compile_cache()
-                state = t.evaluations.state_at(result.step)
-                model.append(exp.serialize_serving(t.program, state, config.eval.export_platforms))
+                live = state if state is not None else t.evaluations.state_at(result.step)
+                model.append(exp.serialize_serving(t.program, live, config.eval.export_platforms))
             return model[0]
 
         info = {
             "program": config.program,
             "program_fingerprint": t.program_fingerprint,
             "job": config.job,
+            "inputs": input_signature(serving_specs(t.program)),
         }
-        for exporter in config.eval.exporters:
-            dest = exp.run_exporter(
-                exporter, job.storage, result, config.train.max_steps, make_model, info
-            )
-            if dest is None:
-                continue
-            written[exporter.name] = dest
-        if written:
-            self._register()
-        return written
+
+        def write() -> dict[str, str]:
+            for exporter in config.eval.exporters:
+                dest = exp.run_exporter(
+                    exporter, job.storage, result, config.train.max_steps, make_model, info
+                )
+                if dest is not None:
+                    written[exporter.name] = dest
+            if written:
+                self._register()
+            return written
+
+        if on_done is None:
+            return write()
+        self._running = _Background(result.step, write, on_done)
+        return {}
 
     def warm_registry(self) -> None:
         """Where this process will register exports (it evaluates: a trainer of the `train` role

@@ -169,6 +169,7 @@ class Intervals:
             # verified the lease after the commit wait: not read again for this save if that read
             # found it ours within the last second.
             recorded = t.evaluations.pending.record(wait=True)
+            t.exports.wait()  # and its export, if in the background (see `Exports.wait`)
             # One writer: a trainer whose job was taken over stops here.
             job.verify_lease(collective=True, max_age=1.0 if recorded is not None else 0.0)
             train_metrics = job.tracker.unwritten_metrics() + list(train_metrics)

@@ -14,20 +14,37 @@ import numpy as np
 
 
 class JaxExportModel(mlflow.pyfunc.PythonModel):
-    """Predicts with a ``jax.export`` artifact: ``predict(inputs) = serve(state, inputs)``."""
+    """Predicts with a ``jax.export`` artifact: ``predict(inputs) = serve(state, inputs)``, for
+    one array, or a dict of arrays where the program's ``serving_input()`` names its inputs."""
 
     def load_context(self, context):
         import jax
 
         with open(context.artifacts["jax_export"], "rb") as f:
             self.exported = jax.export.deserialize(bytearray(f.read()))
-        self.dtype = self.exported.in_avals[0].dtype
+        args, _ = jax.tree_util.tree_unflatten(self.exported.in_tree, self.exported.in_avals)
+        self.inputs = args[0]  # one aval, or {name: aval}
+        self.dtype = None if isinstance(self.inputs, dict) else self.inputs.dtype
 
     def predict(self, context, model_input: np.ndarray, params=None):
-        # (np.ndarray hints: MLflow validates the input against the logged signature, no inference)
-        if hasattr(model_input, "to_numpy"):  # a pandas DataFrame: one row per example
-            model_input = model_input.to_numpy()
-        return np.asarray(self.exported.call(np.asarray(model_input, dtype=self.dtype)))
+        # (np.ndarray hints: MLflow validates the input against the logged signature, no inference;
+        # named inputs arrive as a dict of arrays)
+        if isinstance(self.inputs, dict):
+            missing = sorted(set(self.inputs) - set(model_input))
+            if missing:
+                raise ValueError(
+                    f"the model's inputs are {sorted(self.inputs)}; missing {missing}: give a dict "
+                    "of arrays with those names"
+                )
+            args = {k: np.asarray(model_input[k], dtype=a.dtype) for k, a in self.inputs.items()}
+        else:
+            if hasattr(model_input, "to_numpy"):  # a pandas DataFrame: one row per example
+                model_input = model_input.to_numpy()
+            args = np.asarray(model_input, dtype=self.dtype)
+        out = self.exported.call(args)
+        if isinstance(out, dict):
+            return {k: np.asarray(v) for k, v in out.items()}
+        return np.asarray(out)
 
 
 mlflow.models.set_model(JaxExportModel())

@@ -145,6 +145,62 @@ def warm_mlflow() -> None:
     _init_packages_to_modules_map()
 
 
+def _serving_inputs(exported):
+    """The export's serving input as called: one aval, or a dict ``{name: aval}``."""
+    import jax
+
+    args, _ = jax.tree_util.tree_unflatten(exported.in_tree, exported.in_avals)
+    return args[0]
+
+
+def _typed_example(exported, example):
+    """`example` (an array, or a dict of arrays for named inputs) as the export's dtypes."""
+    import numpy as np
+
+    inputs = _serving_inputs(exported)
+    if isinstance(inputs, dict):
+        return {k: np.asarray(example[k], dtype=a.dtype) for k, a in inputs.items()}
+    return np.asarray(example, dtype=inputs.dtype)
+
+
+def _tensor_specs(tree):
+    """MLflow TensorSpecs of a pytree of avals: a symbolic dimension is -1 (any size); the
+    leaves of a dict named by their keys (one array: unnamed)."""
+    import jax
+    import numpy as np
+    from mlflow.types import Schema, TensorSpec
+
+    def spec(aval, name=None):
+        shape = tuple(d if isinstance(d, int) else -1 for d in aval.shape)
+        return TensorSpec(np.dtype(aval.dtype), shape, name)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if len(leaves) == 1 and not leaves[0][0]:
+        return Schema([spec(leaves[0][1])])
+    return Schema(
+        [spec(a, jax.tree_util.keystr(path, simple=True, separator=".")) for path, a in leaves]
+    )
+
+
+def export_signature(exported, example=None):
+    """The MLflow signature of a ``jax.export``: its inputs and outputs as tensors, from the
+    export's avals (no compile), symbolic dimensions -1. Outputs in a tuple or list are what the
+    pyfunc predicts, NumPy's stack of them: their spec is traced on `example` (an input example)."""
+    import jax
+    import numpy as np
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    outputs = jax.tree_util.tree_unflatten(exported.out_tree, exported.out_avals)
+    if isinstance(outputs, (tuple, list)) and example is not None:
+        out = jax.eval_shape(exported.call, example)
+        stacked = np.asarray(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out))
+        out_schema = Schema([TensorSpec(stacked.dtype, (-1, *stacked.shape[1:]))])
+    else:
+        out_schema = _tensor_specs(outputs)
+    return ModelSignature(inputs=_tensor_specs(_serving_inputs(exported)), outputs=out_schema)
+
+
 def log_export_model(
     client,
     tracking_uri: str,
@@ -160,23 +216,16 @@ def log_export_model(
     LoggedModel id."""
     import jax
     import mlflow
-    import numpy as np
-    from mlflow.models import Model, infer_signature
+    from mlflow.models import Model
 
     model_file = os.path.join(export_dir, "model.jax_export")
     with open(model_file, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
-    example = np.asarray(example, dtype=exported.in_avals[0].dtype)
+    example = _typed_example(exported, example)
     runs_here = (
         jax.export.default_export_platform() in exported.platforms
     )  # the MLflow worker's: cpu (`mlflow_worker._worker_environment`)
-    # The signature needs the output's shape and type only: traced, not compiled and run (MLflow's
-    # check below runs the model, where it runs; a compile each, the weights being constants).
-    out = jax.eval_shape(
-        exported.call, example
-    )  # (a pytree: as np.asarray(exported.call(example)) makes it one array)
-    output = np.asarray(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out))
-    signature = infer_signature(example, output)
+    signature = export_signature(exported, example)
     info_path = os.path.join(export_dir, "export.json")
     metadata = {}
     if os.path.exists(info_path):

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect_jax.training import control
-from prefect_jax.training import exporters as exp
 from prefect_jax.training.best import load_compare_fn
 from prefect_jax.training.cluster import forget_lost, from_primary, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
@@ -39,7 +38,7 @@ from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.ending import AttemptEnd
 from prefect_jax.training.evaluating import Evaluations
 from prefect_jax.training.evaluation import EvalResult
-from prefect_jax.training.exporting import Exports
+from prefect_jax.training.exporting import ExportFailedError, Exports
 from prefect_jax.training.intervals import Intervals
 from prefect_jax.training.job import Job
 from prefect_jax.training.loop import Loop, add_progress_listener
@@ -52,6 +51,7 @@ from prefect_jax.training.program import (
     program_fingerprint,
 )
 from prefect_jax.training.program_params import ProgramParams
+from prefect_jax.training.serving import check_serving
 from prefect_jax.training.session import (
     recover_session,
     recover_trainer,
@@ -117,10 +117,15 @@ class Trainer:
                 if getattr(exporter, "compare_fn", None):
                     load_compare_fn(exporter.compare_fn)
             self.loop = Loop(self.program, config.train)
-            # named ones: refused now, not an interval in
-            if config.eval.exporters and config.eval.export_platforms:
-                platforms = config.eval.export_platforms
-                exp.check_serving_platforms(self.program, self.loop.abstract_state, platforms)
+            # a serve() that does not trace, or lower for named platforms: refused now, not an
+            # interval in
+            if config.eval.exporters:
+                check_serving(
+                    self.program,
+                    config.program,
+                    self.loop.abstract_state,
+                    config.eval.export_platforms,
+                )
         except BaseException:
             try:
                 # its lease (a flow run's restore task took it early), its MLflow worker
@@ -302,6 +307,20 @@ class Trainer:
         """
         return self.exports.export(result)
 
+    def export_in_background(
+        self, result: EvalResult, on_done: Callable[[dict[str, str]], None]
+    ) -> None:
+        """`export`, lowered and written on a thread while training goes on: the decisions (is
+        the step committed and recorded, does an exporter export it) and a host copy of the state
+        are made here; `on_done(written)` is called on that thread once written and registered.
+        The next checkpoint's save waits for it; the next export, `finish` and `join_exports`
+        too, and raise `ExportFailedError` if it failed."""
+        self.exports.export(result, on_done=on_done)
+
+    def join_exports(self) -> dict[str, str]:
+        """Wait for the export in the background (`export_in_background`); what it wrote."""
+        return self.exports.join()
+
     @property
     def registered_model(self) -> str | None:
         """The MLflow registered model of this job's exports (None: not registered)."""
@@ -350,8 +369,19 @@ class Trainer:
         return self.job.goodput.summary()
 
     def finish(self, status: str = "FINISHED") -> None:
-        """Wait for pending saves, close the MLflow run with `status`, release the lease."""
+        """Wait for pending saves and the export in the background (its failure raised when
+        `status` is FINISHED), close the MLflow run with `status`, release the lease."""
+        self._join_exports(raise_failure=status == "FINISHED")
         self.ending.finish(status)
 
     def close(self) -> None:
+        self._join_exports(raise_failure=False)
         self.ending.close()
+
+    def _join_exports(self, raise_failure: bool) -> None:
+        try:
+            self.exports.join()
+        except ExportFailedError:
+            if raise_failure:
+                raise
+            logger.error("job %s ends with an export that failed", self.config.job, exc_info=True)

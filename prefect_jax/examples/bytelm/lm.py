@@ -327,8 +327,11 @@ class ByteLMProgram:
     # -- serving ------------------------------------------------------------------------
 
     def serving_input(self):
-        """int32 token ids (batch, seq_len): the batch is symbolic, the sequence length fixed."""
-        return jax.ShapeDtypeStruct(jax.export.symbolic_shape(f"b, {self.cfg.seq_len}"), jnp.int32)
+        """int32 token ids (batch, seq): both symbolic, the sequence at most the context it was
+        trained on (the learned position table's size; rotary positions past it were never
+        seen)."""
+        shape = jax.export.symbolic_shape("b, seq", constraints=(f"seq <= {self.cfg.seq_len}",))
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
 
     def serve(self, state, tokens):
         """Next-token logits, float32 (batch, seq, 256), for int32 token ids (batch, seq)."""

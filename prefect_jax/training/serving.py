@@ -1,0 +1,160 @@
+"""A program's serving inputs: their structure, their signature, an example, and the check of
+``serve`` made before training.
+
+``serving_input()`` returns one ``jax.ShapeDtypeStruct`` (``serve(state, inputs)`` gets one
+array) or a dict ``{name: jax.ShapeDtypeStruct}`` (``serve`` gets a dict of arrays). A dimension
+may be symbolic (``jax.export.symbolic_shape("b, s", constraints=("s <= 512",))``): the export
+takes any size there (within the constraints), and the MLflow signature says -1. Several inputs
+share one symbolic scope: make their dims with one ``symbolic_shape`` call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+# The size an example takes on a symbolic dimension other than the batch when no eval batch fits.
+_EXAMPLE_DIM = 8
+
+_FIX = (
+    "return one jax.ShapeDtypeStruct or a dict {name: jax.ShapeDtypeStruct}; a variable "
+    'dimension is jax.export.symbolic_shape("b, s") (one call for all the inputs\' dims)'
+)
+
+
+def serving_specs(program: Any, name: str | None = None):
+    """``program.serving_input()``, checked: one ``ShapeDtypeStruct`` or a dict of them.
+
+    Raises:
+        ValueError: anything else (naming the program and the fix).
+    """
+    import jax
+
+    spec = program.serving_input()
+    who = f"program {name!r}" if name else "the program"
+    if isinstance(spec, dict):
+        bad = {k: v for k, v in spec.items() if not isinstance(v, jax.ShapeDtypeStruct)}
+        if not spec or bad or not all(isinstance(k, str) and k for k in spec):
+            raise ValueError(f"{who}'s serving_input() returned {spec!r}: {_FIX}, named by strings")
+        return spec
+    if not isinstance(spec, jax.ShapeDtypeStruct):
+        raise ValueError(f"{who}'s serving_input() returned {spec!r}: {_FIX}")
+    return spec
+
+
+def _dim(d) -> int | str:
+    return d if isinstance(d, int) else str(d)
+
+
+def input_signature(spec) -> list[dict]:
+    """The serving inputs as JSON (``export.json``): ``[{"name", "shape", "dtype"}]``, a symbolic
+    dimension by its expression (``"b"``), the name None for a single array input."""
+    import numpy as np
+
+    items = spec.items() if isinstance(spec, dict) else [(None, spec)]
+    return [
+        {"name": k, "shape": [_dim(d) for d in s.shape], "dtype": np.dtype(s.dtype).name}
+        for k, s in items
+    ]
+
+
+def _fitting(leaves, spec, rows: int):
+    """The first of `leaves` (NumPy) whose rank, fixed dims and dtype fit `spec`, cut to `rows`."""
+    import numpy as np
+
+    for leaf in leaves:
+        leaf = np.asarray(leaf)
+        if (
+            leaf.ndim == len(spec.shape)
+            and all(
+                not isinstance(d, int) or d == n
+                for d, n in zip(spec.shape[1:], leaf.shape[1:], strict=True)
+            )
+            and np.can_cast(leaf.dtype, spec.dtype, "same_kind")
+        ):
+            return leaf[:rows].astype(spec.dtype)
+    return None
+
+
+def _zeros(spec, rows: int):
+    import numpy as np
+
+    first = spec.shape[0] if spec.shape and isinstance(spec.shape[0], int) else rows
+    tail = [d if isinstance(d, int) else _EXAMPLE_DIM for d in spec.shape[1:]]
+    return np.zeros((first, *tail)[: len(spec.shape)], dtype=spec.dtype)
+
+
+def serving_example(program: Any, rows: int = 5):
+    """A few real serving inputs (NumPy; a dict of arrays for named inputs):
+    ``program.serving_example()`` if the program has one; else for each input the first rows of
+    the first eval batch's array that fits it (a dict batch's array of the same name first);
+    zeros of its shape where nothing fits (a symbolic dimension other than the batch takes a
+    small size)."""
+    import jax
+    import numpy as np
+
+    if callable(getattr(program, "serving_example", None)):
+        example = program.serving_example()
+        if isinstance(example, dict):
+            return {k: np.asarray(v) for k, v in example.items()}
+        return np.asarray(example)
+    spec = serving_specs(program)
+    specs = spec if isinstance(spec, dict) else {None: spec}
+    found: dict = {}
+    try:
+        data = program.eval_data()
+        batch = data[0] if hasattr(data, "__getitem__") else next(iter(data))
+        leaves = jax.tree.leaves(batch)
+        for name, s in specs.items():
+            named = [batch[name]] if isinstance(batch, dict) and name in batch else []
+            found[name] = _fitting([*named, *leaves], s, rows)
+    except Exception:  # noqa: BLE001 - an example is a nicety; the zeros below still fit the signature
+        pass
+    out = {k: found[k] if found.get(k) is not None else _zeros(s, rows) for k, s in specs.items()}
+    return out if isinstance(spec, dict) else out[None]
+
+
+def check_serving(
+    program: Any, name: str, abstract_state, platforms: list[str] | None = None
+) -> None:
+    """Before training: trace ``serve`` on the abstract state and the serving input
+    (``jax.eval_shape``), then lower it with ``jax.export`` for the named `platforms`
+    (``EvalSpec.export_platforms``; else for this machine's: those the export may leave out
+    are found there), so that a broken ``serve`` fails in seconds, not at the job's first export
+    an interval in.
+
+    Raises:
+        ValueError: ``serving_input()`` is not a ShapeDtypeStruct (or dict of them); ``serve``
+            does not trace on it (an ``int()`` on a symbolic dimension...); or it does not lower
+            for named `platforms` (each named, with its error).
+    """
+    import jax
+
+    from prefect_jax.training.exporters import (
+        failing_platforms,
+        named_platforms_error,
+        resolve_platforms,
+    )
+
+    spec = serving_specs(program, name)
+    # one device, as an export's constants
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_state)
+    try:
+        jax.eval_shape(program.serve, state, spec)
+    except Exception as exc:
+        raise ValueError(
+            f"program {name!r}: serve(state, inputs) does not trace on serving_input() "
+            f"{input_signature(spec)} ({type(exc).__name__}: {' '.join(str(exc).split())[:400]}). "
+            "Fix serve (a symbolic dimension has no int() value: use x.shape[i] in jnp "
+            "operations, or bound it with symbolic_shape(..., constraints=...)) or serving_input "
+            "before training; the exports would fail after each interval"
+        ) from exc
+    wanted, named = resolve_platforms(platforms)
+    fn = jax.jit(lambda state, inputs: program.serve(state, inputs))
+    failed = failing_platforms(
+        fn, wanted if named else (jax.export.default_export_platform(),), state, spec
+    )
+    if failed:
+        raise named_platforms_error(failed, wanted, name)

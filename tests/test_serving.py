@@ -1,0 +1,126 @@
+"""Serving inputs as a real model needs them (issue 52): symbolic dimensions end to end (export,
+MLflow signature, pyfunc), several named inputs, a broken serve() refused before training, and
+exports lowered for the job's platform and cpu unless the user names others."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import train_to_end
+
+from prefect_jax.training.exporters import load_export, serialize_serving
+from prefect_jax.training.registry import PYFUNC_FILE, export_signature
+from prefect_jax.training.specs import LatestExporter
+from prefect_jax.training.trainer import Trainer
+
+
+def _tensor_specs(schema) -> list[tuple[str | None, list[int]]]:
+    return [(s.get("name"), list(s["tensor-spec"]["shape"])) for s in schema.to_dict()]
+
+
+def test_named_inputs_are_exported_registered_and_served_as_a_dict(job_config, mlflow_uri):
+    import mlflow
+
+    config = job_config(
+        max_steps=20, job="named", exporters=[LatestExporter()], program="programs:named_inputs"
+    )
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    train_to_end(trainer)
+    path = trainer.job.storage.export_dir("latest", 20)
+    info = json.load(open(os.path.join(path, "export.json")))
+    assert info["inputs"] == [
+        {"name": "pixels", "shape": ["b", 64], "dtype": "float32"},
+        {"name": "temperature", "shape": ["b"], "dtype": "float32"},
+    ]
+    inputs = trainer.program.serving_example()
+    expected = np.asarray(trainer.program.serve(trainer.state, inputs))
+    np.testing.assert_allclose(np.asarray(load_export(path)(inputs)), expected, rtol=1e-6)
+    trainer.finish()
+    trainer.close()
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    model_info = mlflow.models.get_model_info("models:/named@newest")
+    assert _tensor_specs(model_info.signature.inputs) == [
+        ("pixels", [-1, 64]),
+        ("temperature", [-1]),
+    ]
+    assert _tensor_specs(model_info.signature.outputs) == [(None, [-1, 10])]
+    model = mlflow.pyfunc.load_model("models:/named@newest")
+    served = model.predict({k: v[:3] for k, v in inputs.items()})
+    np.testing.assert_allclose(served, expected[:3], rtol=1e-6)
+    with pytest.raises(Exception, match="temperature"):
+        model.predict({"pixels": inputs["pixels"]})
+
+
+def test_an_int_on_a_symbolic_dimension_is_refused_before_training(job_config):
+    config = job_config(exporters=[LatestExporter()], program="programs:int_on_symbolic_dim")
+    with pytest.raises(
+        ValueError,
+        match=r"program 'programs:int_on_symbolic_dim': serve\(state, inputs\) does not trace on "
+        r"serving_input\(\) .*'shape': \['b', 64\].*Fix serve \(a symbolic dimension has no int",
+    ):
+        Trainer(config)
+    checkpoints = os.path.join(config.storage, config.job, "checkpoints")
+    assert not os.path.exists(checkpoints) or os.listdir(checkpoints) == []  # not a step trained
+
+
+def test_the_lm_serves_any_sequence_length_up_to_its_context(tmp_path):
+    import mlflow
+
+    from prefect_jax.examples.bytelm import PRESETS, ByteLMProgram
+
+    program = ByteLMProgram(PRESETS["tiny"])
+    context = program.cfg.seq_len
+    state = program.init(jax.random.key(0))
+    model_bytes = serialize_serving(program, state, ["cpu"])
+    exported = jax.export.deserialize(bytearray(model_bytes))
+    for shape in [(2, 7), (1, context)]:
+        tokens = np.arange(np.prod(shape), dtype=np.int32).reshape(shape) % 256
+        np.testing.assert_allclose(
+            np.asarray(exported.call(tokens)),
+            np.asarray(program.serve(state, tokens)),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    with pytest.raises(Exception, match="shape"):  # past the context it was trained on
+        exported.call(np.zeros((1, context + 1), np.int32))
+
+    signature = export_signature(exported)
+    assert _tensor_specs(signature.inputs) == [(None, [-1, -1])]
+    assert _tensor_specs(signature.outputs) == [(None, [-1, -1, 256])]
+    (tmp_path / "export").mkdir()
+    model_file = tmp_path / "export" / "model.jax_export"
+    model_file.write_bytes(model_bytes)
+    mlflow.pyfunc.save_model(
+        str(tmp_path / "model"),
+        python_model=PYFUNC_FILE,
+        artifacts={"jax_export": str(model_file)},
+        signature=signature,
+        input_example=program.serving_example(),
+        pip_requirements=[],
+    )
+    tokens = np.frombuffer(b"import os\n", np.uint8).astype(np.int32)[None]
+    logits = mlflow.pyfunc.load_model(str(tmp_path / "model")).predict(tokens)
+    assert logits.shape == (1, tokens.shape[1], 256)
+    np.testing.assert_allclose(
+        logits, np.asarray(program.serve(state, tokens)), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_exports_lower_for_the_job_platform_and_cpu_unless_named():
+    from prefect_jax.examples.digits import tiny
+
+    state = jax.jit(tiny.init)(jax.random.key(0))
+    here = jax.export.default_export_platform()
+
+    def platforms(named):
+        return jax.export.deserialize(bytearray(serialize_serving(tiny, state, named))).platforms
+
+    assert platforms(None) == tuple(dict.fromkeys((here, "cpu")))
+    assert platforms(["all"]) == tuple(dict.fromkeys(("cpu", "cuda", "rocm", "tpu", here)))
+    assert platforms(["tpu"]) == ("tpu",)
