@@ -112,8 +112,21 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
         help="platforms the exported model runs on, of cpu,cuda,rocm,tpu (default: all that "
         "serve() lowers for; a warning names those left out)",
     )
-    add("--best-metric", default="loss", help="metric the best exporter compares (default loss)")
-    add("--best-mode", choices=["min", "max"], default="min", help="'min' or 'max' (default min)")
+    add("--best-metric", default=None, help="metric the best exporter compares (default loss)")
+    add("--best-mode", choices=["min", "max"], default=None, help="'min' or 'max' (default min)")
+    add(
+        "--best-compare-fn",
+        default=None,
+        metavar="PKG.MOD:FN",
+        help="the best exporter's compare_fn(best_eval_result, current_eval_result) -> bool, by "
+        "import path (TF's BestExporter compare_fn); instead of --best-metric/--best-mode",
+    )
+    add(
+        "--start-delay-secs",
+        type=float,
+        default=0.0,
+        help="the evaluator waits this long before its first evaluation (EvalSpec's; default 0)",
+    )
     add(
         "--sigterm-grace-secs",
         type=float,
@@ -190,9 +203,11 @@ def _add_role(sub, name: str) -> None:
         )
         add(
             "--wait-for-first-checkpoint-secs",
+            "--max-wait-secs",
+            dest="wait_for_first_checkpoint_secs",
             type=float,
             default=3600.0,
-            help="give up waiting for a first checkpoint after this long",
+            help="give up waiting for a first checkpoint after this long (TF's max_wait_secs)",
         )
     if name == "export":
         add(
@@ -200,6 +215,24 @@ def _add_role(sub, name: str) -> None:
             type=int,
             default=None,
             help="the evaluated step to export (default: the newest)",
+        )
+        add(
+            "--wait-for-checkpoint",
+            action="store_true",
+            help="wait for an evaluated step with a committed checkpoint instead of failing at "
+            "once (TF's recover_session wait_for_checkpoint)",
+        )
+        add(
+            "--max-wait-secs",
+            type=float,
+            default=7200.0,
+            help="with --wait-for-checkpoint, give up after this long (default 7200)",
+        )
+        add(
+            "--recovery-wait-secs",
+            type=float,
+            default=30.0,
+            help="with --wait-for-checkpoint, look again every this many seconds (default 30)",
         )
     if name in ("run", "train"):
         add(
