@@ -223,3 +223,27 @@ class TwoArgumentListener:
 
     def before_eval(self, step, other):
         return True
+
+
+def record_train_hook(view) -> None:
+    """A train hook (TF's `TrainSpec.hooks`): one JSON line per call to the file named by
+    ``PREFECT_JAX_TEST_HOOK_FILE``: the event, the step, the metric names, and a leaf of the
+    state it was shown read to the host (reading is all a hook may do)."""
+    import json
+    import os
+
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(view.state)
+    leaf = next(x for x in leaves if getattr(x, "dtype", None) == "float32")
+    line = {
+        "event": view.event,
+        "step": view.step,
+        "max_steps": view.max_steps,
+        "metrics": sorted(view.metrics),
+        "job": view.job,
+        "process": view.process_index,
+        "leaf_sum": float(jax.device_get(leaf).sum()),
+    }
+    with open(os.environ["PREFECT_JAX_TEST_HOOK_FILE"], "a") as f:
+        f.write(json.dumps(line) + "\n")

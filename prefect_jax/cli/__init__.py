@@ -122,6 +122,15 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
         "import path (TF's BestExporter compare_fn); instead of --best-metric/--best-mode",
     )
     add(
+        "--train-hook",
+        dest="train_hooks",
+        action="append",
+        default=[],
+        metavar="PKG.MOD:FN[@every=N,checkpoint,end]",
+        help="a train hook by import path (TF's TrainSpec.hooks), called with a read-only view "
+        "every N steps, after each checkpoint, at the end (no '@': checkpoint,end); repeatable",
+    )
+    add(
         "--start-delay-secs",
         type=float,
         default=0.0,

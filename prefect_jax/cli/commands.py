@@ -27,6 +27,7 @@ def specs_from_args(args: argparse.Namespace):
         steps_per_dispatch=args.steps_per_dispatch,
         sigterm_grace_secs=args.sigterm_grace_secs,
         lease_timeout_secs=args.lease_timeout_secs,
+        hooks=args.train_hooks,
     )
     checkpoint = dict(
         every_steps=args.checkpoint_every_steps,

@@ -28,6 +28,7 @@ from prefect_jax.training.eval_specs import (
 )
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.spec_base import Spec, check_name, positive
+from prefect_jax.training.train_hooks import TrainHook
 
 
 class TrainSpec(Spec):
@@ -46,6 +47,9 @@ class TrainSpec(Spec):
             agrees with 1 up to floating-point reassociation (XLA may fuse the scanned step
             differently), not bit for bit. Costs K batches of host memory and one compile per
             distinct scan length; a SIGTERM is seen between dispatches (at most K steps late).
+        hooks: TF's `TrainSpec.hooks`, by import path (`TrainHook`, or its string form
+            ``"pkg.mod:fn@every=N"``): called every N steps, at each checkpoint, at the end,
+            in every process; they observe and never change the state (docs/program.md).
     """
 
     max_steps: int = Field(description="Train until the global step reaches this number.")
@@ -75,6 +79,11 @@ class TrainSpec(Spec):
         3,
         description="Refuse to train after this many reruns in a row started at the same "
         "step (None: no limit).",
+    )
+    hooks: list[TrainHook] = Field(
+        default_factory=list,
+        description="Train hooks by import path: 'pkg.mod:fn@every=N' (or checkpoint, end), "
+        "called with a read-only view of the step, metrics and state.",
     )
 
     @field_validator("max_steps")
@@ -297,6 +306,7 @@ __all__ = [
     "FinalExporter",
     "LatestExporter",
     "RetrySpec",
+    "TrainHook",
     "TrainSpec",
     "check_name",
 ]

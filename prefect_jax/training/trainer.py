@@ -58,6 +58,7 @@ from prefect_jax.training.session import (
     restore_trainer,
 )
 from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.train_hooks import TrainHooks
 from prefect_jax.training.trees import state_fingerprint
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -109,6 +110,7 @@ class Trainer:
             for exporter in config.eval.exporters:  # a bad path refused now, not at an export
                 if getattr(exporter, "compare_fn", None):
                     load_compare_fn(exporter.compare_fn)
+            self.train_hooks = TrainHooks(config.train.hooks)  # a bad path refused now too
             self.loop = Loop(self.program, config.train)
             # named ones: refused now, not an interval in
             if config.eval.exporters and config.eval.export_platforms:
