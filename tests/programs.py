@@ -247,3 +247,13 @@ def record_train_hook(view) -> None:
     }
     with open(os.environ["PREFECT_JAX_TEST_HOOK_FILE"], "a") as f:
         f.write(json.dumps(line) + "\n")
+
+
+class StopJobAtEnvStep:
+    """An eval hook that asks the whole job to stop (`should_stop_job`) once a step at or past
+    ``PREFECT_JAX_TEST_STOP_AT`` is evaluated: how a job with ``max_steps=None`` ends."""
+
+    def should_stop_job(self, result) -> bool:
+        import os
+
+        return result.step >= int(os.environ["PREFECT_JAX_TEST_STOP_AT"])

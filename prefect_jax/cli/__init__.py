@@ -48,13 +48,28 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _max_steps(value: str) -> int | None:
+    """``--max-steps``: a number of steps, or ``none`` (TF's max_steps=None: until stopped)."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number of steps: give one, e.g. 1000, or 'none' to train until "
+            "stopped"
+        ) from None
+
+
 def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
     add = p.add_argument
     add(
         "--max-steps",
-        type=int,
+        type=_max_steps,
         default=max_steps,
-        help=f"train until this global step (default {max_steps})",
+        metavar="N|none",
+        help=f"train until this global step (default {max_steps}); 'none' trains until stopped "
+        "(a stop request, a preemption, a cancel), as TF's max_steps=None",
     )
     add(
         "--checkpoint-every-steps",

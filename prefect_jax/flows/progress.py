@@ -13,8 +13,11 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 def _progress(step: int, max_steps: int, job: str) -> dict[str, Any]:
     return {
-        "progress": 100.0 * min(step, max_steps) / max_steps,
-        "description": f"training {job}: step {step} of {max_steps}",
+        # (no max_steps: trains until stopped; the bar stays empty, the step is in the text)
+        "progress": 100.0 * min(step, max_steps) / max_steps if max_steps else 0.0,
+        "description": f"training {job}: step {step} of {max_steps}"
+        if max_steps
+        else f"training {job}: step {step} (until stopped: no max_steps)",
     }
 
 

@@ -36,7 +36,10 @@ class TrainSpec(Spec):
 
     Args:
         max_steps: train until the global step reaches this number (as in
-            `tf.estimator.TrainSpec`).
+            `tf.estimator.TrainSpec`). None trains until stopped, as TF's: a stop request
+            (`<job>/stop.json`, early stopping, an eval hook), a preemption or the user's cancel
+            ends it; there is no final step (no `FinalExporter` export, no final evaluation
+            required), and a rerun resumes from the newest checkpoint.
         seed: seed of the model initialisation and of the training data order.
         log_every_steps: record training metrics in MLflow every this many steps.
         steps_per_dispatch: run this many steps per call into the device, as one jitted
@@ -52,7 +55,9 @@ class TrainSpec(Spec):
             in every process; they observe and never change the state (docs/program.md).
     """
 
-    max_steps: int = Field(description="Train until the global step reaches this number.")
+    max_steps: int | None = Field(
+        description="Train until the global step reaches this number (None: until stopped)."
+    )
     seed: int = Field(0, description="Seed for init and for the training data order.")
     log_every_steps: int = Field(50, description="Log train metrics to MLflow every N steps.")
     steps_per_dispatch: int = Field(
@@ -90,8 +95,16 @@ class TrainSpec(Spec):
     @classmethod
     def _max_steps(cls, v):
         return positive(
-            "max_steps", v, "set it to the total number of training steps, e.g. max_steps=1000"
+            "max_steps",
+            v,
+            "set it to the total number of training steps, e.g. max_steps=1000, or None to "
+            "train until stopped",
+            allow_none=True,
         )
+
+    def is_final(self, step: int | None) -> bool:
+        """Whether `step` is the final one: at or past `max_steps` (never when it is None)."""
+        return is_final_step(step, self.max_steps)
 
     @field_validator("log_every_steps")
     @classmethod
@@ -124,6 +137,12 @@ class TrainSpec(Spec):
             v,
             "give the seconds after which a silent trainer's lease is taken over, e.g. 120",
         )
+
+
+def is_final_step(step: int | None, max_steps: int | None) -> bool:
+    """Whether `step` is at or past `max_steps`: the final step (TF's `is_the_final_export`). A
+    job with ``max_steps=None`` trains until stopped and has no final step."""
+    return step is not None and max_steps is not None and step >= max_steps
 
 
 class CheckpointSpec(Spec):
@@ -309,4 +328,5 @@ __all__ = [
     "TrainHook",
     "TrainSpec",
     "check_name",
+    "is_final_step",
 ]

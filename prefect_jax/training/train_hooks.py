@@ -99,7 +99,7 @@ class TrainHookView:
     Attributes:
         event: ``"step"`` (an `every` step), ``"checkpoint"`` or ``"end"``.
         step: the global step the state is at.
-        max_steps: the job's `TrainSpec.max_steps`.
+        max_steps: the job's `TrainSpec.max_steps` (None: it trains until stopped).
         metrics: the train metrics logged at `step` (``"step"`` events) or the newest logged ones
             (a copy: plain floats).
         state: the live train state (the program's pytree, on the device). Do not mutate it, nor
@@ -112,7 +112,7 @@ class TrainHookView:
 
     event: Event
     step: int
-    max_steps: int
+    max_steps: int | None
     metrics: dict[str, float]
     state: Any
     job: str

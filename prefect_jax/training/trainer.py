@@ -137,7 +137,7 @@ class Trainer:
         self.recovered = False  # the live state came from `recover`: evaluated, never trained on
         # (live step, monotonic time) of the last "no stop" read
         self._no_stop_at: tuple[int, float] | None = None
-        self.policy = CheckpointPolicy.from_spec(config.checkpoint, config.train.max_steps)
+        self.policy = CheckpointPolicy.for_training(config.checkpoint, config.train.max_steps)
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
         self.early_stopping = (
