@@ -124,3 +124,47 @@ def test_a_job_without_max_steps_trains_until_stopped_and_resumes_exactly(
     assert trainer.fingerprint() == second["state_fingerprint"]
     trainer.finish()
     trainer.close()
+
+
+@pytest.mark.slow
+def test_a_command_without_max_steps_is_preempted_resumed_and_stopped(
+    tmp_path, prefect_server, mlflow_uri
+):
+    """``prefect-jax run --max-steps none``: SIGTERM checkpoints the step in flight (exit 143);
+    the rerun resumes there and trains on until a stop request, ending at the next boundary,
+    bit for bit where an uninterrupted job of that many steps ends; nothing is a final step."""
+    import json
+    import signal
+
+    from process_helpers import start_run, status, wait_until
+
+    from prefect_jax.training.checkpoint_dirs import committed_steps
+    from prefect_jax.training.control import request_stop
+    from prefect_jax.training.storage import JobStorage
+    from tests.test_preemption import _uninterrupted_fingerprint
+
+    storage = str(tmp_path / "storage")
+    ckpt = os.path.join(storage, "ever", "checkpoints")
+    args = ["--program", "programs:big", "--job", "ever", "--storage", storage]
+    args += ["--max-steps", "none", "--checkpoint-every-steps", "100", "--keep-last", "10"]
+    args += ["--exporters", "latest", "final", "--registered-model", ""]
+    args += ["--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
+    proc = start_run(args, prefect_server, tmp_path / "1.log")
+    wait_until(lambda: 200 in committed_steps(ckpt), 300, "step 200 to commit", proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    at = committed_steps(ckpt)[-1]
+    assert at >= 200
+
+    proc = start_run(args, prefect_server, tmp_path / "2.log")
+    boundary = (at // 100 + 1) * 100
+    wait_until(lambda: boundary in committed_steps(ckpt), 300, f"step {boundary}", proc)
+    request_stop(JobStorage(storage, "ever"), "enough", by="the test")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "2.log").read_text()[-3000:]
+    summary = json.loads((tmp_path / "2.log").read_text().strip().splitlines()[-1])
+    end = summary["final_step"]
+    assert end % 100 == 0 and end >= boundary and summary["stopped"] == "enough"
+    assert "final" not in status("ever", storage)["exports"]
+    assert summary["state_fingerprint"] == _uninterrupted_fingerprint(
+        tmp_path, mlflow_uri, max_steps=end, every=100
+    )
