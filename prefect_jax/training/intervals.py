@@ -146,11 +146,11 @@ class Intervals:
             part = t.loop.run(state, step, t.data_iter, target, stop)
             state, step = part.state, part.step
             logged.extend(part.logged)
-            # (stopped short: by every process together; one process alone trusts `why`)
-            if step < target or (t.job.processes == 1 and why):
+            if step < target:  # stopped short (by every process together)
                 break
             self._at_step(part)
-            if step >= boundary:
+            # (a checkpoint or backup due at the hook's step: one process alone trusts `why`)
+            if step >= boundary or (t.job.processes == 1 and why):
                 break
             target = hooks.next_step_stop(step, boundary)
         return Interval(state, step, logged)
