@@ -372,3 +372,37 @@ class SlowExport(DigitsProgram):
 
 def slow_export():
     return SlowExport(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+def record_train_hook(view) -> None:
+    """A train hook (TF's `TrainSpec.hooks`): one JSON line per call to the file named by
+    ``PREFECT_JAX_TEST_HOOK_FILE``: the event, the step, the metric names, and a leaf of the
+    state it was shown read to the host (reading is all a hook may do)."""
+    import json
+    import os
+
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(view.state)
+    leaf = next(x for x in leaves if getattr(x, "dtype", None) == "float32")
+    line = {
+        "event": view.event,
+        "step": view.step,
+        "max_steps": view.max_steps,
+        "metrics": sorted(view.metrics),
+        "job": view.job,
+        "process": view.process_index,
+        "leaf_sum": float(jax.device_get(leaf).sum()),
+    }
+    with open(os.environ["PREFECT_JAX_TEST_HOOK_FILE"], "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+class StopJobAtEnvStep:
+    """An eval hook that asks the whole job to stop (`should_stop_job`) once a step at or past
+    ``PREFECT_JAX_TEST_STOP_AT`` is evaluated: how a job with ``max_steps=None`` ends."""
+
+    def should_stop_job(self, result) -> bool:
+        import os
+
+        return result.step >= int(os.environ["PREFECT_JAX_TEST_STOP_AT"])

@@ -48,13 +48,28 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _max_steps(value: str) -> int | None:
+    """``--max-steps``: a number of steps, or ``none`` (TF's max_steps=None: until stopped)."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number of steps: give one, e.g. 1000, or 'none' to train until "
+            "stopped"
+        ) from None
+
+
 def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
     add = p.add_argument
     add(
         "--max-steps",
-        type=int,
+        type=_max_steps,
         default=max_steps,
-        help=f"train until this global step (default {max_steps})",
+        metavar="N|none",
+        help=f"train until this global step (default {max_steps}); 'none' trains until stopped "
+        "(a stop request, a preemption, a cancel), as TF's max_steps=None",
     )
     add(
         "--checkpoint-every-steps",
@@ -112,8 +127,30 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
         help="platforms the exported model runs on, of cpu,cuda,rocm,tpu, or 'all' (default: the "
         "one the job runs on and cpu; a warning names those serve() does not lower for)",
     )
-    add("--best-metric", default="loss", help="metric the best exporter compares (default loss)")
-    add("--best-mode", choices=["min", "max"], default="min", help="'min' or 'max' (default min)")
+    add("--best-metric", default=None, help="metric the best exporter compares (default loss)")
+    add("--best-mode", choices=["min", "max"], default=None, help="'min' or 'max' (default min)")
+    add(
+        "--best-compare-fn",
+        default=None,
+        metavar="PKG.MOD:FN",
+        help="the best exporter's compare_fn(best_eval_result, current_eval_result) -> bool, by "
+        "import path (TF's BestExporter compare_fn); instead of --best-metric/--best-mode",
+    )
+    add(
+        "--train-hook",
+        dest="train_hooks",
+        action="append",
+        default=[],
+        metavar="PKG.MOD:FN[@every=N,checkpoint,end]",
+        help="a train hook by import path (TF's TrainSpec.hooks), called with a read-only view "
+        "every N steps, after each checkpoint, at the end (no '@': checkpoint,end); repeatable",
+    )
+    add(
+        "--start-delay-secs",
+        type=float,
+        default=0.0,
+        help="the evaluator waits this long before its first evaluation (EvalSpec's; default 0)",
+    )
     add(
         "--sigterm-grace-secs",
         type=float,
@@ -205,9 +242,11 @@ def _add_role(sub, name: str) -> None:
         )
         add(
             "--wait-for-first-checkpoint-secs",
+            "--max-wait-secs",
+            dest="wait_for_first_checkpoint_secs",
             type=float,
             default=3600.0,
-            help="give up waiting for a first checkpoint after this long",
+            help="give up waiting for a first checkpoint after this long (TF's max_wait_secs)",
         )
     if name == "export":
         add(
@@ -215,6 +254,24 @@ def _add_role(sub, name: str) -> None:
             type=int,
             default=None,
             help="the evaluated step to export (default: the newest)",
+        )
+        add(
+            "--wait-for-checkpoint",
+            action="store_true",
+            help="wait for an evaluated step with a committed checkpoint instead of failing at "
+            "once (TF's recover_session wait_for_checkpoint)",
+        )
+        add(
+            "--max-wait-secs",
+            type=float,
+            default=7200.0,
+            help="with --wait-for-checkpoint, give up after this long (default 7200)",
+        )
+        add(
+            "--recovery-wait-secs",
+            type=float,
+            default=30.0,
+            help="with --wait-for-checkpoint, look again every this many seconds (default 30)",
         )
     if name in ("run", "train"):
         add(

@@ -27,6 +27,7 @@ def specs_from_args(args: argparse.Namespace):
         steps_per_dispatch=args.steps_per_dispatch,
         sigterm_grace_secs=args.sigterm_grace_secs,
         lease_timeout_secs=args.lease_timeout_secs,
+        hooks=args.train_hooks,
     )
     checkpoint = dict(
         every_steps=args.checkpoint_every_steps,
@@ -39,11 +40,18 @@ def specs_from_args(args: argparse.Namespace):
         steps=args.eval_steps,
         name=args.eval_name,
         throttle_secs=args.throttle_secs,
+        start_delay_secs=args.start_delay_secs,
         registered_model=args.registered_model,
         export_platforms=args.export_platforms,
     )
     return build_specs(
-        train, checkpoint, evaluation, args.exporters, args.best_metric, args.best_mode
+        train,
+        checkpoint,
+        evaluation,
+        args.exporters,
+        args.best_metric,
+        args.best_mode,
+        best_compare_fn=_best_compare_fn(args),
     )
 
 
@@ -77,6 +85,23 @@ def program_params_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
         except json.JSONDecodeError:
             params[key.strip()] = text
     return params if (params or raw is not None) else None
+
+
+def _best_compare_fn(args: argparse.Namespace) -> str | None:
+    """``--best-compare-fn``, refused beside ``--best-metric`` or ``--best-mode``."""
+    fn = args.best_compare_fn
+    given = [
+        f"--{flag.replace('_', '-')} {getattr(args, flag)}"
+        for flag in ("best_metric", "best_mode")
+        if getattr(args, flag) is not None
+    ]
+    if fn is not None and given:
+        raise ValueError(
+            f"--best-compare-fn {fn} and {' '.join(given)}: the compare function alone decides "
+            "which evaluation is better; give --best-compare-fn, or --best-metric/--best-mode, "
+            "not both"
+        )
+    return fn
 
 
 def _run_flow(
@@ -151,6 +176,11 @@ def _run_flow_with(
         )
     else:
         flow, kwargs = flows.export_flow, dict(common, step=args.step)
+        kwargs.update(
+            wait_for_checkpoint=args.wait_for_checkpoint,
+            max_wait_secs=args.max_wait_secs,
+            recovery_wait_secs=args.recovery_wait_secs,
+        )
     from prefect_jax.blocks import BLOCK_PREFIX
 
     check = (program, job, storage, args.max_steps if role in _TRAINS else None, program_params)

@@ -45,8 +45,9 @@ def _logs_above(console) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def progress_bar(enabled: bool, max_steps: int) -> Iterator[None]:
-    """A live progress bar on stderr while training runs in this process."""
+def progress_bar(enabled: bool, max_steps: int | None) -> Iterator[None]:
+    """A live progress bar on stderr while training runs in this process (no total for a job
+    that trains until stopped)."""
     if not enabled:
         yield
         return

@@ -44,7 +44,8 @@ def evaluate(
     error; evaluates every newly committed step exactly once (or only the newest, with
     `every_checkpoint=False`), never sooner than `eval_spec.throttle_secs` after the last
     evaluation; runs the exporters after each evaluation; stops once it has evaluated a step
-    at or past `max_steps` (with the final export), when an eval hook asks the job to stop,
+    at or past `max_steps` (with the final export; never where `max_steps` is None: a job that
+    trains until stopped has no final step), when an eval hook asks the job to stop,
     when `once` is set and nothing new is left, or after `idle_timeout_secs` without a new
     checkpoint while no trainer holds the job's lease (a live trainer is waited for: one
     event-triggered run keeps up with it, checking for new steps every `poll_secs`). Evaluated

@@ -6,7 +6,7 @@
 # would fail parameter validation (tests/test_deployment_rerun.py).
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from prefect_jax.flows.config import _job_config
 from prefect_jax.flows.retries import job_tasks
@@ -29,13 +29,18 @@ def export_flow(
     step: int | None = None,
     retry_spec: RetrySpec = RetrySpec(),
     program_params: dict[str, Any] | None = None,
+    wait_for_checkpoint: bool = False,
+    max_wait_secs: float = 7200.0,
+    recovery_wait_secs: float = 30.0,
 ) -> dict[str, str]:
     """Run the eval spec's exporters on an evaluated step (default: the newest evaluated one).
 
     The step's checkpoint is restored with the `recover` task (TF's `recover_session`): a job
     without checkpoints, or a step whose checkpoint is gone, ends with an error that says so,
-    and nothing is initialised. Exports already written are kept as they are. The other
-    parameters are `train_and_evaluate`'s.
+    and nothing is initialised. Exports already written are kept as they are. With
+    `wait_for_checkpoint` (TF's `recover_session` wait), a job with no evaluated step yet (or
+    without `step`) is waited for, up to `max_wait_secs`, looking every `recovery_wait_secs`,
+    before that error. The other parameters are `train_and_evaluate`'s.
 
     Returns:
         ``{exporter: export dir}``.
@@ -76,17 +81,21 @@ def export_flow(
     js = JobStorage(config.storage, config.job, config.storage_options)
     records = EvalRecords(js, config.eval.name)
     steps = records.steps()
+    if wait_for_checkpoint:
+        steps = _wait_for_evaluated(records, step, max_wait_secs, recovery_wait_secs)
     tasks = job_tasks(config.retry)
     where = redact_url(js.remote_checkpoint_url or js.checkpoint_dir)
+    waited = f" (waited max_wait_secs={max_wait_secs:g})" if wait_for_checkpoint else ""
     if step is None and not steps:
         if not job_committed_steps(js):  # (a listing: nothing is restored, nothing made)
             raise ValueError(
-                f"job {job!r} has no committed checkpoint in {where}: nothing to export; train "
+                f"job {job!r} has no committed checkpoint in {where}{waited}: nothing to export; "
+                "train "
                 "it first (the train or train_and_evaluate flow, with the same storage and job), "
                 "then evaluate it"
             )
         raise ValueError(
-            f"job {job!r} has no evaluated step yet (eval name {config.eval.name!r}): "
+            f"job {job!r} has no evaluated step yet (eval name {config.eval.name!r}){waited}: "
             "evaluate it first"
         )
     chosen = steps[-1] if step is None else step
@@ -107,3 +116,21 @@ def export_flow(
     exported = tasks.export(config, result)
     land_mlflow_writes(config)  # the model versions too
     return exported
+
+
+def _wait_for_evaluated(records, step, max_wait_secs: float, every_secs: float) -> list[int]:
+    """The evaluated steps once there is one (or `step` is among them), or when the wait ends."""
+    import time
+
+    logger = get_run_logger()
+    deadline = time.monotonic() + max_wait_secs
+    while True:
+        steps = records.steps()
+        if (step is None and steps) or step in steps:
+            return steps
+        left = deadline - time.monotonic()
+        if left <= 0:
+            logger.warning("no evaluated step to export within max_wait_secs=%g", max_wait_secs)
+            return steps
+        logger.info("waiting for an evaluated step to export (%.0f s left)", left)
+        time.sleep(min(every_secs, left))

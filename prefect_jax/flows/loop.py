@@ -30,7 +30,7 @@ def _evaluate_and_export(config: JobConfig, step: int) -> bool:
         # A listener ends the evaluations, not the job: training goes on to max_steps, as the
         # trainer does beside an evaluator that stopped (should_stop_job stops the job).
         get_run_logger().warning(
-            "%s; job %s trains on to max_steps=%d without evaluating or exporting",
+            "%s; job %s trains on to max_steps=%s without evaluating or exporting",
             result.evaluation_stopped,
             config.job,
             config.train.max_steps,
@@ -62,7 +62,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
         evaluate = _evaluate_and_export(config, step)
     try:
-        while step < max_steps:
+        while not config.train.is_final(step):  # (max_steps None: until a stop request)
             stop = stop_requested()
             if stop is not None:
                 return step, stop.get("reason")
@@ -97,7 +97,7 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
     trainer = get_trainer(config)
     if trainer.state is None:
         trainer.restore_or_init()
-    at_the_end = stopped is None and trainer.step >= config.train.max_steps
+    at_the_end = stopped is None and config.train.is_final(trainer.step)
     if evaluates and at_the_end and trainer.job.is_primary and not trainer.evaluations.stopped:
         trainer.evaluations.pending.record(wait=True)  # the final step's, once its save commits
         if trainer.job.records.get(trainer.step) is None:

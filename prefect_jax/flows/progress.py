@@ -11,11 +11,16 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 
-def _progress(step: int, max_steps: int, job: str, metrics=None) -> dict[str, Any]:
-    description = f"training {job}: step {step} of {max_steps}"
+def _progress(step: int, max_steps: int | None, job: str, metrics=None) -> dict[str, Any]:
+    # No max_steps: the job trains until stopped; the bar stays empty, the step is in the text.
+    if max_steps:
+        description = f"training {job}: step {step} of {max_steps}"
+        progress = 100.0 * min(step, max_steps) / max_steps
+    else:
+        description, progress = f"training {job}: step {step} (until stopped: no max_steps)", 0.0
     if metrics:
         description += " | " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-    return {"progress": 100.0 * min(step, max_steps) / max_steps, "description": description}
+    return {"progress": progress, "description": description}
 
 
 def shown_metrics(train: dict[str, float], evaluated: dict[str, float], name: str = "eval"):

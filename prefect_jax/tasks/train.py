@@ -18,7 +18,8 @@ def _train_run_name() -> str:
     config, start = params["config"], params["from_step"]
     if isinstance(config, dict):
         config = JobConfig.model_validate(config)
-    end = CheckpointPolicy.from_spec(config.checkpoint, config.train.max_steps).next_boundary(start)
+    policy = CheckpointPolicy.for_training(config.checkpoint, config.train.max_steps)
+    end = policy.next_boundary(start)
     return f"train {start} to {end}"  # no arrow: the run graph drops it ("train 200400")
 
 

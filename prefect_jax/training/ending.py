@@ -174,6 +174,8 @@ class AttemptEnd:
         try:
             if status == "FINISHED":
                 job.verify_lease()  # a job taken over is not this process's to call finished
+                if t.state is not None and not t.recovered:
+                    t.train_hooks.at_end(**t.intervals.hook_view())
                 t.evaluations.pending.record(wait=True)
             else:
                 t.evaluations.pending.record_or_warn()

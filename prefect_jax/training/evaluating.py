@@ -91,7 +91,7 @@ class Evaluations:
         done = None if in_flight else job.records.get(step)
         if done is not None:
             return done.model_copy(update={"status": EvalStatus.NO_NEW_CHECKPOINT})
-        is_final = step >= t.config.train.max_steps
+        is_final = t.config.train.is_final(step)
         if not is_final and self._is_preemption_checkpoint(step, live):
             logger.info(
                 "step %d is a preemption checkpoint (off the every_steps cadence): kept to resume "

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
-from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.specs import JobConfig, is_final_step
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,9 @@ class Evaluator:
 
     Args:
         job: the job's name (for messages).
-        max_steps: the job's `TrainSpec.max_steps`: a step at or past it is the final one.
+        max_steps: the job's `TrainSpec.max_steps`: a step at or past it is the final one
+            (None: the job trains until stopped; there is no final step, and the evaluator
+            goes on until a stop request, `once`, the idle timeout, or its flow run's end).
         evaluate: evaluates a committed step, unthrottled (the evaluator throttles), and
             returns its `EvalResult`.
         records: the job's evaluation records (`EvalRecords`): what was evaluated.
@@ -100,7 +102,7 @@ class Evaluator:
     """
 
     job: str
-    max_steps: int
+    max_steps: int | None
     evaluate: Callable[[int], EvalResult]
     records: Records
     committed_steps: Callable[[], list[int]]
@@ -214,7 +216,7 @@ class Evaluator:
         """Why the evaluator is done before looking for new steps: the final step was evaluated,
         or the job was asked to stop. `done`: the evaluated steps (default: the records')."""
         done = set(self.records.steps()) if done is None else done
-        if any(s >= self.max_steps for s in done):
+        if any(is_final_step(s, self.max_steps) for s in done):
             return f"evaluated the final step ({max(done)} >= max_steps={self.max_steps})"
         request = self.stop_request()
         if request is not None:
@@ -241,7 +243,7 @@ class Evaluator:
         as TF's, but for the final step) and export it; an early-stopping result, or an eval
         listener that stops evaluating (TF's `before_eval` / `after_eval` answering False), sets
         `stopped`."""
-        if self._last_eval_at is not None and step < self.max_steps:
+        if self._last_eval_at is not None and not is_final_step(step, self.max_steps):
             wait = self.throttle_secs - (self.clock() - self._last_eval_at)
             if wait > 0:
                 self.log("waiting %g s before the next evaluation (throttle_secs)", wait)

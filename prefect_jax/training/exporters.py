@@ -50,9 +50,12 @@ def is_recorded(result: EvalResult) -> bool:
     )
 
 
-def is_the_final_export(result: EvalResult, max_steps: int) -> bool:
-    """True when the evaluated step is at or past `max_steps` (TF's `is_the_final_export`)."""
-    return is_recorded(result) and result.step >= max_steps
+def is_the_final_export(result: EvalResult, max_steps: int | None) -> bool:
+    """True when the evaluated step is at or past `max_steps` (TF's `is_the_final_export`);
+    never for a job that trains until stopped (`max_steps` None: no final step)."""
+    from prefect_jax.training.specs import is_final_step
+
+    return is_recorded(result) and is_final_step(result.step, max_steps)
 
 
 # A program's platforms that serve() does not lower for, found at its first export and left out

@@ -28,8 +28,9 @@ def build_specs(
     checkpoint: Mapping[str, Any],
     evaluation: Mapping[str, Any],
     exporters: Iterable[str] = (),
-    best_metric: str = "loss",
-    best_mode: str = "min",
+    best_metric: str | None = "loss",
+    best_mode: str | None = "min",
+    best_compare_fn: str | None = None,
 ):
     """The `TrainSpec`, `CheckpointSpec` and `EvalSpec` of a job, from plain values.
 
@@ -41,6 +42,8 @@ def build_specs(
             and ``final``.
         best_metric: The metric the ``best`` exporter compares.
         best_mode: ``min`` or ``max``: which of its values is best.
+        best_compare_fn: The ``best`` exporter's ``compare_fn`` by import path, instead of
+            `best_metric` and `best_mode` (give those as None).
 
     Returns:
         ``(train_spec, eval_spec, checkpoint_spec)``.
@@ -72,7 +75,9 @@ def build_specs(
         if name == "latest":
             made.append(LatestExporter())
         elif name == "best":
-            made.append(BestExporter(metric=best_metric, mode=best_mode))
+            made.append(
+                BestExporter(metric=best_metric, mode=best_mode, compare_fn=best_compare_fn)
+            )
         elif name == "final":
             made.append(FinalExporter())
     eval_spec = EvalSpec(exporters=made, **evaluation)

@@ -14,9 +14,9 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from prefect_jax.training.cluster import any_process, note_failure
+from prefect_jax.training.cluster import any_process, note_failure, process_index
 from prefect_jax.training.errors import NonFiniteLossError
-from prefect_jax.training.loop import NonFiniteAt, notify_progress
+from prefect_jax.training.loop import Interval, NonFiniteAt, notify_progress
 from prefect_jax.training.names import TRAIN_PREFIX
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class Intervals:
                 self.log_train_rows(rows)
                 notify_progress(t.step, t.config.train.max_steps, t.last_train_metrics)
             self.save(rows)
+            t.train_hooks.at_checkpoint(**self.hook_view())
         except Exception as exc:
             note_failure(exc)  # another process went away: the attempt ends as a kill (`ended_as`)
             raise
@@ -93,7 +94,7 @@ class Intervals:
 
                 started = time.perf_counter()
                 try:
-                    interval = t.loop.run(t.state, t.step, t.data_iter, boundary, stop)
+                    interval = self._run(boundary, stop, why)
                 except NonFiniteAt as bad:
                     job.wait_committed()  # the error names the checkpoint a rerun resumes from
                     # (kept pending if it fails: `finish` or `close` tries again)
@@ -128,6 +129,53 @@ class Intervals:
         # Short of the boundary, the part ended for a backup (in some process) unless a checkpoint
         # is due.
         return rows, not checkpoint_due and t.step < boundary
+
+    def _run(self, boundary: int, stop, why: list[str]) -> Interval:
+        """`Loop.run` towards `boundary`, in parts that end at the steps an `every` train hook
+        wants (each such step's metrics are logged, for the hook), its hooks called there."""
+        t = self.trainer
+        hooks = t.train_hooks
+        target = hooks.next_step_stop(t.step, boundary)
+        if target == boundary:  # (no hook step inside: the one loop, as without hooks)
+            interval = t.loop.run(t.state, t.step, t.data_iter, boundary, stop)
+            if interval.step == boundary:
+                self._at_step(interval)
+            return interval
+        state, step, logged = t.state, t.step, []
+        while True:
+            part = t.loop.run(state, step, t.data_iter, target, stop)
+            state, step = part.state, part.step
+            logged.extend(part.logged)
+            if step < target:  # stopped short (by every process together)
+                break
+            self._at_step(part)
+            # (a checkpoint or backup due at the hook's step: one process alone trusts `why`)
+            if step >= boundary or (t.job.processes == 1 and why):
+                break
+            target = hooks.next_step_stop(step, boundary)
+        return Interval(state, step, logged)
+
+    def _at_step(self, part: Interval) -> None:
+        """The `every` train hooks at the step `part` ended at (its metrics logged there)."""
+        hooks = self.trainer.train_hooks
+        if not hooks:
+            return
+        at = [row for row in part.logged if row[0] == part.step]
+        metrics = {k: v for k, v, _ in self.trainer.loop.train_rows(at)}
+        hooks.at_step(**self.hook_view(state=part.state, step=part.step, metrics=metrics))
+
+    def hook_view(self, **given) -> dict:
+        """A `TrainHookView`'s fields at the live step (`given` ones instead)."""
+        t = self.trainer
+        view = dict(
+            step=t.step,
+            max_steps=t.config.train.max_steps,
+            metrics=dict(t.last_train_metrics),
+            state=t.state,
+            job=t.config.job,
+            process_index=process_index(),
+        )
+        return {**view, **given}
 
     def _account(self, seconds: float) -> None:
         """An interval's time in the goodput ledger: the compile (first in this process), then

@@ -210,7 +210,8 @@ class Job(JobCheckpoints):
         checkpoints = redact_url(self.storage.path("checkpoints"))
         model = c.eval.registered_model if c.eval.registered_model is not None else c.job
         lines = [
-            f"**prefect-jax job `{c.job}`**: program `{c.program}`, {c.train.max_steps} steps.",
+            f"**prefect-jax job `{c.job}`**: program `{c.program}`, "
+            + (f"{c.train.max_steps} steps." if c.train.max_steps else "trains until stopped."),
             "",
             f"- Storage: `{root}` (`prefect-jax status --job {c.job} --storage "
             f"{redact_url(self.storage.root)}`)",

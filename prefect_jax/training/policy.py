@@ -25,6 +25,10 @@ BACKUP_WINDOW = 5  # the newest attempts a backup interval is estimated from
 MIN_BACKUP_SECS = 1.0
 
 
+# The boundary of a job without a last step whose cadence is by time only: never reached.
+_NO_END = 2**62
+
+
 class CheckpointPolicy:
     """When a job writes a checkpoint, when it writes a backup, and which steps it keeps.
 
@@ -37,7 +41,8 @@ class CheckpointPolicy:
         every_secs: a regular checkpoint once this many seconds passed since the last save
             (`due`, `saved`; None: by steps only). Whichever cadence comes first writes.
         max_steps: the last step: always checkpointed, and no boundary lies past it. None for
-            a policy that decides retention only (a `Checkpoints` opened to read).
+            a policy that decides retention only (a `Checkpoints` opened to read), or, with
+            `forever`, for a job that trains until stopped (`for_training`).
         keep_last: retention keeps the newest this many regular steps (None: every one).
         keep_every_steps: retention also keeps every regular step that is a multiple of this.
         keep_until_evaluated: retention also keeps every regular step from the newest evaluated
@@ -49,6 +54,8 @@ class CheckpointPolicy:
             the newest step (they do not count in `keep_last`).
         clock: monotonic seconds, for the time cadence and backups (a fake one in tests).
         wall_clock: epoch seconds, the goodput ledger's time, for the backup interval.
+        forever: the job has no last step (``TrainSpec(max_steps=None)``): boundaries follow
+            the cadence alone, without end.
     """
 
     def __init__(
@@ -62,8 +69,10 @@ class CheckpointPolicy:
         backups: bool = True,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        forever: bool = False,
     ):
         self.every_steps, self.every_secs, self.max_steps = every_steps, every_secs, max_steps
+        self.forever = forever and max_steps is None
         self.keep_last, self.keep_every_steps = keep_last, keep_every_steps
         self.keep_until_evaluated, self.backups = bool(keep_until_evaluated), backups
         self.clock, self.wall_clock = clock, wall_clock
@@ -86,6 +95,15 @@ class CheckpointPolicy:
             **clocks,
         )
 
+    @classmethod
+    def for_training(
+        cls, spec: CheckpointSpec | None, max_steps: int | None, **clocks
+    ) -> CheckpointPolicy:
+        """The policy of a trainer of a job that trains to `max_steps` (None: until stopped)."""
+        policy = cls.from_spec(spec, max_steps, **clocks)
+        policy.forever = max_steps is None
+        return policy
+
     @staticmethod
     def spec_for_role(
         spec: CheckpointSpec, role: Literal["train", "train_and_evaluate"]
@@ -100,20 +118,19 @@ class CheckpointPolicy:
 
     def next_boundary(self, step: int) -> int:
         """The next step past `step` at which a checkpoint is due by step cadence (or max_steps)."""
-        if self.max_steps is None:
+        if self.max_steps is None and not self.forever:
             raise ValueError("this checkpoint policy has no max_steps: it decides retention only")
-        if self.every_steps is None:
-            return self.max_steps
-        return min(self.max_steps, (step // self.every_steps + 1) * self.every_steps)
+        if self.every_steps is None:  # by time only: the interval ends when `due` says so
+            return self.max_steps if self.max_steps is not None else _NO_END
+        cadence = (step // self.every_steps + 1) * self.every_steps
+        return cadence if self.max_steps is None else min(self.max_steps, cadence)
 
     def is_off_cadence(self, step: int) -> bool:
         """A checkpoint of `step` is no regular one (a preemption's: resumed from, not
         evaluated)."""
         every = self.every_steps
-        return (
-            self.max_steps is not None
-            and step < self.max_steps
-            and not (every and step % every == 0)
+        return (self.forever or (self.max_steps is not None and step < self.max_steps)) and not (
+            every and step % every == 0
         )
 
     def saved(self) -> None:

@@ -230,7 +230,7 @@ def restore_trainer(
     job.goodput.restore_began()
     job.checkpoints.wait()
     newest, max_steps = job.newest_committed(), trainer.config.train.max_steps
-    if newest is not None and newest > max_steps:
+    if newest is not None and max_steps is not None and newest > max_steps:
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
     job.acquire_lease()
     waited = duplicate_wait_ended(job.storage.job_dir)
@@ -279,7 +279,7 @@ def restore_trainer(
     )
     # The restored interval's train metrics, in case its process died before writing them.
     trainer.intervals.log_train_rows([tuple(r) for r in (meta or {}).get("train_metrics", [])])
-    if step < trainer.config.train.max_steps:
+    if not trainer.config.train.is_final(step):
         job.record_attempt(step)
         if job.is_primary:  # what this attempt trains on, for the MLflow run's reader
             job.tracker.set_tags({DEVICES_TAG: describe_devices()})

@@ -28,6 +28,7 @@ from prefect_jax.training.eval_specs import (
 )
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.spec_base import Spec, check_name, positive
+from prefect_jax.training.train_hooks import TrainHook
 
 
 class TrainSpec(Spec):
@@ -35,7 +36,10 @@ class TrainSpec(Spec):
 
     Args:
         max_steps: train until the global step reaches this number (as in
-            `tf.estimator.TrainSpec`).
+            `tf.estimator.TrainSpec`). None trains until stopped, as TF's: a stop request
+            (`<job>/stop.json`, early stopping, an eval hook), a preemption or the user's cancel
+            ends it; there is no final step (no `FinalExporter` export, no final evaluation
+            required), and a rerun resumes from the newest checkpoint.
         seed: seed of the model initialisation and of the training data order.
         log_every_steps: record training metrics in MLflow every this many steps.
         steps_per_dispatch: run this many steps per call into the device, as one jitted
@@ -46,9 +50,14 @@ class TrainSpec(Spec):
             agrees with 1 up to floating-point reassociation (XLA may fuse the scanned step
             differently), not bit for bit. Costs K batches of host memory and one compile per
             distinct scan length; a SIGTERM is seen between dispatches (at most K steps late).
+        hooks: TF's `TrainSpec.hooks`, by import path (`TrainHook`, or its string form
+            ``"pkg.mod:fn@every=N"``): called every N steps, at each checkpoint, at the end,
+            in every process; they observe and never change the state (docs/program.md).
     """
 
-    max_steps: int = Field(description="Train until the global step reaches this number.")
+    max_steps: int | None = Field(
+        description="Train until the global step reaches this number (None: until stopped)."
+    )
     seed: int = Field(0, description="Seed for init and for the training data order.")
     log_every_steps: int = Field(50, description="Log train metrics to MLflow every N steps.")
     steps_per_dispatch: int = Field(
@@ -76,13 +85,26 @@ class TrainSpec(Spec):
         description="Refuse to train after this many reruns in a row started at the same "
         "step (None: no limit).",
     )
+    hooks: list[TrainHook] = Field(
+        default_factory=list,
+        description="Train hooks by import path: 'pkg.mod:fn@every=N' (or checkpoint, end), "
+        "called with a read-only view of the step, metrics and state.",
+    )
 
     @field_validator("max_steps")
     @classmethod
     def _max_steps(cls, v):
         return positive(
-            "max_steps", v, "set it to the total number of training steps, e.g. max_steps=1000"
+            "max_steps",
+            v,
+            "set it to the total number of training steps, e.g. max_steps=1000, or None to "
+            "train until stopped",
+            allow_none=True,
         )
+
+    def is_final(self, step: int | None) -> bool:
+        """Whether `step` is the final one: at or past `max_steps` (never when it is None)."""
+        return is_final_step(step, self.max_steps)
 
     @field_validator("log_every_steps")
     @classmethod
@@ -115,6 +137,12 @@ class TrainSpec(Spec):
             v,
             "give the seconds after which a silent trainer's lease is taken over, e.g. 120",
         )
+
+
+def is_final_step(step: int | None, max_steps: int | None) -> bool:
+    """Whether `step` is at or past `max_steps`: the final step (TF's `is_the_final_export`). A
+    job with ``max_steps=None`` trains until stopped and has no final step."""
+    return step is not None and max_steps is not None and step >= max_steps
 
 
 class CheckpointSpec(Spec):
@@ -308,6 +336,8 @@ __all__ = [
     "FinalExporter",
     "LatestExporter",
     "RetrySpec",
+    "TrainHook",
     "TrainSpec",
     "check_name",
+    "is_final_step",
 ]

@@ -59,6 +59,7 @@ from prefect_jax.training.session import (
     restore_trainer,
 )
 from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.train_hooks import TrainHooks
 from prefect_jax.training.trees import state_fingerprint
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -116,6 +117,7 @@ class Trainer:
             for exporter in config.eval.exporters:  # a bad path refused now, not at an export
                 if getattr(exporter, "compare_fn", None):
                     load_compare_fn(exporter.compare_fn)
+            self.train_hooks = TrainHooks(config.train.hooks)  # a bad path refused now too
             self.loop = Loop(self.program, config.train)
             # a serve() that does not trace, or lower for named platforms: refused now, not an
             # interval in
@@ -147,7 +149,7 @@ class Trainer:
         self.recovered = False  # the live state came from `recover`: evaluated, never trained on
         # (live step, monotonic time) of the last "no stop" read
         self._no_stop_at: tuple[int, float] | None = None
-        self.policy = CheckpointPolicy.from_spec(config.checkpoint, config.train.max_steps)
+        self.policy = CheckpointPolicy.for_training(config.checkpoint, config.train.max_steps)
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
         self.early_stopping = (

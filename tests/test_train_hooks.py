@@ -1,0 +1,101 @@
+"""Train hooks (TF's `TrainSpec.hooks`, as Levanter's `trainer.add_hook(fn, every=N)`): declared
+by import path, called every N steps, after each checkpoint and at the end, and never a change to
+the trajectory: a job with hooks, interrupted and resumed, ends in the state of one without."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from prefect_jax.training.program import ProgramError
+from prefect_jax.training.specs import TrainHook, TrainSpec
+from prefect_jax.training.trainer import Trainer
+
+HOOK = "tests.programs:record_train_hook"
+
+
+def _train(config, until: int | None = None) -> Trainer:
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < (until or config.train.max_steps):
+        trainer.train_until_checkpoint()
+    if until is None:
+        trainer.finish()
+    return trainer
+
+
+def _calls(path) -> list[tuple[str, int]]:
+    return [(c["event"], c["step"]) for c in map(json.loads, path.read_text().splitlines())]
+
+
+def test_hooks_are_called_every_n_steps_at_each_checkpoint_and_at_the_end(
+    job_config, tmp_path, monkeypatch
+):
+    """TF runs TrainSpec.hooks around training; here `every=15` sees steps 15 and 30 with the
+    metrics logged there, `checkpoint` each cadence checkpoint, `end` the final step once; and
+    the state reached is bit for bit the one a job without hooks reaches (hooks observe only),
+    also across a restart between two checkpoints."""
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PREFECT_JAX_TEST_HOOK_FILE", str(calls))
+    plain = _train(job_config(job="plain"))
+    expected = plain.fingerprint()
+    plain.close()
+
+    hooks = [f"{HOOK}@every=15", f"{HOOK}@checkpoint,end"]
+    config = job_config(job="hooked", hooks=hooks)
+    first = _train(config, until=20)  # an attempt that ends at its first checkpoint
+    first.close()
+    assert _calls(calls) == [("step", 15), ("checkpoint", 20)]
+    resumed = _train(config)
+    assert resumed.fingerprint() == expected
+    resumed.close()
+    assert _calls(calls) == [
+        ("step", 15),
+        ("checkpoint", 20),
+        ("step", 30),
+        ("checkpoint", 40),
+        ("end", 40),
+    ]
+    lines = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert all("loss" in c["metrics"] for c in lines)
+    assert {(c["job"], c["max_steps"], c["process"]) for c in lines} == {("hooked", 40, 0)}
+
+
+def test_hook_strings_and_refusals_name_the_hook_and_the_fix():
+    spec = TrainSpec(max_steps=10, hooks=["a.b:f", "a.b:g@every=5,end"])
+    assert spec.hooks == [
+        TrainHook(path="a.b:f", at_checkpoint=True, at_end=True),
+        TrainHook(path="a.b:g", every=5, at_end=True),
+    ]
+    assert TrainSpec.model_validate_json(spec.model_dump_json()) == spec  # a deployment carries it
+    with pytest.raises(ValidationError, match=r"'a\.b:f@often'.*'often' is not a time.*@every=N"):
+        TrainSpec(max_steps=10, hooks=["a.b:f@often"])
+    with pytest.raises(ValidationError, match=r"every=0 must be 1 or more"):
+        TrainSpec(max_steps=10, hooks=["a.b:f@every=0"])
+    with pytest.raises(ValidationError, match=r"'nomodule' is not an import path"):
+        TrainSpec(max_steps=10, hooks=["nomodule"])
+    with pytest.raises(ValidationError, match=r"'a\.b:f' is never called"):
+        TrainSpec(max_steps=10, hooks=[{"path": "a.b:f"}])
+
+
+def test_a_hook_that_does_not_load_is_refused_when_the_trainer_starts(job_config):
+    config = job_config(hooks=["tests.programs:no_such_hook@every=5"])
+    with pytest.raises(ProgramError, match=r"train hook 'tests\.programs:no_such_hook'"):
+        Trainer(config)
+
+
+def test_the_command_s_train_hook_flag_is_the_spec_s_hooks():
+    from prefect_jax.cli import build_parser
+    from prefect_jax.cli.commands import specs_from_args
+
+    args = build_parser().parse_args(
+        ["train", "--program", "p.m:x", "--job", "j", "--storage", "/s"]
+        + ["--train-hook", f"{HOOK}@every=10", "--train-hook", HOOK]
+    )
+    train, _, _ = specs_from_args(args)
+    assert [(h.path, h.every, h.at_checkpoint, h.at_end) for h in train.hooks] == [
+        (HOOK, 10, False, False),
+        (HOOK, None, True, True),
+    ]
