@@ -9,7 +9,7 @@ from prefect.runtime import task_run
 from prefect_jax.tasks.job import _trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
 from prefect_jax.tasks.runs import mark_taken_over
-from prefect_jax.training.policy import CheckpointPolicy
+from prefect_jax.training.policy import NO_END, CheckpointPolicy
 from prefect_jax.training.specs import JobConfig
 
 
@@ -20,6 +20,8 @@ def _train_run_name() -> str:
         config = JobConfig.model_validate(config)
     policy = CheckpointPolicy.for_training(config.checkpoint, config.train.max_steps)
     end = policy.next_boundary(start)
+    if end == NO_END:  # no max_steps and a time-only cadence: the interval has no end step
+        return f"train from {start}"
     return f"train {start} to {end}"  # no arrow: the run graph drops it ("train 200400")
 
 

@@ -26,7 +26,7 @@ MIN_BACKUP_SECS = 1.0
 
 
 # The boundary of a job without a last step whose cadence is by time only: never reached.
-_NO_END = 2**62
+NO_END = 2**62
 
 
 class CheckpointPolicy:
@@ -121,7 +121,7 @@ class CheckpointPolicy:
         if self.max_steps is None and not self.forever:
             raise ValueError("this checkpoint policy has no max_steps: it decides retention only")
         if self.every_steps is None:  # by time only: the interval ends when `due` says so
-            return self.max_steps if self.max_steps is not None else _NO_END
+            return self.max_steps if self.max_steps is not None else NO_END
         cadence = (step // self.every_steps + 1) * self.every_steps
         return cadence if self.max_steps is None else min(self.max_steps, cadence)
 
