@@ -117,7 +117,17 @@ def _run_flow_with(
         flow, kwargs = flows.export_flow, dict(common, step=args.step)
     from prefect_jax.blocks import BLOCK_PREFIX
 
-    check = (program, job, storage, args.max_steps if role in _TRAINS else None)
+    check = (
+        program,
+        job,
+        storage,
+        # (evaluate too: a step past max_steps would only have its exports redone)
+        args.max_steps if role in (*_TRAINS, "evaluate") else None,
+        args.checkpoint_path if role in _TRAINS else None,
+        eval_spec if role != "train" else None,
+        tracking_uri,
+        args.mlflow_optional,
+    )
     if not storage.startswith(BLOCK_PREFIX):
         # Refused in a fraction of a second (a server started early is stopped unused).
         _preflight(*check)
@@ -144,7 +154,16 @@ def _run_flow_with(
             return flow(**kwargs)
 
 
-def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> None:
+def _preflight(
+    program: str,
+    job: str,
+    storage: str,
+    max_steps: int | None,
+    checkpoint_path: str | None = None,
+    eval_spec=None,
+    tracking_uri: str | None = None,
+    mlflow_optional: bool = False,
+) -> None:
     """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
     flow run with a traceback in front of it. The flow checks the same things again (a
     deployment's runs do not come through here)."""
@@ -153,7 +172,17 @@ def _preflight(program: str, job: str, storage: str, max_steps: int | None) -> N
     from prefect_jax.training.facade import preflight
 
     ui_refresh_secs()
-    preflight(program, job, storage, max_steps, resolve=resolve_storage)
+    preflight(
+        program,
+        job,
+        storage,
+        max_steps,
+        resolve=resolve_storage,
+        checkpoint_path=checkpoint_path,
+        eval_spec=eval_spec,
+        tracking_uri=tracking_uri,
+        mlflow_optional=mlflow_optional,
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

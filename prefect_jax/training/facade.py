@@ -85,6 +85,10 @@ def preflight(
     storage: str,
     max_steps: int | None = None,
     resolve: Callable[[str], tuple[str, Mapping[str, Any]]] | None = None,
+    checkpoint_path: str | None = None,
+    eval_spec: Any = None,
+    tracking_uri: str | None = None,
+    mlflow_optional: bool = False,
 ) -> None:
     """Refuse what a training flow would refuse, before anything starts.
 
@@ -99,28 +103,89 @@ def preflight(
         max_steps: The step the job trains to; None for a role that does not train.
         resolve: Turns `storage` into a URL and its fsspec options (credentials), once the program
             is loaded (a Prefect block's, say); by default `storage` is the URL, with no options.
+        checkpoint_path: The step directory a new job warm-starts from: it must be a committed
+            step (unless the job has steps of its own, when it is ignored).
+        eval_spec: The job's `EvalSpec`: the metrics its best exporters and early stopping
+            compare must be ones the evaluation produces (found without computing).
+        tracking_uri: The MLflow tracking URI: MLflow must support it and its store answer.
+        mlflow_optional: A tracking URI that fails that check is a warning, not a refusal.
+
+    Nothing is written before every check passed (the write probe of the storage comes last).
 
     Raises:
         ClusterConfigError: The cluster variables are malformed or name an unsupported task type.
         ProgramError: The program cannot be imported or is no program.
         StorageNotWritableError: The storage cannot be written.
         PastMaxStepsError: The job has a committed step past `max_steps`.
+        BadInputError: A path, a metric name or the storage root is refused (a ``ValueError``).
+        RemoteConfigError: The storage's protocol, options or bucket are refused.
+        TrackingUnreachableError: The tracking URI is refused (without `mlflow_optional`).
     """
     from prefect_jax.training.cluster_config import from_env
     from prefect_jax.training.errors import PastMaxStepsError
+    from prefect_jax.training.preflight import (
+        check_checkpoint_path,
+        check_metric_names,
+        storage_errors,
+    )
     from prefect_jax.training.program import load_program
     from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
     from_env()  # before anything is written
-    load_program(program)
+    probe = _start_tracking_probe(tracking_uri)  # answers while the program loads
+    try:
+        loaded = load_program(program)
+        if eval_spec is not None:
+            check_metric_names(loaded, eval_spec)
+        if probe is not None:
+            _check_tracking(probe, mlflow_optional)
+    finally:
+        if probe is not None:
+            probe.close()
     url, options = resolve(storage) if resolve is not None else (storage, {})
     js = JobStorage(url, job, dict(options or {}))
-    js.check_writable()
-    committed = job_committed_steps(js) if max_steps is not None else []
-    if committed and committed[-1] > max_steps:
+    with storage_errors(js, storage):
+        listed = max_steps is not None or checkpoint_path
+        committed = job_committed_steps(js) if listed else []
+    if max_steps is not None and committed and committed[-1] > max_steps:
         raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
+    if checkpoint_path and not committed:
+        check_checkpoint_path(checkpoint_path)
+    with storage_errors(js, storage):
+        js.check_writable()
+
+
+def _start_tracking_probe(tracking_uri: str | None):
+    """`mlflow_reach.start_probe` for `tracking_uri` (None: none given, or a process that writes
+    no MLflow run)."""
+    from prefect_jax.training.cluster_config import leads_from_env
+    from prefect_jax.training.mlflow_reach import start_probe
+
+    if not tracking_uri or not leads_from_env():
+        return None
+    return start_probe(tracking_uri)
+
+
+def _check_tracking(probe, optional: bool) -> None:
+    """Refuse the tracking URI that `probe` found unusable; with `optional`, warn instead."""
+    import warnings
+
+    from prefect_jax.training.mlflow_client import TrackingWarning
+    from prefect_jax.training.mlflow_reach import TrackingUnreachableError
+
+    problem = probe.check()
+    if problem is None:
+        return
+    if not optional:
+        raise TrackingUnreachableError(problem)
+    warnings.warn(
+        f"{problem}. --mlflow-optional: training goes on, and what MLflow does not get is "
+        "counted in the summary",
+        TrackingWarning,
+        stacklevel=3,
+    )
 
 
 def committed_steps(job: str, url: str, options: Mapping[str, Any] | None = None) -> list[int]:
