@@ -43,8 +43,12 @@ def storage_errors(js: JobStorage, shown: str) -> Iterator[None]:
     shown = redact_url(shown)
     try:
         yield
-    except (PermissionError, RemoteStorageError):
+    except PermissionError:
         raise  # (StorageNotWritableError names --storage already)
+    except RemoteStorageError as exc:
+        if str(exc).startswith("--storage "):
+            raise
+        raise type(exc)(f"--storage {shown}: {exc}", exc.url) from None
     except OSError as exc:
         if js.protocol == "file" and exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST):
             raise BadInputError(
