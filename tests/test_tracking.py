@@ -663,3 +663,20 @@ def test_mlflow_optional_trains_and_the_summary_says_nothing_reached_mlflow(tmp_
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["final_step"] == 10 and summary["eval"]
     assert summary["mlflow_missing"].startswith("nothing of this run reached MLflow at bogus://x")
+
+
+def test_a_flow_called_with_a_tracking_uri_mlflow_cannot_use_fails_before_any_work(tmp_path):
+    """A deployment's run does not come through the command: the flow asks MLflow first too."""
+    from prefect_jax.flows import train_and_evaluate
+    from prefect_jax.training.mlflow_reach import TrackingUnreachableError
+    from prefect_jax.training.specs import TrainSpec
+
+    with pytest.raises(TrackingUnreachableError, match="--mlflow-tracking-uri bogus://x: MLflow"):
+        train_and_evaluate.fn(
+            program="prefect_jax.examples.digits:tiny",
+            job="j",
+            storage=str(tmp_path / "s"),
+            train_spec=TrainSpec(max_steps=10),
+            mlflow_tracking_uri="bogus://x",
+        )
+    assert not (tmp_path / "s").exists()

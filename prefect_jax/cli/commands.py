@@ -92,6 +92,7 @@ def _run_flow_with(
         checkpoint_spec=checkpoint_spec,
         mlflow_tracking_uri=tracking_uri,
         mlflow_experiment=args.mlflow_experiment,
+        mlflow_optional=args.mlflow_optional,
     )
     if role in _TRAINS:
         flow = flows.train_and_evaluate if role == "train_and_evaluate" else flows.train

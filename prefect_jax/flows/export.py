@@ -9,6 +9,7 @@ from prefect import flow
 from prefect_jax.flows.config import _job_config
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -26,6 +27,7 @@ def export_flow(
     mlflow_experiment: str = DEFAULT_EXPERIMENT,
     step: int | None = None,
     retry_spec: RetrySpec = RetrySpec(),
+    mlflow_optional: bool = False,
 ) -> dict[str, str]:
     """Run the eval spec's exporters on an evaluated step (default: the newest evaluated one).
 
@@ -58,6 +60,7 @@ def export_flow(
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
+    check_tracking_uri(mlflow_tracking_uri, mlflow_optional)  # before any work
     config = _job_config(
         program,
         job,

@@ -14,6 +14,7 @@ from prefect_jax.flows.loop import _summary, _train_loop
 from prefect_jax.flows.processes import _join_processes
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -38,6 +39,7 @@ def train_and_evaluate(
     checkpoint_path: str | None = None,
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec = RetrySpec(),
+    mlflow_optional: bool = False,
 ) -> dict[str, Any]:
     """Train until `train_spec.max_steps`, evaluating and exporting every new checkpoint.
 
@@ -65,6 +67,8 @@ def train_and_evaluate(
         compilation_cache_dir: JAX persistent compilation cache directory, or ``"job"`` for
             one under the job's storage: a resumed run does not recompile.
         retry_spec: how often the tasks retry a transient failure.
+        mlflow_optional: a tracking URI that MLflow cannot use or reach is a warning, not a
+            failure before any work.
 
     Returns:
         A summary: ``job``, ``final_step``, ``eval`` (final metrics), ``checkpoint_dir``,
@@ -88,6 +92,7 @@ def train_and_evaluate(
         print(summary["eval"])
         ```
     """
+    check_tracking_uri(mlflow_tracking_uri, mlflow_optional)  # before any work
     config = _job_config(
         program,
         job,

@@ -157,15 +157,37 @@ def preflight(
         js.check_writable()
 
 
+def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:
+    """Refuse a tracking URI that MLflow does not support or whose store does not answer (each
+    URI is asked once per process: a command's flow does not ask again what it asked).
+
+    Args:
+        tracking_uri: The job's MLflow tracking URI (None: the default, a local SQLite store).
+        optional: Warn instead of refusing (``--mlflow-optional``, the flows' ``mlflow_optional``).
+
+    Raises:
+        TrackingUnreachableError: MLflow cannot use the URI (a ``ValueError``), unless `optional`.
+    """
+    probe = _start_tracking_probe(tracking_uri)
+    if probe is not None:
+        try:
+            _check_tracking(probe, optional)
+        finally:
+            probe.close()
+
+
 def _start_tracking_probe(tracking_uri: str | None):
     """`mlflow_reach.start_probe` for `tracking_uri` (None: none given, or a process that writes
     no MLflow run)."""
     from prefect_jax.training.cluster_config import leads_from_env
     from prefect_jax.training.mlflow_reach import start_probe
 
-    if not tracking_uri or not leads_from_env():
+    if not tracking_uri or tracking_uri in _checked_uris or not leads_from_env():
         return None
     return start_probe(tracking_uri)
+
+
+_checked_uris: set[str] = set()  # tracking URIs this process checked already (and went on)
 
 
 def _check_tracking(probe, optional: bool) -> None:
@@ -176,10 +198,11 @@ def _check_tracking(probe, optional: bool) -> None:
     from prefect_jax.training.mlflow_reach import TrackingUnreachableError
 
     problem = probe.check()
+    if problem is not None and not optional:
+        raise TrackingUnreachableError(problem)
+    _checked_uris.add(probe.uri)
     if problem is None:
         return
-    if not optional:
-        raise TrackingUnreachableError(problem)
     warnings.warn(
         f"{problem}. --mlflow-optional: training goes on, and what MLflow does not get is "
         "counted in the summary",
