@@ -371,3 +371,31 @@ def test_a_bucket_that_does_not_exist_is_named(s3_server):
     assert "--storage s3://no-such-bucket/p: bucket 'no-such-bucket' does not exist" in message
     assert "create the bucket 'no-such-bucket' first" in message, message
     assert not s3_server.filesystem().exists("no-such-bucket")  # and it was not created
+
+
+@pytest.mark.parametrize("flag", ["--workdir", "--compilation-cache"])
+def test_the_other_path_flags_that_cannot_be_made_name_the_flag_and_the_fix(
+    tmp_path, mlflow_uri, flag
+):
+    if flag == "--workdir":
+        proc = _cli("demo", "--workdir", "/proc/nope", "--no-progress")
+        command = "demo"
+    else:
+        command = "run"
+        proc = _cli(
+            "run",
+            "--program",
+            TINY,
+            "--job",
+            "j",
+            "--storage",
+            str(tmp_path / "s"),
+            "--compilation-cache",
+            "/proc/nope",
+            "--mlflow-tracking-uri",
+            mlflow_uri,
+        )
+    assert proc.returncode == 2
+    line = _one_error_line(proc, command)
+    assert f"{flag} /proc/nope: the directory cannot be made" in line, line
+    assert f"give {flag} a directory this user can create" in line, line

@@ -128,6 +128,7 @@ def _run_flow_with(
         eval_spec if role != "train" else None,
         tracking_uri,
         args.mlflow_optional,
+        args.compilation_cache if role != "export" else None,
     )
     if not storage.startswith(BLOCK_PREFIX):
         # Refused in a fraction of a second (a server started early is stopped unused).
@@ -164,6 +165,7 @@ def _preflight(
     eval_spec=None,
     tracking_uri: str | None = None,
     mlflow_optional: bool = False,
+    compilation_cache: str | None = None,
 ) -> None:
     """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
     flow run with a traceback in front of it. The flow checks the same things again (a
@@ -183,13 +185,16 @@ def _preflight(
         eval_spec=eval_spec,
         tracking_uri=tracking_uri,
         mlflow_optional=mlflow_optional,
+        compilation_cache=compilation_cache,
     )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: the digits example, with its storage and MLflow under ``--workdir``."""
+    from prefect_jax.training.preflight import make_local_dir
+
     workdir = os.path.abspath(args.workdir)
-    os.makedirs(workdir, exist_ok=True)
+    make_local_dir("--workdir", workdir)
     storage = os.path.join(workdir, "storage")
     tracking_uri = args.mlflow_tracking_uri or f"sqlite:///{os.path.join(workdir, 'mlflow.db')}"
     summary = _run_flow(args, DEMO_PROGRAM, DEMO_JOB, storage, tracking_uri)

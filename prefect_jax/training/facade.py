@@ -89,6 +89,7 @@ def preflight(
     eval_spec: Any = None,
     tracking_uri: str | None = None,
     mlflow_optional: bool = False,
+    compilation_cache: str | None = None,
 ) -> None:
     """Refuse what a training flow would refuse, before anything starts.
 
@@ -109,6 +110,8 @@ def preflight(
             compare must be ones the evaluation produces (found without computing).
         tracking_uri: The MLflow tracking URI: MLflow must support it and its store answer.
         mlflow_optional: A tracking URI that fails that check is a warning, not a refusal.
+        compilation_cache: The compilation cache's directory: a local one must be one this
+            process can make (``job`` and URLs are the storage's concern).
 
     Nothing is written before every check passed (the write probe of the storage comes last).
 
@@ -121,11 +124,14 @@ def preflight(
         RemoteConfigError: The storage's protocol, options or bucket are refused.
         TrackingUnreachableError: The tracking URI is refused (without `mlflow_optional`).
     """
+    import os
+
     from prefect_jax.training.cluster_config import from_env
     from prefect_jax.training.errors import PastMaxStepsError
     from prefect_jax.training.preflight import (
         check_checkpoint_path,
         check_metric_names,
+        make_local_dir,
         storage_errors,
     )
     from prefect_jax.training.program import load_program
@@ -155,6 +161,8 @@ def preflight(
         check_checkpoint_path(checkpoint_path)
     with storage_errors(js, storage):
         js.check_writable()
+    if compilation_cache and compilation_cache != "job" and "://" not in compilation_cache:
+        make_local_dir("--compilation-cache", os.path.abspath(compilation_cache))
 
 
 def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:

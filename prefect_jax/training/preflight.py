@@ -135,3 +135,19 @@ def check_metric_names(program: Any, eval_spec: Any) -> None:
                 f"{flag} {metric!r} is not a metric the evaluation produces: its eval_step "
                 f"returns {names}; set it to one of those"
             )
+
+
+def make_local_dir(flag: str, path: str) -> None:
+    """Make a local directory a flag names (or find it there), or refuse the flag's value.
+
+    Raises:
+        BadInputError: It cannot be made: no such parent, a file in the way, no permission.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise BadInputError(
+            f"{flag} {path}: the directory cannot be made ({type(exc).__name__}: "
+            f"{exc.strerror}); give {flag} a directory this user can create and write to (its "
+            "parent must exist and be a directory)"
+        ) from None
