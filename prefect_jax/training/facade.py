@@ -128,6 +128,7 @@ def preflight(
 
     from prefect_jax.training.cluster_config import from_env
     from prefect_jax.training.errors import PastMaxStepsError
+    from prefect_jax.training.mlflow_reach import finish_check, start_check
     from prefect_jax.training.preflight import (
         check_checkpoint_path,
         check_metric_names,
@@ -140,13 +141,13 @@ def preflight(
     from prefect_jax.training.storage import JobStorage
 
     from_env()  # before anything is written
-    probe = _start_tracking_probe(tracking_uri)  # answers while the program loads
+    probe = start_check(tracking_uri)  # answers while the program loads
     try:
         loaded = load_program(program)
         if eval_spec is not None:
             check_metric_names(loaded, eval_spec)
         if probe is not None:
-            _check_tracking(probe, mlflow_optional)
+            finish_check(probe, mlflow_optional)
     finally:
         if probe is not None:
             probe.close()
@@ -166,57 +167,11 @@ def preflight(
 
 
 def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:
-    """Refuse a tracking URI that MLflow does not support or whose store does not answer (each
-    URI is asked once per process: a command's flow does not ask again what it asked).
+    """Refuse a tracking URI MLflow cannot use or reach; with `optional`, warn (see
+    `prefect_jax.training.mlflow_reach.check_tracking_uri`)."""
+    from prefect_jax.training.mlflow_reach import check_tracking_uri as check
 
-    Args:
-        tracking_uri: The job's MLflow tracking URI (None: the default, a local SQLite store).
-        optional: Warn instead of refusing (``--mlflow-optional``, the flows' ``mlflow_optional``).
-
-    Raises:
-        TrackingUnreachableError: MLflow cannot use the URI (a ``ValueError``), unless `optional`.
-    """
-    probe = _start_tracking_probe(tracking_uri)
-    if probe is not None:
-        try:
-            _check_tracking(probe, optional)
-        finally:
-            probe.close()
-
-
-def _start_tracking_probe(tracking_uri: str | None):
-    """`mlflow_reach.start_probe` for `tracking_uri` (None: none given, or a process that writes
-    no MLflow run)."""
-    from prefect_jax.training.cluster_config import leads_from_env
-    from prefect_jax.training.mlflow_reach import start_probe
-
-    if not tracking_uri or tracking_uri in _checked_uris or not leads_from_env():
-        return None
-    return start_probe(tracking_uri)
-
-
-_checked_uris: set[str] = set()  # tracking URIs this process checked already (and went on)
-
-
-def _check_tracking(probe, optional: bool) -> None:
-    """Refuse the tracking URI that `probe` found unusable; with `optional`, warn instead."""
-    import warnings
-
-    from prefect_jax.training.mlflow_client import TrackingWarning
-    from prefect_jax.training.mlflow_reach import TrackingUnreachableError
-
-    problem = probe.check()
-    if problem is not None and not optional:
-        raise TrackingUnreachableError(problem)
-    _checked_uris.add(probe.uri)
-    if problem is None:
-        return
-    warnings.warn(
-        f"{problem}. --mlflow-optional: training goes on, and what MLflow does not get is "
-        "counted in the summary",
-        TrackingWarning,
-        stacklevel=3,
-    )
+    check(tracking_uri, optional)
 
 
 def committed_steps(job: str, url: str, options: Mapping[str, Any] | None = None) -> list[int]:

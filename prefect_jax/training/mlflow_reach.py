@@ -102,6 +102,57 @@ class Probe:
         return secret_values(self.uri, None)
 
 
-def start_probe(uri: str) -> Probe:
-    """Start asking the tracking store at `uri` whether it answers (see `Probe.check`)."""
-    return Probe(uri)
+_checked_uris: set[str] = set()  # tracking URIs this process checked already (and went on)
+
+
+def start_check(tracking_uri: str | None) -> Probe | None:
+    """Start asking the tracking store at `tracking_uri` whether it answers (see `Probe.check`);
+    None: no URI given, one this process checked already, or a process that writes no MLflow
+    run."""
+    from prefect_jax.training.cluster_config import leads_from_env
+
+    if not tracking_uri or tracking_uri in _checked_uris or not leads_from_env():
+        return None
+    return Probe(tracking_uri)
+
+
+def finish_check(probe: Probe, optional: bool) -> None:
+    """Refuse the tracking URI that `probe` found unusable; with `optional`, warn instead.
+
+    Raises:
+        TrackingUnreachableError: MLflow cannot use the URI, and not `optional`.
+    """
+    import warnings
+
+    from prefect_jax.training.mlflow_client import TrackingWarning
+
+    problem = probe.check()
+    if problem is not None and not optional:
+        raise TrackingUnreachableError(problem)
+    _checked_uris.add(probe.uri)
+    if problem is not None:
+        warnings.warn(
+            f"{problem}. --mlflow-optional: training goes on, and its summary says what did not "
+            "reach MLflow",
+            TrackingWarning,
+            stacklevel=3,
+        )
+
+
+def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:
+    """Refuse a tracking URI that MLflow does not support or whose store does not answer (each
+    URI is asked once per process: a command's flow does not ask again what it asked).
+
+    Args:
+        tracking_uri: The job's MLflow tracking URI (None: the default, a local SQLite store).
+        optional: Warn instead of refusing (``--mlflow-optional``, the flows' ``mlflow_optional``).
+
+    Raises:
+        TrackingUnreachableError: MLflow cannot use the URI (a ``ValueError``), unless `optional`.
+    """
+    probe = start_check(tracking_uri)
+    if probe is not None:
+        try:
+            finish_check(probe, optional)
+        finally:
+            probe.close()
