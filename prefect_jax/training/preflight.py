@@ -90,9 +90,17 @@ def check_checkpoint_path(path: str) -> None:
 
 
 def eval_metric_names(program: Any) -> list[str]:
-    """The metric names the program's evaluation produces, found without computing: the shapes
-    of `eval_step` on the abstract state and the first eval batch (``jax.eval_shape``), and the
-    names the program's optional ``derive_metrics(means)`` adds to them."""
+    """The metric names the program's evaluation produces, found without computing: the
+    program's optional ``eval_metric_names`` (a sequence, or a function returning one), else the
+    shapes of `eval_step` on the abstract state and the first eval batch (``jax.eval_shape``);
+    and the names the program's optional ``derive_metrics(means)`` adds to them."""
+    declared = getattr(program, "eval_metric_names", None)
+    if declared is not None:  # the program says, and nothing is traced or read
+        names = set(declared() if callable(declared) else declared)
+        derive = getattr(program, "derive_metrics", None)
+        if callable(derive):
+            names |= set(derive(dict.fromkeys(names, 1.0)) or {})
+        return sorted(names)
     import grain
     import jax
     import numpy as np
