@@ -242,3 +242,160 @@ def test_a_bad_ui_refresh_setting_is_one_clear_line_before_any_flow_runs(
     line = _one_error_line(proc, "run")
     assert f"PREFECT_JAX_UI_REFRESH_SECS={value!r}" in line and "set it to e.g. 2" in line, line
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("where", ["no-parent", "file-in-the-way"])
+def test_a_storage_root_that_cannot_be_made_names_the_flag_the_value_and_the_fix(tmp_path, where):
+    if where == "no-parent":
+        storage = "/proc/nope"
+    else:
+        (tmp_path / "a-file").write_text("")
+        storage = str(tmp_path / "a-file" / "s")
+    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", storage)
+    assert proc.returncode == 2
+    line = _one_error_line(proc, "run")
+    assert f"--storage {storage}" in line and "give --storage a directory" in line, line
+    assert not os.path.exists(storage)
+
+
+def test_an_unknown_storage_protocol_names_the_flag_and_the_fix(tmp_path):
+    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", "nosuchproto://b/p")
+    assert proc.returncode == 2
+    line = _one_error_line(proc, "run")
+    assert "--storage nosuchproto://b/p" in line and "knows no protocol 'nosuchproto'" in line
+    assert "spelling" in line, line
+
+
+def test_a_checkpoint_path_that_is_no_committed_step_is_refused_before_the_job_starts(
+    trained, tmp_path, mlflow_uri
+):
+    _, storage = trained
+    for path, expected in [
+        (tmp_path / "nowhere", "does not exist"),
+        (storage / "j" / "checkpoints", "is not a committed checkpoint step directory"),
+    ]:
+        proc = _cli(
+            "run",
+            "--program",
+            TINY,
+            "--job",
+            "k",
+            "--storage",
+            str(tmp_path / "s"),
+            "--checkpoint-path",
+            str(path),
+            "--mlflow-tracking-uri",
+            mlflow_uri,
+        )
+        assert proc.returncode == 2
+        line = _one_error_line(proc, "run")
+        assert f"--checkpoint-path {str(path)!r} {expected}" in line, line
+        assert "'<storage>/<job>/checkpoints/<step>'" in line, line
+        assert not (tmp_path / "s").exists()  # no job directory made
+
+
+@pytest.mark.parametrize("command", ["run", "evaluate"])
+def test_a_best_metric_the_eval_does_not_produce_is_refused_naming_those_it_does(
+    tmp_path, mlflow_uri, command
+):
+    proc = _cli(
+        command,
+        "--program",
+        TINY,
+        "--job",
+        "j",
+        "--storage",
+        str(tmp_path / "s"),
+        "--best-metric",
+        "acc",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+    )
+    assert proc.returncode == 2
+    line = _one_error_line(proc, command)
+    assert "--best-metric (exporter 'best') 'acc' is not a metric" in line, line
+    assert "['accuracy', 'loss']; set it to one of those" in line, line
+    assert not (tmp_path / "s").exists()
+
+
+def test_evaluate_with_max_steps_below_the_committed_step_is_refused(trained, mlflow_uri):
+    _, storage = trained
+    before = _tree_digest(storage)
+    proc = _cli(
+        "evaluate",
+        "--program",
+        TINY,
+        "--job",
+        "j",
+        "--storage",
+        str(storage),
+        "--max-steps",
+        "30",
+        "--once",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+    )
+    assert proc.returncode == 2
+    line = _one_error_line(proc, "evaluate")
+    assert "max_steps=30 is below step 40" in line and "--max-steps" in line, line
+    assert _tree_digest(storage) == before  # no export redone
+
+
+def _s3_preflight(url: str, options: dict) -> None:
+    from prefect_jax.training.facade import preflight
+
+    preflight(TINY, "j", url, resolve=lambda given: (given, options))
+
+
+def test_storage_options_the_filesystem_rejects_are_named_with_the_fix(s3_server):
+    from prefect_jax.training.remote_errors import RemoteConfigError
+
+    url = s3_server.create_bucket("preflight-options") + "/p"
+    options = {**s3_server.storage_options, "bogus_option": 1}
+    with pytest.raises(RemoteConfigError) as refused:
+        _s3_preflight(url, options)
+    message = str(refused.value)
+    assert message.startswith(f"--storage {url}: "), message
+    assert "storage option 'bogus_option' is not one the s3:// filesystem accepts" in message
+    assert "Remove it or correct its name" in message and "testing" not in message  # no secret
+    assert isinstance(refused.value, ValueError)  # the command's exit 2
+    assert s3_server.filesystem().ls("preflight-options") == []  # nothing written
+
+
+def test_a_bucket_that_does_not_exist_is_named(s3_server):
+    from prefect_jax.training.remote_errors import RemoteConfigError
+
+    with pytest.raises(RemoteConfigError) as refused:
+        _s3_preflight("s3://no-such-bucket/p", s3_server.storage_options)
+    message = str(refused.value)
+    assert "--storage s3://no-such-bucket/p: bucket 'no-such-bucket' does not exist" in message
+    assert "create the bucket 'no-such-bucket' first" in message, message
+    assert not s3_server.filesystem().exists("no-such-bucket")  # and it was not created
+
+
+@pytest.mark.parametrize("flag", ["--workdir", "--compilation-cache"])
+def test_the_other_path_flags_that_cannot_be_made_name_the_flag_and_the_fix(
+    tmp_path, mlflow_uri, flag
+):
+    if flag == "--workdir":
+        proc = _cli("demo", "--workdir", "/proc/nope", "--no-progress")
+        command = "demo"
+    else:
+        command = "run"
+        proc = _cli(
+            "run",
+            "--program",
+            TINY,
+            "--job",
+            "j",
+            "--storage",
+            str(tmp_path / "s"),
+            "--compilation-cache",
+            "/proc/nope",
+            "--mlflow-tracking-uri",
+            mlflow_uri,
+        )
+    assert proc.returncode == 2
+    line = _one_error_line(proc, command)
+    assert f"{flag} /proc/nope: the directory cannot be made" in line, line
+    assert f"give {flag} a directory this user can create" in line, line

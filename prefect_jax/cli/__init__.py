@@ -177,6 +177,12 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
     )
     add("--mlflow-tracking-uri", default=None, help="MLflow tracking URI")
     add(
+        "--mlflow-optional",
+        action="store_true",
+        help="a tracking URI MLflow cannot use or reach is a warning, not an error: train anyway "
+        "(the summary counts what did not reach MLflow)",
+    )
+    add(
         "--mlflow-experiment",
         default=DEFAULT_EXPERIMENT,
         help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})",

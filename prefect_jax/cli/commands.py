@@ -150,6 +150,7 @@ def _run_flow_with(
         checkpoint_spec=checkpoint_spec,
         mlflow_tracking_uri=tracking_uri,
         mlflow_experiment=args.mlflow_experiment,
+        mlflow_optional=args.mlflow_optional,
     )
     program_params = program_params_from_args(args)
     if program_params is not None:  # (left out otherwise: a flow without it still runs)
@@ -183,7 +184,19 @@ def _run_flow_with(
         )
     from prefect_jax.blocks import BLOCK_PREFIX
 
-    check = (program, job, storage, args.max_steps if role in _TRAINS else None, program_params)
+    check = (
+        program,
+        job,
+        storage,
+        # (evaluate too: a step past max_steps would only have its exports redone)
+        args.max_steps if role in (*_TRAINS, "evaluate") else None,
+        args.checkpoint_path if role in _TRAINS else None,
+        eval_spec if role != "train" else None,
+        tracking_uri,
+        args.mlflow_optional,
+        args.compilation_cache if role != "export" else None,
+        program_params,
+    )
     if not storage.startswith(BLOCK_PREFIX):
         # Refused in a fraction of a second (a server started early is stopped unused).
         _preflight(*check)
@@ -215,6 +228,11 @@ def _preflight(
     job: str,
     storage: str,
     max_steps: int | None,
+    checkpoint_path: str | None = None,
+    eval_spec=None,
+    tracking_uri: str | None = None,
+    mlflow_optional: bool = False,
+    compilation_cache: str | None = None,
     program_params: dict[str, Any] | None = None,
 ) -> None:
     """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
@@ -226,14 +244,26 @@ def _preflight(
 
     ui_refresh_secs()
     preflight(
-        program, job, storage, max_steps, resolve=resolve_storage, program_params=program_params
+        program,
+        job,
+        storage,
+        max_steps,
+        resolve=resolve_storage,
+        checkpoint_path=checkpoint_path,
+        eval_spec=eval_spec,
+        tracking_uri=tracking_uri,
+        mlflow_optional=mlflow_optional,
+        compilation_cache=compilation_cache,
+        program_params=program_params,
     )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: the digits example, with its storage and MLflow under ``--workdir``."""
+    from prefect_jax.training.preflight import make_local_dir
+
     workdir = os.path.abspath(args.workdir)
-    os.makedirs(workdir, exist_ok=True)
+    make_local_dir("--workdir", workdir)
     storage = os.path.join(workdir, "storage")
     tracking_uri = args.mlflow_tracking_uri or f"sqlite:///{os.path.join(workdir, 'mlflow.db')}"
     summary = _run_flow(args, DEMO_PROGRAM, DEMO_JOB, storage, tracking_uri)

@@ -12,6 +12,7 @@ from prefect_jax.flows.config import _job_config
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
 from prefect_jax.tasks import publisher
+from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -35,6 +36,7 @@ def evaluate(
     idle_timeout_secs: float | None = None,
     retry_spec: RetrySpec = RetrySpec(),
     program_params: dict[str, Any] | None = None,
+    mlflow_optional: bool = False,
 ) -> dict[str, Any]:
     """The continuous evaluator role (TF's evaluator task), on the same job as a `train` run.
 
@@ -76,6 +78,7 @@ def evaluate(
     from prefect_jax.training.exporters import list_exports
 
     logger = get_run_logger()
+    check_tracking_uri(mlflow_tracking_uri, mlflow_optional)  # before any work
     config = _job_config(
         program,
         job,

@@ -11,6 +11,7 @@ from prefect import flow, get_run_logger
 from prefect_jax.flows.config import _job_config
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -32,6 +33,7 @@ def export_flow(
     wait_for_checkpoint: bool = False,
     max_wait_secs: float = 7200.0,
     recovery_wait_secs: float = 30.0,
+    mlflow_optional: bool = False,
 ) -> dict[str, str]:
     """Run the eval spec's exporters on an evaluated step (default: the newest evaluated one).
 
@@ -66,6 +68,7 @@ def export_flow(
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
+    check_tracking_uri(mlflow_tracking_uri, mlflow_optional)  # before any work
     config = _job_config(
         program,
         job,

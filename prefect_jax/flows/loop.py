@@ -122,4 +122,20 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
         "stopped": stopped,
         "evaluation_stopped": trainer.evaluations.stopped,
         "goodput": goodput,
+        "mlflow_missing": _mlflow_missing(trainer),
     }
+
+
+def _mlflow_missing(trainer) -> str | None:
+    """What of the job did not reach MLflow, said plainly (None: its run is there). A store that
+    never answered (``--mlflow-optional``) has no run of the job at all."""
+    tracker = trainer.job.tracker
+    if not trainer.job.is_primary or tracker.run_id is not None:
+        return None
+    from prefect_jax.training.redaction import redact_url
+
+    return (
+        f"nothing of this run reached MLflow at {redact_url(tracker.tracking_uri)} (no run, "
+        "params, metrics or models there); the job's checkpoints, eval records and exports are "
+        "in its storage (prefect-jax status)"
+    )

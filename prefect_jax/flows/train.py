@@ -14,6 +14,7 @@ from prefect_jax.flows.loop import _summary, _train_loop
 from prefect_jax.flows.processes import _join_processes
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
@@ -40,6 +41,7 @@ def train(
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec = RetrySpec(),
     program_params: dict[str, Any] | None = None,
+    mlflow_optional: bool = False,
 ) -> dict[str, Any]:
     """The trainer role: train and checkpoint until `max_steps`; evaluation is someone else's.
 
@@ -74,6 +76,7 @@ def train(
     checkpoint_spec = CheckpointPolicy.spec_for_role(
         CheckpointSpec.model_validate(checkpoint_spec), "train"
     )
+    check_tracking_uri(mlflow_tracking_uri, mlflow_optional)  # before any work
     config = _job_config(
         program,
         job,

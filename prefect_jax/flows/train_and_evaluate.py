@@ -14,6 +14,7 @@ from prefect_jax.flows.loop import _summary, _train_loop
 from prefect_jax.flows.processes import _join_processes
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -39,6 +40,7 @@ def train_and_evaluate(
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec = RetrySpec(),
     program_params: dict[str, Any] | None = None,
+    mlflow_optional: bool = False,
 ) -> dict[str, Any]:
     """Train until `train_spec.max_steps`, evaluating and exporting every new checkpoint.
 
@@ -69,6 +71,8 @@ def train_and_evaluate(
         program_params: the program's typed parameters (a dict of its factory's parameter
             type's fields, see docs/program.md); recorded in checkpoints and MLflow params
             ``program.<field>``, and a resume with other values is refused.
+        mlflow_optional: a tracking URI that MLflow cannot use or reach is a warning, not a
+            failure before any work.
 
     Returns:
         A summary: ``job``, ``final_step``, ``eval`` (final metrics), ``checkpoint_dir``,
@@ -92,6 +96,7 @@ def train_and_evaluate(
         print(summary["eval"])
         ```
     """
+    check_tracking_uri(mlflow_tracking_uri, mlflow_optional)  # before any work
     config = _job_config(
         program,
         job,

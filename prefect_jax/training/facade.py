@@ -91,6 +91,11 @@ def preflight(
     max_steps: int | None = None,
     resolve: Callable[[str], tuple[str, Mapping[str, Any]]] | None = None,
     program_params: Mapping[str, Any] | None = None,
+    checkpoint_path: str | None = None,
+    eval_spec: Any = None,
+    tracking_uri: str | None = None,
+    mlflow_optional: bool = False,
+    compilation_cache: str | None = None,
 ) -> None:
     """Refuse what a training flow would refuse, before anything starts.
 
@@ -107,6 +112,16 @@ def preflight(
         resolve: Turns `storage` into a URL and its fsspec options (credentials), once the program
             is loaded (a Prefect block's, say); by default `storage` is the URL, with no options.
         program_params: The program's typed parameters (`JobConfig.program_params`), if any.
+        checkpoint_path: The step directory a new job warm-starts from: it must be a committed
+            step (unless the job has steps of its own, when it is ignored).
+        eval_spec: The job's `EvalSpec`: the metrics its best exporters and early stopping
+            compare must be ones the evaluation produces (found without computing).
+        tracking_uri: The MLflow tracking URI: MLflow must support it and its store answer.
+        mlflow_optional: A tracking URI that fails that check is a warning, not a refusal.
+        compilation_cache: The compilation cache's directory: a local one must be one this
+            process can make (``job`` and URLs are the storage's concern).
+
+    Nothing is written before every check passed (the write probe of the storage comes last).
 
     Raises:
         ClusterConfigError: The cluster variables are malformed or name an unsupported task type.
@@ -115,9 +130,21 @@ def preflight(
         ProgramParamsMismatchError: The job's newest step was trained with other params.
         StorageNotWritableError: The storage cannot be written.
         PastMaxStepsError: The job has a committed step past `max_steps`.
+        BadInputError: A path, a metric name or the storage root is refused (a ``ValueError``).
+        RemoteConfigError: The storage's protocol, options or bucket are refused.
+        TrackingUnreachableError: The tracking URI is refused (without `mlflow_optional`).
     """
+    import os
+
     from prefect_jax.training.cluster_config import from_env
     from prefect_jax.training.errors import PastMaxStepsError
+    from prefect_jax.training.mlflow_reach import finish_check, start_check
+    from prefect_jax.training.preflight import (
+        check_checkpoint_path,
+        check_metric_names,
+        make_local_dir,
+        storage_errors,
+    )
     from prefect_jax.training.program import load_program_with_params
     from prefect_jax.training.program_params import check_restore, step_meta
     from prefect_jax.training.redaction import redact_url
@@ -125,17 +152,41 @@ def preflight(
     from prefect_jax.training.storage import JobStorage
 
     from_env()  # before anything is written
-    _, params = load_program_with_params(
-        program, dict(program_params) if program_params else None, max_steps
-    )
+    probe = start_check(tracking_uri)  # answers while the program loads
+    try:
+        loaded, params = load_program_with_params(
+            program, dict(program_params) if program_params else None, max_steps
+        )
+        if eval_spec is not None:
+            check_metric_names(loaded, eval_spec)
+        if probe is not None:
+            finish_check(probe, mlflow_optional)
+    finally:
+        if probe is not None:
+            probe.close()
     url, options = resolve(storage) if resolve is not None else (storage, {})
     js = JobStorage(url, job, dict(options or {}))
-    js.check_writable()
-    committed = job_committed_steps(js) if max_steps is not None else []
-    if committed and committed[-1] > max_steps:
+    with storage_errors(js, storage):
+        listed = max_steps is not None or checkpoint_path
+        committed = job_committed_steps(js) if listed else []
+    if max_steps is not None and committed and committed[-1] > max_steps:
         raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
     if committed:
         check_restore(step_meta(js, committed[-1]), params, job, committed[-1])
+    if checkpoint_path and not committed:
+        check_checkpoint_path(checkpoint_path)
+    with storage_errors(js, storage):
+        js.check_writable()
+    if compilation_cache and compilation_cache != "job" and "://" not in compilation_cache:
+        make_local_dir("--compilation-cache", os.path.abspath(compilation_cache))
+
+
+def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:
+    """Refuse a tracking URI MLflow cannot use or reach; with `optional`, warn (see
+    `prefect_jax.training.mlflow_reach.check_tracking_uri`)."""
+    from prefect_jax.training.mlflow_reach import check_tracking_uri as check
+
+    check(tracking_uri, optional)
 
 
 def committed_steps(job: str, url: str, options: Mapping[str, Any] | None = None) -> list[int]:

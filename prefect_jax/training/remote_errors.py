@@ -9,6 +9,7 @@ redacted URL and what to check; secrets never reach one (`prefect_jax.training.r
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Callable, Mapping
 
@@ -167,6 +168,15 @@ class ErrorTranslation:
                 "environment (s3fs for s3://, gcsfs for gs://, adlfs for az://).",
                 self.safe_url,
             )
+        option = re.search(r"unexpected keyword argument '([^']+)'", str(exc))
+        if isinstance(exc, TypeError) and option:
+            return RemoteConfigError(
+                f"remote checkpoint URL {self.safe_url}: storage option {option.group(1)!r} is not "
+                f"one the {self.protocol}:// filesystem accepts ({self._cause(exc)}). Remove it or "
+                "correct its name in the storage options (the block's storage_options or "
+                f"secret_options); redacted, they are {self.storage_options}.",
+                self.safe_url,
+            )
         return RemoteConfigError(
             f"remote checkpoint URL {self.safe_url}: cannot open {self.protocol}:// with the given "
             f"storage options ({self._cause(exc)}). Check the storage options (redacted: "
@@ -215,3 +225,39 @@ class ErrorTranslation:
             if clear is None:
                 raise
             raise clear from None
+
+
+class _StorageRoot(ErrorTranslation):
+    """`ErrorTranslation` for a storage root (`storage_error`)."""
+
+    def __init__(self, url: str, options: Mapping):
+        from prefect_jax.training.redaction import secret_values
+
+        self.url, self.safe_url = url, redact_url(url)
+        self.protocol = url.split("://", 1)[0] if "://" in url else "file"
+        self._options, self._secrets = dict(options), secret_values(url, options)
+
+
+def storage_error(storage, exc: BaseException, shown: str) -> RemoteStorageError | None:
+    """A clear error, naming ``--storage`` (as `shown`) and the fix, for `exc` raised while the
+    job's storage (a `JobStorage`) was first opened and written; None: no clearer one.
+
+    Covers an unknown protocol, a missing package, options the filesystem rejects, credentials,
+    an endpoint that does not answer, and a bucket that does not exist."""
+    root = _StorageRoot(storage.root, storage.storage_options)
+    if isinstance(exc, FileNotFoundError) and root.protocol != "file":
+        bucket = storage.root.split("://", 1)[1].split("/", 1)[0]
+        return RemoteConfigError(
+            f"--storage {shown}: bucket {bucket!r} does not exist (or these credentials cannot "
+            f"see it) at {root.safe_url}"
+            + (f" (endpoint {root._endpoint()})" if root._endpoint() else "")
+            + f": create the bucket {bucket!r} first, or correct the bucket in the URL.",
+            root.safe_url,
+        )
+    if isinstance(exc, ValueError) and "protocol not known" in str(exc).lower():
+        clear = root._config_error(exc)
+    else:
+        clear = root._translate(exc, "checking that the storage is writable")
+    if clear is None:
+        return None
+    return type(clear)(f"--storage {shown}: {clear}", clear.url)

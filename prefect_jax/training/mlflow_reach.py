@@ -1,0 +1,158 @@
+"""Whether a job's MLflow tracking URI can be used, asked once before the job starts.
+
+A URI MLflow does not support, or a store that does not answer, would otherwise be found only by
+the background calls, as warnings, after the whole job trained with nothing recorded. The store is
+asked in a short-lived child process (`start_probe`): MLflow's import stays out of the command's
+process, runs beside the program's, and the child alone gets MLflow's public settings for one
+quick try (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from prefect_jax.training.redaction import redact_url, scrub, secret_values
+
+PROBE_TIMEOUT_SECS = 60.0  # the child's whole life: MLflow's import, then one request
+_REQUEST_TIMEOUT_SECS = "10"
+_PROBE = """
+import sys
+try:
+    from mlflow.tracking import MlflowClient
+    MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)
+except Exception as exc:
+    text = str(exc).strip().splitlines()
+    print(f"{type(exc).__name__}: {text[0][:500] if text else ''}")
+    sys.exit(3)
+"""
+_FIX = (
+    "give --mlflow-tracking-uri a store MLflow answers at (sqlite:///<dir>/mlflow.db, "
+    "http://<host>:5000 of a running 'mlflow server'), or pass --mlflow-optional to train without "
+    "it (its records are written when it answers)"
+)
+
+
+class TrackingUnreachableError(ValueError):
+    """The MLflow tracking URI is not one MLflow supports, or its store does not answer."""
+
+
+class Probe:
+    """One question to the tracking store, started at once; `check` gets its answer."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.safe = redact_url(uri)
+        self.error: str | None = None
+        self.process: subprocess.Popen | None = None
+        scheme = uri.split("://", 1)[0] if "://" in uri else ""
+        if scheme in ("", "file", "sqlite"):
+            # A local store: MLflow makes it on first use (`mlflow_store`); its folder must exist.
+            path = uri.split("://", 1)[-1]
+            path = path[1:] if scheme == "sqlite" and path.startswith("/") else path
+            folder = os.path.dirname(os.path.abspath(path)) if path else ""
+            if scheme == "sqlite" and path and not path.startswith(":memory:"):
+                if not os.path.isdir(folder):
+                    self.error = f"the folder of its SQLite file, {folder}, does not exist"
+            return
+        env = {
+            **os.environ,
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": _REQUEST_TIMEOUT_SECS,
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _PROBE, uri],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
+
+    def check(self, timeout: float = PROBE_TIMEOUT_SECS) -> str | None:
+        """None if the store answered (or is a local one whose folder exists), else the message of
+        a `TrackingUnreachableError`."""
+        if self.process is not None:
+            try:
+                out, _ = self.process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.communicate()
+                out = f"no answer within {timeout:g}s"
+                self.process.returncode = 3
+            if self.process.returncode != 0:
+                cause = scrub(
+                    (out or "").strip() or f"exit {self.process.returncode}", self._secrets
+                )
+                self.error = f"MLflow cannot use it ({cause})"
+            self.process = None
+        if self.error is None:
+            return None
+        return f"--mlflow-tracking-uri {self.safe}: {self.error}; {_FIX}"
+
+    def close(self) -> None:
+        """End the question if it is still asked (a refusal came first)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+    @property
+    def _secrets(self) -> list[str]:
+        return secret_values(self.uri, None)
+
+
+_checked_uris: set[str] = set()  # tracking URIs this process checked already (and went on)
+
+
+def start_check(tracking_uri: str | None) -> Probe | None:
+    """Start asking the tracking store at `tracking_uri` whether it answers (see `Probe.check`);
+    None: no URI given, one this process checked already, or a process that writes no MLflow
+    run."""
+    from prefect_jax.training.cluster_config import leads_from_env
+
+    if not tracking_uri or tracking_uri in _checked_uris or not leads_from_env():
+        return None
+    return Probe(tracking_uri)
+
+
+def finish_check(probe: Probe, optional: bool) -> None:
+    """Refuse the tracking URI that `probe` found unusable; with `optional`, warn instead.
+
+    Raises:
+        TrackingUnreachableError: MLflow cannot use the URI, and not `optional`.
+    """
+    import warnings
+
+    from prefect_jax.training.mlflow_client import TrackingWarning
+
+    problem = probe.check()
+    if problem is not None and not optional:
+        raise TrackingUnreachableError(problem)
+    _checked_uris.add(probe.uri)
+    if problem is not None:
+        warnings.warn(
+            f"{problem}. --mlflow-optional: training goes on, and its summary says what did not "
+            "reach MLflow",
+            TrackingWarning,
+            stacklevel=3,
+        )
+
+
+def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:
+    """Refuse a tracking URI that MLflow does not support or whose store does not answer (each
+    URI is asked once per process: a command's flow does not ask again what it asked).
+
+    Args:
+        tracking_uri: The job's MLflow tracking URI (None: the default, a local SQLite store).
+        optional: Warn instead of refusing (``--mlflow-optional``, the flows' ``mlflow_optional``).
+
+    Raises:
+        TrackingUnreachableError: MLflow cannot use the URI (a ``ValueError``), unless `optional`.
+    """
+    probe = start_check(tracking_uri)
+    if probe is not None:
+        try:
+            finish_check(probe, optional)
+        finally:
+            probe.close()

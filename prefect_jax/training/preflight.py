@@ -1,0 +1,161 @@
+"""Checks of a job's input that need no training: run by `facade.preflight` before anything
+starts, so that a bad value is one error line naming the flag, the value and the fix, not a failed
+flow run with a traceback after a job directory was made and an interval trained.
+
+Every refusal here is a ``ValueError`` (the command exits 2). The engine checks the same things
+again where it meets them (a deployment's runs do not come through the command).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.storage import JobStorage
+
+
+class BadInputError(ValueError):
+    """A value given to the job is refused before anything starts; the message names the flag,
+    the value and the fix."""
+
+
+@contextlib.contextmanager
+def storage_errors(js: JobStorage, shown: str) -> Iterator[None]:
+    """Turn what opening, listing or writing the job's storage raised into an error that names
+    ``--storage``, its value and the fix.
+
+    Args:
+        js: The job's storage.
+        shown: What the user gave as ``--storage`` (a URL or a block's name), for messages.
+
+    Raises:
+        BadInputError: A local root that cannot be made (no such parent, a file in the way).
+        RemoteConfigError: Unknown protocol, options the filesystem rejects, a missing bucket,
+            refused credentials.
+        RemoteUnreachableError: The endpoint does not answer.
+    """
+    from prefect_jax.training.remote_errors import RemoteStorageError, storage_error
+
+    shown = redact_url(shown)
+    try:
+        yield
+    except PermissionError:
+        raise  # (StorageNotWritableError names --storage already)
+    except RemoteStorageError as exc:
+        if str(exc).startswith("--storage "):
+            raise
+        raise type(exc)(f"--storage {shown}: {exc}", exc.url) from None
+    except OSError as exc:
+        if js.protocol == "file" and exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST):
+            raise BadInputError(
+                f"--storage {shown}: the job's directory {js.job_dir} cannot be made there "
+                f"({type(exc).__name__}: {exc.strerror}); give --storage a directory this user "
+                "can create and write to (its parent must exist and be a directory)"
+            ) from None
+        clear = storage_error(js, exc, shown)
+        if clear is None:
+            raise
+        raise clear from None
+    except (ValueError, TypeError, ImportError) as exc:
+        clear = storage_error(js, exc, shown)
+        if clear is None:
+            raise
+        raise clear from None
+
+
+def check_checkpoint_path(path: str) -> None:
+    """Refuse a ``--checkpoint-path`` that is not a committed checkpoint step directory.
+
+    Raises:
+        BadInputError: It does not exist, or is not ``<checkpoints>/<step>`` committed.
+    """
+    from prefect_jax.training.checkpoint_dirs import committed_steps
+
+    given = path.rstrip("/")
+    parent, name = os.path.split(given)
+    committed = committed_steps(parent)
+    fix = "point it at a committed step directory, '<storage>/<job>/checkpoints/<step>'"
+    if not os.path.exists(given):
+        near = f" (committed steps in {parent}: {committed})" if committed else ""
+        raise BadInputError(f"--checkpoint-path {path!r} does not exist{near}: {fix}")
+    if not name.isdigit() or int(name) not in committed:
+        raise BadInputError(
+            f"--checkpoint-path {path!r} is not a committed checkpoint step directory "
+            f"(committed steps in {parent}: {committed}): {fix}"
+        )
+
+
+def eval_metric_names(program: Any) -> list[str]:
+    """The metric names the program's evaluation produces, found without computing: the
+    program's optional ``eval_metric_names`` (a sequence, or a function returning one), else the
+    shapes of `eval_step` on the abstract state and the first eval batch (``jax.eval_shape``);
+    and the names the program's optional ``derive_metrics(means)`` adds to them."""
+    declared = getattr(program, "eval_metric_names", None)
+    if declared is not None:  # the program says, and nothing is traced or read
+        names = set(declared() if callable(declared) else declared)
+        derive = getattr(program, "derive_metrics", None)
+        if callable(derive):
+            names |= set(derive(dict.fromkeys(names, 1.0)) or {})
+        return sorted(names)
+    import grain
+    import jax
+    import numpy as np
+
+    state = jax.eval_shape(lambda: program.init(jax.random.key(0)))
+    data = program.eval_data()
+    batch = data[0] if isinstance(data, grain.MapDataset) else next(iter(data))
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batch)
+    names = set(jax.eval_shape(program.eval_step, state, spec))
+    derive = getattr(program, "derive_metrics", None)
+    if callable(derive):
+        names |= set(derive(dict.fromkeys(names, 1.0)) or {})
+    return sorted(names)
+
+
+def check_metric_names(program: Any, eval_spec: Any) -> None:
+    """Refuse a best exporter's or early stopping's metric that the evaluation does not produce.
+
+    Raises:
+        BadInputError: The metric is not among `eval_metric_names`; the message names them.
+    """
+    from prefect_jax.training.specs import BestExporter
+
+    asked = [
+        (f"--best-metric (exporter {e.name!r})", e.metric)
+        for e in eval_spec.exporters
+        if isinstance(e, BestExporter) and e.compare_fn is None
+    ]
+    if eval_spec.early_stopping is not None:
+        asked.append(("early_stopping.metric", eval_spec.early_stopping.metric))
+    if not asked:
+        return
+    try:
+        names = eval_metric_names(program)
+    except Exception:  # noqa: BLE001 - not knowable without running: the engine checks it then
+        return
+    for flag, metric in asked:
+        if metric not in names:
+            raise BadInputError(
+                f"{flag} {metric!r} is not a metric the evaluation produces: its eval_step "
+                f"returns {names}; set it to one of those"
+            )
+
+
+def make_local_dir(flag: str, path: str) -> None:
+    """Make a local directory a flag names (or find it there), or refuse the flag's value.
+
+    Raises:
+        BadInputError: It cannot be made: no such parent, a file in the way, no permission.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise BadInputError(
+            f"{flag} {path}: the directory cannot be made ({type(exc).__name__}: "
+            f"{exc.strerror}); give {flag} a directory this user can create and write to (its "
+            "parent must exist and be a directory)"
+        ) from None
