@@ -20,6 +20,8 @@ def _close_mlflow_run(status: str):
     def hook(flow, flow_run, state):
         import sys
 
+        if status == "KILLED":
+            _crash_left_task_runs(flow_run, state)
         # Prefect may run this hook in a worker or `serve` process that never trained: do not
         # import jax, Orbax and MLflow there just to find nothing (it delays the rerun).
         live = sys.modules.get("prefect_jax.training.live")
@@ -43,6 +45,22 @@ def _close_mlflow_run(status: str):
                 _publish_preempted_goodput(config, live.live_trainer(config), flow_run.id, signum)
 
     return hook
+
+
+def _crash_left_task_runs(flow_run, state) -> None:
+    """The crashed flow run's task runs that its dead process left Running end Crashed too, so the
+    run's page tells the truth before anyone retries it (here, wherever Prefect runs the hook: the
+    worker or `serve` process after a SIGKILL, the flow-run process itself after a SIGTERM)."""
+    from prefect_jax.tasks.runs import crash_left_task_runs
+
+    message = f"its flow run crashed: {state.message}" if state.message else "its flow run crashed"
+    try:
+        marked = crash_left_task_runs(flow_run.id, state.timestamp, message)
+    except Exception as exc:  # noqa: BLE001 - the next run of the job marks them when it takes over
+        _hook_logger(flow_run.id).warning("could not mark its task runs Crashed: %r", exc)
+        return
+    if marked:
+        _hook_logger(flow_run.id).warning("marked task run(s) %s Crashed", ", ".join(marked))
 
 
 def _hook_logger(flow_run_id):

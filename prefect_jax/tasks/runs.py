@@ -181,6 +181,44 @@ def _mark_crashed(
             )
 
 
+def crash_left_task_runs(flow_run_id, before, message: str) -> list[str]:
+    """Mark Crashed the task runs of flow run `flow_run_id` still unfinished whose state began no
+    later than `before` (the flow run's Crashed state: a rerun of the same flow run may already
+    have started its own task runs since). For a flow run's crash hook, which Prefect's runner
+    runs in the worker or `serve` process when the flow-run process died (a SIGKILL runs no
+    handler there, so its task run would stay Running until a rerun takes the job over). Returns
+    the names marked."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    unfinished = [StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
+    marked = []
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))])),
+            task_run_filter=TaskRunFilter(
+                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=unfinished))
+            ),
+        )
+        for run in runs:
+            began = run.state.timestamp if run.state is not None else None
+            if before is not None and began is not None and began > before:
+                continue  # a rerun's own
+            client.set_task_run_state(run.id, Crashed(message=message), force=True)
+            marked.append(run.name)
+    return marked
+
+
 def _made_after(run_id, other_id) -> bool:
     """Whether task run `run_id` was made after `other_id`: Prefect's client makes task run ids as
     UUIDv7 (time first), in the process that runs the tasks."""
