@@ -151,8 +151,9 @@ class EvalSpec(Spec):
         learning_curve_every_secs: the learning-curve image (MLflow) is drawn at most this often;
             the final evaluation always draws it; 0 draws it at every evaluation.
         registered_model: the MLflow registered model the exports become versions of, with
-            an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None: the
-            job's name; ``""``: do not register.
+            an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None:
+            ``<job>-<hash of its storage>`` (unique to the job and its storage); ``""``: do not
+            register.
         export_platforms: the platforms the exported model runs on (``jax.export`` lowers for
             each of `EXPORT_PLATFORMS`); None: all of them, less those ``serve`` does not lower
             for (a warning names them).
@@ -182,7 +183,9 @@ class EvalSpec(Spec):
         "and renders a PNG: on fast jobs it competes with training.",
     )
     registered_model: str | None = Field(
-        None, description="MLflow registered model of the exports (None: the job's name; '': none)."
+        None,
+        description="MLflow registered model of the exports "
+        "(None: <job>-<hash of its storage>; '': none).",
     )
     export_platforms: list[str] | None = Field(
         None,
