@@ -134,6 +134,7 @@ def _publish_goodput(
     from prefect.artifacts import TableArtifact
 
     from prefect_jax.tasks import artifact_key
+    from prefect_jax.tasks.publish import create_or_update_artifact
     from prefect_jax.training.goodput_summary import as_rows
 
     description = lead + (
@@ -148,22 +149,13 @@ def _publish_goodput(
             key=artifact_key(config.job, "goodput"), table=as_rows(goodput), description=description
         )
         if flow_run_id is None:
-            artifact.create(_sync=True)
-        else:  # outside a run context, where Prefect deprecates `Artifact.create`: its client
-            # call, as create makes it
-            from prefect.client.orchestration import get_client
-            from prefect.client.schemas.actions import ArtifactCreate
+            from prefect.runtime import flow_run
 
-            with get_client(sync_client=True) as client:
-                client.create_artifact(
-                    ArtifactCreate(
-                        type=artifact.type,
-                        key=artifact.key,
-                        description=description,
-                        flow_run_id=flow_run_id,
-                        data=artifact.format(_sync=True),
-                    )
-                )
+            flow_run_id = flow_run.id
+        if flow_run_id is None:  # outside any flow run: nothing to be one of
+            artifact.create(_sync=True)
+        else:  # one per run: a run started twice (the rerun automation) updates its own
+            create_or_update_artifact(artifact, flow_run_id)
     except Exception as exc:  # noqa: BLE001 - an artifact must not fail a finished job
         (_hook_logger(flow_run_id) if flow_run_id else get_run_logger()).warning(
             "could not publish the goodput artifact: %r", exc
