@@ -102,7 +102,7 @@ def evaluate(
     )
     done = _finished_and_exported(config, evaluator)
     if done is not None:  # a late checkpoint event's run: nothing left, nothing re-exported
-        evaluator.stopped = f"nothing to do: {done}, its exports written"
+        evaluator.stopped = f"{done}; nothing to do: its exports are written"
         link_live_job(config)
         publisher.flush()
         logger.info("evaluator of %s stops: %s", job, evaluator.stopped)
