@@ -65,9 +65,12 @@ def mlflow_server(tmp_path_factory):
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a loaded machine: SIGKILL below ends it
+            pass
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
             log.close()
 
 
@@ -168,3 +171,30 @@ def test_the_registered_model_page_shows_its_versions_and_aliases(mlflow_server,
             and f"@\u00a0{alias}" in row.split("\nVersion ")[0]
         ), (alias, row[:300])
     assert f"job {JOB}, step 60" in text and f"job {JOB}, step 20" in text
+
+
+def test_from_the_home_page_the_experiment_opens_in_model_training_once_the_switch_says_so(
+    mlflow_server, tracked_job
+):
+    """What docs/mlflow.md tells a person who browses in from MLflow's home page: MLflow 3.17's UI
+    picks the view from its sidebar switch (GenAI / Model training), remembered by the browser,
+    not from the experiment (prefect-jax tags it `mlflow.experimentKind` =
+    `custom_model_development` all the same); one click on "Model training" and the experiment
+    opens in its training runs, then and after a fresh visit of the home page."""
+    from prefect_jax.training.names import DEFAULT_EXPERIMENT
+
+    _, run_id = tracked_job
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name(DEFAULT_EXPERIMENT)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    runs = f"/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+    with browser_page() as page:
+        page.goto(f"{mlflow_server}/", wait_until="load")
+        page.get_by_text("Model training", exact=True).first.click()
+        for visit in ("switched", "remembered"):
+            page.goto(f"{mlflow_server}/", wait_until="load")
+            page.get_by_text(DEFAULT_EXPERIMENT, exact=True).first.click()
+            page.wait_for_url(f"**{runs}", timeout=60_000)
+            page.get_by_text(JOB, exact=True).first.wait_for(timeout=60_000)  # the job's run
+            page.screenshot(path=str(OUTPUT / f"mlflow-home-{visit}.png"), full_page=True)
+            assert "workflowType=genai" not in page.url, (visit, page.url)

@@ -1,5 +1,5 @@
 """Exports as MLflow Models in the Model Registry: one version per exported step, aliases moved by
-the exporters, nothing registered twice on a rerun, and `models:/<job>@best` served by a fresh
+the exporters, nothing registered twice on a rerun, and `models:/<name>@best` served by a fresh
 process that cannot import prefect-jax, exactly as the in-process serving function predicts."""
 
 from __future__ import annotations
@@ -545,3 +545,41 @@ def test_a_model_whose_serve_returns_several_arrays_is_logged_with_its_outputs_s
     assert (str(output.type), output.shape) == ("float32", (-1, *predicted.shape[1:])), (
         info.signature
     )
+
+
+def test_two_jobs_of_one_name_on_two_storages_never_share_a_registered_model(tmp_path, mlflow_uri):
+    """A second `twin` on other storage: its default registered model is its own, so
+    ``models:/<name>@newest`` of each loads that job's model; the model's description names every
+    alias."""
+    from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
+
+    names, keys = [], []
+    for storage in ("a", "b"):
+        config = JobConfig(
+            program="prefect_jax.examples.digits:tiny",
+            job="twin",
+            storage=str(tmp_path / storage),
+            train=TrainSpec(max_steps=20, log_every_steps=10),
+            checkpoint=CheckpointSpec(every_steps=20),
+            eval=EvalSpec(exporters=[LatestExporter()], learning_curve_every_secs=0),
+            mlflow_tracking_uri=mlflow_uri,
+        )
+        trainer = Trainer(config)
+        trainer.restore_or_init()
+        train_to_end(trainer)
+        names.append(trainer.registered_model)
+        keys.append(trainer.job.tracker.job_key)
+        trainer.finish()
+        trainer.close()
+        note = MlflowClient(mlflow_uri).get_run(trainer.job.tracker.run_id).data.tags
+        assert f"registered model `{names[-1]}`" in note["mlflow.note.content"]
+
+    client = MlflowClient(mlflow_uri)
+    assert names[0] != names[1] and all(n.startswith("twin-") for n in names), names
+    for name, key in zip(names, keys, strict=True):
+        versions = client.search_model_versions(f"name = '{name}'")
+        assert [v.tags["prefect_jax.job"] for v in versions] == [key], (name, versions)
+        model = client.get_registered_model(name)
+        assert set(model.aliases) == {"newest"}
+        for alias in ("@best", "@final", "@newest"):
+            assert alias in model.description, model.description

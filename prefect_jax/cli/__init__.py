@@ -117,7 +117,8 @@ def _add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -
         default=None,
         metavar="NAME",
         help="MLflow registered model the exports become versions of, aliases @best @final "
-        "@newest (default: the job's name; '' for none)",
+        "@newest (default: <job>-<hash of its storage>, unique to the job and its storage; "
+        "'' for none)",
     )
     add(
         "--export-platforms",

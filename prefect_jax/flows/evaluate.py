@@ -12,6 +12,7 @@ from prefect_jax.flows.config import _job_config
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
 from prefect_jax.tasks import publisher
+from prefect_jax.tasks.runs import link_live_job
 from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
@@ -105,6 +106,13 @@ def evaluate(
         log=logger.info,
         warn=logger.warning,
     )
+    done = _finished_and_exported(config, evaluator)
+    if done is not None:  # a late checkpoint event's run: nothing left, nothing re-exported
+        evaluator.stopped = f"{done}; nothing to do: its exports are written"
+        link_live_job(config)
+        publisher.flush()
+        logger.info("evaluator of %s stops: %s", job, evaluator.stopped)
+        return {"job": job, **evaluator.summary(), "exports": list_exports(evaluator.storage)}
     # The wait reads the storage only: JAX (and a GPU) is not taken until there is a step.
     first = evaluator.wait_for_first_checkpoint()
     # TF's evaluator recovers, never inits (`recover_session`): the step found is restored.
@@ -115,9 +123,28 @@ def evaluate(
     # An evaluator killed after writing eval records may not have logged them to MLflow yet.
     checked = get_trainer(config).reconcile_eval_metrics(first)
     logger.info("checked %d recorded evaluations against MLflow", checked)
+    link_live_job(config)  # (its MLflow run is joined by now)
     evaluator.resume_exports()
     stopped = evaluator.run()
     land_mlflow_writes(config)
     publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
     return {"job": job, **evaluator.summary(), "exports": list_exports(evaluator.storage)}
+
+
+def _finished_and_exported(config, evaluator) -> str | None:
+    """Why the job needs no evaluator any more (its final step evaluated, or it was asked to stop)
+    where every exporter has written what it would for the newest evaluation; else None. Read from
+    the storage only."""
+    from prefect_jax.training import exporters as exp
+
+    reason, steps = evaluator.stop_reason(), evaluator.records.steps()
+    if reason is None or not steps:
+        return None
+    newest = evaluator.records.get(steps[-1])
+    for exporter in config.eval.exporters:
+        if steps[-1] not in exp.exported_steps(evaluator.storage, exporter.name) and not (
+            exp.exports_nothing(exporter, evaluator.storage, newest, config.train.max_steps)
+        ):
+            return None
+    return reason

@@ -117,6 +117,9 @@ def export_flow(
             "keep_until_evaluated)"
         )
     exported = tasks.export(config, result)
+    from prefect_jax.tasks.runs import link_live_job
+
+    link_live_job(config)  # this flow run and the job's MLflow run name each other
     land_mlflow_writes(config)  # the model versions too
     return exported
 

@@ -20,6 +20,8 @@ def _close_mlflow_run(status: str):
     def hook(flow, flow_run, state):
         import sys
 
+        if status == "KILLED":
+            _crash_left_task_runs(flow_run, state)
         # Prefect may run this hook in a worker or `serve` process that never trained: do not
         # import jax, Orbax and MLflow there just to find nothing (it delays the rerun).
         live = sys.modules.get("prefect_jax.training.live")
@@ -43,6 +45,22 @@ def _close_mlflow_run(status: str):
                 _publish_preempted_goodput(config, live.live_trainer(config), flow_run.id, signum)
 
     return hook
+
+
+def _crash_left_task_runs(flow_run, state) -> None:
+    """The crashed flow run's task runs that its dead process left Running end Crashed too, so the
+    run's page tells the truth before anyone retries it (here, wherever Prefect runs the hook: the
+    worker or `serve` process after a SIGKILL, the flow-run process itself after a SIGTERM)."""
+    from prefect_jax.tasks.runs import crash_left_task_runs
+
+    message = f"its flow run crashed: {state.message}" if state.message else "its flow run crashed"
+    try:
+        marked = crash_left_task_runs(flow_run.id, state.timestamp, message)
+    except Exception as exc:  # noqa: BLE001 - the next run of the job marks them when it takes over
+        _hook_logger(flow_run.id).warning("could not mark its task runs Crashed: %r", exc)
+        return
+    if marked:
+        _hook_logger(flow_run.id).warning("marked task run(s) %s Crashed", ", ".join(marked))
 
 
 def _hook_logger(flow_run_id):
@@ -116,6 +134,7 @@ def _publish_goodput(
     from prefect.artifacts import TableArtifact
 
     from prefect_jax.tasks import artifact_key
+    from prefect_jax.tasks.publish import create_or_update_artifact
     from prefect_jax.training.goodput_summary import as_rows
 
     description = lead + (
@@ -130,22 +149,13 @@ def _publish_goodput(
             key=artifact_key(config.job, "goodput"), table=as_rows(goodput), description=description
         )
         if flow_run_id is None:
-            artifact.create(_sync=True)
-        else:  # outside a run context, where Prefect deprecates `Artifact.create`: its client
-            # call, as create makes it
-            from prefect.client.orchestration import get_client
-            from prefect.client.schemas.actions import ArtifactCreate
+            from prefect.runtime import flow_run
 
-            with get_client(sync_client=True) as client:
-                client.create_artifact(
-                    ArtifactCreate(
-                        type=artifact.type,
-                        key=artifact.key,
-                        description=description,
-                        flow_run_id=flow_run_id,
-                        data=artifact.format(_sync=True),
-                    )
-                )
+            flow_run_id = flow_run.id
+        if flow_run_id is None:  # outside any flow run: nothing to be one of
+            artifact.create(_sync=True)
+        else:  # one per run: a run started twice (the rerun automation) updates its own
+            create_or_update_artifact(artifact, flow_run_id)
     except Exception as exc:  # noqa: BLE001 - an artifact must not fail a finished job
         (_hook_logger(flow_run_id) if flow_run_id else get_run_logger()).warning(
             "could not publish the goodput artifact: %r", exc

@@ -202,3 +202,55 @@ publisher = _Publisher()
 atexit.register(
     publisher.flush, 15.0
 )  # flows flush before returning; this covers tasks used in other flows
+
+
+def existing_artifact(key: str, flow_run_id) -> Any:
+    """The newest artifact with key `key` of flow run `flow_run_id`, or None: one artifact per key
+    per run, however often the run is started (the rerun automation may start a crashed run
+    twice, a retry runs its flow again)."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(str(flow_run_id))]),
+            ),
+            sort=ArtifactSort.UPDATED_DESC,
+            limit=1,
+        )
+    return found[0] if found else None
+
+
+def create_or_update_artifact(artifact, flow_run_id) -> None:
+    """Create Prefect artifact `artifact` (a `prefect.artifacts.Artifact` with a key) for flow run
+    `flow_run_id`, or, if that run has one of its key already, update that one's data and
+    description in place."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+
+    data = artifact.format(_sync=True)
+    existing = existing_artifact(artifact.key, flow_run_id)
+    with get_client(sync_client=True) as client:
+        if existing is not None:
+            client.update_artifact(
+                existing.id, ArtifactUpdate(data=data, description=artifact.description)
+            )
+        else:
+            client.create_artifact(
+                ArtifactCreate(
+                    type=artifact.type,
+                    key=artifact.key,
+                    description=artifact.description,
+                    flow_run_id=flow_run_id,
+                    data=data,
+                )
+            )

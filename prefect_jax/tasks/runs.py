@@ -10,7 +10,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run, task_run
 
-from prefect_jax.tasks.publish import artifact_key, publisher
+from prefect_jax.tasks.publish import artifact_key, existing_artifact, publisher
 from prefect_jax.training.names import JOB_RUN_TAG, MLFLOW_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
 from prefect_jax.training.specs import JobConfig
 
@@ -181,6 +181,44 @@ def _mark_crashed(
             )
 
 
+def crash_left_task_runs(flow_run_id, before, message: str) -> list[str]:
+    """Mark Crashed the task runs of flow run `flow_run_id` still unfinished whose state began no
+    later than `before` (the flow run's Crashed state: a rerun of the same flow run may already
+    have started its own task runs since). For a flow run's crash hook, which Prefect's runner
+    runs in the worker or `serve` process when the flow-run process died (a SIGKILL runs no
+    handler there, so its task run would stay Running until a rerun takes the job over). Returns
+    the names marked."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    unfinished = [StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
+    marked = []
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))])),
+            task_run_filter=TaskRunFilter(
+                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=unfinished))
+            ),
+        )
+        for run in runs:
+            began = run.state.timestamp if run.state is not None else None
+            if before is not None and began is not None and began > before:
+                continue  # a rerun's own
+            client.set_task_run_state(run.id, Crashed(message=message), force=True)
+            marked.append(run.name)
+    return marked
+
+
 def _made_after(run_id, other_id) -> bool:
     """Whether task run `run_id` was made after `other_id`: Prefect's client makes task run ids as
     UUIDv7 (time first), in the process that runs the tasks."""
@@ -203,37 +241,65 @@ def prefect_flow_run_url() -> str | None:
     return f"{base.rstrip('/')}/runs/flow-run/{run_id}" if base else None
 
 
-def link_runs(config: JobConfig, tracker) -> None:
-    """Each side names the other: the flow run gets a link artifact to the job's MLflow run and the
-    tags ``prefect-jax``, ``job:<job>`` and ``mlflow-run:<id>``; the MLflow run gets the flow run's
-    URL (tag ``prefect.flow_run_url``). In the background: the UI may lag, training does not.
+FLOW_RUN_TAG_PREFIX = "prefect.flow_run."  # + flow run id, on the MLflow run: that run's URL
 
-    The job's tags go out at once; the link and the run's tag once MLflow has started the run
-    (its store may take seconds to open), so that the progress artifacts queued meanwhile on the
-    publisher are not held up behind it."""
+
+def link_runs(config: JobConfig, tracker, trains: bool = True) -> None:
+    """Each side names the other: the flow run gets a link artifact to the job's MLflow run and the
+    tags ``prefect-jax``, ``job:<job>`` and ``mlflow-run:<id>``; the MLflow run gets a tag
+    ``prefect.flow_run.<flow run id>`` (its URL) for every flow run that wrote to it, trainer,
+    evaluator or export, and ``prefect.flow_run_url`` / ``prefect.flow_run_id`` for the newest
+    flow run that `trains` (an evaluator's or an export's does not re-point them). In the
+    background: the UI may lag, training does not.
+
+    The job's tags go out at once, and so does the link where the run's id is known before MLflow
+    answers (a rerun: its checkpoints name the run); else the link and the run's tag follow once
+    MLflow has started the run (its store may take seconds to open), so that the progress
+    artifacts queued meanwhile on the publisher are not held up behind it. One link artifact per
+    flow run, however often it is started."""
     flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
     if flow_url:  # queued after the MLflow thread's start of the run
+        newest = {"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)}
         tracker.set_tags(
-            {"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)}
+            {**(newest if trains else {}), f"{FLOW_RUN_TAG_PREFIX}{flow_run_id}": flow_url}
         )
     if flow_run_id:
         publisher.submit(_tag_flow_run, str(flow_run_id), [OWN_TAG, f"{JOB_RUN_TAG}{config.job}"])
 
-    def link() -> None:  # on the publisher's thread, once MLflow has answered
-        mlflow_url, run_id = tracker.run_url(), tracker.run_id
-        if mlflow_url:
-            create_link_artifact(
-                link=mlflow_url,
-                link_text=f"MLflow run of {config.job}",
-                key=artifact_key(config.job, "mlflow-run"),
-                description=f"The MLflow run of job {config.job}: params, train and eval curves, "
-                f"exports ({tracker.tracking_uri})",
-            )
+    def link(mlflow_url: str | None = None, run_id: str | None = None) -> None:
+        if not run_id:  # on the publisher's thread, once MLflow has answered
+            mlflow_url, run_id = tracker.run_url(), tracker.run_id
         if flow_run_id and run_id:
             _tag_flow_run(str(flow_run_id), [f"{MLFLOW_RUN_TAG}{run_id}"])
+        key = artifact_key(config.job, "mlflow-run")
+        if not mlflow_url or (flow_run_id and existing_artifact(key, flow_run_id) is not None):
+            return
+        create_link_artifact(
+            link=mlflow_url,
+            link_text=f"MLflow run of {config.job}",
+            key=key,
+            description=f"The MLflow run of job {config.job}: params, train and eval curves, "
+            f"exports ({tracker.tracking_uri})",
+        )
 
     context = contextvars.copy_context()  # this flow and task run, for the link artifact
-    tracker.when_started(lambda: context.run(publisher.submit, link))
+    known = tracker.known_run_url()
+    if known:
+        publisher.submit(link, known, tracker.requested_run_id)
+    else:
+        tracker.when_started(lambda: context.run(publisher.submit, link))
+
+
+def link_live_job(config: JobConfig) -> None:
+    """`link_runs` for a flow run (an evaluator's, an export's) whose work joined the job's MLflow
+    run through this process's live trainer; only the job's tags where none joined it."""
+    from prefect_jax.training.live import live_trainer
+
+    trainer = live_trainer(config)
+    if trainer is not None and trainer.job.tracker.started:
+        link_runs(config, trainer.job.tracker, trains=False)
+    elif flow_run.id:  # the job's tags at least
+        publisher.submit(_tag_flow_run, str(flow_run.id), [OWN_TAG, f"{JOB_RUN_TAG}{config.job}"])
 
 
 def _tag_flow_run(flow_run_id: str, tags: list[str]) -> None:

@@ -153,8 +153,9 @@ class EvalSpec(Spec):
         learning_curve_every_secs: the learning-curve image (MLflow) is drawn at most this often;
             the final evaluation always draws it; 0 draws it at every evaluation.
         registered_model: the MLflow registered model the exports become versions of, with
-            an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None: the
-            job's name; ``""``: do not register.
+            an alias per exporter (``best``, ``final``, ``newest`` for ``latest``); None:
+            ``<job>-<hash of its storage>`` (unique to the job and its storage); ``""``: do not
+            register.
         export_platforms: the platforms the exported model runs on (``jax.export`` lowers for
             each, once per exported step, for all the exporters); None: the platform the job
             runs on and ``cpu``; ``["all"]``: every one of `EXPORT_PLATFORMS`. For those two, a
@@ -186,7 +187,9 @@ class EvalSpec(Spec):
         "and renders a PNG: on fast jobs it competes with training.",
     )
     registered_model: str | None = Field(
-        None, description="MLflow registered model of the exports (None: the job's name; '': none)."
+        None,
+        description="MLflow registered model of the exports "
+        "(None: <job>-<hash of its storage>; '': none).",
     )
     export_platforms: list[str] | None = Field(
         None,

@@ -17,7 +17,7 @@ from prefect_jax.training.best import best_of
 from prefect_jax.training.eval_specs import BestExporter
 from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.redaction import redact_url
-from prefect_jax.training.registry import alias_for
+from prefect_jax.training.registry import ALIASES_DESCRIPTION, alias_for, default_registered_model
 from prefect_jax.training.serving import input_signature, serving_specs
 
 if TYPE_CHECKING:
@@ -84,10 +84,14 @@ class Exports:
 
     @property
     def registered_model(self) -> str | None:
-        """The MLflow registered model of this job's exports (None: not registered)."""
+        """The MLflow registered model of this job's exports (None: not registered):
+        `EvalSpec.registered_model`, else ``<job>-<hash of its storage>``
+        (`registry.default_registered_model`: unique to the job and its storage)."""
         config = self.trainer.config
         name = config.eval.registered_model
-        return (config.job if name is None else name) or None
+        if name is None:
+            return default_registered_model(config.job, self.trainer.job.storage.root)
+        return name or None
 
     def export(
         self, result: EvalResult, on_done: Callable[[dict[str, str]], None] | None = None
@@ -236,7 +240,8 @@ class Exports:
         description = (
             f"Exports of prefect-jax job `{config.job}` ({redact_url(storage.job_dir)}), "
             "one version per exported step."
-            f" Aliases: {', '.join('@' + a for a in sorted(aliases))}. Serve: "
+            f" Aliases: {ALIASES_DESCRIPTION}; this job moves"
+            f" {', '.join('@' + a for a in sorted(aliases))}. Serve: "
             f"`mlflow.pyfunc.load_model('models:/{name}@best')`."
         )
         local_export = exp.LocalExport(storage, tuple(e.name for e in config.eval.exporters))

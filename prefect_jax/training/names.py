@@ -20,7 +20,8 @@ GOODPUT_TAG = "prefect_jax.goodput"  # the goodput summary in one line
 STEP_TAG = "prefect_jax.step"  # on a registered model version: the global step it was exported at
 RUN_NAME_TAG = "mlflow.runName"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
-# The MLflow UI opens an experiment in the view its kind names (else it may guess GenAI).
+# The experiment's kind (MLflow 3.17's UI picks its view from its sidebar switch instead:
+# docs/mlflow.md; other MLflow UIs and clients read the kind).
 EXPERIMENT_KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 UI_MODEL_TRAINING = (
     "workflowType=machine_learning"  # the query that opens MLflow's UI in its model-training view

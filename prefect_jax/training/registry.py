@@ -13,6 +13,7 @@ Everything here runs on the `Tracker`'s MLflow thread, with its client.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect_jax.training.names import JOB_TAG, RESERVED_ALIASES, STEP_TAG
+from prefect_jax.training.redaction import redact_url
 
 logger = logging.getLogger("prefect_jax.registry")
 
@@ -36,6 +38,23 @@ class _NoPipVersionWarning(logging.Filter):
 logging.getLogger("mlflow.utils.environment").addFilter(_NoPipVersionWarning())
 
 PYFUNC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyfunc_model.py")
+
+
+def default_registered_model(job: str, storage_root: str) -> str:
+    """The registered model of a job that names none: ``<job>-<8 hex digits>``, the digits a hash
+    of the job's storage root (credentials redacted) and the job. Two jobs of one name on two
+    storages (a second ``digits``) never become versions of one model, so ``models:/<name>@best``
+    always loads this job's own model. `EvalSpec.registered_model` (``--registered-model``)
+    chooses a name instead."""
+    key = f"{redact_url(storage_root)}\n{job}"
+    return f"{job}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+ALIASES_DESCRIPTION = (
+    "`@best` (the best recorded evaluation, the `best` exporter), `@final` (the step at or past "
+    "`max_steps`, the `final` exporter), `@newest` (the newest export, the `latest` exporter: "
+    "MLflow reserves `latest`)"
+)
 
 
 def alias_for(exporter_name: str) -> str:
@@ -307,7 +326,9 @@ def sync_registry(
     # logs with it: a process that only registers (its model was logged before a kill) needs it too.
     mlflow.set_tracking_uri(tracking_uri)
     try:
-        client.get_registered_model(name)
+        model = client.get_registered_model(name)
+        if description and model.description != description:  # (an older one's, say)
+            client.update_registered_model(name, description=description)
     except MlflowException:
         try:
             client.create_registered_model(name, description=description or None)

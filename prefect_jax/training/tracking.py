@@ -85,6 +85,7 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
         self._run_id: str | None = None
         self._experiment_id: str | None = None  # where the calls run (see `experiment_id`)
         self._started: Future | None = None
+        self.requested_run_id: str | None = None  # the id `start` was given, if any
         self._client = None
         # Prefix -> its last step in MLflow (looked up once per run and process)
         self._logged_until: dict[str, int] = {}

@@ -58,6 +58,7 @@ class RunCalls:
         run's description, followed by the killed attempts. Returns at once; `run_id` waits
         for the answer.
         """
+        self.requested_run_id = run_id  # (known before MLflow answers: see `known_run_url`)
         self._started = self._call("_start", params, tags, run_id, reopen, killed, description)
 
     @guarded
@@ -197,13 +198,23 @@ class RunCalls:
         run_id, experiment_id = self.run_id, self.experiment_id
         if not run_id or not experiment_id:
             return None
+        return self._ui_url(f"experiments/{experiment_id}/runs/{run_id}")
+
+    def known_run_url(self) -> str | None:
+        """The job's run in the MLflow UI before MLflow answers: where `start` was given the
+        run's id (a rerun: the id its checkpoints carry), the UI's direct route to a run by id,
+        which opens it in its experiment; else None."""
+        run_id = self.requested_run_id
+        return self._ui_url(f"runs/{run_id}") if run_id else None
+
+    def _ui_url(self, route: str) -> str:
         base = (
             self.tracking_uri
             if self.tracking_uri.startswith(("http://", "https://"))
             else (os.environ.get("PREFECT_JAX_MLFLOW_UI_URL") or "http://127.0.0.1:5000")
         )
         # MLflow 3's UI opens in its GenAI view unless the link asks for model training.
-        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_MODEL_TRAINING}"
+        return f"{base.rstrip('/')}/#/{route}?{UI_MODEL_TRAINING}"
 
     def _artifact_root(self) -> str | None:
         """For a SQLite store, artifacts go beside the database (not into ./mlruns of whatever the
