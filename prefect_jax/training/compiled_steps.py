@@ -62,18 +62,49 @@ def scanned(step: Callable) -> Callable:
     return run
 
 
-def jit_steps(program: Any, check_finite: bool) -> tuple[Callable, Callable, Callable]:
+def jit_steps(
+    program: Any, check_finite: bool, shardings: tuple | None = None
+) -> tuple[Callable, Callable, Callable]:
     """The program's steps, jitted: the guarded train step (`guarded_step`), the same over K
-    stacked batches (`scanned`), and the eval step."""
+    stacked batches (`scanned`), and the eval step.
+
+    Args:
+        program: the program.
+        check_finite: whether the guard watches the loss for NaN/Inf.
+        shardings: for a program with a mesh (`prefect_jax.training.sharding`): the state's
+            shardings (a pytree), the batch's, the stacked batches' and the replicated one on
+            its mesh. The train steps take and return the state so (no resharding between
+            steps, donation reuses each buffer) and are traced under the mesh. None: the
+            arguments' placement decides.
+    """
     # The state is donated: each step writes the new state over the old one's buffers (on
     # GPU/TPU, and on the CPU since jaxlib 0.3.24), instead of copying it into new ones; a
     # buffer another holder still references (Orbax, copying a save to the host) is copied.
     # The guard is never donated: the loop reads an earlier one after later steps ran.
     donate = (0,)
-    guarded = guarded_step(program.train_step, check_finite)
-    train_step = jax.jit(guarded, donate_argnums=donate)
-    scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
-    return train_step, scan_steps, jax.jit(program.eval_step)
+    if shardings is None:
+        guarded = guarded_step(program.train_step, check_finite)
+        train_step = jax.jit(guarded, donate_argnums=donate)
+        scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
+        return train_step, scan_steps, jax.jit(program.eval_step)
+    from prefect_jax.training.sharding import under_mesh
+
+    state, batch, stacked, replicated = shardings
+    mesh = replicated.mesh
+    guarded = guarded_step(under_mesh(program.train_step, mesh), check_finite)
+    outs = (state, replicated, replicated)  # metrics and guard: on every device
+    train_step = jax.jit(
+        guarded, in_shardings=(state, batch, replicated), out_shardings=outs, donate_argnums=donate
+    )
+    scan_steps = jax.jit(
+        scanned(guarded),
+        in_shardings=(state, stacked, replicated),
+        out_shardings=outs,
+        donate_argnums=donate,
+    )
+    # Eval batches are host arrays of any size (the last may be short): the compiler places
+    # them; the state comes committed to its shardings.
+    return train_step, scan_steps, jax.jit(under_mesh(program.eval_step, mesh))
 
 
 def stack(batches: list):
