@@ -146,19 +146,26 @@ def precompile_steps(
     train_step,
     scan_steps,
     eval_step,
+    batch_shardings: tuple | None = None,
 ) -> None:
     """Compile the jitted `train_step` (or `scan_steps`) and `eval_step` for `state` (abstract,
     on `device`) and the shapes of the program's first batches, so the real call finds the
     executable in jit's cache. Only for Grain MapDatasets, whose first batch is read by index
-    without starting the pipeline; any failure is left for the real call to report."""
+    without starting the pipeline; any failure is left for the real call to report.
+    `batch_shardings`: the (batch, stacked batches) shardings a program with a mesh's batches
+    are placed with (part of their type: without it the loop's call compiles again)."""
 
-    def spec(tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+    def spec(tree, sharding=None):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding),
+            tree,
+        )
 
     try:
         train_data = program.train_data(seed)
         if isinstance(train_data, grain.MapDataset):
-            batch = spec(train_data[0])
+            batch_sharding, stacked_sharding = batch_shardings or (None, None)
+            batch = spec(train_data[0], batch_sharding)
             guard = jax.tree.map(
                 lambda g: jax.ShapeDtypeStruct((), g.dtype, sharding=device),
                 spec((guard_int(0), guard_int(-1))),
@@ -168,7 +175,10 @@ def precompile_steps(
                 train_step.lower(state, batch, guard).compile()
             else:
                 stacked = jax.tree.map(
-                    lambda b: jax.ShapeDtypeStruct((k, *b.shape), b.dtype), batch
+                    lambda b: jax.ShapeDtypeStruct(
+                        (k, *b.shape), b.dtype, sharding=stacked_sharding
+                    ),
+                    batch,
                 )
                 scan_steps.lower(state, stacked, guard).compile()
         eval_data = program.eval_data()

@@ -294,6 +294,8 @@ class Loop:
             guard_sharding = self.one_device
         args = (self.program, self.spec.seed, self.spec.steps_per_dispatch, state)
         args += (guard_sharding, self.train_step, self.scan_steps, self.eval_step)
+        if self.sharded:
+            args += ((self.batch_sharding, self._stacked_sharding),)
         # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
         self._precompiling = threading.Thread(
             target=precompile_steps, args=args, name="prefect-jax-compile"
