@@ -87,18 +87,49 @@ def scanned(step: Callable) -> Callable:
     return run
 
 
-def jit_steps(program: Any, check_finite: bool) -> tuple[Callable, Callable, Callable]:
+def jit_steps(
+    program: Any, check_finite: bool, shardings: tuple | None = None
+) -> tuple[Callable, Callable, Callable]:
     """The program's steps, jitted: the guarded train step (`guarded_step`), the same over K
-    stacked batches (`scanned`), and the eval step."""
+    stacked batches (`scanned`), and the eval step.
+
+    Args:
+        program: the program.
+        check_finite: whether the guard watches the loss for NaN/Inf.
+        shardings: for a program with a mesh (`prefect_jax.training.sharding`): the state's
+            shardings (a pytree), the batch's, the stacked batches' and the replicated one on
+            its mesh. The train steps take and return the state so (no resharding between
+            steps, donation reuses each buffer) and are traced under the mesh. None: the
+            arguments' placement decides.
+    """
     # The state is donated: each step writes the new state over the old one's buffers (on
     # GPU/TPU, and on the CPU since jaxlib 0.3.24), instead of copying it into new ones; a
     # buffer another holder still references (Orbax, copying a save to the host) is copied.
     # The guard is never donated: the loop reads an earlier one after later steps ran.
     donate = (0,)
-    guarded = guarded_step(program.train_step, check_finite)
-    train_step = jax.jit(guarded, donate_argnums=donate)
-    scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
-    return train_step, scan_steps, jax.jit(program.eval_step)
+    if shardings is None:
+        guarded = guarded_step(program.train_step, check_finite)
+        train_step = jax.jit(guarded, donate_argnums=donate)
+        scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
+        return train_step, scan_steps, jax.jit(program.eval_step)
+    from prefect_jax.training.sharding import under_mesh
+
+    state, batch, stacked, replicated = shardings
+    mesh = replicated.mesh
+    guarded = guarded_step(under_mesh(program.train_step, mesh), check_finite)
+    outs = (state, replicated, replicated)  # metrics and guard: on every device
+    train_step = jax.jit(
+        guarded, in_shardings=(state, batch, replicated), out_shardings=outs, donate_argnums=donate
+    )
+    scan_steps = jax.jit(
+        scanned(guarded),
+        in_shardings=(state, stacked, replicated),
+        out_shardings=outs,
+        donate_argnums=donate,
+    )
+    # Eval batches are host arrays of any size (the last may be short): the compiler places
+    # them; the state comes committed to its shardings.
+    return train_step, scan_steps, jax.jit(under_mesh(program.eval_step, mesh))
 
 
 def stack(batches: list):
@@ -141,34 +172,45 @@ def precompile_steps(
     train_step,
     scan_steps,
     eval_step,
+    batch_shardings: tuple | None = None,
 ) -> None:
     """Compile the jitted `train_step` (or `scan_steps`) and `eval_step` for `state` (abstract,
     on `device`) and the shapes of the program's first batches, so the real call finds the
     executable in jit's cache. Only for Grain MapDatasets, whose first batch is read by index
-    without starting the pipeline; any failure is left for the real call to report."""
+    without starting the pipeline; any failure is left for the real call to report.
+    `batch_shardings`: the (batch, stacked batches) shardings a program with a mesh's batches
+    are placed with (part of their type: without it the loop's call compiles again)."""
 
-    def spec(tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+    def spec(tree, sharding=None):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding),
+            tree,
+        )
 
     try:
         train_data = program.train_data(seed)
         if isinstance(train_data, grain.MapDataset):
-            batch = spec(train_data[0])
+            batch_sharding, stacked_sharding = batch_shardings or (None, None)
+            batch = spec(train_data[0], batch_sharding)
+            traced = program.train_step
+            if batch_shardings is not None:  # as the jitted step is: with the mesh in context
+                from prefect_jax.training.sharding import under_mesh
+
+                traced = under_mesh(traced, device.mesh)
             guard = jax.tree.map(
                 lambda g: jax.ShapeDtypeStruct((), g.dtype, sharding=device),
                 # (the loop's guard: its sums shaped like the step's metrics)
-                spec(
-                    new_guard(
-                        0, metric_sums(jax.eval_shape(program.train_step, state, batch)[1]), 1, 1
-                    )
-                ),
+                spec(new_guard(0, metric_sums(jax.eval_shape(traced, state, batch)[1]), 1, 1)),
             )
             k = steps_per_dispatch
             if k == 1:
                 train_step.lower(state, batch, guard).compile()
             else:
                 stacked = jax.tree.map(
-                    lambda b: jax.ShapeDtypeStruct((k, *b.shape), b.dtype), batch
+                    lambda b: jax.ShapeDtypeStruct(
+                        (k, *b.shape), b.dtype, sharding=stacked_sharding
+                    ),
+                    batch,
                 )
                 scan_steps.lower(state, stacked, guard).compile()
         eval_data = program.eval_data()

@@ -37,6 +37,16 @@ from prefect_jax.training.compiled_steps import (
     stack,
 )
 from prefect_jax.training.evaluation import aggregate
+from prefect_jax.training.sharding import (
+    batch_sharding,
+    build_mesh,
+    check_batch,
+    declares_sharding,
+    init_with_mesh,
+    replicas,
+    state_shardings,
+    under_mesh,
+)
 from prefect_jax.training.specs import TrainSpec
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -102,7 +112,6 @@ class Loop:
 
     def __init__(self, program: Any, spec: TrainSpec):
         self.program, self.spec = program, spec
-        self.train_step, self.scan_steps, self.eval_step = jit_steps(program, spec.check_finite)
         self._rng = None  # see `rng`
         self._abstract = None
         self._metric_shapes = None  # see `_guard`
@@ -121,15 +130,38 @@ class Loop:
         # of every process; the state is replicated, each batch split along its first axis.
         self.processes = jax.process_count()
         self.mesh = self.replicated = self.batch_sharding = None
+        # A program that declares its mesh or shardings (`prefect_jax.training.sharding`): its
+        # mesh over every device of every process, its state placed as it says.
+        self.sharded = declares_sharding(program)
+        if self.sharded:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            self.one_device = None
+            self.mesh = build_mesh(getattr(program, "mesh_axes", None), devices)
+            self.replicated = NamedSharding(self.mesh, PartitionSpec())
+            self.batch_sharding = batch_sharding(getattr(program, "batch_spec", None), self.mesh)
+            stacked = PartitionSpec(None, *self.batch_sharding.spec)
+            self._stacked_sharding = NamedSharding(self.mesh, stacked)
+            self.state_sharding = None  # one per leaf, set by `abstract_state` below
+            self.abstract_state  # noqa: B018 - its shardings checked now, before any compute
+            self._check_first_batch()
         # One process keeps its one-device behaviour, on any number of devices.
-        if self.processes > 1:
+        elif self.processes > 1:
             from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
             self.mesh = Mesh(np.array(devices), ("data",))
             self.replicated = NamedSharding(self.mesh, PartitionSpec())
             self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
             self._stacked_sharding = NamedSharding(self.mesh, PartitionSpec(None, "data"))
-        self.state_sharding = self.one_device or self.replicated
+        if not self.sharded:
+            self.state_sharding = self.one_device or self.replicated
+        shardings = None
+        if self.sharded:
+            shardings = (self.state_sharding, self.batch_sharding, self._stacked_sharding)
+            shardings += (self.replicated,)
+        self.train_step, self.scan_steps, self.eval_step = jit_steps(
+            program, spec.check_finite, shardings
+        )
 
     # -- state and data ------------------------------------------------------------------
 
@@ -145,7 +177,11 @@ class Loop:
     def _init_from_seed(self, seed):
         """The program's init from its seed's key, made inside the trace: what init compiles and
         what the abstract state traces (a traced `jax.random.key(seed)` is the eager key, for
-        every seed)."""
+        every seed). A program with a mesh is given it (`sharding.init_with_mesh`) and traced
+        under it."""
+        if self.sharded:
+            init = under_mesh(init_with_mesh(self.program.init, self.mesh), self.mesh)
+            return init(jax.random.key(seed))
         return self.program.init(jax.random.key(seed))
 
     @property
@@ -154,6 +190,16 @@ class Loop:
         abstract key: no computation runs)."""
         if self._abstract is None:
             shapes = jax.eval_shape(self._init_from_seed, np.int64(self.spec.seed))
+            if self.sharded:  # the program's own: Orbax restores each leaf sharded, resharding
+                shardings = getattr(self.program, "shardings", None)
+                specs = shardings(shapes, self.mesh) if callable(shardings) else None
+                self.state_sharding = state_shardings(specs, shapes, self.mesh)
+                self._abstract = jax.tree.map(
+                    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                    shapes,
+                    self.state_sharding,
+                )
+                return self._abstract
             # With the sharding the live state has: a checkpoint written by another number of
             # devices or processes is restored into this one's layout (Orbax reshards it).
             self._abstract = jax.tree.map(
@@ -173,7 +219,17 @@ class Loop:
             init = compiled_init(self._init_from_seed, seed, self.state_sharding)
             if init is not None:
                 return init(seed)
+        if self.sharded:  # eagerly, with the mesh in context for its sharding annotations
+            with jax.set_mesh(self.mesh):
+                return init_with_mesh(self.program.init, self.mesh)(self.rng)
         return self.program.init(self.rng)
+
+    def _check_first_batch(self) -> None:
+        """Refuse a train batch the data axes cannot split, before any compute: read by index
+        from a Grain MapDataset (an IterDataset's first batch waits for the loop)."""
+        data = self.program.train_data(self.spec.seed)
+        if isinstance(data, grain.MapDataset):
+            check_batch(data[0], self.batch_sharding)
 
     def fresh_iter(self):
         return iterate(
@@ -190,11 +246,7 @@ class Loop:
     def local(self, tree):
         """This process's own replica of a replicated state (several processes: a jitted call
         on it runs here alone, as process 0's evaluations and exports do); else `tree`."""
-        if self.processes == 1:
-            return tree
-        return jax.tree.map(
-            lambda a: a.addressable_data(0) if isinstance(a, jax.Array) else a, tree
-        )
+        return tree if self.processes == 1 else replicas(tree, self.processes)
 
     def batch(self, host_batch, axis: int = 0):
         """A batch for the step: as it is on one device; else split along `axis` over every
@@ -204,10 +256,14 @@ class Loop:
             return host_batch
         devices, index, count = len(self.mesh.devices.flat), jax.process_index(), self.processes
         sharding = self.batch_sharding if axis == 0 else self._stacked_sharding
+        if self.sharded:
+            check_batch(host_batch, self.batch_sharding, axis)
 
         def part(x):
             x = np.asarray(x)
-            if x.ndim <= axis or x.shape[axis] % devices:
+            if self.sharded and count == 1:  # one process: the whole batch is its own
+                return jax.make_array_from_process_local_data(sharding, x)
+            if not self.sharded and (x.ndim <= axis or x.shape[axis] % devices):
                 raise ValueError(
                     f"a train batch leaf of shape {x.shape} cannot be split over {devices} "
                     f"devices along axis {axis}: make the batch size a multiple of {devices} "
@@ -228,16 +284,22 @@ class Loop:
         then finds the executable in jit's cache. Only for Grain MapDatasets, whose first
         batch is read by index without starting the pipeline; any failure is left for the
         real call to report."""
-        if self._precompiling is not None or self.one_device is None:
+        if self._precompiling is not None or (self.one_device is None and not self.sharded):
             return
-        # The state the loop gets is committed to the one device (see `place`): a spec without
-        # that sharding would compile an executable the loop never finds.
-        state = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.one_device),
-            self.abstract_state,
-        )
+        if self.sharded:  # the abstract state carries the shardings the steps are jitted with
+            state, guard_sharding = self.abstract_state, self.replicated
+        else:
+            # The state the loop gets is committed to the one device (see `place`): a spec
+            # without that sharding would compile an executable the loop never finds.
+            state = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.one_device),
+                self.abstract_state,
+            )
+            guard_sharding = self.one_device
         args = (self.program, self.spec.seed, self.spec.steps_per_dispatch, state)
-        args += (self.one_device, self.train_step, self.scan_steps, self.eval_step)
+        args += (guard_sharding, self.train_step, self.scan_steps, self.eval_step)
+        if self.sharded:
+            args += ((self.batch_sharding, self._stacked_sharding),)
         # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
         self._precompiling = threading.Thread(
             target=precompile_steps, args=args, name="prefect-jax-compile"
@@ -337,7 +399,10 @@ class Loop:
         `step`, else zeros (a fresh or restored state)."""
         if self._metric_shapes is None:
             # Traced once per loop (no compute): the structure of the sums the guard carries.
-            self._metric_shapes = jax.eval_shape(self.program.train_step, state, host_batch)[1]
+            train_step = self.program.train_step
+            if self.sharded:  # traced as the jitted step is: with the mesh in context
+                train_step = under_mesh(train_step, self.mesh)
+            self._metric_shapes = jax.eval_shape(train_step, state, host_batch)[1]
         sums, n = metric_sums(self._metric_shapes), 0
         carried = getattr(self, "_carried", None)
         if carried is not None and carried[0] == step and set(carried[1][0]) == set(sums):
@@ -345,7 +410,9 @@ class Loop:
         self._carried = None
         # On the device, as every later guard (the step's output) is: a host guard would make
         # the first call compile an executable of its own.
-        return self.place(new_guard(step, sums, self.spec.log_every_steps, target, n))
+        guard = new_guard(step, sums, self.spec.log_every_steps, target, n)
+        # A sharded program's steps take the guard replicated over its mesh (`jit_steps`).
+        return jax.device_put(guard, self.replicated) if self.sharded else self.place(guard)
 
     def throughput(self, clock: tuple[int, float], step: int) -> dict[str, float]:
         """Steps (and tokens, for a program with ``tokens_per_step``) per second since `clock`

@@ -26,6 +26,25 @@ Optionally:
   ``train_data`` with (default Grain's: prefetch threads, right for heavy per-record work;
   a pipeline that only slices arrays is faster with ``grain.ReadOptions(num_threads=0)``).
 
+Sharding (optional; see `prefect_jax.training.sharding` and docs/program.md, "Sharding"). A
+program that declares neither keeps the engine's default placement: one device, or data parallel
+with a replicated state over several processes.
+
+- ``mesh_axes``: ``{axis: size}``, the device mesh over every device of every process, in order;
+  one size may be ``-1``, the devices the others leave (``{"data": -1}``, ``{"data": 4,
+  "model": 2}``). Default, when only ``shardings`` is given: ``{"data": -1}``.
+- ``shardings(abstract_state, mesh)``: a pytree matching the state (``jax.eval_shape`` of init) of
+  ``PartitionSpec``, ``NamedSharding`` on `mesh`, or None (replicated); None for the whole
+  tree replicates everything. `prefect_jax.training.sharding.fsdp` is the ready FSDP rule; for
+  an ``nnx.State`` built with ``nnx.with_partitioning``, ``nnx.get_partition_spec(state)``.
+- ``batch_spec``: the ``PartitionSpec`` of each batch leaf (default: the leading axis split over
+  the mesh's ``data`` and ``fsdp`` axes).
+- ``init(rng, mesh)``: with a mesh, init is traced with it in context (Flax NNX's sharding
+  annotations apply as they are), and given it as ``mesh=`` when its signature takes ``mesh``.
+  The train and eval steps are traced under the mesh too and jitted with the state's shardings
+  in and out; checkpoints restore into them (Orbax reshards, so a job resumes on another mesh or
+  device count).
+
 Programs are named by import path, ``"package.module:attribute"``, so a Prefect deployment
 can carry the name as a JSON parameter. The attribute may be a factory whose one parameter is
 typed (a pydantic model or a dataclass): the job's ``program_params`` (a JSON-able dict) are

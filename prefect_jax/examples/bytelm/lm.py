@@ -62,6 +62,9 @@ class Config:
         max_files: build the corpus from the first this many source files only (None: all).
         read_threads: Grain's reading threads for training batches (0: the training thread).
         prefetch: batches Grain reads ahead (with threads).
+        mesh: the device mesh, ``{axis: size}`` (None: ``{"data": -1}``, every device on one
+            axis): the state is FSDP-sharded over ``data`` and, with a ``model`` axis, its
+            matmul weights split tensor-parallel over ``model`` (see `ByteLMProgram.shardings`).
     """
 
     seq_len: int = 256
@@ -88,6 +91,7 @@ class Config:
     max_files: int | None = None
     read_threads: int = 2
     prefetch: int = 8
+    mesh: dict | None = None
 
 
 PRESETS = {
@@ -219,7 +223,31 @@ class ByteLMProgram:
 
     @property
     def config(self) -> dict:
-        return {"model": "bytelm", **dataclasses.asdict(self.cfg)}
+        config = {"model": "bytelm", **dataclasses.asdict(self.cfg)}
+        config.pop("mesh")  # where the state lives, not what it is: a job resumes on any mesh
+        return config
+
+    @property
+    def mesh_axes(self) -> dict:
+        """The mesh the engine builds (`prefect_jax.training.sharding.build_mesh`)."""
+        return dict(self.cfg.mesh) if self.cfg.mesh is not None else {"data": -1}
+
+    def shardings(self, abstract_state, mesh):
+        """FSDP over ``data`` (`sharding.fsdp`); with a ``model`` axis, the attention and MLP
+        weights (and their Adam moments) also split tensor-parallel over it (Megatron's
+        column-then-row layout)."""
+        from jax.sharding import PartitionSpec as P
+
+        from prefect_jax.training import sharding
+
+        base = None
+        if "model" in mesh.shape:
+            column, row = P(None, "model"), P("model", None)
+            rules = [(r"(qkv|up)/kernel$", column), (r"(proj|down)/kernel$", row)]
+            base = sharding.by_path(abstract_state, rules + [(r"head/kernel$", column)])
+        if "data" not in mesh.shape:
+            return base
+        return sharding.fsdp(abstract_state, mesh, axis="data", base=base)
 
     @property
     def read_options(self):

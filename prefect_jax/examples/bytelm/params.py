@@ -37,8 +37,9 @@ from prefect_jax.examples.bytelm.lm import (
 )
 
 # Fields that do not change what is computed: recorded, not compared when a job resumes (how many
-# threads read batches, how far ahead, and the eval batch size: eval metrics are exact sums).
-RESTORE_EXEMPT = ("read_threads", "prefetch", "eval_batch_size")
+# threads read batches, how far ahead, the eval batch size: eval metrics are exact sums; and the
+# mesh: a checkpoint is restored into any mesh's shardings).
+RESTORE_EXEMPT = ("read_threads", "prefetch", "eval_batch_size", "mesh")
 
 
 class _Base(BaseModel):

@@ -1,0 +1,218 @@
+"""Sharded runs of the tiny byte LM on CPU devices, in a process of their own (the device count is
+fixed before jax imports): ``python sharding_job.py MODE DEVICES [ARGS...]``; prints JSON lines.
+
+Modes:
+    loss: the same steps with and without declared shardings, through `Loop` (no storage).
+    bad: each bad mesh, spec and batch, refused by `Loop(...)` before any compute; then a Flax
+        NNX model with sharding annotations, built and trained as it is.
+    job STORAGE MLFLOW_URI MESH_JSON MAX_STEPS PACE: a real job (`Trainer`, Orbax checkpoints,
+        MLflow); one line per checkpoint with the live state's fingerprint, PACE seconds of sleep
+        at each log point (so a test can SIGKILL it mid-job).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(sys.argv[2])}"
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+from prefect_jax.examples.bytelm import PRESETS, ByteLMProgram  # noqa: E402
+
+MESH_ENV = "SHARDING_JOB_MESH"
+
+
+def tiny(**overrides) -> ByteLMProgram:
+    return ByteLMProgram(dataclasses.replace(PRESETS["tiny"], **overrides))
+
+
+class Undeclared(ByteLMProgram):
+    """The byte LM without a mesh or shardings: the engine's default placement."""
+
+    mesh_axes = None
+    shardings = None
+
+
+# The job's program (`sharding_job:program`): its mesh from the environment.
+program = tiny(mesh=json.loads(os.environ.get(MESH_ENV) or "null"))
+
+
+def specs(state) -> dict:
+    """The spec of a few leaves of a (byte LM) state."""
+    params, mu = state["params"], state["opt"][1][0].mu
+    return {
+        "embed": str(params["embed"]["embedding"].sharding.spec),
+        "head": str(params["head"]["kernel"].sharding.spec),
+        "qkv": str(params["blocks"][0]["qkv"]["kernel"].sharding.spec),
+        "head_mu": str(mu["head"]["kernel"].sharding.spec),
+    }
+
+
+def losses(prog, steps: int = 6, per_dispatch: int = 1, evaluate: bool = True) -> dict:
+    from prefect_jax.training.loop import Loop
+    from prefect_jax.training.specs import TrainSpec
+
+    loop = Loop(prog, TrainSpec(max_steps=steps, steps_per_dispatch=per_dispatch))
+    state = loop.place(loop.init_state())
+    interval = loop.run(state, 0, loop.fresh_iter(), target=steps, stop=lambda: False)
+    rows = loop.train_rows(interval.logged)
+    out = {"loss": [v for k, v, _ in rows if k == "loss"]}
+    if evaluate:
+        out["eval"] = loop.evaluate(interval.state, 2)[0]["loss"]
+    if loop.sharded:
+        out["specs"] = specs(interval.state)
+    return out
+
+
+def loss_mode() -> None:
+    mixed = dict(grad_accum=2, compute_dtype="bfloat16")
+    runs = {
+        "one_device": losses(Undeclared(PRESETS["tiny"])),
+        "fsdp8": losses(tiny()),
+        "mixed_one_device": losses(
+            Undeclared(dataclasses.replace(PRESETS["tiny"], **mixed)), 6, 3, evaluate=False
+        ),
+        "mixed_4x2": losses(tiny(mesh={"data": 4, "model": 2}, **mixed), 6, 3, evaluate=False),
+    }
+    print(json.dumps(runs), flush=True)
+
+
+class Annotated:
+    """A public-style Flax NNX model with sharding annotations (``nnx.with_partitioning``), as
+    it is: its init takes no mesh, its shardings are Flax's own (`nnx.get_partition_spec`)."""
+
+    mesh_axes = {"data": 4, "model": 2}
+
+    def init(self, rng):
+        from flax import nnx
+
+        kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        return nnx.state(nnx.Linear(8, 16, kernel_init=kernel, rngs=nnx.Rngs(rng)))
+
+    def shardings(self, abstract_state, mesh):
+        from flax import nnx
+
+        return nnx.get_partition_spec(abstract_state)
+
+    def _loss(self, state, batch):
+        pred = batch["x"] @ state["kernel"][...] + state["bias"][...]
+        return ((pred - batch["y"]) ** 2).mean()
+
+    def train_step(self, state, batch):
+        import jax
+
+        loss, grads = jax.value_and_grad(self._loss)(state, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), {"loss": loss}
+
+    def eval_step(self, state, batch):
+        return {"loss": (self._loss(state, batch) * 8, 8.0)}
+
+    def _data(self, n):
+        import grain
+        import numpy as np
+
+        def batch(i):
+            x = np.random.default_rng(i).normal(size=(8, 8)).astype(np.float32)
+            return {"x": x, "y": np.repeat(x.sum(1, keepdims=True), 16, 1)}
+
+        return grain.MapDataset.range(n).map(batch)
+
+    def train_data(self, seed):
+        return self._data(1000).repeat()
+
+    def eval_data(self):
+        return self._data(2)
+
+
+def annotated() -> dict:
+    from prefect_jax.training.loop import Loop
+    from prefect_jax.training.specs import TrainSpec
+
+    loop = Loop(Annotated(), TrainSpec(max_steps=3))
+    state = loop.place(loop.init_state())
+    interval = loop.run(state, 0, loop.fresh_iter(), target=3, stop=lambda: False)
+    kernel = interval.state["kernel"][...]
+    return {
+        "kernel": str(kernel.sharding.spec),
+        "loss": loop.evaluate(interval.state, 2)[0]["loss"],
+    }
+
+
+def bad_mode() -> None:
+    from jax.sharding import PartitionSpec as P
+
+    from prefect_jax.training.loop import Loop
+    from prefect_jax.training.specs import TrainSpec
+
+    class Spec(ByteLMProgram):
+        def __init__(self, specs, **overrides):
+            super().__init__(dataclasses.replace(PRESETS["tiny"], **overrides))
+            self._specs = specs
+
+        def shardings(self, abstract_state, mesh):
+            return self._specs(abstract_state)
+
+    import jax
+
+    def head_only(spec):
+        def specs(state):
+            out = jax.tree.map(lambda _: None, state)
+            out["params"]["head"]["kernel"] = spec
+            return out
+
+        return specs
+
+    cases = {
+        "mesh": tiny(mesh={"data": 3}),
+        "mesh_rest": tiny(mesh={"data": -1, "model": 3}),
+        "axis": Spec(head_only(P(None, "model"))),
+        # the head kernel is (12, 256): 12 rows do not split 8 ways
+        "not_divisible": Spec(head_only(P("data")), d_model=12, n_heads=2),
+        "batch": tiny(batch_size=4),
+    }
+    refused = {}
+    for name, prog in cases.items():
+        try:
+            Loop(prog, TrainSpec(max_steps=1))
+            refused[name] = None
+        except ValueError as exc:
+            refused[name] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps({"refused": refused, "annotated": annotated()}), flush=True)
+
+
+def job_mode(storage: str, mlflow_uri: str, max_steps: str, pace: str) -> None:
+    from prefect_jax.training.loop import add_progress_listener
+    from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
+    from prefect_jax.training.trainer import Trainer
+    from prefect_jax.training.trees import state_fingerprint
+
+    config = JobConfig(
+        program="sharding_job:program",
+        job="sharded",
+        storage=storage,
+        train=TrainSpec(max_steps=int(max_steps), log_every_steps=5),
+        checkpoint=CheckpointSpec(every_steps=10, keep_last=None),
+        eval=EvalSpec(steps=1),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+    if float(pace):
+        add_progress_listener(lambda *_: time.sleep(float(pace)))
+    trainer = Trainer(config)
+    start = trainer.restore_or_init()
+    first = {"start": start, "fp": state_fingerprint(trainer.state), "specs": specs(trainer.state)}
+    print(json.dumps(first), flush=True)
+    while trainer.step < int(max_steps):
+        step = trainer.train_until_checkpoint()
+        print(json.dumps({"step": step, "fp": state_fingerprint(trainer.state)}), flush=True)
+    print(json.dumps({"end": trainer.step, "specs": specs(trainer.state)}), flush=True)
+    trainer.finish()
+    trainer.close()
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[3:]
+    {"loss": loss_mode, "bad": bad_mode, "job": job_mode}[mode](*args)

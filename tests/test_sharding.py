@@ -1,0 +1,175 @@
+"""Programs that declare a mesh and their shardings: FSDP and data x model meshes on 8 CPU devices,
+their refusals, and a SIGKILLed sharded job resumed exactly on another mesh and device count.
+
+The sharded runs happen in processes of their own (`sharding_job.py`): the CPU device count is
+fixed before jax imports, and this process already has jax with one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from prefect_jax.training.sharding import ShardingError, build_mesh, fsdp
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(TESTS_DIR, "sharding_job.py")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
+def _run(*args: str, timeout: float = 600, **env: str) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        env=_env(**env),
+        cwd=TESTS_DIR,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_fsdp_rule_splits_the_largest_divisible_dimension_of_large_arrays():
+    mesh = AbstractMesh((8,), ("data",))
+    state = {
+        "embed": jax.ShapeDtypeStruct((256, 16), np.float32),
+        "small": jax.ShapeDtypeStruct((16, 48), np.float32),  # under FSDP_MIN_SIZE: replicated
+        "odd": jax.ShapeDtypeStruct((12, 4100), np.float32),  # no dimension divides by 8
+        "wide": jax.ShapeDtypeStruct((24, 4096), np.float32),
+        "step": jax.ShapeDtypeStruct((), np.int32),
+    }
+    specs = fsdp(state, mesh)
+    assert specs == {
+        "embed": PartitionSpec("data", None),
+        "small": PartitionSpec(None, None),
+        "odd": PartitionSpec(None, None),
+        "wide": PartitionSpec(None, "data"),
+        "step": PartitionSpec(),
+    }
+    # On top of tensor-parallel specs: another dimension than theirs.
+    base = {k: None for k in state} | {"wide": PartitionSpec(None, "model")}
+    assert fsdp(state, AbstractMesh((4, 2), ("data", "model")), base=base)["wide"] == (
+        PartitionSpec("data", "model")
+    )
+
+
+def test_a_mesh_whose_sizes_do_not_match_the_devices_is_refused():
+    assert dict(build_mesh({"data": -1}).shape) == {"data": len(jax.devices())}
+    with pytest.raises(ShardingError, match=r"mesh_axes=\{'data': 2\} multiply to 2, not the 1"):
+        build_mesh({"data": 2})
+    with pytest.raises(ShardingError, match="sizes must be positive ints or one -1"):
+        build_mesh({"data": -1, "model": -1})
+
+
+def test_bad_meshes_specs_and_batches_are_refused_before_any_compute_and_nnx_annotations_work():
+    (result,) = _run("bad", "8")
+    refused = result["refused"]
+    assert "mesh_axes={'data': 3} multiply to 3, not the 8 devices; give sizes" in refused["mesh"]
+    assert "the fixed sizes multiply to 3, which does not divide the 8" in refused["mesh_rest"]
+    assert (
+        "'params/head/kernel': P(None, 'model') names axis 'model', which the mesh {'data': 8} "
+        "lacks: use one of ['data']" in refused["axis"]
+    )
+    assert (
+        "splits dimension 0 of shape (12, 256) (12) into 8 parts over ('data',), which does not "
+        "divide it: shard another dimension, or make it a multiple of 8"
+    ) in refused["not_divisible"]
+    assert (
+        "a train batch leaf 'tokens' of shape (4, 33) cannot be split into 8 parts along "
+        "dimension 0"
+        in refused["batch"]
+        and "make the batch size a multiple of 8" in refused["batch"]
+    )
+    assert all(r.startswith("ShardingError: ") for r in refused.values()), refused
+    # A Flax NNX model built with nnx.with_partitioning, its init given no mesh: built and
+    # trained sharded as its annotations say.
+    assert result["annotated"]["kernel"] == "P(None, 'model')"
+    assert np.isfinite(result["annotated"]["loss"])
+
+
+@pytest.mark.slow
+def test_fsdp_8_way_and_4x2_data_model_shard_the_state_and_train_as_one_device_does():
+    (runs,) = _run("loss", "8")
+    one, fsdp8 = runs["one_device"], runs["fsdp8"]
+    assert fsdp8["specs"] == {
+        "embed": "P('data', None)",
+        "head": "P(None, 'data')",
+        "qkv": "P(None, None)",  # under FSDP's minimum size: replicated
+        "head_mu": "P(None, 'data')",  # Adam's moments follow their parameter
+    }
+    np.testing.assert_allclose(fsdp8["loss"], one["loss"], rtol=1e-4)
+    np.testing.assert_allclose(fsdp8["eval"], one["eval"], rtol=1e-4)
+    # bfloat16 compute, gradient accumulation and 3 steps per dispatch, on a 4x2 mesh.
+    mixed, base = runs["mixed_4x2"], runs["mixed_one_device"]
+    assert mixed["specs"] == {
+        "embed": "P('data', None)",
+        "head": "P('data', 'model')",
+        "qkv": "P(None, 'model')",
+        "head_mu": "P('data', 'model')",
+    }
+    np.testing.assert_allclose(mixed["loss"], base["loss"], rtol=2e-3)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_fsdp_job_resumes_bit_exactly_on_four_devices_and_another_mesh(
+    tmp_path, mlflow_uri
+):
+    from mlflow.tracking import MlflowClient
+    from process_helpers import wait_until
+
+    from prefect_jax.training.checkpoint_dirs import committed_steps
+
+    # The store's tables made first: a kill in the middle of their creation is MLflow's problem.
+    MlflowClient(mlflow_uri).search_experiments()
+    storage = str(tmp_path / "storage")
+    ckpt = os.path.join(storage, "sharded", "checkpoints")
+    log = open(tmp_path / "1.log", "w")
+    # Paced (a sleep at each log point), so that the kill lands mid-job.
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, "job", "8", storage, mlflow_uri, "40", "0.5"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=_env(SHARDING_JOB_MESH='{"data": -1}'),
+        cwd=TESTS_DIR,
+    )
+
+    def committed_and_reported():  # the step's line (its fingerprint) is printed after its save
+        steps = committed_steps(ckpt)
+        return steps and f'"step": {steps[-1]},' in (tmp_path / "1.log").read_text()
+
+    try:
+        wait_until(committed_and_reported, 300, "a committed checkpoint", proc, poll=0.05)
+    finally:
+        proc.kill()
+    proc.wait(timeout=60)
+    log.close()
+    lines = [json.loads(x) for x in open(tmp_path / "1.log") if x.startswith("{")]
+    assert lines[0]["specs"]["embed"] == "P('data', None)"  # FSDP over 8 devices
+    saved = {line["step"]: line["fp"] for line in lines if "step" in line}
+    at = committed_steps(ckpt)[-1]
+    assert at < 40 and at in saved, (at, saved)
+
+    first, *rest = _run(
+        "job", "4", storage, mlflow_uri, "40", "0", SHARDING_JOB_MESH='{"data": 2, "model": 2}'
+    )
+    assert first["start"] == at and first["fp"] == saved[at]  # restored bit for bit, resharded
+    assert first["specs"] == {
+        "embed": "P('data', None)",
+        "head": "P('data', 'model')",
+        "qkv": "P(None, 'model')",
+        "head_mu": "P('data', 'model')",
+    }
+    assert rest[-1]["end"] == 40 and committed_steps(ckpt)[-1] == 40
