@@ -150,15 +150,19 @@ def run_family(family: str, ctx: dict) -> dict:
             shutil.rmtree(job_dir)
             os.rename(away, job_dir)
     else:
-        proc = _start(args, env, first)
-        hit = _until("export", proc, first, ckpt)
-        os.killpg(proc.pid, signal.SIGKILL)
-        rc1 = _wait(proc, 120)
         target = {
             "eval_record": job_dir / "evals" / "eval" / f"{KILL_STEP}.json",
             "goodput_ledger": job_dir / "goodput.json",
             "registry": job_dir / "registry.json",
         }.get(family)
+        proc = _start(args, env, first)
+        hit = _until("export", proc, first, ckpt)
+        # (the live step's eval record is written once its save commits: maybe a little later)
+        deadline = time.monotonic() + 120
+        while hit and target is not None and not target.exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGKILL)
+        rc1 = _wait(proc, 120)
         if not hit or (target is not None and not target.exists()):
             truthful = False
             detail.append(
