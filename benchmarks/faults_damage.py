@@ -154,10 +154,12 @@ def run_family(family: str, ctx: dict) -> dict:
             "eval_record": job_dir / "evals" / "eval" / f"{KILL_STEP}.json",
             "goodput_ledger": job_dir / "goodput.json",
             "registry": job_dir / "registry.json",
+            "metadata": ckpt / str(KILL_STEP) / "meta" / "metadata",  # (once committed)
         }.get(family)
         proc = _start(args, env, first)
         hit = _until("export", proc, first, ckpt)
-        # (the live step's eval record is written once its save commits: maybe a little later)
+        # (the live step's eval record is written once its save commits: maybe a little later;
+        # the step is renamed into place at its commit)
         deadline = time.monotonic() + 120
         while hit and target is not None and not target.exists() and time.monotonic() < deadline:
             time.sleep(0.002)
