@@ -11,6 +11,7 @@ import pytest
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
+from prefect_jax.training.names import STEP_META_FILE
 from prefect_jax.training.trainer import Trainer
 
 
@@ -75,6 +76,27 @@ def test_a_damaged_newest_step_falls_back_and_training_redoes_it_exactly(trained
     trainer.job.checkpoints.wait()
     assert trainer.fingerprint() == prints[60]
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60]
+
+
+def test_a_flipped_bit_in_a_steps_metadata_is_corruption_not_another_program(trained, caplog):
+    """Issue 53.2: the checksums are checked before the metadata is compared with the program."""
+    config, prints = trained
+    meta = os.path.join(_ckpt_dir(config), "60", STEP_META_FILE)
+    data = bytearray(open(meta, "rb").read())
+    at = data.index(b"float32") + len("float3")  # '2' (0x32) -> '3' (0x33): one bit
+    data[at] ^= 0x01
+    open(meta, "wb").write(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(config)
+        assert trainer.restore_or_init() == 40
+    assert "is corrupt" in caplog.text and "program changed" not in caplog.text
+    assert [n for n in os.listdir(_ckpt_dir(config)) if n.startswith("60.corrupt-")]
+    assert trainer.fingerprint() == prints[40]
+    trainer.train_until_checkpoint()
+    trainer.job.checkpoints.wait()
+    assert trainer.fingerprint() == prints[60]
+    trainer.finish()
+    trainer.close()
 
 
 def test_orbax_temporary_dirs_are_not_steps(trained):
@@ -521,3 +543,36 @@ def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_wa
     finally:
         lease.release()
         first.kill()
+
+
+def test_a_job_directory_that_vanishes_and_comes_back_is_named_and_nothing_lands_in_it(
+    job_config, tmp_path
+):
+    """Issue 53.4: storage that disappears mid-run (here: the job's directory moved away, an
+    empty one made in its place, as a remount of an empty volume) is said as such, not as a
+    takeover by another trainer, and nothing more is written into the directory now there."""
+    from prefect_jax.training.lease import JobDirectoryGoneError
+
+    config = job_config(lease_timeout_secs=60.0)
+    job_dir = os.path.join(config.storage, config.job)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.job.wait_committed()
+    away = str(tmp_path / "away")
+    os.rename(job_dir, away)
+    os.makedirs(job_dir)
+    with pytest.raises(JobDirectoryGoneError, match="disappeared and is another directory now"):
+        trainer.train_until_checkpoint()
+    with pytest.raises(LeaseLostError):  # (one: the flow's handling of a lost lease holds)
+        trainer.finish()
+    trainer.close()
+    assert os.listdir(job_dir) == [], "nothing written into the directory that is there now"
+    os.rmdir(job_dir)
+    os.rename(away, job_dir)  # the storage is back: the rerun resumes from its committed step
+    rerun = Trainer(config)
+    assert rerun.restore_or_init() == 20
+    rerun.train_until_checkpoint()
+    rerun.finish()
+    rerun.close()
+    assert committed_steps(_ckpt_dir(config))[-1] == 40

@@ -710,3 +710,60 @@ def test_a_sigterm_that_breaks_an_import_in_the_command_still_ends_it_terminated
         == 143
     )
     assert "terminated by signal 15; the newest committed step is kept" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_save_that_fails_for_want_of_space_fails_the_train_task_and_the_rerun_resumes(
+    tmp_path, prefect_server, mlflow_uri
+):
+    """Issue 53.1: a save refused by the filesystem (here: RLIMIT_FSIZE in the child, whose state
+    file cannot be written) fails the train task that made it, the flow run fails and prints no
+    summary, nothing uncommitted counts; the rerun once space is back ends as an uninterrupted run.
+    """
+    storage = str(tmp_path / "storage")
+    ckpt = os.path.join(storage, "full", "checkpoints")
+    args = [PROGRAM, "full", storage, "20", "10", mlflow_uri]
+
+    def child(limit: int):
+        return subprocess.run(
+            [sys.executable, os.path.join(TESTS_DIR, "full_disk_child.py"), str(limit), *args],
+            env=cli_env(prefect_server),
+            cwd=TESTS_DIR,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+
+    full = child(8 << 20)  # the 24 MiB state cannot be written; the records and MLflow's can
+    log = full.stdout + full.stderr
+    assert full.returncode != 0, log[-3000:]
+    assert re.search(
+        r"Task run 'train \d+ to \d+' - Task run failed with exception: "
+        r"CheckpointSaveError\('saving checkpoint step \d+",
+        log,
+    ), log[-5000:]
+    assert "Free space on the storage" in log
+    assert re.search(r"Flow run '[^']+' - Finished in state Failed", log), log[-3000:]
+    assert '"final_step"' not in log
+    assert committed_steps(ckpt) == []
+    assert not glob.glob(os.path.join(storage, "full", "evals", "*", "*.json"))
+
+    again = child(0)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    config = JobConfig(
+        program=PROGRAM,
+        job="straight",
+        storage=str(tmp_path / "straight"),
+        train=TrainSpec(max_steps=20, log_every_steps=10),
+        checkpoint=CheckpointSpec(every_steps=10, keep_last=10),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < 20:
+        trainer.train_until_checkpoint()
+    fingerprint = trainer.fingerprint()
+    trainer.close()
+    assert summary["final_step"] == 20 and summary["state_fingerprint"] == fingerprint
+    assert committed_steps(ckpt) == [10, 20] and summary["exports"]["latest"] == [10, 20]

@@ -55,4 +55,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         if registry.get("note"):
             print(f"    {registry['note']}")
+    for damaged in status.get("damaged_records", []):
+        print(f"  DAMAGED {damaged['path']}: {damaged['error']}\n    {damaged['fix']}")
     return 0

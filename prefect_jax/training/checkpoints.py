@@ -51,6 +51,23 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint's tree differs from the tree the program's `init` builds."""
 
 
+class CheckpointSaveError(OSError):
+    """A checkpoint save failed (a full disk, a write error): its step did not commit.
+
+    An OSError, so the train task's retries resume from the newest committed step, which succeeds
+    once the storage takes writes again."""
+
+    def __init__(self, step: int | None, directory: str, cause: BaseException):
+        self.step, self.directory = step, directory
+        first = str(cause).splitlines()[0][:400] if str(cause) else ""
+        super().__init__(
+            f"saving checkpoint step {step} to {directory} failed ({type(cause).__name__}: "
+            f"{first}): step {step} did not commit, and no later step counts. Free space on the "
+            "storage (or fix what refused the write) and run the job again: it resumes from its "
+            "newest committed step (the train task's retries do so once the storage takes writes)."
+        )
+
+
 # -- the manager ------------------------------------------------------------------------
 
 
@@ -142,6 +159,10 @@ class Checkpoints:
         self.directory = directory
         self.spec = spec
         self._saving: int | None = None
+        # The first save that failed since the last restore: every later save raises it (a save
+        # that did not commit must fail the training, whichever thread saw Orbax's error first).
+        self.failed: CheckpointSaveError | None = None
+        self.save_waits = False  # (see `forget_failed_save`)
         # Per thread: the failed saves' errors `wait` raised to it.
         self._raised = threading.local()
         # Step -> whether it is a backup (saved here, or its metadata read once).
@@ -236,6 +257,8 @@ class Checkpoints:
         savable = to_savable(state)
         meta = dict(meta, step=int(step), tree=describe_tree(savable), saved_at=time.time())
         self.wait()  # Orbax does too; here, so that `_saving` names the step in flight
+        if self.failed is not None:
+            raise self.failed
         self._saving = int(step)
         self._backup[int(step)] = bool(meta.get("backup"))
         self.manager.save(
@@ -262,6 +285,13 @@ class Checkpoints:
             CheckpointMismatchError: the stored tree differs from `abstract_state`; the message
                 lists every differing leaf by path.
         """
+        if int(step) not in self.manager.all_steps():
+            # Committed by another process after this manager listed the directory.
+            self.manager.reload()
+        # The checksums first: a damaged step (its metadata too) is corrupt, not another program's.
+        verified = "://" not in self.directory and verify_manifest(
+            os.path.join(self.directory, str(step))
+        )
         meta = self.read_meta(step)
         abstract = abstract_savable(abstract_state)
         diffs = tree_differences(meta.get("tree", {}), describe_tree(abstract))
@@ -275,12 +305,7 @@ class Checkpoints:
                 "The program changed since this checkpoint was written: restore it with the "
                 "program that wrote it, or start a new job (a different job name or storage)."
             )
-        if int(step) not in self.manager.all_steps():
-            # Committed by another process after this manager listed the directory.
-            self.manager.reload()
-        if "://" not in self.directory and not verify_manifest(
-            os.path.join(self.directory, str(step))
-        ):
+        if "://" not in self.directory and not verified:
             logger.warning(
                 "checkpoint step %d in %s has no checksums (written before prefect-jax wrote "
                 "them): restored unverified",
@@ -324,8 +349,29 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Wait until the save in flight (if any) is committed, or failed (its error is raised once
-        to each thread that waits, as Orbax does). With several processes the commit is theirs
-        together: `LostProcess` if one went away meanwhile (`cluster.wait_unless_lost`)."""
+        to each thread that waits, as Orbax does, as `CheckpointSaveError`; kept in `failed`, which
+        every later `save` raises). With several processes the commit is theirs together:
+        `LostProcess` if one went away meanwhile (`cluster.wait_unless_lost`)."""
+        try:
+            self._wait_orbax()
+        except (cluster.LostProcess, CheckpointSaveError):
+            raise
+        except Exception as exc:
+            failed = CheckpointSaveError(self._saving, self.directory, exc)
+            if self.failed is None:
+                self.failed = failed
+                logger.error("%s", failed)
+            raise failed from exc
+
+    def forget_failed_save(self) -> None:
+        """A restore starts over from the committed steps: the failed save is behind it, and the
+        next save is waited for where it is made (`save_waits`): a storage that still refuses
+        writes then fails that training task, rather than the one after it."""
+        if self.failed is not None:
+            self.save_waits = True
+        self.failed = None
+
+    def _wait_orbax(self) -> None:
         if not cluster.several():
             self.manager.wait_until_finished()
             return
@@ -351,4 +397,7 @@ class Checkpoints:
             # Orbax's threads wait for it at their barriers until JAX aborts.
             logger.warning("not closing the checkpoints (%s): the job's committed steps stand", exc)
             return
+        except CheckpointSaveError:
+            self.manager.close()  # (Orbax raised the error to this thread once, in the wait)
+            raise
         self.manager.close()

@@ -73,8 +73,13 @@ def verify_manifest(step_dir: str) -> bool:
     path = os.path.join(step_dir, STEP_MANIFEST_FILE)
     if "://" in step_dir or not os.path.isfile(path):
         return False
-    with open(path) as f:
-        files = json.load(f)["files"]
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError, TypeError) as exc:  # the manifest itself is damaged
+        raise CorruptCheckpointError(
+            step_dir, [f"{STEP_MANIFEST_FILE} is damaged ({type(exc).__name__}: {exc})"]
+        ) from None
     problems = []
     for rel, (size, crc) in sorted(files.items()):
         full = os.path.join(step_dir, rel)

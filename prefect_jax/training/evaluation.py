@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -10,7 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 from prefect_jax.training.storage import JobStorage
+
+logger = logging.getLogger("prefect_jax.records")
 
 
 class EvalStatus(str, enum.Enum):
@@ -154,12 +158,17 @@ class EvalRecords:
 
     A step's record is written once and never changes, so records read or written here are
     kept in memory: the results table of every eval does not re-read every earlier record.
+
+    A record that is not JSON (torn, damaged) counts as no record: the job's `writer` moves it
+    aside (``<step>.json.damaged-<time>``) with a warning naming it, and the step is evaluated
+    again; a reader only warns.
     """
 
-    def __init__(self, storage: JobStorage, name: str):
+    def __init__(self, storage: JobStorage, name: str, writer: bool = False):
         self.storage = storage
         self.name = name
         self.dir = storage.eval_dir(name)
+        self.writer = writer
         self._known: dict[int, EvalResult] = {}
 
     def steps(self) -> list[int]:
@@ -168,11 +177,28 @@ class EvalRecords:
     def get(self, step: int) -> EvalResult | None:
         step = int(step)
         if step not in self._known:
-            data = self.storage.read_json(f"{self.dir}/{step}.json")
+            path = f"{self.dir}/{step}.json"
+            try:
+                data = read_record(self.storage, path)
+            except DamagedRecordError as exc:
+                self._damaged(step, exc)
+                return None
             if not data:
                 return None
             self._known[step] = EvalResult.model_validate(data)
         return self._known[step]
+
+    def _damaged(self, step: int, exc: DamagedRecordError) -> None:
+        if not self.writer:
+            logger.warning("%s: not counted (the job's trainer evaluates step %d again)", exc, step)
+            return
+        moved = set_aside(self.storage, exc.path)
+        logger.warning(
+            "%s: moved aside to %s; the evaluation of step %d is redone if the step is committed",
+            exc,
+            moved,
+            step,
+        )
 
     def put(self, result: EvalResult) -> None:
         if result.status is not EvalStatus.EVALUATED:

@@ -152,7 +152,7 @@ class Evaluator:
             job=config.job,
             max_steps=config.train.max_steps,
             evaluate=evaluate,
-            records=EvalRecords(js, config.eval.name),
+            records=EvalRecords(js, config.eval.name, writer=True),
             committed_steps=lambda: job_committed_steps(js),
             is_backup=lambda step: job_step_is_backup(js, step),
             stop_request=lambda: stop_requested(js),

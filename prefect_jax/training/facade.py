@@ -218,6 +218,7 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
     from prefect_jax.training.exporters import list_exports
     from prefect_jax.training.goodput import read_ledger
     from prefect_jax.training.goodput_summary import summarize
+    from prefect_jax.training.records import damaged_records
     from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
@@ -255,10 +256,30 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
         recorded_params = (step_meta(js, committed[-1]) or {}).get(META_KEY)
         if recorded_params is not None:
             status["program_params"] = recorded_params.get("values", {})
-    recorded = js.read_json(js.path("registry.json"))
+    # Records that are not JSON, each named with what becomes of it (issue 53).
+    damaged = damaged_records(js)
+    if damaged:
+        status["damaged_records"] = [dict(d, fix=_damage_fix(d["path"])) for d in damaged]
+    registry = js.path("registry.json")
+    recorded = None if any(d["path"] == registry for d in damaged) else js.read_json(registry)
     if recorded:
         status["registered_model"] = _registry_status(recorded, js.job_dir)
     return status
+
+
+def _damage_fix(path: str) -> str:
+    """What becomes of a damaged record of the job, or what to do about it."""
+    name = path.rsplit("/", 1)[-1]
+    if "/evals/" in path:
+        return "the job's next run moves it aside and evaluates that step again if it is committed"
+    if name == "goodput.json":
+        return "the job's next run moves it aside (kept) and starts the ledger again"
+    if name == "registry.json":
+        return (
+            "the job's next export writes it again from MLflow's registry; delete it to see the "
+            "rest of this status"
+        )
+    return "move it aside or delete it; the job writes it again when it next needs it"
 
 
 def _registry_status(recorded: dict, job_key: str) -> dict[str, Any]:

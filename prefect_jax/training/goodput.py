@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prefect_jax.training.goodput_summary import counted_attempts, running_account, summarize
+from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -178,10 +179,21 @@ class GoodputLedger:
         a["tail"] = [[s, round(t, 4)] for s, t in a["tail"]]
         try:
             if self._earlier is None:
-                # Read once: while this process holds the job's lease nobody else writes it.
-                self._earlier = [
-                    e for e in self.read().get("attempts", []) if e.get("id") != a["id"]
-                ]
+                # Read once: while this process holds the job's lease nobody else writes it. An
+                # unreadable ledger is not written over (the write is tried again at the next
+                # save); a damaged one is moved aside, kept, and a new one started.
+                try:
+                    ledger = read_record(self.storage, self.path) or {}
+                except DamagedRecordError as exc:
+                    moved = set_aside(self.storage, exc.path)
+                    logger.warning(
+                        "%s: moved aside to %s, kept there; the ledger starts again with this "
+                        "attempt (the goodput of the attempts before it is in that copy)",
+                        exc,
+                        moved,
+                    )
+                    ledger = {}
+                self._earlier = [e for e in ledger.get("attempts", []) if e.get("id") != a["id"]]
             self.storage.write_json(self.path, self._ledger(), durable=False)
         except Exception:  # noqa: BLE001 - an account must never stop training
             logger.warning("could not write the goodput ledger %s", self.path, exc_info=True)
@@ -208,9 +220,11 @@ LOST_PROCESS = "lost a process"
 
 
 def read_ledger(storage) -> dict[str, Any]:
+    """The job's ledger for a summary (empty if unreadable: `damaged_records` names a damaged
+    one; the ledger's writer moves it aside before it writes)."""
     try:
         return storage.read_json(storage.path("goodput.json")) or {}
-    except Exception:  # noqa: BLE001 - unreadable: as if empty
+    except Exception:  # noqa: BLE001 - unreadable: as if empty, for the summary only
         return {}
 
 

@@ -82,7 +82,7 @@ class Job(JobCheckpoints):
             checkpoint_spec = checkpoint_spec.model_copy(
                 update={"keep_last": None, "keep_every_steps": None, "keep_until_evaluated": None}
             )
-        self.records = EvalRecords(self.storage, config.eval.name)
+        self.records = EvalRecords(self.storage, config.eval.name, writer=self.is_primary)
         self.checkpoints = Checkpoints(
             self.storage.checkpoint_dir, checkpoint_spec, newest_evaluated=self.newest_evaluated
         )
@@ -122,6 +122,7 @@ class Job(JobCheckpoints):
         they are committed again (the same metrics: training is exact)."""
         if not self.is_primary:
             return
+        self.records.all()  # (a damaged record is moved aside: its step is evaluated again)
         for later in [s for s in self.records.steps() if s > step]:
             moved = self.records.discard(later, "uncommitted")
             logger.warning(

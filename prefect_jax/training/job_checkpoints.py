@@ -12,6 +12,7 @@ import socket
 from typing import Any
 
 from prefect_jax.training.checkpoint_dirs import is_committed, step_dirs
+from prefect_jax.training.checkpoints import CheckpointSaveError
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import barrier
 from prefect_jax.training.mlflow_client import exit_wait
@@ -56,7 +57,11 @@ class JobCheckpoints:
         Returns the committed remote steps it listed (oldest first), where no upload of this
         process is in flight: the restore need not list them again (a listing and a request per
         step on object storage); else None."""
-        self.checkpoints.wait()
+        try:
+            self.checkpoints.wait()
+        except CheckpointSaveError as exc:
+            logger.warning("%s", exc)  # the restore resumes from the committed steps
+        self.checkpoints.forget_failed_save()
         if self.processes > 1:
             if self.is_primary:  # the others wait, then see what it left
                 self.checkpoints.quarantine_uncommitted()
@@ -124,6 +129,12 @@ class JobCheckpoints:
             data_iter,
             {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags},
         )
+        if step >= self.config.train.max_steps or self.checkpoints.save_waits:
+            # The final step (or the first save after one failed): its commit is waited for here,
+            # so that a save that fails (a full disk) fails the training task that made it, not
+            # an evaluation after it, nor the next interval, whose retry would start it again.
+            self.checkpoints.wait()
+            self.checkpoints.save_waits = False
         if self.remote is not None:
             self.uploader.submit(
                 step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed
@@ -136,6 +147,8 @@ class JobCheckpoints:
         """Tell the commit listeners once `step` is committed (from a background thread)."""
         try:
             self.checkpoints.wait()
+        except CheckpointSaveError:
+            return  # not committed: nothing to tell (the training's next save raises it)
         # another process went away after its part: the step counts if process 0 committed it
         except LostProcess:
             pass
@@ -164,6 +177,10 @@ class JobCheckpoints:
         completes is left as it is (`peer_watch.LostProcess` otherwise)."""
         try:
             self.checkpoints.wait()
+        except CheckpointSaveError:
+            # The step did not commit (evaluations and exports find so). The failure is the
+            # training's: kept in `checkpoints.failed`, raised by its next save.
+            pass
         except LostProcess as exc:
             if not ending:
                 raise

@@ -33,6 +33,35 @@ from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.lease")
 
+
+class JobDirectoryGoneError(LeaseLostError):
+    """The job's directory disappeared while this process trained it (a storage unmounted or
+    deleted; perhaps back since, empty or another one): this process writes nothing more there."""
+
+    def __init__(self, job_dir: str, why: str):
+        self.owner = {}
+        RuntimeError.__init__(
+            self,
+            f"job {job_dir}: {why} while this process trained it. This process stopped and "
+            "writes nothing more there (no checkpoint, record or export into a directory that is "
+            "not the one it found). Check the storage (a mount that dropped, a directory deleted "
+            "or replaced), then run the job again: it resumes from the newest committed step it "
+            "finds there.",
+        )
+
+
+def _identity(storage: JobStorage) -> tuple | None:
+    """Which directory the job's is on a local disk (device and inode; ``("gone",)``: none is
+    there); None on other storage (no such identity: only a directory gone is seen there)."""
+    if storage.protocol != "file":
+        return None
+    try:
+        st = os.stat(storage.job_dir)
+    except FileNotFoundError:
+        return ("gone",)
+    return (st.st_dev, st.st_ino)
+
+
 _SAME_RUN = "same flow run (a retry)"  # why a lease is taken over from a retry of its own flow run
 DUPLICATE_POLL_SECS = (
     1.0  # how often a second process of one flow run looks whether the first has ended
@@ -129,6 +158,10 @@ class Lease:
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The job's directory as this process found it when it took the lease (`_identity`), and
+        # why it is not that one any more (None: it is, or nobody looked).
+        self._home: tuple | None = None
+        self.vanished: str | None = None
 
     def _record(self) -> dict:
         return {
@@ -229,11 +262,37 @@ class Lease:
                 self._confirmed_at = time.monotonic()
                 return
             self._lose(current or {})
+        if self.vanished is not None:
+            raise JobDirectoryGoneError(redact_url(self.storage.job_dir), self.vanished)
         raise LeaseLostError(redact_url(self.storage.job_dir), self.lost_to or {})
+
+    def _moved_away(self) -> str | None:
+        """Why the job's directory is not the one this process took the lease in (its lease file
+        being gone), or None: it is, as far as can be told."""
+        where = redact_url(self.storage.job_dir)
+        try:
+            if self._home is None:  # object storage: a job with nothing left under it is gone
+                gone = not self.storage.fs.exists(self.storage.job_dir)
+                return f"the job's directory {where} is gone" if gone else None
+            now = _identity(self.storage)
+        except OSError as exc:  # a mount that dropped answers so
+            return f"the job's directory {where} cannot be read ({type(exc).__name__}: {exc})"
+        if now == ("gone",):
+            return f"the job's directory {where} is gone"
+        if now != self._home:
+            return (
+                f"the job's directory {where} disappeared and is another directory now (a storage "
+                "unmounted and mounted again, or made again by a write)"
+            )
+        return None
 
     def _lose(self, current: dict) -> None:
         first = self.lost_to is None
-        if first:
+        if first and not current:
+            self.vanished = self._moved_away()
+        if first and self.vanished is not None:
+            logger.error("%s: this process writes nothing more there", self.vanished)
+        elif first:
             logger.error(
                 "lost the lease of %s to %s",
                 redact_url(self.storage.job_dir),
@@ -248,7 +307,9 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease, or raise LeaseHeldError naming the live owner (`LeaseLostError` once
         it was taken over from this process: a process does not take a lost lease back)."""
-        if self.lost_to is not None:
+        if self.lost_to is not None or self.held:
+            # (held: still, and where it was? a restore after a failure must not go on in a
+            # directory that vanished meanwhile)
             self.verify()
         if self.held:
             return
@@ -274,6 +335,7 @@ class Lease:
             self.storage.write_json(self.path, self._record())
             confirmed = self.read()
             if confirmed and confirmed.get("token") == self.token:
+                self._home = _identity(self.storage)
                 break
             self.token = None  # another trainer won the race
             if confirmed is None or self._live_duplicate(confirmed) is None:

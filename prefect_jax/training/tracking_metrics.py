@@ -132,7 +132,11 @@ class MetricCalls:
     def _log_goodput(self, summary: dict[str, Any], step: int) -> None:
         from prefect_jax.training.goodput_summary import mlflow_metrics
 
-        self._log_metrics(mlflow_metrics(summary, step))
+        rows = mlflow_metrics(summary, step)
+        # Once per step, as every metric: a rerun of a finished job (or one whose end a SIGTERM
+        # met after this landed) ends at the same step again. The artifact and tag say the newest.
+        if rows:
+            self._log_metrics_once(rows, rows[0][0], step)
         self._client.log_dict(self._run_id, summary, "goodput.json")
         self._client.set_tag(
             self._run_id,

@@ -1,0 +1,108 @@
+"""Issue 53: every record the project writes is rebuilt from what it summarises or named in a
+clear error, never silently replaced; each metric lands in MLflow once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+from mlflow.tracking import MlflowClient
+from process_helpers import status
+
+from prefect_jax.training.trainer import Trainer
+
+
+def _train(config, finish=True):
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < config.train.max_steps:
+        trainer.train_until_checkpoint()
+    if finish:
+        trainer.finish()
+    trainer.close()
+    return trainer
+
+
+def test_a_rerun_of_a_finished_job_logs_each_goodput_metric_once(job_config, mlflow_uri):
+    config = job_config(max_steps=20, every_steps=10)
+    first = _train(config)
+    _train(config)  # the job is finished: it restores step 20, trains nothing, finishes again
+    client = MlflowClient(mlflow_uri)
+    run_id = first.job.tracker.run_id
+    keys = [k for k in client.get_run(run_id).data.metrics if k.startswith("goodput/")]
+    assert "goodput/goodput" in keys
+    for key in keys:
+        assert [m.step for m in client.get_metric_history(run_id, key)] == [20], key
+
+
+def _trained_and_evaluated(config):
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < config.train.max_steps:
+        trainer.train_until_checkpoint()
+        trainer.evaluate_if_new(trainer.step)
+    trainer.finish()
+    trainer.close()
+    return trainer
+
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def test_a_truncated_eval_record_is_named_moved_aside_and_its_step_evaluated_again(
+    job_config, caplog
+):
+    config = job_config(max_steps=20, every_steps=10)
+    first = _trained_and_evaluated(config)
+    evals = first.job.storage.eval_dir(config.eval.name)
+    metrics = first.job.records.get(20).metrics
+    _truncate(os.path.join(evals, "20.json"))
+    job = status(config.job, config.storage)
+    (damaged,) = job["damaged_records"]
+    assert (
+        damaged["path"].endswith("evals/eval/20.json") and "evaluates that step" in damaged["fix"]
+    )
+
+    with caplog.at_level(logging.WARNING):
+        rerun = Trainer(config)
+        assert rerun.restore_or_init() == 20
+    assert re.search(r"the record \S+/evals/eval/20\.json is damaged", caplog.text), caplog.text
+    assert [n for n in os.listdir(evals) if n.startswith("20.json.damaged-")]
+    result = rerun.evaluate_if_new(20)  # redone: the step is committed
+    assert result.metrics == metrics
+    rerun.finish()
+    rerun.close()
+    assert "damaged_records" not in status(config.job, config.storage)
+
+
+def test_a_truncated_goodput_ledger_is_kept_aside_not_written_over(job_config, caplog):
+    config = job_config(max_steps=20, every_steps=10)
+    first = _trained_and_evaluated(config)
+    ledger = os.path.join(config.storage, config.job, "goodput.json")
+    _truncate(ledger)
+    damaged = open(ledger, "rb").read()
+    assert status(config.job, config.storage)["damaged_records"][0]["path"].endswith("goodput.json")
+    with caplog.at_level(logging.WARNING):
+        _train(
+            config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 30})})
+        )
+    assert "goodput.json is damaged" in caplog.text and "moved aside" in caplog.text
+    (kept,) = [n for n in os.listdir(os.path.dirname(ledger)) if ".damaged-" in n]
+    assert open(os.path.join(os.path.dirname(ledger), kept), "rb").read() == damaged
+    assert json.load(open(ledger))["attempts"], "a new ledger, started by the rerun"
+    del first
+
+
+def test_a_truncated_registry_record_is_named_by_status(job_config):
+    config = job_config(max_steps=10, every_steps=10)
+    _train(config)
+    path = os.path.join(config.storage, config.job, "registry.json")
+    open(path, "w").write('{"name": "tiny", "trac')
+    job = status(config.job, config.storage)
+    (damaged,) = job["damaged_records"]
+    assert damaged["path"].endswith("registry.json") and "next export" in damaged["fix"]
+    assert "registered_model" not in job
