@@ -40,17 +40,18 @@ def test_named_inputs_are_exported_registered_and_served_as_a_dict(job_config, m
     inputs = trainer.program.serving_example()
     expected = np.asarray(trainer.program.serve(trainer.state, inputs))
     np.testing.assert_allclose(np.asarray(load_export(path)(inputs)), expected, rtol=1e-6)
+    name = trainer.exports.registered_model  # the job's own: `<job>-<hash of its storage>`
     trainer.finish()
     trainer.close()
 
     mlflow.set_tracking_uri(mlflow_uri)
-    model_info = mlflow.models.get_model_info("models:/named@newest")
+    model_info = mlflow.models.get_model_info(f"models:/{name}@newest")
     assert _tensor_specs(model_info.signature.inputs) == [
         ("pixels", [-1, 64]),
         ("temperature", [-1]),
     ]
     assert _tensor_specs(model_info.signature.outputs) == [(None, [-1, 10])]
-    model = mlflow.pyfunc.load_model("models:/named@newest")
+    model = mlflow.pyfunc.load_model(f"models:/{name}@newest")
     served = model.predict({k: v[:3] for k, v in inputs.items()})
     np.testing.assert_allclose(served, expected[:3], rtol=1e-6)
     with pytest.raises(Exception, match="temperature"):
