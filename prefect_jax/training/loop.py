@@ -30,9 +30,7 @@ import numpy as np
 from prefect_jax.training.compiled_steps import (
     compiled_init,
     jit_steps,
-    metric_sums,
     metrics_at,
-    new_guard,
     precompile_steps,
     stack,
 )
@@ -48,6 +46,7 @@ from prefect_jax.training.sharding import (
     under_mesh,
 )
 from prefect_jax.training.specs import TrainSpec
+from prefect_jax.training.train_means import TrainMeans, throughput, train_rows
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -114,8 +113,6 @@ class Loop:
         self.program, self.spec = program, spec
         self._rng = None  # see `rng`
         self._abstract = None
-        self._metric_shapes = None  # see `_guard`
-        self._carried = None  # (step, (sums, n)) where the last `run` ended
         # The join of the compile and the first step, once per process (goodput).
         self.compile_s: float | None = None
         self._precompiling: threading.Thread | None = None
@@ -162,6 +159,12 @@ class Loop:
         self.train_step, self.scan_steps, self.eval_step = jit_steps(
             program, spec.check_finite, shardings
         )
+        if self.sharded:  # traced as the jitted step is (with the mesh), its guard replicated
+            traced = under_mesh(program.train_step, self.mesh)
+            place_guard = lambda guard: jax.device_put(guard, self.replicated)  # noqa: E731
+        else:
+            traced, place_guard = program.train_step, self.place
+        self.means = TrainMeans(traced, spec.log_every_steps, place_guard)
 
     # -- state and data ------------------------------------------------------------------
 
@@ -317,8 +320,8 @@ class Loop:
 
         Metrics stay on the device; the NaN guard of a log point is read one log point later,
         so the loop never waits on the device. Each log point's metrics are the means over the
-        steps since the log point before (summed on the device, in the guard), plus the
-        throughput (`throughput`). Raises `NonFiniteAt` at the first NaN/Inf loss.
+        steps since the log point before (summed on the device, in the guard: `TrainMeans`),
+        plus the throughput (`throughput`). Raises `NonFiniteAt` at the first NaN/Inf loss.
         """
         spec = self.spec
         log_every, per_dispatch = spec.log_every_steps, spec.steps_per_dispatch
@@ -336,13 +339,13 @@ class Loop:
             start = step
             if per_dispatch == 1:
                 batch = next(it)
-                guard = guard or self._guard(state, batch, step, target)
+                guard = guard or self.means.guard(state, batch, step, target)
                 state, metrics, guard = self.train_step(state, self.batch(batch), guard)
                 step += 1
             else:
                 n = min(per_dispatch, target - step)
                 batches = [next(it) for _ in range(n)]
-                guard = guard or self._guard(state, batches[0], step, target)
+                guard = guard or self.means.guard(state, batches[0], step, target)
                 state, metrics, guard = self.scan_steps(
                     state, self.batch(stack(batches), axis=1), guard
                 )
@@ -353,7 +356,7 @@ class Loop:
                 clock = (step, time.perf_counter())  # throughput without the compile
             due = [s for s in range(start + 1, step + 1) if s % log_every == 0 or s == target]
             if due:
-                rates, clock = self.throughput(clock, step), (step, time.perf_counter())
+                rates, clock = throughput(self.program, clock, step), (step, time.perf_counter())
                 logged.extend(
                     (s, metrics, None if per_dispatch == 1 else s - start - 1, rates) for s in due
                 )
@@ -369,63 +372,17 @@ class Loop:
             elif due and step < target and any_process(stop())[0]:
                 break  # several processes stop together, at a log point, if any of them asks
         if guard is not None:
-            # The next call from this step goes on summing where this one stopped (a part
-            # that ended off a log point, for a backup); a restore starts from zero.
-            self._carried = (step, guard[2][:2])
+            self.means.keep(step, guard)
             self.check_finite(guard, logged)
         return Interval(state, step, logged)
 
     def carried_sums(self, step: int) -> dict | None:
-        """The train metric sums since the last log point that a `run` ending at `step` left
-        (None: none), as JSON for a checkpoint's metadata: a job restored from a checkpoint
-        taken between log points (a preemption's, a backup's) goes on summing from them, and
-        logs the means an uninterrupted job does. Waits for the last step (as a save does)."""
-        if self._carried is None or self._carried[0] != step:
-            return None
-        sums, n = jax.device_get(self._carried[1])
-        if not int(n):
-            return None
-        return {"n": int(n), "sums": {k: float(v) for k, v in sums.items()}}
+        """`TrainMeans.carried_sums`: the sums a checkpoint at `step` keeps in its metadata."""
+        return self.means.carried_sums(step)
 
     def carry(self, step: int, carried: dict | None) -> None:
-        """Go on summing from `carried` (`carried_sums` of a restored checkpoint at `step`)."""
-        self._carried = None
-        if carried:
-            sums = {k: np.float32(v) for k, v in carried["sums"].items()}
-            self._carried = (step, (sums, np.int32(carried["n"])))
-
-    def _guard(self, state, host_batch, step: int, target: int):
-        """The guard a call starts from, on the device: the sums the previous call left at
-        `step`, else zeros (a fresh or restored state)."""
-        if self._metric_shapes is None:
-            # Traced once per loop (no compute): the structure of the sums the guard carries.
-            train_step = self.program.train_step
-            if self.sharded:  # traced as the jitted step is: with the mesh in context
-                train_step = under_mesh(train_step, self.mesh)
-            self._metric_shapes = jax.eval_shape(train_step, state, host_batch)[1]
-        sums, n = metric_sums(self._metric_shapes), 0
-        carried = getattr(self, "_carried", None)
-        if carried is not None and carried[0] == step and set(carried[1][0]) == set(sums):
-            sums, n = carried[1]  # on the device already (or restored): nothing waits
-        self._carried = None
-        # On the device, as every later guard (the step's output) is: a host guard would make
-        # the first call compile an executable of its own.
-        guard = new_guard(step, sums, self.spec.log_every_steps, target, n)
-        # A sharded program's steps take the guard replicated over its mesh (`jit_steps`).
-        return jax.device_put(guard, self.replicated) if self.sharded else self.place(guard)
-
-    def throughput(self, clock: tuple[int, float], step: int) -> dict[str, float]:
-        """Steps (and tokens, for a program with ``tokens_per_step``) per second since `clock`
-        (a step and its `time.perf_counter`), as the host dispatched them: over a log interval
-        that is the device's rate, since dispatches queue behind the running step."""
-        seconds = time.perf_counter() - clock[1]
-        if seconds <= 0 or step <= clock[0]:
-            return {}
-        rates = {"steps_per_sec": (step - clock[0]) / seconds}
-        tokens = getattr(self.program, "tokens_per_step", None)
-        if tokens:
-            rates["tokens_per_sec"] = rates["steps_per_sec"] * float(tokens)
-        return rates
+        """`TrainMeans.carry`: go on summing from a restored checkpoint's sums."""
+        self.means.carry(step, carried)
 
     def check_finite(self, guard, logged) -> None:
         """Raise `NonFiniteAt` if the guard saw a NaN/Inf loss (with that step's logged metrics)."""
@@ -442,14 +399,8 @@ class Loop:
 
     @staticmethod
     def train_rows(logged) -> list[tuple[str, float, int]]:
-        """An interval's logged train metrics as MLflow rows ``(name, value, step)``: each log
-        point's means and throughput (one device-to-host copy)."""
-        if not logged:
-            return []
-        values = [
-            (s, {**metrics_at(m, row), **rates}) for s, m, row, rates in jax.device_get(logged)
-        ]
-        return [(k, float(v), s) for s, m in values for k, v in m.items()]
+        """`train_means.train_rows`: an interval's logged metrics as MLflow rows."""
+        return train_rows(logged)
 
     # -- evaluation ----------------------------------------------------------------------
 

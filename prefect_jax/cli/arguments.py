@@ -1,0 +1,257 @@
+"""The flags of the commands that run a flow (``run`` and the roles ``train``, ``evaluate``,
+``export``): the specs' fields, the program and its params, storage, MLflow and the waits, each
+with the help a user reads in ``prefect-jax <command> --help``."""
+
+from __future__ import annotations
+
+import argparse
+
+from prefect_jax.cli import commands
+from prefect_jax.training.names import DEFAULT_EXPERIMENT
+
+
+def _max_steps(value: str) -> int | None:
+    """``--max-steps``: a number of steps, or ``none`` (TF's max_steps=None: until stopped)."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number of steps: give one, e.g. 1000, or 'none' to train until "
+            "stopped"
+        ) from None
+
+
+def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
+    add = p.add_argument
+    add(
+        "--max-steps",
+        type=_max_steps,
+        default=max_steps,
+        metavar="N|none",
+        help=f"train until this global step (default {max_steps}); 'none' trains until stopped "
+        "(a stop request, a preemption, a cancel), as TF's max_steps=None",
+    )
+    add(
+        "--checkpoint-every-steps",
+        type=int,
+        default=every,
+        help=f"checkpoint cadence in steps (default {every})",
+    )
+    add("--checkpoint-every-secs", type=float, default=None, help="also checkpoint every N seconds")
+    add("--keep-last", type=int, default=3, help="keep the newest N checkpoints (default 3)")
+    add(
+        "--keep-every-steps", type=int, default=None, help="also keep checkpoints at multiples of N"
+    )
+    add(
+        "--no-backups",
+        dest="backups",
+        action="store_false",
+        help="never write backups (resume-only checkpoints between the cadence's, written once "
+        "attempts of the job were killed without notice)",
+    )
+    add("--seed", type=int, default=0, help="init and data-order seed (default 0)")
+    add(
+        "--log-every-steps",
+        type=int,
+        default=50,
+        help="train metrics to MLflow every N steps (default 50)",
+    )
+    add(
+        "--steps-per-dispatch",
+        type=int,
+        default=1,
+        help="run K steps per call into the device, as one lax.scan (default 1)",
+    )
+    add("--eval-steps", type=int, default=None, help="eval batches (default: the whole eval set)")
+    add("--eval-name", default="eval", help="eval name (default 'eval')")
+    add("--throttle-secs", type=float, default=0.0, help="minimum seconds between evaluations")
+    add(
+        "--exporters",
+        nargs="*",
+        choices=["latest", "best", "final"],
+        default=["latest", "best", "final"],
+        help="exporters to run after each evaluation (default: latest best final)",
+    )
+    add(
+        "--registered-model",
+        default=None,
+        metavar="NAME",
+        help="MLflow registered model the exports become versions of, aliases @best @final "
+        "@newest (default: <job>-<hash of its storage>, unique to the job and its storage; "
+        "'' for none)",
+    )
+    add(
+        "--export-platforms",
+        type=lambda v: [name.strip() for name in v.split(",") if name.strip()],
+        default=None,
+        metavar="P,P",
+        help="platforms the exported model runs on, of cpu,cuda,rocm,tpu, or 'all' (default: the "
+        "one the job runs on and cpu; a warning names those serve() does not lower for)",
+    )
+    add("--best-metric", default=None, help="metric the best exporter compares (default loss)")
+    add("--best-mode", choices=["min", "max"], default=None, help="'min' or 'max' (default min)")
+    add(
+        "--best-compare-fn",
+        default=None,
+        metavar="PKG.MOD:FN",
+        help="the best exporter's compare_fn(best_eval_result, current_eval_result) -> bool, by "
+        "import path (TF's BestExporter compare_fn); instead of --best-metric/--best-mode",
+    )
+    add(
+        "--train-hook",
+        dest="train_hooks",
+        action="append",
+        default=[],
+        metavar="PKG.MOD:FN[@every=N,checkpoint,end]",
+        help="a train hook by import path (TF's TrainSpec.hooks), called with a read-only view "
+        "every N steps, after each checkpoint, at the end (no '@': checkpoint,end); repeatable",
+    )
+    add(
+        "--start-delay-secs",
+        type=float,
+        default=0.0,
+        help="the evaluator waits this long before its first evaluation (EvalSpec's; default 0)",
+    )
+    add(
+        "--sigterm-grace-secs",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, seconds to commit the step in flight",
+    )
+    add(
+        "--lease-timeout-secs",
+        type=float,
+        default=120.0,
+        help="take over a job lease silent this long",
+    )
+    add(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR|job",
+        help="JAX persistent compilation cache directory or URL ('job': under the job's "
+        "storage), so reruns skip compiling",
+    )
+    add(
+        "--checkpoint-path",
+        default=None,
+        help="warm-start a new job from this checkpoint step directory",
+    )
+    add("--mlflow-tracking-uri", default=None, help="MLflow tracking URI")
+    add(
+        "--mlflow-optional",
+        action="store_true",
+        help="a tracking URI MLflow cannot use or reach is a warning, not an error: train anyway "
+        "(the summary counts what did not reach MLflow)",
+    )
+    add(
+        "--mlflow-experiment",
+        default=DEFAULT_EXPERIMENT,
+        help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})",
+    )
+    add("--json", action="store_true", help="print one JSON object as the last line on stdout")
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+ROLE_HELP = {
+    "run": "train any program with train_and_evaluate: train, evaluate and export every checkpoint",
+    "train": "the trainer role: train and checkpoint until max_steps (an evaluator runs elsewhere)",
+    "evaluate": "the evaluator role: evaluate each new committed checkpoint of a job once, and "
+    "export",
+    "export": "run the exporters on an evaluated step of a job (default: the newest)",
+}
+ROLES = tuple(ROLE_HELP)  # the subcommands `add_role` makes
+
+
+def add_role(sub, name: str) -> None:
+    """The subcommand `name` (a key of `ROLE_HELP`), with its flags, run by `commands.cmd_run`."""
+    role = sub.add_parser(name, help=ROLE_HELP[name], description=ROLE_HELP[name])
+    add = role.add_argument
+    add("--program", required=True, help="program import path, 'package.module:attribute'")
+    add(
+        "--program-param",
+        dest="program_param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a program parameter (repeatable); VALUE is read as JSON, else as a string, e.g. "
+        "--program-param preset=tiny --program-param batch_size=32",
+    )
+    add(
+        "--program-params",
+        default=None,
+        metavar="JSON",
+        help="program parameters as one JSON object ('--program-param's win on the same key)",
+    )
+    add("--job", required=True, help="job name")
+    add(
+        "--storage",
+        required=True,
+        help="storage root: a directory, an fsspec URL (s3://, gs://...) or "
+        "jax-checkpoint-storage/<block>",
+    )
+    add_training_args(role, max_steps=1000, every=200)
+    if name == "evaluate":
+        add("--once", action="store_true", help="stop when nothing new is left to evaluate")
+        add(
+            "--newest-only",
+            action="store_true",
+            help="evaluate only the newest checkpoint, not every one",
+        )
+        add(
+            "--poll-secs",
+            type=float,
+            default=10.0,
+            help="how often to look for new checkpoints (default 10)",
+        )
+        add(
+            "--idle-timeout-secs",
+            type=float,
+            default=None,
+            help="stop after this long without a new checkpoint",
+        )
+        add(
+            "--wait-for-first-checkpoint-secs",
+            "--max-wait-secs",
+            dest="wait_for_first_checkpoint_secs",
+            type=float,
+            default=3600.0,
+            help="give up waiting for a first checkpoint after this long (TF's max_wait_secs)",
+        )
+    if name == "export":
+        add(
+            "--step",
+            type=int,
+            default=None,
+            help="the evaluated step to export (default: the newest)",
+        )
+        add(
+            "--wait-for-checkpoint",
+            action="store_true",
+            help="wait for an evaluated step with a committed checkpoint instead of failing at "
+            "once (TF's recover_session wait_for_checkpoint)",
+        )
+        add(
+            "--max-wait-secs",
+            type=float,
+            default=7200.0,
+            help="with --wait-for-checkpoint, give up after this long (default 7200)",
+        )
+        add(
+            "--recovery-wait-secs",
+            type=float,
+            default=30.0,
+            help="with --wait-for-checkpoint, look again every this many seconds (default 30)",
+        )
+    if name in ("run", "train"):
+        add(
+            "--processes",
+            type=int,
+            default=1,
+            metavar="N",
+            help="train as N JAX processes on this machine (data parallel, one job; default 1). "
+            "On a cluster, set PREFECT_JAX_NUM_PROCESSES & co. per process instead (see the "
+            "README)",
+        )
+    role.set_defaults(fn=commands.cmd_run)
