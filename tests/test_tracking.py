@@ -663,6 +663,10 @@ def test_mlflow_optional_trains_and_the_summary_says_nothing_reached_mlflow(tmp_
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["final_step"] == 10 and summary["eval"]
     assert summary["mlflow_missing"].startswith("nothing of this run reached MLflow at bogus://x")
+    # No MLflow UI or registered model to send the user to: the browse lines say what is missing.
+    browse = "\n".join(summary["browse"])
+    assert "mlflow ui" not in browse and "models:/" not in browse, browse
+    assert "MLflow:  nothing of this run reached MLflow at bogus://x" in browse
 
 
 def test_a_flow_called_with_a_tracking_uri_mlflow_cannot_use_fails_before_any_work(tmp_path):

@@ -116,12 +116,15 @@ def browse_lines(summary: dict[str, Any]) -> list[str]:
     (where the command ran its own server), and `status`."""
     uri = summary["mlflow_tracking_uri"]
     run_url = summary.get("mlflow_run_url") or "http://127.0.0.1:5000"
-    lines = [
-        "",
-        "Browse the results:",
-        f"  MLflow:  uv run mlflow ui --backend-store-uri {uri}   (then open {run_url})",
-    ]
-    if summary.get("registered_model"):
+    lines = ["", "Browse the results:"]
+    missing = summary.get("mlflow_missing")
+    if missing:  # (--mlflow-optional) no MLflow UI or model to point at: say why instead
+        lines.append(f"  MLflow:  {missing}")
+    else:
+        lines.append(
+            f"  MLflow:  uv run mlflow ui --backend-store-uri {uri}   (then open {run_url})"
+        )
+    if summary.get("registered_model") and not missing:
         lines.append(
             f"  Serve:   mlflow.pyfunc.load_model('models:/{summary['registered_model']}@best')"
             f"   (with MLFLOW_TRACKING_URI={uri})"
