@@ -53,6 +53,7 @@ def test_prefect_yaml_deployments_load_and_their_parameters_validate():
         "digits-trainer",
         "digits-evaluator",
         "digits-export",
+        "bytelm-tiny",
     }
     flows = {}
     for name, d in deployments.items():
@@ -65,7 +66,9 @@ def test_prefect_yaml_deployments_load_and_their_parameters_validate():
         "digits-trainer": "train",
         "digits-evaluator": "evaluate",
         "digits-export": "export",
+        "bytelm-tiny": "train_and_evaluate",
     }
+    assert deployments["bytelm-tiny"]["parameters"]["program_params"]["preset"] == "tiny"
     assert deployments["digits-nightly"]["schedules"][0]["cron"] == "0 2 * * *"
     trigger = DeploymentEventTrigger(**deployments["digits-evaluator"]["triggers"][0])
     assert trigger.expect == {"prefect-jax.checkpoint.committed"}
