@@ -22,15 +22,20 @@ from typing import Any
 
 from prefect_jax.training.best import beats, best_record
 from prefect_jax.training.eval_specs import (
-    ALL_PLATFORMS,
-    EXPORT_PLATFORMS,
     BestExporter,
     ExporterSpec,
     FinalExporter,
     LatestExporter,
 )
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
-from prefect_jax.training.serving import serving_example, serving_specs  # noqa: F401 - (its home was here)
+from prefect_jax.training.serving import (  # noqa: F401 - serving_example: (its home was here)
+    failing_platforms,
+    named_platforms_error,
+    resolve_platforms,
+    serving_example,
+    serving_specs,
+    why_platforms_fail,
+)
 from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.trainer")  # shown in the flow run's logs
@@ -61,23 +66,6 @@ def is_the_final_export(result: EvalResult, max_steps: int | None) -> bool:
 # A program's platforms that serve() does not lower for, found at its first export and left out
 # of the next ones without trying again (and without a warning each time).
 _left_out: dict[tuple[str, str], tuple[str, ...]] = {}
-
-
-def resolve_platforms(
-    platforms: list[str] | tuple[str, ...] | None,
-) -> tuple[tuple[str, ...], bool]:
-    """The platforms an export lowers for (``EvalSpec.export_platforms``), and whether the user
-    named them (then each must lower). None: this machine's platform (where the job trains) and
-    ``cpu`` (a laptop loads it); ``["all"]``: every one of `EXPORT_PLATFORMS`; for those two, a
-    platform ``serve`` does not lower for is left out with a warning."""
-    import jax
-
-    here = jax.export.default_export_platform()
-    if not platforms:
-        return tuple(dict.fromkeys((here, "cpu"))), False
-    if ALL_PLATFORMS in platforms:
-        return tuple(dict.fromkeys((*EXPORT_PLATFORMS, here))), False
-    return tuple(platforms), True
 
 
 def serialize_serving(
@@ -112,7 +100,7 @@ def serialize_serving(
             raise  # serve() itself fails (or fails here, where it trains): its own error
     if named:
         raise named_platforms_error(failed, platforms)
-    why = _why(failed)
+    why = why_platforms_fail(failed)
     kept = tuple(p for p in wanted if p not in failed)
     _left_out[key] = (*_left_out.get(key, ()), *failed)
     logger.warning(
@@ -124,37 +112,6 @@ def serialize_serving(
         ",".join(kept),
     )
     return jax.export.export(fn, platforms=kept)(spec).serialize()
-
-
-def failing_platforms(fn, platforms, *args) -> dict[str, Exception]:
-    """The platforms `fn` does not lower for, each tried alone, with its error."""
-    import jax
-
-    failed = {}
-    for platform in platforms:
-        try:
-            jax.export.export(fn, platforms=(platform,))(*args)
-        except Exception as exc:  # noqa: BLE001 - named by the caller, or raised as it is
-            failed[platform] = exc
-    return failed
-
-
-def _why(failed: dict[str, Exception]) -> str:
-    return "; ".join(
-        f"{p}: {type(e).__name__}: {' '.join(str(e).split())[:300]}" for p, e in failed.items()
-    )
-
-
-def named_platforms_error(
-    failed: dict[str, Exception], platforms, program: str | None = None
-) -> ValueError:
-    """The refusal of named `platforms` that ``serve`` does not lower for."""
-    who = f"program {program!r}: " if program else ""
-    return ValueError(
-        f"{who}the program's serve() does not lower for {list(failed)} of "
-        f"export_platforms={list(platforms)} ({_why(failed)}); leave them out of "
-        "EvalSpec.export_platforms (--export-platforms)"
-    )
 
 
 def load_export(path: str) -> Callable:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from prefect_jax.training.eval_specs import ALL_PLATFORMS, EXPORT_PLATFORMS
+
 logger = logging.getLogger("prefect_jax.trainer")
 
 # The size an example takes on a symbolic dimension other than the batch when no eval batch fits.
@@ -132,12 +134,6 @@ def check_serving(
     """
     import jax
 
-    from prefect_jax.training.exporters import (
-        failing_platforms,
-        named_platforms_error,
-        resolve_platforms,
-    )
-
     spec = serving_specs(program, name)
     # one device, as an export's constants
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_state)
@@ -158,3 +154,51 @@ def check_serving(
     )
     if failed:
         raise named_platforms_error(failed, wanted, name)
+
+
+def resolve_platforms(
+    platforms: list[str] | tuple[str, ...] | None,
+) -> tuple[tuple[str, ...], bool]:
+    """The platforms an export lowers for (``EvalSpec.export_platforms``), and whether the user
+    named them (then each must lower). None: this machine's platform (where the job trains) and
+    ``cpu`` (a laptop loads it); ``["all"]``: every one of `EXPORT_PLATFORMS`; for those two, a
+    platform ``serve`` does not lower for is left out with a warning."""
+    import jax
+
+    here = jax.export.default_export_platform()
+    if not platforms:
+        return tuple(dict.fromkeys((here, "cpu"))), False
+    if ALL_PLATFORMS in platforms:
+        return tuple(dict.fromkeys((*EXPORT_PLATFORMS, here))), False
+    return tuple(platforms), True
+
+
+def failing_platforms(fn, platforms, *args) -> dict[str, Exception]:
+    """The platforms `fn` does not lower for, each tried alone, with its error."""
+    import jax
+
+    failed = {}
+    for platform in platforms:
+        try:
+            jax.export.export(fn, platforms=(platform,))(*args)
+        except Exception as exc:  # noqa: BLE001 - named by the caller, or raised as it is
+            failed[platform] = exc
+    return failed
+
+
+def why_platforms_fail(failed: dict[str, Exception]) -> str:
+    return "; ".join(
+        f"{p}: {type(e).__name__}: {' '.join(str(e).split())[:300]}" for p, e in failed.items()
+    )
+
+
+def named_platforms_error(
+    failed: dict[str, Exception], platforms, program: str | None = None
+) -> ValueError:
+    """The refusal of named `platforms` that ``serve`` does not lower for."""
+    who = f"program {program!r}: " if program else ""
+    return ValueError(
+        f"{who}the program's serve() does not lower for {list(failed)} of "
+        f"export_platforms={list(platforms)} ({why_platforms_fail(failed)}); leave them out of "
+        "EvalSpec.export_platforms (--export-platforms)"
+    )
