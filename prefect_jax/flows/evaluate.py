@@ -106,13 +106,9 @@ def evaluate(
         log=logger.info,
         warn=logger.warning,
     )
+    # A late checkpoint event's run finds the job finished and exported: nothing is evaluated or
+    # re-exported, but what an evaluator killed earlier left out of MLflow still lands.
     done = _finished_and_exported(config, evaluator)
-    if done is not None:  # a late checkpoint event's run: nothing left, nothing re-exported
-        evaluator.stopped = f"{done}; nothing to do: its exports are written"
-        link_live_job(config)
-        publisher.flush()
-        logger.info("evaluator of %s stops: %s", job, evaluator.stopped)
-        return {"job": job, **evaluator.summary(), "exports": list_exports(evaluator.storage)}
     # The wait reads the storage only: JAX (and a GPU) is not taken until there is a step.
     first = evaluator.wait_for_first_checkpoint()
     # TF's evaluator recovers, never inits (`recover_session`): the step found is restored.
@@ -124,8 +120,11 @@ def evaluate(
     checked = get_trainer(config).reconcile_eval_metrics(first)
     logger.info("checked %d recorded evaluations against MLflow", checked)
     link_live_job(config)  # (its MLflow run is joined by now)
-    evaluator.resume_exports()
-    stopped = evaluator.run()
+    if done is not None:
+        stopped = evaluator.stopped = f"{done}; nothing to do: its exports are written"
+    else:
+        evaluator.resume_exports()
+        stopped = evaluator.run()
     land_mlflow_writes(config)
     publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
