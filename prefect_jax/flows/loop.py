@@ -69,8 +69,8 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
             step = train_until_checkpoint(config, step)
             if evaluate:
                 evaluate = _evaluate_and_export(config, step)
-                # (its record, once committed: kept in memory by the records)
-                last_eval = trainer.job.records.get(step) or last_eval
+                # (no read of the storage: the live step's record is written once it commits)
+                last_eval = trainer.job.records.newest_known() or last_eval
             metrics = progress.shown_metrics(
                 trainer.last_train_metrics, last_eval.metrics if last_eval else {}, config.eval.name
             )

@@ -188,6 +188,11 @@ class EvalRecords:
             self._known[step] = EvalResult.model_validate(data)
         return self._known[step]
 
+    def newest_known(self) -> EvalResult | None:
+        """The newest record this process wrote or read; never asks the storage (a progress
+        card's look costs no round trip: the live step's record is written once it commits)."""
+        return self._known[max(self._known)] if self._known else None
+
     def _damaged(self, step: int, exc: DamagedRecordError) -> None:
         if not self.writer:
             logger.warning("%s: not counted (the job's trainer evaluates step %d again)", exc, step)

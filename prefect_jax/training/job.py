@@ -134,11 +134,12 @@ class Job(JobCheckpoints):
 
     # -- the lease, stop requests, reruns -------------------------------------------------
 
-    def acquire_lease(self) -> None:
-        """Take (or keep) the job's lease; raises `LeaseHeldError` naming a live owner."""
+    def acquire_lease(self, recheck: bool = False) -> None:
+        """Take (or keep) the job's lease; raises `LeaseHeldError` naming a live owner.
+        `recheck`: see `Lease.acquire`."""
         if self.is_primary:
             self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
-            self.lease.acquire()
+            self.lease.acquire(recheck)
 
     def _lease_lost(self, holder: dict) -> None:
         """Another trainer holds the job now: from here on this process writes none of its records

@@ -304,12 +304,13 @@ class Lease:
         if first and self.on_lost is not None:
             self.on_lost(current)
 
-    def acquire(self) -> None:
+    def acquire(self, recheck: bool = False) -> None:
         """Take the lease, or raise LeaseHeldError naming the live owner (`LeaseLostError` once
-        it was taken over from this process: a process does not take a lost lease back)."""
-        if self.lost_to is not None or self.held:
-            # (held: still, and where it was? a restore after a failure must not go on in a
-            # directory that vanished meanwhile)
+        it was taken over from this process: a process does not take a lost lease back).
+        `recheck`: a lease this process holds is read again (a restore after a failure must not
+        go on in a directory that vanished meanwhile); each interval's start does not (the save
+        reads it anyway, and each read is a round trip to object storage)."""
+        if self.lost_to is not None or (recheck and self.held):
             self.verify()
         if self.held:
             return

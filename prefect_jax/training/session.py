@@ -232,7 +232,7 @@ def restore_trainer(
     newest, max_steps = job.newest_committed(), trainer.config.train.max_steps
     if newest is not None and max_steps is not None and newest > max_steps:
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
-    job.acquire_lease()
+    job.acquire_lease(recheck=True)
     waited = duplicate_wait_ended(job.storage.job_dir)
     # another process of this flow run trained until then: not this attempt's time
     if waited is not None:
