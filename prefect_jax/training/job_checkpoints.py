@@ -129,7 +129,7 @@ class JobCheckpoints:
             data_iter,
             {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags},
         )
-        if step >= self.config.train.max_steps or self.checkpoints.save_waits:
+        if self.config.train.is_final(step) or self.checkpoints.save_waits:
             # The final step (or the first save after one failed): its commit is waited for here,
             # so that a save that fails (a full disk) fails the training task that made it, not
             # an evaluation after it, nor the next interval, whose retry would start it again.
