@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -23,18 +22,9 @@ def load_compare_fn(path: str) -> Callable[[dict, dict], Any]:
     Raises:
         ProgramError: it does not load, or is not callable; the message names the path.
     """
-    from prefect_jax.training.program import ProgramError
+    from prefect_jax.training.program import ProgramError, import_path
 
-    module, _, attr = path.partition(":")
-    try:
-        obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ProgramError(
-            f"BestExporter compare_fn {path!r} cannot be loaded ({type(exc).__name__}: {exc}); "
-            "give 'package.module:function', importable where the job runs"
-        ) from exc
+    obj = import_path(path, "BestExporter compare_fn", "'package.module:function'")
     if not callable(obj):
         raise ProgramError(
             f"BestExporter compare_fn {path!r} is a {type(obj).__name__}, not a function "

@@ -14,14 +14,13 @@ early stopping (TF's `stop_if_no_decrease_hook`).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import time
 from typing import Any
 
 from prefect_jax.training.errors import NoProgressError
 from prefect_jax.training.evaluation import EvalRecords, EvalResult
-from prefect_jax.training.program import ProgramError
+from prefect_jax.training.program import ProgramError, import_path, made_if_class
 from prefect_jax.training.storage import JobStorage
 
 
@@ -157,23 +156,7 @@ def load_hooks(paths: list[str]) -> list[Any]:
     """
     hooks = []
     for path in paths:
-        try:
-            module, _, attr = path.partition(":")
-            obj = importlib.import_module(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise ProgramError(
-                f"eval hook {path!r} cannot be loaded ({exc}); use 'package.module:attribute'"
-            ) from exc
-        if isinstance(obj, type):
-            try:
-                obj = obj()
-            except TypeError as exc:
-                raise ProgramError(
-                    f"eval hook class {path!r} cannot be made with no arguments ({exc}); give "
-                    "its arguments defaults, or name an instance"
-                ) from exc
+        obj = made_if_class(import_path(path, "eval hook"), path, "eval hook", "name an instance")
         _check_hook(path, obj)
         hooks.append(obj)
     return hooks

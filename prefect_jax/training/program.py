@@ -70,6 +70,39 @@ class ProgramError(ValueError):
     """The program path cannot be loaded, or the object lacks part of the contract."""
 
 
+def import_path(path: str, what: str, form: str = "'package.module:attribute'") -> Any:
+    """The object that `path` names, ``"package.module:attribute"`` (dotted attributes too): the
+    one way a program, a hook or a compare function named in a spec is found.
+
+    Raises:
+        ProgramError: it does not import; the message names `what`, the path and `form`.
+    """
+    module, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ProgramError(
+            f"{what} {path!r} cannot be loaded ({type(exc).__name__}: {exc}); give {form}, "
+            "importable where the job runs"
+        ) from exc
+    return obj
+
+
+def made_if_class(obj: Any, path: str, what: str, otherwise: str) -> Any:
+    """`obj`, or an instance of it if it is a class (made with no arguments)."""
+    if not isinstance(obj, type):
+        return obj
+    try:
+        return obj()
+    except TypeError as exc:
+        raise ProgramError(
+            f"{what} class {path!r} cannot be made with no arguments ({exc}); give its arguments "
+            f"defaults, or {otherwise}"
+        ) from exc
+
+
 def load_program(
     path: str, params: dict[str, Any] | None = None, max_steps: int | None = None
 ) -> Any:

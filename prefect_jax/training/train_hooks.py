@@ -18,7 +18,6 @@ This module imports neither jax nor prefect.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -120,26 +119,9 @@ class TrainHookView:
 
 
 def _load(path: str) -> Callable[[TrainHookView], Any]:
-    from prefect_jax.training.program import ProgramError
+    from prefect_jax.training.program import ProgramError, import_path, made_if_class
 
-    try:
-        module, _, attr = path.partition(":")
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ProgramError(
-            f"train hook {path!r} cannot be loaded ({type(exc).__name__}: {exc}); use "
-            "'package.module:attribute'"
-        ) from exc
-    if isinstance(obj, type):
-        try:
-            obj = obj()
-        except TypeError as exc:
-            raise ProgramError(
-                f"train hook class {path!r} cannot be made with no arguments ({exc}); give its "
-                "arguments defaults, or name a function"
-            ) from exc
+    obj = made_if_class(import_path(path, "train hook"), path, "train hook", "name a function")
     if not callable(obj):
         raise ProgramError(
             f"train hook {path!r} is a {type(obj).__name__}, not callable: name a function "
