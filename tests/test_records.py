@@ -106,3 +106,59 @@ def test_a_truncated_registry_record_is_named_by_status(job_config):
     (damaged,) = job["damaged_records"]
     assert damaged["path"].endswith("registry.json") and "next export" in damaged["fix"]
     assert "registered_model" not in job
+
+
+def test_a_truncated_best_record_is_rebuilt_from_the_exports_and_kept_aside(job_config, caplog):
+    """``best.json`` read as absent would let the next evaluation take @best from a better step:
+    a damaged one is rebuilt from the kept exports' ``export.json`` (their steps and metrics)."""
+    from prefect_jax.training.exporters import read_best
+    from prefect_jax.training.specs import BestExporter
+
+    exporter = BestExporter(metric="loss", mode="min", keep=5)
+    config = job_config(max_steps=60, every_steps=20, exporters=[exporter], keep_last=5)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < config.train.max_steps:
+        trainer.train_until_checkpoint()
+        trainer.export(trainer.evaluate_if_new(trainer.step))
+    storage = trainer.job.storage
+    path = f"{storage.export_dir('best')}/best.json"
+    saved = json.load(open(path))
+    trainer.finish()
+    trainer.close()
+    _truncate(path)
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
+        rebuilt = read_best(storage, exporter)
+    assert rebuilt == saved
+    assert json.load(open(path)) == saved  # written back whole
+    assert [p for p in os.listdir(os.path.dirname(path)) if p.startswith("best.json.damaged-")]
+    assert re.search(r"best\.json is damaged .*rebuilt from the exports", caplog.text), caplog.text
+
+
+def test_a_damaged_stop_request_still_stops_the_job_and_names_the_file(tmp_path):
+    """A torn ``stop.json`` says somebody asked to stop: it is not read as no request (the job
+    would run on against the request), and its reason names the file and the fix."""
+    from prefect_jax.training.control import request_stop, stop_path, stop_requested
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path / "s"), "j")
+    request_stop(storage, "enough", step=10, by="a person")
+    _truncate(stop_path(storage))
+    stop = stop_requested(storage)
+    assert stop is not None and "stop.json is damaged" in stop["reason"], stop
+    assert "delete the file" in stop["reason"]
+
+
+def test_a_damaged_rerun_count_is_kept_aside_and_counted_anew(tmp_path, caplog):
+    from prefect_jax.training.control import record_attempt
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path / "s"), "j")
+    assert record_attempt(storage, 10, 3) == 0
+    assert record_attempt(storage, 10, 3) == 1
+    _truncate(storage.path("attempts.json"))
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
+        assert record_attempt(storage, 10, 3) == 0
+    assert "attempts.json is damaged" in caplog.text and "counting reruns anew" in caplog.text
+    kept = [p for p in os.listdir(os.path.dirname(storage.path("attempts.json"))) if "damaged" in p]
+    assert kept and kept[0].startswith("attempts.json.damaged-")

@@ -15,13 +15,17 @@ early stopping (TF's `stop_if_no_decrease_hook`).
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from typing import Any
 
 from prefect_jax.training.errors import NoProgressError
 from prefect_jax.training.evaluation import EvalRecords, EvalResult
 from prefect_jax.training.program import ProgramError, import_path, made_if_class
+from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 from prefect_jax.training.storage import JobStorage
+
+logger = logging.getLogger("prefect_jax.trainer")
 
 
 def stop_path(storage: JobStorage) -> str:
@@ -36,8 +40,13 @@ def request_stop(storage: JobStorage, reason: str, step: int | None = None, by: 
 
 
 def stop_requested(storage: JobStorage) -> dict | None:
-    """The stop request, if any."""
-    return storage.read_json(stop_path(storage))
+    """The stop request, if any. A damaged one (a torn write) is still a request to stop: the
+    file says somebody asked; its reason names the file and the fix."""
+    path = stop_path(storage)
+    try:
+        return read_record(storage, path)
+    except DamagedRecordError as exc:
+        return {"reason": f"{exc}; a stop was asked: delete the file to let the job run on"}
 
 
 def record_attempt(
@@ -49,7 +58,11 @@ def record_attempt(
         NoProgressError: more than `max_without_progress` reruns started at this same step.
     """
     path = storage.path("attempts.json")
-    data = storage.read_json(path) or {}
+    try:
+        data = read_record(storage, path) or {}
+    except DamagedRecordError as exc:  # a count of reruns: started again, the damaged copy kept
+        logger.warning("%s: moved aside to %s; counting reruns anew", exc, set_aside(storage, path))
+        data = {}
     same = int(data.get("reruns_without_progress", 0)) + 1 if data.get("step") == step else 0
     if max_without_progress is not None and same > max_without_progress:
         raise NoProgressError(

@@ -28,6 +28,7 @@ from prefect_jax.training.eval_specs import (
     LatestExporter,
 )
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
+from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 from prefect_jax.training.serving import (  # noqa: F401 - serving_example: (its home was here)
     failing_platforms,
     named_platforms_error,
@@ -205,13 +206,41 @@ def exports_nothing(
     if isinstance(exporter, BestExporter) and (
         exporter.compare_fn or exporter.metric in result.metrics
     ):  # (else run_exporter names the metrics)
-        best = storage.read_json(f"{storage.export_dir(exporter.name)}/best.json")
+        best = read_best(storage, exporter)
         return (
             best is not None
             and best.get("step") != int(result.step)
             and not beats(exporter, result.metrics, int(result.step), best)
         )
     return False
+
+
+def read_best(storage: JobStorage, exporter: BestExporter) -> dict | None:
+    """The exporter's ``best.json`` (None: no best yet). A damaged one is rebuilt from what it
+    summarises, the ``export.json`` of each step the exporter kept (their step and metrics,
+    judged as the exporter judges), and the damaged copy kept beside it with a warning: read as
+    absent, it would have let the next evaluation take @best from a better step."""
+    path = f"{storage.export_dir(exporter.name)}/best.json"
+    try:
+        return read_record(storage, path)
+    except DamagedRecordError as exc:
+        best = None
+        for step in exported_steps(storage, exporter.name):
+            info = storage.read_json(f"{storage.export_dir(exporter.name, step)}/export.json")
+            metrics = (info or {}).get("metrics")
+            usable = metrics and (exporter.compare_fn or exporter.metric in metrics)
+            if usable and beats(exporter, metrics, step, best):
+                best = best_record(exporter, EvalResult.model_construct(step=step, metrics=metrics))
+        moved = set_aside(storage, path)
+        if best is not None:
+            storage.write_json(path, best)
+        logger.warning(
+            "%s: moved aside to %s and rebuilt from the exports' records (best: step %s)",
+            exc,
+            moved,
+            best and best["step"],
+        )
+        return best
 
 
 def run_exporter(
@@ -249,7 +278,7 @@ def run_exporter(
                 f"BestExporter {exporter.name!r} compares metric {exporter.metric!r}, but the eval "
                 f"results hold {sorted(result.metrics)}; set metric= to one of those"
             )
-        best = storage.read_json(best_path)
+        best = read_best(storage, exporter)
         if best is not None and best.get("step") == step:
             return dest if storage.fs.exists(dest) else None
         if not beats(exporter, result.metrics, step, best):

@@ -279,6 +279,12 @@ def _damage_fix(path: str) -> str:
             "the job's next export writes it again from MLflow's registry; delete it to see the "
             "rest of this status"
         )
+    if name == "best.json":
+        return "the next export rebuilds it from the kept exports' export.json (kept aside)"
+    if name == "stop.json":
+        return "read as a stop request: delete it to let the job run on"
+    if name == "attempts.json":
+        return "the next trainer moves it aside (kept) and counts reruns anew"
     return "move it aside or delete it; the job writes it again when it next needs it"
 
 
