@@ -576,3 +576,30 @@ def test_a_job_directory_that_vanishes_and_comes_back_is_named_and_nothing_lands
     rerun.finish()
     rerun.close()
     assert committed_steps(_ckpt_dir(config))[-1] == 40
+
+
+def test_a_flipped_bit_in_a_steps_recorded_params_is_corruption_not_other_params(
+    job_config, caplog
+):
+    """Issue 53.2 for typed program params: a bit flipped in the params a step recorded reads as
+    "trained with other params"; the checksums tell damage apart, so the step is moved aside and
+    the job falls back instead of refusing every rerun."""
+    config = job_config(max_steps=40, every_steps=20, program="programs:typed_digits")
+    config = config.model_copy(update={"program_params": {"width": 24}})
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < 40:
+        trainer.train_until_checkpoint()
+    trainer.finish()
+    trainer.close()
+    meta = os.path.join(_ckpt_dir(config), "40", STEP_META_FILE)
+    data = bytearray(open(meta, "rb").read())
+    at = data.index(b'"width": 24') + len('"width": 2')  # '4' (0x34) -> '5' (0x35): one bit
+    data[at] ^= 0x01
+    open(meta, "wb").write(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        again = Trainer(config)
+        assert again.restore_or_init() == 20
+    assert "is corrupt" in caplog.text and "other program params" not in caplog.text
+    assert [n for n in os.listdir(_ckpt_dir(config)) if n.startswith("40.corrupt-")]
+    again.close()

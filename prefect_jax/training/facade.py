@@ -136,6 +136,7 @@ def preflight(
     """
     import os
 
+    from prefect_jax.training.checksums import CorruptCheckpointError
     from prefect_jax.training.cluster_config import from_env
     from prefect_jax.training.errors import PastMaxStepsError
     from prefect_jax.training.mlflow_reach import finish_check, start_check
@@ -146,7 +147,7 @@ def preflight(
         storage_errors,
     )
     from prefect_jax.training.program import load_program_with_params
-    from prefect_jax.training.program_params import check_restore, step_meta
+    from prefect_jax.training.program_params import check_restore_of, step_meta
     from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
@@ -172,7 +173,13 @@ def preflight(
     if max_steps is not None and committed and committed[-1] > max_steps:
         raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
     if committed:
-        check_restore(step_meta(js, committed[-1]), params, job, committed[-1])
+        newest = committed[-1]
+        try:
+            check_restore_of(
+                f"{js.checkpoint_dir}/{newest}", step_meta(js, newest), params, job, newest
+            )
+        except CorruptCheckpointError:
+            pass  # damage, not other params: the trainer moves the step aside and falls back
     if checkpoint_path and not committed:
         check_checkpoint_path(checkpoint_path)
     with storage_errors(js, storage):

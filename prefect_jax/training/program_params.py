@@ -235,6 +235,21 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
     )
 
 
+def check_restore_of(step_dir: str, meta, given, job: str, step: int) -> None:
+    """`check_restore` of the step at `step_dir`, where a mismatch is first told apart from
+    damage: one flipped bit in the metadata reads as other params, so a local step's checksums
+    are verified before the refusal (`CorruptCheckpointError`: the step is moved aside and the
+    job falls back, as for any damaged step). Costs nothing when the params agree."""
+    try:
+        check_restore(meta, given, job, step)
+    except ProgramParamsMismatchError:
+        if "://" not in step_dir:
+            from prefect_jax.training.checksums import verify_manifest
+
+            verify_manifest(step_dir)
+        raise
+
+
 def step_meta(storage, step: int) -> dict[str, Any] | None:
     """A committed step's metadata (`JobStorage`, wherever it is), read without a restore or a
     download; None where it cannot be read."""

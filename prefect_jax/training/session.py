@@ -19,7 +19,7 @@ from prefect_jax.training.errors import PastMaxStepsError
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.loop import notify_progress
 from prefect_jax.training.names import DEVICES_TAG
-from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore
+from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore_of
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.tracking import flatten_params
 
@@ -251,7 +251,8 @@ def restore_trainer(
         if job.remote is not None:
             job.fetch(step)
         meta = read_meta_file(job.checkpoints.directory, step)
-        check_restore(meta, trainer.program_params, trainer.config.job, step)
+        step_dir = os.path.join(job.checkpoints.directory, str(step))
+        check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step)
 
     state, step, meta, data_iter = restore_or_init(
         job.checkpoints,
