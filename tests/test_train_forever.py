@@ -168,3 +168,24 @@ def test_a_command_without_max_steps_is_preempted_resumed_and_stopped(
     assert summary["state_fingerprint"] == _uninterrupted_fingerprint(
         tmp_path, mlflow_uri, max_steps=end, every=100
     )
+
+
+def test_an_interval_with_no_end_step_trains_until_asked_to_stop():
+    """max_steps=None with a time-only cadence: the interval's target is `policy.NO_END` (past any
+    step count the compiled step's int32 guard holds); it trains and logs until `stop()` says."""
+    from prefect_jax.training.loop import Loop
+    from prefect_jax.training.policy import NO_END
+    from prefect_jax.training.program import load_program
+
+    spec = TrainSpec(max_steps=None, log_every_steps=10)
+    loop = Loop(load_program("prefect_jax.examples.digits:tiny"), spec)
+    calls = iter(range(1, 100))
+    interval = loop.run(
+        loop.place(loop.init_state()),
+        0,
+        loop.fresh_iter(),
+        target=NO_END,
+        stop=lambda: next(calls) >= 25,  # asked after each step
+    )
+    assert interval.step == 25
+    assert [s for s, *_ in interval.logged] == [10, 20]  # log points, no end step among them

@@ -41,6 +41,8 @@ def new_guard(step: int, sums: dict, log_every: int, target: int, n=0) -> tuple:
     the device; `log_every` and `target` are values, not constants, so a new target compiles
     nothing."""
     n = n if hasattr(n, "dtype") else guard_int(n)  # (a device count stays there)
+    # (an interval with no end step, `policy.NO_END`, is past any int32 count: the largest one)
+    target = min(target, int(np.iinfo(np.int32).max))
     accumulator = (sums, n, guard_int(log_every), guard_int(target))
     return (guard_int(step), guard_int(-1), accumulator)
 
