@@ -74,6 +74,19 @@ def test_a_mesh_whose_sizes_do_not_match_the_devices_is_refused():
         build_mesh({"data": -1, "model": -1})
 
 
+def test_a_sharded_program_on_several_processes_is_refused_before_any_compute(monkeypatch):
+    """Process 0 evaluates, exports and fingerprints the live state alone, which needs it
+    replicated: a program with a mesh on several JAX processes is refused when its loop is built
+    (the process count as a cluster of two reports it: no second process is started here)."""
+    from prefect_jax.examples.bytelm import tiny
+    from prefect_jax.training.loop import Loop
+    from prefect_jax.training.specs import TrainSpec
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ShardingError, match=r"runs 2 JAX processes: a sharded state trains in one"):
+        Loop(tiny, TrainSpec(max_steps=10))
+
+
 def test_bad_meshes_specs_and_batches_are_refused_before_any_compute_and_nnx_annotations_work():
     (result,) = _run("bad", "8")
     refused = result["refused"]

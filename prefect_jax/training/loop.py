@@ -36,6 +36,7 @@ from prefect_jax.training.compiled_steps import (
 )
 from prefect_jax.training.evaluation import aggregate
 from prefect_jax.training.sharding import (
+    ShardingError,
     batch_sharding,
     build_mesh,
     check_batch,
@@ -130,6 +131,15 @@ class Loop:
         # A program that declares its mesh or shardings (`prefect_jax.training.sharding`): its
         # mesh over every device of every process, its state placed as it says.
         self.sharded = declares_sharding(program)
+        if self.sharded and self.processes > 1:
+            # Process 0 evaluates, exports and fingerprints the live state alone: that needs it
+            # replicated. Refused here, before any compute, not at the first evaluation.
+            raise ShardingError(
+                f"{type(program).__name__} declares a mesh or shardings, and this job runs "
+                f"{self.processes} JAX processes: a sharded state trains in one process (over "
+                "all its devices) for now. Run one process per machine's devices, or declare no "
+                "mesh_axes/shardings to train replicated data parallel over the processes"
+            )
         if self.sharded:
             from jax.sharding import NamedSharding, PartitionSpec
 
