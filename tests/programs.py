@@ -358,6 +358,28 @@ def fails_at_export():
     return FailsAtExport(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
 
 
+class FailsOnceAtExport(DigitsProgram):
+    """serve() refuses the trained values the first time only, as a storage error of a moment
+    would fail one export: the export tried once more succeeds."""
+
+    refused = 0
+
+    def serve(self, state, x):
+        import jax
+        import numpy as np
+
+        if any(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(state)):
+            if not FailsOnceAtExport.refused:
+                FailsOnceAtExport.refused += 1
+                raise RuntimeError("serve() refuses these weights, once")
+        return super().serve(state, x)
+
+
+def fails_once_at_export():
+    FailsOnceAtExport.refused = 0
+    return FailsOnceAtExport(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
 class SlowExport(DigitsProgram):
     """serve() takes a while to trace on the trained values (at an export, not in the check before
     training), as a large model's lowering does: longer than a tiny interval's training."""

@@ -141,6 +141,8 @@ def _finished_and_exported(config, evaluator) -> str | None:
     if reason is None or not steps:
         return None
     newest = evaluator.records.get(steps[-1])
+    if newest is None:  # damaged (moved aside): the normal run evaluates that step again
+        return None
     for exporter in config.eval.exporters:
         if steps[-1] not in exp.exported_steps(evaluator.storage, exporter.name) and not (
             exp.exports_nothing(exporter, evaluator.storage, newest, config.train.max_steps)

@@ -107,6 +107,14 @@ class NoProgressError(RuntimeError):
     """The job was rerun too many times in a row without getting past a step."""
 
 
+class ExportFailedError(RuntimeError):
+    """An export made in the background failed, and again when tried once more on the training
+    thread (see `Trainer.export_in_background`). Not retried by the task: this process raises it
+    at every later save and export, so a retry would only train an interval to fail again; the
+    rerun resumes from the newest committed step (no step commits over the failed one) and
+    exports it first."""
+
+
 class Preempted(Exception):
     """Training was interrupted by a preemption notice after checkpointing the step in flight."""
 
@@ -121,6 +129,7 @@ class Preempted(Exception):
 # Errors a retry cannot fix: the program, the config or the data is wrong.
 PERMANENT = (
     NonFiniteLossError,
+    ExportFailedError,
     NoProgressError,
     LeaseHeldError,
     ValueError,  # includes ProgramError, CheckpointMismatchError, pydantic's ValidationError

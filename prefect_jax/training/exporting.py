@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from prefect_jax.training import exporters as exp
 from prefect_jax.training.best import best_of
+from prefect_jax.training.errors import ExportFailedError
 from prefect_jax.training.eval_specs import BestExporter
 from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.redaction import redact_url
@@ -24,10 +25,6 @@ if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
 
 logger = logging.getLogger("prefect_jax.trainer")
-
-
-class ExportFailedError(RuntimeError):
-    """An export made in the background failed (see `Trainer.export_in_background`)."""
 
 
 def host_copy(state):
@@ -72,6 +69,12 @@ class _Background:
     def join(self) -> None:
         self._thread.join()
 
+    def retry(self) -> None:
+        """Once more, on the calling thread, after it failed (a storage error of a moment, say):
+        the same host copy and decisions, and the lowering if it was made."""
+        self.error = None
+        self._run()
+
 
 class Exports:
     """The exports of one trainer's job (see `Trainer.export`)."""
@@ -106,11 +109,17 @@ class Exports:
         return exported
 
     def wait(self) -> None:
-        """Before a checkpoint is saved: wait for the export in the background (its failure is
-        raised by the next `join`). A committed step after an evaluated one then says that one's
-        exports are written: a rerun from it, after a kill, exports only its own step."""
-        if self._running is not None:
-            self._running.join()
+        """Before a checkpoint is saved: wait for the export in the background, and raise its
+        failure (`join`). A committed step after an evaluated one then says that one's exports
+        are written: a rerun from it, after a kill, exports only its own step; a step never
+        commits over one whose export failed (the rerun resumes from that one and exports it)."""
+        running = self._running
+        if running is not None:
+            running.join()
+            if running.error is None:
+                return  # (what it wrote: the next `join`'s)
+        if running is not None or self._failed is not None:
+            self.join()  # tried once more on this thread; raises if it failed again
 
     def join(self) -> dict[str, str]:
         """Wait for the export in the background (if any): what it wrote.
@@ -122,6 +131,11 @@ class Exports:
         running, self._running = self._running, None
         if running is not None:
             running.join()
+            if running.error is not None:
+                logger.warning(
+                    "trying the export of step %d once more, on the training thread", running.step
+                )
+                running.retry()
             if running.error is None:
                 if running.written:
                     self.trainer.push_compiled()

@@ -36,9 +36,10 @@ from prefect_jax.training.cluster import forget_lost, from_primary, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.ending import AttemptEnd
+from prefect_jax.training.errors import ExportFailedError
 from prefect_jax.training.evaluating import Evaluations
 from prefect_jax.training.evaluation import EvalResult
-from prefect_jax.training.exporting import ExportFailedError, Exports
+from prefect_jax.training.exporting import Exports
 from prefect_jax.training.intervals import Intervals
 from prefect_jax.training.job import Job
 from prefect_jax.training.loop import Loop, add_progress_listener
@@ -373,7 +374,12 @@ class Trainer:
     def finish(self, status: str = "FINISHED") -> None:
         """Wait for pending saves and the export in the background (its failure raised when
         `status` is FINISHED), close the MLflow run with `status`, release the lease."""
-        self._join_exports(raise_failure=status == "FINISHED")
+        try:
+            self._join_exports(raise_failure=status == "FINISHED")
+        except ExportFailedError:
+            # closed as failed here, not left to a flow's failure hook (the engine runs without)
+            self.ending.finish("FAILED")
+            raise
         self.ending.finish(status)
 
     def close(self) -> None:
