@@ -136,3 +136,23 @@ def test_the_export_flow_refuses_a_step_whose_checkpoint_is_gone(tmp_path, mlflo
     ):
         state.result()
     assert not os.path.exists(JobStorage(config.storage, config.job).export_dir("latest", 20))
+
+
+def test_recover_refuses_a_step_trained_with_other_program_params(tmp_path, mlflow_uri):
+    """The evaluator and export roles restore with `recover`: given other params than the job's
+    (here a learning rate: the same shapes, so nothing else would notice), they would evaluate and
+    export another model as the job's. Refused, naming the key, as a trainer's resume is."""
+    from prefect_jax.training.program_params import ProgramParamsMismatchError
+
+    config = _config(tmp_path, mlflow_uri, "params").model_copy(
+        update={"program": "programs:typed_digits", "program_params": {"learning_rate": 0.01}}
+    )
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.finish()
+    trainer.close()
+    other = config.model_copy(update={"program_params": {"learning_rate": 0.02}})
+    with pytest.raises(ProgramParamsMismatchError, match="learning_rate"):
+        Trainer(other).recover()
+    assert Trainer(config).recover() == (True, 20)

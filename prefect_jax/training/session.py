@@ -244,16 +244,6 @@ def restore_trainer(
     listed = job.prepare_restore()
     has_own = bool(listed if listed is not None else job.committed_steps())
 
-    def prepare_step(step: int) -> None:
-        """Before a step of the job's own is restored: fetched (remote storage), and refused if it
-        was trained with other program params (before its tree is compared: a model of another
-        size would be refused for its shapes, not for the params that made them)."""
-        if job.remote is not None:
-            job.fetch(step)
-        meta = read_meta_file(job.checkpoints.directory, step)
-        step_dir = os.path.join(job.checkpoints.directory, str(step))
-        check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step)
-
     state, step, meta, data_iter = restore_or_init(
         job.checkpoints,
         loop.init_state,
@@ -267,7 +257,7 @@ def restore_trainer(
         on_unreadable=job.set_aside,
         # (none yet: a wait for one lists again)
         list_steps=(lambda: listed) if listed else job.committed_steps,
-        prepare_step=prepare_step,
+        prepare_step=lambda at: fetch_and_check(trainer, at),
     )
     if checkpoint_path and not has_own and step:
         # warm start: weights from elsewhere, this job's data from the start
@@ -293,6 +283,19 @@ def restore_trainer(
     job.goodput.begin(step)
     notify_progress(step, trainer.config.train.max_steps, {})
     return step
+
+
+def fetch_and_check(trainer: Trainer, step: int) -> None:
+    """Before a step of the job's own is restored: fetched (remote storage), and refused if it was
+    trained with other program params (before its tree is compared: a model of another size would
+    be refused for its shapes, not for the params that made them; a flipped bit in the recorded
+    params is told apart as damage, `check_restore_of`)."""
+    job = trainer.job
+    if job.remote is not None:
+        job.fetch(step)
+    meta = read_meta_file(job.checkpoints.directory, step)
+    step_dir = os.path.join(job.checkpoints.directory, str(step))
+    check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step)
 
 
 def recover_trainer(
@@ -334,7 +337,8 @@ def recover_trainer(
         max_wait_secs=max_wait_secs,
         recovery_wait_secs=recovery_wait_secs,
         list_steps=list_steps,
-        prepare_step=job.fetch if job.remote is not None else None,
+        # (the evaluator and export roles too: other params evaluate and export another model)
+        prepare_step=lambda at: fetch_and_check(trainer, at),
     )
     if not restored:
         where = redact_url(job.storage.remote_checkpoint_url or job.storage.checkpoint_dir)
