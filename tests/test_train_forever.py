@@ -62,6 +62,8 @@ def test_the_evaluator_of_a_job_without_max_steps_never_sees_a_final_step():
     job = Job(clock, committed=[10, 20])
     asked = _evaluator(job, clock, max_steps=None, stop_request=lambda: {"reason": "enough"})
     assert asked.run() == "the job was asked to stop: enough"
+    # A stop request is how such a job ends: its checkpoints are evaluated and exported first
+    assert asked.evaluated == [10, 20] and job.exported == [10, 20]
 
 
 def _config(tmp_path, mlflow_uri, job: str, max_steps: int | None) -> JobConfig:

@@ -275,8 +275,14 @@ class Evaluator:
         last_new_at = self.clock()
         while self.stopped is None:
             done = set(self.records.steps())
-            self.stopped = self.stop_reason(done)
-            if self.stopped is not None:
+            reason = self.stop_reason(done)
+            if reason is not None:
+                if self.max_steps is None:
+                    # A job that trains until stopped ends on a stop request: the checkpoints it
+                    # committed are evaluated (and exported) first, as a final step would be.
+                    for step in self.pending_steps(done):
+                        self.evaluate_once(step)
+                self.stopped = self.stopped or reason
                 break
             pending = self.pending_steps(done)
             if not pending:
