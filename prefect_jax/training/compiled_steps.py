@@ -200,7 +200,7 @@ def precompile_steps(
 
                 traced = under_mesh(traced, device.mesh)
             guard = jax.tree.map(
-                lambda g: jax.ShapeDtypeStruct((), g.dtype, sharding=device),
+                lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=device),
                 # (the loop's guard: its sums shaped like the step's metrics)
                 spec(new_guard(0, metric_sums(jax.eval_shape(traced, state, batch)[1]), 1, 1)),
             )
