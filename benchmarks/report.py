@@ -553,18 +553,20 @@ SERVER_COST_KINDS = (
 
 
 def lm_gpu_markdown() -> list[str]:
-    """`benchmarks/lm.py`'s runs of the byte-level LM on a lent GPU (LM-GPU-*.json)."""
+    """`benchmarks/lm.py`'s runs of the byte-level LM: on a lent GPU (LM-GPU-*.json) and on this
+    project's CPUs (LM-CPU-*.json)."""
     import glob
     import os
 
     here = os.path.dirname(os.path.abspath(__file__))
     out = []
-    for path in sorted(glob.glob(os.path.join(here, "LM-GPU-*.json"))):
+    for path in sorted(glob.glob(os.path.join(here, "LM-*.json")), reverse=True):
         with open(path) as f:
             rec = json.load(f)
         out += [
             "",
-            f"## The byte-level LM on a GPU (`lm.py`, {os.path.basename(path)})",
+            f"## The byte-level LM on {'a GPU' if '-GPU-' in path else 'CPU'} "
+            f"(`lm.py`, {os.path.basename(path)})",
             "",
             f"{rec['device']}. {rec['note']}",
             "",
