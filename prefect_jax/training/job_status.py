@@ -1,0 +1,118 @@
+"""What `prefect-jax status` shows of a job, read from its storage alone (and MLflow's registry):
+its committed, evaluated and exported steps, goodput, program params, damaged records and
+registered model. `prefect_jax.training.facade.job_status` is the command's door to it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prefect_jax.training.exporters import list_exports
+from prefect_jax.training.goodput import read_ledger
+from prefect_jax.training.goodput_summary import summarize
+from prefect_jax.training.program_params import META_KEY, step_meta
+from prefect_jax.training.records import damaged_records
+from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.steps import job_committed_steps
+from prefect_jax.training.storage import JobStorage
+
+
+def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`prefect_jax.training.facade.job_status`: what storage holds of a job (see there).
+
+    Raises:
+        FileNotFoundError: No such job there; the message names the jobs that are.
+    """
+    js = JobStorage(url, job, dict(options or {}))
+    if not js.fs.exists(js.job_dir):
+        try:
+            jobs = sorted(
+                p.rstrip("/").rsplit("/", 1)[-1]
+                for p in js.fs.ls(js.root, detail=False)
+                if js.fs.isdir(p)
+            )
+        except FileNotFoundError:
+            jobs = []
+        there = f"jobs there: {', '.join(jobs)}" if jobs else "no job there at all"
+        raise FileNotFoundError(
+            f"no job {job!r} in storage {redact_url(js.root)} ({there}); check --job and --storage"
+        )
+    committed = job_committed_steps(js)
+    try:
+        evals = js.fs.ls(js.path("evals"), detail=False)
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in evals)
+    except FileNotFoundError:
+        names = []
+    status: dict[str, Any] = {
+        "storage": js.root,
+        "committed_steps": committed,
+        "evaluated_steps": {n: js.list_int_names(js.eval_dir(n)) for n in names},
+        "exports": list_exports(js),
+        "goodput": summarize(read_ledger(js)),
+    }
+    if committed:
+        recorded_params = (step_meta(js, committed[-1]) or {}).get(META_KEY)
+        if recorded_params is not None:
+            status["program_params"] = recorded_params.get("values", {})
+    # Records that are not JSON, each named with what becomes of it (issue 53).
+    damaged = damaged_records(js)
+    if damaged:
+        status["damaged_records"] = [dict(d, fix=damage_fix(d["path"])) for d in damaged]
+    registry = js.path("registry.json")
+    recorded = None if any(d["path"] == registry for d in damaged) else js.read_json(registry)
+    if recorded:
+        status["registered_model"] = registry_status(recorded, js.job_dir)
+    return status
+
+
+def damage_fix(path: str) -> str:
+    """What becomes of a damaged record of the job, or what to do about it."""
+    name = path.rsplit("/", 1)[-1]
+    if "/evals/" in path:
+        return "the job's next run moves it aside and evaluates that step again if it is committed"
+    if name == "goodput.json":
+        return "the job's next run moves it aside (kept) and starts the ledger again"
+    if name == "registry.json":
+        return (
+            "the job's next export writes it again from MLflow's registry; delete it to see the "
+            "rest of this status"
+        )
+    if name == "best.json":
+        return "the next export rebuilds it from the kept exports' export.json (kept aside)"
+    if name == "stop.json":
+        return "read as a stop request: delete it to let the job run on"
+    if name == "attempts.json":
+        return "the next trainer moves it aside (kept) and counts reruns anew"
+    return "move it aside or delete it; the job writes it again when it next needs it"
+
+
+def registry_status(recorded: dict, job_key: str) -> dict[str, Any]:
+    """The job's versions and aliases in the MLflow Model Registry, read from MLflow (the copy the
+    job last recorded in its storage if MLflow cannot be reached)."""
+    name, uri = recorded["name"], recorded["tracking_uri"]
+    out = {
+        "name": name,
+        "tracking_uri": redact_url(uri),
+        "versions": recorded["versions"],
+        "aliases": recorded["aliases"],
+    }
+    try:
+        from mlflow.tracking import MlflowClient
+
+        from prefect_jax.training.registry import job_versions
+
+        client = MlflowClient(uri)
+        versions = job_versions(client, name, job_key)
+        mine = {str(v.version) for v in versions.values()}
+        aliases = {
+            a: str(v)
+            for a, v in (client.get_registered_model(name).aliases or {}).items()
+            if str(v) in mine
+        }
+        out.update(
+            versions={str(s): str(v.version) for s, v in sorted(versions.items())},
+            aliases=dict(sorted(aliases.items())),
+        )
+    except Exception as exc:  # noqa: BLE001 - status still shows what the job recorded
+        out["note"] = f"MLflow not reachable ({type(exc).__name__}): as last recorded by the job"
+    return out
