@@ -36,12 +36,10 @@ from prefect_jax.training.compiled_steps import (
 )
 from prefect_jax.training.evaluation import aggregate
 from prefect_jax.training.sharding import (
-    ShardingError,
-    batch_sharding,
-    build_mesh,
     check_batch,
     declares_sharding,
     init_with_mesh,
+    placement,
     replicas,
     state_shardings,
     under_mesh,
@@ -124,48 +122,25 @@ class Loop:
         self.one_device = (
             jax.sharding.SingleDeviceSharding(devices[0]) if len(devices) == 1 else None
         )
-        # Several JAX processes (`prefect_jax.training.cluster`): data parallel over every device
-        # of every process; the state is replicated, each batch split along its first axis.
+        # Several JAX processes (`prefect_jax.training.cluster`), or a program that declares its
+        # mesh or shardings (`prefect_jax.training.sharding`): a mesh over every device of every
+        # process; else (one process) the one-device behaviour, on any number of devices.
         self.processes = jax.process_count()
-        self.mesh = self.replicated = self.batch_sharding = None
-        # A program that declares its mesh or shardings (`prefect_jax.training.sharding`): its
-        # mesh over every device of every process, its state placed as it says.
         self.sharded = declares_sharding(program)
-        if self.sharded and self.processes > 1:
-            # Process 0 evaluates, exports and fingerprints the live state alone: that needs it
-            # replicated. Refused here, before any compute, not at the first evaluation.
-            raise ShardingError(
-                f"{type(program).__name__} declares a mesh or shardings, and this job runs "
-                f"{self.processes} JAX processes: a sharded state trains in one process (over "
-                "all its devices) for now. Run one process per machine's devices, or declare no "
-                "mesh_axes/shardings to train replicated data parallel over the processes"
-            )
+        placed = placement(program, devices, self.processes)
+        self.mesh, self.replicated, self.batch_sharding, self._stacked_sharding = placed or (
+            (None,) * 4
+        )
+        shardings = None  # (the steps jitted with the placement's shardings: a program's own)
         if self.sharded:
-            from jax.sharding import NamedSharding, PartitionSpec
-
             self.one_device = None
-            self.mesh = build_mesh(getattr(program, "mesh_axes", None), devices)
-            self.replicated = NamedSharding(self.mesh, PartitionSpec())
-            self.batch_sharding = batch_sharding(getattr(program, "batch_spec", None), self.mesh)
-            stacked = PartitionSpec(None, *self.batch_sharding.spec)
-            self._stacked_sharding = NamedSharding(self.mesh, stacked)
             self.state_sharding = None  # one per leaf, set by `abstract_state` below
             self.abstract_state  # noqa: B018 - its shardings checked now, before any compute
             self._check_first_batch()
-        # One process keeps its one-device behaviour, on any number of devices.
-        elif self.processes > 1:
-            from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-            self.mesh = Mesh(np.array(devices), ("data",))
-            self.replicated = NamedSharding(self.mesh, PartitionSpec())
-            self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
-            self._stacked_sharding = NamedSharding(self.mesh, PartitionSpec(None, "data"))
-        if not self.sharded:
-            self.state_sharding = self.one_device or self.replicated
-        shardings = None
-        if self.sharded:
             shardings = (self.state_sharding, self.batch_sharding, self._stacked_sharding)
             shardings += (self.replicated,)
+        else:
+            self.state_sharding = self.one_device or self.replicated
         self.train_step, self.scan_steps, self.eval_step = jit_steps(
             program, spec.check_finite, shardings
         )

@@ -66,6 +66,38 @@ def declares_sharding(program: Any) -> bool:
     )
 
 
+def placement(
+    program: Any, devices: Sequence, processes: int
+) -> tuple[Mesh, NamedSharding, NamedSharding, NamedSharding] | None:
+    """The mesh a loop places the state and the batches on, with its replicated, batch and
+    stacked-batches shardings: the program's own (`declares_sharding`), or data parallel over
+    every device of several JAX processes (the state replicated, each batch split along its
+    first axis); None for one process of a program that declares none (its one device).
+
+    Raises:
+        ShardingError: a sharded program on several processes (process 0 evaluates, exports and
+            fingerprints the live state alone, which needs it replicated); a mesh that does not
+            fit the devices (`build_mesh`) or a batch spec naming an axis it lacks.
+    """
+    if declares_sharding(program):
+        if processes > 1:
+            raise ShardingError(
+                f"{type(program).__name__} declares a mesh or shardings, and this job runs "
+                f"{processes} JAX processes: a sharded state trains in one process (over all its "
+                "devices) for now. Run one process per machine's devices, or declare no "
+                "mesh_axes/shardings to train replicated data parallel over the processes"
+            )
+        mesh = build_mesh(getattr(program, "mesh_axes", None), devices)
+        batch = batch_sharding(getattr(program, "batch_spec", None), mesh)
+    elif processes > 1:
+        mesh = Mesh(np.array(devices), ("data",))
+        batch = NamedSharding(mesh, PartitionSpec("data"))
+    else:
+        return None
+    stacked = NamedSharding(mesh, PartitionSpec(None, *batch.spec))
+    return mesh, NamedSharding(mesh, PartitionSpec()), batch, stacked
+
+
 def build_mesh(axes: dict[str, int] | None, devices: Sequence | None = None) -> Mesh:
     """A mesh of named axes over `devices` (default: every device of every process).
 
