@@ -11,13 +11,11 @@ import pytest
 from deployment_helpers import DEPLOYMENT, ServeProcess, dead, logs, wait_for_deployments
 from process_helpers import wait_until
 from test_sigkill_leftovers import (
-    EVERY,
-    MAX_STEPS,
-    PROGRAM,
     UNFINISHED,
     _kill_mid_interval,
     _lease,
     _task_runs,
+    served_params,
 )
 
 pytestmark = pytest.mark.slow
@@ -31,14 +29,7 @@ def test_a_sigkilled_flow_run_process_leaves_no_task_run_running(
     from prefect.deployments import run_deployment
 
     storage, job = tmp_path / "storage", "crash-hook"
-    params = {
-        "program": PROGRAM,
-        "job": job,
-        "storage": str(storage),
-        "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": 50},
-        "checkpoint_spec": {"every_steps": EVERY},
-        "mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-    }
+    params = served_params(tmp_path, storage, job)
     name = f"train_and_evaluate/{DEPLOYMENT}"
     with get_client(sync_client=True) as client:
         serve = ServeProcess(prefect_server, tmp_path / "serve-home", tmp_path / "serve.log")

@@ -78,14 +78,18 @@ def test_a_damaged_newest_step_falls_back_and_training_redoes_it_exactly(trained
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60]
 
 
+def _flip_lowest_bit(path: str, marker: bytes, offset: int) -> None:
+    """Flip the lowest bit of the byte `offset` bytes into the first `marker` in the file."""
+    data = bytearray(open(path, "rb").read())
+    data[data.index(marker) + offset] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+
 def test_a_flipped_bit_in_a_steps_metadata_is_corruption_not_another_program(trained, caplog):
     """Issue 53.2: the checksums are checked before the metadata is compared with the program."""
     config, prints = trained
-    meta = os.path.join(_ckpt_dir(config), "60", STEP_META_FILE)
-    data = bytearray(open(meta, "rb").read())
-    at = data.index(b"float32") + len("float3")  # '2' (0x32) -> '3' (0x33): one bit
-    data[at] ^= 0x01
-    open(meta, "wb").write(bytes(data))
+    # '2' (0x32) -> '3' (0x33): one bit
+    _flip_lowest_bit(os.path.join(_ckpt_dir(config), "60", STEP_META_FILE), b"float32", 6)
     with caplog.at_level(logging.WARNING):
         trainer = Trainer(config)
         assert trainer.restore_or_init() == 40
@@ -592,11 +596,8 @@ def test_a_flipped_bit_in_a_steps_recorded_params_is_corruption_not_other_params
         trainer.train_until_checkpoint()
     trainer.finish()
     trainer.close()
-    meta = os.path.join(_ckpt_dir(config), "40", STEP_META_FILE)
-    data = bytearray(open(meta, "rb").read())
-    at = data.index(b'"width": 24') + len('"width": 2')  # '4' (0x34) -> '5' (0x35): one bit
-    data[at] ^= 0x01
-    open(meta, "wb").write(bytes(data))
+    # '4' (0x34) -> '5' (0x35): one bit
+    _flip_lowest_bit(os.path.join(_ckpt_dir(config), "40", STEP_META_FILE), b'"width": 24', 10)
     with caplog.at_level(logging.WARNING):
         again = Trainer(config)
         assert again.restore_or_init() == 20

@@ -202,6 +202,18 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(
     assert note in tags["mlflow.note.content"]
 
 
+def served_params(tmp_path, storage, job: str) -> dict:
+    """The parameters of a served train_and_evaluate run that is killed mid-interval."""
+    return {
+        "program": PROGRAM,
+        "job": job,
+        "storage": str(storage),
+        "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": 50},
+        "checkpoint_spec": {"every_steps": EVERY},
+        "mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+    }
+
+
 @pytest.mark.timeout(420)
 def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_running_task(
     tmp_path, prefect_server, processes
@@ -211,14 +223,7 @@ def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_runn
     from prefect.states import AwaitingRetry, Crashed
 
     storage, job = tmp_path / "storage", "retried"
-    params = {
-        "program": PROGRAM,
-        "job": job,
-        "storage": str(storage),
-        "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": 50},
-        "checkpoint_spec": {"every_steps": EVERY},
-        "mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-    }
+    params = served_params(tmp_path, storage, job)
     name = f"train_and_evaluate/{DEPLOYMENT}"
     with get_client(sync_client=True) as client:
         first = ServeProcess(prefect_server, tmp_path / "serve-home", tmp_path / "serve-1.log")
