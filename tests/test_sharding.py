@@ -74,17 +74,23 @@ def test_a_mesh_whose_sizes_do_not_match_the_devices_is_refused():
         build_mesh({"data": -1, "model": -1})
 
 
-def test_a_sharded_program_on_several_processes_is_refused_before_any_compute(monkeypatch):
-    """Process 0 evaluates, exports and fingerprints the live state alone, which needs it
-    replicated: a program with a mesh on several JAX processes is refused when its loop is built
-    (the process count as a cluster of two reports it: no second process is started here)."""
-    from prefect_jax.examples.bytelm import tiny
-    from prefect_jax.training.loop import Loop
-    from prefect_jax.training.specs import TrainSpec
+def test_a_mesh_that_does_not_fit_the_devices_of_all_processes_is_refused_naming_them():
+    """A sharded program on several JAX processes gets one mesh over every process's devices
+    (tests/test_multiprocess_sharding.py trains one): a mesh that does not fit all of them is
+    refused when the loop places it, before any compute, naming the processes."""
+    import dataclasses
 
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ShardingError, match=r"runs 2 JAX processes: a sharded state trains in one"):
-        Loop(tiny, TrainSpec(max_steps=10))
+    from prefect_jax.examples.bytelm import PRESETS, ByteLMProgram
+    from prefect_jax.training.sharding import placement
+
+    program = ByteLMProgram(dataclasses.replace(PRESETS["tiny"], mesh={"data": 3}))
+    devices = jax.devices() * 4  # (as two processes of two devices each list them)
+    with pytest.raises(
+        ShardingError,
+        match=r"mesh_axes=\{'data': 3\} multiply to 3, not the 4 devices; .* \(the mesh spans the "
+        r"devices of all 2 JAX processes: 2 in each\)",
+    ):
+        placement(program, devices, 2)
 
 
 def test_bad_meshes_specs_and_batches_are_refused_before_any_compute_and_nnx_annotations_work():

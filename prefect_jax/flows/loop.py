@@ -22,7 +22,10 @@ def _evaluate_and_export(config: JobConfig, step: int) -> bool:
     tasks = job_tasks(config.retry)
     result = tasks.evaluate_if_new(config, step)
     # no task run per interval for exporters that are not there, nor for nothing evaluated
-    if config.eval.exporters and result.status is not EvalStatus.EVALUATION_STOPPED:
+    if config.eval.exporters and result.status not in (
+        EvalStatus.EVALUATION_STOPPED,
+        EvalStatus.OTHER_PROCESS,  # (its gather for the export was joined in the evaluation)
+    ):
         # lowered and written while the next interval trains (joined before the next export
         # and at the job's end, which fail if it failed)
         tasks.export(config, result, background=True)
@@ -50,8 +53,8 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     # them.
     stop_requested = trainer.stop_requested
     # With several processes, process 0 evaluates and exports: no task runs elsewhere that only
-    # say so.
-    evaluate = evaluate and trainer.job.is_primary
+    # say so; but a state sharded over them is evaluated by all (`training.collective`).
+    evaluate = evaluate and (trainer.job.is_primary or trainer.loop.spans)
     # Made and updated on the publisher's thread, in order: no HTTP round trip before training;
     # updated at most every PREFECT_JAX_UI_REFRESH_SECS, and at the end.
     shown: dict[str, Any] = {}

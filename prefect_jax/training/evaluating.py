@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from prefect_jax.training import control
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import LostProcess, lost_process
+from prefect_jax.training.collective import EVALUATE, FAILED, GATHER, announce
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.names import STOP_REASON_TAG, TRAIN_PREFIX
 from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
@@ -46,6 +47,10 @@ class Evaluations:
         # Why an eval listener stopped this trainer's evaluations (in memory, as TF's listener:
         # a new process asks its own listeners again).
         self.stopped: str | None = None
+        # A state sharded over several processes: the live step's host copy (process 0's, for
+        # its exports), and whether process 0 told the others what this evaluation does.
+        self.host: tuple[int, object] | None = None
+        self._announced = False
 
     def evaluate_if_new(
         self, step: int | None, force: bool, on_recorded: OnRecorded | None
@@ -54,10 +59,63 @@ class Evaluations:
         t = self.trainer
         # a trainer's own evaluations (an evaluator keeps no ledger)
         with t.job.goodput.phase("eval"):
-            result = self._evaluate_if_new(step, force, on_recorded)
+            if t.loop.spans:
+                result = self._together(step, force, on_recorded)
+            else:
+                result = self._evaluate_if_new(step, force, on_recorded)
         if result.status == EvalStatus.EVALUATED:
             t.push_compiled()
         return result
+
+    def _together(self, step: int | None, force: bool, on_recorded) -> EvalResult:
+        """A state sharded over several processes: process 0 decides as it does alone, and tells
+        the others what to join (`collective.announce`): the eval step on the live state, its
+        gather to the host for the exports, then whether evaluating stopped (or failed). Every
+        process of such a job calls this at the same points."""
+        t, job, name = self.trainer, self.trainer.job, self.trainer.config.eval.name
+        self.host, self._announced = None, False
+        if not job.is_primary:
+            self._join(announce(None))
+            ended = announce(None)
+            if ended == FAILED:
+                raise RuntimeError(
+                    f"process 0's evaluation of step {t.step} failed (its log says why): this "
+                    "process's part of it ends too"
+                )
+            if ended:
+                self.stopped = "process 0 stopped evaluating"
+                return EvalResult(
+                    status=EvalStatus.EVALUATION_STOPPED,
+                    name=name,
+                    step=step,
+                    evaluation_stopped=self.stopped,
+                )
+            return EvalResult(status=EvalStatus.OTHER_PROCESS, name=name, step=step)
+        result = None
+        try:
+            result = self._evaluate_if_new(step, force, on_recorded)
+            return result
+        finally:
+            if not self._announced:  # nothing to evaluate; a recorded live step may export
+                again = (
+                    result is not None
+                    and result.status == EvalStatus.NO_NEW_CHECKPOINT
+                    and result.step == t.step
+                    and bool(t.config.eval.exporters)
+                )
+                self._join(announce(GATHER if again else 0))
+            announce(FAILED if result is None else int(result.evaluation_stopped is not None))
+
+    def _join(self, code: int):
+        """What process 0 announced, done by every process: `loop.evaluate` of the live state
+        (its metrics returned) and/or its gather to the host (kept by process 0)."""
+        t = self.trainer
+        self._announced = True
+        out = t.loop.evaluate(t.state, t.config.eval.steps) if code & EVALUATE else None
+        if code & GATHER:
+            host = t.loop.local(t.state)
+            self.host = (t.step, host) if t.job.is_primary else None
+        return out
 
     def _evaluate_if_new(self, step: int | None, force: bool, on_recorded) -> EvalResult:
         t, job = self.trainer, self.trainer.job
@@ -108,12 +166,18 @@ class Evaluations:
                 stopped,
             )
         try:
-            state = self.state_at(step)
+            # (a state sharded over processes: the live one, evaluated by every process)
+            state = t.state if t.loop.spans and live else self.state_at(step)
         except CorruptCheckpointError as exc:
             logger.error("not evaluating step %d: %s", step, exc)
             return missing
         t.wait_for_compile_cache()
-        metrics, n, examples = t.loop.evaluate(state, spec.steps)
+        if t.loop.spans:
+            metrics, n, examples = self._join(
+                announce(EVALUATE | (GATHER if spec.exporters else 0))
+            )
+        else:
+            metrics, n, examples = t.loop.evaluate(state, spec.steps)
         result = EvalResult(
             status=EvalStatus.EVALUATED,
             name=spec.name,
@@ -160,8 +224,15 @@ class Evaluations:
         """The state at `step` in this process alone: the live one (this process's replica), or
         restored."""
         t, job = self.trainer, self.trainer.job
-        if t.state is not None and t.step == step:
+        if t.loop.spans and self.host is not None and self.host[0] == step:
+            return self.host[1]  # gathered by every process when process 0 evaluated it
+        if t.state is not None and t.step == step and not t.loop.spans:
             return t.loop.local(t.state)
+        if t.loop.spans and t.state is not None and t.step == step:
+            raise ValueError(
+                f"step {step} is sharded over {job.processes} JAX processes and was not gathered "
+                "when it was evaluated: export it with the export flow, in its own process"
+            )
         if job.processes > 1:  # Orbax's restore is collective: one process alone would wait forever
             raise ValueError(
                 f"step {step} is not the live step ({t.step}): with {job.processes} JAX processes, "

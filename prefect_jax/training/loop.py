@@ -27,6 +27,7 @@ import grain
 import jax
 import numpy as np
 
+from prefect_jax.training.collective import global_batch, host_gather, spans_processes
 from prefect_jax.training.compiled_steps import (
     compiled_init,
     jit_steps,
@@ -127,6 +128,9 @@ class Loop:
         # process; else (one process) the one-device behaviour, on any number of devices.
         self.processes = jax.process_count()
         self.sharded = declares_sharding(program)
+        # A state sharded over several processes: what process 0 did alone with a replica is a
+        # collective (`prefect_jax.training.collective`).
+        self.spans = spans_processes(self.sharded, self.processes)
         placed = placement(program, devices, self.processes)
         self.mesh, self.replicated, self.batch_sharding, self._stacked_sharding = placed or (
             (None,) * 4
@@ -233,7 +237,11 @@ class Loop:
 
     def local(self, tree):
         """This process's own replica of a replicated state (several processes: a jitted call
-        on it runs here alone, as process 0's evaluations and exports do); else `tree`."""
+        on it runs here alone, as process 0's evaluations and exports do); a state sharded over
+        several processes gathered to the host (a collective: every process calls it); else
+        `tree`."""
+        if self.spans:
+            return host_gather(tree)
         return tree if self.processes == 1 else replicas(tree, self.processes)
 
     def batch(self, host_batch, axis: int = 0):
@@ -247,9 +255,12 @@ class Loop:
         if self.sharded:
             check_batch(host_batch, self.batch_sharding, axis)
 
+        if self.spans:  # each process's devices take their parts, wherever the mesh has them
+            return global_batch(host_batch, sharding)
+
         def part(x):
             x = np.asarray(x)
-            if self.sharded and count == 1:  # one process: the whole batch is its own
+            if self.sharded:  # one process (see above): the whole batch is its own
                 return jax.make_array_from_process_local_data(sharding, x)
             if not self.sharded and (x.ndim <= axis or x.shape[axis] % devices):
                 raise ValueError(
@@ -399,5 +410,7 @@ class Loop:
             batches = (eval_data[i] for i in range(len(eval_data)))
         else:
             batches = iterate(eval_data)
+        if self.spans:  # global batches, whole in every process: the sums come out replicated
+            batches = (global_batch(b, self.replicated) for b in batches)
         derive = getattr(self.program, "derive_metrics", None)
         return aggregate(self.eval_step, state, batches, steps, derive)

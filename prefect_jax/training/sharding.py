@@ -70,24 +70,25 @@ def placement(
     program: Any, devices: Sequence, processes: int
 ) -> tuple[Mesh, NamedSharding, NamedSharding, NamedSharding] | None:
     """The mesh a loop places the state and the batches on, with its replicated, batch and
-    stacked-batches shardings: the program's own (`declares_sharding`), or data parallel over
-    every device of several JAX processes (the state replicated, each batch split along its
-    first axis); None for one process of a program that declares none (its one device).
+    stacked-batches shardings: the program's own (`declares_sharding`, over every device of
+    every process), or data parallel over every device of several JAX processes (the state
+    replicated, each batch split along its first axis); None for one process of a program that
+    declares none (its one device).
 
     Raises:
-        ShardingError: a sharded program on several processes (process 0 evaluates, exports and
-            fingerprints the live state alone, which needs it replicated); a mesh that does not
-            fit the devices (`build_mesh`) or a batch spec naming an axis it lacks.
+        ShardingError: a mesh that does not fit the devices (`build_mesh`; with several
+            processes, the devices of all of them) or a batch spec naming an axis it lacks.
     """
     if declares_sharding(program):
-        if processes > 1:
+        try:
+            mesh = build_mesh(getattr(program, "mesh_axes", None), devices)
+        except ShardingError as exc:
+            if processes == 1:
+                raise
             raise ShardingError(
-                f"{type(program).__name__} declares a mesh or shardings, and this job runs "
-                f"{processes} JAX processes: a sharded state trains in one process (over all its "
-                "devices) for now. Run one process per machine's devices, or declare no "
-                "mesh_axes/shardings to train replicated data parallel over the processes"
-            )
-        mesh = build_mesh(getattr(program, "mesh_axes", None), devices)
+                f"{exc} (the mesh spans the devices of all {processes} JAX processes: "
+                f"{len(devices) // processes} in each)"
+            ) from None
         batch = batch_sharding(getattr(program, "batch_spec", None), mesh)
     elif processes > 1:
         mesh = Mesh(np.array(devices), ("data",))
@@ -317,8 +318,8 @@ def replicas(tree, processes: int):
         if not a.sharding.is_fully_replicated:
             raise ValueError(
                 f"an array of shape {a.shape} is sharded as {a.sharding}: with {processes} JAX "
-                "processes, process 0 evaluates and exports a replicated state only; evaluate "
-                "this job with the evaluate flow, or shard its state within one process"
+                "processes, a process holds a replicated state's replica only; gather a sharded "
+                "one with prefect_jax.training.collective.host_gather, in every process"
             )
         return a.addressable_data(0)
 

@@ -1,0 +1,68 @@
+"""What a job whose state is sharded over several JAX processes does together: its batches
+assembled from every process, the state gathered to the host, process 0's decisions told.
+
+With a replicated state (data parallel) process 0 evaluates, exports and fingerprints its own
+replica alone. A state sharded over the devices of several processes (a program's mesh, see
+`prefect_jax.training.sharding`) has no whole copy in any process: each of these becomes a
+collective, which every process calls at the same point, in the same order (one that only
+process 0 calls would wait forever):
+
+- the evaluation: every process runs the jitted eval step on the global sharded state with the
+  same global eval batches, so the sums come out replicated (`global_batch`); process 0 decides
+  whether to evaluate and tells the others (`announce`);
+- the exports and the fingerprint: the state gathered to the host, one leaf at a time, in every
+  process (`host_gather`); process 0 exports its copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from prefect_jax.training.trees import from_savable, to_savable
+
+# What process 0 tells the others at an evaluation (`announce`): a bit set of
+EVALUATE = 1  # every process runs the eval step on the live state,
+GATHER = 2  # every process joins the gather of the live state to the host (for the exports).
+# and, after it: 1 (evaluating stopped) or
+FAILED = 2  # process 0's evaluation raised: the others raise too (a retry runs in all of them).
+
+
+def spans_processes(sharded: bool, processes: int) -> bool:
+    """Whether a loop's state is sharded over the devices of several processes: a program's own
+    placement (`sharded`) on several JAX processes."""
+    return sharded and processes > 1
+
+
+def global_batch(batch, sharding):
+    """A host batch that every process holds whole, as global arrays placed as `sharding` says:
+    each process puts on its own devices the parts its devices hold, wherever the mesh puts
+    them (no copy of the whole batch to any device)."""
+
+    def place(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(place, batch)
+
+
+def host_gather(tree):
+    """`tree` (global arrays, sharded over several processes) as NumPy arrays in every process
+    (a collective). One leaf at a time: the device memory it takes beyond the state is one
+    leaf's copy on each device. PRNG keys gathered as their raw data and wrapped again."""
+    from prefect_jax.training.cluster import _collective
+
+    raw = to_savable(tree)
+    with _collective():
+        gathered = jax.tree.map(lambda a: multihost_utils.process_allgather(a, tiled=True), raw)
+    return from_savable(gathered, tree)
+
+
+def announce(code: int | None) -> int:
+    """Process 0's `code` in every process (a collective: the others pass None)."""
+    from prefect_jax.training.cluster import _collective
+
+    value = np.int32(code if code is not None else 0)
+    with _collective():  # a peer lost meanwhile is noted, as at every collective of the job
+        return int(multihost_utils.broadcast_one_to_all(value))

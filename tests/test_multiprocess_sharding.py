@@ -1,0 +1,111 @@
+"""A program whose state is sharded over several JAX processes: the tiny byte LM, FSDP over the
+4 CPU devices of two processes (2 each), trained, evaluated and exported by
+``prefect-jax run --processes 2``, against the same job in one process of 4 devices; its
+checkpoint resumed in this one process (1 device).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from process_helpers import TESTS_DIR, cli_env
+from test_multiprocess import _summary
+
+PROGRAM = "prefect_jax.examples.bytelm:tiny"  # its mesh: every device on "data" (FSDP)
+MAX_STEPS, EVERY = 20, 10
+
+
+def _run(tmp, job: str, mlflow_uri: str, api_url: str, devices: int, processes: int) -> dict:
+    """``prefect-jax run`` of the job, each process with `devices` CPU devices: its summary."""
+    log = tmp / f"{job}.log"
+    args = [
+        "--program",
+        PROGRAM,
+        "--job",
+        job,
+        "--storage",
+        str(tmp / job),
+        "--max-steps",
+        str(MAX_STEPS),
+        "--checkpoint-every-steps",
+        str(EVERY),
+        "--log-every-steps",
+        "5",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+        "--processes",
+        str(processes),
+    ]
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    with open(log, "w") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "prefect_jax.cli", "run", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=cli_env(api_url, XLA_FLAGS=flags),
+            cwd=TESTS_DIR,
+            timeout=600,
+        )
+    assert done.returncode == 0, log.read_text()[-4000:]
+    return _summary(log)
+
+
+def _restored(tmp, job: str, mlflow_uri: str, max_steps: int = MAX_STEPS):
+    from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+    from prefect_jax.training.trainer import Trainer
+
+    return Trainer(
+        JobConfig(
+            program=PROGRAM,
+            job=job,
+            storage=str(tmp / job),
+            train=TrainSpec(max_steps=max_steps, log_every_steps=5),
+            checkpoint=CheckpointSpec(every_steps=EVERY),
+            mlflow_tracking_uri=mlflow_uri,
+        )
+    )
+
+
+@pytest.mark.slow
+def test_an_fsdp_state_over_two_processes_trains_evaluates_exports_and_resumes_in_one(
+    tmp_path, prefect_server, mlflow_uri
+):
+    import jax
+
+    from prefect_jax.training.trees import leaf_paths, to_savable
+
+    two = _run(tmp_path, "two", mlflow_uri, prefect_server, devices=2, processes=2)
+    one = _run(tmp_path, "one", mlflow_uri, prefect_server, devices=4, processes=1)
+    assert two["final_step"] == one["final_step"] == MAX_STEPS
+    # Evaluated by both processes on the global sharded state, recorded and exported by process 0.
+    assert set(two["eval"]) == {"accuracy", "bits_per_byte", "loss", "perplexity"}
+    for name, value in one["eval"].items():
+        assert two["eval"][name] == pytest.approx(value, rel=1e-5), name
+    assert two["exports"] == one["exports"] == {"best": [10, 20], "final": [20], "latest": [10, 20]}
+    for exporter in ("latest", "final"):
+        assert os.path.exists(tmp_path / "two" / "two" / "exports" / exporter / "20")
+
+    # The 2-process checkpoint, saved by both processes without a gather, restores into this
+    # process's one device bit for bit: the fingerprint gathered from the two processes.
+    trainer = _restored(tmp_path, "two", mlflow_uri, MAX_STEPS + EVERY)
+    assert trainer.restore_or_init() == MAX_STEPS
+    assert trainer.fingerprint() == two["state_fingerprint"]
+    state_two = dict(leaf_paths(jax.device_get(to_savable(trainer.state))))
+    reference = _restored(tmp_path, "one", mlflow_uri)
+    reference.restore_or_init()
+    assert reference.fingerprint() == one["state_fingerprint"]
+    # The same job in one process of 4 devices: the same state, to float32 rounding (gloo's
+    # all-reduce between processes sums the 4 devices' gradients in another order than the
+    # CPU's in-process collectives).
+    for path, leaf in leaf_paths(jax.device_get(to_savable(reference.state))):
+        np.testing.assert_allclose(state_two[path], leaf, rtol=1e-5, atol=1e-6, err_msg=path)
+    reference.close()
+    # And trains on there.
+    trainer.train_until_checkpoint()
+    assert trainer.step == MAX_STEPS + EVERY and np.isfinite(trainer.last_train_metrics["loss"])
+    trainer.finish()
+    trainer.close()
