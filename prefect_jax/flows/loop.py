@@ -15,12 +15,15 @@ from prefect_jax.tasks import publisher
 from prefect_jax.training.specs import JobConfig
 
 
-def _evaluate_and_export(config: JobConfig, step: int) -> bool:
-    """Evaluate and export `step`; whether evaluation goes on (an eval listener may stop it)."""
+def _evaluate_and_export(config: JobConfig, step: int, on_new=None) -> bool:
+    """Evaluate and export `step`; whether evaluation goes on (an eval listener may stop it).
+    `on_new()` is called when `step` was evaluated now (not found evaluated already)."""
     from prefect_jax.training.evaluation import EvalStatus
 
     tasks = job_tasks(config.retry)
     result = tasks.evaluate_if_new(config, step)
+    if on_new is not None and result.status is EvalStatus.EVALUATED:
+        on_new()
     # no task run per interval for exporters that are not there, nor for nothing evaluated
     if config.eval.exporters and result.status not in (
         EvalStatus.EVALUATION_STOPPED,
@@ -61,14 +64,22 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     key = progress.progress_key()
     publisher.submit(progress.start_progress, shown, step, max_steps, config.job)
     last_eval = None  # the latest evaluation this loop made, shown on the progress card
+    named: list[bool] = []  # MLflow's "Prefect flow run" names this one (once it did something)
+
+    def name_this_flow_run() -> None:  # (a no-op run of a finished job leaves the one that did)
+        if not named:
+            named.append(True)
+            trainer.job.name_this_flow_run()
+
     if evaluate and step > 0:
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
-        evaluate = _evaluate_and_export(config, step)
+        evaluate = _evaluate_and_export(config, step, on_new=name_this_flow_run)
     try:
         while not config.train.is_final(step):  # (max_steps None: until a stop request)
             stop = stop_requested()
             if stop is not None:
                 return step, stop.get("reason")
+            name_this_flow_run()
             step = train_until_checkpoint(config, step)
             if evaluate:
                 evaluate = _evaluate_and_export(config, step)

@@ -9,7 +9,12 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_jax.tasks.job import _trainer_holding_the_lease
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
-from prefect_jax.tasks.runs import link_runs, mark_dead_local_runs, mark_taken_over
+from prefect_jax.tasks.runs import (
+    LINK_WAIT_SECS,
+    link_runs,
+    mark_dead_local_runs,
+    mark_taken_over,
+)
 from prefect_jax.training.specs import JobConfig
 
 
@@ -35,8 +40,10 @@ def restore_or_init(
     else from `init`. With `wait_for_checkpoint`, waits up to `max_wait_secs` for a first
     checkpoint, logging every `recovery_wait_secs`.
 
-    The job's MLflow run is found or created on a background thread while the checkpoint is
-    restored, the first step compiles and training starts; the task does not wait for it.
+    The job's MLflow run is found or created in the background while the checkpoint is restored
+    and the first step compiles; where the checkpoint does not name it (the job's first run), the
+    task waits for it (at most `LINK_WAIT_SECS`; not for a store that did not answer the start-up
+    check) so that the run and this flow run's link to it exist before training starts.
 
     Args:
         config: the job.
@@ -74,10 +81,13 @@ def restore_or_init(
     )
     mark_taken_over(trainer)
     mark_dead_local_runs(config)
-    # MLflow opens on its own thread: training does not wait for it (a checkpoint saved before
-    # the run id is known is found by the job tag; see Trainer.save).
+    # MLflow opens in the background while the job restores and its first step compiles; a job's
+    # first run waits here for its MLflow run (bounded), so that the run, its job tag and this
+    # flow run's link exist before the first step: a run killed in its first interval is linked,
+    # and its rerun writes into that run. MLflow's "Prefect flow run" is re-pointed only once
+    # this flow run trains (`Job.name_this_flow_run`).
+    link_runs(config, trainer.job.tracker, trains=False, wait_secs=LINK_WAIT_SECS)
     run_id = trainer.job.tracker.run_id_if_known()
-    link_runs(config, trainer.job.tracker)
     mlflow_run = run_id or "opening (its link is added to this flow run once MLflow answers)"
     logger.info(
         "job %s at step %d (%s); MLflow run %s",

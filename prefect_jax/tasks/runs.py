@@ -7,11 +7,11 @@ import contextvars
 import os
 
 from prefect import get_run_logger
-from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run, task_run
 
-from prefect_jax.tasks.publish import artifact_key, existing_artifact, publisher
-from prefect_jax.training.names import JOB_RUN_TAG, MLFLOW_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
+from prefect_jax.tasks.publish import publisher
+from prefect_jax.tasks.run_link import publish_link, tag_flow_run
+from prefect_jax.training.names import JOB_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
 from prefect_jax.training.specs import JobConfig
 
 
@@ -244,19 +244,29 @@ def prefect_flow_run_url() -> str | None:
 FLOW_RUN_TAG_PREFIX = "prefect.flow_run."  # + flow run id, on the MLflow run: that run's URL
 
 
-def link_runs(config: JobConfig, tracker, trains: bool = True) -> None:
+LINK_WAIT_SECS = 60.0  # the longest a trainer's restore waits for its first MLflow run
+
+
+def link_runs(config: JobConfig, tracker, trains: bool = True, wait_secs: float = 0.0) -> None:
     """Each side names the other: the flow run gets a link artifact to the job's MLflow run and the
     tags ``prefect-jax``, ``job:<job>`` and ``mlflow-run:<id>``; the MLflow run gets a tag
     ``prefect.flow_run.<flow run id>`` (its URL) for every flow run that wrote to it, trainer,
-    evaluator or export, and ``prefect.flow_run_url`` / ``prefect.flow_run_id`` for the newest
-    flow run that `trains` (an evaluator's or an export's does not re-point them). In the
-    background: the UI may lag, training does not.
+    evaluator or export, and ``prefect.flow_run_url`` / ``prefect.flow_run_id`` where `trains`
+    (`restore_or_init` passes False: the trainer's flow re-points them once it trains, with
+    `Job.name_this_flow_run`, so a no-op run of a finished job does not). In the background: the
+    UI may lag, training does not.
 
     The job's tags go out at once, and so does the link where the run's id is known before MLflow
     answers (a rerun: its checkpoints name the run); else the link and the run's tag follow once
     MLflow has started the run (its store may take seconds to open), so that the progress
     artifacts queued meanwhile on the publisher are not held up behind it. One link artifact per
-    flow run, however often it is started."""
+    flow run, however often it is started.
+
+    `wait_secs` > 0 (a trainer's restore, before its first step): wait that long at most for MLflow
+    to start the run (not at all for a store that did not answer the start-up check,
+    ``--mlflow-optional``) and for the link and the tag to be in Prefect, so that a run killed in
+    its first interval is linked too. Where MLflow has not answered by then, the link artifact says
+    so (pointing at the MLflow UI) and is updated in place once MLflow answers."""
     flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
     if flow_url:  # queued after the MLflow thread's start of the run
         newest = {"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)}
@@ -264,30 +274,30 @@ def link_runs(config: JobConfig, tracker, trains: bool = True) -> None:
             {**(newest if trains else {}), f"{FLOW_RUN_TAG_PREFIX}{flow_run_id}": flow_url}
         )
     if flow_run_id:
-        publisher.submit(_tag_flow_run, str(flow_run_id), [OWN_TAG, f"{JOB_RUN_TAG}{config.job}"])
-
-    def link(mlflow_url: str | None = None, run_id: str | None = None) -> None:
-        if not run_id:  # on the publisher's thread, once MLflow has answered
-            mlflow_url, run_id = tracker.run_url(), tracker.run_id
-        if flow_run_id and run_id:
-            _tag_flow_run(str(flow_run_id), [f"{MLFLOW_RUN_TAG}{run_id}"])
-        key = artifact_key(config.job, "mlflow-run")
-        if not mlflow_url or (flow_run_id and existing_artifact(key, flow_run_id) is not None):
-            return
-        create_link_artifact(
-            link=mlflow_url,
-            link_text=f"MLflow run of {config.job}",
-            key=key,
-            description=f"The MLflow run of job {config.job}: params, train and eval curves, "
-            f"exports ({tracker.tracking_uri})",
-        )
-
+        publisher.submit(tag_flow_run, str(flow_run_id), [OWN_TAG, f"{JOB_RUN_TAG}{config.job}"])
+    if not tracker.enabled:  # another process of the job writes its MLflow run
+        return
     context = contextvars.copy_context()  # this flow and task run, for the link artifact
     known = tracker.known_run_url()
     if known:
-        publisher.submit(link, known, tracker.requested_run_id)
-    else:
-        tracker.when_started(lambda: context.run(publisher.submit, link))
+        publish_link(config, tracker, flow_run_id, known, tracker.requested_run_id, wait_secs)
+        return
+    if wait_secs > 0:
+        from prefect_jax.training.mlflow_reach import answered_at_start
+
+        answered = answered_at_start(config.mlflow_tracking_uri) and tracker.wait_started(wait_secs)
+        run_id = tracker.run_id_if_known()
+        if answered and run_id:
+            publish_link(config, tracker, flow_run_id, tracker.run_url(), run_id, wait_secs)
+            return
+        publish_link(config, tracker, flow_run_id, None, None, wait_secs)  # says it is coming
+
+    def linked() -> None:  # on the publisher's thread, once MLflow has answered
+        run_id = tracker.run_id_if_known()
+        if run_id:
+            publish_link(config, tracker, flow_run_id, tracker.run_url(), run_id)
+
+    tracker.when_started(lambda: context.run(publisher.submit, linked))
 
 
 def link_live_job(config: JobConfig) -> None:
@@ -299,14 +309,4 @@ def link_live_job(config: JobConfig) -> None:
     if trainer is not None and trainer.job.tracker.started:
         link_runs(config, trainer.job.tracker, trains=False)
     elif flow_run.id:  # the job's tags at least
-        publisher.submit(_tag_flow_run, str(flow_run.id), [OWN_TAG, f"{JOB_RUN_TAG}{config.job}"])
-
-
-def _tag_flow_run(flow_run_id: str, tags: list[str]) -> None:
-    from uuid import UUID
-
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        current = client.read_flow_run(UUID(flow_run_id)).tags or []
-        client.update_flow_run(UUID(flow_run_id), tags=sorted(set(current) | set(tags)))
+        publisher.submit(tag_flow_run, str(flow_run.id), [OWN_TAG, f"{JOB_RUN_TAG}{config.job}"])

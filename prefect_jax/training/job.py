@@ -226,10 +226,23 @@ class Job(JobCheckpoints):
             f"- Exports: `{root}/exports/<exporter>/<step>`"
             + (f"; registered model `{model}`" if model and c.eval.exporters else ""),
         ]
-        url = self.run_tags.get("prefect.flow_run_url")
-        if url:
-            lines.append(f"- Prefect flow run: [{url}]({url})")
+        # (the Prefect flow run that trained last follows, from the run's tag: `Tracker._describe`)
         return "\n".join(lines)
+
+    def name_this_flow_run(self) -> None:
+        """MLflow's "Prefect flow run" (tags ``prefect.flow_run_url`` and ``prefect.flow_run_id``,
+        and the description's line) names this process's flow run from here on: for a run that
+        trains (a no-op run of a finished job leaves them naming the run that trained; every run
+        keeps its own ``prefect.flow_run.<id>`` tag)."""
+        newest = {
+            k: v
+            for k, v in self.run_tags.items()
+            if k in ("prefect.flow_run_url", "prefect.flow_run_id")
+        }
+        if not self.is_primary or not newest.get("prefect.flow_run_id"):
+            return
+        self.tracker.set_tags(newest)
+        self.tracker.describe(self.description())
 
     def _killed_attempt(self) -> dict | None:
         """The dead holder whose lease this process took over, once (the step training resumes from

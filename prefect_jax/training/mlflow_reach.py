@@ -103,6 +103,13 @@ class Probe:
 
 
 _checked_uris: set[str] = set()  # tracking URIs this process checked already (and went on)
+_unanswered_uris: set[str] = set()  # of those, the ones that failed the check (--mlflow-optional)
+
+
+def answered_at_start(tracking_uri: str | None) -> bool:
+    """False if this process checked `tracking_uri` and went on without an answer
+    (``--mlflow-optional``): nothing should wait for that store's first answer."""
+    return tracking_uri not in _unanswered_uris
 
 
 def start_check(tracking_uri: str | None) -> Probe | None:
@@ -131,6 +138,7 @@ def finish_check(probe: Probe, optional: bool) -> None:
         raise TrackingUnreachableError(problem)
     _checked_uris.add(probe.uri)
     if problem is not None:
+        _unanswered_uris.add(probe.uri)
         warnings.warn(
             f"{problem}. --mlflow-optional: training goes on, and its summary says what did not "
             "reach MLflow",

@@ -244,6 +244,20 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
         else:
             started.add_done_callback(lambda _: fn())
 
+    def wait_started(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for `start`'s answer (never raises); whether it came (True
+        too where `start` was never called or this tracker writes nothing)."""
+        started = self._started
+        if started is None or not self.enabled:
+            return True
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        try:
+            started.exception(timeout=max(0.0, timeout))
+        except FutureTimeout:
+            return False
+        return True
+
     def run_id_if_known(self) -> str | None:
         """The run id if `start` has already found it; never waits."""
         started = self._started

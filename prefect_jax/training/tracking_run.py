@@ -156,10 +156,19 @@ class RunCalls:
             except Exception as exc:  # noqa: BLE001
                 logger.warning("MLflow system metrics did not stop cleanly: %r", exc)
 
+    def describe(self, description: str) -> None:
+        """Set the run's description again (see `_describe`), after the calls made before."""
+        self._call("_describe", description)
+
     @guarded
     def _describe(self, description: str) -> None:
-        """Set the run's description (the killed attempts stay listed after it)."""
+        """Set the run's description, with a line naming the flow run its tag
+        ``prefect.flow_run_url`` names (the newest that trained), and the killed attempts listed
+        after it."""
         tags = self._client.get_run(self._run_id).data.tags
+        url = tags.get("prefect.flow_run_url")
+        if url:
+            description = f"{description.rstrip()}\n- Prefect flow run: [{url}]({url})"
         killed = [
             tags[f"{KILLED_ATTEMPT_TAG}{n}"]
             for n in range(1, int(tags.get(KILLED_TAG, "0") or 0) + 1)
@@ -206,6 +215,10 @@ class RunCalls:
         which opens it in its experiment; else None."""
         run_id = self.requested_run_id
         return self._ui_url(f"runs/{run_id}") if run_id else None
+
+    def home_url(self) -> str:
+        """The MLflow UI's home page (its experiments): where a run not started yet is found."""
+        return self._ui_url("")
 
     def _ui_url(self, route: str) -> str:
         base = (
