@@ -61,6 +61,16 @@ def _job_config(
     )
 
 
+def checked_job_config(parameters: dict[str, Any]) -> JobConfig:
+    """The job of a flow's own parameters (its ``locals()`` as its body starts), its MLflow
+    tracking URI checked first: an unusable one is refused before any work
+    (``mlflow_optional``: a warning)."""
+    from prefect_jax.training.facade import check_tracking_uri
+
+    check_tracking_uri(parameters.get("mlflow_tracking_uri"), parameters.get("mlflow_optional"))
+    return _job_config(**{k: parameters[k] for k in _CONFIG_ARGS if k in parameters})
+
+
 def _config_from(parameters: dict[str, Any]) -> JobConfig | None:
     """The job of a flow run's `parameters`, or None where they do not make one (a state hook's)."""
     try:

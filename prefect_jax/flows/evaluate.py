@@ -8,12 +8,11 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from prefect_jax.flows.config import _job_config
+from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
 from prefect_jax.tasks import publisher
 from prefect_jax.tasks.runs import link_live_job
-from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -79,20 +78,7 @@ def evaluate(
     from prefect_jax.training.exporters import list_exports
 
     logger = get_run_logger()
-    check_tracking_uri(mlflow_tracking_uri, mlflow_optional)  # before any work
-    config = _job_config(
-        program,
-        job,
-        storage,
-        train_spec,
-        eval_spec,
-        checkpoint_spec,
-        mlflow_tracking_uri,
-        mlflow_experiment,
-        compilation_cache_dir,
-        retry_spec,
-        program_params=program_params,
-    )
+    config = checked_job_config(locals())  # its MLflow URI checked before any work
     tasks = job_tasks(config.retry)
     evaluator = Evaluator.for_job(
         config,

@@ -8,10 +8,9 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from prefect_jax.flows.config import _job_config
+from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
-from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -68,19 +67,7 @@ def export_flow(
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
-    check_tracking_uri(mlflow_tracking_uri, mlflow_optional)  # before any work
-    config = _job_config(
-        program,
-        job,
-        storage,
-        train_spec,
-        eval_spec,
-        checkpoint_spec,
-        mlflow_tracking_uri,
-        mlflow_experiment,
-        retry_spec=retry_spec,
-        program_params=program_params,
-    )
+    config = checked_job_config(locals())  # its MLflow URI checked before any work
     js = JobStorage(config.storage, config.job, config.storage_options)
     records = EvalRecords(js, config.eval.name)
     steps = records.steps()

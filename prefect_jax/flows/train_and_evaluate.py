@@ -8,13 +8,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from prefect_jax.flows.config import _job_config
+from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.hooks import _close_mlflow_run
 from prefect_jax.flows.loop import _summary, _train_loop
 from prefect_jax.flows.processes import _join_processes
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
-from prefect_jax.training.facade import check_tracking_uri
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -96,20 +95,7 @@ def train_and_evaluate(
         print(summary["eval"])
         ```
     """
-    check_tracking_uri(mlflow_tracking_uri, mlflow_optional)  # before any work
-    config = _job_config(
-        program,
-        job,
-        storage,
-        train_spec,
-        eval_spec,
-        checkpoint_spec,
-        mlflow_tracking_uri,
-        mlflow_experiment,
-        compilation_cache_dir,
-        retry_spec,
-        program_params=program_params,
-    )
+    config = checked_job_config(locals())  # its MLflow URI checked before any work
     _join_processes()
     step = job_tasks(config.retry).restore_or_init(config, checkpoint_path=checkpoint_path)["step"]
     step, stopped = _train_loop(config, step, evaluate=True)
