@@ -135,6 +135,44 @@ def test_a_truncated_best_record_is_rebuilt_from_the_exports_and_kept_aside(job_
     assert re.search(r"best\.json is damaged .*rebuilt from the exports", caplog.text), caplog.text
 
 
+def test_a_damaged_export_record_is_named_left_out_of_the_rebuilt_best_and_listed(
+    job_config, caplog
+):
+    """A kept export's ``export.json`` that is not JSON raised the raw JSON error where it was
+    read (the rebuild of a damaged ``best.json``): that export is left out with a warning naming
+    the file, and ``status`` lists it with what becomes of it."""
+    from prefect_jax.training.exporters import exported_steps, read_best
+    from prefect_jax.training.specs import BestExporter
+
+    exporter = BestExporter(metric="loss", mode="min", keep=5)
+    config = job_config(max_steps=60, every_steps=20, exporters=[exporter], keep_last=5)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < config.train.max_steps:
+        trainer.train_until_checkpoint()
+        trainer.export(trainer.evaluate_if_new(trainer.step))
+    storage = trainer.job.storage
+    trainer.finish()
+    trainer.close()
+    steps = exported_steps(storage, "best")
+    assert len(steps) >= 2, steps
+    best_path = f"{storage.export_dir('best')}/best.json"
+    saved = json.load(open(best_path))
+    damaged = f"{storage.export_dir('best', saved['step'])}/export.json"
+    _truncate(damaged)
+    _truncate(best_path)
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
+        rebuilt = read_best(storage, exporter)
+    assert rebuilt is not None and rebuilt["step"] != saved["step"] and rebuilt["step"] in steps
+    assert re.search(
+        rf"{re.escape(damaged)} is damaged .*leaves step {saved['step']} out", caplog.text
+    ), caplog.text
+    job = status(config.job, config.storage)
+    (listed,) = job["damaged_records"]
+    assert listed["path"].endswith(f"/{saved['step']}/export.json"), listed
+    assert "left out" in listed["fix"], listed
+
+
 def test_a_damaged_stop_request_still_stops_the_job_and_names_the_file(tmp_path):
     """A torn ``stop.json`` says somebody asked to stop: it is not read as no request (the job
     would run on against the request), and its reason names the file and the fix."""
