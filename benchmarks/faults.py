@@ -421,6 +421,7 @@ def reference_run(ctx: dict, remote: bool) -> dict:
     registry = {k: status.get("registered_model", {}).get(k) for k in ("versions", "aliases")}
     return {
         "state_fingerprint": summary["state_fingerprint"],
+        "mlflow_run_id": summary["mlflow_run_id"],
         "exports": status["exports"],
         "best": best,
         "registry": registry,

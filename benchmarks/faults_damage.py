@@ -14,7 +14,8 @@ registry, MLflow, Prefect states against an uninterrupted run), plus one column 
   named the damaged file and ``status`` lists nothing damaged at the end (the damaged copy of the
   goodput ledger kept aside). ``metadata``: the step is moved aside as corrupt (never
   "The program changed"). ``vanished``: the run ended non-zero naming the job's directory as gone,
-  and wrote nothing into the empty directory made in its place.
+  and wrote nothing into the empty directory made in its place. ``mlflow_restart`` and
+  ``mlflow_unreachable``: see `benchmarks/faults_mlflow.py`.
 
 Each family disturbs one run (the record families: SIGKILL once step 200 is evaluated, then the
 record damaged), then reruns the job at once until it exits 0. It appends its table to
@@ -52,6 +53,8 @@ from faults import (
 
 sys.path.insert(0, str(TESTS))
 from deployment_helpers import PrefectServerProcess  # noqa: E402
+from faults_mlflow import FAMILIES as MLFLOW_FAMILIES  # noqa: E402
+from faults_mlflow import RUNS as MLFLOW_RUNS  # noqa: E402
 
 FAMILIES = {
     "full_disk": "every save refused by the filesystem (EFBIG past 12 MiB)",
@@ -60,6 +63,7 @@ FAMILIES = {
     "registry": "registry.json truncated",
     "metadata": f"one bit flipped in step {KILL_STEP}'s metadata",
     "vanished": "the job's directory gone mid-interval, an empty one in its place; back after",
+    **MLFLOW_FAMILIES,  # (benchmarks/faults_mlflow.py: its docstring says what they check)
 }
 LIMIT = 12 << 20
 # The CLI in a process whose files may not grow past argv[1] bytes (its SIGXFSZ ignored: the
@@ -115,6 +119,8 @@ def _until(point: str, proc, log: Path, ckpt: Path, timeout: float = 300) -> boo
 
 
 def run_family(family: str, ctx: dict) -> dict:
+    if family in MLFLOW_RUNS:
+        return MLFLOW_RUNS[family](ctx)
     job = family.replace("_", "-")
     storage = str(ctx["work"] / "storage")
     job_dir = ctx["work"] / "storage" / job
