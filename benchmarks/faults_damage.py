@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -219,14 +220,15 @@ def run_family(family: str, ctx: dict) -> dict:
     }
 
 
-def markdown(results: list[dict], seconds: float) -> str:
+def markdown(results: list[dict], seconds: float, note: str = "") -> str:
     cols = (*CHECKS[:4], "truthful")
     lines = [
         "",
         "## Damage families",
         "",
         "Written by `uv run python benchmarks/faults_damage.py` (its docstring says what each "
-        f"column checks); {seconds / 60:.1f} min, the same job and machine as above.",
+        f"column checks); the same job as above. Machine: {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {platform.python_version()}{note}; {seconds / 60:.1f} min.",
         "",
         "| family | first exit | runs to finish | fingerprint | exports + registry | MLflow "
         "| Prefect states | truthful |",
@@ -247,6 +249,7 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--out", default=str(ROOT / "FAULTS.md"), help="appended to")
     parser.add_argument("--workdir", default=None, help="keep storage, logs and stores here")
+    parser.add_argument("--note", default="", help="said of the machine in the table's header")
     args = parser.parse_args()
     started = time.monotonic()
     with (
@@ -272,7 +275,7 @@ def main() -> None:
                 print(json.dumps(results[-1]), flush=True)
         finally:
             server.stop()
-    text = markdown(results, time.monotonic() - started)
+    text = markdown(results, time.monotonic() - started, f" ({args.note})" if args.note else "")
     with open(args.out, "a") as f:
         f.write(text)
     print(text)
