@@ -51,3 +51,87 @@ def test_an_unanswering_server_with_mlflow_optional_costs_no_wait_and_is_said(tm
     assert sorted(summary["exports"]) == ["best", "final", "latest"], summary["exports"]
     # MLflow's retries of one call alone take minutes; the job itself a fraction of that.
     assert took < 200, f"{took:.0f}s"
+
+
+class _MlflowServer:
+    """``mlflow server`` on loopback, SQLite backend, in its own process group."""
+
+    def __init__(self, tmp_path, port: int):
+        self.tmp, self.port, self.proc = tmp_path, port, None
+        self.uri = f"http://127.0.0.1:{port}"
+
+    def start(self) -> None:
+        import httpx
+
+        log = open(self.tmp / "mlflow-server.log", "a")
+        self.proc = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server"]
+            + ["--backend-store-uri", f"sqlite:///{self.tmp}/server.db"]
+            + ["--artifacts-destination", str(self.tmp / "artifacts")]
+            + ["--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.tmp,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError((self.tmp / "mlflow-server.log").read_text()[-3000:])
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+
+@pytest.mark.slow
+def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
+    job_config, tmp_path, monkeypatch
+):
+    """The ``mlflow_restart`` family, small: the server SIGKILLed after the first checkpoint's
+    metrics landed, two intervals trained and evaluated while it is down, then back on its port.
+    MLflow's own retries carry the calls over the outage: every train and eval metric is in the
+    run exactly once, and the run ends FINISHED."""
+    from conftest import train_to_end
+    from mlflow.tracking import MlflowClient
+
+    from prefect_jax.training.trainer import Trainer
+
+    # MLflow's retries of a call sooner after each other than its default (its public setting):
+    # the same outage crossed, in less of the suite's time.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    server = _MlflowServer(tmp_path, _closed_port())
+    server.start()
+    try:
+        config = job_config(max_steps=60, every_steps=15).model_copy(
+            update={"mlflow_tracking_uri": server.uri}
+        )
+        trainer = Trainer(config)
+        trainer.restore_or_init()
+        trainer.train_until_checkpoint()
+        trainer.evaluate_if_new()
+        trainer.job.tracker.flush()  # step 15's metrics are in the server's store
+        server.kill()
+        for _ in range(2):  # (their MLflow calls wait out the outage in the worker)
+            trainer.train_until_checkpoint()
+            trainer.evaluate_if_new()
+        time.sleep(2)
+        server.start()
+        train_to_end(trainer)
+        trainer.finish()
+        run_id = trainer.job.tracker.run_id
+        trainer.close()
+        client = MlflowClient(server.uri)
+        assert client.get_run(run_id).info.status == "FINISHED"
+        # (train metrics at each log point and at each checkpoint, as without the outage)
+        train = sorted({*range(10, 61, 10), *range(15, 61, 15)})
+        for key, want in (("train/loss", train), ("eval/loss", list(range(15, 61, 15)))):
+            steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+            assert steps == want, (key, steps)
+    finally:
+        server.kill()
