@@ -243,8 +243,12 @@ def mlflow_unreachable(ctx: dict) -> dict:
             truthful = False
             detail.append(f"mlflow_missing: {missing!r}")
         # Nothing reached MLflow: no run, no registered model; the exports are the same.
-        ok = summary.get("mlflow_run_id") is None and not summary.get("registered_model")
-        row["mlflow"] = (ok, "" if ok else f"run {summary.get('mlflow_run_id')}")
+        registered = (job_dir / "registry.json").exists()
+        ok = summary.get("mlflow_run_id") is None and not registered
+        row["mlflow"] = (
+            ok,
+            "" if ok else f"run {summary.get('mlflow_run_id')}, registry.json: {registered}",
+        )
         exports_ok, why = row["exports"]
         if not exports_ok:
             ref = ctx["reference"]
