@@ -200,3 +200,37 @@ def test_a_damaged_rerun_count_is_kept_aside_and_counted_anew(tmp_path, caplog):
     assert "attempts.json is damaged" in caplog.text and "counting reruns anew" in caplog.text
     kept = [p for p in os.listdir(os.path.dirname(storage.path("attempts.json"))) if "damaged" in p]
     assert kept and kept[0].startswith("attempts.json.damaged-")
+
+
+def test_a_damaged_export_record_still_registers_its_model_and_names_the_file(
+    tmp_path, mlflow_uri, caplog
+):
+    """Registering an export read its ``export.json`` for the model's metadata and raised the raw
+    JSON error: the model (whole, beside it) is logged without that metadata, and the file named."""
+    import jax
+    import numpy as np
+
+    from prefect_jax.training.registry import log_export_model
+
+    w = np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2)
+    batch = jax.export.symbolic_shape("b")[0]
+    export = tmp_path / "export"
+    export.mkdir()
+    exported = jax.export.export(jax.jit(lambda x: x @ w))(
+        jax.ShapeDtypeStruct((batch, 4), np.float32)
+    )
+    (export / "model.jax_export").write_bytes(exported.serialize())
+    (export / "export.json").write_text('{"program": "tiny", "metr')
+    client = MlflowClient(mlflow_uri)
+    experiment = client.create_experiment("damaged-export-record")
+    run = client.create_run(experiment)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.registry"):
+        model_id = log_export_model(
+            client, mlflow_uri, experiment, run.info.run_id, "j", "j-key", 1, str(export), x
+        )
+    assert model_id
+    assert re.search(
+        rf"{re.escape(str(export / 'export.json'))} is damaged .*registered without its metadata",
+        caplog.text,
+    ), caplog.text
