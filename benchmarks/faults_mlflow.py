@@ -202,7 +202,7 @@ def mlflow_restart(ctx: dict) -> dict:
             ref = _contents(ctx["mlflow_uri"], ctx["reference"]["mlflow_run_id"])
             ok, why = _same_contents(_contents(server.uri, summary["mlflow_run_id"]), ref)
             if not ok:
-                old_ok, old_why = row["mlflow"]
+                old_why = row["mlflow"][1]
                 row["mlflow"] = (False, "; ".join(x for x in (old_why, why) if x))
         row["truthful"] = (truthful, "; ".join(detail))
     finally:
@@ -249,8 +249,7 @@ def mlflow_unreachable(ctx: dict) -> dict:
             ok,
             "" if ok else f"run {summary.get('mlflow_run_id')}, registry.json: {registered}",
         )
-        exports_ok, why = row["exports"]
-        if not exports_ok:
+        if not row["exports"][0]:  # (the registry: none is right here)
             ref = ctx["reference"]
             status = _status_exports(job, storage, env)
             ok = status == ref["exports"] and summary.get("best") == ref["best"]
