@@ -302,8 +302,12 @@ def _outcome(
         if same_exports
         else f"{status['exports']} best {summary.get('best')} registry {registry}",
     )
-    row["mlflow"] = _mlflow_check(
-        mlflow_uri, summary["mlflow_run_id"], status["evaluated_steps"].get("eval", [])
+    row["mlflow"] = (
+        _mlflow_check(
+            mlflow_uri, summary["mlflow_run_id"], status["evaluated_steps"].get("eval", [])
+        )
+        if summary.get("mlflow_run_id")
+        else (False, f"no MLflow run: {summary.get('mlflow_missing')}")
     )
     row["prefect"] = _prefect_check(api_url, job)
     return row
@@ -421,6 +425,7 @@ def reference_run(ctx: dict, remote: bool) -> dict:
     registry = {k: status.get("registered_model", {}).get(k) for k in ("versions", "aliases")}
     return {
         "state_fingerprint": summary["state_fingerprint"],
+        "mlflow_run_id": summary["mlflow_run_id"],
         "exports": status["exports"],
         "best": best,
         "registry": registry,

@@ -14,7 +14,8 @@ registry, MLflow, Prefect states against an uninterrupted run), plus one column 
   named the damaged file and ``status`` lists nothing damaged at the end (the damaged copy of the
   goodput ledger kept aside). ``metadata``: the step is moved aside as corrupt (never
   "The program changed"). ``vanished``: the run ended non-zero naming the job's directory as gone,
-  and wrote nothing into the empty directory made in its place.
+  and wrote nothing into the empty directory made in its place. ``mlflow_restart`` and
+  ``mlflow_unreachable``: see `benchmarks/faults_mlflow.py`.
 
 Each family disturbs one run (the record families: SIGKILL once step 200 is evaluated, then the
 record damaged), then reruns the job at once until it exits 0. It appends its table to
@@ -27,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -52,6 +54,8 @@ from faults import (
 
 sys.path.insert(0, str(TESTS))
 from deployment_helpers import PrefectServerProcess  # noqa: E402
+from faults_mlflow import FAMILIES as MLFLOW_FAMILIES  # noqa: E402
+from faults_mlflow import RUNS as MLFLOW_RUNS  # noqa: E402
 
 FAMILIES = {
     "full_disk": "every save refused by the filesystem (EFBIG past 12 MiB)",
@@ -60,6 +64,7 @@ FAMILIES = {
     "registry": "registry.json truncated",
     "metadata": f"one bit flipped in step {KILL_STEP}'s metadata",
     "vanished": "the job's directory gone mid-interval, an empty one in its place; back after",
+    **MLFLOW_FAMILIES,  # (benchmarks/faults_mlflow.py: its docstring says what they check)
 }
 LIMIT = 12 << 20
 # The CLI in a process whose files may not grow past argv[1] bytes (its SIGXFSZ ignored: the
@@ -115,6 +120,8 @@ def _until(point: str, proc, log: Path, ckpt: Path, timeout: float = 300) -> boo
 
 
 def run_family(family: str, ctx: dict) -> dict:
+    if family in MLFLOW_RUNS:
+        return MLFLOW_RUNS[family](ctx)
     job = family.replace("_", "-")
     storage = str(ctx["work"] / "storage")
     job_dir = ctx["work"] / "storage" / job
@@ -213,14 +220,15 @@ def run_family(family: str, ctx: dict) -> dict:
     }
 
 
-def markdown(results: list[dict], seconds: float) -> str:
+def markdown(results: list[dict], seconds: float, note: str = "") -> str:
     cols = (*CHECKS[:4], "truthful")
     lines = [
         "",
         "## Damage families",
         "",
         "Written by `uv run python benchmarks/faults_damage.py` (its docstring says what each "
-        f"column checks); {seconds / 60:.1f} min, the same job and machine as above.",
+        f"column checks); the same job as above. Machine: {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {platform.python_version()}{note}; {seconds / 60:.1f} min.",
         "",
         "| family | first exit | runs to finish | fingerprint | exports + registry | MLflow "
         "| Prefect states | truthful |",
@@ -241,6 +249,7 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--out", default=str(ROOT / "FAULTS.md"), help="appended to")
     parser.add_argument("--workdir", default=None, help="keep storage, logs and stores here")
+    parser.add_argument("--note", default="", help="said of the machine in the table's header")
     args = parser.parse_args()
     started = time.monotonic()
     with (
@@ -266,7 +275,7 @@ def main() -> None:
                 print(json.dumps(results[-1]), flush=True)
         finally:
             server.stop()
-    text = markdown(results, time.monotonic() - started)
+    text = markdown(results, time.monotonic() - started, f" ({args.note})" if args.note else "")
     with open(args.out, "a") as f:
         f.write(text)
     print(text)

@@ -604,3 +604,65 @@ def test_a_flipped_bit_in_a_steps_recorded_params_is_corruption_not_other_params
     assert "is corrupt" in caplog.text and "other program params" not in caplog.text
     assert [n for n in os.listdir(_ckpt_dir(config)) if n.startswith("40.corrupt-")]
     again.close()
+
+
+def _lease(tmp_path, timeout=60.0, storage_class=None):
+    from prefect_jax.training.lease import Lease
+    from prefect_jax.training.storage import JobStorage
+
+    storage = (storage_class or JobStorage)(root=str(tmp_path / "storage"), job="j")
+    os.makedirs(storage.job_dir, exist_ok=True)
+    return Lease(storage, owner_id="run-2", timeout_secs=timeout)
+
+
+def test_a_torn_lease_keeps_the_job_until_it_goes_stale_by_its_last_write(tmp_path, caplog):
+    """A torn lease file (a write cut short) is held by a trainer nobody can name, not by none:
+    read as absent, it let a second trainer take a live job silently."""
+    lease = _lease(tmp_path, timeout=60.0)
+    with open(lease.path, "w") as f:
+        f.write('{"token": "other", "flow_run_id": "run-1", "ho')
+    with pytest.raises(LeaseHeldError, match=r"unknown: its lease file .*lease\.json is torn"):
+        lease.acquire()
+    assert not lease.held and open(lease.path).read().endswith('"ho')  # untouched
+    old = time.time() - 500  # its last write older than the timeout: stale, as any lease
+    os.utime(lease.path, (old, old))
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
+        lease.acquire()
+    try:
+        assert lease.held and json.load(open(lease.path))["token"] == lease.token
+        assert re.search(
+            r"taking over .*lease file is torn and was last written 50\ds ago", caplog.text
+        )
+    finally:
+        lease.release()
+
+
+def test_the_heartbeat_never_makes_a_vanished_job_directory_again(tmp_path):
+    """The job's directory vanishing between the heartbeat's read and its write: the write must
+    not make it again (the next read would find the lease in place and the vanish papered over)."""
+    import shutil
+    import threading
+
+    from prefect_jax.training.lease import JobDirectoryGoneError
+    from prefect_jax.training.storage import JobStorage
+
+    away = tmp_path / "away"
+
+    class VanishingAfterARead(JobStorage):
+        """Storage that disappears just after the heartbeat's first read (the fault, timed)."""
+
+        def read_json(self, path):
+            out = super().read_json(path)
+            if threading.current_thread().name == "prefect-jax-lease" and not away.exists():
+                shutil.move(self.job_dir, away)
+            return out
+
+    lease = _lease(tmp_path, timeout=2.0, storage_class=VanishingAfterARead)
+    lease.acquire()
+    job_dir = lease.storage.job_dir
+    deadline = time.monotonic() + 30
+    while lease.held and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert away.exists() and not os.path.exists(job_dir), os.listdir(job_dir)
+    with pytest.raises(JobDirectoryGoneError, match=r"the job's directory .* is gone"):
+        lease.verify()

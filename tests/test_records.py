@@ -135,6 +135,44 @@ def test_a_truncated_best_record_is_rebuilt_from_the_exports_and_kept_aside(job_
     assert re.search(r"best\.json is damaged .*rebuilt from the exports", caplog.text), caplog.text
 
 
+def test_a_damaged_export_record_is_named_left_out_of_the_rebuilt_best_and_listed(
+    job_config, caplog
+):
+    """A kept export's ``export.json`` that is not JSON raised the raw JSON error where it was
+    read (the rebuild of a damaged ``best.json``): that export is left out with a warning naming
+    the file, and ``status`` lists it with what becomes of it."""
+    from prefect_jax.training.exporters import exported_steps, read_best
+    from prefect_jax.training.specs import BestExporter
+
+    exporter = BestExporter(metric="loss", mode="min", keep=5)
+    config = job_config(max_steps=60, every_steps=20, exporters=[exporter], keep_last=5)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < config.train.max_steps:
+        trainer.train_until_checkpoint()
+        trainer.export(trainer.evaluate_if_new(trainer.step))
+    storage = trainer.job.storage
+    trainer.finish()
+    trainer.close()
+    steps = exported_steps(storage, "best")
+    assert len(steps) >= 2, steps
+    best_path = f"{storage.export_dir('best')}/best.json"
+    saved = json.load(open(best_path))
+    damaged = f"{storage.export_dir('best', saved['step'])}/export.json"
+    _truncate(damaged)
+    _truncate(best_path)
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
+        rebuilt = read_best(storage, exporter)
+    assert rebuilt is not None and rebuilt["step"] != saved["step"] and rebuilt["step"] in steps
+    assert re.search(
+        rf"{re.escape(damaged)} is damaged .*leaves step {saved['step']} out", caplog.text
+    ), caplog.text
+    job = status(config.job, config.storage)
+    (listed,) = job["damaged_records"]
+    assert listed["path"].endswith(f"/{saved['step']}/export.json"), listed
+    assert "left out" in listed["fix"], listed
+
+
 def test_a_damaged_stop_request_still_stops_the_job_and_names_the_file(tmp_path):
     """A torn ``stop.json`` says somebody asked to stop: it is not read as no request (the job
     would run on against the request), and its reason names the file and the fix."""
@@ -162,3 +200,37 @@ def test_a_damaged_rerun_count_is_kept_aside_and_counted_anew(tmp_path, caplog):
     assert "attempts.json is damaged" in caplog.text and "counting reruns anew" in caplog.text
     kept = [p for p in os.listdir(os.path.dirname(storage.path("attempts.json"))) if "damaged" in p]
     assert kept and kept[0].startswith("attempts.json.damaged-")
+
+
+def test_a_damaged_export_record_still_registers_its_model_and_names_the_file(
+    tmp_path, mlflow_uri, caplog
+):
+    """Registering an export read its ``export.json`` for the model's metadata and raised the raw
+    JSON error: the model (whole, beside it) is logged without that metadata, and the file named."""
+    import jax
+    import numpy as np
+
+    from prefect_jax.training.registry import log_export_model
+
+    w = np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2)
+    batch = jax.export.symbolic_shape("b")[0]
+    export = tmp_path / "export"
+    export.mkdir()
+    exported = jax.export.export(jax.jit(lambda x: x @ w))(
+        jax.ShapeDtypeStruct((batch, 4), np.float32)
+    )
+    (export / "model.jax_export").write_bytes(exported.serialize())
+    (export / "export.json").write_text('{"program": "tiny", "metr')
+    client = MlflowClient(mlflow_uri)
+    experiment = client.create_experiment("damaged-export-record")
+    run = client.create_run(experiment)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.registry"):
+        model_id = log_export_model(
+            client, mlflow_uri, experiment, run.info.run_id, "j", "j-key", 1, str(export), x
+        )
+    assert model_id
+    assert re.search(
+        rf"{re.escape(str(export / 'export.json'))} is damaged .*registered without its metadata",
+        caplog.text,
+    ), caplog.text

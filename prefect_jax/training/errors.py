@@ -32,6 +32,11 @@ class LeaseHeldError(RuntimeError):
             for k in ("flow_run_id", "host", "pid")
             if owner.get(k) is not None
         )
+        if owner.get("torn"):  # (`Lease.read`: a lease file that is not JSON)
+            who = (
+                f"unknown: its lease file {owner['torn']} is torn (not JSON), held until it goes "
+                "stale"
+            )
         super().__init__(
             f"job {job_dir} is being trained by another process ({who}; heartbeat {age_secs:.0f}s "
             "ago). Only one trainer may write a job: wait for it to finish, cancel it, or, if it "

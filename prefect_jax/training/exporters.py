@@ -226,7 +226,13 @@ def read_best(storage: JobStorage, exporter: BestExporter) -> dict | None:
     except DamagedRecordError as exc:
         best = None
         for step in exported_steps(storage, exporter.name):
-            info = storage.read_json(f"{storage.export_dir(exporter.name, step)}/export.json")
+            try:
+                info = read_record(
+                    storage, f"{storage.export_dir(exporter.name, step)}/{INFO_FILE}"
+                )
+            except DamagedRecordError as damaged:  # that export cannot be judged: not a candidate
+                logger.warning("%s: the rebuilt best.json leaves step %d out", damaged, step)
+                continue
             metrics = (info or {}).get("metrics")
             usable = metrics and (exporter.compare_fn or exporter.metric in metrics)
             if usable and beats(exporter, metrics, step, best):

@@ -79,6 +79,11 @@ def damage_fix(path: str) -> str:
         )
     if name == "best.json":
         return "the next export rebuilds it from the kept exports' export.json (kept aside)"
+    if name == "export.json":
+        return (
+            "that export is left out where its record is read (a rebuilt best.json; its model is "
+            "registered without this metadata); delete the export's directory to drop it"
+        )
     if name == "stop.json":
         return "read as a stop request: delete it to let the job run on"
     if name == "attempts.json":

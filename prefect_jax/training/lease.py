@@ -19,6 +19,7 @@ stops there with `LeaseLostError` instead of writing over the new holder's steps
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -29,7 +30,7 @@ from collections.abc import Callable
 
 from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
 from prefect_jax.training.redaction import redact_url
-from prefect_jax.training.storage import JobStorage
+from prefect_jax.training.storage import JobStorage, atomic_write
 
 logger = logging.getLogger("prefect_jax.lease")
 
@@ -174,14 +175,24 @@ class Lease:
         }
 
     def read(self) -> dict | None:
+        """The lease record, or None when there is none. A torn one (a write cut short, bit rot)
+        is held by a trainer nobody can name: ``{"torn": <path>, "heartbeat": <its mtime>}``, so it
+        keeps the job until it goes stale as any lease does, by its last write and the timeout.
+        Read as none, it would let a second trainer take a live job silently."""
         try:
             return self.storage.read_json(self.path)
-        except ValueError:  # a torn lease file is as good as none
-            return None
+        except ValueError:  # (json's and UTF-8's decode errors)
+            try:
+                written = self.storage.fs.modified(self.path).timestamp()
+            except (OSError, NotImplementedError, ValueError):
+                written = time.time()  # no time to go by: held for a whole timeout from now
+            return {"torn": redact_url(self.path), "heartbeat": written}
 
     def _stale_reason(self, current: dict) -> str | None:
         age = time.time() - float(current.get("heartbeat", 0))
         if age > float(current.get("timeout_secs", self.timeout_secs)):
+            if current.get("torn"):
+                return f"its lease file is torn and was last written {age:.0f}s ago"
             return f"heartbeat {age:.0f}s old"
         if current.get("host") == socket.gethostname() and current.get("pid") is not None:
             pid = int(current["pid"])
@@ -361,9 +372,24 @@ class Lease:
                     return
                 if self._stop.is_set():
                     return
-                self.storage.write_json(self.path, self._record())
+                self._write_beat()
             except Exception:  # noqa: BLE001 - a missed beat is retried on the next one
                 logger.exception("lease heartbeat failed")
+
+    def _write_beat(self) -> None:
+        """Write the heartbeat into the job's directory as this process found it, never into one
+        made anew: the directory may vanish between the read and this write, and a write that
+        made its parent again would hide that (the next read would find this lease in place)."""
+        if self._home is not None and _identity(self.storage) != self._home:
+            self._lose({})  # (`_moved_away` says why)
+            return
+        if self.storage.protocol != "file":
+            self.storage.write_json(self.path, self._record())
+            return
+        try:
+            atomic_write(self.path, json.dumps(self._record(), indent=1, sort_keys=True).encode())
+        except FileNotFoundError:  # gone between the look above and the write: no parents made
+            self._lose({})
 
     def release(self) -> None:
         """Give the lease back (only if we still hold it)."""

@@ -30,7 +30,7 @@ except Exception as exc:
 _FIX = (
     "give --mlflow-tracking-uri a store MLflow answers at (sqlite:///<dir>/mlflow.db, "
     "http://<host>:5000 of a running 'mlflow server'), or pass --mlflow-optional to train without "
-    "it (its records are written when it answers)"
+    "it (nothing of the job is sent to it then)"
 )
 
 
@@ -103,13 +103,15 @@ class Probe:
 
 
 _checked_uris: set[str] = set()  # tracking URIs this process checked already (and went on)
-_unanswered_uris: set[str] = set()  # of those, the ones that failed the check (--mlflow-optional)
+_unusable_uris: set[str] = set()  # of those, the ones MLflow could not use (--mlflow-optional)
 
 
-def answered_at_start(tracking_uri: str | None) -> bool:
-    """False if this process checked `tracking_uri` and went on without an answer
-    (``--mlflow-optional``): nothing should wait for that store's first answer."""
-    return tracking_uri not in _unanswered_uris
+def found_unusable(tracking_uri: str | None) -> bool:
+    """Whether this process's check found `tracking_uri` unusable and went on without it
+    (``--mlflow-optional``): its trackers then make no MLflow call at all. Each would otherwise
+    wait out MLflow's own retries against a store that does not answer (minutes per call, for a
+    server), and the job's end would wait for all of them."""
+    return tracking_uri in _unusable_uris
 
 
 def start_check(tracking_uri: str | None) -> Probe | None:
@@ -138,7 +140,7 @@ def finish_check(probe: Probe, optional: bool) -> None:
         raise TrackingUnreachableError(problem)
     _checked_uris.add(probe.uri)
     if problem is not None:
-        _unanswered_uris.add(probe.uri)
+        _unusable_uris.add(probe.uri)
         warnings.warn(
             f"{problem}. --mlflow-optional: training goes on, and its summary says what did not "
             "reach MLflow",

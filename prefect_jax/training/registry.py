@@ -248,8 +248,19 @@ def log_export_model(
     info_path = os.path.join(export_dir, "export.json")
     metadata = {}
     if os.path.exists(info_path):
-        with open(info_path) as f:
-            info = json.load(f)
+        try:
+            with open(info_path) as f:
+                info = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # the model itself is whole
+            logger.warning(
+                "the record %s is damaged (%s: %s): step %s's model is registered without its "
+                "metadata (prefect-jax status lists the record)",
+                info_path,
+                type(exc).__name__,
+                exc,
+                step,
+            )
+            info = {}
         metadata = {
             k: info[k]
             for k in ("program", "program_fingerprint", "metrics", "eval_name")

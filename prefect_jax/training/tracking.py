@@ -36,6 +36,7 @@ from prefect_jax.training.mlflow_client import (
     strict,
     worker,
 )
+from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.tracking_metrics import MetricCalls
 from prefect_jax.training.tracking_run import RegistryCalls, RunCalls
 
@@ -107,6 +108,15 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-jax-mlflow")
             return
         if not enabled:
+            return
+        from prefect_jax.training.mlflow_reach import found_unusable
+
+        if found_unusable(tracking_uri):  # (--mlflow-optional: the summary says so)
+            self.enabled = False
+            logger.warning(
+                "MLflow at %s did not answer the job's check: nothing of this run is sent to it",
+                redact_url(self.tracking_uri),
+            )
             return
         if not in_process():
             try:

@@ -1,0 +1,276 @@
+"""The fault sweep's MLflow families (issue 53), run by `benchmarks/faults_damage.py`:
+
+- ``mlflow_restart``: the job tracks to a standing ``mlflow server`` (SQLite backend, started
+  here); once step 100's train metrics are in its store the server is SIGKILLed, and started
+  again on the same port some seconds later. The run must end 0 with nothing missing from its
+  summary, and the server's run must hold what the uninterrupted run's holds: the same metric
+  keys, each with the same steps, no point twice; the same params; one registered version per
+  export, as the uninterrupted run.
+- ``mlflow_unreachable``: the tracking URI is a closed port. The run must refuse before any
+  training (non-zero exit, no job directory, a message naming the URI and ``--mlflow-optional``);
+  with ``--mlflow-optional`` it trains to the end, exit 0, and its summary's ``mlflow_missing``
+  says nothing reached MLflow (no run, no registered model).
+
+Each returns the same columns as the other damage families (`faults_damage.run_family`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import faults
+from faults import TESTS, _args, _best, _env, _last_json, _outcome, _start
+
+FAMILIES = {
+    "mlflow_restart": f"the `mlflow server` SIGKILLed once step {faults.EVERY}'s metrics landed, "
+    "back on its port after 15 s",
+    "mlflow_unreachable": "the tracking URI a closed port: refused; with --mlflow-optional "
+    "trained, nothing in MLflow said",
+}
+DOWN_SECS = 15.0
+SKIPPED = ("system/",)  # MLflow's system metrics: sampled by the clock, not by the step
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """``mlflow server`` on loopback with a SQLite backend (its own process group)."""
+
+    def __init__(self, work: Path, port: int):
+        self.work, self.port = work, port
+        self.uri = f"http://127.0.0.1:{port}"
+        self.db = work / "mlflow-server.db"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, timeout: float = 180) -> None:
+        import httpx
+
+        self.starts += 1
+        log = open(self.work / "logs" / f"mlflow-server-{self.starts}.log", "w")
+        self.proc = subprocess.Popen(
+            [
+                *(str(Path(sys.executable).parent / "mlflow"), "server"),
+                *("--backend-store-uri", f"sqlite:///{self.db}"),
+                *("--artifacts-destination", str(self.work / "mlflow-artifacts")),
+                *("--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.work,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited {self.proc.returncode}: see {log.name}")
+            try:
+                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"mlflow server not healthy after {timeout}s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def last_step(self, key: str) -> int:
+        """The highest step of metric `key` in the server's store (-1: none yet)."""
+        try:
+            with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=5) as db:
+                row = db.execute("SELECT max(step) FROM metrics WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error:
+            return -1
+        return -1 if row is None or row[0] is None else row[0]
+
+
+def _contents(uri: str, run_id: str) -> dict:
+    """What MLflow holds of a run: each metric key's steps (with repeats), the param keys, and
+    the number of versions of each registered model whose versions came from the run."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    metrics = {
+        k: sorted(m.step for m in client.get_metric_history(run_id, k))
+        for k in run.data.metrics
+        if not k.startswith(SKIPPED)
+    }
+    versions = Counter(
+        v.name for v in client.search_model_versions(f"run_id = '{run_id}'", max_results=1000)
+    )
+    return {
+        "status": run.info.status,
+        "metrics": metrics,
+        "params": sorted(run.data.params),
+        "versions": dict(sorted(versions.items())),
+    }
+
+
+def _same_contents(got: dict, ref: dict) -> tuple[bool, str]:
+    problems = []
+    if got["status"] != "FINISHED":
+        problems.append(f"status {got['status']}")
+    for key in sorted(set(got["metrics"]) | set(ref["metrics"])):
+        steps, want = got["metrics"].get(key), ref["metrics"].get(key)
+        if steps != want:
+            twice = sorted(s for s, n in Counter(steps or []).items() if n > 1)
+            missing = sorted(set(want or []) - set(steps or []))
+            problems.append(f"{key}: twice at {twice}, missing {missing}")
+    if got["params"] != ref["params"]:
+        problems.append(f"params differ: {sorted(set(got['params']) ^ set(ref['params']))}")
+    if sorted(got["versions"].values()) != sorted(ref["versions"].values()):
+        problems.append(f"registered versions {got['versions']} (uninterrupted {ref['versions']})")
+    return not problems, "; ".join(problems)
+
+
+def _row(family, job, rc1, attempts, row) -> dict:
+    return {
+        "family": family,
+        "job": job,
+        "first_rc": rc1,
+        "attempts": attempts,
+        **{k: {"ok": ok, "detail": d} for k, (ok, d) in row.items()},
+    }
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def mlflow_restart(ctx: dict) -> dict:
+    job, work = "mlflow-restart", ctx["work"]
+    storage = str(work / "storage")
+    env = _env(ctx["api_url"], None, work / "cache" / job)
+    server = MlflowServer(work, _free_port())
+    server.start()
+    detail, truthful = [], True
+    try:
+        args = _args(job, storage, server.uri)
+        first = work / "logs" / f"{job}-1.log"
+        proc = _start(args, env, first)
+        deadline, hit = time.monotonic() + 600, False
+        while time.monotonic() < deadline and proc.poll() is None:
+            if server.last_step("train/loss") >= faults.EVERY:
+                hit = True
+                break
+            time.sleep(0.05)
+        if hit:
+            server.kill()
+            time.sleep(DOWN_SECS)
+            server.start()
+        rc1 = _wait(proc, 900)
+        summary = _last_json(first) if rc1 == 0 else None
+        attempts = 1
+        while summary is None and attempts < 4:  # as the other families: rerun until it ends 0
+            attempts += 1
+            log = work / "logs" / f"{job}-{attempts}.log"
+            if _wait(_start(args, env, log), 900) == 0:
+                summary = _last_json(log)
+        if not hit:
+            truthful = False
+            detail.append(f"the moment was missed (step {faults.EVERY} never reached the server)")
+        if rc1 != 0:
+            truthful = False
+            detail.append(f"the run the outage met exited {rc1}")
+        if summary is not None:
+            summary["best"] = _best(job, ctx, False)
+            if summary.get("mlflow_missing"):
+                truthful = False
+                detail.append(f"the summary says: {summary['mlflow_missing']}")
+        row = _outcome(job, storage, summary, ctx["reference"], server.uri, ctx["api_url"], env)
+        if summary is not None and summary.get("mlflow_run_id"):
+            ref = _contents(ctx["mlflow_uri"], ctx["reference"]["mlflow_run_id"])
+            ok, why = _same_contents(_contents(server.uri, summary["mlflow_run_id"]), ref)
+            if not ok:
+                old_why = row["mlflow"][1]
+                row["mlflow"] = (False, "; ".join(x for x in (old_why, why) if x))
+        row["truthful"] = (truthful, "; ".join(detail))
+    finally:
+        server.kill()
+    return _row("mlflow_restart", job, rc1, attempts, row)
+
+
+def mlflow_unreachable(ctx: dict) -> dict:
+    job, work = "mlflow-unreachable", ctx["work"]
+    storage = str(work / "storage")
+    job_dir = work / "storage" / job
+    env = _env(ctx["api_url"], None, work / "cache" / job)
+    uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    detail, truthful = [], True
+    first = work / "logs" / f"{job}-1.log"
+    rc1 = _wait(_start(_args(job, storage, uri), env, first), 600)
+    text = first.read_text(errors="replace")
+    named = f"--mlflow-tracking-uri {uri}" in text and "--mlflow-optional" in text
+    trained = "training from step" in text
+    if rc1 == 0 or not named or trained or job_dir.exists():
+        truthful = False
+        detail.append(
+            f"refusal: exit {rc1}, URI and --mlflow-optional named: {named}, trained: {trained}, "
+            f"job directory written: {job_dir.exists()}"
+        )
+    second = work / "logs" / f"{job}-2.log"
+    rc2 = _wait(_start([*_args(job, storage, uri), "--mlflow-optional"], env, second), 900)
+    summary = _last_json(second) if rc2 == 0 else None
+    if summary is not None:
+        summary["best"] = _best(job, ctx, False)
+    row = _outcome(job, storage, summary, ctx["reference"], uri, ctx["api_url"], env)
+    if summary is None:
+        truthful = False
+        detail.append(f"--mlflow-optional: exit {rc2}")
+    else:
+        missing = summary.get("mlflow_missing") or ""
+        if not missing.startswith(f"nothing of this run reached MLflow at {uri}"):
+            truthful = False
+            detail.append(f"mlflow_missing: {missing!r}")
+        # Nothing reached MLflow: no run, no registered model; the exports are the same.
+        registered = (job_dir / "registry.json").exists()
+        ok = summary.get("mlflow_run_id") is None and not registered
+        row["mlflow"] = (
+            ok,
+            "" if ok else f"run {summary.get('mlflow_run_id')}, registry.json: {registered}",
+        )
+        if not row["exports"][0]:  # (the registry: none is right here)
+            ref = ctx["reference"]
+            status = _status_exports(job, storage, env)
+            ok = status == ref["exports"] and summary.get("best") == ref["best"]
+            row["exports"] = (ok, "" if ok else f"{status} best {summary.get('best')}")
+    row["truthful"] = (truthful, "; ".join(detail))
+    return _row("mlflow_unreachable", job, rc1, 2, row)
+
+
+def _status_exports(job: str, storage: str, env) -> list:
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage]
+        + ["--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=TESTS,
+        check=True,
+    ).stdout
+    return json.loads(out.splitlines()[-1])["exports"]
+
+
+RUNS = {"mlflow_restart": mlflow_restart, "mlflow_unreachable": mlflow_unreachable}

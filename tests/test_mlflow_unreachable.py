@@ -1,0 +1,137 @@
+"""Issue 53's fault families ``mlflow_unreachable`` (fast) and ``mlflow_restart`` (in
+``benchmarks/faults_mlflow.py``): a tracking server that does not answer at the start, with
+``--mlflow-optional``, costs the job no wait at all and the summary says what is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_an_unanswering_server_with_mlflow_optional_costs_no_wait_and_is_said(tmp_path):
+    """Each MLflow call against a server that does not answer waits out MLflow's own retries
+    (minutes); the job ended only after every queued call had. Found unusable at the start, the
+    job sends it nothing: it ends as soon as it trained, nothing in MLflow, and says so."""
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_JAX_MLFLOW_STRICT"] = "0"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "run"]
+        + ["--program", "prefect_jax.examples.digits:tiny", "--job", "j"]
+        + ["--storage", str(tmp_path / "s"), "--max-steps", "20"]
+        + ["--checkpoint-every-steps", "10", "--log-every-steps", "5"]
+        + ["--mlflow-tracking-uri", uri, "--mlflow-optional", "--no-progress", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+    )
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--mlflow-tracking-uri {uri}: MLflow cannot use it" in proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["final_step"] == 20 and summary["eval"]
+    assert summary["mlflow_run_id"] is None
+    assert not (tmp_path / "s" / "j" / "registry.json").exists()  # no version registered
+    assert summary["mlflow_missing"].startswith(f"nothing of this run reached MLflow at {uri}")
+    assert sorted(summary["exports"]) == ["best", "final", "latest"], summary["exports"]
+    # MLflow's retries of one call alone take minutes; the job itself a fraction of that.
+    assert took < 200, f"{took:.0f}s"
+
+
+class _MlflowServer:
+    """``mlflow server`` on loopback, SQLite backend, in its own process group."""
+
+    def __init__(self, tmp_path, port: int):
+        self.tmp, self.port, self.proc = tmp_path, port, None
+        self.uri = f"http://127.0.0.1:{port}"
+
+    def start(self) -> None:
+        import httpx
+
+        log = open(self.tmp / "mlflow-server.log", "a")
+        self.proc = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server"]
+            + ["--backend-store-uri", f"sqlite:///{self.tmp}/server.db"]
+            + ["--artifacts-destination", str(self.tmp / "artifacts")]
+            + ["--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.tmp,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError((self.tmp / "mlflow-server.log").read_text()[-3000:])
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+
+@pytest.mark.slow
+def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
+    job_config, tmp_path, monkeypatch
+):
+    """The ``mlflow_restart`` family, small: the server SIGKILLed after the first checkpoint's
+    metrics landed, two intervals trained and evaluated while it is down, then back on its port.
+    MLflow's own retries carry the calls over the outage: every train and eval metric is in the
+    run exactly once, and the run ends FINISHED."""
+    from conftest import train_to_end
+    from mlflow.tracking import MlflowClient
+
+    from prefect_jax.training.trainer import Trainer
+
+    # MLflow's retries of a call sooner after each other than its default (its public setting):
+    # the same outage crossed, in less of the suite's time.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    server = _MlflowServer(tmp_path, _closed_port())
+    server.start()
+    try:
+        config = job_config(max_steps=60, every_steps=15).model_copy(
+            update={"mlflow_tracking_uri": server.uri}
+        )
+        trainer = Trainer(config)
+        trainer.restore_or_init()
+        trainer.train_until_checkpoint()
+        trainer.evaluate_if_new()
+        trainer.job.tracker.flush()  # step 15's metrics are in the server's store
+        server.kill()
+        for _ in range(2):  # (their MLflow calls wait out the outage in the worker)
+            trainer.train_until_checkpoint()
+            trainer.evaluate_if_new()
+        time.sleep(2)
+        server.start()
+        train_to_end(trainer)
+        trainer.finish()
+        run_id = trainer.job.tracker.run_id
+        trainer.close()
+        client = MlflowClient(server.uri)
+        assert client.get_run(run_id).info.status == "FINISHED"
+        # (train metrics at each log point and at each checkpoint, as without the outage)
+        train = sorted({*range(10, 61, 10), *range(15, 61, 15)})
+        for key, want in (("train/loss", train), ("eval/loss", list(range(15, 61, 15)))):
+            steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+            assert steps == want, (key, steps)
+    finally:
+        server.kill()
