@@ -283,9 +283,8 @@ def link_runs(config: JobConfig, tracker, trains: bool = True, wait_secs: float 
         publish_link(config, tracker, flow_run_id, known, tracker.requested_run_id, wait_secs)
         return
     if wait_secs > 0:
-        from prefect_jax.training.mlflow_reach import found_unusable
-
-        answered = not found_unusable(config.mlflow_tracking_uri) and tracker.wait_started(wait_secs)
+        # (a store the start-up check found unusable has no tracker: returned above)
+        answered = tracker.wait_started(wait_secs)
         run_id = tracker.run_id_if_known()
         if answered and run_id:
             publish_link(config, tracker, flow_run_id, tracker.run_url(), run_id, wait_secs)
