@@ -37,6 +37,11 @@ step) and ran its first step; the harness sums start-up, restore and compile fro
         --systems prefect_jax,plain --steps 2000
     uv run --group bench python benchmarks/goodput.py --periods 15 --signals KILL \
         --prefect-jax-args '--checkpoint-every-secs 5'
+    uv run --group bench python benchmarks/goodput.py --model lm --periods 30,60 \
+        --out benchmarks/GOODPUT-LM.json  # the byte LM (`goodput_lm.py`): same three systems
+
+With --model lm the job is the byte LM (see `goodput_lm.py`), and the harness exits non-zero
+(after its JSON) where a system never finishes or ends at another step than --steps.
 
 Progress goes to stderr; the last stdout line is one JSON object (also --out).
 """
@@ -545,7 +550,7 @@ def main() -> None:
         metavar="JSON",
         help="--model lm: overrides of goodput_lm.LM_PARAMS, the byte LM's program params",
     )
-    parser.add_argument("--steps", type=int, default=None, help="default: 8000 (lm: 275)")
+    parser.add_argument("--steps", type=int, default=None, help="default: 8000 (lm: 120)")
     parser.add_argument(
         "--min-periods",
         type=float,
@@ -555,7 +560,7 @@ def main() -> None:
         "lasts less than N of the longest period, so that every period interrupts every system "
         "(0: never)",
     )
-    parser.add_argument("--every", type=int, default=None, help="default: 500 (lm: 25)")
+    parser.add_argument("--every", type=int, default=None, help="default: 500 (lm: 10)")
     parser.add_argument("--max-attempts", type=int, default=40)
     parser.add_argument(
         "--prefect-jax-args",
@@ -571,8 +576,8 @@ def main() -> None:
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     lm = args.model == "lm"
-    args.steps = args.steps or (275 if lm else 8000)
-    args.every = args.every or (25 if lm else 500)
+    args.steps = args.steps or (120 if lm else 8000)
+    args.every = args.every or (10 if lm else 500)
     if args.child and lm:
         sys.path.insert(0, HERE)
         import goodput_lm

@@ -3,8 +3,8 @@
 The job: ``prefect_jax.examples.bytelm``'s ``small`` preset (a 3.3M-parameter 4-layer
 transformer over 256-byte windows) with the overrides of `LM_PARAMS`: a micro-batch of 4 windows
 (the preset's 16 makes a step of seconds on two shared cores: too few checkpoint intervals fit
-in a preemption period), learned positions (Keras has no rotary attention layer), 64 eval
-windows per evaluation and a 30-step warmup (the job is a few hundred steps). ``decay_steps`` is
+in a preemption period), learned positions (Keras has no rotary attention layer), 32 eval
+windows per evaluation and a 30-step warmup (the job is about a hundred steps). ``decay_steps`` is
 left unset, so the cosine horizon is the job's --steps on every side.
 
 Data: the example's corpus shards under the cache folder (the standard library's sources, split
@@ -33,7 +33,7 @@ LM_PARAMS = {
     "preset": "small",
     "batch_size": 4,
     "positions": "learned",
-    "eval_sequences": 64,
+    "eval_sequences": 32,
     "warmup_steps": 30,
 }
 """The byte LM's program params for every system (``--lm-params`` JSON overrides them)."""
@@ -60,7 +60,7 @@ def build_corpus(args) -> dict:
         "param_count": program.param_count,
         "corpus": {
             "train_windows": corpus.windows["train"],
-            "eval_windows": len(program.eval_data()),
+            "eval_windows": sum(len(b["tokens"]) for b in program.eval_data()),
         },
         "tokens_per_step": program.tokens_per_step,
     }
