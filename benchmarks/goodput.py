@@ -261,7 +261,8 @@ def child_keras(args) -> None:
 
 
 def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str], dict]:
-    if system == "prefect_jax" and args.model == "lm":
+    lm = getattr(args, "model", "digits") == "lm"  # (floor.py's namespace has no model)
+    if system == "prefect_jax" and lm:
         import goodput_lm
 
         return goodput_lm.prefect_jax_command(args, workdir), dict(server_env)
@@ -302,7 +303,7 @@ def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str
         "--every",
         str(args.every),
     ]
-    if args.model == "lm":
+    if lm:
         cmd += ["--model", "lm", "--lm-params", args.lm_params]
     return cmd, dict(server_env)
 
@@ -409,7 +410,7 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
         "attempt_wall_s": [round(a["wall_s"], 2) for a in attempts],
     }
     result["breakdown"] = breakdown(system, workdir)
-    if args.model == "lm":  # the step each system says it ended at (checked in main)
+    if getattr(args, "model", "digits") == "lm":  # the step each system ended at (checked in main)
         result["final_step"] = final_step(system, workdir, len(attempts) - 1)
         if system == "keras":
             with open(os.path.join(workdir, "keras_params.json")) as f:

@@ -466,20 +466,16 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
     return out
 
 
-def goodput_lm_markdown() -> list[str]:
-    """`goodput.py --model lm` (GOODPUT-LM.json): the same preemptions on the byte LM, with the
-    verdict per period and signal: prefect-jax's goodput against each peer's."""
-    gp = _record("GOODPUT-LM.json")
-    if not gp or not gp.get("runs"):
-        return []
-    un, lm = gp["uninterrupted"], gp["lm"]
-    counts = next((r["param_counts"] for r in un.values() if r.get("param_counts")), {})
-    out = ["", "## Goodput under preemption: the byte LM", ""] + _goodput_runs_rows(gp)
+def _goodput_verdicts(runs: list[dict], uninterrupted: dict) -> str:
+    """prefect-jax's goodput minus each peer's, per period and signal, each system's goodput
+    taken against the given uninterrupted walls (a run that never finished: 0)."""
     verdicts = []
-    for period, sig in sorted({(r["period_s"], r["signal"]) for r in gp["runs"]}):
+    for period, sig in sorted({(r["period_s"], r["signal"]) for r in runs}):
         same = {
-            r["system"]: r["goodput"]
-            for r in gp["runs"]
+            r["system"]: 0.0
+            if r.get("failed")
+            else uninterrupted[r["system"]]["total_s"] / r["total_s"]
+            for r in runs
             if (r["period_s"], r["signal"]) == (period, sig)
         }
         pj = same.get("prefect_jax")
@@ -489,6 +485,18 @@ def goodput_lm_markdown() -> list[str]:
                     f"T={period:g} SIG{sig} vs {peer}: {pj - value:+.3f}"
                     + ("" if pj >= value else " (**below**)")
                 )
+    return "; ".join(verdicts)
+
+
+def goodput_lm_markdown() -> list[str]:
+    """`goodput.py --model lm` (GOODPUT-LM.json): the same preemptions on the byte LM, with the
+    verdict per period and signal: prefect-jax's goodput against each peer's."""
+    gp = _record("GOODPUT-LM.json")
+    if not gp or not gp.get("runs"):
+        return []
+    un, lm = gp["uninterrupted"], gp["lm"]
+    counts = next((r["param_counts"] for r in un.values() if r.get("param_counts")), {})
+    out = ["", "## Goodput under preemption: the byte LM", ""] + _goodput_runs_rows(gp)
     params = ", ".join(f"{k}={v}" for k, v in lm["params"].items())
     out += [
         "",
@@ -500,7 +508,7 @@ def goodput_lm_markdown() -> list[str]:
         + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in un.items())
         + ". Columns as in [Goodput under preemption](#goodput-under-preemption).",
         "",
-        "prefect-jax's goodput minus each peer's: " + "; ".join(verdicts) + ".",
+        "prefect-jax's goodput minus each peer's: " + _goodput_verdicts(gp["runs"], un) + ".",
     ]
     if gp.get("note"):
         out += ["", gp["note"]]
