@@ -37,6 +37,11 @@ step) and ran its first step; the harness sums start-up, restore and compile fro
         --systems prefect_jax,plain --steps 2000
     uv run --group bench python benchmarks/goodput.py --periods 15 --signals KILL \
         --prefect-jax-args '--checkpoint-every-secs 5'
+    uv run --group bench python benchmarks/goodput.py --model lm --periods 30,60 \
+        --out benchmarks/GOODPUT-LM.json  # the byte LM (`goodput_lm.py`): same three systems
+
+With --model lm the job is the byte LM (see `goodput_lm.py`), and the harness exits non-zero
+(after its JSON) where a system never finishes or ends at another step than --steps.
 
 Progress goes to stderr; the last stdout line is one JSON object (also --out).
 """
@@ -256,6 +261,11 @@ def child_keras(args) -> None:
 
 
 def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str], dict]:
+    lm = getattr(args, "model", "digits") == "lm"  # (floor.py's namespace has no model)
+    if system == "prefect_jax" and lm:
+        import goodput_lm
+
+        return goodput_lm.prefect_jax_command(args, workdir), dict(server_env)
     if system == "prefect_jax":
         cli = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
         cmd = [
@@ -293,6 +303,8 @@ def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str
         "--every",
         str(args.every),
     ]
+    if lm:
+        cmd += ["--model", "lm", "--lm-params", args.lm_params]
     return cmd, dict(server_env)
 
 
@@ -398,6 +410,11 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
         "attempt_wall_s": [round(a["wall_s"], 2) for a in attempts],
     }
     result["breakdown"] = breakdown(system, workdir)
+    if getattr(args, "model", "digits") == "lm":  # the step each system ended at (checked in main)
+        result["final_step"] = final_step(system, workdir, len(attempts) - 1)
+        if system == "keras":
+            with open(os.path.join(workdir, "keras_params.json")) as f:
+                result["param_counts"] = json.load(f)
     if os.environ.get("GOODPUT_KEEP") != "1":
         import shutil
 
@@ -409,6 +426,19 @@ def run_job(system: str, args, period: float | None, sig: str | None, server_env
         f"{result['exits']}"
     )
     return result
+
+
+def final_step(system: str, workdir: str, last: int) -> int | None:
+    """The step the finished attempt reports: the command's JSON summary, or a peer's done mark."""
+    if system == "prefect_jax":
+        with open(os.path.join(workdir, f"attempt-{last}.log")) as f:
+            for line in reversed(f.read().splitlines()):
+                if line.startswith("{"):
+                    return json.loads(line).get("final_step")
+        return None
+    with open(os.path.join(workdir, "attempts.jsonl")) as f:
+        done = [json.loads(line) for line in f if '"done"' in line]
+    return done[-1]["step"] if done else None
 
 
 def breakdown(system: str, workdir: str) -> dict:
@@ -509,7 +539,19 @@ def main() -> None:
         "--periods", default="15,30,60", help="seconds between preemptions (comma-separated)"
     )
     parser.add_argument("--signals", default="TERM,KILL")
-    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument(
+        "--model",
+        choices=["digits", "lm"],
+        default="digits",
+        help="digits: bench_programs:wide (the default); lm: the byte LM (goodput_lm.py)",
+    )
+    parser.add_argument(
+        "--lm-params",
+        default="{}",
+        metavar="JSON",
+        help="--model lm: overrides of goodput_lm.LM_PARAMS, the byte LM's program params",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="default: 8000 (lm: 120)")
     parser.add_argument(
         "--min-periods",
         type=float,
@@ -519,7 +561,7 @@ def main() -> None:
         "lasts less than N of the longest period, so that every period interrupts every system "
         "(0: never)",
     )
-    parser.add_argument("--every", type=int, default=500)
+    parser.add_argument("--every", type=int, default=None, help="default: 500 (lm: 10)")
     parser.add_argument("--max-attempts", type=int, default=40)
     parser.add_argument(
         "--prefect-jax-args",
@@ -534,9 +576,20 @@ def main() -> None:
     )
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    lm = args.model == "lm"
+    args.steps = args.steps or (120 if lm else 8000)
+    args.every = args.every or (10 if lm else 500)
+    if args.child and lm:
+        sys.path.insert(0, HERE)
+        import goodput_lm
+
+        {"keras": goodput_lm.child_keras, "plain": goodput_lm.child_plain}[args.child](args)
+        return
     if args.child:
         {"keras": child_keras}.get(args.child, child_plain)(args)
         return
+    if lm and set(args.systems.split(",")) - {"prefect_jax", "plain", "keras"}:
+        parser.error(f"--systems {args.systems!r}: --model lm has prefect_jax, plain and keras")
     if args.steps % args.every:
         parser.error(
             f"--steps ({args.steps}) must be a multiple of --every ({args.every}): "
@@ -562,6 +615,11 @@ def main() -> None:
         "prefect_jax_args": args.prefect_jax_args,
     }
     t = time.time()
+    if lm:  # the corpus is built before any clock, once for all systems
+        import goodput_lm
+
+        report.update(program=goodput_lm.PROGRAM, lm=goodput_lm.build_corpus(args))
+        log(f"byte LM: {report['lm']}")
     with StandingServer(os.path.join(work, "server-home")) as server:
         env = dict(base, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
         warm_up(env)
@@ -602,6 +660,21 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(line + "\n")
     print(line, flush=True)
+    if lm:  # a system that never finished, or finished elsewhere, is no goodput: say so loudly
+        bad = [
+            f"{r['system']} T={r['period_s']} {r['signal']}: "
+            + (
+                f"never finished ({r['failed']})"
+                if "failed" in r
+                else f"final step {r['final_step']}"
+            )
+            for r in [*report["uninterrupted"].values(), *report["runs"]]
+            if "failed" in r or r.get("final_step") != args.steps
+        ]
+        if bad:
+            sys.exit(
+                f"[goodput] expected every system to end at step {args.steps}: " + "; ".join(bad)
+            )
 
 
 if __name__ == "__main__":

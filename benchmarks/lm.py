@@ -93,6 +93,34 @@ def save_args(state, it):
     )
 
 
+def restore(mgr, step: int, program, it):
+    """The state saved at `step` by `save_args` (typed PRNG keys rewrapped); the Grain iterator
+    `it` is moved to the position saved with it (`goodput_lm.py`'s resumable bare loop)."""
+    import grain
+    import jax
+    import orbax.checkpoint as ocp
+
+    typed = jax.eval_shape(program.init, jax.random.key(0))
+    raw = mgr.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(
+                jax.eval_shape(lambda k: savable(program.init(k)), jax.random.key(0))
+            ),
+            data=grain.checkpoint.CheckpointRestore(it),
+        ),
+    )["state"]
+
+    def wrap(t, x):
+        return (
+            jax.random.wrap_key_data(x)
+            if jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key)
+            else x
+        )
+
+    return jax.tree.map(wrap, typed, raw)
+
+
 def evaluate(eval_fn, state, program) -> dict:
     """Every eval batch, sums kept on the device, one read at the end."""
     import jax

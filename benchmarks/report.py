@@ -355,14 +355,9 @@ LOST_COLUMNS = (
 )
 
 
-def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
-    if not goodput or not goodput.get("runs"):
-        return []
-    un = goodput["uninterrupted"]
+def _goodput_runs_rows(goodput: dict) -> list[str]:
+    """The runs table: a row per period, signal and system."""
     out = [
-        "",
-        "## Goodput under preemption",
-        "",
         "| T s | signal | system | attempts | total s | goodput | vs plain | rerun to first "
         "new step s (mean) |",
         "|---:|---|---|---:|---:|---:|---:|---:|",
@@ -381,6 +376,56 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
             f"{_f(r['total_s'], 1)} | {_f(r['goodput'], 3)} | {_f(r.get('vs_plain'), 3)} | "
             f"{_f(restart)} |"
         )
+    return out
+
+
+def _goodput_ledger_rows(goodput: dict) -> list[str]:
+    """prefect-jax's own goodput ledger: a row per run, and the uninterrupted one first."""
+    un = goodput["uninterrupted"]
+    lost = " | ".join(c.replace("_", " ") for c in LOST_COLUMNS)
+    out = [
+        f"| T s | signal | ledger goodput | productive | {lost} |",
+        "|---:|---|---:|---:|" + "---:|" * len(LOST_COLUMNS),
+    ]
+    pj = [("uninterrupted", "", un.get("prefect_jax"))] + [
+        (f"{r['period_s']:g}", f"SIG{r['signal']}", r)
+        for r in goodput["runs"]
+        if r["system"] == "prefect_jax"
+    ]
+    for period, sig, r in pj:
+        b = (r or {}).get("breakdown") or {}
+        if b.get("source") != "ledger":
+            continue
+        out.append(
+            f"| {period} | {sig} | {_f(b['goodput_ledger'], 3)} | "
+            f"{_f(b['productive_s'], 1)} | "
+            + " | ".join(_f(b["lost_s"].get(c), 1) for c in LOST_COLUMNS)
+            + " |"
+        )
+    return out
+
+
+def _goodput_peer_rows(peers: list[dict]) -> list[str]:
+    """The peers' start-up, restore and compile seconds, summed over a run's attempts."""
+    out = [
+        "| T s | signal | system | start-up | restore | compile |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    for r in peers:
+        lost = r["breakdown"]["lost_s"]
+        out.append(
+            f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | "
+            f"{_f(lost['startup'], 1)} | {_f(lost['restore'], 1)} | "
+            f"{_f(lost['compile'], 1)} |"
+        )
+    return out
+
+
+def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
+    if not goodput or not goodput.get("runs"):
+        return []
+    un = goodput["uninterrupted"]
+    out = ["", "## Goodput under preemption", ""] + _goodput_runs_rows(goodput)
     out += [
         "",
         f"`benchmarks/goodput.py`: `{goodput['program']}` (a 64-1024-1024-10 MLP, batch "
@@ -403,27 +448,7 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
         )
     if goodput.get("note"):  # where these rows come from, when not from this run (see --render)
         out += ["", goodput["note"]]
-    lost = " | ".join(c.replace("_", " ") for c in LOST_COLUMNS)
-    out += [
-        "",
-        f"| T s | signal | ledger goodput | productive | {lost} |",
-        "|---:|---|---:|---:|" + "---:|" * len(LOST_COLUMNS),
-    ]
-    pj = [("uninterrupted", "", un.get("prefect_jax"))] + [
-        (f"{r['period_s']:g}", f"SIG{r['signal']}", r)
-        for r in goodput["runs"]
-        if r["system"] == "prefect_jax"
-    ]
-    for period, sig, r in pj:
-        b = (r or {}).get("breakdown") or {}
-        if b.get("source") != "ledger":
-            continue
-        out.append(
-            f"| {period} | {sig} | {_f(b['goodput_ledger'], 3)} | "
-            f"{_f(b['productive_s'], 1)} | "
-            + " | ".join(_f(b["lost_s"].get(c), 1) for c in LOST_COLUMNS)
-            + " |"
-        )
+    out += ["", *_goodput_ledger_rows(goodput)]
     out += [
         "",
         "Where prefect-jax's time went, seconds, from the job's own goodput ledger "
@@ -432,23 +457,67 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
     ]
     peers = [r for r in goodput["runs"] if r["breakdown"].get("source") == "marks"]
     if peers:
-        out += [
-            "",
-            "| T s | signal | system | start-up | restore | compile |",
-            "|---:|---|---|---:|---:|---:|",
-        ]
-        for r in peers:
-            lost = r["breakdown"]["lost_s"]
-            out.append(
-                f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | "
-                f"{_f(lost['startup'], 1)} | {_f(lost['restore'], 1)} | "
-                f"{_f(lost['compile'], 1)} |"
-            )
+        out += ["", *_goodput_peer_rows(peers)]
         out += [
             "",
             "The peers' time, seconds summed over attempts, from their processes' marks "
             "(start, imports done, restored, first step).",
         ]
+    return out
+
+
+def _goodput_verdicts(runs: list[dict], uninterrupted: dict) -> str:
+    """prefect-jax's goodput minus each peer's, per period and signal, each system's goodput
+    taken against the given uninterrupted walls (a run that never finished: 0)."""
+    verdicts = []
+    for period, sig in sorted({(r["period_s"], r["signal"]) for r in runs}):
+        same = {
+            r["system"]: 0.0
+            if r.get("failed")
+            else uninterrupted[r["system"]]["total_s"] / r["total_s"]
+            for r in runs
+            if (r["period_s"], r["signal"]) == (period, sig)
+        }
+        pj = same.get("prefect_jax")
+        for peer, value in same.items():
+            if peer != "prefect_jax" and pj is not None:
+                verdicts.append(
+                    f"T={period:g} SIG{sig} vs {peer}: {pj - value:+.3f}"
+                    + ("" if pj >= value else " (**below**)")
+                )
+    return "; ".join(verdicts)
+
+
+def goodput_lm_markdown() -> list[str]:
+    """`goodput.py --model lm` (GOODPUT-LM.json): the same preemptions on the byte LM, with the
+    verdict per period and signal: prefect-jax's goodput against each peer's."""
+    gp = _record("GOODPUT-LM.json")
+    if not gp or not gp.get("runs"):
+        return []
+    un, lm = gp["uninterrupted"], gp["lm"]
+    counts = next((r["param_counts"] for r in un.values() if r.get("param_counts")), {})
+    out = ["", "## Goodput under preemption: the byte LM", ""] + _goodput_runs_rows(gp)
+    params = ", ".join(f"{k}={v}" for k, v in lm["params"].items())
+    out += [
+        "",
+        f"`benchmarks/goodput.py --model lm` ({gp.get('measured', 'this run')}): "
+        f"`{gp['program']}` with {params} ({lm['param_count']:,} parameters; the Keras "
+        f"model: {counts.get('keras', 0):,}), {gp['steps']} steps of {lm['tokens_per_step']} "
+        f"tokens, a checkpoint and an evaluation ({lm['corpus']['eval_windows']} eval windows) "
+        f"every {gp['every']} steps, the same corpus shards for all three systems. Uninterrupted: "
+        + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in un.items())
+        + ". Columns as in [Goodput under preemption](#goodput-under-preemption).",
+        "",
+        "prefect-jax's goodput minus each peer's: " + _goodput_verdicts(gp["runs"], un) + ".",
+    ]
+    if gp.get("note"):
+        out += ["", gp["note"]]
+    out += ["", *_goodput_ledger_rows(gp), ""]
+    out.append("Where prefect-jax's time went, seconds, from the job's goodput ledger.")
+    peers = [r for r in gp["runs"] if r["breakdown"].get("source") == "marks"]
+    if peers:
+        out += ["", *_goodput_peer_rows(peers), ""]
+        out.append("The peers' time, seconds summed over attempts, from their processes' marks.")
     return out
 
 
@@ -1286,6 +1355,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     out += restart_markdown(report)
     out += worker_rerun_markdown(report.get("worker_rerun"))
     out += goodput_markdown(report.get("goodput"), summary)
+    out += goodput_lm_markdown()
     out += multiprocess_markdown(report.get("multiprocess"))
     out += gpu_markdown()
     out += lm_gpu_markdown()
