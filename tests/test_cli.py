@@ -312,6 +312,21 @@ def test_export_platforms_come_from_the_command_and_default_to_none():
     assert _run_specs("--export-platforms", "cuda, cpu")[1].export_platforms == ["cuda", "cpu"]
 
 
+def test_the_browse_lines_open_a_tracking_servers_own_ui_and_start_one_for_a_store():
+    from prefect_jax.cli.console import browse_lines
+
+    def mlflow_line(uri: str) -> str:
+        summary = {"mlflow_tracking_uri": uri, "job": "j", "storage": "/s"}
+        summary["mlflow_run_url"] = "http://mlflow.example:5000/#/experiments/1/runs/r"
+        return next(line for line in browse_lines(summary) if "MLflow:" in line)
+
+    served = mlflow_line("http://mlflow.example:5000")
+    assert (
+        "mlflow ui" not in served and "http://mlflow.example:5000/#/experiments/1/runs/r" in served
+    )
+    assert "mlflow ui --backend-store-uri sqlite:////tmp/m.db" in mlflow_line("sqlite:////tmp/m.db")
+
+
 @pytest.mark.slow
 # The command spawns its server before it imports JAX; in this test process JAX may be running.
 @pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")

@@ -120,6 +120,8 @@ def browse_lines(summary: dict[str, Any]) -> list[str]:
     missing = summary.get("mlflow_missing")
     if missing:  # (--mlflow-optional) no MLflow UI or model to point at: say why instead
         lines.append(f"  MLflow:  {missing}")
+    elif str(uri).startswith(("http://", "https://")):  # a tracking server: its own UI
+        lines.append(f"  MLflow:  open {run_url}")
     else:
         lines.append(
             f"  MLflow:  uv run mlflow ui --backend-store-uri {uri}   (then open {run_url})"
