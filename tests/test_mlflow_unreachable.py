@@ -20,6 +20,25 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+def test_a_store_an_optional_job_went_on_without_is_asked_again_by_a_job_that_needs_it():
+    """The check's memory is per process (a notebook, a served flow): a job without
+    mlflow_optional after one with it must be refused, not handed a tracker that sends nothing."""
+    from prefect_jax.training.mlflow_client import TrackingWarning
+    from prefect_jax.training.mlflow_reach import (
+        TrackingUnreachableError,
+        check_tracking_uri,
+        found_unusable,
+    )
+
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.warns(TrackingWarning):
+        check_tracking_uri(uri, optional=True)
+    assert found_unusable(uri)
+    check_tracking_uri(uri, optional=True)  # asked once: no second wait, no second warning
+    with pytest.raises(TrackingUnreachableError, match="127.0.0.1"):
+        check_tracking_uri(uri)
+
+
 @pytest.mark.slow
 def test_an_unanswering_server_with_mlflow_optional_costs_no_wait_and_is_said(tmp_path):
     """Each MLflow call against a server that does not answer waits out MLflow's own retries

@@ -153,7 +153,7 @@ def preflight(
     from prefect_jax.training.storage import JobStorage
 
     from_env()  # before anything is written
-    probe = start_check(tracking_uri)  # answers while the program loads
+    probe = start_check(tracking_uri, mlflow_optional)  # answers while the program loads
     try:
         loaded, params = load_program_with_params(
             program, dict(program_params) if program_params else None, max_steps

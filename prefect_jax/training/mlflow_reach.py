@@ -114,13 +114,16 @@ def found_unusable(tracking_uri: str | None) -> bool:
     return tracking_uri in _unusable_uris
 
 
-def start_check(tracking_uri: str | None) -> Probe | None:
+def start_check(tracking_uri: str | None, optional: bool = False) -> Probe | None:
     """Start asking the tracking store at `tracking_uri` whether it answers (see `Probe.check`);
-    None: no URI given, one this process checked already, or a process that writes no MLflow
-    run."""
+    None: no URI given, one this process checked already (and, unless `optional`, found usable:
+    a job that may not go on without MLflow asks again a store an earlier optional job went on
+    without), or a process that writes no MLflow run."""
     from prefect_jax.training.cluster_config import leads_from_env
 
-    if not tracking_uri or tracking_uri in _checked_uris or not leads_from_env():
+    if not tracking_uri or not leads_from_env():
+        return None
+    if tracking_uri in _checked_uris and (optional or tracking_uri not in _unusable_uris):
         return None
     return Probe(tracking_uri)
 
@@ -139,7 +142,9 @@ def finish_check(probe: Probe, optional: bool) -> None:
     if problem is not None and not optional:
         raise TrackingUnreachableError(problem)
     _checked_uris.add(probe.uri)
-    if problem is not None:
+    if problem is None:
+        _unusable_uris.discard(probe.uri)  # (back since an earlier check: sent to again)
+    else:
         _unusable_uris.add(probe.uri)
         warnings.warn(
             f"{problem}. --mlflow-optional: training goes on, and its summary says what did not "
@@ -160,7 +165,7 @@ def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None
     Raises:
         TrackingUnreachableError: MLflow cannot use the URI (a ``ValueError``), unless `optional`.
     """
-    probe = start_check(tracking_uri)
+    probe = start_check(tracking_uri, optional)
     if probe is not None:
         try:
             finish_check(probe, optional)
