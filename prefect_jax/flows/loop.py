@@ -111,6 +111,9 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
     trainer = get_trainer(config)
     if trainer.state is None:
         trainer.restore_or_init()
+    # First: a collective where the state is sharded over several processes, which every process
+    # must reach before anything that fails in process 0 alone (below).
+    fingerprint = trainer.fingerprint()
     at_the_end = stopped is None and config.train.is_final(trainer.step)
     if evaluates and at_the_end and trainer.job.is_primary and not trainer.evaluations.stopped:
         trainer.evaluations.pending.record(wait=True)  # the final step's, once its save commits
@@ -132,7 +135,7 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
         "mlflow_run_url": trainer.job.tracker.run_url(),
         "registered_model": trainer.registered_model if config.eval.exporters else None,
         "exports": list_exports(trainer.job.storage),
-        "state_fingerprint": trainer.fingerprint(),
+        "state_fingerprint": fingerprint,
         "stopped": stopped,
         "evaluation_stopped": trainer.evaluations.stopped,
         "goodput": goodput,

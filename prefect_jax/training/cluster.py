@@ -210,7 +210,8 @@ def failed_processes() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _collective() -> Iterator[None]:
+def noting_lost_peers() -> Iterator[None]:
+    """Around a collective call: a failure there (a peer lost meanwhile) is noted for the job."""
     try:
         yield
     except Exception as exc:
@@ -252,7 +253,7 @@ def any_process(*flags: bool) -> tuple[bool, ...]:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    with _collective():
+    with noting_lost_peers():
         gathered = multihost_utils.process_allgather(np.array([bool(f) for f in flags]))
     return tuple(bool(x) for x in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0))
 
@@ -264,7 +265,7 @@ def from_primary(flag: bool) -> bool:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    with _collective():
+    with noting_lost_peers():
         return bool(multihost_utils.broadcast_one_to_all(np.array(bool(flag))))
 
 
@@ -273,7 +274,7 @@ def barrier(name: str) -> None:
     if process_count() > 1:
         from jax.experimental import multihost_utils
 
-        with _collective():
+        with noting_lost_peers():
             multihost_utils.sync_global_devices(name)
 
 

@@ -19,14 +19,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from prefect_jax.training.trees import from_savable, to_savable
 
 # What process 0 tells the others at an evaluation (`announce`): a bit set of
 EVALUATE = 1  # every process runs the eval step on the live state,
 GATHER = 2  # every process joins the gather of the live state to the host (for the exports).
-# and, after it: 1 (evaluating stopped) or
-FAILED = 2  # process 0's evaluation raised: the others raise too (a retry runs in all of them).
+# and how each process's part ended (`worst`): 0, 1 (process 0 stopped evaluating) or
+FAILED = 2  # it raised: every process raises (a retry of the task then runs in all of them).
 
 
 def spans_processes(sharded: bool, processes: int) -> bool:
@@ -48,21 +49,40 @@ def global_batch(batch, sharding):
 
 
 def host_gather(tree):
-    """`tree` (global arrays, sharded over several processes) as NumPy arrays in every process
-    (a collective). One leaf at a time: the device memory it takes beyond the state is one
-    leaf's copy on each device. PRNG keys gathered as their raw data and wrapped again."""
-    from prefect_jax.training.cluster import _collective
+    """`tree` (global arrays, sharded over several processes) as NumPy arrays in process 0, None
+    in the others (a collective: every process calls it). One leaf at a time, each made whole on
+    every device and copied to process 0's host only: the other hosts hold no copy of the state,
+    and the device memory it takes beyond the state is one leaf's. PRNG keys gathered as their
+    raw data and wrapped again."""
+    from prefect_jax.training.cluster import noting_lost_peers
 
-    raw = to_savable(tree)
-    with _collective():
-        gathered = jax.tree.map(lambda a: multihost_utils.process_allgather(a, tiled=True), raw)
-    return from_savable(gathered, tree)
+    primary = jax.process_index() == 0
+
+    def gather(a):
+        whole = jax.jit(lambda x: x, out_shardings=NamedSharding(a.sharding.mesh, PartitionSpec()))
+        with noting_lost_peers():
+            replicated = whole(a)
+            replicated.block_until_ready()  # every process waits for the exchange to end
+        return np.asarray(replicated.addressable_data(0)) if primary else None
+
+    raw = jax.tree.map(gather, to_savable(tree))
+    return from_savable(raw, tree) if primary else None
 
 
 def announce(code: int | None) -> int:
     """Process 0's `code` in every process (a collective: the others pass None)."""
-    from prefect_jax.training.cluster import _collective
+    from prefect_jax.training.cluster import noting_lost_peers
 
     value = np.int32(code if code is not None else 0)
-    with _collective():  # a peer lost meanwhile is noted, as at every collective of the job
+    with noting_lost_peers():  # a peer lost meanwhile is noted, as at every collective of the job
         return int(multihost_utils.broadcast_one_to_all(value))
+
+
+def worst(code: int) -> int:
+    """The largest of every process's `code` (a collective): how a step all of them took part in
+    ended, where a failure in any one of them must end it in all."""
+    from prefect_jax.training.cluster import noting_lost_peers
+
+    with noting_lost_peers():
+        codes = multihost_utils.process_allgather(np.int32(code))
+    return int(np.max(codes))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from prefect_jax.training import control
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import LostProcess, lost_process
-from prefect_jax.training.collective import EVALUATE, FAILED, GATHER, announce
+from prefect_jax.training.collective import EVALUATE, FAILED, GATHER, announce, worst
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.names import STOP_REASON_TAG, TRAIN_PREFIX
 from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
@@ -70,41 +70,55 @@ class Evaluations:
     def _together(self, step: int | None, force: bool, on_recorded) -> EvalResult:
         """A state sharded over several processes: process 0 decides as it does alone, and tells
         the others what to join (`collective.announce`): the eval step on the live state, its
-        gather to the host for the exports, then whether evaluating stopped (or failed). Every
-        process of such a job calls this at the same points."""
+        gather to the host for the exports. Then every process says how its part ended
+        (`collective.worst`): a failure anywhere fails the evaluation in every process, so that
+        a retry of the task starts in all of them at once. Every process of such a job calls this
+        at the same points, and makes the same two collective calls whatever fails."""
         t, job, name = self.trainer, self.trainer.job, self.trainer.config.eval.name
         self.host, self._announced = None, False
+        result, error = None, None
         if not job.is_primary:
-            self._join(announce(None))
-            ended = announce(None)
-            if ended == FAILED:
-                raise RuntimeError(
-                    f"process 0's evaluation of step {t.step} failed (its log says why): this "
-                    "process's part of it ends too"
-                )
-            if ended:
-                self.stopped = "process 0 stopped evaluating"
-                return EvalResult(
-                    status=EvalStatus.EVALUATION_STOPPED,
-                    name=name,
-                    step=step,
-                    evaluation_stopped=self.stopped,
-                )
-            return EvalResult(status=EvalStatus.OTHER_PROCESS, name=name, step=step)
-        result = None
-        try:
-            result = self._evaluate_if_new(step, force, on_recorded)
-            return result
-        finally:
-            if not self._announced:  # nothing to evaluate; a recorded live step may export
+            try:
+                self._join(announce(None))
+            except Exception as exc:  # noqa: BLE001 - said to the others below, then raised
+                error = exc
+            ended = worst(FAILED if error else 0)
+        else:
+            try:
+                result = self._evaluate_if_new(step, force, on_recorded)
+            except Exception as exc:  # noqa: BLE001 - said to the others below, then raised
+                error = exc
+            if not self._announced:  # nothing evaluated; a recorded live step may export
                 again = (
                     result is not None
                     and result.status == EvalStatus.NO_NEW_CHECKPOINT
                     and result.step == t.step
                     and bool(t.config.eval.exporters)
                 )
-                self._join(announce(GATHER if again else 0))
-            announce(FAILED if result is None else int(result.evaluation_stopped is not None))
+                try:
+                    self._join(announce(GATHER if again and not error else 0))
+                except Exception as exc:  # noqa: BLE001 - said to the others below, then raised
+                    error = error or exc
+            stopped = result is not None and result.evaluation_stopped is not None
+            ended = worst(FAILED if error else int(stopped))
+        if error is not None:
+            raise error
+        if ended == FAILED:
+            raise RuntimeError(
+                f"another process's part of the evaluation of step {t.step} failed (its log says "
+                "why): this process's part ends too, so that a retry starts in every process"
+            )
+        if job.is_primary:
+            return result
+        if ended:
+            self.stopped = "process 0 stopped evaluating"
+            return EvalResult(
+                status=EvalStatus.EVALUATION_STOPPED,
+                name=name,
+                step=step,
+                evaluation_stopped=self.stopped,
+            )
+        return EvalResult(status=EvalStatus.OTHER_PROCESS, name=name, step=step)
 
     def _join(self, code: int):
         """What process 0 announced, done by every process: `loop.evaluate` of the live state

@@ -238,8 +238,8 @@ class Loop:
     def local(self, tree):
         """This process's own replica of a replicated state (several processes: a jitted call
         on it runs here alone, as process 0's evaluations and exports do); a state sharded over
-        several processes gathered to the host (a collective: every process calls it); else
-        `tree`."""
+        several processes gathered to process 0's host, None in the others (a collective: every
+        process calls it); else `tree`."""
         if self.spans:
             return host_gather(tree)
         return tree if self.processes == 1 else replicas(tree, self.processes)

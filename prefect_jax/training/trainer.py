@@ -363,9 +363,13 @@ class Trainer:
 
     # -- end -------------------------------------------------------------------------
 
-    def fingerprint(self) -> str:
+    def fingerprint(self) -> str | None:
+        """A digest of the live state's every bit (`state_fingerprint`). A state sharded over
+        several processes is gathered to process 0 (a collective: every process calls this), which
+        returns it; the others return None."""
         self._require_live()
-        return state_fingerprint(self.loop.local(self.state))
+        host = self.loop.local(self.state)
+        return None if host is None else state_fingerprint(host)
 
     def goodput(self) -> dict[str, Any]:
         """The job's goodput so far, over every attempt (see `prefect_jax.training.goodput`)."""
