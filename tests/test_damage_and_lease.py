@@ -360,7 +360,7 @@ def test_a_second_start_of_a_flow_run_during_the_firsts_start_up_waits_before_ja
 
 
 def test_an_early_lease_is_adopted_only_for_its_own_flow_run(job_config):
-    from prefect_jax.training.lease import adopt_early, release_early, take_early
+    from prefect_jax.training.lease_early import adopt_early, release_early, take_early
     from prefect_jax.training.storage import JobStorage
 
     config = job_config()
@@ -633,6 +633,25 @@ def test_a_torn_lease_keeps_the_job_until_it_goes_stale_by_its_last_write(tmp_pa
         assert re.search(
             r"taking over .*lease file is torn and was last written 50\ds ago", caplog.text
         )
+    finally:
+        lease.release()
+
+
+def test_a_live_holder_whose_lease_is_torn_writes_it_again_and_trains_on(tmp_path, caplog):
+    """The holder's own lease torn under it (bit rot): it cannot have been taken over (its
+    heartbeats kept it fresh), so the holder writes it again rather than stopping as if another
+    trainer had taken the job, and the file says who holds it again."""
+    lease = _lease(tmp_path, timeout=2.0)
+    lease.acquire()
+    try:
+        with open(lease.path, "w") as f:
+            f.write('{"token": "' + lease.token[:5])
+        with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
+            lease.verify()  # a checkpoint's check: repaired, not lost
+            time.sleep(1.5)  # three heartbeats
+        assert lease.held and lease.lost_to is None
+        assert json.load(open(lease.path))["token"] == lease.token
+        assert "lease.json is torn; this trainer holds the lease and writes it again" in caplog.text
     finally:
         lease.release()
 

@@ -18,13 +18,13 @@ deliver_lost_notices()
 
 def _take_the_lease_before_jax(config: JobConfig):
     """Before this process starts JAX, in a flow run of one JAX process: take the job's lease
-    (`lease.take_early`; the trainer made next adopts it) and return it, or None (no flow run, a
-    trainer of the job is live here already, or the job has several JAX processes, whose process
-    0 takes it once JAX has joined them). If another live process on this host trains the job for
-    this same flow run (Prefect started the run twice), this waits for it to end first
-    (`Lease.wait_for_duplicate`), without JAX: on a GPU that process holds the device's memory.
-    Taken this early, the lease also makes a second start of this flow run that comes while this
-    process is still starting up wait before its own JAX start, not after it."""
+    (`lease_early.take_early`; the trainer made next adopts it) and return it, or None (no flow
+    run, a trainer of the job is live here already, or the job has several JAX processes, whose
+    process 0 takes it once JAX has joined them). If another live process on this host trains
+    the job for this same flow run (Prefect started the run twice), this waits for it to end
+    first (`Lease.wait_for_duplicate`), without JAX: on a GPU that process holds the device's
+    memory. Taken this early, the lease also makes a second start of this flow run that comes
+    while this process is still starting up wait before its own JAX start, not after it."""
     import sys
 
     from prefect_jax.training.cluster import from_env, joined
@@ -46,7 +46,7 @@ def _take_the_lease_before_jax(config: JobConfig):
         jax is not None and jax.distributed.is_initialized()
     ):  # the caller joined processes itself
         return None
-    from prefect_jax.training.lease import take_early
+    from prefect_jax.training.lease_early import take_early
 
     storage = JobStorage(config.storage, config.job, config.storage_options)
     # As the trainer does first: a refused write is named as such, not as the lease's.
@@ -62,7 +62,7 @@ def _trainer_holding_the_lease(config: JobConfig):
         lease = _take_the_lease_before_jax(config)
         return _trainer(config)
     except BaseException:
-        from prefect_jax.training.lease import release_early
+        from prefect_jax.training.lease_early import release_early
         from prefect_jax.training.storage import JobStorage
 
         try:  # (a lease in the registry that `lease` does not name yet: a signal came in between)

@@ -61,9 +61,9 @@ def _link_artifact(config: JobConfig, tracker, flow_run_id, mlflow_url: str | No
             link=tracker.home_url(),
             link_text=f"MLflow run of {config.job}: {_PENDING_TEXT}",
             key=key,
-            description=f"MLflow at {where} has not answered yet: this link becomes job "
-            f"{config.job}'s MLflow run if it answers while this flow run lasts, else the job's "
-            "next run links it (the job's records are in its storage meanwhile)",
+            description=f"MLflow at {where} had not started job {config.job}'s run when this "
+            "flow run began training: the job's next run links it (this one does if the run "
+            "starts meanwhile); the job's records are in its storage",
         )
     else:
         artifact = LinkArtifact(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import time
 
 from prefect import get_run_logger
 from prefect.runtime import flow_run, task_run
@@ -284,12 +285,14 @@ def link_runs(config: JobConfig, tracker, trains: bool = True, wait_secs: float 
         return
     if wait_secs > 0:
         # (a store the start-up check found unusable has no tracker: returned above)
+        deadline = time.monotonic() + wait_secs  # one bound for MLflow's answer and Prefect's
         answered = tracker.wait_started(wait_secs)
         run_id = tracker.run_id_if_known()
+        left = max(1.0, deadline - time.monotonic())
         if answered and run_id:
-            publish_link(config, tracker, flow_run_id, tracker.run_url(), run_id, wait_secs)
+            publish_link(config, tracker, flow_run_id, tracker.run_url(), run_id, left)
             return
-        publish_link(config, tracker, flow_run_id, None, None, wait_secs)  # says it is coming
+        publish_link(config, tracker, flow_run_id, None, None, left)  # says it is coming
 
     def linked() -> None:  # on the publisher's thread, once MLflow has answered
         run_id = tracker.run_id_if_known()

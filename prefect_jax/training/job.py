@@ -30,7 +30,8 @@ from prefect_jax.training.errors import LeaseLostError
 from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
 from prefect_jax.training.job_checkpoints import JobCheckpoints
-from prefect_jax.training.lease import Lease, adopt_early
+from prefect_jax.training.lease import Lease
+from prefect_jax.training.lease_early import adopt_early
 from prefect_jax.training.names import RUN_NAME_TAG, STORAGE_TAG
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps

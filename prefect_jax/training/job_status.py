@@ -88,6 +88,11 @@ def damage_fix(path: str) -> str:
         return "read as a stop request: delete it to let the job run on"
     if name == "attempts.json":
         return "the next trainer moves it aside (kept) and counts reruns anew"
+    if name == "lease.json":
+        return (
+            "held by an unknown trainer until it goes stale (a live holder writes it again at its "
+            "next heartbeat); delete it only when no trainer of the job runs"
+        )
     return "move it aside or delete it; the job writes it again when it next needs it"
 
 

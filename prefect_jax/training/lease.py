@@ -79,40 +79,6 @@ def duplicate_wait_ended(job_dir: str) -> float | None:
     return _duplicate_wait_ended.pop(job_dir, None)
 
 
-_taken_early: dict[
-    str, Lease
-] = {}  # job dir: a lease taken before its trainer existed (`take_early`)
-
-
-def take_early(storage: JobStorage, owner_id: str | None, timeout_secs: float) -> Lease:
-    """Take the job's lease before its trainer exists, so before this process starts JAX; the
-    job's next `Job` adopts it (`adopt_early`). A flow run's restore task does this: a second
-    process of the same flow run (Prefect started it twice) then finds this one holding the
-    job and waits (`Lease.wait_for_duplicate`) before it starts JAX, rather than after, when its
-    JAX start-up would already hold memory on a GPU that this process needs. Raises as `acquire`."""
-    lease = Lease(storage, owner_id=owner_id, timeout_secs=timeout_secs)
-    lease.acquire()
-    _taken_early[storage.job_dir] = lease
-    return lease
-
-
-def adopt_early(job_dir: str, owner_id: str | None) -> Lease | None:
-    """The lease `take_early` took of the job at `job_dir` for `owner_id` (its flow run), once;
-    None if none was (or it was taken for another owner: that one stays for its own trainer)."""
-    lease = _taken_early.get(job_dir)
-    if lease is None or lease.owner_id != owner_id:
-        return None
-    return _taken_early.pop(job_dir)
-
-
-def release_early(job_dir: str | None, lease: Lease | None = None) -> None:
-    """Give back the lease `take_early` took of the job at `job_dir` (and `lease`, adopted or
-    not): making the trainer failed."""
-    for taken in (_taken_early.pop(job_dir, None), lease):
-        if taken is not None:
-            taken.release()  # (once: a lease released already returns at once)
-
-
 def process_alive(pid: int) -> bool:
     """Whether process `pid` exists on this host (one we may not signal counts as alive; a
     zombie, dead but not yet reaped by its parent, does not)."""
@@ -157,6 +123,7 @@ class Lease:
         self._confirmed_at: float | None = (
             None  # when `verify` last read the lease and found it ours (monotonic)
         )
+        self._written_at: float | None = None  # when this process last wrote its lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # The job's directory as this process found it when it took the lease (`_identity`), and
@@ -269,6 +236,9 @@ class Lease:
                     type(exc).__name__,
                 )
                 return
+            if current is not None and current.get("torn") and self._beat_is_fresh():
+                self._repair(current)
+                current = self.read()
             if current is not None and current.get("token") == self.token:
                 self._confirmed_at = time.monotonic()
                 return
@@ -345,6 +315,7 @@ class Lease:
                 self.taken_over = dict(current, reason=reason)
             self.token = uuid.uuid4().hex
             self.storage.write_json(self.path, self._record())
+            self._written_at = time.monotonic()
             confirmed = self.read()
             if confirmed and confirmed.get("token") == self.token:
                 self._home = _identity(self.storage)
@@ -364,6 +335,14 @@ class Lease:
         while not self._stop.wait(interval):
             try:
                 current = self.read()
+                if (
+                    current
+                    and current.get("torn")
+                    and self._beat_is_fresh()
+                    and not self._stop.is_set()
+                ):
+                    self._repair(current)  # ours, torn since this process last wrote it
+                    continue
                 if not current or current.get("token") != self.token:
                     if (
                         not self._stop.is_set()
@@ -376,6 +355,22 @@ class Lease:
             except Exception:  # noqa: BLE001 - a missed beat is retried on the next one
                 logger.exception("lease heartbeat failed")
 
+    def _beat_is_fresh(self) -> bool:
+        """Whether this process confirmed or wrote its lease within the lease's timeout: no other
+        trainer can have taken it over since (a takeover waits for a stale heartbeat)."""
+        last = max(self._confirmed_at or 0.0, self._written_at or 0.0)
+        return last > 0 and time.monotonic() - last < self.timeout_secs
+
+    def _repair(self, torn: dict) -> None:
+        """The lease this process holds, found torn (bit rot, a storage's partial write): written
+        again, named in the log. Another trainer cannot have taken it meanwhile (this process's
+        heartbeats kept it fresh), so the torn record was this process's own."""
+        logger.warning(
+            "the lease file %s is torn; this trainer holds the lease and writes it again",
+            torn["torn"],
+        )
+        self._write_beat()
+
     def _write_beat(self) -> None:
         """Write the heartbeat into the job's directory as this process found it, never into one
         made anew: the directory may vanish between the read and this write, and a write that
@@ -385,11 +380,14 @@ class Lease:
             return
         if self.storage.protocol != "file":
             self.storage.write_json(self.path, self._record())
-            return
-        try:
-            atomic_write(self.path, json.dumps(self._record(), indent=1, sort_keys=True).encode())
-        except FileNotFoundError:  # gone between the look above and the write: no parents made
-            self._lose({})
+        else:
+            try:
+                record = json.dumps(self._record(), indent=1, sort_keys=True).encode()
+                atomic_write(self.path, record)
+            except FileNotFoundError:  # gone between the look above and the write: no parents
+                self._lose({})
+                return
+        self._written_at = time.monotonic()
 
     def release(self) -> None:
         """Give the lease back (only if we still hold it)."""
