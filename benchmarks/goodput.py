@@ -260,6 +260,32 @@ def child_keras(args) -> None:
 # -- the harness --------------------------------------------------------------------------------
 
 
+def prefect_jax_command(args, workdir: str, program: list[str]) -> list[str]:
+    """The ``prefect-jax run`` command of the job for each system's comparison: `program`'s flags
+    (``--program`` and any ``--program-param``), checkpoints every --every steps, no exporters."""
+    cli = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
+    return [
+        cli,
+        "run",
+        *program,
+        "--job",
+        "gp",
+        "--storage",
+        os.path.join(workdir, "storage"),
+        "--max-steps",
+        str(args.steps),
+        "--checkpoint-every-steps",
+        str(args.every),
+        "--exporters",
+        "--mlflow-tracking-uri",
+        f"sqlite:///{workdir}/mlflow.db",
+        "--compilation-cache",
+        "job",
+        "--no-progress",
+        "--json",
+    ] + args.prefect_jax_args.split()
+
+
 def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str], dict]:
     lm = getattr(args, "model", "digits") == "lm"  # (floor.py's namespace has no model)
     if system == "prefect_jax" and lm:
@@ -267,28 +293,7 @@ def command(system: str, args, workdir: str, server_env: dict) -> tuple[list[str
 
         return goodput_lm.prefect_jax_command(args, workdir), dict(server_env)
     if system == "prefect_jax":
-        cli = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
-        cmd = [
-            cli,
-            "run",
-            "--program",
-            "bench_programs:wide",
-            "--job",
-            "gp",
-            "--storage",
-            os.path.join(workdir, "storage"),
-            "--max-steps",
-            str(args.steps),
-            "--checkpoint-every-steps",
-            str(args.every),
-            "--exporters",
-            "--mlflow-tracking-uri",
-            f"sqlite:///{workdir}/mlflow.db",
-            "--compilation-cache",
-            "job",
-            "--no-progress",
-            "--json",
-        ] + args.prefect_jax_args.split()
+        cmd = prefect_jax_command(args, workdir, ["--program", "bench_programs:wide"])
         env = dict(server_env, PYTHONPATH=HERE + os.pathsep + server_env.get("PYTHONPATH", ""))
         return cmd, env
     cmd = [

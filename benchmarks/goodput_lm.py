@@ -67,30 +67,11 @@ def build_corpus(args) -> dict:
 
 
 def prefect_jax_command(args, workdir: str) -> list[str]:
-    cli = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
+    """`goodput.prefect_jax_command` of the byte LM, with a ``--program-param`` per param."""
+    from goodput import prefect_jax_command as command
+
     params = [x for k, v in lm_params(args).items() for x in ("--program-param", f"{k}={v}")]
-    return [
-        cli,
-        "run",
-        "--program",
-        PROGRAM,
-        *params,
-        "--job",
-        "gp",
-        "--storage",
-        os.path.join(workdir, "storage"),
-        "--max-steps",
-        str(args.steps),
-        "--checkpoint-every-steps",
-        str(args.every),
-        "--exporters",
-        "--mlflow-tracking-uri",
-        f"sqlite:///{workdir}/mlflow.db",
-        "--compilation-cache",
-        "job",
-        "--no-progress",
-        "--json",
-    ] + args.prefect_jax_args.split()
+    return command(args, workdir, ["--program", PROGRAM, *params])
 
 
 def _compile_cache(workdir: str) -> None:
