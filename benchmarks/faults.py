@@ -181,6 +181,20 @@ def _last_json(log: Path) -> dict | None:
     return None
 
 
+def _status(job: str, storage: str, env) -> dict:
+    """The job's ``prefect-jax status --json``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage]
+        + ["--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=TESTS,
+        check=True,
+    ).stdout
+    return json.loads(out.splitlines()[-1])
+
+
 def _mlflow_check(mlflow_uri: str, run_id: str, evaluated: list[int]) -> tuple[bool, str]:
     from mlflow.tracking import MlflowClient
 
@@ -253,26 +267,7 @@ def _outcome(
     env,
 ) -> dict:
     """The four checks of one finished job against the reference."""
-    status = json.loads(
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "prefect_jax.cli",
-                "status",
-                "--job",
-                job,
-                "--storage",
-                storage,
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=TESTS,
-            check=True,
-        ).stdout.splitlines()[-1]
-    )
+    status = _status(job, storage, env)
     row: dict = {}
     if summary is None:
         return {
@@ -401,26 +396,7 @@ def reference_run(ctx: dict, remote: bool) -> dict:
     if proc.wait(timeout=600) != 0:
         raise RuntimeError(f"the uninterrupted run failed:\n{log.read_text()[-4000:]}")
     summary = _last_json(log)
-    status = json.loads(
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "prefect_jax.cli",
-                "status",
-                "--job",
-                job,
-                "--storage",
-                storage,
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=TESTS,
-            check=True,
-        ).stdout.splitlines()[-1]
-    )
+    status = _status(job, storage, env)
     best = _best(job, ctx, remote)
     registry = {k: status.get("registered_model", {}).get(k) for k in ("versions", "aliases")}
     return {

@@ -49,6 +49,7 @@ from faults import (
     _moment,
     _outcome,
     _start,
+    _status,
     reference_run,
 )
 
@@ -87,19 +88,6 @@ def _flip_meta_bit(step_dir: Path) -> None:
     data = bytearray(meta.read_bytes())
     data[data.index(b"float32") + len("float3")] ^= 0x01  # '2' -> '3'
     meta.write_bytes(bytes(data))
-
-
-def _status(job: str, storage: str, env) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage]
-        + ["--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=TESTS,
-        check=True,
-    ).stdout
-    return json.loads(out.splitlines()[-1])
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> int:

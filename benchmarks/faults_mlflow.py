@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 import faults
-from faults import TESTS, _args, _best, _env, _last_json, _outcome, _start
+from faults import _args, _best, _env, _last_json, _outcome, _start, _status
 
 FAMILIES = {
     "mlflow_restart": f"the `mlflow server` SIGKILLed once step {faults.EVERY}'s metrics landed, "
@@ -251,26 +251,11 @@ def mlflow_unreachable(ctx: dict) -> dict:
         )
         if not row["exports"][0]:  # (the registry: none is right here)
             ref = ctx["reference"]
-            status = _status_exports(job, storage, env)
+            status = _status(job, storage, env)["exports"]
             ok = status == ref["exports"] and summary.get("best") == ref["best"]
             row["exports"] = (ok, "" if ok else f"{status} best {summary.get('best')}")
     row["truthful"] = (truthful, "; ".join(detail))
     return _row("mlflow_unreachable", job, rc1, 2, row)
-
-
-def _status_exports(job: str, storage: str, env) -> list:
-    import json
-
-    out = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage]
-        + ["--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=TESTS,
-        check=True,
-    ).stdout
-    return json.loads(out.splitlines()[-1])["exports"]
 
 
 RUNS = {"mlflow_restart": mlflow_restart, "mlflow_unreachable": mlflow_unreachable}
