@@ -108,10 +108,9 @@ def test_a_truncated_registry_record_is_named_by_status(job_config):
     assert "registered_model" not in job
 
 
-def test_a_truncated_best_record_is_rebuilt_from_the_exports_and_kept_aside(job_config, caplog):
-    """``best.json`` read as absent would let the next evaluation take @best from a better step:
-    a damaged one is rebuilt from the kept exports' ``export.json`` (their steps and metrics)."""
-    from prefect_jax.training.exporters import read_best
+def _best_exports_of_a_finished_job(job_config):
+    """A job trained to step 60 that evaluated and exported (BestExporter on loss) every 20 steps,
+    its trainer closed: its config, storage and exporter."""
     from prefect_jax.training.specs import BestExporter
 
     exporter = BestExporter(metric="loss", mode="min", keep=5)
@@ -121,11 +120,19 @@ def test_a_truncated_best_record_is_rebuilt_from_the_exports_and_kept_aside(job_
     while trainer.step < config.train.max_steps:
         trainer.train_until_checkpoint()
         trainer.export(trainer.evaluate_if_new(trainer.step))
-    storage = trainer.job.storage
-    path = f"{storage.export_dir('best')}/best.json"
-    saved = json.load(open(path))
     trainer.finish()
     trainer.close()
+    return config, trainer.job.storage, exporter
+
+
+def test_a_truncated_best_record_is_rebuilt_from_the_exports_and_kept_aside(job_config, caplog):
+    """``best.json`` read as absent would let the next evaluation take @best from a better step:
+    a damaged one is rebuilt from the kept exports' ``export.json`` (their steps and metrics)."""
+    from prefect_jax.training.exporters import read_best
+
+    _, storage, exporter = _best_exports_of_a_finished_job(job_config)
+    path = f"{storage.export_dir('best')}/best.json"
+    saved = json.load(open(path))
     _truncate(path)
     with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
         rebuilt = read_best(storage, exporter)
@@ -142,18 +149,8 @@ def test_a_damaged_export_record_is_named_left_out_of_the_rebuilt_best_and_liste
     read (the rebuild of a damaged ``best.json``): that export is left out with a warning naming
     the file, and ``status`` lists it with what becomes of it."""
     from prefect_jax.training.exporters import exported_steps, read_best
-    from prefect_jax.training.specs import BestExporter
 
-    exporter = BestExporter(metric="loss", mode="min", keep=5)
-    config = job_config(max_steps=60, every_steps=20, exporters=[exporter], keep_last=5)
-    trainer = Trainer(config)
-    trainer.restore_or_init()
-    while trainer.step < config.train.max_steps:
-        trainer.train_until_checkpoint()
-        trainer.export(trainer.evaluate_if_new(trainer.step))
-    storage = trainer.job.storage
-    trainer.finish()
-    trainer.close()
+    config, storage, exporter = _best_exports_of_a_finished_job(job_config)
     steps = exported_steps(storage, "best")
     assert len(steps) >= 2, steps
     best_path = f"{storage.export_dir('best')}/best.json"
