@@ -117,6 +117,20 @@ def train_to_end(trainer):
     return results
 
 
+def train_and_close(config):
+    """A Trainer of `config` restored and trained to max_steps (no evaluation), finished (its
+    MLflow run closed) and closed; returned for its job and tracker."""
+    from prefect_jax.training.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < config.train.max_steps:
+        trainer.train_until_checkpoint()
+    trainer.finish()
+    trainer.close()
+    return trainer
+
+
 def hold_commit(monkeypatch, step: int):
     """Hold Orbax's commit of checkpoint `step` until the returned event is set (60 s at most): the
     hook Orbax calls on its save thread before the step's directory becomes final waits for it."""

@@ -8,6 +8,7 @@ import socket
 import time
 
 import pytest
+from conftest import train_and_close
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
@@ -590,12 +591,7 @@ def test_a_flipped_bit_in_a_steps_recorded_params_is_corruption_not_other_params
     the job falls back instead of refusing every rerun."""
     config = job_config(max_steps=40, every_steps=20, program="programs:typed_digits")
     config = config.model_copy(update={"program_params": {"width": 24}})
-    trainer = Trainer(config)
-    trainer.restore_or_init()
-    while trainer.step < 40:
-        trainer.train_until_checkpoint()
-    trainer.finish()
-    trainer.close()
+    train_and_close(config)
     # '4' (0x34) -> '5' (0x35): one bit
     _flip_lowest_bit(os.path.join(_ckpt_dir(config), "40", STEP_META_FILE), b'"width": 24', 10)
     with caplog.at_level(logging.WARNING):

@@ -8,27 +8,17 @@ import logging
 import os
 import re
 
+from conftest import train_and_close, train_to_end
 from mlflow.tracking import MlflowClient
 from process_helpers import status
 
 from prefect_jax.training.trainer import Trainer
 
 
-def _train(config, finish=True):
-    trainer = Trainer(config)
-    trainer.restore_or_init()
-    while trainer.step < config.train.max_steps:
-        trainer.train_until_checkpoint()
-    if finish:
-        trainer.finish()
-    trainer.close()
-    return trainer
-
-
 def test_a_rerun_of_a_finished_job_logs_each_goodput_metric_once(job_config, mlflow_uri):
     config = job_config(max_steps=20, every_steps=10)
-    first = _train(config)
-    _train(config)  # the job is finished: it restores step 20, trains nothing, finishes again
+    first = train_and_close(config)
+    train_and_close(config)  # finished: it restores step 20, trains nothing, finishes again
     client = MlflowClient(mlflow_uri)
     run_id = first.job.tracker.run_id
     keys = [k for k in client.get_run(run_id).data.metrics if k.startswith("goodput/")]
@@ -87,7 +77,7 @@ def test_a_truncated_goodput_ledger_is_kept_aside_not_written_over(job_config, c
     damaged = open(ledger, "rb").read()
     assert status(config.job, config.storage)["damaged_records"][0]["path"].endswith("goodput.json")
     with caplog.at_level(logging.WARNING):
-        _train(
+        train_and_close(
             config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 30})})
         )
     assert "goodput.json is damaged" in caplog.text and "moved aside" in caplog.text
@@ -99,7 +89,7 @@ def test_a_truncated_goodput_ledger_is_kept_aside_not_written_over(job_config, c
 
 def test_a_truncated_registry_record_is_named_by_status(job_config):
     config = job_config(max_steps=10, every_steps=10)
-    _train(config)
+    train_and_close(config)
     path = os.path.join(config.storage, config.job, "registry.json")
     open(path, "w").write('{"name": "tiny", "trac')
     job = status(config.job, config.storage)
@@ -117,9 +107,7 @@ def _best_exports_of_a_finished_job(job_config):
     config = job_config(max_steps=60, every_steps=20, exporters=[exporter], keep_last=5)
     trainer = Trainer(config)
     trainer.restore_or_init()
-    while trainer.step < config.train.max_steps:
-        trainer.train_until_checkpoint()
-        trainer.export(trainer.evaluate_if_new(trainer.step))
+    train_to_end(trainer)
     trainer.finish()
     trainer.close()
     return config, trainer.job.storage, exporter
