@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import sqlite3
 import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import faults
-from faults import _args, _best, _env, _last_json, _outcome, _start, _status
+from faults import TESTS, _args, _best, _env, _last_json, _outcome, _start, _status
+
+sys.path.insert(0, str(TESTS))
+from deployment_helpers import free_port  # noqa: E402
+from mlflow_server import MlflowServerProcess  # noqa: E402
 
 FAMILIES = {
     "mlflow_restart": f"the `mlflow server` SIGKILLed once step {faults.EVERY}'s metrics landed, "
@@ -37,66 +38,6 @@ FAMILIES = {
 }
 DOWN_SECS = 15.0
 SKIPPED = ("system/",)  # MLflow's system metrics: sampled by the clock, not by the step
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MlflowServer:
-    """``mlflow server`` on loopback with a SQLite backend (its own process group)."""
-
-    def __init__(self, work: Path, port: int):
-        self.work, self.port = work, port
-        self.uri = f"http://127.0.0.1:{port}"
-        self.db = work / "mlflow-server.db"
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    def start(self, timeout: float = 180) -> None:
-        import httpx
-
-        self.starts += 1
-        log = open(self.work / "logs" / f"mlflow-server-{self.starts}.log", "w")
-        self.proc = subprocess.Popen(
-            [
-                *(str(Path(sys.executable).parent / "mlflow"), "server"),
-                *("--backend-store-uri", f"sqlite:///{self.db}"),
-                *("--artifacts-destination", str(self.work / "mlflow-artifacts")),
-                *("--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.work,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited {self.proc.returncode}: see {log.name}")
-            try:
-                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"mlflow server not healthy after {timeout}s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def last_step(self, key: str) -> int:
-        """The highest step of metric `key` in the server's store (-1: none yet)."""
-        try:
-            with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=5) as db:
-                row = db.execute("SELECT max(step) FROM metrics WHERE key = ?", (key,)).fetchone()
-        except sqlite3.Error:
-            return -1
-        return -1 if row is None or row[0] is None else row[0]
 
 
 def _contents(uri: str, run_id: str) -> dict:
@@ -161,7 +102,7 @@ def mlflow_restart(ctx: dict) -> dict:
     job, work = "mlflow-restart", ctx["work"]
     storage = str(work / "storage")
     env = _env(ctx["api_url"], None, work / "cache" / job)
-    server = MlflowServer(work, _free_port())
+    server = MlflowServerProcess(work, free_port(), log_dir=work / "logs")
     server.start()
     detail, truthful = [], True
     try:
@@ -215,7 +156,7 @@ def mlflow_unreachable(ctx: dict) -> dict:
     storage = str(work / "storage")
     job_dir = work / "storage" / job
     env = _env(ctx["api_url"], None, work / "cache" / job)
-    uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     detail, truthful = [], True
     first = work / "logs" / f"{job}-1.log"
     rc1 = _wait(_start(_args(job, storage, uri), env, first), 600)

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deployment_helpers import free_port
+from mlflow_server import MlflowServerProcess
 
 
 def test_a_store_an_optional_job_went_on_without_is_asked_again_by_a_job_that_needs_it():
@@ -30,7 +25,7 @@ def test_a_store_an_optional_job_went_on_without_is_asked_again_by_a_job_that_ne
         found_unusable,
     )
 
-    uri = f"http://127.0.0.1:{_closed_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     with pytest.warns(TrackingWarning):
         check_tracking_uri(uri, optional=True)
     assert found_unusable(uri)
@@ -44,7 +39,7 @@ def test_an_unanswering_server_with_mlflow_optional_costs_no_wait_and_is_said(tm
     """Each MLflow call against a server that does not answer waits out MLflow's own retries
     (minutes); the job ended only after every queued call had. Found unusable at the start, the
     job sends it nothing: it ends as soon as it trained, nothing in MLflow, and says so."""
-    uri = f"http://127.0.0.1:{_closed_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_JAX_MLFLOW_STRICT"] = "0"
     started = time.monotonic()
@@ -72,42 +67,6 @@ def test_an_unanswering_server_with_mlflow_optional_costs_no_wait_and_is_said(tm
     assert took < 200, f"{took:.0f}s"
 
 
-class _MlflowServer:
-    """``mlflow server`` on loopback, SQLite backend, in its own process group."""
-
-    def __init__(self, tmp_path, port: int):
-        self.tmp, self.port, self.proc = tmp_path, port, None
-        self.uri = f"http://127.0.0.1:{port}"
-
-    def start(self) -> None:
-        import httpx
-
-        log = open(self.tmp / "mlflow-server.log", "a")
-        self.proc = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server"]
-            + ["--backend-store-uri", f"sqlite:///{self.tmp}/server.db"]
-            + ["--artifacts-destination", str(self.tmp / "artifacts")]
-            + ["--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.tmp,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError((self.tmp / "mlflow-server.log").read_text()[-3000:])
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
-
-
 @pytest.mark.slow
 def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
     job_config, tmp_path, monkeypatch
@@ -124,8 +83,8 @@ def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
     # MLflow's retries of a call sooner after each other than its default (its public setting):
     # the same outage crossed, in less of the suite's time.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    server = _MlflowServer(tmp_path, _closed_port())
-    server.start()
+    server = MlflowServerProcess(tmp_path, free_port())
+    server.start(timeout=120)
     try:
         config = job_config(max_steps=60, every_steps=15).model_copy(
             update={"mlflow_tracking_uri": server.uri}
@@ -140,7 +99,7 @@ def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
             trainer.train_until_checkpoint()
             trainer.evaluate_if_new()
         time.sleep(2)
-        server.start()
+        server.start(timeout=120)
         train_to_end(trainer)
         trainer.finish()
         run_id = trainer.job.tracker.run_id
