@@ -16,6 +16,8 @@ process 0 calls would wait forever):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -48,6 +50,18 @@ def global_batch(batch, sharding):
     return jax.tree.map(place, batch)
 
 
+@functools.lru_cache(maxsize=8)
+def _made_whole(mesh):
+    """An array made whole on every device of `mesh`: one jitted function per mesh, so that each
+    evaluation's gather reuses the compiled copies of the last one (a new function each time
+    would compile every leaf's copy again)."""
+    return jax.jit(_same, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def _same(x):
+    return x
+
+
 def host_gather(tree):
     """`tree` (global arrays, sharded over several processes) as NumPy arrays in process 0, None
     in the others (a collective: every process calls it). One leaf at a time, each made whole on
@@ -59,9 +73,8 @@ def host_gather(tree):
     primary = jax.process_index() == 0
 
     def gather(a):
-        whole = jax.jit(lambda x: x, out_shardings=NamedSharding(a.sharding.mesh, PartitionSpec()))
         with noting_lost_peers():
-            replicated = whole(a)
+            replicated = _made_whole(a.sharding.mesh)(a)
             replicated.block_until_ready()  # every process waits for the exchange to end
         return np.asarray(replicated.addressable_data(0)) if primary else None
 

@@ -262,7 +262,7 @@ class Loop:
             x = np.asarray(x)
             if self.sharded:  # one process (see above): the whole batch is its own
                 return jax.make_array_from_process_local_data(sharding, x)
-            if not self.sharded and (x.ndim <= axis or x.shape[axis] % devices):
+            if x.ndim <= axis or x.shape[axis] % devices:
                 raise ValueError(
                     f"a train batch leaf of shape {x.shape} cannot be split over {devices} "
                     f"devices along axis {axis}: make the batch size a multiple of {devices} "
