@@ -171,6 +171,15 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     )
 
 
+def _wait(proc: subprocess.Popen, timeout: float) -> int:
+    """`proc`'s exit code; its process group SIGKILLed past `timeout` seconds."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
 def _last_json(log: Path) -> dict | None:
     for line in reversed(log.read_text(errors="replace").splitlines()):
         if line.startswith("{"):

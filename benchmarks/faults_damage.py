@@ -31,7 +31,6 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from faults import (
     _outcome,
     _start,
     _status,
+    _wait,
     reference_run,
 )
 
@@ -88,14 +88,6 @@ def _flip_meta_bit(step_dir: Path) -> None:
     data = bytearray(meta.read_bytes())
     data[data.index(b"float32") + len("float3")] ^= 0x01  # '2' -> '3'
     meta.write_bytes(bytes(data))
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
 
 
 def _until(point: str, proc, log: Path, ckpt: Path, timeout: float = 300) -> bool:

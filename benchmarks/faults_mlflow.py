@@ -16,15 +16,12 @@ Each returns the same columns as the other damage families (`faults_damage.run_f
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
 
 import faults
-from faults import TESTS, _args, _best, _env, _last_json, _outcome, _start, _status
+from faults import TESTS, _args, _best, _env, _last_json, _outcome, _start, _status, _wait
 
 sys.path.insert(0, str(TESTS))
 from deployment_helpers import free_port  # noqa: E402
@@ -88,14 +85,6 @@ def _row(family, job, rc1, attempts, row) -> dict:
         "attempts": attempts,
         **{k: {"ok": ok, "detail": d} for k, (ok, d) in row.items()},
     }
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
 
 
 def mlflow_restart(ctx: dict) -> dict:

@@ -21,6 +21,7 @@ import sys
 import threading
 
 import pytest
+from conftest import train_and_close
 from mlflow.tracking import MlflowClient
 from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, status, wait_until
 
@@ -176,12 +177,7 @@ def _trained_without_evaluator(job_config, **kw):
     config = config.model_copy(
         update={"checkpoint": config.checkpoint.model_copy(update={"keep_until_evaluated": True})}
     )
-    trainer = Trainer(config)
-    trainer.restore_or_init()
-    while trainer.step < config.train.max_steps:
-        trainer.train_until_checkpoint()
-    trainer.finish()
-    trainer.close()
+    train_and_close(config)
     return config
 
 
