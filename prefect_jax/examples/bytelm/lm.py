@@ -202,10 +202,30 @@ class ByteLMProgram:
                 self.schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
             ),
         )
-        abstract = nnx.eval_shape(lambda: self._model(nnx.Rngs(0)))
-        self.graphdef, params = nnx.split(abstract, nnx.Param)
-        self.param_count = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
         self._corpus, self._corpus_lock = None, threading.Lock()
+        # The model's structure, traced once on first use (`graphdef`, `param_count`): a trace
+        # costs a noticeable part of a second, and building a program (each preset at import, the
+        # engine's checks before a run) must not pay it.
+        self._structure, self._structure_lock = None, threading.Lock()
+
+    def _abstract_structure(self) -> tuple:
+        with self._structure_lock:  # (the engine's compile thread may ask at the same time)
+            if self._structure is None:
+                abstract = nnx.eval_shape(lambda: self._model(nnx.Rngs(0)))
+                graphdef, params = nnx.split(abstract, nnx.Param)
+                count = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+                self._structure = (graphdef, count)
+            return self._structure
+
+    @property
+    def graphdef(self):
+        """The model's NNX graph definition (`apply` merges the params into it)."""
+        return self._abstract_structure()[0]
+
+    @property
+    def param_count(self) -> int:
+        """How many weights the model has."""
+        return self._abstract_structure()[1]
 
     def _model(self, rngs):
         c = self.cfg
