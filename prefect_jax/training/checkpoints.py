@@ -33,7 +33,7 @@ from prefect_jax.training.checkpoint_dirs import (
     read_meta_file,
     step_dirs,
 )
-from prefect_jax.training.checksums import verify_manifest, write_manifest
+from prefect_jax.training.checksums import BackgroundVerification, write_manifest
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (
@@ -282,16 +282,35 @@ class Checkpoints:
         """Restore `step` into the structure of `abstract_state` (from ``jax.eval_shape(init)``).
 
         Raises:
+            CorruptCheckpointError: the step's files differ from the checksums of its commit.
             CheckpointMismatchError: the stored tree differs from `abstract_state`; the message
                 lists every differing leaf by path.
         """
         if int(step) not in self.manager.all_steps():
             # Committed by another process after this manager listed the directory.
             self.manager.reload()
-        # The checksums first: a damaged step (its metadata too) is corrupt, not another program's.
-        verified = "://" not in self.directory and verify_manifest(
-            os.path.join(self.directory, str(step))
+        # The checksums beside the restore, consulted before anything it read is used or refused:
+        # a damaged step (its metadata too) is corrupt, not another program's.
+        local = "://" not in self.directory
+        verifying = (
+            BackgroundVerification(os.path.join(self.directory, str(step))) if local else None
         )
+        try:
+            restored, meta = self._restore_unverified(step, abstract_state, data_iter)
+        except Exception:
+            if verifying is not None:
+                verifying.result()  # raises for a damaged step, whatever the restore raised
+            raise
+        if local and not verifying.result():
+            logger.warning(
+                "checkpoint step %d in %s has no checksums (written before prefect-jax wrote "
+                "them): restored unverified",
+                step,
+                self.directory,
+            )
+        return restored, meta
+
+    def _restore_unverified(self, step: int, abstract_state, data_iter) -> tuple[Any, dict]:
         meta = self.read_meta(step)
         abstract = abstract_savable(abstract_state)
         diffs = tree_differences(meta.get("tree", {}), describe_tree(abstract))
@@ -304,13 +323,6 @@ class Checkpoints:
                 f"builds ({len(diffs)} leaves differ):\n  {shown}\n"
                 "The program changed since this checkpoint was written: restore it with the "
                 "program that wrote it, or start a new job (a different job name or storage)."
-            )
-        if "://" not in self.directory and not verified:
-            logger.warning(
-                "checkpoint step %d in %s has no checksums (written before prefect-jax wrote "
-                "them): restored unverified",
-                step,
-                self.directory,
             )
         items = {"state": ocp.args.StandardRestore(abstract)}
         other_layout = data_iter is not None and self._data_written_by_other_processes(step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
 
 from prefect_jax.training.names import STEP_MANIFEST_FILE
@@ -70,25 +71,67 @@ def verify_manifest(step_dir: str) -> bool:
     Raises:
         CorruptCheckpointError: a file is missing, has another size, or other bytes.
     """
-    path = os.path.join(step_dir, STEP_MANIFEST_FILE)
-    if "://" in step_dir or not os.path.isfile(path):
-        return False
-    try:
-        with open(path) as f:
-            files = json.load(f)["files"]
-    except (ValueError, KeyError, TypeError) as exc:  # the manifest itself is damaged
-        raise CorruptCheckpointError(
-            step_dir, [f"{STEP_MANIFEST_FILE} is damaged ({type(exc).__name__}: {exc})"]
-        ) from None
-    problems = []
-    for rel, (size, crc) in sorted(files.items()):
-        full = os.path.join(step_dir, rel)
-        if not os.path.isfile(full):
-            problems.append(f"{rel} is missing")
-        elif os.path.getsize(full) != size:
-            problems.append(f"{rel} has {os.path.getsize(full)} bytes, {size} were written")
-        elif _crc32(full) != crc:
-            problems.append(f"{rel} has other bytes than were written (crc32 differs)")
-    if problems:
-        raise CorruptCheckpointError(step_dir, problems)
-    return True
+    verification = BackgroundVerification(step_dir, in_background=False)
+    return verification.result()
+
+
+class BackgroundVerification:
+    """`verify_manifest` of a step, its CRC32s on a thread of their own beside the restore that
+    reads the same files (the reads and CRC32 release the GIL): a large checkpoint is read once
+    in the time of one read, not twice in a row. What needs no reading (the manifest, a file
+    missing or of another size) is checked here at once, so that the restore never opens a step
+    known damaged. `result` waits for the rest: True, False (no manifest), or raises
+    `CorruptCheckpointError`.
+
+    Raises:
+        CorruptCheckpointError: the manifest is damaged, or a file is missing or of another size.
+    """
+
+    def __init__(self, step_dir: str, in_background: bool = True):
+        self._step_dir, self._verified, self._error, self._thread = step_dir, False, None, None
+        path = os.path.join(step_dir, STEP_MANIFEST_FILE)
+        if "://" in step_dir or not os.path.isfile(path):
+            return
+        try:
+            with open(path) as f:
+                files = json.load(f)["files"]
+            sized = {rel: (int(size), int(crc)) for rel, (size, crc) in sorted(files.items())}
+        except (ValueError, KeyError, TypeError) as exc:  # the manifest itself is damaged
+            raise CorruptCheckpointError(
+                step_dir, [f"{STEP_MANIFEST_FILE} is damaged ({type(exc).__name__}: {exc})"]
+            ) from None
+        problems = []
+        for rel, (size, _) in sized.items():
+            full = os.path.join(step_dir, rel)
+            if not os.path.isfile(full):
+                problems.append(f"{rel} is missing")
+            elif os.path.getsize(full) != size:
+                problems.append(f"{rel} has {os.path.getsize(full)} bytes, {size} were written")
+        if problems:
+            raise CorruptCheckpointError(step_dir, problems)
+        if not in_background:
+            self._check_contents(sized)
+            return
+        self._thread = threading.Thread(
+            target=self._check_contents, args=(sized,), name="prefect-jax-verify", daemon=True
+        )
+        self._thread.start()
+
+    def _check_contents(self, sized: dict[str, tuple[int, int]]) -> None:
+        problems = []
+        for rel, (_, crc) in sized.items():
+            try:
+                if _crc32(os.path.join(self._step_dir, rel)) != crc:
+                    problems.append(f"{rel} has other bytes than were written (crc32 differs)")
+            except OSError as exc:  # (gone or unreadable since its size was checked)
+                problems.append(f"{rel} cannot be read ({exc})")
+        if problems:
+            self._error = CorruptCheckpointError(self._step_dir, problems)
+        self._verified = True
+
+    def result(self) -> bool:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._verified
