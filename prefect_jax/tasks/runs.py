@@ -263,10 +263,10 @@ def link_runs(config: JobConfig, tracker, trains: bool = True, wait_secs: float 
     artifacts queued meanwhile on the publisher are not held up behind it. One link artifact per
     flow run, however often it is started.
 
-    `wait_secs` > 0 (a trainer's restore, before its first step): wait that long at most for MLflow
-    to start the run (not at all for a store that did not answer the start-up check,
-    ``--mlflow-optional``) and for the link and the tag to be in Prefect, so that a run killed in
-    its first interval is linked too. Where MLflow has not answered by then, the link artifact says
+    `wait_secs` > 0 (a trainer's restore, before its first step): where the run is not known yet
+    (a job's first run), wait that long at most for MLflow to start the run (not at all for a
+    store that did not answer the start-up check, ``--mlflow-optional``) and for the link and the
+    tag to be in Prefect, so that a run killed in its first interval is linked too. Where MLflow has not answered by then, the link artifact says
     so (pointing at the MLflow UI) and is updated in place once MLflow answers."""
     flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
     if flow_url:  # queued after the MLflow thread's start of the run
@@ -281,7 +281,9 @@ def link_runs(config: JobConfig, tracker, trains: bool = True, wait_secs: float 
     context = contextvars.copy_context()  # this flow and task run, for the link artifact
     known = tracker.known_run_url()
     if known:
-        publish_link(config, tracker, flow_run_id, known, tracker.requested_run_id, wait_secs)
+        # A rerun (its checkpoints name the run): the link goes out at once and lands while the
+        # first step compiles; the wait is for a first run's, whose id MLflow has yet to make.
+        publish_link(config, tracker, flow_run_id, known, tracker.requested_run_id)
         return
     if wait_secs > 0:
         # (a store the start-up check found unusable has no tracker: returned above)
