@@ -266,8 +266,9 @@ def link_runs(config: JobConfig, tracker, trains: bool = True, wait_secs: float 
     `wait_secs` > 0 (a trainer's restore, before its first step): where the run is not known yet
     (a job's first run), wait that long at most for MLflow to start the run (not at all for a
     store that did not answer the start-up check, ``--mlflow-optional``) and for the link and the
-    tag to be in Prefect, so that a run killed in its first interval is linked too. Where MLflow has not answered by then, the link artifact says
-    so (pointing at the MLflow UI) and is updated in place once MLflow answers."""
+    tag to be in Prefect, so that a run killed in its first interval is linked too. Where MLflow
+    has not answered by then, the link artifact says so (pointing at the MLflow UI) and is
+    updated in place once MLflow answers."""
     flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
     if flow_url:  # queued after the MLflow thread's start of the run
         newest = {"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)}

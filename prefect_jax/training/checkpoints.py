@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from prefect_jax.training import cluster
 from prefect_jax.training.checkpoint_dirs import (
     committed_steps,
+    data_written_by_other_processes,
     is_committed,
     quarantine,
     read_meta_file,
@@ -325,24 +326,15 @@ class Checkpoints:
                 "program that wrote it, or start a new job (a different job name or storage)."
             )
         items = {"state": ocp.args.StandardRestore(abstract)}
-        other_layout = data_iter is not None and self._data_written_by_other_processes(step)
+        other_layout = data_iter is not None and data_written_by_other_processes(
+            self.directory, step, jax.process_index(), jax.process_count()
+        )
         if data_iter is not None and not other_layout:
             items["data"] = IteratorRestore(data_iter)
         restored = self.manager.restore(int(step), args=ocp.args.Composite(**items))
         if other_layout:
             self._restore_data_position(step, data_iter, other_layout)
         return from_savable(restored["state"], abstract_state), meta
-
-    def _data_written_by_other_processes(self, step: int) -> str | None:
-        """The iterator state file of process 0, when the step was written by another number of
-        processes than this job has now (None: the same number; Grain restores each process's
-        own)."""
-        data = os.path.join(self.directory, str(step), "data")
-        own = os.path.join(data, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-        if "://" in self.directory or not os.path.isdir(data) or os.path.exists(own):
-            return None
-        first = sorted(glob.glob(os.path.join(glob.escape(data), "process_0-of-*.json")))
-        return first[0] if first else None
 
     @staticmethod
     def _restore_data_position(step: int, data_iter, path: str) -> None:
