@@ -2,8 +2,9 @@
 same collective calls in every process, in the same order, whichever process fails where: one
 that calls a collective the others skip waits forever (a hung job, not a failed one).
 
-Two threads stand for two JAX processes; the two collectives `_together` makes (process 0's
-`announce` and everyone's `worst`) meet at a barrier. The evaluation itself is replaced by what
+Two threads stand for two JAX processes; the three collectives `_together` makes (process 0's
+two `announce`s: what to evaluate, then whether to gather the state for the exports; and
+everyone's `worst`) meet at a barrier. The evaluation itself is replaced by what
 each scenario makes it do (the real one, on real processes, is in test_multiprocess_sharding).
 """
 
@@ -15,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from prefect_jax.training import evaluating
-from prefect_jax.training.collective import EVALUATE
+from prefect_jax.training.collective import EVALUATE, GATHER
+from prefect_jax.training.eval_specs import BestExporter, FinalExporter, LatestExporter
 from prefect_jax.training.evaluating import Evaluations
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
 
@@ -45,12 +47,20 @@ class TwoProcesses:
         return max(self._exchange("worst", code))
 
 
-def _evaluations(rank: int, evaluate, join) -> Evaluations:
+def _evaluations(rank: int, evaluate, join, exporters=(), gathered=None) -> Evaluations:
+    def local(state):  # the live state's gather to the host (a collective in the real loop)
+        gathered.append(rank)
+        return f"host copy of {state}"
+
     trainer = SimpleNamespace(
-        job=SimpleNamespace(is_primary=rank == 0),
-        loop=SimpleNamespace(spans=True),
+        job=SimpleNamespace(is_primary=rank == 0, storage=None),
+        loop=SimpleNamespace(spans=True, local=local),
         step=10,
-        config=SimpleNamespace(eval=SimpleNamespace(name="eval", exporters=[])),
+        state="the live state",
+        config=SimpleNamespace(
+            eval=SimpleNamespace(name="eval", exporters=list(exporters)),
+            train=SimpleNamespace(max_steps=100),
+        ),
     )
     e = object.__new__(Evaluations)
     e.trainer, e.stopped, e.host, e._announced = trainer, None, None, False
@@ -64,7 +74,7 @@ def _evaluations(rank: int, evaluate, join) -> Evaluations:
     return e
 
 
-def _run(monkeypatch, evaluate, join) -> tuple[list, TwoProcesses]:
+def _run(monkeypatch, evaluate, join, exporters=(), gathered=None) -> tuple[list, TwoProcesses]:
     world = TwoProcesses()
     monkeypatch.setattr(evaluating, "announce", world.announce)
     monkeypatch.setattr(evaluating, "worst", world.worst)
@@ -73,7 +83,10 @@ def _run(monkeypatch, evaluate, join) -> tuple[list, TwoProcesses]:
     def process(rank: int):
         world.rank.value = rank
         try:
-            outcomes[rank] = _evaluations(rank, evaluate, join)._together(10, False, None)
+            e = _evaluations(rank, evaluate, join, exporters, gathered)
+            outcomes[rank] = e._together(10, False, None)
+            if rank == 0:
+                world.host = e.host
         except Exception as exc:  # noqa: BLE001 - the outcome under test
             outcomes[rank] = exc
 
@@ -105,7 +118,7 @@ def _fails_in_process_1(rank, code):
 def test_an_eval_step_that_fails_in_every_process_fails_the_evaluation_in_each(monkeypatch):
     (first, second), world = _run(monkeypatch, _evaluated, _fails_everywhere)
     assert "process 0" in str(first) and "process 1" in str(second)
-    assert world.calls[0] == ["announce", "worst"]
+    assert world.calls[0] == ["announce", "announce", "worst"]
 
 
 def test_a_failure_in_one_other_process_fails_process_0_too_so_a_retry_starts_in_both(
@@ -123,7 +136,7 @@ def test_process_0_failing_before_it_announced_still_meets_the_others(monkeypatc
     (first, second), world = _run(monkeypatch, fails_before, lambda rank, code: None)
     assert isinstance(first, OSError)
     assert isinstance(second, RuntimeError) and "another process" in str(second)
-    assert world.calls[0] == ["announce", "worst"]
+    assert world.calls[0] == ["announce", "announce", "worst"]
 
 
 def test_an_evaluation_that_process_0_stops_ends_evaluating_in_every_process(monkeypatch):
@@ -148,4 +161,59 @@ def test_nothing_to_evaluate_still_meets_the_others_once(monkeypatch, status):
         monkeypatch, lambda e: EvalResult(status=status, step=10), lambda rank, code: None
     )
     assert first.status is status and second.status is EvalStatus.OTHER_PROCESS
-    assert world.calls[0] == ["announce", "worst"]
+    assert world.calls[0] == ["announce", "announce", "worst"]
+
+
+@pytest.mark.parametrize(
+    "exporters, best, gathers",
+    [
+        ([LatestExporter()], None, True),
+        ([FinalExporter()], None, False),  # step 10 of 100: the final exporter writes nothing
+        ([FinalExporter(), LatestExporter()], None, True),
+        ([BestExporter()], None, True),  # no best yet: this evaluation is it
+        ([BestExporter()], {"step": 5, "value": 2.0}, True),  # loss 1.0 beats step 5's 2.0
+        ([BestExporter()], {"step": 5, "value": 0.5}, False),  # step 5's 0.5 stands
+        ([BestExporter(), FinalExporter()], {"step": 5, "value": 0.5}, False),
+        ([], None, False),
+    ],
+)
+def test_the_state_is_gathered_for_the_exports_only_where_an_exporter_may_write(
+    monkeypatch, exporters, best, gathers
+):
+    """A gather moves the whole sharded state to process 0's host: every process joins it after
+    an evaluation where some exporter may write (`exporters.exports_nothing`, with the best so
+    far as ``best.json`` holds it), none of them otherwise, and each makes the same collective
+    calls either way."""
+    from prefect_jax.training import exporters as exporters_module
+
+    monkeypatch.setattr(exporters_module, "read_best", lambda storage, exporter: best)
+    gathered: list[int] = []
+    codes: list = []
+    real = TwoProcesses.announce
+
+    def announce(self, code):
+        value = real(self, code)
+        if self.rank.value == 0:
+            codes.append(value)
+        return value
+
+    monkeypatch.setattr(TwoProcesses, "announce", announce)
+    (first, second), world = _run(
+        monkeypatch, _evaluated, lambda rank, code: None, exporters, gathered
+    )
+    assert first.status is EvalStatus.EVALUATED and second.status is EvalStatus.OTHER_PROCESS
+    assert world.calls[0] == ["announce", "announce", "worst"]
+    assert codes == [EVALUATE, GATHER if gathers else 0]
+    assert sorted(gathered) == ([0, 1] if gathers else [])
+    assert world.host == ((10, "host copy of the live state") if gathers else None)
+
+
+def test_a_failure_in_another_process_still_meets_process_0_at_every_collective(monkeypatch):
+    gathered: list[int] = []
+    (first, second), world = _run(
+        monkeypatch, _evaluated, _fails_in_process_1, [LatestExporter()], gathered
+    )
+    assert isinstance(second, MemoryError) and isinstance(first, RuntimeError)
+    assert world.calls[0] == ["announce", "announce", "worst"]
+    # Process 0 learns of process 1's failure at `worst`, after it said to gather: both joined it.
+    assert sorted(gathered) == [0, 1]

@@ -87,7 +87,8 @@ def _flip_lowest_bit(path: str, marker: bytes, offset: int) -> None:
 
 
 def test_a_flipped_bit_in_a_steps_metadata_is_corruption_not_another_program(trained, caplog):
-    """Issue 53.2: the checksums are checked before the metadata is compared with the program."""
+    """Issue 53.2: the checksums are consulted before a mismatch of the metadata with the
+    program is reported (they are checked beside the restore)."""
     config, prints = trained
     # '2' (0x32) -> '3' (0x33): one bit
     _flip_lowest_bit(os.path.join(_ckpt_dir(config), "60", STEP_META_FILE), b"float32", 6)

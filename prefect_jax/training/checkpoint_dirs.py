@@ -105,6 +105,7 @@ def wait_for_new_checkpoint(
 __all__ = [
     "ITEMS",
     "committed_steps",
+    "data_written_by_other_processes",
     "is_committed",
     "quarantine",
     "read_meta_file",

@@ -96,7 +96,7 @@ class BackgroundVerification:
             with open(path) as f:
                 files = json.load(f)["files"]
             sized = {rel: (int(size), int(crc)) for rel, (size, crc) in sorted(files.items())}
-        except (ValueError, KeyError, TypeError) as exc:  # the manifest itself is damaged
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # the manifest: damaged
             raise CorruptCheckpointError(
                 step_dir, [f"{STEP_MANIFEST_FILE} is damaged ({type(exc).__name__}: {exc})"]
             ) from None
@@ -118,13 +118,15 @@ class BackgroundVerification:
         self._thread.start()
 
     def _check_contents(self, sized: dict[str, tuple[int, int]]) -> None:
-        problems = []
-        for rel, (_, crc) in sized.items():
-            try:
-                if _crc32(os.path.join(self._step_dir, rel)) != crc:
-                    problems.append(f"{rel} has other bytes than were written (crc32 differs)")
-            except OSError as exc:  # (gone or unreadable since its size was checked)
-                problems.append(f"{rel} cannot be read ({exc})")
+        try:
+            problems = [
+                f"{rel} has other bytes than were written (crc32 differs)"
+                for rel, (_, crc) in sized.items()
+                if _crc32(os.path.join(self._step_dir, rel)) != crc
+            ]
+        except BaseException as exc:  # (an unreadable file: as `verify_manifest` always raised)
+            self._error = exc  # raised by `result`, on the restoring thread: never "unverified"
+            return
         if problems:
             self._error = CorruptCheckpointError(self._step_dir, problems)
         self._verified = True

@@ -11,7 +11,8 @@ process 0 calls would wait forever):
   same global eval batches, so the sums come out replicated (`global_batch`); process 0 decides
   whether to evaluate and tells the others (`announce`);
 - the exports and the fingerprint: the state gathered to the host, one leaf at a time, in every
-  process (`host_gather`); process 0 exports its copy.
+  process (`host_gather`), where process 0 says an exporter may write (`announce` again, once
+  the evaluation's result is known); process 0 exports its copy.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from prefect_jax.training.trees import from_savable, to_savable
 
-# What process 0 tells the others at an evaluation (`announce`): a bit set of
-EVALUATE = 1  # every process runs the eval step on the live state,
-GATHER = 2  # every process joins the gather of the live state to the host (for the exports).
+# What process 0 tells the others at an evaluation (`announce`, twice): first
+EVALUATE = 1  # every process runs the eval step on the live state (or 0: none); then
+# every process joins the live state's gather to the host (or 0: no export needs it);
+GATHER = 2
 # and how each process's part ended (`worst`): 0, 1 (process 0 stopped evaluating) or
 FAILED = 2  # it raised: every process raises (a retry of the task then runs in all of them).
 

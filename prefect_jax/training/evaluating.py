@@ -21,6 +21,7 @@ from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import LostProcess, lost_process
 from prefect_jax.training.collective import EVALUATE, FAILED, GATHER, announce, worst
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
+from prefect_jax.training.exporters import exports_nothing
 from prefect_jax.training.names import STOP_REASON_TAG, TRAIN_PREFIX
 from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
 from prefect_jax.training.session import job_params
@@ -69,11 +70,13 @@ class Evaluations:
 
     def _together(self, step: int | None, force: bool, on_recorded) -> EvalResult:
         """A state sharded over several processes: process 0 decides as it does alone, and tells
-        the others what to join (`collective.announce`): the eval step on the live state, its
-        gather to the host for the exports. Then every process says how its part ended
-        (`collective.worst`): a failure anywhere fails the evaluation in every process, so that
-        a retry of the task starts in all of them at once. Every process of such a job calls this
-        at the same points, and makes the same two collective calls whatever fails."""
+        the others what to join (`collective.announce`): first the eval step on the live state;
+        then, once its result says whether any exporter may write (`exporters.exports_nothing`:
+        not a FinalExporter before the final step, nor a BestExporter that was not beaten), the
+        gather of the state to the host for the exports. Then every process says how its part
+        ended (`collective.worst`): a failure anywhere fails the evaluation in every process, so
+        that a retry of the task starts in all of them at once. Every process of such a job calls
+        this at the same points, and makes the same three collective calls whatever fails."""
         t, job, name = self.trainer, self.trainer.job, self.trainer.config.eval.name
         self.host, self._announced = None, False
         result, error = None, None
@@ -82,23 +85,31 @@ class Evaluations:
                 self._join(announce(None))
             except Exception as exc:  # noqa: BLE001 - said to the others below, then raised
                 error = exc
+            try:
+                self._gather(announce(None))
+            except Exception as exc:  # noqa: BLE001 - said to the others below, then raised
+                error = error or exc
             ended = worst(FAILED if error else 0)
         else:
             try:
                 result = self._evaluate_if_new(step, force, on_recorded)
             except Exception as exc:  # noqa: BLE001 - said to the others below, then raised
                 error = exc
-            if not self._announced:  # nothing evaluated; a recorded live step may export
-                again = (
-                    result is not None
-                    and result.status == EvalStatus.NO_NEW_CHECKPOINT
-                    and result.step == t.step
-                    and bool(t.config.eval.exporters)
-                )
+            if not self._announced:  # nothing evaluated
                 try:
-                    self._join(announce(GATHER if again and not error else 0))
+                    self._join(announce(0))
                 except Exception as exc:  # noqa: BLE001 - said to the others below, then raised
                     error = error or exc
+            gathers = error is None
+            if gathers:
+                try:
+                    gathers = self._exports_may_need_the_live_state(result)
+                except Exception as exc:  # noqa: BLE001 - the export task meets it, and says so
+                    logger.warning("gathering step %s for its exports anyway: %s", t.step, exc)
+            try:
+                self._gather(announce(GATHER if gathers else 0))
+            except Exception as exc:  # noqa: BLE001 - said to the others below, then raised
+                error = error or exc
             stopped = result is not None and result.evaluation_stopped is not None
             ended = worst(FAILED if error else int(stopped))
         if error is not None:
@@ -121,15 +132,32 @@ class Evaluations:
         return EvalResult(status=EvalStatus.OTHER_PROCESS, name=name, step=step)
 
     def _join(self, code: int):
-        """What process 0 announced, done by every process: `loop.evaluate` of the live state
-        (its metrics returned) and/or its gather to the host (kept by process 0)."""
+        """What process 0 announced first, done by every process: `loop.evaluate` of the live
+        state (its metrics returned)."""
         t = self.trainer
         self._announced = True
-        out = t.loop.evaluate(t.state, t.config.eval.steps) if code & EVALUATE else None
+        return t.loop.evaluate(t.state, t.config.eval.steps) if code & EVALUATE else None
+
+    def _gather(self, code: int) -> None:
+        """What process 0 announced next, done by every process: the live state's gather to the
+        host (kept by process 0, for its exports: `state_at`)."""
+        t = self.trainer
         if code & GATHER:
             host = t.loop.local(t.state)
             self.host = (t.step, host) if t.job.is_primary else None
-        return out
+
+    def _exports_may_need_the_live_state(self, result: EvalResult | None) -> bool:
+        """Whether process 0's exports after `result` may need the live state on its host: an
+        evaluation of the live step (or its record, found again) after which some exporter may
+        write. The gather moves the whole state to one host: not for nothing."""
+        t = self.trainer
+        exporters = t.config.eval.exporters
+        if result is None or not exporters or t.state is None or result.step != t.step:
+            return False
+        if result.status not in (EvalStatus.EVALUATED, EvalStatus.NO_NEW_CHECKPOINT):
+            return False
+        max_steps = t.config.train.max_steps
+        return not all(exports_nothing(e, t.job.storage, result, max_steps) for e in exporters)
 
     def _evaluate_if_new(self, step: int | None, force: bool, on_recorded) -> EvalResult:
         t, job = self.trainer, self.trainer.job
@@ -187,9 +215,8 @@ class Evaluations:
             return missing
         t.wait_for_compile_cache()
         if t.loop.spans:
-            metrics, n, examples = self._join(
-                announce(EVALUATE | (GATHER if spec.exporters else 0))
-            )
+            self._announced = True  # (even where the broadcast fails: it is not made again)
+            metrics, n, examples = self._join(announce(EVALUATE))
         else:
             metrics, n, examples = t.loop.evaluate(state, spec.steps)
         result = EvalResult(
