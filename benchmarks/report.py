@@ -508,8 +508,18 @@ def goodput_lm_markdown() -> list[str]:
         + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in un.items())
         + ". Columns as in [Goodput under preemption](#goodput-under-preemption).",
         "",
-        "prefect-jax's goodput minus each peer's: " + _goodput_verdicts(gp["runs"], un) + ".",
+        "prefect-jax's goodput minus each peer's, each against its own uninterrupted run: "
+        + _goodput_verdicts(gp["runs"], un)
+        + ".",
     ]
+    if "plain" in un:  # one reference for all: the ordering of the total seconds
+        common = {system: un["plain"] for system in un}
+        out += [
+            "",
+            "The same, each against the plain loop's uninterrupted run (the `vs plain` column): "
+            + _goodput_verdicts(gp["runs"], common)
+            + ".",
+        ]
     if gp.get("note"):
         out += ["", gp["note"]]
     out += ["", *_goodput_ledger_rows(gp), ""]
