@@ -47,6 +47,7 @@ TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
 from deployment_helpers import PrefectServerProcess  # noqa: E402
+from process_helpers import status as _status  # noqa: E402
 from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server  # noqa: E402
 
 from prefect_jax.training.names import COMMIT_MARKER  # noqa: E402
@@ -188,20 +189,6 @@ def _last_json(log: Path) -> dict | None:
             except json.JSONDecodeError:
                 return None
     return None
-
-
-def _status(job: str, storage: str, env) -> dict:
-    """The job's ``prefect-jax status --json``."""
-    out = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "status", "--job", job, "--storage", storage]
-        + ["--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=TESTS,
-        check=True,
-    ).stdout
-    return json.loads(out.splitlines()[-1])
 
 
 def _mlflow_check(mlflow_uri: str, run_id: str, evaluated: list[int]) -> tuple[bool, str]:

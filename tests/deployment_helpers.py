@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from process_helpers import wait_healthy
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEPLOYMENT = "rerun-test"
@@ -136,21 +138,7 @@ class PrefectServerProcess(_GroupProcess):
         super().__init__(args, env, home / "server.log")
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(
-                    f"prefect server exited with {self.proc.returncode}:\n{self.tail()}"
-                )
-            try:
-                if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"prefect server not healthy after {timeout:.0f}s:\n{self.tail()}")
+        wait_healthy(f"{self.api_url}/health", self.proc, "prefect server", self.tail, timeout, 0.5)
 
 
 class ServeProcess(_GroupProcess):

@@ -19,8 +19,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from process_helpers import wait_healthy
 
 
 class MlflowServerProcess:
@@ -36,8 +37,6 @@ class MlflowServerProcess:
 
     def start(self, timeout: float = 180) -> None:
         """Start the server and wait until it answers its health check."""
-        import httpx
-
         self.starts += 1
         log = self.log_dir / f"mlflow-server-{self.starts}.log"
         with open(log, "w") as out:
@@ -53,19 +52,8 @@ class MlflowServerProcess:
                 cwd=self.work,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"mlflow server exited {self.proc.returncode}:\n{log.read_text()[-3000:]}"
-                )
-            try:
-                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"mlflow server not healthy after {timeout}s: see {log}")
+        tail = lambda: log.read_text()[-3000:]  # noqa: E731
+        wait_healthy(f"{self.uri}/health", self.proc, "mlflow server", tail, timeout, 0.2)
 
     def kill(self) -> None:
         """SIGKILL the server's whole process group (its workers too)."""

@@ -7,8 +7,34 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen,
+    what: str,
+    log_tail: Callable[[], str],
+    timeout: float,
+    poll: float,
+) -> None:
+    """Poll `url` until it answers 200. Raises RuntimeError (with `log_tail()`) if `proc` ends
+    first, TimeoutError once `timeout` seconds have passed."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    raise TimeoutError(f"{what} not healthy after {timeout:.0f}s:\n{log_tail()}")
 
 
 def cli_env(api_url: str, **extra: str) -> dict[str, str]:
@@ -63,8 +89,8 @@ def orbax_tmp_dirs(checkpoint_dir: str, step: int | None = None) -> list[str]:
         return []
 
 
-def status(job: str, storage: str) -> dict:
-    """``prefect-jax status --json`` of a job."""
+def status(job: str, storage: str, env: dict | None = None) -> dict:
+    """``prefect-jax status --json`` of a job (in `env`, default this process's environment)."""
     import json
 
     out = subprocess.run(
@@ -81,6 +107,7 @@ def status(job: str, storage: str) -> dict:
         ],
         capture_output=True,
         text=True,
+        env=env,
         check=True,
         cwd=TESTS_DIR,
     ).stdout
