@@ -8,7 +8,6 @@ can ask without opening a checkpoint manager.
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -105,24 +104,9 @@ def wait_for_new_checkpoint(
 __all__ = [
     "ITEMS",
     "committed_steps",
-    "data_written_by_other_processes",
     "is_committed",
     "quarantine",
     "read_meta_file",
     "step_dirs",
     "wait_for_new_checkpoint",
 ]
-
-
-def data_written_by_other_processes(
-    checkpoint_dir: str, step: int, process_index: int, process_count: int
-) -> str | None:
-    """The iterator state file of process 0 of a local step written by another number of JAX
-    processes than `process_count` (None: the same number, each process restores its own with
-    Grain; or not local)."""
-    data = os.path.join(checkpoint_dir, str(step), "data")
-    own = os.path.join(data, f"process_{process_index}-of-{process_count}.json")
-    if "://" in checkpoint_dir or not os.path.isdir(data) or os.path.exists(own):
-        return None
-    first = sorted(glob.glob(os.path.join(glob.escape(data), "process_0-of-*.json")))
-    return first[0] if first else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import logging
 import os
 import threading
@@ -28,13 +27,17 @@ import orbax.checkpoint as ocp
 from prefect_jax.training import cluster
 from prefect_jax.training.checkpoint_dirs import (
     committed_steps,
-    data_written_by_other_processes,
     is_committed,
     quarantine,
     read_meta_file,
     step_dirs,
 )
 from prefect_jax.training.checksums import BackgroundVerification, write_manifest
+from prefect_jax.training.data_positions import (
+    position_text,
+    restore_position_of_process_0,
+    written_by_other_processes,
+)
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (
@@ -72,20 +75,6 @@ class CheckpointSaveError(OSError):
 # -- the manager ------------------------------------------------------------------------
 
 
-def _position_text(data_iter) -> str:
-    """A Grain iterator's position as Grain's handler writes it: a dataset iterator's state as
-    JSON, a DataLoader's bytes as text. `_set_position` reads it back."""
-    if isinstance(data_iter, grain.DatasetIterator):
-        return json.dumps(data_iter.get_state(), indent=4)
-    return data_iter.get_state().decode()
-
-
-def _set_position(data_iter, text: str) -> None:
-    data_iter.set_state(
-        json.loads(text) if isinstance(data_iter, grain.DatasetIterator) else text.encode()
-    )
-
-
 class IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
     """Grain's iterator item, its file written in the save's commit instead of before `save`
     returns.
@@ -100,7 +89,7 @@ class IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHan
     borrow Grain's)."""
 
     async def async_save(self, directory, args):
-        text = _position_text(args.item)
+        text = position_text(args.item)
         index, count = jax.process_index(), jax.process_count()
 
         async def write():
@@ -326,30 +315,13 @@ class Checkpoints:
                 "program that wrote it, or start a new job (a different job name or storage)."
             )
         items = {"state": ocp.args.StandardRestore(abstract)}
-        other_layout = data_iter is not None and data_written_by_other_processes(
-            self.directory, step, jax.process_index(), jax.process_count()
-        )
+        other_layout = data_iter is not None and written_by_other_processes(self.directory, step)
         if data_iter is not None and not other_layout:
             items["data"] = IteratorRestore(data_iter)
         restored = self.manager.restore(int(step), args=ocp.args.Composite(**items))
         if other_layout:
-            self._restore_data_position(step, data_iter, other_layout)
+            restore_position_of_process_0(data_iter, other_layout, step)
         return from_savable(restored["state"], abstract_state), meta
-
-    @staticmethod
-    def _restore_data_position(step: int, data_iter, path: str) -> None:
-        """Every process of a job reads the same batches (the loop splits each one over the
-        devices), so process 0's position is every process's, on any number of processes."""
-        with open(path) as f:
-            _set_position(data_iter, f.read())
-        logger.warning(
-            "step %d was written by %s processes, restored into %d: the data position of its "
-            "process 0 (%s) applies to each",
-            step,
-            os.path.basename(path).split("-of-")[1].split(".")[0],
-            jax.process_count(),
-            os.path.basename(path),
-        )
 
     def wait(self) -> None:
         """Wait until the save in flight (if any) is committed, or failed (its error is raised once
