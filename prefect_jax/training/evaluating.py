@@ -21,7 +21,7 @@ from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import LostProcess, lost_process
 from prefect_jax.training.collective import EVALUATE, FAILED, GATHER, announce, worst
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
-from prefect_jax.training.exporters import exports_nothing
+from prefect_jax.training.exporters import nothing_to_export
 from prefect_jax.training.names import STOP_REASON_TAG, TRAIN_PREFIX
 from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
 from prefect_jax.training.session import job_params
@@ -71,7 +71,7 @@ class Evaluations:
     def _together(self, step: int | None, force: bool, on_recorded) -> EvalResult:
         """A state sharded over several processes: process 0 decides as it does alone, and tells
         the others what to join (`collective.announce`): first the eval step on the live state;
-        then, once its result says whether any exporter may write (`exporters.exports_nothing`:
+        then, once its result says whether any exporter may write (`exporters.nothing_to_export`:
         not a FinalExporter before the final step, nor a BestExporter that was not beaten), the
         gather of the state to the host for the exports. Then every process says how its part
         ended (`collective.worst`): a failure anywhere fails the evaluation in every process, so
@@ -156,8 +156,7 @@ class Evaluations:
             return False
         if result.status not in (EvalStatus.EVALUATED, EvalStatus.NO_NEW_CHECKPOINT):
             return False
-        max_steps = t.config.train.max_steps
-        return not all(exports_nothing(e, t.job.storage, result, max_steps) for e in exporters)
+        return not nothing_to_export(exporters, t.job.storage, result, t.config.train.max_steps)
 
     def _evaluate_if_new(self, step: int | None, force: bool, on_recorded) -> EvalResult:
         t, job = self.trainer, self.trainer.job

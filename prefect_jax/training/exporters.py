@@ -215,6 +215,14 @@ def exports_nothing(
     return False
 
 
+def nothing_to_export(
+    exporters: list[ExporterSpec], storage: JobStorage, result: EvalResult, max_steps: int | None
+) -> bool:
+    """True where no exporter of `exporters` writes anything for `result` (`exports_nothing`):
+    then nothing needs the step's state for its exports."""
+    return all(exports_nothing(e, storage, result, max_steps) for e in exporters)
+
+
 def read_best(storage: JobStorage, exporter: BestExporter) -> dict | None:
     """The exporter's ``best.json`` (None: no best yet). A damaged one is rebuilt from what it
     summarises, the ``export.json`` of each step the exporter kept (their step and metrics,

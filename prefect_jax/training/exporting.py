@@ -156,10 +156,8 @@ class Exports:
         written: dict[str, str] = {}
         # exports are of committed, recorded steps: this one's commit comes first
         if result.pending_commit:
-            max_steps = config.train.max_steps
-            if all(
-                exp.exports_nothing(e, job.storage, result, max_steps)
-                for e in config.eval.exporters
+            if exp.nothing_to_export(
+                config.eval.exporters, job.storage, result, config.train.max_steps
             ):
                 # nothing to export: training goes on, and the step is recorded once it commits
                 return written
@@ -175,9 +173,8 @@ class Exports:
             return written
         job.verify_lease()  # a trainer whose job was taken over exports nothing more
         model: list[bytes] = []
-        if on_done is not None and all(
-            exp.exports_nothing(e, job.storage, result, config.train.max_steps)
-            for e in config.eval.exporters
+        if on_done is not None and exp.nothing_to_export(
+            config.eval.exporters, job.storage, result, config.train.max_steps
         ):
             return written  # nothing to export: no copy of the state, no thread
         # In the background, of a host copy: training donates the live state's buffers.
