@@ -241,7 +241,7 @@ MODES = {"serve": serve, "serve-roles": serve_roles}
 
 def dead(pid: int) -> bool:
     """Gone, or a zombie (a child whose parent has not reaped it yet)."""
-    from prefect_jax.training.lease import process_alive
+    from prefect_jax.training.local_processes import process_alive
 
     return not process_alive(pid)
 

@@ -185,7 +185,7 @@ def bad_mode() -> None:
 
 
 def job_mode(storage: str, mlflow_uri: str, max_steps: str, pace: str) -> None:
-    from prefect_jax.training.loop import add_progress_listener
+    from prefect_jax.training.progress import add_progress_listener
     from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
     from prefect_jax.training.trainer import Trainer
     from prefect_jax.training.trees import state_fingerprint

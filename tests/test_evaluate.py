@@ -123,7 +123,7 @@ def test_the_live_steps_evaluation_is_recorded_once_it_commits_while_training_go
 
     from conftest import hold_commit, release_commit_at
 
-    from prefect_jax.training.loop import add_progress_listener
+    from prefect_jax.training.progress import add_progress_listener
 
     commit = hold_commit(monkeypatch, 100)
     trainer = Trainer(job_config(max_steps=200, every_steps=100))
@@ -185,7 +185,7 @@ def test_a_record_made_from_the_training_loop_is_evaluation_time_in_the_goodput_
 
     from conftest import hold_commit, release_commit_at
 
-    from prefect_jax.training.loop import add_progress_listener
+    from prefect_jax.training.progress import add_progress_listener
 
     commit = hold_commit(monkeypatch, 100)
     trainer = Trainer(job_config(max_steps=200, every_steps=100))

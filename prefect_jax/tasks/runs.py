@@ -71,7 +71,7 @@ def _mark_dead_local_runs(job: str, current_flow_run: str) -> None:
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.sorting import FlowRunSort
 
-    from prefect_jax.training.lease import process_alive
+    from prefect_jax.training.local_processes import process_alive
 
     host = socket.gethostname()
     with get_client(sync_client=True) as client:

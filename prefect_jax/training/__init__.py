@@ -41,7 +41,7 @@ _EXPORTS = {
     "get_trainer": "live",
     "drop_trainer": "live",
     "live_trainer": "live",
-    "add_progress_listener": "loop",
+    "add_progress_listener": "progress",
     "Job": "job",
     "Loop": "loop",
     "load_export": "exporters",

@@ -49,7 +49,8 @@ def trainer_alive(storage) -> bool:
     """Whether a trainer holds the job's lease (`JobStorage` `storage`) with a fresh heartbeat."""
     import socket
 
-    from prefect_jax.training.lease import Lease, process_alive
+    from prefect_jax.training.lease import Lease
+    from prefect_jax.training.local_processes import process_alive
 
     try:
         current = Lease(storage).read()

@@ -240,7 +240,7 @@ def on_progress(listener: Callable[[int, int, dict], None]) -> Callable[[], None
     Returns:
         A function that removes the listener.
     """
-    from prefect_jax.training.loop import add_progress_listener
+    from prefect_jax.training.progress import add_progress_listener
 
     return add_progress_listener(listener)
 

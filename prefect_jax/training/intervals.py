@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 
 from prefect_jax.training.cluster import any_process, note_failure, process_index
 from prefect_jax.training.errors import NonFiniteLossError
-from prefect_jax.training.loop import Interval, NonFiniteAt, notify_progress
+from prefect_jax.training.loop import Interval, NonFiniteAt
 from prefect_jax.training.names import TRAIN_PREFIX
+from prefect_jax.training.progress import notify_progress
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer

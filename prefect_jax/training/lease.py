@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Callable
 
 from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
+from prefect_jax.training.local_processes import process_alive
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage, atomic_write
 
@@ -63,13 +64,12 @@ def _identity(storage: JobStorage) -> tuple | None:
     return (st.st_dev, st.st_ino)
 
 
-_SAME_RUN = "same flow run (a retry)"  # why a lease is taken over from a retry of its own flow run
-DUPLICATE_POLL_SECS = (
-    1.0  # how often a second process of one flow run looks whether the first has ended
-)
-_duplicate_wait_ended: dict[
-    str, float
-] = {}  # job dir: when this process stopped waiting for another of its flow run
+# Why a lease is taken over from a retry of its own flow run.
+_SAME_RUN = "same flow run (a retry)"
+# How often a second process of one flow run looks whether the first has ended.
+DUPLICATE_POLL_SECS = 1.0
+# Job dir: when this process stopped waiting for another process of its flow run.
+_duplicate_wait_ended: dict[str, float] = {}
 
 
 def duplicate_wait_ended(job_dir: str) -> float | None:
@@ -77,22 +77,6 @@ def duplicate_wait_ended(job_dir: str) -> float | None:
     training of the job at `job_dir` (`Lease.wait_for_duplicate`), or None; told once: this
     process's attempt at the job starts then."""
     return _duplicate_wait_ended.pop(job_dir, None)
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` exists on this host (one we may not signal counts as alive; a
-    zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # (another user's: /proc may hide its state)
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):  # no /proc (not Linux), or it ended just now
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 class Lease:

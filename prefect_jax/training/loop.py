@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -36,36 +35,19 @@ from prefect_jax.training.compiled_steps import (
     stack,
 )
 from prefect_jax.training.evaluation import aggregate
+from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharding import (
     check_batch,
     declares_sharding,
     init_with_mesh,
     placement,
+    process_parts,
     replicas,
     state_shardings,
     under_mesh,
 )
 from prefect_jax.training.specs import TrainSpec
 from prefect_jax.training.train_means import TrainMeans, throughput, train_rows
-
-logger = logging.getLogger("prefect_jax.trainer")
-
-ProgressListener = Callable[[int, int, dict[str, float]], None]
-_progress_listeners: list[ProgressListener] = []
-
-
-def add_progress_listener(fn: ProgressListener) -> Callable[[], None]:
-    """Call ``fn(step, max_steps, last_metrics)`` as training advances; returns a remover."""
-    _progress_listeners.append(fn)
-    return lambda: _progress_listeners.remove(fn) if fn in _progress_listeners else None
-
-
-def notify_progress(step: int, max_steps: int, metrics: dict[str, float]) -> None:
-    for fn in list(_progress_listeners):
-        try:
-            fn(step, max_steps, metrics)
-        except Exception:  # noqa: BLE001 - a broken progress bar must not stop training
-            logger.exception("progress listener failed")
 
 
 def iterate(dataset, read_options=None):
@@ -246,34 +228,19 @@ class Loop:
 
     def batch(self, host_batch, axis: int = 0):
         """A batch for the step: as it is on one device; else split along `axis` over every
-        device, each process giving its own part (every process reads the same batch, so a job
-        trains the same global batches on any number of processes)."""
+        device (`process_parts`; a program's own batch sharding: as it places it)."""
         if self.batch_sharding is None:
             return host_batch
-        devices, index, count = len(self.mesh.devices.flat), jax.process_index(), self.processes
         sharding = self.batch_sharding if axis == 0 else self._stacked_sharding
-        if self.sharded:
-            check_batch(host_batch, self.batch_sharding, axis)
-
+        if not self.sharded:
+            return process_parts(host_batch, sharding, axis, self.processes)
+        check_batch(host_batch, self.batch_sharding, axis)
         if self.spans:  # each process's devices take their parts, wherever the mesh has them
             return global_batch(host_batch, sharding)
-
-        def part(x):
-            x = np.asarray(x)
-            if self.sharded:  # one process (see above): the whole batch is its own
-                return jax.make_array_from_process_local_data(sharding, x)
-            if x.ndim <= axis or x.shape[axis] % devices:
-                raise ValueError(
-                    f"a train batch leaf of shape {x.shape} cannot be split over {devices} "
-                    f"devices along axis {axis}: make the batch size a multiple of {devices} "
-                    f"(the devices of all {count} processes)"
-                )
-            size = x.shape[axis] // count
-            # A view: no copy before the device's.
-            own = (slice(None),) * axis + (slice(index * size, (index + 1) * size),)
-            return jax.make_array_from_process_local_data(sharding, x[own])
-
-        return jax.tree.map(part, host_batch)
+        # One process: the whole batch is its own.
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), host_batch
+        )
 
     # -- compilation ---------------------------------------------------------------------
 

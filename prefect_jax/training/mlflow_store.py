@@ -27,7 +27,7 @@ def built_beside(path: str) -> Iterator[str]:
     import re
     import socket
 
-    from prefect_jax.training.lease import process_alive
+    from prefect_jax.training.local_processes import process_alive
 
     prefix = f"{path}{NEW_STORE_SUFFIX}{socket.gethostname()}-"
     for stale in glob.glob(glob.escape(prefix) + "*"):

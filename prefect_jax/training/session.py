@@ -17,9 +17,9 @@ from prefect_jax.training.checkpoint_dirs import (
 from prefect_jax.training.checkpoints import CheckpointMismatchError, Checkpoints
 from prefect_jax.training.errors import PastMaxStepsError
 from prefect_jax.training.lease import duplicate_wait_ended
-from prefect_jax.training.loop import notify_progress
 from prefect_jax.training.names import DEVICES_TAG
 from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore_of
+from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.tracking import flatten_params
 

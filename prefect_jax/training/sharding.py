@@ -326,6 +326,32 @@ def replicas(tree, processes: int):
     return jax.tree.map(replica, tree)
 
 
+def process_parts(host_batch, sharding: NamedSharding, axis: int, processes: int):
+    """A replicated job's batch (every process reads the same one) as global arrays split along
+    `axis` over every device of `sharding`'s mesh, each process giving its own contiguous part,
+    so that a job trains the same global batches on any number of processes.
+
+    Raises:
+        ValueError: a leaf's `axis` does not divide over the devices (the fix: the batch size).
+    """
+    devices, index = len(sharding.mesh.devices.flat), jax.process_index()
+
+    def part(x):
+        x = np.asarray(x)
+        if x.ndim <= axis or x.shape[axis] % devices:
+            raise ValueError(
+                f"a train batch leaf of shape {x.shape} cannot be split over {devices} "
+                f"devices along axis {axis}: make the batch size a multiple of {devices} "
+                f"(the devices of all {processes} processes)"
+            )
+        size = x.shape[axis] // processes
+        # A view: no copy before the device's.
+        own = (slice(None),) * axis + (slice(index * size, (index + 1) * size),)
+        return jax.make_array_from_process_local_data(sharding, x[own])
+
+    return jax.tree.map(part, host_batch)
+
+
 def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
     """`fn` traced with `mesh` as the abstract mesh in context, so that Flax NNX variables made with
     sharding annotations (``nnx.with_partitioning``) are built as they are, whatever thread

@@ -42,7 +42,7 @@ from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.exporting import Exports
 from prefect_jax.training.intervals import Intervals
 from prefect_jax.training.job import Job
-from prefect_jax.training.loop import Loop, add_progress_listener
+from prefect_jax.training.loop import Loop
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.preemption import PreemptionGuard
 from prefect_jax.training.program import (
@@ -52,6 +52,7 @@ from prefect_jax.training.program import (
     program_fingerprint,
 )
 from prefect_jax.training.program_params import ProgramParams
+from prefect_jax.training.progress import add_progress_listener
 from prefect_jax.training.serving import check_serving
 from prefect_jax.training.session import (
     recover_session,
