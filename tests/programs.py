@@ -431,3 +431,24 @@ class StopJobAtEnvStep:
         import os
 
         return result.step >= int(os.environ["PREFECT_JAX_TEST_STOP_AT"])
+
+
+class DeviceBound(DigitsProgram):
+    """Tiny digits whose step also runs `work` matmuls of a 384x384 matrix (tens of ms on a CPU)
+    while its batches come at once: the device sets the pace, as a real model's step does (`Paced`
+    paces the host instead, whose clock then tracks the steps done by itself)."""
+
+    work = 96
+
+    def train_step(self, state, batch):
+        import jax
+        import jax.numpy as jnp
+
+        new_state, metrics = super().train_step(state, batch)
+        seed = jnp.full((384, 384), 1e-3, jnp.float32) * batch["x"].mean()  # (no constant to fold)
+        burnt = jax.lax.fori_loop(0, self.work, lambda _, m: jnp.tanh(m @ m), seed)
+        return new_state, {**metrics, "work": burnt[0, 0]}
+
+
+def device_bound():
+    return DeviceBound(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)

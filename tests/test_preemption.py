@@ -251,12 +251,14 @@ def test_after_a_kill_without_notice_reruns_back_up_between_checkpoints_and_resu
 ):
     """`CheckpointSpec.backups`: once an attempt was SIGKILLed, the next ones write resume-only
     checkpoints within each interval (Young/Daly); a rerun resumes from one exactly, and none
-    is ever evaluated."""
-    storage, every, max_steps = str(tmp_path / "storage"), 300, 600
+    is ever evaluated. The device sets the pace, as a real model's does: the host could queue a
+    whole interval long before its first second of steps has run (a data-bound job's backups:
+    test_multiprocess)."""
+    storage, every, max_steps = str(tmp_path / "storage"), 30, 60
     ckpt = os.path.join(storage, "bk", "checkpoints")
     args = [
         "--program",
-        "programs:paced",
+        "programs:device_bound",
         "--job",
         "bk",
         "--storage",
@@ -287,11 +289,11 @@ def test_after_a_kill_without_notice_reruns_back_up_between_checkpoints_and_resu
         "the attempt to begin",
         proc,
     )
-    time.sleep(1.0)  # compiling, or its first ~100 steps (10 ms each)
+    time.sleep(1.0)  # compiling, or its first ~10 steps (~100 ms each)
     assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
     assert committed_steps(ckpt) == [] and "backing up" not in (logs / "1.log").read_text()
 
-    # 2. The rerun backs up between checkpoints (its interval takes over 3 s: 10 ms a step): the
+    # 2. The rerun backs up between checkpoints (its interval takes ~3 s: ~100 ms a step): the
     #    first after 1 s, as no save was timed yet (a job killed more often than it checkpoints
     #    would otherwise never get past step 0); killed after one.
     proc = start_run(args, prefect_server, logs / "2.log")
@@ -318,7 +320,7 @@ def test_after_a_kill_without_notice_reruns_back_up_between_checkpoints_and_resu
     )
     summary = json.loads(log3.strip().splitlines()[-1])
     assert summary["state_fingerprint"] == _uninterrupted_fingerprint(
-        tmp_path, mlflow_uri, "programs:paced", max_steps, every
+        tmp_path, mlflow_uri, "programs:device_bound", max_steps, every
     )
     assert status("bk", storage)["evaluated_steps"] == {"eval": [every, max_steps]}, (
         "a backup was evaluated"

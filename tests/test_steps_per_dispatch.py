@@ -115,3 +115,43 @@ def test_the_steps_donate_the_train_state_so_one_copy_of_it_is_held(job_config, 
         leaf.is_deleted() for leaf in jax.tree.leaves(trainer.state)
     )
     trainer.close()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_loop_is_never_more_than_one_dispatch_ahead_of_the_device(k):
+    # A real model's step is the device's work: the host could queue a whole interval in
+    # milliseconds, and a backup due "1 s into the part" (or a SIGTERM's checkpoint) would be
+    # judged by steps queued, not done. Whenever the loop asks whether to stop, every dispatch
+    # but the newest has run.
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from programs import DeviceBound
+
+    from prefect_jax.training.loop import Loop
+    from prefect_jax.training.specs import TrainSpec
+
+    program = DeviceBound(hidden=(16, 16), batch_size=16)
+    program.work = 24  # a few ms a step here
+    loop = Loop(program, TrainSpec(max_steps=60, steps_per_dispatch=k, log_every_steps=30))
+    outputs = []  # each dispatch's metrics (never donated), to ask whether it has run
+
+    def recorded(step):
+        def call(*args):
+            state, metrics, guard = step(*args)
+            outputs.append(jax.tree.leaves(metrics)[0])
+            return state, metrics, guard
+
+        return call
+
+    loop.train_step, loop.scan_steps = recorded(loop.train_step), recorded(loop.scan_steps)
+    state, it = loop.place(loop.init_state()), loop.fresh_iter()
+    running = []
+
+    def stop() -> bool:
+        running.append(sum(not m.is_ready() for m in outputs))
+        return False
+
+    interval = loop.run(state, 0, it, target=36, stop=stop)
+    assert interval.step == 36 and len(running) == 36 // k
+    assert max(running) <= 1, f"dispatches not yet run at each stop check: {running}"

@@ -296,7 +296,7 @@ class Loop:
         first = self.compile_s is None
         t_first = time.perf_counter()
         self.join_precompile()  # its executable is the one this loop calls
-        guard = None
+        guard = previous = None
         clock = (step, time.perf_counter())  # the throughput's window starts here
         while step < target:
             start = step
@@ -326,9 +326,17 @@ class Loop:
                 if checked is not None:
                     self.check_finite(checked, logged)
                 checked = guard
-                if _progress_listeners:
+                if listening():
                     shown = metrics_at(*logged[-1][1:3])
                     notify_progress(step, spec.max_steps, {**shown, **rates})
+            # One dispatch ahead of the device at most: what `stop` judges by the clock (a backup
+            # or a checkpoint due by time, a notice's checkpoint) is then the steps done. Else
+            # the host queues a whole interval in milliseconds, no backup is ever due within it,
+            # and a SIGTERM's checkpoint waits for every step queued. The device still has the
+            # step just dispatched to run while the host prepares the next.
+            if previous is not None:
+                jax.block_until_ready(previous)
+            previous = metrics
             if self.processes == 1:
                 if stop():
                     break
