@@ -185,7 +185,7 @@ def flow(program_path: str, args, work: str) -> dict:
     import jax
 
     from prefect_jax.flows import train_and_evaluate
-    from prefect_jax.training.loop import add_progress_listener
+    from prefect_jax.training.progress import add_progress_listener
     from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
 
     clock: dict = {}

@@ -71,7 +71,7 @@ def main(
     trainer = Trainer(config)
     start = trainer.restore_or_init()
     if mode == "lost":
-        from prefect_jax.training.loop import add_progress_listener
+        from prefect_jax.training.progress import add_progress_listener
 
         def lose_the_node(step, max_steps, metrics):
             deadline = time.monotonic() + 60

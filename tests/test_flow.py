@@ -136,7 +136,7 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(
     from conftest import hold_commit
     from process_helpers import job_events
 
-    from prefect_jax.training.loop import add_progress_listener
+    from prefect_jax.training.progress import add_progress_listener
 
     commit = hold_commit(monkeypatch, 100)
 
@@ -201,7 +201,7 @@ def test_a_deferred_evaluation_in_an_async_flow_still_publishes_its_results(
         restore_or_init,
         train_until_checkpoint,
     )
-    from prefect_jax.training.loop import add_progress_listener
+    from prefect_jax.training.progress import add_progress_listener
 
     commit = hold_commit(monkeypatch, 100)
     remove = add_progress_listener(lambda step, *_: step == 130 and commit.set())
