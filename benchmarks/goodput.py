@@ -40,6 +40,9 @@ step) and ran its first step; the harness sums start-up, restore and compile fro
     uv run --group bench python benchmarks/goodput.py --model lm --periods 30,60 \
         --out benchmarks/GOODPUT-LM.json  # the byte LM (`goodput_lm.py`): same three systems
 
+--repeats N runs everything N times in rounds, and --add-to FILE adds rounds to an earlier result;
+goodputs then divide by the mean uninterrupted wall (single runs on a shared VM differ by seconds).
+
 With --model lm the job is the byte LM (see `goodput_lm.py`), and the harness exits non-zero
 (after its JSON) where a system never finishes or ends at another step than --steps.
 
@@ -465,6 +468,8 @@ def breakdown(system: str, workdir: str) -> dict:
             "lost_s": summary["lost_s"],
             "productive_s": round(summary["productive_s"], 2),
             "restart_s": [round(r, 3) for r in restarts],
+            # (a step off the --every grid: resumed from a backup)
+            "restored_steps": [a.get("from_step") for a in ledger["attempts"]],
         }
     marks: dict[int, dict] = {}
     with open(os.path.join(workdir, "attempts.jsonl")) as f:
@@ -537,6 +542,54 @@ def sized_steps(steps: int, every: int, uninterrupted: dict[str, dict], min_wall
     return math.ceil(steps * min_wall_s * 1.1 / min(walls) / every) * every
 
 
+def _score(runs: list[dict], rounds: list[dict[str, dict]]) -> None:
+    """Each run's goodput (its system's mean uninterrupted wall / its total; 0 for a job that
+    never finished by itself) and ``vs_plain`` (the plain loop's mean uninterrupted wall / its
+    total)."""
+    from report import mean_uninterrupted
+
+    reference = mean_uninterrupted(rounds)
+    for r in runs:
+        failed = "failed" in r  # no goodput: the job never finishes by itself
+        r["goodput"] = 0.0 if failed else reference[r["system"]] / r["total_s"]
+        if "plain" in reference:
+            r["vs_plain"] = 0.0 if failed else reference["plain"] / r["total_s"]
+
+
+def _earlier_rounds(path: str, args, systems, periods, signals) -> dict:
+    """The earlier result at `path` (--add-to), refused unless its job and cells are these."""
+    with open(path) as f:
+        earlier = json.load(f)
+    earlier.setdefault("uninterrupted_repeats", [earlier["uninterrupted"]])
+    for run in earlier["runs"]:
+        run.setdefault("repeat", 0)
+    mine = {
+        "steps": args.steps,
+        "every": args.every,
+        "systems": sorted(systems),
+        "cells": sorted((p, s) for p in periods for s in signals),
+        "prefect_jax_args": args.prefect_jax_args,
+    }
+    theirs = {
+        "steps": earlier["steps"],
+        "every": earlier["every"],
+        "systems": sorted(earlier["uninterrupted"]),
+        "cells": sorted({(r["period_s"], r["signal"]) for r in earlier["runs"]}),
+        "prefect_jax_args": earlier.get("prefect_jax_args", ""),
+    }
+    if getattr(args, "model", "digits") == "lm":
+        import goodput_lm
+
+        mine["lm_params"], theirs["lm_params"] = goodput_lm.lm_params(args), earlier["lm"]["params"]
+    differ = {k: (theirs[k], mine[k]) for k in mine if mine[k] != theirs[k]}
+    if differ:
+        sys.exit(
+            f"[goodput] --add-to {path}: measured with other settings ({differ}: theirs, these): "
+            "give the same --steps, --every, --systems, --periods, --signals and program params"
+        )
+    return earlier
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="prefect_jax,plain,keras")
@@ -575,6 +628,20 @@ def main() -> None:
         help="more arguments for the prefect-jax command, e.g. '--checkpoint-every-secs 5' "
         "(the peers keep --every)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every run (the uninterrupted ones too), one after another: the verdicts "
+        "use each system's mean total per cell, as single runs on a shared VM vary by seconds",
+    )
+    parser.add_argument(
+        "--add-to",
+        default=None,
+        metavar="FILE",
+        help="a result of this harness with the same job, systems, periods and signals: its "
+        "rounds come first, this invocation's are added after them (written to --out)",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON result here")
     parser.add_argument(
         "--child", choices=["plain", "plain_prefect", "plain_flow", "keras"], help=argparse.SUPPRESS
@@ -595,6 +662,8 @@ def main() -> None:
         return
     if lm and set(args.systems.split(",")) - {"prefect_jax", "plain", "keras"}:
         parser.error(f"--systems {args.systems!r}: --model lm has prefect_jax, plain and keras")
+    if args.add_to and args.min_periods:
+        parser.error("--add-to: give --min-periods 0 and the earlier result's --steps")
     if args.steps % args.every:
         parser.error(
             f"--steps ({args.steps}) must be a multiple of --every ({args.every}): "
@@ -619,6 +688,7 @@ def main() -> None:
         "runs": [],
         "prefect_jax_args": args.prefect_jax_args,
     }
+    earlier = _earlier_rounds(args.add_to, args, systems, periods, signals) if args.add_to else None
     t = time.time()
     if lm:  # the corpus is built before any clock, once for all systems
         import goodput_lm
@@ -647,18 +717,22 @@ def main() -> None:
             )
             args.steps = report["steps"] = steps
             uninterrupted = {s: run_job(s, args, None, None, env) for s in systems}
-        report["uninterrupted"] = uninterrupted
-        for period in periods:
-            for sig in signals:
-                for s in systems:
-                    r = run_job(s, args, period, sig, env)
-                    failed = "failed" in r  # no goodput: the job never finishes by itself
-                    r["goodput"] = 0.0 if failed else uninterrupted[s]["total_s"] / r["total_s"]
-                    if "plain" in uninterrupted:
-                        r["vs_plain"] = (
-                            0.0 if failed else uninterrupted["plain"]["total_s"] / r["total_s"]
-                        )
-                    report["runs"].append(r)
+        rounds = [uninterrupted]
+        first = len(earlier["uninterrupted_repeats"]) if earlier else 0
+        for repeat in range(args.repeats):
+            if repeat:  # a round's own references, in the same conditions as its cells
+                rounds.append({s: run_job(s, args, None, None, env) for s in systems})
+            for period in periods:
+                for sig in signals:
+                    for s in systems:
+                        r = run_job(s, args, period, sig, env)
+                        r["repeat"] = first + repeat
+                        report["runs"].append(r)
+    if earlier:
+        report["runs"] = earlier["runs"] + report["runs"]
+        rounds = earlier["uninterrupted_repeats"] + rounds
+    report["uninterrupted"], report["uninterrupted_repeats"] = rounds[0], rounds
+    _score(report["runs"], rounds)
     report["total_s"] = time.time() - t
     line = json.dumps(report)
     if args.out:
@@ -673,7 +747,10 @@ def main() -> None:
                 if "failed" in r
                 else f"final step {r['final_step']}"
             )
-            for r in [*report["uninterrupted"].values(), *report["runs"]]
+            for r in [
+                *(u for rnd in report["uninterrupted_repeats"] for u in rnd.values()),
+                *report["runs"],
+            ]
             if "failed" in r or r.get("final_step") != args.steps
         ]
         if bad:

@@ -379,6 +379,21 @@ def _goodput_runs_rows(goodput: dict) -> list[str]:
     return out
 
 
+def _goodput_mean_rows(runs: list[dict]) -> list[str]:
+    """Each system's total seconds per period and signal: the mean over the rounds, and each
+    round's (a run that never finished: "never")."""
+    out = ["| T s | signal | system | mean total s | each round s |", "|---:|---|---|---:|---|"]
+    cells: dict[tuple, list[dict]] = {}
+    for r in runs:
+        cells.setdefault((r["period_s"], r["signal"], r["system"]), []).append(r)
+    for (period, sig, system), rs in cells.items():
+        done = [r["total_s"] for r in rs if not r.get("failed")]
+        mean = _f(statistics.mean(done), 1) if len(done) == len(rs) else "never finished"
+        each = ", ".join("never" if r.get("failed") else _f(r["total_s"], 1) for r in rs)
+        out.append(f"| {period:g} | SIG{sig} | {system} | {mean} | {each} |")
+    return out
+
+
 def _goodput_ledger_rows(goodput: dict) -> list[str]:
     """prefect-jax's own goodput ledger: a row per run, and the uninterrupted one first."""
     un = goodput["uninterrupted"]
@@ -466,18 +481,28 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
     return out
 
 
-def _goodput_verdicts(runs: list[dict], uninterrupted: dict) -> str:
+def mean_uninterrupted(rounds: list[dict[str, dict]]) -> dict[str, float]:
+    """Each system's mean uninterrupted wall over a goodput result's rounds."""
+    systems = {s for r in rounds for s in r}
+    return {s: sum(r[s]["total_s"] for r in rounds) / len(rounds) for s in sorted(systems)}
+
+
+def _rounds(goodput: dict) -> list[dict[str, dict]]:
+    return goodput.get("uninterrupted_repeats") or [goodput["uninterrupted"]]
+
+
+def _goodput_verdicts(runs: list[dict], reference: dict[str, float]) -> str:
     """prefect-jax's goodput minus each peer's, per period and signal, each system's goodput
-    taken against the given uninterrupted walls (a run that never finished: 0)."""
+    taken against the given uninterrupted walls (a run that never finished: 0), averaged over
+    the rounds."""
     verdicts = []
     for period, sig in sorted({(r["period_s"], r["signal"]) for r in runs}):
-        same = {
-            r["system"]: 0.0
-            if r.get("failed")
-            else uninterrupted[r["system"]]["total_s"] / r["total_s"]
-            for r in runs
-            if (r["period_s"], r["signal"]) == (period, sig)
-        }
+        cell: dict[str, list[float]] = {}
+        for r in runs:
+            if (r["period_s"], r["signal"]) == (period, sig):
+                value = 0.0 if r.get("failed") else reference[r["system"]] / r["total_s"]
+                cell.setdefault(r["system"], []).append(value)
+        same = {system: statistics.mean(values) for system, values in cell.items()}
         pj = same.get("prefect_jax")
         for peer, value in same.items():
             if peer != "prefect_jax" and pj is not None:
@@ -494,29 +519,40 @@ def goodput_lm_markdown() -> list[str]:
     gp = _record("GOODPUT-LM.json")
     if not gp or not gp.get("runs"):
         return []
-    un, lm = gp["uninterrupted"], gp["lm"]
+    un, lm, rounds = gp["uninterrupted"], gp["lm"], _rounds(gp)
+    reference = mean_uninterrupted(rounds)
     counts = next((r["param_counts"] for r in un.values() if r.get("param_counts")), {})
     out = ["", "## Goodput under preemption: the byte LM", ""] + _goodput_runs_rows(gp)
     params = ", ".join(f"{k}={v}" for k, v in lm["params"].items())
+    each = "; ".join(
+        f"{s} " + " and ".join(_f(r[s]["total_s"], 1) for r in rounds) + " s" for s in reference
+    )
     out += [
         "",
         f"`benchmarks/goodput.py --model lm` ({gp.get('measured', 'this run')}): "
         f"`{gp['program']}` with {params} ({lm['param_count']:,} parameters; the Keras "
         f"model: {counts.get('keras', 0):,}), {gp['steps']} steps of {lm['tokens_per_step']} "
         f"tokens, a checkpoint and an evaluation ({lm['corpus']['eval_windows']} eval windows) "
-        f"every {gp['every']} steps, the same corpus shards for all three systems. Uninterrupted: "
-        + ", ".join(f"{k} {_f(v['total_s'], 1)} s" for k, v in un.items())
-        + ". Columns as in [Goodput under preemption](#goodput-under-preemption).",
+        f"every {gp['every']} steps, the same corpus shards for all three systems, "
+        f"{len(rounds)} round(s) of every run. Uninterrupted: {each}. Columns as in "
+        "[Goodput under preemption](#goodput-under-preemption); `goodput` and `vs plain` "
+        "divide by the mean uninterrupted wall.",
+    ]
+    if len(rounds) > 1:
+        out += ["", *_goodput_mean_rows(gp["runs"])]
+    out += [
         "",
-        "prefect-jax's goodput minus each peer's, each against its own uninterrupted run: "
-        + _goodput_verdicts(gp["runs"], un)
+        "prefect-jax's goodput minus each peer's, each against its own uninterrupted runs"
+        + (", means over the rounds" if len(rounds) > 1 else "")
+        + ": "
+        + _goodput_verdicts(gp["runs"], reference)
         + ".",
     ]
-    if "plain" in un:  # one reference for all: the ordering of the total seconds
-        common = {system: un["plain"] for system in un}
+    if "plain" in reference:  # one reference for all: the ordering of the total seconds
+        common = {system: reference["plain"] for system in reference}
         out += [
             "",
-            "The same, each against the plain loop's uninterrupted run (the `vs plain` column): "
+            "The same, each against the plain loop's uninterrupted runs (the `vs plain` column): "
             + _goodput_verdicts(gp["runs"], common)
             + ".",
         ]
