@@ -362,8 +362,11 @@ def _goodput_runs_rows(goodput: dict) -> list[str]:
         "new step s (mean) |",
         "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
+    rounds = len({r.get("repeat", 0) for r in goodput["runs"]})
     for r in goodput["runs"]:
         restart = _mean(r["breakdown"].get("restart_s", []))
+        if rounds > 1:  # (--repeats, --add-to) each round's rows in turn
+            r = {**r, "system": f"{r['system']} (round {r.get('repeat', 0) + 1})"}
         if r.get("failed"):  # the job could not resume by itself (goodput 0 in the summary)
             out.append(
                 f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | {r['attempts']} "
