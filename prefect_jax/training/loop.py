@@ -279,7 +279,8 @@ class Loop:
     # -- the loop ------------------------------------------------------------------------
 
     def run(self, state, step: int, it, target: int, stop: Callable[[], bool]) -> Interval:
-        """Train from `step` to `target`, or until `stop()` says so (checked after each dispatch).
+        """Train from `step` to `target`, or until `stop()` says so (checked after each dispatch,
+        once the dispatch before it has run).
 
         Metrics stay on the device; the NaN guard of a log point is read one log point later,
         so the loop never waits on the device. Each log point's metrics are the means over the
