@@ -662,6 +662,8 @@ def main() -> None:
         return
     if lm and set(args.systems.split(",")) - {"prefect_jax", "plain", "keras"}:
         parser.error(f"--systems {args.systems!r}: --model lm has prefect_jax, plain and keras")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more rounds")
     if args.add_to and args.min_periods:
         parser.error("--add-to: give --min-periods 0 and the earlier result's --steps")
     if args.steps % args.every:
