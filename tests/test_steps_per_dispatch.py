@@ -123,9 +123,6 @@ def test_the_loop_is_never_more_than_one_dispatch_ahead_of_the_device(k):
     # milliseconds, and a backup due "1 s into the part" (or a SIGTERM's checkpoint) would be
     # judged by steps queued, not done. Whenever the loop asks whether to stop, every dispatch
     # but the newest has run.
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from programs import DeviceBound
 
     from prefect_jax.training.loop import Loop
