@@ -689,8 +689,9 @@ def lm_gpu_markdown() -> list[str]:
             f"{rec['device']}. {rec['note']}",
             "",
             "| run | side | steps (every) | loop s | tokens/s | MFU | stall per save, "
-            "share of a sync save |",
-            "|---|---|---:|---:|---:|---:|---:|",
+            "share of a sync save | to the last step s | a stretch with a save, beyond one "
+            "without, s | end s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for i, run in enumerate(rec["runs"], 1):
             fpt = run.get("flops_per_token")
@@ -705,10 +706,14 @@ def lm_gpu_markdown() -> list[str]:
                 if floor and name != "bare_nosave":
                     lost = (side["loop_s"] - floor["loop_s"]) / saves
                     stall = f"{lost:.2f} s, {lost / run['sync_save_s']:.0%}"
+                marks, boundary = side.get("marks"), side.get("per_save_boundary_s")
                 out.append(
                     f"| {i} | {name} | {run['steps']} ({run['checkpoint_every']}) | "
                     f"{side['loop_s']:.1f} | {side['tokens_per_s']:,.0f} | "
-                    f"{'-' if mfu is None else f'{mfu:.1%}'} | {stall} |"
+                    f"{'-' if mfu is None else f'{mfu:.1%}'} | {stall} | "
+                    f"{f'{marks[-1][1]:.1f}' if marks else '-'} | "
+                    f"{'-' if boundary is None else f'{boundary:.2f}'} | "
+                    f"{_f(side.get('end_s'), 2)} |"
                 )
     return out
 
