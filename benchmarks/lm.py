@@ -38,6 +38,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -219,6 +220,11 @@ def flow(program_path: str, args, work: str) -> dict:
             marks.append((step, time.perf_counter()))
 
     remove = add_progress_listener(at_log_point)
+    stacks = None
+    if args.stacks:
+        from stack_timeline import StackTimeline
+
+        stacks = StackTimeline(threading.main_thread().ident).start()
     try:
         summary = train_and_evaluate(
             program=program_path,
@@ -232,6 +238,10 @@ def flow(program_path: str, args, work: str) -> dict:
         t_end = time.perf_counter()
     finally:
         remove()
+        if stacks is not None:
+            stacks.stop()
+            with open(args.stacks, "w") as f:
+                f.write(stacks.text())
     assert summary["final_step"] == args.steps, summary
     assert marks[0][0] == args.warmup, marks  # the window starts where the bare loop's does
     goodput = summary["goodput"]
@@ -265,6 +275,12 @@ def main() -> None:
         help="which sides to run, in this order (a short GPU lease: flow,bare_nosave,bare)",
     )
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--stacks",
+        default=None,
+        help="write the flow side's training-thread stacks, sampled, to this file "
+        "(benchmarks/stack_timeline.py: what a save's stretch and the end cost)",
+    )
     args = parser.parse_args()
     order = args.sides.split(",")
     if not order or set(order) - {"bare_nosave", "bare", "flow"}:

@@ -2,7 +2,7 @@
 # The byte-level LM benchmark (benchmarks/lm.py) on a lent GPU machine, in one device call:
 #
 #   benchmarks/gpu_wheels.sh                   # here: .whl/site.tar.xz (Prefect, MLflow, Grain, ...)
-#   device run: bash benchmarks/lm_gpu.sh      # carry [".whl"]; $OUT/lm.json and $OUT/lm.log return
+#   device run: bash benchmarks/lm_gpu.sh      # carry [".whl"]; $OUT/lm.json, lm.log, stacks.txt return
 #
 # The gpu100m preset (over 100M parameters, bfloat16 compute on float32 master weights): the
 # flow and the bare loop, --steps steps each with a checkpoint every --checkpoint-every, sized to
@@ -20,7 +20,7 @@ source "$(dirname "$0")/gpu_env.sh"
 export PREFECT_JAX_CACHE_DIR=${PREFECT_JAX_CACHE_DIR:-$(mktemp -d)}
 flags=(--preset "${PRESET:-gpu100m}" --sides "${SIDES:-bare_nosave,bare,flow}"
        --steps "${STEPS:-300}" --checkpoint-every "${EVERY:-100}"
-       --config "${LM_CONFIG:-{\}}" --out "$OUT/lm.json")
+       --config "${LM_CONFIG:-{\}}" --out "$OUT/lm.json" --stacks "$OUT/stacks.txt")
 [ -n "${PEAK_TFLOPS:-}" ] && flags+=(--peak-tflops "$PEAK_TFLOPS")
 stamp "lm.py: start"
 JAX_PLATFORMS=$PLATFORM timeout "${LM_TIMEOUT:-330}" $PY benchmarks/lm.py "${flags[@]}" >"$OUT/lm.log" 2>&1
