@@ -10,9 +10,11 @@ process 0 calls would wait forever):
 - the evaluation: every process runs the jitted eval step on the global sharded state with the
   same global eval batches, so the sums come out replicated (`global_batch`); process 0 decides
   whether to evaluate and tells the others (`announce`);
-- the exports and the fingerprint: the state gathered to the host, one leaf at a time, in every
-  process (`host_gather`), where process 0 says an exporter may write (`announce` again, once
-  the evaluation's result is known); process 0 exports its copy.
+- the exports: the state gathered to the host, one leaf at a time, in every process
+  (`host_gather`), where process 0 says an exporter may write (`announce` again, once the
+  evaluation's result is known); process 0 exports its copy;
+- the fingerprint: each array digested where its shards are, every process summing its own and
+  the sums meeting in one small all-reduce (`spanning_fingerprint`): nothing is gathered.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from prefect_jax.training.trees import from_savable, to_savable
+from prefect_jax.training.digests import device_digestible, device_digests, host_digest
+from prefect_jax.training.trees import fingerprint_of, from_savable, leaf_paths, to_savable
 
 # What process 0 tells the others at an evaluation (`announce`, twice): first
 EVALUATE = 1  # every process runs the eval step on the live state (or 0: none); then
@@ -82,6 +85,26 @@ def host_gather(tree):
 
     raw = jax.tree.map(gather, to_savable(tree))
     return from_savable(raw, tree) if primary else None
+
+
+def spanning_fingerprint(tree) -> str | None:
+    """`state_fingerprint` of a state sharded over several processes, in process 0 (None in the
+    others; a collective: every process calls it). Every array is digested on the devices that
+    hold its shards: no array is gathered, but one whose dtype the digest does not read there."""
+    from prefect_jax.training.cluster import noting_lost_peers
+
+    leaves = leaf_paths(to_savable(tree))
+    on_devices = [i for i, (_, leaf) in enumerate(leaves) if device_digestible(leaf)]
+    with noting_lost_peers():
+        # One array at a time, each digest read before the next is dispatched (as `host_gather`
+        # waits for each exchange): several programs in flight run side by side on a CPU, and
+        # their all-reduces could then pair up in another order in each process, and hang.
+        digests = {i: device_digests([leaves[i][1]])[0] for i in on_devices}
+    gathered = {i: host_gather(leaf) for i, (_, leaf) in enumerate(leaves) if i not in digests}
+    if jax.process_index() != 0:
+        return None
+    digests.update((i, host_digest(whole)) for i, whole in gathered.items())
+    return fingerprint_of(leaves, digests)
 
 
 def announce(code: int | None) -> int:

@@ -63,7 +63,8 @@ _jitted: dict[str, Any] = {}
 
 
 def device_digests(arrays: list) -> list[bytes]:
-    """The digests of jax arrays where they are (any sharding): no copy of the arrays to the
+    """The digests of jax arrays where they are (any sharding, over one process or several: then
+    a collective, which every process calls with the same arrays): no copy of the arrays to the
     host, 12 bytes each back. Equal to `host_digest` of each. One small program per shape, dtype
     and sharding (a model's large arrays come in a few shapes), all dispatched before any is
     read."""
@@ -73,8 +74,13 @@ def device_digests(arrays: list) -> list[bytes]:
         return []
     if "lanes" not in _jitted:
         _jitted["lanes"] = jax.jit(_device_lanes)
-    out = jax.device_get([_jitted["lanes"](x) for x in arrays])
-    return [np.asarray(lanes, dtype="<u4").tobytes() for lanes in out]
+    # Three scalars an array: a 0-d result is whole on every device, also when the array spans
+    # several processes (each reads its own copy, after the sums' all-reduce).
+    out = [_jitted["lanes"](x) for x in arrays]
+    return [
+        np.array([np.asarray(lane.addressable_data(0)) for lane in lanes], dtype="<u4").tobytes()
+        for lanes in out
+    ]
 
 
 def _device_lanes(x):
@@ -97,7 +103,7 @@ def _device_lanes(x):
         iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, dim)
         index = index + iota * jnp.uint32(stride % 2**32)
         stride *= words.shape[dim]
-    return jnp.stack(_lanes(jnp, words, index))
+    return tuple(_lanes(jnp, words, index))
 
 
 def device_digestible(leaf) -> bool:

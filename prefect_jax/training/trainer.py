@@ -34,6 +34,7 @@ from prefect_jax.training import control
 from prefect_jax.training.best import load_compare_fn
 from prefect_jax.training.cluster import forget_lost, from_primary, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
+from prefect_jax.training.collective import spanning_fingerprint
 from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.ending import AttemptEnd
 from prefect_jax.training.errors import ExportFailedError
@@ -366,11 +367,12 @@ class Trainer:
 
     def fingerprint(self) -> str | None:
         """A digest of the live state's every bit (`state_fingerprint`). A state sharded over
-        several processes is gathered to process 0 (a collective: every process calls this), which
-        returns it; the others return None."""
+        several processes is digested where its shards are (a collective: every process calls
+        this); process 0 returns it, the others None."""
         self._require_live()
-        host = self.loop.local(self.state)
-        return None if host is None else state_fingerprint(host)
+        if self.loop.spans:
+            return spanning_fingerprint(self.state)
+        return state_fingerprint(self.loop.local(self.state))
 
     def goodput(self) -> dict[str, Any]:
         """The job's goodput so far, over every attempt (see `prefect_jax.training.goodput`)."""

@@ -96,10 +96,18 @@ def state_fingerprint(state) -> str:
     leaves = leaf_paths(to_savable(state))
     large = [i for i, (_, leaf) in enumerate(leaves) if _digest_on_device(leaf)]
     digests = dict(zip(large, device_digests([leaves[i][1] for i in large]), strict=True))
+    for i, (_, leaf) in enumerate(leaves):
+        if i not in digests:
+            digests[i] = host_digest(jax.device_get(leaf))
+    return fingerprint_of(leaves, digests)
+
+
+def fingerprint_of(leaves: list[tuple[str, Any]], digests: dict[int, bytes]) -> str:
+    """SHA-256 over each leaf's path, dtype, shape and digest (`digests[i]` of ``leaves[i]``)."""
     h = hashlib.sha256()
     for i, (path, leaf) in enumerate(leaves):
         h.update(path.encode())
         h.update(str(np.dtype(leaf.dtype)).encode())
         h.update(str(tuple(np.shape(leaf))).encode())
-        h.update(digests[i] if i in digests else host_digest(jax.device_get(leaf)))
+        h.update(digests[i])
     return h.hexdigest()
