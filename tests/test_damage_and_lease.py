@@ -551,6 +551,48 @@ def test_a_process_that_loses_the_lease_to_a_live_process_of_its_own_flow_run_wa
         first.kill()
 
 
+def test_a_restore_that_lost_the_lease_to_a_live_process_of_its_own_flow_run_waits_for_it(
+    job_config, caplog
+):
+    """Seen in a suite run (a flow run started three times on a process worker, 2 loaded CPUs):
+    two waiting processes took the lease as the first freed it, each read its own write back,
+    and the later write won; the other found the lease gone at its restore and failed the flow
+    run they share with LeaseLostError after the winner had completed it. A restore that lost the
+    lease to a live process of its own flow run waits for that process, then resumes after it
+    from the newest commit, with its records (MLflow, goodput) written again."""
+    import subprocess
+    import sys
+    import threading
+
+    config = job_config()
+    trainer = Trainer(config, run_tags={"prefect.flow_run_id": "run-9"})
+    trainer.job.acquire_lease()  # (as a flow takes it, before its restore task)
+    assert trainer.job.lease.held
+    winner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    path = _write_lease(config, flow_run_id="run-9", pid=winner.pid)  # its later write won
+
+    def the_winner_ends():
+        time.sleep(2.0)
+        os.remove(path)  # (its release)
+        winner.kill()
+        winner.wait()
+
+    threading.Thread(target=the_winner_ends, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert trainer.restore_or_init() == 0
+        assert time.monotonic() - started >= 2.0, "restored while the winner trained"
+        assert "to another process of this flow run: waiting for it" in caplog.text
+        assert json.load(open(path))["token"] == trainer.job.lease.token
+        assert trainer.job.tracker.enabled and trainer.job.goodput.enabled
+        trainer.train_until_checkpoint()
+        assert trainer.step == 20
+    finally:
+        trainer.close()
+        winner.kill()
+
+
 def test_a_job_directory_that_vanishes_and_comes_back_is_named_and_nothing_lands_in_it(
     job_config, tmp_path
 ):
