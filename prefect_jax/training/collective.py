@@ -97,8 +97,9 @@ def spanning_fingerprint(tree) -> str | None:
     on_devices = [i for i, (_, leaf) in enumerate(leaves) if device_digestible(leaf)]
     with noting_lost_peers():
         # One array at a time, each digest read before the next is dispatched (as `host_gather`
-        # waits for each exchange): several programs in flight run side by side on a CPU, and
-        # their all-reduces could then pair up in another order in each process, and hang.
+        # waits for each exchange): with all of them in flight at once, the 2-process test hung
+        # once (programs in flight together on a CPU may pair their all-reduces differently in
+        # each process).
         digests = {i: device_digests([leaves[i][1]])[0] for i in on_devices}
     gathered = {i: host_gather(leaf) for i, (_, leaf) in enumerate(leaves) if i not in digests}
     if jax.process_index() != 0:

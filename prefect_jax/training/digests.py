@@ -1,8 +1,9 @@
 """Digests of arrays' bits, computed where the arrays are: the state fingerprint's arithmetic.
 
 A job's end (and every exact-resume check) fingerprints the whole train state. Copying the state
-to the host and hashing its bytes there costs seconds a gigabyte on the training thread (a 100M
-parameter model with AdamW moments is 1.2 GB), and holds the whole array on the host. Instead
+to the host and hashing its bytes there costs most of a second a gigabyte on the training thread
+(the 100M-parameter byte LM with AdamW's moments holds 1.1 GiB), and holds each array whole on
+the host. Instead
 each array is read as 32-bit words ``w[i]`` (16- and 8-bit items widened, 64-bit items split in
 two, in C order) and summed in three lanes, modulo 2**32, each word scrambled with its index:
 
@@ -67,7 +68,7 @@ def device_digests(arrays: list) -> list[bytes]:
     a collective, which every process calls with the same arrays): no copy of the arrays to the
     host, 12 bytes each back. Equal to `host_digest` of each. One small program per shape, dtype
     and sharding (a model's large arrays come in a few shapes), all dispatched before any is
-    read."""
+    read (`collective.spanning_fingerprint` passes one array at a time)."""
     import jax
 
     if not arrays:
