@@ -99,7 +99,8 @@ class Job(JobCheckpoints):
         )
         self.lease = early or Lease(self.storage, timeout_secs=config.train.lease_timeout_secs)
         self.goodput = GoodputLedger(self.storage, enabled=self.is_primary)
-        self._records_before_loss = (self.goodput.enabled, self.tracker.enabled)
+        # (goodput, tracker) enabled as they were when the lease was lost (`_lease_lost`)
+        self._records_at_loss: tuple[bool, bool] | None = None
         self.lease.on_lost = self._lease_lost
         # taken over while JAX started: `acquire` raises LeaseLostError
         if self.lease.lost_to is not None:
@@ -141,27 +142,16 @@ class Job(JobCheckpoints):
         `recheck`: see `Lease.acquire`."""
         if self.is_primary:
             self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
-            try:
-                self.lease.acquire(recheck)
-            except LeaseLostError:
-                # At a restore (recheck), lost to another live process of this same flow run: it
-                # trains the job, so wait for it as for any such process and resume after it
-                # from the newest commit, rather than fail the run they share.
-                if not (recheck and self.lease.lost_to_duplicate()):
-                    raise
-                logger.warning(
-                    "lost the lease of %s to another process of this flow run: waiting for it",
-                    redact_url(self.storage.job_dir),
-                )
-                self.lease.forget_loss()
-                self.lease.acquire()
-                self.goodput.enabled, self.tracker.enabled = self._records_before_loss
+            self.lease.acquire(recheck)
+            if self._records_at_loss is not None:  # held again (a restore after a duplicate's)
+                self.goodput.enabled, self.tracker.enabled = self._records_at_loss
+                self._records_at_loss = None
 
     def _lease_lost(self, holder: dict) -> None:
         """Another trainer holds the job now: from here on this process writes none of its records
         (goodput ledger, MLflow run: the new holder's), whatever path it ends by."""
-        if self.goodput.enabled or self.tracker.enabled:  # (as they were: a restore may regain it)
-            self._records_before_loss = (self.goodput.enabled, self.tracker.enabled)
+        if self._records_at_loss is None:
+            self._records_at_loss = (self.goodput.enabled, self.tracker.enabled)
         self.goodput.enabled = False
         self.tracker.enabled = False
 

@@ -269,28 +269,26 @@ class Lease:
         if first and self.on_lost is not None:
             self.on_lost(current)
 
-    def lost_to_duplicate(self) -> bool:
-        """Whether this process lost the lease to another live process of its own flow run on
-        this host (Prefect started the run more than once, and two of its processes took the
-        lease as it was freed: the last write won, after both read their own back)."""
-        return bool(self.lost_to) and self._live_duplicate(self.lost_to) is not None
-
-    def forget_loss(self) -> None:
-        """Be a process that never held the lease: the next `acquire` waits for the holder, as
-        for any live process of this flow run, then takes the lease anew. Only where the state is
-        read again from storage after it (a restore): fencing holds, since nothing this process
-        held before the loss is written."""
-        self.lost_to = self.vanished = None
-        self.token = None
-
     def acquire(self, recheck: bool = False) -> None:
         """Take the lease, or raise LeaseHeldError naming the live owner (`LeaseLostError` once
         it was taken over from this process: a process does not take a lost lease back).
         `recheck`: a lease this process holds is read again (a restore after a failure must not
         go on in a directory that vanished meanwhile); each interval's start does not (the save
-        reads it anyway, and each read is a round trip to object storage)."""
+        reads it anyway, and each read is a round trip to object storage). A restore that lost
+        the lease to a live process of its own flow run on this host (two of them took it as it
+        was freed, the later write won) waits for it, as for any such process, and takes it anew:
+        the restore reads the state again, so nothing held before the loss is written."""
         if self.lost_to is not None or (recheck and self.held):
-            self.verify()
+            try:
+                self.verify()
+            except LeaseLostError:
+                if not (recheck and self.lost_to and self._live_duplicate(self.lost_to)):
+                    raise
+                logger.warning(
+                    "lost the lease of %s to another process of this flow run: waiting for it",
+                    redact_url(self.storage.job_dir),
+                )
+                self.lost_to = None
         if self.held:
             return
         while True:
