@@ -26,7 +26,12 @@ import grain
 import jax
 import numpy as np
 
-from prefect_jax.training.collective import global_batch, host_gather, spans_processes
+from prefect_jax.training.collective import (
+    global_batch,
+    host_gather,
+    spanning_fingerprint,
+    spans_processes,
+)
 from prefect_jax.training.compiled_steps import (
     compiled_init,
     jit_steps,
@@ -48,6 +53,7 @@ from prefect_jax.training.sharding import (
 )
 from prefect_jax.training.specs import TrainSpec
 from prefect_jax.training.train_means import TrainMeans, throughput, train_rows
+from prefect_jax.training.trees import state_fingerprint
 
 
 def iterate(dataset, read_options=None):
@@ -225,6 +231,10 @@ class Loop:
         if self.spans:
             return host_gather(tree)
         return tree if self.processes == 1 else replicas(tree, self.processes)
+
+    def fingerprint(self, state) -> str | None:
+        """`state_fingerprint`; of a state over several processes `spanning_fingerprint`'s."""
+        return spanning_fingerprint(state) if self.spans else state_fingerprint(self.local(state))
 
     def batch(self, host_batch, axis: int = 0):
         """A batch for the step: as it is on one device; else split along `axis` over every

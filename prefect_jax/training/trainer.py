@@ -34,7 +34,6 @@ from prefect_jax.training import control
 from prefect_jax.training.best import load_compare_fn
 from prefect_jax.training.cluster import forget_lost, from_primary, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
-from prefect_jax.training.collective import spanning_fingerprint
 from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.ending import AttemptEnd
 from prefect_jax.training.errors import ExportFailedError
@@ -63,7 +62,6 @@ from prefect_jax.training.session import (
 )
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.train_hooks import TrainHooks
-from prefect_jax.training.trees import state_fingerprint
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -370,9 +368,7 @@ class Trainer:
         several processes is digested where its shards are (a collective: every process calls
         this); process 0 returns it, the others None."""
         self._require_live()
-        if self.loop.spans:
-            return spanning_fingerprint(self.state)
-        return state_fingerprint(self.loop.local(self.state))
+        return self.loop.fingerprint(self.state)
 
     def goodput(self) -> dict[str, Any]:
         """The job's goodput so far, over every attempt (see `prefect_jax.training.goodput`)."""
