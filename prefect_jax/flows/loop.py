@@ -58,6 +58,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     # With several processes, process 0 evaluates and exports: no task runs elsewhere that only
     # say so; but a state sharded over them is evaluated by all (`training.collective`).
     evaluate = evaluate and (trainer.job.is_primary or trainer.loop.spans)
+    trainer.evaluations.of_live_steps = evaluate
     # Made and updated on the publisher's thread, in order: no HTTP round trip before training;
     # updated at most every PREFECT_JAX_UI_REFRESH_SECS, and at the end.
     shown: dict[str, Any] = {}

@@ -1,6 +1,6 @@
-"""A Grain iterator's position as a checkpoint's ``data`` item holds it: one text file per
-process (``process_<i>-of-<n>.json``, Grain's own format), and a step written by another number
-of processes than the job has now."""
+"""A Grain iterator over a dataset (`iterate`), and its position as a checkpoint's ``data`` item
+holds it: one text file per process (``process_<i>-of-<n>.json``, Grain's own format), and a step
+written by another number of processes than the job has now."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ import grain
 import jax
 
 logger = logging.getLogger("prefect_jax.checkpoints")
+
+
+def iterate(dataset, read_options=None):
+    """An iterator (with get_state/set_state) over a Grain MapDataset (read with `read_options`,
+    default Grain's) or IterDataset."""
+    if hasattr(dataset, "to_iter_dataset"):
+        dataset = (
+            dataset.to_iter_dataset(read_options)
+            if read_options is not None
+            else dataset.to_iter_dataset()
+        )
+    return iter(dataset)
 
 
 def position_text(data_iter) -> str:

@@ -45,6 +45,9 @@ class Evaluations:
         self.trainer, self.on_stop = trainer, on_stop
         self.pending = PendingEvaluation(trainer.job, self.record)
         self.reconciled = False  # this process logged the recorded evaluations MLflow lacked
+        # This trainer evaluates its own live steps (local mode: set by the flow that does), so
+        # its final step is evaluated while that step's checkpoint commits (`Intervals.save`).
+        self.of_live_steps = False
         # Why an eval listener stopped this trainer's evaluations (in memory, as TF's listener:
         # a new process asks its own listeners again).
         self.stopped: str | None = None

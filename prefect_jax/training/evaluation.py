@@ -6,7 +6,7 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -111,6 +111,29 @@ def derived(derive_metrics: Callable | None, means: dict[str, float]) -> dict[st
         raise ValueError(
             f"derive_metrics returned {extra!r}: each value must be a number ({exc})"
         ) from None
+
+
+class EvaluationAbandoned(Exception):
+    """An evaluation made ahead of its need was given up (`eval_batches`' `stop`)."""
+
+
+def eval_batches(eval_data, stop: Callable[[], bool] | None = None) -> Iterator:
+    """The batches of one pass over a program's `eval_data()`, `EvaluationAbandoned` raised
+    before the first one `stop()` finds True. A finite pass needs no resumable iterator: a
+    MapDataset is read by index, without Grain's prefetch threads (starting them cost more than
+    a whole evaluation of a small eval set)."""
+    import grain
+
+    from prefect_jax.training.data_positions import iterate
+
+    if isinstance(eval_data, grain.MapDataset):
+        batches = (eval_data[i] for i in range(len(eval_data)))
+    else:
+        batches = iterate(eval_data)
+    for batch in batches:
+        if stop is not None and stop():
+            raise EvaluationAbandoned("given up before its end")
+        yield batch
 
 
 def aggregate(

@@ -178,6 +178,27 @@ class Intervals:
         )
         return {**view, **given}
 
+    def _ahead_of_the_end(self) -> None:
+        """While the final step's checkpoint commits (the training task waits for it), what the
+        job's end asks of the final state: its fingerprint and, where this trainer evaluates its
+        live steps, its evaluation. The end then finds them (`Loop.memo`) instead of computing
+        them after the commit, as a bare loop evaluates while its last save commits. (Counted
+        as the checkpoint's time in the goodput ledger.) One process only: with several, both
+        are collectives or process 0's alone. A failure is left to the end, which computes
+        them again and reports it. A SIGTERM, deferred here, ends the evaluation at its next
+        batch: its grace is for the commit."""
+        t = self.trainer
+        if not t.config.train.is_final(t.step) or t.job.processes > 1 or t.guard.requested:
+            return
+        try:
+            t.fingerprint()
+            if t.evaluations.of_live_steps and t.evaluations.stopped is None:
+                t.wait_for_compile_cache()
+                noticed = lambda: t.guard.requested  # noqa: E731
+                t.loop.evaluate_ahead(t.loop.local(t.state), t.config.eval.steps, noticed)
+        except Exception:  # noqa: BLE001 - computed again at the end, which reports it
+            logger.debug("the end's work ahead of the final commit failed", exc_info=True)
+
     def _account(self, seconds: float) -> None:
         """An interval's time in the goodput ledger: the compile (first in this process), then
         training."""
@@ -241,8 +262,9 @@ class Intervals:
             }
             # first: a save killed part-way leaves its steps counted as lost
             job.goodput.trained_to(t.step)
+            ahead = None if preemption or backup else self._ahead_of_the_end
             with job.goodput.phase("checkpoint"):
-                job.save(t.step, t.state, t.data_iter, meta)
+                job.save(t.step, t.state, t.data_iter, meta, while_committing=ahead)
             t.policy.saved()
             job.goodput.saved(time.perf_counter() - started)
         self.rows_saving = train_metrics  # a SIGTERM handled now logs them once the step commits

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from prefect_jax.training.checkpoint_dirs import is_committed, step_dirs
@@ -120,9 +121,17 @@ class JobCheckpoints:
             shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
             self.checkpoints.manager.reload()
 
-    def save(self, step: int, state, data_iter, meta: dict[str, Any]) -> None:
+    def save(
+        self,
+        step: int,
+        state,
+        data_iter,
+        meta: dict[str, Any],
+        while_committing: Callable[[], None] | None = None,
+    ) -> None:
         """Start an asynchronous save of `step`; upload it when it commits (remote storage); tell
-        the commit listeners once it counts (not of a backup: nobody evaluates it)."""
+        the commit listeners once it counts (not of a backup: nobody evaluates it). Where the
+        commit is waited for here (below), `while_committing()` runs first, as Orbax writes."""
         self.checkpoints.save(
             step,
             state,
@@ -133,6 +142,8 @@ class JobCheckpoints:
             # The final step (or the first save after one failed): its commit is waited for here,
             # so that a save that fails (a full disk) fails the training task that made it, not
             # an evaluation after it, nor the next interval, whose retry would start it again.
+            if while_committing is not None:
+                while_committing()
             self.checkpoints.wait()
             self.checkpoints.save_waits = False
         if self.remote is not None:

@@ -39,7 +39,8 @@ from prefect_jax.training.compiled_steps import (
     precompile_steps,
     stack,
 )
-from prefect_jax.training.evaluation import aggregate
+from prefect_jax.training.data_positions import iterate
+from prefect_jax.training.evaluation import aggregate, eval_batches
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharding import (
     check_batch,
@@ -52,20 +53,9 @@ from prefect_jax.training.sharding import (
     under_mesh,
 )
 from prefect_jax.training.specs import TrainSpec
+from prefect_jax.training.state_memo import StateMemo
 from prefect_jax.training.train_means import TrainMeans, throughput, train_rows
 from prefect_jax.training.trees import state_fingerprint
-
-
-def iterate(dataset, read_options=None):
-    """An iterator (with get_state/set_state) over a Grain MapDataset (read with `read_options`,
-    default Grain's) or IterDataset."""
-    if hasattr(dataset, "to_iter_dataset"):
-        dataset = (
-            dataset.to_iter_dataset(read_options)
-            if read_options is not None
-            else dataset.to_iter_dataset()
-        )
-    return iter(dataset)
 
 
 class NonFiniteAt(Exception):
@@ -104,6 +94,8 @@ class Loop:
         # The join of the compile and the first step, once per process (goodput).
         self.compile_s: float | None = None
         self._precompiling: threading.Thread | None = None
+        # The final state's fingerprint and evaluation, computed while its checkpoint commits
+        self.memo = StateMemo()
         devices = jax.devices()
         # On one device (CPU, or one GPU) the state is committed to it, so that the compile done
         # ahead of time (`start_precompile`) is the one the loop finds; several devices: no
@@ -233,8 +225,12 @@ class Loop:
         return tree if self.processes == 1 else replicas(tree, self.processes)
 
     def fingerprint(self, state) -> str | None:
-        """`state_fingerprint`; of a state over several processes `spanning_fingerprint`'s."""
-        return spanning_fingerprint(state) if self.spans else state_fingerprint(self.local(state))
+        """`state_fingerprint`; of a state over several processes `spanning_fingerprint`'s (a
+        collective: computed every time, in every process)."""
+        if self.spans:
+            return spanning_fingerprint(state)
+        local = self.local(state)
+        return self.memo.get(local, "fingerprint", lambda: state_fingerprint(local))
 
     def batch(self, host_batch, axis: int = 0):
         """A batch for the step: as it is on one device; else split along `axis` over every
@@ -388,14 +384,19 @@ class Loop:
 
     def evaluate(self, state, steps: int | None) -> tuple[dict[str, float], int, int | None]:
         """`eval_step` over the program's eval data (at most `steps` batches), aggregated
-        exactly, with the program's derived metrics (``derive_metrics``)."""
-        # A finite pass needs no resumable iterator: a MapDataset is read by index, without
-        # Grain's prefetch threads (starting them cost more than this whole eval on small sets).
-        eval_data = self.program.eval_data()
-        if isinstance(eval_data, grain.MapDataset):
-            batches = (eval_data[i] for i in range(len(eval_data)))
-        else:
-            batches = iterate(eval_data)
+        exactly, with the program's derived metrics (``derive_metrics``); `evaluate_ahead`'s
+        result where it evaluated this very state."""
+        return self.memo.take(state, ("eval", steps), lambda: self._evaluate(state, steps))
+
+    def evaluate_ahead(self, state, steps: int | None, stop: Callable[[], bool]) -> None:
+        """Evaluate `state` now, for the next `evaluate` of it, unless `stop()` says otherwise
+        before a batch (`EvaluationAbandoned`). Not a state over several processes: its
+        evaluation is a collective they make together."""
+        if not self.spans:
+            self.memo.get(state, ("eval", steps), lambda: self._evaluate(state, steps, stop))
+
+    def _evaluate(self, state, steps: int | None, stop=None) -> tuple[dict, int, int | None]:
+        batches = eval_batches(self.program.eval_data(), stop)
         if self.spans:  # global batches, whole in every process: the sums come out replicated
             batches = (global_batch(b, self.replicated) for b in batches)
         derive = getattr(self.program, "derive_metrics", None)
