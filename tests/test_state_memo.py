@@ -61,18 +61,26 @@ def test_the_memo_keeps_no_state_alive():
 
 
 class _CountsEvalPasses(DigitsProgram):
-    """Digits, counting its eval passes (each derives its metrics once, at its end)."""
+    """Digits, counting its eval passes (each derives its metrics once, at its end); the first
+    `fail` of them raise."""
 
-    passes = 0
+    passes = fail = 0
+    events: list[str] = []
 
     def derive_metrics(self, means):
-        type(self).passes += 1
+        cls = type(self)
+        cls.passes += 1
+        cls.events.append("eval")
+        if cls.fail:
+            cls.fail -= 1
+            raise RuntimeError("an eval that fails once")
         return {}
 
 
 @pytest.fixture
 def counting():
-    _CountsEvalPasses.passes = 0
+    _CountsEvalPasses.passes = _CountsEvalPasses.fail = 0
+    _CountsEvalPasses.events = []
     return _CountsEvalPasses(hidden=(32, 32), batch_size=32, eval_batch_size=100)
 
 
@@ -85,7 +93,11 @@ def test_the_final_step_is_evaluated_and_fingerprinted_while_its_checkpoint_comm
     assert trainer.train_until_checkpoint() == 20 and counting.passes == 0  # not the final step
     trainer.evaluate_if_new()
     assert counting.passes == 1
+    checkpoints = trainer.job.checkpoints
+    wait = checkpoints.wait
+    checkpoints.wait = lambda: counting.events.append("wait") or wait()
     assert trainer.train_until_checkpoint() == 40 and counting.passes == 2  # ahead of the end
+    assert counting.events[-2:] == ["eval", "wait"]  # made before the final commit's wait
     assert trainer.job.save_landed()  # (the final commit was waited for in the training)
 
     result = trainer.evaluate_if_new()
@@ -124,4 +136,30 @@ def test_an_evaluation_ahead_is_given_up_at_a_notice_and_made_again_when_asked(
     assert counting.passes == 1
     trainer.loop.evaluate(trainer.state, None)
     assert counting.passes == 1
+    trainer.finish()
+
+
+def test_an_evaluation_ahead_that_fails_is_made_again_by_the_evaluation(job_config, counting):
+    type(counting).fail = 1  # (the class counts: the program may be copied)
+    trainer = Trainer(job_config(max_steps=20, every_steps=20), program=counting)
+    trainer.evaluations.of_live_steps = True
+    trainer.restore_or_init()
+    assert trainer.train_until_checkpoint() == 20 and counting.passes == 1  # failed, not raised
+    result = trainer.evaluate_if_new()
+    assert result.status is EvalStatus.EVALUATED and counting.passes == 2
+    assert trainer.job.records.get(20).metrics == result.metrics
+    trainer.finish()
+
+
+def test_no_evaluation_ahead_where_eval_hooks_may_stop_or_change_it(job_config, counting):
+    config = job_config(max_steps=20, every_steps=20)
+    config = config.model_copy(
+        update={"eval": config.eval.model_copy(update={"hooks": ["programs:StopAfterTwo"]})}
+    )
+    trainer = Trainer(config, program=counting)
+    trainer.evaluations.of_live_steps = True
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    assert counting.passes == 0
+    assert trainer.evaluate_if_new().status is EvalStatus.EVALUATED and counting.passes == 1
     trainer.finish()

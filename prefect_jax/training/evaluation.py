@@ -117,46 +117,53 @@ class EvaluationAbandoned(Exception):
     """An evaluation made ahead of its need was given up (`eval_batches`' `stop`)."""
 
 
-def eval_batches(eval_data, stop: Callable[[], bool] | None = None) -> Iterator:
-    """The batches of one pass over a program's `eval_data()`, `EvaluationAbandoned` raised
-    before the first one `stop()` finds True. A finite pass needs no resumable iterator: a
-    MapDataset is read by index, without Grain's prefetch threads (starting them cost more than
-    a whole evaluation of a small eval set)."""
+def eval_batches(eval_data) -> Iterator:
+    """The batches of one pass over a program's `eval_data()`. A finite pass needs no resumable
+    iterator: a MapDataset is read by index, without Grain's prefetch threads (starting them cost
+    more than a whole evaluation of a small eval set)."""
     import grain
 
+    if isinstance(eval_data, grain.MapDataset):
+        return (eval_data[i] for i in range(len(eval_data)))
     from prefect_jax.training.data_positions import iterate
 
-    if isinstance(eval_data, grain.MapDataset):
-        batches = (eval_data[i] for i in range(len(eval_data)))
-    else:
-        batches = iterate(eval_data)
-    for batch in batches:
-        if stop is not None and stop():
-            raise EvaluationAbandoned("given up before its end")
-        yield batch
+    return iterate(eval_data)
 
 
 def aggregate(
-    eval_step: Callable, state, batches, steps: int | None, derive_metrics: Callable | None = None
+    eval_step: Callable,
+    state,
+    batches,
+    steps: int | None,
+    derive_metrics: Callable | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[dict[str, float], int, int | None]:
     """Run `eval_step` over `batches` (at most `steps`) and divide summed values by summed counts.
 
     `eval_step` returns ``{name: (sum, count)}``. Sums stay on the device until the end, so
     the host waits once per evaluation, not once per batch. The program's optional
-    `derive_metrics` then adds metrics computed from those means (see `derived`).
+    `derive_metrics` then adds metrics computed from those means (see `derived`). With `stop`,
+    the pass stays within one batch of the device and raises `EvaluationAbandoned` at the first
+    batch boundary where `stop()` is True: a batch's time after it turns True, not the pass's.
 
     Returns:
         (metrics, number of batches, number of examples if the program reports ``count``).
     """
+    import itertools
+
     import jax
 
-    totals = None
+    totals = previous = None
     n = 0
-    for batch in batches:
-        if steps is not None and n >= steps:
-            break
+    for batch in batches if steps is None else itertools.islice(batches, steps):
+        if stop is not None:
+            if previous is not None:
+                jax.block_until_ready(previous)
+            if stop():
+                raise EvaluationAbandoned(f"given up after {n} batches")
         out = eval_step(state, batch)
         totals = out if totals is None else jax.tree_util.tree_map(lambda a, b: a + b, totals, out)
+        previous = out
         n += 1
     if totals is None:
         raise ValueError("eval_data() yielded no batches: the eval set is empty, or steps=0")

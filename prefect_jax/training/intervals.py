@@ -36,6 +36,7 @@ class Intervals:
         self.rows_saving: Rows | None = None  # train rows of a save a SIGTERM met (`save`)
         self._compile_accounted = False
         self._push_after_first_step = False  # copy the compile cache after an interval's first step
+        self._ahead_s = 0.0  # the last save's time in `_ahead_of_the_end`
 
     def train_until_checkpoint(self) -> int:
         """`Trainer.train_until_checkpoint`."""
@@ -181,23 +182,30 @@ class Intervals:
     def _ahead_of_the_end(self) -> None:
         """While the final step's checkpoint commits (the training task waits for it), what the
         job's end asks of the final state: its fingerprint and, where this trainer evaluates its
-        live steps, its evaluation. The end then finds them (`Loop.memo`) instead of computing
-        them after the commit, as a bare loop evaluates while its last save commits. (Counted
-        as the checkpoint's time in the goodput ledger.) One process only: with several, both
-        are collectives or process 0's alone. A failure is left to the end, which computes
-        them again and reports it. A SIGTERM, deferred here, ends the evaluation at its next
-        batch: its grace is for the commit."""
-        t = self.trainer
+        live steps (`Evaluations.of_live_steps`), its evaluation. The end then finds them
+        (`Loop.memo`) instead of computing them after the commit, as the benchmark's bare loop
+        evaluates while its last save commits. The evaluation's time is booked as eval in the
+        goodput ledger, the fingerprint's as other, neither as the save's. Not done: with
+        several processes (collectives, or process 0's alone), with eval hooks or listeners
+        (they may stop or change the evaluation before it starts), once a SIGTERM came (it is
+        deferred here; the evaluation ends within a batch of one, leaving its grace to the
+        commit). A failure is left to the end, which computes them again and reports it."""
+        t, began = self.trainer, time.perf_counter()
         if not t.config.train.is_final(t.step) or t.job.processes > 1 or t.guard.requested:
             return
         try:
             t.fingerprint()
-            if t.evaluations.of_live_steps and t.evaluations.stopped is None:
+            if t.guard.requested or t.eval_hooks or not t.evaluations.of_live_steps:
+                return
+            if t.evaluations.stopped is None:
                 t.wait_for_compile_cache()
-                noticed = lambda: t.guard.requested  # noqa: E731
-                t.loop.evaluate_ahead(t.loop.local(t.state), t.config.eval.steps, noticed)
+                with t.job.goodput.phase("eval"):
+                    state, steps = t.loop.local(t.state), t.config.eval.steps
+                    t.loop.evaluate_ahead(state, steps, lambda: t.guard.requested)
         except Exception:  # noqa: BLE001 - computed again at the end, which reports it
             logger.debug("the end's work ahead of the final commit failed", exc_info=True)
+        finally:
+            self._ahead_s = time.perf_counter() - began
 
     def _account(self, seconds: float) -> None:
         """An interval's time in the goodput ledger: the compile (first in this process), then
@@ -262,11 +270,14 @@ class Intervals:
             }
             # first: a save killed part-way leaves its steps counted as lost
             job.goodput.trained_to(t.step)
-            ahead = None if preemption or backup else self._ahead_of_the_end
-            with job.goodput.phase("checkpoint"):
+            self._ahead_s, saving = 0.0, time.perf_counter()
+            try:
+                ahead = None if preemption or backup else self._ahead_of_the_end
                 job.save(t.step, t.state, t.data_iter, meta, while_committing=ahead)
+            finally:  # (the end's work ahead of the final commit is not the save's cost)
+                job.goodput.add("checkpoint", time.perf_counter() - saving - self._ahead_s)
             t.policy.saved()
-            job.goodput.saved(time.perf_counter() - started)
+            job.goodput.saved(time.perf_counter() - started - self._ahead_s)
         self.rows_saving = train_metrics  # a SIGTERM handled now logs them once the step commits
         try:
             t.guard.handle_if_pending()

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grain
 import jax
 import numpy as np
 
@@ -44,6 +43,7 @@ from prefect_jax.training.evaluation import aggregate, eval_batches
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharding import (
     check_batch,
+    check_first_batch,
     declares_sharding,
     init_with_mesh,
     placement,
@@ -120,7 +120,7 @@ class Loop:
             self.one_device = None
             self.state_sharding = None  # one per leaf, set by `abstract_state` below
             self.abstract_state  # noqa: B018 - its shardings checked now, before any compute
-            self._check_first_batch()
+            check_first_batch(program.train_data(spec.seed), self.batch_sharding)
             shardings = (self.state_sharding, self.batch_sharding, self._stacked_sharding)
             shardings += (self.replicated,)
         else:
@@ -195,13 +195,6 @@ class Loop:
             with jax.set_mesh(self.mesh):
                 return init_with_mesh(self.program.init, self.mesh)(self.rng)
         return self.program.init(self.rng)
-
-    def _check_first_batch(self) -> None:
-        """Refuse a train batch the data axes cannot split, before any compute: read by index
-        from a Grain MapDataset (an IterDataset's first batch waits for the loop)."""
-        data = self.program.train_data(self.spec.seed)
-        if isinstance(data, grain.MapDataset):
-            check_batch(data[0], self.batch_sharding)
 
     def fresh_iter(self):
         return iterate(
@@ -385,19 +378,22 @@ class Loop:
     def evaluate(self, state, steps: int | None) -> tuple[dict[str, float], int, int | None]:
         """`eval_step` over the program's eval data (at most `steps` batches), aggregated
         exactly, with the program's derived metrics (``derive_metrics``); `evaluate_ahead`'s
-        result where it evaluated this very state."""
+        result where it evaluated this very state. A state over several processes is evaluated
+        by all of them together, every time."""
+        if self.spans:
+            return self._evaluate(state, steps)
         return self.memo.take(state, ("eval", steps), lambda: self._evaluate(state, steps))
 
     def evaluate_ahead(self, state, steps: int | None, stop: Callable[[], bool]) -> None:
-        """Evaluate `state` now, for the next `evaluate` of it, unless `stop()` says otherwise
-        before a batch (`EvaluationAbandoned`). Not a state over several processes: its
-        evaluation is a collective they make together."""
+        """Evaluate `state` now, for the next `evaluate` of it; within a batch of the device, and
+        `EvaluationAbandoned` at the first batch boundary where `stop()` is True. Not a state
+        over several processes (its evaluation is a collective they make together)."""
         if not self.spans:
             self.memo.get(state, ("eval", steps), lambda: self._evaluate(state, steps, stop))
 
-    def _evaluate(self, state, steps: int | None, stop=None) -> tuple[dict, int, int | None]:
-        batches = eval_batches(self.program.eval_data(), stop)
+    def _evaluate(self, state, steps: int | None, stop: Callable | None = None) -> tuple:
+        batches = eval_batches(self.program.eval_data())
         if self.spans:  # global batches, whole in every process: the sums come out replicated
             batches = (global_batch(b, self.replicated) for b in batches)
         derive = getattr(self.program, "derive_metrics", None)
-        return aggregate(self.eval_step, state, batches, steps, derive)
+        return aggregate(self.eval_step, state, batches, steps, derive, stop)

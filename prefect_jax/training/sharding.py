@@ -251,6 +251,15 @@ def check_batch(batch, sharding: NamedSharding, axis: int = 0, what: str = "trai
                 )
 
 
+def check_first_batch(train_data, sharding: NamedSharding) -> None:
+    """`check_batch` on the first train batch, before any compute: read by index from a Grain
+    MapDataset (an IterDataset's first batch waits for the loop)."""
+    import grain
+
+    if isinstance(train_data, grain.MapDataset):
+        check_batch(train_data[0], sharding)
+
+
 def fsdp(
     abstract_state,
     mesh: Mesh,

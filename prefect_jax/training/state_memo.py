@@ -5,8 +5,9 @@ evaluation (`Loop.evaluate`). Both are pure functions of the state's values, and
 computed while the final checkpoint commits, when the training thread would otherwise only wait
 (`Intervals.save`). `StateMemo` keeps them for the state they were computed from: the same
 `jax.Array` objects in the same tree. JAX arrays are immutable, so the same objects hold the same
-values; a step, a restore or a placement makes new ones, and the memo starts over. It holds weak
-references only, so it never keeps a state (a device's memory) alive.
+values (a `device_put` that moves nothing returns them as they are); a step or a restore makes
+new ones, and the memo starts over. It holds weak references only, so it never keeps a state (a
+device's memory) alive.
 """
 
 from __future__ import annotations
