@@ -188,8 +188,9 @@ class Intervals:
         goodput ledger, the fingerprint's as other, neither as the save's. Not done: with
         several processes (collectives, or process 0's alone), with eval hooks or listeners
         (they may stop or change the evaluation before it starts), once a SIGTERM came (it is
-        deferred here; the evaluation ends within a batch of one, leaving its grace to the
-        commit). A failure is left to the end, which computes them again and reports it."""
+        deferred here: one that comes during the evaluation ends it at its next batch, leaving
+        the grace period to the commit). A failure is left to the end, which computes them
+        again and reports it."""
         t, began = self.trainer, time.perf_counter()
         if not t.config.train.is_final(t.step) or t.job.processes > 1 or t.guard.requested:
             return
