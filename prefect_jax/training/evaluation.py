@@ -114,7 +114,7 @@ def derived(derive_metrics: Callable | None, means: dict[str, float]) -> dict[st
 
 
 class EvaluationAbandoned(Exception):
-    """An evaluation made ahead of its need was given up (`eval_batches`' `stop`)."""
+    """An evaluation made ahead of its need was given up (`aggregate`'s `stop`)."""
 
 
 def eval_batches(eval_data) -> Iterator:
