@@ -196,13 +196,15 @@ class Intervals:
             return
         try:
             t.fingerprint()
-            if t.guard.requested or t.eval_hooks or not t.evaluations.of_live_steps:
+            evaluations = t.evaluations
+            if t.guard.requested or t.eval_hooks or not evaluations.of_live_steps:
                 return
-            if t.evaluations.stopped is None:
-                t.wait_for_compile_cache()
-                with t.job.goodput.phase("eval"):
-                    state, steps = t.loop.local(t.state), t.config.eval.steps
-                    t.loop.evaluate_ahead(state, steps, lambda: t.guard.requested)
+            if evaluations.stopped is not None:  # (an eval listener ended the evaluations)
+                return
+            t.wait_for_compile_cache()
+            with t.job.goodput.phase("eval"):
+                state, steps = t.loop.local(t.state), t.config.eval.steps
+                t.loop.evaluate_ahead(state, steps, lambda: t.guard.requested)
         except Exception:  # noqa: BLE001 - computed again at the end, which reports it
             logger.debug("the end's work ahead of the final commit failed", exc_info=True)
         finally:
