@@ -5,7 +5,8 @@
 All join (`cluster.initialize`) and meet at a barrier; then every process but the last prints
 ``waiting`` and waits at a barrier of JAX's coordination service through `cluster.wait_unless_lost`.
 MODE ``kill``: the last process sleeps until the test SIGKILLs it, and the others print how their
-wait ended (process 0 sees the connection close; the others hear it from process 0). MODE
+wait ended (process 0 sees the connection close; the others hear it from process 0) and, those
+but process 0 a second later (as one that reports its run's end), when they exit. MODE
 ``finish``: the last process says it finished (`mark_finished`), reaches the barrier and exits at
 once; the others' wait ends, and once the test made FLAG_FILE (the last process has exited) they
 print whether they took it for lost.
@@ -60,5 +61,8 @@ try:
 except peer_watch.LostProcess as exc:
     lost_after = time.monotonic() - peer_watch._gone_at
     print(f"lost {lost_after:.2f}s after the peer went away: {exc}", flush=True)
+    if index:  # a real process reports its run's end first: process 0 must go after it
+        time.sleep(1.0)
+    print(f"exiting at {time.time():.3f}", flush=True)
     cluster.exit_code = 3  # at exit, without waiting for JAX's shutdown or its abort
     sys.exit(3)

@@ -32,6 +32,7 @@ from typing import Any
 from prefect_jax.training import peer_watch
 from prefect_jax.training.cluster_config import ClusterConfig, ClusterConfigError, from_env
 from prefect_jax.training.peer_watch import LOST_GRACE_SECS, LostProcess, say_goodbye
+from prefect_jax.training.preemption import received_signal
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -103,7 +104,7 @@ def mark_finished() -> None:
     every process reaches); it says goodbye to the others (`say_goodbye`)."""
     global _finished
     _finished = True
-    say_goodbye()
+    say_goodbye(finished=True)
 
 
 def _leave() -> None:
@@ -117,6 +118,8 @@ def _leave() -> None:
             atexit.unregister(api.clean_up)
         except (ImportError, AttributeError):  # another JAX: its own exit, slow but correct
             pass
+        with contextlib.suppress(Exception):  # (whatever fails here, the exit below is kept)
+            _leave_last()
         if _lost is not None:
             # This process saw another go away (a collective's lost connection, `LostProcess`).
             # JAX's coordination service, torn down with the interpreter while calls wait on the
@@ -131,6 +134,28 @@ def _leave() -> None:
                 with contextlib.suppress(Exception):
                     stream.flush()
             os._exit(exit_code)
+
+
+# The longest process 0 waits at its exit for the others to go first: the ones ending with it
+# report their run's end and flush their logs, seconds under load.
+LEAVE_LAST_SECS = 10.0
+
+
+def _leave_last() -> None:
+    """Process 0, ending with the others (a process of the job was lost, or the job preempted):
+    let them exit first (`peer_watch.outlive_the_others`). The coordination service runs here,
+    and JAX aborts a process whose service went away, one still reporting its run's end to
+    Prefect too. Not after a failure of process 0's own: the others may be waiting for it in a
+    collective, which ends only once it has gone. (At exit: nothing is imported here.)"""
+    if _lost is None and received_signal() is None:
+        return
+    # (at once in the other processes: no JAX call, which could start a backend at exit)
+    if not peer_watch.outlive_the_others(LEAVE_LAST_SECS):
+        logger.warning(
+            "exiting while other processes of the job are still running (%.0fs waited): JAX "
+            "may abort them as the coordination service goes with this process",
+            LEAVE_LAST_SECS,
+        )
 
 
 # What a collective raises in a process whose peer died (SIGKILL, a lost node, an OOM kill), with

@@ -10,6 +10,11 @@ says goodbye first (`say_goodbye`), and process 0 tells the others when one went
 `wait_unless_lost` runs such a wait and ends it with `LostProcess` when a process went away. A
 machine lost without a word (no FIN) is still noticed by the heartbeat timeout only.
 
+The coordination service runs in process 0: when process 0 exits, JAX aborts every other process
+still running (SIGABRT, "Socket closed"), even one that is only reporting its run's end. So
+process 0, leaving with the others (a lost peer, a preemption), waits for them to go first
+(`outlive_the_others`); the connections tell it when they have.
+
 This module imports jax only inside the functions that need it; `cluster` starts the watch when
 it joins the job's processes.
 """
@@ -27,7 +32,9 @@ from collections.abc import Callable
 
 logger = logging.getLogger("prefect_jax.trainer")
 
-_BYE = b"bye"
+_BYE = b"bye"  # leaving: preempted, its checkpoint committed
+# finished: it leaves through JAX's shutdown barrier, which waits for process 0 as well
+_DONE = b"done"
 _WATCH_KEY = "watch/port"
 # How another process of the job went away (its watch connection closed), if it did
 _gone: str | None = None
@@ -35,18 +42,40 @@ _gone_at = 0.0  # when (time.monotonic())
 _watch_socks: list[socket.socket] = []
 # a wait that ends on its own within this long after a peer's connection closed was not lost
 LOST_GRACE_SECS = 2.0
+# Process 0: how many other processes are connected and neither finished nor gone (under
+# `_departures`, which is notified as that changes).
+_departures = threading.Condition()
+_staying = 0
 
 
 class LostProcess(ConnectionError):
     """Another process of the job went away (killed, or it failed) while this one waited for it."""
 
 
-def say_goodbye() -> None:
-    """This process's part of the job is done (finished, or preempted with its checkpoint
-    committed): its leaving is no loss to the others (`peer_gone`)."""
+def say_goodbye(finished: bool = False) -> None:
+    """This process's part of the job is done (`finished`, or preempted with its checkpoint
+    committed): its leaving is no loss to the others (`peer_gone`). A finished process meets
+    process 0 at JAX's shutdown barrier, so process 0 does not wait for it to go first
+    (`outlive_the_others`)."""
     for sock in list(_watch_socks):
         with contextlib.suppress(OSError):
-            sock.sendall(_BYE + b"\n")
+            sock.sendall((_DONE if finished else _BYE) + b"\n")
+
+
+def outlive_the_others(timeout_secs: float) -> bool:
+    """Process 0, leaving without finishing: wait until every other process that has not
+    finished closed its connection (it exited), at most `timeout_secs`; whether they all did.
+    Call it only where the others are ending too (a lost peer, a preemption): one still training
+    waits for process 0 in its next collective. Returns at once in the other processes."""
+    with _departures:
+        return _departures.wait_for(lambda: _staying == 0, timeout_secs)
+
+
+def _count_staying(change: int) -> None:
+    global _staying
+    with _departures:
+        _staying += change
+        _departures.notify_all()
 
 
 def peer_gone() -> str | None:
@@ -113,10 +142,12 @@ def start(publish: Callable[[str, str], None], lookup: Callable[..., str]) -> bo
 
 def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
     """Process 0: accept the other processes' connections (each sends ``<index> <token>`` first;
-    any other is closed and ignored), note one that closes without a goodbye, and tell the rest."""
+    any other is closed and ignored), note one that closes without a goodbye, and tell the rest.
+    It counts the processes still to leave for `outlive_the_others`."""
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
     peers: dict[socket.socket, int] = {}  # the connections that named their process
+    finished: set[socket.socket] = set()  # those whose process said it finished (`_DONE`)
     while True:
         for key, _ in selector.select():
             if key.fileobj is server:
@@ -129,8 +160,9 @@ def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
             except OSError:
                 data = b""
             received += data
+            hello, *said = bytes(received).split(b"\n")[:-1] or [bytes(received)]
             if data and conn not in peers and (b"\n" in received or len(received) > 256):
-                first = bytes(received).split(b"\n", 1)[0].decode(errors="replace").split()
+                first = hello.decode(errors="replace").split()
                 if (
                     len(first) == 2
                     and first[1] == token
@@ -139,8 +171,12 @@ def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
                 ):
                     peers[conn] = int(first[0])
                     _watch_socks.append(conn)
-                    continue
-                data = b""  # not one of the job's processes: close it, and it is no loss
+                    _count_staying(+1)
+                else:
+                    data = b""  # not one of the job's processes: close it, and it is no loss
+            if conn in peers and _DONE in said and conn not in finished:
+                finished.add(conn)
+                _count_staying(-1)
             if data:
                 continue
             selector.unregister(conn)
@@ -148,7 +184,13 @@ def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
             index = peers.pop(conn, None)
             with contextlib.suppress(ValueError):  # closed: no goodbye of this process's goes to it
                 _watch_socks.remove(conn)
-            if index is None or b"\n" + _BYE + b"\n" in received:
+            if index is None:
+                continue
+            if conn in finished:
+                finished.discard(conn)
+            else:
+                _count_staying(-1)
+            if _BYE in said or _DONE in said:
                 continue
             _note_gone(
                 f"process {index} of the job's {count} went away: its connection to process 0 "
@@ -173,7 +215,7 @@ def _watch_process_0(sock: socket.socket) -> None:
         *lines, rest = bytes(received + data).split(b"\n")
         received = bytearray(rest)
         for line in lines:
-            if line == _BYE:
+            if line in (_BYE, _DONE):
                 bye = True
             elif line.startswith(b"gone "):
                 _note_gone(
