@@ -43,6 +43,11 @@ def _close_mlflow_run(status: str):
             if ended == "KILLED":
                 signum = preemption.received_signal() if preemption is not None else None
                 _publish_preempted_goodput(config, live.live_trainer(config), flow_run.id, signum)
+                # Prefect kills the process with the SIGTERM once its hooks ran: process 0 of
+                # several, where JAX's coordination service runs, lets the others go first.
+                cluster = sys.modules.get("prefect_jax.training.cluster")
+                if cluster is not None:
+                    cluster.leave_last()
 
     return hook
 

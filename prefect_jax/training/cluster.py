@@ -119,7 +119,7 @@ def _leave() -> None:
         except (ImportError, AttributeError):  # another JAX: its own exit, slow but correct
             pass
         with contextlib.suppress(Exception):  # (whatever fails here, the exit below is kept)
-            _leave_last()
+            leave_last()
         if _lost is not None:
             # This process saw another go away (a collective's lost connection, `LostProcess`).
             # JAX's coordination service, torn down with the interpreter while calls wait on the
@@ -141,15 +141,17 @@ def _leave() -> None:
 LEAVE_LAST_SECS = 10.0
 
 
-def _leave_last() -> None:
+def leave_last() -> None:
     """Process 0, ending with the others (a process of the job was lost, or the job preempted):
-    let them exit first (`peer_watch.outlive_the_others`). The coordination service runs here,
-    and JAX aborts a process whose service went away, one still reporting its run's end to
-    Prefect too. Not after a failure of process 0's own: the others may be waiting for it in a
-    collective, which ends only once it has gone. (At exit: nothing is imported here.)"""
-    if _lost is None and received_signal() is None:
+    let them exit first (`peer_watch.outlive_the_others`), 10 s at most. The coordination service
+    runs here, and JAX aborts a process whose service went away, one still reporting its run's end
+    to Prefect too. Called at exit (`_leave`) and by the flows' crash hook: a flow run that Prefect
+    ends for a SIGTERM is killed by the signal once its hooks ran, without any exit handler. Not
+    after a failure of process 0's own: the others may be waiting for it in a collective, which
+    ends only once it has gone. Returns at once elsewhere, and once they are gone. (At exit:
+    nothing is imported here, and no JAX call, which could start a backend.)"""
+    if _joined is None or (_lost is None and received_signal() is None):
         return
-    # (at once in the other processes: no JAX call, which could start a backend at exit)
     if not peer_watch.outlive_the_others(LEAVE_LAST_SECS):
         logger.warning(
             "exiting while other processes of the job are still running (%.0fs waited): JAX "
