@@ -800,9 +800,10 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
         else:
             assert procs[last].wait(timeout=60) == 0
             flag.touch()
-        started = time.monotonic()
+        started, exited = time.monotonic(), {}
         for k in range(last):
             procs[k].wait(timeout=60)
+            exited[k] = time.time()
             log = open(tmp_path / f"{k}.log").read()
             if mode == "kill":
                 assert procs[k].returncode == 3, (
@@ -820,6 +821,12 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
                 assert procs[k].returncode == 0, log
                 assert "wait ended" in log and "gone: None" in log, log
         assert time.monotonic() - started < 15
+        if mode == "kill":  # process 0, where the coordination service runs, went after the others
+            log0 = open(tmp_path / "0.log").read()
+            assert "exiting while other processes" not in log0, log0
+            for k in range(1, last):
+                left = re.search(r"exiting at ([0-9.]+)", open(tmp_path / f"{k}.log").read())
+                assert float(left.group(1)) <= exited[0] < float(left.group(1)) + 5, exited
     finally:
         for p in procs:
             if p.poll() is None:

@@ -49,7 +49,7 @@ def initialize(
     to save itself (`any_process`, at log points); the SIGTERM handler that was there before is
     kept in any case.
     """
-    global _joined
+    global _joined, _exit_is_ours
     cluster = from_env() if cluster is None else cluster
     if cluster is None or _joined is not None:
         return _joined
@@ -90,11 +90,15 @@ def initialize(
         signal.signal(signal.SIGTERM, previous)
     _joined = cluster
     atexit.register(_leave)  # runs before JAX's own exit handler (registered when jax was imported)
+    _exit_is_ours = True
     _watch()
     return cluster
 
 
 _finished = False
+# This package's exit (`_leave`), not JAX's shutdown barrier, ends a process that did not finish:
+# not where the caller initialised JAX itself (every process then meets at JAX's barrier).
+_exit_is_ours = False
 # what a process that lost another exits with (`_leave`); a command that knows its own sets it
 exit_code = 1
 
@@ -110,7 +114,8 @@ def mark_finished() -> None:
 def _leave() -> None:
     """At exit of a process that did not finish (an error, a lost peer, a preemption): skip JAX's
     shutdown barrier, which would wait for every other process, a dead one for the whole
-    heartbeat timeout, and then abort this one. The job's state is in its committed checkpoints."""
+    heartbeat timeout, and then abort this one; process 0 lets the others go first
+    (`leave_last`). The job's state is in its committed checkpoints."""
     if _joined is not None and not _finished:
         try:
             from jax._src import api
@@ -118,8 +123,10 @@ def _leave() -> None:
             atexit.unregister(api.clean_up)
         except (ImportError, AttributeError):  # another JAX: its own exit, slow but correct
             pass
-        with contextlib.suppress(Exception):  # (whatever fails here, the exit below is kept)
+        try:
             leave_last()
+        except BaseException:  # noqa: BLE001 - (a second SIGTERM, say) the exit below is kept
+            pass
         if _lost is not None:
             # This process saw another go away (a collective's lost connection, `LostProcess`).
             # JAX's coordination service, torn down with the interpreter while calls wait on the
@@ -148,9 +155,10 @@ def leave_last() -> None:
     to Prefect too. Called at exit (`_leave`) and by the flows' crash hook: a flow run that Prefect
     ends for a SIGTERM is killed by the signal once its hooks ran, without any exit handler. Not
     after a failure of process 0's own: the others may be waiting for it in a collective, which
-    ends only once it has gone. Returns at once elsewhere, and once they are gone. (At exit:
-    nothing is imported here, and no JAX call, which could start a backend.)"""
-    if _joined is None or (_lost is None and received_signal() is None):
+    ends only once it has gone. Returns at once in the other processes (none is counted there)
+    and once they are gone. (At exit: nothing is imported here, and no JAX call, which could
+    start a backend.)"""
+    if not _exit_is_ours or (_lost is None and received_signal() is None):
         return
     if not peer_watch.outlive_the_others(LEAVE_LAST_SECS):
         logger.warning(

@@ -33,7 +33,8 @@ from collections.abc import Callable
 logger = logging.getLogger("prefect_jax.trainer")
 
 _BYE = b"bye"  # leaving: preempted, its checkpoint committed
-# finished: it leaves through JAX's shutdown barrier, which waits for process 0 as well
+# Finished: it exits through JAX's shutdown barrier, which waits for process 0 too, so it cannot
+# go first (its run's end is reported by then).
 _DONE = b"done"
 _WATCH_KEY = "watch/port"
 # How another process of the job went away (its watch connection closed), if it did
@@ -42,8 +43,8 @@ _gone_at = 0.0  # when (time.monotonic())
 _watch_socks: list[socket.socket] = []
 # a wait that ends on its own within this long after a peer's connection closed was not lost
 LOST_GRACE_SECS = 2.0
-# Process 0: how many other processes are connected and neither finished nor gone (under
-# `_departures`, which is notified as that changes).
+# How many other processes are connected and neither finished nor gone (under `_departures`,
+# notified as it changes): counted in process 0 alone, so 0 in the others.
 _departures = threading.Condition()
 _staying = 0
 
@@ -54,8 +55,8 @@ class LostProcess(ConnectionError):
 
 def say_goodbye(finished: bool = False) -> None:
     """This process's part of the job is done (`finished`, or preempted with its checkpoint
-    committed): its leaving is no loss to the others (`peer_gone`). A finished process meets
-    process 0 at JAX's shutdown barrier, so process 0 does not wait for it to go first
+    committed): its leaving is no loss to the others (`peer_gone`). A finished process waits
+    for process 0 at JAX's shutdown barrier, so process 0 does not wait for it to go first
     (`outlive_the_others`)."""
     for sock in list(_watch_socks):
         with contextlib.suppress(OSError):
@@ -186,19 +187,19 @@ def _watch_as_process_0(server: socket.socket, count: int, token: str) -> None:
                 _watch_socks.remove(conn)
             if index is None:
                 continue
+            if _BYE not in said and _DONE not in said:
+                _note_gone(
+                    f"process {index} of the job's {count} went away: its connection to process 0 "
+                    "closed without a goodbye (it was killed, or it failed)"
+                )
+                for other in list(peers):
+                    with contextlib.suppress(OSError):
+                        other.sendall(f"gone {index}\n".encode())
+            # last: once none is left, process 0 may exit (`outlive_the_others`), the loss told
             if conn in finished:
                 finished.discard(conn)
             else:
                 _count_staying(-1)
-            if _BYE in said or _DONE in said:
-                continue
-            _note_gone(
-                f"process {index} of the job's {count} went away: its connection to process 0 "
-                "closed without a goodbye (it was killed, or it failed)"
-            )
-            for other in list(peers):
-                with contextlib.suppress(OSError):
-                    other.sendall(f"gone {index}\n".encode())
 
 
 def _watch_process_0(sock: socket.socket) -> None:
