@@ -5,8 +5,8 @@
 All join (`cluster.initialize`) and meet at a barrier; then every process but the last prints
 ``waiting`` and waits at a barrier of JAX's coordination service through `cluster.wait_unless_lost`.
 MODE ``kill``: the last process sleeps until the test SIGKILLs it, and the others print how their
-wait ended (process 0 sees the connection close; the others hear it from process 0) and, those
-but process 0 a second later (as one that reports its run's end), when they exit. MODE
+wait ended (process 0 sees the connection close; the others hear it from process 0) and when
+they exit, all but process 0 a second after that (as a process reporting its run's end). MODE
 ``finish``: the last process says it finished (`mark_finished`), reaches the barrier and exits at
 once; the others' wait ends, and once the test made FLAG_FILE (the last process has exited) they
 print whether they took it for lost.
