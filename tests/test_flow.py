@@ -472,6 +472,33 @@ def test_a_held_refresh_runs_once_its_time_is_up_and_never_ahead_of_calls_before
     assert publisher.flush(5) and ran[5] == "after the flush"
 
 
+def test_a_flush_never_runs_a_refresh_that_a_newer_one_in_the_queue_replaces(monkeypatch):
+    """A flush that starts while the publisher's thread is still busy with an earlier call runs the
+    held calls at once; a refresh whose key has a newer call still in the queue behind it is
+    stale and does not run: only the newest shows (the progress card once showed a step between
+    the first and the last when the end's flush caught the thread behind)."""
+    from prefect_jax.tasks import _Publisher
+
+    monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", "3600")
+    publisher, ran, gate = _Publisher(), [], threading.Event()
+    publisher.refresh("k", lambda: ran.append(10))  # the first of its key: at once
+    deadline = time.monotonic() + 10
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    publisher.submit(lambda: gate.wait(30))  # the thread, busy (an artifact's slow round trip)
+    for step in (20, 30, 40, 50):
+        publisher.refresh("k", lambda step=step: ran.append(step))
+    flushed: list[bool] = []
+    flushing = threading.Thread(target=lambda: flushed.append(publisher.flush(30)))
+    flushing.start()
+    time.sleep(0.2)  # (the flush is under way: held calls are due at once)
+    gate.set()
+    flushing.join(35)
+    assert flushed == [True] and ran == [10, 50]
+    publisher.refresh("k", lambda: ran.append(60))  # after a flush: at once, as before
+    assert publisher.flush(5) and ran == [10, 50, 60]
+
+
 def test_a_flow_run_leaves_the_collector_alone_in_any_process(tmp_path, mlflow_uri, monkeypatch):
     """A flow never touches Python's garbage collector of the process it runs in: not in one
     called from a user's process (pytest's here), nor in one Prefect started for the flow run

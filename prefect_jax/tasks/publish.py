@@ -53,7 +53,8 @@ class _Publisher:
     `refresh` is for calls that a later call of the same key makes stale (a progress update, the
     results table with every row): one runs at most every `ui_refresh_secs()` per key (sooner
     only at `flush`); one that comes sooner is held, replaced by any later one of its key, and
-    runs when the time is up or at `flush`. After a flush the next call of a key runs at once.
+    runs when the time is up or at `flush`; a held call never runs while a newer call of its key
+    is still in the queue behind it. After a flush the next call of a key runs at once.
     With checkpoints seconds apart, the Prefect server records a fraction of the artifact
     versions and events it would otherwise (each costs it CPU), and the UI, which polls, shows
     the same.
@@ -67,6 +68,9 @@ class _Publisher:
             Any, tuple
         ] = {}  # key -> its newest call that has had its turn, not run yet
         self._last_run: dict[Any, float] = {}  # key -> when its last call ran (monotonic)
+        # key -> its calls put in the queue, not taken out yet: a held call with a newer one on
+        # its way is stale, and never runs (a flush would otherwise run each as it comes out)
+        self._queued: dict[Any, int] = {}
         self._hurry = 0  # flushes under way: held calls run at once
         self._warned = False
 
@@ -85,10 +89,18 @@ class _Publisher:
                     target=self._work, name="prefect-jax-publish", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((key, call))
+            if key is not None:
+                self._queued[key] = self._queued.get(key, 0) + 1
+            self._queue.put((key, call))
+
+    def _newer_on_its_way(self, key: Any) -> bool:
+        with self._lock:
+            return self._queued.get(key, 0) > 0
 
     def _due_in(self, key: Any, now: float) -> float:
         """Seconds until `key`'s held call may run (<= 0: now)."""
+        if self._newer_on_its_way(key):
+            return math.inf  # (its replacement is still in the queue)
         if self._hurry:
             return 0.0
         last = self._last_run.get(key)
@@ -126,6 +138,8 @@ class _Publisher:
                 if call is not None and key is None:
                     self._run(clients, call)
                 elif call is not None:
+                    with self._lock:
+                        self._queued[key] -= 1
                     self._held[key] = call  # replaces an older one of its key
                 self._run_held(clients)
             finally:
