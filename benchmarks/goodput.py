@@ -484,11 +484,12 @@ def breakdown(system: str, workdir: str) -> dict:
         if "restored" in m and "imported" in m:
             out["restore"] += m["restored"]["t"] - m["imported"]["t"]
         if "first_step" in m and "restored" in m:
-            out["compile"] += m["first_step"]["t"] - m["restored"]["t"]
+            out["compile"] += m["first_step"]["t"] - m["restored"]["t"] - _evaluated_again(m)
     restored = [m["restored"]["step"] for m in marks.values() if "restored" in m]
-    # A rerun's way back: from its process start to its first new step done (imports included).
+    # A rerun's way back: from its process start to its first new step done (imports included),
+    # less an evaluation a kill interrupted, done again before it (the ledger counts that as eval).
     restarts = [
-        m["first_step"]["t"] - m["start"]["process_start"]
+        m["first_step"]["t"] - m["start"]["process_start"] - _evaluated_again(m)
         for m in marks.values()
         if "first_step" in m and m.get("restored", {}).get("step", 0) > 0
     ]
@@ -497,7 +498,16 @@ def breakdown(system: str, workdir: str) -> dict:
         "lost_s": {k: round(v, 2) for k, v in out.items()},
         "restored_steps": restored,
         "restart_s": [round(r, 3) for r in restarts],
+        "evaluated_again": [
+            m["evaluated_again"]["step"] for m in marks.values() if "evaluated_again" in m
+        ],
     }
+
+
+def _evaluated_again(marks: dict) -> float:
+    """Seconds a peer's attempt spent evaluating its restored step again (its evaluation was
+    interrupted), between its restore and its first step."""
+    return marks.get("evaluated_again", {}).get("secs", 0.0)
 
 
 def warm_up(env: dict) -> None:

@@ -13,8 +13,10 @@ train/eval by file), built once by the harness before any clock starts.
 - ``prefect_jax``: ``prefect-jax run --program prefect_jax.examples.bytelm:program`` with a
   ``--program-param`` per `LM_PARAMS` entry.
 - ``plain``: `benchmarks/lm.py`'s bare loop (its CheckpointManager of the state and the Grain
-  iterator, its eval), made resumable: it restores the newest step and the iterator's position.
-  No SIGTERM handler, as such loops are written.
+  iterator, its eval), made resumable: it restores the newest step and the iterator's position,
+  and, as prefect-jax does, evaluates that step first where a kill interrupted its evaluation
+  (each evaluation's metrics are appended to ``evaluations.jsonl`` as it ends). No SIGTERM
+  handler, as such loops are written.
 - ``keras``: `keras_model`, Keras 3 ``fit`` on JAX with ``BackupAndRestore`` (one epoch =
   --every steps) over the same windows: the first --steps batches of the same Grain order, read
   into memory once, fed by index (`Windows`), so a resume at an epoch boundary continues with
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = "prefect_jax.examples.bytelm:program"
@@ -102,6 +105,18 @@ def child_plain(args) -> None:
     else:
         state = bare.restore(mgr, step, program, it)
     _mark(args.workdir, event="restored", step=int(step))
+    evaluations = os.path.join(args.workdir, "evaluations.jsonl")
+
+    def evaluate(step: int) -> None:
+        metrics = bare.evaluate(eval_fn, state, program)
+        with open(evaluations, "a") as f:
+            # (a newline first: a line a kill cut short stays a line of its own)
+            f.write("\n" + json.dumps({"step": step, **metrics}))
+
+    if step > 0 and step not in _evaluated_steps(evaluations):
+        began = time.time()
+        evaluate(step)  # (its seconds are not the restart's: `goodput.lost_time`)
+        _mark(args.workdir, event="evaluated_again", step=int(step), secs=time.time() - began)
     first = True
     while step < args.steps:
         state, _ = step_fn(state, next(it))
@@ -112,10 +127,23 @@ def child_plain(args) -> None:
             first = False
         if step % args.every == 0 or step == args.steps:
             mgr.save(step, args=bare.save_args(state, it))
-            bare.evaluate(eval_fn, state, program)
+            evaluate(step)
     mgr.wait_until_finished()
     mgr.close()
     _mark(args.workdir, event="done", step=step)
+
+
+def _evaluated_steps(path: str) -> set[int]:
+    """The steps whose evaluation ended (a line cut short by a kill is no evaluation)."""
+    steps = set()
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    steps.add(json.loads(line)["step"])
+                except (ValueError, KeyError):
+                    pass
+    return steps
 
 
 def keras_model(cfg, keras):
