@@ -424,18 +424,25 @@ def _goodput_ledger_rows(goodput: dict) -> list[str]:
 
 
 def _goodput_peer_rows(peers: list[dict]) -> list[str]:
-    """The peers' start-up, restore and compile seconds, summed over a run's attempts."""
+    """The peers' start-up, restore and compile seconds, summed over a run's attempts; where the
+    runs record them (the byte LM's plain loop), the restored steps evaluated again first."""
+    again = any("evaluated_again" in r["breakdown"] for r in peers)
     out = [
-        "| T s | signal | system | start-up | restore | compile |",
-        "|---:|---|---|---:|---:|---:|",
+        "| T s | signal | system | start-up | restore | compile |"
+        + (" evaluated again (step) |" if again else ""),
+        "|---:|---|---|---:|---:|---:|" + ("---|" if again else ""),
     ]
     for r in peers:
         lost = r["breakdown"]["lost_s"]
-        out.append(
+        row = (
             f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | "
             f"{_f(lost['startup'], 1)} | {_f(lost['restore'], 1)} | "
             f"{_f(lost['compile'], 1)} |"
         )
+        if again:
+            steps = r["breakdown"].get("evaluated_again")
+            row += f" {', '.join(map(str, steps)) or 'none'} |" if steps is not None else " - |"
+        out.append(row)
     return out
 
 
@@ -566,7 +573,11 @@ def goodput_lm_markdown() -> list[str]:
     peers = [r for r in gp["runs"] if r["breakdown"].get("source") == "marks"]
     if peers:
         out += ["", *_goodput_peer_rows(peers), ""]
-        out.append("The peers' time, seconds summed over attempts, from their processes' marks.")
+        out.append(
+            "The peers' time, seconds summed over attempts, from their processes' marks. "
+            "Evaluated again: a restored step whose evaluation a kill interrupted, evaluated "
+            "before training goes on (as prefect-jax does; not counted as compile)."
+        )
     return out
 
 

@@ -65,6 +65,11 @@ def test_a_save_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path, ml
         -3000:
     ]  # the default handler ends the process after the attempt
     assert "did not commit within 0s: abandoned" in err
+    # where each thread was when the grace ran out (a commit that stalls can be told from a slow
+    # one): the training thread, in the SIGTERM's handling, and the helper waiting on the commit
+    stacks = err.split("each thread when the grace ran out:", 1)[-1]
+    assert "thread MainThread:" in stacks and "in on_sigterm" in stacks, err[-3000:]
+    assert "in wait_committed" in stacks, err[-3000:]
     newest = committed_steps(ckpt)[-1]
     assert newest % 500 == 0, "only a boundary step committed; the abandoned one does not count"
 

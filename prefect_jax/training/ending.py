@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
+import traceback
 from typing import TYPE_CHECKING
 
 from prefect_jax.training.cluster import failed_processes, lost_process, say_goodbye
@@ -35,6 +37,16 @@ def within(fn, timeout: float) -> bool:
     worker.start()
     worker.join(timeout=max(0.0, timeout))
     return not worker.is_alive()
+
+
+def thread_stacks() -> str:
+    """Where every thread of the process is now, named, innermost call last: what a wait that
+    ran out of time was waiting on (`sys._current_frames`, the interpreter's own view)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return "\n".join(
+        f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)).rstrip()
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 class AttemptEnd:
@@ -93,8 +105,8 @@ class AttemptEnd:
                     t.step,
                     grace,
                 )
-            committed = within(job.wait_committed, grace) and t.step is not None
-            committed = committed and job.is_committed(t.step)
+            waited = within(job.wait_committed, grace)
+            committed = waited and t.step is not None and job.is_committed(t.step)
             # an evaluation whose step was committing: recorded if it did, before the run closes
             if pending.held is not None:
                 pending.record_if_landed()
@@ -109,12 +121,15 @@ class AttemptEnd:
                 if saved_rows:
                     t.intervals.log_train_rows(saved_rows)
             else:
+                # (a commit still running when the grace ran out: where each thread was, so that
+                # a stall, not a slow disk, can be told and reported)
                 logger.error(
                     "the checkpoint of step %s did not commit within %.0fs: abandoned; "
-                    "step %s stays the newest valid one",
+                    "step %s stays the newest valid one%s",
                     t.step,
                     grace,
                     job.newest_committed(),
+                    "" if waited else "; each thread when the grace ran out:\n" + thread_stacks(),
                 )
             job.goodput.end("preempted")
             self.log_goodput()
