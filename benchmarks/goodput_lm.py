@@ -115,7 +115,7 @@ def child_plain(args) -> None:
 
     if step > 0 and step not in _evaluated_steps(evaluations):
         began = time.time()
-        evaluate(step)  # (its seconds are not the restart's: `goodput.lost_time`)
+        evaluate(step)  # (its seconds are not the restart's: `goodput.breakdown`)
         _mark(args.workdir, event="evaluated_again", step=int(step), secs=time.time() - began)
     first = True
     while step < args.steps:
@@ -141,7 +141,7 @@ def _evaluated_steps(path: str) -> set[int]:
             for line in f:
                 try:
                     steps.add(json.loads(line)["step"])
-                except (ValueError, KeyError):
+                except (ValueError, KeyError, TypeError):
                     pass
     return steps
 
