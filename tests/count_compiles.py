@@ -1,5 +1,6 @@
 """Train the tiny job two intervals in this (fresh) process and print, as one JSON line, how many
-times the train step was compiled, and how the persistent compilation cache answered for it.
+times the train step was compiled, how the persistent compilation cache answered for it, and how
+many times the program's train step was traced (``traced``: its Python body run).
 
 usage: python count_compiles.py STORAGE MLFLOW_URI [CACHE_DIR [OPTIONS_JSON [lost|slow-pull]]]
 
@@ -25,7 +26,7 @@ import time
 class _Count(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
-        self.counts = {"compiled": 0, "cache_miss": 0, "cache_hit": 0}
+        self.counts = {"compiled": 0, "cache_miss": 0, "cache_hit": 0, "traced": 0}
 
     def emit(self, record):
         message = record.getMessage()
@@ -50,8 +51,18 @@ def main(
     jax.config.update("jax_explain_cache_misses", True)  # cache misses at WARNING
     counter = _Count()
     logging.getLogger("jax").addHandler(counter)
+    from prefect_jax.examples.digits import DigitsProgram
     from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
     from prefect_jax.training.trainer import Trainer
+
+    # (the example's class, in this process only: its body runs once per trace)
+    train_step = DigitsProgram.train_step
+
+    def counted(self, state, batch):
+        counter.counts["traced"] += 1
+        return train_step(self, state, batch)
+
+    DigitsProgram.train_step = counted
 
     config = JobConfig(
         program="prefect_jax.examples.digits:tiny",

@@ -40,6 +40,10 @@ def test_the_train_step_compiles_once_per_run_and_not_at_all_from_a_warm_cache(
     assert (first["start"], first["end"], first["compiled"]) == (0, 40, 1)
     rerun = _run(str(tmp_path / "a"), mlflow_uri)
     assert (rerun["start"], rerun["end"], rerun["compiled"]) == (40, 80, 1)
+    # The program's train step is traced once per process: the background compile, the
+    # metrics' structure and the loop's calls share that trace (a model's trace is seconds on
+    # a restart's way to its first step).
+    assert (first["traced"], rerun["traced"]) == (1, 1)
 
     cache = str(tmp_path / "compile-cache")
     cold = _run(str(tmp_path / "b"), mlflow_uri, cache)

@@ -91,9 +91,15 @@ def scanned(step: Callable) -> Callable:
 
 def jit_steps(
     program: Any, check_finite: bool, shardings: tuple | None = None
-) -> tuple[Callable, Callable, Callable]:
-    """The program's steps, jitted: the guarded train step (`guarded_step`), the same over K
-    stacked batches (`scanned`), and the eval step.
+) -> tuple[Callable, Callable, Callable, Callable]:
+    """The program's steps, jitted: its train step alone (`program_step`), the guarded train
+    step (`guarded_step`), the same over K stacked batches (`scanned`), and the eval step.
+
+    The guarded steps call the jitted `program_step`, so the program's train step is traced
+    once for its shapes: the trace the metrics' structure takes (`TrainMeans`,
+    `precompile_steps`) is the one the guarded step's own trace finds in jit's cache. A model's
+    trace can take seconds, and each was on the way to a restart's first step. The nested jit
+    is inlined by XLA: the executable computes the same.
 
     Args:
         program: the program.
@@ -110,15 +116,17 @@ def jit_steps(
     # The guard is never donated: the loop reads an earlier one after later steps ran.
     donate = (0,)
     if shardings is None:
-        guarded = guarded_step(program.train_step, check_finite)
+        program_step = jax.jit(program.train_step)
+        guarded = guarded_step(program_step, check_finite)
         train_step = jax.jit(guarded, donate_argnums=donate)
         scan_steps = jax.jit(scanned(guarded), donate_argnums=donate)
-        return train_step, scan_steps, jax.jit(program.eval_step)
+        return program_step, train_step, scan_steps, jax.jit(program.eval_step)
     from prefect_jax.training.sharding import under_mesh
 
     state, batch, stacked, replicated = shardings
     mesh = replicated.mesh
-    guarded = guarded_step(under_mesh(program.train_step, mesh), check_finite)
+    program_step = jax.jit(under_mesh(program.train_step, mesh))
+    guarded = guarded_step(program_step, check_finite)
     outs = (state, replicated, replicated)  # metrics and guard: on every device
     train_step = jax.jit(
         guarded, in_shardings=(state, batch, replicated), out_shardings=outs, donate_argnums=donate
@@ -131,7 +139,7 @@ def jit_steps(
     )
     # Eval batches are host arrays of any size (the last may be short): the compiler places
     # them; the state comes committed to its shardings.
-    return train_step, scan_steps, jax.jit(under_mesh(program.eval_step, mesh))
+    return program_step, train_step, scan_steps, jax.jit(under_mesh(program.eval_step, mesh))
 
 
 def stack(batches: list):
@@ -171,6 +179,7 @@ def precompile_steps(
     steps_per_dispatch: int,
     state,
     device,
+    program_step,
     train_step,
     scan_steps,
     eval_step,
@@ -178,7 +187,8 @@ def precompile_steps(
 ) -> None:
     """Compile the jitted `train_step` (or `scan_steps`) and `eval_step` for `state` (abstract,
     on `device`) and the shapes of the program's first batches, so the real call finds the
-    executable in jit's cache. Only for Grain MapDatasets, whose first batch is read by index
+    executable in jit's cache (`program_step`: the jitted program step they call, see
+    `jit_steps`). Only for Grain MapDatasets, whose first batch is read by index
     without starting the pipeline; any failure is left for the real call to report.
     `batch_shardings`: the (batch, stacked batches) shardings a program with a mesh's batches
     are placed with (part of their type: without it the loop's call compiles again)."""
@@ -194,15 +204,12 @@ def precompile_steps(
         if isinstance(train_data, grain.MapDataset):
             batch_sharding, stacked_sharding = batch_shardings or (None, None)
             batch = spec(train_data[0], batch_sharding)
-            traced = program.train_step
-            if batch_shardings is not None:  # as the jitted step is: with the mesh in context
-                from prefect_jax.training.sharding import under_mesh
-
-                traced = under_mesh(traced, device.mesh)
             guard = jax.tree.map(
                 lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=device),
                 # (the loop's guard: its sums shaped like the step's metrics)
-                spec(new_guard(0, metric_sums(jax.eval_shape(traced, state, batch)[1]), 1, 1)),
+                spec(
+                    new_guard(0, metric_sums(jax.eval_shape(program_step, state, batch)[1]), 1, 1)
+                ),
             )
             k = steps_per_dispatch
             if k == 1:

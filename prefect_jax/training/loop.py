@@ -125,15 +125,14 @@ class Loop:
             shardings += (self.replicated,)
         else:
             self.state_sharding = self.one_device or self.replicated
-        self.train_step, self.scan_steps, self.eval_step = jit_steps(
+        self.program_step, self.train_step, self.scan_steps, self.eval_step = jit_steps(
             program, spec.check_finite, shardings
         )
-        if self.sharded:  # traced as the jitted step is (with the mesh), its guard replicated
-            traced = under_mesh(program.train_step, self.mesh)
+        if self.sharded:  # its guard replicated over the mesh
             place_guard = lambda guard: jax.device_put(guard, self.replicated)  # noqa: E731
         else:
-            traced, place_guard = program.train_step, self.place
-        self.means = TrainMeans(traced, spec.log_every_steps, place_guard)
+            place_guard = self.place
+        self.means = TrainMeans(self.program_step, spec.log_every_steps, place_guard)
 
     # -- state and data ------------------------------------------------------------------
 
@@ -241,6 +240,19 @@ class Loop:
             lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), host_batch
         )
 
+    def batch_type(self, host_batch):
+        """A host batch as the metrics' structure is traced from it (`TrainMeans.guard`): as it
+        is, or, for a program with a mesh, its shapes with the batch sharding, as the
+        background compile traced it, so that trace is the one jit's cache returns."""
+        if not self.sharded:
+            return host_batch
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                np.shape(x), np.asarray(x).dtype, sharding=self.batch_sharding
+            ),
+            host_batch,
+        )
+
     # -- compilation ---------------------------------------------------------------------
 
     def start_precompile(self) -> None:
@@ -262,7 +274,8 @@ class Loop:
             )
             guard_sharding = self.one_device
         args = (self.program, self.spec.seed, self.spec.steps_per_dispatch, state)
-        args += (guard_sharding, self.train_step, self.scan_steps, self.eval_step)
+        args += (guard_sharding, self.program_step, self.train_step, self.scan_steps)
+        args += (self.eval_step,)
         if self.sharded:
             args += ((self.batch_sharding, self._stacked_sharding),)
         # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
@@ -302,13 +315,13 @@ class Loop:
             start = step
             if per_dispatch == 1:
                 batch = next(it)
-                guard = guard or self.means.guard(state, batch, step, target)
+                guard = guard or self.means.guard(state, self.batch_type(batch), step, target)
                 state, metrics, guard = self.train_step(state, self.batch(batch), guard)
                 step += 1
             else:
                 n = min(per_dispatch, target - step)
                 batches = [next(it) for _ in range(n)]
-                guard = guard or self.means.guard(state, batches[0], step, target)
+                guard = guard or self.means.guard(state, self.batch_type(batches[0]), step, target)
                 state, metrics, guard = self.scan_steps(
                     state, self.batch(stack(batches), axis=1), guard
                 )

@@ -24,8 +24,8 @@ class TrainMeans:
     """The running sums of one loop's train metrics between log points.
 
     Args:
-        train_step: the program's train step, as the jitted step traces it (under the mesh of a
-            sharded program): traced once, without computing, for the metrics' structure.
+        train_step: the jitted program step the compiled steps call (`jit_steps`): its
+            structure of metrics is read from its trace, which jit caches for them.
         log_every: the spec's ``log_every_steps``.
         place: puts a guard where the compiled step takes it (the one device, or replicated
             over a sharded program's mesh).
