@@ -56,11 +56,20 @@ def losses(prog, steps: int = 6, per_dispatch: int = 1, evaluate: bool = True) -
     from prefect_jax.training.loop import Loop
     from prefect_jax.training.specs import TrainSpec
 
+    traces = []  # the program's train step, each time its body runs (a trace)
+    train_step = prog.train_step
+
+    def counted(state, batch):
+        traces.append(1)
+        return train_step(state, batch)
+
+    prog.train_step = counted
     loop = Loop(prog, TrainSpec(max_steps=steps, steps_per_dispatch=per_dispatch))
     state = loop.place(loop.init_state())
+    loop.start_precompile()  # as a restore does (where the loop compiles ahead)
     interval = loop.run(state, 0, loop.fresh_iter(), target=steps, stop=lambda: False)
     rows = loop.train_rows(interval.logged)
-    out = {"loss": [v for k, v, _ in rows if k == "loss"]}
+    out = {"loss": [v for k, v, _ in rows if k == "loss"], "traced": len(traces)}
     if evaluate:
         out["eval"] = loop.evaluate(interval.state, 2)[0]["loss"]
     if loop.sharded:

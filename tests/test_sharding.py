@@ -140,6 +140,9 @@ def test_fsdp_8_way_and_4x2_data_model_shard_the_state_and_train_as_one_device_d
         "head_mu": "P('data', 'model')",
     }
     np.testing.assert_allclose(mixed["loss"], base["loss"], rtol=2e-3)
+    # Sharded or not, one step per dispatch or a scan of three, the background compile and the
+    # loop's calls share one trace of the program's train step.
+    assert {name: run["traced"] for name, run in runs.items()} == dict.fromkeys(runs, 1)
 
 
 @pytest.mark.slow

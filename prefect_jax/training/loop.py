@@ -99,7 +99,7 @@ class Loop:
         devices = jax.devices()
         # On one device (CPU, or one GPU) the state is committed to it, so that the compile done
         # ahead of time (`start_precompile`) is the one the loop finds; several devices: no
-        # precompile.
+        # precompile, unless the program declares its sharding.
         self.one_device = (
             jax.sharding.SingleDeviceSharding(devices[0]) if len(devices) == 1 else None
         )
@@ -241,10 +241,11 @@ class Loop:
         )
 
     def batch_type(self, host_batch):
-        """A host batch as the metrics' structure is traced from it (`TrainMeans.guard`): as it
-        is, or, for a program with a mesh, its shapes with the batch sharding, as the
-        background compile traced it, so that trace is the one jit's cache returns."""
-        if not self.sharded:
+        """A host batch as the metrics' structure is traced from it (`TrainMeans.guard`): its
+        shapes with the sharding `batch` places it with (the one the background compile traced
+        with), so that the trace the step makes is the one jit's cache returns; as it is where
+        the batch stays on the host."""
+        if self.batch_sharding is None:
             return host_batch
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(

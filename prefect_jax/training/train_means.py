@@ -24,23 +24,24 @@ class TrainMeans:
     """The running sums of one loop's train metrics between log points.
 
     Args:
-        train_step: the jitted program step the compiled steps call (`jit_steps`): its
+        program_step: the jitted program step the compiled steps call (`jit_steps`): its
             structure of metrics is read from its trace, which jit caches for them.
         log_every: the spec's ``log_every_steps``.
         place: puts a guard where the compiled step takes it (the one device, or replicated
             over a sharded program's mesh).
     """
 
-    def __init__(self, train_step: Callable, log_every: int, place: Callable[[Any], Any]):
-        self._train_step, self._log_every, self._place = train_step, log_every, place
+    def __init__(self, program_step: Callable, log_every: int, place: Callable[[Any], Any]):
+        self._program_step, self._log_every, self._place = program_step, log_every, place
         self._metric_shapes = None
         self._carried = None  # (step, (sums, n)) where the last `run` ended
 
-    def guard(self, state, host_batch, step: int, target: int):
+    def guard(self, state, batch, step: int, target: int):
         """The guard a call starts from, on the device: the sums the previous call left at
-        `step`, else zeros (a fresh or restored state)."""
+        `step`, else zeros (a fresh or restored state). `batch`: a batch as the step takes it,
+        or its type (`Loop.batch_type`)."""
         if self._metric_shapes is None:
-            self._metric_shapes = jax.eval_shape(self._train_step, state, host_batch)[1]
+            self._metric_shapes = jax.eval_shape(self._program_step, state, batch)[1]
         sums, n = metric_sums(self._metric_shapes), 0
         carried = self._carried
         if carried is not None and carried[0] == step and set(carried[1][0]) == set(sums):
