@@ -173,6 +173,14 @@ def compiled_init(init_from_seed: Callable, seed, sharding) -> Callable | None:
         return lowered.compile()
 
 
+def abstract_tree(tree, sharding=None):
+    """`tree`'s arrays as ``jax.ShapeDtypeStruct``s (with `sharding`): what a trace or a compile
+    of the steps takes in place of host values."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding), tree
+    )
+
+
 def precompile_steps(
     program: Any,
     seed: int,
@@ -193,21 +201,15 @@ def precompile_steps(
     `batch_shardings`: the (batch, stacked batches) shardings a program with a mesh's batches
     are placed with (part of their type: without it the loop's call compiles again)."""
 
-    def spec(tree, sharding=None):
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding),
-            tree,
-        )
-
     try:
         train_data = program.train_data(seed)
         if isinstance(train_data, grain.MapDataset):
             batch_sharding, stacked_sharding = batch_shardings or (None, None)
-            batch = spec(train_data[0], batch_sharding)
+            batch = abstract_tree(train_data[0], batch_sharding)
             guard = jax.tree.map(
                 lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=device),
                 # (the loop's guard: its sums shaped like the step's metrics)
-                spec(
+                abstract_tree(
                     new_guard(0, metric_sums(jax.eval_shape(program_step, state, batch)[1]), 1, 1)
                 ),
             )
@@ -224,13 +226,14 @@ def precompile_steps(
                 scan_steps.lower(state, stacked, guard).compile()
         eval_data = program.eval_data()
         if isinstance(eval_data, grain.MapDataset):
-            eval_step.lower(state, spec(eval_data[0])).compile()
+            eval_step.lower(state, abstract_tree(eval_data[0])).compile()
     except Exception:  # noqa: BLE001 - the real call compiles again and reports it
         logger.debug("background compile failed", exc_info=True)
 
 
 __all__ = [
     "INIT_COMPILER_OPTIONS",
+    "abstract_tree",
     "compiled_init",
     "guard_int",
     "guarded_step",

@@ -32,6 +32,7 @@ from prefect_jax.training.collective import (
     spans_processes,
 )
 from prefect_jax.training.compiled_steps import (
+    abstract_tree,
     compiled_init,
     jit_steps,
     metrics_at,
@@ -247,12 +248,7 @@ class Loop:
         the batch stays on the host."""
         if self.batch_sharding is None:
             return host_batch
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                np.shape(x), np.asarray(x).dtype, sharding=self.batch_sharding
-            ),
-            host_batch,
-        )
+        return abstract_tree(host_batch, self.batch_sharding)
 
     # -- compilation ---------------------------------------------------------------------
 
