@@ -52,6 +52,52 @@ def test_the_train_step_compiles_once_per_run_and_not_at_all_from_a_warm_cache(
     assert warm["start"] == 40 and warm["cache_miss"] == 0 and warm["cache_hit"] >= 1
 
 
+class _HeldEvalTrace:
+    """Mixed into the tiny digits program: the trace of its eval step waits for `gate` (30 s at
+    most), as a real model's eval-step compile takes seconds on a cold start."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate, self.held = threading.Event(), threading.Event()
+        self.traced_on: list[str] = []  # the thread of each trace of the eval step
+        self.passed_gate = False
+
+    def eval_step(self, state, batch):
+        self.traced_on.append(threading.current_thread().name)
+        self.held.set()
+        self.gate.wait(30)
+        self.passed_gate = True
+        return super().eval_step(state, batch)
+
+
+def test_the_first_step_waits_for_the_train_step_compile_only(job_config):
+    """The background compile does the train step, then the eval step: the training starts once
+    the first is done, while the second goes on beside it, and the evaluation after it finds
+    that compile (one trace of the eval step, on the compile's thread)."""
+    from prefect_jax.examples.digits import DigitsProgram
+    from prefect_jax.training.evaluation import EvalStatus
+    from prefect_jax.training.trainer import Trainer
+
+    program = type("HeldEvalDigits", (_HeldEvalTrace, DigitsProgram), {})(
+        hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1
+    )
+    trainer = Trainer(job_config(max_steps=40, every_steps=20), program=program)
+    try:
+        trainer.restore_or_init()
+        trainer.train_until_checkpoint()
+        assert trainer.step == 20
+        # Trained while the eval step's trace was held (joining the whole compile would have
+        # waited the gate's 30 s out).
+        assert not program.passed_gate
+        assert program.held.wait(30)  # the compile's thread is in the eval step's trace now
+        program.gate.set()
+        assert trainer.evaluate_if_new().status is EvalStatus.EVALUATED
+        assert program.traced_on == ["prefect-jax-compile"]
+    finally:
+        program.gate.set()
+        trainer.close()
+
+
 def test_a_cache_on_object_storage_follows_the_job_to_another_machine(
     tmp_path, mlflow_uri, s3_server
 ):

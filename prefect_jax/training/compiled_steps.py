@@ -8,6 +8,7 @@ are driven is the `Loop`'s (`prefect_jax.training.loop`).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -192,14 +193,17 @@ def precompile_steps(
     scan_steps,
     eval_step,
     batch_shardings: tuple | None = None,
+    train_compiled: threading.Event | None = None,
 ) -> None:
-    """Compile the jitted `train_step` (or `scan_steps`) and `eval_step` for `state` (abstract,
-    on `device`) and the shapes of the program's first batches, so the real call finds the
-    executable in jit's cache (`program_step`: the jitted program step they call, see
+    """Compile the jitted `train_step` (or `scan_steps`), then `eval_step`, for `state`
+    (abstract, on `device`) and the shapes of the program's first batches, so the real call finds
+    the executable in jit's cache (`program_step`: the jitted program step they call, see
     `jit_steps`). Only for Grain MapDatasets, whose first batch is read by index
     without starting the pipeline; any failure is left for the real call to report.
     `batch_shardings`: the (batch, stacked batches) shardings a program with a mesh's batches
-    are placed with (part of their type: without it the loop's call compiles again)."""
+    are placed with (part of their type: without it the loop's call compiles again).
+    `train_compiled` is set once the train step is done with (compiled, or failed): the first
+    step needs only that one, so the eval step's compile goes on beside the training."""
 
     try:
         train_data = program.train_data(seed)
@@ -224,11 +228,17 @@ def precompile_steps(
                     batch,
                 )
                 scan_steps.lower(state, stacked, guard).compile()
+    except Exception:  # noqa: BLE001 - the real call compiles again and reports it
+        logger.debug("background compile of the train step failed", exc_info=True)
+    finally:
+        if train_compiled is not None:
+            train_compiled.set()
+    try:
         eval_data = program.eval_data()
         if isinstance(eval_data, grain.MapDataset):
             eval_step.lower(state, abstract_tree(eval_data[0])).compile()
     except Exception:  # noqa: BLE001 - the real call compiles again and reports it
-        logger.debug("background compile failed", exc_info=True)
+        logger.debug("background compile of the eval step failed", exc_info=True)
 
 
 __all__ = [

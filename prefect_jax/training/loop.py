@@ -253,11 +253,12 @@ class Loop:
     # -- compilation ---------------------------------------------------------------------
 
     def start_precompile(self) -> None:
-        """Compile the train step (and the eval step) for the job's shapes on a background
+        """Compile the train step, then the eval step, for the job's shapes on a background
         thread, so the compile overlaps the restore instead of following it: the first call
-        then finds the executable in jit's cache. Only for Grain MapDatasets, whose first
-        batch is read by index without starting the pipeline; any failure is left for the
-        real call to report."""
+        then finds the executable in jit's cache. The training waits for the train step only
+        (`join_train_compile`), an evaluation for both (`join_precompile`). Only for Grain
+        MapDatasets, whose first batch is read by index without starting the pipeline; any
+        failure is left for the real call to report."""
         if self._precompiling is not None or (self.one_device is None and not self.sharded):
             return
         if self.sharded:  # the abstract state carries the shardings the steps are jitted with
@@ -273,15 +274,26 @@ class Loop:
         args = (self.program, self.spec.seed, self.spec.steps_per_dispatch, state)
         args += (guard_sharding, self.program_step, self.train_step, self.scan_steps)
         args += (self.eval_step,)
-        if self.sharded:
-            args += ((self.batch_sharding, self._stacked_sharding),)
+        args += ((self.batch_sharding, self._stacked_sharding) if self.sharded else None,)
+        self._train_compiled = threading.Event()
         # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
         self._precompiling = threading.Thread(
-            target=precompile_steps, args=args, name="prefect-jax-compile"
+            target=precompile_steps,
+            args=(*args, self._train_compiled),
+            name="prefect-jax-compile",
         )
         self._precompiling.start()
 
+    def join_train_compile(self) -> None:
+        """Wait for the background compile's train step (`start_precompile`), not its eval step:
+        on a cold start of a real model that one takes seconds more. An evaluation that comes
+        first needs no join: jit traces and compiles a signature once, a second caller waiting
+        for the first."""
+        if self._precompiling is not None:
+            self._train_compiled.wait()
+
     def join_precompile(self) -> None:
+        """Wait for the whole background compile (a process must not end in the middle of one)."""
         if self._precompiling is not None:
             self._precompiling.join()
 
@@ -305,7 +317,7 @@ class Loop:
         # This process's first step: timed to the end (compile or cache load).
         first = self.compile_s is None
         t_first = time.perf_counter()
-        self.join_precompile()  # its executable is the one this loop calls
+        self.join_train_compile()  # its executable is the one this loop calls
         guard = previous = None
         clock = (step, time.perf_counter())  # the throughput's window starts here
         while step < target:
