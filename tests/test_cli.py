@@ -194,6 +194,40 @@ def test_demo_on_embedded_defaults_reaches_accuracy_and_ends_cleanly(tmp_path):
     assert any("mlflow ui --backend-store-uri" in line for line in summary["browse"])
 
 
+@pytest.mark.slow
+def test_a_job_out_of_its_rerun_budget_is_refused_in_one_line(tmp_path, mlflow_uri):
+    """Rerun once too often without getting past a step (preempted before each first checkpoint),
+    a job is refused as the others a user must act on are: one error line that says what to do,
+    exit 1, and nothing of the job lost."""
+    from prefect_jax.training.control import record_attempt
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path), "stuck")
+    for _ in range(4):  # four runs that started at step 0 (the default budget is 3 reruns)
+        record_attempt(storage, 0, None)
+    before = (tmp_path / "stuck" / "attempts.json").read_bytes()
+    proc = _cli(
+        "run",
+        "--program",
+        TINY,
+        "--job",
+        "stuck",
+        "--storage",
+        str(tmp_path),
+        "--max-steps",
+        "20",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # (the flow run's failure is in Prefect's log above it, with its traceback)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefect-jax run: error: job "), proc.stderr[-3000:]
+    assert "without getting past step 0" in last and "attempts.json to reset" in last
+    assert (tmp_path / "stuck" / "attempts.json").read_bytes() == before
+
+
 def test_a_misspelt_flag_is_refused_with_the_subcommands_usage(tmp_path):
     proc = _cli(
         "run", "--program", TINY, "--job", "j", "--storage", str(tmp_path), "--max-step", "40"

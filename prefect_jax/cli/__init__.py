@@ -187,7 +187,13 @@ def entry() -> None:
     Terminated by SIGTERM (exit 143), the process does not wait for its background threads
     either: the step in flight was committed (or abandoned) within ``sigterm_grace_secs``
     already, and what MLflow's thread had not written yet (a run still being created, metrics)
-    is written by the rerun from the checkpoints and eval records, as after a SIGKILL."""
+    is written by the rerun from the checkpoints and eval records, as after a SIGKILL.
+
+    An error `main` does not turn into an exit code prints its traceback and exits 1 the same
+    way, not through the interpreter's own exit: a SIGTERM there, while it waits for a
+    background XLA compile, would leave the compile running into the interpreter's teardown,
+    which aborts the process (SIGABRT). A SIGTERM while this waits for the threads ends the wait
+    (exit 143)."""
     try:
         code = main()
     except SystemExit as exc:
@@ -195,6 +201,9 @@ def entry() -> None:
         if not isinstance(exc.code, int):
             raise
         code = exc.code
+    except Exception:  # noqa: BLE001 - reported as the interpreter would, then the exit below
+        sys.excepthook(*sys.exc_info())
+        code = 1
     import atexit
     import threading
 
@@ -206,7 +215,11 @@ def entry() -> None:
     # A process of several that lost another exits from its atexit handler: with this code.
     set_exit_code(code)
     if code != 128 + signal.SIGTERM:
-        shutdown()
+        try:
+            shutdown()
+        except SystemExit as exc:  # `_exit_on_sigterm`: terminated while it waited
+            code = exc.code if isinstance(exc.code, int) else 128 + signal.SIGTERM
+            set_exit_code(code)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

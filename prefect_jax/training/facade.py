@@ -13,11 +13,17 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
-from prefect_jax.training.errors import LeaseHeldError, NonFiniteLossError, StorageNotWritableError
+from prefect_jax.training.errors import (
+    LeaseHeldError,
+    NonFiniteLossError,
+    NoProgressError,
+    StorageNotWritableError,
+)
 
 # Errors that refuse a job for a reason its user can act on: a command prints one line, exit 1.
 REFUSALS: tuple[type[Exception], ...] = (
     LeaseHeldError,
+    NoProgressError,
     NonFiniteLossError,
     StorageNotWritableError,
 )
