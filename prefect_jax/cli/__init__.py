@@ -182,18 +182,18 @@ def entry() -> None:
     time. A rerun after a preemption waits for it. So, once `main` returns, this does what a
     normal exit does that matters (wait for non-daemon threads, run the atexit handlers: log,
     Prefect and MLflow flushes; flush stdout and stderr) and then ends the process without the
-    teardown. An uncaught exception exits the usual way, with its traceback.
+    teardown.
 
     Terminated by SIGTERM (exit 143), the process does not wait for its background threads
     either: the step in flight was committed (or abandoned) within ``sigterm_grace_secs``
     already, and what MLflow's thread had not written yet (a run still being created, metrics)
     is written by the rerun from the checkpoints and eval records, as after a SIGKILL.
 
-    An error `main` does not turn into an exit code prints its traceback and exits 1 the same
-    way, not through the interpreter's own exit: a SIGTERM there, while it waits for a
-    background XLA compile, would leave the compile running into the interpreter's teardown,
-    which aborts the process (SIGABRT). A SIGTERM while this waits for the threads ends the wait
-    (exit 143)."""
+    An error `main` does not turn into an exit code (a Ctrl-C too) prints its traceback and
+    exits the same way (1; 130 for a Ctrl-C), not through the interpreter's own exit: a SIGTERM
+    there, while it waits for a background XLA compile, would leave the compile running into the
+    interpreter's teardown, which aborts the process (SIGABRT). A SIGTERM or a Ctrl-C while this
+    waits for the threads ends the wait (exit 143 or 130)."""
     try:
         code = main()
     except SystemExit as exc:
@@ -201,9 +201,9 @@ def entry() -> None:
         if not isinstance(exc.code, int):
             raise
         code = exc.code
-    except Exception:  # noqa: BLE001 - reported as the interpreter would, then the exit below
-        sys.excepthook(*sys.exc_info())
-        code = 1
+    except BaseException as exc:  # noqa: BLE001 - reported as the interpreter would, then the exit
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     import atexit
     import threading
 
@@ -219,6 +219,9 @@ def entry() -> None:
             shutdown()
         except SystemExit as exc:  # `_exit_on_sigterm`: terminated while it waited
             code = exc.code if isinstance(exc.code, int) else 128 + signal.SIGTERM
+            set_exit_code(code)
+        except KeyboardInterrupt:
+            code = 128 + signal.SIGINT
             set_exit_code(code)
     atexit._run_exitfuncs()
     sys.stdout.flush()

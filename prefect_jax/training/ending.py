@@ -194,6 +194,8 @@ class AttemptEnd:
                 t.evaluations.pending.record(wait=True)
             else:
                 t.evaluations.pending.record_or_warn()
+            if status != "KILLED":  # the eval step's compile too, for the next run's cache
+                t.loop.join_precompile()
             # KILLED: SIGTERM's handler waited
             t.flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)
             if job.goodput.attempt is not None:

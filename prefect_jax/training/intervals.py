@@ -80,7 +80,8 @@ class Intervals:
 
                 def stop() -> bool:
                     t.evaluations.pending.record_from_loop()
-                    # its compile is in the cache, copied while training goes on
+                    # the train step's compile is in the cache, copied while training goes
+                    # on (the eval step's, compiled beside the training, with a later push)
                     if self._push_after_first_step:
                         self._push_after_first_step = False
                         t.compile_cache.push_async()

@@ -256,7 +256,7 @@ class Loop:
         """Compile the train step, then the eval step, for the job's shapes on a background
         thread, so the compile overlaps the restore instead of following it: the first call
         then finds the executable in jit's cache. The training waits for the train step only
-        (`join_train_compile`), an evaluation for both (`join_precompile`). Only for Grain
+        (`join_train_compile`), the process's end for both (`join_precompile`). Only for Grain
         MapDatasets, whose first batch is read by index without starting the pipeline; any
         failure is left for the real call to report."""
         if self._precompiling is not None or (self.one_device is None and not self.sharded):
@@ -277,18 +277,19 @@ class Loop:
         args += ((self.batch_sharding, self._stacked_sharding) if self.sharded else None,)
         self._train_compiled = threading.Event()
         # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
-        self._precompiling = threading.Thread(
+        compiling = threading.Thread(
             target=precompile_steps,
             args=(*args, self._train_compiled),
             name="prefect-jax-compile",
         )
-        self._precompiling.start()
+        compiling.start()
+        self._precompiling = compiling  # (once started: a retried restore starts it again)
 
     def join_train_compile(self) -> None:
         """Wait for the background compile's train step (`start_precompile`), not its eval step:
         on a cold start of a real model that one takes seconds more. An evaluation that comes
         first needs no join: jit traces and compiles a signature once, a second caller waiting
-        for the first."""
+        for the first (jax 0.10: one trace and one XLA compile with two threads calling)."""
         if self._precompiling is not None:
             self._train_compiled.wait()
 
