@@ -241,7 +241,41 @@ def precompile_steps(
         logger.debug("background compile of the eval step failed", exc_info=True)
 
 
+class BackgroundCompile:
+    """`precompile_steps` on a thread of its own: the train step, then the eval step. The
+    training waits for the train step only (`join_train_step`): on a cold start of a real model
+    the eval step takes seconds more. An evaluation that comes first needs no join: jit traces
+    and compiles a signature once, a second caller waiting for the first (jax 0.10: one trace
+    and one XLA compile with two threads calling). The process's end waits for both (`join`)."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._train_compiled = threading.Event()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self, *args) -> None:
+        """`precompile_steps(*args)` on the thread (its `train_compiled` event given here)."""
+        # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
+        thread = threading.Thread(
+            target=precompile_steps, args=(*args, self._train_compiled), name="prefect-jax-compile"
+        )
+        thread.start()
+        self._thread = thread  # (once started: a retried restore that failed to, starts it again)
+
+    def join_train_step(self) -> None:
+        if self._thread is not None:
+            self._train_compiled.wait()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
 __all__ = [
+    "BackgroundCompile",
     "INIT_COMPILER_OPTIONS",
     "abstract_tree",
     "compiled_init",

@@ -195,7 +195,7 @@ class AttemptEnd:
             else:
                 t.evaluations.pending.record_or_warn()
             if status != "KILLED":  # the eval step's compile too, for the next run's cache
-                t.loop.join_precompile()
+                t.loop.compiling.join()
             # KILLED: SIGTERM's handler waited
             t.flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)
             if job.goodput.attempt is not None:
@@ -219,7 +219,7 @@ class AttemptEnd:
             t.evaluations.pending.record_or_warn()
             # (unless it ended already) not a kill, unless a process went away
             t.job.goodput.end(self.ended_as("closed"))
-            t.loop.join_precompile()
+            t.loop.compiling.join()
             t.flush_compiled(END_FLUSH_SECS)
             t.job.close()
         finally:

@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,11 +31,11 @@ from prefect_jax.training.collective import (
     spans_processes,
 )
 from prefect_jax.training.compiled_steps import (
+    BackgroundCompile,
     abstract_tree,
     compiled_init,
     jit_steps,
     metrics_at,
-    precompile_steps,
     stack,
 )
 from prefect_jax.training.data_positions import iterate
@@ -94,7 +93,7 @@ class Loop:
         self._abstract = None
         # The join of the compile and the first step, once per process (goodput).
         self.compile_s: float | None = None
-        self._precompiling: threading.Thread | None = None
+        self.compiling = BackgroundCompile()  # see `start_precompile`
         # The final state's fingerprint and evaluation, computed while its checkpoint commits
         self.memo = StateMemo()
         devices = jax.devices()
@@ -254,12 +253,11 @@ class Loop:
 
     def start_precompile(self) -> None:
         """Compile the train step, then the eval step, for the job's shapes on a background
-        thread, so the compile overlaps the restore instead of following it: the first call
-        then finds the executable in jit's cache. The training waits for the train step only
-        (`join_train_compile`), the process's end for both (`join_precompile`). Only for Grain
-        MapDatasets, whose first batch is read by index without starting the pipeline; any
-        failure is left for the real call to report."""
-        if self._precompiling is not None or (self.one_device is None and not self.sharded):
+        thread (`BackgroundCompile`), so the compile overlaps the restore instead of following
+        it: the first call then finds the executable in jit's cache. Only for Grain MapDatasets,
+        whose first batch is read by index without starting the pipeline; any failure is left for
+        the real call to report."""
+        if self.compiling.started or (self.one_device is None and not self.sharded):
             return
         if self.sharded:  # the abstract state carries the shardings the steps are jitted with
             state, guard_sharding = self.abstract_state, self.replicated
@@ -275,28 +273,7 @@ class Loop:
         args += (guard_sharding, self.program_step, self.train_step, self.scan_steps)
         args += (self.eval_step,)
         args += ((self.batch_sharding, self._stacked_sharding) if self.sharded else None,)
-        self._train_compiled = threading.Event()
-        # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
-        compiling = threading.Thread(
-            target=precompile_steps,
-            args=(*args, self._train_compiled),
-            name="prefect-jax-compile",
-        )
-        compiling.start()
-        self._precompiling = compiling  # (once started: a retried restore starts it again)
-
-    def join_train_compile(self) -> None:
-        """Wait for the background compile's train step (`start_precompile`), not its eval step:
-        on a cold start of a real model that one takes seconds more. An evaluation that comes
-        first needs no join: jit traces and compiles a signature once, a second caller waiting
-        for the first (jax 0.10: one trace and one XLA compile with two threads calling)."""
-        if self._precompiling is not None:
-            self._train_compiled.wait()
-
-    def join_precompile(self) -> None:
-        """Wait for the whole background compile (a process must not end in the middle of one)."""
-        if self._precompiling is not None:
-            self._precompiling.join()
+        self.compiling.start(*args)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -318,7 +295,7 @@ class Loop:
         # This process's first step: timed to the end (compile or cache load).
         first = self.compile_s is None
         t_first = time.perf_counter()
-        self.join_train_compile()  # its executable is the one this loop calls
+        self.compiling.join_train_step()  # its executable is the one this loop calls
         guard = previous = None
         clock = (step, time.perf_counter())  # the throughput's window starts here
         while step < target:
