@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
+import time
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -162,6 +164,40 @@ class GcWatchingDigits(DigitsProgram):
 
 def gc_watching():
     return GcWatchingDigits(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+class _MarksTeardown:
+    """Writes ``PREFECT_JAX_TEST_TEARDOWN_MARK``'s file when the interpreter's teardown frees
+    it (a module global: freed with its module)."""
+
+    def __init__(self):
+        self.path = os.environ.get("PREFECT_JAX_TEST_TEARDOWN_MARK")
+
+    def __del__(self, _open=open):  # (bound now: the teardown clears the builtins first)
+        if self.path:
+            with _open(self.path, "w") as f:
+                f.write("torn down")
+
+
+_marks_teardown = None
+
+
+class LeavesAThread(DigitsProgram):
+    """Tiny digits that starts a thread of its own (not a daemon) that runs on for two minutes
+    after the job is done: the command waits for it at its exit, as for a background compile or
+    a copy of the compilation cache still under way. Its module marks the interpreter's teardown
+    (`_MarksTeardown`), which a command's exit never runs."""
+
+    def train_data(self, seed: int):
+        global _marks_teardown
+        if not any(t.name == "leaves-a-thread" for t in threading.enumerate()):
+            _marks_teardown = _MarksTeardown()
+            threading.Thread(target=time.sleep, args=(120,), name="leaves-a-thread").start()
+        return super().train_data(seed)
+
+
+def leaves_a_thread():
+    return LeavesAThread(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
 
 
 class SomePlatformsServe(DigitsProgram):
