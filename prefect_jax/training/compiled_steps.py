@@ -263,7 +263,8 @@ class BackgroundCompile:
             target=precompile_steps, args=(*args, self._train_compiled), name="prefect-jax-compile"
         )
         thread.start()
-        self._thread = thread  # (once started: a retried restore that failed to, starts it again)
+        # (kept only once started: a restore retried after a failed start starts it again)
+        self._thread = thread
 
     def join_train_step(self) -> None:
         if self._thread is not None:
