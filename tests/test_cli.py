@@ -231,33 +231,26 @@ def test_a_job_out_of_its_rerun_budget_is_refused_in_one_line(tmp_path, mlflow_u
 
 
 @pytest.mark.slow
-def test_a_sigterm_while_the_command_waits_for_its_threads_ends_it_143(tmp_path, mlflow_uri):
+def test_a_sigterm_while_the_command_waits_for_its_threads_ends_it_143(
+    tmp_path, prefect_server, mlflow_uri
+):
     """A command that has done its work waits for its threads (a background compile, a copy of
     the compilation cache); a SIGTERM then ends the wait: exit 143 at once, through the command's
     own exit, without the interpreter's teardown. Through the interpreter's exit, the teardown
     ran beside whatever still ran (an XLA compile: SIGABRT)."""
-    from process_helpers import TESTS_DIR
+    from process_helpers import start_run, wait_until
 
-    mark = tmp_path / "torn-down"
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")])
-    env["PREFECT_JAX_TEST_TEARDOWN_MARK"] = str(mark)
-    stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    command = [sys.executable, "-m", "prefect_jax.cli", "run", "--program"]
-    command += ["programs:leaves_a_thread", "--job", "j", "--storage", str(tmp_path / "s")]
-    command += ["--max-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--json"]
-    with open(stdout, "w") as out, open(stderr, "w") as err:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=err)
+    mark, log = tmp_path / "torn-down", tmp_path / "run.log"
+    args = ["--program", "programs:leaves_a_thread", "--job", "j", "--storage", str(tmp_path)]
+    args += ["--max-steps", "20", "--mlflow-tracking-uri", mlflow_uri, "--json"]
+    proc = start_run(args, prefect_server, log, PREFECT_JAX_TEST_TEARDOWN_MARK=str(mark))
     try:
-        deadline = time.monotonic() + 300
-        while '"final_step": 20' not in stdout.read_text():  # the summary: the job is done
-            assert proc.poll() is None, stderr.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no summary"
-            time.sleep(0.1)
+        # the summary: the job is done
+        wait_until(lambda: '"final_step": 20' in log.read_text(), 300, "the summary", proc)
         time.sleep(1.0)  # (now waiting for the program's thread)
         assert proc.poll() is None, "the command did not wait for its thread"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 143, stderr.read_text()[-3000:]
+        assert proc.wait(timeout=30) == 143, log.read_text()[-3000:]
         assert not mark.exists(), "the interpreter's teardown ran"
     finally:
         if proc.poll() is None:
