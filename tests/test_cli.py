@@ -45,7 +45,7 @@ def test_bad_input_is_a_clear_error_and_nothing_runs(tmp_path):
         "--json",
     )
     assert proc.returncode == 2
-    assert "max_steps=0 must be a positive number" in proc.stderr
+    assert "error: --max-steps 0: max_steps=0 must be a positive number" in proc.stderr
     assert not (tmp_path / "j").exists()
 
 
@@ -369,6 +369,16 @@ def _run_specs(*flags):
 
 def test_backups_are_on_unless_the_command_says_no_backups():
     assert _run_specs()[2].backups is True and _run_specs("--no-backups")[2].backups is False
+
+
+def test_a_value_the_specs_refuse_is_one_line_naming_its_flag():
+    with pytest.raises(ValueError) as refused:
+        _run_specs("--checkpoint-every-steps", "0")
+    said = str(refused.value)
+    assert said.startswith("--checkpoint-every-steps 0: every_steps=0 must be a positive number")
+    assert "\n" not in said and "pydantic" not in said
+    with pytest.raises(ValueError, match=r"^--sigterm-grace-secs -1\.0: sigterm_grace_secs=-1\.0"):
+        _run_specs("--sigterm-grace-secs", "-1")
 
 
 def test_export_platforms_come_from_the_command_and_default_to_none():

@@ -16,43 +16,79 @@ DEMO_JOB = "digits"
 _TRAINS = ("train_and_evaluate", "train")  # the roles that train (a progress bar, max_steps)
 
 
+# Each spec's fields the command sets, and the flag (its ``args`` attribute) that sets each.
+_SPEC_FLAGS = {
+    "TrainSpec": {
+        "max_steps": "max_steps",
+        "seed": "seed",
+        "log_every_steps": "log_every_steps",
+        "steps_per_dispatch": "steps_per_dispatch",
+        "sigterm_grace_secs": "sigterm_grace_secs",
+        "lease_timeout_secs": "lease_timeout_secs",
+        "hooks": "train_hooks",
+    },
+    "CheckpointSpec": {
+        "every_steps": "checkpoint_every_steps",
+        "every_secs": "checkpoint_every_secs",
+        "keep_last": "keep_last",
+        "keep_every_steps": "keep_every_steps",
+        "backups": "backups",
+    },
+    "EvalSpec": {
+        "steps": "eval_steps",
+        "name": "eval_name",
+        "throttle_secs": "throttle_secs",
+        "start_delay_secs": "start_delay_secs",
+        "registered_model": "registered_model",
+        "export_platforms": "export_platforms",
+    },
+}
+
+
 def specs_from_args(args: argparse.Namespace):
-    """TrainSpec, EvalSpec and CheckpointSpec from the command line."""
+    """TrainSpec, EvalSpec and CheckpointSpec from the command line.
+
+    Raises:
+        ValueError: a value the specs refuse, one line naming its flag (`flag_errors`).
+    """
+    from pydantic import ValidationError
+
     from prefect_jax.training.facade import build_specs
 
-    train = dict(
-        max_steps=args.max_steps,
-        seed=args.seed,
-        log_every_steps=args.log_every_steps,
-        steps_per_dispatch=args.steps_per_dispatch,
-        sigterm_grace_secs=args.sigterm_grace_secs,
-        lease_timeout_secs=args.lease_timeout_secs,
-        hooks=args.train_hooks,
+    train, checkpoint, evaluation = (
+        {field: getattr(args, attr) for field, attr in _SPEC_FLAGS[spec].items()}
+        for spec in ("TrainSpec", "CheckpointSpec", "EvalSpec")
     )
-    checkpoint = dict(
-        every_steps=args.checkpoint_every_steps,
-        every_secs=args.checkpoint_every_secs,
-        keep_last=args.keep_last,
-        keep_every_steps=args.keep_every_steps,
-        backups=args.backups,
-    )
-    evaluation = dict(
-        steps=args.eval_steps,
-        name=args.eval_name,
-        throttle_secs=args.throttle_secs,
-        start_delay_secs=args.start_delay_secs,
-        registered_model=args.registered_model,
-        export_platforms=args.export_platforms,
-    )
-    return build_specs(
-        train,
-        checkpoint,
-        evaluation,
-        args.exporters,
-        args.best_metric,
-        args.best_mode,
-        best_compare_fn=_best_compare_fn(args),
-    )
+    try:
+        return build_specs(
+            train,
+            checkpoint,
+            evaluation,
+            args.exporters,
+            args.best_metric,
+            args.best_mode,
+            best_compare_fn=_best_compare_fn(args),
+        )
+    except ValidationError as exc:
+        raise ValueError(flag_errors(exc)) from None
+
+
+def flag_errors(exc) -> str:
+    """A spec's `pydantic.ValidationError` as the command's user reads it: one line, each error
+    led by the flag and value that caused it (``--checkpoint-every-steps 0: ...``), without
+    pydantic's headings and links. An error of no single flag keeps the spec's name."""
+    flags = _SPEC_FLAGS.get(exc.title, {})
+    said = []
+    for error in exc.errors():
+        field = error["loc"][0] if error["loc"] else None
+        message = error["msg"].removeprefix("Value error, ")
+        if field in flags:
+            flag = "--" + flags[field].replace("_", "-")
+            said.append(f"{flag} {error.get('input')!r}: {message}")
+        else:
+            where = ".".join(str(part) for part in error["loc"])
+            said.append(f"{exc.title}{'.' + where if where else ''}: {message}")
+    return "; ".join(said)
 
 
 def program_params_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
