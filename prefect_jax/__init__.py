@@ -4,7 +4,7 @@
 Grain input pipelines, MLflow records. Importing this package is cheap: it imports
 neither jax nor prefect; reach for the parts you need:
 
-- `prefect_jax.flows`: `train_and_evaluate`.
+- `prefect_jax.flows`: `train_and_evaluate`, and the roles `train`, `evaluate`, `export_flow`.
 - `prefect_jax.tasks`: `restore_or_init`, `recover`, `train_until_checkpoint`, `evaluate_if_new`,
   `export`.
 - `prefect_jax.training`: the engine, usable without Prefect.

@@ -112,7 +112,8 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         "--start-delay-secs",
         type=float,
         default=0.0,
-        help="the evaluator waits this long before its first evaluation (EvalSpec's; default 0)",
+        help="the evaluate role waits this long before its first evaluation (EvalSpec's; "
+        "default 0); run, like TF's local mode, does not wait",
     )
     add(
         "--sigterm-grace-secs",
@@ -251,7 +252,7 @@ def add_role(sub, name: str) -> None:
             default=1,
             metavar="N",
             help="train as N JAX processes on this machine (data parallel, one job; default 1). "
-            "On a cluster, set PREFECT_JAX_NUM_PROCESSES & co. per process instead (see the "
-            "README)",
+            "On a cluster, set PREFECT_JAX_NUM_PROCESSES & co. per process instead (see "
+            "docs/multiprocess.md)",
         )
     role.set_defaults(fn=commands.cmd_run)

@@ -15,7 +15,7 @@
 - `automations`: an automation that reruns crashed trainer runs.
 - `job_resource_id`: the event resource id of a job (storage + job), for deployment triggers.
 
-Set up the pools (see the README's "Deploying" section)::
+Set up the pools (see docs/deploying.md)::
 
     uv run prefect work-pool create gpu --type kubernetes \\
         --base-job-template prefect_jax/deployments/kubernetes-gpu.json

@@ -44,32 +44,31 @@ def train(
 ) -> dict[str, Any]:
     """The trainer role: train and checkpoint until `max_steps`; evaluation is someone else's.
 
-        Emits ``prefect-jax.checkpoint.committed`` (resource ``prefect-jax.job.<job>.<hash>`` of
-        storage + job, see `prefect_jax.deployments.job_resource_id`; the step in the payload) for
-        each committed checkpoint (not for backups, which nobody evaluates:
-        `CheckpointSpec.backups`), so an evaluator deployment can be triggered by events instead of
-        polling. Stops early when the job is asked to stop (``<job>/stop.json``, written by the
-        evaluator's early-stopping hook). Parameters as `train_and_evaluate` (`eval_spec` is
-        recorded in MLflow params and used by nobody else here).
+    Emits ``prefect-jax.checkpoint.committed`` (resource ``prefect-jax.job.<job>.<hash>`` of
+    storage + job, see `prefect_jax.deployments.job_resource_id`; the step in the payload) for
+    each committed checkpoint (not for backups, which nobody evaluates:
+    `CheckpointSpec.backups`), so an evaluator deployment can be triggered by events instead of
+    polling. Stops early when the job is asked to stop (``<job>/stop.json``, written by the
+    evaluator's early-stopping hook). Parameters as `train_and_evaluate` (`eval_spec` is
+    recorded in MLflow params and used by nobody else here).
 
-        Returns:
-            The summary `train_and_evaluate` returns.
+    Returns:
+        The summary `train_and_evaluate` returns.
 
-        Example:
-            ```python
-            from prefect_jax.flows import train
-            from prefect_jax.training.policy import CheckpointPolicy
-    from prefect_jax.training.specs import CheckpointSpec, TrainSpec
+    Example:
+        ```python
+        from prefect_jax.flows import train
+        from prefect_jax.training.specs import CheckpointSpec, TrainSpec
 
-            summary = train(
-                program="prefect_jax.examples.digits:tiny",
-                job="tiny",
-                storage="/tmp/prefect-jax",
-                train_spec=TrainSpec(max_steps=40),
-                checkpoint_spec=CheckpointSpec(every_steps=20),
-            )
-            print(summary["final_step"])
-            ```
+        summary = train(
+            program="prefect_jax.examples.digits:tiny",
+            job="tiny",
+            storage="/tmp/prefect-jax",
+            train_spec=TrainSpec(max_steps=40),
+            checkpoint_spec=CheckpointSpec(every_steps=20),
+        )
+        print(summary["final_step"])
+        ```
     """
     # The evaluator runs elsewhere: retention keeps the steps it has not reached yet.
     checkpoint_spec = CheckpointPolicy.spec_for_role(

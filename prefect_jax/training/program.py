@@ -16,7 +16,10 @@ A program is any object that provides:
 Optionally:
 
 - ``serve(state, inputs) -> outputs`` and ``serving_input() -> jax.ShapeDtypeStruct``: what
-  exporters write (a serialized ``jax.export`` artifact that runs without the program's code).
+  exporters write (a serialized ``jax.export`` artifact that runs without the program's code);
+  ``serving_example()``: the MLflow input example (an array, or a dict of them).
+- ``eval_metric_names``: the names ``eval_step`` returns (a sequence, or a function returning
+  one), so that ``--best-metric`` is checked before any work without reading an eval batch.
 - ``derive_metrics(means) -> dict[str, float]``: eval metrics computed from the aggregated
   means (``{name: sum / count}`` over the whole eval set), e.g. perplexity ``exp(means["loss"])``;
   new names only. They join the evaluation's metrics (MLflow, records, ``BestExporter``).

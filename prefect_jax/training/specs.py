@@ -241,12 +241,12 @@ class RetrySpec(Spec):
 
     Args:
         retries: retries of the training tasks (``restore_or_init``, ``train_until_checkpoint``).
-        eval_retries: retries of ``evaluate_if_new`` and ``export``.
+        eval_retries: retries of ``evaluate_if_new``, ``export`` and ``recover``.
         retry_delay_seconds: seconds between a failure and its retry.
     """
 
     retries: int = Field(2, description="Retries of restore_or_init and train_until_checkpoint.")
-    eval_retries: int = Field(1, description="Retries of evaluate_if_new and export.")
+    eval_retries: int = Field(1, description="Retries of evaluate_if_new, export and recover.")
     retry_delay_seconds: float = Field(2.0, description="Seconds between a failure and its retry.")
 
     @field_validator("retries", "eval_retries", "retry_delay_seconds")
