@@ -2,8 +2,10 @@
 moving torn steps aside and waiting for a new step.
 
 Orbax writes the steps (`prefect_jax.training.checkpoints`); the readers here look at the
-directory itself (local, or ``gs://`` for the metadata), so an evaluator, a command or a test
-can ask without opening a checkpoint manager.
+directory itself, so an evaluator, a command or a test can ask without opening a checkpoint
+manager. On a local disk Orbax commits a step by renaming its temporary directory, and these
+use `os`; on ``gs://``, where nothing renames, it writes ``commit_success.txt`` last in the step
+(`GCS_COMMIT_FILE`), and these use `etils.epath` (Orbax's own paths: gcsfs underneath).
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ logger = logging.getLogger("prefect_jax.checkpoints")
 
 # The items of every step; a step is committed once each has its directory.
 ITEMS = ("state", "data", "meta")
+# Orbax's last write of a step on GCS (its `atomicity_types.COMMIT_SUCCESS_FILE`).
+GCS_COMMIT_FILE = "commit_success.txt"
+
+
+def _url(path: str):
+    """`path` as an `etils.epath.Path` where it is a URL (``gs://``), else None (a local path)."""
+    if "://" not in path:
+        return None
+    from etils import epath
+
+    return epath.Path(path)
 
 
 def read_meta_file(checkpoint_dir: str, step: int) -> dict:
@@ -33,7 +46,11 @@ def read_meta_file(checkpoint_dir: str, step: int) -> dict:
 
 def is_committed(step_dir: str) -> bool:
     """A step directory counts once Orbax finalized it: the step's commit metadata file (written
-    last, after every item) and every item directory are there."""
+    last, after every item) and every item directory are there; on ``gs://``, its
+    `GCS_COMMIT_FILE`."""
+    url = _url(step_dir)
+    if url is not None:
+        return (url / GCS_COMMIT_FILE).exists()
     return os.path.isfile(os.path.join(step_dir, ORBAX_COMMIT_FILE)) and all(
         os.path.isdir(os.path.join(step_dir, item)) for item in ITEMS
     )
@@ -41,7 +58,10 @@ def is_committed(step_dir: str) -> bool:
 
 def step_dirs(checkpoint_dir: str) -> list[int]:
     """Every integer-named directory, committed or not (what Orbax itself would call a step)."""
+    url = _url(checkpoint_dir)
     try:
+        if url is not None:  # (a glob, not `iterdir`: gcsfs caches listings, not globs)
+            return sorted(int(p.name) for p in url.glob("*") if p.name.isdigit())
         names = os.listdir(checkpoint_dir)
     except FileNotFoundError:
         return []
@@ -52,6 +72,10 @@ def step_dirs(checkpoint_dir: str) -> list[int]:
 
 def committed_steps(checkpoint_dir: str) -> list[int]:
     """Committed steps under a checkpoint directory, oldest first."""
+    url = _url(checkpoint_dir)
+    if url is not None:  # one fresh listing, not a request per step
+        found = (p.parent.name for p in url.glob(f"*/{GCS_COMMIT_FILE}"))
+        return sorted(int(name) for name in found if name.isdigit())
     return [
         s for s in step_dirs(checkpoint_dir) if is_committed(os.path.join(checkpoint_dir, str(s)))
     ]
@@ -61,11 +85,22 @@ def quarantine(checkpoint_dir: str, step: int, why: str) -> str:
     """Move a torn or unreadable step aside (``<step>.<why>-<time>``), where no reader counts it
     as a step.
 
-    Kept, not deleted, so that nothing is lost that someone may want to inspect.
+    Kept, not deleted, so that nothing is lost that someone may want to inspect. On ``gs://``
+    there is no move: the step's commit file is deleted first, so that a move cut short leaves no
+    step that counts; then its objects are copied (server-side) and deleted.
     """
     src = os.path.join(checkpoint_dir, str(step))
     dst = f"{src}.{why}-{int(time.time())}"
-    os.replace(src, dst)
+    url = _url(src)
+    if url is None:
+        os.replace(src, dst)
+        return dst
+    import fsspec
+
+    (url / GCS_COMMIT_FILE).unlink(missing_ok=True)
+    (fs, path), (_, to) = fsspec.core.url_to_fs(src), fsspec.core.url_to_fs(dst)
+    fs.copy(path, to, recursive=True)
+    fs.rm(path, recursive=True)
     return dst
 
 

@@ -1,0 +1,182 @@
+"""A job on gs:// (gcp-storage-emulator on loopback): Orbax writes the steps there itself, and the
+job finds them again: it trains, is SIGKILLed, resumes exactly; a step without Orbax's GCS commit
+file never counts, and one moved aside stops counting before it moves.
+
+On GCS nothing renames a directory: Orbax commits a step by writing ``commit_success.txt`` in it
+last (`checkpoint_dirs.GCS_COMMIT_FILE`), where on a local disk it renames the step's temporary
+directory. The job's own listing reads that file; before it did, every gs:// job saw no committed
+step and its second checkpoint failed ("Checkpoint for step 20 already exists").
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from gcs_server import GCSServer
+
+from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+from prefect_jax.training.trainer import Trainer
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+PROGRAM, MAX_STEPS, EVERY = "programs:paced", 300, 50
+BUCKET = "jobs"
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    with GCSServer(BUCKET) as server:
+        yield server
+
+
+@pytest.fixture
+def gcs_env(gcs, monkeypatch):
+    """This process's gcsfs pointed at the emulator (a filesystem made before, with another
+    endpoint, is not reused)."""
+    import gcsfs
+
+    for name, value in gcs.env.items():
+        monkeypatch.setenv(name, value)
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    yield gcs
+    gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+def _write_step(root, step: int, committed: bool) -> None:
+    for item in ("state", "data", "meta"):
+        (root / str(step) / item).mkdir(parents=True, exist_ok=True)
+        (root / str(step) / item / "x").write_text("x")
+    if committed:
+        (root / str(step) / "_CHECKPOINT_METADATA").write_text("{}")
+        (root / str(step) / "commit_success.txt").write_text("ok")
+
+
+def test_on_gcs_a_step_counts_by_orbaxs_commit_file_and_moves_aside_uncounted(gcs_env):
+    from etils import epath
+
+    from prefect_jax.training import checkpoint_dirs as dirs
+
+    url = f"gs://{BUCKET}/unit/checkpoints"
+    root = epath.Path(url)
+    assert dirs.step_dirs(url) == [] and dirs.committed_steps(url) == []
+    _write_step(root, 10, committed=True)
+    _write_step(root, 20, committed=False)  # a save killed before its commit
+    assert dirs.step_dirs(url) == [10, 20]
+    assert dirs.committed_steps(url) == [10]
+    assert dirs.is_committed(f"{url}/10") and not dirs.is_committed(f"{url}/20")
+
+    moved = dirs.quarantine(url, 20, "uncommitted")
+    assert moved.startswith(f"{url}/20.uncommitted-") and dirs.step_dirs(url) == [10]
+    moved = dirs.quarantine(url, 10, "corrupt")
+    assert dirs.committed_steps(url) == [] and dirs.step_dirs(url) == []
+    assert (epath.Path(moved) / "state" / "x").read_text() == "x"  # kept for inspection
+    assert not (epath.Path(moved) / dirs.GCS_COMMIT_FILE).exists()  # never counts again
+
+
+def _env(gcs, api_url):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(gcs.env)
+    env.update(
+        PREFECT_API_URL=api_url,
+        PREFECT_LOGGING_LEVEL="INFO",
+        PYTHONPATH=os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "prefect_jax.cli", *args]
+
+
+def _run_args(mlflow_uri):
+    return [
+        "run",
+        "--program",
+        PROGRAM,
+        "--job",
+        "gjob",
+        "--storage",
+        f"gs://{BUCKET}/team",
+        "--max-steps",
+        str(MAX_STEPS),
+        "--checkpoint-every-steps",
+        str(EVERY),
+        "--exporters",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        "--json",
+        "--no-progress",
+    ]
+
+
+@pytest.mark.slow
+def test_a_gcs_job_is_sigkilled_and_resumes_exactly(gcs_env, tmp_path, prefect_server, mlflow_uri):
+    from prefect_jax.training.checkpoint_dirs import committed_steps
+
+    checkpoints = f"gs://{BUCKET}/team/gjob/checkpoints"
+    log = open(tmp_path / "1.log", "w")
+    proc = subprocess.Popen(
+        _cli(*_run_args(mlflow_uri)),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=_env(gcs_env, prefect_server),
+        cwd=TESTS_DIR,
+    )
+    killed_after = None
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = committed_steps(checkpoints)
+            if steps and steps[-1] < MAX_STEPS:
+                proc.send_signal(signal.SIGKILL)
+                killed_after = steps
+                break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None and killed_after is None:
+            proc.kill()
+        proc.wait(timeout=60)
+    assert killed_after, "never killed it mid-job:\n" + (tmp_path / "1.log").read_text()[-3000:]
+
+    status = subprocess.run(
+        _cli("status", "--job", "gjob", "--storage", f"gs://{BUCKET}/team", "--json"),
+        capture_output=True,
+        text=True,
+        env=_env(gcs_env, prefect_server),
+        cwd=TESTS_DIR,
+    )
+    assert status.returncode == 0, status.stderr[-2000:]
+    committed = json.loads(status.stdout.splitlines()[-1])["committed_steps"]
+    assert committed[: len(killed_after)] == killed_after and MAX_STEPS not in committed
+
+    rerun = subprocess.run(
+        _cli(*_run_args(mlflow_uri)),
+        capture_output=True,
+        text=True,
+        env=_env(gcs_env, prefect_server),
+        cwd=TESTS_DIR,
+        timeout=600,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads(rerun.stdout.splitlines()[-1])
+    assert summary["final_step"] == MAX_STEPS
+    assert f"job gjob at step {committed[-1]} (restored)" in rerun.stderr
+    assert committed_steps(checkpoints)[-1] == MAX_STEPS
+
+    config = JobConfig(
+        program=PROGRAM,
+        job="straight",
+        storage=str(tmp_path / "local"),
+        train=TrainSpec(max_steps=MAX_STEPS),
+        checkpoint=CheckpointSpec(every_steps=EVERY),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+    straight = Trainer(config)
+    straight.restore_or_init()
+    while straight.step < MAX_STEPS:
+        straight.train_until_checkpoint()
+    assert summary["state_fingerprint"] == straight.fingerprint()
+    straight.finish()
