@@ -21,6 +21,8 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
+from annotated_program import Annotated  # noqa: E402
+
 from prefect_jax.examples.bytelm import PRESETS, ByteLMProgram  # noqa: E402
 
 MESH_ENV = "SHARDING_JOB_MESH"
@@ -88,53 +90,6 @@ def loss_mode() -> None:
         "mixed_4x2": losses(tiny(mesh={"data": 4, "model": 2}, **mixed), 6, 3, evaluate=False),
     }
     print(json.dumps(runs), flush=True)
-
-
-class Annotated:
-    """A public-style Flax NNX model with sharding annotations (``nnx.with_partitioning``), as
-    it is: its init takes no mesh, its shardings are Flax's own (`nnx.get_partition_spec`)."""
-
-    mesh_axes = {"data": 4, "model": 2}
-
-    def init(self, rng):
-        from flax import nnx
-
-        kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
-        return nnx.state(nnx.Linear(8, 16, kernel_init=kernel, rngs=nnx.Rngs(rng)))
-
-    def shardings(self, abstract_state, mesh):
-        from flax import nnx
-
-        return nnx.get_partition_spec(abstract_state)
-
-    def _loss(self, state, batch):
-        pred = batch["x"] @ state["kernel"][...] + state["bias"][...]
-        return ((pred - batch["y"]) ** 2).mean()
-
-    def train_step(self, state, batch):
-        import jax
-
-        loss, grads = jax.value_and_grad(self._loss)(state, batch)
-        return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), {"loss": loss}
-
-    def eval_step(self, state, batch):
-        return {"loss": (self._loss(state, batch) * 8, 8.0)}
-
-    def _data(self, n):
-        import grain
-        import numpy as np
-
-        def batch(i):
-            x = np.random.default_rng(i).normal(size=(8, 8)).astype(np.float32)
-            return {"x": x, "y": np.repeat(x.sum(1, keepdims=True), 16, 1)}
-
-        return grain.MapDataset.range(n).map(batch)
-
-    def train_data(self, seed):
-        return self._data(1000).repeat()
-
-    def eval_data(self):
-        return self._data(2)
 
 
 def annotated() -> dict:

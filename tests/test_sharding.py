@@ -195,3 +195,48 @@ def test_a_sigkilled_fsdp_job_resumes_bit_exactly_on_four_devices_and_another_me
         "head_mu": "P('data', 'model')",
     }
     assert rest[-1]["end"] == 40 and committed_steps(ckpt)[-1] == 40
+
+
+def _command(*args: str) -> subprocess.CompletedProcess:
+    """``prefect-jax run`` of ``annotated_program:program`` on 8 CPU devices."""
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", "annotated_program:program"]
+        + ["--max-steps", "4", "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        cwd=TESTS_DIR,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_the_command_refuses_an_annotation_or_a_metric_of_a_sharded_program_before_its_run(
+    tmp_path, mlflow_uri
+):
+    """An NNX model's annotation naming an axis its mesh lacks fails in Flax, inside init: the
+    command refuses it in one line naming the mesh's axes, before any flow run (no job folder).
+    And the best exporter's metric is checked against what its eval_step returns, traced under
+    its mesh (without the mesh, Flax refuses to build the model, and the check was skipped: the
+    job failed at its first export)."""
+    common = ["--storage", str(tmp_path), "--mlflow-tracking-uri", mlflow_uri, "--exporters"]
+    axis = _command("--job", "axis", *common, "--program-param", "axis=modle")
+    assert axis.returncode == 2, axis.stderr[-3000:]
+    assert (
+        axis.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "prefect-jax run: error: the program's init fails traced under its mesh "
+            "{'data': 4, 'model': 2} (ValueError: "
+        )
+    )
+    assert "must name axes of ['data', 'model']" in axis.stderr
+    assert "Traceback" not in axis.stderr and not (tmp_path / "axis").exists()
+
+    metric = _command("--job", "metric", *common, "best", "--best-metric", "accuracy")
+    assert metric.returncode == 2, metric.stderr[-3000:]
+    assert metric.stderr.strip().splitlines()[-1] == (
+        "prefect-jax run: error: --best-metric (exporter 'best') 'accuracy' is not a metric the "
+        "evaluation produces: its eval_step returns ['loss']; set it to one of those"
+    )
+    assert not (tmp_path / "metric").exists()

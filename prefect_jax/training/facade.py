@@ -137,6 +137,8 @@ def preflight(
         StorageNotWritableError: The storage cannot be written.
         PastMaxStepsError: The job has a committed step past `max_steps`.
         BadInputError: A path, a metric name or the storage root is refused (a ``ValueError``).
+        ShardingError: One process's program declares a mesh, shardings or a batch spec that the
+            devices, its state or its first batch do not fit (`sharded_state.check_sharding`).
         RemoteConfigError: The storage's protocol, options or bucket are refused.
         TrackingUnreachableError: The tracking URI is refused (without `mlflow_optional`).
     """
@@ -155,17 +157,22 @@ def preflight(
     from prefect_jax.training.program import load_program_with_params
     from prefect_jax.training.program_params import check_restore_of, step_meta
     from prefect_jax.training.redaction import redact_url
+    from prefect_jax.training.sharded_state import check_sharding
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
 
-    from_env()  # before anything is written
+    # before anything is written; None: one process (several see their devices only once JAX's
+    # distributed runtime is up, in the flow run: the engine checks their sharding there)
+    cluster = from_env()
     probe = start_check(tracking_uri, mlflow_optional)  # answers while the program loads
     try:
         loaded, params = load_program_with_params(
             program, dict(program_params) if program_params else None, max_steps
         )
+        if cluster is None:
+            check_sharding(loaded)
         if eval_spec is not None:
-            check_metric_names(loaded, eval_spec)
+            check_metric_names(loaded, eval_spec, one_process=cluster is None)
         if probe is not None:
             finish_check(probe, mlflow_optional)
     finally:

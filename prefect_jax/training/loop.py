@@ -41,6 +41,7 @@ from prefect_jax.training.compiled_steps import (
 from prefect_jax.training.data_positions import iterate
 from prefect_jax.training.evaluation import aggregate, eval_batches
 from prefect_jax.training.progress import listening, notify_progress
+from prefect_jax.training.sharded_state import sharded_abstract_state, traced_init
 from prefect_jax.training.sharding import (
     check_batch,
     check_first_batch,
@@ -49,8 +50,6 @@ from prefect_jax.training.sharding import (
     placement,
     process_parts,
     replicas,
-    state_shardings,
-    under_mesh,
 )
 from prefect_jax.training.specs import TrainSpec
 from prefect_jax.training.state_memo import StateMemo
@@ -148,11 +147,9 @@ class Loop:
     def _init_from_seed(self, seed):
         """The program's init from its seed's key, made inside the trace: what init compiles and
         what the abstract state traces (a traced `jax.random.key(seed)` is the eager key, for
-        every seed). A program with a mesh is given it (`sharding.init_with_mesh`) and traced
-        under it."""
+        every seed). A program with a mesh is given it and traced under it (`traced_init`)."""
         if self.sharded:
-            init = under_mesh(init_with_mesh(self.program.init, self.mesh), self.mesh)
-            return init(jax.random.key(seed))
+            return traced_init(self.program, self.mesh)(seed)
         return self.program.init(jax.random.key(seed))
 
     @property
@@ -160,17 +157,12 @@ class Loop:
         """``jax.eval_shape`` of init: the structure a restore must match (traced with an
         abstract key: no computation runs)."""
         if self._abstract is None:
-            shapes = jax.eval_shape(self._init_from_seed, np.int64(self.spec.seed))
             if self.sharded:  # the program's own: Orbax restores each leaf sharded, resharding
-                shardings = getattr(self.program, "shardings", None)
-                specs = shardings(shapes, self.mesh) if callable(shardings) else None
-                self.state_sharding = state_shardings(specs, shapes, self.mesh)
-                self._abstract = jax.tree.map(
-                    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                    shapes,
-                    self.state_sharding,
+                self._abstract, self.state_sharding = sharded_abstract_state(
+                    self.program, self.mesh, self.spec.seed
                 )
                 return self._abstract
+            shapes = jax.eval_shape(self._init_from_seed, np.int64(self.spec.seed))
             # With the sharding the live state has: a checkpoint written by another number of
             # devices or processes is restored into this one's layout (Orbax reshards it).
             self._abstract = jax.tree.map(

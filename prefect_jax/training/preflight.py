@@ -89,11 +89,17 @@ def check_checkpoint_path(path: str) -> None:
         )
 
 
-def eval_metric_names(program: Any) -> list[str]:
+def eval_metric_names(program: Any, one_process: bool = True) -> list[str]:
     """The metric names the program's evaluation produces, found without computing: the
     program's optional ``eval_metric_names`` (a sequence, or a function returning one), else the
-    shapes of `eval_step` on the abstract state and the first eval batch (``jax.eval_shape``);
-    and the names the program's optional ``derive_metrics(means)`` adds to them."""
+    shapes of `eval_step` on the abstract state and the first eval batch (``jax.eval_shape``;
+    a program that declares its sharding traced under its mesh, which only `one_process` can
+    build before the flow run); and the names the program's optional ``derive_metrics(means)``
+    adds to them.
+
+    Raises:
+        LookupError: not knowable here (a sharded program of several processes).
+    """
     declared = getattr(program, "eval_metric_names", None)
     if declared is not None:  # the program says, and nothing is traced or read
         names = set(declared() if callable(declared) else declared)
@@ -105,19 +111,31 @@ def eval_metric_names(program: Any) -> list[str]:
     import jax
     import numpy as np
 
-    state = jax.eval_shape(lambda: program.init(jax.random.key(0)))
+    from prefect_jax.training.sharded_state import sharded_abstract_state
+    from prefect_jax.training.sharding import declares_sharding, placement, under_mesh
+
+    eval_step = program.eval_step
+    if declares_sharding(program):  # (its annotated model is built under its mesh only)
+        if not one_process:
+            raise LookupError("a sharded program of several processes: its mesh spans them all")
+        mesh = placement(program, jax.devices(), 1)[0]
+        state, _ = sharded_abstract_state(program, mesh, 0)
+        eval_step = under_mesh(eval_step, mesh)
+    else:
+        state = jax.eval_shape(lambda: program.init(jax.random.key(0)))
     data = program.eval_data()
     batch = data[0] if isinstance(data, grain.MapDataset) else next(iter(data))
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batch)
-    names = set(jax.eval_shape(program.eval_step, state, spec))
+    names = set(jax.eval_shape(eval_step, state, spec))
     derive = getattr(program, "derive_metrics", None)
     if callable(derive):
         names |= set(derive(dict.fromkeys(names, 1.0)) or {})
     return sorted(names)
 
 
-def check_metric_names(program: Any, eval_spec: Any) -> None:
-    """Refuse a best exporter's or early stopping's metric that the evaluation does not produce.
+def check_metric_names(program: Any, eval_spec: Any, one_process: bool = True) -> None:
+    """Refuse a best exporter's or early stopping's metric that the evaluation does not produce
+    (where `eval_metric_names` can find them: see `one_process` there).
 
     Raises:
         BadInputError: The metric is not among `eval_metric_names`; the message names them.
@@ -134,7 +152,7 @@ def check_metric_names(program: Any, eval_spec: Any) -> None:
     if not asked:
         return
     try:
-        names = eval_metric_names(program)
+        names = eval_metric_names(program, one_process)
     except Exception:  # noqa: BLE001 - not knowable without running: the engine checks it then
         return
     for flag, metric in asked:

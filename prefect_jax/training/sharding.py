@@ -206,10 +206,16 @@ def state_shardings(specs, abstract_state, mesh: Mesh):
                 f"shardings() returned a tree that does not match the state's ({exc}): return "
                 "one PartitionSpec (or None) per leaf, in the state's structure"
             ) from exc
-    named = [
-        _named(s, leaf.shape, mesh, f"state leaf {p!r}")
-        for p, s, leaf in zip(paths, flat, leaves, strict=True)
-    ]
+    named, refused = [], []
+    for p, s, leaf in zip(paths, flat, leaves, strict=True):
+        try:
+            named.append(_named(s, leaf.shape, mesh, f"state leaf {p!r}"))
+        except ShardingError as exc:
+            refused.append((len(p), p, exc))
+    if refused:  # the shortest path named: a parameter before its optimizer state's copies
+        first = min(refused, key=lambda r: r[:2])[2]
+        more = f" (and {len(refused) - 1} more leaves)" if len(refused) > 1 else ""
+        raise ShardingError(f"{first}{more}") from None
     return jax.tree.unflatten(treedef, named)
 
 

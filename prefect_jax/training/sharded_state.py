@@ -1,0 +1,82 @@
+"""A sharded program's state as shapes: its init traced under its mesh, each leaf with the sharding
+the program declares, checked; and the same checks run by the command before anything starts.
+
+The loop builds its abstract state here (`sharded_abstract_state`); the command's preflight
+(`check_sharding`) runs the same on this process's devices, so that a mesh that does not fit, an
+annotation or a PartitionSpec naming an axis the mesh lacks, a dimension the axis does not divide
+or a batch the data axis does not divide is one error line before the flow run starts, not a
+failed restore task with a traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from prefect_jax.training.sharding import (
+    ShardingError,
+    check_first_batch,
+    declares_sharding,
+    init_with_mesh,
+    placement,
+    state_shardings,
+    under_mesh,
+)
+
+
+def traced_init(program: Any, mesh: Mesh) -> Callable:
+    """``init`` of a seed, the key made inside the trace (a traced ``jax.random.key(seed)`` is
+    the eager key, for every seed), given the mesh (`init_with_mesh`) and traced under it, so
+    that Flax NNX variables with sharding annotations are built as they are."""
+    init = under_mesh(init_with_mesh(program.init, mesh), mesh)
+    return lambda seed: init(jax.random.key(seed))
+
+
+def sharded_abstract_state(program: Any, mesh: Mesh, seed: int):
+    """``(abstract_state, state_sharding)``: ``jax.eval_shape`` of init under `mesh`, each leaf a
+    ShapeDtypeStruct with its NamedSharding, and those shardings (the program's ``shardings``;
+    none: replicated). No computation runs.
+
+    Raises:
+        ShardingError: init does not trace under the mesh (a sharding annotation naming an axis
+            the mesh lacks, say), or a declared sharding is refused (`state_shardings`: the
+            message names the leaf).
+    """
+    try:
+        shapes = jax.eval_shape(traced_init(program, mesh), np.int64(seed))
+    except ShardingError:
+        raise
+    except Exception as exc:
+        said = " ".join(str(exc).split())[:400]
+        raise ShardingError(
+            f"the program's init fails traced under its mesh {dict(mesh.shape)} "
+            f"({type(exc).__name__}: {said}): each sharding annotation in it "
+            f"(nnx.with_partitioning, a PartitionSpec) must name axes of {list(mesh.axis_names)} "
+            "(mesh_axes) and split only dimensions their sizes divide"
+        ) from exc
+    shardings = getattr(program, "shardings", None)
+    specs = shardings(shapes, mesh) if callable(shardings) else None
+    state_sharding = state_shardings(specs, shapes, mesh)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, state_sharding
+    )
+    return abstract, state_sharding
+
+
+def check_sharding(program: Any, seed: int = 0) -> None:
+    """What the loop refuses of a sharded program's mesh, state and first batch, refused before
+    anything starts (one process: several see their devices only once JAX's distributed
+    runtime is up, which the flow run starts; the loop checks there).
+
+    Raises:
+        ShardingError: see `placement`, `sharded_abstract_state` and `check_first_batch`.
+    """
+    if not declares_sharding(program):
+        return
+    mesh, _, batch, _ = placement(program, jax.devices(), 1)
+    sharded_abstract_state(program, mesh, seed)
+    check_first_batch(program.train_data(seed), batch)
