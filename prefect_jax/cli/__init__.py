@@ -152,18 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except BaseException as exc:
+        signum = facade.received_signal()
+        if isinstance(exc, SystemExit) and signum is not None and exc.code == 128 + signum:
+            _say_terminated(args.command, signum)  # (Prefect's crash lines are the last else)
+            raise
         if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             raise
         # Any other error (an Exception, or such as pyo3's `PanicException`, a BaseException: seen
         # when a SIGTERM's SystemExit broke pydantic-core's import of `datetime`).
-        signum = facade.received_signal()
         if signum is not None:
             # Terminated: whatever error the signal caused on its way out is not the story.
-            print(
-                f"prefect-jax {args.command}: terminated by signal {signum}; the newest committed "
-                f"step is kept: run the same command again to resume ({type(exc).__name__}: {exc})",
-                file=sys.stderr,
-            )
+            _say_terminated(args.command, signum, f" ({type(exc).__name__}: {exc})")
             return 128 + signum
         if isinstance(exc, facade.REFUSALS):
             print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
@@ -172,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
             return 2
         raise
+
+
+def _say_terminated(command: str, signum: int, detail: str = "") -> None:
+    print(
+        f"prefect-jax {command}: terminated by signal {signum}; the newest committed step is "
+        f"kept: run the same command again to resume{detail}",
+        file=sys.stderr,
+    )
 
 
 def entry() -> None:
