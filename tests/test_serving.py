@@ -125,3 +125,28 @@ def test_exports_lower_for_the_job_platform_and_cpu_unless_named():
     assert platforms(None) == tuple(dict.fromkeys((here, "cpu")))
     assert platforms(["all"]) == tuple(dict.fromkeys(("cpu", "cuda", "rocm", "tpu", here)))
     assert platforms(["tpu"]) == ("tpu",)
+
+
+def test_a_serve_building_an_annotated_model_without_a_mesh_is_told_to_build_it_outside_one():
+    """Flax builds an NNX model with sharding annotations only under a mesh, unless its eager
+    sharding is off; serve is traced for one device, with none: the refusal says so, not the
+    symbolic-dimension fix."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from prefect_jax.training.serving import check_serving
+
+    class Annotated:
+        def serving_input(self):
+            return jax.ShapeDtypeStruct((2, 8), jnp.float32)
+
+        def serve(self, state, x):
+            kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+            return nnx.Linear(8, 4, kernel_init=kernel, rngs=nnx.Rngs(0))(x)
+
+    state = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
+    with pytest.raises(ValueError) as refused:
+        check_serving(Annotated(), "annotated", state)
+    said = str(refused.value)
+    assert "traced and exported for one device, with no mesh: build the model it merges" in said
+    assert "symbolic dimension" not in said

@@ -140,12 +140,22 @@ def check_serving(
     try:
         jax.eval_shape(program.serve, state, spec)
     except Exception as exc:
+        said = " ".join(str(exc).split())
+        if "mesh" in said.lower():  # Flax building an annotated model (nnx.with_partitioning)
+            fix = (
+                "serve is traced and exported for one device, with no mesh: build the model it "
+                "merges outside any mesh with Flax's eager sharding off (docs/program.md, "
+                "Sharding)"
+            )
+        else:
+            fix = (
+                "a symbolic dimension has no int() value: use x.shape[i] in jnp operations, or "
+                "bound it with symbolic_shape(..., constraints=...)"
+            )
         raise ValueError(
             f"program {name!r}: serve(state, inputs) does not trace on serving_input() "
-            f"{input_signature(spec)} ({type(exc).__name__}: {' '.join(str(exc).split())[:400]}). "
-            "Fix serve (a symbolic dimension has no int() value: use x.shape[i] in jnp "
-            "operations, or bound it with symbolic_shape(..., constraints=...)) or serving_input "
-            "before training; the exports would fail after each interval"
+            f"{input_signature(spec)} ({type(exc).__name__}: {said[:400]}). Fix serve ({fix}) or "
+            "serving_input before training; the exports would fail after each interval"
         ) from exc
     wanted, named = resolve_platforms(platforms)
     fn = jax.jit(lambda state, inputs: program.serve(state, inputs))
