@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -24,6 +26,17 @@ def test_loads_the_example_program():
 def test_bad_paths_say_what_is_wrong(path, match):
     with pytest.raises(ProgramError, match=match):
         load_program(path)
+
+
+def test_a_misspelt_attribute_is_refused_with_the_names_closest_to_it():
+    with pytest.raises(ProgramError) as refused:
+        load_program("prefect_jax.examples.bytelm:programm")
+    said = str(refused.value)
+    assert "has no attribute 'programm'; did you mean 'program'?" in said
+    with pytest.raises(ProgramError) as refused:  # a module of hundreds of names
+        load_program("jax.numpy:arrray")
+    said = str(refused.value)
+    assert "did you mean 'array'" in said and re.search(r", \.\.\. \(\d+ more\)\)$", said)
 
 
 def test_missing_methods_are_listed():

@@ -155,9 +155,17 @@ def load_program_with_params(
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AttributeError as exc:
+        import difflib
+
+        names = sorted(n for n in vars(module) if not n.startswith("_"))
+        close = difflib.get_close_matches(attr, names, n=3)
+        shown = ", ".join(repr(n) for n in names[:20]) + (
+            f", ... ({len(names) - 20} more)" if len(names) > 20 else ""
+        )
         raise ProgramError(
-            f"program path {path!r}: module {module_name!r} has no attribute {attr!r}; "
-            f"names it defines: {sorted(n for n in vars(module) if not n.startswith('_'))[:20]}"
+            f"program path {path!r}: module {module_name!r} has no attribute {attr!r}"
+            + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "")
+            + f" (names it defines: {shown})"
         ) from exc
     recorded = ProgramParams()
     if isinstance(obj, type) or (callable(obj) and not all(hasattr(obj, m) for m in REQUIRED)):
