@@ -210,6 +210,29 @@ def test_train_metrics_lost_with_their_process_are_logged_by_the_rerun(
     rerun.close()
 
 
+def test_a_job_resumed_against_another_mlflow_store_says_where_its_records_are(
+    job_config, tmp_path, caplog
+):
+    """The default tracking URI is relative to the working directory: a job resumed from elsewhere
+    (or with another URI) cannot find its run, and must say so, not split its history quietly.
+    (Said by the MLflow worker process, which looks for the run; logged here as it answers.)"""
+    config = job_config(max_steps=40, every_steps=20, job="moved")
+    first = Trainer(config)
+    first.restore_or_init()
+    first.job.tracker.run_id  # noqa: B018 - known (waited for) before the checkpoint records it
+    first.train_until_checkpoint()
+    first.finish()
+    first.close()
+    elsewhere = f"sqlite:///{tmp_path}/elsewhere.db"
+    rerun = Trainer(config.model_copy(update={"mlflow_tracking_uri": elsewhere}))
+    assert rerun.restore_or_init() == 20
+    assert rerun.job.tracker.run_id != first.job.tracker.run_id  # (waits for MLflow)
+    said = " ".join(caplog.text.split())
+    assert f"job moved: its MLflow run {first.job.tracker.run_id}, named by the checkpoint" in said
+    assert f"is not in sqlite:///{tmp_path}/elsewhere.db: a new run is made there" in said
+    rerun.close()
+
+
 def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(
     job_config, monkeypatch
 ):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from prefect_jax.training import redaction
 from prefect_jax.training.mlflow_client import (
     EXIT_WAIT_SECS,
     exit_wait,
@@ -101,6 +102,17 @@ class RunCalls:
             )
             run = found[0] if found else None
         if run is None:
+            if run_id:  # a restored job's run, in neither form here: another store holds it
+                logger.warning(
+                    "job %s: its MLflow run %s, named by the checkpoint it restores, is not in %s: "
+                    "a new run is made there, and its earlier records stay in the store it was "
+                    "trained with. Give that store as --mlflow-tracking-uri (mlflow_tracking_uri) "
+                    "to keep one history; the default, sqlite:///mlflow.db, is in the working "
+                    "directory",
+                    tags.get(RUN_NAME_TAG) if tags else self.job_key,
+                    run_id,
+                    redaction.redact_url(self.tracking_uri),
+                )
             run = client.create_run(
                 exp_id,
                 tags={JOB_TAG: self.job_key, **(tags or {})},
