@@ -23,11 +23,10 @@ As pytest fixtures (see tests/test_remote.py)::
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
+
+from loopback_server import LoopbackServer, free_port
 
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
@@ -61,13 +60,6 @@ def isolate_aws_env(environ=os.environ) -> None:
     for name in UNSET_AWS_ENV:
         environ.pop(name, None)
     environ.update(ISOLATED_AWS_ENV)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def closed_port() -> int:
@@ -157,7 +149,7 @@ class StorageCalls:
         setattr(fsspec.asyn, "sync", call)
 
 
-class S3Server:
+class S3Server(LoopbackServer):
     """moto's S3 server on 127.0.0.1:<free port>, in a subprocess, for
     the duration of a `with` block.
 
@@ -166,48 +158,20 @@ class S3Server:
         storage_options: s3fs options (key, secret, client_kwargs with endpoint_url and region).
     """
 
-    def __init__(self, port: int | None = None, startup_timeout: float = 60.0):
-        self.port = port or free_port()
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
-        self._log = None
+    name = "moto server"
 
     @property
     def storage_options(self) -> dict:
         return storage_options(self.endpoint_url)
 
-    def start(self) -> S3Server:
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+
+    def process_env(self) -> dict[str, str]:
         env = dict(os.environ)
         isolate_aws_env(env)
         env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = ACCESS_KEY, SECRET_KEY
-        self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(
-            f"moto server did not listen on {self.endpoint_url} within "
-            f"{self.startup_timeout:.0f}s:\n{self.log()}"
-        )
-
-    def log(self) -> str:
-        if self._log is None:
-            return ""
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-4000:]
+        return env
 
     def filesystem(self, **extra):
         import fsspec
@@ -238,22 +202,3 @@ class S3Server:
             secret_options={"key": ACCESS_KEY, "secret": secret},
         ).save(name, overwrite=True)
         return f"jax-checkpoint-storage/{name}"
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> S3Server:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

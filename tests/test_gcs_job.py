@@ -9,19 +9,17 @@ step and its second checkpoint failed ("Checkpoint for step 20 already exists").
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from gcs_server import GCSServer
+from process_helpers import TESTS_DIR, cli_env, start_run, status, wait_until
 
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 PROGRAM, MAX_STEPS, EVERY = "programs:paced", 300, 50
 BUCKET = "jobs"
 
@@ -76,39 +74,11 @@ def test_on_gcs_a_step_counts_by_orbaxs_commit_file_and_moves_aside_uncounted(gc
     assert not (epath.Path(moved) / dirs.GCS_COMMIT_FILE).exists()  # never counts again
 
 
-def _env(gcs, api_url):
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(gcs.env)
-    env.update(
-        PREFECT_API_URL=api_url,
-        PREFECT_LOGGING_LEVEL="INFO",
-        PYTHONPATH=os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]),
-    )
-    return env
-
-
-def _cli(*args):
-    return [sys.executable, "-m", "prefect_jax.cli", *args]
-
-
 def _run_args(mlflow_uri):
     return [
-        "run",
-        "--program",
-        PROGRAM,
-        "--job",
-        "gjob",
-        "--storage",
-        f"gs://{BUCKET}/team",
-        "--max-steps",
-        str(MAX_STEPS),
-        "--checkpoint-every-steps",
-        str(EVERY),
-        "--exporters",
-        "--mlflow-tracking-uri",
-        mlflow_uri,
-        "--json",
-        "--no-progress",
+        *("--program", PROGRAM, "--job", "gjob", "--storage", f"gs://{BUCKET}/team"),
+        *("--max-steps", str(MAX_STEPS), "--checkpoint-every-steps", str(EVERY), "--exporters"),
+        *("--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"),
     ]
 
 
@@ -117,46 +87,30 @@ def test_a_gcs_job_is_sigkilled_and_resumes_exactly(gcs_env, tmp_path, prefect_s
     from prefect_jax.training.checkpoint_dirs import committed_steps
 
     checkpoints = f"gs://{BUCKET}/team/gjob/checkpoints"
-    log = open(tmp_path / "1.log", "w")
-    proc = subprocess.Popen(
-        _cli(*_run_args(mlflow_uri)),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=_env(gcs_env, prefect_server),
-        cwd=TESTS_DIR,
-    )
-    killed_after = None
-    deadline = time.monotonic() + 300
+    proc = start_run(_run_args(mlflow_uri), prefect_server, tmp_path / "1.log", **gcs_env.env)
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            steps = committed_steps(checkpoints)
-            if steps and steps[-1] < MAX_STEPS:
-                proc.send_signal(signal.SIGKILL)
-                killed_after = steps
-                break
-            time.sleep(0.05)
+        killed_after = wait_until(
+            lambda: [s for s in committed_steps(checkpoints) if s < MAX_STEPS],
+            300,
+            "a step",
+            proc,
+            poll=0.05,
+        )
+        proc.send_signal(signal.SIGKILL)
     finally:
-        if proc.poll() is None and killed_after is None:
+        if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=60)
-    assert killed_after, "never killed it mid-job:\n" + (tmp_path / "1.log").read_text()[-3000:]
 
-    status = subprocess.run(
-        _cli("status", "--job", "gjob", "--storage", f"gs://{BUCKET}/team", "--json"),
-        capture_output=True,
-        text=True,
-        env=_env(gcs_env, prefect_server),
-        cwd=TESTS_DIR,
-    )
-    assert status.returncode == 0, status.stderr[-2000:]
-    committed = json.loads(status.stdout.splitlines()[-1])["committed_steps"]
+    env = cli_env(prefect_server, **gcs_env.env)
+    committed = status("gjob", f"gs://{BUCKET}/team", env)["committed_steps"]
     assert committed[: len(killed_after)] == killed_after and MAX_STEPS not in committed
 
     rerun = subprocess.run(
-        _cli(*_run_args(mlflow_uri)),
+        [sys.executable, "-m", "prefect_jax.cli", "run", *_run_args(mlflow_uri)],
         capture_output=True,
         text=True,
-        env=_env(gcs_env, prefect_server),
+        env=env,
         cwd=TESTS_DIR,
         timeout=600,
     )
