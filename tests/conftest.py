@@ -131,6 +131,21 @@ def train_and_close(config):
     return trainer
 
 
+def straight_fingerprint(config) -> str:
+    """The state fingerprint of `config`'s job trained to max_steps in this process without a
+    stop: what an exactly resumed job ends with."""
+    from prefect_jax.training.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < config.train.max_steps:
+        trainer.train_until_checkpoint()
+    fingerprint = trainer.fingerprint()
+    trainer.finish()
+    trainer.close()
+    return fingerprint
+
+
 def hold_commit(monkeypatch, step: int):
     """Hold Orbax's commit of checkpoint `step` until the returned event is set (60 s at most): the
     hook Orbax calls on its save thread before the step's directory becomes final waits for it."""

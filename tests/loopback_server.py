@@ -1,5 +1,5 @@
 """A test server in a subprocess on 127.0.0.1 for the duration of a `with` block: moto's S3
-(`s3_server.S3Server`), gcp-storage-emulator's GCS (`gcs_server.GCSServer`). Only loopback is
+(`s3_server.S3Server`), fake-gcs-server's GCS (`gcs_server.GCSServer`). Only loopback is
 used; the server runs in its own process so that it serves the processes a test starts and kills
 while the test goes on."""
 

