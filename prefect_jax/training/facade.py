@@ -169,8 +169,6 @@ def preflight(
         loaded, params = load_program_with_params(
             program, dict(program_params) if program_params else None, max_steps
         )
-        if cluster is None:
-            check_sharding(loaded)
         if eval_spec is not None:
             check_metric_names(loaded, eval_spec, one_process=cluster is None)
         if probe is not None:
@@ -185,6 +183,10 @@ def preflight(
         committed = job_committed_steps(js) if listed else []
     if max_steps is not None and committed and committed[-1] > max_steps:
         raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
+    if cluster is None and max_steps is not None and not committed:
+        # A new job's mesh and shardings: a rerun's were checked as its job began (its trainer
+        # checks them again as it starts, so its way back pays that trace once, not twice)
+        check_sharding(loaded)
     if committed:
         newest = committed[-1]
         try:

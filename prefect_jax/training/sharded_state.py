@@ -42,9 +42,10 @@ def sharded_abstract_state(program: Any, mesh: Mesh, seed: int):
     none: replicated). No computation runs.
 
     Raises:
-        ShardingError: init does not trace under the mesh (a sharding annotation naming an axis
-            the mesh lacks, say), or a declared sharding is refused (`state_shardings`: the
-            message names the leaf).
+        ShardingError: init does not trace under the mesh for a reason of its mesh (a sharding
+            annotation naming an axis the mesh lacks, say; another error of init's is raised as
+            it is), or a declared sharding is refused (`state_shardings`: the message names the
+            leaf).
     """
     try:
         shapes = jax.eval_shape(traced_init(program, mesh), np.int64(seed))
@@ -52,6 +53,8 @@ def sharded_abstract_state(program: Any, mesh: Mesh, seed: int):
         raise
     except Exception as exc:
         said = " ".join(str(exc).split())[:400]
+        if not any(word in said.lower() for word in ("mesh", "axis", "axes", "sharding")):
+            raise  # the program's own error, with its traceback
         raise ShardingError(
             f"the program's init fails traced under its mesh {dict(mesh.shape)} "
             f"({type(exc).__name__}: {said}): each sharding annotation in it "
