@@ -76,6 +76,26 @@ def test_on_gcs_a_step_counts_by_orbaxs_commit_file_and_moves_aside_uncounted(gc
     assert not (epath.Path(moved) / dirs.GCS_COMMIT_FILE).exists()  # never counts again
 
 
+def test_on_gcs_a_reader_sees_a_step_another_process_committed_since_it_listed(gcs_env):
+    """gcsfs keeps each listing for the process's life: an evaluator's checkpoints, listed once,
+    would never show its trainer's next step. `Checkpoints.reload` drops the listing first."""
+    from prefect_jax.training.checkpoints import Checkpoints
+
+    url = f"gs://{BUCKET}/reader/checkpoints"
+    write = (
+        "import sys, jax.numpy as jnp, orbax.checkpoint as ocp\n"
+        f"m = ocp.CheckpointManager({url!r})\n"
+        "m.save(int(sys.argv[1]), args=ocp.args.StandardSave({'w': jnp.ones(3)}))\n"
+        "m.wait_until_finished()\n"
+    )
+    subprocess.run([sys.executable, "-c", write, "10"], check=True, cwd=TESTS_DIR)
+    reader = Checkpoints(url, read_only=True)
+    assert reader.manager.all_steps() == [10]
+    subprocess.run([sys.executable, "-c", write, "20"], check=True, cwd=TESTS_DIR)
+    reader.reload()
+    assert list(reader.manager.all_steps()) == [10, 20]
+
+
 def _run_args(mlflow_uri):
     return [
         *("--program", PROGRAM, "--job", "gjob", "--storage", f"gs://{BUCKET}/team"),

@@ -223,7 +223,7 @@ class Checkpoints:
         logger.warning(
             "checkpoint step %d of %s moved aside to %s (%s)", step, self.directory, dst, why
         )
-        self.manager.reload()
+        self.reload()
 
     def quarantine_uncommitted(self) -> None:
         """Move aside integer directories without a commit (a save killed part-way)."""
@@ -261,9 +261,19 @@ class Checkpoints:
             force=True,
         )
 
+    def reload(self) -> None:
+        """Have Orbax list the steps again. On ``gs://`` its paths (`etils.epath`, gcsfs under
+        it) cache each listing for the process's life: the cache is dropped first, else a step
+        another process committed since (an evaluator's trainer's) never shows."""
+        if "://" in self.directory:
+            from etils.epath import backend
+
+            backend.fsspec_backend.fs(self.directory).invalidate_cache()
+        self.manager.reload()
+
     def read_meta(self, step: int) -> dict:
         if int(step) not in self.manager.all_steps():
-            self.manager.reload()
+            self.reload()
         return self.manager.restore(
             int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
         )["meta"]
@@ -278,7 +288,7 @@ class Checkpoints:
         """
         if int(step) not in self.manager.all_steps():
             # Committed by another process after this manager listed the directory.
-            self.manager.reload()
+            self.reload()
         # The checksums beside the restore, consulted before anything it read is used or refused:
         # a damaged step (its metadata too) is corrupt, not another program's.
         local = "://" not in self.directory

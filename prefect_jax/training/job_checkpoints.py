@@ -67,7 +67,7 @@ class JobCheckpoints:
             if self.is_primary:  # the others wait, then see what it left
                 self.checkpoints.quarantine_uncommitted()
             barrier("prefect_jax.prepare_restore")
-            self.checkpoints.manager.reload()
+            self.checkpoints.reload()
             return None
         if self.remote is None:
             self.checkpoints.quarantine_uncommitted()
@@ -85,7 +85,7 @@ class JobCheckpoints:
                 shutil.rmtree(
                     os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True
                 )
-        self.checkpoints.manager.reload()
+        self.checkpoints.reload()
         return None if pending else committed
 
     def fetch(self, step: int) -> None:
@@ -94,7 +94,7 @@ class JobCheckpoints:
         if self.remote is None or step in self.checkpoints.committed_steps():
             return
         self.remote.download(step, self.checkpoints.directory)
-        self.checkpoints.manager.reload()
+        self.checkpoints.reload()
 
     def restore(self, step: int, abstract_state, data_iter=None):
         """Restore a committed step (downloaded first if remote): ``(state, metadata)``."""
@@ -119,7 +119,7 @@ class JobCheckpoints:
             )
         else:
             shutil.rmtree(os.path.join(self.checkpoints.directory, str(step)), ignore_errors=True)
-            self.checkpoints.manager.reload()
+            self.checkpoints.reload()
 
     def save(
         self,
