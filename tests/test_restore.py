@@ -121,6 +121,7 @@ def test_resumed_run_ends_bit_for_bit_equal_to_uninterrupted_run(job_config, tmp
 def test_explicit_checkpoint_path_warm_starts_a_new_job(job_config):
     source = Trainer(job_config(job="source"))
     source.restore_or_init()
+    source.job.tracker.run_id  # noqa: B018 - known (waited for) before its checkpoint records it
     source.train_until_checkpoint()
     source.job.checkpoints.wait()
     path = os.path.join(source.job.checkpoints.directory, "20")
@@ -128,6 +129,9 @@ def test_explicit_checkpoint_path_warm_starts_a_new_job(job_config):
     target = Trainer(job_config(job="target"))
     assert target.restore_or_init(checkpoint_path=path) == 20
     assert target.fingerprint() == source.fingerprint()
+    # Its own MLflow run, not the source job's (which the step's metadata names)
+    assert source.job.read_meta(20)["mlflow_run_id"] == source.job.tracker.run_id
+    assert target.job.tracker.run_id != source.job.tracker.run_id
 
 
 def test_checkpoint_dir_and_path_together_is_an_error(job_config):

@@ -263,13 +263,15 @@ def restore_trainer(
         # warm start: weights from elsewhere, this job's data from the start
         data_iter = loop.fresh_iter()
     job.discard_records_after(step)
+    # A warm start's step is another job's: its MLflow run and train metrics are that job's.
+    own = meta if has_own else None
     # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
     job.attach_tracking(
         job_params(trainer.config, trainer.program, trainer.program_params),
-        (meta or {}).get("mlflow_run_id"),
+        (own or {}).get("mlflow_run_id"),
     )
     # The restored interval's train metrics, in case its process died before writing them.
-    trainer.intervals.log_train_rows([tuple(r) for r in (meta or {}).get("train_metrics", [])])
+    trainer.intervals.log_train_rows([tuple(r) for r in (own or {}).get("train_metrics", [])])
     if not trainer.config.train.is_final(step):
         job.record_attempt(step)
         if job.is_primary:  # what this attempt trains on, for the MLflow run's reader
