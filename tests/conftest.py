@@ -131,11 +131,21 @@ def train_and_close(config):
     return trainer
 
 
-def straight_fingerprint(config) -> str:
-    """The state fingerprint of `config`'s job trained to max_steps in this process without a
-    stop: what an exactly resumed job ends with."""
+def straight_fingerprint(program: str, max_steps: int, every: int, storage, mlflow_uri) -> str:
+    """The state fingerprint of `program` trained to `max_steps` (a checkpoint every `every`
+    steps) in this process without a stop, as job ``straight`` under `storage`: what an exactly
+    resumed job ends with."""
+    from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
     from prefect_jax.training.trainer import Trainer
 
+    config = JobConfig(
+        program=program,
+        job="straight",
+        storage=str(storage),
+        train=TrainSpec(max_steps=max_steps),
+        checkpoint=CheckpointSpec(every_steps=every),
+        mlflow_tracking_uri=mlflow_uri,
+    )
     trainer = Trainer(config)
     trainer.restore_or_init()
     while trainer.step < config.train.max_steps:

@@ -143,15 +143,8 @@ def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(
     assert summary["final_step"] == MAX_STEPS
     assert f"job s3job at step {committed[-1]} (restored)" in rerun.stderr
 
-    straight = JobConfig(
-        program=PROGRAM,
-        job="straight",
-        storage=str(tmp_path / "local"),
-        train=TrainSpec(max_steps=MAX_STEPS),
-        checkpoint=CheckpointSpec(every_steps=EVERY),
-        mlflow_tracking_uri=mlflow_uri,
-    )
-    assert summary["state_fingerprint"] == straight_fingerprint(straight)
+    expected = straight_fingerprint(PROGRAM, MAX_STEPS, EVERY, tmp_path / "local", mlflow_uri)
+    assert summary["state_fingerprint"] == expected
 
     final = remote()
     assert all(final.values()) and MAX_STEPS in final
