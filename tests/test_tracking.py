@@ -1,10 +1,10 @@
 """MLflow: one run per job across reruns, params, metrics at their steps, failures."""
 
 import pytest
-from conftest import train_to_end
+from conftest import train_and_close, train_to_end
 from mlflow.tracking import MlflowClient
 
-from prefect_jax.training.names import JOB_TAG
+from prefect_jax.training.names import CHANGED_PARAM_TAG, JOB_TAG
 from prefect_jax.training.tracking import Tracker, TrackingWarning
 from prefect_jax.training.trainer import Trainer
 
@@ -51,6 +51,34 @@ def test_one_run_per_job_with_params_and_metrics_at_their_steps(job_config):
         30,
         40,
     ]
+
+
+def test_a_rerun_that_changes_the_job_records_its_params_now_beside_the_first_ones(job_config):
+    """MLflow refuses a param's second value: a rerun that trains further (or evaluates
+    otherwise) records the value now as tag ``prefect_jax.param.<key>``, logs the params the run
+    lacks, and drops the tag where a later rerun changes the value back."""
+    config = job_config(max_steps=20, every_steps=20, job="changed")
+    train_and_close(config)
+
+    def rerun(max_steps, eval_steps):
+        changed = config.model_copy(
+            update={
+                "train": config.train.model_copy(update={"max_steps": max_steps}),
+                "eval": config.eval.model_copy(update={"steps": eval_steps}),
+            }
+        )
+        trainer = train_and_close(changed)
+        return MlflowClient(config.mlflow_tracking_uri).get_run(trainer.job.tracker.run_id).data
+
+    data = rerun(40, 2)
+    assert (data.params["train.max_steps"], data.params["eval.steps"]) == ("20", "None")
+    assert data.tags[f"{CHANGED_PARAM_TAG}train.max_steps"] == "40"
+    assert data.tags[f"{CHANGED_PARAM_TAG}eval.steps"] == "2"
+
+    data = rerun(60, None)  # eval.steps as it was: its tag goes
+    assert data.tags[f"{CHANGED_PARAM_TAG}train.max_steps"] == "60"
+    assert f"{CHANGED_PARAM_TAG}eval.steps" not in data.tags
+    assert data.params["train.max_steps"] == "20"
 
 
 @pytest.mark.parametrize("where", ["worker process", "this process"])

@@ -15,6 +15,9 @@ JOB_TAG = (
 STORAGE_TAG = "prefect_jax.storage"  # on the run: the job's storage URL, secrets redacted
 KILLED_TAG = "prefect_jax.killed_attempts"  # how many attempts died without closing the run
 DEVICES_TAG = "prefect_jax.devices"  # what the newest training attempt runs on
+# prefect_jax.param.<key>: a param's value now, where a rerun changed it (MLflow keeps a param's
+# first value)
+CHANGED_PARAM_TAG = "prefect_jax.param."
 STOP_REASON_TAG = "prefect_jax.stop_reason"  # why an early-stopping listener ended the job
 GOODPUT_TAG = "prefect_jax.goodput"  # the goodput summary in one line
 STEP_TAG = "prefect_jax.step"  # on a registered model version: the global step it was exported at

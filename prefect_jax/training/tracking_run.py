@@ -24,6 +24,7 @@ from prefect_jax.training.mlflow_client import (
     strict,
 )
 from prefect_jax.training.names import (
+    CHANGED_PARAM_TAG,
     EXPERIMENT_KIND_TAG,
     JOB_TAG,
     KILLED_ATTEMPT_TAG,
@@ -52,7 +53,9 @@ class RunCalls:
         """Find this job's run (by `run_id` or by job tag) or create it; mark it RUNNING if
         `reopen`.
 
-        Params are logged only when the run is created, so a rerun never conflicts with them.
+        MLflow keeps a param's first value for good: a reopened run gets the params it lacks,
+        and each whose value changed since is recorded as tag ``prefect_jax.param.<key>`` (see
+        `_reconcile_params`).
         `killed` describes an attempt that died without closing the run (a SIGKILLed trainer
         whose lease this process took over): the run is marked KILLED before it is reopened,
         and the attempt is recorded for good (see `_note_killed`). `description` becomes the
@@ -128,6 +131,8 @@ class RunCalls:
                 self._note_killed(run, killed)
             if reopen and (killed or run.info.status != "RUNNING"):
                 client.update_run(run.info.run_id, status="RUNNING")
+            if reopen:  # (an evaluator joining the trainer's run leaves its record alone)
+                self._reconcile_params(run, params)
         self._experiment_id = exp_id
         self._run_id = run.info.run_id
         if description is not None:
@@ -189,6 +194,42 @@ class RunCalls:
         note = "\n\n".join([description.strip(), *killed])[-5000:]
         if tags.get(NOTE_TAG) != note:
             self._client.set_tag(self._run_id, NOTE_TAG, note)
+
+    def _reconcile_params(self, run, params: dict[str, Any]) -> None:
+        """Bring a reopened run's record of the job's params up to this attempt's: a key the run
+        lacks (a field added since) is logged as a param; one whose value changed (a rerun that
+        trains further, or evaluates otherwise) cannot be, since MLflow refuses a param's second
+        value, so its value now is tag ``prefect_jax.param.<key>``, which a rerun that changes
+        it back removes. Said once in the log, key by key."""
+        from mlflow.entities import Param, RunTag
+
+        client, run_id = self._client, run.info.run_id
+        logged, tags = run.data.params, run.data.tags
+        new = [Param(k, str(v)) for k, v in sorted(params.items()) if k not in logged]
+        for i in range(0, len(new), 100):
+            client.log_batch(run_id, params=new[i : i + 100])
+        changed = {k: str(v) for k, v in params.items() if k in logged and logged[k] != str(v)}
+        now = [
+            RunTag(CHANGED_PARAM_TAG + k, v)
+            for k, v in sorted(changed.items())
+            if tags.get(CHANGED_PARAM_TAG + k) != v
+        ]
+        if now:
+            client.log_batch(run_id, tags=now)
+        for tag in sorted(tags):
+            if tag.startswith(CHANGED_PARAM_TAG) and tag[len(CHANGED_PARAM_TAG) :] not in changed:
+                client.delete_tag(run_id, tag)
+        if new or now:
+            said = [f"{p.key}={p.value!r} (new)" for p in new] + [
+                f"{k}: {logged[k]!r} -> {v!r}" for k, v in sorted(changed.items())
+            ]
+            logger.info(
+                "MLflow run %s: params since it was created: %s (a changed param keeps its first "
+                "value; its value now is tag %s<key>)",
+                run_id,
+                "; ".join(said),
+                CHANGED_PARAM_TAG,
+            )
 
     def _note_killed(self, run, killed: dict[str, Any]) -> None:
         """Close the run of a dead attempt KILLED (if it still says RUNNING), and record that
