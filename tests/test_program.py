@@ -192,3 +192,60 @@ def test_a_restore_compares_all_but_the_filled_and_exempt_params():
         r"given 0\.2.*same params \(--program-param lr=0\.1\), or .* a new job name",
     ):
         check_restore(meta, other, "j", 20)
+
+
+def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default():
+    """A program's params type grows a field (with a default) after a job saved steps: the old
+    steps ran as that default says, so resuming them at the default is no mismatch; at any
+    other value, or for a field without a default, the restore is refused and told why. The
+    same for a field removed since, that the step saved at its default."""
+    import dataclasses
+
+    from pydantic import BaseModel
+
+    from prefect_jax.training.program_params import (
+        ProgramParamsMismatchError,
+        check_restore,
+        validate_params,
+    )
+
+    class Before(BaseModel):
+        lr: float = 0.1
+
+    class After(BaseModel):
+        lr: float = 0.1
+        smoothing: float = 0.0
+        schedule: list[int] = [1, 2]
+
+    class Required(BaseModel):
+        lr: float = 0.1
+        depth: int
+
+    @dataclasses.dataclass
+    class AfterDataclass:
+        lr: float = 0.1
+        tags: list[str] = dataclasses.field(default_factory=lambda: ["a"])
+
+    def recorded(tp, given=None):
+        return validate_params(tp, given, "p")[1]
+
+    saved = {"program_params": recorded(Before).as_meta()}
+    check_restore(saved, recorded(After), "j", 20)
+    check_restore(saved, recorded(AfterDataclass), "j", 20)
+    with pytest.raises(
+        ProgramParamsMismatchError,
+        match=r"smoothing: saved '<unset>', given 0\.2.*smoothing did not exist when step 20 was "
+        r"saved: given its default, it counts as what that step ran with",
+    ):
+        check_restore(saved, recorded(After, {"smoothing": 0.2}), "j", 20)
+    with pytest.raises(ProgramParamsMismatchError, match=r"depth: saved '<unset>', given 3"):
+        check_restore(saved, recorded(Required, {"depth": 3}), "j", 20)
+    # removed since: the same where the step saved it at its default
+    check_restore({"program_params": recorded(After).as_meta()}, recorded(Before), "j", 20)
+    with pytest.raises(ProgramParamsMismatchError, match=r"smoothing: saved 0\.3, given '<unset>'"):
+        check_restore(
+            {"program_params": recorded(After, {"smoothing": 0.3}).as_meta()},
+            recorded(Before),
+            "j",
+            20,
+        )

@@ -14,7 +14,10 @@ into that type and calls the factory with it. Two declarations on the type matte
 
 Every other field's value is recorded in each checkpoint's metadata (``program_params``), logged
 as MLflow params ``program.<field>``, and compared when a job restores one of its own steps: a
-difference refuses the restore (`ProgramParamsMismatchError`) before any training.
+difference refuses the restore (`ProgramParamsMismatchError`) before any training. A field added
+to the type since the step was saved counts as the same where it has its default (the program
+ran as the default says before the field existed), as does one removed since, saved at its
+default.
 
 This module imports neither jax nor prefect.
 """
@@ -50,12 +53,15 @@ class ProgramParams:
         values: every field's value, JSON-able (what the program was built with).
         filled: fields the engine filled from the job (``max_steps``): not compared on restore.
         exempt: fields the type declares do not change the computation: not compared on restore.
+        defaults: the default of each field that has one, JSON-able: a field only one side of a
+            restore has counts as the same where its value is its default.
     """
 
     type_name: str | None = None
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
     filled: tuple[str, ...] = ()
     exempt: tuple[str, ...] = ()
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def compared(self) -> dict[str, Any]:
         """The values a restore compares: all but the filled and exempt ones."""
@@ -69,6 +75,7 @@ class ProgramParams:
             "values": self.values,
             "filled": list(self.filled),
             "exempt": list(self.exempt),
+            "defaults": self.defaults,
         }
 
     @classmethod
@@ -78,6 +85,7 @@ class ProgramParams:
             dict(meta.get("values") or {}),
             tuple(meta.get("filled") or ()),
             tuple(meta.get("exempt") or ()),
+            dict(meta.get("defaults") or {}),
         )
 
 
@@ -132,6 +140,37 @@ def _field_types(tp: type) -> dict[str, str]:
     else:
         fields = {name: f.annotation for name, f in tp.model_fields.items()}
     return {name: _type_text(t) for name, t in fields.items()}
+
+
+def _field_defaults(tp: type) -> dict[str, Any]:
+    """``{field: its default, JSON-able}`` of each field of `tp` that has a default (a factory's
+    value included); a default that does not dump to JSON is left out (such a field is compared
+    as before: present on one side only, it differs)."""
+    from pydantic import TypeAdapter
+
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        found = {}
+        for f in dataclasses.fields(tp):
+            if f.default is not dataclasses.MISSING:
+                found[f.name] = (hints.get(f.name, f.type), f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                found[f.name] = (hints.get(f.name, f.type), f.default_factory())
+    else:
+        found = {
+            name: (f.annotation, f.get_default(call_default_factory=True))
+            for name, f in tp.model_fields.items()
+            if not f.is_required()
+        }
+    out = {}
+    for name, (annotation, value) in found.items():
+        try:
+            out[name] = json.loads(
+                json.dumps(TypeAdapter(annotation).dump_python(value, mode="json"))
+            )
+        except Exception:  # noqa: BLE001 - compared as a field without a default
+            continue
+    return out
 
 
 def _type_text(tp) -> str:
@@ -198,16 +237,21 @@ def validate_params(
         ) from None
     values = json.loads(json.dumps(TypeAdapter(tp).dump_python(instance, mode="json")))
     exempt = tuple(name for name in getattr(tp, EXEMPT_ATTR, ()) if name in fields)
-    return instance, ProgramParams(tp.__name__, values, tuple(filled), exempt)
+    return instance, ProgramParams(tp.__name__, values, tuple(filled), exempt, _field_defaults(tp))
 
 
 def differences(saved: ProgramParams, given: ProgramParams) -> list[tuple[str, Any, Any]]:
-    """``(field, saved value, given value)`` for each compared field that differs (a field only
-    one side has counts, with ``<unset>`` on the other)."""
+    """``(field, saved value, given value)`` for each compared field that differs. A field only
+    one side has (added to the type, or removed from it, since the step was saved) is the same
+    where its value is its default there, else differs, with ``<unset>`` on the other side."""
     a, b = saved.compared(), given.compared()
     skip = set(saved.filled) | set(saved.exempt) | set(given.filled) | set(given.exempt)
     out = []
     for key in sorted((set(a) | set(b)) - skip):
+        if key not in a and key in given.defaults and b[key] == given.defaults[key]:
+            continue  # added since, at its default: what the step's program did without it
+        if key not in b and key in saved.defaults and a[key] == saved.defaults[key]:
+            continue  # removed since, saved at its default
         if a.get(key, "<unset>") != b.get(key, "<unset>"):
             out.append((key, a.get(key, "<unset>"), b.get(key, "<unset>")))
     return out
@@ -228,10 +272,18 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
         return
     listed = "; ".join(f"{k}: saved {s!r}, given {g!r}" for k, s, g in diffs)
     same = " ".join(f"--program-param {k}={json.dumps(s)}" for k, s, _ in diffs if s != "<unset>")
+    added = [k for k, s, _ in diffs if s == "<unset>"]
+    new_field = (
+        f"; {', '.join(added)} did not exist when step {step} was saved: given its default, it "
+        "counts as what that step ran with (a field without a default cannot)"
+        if added
+        else ""
+    )
     raise ProgramParamsMismatchError(
         f"job {job!r} was trained to step {step} with other program params than the ones given "
         f"({listed}); nothing was restored or trained. Resume it with the same params"
         f"{f' ({same})' if same else ''}, or train the new params under a new job name"
+        f"{new_field}"
     )
 
 
