@@ -230,6 +230,35 @@ def test_a_job_out_of_its_rerun_budget_is_refused_in_one_line(tmp_path, mlflow_u
     assert (tmp_path / "stuck" / "attempts.json").read_bytes() == before
 
 
+def test_a_failed_export_ends_the_command_in_one_line_after_its_one_traceback(tmp_path, mlflow_uri):
+    """An export that fails (the program's serve refuses the trained weights) ends the job: the
+    command's last line says so and what a rerun does, exit 1. The program's own error keeps
+    its traceback once, in the flow run's log; the command does not print it again."""
+    proc = _cli(
+        "run",
+        "--program",
+        "programs:fails_at_export",
+        "--job",
+        "export-fails",
+        "--storage",
+        str(tmp_path),
+        "--max-steps",
+        "40",
+        "--checkpoint-every-steps",
+        "20",
+        "--exporters",
+        "latest",
+        "--mlflow-tracking-uri",
+        mlflow_uri,
+        env={"PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.getcwd()])},
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefect-jax run: error: the export of step 20 "), last
+    assert "serve() refuses these weights" in last and "a rerun exports" in last
+    assert proc.stderr.count('raise RuntimeError("serve() refuses these weights")') == 1
+
+
 @pytest.mark.slow
 def test_a_sigterm_while_the_command_waits_for_its_threads_ends_it_143(
     tmp_path, prefect_server, mlflow_uri

@@ -49,6 +49,7 @@ class _Background:
 
     def __init__(self, step: int, write: Callable[[], dict[str, str]], on_done):
         self.step, self.written, self.error = step, {}, None
+        self.raised = False  # its failure was raised once (`Exports.join`): later ones repeat it
         self._write, self._on_done = write, on_done
         # (daemon: a process killed meanwhile leaves no torn export, see exporters._write_export)
         self._thread = threading.Thread(target=self._run, name=f"export-{step}", daemon=True)
@@ -143,11 +144,13 @@ class Exports:
             self._failed = running
         if self._failed is not None:
             failed = self._failed
-            raise ExportFailedError(
+            error = ExportFailedError(
                 f"the export of step {failed.step} (in the background, while training went on) "
                 f"failed: {type(failed.error).__name__}: {failed.error}. The job stops here; its "
                 "checkpoints are kept, and a rerun exports its newest evaluated step"
-            ) from failed.error
+            )
+            error.repeated, failed.raised = failed.raised, True
+            raise error from failed.error
         return {}
 
     def _export(self, result: EvalResult, on_done=None) -> dict[str, str]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 from prefect_jax.training.errors import (
+    ExportFailedError,
     LeaseHeldError,
     NonFiniteLossError,
     NoProgressError,
@@ -22,6 +23,7 @@ from prefect_jax.training.errors import (
 
 # Errors that refuse a job for a reason its user can act on: a command prints one line, exit 1.
 REFUSALS: tuple[type[Exception], ...] = (
+    ExportFailedError,
     LeaseHeldError,
     NoProgressError,
     NonFiniteLossError,

@@ -392,7 +392,12 @@ class Trainer:
     def _join_exports(self, raise_failure: bool) -> None:
         try:
             self.exports.join()
-        except ExportFailedError:
+        except ExportFailedError as exc:
             if raise_failure:
                 raise
-            logger.error("job %s ends with an export that failed", self.config.job, exc_info=True)
+            logger.error(
+                "job %s ends with an export that failed%s",
+                self.config.job,
+                f": {exc}" if exc.repeated else "",
+                exc_info=not exc.repeated,  # (told with its traceback where it was raised)
+            )
