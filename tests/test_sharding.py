@@ -153,6 +153,7 @@ def test_a_sigkilled_fsdp_job_resumes_bit_exactly_on_four_devices_and_another_me
     from process_helpers import wait_until
 
     from prefect_jax.training.checkpoint_dirs import committed_steps
+    from prefect_jax.training.names import DEVICES_TAG, STORAGE_TAG
 
     # The store's tables made first: a kill in the middle of their creation is MLflow's problem.
     MlflowClient(mlflow_uri).search_experiments()
@@ -195,6 +196,13 @@ def test_a_sigkilled_fsdp_job_resumes_bit_exactly_on_four_devices_and_another_me
         "head_mu": "P('data', 'model')",
     }
     assert rest[-1]["end"] == 40 and committed_steps(ckpt)[-1] == 40
+    # The MLflow run says what its newest attempt trained on: the devices and the mesh.
+    client = MlflowClient(mlflow_uri)
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("prefect-jax").experiment_id],
+        filter_string=f"tags.`{STORAGE_TAG}` = '{storage}'",
+    )
+    assert run.data.tags[DEVICES_TAG] == "4 x cpu (cpu), mesh data=2 model=2"
 
 
 def _command(*args: str) -> subprocess.CompletedProcess:

@@ -186,14 +186,19 @@ def restore_or_init(
 # -- a trainer's restore -------------------------------------------------------------
 
 
-def describe_devices() -> str:
-    """``"1 x NVIDIA H100 80GB HBM3 (gpu)"``, ``"16 x TPU v5 lite (tpu), 4 processes"``."""
+def describe_devices(mesh=None) -> str:
+    """``"1 x NVIDIA H100 80GB HBM3 (gpu)"``, ``"16 x TPU v5 lite (tpu), 4 processes"``; with
+    the program's `mesh` (a sharded program), its axes: ``"8 x cpu (cpu), mesh fsdp=4 model=2"``
+    (a job resumed on another device count gets another mesh: this says which it trains on)."""
     import jax
 
     devices = jax.devices()
     kinds = ", ".join(sorted({d.device_kind for d in devices}))
     text = f"{len(devices)} x {kinds} ({jax.default_backend()})"
-    return text + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+    text += f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    if mesh is not None:
+        text += ", mesh " + " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    return text
 
 
 def job_params(config, program, program_params=None) -> dict[str, str]:
@@ -275,7 +280,9 @@ def restore_trainer(
     if not trainer.config.train.is_final(step):
         job.record_attempt(step)
         if job.is_primary:  # what this attempt trains on, for the MLflow run's reader
-            job.tracker.set_tags({DEVICES_TAG: describe_devices()})
+            job.tracker.set_tags(
+                {DEVICES_TAG: describe_devices(loop.mesh if loop.sharded else None)}
+            )
     trainer.state, trainer.step, trainer.data_iter = loop.place(state), step, data_iter
     loop.carry(step, (meta or {}).get("train_sums"))  # the means resume where they were
     trainer.live_is_preemption = bool((meta or {}).get("preemption"))
