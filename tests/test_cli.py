@@ -230,6 +230,50 @@ def test_a_job_out_of_its_rerun_budget_is_refused_in_one_line(tmp_path, mlflow_u
     assert (tmp_path / "stuck" / "attempts.json").read_bytes() == before
 
 
+def test_an_mlflow_tracking_block_names_the_store_and_experiment_of_a_job(tmp_path, prefect_server):
+    """``--mlflow-tracking-uri prefect-jax-mlflow-tracking/<block>``: the job's records go to the
+    block's store, in its experiment (the flow resolves it, as a deployment's run does); a block
+    that does not exist is one error line, and nothing runs."""
+    from mlflow.tracking import MlflowClient
+
+    from prefect_jax.blocks import MlflowTracking
+
+    uri = f"sqlite:///{tmp_path}/team.db"
+    MlflowTracking(tracking_uri=uri, experiment="team-digits").save("cli-team", overwrite=True)
+    args = ["run", "--program", TINY, "--storage", str(tmp_path / "s"), "--max-steps", "20"]
+    args += ["--checkpoint-every-steps", "20", "--json", "--no-progress"]
+    env = {"PREFECT_API_URL": prefect_server}
+    summary = _last_json(
+        _cli(
+            *args,
+            "--job",
+            "blocked",
+            "--mlflow-tracking-uri",
+            "prefect-jax-mlflow-tracking/cli-team",
+            env=env,
+        )
+    )
+    assert summary["mlflow_tracking_uri"] == uri
+    run = MlflowClient(uri).get_run(summary["mlflow_run_id"])
+    assert MlflowClient(uri).get_experiment(run.info.experiment_id).name == "team-digits"
+
+    missing = _cli(
+        *args,
+        "--job",
+        "unblocked",
+        "--mlflow-tracking-uri",
+        "prefect-jax-mlflow-tracking/nope",
+        env=env,
+    )
+    assert missing.returncode == 2, missing.stderr[-3000:]
+    assert missing.stderr.strip().splitlines()[-1] == (
+        "prefect-jax run: error: MLflow tracking block 'prefect-jax-mlflow-tracking/nope' was not "
+        "found on the Prefect server: create it with MlflowTracking(tracking_uri=...).save('nope'),"
+        " or pass a tracking URI instead"
+    )
+    assert not (tmp_path / "s" / "unblocked").exists()
+
+
 def test_a_failed_export_ends_the_command_in_one_line_after_its_one_traceback(tmp_path, mlflow_uri):
     """An export that fails (the program's serve refuses the trained weights) ends the job: the
     command's last line says so and what a rerun does, exit 1. The program's own error keeps

@@ -11,6 +11,10 @@ Example:
     storage = CheckpointStorage.load("nightly")
     print(storage.job_storage("digits").checkpoint_dir)
     ```
+
+Flows, deployments and the command take either block by name in place of a value:
+``storage="jax-checkpoint-storage/nightly"``,
+``mlflow_tracking_uri="prefect-jax-mlflow-tracking/team"``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator
 
 BLOCK_PREFIX = "jax-checkpoint-storage/"
+TRACKING_BLOCK_PREFIX = "prefect-jax-mlflow-tracking/"
 
 
 class CheckpointStorage(Block):
@@ -98,6 +103,9 @@ def resolve_storage(storage: str) -> tuple[str, dict[str, Any]]:
 class MlflowTracking(Block):
     """Where MLflow records of training jobs go.
 
+    Flows and the CLI take ``mlflow_tracking_uri="prefect-jax-mlflow-tracking/<block name>"``
+    in place of a URI (`resolve_tracking`).
+
     Attributes:
         tracking_uri: MLflow tracking URI (``sqlite:///...``, ``http://host:5000``).
         experiment: MLflow experiment name.
@@ -111,4 +119,39 @@ class MlflowTracking(Block):
     experiment: str = Field("prefect-jax", description="MLflow experiment name.")
 
 
-__all__ = ["CheckpointStorage", "MlflowTracking", "resolve_storage"]
+def resolve_tracking(tracking_uri: str | None, experiment: str) -> tuple[str | None, str]:
+    """An MLflow tracking URI as is, or ``prefect-jax-mlflow-tracking/<name>`` loaded from
+    Prefect: (tracking URI, experiment), the experiment the block's where `experiment` is the
+    default one (a job's own experiment, given, wins).
+
+    Raises:
+        ValueError: the block does not exist (the message names it and how to create it).
+    """
+    if not tracking_uri or not tracking_uri.startswith(TRACKING_BLOCK_PREFIX):
+        return tracking_uri, experiment
+    from prefect_jax.training.names import DEFAULT_EXPERIMENT
+
+    name = tracking_uri[len(TRACKING_BLOCK_PREFIX) :]
+    try:
+        block = MlflowTracking.load(name)
+    except ValueError as exc:
+        raise ValueError(
+            f"MLflow tracking block {tracking_uri!r} was not found on the Prefect server: create "
+            f"it with MlflowTracking(tracking_uri=...).save({name!r}), or pass a tracking URI "
+            "instead"
+        ) from exc
+    return block.tracking_uri, block.experiment if experiment == DEFAULT_EXPERIMENT else experiment
+
+
+def names_a_block(value: str | None) -> bool:
+    """Whether `value` (a storage or a tracking URI) names a block, read from the Prefect API."""
+    return bool(value) and value.startswith((BLOCK_PREFIX, TRACKING_BLOCK_PREFIX))
+
+
+__all__ = [
+    "CheckpointStorage",
+    "MlflowTracking",
+    "names_a_block",
+    "resolve_storage",
+    "resolve_tracking",
+]

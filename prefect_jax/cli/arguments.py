@@ -139,7 +139,12 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         default=None,
         help="warm-start a new job from this checkpoint step directory",
     )
-    add("--mlflow-tracking-uri", default=None, help="MLflow tracking URI")
+    add(
+        "--mlflow-tracking-uri",
+        default=None,
+        help="MLflow tracking URI, or prefect-jax-mlflow-tracking/<block> (its URI, and its "
+        "experiment unless --mlflow-experiment is given)",
+    )
     add(
         "--mlflow-optional",
         action="store_true",

@@ -218,7 +218,7 @@ def _run_flow_with(
             max_wait_secs=args.max_wait_secs,
             recovery_wait_secs=args.recovery_wait_secs,
         )
-    from prefect_jax.blocks import BLOCK_PREFIX
+    from prefect_jax.blocks import names_a_block
 
     check = (
         program,
@@ -233,7 +233,8 @@ def _run_flow_with(
         args.compilation_cache if role != "export" else None,
         program_params,
     )
-    if not storage.startswith(BLOCK_PREFIX):
+    blocks = names_a_block(storage) or names_a_block(tracking_uri)
+    if not blocks:
         # Refused in a fraction of a second (a server started early is stopped unused).
         _preflight(*check)
     from prefect_jax.training.facade import joins_as_secondary
@@ -243,8 +244,8 @@ def _run_flow_with(
             startup.freeze_startup_objects()
             return flows.run_as_process(flow=flow, parameters=kwargs)
     with prefect_backend(server):
-        if storage.startswith(BLOCK_PREFIX):
-            _preflight(*check)  # the block is read from the server
+        if blocks:
+            _preflight(*check)  # the blocks are read from the server
         import prefect
 
         from prefect_jax.tasks import process_tag
@@ -274,11 +275,12 @@ def _preflight(
     """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
     flow run with a traceback in front of it. The flow checks the same things again (a
     deployment's runs do not come through here)."""
-    from prefect_jax.blocks import resolve_storage
+    from prefect_jax.blocks import resolve_storage, resolve_tracking
     from prefect_jax.tasks import ui_refresh_secs
     from prefect_jax.training.facade import preflight
 
     ui_refresh_secs()
+    tracking_uri = resolve_tracking(tracking_uri, "")[0]
     preflight(
         program,
         job,

@@ -40,11 +40,14 @@ def _job_config(
     program_params: dict[str, Any] | None = None,
 ) -> JobConfig:
     """The job's `JobConfig` from a flow's parameters (the specs as given or as their dicts)."""
-    from prefect_jax.blocks import resolve_storage
+    from prefect_jax.blocks import resolve_storage, resolve_tracking
 
     if check_settings:  # (not in a state hook: it must find the job to close its MLflow run)
         ui_refresh_secs()  # a bad PREFECT_JAX_UI_REFRESH_SECS fails here, before anything runs
     url, options = resolve_storage(storage)
+    mlflow_tracking_uri, mlflow_experiment = resolve_tracking(
+        mlflow_tracking_uri, mlflow_experiment
+    )
     return JobConfig(
         program=program,
         job=job,
@@ -63,12 +66,13 @@ def _job_config(
 
 def checked_job_config(parameters: dict[str, Any]) -> JobConfig:
     """The job of a flow's own parameters (its ``locals()`` as its body starts), its MLflow
-    tracking URI checked first: an unusable one is refused before any work
+    tracking URI (a block's, resolved) checked: an unusable one is refused before any work
     (``mlflow_optional``: a warning)."""
     from prefect_jax.training.facade import check_tracking_uri
 
-    check_tracking_uri(parameters.get("mlflow_tracking_uri"), parameters.get("mlflow_optional"))
-    return _job_config(**{k: parameters[k] for k in _CONFIG_ARGS if k in parameters})
+    config = _job_config(**{k: parameters[k] for k in _CONFIG_ARGS if k in parameters})
+    check_tracking_uri(config.mlflow_tracking_uri, parameters.get("mlflow_optional"))
+    return config
 
 
 def _config_from(parameters: dict[str, Any]) -> JobConfig | None:

@@ -60,7 +60,9 @@ def train_and_evaluate(
         eval_spec: how to evaluate, the exporters, early stopping.
         checkpoint_spec: checkpoint cadence and retention.
         mlflow_tracking_uri: MLflow tracking URI (default: ``MLFLOW_TRACKING_URI`` or
-            ``sqlite:///mlflow.db``).
+            ``sqlite:///mlflow.db``), or ``"prefect-jax-mlflow-tracking/<block name>"`` for a
+            saved `MlflowTracking` block (its URI, and its experiment unless
+            `mlflow_experiment` is given).
         mlflow_experiment: MLflow experiment name.
         checkpoint_path: warm-start a new job from this checkpoint step directory (ignored
             once the job has checkpoints of its own).
