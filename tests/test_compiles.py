@@ -98,6 +98,26 @@ def test_the_first_step_waits_for_the_train_step_compile_only(job_config):
         trainer.close()
 
 
+def test_a_finished_jobs_rerun_compiles_no_train_step(job_config):
+    """A rerun of a job already at its final step trains nothing: it starts no background compile
+    of the train step (its end would wait for it: seconds of a real model's compile, to say there
+    is nothing to do), and still evaluates and exports as before."""
+    from conftest import train_and_close
+
+    from prefect_jax.training.trainer import Trainer
+
+    config = job_config(max_steps=20, every_steps=20)
+    train_and_close(config)
+    rerun = Trainer(config)
+    try:
+        assert rerun.restore_or_init() == 20
+        assert not rerun.loop.compiling.started
+        assert rerun.evaluate_if_new().metrics  # the final step's evaluation, compiled on demand
+        rerun.finish()
+    finally:
+        rerun.close()
+
+
 def test_a_cache_on_object_storage_follows_the_job_to_another_machine(
     tmp_path, mlflow_uri, s3_server
 ):

@@ -244,7 +244,9 @@ def restore_trainer(
         job.goodput.restart_clock(waited)
     trainer.guard.install()
     trainer.wait_for_compile_cache()
-    loop.start_precompile()
+    if not trainer.config.train.is_final(newest):
+        # (a finished job's rerun trains no step, and its end would wait for that compile)
+        loop.start_precompile()
     # (remote: the committed steps, listed once for the restore below)
     listed = job.prepare_restore()
     has_own = bool(listed if listed is not None else job.committed_steps())
