@@ -201,7 +201,7 @@ def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default
     same for a field removed since, that the step saved at its default."""
     import dataclasses
 
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field
 
     from prefect_jax.training.program_params import (
         ProgramParamsMismatchError,
@@ -220,6 +220,10 @@ def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default
     class Required(BaseModel):
         lr: float = 0.1
         depth: int
+
+    class Derived(BaseModel):  # a default made from another field's value: none of its own
+        lr: float = 0.1
+        warmup: float = Field(default_factory=lambda data: data["lr"] * 10)
 
     @dataclasses.dataclass
     class AfterDataclass:
@@ -242,7 +246,13 @@ def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default
         check_restore(saved, recorded(Required, {"depth": 3}), "j", 20)
     # removed since: the same where the step saved it at its default
     check_restore({"program_params": recorded(After).as_meta()}, recorded(Before), "j", 20)
-    with pytest.raises(ProgramParamsMismatchError, match=r"smoothing: saved 0\.3, given '<unset>'"):
+    with pytest.raises(ProgramParamsMismatchError, match=r"warmup: saved '<unset>', given 1\.0"):
+        check_restore(saved, recorded(Derived), "j", 20)
+    with pytest.raises(
+        ProgramParamsMismatchError,
+        match=r"smoothing: saved 0\.3, given '<unset>'\); nothing was restored or trained\. "
+        r"Resume it with the same params, or .*smoothing is no longer a field of the params type",
+    ):
         check_restore(
             {"program_params": recorded(After, {"smoothing": 0.3}).as_meta()},
             recorded(Before),

@@ -81,6 +81,24 @@ def test_a_rerun_that_changes_the_job_records_its_params_now_beside_the_first_on
     assert data.params["train.max_steps"] == "20"
 
 
+def test_a_changed_param_too_long_for_a_tag_key_keeps_the_run_whole(mlflow_uri):
+    """MLflow's tag keys are 250 characters at most: a changed param whose tag key would be longer
+    gets no tag, and the rerun's run is the job's all the same (attached, RUNNING, its new
+    params logged)."""
+    long_key = "program_config." + "k" * 230
+    first = Tracker(mlflow_uri, "prefect-jax", "long-key-job")
+    first.start({long_key: "a", "short": "a"})
+    first.finish()
+    rerun = Tracker(mlflow_uri, "prefect-jax", "long-key-job")
+    rerun.start({long_key: "b", "short": "b", "new": "1"})
+    assert rerun.run_id == first.run_id
+    run = MlflowClient(mlflow_uri).get_run(rerun.run_id)
+    assert run.info.status == "RUNNING" and run.data.params["new"] == "1"
+    assert run.data.tags[f"{CHANGED_PARAM_TAG}short"] == "b"
+    assert not any(k.startswith(f"{CHANGED_PARAM_TAG}program_config") for k in run.data.tags)
+    rerun.finish()
+
+
 @pytest.mark.parametrize("where", ["worker process", "this process"])
 def test_tracking_failure_warns_and_training_goes_on(job_config, tmp_path, monkeypatch, where):
     # MLflow's calls run in a worker process (its warnings come back here) or on a thread here.

@@ -143,7 +143,7 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         "--mlflow-tracking-uri",
         default=None,
         help="MLflow tracking URI, or prefect-jax-mlflow-tracking/<block> (its URI, and its "
-        "experiment unless --mlflow-experiment is given)",
+        "experiment unless --mlflow-experiment names another than the default)",
     )
     add(
         "--mlflow-optional",

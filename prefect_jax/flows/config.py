@@ -45,9 +45,10 @@ def _job_config(
     if check_settings:  # (not in a state hook: it must find the job to close its MLflow run)
         ui_refresh_secs()  # a bad PREFECT_JAX_UI_REFRESH_SECS fails here, before anything runs
     url, options = resolve_storage(storage)
-    mlflow_tracking_uri, mlflow_experiment = resolve_tracking(
-        mlflow_tracking_uri, mlflow_experiment
-    )
+    if check_settings:  # (a state hook finds the job's live trainer, whose tracker has the URI)
+        mlflow_tracking_uri, mlflow_experiment = resolve_tracking(
+            mlflow_tracking_uri, mlflow_experiment
+        )
     return JobConfig(
         program=program,
         job=job,

@@ -144,8 +144,9 @@ def _field_types(tp: type) -> dict[str, str]:
 
 def _field_defaults(tp: type) -> dict[str, Any]:
     """``{field: its default, JSON-able}`` of each field of `tp` that has a default (a factory's
-    value included); a default that does not dump to JSON is left out (such a field is compared
-    as before: present on one side only, it differs)."""
+    value included); a default that cannot be made alone (a pydantic factory that reads the other
+    fields) or does not dump to JSON is left out: such a field is compared as before (present on
+    one side only, it differs)."""
     from pydantic import TypeAdapter
 
     if dataclasses.is_dataclass(tp):
@@ -153,21 +154,20 @@ def _field_defaults(tp: type) -> dict[str, Any]:
         found = {}
         for f in dataclasses.fields(tp):
             if f.default is not dataclasses.MISSING:
-                found[f.name] = (hints.get(f.name, f.type), f.default)
+                found[f.name] = (hints.get(f.name, f.type), lambda f=f: f.default)
             elif f.default_factory is not dataclasses.MISSING:
-                found[f.name] = (hints.get(f.name, f.type), f.default_factory())
+                found[f.name] = (hints.get(f.name, f.type), f.default_factory)
     else:
         found = {
-            name: (f.annotation, f.get_default(call_default_factory=True))
+            name: (f.annotation, lambda f=f: f.get_default(call_default_factory=True))
             for name, f in tp.model_fields.items()
             if not f.is_required()
         }
     out = {}
-    for name, (annotation, value) in found.items():
+    for name, (annotation, make) in found.items():
         try:
-            out[name] = json.loads(
-                json.dumps(TypeAdapter(annotation).dump_python(value, mode="json"))
-            )
+            value = TypeAdapter(annotation).dump_python(make(), mode="json")
+            out[name] = json.loads(json.dumps(value))
         except Exception:  # noqa: BLE001 - compared as a field without a default
             continue
     return out
@@ -270,20 +270,28 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
     diffs = differences(ProgramParams.from_meta(meta[META_KEY]), given)
     if not diffs:
         return
+    unset = "<unset>"
     listed = "; ".join(f"{k}: saved {s!r}, given {g!r}" for k, s, g in diffs)
-    same = " ".join(f"--program-param {k}={json.dumps(s)}" for k, s, _ in diffs if s != "<unset>")
-    added = [k for k, s, _ in diffs if s == "<unset>"]
-    new_field = (
-        f"; {', '.join(added)} did not exist when step {step} was saved: given its default, it "
-        "counts as what that step ran with (a field without a default cannot)"
-        if added
-        else ""
+    same = " ".join(
+        f"--program-param {k}={json.dumps(s)}" for k, s, g in diffs if unset not in (s, g)
     )
+    added = [k for k, s, _ in diffs if s == unset]
+    removed = [k for k, _, g in diffs if g == unset]
+    notes = ""
+    if added:
+        notes += (
+            f"; {', '.join(added)} did not exist when step {step} was saved: given its default, "
+            "it counts as what that step ran with (a field without a default cannot)"
+        )
+    if removed:
+        notes += (
+            f"; {', '.join(removed)} is no longer a field of the params type: step {step} was "
+            "trained with the value above, which the program can no longer be given"
+        )
     raise ProgramParamsMismatchError(
         f"job {job!r} was trained to step {step} with other program params than the ones given "
         f"({listed}); nothing was restored or trained. Resume it with the same params"
-        f"{f' ({same})' if same else ''}, or train the new params under a new job name"
-        f"{new_field}"
+        f"{f' ({same})' if same else ''}, or train the new params under a new job name{notes}"
     )
 
 

@@ -36,6 +36,7 @@ from prefect_jax.training.names import (
 )
 
 logger = logging.getLogger("prefect_jax.tracking")
+MAX_TAG_KEY = 250  # MLflow's longest tag key: a changed param whose tag would be longer keeps none
 
 
 class RunCalls:
@@ -104,6 +105,7 @@ class RunCalls:
                 order_by=["attributes.start_time ASC"],
             )
             run = found[0] if found else None
+        created = run is None
         if run is None:
             if run_id:  # a restored job's run, in neither form here: another store holds it
                 logger.warning(
@@ -131,10 +133,15 @@ class RunCalls:
                 self._note_killed(run, killed)
             if reopen and (killed or run.info.status != "RUNNING"):
                 client.update_run(run.info.run_id, status="RUNNING")
-            if reopen:  # (an evaluator joining the trainer's run leaves its record alone)
-                self._reconcile_params(run, params)
         self._experiment_id = exp_id
         self._run_id = run.info.run_id
+        if reopen and not created:  # (an evaluator joining the trainer's run leaves it alone)
+            try:
+                self._reconcile_params(run, params)
+            except Exception as exc:  # noqa: BLE001 - the run is the job's all the same
+                logger.warning(
+                    "MLflow run %s: its params not brought up to date: %r", self._run_id, exc
+                )
         if description is not None:
             self._describe(description)
         if reopen:
@@ -208,7 +215,11 @@ class RunCalls:
         new = [Param(k, str(v)) for k, v in sorted(params.items()) if k not in logged]
         for i in range(0, len(new), 100):
             client.log_batch(run_id, params=new[i : i + 100])
-        changed = {k: str(v) for k, v in params.items() if k in logged and logged[k] != str(v)}
+        changed = {
+            k: str(v)
+            for k, v in params.items()
+            if k in logged and logged[k] != str(v) and len(CHANGED_PARAM_TAG + k) <= MAX_TAG_KEY
+        }
         now = [
             RunTag(CHANGED_PARAM_TAG + k, v)
             for k, v in sorted(changed.items())
