@@ -89,15 +89,24 @@ def resolve_storage(storage: str) -> tuple[str, dict[str, Any]]:
     """
     if not storage.startswith(BLOCK_PREFIX):
         return storage, {}
-    name = storage[len(BLOCK_PREFIX) :]
+    block = _load_named(CheckpointStorage, storage, "storage block", "url", "a URL")
+    return block.url, block.fsspec_options()
+
+
+def _load_named(block_type: type[Block], value: str, what: str, field: str, instead: str):
+    """The block `value` names (its type's slug, a slash, its name), loaded from Prefect.
+
+    Raises:
+        ValueError: it does not exist; the message names it and how to create it.
+    """
+    name = value.split("/", 1)[1]
     try:
-        block = CheckpointStorage.load(name)
+        return block_type.load(name)
     except ValueError as exc:
         raise ValueError(
-            f"storage block {storage!r} was not found on the Prefect server: create it with "
-            f"CheckpointStorage(url=...).save({name!r}), or pass a URL instead"
+            f"{what} {value!r} was not found on the Prefect server: create it with "
+            f"{block_type.__name__}({field}=...).save({name!r}), or pass {instead} instead"
         ) from exc
-    return block.url, block.fsspec_options()
 
 
 class MlflowTracking(Block):
@@ -131,15 +140,9 @@ def resolve_tracking(tracking_uri: str | None, experiment: str) -> tuple[str | N
         return tracking_uri, experiment
     from prefect_jax.training.names import DEFAULT_EXPERIMENT
 
-    name = tracking_uri[len(TRACKING_BLOCK_PREFIX) :]
-    try:
-        block = MlflowTracking.load(name)
-    except ValueError as exc:
-        raise ValueError(
-            f"MLflow tracking block {tracking_uri!r} was not found on the Prefect server: create "
-            f"it with MlflowTracking(tracking_uri=...).save({name!r}), or pass a tracking URI "
-            "instead"
-        ) from exc
+    block = _load_named(
+        MlflowTracking, tracking_uri, "MLflow tracking block", "tracking_uri", "a tracking URI"
+    )
     return block.tracking_uri, block.experiment if experiment == DEFAULT_EXPERIMENT else experiment
 
 

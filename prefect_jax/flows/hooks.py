@@ -17,7 +17,8 @@ from prefect_jax.training.specs import JobConfig
 def _close_mlflow_run(status: str):
     """A state hook that ends the job this process trained with MLflow status `status`."""
 
-    def hook(flow, flow_run, state):
+    # (named for the run's log: "Running hook 'prefect_jax_end_the_job' in response to ...")
+    def prefect_jax_end_the_job(flow, flow_run, state):
         import sys
 
         if status == "KILLED":
@@ -49,7 +50,7 @@ def _close_mlflow_run(status: str):
                 if cluster is not None:
                     cluster.leave_last()
 
-    return hook
+    return prefect_jax_end_the_job
 
 
 def _crash_left_task_runs(flow_run, state) -> None:

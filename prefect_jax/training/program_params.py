@@ -213,10 +213,14 @@ def validate_params(
     data = dict(given or {})
     unknown = [k for k in data if k not in fields]
     if unknown:
+        import difflib
+
         bad = ", ".join(f"{k}={data[k]!r}" for k in unknown)
+        close = [m for k in unknown for m in difflib.get_close_matches(k, fields, n=1)]
+        hint = f" (did you mean {', '.join(repr(m) for m in close)}?)" if close else ""
         raise ProgramParamsError(
-            f"program params for {where}: {bad} is not a field of {tp.__name__}; give only "
-            f"its fields ({listing})"
+            f"program params for {where}: {bad} is not a field of {tp.__name__}{hint}; give "
+            f"only its fields ({listing})"
         )
     filled = []
     if max_steps is not None:
@@ -232,8 +236,9 @@ def validate_params(
             loc = ".".join(str(p) for p in err["loc"]) or tp.__name__
             value = err.get("input")
             problems.append(f"{loc}={value!r}: {err['msg']}")
+        # (the refused field is named, with what it takes: the other fields would bury it)
         raise ProgramParamsError(
-            f"program params for {where} refused: {'; '.join(problems)} ({listing})"
+            f"program params for {where} refused: {'; '.join(problems)}"
         ) from None
     values = json.loads(json.dumps(TypeAdapter(tp).dump_python(instance, mode="json")))
     exempt = tuple(name for name in getattr(tp, EXEMPT_ATTR, ()) if name in fields)
