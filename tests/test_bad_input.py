@@ -103,7 +103,9 @@ def test_max_steps_below_the_committed_step_is_refused_by_the_cli_and_the_engine
     assert (
         "max_steps=30 is below step 40" in line and "--max-steps" in line and "above 40" in line
     ), line
-    assert proc.stdout == ""  # no summary claiming a final step above max_steps
+    # no summary claiming a final step above max_steps: the error, as --json gives one
+    error = line[len("prefect-jax run: error: ") :]
+    assert json.loads(proc.stdout) == {"error": error, "exit_code": 2}
 
     # A deployment's run does not come through the CLI: the engine refuses it too, before the lease.
     trainer = Trainer(

@@ -45,7 +45,11 @@ def test_bad_input_is_a_clear_error_and_nothing_runs(tmp_path):
         "--json",
     )
     assert proc.returncode == 2
-    assert "error: --max-steps 0: max_steps=0 must be a positive number" in proc.stderr
+    said = proc.stderr.strip().splitlines()[-1]
+    assert said.startswith("prefect-jax run: error: --max-steps 0: max_steps=0 must be a positive")
+    # with --json, a script reading stdout's last line gets the error too
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer == {"error": said[len("prefect-jax run: error: ") :], "exit_code": 2}
     assert not (tmp_path / "j").exists()
 
 

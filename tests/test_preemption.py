@@ -163,11 +163,13 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
         "zero steps lost: the step the signal arrived at is committed"
     )
     assert "Finished in state Crashed" in log2 and not os.path.exists(lease_path)
-    last = [line for line in log2.splitlines() if line.strip()][-1]
-    assert last.startswith(  # the command's own last word, after Prefect's crash lines
+    *_, said, last = [line for line in log2.splitlines() if line.strip()]
+    assert said.startswith(  # the command's own last word, after Prefect's crash lines
         "prefect-jax run: terminated by signal 15; the newest committed step is kept: run the same "
         "command again to resume"
-    ), last
+    ), said
+    # and with --json, the same as the last line on stdout
+    assert json.loads(last) == {"error": said[len("prefect-jax run: ") :], "exit_code": 143}
     client = MlflowClient(mlflow_uri)
     (killed_run,) = client.search_runs(
         [client.get_experiment_by_name("prefect-jax").experiment_id],

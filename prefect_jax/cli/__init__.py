@@ -8,7 +8,8 @@ Prefect server for the duration of the command (the runs land in Prefect's defau
 database, so ``prefect server start`` shows them afterwards) and stop it cleanly, logs
 and events flushed, however the command ends.
 
-With ``--json`` the last line on stdout is one JSON object.
+With ``--json`` the last line on stdout is one JSON object: the summary, or where the command
+is refused or terminated ``{"error": <its error line>, "exit_code": <its exit code>}``.
 
 This module parses the command line and dispatches; the commands live beside it: `arguments`
 (the roles' flags), `commands` (the flows run in this process), `launch` (several processes),
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         signum = facade.received_signal()
         if isinstance(exc, SystemExit) and signum is not None and exc.code == 128 + signum:
-            _say_terminated(args.command, signum)  # (Prefect's crash lines are the last else)
+            _say_terminated(args, signum)  # (Prefect's crash lines are the last else)
             raise
         if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             raise
@@ -162,22 +163,34 @@ def main(argv: list[str] | None = None) -> int:
         # when a SIGTERM's SystemExit broke pydantic-core's import of `datetime`).
         if signum is not None:
             # Terminated: whatever error the signal caused on its way out is not the story.
-            _say_terminated(args.command, signum, f" ({type(exc).__name__}: {exc})")
+            _say_terminated(args, signum, f" ({type(exc).__name__}: {exc})")
             return 128 + signum
         if isinstance(exc, facade.REFUSALS):
-            print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
-            return 1
+            return _say_error(args, str(exc), 1)
         if isinstance(exc, (ValueError, FileNotFoundError)):
-            print(f"prefect-jax {args.command}: error: {exc}", file=sys.stderr)
-            return 2
+            return _say_error(args, str(exc), 2)
         raise
 
 
-def _say_terminated(command: str, signum: int, detail: str = "") -> None:
-    print(
-        f"prefect-jax {command}: terminated by signal {signum}; the newest committed step is "
-        f"kept: run the same command again to resume{detail}",
-        file=sys.stderr,
+def _say_error(args: argparse.Namespace, message: str, code: int, kind: str = "error: ") -> int:
+    """The command's last line on stderr, ``prefect-jax <command>: error: <message>``; with
+    ``--json`` also as the last line on stdout (a script reading it gets an object either way).
+    Returns `code`."""
+    print(f"prefect-jax {args.command}: {kind}{message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps({"error": message, "exit_code": code}), flush=True)
+    return code
+
+
+def _say_terminated(args: argparse.Namespace, signum: int, detail: str = "") -> None:
+    _say_error(
+        args,
+        f"terminated by signal {signum}; the newest committed step is kept: run the same "
+        f"command again to resume{detail}",
+        128 + signum,
+        kind="",
     )
 
 

@@ -156,7 +156,12 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         default=DEFAULT_EXPERIMENT,
         help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})",
     )
-    add("--json", action="store_true", help="print one JSON object as the last line on stdout")
+    add(
+        "--json",
+        action="store_true",
+        help="print one JSON object as the last line on stdout (refused or terminated: "
+        '{"error": ..., "exit_code": ...})',
+    )
     add("--no-progress", action="store_true", help="no progress bar")
 
 
