@@ -5,6 +5,7 @@ from conftest import train_and_close, train_to_end
 from mlflow.tracking import MlflowClient
 
 from prefect_jax.training.names import CHANGED_PARAM_TAG, JOB_TAG
+from prefect_jax.training.specs import LatestExporter
 from prefect_jax.training.tracking import Tracker, TrackingWarning
 from prefect_jax.training.trainer import Trainer
 
@@ -60,25 +61,29 @@ def test_a_rerun_that_changes_the_job_records_its_params_now_beside_the_first_on
     config = job_config(max_steps=20, every_steps=20, job="changed")
     train_and_close(config)
 
-    def rerun(max_steps, eval_steps):
+    def rerun(max_steps, eval_steps, exporters=()):
         changed = config.model_copy(
             update={
                 "train": config.train.model_copy(update={"max_steps": max_steps}),
-                "eval": config.eval.model_copy(update={"steps": eval_steps}),
+                "eval": config.eval.model_copy(
+                    update={"steps": eval_steps, "exporters": list(exporters)}
+                ),
             }
         )
         trainer = train_and_close(changed)
         return MlflowClient(config.mlflow_tracking_uri).get_run(trainer.job.tracker.run_id).data
 
-    data = rerun(40, 2)
+    data = rerun(40, 2, [LatestExporter()])
     assert (data.params["train.max_steps"], data.params["eval.steps"]) == ("20", "None")
     assert data.tags[f"{CHANGED_PARAM_TAG}train.max_steps"] == "40"
     assert data.tags[f"{CHANGED_PARAM_TAG}eval.steps"] == "2"
+    assert data.params["eval.exporters.0.name"] == "latest"  # a key the run lacked
 
-    data = rerun(60, None)  # eval.steps as it was: its tag goes
+    data = rerun(60, None)  # eval.steps as it was: its tag goes; the exporter is gone
     assert data.tags[f"{CHANGED_PARAM_TAG}train.max_steps"] == "60"
     assert f"{CHANGED_PARAM_TAG}eval.steps" not in data.tags
     assert data.params["train.max_steps"] == "20"
+    assert data.tags[f"{CHANGED_PARAM_TAG}eval.exporters.0.name"] == "<unset>"
 
 
 def test_a_changed_param_too_long_for_a_tag_key_keeps_the_run_whole(mlflow_uri):

@@ -36,6 +36,7 @@ from prefect_jax.training.names import (
 )
 
 logger = logging.getLogger("prefect_jax.tracking")
+UNSET = "<unset>"  # the value now of a param this attempt does not have
 MAX_TAG_KEY = 250  # MLflow's longest tag key: a changed param whose tag would be longer keeps none
 
 
@@ -206,19 +207,21 @@ class RunCalls:
         """Bring a reopened run's record of the job's params up to this attempt's: a key the run
         lacks (a field added since) is logged as a param; one whose value changed (a rerun that
         trains further, or evaluates otherwise) cannot be, since MLflow refuses a param's second
-        value, so its value now is tag ``prefect_jax.param.<key>``, which a rerun that changes
-        it back removes. Said once in the log, key by key."""
+        value, so its value now is tag ``prefect_jax.param.<key>`` (``<unset>`` for a key this
+        attempt lacks: an exporter fewer), which a rerun that changes it back removes. Said once
+        in the log, key by key."""
         from mlflow.entities import Param, RunTag
 
         client, run_id = self._client, run.info.run_id
         logged, tags = run.data.params, run.data.tags
-        new = [Param(k, str(v)) for k, v in sorted(params.items()) if k not in logged]
+        current = {k: str(v) for k, v in params.items()}
+        new = [Param(k, v) for k, v in sorted(current.items()) if k not in logged]
         for i in range(0, len(new), 100):
             client.log_batch(run_id, params=new[i : i + 100])
         changed = {
-            k: str(v)
-            for k, v in params.items()
-            if k in logged and logged[k] != str(v) and len(CHANGED_PARAM_TAG + k) <= MAX_TAG_KEY
+            k: current.get(k, UNSET)
+            for k in logged
+            if current.get(k, UNSET) != logged[k] and len(CHANGED_PARAM_TAG + k) <= MAX_TAG_KEY
         }
         now = [
             RunTag(CHANGED_PARAM_TAG + k, v)
