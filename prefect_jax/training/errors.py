@@ -117,10 +117,7 @@ class ExportFailedError(RuntimeError):
     thread (see `Trainer.export_in_background`). Not retried by the task: this process raises it
     at every later save and export, so a retry would only train an interval to fail again; the
     rerun resumes from the newest committed step (no step commits over the failed one) and
-    exports it first. ``repeated``: raised before, for the same failure (its traceback was
-    told then)."""
-
-    repeated = False
+    exports it first."""
 
 
 class Preempted(Exception):

@@ -49,7 +49,6 @@ class _Background:
 
     def __init__(self, step: int, write: Callable[[], dict[str, str]], on_done):
         self.step, self.written, self.error = step, {}, None
-        self.raised = False  # its failure was raised once (`Exports.join`): later ones repeat it
         self._write, self._on_done = write, on_done
         # (daemon: a process killed meanwhile leaves no torn export, see exporters._write_export)
         self._thread = threading.Thread(target=self._run, name=f"export-{step}", daemon=True)
@@ -144,14 +143,28 @@ class Exports:
             self._failed = running
         if self._failed is not None:
             failed = self._failed
-            error = ExportFailedError(
+            raise ExportFailedError(
                 f"the export of step {failed.step} (in the background, while training went on) "
                 f"failed: {type(failed.error).__name__}: {failed.error}. The job stops here; its "
                 "checkpoints are kept, and a rerun exports its newest evaluated step"
-            )
-            error.repeated, failed.raised = failed.raised, True
-            raise error from failed.error
+            ) from failed.error
         return {}
+
+    def join_at_end(self, raise_failure: bool) -> None:
+        """`join` as the job ends: a failure raised where `raise_failure`, else logged, with its
+        traceback only where no earlier `join` raised it (that one told it)."""
+        told = self._failed is not None  # (set by the `join` that first raised it)
+        try:
+            self.join()
+        except ExportFailedError as exc:
+            if raise_failure:
+                raise
+            logger.error(
+                "job %s ends with an export that failed%s",
+                self.trainer.config.job,
+                f": {exc}" if told else "",
+                exc_info=not told,
+            )
 
     def _export(self, result: EvalResult, on_done=None) -> dict[str, str]:
         t, job, config = self.trainer, self.trainer.job, self.trainer.config

@@ -24,7 +24,6 @@ from prefect_jax.training.mlflow_client import (
     strict,
 )
 from prefect_jax.training.names import (
-    CHANGED_PARAM_TAG,
     EXPERIMENT_KIND_TAG,
     JOB_TAG,
     KILLED_ATTEMPT_TAG,
@@ -34,10 +33,9 @@ from prefect_jax.training.names import (
     RUN_NAME_TAG,
     UI_MODEL_TRAINING,
 )
+from prefect_jax.training.tracking_params import log_params, reconcile_params
 
 logger = logging.getLogger("prefect_jax.tracking")
-UNSET = "<unset>"  # the value now of a param this attempt does not have
-MAX_TAG_KEY = 250  # MLflow's longest tag key: a changed param whose tag would be longer keeps none
 
 
 class RunCalls:
@@ -57,7 +55,7 @@ class RunCalls:
 
         MLflow keeps a param's first value for good: a reopened run gets the params it lacks,
         and each whose value changed since is recorded as tag ``prefect_jax.param.<key>`` (see
-        `_reconcile_params`).
+        `tracking_params.reconcile_params`).
         `killed` describes an attempt that died without closing the run (a SIGKILLed trainer
         whose lease this process took over): the run is marked KILLED before it is reopened,
         and the attempt is recorded for good (see `_note_killed`). `description` becomes the
@@ -124,11 +122,7 @@ class RunCalls:
                 tags={JOB_TAG: self.job_key, **(tags or {})},
                 run_name=tags.get(RUN_NAME_TAG) if tags else None,
             )
-            from mlflow.entities import Param
-
-            items = [Param(k, v) for k, v in sorted(params.items())]
-            for i in range(0, len(items), 100):
-                client.log_batch(run.info.run_id, params=items[i : i + 100])
+            log_params(client, run.info.run_id, params)
         else:
             if killed:
                 self._note_killed(run, killed)
@@ -138,7 +132,7 @@ class RunCalls:
         self._run_id = run.info.run_id
         if reopen and not created:  # (an evaluator joining the trainer's run leaves it alone)
             try:
-                self._reconcile_params(run, params)
+                reconcile_params(client, run, params)
             except Exception as exc:  # noqa: BLE001 - the run is the job's all the same
                 logger.warning(
                     "MLflow run %s: its params not brought up to date: %r", self._run_id, exc
@@ -202,48 +196,6 @@ class RunCalls:
         note = "\n\n".join([description.strip(), *killed])[-5000:]
         if tags.get(NOTE_TAG) != note:
             self._client.set_tag(self._run_id, NOTE_TAG, note)
-
-    def _reconcile_params(self, run, params: dict[str, Any]) -> None:
-        """Bring a reopened run's record of the job's params up to this attempt's: a key the run
-        lacks (a field added since) is logged as a param; one whose value changed (a rerun that
-        trains further, or evaluates otherwise) cannot be, since MLflow refuses a param's second
-        value, so its value now is tag ``prefect_jax.param.<key>`` (``<unset>`` for a key this
-        attempt lacks: an exporter fewer), which a rerun that changes it back removes. Said once
-        in the log, key by key."""
-        from mlflow.entities import Param, RunTag
-
-        client, run_id = self._client, run.info.run_id
-        logged, tags = run.data.params, run.data.tags
-        current = {k: str(v) for k, v in params.items()}
-        new = [Param(k, v) for k, v in sorted(current.items()) if k not in logged]
-        for i in range(0, len(new), 100):
-            client.log_batch(run_id, params=new[i : i + 100])
-        changed = {
-            k: current.get(k, UNSET)
-            for k in logged
-            if current.get(k, UNSET) != logged[k] and len(CHANGED_PARAM_TAG + k) <= MAX_TAG_KEY
-        }
-        now = [
-            RunTag(CHANGED_PARAM_TAG + k, v)
-            for k, v in sorted(changed.items())
-            if tags.get(CHANGED_PARAM_TAG + k) != v
-        ]
-        if now:
-            client.log_batch(run_id, tags=now)
-        for tag in sorted(tags):
-            if tag.startswith(CHANGED_PARAM_TAG) and tag[len(CHANGED_PARAM_TAG) :] not in changed:
-                client.delete_tag(run_id, tag)
-        if new or now:
-            said = [f"{p.key}={p.value!r} (new)" for p in new] + [
-                f"{k}: {logged[k]!r} -> {v!r}" for k, v in sorted(changed.items())
-            ]
-            logger.info(
-                "MLflow run %s: params since it was created: %s (a changed param keeps its first "
-                "value; its value now is tag %s<key>)",
-                run_id,
-                "; ".join(said),
-                CHANGED_PARAM_TAG,
-            )
 
     def _note_killed(self, run, killed: dict[str, Any]) -> None:
         """Close the run of a dead attempt KILLED (if it still says RUNNING), and record that

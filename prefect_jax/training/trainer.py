@@ -378,7 +378,7 @@ class Trainer:
         """Wait for pending saves and the export in the background (its failure raised when
         `status` is FINISHED), close the MLflow run with `status`, release the lease."""
         try:
-            self._join_exports(raise_failure=status == "FINISHED")
+            self.exports.join_at_end(raise_failure=status == "FINISHED")
         except ExportFailedError:
             # closed as failed here, not left to a flow's failure hook (the engine runs without)
             self.ending.finish("FAILED")
@@ -386,18 +386,5 @@ class Trainer:
         self.ending.finish(status)
 
     def close(self) -> None:
-        self._join_exports(raise_failure=False)
+        self.exports.join_at_end(raise_failure=False)
         self.ending.close()
-
-    def _join_exports(self, raise_failure: bool) -> None:
-        try:
-            self.exports.join()
-        except ExportFailedError as exc:
-            if raise_failure:
-                raise
-            logger.error(
-                "job %s ends with an export that failed%s",
-                self.config.job,
-                f": {exc}" if exc.repeated else "",
-                exc_info=not exc.repeated,  # (told with its traceback where it was raised)
-            )
