@@ -488,3 +488,31 @@ class DeviceBound(DigitsProgram):
 
 def device_bound():
     return DeviceBound(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+
+
+class CountsLoadsAndTraces(DigitsProgram):
+    """Tiny digits that writes a line to the file named by ``PREFECT_JAX_TEST_EVENTS`` each time
+    it is made (``load``) and each time its train step is traced (``trace <thread>``)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._note("load")
+
+    @staticmethod
+    def _note(event: str) -> None:
+        with open(os.environ["PREFECT_JAX_TEST_EVENTS"], "a") as f:
+            f.write(event + "\n")
+
+    def train_step(self, state, batch):
+        self._note(f"trace {threading.current_thread().name}")
+        return super().train_step(state, batch)
+
+
+def counts_loads_and_traces(params: DigitsParams) -> CountsLoadsAndTraces:
+    """`CountsLoadsAndTraces` built from typed params (a new program per load)."""
+    return CountsLoadsAndTraces(
+        hidden=(params.width, params.width),
+        learning_rate=params.learning_rate,
+        batch_size=32,
+        dropout=0.1,
+    )

@@ -232,6 +232,7 @@ def _run_flow_with(
         args.mlflow_optional,
         args.compilation_cache if role != "export" else None,
         program_params,
+        train_spec if role in _TRAINS else None,  # its compile begins once the checks pass
     )
     blocks = names_a_block(storage) or names_a_block(tracking_uri)
     if not blocks:
@@ -271,10 +272,13 @@ def _preflight(
     mlflow_optional: bool = False,
     compilation_cache: str | None = None,
     program_params: dict[str, Any] | None = None,
+    train_spec=None,
 ) -> None:
     """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
     flow run with a traceback in front of it. The flow checks the same things again (a
-    deployment's runs do not come through here)."""
+    deployment's runs do not come through here). With `train_spec`, the compile of the job's
+    steps begins once the checks pass, for the flow run's trainer in this process (see
+    `prefect_jax.training.head_start`)."""
     from prefect_jax.blocks import resolve_storage, resolve_tracking
     from prefect_jax.tasks import ui_refresh_secs
     from prefect_jax.training.facade import preflight
@@ -293,6 +297,7 @@ def _preflight(
         mlflow_optional=mlflow_optional,
         compilation_cache=compilation_cache,
         program_params=program_params,
+        train_spec=train_spec,
     )
 
 

@@ -251,17 +251,29 @@ class BackgroundCompile:
     def __init__(self):
         self._thread: threading.Thread | None = None
         self._train_compiled = threading.Event()
+        # Not a daemon by default: a process must not exit in the middle of an XLA compile
+        # (the interpreter's teardown aborts it). A command's head start is one: the command
+        # ends by `os._exit`, never through that teardown (`prefect_jax.cli.entry`).
+        self.daemon = False
 
     @property
     def started(self) -> bool:
         return self._thread is not None
 
-    def start(self, *args) -> None:
-        """`precompile_steps(*args)` on the thread (its `train_compiled` event given here)."""
-        # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts).
-        thread = threading.Thread(
-            target=precompile_steps, args=(*args, self._train_compiled), name="prefect-jax-compile"
-        )
+    def start(self, *args, before: Callable[[], Any] | None = None) -> None:
+        """`precompile_steps(*args)` on the thread (its `train_compiled` event given here), after
+        `before()` where given (the pull of a remote compilation cache: waited for there, not by
+        the caller)."""
+
+        def run() -> None:
+            if before is not None:
+                try:
+                    before()
+                except Exception:  # noqa: BLE001 - compiled without it; the trainer reports it
+                    logger.debug("before the background compile", exc_info=True)
+            precompile_steps(*args, self._train_compiled)
+
+        thread = threading.Thread(target=run, name="prefect-jax-compile", daemon=self.daemon)
         thread.start()
         # (kept only once started: a restore retried after a failed start starts it again)
         self._thread = thread

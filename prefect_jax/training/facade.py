@@ -104,6 +104,7 @@ def preflight(
     tracking_uri: str | None = None,
     mlflow_optional: bool = False,
     compilation_cache: str | None = None,
+    train_spec: Any = None,
 ) -> None:
     """Refuse what a training flow would refuse, before anything starts.
 
@@ -128,6 +129,10 @@ def preflight(
         mlflow_optional: A tracking URI that fails that check is a warning, not a refusal.
         compilation_cache: The compilation cache's directory: a local one must be one this
             process can make (``job`` and URLs are the storage's concern).
+        train_spec: The job's `TrainSpec`, where this process trains the job next (a command):
+            once every check passed, the compile of its steps begins (`head_start`), for the
+            trainer the flow run makes; not for a job already at its final step, nor for one of
+            several JAX processes.
 
     Nothing is written before every check passed (the write probe of the storage comes last).
 
@@ -203,6 +208,15 @@ def preflight(
         js.check_writable()
     if compilation_cache and compilation_cache != "job" and "://" not in compilation_cache:
         make_local_dir("--compilation-cache", os.path.abspath(compilation_cache))
+    if (
+        train_spec is not None
+        and cluster is None
+        and not train_spec.is_final(committed[-1] if committed else None)
+    ):
+        from prefect_jax.training import head_start
+
+        given = dict(program_params) if program_params else None
+        head_start.begin(program, loaded, params, given, train_spec, js, compilation_cache)
 
 
 def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:

@@ -201,6 +201,12 @@ class Lease:
     def held(self) -> bool:
         return self.token is not None
 
+    def is_free(self) -> bool:
+        """Whether `acquire` would find no live holder (none, or a stale one), read once: a
+        caller's guess before work that needs the job, not a claim (only `acquire` is one)."""
+        current = self.read()
+        return current is None or self._stale_reason(current) is not None
+
     def verify(self, max_age: float = 0.0) -> None:
         """Fencing: raise `LeaseLostError` when another trainer took the lease over since this
         process took it (read from storage: called before each checkpoint, a write). The lease

@@ -243,12 +243,12 @@ class Loop:
 
     # -- compilation ---------------------------------------------------------------------
 
-    def start_precompile(self) -> None:
+    def start_precompile(self, before: Callable[[], Any] | None = None) -> None:
         """Compile the train step, then the eval step, for the job's shapes on a background
         thread (`BackgroundCompile`), so the compile overlaps the restore instead of following
         it: the first call then finds the executable in jit's cache. Only for Grain MapDatasets,
         whose first batch is read by index without starting the pipeline; any failure is left for
-        the real call to report."""
+        the real call to report. `before`: run first on that thread (see `BackgroundCompile`)."""
         if self.compiling.started or (self.one_device is None and not self.sharded):
             return
         if self.sharded:  # the abstract state carries the shardings the steps are jitted with
@@ -265,7 +265,7 @@ class Loop:
         args += (guard_sharding, self.program_step, self.train_step, self.scan_steps)
         args += (self.eval_step,)
         args += ((self.batch_sharding, self._stacked_sharding) if self.sharded else None,)
-        self.compiling.start(*args)
+        self.compiling.start(*args, before=before)
 
     # -- the loop ------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from prefect_jax.training.errors import ExportFailedError
 from prefect_jax.training.evaluating import Evaluations
 from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.exporting import Exports
+from prefect_jax.training.head_start import adopt as adopt_head_start
 from prefect_jax.training.intervals import Intervals
 from prefect_jax.training.job import Job
 from prefect_jax.training.loop import Loop
@@ -94,7 +95,11 @@ class Trainer:
         # (a lost process seen by an earlier trainer in this process is not this one's)
         forget_lost()
         self.config = config
-        if program is None:
+        # (the command's compile, begun before its flow run: `prefect_jax.training.head_start`)
+        head = adopt_head_start(config) if program is None else None
+        if head is not None:
+            program, self.program_params = head.program, head.program_params
+        elif program is None:
             program, self.program_params = load_program_with_params(
                 config.program, config.program_params, config.train.max_steps
             )
@@ -104,7 +109,9 @@ class Trainer:
         self.job = Job(config, run_tags)
         try:
             self.compile_cache = None  # a mirror of a cache on remote storage (see compile_cache)
-            if config.compilation_cache_dir:
+            if head is not None and head.cache_opened:
+                self.compile_cache = head.compile_cache
+            elif config.compilation_cache_dir:
                 self.compile_cache = open_compilation_cache(
                     config.compilation_cache_dir, self.job.storage, push=self.job.is_primary
                 )
@@ -119,7 +126,7 @@ class Trainer:
                 if getattr(exporter, "compare_fn", None):
                     load_compare_fn(exporter.compare_fn)
             self.train_hooks = TrainHooks(config.train.hooks)  # a bad path refused now too
-            self.loop = Loop(self.program, config.train)
+            self.loop = head.loop if head is not None else Loop(self.program, config.train)
             # a serve() that does not trace, or lower for named platforms: refused now, not an
             # interval in
             if config.eval.exporters:

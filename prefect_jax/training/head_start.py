@@ -1,0 +1,131 @@
+"""A command's compile begun before its flow run, for the trainer that the flow run makes next.
+
+A rerun after a preemption spends seconds before its first new step: Prefect's start-up, the
+flow run's creation, the restore, and the compile of the train step (a trace in Python, then
+XLA's compile, which runs outside Python's lock). The trainer starts that compile beside its
+restore (`Loop.start_precompile`); a ``prefect-jax run`` of one process knows the job's program
+and train spec as soon as its preflight has passed, before any of Prefect's work. There it
+`begin`s the loop early: the program, its `Loop`, the compile on its thread, and the job's
+compilation cache opened for it. The flow run's trainer of the same job in this process then
+`adopt`s them (`Trainer.__init__`) instead of making its own, so the compile overlaps the flow
+run's start as well as the restore, and the train step is still traced once.
+
+Only a whole match is adopted (the program, its params, the train spec, the storage, the job and
+the cache); anything else makes its own, as without a head start. What a compile writes goes to
+the compilation cache only (with ``--compilation-cache job``, the job's ``compile-cache``
+folder), nothing else of the job.
+
+Begun before the flow run takes the job's lease, it starts JAX before that lease too: a second
+command of a job whose trainer is still starting (its lease not taken yet) starts JAX before it is
+refused, where a worker's duplicate flow run still waits for the lease first (`lease_early`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from prefect_jax.training.compile_cache import open_compilation_cache
+from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
+from prefect_jax.training.lease import Lease
+from prefect_jax.training.loop import Loop
+from prefect_jax.training.program_params import ProgramParams
+from prefect_jax.training.specs import JobConfig, TrainSpec
+from prefect_jax.training.storage import JobStorage, normalize_root
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+
+@dataclass
+class HeadStart:
+    """What `begin` made for one job, until its trainer adopts it."""
+
+    key: str
+    program: Any
+    program_params: ProgramParams
+    loop: Loop
+    compile_cache: CompileCacheMirror | None  # a remote cache's mirror, pulling
+    cache_opened: bool  # the job's compilation cache is open (as `open_compilation_cache` left it)
+
+
+_begun: HeadStart | None = None
+
+
+def _key(
+    program: str,
+    program_params: dict[str, Any] | None,
+    train: TrainSpec,
+    storage: str,
+    job: str,
+    compilation_cache: str | None,
+) -> str:
+    # (the params as JSON: a flow run's parameters come back from Prefect's JSON, lists for tuples)
+    params = json.dumps(program_params or {}, sort_keys=True, default=str)
+    return json.dumps(
+        [program, params, train.model_dump(mode="json"), storage, job, compilation_cache],
+        sort_keys=True,
+        default=str,
+    )
+
+
+def begin(
+    program_ref: str,
+    program: Any,
+    program_params: ProgramParams,
+    given_params: dict[str, Any] | None,
+    train: TrainSpec,
+    storage: JobStorage,
+    compilation_cache: str | None,
+) -> bool:
+    """Make the job's `Loop` for `program` (loaded from `program_ref` with `given_params`) and
+    start the compile of its steps, after opening the job's compilation cache (`compilation_cache`
+    as `JobConfig.compilation_cache_dir`). For one JAX process whose preflight has passed; not
+    where a live trainer holds the job (this process would start JAX, on a GPU its memory, only
+    to be refused). Whether it began: any failure is left for the trainer to meet and report."""
+    global _begun
+    try:
+        if not Lease(storage).is_free():
+            return False
+        mirror, opened = None, False
+        if compilation_cache:
+            mirror = open_compilation_cache(compilation_cache, storage)
+            opened = True
+        key = _key(program_ref, given_params, train, storage.root, storage.job, compilation_cache)
+        loop = Loop(program, train)
+        # A daemon: a command refused after its preflight (its flow run failed, the job's lease
+        # taken meanwhile) exits without waiting for a compile nobody uses; once adopted, the
+        # trainer's end joins it as its own.
+        loop.compiling.daemon = True
+        loop.start_precompile(before=mirror.wait_pulled if mirror is not None else None)
+    except Exception:  # noqa: BLE001 - the trainer does the same again and says what failed
+        logger.debug("no head start for job %s", storage.job, exc_info=True)
+        return False
+    _begun = HeadStart(key, program, program_params, loop, mirror, opened)
+    return True
+
+
+def adopt(config: JobConfig) -> HeadStart | None:
+    """The head start `begin` made for the job of `config` in this process, once; None where
+    none was made or it was made for another (its compile finishes unused: the process's exit
+    waits for it)."""
+    global _begun
+    begun, _begun = _begun, None
+    if begun is None:
+        return None
+    key = _key(
+        config.program,
+        config.program_params,
+        config.train,
+        normalize_root(config.storage),
+        config.job,
+        config.compilation_cache_dir,
+    )
+    if begun.key != key:
+        logger.debug("the head start made for another job's config is not used")
+        return None
+    return begun
+
+
+__all__ = ["HeadStart", "adopt", "begin"]
