@@ -401,3 +401,21 @@ def test_the_other_path_flags_that_cannot_be_made_name_the_flag_and_the_fix(
     line = _one_error_line(proc, command)
     assert f"{flag} /proc/nope: the directory cannot be made" in line, line
     assert f"give {flag} a directory this user can create" in line, line
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--train-hook", "nope.module:hook"], "train hook 'nope.module:hook' cannot be loaded"),
+        (["--best-compare-fn", "nope.module:better"], "'nope.module:better'"),
+    ],
+)
+def test_a_part_of_the_job_that_cannot_be_loaded_is_one_clear_line_before_any_flow_runs(
+    tmp_path, flags, expected
+):
+    """What the trainer refuses as it is made, the command refuses in its preflight: before its
+    compile begins (it would wait for it) and before any flow run (one line, no run's logs)."""
+    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"), *flags)
+    assert proc.returncode == 2
+    assert expected in _one_error_line(proc, "run")
+    assert not (tmp_path / "s" / "j").exists()

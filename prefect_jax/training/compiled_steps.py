@@ -251,10 +251,6 @@ class BackgroundCompile:
     def __init__(self):
         self._thread: threading.Thread | None = None
         self._train_compiled = threading.Event()
-        # Not a daemon by default: a process must not exit in the middle of an XLA compile
-        # (the interpreter's teardown aborts it). A command's head start is one: the command
-        # ends by `os._exit`, never through that teardown (`prefect_jax.cli.entry`).
-        self.daemon = False
 
     @property
     def started(self) -> bool:
@@ -273,7 +269,9 @@ class BackgroundCompile:
                     logger.debug("before the background compile", exc_info=True)
             precompile_steps(*args, self._train_compiled)
 
-        thread = threading.Thread(target=run, name="prefect-jax-compile", daemon=self.daemon)
+        # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts); and
+        # a thread the program starts from it (in `train_data`, say) is not one either.
+        thread = threading.Thread(target=run, name="prefect-jax-compile")
         thread.start()
         # (kept only once started: a restore retried after a failed start starts it again)
         self._thread = thread

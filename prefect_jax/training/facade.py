@@ -157,6 +157,7 @@ def preflight(
     from prefect_jax.training.mlflow_reach import finish_check, start_check
     from prefect_jax.training.preflight import (
         check_checkpoint_path,
+        check_job_parts,
         check_metric_names,
         make_local_dir,
         storage_errors,
@@ -178,6 +179,9 @@ def preflight(
         )
         if eval_spec is not None:
             check_metric_names(loaded, eval_spec, one_process=cluster is None)
+        if train_spec is not None:  # what its trainer refuses as it is made (see head_start)
+            exporters = eval_spec.exporters if eval_spec is not None else []
+            check_job_parts(loaded, program, exporters, train_spec.hooks)
         if probe is not None:
             finish_check(probe, mlflow_optional)
     finally:

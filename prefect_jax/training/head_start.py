@@ -15,6 +15,10 @@ the cache); anything else makes its own, as without a head start. What a compile
 the compilation cache only (with ``--compilation-cache job``, the job's ``compile-cache``
 folder), nothing else of the job.
 
+What the trainer refuses as it is made (`preflight.check_job_parts`) the preflight refuses before
+the compile begins: a command refused later (a flow run that fails to start, the job's lease taken
+meanwhile) waits for that compile to end before it exits, as a refused trainer waits for its own.
+
 Begun before the flow run takes the job's lease, it starts JAX before that lease too: a second
 command of a job whose trainer is still starting (its lease not taken yet) starts JAX before it is
 refused, where a worker's duplicate flow run still waits for the lease first (`lease_early`).
@@ -94,10 +98,6 @@ def begin(
             opened = True
         key = _key(program_ref, given_params, train, storage.root, storage.job, compilation_cache)
         loop = Loop(program, train)
-        # A daemon: a command refused after its preflight (its flow run failed, the job's lease
-        # taken meanwhile) exits without waiting for a compile nobody uses; once adopted, the
-        # trainer's end joins it as its own.
-        loop.compiling.daemon = True
         loop.start_precompile(before=mirror.wait_pulled if mirror is not None else None)
     except Exception:  # noqa: BLE001 - the trainer does the same again and says what failed
         logger.debug("no head start for job %s", storage.job, exc_info=True)
@@ -109,7 +109,7 @@ def begin(
 def adopt(config: JobConfig) -> HeadStart | None:
     """The head start `begin` made for the job of `config` in this process, once; None where
     none was made or it was made for another (its compile finishes unused: the process's exit
-    waits for it)."""
+    waits for it, as for any compile under way)."""
     global _begun
     begun, _begun = _begun, None
     if begun is None:

@@ -163,6 +163,30 @@ def check_metric_names(program: Any, eval_spec: Any, one_process: bool = True) -
             )
 
 
+def check_job_parts(program: Any, program_ref: str, exporters: list, hooks: list) -> Any:
+    """Refuse, as the job's trainer is made (and a command's preflight before it), `exporters`
+    that `program` cannot serve, a best exporter's ``compare_fn`` and a train hook (`hooks`) that
+    cannot be loaded; returns the hooks loaded (`TrainHooks`).
+
+    Raises:
+        ProgramError: one of them, named, with the fix.
+    """
+    from prefect_jax.training.best import load_compare_fn
+    from prefect_jax.training.program import ProgramError, has_serving
+    from prefect_jax.training.train_hooks import TrainHooks
+
+    if exporters and not has_serving(program):
+        raise ProgramError(
+            f"exporters {[e.name for e in exporters]} are configured, but "
+            f"program {program_ref!r} has no serve(state, inputs) and "
+            "serving_input(): add them, or drop the exporters"
+        )
+    for exporter in exporters:  # a bad path refused now, not at an export
+        if getattr(exporter, "compare_fn", None):
+            load_compare_fn(exporter.compare_fn)
+    return TrainHooks(hooks)
+
+
 def make_local_dir(flag: str, path: str) -> None:
     """Make a local directory a flag names (or find it there), or refuse the flag's value.
 

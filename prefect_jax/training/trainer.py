@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect_jax.training import control
-from prefect_jax.training.best import load_compare_fn
 from prefect_jax.training.cluster import forget_lost, from_primary, note_failure
 from prefect_jax.training.cluster import initialize as initialize_cluster
 from prefect_jax.training.compile_cache import open_compilation_cache
@@ -46,9 +45,8 @@ from prefect_jax.training.job import Job
 from prefect_jax.training.loop import Loop
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.preemption import PreemptionGuard
+from prefect_jax.training.preflight import check_job_parts
 from prefect_jax.training.program import (
-    ProgramError,
-    has_serving,
     load_program_with_params,
     program_fingerprint,
 )
@@ -62,7 +60,6 @@ from prefect_jax.training.session import (
     restore_trainer,
 )
 from prefect_jax.training.specs import JobConfig
-from prefect_jax.training.train_hooks import TrainHooks
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -116,16 +113,9 @@ class Trainer:
                     config.compilation_cache_dir, self.job.storage, push=self.job.is_primary
                 )
             self.program_fingerprint = program_fingerprint(config.program, self.program)
-            if config.eval.exporters and not has_serving(self.program):
-                raise ProgramError(
-                    f"exporters {[e.name for e in config.eval.exporters]} are configured, but "
-                    f"program {config.program!r} has no serve(state, inputs) and "
-                    "serving_input(): add them, or drop the exporters"
-                )
-            for exporter in config.eval.exporters:  # a bad path refused now, not at an export
-                if getattr(exporter, "compare_fn", None):
-                    load_compare_fn(exporter.compare_fn)
-            self.train_hooks = TrainHooks(config.train.hooks)  # a bad path refused now too
+            self.train_hooks = check_job_parts(
+                self.program, config.program, config.eval.exporters, config.train.hooks
+            )
             self.loop = head.loop if head is not None else Loop(self.program, config.train)
             # a serve() that does not trace, or lower for named platforms: refused now, not an
             # interval in
