@@ -33,7 +33,7 @@ _EXPORTS = {
     "Checkpoints": "checkpoints",
     "CheckpointMismatchError": "checkpoints",
     "CheckpointSaveError": "checkpoints",
-    "JobDirectoryGoneError": "lease",
+    "JobDirectoryGoneError": "errors",
     "DamagedRecordError": "records",
     "state_fingerprint": "trees",
     "Trainer": "trainer",

@@ -72,6 +72,22 @@ class LeaseLostError(LeaseHeldError):
         )
 
 
+class JobDirectoryGoneError(LeaseLostError):
+    """The job's directory disappeared while this process trained it (a storage unmounted or
+    deleted; perhaps back since, empty or another one): this process writes nothing more there."""
+
+    def __init__(self, job_dir: str, why: str):
+        self.owner = {}
+        RuntimeError.__init__(
+            self,
+            f"job {job_dir}: {why} while this process trained it. This process stopped and "
+            "writes nothing more there (no checkpoint, record or export into a directory that is "
+            "not the one it found). Check the storage (a mount that dropped, a directory deleted "
+            "or replaced), then run the job again: it resumes from the newest committed step it "
+            "finds there.",
+        )
+
+
 class PastMaxStepsError(ValueError):
     """The job has already committed a step past the `max_steps` asked for."""
 

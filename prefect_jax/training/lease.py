@@ -28,28 +28,12 @@ import time
 import uuid
 from collections.abc import Callable
 
-from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
+from prefect_jax.training.errors import JobDirectoryGoneError, LeaseHeldError, LeaseLostError
 from prefect_jax.training.local_processes import process_alive
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage, atomic_write
 
 logger = logging.getLogger("prefect_jax.lease")
-
-
-class JobDirectoryGoneError(LeaseLostError):
-    """The job's directory disappeared while this process trained it (a storage unmounted or
-    deleted; perhaps back since, empty or another one): this process writes nothing more there."""
-
-    def __init__(self, job_dir: str, why: str):
-        self.owner = {}
-        RuntimeError.__init__(
-            self,
-            f"job {job_dir}: {why} while this process trained it. This process stopped and "
-            "writes nothing more there (no checkpoint, record or export into a directory that is "
-            "not the one it found). Check the storage (a mount that dropped, a directory deleted "
-            "or replaced), then run the job again: it resumes from the newest committed step it "
-            "finds there.",
-        )
 
 
 def _identity(storage: JobStorage) -> tuple | None:
