@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import threading
 import time
 
@@ -64,8 +65,27 @@ def _artifacts(api_url, flow_run_id):
     return response.json()
 
 
+def _log_messages(api_url, flow_run_id) -> list[str]:
+    """The log lines of a flow run and its task runs, read over the REST API."""
+    import httpx
+
+    body = {"logs": {"flow_run_id": {"any_": [str(flow_run_id)]}}, "limit": 200}
+    response = httpx.post(f"{api_url}/logs/filter", json=body, timeout=30)
+    response.raise_for_status()
+    return [log["message"] for log in response.json()]
+
+
+@pytest.fixture
+def task_run_info_logs():
+    """The task runs' INFO lines reach the API (the suite logs WARNING and up)."""
+    logger = logging.getLogger("prefect.task_runs")
+    logger.setLevel(logging.INFO)
+    yield
+    logger.setLevel(logging.NOTSET)
+
+
 def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
-    tmp_path, mlflow_uri, prefect_server
+    tmp_path, mlflow_uri, prefect_server, task_run_info_logs
 ):
     state = _run(tmp_path, mlflow_uri)
     assert state.is_completed()
@@ -110,7 +130,8 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
     records = tmp_path / "storage" / "flow-job" / "evals" / "eval"
     before = sorted(p.name for p in records.iterdir())
     assert before == ["20.json", "40.json"]
-    again = _run(tmp_path, mlflow_uri).result()
+    again_state = _run(tmp_path, mlflow_uri)
+    again = again_state.result()
     assert again["state_fingerprint"] == summary["state_fingerprint"]
     assert again["mlflow_run_id"] == summary["mlflow_run_id"]
     assert sorted(p.name for p in records.iterdir()) == before
@@ -123,6 +144,25 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
         20,
         40,
     ]
+
+    # Nor does it announce again the exports the first run wrote: no log line, no
+    # prefect-jax.export.completed event (an automation on it would act twice).
+    from process_helpers import job_events
+
+    exported = [
+        m
+        for m in _log_messages(prefect_server, state.state_details.flow_run_id)
+        if m.startswith("exporter ")
+    ]
+    assert len(exported) == 3, exported  # latest 20 and 40, final 40
+    rerun_runs = asyncio.run(_task_runs(again_state.state_details.flow_run_id))
+    assert "export 40" in [r.name for r in rerun_runs]  # the rerun's export task did run
+    rerun_lines = _log_messages(prefect_server, again_state.state_details.flow_run_id)
+    assert not [m for m in rerun_lines if m.startswith("exporter ")], rerun_lines
+    events = job_events(
+        prefect_server, "flow-job", str(tmp_path / "storage"), "prefect-jax.export.", 3, timeout=5
+    )
+    assert sorted(e["payload"]["step"] for e in events) == [20, 40]
 
 
 def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(

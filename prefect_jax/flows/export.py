@@ -44,7 +44,7 @@ def export_flow(
     before that error. The other parameters are `train_and_evaluate`'s.
 
     Returns:
-        ``{exporter: export dir}``.
+        ``{exporter: export dir}`` of the step, written now or by an earlier run.
 
     Example:
         ```python
@@ -103,12 +103,14 @@ def export_flow(
             "that still has its checkpoint, or keep evaluated steps (CheckpointSpec.keep_last, "
             "keep_until_evaluated)"
         )
-    exported = tasks.export(config, result)
+    tasks.export(config, result)  # (what it writes now: its log lines and event)
     from prefect_jax.tasks.runs import link_live_job
 
     link_live_job(config)  # this flow run and the job's MLflow run name each other
     land_mlflow_writes(config)  # the model versions too
-    return exported
+    # the step's exports, whichever run wrote them
+    dirs = {e.name: js.export_dir(e.name, chosen) for e in config.eval.exporters}
+    return {name: path for name, path in dirs.items() if js.fs.exists(path)}
 
 
 def _wait_for_evaluated(records, step, max_wait_secs: float, every_secs: float) -> list[int]:

@@ -264,7 +264,7 @@ def run_exporter(
     max_steps: int,
     make_model: Callable[[], bytes],
     info: dict,
-) -> str | None:
+) -> tuple[str, bool] | None:
     """Run one exporter for one eval result.
 
     Args:
@@ -276,8 +276,9 @@ def run_exporter(
         info: extra metadata for ``export.json``.
 
     Returns:
-        The export directory written (or already there from an earlier run), or None when
-        this exporter exports nothing for this result.
+        ``(export directory, written now)``: False where an earlier run (a rerun's, or one a
+        kill cut short before its registration) wrote it; None when this exporter exports
+        nothing for this result.
     """
     if not is_recorded(result):
         return None
@@ -294,10 +295,11 @@ def run_exporter(
             )
         best = read_best(storage, exporter)
         if best is not None and best.get("step") == step:
-            return dest if storage.fs.exists(dest) else None
+            return (dest, False) if storage.fs.exists(dest) else None
         if not beats(exporter, result.metrics, step, best):
             return None
-    if not storage.fs.exists(dest):
+    written_now = not storage.fs.exists(dest)
+    if written_now:
         _write_export(
             storage,
             dest,
@@ -316,7 +318,7 @@ def run_exporter(
         _prune(storage, exporter.name, exporter.keep, protect={step})
     elif isinstance(exporter, LatestExporter):
         _prune(storage, exporter.name, exporter.keep, protect={step})
-    return dest
+    return dest, written_now
 
 
 def list_exports(storage: JobStorage) -> dict[str, list[int]]:

@@ -212,13 +212,17 @@ class Exports:
         }
 
         def write() -> dict[str, str]:
+            exported = False  # by this run or an earlier one: registered either way
             for exporter in config.eval.exporters:
-                dest = exp.run_exporter(
+                outcome = exp.run_exporter(
                     exporter, job.storage, result, config.train.max_steps, make_model, info
                 )
-                if dest is not None:
-                    written[exporter.name] = dest
-            if written:
+                if outcome is not None:
+                    dest, written_now = outcome
+                    exported = True
+                    if written_now:  # (a rerun's step exported before: no line, no event)
+                        written[exporter.name] = dest
+            if exported:
                 self._register()
             return written
 

@@ -300,10 +300,12 @@ class Trainer:
         return self.evaluations.reconcile(step)
 
     def export(self, result: EvalResult) -> dict[str, str]:
-        """Run every exporter on an evaluated result; returns ``{exporter name: export dir}``.
+        """Run every exporter on an evaluated result; returns ``{exporter name: export dir}`` of
+        what it wrote.
 
         Also on a result found already evaluated (NO_NEW_CHECKPOINT): exports written before
-        are kept as they are, and those a crash left unwritten are written now.
+        are kept as they are (and registered, where a kill came before that), and those a crash
+        left unwritten are written now.
         """
         return self.exports.export(result)
 
