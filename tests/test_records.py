@@ -98,6 +98,33 @@ def test_a_truncated_registry_record_is_named_by_status(job_config):
     assert "registered_model" not in job
 
 
+def test_status_lists_registered_versions_in_step_order(tmp_path, capsys):
+    """registry.json keys versions by step as JSON strings; ``status`` (text and ``--json``)
+    lists them by step, not as text ("100" before "20"). MLflow cannot be reached here, so both
+    show the copy the job recorded."""
+    import argparse
+
+    from prefect_jax.cli.status import cmd_status
+    from prefect_jax.training.storage import JobStorage
+
+    js = JobStorage(str(tmp_path / "storage"), "reg")
+    js.write_json(  # as the job writes it (keys sorted, as text)
+        js.path("registry.json"),
+        {
+            "name": "reg-model",
+            "tracking_uri": f"sqlite:///{tmp_path}/no-such-dir/mlflow.db",
+            "versions": {"20": "1", "40": "2", "100": "5"},
+            "aliases": {"newest": "5"},
+        },
+    )
+    args = argparse.Namespace(job="reg", storage=js.root, json=True)
+    assert cmd_status(args) == 0
+    registry = json.loads(capsys.readouterr().out.splitlines()[-1])["registered_model"]
+    assert list(registry["versions"]) == ["20", "40", "100"] and "not reachable" in registry["note"]
+    assert cmd_status(argparse.Namespace(job="reg", storage=js.root, json=False)) == 0
+    assert "v1 (step 20), v2 (step 40), v5 (step 100)" in capsys.readouterr().out
+
+
 def _best_exports_of_a_finished_job(job_config):
     """A job trained to step 60 that evaluated and exported (BestExporter on loss) every 20 steps,
     its trainer closed: its config, storage and exporter."""

@@ -30,7 +30,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """``status``: print `job_status` (as one JSON object with ``--json``)."""
     status = job_status(args.job, args.storage)
     if args.json:
-        print(json.dumps(status, sort_keys=True))
+        print(json.dumps(status))  # (in `job_status`'s order: versions by step, not as text)
         return 0
     print(f"job {status['job']} in {status['storage']}")
     print(f"  event resource id: {status['event_resource_id']}  (a deployment trigger's match)")

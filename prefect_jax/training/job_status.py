@@ -103,7 +103,8 @@ def registry_status(recorded: dict, job_key: str) -> dict[str, Any]:
     out = {
         "name": name,
         "tracking_uri": redact_url(uri),
-        "versions": recorded["versions"],
+        # step order (registry.json, like every JSON object, keys them by strings: "100" < "20")
+        "versions": dict(sorted(recorded["versions"].items(), key=lambda kv: int(kv[0]))),
         "aliases": recorded["aliases"],
     }
     try:
