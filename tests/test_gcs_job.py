@@ -98,6 +98,28 @@ def test_on_gcs_a_reader_sees_a_step_another_process_committed_since_it_listed(g
     assert list(reader.manager.all_steps()) == [10, 20]
 
 
+def test_storage_options_on_gcs_are_named_as_not_reaching_orbax(gcs_env, job_config, caplog):
+    """A block's options (a gcsfs ``token``, a ``project``) reach the job's other files, never
+    Orbax's steps, which take Google's default credentials: the job says so as it starts, naming
+    the options (not their values), and says nothing where there are none. (A ``token`` here
+    would send gcsfs's bucket-type lookup to the emulator over gRPC: a minute of timeouts.)"""
+    import logging
+
+    from prefect_jax.training.job import Job
+
+    base = job_config().model_copy(update={"storage": f"gs://{BUCKET}/opts", "job": "opts"})
+    for options, warned in (({"project": "team-project"}, True), ({}, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
+            job = Job(base.model_copy(update={"storage_options": options}))
+        job.close()
+        said = [
+            r.getMessage() for r in caplog.records if "Orbax reads and writes" in r.getMessage()
+        ]
+        assert len(said) == warned, said
+        assert not warned or ("['project']" in said[0] and "team-project" not in said[0])
+
+
 def _run_args(mlflow_uri):
     return [
         *("--program", PROGRAM, "--job", "gjob", "--storage", f"gs://{BUCKET}/team"),

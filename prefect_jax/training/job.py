@@ -71,6 +71,15 @@ class Job(JobCheckpoints):
         early = adopt_early(self.storage.job_dir, self.run_tags.get("prefect.flow_run_id"))
         if self.is_primary and early is None:
             self.storage.check_writable()  # a refused write is found before anything is changed
+        if self.is_primary and (ignored := self.storage.options_orbax_ignores()):
+            logger.warning(
+                "storage %s: Orbax reads and writes this job's checkpoints with Google's default "
+                "credentials (GOOGLE_APPLICATION_CREDENTIALS, a workload identity), not the "
+                "storage options %s, which reach its eval records, exports and lease only: give "
+                "the work pool those credentials",
+                redact_url(self.storage.root),
+                ignored,
+            )
         self.remote: RemoteSteps | None = None
         self._uploader: AsyncUploader | None = None
         checkpoint_spec = config.checkpoint

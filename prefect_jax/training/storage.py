@@ -105,6 +105,12 @@ class JobStorage:
         """Whether Orbax writes this storage itself (local paths, ``gs://``)."""
         return self.protocol in ORBAX_PROTOCOLS
 
+    def options_orbax_ignores(self) -> list[str]:
+        """The storage options Orbax does not use: on ``gs://`` it reads and writes the steps with
+        Google's default credentials (TensorStore, `etils.epath`), so a block's ``token`` or
+        ``project`` reach the job's other files only. Elsewhere every option reaches every file."""
+        return sorted(self.storage_options) if self.protocol in ("gs", "gcs") else []
+
     @property
     def remote_checkpoint_url(self) -> str | None:
         """The checkpoints URL on storage Orbax cannot write (steps are staged locally, then
