@@ -524,15 +524,28 @@ def _goodput_verdicts(runs: list[dict], reference: dict[str, float]) -> str:
 
 
 def goodput_lm_markdown() -> list[str]:
-    """`goodput.py --model lm` (GOODPUT-LM.json): the same preemptions on the byte LM, with the
-    verdict per period and signal: prefect-jax's goodput against each peer's."""
-    gp = _record("GOODPUT-LM.json")
+    """`goodput.py --model lm`: the same preemptions on the byte LM, with the verdict per period
+    and signal (prefect-jax's goodput against each peer's): GOODPUT-LM.json, then each later
+    record kept beside it (GOODPUT-LM-<when>.json, its ``title`` the heading of its own part)."""
+    import glob
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = _goodput_lm_part(_record("GOODPUT-LM.json"), "## Goodput under preemption: the byte LM")
+    for path in sorted(glob.glob(os.path.join(here, "GOODPUT-LM-*.json"))):
+        gp = _record(os.path.basename(path))
+        out += _goodput_lm_part(gp, f"### {gp.get('title', os.path.basename(path))}")
+    return out
+
+
+def _goodput_lm_part(gp: dict | None, heading: str) -> list[str]:
+    """One `goodput.py --model lm` record under `heading`: its runs, verdicts and ledgers."""
     if not gp or not gp.get("runs"):
         return []
     un, lm, rounds = gp["uninterrupted"], gp["lm"], _rounds(gp)
     reference = mean_uninterrupted(rounds)
     counts = next((r["param_counts"] for r in un.values() if r.get("param_counts")), {})
-    out = ["", "## Goodput under preemption: the byte LM", ""] + _goodput_runs_rows(gp)
+    out = ["", heading, ""] + _goodput_runs_rows(gp)
     params = ", ".join(f"{k}={v}" for k, v in lm["params"].items())
     each = "; ".join(
         f"{s} " + " and ".join(_f(r[s]["total_s"], 1) for r in rounds) + " s" for s in reference
