@@ -75,8 +75,8 @@ class Job(JobCheckpoints):
             logger.warning(
                 "storage %s: Orbax reads and writes this job's checkpoints with Google's default "
                 "credentials (GOOGLE_APPLICATION_CREDENTIALS, a workload identity), not the "
-                "storage options %s, which reach its eval records, exports and lease only: give "
-                "the work pool those credentials",
+                "storage options %s, which reach its other files only (eval records, exports, "
+                "the lease): give the work pool those credentials",
                 redact_url(self.storage.root),
                 ignored,
             )
