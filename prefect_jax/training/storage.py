@@ -26,7 +26,9 @@ import fsspec
 
 from prefect_jax.training.spec_base import check_name
 
-ORBAX_PROTOCOLS = ("file", "local", "gs", "gcs")
+# Orbax writes these itself: local paths, and GCS URLs (with Google's default credentials)
+GCS_PROTOCOLS = ("gs", "gcs")
+ORBAX_PROTOCOLS = ("file", "local", *GCS_PROTOCOLS)
 
 
 def normalize_root(url: str) -> str:
@@ -109,7 +111,7 @@ class JobStorage:
         """The storage options Orbax does not use: on ``gs://`` it reads and writes the steps with
         Google's default credentials (TensorStore, `etils.epath`), so a block's ``token`` or
         ``project`` reach the job's other files only. Elsewhere every option reaches every file."""
-        return sorted(self.storage_options) if self.protocol in ("gs", "gcs") else []
+        return sorted(self.storage_options) if self.protocol in GCS_PROTOCOLS else []
 
     @property
     def remote_checkpoint_url(self) -> str | None:
