@@ -279,6 +279,30 @@ def test_flow_extends_a_finished_job_when_max_steps_grows(tmp_path, mlflow_uri):
     assert longer["mlflow_run_id"] == first["mlflow_run_id"]
 
 
+def test_an_mlflow_tracking_block_named_by_the_environment_is_the_jobs_store(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    """``MLFLOW_TRACKING_URI=prefect-jax-mlflow-tracking/<block>`` (a work pool's environment) and
+    no tracking URI among the flow's parameters (a deployment's run): the job records into the
+    block's store and experiment, as it does given the block's name as its URI."""
+    from prefect_jax.blocks import MlflowTracking
+
+    MlflowTracking(tracking_uri=mlflow_uri, experiment="team-env").save("env-team", overwrite=True)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "prefect-jax-mlflow-tracking/env-team")
+    summary = train_and_evaluate(
+        program="prefect_jax.examples.digits:tiny",
+        job="env-block",
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=20),
+        checkpoint_spec=CheckpointSpec(every_steps=20),
+    )
+    assert summary["mlflow_tracking_uri"] == mlflow_uri
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert client.get_experiment(run.info.experiment_id).name == "team-env"
+    assert run.data.metrics["eval/accuracy"] == pytest.approx(summary["eval"]["accuracy"])
+
+
 def test_a_final_step_left_unevaluated_fails_the_run_and_the_rerun_evaluates_it(
     tmp_path, mlflow_uri, monkeypatch
 ):

@@ -19,6 +19,7 @@ Flows, deployments and the command take either block by name in place of a value
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prefect.blocks.core import Block
@@ -133,9 +134,17 @@ def resolve_tracking(tracking_uri: str | None, experiment: str) -> tuple[str | N
     Prefect: (tracking URI, experiment), the experiment the block's where `experiment` is the
     default one (a job's own experiment, given, wins).
 
+    No URI (None, ""): ``MLFLOW_TRACKING_URI``'s block where that names one (a work pool's
+    environment, say), as the URI that variable gives is the job's default; else None (the
+    tracker then reads the variable itself, or takes MLflow's default store).
+
     Raises:
         ValueError: the block does not exist (the message names it and how to create it).
     """
+    if not tracking_uri and os.environ.get("MLFLOW_TRACKING_URI", "").startswith(
+        TRACKING_BLOCK_PREFIX
+    ):
+        tracking_uri = os.environ["MLFLOW_TRACKING_URI"]
     if not tracking_uri or not tracking_uri.startswith(TRACKING_BLOCK_PREFIX):
         return tracking_uri, experiment
     from prefect_jax.training.names import DEFAULT_EXPERIMENT
