@@ -19,7 +19,6 @@ Flows, deployments and the command take either block by name in place of a value
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from prefect.blocks.core import Block
@@ -141,10 +140,11 @@ def resolve_tracking(tracking_uri: str | None, experiment: str) -> tuple[str | N
     Raises:
         ValueError: the block does not exist (the message names it and how to create it).
     """
-    if not tracking_uri and os.environ.get("MLFLOW_TRACKING_URI", "").startswith(
-        TRACKING_BLOCK_PREFIX
-    ):
-        tracking_uri = os.environ["MLFLOW_TRACKING_URI"]
+    if not tracking_uri:
+        from prefect_jax.training.mlflow_client import default_tracking_uri
+
+        default = default_tracking_uri()
+        tracking_uri = default if default.startswith(TRACKING_BLOCK_PREFIX) else tracking_uri
     if not tracking_uri or not tracking_uri.startswith(TRACKING_BLOCK_PREFIX):
         return tracking_uri, experiment
     from prefect_jax.training.names import DEFAULT_EXPERIMENT
