@@ -31,6 +31,31 @@ def _last_json(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_progress_bar_is_drawn_only_where_stderr_is_a_terminal(terminal, monkeypatch, capsys):
+    """Where stderr is no terminal (a worker's or a CI's captured log) rich would draw the bar once,
+    as the command ends, cut to 80 columns: it is left out there (each interval's log line says
+    the same). On a terminal (here rich's ``TTY_COMPATIBLE=1``) it follows the steps."""
+    from prefect_jax.cli import console
+    from prefect_jax.training.progress import listening, notify_progress
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    if terminal:
+        monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    else:
+        monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    with console.progress_bar(True, 120):
+        assert listening() is terminal
+        notify_progress(120, 120, {"loss": 2.639, "tokens_per_sec": 2323.0})
+    assert not listening()
+    err = capsys.readouterr().err
+    if terminal:
+        assert "training" in err and "120/120" in err and "loss=2.6390" in err, err
+    else:
+        assert err == ""
+
+
 def test_bad_input_is_a_clear_error_and_nothing_runs(tmp_path):
     proc = _cli(
         "run",

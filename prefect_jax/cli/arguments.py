@@ -162,7 +162,11 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         help="print one JSON object as the last line on stdout (refused or terminated: "
         '{"error": ..., "exit_code": ...})',
     )
-    add("--no-progress", action="store_true", help="no progress bar")
+    add(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none where stderr is not a terminal)",
+    )
 
 
 ROLE_HELP = {

@@ -47,11 +47,16 @@ def _logs_above(console) -> Iterator[None]:
 @contextlib.contextmanager
 def progress_bar(enabled: bool, max_steps: int | None) -> Iterator[None]:
     """A live progress bar on stderr while training runs in this process (no total for a job
-    that trains until stopped)."""
-    if not enabled:
+    that trains until stopped), where stderr is a terminal. Elsewhere (a worker's or a CI's
+    captured log) rich draws the bar once, as the command ends, in 80 columns, which cut its
+    line to a few letters and part of the metrics; each interval's log line says the same in
+    full. rich's ``TTY_COMPATIBLE=1`` (or ``FORCE_COLOR``) shows it anyway."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not (enabled and console.is_terminal):
         yield
         return
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -62,7 +67,6 @@ def progress_bar(enabled: bool, max_steps: int | None) -> Iterator[None]:
 
     from prefect_jax.training.facade import on_progress
 
-    console = Console(stderr=True)
     with (
         Progress(
             TextColumn("[bold]{task.description}"),
