@@ -48,7 +48,7 @@ def _logs_above(console) -> Iterator[None]:
 def progress_bar(enabled: bool, max_steps: int | None) -> Iterator[None]:
     """A live progress bar on stderr while training runs in this process (no total for a job
     that trains until stopped), where stderr is a terminal. Elsewhere (a worker's or a CI's
-    captured log) rich draws the bar once, as the command ends, in 80 columns, which cut its
+    captured log) rich would draw it only once, as the command ends, in 80 columns, cutting the
     line to a few letters and part of the metrics; each interval's log line says the same in
     full. rich's ``TTY_COMPATIBLE=1`` (or ``FORCE_COLOR``) shows it anyway."""
     from rich.console import Console
