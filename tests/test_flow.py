@@ -303,6 +303,33 @@ def test_an_mlflow_tracking_block_named_by_the_environment_is_the_jobs_store(
     assert run.data.metrics["eval/accuracy"] == pytest.approx(summary["eval"]["accuracy"])
 
 
+@pytest.mark.parametrize(
+    ("given", "recorded"),
+    [(None, "team-block"), ("prefect-jax", "prefect-jax"), ("mine", "mine")],
+)
+def test_a_given_experiment_wins_over_the_tracking_blocks_even_the_default_name(
+    tmp_path, mlflow_uri, given, recorded
+):
+    """A flow run given `mlflow_experiment` records there, also when it is the default's name
+    (``--mlflow-experiment prefect-jax``); given none, the tracking block's experiment."""
+    from prefect_jax.blocks import MlflowTracking
+    from prefect_jax.flows.config import checked_job_config
+
+    MlflowTracking(tracking_uri=mlflow_uri, experiment="team-block").save(
+        "exp-team", overwrite=True
+    )
+    parameters = dict(
+        program="prefect_jax.examples.digits:tiny",
+        job="experiment",
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=20),
+        mlflow_tracking_uri="prefect-jax-mlflow-tracking/exp-team",
+        mlflow_experiment=given,
+    )
+    config = checked_job_config(parameters)
+    assert (config.mlflow_tracking_uri, config.mlflow_experiment) == (mlflow_uri, recorded)
+
+
 def test_a_final_step_left_unevaluated_fails_the_run_and_the_rerun_evaluates_it(
     tmp_path, mlflow_uri, monkeypatch
 ):

@@ -128,10 +128,10 @@ class MlflowTracking(Block):
     experiment: str = Field("prefect-jax", description="MLflow experiment name.")
 
 
-def resolve_tracking(tracking_uri: str | None, experiment: str) -> tuple[str | None, str]:
+def resolve_tracking(tracking_uri: str | None, experiment: str | None) -> tuple[str | None, str]:
     """An MLflow tracking URI as is, or ``prefect-jax-mlflow-tracking/<name>`` loaded from
-    Prefect: (tracking URI, experiment), the experiment the block's where `experiment` is the
-    default one (a job's own experiment, given, wins).
+    Prefect: (tracking URI, experiment). The experiment is `experiment` where given (a job's own
+    experiment wins, even one named as the default), else the block's, else the default one.
 
     No URI (None, ""): ``MLFLOW_TRACKING_URI``'s block where that names one (a work pool's
     environment, say), as the URI that variable gives is the job's default; else None (the
@@ -146,13 +146,13 @@ def resolve_tracking(tracking_uri: str | None, experiment: str) -> tuple[str | N
         default = default_tracking_uri()
         tracking_uri = default if default.startswith(TRACKING_BLOCK_PREFIX) else tracking_uri
     if not tracking_uri or not tracking_uri.startswith(TRACKING_BLOCK_PREFIX):
-        return tracking_uri, experiment
-    from prefect_jax.training.names import DEFAULT_EXPERIMENT
+        from prefect_jax.training.names import DEFAULT_EXPERIMENT
 
+        return tracking_uri, experiment or DEFAULT_EXPERIMENT
     block = _load_named(
         MlflowTracking, tracking_uri, "MLflow tracking block", "tracking_uri", "a tracking URI"
     )
-    return block.tracking_uri, block.experiment if experiment == DEFAULT_EXPERIMENT else experiment
+    return block.tracking_uri, experiment or block.experiment
 
 
 def names_a_block(value: str | None) -> bool:

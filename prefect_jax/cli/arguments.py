@@ -143,7 +143,7 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         "--mlflow-tracking-uri",
         default=None,
         help="MLflow tracking URI, or prefect-jax-mlflow-tracking/<block> (its URI, and its "
-        "experiment unless --mlflow-experiment names another than the default)",
+        "experiment unless --mlflow-experiment is given)",
     )
     add(
         "--mlflow-optional",
@@ -153,8 +153,9 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
     )
     add(
         "--mlflow-experiment",
-        default=DEFAULT_EXPERIMENT,
-        help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})",
+        default=None,
+        help=f"MLflow experiment (default: the tracking block's experiment, else "
+        f"{DEFAULT_EXPERIMENT})",
     )
     add(
         "--json",

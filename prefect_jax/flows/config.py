@@ -33,7 +33,7 @@ def _job_config(
     eval_spec: EvalSpec | dict | None = None,
     checkpoint_spec: CheckpointSpec | dict | None = None,
     mlflow_tracking_uri: str | None = None,
-    mlflow_experiment: str = DEFAULT_EXPERIMENT,
+    mlflow_experiment: str | None = None,
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec | dict | None = None,
     check_settings: bool = True,
@@ -49,6 +49,7 @@ def _job_config(
         mlflow_tracking_uri, mlflow_experiment = resolve_tracking(
             mlflow_tracking_uri, mlflow_experiment
         )
+    # (a state hook's job needs no experiment: its live trainer's tracker has the run)
     return JobConfig(
         program=program,
         job=job,
@@ -58,7 +59,7 @@ def _job_config(
         eval=eval_spec or EvalSpec(),
         checkpoint=checkpoint_spec or CheckpointSpec(),
         mlflow_tracking_uri=mlflow_tracking_uri,
-        mlflow_experiment=mlflow_experiment,
+        mlflow_experiment=mlflow_experiment or DEFAULT_EXPERIMENT,
         compilation_cache_dir=compilation_cache_dir,
         retry=retry_spec or RetrySpec(),
         program_params=program_params,

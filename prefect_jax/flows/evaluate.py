@@ -13,7 +13,6 @@ from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
 from prefect_jax.tasks import publisher
 from prefect_jax.tasks.runs import link_live_job
-from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
 
@@ -27,7 +26,7 @@ def evaluate(
     eval_spec: EvalSpec = EvalSpec(),
     checkpoint_spec: CheckpointSpec = CheckpointSpec(),
     mlflow_tracking_uri: str | None = None,
-    mlflow_experiment: str = DEFAULT_EXPERIMENT,
+    mlflow_experiment: str | None = None,
     compilation_cache_dir: str | None = None,
     every_checkpoint: bool = True,
     once: bool = False,

@@ -11,7 +11,6 @@ from prefect import flow, get_run_logger
 from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
-from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
 
@@ -25,7 +24,7 @@ def export_flow(
     eval_spec: EvalSpec = EvalSpec(),
     checkpoint_spec: CheckpointSpec = CheckpointSpec(),
     mlflow_tracking_uri: str | None = None,
-    mlflow_experiment: str = DEFAULT_EXPERIMENT,
+    mlflow_experiment: str | None = None,
     step: int | None = None,
     retry_spec: RetrySpec = RetrySpec(),
     program_params: dict[str, Any] | None = None,

@@ -14,7 +14,6 @@ from prefect_jax.flows.loop import _summary, _train_loop
 from prefect_jax.flows.processes import _join_processes
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
-from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -35,7 +34,7 @@ def train(
     eval_spec: EvalSpec = EvalSpec(),
     checkpoint_spec: CheckpointSpec = CheckpointSpec(),
     mlflow_tracking_uri: str | None = None,
-    mlflow_experiment: str = DEFAULT_EXPERIMENT,
+    mlflow_experiment: str | None = None,
     checkpoint_path: str | None = None,
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec = RetrySpec(),

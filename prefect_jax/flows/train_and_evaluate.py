@@ -14,7 +14,6 @@ from prefect_jax.flows.loop import _summary, _train_loop
 from prefect_jax.flows.processes import _join_processes
 from prefect_jax.flows.retries import job_tasks
 from prefect_jax.flows.tags import _untagged_tasks
-from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
 
@@ -34,7 +33,7 @@ def train_and_evaluate(
     eval_spec: EvalSpec = EvalSpec(),
     checkpoint_spec: CheckpointSpec = CheckpointSpec(),
     mlflow_tracking_uri: str | None = None,
-    mlflow_experiment: str = DEFAULT_EXPERIMENT,
+    mlflow_experiment: str | None = None,
     checkpoint_path: str | None = None,
     compilation_cache_dir: str | None = None,
     retry_spec: RetrySpec = RetrySpec(),
@@ -63,7 +62,8 @@ def train_and_evaluate(
             ``sqlite:///mlflow.db``), or ``"prefect-jax-mlflow-tracking/<block name>"`` for a
             saved `MlflowTracking` block (its URI, and its experiment unless
             `mlflow_experiment` is given).
-        mlflow_experiment: MLflow experiment name.
+        mlflow_experiment: MLflow experiment name (default: the tracking block's experiment,
+            else ``prefect-jax``); given, it wins over a block's, even as ``prefect-jax``.
         checkpoint_path: warm-start a new job from this checkpoint step directory (ignored
             once the job has checkpoints of its own).
         compilation_cache_dir: JAX persistent compilation cache directory, or ``"job"`` for
