@@ -201,7 +201,7 @@ def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default
     same for a field removed since, that the step saved at its default."""
     import dataclasses
 
-    from pydantic import BaseModel, Field
+    from pydantic import BaseModel, Field, field_serializer
 
     from prefect_jax.training.program_params import (
         ProgramParamsMismatchError,
@@ -216,6 +216,12 @@ def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default
         lr: float = 0.1
         smoothing: float = 0.0
         schedule: list[int] = [1, 2]
+        # recorded as its serializer writes it ("8x2"), its default compared the same way
+        mesh: tuple[int, int] = (8, 2)
+
+        @field_serializer("mesh")
+        def _mesh_text(self, mesh: tuple[int, int]) -> str:
+            return "x".join(map(str, mesh))
 
     class Required(BaseModel):
         lr: float = 0.1
@@ -234,7 +240,10 @@ def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default
         return validate_params(tp, given, "p")[1]
 
     saved = {"program_params": recorded(Before).as_meta()}
+    assert recorded(After).values["mesh"] == recorded(After).defaults["mesh"] == "8x2"
     check_restore(saved, recorded(After), "j", 20)
+    with pytest.raises(ProgramParamsMismatchError, match=r"mesh: saved '<unset>', given '4x4'"):
+        check_restore(saved, recorded(After, {"mesh": (4, 4)}), "j", 20)
     check_restore(saved, recorded(AfterDataclass), "j", 20)
     with pytest.raises(
         ProgramParamsMismatchError,

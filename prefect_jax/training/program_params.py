@@ -144,7 +144,8 @@ def _field_types(tp: type) -> dict[str, str]:
 
 def _field_defaults(tp: type) -> dict[str, Any]:
     """``{field: its default, JSON-able}`` of each field of `tp` that has a default (a factory's
-    value included); a default that cannot be made alone (a pydantic factory that reads the other
+    value included), dumped as the recorded values are (a model's field serializers applied, so
+    that a field at its default compares equal); a default that cannot be made alone (a pydantic factory that reads the other
     fields) or does not dump to JSON is left out: such a field is compared as before (present on
     one side only, it differs)."""
     from pydantic import TypeAdapter
@@ -166,7 +167,13 @@ def _field_defaults(tp: type) -> dict[str, Any]:
     out = {}
     for name, (annotation, make) in found.items():
         try:
-            value = TypeAdapter(annotation).dump_python(make(), mode="json")
+            default = make()
+            try:  # as the recorded values are dumped: through the model's field serializers
+                value = tp.model_construct(**{name: default}).model_dump(
+                    mode="json", include={name}
+                )[name]
+            except Exception:  # noqa: BLE001 - a dataclass, or a model's serializer of its own
+                value = TypeAdapter(annotation).dump_python(default, mode="json")
             out[name] = json.loads(json.dumps(value))
         except Exception:  # noqa: BLE001 - compared as a field without a default
             continue
