@@ -145,9 +145,9 @@ def _field_types(tp: type) -> dict[str, str]:
 def _field_defaults(tp: type) -> dict[str, Any]:
     """``{field: its default, JSON-able}`` of each field of `tp` that has a default (a factory's
     value included), dumped as the recorded values are (a model's field serializers applied, so
-    that a field at its default compares equal); a default that cannot be made alone (a pydantic factory that reads the other
-    fields) or does not dump to JSON is left out: such a field is compared as before (present on
-    one side only, it differs)."""
+    that a field at its default compares equal); a default that cannot be made alone (a pydantic
+    factory that reads the other fields) or does not dump to JSON is left out: such a field is
+    compared as before (present on one side only, it differs)."""
     from pydantic import TypeAdapter
 
     if dataclasses.is_dataclass(tp):
