@@ -128,10 +128,13 @@ class MlflowTracking(Block):
     experiment: str = Field("prefect-jax", description="MLflow experiment name.")
 
 
-def resolve_tracking(tracking_uri: str | None, experiment: str | None) -> tuple[str | None, str]:
+def resolve_tracking(
+    tracking_uri: str | None, experiment: str | None
+) -> tuple[str | None, str | None]:
     """An MLflow tracking URI as is, or ``prefect-jax-mlflow-tracking/<name>`` loaded from
     Prefect: (tracking URI, experiment). The experiment is `experiment` where given (a job's own
-    experiment wins, even one named as the default), else the block's, else the default one.
+    experiment wins, even one named as the default), else the block's; None where neither (the
+    job's config then takes the default one).
 
     No URI (None, ""): ``MLFLOW_TRACKING_URI``'s block where that names one (a work pool's
     environment, say), as the URI that variable gives is the job's default; else None (the
@@ -146,9 +149,7 @@ def resolve_tracking(tracking_uri: str | None, experiment: str | None) -> tuple[
         default = default_tracking_uri()
         tracking_uri = default if default.startswith(TRACKING_BLOCK_PREFIX) else tracking_uri
     if not tracking_uri or not tracking_uri.startswith(TRACKING_BLOCK_PREFIX):
-        from prefect_jax.training.names import DEFAULT_EXPERIMENT
-
-        return tracking_uri, experiment or DEFAULT_EXPERIMENT
+        return tracking_uri, experiment
     block = _load_named(
         MlflowTracking, tracking_uri, "MLflow tracking block", "tracking_uri", "a tracking URI"
     )

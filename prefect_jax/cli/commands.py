@@ -284,7 +284,7 @@ def _preflight(
     from prefect_jax.training.facade import preflight
 
     ui_refresh_secs()
-    tracking_uri = resolve_tracking(tracking_uri, "")[0]
+    tracking_uri = resolve_tracking(tracking_uri, None)[0]
     preflight(
         program,
         job,

@@ -49,7 +49,6 @@ def _job_config(
         mlflow_tracking_uri, mlflow_experiment = resolve_tracking(
             mlflow_tracking_uri, mlflow_experiment
         )
-    # (a state hook's job needs no experiment: its live trainer's tracker has the run)
     return JobConfig(
         program=program,
         job=job,
@@ -59,6 +58,7 @@ def _job_config(
         eval=eval_spec or EvalSpec(),
         checkpoint=checkpoint_spec or CheckpointSpec(),
         mlflow_tracking_uri=mlflow_tracking_uri,
+        # (the default's one home: given, else a tracking block's, else this)
         mlflow_experiment=mlflow_experiment or DEFAULT_EXPERIMENT,
         compilation_cache_dir=compilation_cache_dir,
         retry=retry_spec or RetrySpec(),

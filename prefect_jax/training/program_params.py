@@ -24,6 +24,7 @@ This module imports neither jax nor prefect.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -167,12 +168,14 @@ def _field_defaults(tp: type) -> dict[str, Any]:
     out = {}
     for name, (annotation, make) in found.items():
         try:
-            default = make()
-            try:  # as the recorded values are dumped: through the model's field serializers
-                value = tp.model_construct(**{name: default}).model_dump(
-                    mode="json", include={name}
-                )[name]
-            except Exception:  # noqa: BLE001 - a dataclass, or a model's serializer of its own
+            default, value = make(), None
+            if not dataclasses.is_dataclass(tp):
+                # as the recorded values are dumped: through the model's field serializers
+                with contextlib.suppress(Exception):  # (a model serializer of its own)
+                    value = tp.model_construct(**{name: default}).model_dump(
+                        mode="json", include={name}
+                    )[name]
+            if value is None:
                 value = TypeAdapter(annotation).dump_python(default, mode="json")
             out[name] = json.loads(json.dumps(value))
         except Exception:  # noqa: BLE001 - compared as a field without a default
