@@ -1390,6 +1390,45 @@ def restart_markdown(report: dict) -> list[str]:
     return out
 
 
+def s3_rerun_markdown() -> list[str]:
+    """`benchmarks/s3_rerun.py`'s record (S3_RERUN.json; this run does not re-measure it)."""
+    rec = _record("S3_RERUN.json")
+    if not rec:
+        return []
+
+    def parts(run: dict, side: str, key: str) -> list[float]:
+        return [r[key] for r in run["reruns"][side]]
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    text = []
+    for run in rec["runs"]:
+        new, old = (run["mean_to_first_step"][k] for k in ("new", "old"))
+        where = f"loopback held to {run['rate']}" if run["rate"] else "loopback at full speed"
+        text.append(
+            f"with {where}, {len(run['reruns']['new'])} reruns a side: {new:.2f} s after, "
+            f"{old:.2f} s before; restore {mean(parts(run, 'new', 'restore')):.2f} s against "
+            f"{mean(parts(run, 'old', 'restore')):.2f} s, start-up "
+            f"{mean(parts(run, 'new', 'startup')):.2f} s against "
+            f"{mean(parts(run, 'old', 'startup')):.2f} s"
+        )
+    return [
+        "",
+        "A rerun's download begun before its flow run (`training/step_prefetch.py`; "
+        f"`benchmarks/s3_rerun.py`, S3_RERUN.json, {rec['measured']}): the goodput job of the "
+        "byte LM with its storage on moto's S3 on loopback, each rerun on a new machine (an "
+        f"empty local stage, so its restore downloads the step: {rec['state']}), SIGTERM'd "
+        "22 s after its start, the two checkouts alternating on one job. Process start to the "
+        "end of the first new step (the ledger's start-up + restore + compile), means: "
+        + "; ".join(text)
+        + ". Held to a network's rate, the download moves out of the restore into the start-up, "
+        "where it shares the two cores and the link with Prefect's start; at loopback speed "
+        "(a download of about 0.3 s) the difference is within the noise. What it can save is "
+        "bounded by the time from the head start to the restore task (here about 3 s).",
+    ]
+
+
 def storage_markdown(report: dict) -> list[str]:
     rows = _get(report, "storage", "rows")
     if not rows:
@@ -1431,6 +1470,7 @@ def write_markdown(report: dict, summary: dict) -> str:
     out += systems_markdown(report, summary)
     out += sweep_markdown(report, summary)
     out += restart_markdown(report)
+    out += s3_rerun_markdown()
     out += worker_rerun_markdown(report.get("worker_rerun"))
     out += goodput_markdown(report.get("goodput"), summary)
     out += goodput_lm_markdown()

@@ -298,3 +298,72 @@ def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes
         10
     ]  # removed by retention: forgotten, so asked (and gone)
     trainer.finish()
+
+
+def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
+    s3, tmp_path, monkeypatch, mlflow_uri, request, caplog
+):
+    """A rerun on a new machine (an empty local stage): the command's head start begins the
+    download of the newest committed step before the flow run starts; the restore, begun while
+    that download is still under way, waits for it instead of downloading the step beside it (the
+    later rename would replace the copy being read), reads that copy and resumes at its step with
+    its state."""
+    import logging
+    import threading
+
+    from prefect_jax.training import head_start
+    from prefect_jax.training.program import load_program_with_params
+    from prefect_jax.training.remote import RemoteSteps
+    from prefect_jax.training.storage import JobStorage
+
+    config = JobConfig(
+        program="prefect_jax.examples.digits:tiny",
+        job="prefetched",
+        storage="s3://jobs/prefetched",
+        storage_options=s3.storage_options,
+        train=TrainSpec(max_steps=30, log_every_steps=10),
+        mlflow_tracking_uri=mlflow_uri,
+        checkpoint=CheckpointSpec(every_steps=10),
+    )
+    monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "first-machine"))
+    trainer = Trainer(config)
+    try:
+        trainer.restore_or_init()
+        while trainer.step < 20:
+            trainer.train_until_checkpoint()
+        trainer.job.wait_committed()
+        saved = trainer.fingerprint()
+    finally:
+        trainer.close()  # (preempted after step 20: a new machine reruns the job)
+
+    monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "new-machine"))
+    storage = JobStorage(config.storage, config.job, config.storage_options)
+    held = threading.Event()  # the prefetch's download is held until the restore has begun
+    download = RemoteSteps.download
+
+    def held_download(self, step, local_dir):
+        held.wait(60)
+        return download(self, step, local_dir)
+
+    monkeypatch.setattr(RemoteSteps, "download", held_download)
+    request.addfinalizer(lambda: setattr(head_start, "_begun", None))
+    program, params = load_program_with_params(config.program, None, config.train.max_steps)
+    assert head_start.begin(config.program, program, params, None, config.train, storage, None)
+    rerun = Trainer(config)
+    try:
+        prepare_restore = rerun.job.prepare_restore
+
+        def restore_begins():  # the restore has begun: the prefetch's download goes on now
+            held.set()
+            return prepare_restore()
+
+        monkeypatch.setattr(rerun.job, "prepare_restore", restore_begins)
+        with caplog.at_level(logging.INFO, logger="prefect_jax.remote"):
+            assert rerun.restore_or_init() == 20
+        assert rerun.fingerprint() == saved
+        downloaded = [r.getMessage() for r in caplog.records if "downloaded step" in r.message]
+        assert len(downloaded) == 1 and downloaded[0].startswith("downloaded step 20 "), downloaded
+        rerun.train_until_checkpoint()
+        assert rerun.step == 30
+    finally:
+        rerun.close()

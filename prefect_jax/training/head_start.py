@@ -8,12 +8,14 @@ and train spec as soon as its preflight has passed, before any of Prefect's work
 `begin`s the loop early: the program, its `Loop`, the compile on its thread, and the job's
 compilation cache opened for it. The flow run's trainer of the same job in this process then
 `adopt`s them (`Trainer.__init__`) instead of making its own, so the compile overlaps the flow
-run's start as well as the restore, and the train step is still traced once.
+run's start as well as the restore, and the train step is still traced once. On object storage
+it also begins the download of the newest step that the restore will read
+(`prefect_jax.training.step_prefetch`).
 
 Only a whole match is adopted (the program, its params, the train spec, the storage, the job and
 the cache); anything else makes its own, as without a head start. What a compile writes goes to
 the compilation cache only (with ``--compilation-cache job``, the job's ``compile-cache``
-folder), nothing else of the job.
+folder), nothing else of the job; the prefetch writes this machine's local stage only.
 
 What the trainer refuses as it is made (`preflight.check_job_parts`) the preflight refuses before
 the compile begins: a command refused later (a flow run that fails to start, the job's lease taken
@@ -31,6 +33,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from prefect_jax.training import step_prefetch
 from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
 from prefect_jax.training.lease import Lease
@@ -97,6 +100,7 @@ def begin(
             mirror = open_compilation_cache(compilation_cache, storage)
             opened = True
         key = _key(program_ref, given_params, train, storage.root, storage.job, compilation_cache)
+        step_prefetch.begin(storage)  # (object storage: the step the restore will download)
         loop = Loop(program, train)
         loop.start_precompile(before=mirror.wait_pulled if mirror is not None else None)
     except Exception:  # noqa: BLE001 - the trainer does the same again and says what failed

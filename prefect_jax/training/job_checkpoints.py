@@ -19,6 +19,7 @@ from prefect_jax.training.cluster import barrier
 from prefect_jax.training.mlflow_client import exit_wait
 from prefect_jax.training.peer_watch import LostProcess
 from prefect_jax.training.policy import retained
+from prefect_jax.training.step_prefetch import wait as wait_for_prefetch
 from prefect_jax.training.uploader import AsyncUploader
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -72,6 +73,7 @@ class JobCheckpoints:
         if self.remote is None:
             self.checkpoints.quarantine_uncommitted()
             return None
+        wait_for_prefetch(self.checkpoints.directory)  # (its step lands before the stage is read)
         pending = set(self._uploader.pending) if self._uploader is not None else set()
         committed: list[int] = []
         for step in self.remote.delete_uncommitted(
@@ -91,7 +93,10 @@ class JobCheckpoints:
     def fetch(self, step: int) -> None:
         """Make a committed remote step readable in the local stage (download it unless it is
         there)."""
-        if self.remote is None or step in self.checkpoints.committed_steps():
+        if self.remote is None:
+            return
+        wait_for_prefetch(self.checkpoints.directory)  # one download of a step at a time
+        if step in self.checkpoints.committed_steps():
             return
         self.remote.download(step, self.checkpoints.directory)
         self.checkpoints.reload()
