@@ -1404,28 +1404,31 @@ def s3_rerun_markdown() -> list[str]:
 
     text = []
     for run in rec["runs"]:
-        new, old = (run["mean_to_first_step"][k] for k in ("new", "old"))
         where = f"loopback held to {run['rate']}" if run["rate"] else "loopback at full speed"
+        sides = [s for s in ("new", "old") if run["reruns"].get(s)]
+        said = [
+            f"{'after' if s == 'new' else 'before'} {run['mean_to_first_step'][s]:.2f} s (restore "
+            f"{mean(parts(run, s, 'restore')):.2f} s, start-up "
+            f"{mean(parts(run, s, 'startup')):.2f} s)"
+            for s in sides
+        ]
         text.append(
-            f"with {where}, {len(run['reruns']['new'])} reruns a side: {new:.2f} s after, "
-            f"{old:.2f} s before; restore {mean(parts(run, 'new', 'restore')):.2f} s against "
-            f"{mean(parts(run, 'old', 'restore')):.2f} s, start-up "
-            f"{mean(parts(run, 'new', 'startup')):.2f} s against "
-            f"{mean(parts(run, 'old', 'startup')):.2f} s"
+            f"with {where}, killed {run['kill_at']:g} s after each start, "
+            f"{len(run['reruns'][sides[0]])} reruns a side: " + ", ".join(said)
         )
     return [
         "",
         "A rerun's download begun before its flow run (`training/step_prefetch.py`; "
         f"`benchmarks/s3_rerun.py`, S3_RERUN.json, {rec['measured']}): the goodput job of the "
         "byte LM with its storage on moto's S3 on loopback, each rerun on a new machine (an "
-        f"empty local stage, so its restore downloads the step: {rec['state']}), SIGTERM'd "
-        "22 s after its start, the two checkouts alternating on one job. Process start to the "
-        "end of the first new step (the ledger's start-up + restore + compile), means: "
+        f"empty local stage, so its restore downloads the step: {rec['state']}), SIGTERM'd, "
+        "the two checkouts alternating on one job. Process start to the end of the first new "
+        "step (the ledger's start-up + restore + compile), means: "
         + "; ".join(text)
         + ". Held to a network's rate, the download moves out of the restore into the start-up, "
         "where it shares the two cores and the link with Prefect's start; at loopback speed "
         "(a download of about 0.3 s) the difference is within the noise. What it can save is "
-        "bounded by the time from the head start to the restore task (here about 3 s).",
+        "bounded by the time from the head start to the restore task.",
     ]
 
 

@@ -28,17 +28,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 
-def limit_loopback(rate: str | None) -> None:
-    """Loopback held to `rate` (a token bucket whose burst exceeds lo's 64 KiB packets), or
-    freed (None)."""
+def limit_loopback(rate: str | None, held: bool) -> None:
+    """Loopback held to `rate` (a token bucket whose burst exceeds lo's 64 KiB packets) or freed
+    (`held` False); nothing where no --rate was given."""
+    if not rate:
+        return
     subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
-    if rate:
+    if held:
         subprocess.run(
             ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate]
             + ["burst", "1mb", "latency", "500ms"],
@@ -52,7 +55,10 @@ def main() -> None:
     parser.add_argument("--kill-at", type=float, default=22.0, help="seconds after each start")
     parser.add_argument("--old", default=None, help="a checkout to alternate with this one")
     parser.add_argument("--rate", default=None, help="loopback rate while reruns run (tc)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--out", default=None, help="a record to add this run to (S3_RERUN.json), or to start"
+    )
+    parser.add_argument("--measured", default=None, help="when and where, for a new record")
     args = parser.parse_args()
 
     import fsspec
@@ -60,8 +66,11 @@ def main() -> None:
     from run import StandingServer
     from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server
 
-    job = argparse.Namespace(lm_params=None, steps=120, every=10, prefect_jax_args="")
-    goodput_lm.build_corpus(job)
+    # (enough steps that no rerun finds the job finished: about 13 steps a rerun here)
+    job = argparse.Namespace(
+        lm_params=None, steps=max(120, 20 * (args.reruns + 1)), every=10, prefect_jax_args=""
+    )
+    corpus = goodput_lm.build_corpus(job)
     work = tempfile.mkdtemp(prefix="s3-rerun-")
     sides: list[str] = []
     try:
@@ -84,7 +93,7 @@ def main() -> None:
                 run_env = dict(env, PREFECT_JAX_CACHE_DIR=os.path.join(work, f"machine-{i}"))
                 if side == "old":
                     run_env["PYTHONPATH"] = os.path.abspath(args.old)
-                limit_loopback(args.rate if i else None)
+                limit_loopback(args.rate, held=i > 0)
                 proc = subprocess.Popen(
                     cmd, env=run_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
                 )
@@ -93,7 +102,7 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait()
-                limit_loopback(None)
+                limit_loopback(args.rate, held=False)
                 if proc.returncode not in (0, 143, -signal.SIGTERM):
                     raise SystemExit(f"attempt {i} ({side}) exited {proc.returncode}")
                 sides.append(side)
@@ -106,7 +115,7 @@ def main() -> None:
             )
             ledger = json.loads(fs.cat_file("jobs/team/gp/goodput.json"))
     finally:
-        limit_loopback(None)
+        limit_loopback(args.rate, held=False)
     reruns: dict[str, list[dict]] = {"new": [], "old": []}
     for side, attempt in list(zip(sides, ledger["attempts"], strict=True))[1:]:
         s = attempt["seconds"]
@@ -126,8 +135,20 @@ def main() -> None:
     }
     line = json.dumps(out)
     if args.out:
+        record = {"measured": args.measured or time.strftime("%Y-%m-%d"), "runs": []}
+        if os.path.exists(args.out):
+            with open(args.out) as f:
+                record = json.load(f)
+        mib = 3 * 4 * corpus["param_count"] / 2**20  # fp32 weights and AdamW's two moments
+        record.setdefault(
+            "state",
+            f"about {mib:.0f} MiB: {corpus['param_count'] / 1e6:.1f}M "
+            "parameters and AdamW's two moments in fp32, and the Grain position",
+        )
+        record["runs"].append(out)
         with open(args.out, "w") as f:
-            f.write(line + "\n")
+            json.dump(record, f, indent=1)
+            f.write("\n")
     print(line)
 
 

@@ -162,6 +162,35 @@ def test_upload_is_idempotent_and_download_reuses_the_cached_copy(remote, tmp_pa
     assert sorted(os.listdir(tmp_path / "cache")) == ["5"]
 
 
+def test_a_copy_of_the_same_upload_put_in_place_during_a_download_is_kept(
+    remote, tmp_path, monkeypatch
+):
+    """Two processes download one step into one local stage (a second command of the job started
+    beside the first): the one that ends second keeps the copy already in place, which the first
+    may be restoring from, instead of replacing it with its own."""
+    import shutil
+
+    step_dir, _ = make_step(str(tmp_path / "stage"), 5, small_state(5))
+    remote.upload(5, step_dir)
+    other = remote.download(5, str(tmp_path / "elsewhere"))  # the other process's copy
+    stage = tmp_path / "cache"
+    get = remote.fs.get
+
+    landed = {}
+
+    def get_while_the_other_lands(rpaths, lpaths, **kw):
+        get(rpaths, lpaths, **kw)
+        shutil.copytree(other, stage / "5")  # (its rename lands while this one downloads)
+        landed["inode"] = os.stat(stage / "5" / "_CHECKPOINT_METADATA").st_ino
+
+    monkeypatch.setattr(remote.fs, "get", get_while_the_other_lands)
+    path = remote.download(5, str(stage))
+    monkeypatch.undo()
+    assert path == str(stage / "5")
+    assert os.stat(stage / "5" / "_CHECKPOINT_METADATA").st_ino == landed["inode"]
+    assert sorted(os.listdir(stage)) == ["5"]  # its own copy removed, nothing aside
+
+
 def test_a_step_uploaded_without_its_marker_is_not_listed_and_is_replaced(remote, tmp_path, s3):
     step_dir, state = make_step(str(tmp_path / "stage"), 10, small_state(10))
     fs = s3.filesystem()

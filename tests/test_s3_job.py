@@ -301,17 +301,15 @@ def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes
 
 
 def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
-    s3, tmp_path, monkeypatch, mlflow_uri, request, caplog
+    s3, tmp_path, monkeypatch, mlflow_uri, request
 ):
     """A rerun on a new machine (an empty local stage): the command's head start begins the
     download of the newest committed step before the flow run starts; the restore, begun while
-    that download is still under way, waits for it instead of downloading the step beside it (the
-    later rename would replace the copy being read), reads that copy and resumes at its step with
-    its state."""
-    import logging
+    that download is still under way, waits for it instead of downloading the step beside it,
+    reads that copy and resumes at its step with its state."""
     import threading
 
-    from prefect_jax.training import head_start
+    from prefect_jax.training import head_start, step_prefetch
     from prefect_jax.training.program import load_program_with_params
     from prefect_jax.training.remote import RemoteSteps
     from prefect_jax.training.storage import JobStorage
@@ -338,11 +336,19 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
 
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "new-machine"))
     storage = JobStorage(config.storage, config.job, config.storage_options)
-    held = threading.Event()  # the prefetch's download is held until the restore has begun
+    # The prefetch's download is held until the restore has begun, then until the restore
+    # downloads the step itself (as it would without waiting for the prefetch) or 3 s pass.
+    restore_began, restore_downloads = threading.Event(), threading.Event()
+    downloaders: list[str] = []
     download = RemoteSteps.download
 
     def held_download(self, step, local_dir):
-        held.wait(60)
+        downloaders.append(threading.current_thread().name)
+        if threading.current_thread().name == step_prefetch.THREAD_NAME:
+            restore_began.wait(60)
+            restore_downloads.wait(3)
+        else:
+            restore_downloads.set()
         return download(self, step, local_dir)
 
     monkeypatch.setattr(RemoteSteps, "download", held_download)
@@ -353,16 +359,15 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
     try:
         prepare_restore = rerun.job.prepare_restore
 
-        def restore_begins():  # the restore has begun: the prefetch's download goes on now
-            held.set()
+        def restore_begins():
+            restore_began.set()
             return prepare_restore()
 
         monkeypatch.setattr(rerun.job, "prepare_restore", restore_begins)
-        with caplog.at_level(logging.INFO, logger="prefect_jax.remote"):
-            assert rerun.restore_or_init() == 20
+        assert rerun.restore_or_init() == 20
         assert rerun.fingerprint() == saved
-        downloaded = [r.getMessage() for r in caplog.records if "downloaded step" in r.message]
-        assert len(downloaded) == 1 and downloaded[0].startswith("downloaded step 20 "), downloaded
+        # the restore found the prefetch's copy: it downloaded nothing itself
+        assert downloaders == [step_prefetch.THREAD_NAME], downloaders
         rerun.train_until_checkpoint()
         assert rerun.step == 30
     finally:

@@ -73,7 +73,6 @@ class JobCheckpoints:
         if self.remote is None:
             self.checkpoints.quarantine_uncommitted()
             return None
-        wait_for_prefetch(self.checkpoints.directory)  # (its step lands before the stage is read)
         pending = set(self._uploader.pending) if self._uploader is not None else set()
         committed: list[int] = []
         for step in self.remote.delete_uncommitted(

@@ -216,6 +216,10 @@ class StepTransfers:
                 )
             with open(os.path.join(tmp, COMMIT_MARKER), "wb") as f:
                 f.write(manifest.to_json())
+            if manifest.upload_id and local_copy_matches(target, manifest):
+                # another process put the same copy there meanwhile (a restore may be reading it)
+                shutil.rmtree(tmp, ignore_errors=True)
+                return target
             if os.path.lexists(target):
                 move_aside_and_remove(target)
             try:

@@ -12,11 +12,14 @@ restore then finds the copy in place: `RemoteSteps.download` reuses a copy of th
 It only reads the storage: it lists the committed steps and copies the newest into the local
 stage (into a hidden sibling, then one rename), which is what the restore would do; no lease is
 needed for that. Every download into the local stage of this process waits for the prefetch
-there to end first (`wait`, from `JobCheckpoints`): two downloads of one step must not run at
-once, since the later one's rename replaces the copy that a restore may be reading. A failure is
-logged at debug level and left to the restore, which meets it again and reports it. A step that
-is not the one restored after all (it fails its checks, the job was finished) costs its download
-and its disk in the stage, as a restore's own download of it would.
+there to end first (`wait`, from `JobCheckpoints.fetch`): two downloads of one step must not run
+at once. (Another process's download of the same upload, a second command of the job started
+beside this one, is left in place: `RemoteSteps.download`.) A failure is logged at debug level
+and left to the restore, which meets it again and reports it. A step that is not the one
+restored after all (it fails its checks, the job was finished) costs its download and its disk in
+the stage, as a restore's own download of it would. The thread does not hold the process's exit:
+a command refused before its restore does not wait for a step it will not read (what a cut
+download leaves is its hidden sibling, never a step).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("prefect_jax.trainer")
 
+THREAD_NAME = "prefect-jax-step-prefetch"
 _running: dict[str, threading.Thread] = {}  # a local stage -> the download into it
 _lock = threading.Lock()
 
@@ -45,24 +49,29 @@ def begin(storage: JobStorage) -> bool:
     if url is None:
         return False
     stage = os.path.abspath(storage.checkpoint_dir)
-    # Not a daemon: the process's exit waits for it (a daemon's cut leaves a partial copy).
     thread = threading.Thread(
         target=_download,
         args=(url, dict(storage.storage_options), stage),
-        name="prefect-jax-step-prefetch",
+        name=THREAD_NAME,
+        daemon=True,
     )
     with _lock:
-        if stage in _running:
+        if stage in _running and _running[stage].is_alive():
             return False
         _running[stage] = thread
-    thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # (no thread to be had: the restore downloads, as without one)
+            del _running[stage]
+            raise
     return True
 
 
 def wait(stage: str) -> None:
     """Return once no prefetch of this process is downloading into local stage `stage`."""
     key = os.path.abspath(stage)
-    thread = _running.get(key)
+    with _lock:
+        thread = _running.get(key)
     if thread is None:
         return
     thread.join()
