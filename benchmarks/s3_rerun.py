@@ -61,10 +61,9 @@ def main() -> None:
     parser.add_argument("--measured", default=None, help="when and where, for a new record")
     args = parser.parse_args()
 
-    import fsspec
     import goodput_lm
     from run import StandingServer
-    from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server
+    from s3_server import ACCESS_KEY, SECRET_KEY, S3Server, isolate_aws_env
 
     # (enough steps that no rerun finds the job finished: about 13 steps a rerun here)
     job = argparse.Namespace(
@@ -76,8 +75,8 @@ def main() -> None:
     try:
         with S3Server() as s3, StandingServer(os.path.join(work, "server-home")) as server:
             s3.create_bucket("jobs")
-            env = {k: v for k, v in os.environ.items() if k not in UNSET_AWS_ENV}
-            env.update(ISOLATED_AWS_ENV)
+            env = dict(os.environ)
+            isolate_aws_env(env)
             env.update(
                 AWS_ACCESS_KEY_ID=ACCESS_KEY,
                 AWS_SECRET_ACCESS_KEY=SECRET_KEY,
@@ -107,13 +106,7 @@ def main() -> None:
                     raise SystemExit(f"attempt {i} ({side}) exited {proc.returncode}")
                 sides.append(side)
                 print(f"attempt {i} ({side}) done", file=sys.stderr, flush=True)
-            fs = fsspec.filesystem(
-                "s3",
-                key=ACCESS_KEY,
-                secret=SECRET_KEY,
-                client_kwargs={"endpoint_url": s3.endpoint_url},
-            )
-            ledger = json.loads(fs.cat_file("jobs/team/gp/goodput.json"))
+            ledger = json.loads(s3.filesystem().cat_file("jobs/team/gp/goodput.json"))
     finally:
         limit_loopback(args.rate, held=False)
     reruns: dict[str, list[dict]] = {"new": [], "old": []}

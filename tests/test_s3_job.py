@@ -262,6 +262,19 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     )  # (was one per step and listing: keep_last is 3)
 
 
+def _digits_job_on_s3(s3, job: str, mlflow_uri: str, **checkpoint) -> JobConfig:
+    """The tiny digits program's job at ``s3://jobs/<job>``: 30 steps, a checkpoint every 10."""
+    return JobConfig(
+        program="prefect_jax.examples.digits:tiny",
+        job=job,
+        storage=f"s3://jobs/{job}",
+        storage_options=s3.storage_options,
+        train=TrainSpec(max_steps=30, log_every_steps=10),
+        mlflow_tracking_uri=mlflow_uri,
+        checkpoint=CheckpointSpec(every_steps=10, **checkpoint),
+    )
+
+
 def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes_it(
     s3, tmp_path, monkeypatch, mlflow_uri
 ):
@@ -270,15 +283,7 @@ def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes
     announcer tells the listeners of each step once its upload is done, and never of one that is
     gone."""
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "cache"))
-    config = JobConfig(
-        program="prefect_jax.examples.digits:tiny",
-        job="known",
-        storage="s3://jobs/known",
-        storage_options=s3.storage_options,
-        train=TrainSpec(max_steps=30, log_every_steps=10),
-        mlflow_tracking_uri=mlflow_uri,
-        checkpoint=CheckpointSpec(every_steps=10, keep_last=1, keep_until_evaluated=False),
-    )
+    config = _digits_job_on_s3(s3, "known", mlflow_uri, keep_last=1, keep_until_evaluated=False)
     trainer = Trainer(config)
     announced: list[int] = []
     trainer.job.commit_listeners.append(announced.append)
@@ -314,15 +319,7 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
     from prefect_jax.training.remote import RemoteSteps
     from prefect_jax.training.storage import JobStorage
 
-    config = JobConfig(
-        program="prefect_jax.examples.digits:tiny",
-        job="prefetched",
-        storage="s3://jobs/prefetched",
-        storage_options=s3.storage_options,
-        train=TrainSpec(max_steps=30, log_every_steps=10),
-        mlflow_tracking_uri=mlflow_uri,
-        checkpoint=CheckpointSpec(every_steps=10),
-    )
+    config = _digits_job_on_s3(s3, "prefetched", mlflow_uri)
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "first-machine"))
     trainer = Trainer(config)
     try:

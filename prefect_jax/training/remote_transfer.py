@@ -193,6 +193,14 @@ class StepTransfers:
         files = manifest.files or self._remote_sizes(step)
         dirs = manifest.dirs
         tmp = os.path.join(local_dir, f".{step}.download-{uuid.uuid4().hex[:12]}")
+
+        def keep_theirs() -> bool:
+            # another process put the same copy there meanwhile (a restore may be reading it)
+            if not local_copy_matches(target, manifest):
+                return False
+            shutil.rmtree(tmp, ignore_errors=True)
+            return True
+
         started = time.monotonic()
         try:
             os.makedirs(tmp)
@@ -216,18 +224,14 @@ class StepTransfers:
                 )
             with open(os.path.join(tmp, COMMIT_MARKER), "wb") as f:
                 f.write(manifest.to_json())
-            if manifest.upload_id and local_copy_matches(target, manifest):
-                # another process put the same copy there meanwhile (a restore may be reading it)
-                shutil.rmtree(tmp, ignore_errors=True)
+            if manifest.upload_id and keep_theirs():
                 return target
             if os.path.lexists(target):
                 move_aside_and_remove(target)
             try:
                 os.rename(tmp, target)
             except OSError:
-                # another process put the same copy there first
-                if local_copy_matches(target, manifest):
-                    shutil.rmtree(tmp, ignore_errors=True)
+                if keep_theirs():  # (another rename landed after the removal above)
                     return target
                 raise
         except BaseException:
