@@ -105,6 +105,8 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     _wait(lambda: orbax_tmp_dirs(ckpt), 60, "the save of step 200 to start", proc)
     assert _kill(proc, signal.SIGKILL) == -signal.SIGKILL
     assert committed_steps(ckpt) == [100], "a save killed part-way must not count"
+    killed_save = orbax_tmp_dirs(ckpt)
+    assert killed_save, "the killed save left no temporary directory"
 
     # 2. SIGTERM mid-interval. Before that, with the trainer frozen (SIGSTOP) mid-interval and its
     #    lease fresh, a second run of the same job fails fast, naming the owner.
@@ -115,6 +117,12 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
         180,
         "training to resume",
         proc,
+    )
+    # The rerun's restore removed the killed save's partial step (Orbax would remove it only if
+    # it saved step 200 again, so it says so, and the rerun's own save of 200 is not mistaken).
+    assert (
+        f"removed what killed saves or downloads left in {ckpt}: {killed_save}"
+        in (logs / "2.log").read_text()
     )
     proc.send_signal(signal.SIGSTOP)
     try:

@@ -312,15 +312,12 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_a_process_killed_mid_upload_leaves_no_committed_step(remote, url, s3, tmp_path):
-    step_dir, state = make_step(str(tmp_path / "stage"), 20, big_state())
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir) for f in fs)
-    assert size > 40 * 2**20
+def _start_child(tmp_path, source: str, args: list[str], s3) -> subprocess.Popen:
+    """Run `source` as a script with `args`, the storage options on its stdin."""
     script = tmp_path / "child.py"
-    script.write_text(CHILD)
+    script.write_text(source)
     child = subprocess.Popen(
-        [sys.executable, str(script), url, "20", step_dir],
+        [sys.executable, str(script), *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -328,6 +325,15 @@ def test_a_process_killed_mid_upload_leaves_no_committed_step(remote, url, s3, t
     )
     child.stdin.write(json.dumps(s3.storage_options))
     child.stdin.close()
+    return child
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_upload_leaves_no_committed_step(remote, url, s3, tmp_path):
+    step_dir, state = make_step(str(tmp_path / "stage"), 20, big_state())
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir) for f in fs)
+    assert size > 40 * 2**20
+    child = _start_child(tmp_path, CHILD, [url, "20", step_dir], s3)
     try:
         lines = []
         deadline = time.monotonic() + 60
@@ -362,6 +368,63 @@ def test_a_process_killed_mid_upload_leaves_no_committed_step(remote, url, s3, t
     assert remote.committed_steps() == [20]
     restored, _, _ = restore(remote.download(20, str(tmp_path / "cache")), state)
     assert state_fingerprint(restored) == state_fingerprint(state)
+
+
+DOWNLOADING_CHILD = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    import s3fs
+    from prefect_jax.training.remote import RemoteSteps
+
+    url, step, stage = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    options = json.loads(sys.stdin.read())
+    original = s3fs.S3FileSystem._get_file
+    got = []
+
+    async def get_file(self, rpath, lpath, *args, **kwargs):
+        if got:  # one file down: stop here and wait to be killed
+            print("PAUSED", flush=True)
+            await asyncio.sleep(3600)
+        got.append(rpath)
+        return await original(self, rpath, lpath, *args, **kwargs)
+
+    s3fs.S3FileSystem._get_file = get_file
+    RemoteSteps(url, options).download(step, stage)
+    """
+)
+
+
+def test_a_download_killed_part_way_is_removed_once_its_process_is_gone(remote, url, s3, tmp_path):
+    """A process killed mid-download leaves its hidden copy in the local stage (a step's size
+    each time). The writer's cleanup leaves it while its process lives, removes it once the
+    process is gone, and leaves the steps, other hosts' downloads and other files alone."""
+    from prefect_jax.training.remote_layout import remove_abandoned_copies
+
+    step_dir, _ = make_step(str(tmp_path / "stage"), 20, small_state(20))
+    remote.upload(20, step_dir)
+    stage = tmp_path / "cache"
+    remote.download(20, str(stage))  # a committed copy, which stays
+    other_host = stage / f".20.download-elsewhere-{os.getpid()}-{'a' * 12}"
+    aside = stage / f".20.stale-{'b' * 12}"  # moved aside by a process killed before its rmtree
+    for d in (other_host, aside, stage / "notes"):
+        d.mkdir()
+    child = _start_child(tmp_path, DOWNLOADING_CHILD, [url, "20", str(tmp_path / "cache-2")], s3)
+    try:
+        line = child.stdout.readline().strip()
+        assert line == "PAUSED", (line, child.stderr.read() if child.poll() is not None else "")
+        (partial,) = os.listdir(tmp_path / "cache-2")
+        assert partial.startswith(".20.download-") and f"-{child.pid}-" in partial
+        assert remove_abandoned_copies(str(tmp_path / "cache-2")) == []  # its process still runs
+        assert os.listdir(tmp_path / "cache-2") == [partial]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    assert remove_abandoned_copies(str(tmp_path / "cache-2")) == [partial]
+    assert os.listdir(tmp_path / "cache-2") == []
+    assert remove_abandoned_copies(str(stage)) == [aside.name]
+    assert sorted(os.listdir(stage)) == sorted(["20", other_host.name, "notes"])
 
 
 # -- the background uploader -----------------------------------------------------------------------

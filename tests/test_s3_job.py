@@ -9,6 +9,7 @@ would after preemption, so it restores by downloading.
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -333,6 +334,18 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
 
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "new-machine"))
     storage = JobStorage(config.storage, config.job, config.storage_options)
+    # What killed processes of this machine left in its stage: a download cut short, a copy moved
+    # aside, a save's temporary directory. The restore removes them.
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    )
+    leftovers = [
+        f".20.download-{socket.gethostname()}-{int(dead.stdout)}-{'c' * 12}",
+        f".10.stale-{'d' * 12}",
+        "30.orbax-checkpoint-tmp-1700000000",
+    ]
+    for name in leftovers:
+        os.makedirs(os.path.join(storage.checkpoint_dir, name, "state"))
     # The prefetch's download is held until the restore has begun, then until the restore
     # downloads the step itself (as it would without waiting for the prefetch) or 3 s pass.
     restore_began, restore_downloads = threading.Event(), threading.Event()
@@ -365,6 +378,7 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
         assert rerun.fingerprint() == saved
         # the restore found the prefetch's copy: it downloaded nothing itself
         assert downloaders == [step_prefetch.THREAD_NAME], downloaders
+        assert sorted(os.listdir(storage.checkpoint_dir)) == ["20"]
         rerun.train_until_checkpoint()
         assert rerun.step == 30
     finally:

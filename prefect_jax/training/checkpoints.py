@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from prefect_jax.training import cluster
 from prefect_jax.training.checkpoint_dirs import (
+    ORBAX_TMP_SUFFIX,
     committed_steps,
     is_committed,
     quarantine,
@@ -185,7 +186,7 @@ class Checkpoints:
             # Several processes: process 0 finalizes the step, once every process wrote its part.
             return
         found = glob.glob(
-            os.path.join(glob.escape(self.directory), f"{self._saving}.orbax-checkpoint-tmp*")
+            os.path.join(glob.escape(self.directory), f"{self._saving}{ORBAX_TMP_SUFFIX}*")
         )
         if len(found) == 1:
             write_manifest(found[0])

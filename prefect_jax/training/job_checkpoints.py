@@ -12,13 +12,14 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from prefect_jax.training.checkpoint_dirs import is_committed, step_dirs
+from prefect_jax.training.checkpoint_dirs import is_committed, remove_abandoned_saves, step_dirs
 from prefect_jax.training.checkpoints import CheckpointSaveError
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import barrier
 from prefect_jax.training.mlflow_client import exit_wait
 from prefect_jax.training.peer_watch import LostProcess
 from prefect_jax.training.policy import retained
+from prefect_jax.training.remote_layout import remove_abandoned_copies
 from prefect_jax.training.step_prefetch import wait as wait_for_prefetch
 from prefect_jax.training.uploader import AsyncUploader
 
@@ -53,9 +54,9 @@ class JobCheckpoints:
         return steps[-1] if steps else None
 
     def prepare_restore(self) -> list[int] | None:
-        """The writer's view after a crash: torn local steps moved aside; for remote storage,
-        partial uploads removed and staged steps that never got uploaded dropped (they do not
-        count).
+        """The writer's view after a crash: torn local steps moved aside and killed saves'
+        temporaries removed; for remote storage, partial uploads removed, staged steps that never
+        got uploaded dropped (they do not count) and downloads killed part-way removed.
         Returns the committed remote steps it listed (oldest first), where no upload of this
         process is in flight: the restore need not list them again (a listing and a request per
         step on object storage); else None."""
@@ -67,9 +68,11 @@ class JobCheckpoints:
         if self.processes > 1:
             if self.is_primary:  # the others wait, then see what it left
                 self.checkpoints.quarantine_uncommitted()
+                self._remove_killed_copies()
             barrier("prefect_jax.prepare_restore")
             self.checkpoints.reload()
             return None
+        self._remove_killed_copies()
         if self.remote is None:
             self.checkpoints.quarantine_uncommitted()
             return None
@@ -88,6 +91,18 @@ class JobCheckpoints:
                 )
         self.checkpoints.reload()
         return None if pending else committed
+
+    def _remove_killed_copies(self) -> None:
+        """Remove the partial saves and downloads of killed processes from the local directory:
+        each as large as a step, never read again (the writer's, with no save in flight)."""
+        directory = self.checkpoints.directory
+        removed = remove_abandoned_saves(directory)
+        if self.remote is not None:
+            removed += remove_abandoned_copies(directory)
+        if removed:
+            logger.warning(
+                "removed what killed saves or downloads left in %s: %s", directory, removed
+            )
 
     def fetch(self, step: int) -> None:
         """Make a committed remote step readable in the local stage (download it unless it is

@@ -18,6 +18,7 @@ from prefect_jax.training.remote_layout import (
     LOCAL_PROTOCOLS,
     OBJECT_STORE_PROTOCOLS,
     StepManifest,
+    download_dir,
     local_copy_matches,
     local_tree,
     move_aside_and_remove,
@@ -169,8 +170,8 @@ class StepTransfers:
     def download(self, step: int, local_dir: str) -> str:
         """Copy committed `step` to ``<local_dir>/<step>`` and return that path.
 
-        The files land in a temporary sibling (``.<step>.download-*``, which Orbax does not take
-        for a step) and are renamed into place once all are there with the sizes the marker
+        The files land in a temporary sibling (`download_dir`, which Orbax does not take for a
+        step) and are renamed into place once all are there with the sizes the marker
         records, so a reader never sees a partial step. A copy already there from the same upload
         is reused.
 
@@ -192,7 +193,7 @@ class StepTransfers:
             return target
         files = manifest.files or self._remote_sizes(step)
         dirs = manifest.dirs
-        tmp = os.path.join(local_dir, f".{step}.download-{uuid.uuid4().hex[:12]}")
+        tmp = download_dir(local_dir, step)
 
         def keep_theirs() -> bool:
             # another process put the same copy there meanwhile (a restore may be reading it)
