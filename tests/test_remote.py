@@ -396,35 +396,52 @@ DOWNLOADING_CHILD = textwrap.dedent(
 
 def test_a_download_killed_part_way_is_removed_once_its_process_is_gone(remote, url, s3, tmp_path):
     """A process killed mid-download leaves its hidden copy in the local stage (a step's size
-    each time). The writer's cleanup leaves it while its process lives, removes it once the
-    process is gone, and leaves the steps, other hosts' downloads and other files alone."""
-    from prefect_jax.training.remote_layout import remove_abandoned_copies
+    each time). The writer's cleanup leaves it while its process lives (its lock held), removes
+    it once the process is gone, and leaves the steps, live downloads of this process, other
+    hosts' downloads and other files alone."""
+    import socket
+
+    from prefect_jax.training.leftovers import download_dir, remove_leftovers
 
     step_dir, _ = make_step(str(tmp_path / "stage"), 20, small_state(20))
     remote.upload(20, step_dir)
-    stage = tmp_path / "cache"
-    remote.download(20, str(stage))  # a committed copy, which stays
-    other_host = stage / f".20.download-elsewhere-{os.getpid()}-{'a' * 12}"
-    aside = stage / f".20.stale-{'b' * 12}"  # moved aside by a process killed before its rmtree
-    for d in (other_host, aside, stage / "notes"):
-        d.mkdir()
     child = _start_child(tmp_path, DOWNLOADING_CHILD, [url, "20", str(tmp_path / "cache-2")], s3)
     try:
         line = child.stdout.readline().strip()
         assert line == "PAUSED", (line, child.stderr.read() if child.poll() is not None else "")
-        (partial,) = os.listdir(tmp_path / "cache-2")
-        assert partial.startswith(".20.download-") and f"-{child.pid}-" in partial
-        assert remove_abandoned_copies(str(tmp_path / "cache-2")) == []  # its process still runs
-        assert os.listdir(tmp_path / "cache-2") == [partial]
+        partial, lock = sorted(os.listdir(tmp_path / "cache-2"))
+        assert partial.startswith(f".20.download-{socket.gethostname()}-")
+        assert lock == f"{partial}.lock"
+        assert remove_leftovers(str(tmp_path / "cache-2"), downloads=True) == []  # it still runs
+        assert sorted(os.listdir(tmp_path / "cache-2")) == [partial, lock]
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
-
-    assert remove_abandoned_copies(str(tmp_path / "cache-2")) == [partial]
+    assert remove_leftovers(str(tmp_path / "cache-2"), downloads=True) == [partial]
     assert os.listdir(tmp_path / "cache-2") == []
-    assert remove_abandoned_copies(str(stage)) == [aside.name]
-    assert sorted(os.listdir(stage)) == sorted(["20", other_host.name, "notes"])
+
+    stage = tmp_path / "cache"
+    remote.download(20, str(stage))  # a committed copy, which stays
+    host = socket.gethostname()
+    kept = ["20", "notes", f".20.download-elsewhere-{'a' * 12}", f".20.download-{'e' * 12}"]
+    gone = [f".20.stale-{'b' * 12}", f".20.download-{'c' * 12}", f".30.download-{host}-{'d' * 12}"]
+    for name in kept + gone[:2]:
+        (stage / name).mkdir(exist_ok=True)
+    (stage / f"{kept[2]}.lock").touch()  # another host's: its lock says nothing here
+    (stage / f"{gone[2]}.lock").touch()  # a lone lock: killed after its rename
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(stage / gone[1], (two_days_ago, two_days_ago))  # named before locks, and old
+    with download_dir(str(stage), 40) as mine:  # (this process's own, as its prefetch's)
+        os.makedirs(mine)
+        assert remove_leftovers(str(stage), downloads=True) == sorted(
+            gone[:2] + [f"{gone[2]}.lock"]
+        )
+        assert sorted(os.listdir(stage)) == sorted(
+            kept + [f"{kept[2]}.lock", os.path.basename(mine), f"{os.path.basename(mine)}.lock"]
+        )
+        os.rmdir(mine)
+    assert sorted(os.listdir(stage)) == sorted(kept + [f"{kept[2]}.lock"])
 
 
 # -- the background uploader -----------------------------------------------------------------------

@@ -334,18 +334,13 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
 
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "new-machine"))
     storage = JobStorage(config.storage, config.job, config.storage_options)
-    # What killed processes of this machine left in its stage: a download cut short, a copy moved
-    # aside, a save's temporary directory. The restore removes them.
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
-    )
-    leftovers = [
-        f".20.download-{socket.gethostname()}-{int(dead.stdout)}-{'c' * 12}",
-        f".10.stale-{'d' * 12}",
-        "30.orbax-checkpoint-tmp-1700000000",
-    ]
-    for name in leftovers:
+    # What killed processes of this machine left in its stage: a download cut short (its lock
+    # file no longer held), a copy moved aside, a save's temporary directory. The restore removes
+    # them.
+    cut_short = f".20.download-{socket.gethostname()}-{'c' * 12}"
+    for name in (cut_short, f".10.stale-{'d' * 12}", "30.orbax-checkpoint-tmp"):
         os.makedirs(os.path.join(storage.checkpoint_dir, name, "state"))
+    open(os.path.join(storage.checkpoint_dir, f"{cut_short}.lock"), "w").close()
     # The prefetch's download is held until the restore has begun, then until the restore
     # downloads the step itself (as it would without waiting for the prefetch) or 3 s pass.
     restore_began, restore_downloads = threading.Event(), threading.Event()

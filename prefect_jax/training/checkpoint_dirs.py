@@ -1,5 +1,5 @@
 """A job's checkpoint directory as files: which steps are committed, a step's metadata,
-moving torn steps aside, removing killed saves' temporaries and waiting for a new step.
+moving torn steps aside and waiting for a new step.
 
 Orbax writes the steps (`prefect_jax.training.checkpoints`); the readers here look at the
 directory itself, so an evaluator, a command or a test can ask without opening a checkpoint
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 
@@ -28,7 +27,7 @@ ITEMS = ("state", "data", "meta")
 GCS_COMMIT_FILE = "commit_success.txt"
 # How Orbax names a step being written on a local disk, ``<step><suffix>`` (``-<time>`` after it
 # in older releases), renamed to ``<step>`` at the commit (its `atomicity_types.TMP_DIR_SUFFIX`).
-# It removes one only when it saves the same step again.
+# One a killed save left: `prefect_jax.training.leftovers`.
 ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
@@ -107,28 +106,6 @@ def quarantine(checkpoint_dir: str, step: int, why: str) -> str:
     fs.copy(path, to, recursive=True)
     fs.rm(path, recursive=True)
     return dst
-
-
-def remove_abandoned_saves(checkpoint_dir: str) -> list[str]:
-    """Delete the temporary directories of saves that will never commit (a process killed or
-    preempted while Orbax wrote a step): a partial step, nothing anyone can restore, as large as
-    the state, left for good unless that step is saved again. Only the job's writer may call
-    this, with no save of its own in flight. Local disk only (on ``gs://`` a step is written in
-    place and a torn one is moved aside like any other). Returns the names removed.
-    """
-    if _url(checkpoint_dir) is not None:
-        return []
-    try:
-        names = os.listdir(checkpoint_dir)
-    except FileNotFoundError:
-        return []
-    removed = []
-    for name in names:
-        step, suffix, rest = name.partition(ORBAX_TMP_SUFFIX)
-        if suffix and step.isdigit() and (rest == "" or rest.startswith("-")):
-            shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
-            removed.append(name)
-    return sorted(removed)
 
 
 def wait_for_new_checkpoint(

@@ -12,14 +12,14 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from prefect_jax.training.checkpoint_dirs import is_committed, remove_abandoned_saves, step_dirs
+from prefect_jax.training.checkpoint_dirs import is_committed, step_dirs
 from prefect_jax.training.checkpoints import CheckpointSaveError
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import barrier
+from prefect_jax.training.leftovers import remove_leftovers
 from prefect_jax.training.mlflow_client import exit_wait
 from prefect_jax.training.peer_watch import LostProcess
 from prefect_jax.training.policy import retained
-from prefect_jax.training.remote_layout import remove_abandoned_copies
 from prefect_jax.training.step_prefetch import wait as wait_for_prefetch
 from prefect_jax.training.uploader import AsyncUploader
 
@@ -96,10 +96,7 @@ class JobCheckpoints:
         """Remove the partial saves and downloads of killed processes from the local directory:
         each as large as a step, never read again (the writer's, with no save in flight)."""
         directory = self.checkpoints.directory
-        removed = remove_abandoned_saves(directory)
-        if self.remote is not None:
-            removed += remove_abandoned_copies(directory)
-        if removed:
+        if removed := remove_leftovers(directory, downloads=self.remote is not None):
             logger.warning(
                 "removed what killed saves or downloads left in %s: %s", directory, removed
             )

@@ -6,22 +6,17 @@ Remote layout of one job's checkpoints::
     <url>/<step>/_PREFECT_JAX_COMMITTED    JSON manifest (files and sizes, upload id); written last
 
 A local copy holds the same files and the same marker, so a copy already there from the same
-upload is known without downloading it again. A download lands in a hidden sibling named for its
-process (`download_dir`), so that the job's writer can remove what a killed one left
-(`remove_abandoned_copies`) without touching one that still runs beside it.
+upload is known without downloading it again. (Where a download lands before it takes the step's
+name, and what a killed one leaves: `prefect_jax.training.leftovers`.)
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import socket
-import uuid
 from dataclasses import dataclass
 
-from prefect_jax.training.local_processes import process_alive
 from prefect_jax.training.names import COMMIT_MARKER
 
 MARKER_FORMAT = 1
@@ -113,51 +108,3 @@ def local_copy_matches(path: str, manifest: StepManifest) -> bool:
         )
     except OSError:
         return False
-
-
-def move_aside_and_remove(path: str) -> None:
-    aside = os.path.join(
-        os.path.dirname(path), f".{os.path.basename(path)}.stale-{uuid.uuid4().hex[:12]}"
-    )
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-# ``.<step>.download-<host>-<pid>-<id>``: a download in flight, or one its process never finished.
-_DOWNLOAD = re.compile(r"\.\d+\.download-(?:(?P<host>.+)-(?P<pid>\d+)-)?[0-9a-f]{12}")
-# ``.<step>.stale-<id>``: a copy moved aside to be removed (`move_aside_and_remove`).
-_STALE = re.compile(r"\.\d+\.stale-[0-9a-f]{12}")
-
-
-def download_dir(local_dir: str, step: int) -> str:
-    """Where a download of `step` into `local_dir` lands before it takes the step's name."""
-    name = f".{step}.download-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    return os.path.join(local_dir, name)
-
-
-def remove_abandoned_copies(local_dir: str) -> list[str]:
-    """Delete what killed processes left in a local stage: downloads whose process on this host
-    is gone (a SIGKILL or a preemption mid-download; a step's size each) and copies moved aside
-    but not yet removed. Downloads of a live process, or of another host sharing the folder,
-    stay. One named without its owner (by a version before 2026-12) is removed: no owner to ask.
-    Only the job's writer calls this (`JobCheckpoints.prepare_restore`). Returns the names
-    removed."""
-    try:
-        names = os.listdir(local_dir)
-    except FileNotFoundError:
-        return []
-    host = socket.gethostname()
-    removed = []
-    for name in names:
-        download = _DOWNLOAD.fullmatch(name)
-        if download is not None and download["pid"] is not None:
-            if download["host"] != host or process_alive(int(download["pid"])):
-                continue
-        elif download is None and _STALE.fullmatch(name) is None:
-            continue
-        shutil.rmtree(os.path.join(local_dir, name), ignore_errors=True)
-        removed.append(name)
-    return sorted(removed)

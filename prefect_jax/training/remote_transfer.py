@@ -12,16 +12,15 @@ import shutil
 import time
 import uuid
 
+from prefect_jax.training.leftovers import download_dir, move_aside_and_remove
 from prefect_jax.training.names import COMMIT_MARKER
 from prefect_jax.training.remote_errors import RemoteConfigError
 from prefect_jax.training.remote_layout import (
     LOCAL_PROTOCOLS,
     OBJECT_STORE_PROTOCOLS,
     StepManifest,
-    download_dir,
     local_copy_matches,
     local_tree,
-    move_aside_and_remove,
 )
 from prefect_jax.training.storage import atomic_write
 
@@ -192,8 +191,25 @@ class StepTransfers:
         if manifest.upload_id and local_copy_matches(target, manifest):
             return target
         files = manifest.files or self._remote_sizes(step)
-        dirs = manifest.dirs
-        tmp = download_dir(local_dir, step)
+        started = time.monotonic()
+        with download_dir(local_dir, step) as tmp:
+            self._download_into(tmp, step, manifest, files, target)
+        logger.info(
+            "downloaded step %d (%d files, %.1f MiB) from %s to %s in %.1fs",
+            step,
+            len(files),
+            sum(files.values()) / 2**20,
+            self.safe_url,
+            target,
+            time.monotonic() - started,
+        )
+        return target
+
+    def _download_into(
+        self, tmp: str, step: int, manifest: StepManifest, files: dict[str, int], target: str
+    ) -> None:
+        """`download`'s copy: the files into `tmp`, checked, marked, then renamed to `target`
+        (unless another process put the same upload's copy there meanwhile)."""
 
         def keep_theirs() -> bool:
             # another process put the same copy there meanwhile (a restore may be reading it)
@@ -202,10 +218,9 @@ class StepTransfers:
             shutil.rmtree(tmp, ignore_errors=True)
             return True
 
-        started = time.monotonic()
         try:
             os.makedirs(tmp)
-            for d in dirs:
+            for d in manifest.dirs:
                 os.makedirs(os.path.join(tmp, *d.split("/")), exist_ok=True)
             for f in files:
                 os.makedirs(os.path.dirname(os.path.join(tmp, *f.split("/"))), exist_ok=True)
@@ -226,28 +241,18 @@ class StepTransfers:
             with open(os.path.join(tmp, COMMIT_MARKER), "wb") as f:
                 f.write(manifest.to_json())
             if manifest.upload_id and keep_theirs():
-                return target
+                return
             if os.path.lexists(target):
                 move_aside_and_remove(target)
             try:
                 os.rename(tmp, target)
             except OSError:
                 if keep_theirs():  # (another rename landed after the removal above)
-                    return target
+                    return
                 raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        logger.info(
-            "downloaded step %d (%d files, %.1f MiB) from %s to %s in %.1fs",
-            step,
-            len(files),
-            sum(files.values()) / 2**20,
-            self.safe_url,
-            target,
-            time.monotonic() - started,
-        )
-        return target
 
     def download_latest(self, local_dir: str) -> tuple[int, str] | None:
         """Download the newest committed step: ``(step, local path)``, or None when nothing is
