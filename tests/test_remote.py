@@ -397,12 +397,13 @@ DOWNLOADING_CHILD = textwrap.dedent(
 def test_a_download_killed_part_way_is_removed_once_its_process_is_gone(remote, url, s3, tmp_path):
     """A process killed mid-download leaves its hidden copy in the local stage (a step's size
     each time). The writer's cleanup leaves it while its process lives (its lock held), removes
-    it once the process is gone, and leaves the steps, live downloads of this process, other
-    hosts' downloads and other files alone."""
-    import socket
-
+    it once the process is gone, and leaves the steps, this process's own download and other
+    files alone; a download it cannot ask (another machine's, or named before locks) goes once it
+    is a day old."""
+    from prefect_jax.training import leftovers
     from prefect_jax.training.leftovers import download_dir, remove_leftovers
 
+    kernel = leftovers._kernel()
     step_dir, _ = make_step(str(tmp_path / "stage"), 20, small_state(20))
     remote.upload(20, step_dir)
     child = _start_child(tmp_path, DOWNLOADING_CHILD, [url, "20", str(tmp_path / "cache-2")], s3)
@@ -410,8 +411,7 @@ def test_a_download_killed_part_way_is_removed_once_its_process_is_gone(remote, 
         line = child.stdout.readline().strip()
         assert line == "PAUSED", (line, child.stderr.read() if child.poll() is not None else "")
         partial, lock = sorted(os.listdir(tmp_path / "cache-2"))
-        assert partial.startswith(f".20.download-{socket.gethostname()}-")
-        assert lock == f"{partial}.lock"
+        assert partial.startswith(f".20.download-{kernel}-") and lock == f"{partial}.lock"
         assert remove_leftovers(str(tmp_path / "cache-2"), downloads=True) == []  # it still runs
         assert sorted(os.listdir(tmp_path / "cache-2")) == [partial, lock]
     finally:
@@ -423,25 +423,56 @@ def test_a_download_killed_part_way_is_removed_once_its_process_is_gone(remote, 
 
     stage = tmp_path / "cache"
     remote.download(20, str(stage))  # a committed copy, which stays
-    host = socket.gethostname()
-    kept = ["20", "notes", f".20.download-elsewhere-{'a' * 12}", f".20.download-{'e' * 12}"]
-    gone = [f".20.stale-{'b' * 12}", f".20.download-{'c' * 12}", f".30.download-{host}-{'d' * 12}"]
-    for name in kept + gone[:2]:
-        (stage / name).mkdir(exist_ok=True)
-    (stage / f"{kept[2]}.lock").touch()  # another host's: its lock says nothing here
-    (stage / f"{gone[2]}.lock").touch()  # a lone lock: killed after its rename
+    elsewhere, before_locks = f".20.download-elsewhere-{'a' * 12}", f".20.download-{'e' * 12}"
+    kept = ["20", "notes", elsewhere, f"{elsewhere}.lock", before_locks]
+    old_elsewhere, old_before_locks = (
+        f".21.download-elsewhere-{'f' * 12}",
+        f".21.download-{'c' * 12}",
+    )
+    gone = [f".20.stale-{'b' * 12}", old_elsewhere, old_before_locks]
+    lone_lock = f".30.download-{kernel}-{'d' * 12}.lock"  # killed after its rename
+    for name in kept + gone:
+        if name.endswith(".lock"):
+            (stage / name).touch()
+        else:
+            (stage / name).mkdir(exist_ok=True)
+    (stage / lone_lock).touch()
     two_days_ago = time.time() - 2 * 86400
-    os.utime(stage / gone[1], (two_days_ago, two_days_ago))  # named before locks, and old
+    for name in (old_elsewhere, old_before_locks):
+        os.utime(stage / name, (two_days_ago, two_days_ago))
     with download_dir(str(stage), 40) as mine:  # (this process's own, as its prefetch's)
         os.makedirs(mine)
-        assert remove_leftovers(str(stage), downloads=True) == sorted(
-            gone[:2] + [f"{gone[2]}.lock"]
-        )
+        assert remove_leftovers(str(stage), downloads=True) == sorted(gone + [lone_lock])
         assert sorted(os.listdir(stage)) == sorted(
-            kept + [f"{kept[2]}.lock", os.path.basename(mine), f"{os.path.basename(mine)}.lock"]
+            kept + [os.path.basename(mine), f"{os.path.basename(mine)}.lock"]
         )
         os.rmdir(mine)
-    assert sorted(os.listdir(stage)) == sorted(kept + [f"{kept[2]}.lock"])
+    assert sorted(os.listdir(stage)) == sorted(kept)
+
+
+def test_a_download_whose_new_lock_file_a_cleanup_took_picks_another_name(tmp_path, monkeypatch):
+    """Between creating its lock file and locking it, a download's lock is free: another
+    process's cleanup may take the file for a killed download's and delete it. The download then
+    takes a new name rather than run on under a lock nobody can find."""
+    import fcntl
+
+    from prefect_jax.training.leftovers import download_dir
+
+    flock, taken = fcntl.flock, []
+
+    def cleanup_first(f, op):
+        if not taken:  # (the other process's cleanup, at that moment)
+            taken.append(f.name)
+            os.unlink(f.name)
+        return flock(f, op)
+
+    monkeypatch.setattr(fcntl, "flock", cleanup_first)
+    with download_dir(str(tmp_path), 5) as path:
+        monkeypatch.undo()
+        assert f"{path}.lock" != taken[0] and os.path.exists(f"{path}.lock")
+        with open(f"{path}.lock", "r+") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert os.listdir(tmp_path) == []
 
 
 # -- the background uploader -----------------------------------------------------------------------

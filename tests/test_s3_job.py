@@ -9,7 +9,6 @@ would after preemption, so it restores by downloading.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -315,7 +314,7 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
     reads that copy and resumes at its step with its state."""
     import threading
 
-    from prefect_jax.training import head_start, step_prefetch
+    from prefect_jax.training import head_start, leftovers, step_prefetch
     from prefect_jax.training.program import load_program_with_params
     from prefect_jax.training.remote import RemoteSteps
     from prefect_jax.training.storage import JobStorage
@@ -336,27 +335,35 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
     storage = JobStorage(config.storage, config.job, config.storage_options)
     # What killed processes of this machine left in its stage: a download cut short (its lock
     # file no longer held), a copy moved aside, a save's temporary directory. The restore removes
-    # them.
-    cut_short = f".20.download-{socket.gethostname()}-{'c' * 12}"
+    # them, and not the prefetch's download in flight beside it.
+    cut_short = f".20.download-{leftovers._kernel()}-{'c' * 12}"
     for name in (cut_short, f".10.stale-{'d' * 12}", "30.orbax-checkpoint-tmp"):
         os.makedirs(os.path.join(storage.checkpoint_dir, name, "state"))
     open(os.path.join(storage.checkpoint_dir, f"{cut_short}.lock"), "w").close()
-    # The prefetch's download is held until the restore has begun, then until the restore
-    # downloads the step itself (as it would without waiting for the prefetch) or 3 s pass.
-    restore_began, restore_downloads = threading.Event(), threading.Event()
+    # The prefetch's download, its lock taken, is held until the restore's cleanup is done, then
+    # until the restore downloads the step itself (as it would without waiting for the prefetch)
+    # or 3 s pass.
+    in_flight, cleaned, restore_downloads = (threading.Event() for _ in range(3))
     downloaders: list[str] = []
-    download = RemoteSteps.download
+    prefetch_locks: list[str] = []
+    download, download_into = RemoteSteps.download, RemoteSteps._download_into
 
     def held_download(self, step, local_dir):
         downloaders.append(threading.current_thread().name)
-        if threading.current_thread().name == step_prefetch.THREAD_NAME:
-            restore_began.wait(60)
-            restore_downloads.wait(3)
-        else:
+        if threading.current_thread().name != step_prefetch.THREAD_NAME:
             restore_downloads.set()
         return download(self, step, local_dir)
 
+    def held_download_into(self, tmp, *args):
+        if threading.current_thread().name == step_prefetch.THREAD_NAME:
+            prefetch_locks.append(f"{tmp}.lock")
+            in_flight.set()
+            cleaned.wait(60)
+            restore_downloads.wait(3)
+        return download_into(self, tmp, *args)
+
     monkeypatch.setattr(RemoteSteps, "download", held_download)
+    monkeypatch.setattr(RemoteSteps, "_download_into", held_download_into)
     request.addfinalizer(lambda: setattr(head_start, "_begun", None))
     program, params = load_program_with_params(config.program, None, config.train.max_steps)
     assert head_start.begin(config.program, program, params, None, config.train, storage, None)
@@ -365,8 +372,12 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
         prepare_restore = rerun.job.prepare_restore
 
         def restore_begins():
-            restore_began.set()
-            return prepare_restore()
+            assert in_flight.wait(60)
+            try:
+                return prepare_restore()
+            finally:
+                assert os.path.exists(prefetch_locks[0])  # (the prefetch's, kept)
+                cleaned.set()
 
         monkeypatch.setattr(rerun.job, "prepare_restore", restore_begins)
         assert rerun.restore_or_init() == 20

@@ -9,20 +9,24 @@ Each of these is as large as a step, and nothing ever reads it again:
 
 Only the job's writer removes them, under the lease and with no save of its own in flight
 (`JobCheckpoints.prepare_restore`). A download belongs to a process that may still run: an
-evaluator downloading into the same stage, or this process's own prefetch. Each download holds an
-exclusive lock on ``<its directory>.lock`` until it ends, and the kernel drops the lock when its
-process dies; a download is removed only once its lock can be taken. A lock tells a dead process
-from a live one in any container of the machine, where process ids do not. A download from
-another host (a stage shared over the network) is left alone.
+evaluator downloading into the same stage, or this process's own prefetch. A download is named
+for the machine's running kernel (its boot id, which every container of the machine shares) and
+holds an exclusive lock on ``<its directory>.lock`` until it ends; the kernel drops the lock when
+its process dies. One made under this kernel is removed once its lock can be taken: a lock tells
+a dead process from a live one in any container, where process ids and host names do not. One
+made elsewhere (another host sharing the folder over a network, the machine before a reboot, a
+version before locks) cannot be asked, and is removed once it is a day old: no download takes a
+day.
 
-Everything is moved aside before it is deleted, so a process that was thought gone but still
-runs fails its own rename instead of committing a half-deleted step.
+Everything is moved aside before it is deleted, so a process thought gone but still running
+fails its own rename instead of committing a half-deleted step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -33,13 +37,22 @@ from collections.abc import Iterator
 
 from prefect_jax.training.checkpoint_dirs import ORBAX_TMP_SUFFIX
 
-# A download named by a version before 2026-12 (``.<step>.download-<id>``, no lock) is removed
-# once this old: no download takes a day.
-UNLOCKED_DOWNLOAD_AGE_SECS = 24 * 3600
+UNOWNED_DOWNLOAD_AGE_SECS = 24 * 3600  # (see above)
 
 _ORBAX_SAVE = re.compile(r"\d+" + re.escape(ORBAX_TMP_SUFFIX) + r"(-.*)?")
-_DOWNLOAD = re.compile(r"\.\d+\.download-(?:(?P<host>.+)-)?[0-9a-f]{12}")
+_DOWNLOAD = re.compile(r"\.\d+\.download-(?:(?P<owner>.+)-)?[0-9a-f]{12}")
 _STALE = re.compile(r"\..+\.stale-[0-9a-f]{12}")
+_live: set[str] = set()  # this process's downloads (locks of one process do not conflict on NFS)
+
+
+@functools.cache
+def _kernel() -> str:
+    """This machine's running kernel: its boot id, else (no /proc) its host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip().replace("-", "")
+    except OSError:
+        return socket.gethostname()
 
 
 def move_aside_and_remove(path: str) -> bool:
@@ -60,16 +73,31 @@ def download_dir(local_dir: str, step: int) -> Iterator[str]:
     """A new hidden directory name under `local_dir` for a download of `step` before it takes the
     step's name, owned by this download (its lock held) until the block ends. The caller creates
     the directory, and renames or deletes it before the block ends."""
-    path = os.path.join(
-        local_dir, f".{step}.download-{socket.gethostname()}-{uuid.uuid4().hex[:12]}"
-    )
-    with open(f"{path}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # (a new name: nobody else holds it)
+    while True:
+        path = os.path.join(local_dir, f".{step}.download-{_kernel()}-{uuid.uuid4().hex[:12]}")
+        _live.add(path)
         try:
-            yield path
-        finally:  # (the name goes before the kernel releases the lock, at the close)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{path}.lock")
+            lock = open(f"{path}.lock", "w")
+        except BaseException:
+            _live.discard(path)
+            raise
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # (a file system without locks: judged by its age)
+            pass
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(lock.fileno()), os.stat(f"{path}.lock")):
+                break
+        # a cleanup took the new file for a killed download's before it was locked: a new name
+        lock.close()
+        _live.discard(path)
+    try:
+        yield path
+    finally:  # (the name goes before the kernel releases the lock, at the close)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{path}.lock")
+        lock.close()
+        _live.discard(path)
 
 
 def remove_leftovers(directory: str, downloads: bool = False) -> list[str]:
@@ -90,7 +118,7 @@ def remove_leftovers(directory: str, downloads: bool = False) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             gone = True
         elif downloads and (match := _DOWNLOAD.fullmatch(name.removesuffix(".lock"))):
-            gone = _remove_abandoned_download(path, match["host"])
+            gone = _remove_abandoned_download(name, directory, match["owner"])
         else:
             continue
         if gone:
@@ -98,29 +126,43 @@ def remove_leftovers(directory: str, downloads: bool = False) -> list[str]:
     return removed
 
 
-def _remove_abandoned_download(path: str, host: str | None) -> bool:
-    """Remove a download directory, or its lone lock file, if its process is gone."""
-    if host is None:  # (before locks: judged by its age)
-        try:
-            old = time.time() - os.stat(path).st_mtime > UNLOCKED_DOWNLOAD_AGE_SECS
-        except FileNotFoundError:
-            return False
-        return old and move_aside_and_remove(path)
-    if host != socket.gethostname():
+def _remove_abandoned_download(name: str, directory: str, owner: str | None) -> bool:
+    """Remove a download directory and its lock file (`name` is either) if its process is gone."""
+    path = os.path.join(directory, name.removesuffix(".lock"))
+    lock_path = f"{path}.lock"
+    if path in _live:
         return False
-    lock_path = path if path.endswith(".lock") else f"{path}.lock"
+    if owner != _kernel():
+        return _old(path, lock_path) and _remove_download(path, lock_path)
     try:
         lock = open(lock_path, "r+")  # (not created: its name going means its download ended)
     except FileNotFoundError:
-        return False
+        return _old(path, lock_path) and _remove_download(path, lock_path)
     with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # its process runs
+        except OSError:  # (a file system without locks)
+            return _old(path, lock_path) and _remove_download(path, lock_path)
         if not os.path.exists(lock_path):  # (ended between the open and the lock)
             return False
-        if path != lock_path:
-            move_aside_and_remove(path)
+        return _remove_download(path, lock_path)
+
+
+def _old(*paths: str) -> bool:
+    """Whether the newest of `paths` that exist was changed over a day ago (False if none)."""
+    times = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            times.append(os.stat(path).st_mtime)
+    return bool(times) and time.time() - max(times) > UNOWNED_DOWNLOAD_AGE_SECS
+
+
+def _remove_download(path: str, lock_path: str) -> bool:
+    removed = move_aside_and_remove(path)
+    try:
         os.unlink(lock_path)
+    except FileNotFoundError:
+        return removed
     return True

@@ -193,7 +193,8 @@ class StepTransfers:
         files = manifest.files or self._remote_sizes(step)
         started = time.monotonic()
         with download_dir(local_dir, step) as tmp:
-            self._download_into(tmp, step, manifest, files, target)
+            if not self._download_into(tmp, step, manifest, files, target):
+                return target  # (another process's copy of the same upload, put there meanwhile)
         logger.info(
             "downloaded step %d (%d files, %.1f MiB) from %s to %s in %.1fs",
             step,
@@ -207,9 +208,9 @@ class StepTransfers:
 
     def _download_into(
         self, tmp: str, step: int, manifest: StepManifest, files: dict[str, int], target: str
-    ) -> None:
-        """`download`'s copy: the files into `tmp`, checked, marked, then renamed to `target`
-        (unless another process put the same upload's copy there meanwhile)."""
+    ) -> bool:
+        """`download`'s copy: the files into `tmp`, checked, marked, then renamed to `target`;
+        False where another process put the same upload's copy there meanwhile (kept)."""
 
         def keep_theirs() -> bool:
             # another process put the same copy there meanwhile (a restore may be reading it)
@@ -241,18 +242,19 @@ class StepTransfers:
             with open(os.path.join(tmp, COMMIT_MARKER), "wb") as f:
                 f.write(manifest.to_json())
             if manifest.upload_id and keep_theirs():
-                return
+                return False
             if os.path.lexists(target):
                 move_aside_and_remove(target)
             try:
                 os.rename(tmp, target)
             except OSError:
                 if keep_theirs():  # (another rename landed after the removal above)
-                    return
+                    return False
                 raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        return True
 
     def download_latest(self, local_dir: str) -> tuple[int, str] | None:
         """Download the newest committed step: ``(step, local path)``, or None when nothing is
