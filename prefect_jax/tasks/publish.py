@@ -54,7 +54,8 @@ class _Publisher:
     results table with every row): one runs at most every `ui_refresh_secs()` per key (sooner
     only at `flush`); one that comes sooner is held, replaced by any later one of its key, and
     runs when the time is up or at `flush`; a held call never runs while a newer call of its key
-    is still in the queue behind it. After a flush the next call of a key runs at once.
+    is still in the queue behind it. After a flush the next call of a key runs at once. With
+    `ui_refresh_secs()` 0 every call runs, in order, as `submit`'s do.
     With checkpoints seconds apart, the Prefect server records a fraction of the artifact
     versions and events it would otherwise (each costs it CPU), and the UI, which polls, shows
     the same.
@@ -99,12 +100,15 @@ class _Publisher:
 
     def _due_in(self, key: Any, now: float) -> float:
         """Seconds until `key`'s held call may run (<= 0: now)."""
+        refresh_secs = self._refresh_secs()
+        if refresh_secs == 0:
+            return 0.0  # every change shown, even with a newer one queued behind it
         if self._newer_on_its_way(key):
             return math.inf  # (its replacement is still in the queue)
         if self._hurry:
             return 0.0
         last = self._last_run.get(key)
-        return -1.0 if last is None else last + self._refresh_secs() - now
+        return -1.0 if last is None else last + refresh_secs - now
 
     def _refresh_secs(self) -> float:
         try:

@@ -1,0 +1,26 @@
+"""The publisher's refresh policy, on its own (the flows' use of it: tests/test_flow.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from prefect_jax.tasks.publish import _Publisher
+
+
+@pytest.mark.parametrize(("refresh_secs", "expected"), [("0", [0, 1, 2]), ("3600", [2])])
+def test_refreshes_queued_behind_a_slow_call_run_each_only_with_refresh_0(
+    prefect_server, monkeypatch, refresh_secs, expected
+):
+    """With PREFECT_JAX_UI_REFRESH_SECS=0 every change is shown, even when the publisher falls
+    behind (a slow round trip to a busy server) and newer ones of the key queue up behind it;
+    otherwise only the newest of those runs (they show the latest state only)."""
+    monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", refresh_secs)
+    publisher, gate, ran = _Publisher(), threading.Event(), []
+    publisher.submit(gate.wait, 30)  # the slow call ahead
+    for version in range(3):
+        publisher.refresh("results-table", ran.append, version)
+    gate.set()
+    assert publisher.flush(30)
+    assert ran == expected
