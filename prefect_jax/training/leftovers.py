@@ -4,7 +4,7 @@ Each of these is as large as a step, and nothing ever reads it again:
 
 - an Orbax save killed part-way: ``<step>.orbax-checkpoint-tmp``, which Orbax removes only if it
   saves that same step again (a backup or a SIGTERM checkpoint falls on any step);
-- a download killed part-way (`download_dir`): ``.<step>.download-<host>-<id>``;
+- a download killed part-way (`download_dir`): ``.<step>.download-<boot id>-<id>``;
 - a directory moved aside to be deleted, whose deletion was cut short: ``.<name>.stale-<id>``.
 
 Only the job's writer removes them, under the lease and with no save of its own in flight
@@ -133,30 +133,33 @@ def _remove_abandoned_download(name: str, directory: str, owner: str | None) -> 
     if path in _live:
         return False
     if owner != _kernel():
-        return _old(path, lock_path) and _remove_download(path, lock_path)
+        return _remove_download_if_old(path, lock_path)
     try:
         lock = open(lock_path, "r+")  # (not created: its name going means its download ended)
     except FileNotFoundError:
-        return _old(path, lock_path) and _remove_download(path, lock_path)
-    with lock:
+        return _remove_download_if_old(path, lock_path)
+    with lock:  # (held while removing: a new download that lost its file to us takes a new name)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # its process runs
         except OSError:  # (a file system without locks)
-            return _old(path, lock_path) and _remove_download(path, lock_path)
+            return _remove_download_if_old(path, lock_path)
         if not os.path.exists(lock_path):  # (ended between the open and the lock)
             return False
         return _remove_download(path, lock_path)
 
 
-def _old(*paths: str) -> bool:
-    """Whether the newest of `paths` that exist was changed over a day ago (False if none)."""
+def _remove_download_if_old(path: str, lock_path: str) -> bool:
+    """A download nobody can ask about: removed once the newer of its directory and lock file
+    (those there) was last changed over `UNOWNED_DOWNLOAD_AGE_SECS` ago."""
     times = []
-    for path in paths:
+    for p in (path, lock_path):
         with contextlib.suppress(FileNotFoundError):
-            times.append(os.stat(path).st_mtime)
-    return bool(times) and time.time() - max(times) > UNOWNED_DOWNLOAD_AGE_SECS
+            times.append(os.stat(p).st_mtime)
+    if not times or time.time() - max(times) <= UNOWNED_DOWNLOAD_AGE_SECS:
+        return False
+    return _remove_download(path, lock_path)
 
 
 def _remove_download(path: str, lock_path: str) -> bool:
