@@ -71,11 +71,17 @@ class _HeldEvalTrace:
         return super().eval_step(state, batch)
 
 
-def test_the_first_step_waits_for_the_train_step_compile_only(job_config):
-    """The background compile does the train step, then the eval step: the training starts once
-    the first is done, while the second goes on beside it, and the evaluation after it finds
-    that compile (one trace of the eval step, on the compile's thread)."""
+@pytest.mark.parametrize("beside", [False, True], ids=["after", "beside"])
+def test_the_first_step_waits_for_the_train_step_compile_only(job_config, monkeypatch, beside):
+    """The background compile does the train step, then the eval step (on a CPU), or both at
+    once on threads of their own (on an accelerator, here stood in for): either way the
+    training starts once the train step is done, while the eval step's compile goes on beside
+    it, and the evaluation after it finds that compile (one trace of the eval step, on the
+    compile's thread)."""
     from prefect_jax.examples.digits import DigitsProgram
+    from prefect_jax.training import compiled_steps
+
+    monkeypatch.setattr(compiled_steps, "eval_compiles_beside_train_step", lambda: beside)
     from prefect_jax.training.evaluation import EvalStatus
     from prefect_jax.training.trainer import Trainer
 
@@ -93,7 +99,8 @@ def test_the_first_step_waits_for_the_train_step_compile_only(job_config):
         assert program.held.wait(60)  # the compile's thread is in the eval step's trace now
         program.gate.set()
         assert trainer.evaluate_if_new().status is EvalStatus.EVALUATED
-        assert program.traced_on == ["prefect-jax-compile"]
+        compiled_on = "prefect-jax-compile-eval" if beside else "prefect-jax-compile"
+        assert program.traced_on == [compiled_on]
     finally:
         program.gate.set()
         trainer.close()

@@ -63,6 +63,50 @@ def test_a_changed_bit_or_two_swapped_words_change_the_digest():
     assert state_fingerprint({"w": words}) != state_fingerprint({"w": words.reshape(64, 64)})
 
 
+def test_digests_compiled_ahead_from_the_states_types_compile_nothing_at_the_fingerprint(
+    monkeypatch,
+):
+    """The loop compiles the fingerprint's device programs from the live state's types while it
+    trains (`Loop._precompile_fingerprint`), so the job's end compiles none of them: the types
+    carry each array's own sharding, whose spelling (``P()`` or ``P(None, None)``) is part of
+    the program jit looks up."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from prefect_jax.training.digests import precompile_digests
+
+    monkeypatch.setattr(trees, "_digest_on_device", device_digestible)  # (a GPU's, here a CPU)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    rng = np.random.default_rng(2)
+    state = {
+        "w": jax.device_put(
+            rng.standard_normal((48, 40), np.float32),
+            NamedSharding(mesh, PartitionSpec(None, None)),
+        ),
+        "v": jax.device_put(
+            rng.standard_normal((48, 40), np.float32), NamedSharding(mesh, PartitionSpec())
+        ),
+        "b": jax.device_put(rng.standard_normal(56, np.float32), jax.devices()[0]),
+    }
+    compiles: list[str] = []
+
+    def count(event: str, _secs: float, **_kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        types = trees.device_digest_types(state)
+        assert len(types) == 3 and len(set(types)) == 3  # the two spellings are two programs
+        precompile_digests(types)
+        ahead = len(compiles)
+        assert ahead >= 1
+        fingerprint = state_fingerprint(state)
+        assert len(compiles) == ahead  # none at the fingerprint
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert fingerprint == state_fingerprint(jax.device_get(state))
+
+
 def test_the_fingerprint_is_the_same_for_large_arrays_digested_on_the_device(monkeypatch):
     state = {"a": _arrays()[0], "b": {"c": _arrays()[3], "d": _arrays()[7]}}
     on_host = state_fingerprint(state)

@@ -191,20 +191,15 @@ def precompile_steps(
     program_step,
     train_step,
     scan_steps,
-    eval_step,
     batch_shardings: tuple | None = None,
-    train_compiled: threading.Event | None = None,
 ) -> None:
-    """Compile the jitted `train_step` (or `scan_steps`), then `eval_step`, for `state`
-    (abstract, on `device`) and the shapes of the program's first batches, so the real call finds
-    the executable in jit's cache (`program_step`: the jitted program step they call, see
-    `jit_steps`). Only for Grain MapDatasets, whose first batch is read by index
-    without starting the pipeline; any failure is left for the real call to report.
-    `batch_shardings`: the (batch, stacked batches) shardings a program with a mesh's batches
-    are placed with (part of their type: without it the loop's call compiles again).
-    `train_compiled` is set once the train step is done with (compiled, or failed): the first
-    step needs only that one, so the eval step's compile goes on beside the training."""
-
+    """Compile the jitted `train_step` (or `scan_steps`) for `state` (abstract, on `device`) and
+    the shapes of the program's first batches, so the real call finds the executable in jit's
+    cache (`program_step`: the jitted program step they call, see `jit_steps`). Only for Grain
+    MapDatasets, whose first batch is read by index without starting the pipeline; any failure
+    is left for the real call to report. `batch_shardings`: the (batch, stacked batches)
+    shardings a program with a mesh's batches are placed with (part of their type: without it
+    the loop's call compiles again)."""
     try:
         train_data = program.train_data(seed)
         if isinstance(train_data, grain.MapDataset):
@@ -230,9 +225,11 @@ def precompile_steps(
                 scan_steps.lower(state, stacked, guard).compile()
     except Exception:  # noqa: BLE001 - the real call compiles again and reports it
         logger.debug("background compile of the train step failed", exc_info=True)
-    finally:
-        if train_compiled is not None:
-            train_compiled.set()
+
+
+def precompile_eval_step(program: Any, state, eval_step) -> None:
+    """Compile the jitted `eval_step` for `state` (abstract) and the program's first eval batch
+    (a Grain MapDataset's, read by index); any failure is left for the real call to report."""
     try:
         eval_data = program.eval_data()
         if isinstance(eval_data, grain.MapDataset):
@@ -241,25 +238,40 @@ def precompile_steps(
         logger.debug("background compile of the eval step failed", exc_info=True)
 
 
+def eval_compiles_beside_train_step() -> bool:
+    """Whether the eval step compiles at the same time as the train step, rather than after it.
+
+    On a GPU or TPU, yes: compiles run on host CPUs the training does not use, and a GPU compile
+    autotunes its kernels on the device. Compiled after the train step, the eval step's compile
+    ran beside the training: it took several times as long as on an idle device, slowed the
+    steps and was not done by the first evaluation (BENCHMARKS.md, the byte LM on a GPU). On a
+    CPU, no: the compiles and the training share the same cores, and the eval step is needed
+    only at the first checkpoint, the train step at once."""
+    return jax.default_backend() != "cpu"
+
+
 class BackgroundCompile:
-    """`precompile_steps` on a thread of its own: the train step, then the eval step. The
-    training waits for the train step only (`join_train_step`): on a cold start of a real model
-    the eval step takes seconds more. An evaluation that comes first needs no join: jit traces
-    and compiles a signature once, a second caller waiting for the first (jax 0.10: one trace
-    and one XLA compile with two threads calling). The process's end waits for both (`join`)."""
+    """`precompile_steps` and `precompile_eval_step` on threads of their own: on a CPU the train
+    step, then the eval step, on one thread; on an accelerator each on its own, at the same time
+    (`eval_compiles_beside_train_step`). The training waits for the train step only
+    (`join_train_step`): on a cold start of a real model the eval step takes seconds more. An
+    evaluation that comes first needs no join: jit traces and compiles a signature once, a
+    second caller waiting for the first (jax 0.10: one trace and one XLA compile with two
+    threads calling). `also` compiles more on a thread of its own. The process's end waits for
+    them all (`join`)."""
 
     def __init__(self):
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._train_compiled = threading.Event()
+        self.started = False
 
-    @property
-    def started(self) -> bool:
-        return self._thread is not None
-
-    def start(self, *args, before: Callable[[], Any] | None = None) -> None:
-        """`precompile_steps(*args)` on the thread (its `train_compiled` event given here), after
+    def start(
+        self, train_args: tuple, eval_args: tuple, before: Callable[[], Any] | None = None
+    ) -> None:
+        """`precompile_steps(*train_args)` and `precompile_eval_step(*eval_args)`, after
         `before()` where given (the pull of a remote compilation cache: waited for there, not by
         the caller)."""
+        beside = eval_compiles_beside_train_step()
 
         def run() -> None:
             if before is not None:
@@ -267,22 +279,49 @@ class BackgroundCompile:
                     before()
                 except Exception:  # noqa: BLE001 - compiled without it; the trainer reports it
                     logger.debug("before the background compile", exc_info=True)
-            precompile_steps(*args, self._train_compiled)
+            if beside:
+                self.also(precompile_eval_step, *eval_args, name="prefect-jax-compile-eval")
+            try:
+                precompile_steps(*train_args)
+            finally:
+                self._train_compiled.set()
+            if not beside:
+                precompile_eval_step(*eval_args)
 
+        self._threads.append(self._thread(run, "prefect-jax-compile"))
+        # (only once started: a restore retried after a failed start starts it again)
+        self.started = True
+
+    def also(self, fn: Callable[..., Any], *args, name: str = "prefect-jax-compile-more") -> None:
+        """`fn(*args)` on a thread of its own, which the process's end waits for (`join`); a
+        failure is left for the real call to report."""
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - the real call compiles again and reports it
+                logger.debug("background compile (%s) failed", name, exc_info=True)
+
+        self._threads.append(self._thread(run, name))
+
+    @staticmethod
+    def _thread(target: Callable[[], Any], name: str) -> threading.Thread:
         # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts); and
         # a thread the program starts from it (in `train_data`, say) is not one either.
-        thread = threading.Thread(target=run, name="prefect-jax-compile")
+        thread = threading.Thread(target=target, name=name)
         thread.start()
-        # (kept only once started: a restore retried after a failed start starts it again)
-        self._thread = thread
+        return thread
 
     def join_train_step(self) -> None:
-        if self._thread is not None:
+        if self.started:
             self._train_compiled.wait()
 
     def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+        # (a thread started by one being joined is in the list before that one ends)
+        for thread in list(self._threads):
+            thread.join()
+        for thread in self._threads:
+            thread.join()
 
 
 __all__ = [
@@ -290,12 +329,14 @@ __all__ = [
     "INIT_COMPILER_OPTIONS",
     "abstract_tree",
     "compiled_init",
+    "eval_compiles_beside_train_step",
     "guard_int",
     "guarded_step",
     "jit_steps",
     "metric_sums",
     "metrics_at",
     "new_guard",
+    "precompile_eval_step",
     "precompile_steps",
     "scanned",
     "stack",

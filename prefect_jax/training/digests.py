@@ -69,19 +69,32 @@ def device_digests(arrays: list) -> list[bytes]:
     host, 12 bytes each back. Equal to `host_digest` of each. One small program per shape, dtype
     and sharding (a model's large arrays come in a few shapes), all dispatched before any is
     read (`collective.spanning_fingerprint` passes one array at a time)."""
-    import jax
 
     if not arrays:
         return []
-    if "lanes" not in _jitted:
-        _jitted["lanes"] = jax.jit(_device_lanes)
     # Three scalars an array: a 0-d result is whole on every device, also when the array spans
     # several processes (each reads its own copy, after the sums' all-reduce).
-    out = [_jitted["lanes"](x) for x in arrays]
+    out = [_lanes_program()(x) for x in arrays]
     return [
         np.array([np.asarray(lane.addressable_data(0)) for lane in lanes], dtype="<u4").tobytes()
         for lanes in out
     ]
+
+
+def precompile_digests(types) -> None:
+    """Compile `device_digests`' programs for arrays of these types (``jax.ShapeDtypeStruct``
+    with the arrays' own sharding: another spelling of it is another program), each once, so a
+    later `device_digests` of such arrays compiles nothing."""
+    for t in dict.fromkeys(types):
+        _lanes_program().lower(t).compile()
+
+
+def _lanes_program():
+    import jax
+
+    if "lanes" not in _jitted:
+        _jitted["lanes"] = jax.jit(_device_lanes)
+    return _jitted["lanes"]
 
 
 def _device_lanes(x):

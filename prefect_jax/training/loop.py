@@ -39,6 +39,7 @@ from prefect_jax.training.compiled_steps import (
     stack,
 )
 from prefect_jax.training.data_positions import iterate
+from prefect_jax.training.digests import precompile_digests
 from prefect_jax.training.evaluation import aggregate, eval_batches
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharded_state import sharded_abstract_state, traced_init
@@ -54,7 +55,7 @@ from prefect_jax.training.sharding import (
 from prefect_jax.training.specs import TrainSpec
 from prefect_jax.training.state_memo import StateMemo
 from prefect_jax.training.train_means import TrainMeans, throughput, train_rows
-from prefect_jax.training.trees import state_fingerprint
+from prefect_jax.training.trees import device_digest_types, state_fingerprint
 
 
 class NonFiniteAt(Exception):
@@ -244,11 +245,10 @@ class Loop:
     # -- compilation ---------------------------------------------------------------------
 
     def start_precompile(self, before: Callable[[], Any] | None = None) -> None:
-        """Compile the train step, then the eval step, for the job's shapes on a background
-        thread (`BackgroundCompile`), so the compile overlaps the restore instead of following
-        it: the first call then finds the executable in jit's cache. Only for Grain MapDatasets,
-        whose first batch is read by index without starting the pipeline; any failure is left for
-        the real call to report. `before`: run first on that thread (see `BackgroundCompile`)."""
+        """Compile the train and eval steps for the job's shapes on background threads
+        (`BackgroundCompile`, after `before()`), overlapping the restore: the first call finds
+        the executable in jit's cache. Only for Grain MapDatasets (their first batch read by
+        index, without starting the pipeline); a failure is left for the real call to report."""
         if self.compiling.started or (self.one_device is None and not self.sharded):
             return
         if self.sharded:  # the abstract state carries the shardings the steps are jitted with
@@ -261,11 +261,10 @@ class Loop:
                 self.abstract_state,
             )
             guard_sharding = self.one_device
-        args = (self.program, self.spec.seed, self.spec.steps_per_dispatch, state)
-        args += (guard_sharding, self.program_step, self.train_step, self.scan_steps)
-        args += (self.eval_step,)
-        args += ((self.batch_sharding, self._stacked_sharding) if self.sharded else None,)
-        self.compiling.start(*args, before=before)
+        train = (self.program, self.spec.seed, self.spec.steps_per_dispatch, state)
+        train += (guard_sharding, self.program_step, self.train_step, self.scan_steps)
+        train += ((self.batch_sharding, self._stacked_sharding) if self.sharded else None,)
+        self.compiling.start(train, (self.program, state, self.eval_step), before=before)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -309,6 +308,7 @@ class Loop:
                 jax.block_until_ready(guard)
                 self.compile_s, first = time.perf_counter() - t_first, False
                 clock = (step, time.perf_counter())  # throughput without the compile
+                self._precompile_fingerprint(state)
             due = [s for s in range(start + 1, step + 1) if s % log_every == 0 or s == target]
             if due:
                 rates, clock = throughput(self.program, clock, step), (step, time.perf_counter())
@@ -338,6 +338,15 @@ class Loop:
             self.means.keep(step, guard)
             self.check_finite(guard, logged)
         return Interval(state, step, logged)
+
+    def _precompile_fingerprint(self, state) -> None:
+        """Compile `fingerprint`'s device programs (`trees.device_digest_types`) now, not where
+        the job's end waits for them; not a state over several processes' (collectives)."""
+        if self.spans:
+            return
+        types = device_digest_types(self.local(state))
+        if types:
+            self.compiling.also(precompile_digests, types, name="prefect-jax-compile-digests")
 
     def carried_sums(self, step: int) -> dict | None:
         """`TrainMeans.carried_sums`: the sums a checkpoint at `step` keeps in its metadata."""

@@ -88,6 +88,16 @@ def _digest_on_device(leaf) -> bool:
     )
 
 
+def device_digest_types(state) -> list[jax.ShapeDtypeStruct]:
+    """The types (shape, dtype, sharding) of the leaves `state_fingerprint(state)` digests where
+    they are: what `digests.precompile_digests` compiles for ahead of the fingerprint."""
+    return [
+        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+        for _, leaf in leaf_paths(to_savable(state))
+        if _digest_on_device(leaf)
+    ]
+
+
 def state_fingerprint(state) -> str:
     """SHA-256 over a train state's leaves: each one's path, dtype, shape and a digest of its
     bits (`prefect_jax.training.digests`; the large arrays on an accelerator digested there,
