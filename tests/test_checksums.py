@@ -31,7 +31,23 @@ def test_file_crc32s_in_blocks_are_each_files_crc32(tmp_path, monkeypatch, threa
         path = tmp_path / f"f{size}"
         path.write_bytes(os.urandom(size))
         paths.append(str(path))
-    assert checksums.file_crc32s(paths) == [zlib.crc32(Path(p).read_bytes()) for p in paths]
+    assert checksums.file_crc32s(paths) == [
+        (size, zlib.crc32(Path(p).read_bytes())) for size, p in zip(sizes, paths, strict=True)
+    ]
+
+
+def test_a_file_that_changes_size_while_it_is_read_is_an_error_not_a_wrong_checksum(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(2500))
+    monkeypatch.setattr(checksums, "_BLOCK", 1000)
+    real = os.path.getsize
+    monkeypatch.setattr(checksums.os.path, "getsize", lambda p: real(p) + 10)  # (it shrank)
+    with pytest.raises(OSError, match="changed while it was checksummed"):
+        checksums.file_crc32s([str(path)])
+    with pytest.raises(ValueError, match="length2=-1"):
+        checksums.crc32_combine(1, 2, -1)
 
 
 def test_a_manifest_written_in_blocks_finds_a_flipped_bit_in_any_block(tmp_path, monkeypatch):

@@ -35,19 +35,22 @@ class CorruptCheckpointError(OSError):
 
 # A file is read and checksummed in blocks of this size, on several threads (zlib's CRC32 and
 # the reads release the GIL): one thread's CRC32 of a large state, read back from the page cache
-# at the commit, is on the way of the final checkpoint and of a SIGTERM's grace period.
+# at the commit, is on the way of the final checkpoint and of a SIGTERM's grace period. On a CPU
+# the threads take cores from the training for less time, not for more CPU time in all.
 _BLOCK = 64 << 20
 _READ = 4 << 20
 _MAX_THREADS = 8
 
 
 def _crc32_of_range(path: str, offset: int, length: int) -> int:
-    crc = 0
+    crc, left = 0, length
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
-        while length > 0 and (chunk := f.read(min(_READ, length))):
+        while left > 0 and (chunk := f.read(min(_READ, left))):
             crc = zlib.crc32(chunk, crc)
-            length -= len(chunk)
+            left -= len(chunk)
+    if left:
+        raise OSError(f"{path} changed while it was checksummed ({left} bytes short)")
     return crc
 
 
@@ -55,6 +58,8 @@ def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
     """The CRC32 of A + B from ``crc32(A)``, ``crc32(B)`` and ``len(B)``: zlib's
     ``crc32_combine`` (which Python's zlib does not expose), by multiplying ``crc1`` by
     ``x^(8 * length2)`` modulo CRC32's polynomial."""
+    if length2 < 0:
+        raise ValueError(f"length2={length2}: a length, not below 0")
     return _multmodp(_x8nmodp(length2), crc1) ^ crc2
 
 
@@ -89,24 +94,54 @@ def _x8nmodp(n: int) -> int:
     return p
 
 
-def file_crc32s(paths: list[str]) -> list[int]:
-    """The CRC32 of each file, its blocks read and checksummed on a pool of threads."""
-    from concurrent.futures import ThreadPoolExecutor
+def file_crc32s(paths: list[str]) -> list[tuple[int, int]]:
+    """The (size, CRC32) of each file, its blocks read and checksummed by this thread and up to
+    `_MAX_THREADS` - 1 daemon threads: never threads the process's exit waits for, nor a pool
+    that refuses work once the interpreter shuts down (Orbax's commit thread may outlive it).
 
+    Raises:
+        OSError: a file could not be read, or changed size while it was read.
+    """
     sizes = [os.path.getsize(path) for path in paths]
     blocks = [
         (i, offset, min(_BLOCK, size - offset))
         for i, size in enumerate(sizes)
         for offset in range(0, max(size, 1), _BLOCK)
     ]
+    crcs: list[int] = [0] * len(blocks)
+    errors: list[BaseException] = []
+    lock, todo = threading.Lock(), iter(range(len(blocks)))
+
+    def work() -> None:
+        while not errors:
+            with lock:
+                j = next(todo, None)
+            if j is None:
+                return
+            i, offset, length = blocks[j]
+            try:
+                crcs[j] = _crc32_of_range(paths[i], offset, length)
+            except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
+                errors.append(exc)
+
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, min(len(blocks), cpus or 1, _MAX_THREADS))
-    with ThreadPoolExecutor(threads, thread_name_prefix="prefect-jax-crc32") as pool:
-        crcs = list(pool.map(lambda b: _crc32_of_range(paths[b[0]], b[1], b[2]), blocks))
+    helpers = []
+    for _ in range(min(len(blocks), cpus or 1, _MAX_THREADS) - 1):
+        thread = threading.Thread(target=work, name="prefect-jax-crc32", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # (no thread to be had: this one does the rest)
+            break
+        helpers.append(thread)
+    work()
+    for thread in helpers:
+        thread.join()
+    if errors:
+        raise errors[0]
     out = [0] * len(paths)
     for (i, _, length), crc in zip(blocks, crcs, strict=True):
         out[i] = crc32_combine(out[i], crc, length)
-    return out
+    return list(zip(sizes, out, strict=True))
 
 
 def _checked_files(step_dir: str) -> list[str]:
@@ -122,11 +157,8 @@ def write_manifest(step_dir: str) -> None:
     """Write ``{file: [size, crc32]}`` of every file of a step (before Orbax's commit renames
     it)."""
     rels = _checked_files(step_dir)
-    paths = [os.path.join(step_dir, rel) for rel in rels]
-    crcs = file_crc32s(paths)
-    files = {
-        rel: [os.path.getsize(path), crc] for rel, path, crc in zip(rels, paths, crcs, strict=True)
-    }
+    sized = file_crc32s([os.path.join(step_dir, rel) for rel in rels])
+    files = {rel: [size, crc] for rel, (size, crc) in zip(rels, sized, strict=True)}
     tmp = os.path.join(step_dir, STEP_MANIFEST_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"algorithm": "crc32", "files": files}, f, sort_keys=True)
@@ -192,7 +224,7 @@ class BackgroundVerification:
             found = file_crc32s([os.path.join(self._step_dir, rel) for rel in sized])
             problems = [
                 f"{rel} has other bytes than were written (crc32 differs)"
-                for (rel, (_, crc)), got in zip(sized.items(), found, strict=True)
+                for (rel, (_, crc)), (_, got) in zip(sized.items(), found, strict=True)
                 if got != crc
             ]
         except BaseException as exc:  # (an unreadable file: as `verify_manifest` always raised)

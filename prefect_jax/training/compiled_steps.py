@@ -16,6 +16,9 @@ import grain
 import jax
 import numpy as np
 
+from prefect_jax.training.digests import precompile_digests
+from prefect_jax.training.trees import device_digest_types
+
 logger = logging.getLogger("prefect_jax.trainer")
 
 # XLA's backend (LLVM) optimisation level for init, a program that runs once: a lower level
@@ -257,8 +260,8 @@ class BackgroundCompile:
     (`join_train_step`): on a cold start of a real model the eval step takes seconds more. An
     evaluation that comes first needs no join: jit traces and compiles a signature once, a
     second caller waiting for the first (jax 0.10: one trace and one XLA compile with two
-    threads calling). `also` compiles more on a thread of its own. The process's end waits for
-    them all (`join`)."""
+    threads calling). `also` compiles more on a thread of its own (`digests_for`: the state
+    fingerprint's). The process's end waits for them all (`join`)."""
 
     def __init__(self):
         self._threads: list[threading.Thread] = []
@@ -274,14 +277,14 @@ class BackgroundCompile:
         beside = eval_compiles_beside_train_step()
 
         def run() -> None:
-            if before is not None:
-                try:
-                    before()
-                except Exception:  # noqa: BLE001 - compiled without it; the trainer reports it
-                    logger.debug("before the background compile", exc_info=True)
-            if beside:
-                self.also(precompile_eval_step, *eval_args, name="prefect-jax-compile-eval")
-            try:
+            try:  # (whatever happens here, the first step must not wait for it forever)
+                if before is not None:
+                    try:
+                        before()
+                    except Exception:  # noqa: BLE001 - compiled without it; the trainer reports
+                        logger.debug("before the background compile", exc_info=True)
+                if beside:
+                    self.also(precompile_eval_step, *eval_args, name="prefect-jax-compile-eval")
                 precompile_steps(*train_args)
             finally:
                 self._train_compiled.set()
@@ -294,7 +297,7 @@ class BackgroundCompile:
 
     def also(self, fn: Callable[..., Any], *args, name: str = "prefect-jax-compile-more") -> None:
         """`fn(*args)` on a thread of its own, which the process's end waits for (`join`); a
-        failure is left for the real call to report."""
+        failure, or a thread that cannot start, is left for the real call to report."""
 
         def run() -> None:
             try:
@@ -302,7 +305,22 @@ class BackgroundCompile:
             except Exception:  # noqa: BLE001 - the real call compiles again and reports it
                 logger.debug("background compile (%s) failed", name, exc_info=True)
 
-        self._threads.append(self._thread(run, name))
+        try:
+            self._threads.append(self._thread(run, name))
+        except RuntimeError:  # (no thread to be had: a pids limit, say)
+            logger.debug("background compile (%s) not started", name, exc_info=True)
+
+    def digests_for(self, local: Callable[[Any], Any], state) -> None:
+        """Compile the programs `trees.state_fingerprint` runs on the device for ``local(state)``
+        (its large arrays on an accelerator: `device_digest_types`) on a thread of their own,
+        rather than where the job's end waits for the fingerprint."""
+        try:
+            types = device_digest_types(local(state))
+        except Exception:  # noqa: BLE001 - the fingerprint compiles them itself, and reports it
+            logger.debug("the fingerprint's types", exc_info=True)
+            return
+        if types:
+            self.also(precompile_digests, types, name="prefect-jax-compile-digests")
 
     @staticmethod
     def _thread(target: Callable[[], Any], name: str) -> threading.Thread:

@@ -39,7 +39,6 @@ from prefect_jax.training.compiled_steps import (
     stack,
 )
 from prefect_jax.training.data_positions import iterate
-from prefect_jax.training.digests import precompile_digests
 from prefect_jax.training.evaluation import aggregate, eval_batches
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharded_state import sharded_abstract_state, traced_init
@@ -55,7 +54,7 @@ from prefect_jax.training.sharding import (
 from prefect_jax.training.specs import TrainSpec
 from prefect_jax.training.state_memo import StateMemo
 from prefect_jax.training.train_means import TrainMeans, throughput, train_rows
-from prefect_jax.training.trees import device_digest_types, state_fingerprint
+from prefect_jax.training.trees import state_fingerprint
 
 
 class NonFiniteAt(Exception):
@@ -308,7 +307,8 @@ class Loop:
                 jax.block_until_ready(guard)
                 self.compile_s, first = time.perf_counter() - t_first, False
                 clock = (step, time.perf_counter())  # throughput without the compile
-                self._precompile_fingerprint(state)
+                if not self.spans:  # (a state over several processes: collectives, at the end)
+                    self.compiling.digests_for(self.local, state)
             due = [s for s in range(start + 1, step + 1) if s % log_every == 0 or s == target]
             if due:
                 rates, clock = throughput(self.program, clock, step), (step, time.perf_counter())
@@ -338,15 +338,6 @@ class Loop:
             self.means.keep(step, guard)
             self.check_finite(guard, logged)
         return Interval(state, step, logged)
-
-    def _precompile_fingerprint(self, state) -> None:
-        """Compile `fingerprint`'s device programs (`trees.device_digest_types`) now, not where
-        the job's end waits for them; not a state over several processes' (collectives)."""
-        if self.spans:
-            return
-        types = device_digest_types(self.local(state))
-        if types:
-            self.compiling.also(precompile_digests, types, name="prefect-jax-compile-digests")
 
     def carried_sums(self, step: int) -> dict | None:
         """`TrainMeans.carried_sums`: the sums a checkpoint at `step` keeps in its metadata."""

@@ -90,11 +90,18 @@ def _digest_on_device(leaf) -> bool:
 
 def device_digest_types(state) -> list[jax.ShapeDtypeStruct]:
     """The types (shape, dtype, sharding) of the leaves `state_fingerprint(state)` digests where
-    they are: what `digests.precompile_digests` compiles for ahead of the fingerprint."""
+    they are: what `digests.precompile_digests` compiles for ahead of the fingerprint. Not PRNG
+    keys: their raw data is small, and reading it would compile a program on the training thread."""
     return [
-        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-        for _, leaf in leaf_paths(to_savable(state))
-        if _digest_on_device(leaf)
+        # (the array's own type: an uncommitted array's or a weak type's program is another)
+        jax.ShapeDtypeStruct(
+            leaf.shape,
+            leaf.dtype,
+            sharding=leaf.sharding if leaf.committed else None,
+            weak_type=leaf.weak_type,
+        )
+        for _, leaf in leaf_paths(state)
+        if not _is_key(leaf) and _digest_on_device(leaf)
     ]
 
 
