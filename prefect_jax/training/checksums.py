@@ -67,7 +67,7 @@ _POLY = 0xEDB88320  # CRC32's polynomial, bit-reversed as zlib computes
 
 
 def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the polynomial (both nonzero-safe for a != 0, as zlib's `multmodp`)."""
+    """a * b modulo the polynomial, as zlib's `multmodp` (`a` is never 0 here: a power of x)."""
     m, p = 1 << 31, 0
     while True:
         if a & m:

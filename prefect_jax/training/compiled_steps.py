@@ -335,9 +335,8 @@ class BackgroundCompile:
             self._train_compiled.wait()
 
     def join(self) -> None:
-        # (a thread started by one being joined is in the list before that one ends)
-        for thread in list(self._threads):
-            thread.join()
+        # (a thread started by one being joined is appended before that one ends, and a list's
+        # iterator reaches what is appended to it meanwhile)
         for thread in self._threads:
             thread.join()
 

@@ -69,7 +69,6 @@ def device_digests(arrays: list) -> list[bytes]:
     host, 12 bytes each back. Equal to `host_digest` of each. One small program per shape, dtype
     and sharding (a model's large arrays come in a few shapes), all dispatched before any is
     read (`collective.spanning_fingerprint` passes one array at a time)."""
-
     if not arrays:
         return []
     # Three scalars an array: a 0-d result is whole on every device, also when the array spans
