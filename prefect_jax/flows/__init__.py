@@ -27,10 +27,31 @@ Example:
 # flow to its child process with cloudpickle, which copies only the globals the function's code
 # uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
 # would fail parameter validation (tests/test_deployment_rerun.py).
-from prefect_jax.flows.evaluate import evaluate
-from prefect_jax.flows.export import export_flow
-from prefect_jax.flows.processes import run_as_process
-from prefect_jax.flows.train import train
-from prefect_jax.flows.train_and_evaluate import train_and_evaluate
+import importlib
 
-__all__ = ["evaluate", "export_flow", "run_as_process", "train", "train_and_evaluate"]
+# Each flow is imported when it is first asked for: Prefect's ``@flow`` builds the JSON schema of
+# every parameter as it decorates, a few tenths of a second per flow on two cores, paid at every
+# start of a process that runs one flow (a command, a rerun after preemption, a deployment's
+# run). The modules live in `roles/`: a module named as its flow (``flows/train.py``) would
+# shadow the flow, as importing a submodule sets the package attribute of its name.
+_WHERE = {
+    "evaluate": "prefect_jax.flows.roles.evaluate",
+    "export_flow": "prefect_jax.flows.roles.export",
+    "run_as_process": "prefect_jax.flows.processes",
+    "train": "prefect_jax.flows.roles.train",
+    "train_and_evaluate": "prefect_jax.flows.roles.train_and_evaluate",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:  # (then ``from prefect_jax.flows import loop`` finds the submodule)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
