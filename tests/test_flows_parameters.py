@@ -1,6 +1,7 @@
 """The flows' parameters as Prefect sees them: plain Prefect flows, whose parameter schema is
 Prefect's own wherever it is read (no override of Prefect's internals: docs/upstream.md)."""
 
+import json
 import pathlib
 
 import pytest
@@ -111,3 +112,37 @@ def test_the_prefect_yaml_bytelm_deployment_carries_valid_program_params():
     max_steps = params["train_spec"].max_steps
     program = load_program(params["program"], params["program_params"], max_steps)
     assert program.cfg.grad_accum == 2 and program.cfg.decay_steps == max_steps == 2000
+
+
+ROLE_MODULES = {
+    "train_and_evaluate": "prefect_jax.flows.roles.train_and_evaluate",
+    "train": "prefect_jax.flows.roles.train",
+    "evaluate": "prefect_jax.flows.roles.evaluate",
+    "export_flow": "prefect_jax.flows.roles.export",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROLE_MODULES))
+def test_a_fresh_process_declares_only_the_flow_it_asks_for(name):
+    """Each ``@flow`` builds its parameters' JSON schemas as it is declared (docs/upstream.md 2):
+    a process that runs one flow (a command, a rerun, a worker's flow run) declares that one. The
+    flow is the package's attribute even where its module was imported first."""
+    import subprocess
+    import sys
+
+    code = f"""
+import importlib, json, sys
+importlib.import_module({ROLE_MODULES[name]!r})
+from prefect import Flow
+from prefect_jax import flows
+flow = getattr(flows, {name!r})
+from prefect_jax.flows import {name} as again
+print(json.dumps({{
+    "flow": type(flow) is Flow and again is flow,
+    "modules": sorted(m for m in sys.modules if m.startswith("prefect_jax.flows.roles.")),
+}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"flow": True, "modules": [ROLE_MODULES[name]]}
