@@ -114,31 +114,41 @@ def test_the_prefect_yaml_bytelm_deployment_carries_valid_program_params():
     assert program.cfg.grad_accum == 2 and program.cfg.decay_steps == max_steps == 2000
 
 
-ROLE_MODULES = {
-    "train_and_evaluate": "prefect_jax.flows.roles.train_and_evaluate",
-    "train": "prefect_jax.flows.roles.train",
-    "evaluate": "prefect_jax.flows.roles.evaluate",
-    "export_flow": "prefect_jax.flows.roles.export",
+ROLE_MODULES = {n: m for n, m in flows._WHERE.items() if ".roles." in m}
+"""Each flow's module (a flow added to the package's table is covered below as well)."""
+
+# How a process comes to the flow: asked of the package; its module imported first (then the
+# package attribute must still be the flow, not the module); and as ``prefect deploy`` and a
+# worker's flow run load the entrypoint ``prefect_jax/flows/__init__.py:<flow>``, a second
+# execution of the package's file under another module name.
+WAYS = {
+    "asked": "flow = getattr(flows, NAME)",
+    "module first": "importlib.import_module(MODULE); flow = getattr(flows, NAME)",
+    "entrypoint": (
+        "from prefect.flows import load_flow_from_entrypoint\n"
+        "flow = load_flow_from_entrypoint(flows.__file__ + ':' + NAME)\n"
+        "assert flow is getattr(flows, NAME), 'the entrypoint loads another flow object'"
+    ),
 }
 
 
+@pytest.mark.parametrize("way", sorted(WAYS))
 @pytest.mark.parametrize("name", sorted(ROLE_MODULES))
-def test_a_fresh_process_declares_only_the_flow_it_asks_for(name):
+def test_a_fresh_process_declares_only_the_flow_it_asks_for(name, way):
     """Each ``@flow`` builds its parameters' JSON schemas as it is declared (docs/upstream.md 2):
-    a process that runs one flow (a command, a rerun, a worker's flow run) declares that one. The
-    flow is the package's attribute even where its module was imported first."""
+    a process that runs one flow (a command, a rerun, a worker's flow run) declares that one."""
     import subprocess
     import sys
 
     code = f"""
 import importlib, json, sys
-importlib.import_module({ROLE_MODULES[name]!r})
 from prefect import Flow
 from prefect_jax import flows
-flow = getattr(flows, {name!r})
-from prefect_jax.flows import {name} as again
+NAME, MODULE = {name!r}, {ROLE_MODULES[name]!r}
+{WAYS[way]}
+exec(f"from prefect_jax.flows import {{NAME}} as again")
 print(json.dumps({{
-    "flow": type(flow) is Flow and again is flow,
+    "flow": type(flow) is Flow and flow.fn.__name__ == NAME and again is getattr(flows, NAME),
     "modules": sorted(m for m in sys.modules if m.startswith("prefect_jax.flows.roles.")),
 }}))
 """
@@ -146,3 +156,11 @@ print(json.dumps({{
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"flow": True, "modules": [ROLE_MODULES[name]]}
+
+
+def test_the_packages_names_are_its_flows_table():
+    assert (
+        sorted(flows.__all__)
+        == sorted(flows._WHERE)
+        == sorted(n for n in dir(flows) if n in flows._WHERE)
+    )

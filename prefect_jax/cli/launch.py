@@ -200,6 +200,9 @@ def cmd_process(args: argparse.Namespace) -> int:
         import prefect_jax.training.trainer  # noqa: F401
         from prefect_jax import flows
 
+        # The two flows that train in several processes, declared before the freeze too (the
+        # parent run says which of them this process runs).
+        flows.train_and_evaluate, flows.train  # noqa: B018
         with prefect_backend():
             startup.freeze_startup_objects()
             flows.run_as_process()

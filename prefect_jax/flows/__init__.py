@@ -28,12 +28,20 @@ Example:
 # uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
 # would fail parameter validation (tests/test_deployment_rerun.py).
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (for type checkers and editors; at run time `__getattr__` imports them)
+    from prefect_jax.flows.processes import run_as_process
+    from prefect_jax.flows.roles.evaluate import evaluate
+    from prefect_jax.flows.roles.export import export_flow
+    from prefect_jax.flows.roles.train import train
+    from prefect_jax.flows.roles.train_and_evaluate import train_and_evaluate
 
 # Each flow is imported when it is first asked for: Prefect's ``@flow`` builds the JSON schema of
-# every parameter as it decorates, a few tenths of a second per flow on two cores, paid at every
-# start of a process that runs one flow (a command, a rerun after preemption, a deployment's
-# run). The modules live in `roles/`: a module named as its flow (``flows/train.py``) would
-# shadow the flow, as importing a submodule sets the package attribute of its name.
+# every parameter as it decorates, paid at every start of a process that runs one flow (a
+# command, a rerun after preemption, a deployment's run; BENCHMARKS.md: Restart). The modules
+# live in `roles/`: a module named as its flow (``flows/train.py``) would shadow the flow, as
+# importing a submodule sets the package attribute of its name.
 _WHERE = {
     "evaluate": "prefect_jax.flows.roles.evaluate",
     "export_flow": "prefect_jax.flows.roles.export",
@@ -42,13 +50,19 @@ _WHERE = {
     "train_and_evaluate": "prefect_jax.flows.roles.train_and_evaluate",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = ["evaluate", "export_flow", "run_as_process", "train", "train_and_evaluate"]
 
 
 def __getattr__(name: str):
     if name not in _WHERE:  # (then ``from prefect_jax.flows import loop`` finds the submodule)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
+    try:
+        module = importlib.import_module(_WHERE[name])
+    except AttributeError as exc:
+        # (else ``from prefect_jax.flows import train`` and Prefect's entrypoint loader would
+        # both swallow it, and say only that the flow is not there)
+        raise ImportError(f"importing {_WHERE[name]}: {exc!r}") from exc
+    value = getattr(module, name)
     globals()[name] = value
     return value
 
