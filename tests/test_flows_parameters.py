@@ -3,6 +3,8 @@ Prefect's own wherever it is read (no override of Prefect's internals: docs/upst
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 from prefect import Flow
@@ -137,16 +139,13 @@ WAYS = {
 def test_a_fresh_process_declares_only_the_flow_it_asks_for(name, way):
     """Each ``@flow`` builds its parameters' JSON schemas as it is declared (docs/upstream.md 2):
     a process that runs one flow (a command, a rerun, a worker's flow run) declares that one."""
-    import subprocess
-    import sys
-
     code = f"""
 import importlib, json, sys
 from prefect import Flow
 from prefect_jax import flows
 NAME, MODULE = {name!r}, {ROLE_MODULES[name]!r}
 {WAYS[way]}
-exec(f"from prefect_jax.flows import {{NAME}} as again")
+from prefect_jax.flows import {name} as again
 print(json.dumps({{
     "flow": type(flow) is Flow and flow.fn.__name__ == NAME and again is getattr(flows, NAME),
     "modules": sorted(m for m in sys.modules if m.startswith("prefect_jax.flows.roles.")),
