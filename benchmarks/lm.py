@@ -10,6 +10,9 @@ saved step over the same eval batches. Sides, one after the other in this proces
   ``CheckpointManager`` async saves, eval by ``jax.jit`` eval step summed on the device;
 - ``flow``: `prefect_jax.flows.train_and_evaluate` (an ephemeral Prefect server unless
   ``PREFECT_API_URL`` names one; MLflow on SQLite in the work folder).
+- ``flow_nocopy``: the flow with ``CheckpointSpec(device_copy=False)``: each save given to Orbax
+  on the training thread, as the bare loop does (``flow`` takes the default: on an accelerator,
+  a copy of the state on the device given to Orbax on a thread, `save_handoff`).
 
 Clocks: each side's loop time runs from the end of step --warmup (compiles done: the first
 steps, and the eval step compiled before it, as the engine does ahead of its loop) to the last
@@ -204,7 +207,7 @@ def sync_save_s(program, directory: str) -> float:
     return times[-1]
 
 
-def flow(program_path: str, args, work: str) -> dict:
+def flow(program_path: str, args, work: str, device_copy: bool | None = None) -> dict:
     import jax
 
     from prefect_jax.flows import train_and_evaluate
@@ -229,9 +232,11 @@ def flow(program_path: str, args, work: str) -> dict:
         summary = train_and_evaluate(
             program=program_path,
             job="lm",
-            storage=os.path.join(work, "flow"),
+            storage=os.path.join(work, "flow" if device_copy is None else "flow_nocopy"),
             train_spec=TrainSpec(max_steps=args.steps, log_every_steps=args.warmup),
-            checkpoint_spec=CheckpointSpec(every_steps=args.checkpoint_every, keep_last=3),
+            checkpoint_spec=CheckpointSpec(
+                every_steps=args.checkpoint_every, keep_last=3, device_copy=device_copy
+            ),
             eval_spec=EvalSpec(),
             mlflow_tracking_uri=f"sqlite:///{work}/mlflow.db",
         )
@@ -240,7 +245,8 @@ def flow(program_path: str, args, work: str) -> dict:
         remove()
         if stacks is not None:
             stacks.stop()
-            with open(args.stacks, "w") as f:
+            root, ext = os.path.splitext(args.stacks)  # (one file per flow side)
+            with open(args.stacks if device_copy is None else f"{root}_nocopy{ext}", "w") as f:
                 f.write(stacks.text())
     assert summary["final_step"] == args.steps, summary
     assert marks[0][0] == args.warmup, marks  # the window starts where the bare loop's does
@@ -272,7 +278,8 @@ def main() -> None:
     parser.add_argument(
         "--sides",
         default="bare_nosave,bare,flow",
-        help="which sides to run, in this order (a short GPU lease: flow,bare_nosave,bare)",
+        help="which sides to run, in this order, of bare_nosave, bare, flow, flow_nocopy "
+        "(a short GPU lease: flow,bare_nosave,bare)",
     )
     parser.add_argument("--out", default=None)
     parser.add_argument(
@@ -283,8 +290,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     order = args.sides.split(",")
-    if not order or set(order) - {"bare_nosave", "bare", "flow"}:
-        parser.error(f"--sides {args.sides!r}: a comma-separated subset of bare_nosave,bare,flow")
+    if not order or set(order) - {"bare_nosave", "bare", "flow", "flow_nocopy"}:
+        parser.error(
+            f"--sides {args.sides!r}: a comma-separated subset of bare_nosave,bare,flow,flow_nocopy"
+        )
     args.checkpoint_every = args.checkpoint_every or max(1, args.steps // 3)
     args.warmup = args.warmup or max(1, args.checkpoint_every // 2)
     if args.checkpoint_every % args.warmup or args.steps % args.warmup:
@@ -345,6 +354,7 @@ def main() -> None:
         "bare_nosave": lambda: bare(program, args, None, step_fn, eval_fn),
         "bare": lambda: bare(program, args, bare_dir, step_fn, eval_fn),
         "flow": lambda: flow(program_path, args, work),
+        "flow_nocopy": lambda: flow(program_path, args, work, device_copy=False),
     }
     peak = peak_flops(device.device_kind, args.peak_tflops)
     out["peak_flops"] = peak
@@ -370,6 +380,10 @@ def main() -> None:
     if "flow" in sides and "bare" in sides:
         out["loop_ratio"] = sides["flow"]["loop_s"] / sides["bare"]["loop_s"]
         out["tokens_per_s_ratio"] = sides["flow"]["tokens_per_s"] / sides["bare"]["tokens_per_s"]
+    if "flow_nocopy" in sides and "bare" in sides:
+        out["tokens_per_s_ratio_nocopy"] = (
+            sides["flow_nocopy"]["tokens_per_s"] / sides["bare"]["tokens_per_s"]
+        )
     # Same seed, data and steps: every side ends with the same eval, up to float order (bf16
     # on a GPU: XLA's reductions are not bit-reproducible from run to run).
     losses = [side["eval"]["loss"] for side in sides.values()]

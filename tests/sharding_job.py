@@ -26,6 +26,7 @@ from annotated_program import Annotated  # noqa: E402
 from prefect_jax.examples.bytelm import PRESETS, ByteLMProgram  # noqa: E402
 
 MESH_ENV = "SHARDING_JOB_MESH"
+DEVICE_COPY_ENV = "SHARDING_JOB_DEVICE_COPY"  # "1": `CheckpointSpec(device_copy=True)`
 
 
 def tiny(**overrides) -> ByteLMProgram:
@@ -159,7 +160,9 @@ def job_mode(storage: str, mlflow_uri: str, max_steps: str, pace: str) -> None:
         job="sharded",
         storage=storage,
         train=TrainSpec(max_steps=int(max_steps), log_every_steps=5),
-        checkpoint=CheckpointSpec(every_steps=10, keep_last=None),
+        checkpoint=CheckpointSpec(
+            every_steps=10, keep_last=None, device_copy=os.environ.get(DEVICE_COPY_ENV) == "1"
+        ),
         eval=EvalSpec(steps=1),
         mlflow_tracking_uri=mlflow_uri,
     )

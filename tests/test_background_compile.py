@@ -95,7 +95,7 @@ def test_the_fingerprint_compiles_nothing_once_the_loop_compiled_its_digests(
     monkeypatch.setattr(trees, "_digest_on_device", digested_here)
     jax.clear_caches()  # (the other case's compiles, in this process, are not this one's)
     if not ahead:
-        monkeypatch.setattr(BackgroundCompile, "digests_for", lambda *a: None)
+        monkeypatch.setattr(BackgroundCompile, "for_live_state", lambda *a: None)
     trainer = Trainer(job_config(max_steps=40, every_steps=20))  # (20: not the end)
     try:
         trainer.restore_or_init()

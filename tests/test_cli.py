@@ -561,3 +561,10 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
         assert "secret" in block_types(server.wait(timeout=120))
     finally:
         server.stop()
+
+
+def test_the_device_copy_is_the_spec_s_default_unless_the_command_says_which():
+    assert [
+        _run_specs(*flags)[2].device_copy
+        for flags in ((), ("--device-copy",), ("--no-device-copy",))
+    ] == [None, True, False]

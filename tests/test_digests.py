@@ -68,7 +68,7 @@ def test_digests_compiled_ahead_from_the_states_types_compile_nothing_at_the_fin
     monkeypatch, caplog
 ):
     """The loop compiles the fingerprint's device programs from the live state's types while it
-    trains (`BackgroundCompile.digests_for`), so the job's end compiles none of them: the types
+    trains (`BackgroundCompile.for_live_state`), so the job's end compiles none of them: the types
     carry each array's own sharding, whose spelling (``P()`` or ``P(None, None)``) is part of
     the program jit looks up."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec

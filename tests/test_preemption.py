@@ -5,7 +5,7 @@ Prefect server:
 
 1. SIGKILL while an asynchronous checkpoint is being written (its temporary dir exists);
 2. SIGTERM mid-interval (before it, a second `run` of the same job fails fast naming the owner);
-3. SIGKILL mid-interval;
+3. SIGKILL mid-interval (runs 2 and 3 save through the hand-off of `--device-copy`);
 4. run to the end: the final state equals an uninterrupted run's, MLflow holds one run
    with each step's metrics once.
 """
@@ -40,8 +40,9 @@ PROGRAM = "programs:big"
 MAX_STEPS, EVERY = 600, 100
 
 
-def _start(storage, mlflow_uri, api_url, log_path):
+def _start(storage, mlflow_uri, api_url, log_path, *extra: str):
     args = [
+        *extra,
         "--program",
         PROGRAM,
         "--job",
@@ -110,7 +111,9 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
 
     # 2. SIGTERM mid-interval. Before that, with the trainer frozen (SIGSTOP) mid-interval and its
     #    lease fresh, a second run of the same job fails fast, naming the owner.
-    proc = _start(storage, mlflow_uri, prefect_server, logs / "2.log")
+    #    Runs 2 and 3 save through the hand-off (`--device-copy`: a copy of the state given to
+    #    Orbax on a thread, the default on a GPU): the SIGTERM's commit and step 200 go that way.
+    proc = _start(storage, mlflow_uri, prefect_server, logs / "2.log", "--device-copy")
     lease_path = os.path.join(storage, "pre", "lease.json")
     _wait(
         lambda: "training from step 100 to 200" in (logs / "2.log").read_text(),
@@ -186,7 +189,7 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
     assert killed_run.info.status == "KILLED"
 
     # 3. SIGKILL mid-interval, after the next boundary committed.
-    proc = _start(storage, mlflow_uri, prefect_server, logs / "3.log")
+    proc = _start(storage, mlflow_uri, prefect_server, logs / "3.log", "--device-copy")
     next_boundary = (at // EVERY + 1) * EVERY
     _wait(
         lambda: next_boundary in committed_steps(ckpt), 240, f"step {next_boundary} to commit", proc

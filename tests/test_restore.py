@@ -11,7 +11,8 @@ import pytest
 
 from prefect_jax.examples.digits import DigitsProgram
 from prefect_jax.training.checkpoint_dirs import committed_steps, wait_for_new_checkpoint
-from prefect_jax.training.checkpoints import CheckpointMismatchError, Checkpoints
+from prefect_jax.training.checkpoints import Checkpoints
+from prefect_jax.training.errors import CheckpointMismatchError
 from prefect_jax.training.names import STEP_MANIFEST_FILE
 from prefect_jax.training.trainer import Trainer, restore_or_init
 from prefect_jax.training.trees import state_fingerprint

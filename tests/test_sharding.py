@@ -160,12 +160,14 @@ def test_a_sigkilled_fsdp_job_resumes_bit_exactly_on_four_devices_and_another_me
     storage = str(tmp_path / "storage")
     ckpt = os.path.join(storage, "sharded", "checkpoints")
     log = open(tmp_path / "1.log", "w")
-    # Paced (a sleep at each log point), so that the kill lands mid-job.
+    # Paced (a sleep at each log point), so that the kill lands mid-job. Its saves copy the
+    # sharded state on its devices and give the copy to Orbax on a thread (`save_handoff`), as on
+    # a GPU: the step restored below is the state the killed process trained, bit for bit.
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, "job", "8", storage, mlflow_uri, "40", "0.5"],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=_env(SHARDING_JOB_MESH='{"data": -1}'),
+        env=_env(SHARDING_JOB_MESH='{"data": -1}', SHARDING_JOB_DEVICE_COPY="1"),
         cwd=TESTS_DIR,
     )
 

@@ -51,6 +51,14 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         help="never write backups (resume-only checkpoints between the cadence's, written once "
         "attempts of the job were killed without notice)",
     )
+    add(
+        "--device-copy",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="at each save, copy the state on its devices and save the copy on a thread "
+        "(default: on for one process on a GPU or TPU; --no-device-copy for a model that does "
+        "not fit twice in device memory)",
+    )
     add("--seed", type=int, default=0, help="init and data-order seed (default 0)")
     add(
         "--log-every-steps",

@@ -33,6 +33,7 @@ _SPEC_FLAGS = {
         "keep_last": "keep_last",
         "keep_every_steps": "keep_every_steps",
         "backups": "backups",
+        "device_copy": "device_copy",
     },
     "EvalSpec": {
         "steps": "eval_steps",

@@ -10,13 +10,14 @@ use `os`; on ``gs://``, where nothing renames, it writes ``commit_success.txt`` 
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import time
 from collections.abc import Callable
 
-from prefect_jax.training.checksums import ORBAX_COMMIT_FILE
+from prefect_jax.training.checksums import ORBAX_COMMIT_FILE, write_manifest
 from prefect_jax.training.names import STEP_META_FILE
 
 logger = logging.getLogger("prefect_jax.checkpoints")
@@ -29,6 +30,22 @@ GCS_COMMIT_FILE = "commit_success.txt"
 # in older releases), renamed to ``<step>`` at the commit (its `atomicity_types.TMP_DIR_SUFFIX`).
 # One a killed save left: `prefect_jax.training.leftovers`.
 ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def write_manifest_in_commit(directory: str, step: int) -> None:
+    """The checksums of `step`, a local step Orbax is committing: written into its temporary
+    directory (once its items are final, before it becomes ``<step>``), so that they are part of
+    the same commit."""
+    found = glob.glob(os.path.join(glob.escape(directory), f"{step}{ORBAX_TMP_SUFFIX}*"))
+    if len(found) == 1:
+        write_manifest(found[0])
+    else:
+        logger.warning(
+            "no single temporary directory for step %s in %s (%s): step saved without checksums",
+            step,
+            directory,
+            found,
+        )
 
 
 def _url(path: str):

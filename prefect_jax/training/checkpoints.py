@@ -12,7 +12,6 @@ every step's Orbax metadata: it stays defined here, or old steps would not resto
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
 import os
 import threading
@@ -26,20 +25,22 @@ import orbax.checkpoint as ocp
 
 from prefect_jax.training import cluster
 from prefect_jax.training.checkpoint_dirs import (
-    ORBAX_TMP_SUFFIX,
     committed_steps,
     is_committed,
     quarantine,
     read_meta_file,
     step_dirs,
+    write_manifest_in_commit,
 )
-from prefect_jax.training.checksums import BackgroundVerification, write_manifest
+from prefect_jax.training.checksums import BackgroundVerification
 from prefect_jax.training.data_positions import (
     position_text,
     restore_position_of_process_0,
     written_by_other_processes,
 )
+from prefect_jax.training.errors import CheckpointMismatchError, CheckpointSaveError
 from prefect_jax.training.policy import CheckpointPolicy
+from prefect_jax.training.save_handoff import HandOff, copy_on_device, device_copy_enabled
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (
     abstract_savable,
@@ -50,27 +51,6 @@ from prefect_jax.training.trees import (
 )
 
 logger = logging.getLogger("prefect_jax.checkpoints")
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint's tree differs from the tree the program's `init` builds."""
-
-
-class CheckpointSaveError(OSError):
-    """A checkpoint save failed (a full disk, a write error): its step did not commit.
-
-    An OSError, so the train task's retries resume from the newest committed step, which succeeds
-    once the storage takes writes again."""
-
-    def __init__(self, step: int | None, directory: str, cause: BaseException):
-        self.step, self.directory = step, directory
-        first = str(cause).splitlines()[0][:400] if str(cause) else ""
-        super().__init__(
-            f"saving checkpoint step {step} to {directory} failed ({type(cause).__name__}: "
-            f"{first}): step {step} did not commit, and no later step counts. Free space on the "
-            "storage (or fix what refused the write) and run the job again: it resumes from its "
-            "newest committed step (the train task's retries do so once the storage takes writes)."
-        )
 
 
 # -- the manager ------------------------------------------------------------------------
@@ -90,7 +70,8 @@ class IteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHan
     borrow Grain's)."""
 
     async def async_save(self, directory, args):
-        text = position_text(args.item)
+        # (a position read already: a save handed off to a thread, `Checkpoints.save`)
+        text = args.item if isinstance(args.item, str) else position_text(args.item)
         index, count = jax.process_index(), jax.process_count()
 
         async def write():
@@ -137,6 +118,9 @@ class Checkpoints:
         read_only: open an existing directory for restore only (no directory creation).
         newest_evaluated: with `spec.keep_until_evaluated`, returns the newest evaluated step
             (None: none yet); retention keeps every step newer than it.
+
+    Raises:
+        ValueError: `spec.device_copy` is True with several JAX processes.
     """
 
     def __init__(
@@ -158,6 +142,9 @@ class Checkpoints:
         self._raised = threading.local()
         # Step -> whether it is a backup (saved here, or its metadata read once).
         self._backup: dict[int, bool] = {}
+        # Saves handed to a thread behind a copy on the device (`save_handoff`); the one in flight
+        self.device_copy = not read_only and device_copy_enabled(spec.device_copy)
+        self._handoff = HandOff()
         # The steps retention must keep for now (`Job`: uploads).
         self.pinned: Callable[[int], bool] = lambda step: False
         retention = CheckpointPolicy.from_spec(spec).preservation(
@@ -185,19 +172,7 @@ class Checkpoints:
         if self._saving is None or "://" in self.directory or jax.process_index() != 0:
             # Several processes: process 0 finalizes the step, once every process wrote its part.
             return
-        found = glob.glob(
-            os.path.join(glob.escape(self.directory), f"{self._saving}{ORBAX_TMP_SUFFIX}*")
-        )
-        if len(found) == 1:
-            write_manifest(found[0])
-        else:
-            logger.warning(
-                "no single temporary directory for step %s in %s (%s): "
-                "step saved without checksums",
-                self._saving,
-                self.directory,
-                found,
-            )
+        write_manifest_in_commit(self.directory, self._saving)
 
     def committed_steps(self) -> list[int]:
         return committed_steps(self.directory)
@@ -219,6 +194,7 @@ class Checkpoints:
     def quarantine(self, step: int, why: str) -> None:
         """Move a step aside (see `checkpoint_dirs.quarantine`) and let Orbax forget it. Only the
         job's writer may do this."""
+        self._join_handoff(raising=False)
         self.manager.wait_until_finished()
         dst = quarantine(self.directory, step, why)
         logger.warning(
@@ -244,7 +220,8 @@ class Checkpoints:
         return steps[-1] if steps else None
 
     def save(self, step: int, state, data_iter, meta: dict) -> None:
-        """Start an asynchronous save of `state`, the iterator position and `meta` at `step`."""
+        """Start an asynchronous save of `state`, the iterator position and `meta` at `step`.
+        With `device_copy`, of a copy of `state` on its devices, given to Orbax on a thread."""
         savable = to_savable(state)
         meta = dict(meta, step=int(step), tree=describe_tree(savable), saved_at=time.time())
         self.wait()  # Orbax does too; here, so that `_saving` names the step in flight
@@ -252,15 +229,45 @@ class Checkpoints:
             raise self.failed
         self._saving = int(step)
         self._backup[int(step)] = bool(meta.get("backup"))
+        if not self.device_copy:
+            self._save(int(step), savable, data_iter, meta)
+            return
+        # Read now, before the caller's next step donates the state or moves the iterator on.
+        copy, position = copy_on_device(savable), position_text(data_iter)
+        self._handoff.start(int(step), lambda: self._save(int(step), copy, position, meta))
+
+    def _save(self, step: int, savable, data, meta: dict) -> None:
         self.manager.save(
-            int(step),
+            step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(savable),
-                data=IteratorSave(data_iter),
+                data=IteratorSave(data),
                 meta=ocp.args.JsonSave(meta),
             ),
             force=True,
         )
+
+    def saving(self) -> bool:
+        """Whether a save is in flight (handed off, or Orbax's not yet committed)."""
+        return self._handoff.running() or self.manager.is_saving_in_progress()
+
+    def _join_handoff(self, raising: bool = True) -> None:
+        """Wait for the save handed off (if any) to be Orbax's; its failure becomes `failed`,
+        raised here where `raising` (else by the next `wait` or `save`)."""
+        failure = self._handoff.join()
+        if failure is not None:
+            failed = self._failed_save(*failure)
+            if raising:
+                raise failed from failure[1]
+
+    def _failed_save(self, step: int | None, exc: BaseException) -> CheckpointSaveError:
+        """`exc`, the failure of the save of `step`, as it is raised; the first one kept in
+        `failed`, which every later `save` raises."""
+        failed = CheckpointSaveError(step, self.directory, exc)
+        if self.failed is None:
+            self.failed = failed
+            logger.error("%s", failed)
+        return failed
 
     def reload(self) -> None:
         """Have Orbax list the steps again. On ``gs://`` its paths (`etils.epath`, gcsfs under
@@ -270,9 +277,11 @@ class Checkpoints:
             from etils.epath import backend
 
             backend.fsspec_backend.fs(self.directory).invalidate_cache()
+        self._join_handoff(raising=False)  # (the manager is Orbax's again: its save returned)
         self.manager.reload()
 
     def read_meta(self, step: int) -> dict:
+        self._join_handoff(raising=False)
         if int(step) not in self.manager.all_steps():
             self.reload()
         return self.manager.restore(
@@ -287,6 +296,7 @@ class Checkpoints:
             CheckpointMismatchError: the stored tree differs from `abstract_state`; the message
                 lists every differing leaf by path.
         """
+        self._join_handoff(raising=False)
         if int(step) not in self.manager.all_steps():
             # Committed by another process after this manager listed the directory.
             self.reload()
@@ -340,15 +350,12 @@ class Checkpoints:
         every later `save` raises). With several processes the commit is theirs together:
         `LostProcess` if one went away meanwhile (`cluster.wait_unless_lost`)."""
         try:
+            self._join_handoff()
             self._wait_orbax()
         except (cluster.LostProcess, CheckpointSaveError):
             raise
         except Exception as exc:
-            failed = CheckpointSaveError(self._saving, self.directory, exc)
-            if self.failed is None:
-                self.failed = failed
-                logger.error("%s", failed)
-            raise failed from exc
+            raise self._failed_save(self._saving, exc) from exc
 
     def forget_failed_save(self) -> None:
         """A restore starts over from the committed steps: the failed save is behind it, and the

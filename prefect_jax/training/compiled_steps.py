@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from prefect_jax.training.digests import precompile_digests
-from prefect_jax.training.trees import device_digest_types
+from prefect_jax.training.save_handoff import copy_types, precompile_copy
+from prefect_jax.training.trees import device_digest_types, to_savable
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -260,13 +261,14 @@ class BackgroundCompile:
     (`join_train_step`): on a cold start of a real model the eval step takes seconds more. An
     evaluation that comes first needs no join: jit traces and compiles a signature once, a
     second caller waiting for the first (jax 0.10: one trace and one XLA compile with two
-    threads calling). `also` compiles more on a thread of its own (`digests_for`: the state
-    fingerprint's). The process's end waits for them all (`join`)."""
+    threads calling). `also` compiles more on a thread of its own (`for_live_state`: the state
+    fingerprint's, and the saves' copy). The process's end waits for them all (`join`)."""
 
     def __init__(self):
         self._threads: list[threading.Thread] = []
         self._train_compiled = threading.Event()
         self.started = False
+        self.save_copy = False  # the checkpoints copy the state on its devices (`save_handoff`)
 
     def start(
         self, train_args: tuple, eval_args: tuple, before: Callable[[], Any] | None = None
@@ -310,17 +312,23 @@ class BackgroundCompile:
         except RuntimeError:  # (no thread to be had: a pids limit, say)
             logger.debug("background compile (%s) not started", name, exc_info=True)
 
-    def digests_for(self, local: Callable[[Any], Any], state) -> None:
-        """Compile the programs `trees.state_fingerprint` runs on the device for ``local(state)``
-        (its large arrays on an accelerator: `device_digest_types`) on a thread of their own,
-        rather than where the job's end waits for the fingerprint."""
-        try:
-            types = device_digest_types(local(state))
-        except Exception:  # noqa: BLE001 - the fingerprint compiles them itself, and reports it
-            logger.debug("the fingerprint's types", exc_info=True)
-            return
-        if types:
-            self.also(precompile_digests, types, name="prefect-jax-compile-digests")
+    def for_live_state(self, local: Callable[[Any], Any], state) -> None:
+        """Compile, from the live state's own types, what is run on it later on the device, each
+        on a thread of its own rather than where the loop would wait for it: the programs
+        `trees.state_fingerprint` runs for ``local(state)`` (its large arrays on an accelerator:
+        `device_digest_types`), which the job's end waits for, and with `save_copy` the copy
+        `save_handoff.copy_on_device` makes at each save, which the first save would wait for."""
+        todo = [(device_digest_types, local, precompile_digests, "digests")]
+        if self.save_copy:
+            todo.append((copy_types, to_savable, precompile_copy, "save-copy"))
+        for types_of, view, precompile, what in todo:
+            try:
+                types = types_of(view(state))
+            except Exception:  # noqa: BLE001 - the real call compiles them itself, and reports it
+                logger.debug("the %s' types", what, exc_info=True)
+                continue
+            if types:
+                self.also(precompile, types, name=f"prefect-jax-compile-{what}")
 
     @staticmethod
     def _thread(target: Callable[[], Any], name: str) -> threading.Thread:

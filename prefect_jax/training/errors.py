@@ -8,6 +8,27 @@ someone else is training) fail at once, with a message that says what to fix.
 from __future__ import annotations
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tree differs from the tree the program's `init` builds."""
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint save failed (a full disk, a write error): its step did not commit.
+
+    An OSError, so the train task's retries resume from the newest committed step, which succeeds
+    once the storage takes writes again."""
+
+    def __init__(self, step: int | None, directory: str, cause: BaseException):
+        self.step, self.directory = step, directory
+        first = str(cause).splitlines()[0][:400] if str(cause) else ""
+        super().__init__(
+            f"saving checkpoint step {step} to {directory} failed ({type(cause).__name__}: "
+            f"{first}): step {step} did not commit, and no later step counts. Free space on the "
+            "storage (or fix what refused the write) and run the job again: it resumes from its "
+            "newest committed step (the train task's retries do so once the storage takes writes)."
+        )
+
+
 class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN or Inf metric; the state of that step is not checkpointed."""
 

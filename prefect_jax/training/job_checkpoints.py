@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect_jax.training.checkpoint_dirs import is_committed, step_dirs
-from prefect_jax.training.checkpoints import CheckpointSaveError
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import barrier
+from prefect_jax.training.errors import CheckpointSaveError
 from prefect_jax.training.leftovers import remove_leftovers
 from prefect_jax.training.mlflow_client import exit_wait
 from prefect_jax.training.peer_watch import LostProcess
@@ -196,7 +196,7 @@ class JobCheckpoints:
     def save_landed(self) -> bool:
         """Whether no save is in flight (a check that does not wait): Orbax finished every save
         started so far (committed, or failed) and, on remote storage, every upload is done."""
-        return not self.checkpoints.manager.is_saving_in_progress() and not self.uploading()
+        return not self.checkpoints.saving() and not self.uploading()
 
     def wait_committed(self, ending: bool = False) -> None:
         """Wait until every save started so far counts: committed by Orbax, and uploaded if remote.

@@ -308,7 +308,7 @@ class Loop:
                 self.compile_s, first = time.perf_counter() - t_first, False
                 clock = (step, time.perf_counter())  # throughput without the compile
                 if not self.spans:  # (a state over several processes: collectives, at the end)
-                    self.compiling.digests_for(self.local, state)
+                    self.compiling.for_live_state(self.local, state)
             due = [s for s in range(start + 1, step + 1) if s % log_every == 0 or s == target]
             if due:
                 rates, clock = throughput(self.program, clock, step), (step, time.perf_counter())

@@ -14,8 +14,8 @@ from prefect_jax.training.checkpoint_dirs import (
     read_meta_file,
     wait_for_new_checkpoint,
 )
-from prefect_jax.training.checkpoints import CheckpointMismatchError, Checkpoints
-from prefect_jax.training.errors import PastMaxStepsError
+from prefect_jax.training.checkpoints import Checkpoints
+from prefect_jax.training.errors import CheckpointMismatchError, PastMaxStepsError
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.names import DEVICES_TAG
 from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore_of

@@ -174,6 +174,12 @@ class CheckpointSpec(Spec):
             event. Jobs that were never killed (or only got preemption notices, which lose
             nothing) write none. With several JAX processes, process 0 decides and all of
             them write each backup; a process that went away counts as a kill.
+        device_copy: at each save, copy the state on its own devices and give the copy to Orbax
+            on a thread, so that training goes on while it is copied to the host
+            (`prefect_jax.training.save_handoff`). It holds a second copy of the state in device
+            memory until Orbax has it: False for a model that does not fit twice. None (the
+            default): on with one JAX process on a GPU or TPU, off on a CPU (where there is no
+            transfer to wait for) and with several processes (True is refused there).
     """
 
     every_steps: int | None = Field(1000, description="Checkpoint every N steps.")
@@ -191,6 +197,12 @@ class CheckpointSpec(Spec):
         True,
         description="After kills without notice, also write resume-only backups at the "
         "Young/Daly interval.",
+    )
+
+    device_copy: bool | None = Field(
+        None,
+        description="Copy the state on its devices at each save and save the copy on a thread "
+        "(None: on for one process on a GPU or TPU).",
     )
 
     @field_validator("every_steps")

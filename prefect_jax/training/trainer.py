@@ -117,6 +117,7 @@ class Trainer:
                 self.program, config.program, config.eval.exporters, config.train.hooks
             )
             self.loop = head.loop if head is not None else Loop(self.program, config.train)
+            self.loop.compiling.save_copy = self.job.checkpoints.device_copy
             # a serve() that does not trace, or lower for named platforms: refused now, not an
             # interval in
             if config.eval.exporters:

@@ -1,0 +1,131 @@
+"""A save handed to a thread of its own, behind a copy of the state on its devices.
+
+Orbax's asynchronous save returns once the arrays are on the host. On an accelerator that waits,
+on the thread that called it, for the steps already queued on the device and then for the whole
+state's transfer: the training thread dispatches nothing meanwhile, and the device runs dry
+(BENCHMARKS.md, "The byte-level LM on a GPU": the bare loop's own async save). With the hand-off
+the training thread only dispatches one program that copies the state on its own devices, and a
+thread of its own gives that copy to Orbax: the next steps queue behind the copy and run while it
+travels to the host. The copy holds one more state's worth of device memory until Orbax has it
+on the host: `CheckpointSpec.device_copy` turns it off for a model that does not fit twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from prefect_jax.training import cluster
+
+logger = logging.getLogger("prefect_jax.checkpoints")
+
+
+def device_copy_enabled(choice: bool | None) -> bool:
+    """`CheckpointSpec.device_copy` for this process. None: on for one JAX process on an
+    accelerator; off on a CPU, where Orbax's copy off the device is a host copy the training
+    thread would make anyway, and with several processes.
+
+    Raises:
+        ValueError: True with several JAX processes (before anything is trained).
+    """
+    several = cluster.several()
+    if choice is None:
+        return not several and jax.default_backend() != "cpu"
+    if choice and several:
+        raise ValueError(
+            f"CheckpointSpec(device_copy=True) needs one JAX process; this job has "
+            f"{jax.process_count()}: Orbax's save synchronises the processes, which must not "
+            "happen on a thread beside the training's collectives. Leave device_copy at None "
+            "(off with several processes) or set it to False."
+        )
+    return bool(choice)
+
+
+def _copy_leaves(leaves):
+    return [jnp.copy(x) for x in leaves]
+
+
+_copy_program = jax.jit(_copy_leaves)
+
+
+def _array_types(leaves) -> list[jax.ShapeDtypeStruct]:
+    # (each array's own type: an uncommitted array's or a weak type's program is another)
+    return [
+        jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding if x.committed else None, weak_type=x.weak_type
+        )
+        for x in leaves
+    ]
+
+
+def copy_types(savable) -> list[jax.ShapeDtypeStruct]:
+    """The types of `savable`'s arrays, as `copy_on_device` takes them (for `precompile_copy`)."""
+    return _array_types([x for x in jax.tree_util.tree_leaves(savable) if isinstance(x, jax.Array)])
+
+
+def precompile_copy(types: list[jax.ShapeDtypeStruct]) -> None:
+    """Compile `copy_on_device`'s program for arrays of these types, so that the first save
+    compiles nothing on the training thread."""
+    _copy_program.lower(types).compile()
+
+
+def copy_on_device(savable):
+    """`savable` with each of its arrays copied where it is (same devices, same sharding), in
+    one dispatched program: returns at once; a later step that donates the originals runs after
+    the copy read them. Other leaves as they are."""
+    leaves, treedef = jax.tree_util.tree_flatten(savable)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    if where:
+        for i, copied in zip(where, _copy_program([leaves[i] for i in where]), strict=True):
+            leaves[i] = copied
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+class HandOff:
+    """The save handed to a thread of its own, one at a time (not a daemon: a process must not
+    exit between Orbax's writes)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._failed: tuple[int, BaseException] | None = None
+
+    def start(self, step: int, save: Callable[[], Any]) -> None:
+        """`save()` on a new thread; the one before must have been joined."""
+
+        def run() -> None:
+            try:
+                save()
+            except BaseException as exc:  # noqa: BLE001 - raised to whoever waits for the save
+                self._failed = (step, exc)
+
+        thread = threading.Thread(target=run, name=f"prefect-jax-save-{step}")
+        try:
+            thread.start()
+        except RuntimeError:  # (no thread to be had: a pids limit, say) saved here, then
+            logger.debug("no thread for the save of step %d: saved on the caller's", step)
+            save()
+            return
+        self._thread = thread
+
+    def running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def join(self) -> tuple[int, BaseException] | None:
+        """Wait for the save in flight, if any. Its step and what it raised, if it failed: to the
+        first caller only."""
+        thread = self._thread
+        if thread is None:
+            return None
+        thread.join()
+        with self._lock:
+            failed, self._failed = self._failed, None
+            if self._thread is thread:
+                self._thread = None
+        return failed
