@@ -232,8 +232,20 @@ class Checkpoints:
         if not self.device_copy:
             self._save(int(step), savable, data_iter, meta)
             return
-        # Read now, before the caller's next step donates the state or moves the iterator on.
-        copy, position = copy_on_device(savable), position_text(data_iter)
+        try:  # read now, before the caller's next step donates the state or moves the iterator on
+            copy, position = copy_on_device(savable), position_text(data_iter)
+        except Exception as exc:  # noqa: BLE001 - (out of device memory, say) saved as before
+            self.device_copy = False
+            logger.warning(
+                "copying the state on its devices for the save of step %d failed (%s: %s): "
+                "saving it, and every later step, without the copy. CheckpointSpec("
+                "device_copy=False) (the command's --no-device-copy) saves so from the start.",
+                step,
+                type(exc).__name__,
+                str(exc).splitlines()[0][:300] if str(exc) else "",
+            )
+            self._save(int(step), savable, data_iter, meta)
+            return
         self._handoff.start(int(step), lambda: self._save(int(step), copy, position, meta))
 
     def _save(self, step: int, savable, data, meta: dict) -> None:
@@ -252,13 +264,23 @@ class Checkpoints:
         return self._handoff.running() or self.manager.is_saving_in_progress()
 
     def _join_handoff(self, raising: bool = True) -> None:
-        """Wait for the save handed off (if any) to be Orbax's; its failure becomes `failed`,
-        raised here where `raising` (else by the next `wait` or `save`)."""
+        """Wait for the save handed off (if any) to be Orbax's. Its failure becomes `failed`,
+        and where `raising` it is raised once to each thread that waits, as Orbax does."""
         failure = self._handoff.join()
-        if failure is not None:
-            failed = self._failed_save(*failure)
-            if raising:
-                raise failed from failure[1]
+        if failure is None:
+            return
+        failed = self._failed_save(*failure)
+        if raising and self._first_time_here(failure[1]):
+            raise failed from failure[1]
+
+    def _first_time_here(self, exc: BaseException) -> bool:
+        """Whether this thread is seeing `exc` raised for the first time (and, from now on,
+        has)."""
+        raised = self._raised.__dict__.setdefault("errors", [])
+        if any(exc is seen for seen in raised):
+            return False
+        raised.append(exc)
+        return True
 
     def _failed_save(self, step: int | None, exc: BaseException) -> CheckpointSaveError:
         """`exc`, the failure of the save of `step`, as it is raised; the first one kept in
@@ -361,6 +383,8 @@ class Checkpoints:
         """A restore starts over from the committed steps: the failed save is behind it, and the
         next save is waited for where it is made (`save_waits`): a storage that still refuses
         writes then fails that training task, rather than the one after it."""
+        self._handoff.join()
+        self._handoff.forget()
         if self.failed is not None:
             self.save_waits = True
         self.failed = None
@@ -378,11 +402,8 @@ class Checkpoints:
         except BaseException as exc:
             # The wait ran on a helper thread, a new one each time, to which Orbax raises a failed
             # save's error again: raise it once to this caller's thread, as Orbax itself would.
-            raised = self._raised.__dict__.setdefault("errors", [])
-            if any(exc is seen for seen in raised):
-                return
-            raised.append(exc)
-            raise
+            if self._first_time_here(exc):
+                raise
 
     def close(self) -> None:
         try:

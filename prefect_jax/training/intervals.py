@@ -246,7 +246,7 @@ class Intervals:
         """
         t, job = self.trainer, self.trainer.job
         started = time.perf_counter()
-        with t.guard.deferred():  # a SIGTERM now is handled once Orbax has the step
+        with t.guard.deferred():  # a SIGTERM now is handled once the save has the step
             # The evaluation of the step before, if its commit has not been seen yet. Its record
             # verified the lease after the commit wait: not read again for this save if that read
             # found it ours within the last second.

@@ -91,24 +91,27 @@ class HandOff:
     exit between Orbax's writes)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._failed: tuple[int, BaseException] | None = None
+        # The step of the save started last, and what it raised (kept until the next `start`)
+        self._step: int | None = None
+        self._error: BaseException | None = None
 
     def start(self, step: int, save: Callable[[], Any]) -> None:
         """`save()` on a new thread; the one before must have been joined."""
+        self._step, self._error = step, None
 
         def run() -> None:
             try:
                 save()
             except BaseException as exc:  # noqa: BLE001 - raised to whoever waits for the save
-                self._failed = (step, exc)
+                self._error = exc
 
         thread = threading.Thread(target=run, name=f"prefect-jax-save-{step}")
         try:
             thread.start()
         except RuntimeError:  # (no thread to be had: a pids limit, say) saved here, then
             logger.debug("no thread for the save of step %d: saved on the caller's", step)
+            self._thread = None
             save()
             return
         self._thread = thread
@@ -118,14 +121,14 @@ class HandOff:
         return thread is not None and thread.is_alive()
 
     def join(self) -> tuple[int, BaseException] | None:
-        """Wait for the save in flight, if any. Its step and what it raised, if it failed: to the
-        first caller only."""
+        """Wait for the save started last, if any: its step and what it raised, if it failed (to
+        every caller, until the next `start`)."""
         thread = self._thread
-        if thread is None:
-            return None
-        thread.join()
-        with self._lock:
-            failed, self._failed = self._failed, None
-            if self._thread is thread:
-                self._thread = None
-        return failed
+        if thread is not None:
+            thread.join()
+        error = self._error
+        return None if error is None or self._step is None else (self._step, error)
+
+    def forget(self) -> None:
+        """Forget the last save's failure (a restore starts over from the committed steps)."""
+        self._step = self._error = None
