@@ -114,12 +114,12 @@ def test_a_handed_off_save_that_fails_fails_each_thread_s_wait_and_every_later_s
 
 
 def test_a_copy_that_fails_on_the_device_saves_without_it(tmp_path, monkeypatch, caplog):
-    from prefect_jax.training import checkpoints
+    from prefect_jax.training import save_handoff
 
     def out_of_memory(savable):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
 
-    monkeypatch.setattr(checkpoints, "copy_on_device", out_of_memory)
+    monkeypatch.setattr(save_handoff, "copy_on_device", out_of_memory)
     ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1, device_copy=True))
     ckpt.save(1, {"w": jax.numpy.ones(4)}, _iterator(), {})
     ckpt.wait()

@@ -40,7 +40,7 @@ from prefect_jax.training.data_positions import (
 )
 from prefect_jax.training.errors import CheckpointMismatchError, CheckpointSaveError
 from prefect_jax.training.policy import CheckpointPolicy
-from prefect_jax.training.save_handoff import HandOff, copy_on_device, device_copy_enabled
+from prefect_jax.training.save_handoff import HandOff, copy_for_save, device_copy_enabled
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (
     abstract_savable,
@@ -229,24 +229,14 @@ class Checkpoints:
             raise self.failed
         self._saving = int(step)
         self._backup[int(step)] = bool(meta.get("backup"))
-        if not self.device_copy:
-            self._save(int(step), savable, data_iter, meta)
-            return
-        try:  # read now, before the caller's next step donates the state or moves the iterator on
-            copy, position = copy_on_device(savable), position_text(data_iter)
-        except Exception as exc:  # noqa: BLE001 - (out of device memory, say) saved as before
-            self.device_copy = False
-            logger.warning(
-                "copying the state on its devices for the save of step %d failed (%s: %s): "
-                "saving it, and every later step, without the copy. CheckpointSpec("
-                "device_copy=False) (the command's --no-device-copy) saves so from the start.",
-                step,
-                type(exc).__name__,
-                str(exc).splitlines()[0][:300] if str(exc) else "",
-            )
-            self._save(int(step), savable, data_iter, meta)
-            return
-        self._handoff.start(int(step), lambda: self._save(int(step), copy, position, meta))
+        if self.device_copy:
+            handed = copy_for_save(int(step), savable, data_iter)
+            if handed is not None:
+                copy, position = handed
+                self._handoff.start(int(step), lambda: self._save(int(step), copy, position, meta))
+                return
+            self.device_copy = False  # (the copy failed: saved as before, from now on)
+        self._save(int(step), savable, data_iter, meta)
 
     def _save(self, step: int, savable, data, meta: dict) -> None:
         self.manager.save(

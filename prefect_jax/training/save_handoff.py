@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from prefect_jax.training import cluster
+from prefect_jax.training.data_positions import position_text
 
 logger = logging.getLogger("prefect_jax.checkpoints")
 
@@ -84,6 +85,25 @@ def copy_on_device(savable):
         for i, copied in zip(where, _copy_program([leaves[i] for i in where]), strict=True):
             leaves[i] = copied
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def copy_for_save(step: int, savable, data_iter) -> tuple[Any, str] | None:
+    """What a save handed off gives Orbax: `savable` copied on its devices and the iterator's
+    position, read now, before the caller's next step donates the state or moves the iterator
+    on. None where the copy failed (out of device memory, say): said once, and the caller saves
+    without it from then on."""
+    try:
+        return copy_on_device(savable), position_text(data_iter)
+    except Exception as exc:  # noqa: BLE001 - the save goes on without the copy
+        logger.warning(
+            "copying the state on its devices for the save of step %d failed (%s: %s): saving "
+            "it, and every later step, without the copy. CheckpointSpec(device_copy=False) (the "
+            "command's --no-device-copy) saves so from the start.",
+            step,
+            type(exc).__name__,
+            str(exc).splitlines()[0][:300] if str(exc) else "",
+        )
+        return None
 
 
 class HandOff:
