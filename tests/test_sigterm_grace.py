@@ -1,7 +1,8 @@
 """SIGTERM with a grace period too short for the save: the save is abandoned cleanly and the
-previous checkpoint stays the newest valid one (a real process, a real signal)."""
+newest valid checkpoint is restored, never a torn one (a real process, a real signal)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,7 +72,10 @@ def test_a_save_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path, ml
     assert "thread MainThread:" in stacks and "in on_sigterm" in stacks, err[-3000:]
     assert "in wait_committed" in stacks, err[-3000:]
     newest = committed_steps(ckpt)[-1]
-    assert newest % 500 == 0, "only a boundary step committed; the abandoned one does not count"
+    at = int(re.search(r"SIGTERM at step (\d+): checkpointing it", err).group(1))
+    # The abandoned save counts only if Orbax committed it whole before the process ended (its
+    # commit goes on in the background while the attempt ends: on a loaded machine it can win).
+    assert newest % 500 == 0 or newest == at, (newest, at)
 
     trainer = Trainer(
         config
