@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from prefect_jax.training import cluster
 from prefect_jax.training.data_positions import position_text
+from prefect_jax.training.trees import own_type
 
 logger = logging.getLogger("prefect_jax.checkpoints")
 
@@ -54,19 +55,9 @@ def _copy_leaves(leaves):
 _copy_program = jax.jit(_copy_leaves)
 
 
-def _array_types(leaves) -> list[jax.ShapeDtypeStruct]:
-    # (each array's own type: an uncommitted array's or a weak type's program is another)
-    return [
-        jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding if x.committed else None, weak_type=x.weak_type
-        )
-        for x in leaves
-    ]
-
-
 def copy_types(savable) -> list[jax.ShapeDtypeStruct]:
     """The types of `savable`'s arrays, as `copy_on_device` takes them (for `precompile_copy`)."""
-    return _array_types([x for x in jax.tree_util.tree_leaves(savable) if isinstance(x, jax.Array)])
+    return [own_type(x) for x in jax.tree_util.tree_leaves(savable) if isinstance(x, jax.Array)]
 
 
 def precompile_copy(types: list[jax.ShapeDtypeStruct]) -> None:

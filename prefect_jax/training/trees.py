@@ -93,16 +93,22 @@ def device_digest_types(state) -> list[jax.ShapeDtypeStruct]:
     they are: what `digests.precompile_digests` compiles for ahead of the fingerprint. Not PRNG
     keys: their raw data is small, and reading it would compile a program on the training thread."""
     return [
-        # (the array's own type: an uncommitted array's or a weak type's program is another)
-        jax.ShapeDtypeStruct(
-            leaf.shape,
-            leaf.dtype,
-            sharding=leaf.sharding if leaf.committed else None,
-            weak_type=leaf.weak_type,
-        )
+        own_type(leaf)
         for _, leaf in leaf_paths(state)
         if not _is_key(leaf) and _digest_on_device(leaf)
     ]
+
+
+def own_type(leaf: jax.Array) -> jax.ShapeDtypeStruct:
+    """An array's type as jit looks its program up: shape, dtype, its sharding where it is
+    committed (an uncommitted array's program is another) and its weak type (another too). What
+    a program compiled ahead from it must be given, so that the real call finds it."""
+    return jax.ShapeDtypeStruct(
+        leaf.shape,
+        leaf.dtype,
+        sharding=leaf.sharding if leaf.committed else None,
+        weak_type=leaf.weak_type,
+    )
 
 
 def state_fingerprint(state) -> str:
