@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +39,7 @@ from prefect_jax.training.data_positions import (
 )
 from prefect_jax.training.errors import CheckpointMismatchError, CheckpointSaveError
 from prefect_jax.training.policy import CheckpointPolicy
+from prefect_jax.training.save_failures import SaveFailures
 from prefect_jax.training.save_handoff import HandOff, copy_for_save, device_copy_enabled
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (
@@ -134,12 +134,9 @@ class Checkpoints:
         self.directory = directory
         self.spec = spec
         self._saving: int | None = None
-        # The first save that failed since the last restore: every later save raises it (a save
-        # that did not commit must fail the training, whichever thread saw Orbax's error first).
-        self.failed: CheckpointSaveError | None = None
-        self.save_waits = False  # (see `forget_failed_save`)
-        # Per thread: the failed saves' errors `wait` raised to it.
-        self._raised = threading.local()
+        # A save that did not commit must fail the training, whichever thread saw Orbax's error
+        # first: every later save raises it, until a restore.
+        self.failures = SaveFailures(directory)
         # Step -> whether it is a backup (saved here, or its metadata read once).
         self._backup: dict[int, bool] = {}
         # Saves handed to a thread behind a copy on the device (`save_handoff`); the one in flight
@@ -225,8 +222,7 @@ class Checkpoints:
         savable = to_savable(state)
         meta = dict(meta, step=int(step), tree=describe_tree(savable), saved_at=time.time())
         self.wait()  # Orbax does too; here, so that `_saving` names the step in flight
-        if self.failed is not None:
-            raise self.failed
+        self.failures.raise_first()
         self._saving = int(step)
         self._backup[int(step)] = bool(meta.get("backup"))
         if self.device_copy:
@@ -254,32 +250,15 @@ class Checkpoints:
         return self._handoff.running() or self.manager.is_saving_in_progress()
 
     def _join_handoff(self, raising: bool = True) -> None:
-        """Wait for the save handed off (if any) to be Orbax's. Its failure becomes `failed`,
-        and where `raising` it is raised once to each thread that waits, as Orbax does."""
+        """Wait for the save handed off (if any) to be Orbax's. Its failure is recorded in
+        `failures`, and where `raising` it is raised once to each thread that waits, as Orbax
+        does."""
         failure = self._handoff.join()
         if failure is None:
             return
-        failed = self._failed_save(*failure)
-        if raising and self._first_time_here(failure[1]):
+        failed = self.failures.record(*failure)
+        if raising and self.failures.first_time_here(failure[1]):
             raise failed from failure[1]
-
-    def _first_time_here(self, exc: BaseException) -> bool:
-        """Whether this thread is seeing `exc` raised for the first time (and, from now on,
-        has)."""
-        raised = self._raised.__dict__.setdefault("errors", [])
-        if any(exc is seen for seen in raised):
-            return False
-        raised.append(exc)
-        return True
-
-    def _failed_save(self, step: int | None, exc: BaseException) -> CheckpointSaveError:
-        """`exc`, the failure of the save of `step`, as it is raised; the first one kept in
-        `failed`, which every later `save` raises."""
-        failed = CheckpointSaveError(step, self.directory, exc)
-        if self.failed is None:
-            self.failed = failed
-            logger.error("%s", failed)
-        return failed
 
     def reload(self) -> None:
         """Have Orbax list the steps again. On ``gs://`` its paths (`etils.epath`, gcsfs under
@@ -358,8 +337,8 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Wait until the save in flight (if any) is committed, or failed (its error is raised once
-        to each thread that waits, as Orbax does, as `CheckpointSaveError`; kept in `failed`, which
-        every later `save` raises). With several processes the commit is theirs together:
+        to each thread that waits, as Orbax does, as `CheckpointSaveError`; kept in `failures`:
+        every later `save` raises it). With several processes the commit is theirs together:
         `LostProcess` if one went away meanwhile (`cluster.wait_unless_lost`)."""
         try:
             self._join_handoff()
@@ -367,17 +346,14 @@ class Checkpoints:
         except (cluster.LostProcess, CheckpointSaveError):
             raise
         except Exception as exc:
-            raise self._failed_save(self._saving, exc) from exc
+            raise self.failures.record(self._saving, exc) from exc
 
     def forget_failed_save(self) -> None:
-        """A restore starts over from the committed steps: the failed save is behind it, and the
-        next save is waited for where it is made (`save_waits`): a storage that still refuses
-        writes then fails that training task, rather than the one after it."""
+        """A restore starts over from the committed steps: the failed save (handed off or
+        Orbax's) is behind it (`SaveFailures.forget`)."""
         self._handoff.join()
         self._handoff.forget()
-        if self.failed is not None:
-            self.save_waits = True
-        self.failed = None
+        self.failures.forget()
 
     def _wait_orbax(self) -> None:
         if not cluster.several():
@@ -392,7 +368,7 @@ class Checkpoints:
         except BaseException as exc:
             # The wait ran on a helper thread, a new one each time, to which Orbax raises a failed
             # save's error again: raise it once to this caller's thread, as Orbax itself would.
-            if self._first_time_here(exc):
+            if self.failures.first_time_here(exc):
                 raise
 
     def close(self) -> None:

@@ -154,14 +154,14 @@ class JobCheckpoints:
             data_iter,
             {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags},
         )
-        if self.config.train.is_final(step) or self.checkpoints.save_waits:
+        if self.config.train.is_final(step) or self.checkpoints.failures.save_waits:
             # The final step (or the first save after one failed): its commit is waited for here,
             # so that a save that fails (a full disk) fails the training task that made it, not
             # an evaluation after it, nor the next interval, whose retry would start it again.
             if while_committing is not None:
                 while_committing()
             self.checkpoints.wait()
-            self.checkpoints.save_waits = False
+            self.checkpoints.failures.save_waits = False
         if self.remote is not None:
             self.uploader.submit(
                 step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed
@@ -206,7 +206,7 @@ class JobCheckpoints:
             self.checkpoints.wait()
         except CheckpointSaveError:
             # The step did not commit (evaluations and exports find so). The failure is the
-            # training's: kept in `checkpoints.failed`, raised by its next save.
+            # training's: kept in `checkpoints.failures`, raised by its next save.
             pass
         except LostProcess as exc:
             if not ending:
