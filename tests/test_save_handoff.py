@@ -184,3 +184,62 @@ def test_a_job_saving_through_the_hand_off_resumes_bit_for_bit(job_config, caplo
         resumed.train_until_checkpoint()
     assert resumed.fingerprint() == expected
     resumed.close()
+
+
+@pytest.mark.parametrize(
+    "device_copy, peak, copied",
+    [
+        (None, 4892, True),  # 4892 + 4108 bytes of state = 9000: 90% of 10000, the limit
+        (None, 4893, False),  # one byte past it
+        (True, 10_000, True),  # asked for: copied whatever the memory
+    ],
+)
+def test_left_to_choose_a_save_is_copied_only_where_the_copy_fits_beside_the_peak(
+    tmp_path, monkeypatch, caplog, device_copy, peak, copied
+):
+    # On an accelerator the copy holds a second state in device memory while the next steps
+    # run: left to choose, the first save copies only where that fits beside the peak use so far
+    # (which, after a copied save, counts the copy itself: so it is decided once).
+    from prefect_jax.training import save_handoff
+
+    stats = {"bytes_limit": 10_000, "peak_bytes_in_use": peak, "bytes_in_use": 4108}
+    monkeypatch.setattr(save_handoff, "on_accelerator", lambda: True)
+    monkeypatch.setattr(save_handoff, "memory_stats", lambda device: dict(stats))
+    ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1, device_copy=device_copy))
+    assert ckpt.device_copy
+    release, threads = _held(ckpt)
+    release.set()
+    state = {
+        "w": jax.numpy.arange(1024, dtype=jax.numpy.float32),  # 4096 bytes
+        "count": jax.numpy.int32(1),  # 4
+        "key": jax.random.key(0),  # 8 (two uint32)
+    }
+    ckpt.save(1, state, _iterator(), {})
+    ckpt.wait()
+    assert ckpt.device_copy == copied
+    assert (threads[0] is not threading.current_thread()) == copied
+    said = "saves are not handed off behind a copy of the state on its devices: at step 1" in (
+        caplog.text
+    )
+    assert said == (not copied)
+    if not copied:
+        assert "beside the peak use so far (0.00 GiB) would pass 90% of its" in caplog.text
+        assert "--device-copy" in caplog.text
+    stats["peak_bytes_in_use"] = 10_000  # (a peak with the copy beside the steps)
+    ckpt.save(2, state, _iterator(), {})
+    ckpt.wait()
+    assert ckpt.device_copy == copied and (threads[1] is not threading.current_thread()) == copied
+    restored, _ = ckpt.restore(2, jax.eval_shape(lambda: state))
+    assert state_fingerprint(restored) == state_fingerprint(state)
+    ckpt.close()
+
+
+def test_without_memory_statistics_left_to_choose_copies_on_an_accelerator(tmp_path, monkeypatch):
+    from prefect_jax.training import save_handoff
+
+    monkeypatch.setattr(save_handoff, "on_accelerator", lambda: True)
+    ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))
+    ckpt.save(1, {"w": jax.numpy.ones(4)}, _iterator(), {})  # (a CPU keeps no statistics)
+    ckpt.wait()
+    assert ckpt.device_copy and ckpt.committed_steps() == [1]
+    ckpt.close()

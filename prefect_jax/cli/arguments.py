@@ -56,8 +56,8 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         action=argparse.BooleanOptionalAction,
         default=None,
         help="at each save, copy the state on its devices and save the copy on a thread "
-        "(default: on for one process on a GPU or TPU; --no-device-copy for a model that does "
-        "not fit twice in device memory)",
+        "(default: on for one process on a GPU or TPU where, at the first save, a copy fits "
+        "beside the peak use of device memory; --device-copy copies whatever the memory)",
     )
     add("--seed", type=int, default=0, help="init and data-order seed (default 0)")
     add(

@@ -40,7 +40,12 @@ from prefect_jax.training.data_positions import (
 from prefect_jax.training.errors import CheckpointMismatchError, CheckpointSaveError
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.save_failures import SaveFailures
-from prefect_jax.training.save_handoff import HandOff, copy_for_save, device_copy_enabled
+from prefect_jax.training.save_handoff import (
+    HandOff,
+    copy_for_save,
+    copy_has_room,
+    device_copy_enabled,
+)
 from prefect_jax.training.specs import CheckpointSpec
 from prefect_jax.training.trees import (
     abstract_savable,
@@ -141,6 +146,7 @@ class Checkpoints:
         self._backup: dict[int, bool] = {}
         # Saves handed to a thread behind a copy on the device (`save_handoff`); the one in flight
         self.device_copy = not read_only and device_copy_enabled(spec.device_copy)
+        self._copy_room_seen = spec.device_copy is not None  # (left to choose: at the first save)
         self._handoff = HandOff()
         # The steps retention must keep for now (`Job`: uploads).
         self.pinned: Callable[[int], bool] = lambda step: False
@@ -225,6 +231,9 @@ class Checkpoints:
         self.failures.raise_first()
         self._saving = int(step)
         self._backup[int(step)] = bool(meta.get("backup"))
+        if self.device_copy and not self._copy_room_seen:
+            self._copy_room_seen = True
+            self.device_copy = copy_has_room(int(step), savable)
         if self.device_copy:
             handed = copy_for_save(int(step), savable, data_iter)
             if handed is not None:

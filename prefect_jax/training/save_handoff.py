@@ -7,7 +7,9 @@ state's transfer: the training thread dispatches nothing meanwhile, and the devi
 the training thread only dispatches one program that copies the state on its own devices, and a
 thread of its own gives that copy to Orbax: the next steps queue behind the copy and run while it
 travels to the host. The copy holds one more state's worth of device memory until Orbax has it
-on the host: `CheckpointSpec.device_copy` turns it off for a model that does not fit twice.
+on the host. Left to choose (`CheckpointSpec.device_copy` None), the first save looks at the
+devices' memory and copies only where a copy fits beside the training's peak; False turns it off,
+True copies whatever the memory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ from prefect_jax.training.trees import own_type
 
 logger = logging.getLogger("prefect_jax.checkpoints")
 
+# Left to choose, the copy is made where it fits beside the peak use of device memory so far with
+# this share of the device's memory to spare: the allocator's free space is fragmented, and an
+# evaluation's batches may reach past the peak of the steps before the first save.
+COPY_FITS_WITHIN = 0.9
+
+
+def on_accelerator() -> bool:
+    return jax.default_backend() != "cpu"
+
+
+def memory_stats(device) -> dict | None:
+    """`device`'s allocator statistics (``bytes_limit``, ``peak_bytes_in_use``, ...); None
+    where the backend keeps none (a CPU)."""
+    return device.memory_stats()
+
 
 def device_copy_enabled(choice: bool | None) -> bool:
     """`CheckpointSpec.device_copy` for this process. None: on for one JAX process on an
@@ -37,7 +54,7 @@ def device_copy_enabled(choice: bool | None) -> bool:
     """
     several = cluster.several()
     if choice is None:
-        return not several and jax.default_backend() != "cpu"
+        return not several and on_accelerator()
     if choice and several:
         raise ValueError(
             f"CheckpointSpec(device_copy=True) needs one JAX process; this job has "
@@ -76,6 +93,52 @@ def copy_on_device(savable):
         for i, copied in zip(where, _copy_program([leaves[i] for i in where]), strict=True):
             leaves[i] = copied
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def bytes_per_device(savable) -> dict[Any, int]:
+    """The bytes of `savable`'s arrays on each of this process's devices (a copy's size)."""
+    need: dict[Any, int] = {}
+    for x in jax.tree_util.tree_leaves(savable):
+        if isinstance(x, jax.Array):
+            for shard in x.addressable_shards:
+                need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+    return need
+
+
+def no_room_for_a_copy(savable) -> str | None:
+    """Why a copy of `savable`'s arrays does not fit beside the peak use of device memory so far
+    (the state, the steps trained, their activations) on one of its devices; None where it fits
+    on each, or the devices keep no statistics."""
+    for device, nbytes in bytes_per_device(savable).items():
+        stats = memory_stats(device) or {}
+        limit = stats.get("bytes_limit")
+        if not limit:
+            continue
+        peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
+        if peak + nbytes > COPY_FITS_WITHIN * limit:
+            return (
+                f"on {device} a copy of the state ({nbytes / 2**30:.2f} GiB) beside the peak use "
+                f"so far ({peak / 2**30:.2f} GiB) would pass {COPY_FITS_WITHIN:.0%} of its "
+                f"{limit / 2**30:.2f} GiB"
+            )
+    return None
+
+
+def copy_has_room(step: int, savable) -> bool:
+    """For `CheckpointSpec.device_copy` left to choose, at the first save (after steps were
+    trained, so the peak counts their activations; a later peak would count the copy itself):
+    whether to copy at all. Said once where not."""
+    why = no_room_for_a_copy(savable)
+    if why is not None:
+        logger.warning(
+            "saves are not handed off behind a copy of the state on its devices: at step %d, %s. "
+            "Each save waits on the training thread for the state's transfer to the host "
+            "instead. CheckpointSpec(device_copy=True) (the command's --device-copy) copies "
+            "anyway.",
+            step,
+            why,
+        )
+    return why is None
 
 
 def copy_for_save(step: int, savable, data_iter) -> tuple[Any, str] | None:

@@ -177,9 +177,11 @@ class CheckpointSpec(Spec):
         device_copy: at each save, copy the state on its own devices and give the copy to Orbax
             on a thread, so that training goes on while it is copied to the host
             (`prefect_jax.training.save_handoff`). It holds a second copy of the state in device
-            memory until Orbax has it: False for a model that does not fit twice. None (the
-            default): on with one JAX process on a GPU or TPU, off on a CPU (where there is no
-            transfer to wait for) and with several processes (True is refused there).
+            memory until Orbax has it. None (the default): with one JAX process on a GPU or TPU,
+            on where, at the first save, a copy fits beside the peak use of device memory so far
+            (with a tenth of the device's memory to spare; said in a warning where not); off on
+            a CPU (where there is no transfer to wait for) and with several processes (True is
+            refused there). True: on whatever the memory; False: off.
     """
 
     every_steps: int | None = Field(1000, description="Checkpoint every N steps.")
@@ -202,7 +204,7 @@ class CheckpointSpec(Spec):
     device_copy: bool | None = Field(
         None,
         description="Copy the state on its devices at each save and save the copy on a thread "
-        "(None: on for one process on a GPU or TPU).",
+        "(None: on for one process on a GPU or TPU where a copy fits in device memory).",
     )
 
     @field_validator("every_steps")
