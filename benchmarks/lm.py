@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -223,6 +224,10 @@ def flow(program_path: str, args, work: str, device_copy: bool | None = None) ->
             marks.append((step, time.perf_counter()))
 
     remove = add_progress_listener(at_log_point)
+    # What the checkpoints said (the hand-off declined for want of device memory, its copy
+    # failed): run by run, whether the flow's saves were handed off at all.
+    said = _Said()
+    logging.getLogger("prefect_jax.checkpoints").addHandler(said)
     stacks = None
     if args.stacks:
         from stack_timeline import StackTimeline
@@ -243,6 +248,7 @@ def flow(program_path: str, args, work: str, device_copy: bool | None = None) ->
         t_end = time.perf_counter()
     finally:
         remove()
+        logging.getLogger("prefect_jax.checkpoints").removeHandler(said)
         if stacks is not None:
             stacks.stop()
             root, ext = os.path.splitext(args.stacks)  # (one file per flow side)
@@ -257,7 +263,17 @@ def flow(program_path: str, args, work: str, device_copy: bool | None = None) ->
         **timeline(marks, t_end),
         # the engine's own account of the whole job (start-up and compiles included)
         "goodput": {k: goodput[k] for k in ("wall_s", "productive_s", "lost_s") if k in goodput},
+        "checkpoint_warnings": said.messages,
     }
+
+
+class _Said(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:500])
 
 
 def main() -> None:
@@ -386,6 +402,8 @@ def main() -> None:
         )
     # Same seed, data and steps: every side ends with the same eval, up to float order (bf16
     # on a GPU: XLA's reductions are not bit-reproducible from run to run).
+    stats = device.memory_stats() or {}  # (None on a CPU) the process's peak over every side
+    out["device_memory"] = {k: stats[k] for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
     losses = [side["eval"]["loss"] for side in sides.values()]
     out["eval_loss_spread"] = (max(losses) - min(losses)) / min(losses)
     out["same_eval"] = out["eval_loss_spread"] < (5e-3 if cfg.compute_dtype != "float32" else 1e-4)
