@@ -224,16 +224,18 @@ def flow(program_path: str, args, work: str, device_copy: bool | None = None) ->
             marks.append((step, time.perf_counter()))
 
     remove = add_progress_listener(at_log_point)
-    # What the checkpoints said (the hand-off declined for want of device memory, its copy
-    # failed): run by run, whether the flow's saves were handed off at all.
-    said = _Said()
-    logging.getLogger("prefect_jax.checkpoints").addHandler(said)
+    # What the checkpoints said (the hand-off taken or declined at the first save, with the
+    # device memory figures; a copy that failed): run by run, whether saves were handed off.
+    said, checkpoints_log = _Said(), logging.getLogger("prefect_jax.checkpoints")
+    level = checkpoints_log.level
+    checkpoints_log.setLevel(logging.INFO)
+    checkpoints_log.addHandler(said)
     stacks = None
-    if args.stacks:
-        from stack_timeline import StackTimeline
-
-        stacks = StackTimeline(threading.main_thread().ident).start()
     try:
+        if args.stacks:
+            from stack_timeline import StackTimeline
+
+            stacks = StackTimeline(threading.main_thread().ident).start()
         summary = train_and_evaluate(
             program=program_path,
             job="lm",
@@ -248,7 +250,8 @@ def flow(program_path: str, args, work: str, device_copy: bool | None = None) ->
         t_end = time.perf_counter()
     finally:
         remove()
-        logging.getLogger("prefect_jax.checkpoints").removeHandler(said)
+        checkpoints_log.removeHandler(said)
+        checkpoints_log.setLevel(level)
         if stacks is not None:
             stacks.stop()
             root, ext = os.path.splitext(args.stacks)  # (one file per flow side)
@@ -263,13 +266,13 @@ def flow(program_path: str, args, work: str, device_copy: bool | None = None) ->
         **timeline(marks, t_end),
         # the engine's own account of the whole job (start-up and compiles included)
         "goodput": {k: goodput[k] for k in ("wall_s", "productive_s", "lost_s") if k in goodput},
-        "checkpoint_warnings": said.messages,
+        "checkpoint_log": said.messages,
     }
 
 
 class _Said(logging.Handler):
     def __init__(self):
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:

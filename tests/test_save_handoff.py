@@ -213,6 +213,7 @@ def test_left_to_choose_a_save_is_copied_only_where_the_copy_fits_beside_the_pea
         "w": jax.numpy.arange(1024, dtype=jax.numpy.float32),  # 4096 bytes
         "count": jax.numpy.int32(1),  # 4
         "key": jax.random.key(0),  # 8 (two uint32)
+        "host": np.ones(2, np.float32),  # not on a device: no copy, not counted
     }
     ckpt.save(1, state, _iterator(), {})
     ckpt.wait()
@@ -223,7 +224,9 @@ def test_left_to_choose_a_save_is_copied_only_where_the_copy_fits_beside_the_pea
     )
     assert said == (not copied)
     if not copied:
-        assert "beside the peak use so far (0.00 GiB) would pass 90% of its" in caplog.text
+        assert "memory so far (0.00 GiB) makes 90.0% of its 0.00 GiB, against 90% at most" in (
+            caplog.text
+        )
         assert "--device-copy" in caplog.text
     stats["peak_bytes_in_use"] = 10_000  # (a peak with the copy beside the steps)
     ckpt.save(2, state, _iterator(), {})
@@ -242,4 +245,22 @@ def test_without_memory_statistics_left_to_choose_copies_on_an_accelerator(tmp_p
     ckpt.save(1, {"w": jax.numpy.ones(4)}, _iterator(), {})  # (a CPU keeps no statistics)
     ckpt.wait()
     assert ckpt.device_copy and ckpt.committed_steps() == [1]
+    ckpt.close()
+
+
+def test_memory_statistics_that_cannot_be_read_decline_the_copy_and_the_save_goes_on(
+    tmp_path, monkeypatch, caplog
+):
+    from prefect_jax.training import save_handoff
+
+    def unreadable(device):
+        raise RuntimeError("INTERNAL: the allocator's statistics are gone")
+
+    monkeypatch.setattr(save_handoff, "on_accelerator", lambda: True)
+    monkeypatch.setattr(save_handoff, "memory_stats", unreadable)
+    ckpt = Checkpoints(str(tmp_path / "ck"), CheckpointSpec(every_steps=1))
+    ckpt.save(1, {"w": jax.numpy.ones(4)}, _iterator(), {})
+    ckpt.wait()
+    assert not ckpt.device_copy and ckpt.committed_steps() == [1]
+    assert "the devices' memory could not be read (RuntimeError: INTERNAL" in caplog.text
     ckpt.close()

@@ -96,49 +96,66 @@ def copy_on_device(savable):
 
 
 def bytes_per_device(savable) -> dict[Any, int]:
-    """The bytes of `savable`'s arrays on each of this process's devices (a copy's size)."""
+    """The bytes of `savable`'s arrays on each of this process's devices (a copy's size, tile
+    padding included: `on_device_size_in_bytes`)."""
     need: dict[Any, int] = {}
     for x in jax.tree_util.tree_leaves(savable):
         if isinstance(x, jax.Array):
             for shard in x.addressable_shards:
-                need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+                size = shard.data.on_device_size_in_bytes()
+                need[shard.device] = need.get(shard.device, 0) + size
     return need
 
 
-def no_room_for_a_copy(savable) -> str | None:
-    """Why a copy of `savable`'s arrays does not fit beside the peak use of device memory so far
-    (the state, the steps trained, their activations) on one of its devices; None where it fits
-    on each, or the devices keep no statistics."""
+def room_for_a_copy(savable) -> tuple[bool, str | None]:
+    """Whether a copy of `savable`'s arrays fits, on each of its devices, beside this process's
+    peak use of that device's memory so far (the state, the steps trained and their
+    activations; also whatever else the process ran before), and the figures of the fullest
+    device. Devices that keep no statistics (a CPU) take the copy."""
+    fullest = None
     for device, nbytes in bytes_per_device(savable).items():
         stats = memory_stats(device) or {}
         limit = stats.get("bytes_limit")
         if not limit:
             continue
         peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
-        if peak + nbytes > COPY_FITS_WITHIN * limit:
-            return (
-                f"on {device} a copy of the state ({nbytes / 2**30:.2f} GiB) beside the peak use "
-                f"so far ({peak / 2**30:.2f} GiB) would pass {COPY_FITS_WITHIN:.0%} of its "
-                f"{limit / 2**30:.2f} GiB"
-            )
-    return None
+        share = (peak + nbytes) / limit
+        if fullest is None or share > fullest[0]:
+            fullest = (share, device, nbytes, peak, limit)
+    if fullest is None:
+        return True, "its devices keep no memory statistics"
+    share, device, nbytes, peak, limit = fullest
+    return share <= COPY_FITS_WITHIN, (
+        f"on {device} a copy of the state ({nbytes / 2**30:.2f} GiB) beside the process's peak use "
+        f"of its memory so far ({peak / 2**30:.2f} GiB) makes {share:.1%} of its "
+        f"{limit / 2**30:.2f} GiB, against {COPY_FITS_WITHIN:.0%} at most"
+    )
 
 
 def copy_has_room(step: int, savable) -> bool:
     """For `CheckpointSpec.device_copy` left to choose, at the first save (after steps were
     trained, so the peak counts their activations; a later peak would count the copy itself):
-    whether to copy at all. Said once where not."""
-    why = no_room_for_a_copy(savable)
-    if why is not None:
+    whether to copy at all. Said once, with the figures; where the devices' statistics cannot be
+    read, no copy."""
+    try:
+        fits, figures = room_for_a_copy(savable)
+    except Exception as exc:  # noqa: BLE001 - a save must not fail for want of a statistic
+        fits, figures = (
+            False,
+            f"the devices' memory could not be read ({type(exc).__name__}: {exc})",
+        )
+    if fits:
+        logger.info("saves handed off behind a copy of the state on its devices: %s", figures)
+    else:
         logger.warning(
             "saves are not handed off behind a copy of the state on its devices: at step %d, %s. "
             "Each save waits on the training thread for the state's transfer to the host "
             "instead. CheckpointSpec(device_copy=True) (the command's --device-copy) copies "
             "anyway.",
             step,
-            why,
+            figures,
         )
-    return why is None
+    return fits
 
 
 def copy_for_save(step: int, savable, data_iter) -> tuple[Any, str] | None:

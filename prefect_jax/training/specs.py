@@ -178,8 +178,9 @@ class CheckpointSpec(Spec):
             on a thread, so that training goes on while it is copied to the host
             (`prefect_jax.training.save_handoff`). It holds a second copy of the state in device
             memory until Orbax has it. None (the default): with one JAX process on a GPU or TPU,
-            on where, at the first save, a copy fits beside the peak use of device memory so far
-            (with a tenth of the device's memory to spare; said in a warning where not); off on
+            on where, at the first save, a copy fits beside the process's peak use of device
+            memory so far (with a tenth of the device's memory to spare; said in a warning where
+            not; devices that keep no memory statistics take it); off on
             a CPU (where there is no transfer to wait for) and with several processes (True is
             refused there). True: on whatever the memory; False: off.
     """
