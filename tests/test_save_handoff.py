@@ -4,7 +4,11 @@ asking for it."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 
 import grain
@@ -264,3 +268,41 @@ def test_memory_statistics_that_cannot_be_read_decline_the_copy_and_the_save_goe
     assert not ckpt.device_copy and ckpt.committed_steps() == [1]
     assert "the devices' memory could not be read (RuntimeError: INTERNAL" in caplog.text
     ckpt.close()
+
+
+_SHARDED = """
+import json
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from prefect_jax.training import save_handoff
+
+mesh = jax.make_mesh((4,), ("data",))
+state = {
+    "w": jax.device_put(np.ones((64, 8), np.float32), NamedSharding(mesh, P("data"))),  # 512 each
+    "r": jax.device_put(np.ones(10, np.float32), NamedSharding(mesh, P())),  # 40 on each
+}
+out = {"bytes": sorted(save_handoff.bytes_per_device(state).values())}
+for peak in (6800, 8449):  # on the third device; the others at 0
+    save_handoff.memory_stats = lambda d, peak=peak: {
+        "bytes_limit": 10_000, "peak_bytes_in_use": peak if d.id == 2 else 0
+    }
+    out[str(peak)] = save_handoff.room_for_a_copy(state)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_sharded_copy_is_counted_on_each_device_against_that_device_s_memory():
+    # FSDP over 4 devices: each holds a quarter of `w` and all of `r`, 552 bytes; counted in total
+    # (2,208) a peak of 6,800 would decline, and a device's own peak of 8,449 must.
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run(
+        [sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["bytes"] == [552] * 4, out
+    assert out["6800"][0] is True, out
+    assert out["8449"][0] is False and out["8449"][1].startswith("on cpu:2 "), out
