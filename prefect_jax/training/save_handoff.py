@@ -8,8 +8,8 @@ the training thread only dispatches one program that copies the state on its own
 thread of its own gives that copy to Orbax: the next steps queue behind the copy and run while it
 travels to the host. The copy holds one more state's worth of device memory until Orbax has it
 on the host. Left to choose (`CheckpointSpec.device_copy` None), the first save looks at the
-devices' memory and copies only where a copy fits beside the training's peak; False turns it off,
-True copies whatever the memory.
+devices' memory and copies only where a copy fits beside the process's peak use of it; False
+turns it off, True copies whatever the memory.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def bytes_per_device(savable) -> dict[Any, int]:
     return need
 
 
-def room_for_a_copy(savable) -> tuple[bool, str | None]:
+def room_for_a_copy(savable) -> tuple[bool, str]:
     """Whether a copy of `savable`'s arrays fits, on each of its devices, beside this process's
     peak use of that device's memory so far (the state, the steps trained and their
     activations; also whatever else the process ran before), and the figures of the fullest

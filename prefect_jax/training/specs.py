@@ -180,9 +180,9 @@ class CheckpointSpec(Spec):
             memory until Orbax has it. None (the default): with one JAX process on a GPU or TPU,
             on where, at the first save, a copy fits beside the process's peak use of device
             memory so far (with a tenth of the device's memory to spare; said in a warning where
-            not; devices that keep no memory statistics take it); off on
-            a CPU (where there is no transfer to wait for) and with several processes (True is
-            refused there). True: on whatever the memory; False: off.
+            not; devices that keep no memory statistics take it); off on a CPU (where there is
+            no transfer to wait for) and with several processes (True is refused there). True:
+            on whatever the memory; False: off.
     """
 
     every_steps: int | None = Field(1000, description="Checkpoint every N steps.")
