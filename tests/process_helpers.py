@@ -3,6 +3,7 @@ it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,18 @@ import time
 from collections.abc import Callable
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def json_on_cpu_devices(script: str, devices: int, timeout: float = 300) -> dict:
+    """Run `script` (Python source) in a fresh interpreter with `devices` CPU devices
+    (``XLA_FLAGS``, read at JAX's start) and return the JSON of its last line of stdout."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def wait_healthy(

@@ -3,17 +3,14 @@ any changed bit, or two words swapped, changes them."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from process_helpers import json_on_cpu_devices
 
 from prefect_jax.training import trees
 from prefect_jax.training.digests import device_digestible, device_digests, host_digest
@@ -136,11 +133,5 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_the_fingerprint_of_a_state_sharded_over_8_devices_is_the_hosts():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run(
-        [sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    prints = json.loads(done.stdout.strip().splitlines()[-1])
+    prints = json_on_cpu_devices(_SHARDED, 8)
     assert prints["8"] == prints["4x2"] == prints["host"], prints

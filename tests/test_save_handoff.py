@@ -4,17 +4,14 @@ asking for it."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 import threading
 
 import grain
 import jax
 import numpy as np
 import pytest
+from process_helpers import json_on_cpu_devices
 
 from prefect_jax.training.checkpoints import Checkpoints
 from prefect_jax.training.errors import CheckpointSaveError
@@ -296,13 +293,7 @@ print(json.dumps(out))
 def test_a_sharded_copy_is_counted_on_each_device_against_that_device_s_memory():
     # FSDP over 4 devices: each holds a quarter of `w` and all of `r`, 552 bytes; counted in total
     # (2,208) a peak of 6,800 would decline, and a device's own peak of 8,449 must.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run(
-        [sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = json_on_cpu_devices(_SHARDED, 4)
     assert out["bytes"] == [552] * 4, out
     assert out["6800"][0] is True, out
     assert out["8449"][0] is False and out["8449"][1].startswith("on cpu:2 "), out
