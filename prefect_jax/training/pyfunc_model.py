@@ -41,10 +41,26 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
             if hasattr(model_input, "to_numpy"):  # a pandas DataFrame: one row per example
                 model_input = model_input.to_numpy()
             args = np.asarray(model_input, dtype=self.dtype)
-        out = self.exported.call(args)
+        try:
+            out = self.exported.call(args)
+        except ValueError as exc:
+            # (JAX's own words may not name the input: "Error refining shapes")
+            raise ValueError(
+                f"the model takes {jax_tree_str(self.inputs)} (named dimensions are free, within "
+                "what its program's serving_input() allows: a longest sequence, say); given "
+                f"{jax_tree_str(args)}: {exc}"
+            ) from exc
         if isinstance(out, dict):
             return {k: np.asarray(v) for k, v in out.items()}
         return np.asarray(out)
+
+
+def jax_tree_str(arrays) -> str:
+    """``int32[b,seq]`` (an aval) or ``int32[2,40]`` (an array); a dict of them by name."""
+    if isinstance(arrays, dict):
+        return "{" + ", ".join(f"{k!r}: {jax_tree_str(v)}" for k, v in arrays.items()) + "}"
+    dims = ",".join(str(d) for d in arrays.shape)
+    return f"{np.dtype(arrays.dtype).name}[{dims}]"
 
 
 mlflow.models.set_model(JaxExportModel())
