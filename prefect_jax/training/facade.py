@@ -194,18 +194,16 @@ def preflight(
         committed = job_committed_steps(js) if listed else []
     if max_steps is not None and committed and committed[-1] > max_steps:
         raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
-    if cluster is None and max_steps is not None and not committed:
-        # A new job's mesh and shardings: a rerun's were checked as its job began (its trainer
-        # checks them again as it starts, so its way back pays that trace once, not twice)
-        check_sharding(loaded)
+    newest_meta = step_meta(js, committed[-1]) if committed else None
     if committed:
         newest = committed[-1]
         try:
-            check_restore_of(
-                f"{js.checkpoint_dir}/{newest}", step_meta(js, newest), params, job, newest
-            )
+            check_restore_of(f"{js.checkpoint_dir}/{newest}", newest_meta, params, job, newest)
         except CorruptCheckpointError:
             pass  # damage, not other params: the trainer moves the step aside and falls back
+    if cluster is None and max_steps is not None:
+        # the mesh and the first batch; the state's shardings where the mesh is new
+        check_sharding(loaded, resumed=newest_meta if committed else None)
     if checkpoint_path and not committed:
         check_checkpoint_path(checkpoint_path)
     with storage_errors(js, storage):

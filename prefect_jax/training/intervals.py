@@ -261,6 +261,8 @@ class Intervals:
                 "config_fingerprint": t.config.fingerprint(),
                 # checked when the job resumes from this step (`program_params.check_restore`)
                 "program_params": t.program_params.as_meta(),
+                # a rerun on this mesh needs no new check of its shardings (`check_sharding`)
+                **({"mesh": dict(t.loop.mesh.shape)} if t.loop.sharded else {}),
                 # Known unless MLflow is still opening (the first save of a fresh process): then
                 # evaluators and reruns find the run by its job tag instead.
                 "mlflow_run_id": job.tracker.run_id_if_known(),

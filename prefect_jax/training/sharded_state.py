@@ -70,10 +70,20 @@ def sharded_abstract_state(program: Any, mesh: Mesh, seed: int):
     return abstract, state_sharding
 
 
-def check_sharding(program: Any, seed: int = 0) -> None:
+def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None) -> None:
     """What the loop refuses of a sharded program's mesh, state and first batch, refused before
     anything starts (one process: several see their devices only once JAX's distributed
     runtime is up, which the flow run starts; the loop checks there).
+
+    Args:
+        program: the loaded program.
+        seed: the job's seed (its first batch).
+        resumed: the metadata of the step a rerun resumes from. Its state's shardings were
+            checked when that step's attempt began: traced again only where the mesh is not the
+            one it recorded (the devices or the ``mesh`` changed), so a rerun on the same mesh
+            does not pay the trace twice (its trainer checks as it starts). The mesh and the
+            first batch are checked either way, and a batch the new mesh cannot split says that
+            the job's params are fixed.
 
     Raises:
         ShardingError: see `placement`, `sharded_abstract_state` and `check_first_batch`.
@@ -81,5 +91,14 @@ def check_sharding(program: Any, seed: int = 0) -> None:
     if not declares_sharding(program):
         return
     mesh, _, batch, _ = placement(program, jax.devices(), 1)
-    sharded_abstract_state(program, mesh, seed)
-    check_first_batch(program.train_data(seed), batch)
+    trained_on = (resumed or {}).get("mesh")
+    fix = ""
+    if resumed is not None:  # (its params, the batch size among them, are the checkpoints')
+        fix = (
+            "the job's batch size is fixed by its checkpoints: resume it on a mesh whose axes "
+            f"divide it ({f'it trained on {trained_on}; ' if trained_on else ''}the program's "
+            "mesh, the number of devices), or train a new job"
+        )
+    check_first_batch(program.train_data(seed), batch, fix)
+    if resumed is None or trained_on != dict(mesh.shape):
+        sharded_abstract_state(program, mesh, seed)

@@ -234,12 +234,15 @@ def batch_sharding(spec: PartitionSpec | None, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
-def check_batch(batch, sharding: NamedSharding, axis: int = 0, what: str = "train batch") -> None:
+def check_batch(
+    batch, sharding: NamedSharding, axis: int = 0, what: str = "train batch", fix: str = ""
+) -> None:
     """Refuse a batch whose leaves cannot be split as `sharding` says (from dimension `axis` on:
     1 for a scan's stacked batches).
 
     Raises:
-        ShardingError: naming the leaf's shape, the parts and the fix.
+        ShardingError: naming the leaf's shape, the parts and the fix (`fix`, else: make the
+            batch size a multiple of the parts).
     """
     mesh, spec = sharding.mesh, sharding.spec
     for path, leaf in leaf_paths(batch):
@@ -253,17 +256,17 @@ def check_batch(batch, sharding: NamedSharding, axis: int = 0, what: str = "trai
                 raise ShardingError(
                     f"a {what} leaf {path!r} of shape {tuple(shape)} cannot be split into "
                     f"{parts} parts along dimension {dim} (mesh axes {names} of "
-                    f"{dict(mesh.shape)}): make the batch size a multiple of {parts}"
+                    f"{dict(mesh.shape)}): {fix or f'make the batch size a multiple of {parts}'}"
                 )
 
 
-def check_first_batch(train_data, sharding: NamedSharding) -> None:
+def check_first_batch(train_data, sharding: NamedSharding, fix: str = "") -> None:
     """`check_batch` on the first train batch, before any compute: read by index from a Grain
     MapDataset (an IterDataset's first batch waits for the loop)."""
     import grain
 
     if isinstance(train_data, grain.MapDataset):
-        check_batch(train_data[0], sharding)
+        check_batch(train_data[0], sharding, fix=fix)
 
 
 def fsdp(
