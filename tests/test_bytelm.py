@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import pytest
 from prefect_jax.examples.bytelm import PRESETS, ByteLMProgram, config_from_env, corpus
 
 TINY = "prefect_jax.examples.bytelm:tiny"
+DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 def tiny(**overrides) -> ByteLMProgram:
@@ -66,6 +68,30 @@ def test_config_from_the_environment():
         config_from_env({"PREFECT_JAX_BYTELM_CONFIG": '{"width": 2}'})
     with pytest.raises(ValueError, match="not a preset"):
         config_from_env({"PREFECT_JAX_BYTELM_PRESET": "huge"})
+
+
+def test_config_values_a_run_could_only_fail_on_are_refused_naming_the_field():
+    """An evaluation with no batch (after a checkpoint, then at every rerun), a NaN loss at the
+    first step: refused as the config is made, by `Config` and the typed params alike."""
+    from pydantic import ValidationError
+
+    from prefect_jax.examples.bytelm import ByteLMParams
+
+    for field, value, rule in [
+        ("eval_sequences", -1, "must be at least 1, or null (all)"),
+        ("eval_sequences", 0, "must be at least 1, or null (all)"),
+        ("dropout", 1.0, "must be in [0, 1)"),
+        ("learning_rate", 0.0, "must be above 0"),
+        ("warmup_steps", -1, "must be at least 0"),
+        ("n_heads", 0, "must be at least 1"),
+        ("compute_dtype", "float16", "use 'float32' or 'bfloat16'"),
+    ]:
+        message = re.escape(f"{field}={value!r}: {rule}")
+        with pytest.raises(ValueError, match=message):
+            tiny(**{field: value})
+        with pytest.raises(ValidationError, match=message):
+            ByteLMParams(preset="tiny", **{field: value})
+    assert tiny(eval_sequences=None, dropout=0.0).cfg.eval_sequences is None
 
 
 def test_the_presets_sizes():
@@ -178,6 +204,25 @@ def test_the_export_maps_token_ids_to_next_token_logits():
     assert program.serving_example().shape == (2, 32)
 
 
+def test_the_mlflow_model_names_its_input_when_a_sequence_is_too_long(tmp_path):
+    """Learned positions: past the table, JAX's own error names no input ("Error refining
+    shapes"); the pyfunc's names the shape it takes and the one it was given."""
+    from types import SimpleNamespace
+
+    from prefect_jax.training.exporters import serialize_serving
+    from prefect_jax.training.pyfunc_model import JaxExportModel
+
+    program = tiny(positions="learned")
+    artifact = tmp_path / "model.jax_export"
+    artifact.write_bytes(serialize_serving(program, program.init(jax.random.key(0)), ["cpu"]))
+    model = JaxExportModel()
+    model.load_context(SimpleNamespace(artifacts={"jax_export": str(artifact)}))
+    assert model.predict(None, np.zeros((2, 32), np.int32)).shape == (2, 32, 256)
+    with pytest.raises(ValueError, match=re.escape("takes int32[b,seq] (named dimensions")) as got:
+        model.predict(None, np.zeros((2, 40), np.int32))
+    assert "given int32[2,40]: " in str(got.value)
+
+
 # -- typed program params ----------------------------------------------------------------
 
 PROGRAM = "prefect_jax.examples.bytelm:program"
@@ -253,9 +298,9 @@ def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
 
     storage = str(tmp_path / "s")
 
-    def cli(*args):
-        env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL",)}
-        env.update(PREFECT_API_URL=prefect_server)
+    def cli(*args, **extra_env):
+        env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "XLA_FLAGS")}
+        env.update(PREFECT_API_URL=prefect_server, **extra_env)
         env.pop("PREFECT_JAX_BYTELM_PRESET", None)
         return subprocess.run(
             [sys.executable, "-m", "prefect_jax.cli", *args],
@@ -289,6 +334,30 @@ def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
         proc.stderr
     )
     assert "new job name" in proc.stderr
+    assert committed_steps(summary["checkpoint_dir"]) == [4]
+
+    # The job's rerun on another mesh or device count, or on a corpus folder that is empty:
+    # refused before its flow run, in one line; a batch the new mesh cannot split says that the
+    # batch size is the checkpoints' (the step recorded its mesh).
+    assert read_meta_file(summary["checkpoint_dir"], 4)["mesh"] == {"data": 1}
+    proc = cli(*run, "--max-steps", "8", *params, "--program-param", 'mesh={"data": 3}')
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "prefect-jax run: error: mesh_axes={'data': 3} multiply to 3, not the 1 devices; give "
+        "sizes whose product is 1 (the devices), with at most one -1 for the rest"
+    ]
+    proc = cli(*run, "--max-steps", "8", *params, XLA_FLAGS=f"{DEVICES_FLAG}=3")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "prefect-jax run: error: a train batch leaf 'tokens' of shape (8, 33) cannot be split "
+        "into 3 parts along dimension 0 (mesh axes ('data',) of {'data': 3}): the job's batch "
+        "size is fixed by its checkpoints: resume it on a mesh whose axes divide it (it trained "
+        "on {'data': 1}; the program's mesh, the number of devices), or train a new job"
+    ]
+    (tmp_path / "empty").mkdir()
+    proc = cli(*run, "--max-steps", "8", *params, PREFECT_JAX_BYTELM_SOURCE=str(tmp_path / "empty"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (said,) = proc.stderr.strip().splitlines()  # one line: no flow run, no traceback
+    assert said.startswith(f"prefect-jax run: error: no .py files under '{tmp_path / 'empty'}'")
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["exit_code"] == 2
     assert committed_steps(summary["checkpoint_dir"]) == [4]
 
     proc = cli("status", "--job", "lm", "--storage", storage, "--json")

@@ -7,8 +7,9 @@ Use it as ``prefect_jax.examples.bytelm:program``, a factory of typed program pa
 directly: ``prefect_jax.examples.bytelm:tiny``, ``:small``, ``:gpu100m``.
 """
 
+from prefect_jax.examples.bytelm.config import PRESETS, Config, config_from_env
 from prefect_jax.examples.bytelm.corpus import CorpusError
-from prefect_jax.examples.bytelm.lm import PRESETS, ByteLMProgram, Config, config_from_env
+from prefect_jax.examples.bytelm.lm import ByteLMProgram
 from prefect_jax.examples.bytelm.model import ByteTransformer
 from prefect_jax.examples.bytelm.params import ByteLMParams, program
 

@@ -45,8 +45,9 @@ SOURCE_ENV = "PREFECT_JAX_BYTELM_SOURCE"
 """A folder of ``.py`` files to use instead of the standard library (for tests or other text)."""
 
 
-class CorpusError(RuntimeError):
-    """The source folder has no Python files, or a split came out empty."""
+class CorpusError(ValueError):
+    """The source folder has no Python files, or a split came out empty: the input is wrong (a
+    ValueError: the command says it in one line, and no task retries it)."""
 
 
 def source_root() -> str:

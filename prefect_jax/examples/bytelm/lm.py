@@ -1,4 +1,4 @@
-"""The byte-level LM as a prefect-jax program: configs, presets, the train and eval steps.
+"""The byte-level LM as a prefect-jax program: the model built, the train and eval steps, serving.
 
 The train state is ``{"params", "opt", "rng", "step"}``: float32 master weights, the optax
 state (AdamW with warmup + cosine decay after global-norm clipping), the dropout key and the
@@ -8,7 +8,7 @@ the step splits it into ``grad_accum`` micro-batches, sums their gradients in a 
 applies one update.
 
 The knobs are the typed program params `prefect_jax.examples.bytelm.params.ByteLMParams` (a
-preset of `PRESETS` and overrides of its `Config` fields), given to the factory
+preset of `config.PRESETS` and overrides of its `Config` fields), given to the factory
 ``prefect_jax.examples.bytelm:program``; the engine records them and refuses a resume with others.
 As a fallback where none are given (and for `ByteLMProgram()` built without a config),
 ``PREFECT_JAX_BYTELM_PRESET`` names a preset (default ``small``) and ``PREFECT_JAX_BYTELM_CONFIG``
@@ -18,9 +18,7 @@ holds JSON overrides of its fields, e.g. ``'{"batch_size": 32, "compute_dtype": 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import threading
 
 import grain
@@ -30,139 +28,8 @@ import optax
 from flax import nnx
 
 from prefect_jax.examples.bytelm import corpus
+from prefect_jax.examples.bytelm.config import Config, config_from_env
 from prefect_jax.examples.bytelm.model import VOCAB, ByteTransformer
-
-PRESET_ENV = "PREFECT_JAX_BYTELM_PRESET"
-CONFIG_ENV = "PREFECT_JAX_BYTELM_CONFIG"
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One byte-level LM run: the model, the optimizer, the batches and the corpus.
-
-    Args:
-        seq_len: tokens per sequence (the corpus is cut into windows of ``seq_len + 1`` bytes).
-        d_model, n_layers, n_heads, d_ff: the transformer's widths and depth.
-        positions: ``"rope"`` (rotary) or ``"learned"`` (a position table).
-        dropout: dropout rate on the embeddings and each residual branch.
-        compute_dtype: ``"float32"`` or ``"bfloat16"`` (matmuls; the weights stay float32).
-        attention: `jax.nn.dot_product_attention`'s implementation (None: JAX's choice;
-            ``"cudnn"``: cuDNN's fused attention on NVIDIA GPUs, bfloat16 only).
-        batch_size: sequences per micro-batch.
-        grad_accum: micro-batches per update (a train batch holds ``batch_size * grad_accum``).
-        eval_batch_size: sequences per eval batch (the last may be smaller; metrics are exact).
-        eval_sequences: evaluate the first this many eval windows (None: all of them).
-        learning_rate: peak learning rate, reached after `warmup_steps`.
-        warmup_steps: linear warmup from 0.
-        decay_steps: cosine decay to ``learning_rate * min_lr_ratio`` by this step (with warmup).
-        min_lr_ratio: the final learning rate as a share of the peak.
-        weight_decay: AdamW's decoupled weight decay (matrices only, not norms).
-        b1, b2: Adam's moment decays.
-        grad_clip: clip the gradient's global norm to this.
-        max_files: build the corpus from the first this many source files only (None: all).
-        read_threads: Grain's reading threads for training batches (0: the training thread).
-        prefetch: batches Grain reads ahead (with threads).
-        mesh: the device mesh, ``{axis: size}`` (None: ``{"data": -1}``, every device on one
-            axis): the state is FSDP-sharded over ``data`` and, with a ``model`` axis, its
-            matmul weights split tensor-parallel over ``model`` (see `ByteLMProgram.shardings`).
-    """
-
-    seq_len: int = 256
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 1024
-    positions: str = "rope"
-    dropout: float = 0.1
-    compute_dtype: str = "float32"
-    attention: str | None = None
-    batch_size: int = 16
-    grad_accum: int = 1
-    eval_batch_size: int = 32
-    eval_sequences: int | None = 512
-    learning_rate: float = 1e-3
-    warmup_steps: int = 200
-    decay_steps: int = 20000
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0
-    max_files: int | None = None
-    read_threads: int = 2
-    prefetch: int = 8
-    mesh: dict | None = None
-
-
-PRESETS = {
-    # A few thousand parameters, sequences of 32 bytes, the first 400 files: for tests.
-    "tiny": Config(
-        seq_len=32,
-        d_model=16,
-        n_layers=2,
-        n_heads=2,
-        d_ff=32,
-        batch_size=8,
-        eval_batch_size=16,
-        eval_sequences=64,
-        learning_rate=3e-3,
-        warmup_steps=10,
-        decay_steps=2000,
-        max_files=400,
-        read_threads=0,
-        prefetch=0,
-    ),
-    # The default: a few million parameters.
-    "small": Config(),
-    # Over 100M parameters, bfloat16 compute on float32 master weights: a GPU's work.
-    "gpu100m": Config(
-        seq_len=1024,
-        d_model=1024,
-        n_layers=8,
-        n_heads=16,
-        d_ff=4096,
-        dropout=0.0,
-        compute_dtype="bfloat16",
-        batch_size=32,
-        eval_batch_size=32,
-        eval_sequences=256,
-        learning_rate=3e-4,
-        warmup_steps=100,
-        decay_steps=10000,
-        read_threads=8,
-        prefetch=16,
-    ),
-}
-
-
-def config_from_env(environ=None) -> Config:
-    """The preset named by ``PREFECT_JAX_BYTELM_PRESET`` (default ``small``) with the JSON
-    overrides in ``PREFECT_JAX_BYTELM_CONFIG``.
-
-    Raises:
-        ValueError: an unknown preset or field, or overrides that are not a JSON object.
-    """
-    environ = os.environ if environ is None else environ
-    name = environ.get(PRESET_ENV) or "small"
-    if name not in PRESETS:
-        raise ValueError(f"${PRESET_ENV}={name!r} is not a preset; use one of {sorted(PRESETS)}")
-    raw = environ.get(CONFIG_ENV) or "{}"
-    try:
-        overrides = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"${CONFIG_ENV}={raw!r} is not JSON ({exc}); "
-            "give an object, e.g. '{\"batch_size\": 32}'"
-        ) from exc
-    if not isinstance(overrides, dict):
-        raise ValueError(f"${CONFIG_ENV}={raw!r} must be a JSON object of Config fields")
-    fields = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(
-            f"${CONFIG_ENV} names unknown field(s) {unknown}; fields: {sorted(fields)}"
-        )
-    return dataclasses.replace(PRESETS[name], **overrides)
 
 
 class ByteLMProgram:
@@ -180,12 +47,7 @@ class ByteLMProgram:
     """
 
     def __init__(self, config: Config | None = None):
-        self.cfg = cfg = config if config is not None else config_from_env()
-        if cfg.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"compute_dtype={cfg.compute_dtype!r}: use 'float32' or 'bfloat16'")
-        for field in ("batch_size", "grad_accum", "eval_batch_size", "seq_len", "decay_steps"):
-            if getattr(cfg, field) < 1:
-                raise ValueError(f"{field}={getattr(cfg, field)!r} must be at least 1")
+        self.cfg = cfg = config if config is not None else config_from_env()  # (checked)
         self.dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
         self.schedule = optax.warmup_cosine_decay_schedule(
             0.0,

@@ -27,14 +27,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from prefect_jax.examples.bytelm.lm import (
+from prefect_jax.examples.bytelm.config import (
     CONFIG_ENV,
     PRESET_ENV,
     PRESETS,
-    ByteLMProgram,
     Config,
     config_from_env,
 )
+from prefect_jax.examples.bytelm.lm import ByteLMProgram
 
 # Fields that do not change what is computed: recorded, not compared when a job resumes (how many
 # threads read batches, how far ahead, the eval batch size: eval metrics are exact sums; and the
@@ -74,13 +74,13 @@ class _Base(BaseModel):
         return {**values, **given}
 
     @model_validator(mode="after")
-    def _positive(self):
-        for name in ("batch_size", "grad_accum", "eval_batch_size", "seq_len", "max_steps"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value!r} must be at least 1")
+    def _in_range(self):
+        """Each field's range, as `Config` checks it (one place), before any work."""
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps!r}: must be at least 1")
         if self.decay_steps is not None and self.decay_steps < 1:
-            raise ValueError(f"decay_steps={self.decay_steps!r} must be at least 1 (or unset)")
+            raise ValueError(f"decay_steps={self.decay_steps!r}: must be at least 1 (or unset)")
+        self.to_config()
         return self
 
     def to_config(self) -> Config:
