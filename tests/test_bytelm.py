@@ -68,6 +68,14 @@ def test_config_from_the_environment():
         config_from_env({"PREFECT_JAX_BYTELM_CONFIG": '{"width": 2}'})
     with pytest.raises(ValueError, match="not a preset"):
         config_from_env({"PREFECT_JAX_BYTELM_PRESET": "huge"})
+    for given, said in [
+        ('{"batch_size": "32"}', "batch_size='32': must be int"),
+        ('{"dropout": true}', "dropout=True: must be float"),
+        ('{"max_files": 1.5}', "max_files=1.5: must be int, or null"),
+        ('{"mesh": [8]}', "mesh=[8]: must be dict, or null"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            config_from_env({"PREFECT_JAX_BYTELM_CONFIG": given})
 
 
 def test_config_values_a_run_could_only_fail_on_are_refused_naming_the_field():

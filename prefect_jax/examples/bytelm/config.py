@@ -71,7 +71,10 @@ class Config:
 
     def __post_init__(self):
         """Refuse values the run could only fail on later (a NaN loss at the first step, an
-        evaluation with no batch after the first checkpoint), naming the field."""
+        evaluation with no batch after the first checkpoint, a string where a number goes, as
+        JSON overrides can give), naming the field."""
+        for field in dataclasses.fields(self):
+            _refuse_unless(self, field.name, _is_a(getattr(self, field.name), field.type), "")
         for name in (
             "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "batch_size", "grad_accum",
             "eval_batch_size", "decay_steps",
@@ -99,7 +102,20 @@ class Config:
 
 def _refuse_unless(config: Config, name: str, holds: bool, rule: str) -> None:
     if not holds:
+        field = next(f for f in dataclasses.fields(config) if f.name == name)
+        rule = rule or f"must be {field.type.replace(' | None', ', or null')}"
         raise ValueError(f"{name}={getattr(config, name)!r}: {rule}")
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "dict": (dict,)}
+
+
+def _is_a(value, annotation: str) -> bool:
+    """`value` fits a field's annotation (as written: ``"int | None"``); a bool is no number."""
+    if value is None:
+        return "None" in annotation.split(" | ")
+    kinds = [_TYPES[kind] for kind in annotation.split(" | ") if kind != "None"]
+    return not isinstance(value, bool) and any(isinstance(value, kind) for kind in kinds)
 
 
 PRESETS = {
