@@ -16,8 +16,9 @@ from conftest import train_to_end
 TINY = "prefect_jax.examples.digits:tiny"
 
 
-def _cli(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _cli(*args: str, prefix: tuple[str, ...] = (), **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(extra_env)
     return subprocess.run(
         [*prefix, sys.executable, "-m", "prefect_jax.cli", *args],
         capture_output=True,
@@ -190,6 +191,24 @@ def test_a_bad_program_is_one_clear_line_before_any_flow_runs(tmp_path, program,
     assert proc.returncode == 2
     assert expected in _one_error_line(proc, "run")
     assert not (tmp_path / "s").exists()
+
+
+def test_a_new_jobs_serve_that_cannot_be_exported_is_one_clear_line_before_any_flow_runs(
+    tmp_path,
+):
+    """The wall of issue 52, an int() on serve's symbolic batch: the trainer refuses it as it
+    starts, inside a failed flow run; a new job's command refuses it in its preflight, in one
+    line, before its compile begins and before anything of the job is written."""
+    here = os.path.dirname(__file__)
+    storage = tmp_path / "s"
+    program = "programs:int_on_symbolic_dim"
+    run = ("run", "--program", program, "--job", "j", "--storage", str(storage))
+    proc = _cli(*run, PYTHONPATH=os.pathsep.join([here, os.getcwd()]))
+    assert proc.returncode == 2
+    said = _one_error_line(proc, "run")
+    assert f"program {program!r}: serve(state, inputs) does not trace on serving_input()" in said
+    assert "Fix serve (a symbolic dimension has no int() value" in said
+    assert not storage.exists()
 
 
 @pytest.mark.parametrize(

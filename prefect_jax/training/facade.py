@@ -132,7 +132,7 @@ def preflight(
         train_spec: The job's `TrainSpec`, where this process trains the job next (a command):
             once every check passed, the compile of its steps begins (`head_start`), for the
             trainer the flow run makes; not for a job already at its final step, nor for one of
-            several JAX processes.
+            several JAX processes. A new job's ``serve`` is checked first, where it exports.
 
     Nothing is written before every check passed (the write probe of the storage comes last).
 
@@ -146,6 +146,8 @@ def preflight(
         BadInputError: A path, a metric name or the storage root is refused (a ``ValueError``).
         ShardingError: One process's program declares a mesh, shardings or a batch spec that the
             devices, its state or its first batch do not fit (`sharded_state.check_sharding`).
+        ValueError: A new job's ``serve`` does not trace on its ``serving_input()``, or lower
+            for the named export platforms (`serving.check_serving`).
         RemoteConfigError: The storage's protocol, options or bucket are refused.
         TrackingUnreachableError: The tracking URI is refused (without `mlflow_optional`).
     """
@@ -165,6 +167,7 @@ def preflight(
     from prefect_jax.training.program import load_program_with_params
     from prefect_jax.training.program_params import check_restore_of, step_meta
     from prefect_jax.training.redaction import redact_url
+    from prefect_jax.training.serving import check_serving_early
     from prefect_jax.training.sharded_state import check_sharding
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
@@ -179,8 +182,8 @@ def preflight(
         )
         if eval_spec is not None:
             check_metric_names(loaded, eval_spec, one_process=cluster is None)
+        exporters = eval_spec.exporters if eval_spec is not None else []
         if train_spec is not None:  # what its trainer refuses as it is made (see head_start)
-            exporters = eval_spec.exporters if eval_spec is not None else []
             check_job_parts(loaded, program, exporters, train_spec.hooks)
         if probe is not None:
             finish_check(probe, mlflow_optional)
@@ -201,11 +204,19 @@ def preflight(
             check_restore_of(f"{js.checkpoint_dir}/{newest}", newest_meta, params, job, newest)
         except CorruptCheckpointError:
             pass  # damage, not other params: the trainer moves the step aside and falls back
+    abstract_state = None
     if cluster is None and max_steps is not None:
         # the mesh and the first batch; the state's shardings where the mesh is new
-        check_sharding(loaded, resumed=newest_meta if committed else None)
+        abstract_state = check_sharding(loaded, resumed=newest_meta if committed else None)
     if checkpoint_path and not committed:
         check_checkpoint_path(checkpoint_path)
+    serving_checked = None
+    if cluster is None and train_spec is not None and not committed and exporters:
+        # A new job's serve, before its compile begins: a broken one is this command's one
+        # line, not a failed flow run (a rerun's trainer checks as it starts)
+        serving_checked = check_serving_early(
+            loaded, program, eval_spec.export_platforms, train_spec.seed, abstract_state
+        )
     with storage_errors(js, storage):
         js.check_writable()
     if compilation_cache and compilation_cache != "job" and "://" not in compilation_cache:
@@ -218,7 +229,9 @@ def preflight(
         from prefect_jax.training import head_start
 
         given = dict(program_params) if program_params else None
-        head_start.begin(program, loaded, params, given, train_spec, js, compilation_cache)
+        head_start.begin(
+            program, loaded, params, given, train_spec, js, compilation_cache, serving_checked
+        )
 
 
 def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:

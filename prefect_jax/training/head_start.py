@@ -55,6 +55,8 @@ class HeadStart:
     loop: Loop
     compile_cache: CompileCacheMirror | None  # a remote cache's mirror, pulling
     cache_opened: bool  # the job's compilation cache is open (as `open_compilation_cache` left it)
+    # the export platforms the preflight checked serve for (`check_serving_early`), if it did
+    serving_checked: tuple[str, ...] | None = None
 
 
 _begun: HeadStart | None = None
@@ -85,10 +87,12 @@ def begin(
     train: TrainSpec,
     storage: JobStorage,
     compilation_cache: str | None,
+    serving_checked: tuple[str, ...] | None = None,
 ) -> bool:
     """Make the job's `Loop` for `program` (loaded from `program_ref` with `given_params`) and
     start the compile of its steps, after opening the job's compilation cache (`compilation_cache`
-    as `JobConfig.compilation_cache_dir`). For one JAX process whose preflight has passed; not
+    as `JobConfig.compilation_cache_dir`); `serving_checked`: the export platforms the preflight
+    checked ``serve`` for, if it did. For one JAX process whose preflight has passed; not
     where a live trainer holds the job (this process would start JAX, on a GPU its memory, only
     to be refused). Whether it began: any failure is left for the trainer to meet and report."""
     global _begun
@@ -106,7 +110,7 @@ def begin(
     except Exception:  # noqa: BLE001 - the trainer does the same again and says what failed
         logger.debug("no head start for job %s", storage.job, exc_info=True)
         return False
-    _begun = HeadStart(key, program, program_params, loop, mirror, opened)
+    _begun = HeadStart(key, program, program_params, loop, mirror, opened, serving_checked)
     return True
 
 

@@ -166,6 +166,21 @@ def check_serving(
         raise named_platforms_error(failed, wanted, name)
 
 
+def check_serving_early(
+    program: Any, name: str, platforms: list[str] | None, seed: int, abstract_state=None
+) -> tuple[str, ...]:
+    """`check_serving` before the job's trainer exists (a command's preflight, before the
+    compile begins): on `abstract_state` where the sharding check traced one, else on
+    ``jax.eval_shape`` of the program's init. The platforms it was checked for, which the trainer
+    need not check again (`head_start`)."""
+    import jax
+
+    if abstract_state is None:
+        abstract_state = jax.eval_shape(lambda: program.init(jax.random.key(seed)))
+    check_serving(program, name, abstract_state, platforms)
+    return tuple(platforms or ())
+
+
 def resolve_platforms(
     platforms: list[str] | tuple[str, ...] | None,
 ) -> tuple[tuple[str, ...], bool]:

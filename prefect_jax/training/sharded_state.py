@@ -70,7 +70,7 @@ def sharded_abstract_state(program: Any, mesh: Mesh, seed: int):
     return abstract, state_sharding
 
 
-def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None) -> None:
+def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None):
     """What the loop refuses of a sharded program's mesh, state and first batch, refused before
     anything starts (one process: several see their devices only once JAX's distributed
     runtime is up, which the flow run starts; the loop checks there).
@@ -85,11 +85,15 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None) -> 
             first batch are checked either way, and a batch the new mesh cannot split says that
             the job's params are fixed.
 
+    Returns:
+        The abstract state it traced (``jax.eval_shape`` of init), or None where it traced none
+        (a program without shardings, a rerun on its mesh).
+
     Raises:
         ShardingError: see `placement`, `sharded_abstract_state` and `check_first_batch`.
     """
     if not declares_sharding(program):
-        return
+        return None
     mesh, _, batch, _ = placement(program, jax.devices(), 1)
     trained_on = (resumed or {}).get("mesh")
     fix = ""
@@ -101,4 +105,5 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None) -> 
         )
     check_first_batch(program.train_data(seed), batch, fix)
     if resumed is None or trained_on != dict(mesh.shape):
-        sharded_abstract_state(program, mesh, seed)
+        return sharded_abstract_state(program, mesh, seed)[0]
+    return None

@@ -119,8 +119,9 @@ class Trainer:
             self.loop = head.loop if head is not None else Loop(self.program, config.train)
             self.loop.compiling.save_copy = self.job.checkpoints.device_copy
             # a serve() that does not trace, or lower for named platforms: refused now, not an
-            # interval in
-            if config.eval.exporters:
+            # interval in (unless the command's preflight did, for these platforms)
+            checked = head.serving_checked if head is not None else None
+            if config.eval.exporters and checked != tuple(config.eval.export_platforms or ()):
                 check_serving(
                     self.program,
                     config.program,
