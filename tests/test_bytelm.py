@@ -102,6 +102,29 @@ def test_config_values_a_run_could_only_fail_on_are_refused_naming_the_field():
     assert tiny(eval_sequences=None, dropout=0.0).cfg.eval_sequences is None
 
 
+def test_the_corpus_folder_is_a_param_the_environment_fills(tmp_path, monkeypatch):
+    """``$PREFECT_JAX_BYTELM_SOURCE`` is recorded as the job's ``source`` (absolute), so a rerun
+    on other text is refused like any other param; the standard library stays null, the same
+    corpus on every machine; and the folder named is the one the corpus is built from."""
+    from prefect_jax.examples.bytelm import ByteLMParams, program
+
+    assert ByteLMParams(preset="tiny").source is None
+    folder = tmp_path / "text"
+    folder.mkdir()
+    (folder / "a.py").write_text("".join(f"value_{i} = {i}\n" for i in range(400)))
+    (folder / "b.py").write_text("print('b')\n" * 100)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(corpus.SOURCE_ENV, "text")
+    params = ByteLMParams(preset="tiny", max_files=None)
+    assert params.source == str(folder)
+    monkeypatch.delenv(corpus.SOURCE_ENV)
+    lm = program(params)
+    assert lm.corpus().files == {"train": ["b.py"], "eval": ["a.py"]}
+    assert ByteLMParams(preset="tiny", source="text").source == str(folder)
+    with pytest.raises(ValueError, match=re.escape("source=' ': must be a folder of .py files")):
+        ByteLMParams(preset="tiny", source=" ")
+
+
 def test_the_presets_sizes():
     from prefect_jax.examples import bytelm
 
@@ -360,12 +383,25 @@ def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
         "size is fixed by its checkpoints: resume it on a mesh whose axes divide it (it trained "
         "on {'data': 1}; the program's mesh, the number of devices), or train a new job"
     ]
-    (tmp_path / "empty").mkdir()
-    proc = cli(*run, "--max-steps", "8", *params, PREFECT_JAX_BYTELM_SOURCE=str(tmp_path / "empty"))
+    # Other text (the job trained on the standard library): its folder is a param, compared.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.py").write_text("x = 1\n" * 1000)
+    proc = cli(*run, "--max-steps", "8", *params, PREFECT_JAX_BYTELM_SOURCE=str(tmp_path / "other"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     (said,) = proc.stderr.strip().splitlines()  # one line: no flow run, no traceback
+    assert said.startswith("prefect-jax run: error: job 'lm' was trained to step 4 with other ")
+    assert "source" in said and str(tmp_path / "other") in said
+    # A new job on an empty folder: one line too, and nothing of it written.
+    (tmp_path / "empty").mkdir()
+    new_job = [*run[:4], "lm-empty", *run[5:]]
+    proc = cli(
+        *new_job, "--max-steps", "8", *params, PREFECT_JAX_BYTELM_SOURCE=str(tmp_path / "empty")
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (said,) = proc.stderr.strip().splitlines()
     assert said.startswith(f"prefect-jax run: error: no .py files under '{tmp_path / 'empty'}'")
     assert json.loads(proc.stdout.strip().splitlines()[-1])["exit_code"] == 2
+    assert not os.path.exists(os.path.join(storage, "lm-empty"))
     assert committed_steps(summary["checkpoint_dir"]) == [4]
 
     proc = cli("status", "--job", "lm", "--storage", storage, "--json")

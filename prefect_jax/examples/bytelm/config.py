@@ -36,6 +36,11 @@ class Config:
         b1, b2: Adam's moment decays.
         grad_clip: clip the gradient's global norm to this.
         max_files: build the corpus from the first this many source files only (None: all).
+        source: the folder of ``.py`` files the corpus is built from (None:
+            ``$PREFECT_JAX_BYTELM_SOURCE`` where set, else the standard library of the interpreter
+            running the job). The typed params record the folder the environment gives, so a
+            rerun on other text is refused; the standard library is the same corpus on any
+            machine.
         read_threads: Grain's reading threads for training batches (0: the training thread).
         prefetch: batches Grain reads ahead (with threads).
         mesh: the device mesh, ``{axis: size}`` (None: ``{"data": -1}``, every device on one
@@ -65,6 +70,7 @@ class Config:
     b2: float = 0.95
     grad_clip: float = 1.0
     max_files: int | None = None
+    source: str | None = None
     read_threads: int = 2
     prefetch: int = 8
     mesh: dict | None = None
@@ -92,6 +98,12 @@ class Config:
         for name in ("dropout", "b1", "b2"):
             _refuse_unless(self, name, 0 <= getattr(self, name) < 1, "must be in [0, 1)")
         _refuse_unless(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
+        _refuse_unless(
+            self,
+            "source",
+            self.source is None or self.source.strip() != "",
+            "must be a folder of .py files, or null (the standard library)",
+        )
         _refuse_unless(
             self,
             "compute_dtype",

@@ -50,9 +50,11 @@ class CorpusError(ValueError):
     ValueError: the command says it in one line, and no task retries it)."""
 
 
-def source_root() -> str:
-    """The folder whose ``.py`` files make the corpus: ``$PREFECT_JAX_BYTELM_SOURCE`` or stdlib."""
-    return os.path.abspath(os.environ.get(SOURCE_ENV) or sysconfig.get_paths()["stdlib"])
+def source_root(source: str | None = None) -> str:
+    """The folder whose ``.py`` files make the corpus: `source` (the config's), else
+    ``$PREFECT_JAX_BYTELM_SOURCE``, else the standard library."""
+    chosen = source or os.environ.get(SOURCE_ENV) or sysconfig.get_paths()["stdlib"]
+    return os.path.abspath(os.path.expanduser(chosen))
 
 
 def source_files(root: str, max_files: int | None = None) -> list[str]:
@@ -97,20 +99,23 @@ def corpus_key(root: str, window: int, max_files: int | None) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def build(seq_len: int, max_files: int | None = None, cache: str | None = None) -> Corpus:
+def build(
+    seq_len: int, max_files: int | None = None, cache: str | None = None, source: str | None = None
+) -> Corpus:
     """The corpus for sequences of `seq_len` tokens: built on first use, then read from the cache.
 
     Args:
         seq_len: tokens per training sequence (records hold ``seq_len + 1`` bytes).
         max_files: use only the first this many source files (path order); None: all.
         cache: the cache root (default `prefect_jax.training.storage.cache_root()`).
+        source: the folder of ``.py`` files (default: `source_root`'s).
 
     Raises:
         CorpusError: the source folder holds no ``.py`` file, or too few to split.
     """
     from prefect_jax.training.storage import cache_root
 
-    root, window = source_root(), seq_len + 1
+    root, window = source_root(source), seq_len + 1
     final = os.path.join(cache or cache_root(), "bytelm", corpus_key(root, window, max_files))
     if not os.path.exists(os.path.join(final, META)):
         _build_into(final, root, window, max_files)
@@ -129,8 +134,8 @@ def _build_into(final: str, root: str, window: int, max_files: int | None) -> No
     if not files:
         raise CorpusError(
             f"no .py files under {root!r}, the byte-level LM's corpus folder: it is the "
-            f"standard library of {sys.executable}, or the folder in ${SOURCE_ENV}; point "
-            f"${SOURCE_ENV} at a folder of .py files (or unset it to use the standard library)"
+            f"standard library of {sys.executable}, or the program param source, or the folder "
+            f"in ${SOURCE_ENV}: name a folder of .py files (or neither, for the standard library)"
         )
     splits = dict(zip(("train", "eval"), split_files(files), strict=True))
     os.makedirs(os.path.dirname(final), exist_ok=True)

@@ -225,7 +225,9 @@ class ByteLMProgram:
         """The corpus for this config's sequence length (built on first use; see `corpus.build`)."""
         with self._corpus_lock:  # the engine's compile thread may ask at the same time
             if self._corpus is None:
-                self._corpus = corpus.build(self.cfg.seq_len, self.cfg.max_files)
+                self._corpus = corpus.build(
+                    self.cfg.seq_len, self.cfg.max_files, source=self.cfg.source
+                )
         return self._corpus
 
     def train_data(self, seed: int):

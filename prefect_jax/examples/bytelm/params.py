@@ -34,6 +34,7 @@ from prefect_jax.examples.bytelm.config import (
     Config,
     config_from_env,
 )
+from prefect_jax.examples.bytelm.corpus import SOURCE_ENV
 from prefect_jax.examples.bytelm.lm import ByteLMProgram
 
 # Fields that do not change what is computed: recorded, not compared when a job resumes (how many
@@ -66,6 +67,10 @@ class _Base(BaseModel):
             # the documented fallback: the environment's preset and overrides
             config_from_env()  # a bad preset or override refused, naming its variable
             given = {"preset": env_preset or "small", **json.loads(env_config or "{}"), **given}
+        # the corpus folder as the job's own (compared when it resumes), wherever it was named
+        source = given.get("source") or os.environ.get(SOURCE_ENV)
+        if isinstance(source, str) and source.strip():
+            given["source"] = os.path.abspath(os.path.expanduser(source))
         preset = given.get("preset", "small")
         if preset not in PRESETS:
             return given  # refused by the field's type, which names the presets
