@@ -193,19 +193,21 @@ def test_a_bad_program_is_one_clear_line_before_any_flow_runs(tmp_path, program,
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "train"])
 def test_a_new_jobs_serve_that_cannot_be_exported_is_one_clear_line_before_any_flow_runs(
-    tmp_path,
+    tmp_path, command
 ):
     """The wall of issue 52, an int() on serve's symbolic batch: the trainer refuses it as it
     starts, inside a failed flow run; a new job's command refuses it in its preflight, in one
-    line, before its compile begins and before anything of the job is written."""
+    line, before its compile begins and before anything of the job is written (a trainer alone
+    too: its evaluator would export)."""
     here = os.path.dirname(__file__)
     storage = tmp_path / "s"
     program = "programs:int_on_symbolic_dim"
-    run = ("run", "--program", program, "--job", "j", "--storage", str(storage))
+    run = (command, "--program", program, "--job", "j", "--storage", str(storage))
     proc = _cli(*run, PYTHONPATH=os.pathsep.join([here, os.getcwd()]))
     assert proc.returncode == 2
-    said = _one_error_line(proc, "run")
+    said = _one_error_line(proc, command)
     assert f"program {program!r}: serve(state, inputs) does not trace on serving_input()" in said
     assert "Fix serve (a symbolic dimension has no int() value" in said
     assert not storage.exists()

@@ -70,6 +70,24 @@ def test_an_int_on_a_symbolic_dimension_is_refused_before_training(job_config):
     assert not os.path.exists(checkpoints) or os.listdir(checkpoints) == []  # not a step trained
 
 
+def test_the_early_serve_check_traces_a_program_that_declares_a_mesh_as_its_loop_does():
+    """The command's check of a new job's serve, with no abstract state from the sharding check
+    (``--max-steps none``): init is given the mesh, as the loop gives it."""
+    from prefect_jax.examples.digits import DigitsProgram
+    from prefect_jax.training.serving import check_serving_early
+
+    class MeshInit(DigitsProgram):
+        mesh_axes = {"data": -1}
+
+        def init(self, rng, mesh):
+            assert dict(mesh.shape) == {"data": 1}
+            return super().init(rng)
+
+    program = MeshInit(hidden=(8, 8), learning_rate=1e-3, batch_size=8, dropout=0.0)
+    assert check_serving_early(program, "mesh-init", None, seed=0) == ()
+    assert check_serving_early(program, "mesh-init", ["cpu"], seed=0) == ("cpu",)
+
+
 def test_the_lm_serves_any_sequence_length_up_to_its_context(tmp_path):
     import mlflow
 

@@ -228,12 +228,13 @@ def _run_flow_with(
         # (evaluate too: a step past max_steps would only have its exports redone)
         args.max_steps if role in (*_TRAINS, "evaluate") else None,
         args.checkpoint_path if role in _TRAINS else None,
-        eval_spec if role != "train" else None,
+        eval_spec,
         tracking_uri,
         args.mlflow_optional,
         args.compilation_cache if role != "export" else None,
         program_params,
         train_spec if role in _TRAINS else None,  # its compile begins once the checks pass
+        role != "train",  # (a trainer alone: its evaluator checks the metrics its spec names)
     )
     blocks = names_a_block(storage) or names_a_block(tracking_uri)
     if not blocks:
@@ -274,6 +275,7 @@ def _preflight(
     compilation_cache: str | None = None,
     program_params: dict[str, Any] | None = None,
     train_spec=None,
+    evaluates: bool = True,
 ) -> None:
     """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
     flow run with a traceback in front of it. The flow checks the same things again (a
@@ -299,6 +301,7 @@ def _preflight(
         compilation_cache=compilation_cache,
         program_params=program_params,
         train_spec=train_spec,
+        evaluates=evaluates,
     )
 
 

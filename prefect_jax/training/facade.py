@@ -105,6 +105,7 @@ def preflight(
     mlflow_optional: bool = False,
     compilation_cache: str | None = None,
     train_spec: Any = None,
+    evaluates: bool = True,
 ) -> None:
     """Refuse what a training flow would refuse, before anything starts.
 
@@ -133,6 +134,8 @@ def preflight(
             once every check passed, the compile of its steps begins (`head_start`), for the
             trainer the flow run makes; not for a job already at its final step, nor for one of
             several JAX processes. A new job's ``serve`` is checked first, where it exports.
+        evaluates: This process evaluates the job: `eval_spec`'s metrics are checked (not for a
+            trainer alone, role ``train``: its evaluator checks them; its exporters still are).
 
     Nothing is written before every check passed (the write probe of the storage comes last).
 
@@ -180,7 +183,7 @@ def preflight(
         loaded, params = load_program_with_params(
             program, dict(program_params) if program_params else None, max_steps
         )
-        if eval_spec is not None:
+        if eval_spec is not None and evaluates:
             check_metric_names(loaded, eval_spec, one_process=cluster is None)
         exporters = eval_spec.exporters if eval_spec is not None else []
         if train_spec is not None:  # what its trainer refuses as it is made (see head_start)
@@ -193,7 +196,8 @@ def preflight(
     url, options = resolve(storage) if resolve is not None else (storage, {})
     js = JobStorage(url, job, dict(options or {}))
     with storage_errors(js, storage):
-        listed = max_steps is not None or checkpoint_path
+        # (a command that trains: a new job's serve is checked below)
+        listed = max_steps is not None or checkpoint_path or train_spec is not None
         committed = job_committed_steps(js) if listed else []
     if max_steps is not None and committed and committed[-1] > max_steps:
         raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)

@@ -171,12 +171,12 @@ def check_serving_early(
 ) -> tuple[str, ...]:
     """`check_serving` before the job's trainer exists (a command's preflight, before the
     compile begins): on `abstract_state` where the sharding check traced one, else on
-    ``jax.eval_shape`` of the program's init. The platforms it was checked for, which the trainer
-    need not check again (`head_start`)."""
-    import jax
-
+    ``jax.eval_shape`` of the program's init (`sharded_state.abstract_state_of`). The platforms
+    it was checked for, which the trainer need not check again (`head_start`)."""
     if abstract_state is None:
-        abstract_state = jax.eval_shape(lambda: program.init(jax.random.key(seed)))
+        from prefect_jax.training.sharded_state import abstract_state_of
+
+        abstract_state = abstract_state_of(program, seed)
     check_serving(program, name, abstract_state, platforms)
     return tuple(platforms or ())
 

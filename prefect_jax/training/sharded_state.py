@@ -70,6 +70,15 @@ def sharded_abstract_state(program: Any, mesh: Mesh, seed: int):
     return abstract, state_sharding
 
 
+def abstract_state_of(program: Any, seed: int):
+    """``jax.eval_shape`` of the program's init as the loop traces it (one process's devices):
+    given the mesh and traced under it where the program declares sharding."""
+    if declares_sharding(program):
+        mesh = placement(program, jax.devices(), 1)[0]
+        return sharded_abstract_state(program, mesh, seed)[0]
+    return jax.eval_shape(lambda: program.init(jax.random.key(seed)))
+
+
 def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None):
     """What the loop refuses of a sharded program's mesh, state and first batch, refused before
     anything starts (one process: several see their devices only once JAX's distributed
@@ -82,8 +91,8 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None):
             checked when that step's attempt began: traced again only where the mesh is not the
             one it recorded (the devices or the ``mesh`` changed), so a rerun on the same mesh
             does not pay the trace twice (its trainer checks as it starts). The mesh and the
-            first batch are checked either way, and a batch the new mesh cannot split says that
-            the job's params are fixed.
+            first batch are checked either way; a batch that a mesh other than the recorded one
+            cannot split names the mesh the job trained on.
 
     Returns:
         The abstract state it traced (``jax.eval_shape`` of init), or None where it traced none
@@ -97,11 +106,10 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None):
     mesh, _, batch, _ = placement(program, jax.devices(), 1)
     trained_on = (resumed or {}).get("mesh")
     fix = ""
-    if resumed is not None:  # (its params, the batch size among them, are the checkpoints')
+    if trained_on and trained_on != dict(mesh.shape):  # the mesh changed, not the batch
         fix = (
-            "the job's batch size is fixed by its checkpoints: resume it on a mesh whose axes "
-            f"divide it ({f'it trained on {trained_on}; ' if trained_on else ''}the program's "
-            "mesh, the number of devices), or train a new job"
+            f"the job trained on the mesh {trained_on}: give it a mesh whose axes divide its "
+            "batch (the program's mesh, the number of devices), or start a new job"
         )
     check_first_batch(program.train_data(seed), batch, fix)
     if resumed is None or trained_on != dict(mesh.shape):
