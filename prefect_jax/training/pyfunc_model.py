@@ -44,6 +44,8 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
         try:
             out = self.exported.call(args)
         except ValueError as exc:
+            if not any(word in str(exc).lower() for word in SHAPE_WORDS):
+                raise  # (another refusal: a platform the model was not exported for, say)
             # (JAX's own words may not name the input: "Error refining shapes")
             raise ValueError(
                 f"the model takes {jax_tree_str(self.inputs)} (named dimensions are free, within "
@@ -53,6 +55,10 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
         if isinstance(out, dict):
             return {k: np.asarray(v) for k, v in out.items()}
         return np.asarray(out)
+
+
+SHAPE_WORDS = ("shape", "rank", "dimension", "dtype")
+"""What JAX's refusals of an input's shape say (a platform's refusal says none of them)."""
 
 
 def jax_tree_str(arrays) -> str:
