@@ -252,6 +252,14 @@ def test_the_mlflow_model_names_its_input_when_a_sequence_is_too_long(tmp_path):
     with pytest.raises(ValueError, match=re.escape("takes int32[b,seq] (named dimensions")) as got:
         model.predict(None, np.zeros((2, 40), np.int32))
     assert "given int32[2,40]: " in str(got.value)
+    with pytest.raises(ValueError, match=re.escape("takes int32[b,seq]")) as got:
+        model.predict(None, np.zeros((2, 3, 4), np.int32))
+    assert "Rank mismatch" in str(got.value)
+    # a refusal that is not about the input is JAX's own
+    artifact.write_bytes(serialize_serving(program, program.init(jax.random.key(0)), ["cuda"]))
+    model.load_context(SimpleNamespace(artifacts={"jax_export": str(artifact)}))
+    with pytest.raises(ValueError, match=r"^Function 'serving' was exported for platforms"):
+        model.predict(None, np.zeros((2, 32), np.int32))
 
 
 # -- typed program params ----------------------------------------------------------------
@@ -316,6 +324,30 @@ def test_a_resume_with_other_params_is_refused_before_any_training(job_config):
 
 
 @pytest.mark.slow
+def test_a_step_saved_before_source_existed_resumes_on_the_folder_the_environment_names(
+    tmp_path, monkeypatch
+):
+    """Its program read ``$PREFECT_JAX_BYTELM_SOURCE`` too: the variable's folder is the
+    field's default, so that step compares equal to it, and to no other folder."""
+    from prefect_jax.training.program import load_program_with_params
+    from prefect_jax.training.program_params import (
+        META_KEY,
+        ProgramParamsMismatchError,
+        check_restore,
+    )
+
+    monkeypatch.setenv(corpus.SOURCE_ENV, str(tmp_path))
+    _, params = load_program_with_params(PROGRAM, {"preset": "tiny"}, 8)
+    assert params.values["source"] == str(tmp_path)
+    saved = params.as_meta()
+    del saved["values"]["source"], saved["defaults"]["source"]
+    check_restore({META_KEY: saved}, params, "lm", 4)
+    for other in (str(tmp_path / "b"), None):
+        _, given = load_program_with_params(PROGRAM, {"preset": "tiny", "source": other}, 8)
+        with pytest.raises(ProgramParamsMismatchError, match=r"source: saved '<unset>', given"):
+            check_restore({META_KEY: saved}, given, "lm", 4)
+
+
 def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
     tmp_path, prefect_server, mlflow_uri
 ):
@@ -368,8 +400,8 @@ def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
     assert committed_steps(summary["checkpoint_dir"]) == [4]
 
     # The job's rerun on another mesh or device count, or on a corpus folder that is empty:
-    # refused before its flow run, in one line; a batch the new mesh cannot split says that the
-    # batch size is the checkpoints' (the step recorded its mesh).
+    # refused before its flow run, in one line; a batch the new mesh cannot split names the mesh
+    # the job trained on (the step recorded it).
     assert read_meta_file(summary["checkpoint_dir"], 4)["mesh"] == {"data": 1}
     proc = cli(*run, "--max-steps", "8", *params, "--program-param", 'mesh={"data": 3}')
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
@@ -379,9 +411,9 @@ def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
     proc = cli(*run, "--max-steps", "8", *params, XLA_FLAGS=f"{DEVICES_FLAG}=3")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "prefect-jax run: error: a train batch leaf 'tokens' of shape (8, 33) cannot be split "
-        "into 3 parts along dimension 0 (mesh axes ('data',) of {'data': 3}): the job's batch "
-        "size is fixed by its checkpoints: resume it on a mesh whose axes divide it (it trained "
-        "on {'data': 1}; the program's mesh, the number of devices), or train a new job"
+        "into 3 parts along dimension 0 (mesh axes ('data',) of {'data': 3}): the job trained "
+        "on the mesh {'data': 1}: give it a mesh whose axes divide its batch (the program's "
+        "mesh, the number of devices), or start a new job"
     ]
     # Other text (the job trained on the standard library): its folder is a param, compared.
     (tmp_path / "other").mkdir()

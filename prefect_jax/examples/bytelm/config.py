@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 
 PRESET_ENV = "PREFECT_JAX_BYTELM_PRESET"
@@ -119,7 +120,7 @@ def _refuse_unless(config: Config, name: str, holds: bool, rule: str) -> None:
         raise ValueError(f"{name}={getattr(config, name)!r}: {rule}")
 
 
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "dict": (dict,)}
+_TYPES = {"int": numbers.Integral, "float": numbers.Real, "str": str, "dict": dict}
 
 
 def _is_a(value, annotation: str) -> bool:

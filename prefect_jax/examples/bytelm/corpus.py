@@ -157,8 +157,8 @@ def _build_into(final: str, root: str, window: int, max_files: int | None) -> No
             if count == 0:
                 raise CorpusError(
                     f"the {split} split of {root!r} ({len(names)} files, {len(stream)} bytes) "
-                    f"holds no window of {window} bytes: give more files ({SOURCE_ENV}) "
-                    "or a shorter seq_len"
+                    f"holds no window of {window} bytes: give more files (the program param "
+                    f"source, or ${SOURCE_ENV}) or a shorter seq_len"
                 )
             per_shard = max(1, SHARD_BYTES // window)
             n_shards = -(-count // per_shard)

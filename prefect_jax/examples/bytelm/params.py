@@ -67,15 +67,15 @@ class _Base(BaseModel):
             # the documented fallback: the environment's preset and overrides
             config_from_env()  # a bad preset or override refused, naming its variable
             given = {"preset": env_preset or "small", **json.loads(env_config or "{}"), **given}
-        # the corpus folder as the job's own (compared when it resumes), wherever it was named
-        source = given.get("source") or os.environ.get(SOURCE_ENV)
-        if isinstance(source, str) and source.strip():
-            given["source"] = os.path.abspath(os.path.expanduser(source))
+        source = given.get("source")
+        if isinstance(source, str) and source.strip():  # the same folder from any directory
+            given["source"] = _folder(source)
         preset = given.get("preset", "small")
         if preset not in PRESETS:
             return given  # refused by the field's type, which names the presets
         values = dataclasses.asdict(PRESETS[preset])
         values["decay_steps"] = None  # unset: the horizon is max_steps
+        del values["source"]  # unset: the environment's folder (`_source_from_env`)
         return {**values, **given}
 
     @model_validator(mode="after")
@@ -98,6 +98,19 @@ class _Base(BaseModel):
         return Config(**values)
 
 
+def _folder(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _source_from_env() -> str | None:
+    """``source`` unset: ``$PREFECT_JAX_BYTELM_SOURCE``'s folder, else None (the standard
+    library), as the corpus reads it. Recorded as the job's, so a rerun on other text is
+    refused; and as the field's default, so a step saved before the field existed (its program
+    read the same variable) resumes where the variable still names its folder."""
+    named = os.environ.get(SOURCE_ENV)
+    return _folder(named) if named else None
+
+
 _HINTS = typing.get_type_hints(Config)
 
 ByteLMParams = create_model(
@@ -111,7 +124,9 @@ ByteLMParams = create_model(
     **{
         f.name: ((_HINTS[f.name] | None) if f.name == "decay_steps" else _HINTS[f.name], f.default)
         for f in dataclasses.fields(Config)
+        if f.name != "source"
     },
+    source=(_HINTS["source"], Field(default_factory=_source_from_env)),
 )
 
 
