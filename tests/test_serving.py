@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -68,6 +70,49 @@ def test_an_int_on_a_symbolic_dimension_is_refused_before_training(job_config):
         Trainer(config)
     checkpoints = os.path.join(config.storage, config.job, "checkpoints")
     assert not os.path.exists(checkpoints) or os.listdir(checkpoints) == []  # not a step trained
+
+
+def test_the_command_checks_a_new_jobs_serve_unless_a_live_trainer_holds_the_job(tmp_path):
+    """Its preflight refuses a serve that does not trace; beside a live trainer of the job (its
+    lease held) it leaves JAX unstarted for a command the lease refuses: no check, no head
+    start."""
+    from prefect_jax.training.facade import preflight
+    from prefect_jax.training.lease import Lease
+    from prefect_jax.training.specs import EvalSpec, TrainSpec
+    from prefect_jax.training.storage import JobStorage
+
+    def check():
+        preflight(
+            "programs:int_on_symbolic_dim",
+            "j",
+            str(tmp_path),
+            10,
+            eval_spec=EvalSpec(exporters=[LatestExporter()]),
+            train_spec=TrainSpec(max_steps=10),
+        )
+
+    with pytest.raises(ValueError, match="serve\\(state, inputs\\) does not trace"):
+        check()
+    holder = subprocess.Popen(  # a live trainer of the job: another process, its lease held
+        [sys.executable, "-c", HOLD_THE_LEASE, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert not Lease(JobStorage(str(tmp_path), "j")).is_free()
+        check()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+HOLD_THE_LEASE = """
+import sys, time
+from prefect_jax.training.lease import Lease
+from prefect_jax.training.storage import JobStorage
+Lease(JobStorage(sys.argv[1], "j"), owner_id="live-trainer", timeout_secs=120).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
 
 
 def test_the_early_serve_check_traces_a_program_that_declares_a_mesh_as_its_loop_does():

@@ -159,6 +159,7 @@ def preflight(
     from prefect_jax.training.checksums import CorruptCheckpointError
     from prefect_jax.training.cluster_config import from_env
     from prefect_jax.training.errors import PastMaxStepsError
+    from prefect_jax.training.lease import Lease
     from prefect_jax.training.mlflow_reach import finish_check, start_check
     from prefect_jax.training.preflight import (
         check_checkpoint_path,
@@ -196,7 +197,6 @@ def preflight(
     url, options = resolve(storage) if resolve is not None else (storage, {})
     js = JobStorage(url, job, dict(options or {}))
     with storage_errors(js, storage):
-        # (a command that trains: a new job's serve is checked below)
         listed = max_steps is not None or checkpoint_path or train_spec is not None
         committed = job_committed_steps(js) if listed else []
     if max_steps is not None and committed and committed[-1] > max_steps:
@@ -216,11 +216,15 @@ def preflight(
         check_checkpoint_path(checkpoint_path)
     serving_checked = None
     if cluster is None and train_spec is not None and not committed and exporters:
-        # A new job's serve, before its compile begins: a broken one is this command's one
-        # line, not a failed flow run (a rerun's trainer checks as it starts)
-        serving_checked = check_serving_early(
-            loaded, program, eval_spec.export_platforms, train_spec.seed, abstract_state
-        )
+        # A new job's serve, before its compile begins: a broken one is one line, not a failed
+        # flow run (a rerun's trainer checks as it starts). Not beside a live trainer of the
+        # job: JAX would start, on a GPU its memory, for a command the lease refuses.
+        with storage_errors(js, storage):
+            free = Lease(js).is_free()
+        if free:
+            serving_checked = check_serving_early(
+                loaded, program, eval_spec.export_platforms, train_spec.seed, abstract_state
+            )
     with storage_errors(js, storage):
         js.check_writable()
     if compilation_cache and compilation_cache != "job" and "://" not in compilation_cache:
