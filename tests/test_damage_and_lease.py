@@ -132,8 +132,11 @@ def _write_lease(config, **fields):
         "timeout_secs": 120,
     }
     lease.update(fields)
-    with open(path, "w") as f:
+    # at once, as a trainer writes it: a heartbeat that read it half-written would find it torn
+    # and write its own again
+    with open(f"{path}.tmp", "w") as f:
         json.dump(lease, f)
+    os.replace(f"{path}.tmp", path)
     return path
 
 
@@ -425,9 +428,11 @@ def test_the_heartbeat_notices_a_takeover(job_config):
     config = job_config(lease_timeout_secs=2.0)  # a beat every 0.5 s
     trainer = Trainer(config)
     trainer.restore_or_init()
-    _write_lease(config, token="new-holder", flow_run_id="run-9", host="another-host")
     deadline = time.monotonic() + 10
     while trainer.job.lease.lost_to is None and time.monotonic() < deadline:
+        # Written again until noticed: a beat that read its own lease just before this write
+        # writes its own after it (a real takeover waits for a stale heartbeat: no such race).
+        _write_lease(config, token="new-holder", flow_run_id="run-9", host="another-host")
         time.sleep(0.1)
     assert trainer.job.lease.lost_to["token"] == "new-holder" and not trainer.job.lease.held
     ledger = os.path.join(config.storage, config.job, "goodput.json")
