@@ -72,10 +72,11 @@ def test_an_int_on_a_symbolic_dimension_is_refused_before_training(job_config):
     assert not os.path.exists(checkpoints) or os.listdir(checkpoints) == []  # not a step trained
 
 
-def test_the_command_checks_a_new_jobs_serve_unless_a_live_trainer_holds_the_job(tmp_path):
+def test_the_command_checks_a_new_jobs_serve_unless_a_live_trainer_holds_the_job(tmp_path, request):
     """Its preflight refuses a serve that does not trace; beside a live trainer of the job (its
     lease held) it leaves JAX unstarted for a command the lease refuses: no check, no head
     start."""
+    from prefect_jax.training import head_start
     from prefect_jax.training.facade import preflight
     from prefect_jax.training.lease import Lease
     from prefect_jax.training.specs import EvalSpec, TrainSpec
@@ -99,7 +100,9 @@ def test_the_command_checks_a_new_jobs_serve_unless_a_live_trainer_holds_the_job
     try:
         assert holder.stdout.readline().strip() == "held"
         assert not Lease(JobStorage(str(tmp_path), "j")).is_free()
+        request.addfinalizer(lambda: setattr(head_start, "_begun", None))
         check()
+        assert head_start._begun is None
     finally:
         holder.kill()
         holder.wait()

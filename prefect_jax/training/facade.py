@@ -154,92 +154,23 @@ def preflight(
         RemoteConfigError: The storage's protocol, options or bucket are refused.
         TrackingUnreachableError: The tracking URI is refused (without `mlflow_optional`).
     """
-    import os
+    from prefect_jax.training.preflight import check_job
 
-    from prefect_jax.training.checksums import CorruptCheckpointError
-    from prefect_jax.training.cluster_config import from_env
-    from prefect_jax.training.errors import PastMaxStepsError
-    from prefect_jax.training.lease import Lease
-    from prefect_jax.training.mlflow_reach import finish_check, start_check
-    from prefect_jax.training.preflight import (
-        check_checkpoint_path,
-        check_job_parts,
-        check_metric_names,
-        make_local_dir,
-        storage_errors,
+    check_job(
+        program,
+        job,
+        storage,
+        max_steps,
+        resolve,
+        program_params,
+        checkpoint_path,
+        eval_spec,
+        tracking_uri,
+        mlflow_optional,
+        compilation_cache,
+        train_spec,
+        evaluates,
     )
-    from prefect_jax.training.program import load_program_with_params
-    from prefect_jax.training.program_params import check_restore_of, step_meta
-    from prefect_jax.training.redaction import redact_url
-    from prefect_jax.training.serving import check_serving_early
-    from prefect_jax.training.sharded_state import check_sharding
-    from prefect_jax.training.steps import job_committed_steps
-    from prefect_jax.training.storage import JobStorage
-
-    # before anything is written; None: one process (several see their devices only once JAX's
-    # distributed runtime is up, in the flow run: the engine checks their sharding there)
-    cluster = from_env()
-    probe = start_check(tracking_uri, mlflow_optional)  # answers while the program loads
-    try:
-        loaded, params = load_program_with_params(
-            program, dict(program_params) if program_params else None, max_steps
-        )
-        if eval_spec is not None and evaluates:
-            check_metric_names(loaded, eval_spec, one_process=cluster is None)
-        exporters = eval_spec.exporters if eval_spec is not None else []
-        if train_spec is not None:  # what its trainer refuses as it is made (see head_start)
-            check_job_parts(loaded, program, exporters, train_spec.hooks)
-        if probe is not None:
-            finish_check(probe, mlflow_optional)
-    finally:
-        if probe is not None:
-            probe.close()
-    url, options = resolve(storage) if resolve is not None else (storage, {})
-    js = JobStorage(url, job, dict(options or {}))
-    with storage_errors(js, storage):
-        listed = max_steps is not None or checkpoint_path or train_spec is not None
-        committed = job_committed_steps(js) if listed else []
-    if max_steps is not None and committed and committed[-1] > max_steps:
-        raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
-    newest_meta = step_meta(js, committed[-1]) if committed else None
-    if committed:
-        newest = committed[-1]
-        try:
-            check_restore_of(f"{js.checkpoint_dir}/{newest}", newest_meta, params, job, newest)
-        except CorruptCheckpointError:
-            pass  # damage, not other params: the trainer moves the step aside and falls back
-    abstract_state = None
-    if cluster is None and max_steps is not None:
-        # the mesh and the first batch; the state's shardings where the mesh is new
-        abstract_state = check_sharding(loaded, resumed=newest_meta if committed else None)
-    if checkpoint_path and not committed:
-        check_checkpoint_path(checkpoint_path)
-    serving_checked = None
-    if cluster is None and train_spec is not None and not committed and exporters:
-        # A new job's serve, before its compile begins: a broken one is one line, not a failed
-        # flow run (a rerun's trainer checks as it starts). Not beside a live trainer of the
-        # job: JAX would start, on a GPU its memory, for a command the lease refuses.
-        with storage_errors(js, storage):
-            free = Lease(js).is_free()
-        if free:
-            serving_checked = check_serving_early(
-                loaded, program, eval_spec.export_platforms, train_spec.seed, abstract_state
-            )
-    with storage_errors(js, storage):
-        js.check_writable()
-    if compilation_cache and compilation_cache != "job" and "://" not in compilation_cache:
-        make_local_dir("--compilation-cache", os.path.abspath(compilation_cache))
-    if (
-        train_spec is not None
-        and cluster is None
-        and not train_spec.is_final(committed[-1] if committed else None)
-    ):
-        from prefect_jax.training import head_start
-
-        given = dict(program_params) if program_params else None
-        head_start.begin(
-            program, loaded, params, given, train_spec, js, compilation_cache, serving_checked
-        )
 
 
 def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:

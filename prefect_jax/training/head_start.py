@@ -36,7 +36,6 @@ from typing import Any
 from prefect_jax.training import step_prefetch
 from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
-from prefect_jax.training.lease import Lease
 from prefect_jax.training.loop import Loop
 from prefect_jax.training.program_params import ProgramParams
 from prefect_jax.training.specs import JobConfig, TrainSpec
@@ -92,13 +91,11 @@ def begin(
     """Make the job's `Loop` for `program` (loaded from `program_ref` with `given_params`) and
     start the compile of its steps, after opening the job's compilation cache (`compilation_cache`
     as `JobConfig.compilation_cache_dir`); `serving_checked`: the export platforms the preflight
-    checked ``serve`` for, if it did. For one JAX process whose preflight has passed; not
-    where a live trainer holds the job (this process would start JAX, on a GPU its memory, only
-    to be refused). Whether it began: any failure is left for the trainer to meet and report."""
+    checked ``serve`` for, if it did. For one JAX process whose preflight has passed, which
+    found no live trainer holding the job (`preflight.check_job`). Whether it began: any failure
+    is left for the trainer to meet and report."""
     global _begun
     try:
-        if not Lease(storage).is_free():
-            return False
         mirror, opened = None, False
         if compilation_cache:
             mirror = open_compilation_cache(compilation_cache, storage)
