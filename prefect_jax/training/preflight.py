@@ -275,11 +275,12 @@ def check_job(
     trains_here = train_spec is not None and cluster is None
     checks_serve = trains_here and not committed and bool(exporters)
     head_starts = trains_here and not train_spec.is_final(committed[-1] if committed else None)
+    job_free = True  # (read only where it decides something)
     if checks_serve or head_starts:
         with storage_errors(js, storage):
-            trains_here = Lease(js).is_free()
+            job_free = Lease(js).is_free()
     serving_checked = None
-    if checks_serve and trains_here:
+    if checks_serve and job_free:
         # A new job's serve, before its compile begins: a broken one is one line, not a failed
         # flow run (a rerun's trainer checks as it starts).
         serving_checked = check_serving_early(
@@ -289,7 +290,7 @@ def check_job(
         js.check_writable()
     if compilation_cache and compilation_cache != "job" and "://" not in compilation_cache:
         make_local_dir("--compilation-cache", os.path.abspath(compilation_cache))
-    if head_starts and trains_here:
+    if head_starts and job_free:
         from prefect_jax.training import head_start
 
         given = dict(program_params) if program_params else None
