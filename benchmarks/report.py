@@ -538,6 +538,11 @@ def goodput_lm_markdown() -> list[str]:
     return out
 
 
+def _all_of(n: int) -> str:
+    """``both`` or ``all three`` (systems)."""
+    return "both" if n == 2 else f"all {({3: 'three', 4: 'four'}).get(n, n)}"
+
+
 def _goodput_lm_part(gp: dict | None, heading: str) -> list[str]:
     """One `goodput.py --model lm` record under `heading`: its runs, verdicts and ledgers."""
     if not gp or not gp.get("runs"):
@@ -553,10 +558,11 @@ def _goodput_lm_part(gp: dict | None, heading: str) -> list[str]:
     out += [
         "",
         f"`benchmarks/goodput.py --model lm` ({gp.get('measured', 'this run')}): "
-        f"`{gp['program']}` with {params} ({lm['param_count']:,} parameters; the Keras "
-        f"model: {counts.get('keras', 0):,}), {gp['steps']} steps of {lm['tokens_per_step']} "
+        f"`{gp['program']}` with {params} ({lm['param_count']:,} parameters"
+        + (f"; the Keras model: {counts['keras']:,}" if counts.get("keras") else "")
+        + f"), {gp['steps']} steps of {lm['tokens_per_step']} "
         f"tokens, a checkpoint and an evaluation ({lm['corpus']['eval_windows']} eval windows) "
-        f"every {gp['every']} steps, the same corpus shards for all three systems, "
+        f"every {gp['every']} steps, the same corpus shards for {_all_of(len(reference))} systems, "
         f"{len(rounds)} round(s) of every run. Uninterrupted: {each}. Columns as in "
         "[Goodput under preemption](#goodput-under-preemption); `goodput` and `vs plain` "
         "divide by the mean uninterrupted wall.",
