@@ -75,20 +75,20 @@ def test_an_int_on_a_symbolic_dimension_is_refused_before_training(job_config):
 def test_the_command_checks_a_new_jobs_serve_unless_a_live_trainer_holds_the_job(tmp_path, request):
     """Its preflight refuses a serve that does not trace; beside a live trainer of the job (its
     lease held) it leaves JAX unstarted for a command the lease refuses: no check, no head
-    start."""
+    start, also where only a head start would follow (no exporters, as for a rerun)."""
     from prefect_jax.training import head_start
     from prefect_jax.training.facade import preflight
     from prefect_jax.training.lease import Lease
     from prefect_jax.training.specs import EvalSpec, TrainSpec
     from prefect_jax.training.storage import JobStorage
 
-    def check():
+    def check(exports: bool = True):
         preflight(
             "programs:int_on_symbolic_dim",
             "j",
             str(tmp_path),
             10,
-            eval_spec=EvalSpec(exporters=[LatestExporter()]),
+            eval_spec=EvalSpec(exporters=[LatestExporter()] if exports else []),
             train_spec=TrainSpec(max_steps=10),
         )
 
@@ -100,8 +100,11 @@ def test_the_command_checks_a_new_jobs_serve_unless_a_live_trainer_holds_the_job
     try:
         assert holder.stdout.readline().strip() == "held"
         assert not Lease(JobStorage(str(tmp_path), "j")).is_free()
+        head_start._begun = None
         request.addfinalizer(lambda: setattr(head_start, "_begun", None))
         check()
+        assert head_start._begun is None
+        check(exports=False)
         assert head_start._begun is None
     finally:
         holder.kill()
