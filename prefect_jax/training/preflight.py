@@ -209,6 +209,7 @@ def check_job(
     job: str,
     storage: str,
     max_steps: int | None,
+    *,
     resolve: Callable[[str], tuple[str, Mapping[str, Any]]] | None,
     program_params: Mapping[str, Any] | None,
     checkpoint_path: str | None,
