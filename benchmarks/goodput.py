@@ -556,7 +556,7 @@ def _score(runs: list[dict], rounds: list[dict[str, dict]]) -> None:
     """Each run's goodput (its system's mean uninterrupted wall / its total; 0 for a job that
     never finished by itself) and ``vs_plain`` (the plain loop's mean uninterrupted wall / its
     total)."""
-    from report import mean_uninterrupted
+    from report_goodput import mean_uninterrupted
 
     reference = mean_uninterrupted(rounds)
     for r in runs:
