@@ -683,7 +683,7 @@ def main() -> None:
         )
 
     sys.path.insert(0, HERE)
-    from run import StandingServer
+    from standing_server import StandingServer
 
     systems = args.systems.split(",")
     periods = [float(p) for p in args.periods.split(",") if p]

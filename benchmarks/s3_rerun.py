@@ -62,8 +62,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import goodput_lm
-    from run import StandingServer
     from s3_server import ACCESS_KEY, SECRET_KEY, S3Server, isolate_aws_env
+    from standing_server import StandingServer
 
     # (enough steps that no rerun finds the job finished: about 13 steps a rerun here)
     job = argparse.Namespace(

@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, HERE)
     import psutil
-    from run import StandingServer
+    from standing_server import StandingServer
 
     def process_cpu_s(pid: int) -> float:
         t = psutil.Process(pid).cpu_times()
