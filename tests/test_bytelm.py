@@ -56,6 +56,11 @@ def test_an_empty_corpus_folder_is_a_clear_error(tmp_path, monkeypatch):
         corpus.CorpusError, match=f"no .py files under '{empty}'.*{corpus.SOURCE_ENV}"
     ):
         corpus.build(32, cache=str(tmp_path / "cache"))
+    # a folder that is not there says so (a typo in the path, not an empty folder)
+    missing = tmp_path / "missing"
+    with pytest.raises(corpus.CorpusError, match=f"no folder '{missing}'.*program param source"):
+        corpus.build(32, cache=str(tmp_path / "cache"), source=str(missing))
+    assert not (tmp_path / "cache").exists()  # nothing built of either
 
 
 def test_config_from_the_environment():
@@ -93,6 +98,8 @@ def test_config_values_a_run_could_only_fail_on_are_refused_naming_the_field():
         ("warmup_steps", -1, "must be at least 0"),
         ("n_heads", 0, "must be at least 1"),
         ("compute_dtype", "float16", "use 'float32' or 'bfloat16'"),
+        # an axis its shardings never use: every device would hold the whole state and batch
+        ("mesh", {"data": -1, "tensor": 2}, "the byte LM shards over the axes 'data' (FSDP"),
     ]:
         message = re.escape(f"{field}={value!r}: {rule}")
         with pytest.raises(ValueError, match=message):

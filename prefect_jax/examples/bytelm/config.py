@@ -44,9 +44,10 @@ class Config:
             machine.
         read_threads: Grain's reading threads for training batches (0: the training thread).
         prefetch: batches Grain reads ahead (with threads).
-        mesh: the device mesh, ``{axis: size}`` (None: ``{"data": -1}``, every device on one
-            axis): the state is FSDP-sharded over ``data`` and, with a ``model`` axis, its
-            matmul weights split tensor-parallel over ``model`` (see `ByteLMProgram.shardings`).
+        mesh: the device mesh, ``{axis: size}`` over the axes ``data`` and ``model`` (None:
+            ``{"data": -1}``, every device on one axis): the state is FSDP-sharded over ``data``
+            and, with a ``model`` axis, its matmul weights split tensor-parallel over ``model``
+            (see `ByteLMProgram.shardings`); another axis is refused.
     """
 
     seq_len: int = 256
@@ -111,6 +112,22 @@ class Config:
             self.compute_dtype in ("float32", "bfloat16"),
             "use 'float32' or 'bfloat16'",
         )
+        # `ByteLMProgram.shardings` uses these two axes only: any other would be a mesh whose
+        # devices all hold the whole state and the whole batch (a typo for "model" trains
+        # without its tensor parallelism), so it is refused rather than run.
+        unknown = sorted(set(self.mesh or {}) - set(MESH_AXES))
+        _refuse_unless(
+            self,
+            "mesh",
+            not unknown,
+            f"the byte LM shards over the axes {MESH_AXES[0]!r} (FSDP and the batch) and "
+            f"{MESH_AXES[1]!r} (tensor parallel) only, not {', '.join(map(repr, unknown))}: "
+            'e.g. {"data": -1, "model": 2}',
+        )
+
+
+MESH_AXES = ("data", "model")
+"""The mesh axes `ByteLMProgram.shardings` places the state and the batch on."""
 
 
 def _refuse_unless(config: Config, name: str, holds: bool, rule: str) -> None:

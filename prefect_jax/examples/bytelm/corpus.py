@@ -132,10 +132,16 @@ def _build_into(final: str, root: str, window: int, max_files: int | None) -> No
 
     files = source_files(root, max_files)
     if not files:
+        stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"])
+        given = (
+            f"the standard library of {sys.executable}"
+            if root == stdlib
+            else f"the program param source or ${SOURCE_ENV}"
+        )
+        found = "no .py files under" if os.path.isdir(root) else "no folder"
         raise CorpusError(
-            f"no .py files under {root!r}, the byte-level LM's corpus folder: it is the "
-            f"standard library of {sys.executable}, or the program param source, or the folder "
-            f"in ${SOURCE_ENV}: name a folder of .py files (or neither, for the standard library)"
+            f"{found} {root!r}, the byte-level LM's corpus folder ({given}): name a folder of "
+            f".py files there (or neither, for the standard library)"
         )
     splits = dict(zip(("train", "eval"), split_files(files), strict=True))
     os.makedirs(os.path.dirname(final), exist_ok=True)
