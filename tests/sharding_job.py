@@ -146,7 +146,38 @@ def bad_mode() -> None:
             refused[name] = None
         except ValueError as exc:
             refused[name] = f"{type(exc).__name__}: {exc}"
-    print(json.dumps({"refused": refused, "annotated": annotated()}), flush=True)
+    print(
+        json.dumps({"refused": refused, "annotated": annotated(), "idle": idle_axis_warnings()}),
+        flush=True,
+    )
+
+
+def idle_axis_warnings() -> dict:
+    """The warnings logged as `Loop`s are made on a 4 x 2 mesh whose second axis the program's
+    shardings and batches use or not (its 2 devices then repeat the same work)."""
+    import logging
+
+    from prefect_jax.training.loop import Loop
+    from prefect_jax.training.specs import TrainSpec
+
+    class Spare(ByteLMProgram):
+        mesh_axes = {"data": 4, "spare": 2}  # FSDP over data; nothing names "spare"
+
+    class Used(ByteLMProgram):
+        mesh_axes = {"data": 4, "model": 2}  # the LM splits its matmuls over "model"
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("prefect_jax.trainer")
+    logger.addHandler(handler)
+    out = {}
+    for name, cls in (("spare", Spare), ("used", Used)):
+        said.clear()
+        Loop(cls(PRESETS["tiny"]), TrainSpec(max_steps=1))
+        out[name] = [m for m in said if "splits neither" in m]
+    logger.removeHandler(handler)
+    return out
 
 
 def job_mode(storage: str, mlflow_uri: str, max_steps: str, pace: str) -> None:

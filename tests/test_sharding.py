@@ -117,6 +117,33 @@ def test_bad_meshes_specs_and_batches_are_refused_before_any_compute_and_nnx_ann
     # trained sharded as its annotations say.
     assert result["annotated"]["kernel"] == "P(None, 'model')"
     assert np.isfinite(result["annotated"]["loss"])
+    # A mesh axis that splits neither the state nor the batches: a warning naming it, as the
+    # loop is made (the job runs: a model may use it in constraints the engine cannot see).
+    assert result["idle"] == {
+        "spare": [
+            "mesh axis 'spare' of {'data': 4, 'spare': 2} splits neither the state nor the "
+            "batches: its 2 devices each repeat the same work. Name it in the program's "
+            "shardings (or batch_spec), or leave it out of mesh_axes"
+        ],
+        "used": [],
+    }
+
+
+def test_idle_axes_are_the_axes_of_several_devices_no_spec_names():
+    from jax.sharding import NamedSharding
+
+    from prefect_jax.training.sharded_state import idle_axes
+
+    mesh = AbstractMesh((4, 2, 1), ("data", "model", "one"))
+    batch = NamedSharding(mesh, PartitionSpec("data"))
+    fsdp_only = {"w": PartitionSpec("data", None), "b": None}
+    assert idle_axes(mesh, fsdp_only, batch) == ["model"]  # "one": a single device, idle or not
+    tensor = {"w": PartitionSpec("data", "model"), "b": NamedSharding(mesh, PartitionSpec())}
+    assert idle_axes(mesh, tensor, batch) == []
+    both = NamedSharding(mesh, PartitionSpec(("data", "model")))  # the batch over both axes
+    assert idle_axes(mesh, fsdp_only, both) == []
+    replicated = NamedSharding(mesh, PartitionSpec())
+    assert idle_axes(mesh, {"w": None, "b": replicated}, replicated) == ["data", "model"]
 
 
 @pytest.mark.slow

@@ -41,7 +41,11 @@ from prefect_jax.training.compiled_steps import (
 from prefect_jax.training.data_positions import iterate
 from prefect_jax.training.evaluation import aggregate, eval_batches
 from prefect_jax.training.progress import listening, notify_progress
-from prefect_jax.training.sharded_state import sharded_abstract_state, traced_init
+from prefect_jax.training.sharded_state import (
+    sharded_abstract_state,
+    traced_init,
+    warn_of_idle_axes,
+)
 from prefect_jax.training.sharding import (
     check_batch,
     check_first_batch,
@@ -120,6 +124,7 @@ class Loop:
             self.state_sharding = None  # one per leaf, set by `abstract_state` below
             self.abstract_state  # noqa: B018 - its shardings checked now, before any compute
             check_first_batch(program.train_data(spec.seed), self.batch_sharding)
+            warn_of_idle_axes(self.mesh, self.state_sharding, self.batch_sharding)
             shardings = (self.state_sharding, self.batch_sharding, self._stacked_sharding)
             shardings += (self.replicated,)
         else:

@@ -5,17 +5,20 @@ The loop builds its abstract state here (`sharded_abstract_state`); the command'
 (`check_sharding`) runs the same on this process's devices, so that a mesh that does not fit, an
 annotation or a PartitionSpec naming an axis the mesh lacks, a dimension the axis does not divide
 or a batch the data axis does not divide is one error line before the flow run starts, not a
-failed restore task with a traceback.
+failed restore task with a traceback. A mesh axis that splits nothing (`idle_axes`) is only
+warned of, as the loop starts (`warn_of_idle_axes`).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from prefect_jax.training.sharding import (
     ShardingError,
@@ -23,9 +26,12 @@ from prefect_jax.training.sharding import (
     declares_sharding,
     init_with_mesh,
     placement,
+    spec_axes,
     state_shardings,
     under_mesh,
 )
+
+logger = logging.getLogger("prefect_jax.trainer")
 
 
 def traced_init(program: Any, mesh: Mesh) -> Callable:
@@ -115,3 +121,32 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None):
     if resumed is None or trained_on != dict(mesh.shape):
         return sharded_abstract_state(program, mesh, seed)[0]
     return None
+
+
+def idle_axes(mesh: Mesh, state_sharding, batch: NamedSharding) -> list[str]:
+    """The mesh's axes of more than one device that split neither the batches nor any leaf of
+    the state: the devices along such an axis hold the same state and the same batch, and
+    repeat the same work (a mesh axis the program's ``shardings`` and ``batch_spec`` never
+    name, such as a misspelt one). Leaves of `state_sharding` are NamedShardings or
+    PartitionSpecs."""
+    used = set(spec_axes(batch.spec))
+    for leaf in jax.tree.leaves(state_sharding):
+        used.update(spec_axes(getattr(leaf, "spec", leaf)))
+    return [axis for axis, size in mesh.shape.items() if size > 1 and axis not in used]
+
+
+def warn_of_idle_axes(mesh: Mesh, state_sharding, batch: NamedSharding) -> list[str]:
+    """Log a warning naming the mesh's `idle_axes` (the job still runs: a model may use an axis
+    the engine cannot see, in its own sharding constraints); returns them."""
+    idle = idle_axes(mesh, state_sharding, batch)
+    if idle:
+        devices = math.prod(mesh.shape[a] for a in idle)
+        logger.warning(
+            "mesh axis %s of %s splits neither the state nor the batches: its %d devices each "
+            "repeat the same work. Name it in the program's shardings (or batch_spec), or leave "
+            "it out of mesh_axes",
+            ", ".join(map(repr, idle)),
+            dict(mesh.shape),
+            devices,
+        )
+    return idle

@@ -43,6 +43,7 @@ __all__ = [
     "fsdp",
     "init_with_mesh",
     "replicas",
+    "spec_axes",
     "state_shardings",
     "under_mesh",
 ]
@@ -135,7 +136,8 @@ def build_mesh(axes: dict[str, int] | None, devices: Sequence | None = None) -> 
     return Mesh(np.array(devices).reshape(sizes), names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def _axes_of(spec: PartitionSpec) -> list[str]:
+def spec_axes(spec: PartitionSpec) -> list[str]:
+    """The mesh axes `spec` names, in order (``P(None, ("data", "model"))``: data, model)."""
     out = []
     for entry in spec:
         if entry is None:
@@ -161,7 +163,7 @@ def _named(spec, shape, mesh: Mesh, where: str) -> NamedSharding:
             f"{where}: {spec!r} is not a PartitionSpec, NamedSharding or None: return one per "
             "leaf of the state (e.g. jax.sharding.PartitionSpec('data'))"
         )
-    unknown = [a for a in _axes_of(spec) if a not in mesh.shape]
+    unknown = [a for a in spec_axes(spec) if a not in mesh.shape]
     if unknown:
         raise ShardingError(
             f"{where}: {spec} names axis {unknown[0]!r}, which the mesh {dict(mesh.shape)} lacks: "
@@ -225,7 +227,7 @@ def batch_sharding(spec: PartitionSpec | None, mesh: Mesh) -> NamedSharding:
     if spec is None:
         axes = tuple(a for a in mesh.axis_names if a in DATA_AXES)
         spec = PartitionSpec(axes if len(axes) > 1 else (axes[0] if axes else None))
-    unknown = [a for a in _axes_of(spec) if a not in mesh.shape]
+    unknown = [a for a in spec_axes(spec) if a not in mesh.shape]
     if unknown:
         raise ShardingError(
             f"batch_spec {spec} names axis {unknown[0]!r}, which the mesh {dict(mesh.shape)} "
