@@ -142,12 +142,12 @@ def test_a_factorys_typed_params_are_validated_and_build_the_program():
             "programs:typed_digits",
             {"width": "wide"},
             r"width='wide': Input should be a valid integer, unable to parse string as an "
-            r"integer$",
+            r"integer \(width takes int\)$",
         ),
         (
             "programs:dataclass_digits",
             {"dropout": [1]},
-            r"dropout=\[1\]: Input should be a valid number$",
+            r"dropout=\[1\]: Input should be a valid number \(dropout takes float\)$",
         ),
         (
             "programs:typed_digits",

@@ -209,7 +209,8 @@ def validate_params(
 
     Raises:
         ProgramParamsError: `given` is not a dict, names a field `tp` lacks, or a value its
-            field refuses; the message names the key and value and lists the fields and types.
+            field refuses; the message names the key and value, and lists the fields and types
+            (a refused value: its field's type).
     """
     from pydantic import TypeAdapter, ValidationError
 
@@ -245,7 +246,9 @@ def validate_params(
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or tp.__name__
             value = err.get("input")
-            problems.append(f"{loc}={value!r}: {err['msg']}")
+            field = str(err["loc"][0]) if err["loc"] else None
+            takes = f" ({field} takes {fields[field]})" if field in fields else ""
+            problems.append(f"{loc}={value!r}: {err['msg']}{takes}")
         # (the refused field is named, with what it takes: the other fields would bury it)
         raise ProgramParamsError(
             f"program params for {where} refused: {'; '.join(problems)}"
