@@ -1,8 +1,10 @@
 """BENCHMARKS.md is rendered by `benchmarks/report.py` and its `report_<subject>.py` modules from
 the raw results of the last `run.py` (BENCHMARKS.json) and the records kept beside them. The
 renderer must still run on those files and give every section the page has: a section that the
-renderer lost (or that was added to the page by hand with no renderer) would vanish or go stale at
-the next `run.py`."""
+renderer lost (or that was added to the page by hand with no renderer) would vanish at the next
+`run.py`. Only the headings are compared: the page also holds paragraphs written by hand inside
+its sections (hand-run A/B probes, GPU notes), which a full `run.py` would drop; move one into
+its record or its `report_*.py` module before rerunning `run.py`."""
 
 import os
 import re

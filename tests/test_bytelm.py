@@ -61,6 +61,15 @@ def test_an_empty_corpus_folder_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(corpus.CorpusError, match=f"no folder '{missing}'.*program param source"):
         corpus.build(32, cache=str(tmp_path / "cache"), source=str(missing))
     assert not (tmp_path / "cache").exists()  # nothing built of either
+    # the standard library's folder (neither named) without sources: how to name another
+    monkeypatch.delenv(corpus.SOURCE_ENV)
+    monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: {"stdlib": str(empty)})
+    with pytest.raises(
+        corpus.CorpusError,
+        match=f"the standard library of .*: set the program param source \\(or "
+        f"\\${corpus.SOURCE_ENV}\\) to a folder",
+    ):
+        corpus.build(32, cache=str(tmp_path / "cache"))
 
 
 def test_config_from_the_environment():
@@ -99,7 +108,11 @@ def test_config_values_a_run_could_only_fail_on_are_refused_naming_the_field():
         ("n_heads", 0, "must be at least 1"),
         ("compute_dtype", "float16", "use 'float32' or 'bfloat16'"),
         # an axis its shardings never use: every device would hold the whole state and batch
-        ("mesh", {"data": -1, "tensor": 2}, "the byte LM shards over the axes 'data' (FSDP"),
+        (
+            "mesh",
+            {"data": -1, "tensor": 2},
+            "the byte LM places its state on the axes 'data' (FSDP",
+        ),
     ]:
         message = re.escape(f"{field}={value!r}: {rule}")
         with pytest.raises(ValueError, match=message):

@@ -136,10 +136,11 @@ def idle_axes(mesh: Mesh, state_sharding, batch: NamedSharding) -> list[str]:
 
 
 def warn_of_idle_axes(mesh: Mesh, state_sharding, batch: NamedSharding) -> list[str]:
-    """Log a warning naming the mesh's `idle_axes` (the job still runs: a model may use an axis
-    the engine cannot see, in its own sharding constraints); returns them."""
+    """Log a warning naming the mesh's `idle_axes`, from the first JAX process (the job still
+    runs: a model may use an axis the engine cannot see, in its own sharding constraints);
+    returns them."""
     idle = idle_axes(mesh, state_sharding, batch)
-    if idle:
+    if idle and jax.process_index() == 0:  # (each process builds the same mesh: one line)
         devices = math.prod(mesh.shape[a] for a in idle)
         logger.warning(
             "mesh axis %s of %s splits neither the state nor the batches: its %d devices each "

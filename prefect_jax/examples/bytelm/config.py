@@ -112,16 +112,16 @@ class Config:
             self.compute_dtype in ("float32", "bfloat16"),
             "use 'float32' or 'bfloat16'",
         )
-        # `ByteLMProgram.shardings` uses these two axes only: any other would be a mesh whose
-        # devices all hold the whole state and the whole batch (a typo for "model" trains
-        # without its tensor parallelism), so it is refused rather than run.
-        unknown = sorted(set(self.mesh or {}) - set(MESH_AXES))
+        # `ByteLMProgram.shardings` places the state on these two axes only. Another axis would
+        # split nothing of the state (an "fsdp" axis: data parallel, not FSDP; a typo for
+        # "model": no tensor parallelism), so it is refused rather than run as something else.
+        unknown = sorted(set(self.mesh or {}) - set(MESH_AXES), key=str)
         _refuse_unless(
             self,
             "mesh",
             not unknown,
-            f"the byte LM shards over the axes {MESH_AXES[0]!r} (FSDP and the batch) and "
-            f"{MESH_AXES[1]!r} (tensor parallel) only, not {', '.join(map(repr, unknown))}: "
+            f"the byte LM places its state on the axes {MESH_AXES[0]!r} (FSDP, and the batch) "
+            f"and {MESH_AXES[1]!r} (tensor parallel) only, not {', '.join(map(repr, unknown))}: "
             'e.g. {"data": -1, "model": 2}',
         )
 

@@ -118,7 +118,8 @@ def build(
     root, window = source_root(source), seq_len + 1
     final = os.path.join(cache or cache_root(), "bytelm", corpus_key(root, window, max_files))
     if not os.path.exists(os.path.join(final, META)):
-        _build_into(final, root, window, max_files)
+        named = bool(source or os.environ.get(SOURCE_ENV))
+        _build_into(final, root, window, max_files, named)
     with open(os.path.join(final, META)) as f:
         meta = json.load(f)
     shards = {
@@ -127,22 +128,27 @@ def build(
     return Corpus(final, window, shards, meta["windows"], meta["files"])
 
 
-def _build_into(final: str, root: str, window: int, max_files: int | None) -> None:
+def _build_into(
+    final: str, root: str, window: int, max_files: int | None, named: bool = True
+) -> None:
+    """Build the corpus of `root`'s files into `final`; `named`: the folder was given (the
+    program param ``source`` or the environment), not the standard library's default."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
     files = source_files(root, max_files)
     if not files:
-        stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"])
-        given = (
-            f"the standard library of {sys.executable}"
-            if root == stdlib
-            else f"the program param source or ${SOURCE_ENV}"
-        )
         found = "no .py files under" if os.path.isdir(root) else "no folder"
-        raise CorpusError(
-            f"{found} {root!r}, the byte-level LM's corpus folder ({given}): name a folder of "
-            f".py files there (or neither, for the standard library)"
-        )
+        if named:
+            where = (
+                f"named by the program param source or ${SOURCE_ENV}: name a folder of .py "
+                "files there, or neither for the standard library"
+            )
+        else:
+            where = (
+                f"the standard library of {sys.executable}: set the program param source (or "
+                f"${SOURCE_ENV}) to a folder of .py files"
+            )
+        raise CorpusError(f"{found} {root!r}, the byte-level LM's corpus folder {where}")
     splits = dict(zip(("train", "eval"), split_files(files), strict=True))
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
