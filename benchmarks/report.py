@@ -22,6 +22,7 @@ from report_costs import (
     thread_cpu_markdown,
 )
 from report_goodput import goodput_lm_markdown, goodput_markdown, goodput_summary
+from report_hand_notes import apply_hand_notes
 from report_restart import restart_markdown, s3_rerun_markdown, worker_rerun_markdown
 from report_scale import gpu_markdown, lm_gpu_markdown, multiprocess_markdown
 from report_targets import targets_markdown
@@ -383,7 +384,7 @@ def storage_markdown(report: dict) -> list[str]:
     ]
 
 
-def write_markdown(report: dict, summary: dict) -> str:
+def write_markdown(report: dict, summary: dict, hand_notes: bool = True) -> str:
     m = report["machine"]
     out = [
         "# Benchmarks",
@@ -412,4 +413,5 @@ def write_markdown(report: dict, summary: dict) -> str:
     out += floor_markdown()
     out += storage_markdown(report)
     out += ["", "## JSON", "", "```json", json.dumps(summary), "```", ""]
-    return "\n".join(out)
+    page = "\n".join(out)
+    return apply_hand_notes(page) if hand_notes else page

@@ -1,29 +1,24 @@
 """BENCHMARKS.md is rendered by `benchmarks/report.py` and its `report_<subject>.py` modules from
-the raw results of the last `run.py` (BENCHMARKS.json) and the records kept beside them. The
-renderer must still run on those files and give every section the page has: a section that the
-renderer lost (or that was added to the page by hand with no renderer) would vanish at the next
-`run.py`. Only the headings are compared: the page also holds paragraphs written by hand inside
-its sections (hand-run A/B probes, GPU notes), which a full `run.py` would drop; move one into
-its record or its `report_*.py` module before rerunning `run.py`."""
+the raw results of the last `run.py` (BENCHMARKS.json), the records kept beside them and the
+paragraphs written by hand (benchmarks/HAND_NOTES.json, placed by `report_hand_notes`). The
+rendering must be the page itself: a section the renderer lost, or a paragraph written into the
+page and not into HAND_NOTES.json, would vanish at the next `run.py`."""
 
+import difflib
 import os
-import re
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
-def _headings(markdown: str) -> list[str]:
-    return re.findall(r"^#{1,4} .*$", markdown, flags=re.M)
-
-
-def test_the_renderer_gives_every_section_of_benchmarks_md(tmp_path):
+def test_the_rendered_page_is_benchmarks_md(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
     subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "benchmarks", "run.py"),
+            os.path.join(BENCHMARKS, "run.py"),
             "--render",
             os.path.join(ROOT, "BENCHMARKS.json"),
             "--out",
@@ -35,7 +30,32 @@ def test_the_renderer_gives_every_section_of_benchmarks_md(tmp_path):
     )
     with open(os.path.join(ROOT, "BENCHMARKS.md")) as f:
         page = f.read()
-    assert _headings(out.read_text()) == _headings(page), (
-        "BENCHMARKS.md's headings differ from what `benchmarks/run.py --render BENCHMARKS.json` "
-        "writes: render the new section from its record in benchmarks/report*.py"
+    rendered = out.read_text()
+    diff = list(difflib.unified_diff(rendered.split("\n"), page.split("\n"), lineterm="", n=0))
+    assert rendered == page, (
+        "BENCHMARKS.md differs from `benchmarks/run.py --render BENCHMARKS.json` (rendered -> "
+        "page below): render a new section from its record in benchmarks/report*.py, or keep a "
+        "hand-written paragraph with `python benchmarks/report_hand_notes.py --from-page "
+        "BENCHMARKS.md`\n" + "\n".join(line[:160] for line in diff[:20])
     )
+
+
+def test_a_hand_note_whose_line_is_gone_is_kept_at_the_end():
+    sys.path.insert(0, BENCHMARKS)
+    from report_hand_notes import ORPHANS, apply_hand_notes, notes_between
+
+    rendered = "# B\n\nrow 1.0\n\n## S\n\nx = 2\n"
+    page = "# B\n\nrow 1.0\n\nmy probe\n\n## S\n\nx = 2 (by hand)\n"
+    notes = notes_between(rendered, page)
+    assert apply_hand_notes(rendered, notes) == page
+    # a rerun changed the lines the notes follow or replace: nothing is dropped
+    again = apply_hand_notes("# B\n\nrow 1.1\n\n## S\n\nx = 3\n", notes)
+    assert again.split(ORPHANS)[1].split("\n") == [
+        "",
+        "",
+        "my probe",
+        "",
+        "",
+        "x = 2 (by hand)",
+        "",
+    ]
