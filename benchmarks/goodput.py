@@ -22,7 +22,7 @@ slow uninterrupted run is not flattered. Systems:
 - ``keras``: Keras 3 ``fit`` on JAX with ``BackupAndRestore`` (one epoch = --every steps).
 - ``plain_prefect`` and ``plain_flow`` (`floor.py`'s rerun floor; not in the default
   ``--systems``): the plain loop importing Prefect first (the collector off for that import), and
-  the plain loop as a Prefect flow run of task runs (see `child_plain`).
+  the plain loop as a Prefect flow run of task runs (see `goodput_peers.child_plain`).
 
 The job must outlast the periods, or nothing is signalled and a row compares uninterrupted runs:
 where a system's uninterrupted run lasts less than --min-periods (1.5) of the longest period, the
@@ -65,199 +65,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-HIDDEN, BATCH = (1024, 1024), 256  # bench_programs.wide
 
 
 def log(msg: str) -> None:
     print(f"[goodput] {msg}", file=sys.stderr, flush=True)
-
-
-def _process_start() -> float:
-    sys.path.insert(0, os.path.dirname(HERE))
-    from prefect_jax.training.goodput import process_start_time  # imports neither jax nor prefect
-
-    return process_start_time()
-
-
-def _mark(workdir: str, **fields) -> None:
-    """One line per event of this process in <workdir>/attempts.jsonl (peers only)."""
-    with open(os.path.join(workdir, "attempts.jsonl"), "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "t": time.time(), **fields}) + "\n")
-
-
-# -- the peers (child processes) ----------------------------------------------------------------
-
-
-def child_plain(args) -> None:
-    """The plain loop. For `floor.py`'s rerun floor, as ``plain_prefect`` it imports Prefect
-    first, as the command does (its flows, before the program), with the garbage collector off
-    for that import only (the command keeps it off through all its imports, then freezes them),
-    and does nothing with it; as ``plain_flow`` it runs in a Prefect flow run that imports Prefect
-    first and splits the work into task runs as `train_and_evaluate` does (the restore in one,
-    each interval's steps and save in one, its evaluation in another), nothing else of
-    prefect-jax."""
-    _mark(args.workdir, event="start", process_start=_process_start())
-    in_flow = args.child == "plain_flow"
-    if args.child == "plain_prefect":
-        import gc
-
-        gc.disable()
-        import prefect  # noqa: F401
-
-        gc.enable()
-    if in_flow:  # as the command, which imports Prefect (its flows) before the program
-        from prefect import flow, task
-        from prefect.cache_policies import NO_CACHE
-    import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
-
-    sys.path.insert(0, HERE)
-    from bench_programs import wide as program
-
-    jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "compile-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    _mark(args.workdir, event="imported")
-    train_step, eval_step = (
-        jax.jit(program.train_step, donate_argnums=(0,)),
-        jax.jit(program.eval_step),
-    )  # as the engine
-    data = program.train_data(0)  # a random-access dataset: batch i is data[i]
-    manager = ocp.CheckpointManager(
-        os.path.join(args.workdir, "checkpoints"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True),
-    )
-
-    is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
-
-    def savable(tree):  # typed PRNG keys are stored as their raw key data
-        return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
-
-    live: dict = {"first": True}  # the state, and whether the first step is still to come
-
-    def restore() -> int:
-        step = manager.latest_step()
-        if step is None:
-            live["state"], step = jax.jit(program.init)(jax.random.key(0)), 0
-        else:
-            typed = jax.eval_shape(program.init, jax.random.key(0))
-            raw = manager.restore(
-                step,
-                args=ocp.args.StandardRestore(
-                    jax.eval_shape(lambda k: savable(program.init(k)), jax.random.key(0))
-                ),
-            )
-            live["state"] = jax.tree.map(
-                lambda t, x: jax.random.wrap_key_data(x) if is_key(t) else x, typed, raw
-            )
-        _mark(args.workdir, event="restored", step=int(step))
-        return int(step)
-
-    def evaluate(step: int) -> dict:
-        totals: dict = {}
-        for batch in program.eval_data():
-            for name, pair in jax.device_get(eval_step(live["state"], batch)).items():
-                totals[name] = totals.get(name, 0) + np.asarray(pair, np.float64)
-        return {name: float(s / n) for name, (s, n) in totals.items()}
-
-    def interval(step: int) -> int:
-        """The steps from `step` to the next checkpoint (or the end), then the save."""
-        while True:
-            live["state"], _ = train_step(live["state"], data[step])
-            step += 1
-            if live["first"]:
-                jax.block_until_ready(live["state"])
-                _mark(args.workdir, event="first_step")
-                live["first"] = False
-            if step % args.every == 0 or step == args.steps:
-                manager.save(step, args=ocp.args.StandardSave(savable(live["state"])), force=True)
-                return step
-
-    def job() -> int:
-        step = restore()
-        while step < args.steps:
-            step = interval(step)
-            evaluate(step)
-        manager.wait_until_finished()
-        return step
-
-    if in_flow:
-        restore = task(restore, name="restore_or_init", cache_policy=NO_CACHE)
-        interval = task(
-            interval,
-            name="train_until_checkpoint",
-            task_run_name="train {step}",
-            cache_policy=NO_CACHE,
-        )
-        evaluate = task(
-            evaluate, name="evaluate_if_new", task_run_name="evaluate {step}", cache_policy=NO_CACHE
-        )
-        step = flow(name="plain-in-task-runs")(job)()
-    else:
-        step = job()
-    manager.close()
-    _mark(args.workdir, event="done", step=step)
-
-
-def child_keras(args) -> None:
-    _mark(args.workdir, event="start", process_start=_process_start())
-    os.environ["KERAS_BACKEND"] = "jax"
-    import jax
-    import keras
-    import numpy as np
-
-    from prefect_jax.examples.digits import load_digits_split
-
-    jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "compile-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    _mark(args.workdir, event="imported")
-    x_train, y_train, x_test, y_test = load_digits_split()
-    rng = np.random.default_rng(0)
-    n = args.every * BATCH
-    idx = np.concatenate([rng.permutation(len(x_train)) for _ in range(-(-n // len(x_train)))])[:n]
-    x, y = x_train[idx], y_train[idx]
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(HIDDEN[0], activation="relu"),
-            keras.layers.Dense(HIDDEN[1], activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    workdir = args.workdir
-
-    class Marks(keras.callbacks.Callback):
-        first = True
-
-        def on_train_begin(self, logs=None):  # BackupAndRestore (listed before) has restored by now
-            _mark(workdir, event="restored", step=int(self.model.optimizer.iterations))
-
-        def on_train_batch_end(self, batch, logs=None):
-            if self.first:
-                _mark(workdir, event="first_step")
-                self.first = False
-
-    backup = keras.callbacks.BackupAndRestore(
-        backup_dir=os.path.join(workdir, "backup"), save_freq="epoch", delete_checkpoint=False
-    )
-    model.fit(
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=args.steps // args.every,
-        shuffle=False,
-        validation_data=(x_test, y_test),
-        validation_batch_size=360,
-        callbacks=[backup, Marks()],
-        verbose=0,
-    )
-    _mark(workdir, event="done", step=int(model.optimizer.iterations))
 
 
 # -- the harness --------------------------------------------------------------------------------
@@ -600,7 +411,7 @@ def _earlier_rounds(path: str, args, systems, periods, signals) -> dict:
     return earlier
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="prefect_jax,plain,keras")
     parser.add_argument(
@@ -661,15 +472,8 @@ def main() -> None:
     lm = args.model == "lm"
     args.steps = args.steps or (120 if lm else 8000)
     args.every = args.every or (10 if lm else 500)
-    if args.child and lm:
-        sys.path.insert(0, HERE)
-        import goodput_lm
-
-        {"keras": goodput_lm.child_keras, "plain": goodput_lm.child_plain}[args.child](args)
-        return
-    if args.child:
-        {"keras": child_keras}.get(args.child, child_plain)(args)
-        return
+    if args.child:  # a peer's attempt (`command`): the harness checked its flags
+        return args
     if lm and set(args.systems.split(",")) - {"prefect_jax", "plain", "keras"}:
         parser.error(f"--systems {args.systems!r}: --model lm has prefect_jax, plain and keras")
     if args.repeats < 1:
@@ -681,10 +485,16 @@ def main() -> None:
             f"--steps ({args.steps}) must be a multiple of --every ({args.every}): "
             "one Keras epoch is --every steps"
         )
+    return args
 
-    sys.path.insert(0, HERE)
+
+def measure(args) -> dict:
+    """Every system's uninterrupted runs, then its run per period and signal, in --repeats
+    rounds against one standing Prefect server; the result (with earlier rounds of --add-to),
+    scored."""
     from standing_server import StandingServer
 
+    lm = args.model == "lm"
     systems = args.systems.split(",")
     periods = [float(p) for p in args.periods.split(",") if p]
     signals = [s for s in args.signals.split(",") if s]
@@ -746,29 +556,42 @@ def main() -> None:
     report["uninterrupted"], report["uninterrupted_repeats"] = rounds[0], rounds
     _score(report["runs"], rounds)
     report["total_s"] = time.time() - t
+    return report
+
+
+def unfinished(report: dict, steps: int) -> list[str]:
+    """Each run (uninterrupted ones too) that never finished or ended at another step than
+    `steps`, said in a few words."""
+    return [
+        f"{r['system']} T={r['period_s']} {r['signal']}: "
+        + (f"never finished ({r['failed']})" if "failed" in r else f"final step {r['final_step']}")
+        for r in [
+            *(u for rnd in report["uninterrupted_repeats"] for u in rnd.values()),
+            *report["runs"],
+        ]
+        if "failed" in r or r.get("final_step") != steps
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    sys.path.insert(0, HERE)
+    if args.child:
+        if args.model == "lm":
+            import goodput_lm as peers
+        else:
+            import goodput_peers as peers
+        (peers.child_keras if args.child == "keras" else peers.child_plain)(args)
+        return
+    report = measure(args)
     line = json.dumps(report)
     if args.out:
         with open(args.out, "w") as f:
             f.write(line + "\n")
     print(line, flush=True)
-    if lm:  # a system that never finished, or finished elsewhere, is no goodput: say so loudly
-        bad = [
-            f"{r['system']} T={r['period_s']} {r['signal']}: "
-            + (
-                f"never finished ({r['failed']})"
-                if "failed" in r
-                else f"final step {r['final_step']}"
-            )
-            for r in [
-                *(u for rnd in report["uninterrupted_repeats"] for u in rnd.values()),
-                *report["runs"],
-            ]
-            if "failed" in r or r.get("final_step") != args.steps
-        ]
-        if bad:
-            sys.exit(
-                f"[goodput] expected every system to end at step {args.steps}: " + "; ".join(bad)
-            )
+    bad = unfinished(report, args.steps) if args.model == "lm" else []
+    if bad:  # a system that never finished, or finished elsewhere, is no goodput: say so loudly
+        sys.exit(f"[goodput] expected every system to end at step {args.steps}: " + "; ".join(bad))
 
 
 if __name__ == "__main__":

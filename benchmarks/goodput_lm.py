@@ -77,23 +77,16 @@ def prefect_jax_command(args, workdir: str) -> list[str]:
     return command(args, workdir, ["--program", PROGRAM, *params])
 
 
-def _compile_cache(workdir: str) -> None:
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "compile-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
 def child_plain(args) -> None:
     """`lm.py`'s bare loop, resumed from its newest checkpoint (state and Grain position)."""
-    from goodput import _mark, _process_start
+    from goodput_peers import mark, process_start, use_compile_cache
 
-    _mark(args.workdir, event="start", process_start=_process_start())
+    mark(args.workdir, event="start", process_start=process_start())
     import jax
     import lm as bare
 
-    _compile_cache(args.workdir)
-    _mark(args.workdir, event="imported")
+    use_compile_cache(args.workdir)
+    mark(args.workdir, event="imported")
     program = make_program(args)
     step_fn = jax.jit(program.train_step, donate_argnums=(0,))
     eval_fn = jax.jit(program.eval_step)
@@ -104,7 +97,7 @@ def child_plain(args) -> None:
         state, step = jax.jit(program.init)(jax.random.key(0)), 0
     else:
         state = bare.restore(mgr, step, program, it)
-    _mark(args.workdir, event="restored", step=int(step))
+    mark(args.workdir, event="restored", step=int(step))
     evaluations = os.path.join(args.workdir, "evaluations.jsonl")
 
     def evaluate(step: int) -> None:
@@ -116,21 +109,21 @@ def child_plain(args) -> None:
     if step > 0 and step not in _evaluated_steps(evaluations):
         began = time.time()
         evaluate(step)  # (its seconds are not the restart's: `goodput.breakdown`)
-        _mark(args.workdir, event="evaluated_again", step=int(step), secs=time.time() - began)
+        mark(args.workdir, event="evaluated_again", step=int(step), secs=time.time() - began)
     first = True
     while step < args.steps:
         state, _ = step_fn(state, next(it))
         step += 1
         if first:
             jax.block_until_ready(state)
-            _mark(args.workdir, event="first_step")
+            mark(args.workdir, event="first_step")
             first = False
         if step % args.every == 0 or step == args.steps:
             mgr.save(step, args=bare.save_args(state, it))
             evaluate(step)
     mgr.wait_until_finished()
     mgr.close()
-    _mark(args.workdir, event="done", step=step)
+    mark(args.workdir, event="done", step=step)
 
 
 def _evaluated_steps(path: str) -> set[int]:
@@ -180,15 +173,15 @@ def keras_model(cfg, keras):
 
 
 def child_keras(args) -> None:
-    from goodput import _mark, _process_start
+    from goodput_peers import mark, process_start, use_compile_cache
 
-    _mark(args.workdir, event="start", process_start=_process_start())
+    mark(args.workdir, event="start", process_start=process_start())
     os.environ["KERAS_BACKEND"] = "jax"
     import keras
     import numpy as np
 
-    _compile_cache(args.workdir)
-    _mark(args.workdir, event="imported")
+    use_compile_cache(args.workdir)
+    mark(args.workdir, event="imported")
     program = make_program(args)
     cfg = program.cfg
     # The same windows in the same order as the other systems' Grain iterator.
@@ -254,12 +247,12 @@ def child_keras(args) -> None:
             # batches are drawn after this call, so the first one is the epoch's first.
             if self.step is None:
                 self.step = data.offset = epoch * every
-                _mark(workdir, event="restored", step=self.step)
+                mark(workdir, event="restored", step=self.step)
 
         def on_train_batch_end(self, batch, logs=None):
             self.step += 1
             if self.first:
-                _mark(workdir, event="first_step")
+                mark(workdir, event="first_step")
                 self.first = False
 
     marks = Marks()
@@ -275,4 +268,4 @@ def child_keras(args) -> None:
         callbacks=[backup, marks],
         verbose=0,
     )
-    _mark(workdir, event="done", step=marks.step)
+    mark(workdir, event="done", step=marks.step)

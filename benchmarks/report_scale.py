@@ -1,5 +1,6 @@
 """BENCHMARKS.md's sections of the records made on a lent GPU machine (GPU-*.json, LM-GPU-*.json)
-and across several processes (MULTIPROCESS.json)."""
+and across several processes (the ``multiprocess`` entry of BENCHMARKS.json, which `run.py` runs;
+`multiprocess.py` alone writes the same as MULTIPROCESS.json)."""
 
 from __future__ import annotations
 

@@ -58,6 +58,7 @@ import sys
 import tempfile
 import time
 
+from run_sides import SIDES
 from standing_server import StandingServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,315 +69,6 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # every side loads .pyc files, 
 
 def log(msg: str) -> None:
     print(f"[run] {msg}", file=sys.stderr, flush=True)
-
-
-# -- the sides (each runs in a child process: `run.py --side NAME`) ------------------------------
-
-
-def import_jax_stack():
-    """The imports every side shares, done before its clock starts."""
-    import flax.nnx  # noqa: F401
-    import grain  # noqa: F401
-    import jax
-    import optax  # noqa: F401
-    import orbax.checkpoint  # noqa: F401
-
-    import prefect_jax.examples.digits  # noqa: F401
-
-    jax.devices()
-
-
-def deletion_threads() -> dict:
-    """Orbax's defaults, as a user writing the loop keeps them, unless BENCH_PLAIN_DELETION_THREADS
-    is set (`server_apart.py`: 1, as the engine, which on a machine of 4+ CPUs makes an interval
-    quicker: see its `num_deletion_threads`)."""
-    threads = os.environ.get("BENCH_PLAIN_DELETION_THREADS")
-    return {"num_deletion_threads": int(threads)} if threads else {}
-
-
-def run_plain(args, workdir: str) -> dict:
-    """The floor: jit(train_step) (or a jitted lax.scan of --dispatch steps), the program's Grain
-    pipeline, an async Orbax CheckpointManager, a full eval every --every steps."""
-    t_import = time.perf_counter()
-    if args.side == "plain_tasks":  # before the clock, as the flow side imports prefect_jax.flows
-        from prefect import flow, task
-        from prefect.cache_policies import NO_CACHE
-
-        import prefect_jax.flows  # noqa: F401
-    import_jax_stack()
-    import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
-
-    sys.path.insert(0, HERE)
-    from bench_programs import mlp as program
-
-    k = args.dispatch if args.side == "plain_scan" else 1
-    t0 = time.perf_counter()
-    donate = (0,)  # the state, as the engine donates it
-
-    def scan(state, batches):
-        return jax.lax.scan(program.train_step, state, batches)
-
-    train_step = jax.jit(program.train_step if k == 1 else scan, donate_argnums=donate)
-    eval_step = jax.jit(program.eval_step)
-    state = program.init(jax.random.key(0))
-    batches = iter(
-        program.train_data(0).to_iter_dataset(program.read_options)
-    )  # as the trainer reads it
-    manager = ocp.CheckpointManager(
-        os.path.join(workdir, "checkpoints"),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=3, enable_async_checkpointing=True, **deletion_threads()
-        ),
-    )
-
-    def evaluate(state) -> dict:
-        totals: dict = {}
-        for batch in program.eval_data():
-            for name, pair in jax.device_get(eval_step(state, batch)).items():
-                totals[name] = totals.get(name, 0) + np.asarray(pair, np.float64)
-        return {name: float(s / n) for name, (s, n) in totals.items()}
-
-    def savable(state):  # typed PRNG keys are not savable as is: store their raw key data
-        is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
-        return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, state)
-
-    clock = {"loop": None, "trained": None}
-
-    def interval(step: int) -> int:
-        """The steps from `step` to the next checkpoint (or the end), then the save."""
-        nonlocal state
-        while True:
-            if k == 1:
-                state, metrics = train_step(state, next(batches))
-                step += 1
-            else:
-                n = min(k, args.every - step % args.every)
-                chunk = [next(batches) for _ in range(n)]
-                state, metrics = train_step(state, jax.tree.map(lambda *xs: np.stack(xs), *chunk))
-                step += n
-            if clock["loop"] is None:
-                jax.block_until_ready(state)
-                clock["loop"] = time.perf_counter()
-            if step == args.steps:  # the last step's end (the save below would wait for it anyway)
-                jax.block_until_ready(state)
-                clock["trained"] = time.perf_counter()
-            if step % args.every == 0 or step == args.steps:
-                manager.save(step, args=ocp.args.StandardSave(savable(state)), force=True)
-                return step
-
-    def intervals(train=interval, evaluation=lambda step: evaluate(state)) -> dict:
-        step, result = 0, {}
-        while step < args.steps:
-            step = train(step)
-            result = evaluation(step)
-        manager.wait_until_finished()
-        return result
-
-    if (
-        args.side == "plain_tasks"
-    ):  # each interval's steps and save in one task run, its evaluation in another
-        train_task = task(
-            interval,
-            name="train_until_checkpoint",
-            task_run_name="train {step}",
-            cache_policy=NO_CACHE,
-        )
-        eval_task = task(
-            lambda step: evaluate(state),
-            name="evaluate_if_new",
-            task_run_name="evaluate {step}",
-            cache_policy=NO_CACHE,
-        )
-        in_task_runs = flow(name="plain-in-task-runs")(lambda: intervals(train_task, eval_task))
-        result = in_task_runs()
-    else:
-        result = intervals()
-    t_loop, t_trained = clock["loop"], clock["trained"]
-    manager.close()
-    t_end = time.perf_counter()
-    return {
-        "wall_s": t_end - t0,
-        "loop_s": t_end - t_loop,
-        "train_s": t_trained - t_loop,
-        "import_s": t0 - t_import,
-        "eval": result,
-        "jax": jax.__version__,
-        "devices": str(jax.devices()),
-    }
-
-
-def run_prefect_jax(args, workdir: str) -> dict:
-    """The `train_and_evaluate` flow, timed from outside: the engine's entry points are wrapped
-    (not changed) to find the end of the first step and to split the time spent in the engine,
-    in MLflow and (the rest) in Prefect."""
-    t_import = time.perf_counter()
-    mlflow_uri = f"sqlite:///{workdir}/mlflow.db"
-    from prefect_jax.flows import train_and_evaluate
-
-    # Where a deployment's flow run starts its MLflow worker: once Prefect and the flows are
-    # imported, its body asks for it (`mlflow_client.warm_up`) before the restore task imports JAX,
-    # Orbax, Grain and the program, so MLflow imports and opens its store on the other core
-    # meanwhile. This side imports those before its clocks start, so it asks here, before them,
-    # not on the training loop, where no flow run or command has it.
-    try:
-        from prefect_jax.training.mlflow_client import warm_up
-    except ImportError:  # an older checkout (--baseline): its tracking module, if it has one
-        try:
-            from prefect_jax.training.tracking import warm_up
-        except ImportError:
-            warm_up = None
-    if warm_up is None:
-        warmed_first = False
-    else:
-        warm_up(mlflow_uri)
-        warmed_first = True
-    import_jax_stack()
-    import jax
-
-    sys.path.insert(0, HERE)  # for "bench_programs:mlp"
-    from prefect_jax.training import tracking
-    from prefect_jax.training import trainer as trainer_mod
-    from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
-
-    clock: dict = {"engine_s": 0.0, "mlflow_s": 0.0, "first_step_at": None, "trained_at": None}
-
-    def timed(cls, name, key):
-        original = getattr(cls, name)
-
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return original(*a, **kw)
-            finally:
-                clock[key] += time.perf_counter() - t
-
-        setattr(cls, name, wrapper)
-
-    for name in (
-        "train_until_checkpoint",
-        "evaluate_if_new",
-        "export",
-        "restore_or_init",
-        "finish",
-    ):
-        timed(trainer_mod.Trainer, name, "engine_s")
-    # log_metrics and has_metric_at: the names in older checkouts (--baseline)
-    for name in (
-        "start",
-        "log_new_metrics",
-        "log_metrics_once",
-        "log_metrics",
-        "finish",
-        "has_metric_at",
-        "set_tags",
-        "log_artifacts",
-    ):
-        if hasattr(tracking.Tracker, name):
-            timed(tracking.Tracker, name, "mlflow_s")
-    init = trainer_mod.Trainer.__init__
-
-    def init_and_watch_first_step(self, *a, **kw):
-        init(self, *a, **kw)
-        # The compiled steps live on trainer.loop; older checkouts
-        # (--baseline) kept them on the trainer.
-        loop = getattr(self, "loop", None)
-        steps = (
-            [(loop, "train_step"), (loop, "scan_steps")]
-            if loop is not None
-            else [(self, "_train_step"), (self, "_scan_steps")]
-        )
-        for owner, attr in steps:
-            fn = getattr(owner, attr, None)
-            if fn is None:
-                continue
-
-            def first(*fa, _fn=fn, **fkw):
-                out = _fn(*fa, **fkw)
-                if clock["first_step_at"] is None:
-                    jax.block_until_ready(out)
-                    clock["first_step_at"] = time.perf_counter()
-                return out
-
-            first.lower = fn.lower  # the engine's precompile lowers the jitted step itself
-            setattr(owner, attr, first)
-
-    trainer_mod.Trainer.__init__ = init_and_watch_first_step
-    try:  # where the steps of an interval end (its last step done: the NaN guard read waits for it)
-        from prefect_jax.training.loop import Loop
-    except ImportError:  # an older checkout (--baseline)
-        Loop = None
-    if Loop is not None:
-        run_steps = Loop.run
-
-        def run_and_watch_last_step(self, *a, **kw):
-            interval = run_steps(self, *a, **kw)
-            clock["trained_at"] = time.perf_counter()
-            return interval
-
-        Loop.run = run_and_watch_last_step
-    train = {"max_steps": args.steps, "log_every_steps": 50}
-    if args.side == "prefect_jax_scan":
-        train["steps_per_dispatch"] = args.dispatch
-    profiler = None
-    if args.profile:
-        from pyinstrument import Profiler
-
-        profiler = Profiler(interval=0.0005)
-        profiler.start()
-    t0 = time.perf_counter()
-    summary = train_and_evaluate(
-        program="bench_programs:mlp",
-        job="bench",
-        storage=workdir,
-        train_spec=TrainSpec(**train),
-        checkpoint_spec=CheckpointSpec(every_steps=args.every, keep_last=3),
-        eval_spec=EvalSpec(),
-        mlflow_tracking_uri=mlflow_uri,
-    )
-    t_end = time.perf_counter()
-    if profiler is not None:
-        profiler.stop()
-        with open(args.profile, "w") as f:
-            f.write(profiler.output_text(unicode=True, color=False))
-    assert summary["final_step"] == args.steps, summary
-    loop_s = t_end - clock["first_step_at"]
-    train_s = (
-        clock["trained_at"] - clock["first_step_at"] if clock["trained_at"] is not None else None
-    )
-    import prefect_jax
-
-    return {
-        "wall_s": t_end - t0,
-        "loop_s": loop_s,
-        "train_s": train_s,
-        "import_s": t0 - t_import,
-        "eval": summary["eval"],
-        "engine_s": clock["engine_s"],
-        "mlflow_s": clock["mlflow_s"],
-        "prefect_s": (t_end - t0) - clock["engine_s"],
-        "code": os.path.dirname(prefect_jax.__file__),
-        "mlflow_warmed_first": warmed_first,
-    }
-
-
-def run_keras(args, workdir: str) -> dict:
-    sys.path.insert(0, HERE)
-    from keras_peer import run_keras as run
-
-    return run(args.steps, args.every, workdir)
-
-
-SIDES = {
-    "plain": run_plain,
-    "plain_scan": run_plain,
-    "plain_tasks": run_plain,
-    "prefect_jax": run_prefect_jax,
-    "prefect_jax_scan": run_prefect_jax,
-    "prefect_jax_ephemeral": run_prefect_jax,
-    "keras": run_keras,
-}
 
 
 # -- the parent --------------------------------------------------------------------------------
@@ -558,7 +250,7 @@ def machine() -> dict:
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument(
@@ -596,28 +288,38 @@ def main() -> None:
     )
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.render:
-        with open(args.render) as f:
-            write_report(json.load(f), args.out)
-        return
-
-    if args.side:
-        if os.environ.get(
-            "BENCH_THREAD_CPU"
-        ):  # benchmarks/thread_cpu.py: this side's CPU by thread
-            from thread_cpu import install
-
-            install(os.environ["BENCH_THREAD_CPU"])
-        with tempfile.TemporaryDirectory(prefix=f"bench-{args.side}-") as workdir:
-            print(json.dumps(SIDES[args.side](args, workdir)), flush=True)
-        return
-
     if args.quick:
         args.steps, args.every = 400, 100
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.render:
+        with open(args.render) as f:
+            write_report(json.load(f), args.out)
+        return
+    if args.side:  # a child process: one side's work (`side`)
+        if os.environ.get("BENCH_THREAD_CPU"):  # thread_cpu.py: this side's CPU by thread
+            from thread_cpu import install
+
+            install(os.environ["BENCH_THREAD_CPU"])
+        with tempfile.TemporaryDirectory(prefix=f"bench-{args.side}-") as workdir:
+            print(json.dumps(SIDES[args.side](args, workdir)), flush=True)
+        return
+    report = measure(args)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    write_report(report, args.out)
+
+
+def measure(args) -> dict:
+    """Every part of the run, in order (each part's function says what it measures): the raw
+    results that BENCHMARKS.json keeps."""
     work = tempfile.mkdtemp(prefix="prefect-jax-bench-")
     base_env = dict(
         os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING"
@@ -641,184 +343,180 @@ def main() -> None:
         )
         from goodput import warm_up
 
-        warm_up(
-            env
-        )  # a first flow run, not measured: the server registers the flow, the client its profile
-        peers = {}
-
-        def with_server_cpu(run):
-            """The server's CPU seconds for a side (same two cores): while it ran, and until the
-            server is idle again (it records a flow run's last events after the run ends)."""
-            before = server.cpu_s()
-            result = run()
-            server.settle(limit_s=10.0)
-            if result is not None:
-                result["server_cpu_s"] = server.cpu_s() - before
-                # Still busy after 10 s: its reading holds work that is not the side's.
-                if not server.settled:
-                    result["server_busy_after_s"] = round(server.settle_s, 1)
-                    log(
-                        f"the server was still busy {server.settle_s:.0f} s after that side: "
-                        "its server CPU includes other work"
-                    )
-            return result
-
-        before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline)) if args.baseline else None
-        # The headline sides, in interleaved rounds: a slow minute on these shared cores hits one
-        # round of every side, not every round of one side (ratios are medians of per-round ratios).
-        headline = [
-            "plain",
-            "plain_scan",
-            "prefect_jax",
-            "prefect_jax_scan",
-            "cli",
-            "cli_exports",
-            "keras",
-        ] + (["before"] if before_env else [])
-
-        def run_headline(name: str, label: str) -> dict | None:
-            if name == "keras":  # no standing server in its process
-                return side("keras", args, env, label=label)
-            if name == "before":
-                return side("prefect_jax", args, before_env, label=label)
-            if name in ("cli", "cli_exports"):
-                return with_server_cpu(
-                    lambda: run_cli(args, env, label=label, exports=name == "cli_exports")
-                )
-            return with_server_cpu(lambda: side(name, args, env, label=label))
-
-        def in_round(r: int) -> str:
-            return f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
-
-        rounds = [
-            {name: run_headline(name, name + in_round(r)) for name in headline}
-            for r in range(args.rounds)
-        ]
-        report["rounds"] = rounds
-        peers.update(median_results(rounds))
-        if (
-            args.profile
-        ):  # extra runs: a profiler slows what it watches, so these are not in the tables
-            side(
-                "prefect_jax",
-                args,
-                env,
-                label="prefect_jax, profiled",
-                profile=os.path.join(args.profile, "after.txt"),
-            )
-            if before_env:
-                side(
-                    "prefect_jax",
-                    args,
-                    before_env,
-                    label="before, profiled",
-                    profile=os.path.join(args.profile, "before.txt"),
-                )
-        ephemeral_env = dict(
-            base_env,
-            PREFECT_HOME=os.path.join(work, "ephemeral-home"),
-            PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
-            PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true",
-        )
-        peers["prefect_jax_ephemeral"] = side("prefect_jax_ephemeral", args, ephemeral_env)
-        peers["cli_embedded"] = run_cli(args, ephemeral_env, label="cli, embedded server")
-        if args.baseline:
-            peers["before_cli_embedded"] = run_cli(
-                args,
-                dict(ephemeral_env, PYTHONPATH=os.path.abspath(args.baseline)),
-                label="before: cli, embedded server",
-            )
+        # A first flow run, not measured: the server registers the flow, the client its profile.
+        warm_up(env)
+        report["rounds"] = headline_rounds(args, env, server)
+        peers = median_results(report["rounds"])
+        peers.update(ephemeral_sides(args, base_env, work))
         report["peers"] = peers
-
-        intervals = [1, 10, 40] if args.quick else [1, 10, 50, 100]
-        sweeps = []
-        for r in range(args.rounds):
-            sweep = []
-            for n in intervals:
-                every = max(1, args.steps // n)
-                row = {"intervals": n, "every": every}
-                # One interval is training speed itself: there the scan
-                # sides run too (steps_per_dispatch).
-                for name in ("plain", "prefect_jax") + (
-                    ("plain_scan", "prefect_jax_scan") if n == 1 else ()
-                ):
-                    res = with_server_cpu(
-                        functools.partial(
-                            side, name, args, env, every=every, label=f"{name} x{n}{in_round(r)}"
-                        )
-                    )
-                    row[name] = res and {
-                        k: res[k]
-                        for k in (
-                            "wall_s",
-                            "loop_s",
-                            "train_s",
-                            "engine_s",
-                            "mlflow_s",
-                            "prefect_s",
-                            "cpu_s",
-                            "server_cpu_s",
-                        )
-                        if k in res
-                    }
-                sweep.append(row)
-            sweeps.append(sweep)
-        report["interval_rounds"] = sweeps
-        # The table's rows: each side's median over the rounds (the targets
-        # use per-round slopes and ratios).
+        report["interval_rounds"] = interval_sweep(args, env, server)
+        # The table's rows: each side's median over the rounds (the targets use per-round
+        # slopes and ratios).
         report["intervals"] = [
             {
                 "intervals": row["intervals"],
                 "every": row["every"],
                 **median_results(
                     [
-                        {k: v for k, v in sw[i].items() if k not in ("intervals", "every")}
-                        for sw in sweeps
+                        {k: v for k, v in sweep[i].items() if k not in ("intervals", "every")}
+                        for sweep in report["interval_rounds"]
                     ]
                 ),
             }
-            for i, row in enumerate(sweeps[0])
+            for i, row in enumerate(report["interval_rounds"][0])
         ]
-
-    if not args.no_goodput:
-        goodput_cmd = [sys.executable, os.path.join(HERE, "goodput.py")] + (
-            ["--periods", "10", "--steps", "1500", "--every", "250"] if args.quick else []
-        )
-        report["goodput"] = run_child(goodput_cmd, base_env, "goodput")
-    restart_cmd = [
-        sys.executable,
-        os.path.join(HERE, "restart.py"),
-        "--program",
-        "bench_programs:mlp",
-    ]
-    report["restart"] = run_child(restart_cmd, dict(base_env, PYTHONPATH=HERE), "restart")
-    worker_cmd = [sys.executable, os.path.join(HERE, "worker_rerun.py")] + (
-        ["--kills", "2"] if args.quick else []
-    )
-    report["worker_rerun"] = run_child(worker_cmd, base_env, "worker rerun")
-    # A smoke run's numbers stay out of the committed record (benchmarks/MULTIPROCESS.json).
-    multiprocess_cmd = [sys.executable, os.path.join(HERE, "multiprocess.py")] + (
-        ["--steps", "600", "--rounds", "1", "--out", os.path.join(work, "multiprocess.json")]
-        if args.quick
-        else []
-    )
-    report["multiprocess"] = run_child(multiprocess_cmd, base_env, "multiprocess")
-    server_cost_cmd = [sys.executable, os.path.join(HERE, "server_cost.py")] + (
-        ["--repeats", "1"] if args.quick else []
-    )
-    report["server_cost"] = run_child(server_cost_cmd, base_env, "server cost")
-    sizes = "1,16,64" if args.quick else "1,16,64,256,512,1024"
-    report["storage"] = run_child(
-        [sys.executable, os.path.join(HERE, "storage.py"), "--scale", "--sizes", sizes],
-        base_env,
-        "storage scale",
-    )
+    report.update(other_benchmarks(args, base_env, work))
     report["total_s"] = time.perf_counter() - t_all
     shutil.rmtree(work, ignore_errors=True)
+    return report
 
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    write_report(report, args.out)
+
+def with_server_cpu(server: StandingServer, run) -> dict | None:
+    """`run()`'s result with the server's CPU seconds for it (same two cores): while it ran, and
+    until the server is idle again (it records a flow run's last events after the run ends)."""
+    before = server.cpu_s()
+    result = run()
+    server.settle(limit_s=10.0)
+    if result is not None:
+        result["server_cpu_s"] = server.cpu_s() - before
+        # Still busy after 10 s: its reading holds work that is not the side's.
+        if not server.settled:
+            result["server_busy_after_s"] = round(server.settle_s, 1)
+            log(
+                f"the server was still busy {server.settle_s:.0f} s after that side: "
+                "its server CPU includes other work"
+            )
+    return result
+
+
+def in_round(args, r: int) -> str:
+    return f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
+
+
+def headline_rounds(args, env: dict, server: StandingServer) -> list[dict]:
+    """The headline sides (the Systems table), in interleaved rounds: a slow minute on these
+    shared cores hits one round of every side, not every round of one side (ratios are medians
+    of per-round ratios). With --profile, the flow side once more under pyinstrument (a profiler
+    slows what it watches, so those runs are not in the tables)."""
+    before_env = dict(env, PYTHONPATH=os.path.abspath(args.baseline)) if args.baseline else None
+    headline = [
+        "plain",
+        "plain_scan",
+        "prefect_jax",
+        "prefect_jax_scan",
+        "cli",
+        "cli_exports",
+        "keras",
+    ] + (["before"] if before_env else [])
+
+    def run_headline(name: str, label: str) -> dict | None:
+        if name == "keras":  # no standing server in its process
+            return side("keras", args, env, label=label)
+        if name == "before":
+            return side("prefect_jax", args, before_env, label=label)
+        if name in ("cli", "cli_exports"):
+            exports = name == "cli_exports"
+            return with_server_cpu(server, lambda: run_cli(args, env, label, exports))
+        return with_server_cpu(server, lambda: side(name, args, env, label=label))
+
+    rounds = [
+        {name: run_headline(name, name + in_round(args, r)) for name in headline}
+        for r in range(args.rounds)
+    ]
+    if args.profile:
+        profiled = [("prefect_jax", env, "after.txt"), ("before", before_env, "before.txt")]
+        for label, side_env, name in profiled:
+            if side_env is not None:
+                out = os.path.join(args.profile, name)
+                side("prefect_jax", args, side_env, label=f"{label}, profiled", profile=out)
+    return rounds
+
+
+def ephemeral_sides(args, base_env: dict, work: str) -> dict:
+    """The flow and the command with no API URL: Prefect's ephemeral mode starts its own server
+    inside the run, and that start counts."""
+    ephemeral_env = dict(
+        base_env,
+        PREFECT_HOME=os.path.join(work, "ephemeral-home"),
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+        PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true",
+    )
+    sides = {
+        "prefect_jax_ephemeral": side("prefect_jax_ephemeral", args, ephemeral_env),
+        "cli_embedded": run_cli(args, ephemeral_env, label="cli, embedded server"),
+    }
+    if args.baseline:
+        sides["before_cli_embedded"] = run_cli(
+            args,
+            dict(ephemeral_env, PYTHONPATH=os.path.abspath(args.baseline)),
+            label="before: cli, embedded server",
+        )
+    return sides
+
+
+SWEEP_KEYS = (
+    "wall_s",
+    "loop_s",
+    "train_s",
+    "engine_s",
+    "mlflow_s",
+    "prefect_s",
+    "cpu_s",
+    "server_cpu_s",
+)
+
+
+def interval_sweep(args, env: dict, server: StandingServer) -> list[list[dict]]:
+    """The orchestration cost per checkpoint interval: the flow against the plain loop over the
+    same steps in 1 to 100 intervals, per round. One interval is training speed itself: there
+    the scan sides run too (steps_per_dispatch)."""
+    intervals = [1, 10, 40] if args.quick else [1, 10, 50, 100]
+    sweeps = []
+    for r in range(args.rounds):
+        sweep = []
+        for n in intervals:
+            every = max(1, args.steps // n)
+            row = {"intervals": n, "every": every}
+            scans = ("plain_scan", "prefect_jax_scan") if n == 1 else ()
+            for name in ("plain", "prefect_jax", *scans):
+                label = f"{name} x{n}{in_round(args, r)}"
+                res = with_server_cpu(
+                    server, functools.partial(side, name, args, env, every=every, label=label)
+                )
+                row[name] = res and {k: res[k] for k in SWEEP_KEYS if k in res}
+            sweep.append(row)
+        sweeps.append(sweep)
+    return sweeps
+
+
+def other_benchmarks(args, base_env: dict, work: str) -> dict:
+    """The other benchmarks, each its own script in a child process (its docstring says what it
+    measures): goodput under preemption, the restart, reruns through a process worker, several
+    JAX processes, the server's cost and the checkpoint cost against state size."""
+    quick = args.quick
+    out: dict = {}
+    if not args.no_goodput:
+        goodput = ["--periods", "10", "--steps", "1500", "--every", "250"] if quick else []
+        out["goodput"] = run_child(script("goodput.py", *goodput), base_env, "goodput")
+    restart = script("restart.py", "--program", "bench_programs:mlp")
+    out["restart"] = run_child(restart, dict(base_env, PYTHONPATH=HERE), "restart")
+    worker = script("worker_rerun.py", *(["--kills", "2"] if quick else []))
+    out["worker_rerun"] = run_child(worker, base_env, "worker rerun")
+    # A smoke run's numbers stay out of the committed record (benchmarks/MULTIPROCESS.json).
+    smoke = ["--steps", "600", "--rounds", "1", "--out", os.path.join(work, "multiprocess.json")]
+    multiprocess = script("multiprocess.py", *(smoke if quick else []))
+    out["multiprocess"] = run_child(multiprocess, base_env, "multiprocess")
+    server_cost = script("server_cost.py", *(["--repeats", "1"] if quick else []))
+    out["server_cost"] = run_child(server_cost, base_env, "server cost")
+    sizes = "1,16,64" if quick else "1,16,64,256,512,1024"
+    storage = script("storage.py", "--scale", "--sizes", sizes)
+    out["storage"] = run_child(storage, base_env, "storage scale")
+    return out
+
+
+def script(name: str, *args: str) -> list[str]:
+    """The command that runs benchmarks/`name` with `args` in this interpreter."""
+    return [sys.executable, os.path.join(HERE, name), *args]
 
 
 def write_report(report: dict, out: str) -> None:
