@@ -122,6 +122,36 @@ def test_config_values_a_run_could_only_fail_on_are_refused_naming_the_field():
     assert tiny(eval_sequences=None, dropout=0.0).cfg.eval_sequences is None
 
 
+def test_a_config_field_of_bool_or_list_is_checked_and_another_type_named():
+    """A field a developer adds to `Config`: a bool or a list is checked as the numbers are (a
+    bool is no number, a number no bool); a type the check does not know is named with the fix,
+    not a KeyError as the presets are built (which broke importing the example)."""
+    import dataclasses
+
+    from prefect_jax.examples.bytelm.config import Config
+
+    @dataclasses.dataclass(frozen=True)
+    class Grown(Config):
+        tie_embeddings: bool = False
+        layer_widths: list | None = None
+
+    assert Grown(tie_embeddings=True, layer_widths=[1, 2]).tie_embeddings is True
+    for field, value, rule in [
+        ("tie_embeddings", 1, "must be bool"),
+        ("layer_widths", "1,2", "must be list, or null"),
+        ("n_layers", True, "must be int"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}: {rule}")):
+            Grown(**{field: value})
+
+    @dataclasses.dataclass(frozen=True)
+    class Odd(Config):
+        scale: complex = 1j
+
+    with pytest.raises(TypeError, match=r"annotated 'complex'.*add it to bytelm.config._TYPES"):
+        Odd()
+
+
 def test_the_corpus_folder_is_a_param_the_environment_fills(tmp_path, monkeypatch):
     """``$PREFECT_JAX_BYTELM_SOURCE`` is recorded as the job's ``source`` (absolute), so a rerun
     on other text is refused like any other param; the standard library stays null, the same

@@ -146,3 +146,14 @@ def test_specs_round_trip_through_json_with_exporter_kinds():
 def test_job_config_refuses_bad_job_name():
     with pytest.raises(ValidationError, match="job '../evil' is not a valid name"):
         JobConfig(program="m:p", job="../evil", storage="/tmp/x", train=TrainSpec(max_steps=1))
+
+
+def test_build_specs_makes_the_named_exporters_and_refuses_an_unknown_name():
+    """The facade's exporters by name (the command's --exporters): an unknown name is refused,
+    naming it, rather than dropped (a job that would never export what its caller asked)."""
+    from prefect_jax.training.facade import build_specs
+
+    _, evaluation, _ = build_specs({"max_steps": 100}, {}, {}, ["latest", "best", "final"])
+    assert [e.name for e in evaluation.exporters] == ["latest", "best", "final"]
+    with pytest.raises(ValueError, match="exporter 'newest': not an exporter; give latest, best"):
+        build_specs({"max_steps": 100}, {}, {}, ["latest", "newest"])

@@ -639,8 +639,10 @@ def test_a_trainer_that_will_register_exports_has_the_worker_ready_them_when_it_
 
 
 def test_the_flows_that_register_exports_have_the_worker_ready_them_at_their_start():
-    from prefect_jax.flows.tags import _registers_exports
+    """One rule for the flows' run tags and the command's MLflow warm-up (`prefect-jax export`
+    runs `export_flow`, which registers, as `run` and `evaluate` do)."""
     from prefect_jax.training.specs import EvalSpec, LatestExporter
+    from prefect_jax.training.specs import flow_registers_exports as _registers_exports
 
     spec = EvalSpec(exporters=[LatestExporter()])
     assert [

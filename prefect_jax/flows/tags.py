@@ -10,7 +10,7 @@ import inspect
 
 from prefect_jax.training.names import JOB_RUN_TAG, MLFLOW_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
 from prefect_jax.training.preemption import deliver_lost_notices
-from prefect_jax.training.specs import EvalSpec
+from prefect_jax.training.specs import flow_registers_exports
 
 _OWN_TAGS = (OWN_TAG,)
 _RUN_TAG_PREFIXES = (
@@ -37,18 +37,6 @@ def _task_tags():
     return TagsContext(current_tags=keep)
 
 
-def _registers_exports(flow: str, eval_spec) -> bool:
-    """Whether flow function `flow` registers exports in the MLflow registry with `eval_spec` (an
-    `EvalSpec`, its dict as a deployment passes it, or None): the flows that evaluate or export,
-    with exporters and a registered model (`EvalSpec.registered_model` "" is none)."""
-    if flow not in ("train_and_evaluate", "evaluate", "export_flow") or eval_spec is None:
-        return False
-    try:
-        return EvalSpec.model_validate(eval_spec).registers_exports
-    except Exception:  # noqa: BLE001 - not an eval spec: the flow's own validation says why
-        return False
-
-
 def _untagged_tasks(fn):
     """Run a flow's body with `_task_tags` (its signature kept, for Prefect's parameters)."""
 
@@ -60,7 +48,7 @@ def _untagged_tasks(fn):
         # A deployment's flow run too: MLflow imports in its worker while the program imports here
         # (and, where the flow registers exports, what logging a model needs).
         arguments = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
-        registry = _registers_exports(fn.__name__, arguments.get("eval_spec"))
+        registry = flow_registers_exports(fn.__name__, arguments.get("eval_spec"))
         warm_up(arguments.get("mlflow_tracking_uri"), registry=registry)
         with _task_tags():
             return fn(*args, **kwargs)

@@ -1,5 +1,6 @@
-"""When a failed task run is retried (the conditions), and how often (`RetrySpec`, applied to the
-tasks with `with_options`)."""
+"""When a failed task run is retried (the conditions), and how often by default (the tasks' own
+`RetrySpec`); a flow's `RetrySpec` is applied over them with `with_options` in
+`prefect_jax/flows/retries.py`."""
 
 from __future__ import annotations
 

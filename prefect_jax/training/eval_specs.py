@@ -295,3 +295,20 @@ __all__ = [
     "FinalExporter",
     "LatestExporter",
 ]
+
+
+REGISTERING_FLOWS = ("train_and_evaluate", "evaluate", "export_flow")
+"""The flows (by function name) that register exports: those that evaluate or export."""
+
+
+def flow_registers_exports(flow: str, eval_spec) -> bool:
+    """Whether flow function `flow` registers exports in the MLflow registry with `eval_spec` (an
+    `EvalSpec`, its dict as a deployment passes it, or None): the `REGISTERING_FLOWS`, with
+    exporters and a registered model (`EvalSpec.registers_exports`). The command's MLflow
+    warm-up and the flows' run tags both ask this."""
+    if flow not in REGISTERING_FLOWS or eval_spec is None:
+        return False
+    try:
+        return EvalSpec.model_validate(eval_spec).registers_exports
+    except Exception:  # noqa: BLE001 - not an eval spec: the flow's own validation says why
+        return False

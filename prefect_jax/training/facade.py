@@ -59,6 +59,7 @@ def build_specs(
     Raises:
         pydantic.ValidationError: A value is refused; the message names the field, the value and
             the fix (a ``ValueError``).
+        ValueError: An exporter name that is none of the three.
 
     Example:
         >>> train, evaluation, checkpoints = build_specs(
@@ -88,6 +89,8 @@ def build_specs(
             )
         elif name == "final":
             made.append(FinalExporter())
+        else:
+            raise ValueError(f"exporter {name!r}: not an exporter; give latest, best or final")
     eval_spec = EvalSpec(exporters=made, **evaluation)
     return train_spec, eval_spec, checkpoint_spec
 

@@ -25,6 +25,7 @@ from prefect_jax.training.eval_specs import (
     ExporterSpec,
     FinalExporter,
     LatestExporter,
+    flow_registers_exports,
 )
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.spec_base import Spec, check_name, positive
@@ -354,5 +355,6 @@ __all__ = [
     "TrainHook",
     "TrainSpec",
     "check_name",
+    "flow_registers_exports",
     "is_final_step",
 ]

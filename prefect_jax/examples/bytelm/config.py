@@ -137,15 +137,37 @@ def _refuse_unless(config: Config, name: str, holds: bool, rule: str) -> None:
         raise ValueError(f"{name}={getattr(config, name)!r}: {rule}")
 
 
-_TYPES = {"int": numbers.Integral, "float": numbers.Real, "str": str, "dict": dict}
+_TYPES = {
+    "int": numbers.Integral,
+    "float": numbers.Real,
+    "str": str,
+    "bool": bool,
+    "dict": dict,
+    "list": list,
+}
+"""The annotations a `Config` field may have (with ``| None``), as written in the class."""
 
 
 def _is_a(value, annotation: str) -> bool:
-    """`value` fits a field's annotation (as written: ``"int | None"``); a bool is no number."""
+    """`value` fits a field's annotation (as written: ``"int | None"``); a bool is no number,
+    and a number no bool.
+
+    Raises:
+        TypeError: the annotation names a type `_TYPES` does not have (a field added to
+            `Config` with another type: add the type to `_TYPES`).
+    """
+    names = [kind for kind in annotation.split(" | ") if kind != "None"]
+    unknown = [kind for kind in names if kind not in _TYPES]
+    if unknown:
+        raise TypeError(
+            f"a Config field annotated {annotation!r}: {', '.join(unknown)} is not a type the "
+            f"config checks ({', '.join(_TYPES)}); add it to bytelm.config._TYPES"
+        )
     if value is None:
         return "None" in annotation.split(" | ")
-    kinds = [_TYPES[kind] for kind in annotation.split(" | ") if kind != "None"]
-    return not isinstance(value, bool) and any(isinstance(value, kind) for kind in kinds)
+    if isinstance(value, bool):
+        return "bool" in names
+    return any(isinstance(value, _TYPES[kind]) for kind in names)
 
 
 PRESETS = {
