@@ -14,8 +14,12 @@ from prefect_jax.flows.config import _config_from
 from prefect_jax.training.specs import JobConfig
 
 
-def _close_mlflow_run(status: str):
-    """A state hook that ends the job this process trained with MLflow status `status`."""
+def end_the_job(status: str):
+    """A flow's state hook (on failure: ``FAILED``; on crash: ``KILLED``) that ends the job this
+    process trained: on a crash, the task runs the process left Running are marked Crashed; the
+    checkpoint in flight commits, the MLflow run ends with `status`, the lease is freed
+    (`live.finish_live`); after a preemption, the goodput so far is published and process 0 of
+    several leaves JAX's cluster last."""
 
     # (named for the run's log: "Running hook 'prefect_jax_end_the_job' in response to ...")
     def prefect_jax_end_the_job(flow, flow_run, state):

@@ -37,8 +37,10 @@ def _task_tags():
     return TagsContext(current_tags=keep)
 
 
-def _untagged_tasks(fn):
-    """Run a flow's body with `_task_tags` (its signature kept, for Prefect's parameters)."""
+def flow_body(fn):
+    """A flow's body as prefect-jax runs it (its signature kept, for Prefect's parameters): lost
+    SIGTERM notices delivered again, MLflow warmed up in its worker process, the task runs
+    without the flow run's own tags (`_task_tags`)."""
 
     @functools.wraps(fn)
     def body(*args, **kwargs):

@@ -10,14 +10,14 @@ from prefect import flow, get_run_logger
 
 from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.retries import job_tasks
-from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.flows.tags import flow_body
 from prefect_jax.tasks import publisher
 from prefect_jax.tasks.runs import link_live_job
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
 
 @flow(name="evaluate", flow_run_name="evaluate-{job}", validate_parameters=True)
-@_untagged_tasks
+@flow_body
 def evaluate(
     program: str,
     job: str,

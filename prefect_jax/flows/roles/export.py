@@ -10,12 +10,12 @@ from prefect import flow, get_run_logger
 
 from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.retries import job_tasks
-from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.flows.tags import flow_body
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
 
 @flow(name="export", flow_run_name="export-{job}", validate_parameters=True)
-@_untagged_tasks
+@flow_body
 def export_flow(
     program: str,
     job: str,

@@ -9,11 +9,11 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from prefect_jax.flows.config import checked_job_config
-from prefect_jax.flows.hooks import _close_mlflow_run
+from prefect_jax.flows.hooks import end_the_job
 from prefect_jax.flows.loop import _summary, _train_loop
 from prefect_jax.flows.processes import _join_processes
 from prefect_jax.flows.retries import job_tasks
-from prefect_jax.flows.tags import _untagged_tasks
+from prefect_jax.flows.tags import flow_body
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -21,11 +21,11 @@ from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, Trai
 @flow(
     name="train",
     flow_run_name="train-{job}",
-    on_failure=[_close_mlflow_run("FAILED")],
-    on_crashed=[_close_mlflow_run("KILLED")],
+    on_failure=[end_the_job("FAILED")],
+    on_crashed=[end_the_job("KILLED")],
     validate_parameters=True,
 )
-@_untagged_tasks
+@flow_body
 def train(
     program: str,
     job: str,
