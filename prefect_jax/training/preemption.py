@@ -2,7 +2,7 @@
 
 Spot and preemptible nodes get SIGTERM some seconds before they go. The trainer turns it into
 a checkpoint of the step in flight (or lets the save in flight commit), then hands the signal
-to whoever handled it before: Prefect (the run ends Crashed), or the default.
+to whoever handled it before: Prefect (the run ends Crashed, or is rescheduled), or the default.
 A notice whose handler's exception Python drops (raised inside a gc callback) is delivered
 again (`deliver_lost_notices`).
 """
@@ -130,9 +130,12 @@ def _raised_by_a_handler(exc: BaseException) -> bool:
 
 
 def _note_handlers() -> None:
-    """Remember the code of the SIGTERM handler in place (Prefect's bridge in a flow run's body,
-    where the flows call `deliver_lost_notices` again, and before a guard goes in front of it)."""
-    for handler in (signal.getsignal(signal.SIGTERM),):
+    """Remember the code of the SIGTERM handler in place and of Prefect's bridge."""
+    engine = sys.modules.get("prefect.utilities.engine")
+    for handler in (
+        signal.getsignal(signal.SIGTERM),
+        getattr(engine, "_prefect_sigterm_handler", None),
+    ):
         if isinstance(handler, int) or not callable(
             handler
         ):  # SIG_DFL, SIG_IGN (an IntEnum: its class's call is Enum's)
@@ -189,6 +192,14 @@ def _at_exit() -> None:
 getattr(threading, "_register_atexit", atexit.register)(_at_exit)
 
 
+def _bridge_lock():
+    """The lock under which Prefect installs its SIGTERM bridge and acknowledges control intents
+    (a no-op lock when Prefect's engine is not loaded)."""
+    engine = sys.modules.get("prefect.utilities.engine")
+    lock = getattr(engine, "_prefect_sigterm_bridge_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
+
+
 class PreemptionGuard:
     """SIGTERM (a preemption notice) while a trainer holds its job, from its restore to its finish
     (main thread only).
@@ -198,10 +209,8 @@ class PreemptionGuard:
     handed to Orbax. Anywhere else (between intervals, during an evaluation, an export or
     Prefect's own bookkeeping) `on_signal` runs at once: it lets the saves in flight commit
     within the grace period, then forwards. Forwarding gives the signal to the handler that was
-    there before (Prefect's bridge, which ends the run Crashed; or the default, which ends the
-    process). Under `prefect flow-run execute` with a reschedule intent, Prefect's supervisor
-    stops the engine without a signal while a guard is in front of its bridge (docs/upstream.md
-    4).
+    there before (Prefect's, which ends the run Crashed or reschedules it; or the default,
+    which ends the process).
     """
 
     def __init__(self, on_signal: Callable[[], None]):
@@ -228,14 +237,39 @@ class PreemptionGuard:
         # (forwarding raises the previous handler's exception, Prefect's: not to be dropped)
         deliver_lost_notices()
         if threading.current_thread() is threading.main_thread() and not self.installed:
-            self._previous = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._handler)
+            with _bridge_lock():  # Prefect's control listener checks the handler under it
+                self._previous = signal.getsignal(signal.SIGTERM)
+                signal.signal(signal.SIGTERM, self._handler)
+                self._stand_in_for_prefects_bridge(self._previous, self._handler)
             self.active = True
 
     def uninstall(self) -> None:
         self.active = False
-        if threading.current_thread() is threading.main_thread() and self.installed:
-            signal.signal(signal.SIGTERM, self._previous)
+        with _bridge_lock():
+            if threading.current_thread() is threading.main_thread() and self.installed:
+                signal.signal(signal.SIGTERM, self._previous)
+            self._stand_in_for_prefects_bridge(self._handler, self._previous)
+
+    @staticmethod
+    def _stand_in_for_prefects_bridge(current, replacement) -> None:
+        """Under ``prefect flow-run execute`` (a worker's flow run), the supervisor that gets a
+        SIGTERM first asks the engine process, over its control channel, to end the run as
+        rescheduled (``PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR``), then sends it the SIGTERM and
+        waits for it. The engine agrees only while Prefect's own SIGTERM bridge is the installed
+        handler (`prefect.utilities.engine.commit_control_intent_and_ack`); with the guard in front
+        of it, the supervisor killed the engine outright, the step in flight lost. So, while the
+        guard fronts that bridge, it is what Prefect counts as its bridge: the engine agrees, the
+        SIGTERM comes to the guard, which checkpoints and hands it on to the real bridge. The same
+        holds for a runner's cancel (the UI's Cancel): unacknowledged, the run ended Crashed, which
+        the rerun automation starts again (tests/test_deployment_cancel.py).
+
+        This assigns a private name of Prefect's, the one patch kept: docs/upstream.md 4 has the
+        reproduction, the ask upstream and the public design that would replace it."""
+        engine = sys.modules.get(
+            "prefect.utilities.engine"
+        )  # never imported here: the engine has no prefect
+        if engine is not None and getattr(engine, "_prefect_sigterm_handler", None) is current:
+            engine._prefect_sigterm_handler = replacement
 
     def _handle(self, signum, frame):
         if not self.active:  # left in a chain of handlers by a trainer that has finished
