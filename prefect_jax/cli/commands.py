@@ -153,13 +153,19 @@ def _run_flow(
     # Through the start-up's imports, until `startup.freeze_startup_objects` (which says why).
     with startup.collector_off():
         from prefect_jax.training.facade import warm_up_tracking
-        from prefect_jax.training.specs import flow_registers_exports
+        from prefect_jax.training.names import REGISTERING_FLOWS
 
-        specs = specs_from_args(args)  # bad values: refused before anything starts
         # MLflow's import, in its worker process, beside the imports below (and, where this
         # process will register exports, what logging a model needs: JAX on the worker's CPU).
-        flow = {"export": "export_flow"}.get(role, role)
-        warm_up_tracking(tracking_uri, registry=flow_registers_exports(flow, specs[1]))
+        # Decided from the flags, before the specs' import (a third of a second): the flows'
+        # rule, `eval_specs.flow_registers_exports`, on the values the EvalSpec will hold.
+        registers = (
+            {"export": "export_flow"}.get(role, role) in REGISTERING_FLOWS
+            and bool(args.exporters)
+            and args.registered_model != ""
+        )
+        warm_up_tracking(tracking_uri, registry=registers)
+        specs = specs_from_args(args)  # bad values: refused before anything starts
         program_params_from_args(args)  # a malformed --program-param(s) too
         server = early_server()  # the embedded server's start-up, beside the imports below too
         try:

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prefect_jax.training.names import RESERVED_EVAL_NAMES
+from prefect_jax.training.names import REGISTERING_FLOWS, RESERVED_EVAL_NAMES
 from prefect_jax.training.spec_base import Spec, check_name, positive
 
 # The platforms `jax.export` lowers for, on any machine (exporters.serialize_serving): an
@@ -295,10 +295,6 @@ __all__ = [
     "FinalExporter",
     "LatestExporter",
 ]
-
-
-REGISTERING_FLOWS = ("train_and_evaluate", "evaluate", "export_flow")
-"""The flows (by function name) that register exports: those that evaluate or export."""
 
 
 def flow_registers_exports(flow: str, eval_spec) -> bool:

@@ -65,3 +65,7 @@ COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"  # written last on remote storage: the 
 
 # MLflow: one tag per attempt that died without closing the run (counted by KILLED_TAG)
 KILLED_ATTEMPT_TAG = "prefect_jax.killed."  # prefect_jax.killed.<n>: who the n-th one was
+
+# The flows (by function name) that register exports in the MLflow registry: those that evaluate
+# or export (`eval_specs.flow_registers_exports`; the command's MLflow warm-up reads it too)
+REGISTERING_FLOWS = ("train_and_evaluate", "evaluate", "export_flow")
