@@ -275,6 +275,27 @@ def wait_for_deployments(
     )
 
 
+def deployment_params(
+    program: str,
+    job: str,
+    storage,
+    mlflow_uri: str,
+    max_steps: int,
+    every: int,
+    log_every: int = 50,
+) -> dict:
+    """A train_and_evaluate deployment run's parameters, JSON as a user would type them in the UI
+    (`job_config` reads them back)."""
+    return {
+        "program": program,
+        "job": job,
+        "storage": str(storage),
+        "train_spec": {"max_steps": max_steps, "log_every_steps": log_every},
+        "checkpoint_spec": {"every_steps": every},
+        "mlflow_tracking_uri": mlflow_uri,
+    }
+
+
 def job_config(params: dict):
     """The engine's JobConfig for a deployment run's JSON parameters."""
     from prefect_jax.training.specs import JobConfig

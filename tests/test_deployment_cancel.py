@@ -17,6 +17,7 @@ from deployment_helpers import (
     DEPLOYMENT,
     PrefectServerProcess,
     ServeProcess,
+    deployment_params,
     logs,
     wait_for_deployments,
 )
@@ -43,14 +44,8 @@ def test_a_deployment_run_cancelled_from_the_ui_ends_cancelled_with_its_step_kep
     server.wait_healthy()
     storage, job = tmp_path / "storage", "cancel"
     checkpoints = storage / job / "checkpoints"
-    params = {
-        "program": TINY,
-        "job": job,
-        "storage": str(storage),
-        "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": 50},
-        "checkpoint_spec": {"every_steps": EVERY},
-        "mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-    }
+    mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    params = deployment_params(TINY, job, storage, mlflow_uri, MAX_STEPS, EVERY)
     with (
         temporary_settings({PREFECT_API_URL: server.api_url}),
         get_client(sync_client=True) as client,

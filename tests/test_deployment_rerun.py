@@ -29,6 +29,7 @@ from deployment_helpers import (
     ServeProcess,
     checkpoint_fingerprint,
     dead,
+    deployment_params,
     job_config,
     logs,
     uninterrupted_fingerprint,
@@ -46,14 +47,7 @@ KILL_FROM = 200  # SIGKILL once this step (or a later one) is committed: trainin
 
 def _params(storage: Path, job: str, mlflow_uri: str) -> dict:
     """The deployment run's parameters, JSON as a user would type them in the UI."""
-    return {
-        "program": TINY,
-        "job": job,
-        "storage": str(storage),
-        "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": LOG_EVERY},
-        "checkpoint_spec": {"every_steps": EVERY},
-        "mlflow_tracking_uri": mlflow_uri,
-    }
+    return deployment_params(TINY, job, storage, mlflow_uri, MAX_STEPS, EVERY, LOG_EVERY)
 
 
 def _wait_for_commit(

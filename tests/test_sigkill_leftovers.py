@@ -20,7 +20,14 @@ import time
 from pathlib import Path
 
 import pytest
-from deployment_helpers import DEPLOYMENT, ServeProcess, dead, logs, wait_for_deployments
+from deployment_helpers import (
+    DEPLOYMENT,
+    ServeProcess,
+    dead,
+    deployment_params,
+    logs,
+    wait_for_deployments,
+)
 from process_helpers import start_run, wait_until
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
@@ -204,14 +211,8 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(
 
 def served_params(tmp_path, storage, job: str) -> dict:
     """The parameters of a served train_and_evaluate run that is killed mid-interval."""
-    return {
-        "program": PROGRAM,
-        "job": job,
-        "storage": str(storage),
-        "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": 50},
-        "checkpoint_spec": {"every_steps": EVERY},
-        "mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-    }
+    mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    return deployment_params(PROGRAM, job, storage, mlflow_uri, MAX_STEPS, EVERY)
 
 
 @pytest.mark.timeout(420)

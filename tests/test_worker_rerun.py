@@ -32,6 +32,7 @@ from deployment_helpers import (
     _GroupProcess,
     checkpoint_fingerprint,
     dead,
+    deployment_params,
     job_config,
     trainer_on_process_worker,
     uninterrupted_fingerprint,
@@ -46,14 +47,7 @@ KILL_FROM = 200
 
 
 def _params(storage: Path, mlflow_uri: str) -> dict:
-    return {
-        "program": PROGRAM,
-        "job": "on-worker",
-        "storage": str(storage),
-        "train_spec": {"max_steps": MAX_STEPS, "log_every_steps": LOG_EVERY},
-        "checkpoint_spec": {"every_steps": EVERY},
-        "mlflow_tracking_uri": mlflow_uri,
-    }
+    return deployment_params(PROGRAM, "on-worker", storage, mlflow_uri, MAX_STEPS, EVERY, LOG_EVERY)
 
 
 def _until(what: str, check, timeout: float, worker: _GroupProcess, every: float = 0.05):
