@@ -80,7 +80,10 @@ def test_a_deployment_run_cancelled_from_the_ui_ends_cancelled_with_its_step_kep
     steps = committed_steps(str(checkpoints))
     assert "SIGTERM at step" in log, log[-4000:]
     assert steps[-1] >= 2 * EVERY, steps
-    assert not (storage / job / "lease.json").exists(), "a cancelled run frees its lease"
+    lease = storage / job / "lease.json"
+    assert not lease.exists(), (
+        f"a cancelled run frees its lease; left: {lease.read_text(errors='replace')}\n{log[-6000:]}"
+    )
 
     # A rerun of the job resumes from that step.
     from deployment_helpers import job_config

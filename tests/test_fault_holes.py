@@ -651,6 +651,53 @@ def test_a_notice_whose_handling_fails_still_goes_on_to_the_handler_before(
         trainer.close()
 
 
+def test_a_notice_inside_code_holding_a_lock_the_ending_needs_frees_the_lease_in_time(
+    sigterm_handler, job_config, monkeypatch, mlflow_uri
+):
+    """The SIGTERM's handler runs wherever the main thread is: here inside code that holds a lock
+    (as Prefect does while it sends an event between tasks) which the ending needs too (an
+    evaluation's record publishes an event). The ending gives up on that record (run on a helper
+    thread) at the grace period; the MLflow run closes KILLED, the lease is freed and the signal
+    goes on in time. Before, the main thread waited on its own lock, and Prefect's runner, 30 s
+    after a cancel's SIGTERM, killed the process with the lease still held
+    (tests/test_deployment_cancel.py failed so in CI)."""
+    import time
+
+    from conftest import hold_commit
+
+    calls, handler = sigterm_handler
+    handler.raises = Ended
+    grace = 2.0
+    commit = hold_commit(monkeypatch, 20)
+    event_queue = threading.Lock()  # (Prefect's: a plain lock, held while an event is queued)
+
+    def publish(result):  # the evaluate task's `on_recorded`: it sends an event
+        if event_queue.acquire(timeout=20):
+            event_queue.release()
+
+    trainer = Trainer(job_config(max_steps=40, every_steps=20, sigterm_grace_secs=grace))
+    try:
+        trainer.restore_or_init()
+        trainer.train_until_checkpoint()
+        assert trainer.evaluate_if_new(on_recorded=publish).pending_commit
+        commit.set()  # step 20 commits; its evaluation is recorded as the attempt ends
+        started = time.monotonic()
+        with pytest.raises(Ended), event_queue:
+            os.kill(os.getpid(), signal.SIGTERM)  # between tasks: the guard handles it at once
+            _wait_in_ordinary_code(30)
+        took = time.monotonic() - started
+        assert not os.path.exists(os.path.join(trainer.job.storage.job_dir, "lease.json"))
+        assert took < grace + 5, f"the signal went on {took:.1f}s after it came"
+        assert 20 in trainer.committed_steps() and calls == ["handler"], calls
+        # (closed from a helper thread, which may finish after the signal went on)
+        client, run_id = MlflowClient(mlflow_uri), trainer.job.tracker.run_id
+        wait_until(
+            lambda: client.get_run(run_id).info.status == "KILLED", 30, "the run KILLED", poll=0.2
+        )
+    finally:
+        trainer.close()
+
+
 def test_a_trainer_whose_notice_went_on_to_a_handler_that_returned_does_nothing_more(
     sigterm_handler, job_config
 ):

@@ -198,10 +198,11 @@ class JobCheckpoints:
         started so far (committed, or failed) and, on remote storage, every upload is done."""
         return not self.checkpoints.saving() and not self.uploading()
 
-    def wait_committed(self, ending: bool = False) -> None:
+    def wait_committed(self, ending: bool = False, events_wait: float = 30.0) -> None:
         """Wait until every save started so far counts: committed by Orbax, and uploaded if remote.
         `ending` (an attempt that did not finish): a save that another process, gone, never
-        completes is left as it is (`peer_watch.LostProcess` otherwise)."""
+        completes is left as it is (`peer_watch.LostProcess` otherwise). `events_wait`: how long
+        the saves' commit events may take to go out after that."""
         try:
             self.checkpoints.wait()
         except CheckpointSaveError:
@@ -217,7 +218,7 @@ class JobCheckpoints:
                 logger.warning("not waiting for the save in flight: %s", exc)
         if self._uploader is not None:
             self._uploader.wait()
-        self._announcer.wait(timeout=exit_wait(30))  # the commit events of those saves are out too
+        self._announcer.wait(timeout=exit_wait(events_wait))  # their commit events are out too
 
     @property
     def uploader(self) -> AsyncUploader | None:

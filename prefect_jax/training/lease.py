@@ -94,6 +94,10 @@ class Lease:
         self._written_at: float | None = None  # when this process last wrote its lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Held by a heartbeat's write and by `release`: a write under way when the lease is given
+        # back lands before its file goes, never after it (which would leave a lease held by
+        # nobody, a whole timeout long); and releases from two threads remove it once.
+        self._writing = threading.RLock()
         # The job's directory as this process found it when it took the lease (`_identity`), and
         # why it is not that one any more (None: it is, or nobody looked).
         self._home: tuple | None = None
@@ -211,7 +215,9 @@ class Lease:
                 )
                 return
             if current is not None and current.get("torn") and self._beat_is_fresh():
-                self._repair(current)
+                with self._writing:  # (not once released: see `release`)
+                    if self.held:
+                        self._repair(current)
                 current = self.read()
             if current is not None and current.get("token") == self.token:
                 self._confirmed_at = time.monotonic()
@@ -321,23 +327,21 @@ class Lease:
         while not self._stop.wait(interval):
             try:
                 current = self.read()
-                if (
-                    current
-                    and current.get("torn")
-                    and self._beat_is_fresh()
-                    and not self._stop.is_set()
-                ):
-                    self._repair(current)  # ours, torn since this process last wrote it
-                    continue
-                if not current or current.get("token") != self.token:
+                # ours, torn since this process last wrote it
+                torn = bool(current and current.get("torn") and self._beat_is_fresh())
+                if not torn and (not current or current.get("token") != self.token):
                     if (
                         not self._stop.is_set()
                     ):  # (set: released meanwhile; the lease is not ours to write)
                         self._lose(current or {})  # the next checkpoint's `verify` stops training
                     return
-                if self._stop.is_set():
-                    return
-                self._write_beat()
+                with self._writing:
+                    if self._stop.is_set():
+                        return
+                    if torn:
+                        self._repair(current)
+                    else:
+                        self._write_beat()
             except Exception:  # noqa: BLE001 - a missed beat is retried on the next one
                 logger.exception("lease heartbeat failed")
 
@@ -380,11 +384,14 @@ class Lease:
         if not self.held:
             return
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        try:
-            current = self.read()
-            if current and current.get("token") == self.token:
-                self.storage.fs.rm(self.path)
-        finally:
-            self.token = None
+        with self._writing:
+            if not self.held:  # released meanwhile, by another thread
+                return
+            try:
+                current = self.read()
+                if current and current.get("token") == self.token:
+                    self.storage.fs.rm(self.path)
+            finally:
+                self.token = None
