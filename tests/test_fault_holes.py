@@ -681,6 +681,7 @@ def test_a_notice_inside_code_holding_a_lock_the_ending_needs_frees_the_lease_in
         trainer.train_until_checkpoint()
         assert trainer.evaluate_if_new(on_recorded=publish).pending_commit
         commit.set()  # step 20 commits; its evaluation is recorded as the attempt ends
+        wait_until(lambda: 20 in trainer.committed_steps(), 60, "step 20 committed", poll=0.05)
         started = time.monotonic()
         with pytest.raises(Ended), event_queue:
             os.kill(os.getpid(), signal.SIGTERM)  # between tasks: the guard handles it at once

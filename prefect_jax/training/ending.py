@@ -35,6 +35,8 @@ Rows = list[tuple[str, float, int]]
 # an event may wait on a lock that the code the signal interrupted holds (`on_sigterm`).
 EVENTS_WAIT_SECS = 1.0
 RECORD_WAIT_SECS = 5.0
+# How long a log line of a SIGTERM's ending may take (`_end_attempt`'s `say`).
+LOG_WAIT_SECS = 2.0
 
 
 def within(fn, timeout: float) -> bool:
@@ -83,8 +85,8 @@ class AttemptEnd:
         ending need too (an evaluation's record publishes an event); on the same thread, such a
         call would wait for ever, and Prefect's runner kills a cancelled run's process 30 s after
         its SIGTERM. So every call that may wait on others (the commit and its events, the record,
-        MLflow) runs on a helper thread, bounded by the grace period (`_end_attempt`); the rest,
-        the trainer's own (logging is re-entrant), runs here."""
+        MLflow, its log lines) runs on a helper thread, bounded by the grace period
+        (`_end_attempt`); the rest, the trainer's own, runs here."""
         t, job = self.trainer, self.trainer.job
         step = t.step
         self._committed = False
@@ -114,6 +116,16 @@ class AttemptEnd:
             """`fn` within what is left before `deadline`, or `at_least` seconds."""
             return within(fn, max(at_least, deadline - time.monotonic()))
 
+        stuck: list[bool] = []
+
+        def say(level: int, msg: str, *args) -> None:
+            """Log, within `LOG_WAIT_SECS`: the signal may have interrupted the main thread inside
+            a log handler whose lock another thread waits on while holding one that handler needs
+            (rich's progress display), or whose lock is plain (Prefect's API log worker, for
+            loggers sent to Prefect's API). Once a line is stuck, the next ones are not tried."""
+            if not stuck and not within(lambda: logger.log(level, msg, *args), LOG_WAIT_SECS):
+                stuck.append(True)
+
         # (None: no save just ended here)
         saved_rows = rows if rows is not None else t.intervals.rows_saving
         if rows is not None and pending.held is not None:
@@ -121,7 +133,8 @@ class AttemptEnd:
                 pending.record(wait=True)
             # then no newer step: the rerun resumes from that one and evaluates it
             except Exception as exc:  # noqa: BLE001
-                logger.warning(
+                say(
+                    logging.WARNING,
                     "SIGTERM at step %d: the evaluation of step %d could not be recorded (%r): "
                     "not checkpointing step %d",
                     t.step,
@@ -132,14 +145,17 @@ class AttemptEnd:
                 pending.drop()
                 rows, saved_rows = None, None
         if rows is not None:
-            logger.warning("SIGTERM at step %d: checkpointing it (grace %.0fs)", t.step, grace)
+            say(
+                logging.WARNING, "SIGTERM at step %d: checkpointing it (grace %.0fs)", t.step, grace
+            )
             # checks the lease
             t.intervals.save(rows, preemption=t.policy.is_off_cadence(t.step))
         else:
             # taken over: the job's records below are not this process's to write
             with contextlib.suppress(LeaseLostError):
                 job.verify_lease()
-            logger.warning(
+            say(
+                logging.WARNING,
                 "SIGTERM at step %s (between checkpoints): letting its checkpoint commit "
                 "(grace %.0fs)",
                 t.step,
@@ -157,7 +173,9 @@ class AttemptEnd:
             evaluated = pending.step
             wait = min(RECORD_WAIT_SECS, max(0.0, deadline - time.monotonic()))
             if not within(lambda: (pending.record_if_landed(), pending.drop()), wait):
-                logger.warning(
+                pending.drop()  # (what runs on records nothing more: no later close does)
+                say(
+                    logging.WARNING,
                     "the evaluation of step %s was not recorded within %.0fs: left to finish as "
                     "the process ends (else the rerun evaluates that step again)",
                     evaluated,
@@ -167,15 +185,19 @@ class AttemptEnd:
         if t.compile_cache is not None:
             t.compile_cache.flush(min(10.0, max(0.0, deadline - time.monotonic())))
         if committed:
-            logger.warning(
-                "step %d committed in %.2fs after SIGTERM", t.step, time.monotonic() - started
+            say(
+                logging.WARNING,
+                "step %d committed in %.2fs after SIGTERM",
+                t.step,
+                time.monotonic() - started,
             )
             if saved_rows:  # the interval's train metrics (the checkpoint has them too)
                 bounded(lambda: t.intervals.log_train_rows(saved_rows), at_least=0.5)
         else:
             # (a commit still running when the grace ran out: where each thread was, so that
             # a stall, not a slow disk, can be told and reported)
-            logger.error(
+            say(
+                logging.ERROR,
                 "the checkpoint of step %s did not commit within %.0fs: abandoned; "
                 "step %s stays the newest valid one%s",
                 t.step,

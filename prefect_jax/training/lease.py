@@ -19,6 +19,7 @@ stops there with `LeaseLostError` instead of writing over the new holder's steps
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -94,9 +95,8 @@ class Lease:
         self._written_at: float | None = None  # when this process last wrote its lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # Held by a heartbeat's write and by `release`: a write under way when the lease is given
-        # back lands before its file goes, never after it (which would leave a lease held by
-        # nobody, a whole timeout long); and releases from two threads remove it once.
+        # Held by a heartbeat's write and by `release`: a beat in flight lands before the lease
+        # file goes, never after (a lease held by nobody for a whole timeout).
         self._writing = threading.RLock()
         # The job's directory as this process found it when it took the lease (`_identity`), and
         # why it is not that one any more (None: it is, or nobody looked).
@@ -215,7 +215,7 @@ class Lease:
                 )
                 return
             if current is not None and current.get("torn") and self._beat_is_fresh():
-                with self._writing:  # (not once released: see `release`)
+                with self._writing_within():  # (not once released: see `release`)
                     if self.held:
                         self._repair(current)
                 current = self.read()
@@ -379,6 +379,17 @@ class Lease:
                 return
         self._written_at = time.monotonic()
 
+    @contextlib.contextmanager
+    def _writing_within(self, timeout: float = 5.0):
+        """`_writing`, waited for `timeout` s at most (the heartbeat holding it may be logging
+        through a handler whose lock this thread, interrupted there by a SIGTERM, holds)."""
+        taken = self._writing.acquire(timeout=timeout)
+        try:
+            yield
+        finally:
+            if taken:
+                self._writing.release()
+
     def release(self) -> None:
         """Give the lease back (only if we still hold it)."""
         if not self.held:
@@ -386,7 +397,7 @@ class Lease:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        with self._writing:
+        with self._writing_within():
             if not self.held:  # released meanwhile, by another thread
                 return
             try:
