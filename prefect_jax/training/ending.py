@@ -172,8 +172,9 @@ class AttemptEnd:
             # did, before the run closes (else the rerun evaluates that step)
             evaluated = pending.step
             wait = min(RECORD_WAIT_SECS, max(0.0, deadline - time.monotonic()))
-            if not within(lambda: (pending.record_if_landed(), pending.drop()), wait):
-                pending.drop()  # (what runs on records nothing more: no later close does)
+            recorded = within(pending.record_if_landed, wait)
+            pending.drop()  # (a record still running is the last: no later close records it)
+            if not recorded:
                 say(
                     logging.WARNING,
                     "the evaluation of step %s was not recorded within %.0fs: left to finish as "
