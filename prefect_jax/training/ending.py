@@ -35,7 +35,7 @@ Rows = list[tuple[str, float, int]]
 # an event may wait on a lock that the code the signal interrupted holds (`on_sigterm`).
 EVENTS_WAIT_SECS = 1.0
 RECORD_WAIT_SECS = 5.0
-# How long a log line of a SIGTERM's ending may take (`_end_attempt`'s `say`).
+# How long a log line of a SIGTERM's ending may take (`on_sigterm`'s `say`).
 LOG_WAIT_SECS = 2.0
 
 
@@ -65,7 +65,6 @@ class AttemptEnd:
         self.trainer = trainer
         # (step, committed, signal) of the notice handled, once forwarded
         self.preempted: tuple | None = None
-        self._committed = False  # (the step of the notice being handled committed)
 
     def stop_if_preempted(self) -> None:
         """Raise `Preempted` if this trainer handled a notice: where the handler it went on to
@@ -86,31 +85,11 @@ class AttemptEnd:
         call would wait for ever, and Prefect's runner kills a cancelled run's process 30 s after
         its SIGTERM. So every call that may wait on others (the commit and its events, the record,
         MLflow, its log lines) runs on a helper thread, bounded by the grace period
-        (`_end_attempt`); the rest, the trainer's own, runs here."""
+        (`bounded`, `say`); the rest, the trainer's own, runs here."""
         t, job = self.trainer, self.trainer.job
-        step = t.step
-        self._committed = False
-        try:
-            self._end_attempt(rows, time.monotonic() + t.config.train.sigterm_grace_secs)
-        finally:
-            # Whatever failed or hung above (storage going away with the node, say), the lease
-            # is freed and the notice goes on: else the guard, handling it still, would take no
-            # later SIGTERM either.
-            with contextlib.suppress(Exception):
-                job.lease.release()  # (returns at once once released)
-            self.preempted = (step, self._committed, t.guard.signum)
-            t.forget_live_state()
-            t.guard.forward()
-        raise Preempted(*self.preempted)
-
-    def _end_attempt(self, rows: Rows | None, deadline: float) -> None:
-        """`on_sigterm`'s work, each step that may wait on others bounded by `deadline`."""
-        t, job = self.trainer, self.trainer.job
-        pending, grace, started = (
-            t.evaluations.pending,
-            t.config.train.sigterm_grace_secs,
-            time.monotonic(),
-        )
+        pending = t.evaluations.pending
+        grace, started = t.config.train.sigterm_grace_secs, time.monotonic()
+        deadline = started + grace
 
         def bounded(fn, at_least: float) -> bool:
             """`fn` within what is left before `deadline`, or `at_least` seconds."""
@@ -126,91 +105,105 @@ class AttemptEnd:
             if not stuck and not within(lambda: logger.log(level, msg, *args), LOG_WAIT_SECS):
                 stuck.append(True)
 
-        # (None: no save just ended here)
-        saved_rows = rows if rows is not None else t.intervals.rows_saving
-        if rows is not None and pending.held is not None:
-            try:
-                pending.record(wait=True)
-            # then no newer step: the rerun resumes from that one and evaluates it
-            except Exception as exc:  # noqa: BLE001
+        committed = False
+        try:
+            # (None: no save just ended here)
+            saved_rows = rows if rows is not None else t.intervals.rows_saving
+            if rows is not None and pending.held is not None:
+                try:
+                    pending.record(wait=True)
+                # then no newer step: the rerun resumes from that one and evaluates it
+                except Exception as exc:  # noqa: BLE001
+                    say(
+                        logging.WARNING,
+                        "SIGTERM at step %d: the evaluation of step %d could not be recorded (%r): "
+                        "not checkpointing step %d",
+                        t.step,
+                        pending.step,
+                        exc,
+                        t.step,
+                    )
+                    pending.drop()
+                    rows, saved_rows = None, None
+            if rows is not None:
                 say(
                     logging.WARNING,
-                    "SIGTERM at step %d: the evaluation of step %d could not be recorded (%r): "
-                    "not checkpointing step %d",
+                    "SIGTERM at step %d: checkpointing it (grace %.0fs)",
                     t.step,
-                    pending.step,
-                    exc,
-                    t.step,
+                    grace,
                 )
-                pending.drop()
-                rows, saved_rows = None, None
-        if rows is not None:
-            say(
-                logging.WARNING, "SIGTERM at step %d: checkpointing it (grace %.0fs)", t.step, grace
-            )
-            # checks the lease
-            t.intervals.save(rows, preemption=t.policy.is_off_cadence(t.step))
-        else:
-            # taken over: the job's records below are not this process's to write
-            with contextlib.suppress(LeaseLostError):
-                job.verify_lease()
-            say(
-                logging.WARNING,
-                "SIGTERM at step %s (between checkpoints): letting its checkpoint commit "
-                "(grace %.0fs)",
-                t.step,
-                grace,
-            )
-        # (the commit's events may wait on a lock the interrupted code holds: not for long)
-        # (started even with no time left: the stacks below then show where the commit is)
-        waited = within(
-            lambda: job.wait_committed(events_wait=EVENTS_WAIT_SECS),
-            deadline - time.monotonic(),
-        )
-        self._committed = committed = waited and t.step is not None and job.is_committed(t.step)
-        if pending.held is not None:  # an evaluation whose step was committing: recorded if it
-            # did, before the run closes (else the rerun evaluates that step)
-            evaluated = pending.step
-            wait = min(RECORD_WAIT_SECS, max(0.0, deadline - time.monotonic()))
-            recorded = within(pending.record_if_landed, wait)
-            pending.drop()  # (a record still running is the last: no later close records it)
-            if not recorded:
+                # checks the lease
+                t.intervals.save(rows, preemption=t.policy.is_off_cadence(t.step))
+            else:
+                # taken over: the job's records below are not this process's to write
+                with contextlib.suppress(LeaseLostError):
+                    job.verify_lease()
                 say(
                     logging.WARNING,
-                    "the evaluation of step %s was not recorded within %.0fs: left to finish as "
-                    "the process ends (else the rerun evaluates that step again)",
-                    evaluated,
-                    wait,
+                    "SIGTERM at step %s (between checkpoints): letting its checkpoint commit "
+                    "(grace %.0fs)",
+                    t.step,
+                    grace,
                 )
-        # what this attempt compiled, for the rerun (on another node)
-        if t.compile_cache is not None:
-            t.compile_cache.flush(min(10.0, max(0.0, deadline - time.monotonic())))
-        if committed:
-            say(
-                logging.WARNING,
-                "step %d committed in %.2fs after SIGTERM",
-                t.step,
-                time.monotonic() - started,
+            # (the commit's events may wait on a lock the interrupted code holds: not for long)
+            # (started even with no time left: the stacks below then show where the commit is)
+            waited = within(
+                lambda: job.wait_committed(events_wait=EVENTS_WAIT_SECS),
+                deadline - time.monotonic(),
             )
-            if saved_rows:  # the interval's train metrics (the checkpoint has them too)
-                bounded(lambda: t.intervals.log_train_rows(saved_rows), at_least=0.5)
-        else:
-            # (a commit still running when the grace ran out: where each thread was, so that
-            # a stall, not a slow disk, can be told and reported)
-            say(
-                logging.ERROR,
-                "the checkpoint of step %s did not commit within %.0fs: abandoned; "
-                "step %s stays the newest valid one%s",
-                t.step,
-                grace,
-                job.newest_committed(),
-                "" if waited else "; each thread when the grace ran out:\n" + thread_stacks(),
-            )
-        job.goodput.end("preempted")
-        bounded(self.log_goodput, at_least=0.5)
-        # MLflow may be slow (or its thread busy): never much past the grace period.
-        bounded(lambda: job.tracker.finish("KILLED"), at_least=1.0)
-        job.lease.release()
+            committed = waited and t.step is not None and job.is_committed(t.step)
+            if pending.held is not None:  # an evaluation whose step was committing: recorded if it
+                # did, before the run closes (else the rerun evaluates that step)
+                evaluated = pending.step
+                wait = min(RECORD_WAIT_SECS, max(0.0, deadline - time.monotonic()))
+                recorded = within(pending.record_if_landed, wait)
+                pending.drop()  # (a record still running is the last: no later close records it)
+                if not recorded:
+                    say(
+                        logging.WARNING,
+                        "the evaluation of step %s was not recorded within %.0fs: left to "
+                        "finish as the process ends (else the rerun evaluates that step again)",
+                        evaluated,
+                        wait,
+                    )
+            # what this attempt compiled, for the rerun (on another node)
+            if t.compile_cache is not None:
+                t.compile_cache.flush(min(10.0, max(0.0, deadline - time.monotonic())))
+            if committed:
+                say(
+                    logging.WARNING,
+                    "step %d committed in %.2fs after SIGTERM",
+                    t.step,
+                    time.monotonic() - started,
+                )
+                if saved_rows:  # the interval's train metrics (the checkpoint has them too)
+                    bounded(lambda: t.intervals.log_train_rows(saved_rows), at_least=0.5)
+            else:
+                # (a commit still running when the grace ran out: where each thread was, so that
+                # a stall, not a slow disk, can be told and reported)
+                say(
+                    logging.ERROR,
+                    "the checkpoint of step %s did not commit within %.0fs: abandoned; "
+                    "step %s stays the newest valid one%s",
+                    t.step,
+                    grace,
+                    job.newest_committed(),
+                    "" if waited else "; each thread when the grace ran out:\n" + thread_stacks(),
+                )
+            job.goodput.end("preempted")
+            bounded(self.log_goodput, at_least=0.5)
+            # MLflow may be slow (or its thread busy): never much past the grace period.
+            bounded(lambda: job.tracker.finish("KILLED"), at_least=1.0)
+            job.lease.release()
+        finally:
+            # Whatever failed above (storage going away with the node, say), the notice goes on:
+            # else the guard, handling it still, would take no later SIGTERM either.
+            with contextlib.suppress(Exception):
+                job.lease.release()  # (returns at once once released)
+            self.preempted = (t.step, committed, t.guard.signum)
+            t.forget_live_state()
+            t.guard.forward()
+        raise Preempted(*self.preempted)
 
     def ended_as(self, how: str) -> str:
         """How process 0's attempt ends in the ledger: `how`, unless it saw another process of

@@ -19,7 +19,6 @@ stops there with `LeaseLostError` instead of writing over the new holder's steps
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -95,9 +94,6 @@ class Lease:
         self._written_at: float | None = None  # when this process last wrote its lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # Held by a heartbeat's write and by `release`: a beat in flight lands before the lease
-        # file goes, never after (a lease held by nobody for a whole timeout).
-        self._writing = threading.RLock()
         # The job's directory as this process found it when it took the lease (`_identity`), and
         # why it is not that one any more (None: it is, or nobody looked).
         self._home: tuple | None = None
@@ -215,9 +211,7 @@ class Lease:
                 )
                 return
             if current is not None and current.get("torn") and self._beat_is_fresh():
-                with self._writing_within():  # (not once released: see `release`)
-                    if self.held:
-                        self._repair(current)
+                self._repair(current)
                 current = self.read()
             if current is not None and current.get("token") == self.token:
                 self._confirmed_at = time.monotonic()
@@ -327,21 +321,23 @@ class Lease:
         while not self._stop.wait(interval):
             try:
                 current = self.read()
-                # ours, torn since this process last wrote it
-                torn = bool(current and current.get("torn") and self._beat_is_fresh())
-                if not torn and (not current or current.get("token") != self.token):
+                if (
+                    current
+                    and current.get("torn")
+                    and self._beat_is_fresh()
+                    and not self._stop.is_set()
+                ):
+                    self._repair(current)  # ours, torn since this process last wrote it
+                    continue
+                if not current or current.get("token") != self.token:
                     if (
                         not self._stop.is_set()
                     ):  # (set: released meanwhile; the lease is not ours to write)
                         self._lose(current or {})  # the next checkpoint's `verify` stops training
                     return
-                with self._writing:
-                    if self._stop.is_set():
-                        return
-                    if torn:
-                        self._repair(current)
-                    else:
-                        self._write_beat()
+                if self._stop.is_set():
+                    return
+                self._write_beat()
             except Exception:  # noqa: BLE001 - a missed beat is retried on the next one
                 logger.exception("lease heartbeat failed")
 
@@ -379,30 +375,18 @@ class Lease:
                 return
         self._written_at = time.monotonic()
 
-    @contextlib.contextmanager
-    def _writing_within(self, timeout: float = 5.0):
-        """`_writing`, waited for `timeout` s at most (the heartbeat holding it may be logging
-        through a handler whose lock this thread, interrupted there by a SIGTERM, holds)."""
-        taken = self._writing.acquire(timeout=timeout)
-        try:
-            yield
-        finally:
-            if taken:
-                self._writing.release()
-
     def release(self) -> None:
         """Give the lease back (only if we still hold it)."""
         if not self.held:
             return
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        with self._writing_within():
-            if not self.held:  # released meanwhile, by another thread
-                return
-            try:
-                current = self.read()
-                if current and current.get("token") == self.token:
-                    self.storage.fs.rm(self.path)
-            finally:
-                self.token = None
+        if self._thread is not None:
+            # A beat past its stop check lands before the file goes, never after it (a lease held
+            # by nobody for a whole timeout); a write that hangs is not waited for long.
+            self._thread.join(timeout=10)
+        try:
+            current = self.read()
+            if current and current.get("token") == self.token:
+                self.storage.fs.rm(self.path)
+        finally:
+            self.token = None
