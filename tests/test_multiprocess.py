@@ -667,7 +667,7 @@ def test_after_kills_without_notice_every_process_writes_the_same_backups_and_th
     attempt ends ``lost a process``; then process 0 itself: its attempt never ends) makes the
     next attempts back up; both processes write each backup at the same step (one collective
     save), and the rerun resumes from one to the uninterrupted run's state, bit for bit."""
-    from prefect_jax.training.goodput import LOST_PROCESS
+    from prefect_jax.training.goodput_summary import LOST_PROCESS
 
     every = 2 * EVERY  # intervals of 2-3 s of training: room for backups (at least 1 s apart)
     storage = str(tmp_path / "storage")

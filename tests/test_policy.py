@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefect_jax.training.goodput import LOST_PROCESS
+from prefect_jax.training.goodput_summary import LOST_PROCESS
 from prefect_jax.training.policy import CheckpointPolicy, backup_interval, retained
 from prefect_jax.training.specs import CheckpointSpec
 

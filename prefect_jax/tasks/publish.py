@@ -248,15 +248,22 @@ def existing_artifact(key: str, flow_run_id) -> Any:
     return found[0] if found else None
 
 
-def create_or_update_artifact(artifact, flow_run_id) -> None:
+_LOOK_UP = object()  # (`create_or_update_artifact`: the caller did not read the existing one)
+
+
+def create_or_update_artifact(
+    artifact, flow_run_id, task_run_id=None, existing: Any = _LOOK_UP
+) -> None:
     """Create Prefect artifact `artifact` (a `prefect.artifacts.Artifact` with a key) for flow run
-    `flow_run_id`, or, if that run has one of its key already, update that one's data and
-    description in place."""
+    `flow_run_id` (and task run `task_run_id`), or, if that run has one of its key already,
+    update that one's data and description in place. `existing`: that run's artifact of the key
+    (or None), if the caller read it already (`existing_artifact`)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 
     data = artifact.format(_sync=True)
-    existing = existing_artifact(artifact.key, flow_run_id)
+    if existing is _LOOK_UP:
+        existing = existing_artifact(artifact.key, flow_run_id)
     with get_client(sync_client=True) as client:
         if existing is not None:
             client.update_artifact(
@@ -269,6 +276,7 @@ def create_or_update_artifact(artifact, flow_run_id) -> None:
                     key=artifact.key,
                     description=artifact.description,
                     flow_run_id=flow_run_id,
+                    task_run_id=task_run_id,
                     data=data,
                 )
             )

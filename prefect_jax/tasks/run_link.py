@@ -8,7 +8,12 @@ import threading
 from prefect import get_run_logger
 from prefect.runtime import task_run
 
-from prefect_jax.tasks.publish import artifact_key, existing_artifact, publisher
+from prefect_jax.tasks.publish import (
+    artifact_key,
+    create_or_update_artifact,
+    existing_artifact,
+    publisher,
+)
 from prefect_jax.training.names import MLFLOW_RUN_TAG
 from prefect_jax.training.specs import JobConfig
 
@@ -76,26 +81,7 @@ def _link_artifact(config: JobConfig, tracker, flow_run_id, mlflow_url: str | No
     if flow_run_id is None:  # outside any flow run: nothing to be one of
         artifact.create(_sync=True)
         return
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
-
-    with get_client(sync_client=True) as client:
-        if existing is not None:
-            client.update_artifact(
-                existing.id,
-                ArtifactUpdate(data=artifact.format(_sync=True), description=artifact.description),
-            )
-        else:
-            client.create_artifact(
-                ArtifactCreate(
-                    type=artifact.type,
-                    key=key,
-                    description=artifact.description,
-                    data=artifact.format(_sync=True),
-                    flow_run_id=flow_run_id,
-                    task_run_id=task_run.id,
-                )
-            )
+    create_or_update_artifact(artifact, flow_run_id, task_run.id, existing=existing)
 
 
 def tag_flow_run(flow_run_id: str, tags: list[str]) -> None:

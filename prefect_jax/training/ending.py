@@ -22,7 +22,13 @@ from prefect_jax.training.cluster import failed_processes, lost_process, say_goo
 from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
 from prefect_jax.training.compile_cache_mirror import END_FLUSH_SECS
 from prefect_jax.training.errors import LeaseLostError, Preempted
-from prefect_jax.training.goodput import LOST_PROCESS
+from prefect_jax.training.goodput_summary import (
+    CLOSED,
+    ENDED_BY_STATUS,
+    FAILED,
+    LOST_PROCESS,
+    PREEMPTED,
+)
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
@@ -190,7 +196,7 @@ class AttemptEnd:
                     job.newest_committed(),
                     "" if waited else "; each thread when the grace ran out:\n" + thread_stacks(),
                 )
-            job.goodput.end("preempted")
+            job.goodput.end(PREEMPTED)
             bounded(self.log_goodput, at_least=0.5)
             # MLflow may be slow (or its thread busy): never much past the grace period.
             bounded(lambda: job.tracker.finish("KILLED"), at_least=1.0)
@@ -208,10 +214,10 @@ class AttemptEnd:
     def ended_as(self, how: str) -> str:
         """How process 0's attempt ends in the ledger: `how`, unless it saw another process of
         the job go away (`cluster.lost_process`) that did not say it failed on its own
-        (`cluster.failed_processes`): then `goodput.LOST_PROCESS`, a kill without notice, so that
+        (`cluster.failed_processes`): then `LOST_PROCESS`, a kill without notice, so that
         the job's next attempts back up between checkpoints as after a kill of process 0."""
         job, name = self.trainer.job, self.trainer.config.job
-        if not (job.is_primary and job.processes > 1 and how in ("failed", "closed")):
+        if not (job.is_primary and job.processes > 1 and how in (FAILED, CLOSED)):
             return how
         lost, attempt = lost_process(), job.goodput.attempt
         if lost is None or attempt is None or attempt["ended"] is not None:
@@ -257,7 +263,7 @@ class AttemptEnd:
             t.flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)
             if job.goodput.attempt is not None:
                 job.wait_committed(ending=status != "FINISHED")
-                how = {"FINISHED": "finished", "KILLED": "preempted"}.get(status, status.lower())
+                how = ENDED_BY_STATUS.get(status, status.lower())
                 job.goodput.end(self.ended_as(how))
                 self.log_goodput()
             job.finish(status)
@@ -275,7 +281,7 @@ class AttemptEnd:
         try:
             t.evaluations.pending.record_or_warn()
             # (unless it ended already) not a kill, unless a process went away
-            t.job.goodput.end(self.ended_as("closed"))
+            t.job.goodput.end(self.ended_as(CLOSED))
             t.loop.compiling.join()
             t.flush_compiled(END_FLUSH_SECS)
             t.job.close()

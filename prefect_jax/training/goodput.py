@@ -28,7 +28,11 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from prefect_jax.training.goodput_summary import counted_attempts, running_account, summarize
+from prefect_jax.training.goodput_summary import (
+    counted_attempts,
+    running_account,
+    summarize,
+)
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -161,9 +165,8 @@ class GoodputLedger:
         return self._earlier
 
     def end(self, how: str) -> None:
-        """The attempt ends: ``finished``, ``preempted``, ``failed``, ``closed`` (its trainer was
-        closed without finishing, as a notebook may), `LOST_PROCESS` (another process of the job
-        went away mid-collective: killed without notice, as if this one were)."""
+        """The attempt ends `how`: one of goodput_summary's ends (`FINISHED`, `PREEMPTED`,
+        `FAILED`, `CLOSED`, `LOST_PROCESS`)."""
         if self.attempt is not None and self.attempt["ended"] is None:
             self.attempt["ended"] = how
             self._write()
@@ -212,11 +215,6 @@ class GoodputLedger:
         if self.attempt is not None and self._earlier is not None:
             return summarize(self._ledger())
         return summarize(self.read())
-
-
-# How process 0's attempt ends when another process of the job was killed: a kill without notice
-# (`policy.backup_interval`).
-LOST_PROCESS = "lost a process"
 
 
 def read_ledger(storage) -> dict[str, Any]:

@@ -33,18 +33,31 @@ from typing import Any
 
 from prefect_jax.training.names import GOODPUT_PREFIX
 
+# How an attempt ended: its ledger entry's ``ended`` (None: it never said, it was killed without
+# notice). Written by `Goodput.end`, read here, by the backup policy and by the flows' hooks.
+FINISHED = "finished"
+PREEMPTED = "preempted"  # a preemption notice: the step in flight was checkpointed
+FAILED = "failed"
+CLOSED = "closed"  # the trainer was closed without finishing, as a notebook may
+# Another process of the job went away mid-collective: process 0's attempt counts as killed
+# without notice, as if it were (`policy.backup_interval`).
+LOST_PROCESS = "lost a process"
+# The MLflow status a trainer finishes with, as its attempt's end.
+ENDED_BY_STATUS = {"FINISHED": FINISHED, "KILLED": PREEMPTED, "FAILED": FAILED}
+
 PHASES = ("startup", "restore", "compile", "train", "checkpoint", "eval", "export")
-LOST = (
-    "startup",
-    "restore",
-    "compile",
-    "recomputed",
-    "checkpoint",
-    "eval",
-    "export",
-    "other",
-    "between_attempts",
-)
+# Where an account's lost seconds go (its ``lost_s`` keys, in order), as the goodput table says.
+LOSSES = {
+    "startup": "start-up (process, imports, Prefect, clients)",
+    "restore": "restore (lease, checkpoint read, or init)",
+    "compile": "compile (or cache load) and first step",
+    "recomputed": "recomputed steps (trained, then lost)",
+    "checkpoint": "checkpoint stall (save, wait for commit)",
+    "eval": "evaluation",
+    "export": "export",
+    "other": "orchestration (task runs, MLflow waits)",
+    "between_attempts": "between attempts (killed work, exit, rerun wait)",
+}
 
 
 def _train_at(attempt: dict, step: int) -> float | None:
@@ -60,8 +73,8 @@ def _rerun_of_finished_job(previous: dict, attempt: dict) -> bool:
     """`attempt` came after `previous` finished the job and trained nothing: it restored the last
     step and stopped (a rerun of a completed run). It cost no one any waiting for the job."""
     return (
-        previous.get("ended") == "finished"
-        and attempt.get("ended") == "finished"
+        previous.get("ended") == FINISHED
+        and attempt.get("ended") == FINISHED
         and attempt["from_step"] == attempt["step"] == previous["step"]
         and not attempt["seconds"].get("train")
     )
@@ -87,7 +100,7 @@ def running_account(attempts: list[dict], stop: int) -> dict[str, Any]:
         acc = {
             "productive": 0.0,
             "wall": 0.0,
-            "lost": dict.fromkeys(LOST, 0.0),
+            "lost": dict.fromkeys(LOSSES, 0.0),
             "attempts": 0,
             "interrupted": 0,
             "segment_start": first["process_start"],
@@ -106,9 +119,9 @@ def running_account(attempts: list[dict], stop: int) -> dict[str, Any]:
             if at is None:  # the next attempt restored an older step than any this one recorded
                 at = 0.0 if nxt["from_step"] <= a["from_step"] else train
             kept = min(train, at)
-            if a.get("ended") != "finished":
+            if a.get("ended") != FINISHED:
                 lost["between_attempts"] += max(0.0, nxt["process_start"] - a["updated"])
-        if nxt is None or a.get("ended") == "finished":
+        if nxt is None or a.get("ended") == FINISHED:
             # The job waited from segment_start until here.
             acc["wall"] += a["updated"] - acc["segment_start"]
             acc["segment_start"] = nxt["process_start"] if nxt is not None else 0.0
@@ -120,7 +133,7 @@ def running_account(attempts: list[dict], stop: int) -> dict[str, Any]:
         lost["other"] += max(0.0, (a["updated"] - a["process_start"]) - sum(secs.values()))
         acc["attempts"] += a.get("folded", 1)  # (an int in the folds of older versions)
         acc["interrupted"] += a.get("ended") not in (
-            ("finished",) if nxt is not None else ("finished", None)
+            (FINISHED,) if nxt is not None else (FINISHED, None)
         )
     return acc
 
@@ -160,18 +173,7 @@ def as_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
             "share of wall": round(summary["productive_s"] / wall, 4),
         }
     ]
-    names = {
-        "startup": "start-up (process, imports, Prefect, clients)",
-        "restore": "restore (lease, checkpoint read, or init)",
-        "compile": "compile (or cache load) and first step",
-        "recomputed": "recomputed steps (trained, then lost)",
-        "checkpoint": "checkpoint stall (save, wait for commit)",
-        "eval": "evaluation",
-        "export": "export",
-        "other": "orchestration (task runs, MLflow waits)",
-        "between_attempts": "between attempts (killed work, exit, rerun wait)",
-    }
-    for key, label in names.items():
+    for key, label in LOSSES.items():
         v = summary["lost_s"].get(key, 0.0)
         rows.append({"what": label, "seconds": round(v, 2), "share of wall": round(v / wall, 4)})
     return rows

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from prefect_jax.training.goodput import LOST_PROCESS
+from prefect_jax.training.goodput_summary import LOST_PROCESS
 from prefect_jax.training.specs import CheckpointSpec
 
 logger = logging.getLogger("prefect_jax.trainer")
