@@ -337,12 +337,12 @@ def test_a_final_step_left_unevaluated_fails_the_run_and_the_rerun_evaluates_it(
     checkpoint ("There was no new checkpoint after the training"): the run must not end Completed
     with no final metrics. Here the final step's evaluation is lost (as when its record fails to
     land); the rerun evaluates and exports that step, and ends Completed."""
-    from prefect_jax.flows import loop
+    from prefect_jax.flows import task_loop
     from prefect_jax.training.errors import FinalEvaluationMissingError
 
-    evaluate_and_export = loop._evaluate_and_export
+    evaluate_and_export = task_loop._evaluate_and_export
     monkeypatch.setattr(
-        loop,
+        task_loop,
         "_evaluate_and_export",
         lambda config, step: None if step == 40 else evaluate_and_export(config, step),
     )
@@ -356,7 +356,7 @@ def test_a_final_step_left_unevaluated_fails_the_run_and_the_rerun_evaluates_it(
     )[0]
     assert run.info.status == "FAILED"
 
-    monkeypatch.setattr(loop, "_evaluate_and_export", evaluate_and_export)
+    monkeypatch.setattr(task_loop, "_evaluate_and_export", evaluate_and_export)
     rerun = _run(tmp_path, mlflow_uri, max_steps=40)
     assert rerun.is_completed()
     summary = rerun.result()
@@ -482,13 +482,13 @@ def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
     seconds apart, a flow run makes one version of each every PREFECT_JAX_UI_REFRESH_SECS at most
     (the first at once; the newest at the end, on its own evaluate task run); 0 makes one for
     every evaluation and every checkpoint."""
-    from prefect_jax.flows import progress
+    from prefect_jax.flows import progress_card
     from prefect_jax.tasks import publisher
 
     monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", refresh_secs)
     monkeypatch.setattr(publisher, "_last_run", {})  # (as after any flow run's flush)
     progress_updates, seen = [], []  # (seen: what a failure shows of each update's moment)
-    update, t0 = progress.update_progress, time.monotonic()
+    update, t0 = progress_card.update_progress, time.monotonic()
 
     def recording(shown, step, *a):
         progress_updates.append(step)
@@ -496,7 +496,7 @@ def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
         seen.append((step, round(time.monotonic() - t0, 2), publisher._hurry, held))
         update(shown, step, *a)
 
-    monkeypatch.setattr(progress, "update_progress", recording)
+    monkeypatch.setattr(progress_card, "update_progress", recording)
     state = train_and_evaluate(
         program="prefect_jax.examples.digits:tiny",
         job="refresh",

@@ -163,3 +163,25 @@ def test_the_packages_names_are_its_flows_table():
         == sorted(flows._WHERE)
         == sorted(n for n in dir(flows) if n in flows._WHERE)
     )
+
+
+def test_no_module_of_the_flows_makes_its_annotations_strings():
+    """`serve` sends a flow to its child process with cloudpickle, which copies only the globals
+    the function's code uses: string annotations (``from __future__ import annotations``) would
+    leave the flows' parameter types unresolvable there, and every served run would fail its
+    parameter validation (tests/test_deployment_rerun.py shows it end to end, slowly)."""
+    import ast
+
+    root = pathlib.Path(flows.__file__).parent
+    modules = sorted(root.rglob("*.py"))
+    assert len(modules) >= 10, modules  # the package and its roles, not an empty glob
+
+    def makes_strings(path: pathlib.Path) -> bool:
+        return any(
+            isinstance(node, ast.ImportFrom)
+            and node.module == "__future__"
+            and any(alias.name == "annotations" for alias in node.names)
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+
+    assert [str(p.relative_to(root)) for p in modules if makes_strings(p)] == []

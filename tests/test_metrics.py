@@ -236,7 +236,7 @@ def test_the_byte_lm_logs_perplexity_and_its_extra_train_metrics_as_means(job_co
 
 
 def test_the_progress_card_shows_train_means_and_eval_metrics():
-    from prefect_jax.flows.progress import _progress, shown_metrics
+    from prefect_jax.flows.progress_card import _progress, shown_metrics
 
     shown = shown_metrics({"loss": 2.5, "steps_per_sec": 40.0}, {"perplexity": 12.18}, "eval")
     assert _progress(10, 40, "job", shown)["description"] == (

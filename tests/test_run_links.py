@@ -120,7 +120,7 @@ def test_trainer_evaluator_and_export_runs_are_linked_both_ways_and_a_late_evalu
 def test_a_flow_run_that_links_twice_keeps_one_link_and_one_goodput_artifact(tmp_path, mlflow_uri):
     from prefect.client.orchestration import get_client
 
-    from prefect_jax.flows.hooks import _publish_goodput
+    from prefect_jax.flows.hooks import publish_goodput
     from prefect_jax.tasks import publisher, restore_or_init
     from prefect_jax.training.live import live_trainer
 
@@ -137,8 +137,8 @@ def test_a_flow_run_that_links_twice_keeps_one_link_and_one_goodput_artifact(tmp
         restore_or_init(config)
         restore_or_init(config)  # as a second start of the same flow run does
         goodput = live_trainer(config).goodput()
-        _publish_goodput(config, goodput)
-        _publish_goodput(config, goodput, lead="Published again. ")
+        publish_goodput(config, goodput)
+        publish_goodput(config, goodput, lead="Published again. ")
         publisher.flush()
 
     state = started_twice(return_state=True)

@@ -26,7 +26,8 @@ Example:
 # No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
 # flow to its child process with cloudpickle, which copies only the globals the function's code
 # uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
-# would fail parameter validation (tests/test_deployment_rerun.py).
+# would fail parameter validation (tests/test_deployment_rerun.py; tests/test_flows_parameters.py
+# checks every module of the package).
 import importlib
 from typing import TYPE_CHECKING
 
@@ -54,7 +55,7 @@ __all__ = ["evaluate", "export_flow", "run_as_process", "train", "train_and_eval
 
 
 def __getattr__(name: str):
-    if name not in _WHERE:  # (then ``from prefect_jax.flows import loop`` finds the submodule)
+    if name not in _WHERE:  # (then ``from prefect_jax.flows import task_loop`` finds the submodule)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
         module = importlib.import_module(_WHERE[name])

@@ -1,9 +1,6 @@
 """A flow's parameters as the job's `JobConfig`."""
 
-# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
-# flow to its child process with cloudpickle, which copies only the globals the function's code
-# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
-# would fail parameter validation (tests/test_deployment_rerun.py).
+# No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
 from typing import Any
 
 from prefect_jax.tasks import ui_refresh_secs

@@ -1,16 +1,14 @@
 """The flows' state hooks (a failed or crashed run closes its MLflow run, frees the lease, and
 publishes the goodput so far) and the goodput artifact of a finished job."""
 
-# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
-# flow to its child process with cloudpickle, which copies only the globals the function's code
-# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
-# would fail parameter validation (tests/test_deployment_rerun.py).
+# No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
 import functools
 from typing import Any
 
 from prefect import get_run_logger
 
 from prefect_jax.flows.config import _config_from
+from prefect_jax.training.goodput_summary import PREEMPTED
 from prefect_jax.training.specs import JobConfig
 
 
@@ -93,7 +91,7 @@ def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id, signum: 
     attempt = (
         trainer.job.goodput.attempt if trainer is not None and trainer.job.is_primary else None
     )
-    if not attempt or attempt.get("ended") != "preempted":
+    if not attempt or attempt.get("ended") != PREEMPTED:
         return
     import contextvars
     import signal
@@ -106,7 +104,7 @@ def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id, signum: 
         else f"interrupted (its newest checkpoint is step {attempt['step']})"
     )
     lead = f"This run was {how}: a rerun resumes from its newest committed step. So far: "
-    publish = functools.partial(_publish_goodput, config, trainer.goodput(), lead, flow_run_id)
+    publish = functools.partial(publish_goodput, config, trainer.goodput(), lead, flow_run_id)
     if not within(
         functools.partial(contextvars.copy_context().run, publish), PREEMPTED_ARTIFACT_SECS
     ):
@@ -132,7 +130,7 @@ def _report_terminated(flow_run_id, state) -> None:
         _hook_logger(flow_run_id).warning("could not mark the terminated run Crashed: %r", exc)
 
 
-def _publish_goodput(
+def publish_goodput(
     config: JobConfig, goodput: dict[str, Any], lead: str = "", flow_run_id=None
 ) -> None:
     """The job's goodput as a table artifact (key ``<job>-goodput``): what preemptions cost, by

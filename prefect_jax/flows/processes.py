@@ -1,10 +1,7 @@
 """Several JAX processes train one job: joining them, and running process k > 0 as a child flow
 run of process 0's."""
 
-# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
-# flow to its child process with cloudpickle, which copies only the globals the function's code
-# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
-# would fail parameter validation (tests/test_deployment_rerun.py).
+# No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
 from typing import Any
 
 from prefect_jax.flows.tags import _OWN_TAGS, _RUN_TAG_PREFIXES

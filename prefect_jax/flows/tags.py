@@ -1,10 +1,7 @@
 """What wraps each flow's body: its task runs without the flow run's own tags, and MLflow warmed up
 while the program imports."""
 
-# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
-# flow to its child process with cloudpickle, which copies only the globals the function's code
-# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
-# would fail parameter validation (tests/test_deployment_rerun.py).
+# No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
 import functools
 import inspect
 

@@ -1,16 +1,13 @@
 """The training loop the `train_and_evaluate` and `train` flows share, and their summary."""
 
-# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
-# flow to its child process with cloudpickle, which copies only the globals the function's code
-# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
-# would fail parameter validation (tests/test_deployment_rerun.py).
+# No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
 from typing import Any
 
 from prefect import get_run_logger
 
-from prefect_jax.flows import progress
-from prefect_jax.flows.hooks import _publish_goodput
-from prefect_jax.flows.retries import job_tasks
+from prefect_jax.flows import progress_card
+from prefect_jax.flows.hooks import publish_goodput
+from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.tasks import publisher
 from prefect_jax.training.specs import JobConfig
 
@@ -62,8 +59,8 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
     # Made and updated on the publisher's thread, in order: no HTTP round trip before training;
     # updated at most every PREFECT_JAX_UI_REFRESH_SECS, and at the end.
     shown: dict[str, Any] = {}
-    key = progress.progress_key()
-    publisher.submit(progress.start_progress, shown, step, max_steps, config.job)
+    key = progress_card.progress_key()
+    publisher.submit(progress_card.start_progress, shown, step, max_steps, config.job)
     last_eval = None  # the latest evaluation this loop made, shown on the progress card
     named: list[bool] = []  # MLflow's "Prefect flow run" names this one (once it did something)
 
@@ -86,11 +83,11 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
                 evaluate = _evaluate_and_export(config, step)
                 # (no read of the storage: the live step's record is written once it commits)
                 last_eval = trainer.job.records.newest_known() or last_eval
-            metrics = progress.shown_metrics(
+            metrics = progress_card.shown_metrics(
                 trainer.last_train_metrics, last_eval.metrics if last_eval else {}, config.eval.name
             )
             publisher.refresh(
-                key, progress.update_progress, shown, step, max_steps, config.job, metrics
+                key, progress_card.update_progress, shown, step, max_steps, config.job, metrics
             )
         stop = stop_requested()
         return step, stop.get("reason") if stop else None
@@ -125,7 +122,7 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
     final = trainer.job.records.get(trainer.step)
     goodput = trainer.goodput()
     if trainer.job.is_primary:  # the others keep no ledger
-        _publish_goodput(config, goodput)
+        publish_goodput(config, goodput)
     return {
         "job": config.job,
         "final_step": trainer.step,

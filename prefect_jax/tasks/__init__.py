@@ -24,7 +24,11 @@ Example:
 from prefect_jax.tasks.evaluate import evaluate_if_new
 from prefect_jax.tasks.events import CHECKPOINT_EVENT, EVAL_EVENT, EXPORT_EVENT, emit, job_resource
 from prefect_jax.tasks.export import export
-from prefect_jax.tasks.job import _take_the_lease_before_jax, _trainer, _trainer_holding_the_lease
+from prefect_jax.tasks.live_trainer import (
+    _take_the_lease_before_jax,
+    _trainer,
+    _trainer_holding_the_lease,
+)
 from prefect_jax.tasks.publish import (
     UI_REFRESH_SECS,
     _Publisher,

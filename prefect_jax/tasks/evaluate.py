@@ -9,7 +9,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from prefect_jax.tasks.events import EVAL_EVENT, emit
-from prefect_jax.tasks.job import _trainer
+from prefect_jax.tasks.live_trainer import _trainer
 from prefect_jax.tasks.publish import artifact_key, publisher
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_unless_lost
 from prefect_jax.training.specs import JobConfig

@@ -8,7 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from prefect_jax.tasks.events import EXPORT_EVENT, emit
-from prefect_jax.tasks.job import _trainer
+from prefect_jax.tasks.live_trainer import _trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_unless_lost
 from prefect_jax.training.specs import JobConfig
 

@@ -1,6 +1,6 @@
 """When a failed task run is retried (the conditions), and how often by default (the tasks' own
 `RetrySpec`); a flow's `RetrySpec` is applied over them with `with_options` in
-`prefect_jax/flows/retries.py`."""
+`prefect_jax/flows/retry_options.py`."""
 
 from __future__ import annotations
 

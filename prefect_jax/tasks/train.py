@@ -6,7 +6,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
-from prefect_jax.tasks.job import _trainer
+from prefect_jax.tasks.live_trainer import _trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
 from prefect_jax.tasks.runs import mark_taken_over
 from prefect_jax.training.policy import NO_END, CheckpointPolicy

@@ -1,15 +1,12 @@
 """The `export` flow: the exporters on an evaluated step, on demand."""
 
-# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
-# flow to its child process with cloudpickle, which copies only the globals the function's code
-# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
-# would fail parameter validation (tests/test_deployment_rerun.py).
+# No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
 from typing import Any
 
 from prefect import flow, get_run_logger
 
 from prefect_jax.flows.config import checked_job_config
-from prefect_jax.flows.retries import job_tasks
+from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 

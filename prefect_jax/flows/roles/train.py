@@ -1,19 +1,16 @@
 """The `train` flow: the trainer role, checkpoints only (evaluation is the `evaluate` flow's)."""
 
-# No `from __future__ import annotations` (nor in any module of this package): `serve` sends a
-# flow to its child process with cloudpickle, which copies only the globals the function's code
-# uses; string annotations would leave TrainSpec & co. unresolvable there and every served run
-# would fail parameter validation (tests/test_deployment_rerun.py).
+# No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
 from typing import Any
 
 from prefect import flow, get_run_logger
 
 from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.hooks import end_the_job
-from prefect_jax.flows.loop import _summary, _train_loop
 from prefect_jax.flows.processes import _join_processes
-from prefect_jax.flows.retries import job_tasks
+from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
+from prefect_jax.flows.task_loop import _summary, _train_loop
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
