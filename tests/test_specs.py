@@ -143,6 +143,18 @@ def test_specs_round_trip_through_json_with_exporter_kinds():
     assert [type(e) for e in again.eval.exporters] == [LatestExporter, BestExporter, FinalExporter]
 
 
+def test_the_exporter_kinds_named_once_are_the_exporter_classes_kinds():
+    """`names.EXPORTER_KINDS` (the command's --exporters choices, the specs' JSON check) lists
+    the kinds of the exporter classes the specs' union takes, in order."""
+    from typing import get_args
+
+    from prefect_jax.training.eval_specs import ExporterSpec
+    from prefect_jax.training.names import EXPORTER_KINDS
+
+    classes = get_args(get_args(ExporterSpec)[0])
+    assert tuple(cls.model_fields["kind"].default for cls in classes) == EXPORTER_KINDS
+
+
 def test_job_config_refuses_bad_job_name():
     with pytest.raises(ValidationError, match="job '../evil' is not a valid name"):
         JobConfig(program="m:p", job="../evil", storage="/tmp/x", train=TrainSpec(max_steps=1))
@@ -155,5 +167,6 @@ def test_build_specs_makes_the_named_exporters_and_refuses_an_unknown_name():
 
     _, evaluation, _ = build_specs({"max_steps": 100}, {}, {}, ["latest", "best", "final"])
     assert [e.name for e in evaluation.exporters] == ["latest", "best", "final"]
-    with pytest.raises(ValueError, match="exporter 'newest': not an exporter; give latest, best"):
+    refused = "exporter 'newest': not an exporter; give one of latest, best, final"
+    with pytest.raises(ValueError, match=refused):
         build_specs({"max_steps": 100}, {}, {}, ["latest", "newest"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from prefect_jax.cli import commands
-from prefect_jax.training.names import DEFAULT_EXPERIMENT
+from prefect_jax.training.names import DEFAULT_EXPERIMENT, EXPORTER_KINDS
 
 
 def _max_steps(value: str) -> int | None:
@@ -78,8 +78,8 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
     add(
         "--exporters",
         nargs="*",
-        choices=["latest", "best", "final"],
-        default=["latest", "best", "final"],
+        choices=list(EXPORTER_KINDS),
+        default=list(EXPORTER_KINDS),
         help="exporters to run after each evaluation (default: latest best final)",
     )
     add(

@@ -310,7 +310,7 @@ def _preflight(
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: the digits example, with its storage and MLflow under ``--workdir``."""
-    from prefect_jax.training.preflight import make_local_dir
+    from prefect_jax.training.facade import make_local_dir
 
     workdir = os.path.abspath(args.workdir)
     make_local_dir("--workdir", workdir)

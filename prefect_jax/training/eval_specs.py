@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prefect_jax.training.names import REGISTERING_FLOWS, RESERVED_EVAL_NAMES
+from prefect_jax.training.names import EXPORTER_KINDS, REGISTERING_FLOWS, RESERVED_EVAL_NAMES
 from prefect_jax.training.spec_base import Spec, check_name, positive
 
 # The platforms `jax.export` lowers for, on any machine (exporters.serialize_serving): an
@@ -234,7 +234,6 @@ class EvalSpec(Spec):
     @classmethod
     def _exporters(cls, v):
         """As TF's `EvalSpec`: one exporter, an iterable of them, or None (none)."""
-        kinds = ("latest", "best", "final")
         fix = (
             "give LatestExporter(), BestExporter(metric=..., mode=...) or FinalExporter(), a list "
             'of them, or None (in JSON: {"kind": "latest"}, {"kind": "best", ...}, '
@@ -249,7 +248,7 @@ class EvalSpec(Spec):
         v = list(v)
         for i, e in enumerate(v):
             if not isinstance(e, _Exporter) and not (
-                isinstance(e, dict) and e.get("kind") in kinds
+                isinstance(e, dict) and e.get("kind") in EXPORTER_KINDS
             ):
                 raise ValueError(f"exporters[{i}]={e!r} is not an exporter: {fix}")
         return v

@@ -68,6 +68,7 @@ def build_specs(
         >>> (train.max_steps, checkpoints.every_steps, [e.name for e in evaluation.exporters])
         (100, 20, ['latest', 'best'])
     """
+    from prefect_jax.training.names import EXPORTER_KINDS
     from prefect_jax.training.specs import (
         BestExporter,
         CheckpointSpec,
@@ -90,7 +91,9 @@ def build_specs(
         elif name == "final":
             made.append(FinalExporter())
         else:
-            raise ValueError(f"exporter {name!r}: not an exporter; give latest, best or final")
+            raise ValueError(
+                f"exporter {name!r}: not an exporter; give one of {', '.join(EXPORTER_KINDS)}"
+            )
     eval_spec = EvalSpec(exporters=made, **evaluation)
     return train_spec, eval_spec, checkpoint_spec
 
@@ -231,6 +234,14 @@ def on_progress(listener: Callable[[int, int, dict], None]) -> Callable[[], None
     from prefect_jax.training.progress import add_progress_listener
 
     return add_progress_listener(listener)
+
+
+def make_local_dir(flag: str, path: str) -> None:
+    """Make the local directory `flag` names (or find it there), or refuse the flag's value
+    (`BadInputError`, which says why and what to give instead)."""
+    from prefect_jax.training.preflight import make_local_dir as make
+
+    make(flag, path)
 
 
 def default_tracking_uri() -> str:

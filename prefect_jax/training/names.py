@@ -37,6 +37,10 @@ RESERVED_EVAL_NAMES = ("train", "goodput", "system")
 """Metric prefixes taken (``train/``, ``goodput/``: prefect-jax's; ``system/``: MLflow's system
 metrics): no evaluation's name."""
 
+# The exporters' kinds, as a job's JSON and the command's --exporters name them (one class each in
+# `eval_specs`: LatestExporter, BestExporter, FinalExporter).
+EXPORTER_KINDS = ("latest", "best", "final")
+
 # MLflow: registry aliases. An exporter moves the alias of its own name, except ``latest``,
 # which MLflow reserves (``models:/<name>/latest`` is the highest version): that one is ``newest``.
 RESERVED_ALIASES = {"latest": "newest"}
