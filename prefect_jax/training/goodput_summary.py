@@ -34,7 +34,7 @@ from typing import Any
 from prefect_jax.training.names import GOODPUT_PREFIX
 
 # How an attempt ended: its ledger entry's ``ended`` (None: it never said, it was killed without
-# notice). Written by `Goodput.end`, read here, by the backup policy and by the flows' hooks.
+# notice). Written by `GoodputLedger.end`, read here, by the backup policy and by the flows' hooks.
 FINISHED = "finished"
 PREEMPTED = "preempted"  # a preemption notice: the step in flight was checkpointed
 FAILED = "failed"
