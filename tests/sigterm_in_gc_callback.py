@@ -11,8 +11,8 @@ WHERE is when, and how the job runs:
 - ``restore``: the `train_and_evaluate` flow called in this process, as a worker's or `serve`'s
   flow run calls it (no command around it), as its `restore_or_init` task makes the trainer,
   before the trainer's SIGTERM guard exists (Prefect's bridge handles it);
-- ``eval``: `prefect-jax run`, at the first evaluation: the trainer's guard handles it at once
-  and forwards it to Prefect's bridge.
+- ``eval``: `prefect-jax run`, at the first evaluation, which runs on the trainer thread: the
+  handler, Prefect's bridge, runs on the main thread in the task's wait.
 """
 
 from __future__ import annotations

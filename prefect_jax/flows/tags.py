@@ -5,6 +5,7 @@ while the program imports."""
 import functools
 import inspect
 
+from prefect_jax.tasks.notices import end_on_notice, the_notice
 from prefect_jax.training.names import JOB_RUN_TAG, MLFLOW_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
 from prefect_jax.training.preemption import deliver_lost_notices
 from prefect_jax.training.specs import flow_registers_exports
@@ -50,6 +51,12 @@ def flow_body(fn):
         registry = flow_registers_exports(fn.__name__, arguments.get("eval_spec"))
         warm_up(arguments.get("mlflow_tracking_uri"), registry=registry)
         with _task_tags():
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as exc:  # a notice between task runs: the trainers end first
+                notice = the_notice(exc)
+                if notice is not None:
+                    end_on_notice(notice)
+                raise
 
     return body

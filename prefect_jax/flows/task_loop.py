@@ -8,7 +8,8 @@ from prefect import get_run_logger
 from prefect_jax.flows import progress_card
 from prefect_jax.flows.hooks import publish_goodput
 from prefect_jax.flows.retry_options import job_tasks
-from prefect_jax.tasks import publisher
+from prefect_jax.tasks import notices, publisher
+from prefect_jax.tasks.live_trainer import OnTrainerThread
 from prefect_jax.training.specs import JobConfig
 
 
@@ -48,7 +49,7 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
 
     max_steps = config.train.max_steps
     train_until_checkpoint = job_tasks(config.retry).train_until_checkpoint
-    trainer = get_trainer(config)
+    trainer = OnTrainerThread(get_trainer(config))
     # The live trainer's view of a stop request: with several processes, process 0's, in all of
     # them.
     stop_requested = trainer.stop_requested
@@ -106,7 +107,7 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
     from prefect_jax.training.exporters import list_exports
     from prefect_jax.training.live import get_trainer
 
-    trainer = get_trainer(config)
+    trainer = OnTrainerThread(get_trainer(config))
     if trainer.state is None:
         trainer.restore_or_init()
     # First: a collective where the state is sharded over several processes, which every process
@@ -114,7 +115,8 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
     fingerprint = trainer.fingerprint()
     at_the_end = stopped is None and config.train.is_final(trainer.step)
     if evaluates and at_the_end and trainer.job.is_primary and not trainer.evaluations.stopped:
-        trainer.evaluations.pending.record(wait=True)  # the final step's, once its save commits
+        # the final step's, once its save commits
+        notices.call(trainer.evaluations.pending.record, wait=True)
         if trainer.job.records.get(trainer.step) is None:
             raise FinalEvaluationMissingError(config.job, trainer.step)
     trainer.finish("FINISHED")

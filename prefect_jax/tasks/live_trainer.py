@@ -4,6 +4,10 @@ lease taken before JAX starts."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+
+from prefect_jax.tasks import notices
 from prefect_jax.tasks.events import job_resource
 from prefect_jax.tasks.runs import _run_tags
 from prefect_jax.training.names import CHECKPOINT_EVENT, EVENT_STEP_LABEL
@@ -73,7 +77,26 @@ def _trainer_holding_the_lease(config: JobConfig):
         raise
 
 
-def _trainer(config: JobConfig):
+class OnTrainerThread:
+    """A live trainer whose methods run on the process's trainer thread, the caller waiting where
+    Prefect's SIGTERM bridge raises (`prefect_jax.tasks.notices.call`); its other attributes are
+    the trainer's own."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def __getattr__(self, name: str):
+        value = getattr(self.trainer, name)
+        if inspect.ismethod(value):
+            return functools.partial(notices.call, value)
+        return value
+
+
+def _trainer(config: JobConfig) -> OnTrainerThread:
+    return OnTrainerThread(_live_trainer(config))
+
+
+def _live_trainer(config: JobConfig):
     from prefect_jax.training.live import get_trainer
 
     trainer = get_trainer(config, run_tags=_run_tags())

@@ -24,6 +24,7 @@ from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.exporters import nothing_to_export
 from prefect_jax.training.names import STOP_REASON_TAG, TRAIN_PREFIX
 from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
+from prefect_jax.training.preemption import received_signal
 from prefect_jax.training.session import job_params
 
 if TYPE_CHECKING:
@@ -220,7 +221,8 @@ class Evaluations:
             self._announced = True  # (even where the broadcast fails: it is not made again)
             metrics, n, examples = self._join(announce(EVALUATE))
         else:
-            metrics, n, examples = t.loop.evaluate(state, spec.steps)
+            # (a SIGTERM met by the trainer's caller: given up, as the signal's handler would)
+            metrics, n, examples = t.loop.evaluate(state, spec.steps, give_up=_noticed)
         result = EvalResult(
             status=EvalStatus.EVALUATED,
             name=spec.name,
@@ -368,3 +370,8 @@ class Evaluations:
             except Exception:  # noqa: BLE001
                 logger.exception("after recording the evaluation of step %d", step)
         return result
+
+
+def _noticed() -> bool:
+    """Whether this process got a SIGTERM (or Ctrl-C) that its trainers are ending on."""
+    return received_signal() is not None

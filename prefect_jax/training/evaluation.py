@@ -137,6 +137,7 @@ def aggregate(
     steps: int | None,
     derive_metrics: Callable | None = None,
     stop: Callable[[], bool] | None = None,
+    give_up: Callable[[], bool] | None = None,
 ) -> tuple[dict[str, float], int, int | None]:
     """Run `eval_step` over `batches` (at most `steps`) and divide summed values by summed counts.
 
@@ -145,6 +146,8 @@ def aggregate(
     `derive_metrics` then adds metrics computed from those means (see `derived`). With `stop`,
     the pass stays within one batch of the device and raises `EvaluationAbandoned` at the first
     batch boundary where `stop()` is True: a batch's time after it turns True, not the pass's.
+    `give_up` is asked before each batch too, without waiting for the device (the batches queued
+    on it run to their end, unread): `EvaluationAbandoned` where it is True.
 
     Returns:
         (metrics, number of batches, number of examples if the program reports ``count``).
@@ -161,6 +164,8 @@ def aggregate(
                 jax.block_until_ready(previous)
             if stop():
                 raise EvaluationAbandoned(f"given up after {n} batches")
+        if give_up is not None and give_up():
+            raise EvaluationAbandoned(f"given up after {n} batches")
         out = eval_step(state, batch)
         totals = out if totals is None else jax.tree_util.tree_map(lambda a, b: a + b, totals, out)
         previous = out

@@ -53,6 +53,11 @@ def live_trainer(config: JobConfig) -> Trainer | None:
     return _live.get(_key(config))
 
 
+def live_trainers() -> list[Trainer]:
+    """Every live Trainer of this process."""
+    return list(_live.values())
+
+
 def finish_live(config: JobConfig, status: str) -> bool:
     """If this process trains the job (its trainer holds the lease, or is one of several processes
     other than process 0): let a checkpoint in flight commit, close the MLflow run with `status`,

@@ -372,14 +372,19 @@ class Loop:
 
     # -- evaluation ----------------------------------------------------------------------
 
-    def evaluate(self, state, steps: int | None) -> tuple[dict[str, float], int, int | None]:
+    def evaluate(
+        self, state, steps: int | None, give_up: Callable[[], bool] | None = None
+    ) -> tuple[dict[str, float], int, int | None]:
         """`eval_step` over the program's eval data (at most `steps` batches), aggregated
         exactly, with the program's derived metrics (``derive_metrics``); `evaluate_ahead`'s
         result where it evaluated this very state. A state over several processes is evaluated
-        by all of them together, every time."""
+        by all of them together, every time. `EvaluationAbandoned` before a batch where
+        `give_up()` is True (not over several processes: their batches are a collective)."""
         if self.spans:
             return self._evaluate(state, steps)
-        return self.memo.take(state, ("eval", steps), lambda: self._evaluate(state, steps))
+        return self.memo.take(
+            state, ("eval", steps), lambda: self._evaluate(state, steps, give_up=give_up)
+        )
 
     def evaluate_ahead(self, state, steps: int | None, stop: Callable[[], bool]) -> None:
         """Evaluate `state` now, for the next `evaluate` of it; within a batch of the device, and
@@ -388,9 +393,15 @@ class Loop:
         if not self.spans:
             self.memo.get(state, ("eval", steps), lambda: self._evaluate(state, steps, stop))
 
-    def _evaluate(self, state, steps: int | None, stop: Callable | None = None) -> tuple:
+    def _evaluate(
+        self,
+        state,
+        steps: int | None,
+        stop: Callable | None = None,
+        give_up: Callable | None = None,
+    ) -> tuple:
         batches = eval_batches(self.program.eval_data())
         if self.spans:  # global batches, whole in every process: the sums come out replicated
             batches = (global_batch(b, self.replicated) for b in batches)
         derive = getattr(self.program, "derive_metrics", None)
-        return aggregate(self.eval_step, state, batches, steps, derive, stop)
+        return aggregate(self.eval_step, state, batches, steps, derive, stop, give_up)

@@ -192,25 +192,21 @@ def _at_exit() -> None:
 getattr(threading, "_register_atexit", atexit.register)(_at_exit)
 
 
-def _bridge_lock():
-    """The lock under which Prefect installs its SIGTERM bridge and acknowledges control intents
-    (a no-op lock when Prefect's engine is not loaded)."""
-    engine = sys.modules.get("prefect.utilities.engine")
-    lock = getattr(engine, "_prefect_sigterm_bridge_lock", None)
-    return lock if lock is not None else contextlib.nullcontext()
-
-
 class PreemptionGuard:
-    """SIGTERM (a preemption notice) while a trainer holds its job, from its restore to its finish
-    (main thread only).
+    """SIGTERM (a preemption notice) while a trainer holds its job, from its restore to its finish.
 
     Inside the training loop the signal only sets a flag: the step in flight finishes, the
     trainer checkpoints it and forwards the signal. Inside a save it is held until the save is
-    handed to Orbax. Anywhere else (between intervals, during an evaluation, an export or
-    Prefect's own bookkeeping) `on_signal` runs at once: it lets the saves in flight commit
-    within the grace period, then forwards. Forwarding gives the signal to the handler that was
-    there before (Prefect's, which ends the run Crashed or reschedules it; or the default,
-    which ends the process).
+    handed to Orbax. Anywhere else (between intervals, during an evaluation or an export)
+    `on_signal` runs: it lets the saves in flight commit within the grace period, then forwards.
+
+    A trainer on the main thread (the engine used directly) installs the guard as the SIGTERM
+    handler, in front of the one there before; forwarding gives the signal to that one (or to the
+    default, which ends the process). A trainer on the trainer thread (a flow run's tasks:
+    `prefect_jax.training.trainer_thread`) installs nothing: Prefect's bridge stays the handler,
+    its exception lands in the caller's wait, and the caller tells the guard (`notice`), has it
+    run `on_signal` where the trainer was not in its loop or a save, and raises the notice on
+    itself (`prefect_jax.tasks.notices`).
     """
 
     def __init__(self, on_signal: Callable[[], None]):
@@ -218,6 +214,7 @@ class PreemptionGuard:
         self.deferring = 0  # > 0 inside the loop or a save: the signal is handled there
         self.handling = False  # someone is handling the signal (a second SIGTERM changes nothing)
         self.active = False  # between install and uninstall: a finished trainer only passes it on
+        self.driven = False  # told by its caller (`notice`), which raises the notice on itself
         self._on_signal = on_signal
         self._previous = None
         self._handler = (
@@ -233,43 +230,35 @@ class PreemptionGuard:
         return signal.getsignal(signal.SIGTERM) is self._handler
 
     def install(self) -> None:
-        """Put the guard in front of the current SIGTERM handler (again, if someone replaced it)."""
+        """Put the guard in front of the current SIGTERM handler (again, if someone replaced it).
+
+        Off the main thread (a trainer on the trainer thread, `prefect_jax.training.trainer_thread`)
+        it installs no handler: the SIGTERM's handler stays whoever's it is (Prefect's bridge, whose
+        exception lands in the caller's wait), and the caller tells the guard (`notice`)."""
         # (forwarding raises the previous handler's exception, Prefect's: not to be dropped)
         deliver_lost_notices()
-        if threading.current_thread() is threading.main_thread() and not self.installed:
-            with _bridge_lock():  # Prefect's control listener checks the handler under it
-                self._previous = signal.getsignal(signal.SIGTERM)
-                signal.signal(signal.SIGTERM, self._handler)
-                self._stand_in_for_prefects_bridge(self._previous, self._handler)
+        if threading.current_thread() is not threading.main_thread():
+            self.driven = True
+            self.active = True
+        elif not self.installed:
+            self.driven = False
+            self._previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._handler)
             self.active = True
 
     def uninstall(self) -> None:
         self.active = False
-        with _bridge_lock():
-            if threading.current_thread() is threading.main_thread() and self.installed:
-                signal.signal(signal.SIGTERM, self._previous)
-            self._stand_in_for_prefects_bridge(self._handler, self._previous)
+        if threading.current_thread() is threading.main_thread() and self.installed:
+            signal.signal(signal.SIGTERM, self._previous)
 
-    @staticmethod
-    def _stand_in_for_prefects_bridge(current, replacement) -> None:
-        """Under ``prefect flow-run execute`` (a worker's flow run), the supervisor that gets a
-        SIGTERM first asks the engine process, over its control channel, to end the run as
-        rescheduled (``PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR``), then sends it the SIGTERM and
-        waits for it. The engine agrees only while Prefect's own SIGTERM bridge is the installed
-        handler (`prefect.utilities.engine.commit_control_intent_and_ack`); with the guard in front
-        of it, the supervisor killed the engine outright, the step in flight lost. So, while the
-        guard fronts that bridge, it is what Prefect counts as its bridge: the engine agrees, the
-        SIGTERM comes to the guard, which checkpoints and hands it on to the real bridge. The same
-        holds for a runner's cancel (the UI's Cancel): unacknowledged, the run ended Crashed, which
-        the rerun automation starts again (tests/test_deployment_cancel.py).
-
-        This assigns a private name of Prefect's, the one patch kept: docs/upstream.md 4 has the
-        reproduction, the ask upstream and the public design that would replace it."""
-        engine = sys.modules.get(
-            "prefect.utilities.engine"
-        )  # never imported here: the engine has no prefect
-        if engine is not None and getattr(engine, "_prefect_sigterm_handler", None) is current:
-            engine._prefect_sigterm_handler = replacement
+    def notice(self, signum: int) -> None:
+        """A SIGTERM met by the trainer's caller (the guard installs no handler off the main
+        thread): recorded, as the handler would; the trainer checkpoints the step in flight at its
+        next step or once its save is handed off, or the caller has it let the saves in flight
+        commit (`handle_if_pending`). The caller then raises the notice on."""
+        global _received
+        if self.active and self.signum is None:
+            self.signum = _received = signum
 
     def _handle(self, signum, frame):
         if not self.active:  # left in a chain of handlers by a trainer that has finished
@@ -314,6 +303,8 @@ class PreemptionGuard:
         self._pass_on(self.signum)
 
     def _pass_on(self, signum: int) -> None:
+        if self.driven:  # the caller that told the guard raises the notice on
+            return
         previous = self._previous
         if callable(previous):
             previous(signum, None)

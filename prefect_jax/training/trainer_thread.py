@@ -1,0 +1,108 @@
+"""One thread per process for the live trainers' calls made from a flow run's tasks.
+
+Prefect's flow engine answers SIGTERM with its own handler on the main thread, which raises
+`TerminationSignal` wherever the main thread is; Prefect needs that handler to be the installed
+one to acknowledge a runner's cancel or reschedule (docs/upstream.md 4). A trainer must not be
+interrupted halfway through a step or a save, so its work runs here, on a thread of its own,
+while the caller waits (`call`): the exception lands in that wait, where the caller tells the
+trainer's guard (`PreemptionGuard.notice`) and lets the trainer checkpoint the step in flight
+(`prefect_jax.tasks.notices`). Every call runs in a copy of the caller's context (Prefect's run
+context: its logger, its events), one at a time, in the order made.
+
+The thread is a daemon: a process whose flow run ended on a notice exits without waiting for a
+call that its notice cut short. This module never imports prefect.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+THREAD_NAME = "prefect-jax-trainer"
+
+
+class _Call:
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.context = contextvars.copy_context()
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.context.run(self.fn, *self.args, **self.kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+_calls: queue.SimpleQueue = queue.SimpleQueue()
+_thread: threading.Thread | None = None
+_lock = threading.Lock()
+_running: _Call | None = None  # the call the thread runs now
+
+
+def _serve() -> None:
+    global _running
+    while True:
+        call = _calls.get()
+        _running = call
+        try:
+            call.run()
+        finally:
+            _running = None
+
+
+def on_trainer_thread() -> bool:
+    """Whether this is the trainer thread."""
+    return threading.current_thread() is _thread
+
+
+def _start() -> None:
+    global _thread
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_serve, name=THREAD_NAME, daemon=True)
+            _thread.start()
+
+
+def submit(fn: Callable, *args, **kwargs) -> _Call:
+    """Queue `fn(*args, **kwargs)` for the trainer thread; `wait` for it."""
+    _start()
+    call = _Call(fn, args, kwargs)
+    _calls.put(call)
+    return call
+
+
+def wait(call: _Call, timeout: float | None = None) -> bool:
+    """Wait for `call` to end (True), or `timeout` seconds (False). A signal's handler that
+    raises (Prefect's SIGTERM bridge) raises here, in the waiting thread; the call goes on."""
+    return call.done.wait(timeout)
+
+
+def outcome(call: _Call):
+    """The value `call` returned, or raise what it raised."""
+    if call.error is not None:
+        raise call.error
+    return call.result
+
+
+def call(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` on the trainer thread, the caller waiting; at once where the caller
+    is that thread."""
+    if on_trainer_thread():
+        return fn(*args, **kwargs)
+    pending = submit(fn, *args, **kwargs)
+    wait(pending)
+    return outcome(pending)
+
+
+def idle(timeout: float | None = None) -> bool:
+    """Wait up to `timeout` seconds until the thread runs nothing; True if it is idle."""
+    running = _running
+    return running is None or running.done.wait(timeout)
