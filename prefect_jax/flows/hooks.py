@@ -8,6 +8,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from prefect_jax.flows.config import _config_from
+from prefect_jax.tasks import notices
 from prefect_jax.training.goodput_summary import PREEMPTED
 from prefect_jax.training.specs import JobConfig
 
@@ -42,7 +43,8 @@ def end_the_job(status: str):
         if config is not None:
             # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the
             # lease.
-            live.finish_live(config, ended)
+            # (on the trainer's thread, after a call a notice cut short, if one still runs)
+            notices.within(live.finish_live, config.train.sigterm_grace_secs, config, ended)
             if ended == "KILLED":
                 signum = preemption.received_signal() if preemption is not None else None
                 _publish_preempted_goodput(config, live.live_trainer(config), flow_run.id, signum)

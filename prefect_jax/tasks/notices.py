@@ -8,15 +8,17 @@ every call of a live trainer runs on the trainer thread (`prefect_jax.training.t
 while the task waits (`call`), and the exception lands in that wait. There, or in a flow's body
 between task runs (`prefect_jax.flows.tags.flow_body`), `end_on_notice` tells each live trainer's
 guard: a trainer in its loop or a save checkpoints the step in flight and ends its call; one
-elsewhere (an evaluation, an export, between tasks) is given the ending once its call is done (the
-saves in flight commit, MLflow's run closes KILLED, the lease is freed), within the job's
-`sigterm_grace_secs`. The exception then goes on, and Prefect ends the run as the runner asked.
+between tasks, or in an evaluation (which gives up at its next batch), is given the ending on its
+thread (the saves in flight commit, MLflow's run closes KILLED, the lease is freed, within the
+job's `sigterm_grace_secs`); an export or a restore still going after `GIVE_UP_SECS` has the
+ending run beside it. The exception then goes on, and Prefect ends the run as the runner asked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import signal
 import time
 from collections.abc import Callable
@@ -27,13 +29,13 @@ from prefect_jax.training import trainer_thread
 from prefect_jax.training.errors import Preempted
 from prefect_jax.training.preemption import note_received
 
-# How long the caller waits for the trainer's call in flight to end on its own (the loop checkpoints
-# at its next step; an evaluation or an export runs to its end) before the ending runs beside it:
-# the share of the grace period left to the ending itself.
-CALL_SHARE_OF_GRACE = 0.5
-# How long a notice waits for a call in flight where no trainer of the process holds its job (an
-# evaluator's evaluation gives up at its next batch).
-IDLE_WAIT_SECS = 5.0
+logger = logging.getLogger("prefect_jax.trainer")
+
+# How long a notice waits for a call in flight that is not in the loop or a save to end: an
+# evaluation gives up at its next batch (an export or a restore does not: the ending runs beside
+# it).
+GIVE_UP_SECS = 5.0
+POLL_SECS = 0.1  # how often that wait looks at what the trainer's call is doing
 
 
 def call(fn: Callable, *args, **kwargs):
@@ -49,11 +51,25 @@ def call(fn: Callable, *args, **kwargs):
         raise
     try:
         return trainer_thread.outcome(pending)
-    except Preempted:
-        # Another JAX process's notice (`PreemptionGuard.adopt`): the trainer checkpointed the
-        # same step; the notice goes on here as this process's own SIGTERM would.
-        _raise_as_a_sigterm()
+    except Preempted as preempted:
+        if preempted.by_another:
+            # Another JAX process's notice (`PreemptionGuard.adopt`): the trainer checkpointed the
+            # same step; the notice goes on here as this process's own SIGTERM would.
+            _raise_as_a_sigterm()
         raise
+
+
+def within(fn: Callable, timeout: float, *args, **kwargs):
+    """`call`, for up to `timeout` seconds of the trainer thread's calls before it (one a notice
+    cut short may still run); then here, on the caller's thread."""
+    if trainer_thread.on_trainer_thread():
+        return fn(*args, **kwargs)
+    pending = trainer_thread.submit(fn, *args, **kwargs)
+    _until(functools.partial(trainer_thread.wait, pending), time.monotonic() + timeout)
+    if pending.done.is_set():
+        return trainer_thread.outcome(pending)
+    logger.warning("the trainer's thread is still busy after %.0fs: %s runs beside it", timeout, fn)
+    return fn(*args, **kwargs)
 
 
 def _raise_as_a_sigterm() -> None:
@@ -77,8 +93,9 @@ def the_notice(exc: BaseException) -> TerminationSignal | KeyboardInterrupt | No
 
 def end_on_notice(notice: TerminationSignal | KeyboardInterrupt) -> None:
     """Each live trainer of this process that holds its job checkpoints the step in flight or
-    lets its saves in flight commit, closes MLflow's run KILLED and frees its lease (once per
-    notice; a second SIGTERM meanwhile changes nothing)."""
+    lets its saves in flight commit, closes MLflow's run KILLED and frees its lease; then the
+    caller raises the notice on. Once per notice; never raises (whatever fails is logged: the
+    notice must go on to Prefect, which ends the run as it was asked)."""
     from prefect_jax.training.live import live_trainers
 
     if getattr(notice, "prefect_jax_ended", False):
@@ -86,30 +103,47 @@ def end_on_notice(notice: TerminationSignal | KeyboardInterrupt) -> None:
     notice.prefect_jax_ended = True
     signum = getattr(notice, "signal", signal.SIGINT)
     note_received(signum)  # (what the command and the flows' state hooks say the run ended of)
-    trainers = [t for t in live_trainers() if t.guard.active and t.guard.driven]
+    trainers = live_trainers()
     for t in trainers:
-        t.guard.notice(signum)
-    grace = max((t.config.train.sigterm_grace_secs for t in trainers), default=IDLE_WAIT_SECS)
-    # The call in flight ends: the loop checkpoints at its next step, a save once handed off, an
-    # evaluation gives up at its next batch; an export runs to its end.
-    _until(trainer_thread.idle, time.monotonic() + grace * CALL_SHARE_OF_GRACE)
+        t.guard.notice(signum)  # (a loop, a save or an evaluation in flight reads it)
     for t in trainers:
-        if t.ending.preempted is not None:  # it checkpointed in its loop or its save
-            continue
-        if trainer_thread.idle(0):  # the ending on the trainer's thread, after its call
-            ending = trainer_thread.submit(t.guard.handle_if_pending)
-            _until(functools.partial(trainer_thread.wait, ending), time.monotonic() + grace + 5)
-        else:  # (an export still going: the ending beside it, bounded itself)
-            with contextlib.suppress(Preempted):
-                t.guard.handle_if_pending()
+        try:
+            if t.guard.active and t.guard.driven:
+                _end(t)
+        except Exception:  # noqa: BLE001 - see the docstring
+            logger.exception("job %s: the ending of its attempt failed", t.config.job)
+    # (an evaluator's evaluation in flight, its job held by no trainer here, gives up too)
+    _until(trainer_thread.idle, time.monotonic() + GIVE_UP_SECS)
 
 
-def _until(wait: Callable[[float], bool], deadline: float) -> None:
-    """`wait(seconds left)` until it returns True or `deadline` passes; a SIGTERM again meanwhile
-    (its `TerminationSignal`) does not cut it short."""
+def _end(t) -> None:
+    """`end_on_notice` for one trainer whose guard its caller drives."""
+    give_up_by = time.monotonic() + GIVE_UP_SECS
+    # The call in flight: in the loop or a save, the trainer checkpoints the step in flight and
+    # ends its call itself, and its ending is bounded by the grace period (the step in flight and
+    # the save come first, unbounded, as where the guard is the signal's handler); an evaluation
+    # gives up at its next batch. An export or a restore does not: the ending runs beside it.
+    while not trainer_thread.idle(0):
+        ends_itself = t.guard.deferring or t.guard.handling
+        if not ends_itself and time.monotonic() >= give_up_by:
+            break
+        _until(trainer_thread.idle, time.monotonic() + POLL_SECS)
+    if t.guard.handling or not t.guard.active:  # its ending ran, or it finished meanwhile
+        return
+    if trainer_thread.idle(0):  # the ending on the trainer's thread, after its call
+        ending = trainer_thread.submit(t.guard.handle_if_pending)
+        _until(ending.done.wait, None)  # (bounded by the grace period itself)
+    else:
+        with contextlib.suppress(Preempted):
+            t.guard.handle_if_pending()
+
+
+def _until(wait: Callable[[float | None], bool], deadline: float | None) -> None:
+    """`wait(seconds left)` until it returns True or `deadline` passes (None: until it returns
+    True); a SIGTERM again meanwhile (its `TerminationSignal`) does not cut it short."""
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
             return
         try:
             if wait(left):

@@ -2,7 +2,7 @@
 
 A preemption notice (SIGTERM, taken by the trainer's `PreemptionGuard`) checkpoints the live
 step or lets the save in flight commit, within `sigterm_grace_secs`; then the MLflow run closes
-KILLED, the lease is freed and the signal goes on to the previous handler. Each end is written
+KILLED, the lease is freed and the signal goes on (`PreemptionGuard.forward`). Each end is written
 to the goodput ledger, where a process of the job that went away without a word counts as a kill
 (the job's next attempts back up between checkpoints). This module never imports prefect.
 """
@@ -85,13 +85,13 @@ class AttemptEnd:
         export, between tasks), within `sigterm_grace_secs`; say which step is the newest
         committed one; close the MLflow run KILLED, free the lease, forward the signal.
 
-        Anywhere else, the handler runs wherever the main thread was: in code not the trainer's
-        (Prefect sending an event between tasks), which may hold a plain lock that calls of the
-        ending need too (an evaluation's record publishes an event); on the same thread, such a
-        call would wait for ever, and Prefect's runner kills a cancelled run's process 30 s after
-        its SIGTERM. So every call that may wait on others (the commit and its events, the record,
-        MLflow, its log lines) runs on a helper thread, bounded by the grace period
-        (`bounded`, `say`); the rest, the trainer's own, runs here."""
+        Anywhere else, this may run beside code not the trainer's (Prefect sending an event
+        between tasks; where the guard is the signal's handler, interrupted by it), which may
+        hold a plain lock that calls of the ending need too (an evaluation's record publishes an
+        event); such a call would wait for ever, and Prefect's runner kills a cancelled run's
+        process 30 s after its SIGTERM. So every call that may wait on others (the commit and its
+        events, the record, MLflow, its log lines) runs on a helper thread, bounded by the grace
+        period (`bounded`, `say`); the rest, the trainer's own, runs here."""
         t, job = self.trainer, self.trainer.job
         pending = t.evaluations.pending
         grace, started = t.config.train.sigterm_grace_secs, time.monotonic()
@@ -209,7 +209,7 @@ class AttemptEnd:
             self.preempted = (t.step, committed, t.guard.signum)
             t.forget_live_state()
             t.guard.forward()
-        raise Preempted(*self.preempted)
+        raise Preempted(*self.preempted, by_another=t.guard.adopted)
 
     def ended_as(self, how: str) -> str:
         """How process 0's attempt ends in the ledger: `how`, unless it saw another process of

@@ -24,7 +24,6 @@ from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.exporters import nothing_to_export
 from prefect_jax.training.names import STOP_REASON_TAG, TRAIN_PREFIX
 from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
-from prefect_jax.training.preemption import received_signal
 from prefect_jax.training.session import job_params
 
 if TYPE_CHECKING:
@@ -222,7 +221,8 @@ class Evaluations:
             metrics, n, examples = self._join(announce(EVALUATE))
         else:
             # (a SIGTERM met by the trainer's caller: given up, as the signal's handler would)
-            metrics, n, examples = t.loop.evaluate(state, spec.steps, give_up=_noticed)
+            give_up = lambda: t.guard.requested  # noqa: E731 - (a notice its caller met)
+            metrics, n, examples = t.loop.evaluate(state, spec.steps, give_up=give_up)
         result = EvalResult(
             status=EvalStatus.EVALUATED,
             name=spec.name,
@@ -370,8 +370,3 @@ class Evaluations:
             except Exception:  # noqa: BLE001
                 logger.exception("after recording the evaluation of step %d", step)
         return result
-
-
-def _noticed() -> bool:
-    """Whether this process got a SIGTERM (or Ctrl-C) that its trainers are ending on."""
-    return received_signal() is not None

@@ -1,8 +1,10 @@
 """SIGTERM, a preemption notice, while a trainer holds its job.
 
 Spot and preemptible nodes get SIGTERM some seconds before they go. The trainer turns it into
-a checkpoint of the step in flight (or lets the save in flight commit), then hands the signal
-to whoever handled it before: Prefect (the run ends Crashed, or is rescheduled), or the default.
+a checkpoint of the step in flight (or lets the save in flight commit), then the signal goes on:
+in a flow run, whose tasks run the trainer on its own thread, the task's wait raises Prefect's
+exception on (the run ends Crashed, Cancelled or rescheduled); where the guard is the handler
+(the engine used directly), to whoever handled it before, or the default.
 A notice whose handler's exception Python drops (raised inside a gc callback) is delivered
 again (`deliver_lost_notices`).
 """
@@ -215,7 +217,10 @@ class PreemptionGuard:
         self.handling = False  # someone is handling the signal (a second SIGTERM changes nothing)
         self.active = False  # between install and uninstall: a finished trainer only passes it on
         self.driven = False  # told by its caller (`notice`), which raises the notice on itself
+        self.adopted = False  # the notice was another process's (`adopt`)
         self._on_signal = on_signal
+        # (the caller's thread and the trainer's may both ask `handle_if_pending`)
+        self._handling_lock = threading.Lock()
         self._previous = None
         self._handler = (
             self._handle
@@ -238,7 +243,7 @@ class PreemptionGuard:
         # (forwarding raises the previous handler's exception, Prefect's: not to be dropped)
         deliver_lost_notices()
         if threading.current_thread() is not threading.main_thread():
-            self.driven = True
+            self.driven = not self.installed  # (else its handler, installed before, takes it)
             self.active = True
         elif not self.installed:
             self.driven = False
@@ -254,11 +259,11 @@ class PreemptionGuard:
     def notice(self, signum: int) -> None:
         """A SIGTERM met by the trainer's caller (the guard installs no handler off the main
         thread): recorded, as the handler would; the trainer checkpoints the step in flight at its
-        next step or once its save is handed off, or the caller has it let the saves in flight
-        commit (`handle_if_pending`). The caller then raises the notice on."""
-        global _received
-        if self.active and self.signum is None:
-            self.signum = _received = signum
+        next step or once its save is handed off, an evaluation gives up at its next batch, or the
+        caller has it let the saves in flight commit (`handle_if_pending`). The caller then raises
+        the notice on."""
+        if self.signum is None:
+            self.signum = signum
 
     def _handle(self, signum, frame):
         if not self.active:  # left in a chain of handlers by a trainer that has finished
@@ -274,13 +279,16 @@ class PreemptionGuard:
         global _received
         if self.signum is None:
             self.signum = _received = signum
+            self.adopted = True
 
     def handle_if_pending(self) -> None:
         """Run `on_signal` if a signal came and nobody handles it (called after a deferred
         block)."""
-        if self.signum is not None and not self.deferring and not self.handling:
+        with self._handling_lock:
+            if self.signum is None or self.deferring or self.handling:
+                return
             self.handling = True
-            self._on_signal()
+        self._on_signal()
 
     def deferred(self):
         """A block in which the signal is only recorded (checked with `requested` afterwards)."""

@@ -251,7 +251,7 @@ class Trainer:
         at its end. A NaN/Inf loss is looked for every `log_every_steps` and before the save;
         it raises `NonFiniteLossError` naming the step and nothing of it is checkpointed.
         On SIGTERM the step in flight finishes, is checkpointed within `sigterm_grace_secs`,
-        and the signal goes on to the previous handler (see `PreemptionGuard`).
+        and the signal goes on (see `PreemptionGuard`).
         Once attempts of the job were killed without notice, backups (resume-only checkpoints,
         `CheckpointSpec.backups`) are written within the interval, which goes on after each.
         """

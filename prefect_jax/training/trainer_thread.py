@@ -44,18 +44,20 @@ class _Call:
 _calls: queue.SimpleQueue = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
-_running: _Call | None = None  # the call the thread runs now
+_outstanding = threading.Condition()  # (its count: calls submitted and not ended)
+_count = 0
 
 
 def _serve() -> None:
-    global _running
+    global _count
     while True:
         call = _calls.get()
-        _running = call
         try:
             call.run()
         finally:
-            _running = None
+            with _outstanding:
+                _count -= 1
+                _outstanding.notify_all()
 
 
 def on_trainer_thread() -> bool:
@@ -73,8 +75,11 @@ def _start() -> None:
 
 def submit(fn: Callable, *args, **kwargs) -> _Call:
     """Queue `fn(*args, **kwargs)` for the trainer thread; `wait` for it."""
+    global _count
     _start()
     call = _Call(fn, args, kwargs)
+    with _outstanding:
+        _count += 1
     _calls.put(call)
     return call
 
@@ -103,6 +108,6 @@ def call(fn: Callable, *args, **kwargs):
 
 
 def idle(timeout: float | None = None) -> bool:
-    """Wait up to `timeout` seconds until the thread runs nothing; True if it is idle."""
-    running = _running
-    return running is None or running.done.wait(timeout)
+    """Wait up to `timeout` seconds until every call submitted has ended; True if they have."""
+    with _outstanding:
+        return _outstanding.wait_for(lambda: _count == 0, timeout)

@@ -9,6 +9,7 @@ from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
 from prefect_jax.tasks import publisher
+from prefect_jax.tasks.live_trainer import OnTrainerThread
 from prefect_jax.tasks.runs import link_live_job
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -99,7 +100,7 @@ def evaluate(
     from prefect_jax.training.live import get_trainer, land_mlflow_writes
 
     # An evaluator killed after writing eval records may not have logged them to MLflow yet.
-    checked = get_trainer(config).reconcile_eval_metrics(first)
+    checked = OnTrainerThread(get_trainer(config)).reconcile_eval_metrics(first)
     logger.info("checked %d recorded evaluations against MLflow", checked)
     link_live_job(config)  # (its MLflow run is joined by now)
     if done is not None:
