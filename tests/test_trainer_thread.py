@@ -135,6 +135,37 @@ def test_a_trainer_that_finished_is_not_ended_by_a_later_notice(sigterm_as_prefe
     assert events == []
 
 
+def test_a_call_given_up_on_runs_once_here_and_never_again_there():
+    """`within`: a call whose turn does not come in time runs on the caller's thread, once (the
+    trainer thread skips it); one that came in time runs there."""
+    ran: list[str] = []
+    release = threading.Event()
+    trainer_thread.submit(release.wait, 30)  # a call a notice cut short, still going
+    notices.within(lambda: ran.append(threading.current_thread().name), 0.2)
+    release.set()
+    assert trainer_thread.idle(30)
+    assert ran == [threading.main_thread().name]
+    notices.within(lambda: ran.append(threading.current_thread().name), 30)
+    assert ran == [threading.main_thread().name, trainer_thread.THREAD_NAME]
+
+
+def test_a_notice_a_trainer_met_not_holding_its_job_is_gone_once_it_holds_it_again(
+    sigterm_as_prefect_raises_it,
+):
+    """An evaluator's trainer (its guard not installed) is told a notice, so that its evaluation
+    gives up; made to hold its job again in a process that went on, it starts with no notice. A
+    notice met while holding it stays (its trainer refuses to go on)."""
+    trainer, events = sigterm_as_prefect_raises_it
+    trainer.guard.notice(signal.SIGTERM)
+    assert trainer.guard.requested
+    notices.call(trainer.guard.install)
+    assert not trainer.guard.requested
+    trainer.guard.notice(signal.SIGTERM)
+    notices.call(trainer.guard.uninstall)
+    notices.call(trainer.guard.install)
+    assert trainer.guard.requested
+
+
 def test_another_processs_notice_goes_on_as_this_processs_sigterm(monkeypatch):
     """A trainer that checkpointed on another JAX process's notice ends its call with a
     `Preempted` saying so: the caller raises the installed SIGTERM handler's exception (Prefect's

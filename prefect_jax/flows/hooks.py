@@ -43,8 +43,12 @@ def end_the_job(status: str):
         if config is not None:
             # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the
             # lease.
-            # (on the trainer's thread, after a call a notice cut short, if one still runs)
-            notices.within(live.finish_live, config.train.sigterm_grace_secs, config, ended)
+            # On the trainer's thread, after a call a notice cut short if one still runs; not
+            # waiting for that call where the notice's ending ran already.
+            trainer = live.live_trainer(config)
+            ended_on_notice = trainer is not None and trainer.ending.preempted is not None
+            wait = 0.0 if ended_on_notice else config.train.sigterm_grace_secs
+            notices.within(live.finish_live, wait, config, ended)
             if ended == "KILLED":
                 signum = preemption.received_signal() if preemption is not None else None
                 _publish_preempted_goodput(config, live.live_trainer(config), flow_run.id, signum)

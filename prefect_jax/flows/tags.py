@@ -5,7 +5,7 @@ while the program imports."""
 import functools
 import inspect
 
-from prefect_jax.tasks.notices import end_on_notice, the_notice
+from prefect_jax.tasks.notices import end_if_notice
 from prefect_jax.training.names import JOB_RUN_TAG, MLFLOW_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
 from prefect_jax.training.preemption import deliver_lost_notices
 from prefect_jax.training.specs import flow_registers_exports
@@ -54,9 +54,7 @@ def flow_body(fn):
             try:
                 return fn(*args, **kwargs)
             except BaseException as exc:  # a notice between task runs: the trainers end first
-                notice = the_notice(exc)
-                if notice is not None:
-                    end_on_notice(notice)
+                end_if_notice(exc)
                 raise
 
     return body

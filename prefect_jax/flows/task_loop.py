@@ -92,6 +92,9 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
             )
         stop = stop_requested()
         return step, stop.get("reason") if stop else None
+    except BaseException as exc:
+        notices.end_if_notice(exc)  # (a notice between task runs: before the flush below waits)
+        raise
     finally:
         publisher.flush()
 

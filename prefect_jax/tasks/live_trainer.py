@@ -87,9 +87,14 @@ class OnTrainerThread:
 
     def __getattr__(self, name: str):
         value = getattr(self.trainer, name)
-        if inspect.ismethod(value):
-            return functools.partial(notices.call, value)
-        return value
+        if not inspect.ismethod(value):
+            return value
+        on_its_thread = notices.call_cuttable if name in _CUTTABLE else notices.call
+        return functools.partial(on_its_thread, value)
+
+
+# What neither trains nor saves: a notice may have the trainer's ending run beside it.
+_CUTTABLE = frozenset({"restore_or_init", "recover", "export"})
 
 
 def _trainer(config: JobConfig) -> OnTrainerThread:

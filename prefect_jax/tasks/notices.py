@@ -31,9 +31,9 @@ from prefect_jax.training.preemption import note_received
 
 logger = logging.getLogger("prefect_jax.trainer")
 
-# How long a notice waits for a call in flight that is not in the loop or a save to end: an
-# evaluation gives up at its next batch (an export or a restore does not: the ending runs beside
-# it).
+# How long a notice waits for a call in flight that neither trains nor saves (an export, a
+# restore: `call_cuttable`) before the ending runs beside it; and, with no trainer holding its job
+# here, for an evaluator's evaluation to give up.
 GIVE_UP_SECS = 5.0
 POLL_SECS = 0.1  # how often that wait looks at what the trainer's call is doing
 
@@ -41,9 +41,19 @@ POLL_SECS = 0.1  # how often that wait looks at what the trainer's call is doing
 def call(fn: Callable, *args, **kwargs):
     """`fn(*args, **kwargs)`, a live trainer's method, on the trainer thread, the caller waiting;
     a SIGTERM met in the wait ends the trainers' attempts first (`end_on_notice`)."""
+    return _call(fn, args, kwargs, cuttable=False)
+
+
+def call_cuttable(fn: Callable, *args, **kwargs):
+    """`call`, for a method that neither trains nor saves (an export, a restore): a notice has
+    the ending run beside it after `GIVE_UP_SECS`, as the signal's handler would interrupt it."""
+    return _call(fn, args, kwargs, cuttable=True)
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict, cuttable: bool):
     if trainer_thread.on_trainer_thread():
         return fn(*args, **kwargs)
-    pending = trainer_thread.submit(fn, *args, **kwargs)
+    pending = trainer_thread.submit(fn, *args, cuttable=cuttable, **kwargs)
     try:
         trainer_thread.wait(pending)
     except (TerminationSignal, KeyboardInterrupt) as notice:  # (Ctrl-C: ended as a notice too)
@@ -61,15 +71,21 @@ def call(fn: Callable, *args, **kwargs):
 
 def within(fn: Callable, timeout: float, *args, **kwargs):
     """`call`, for up to `timeout` seconds of the trainer thread's calls before it (one a notice
-    cut short may still run); then here, on the caller's thread."""
+    cut short may still run); then here, on the caller's thread, unless it began there."""
     if trainer_thread.on_trainer_thread():
         return fn(*args, **kwargs)
     pending = trainer_thread.submit(fn, *args, **kwargs)
     _until(functools.partial(trainer_thread.wait, pending), time.monotonic() + timeout)
-    if pending.done.is_set():
-        return trainer_thread.outcome(pending)
-    logger.warning("the trainer's thread is still busy after %.0fs: %s runs beside it", timeout, fn)
-    return fn(*args, **kwargs)
+    if timeout > 0 and not pending.done.is_set():
+        logger.warning("the trainer's thread busy after %.0fs: %s runs beside it", timeout, fn)
+    return trainer_thread.run_here_unless_started(pending)
+
+
+def end_if_notice(exc: BaseException) -> None:
+    """Where `exc` is (or comes of) a SIGTERM's notice, or Ctrl-C: `end_on_notice`."""
+    notice = the_notice(exc)
+    if notice is not None:
+        end_on_notice(notice)
 
 
 def _raise_as_a_sigterm() -> None:
@@ -96,7 +112,7 @@ def end_on_notice(notice: TerminationSignal | KeyboardInterrupt) -> None:
     lets its saves in flight commit, closes MLflow's run KILLED and frees its lease; then the
     caller raises the notice on. Once per notice; never raises (whatever fails is logged: the
     notice must go on to Prefect, which ends the run as it was asked)."""
-    from prefect_jax.training.live import live_trainers
+    from prefect_jax.training.live import discard, live_trainers
 
     if getattr(notice, "prefect_jax_ended", False):
         return
@@ -112,25 +128,30 @@ def end_on_notice(notice: TerminationSignal | KeyboardInterrupt) -> None:
                 _end(t)
         except Exception:  # noqa: BLE001 - see the docstring
             logger.exception("job %s: the ending of its attempt failed", t.config.job)
+        if signum == signal.SIGINT:  # (a process that goes on, a notebook's, makes a new one)
+            discard(t)
     # (an evaluator's evaluation in flight, its job held by no trainer here, gives up too)
     _until(trainer_thread.idle, time.monotonic() + GIVE_UP_SECS)
 
 
 def _end(t) -> None:
-    """`end_on_notice` for one trainer whose guard its caller drives."""
+    """`end_on_notice` for one trainer whose guard its caller drives.
+
+    The call in flight ends first: in the loop or a save the trainer checkpoints the step in
+    flight and ends its call itself (its ending bounded by the grace period; the step in flight
+    and the save come first, unbounded, as where the guard is the signal's handler); an evaluation
+    gives up at its next batch; anything else runs to its end, except what neither trains nor
+    saves (`call_cuttable`: an export, a restore), which has the ending run beside it after
+    `GIVE_UP_SECS`. Then the ending runs on the trainer thread, unless it ran already."""
     give_up_by = time.monotonic() + GIVE_UP_SECS
-    # The call in flight: in the loop or a save, the trainer checkpoints the step in flight and
-    # ends its call itself, and its ending is bounded by the grace period (the step in flight and
-    # the save come first, unbounded, as where the guard is the signal's handler); an evaluation
-    # gives up at its next batch. An export or a restore does not: the ending runs beside it.
     while not trainer_thread.idle(0):
-        ends_itself = t.guard.deferring or t.guard.handling
-        if not ends_itself and time.monotonic() >= give_up_by:
+        running = trainer_thread.running()
+        if running is not None and running.cuttable and time.monotonic() >= give_up_by:
             break
         _until(trainer_thread.idle, time.monotonic() + POLL_SECS)
     if t.guard.handling or not t.guard.active:  # its ending ran, or it finished meanwhile
         return
-    if trainer_thread.idle(0):  # the ending on the trainer's thread, after its call
+    if trainer_thread.idle(0):
         ending = trainer_thread.submit(t.guard.handle_if_pending)
         _until(ending.done.wait, None)  # (bounded by the grace period itself)
     else:

@@ -218,6 +218,7 @@ class PreemptionGuard:
         self.active = False  # between install and uninstall: a finished trainer only passes it on
         self.driven = False  # told by its caller (`notice`), which raises the notice on itself
         self.adopted = False  # the notice was another process's (`adopt`)
+        self._stale_once_installed = False  # (`notice`)
         self._on_signal = on_signal
         # (the caller's thread and the trainer's may both ask `handle_if_pending`)
         self._handling_lock = threading.Lock()
@@ -242,6 +243,8 @@ class PreemptionGuard:
         exception lands in the caller's wait), and the caller tells the guard (`notice`)."""
         # (forwarding raises the previous handler's exception, Prefect's: not to be dropped)
         deliver_lost_notices()
+        if not self.active and self._stale_once_installed:
+            self.signum, self._stale_once_installed = None, False
         if threading.current_thread() is not threading.main_thread():
             self.driven = not self.installed  # (else its handler, installed before, takes it)
             self.active = True
@@ -264,6 +267,9 @@ class PreemptionGuard:
         the notice on."""
         if self.signum is None:
             self.signum = signum
+            # (a trainer not holding its job, an evaluator's, only gives up its evaluation: made
+            # to hold it again, in a process that went on, it starts with no notice)
+            self._stale_once_installed = not self.active
 
     def _handle(self, signum, frame):
         if not self.active:  # left in a chain of handlers by a trainer that has finished

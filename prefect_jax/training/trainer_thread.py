@@ -24,13 +24,24 @@ from typing import Any
 THREAD_NAME = "prefect-jax-trainer"
 
 
-class _Call:
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+class Call:
+    """One call for the trainer thread (`submit`)."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, cuttable: bool):
         self.context = contextvars.copy_context()
         self.fn, self.args, self.kwargs = fn, args, kwargs
+        # A notice may have the trainer's ending run beside it once it gave it time to end
+        # (`prefect_jax.tasks.notices`): it neither trains nor saves (an export, a restore).
+        self.cuttable = cuttable
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+        self._claim = threading.Lock()
+
+    def claim(self) -> bool:
+        """Whether whoever asks first runs this call (the trainer thread, or its caller that gave
+        up waiting for it: `run_here_unless_started`)."""
+        return self._claim.acquire(blocking=False)
 
     def run(self) -> None:
         try:
@@ -46,15 +57,19 @@ _thread: threading.Thread | None = None
 _lock = threading.Lock()
 _outstanding = threading.Condition()  # (its count: calls submitted and not ended)
 _count = 0
+_running: Call | None = None  # the call the thread runs now
 
 
 def _serve() -> None:
-    global _count
+    global _count, _running
     while True:
         call = _calls.get()
         try:
-            call.run()
+            if call.claim():
+                _running = call
+                call.run()
         finally:
+            _running = None
             with _outstanding:
                 _count -= 1
                 _outstanding.notify_all()
@@ -73,24 +88,43 @@ def _start() -> None:
             _thread.start()
 
 
-def submit(fn: Callable, *args, **kwargs) -> _Call:
+def submit(fn: Callable, *args, cuttable: bool = False, **kwargs) -> Call:
     """Queue `fn(*args, **kwargs)` for the trainer thread; `wait` for it."""
     global _count
     _start()
-    call = _Call(fn, args, kwargs)
+    call = Call(fn, args, kwargs, cuttable)
     with _outstanding:
         _count += 1
-    _calls.put(call)
+        try:
+            _calls.put(call)
+        except BaseException:  # (a signal's exception before it was queued)
+            _count -= 1
+            raise
     return call
 
 
-def wait(call: _Call, timeout: float | None = None) -> bool:
+def running() -> Call | None:
+    """The call the trainer thread runs now, if any."""
+    return _running
+
+
+def run_here_unless_started(call: Call):
+    """Run `call` on this thread unless the trainer thread has begun it (then wait for it); its
+    outcome."""
+    if call.claim():
+        call.run()
+    else:
+        call.done.wait()
+    return outcome(call)
+
+
+def wait(call: Call, timeout: float | None = None) -> bool:
     """Wait for `call` to end (True), or `timeout` seconds (False). A signal's handler that
     raises (Prefect's SIGTERM bridge) raises here, in the waiting thread; the call goes on."""
     return call.done.wait(timeout)
 
 
-def outcome(call: _Call):
+def outcome(call: Call):
     """The value `call` returned, or raise what it raised."""
     if call.error is not None:
         raise call.error
