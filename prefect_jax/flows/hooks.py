@@ -9,6 +9,7 @@ from prefect import get_run_logger
 
 from prefect_jax.flows.config import _config_from
 from prefect_jax.tasks import notices
+from prefect_jax.training import trainer_thread
 from prefect_jax.training.goodput_summary import PREEMPTED
 from prefect_jax.training.specs import JobConfig
 
@@ -47,7 +48,8 @@ def end_the_job(status: str):
             # waiting for that call where the notice's ending ran already.
             trainer = live.live_trainer(config)
             ended_on_notice = trainer is not None and trainer.ending.preempted is not None
-            wait = 0.0 if ended_on_notice else config.train.sigterm_grace_secs
+            busy = not trainer_thread.idle(0)
+            wait = 0.0 if ended_on_notice and busy else config.train.sigterm_grace_secs
             notices.within(live.finish_live, wait, config, ended)
             if ended == "KILLED":
                 signum = preemption.received_signal() if preemption is not None else None

@@ -89,12 +89,14 @@ class OnTrainerThread:
         value = getattr(self.trainer, name)
         if not inspect.ismethod(value):
             return value
-        on_its_thread = notices.call_cuttable if name in _CUTTABLE else notices.call
+        on_its_thread = notices.call if name in _NEVER_CUT else notices.call_cuttable
         return functools.partial(on_its_thread, value)
 
 
-# What neither trains nor saves: a notice may have the trainer's ending run beside it.
-_CUTTABLE = frozenset({"restore_or_init", "recover", "export"})
+# What trains, saves or ends the attempt: a notice waits for it to end (the training checkpoints
+# the step in flight and ends itself). Any other call (a restore, an evaluation, an export, a
+# collective with the other processes) may have the trainer's ending run beside it.
+_NEVER_CUT = frozenset({"train_until_checkpoint", "finish", "close"})
 
 
 def _trainer(config: JobConfig) -> OnTrainerThread:

@@ -10,8 +10,9 @@ between task runs (`prefect_jax.flows.tags.flow_body`), `end_on_notice` tells ea
 guard: a trainer in its loop or a save checkpoints the step in flight and ends its call; one
 between tasks, or in an evaluation (which gives up at its next batch), is given the ending on its
 thread (the saves in flight commit, MLflow's run closes KILLED, the lease is freed, within the
-job's `sigterm_grace_secs`); an export or a restore still going after `GIVE_UP_SECS` has the
-ending run beside it. The exception then goes on, and Prefect ends the run as the runner asked.
+job's `sigterm_grace_secs`); another call that neither trains, saves nor ends the attempt (a
+restore, an export, a collective) still going after `GIVE_UP_SECS` has the ending run beside it.
+The exception then goes on, and Prefect ends the run as the runner asked.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from prefect_jax.training.preemption import note_received
 
 logger = logging.getLogger("prefect_jax.trainer")
 
-# How long a notice waits for a call in flight that neither trains nor saves (an export, a
-# restore: `call_cuttable`) before the ending runs beside it; and, with no trainer holding its job
-# here, for an evaluator's evaluation to give up.
+# How long a notice waits for a call in flight that neither trains, saves nor ends the attempt
+# (`call_cuttable`: an evaluation gives up at its next batch sooner) before the ending runs beside
+# it; and, with no trainer holding its job here, for an evaluator's evaluation to give up.
 GIVE_UP_SECS = 5.0
 POLL_SECS = 0.1  # how often that wait looks at what the trainer's call is doing
 
@@ -45,16 +46,17 @@ def call(fn: Callable, *args, **kwargs):
 
 
 def call_cuttable(fn: Callable, *args, **kwargs):
-    """`call`, for a method that neither trains nor saves (an export, a restore): a notice has
-    the ending run beside it after `GIVE_UP_SECS`, as the signal's handler would interrupt it."""
+    """`call`, for a method that neither trains, saves nor ends the attempt (a restore, an
+    evaluation, an export, a collective): a notice has the ending run beside it after
+    `GIVE_UP_SECS`, as the signal's handler would interrupt it."""
     return _call(fn, args, kwargs, cuttable=True)
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict, cuttable: bool):
     if trainer_thread.on_trainer_thread():
         return fn(*args, **kwargs)
-    pending = trainer_thread.submit(fn, *args, cuttable=cuttable, **kwargs)
     try:
+        pending = trainer_thread.submit(fn, *args, cuttable=cuttable, **kwargs)
         trainer_thread.wait(pending)
     except (TerminationSignal, KeyboardInterrupt) as notice:  # (Ctrl-C: ended as a notice too)
         end_on_notice(notice)
@@ -78,7 +80,11 @@ def within(fn: Callable, timeout: float, *args, **kwargs):
     _until(functools.partial(trainer_thread.wait, pending), time.monotonic() + timeout)
     if timeout > 0 and not pending.done.is_set():
         logger.warning("the trainer's thread busy after %.0fs: %s runs beside it", timeout, fn)
-    return trainer_thread.run_here_unless_started(pending)
+    if pending.claim():
+        pending.run()
+    else:  # begun there meanwhile
+        _until(pending.done.wait, None)
+    return trainer_thread.outcome(pending)
 
 
 def end_if_notice(exc: BaseException) -> None:
@@ -112,7 +118,7 @@ def end_on_notice(notice: TerminationSignal | KeyboardInterrupt) -> None:
     lets its saves in flight commit, closes MLflow's run KILLED and frees its lease; then the
     caller raises the notice on. Once per notice; never raises (whatever fails is logged: the
     notice must go on to Prefect, which ends the run as it was asked)."""
-    from prefect_jax.training.live import discard, live_trainers
+    from prefect_jax.training.live import live_trainers
 
     if getattr(notice, "prefect_jax_ended", False):
         return
@@ -128,10 +134,10 @@ def end_on_notice(notice: TerminationSignal | KeyboardInterrupt) -> None:
                 _end(t)
         except Exception:  # noqa: BLE001 - see the docstring
             logger.exception("job %s: the ending of its attempt failed", t.config.job)
-        if signum == signal.SIGINT:  # (a process that goes on, a notebook's, makes a new one)
-            discard(t)
     # (an evaluator's evaluation in flight, its job held by no trainer here, gives up too)
     _until(trainer_thread.idle, time.monotonic() + GIVE_UP_SECS)
+    for t in trainers:
+        t.guard.drop_stale_notice()
 
 
 def _end(t) -> None:
@@ -140,9 +146,9 @@ def _end(t) -> None:
     The call in flight ends first: in the loop or a save the trainer checkpoints the step in
     flight and ends its call itself (its ending bounded by the grace period; the step in flight
     and the save come first, unbounded, as where the guard is the signal's handler); an evaluation
-    gives up at its next batch; anything else runs to its end, except what neither trains nor
-    saves (`call_cuttable`: an export, a restore), which has the ending run beside it after
-    `GIVE_UP_SECS`. Then the ending runs on the trainer thread, unless it ran already."""
+    gives up at its next batch; a call that neither trains, saves nor ends the attempt
+    (`call_cuttable`) has the ending run beside it after `GIVE_UP_SECS`; the others run to their
+    end. Then the ending runs on the trainer thread, unless it ran already."""
     give_up_by = time.monotonic() + GIVE_UP_SECS
     while not trainer_thread.idle(0):
         running = trainer_thread.running()

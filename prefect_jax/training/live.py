@@ -53,13 +53,6 @@ def live_trainer(config: JobConfig) -> Trainer | None:
     return _live.get(_key(config))
 
 
-def discard(trainer: Trainer) -> None:
-    """Forget `trainer` (ended on a notice in a process that goes on): the next asks for a new."""
-    for key, live in list(_live.items()):
-        if live is trainer:
-            del _live[key]
-
-
 def live_trainers() -> list[Trainer]:
     """Every live Trainer of this process."""
     return list(_live.values())

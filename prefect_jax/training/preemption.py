@@ -218,7 +218,7 @@ class PreemptionGuard:
         self.active = False  # between install and uninstall: a finished trainer only passes it on
         self.driven = False  # told by its caller (`notice`), which raises the notice on itself
         self.adopted = False  # the notice was another process's (`adopt`)
-        self._stale_once_installed = False  # (`notice`)
+        self._stale = False  # (`notice`)
         self._on_signal = on_signal
         # (the caller's thread and the trainer's may both ask `handle_if_pending`)
         self._handling_lock = threading.Lock()
@@ -243,8 +243,7 @@ class PreemptionGuard:
         exception lands in the caller's wait), and the caller tells the guard (`notice`)."""
         # (forwarding raises the previous handler's exception, Prefect's: not to be dropped)
         deliver_lost_notices()
-        if not self.active and self._stale_once_installed:
-            self.signum, self._stale_once_installed = None, False
+        self.drop_stale_notice()
         if threading.current_thread() is not threading.main_thread():
             self.driven = not self.installed  # (else its handler, installed before, takes it)
             self.active = True
@@ -265,11 +264,19 @@ class PreemptionGuard:
         next step or once its save is handed off, an evaluation gives up at its next batch, or the
         caller has it let the saves in flight commit (`handle_if_pending`). The caller then raises
         the notice on."""
-        if self.signum is None:
-            self.signum = signum
-            # (a trainer not holding its job, an evaluator's, only gives up its evaluation: made
-            # to hold it again, in a process that went on, it starts with no notice)
-            self._stale_once_installed = not self.active
+        with self._handling_lock:
+            if self.signum is None:
+                self.signum = signum
+                # (a trainer not holding its job, an evaluator's, only gives up its evaluation)
+                self._stale = not self.active
+
+    def drop_stale_notice(self) -> None:
+        """Forget a notice `notice` gave this guard while its trainer did not hold its job (its
+        evaluation had the time to give up): in a process that goes on, the trainer's next
+        evaluation, or attempt, starts with no notice."""
+        with self._handling_lock:
+            if self._stale and not self.active:
+                self.signum, self._stale = None, False
 
     def _handle(self, signum, frame):
         if not self.active:  # left in a chain of handlers by a trainer that has finished

@@ -40,7 +40,7 @@ class Call:
 
     def claim(self) -> bool:
         """Whether whoever asks first runs this call (the trainer thread, or its caller that gave
-        up waiting for it: `run_here_unless_started`)."""
+        up waiting for it: `prefect_jax.tasks.notices.within`)."""
         return self._claim.acquire(blocking=False)
 
     def run(self) -> None:
@@ -95,27 +95,13 @@ def submit(fn: Callable, *args, cuttable: bool = False, **kwargs) -> Call:
     call = Call(fn, args, kwargs, cuttable)
     with _outstanding:
         _count += 1
-        try:
-            _calls.put(call)
-        except BaseException:  # (a signal's exception before it was queued)
-            _count -= 1
-            raise
+    _calls.put(call)
     return call
 
 
 def running() -> Call | None:
     """The call the trainer thread runs now, if any."""
     return _running
-
-
-def run_here_unless_started(call: Call):
-    """Run `call` on this thread unless the trainer thread has begun it (then wait for it); its
-    outcome."""
-    if call.claim():
-        call.run()
-    else:
-        call.done.wait()
-    return outcome(call)
 
 
 def wait(call: Call, timeout: float | None = None) -> bool:
