@@ -97,9 +97,10 @@ class StorageCalls:
     - ``requests``: every request that reaches S3 (any thread), per (operation, file), as
       aiobotocore sends it (s3fs's calls may send several: a HEAD before a GET, a LIST after a
       HEAD that found nothing);
-    - ``calls[part]``: the fsspec calls the main thread waits for, per (call, file), while the
-      innermost of `parts` on its stack is ``part`` (``"_train_loop"``: a flow's intervals;
-      ``"restore_trainer"``: a restore); ``secs[part]``: their wall time.
+    - ``calls[part]``: the fsspec calls the main thread waits for (made there or on the
+      trainer's thread), per (call, file), while the innermost of `parts` on its stack is
+      ``part`` (``"_train_loop"``: a flow's intervals; ``"restore_trainer"``: a restore);
+      ``secs[part]``: their wall time.
 
     `install(setattr)` patches aiobotocore and fsspec (`monkeypatch.setattr` in a test, so that
     it is undone; the builtin in a benchmark's own process)."""
@@ -113,11 +114,20 @@ class StorageCalls:
         self.secs = dict.fromkeys(parts, 0.0)
 
     def _part(self) -> str | None:
-        frame = sys._getframe(2)
-        while frame is not None:
-            if frame.f_code.co_name in self.parts:
-                return frame.f_code.co_name
-            frame = frame.f_back
+        """The innermost of `parts` on this thread's stack, or, on the trainer's thread (where
+        the tasks run the trainer's calls), on the stack of the main thread waiting for it."""
+        import threading
+
+        from prefect_jax.training import trainer_thread
+
+        stacks = [sys._getframe(2)]
+        if trainer_thread.on_trainer_thread():
+            stacks.append(sys._current_frames().get(threading.main_thread().ident))
+        for frame in stacks:
+            while frame is not None:
+                if frame.f_code.co_name in self.parts:
+                    return frame.f_code.co_name
+                frame = frame.f_back
         return None
 
     def install(self, setattr=setattr) -> None:
@@ -126,6 +136,8 @@ class StorageCalls:
         import aiobotocore.client
         import fsspec.asyn
 
+        from prefect_jax.training import trainer_thread
+
         api_call, sync = aiobotocore.client.AioBaseClient._make_api_call, fsspec.asyn.sync
 
         async def request(client, operation, params):
@@ -133,7 +145,10 @@ class StorageCalls:
             return await api_call(client, operation, params)
 
         def call(loop, func, *args, **kwargs):
-            part = self._part() if threading.current_thread() is threading.main_thread() else None
+            waited_for = threading.current_thread() is threading.main_thread() or (
+                trainer_thread.on_trainer_thread()
+            )  # (the threads the flow's task runs wait for)
+            part = self._part() if waited_for else None
             began = time.perf_counter()
             try:
                 return sync(loop, func, *args, **kwargs)
