@@ -29,14 +29,14 @@ _where = contextvars.ContextVar("where", default="unset")
 def test_a_call_runs_on_the_trainer_thread_in_the_callers_context():
     token = _where.set("the caller's")
     try:
-        seen = trainer_thread.call(lambda: (threading.current_thread().name, _where.get()))
+        seen = notices.call(lambda: (threading.current_thread().name, _where.get()))
     finally:
         _where.reset(token)
     assert seen == (trainer_thread.THREAD_NAME, "the caller's")
     # From the trainer thread itself: at once (a call never waits for itself).
-    assert trainer_thread.call(trainer_thread.call, trainer_thread.on_trainer_thread) is True
+    assert notices.call(notices.call, trainer_thread.on_trainer_thread) is True
     with pytest.raises(KeyError, match="raised there"):
-        trainer_thread.call(lambda: {}["raised there"])
+        notices.call(lambda: {}["raised there"])
     assert trainer_thread.idle(5)
 
 

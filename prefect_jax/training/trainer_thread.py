@@ -4,9 +4,9 @@ Prefect's flow engine answers SIGTERM with its own handler on the main thread, w
 `TerminationSignal` wherever the main thread is; Prefect needs that handler to be the installed
 one to acknowledge a runner's cancel or reschedule (docs/upstream.md 4). A trainer must not be
 interrupted halfway through a step or a save, so its work runs here, on a thread of its own,
-while the caller waits (`call`): the exception lands in that wait, where the caller tells the
-trainer's guard (`PreemptionGuard.notice`) and lets the trainer checkpoint the step in flight
-(`prefect_jax.tasks.notices`). Every call runs in a copy of the caller's context (Prefect's run
+while the caller waits (`prefect_jax.tasks.notices.call`): the exception lands in that wait,
+where the caller tells the trainer's guard (`PreemptionGuard.notice`) and lets the trainer
+checkpoint the step in flight. Every call runs in a copy of the caller's context (Prefect's run
 context: its logger, its events), one at a time, in the order made.
 
 The thread is a daemon: a process whose flow run ended on a notice exits without waiting for a
@@ -115,16 +115,6 @@ def outcome(call: Call):
     if call.error is not None:
         raise call.error
     return call.result
-
-
-def call(fn: Callable, *args, **kwargs):
-    """`fn(*args, **kwargs)` on the trainer thread, the caller waiting; at once where the caller
-    is that thread."""
-    if on_trainer_thread():
-        return fn(*args, **kwargs)
-    pending = submit(fn, *args, **kwargs)
-    wait(pending)
-    return outcome(pending)
 
 
 def idle(timeout: float | None = None) -> bool:
