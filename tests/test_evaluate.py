@@ -423,3 +423,37 @@ def test_the_evaluators_start_delay_and_throttle_come_from_the_eval_spec_as_tfs(
         assert reader.job.records.steps() == [20, 40, 60]
     finally:
         reader.close()
+
+
+def test_a_pending_evaluation_is_recorded_once_by_the_trainer_or_an_ending_beside_it():
+    """A notice's ending may run beside the trainer's call (`prefect_jax.tasks.notices`): both
+    may record the evaluation waiting for its step's commit; one does, the other finds none."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from prefect_jax.training.evaluation import EvalResult, EvalStatus
+    from prefect_jax.training.pending import PendingEvaluation
+
+    in_wait, go_on = threading.Event(), threading.Event()
+
+    def wait_committed():  # the trainer's thread waits for the commit; the ending's does not
+        if threading.current_thread() is not threading.main_thread():
+            in_wait.set()
+            go_on.wait(10)
+
+    ledger = SimpleNamespace(phase=lambda name: contextlib.nullcontext(), add=lambda *a: None)
+    job = SimpleNamespace(
+        wait_committed=wait_committed, is_committed=lambda s: True, goodput=ledger
+    )
+    recorded: list[int] = []
+    pending = PendingEvaluation(job, lambda r, on: recorded.append(r.step) or r)
+    pending.hold(EvalResult(status=EvalStatus.EVALUATED, step=20, metrics={"loss": 1.0}), None)
+
+    trainers = threading.Thread(target=pending.record, args=(True,))
+    trainers.start()
+    assert in_wait.wait(10)
+    assert pending.record(wait=True).step == 20  # the ending, while the trainer's thread waits
+    go_on.set()
+    trainers.join(10)
+    assert recorded == [20] and pending.held is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -56,6 +57,7 @@ class PendingEvaluation:
     def __init__(self, job, record: Callable[[EvalResult, OnRecorded | None], EvalResult]):
         self.job, self._record = job, record
         self.held: tuple[EvalResult, OnRecorded | None] | None = None
+        self._taking = threading.Lock()
         self.from_loop = True  # off after a failed try there: the next save records it, or raises
 
     @property
@@ -109,18 +111,22 @@ class PendingEvaluation:
         (nothing pending, or its step did not commit)."""
         if self.held is None:
             return None
-        result, on_recorded = self.held
         if wait:
             self.wait_committed(inside)
+        # Taken off first, by one thread: the trainer's, or a notice's ending run beside it
+        # (`prefect_jax.tasks.notices`); the other finds nothing pending.
+        with self._taking:
+            held, self.held = self.held, None
+        if held is None:
+            return None
+        result, on_recorded = held
         if not self.job.is_committed(result.step):
-            self.held = None
             logger.error("step %d did not commit: its evaluation is not recorded", result.step)
             return None
-        self.held = None  # (off first: a SIGTERM handled while this records finds nothing pending)
         try:
             return self._record(result.model_copy(update={"pending_commit": False}), on_recorded)
         except Exception:
-            self.held = (result, on_recorded)  # retried (records and MLflow logs are idempotent)
+            self.held = held  # retried (records and MLflow logs are idempotent)
             raise
 
     def record_or_warn(self) -> None:
