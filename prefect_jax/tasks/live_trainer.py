@@ -61,6 +61,9 @@ def _take_the_lease_before_jax(config: JobConfig):
 def _trainer_holding_the_lease(config: JobConfig):
     """The job's trainer for the restore task, its lease taken before JAX started (see
     `_take_the_lease_before_jax`); a lease so taken is given back if making the trainer fails."""
+    from prefect_jax.training.live import replace_if_ctrl_c
+
+    replace_if_ctrl_c(config)  # (a notebook's next run after Ctrl-C)
     lease = None
     try:
         lease = _take_the_lease_before_jax(config)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import signal
 import sys
 import threading
 import time
@@ -52,6 +53,14 @@ def within(fn, timeout: float) -> bool:
     worker.start()
     worker.join(timeout=max(0.0, timeout))
     return not worker.is_alive()
+
+
+def signal_name(signum: int | None) -> str:
+    """``"SIGTERM"`` (also for None: a notice with no number), ``"SIGINT"`` for Ctrl-C."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "SIGTERM" if signum is None else f"signal {signum}"
 
 
 def thread_stacks() -> str:
@@ -96,6 +105,7 @@ class AttemptEnd:
         pending = t.evaluations.pending
         grace, started = t.config.train.sigterm_grace_secs, time.monotonic()
         deadline = started + grace
+        notice = signal_name(t.guard.signum)  # (Ctrl-C in a notebook ends the same way: SIGINT)
 
         def bounded(fn, at_least: float) -> bool:
             """`fn` within what is left before `deadline`, or `at_least` seconds."""
@@ -122,8 +132,9 @@ class AttemptEnd:
                 except Exception as exc:  # noqa: BLE001
                     say(
                         logging.WARNING,
-                        "SIGTERM at step %d: the evaluation of step %d could not be recorded (%r): "
+                        "%s at step %d: the evaluation of step %d could not be recorded (%r): "
                         "not checkpointing step %d",
+                        notice,
                         t.step,
                         pending.step,
                         exc,
@@ -134,7 +145,8 @@ class AttemptEnd:
             if rows is not None:
                 say(
                     logging.WARNING,
-                    "SIGTERM at step %d: checkpointing it (grace %.0fs)",
+                    "%s at step %d: checkpointing it (grace %.0fs)",
+                    notice,
                     t.step,
                     grace,
                 )
@@ -146,8 +158,9 @@ class AttemptEnd:
                     job.verify_lease()
                 say(
                     logging.WARNING,
-                    "SIGTERM at step %s (between checkpoints): letting its checkpoint commit "
+                    "%s at step %s (between checkpoints): letting its checkpoint commit "
                     "(grace %.0fs)",
+                    notice,
                     t.step,
                     grace,
                 )
@@ -178,9 +191,10 @@ class AttemptEnd:
             if committed:
                 say(
                     logging.WARNING,
-                    "step %d committed in %.2fs after SIGTERM",
+                    "step %d committed in %.2fs after %s",
                     t.step,
                     time.monotonic() - started,
+                    notice,
                 )
                 if saved_rows:  # the interval's train metrics (the checkpoint has them too)
                     bounded(lambda: t.intervals.log_train_rows(saved_rows), at_least=0.5)

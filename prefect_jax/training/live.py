@@ -48,6 +48,23 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
     return trainer
 
 
+def replace_if_ctrl_c(config: JobConfig) -> None:
+    """Where this job's live trainer ended its attempt on Ctrl-C (its step in flight checkpointed,
+    the `KeyboardInterrupt` raised to the caller, who now runs the job again in the same process,
+    as after an interrupted Keras ``fit``): drop it, and the Ctrl-C with it, so that the new run
+    gets a new trainer that restores that step. A trainer ended by a SIGTERM is kept: it refuses
+    to go on (`AttemptEnd.stop_if_preempted`), its process going."""
+    import signal
+
+    from prefect_jax.training import preemption
+
+    trainer = _live.get(_key(config))
+    ended = None if trainer is None else trainer.ending.preempted
+    if ended is not None and ended[2] == signal.SIGINT:
+        drop_trainer(config)
+        preemption.forget_ctrl_c()
+
+
 def live_trainer(config: JobConfig) -> Trainer | None:
     """This job's live Trainer in this process, if there is one (never creates one)."""
     return _live.get(_key(config))

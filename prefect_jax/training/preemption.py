@@ -40,6 +40,17 @@ def note_received(signum: int) -> None:
     _received = signum
 
 
+def forget_ctrl_c() -> bool:
+    """Forget a Ctrl-C (SIGINT) this process received, once its `KeyboardInterrupt` reached the
+    caller, who goes on (a notebook, a Python session): a later run is not taken for one that was
+    stopped. A SIGTERM is kept (the process is going). True if there was one."""
+    global _received
+    if _received != signal.SIGINT:
+        return False
+    _received = None
+    return True
+
+
 def deliver_lost_notices() -> None:
     """Deliver again a SIGTERM whose handler's exception Python drops (idempotent, process-wide;
     call it once the SIGTERM handlers that may raise are installed, or from their callers).

@@ -1,0 +1,71 @@
+"""Ctrl-C in a notebook or a Python session that calls a flow: the step in flight is
+checkpointed, the `KeyboardInterrupt` reaches the caller, and the next call of the flow in the
+same process resumes that step exactly (as TensorFlow's `BackupAndRestore` lets a second
+``fit`` go on after an interrupted one)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+from conftest import TINY, straight_fingerprint
+
+from prefect_jax.training.checkpoint_dirs import committed_steps
+from prefect_jax.training.specs import CheckpointSpec, TrainSpec
+
+MAX_STEPS, EVERY, AT = 60, 40, 20
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_ctrl_c_checkpoints_the_step_in_flight_and_the_next_call_resumes_it_exactly(
+    prefect_server, tmp_path, mlflow_uri
+):
+    from prefect_jax import flows
+    from prefect_jax.training import preemption
+    from prefect_jax.training.progress import add_progress_listener
+
+    storage = tmp_path / "storage"
+    job = dict(program=TINY, job="nb", storage=str(storage), mlflow_tracking_uri=mlflow_uri)
+    specs = dict(
+        train_spec=TrainSpec(max_steps=MAX_STEPS, log_every_steps=10),
+        checkpoint_spec=CheckpointSpec(every_steps=EVERY),
+    )
+    sent: list[int] = []
+
+    def ctrl_c_at(step, max_steps, metrics):  # (on the trainer's thread, in the loop)
+        if step == AT and not sent:
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends the main thread
+
+    lines = _Lines()
+    logging.getLogger("prefect_jax.trainer").addHandler(lines)
+    remove = add_progress_listener(ctrl_c_at)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            flows.train_and_evaluate(**job, **specs)
+    finally:
+        remove()
+        logging.getLogger("prefect_jax.trainer").removeHandler(lines)
+    assert sent == [AT]
+    steps = committed_steps(str(storage / "nb" / "checkpoints"))
+    assert len(steps) == 1 and AT <= steps[0] < EVERY, steps  # the step in flight, off cadence
+    assert f"SIGINT at step {steps[0]}: checkpointing it" in "\n".join(lines.lines), lines.lines
+
+    try:
+        summary = flows.train_and_evaluate(**job, **specs)
+    finally:
+        ctrl_c_forgotten = not preemption.forget_ctrl_c()  # (else later tests' runs read it)
+    assert summary["final_step"] == MAX_STEPS
+    assert ctrl_c_forgotten  # a later run that fails is not reported as stopped by a signal
+    straight = straight_fingerprint(TINY, MAX_STEPS, EVERY, tmp_path / "straight", mlflow_uri)
+    assert summary["state_fingerprint"] == straight
