@@ -7,7 +7,7 @@ import inspect
 
 from prefect_jax.tasks.notices import end_if_notice
 from prefect_jax.training.names import JOB_RUN_TAG, MLFLOW_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
-from prefect_jax.training.preemption import deliver_lost_notices
+from prefect_jax.training.preemption import deliver_lost_notices, forget_ctrl_c
 from prefect_jax.training.specs import flow_registers_exports
 
 _OWN_TAGS = (OWN_TAG,)
@@ -37,14 +37,15 @@ def _task_tags():
 
 def flow_body(fn):
     """A flow's body as prefect-jax runs it (its signature kept, for Prefect's parameters): lost
-    SIGTERM notices delivered again, MLflow warmed up in its worker process, the task runs
-    without the flow run's own tags (`_task_tags`)."""
+    SIGTERM notices delivered again, an earlier run's Ctrl-C forgotten, MLflow warmed up in its
+    worker process, the task runs without the flow run's own tags (`_task_tags`)."""
 
     @functools.wraps(fn)
     def body(*args, **kwargs):
         from prefect_jax.training.mlflow_client import warm_up
 
         deliver_lost_notices()  # (again: someone may have replaced the hook since the import)
+        forget_ctrl_c()  # a Ctrl-C before, in this notebook or session, stopped an earlier run
         # A deployment's flow run too: MLflow imports in its worker while the program imports here
         # (and, where the flow registers exports, what logging a model needs).
         arguments = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
