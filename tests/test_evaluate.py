@@ -450,10 +450,19 @@ def test_a_pending_evaluation_is_recorded_once_by_the_trainer_or_an_ending_besid
     pending = PendingEvaluation(job, lambda r, on: recorded.append(r.step) or r)
     pending.hold(EvalResult(status=EvalStatus.EVALUATED, step=20, metrics={"loss": 1.0}), None)
 
-    trainers = threading.Thread(target=pending.record, args=(True,))
+    trainers_outcome: list = []
+
+    def trainers_record():
+        try:
+            trainers_outcome.append(pending.record(wait=True))
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            trainers_outcome.append(exc)
+
+    trainers = threading.Thread(target=trainers_record)
     trainers.start()
     assert in_wait.wait(10)
     assert pending.record(wait=True).step == 20  # the ending, while the trainer's thread waits
     go_on.set()
     trainers.join(10)
+    assert not trainers.is_alive() and trainers_outcome == [None]  # it found none to record
     assert recorded == [20] and pending.held is None

@@ -3,6 +3,7 @@ publishes the goodput so far) and the goodput artifact of a finished job."""
 
 # No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
 import functools
+import signal
 from typing import Any
 
 from prefect import get_run_logger
@@ -39,7 +40,7 @@ def end_the_job(status: str):
             # A SIGTERM that landed while Prefect was creating a task run makes Prefect's crash
             # handling fail ("Task run is not set"): the run was terminated, not failed.
             ended = "KILLED"
-            _report_terminated(flow_run.id, state)
+            _report_terminated(flow_run.id, state, preemption.received_signal())
         config = _config_from(flow_run.parameters)
         if config is not None:
             # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the
@@ -102,7 +103,6 @@ def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id, signum: 
     if not attempt or attempt.get("ended") != PREEMPTED:
         return
     import contextvars
-    import signal
 
     from prefect_jax.training.ending import within  # (imported: this process trained)
 
@@ -121,16 +121,18 @@ def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id, signum: 
         )
 
 
-def _report_terminated(flow_run_id, state) -> None:
-    """Mark the flow run Crashed, as Prefect does a run its SIGTERM ends (and as automations that
-    rerun crashed runs expect)."""
+def _report_terminated(flow_run_id, state, signum: int | None) -> None:
+    """Mark the flow run Crashed, as Prefect does a run its SIGTERM (or Ctrl-C) ends (and as
+    automations that rerun crashed runs expect)."""
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
 
-    message = (
-        "Execution was aborted by a termination signal (SIGTERM); "
-        f"Prefect reported: {state.message}"
+    aborted_by = (
+        "an interrupt signal (SIGINT)"
+        if signum == signal.SIGINT
+        else "a termination signal (SIGTERM)"
     )
+    message = f"Execution was aborted by {aborted_by}; Prefect reported: {state.message}"
     try:
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)

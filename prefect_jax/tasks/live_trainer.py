@@ -61,9 +61,6 @@ def _take_the_lease_before_jax(config: JobConfig):
 def _trainer_holding_the_lease(config: JobConfig):
     """The job's trainer for the restore task, its lease taken before JAX started (see
     `_take_the_lease_before_jax`); a lease so taken is given back if making the trainer fails."""
-    from prefect_jax.training.live import replace_if_ctrl_c
-
-    replace_if_ctrl_c(config)  # (a notebook's next run after Ctrl-C)
     lease = None
     try:
         lease = _take_the_lease_before_jax(config)
@@ -107,8 +104,11 @@ def _trainer(config: JobConfig) -> OnTrainerThread:
 
 
 def _live_trainer(config: JobConfig):
+    from prefect_jax.training import trainer_thread
     from prefect_jax.training.live import get_trainer
 
+    if not trainer_thread.idle(0):  # (a call a notice left running, after Ctrl-C: see get_trainer)
+        notices.call(lambda: None)  # its end first, so that it is not closed under that call
     trainer = get_trainer(config, run_tags=_run_tags())
     if not trainer.job.commit_listeners:
         from prefect.events import emit_event

@@ -29,12 +29,13 @@ def _key(config: JobConfig) -> str:
 def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Trainer:
     """The live Trainer of this job in this process, or a new one (with no state yet).
 
-    A cached trainer is reused only if its config is identical; otherwise it is closed
+    A cached trainer is reused only if its config is identical and Ctrl-C did not end it
+    (`ended_on_ctrl_c`: the new one restores the step it checkpointed); otherwise it is closed
     and replaced.
     """
     key = _key(config)
     trainer = _live.get(key)
-    if trainer is not None and trainer.config == config:
+    if trainer is not None and trainer.config == config and not ended_on_ctrl_c(trainer):
         if run_tags:
             trainer.job.run_tags.update(run_tags)
         return trainer
@@ -48,21 +49,15 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
     return trainer
 
 
-def replace_if_ctrl_c(config: JobConfig) -> None:
-    """Where this job's live trainer ended its attempt on Ctrl-C (its step in flight checkpointed,
-    the `KeyboardInterrupt` raised to the caller, who now runs the job again in the same process,
-    as after an interrupted Keras ``fit``): drop it, and the Ctrl-C with it, so that the new run
-    gets a new trainer that restores that step. A trainer ended by a SIGTERM is kept: it refuses
-    to go on (`AttemptEnd.stop_if_preempted`), its process going."""
+def ended_on_ctrl_c(trainer: Trainer) -> bool:
+    """Whether `trainer` ended its attempt on Ctrl-C (SIGINT): its step in flight checkpointed,
+    the `KeyboardInterrupt` raised to the caller, who may run the job again in this process (a
+    notebook, as after an interrupted Keras ``fit``). A trainer ended by a SIGTERM refuses to go
+    on (`AttemptEnd.stop_if_preempted`): its process is going."""
     import signal
 
-    from prefect_jax.training import preemption
-
-    trainer = _live.get(_key(config))
-    ended = None if trainer is None else trainer.ending.preempted
-    if ended is not None and ended[2] == signal.SIGINT:
-        drop_trainer(config)
-        preemption.forget_ctrl_c()
+    ended = trainer.ending.preempted
+    return ended is not None and ended[2] == signal.SIGINT
 
 
 def live_trainer(config: JobConfig) -> Trainer | None:

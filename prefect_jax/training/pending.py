@@ -114,7 +114,9 @@ class PendingEvaluation:
         if wait:
             self.wait_committed(inside)
         # Taken off first, by one thread: the trainer's, or a notice's ending run beside it
-        # (`prefect_jax.tasks.notices`); the other finds nothing pending.
+        # (`prefect_jax.tasks.notices`); the other finds nothing pending and returns at once,
+        # maybe before the record lands (not held through the record: a hung MLflow or storage
+        # would hang both).
         with self._taking:
             held, self.held = self.held, None
         if held is None:

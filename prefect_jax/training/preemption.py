@@ -35,9 +35,11 @@ def received_signal() -> int | None:
 
 
 def note_received(signum: int) -> None:
-    """Record that this process got `signum` (a handler other than a guard's: the command's)."""
+    """Record that this process got `signum` (a handler other than a guard's: the command's); a
+    SIGTERM noted stays (a Ctrl-C after it does not make the process's end forgettable)."""
     global _received
-    _received = signum
+    if not (_received == signal.SIGTERM and signum == signal.SIGINT):
+        _received = signum
 
 
 def forget_ctrl_c() -> bool:
