@@ -106,6 +106,30 @@ def test_a_notice_in_the_loop_goes_on_only_once_the_trainer_has_checkpointed(
     assert not trainer.guard.active
 
 
+def test_a_signal_the_kernel_hands_to_another_thread_still_reaches_the_waiting_caller(
+    sigterm_as_prefect_raises_it,
+):
+    """The kernel may deliver a process's signal to any thread: here, to the trainer thread
+    (`pthread_kill`). Python runs the handler on the main thread, which waits in slices, so the
+    notice reaches the loop while it trains, not once its call has ended (a blocked wait: the
+    whole interval, past a preemption's grace period)."""
+    trainer, events = sigterm_as_prefect_raises_it
+
+    def train_until_checkpoint():
+        trainer.guard.install()
+        with trainer.guard.deferred():
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # to this thread
+            deadline = time.monotonic() + 10
+            while not trainer.guard.requested and time.monotonic() < deadline:
+                time.sleep(0.01)
+            events.append("the loop saw it" if trainer.guard.requested else "the loop ended")
+        trainer.guard.handle_if_pending()
+
+    with pytest.raises(TerminationSignal):
+        notices.call(train_until_checkpoint)
+    assert events == ["the bridge raised", "the loop saw it", "the ending ran"]
+
+
 def test_a_notice_between_calls_ends_the_attempt_on_the_trainer_thread(
     sigterm_as_prefect_raises_it,
 ):

@@ -83,7 +83,7 @@ def within(fn: Callable, timeout: float, *args, **kwargs):
     if pending.claim():
         pending.run()
     else:  # begun there meanwhile
-        _until(pending.done.wait, None)
+        _until(functools.partial(trainer_thread.wait, pending), None)
     return trainer_thread.outcome(pending)
 
 
@@ -159,7 +159,8 @@ def _end(t) -> None:
         return
     if trainer_thread.idle(0):
         ending = trainer_thread.submit(t.guard.handle_if_pending)
-        _until(ending.done.wait, None)  # (bounded by the grace period itself)
+        # (bounded by the grace period itself)
+        _until(functools.partial(trainer_thread.wait, ending), None)
     else:
         with contextlib.suppress(Preempted):
             t.guard.handle_if_pending()

@@ -18,10 +18,16 @@ from __future__ import annotations
 import contextvars
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 THREAD_NAME = "prefect-jax-trainer"
+# The longest a wait here blocks at a time. The kernel may hand a process's signal to any thread
+# that does not block it; a wait blocked on a lock is not interrupted then, and Python runs the
+# signal's handler (Prefect's SIGTERM bridge) on the main thread only once that thread runs
+# again: after the whole call it waits for (a training interval) without slices.
+WAIT_SLICE_SECS = 0.05
 
 
 class Call:
@@ -107,7 +113,7 @@ def running() -> Call | None:
 def wait(call: Call, timeout: float | None = None) -> bool:
     """Wait for `call` to end (True), or `timeout` seconds (False). A signal's handler that
     raises (Prefect's SIGTERM bridge) raises here, in the waiting thread; the call goes on."""
-    return call.done.wait(timeout)
+    return _in_slices(call.done.wait, timeout)
 
 
 def outcome(call: Call):
@@ -119,5 +125,21 @@ def outcome(call: Call):
 
 def idle(timeout: float | None = None) -> bool:
     """Wait up to `timeout` seconds until every call submitted has ended; True if they have."""
-    with _outstanding:
-        return _outstanding.wait_for(lambda: _count == 0, timeout)
+
+    def ended(seconds: float) -> bool:
+        with _outstanding:
+            return _outstanding.wait_for(lambda: _count == 0, seconds)
+
+    return _in_slices(ended, timeout)
+
+
+def _in_slices(wait_for: Callable[[float], bool], timeout: float | None) -> bool:
+    """`wait_for(seconds)` in slices of `WAIT_SLICE_SECS` until it is True, for `timeout` seconds
+    at most (None: for ever)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = WAIT_SLICE_SECS if deadline is None else deadline - time.monotonic()
+        if wait_for(max(0.0, min(WAIT_SLICE_SECS, left))):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
