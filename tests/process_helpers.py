@@ -62,6 +62,18 @@ def cli_env(api_url: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def job_args(program, job, storage, max_steps, every, mlflow_uri, *extra: str) -> list[str]:
+    """The flags of a ``prefect-jax run`` of `job` as the tests start it: its program, storage,
+    length and checkpoint cadence, MLflow store, and one ``--json`` summary line without a
+    progress bar; then `extra` flags."""
+    return [
+        *("--program", program, "--job", job, "--storage", str(storage)),
+        *("--max-steps", str(max_steps), "--checkpoint-every-steps", str(every)),
+        *("--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"),
+        *extra,
+    ]
+
+
 def start_run(args: list[str], api_url: str, log_path, **extra_env: str) -> subprocess.Popen:
     """``python -m prefect_jax.cli run ARGS`` with its output in `log_path`."""
     log = open(log_path, "w")

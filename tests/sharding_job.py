@@ -58,6 +58,7 @@ def specs(state) -> dict:
 def losses(prog, steps: int = 6, per_dispatch: int = 1, evaluate: bool = True) -> dict:
     from prefect_jax.training.loop import Loop
     from prefect_jax.training.specs import TrainSpec
+    from prefect_jax.training.train_means import train_rows
 
     traces = []  # the program's train step, each time its body runs (a trace)
     train_step = prog.train_step
@@ -71,7 +72,7 @@ def losses(prog, steps: int = 6, per_dispatch: int = 1, evaluate: bool = True) -
     state = loop.place(loop.init_state())
     loop.start_precompile()  # as a restore does (where the loop compiles ahead)
     interval = loop.run(state, 0, loop.fresh_iter(), target=steps, stop=lambda: False)
-    rows = loop.train_rows(interval.logged)
+    rows = train_rows(interval.logged)
     out = {"loss": [v for k, v, _ in rows if k == "loss"], "traced": len(traces)}
     if evaluate:
         out["eval"] = loop.evaluate(interval.state, 2)[0]["loss"]

@@ -22,7 +22,15 @@ import sys
 import pytest
 from conftest import train_and_close
 from mlflow.tracking import MlflowClient
-from process_helpers import TESTS_DIR, cli_env, orbax_tmp_dirs, start_run, status, wait_until
+from process_helpers import (
+    TESTS_DIR,
+    cli_env,
+    job_args,
+    orbax_tmp_dirs,
+    start_run,
+    status,
+    wait_until,
+)
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.exporters import list_exports
@@ -44,26 +52,8 @@ MAX_STEPS, EVERY = 400, 100
 
 
 def _run_args(storage, mlflow_uri, job="holes"):
-    return [
-        "--program",
-        PROGRAM,
-        "--job",
-        job,
-        "--storage",
-        storage,
-        "--max-steps",
-        str(MAX_STEPS),
-        "--checkpoint-every-steps",
-        str(EVERY),
-        "--log-every-steps",
-        "10",
-        "--keep-last",
-        "10",
-        "--mlflow-tracking-uri",
-        mlflow_uri,
-        "--json",
-        "--no-progress",
-    ]
+    extra = ("--log-every-steps", "10", "--keep-last", "10")
+    return job_args(PROGRAM, job, storage, MAX_STEPS, EVERY, mlflow_uri, *extra)
 
 
 def _uninterrupted(tmp_path, mlflow_uri):

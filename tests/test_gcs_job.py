@@ -17,7 +17,7 @@ import sys
 import pytest
 from conftest import straight_fingerprint
 from gcs_server import GCSServer, runs_here
-from process_helpers import TESTS_DIR, cli_env, start_run, status, wait_until
+from process_helpers import TESTS_DIR, cli_env, job_args, start_run, status, wait_until
 
 PROGRAM, MAX_STEPS, EVERY = "programs:paced", 300, 50
 BUCKET = "jobs"
@@ -121,11 +121,8 @@ def test_storage_options_on_gcs_are_named_as_not_reaching_orbax(gcs_env, job_con
 
 
 def _run_args(mlflow_uri):
-    return [
-        *("--program", PROGRAM, "--job", "gjob", "--storage", f"gs://{BUCKET}/team"),
-        *("--max-steps", str(MAX_STEPS), "--checkpoint-every-steps", str(EVERY), "--exporters"),
-        *("--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"),
-    ]
+    storage = f"gs://{BUCKET}/team"
+    return job_args(PROGRAM, "gjob", storage, MAX_STEPS, EVERY, mlflow_uri, "--exporters")
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from prefect_jax.training.exporters import BestExporter, list_exports
 from prefect_jax.training.loop import Loop, iterate
 from prefect_jax.training.program import load_program
 from prefect_jax.training.specs import TrainSpec
+from prefect_jax.training.train_means import train_rows
 from prefect_jax.training.trainer import Trainer
 
 TINY = "prefect_jax.examples.digits:tiny"
@@ -124,7 +125,7 @@ def test_a_job_resumed_from_a_checkpoint_between_log_points_logs_the_same_means(
     interval = first.loop.run(first.state, 0, first.data_iter, 10, lambda: next(calls))
     first.state, first.step = interval.state, interval.step
     assert first.step == 6
-    first.intervals.save(first.loop.train_rows(interval.logged), preemption=True)
+    first.intervals.save(train_rows(interval.logged), preemption=True)
     first.job.checkpoints.wait()
     first.close()
     resumed = _train(config)
@@ -149,7 +150,7 @@ def test_a_run_that_stops_off_a_log_point_carries_its_sums_to_the_next_call():
     first = loop.run(state, 0, it, 12, lambda: next(calls))
     assert first.step == 6
     second = loop.run(first.state, 6, it, 12, lambda: False)
-    rows = [(s, v) for k, v, s in loop.train_rows(first.logged + second.logged) if k == "loss"]
+    rows = [(s, v) for k, v, s in train_rows(first.logged + second.logged) if k == "loss"]
     losses = _bare_losses(TINY, 0, 12)
     assert [s for s, _ in rows] == [4, 8, 12]
     np.testing.assert_allclose(

@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from process_helpers import TESTS_DIR, cli_env, start_run, wait_until
+from process_helpers import TESTS_DIR, cli_env, job_args, start_run, wait_until
 
 from prefect_jax.training.checkpoint_dirs import committed_steps, read_meta_file
 from prefect_jax.training.cluster_config import ClusterConfigError, from_env
@@ -35,26 +35,8 @@ MAX_STEPS, EVERY = 400, 100
 def _args(
     job: str, storage: str, mlflow_uri: str, max_steps: int = MAX_STEPS, every: int = EVERY
 ) -> list[str]:
-    return [
-        "--program",
-        PROGRAM,
-        "--job",
-        job,
-        "--storage",
-        storage,
-        "--max-steps",
-        str(max_steps),
-        "--checkpoint-every-steps",
-        str(every),
-        "--log-every-steps",
-        "10",
-        "--keep-last",
-        "10",
-        "--mlflow-tracking-uri",
-        mlflow_uri,
-        "--json",
-        "--no-progress",
-    ]
+    extra = ("--log-every-steps", "10", "--keep-last", "10")
+    return job_args(PROGRAM, job, storage, max_steps, every, mlflow_uri, *extra)
 
 
 def _summary(log_path) -> dict:

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from process_helpers import TESTS_DIR, cli_env, start_run, wait_until
+from process_helpers import TESTS_DIR, cli_env, job_args, start_run, wait_until
 from test_multiprocess import _free_port, _summary, _wait_all
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
@@ -23,24 +23,7 @@ MAX_STEPS, EVERY = 20, 10
 
 
 def _args(tmp, job: str, mlflow_uri: str, max_steps: int = MAX_STEPS) -> list[str]:
-    return [
-        "--program",
-        PROGRAM,
-        "--job",
-        job,
-        "--storage",
-        str(tmp / job),
-        "--max-steps",
-        str(max_steps),
-        "--checkpoint-every-steps",
-        str(EVERY),
-        "--log-every-steps",
-        "5",
-        "--mlflow-tracking-uri",
-        mlflow_uri,
-        "--json",
-        "--no-progress",
-    ]
+    return job_args(PROGRAM, job, tmp / job, max_steps, EVERY, mlflow_uri, "--log-every-steps", "5")
 
 
 def _run(

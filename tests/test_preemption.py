@@ -23,6 +23,7 @@ from mlflow.tracking import MlflowClient
 from process_helpers import (
     TESTS_DIR,
     cli_env,
+    job_args,
     job_events,
     orbax_tmp_dirs,
     start_run,
@@ -41,27 +42,8 @@ MAX_STEPS, EVERY = 600, 100
 
 
 def _start(storage, mlflow_uri, api_url, log_path, *extra: str):
-    args = [
-        *extra,
-        "--program",
-        PROGRAM,
-        "--job",
-        "pre",
-        "--storage",
-        storage,
-        "--max-steps",
-        str(MAX_STEPS),
-        "--checkpoint-every-steps",
-        str(EVERY),
-        "--log-every-steps",
-        "10",
-        "--keep-last",
-        "10",
-        "--mlflow-tracking-uri",
-        mlflow_uri,
-        "--json",
-        "--no-progress",
-    ]
+    flags = ("--log-every-steps", "10", "--keep-last", "10", *extra)
+    args = job_args(PROGRAM, "pre", storage, MAX_STEPS, EVERY, mlflow_uri, *flags)
     return start_run(args, api_url, log_path)
 
 
@@ -274,24 +256,8 @@ def test_after_a_kill_without_notice_reruns_back_up_between_checkpoints_and_resu
     test_multiprocess)."""
     storage, every, max_steps = str(tmp_path / "storage"), 50, 100
     ckpt = os.path.join(storage, "bk", "checkpoints")
-    args = [
-        "--program",
-        "programs:device_bound",
-        "--job",
-        "bk",
-        "--storage",
-        storage,
-        "--max-steps",
-        str(max_steps),
-        "--checkpoint-every-steps",
-        str(every),
-        "--keep-last",
-        "20",
-        "--mlflow-tracking-uri",
-        mlflow_uri,
-        "--json",
-        "--no-progress",
-    ]
+    args = job_args("programs:device_bound", "bk", storage, max_steps, every, mlflow_uri)
+    args += ["--keep-last", "20"]
     logs = tmp_path / "logs"
     logs.mkdir()
 

@@ -15,6 +15,7 @@ import time
 
 import pytest
 from conftest import straight_fingerprint
+from process_helpers import job_args
 from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, StorageCalls
 
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
@@ -53,25 +54,8 @@ def _cli(*args):
 
 
 def _run_args(mlflow_uri):
-    return [
-        "run",
-        "--program",
-        PROGRAM,
-        "--job",
-        "s3job",
-        "--storage",
-        "s3://jobs/team",
-        "--max-steps",
-        str(MAX_STEPS),
-        "--checkpoint-every-steps",
-        str(EVERY),
-        "--keep-last",
-        "10",
-        "--mlflow-tracking-uri",
-        mlflow_uri,
-        "--json",
-        "--no-progress",
-    ]
+    args = job_args(PROGRAM, "s3job", "s3://jobs/team", MAX_STEPS, EVERY, mlflow_uri)
+    return ["run", *args, "--keep-last", "10"]
 
 
 def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(

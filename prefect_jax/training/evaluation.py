@@ -130,6 +130,24 @@ def eval_batches(eval_data) -> Iterator:
     return iterate(eval_data)
 
 
+def evaluate_pass(
+    program,
+    eval_step: Callable,
+    state,
+    steps: int | None,
+    place: Callable | None = None,
+    stop: Callable[[], bool] | None = None,
+    give_up: Callable[[], bool] | None = None,
+) -> tuple[dict[str, float], int, int | None]:
+    """`aggregate` over one pass of `program`'s ``eval_data()`` (each batch through `place`, if
+    given), with its ``derive_metrics``."""
+    batches = eval_batches(program.eval_data())
+    if place is not None:
+        batches = map(place, batches)
+    derive = getattr(program, "derive_metrics", None)
+    return aggregate(eval_step, state, batches, steps, derive, stop, give_up)
+
+
 def aggregate(
     eval_step: Callable,
     state,

@@ -19,6 +19,7 @@ from prefect_jax.training.errors import NonFiniteLossError
 from prefect_jax.training.loop import Interval, NonFiniteAt
 from prefect_jax.training.names import TRAIN_PREFIX
 from prefect_jax.training.progress import notify_progress
+from prefect_jax.training.train_means import train_rows
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
@@ -164,7 +165,7 @@ class Intervals:
         if not hooks:
             return
         at = [row for row in part.logged if row[0] == part.step]
-        metrics = {k: v for k, v, _ in self.trainer.loop.train_rows(at)}
+        metrics = {k: v for k, v, _ in train_rows(at)}
         hooks.at_step(**self.hook_view(state=part.state, step=part.step, metrics=metrics))
 
     def hook_view(self, **given) -> dict:
@@ -222,7 +223,7 @@ class Intervals:
         goodput.add("train", seconds)
 
     def _train_rows(self, logged) -> Rows:
-        rows = self.trainer.loop.train_rows(logged)
+        rows = train_rows(logged)
         if rows:
             last = rows[-1][2]
             self.trainer.last_train_metrics = {k: v for k, v, s in rows if s == last}

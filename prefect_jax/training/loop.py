@@ -10,7 +10,7 @@ Example:
     loop = Loop(program, TrainSpec(max_steps=100))
     state, it = loop.place(loop.init_state()), loop.fresh_iter()
     interval = loop.run(state, 0, it, target=100, stop=lambda: False)
-    print(interval.step, loop.train_rows(interval.logged)[-1])
+    print(interval.step, train_means.train_rows(interval.logged)[-1])
     ```
 """
 
@@ -39,7 +39,7 @@ from prefect_jax.training.compiled_steps import (
     stack,
 )
 from prefect_jax.training.data_positions import iterate
-from prefect_jax.training.evaluation import aggregate, eval_batches
+from prefect_jax.training.evaluation import evaluate_pass
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharded_state import (
     sharded_abstract_state,
@@ -57,7 +57,7 @@ from prefect_jax.training.sharding import (
 )
 from prefect_jax.training.specs import TrainSpec
 from prefect_jax.training.state_memo import StateMemo
-from prefect_jax.training.train_means import TrainMeans, throughput, train_rows
+from prefect_jax.training.train_means import TrainMeans, throughput
 from prefect_jax.training.trees import state_fingerprint
 
 
@@ -365,11 +365,6 @@ class Loop:
                     break
             raise NonFiniteAt(first_bad, shown)
 
-    @staticmethod
-    def train_rows(logged) -> list[tuple[str, float, int]]:
-        """`train_means.train_rows`: an interval's logged metrics as MLflow rows."""
-        return train_rows(logged)
-
     # -- evaluation ----------------------------------------------------------------------
 
     def evaluate(
@@ -400,8 +395,6 @@ class Loop:
         stop: Callable | None = None,
         give_up: Callable | None = None,
     ) -> tuple:
-        batches = eval_batches(self.program.eval_data())
-        if self.spans:  # global batches, whole in every process: the sums come out replicated
-            batches = (global_batch(b, self.replicated) for b in batches)
-        derive = getattr(self.program, "derive_metrics", None)
-        return aggregate(self.eval_step, state, batches, steps, derive, stop, give_up)
+        # (several processes: global batches, whole in each, so the sums come out replicated)
+        place = (lambda b: global_batch(b, self.replicated)) if self.spans else None
+        return evaluate_pass(self.program, self.eval_step, state, steps, place, stop, give_up)
