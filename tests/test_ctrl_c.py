@@ -6,8 +6,8 @@ same process resumes that step exactly (as TensorFlow's `BackupAndRestore` lets 
 from __future__ import annotations
 
 import logging
-import os
 import signal
+import threading
 
 import pytest
 from conftest import TINY, straight_fingerprint
@@ -48,15 +48,20 @@ def test_ctrl_c_checkpoints_the_step_in_flight_and_the_next_call_resumes_it_exac
     def ctrl_c_at(step, max_steps, metrics):  # (on the trainer's thread, in the loop)
         if step == AT and not sent:
             sent.append(step)
-            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends the main thread
+            # What a terminal's Ctrl-C sends: SIGINT, taken by the main thread (waiting there).
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     lines = _Lines()
     logging.getLogger("prefect_jax.trainer").addHandler(lines)
     remove = add_progress_listener(ctrl_c_at)
+    # Python's own Ctrl-C handler, as a notebook or a session has it, whatever the process was
+    # started with (a shell's background job ignores SIGINT) or an earlier test left.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             flows.train_and_evaluate(**job, **specs)
     finally:
+        signal.signal(signal.SIGINT, previous)
         remove()
         logging.getLogger("prefect_jax.trainer").removeHandler(lines)
     assert sent == [AT] and preemption.received_signal() == signal.SIGINT
