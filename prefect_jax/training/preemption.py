@@ -42,15 +42,13 @@ def note_received(signum: int) -> None:
         _received = signum
 
 
-def forget_ctrl_c() -> bool:
+def forget_ctrl_c() -> None:
     """Forget a Ctrl-C (SIGINT) this process received, once its `KeyboardInterrupt` reached the
     caller, who goes on (a notebook, a Python session): a later run is not taken for one that was
-    stopped. A SIGTERM is kept (the process is going). True if there was one."""
+    stopped. A SIGTERM is kept (the process is going)."""
     global _received
-    if _received != signal.SIGINT:
-        return False
-    _received = None
-    return True
+    if _received == signal.SIGINT:
+        _received = None
 
 
 def deliver_lost_notices() -> None:
