@@ -42,7 +42,6 @@ import logging
 import os
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -214,6 +213,7 @@ def flow(program_path: str, args, work: str, device_copy: bool | None = None) ->
     from prefect_jax.flows import train_and_evaluate
     from prefect_jax.training.progress import add_progress_listener
     from prefect_jax.training.specs import CheckpointSpec, EvalSpec, TrainSpec
+    from prefect_jax.training.trainer_thread import THREAD_NAME as TRAINER_THREAD
 
     marks: list[tuple[int, float]] = []
 
@@ -235,7 +235,7 @@ def flow(program_path: str, args, work: str, device_copy: bool | None = None) ->
         if args.stacks:
             from stack_timeline import StackTimeline
 
-            stacks = StackTimeline(threading.main_thread().ident).start()
+            stacks = StackTimeline(TRAINER_THREAD).start()  # where the loop runs
         summary = train_and_evaluate(
             program=program_path,
             job="lm",

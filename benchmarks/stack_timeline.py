@@ -1,10 +1,11 @@
 """Where a thread's time went, in order: its stack sampled every few milliseconds, runs of the
 same stack folded into one line, and the steady state (a frame named to `collapse`, such as the
 training loop's) folded into one line per stretch. `lm.py --stacks` takes one of the flow's
-training thread, to say what each part of a save's stretch and of the job's end costs where no
-profiler is installed (a lent GPU machine).
+training thread (the trainer's own, `prefect-jax-trainer`, found by name once it exists), to say
+what each part of a save's stretch and of the job's end costs where no profiler is installed (a
+lent GPU machine).
 
-    timeline = StackTimeline(threading.main_thread().ident).start()
+    timeline = StackTimeline("prefect-jax-trainer").start()  # or a thread's ident
     ...
     timeline.stop(); open("stacks.txt", "w").write(timeline.text())
 """
@@ -19,9 +20,10 @@ import time
 
 class StackTimeline:
     def __init__(
-        self, thread_id: int, every: float = 0.02, collapse=(("training/loop.py", "run"),)
+        self, thread: int | str, every: float = 0.02, collapse=(("training/loop.py", "run"),)
     ):
-        self.thread_id, self.every, self.collapse = thread_id, every, collapse
+        # (a name: the thread may start after the timeline does, so it is looked up as sampled)
+        self.thread, self.every, self.collapse = thread, every, collapse
         self.rows: list[list] = []  # [first seen s, last seen s, stack]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="stack-timeline", daemon=True)
@@ -48,7 +50,7 @@ class StackTimeline:
 
     def _sample(self) -> None:
         while not self._stop.wait(self.every):
-            frame = sys._current_frames().get(self.thread_id)
+            frame = sys._current_frames().get(self._thread_id())
             if frame is None:
                 continue
             key, now = self._key(frame), time.perf_counter() - self.t0
@@ -56,6 +58,11 @@ class StackTimeline:
                 self.rows[-1][1] = now
             else:
                 self.rows.append([now, now, key])
+
+    def _thread_id(self) -> int | None:
+        if isinstance(self.thread, int):
+            return self.thread
+        return next((t.ident for t in threading.enumerate() if t.name == self.thread), None)
 
     def text(self, min_s: float = 0.0) -> str:
         """One line a run: its start and end (s from `start`), then its stack, innermost first;
