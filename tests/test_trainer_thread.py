@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from prefect_jax.tasks import notices
 from prefect_jax.training import live, trainer_thread
 from prefect_jax.training.errors import Preempted
 from prefect_jax.training.preemption import PreemptionGuard
+from prefect_jax.training.tracking import Tracker
 
 _where = contextvars.ContextVar("where", default="unset")
 
@@ -128,6 +130,22 @@ def test_a_signal_the_kernel_hands_to_another_thread_still_reaches_the_waiting_c
     with pytest.raises(TerminationSignal):
         notices.call(train_until_checkpoint)
     assert events == ["the bridge raised", "the loop saw it", "the ending ran"]
+
+
+def test_a_first_runs_wait_for_its_mlflow_run_lets_a_signal_through(sigterm_as_prefect_raises_it):
+    """A job's first restore task waits on the flow run's main thread, up to `LINK_WAIT_SECS`,
+    for MLflow to make the job's run (its link goes out with the restore). A signal the kernel
+    hands to another thread meanwhile reaches Prefect's bridge at once, not when the wait ends
+    (a minute, against MLflow that does not answer)."""
+    tracker = Tracker(None, "experiment", "job", enabled=False)  # (no worker process)
+    tracker.enabled, tracker._started = True, Future()  # `start` asked; MLflow not answered
+    threading.Timer(0.2, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)).start()
+    began = time.monotonic()
+    with pytest.raises(TerminationSignal):
+        tracker.wait_started(10)
+    assert time.monotonic() - began < 5
+    tracker._started.set_result({"run_id": "r"})
+    assert tracker.wait_started(10)
 
 
 def test_a_notice_between_calls_ends_the_attempt_on_the_trainer_thread(

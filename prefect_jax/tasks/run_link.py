@@ -16,6 +16,7 @@ from prefect_jax.tasks.publish import (
 )
 from prefect_jax.training.names import MLFLOW_RUN_TAG
 from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.trainer_thread import wait_in_slices
 
 _PENDING_TEXT = "not started yet"  # in the link's text until MLflow has answered
 
@@ -42,7 +43,7 @@ def publish_link(
             done.set()
 
     publisher.submit(publish)
-    if wait_secs > 0 and not done.wait(wait_secs):
+    if wait_secs > 0 and not wait_in_slices(done.wait, wait_secs):  # (for the run's signals)
         get_run_logger().warning(
             "the link to job %s's MLflow run is not in Prefect after %gs: it follows when Prefect "
             "answers",

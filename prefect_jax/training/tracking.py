@@ -260,13 +260,12 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
         started = self._started
         if started is None or not self.enabled:
             return True
-        from concurrent.futures import TimeoutError as FutureTimeout
+        from concurrent.futures import wait
 
-        try:
-            started.exception(timeout=max(0.0, timeout))
-        except FutureTimeout:
-            return False
-        return True
+        from prefect_jax.training.trainer_thread import wait_in_slices
+
+        # (a restore task waits here, on a flow run's main thread: in slices, for its signals)
+        return wait_in_slices(lambda secs: bool(wait([started], secs).done), max(0.0, timeout))
 
     def run_id_if_known(self) -> str | None:
         """The run id if `start` has already found it; never waits."""

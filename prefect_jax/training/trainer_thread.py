@@ -113,7 +113,7 @@ def running() -> Call | None:
 def wait(call: Call, timeout: float | None = None) -> bool:
     """Wait for `call` to end (True), or `timeout` seconds (False). A signal's handler that
     raises (Prefect's SIGTERM bridge) raises here, in the waiting thread; the call goes on."""
-    return _in_slices(call.done.wait, timeout)
+    return wait_in_slices(call.done.wait, timeout)
 
 
 def outcome(call: Call):
@@ -130,12 +130,13 @@ def idle(timeout: float | None = None) -> bool:
         with _outstanding:
             return _outstanding.wait_for(lambda: _count == 0, seconds)
 
-    return _in_slices(ended, timeout)
+    return wait_in_slices(ended, timeout)
 
 
-def _in_slices(wait_for: Callable[[float], bool], timeout: float | None) -> bool:
+def wait_in_slices(wait_for: Callable[[float], bool], timeout: float | None) -> bool:
     """`wait_for(seconds)` in slices of `WAIT_SLICE_SECS` until it is True, for `timeout` seconds
-    at most (None: for ever)."""
+    at most (None: for ever). Every wait of a flow run's main thread that can last longer than a
+    slice goes through here, so that a signal's handler runs in it (see `WAIT_SLICE_SECS`)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         left = WAIT_SLICE_SECS if deadline is None else deadline - time.monotonic()
