@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -341,6 +342,39 @@ mirror.push_async()
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (remote / "jit_export-5-cache").read_bytes() == _entry()
+
+
+def test_a_local_cache_is_found_where_the_job_is_moved(tmp_path):
+    """A job's local cache copied to another folder (storage mounted elsewhere on the next node)
+    is still found on a CPU: XLA's GPU-only caches are off there, so the keys name no path."""
+    script = """
+import os, sys
+import jax
+from prefect_jax.training.compile_cache import open_compilation_cache
+from prefect_jax.training.storage import JobStorage
+
+open_compilation_cache("job", JobStorage(sys.argv[1], "j"))
+jax.jit(lambda x: x * 2 + 1)(1.0).block_until_ready()
+print(jax.config.jax_persistent_cache_enable_xla_caches)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"}
+
+    def run(root) -> list[str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.split() == ["none"]
+        return sorted(os.listdir(root / "j" / "compile-cache"))
+
+    written = run(tmp_path / "first")
+    assert written
+    shutil.copytree(tmp_path / "first", tmp_path / "moved")
+    assert run(tmp_path / "moved") == written  # every compile found: nothing new written
 
 
 def test_a_process_whose_jax_cache_is_open_keeps_it(tmp_path):

@@ -6,7 +6,8 @@ cache turns itself off with a warning, and every rerun compiles. On GPUs, JAX al
 an autotune cache directory under the same URL, which XLA's C++ file system cannot open. And
 the path of that autotune directory is part of every cache key JAX computes
 (`jax/_src/cache_key.py` does not clear it), so entries written under one local path are
-never found under another.
+never found under another. A local directory keeps them on a GPU (autotune results are worth
+the path in the key) and turns them off elsewhere (they hold nothing there).
 
 A cache on remote storage is therefore mirrored: JAX uses a local directory with XLA's own
 sub-caches off (its keys then name no path), the entries in storage are copied in while the
@@ -79,7 +80,9 @@ def open_compilation_cache(
         )
         return None
     if local is None:
-        enable_compilation_cache(url)
+        # XLA's caches under it (autotune results) serve GPUs only, and their path is in every
+        # key: elsewhere they are off, so the entries are found wherever the job is mounted
+        enable_compilation_cache(url, xla_caches=jax.default_backend() == "gpu")
         return None
     mirror = CompileCacheMirror(url, local, options, push=push)
     mirror.start_pull()
