@@ -1,4 +1,6 @@
-"""Issue 53's fault families ``mlflow_unreachable`` (fast) and ``mlflow_restart`` (in
+"""A tracking store MLflow cannot use or reach: refused before any work (the command and a
+flow called directly), unless ``--mlflow-optional``, which trains without it and says so. Issue
+53's fault families ``mlflow_unreachable`` (fast) and ``mlflow_restart`` (in
 ``benchmarks/faults_mlflow.py``): a tracking server that does not answer at the start, with
 ``--mlflow-optional``, costs the job no wait at all and the summary says what is missing."""
 
@@ -113,3 +115,91 @@ def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
             assert steps == want, (key, steps)
     finally:
         server.kill()
+
+
+def _cli(*args: str, env_update: dict | None = None):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(env_update or {})
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize(
+    "where", ["bogus://x", "http://127.0.0.1:{port}", "sqlite:///{tmp}/no/m.db"]
+)
+def test_a_tracking_uri_mlflow_cannot_use_or_reach_is_refused_before_any_work(tmp_path, where):
+    uri = where.format(port=free_port(), tmp=tmp_path)
+    proc = _cli(
+        "run",
+        "--program",
+        "prefect_jax.examples.digits:tiny",
+        "--job",
+        "j",
+        "--storage",
+        str(tmp_path / "s"),
+        "--mlflow-tracking-uri",
+        uri,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"prefect-jax run: error: --mlflow-tracking-uri {uri}: "), lines[0]
+    assert "pass --mlflow-optional to train without it" in lines[0]
+    if where == "bogus://x":
+        assert "Supported URI schemes are" in lines[0]  # MLflow's own list
+    assert not (tmp_path / "s").exists()  # nothing trained, no job directory
+
+
+@pytest.mark.slow
+def test_mlflow_optional_trains_and_the_summary_says_nothing_reached_mlflow(tmp_path):
+    proc = _cli(
+        "run",
+        "--program",
+        "prefect_jax.examples.digits:tiny",
+        "--job",
+        "j",
+        "--storage",
+        str(tmp_path / "s"),
+        "--max-steps",
+        "10",
+        "--checkpoint-every-steps",
+        "10",
+        "--exporters",
+        "--mlflow-tracking-uri",
+        "bogus://x",
+        "--mlflow-optional",
+        "--no-progress",
+        "--json",
+        env_update={"PREFECT_JAX_MLFLOW_STRICT": "0"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--mlflow-tracking-uri bogus://x: MLflow cannot use it" in proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["final_step"] == 10 and summary["eval"]
+    assert summary["mlflow_missing"].startswith("nothing of this run reached MLflow at bogus://x")
+    # No MLflow UI or registered model to send the user to: the browse lines say what is missing.
+    browse = "\n".join(summary["browse"])
+    assert "mlflow ui" not in browse and "models:/" not in browse, browse
+    assert "MLflow:  nothing of this run reached MLflow at bogus://x" in browse
+
+
+def test_a_flow_called_with_a_tracking_uri_mlflow_cannot_use_fails_before_any_work(tmp_path):
+    """A deployment's run does not come through the command: the flow asks MLflow first too."""
+    from prefect_jax.flows import train_and_evaluate
+    from prefect_jax.training.mlflow_reach import TrackingUnreachableError
+    from prefect_jax.training.specs import TrainSpec
+
+    with pytest.raises(TrackingUnreachableError, match="--mlflow-tracking-uri bogus://x: MLflow"):
+        train_and_evaluate.fn(
+            program="prefect_jax.examples.digits:tiny",
+            job="j",
+            storage=str(tmp_path / "s"),
+            train_spec=TrainSpec(max_steps=10),
+            mlflow_tracking_uri="bogus://x",
+        )
+    assert not (tmp_path / "s").exists()

@@ -1,0 +1,136 @@
+"""Torn and corrupt checkpoints are skipped, never partially restored: an uncommitted step, a
+damaged or truncated one, a flipped bit in a step's metadata or recorded params (corruption, not
+another program or other params), Orbax's temporary directories."""
+
+import logging
+import os
+
+import pytest
+from conftest import train_and_close
+
+from prefect_jax.training.checkpoint_dirs import committed_steps
+from prefect_jax.training.names import STEP_META_FILE
+from prefect_jax.training.trainer import Trainer
+
+
+@pytest.fixture
+def trained(job_config):
+    """A job of 60 steps with committed checkpoints at 20, 40 and 60, and
+    its uninterrupted fingerprint."""
+    config = job_config(max_steps=60, every_steps=20)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    fingerprints = {}
+    while trainer.step < 60:
+        trainer.train_until_checkpoint()
+        fingerprints[trainer.step] = trainer.fingerprint()
+    trainer.finish()
+    trainer.close()
+    return config, fingerprints
+
+
+def _ckpt_dir(config):
+    return os.path.join(config.storage, config.job, "checkpoints")
+
+
+def test_an_uncommitted_step_dir_is_skipped_with_a_warning(trained, caplog):
+    config, prints = trained
+    torn = os.path.join(_ckpt_dir(config), "80")
+    os.makedirs(os.path.join(torn, "state"))
+    open(os.path.join(torn, "state", "half-written"), "wb").write(b"\0" * 100)
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(config)
+        assert trainer.restore_or_init() == 60
+    assert "checkpoint step 80" in caplog.text and "never committed" in caplog.text
+    assert not os.path.exists(torn)
+    assert any(n.startswith("80.uncommitted-") for n in os.listdir(_ckpt_dir(config)))
+    assert trainer.fingerprint() == prints[60]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_newest_step_falls_back_and_training_redoes_it_exactly(trained, caplog, damage):
+    config, prints = trained
+    state_dir = os.path.join(_ckpt_dir(config), "60", "state")
+    files = [
+        os.path.join(root, f)
+        for root, _, fs in os.walk(state_dir)
+        for f in fs
+        if "ocdbt" in root or f.startswith("manifest")
+    ]
+    assert files
+    for path in files:
+        if damage == "truncate":
+            with open(path, "r+b") as f:
+                f.truncate(max(0, os.path.getsize(path) // 3))
+        else:
+            os.remove(path)
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(config)
+        assert trainer.restore_or_init() == 40
+    assert "checkpoint step 60" in caplog.text and "unreadable" in caplog.text
+    assert committed_steps(_ckpt_dir(config)) == [20, 40]
+    assert trainer.fingerprint() == prints[40]
+    trainer.train_until_checkpoint()  # step 60 is written again, over nothing
+    trainer.job.checkpoints.wait()
+    assert trainer.fingerprint() == prints[60]
+    assert committed_steps(_ckpt_dir(config)) == [20, 40, 60]
+
+
+def _flip_lowest_bit(path: str, marker: bytes, offset: int) -> None:
+    """Flip the lowest bit of the byte `offset` bytes into the first `marker` in the file."""
+    data = bytearray(open(path, "rb").read())
+    data[data.index(marker) + offset] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+
+def test_a_flipped_bit_in_a_steps_metadata_is_corruption_not_another_program(trained, caplog):
+    """Issue 53.2: the checksums are consulted before a mismatch of the metadata with the
+    program is reported (they are checked beside the restore)."""
+    config, prints = trained
+    # '2' (0x32) -> '3' (0x33): one bit
+    _flip_lowest_bit(os.path.join(_ckpt_dir(config), "60", STEP_META_FILE), b"float32", 6)
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(config)
+        assert trainer.restore_or_init() == 40
+    assert "is corrupt" in caplog.text and "program changed" not in caplog.text
+    assert [n for n in os.listdir(_ckpt_dir(config)) if n.startswith("60.corrupt-")]
+    assert trainer.fingerprint() == prints[40]
+    trainer.train_until_checkpoint()
+    trainer.job.checkpoints.wait()
+    assert trainer.fingerprint() == prints[60]
+    trainer.finish()
+    trainer.close()
+
+
+def test_orbax_temporary_dirs_are_not_steps_and_the_writer_removes_them(trained):
+    config, _ = trained
+    # (a save killed part-way, as Orbax names it now and as it did with a time after it)
+    for name in ("80.orbax-checkpoint-tmp", "70.orbax-checkpoint-tmp-1234"):
+        os.makedirs(os.path.join(_ckpt_dir(config), name, "state"))
+    assert committed_steps(_ckpt_dir(config)) == [20, 40, 60]
+    trainer = Trainer(config)
+    try:
+        assert trainer.restore_or_init() == 60
+        # (a step's size on disk each, which Orbax removes only if it saves that step again)
+        assert not [n for n in os.listdir(_ckpt_dir(config)) if "orbax-checkpoint-tmp" in n]
+    finally:
+        trainer.close()
+
+
+def test_a_flipped_bit_in_a_steps_recorded_params_is_corruption_not_other_params(
+    job_config, caplog
+):
+    """Issue 53.2 for typed program params: a bit flipped in the params a step recorded reads as
+    "trained with other params"; the checksums tell damage apart, so the step is moved aside and
+    the job falls back instead of refusing every rerun."""
+    config = job_config(max_steps=40, every_steps=20, program="programs:typed_digits")
+    config = config.model_copy(update={"program_params": {"width": 24}})
+    train_and_close(config)
+    # '4' (0x34) -> '5' (0x35): one bit
+    _flip_lowest_bit(os.path.join(_ckpt_dir(config), "40", STEP_META_FILE), b'"width": 24', 10)
+    with caplog.at_level(logging.WARNING):
+        again = Trainer(config)
+        assert again.restore_or_init() == 20
+    assert "is corrupt" in caplog.text and "other program params" not in caplog.text
+    assert [n for n in os.listdir(_ckpt_dir(config)) if n.startswith("40.corrupt-")]
+    again.close()
