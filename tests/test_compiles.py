@@ -358,6 +358,7 @@ jax.jit(lambda x: x * 2 + 1)(1.0).block_until_ready()
 print(jax.config.jax_persistent_cache_enable_xla_caches)
 """
     env = {k: v for k, v in os.environ.items() if k != "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"}
+    env["JAX_PLATFORMS"] = "cpu"  # (on a GPU the autotune cache is kept, its path in the keys)
 
     def run(root) -> list[str]:
         proc = subprocess.run(

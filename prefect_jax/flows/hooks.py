@@ -104,10 +104,10 @@ def _publish_preempted_goodput(config: JobConfig, trainer, flow_run_id, signum: 
         return
     import contextvars
 
-    from prefect_jax.training.ending import within  # (imported: this process trained)
+    from prefect_jax.training.ending import signal_name, within  # (imported: it trained)
 
     how = (
-        f"stopped by {signal.Signals(signum).name} after step {attempt['step']}"
+        f"stopped by {signal_name(signum)} after step {attempt['step']}"
         if signum
         else f"interrupted (its newest checkpoint is step {attempt['step']})"
     )

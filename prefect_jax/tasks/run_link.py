@@ -30,8 +30,9 @@ def publish_link(
     wait_secs: float = 0.0,
 ) -> None:
     """Tag the flow run ``mlflow-run:<run_id>`` and make (or update) its link artifact, on the
-    publisher's thread; waits up to `wait_secs` for both. Without `mlflow_url`, the artifact says
-    that MLflow has not answered yet (one made already is left alone)."""
+    publisher's thread; waits up to `wait_secs` for both (in slices, on a flow run's main thread:
+    a signal's handler raises here). Without `mlflow_url`, the artifact says that MLflow has not
+    answered yet (one made already is left alone)."""
     done = threading.Event()
 
     def publish() -> None:

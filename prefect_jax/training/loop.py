@@ -7,6 +7,11 @@ got. Checkpoints, eval records and MLflow are the `Job`'s (`prefect_jax.training
 
 Example:
     ```python
+    from prefect_jax.examples.digits import tiny as program
+    from prefect_jax.training import train_means
+    from prefect_jax.training.loop import Loop
+    from prefect_jax.training.specs import TrainSpec
+
     loop = Loop(program, TrainSpec(max_steps=100))
     state, it = loop.place(loop.init_state()), loop.fresh_iter()
     interval = loop.run(state, 0, it, target=100, stop=lambda: False)

@@ -255,17 +255,19 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
             started.add_done_callback(lambda _: fn())
 
     def wait_started(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for `start`'s answer (never raises); whether it came (True
-        too where `start` was never called or this tracker writes nothing)."""
+        """Wait up to `timeout` seconds for `start`'s answer; whether it came (True too where
+        `start` was never called or this tracker writes nothing). Raises only what a signal's
+        handler raises: the wait is in slices (`trainer_thread.wait_in_slices`), as a restore
+        task waits here on a flow run's main thread."""
         started = self._started
         if started is None or not self.enabled:
             return True
-        from concurrent.futures import wait
-
         from prefect_jax.training.trainer_thread import wait_in_slices
 
-        # (a restore task waits here, on a flow run's main thread: in slices, for its signals)
-        return wait_in_slices(lambda secs: bool(wait([started], secs).done), max(0.0, timeout))
+        # (an event, not the future's own wait: an exception raised inside that leaves its lock)
+        answered = threading.Event()
+        started.add_done_callback(lambda _: answered.set())
+        return wait_in_slices(answered.wait, max(0.0, timeout))
 
     def run_id_if_known(self) -> str | None:
         """The run id if `start` has already found it; never waits."""

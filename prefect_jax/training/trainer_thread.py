@@ -135,8 +135,9 @@ def idle(timeout: float | None = None) -> bool:
 
 def wait_in_slices(wait_for: Callable[[float], bool], timeout: float | None) -> bool:
     """`wait_for(seconds)` in slices of `WAIT_SLICE_SECS` until it is True, for `timeout` seconds
-    at most (None: for ever). Every wait of a flow run's main thread that can last longer than a
-    slice goes through here, so that a signal's handler runs in it (see `WAIT_SLICE_SECS`)."""
+    at most (None: for ever). The flow run's main thread waits for its trainer, for MLflow and
+    Prefect (a first run's link) and for an export's evaluated step through here, so that a
+    signal's handler runs in the wait (see `WAIT_SLICE_SECS`)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         left = WAIT_SLICE_SECS if deadline is None else deadline - time.monotonic()

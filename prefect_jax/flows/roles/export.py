@@ -111,7 +111,10 @@ def export_flow(
 
 def _wait_for_evaluated(records, step, max_wait_secs: float, every_secs: float) -> list[int]:
     """The evaluated steps once there is one (or `step` is among them), or when the wait ends."""
+    import threading
     import time
+
+    from prefect_jax.training.trainer_thread import wait_in_slices
 
     logger = get_run_logger()
     deadline = time.monotonic() + max_wait_secs
@@ -124,4 +127,5 @@ def _wait_for_evaluated(records, step, max_wait_secs: float, every_secs: float) 
             logger.warning("no evaluated step to export within max_wait_secs=%g", max_wait_secs)
             return steps
         logger.info("waiting for an evaluated step to export (%.0f s left)", left)
-        time.sleep(min(every_secs, left))
+        # (in slices: a signal the kernel hands to another thread still ends the wait at once)
+        wait_in_slices(threading.Event().wait, min(every_secs, left))
