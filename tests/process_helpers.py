@@ -62,6 +62,23 @@ def cli_env(api_url: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def run_cli(
+    *args: str, prefix: tuple[str, ...] = (), timeout: float = 600, **extra_env: str
+) -> subprocess.CompletedProcess:
+    """``python -m prefect_jax.cli ARGS`` run to its end, its output captured, with no Prefect
+    server from this environment (the command starts its own unless `extra_env` names one);
+    `prefix`: a command to run it under (``ulimit``, ``nice``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(extra_env)
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "prefect_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
 def job_args(program, job, storage, max_steps, every, mlflow_uri, *extra: str) -> list[str]:
     """The flags of a ``prefect-jax run`` of `job` as the tests start it: its program, storage,
     length and checkpoint cadence, MLflow store, and one ``--json`` summary line without a

@@ -8,24 +8,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 from conftest import train_to_end
+from process_helpers import run_cli
 
 TINY = "prefect_jax.examples.digits:tiny"
-
-
-def _cli(*args: str, prefix: tuple[str, ...] = (), **extra_env: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(extra_env)
-    return subprocess.run(
-        [*prefix, sys.executable, "-m", "prefect_jax.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
 
 
 def _one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:
@@ -85,7 +73,7 @@ def test_max_steps_below_the_committed_step_is_refused_by_the_cli_and_the_engine
 
     config, storage = trained
     before = _tree_digest(storage)
-    proc = _cli(
+    proc = run_cli(
         "run",
         "--program",
         TINY,
@@ -150,7 +138,7 @@ def test_read_only_storage_is_one_clear_error_and_nothing_changes(
     prefix = _read_only(copy)
     before = _tree_digest(copy)
     try:
-        proc = _cli(
+        proc = run_cli(
             command,
             "--program",
             TINY,
@@ -187,7 +175,7 @@ def test_read_only_storage_is_one_clear_error_and_nothing_changes(
     ],
 )
 def test_a_bad_program_is_one_clear_line_before_any_flow_runs(tmp_path, program, expected):
-    proc = _cli("run", "--program", program, "--job", "j", "--storage", str(tmp_path / "s"))
+    proc = run_cli("run", "--program", program, "--job", "j", "--storage", str(tmp_path / "s"))
     assert proc.returncode == 2
     assert expected in _one_error_line(proc, "run")
     assert not (tmp_path / "s").exists()
@@ -205,7 +193,7 @@ def test_a_new_jobs_serve_that_cannot_be_exported_is_one_clear_line_before_any_f
     storage = tmp_path / "s"
     program = "programs:int_on_symbolic_dim"
     run = (command, "--program", program, "--job", "j", "--storage", str(storage))
-    proc = _cli(*run, PYTHONPATH=os.pathsep.join([here, os.getcwd()]))
+    proc = run_cli(*run, PYTHONPATH=os.pathsep.join([here, os.getcwd()]))
     assert proc.returncode == 2
     said = _one_error_line(proc, command)
     assert f"program {program!r}: serve(state, inputs) does not trace on serving_input()" in said
@@ -227,7 +215,7 @@ def test_a_tf_config_task_type_tf_refuses_is_one_clear_line_and_nothing_is_writt
     for, naming the supported ones; a job ported with its TF_CONFIG is refused the same way."""
     tf_config = {"cluster": {"worker": ["w0:2222", "w1:2222"]}, "task": {"type": task_type}}
     monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
-    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"))
+    proc = run_cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"))
     assert proc.returncode == 2
     assert expected in _one_error_line(proc, "run")
     assert not (tmp_path / "s").exists()
@@ -235,13 +223,13 @@ def test_a_tf_config_task_type_tf_refuses_is_one_clear_line_and_nothing_is_writt
 
 def test_status_of_a_job_that_does_not_exist_names_the_jobs_there(trained, tmp_path):
     _, storage = trained
-    proc = _cli("status", "--job", "jj", "--storage", str(storage))
+    proc = run_cli("status", "--job", "jj", "--storage", str(storage))
     assert proc.returncode == 2
     line = _one_error_line(proc, "status")
     assert f"no job 'jj' in storage {storage} (jobs there: j)" in line and "--job" in line, line
-    nowhere = _cli("status", "--job", "j", "--storage", str(tmp_path / "nowhere"))
+    nowhere = run_cli("status", "--job", "j", "--storage", str(tmp_path / "nowhere"))
     assert nowhere.returncode == 2 and "(no job there at all)" in _one_error_line(nowhere, "status")
-    assert _cli("status", "--job", "j", "--storage", str(storage)).returncode == 0
+    assert run_cli("status", "--job", "j", "--storage", str(storage)).returncode == 0
 
 
 def test_these_refusals_are_not_retried():
@@ -260,7 +248,7 @@ def test_a_bad_ui_refresh_setting_is_one_clear_line_before_any_flow_runs(
     tmp_path, monkeypatch, value
 ):
     monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", value)
-    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"))
+    proc = run_cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"))
     assert proc.returncode == 2
     line = _one_error_line(proc, "run")
     assert f"PREFECT_JAX_UI_REFRESH_SECS={value!r}" in line and "set it to e.g. 2" in line, line
@@ -274,7 +262,7 @@ def test_a_storage_root_that_cannot_be_made_names_the_flag_the_value_and_the_fix
     else:
         (tmp_path / "a-file").write_text("")
         storage = str(tmp_path / "a-file" / "s")
-    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", storage)
+    proc = run_cli("run", "--program", TINY, "--job", "j", "--storage", storage)
     assert proc.returncode == 2
     line = _one_error_line(proc, "run")
     assert f"--storage {storage}" in line and "give --storage a directory" in line, line
@@ -282,7 +270,7 @@ def test_a_storage_root_that_cannot_be_made_names_the_flag_the_value_and_the_fix
 
 
 def test_an_unknown_storage_protocol_names_the_flag_and_the_fix(tmp_path):
-    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", "nosuchproto://b/p")
+    proc = run_cli("run", "--program", TINY, "--job", "j", "--storage", "nosuchproto://b/p")
     assert proc.returncode == 2
     line = _one_error_line(proc, "run")
     assert "--storage nosuchproto://b/p" in line and "knows no protocol 'nosuchproto'" in line
@@ -297,7 +285,7 @@ def test_a_checkpoint_path_that_is_no_committed_step_is_refused_before_the_job_s
         (tmp_path / "nowhere", "does not exist"),
         (storage / "j" / "checkpoints", "is not a committed checkpoint step directory"),
     ]:
-        proc = _cli(
+        proc = run_cli(
             "run",
             "--program",
             TINY,
@@ -321,7 +309,7 @@ def test_a_checkpoint_path_that_is_no_committed_step_is_refused_before_the_job_s
 def test_a_best_metric_the_eval_does_not_produce_is_refused_naming_those_it_does(
     tmp_path, mlflow_uri, command
 ):
-    proc = _cli(
+    proc = run_cli(
         command,
         "--program",
         TINY,
@@ -344,7 +332,7 @@ def test_a_best_metric_the_eval_does_not_produce_is_refused_naming_those_it_does
 def test_evaluate_with_max_steps_below_the_committed_step_is_refused(trained, mlflow_uri):
     _, storage = trained
     before = _tree_digest(storage)
-    proc = _cli(
+    proc = run_cli(
         "evaluate",
         "--program",
         TINY,
@@ -401,11 +389,11 @@ def test_the_other_path_flags_that_cannot_be_made_name_the_flag_and_the_fix(
     tmp_path, mlflow_uri, flag
 ):
     if flag == "--workdir":
-        proc = _cli("demo", "--workdir", "/proc/nope", "--no-progress")
+        proc = run_cli("demo", "--workdir", "/proc/nope", "--no-progress")
         command = "demo"
     else:
         command = "run"
-        proc = _cli(
+        proc = run_cli(
             "run",
             "--program",
             TINY,
@@ -436,7 +424,7 @@ def test_a_part_of_the_job_that_cannot_be_loaded_is_one_clear_line_before_any_fl
 ):
     """What the trainer refuses as it is made, the command refuses in its preflight: before its
     compile begins (it would wait for it) and before any flow run (one line, no run's logs)."""
-    proc = _cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"), *flags)
+    proc = run_cli("run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s"), *flags)
     assert proc.returncode == 2
     assert expected in _one_error_line(proc, "run")
     assert not (tmp_path / "s" / "j").exists()

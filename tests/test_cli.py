@@ -5,25 +5,12 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
+from process_helpers import run_cli
 
 TINY = "prefect_jax.examples.digits:tiny"
-
-
-def _cli(*args, env=None, timeout=600):
-    full_env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-    )
 
 
 def _last_json(proc):
@@ -57,7 +44,7 @@ def test_the_progress_bar_is_drawn_only_where_stderr_is_a_terminal(terminal, mon
 
 
 def test_bad_input_is_a_clear_error_and_nothing_runs(tmp_path):
-    proc = _cli(
+    proc = run_cli(
         "run",
         "--program",
         TINY,
@@ -86,7 +73,7 @@ def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_co
     part of its start-up) and on again, with the imports frozen, before the flow runs: a job of
     hours must not run without it. A command refused before it starts turns it back on too."""
     log = tmp_path / "gc.jsonl"
-    proc = _cli(
+    proc = run_cli(
         "run",
         "--program",
         "tests.programs:gc_watching",
@@ -102,7 +89,8 @@ def test_the_collector_is_on_once_the_command_has_started_and_after_a_refused_co
         mlflow_uri,
         "--json",
         "--no-progress",
-        env={"PREFECT_API_URL": prefect_server, "PREFECT_JAX_TEST_GC_LOG": str(log)},
+        PREFECT_API_URL=prefect_server,
+        PREFECT_JAX_TEST_GC_LOG=str(log),
     )
     assert _last_json(proc)["final_step"] == 20
     seen = [json.loads(line) for line in log.read_text().splitlines()]
@@ -158,7 +146,7 @@ def test_run_json_rerun_and_status(tmp_path, prefect_server, mlflow_uri):
         "--json",
         "--no-progress",
     ]
-    first = _last_json(_cli(*args, env=env))
+    first = _last_json(run_cli(*args, **env))
     expected_keys = {
         "job",
         "final_step",
@@ -173,12 +161,12 @@ def test_run_json_rerun_and_status(tmp_path, prefect_server, mlflow_uri):
     assert first["final_step"] == 40 and first["job"] == "cli-job"
     assert first["exports"] == {"best": first["exports"]["best"], "final": [40], "latest": [20, 40]}
 
-    second = _last_json(_cli(*args, env=env))
+    second = _last_json(run_cli(*args, **env))
     assert second["state_fingerprint"] == first["state_fingerprint"]
     assert second["mlflow_run_id"] == first["mlflow_run_id"]
 
     status = _last_json(
-        _cli("status", "--job", "cli-job", "--storage", str(tmp_path / "s"), "--json")
+        run_cli("status", "--job", "cli-job", "--storage", str(tmp_path / "s"), "--json")
     )
     assert status["committed_steps"] == [20, 40]
     assert status["evaluated_steps"] == {"eval": [20, 40]}
@@ -198,7 +186,7 @@ def _port_open(port):
 @pytest.mark.slow
 def test_demo_on_embedded_defaults_reaches_accuracy_and_ends_cleanly(tmp_path):
     workdir = tmp_path / "demo"
-    proc = _cli(
+    proc = run_cli(
         "demo",
         "--workdir",
         str(workdir),
@@ -207,7 +195,7 @@ def test_demo_on_embedded_defaults_reaches_accuracy_and_ends_cleanly(tmp_path):
         "--checkpoint-every-steps",
         "100",
         "--json",
-        env={"PREFECT_LOGGING_LEVEL": "INFO"},
+        PREFECT_LOGGING_LEVEL="INFO",
     )
     summary = _last_json(proc)
     assert summary["eval"]["accuracy"] >= 0.95
@@ -237,7 +225,7 @@ def test_a_job_out_of_its_rerun_budget_is_refused_in_one_line(tmp_path, mlflow_u
     for _ in range(4):  # four runs that started at step 0 (the default budget is 3 reruns)
         record_attempt(storage, 0, None)
     before = (tmp_path / "stuck" / "attempts.json").read_bytes()
-    proc = _cli(
+    proc = run_cli(
         "run",
         "--program",
         TINY,
@@ -273,26 +261,26 @@ def test_an_mlflow_tracking_block_names_the_store_and_experiment_of_a_job(tmp_pa
     args += ["--checkpoint-every-steps", "20", "--json", "--no-progress"]
     env = {"PREFECT_API_URL": prefect_server}
     summary = _last_json(
-        _cli(
+        run_cli(
             *args,
             "--job",
             "blocked",
             "--mlflow-tracking-uri",
             "prefect-jax-mlflow-tracking/cli-team",
-            env=env,
+            **env,
         )
     )
     assert summary["mlflow_tracking_uri"] == uri
     run = MlflowClient(uri).get_run(summary["mlflow_run_id"])
     assert MlflowClient(uri).get_experiment(run.info.experiment_id).name == "team-digits"
 
-    missing = _cli(
+    missing = run_cli(
         *args,
         "--job",
         "unblocked",
         "--mlflow-tracking-uri",
         "prefect-jax-mlflow-tracking/nope",
-        env=env,
+        **env,
     )
     assert missing.returncode == 2, missing.stderr[-3000:]
     assert missing.stderr.strip().splitlines()[-1] == (
@@ -307,7 +295,7 @@ def test_a_failed_export_ends_the_command_in_one_line_after_its_one_traceback(tm
     """An export that fails (the program's serve refuses the trained weights) ends the job: the
     command's last line says so and what a rerun does, exit 1. The program's own error keeps
     its traceback once, in the flow run's log; the command does not print it again."""
-    proc = _cli(
+    proc = run_cli(
         "run",
         "--program",
         "programs:fails_at_export",
@@ -323,7 +311,7 @@ def test_a_failed_export_ends_the_command_in_one_line_after_its_one_traceback(tm
         "latest",
         "--mlflow-tracking-uri",
         mlflow_uri,
-        env={"PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.getcwd()])},
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.getcwd()]),
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -361,7 +349,7 @@ def test_a_sigterm_while_the_command_waits_for_its_threads_ends_it_143(
 
 
 def test_a_misspelt_flag_is_refused_with_the_subcommands_usage(tmp_path):
-    proc = _cli(
+    proc = run_cli(
         "run", "--program", TINY, "--job", "j", "--storage", str(tmp_path), "--max-step", "40"
     )
     assert proc.returncode == 2
@@ -393,11 +381,11 @@ def test_the_roles_from_the_command_line(tmp_path, prefect_server, mlflow_uri):
         "--json",
         "--no-progress",
     ]
-    trained = _last_json(_cli("train", *job, "--steps-per-dispatch", "5", env=env))
+    trained = _last_json(run_cli("train", *job, "--steps-per-dispatch", "5", **env))
     assert trained["final_step"] == 40 and trained["exports"] == {}
-    evaluated = _last_json(_cli("evaluate", *job, "--once", "--poll-secs", "0.2", env=env))
+    evaluated = _last_json(run_cli("evaluate", *job, "--once", "--poll-secs", "0.2", **env))
     assert evaluated["evaluated"] == [20, 40] and evaluated["exports"]["final"] == [40]
-    exported = _last_json(_cli("export", *job, "--step", "20", "--exporters", "latest", env=env))
+    exported = _last_json(run_cli("export", *job, "--step", "20", "--exporters", "latest", **env))
     assert exported["exports"] == {
         "latest": str(tmp_path / "s" / "roles" / "exports" / "latest" / "20")
     }

@@ -15,6 +15,7 @@ import time
 import pytest
 from deployment_helpers import free_port
 from mlflow_server import MlflowServerProcess
+from process_helpers import run_cli
 
 
 def test_a_store_an_optional_job_went_on_without_is_asked_again_by_a_job_that_needs_it():
@@ -117,24 +118,12 @@ def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
         server.kill()
 
 
-def _cli(*args: str, env_update: dict | None = None):
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(env_update or {})
-    return subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-
-
 @pytest.mark.parametrize(
     "where", ["bogus://x", "http://127.0.0.1:{port}", "sqlite:///{tmp}/no/m.db"]
 )
 def test_a_tracking_uri_mlflow_cannot_use_or_reach_is_refused_before_any_work(tmp_path, where):
     uri = where.format(port=free_port(), tmp=tmp_path)
-    proc = _cli(
+    proc = run_cli(
         "run",
         "--program",
         "prefect_jax.examples.digits:tiny",
@@ -157,7 +146,7 @@ def test_a_tracking_uri_mlflow_cannot_use_or_reach_is_refused_before_any_work(tm
 
 @pytest.mark.slow
 def test_mlflow_optional_trains_and_the_summary_says_nothing_reached_mlflow(tmp_path):
-    proc = _cli(
+    proc = run_cli(
         "run",
         "--program",
         "prefect_jax.examples.digits:tiny",
@@ -175,7 +164,7 @@ def test_mlflow_optional_trains_and_the_summary_says_nothing_reached_mlflow(tmp_
         "--mlflow-optional",
         "--no-progress",
         "--json",
-        env_update={"PREFECT_JAX_MLFLOW_STRICT": "0"},
+        PREFECT_JAX_MLFLOW_STRICT="0",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--mlflow-tracking-uri bogus://x: MLflow cannot use it" in proc.stderr

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import train_to_end
 from mlflow.tracking import MlflowClient
+from process_helpers import run_cli
 
 from prefect_jax.training.evaluation import EvalStatus
 from prefect_jax.training.exporters import load_export, serving_example
@@ -411,14 +412,7 @@ def test_the_run_reads_as_model_training(registered, mlflow_uri):
 
 
 def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    proc = run_cli(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
