@@ -15,7 +15,9 @@ import time
 import pytest
 from deployment_helpers import free_port
 from mlflow_server import MlflowServerProcess
-from process_helpers import run_cli
+from process_helpers import job_args, run_cli
+
+TINY = "prefect_jax.examples.digits:tiny"
 
 
 def test_a_store_an_optional_job_went_on_without_is_asked_again_by_a_job_that_needs_it():
@@ -123,17 +125,8 @@ def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
 )
 def test_a_tracking_uri_mlflow_cannot_use_or_reach_is_refused_before_any_work(tmp_path, where):
     uri = where.format(port=free_port(), tmp=tmp_path)
-    proc = run_cli(
-        "run",
-        "--program",
-        "prefect_jax.examples.digits:tiny",
-        "--job",
-        "j",
-        "--storage",
-        str(tmp_path / "s"),
-        "--mlflow-tracking-uri",
-        uri,
-    )
+    storage = ("--storage", str(tmp_path / "s"))
+    proc = run_cli("run", "--program", TINY, "--job", "j", *storage, "--mlflow-tracking-uri", uri)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr[-3000:]
@@ -146,26 +139,9 @@ def test_a_tracking_uri_mlflow_cannot_use_or_reach_is_refused_before_any_work(tm
 
 @pytest.mark.slow
 def test_mlflow_optional_trains_and_the_summary_says_nothing_reached_mlflow(tmp_path):
-    proc = run_cli(
-        "run",
-        "--program",
-        "prefect_jax.examples.digits:tiny",
-        "--job",
-        "j",
-        "--storage",
-        str(tmp_path / "s"),
-        "--max-steps",
-        "10",
-        "--checkpoint-every-steps",
-        "10",
-        "--exporters",
-        "--mlflow-tracking-uri",
-        "bogus://x",
-        "--mlflow-optional",
-        "--no-progress",
-        "--json",
-        PREFECT_JAX_MLFLOW_STRICT="0",
-    )
+    optional = ("--exporters", "--mlflow-optional")
+    args = job_args(TINY, "j", tmp_path / "s", 10, 10, "bogus://x", *optional)
+    proc = run_cli("run", *args, PREFECT_JAX_MLFLOW_STRICT="0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--mlflow-tracking-uri bogus://x: MLflow cannot use it" in proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

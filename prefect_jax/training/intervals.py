@@ -269,7 +269,7 @@ class Intervals:
                 "mlflow_run_id": job.tracker.run_id_if_known(),
                 "train_metrics": [list(r) for r in train_metrics],
                 # (a step between log points: the sums of the log point's mean, for the rerun)
-                **({"train_sums": sums} if (sums := t.loop.carried_sums(t.step)) else {}),
+                **({"train_sums": sums} if (sums := t.loop.means.carried_sums(t.step)) else {}),
                 "preemption": preemption
                 or backup,  # off the cadence: resumed from, never evaluated
                 # written because attempts of the job were killed

@@ -349,14 +349,6 @@ class Loop:
             self.check_finite(guard, logged)
         return Interval(state, step, logged)
 
-    def carried_sums(self, step: int) -> dict | None:
-        """`TrainMeans.carried_sums`: the sums a checkpoint at `step` keeps in its metadata."""
-        return self.means.carried_sums(step)
-
-    def carry(self, step: int, carried: dict | None) -> None:
-        """`TrainMeans.carry`: go on summing from a restored checkpoint's sums."""
-        self.means.carry(step, carried)
-
     def check_finite(self, guard, logged) -> None:
         """Raise `NonFiniteAt` if the guard saw a NaN/Inf loss (with that step's logged metrics)."""
         if not self.spec.check_finite:

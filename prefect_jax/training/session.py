@@ -286,7 +286,7 @@ def restore_trainer(
                 {DEVICES_TAG: describe_devices(loop.mesh if loop.sharded else None)}
             )
     trainer.state, trainer.step, trainer.data_iter = loop.place(state), step, data_iter
-    loop.carry(step, (meta or {}).get("train_sums"))  # the means resume where they were
+    loop.means.carry(step, (meta or {}).get("train_sums"))  # the means resume where they were
     trainer.live_is_preemption = bool((meta or {}).get("preemption"))
     trainer.recovered = False
     trainer.started_from = step  # committed, or init / a warm start: a rerun gets the same state
