@@ -58,7 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
 
-    demo = sub.add_parser("demo", help="train the digits example on embedded defaults")
+    demo = sub.add_parser(
+        "demo",
+        help="train the digits example on embedded defaults",
+        description="Train the digits example (a Flax NNX MLP on scikit-learn's digits) on "
+        "embedded defaults: an ephemeral Prefect server, SQLite MLflow and local checkpoints, "
+        "all under --workdir. Run it again and it resumes: nothing is repeated.",
+    )
     demo.add_argument(
         "--workdir",
         default="./prefect-jax-demo",

@@ -111,6 +111,8 @@ def emit(summary: dict[str, Any], as_json: bool) -> None:
 
             value = describe_goodput(value)
         print(f"{key:>20}: {value}")
+    if summary.get("browse"):
+        print()  # (a blank line before them on a terminal; none in the JSON's list)
     for line in summary.get("browse", []):
         print(line)
 
@@ -120,7 +122,7 @@ def browse_lines(summary: dict[str, Any]) -> list[str]:
     (where the command ran its own server), and `status`."""
     uri = summary["mlflow_tracking_uri"]
     run_url = summary.get("mlflow_run_url") or "http://127.0.0.1:5000"
-    lines = ["", "Browse the results:"]
+    lines = ["Browse the results:"]
     missing = summary.get("mlflow_missing")
     if missing:  # (--mlflow-optional) no MLflow UI or model to point at: say why instead
         lines.append(f"  MLflow:  {missing}")

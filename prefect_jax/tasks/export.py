@@ -58,9 +58,12 @@ def export(config: JobConfig, result, background: bool = False) -> dict[str, str
     """
     logger = get_run_logger()
 
+    # In the background its lines come after this task run's "Finished": they say why.
+    when = " (written in the background while training went on)" if background else ""
+
     def announce(written: dict[str, str]) -> None:
         for name, path in written.items():
-            logger.info("exporter %s: %s", name, path)
+            logger.info("exporter %s: %s%s", name, path, when)
         if written:
             emit(EXPORT_EVENT, config, {"step": result.step, "exports": written})
 

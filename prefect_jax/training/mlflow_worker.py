@@ -74,6 +74,10 @@ def _install_capture() -> None:
     own.addHandler(_CaptureLogs())
     own.setLevel(logging.INFO)
     own.propagate = False
+    # Every logged model's "Validating input example against model signature" (INFO, MLflow's
+    # own format on this process's stderr) would interleave the job's log once per export; a
+    # failed check is still an error, and MLflow's warnings still show.
+    logging.getLogger("mlflow.pyfunc").setLevel(logging.WARNING)
 
 
 def _die_with_parent(parent: int) -> None:
