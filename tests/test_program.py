@@ -149,6 +149,12 @@ def test_a_factorys_typed_params_are_validated_and_build_the_program():
             {"dropout": [1]},
             r"dropout=\[1\]: Input should be a valid number \(dropout takes float\)$",
         ),
+        (  # a check of several fields: its own message, no "Value error, ", no whole dict
+            "prefect_jax.examples.bytelm:program",
+            {"preset": "tiny", "mesh": {"data": -1, "modle": 2}},
+            r"refused: ByteLMParams: mesh=\{'data': -1, 'modle': 2\}: the byte LM places its "
+            r"state on the axes 'data' .* not 'modle'",
+        ),
         (
             "programs:typed_digits",
             ["width", 3],

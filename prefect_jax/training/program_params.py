@@ -248,7 +248,13 @@ def validate_params(
             value = err.get("input")
             field = str(err["loc"][0]) if err["loc"] else None
             takes = f" ({field} takes {fields[field]})" if field in fields else ""
-            problems.append(f"{loc}={value!r}: {err['msg']}{takes}")
+            # a validator's own ValueError as it wrote it (pydantic prefixes "Value error, ")
+            error = (err.get("ctx") or {}).get("error")
+            msg = str(error) if err["type"] == "value_error" and error is not None else err["msg"]
+            if not err["loc"]:  # a check of several fields: its message names what it refused
+                problems.append(f"{tp.__name__}: {msg}")
+                continue
+            problems.append(f"{loc}={value!r}: {msg}{takes}")
         # (the refused field is named, with what it takes: the other fields would bury it)
         raise ProgramParamsError(
             f"program params for {where} refused: {'; '.join(problems)}"

@@ -116,20 +116,26 @@ def build_mesh(axes: dict[str, int] | None, devices: Sequence | None = None) -> 
     n = len(devices)
     fix = f"give sizes whose product is {n} (the devices), with at most one -1 for the rest"
     if not axes or not all(isinstance(k, str) and k for k in axes):
-        raise ShardingError(f"mesh_axes={axes!r}: name each axis with a string; {fix}")
+        raise ShardingError(
+            f"the program's mesh_axes={axes!r}: name each axis with a string; {fix}"
+        )
     sizes = list(axes.values())
     if not all(isinstance(s, int) and (s >= 1 or s == -1) for s in sizes) or sizes.count(-1) > 1:
-        raise ShardingError(f"mesh_axes={axes!r}: sizes must be positive ints or one -1; {fix}")
+        raise ShardingError(
+            f"the program's mesh_axes={axes!r}: sizes must be positive ints or one -1; {fix}"
+        )
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n % known:
             raise ShardingError(
-                f"mesh_axes={axes!r}: the fixed sizes multiply to {known}, which does not divide "
-                f"the {n} devices; {fix}"
+                f"the program's mesh_axes={axes!r}: the fixed sizes multiply to {known}, which "
+                f"does not divide the {n} devices; {fix}"
             )
         sizes[sizes.index(-1)] = n // known
     elif known != n:
-        raise ShardingError(f"mesh_axes={axes!r} multiply to {known}, not the {n} devices; {fix}")
+        raise ShardingError(
+            f"the program's mesh_axes={axes!r} multiply to {known}, not the {n} devices; {fix}"
+        )
     names = tuple(axes)
     # Auto axes: the compiler propagates shardings between the ones the engine pins (state in and
     # out, batches), and Flax's sharding annotations become sharding constraints.
