@@ -66,11 +66,10 @@ def _goodput_runs_rows(goodput: dict) -> list[str]:
         "new step s (mean) |",
         "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
-    rounds = len({r.get("repeat", 0) for r in goodput["runs"]})
+    rounds = _round_count(goodput["runs"])
     for r in goodput["runs"]:
         restart = mean_of(r["breakdown"].get("restart_s", []))
-        if rounds > 1:  # (--repeats, --add-to) each round's rows in turn
-            r = {**r, "system": f"{r['system']} (round {r.get('repeat', 0) + 1})"}
+        r = {**r, "system": r["system"] + _round_label(r, rounds)}
         if r.get("failed"):  # the job could not resume by itself (goodput 0 in the summary)
             out.append(
                 f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | {r['attempts']} "
@@ -84,6 +83,16 @@ def _goodput_runs_rows(goodput: dict) -> list[str]:
             f"{fmt(restart)} |"
         )
     return out
+
+
+def _round_count(runs: list[dict]) -> int:
+    return len({r.get("repeat", 0) for r in runs})
+
+
+def _round_label(run: dict, rounds: int) -> str:
+    """`` (round N)`` after a run's system or signal where there are several (--repeats,
+    --add-to: each round's rows in turn), else nothing."""
+    return f" (round {run.get('repeat', 0) + 1})" if rounds > 1 else ""
 
 
 def _goodput_mean_rows(runs: list[dict]) -> list[str]:
@@ -109,8 +118,9 @@ def _goodput_ledger_rows(goodput: dict) -> list[str]:
         f"| T s | signal | ledger goodput | productive | {lost} |",
         "|---:|---|---:|---:|" + "---:|" * len(LOST_COLUMNS),
     ]
+    rounds = _round_count(goodput["runs"])
     pj = [("uninterrupted", "", un.get("prefect_jax"))] + [
-        (f"{r['period_s']:g}", f"SIG{r['signal']}", r)
+        (f"{r['period_s']:g}", f"SIG{r['signal']}{_round_label(r, rounds)}", r)
         for r in goodput["runs"]
         if r["system"] == "prefect_jax"
     ]
@@ -136,10 +146,11 @@ def _goodput_peer_rows(peers: list[dict]) -> list[str]:
         + (" evaluated again (step) |" if again else ""),
         "|---:|---|---|---:|---:|---:|" + ("---|" if again else ""),
     ]
+    rounds = _round_count(peers)
     for r in peers:
         lost = r["breakdown"]["lost_s"]
         row = (
-            f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']} | "
+            f"| {r['period_s']:g} | SIG{r['signal']} | {r['system']}{_round_label(r, rounds)} | "
             f"{fmt(lost['startup'], 1)} | {fmt(lost['restore'], 1)} | "
             f"{fmt(lost['compile'], 1)} |"
         )

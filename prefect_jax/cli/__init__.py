@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="train the digits example on embedded defaults",
         description="Train the digits example (a Flax NNX MLP on scikit-learn's digits) on "
-        "embedded defaults: an ephemeral Prefect server, SQLite MLflow and local checkpoints, "
-        "all under --workdir. Run it again and it resumes: nothing is repeated.",
+        "embedded defaults: a temporary Prefect server of its own (or PREFECT_API_URL's), and "
+        "SQLite MLflow and local checkpoints under --workdir. Run it again and it resumes: "
+        "nothing is repeated.",
     )
     demo.add_argument(
         "--workdir",
