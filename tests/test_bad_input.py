@@ -3,6 +3,7 @@ the fix, a non-zero exit, no Prefect flow run failing with a traceback first, no
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -11,9 +12,11 @@ import subprocess
 
 import pytest
 from conftest import train_to_end
-from process_helpers import run_cli
+from process_helpers import run_cli as run_to_end
 
 TINY = "prefect_jax.examples.digits:tiny"
+# (refusals come before any work: a command still going after 300 s is a failure here)
+run_cli = functools.partial(run_to_end, timeout=300)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:

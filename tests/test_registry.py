@@ -412,7 +412,7 @@ def test_the_run_reads_as_model_training(registered, mlflow_uri):
 
 
 def _cli(*args):
-    proc = run_cli(*args)
+    proc = run_cli(*args, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
