@@ -520,7 +520,8 @@ def measure(args) -> dict:
     with StandingServer(os.path.join(work, "server-home")) as server:
         env = dict(base, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
         warm_up(env)
-        uninterrupted = {s: run_job(s, args, None, None, env) for s in systems}
+        first = len(earlier["uninterrupted_repeats"]) if earlier else 0
+        uninterrupted = {s: run_job(s, args, None, None, env) for s in _turn(systems, first)}
         steps = sized_steps(
             args.steps, args.every, uninterrupted, args.min_periods * max(periods, default=0)
         )
@@ -538,18 +539,18 @@ def measure(args) -> dict:
                 f"{args.min_periods:g} x {max(periods):g} s: {steps} steps instead of {args.steps}"
             )
             args.steps = report["steps"] = steps
-            uninterrupted = {s: run_job(s, args, None, None, env) for s in systems}
+            uninterrupted = {s: run_job(s, args, None, None, env) for s in _turn(systems, first)}
         rounds = [uninterrupted]
-        first = len(earlier["uninterrupted_repeats"]) if earlier else 0
         for repeat in range(args.repeats):
             if repeat:  # a round's own references, in the same conditions as its cells
-                rounds.append({s: run_job(s, args, None, None, env) for s in systems})
-            for period in periods:
-                for sig in signals:
-                    for s in systems:
-                        r = run_job(s, args, period, sig, env)
-                        r["repeat"] = first + repeat
-                        report["runs"].append(r)
+                order = _turn(systems, first + repeat)
+                rounds.append({s: run_job(s, args, None, None, env) for s in order})
+            cells = [(period, sig) for period in periods for sig in signals]
+            for cell, (period, sig) in enumerate(cells):
+                for s in _turn(systems, first + repeat + cell):
+                    r = run_job(s, args, period, sig, env)
+                    r["repeat"] = first + repeat
+                    report["runs"].append(r)
     if earlier:
         report["runs"] = earlier["runs"] + report["runs"]
         rounds = earlier["uninterrupted_repeats"] + rounds
@@ -557,6 +558,13 @@ def measure(args) -> dict:
     _score(report["runs"], rounds)
     report["total_s"] = time.time() - t
     return report
+
+
+def _turn(systems: list[str], k: int) -> list[str]:
+    """`systems` rotated by `k`: each cell (and each round's uninterrupted runs) starts with the
+    next system, so that none always runs first after the VM's idle or last before its drift."""
+    k %= len(systems)
+    return systems[k:] + systems[:k]
 
 
 def unfinished(report: dict, steps: int) -> list[str]:

@@ -219,22 +219,26 @@ def _rounds(goodput: dict) -> list[dict[str, dict]]:
 def _goodput_verdicts(runs: list[dict], reference: dict[str, float]) -> str:
     """prefect-jax's goodput minus each peer's, per period and signal, each system's goodput
     taken against the given uninterrupted walls (a run that never finished: 0), averaged over
-    the rounds."""
+    the rounds; where there are several, each round's difference follows in brackets (whether
+    the sign holds from round to round, on a VM whose runs move by seconds)."""
     verdicts = []
     for period, sig in sorted({(r["period_s"], r["signal"]) for r in runs}):
-        cell: dict[str, list[float]] = {}
+        cell: dict[str, dict[int, float]] = {}
         for r in runs:
             if (r["period_s"], r["signal"]) == (period, sig):
                 value = 0.0 if r.get("failed") else reference[r["system"]] / r["total_s"]
-                cell.setdefault(r["system"], []).append(value)
-        same = {system: statistics.mean(values) for system, values in cell.items()}
-        pj = same.get("prefect_jax")
-        for peer, value in same.items():
-            if peer != "prefect_jax" and pj is not None:
-                verdicts.append(
-                    f"T={period:g} SIG{sig} vs {peer}: {pj - value:+.3f}"
-                    + ("" if pj >= value else " (**below**)")
-                )
+                cell.setdefault(r["system"], {})[r.get("repeat", 0)] = value
+        pj = cell.get("prefect_jax")
+        for peer, values in cell.items():
+            if peer == "prefect_jax" or pj is None:
+                continue
+            gap = statistics.mean(pj.values()) - statistics.mean(values.values())
+            each = [pj[k] - values[k] for k in sorted(pj) if k in values]
+            verdicts.append(
+                f"T={period:g} SIG{sig} vs {peer}: {gap:+.3f}"
+                + (f" (rounds: {', '.join(f'{d:+.3f}' for d in each)})" if len(each) > 1 else "")
+                + ("" if gap >= 0 else " (**below**)")
+            )
     return "; ".join(verdicts)
 
 

@@ -59,3 +59,32 @@ def test_a_hand_note_whose_line_is_gone_is_kept_at_the_end():
         "x = 2 (by hand)",
         "",
     ]
+
+
+def test_goodput_verdicts_give_each_rounds_difference_and_count_a_run_that_never_finished():
+    sys.path.insert(0, BENCHMARKS)
+    from goodput import _turn
+    from report_goodput import _goodput_verdicts
+
+    def run(system, total, repeat, failed=False):
+        r = {"system": system, "period_s": 30.0, "signal": "KILL", "total_s": total}
+        return {**r, "repeat": repeat, **({"failed": "torn backup"} if failed else {})}
+
+    reference = {"prefect_jax": 100.0, "plain": 100.0}
+    one_round = [run("prefect_jax", 100.0, 0), run("plain", 125.0, 0)]
+    assert _goodput_verdicts(one_round, reference) == "T=30 SIGKILL vs plain: +0.200"
+    rounds = [*one_round, run("prefect_jax", 125.0, 1), run("plain", 100.0, 1, failed=True)]
+    # means 0.9 and 0.4 (a run that never finished scores 0), each round's difference after
+    assert _goodput_verdicts(rounds, reference) == (
+        "T=30 SIGKILL vs plain: +0.500 (rounds: +0.200, +0.800)"
+    )
+    behind = [run("prefect_jax", 125.0, 0), run("plain", 100.0, 0)]
+    assert _goodput_verdicts(behind, reference).endswith("-0.200 (**below**)")
+    # each cell starts with the next system, so that none always runs first
+    systems = ["prefect_jax", "plain", "keras"]
+    assert [_turn(systems, k)[0] for k in range(4)] == [
+        "prefect_jax",
+        "plain",
+        "keras",
+        "prefect_jax",
+    ]
