@@ -547,10 +547,13 @@ def measure(args) -> dict:
                 rounds.append({s: run_job(s, args, None, None, env) for s in order})
             cells = [(period, sig) for period in periods for sig in signals]
             for cell, (period, sig) in enumerate(cells):
-                for s in _turn(systems, first + repeat + cell):
+                ran = []
+                for position, s in enumerate(_turn(systems, first + repeat + cell)):
                     r = run_job(s, args, period, sig, env)
-                    r["repeat"] = first + repeat
-                    report["runs"].append(r)
+                    r["repeat"], r["ran"] = first + repeat, position
+                    ran.append(r)
+                # kept in the systems' own order, as the report lists them ("ran": which went first)
+                report["runs"] += sorted(ran, key=lambda r: systems.index(r["system"]))
     if earlier:
         report["runs"] = earlier["runs"] + report["runs"]
         rounds = earlier["uninterrupted_repeats"] + rounds
