@@ -521,7 +521,12 @@ def measure(args) -> dict:
         env = dict(base, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
         warm_up(env)
         first = len(earlier["uninterrupted_repeats"]) if earlier else 0
-        uninterrupted = {s: run_job(s, args, None, None, env) for s in _turn(systems, first)}
+
+        def uninterrupted_runs(k: int) -> dict[str, dict]:
+            # (each round's references, in the same turned order as its first cell)
+            return {s: run_job(s, args, None, None, env) for s in _turn(systems, k)}
+
+        uninterrupted = uninterrupted_runs(first)
         steps = sized_steps(
             args.steps, args.every, uninterrupted, args.min_periods * max(periods, default=0)
         )
@@ -539,13 +544,12 @@ def measure(args) -> dict:
                 f"{args.min_periods:g} x {max(periods):g} s: {steps} steps instead of {args.steps}"
             )
             args.steps = report["steps"] = steps
-            uninterrupted = {s: run_job(s, args, None, None, env) for s in _turn(systems, first)}
+            uninterrupted = uninterrupted_runs(first)
         rounds = [uninterrupted]
+        cells = [(period, sig) for period in periods for sig in signals]
         for repeat in range(args.repeats):
             if repeat:  # a round's own references, in the same conditions as its cells
-                order = _turn(systems, first + repeat)
-                rounds.append({s: run_job(s, args, None, None, env) for s in order})
-            cells = [(period, sig) for period in periods for sig in signals]
+                rounds.append(uninterrupted_runs(first + repeat))
             for cell, (period, sig) in enumerate(cells):
                 ran = []
                 for position, s in enumerate(_turn(systems, first + repeat + cell)):
