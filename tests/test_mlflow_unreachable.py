@@ -137,6 +137,23 @@ def test_a_tracking_uri_mlflow_cannot_use_or_reach_is_refused_before_any_work(tm
     assert not (tmp_path / "s").exists()  # nothing trained, no job directory
 
 
+def test_a_local_tracking_store_with_no_folder_is_refused_before_jax_is_imported(tmp_path):
+    """Its answer needs no MLflow and no program: the command says it before JAX's import (about
+    a second on these cores) and the program's, as soon as its arguments are read."""
+    uri = f"sqlite:///{tmp_path}/no/m.db"
+    argv = ["run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s")]
+    code = (
+        "import sys\n"
+        "from prefect_jax.cli import main\n"
+        f"code = main({argv + ['--mlflow-tracking-uri', uri]!r})\n"
+        "print(f'exit {code} jax imported: {\"jax\" in sys.modules}')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "exit 2 jax imported: False", proc.stdout + proc.stderr[-3000:]
+    assert "the folder of its SQLite file" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.slow
 def test_mlflow_optional_trains_and_the_summary_says_nothing_reached_mlflow(tmp_path):
     optional = ("--exporters", "--mlflow-optional")

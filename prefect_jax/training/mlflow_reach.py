@@ -70,6 +70,11 @@ class Probe:
             text=True,
         )
 
+    @property
+    def answered(self) -> bool:
+        """Whether `check` answers at once: a local store, looked at without asking MLflow."""
+        return self.process is None
+
     def check(self, timeout: float = PROBE_TIMEOUT_SECS) -> str | None:
         """None if the store answered (or is a local one whose folder exists), else the message of
         a `TrackingUnreachableError`."""

@@ -221,21 +221,26 @@ def check_job(
     evaluates: bool,
 ) -> None:
     """`facade.preflight`: its arguments, its checks in order, and the head start after them."""
-    from prefect_jax.training.checksums import CorruptCheckpointError
     from prefect_jax.training.cluster_config import from_env
+    from prefect_jax.training.mlflow_reach import finish_check, start_check
+
+    # before anything is written; None: one process (several see their devices only once JAX's
+    # distributed runtime is up, in the flow run: the engine checks their sharding there)
+    cluster = from_env()
+    probe = start_check(tracking_uri, mlflow_optional)  # a server answers while the program loads
+    if probe is not None and probe.answered:  # a local store: refused before JAX's import
+        finish_check(probe, mlflow_optional)
+        probe = None
+
+    from prefect_jax.training.checksums import CorruptCheckpointError
     from prefect_jax.training.errors import PastMaxStepsError
     from prefect_jax.training.lease import Lease
-    from prefect_jax.training.mlflow_reach import finish_check, start_check
     from prefect_jax.training.program import load_program_with_params
     from prefect_jax.training.program_params import check_restore_of, step_meta
     from prefect_jax.training.serving import check_serving_early
     from prefect_jax.training.sharded_state import check_sharding
     from prefect_jax.training.steps import job_committed_steps
 
-    # before anything is written; None: one process (several see their devices only once JAX's
-    # distributed runtime is up, in the flow run: the engine checks their sharding there)
-    cluster = from_env()
-    probe = start_check(tracking_uri, mlflow_optional)  # answers while the program loads
     try:
         loaded, params = load_program_with_params(
             program, dict(program_params) if program_params else None, max_steps
