@@ -362,6 +362,53 @@ def _life(start, end_record, ended, saves, save_s, dead=2.0):
     }
 
 
+def test_the_wait_for_the_train_steps_compile_does_not_count_towards_a_backup(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    """A rerun's first step waits for the train step's compile (or its cache load): seconds that
+    trained nothing. Counted into the first part's clock, they made a backup due right after
+    that one step (a save that keeps one step) wherever the wait was longer than the backup
+    interval, as on a slow machine's restarts of the byte LM."""
+    import time
+
+    from prefect_jax.training.compiled_steps import BackgroundCompile
+
+    # The ledger of an attempt killed 1 s into its training, no save timed: a backup every 1 s.
+    now, storage = time.time(), str(tmp_path / "storage")
+    os.makedirs(os.path.join(storage, "wait"))
+    with open(os.path.join(storage, "wait", "goodput.json"), "w") as f:
+        json.dump({"attempts": [_life(now - 20, now - 19, None, 0, 0.0, dead=0.0)]}, f)
+    join = BackgroundCompile.join_train_step
+    waited = []
+
+    def slow_compile(self):  # the first step waits 2 s for its executable, once
+        if not waited:
+            waited.append(True)
+            time.sleep(2.0)
+        join(self)
+
+    monkeypatch.setattr(BackgroundCompile, "join_train_step", slow_compile)
+    config = JobConfig(
+        program="programs:paced",
+        job="wait",
+        storage=storage,
+        train=TrainSpec(max_steps=300),
+        checkpoint=CheckpointSpec(every_steps=300, keep_last=None),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    saves: list[int] = []
+    save = trainer.job.save
+    trainer.job.save = lambda step, *a, **kw: (saves.append(step), save(step, *a, **kw))[1]
+    assert trainer.train_until_checkpoint() == 300  # 3+ s of training (10 ms a step at least)
+    trainer.finish()
+    trainer.close()
+    assert waited and trainer.loop.compile_s >= 2.0
+    # The first backup after about a second of training: tens of steps, not one.
+    assert saves[0] >= 10 and saves[-1] == 300, saves
+
+
 def test_a_collectives_error_says_whether_another_process_of_the_job_went_away():
     from prefect_jax.training.cluster import lost_a_process
 

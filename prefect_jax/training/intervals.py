@@ -76,10 +76,16 @@ class Intervals:
         t, job = self.trainer, self.trainer.job
         why: list[str] = []
         part_started = t.policy.clock()
+        # This process's first step waits for the train step's compile (or cache load): seconds
+        # on a restart that trained nothing a backup would keep, so not counted towards one.
+        compiles = t.loop.compile_s is None
         try:
             with t.guard.deferred() as notice:
 
                 def stop() -> bool:
+                    nonlocal part_started, compiles
+                    if compiles and t.loop.compile_s is not None:
+                        compiles, part_started = False, part_started + t.loop.compile_s
                     t.evaluations.pending.record_from_loop()
                     # the train step's compile is in the cache, copied while training goes
                     # on (the eval step's, compiled beside the training, with a later push)
