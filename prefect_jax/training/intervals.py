@@ -77,7 +77,8 @@ class Intervals:
         why: list[str] = []
         part_started = t.policy.clock()
         # This process's first step waits for the train step's compile (or cache load): seconds
-        # on a restart that trained nothing a backup would keep, so not counted towards one.
+        # on a restart that trained nothing a backup would keep, so not counted towards one
+        # (`compile_s`, its first dispatch included: the first backup comes that much later).
         compiles = t.loop.compile_s is None
         try:
             with t.guard.deferred() as notice:
