@@ -362,6 +362,32 @@ def _life(start, end_record, ended, saves, save_s, dead=2.0):
     }
 
 
+def _one_paced_interval(storage: str, job: str, steps: int, mlflow_uri: str):
+    """`programs:paced` (10 ms a step at least) trained to `steps` in one interval by a `Trainer`
+    of its own, finished: the trainer (not closed) and each of its saves' (step, monotonic time)."""
+    import time
+
+    config = JobConfig(
+        program="programs:paced",
+        job=job,
+        storage=storage,
+        train=TrainSpec(max_steps=steps),
+        checkpoint=CheckpointSpec(every_steps=steps, keep_last=None),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    saves: list[tuple[int, float]] = []
+    save = trainer.job.save
+    trainer.job.save = lambda step, *a, **kw: (
+        saves.append((step, time.monotonic())),
+        save(step, *a, **kw),
+    )[1]
+    assert trainer.train_until_checkpoint() == steps
+    trainer.finish()
+    return trainer, saves
+
+
 def test_the_wait_for_the_train_steps_compile_does_not_count_towards_a_backup(
     tmp_path, mlflow_uri, monkeypatch
 ):
@@ -388,25 +414,12 @@ def test_the_wait_for_the_train_steps_compile_does_not_count_towards_a_backup(
         join(self)
 
     monkeypatch.setattr(BackgroundCompile, "join_train_step", slow_compile)
-    config = JobConfig(
-        program="programs:paced",
-        job="wait",
-        storage=storage,
-        train=TrainSpec(max_steps=300),
-        checkpoint=CheckpointSpec(every_steps=300, keep_last=None),
-        mlflow_tracking_uri=mlflow_uri,
-    )
-    trainer = Trainer(config)
-    trainer.restore_or_init()
-    saves: list[int] = []
-    save = trainer.job.save
-    trainer.job.save = lambda step, *a, **kw: (saves.append(step), save(step, *a, **kw))[1]
-    assert trainer.train_until_checkpoint() == 300  # 3+ s of training (10 ms a step at least)
-    trainer.finish()
+    trainer, saves = _one_paced_interval(storage, "wait", 300, mlflow_uri)  # 3+ s of training
     trainer.close()
     assert waited and trainer.loop.compile_s >= 2.0
     # The first backup after about a second of training: tens of steps, not one.
-    assert saves[0] >= 10 and saves[-1] == 300, saves
+    steps = [step for step, _ in saves]
+    assert steps[0] >= 10 and steps[-1] == 300, steps
 
 
 def test_a_collectives_error_says_whether_another_process_of_the_job_went_away():
@@ -500,24 +513,7 @@ def test_on_remote_storage_a_backup_waits_until_the_step_before_it_is_uploaded(
             uploads[step].append(time.monotonic())
 
     monkeypatch.setattr(RemoteSteps, "upload", slow_upload)
-    config = JobConfig(
-        program="programs:paced",
-        job="bk",
-        storage=storage,
-        train=TrainSpec(max_steps=600),
-        checkpoint=CheckpointSpec(every_steps=600, keep_last=None),
-        mlflow_tracking_uri=mlflow_uri,
-    )
-    trainer = Trainer(config)
-    trainer.restore_or_init()
-    saves: list[tuple[int, float]] = []
-    save = trainer.job.save
-    trainer.job.save = lambda step, *a, **kw: (
-        saves.append((step, time.monotonic())),
-        save(step, *a, **kw),
-    )[1]
-    assert trainer.train_until_checkpoint() == 600  # 6+ s of training (10 ms a step)
-    trainer.finish()
+    trainer, saves = _one_paced_interval(storage, "bk", 600, mlflow_uri)  # 6+ s of training
     remote = trainer.job.remote
     trainer.close()
     backups = [(s, t) for s, t in saves if s < 600]
