@@ -149,8 +149,8 @@ class CheckpointPolicy:
         ``"checkpoint"`` when `forced` (a preemption notice, a lost lease) or `every_secs` passed
         since the last save; else ``"backup"`` once `backup_every` seconds passed in the part
         (not counting the evaluations, exports or task runs before it, nor a first step's wait
-        for its compile: they trained nothing a backup would keep) unless `busy()` (remote storage still uploading the step before);
-        else None."""
+        for its compile: they trained nothing a backup would keep) unless `busy()` (remote
+        storage still uploading the step before); else None."""
         now = self.clock()
         if forced or (self.every_secs is not None and now - self.last_save >= self.every_secs):
             return "checkpoint"
