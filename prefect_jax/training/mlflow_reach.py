@@ -1,10 +1,10 @@
 """Whether a job's MLflow tracking URI can be used, asked once before the job starts.
 
 A URI MLflow does not support, or a store that does not answer, would otherwise be found only by
-the background calls, as warnings, after the whole job trained with nothing recorded. The store is
-asked in a short-lived child process (`start_probe`): MLflow's import stays out of the command's
-process, runs beside the program's, and the child alone gets MLflow's public settings for one
-quick try (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT``).
+the background calls, as warnings, after the whole job trained with nothing recorded. A server
+is asked in a short-lived child process (`start_check`, `Probe`): MLflow's import stays out of
+the command's process, runs beside the program's, and the child alone gets MLflow's public
+settings for one quick try (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class Probe:
 
     @property
     def answered(self) -> bool:
-        """Whether `check` answers at once: a local store, looked at without asking MLflow."""
+        """Whether `check` answers without waiting: a local store (looked at without asking
+        MLflow), or a server's probe already checked."""
         return self.process is None
 
     def check(self, timeout: float = PROBE_TIMEOUT_SECS) -> str | None:

@@ -228,7 +228,7 @@ def check_job(
     # distributed runtime is up, in the flow run: the engine checks their sharding there)
     cluster = from_env()
     probe = start_check(tracking_uri, mlflow_optional)  # a server answers while the program loads
-    if probe is not None and probe.answered:  # a local store: refused before JAX's import
+    if probe is not None and probe.answered:  # a local store: checked before JAX's import
         finish_check(probe, mlflow_optional)
         probe = None
 
