@@ -138,8 +138,8 @@ def test_a_tracking_uri_mlflow_cannot_use_or_reach_is_refused_before_any_work(tm
 
 
 def test_a_local_tracking_store_with_no_folder_is_refused_before_jax_is_imported(tmp_path):
-    """Its answer needs no MLflow and no program: the command says it before JAX's import (about
-    a second on these cores) and the program's, as soon as its arguments are read."""
+    """Its answer needs no MLflow and no program: the command says it before JAX's import and
+    the program's (seconds of a command's start-up), as soon as its arguments are read."""
     uri = f"sqlite:///{tmp_path}/no/m.db"
     argv = ["run", "--program", TINY, "--job", "j", "--storage", str(tmp_path / "s")]
     code = (
