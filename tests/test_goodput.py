@@ -398,12 +398,14 @@ def test_the_wait_for_the_train_steps_compile_does_not_count_towards_a_backup(
     import time
 
     from prefect_jax.training.compiled_steps import BackgroundCompile
+    from prefect_jax.training.storage import JobStorage
 
     # The ledger of an attempt killed 1 s into its training, no save timed: a backup every 1 s.
     now, storage = time.time(), str(tmp_path / "storage")
-    os.makedirs(os.path.join(storage, "wait"))
-    with open(os.path.join(storage, "wait", "goodput.json"), "w") as f:
-        json.dump({"attempts": [_life(now - 20, now - 19, None, 0, 0.0, dead=0.0)]}, f)
+    js = JobStorage(storage, "wait")
+    js.write_json(
+        js.path("goodput.json"), {"attempts": [_life(now - 20, now - 19, None, 0, 0.0, dead=0.0)]}
+    )
     join = BackgroundCompile.join_train_step
     waited = []
 

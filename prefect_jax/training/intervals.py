@@ -79,14 +79,11 @@ class Intervals:
         # This process's first step waits for the train step's compile (or cache load): seconds
         # on a restart that trained nothing a backup would keep, so not counted towards one
         # (`compile_s`, its first dispatch included: the first backup comes that much later).
-        compiles = t.loop.compile_s is None
+        compiles_here = t.loop.compile_s is None
         try:
             with t.guard.deferred() as notice:
 
                 def stop() -> bool:
-                    nonlocal part_started, compiles
-                    if compiles and t.loop.compile_s is not None:
-                        compiles, part_started = False, part_started + t.loop.compile_s
                     t.evaluations.pending.record_from_loop()
                     # the train step's compile is in the cache, copied while training goes
                     # on (the eval step's, compiled beside the training, with a later push)
@@ -95,9 +92,12 @@ class Intervals:
                         t.compile_cache.push_async()
                     # (the save raises it)
                     lost = job.processes == 1 and job.lease.lost_to is not None
+                    trained_from = part_started + (
+                        (t.loop.compile_s or 0.0) if compiles_here else 0.0
+                    )
                     # (on remote storage, no backup before the last step is up there)
                     due = t.policy.due(
-                        part_started, backup_every, notice.requested or lost, job.uploading
+                        trained_from, backup_every, notice.requested or lost, job.uploading
                     )
                     if due is not None:
                         why.append(due)
