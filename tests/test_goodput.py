@@ -362,9 +362,12 @@ def _life(start, end_record, ended, saves, save_s, dead=2.0):
     }
 
 
-def _one_paced_interval(storage: str, job: str, steps: int, mlflow_uri: str):
-    """`programs:paced` (10 ms a step at least) trained to `steps` in one interval by a `Trainer`
-    of its own, finished: the trainer (not closed) and each of its saves' (step, monotonic time)."""
+def _one_paced_interval(
+    storage: str, job: str, steps: int, mlflow_uri: str, every_secs: float | None = None
+):
+    """`programs:paced` (10 ms a step at least) trained to `steps` by a `Trainer` of its own, in
+    one interval unless `every_secs` ends some sooner, finished: the trainer (not closed) and each
+    of its saves' (step, monotonic time)."""
     import time
 
     config = JobConfig(
@@ -372,7 +375,7 @@ def _one_paced_interval(storage: str, job: str, steps: int, mlflow_uri: str):
         job=job,
         storage=storage,
         train=TrainSpec(max_steps=steps),
-        checkpoint=CheckpointSpec(every_steps=steps, keep_last=None),
+        checkpoint=CheckpointSpec(every_steps=steps, every_secs=every_secs, keep_last=None),
         mlflow_tracking_uri=mlflow_uri,
     )
     trainer = Trainer(config)
@@ -383,9 +386,29 @@ def _one_paced_interval(storage: str, job: str, steps: int, mlflow_uri: str):
         saves.append((step, time.monotonic())),
         save(step, *a, **kw),
     )[1]
-    assert trainer.train_until_checkpoint() == steps
+    while trainer.step < steps:
+        trainer.train_until_checkpoint()
     trainer.finish()
     return trainer, saves
+
+
+def _first_step_waits(monkeypatch, seconds: float) -> list:
+    """The first step of this process waits `seconds` for its executable, once (a slow compile
+    or cache load); the list says whether it did."""
+    import time
+
+    from prefect_jax.training.compiled_steps import BackgroundCompile
+
+    join, waited = BackgroundCompile.join_train_step, []
+
+    def slow_compile(self):
+        if not waited:
+            waited.append(True)
+            time.sleep(seconds)
+        join(self)
+
+    monkeypatch.setattr(BackgroundCompile, "join_train_step", slow_compile)
+    return waited
 
 
 def test_the_wait_for_the_train_steps_compile_does_not_count_towards_a_backup(
@@ -397,7 +420,6 @@ def test_the_wait_for_the_train_steps_compile_does_not_count_towards_a_backup(
     interval, as on a slow machine's restarts of the byte LM."""
     import time
 
-    from prefect_jax.training.compiled_steps import BackgroundCompile
     from prefect_jax.training.storage import JobStorage
 
     # The ledger of an attempt killed 1 s into its training, no save timed: a backup every 1 s.
@@ -406,20 +428,27 @@ def test_the_wait_for_the_train_steps_compile_does_not_count_towards_a_backup(
     js.write_json(
         js.path("goodput.json"), {"attempts": [_life(now - 20, now - 19, None, 0, 0.0, dead=0.0)]}
     )
-    join = BackgroundCompile.join_train_step
-    waited = []
-
-    def slow_compile(self):  # the first step waits 2 s for its executable, once
-        if not waited:
-            waited.append(True)
-            time.sleep(2.0)
-        join(self)
-
-    monkeypatch.setattr(BackgroundCompile, "join_train_step", slow_compile)
+    waited = _first_step_waits(monkeypatch, 2.0)
     trainer, saves = _one_paced_interval(storage, "wait", 300, mlflow_uri)  # 3+ s of training
     trainer.close()
     assert waited and trainer.loop.compile_s >= 2.0
     # The first backup after about a second of training: tens of steps, not one.
+    steps = [step for step, _ in saves]
+    assert steps[0] >= 10 and steps[-1] == 300, steps
+
+
+def test_the_wait_for_the_train_steps_compile_does_not_count_towards_every_secs(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    """`every_secs` counts from the restore; a first step that waited longer than that for its
+    compile (a real model's on a GPU: a minute) made a regular checkpoint due right after it, a
+    save (and an evaluation) of one step's progress."""
+    waited = _first_step_waits(monkeypatch, 2.0)
+    storage = str(tmp_path / "storage")
+    trainer, saves = _one_paced_interval(storage, "secs", 300, mlflow_uri, every_secs=1.0)
+    trainer.close()
+    assert waited and trainer.loop.compile_s >= 2.0
+    # The first checkpoint after about a second of training: tens of steps, not one.
     steps = [step for step, _ in saves]
     assert steps[0] >= 10 and steps[-1] == 300, steps
 

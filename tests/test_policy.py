@@ -116,6 +116,20 @@ def test_a_backup_is_due_backup_every_seconds_into_the_part_unless_storage_is_bu
     assert asked == []  # storage is asked only when a backup is due
 
 
+def test_a_first_steps_wait_for_its_compile_counts_towards_neither_cadence():
+    clock = FakeClock(0.0)
+    policy = _policy(clock, every_steps=1000, every_secs=10.0)
+    part = clock()
+    clock.now = 12.0  # a first step done after a 5 s wait for its compile
+    assert policy.due(part, 3.0, compile_wait=5.0) == "backup"  # 7 s of training
+    assert policy.due(part, None, compile_wait=5.0) is None
+    clock.now = 15.0
+    assert policy.due(part, None, compile_wait=5.0) == "checkpoint"
+    clock.now = 7.9
+    assert policy.due(part, 3.0, compile_wait=5.0) is None
+    assert policy.due(part, 3.0) == "backup"  # (counted, as before: one step after the wait)
+
+
 def test_the_train_role_keeps_steps_until_evaluated_unless_told_otherwise():
     spec = CheckpointSpec(every_steps=10)
     assert CheckpointPolicy.spec_for_role(spec, "train").keep_until_evaluated is True

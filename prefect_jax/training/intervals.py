@@ -77,8 +77,8 @@ class Intervals:
         why: list[str] = []
         part_started = t.policy.clock()
         # This process's first step waits for the train step's compile (or cache load): seconds
-        # on a restart that trained nothing a backup would keep, so not counted towards one
-        # (`compile_s`, its first dispatch included: the first backup comes that much later).
+        # on a restart that trained nothing a save would keep, so not counted towards either
+        # cadence (`compile_s`, its first dispatch included: the first save comes that much later).
         compiles_here = t.loop.compile_s is None
         try:
             with t.guard.deferred() as notice:
@@ -92,12 +92,14 @@ class Intervals:
                         t.compile_cache.push_async()
                     # (the save raises it)
                     lost = job.processes == 1 and job.lease.lost_to is not None
-                    trained_from = part_started + (
-                        (t.loop.compile_s or 0.0) if compiles_here else 0.0
-                    )
+                    compile_wait = (t.loop.compile_s or 0.0) if compiles_here else 0.0
                     # (on remote storage, no backup before the last step is up there)
                     due = t.policy.due(
-                        trained_from, backup_every, notice.requested or lost, job.uploading
+                        part_started,
+                        backup_every,
+                        notice.requested or lost,
+                        job.uploading,
+                        compile_wait=compile_wait,
                     )
                     if due is not None:
                         why.append(due)

@@ -143,15 +143,18 @@ class CheckpointPolicy:
         backup_every: float | None,
         forced: bool = False,
         busy: Callable[[], bool] = lambda: False,
+        compile_wait: float = 0.0,
     ) -> Literal["checkpoint", "backup"] | None:
         """What is due now within a training part that began at `part_started` (`clock` time).
 
         ``"checkpoint"`` when `forced` (a preemption notice, a lost lease) or `every_secs` passed
         since the last save; else ``"backup"`` once `backup_every` seconds passed in the part
-        (not counting the evaluations, exports or task runs before it, nor a first step's wait
-        for its compile: they trained nothing a backup would keep) unless `busy()` (remote
-        storage still uploading the step before); else None."""
-        now = self.clock()
+        (not counting the evaluations, exports or task runs before it: they trained nothing a
+        backup would keep) unless `busy()` (remote storage still uploading the step before);
+        else None. Neither counts `compile_wait`, the seconds this part's first step waited for
+        its compile (or cache load), once per process: a rerun's first step on a GPU can wait as
+        long as a cadence, and a save right after it keeps one step."""
+        now = self.clock() - compile_wait
         if forced or (self.every_secs is not None and now - self.last_save >= self.every_secs):
             return "checkpoint"
         if backup_every is not None and now - part_started >= backup_every and not busy():
