@@ -386,8 +386,11 @@ def _one_paced_interval(
         saves.append((step, time.monotonic())),
         save(step, *a, **kw),
     )[1]
+    if every_secs is None:  # one interval: its backups do not end it
+        assert trainer.train_until_checkpoint() == steps
     while trainer.step < steps:
-        trainer.train_until_checkpoint()
+        before = trainer.step
+        assert trainer.train_until_checkpoint() > before
     trainer.finish()
     return trainer, saves
 

@@ -120,14 +120,14 @@ def test_a_first_steps_wait_for_its_compile_counts_towards_neither_cadence():
     clock = FakeClock(0.0)
     policy = _policy(clock, every_steps=1000, every_secs=10.0)
     part = clock()
-    clock.now = 12.0  # a first step done after a 5 s wait for its compile
+    clock.now = 7.9  # a first step done after a 5 s wait for its compile: 2.9 s of training
+    assert policy.due(part, 3.0, compile_wait=5.0) is None
+    assert policy.due(part, 3.0) == "backup"  # what counting the wait would do
+    clock.now = 12.0
     assert policy.due(part, 3.0, compile_wait=5.0) == "backup"  # 7 s of training
     assert policy.due(part, None, compile_wait=5.0) is None
     clock.now = 15.0
     assert policy.due(part, None, compile_wait=5.0) == "checkpoint"
-    clock.now = 7.9
-    assert policy.due(part, 3.0, compile_wait=5.0) is None
-    assert policy.due(part, 3.0) == "backup"  # (counted, as before: one step after the wait)
 
 
 def test_the_train_role_keeps_steps_until_evaluated_unless_told_otherwise():

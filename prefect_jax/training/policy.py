@@ -151,9 +151,10 @@ class CheckpointPolicy:
         since the last save; else ``"backup"`` once `backup_every` seconds passed in the part
         (not counting the evaluations, exports or task runs before it: they trained nothing a
         backup would keep) unless `busy()` (remote storage still uploading the step before);
-        else None. Neither counts `compile_wait`, the seconds this part's first step waited for
-        its compile (or cache load), once per process: a rerun's first step on a GPU can wait as
-        long as a cadence, and a save right after it keeps one step."""
+        else None. Neither counts `compile_wait`, the seconds of this part's first dispatch in a
+        new loop (the loop's `compile_s`: its compile or cache load, its batch and its run): a
+        rerun's first step on a GPU can wait as long as a cadence, and a save right after it
+        keeps one step."""
         now = self.clock() - compile_wait
         if forced or (self.every_secs is not None and now - self.last_save >= self.every_secs):
             return "checkpoint"

@@ -157,7 +157,7 @@ class CheckpointSpec(Spec):
     Args:
         every_steps: write a checkpoint every this many steps.
         every_secs: write a checkpoint when this many seconds passed since the last one (or the
-            restore), not counting a new process's first wait for its train step's compile.
+            restore), not counting a new process's first dispatch (its compile included).
         keep_last: how many of the newest checkpoints to keep (None keeps all).
         keep_every_steps: also keep every checkpoint whose step is a multiple of this.
         keep_until_evaluated: also keep every step from the newest evaluated one on (eval
