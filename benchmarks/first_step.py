@@ -2,13 +2,16 @@
 settings given on the command line: what a rerun's first new step costs beyond a step, and
 whether a flag changes it (BENCHMARKS.md, Restart).
 
-The byte LM's program (`goodput_lm.py`'s params, the goodput job's model), jitted as a bare loop
-jits it (no Prefect, no prefect-jax engine). Each setting runs in fresh processes, the settings
-alternated, each with a persistent compilation cache of its own that its first process fills:
-the processes after it load the step from the cache, as a rerun does.
+A program (default: the byte LM with `goodput_lm.py`'s params, the goodput job's model; or yours,
+`--program package.module:attribute` with `--program-param KEY=VALUE`s, on one device), jitted
+as a bare loop jits it (no Prefect, no prefect-jax engine). Each setting runs in fresh
+processes, the settings alternated, each with a persistent compilation cache of its own that its
+first process fills: the processes after it load the step from the cache, as a rerun does.
 
     uv run python benchmarks/first_step.py --flags "" \
         --flags=--xla_cpu_experimental_ynn_fusion_type= --runs 3 --steps 11
+    uv run python benchmarks/first_step.py --program prefect_jax.examples.bytelm:program \
+        --program-param preset=tiny --flags "" --flags=--xla_cpu_experimental_ynn_fusion_type=
 """
 
 from __future__ import annotations
@@ -24,20 +27,44 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def child(steps: int, cache: str) -> dict:
-    """One process: the program's train step compiled (or loaded from `cache`), then `steps`
-    runs of it on the program's batches, each timed to the end of its run."""
+def load(args: argparse.Namespace):
+    """The program `--program` names, built with its `--program-param`s (the engine's loader and
+    the command's parsing), or by default the goodput job's byte LM. On one device a declared
+    mesh has one device, and the loop jits without it; on several it is refused."""
+    if args.program is None:
+        sys.path.insert(0, HERE)
+        import goodput_lm
+
+        return goodput_lm.make_program(argparse.Namespace(steps=240, lm_params=None))
     import jax
+
+    from prefect_jax.cli.commands import program_params_from_args
+    from prefect_jax.training.program import load_program
+    from prefect_jax.training.sharding import declares_sharding
+
+    program = load_program(args.program, program_params_from_args(args), max_steps=args.steps)
+    if declares_sharding(program) and jax.device_count() > 1:
+        sys.exit(
+            f"{args.program} declares a mesh (mesh_axes or shardings) and {jax.device_count()} "
+            "devices are visible: this loop runs a program on one device; time it with one "
+            "(CUDA_VISIBLE_DEVICES=0, or no --xla_force_host_platform_device_count)"
+        )
+    return program
+
+
+def child(args: argparse.Namespace, cache: str) -> dict:
+    """One process: the program's train step compiled (or loaded from `cache`), then
+    `args.steps` runs of it on the program's batches, each timed to the end of its run."""
+    import jax
+
+    from prefect_jax.training.data_positions import iterate
 
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    sys.path.insert(0, HERE)
-    import goodput_lm
-
-    args = argparse.Namespace(steps=240, lm_params=None)
-    program = goodput_lm.make_program(args)
+    program = load(args)
+    steps = args.steps
     state = jax.block_until_ready(jax.jit(program.init)(jax.random.key(0)))
-    it = iter(program.train_data(0).to_iter_dataset(program.read_options))
+    it = iterate(program.train_data(0), getattr(program, "read_options", None))
     batch = next(it)
     began = time.perf_counter()
     step = jax.jit(program.train_step, donate_argnums=(0,)).lower(state, batch).compile()
@@ -56,16 +83,28 @@ def child(steps: int, cache: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--flags", action="append", help="an XLA_FLAGS value (repeat; '' for XLA's defaults)"
+        "--flags",
+        action="append",
+        help="an XLA_FLAGS value (repeat; '' for XLA's defaults; a value starting with -- as "
+        "--flags=--xla_...)",
     )
     parser.add_argument(
         "--runs", type=int, default=3, help="processes per setting after the one filling its cache"
     )
     parser.add_argument("--steps", type=int, default=11)
+    parser.add_argument("--program", help="package.module:attribute (default: the byte LM)")
+    parser.add_argument(
+        "--program-param",
+        dest="program_param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a program parameter (repeatable), as the command reads it",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.steps, args.child)))
+        print(json.dumps(child(args, args.child)))
         return
     settings = args.flags if args.flags is not None else [""]
     with tempfile.TemporaryDirectory(prefix="first-step-") as tmp:
@@ -75,6 +114,9 @@ def main() -> None:
             for flags in settings:
                 env = {**os.environ, "XLA_FLAGS": flags}
                 command = [sys.executable, __file__, "--steps", str(args.steps)]
+                if args.program is not None:
+                    command += ["--program", args.program]
+                command += [f"--program-param={item}" for item in args.program_param]
                 done = subprocess.run(
                     [*command, "--child", caches[flags]], env=env, capture_output=True, text=True
                 )
