@@ -24,25 +24,28 @@ import sys
 import tempfile
 import time
 
+from prefect_jax.cli.arguments import add_program_params
+from prefect_jax.cli.commands import program_params_from_args
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+HORIZON = 240  # the schedule's horizon (the goodput job's --steps): it shapes no step's cost
 
 
 def load(args: argparse.Namespace):
-    """The program `--program` names, built with its `--program-param`s (the engine's loader and
-    the command's parsing), or by default the goodput job's byte LM. On one device a declared
-    mesh has one device, and the loop jits without it; on several it is refused."""
+    """The program `--program` names, built with its params (the engine's loader and the
+    command's parsing), or by default the goodput job's byte LM. On one device a declared mesh
+    has one device, and the loop jits without it; on several it is refused."""
     if args.program is None:
         sys.path.insert(0, HERE)
         import goodput_lm
 
-        return goodput_lm.make_program(argparse.Namespace(steps=240, lm_params=None))
+        return goodput_lm.make_program(argparse.Namespace(steps=HORIZON, lm_params=None))
     import jax
 
-    from prefect_jax.cli.commands import program_params_from_args
     from prefect_jax.training.program import load_program
     from prefect_jax.training.sharding import declares_sharding
 
-    program = load_program(args.program, program_params_from_args(args), max_steps=args.steps)
+    program = load_program(args.program, program_params_from_args(args), max_steps=HORIZON)
     if declares_sharding(program) and jax.device_count() > 1:
         sys.exit(
             f"{args.program} declares a mesh (mesh_axes or shardings) and {jax.device_count()} "
@@ -93,19 +96,16 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=11)
     parser.add_argument("--program", help="package.module:attribute (default: the byte LM)")
-    parser.add_argument(
-        "--program-param",
-        dest="program_param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a program parameter (repeatable), as the command reads it",
-    )
+    add_program_params(parser.add_argument)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         print(json.dumps(child(args, args.child)))
         return
+    try:  # a malformed param refused before any process starts
+        params = program_params_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     settings = args.flags if args.flags is not None else [""]
     with tempfile.TemporaryDirectory(prefix="first-step-") as tmp:
         caches = {flags: os.path.join(tmp, f"cache-{i}") for i, flags in enumerate(settings)}
@@ -116,7 +116,8 @@ def main() -> None:
                 command = [sys.executable, __file__, "--steps", str(args.steps)]
                 if args.program is not None:
                     command += ["--program", args.program]
-                command += [f"--program-param={item}" for item in args.program_param]
+                if params is not None:
+                    command += ["--program-params", json.dumps(params)]
                 done = subprocess.run(
                     [*command, "--child", caches[flags]], env=env, capture_output=True, text=True
                 )

@@ -188,11 +188,9 @@ ROLE_HELP = {
 ROLES = tuple(ROLE_HELP)  # the subcommands `add_role` makes
 
 
-def add_role(sub, name: str) -> None:
-    """The subcommand `name` (a key of `ROLE_HELP`), with its flags, run by `commands.cmd_run`."""
-    role = sub.add_parser(name, help=ROLE_HELP[name], description=ROLE_HELP[name])
-    add = role.add_argument
-    add("--program", required=True, help="program import path, 'package.module:attribute'")
+def add_program_params(add) -> None:
+    """``--program-param KEY=VALUE`` and ``--program-params JSON`` on a parser (``add`` is its
+    ``add_argument``), read by `commands.program_params_from_args`."""
     add(
         "--program-param",
         dest="program_param",
@@ -208,6 +206,14 @@ def add_role(sub, name: str) -> None:
         metavar="JSON",
         help="program parameters as one JSON object ('--program-param's win on the same key)",
     )
+
+
+def add_role(sub, name: str) -> None:
+    """The subcommand `name` (a key of `ROLE_HELP`), with its flags, run by `commands.cmd_run`."""
+    role = sub.add_parser(name, help=ROLE_HELP[name], description=ROLE_HELP[name])
+    add = role.add_argument
+    add("--program", required=True, help="program import path, 'package.module:attribute'")
+    add_program_params(add)
     add("--job", required=True, help="job name")
     add(
         "--storage",
