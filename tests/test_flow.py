@@ -66,9 +66,13 @@ def _artifacts(api_url, flow_run_id):
 
 
 def _log_messages(api_url, flow_run_id) -> list[str]:
-    """The log lines of a flow run and its task runs, read over the REST API."""
+    """The log lines of a flow run and its task runs, read over the REST API. Prefect's log
+    worker sends in batches (every 2 s) and the flow engine does not drain it when a flow run
+    ends, so this drains it first: without it a read right after a run misses its last lines."""
     import httpx
+    from prefect.logging.handlers import APILogHandler
 
+    APILogHandler().flush()
     body = {"logs": {"flow_run_id": {"any_": [str(flow_run_id)]}}, "limit": 200}
     response = httpx.post(f"{api_url}/logs/filter", json=body, timeout=30)
     response.raise_for_status()
@@ -158,6 +162,7 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
     rerun_runs = asyncio.run(_task_runs(again_state.state_details.flow_run_id))
     assert "export 40" in [r.name for r in rerun_runs]  # the rerun's export task did run
     rerun_lines = _log_messages(prefect_server, again_state.state_details.flow_run_id)
+    assert "eval of step 40: NO_NEW_CHECKPOINT" in rerun_lines, rerun_lines  # the read sees them
     assert not [m for m in rerun_lines if m.startswith("exporter ")], rerun_lines
     events = job_events(
         prefect_server, "flow-job", str(tmp_path / "storage"), "prefect-jax.export.", 3, timeout=5
