@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS_DIR = os.path.join(os.path.dirname(TESTS_DIR), "benchmarks")
 
 
 def json_on_cpu_devices(script: str, devices: int, timeout: float = 300) -> dict:

@@ -9,8 +9,9 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = os.path.join(ROOT, "benchmarks")
+from process_helpers import BENCHMARKS_DIR
+
+ROOT = os.path.dirname(BENCHMARKS_DIR)
 
 
 def test_the_rendered_page_is_benchmarks_md(tmp_path):
@@ -18,7 +19,7 @@ def test_the_rendered_page_is_benchmarks_md(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            os.path.join(BENCHMARKS, "run.py"),
+            os.path.join(BENCHMARKS_DIR, "run.py"),
             "--render",
             os.path.join(ROOT, "BENCHMARKS.json"),
             "--out",
@@ -41,7 +42,7 @@ def test_the_rendered_page_is_benchmarks_md(tmp_path):
 
 
 def test_a_hand_note_whose_line_is_gone_is_kept_at_the_end():
-    sys.path.insert(0, BENCHMARKS)
+    sys.path.insert(0, BENCHMARKS_DIR)
     from report_hand_notes import ORPHANS, apply_hand_notes, notes_between
 
     rendered = "# B\n\nrow 1.0\n\n## S\n\nx = 2\n"
@@ -62,7 +63,7 @@ def test_a_hand_note_whose_line_is_gone_is_kept_at_the_end():
 
 
 def test_goodput_verdicts_give_each_rounds_difference_and_count_a_run_that_never_finished():
-    sys.path.insert(0, BENCHMARKS)
+    sys.path.insert(0, BENCHMARKS_DIR)
     from goodput import _turn
     from report_goodput import _goodput_verdicts
 

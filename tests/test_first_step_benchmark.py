@@ -7,7 +7,9 @@ import re
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "first_step.py")
+from process_helpers import BENCHMARKS_DIR
+
+SCRIPT = os.path.join(BENCHMARKS_DIR, "first_step.py")
 
 
 def first_step(*args: str) -> subprocess.CompletedProcess:

@@ -11,8 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from process_helpers import BENCHMARKS_DIR
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "goodput.py")
+SCRIPT = os.path.join(BENCHMARKS_DIR, "goodput.py")
 PERIOD = 10.0
 
 

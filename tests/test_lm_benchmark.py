@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from process_helpers import BENCHMARKS_DIR
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDES = ["bare_nosave", "bare", "flow", "flow_nocopy"]
 
 
@@ -33,7 +33,7 @@ def test_the_gpu_script_on_the_cpu_times_every_side_and_they_end_at_the_same_eva
         PREFECT_API_URL=prefect_server,  # the session's server, not an ephemeral one per side
     )
     done = subprocess.run(
-        ["bash", os.path.join(ROOT, "benchmarks", "lm_gpu.sh")],
+        ["bash", os.path.join(BENCHMARKS_DIR, "lm_gpu.sh")],
         env=env,
         capture_output=True,
         text=True,
