@@ -45,14 +45,14 @@ RERUN_SYSTEMS = ("plain", "plain_prefect", "plain_flow", "prefect_jax")
 def rerun_floor(env: dict, reruns: int, every: int = 500) -> dict:
     """Each system's way back to its first new step over `reruns` reruns (seconds; see the
     module)."""
-    import goodput
+    import goodput_jobs
 
     work = {name: tempfile.mkdtemp(prefix=f"floor-rerun-{name}-") for name in RERUN_SYSTEMS}
     args = argparse.Namespace(every=every, steps=every, prefect_jax_args="")
 
     def run_once(name: str) -> None:
-        cmd, child_env = goodput.command(name, args, work[name], env)
-        goodput.log(f"{name} to step {args.steps}")
+        cmd, child_env = goodput_jobs.command(name, args, work[name], env)
+        goodput_jobs.log(f"{name} to step {args.steps}")
         subprocess.run(cmd, env=child_env, check=True, capture_output=True, timeout=600)
 
     for name in RERUN_SYSTEMS:  # the first checkpoint (and the compilation cache)
@@ -61,7 +61,7 @@ def rerun_floor(env: dict, reruns: int, every: int = 500) -> dict:
         args.steps = every + 1 + i
         for name in RERUN_SYSTEMS if i % 2 == 0 else RERUN_SYSTEMS[::-1]:
             run_once(name)
-    back = {name: goodput.breakdown(name, work[name])["restart_s"] for name in RERUN_SYSTEMS}
+    back = {name: goodput_jobs.breakdown(name, work[name])["restart_s"] for name in RERUN_SYSTEMS}
     for d in work.values():
         shutil.rmtree(d, ignore_errors=True)
     out: dict = {

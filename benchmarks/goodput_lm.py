@@ -70,8 +70,8 @@ def build_corpus(args) -> dict:
 
 
 def prefect_jax_command(args, workdir: str) -> list[str]:
-    """`goodput.prefect_jax_command` of the byte LM, with a ``--program-param`` per param."""
-    from goodput import prefect_jax_command as command
+    """`goodput_jobs.prefect_jax_command` of the byte LM, with a ``--program-param`` per param."""
+    from goodput_jobs import prefect_jax_command as command
 
     params = [x for k, v in lm_params(args).items() for x in ("--program-param", f"{k}={v}")]
     return command(args, workdir, ["--program", PROGRAM, *params])
@@ -108,7 +108,7 @@ def child_plain(args) -> None:
 
     if step > 0 and step not in _evaluated_steps(evaluations):
         began = time.time()
-        evaluate(step)  # (its seconds are not the restart's: `goodput.breakdown`)
+        evaluate(step)  # (its seconds are not the restart's: `goodput_jobs.breakdown`)
         mark(args.workdir, event="evaluated_again", step=int(step), secs=time.time() - began)
     first = True
     while step < args.steps:

@@ -5,7 +5,7 @@ JAX + optax + Orbax loop (also as `floor.py`'s ``plain_prefect`` and ``plain_flo
 
 Each peer writes a line to ``<workdir>/attempts.jsonl`` when it started, finished importing,
 restored (and at which step) and ran its first step (`mark`); the harness sums start-up, restore
-and compile from those (`goodput.breakdown`).
+and compile from those (`goodput_jobs.breakdown`).
 """
 
 from __future__ import annotations

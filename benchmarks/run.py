@@ -195,7 +195,7 @@ def median_results(rounds: list[dict]) -> dict:
 def sides_server(prefix: str):
     """One standing server for a script that drives this file's sides (`thread_cpu.py`,
     `floor.py`): yields (server, env, machine), env naming the server, after a first flow run."""
-    from goodput import warm_up
+    from goodput_jobs import warm_up
 
     work = tempfile.mkdtemp(prefix=prefix)
     env = dict(
@@ -341,7 +341,7 @@ def measure(args) -> dict:
         env = dict(
             base_env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home")
         )
-        from goodput import warm_up
+        from goodput_jobs import warm_up
 
         # A first flow run, not measured: the server registers the flow, the client its profile.
         warm_up(env)

@@ -154,7 +154,7 @@ def main() -> None:
     with bench.StandingServer(os.path.join(work, "server-home")) as server:
         report["machine"] = bench.machine()
         env = dict(env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
-        from goodput import warm_up
+        from goodput_jobs import warm_up
 
         warm_up(env)
         for r in range(args.rounds):
