@@ -96,9 +96,9 @@ def per_interval(got: dict, few: int, many: int) -> dict:
 
 def main() -> None:
     sys.path.insert(0, HERE)
-    import run as bench  # benchmarks/run.py: its sides and its standing server
+    import side_runner  # run.py's sides, run as child processes, and their standing server
 
-    parser = bench.sides_parser(__doc__.splitlines()[0], rounds=3)
+    parser = side_runner.sides_parser(__doc__.splitlines()[0], rounds=3)
     parser.add_argument(
         "--reruns",
         type=int,
@@ -107,7 +107,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.path.join(HERE, "FLOOR.json"))
     args = parser.parse_args()
-    few, many = bench.interval_counts(parser, args.intervals)
+    few, many = side_runner.interval_counts(parser, args.intervals)
     if args.rounds < 0 or args.reruns < 0:
         parser.error(f"--rounds {args.rounds}, --reruns {args.reruns}: give 0 (none) or more")
     side_args = argparse.Namespace(steps=args.steps, every=None, dispatch=10)
@@ -117,7 +117,7 @@ def main() -> None:
         "intervals": [few, many],
         "rounds": [],
     }
-    with bench.sides_server("floor-") as (server, env, machine):
+    with side_runner.sides_server("floor-") as (server, env, machine):
         report["machine"] = machine
         for r in range(args.rounds):
             got: dict = {}
@@ -125,7 +125,7 @@ def main() -> None:
             for n in (few, many):
                 for name in order:
                     before = server.cpu_s()
-                    res = bench.side(
+                    res = side_runner.side(
                         name,
                         side_args,
                         env,

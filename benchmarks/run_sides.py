@@ -2,7 +2,7 @@
 optax + Orbax loop (``plain``, ``plain_scan``, ``plain_tasks``), the `train_and_evaluate` flow
 (``prefect_jax``, ``prefect_jax_scan``, ``prefect_jax_ephemeral``) and Keras 3 ``fit``
 (``keras``). Each returns its clocks as a dict (the clocks: `run.py`'s docstring); the parent
-adds the whole process's time, memory and CPU (`run.run_child`).
+adds the whole process's time, memory and CPU (`side_runner.run_child`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import run as bench  # noqa: E402  (benchmarks/run.py: its sides and its standing server)
+import side_runner  # noqa: E402  (run.py's sides, run as child processes)
+from standing_server import StandingServer  # noqa: E402
 
 
 def cores(text: str) -> set[int]:
@@ -45,7 +46,7 @@ def cores(text: str) -> set[int]:
     return chosen
 
 
-def pin(server: bench.StandingServer, where: set[int]) -> None:
+def pin(server: StandingServer, where: set[int]) -> None:
     """Every thread of the server's processes on `where` (threads it starts later inherit it)."""
     import psutil
 
@@ -151,8 +152,8 @@ def main() -> None:
     os.sched_setaffinity(
         0, train
     )  # this process and every side it starts; the server is pinned per placement
-    with bench.StandingServer(os.path.join(work, "server-home")) as server:
-        report["machine"] = bench.machine()
+    with StandingServer(os.path.join(work, "server-home")) as server:
+        report["machine"] = side_runner.machine()
         env = dict(env, PREFECT_API_URL=server.url, PREFECT_HOME=os.path.join(work, "client-home"))
         from goodput_jobs import warm_up
 
@@ -165,7 +166,7 @@ def main() -> None:
                 for n in intervals:
                     for name in ("plain", "prefect_jax"):
                         before = server.cpu_s()
-                        res = bench.side(
+                        res = side_runner.side(
                             name,
                             side_args,
                             env,

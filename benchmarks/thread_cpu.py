@@ -106,9 +106,9 @@ def rows_of(record: dict) -> dict[str, float]:
 
 def main() -> None:
     sys.path.insert(0, HERE)
-    import run as bench  # benchmarks/run.py: its sides and its standing server
+    import side_runner  # run.py's sides, run as child processes, and their standing server
 
-    parser = bench.sides_parser(__doc__.splitlines()[0], rounds=2)
+    parser = side_runner.sides_parser(__doc__.splitlines()[0], rounds=2)
     parser.add_argument(
         "--sides",
         default="plain,prefect_jax",
@@ -117,7 +117,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.path.join(HERE, "THREAD_CPU.json"))
     args = parser.parse_args()
-    few, many = bench.interval_counts(parser, args.intervals)
+    few, many = side_runner.interval_counts(parser, args.intervals)
     sides = tuple(args.sides.split(","))
     if len(sides) != 2 or not set(sides) <= {"plain", "plain_tasks", "prefect_jax"}:
         parser.error(
@@ -132,7 +132,7 @@ def main() -> None:
         "sides": list(sides),
         "rounds": [],
     }
-    with bench.sides_server("thread-cpu-server-") as (server, env, machine):
+    with side_runner.sides_server("thread-cpu-server-") as (server, env, machine):
         report["machine"] = machine
         for r in range(args.rounds):
             got: dict = {}
@@ -140,7 +140,7 @@ def main() -> None:
                 for n in (few, many):
                     path = os.path.join(work, f"{name}-{n}-{r}.json")
                     before = server.cpu_s()
-                    res = bench.side(
+                    res = side_runner.side(
                         name,
                         side_args,
                         dict(env, BENCH_THREAD_CPU=path),
