@@ -47,17 +47,22 @@ TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
 from deployment_helpers import PrefectServerProcess  # noqa: E402
-from process_helpers import status as _status  # noqa: E402
-from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server  # noqa: E402
+from faults_job import (  # noqa: E402
+    CHECKS,
+    EVERY,
+    best_record,
+    command,
+    environment,
+    job_status,
+    last_json,
+    outcome,
+)
+from s3_server import S3Server  # noqa: E402
 
 from prefect_jax.training.names import COMMIT_MARKER  # noqa: E402
 
-PROGRAM = "programs:big"
-MAX_STEPS, EVERY, LOG_EVERY = 400, 100, 10
-STEPS = list(range(EVERY, MAX_STEPS + 1, EVERY))
-KILL_STEP = (
-    200  # the moments are those of the interval 100 to 200 and of step 200's save, eval, export
-)
+# The moments are those of the interval 100 to 200 and of step 200's save, eval and export.
+KILL_STEP = 200
 
 POINTS = {
     "flow_start": "Prefect began the flow run (before the restore)",
@@ -71,58 +76,6 @@ POINTS = {
     "s3_upload": "s3:// storage: step 200 partly uploaded, no commit marker yet",
 }
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
-CHECKS = (
-    "fingerprint",
-    "exports",
-    "mlflow",
-    "prefect",
-    "notice",
-)  # the table's columns, in the docstring's order
-
-
-def _env(api_url: str, s3: S3Server | None, cache: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in UNSET_AWS_ENV and k != "PREFECT_API_URL"}
-    env.update(ISOLATED_AWS_ENV)
-    env.update(
-        PREFECT_API_URL=api_url,
-        PREFECT_LOGGING_LEVEL="INFO",
-        PREFECT_JAX_CACHE_DIR=str(cache),
-        PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]),
-    )
-    if s3 is not None:
-        env.update(
-            AWS_ACCESS_KEY_ID=ACCESS_KEY,
-            AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-            FSSPEC_S3_ENDPOINT_URL=s3.endpoint_url,
-        )
-    return env
-
-
-def _args(job: str, storage: str, mlflow_uri: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "prefect_jax.cli",
-        "run",
-        "--program",
-        PROGRAM,
-        "--job",
-        job,
-        "--storage",
-        storage,
-        "--max-steps",
-        str(MAX_STEPS),
-        "--checkpoint-every-steps",
-        str(EVERY),
-        "--log-every-steps",
-        str(LOG_EVERY),
-        "--keep-last",
-        "10",
-        "--mlflow-tracking-uri",
-        mlflow_uri,
-        "--json",
-        "--no-progress",
-    ]
 
 
 def _dir_bytes(path: Path) -> int:
@@ -181,159 +134,18 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
         return proc.wait()
 
 
-def _last_json(log: Path) -> dict | None:
-    for line in reversed(log.read_text(errors="replace").splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                return None
-    return None
-
-
-def _mlflow_check(mlflow_uri: str, run_id: str, evaluated: list[int]) -> tuple[bool, str]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(mlflow_uri)
-    run = client.get_run(run_id)
-    problems = []
-    if run.info.status != "FINISHED":
-        problems.append(f"status {run.info.status}")
-    for key in ("eval/loss", "eval/accuracy"):
-        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
-        if steps != evaluated:
-            problems.append(f"{key} at {steps}")
-    expected_train = list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
-    for key in ("train/loss", "train/accuracy"):
-        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
-        if steps != expected_train:
-            extra = sorted({s for s in steps if steps.count(s) > 1})
-            missing = sorted(set(expected_train) - set(steps))
-            problems.append(f"train {key}: twice at {extra}, missing {missing}")
-    return not problems, "; ".join(problems)
-
-
-def _prefect_check(api_url: str, job: str) -> tuple[bool, str]:
-    import httpx
-
-    flow_runs = httpx.post(
-        f"{api_url}/flow_runs/filter",
-        # By name, not by the job's tag: a run killed before its first task was never tagged.
-        json={
-            "flow_runs": {"name": {"any_": [f"train-and-evaluate-{job}"]}},
-            "sort": "EXPECTED_START_TIME_ASC",
-            "limit": 50,
-        },
-        timeout=30,
-    ).json()
-    if not flow_runs:
-        return False, "no flow run of the job"
-    problems = []
-    states = [fr["state_type"] for fr in flow_runs]
-    if states[-1] != "COMPLETED":
-        problems.append(f"last flow run {states[-1]}")
-    if any(s not in ("CRASHED", "FAILED") for s in states[:-1]):
-        problems.append(f"earlier flow runs {states[:-1]}")
-    task_runs = httpx.post(
-        f"{api_url}/task_runs/filter",
-        json={
-            "flow_runs": {"id": {"any_": [fr["id"] for fr in flow_runs]}},
-            "sort": "EXPECTED_START_TIME_ASC",
-            "limit": 200,
-        },
-        timeout=30,
-    ).json()
-    stuck = [
-        f"{tr['name']}: {tr['state_type']}"
-        for tr in task_runs
-        if tr["state_type"] in ("RUNNING", "PENDING")
-    ]
-    if stuck:
-        problems.append(f"task runs left {stuck}")
-    return not problems, "; ".join(problems) or f"{len(flow_runs)} flow runs: {'/'.join(states)}"
-
-
-def _outcome(
-    job: str,
-    storage: str,
-    summary: dict | None,
-    reference: dict,
-    mlflow_uri: str,
-    api_url: str,
-    env,
-) -> dict:
-    """The four checks of one finished job against the reference."""
-    status = _status(job, storage, env)
-    row: dict = {}
-    if summary is None:
-        return {
-            "fingerprint": (False, "the rerun printed no summary"),
-            "exports": (False, ""),
-            "mlflow": (False, ""),
-            "prefect": _prefect_check(api_url, job),
-        }
-    same_fp = summary.get("state_fingerprint") == reference["state_fingerprint"]
-    fp_problems = [] if same_fp else ["fingerprint differs"]
-    # A SIGTERM mid-interval commits the step in flight too (a
-    # preemption checkpoint, off the cadence).
-    if [s for s in status["committed_steps"] if s % EVERY == 0] != STEPS:
-        fp_problems.append(f"committed {status['committed_steps']}")
-    if status["evaluated_steps"].get("eval") != STEPS:
-        fp_problems.append(f"evaluated {status['evaluated_steps']}")
-    row["fingerprint"] = (not fp_problems, "; ".join(fp_problems))
-    registry = {k: status.get("registered_model", {}).get(k) for k in ("versions", "aliases")}
-    same_exports = (
-        status["exports"] == reference["exports"]
-        and summary.get("best") == reference["best"]
-        and registry == reference["registry"]
-    )
-    row["exports"] = (
-        same_exports,
-        ""
-        if same_exports
-        else f"{status['exports']} best {summary.get('best')} registry {registry}",
-    )
-    row["mlflow"] = (
-        _mlflow_check(
-            mlflow_uri, summary["mlflow_run_id"], status["evaluated_steps"].get("eval", [])
-        )
-        if summary.get("mlflow_run_id")
-        else (False, f"no MLflow run: {summary.get('mlflow_missing')}")
-    )
-    row["prefect"] = _prefect_check(api_url, job)
-    return row
-
-
-def _best(job: str, ctx: dict, remote: bool) -> dict | None:
-    """The best exporter's record (best.json) of a job."""
-    if remote:
-        fs, path = ctx["s3"].filesystem(), f"faults/sweep/{job}/exports/best/best.json"
-    else:
-        import fsspec
-
-        fs, path = (
-            fsspec.filesystem("file"),
-            str(ctx["work"] / "storage" / job / "exports" / "best" / "best.json"),
-        )
-    try:
-        with fs.open(path, "r") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-
-
 def run_point(point: str, sig: str, ctx: dict, round_: int = 1) -> dict:
     job = f"{point.replace('_', '-')}-{sig.lower()}" + (f"-{round_}" if round_ > 1 else "")
     remote = point == "s3_upload"
     storage = "s3://faults/sweep" if remote else str(ctx["work"] / "storage")
-    env = _env(ctx["api_url"], ctx["s3"] if remote else None, ctx["work"] / "cache" / job)
+    env = environment(ctx["api_url"], ctx["s3"] if remote else None, ctx["work"] / "cache" / job)
     logs = ctx["work"] / "logs"
     ckpt = ctx["work"] / "storage" / job / "checkpoints"
     s3fs = ctx["s3"].filesystem() if remote else None
     s3_prefix = f"faults/sweep/{job}/checkpoints" if remote else None
 
     first = logs / f"{job}-1.log"
-    proc = _start(_args(job, storage, ctx["mlflow_uri"]), env, first)
+    proc = _start(command(job, storage, ctx["mlflow_uri"]), env, first)
     hit, deadline = False, time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if _moment(point, first, ckpt, s3_prefix, s3fs):
@@ -348,17 +160,17 @@ def run_point(point: str, sig: str, ctx: dict, round_: int = 1) -> dict:
         rc1 = proc.wait()
     attempts, summary = 1, None
     if rc1 == 0:
-        summary = _last_json(first)
+        summary = last_json(first)
     while summary is None and attempts < 4:  # the rerun automation: run again at once
         attempts += 1
         log = logs / f"{job}-{attempts}.log"
-        rerun = _start(_args(job, storage, ctx["mlflow_uri"]), env, log)
+        rerun = _start(command(job, storage, ctx["mlflow_uri"]), env, log)
         rc = rerun.wait(timeout=600)
         if rc == 0:
-            summary = _last_json(log)
+            summary = last_json(log)
     if summary is not None:
-        summary["best"] = _best(job, ctx, remote)
-    row = _outcome(
+        summary["best"] = best_record(job, ctx, remote)
+    row = outcome(
         job,
         storage,
         summary,
@@ -386,14 +198,14 @@ def run_point(point: str, sig: str, ctx: dict, round_: int = 1) -> dict:
 def reference_run(ctx: dict, remote: bool) -> dict:
     job = "straight-s3" if remote else "straight"
     storage = "s3://faults/sweep" if remote else str(ctx["work"] / "storage")
-    env = _env(ctx["api_url"], ctx["s3"] if remote else None, ctx["work"] / "cache" / job)
+    env = environment(ctx["api_url"], ctx["s3"] if remote else None, ctx["work"] / "cache" / job)
     log = ctx["work"] / "logs" / f"{job}.log"
-    proc = _start(_args(job, storage, ctx["mlflow_uri"]), env, log)
+    proc = _start(command(job, storage, ctx["mlflow_uri"]), env, log)
     if proc.wait(timeout=600) != 0:
         raise RuntimeError(f"the uninterrupted run failed:\n{log.read_text()[-4000:]}")
-    summary = _last_json(log)
-    status = _status(job, storage, env)
-    best = _best(job, ctx, remote)
+    summary = last_json(log)
+    status = job_status(job, storage, env)
+    best = best_record(job, ctx, remote)
     registry = {k: status.get("registered_model", {}).get(k) for k in ("versions", "aliases")}
     return {
         "state_fingerprint": summary["state_fingerprint"],
