@@ -1,11 +1,15 @@
 """Packaging promises: a cheap `import prefect_jax`, an engine free of
 prefect, the entry points, blocks."""
 
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
+
+import prefect_jax
 
 
 def _modules_after(statement):
@@ -139,3 +143,31 @@ def test_every_name_the_engine_package_exports_is_defined_where_it_says():
         assert hasattr(importlib.import_module(f"prefect_jax.training.{module}"), name), (
             f"prefect_jax.training.{name} points at {module}, which has no {name}"
         )
+
+
+def _package_modules() -> list[Path]:
+    root = Path(prefect_jax.__file__).parent
+    return sorted(p for p in root.rglob("*.py") if p.name != "__init__.py")
+
+
+def test_the_design_map_names_every_module_of_the_package():
+    """docs/design.md's map is how a newcomer finds a module's room: a module added or moved
+    without its line there is found here."""
+    design = (Path(prefect_jax.__file__).parent.parent / "docs" / "design.md").read_text()
+    unnamed = [
+        str(p.relative_to(Path(prefect_jax.__file__).parent))
+        for p in _package_modules()
+        if not re.search(rf"\b{re.escape(p.name)}\b", design)  # (by file name: "live" is a word)
+    ]
+    assert not unnamed, f"modules that docs/design.md's map does not name: {unnamed}"
+
+
+def test_every_module_of_the_package_keeps_to_one_concern_of_at_most_400_lines():
+    """The house rule: one concern per module, a few hundred lines at most. A module that grows
+    past it is split by concern (see docs/design.md's map), not trimmed of its comments."""
+    long = {
+        str(p.relative_to(Path(prefect_jax.__file__).parent)): n
+        for p in _package_modules()
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not long, f"modules over 400 lines: {long}"
