@@ -20,15 +20,23 @@ import sys
 import time
 from collections import Counter
 
-import faults
-from faults import TESTS, _args, _best, _env, _last_json, _outcome, _start, _status, _wait
+from faults import TESTS, _start, _wait
+from faults_job import (
+    EVERY,
+    best_record,
+    command,
+    environment,
+    job_status,
+    last_json,
+    outcome,
+)
 
 sys.path.insert(0, str(TESTS))
 from deployment_helpers import free_port  # noqa: E402
 from mlflow_server import MlflowServerProcess  # noqa: E402
 
 FAMILIES = {
-    "mlflow_restart": f"the `mlflow server` SIGKILLed once step {faults.EVERY}'s metrics landed, "
+    "mlflow_restart": f"the `mlflow server` SIGKILLed once step {EVERY}'s metrics landed, "
     "back on its port after 15 s",
     "mlflow_unreachable": "the tracking URI a closed port: refused; with --mlflow-optional "
     "trained, nothing in MLflow said",
@@ -90,17 +98,17 @@ def _row(family, job, rc1, attempts, row) -> dict:
 def mlflow_restart(ctx: dict) -> dict:
     job, work = "mlflow-restart", ctx["work"]
     storage = str(work / "storage")
-    env = _env(ctx["api_url"], None, work / "cache" / job)
+    env = environment(ctx["api_url"], None, work / "cache" / job)
     server = MlflowServerProcess(work, free_port(), log_dir=work / "logs")
     server.start()
     detail, truthful = [], True
     try:
-        args = _args(job, storage, server.uri)
+        args = command(job, storage, server.uri)
         first = work / "logs" / f"{job}-1.log"
         proc = _start(args, env, first)
         deadline, hit = time.monotonic() + 600, False
         while time.monotonic() < deadline and proc.poll() is None:
-            if server.last_step("train/loss") >= faults.EVERY:
+            if server.last_step("train/loss") >= EVERY:
                 hit = True
                 break
             time.sleep(0.05)
@@ -109,25 +117,25 @@ def mlflow_restart(ctx: dict) -> dict:
             time.sleep(DOWN_SECS)
             server.start()
         rc1 = _wait(proc, 900)
-        summary = _last_json(first) if rc1 == 0 else None
+        summary = last_json(first) if rc1 == 0 else None
         attempts = 1
         while summary is None and attempts < 4:  # as the other families: rerun until it ends 0
             attempts += 1
             log = work / "logs" / f"{job}-{attempts}.log"
             if _wait(_start(args, env, log), 900) == 0:
-                summary = _last_json(log)
+                summary = last_json(log)
         if not hit:
             truthful = False
-            detail.append(f"the moment was missed (step {faults.EVERY} never reached the server)")
+            detail.append(f"the moment was missed (step {EVERY} never reached the server)")
         if rc1 != 0:
             truthful = False
             detail.append(f"the run the outage met exited {rc1}")
         if summary is not None:
-            summary["best"] = _best(job, ctx, False)
+            summary["best"] = best_record(job, ctx, False)
             if summary.get("mlflow_missing"):
                 truthful = False
                 detail.append(f"the summary says: {summary['mlflow_missing']}")
-        row = _outcome(job, storage, summary, ctx["reference"], server.uri, ctx["api_url"], env)
+        row = outcome(job, storage, summary, ctx["reference"], server.uri, ctx["api_url"], env)
         if summary is not None and summary.get("mlflow_run_id"):
             ref = _contents(ctx["mlflow_uri"], ctx["reference"]["mlflow_run_id"])
             ok, why = _same_contents(_contents(server.uri, summary["mlflow_run_id"]), ref)
@@ -144,11 +152,11 @@ def mlflow_unreachable(ctx: dict) -> dict:
     job, work = "mlflow-unreachable", ctx["work"]
     storage = str(work / "storage")
     job_dir = work / "storage" / job
-    env = _env(ctx["api_url"], None, work / "cache" / job)
+    env = environment(ctx["api_url"], None, work / "cache" / job)
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     detail, truthful = [], True
     first = work / "logs" / f"{job}-1.log"
-    rc1 = _wait(_start(_args(job, storage, uri), env, first), 600)
+    rc1 = _wait(_start(command(job, storage, uri), env, first), 600)
     text = first.read_text(errors="replace")
     named = f"--mlflow-tracking-uri {uri}" in text and "--mlflow-optional" in text
     trained = "training from step" in text
@@ -159,11 +167,11 @@ def mlflow_unreachable(ctx: dict) -> dict:
             f"job directory written: {job_dir.exists()}"
         )
     second = work / "logs" / f"{job}-2.log"
-    rc2 = _wait(_start([*_args(job, storage, uri), "--mlflow-optional"], env, second), 900)
-    summary = _last_json(second) if rc2 == 0 else None
+    rc2 = _wait(_start([*command(job, storage, uri), "--mlflow-optional"], env, second), 900)
+    summary = last_json(second) if rc2 == 0 else None
     if summary is not None:
-        summary["best"] = _best(job, ctx, False)
-    row = _outcome(job, storage, summary, ctx["reference"], uri, ctx["api_url"], env)
+        summary["best"] = best_record(job, ctx, False)
+    row = outcome(job, storage, summary, ctx["reference"], uri, ctx["api_url"], env)
     if summary is None:
         truthful = False
         detail.append(f"--mlflow-optional: exit {rc2}")
@@ -181,7 +189,7 @@ def mlflow_unreachable(ctx: dict) -> dict:
         )
         if not row["exports"][0]:  # (the registry: none is right here)
             ref = ctx["reference"]
-            status = _status(job, storage, env)["exports"]
+            status = job_status(job, storage, env)["exports"]
             ok = status == ref["exports"] and summary.get("best") == ref["best"]
             row["exports"] = (ok, "" if ok else f"{status} best {summary.get('best')}")
     row["truthful"] = (truthful, "; ".join(detail))

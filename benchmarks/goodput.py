@@ -59,11 +59,11 @@ import sys
 import tempfile
 import time
 
-from goodput_jobs import log, run_job, warm_up
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.dont_write_bytecode = False
+sys.dont_write_bytecode = False  # (before the imports below: their .pyc files are written too)
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+from goodput_jobs import log, run_job, warm_up  # noqa: E402
 
 
 def sized_steps(steps: int, every: int, uninterrupted: dict[str, dict], min_wall_s: float) -> int:
