@@ -36,16 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import faults_job  # the job and its checks
 from faults import KILL_STEP, ROOT, TESTS, _moment, _start, _wait, reference_run
-from faults_job import (
-    CHECKS,
-    best_record,
-    command,
-    environment,
-    job_status,
-    last_json,
-    outcome,
-)
+from faults_job import CHECKS
 
 sys.path.insert(0, str(TESTS))
 from deployment_helpers import PrefectServerProcess  # noqa: E402
@@ -100,9 +93,9 @@ def run_family(family: str, ctx: dict) -> dict:
     storage = str(ctx["work"] / "storage")
     job_dir = ctx["work"] / "storage" / job
     ckpt = job_dir / "checkpoints"
-    env = environment(ctx["api_url"], None, ctx["work"] / "cache" / job)
+    env = faults_job.environment(ctx["api_url"], None, ctx["work"] / "cache" / job)
     logs = ctx["work"] / "logs"
-    args = command(job, storage, ctx["mlflow_uri"])
+    args = faults_job.command(job, storage, ctx["mlflow_uri"])
     first = logs / f"{job}-1.log"
     truthful, detail = True, []
 
@@ -111,7 +104,7 @@ def run_family(family: str, ctx: dict) -> dict:
         rc1 = _wait(proc, 600)
         text = first.read_text(errors="replace")
         said = "CheckpointSaveError" in text and "Finished in state Failed" in text
-        truthful = rc1 != 0 and last_json(first) is None and said
+        truthful = rc1 != 0 and faults_job.last_json(first) is None and said
         detail.append(f"exit {rc1}, CheckpointSaveError named: {said}")
     elif family == "vanished":
         proc = _start(args, env, first)
@@ -156,7 +149,10 @@ def run_family(family: str, ctx: dict) -> dict:
         else:
             _truncate(target)
         if family != "metadata" and hit:
-            listed = [d["path"] for d in job_status(job, storage, env).get("damaged_records", [])]
+            listed = [
+                d["path"]
+                for d in faults_job.job_status(job, storage, env).get("damaged_records", [])
+            ]
             if not any(p.endswith(target.name) for p in listed):
                 truthful = False
                 detail.append(f"status did not name it: {listed}")
@@ -166,7 +162,7 @@ def run_family(family: str, ctx: dict) -> dict:
         attempts += 1
         log = logs / f"{job}-{attempts}.log"
         if _wait(_start(args, env, log), 600) == 0:
-            summary = last_json(log)
+            summary = faults_job.last_json(log)
             text = log.read_text(errors="replace")
             if family in ("eval_record", "goodput_ledger") and "is damaged" not in text:
                 truthful = False
@@ -175,15 +171,17 @@ def run_family(family: str, ctx: dict) -> dict:
                 truthful = False
                 detail.append("the damaged step was not moved aside as corrupt")
     if summary is not None:
-        summary["best"] = best_record(job, ctx, False)
-        left = job_status(job, storage, env).get("damaged_records", [])
+        summary["best"] = faults_job.best_record(job, ctx, False)
+        left = faults_job.job_status(job, storage, env).get("damaged_records", [])
         if left:
             truthful = False
             detail.append(f"still damaged: {left}")
     if family == "goodput_ledger" and not list(job_dir.glob("goodput.json.damaged-*")):
         truthful = False
         detail.append("the damaged ledger was not kept")
-    row = outcome(job, storage, summary, ctx["reference"], ctx["mlflow_uri"], ctx["api_url"], env)
+    row = faults_job.outcome(
+        job, storage, summary, ctx["reference"], ctx["mlflow_uri"], ctx["api_url"], env
+    )
     row["truthful"] = (truthful, "; ".join(detail))
     return {
         "family": family,

@@ -20,16 +20,9 @@ import sys
 import time
 from collections import Counter
 
+import faults_job  # the job and its checks
 from faults import TESTS, _start, _wait
-from faults_job import (
-    EVERY,
-    best_record,
-    command,
-    environment,
-    job_status,
-    last_json,
-    outcome,
-)
+from faults_job import EVERY
 
 sys.path.insert(0, str(TESTS))
 from deployment_helpers import free_port  # noqa: E402
@@ -98,12 +91,12 @@ def _row(family, job, rc1, attempts, row) -> dict:
 def mlflow_restart(ctx: dict) -> dict:
     job, work = "mlflow-restart", ctx["work"]
     storage = str(work / "storage")
-    env = environment(ctx["api_url"], None, work / "cache" / job)
+    env = faults_job.environment(ctx["api_url"], None, work / "cache" / job)
     server = MlflowServerProcess(work, free_port(), log_dir=work / "logs")
     server.start()
     detail, truthful = [], True
     try:
-        args = command(job, storage, server.uri)
+        args = faults_job.command(job, storage, server.uri)
         first = work / "logs" / f"{job}-1.log"
         proc = _start(args, env, first)
         deadline, hit = time.monotonic() + 600, False
@@ -117,13 +110,13 @@ def mlflow_restart(ctx: dict) -> dict:
             time.sleep(DOWN_SECS)
             server.start()
         rc1 = _wait(proc, 900)
-        summary = last_json(first) if rc1 == 0 else None
+        summary = faults_job.last_json(first) if rc1 == 0 else None
         attempts = 1
         while summary is None and attempts < 4:  # as the other families: rerun until it ends 0
             attempts += 1
             log = work / "logs" / f"{job}-{attempts}.log"
             if _wait(_start(args, env, log), 900) == 0:
-                summary = last_json(log)
+                summary = faults_job.last_json(log)
         if not hit:
             truthful = False
             detail.append(f"the moment was missed (step {EVERY} never reached the server)")
@@ -131,11 +124,13 @@ def mlflow_restart(ctx: dict) -> dict:
             truthful = False
             detail.append(f"the run the outage met exited {rc1}")
         if summary is not None:
-            summary["best"] = best_record(job, ctx, False)
+            summary["best"] = faults_job.best_record(job, ctx, False)
             if summary.get("mlflow_missing"):
                 truthful = False
                 detail.append(f"the summary says: {summary['mlflow_missing']}")
-        row = outcome(job, storage, summary, ctx["reference"], server.uri, ctx["api_url"], env)
+        row = faults_job.outcome(
+            job, storage, summary, ctx["reference"], server.uri, ctx["api_url"], env
+        )
         if summary is not None and summary.get("mlflow_run_id"):
             ref = _contents(ctx["mlflow_uri"], ctx["reference"]["mlflow_run_id"])
             ok, why = _same_contents(_contents(server.uri, summary["mlflow_run_id"]), ref)
@@ -152,11 +147,11 @@ def mlflow_unreachable(ctx: dict) -> dict:
     job, work = "mlflow-unreachable", ctx["work"]
     storage = str(work / "storage")
     job_dir = work / "storage" / job
-    env = environment(ctx["api_url"], None, work / "cache" / job)
+    env = faults_job.environment(ctx["api_url"], None, work / "cache" / job)
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     detail, truthful = [], True
     first = work / "logs" / f"{job}-1.log"
-    rc1 = _wait(_start(command(job, storage, uri), env, first), 600)
+    rc1 = _wait(_start(faults_job.command(job, storage, uri), env, first), 600)
     text = first.read_text(errors="replace")
     named = f"--mlflow-tracking-uri {uri}" in text and "--mlflow-optional" in text
     trained = "training from step" in text
@@ -167,11 +162,13 @@ def mlflow_unreachable(ctx: dict) -> dict:
             f"job directory written: {job_dir.exists()}"
         )
     second = work / "logs" / f"{job}-2.log"
-    rc2 = _wait(_start([*command(job, storage, uri), "--mlflow-optional"], env, second), 900)
-    summary = last_json(second) if rc2 == 0 else None
+    rc2 = _wait(
+        _start([*faults_job.command(job, storage, uri), "--mlflow-optional"], env, second), 900
+    )
+    summary = faults_job.last_json(second) if rc2 == 0 else None
     if summary is not None:
-        summary["best"] = best_record(job, ctx, False)
-    row = outcome(job, storage, summary, ctx["reference"], uri, ctx["api_url"], env)
+        summary["best"] = faults_job.best_record(job, ctx, False)
+    row = faults_job.outcome(job, storage, summary, ctx["reference"], uri, ctx["api_url"], env)
     if summary is None:
         truthful = False
         detail.append(f"--mlflow-optional: exit {rc2}")
@@ -189,7 +186,7 @@ def mlflow_unreachable(ctx: dict) -> dict:
         )
         if not row["exports"][0]:  # (the registry: none is right here)
             ref = ctx["reference"]
-            status = job_status(job, storage, env)["exports"]
+            status = faults_job.job_status(job, storage, env)["exports"]
             ok = status == ref["exports"] and summary.get("best") == ref["best"]
             row["exports"] = (ok, "" if ok else f"{status} best {summary.get('best')}")
     row["truthful"] = (truthful, "; ".join(detail))
