@@ -90,7 +90,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--no-goodput",
         action="store_true",
-        help="skip the goodput-under-preemption runs (goodput.py, ~45 min)",
+        help="skip the goodput-under-preemption runs (goodput.py, ~40 min)",
     )
     parser.add_argument(
         "--rounds",

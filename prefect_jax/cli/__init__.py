@@ -105,10 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     process.set_defaults(fn=launch.cmd_process)
 
-    job_status = sub.add_parser("status", help="committed, evaluated and exported steps of a job")
-    job_status.add_argument("--job", required=True)
+    job_status = sub.add_parser(
+        "status",
+        help="committed, evaluated and exported steps of a job",
+        description="A job's committed, evaluated and exported steps, its goodput, program "
+        "params, registered model and any damaged records, read from its storage (and MLflow); no "
+        "Prefect server needed, unless --storage names a block.",
+    )
+    job_status.add_argument("--job", required=True, help="the job's name, as given to run")
     job_status.add_argument("--storage", required=True, help="as for run")
-    job_status.add_argument("--json", action="store_true")
+    job_status.add_argument("--json", action="store_true", help="one JSON object instead of text")
     job_status.set_defaults(fn=status.cmd_status)
 
     automations = sub.add_parser("automations", help="Prefect automations for training jobs")

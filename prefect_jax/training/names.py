@@ -51,7 +51,7 @@ EVAL_EVENT = "prefect-jax.eval.completed"
 EXPORT_EVENT = "prefect-jax.export.completed"
 EVENT_STORAGE_LABEL = "prefect-jax.storage"
 EVENT_STEP_LABEL = "prefect-jax.step"
-OWN_TAG = "prefect-jax"  # on every flow run and task run the package makes
+OWN_TAG = "prefect-jax"  # on every flow run the package makes (its task runs are untagged)
 JOB_RUN_TAG = "job:"  # job:<job>, on every flow run of a job
 PROCESS_RUN_TAG = (
     "process:"  # process:<host>:<pid> of a flow run the command runs in its own process
