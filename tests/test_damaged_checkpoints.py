@@ -9,7 +9,9 @@ import pytest
 from conftest import train_and_close
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
-from prefect_jax.training.names import STEP_META_FILE
+from prefect_jax.training.checkpoints import Checkpoints
+from prefect_jax.training.errors import IntactStepRestoreError, is_transient
+from prefect_jax.training.names import STEP_MANIFEST_FILE, STEP_META_FILE
 from prefect_jax.training.trainer import Trainer
 
 
@@ -134,3 +136,59 @@ def test_a_flipped_bit_in_a_steps_recorded_params_is_corruption_not_other_params
     assert "is corrupt" in caplog.text and "other program params" not in caplog.text
     assert [n for n in os.listdir(_ckpt_dir(config)) if n.startswith("40.corrupt-")]
     again.close()
+
+
+def _fail_restores_with(monkeypatch, error: BaseException) -> None:
+    """Every restore fails with `error` where Orbax is called, as a machine out of device
+    memory or a storage read cut off fails it: the step's files are not the cause."""
+
+    def fail(self, step, abstract_state, data_iter):
+        raise error
+
+    monkeypatch.setattr(Checkpoints, "_restore_unverified", fail)
+
+
+def _set_aside(config) -> list[str]:
+    return [n for n in os.listdir(_ckpt_dir(config)) if not n.isdigit()]
+
+
+def test_an_intact_step_that_fails_to_restore_is_raised_not_set_aside(trained, monkeypatch):
+    """A failure that is not the step's (its files match their checksums) would meet every older
+    step too: passing over them all would set the job's progress aside and start it from scratch.
+    It is raised, naming the step, and the next run resumes from that step once the cause is
+    gone."""
+    config, prints = trained
+    _fail_restores_with(monkeypatch, ConnectionResetError(104, "Connection reset by peer"))
+    trainer = Trainer(config)
+    with pytest.raises(IntactStepRestoreError) as err:
+        trainer.restore_or_init()
+    trainer.close()
+    message = str(err.value)
+    assert os.path.join(_ckpt_dir(config), "60") in message and "is intact" in message
+    assert "ConnectionResetError" in message and "Nothing was set aside" in message
+    assert is_transient(err.value)  # (retried as its cause is: an I/O error)
+    assert not is_transient(IntactStepRestoreError("s", ValueError("x")))
+    assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
+
+    monkeypatch.undo()  # the cause gone, the next run resumes from the same step, exactly
+    trainer = Trainer(config)
+    assert trainer.restore_or_init() == 60
+    assert trainer.fingerprint() == prints[60]
+    trainer.close()
+
+
+def test_out_of_memory_in_a_restore_is_raised_even_for_a_step_without_checksums(
+    trained, monkeypatch
+):
+    """A step written before prefect-jax wrote checksums cannot be told intact; an error that is
+    the machine's (XLA's out of memory) still sets nothing aside. Any other error falls back."""
+    config, _ = trained
+    os.remove(os.path.join(_ckpt_dir(config), "60", STEP_MANIFEST_FILE))
+    _fail_restores_with(
+        monkeypatch, RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1.13GiB")
+    )
+    trainer = Trainer(config)
+    with pytest.raises(RuntimeError, match="^RESOURCE_EXHAUSTED"):
+        trainer.restore_or_init()
+    trainer.close()
+    assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)

@@ -37,7 +37,11 @@ from prefect_jax.training.data_positions import (
     restore_position_of_process_0,
     written_by_other_processes,
 )
-from prefect_jax.training.errors import CheckpointMismatchError, CheckpointSaveError
+from prefect_jax.training.errors import (
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    IntactStepRestoreError,
+)
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.save_failures import SaveFailures
 from prefect_jax.training.save_handoff import (
@@ -295,6 +299,7 @@ class Checkpoints:
             CorruptCheckpointError: the step's files differ from the checksums of its commit.
             CheckpointMismatchError: the stored tree differs from `abstract_state`; the message
                 lists every differing leaf by path.
+            IntactStepRestoreError: the step's files match its checksums, and it failed anyway.
         """
         self._join_handoff(raising=False)
         if int(step) not in self.manager.all_steps():
@@ -302,15 +307,15 @@ class Checkpoints:
             self.reload()
         # The checksums beside the restore, consulted before anything it read is used or refused:
         # a damaged step (its metadata too) is corrupt, not another program's.
-        local = "://" not in self.directory
-        verifying = (
-            BackgroundVerification(os.path.join(self.directory, str(step))) if local else None
-        )
+        local, step_dir = "://" not in self.directory, os.path.join(self.directory, str(step))
+        verifying = BackgroundVerification(step_dir) if local else None
         try:
             restored, meta = self._restore_unverified(step, abstract_state, data_iter)
-        except Exception:
-            if verifying is not None:
-                verifying.result()  # raises for a damaged step, whatever the restore raised
+        except Exception as exc:
+            # result() raises for a damaged step, whatever the restore raised; True: intact
+            if verifying is not None and verifying.result():
+                if not isinstance(exc, CheckpointMismatchError):  # (another program's tree)
+                    raise IntactStepRestoreError(step_dir, exc) from exc
             raise
         if local and not verifying.result():
             logger.warning(

@@ -8,6 +8,13 @@ someone else is training) fail at once, with a message that says what to fix.
 from __future__ import annotations
 
 
+def said(cause: BaseException) -> str:
+    """``"TypeName: its first line"`` (at most 400 characters of it), for a message that names
+    the error it wraps."""
+    first = str(cause).splitlines()[0][:400] if str(cause) else ""
+    return f"{type(cause).__name__}: {first}"
+
+
 class CheckpointMismatchError(ValueError):
     """A checkpoint's tree differs from the tree the program's `init` builds."""
 
@@ -20,12 +27,29 @@ class CheckpointSaveError(OSError):
 
     def __init__(self, step: int | None, directory: str, cause: BaseException):
         self.step, self.directory = step, directory
-        first = str(cause).splitlines()[0][:400] if str(cause) else ""
         super().__init__(
-            f"saving checkpoint step {step} to {directory} failed ({type(cause).__name__}: "
-            f"{first}): step {step} did not commit, and no later step counts. Free space on the "
+            f"saving checkpoint step {step} to {directory} failed ({said(cause)}): step {step} "
+            "did not commit, and no later step counts. Free space on the "
             "storage (or fix what refused the write) and run the job again: it resumes from its "
             "newest committed step (the train task's retries do so once the storage takes writes)."
+        )
+
+
+class IntactStepRestoreError(RuntimeError):
+    """A committed step whose files match the checksums of its commit failed to restore.
+
+    The cause is the run's, not the step's (device memory, this machine's libraries or storage),
+    so the step is neither set aside nor passed over for an older one: doing so would throw away
+    saved progress for a cause that the next step would meet too. A retry is decided by the
+    cause (`is_transient`)."""
+
+    def __init__(self, step_dir: str, cause: BaseException):
+        self.step_dir, self.cause = step_dir, cause
+        super().__init__(
+            f"checkpoint {step_dir} is intact (its files match the checksums of its commit) but "
+            f"did not restore ({said(cause)}). Nothing was set aside and no "
+            "older step was tried: fix the cause (device memory, the machine's libraries or "
+            "storage) and run the job again; it resumes from this step."
         )
 
 
@@ -193,6 +217,8 @@ def is_transient(exc: BaseException) -> bool:
     timeouts...)."""
     if isinstance(exc, StorageNotWritableError):
         return False
+    if isinstance(exc, IntactStepRestoreError):
+        return is_transient(exc.cause)
     if isinstance(exc, (OSError, TimeoutError, ConnectionError, Preempted)):
         return True
     return not isinstance(exc, PERMANENT)

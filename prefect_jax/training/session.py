@@ -15,12 +15,17 @@ from prefect_jax.training.checkpoint_dirs import (
     wait_for_new_checkpoint,
 )
 from prefect_jax.training.checkpoints import Checkpoints
-from prefect_jax.training.errors import CheckpointMismatchError, PastMaxStepsError
+from prefect_jax.training.errors import (
+    CheckpointMismatchError,
+    IntactStepRestoreError,
+    PastMaxStepsError,
+)
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.names import DEVICES_TAG
 from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore_of
 from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.remote_errors import RemoteStorageError
 from prefect_jax.training.tracking import flatten_params
 
 if TYPE_CHECKING:
@@ -98,6 +103,8 @@ def recover_session(
             except (CheckpointMismatchError, ProgramParamsMismatchError):
                 raise
             except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
+                if not_the_steps_fault(exc):
+                    raise
                 logger.warning(
                     "checkpoint step %d in %s is unreadable (%s: %s); falling back to the "
                     "previous committed step",
@@ -112,6 +119,16 @@ def recover_session(
             log(f"restored step {step} from {checkpoint_dir}")
             return True, state, step, meta, data_iter
     return False, None, None, None, None
+
+
+def not_the_steps_fault(exc: BaseException) -> bool:
+    """Whether a failed restore says nothing against the step, so that it must not be set aside
+    nor passed over for an older one (which would meet the same cause, and then init): the step's
+    files matched its checksums, the storage did not answer or refused the credentials, or the
+    machine ran out of memory (XLA's out-of-memory errors start with RESOURCE_EXHAUSTED)."""
+    return isinstance(exc, (IntactStepRestoreError, RemoteStorageError, MemoryError)) or str(
+        exc
+    ).startswith("RESOURCE_EXHAUSTED")
 
 
 def restore_or_init(
@@ -135,7 +152,9 @@ def restore_or_init(
     Restores the latest committed step under `checkpoint_dir`, or the one step at
     `checkpoint_path`; with neither (or nothing committed yet), runs `init`. A newest step
     that cannot be read (truncated or missing files) is skipped with a warning naming it,
-    and the next newer committed step is tried: partial state is never restored.
+    and the committed step before it is tried: partial state is never restored. A failure that
+    says nothing against the step (`not_the_steps_fault`: out of memory, storage unreachable, its
+    files intact) is raised instead: no step is passed over for it.
 
     Args:
         checkpoints: the job's `Checkpoints` (used for `checkpoint_dir`).
