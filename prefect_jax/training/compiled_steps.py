@@ -333,8 +333,9 @@ class BackgroundCompile:
     @staticmethod
     def _thread(target: Callable[[], Any], name: str) -> threading.Thread:
         # Not a daemon: a process must not exit in the middle of an XLA compile (it aborts); and
-        # a thread the program starts from it (in `train_data`, say) is not one either.
-        thread = threading.Thread(target=target, name=name)
+        # a thread the program starts from it (in `train_data`, say) is not one either. Said
+        # outright: a thread inherits its starter's flag, and the trainer's thread is a daemon.
+        thread = threading.Thread(target=target, name=name, daemon=False)
         thread.start()
         return thread
 

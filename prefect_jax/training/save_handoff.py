@@ -197,7 +197,8 @@ class HandOff:
             except BaseException as exc:  # noqa: BLE001 - raised to whoever waits for the save
                 self._error = exc
 
-        thread = threading.Thread(target=run, name=f"prefect-jax-save-{step}")
+        # (daemon=False said outright: started from the trainer's thread, a daemon, it would be one)
+        thread = threading.Thread(target=run, name=f"prefect-jax-save-{step}", daemon=False)
         try:
             thread.start()
         except RuntimeError:  # (no thread to be had: a pids limit, say) saved here, then
