@@ -10,7 +10,7 @@ from conftest import train_and_close
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.checkpoints import Checkpoints
-from prefect_jax.training.errors import IntactStepRestoreError, is_transient
+from prefect_jax.training.errors import IntactStepRestoreError, RestoreFailedError, is_transient
 from prefect_jax.training.names import STEP_MANIFEST_FILE, STEP_META_FILE
 from prefect_jax.training.trainer import Trainer
 
@@ -192,3 +192,29 @@ def test_out_of_memory_in_a_restore_is_raised_even_for_a_step_without_checksums(
         trainer.restore_or_init()
     trainer.close()
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
+
+
+def test_the_same_failure_on_two_steps_in_a_row_is_the_runs_and_is_raised(trained, monkeypatch):
+    """Without checksums to tell (steps written before them), a failure that the step before
+    meets too is the run's (another layout of processes, a library that cannot read them): it is
+    raised at the second step with nothing set aside, where every step used to be set aside and
+    the job started again from scratch."""
+    config, prints = trained
+    for step in (20, 40, 60):
+        os.remove(os.path.join(_ckpt_dir(config), str(step), STEP_MANIFEST_FILE))
+    _fail_restores_with(monkeypatch, ValueError("File data/process_1-of-2.json does not exist"))
+    trainer = Trainer(config)
+    with pytest.raises(RestoreFailedError) as err:
+        trainer.restore_or_init()
+    trainer.close()
+    message = str(err.value)
+    assert f"{_ckpt_dir(config)}/40 did not restore (ValueError: File data/process_1" in message
+    assert "step 60 after it failed the same way" in message and "Nothing was set aside" in message
+    assert not is_transient(err.value)  # (as its cause, a ValueError, is not)
+    assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
+
+    monkeypatch.undo()
+    trainer = Trainer(config)
+    assert trainer.restore_or_init() == 60
+    assert trainer.fingerprint() == prints[60]
+    trainer.close()

@@ -35,22 +35,28 @@ class CheckpointSaveError(OSError):
         )
 
 
-class IntactStepRestoreError(RuntimeError):
-    """A committed step whose files match the checksums of its commit failed to restore.
+class RestoreFailedError(RuntimeError):
+    """A committed step failed to restore for a cause that is the run's, not the step's (device
+    memory, this machine's libraries or storage, another layout of processes), `why` says how
+    that is known. So the step is neither set aside nor passed over for an older one: doing so
+    would throw away saved progress for a cause that the next step would meet too. A retry is
+    decided by the cause (`is_transient`)."""
 
-    The cause is the run's, not the step's (device memory, this machine's libraries or storage),
-    so the step is neither set aside nor passed over for an older one: doing so would throw away
-    saved progress for a cause that the next step would meet too. A retry is decided by the
-    cause (`is_transient`)."""
-
-    def __init__(self, step_dir: str, cause: BaseException):
+    def __init__(self, step_dir: str, cause: BaseException, why: str):
         self.step_dir, self.cause = step_dir, cause
         super().__init__(
-            f"checkpoint {step_dir} is intact (its files match the checksums of its commit) but "
-            f"did not restore ({said(cause)}). Nothing was set aside and no "
-            "older step was tried: fix the cause (device memory, the machine's libraries or "
-            "storage) and run the job again; it resumes from this step."
+            f"checkpoint {step_dir} did not restore ({said(cause)}), and {why}. Nothing was set "
+            "aside: fix the cause (device memory, the machine's libraries or storage) and run "
+            "the job again; it resumes from this step."
         )
+
+
+class IntactStepRestoreError(RestoreFailedError):
+    """`RestoreFailedError` of a step whose files match the checksums of its commit."""
+
+    def __init__(self, step_dir: str, cause: BaseException):
+        why = "the step is intact (its files match the checksums of its commit)"
+        super().__init__(step_dir, cause, why)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -217,7 +223,7 @@ def is_transient(exc: BaseException) -> bool:
     timeouts...)."""
     if isinstance(exc, StorageNotWritableError):
         return False
-    if isinstance(exc, IntactStepRestoreError):
+    if isinstance(exc, RestoreFailedError):
         return is_transient(exc.cause)
     if isinstance(exc, (OSError, TimeoutError, ConnectionError, Preempted)):
         return True

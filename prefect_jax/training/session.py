@@ -15,10 +15,12 @@ from prefect_jax.training.checkpoint_dirs import (
     wait_for_new_checkpoint,
 )
 from prefect_jax.training.checkpoints import Checkpoints
+from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.errors import (
     CheckpointMismatchError,
-    IntactStepRestoreError,
     PastMaxStepsError,
+    RestoreFailedError,
+    said,
 )
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.names import DEVICES_TAG
@@ -94,6 +96,12 @@ def recover_session(
         list_steps = list_steps or checkpoints.committed_steps
         if not list_steps() and wait_for_checkpoint:
             wait_for_new_checkpoint(list_steps, None, max_wait_secs, recovery_wait_secs, log)
+        failed: list[tuple[int, BaseException]] = []  # set aside once an older one restores
+
+        def set_aside_failed() -> None:
+            for bad, exc in failed if on_unreadable is not None else ():
+                on_unreadable(bad, exc)
+
         for step in reversed(list_steps()):
             data_iter = new_iter()
             try:
@@ -105,30 +113,39 @@ def recover_session(
             except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
                 if not_the_steps_fault(exc):
                     raise
+                if failed and fails_alike(failed[-1][1], exc):
+                    why = f"step {failed[-1][0]} after it failed the same way: the run's cause"
+                    raise RestoreFailedError(f"{checkpoint_dir}/{step}", exc, why) from exc
                 logger.warning(
-                    "checkpoint step %d in %s is unreadable (%s: %s); falling back to the "
-                    "previous committed step",
+                    "checkpoint step %d in %s is unreadable (%s); falling back to the previous "
+                    "committed step",
                     step,
                     checkpoint_dir,
-                    type(exc).__name__,
-                    str(exc).splitlines()[0][:300] if str(exc) else "",
+                    said(exc),
                 )
-                if on_unreadable is not None:
-                    on_unreadable(step, exc)
+                failed.append((step, exc))
                 continue
+            set_aside_failed()
             log(f"restored step {step} from {checkpoint_dir}")
             return True, state, step, meta, data_iter
+        set_aside_failed()  # (none restored: each failed its own way)
     return False, None, None, None, None
 
 
+def fails_alike(newer: BaseException, older: BaseException) -> bool:
+    """Whether two committed steps in a row failed to restore the same way (the same error type,
+    and neither found damaged by its checksums): damage is a step's own (a kill tears the newest),
+    a cause met by one step after another is the run's (another layout of processes, a library
+    that cannot read them, a step without checksums and too little memory)."""
+    return type(newer) is type(older) and not isinstance(newer, CorruptCheckpointError)
+
+
 def not_the_steps_fault(exc: BaseException) -> bool:
-    """Whether a failed restore says nothing against the step, so that it must not be set aside
-    nor passed over for an older one (which would meet the same cause, and then init): the step's
-    files matched its checksums, the storage did not answer or refused the credentials, or the
-    machine ran out of memory (XLA's out-of-memory errors start with RESOURCE_EXHAUSTED)."""
-    return isinstance(exc, (IntactStepRestoreError, RemoteStorageError, MemoryError)) or str(
-        exc
-    ).startswith("RESOURCE_EXHAUSTED")
+    """Whether a failed restore says nothing against the step, which is then neither set aside nor
+    passed over (an older one would meet the same cause, then init): its files are intact, the
+    storage did not answer or refused the credentials, or the machine ran out of memory (XLA)."""
+    known = isinstance(exc, (RestoreFailedError, RemoteStorageError, MemoryError))
+    return known or str(exc).startswith("RESOURCE_EXHAUSTED")
 
 
 def restore_or_init(
