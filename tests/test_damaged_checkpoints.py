@@ -12,6 +12,7 @@ from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.checkpoints import Checkpoints
 from prefect_jax.training.errors import IntactStepRestoreError, RestoreFailedError, is_transient
 from prefect_jax.training.names import STEP_MANIFEST_FILE, STEP_META_FILE
+from prefect_jax.training.restore_failures import not_the_steps_fault
 from prefect_jax.training.trainer import Trainer
 
 
@@ -192,6 +193,11 @@ def test_out_of_memory_in_a_restore_is_raised_even_for_a_step_without_checksums(
         trainer.restore_or_init()
     trainer.close()
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
+    try:  # (however wrapped)
+        raise OSError("restore failed") from RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+    except OSError as wrapped:
+        assert not_the_steps_fault(wrapped)
+    assert not not_the_steps_fault(OSError("restore failed"))
 
 
 def test_the_same_failure_on_two_steps_in_a_row_is_the_runs_and_is_raised(trained, monkeypatch):
@@ -208,8 +214,9 @@ def test_the_same_failure_on_two_steps_in_a_row_is_the_runs_and_is_raised(traine
         trainer.restore_or_init()
     trainer.close()
     message = str(err.value)
-    assert f"{_ckpt_dir(config)}/40 did not restore (ValueError: File data/process_1" in message
-    assert "step 60 after it failed the same way" in message and "Nothing was set aside" in message
+    assert f"{_ckpt_dir(config)}/60 did not restore (ValueError: File data/process_1" in message
+    assert "step 40 before it failed the same way" in message and "Nothing was set aside" in message
+    assert f"move {_ckpt_dir(config)}/60 aside by hand" in message
     assert not is_transient(err.value)  # (as its cause, a ValueError, is not)
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
 
@@ -218,3 +225,39 @@ def test_the_same_failure_on_two_steps_in_a_row_is_the_runs_and_is_raised(traine
     assert trainer.restore_or_init() == 60
     assert trainer.fingerprint() == prints[60]
     trainer.close()
+
+
+def test_steps_that_each_fail_their_own_way_with_none_restored_are_raised_not_set_aside(
+    trained, monkeypatch
+):
+    """No step restored to tell whether the steps or the run are at fault, and no checksums
+    found damage: nothing is set aside (the job is not started again from scratch)."""
+    config, _ = trained
+    for step in (20, 40, 60):
+        os.remove(os.path.join(_ckpt_dir(config), str(step), STEP_MANIFEST_FILE))
+    errors = {60: ValueError("bad 60"), 40: KeyError("bad 40"), 20: TypeError("bad 20")}
+
+    def fail(self, step, abstract_state, data_iter):
+        raise errors[step]
+
+    monkeypatch.setattr(Checkpoints, "_restore_unverified", fail)
+    trainer = Trainer(config)
+    with pytest.raises(RestoreFailedError, match="no step before it restored to tell"):
+        trainer.restore_or_init()
+    trainer.close()
+    assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
+
+
+def test_steps_that_their_checksums_find_damaged_are_set_aside_and_the_job_starts_again(trained):
+    config, _ = trained
+    for step in (20, 40, 60):
+        state_dir = os.path.join(_ckpt_dir(config), str(step), "state")
+        for root, _, files in os.walk(state_dir):
+            for f in files:
+                with open(os.path.join(root, f), "r+b") as handle:
+                    handle.truncate(max(0, os.path.getsize(os.path.join(root, f)) // 3))
+    trainer = Trainer(config)
+    assert trainer.restore_or_init() == 0
+    trainer.close()
+    assert committed_steps(_ckpt_dir(config)) == []
+    assert sorted(n.split(".")[0] for n in _set_aside(config)) == ["20", "40", "60"]

@@ -259,6 +259,21 @@ def _digits_job_on_s3(s3, job: str, mlflow_uri: str, **checkpoint) -> JobConfig:
     )
 
 
+def _preempted_after_step_20(config: JobConfig, tmp_path, monkeypatch) -> str:
+    """`config`'s job trained to step 20 on a first machine (its own local stage), committed,
+    then gone: a new machine reruns it. The fingerprint of step 20's state."""
+    monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "first-machine"))
+    trainer = Trainer(config)
+    try:
+        trainer.restore_or_init()
+        while trainer.step < 20:
+            trainer.train_until_checkpoint()
+        trainer.job.wait_committed()
+        return trainer.fingerprint()
+    finally:
+        trainer.close()
+
+
 def test_a_step_this_process_uploaded_is_known_committed_until_retention_removes_it(
     s3, tmp_path, monkeypatch, mlflow_uri
 ):
@@ -304,16 +319,7 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
     from prefect_jax.training.storage import JobStorage
 
     config = _digits_job_on_s3(s3, "prefetched", mlflow_uri)
-    monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "first-machine"))
-    trainer = Trainer(config)
-    try:
-        trainer.restore_or_init()
-        while trainer.step < 20:
-            trainer.train_until_checkpoint()
-        trainer.job.wait_committed()
-        saved = trainer.fingerprint()
-    finally:
-        trainer.close()  # (preempted after step 20: a new machine reruns the job)
+    saved = _preempted_after_step_20(config, tmp_path, monkeypatch)
 
     monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "new-machine"))
     storage = JobStorage(config.storage, config.job, config.storage_options)
@@ -373,3 +379,39 @@ def test_a_head_start_downloads_the_newest_step_and_the_restore_reads_that_copy(
         assert rerun.step == 30
     finally:
         rerun.close()
+
+
+def test_a_download_that_comes_back_short_is_raised_and_no_step_is_passed_over(
+    s3, tmp_path, monkeypatch, mlflow_uri
+):
+    """A rerun on a new machine whose download of the newest step comes back the wrong size (a
+    copy cut short) raises it for the task's retries to download again, rather than falling back
+    to the step before and training over the newest; once the download succeeds, it resumes
+    there."""
+    from prefect_jax.training.errors import RestoreFailedError, is_transient
+    from prefect_jax.training.storage import JobStorage
+
+    config = _digits_job_on_s3(s3, "short", mlflow_uri)
+    saved = _preempted_after_step_20(config, tmp_path, monkeypatch)
+    storage = JobStorage(config.storage, config.job, config.storage_options)
+    step_url = f"{storage.remote_checkpoint_url}/20"
+
+    fs = s3.filesystem()
+    files = [f for f in fs.find(step_url) if fs.size(f) > 64]
+    whole = fs.cat_file(files[0])
+    fs.pipe_file(files[0], whole[: len(whole) // 2])  # what the next download brings back
+    monkeypatch.setenv("PREFECT_JAX_CACHE_DIR", str(tmp_path / "new-machine"))
+    trainer = Trainer(config)
+    with pytest.raises(RestoreFailedError, match="its download failed") as err:
+        trainer.restore_or_init()
+    trainer.close()
+    assert f"{step_url} did not restore" in str(err.value) and is_transient(err.value)
+    assert trainer.job.remote.committed_steps() == [10, 20]
+
+    fs.pipe_file(files[0], whole)  # the next download comes back whole
+    trainer = Trainer(config)
+    try:
+        assert trainer.restore_or_init() == 20
+        assert trainer.fingerprint() == saved
+    finally:
+        trainer.close()

@@ -47,7 +47,8 @@ class RestoreFailedError(RuntimeError):
         super().__init__(
             f"checkpoint {step_dir} did not restore ({said(cause)}), and {why}. Nothing was set "
             "aside: fix the cause (device memory, the machine's libraries or storage) and run "
-            "the job again; it resumes from this step."
+            f"the job again, and it resumes from this step; if the step itself is bad, move "
+            f"{step_dir} aside by hand to resume from the one before."
         )
 
 

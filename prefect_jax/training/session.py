@@ -20,7 +20,6 @@ from prefect_jax.training.errors import (
     CheckpointMismatchError,
     PastMaxStepsError,
     RestoreFailedError,
-    said,
 )
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.names import DEVICES_TAG
@@ -28,6 +27,7 @@ from prefect_jax.training.program_params import ProgramParamsMismatchError, chec
 from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote_errors import RemoteStorageError
+from prefect_jax.training.restore_failures import RestoreFailures, not_the_steps_fault
 from prefect_jax.training.tracking import flatten_params
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ def recover_session(
         ValueError: both `checkpoint_dir` and `checkpoint_path` were given, or
             `checkpoint_path` is not a committed step directory.
         CheckpointMismatchError: the checkpoint's tree differs from `abstract_state`.
+        RestoreFailedError: a step failed for a cause that is the run's (`restore_failures`).
     """
     new_iter = make_data_iter or (lambda: None)
     if checkpoint_dir and checkpoint_path:
@@ -96,12 +97,7 @@ def recover_session(
         list_steps = list_steps or checkpoints.committed_steps
         if not list_steps() and wait_for_checkpoint:
             wait_for_new_checkpoint(list_steps, None, max_wait_secs, recovery_wait_secs, log)
-        failed: list[tuple[int, BaseException]] = []  # set aside once an older one restores
-
-        def set_aside_failed() -> None:
-            for bad, exc in failed if on_unreadable is not None else ():
-                on_unreadable(bad, exc)
-
+        failures = RestoreFailures(checkpoint_dir, on_unreadable)
         for step in reversed(list_steps()):
             data_iter = new_iter()
             try:
@@ -113,39 +109,13 @@ def recover_session(
             except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
                 if not_the_steps_fault(exc):
                     raise
-                if failed and fails_alike(failed[-1][1], exc):
-                    why = f"step {failed[-1][0]} after it failed the same way: the run's cause"
-                    raise RestoreFailedError(f"{checkpoint_dir}/{step}", exc, why) from exc
-                logger.warning(
-                    "checkpoint step %d in %s is unreadable (%s); falling back to the previous "
-                    "committed step",
-                    step,
-                    checkpoint_dir,
-                    said(exc),
-                )
-                failed.append((step, exc))
+                failures.add(step, exc)  # (raises where the step before fails the same way)
                 continue
-            set_aside_failed()
+            failures.set_aside()
             log(f"restored step {step} from {checkpoint_dir}")
             return True, state, step, meta, data_iter
-        set_aside_failed()  # (none restored: each failed its own way)
+        failures.none_restored()  # (raises unless each was found damaged: init follows)
     return False, None, None, None, None
-
-
-def fails_alike(newer: BaseException, older: BaseException) -> bool:
-    """Whether two committed steps in a row failed to restore the same way (the same error type,
-    and neither found damaged by its checksums): damage is a step's own (a kill tears the newest),
-    a cause met by one step after another is the run's (another layout of processes, a library
-    that cannot read them, a step without checksums and too little memory)."""
-    return type(newer) is type(older) and not isinstance(newer, CorruptCheckpointError)
-
-
-def not_the_steps_fault(exc: BaseException) -> bool:
-    """Whether a failed restore says nothing against the step, which is then neither set aside nor
-    passed over (an older one would meet the same cause, then init): its files are intact, the
-    storage did not answer or refused the credentials, or the machine ran out of memory (XLA)."""
-    known = isinstance(exc, (RestoreFailedError, RemoteStorageError, MemoryError))
-    return known or str(exc).startswith("RESOURCE_EXHAUSTED")
 
 
 def restore_or_init(
@@ -339,7 +309,14 @@ def fetch_and_check(trainer: Trainer, step: int) -> None:
     params is told apart as damage, `check_restore_of`)."""
     job = trainer.job
     if job.remote is not None:
-        job.fetch(step)
+        try:
+            job.fetch(step)
+        except (FileNotFoundError, CorruptCheckpointError, RemoteStorageError):
+            raise  # (no longer committed there; damaged; the storage's: `not_the_steps_fault`)
+        except OSError as exc:  # (a copy cut short or of the wrong size: retried, not passed over)
+            why = "its download failed, which says nothing against the step"
+            url = f"{redact_url(job.storage.remote_checkpoint_url)}/{step}"
+            raise RestoreFailedError(url, exc, why) from exc
     meta = read_meta_file(job.checkpoints.directory, step)
     step_dir = os.path.join(job.checkpoints.directory, str(step))
     check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step)

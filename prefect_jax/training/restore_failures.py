@@ -1,0 +1,97 @@
+"""A committed step that fails to restore: the step's own damage, or a cause that is the run's.
+
+`session.recover_session` (TF's `SessionManager`) tries the job's committed steps newest first. A
+step that is damaged is set aside and the one before it tried: a kill tears the newest step, not
+the ones before it. A failure whose cause is the run's (device memory, the machine's libraries or
+storage, another layout of processes, a lost peer) would meet every older step too, and passing
+over them all would set the job's progress aside and start it again from scratch. Such a failure
+is raised, and nothing is set aside, where it is
+
+- known to be the run's (`not_the_steps_fault`): the step's files match its checksums
+  (`IntactStepRestoreError`, from `Checkpoints.restore`), the storage did not answer or refused the
+  credentials, the machine ran out of memory, another process of the job went away;
+- met the same way by the step before it (`fails_alike`), where nothing tells;
+- met by every step, none before them restored to tell, unless each was found damaged by its
+  checksums (`CorruptCheckpointError`).
+
+A step that failed is set aside only once an older one restores, or once every step was found
+damaged (then the caller inits).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prefect_jax.training.checksums import CorruptCheckpointError
+from prefect_jax.training.cluster import lost_a_process
+from prefect_jax.training.errors import RestoreFailedError, said
+from prefect_jax.training.remote_errors import RemoteStorageError
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+
+def not_the_steps_fault(exc: BaseException) -> bool:
+    """Whether a failed restore says nothing against the step (see the module)."""
+    if isinstance(exc, (RestoreFailedError, RemoteStorageError, MemoryError)):
+        return True
+    if lost_a_process(exc):  # (a collective's error: another process's cause)
+        return True
+    while exc is not None:  # out of memory, as XLA says it, however wrapped
+        if str(exc).startswith("RESOURCE_EXHAUSTED"):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def fails_alike(newer: BaseException, older: BaseException) -> bool:
+    """Whether two committed steps in a row failed to restore the same way: the same error type,
+    neither found damaged by its checksums (damage is each step's own)."""
+    return type(newer) is type(older) and not isinstance(newer, CorruptCheckpointError)
+
+
+class RestoreFailures:
+    """The steps of `directory` that failed to restore so far, newest first; `on_unreadable(step,
+    error)` sets one aside (None: nothing is, as for an evaluator)."""
+
+    def __init__(self, directory: str, on_unreadable: Callable[[int, BaseException], None] | None):
+        self.directory, self.on_unreadable = directory, on_unreadable
+        self.failed: list[tuple[int, BaseException]] = []
+
+    def add(self, step: int, exc: BaseException) -> None:
+        """`step` failed with `exc` (not the run's by `not_the_steps_fault`): the one before it is
+        tried next.
+
+        Raises:
+            RestoreFailedError: the step after it failed the same way (`fails_alike`).
+        """
+        if self.failed and fails_alike(self.failed[-1][1], exc):
+            newest, first = self.failed[0]
+            why = f"step {step} before it failed the same way: the cause is the run's"
+            raise RestoreFailedError(f"{self.directory}/{newest}", first, why) from exc
+        logger.warning(
+            "checkpoint step %d in %s is unreadable (%s); falling back to the previous committed "
+            "step",
+            step,
+            self.directory,
+            said(exc),
+        )
+        self.failed.append((step, exc))
+
+    def set_aside(self) -> None:
+        """An older step restored: the ones that failed were theirs to blame."""
+        for step, exc in self.failed if self.on_unreadable is not None else ():
+            self.on_unreadable(step, exc)
+
+    def none_restored(self) -> None:
+        """No step restored: each is set aside where its checksums found it damaged (the caller
+        then inits), else none is.
+
+        Raises:
+            RestoreFailedError: a step failed and nothing tells whose fault it is.
+        """
+        if self.failed and not all(isinstance(e, CorruptCheckpointError) for _, e in self.failed):
+            newest, first = self.failed[0]
+            why = "no step before it restored to tell whether the step or the run is at fault"
+            raise RestoreFailedError(f"{self.directory}/{newest}", first, why)
+        self.set_aside()
