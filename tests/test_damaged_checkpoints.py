@@ -149,6 +149,19 @@ def _fail_restores_with(monkeypatch, error: BaseException) -> None:
     monkeypatch.setattr(Checkpoints, "_restore_unverified", fail)
 
 
+def _failing_alike_without_checksums(config, monkeypatch, steps) -> RestoreFailedError:
+    """What the job's restore raises where `steps` have no checksums and every restore fails with
+    the error a step of another layout of processes gives."""
+    for step in steps:
+        os.remove(os.path.join(_ckpt_dir(config), str(step), STEP_MANIFEST_FILE))
+    _fail_restores_with(monkeypatch, ValueError("File data/process_1-of-2.json does not exist"))
+    trainer = Trainer(config)
+    with pytest.raises(RestoreFailedError) as err:
+        trainer.restore_or_init()
+    trainer.close()
+    return err.value
+
+
 def _set_aside(config) -> list[str]:
     return [n for n in os.listdir(_ckpt_dir(config)) if not n.isdigit()]
 
@@ -206,18 +219,12 @@ def test_the_same_failure_on_two_steps_in_a_row_is_the_runs_and_is_raised(traine
     raised at the second step with nothing set aside, where every step used to be set aside and
     the job started again from scratch."""
     config, prints = trained
-    for step in (20, 40, 60):
-        os.remove(os.path.join(_ckpt_dir(config), str(step), STEP_MANIFEST_FILE))
-    _fail_restores_with(monkeypatch, ValueError("File data/process_1-of-2.json does not exist"))
-    trainer = Trainer(config)
-    with pytest.raises(RestoreFailedError) as err:
-        trainer.restore_or_init()
-    trainer.close()
-    message = str(err.value)
+    err = _failing_alike_without_checksums(config, monkeypatch, steps=(20, 40, 60))
+    message = str(err)
     assert f"{_ckpt_dir(config)}/60 did not restore (ValueError: File data/process_1" in message
     assert "step 40 before it failed the same way" in message and "Nothing was set aside" in message
     assert f"move {_ckpt_dir(config)}/60 aside by hand" in message
-    assert not is_transient(err.value)  # (as its cause, a ValueError, is not)
+    assert not is_transient(err)  # (as its cause, a ValueError, is not)
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
 
     monkeypatch.undo()
@@ -242,22 +249,41 @@ def test_steps_that_each_fail_their_own_way_with_none_restored_are_raised_not_se
 
     monkeypatch.setattr(Checkpoints, "_restore_unverified", fail)
     trainer = Trainer(config)
-    with pytest.raises(RestoreFailedError, match="no step before it restored to tell"):
+    with pytest.raises(
+        RestoreFailedError, match="/60 did not restore .* no step before it restored"
+    ):
         trainer.restore_or_init()
     trainer.close()
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
 
 
+def _truncate_state_files(config, step: int) -> None:
+    for root, _, files in os.walk(os.path.join(_ckpt_dir(config), str(step), "state")):
+        for f in files:
+            with open(os.path.join(root, f), "r+b") as handle:
+                handle.truncate(max(0, os.path.getsize(os.path.join(root, f)) // 3))
+
+
 def test_steps_that_their_checksums_find_damaged_are_set_aside_and_the_job_starts_again(trained):
     config, _ = trained
     for step in (20, 40, 60):
-        state_dir = os.path.join(_ckpt_dir(config), str(step), "state")
-        for root, _, files in os.walk(state_dir):
-            for f in files:
-                with open(os.path.join(root, f), "r+b") as handle:
-                    handle.truncate(max(0, os.path.getsize(os.path.join(root, f)) // 3))
+        _truncate_state_files(config, step)
     trainer = Trainer(config)
     assert trainer.restore_or_init() == 0
     trainer.close()
     assert committed_steps(_ckpt_dir(config)) == []
     assert sorted(n.split(".")[0] for n in _set_aside(config)) == ["20", "40", "60"]
+
+
+def test_a_damaged_step_is_set_aside_and_the_runs_failure_of_the_two_before_it_is_raised(
+    trained, monkeypatch
+):
+    """The newest step found damaged by its checksums is set aside; the two before it, without
+    checksums, fail the same way: that is raised, naming the step the next run resumes from."""
+    config, _ = trained
+    _truncate_state_files(config, 60)
+    message = str(_failing_alike_without_checksums(config, monkeypatch, steps=(20, 40)))
+    assert f"{_ckpt_dir(config)}/40 did not restore (ValueError: File data" in message
+    assert "step 20 before it failed the same way" in message
+    assert committed_steps(_ckpt_dir(config)) == [20, 40]
+    assert [n.split(".")[0] for n in _set_aside(config)] == ["60"]

@@ -14,8 +14,9 @@ is raised, and nothing is set aside, where it is
 - met by every step, none before them restored to tell, unless each was found damaged by its
   checksums (`CorruptCheckpointError`).
 
-A step that failed is set aside only once an older one restores, or once every step was found
-damaged (then the caller inits).
+A step that failed is set aside once an older one restores, or where its checksums found it
+damaged. A failure that is raised names the newest step not found damaged: the step the next run
+resumes from. Where every step was found damaged, each is set aside and the caller inits.
 """
 
 from __future__ import annotations
@@ -66,9 +67,8 @@ class RestoreFailures:
             RestoreFailedError: the step after it failed the same way (`fails_alike`).
         """
         if self.failed and fails_alike(self.failed[-1][1], exc):
-            newest, first = self.failed[0]
             why = f"step {step} before it failed the same way: the cause is the run's"
-            raise RestoreFailedError(f"{self.directory}/{newest}", first, why) from exc
+            raise self._the_runs(why) from exc
         logger.warning(
             "checkpoint step %d in %s is unreadable (%s); falling back to the previous committed "
             "step",
@@ -91,7 +91,14 @@ class RestoreFailures:
             RestoreFailedError: a step failed and nothing tells whose fault it is.
         """
         if self.failed and not all(isinstance(e, CorruptCheckpointError) for _, e in self.failed):
-            newest, first = self.failed[0]
-            why = "no step before it restored to tell whether the step or the run is at fault"
-            raise RestoreFailedError(f"{self.directory}/{newest}", first, why)
+            raise self._the_runs("no step before it restored to tell whose fault it is")
         self.set_aside()
+
+    def _the_runs(self, why: str) -> RestoreFailedError:
+        """The error to raise for the newest step that failed without its checksums finding it
+        damaged (the step the next run resumes from); those they found damaged are set aside."""
+        damaged = [(s, e) for s, e in self.failed if isinstance(e, CorruptCheckpointError)]
+        for step, exc in damaged if self.on_unreadable is not None else ():
+            self.on_unreadable(step, exc)
+        step, exc = next((s, e) for s, e in self.failed if (s, e) not in damaged)
+        return RestoreFailedError(f"{self.directory}/{step}", exc, why)
