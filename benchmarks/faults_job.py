@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
+from process_helpers import job_args  # noqa: E402
 from process_helpers import status as job_status  # noqa: E402
 from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, S3Server  # noqa: E402
 
@@ -47,30 +48,10 @@ def environment(api_url: str, s3: S3Server | None, cache: Path) -> dict[str, str
 
 
 def command(job: str, storage: str, mlflow_uri: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "prefect_jax.cli",
-        "run",
-        "--program",
-        PROGRAM,
-        "--job",
-        job,
-        "--storage",
-        storage,
-        "--max-steps",
-        str(MAX_STEPS),
-        "--checkpoint-every-steps",
-        str(EVERY),
-        "--log-every-steps",
-        str(LOG_EVERY),
-        "--keep-last",
-        "10",
-        "--mlflow-tracking-uri",
-        mlflow_uri,
-        "--json",
-        "--no-progress",
-    ]
+    """``python -m prefect_jax.cli run`` of the sweep's job (the tests' flags, `job_args`)."""
+    cadence = ("--log-every-steps", str(LOG_EVERY), "--keep-last", "10")
+    args = job_args(PROGRAM, job, storage, MAX_STEPS, EVERY, mlflow_uri, *cadence)
+    return [sys.executable, "-m", "prefect_jax.cli", "run", *args]
 
 
 def last_json(log: Path) -> dict | None:

@@ -149,11 +149,24 @@ def _fail_restores_with(monkeypatch, error: BaseException) -> None:
     monkeypatch.setattr(Checkpoints, "_restore_unverified", fail)
 
 
+def _remove_checksums(config, steps) -> None:
+    """`steps` as written before prefect-jax wrote checksums: nothing tells them intact."""
+    for step in steps:
+        os.remove(os.path.join(_ckpt_dir(config), str(step), STEP_MANIFEST_FILE))
+
+
+def _resumes_exactly_at_60(config, prints) -> None:
+    """The cause gone (the test's monkeypatch undone), the next run resumes from step 60."""
+    trainer = Trainer(config)
+    assert trainer.restore_or_init() == 60
+    assert trainer.fingerprint() == prints[60]
+    trainer.close()
+
+
 def _failing_alike_without_checksums(config, monkeypatch, steps) -> RestoreFailedError:
     """What the job's restore raises where `steps` have no checksums and every restore fails with
     the error a step of another layout of processes gives."""
-    for step in steps:
-        os.remove(os.path.join(_ckpt_dir(config), str(step), STEP_MANIFEST_FILE))
+    _remove_checksums(config, steps)
     _fail_restores_with(monkeypatch, ValueError("File data/process_1-of-2.json does not exist"))
     trainer = Trainer(config)
     with pytest.raises(RestoreFailedError) as err:
@@ -185,10 +198,7 @@ def test_an_intact_step_that_fails_to_restore_is_raised_not_set_aside(trained, m
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
 
     monkeypatch.undo()  # the cause gone, the next run resumes from the same step, exactly
-    trainer = Trainer(config)
-    assert trainer.restore_or_init() == 60
-    assert trainer.fingerprint() == prints[60]
-    trainer.close()
+    _resumes_exactly_at_60(config, prints)
 
 
 def test_out_of_memory_in_a_restore_is_raised_even_for_a_step_without_checksums(
@@ -197,7 +207,7 @@ def test_out_of_memory_in_a_restore_is_raised_even_for_a_step_without_checksums(
     """A step written before prefect-jax wrote checksums cannot be told intact; an error that is
     the machine's (XLA's out of memory) still sets nothing aside. Any other error falls back."""
     config, _ = trained
-    os.remove(os.path.join(_ckpt_dir(config), "60", STEP_MANIFEST_FILE))
+    _remove_checksums(config, [60])
     _fail_restores_with(
         monkeypatch, RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1.13GiB")
     )
@@ -228,10 +238,7 @@ def test_the_same_failure_on_two_steps_in_a_row_is_the_runs_and_is_raised(traine
     assert committed_steps(_ckpt_dir(config)) == [20, 40, 60] and not _set_aside(config)
 
     monkeypatch.undo()
-    trainer = Trainer(config)
-    assert trainer.restore_or_init() == 60
-    assert trainer.fingerprint() == prints[60]
-    trainer.close()
+    _resumes_exactly_at_60(config, prints)
 
 
 def test_steps_that_each_fail_their_own_way_with_none_restored_are_raised_not_set_aside(
@@ -240,8 +247,7 @@ def test_steps_that_each_fail_their_own_way_with_none_restored_are_raised_not_se
     """No step restored to tell whether the steps or the run are at fault, and no checksums
     found damage: nothing is set aside (the job is not started again from scratch)."""
     config, _ = trained
-    for step in (20, 40, 60):
-        os.remove(os.path.join(_ckpt_dir(config), str(step), STEP_MANIFEST_FILE))
+    _remove_checksums(config, (20, 40, 60))
     errors = {60: ValueError("bad 60"), 40: KeyError("bad 40"), 20: TypeError("bad 20")}
 
     def fail(self, step, abstract_state, data_iter):

@@ -31,6 +31,7 @@ from typing import Any
 
 from prefect_jax.training import peer_watch
 from prefect_jax.training.cluster_config import ClusterConfig, ClusterConfigError, from_env
+from prefect_jax.training.errors import and_its_causes
 from prefect_jax.training.peer_watch import LOST_GRACE_SECS, LostProcess, say_goodbye
 from prefect_jax.training.preemption import received_signal
 
@@ -187,15 +188,10 @@ _LOST_PROCESS = re.compile(
 def lost_a_process(exc: BaseException) -> bool:
     """Whether `exc` (or an exception it came from) says another process of the job went away,
     as a collective reports it: the job was cut short by a kill without notice somewhere."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, LostProcess) or _LOST_PROCESS.search(f"{type(exc).__name__}: {exc}"):
-            return True
-        exc, seen = (
-            exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__),
-            seen + 1,
-        )
-    return False
+    return any(
+        isinstance(e, LostProcess) or _LOST_PROCESS.search(f"{type(e).__name__}: {e}")
+        for e in and_its_causes(exc)
+    )
 
 
 # this package's keys in the coordination service (`publish`, `lookup`, `failed_processes`)

@@ -7,6 +7,18 @@ someone else is training) fail at once, with a message that says what to fix.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+
+def and_its_causes(exc: BaseException | None, limit: int = 8) -> Iterator[BaseException]:
+    """`exc`, then the exception it was raised from or while handling, and so on (`limit` at most:
+    a chain set by hand can loop)."""
+    for _ in range(limit):
+        if exc is None:
+            return
+        yield exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
 
 def said(cause: BaseException) -> str:
     """``"TypeName: its first line"`` (at most 400 characters of it), for a message that names

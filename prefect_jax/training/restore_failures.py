@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import lost_a_process
-from prefect_jax.training.errors import RestoreFailedError, said
+from prefect_jax.training.errors import RestoreFailedError, and_its_causes, said
 from prefect_jax.training.remote_errors import RemoteStorageError
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -38,11 +38,8 @@ def not_the_steps_fault(exc: BaseException) -> bool:
         return True
     if lost_a_process(exc):  # (a collective's error: another process's cause)
         return True
-    while exc is not None:  # out of memory, as XLA says it, however wrapped
-        if str(exc).startswith("RESOURCE_EXHAUSTED"):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    # out of memory, as XLA says it, however wrapped
+    return any(str(e).startswith("RESOURCE_EXHAUSTED") for e in and_its_causes(exc))
 
 
 def fails_alike(newer: BaseException, older: BaseException) -> bool:
@@ -100,5 +97,7 @@ class RestoreFailures:
         damaged = [(s, e) for s, e in self.failed if isinstance(e, CorruptCheckpointError)]
         for step, exc in damaged if self.on_unreadable is not None else ():
             self.on_unreadable(step, exc)
-        step, exc = next((s, e) for s, e in self.failed if (s, e) not in damaged)
+        step, exc = next(
+            (s, e) for s, e in self.failed if not isinstance(e, CorruptCheckpointError)
+        )
         return RestoreFailedError(f"{self.directory}/{step}", exc, why)
