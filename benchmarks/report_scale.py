@@ -4,6 +4,7 @@ and across several processes (the ``multiprocess`` entry of BENCHMARKS.json, whi
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 
@@ -120,9 +121,9 @@ def lm_gpu_markdown() -> list[str]:
             f"{rec['device']}. {rec['note']}",
             "",
             "| run | side | steps (every) | loop s | tokens/s | MFU | stall per save, "
-            "share of a sync save | to the last step s | a stretch with a save, beyond one "
-            "without, s | end s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "share of a sync save | a save mid-run, beyond bare_nosave's, s, share (sd) | "
+            "to the last step s | a stretch with a save, beyond one without, s | end s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for i, run in enumerate(rec["runs"], 1):
             fpt = run.get("flops_per_token")
@@ -133,20 +134,42 @@ def lm_gpu_markdown() -> list[str]:
             )
             for name, side in run["sides"].items():
                 mfu = side.get("mfu") or (fpt * side["tokens_per_s"] / peak if fpt else None)
-                stall = "-"
+                stall = mid_run = "-"
                 if floor and name != "bare_nosave":
                     lost = (side["loop_s"] - floor["loop_s"]) / saves
                     stall = f"{lost:.2f} s, {lost / run['sync_save_s']:.0%}"
+                    paired = mid_run_stall(side, floor, run["checkpoint_every"])
+                    if paired:
+                        lost, sd = paired
+                        mid_run = f"{lost:.2f}, {lost / run['sync_save_s']:.0%} ({sd:.2f})"
                 marks, boundary = side.get("marks"), side.get("per_save_boundary_s")
                 out.append(
                     f"| {i} | {name} | {run['steps']} ({run['checkpoint_every']}) | "
                     f"{side['loop_s']:.1f} | {side['tokens_per_s']:,.0f} | "
-                    f"{'-' if mfu is None else f'{mfu:.1%}'} | {stall} | "
+                    f"{'-' if mfu is None else f'{mfu:.1%}'} | {stall} | {mid_run} | "
                     f"{f'{marks[-1][1]:.1f}' if marks else '-'} | "
                     f"{'-' if boundary is None else f'{boundary:.2f}'} | "
                     f"{fmt(side.get('end_s'), 2)} |"
                 )
     return out
+
+
+def mid_run_stall(side: dict, floor: dict, every: int) -> tuple[float, float] | None:
+    """The seconds a save costs a side mid-run, without the job's end: each of the side's
+    stretches between marks less the same stretch of ``bare_nosave`` (paired, since the stretches
+    of every side drift alike over a run), the mean over the stretches that start at a save (the
+    save and its eval) less the mean over those that do not; and the spread (sd) of the latter,
+    the noise a mean is read against. None where the sides' marks do not pair."""
+    ours, theirs = side.get("marks"), floor.get("marks")
+    if not ours or not theirs or [a for a, _ in ours] != [a for a, _ in theirs]:
+        return None
+    at = dict(theirs)
+    excess = [(a, (tb - ta) - (at[b] - at[a])) for (a, ta), (b, tb) in itertools.pairwise(ours)]
+    at_save = [x for a, x in excess if a % every == 0]
+    plain = [x for a, x in excess if a % every]
+    if not at_save or len(plain) < 2:
+        return None
+    return statistics.mean(at_save) - statistics.mean(plain), statistics.stdev(plain)
 
 
 def multiprocess_markdown(mp: dict | None) -> list[str]:

@@ -89,3 +89,28 @@ def test_goodput_verdicts_give_each_rounds_difference_and_count_a_run_that_never
         "keras",
         "prefect_jax",
     ]
+
+
+def test_a_save_mid_run_is_read_against_the_same_stretch_of_the_loop_without_saves():
+    sys.path.insert(0, BENCHMARKS_DIR)
+    from report_scale import mid_run_stall
+
+    # Stretches of 10 steps, from steps 10, 20, ..., 70, that drift from 1.0 s to 1.6 s on both
+    # sides; the side's stretches that start at a save (steps 20, 40, 60) take 0.3 s more, and
+    # one stretch without a save (step 30) 0.1 s more.
+    floor_s = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]
+    side_s = [1.0, 1.4, 1.3, 1.6, 1.4, 1.8, 1.6]
+
+    def marks(stretches):
+        out, t = [(10, 0.0)], 0.0
+        for i, s in enumerate(stretches):
+            t += s
+            out.append((20 + 10 * i, t))
+        return out
+
+    lost, sd = mid_run_stall({"marks": marks(side_s)}, {"marks": marks(floor_s)}, every=20)
+    # excess at a save 0.3 each; without (steps 10, 30, 50, 70) 0, 0.1, 0, 0: mean 0.025
+    assert abs(lost - (0.3 - 0.025)) < 1e-9
+    assert abs(sd - 0.05) < 1e-9
+    # marks at other steps than the floor's do not pair
+    assert mid_run_stall({"marks": marks(side_s)[:-1]}, {"marks": marks(floor_s)}, 20) is None
