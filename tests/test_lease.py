@@ -618,3 +618,63 @@ def test_the_heartbeat_never_makes_a_vanished_job_directory_again(tmp_path):
     assert away.exists() and not os.path.exists(job_dir), os.listdir(job_dir)
     with pytest.raises(JobDirectoryGoneError, match=r"the job's directory .* is gone"):
         lease.verify()
+
+
+def test_a_preempted_holder_still_writing_its_step_keeps_the_job_until_the_writes_end(
+    tmp_path, caplog
+):
+    """A save that outlives the grace period goes on writing: a rerun of the same flow run (which
+    takes its own run's lease at once) waits until the holder's writes end and it lets the job
+    go, rather than moving the half-written step aside under the writer."""
+    import threading
+
+    from prefect_jax.training.lease_finishing import release_after
+
+    holder, rerun = _lease(tmp_path), _lease(tmp_path)  # (both of flow run "run-2")
+    holder.acquire()
+    writes = threading.Event()
+    release_after(holder, lambda: writes.wait(30), "step 120")
+    record = json.load(open(holder.path))
+    assert record["finishing"] == "step 120" and record["token"] == holder.token
+    holder.release()  # (the attempt's other ends: not before the writes end)
+    assert holder.held and json.load(open(holder.path))["token"] == holder.token
+    taken = threading.Thread(target=rerun.acquire)
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
+        taken.start()
+        time.sleep(1.5)
+        assert taken.is_alive() and not rerun.held  # waiting
+        writes.set()
+        taken.join(timeout=10)
+    try:
+        assert rerun.held and json.load(open(rerun.path))["token"] == rerun.token
+        assert "finishing" not in json.load(open(rerun.path))
+        assert "may still be writing step 120" in caplog.text
+        assert not holder.held and holder.finishing is None
+    finally:
+        rerun.release()
+
+
+@pytest.mark.parametrize("gone", ["its heartbeat is stale", "its process is gone"])
+def test_a_finishing_holder_whose_process_is_gone_is_not_waited_for(tmp_path, gone):
+    """A process that ended stopped writing: its lease, still marked finishing, is taken over
+    as any lease of its own flow run."""
+    import subprocess
+    import sys
+
+    lease = _lease(tmp_path)
+    record = {"token": "old", "flow_run_id": "run-2", "finishing": "step 120"}
+    if gone == "its heartbeat is stale":
+        record.update(host="another-host", pid=1, heartbeat=time.time() - 500)
+    else:
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        )
+        record.update(host=socket.gethostname(), pid=int(dead.stdout), heartbeat=time.time())
+    with open(lease.path, "w") as f:
+        json.dump(dict(record, timeout_secs=60), f)
+    started = time.monotonic()
+    lease.acquire()
+    try:
+        assert lease.held and time.monotonic() - started < 5
+    finally:
+        lease.release()

@@ -30,6 +30,7 @@ from prefect_jax.training.goodput_summary import (
     LOST_PROCESS,
     PREEMPTED,
 )
+from prefect_jax.training.lease_finishing import release_after
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
@@ -214,12 +215,14 @@ class AttemptEnd:
             bounded(self.log_goodput, at_least=0.5)
             # MLflow may be slow (or its thread busy): never much past the grace period.
             bounded(lambda: job.tracker.finish("KILLED"), at_least=1.0)
-            job.lease.release()
+            if not waited:  # the save goes on writing: no rerun takes the job meanwhile
+                writes_end = lambda: job.wait_committed(ending=True, events_wait=0)  # noqa: E731
+                release_after(job.lease, writes_end, f"step {t.step}")
         finally:
             # Whatever failed above (storage going away with the node, say), the notice goes on:
             # else the guard, handling it still, would take no later SIGTERM either.
             with contextlib.suppress(Exception):
-                job.lease.release()  # (returns at once once released)
+                job.lease.release()  # (returns at once once released, or while finishing)
             self.preempted = (t.step, committed, t.guard.signum)
             t.forget_live_state()
             t.guard.forward()

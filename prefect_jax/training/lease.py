@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Callable
 
 from prefect_jax.training.errors import JobDirectoryGoneError, LeaseHeldError, LeaseLostError
+from prefect_jax.training.lease_finishing import wait_while_finishing
 from prefect_jax.training.local_processes import process_alive
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage, atomic_write
@@ -80,6 +81,9 @@ class Lease:
         self.owner_id = owner_id
         self.timeout_secs = timeout_secs
         self.token: str | None = None
+        self.finishing: str | None = (
+            None  # what a preempted holder may still write (`release_after`)
+        )
         # The record of the holder this process took the lease over from (its flow run, host,
         # pid, and ``reason``: why it was stale), or None: who to mark as crashed in the UIs.
         self.taken_over: dict | None = None
@@ -107,6 +111,7 @@ class Lease:
             "pid": os.getpid(),
             "heartbeat": time.time(),
             "timeout_secs": self.timeout_secs,
+            **({"finishing": self.finishing} if self.finishing else {}),
         }
 
     def read(self) -> dict | None:
@@ -285,7 +290,7 @@ class Lease:
             self.taken_over = (
                 None  # (what this pass takes over, if anything: see `mark_taken_over`)
             )
-            current = self.wait_for_duplicate()
+            current = wait_while_finishing(self, self.wait_for_duplicate())
             if current is not None:
                 reason = self._stale_reason(current)
                 if reason is None:
@@ -337,7 +342,7 @@ class Lease:
                     return
                 if self._stop.is_set():
                     return
-                self._write_beat()
+                self.write_beat()
             except Exception:  # noqa: BLE001 - a missed beat is retried on the next one
                 logger.exception("lease heartbeat failed")
 
@@ -355,9 +360,9 @@ class Lease:
             "the lease file %s is torn; this trainer holds the lease and writes it again",
             torn["torn"],
         )
-        self._write_beat()
+        self.write_beat()
 
-    def _write_beat(self) -> None:
+    def write_beat(self) -> None:
         """Write the heartbeat into the job's directory as this process found it, never into one
         made anew: the directory may vanish between the read and this write, and a write that
         made its parent again would hide that (the next read would find this lease in place)."""
@@ -375,9 +380,9 @@ class Lease:
                 return
         self._written_at = time.monotonic()
 
-    def release(self) -> None:
-        """Give the lease back (only if we still hold it)."""
-        if not self.held:
+    def release(self, writes_ended: bool = False) -> None:
+        """Give the lease back (only if we still hold it, and its `finishing` writes ended)."""
+        if not self.held or (self.finishing and not writes_ended):
             return
         self._stop.set()
         if self._thread is not None:
@@ -389,4 +394,4 @@ class Lease:
             if current and current.get("token") == self.token:
                 self.storage.fs.rm(self.path)
         finally:
-            self.token = None
+            self.token, self.finishing = None, None
