@@ -50,6 +50,21 @@ def permanent():
     return FailingDigits(fail_at=5, error=TypeError, failures=None)
 
 
+class DeviceOutOfMemory(RuntimeError):
+    """As XLA says a device ran out of memory (its XlaRuntimeError is a RuntimeError)."""
+
+    def __init__(self, where: str):
+        super().__init__(
+            f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.13GiB ({where})"
+        )
+
+
+def out_of_memory():
+    """Runs out of device memory once in the interval 20→40: a retry would get past it, so a
+    test can tell that none was made."""
+    return FailingDigits(fail_at=25, error=DeviceOutOfMemory)
+
+
 class NaNDigits(DigitsProgram):
     """Tiny digits whose loss becomes NaN from step `nan_at` on (as if training diverged)."""
 

@@ -246,6 +246,19 @@ def test_these_refusals_are_not_retried():
     assert is_transient(PermissionError(13, "Permission denied"))  # unchanged for other I/O
 
 
+def test_out_of_memory_is_not_transient_however_wrapped_and_a_rate_limit_is():
+    from prefect_jax.training.errors import RestoreFailedError, is_transient
+
+    oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.13GiB")
+    assert not is_transient(oom) and not is_transient(MemoryError())
+    wrapped = OSError("restore failed")
+    wrapped.__cause__ = oom
+    assert not is_transient(wrapped)
+    assert not is_transient(RestoreFailedError("/data/j/checkpoints/20", oom, "the run's"))
+    # a storage's RESOURCE_EXHAUSTED is a rate limit: retried
+    assert is_transient(RuntimeError("RESOURCE_EXHAUSTED: HTTP response code: 429"))
+
+
 @pytest.mark.parametrize("value", ["soon", "inf"])
 def test_a_bad_ui_refresh_setting_is_one_clear_line_before_any_flow_runs(
     tmp_path, monkeypatch, value

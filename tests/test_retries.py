@@ -69,6 +69,21 @@ def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_
     assert not (tmp_path / "storage" / "broken" / "lease.json").exists()
 
 
+def test_out_of_memory_is_not_retried_and_the_run_is_told_what_to_change(
+    tmp_path, mlflow_uri, caplog
+):
+    """The same step in the same process needs the same memory: two retries would each restore
+    and fail again (on a GPU, minutes each)."""
+    with caplog.at_level("ERROR"):
+        state = _run(tmp_path, mlflow_uri, "programs:out_of_memory", "oom")
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match="^RESOURCE_EXHAUSTED: Out of memory"):
+        state.result()
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    assert runs["train 20 to 40"].run_count == 1
+    assert "Lower the batch size" in caplog.text and "--no-device-copy" in caplog.text
+
+
 def test_a_nan_loss_stops_at_its_step_without_retry_or_checkpoint(tmp_path, mlflow_uri):
     from prefect_jax.training.errors import NonFiniteLossError
 

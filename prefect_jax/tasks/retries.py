@@ -11,11 +11,11 @@ from prefect_jax.training.specs import RetrySpec
 
 def retry_if_transient(task, task_run, state) -> bool:
     """Retry I/O errors, timeouts and preemptions; fail at once on a bad program, a checkpoint
-    that does not fit, a NaN loss or a job held by another trainer. With several JAX processes,
-    never: a task retried in one process alone would wait forever for the others (the group's
-    rerun resumes them all from the newest committed step)."""
+    that does not fit, a NaN loss, a job held by another trainer or memory run out. With several
+    JAX processes, never: a task retried in one process alone would wait forever for the others
+    (the group's rerun resumes them all from the newest committed step)."""
     from prefect_jax.training import cluster
-    from prefect_jax.training.errors import is_transient
+    from prefect_jax.training.errors import OUT_OF_MEMORY_FIX, is_transient, out_of_memory
 
     if cluster.several():
         get_run_logger().error(
@@ -28,6 +28,8 @@ def retry_if_transient(task, task_run, state) -> bool:
     transient = exc is None or is_transient(exc)
     if not transient:
         get_run_logger().error("not retrying %s: %s", type(exc).__name__, exc)
+        if out_of_memory(exc):
+            get_run_logger().error("%s", OUT_OF_MEMORY_FIX)
     return transient
 
 

@@ -20,6 +20,26 @@ def and_its_causes(exc: BaseException | None, limit: int = 8) -> Iterator[BaseEx
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, says the host or a device ran out of memory
+    (`MemoryError`; XLA's ``RESOURCE_EXHAUSTED`` naming memory, not a storage's rate limit)."""
+    return any(
+        isinstance(e, MemoryError)
+        or (str(e).startswith("RESOURCE_EXHAUSTED") and "memory" in str(e).lower())
+        for e in and_its_causes(exc)
+    )
+
+
+# What a run that ran out of memory is told (it is not retried: the same step in the same
+# process needs the same memory).
+OUT_OF_MEMORY_FIX = (
+    "out of memory: a retry would need the same memory, so none is made. Lower the batch size "
+    "(gradient accumulation keeps the batch the optimizer sees), shard the state over more "
+    "devices (the program's mesh: docs/program.md#sharding), or pass --no-device-copy where "
+    "the checkpoints' copy on the device tipped it over"
+)
+
+
 def said(cause: BaseException) -> str:
     """``"TypeName: its first line"`` (at most 400 characters of it), for a message that names
     the error it wraps."""
@@ -233,11 +253,13 @@ PERMANENT = (
 
 def is_transient(exc: BaseException) -> bool:
     """True when retrying from the newest checkpoint may succeed (I/O errors, preemption,
-    timeouts...)."""
+    timeouts...); not for a program, config or data that is wrong, nor out of memory."""
     if isinstance(exc, StorageNotWritableError):
         return False
     if isinstance(exc, RestoreFailedError):
         return is_transient(exc.cause)
+    if out_of_memory(exc):
+        return False
     if isinstance(exc, (OSError, TimeoutError, ConnectionError, Preempted)):
         return True
     return not isinstance(exc, PERMANENT)
