@@ -4,7 +4,6 @@ and across several processes (the ``multiprocess`` entry of BENCHMARKS.json, whi
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 
@@ -121,7 +120,7 @@ def lm_gpu_markdown() -> list[str]:
             f"{rec['device']}. {rec['note']}",
             "",
             "| run | side | steps (every) | loop s | tokens/s | MFU | stall per save, "
-            "share of a sync save | a save mid-run, beyond bare_nosave's, s, share (sd) | "
+            "share of a sync save | mid-run stall per save (to the last step), share | "
             "to the last step s | a stretch with a save, beyond one without, s | end s |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
@@ -138,10 +137,9 @@ def lm_gpu_markdown() -> list[str]:
                 if floor and name != "bare_nosave":
                     lost = (side["loop_s"] - floor["loop_s"]) / saves
                     stall = f"{lost:.2f} s, {lost / run['sync_save_s']:.0%}"
-                    paired = mid_run_stall(side, floor, run["checkpoint_every"])
-                    if paired:
-                        lost, sd = paired
-                        mid_run = f"{lost:.2f}, {lost / run['sync_save_s']:.0%} ({sd:.2f})"
+                    lost = mid_run_stall(side, floor, run["checkpoint_every"])
+                    if lost is not None:
+                        mid_run = f"{lost:.2f} s, {lost / run['sync_save_s']:.0%}"
                 marks, boundary = side.get("marks"), side.get("per_save_boundary_s")
                 out.append(
                     f"| {i} | {name} | {run['steps']} ({run['checkpoint_every']}) | "
@@ -154,22 +152,18 @@ def lm_gpu_markdown() -> list[str]:
     return out
 
 
-def mid_run_stall(side: dict, floor: dict, every: int) -> tuple[float, float] | None:
-    """The seconds a save costs a side mid-run, without the job's end: each of the side's
-    stretches between marks less the same stretch of ``bare_nosave`` (paired, since the stretches
-    of every side drift alike over a run), the mean over the stretches that start at a save (the
-    save and its eval) less the mean over those that do not; and the spread (sd) of the latter,
-    the noise a mean is read against. None where the sides' marks do not pair."""
+def mid_run_stall(side: dict, floor: dict, every: int) -> float | None:
+    """The seconds a save cost a side mid-run, without the job's end: its time to the last mark
+    beyond ``bare_nosave``'s, per save before that mark (what a save costs the stretches after
+    it, as the device drains and refills, counts too). None where the sides' marks differ."""
     ours, theirs = side.get("marks"), floor.get("marks")
     if not ours or not theirs or [a for a, _ in ours] != [a for a, _ in theirs]:
         return None
-    at = dict(theirs)
-    excess = [(a, (tb - ta) - (at[b] - at[a])) for (a, ta), (b, tb) in itertools.pairwise(ours)]
-    at_save = [x for a, x in excess if a % every == 0]
-    plain = [x for a, x in excess if a % every]
-    if not at_save or len(plain) < 2:
+    first, last = ours[0][0], ours[-1][0]
+    saves = sum(1 for step in range(first + 1, last) if step % every == 0)
+    if not saves:
         return None
-    return statistics.mean(at_save) - statistics.mean(plain), statistics.stdev(plain)
+    return ((ours[-1][1] - ours[0][1]) - (theirs[-1][1] - theirs[0][1])) / saves
 
 
 def multiprocess_markdown(mp: dict | None) -> list[str]:

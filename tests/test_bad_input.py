@@ -255,8 +255,10 @@ def test_out_of_memory_is_not_transient_however_wrapped_and_a_rate_limit_is():
     wrapped.__cause__ = oom
     assert not is_transient(wrapped)
     assert not is_transient(RestoreFailedError("/data/j/checkpoints/20", oom, "the run's"))
-    # a storage's RESOURCE_EXHAUSTED is a rate limit: retried
-    assert is_transient(RuntimeError("RESOURCE_EXHAUSTED: HTTP response code: 429"))
+    tpu = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 17G")
+    assert not is_transient(tpu)
+    # a storage's RESOURCE_EXHAUSTED is a rate limit: retried, whatever its path says
+    assert is_transient(RuntimeError("RESOURCE_EXHAUSTED: HTTP 429 for gs://b/memory-exp/7"))
 
 
 @pytest.mark.parametrize("value", ["soon", "inf"])

@@ -678,3 +678,27 @@ def test_a_finishing_holder_whose_process_is_gone_is_not_waited_for(tmp_path, go
         assert lease.held and time.monotonic() - started < 5
     finally:
         lease.release()
+
+
+def test_a_holder_finishing_for_longer_than_the_lease_timeout_is_not_waited_for_longer(
+    tmp_path, caplog
+):
+    """A commit that stalls in a process that lives on keeps its heartbeat fresh for ever: the
+    rerun waits the lease's timeout, then judges the lease as any other."""
+    import threading
+
+    from prefect_jax.training.lease_finishing import release_after
+
+    holder, rerun = _lease(tmp_path, timeout=2.0), _lease(tmp_path, timeout=2.0)
+    holder.acquire()
+    never = threading.Event()
+    release_after(holder, lambda: never.wait(30), "step 120")
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
+        rerun.acquire()  # (of the same flow run: taken over once not waited for)
+    try:
+        assert rerun.held and 2.0 < time.monotonic() - started < 8.0
+        assert "still finishing step 120 after 2s: not waiting longer" in caplog.text
+    finally:
+        never.set()
+        rerun.release()

@@ -353,7 +353,6 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
         trainer.close()
 
 
-@slow
 def _config(storage: str, max_steps: int, mlflow_uri: str) -> JobConfig:
     return JobConfig(
         program=PROGRAM,
@@ -381,6 +380,7 @@ def _resumes_two_processes_step_in_one(uninterrupted, storage, mlflow_uri, caplo
     trainer.close()
 
 
+@slow
 def test_checkpoints_reshard_between_two_processes_and_one(
     uninterrupted, tmp_path, prefect_server, mlflow_uri, caplog
 ):

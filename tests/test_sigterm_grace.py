@@ -1,6 +1,7 @@
 """SIGTERM with a grace period too short for the save: the save is abandoned cleanly and the
 newest valid checkpoint is restored, never a torn one (a real process, a real signal)."""
 
+import json
 import os
 import re
 import signal
@@ -76,6 +77,9 @@ def test_a_save_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path, ml
     # The abandoned save counts only if Orbax committed it whole before the process ended (its
     # commit goes on in the background while the attempt ends: on a loaded machine it can win).
     assert newest % 500 == 0 or newest == at, (newest, at)
+    if newest != at:  # still written when the process was killed: the lease says so
+        with open(os.path.join(config.storage, "grace", "lease.json")) as f:
+            assert json.load(f)["finishing"] == f"step {at}"
 
     trainer = Trainer(
         config

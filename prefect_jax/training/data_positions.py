@@ -48,10 +48,12 @@ def written_by_other_processes(checkpoint_dir: str, step: int) -> str | None:
     if "://" in checkpoint_dir:  # Orbax's own paths (`etils.epath`: gcsfs underneath)
         from etils import epath
 
+        # one glob (a fresh listing: gcsfs caches `exists`), decided by the names
         data = epath.Path(checkpoint_dir) / str(step) / "data"
-        if (data / _own_file()).exists():
+        names = {p.name: str(p) for p in data.glob("process_*-of-*.json")}
+        if _own_file() in names:
             return None
-        first = sorted(str(p) for p in data.glob("process_0-of-*.json"))  # (a glob: uncached)
+        first = sorted(path for name, path in names.items() if name.startswith("process_0-of-"))
         return first[0] if first else None
     data = os.path.join(checkpoint_dir, str(step), "data")
     if not os.path.isdir(data) or os.path.exists(os.path.join(data, _own_file())):

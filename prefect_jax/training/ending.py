@@ -122,7 +122,7 @@ class AttemptEnd:
             if not stuck and not within(lambda: logger.log(level, msg, *args), LOG_WAIT_SECS):
                 stuck.append(True)
 
-        committed = False
+        committed, waited = False, None  # (None: the commit was not waited for)
         try:
             # (None: no save just ended here)
             saved_rows = rows if rows is not None else t.intervals.rows_saving
@@ -215,13 +215,14 @@ class AttemptEnd:
             bounded(self.log_goodput, at_least=0.5)
             # MLflow may be slow (or its thread busy): never much past the grace period.
             bounded(lambda: job.tracker.finish("KILLED"), at_least=1.0)
-            if not waited:  # the save goes on writing: no rerun takes the job meanwhile
-                writes_end = lambda: job.wait_committed(ending=True, events_wait=0)  # noqa: E731
-                release_after(job.lease, writes_end, f"step {t.step}")
         finally:
             # Whatever failed above (storage going away with the node, say), the notice goes on:
             # else the guard, handling it still, would take no later SIGTERM either.
             with contextlib.suppress(Exception):
+                if waited is False:  # the save goes on writing: no rerun takes the job meanwhile
+                    writes_end = lambda: job.wait_committed(ending=True, events_wait=0)  # noqa: E731
+                    hold = lambda: release_after(job.lease, writes_end, f"step {t.step}")  # noqa: E731
+                    bounded(hold, at_least=1.0)  # (it writes the lease: storage may hang)
                 job.lease.release()  # (returns at once once released, or while finishing)
             self.preempted = (t.step, committed, t.guard.signum)
             t.forget_live_state()

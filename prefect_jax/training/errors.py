@@ -2,11 +2,12 @@
 
 Transient failures (I/O, preemption, a lost lease race) are worth retrying from the newest
 checkpoint; permanent ones (a bad program, a checkpoint that does not fit, a NaN loss, a job
-someone else is training) fail at once, with a message that says what to fix.
+someone else is training, memory run out) fail at once, with a message that says what to fix.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 
@@ -22,12 +23,17 @@ def and_its_causes(exc: BaseException | None, limit: int = 8) -> Iterator[BaseEx
 
 def out_of_memory(exc: BaseException) -> bool:
     """Whether `exc`, or an error it was raised from, says the host or a device ran out of memory
-    (`MemoryError`; XLA's ``RESOURCE_EXHAUSTED`` naming memory, not a storage's rate limit)."""
+    (`MemoryError`; XLA's ``RESOURCE_EXHAUSTED`` saying so, not a storage's rate limit)."""
     return any(
         isinstance(e, MemoryError)
-        or (str(e).startswith("RESOURCE_EXHAUSTED") and "memory" in str(e).lower())
+        or (str(e).startswith("RESOURCE_EXHAUSTED") and _OUT_OF_MEMORY_WORDS.search(str(e)))
         for e in and_its_causes(exc)
     )
+
+
+# How XLA says it: "Out of memory while trying to allocate" (GPU), "Ran out of memory in memory
+# space hbm" (TPU), "Failed to allocate request for 1.00GiB" (a device allocator).
+_OUT_OF_MEMORY_WORDS = re.compile(r"out of memory|failed to allocate", re.IGNORECASE)
 
 
 # What a run that ran out of memory is told (it is not retried: the same step in the same

@@ -10,7 +10,8 @@ the rerun automation reacts to each), and the second process waits for the first
 it takes over, so that one process trains the job. A flow run of one JAX process takes the lease
 before it starts JAX (`take_early`; its trainer adopts it), so that a second start of it waits
 before its own JAX start too. The lease is released when training ends, however it ends; after a
-SIGKILL it goes stale.
+SIGKILL it goes stale. A save still written after a SIGTERM's grace period keeps it, marked
+``finishing``, until the save ends (`lease_finishing`).
 
 A holder checks that it still holds the lease before each checkpoint (`verify`): one whose lease
 was taken over (its heartbeat went stale, or a rerun of its flow run started on another machine)
@@ -89,15 +90,14 @@ class Lease:
         self.taken_over: dict | None = None
         # The record of the trainer that took this process's lease over (see `verify`), or None.
         self.lost_to: dict | None = None
-        self.on_lost: Callable[[dict], None] | None = (
-            None  # called once, with the new holder's record, when lost
-        )
-        self._confirmed_at: float | None = (
-            None  # when `verify` last read the lease and found it ours (monotonic)
-        )
+        # called once, with the new holder's record, when lost
+        self.on_lost: Callable[[dict], None] | None = None
+        # when `verify` last read the lease and found it ours (monotonic)
+        self._confirmed_at: float | None = None
         self._written_at: float | None = None  # when this process last wrote its lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._writing = threading.Lock()  # one write of the record at a time (`finishing` lands)
         # The job's directory as this process found it when it took the lease (`_identity`), and
         # why it is not that one any more (None: it is, or nobody looked).
         self._home: tuple | None = None
@@ -259,7 +259,7 @@ class Lease:
                 current or "nobody (its lease file is gone)",
             )
         self.lost_to = current
-        self.token = None
+        self.token, self.finishing = None, None
         self._stop.set()
         if first and self.on_lost is not None:
             self.on_lost(current)
@@ -369,16 +369,17 @@ class Lease:
         if self._home is not None and _identity(self.storage) != self._home:
             self._lose({})  # (`_moved_away` says why)
             return
-        if self.storage.protocol != "file":
-            self.storage.write_json(self.path, self._record())
-        else:
-            try:
-                record = json.dumps(self._record(), indent=1, sort_keys=True).encode()
-                atomic_write(self.path, record)
-            except FileNotFoundError:  # gone between the look above and the write: no parents
-                self._lose({})
-                return
-        self._written_at = time.monotonic()
+        with self._writing:  # (a record built before `finishing` was set never lands after it)
+            if self.storage.protocol != "file":
+                self.storage.write_json(self.path, self._record())
+            else:
+                try:
+                    record = json.dumps(self._record(), indent=1, sort_keys=True).encode()
+                    atomic_write(self.path, record)
+                except FileNotFoundError:  # gone between the look above and the write
+                    self._lose({})
+                    return
+            self._written_at = time.monotonic()
 
     def release(self, writes_ended: bool = False) -> None:
         """Give the lease back (only if we still hold it, and its `finishing` writes ended)."""

@@ -9,11 +9,13 @@ at once; it would move the half-written step aside, and the old writer's last ob
 file among them, would land after it, on a step that counts. So the holder keeps the lease, marked
 ``finishing``, its heartbeat going, until those writes end (`release_after`), and a trainer that
 wants the job waits for that (`wait_while_finishing`): until the lease is freed, or its heartbeat
-goes stale (the process is gone: its writes ended with it), or its process on this host is gone.
+goes stale (the process is gone: its writes ended with it), or its process on this host is gone,
+or the lease's timeout has passed (a commit that stalled in a process that lives on).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -36,10 +38,10 @@ FINISHING_POLL_SECS = 0.5
 
 def release_after(lease: Lease, writes_end: Callable[[], object], what: str) -> None:
     """Keep `lease` (held) marked as finishing `what` (``"step 120"``), and free it once
-        `writes_end` returns or raises, on a thread of its own (no other `release` frees it before
-    that). That thread is a daemon: the lease
-        does not keep the process alive, and a process that ends first leaves the lease to go stale
-        with its heartbeat, its writes having ended with it."""
+    `writes_end` returns or raises, on a thread of its own; no other `release` frees it before
+    that. The thread is a daemon, so the lease does not keep the process alive: a process that
+    exits normally frees it at its exit (`atexit` runs after the interpreter joined its other
+    threads, Orbax's among them), and one killed leaves it to go stale with its heartbeat."""
     if not lease.held:
         return
     lease.finishing = what
@@ -56,6 +58,7 @@ def release_after(lease: Lease, writes_end: Callable[[], object], what: str) -> 
         finally:
             lease.release(writes_ended=True)
 
+    atexit.register(lease.release, writes_ended=True)
     threading.Thread(target=free_when_written, name="prefect-jax-lease-finish", daemon=True).start()
 
 
@@ -77,28 +80,32 @@ def finishing(current: dict | None, timeout_secs: float) -> str | None:
 
 def wait_while_finishing(lease: Lease, current: dict | None) -> dict | None:
     """While the holder in `current` may still be writing (`finishing`), wait, reading the
-    lease again; return it as it then is. `Lease.acquire` calls this before it judges the
-    holder."""
+    lease again, for the lease's timeout at most (a commit that stalls in a process that lives
+    on would keep it fresh for ever); return it as it then is. `Lease.acquire` calls this
+    before it judges the holder."""
     what = finishing(current, lease.timeout_secs)
     if what is None:
         return current
+    job = redact_url(lease.storage.job_dir)
     logger.warning(
         "job %s: its last holder (flow run %s, host %s, pid %s) got a preemption notice and may "
-        "still be writing %s: waiting until it lets the job go or its heartbeat is %.0fs old",
-        redact_url(lease.storage.job_dir),
+        "still be writing %s: waiting until it lets the job go, %.0fs at most",
+        job,
         current.get("flow_run_id"),
         current.get("host"),
         current.get("pid"),
         what,
-        float(current.get("timeout_secs", lease.timeout_secs)),
+        lease.timeout_secs,
     )
     started = time.monotonic()
     while finishing(current, lease.timeout_secs) is not None:
+        if time.monotonic() - started > lease.timeout_secs:
+            waited = time.monotonic() - started
+            logger.warning(
+                "job %s: still finishing %s after %.0fs: not waiting longer", job, what, waited
+            )
+            return current
         time.sleep(FINISHING_POLL_SECS)
         current = lease.read()
-    logger.warning(
-        "job %s: its last holder let it go after %.1fs",
-        redact_url(lease.storage.job_dir),
-        time.monotonic() - started,
-    )
+    logger.warning("job %s: its last holder let it go after %.1fs", job, time.monotonic() - started)
     return current
