@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from prefect_jax.training.errors import JobDirectoryGoneError, LeaseHeldError, LeaseLostError
 from prefect_jax.training.lease_finishing import wait_while_finishing
-from prefect_jax.training.local_processes import process_alive
+from prefect_jax.training.local_processes import holder_gone
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage, atomic_write
 
@@ -82,9 +82,8 @@ class Lease:
         self.owner_id = owner_id
         self.timeout_secs = timeout_secs
         self.token: str | None = None
-        self.finishing: str | None = (
-            None  # what a preempted holder may still write (`release_after`)
-        )
+        # what a preempted holder may still write (`lease_finishing.release_after`)
+        self.finishing: str | None = None
         # The record of the holder this process took the lease over from (its flow run, host,
         # pid, and ``reason``: why it was stale), or None: who to mark as crashed in the UIs.
         self.taken_over: dict | None = None
@@ -129,16 +128,12 @@ class Lease:
             return {"torn": redact_url(self.path), "heartbeat": written}
 
     def _stale_reason(self, current: dict) -> str | None:
-        age = time.time() - float(current.get("heartbeat", 0))
-        if age > float(current.get("timeout_secs", self.timeout_secs)):
-            if current.get("torn"):
-                return f"its lease file is torn and was last written {age:.0f}s ago"
-            return f"heartbeat {age:.0f}s old"
-        if current.get("host") == socket.gethostname() and current.get("pid") is not None:
-            pid = int(current["pid"])
-            if pid != os.getpid() and not process_alive(pid):
-                return f"process {pid} on this host is gone"
-            if pid == os.getpid() and current.get("token") != self.token:
+        gone = holder_gone(current, self.timeout_secs)
+        if gone is not None:
+            return gone
+        pid, here = current.get("pid"), current.get("host") == socket.gethostname()
+        if here and pid is not None and int(pid) == os.getpid():
+            if current.get("token") != self.token:
                 return "left by this process"
         if self.owner_id and current.get("flow_run_id") == self.owner_id:
             return _SAME_RUN

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prefect_jax.training.local_processes import process_alive
+from prefect_jax.training.local_processes import holder_gone
 from prefect_jax.training.redaction import redact_url
 
 if TYPE_CHECKING:
@@ -64,18 +62,9 @@ def release_after(lease: Lease, writes_end: Callable[[], object], what: str) -> 
 
 def finishing(current: dict | None, timeout_secs: float) -> str | None:
     """What the holder recorded in `current` (the lease as read) may still be writing, or None:
-    nothing, or its heartbeat is stale, or its process on this host is gone."""
+    nothing, or the holder is gone (`holder_gone`: its writes ended with it)."""
     what = (current or {}).get("finishing")
-    if not what:
-        return None
-    age = time.time() - float(current.get("heartbeat", 0))
-    if age > float(current.get("timeout_secs", timeout_secs)):
-        return None
-    pid = current.get("pid")
-    here = current.get("host") == socket.gethostname() and pid is not None
-    if here and int(pid) != os.getpid() and not process_alive(int(pid)):
-        return None
-    return what
+    return what if what and holder_gone(current, timeout_secs) is None else None
 
 
 def wait_while_finishing(lease: Lease, current: dict | None) -> dict | None:
