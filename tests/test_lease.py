@@ -702,3 +702,36 @@ def test_a_holder_finishing_for_longer_than_the_lease_timeout_is_not_waited_for_
     finally:
         never.set()
         rerun.release()
+
+
+def test_a_takeover_that_the_live_holders_heartbeat_writes_over_writes_again(tmp_path):
+    """Taking a lease is a write and a read-back: a holder taken over while alive (a rerun of its
+    own flow run; one still finishing after the lease's timeout) can land one heartbeat, read
+    before the takeover's write, over it. The takeover writes again (the holder's next beat reads
+    it and lets go), rather than fail the rerun with LeaseHeldError."""
+    from prefect_jax.training.errors import LeaseLostError
+    from prefect_jax.training.storage import JobStorage
+
+    holder = _lease(tmp_path)
+    holder.acquire()
+    holders_beat = holder.read()
+
+    class HolderBeatsOnceAfterTheTakeover(JobStorage):
+        beaten = False
+
+        def write_json(self, path, obj, durable=True):
+            super().write_json(path, obj, durable)
+            if path.endswith("lease.json") and not HolderBeatsOnceAfterTheTakeover.beaten:
+                HolderBeatsOnceAfterTheTakeover.beaten = True
+                super().write_json(path, holders_beat, durable)
+
+    rerun = _lease(tmp_path, storage_class=HolderBeatsOnceAfterTheTakeover)
+    try:
+        rerun.acquire()
+        assert HolderBeatsOnceAfterTheTakeover.beaten and rerun.held
+        assert rerun.read()["token"] == rerun.token
+        with pytest.raises(LeaseLostError):
+            holder.verify()
+    finally:
+        rerun.release()
+        holder.release()

@@ -54,6 +54,8 @@ def _identity(storage: JobStorage) -> tuple | None:
 _SAME_RUN = "same flow run (a retry)"
 # How often a second process of one flow run looks whether the first has ended.
 DUPLICATE_POLL_SECS = 1.0
+# How many times a takeover writes the lease when the holder taken over writes over it.
+TAKEOVER_WRITES = 3
 # Job dir: when this process stopped waiting for another process of its flow run.
 _duplicate_wait_ended: dict[str, float] = {}
 
@@ -282,9 +284,7 @@ class Lease:
         if self.held:
             return
         while True:
-            self.taken_over = (
-                None  # (what this pass takes over, if anything: see `mark_taken_over`)
-            )
+            self.taken_over = None  # (what this pass takes over: see `mark_taken_over`)
             current = wait_while_finishing(self, self.wait_for_duplicate())
             if current is not None:
                 reason = self._stale_reason(current)
@@ -300,9 +300,18 @@ class Lease:
                 )
                 self.taken_over = dict(current, reason=reason)
             self.token = uuid.uuid4().hex
-            self.storage.write_json(self.path, self._record())
-            self._written_at = time.monotonic()
-            confirmed = self.read()
+            for _ in range(TAKEOVER_WRITES):
+                self.storage.write_json(self.path, self._record())
+                self._written_at = time.monotonic()
+                confirmed = self.read()
+                # A live holder taken over may land one heartbeat (read before this write) over
+                # it; its next beat reads this lease and lets go: write again, not fail. (One of
+                # this flow run on this host is waited for below, as for any such process.)
+                holder = (confirmed or {}).get("token")
+                if holder is None or holder != (self.taken_over or {}).get("token"):
+                    break
+                if self._live_duplicate(confirmed) is not None:
+                    break
             if confirmed and confirmed.get("token") == self.token:
                 self._home = _identity(self.storage)
                 break
@@ -330,9 +339,7 @@ class Lease:
                     self._repair(current)  # ours, torn since this process last wrote it
                     continue
                 if not current or current.get("token") != self.token:
-                    if (
-                        not self._stop.is_set()
-                    ):  # (set: released meanwhile; the lease is not ours to write)
+                    if not self._stop.is_set():  # (set: released meanwhile, not ours to write)
                         self._lose(current or {})  # the next checkpoint's `verify` stops training
                     return
                 if self._stop.is_set():
