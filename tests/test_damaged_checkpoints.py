@@ -220,6 +220,10 @@ def test_out_of_memory_in_a_restore_is_raised_even_for_a_step_without_checksums(
         raise OSError("restore failed") from RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
     except OSError as wrapped:
         assert not_the_steps_fault(wrapped)
+    try:  # (the host's, too)
+        raise OSError("restore failed") from MemoryError()
+    except OSError as wrapped:
+        assert not_the_steps_fault(wrapped)
     assert not not_the_steps_fault(OSError("restore failed"))
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import lost_a_process
-from prefect_jax.training.errors import RestoreFailedError, and_its_causes, said
+from prefect_jax.training.errors import RestoreFailedError, and_its_causes, out_of_memory, said
 from prefect_jax.training.remote_errors import RemoteStorageError
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -34,11 +34,11 @@ logger = logging.getLogger("prefect_jax.trainer")
 
 def not_the_steps_fault(exc: BaseException) -> bool:
     """Whether a failed restore says nothing against the step (see the module)."""
-    if isinstance(exc, (RestoreFailedError, RemoteStorageError, MemoryError)):
+    if isinstance(exc, (RestoreFailedError, RemoteStorageError)) or out_of_memory(exc):
         return True
     if lost_a_process(exc):  # (a collective's error: another process's cause)
         return True
-    # out of memory, as XLA says it, however wrapped
+    # XLA's or a storage's other exhausted resources (a rate limit), however wrapped
     return any(str(e).startswith("RESOURCE_EXHAUSTED") for e in and_its_causes(exc))
 
 
