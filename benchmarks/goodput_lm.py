@@ -12,7 +12,7 @@ train/eval by file), built once by the harness before any clock starts.
 
 - ``prefect_jax``: ``prefect-jax run --program prefect_jax.examples.bytelm:program`` with a
   ``--program-param`` per `LM_PARAMS` entry.
-- ``plain``: `benchmarks/lm.py`'s bare loop (its CheckpointManager of the state and the Grain
+- ``plain``: `benchmarks/lm_bare.py`'s bare loop (its CheckpointManager of the state and the Grain
   iterator, its eval), made resumable: it restores the newest step and the iterator's position,
   and, as prefect-jax does, evaluates that step first where a kill interrupted its evaluation
   (each evaluation's metrics are appended to ``evaluations.jsonl`` as it ends). No SIGTERM
@@ -83,7 +83,7 @@ def child_plain(args) -> None:
 
     mark(args.workdir, event="start", process_start=process_start())
     import jax
-    import lm as bare
+    import lm_bare as bare
 
     use_compile_cache(args.workdir)
     mark(args.workdir, event="imported")
