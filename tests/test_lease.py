@@ -1,6 +1,7 @@
 """One writer per job: the lease (`prefect_jax.training.lease`) kept by its live holder, taken
 over from a dead or stale one, handed back to a retry of the same flow run, torn or lost; and
-storage that vanishes under a trainer. Damaged checkpoints are in test_damaged_checkpoints."""
+storage that vanishes under a trainer. A lease kept while a preempted save still writes is in
+test_lease_finishing; damaged checkpoints are in test_damaged_checkpoints."""
 
 import json
 import logging
@@ -10,6 +11,7 @@ import socket
 import time
 
 import pytest
+from lease_helpers import lease_under
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
@@ -539,19 +541,10 @@ def test_a_job_directory_that_vanishes_and_comes_back_is_named_and_nothing_lands
     assert committed_steps(_ckpt_dir(config))[-1] == 40
 
 
-def _lease(tmp_path, timeout=60.0, storage_class=None):
-    from prefect_jax.training.lease import Lease
-    from prefect_jax.training.storage import JobStorage
-
-    storage = (storage_class or JobStorage)(root=str(tmp_path / "storage"), job="j")
-    os.makedirs(storage.job_dir, exist_ok=True)
-    return Lease(storage, owner_id="run-2", timeout_secs=timeout)
-
-
 def test_a_torn_lease_keeps_the_job_until_it_goes_stale_by_its_last_write(tmp_path, caplog):
     """A torn lease file (a write cut short) is held by a trainer nobody can name, not by none:
     read as absent, it let a second trainer take a live job silently."""
-    lease = _lease(tmp_path, timeout=60.0)
+    lease = lease_under(tmp_path, timeout=60.0)
     with open(lease.path, "w") as f:
         f.write('{"token": "other", "flow_run_id": "run-1", "ho')
     with pytest.raises(LeaseHeldError, match=r"unknown: its lease file .*lease\.json is torn"):
@@ -574,7 +567,7 @@ def test_a_live_holder_whose_lease_is_torn_writes_it_again_and_trains_on(tmp_pat
     """The holder's own lease torn under it (bit rot): it cannot have been taken over (its
     heartbeats kept it fresh), so the holder writes it again rather than stopping as if another
     trainer had taken the job, and the file says who holds it again."""
-    lease = _lease(tmp_path, timeout=2.0)
+    lease = lease_under(tmp_path, timeout=2.0)
     lease.acquire()
     try:
         with open(lease.path, "w") as f:
@@ -609,7 +602,7 @@ def test_the_heartbeat_never_makes_a_vanished_job_directory_again(tmp_path):
                 shutil.move(self.job_dir, away)
             return out
 
-    lease = _lease(tmp_path, timeout=2.0, storage_class=VanishingAfterARead)
+    lease = lease_under(tmp_path, timeout=2.0, storage_class=VanishingAfterARead)
     lease.acquire()
     job_dir = lease.storage.job_dir
     deadline = time.monotonic() + 30
@@ -620,90 +613,6 @@ def test_the_heartbeat_never_makes_a_vanished_job_directory_again(tmp_path):
         lease.verify()
 
 
-def test_a_preempted_holder_still_writing_its_step_keeps_the_job_until_the_writes_end(
-    tmp_path, caplog
-):
-    """A save that outlives the grace period goes on writing: a rerun of the same flow run (which
-    takes its own run's lease at once) waits until the holder's writes end and it lets the job
-    go, rather than moving the half-written step aside under the writer."""
-    import threading
-
-    from prefect_jax.training.lease_finishing import release_after
-
-    holder, rerun = _lease(tmp_path), _lease(tmp_path)  # (both of flow run "run-2")
-    holder.acquire()
-    writes = threading.Event()
-    release_after(holder, lambda: writes.wait(30), "step 120")
-    record = json.load(open(holder.path))
-    assert record["finishing"] == "step 120" and record["token"] == holder.token
-    holder.release()  # (the attempt's other ends: not before the writes end)
-    assert holder.held and json.load(open(holder.path))["token"] == holder.token
-    taken = threading.Thread(target=rerun.acquire)
-    with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
-        taken.start()
-        time.sleep(1.5)
-        assert taken.is_alive() and not rerun.held  # waiting
-        writes.set()
-        taken.join(timeout=10)
-    try:
-        assert rerun.held and json.load(open(rerun.path))["token"] == rerun.token
-        assert "finishing" not in json.load(open(rerun.path))
-        assert "may still be writing step 120" in caplog.text
-        assert not holder.held and holder.finishing is None
-    finally:
-        rerun.release()
-
-
-@pytest.mark.parametrize("gone", ["its heartbeat is stale", "its process is gone"])
-def test_a_finishing_holder_whose_process_is_gone_is_not_waited_for(tmp_path, gone):
-    """A process that ended stopped writing: its lease, still marked finishing, is taken over
-    as any lease of its own flow run."""
-    import subprocess
-    import sys
-
-    lease = _lease(tmp_path)
-    record = {"token": "old", "flow_run_id": "run-2", "finishing": "step 120"}
-    if gone == "its heartbeat is stale":
-        record.update(host="another-host", pid=1, heartbeat=time.time() - 500)
-    else:
-        dead = subprocess.run(
-            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-        )
-        record.update(host=socket.gethostname(), pid=int(dead.stdout), heartbeat=time.time())
-    with open(lease.path, "w") as f:
-        json.dump(dict(record, timeout_secs=60), f)
-    started = time.monotonic()
-    lease.acquire()
-    try:
-        assert lease.held and time.monotonic() - started < 5
-    finally:
-        lease.release()
-
-
-def test_a_holder_finishing_for_longer_than_the_lease_timeout_is_not_waited_for_longer(
-    tmp_path, caplog
-):
-    """A commit that stalls in a process that lives on keeps its heartbeat fresh for ever: the
-    rerun waits the lease's timeout, then judges the lease as any other."""
-    import threading
-
-    from prefect_jax.training.lease_finishing import release_after
-
-    holder, rerun = _lease(tmp_path, timeout=2.0), _lease(tmp_path, timeout=2.0)
-    holder.acquire()
-    never = threading.Event()
-    release_after(holder, lambda: never.wait(30), "step 120")
-    started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
-        rerun.acquire()  # (of the same flow run: taken over once not waited for)
-    try:
-        assert rerun.held and 2.0 < time.monotonic() - started < 8.0
-        assert "still finishing step 120 after 2s: not waiting longer" in caplog.text
-    finally:
-        never.set()
-        rerun.release()
-
-
 def test_a_takeover_that_the_live_holders_heartbeat_writes_over_writes_again(tmp_path):
     """Taking a lease is a write and a read-back: a holder taken over while alive (a rerun of its
     own flow run; one still finishing after the lease's timeout) can land one heartbeat, read
@@ -712,7 +621,7 @@ def test_a_takeover_that_the_live_holders_heartbeat_writes_over_writes_again(tmp
     from prefect_jax.training.errors import LeaseLostError
     from prefect_jax.training.storage import JobStorage
 
-    holder = _lease(tmp_path)
+    holder = lease_under(tmp_path)
     holder.acquire()
     holders_beat = holder.read()
 
@@ -725,7 +634,7 @@ def test_a_takeover_that_the_live_holders_heartbeat_writes_over_writes_again(tmp
                 HolderBeatsOnceAfterTheTakeover.beaten = True
                 super().write_json(path, holders_beat, durable)
 
-    rerun = _lease(tmp_path, storage_class=HolderBeatsOnceAfterTheTakeover)
+    rerun = lease_under(tmp_path, storage_class=HolderBeatsOnceAfterTheTakeover)
     try:
         rerun.acquire()
         assert HolderBeatsOnceAfterTheTakeover.beaten and rerun.held

@@ -1,0 +1,96 @@
+"""A lease kept past its attempt's end while the attempt's last save may still be written
+(`prefect_jax.training.lease_finishing`): a rerun waits for the writes to end, but not for a
+holder that is gone, nor for longer than the lease's timeout. The rest of the lease is in
+test_lease; a real process killed mid-save in test_sigterm_grace."""
+
+import json
+import logging
+import socket
+import time
+
+import pytest
+from lease_helpers import lease_under
+
+
+def test_a_preempted_holder_still_writing_its_step_keeps_the_job_until_the_writes_end(
+    tmp_path, caplog
+):
+    """A save that outlives the grace period goes on writing: a rerun of the same flow run (which
+    takes its own run's lease at once) waits until the holder's writes end and it lets the job
+    go, rather than moving the half-written step aside under the writer."""
+    import threading
+
+    from prefect_jax.training.lease_finishing import release_after
+
+    holder, rerun = lease_under(tmp_path), lease_under(tmp_path)  # (both of flow run "run-2")
+    holder.acquire()
+    writes = threading.Event()
+    release_after(holder, lambda: writes.wait(30), "step 120")
+    record = json.load(open(holder.path))
+    assert record["finishing"] == "step 120" and record["token"] == holder.token
+    holder.release()  # (the attempt's other ends: not before the writes end)
+    assert holder.held and json.load(open(holder.path))["token"] == holder.token
+    taken = threading.Thread(target=rerun.acquire)
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
+        taken.start()
+        time.sleep(1.5)
+        assert taken.is_alive() and not rerun.held  # waiting
+        writes.set()
+        taken.join(timeout=10)
+    try:
+        assert rerun.held and json.load(open(rerun.path))["token"] == rerun.token
+        assert "finishing" not in json.load(open(rerun.path))
+        assert "may still be writing step 120" in caplog.text
+        assert not holder.held and holder.finishing is None
+    finally:
+        rerun.release()
+
+
+@pytest.mark.parametrize("gone", ["its heartbeat is stale", "its process is gone"])
+def test_a_finishing_holder_whose_process_is_gone_is_not_waited_for(tmp_path, gone):
+    """A process that ended stopped writing: its lease, still marked finishing, is taken over
+    as any lease of its own flow run."""
+    import subprocess
+    import sys
+
+    lease = lease_under(tmp_path)
+    record = {"token": "old", "flow_run_id": "run-2", "finishing": "step 120"}
+    if gone == "its heartbeat is stale":
+        record.update(host="another-host", pid=1, heartbeat=time.time() - 500)
+    else:
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        )
+        record.update(host=socket.gethostname(), pid=int(dead.stdout), heartbeat=time.time())
+    with open(lease.path, "w") as f:
+        json.dump(dict(record, timeout_secs=60), f)
+    started = time.monotonic()
+    lease.acquire()
+    try:
+        assert lease.held and time.monotonic() - started < 5
+    finally:
+        lease.release()
+
+
+def test_a_holder_finishing_for_longer_than_the_lease_timeout_is_not_waited_for_longer(
+    tmp_path, caplog
+):
+    """A commit that stalls in a process that lives on keeps its heartbeat fresh for ever: the
+    rerun waits the lease's timeout, then judges the lease as any other."""
+    import threading
+
+    from prefect_jax.training.lease_finishing import release_after
+
+    holder, rerun = lease_under(tmp_path, timeout=2.0), lease_under(tmp_path, timeout=2.0)
+    holder.acquire()
+    never = threading.Event()
+    release_after(holder, lambda: never.wait(30), "step 120")
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
+        rerun.acquire()  # (of the same flow run: taken over once not waited for)
+    try:
+        assert rerun.held and 2.0 < time.monotonic() - started < 8.0
+        assert "still finishing step 120 after 2s: not waiting longer" in caplog.text
+    finally:
+        never.set()
+        rerun.release()
