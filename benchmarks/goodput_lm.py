@@ -78,7 +78,7 @@ def prefect_jax_command(args, workdir: str) -> list[str]:
 
 
 def child_plain(args) -> None:
-    """`lm.py`'s bare loop, resumed from its newest checkpoint (state and Grain position)."""
+    """`lm_bare.py`'s bare loop, resumed from its newest checkpoint (state and Grain position)."""
     from goodput_peers import mark, process_start, use_compile_cache
 
     mark(args.workdir, event="start", process_start=process_start())

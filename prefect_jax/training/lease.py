@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from prefect_jax.training import lease_takeover as takeover
 from prefect_jax.training.errors import JobDirectoryGoneError, LeaseHeldError, LeaseLostError
 from prefect_jax.training.lease_finishing import wait_while_finishing
 from prefect_jax.training.local_processes import holder_gone
@@ -54,8 +55,6 @@ def _identity(storage: JobStorage) -> tuple | None:
 _SAME_RUN = "same flow run (a retry)"
 # How often a second process of one flow run looks whether the first has ended.
 DUPLICATE_POLL_SECS = 1.0
-# How many times a takeover writes the lease when the holder taken over writes over it.
-TAKEOVER_WRITES = 3
 # Job dir: when this process stopped waiting for another process of its flow run.
 _duplicate_wait_ended: dict[str, float] = {}
 
@@ -129,7 +128,7 @@ class Lease:
                 written = time.time()  # no time to go by: held for a whole timeout from now
             return {"torn": redact_url(self.path), "heartbeat": written}
 
-    def _stale_reason(self, current: dict) -> str | None:
+    def stale_reason(self, current: dict) -> str | None:
         gone = holder_gone(current, self.timeout_secs)
         if gone is not None:
             return gone
@@ -141,15 +140,15 @@ class Lease:
             return _SAME_RUN
         return None
 
-    def _live_duplicate(self, current: dict) -> int | None:
+    def live_duplicate(self, current: dict) -> int | None:
         """The pid of the holder when it is another live process on this host running the same
         flow run as this one (Prefect started the flow run twice), else None: on this host, a
-        holder that `_stale_reason` finds stale only as "the same flow run" is alive."""
+        holder that `stale_reason` finds stale only as "the same flow run" is alive."""
         pid = current.get("pid")
         elsewhere = (
             current.get("host") != socket.gethostname() or pid is None or int(pid) == os.getpid()
         )
-        return None if elsewhere or self._stale_reason(current) != _SAME_RUN else int(pid)
+        return None if elsewhere or self.stale_reason(current) != _SAME_RUN else int(pid)
 
     def wait_for_duplicate(self) -> dict | None:
         """While the holder is another live process of this same flow run on this host, wait for
@@ -157,7 +156,7 @@ class Lease:
         does this first; a flow does it before it starts JAX (the other process holds the
         accelerator). See `duplicate_wait_ended`."""
         current = self.read()
-        pid = self._live_duplicate(current) if current is not None else None
+        pid = self.live_duplicate(current) if current is not None else None
         if pid is None:
             return current
         logger.warning(
@@ -171,7 +170,7 @@ class Lease:
             pid,
         )
         started = time.monotonic()
-        while current is not None and self._live_duplicate(current) is not None:
+        while current is not None and self.live_duplicate(current) is not None:
             time.sleep(DUPLICATE_POLL_SECS)
             current = self.read()
         logger.warning(
@@ -191,7 +190,7 @@ class Lease:
         """Whether `acquire` would find no live holder (none, or a stale one), read once: a
         caller's guess before work that needs the job, not a claim (only `acquire` is one)."""
         current = self.read()
-        return current is None or self._stale_reason(current) is not None
+        return current is None or self.stale_reason(current) is not None
 
     def verify(self, max_age: float = 0.0) -> None:
         """Fencing: raise `LeaseLostError` when another trainer took the lease over since this
@@ -274,7 +273,7 @@ class Lease:
             try:
                 self.verify()
             except LeaseLostError:
-                if not (recheck and self.lost_to and self._live_duplicate(self.lost_to)):
+                if not (recheck and self.lost_to and self.live_duplicate(self.lost_to)):
                     raise
                 logger.warning(
                     "lost the lease of %s to another process of this flow run: waiting for it",
@@ -287,7 +286,7 @@ class Lease:
             self.taken_over = None  # (what this pass takes over: see `mark_taken_over`)
             current = wait_while_finishing(self, self.wait_for_duplicate())
             if current is not None:
-                reason = self._stale_reason(current)
+                reason = self.stale_reason(current)
                 if reason is None:
                     raise LeaseHeldError(
                         self.storage.job_dir,
@@ -300,23 +299,20 @@ class Lease:
                 )
                 self.taken_over = dict(current, reason=reason)
             self.token = uuid.uuid4().hex
-            for _ in range(TAKEOVER_WRITES):
+            for _ in range(takeover.TAKEOVER_WRITES):  # (what a read-back finds: `takeover`)
                 self.storage.write_json(self.path, self._record())
                 self._written_at = time.monotonic()
                 confirmed = self.read()
-                # A live holder taken over may land one heartbeat (read before this write) over
-                # it; its next beat reads this lease and lets go: write again, not fail. (One of
-                # this flow run on this host is waited for below, as for any such process.)
-                holder = (confirmed or {}).get("token")
-                if holder is None or holder != (self.taken_over or {}).get("token"):
-                    break
-                if self._live_duplicate(confirmed) is not None:
+                then = takeover.after_takeover_write(self, current, confirmed)
+                if then != takeover.WRITE_AGAIN:
                     break
             if confirmed and confirmed.get("token") == self.token:
                 self._home = _identity(self.storage)
                 break
             self.token = None  # another trainer won the race
-            if confirmed is None or self._live_duplicate(confirmed) is None:
+            if then == takeover.JUDGE_AGAIN:  # (it waits for the holder's writes)
+                continue
+            if confirmed is None or self.live_duplicate(confirmed) is None:
                 raise LeaseHeldError(self.storage.job_dir, confirmed or {}, 0.0, self.timeout_secs)
             # A live process of this same flow run on this host (its heartbeat, late under load,
             # landed over this write; or it won a race with this one for a lease just freed):

@@ -1,0 +1,45 @@
+"""What taking a job's lease does when the read-back of its write finds another record.
+
+Taking a lease is a write and then a read-back: fsspec offers no compare-and-set across the
+stores it reaches. Where the read-back does not find the taker's own record, it finds
+
+- nothing: the holder let the job go between the judgement and the write (its release reads the
+  lease, then deletes it): the lease is written again;
+- the record of the holder just judged (`Lease.acquire`), with the same ``finishing`` mark: that
+  holder is alive, and a heartbeat of its, read before the write, landed after it. Where its
+  record is still one to take over (`Lease.stale_reason`: its own flow run's on another host, or
+  left by this process), and it is not a live process of this flow run on this host (waited for,
+  as any such), the lease is written again: the holder's next beat reads the taker's record and
+  lets go, and its next `Lease.verify` stops it before it writes anything. Where the fresh beat
+  makes the holder live (a lease taken over as stale), the holder keeps the job;
+- that holder's record newly marked ``finishing``: it was preempted meanwhile and its last save
+  may still be writing, so the lease is judged again, which waits for those writes
+  (`lease_finishing.wait_while_finishing`);
+- another trainer's record: its later write won (`Lease.acquire` decides what follows).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefect_jax.training.lease import Lease
+
+# How many times a taking writes the lease where the holder it judged writes over it.
+TAKEOVER_WRITES = 3
+WRITE_AGAIN, JUDGE_AGAIN = "write again", "judge again"
+
+
+def after_takeover_write(lease: Lease, judged: dict | None, confirmed: dict | None) -> str | None:
+    """`WRITE_AGAIN`, `JUDGE_AGAIN` or None (see the module), for `lease`'s write read back as
+    `confirmed` (None: no lease) after `judged` (the lease as it was judged; None: none was)."""
+    if confirmed is None:
+        return WRITE_AGAIN
+    token = confirmed.get("token")
+    if judged is None or token == lease.token or token != judged.get("token"):
+        return None
+    if confirmed.get("finishing") != judged.get("finishing"):
+        return JUDGE_AGAIN
+    if lease.stale_reason(confirmed) is None or lease.live_duplicate(confirmed) is not None:
+        return None
+    return WRITE_AGAIN

@@ -1,0 +1,105 @@
+"""What taking a lease does when its read-back finds another record
+(`prefect_jax.training.lease_takeover`): the beat of a live holder that lands over the write, a
+holder preempted in the meantime, a stale holder that proves alive."""
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+from lease_helpers import lease_under
+
+from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
+from prefect_jax.training.lease_finishing import release_after
+from prefect_jax.training.storage import JobStorage
+
+
+def _storage_that_after_the_takers_write(then):
+    """A `JobStorage` whose first write of the lease is followed by `then()` (what the holder
+    does in the window between the taker's write and its read-back)."""
+
+    class AfterTheTakersWrite(JobStorage):
+        done = False
+
+        def write_json(self, path, obj, durable=True):
+            super().write_json(path, obj, durable)
+            if path.endswith("lease.json") and not AfterTheTakersWrite.done:
+                AfterTheTakersWrite.done = True
+                then()
+
+    return AfterTheTakersWrite
+
+
+def test_a_takeover_that_the_live_holders_heartbeat_writes_over_writes_again(tmp_path):
+    """A holder taken over while alive (here: left by this process; a rerun of its own flow run on
+    another host alike) can land one heartbeat, read before the takeover's write, over it. The
+    takeover writes again (the holder's next beat reads it and lets go), rather than fail the
+    rerun with LeaseHeldError. Seen in CI: a holder still finishing after the lease's timeout."""
+    holder = lease_under(tmp_path)
+    holder.acquire()
+    holders_beat = holder.read()
+    storage = _storage_that_after_the_takers_write(
+        lambda: JobStorage.write_json(holder.storage, holder.path, holders_beat)
+    )
+    rerun = lease_under(tmp_path, storage_class=storage)
+    try:
+        rerun.acquire()
+        assert storage.done and rerun.held and rerun.read()["token"] == rerun.token
+        with pytest.raises(LeaseLostError):
+            holder.verify()
+    finally:
+        rerun.release()
+        holder.release()
+
+
+def test_a_holder_preempted_during_the_takeover_is_waited_for_while_its_save_writes(
+    tmp_path, caplog
+):
+    """The holder marks itself finishing (a SIGTERM's save still writes) between the taker's
+    write and its read-back: the lease is judged again, so the taker waits for those writes
+    instead of writing over the mark and moving the half-written step aside."""
+    holder = lease_under(tmp_path)
+    holder.acquire()
+    writes_ended = threading.Event()
+
+    def preempted():
+        release_after(holder, lambda: writes_ended.wait(30), "step 120")
+        threading.Timer(1.5, writes_ended.set).start()
+
+    rerun = lease_under(tmp_path, storage_class=_storage_that_after_the_takers_write(preempted))
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
+        rerun.acquire()
+    try:
+        assert rerun.held and time.monotonic() - started >= 1.4
+        assert not holder.held and "may still be writing step 120" in caplog.text
+    finally:
+        writes_ended.set()
+        rerun.release()
+
+
+def test_a_stale_holder_whose_heartbeat_lands_during_the_takeover_keeps_the_job(tmp_path):
+    """A lease of another flow run taken over as stale, whose holder's beat (late: the holder was
+    alive) lands over the taker's write: the holder is live again and keeps the job; the taker
+    fails naming it, as it would had it read that beat first."""
+    holder = {
+        "token": "old",
+        "flow_run_id": "run-1",
+        "host": f"not-{socket.gethostname()}",
+        "pid": 1,
+        "timeout_secs": 60,
+    }
+    path = lease_under(tmp_path).path
+    with open(path, "w") as f:
+        json.dump(dict(holder, heartbeat=time.time() - 500), f)
+
+    def beats():
+        with open(path, "w") as f:
+            json.dump(dict(holder, heartbeat=time.time()), f)
+
+    rerun = lease_under(tmp_path, storage_class=_storage_that_after_the_takers_write(beats))
+    with pytest.raises(LeaseHeldError, match="flow_run_id=run-1"):
+        rerun.acquire()
+    assert not rerun.held and json.load(open(path))["token"] == "old"
