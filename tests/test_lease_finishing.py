@@ -94,3 +94,38 @@ def test_a_holder_finishing_for_longer_than_the_lease_timeout_is_not_waited_for_
     finally:
         never.set()
         rerun.release()
+
+
+def test_a_process_of_the_same_flow_run_that_takes_the_job_from_a_finishing_holder_is_waited_for(
+    tmp_path, caplog
+):
+    """Two processes of one flow run on this host wait for a holder that is finishing; the first
+    takes the job as the holder lets go. The second waits for that one too, as for any live
+    process of its own flow run, instead of taking its own run's lease over at once."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    lease = lease_under(tmp_path)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    here, now = socket.gethostname(), time.time()
+    with open(lease.path, "w") as f:  # (a holder of this process, finishing)
+        record = {"token": "old", "flow_run_id": "run-2", "host": here, "pid": os.getpid()}
+        json.dump(dict(record, heartbeat=now, timeout_secs=60, finishing="step 120"), f)
+
+    def the_other_takes_it():
+        with open(lease.path, "w") as f:
+            record = {"token": "other", "flow_run_id": "run-2", "host": here, "pid": other.pid}
+            json.dump(dict(record, heartbeat=time.time(), timeout_secs=60), f)
+        threading.Timer(1.5, lambda: (os.remove(lease.path), other.kill(), other.wait())).start()
+
+    threading.Timer(1.0, the_other_takes_it).start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            lease.acquire()
+        assert lease.held and other.poll() is not None  # taken once the other had ended
+        assert f"in process {other.pid}" in caplog.text and lease.taken_over is None
+    finally:
+        lease.release()
+        other.kill()

@@ -4,6 +4,7 @@ holder preempted in the meantime, a stale holder that proves alive."""
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -74,7 +75,8 @@ def test_a_holder_preempted_during_the_takeover_is_waited_for_while_its_save_wri
         rerun.acquire()
     try:
         assert rerun.held and time.monotonic() - started >= 1.4
-        assert not holder.held and "may still be writing step 120" in caplog.text
+        assert holder.read()["token"] == rerun.token  # (taken once the holder let go)
+        assert rerun.taken_over is None and "may still be writing step 120" in caplog.text
     finally:
         writes_ended.set()
         rerun.release()
@@ -103,3 +105,20 @@ def test_a_stale_holder_whose_heartbeat_lands_during_the_takeover_keeps_the_job(
     with pytest.raises(LeaseHeldError, match="flow_run_id=run-1"):
         rerun.acquire()
     assert not rerun.held and json.load(open(path))["token"] == "old"
+
+
+def test_a_holder_that_lets_go_during_the_takeover_leaves_the_job_taken_not_taken_over(tmp_path):
+    """The holder's release reads the lease, then deletes it: a delete that lands after the
+    taker's write. The taker writes again and holds the job, and the holder, which ended cleanly,
+    is not named as taken over (its task runs would be marked crashed)."""
+    holder = lease_under(tmp_path)
+    holder.acquire()
+    storage = _storage_that_after_the_takers_write(lambda: os.remove(holder.path))
+    rerun = lease_under(tmp_path, storage_class=storage)
+    try:
+        rerun.acquire()
+        assert storage.done and rerun.held and rerun.read()["token"] == rerun.token
+        assert rerun.taken_over is None
+    finally:
+        rerun.release()
+        holder.release()

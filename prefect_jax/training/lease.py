@@ -285,6 +285,8 @@ class Lease:
         while True:
             self.taken_over = None  # (what this pass takes over: see `mark_taken_over`)
             current = wait_while_finishing(self, self.wait_for_duplicate())
+            if current is not None and self.live_duplicate(current) is not None:
+                continue  # (one of this flow run took it as the finishing holder let go)
             if current is not None:
                 reason = self.stale_reason(current)
                 if reason is None:
@@ -306,17 +308,18 @@ class Lease:
                 then = takeover.after_takeover_write(self, current, confirmed)
                 if then != takeover.WRITE_AGAIN:
                     break
+                if confirmed is None:  # (the holder let go: not taken over)
+                    self.taken_over = None
             if confirmed and confirmed.get("token") == self.token:
                 self._home = _identity(self.storage)
                 break
-            self.token = None  # another trainer won the race
+            self.token = None  # another trainer won the race, or the holder kept the job
             if then == takeover.JUDGE_AGAIN:  # (it waits for the holder's writes)
                 continue
             if confirmed is None or self.live_duplicate(confirmed) is None:
                 raise LeaseHeldError(self.storage.job_dir, confirmed or {}, 0.0, self.timeout_secs)
-            # A live process of this same flow run on this host (its heartbeat, late under load,
-            # landed over this write; or it won a race with this one for a lease just freed):
-            # wait for it as for any such process, rather than fail the run.
+            # A live process of this same flow run on this host (its late beat landed over this
+            # write, or it took a lease just freed): waited for as any such, not failed.
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="prefect-jax-lease", daemon=True)
         self._thread.start()

@@ -3,8 +3,8 @@
 Taking a lease is a write and then a read-back: fsspec offers no compare-and-set across the
 stores it reaches. Where the read-back does not find the taker's own record, it finds
 
-- nothing: the holder let the job go between the judgement and the write (its release reads the
-  lease, then deletes it): the lease is written again;
+- nothing: the holder let the job go (its release reads the lease, then deletes it: a delete
+  that lands after the write): the lease is written again, a taking and no longer a takeover;
 - the record of the holder just judged (`Lease.acquire`), with the same ``finishing`` mark: that
   holder is alive, and a heartbeat of its, read before the write, landed after it. Where its
   record is still one to take over (`Lease.stale_reason`: its own flow run's on another host, or
@@ -14,7 +14,9 @@ stores it reaches. Where the read-back does not find the taker's own record, it 
   makes the holder live (a lease taken over as stale), the holder keeps the job;
 - that holder's record newly marked ``finishing``: it was preempted meanwhile and its last save
   may still be writing, so the lease is judged again, which waits for those writes
-  (`lease_finishing.wait_while_finishing`);
+  (`lease_finishing.wait_while_finishing`). Without a compare-and-set, a mark that lands before
+  the write (after the judgement) is still written over; the holder's next beat then finds the
+  lease taken, and its abandoned save may go on writing;
 - another trainer's record: its later write won (`Lease.acquire` decides what follows).
 """
 
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from prefect_jax.training.lease import Lease
 
-# How many times a taking writes the lease where the holder it judged writes over it.
+# How many times a taking writes the lease where the holder it judged writes over it, or lets go.
 TAKEOVER_WRITES = 3
 WRITE_AGAIN, JUDGE_AGAIN = "write again", "judge again"
 
