@@ -246,6 +246,34 @@ def dead(pid: int) -> bool:
     return not process_alive(pid)
 
 
+def start_deployment_run(name: str, parameters: dict):
+    """A new flow run of the deployment `name` with `parameters`, not waited for: the one run
+    ``run_deployment`` creates, however often its client sends the request. Prefect's client
+    sends a POST again after a dropped connection or a 503 (SQLite locked), which the server
+    may already have acted on; without an idempotency key that makes two flow runs of the job,
+    and serve (limit 1) starts the one the test was not given. Keyed, the server answers a
+    resent request with the run it made."""
+    import uuid
+
+    from prefect.deployments import run_deployment
+
+    return run_deployment(
+        name=name, parameters=parameters, timeout=0, idempotency_key=str(uuid.uuid4())
+    )
+
+
+def deployment_runs(client, flow_run_id) -> list[tuple[str, str, str]]:
+    """(id, state, created) of every flow run of `flow_run_id`'s deployment, for assertion
+    messages."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    deployment_id = client.read_flow_run(flow_run_id).deployment_id
+    runs = client.read_flow_runs(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+    )
+    return [(str(r.id), r.state_name, str(r.created)) for r in runs]
+
+
 def logs(*procs: _GroupProcess, chars: int = 6000) -> str:
     """The tails of the processes' logs, for assertion messages."""
     return "\n".join(f"--- {p.log.name} ---\n{p.tail(chars)}" for p in procs)

@@ -8,7 +8,14 @@ import os
 import signal
 
 import pytest
-from deployment_helpers import DEPLOYMENT, ServeProcess, dead, logs, wait_for_deployments
+from deployment_helpers import (
+    DEPLOYMENT,
+    ServeProcess,
+    dead,
+    logs,
+    start_deployment_run,
+    wait_for_deployments,
+)
 from process_helpers import wait_until
 from test_sigkill_leftovers import (
     UNFINISHED,
@@ -26,7 +33,6 @@ def test_a_sigkilled_flow_run_process_leaves_no_task_run_running(
     tmp_path, prefect_server, processes
 ):
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
 
     storage, job = tmp_path / "storage", "crash-hook"
     params = served_params(tmp_path, storage, job)
@@ -35,7 +41,7 @@ def test_a_sigkilled_flow_run_process_leaves_no_task_run_running(
         serve = ServeProcess(prefect_server, tmp_path / "serve-home", tmp_path / "serve.log")
         processes.append(serve)
         wait_for_deployments(client, serve, [name])
-        flow_run = run_deployment(name=name, parameters=params, timeout=0)
+        flow_run = start_deployment_run(name, params)
         interval = _kill_mid_interval(
             client, flow_run.id, storage / job / "checkpoints", serve.alive
         )

@@ -19,6 +19,7 @@ from deployment_helpers import (
     ServeProcess,
     deployment_params,
     logs,
+    start_deployment_run,
     wait_for_deployments,
 )
 
@@ -33,7 +34,6 @@ def test_a_deployment_run_cancelled_from_the_ui_ends_cancelled_with_its_step_kep
     tmp_path, processes
 ):
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelling
 
@@ -53,7 +53,7 @@ def test_a_deployment_run_cancelled_from_the_ui_ends_cancelled_with_its_step_kep
         serve = ServeProcess(server.api_url, tmp_path / "serve-home", tmp_path / "serve.log")
         processes.append(serve)
         wait_for_deployments(client, serve, [f"train_and_evaluate/{DEPLOYMENT}"])
-        run = run_deployment(name=f"train_and_evaluate/{DEPLOYMENT}", parameters=params, timeout=0)
+        run = start_deployment_run(f"train_and_evaluate/{DEPLOYMENT}", params)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if checkpoints.exists() and committed_steps(str(checkpoints))[-1:] >= [2 * EVERY]:

@@ -30,8 +30,10 @@ from deployment_helpers import (
     checkpoint_fingerprint,
     dead,
     deployment_params,
+    deployment_runs,
     job_config,
     logs,
+    start_deployment_run,
     uninterrupted_fingerprint,
     wait_for_deployments,
 )
@@ -126,7 +128,6 @@ def _status(job: str, storage: Path) -> dict:
 def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tmp_path, processes):
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
     from prefect_jax.training.checkpoint_dirs import committed_steps
@@ -164,9 +165,7 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         wait_for_deployments(client, first, [f"train_and_evaluate/{DEPLOYMENT}"])[
             f"train_and_evaluate/{DEPLOYMENT}"
         ]
-        flow_run = run_deployment(
-            name=f"train_and_evaluate/{DEPLOYMENT}", parameters=params, timeout=0
-        )
+        flow_run = start_deployment_run(f"train_and_evaluate/{DEPLOYMENT}", params)
 
         # The deployment run is SIGKILLed mid-run (its flow-run process; serve lives on).
         _wait_for_commit(
@@ -177,6 +176,8 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         assert lease["pid"] in flow_run_pids and lease["flow_run_id"] == str(flow_run.id), (
             lease,
             flow_run_pids,
+            deployment_runs(client, flow_run.id),
+            logs(first),
         )
         os.kill(lease["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 30

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 from process_helpers import TESTS_DIR, cli_env, job_args, start_run, wait_until
@@ -200,7 +201,9 @@ def _deployment_run(client, storage: str, mlflow_uri: str):
             "checkpoint_spec": {"every_steps": EVERY, "keep_last": 10},
         },
     )
-    return client.create_flow_run_from_deployment(deployment_id)
+    return client.create_flow_run_from_deployment(
+        deployment_id, idempotency_key=str(uuid.uuid4())
+    )  # one run, however often the client sends it (see start_deployment_run)
 
 
 def _pods(flow_run_id, api_url: str, tmp_path, name: str) -> list[subprocess.Popen]:

@@ -37,6 +37,7 @@ from deployment_helpers import (
     dead,
     job_config,
     logs,
+    start_deployment_run,
     wait_for_deployments,
 )
 
@@ -151,7 +152,6 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_the_evaluator_evalua
 ):
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
     from prefect_jax.deployments.automations import RERUN_MESSAGE, create_rerun_automation
@@ -201,12 +201,10 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_the_evaluator_evalua
         create_rerun_automation(TRAINER)
         marks["serve"] = time.monotonic()
 
-        trainer_run = run_deployment(name=TRAINER, parameters=params, timeout=0)
-        evaluator_run = run_deployment(
-            name=EVALUATOR, parameters={**params, **EVALUATOR_EXTRA}, timeout=0
-        )
+        trainer_run = start_deployment_run(TRAINER, params)
+        evaluator_run = start_deployment_run(EVALUATOR, {**params, **EVALUATOR_EXTRA})
         # At the same time, the rerun budget on a second job of the same trainer deployment.
-        budget_run = run_deployment(name=TRAINER, parameters=budget_params, timeout=0)
+        budget_run = start_deployment_run(TRAINER, budget_params)
         runs = [trainer_run.id, evaluator_run.id, budget_run.id]
 
         # Spot nodes lose the trainers: SIGKILL each one's flow-run process (its job's lease

@@ -26,6 +26,7 @@ from deployment_helpers import (
     dead,
     deployment_params,
     logs,
+    start_deployment_run,
     wait_for_deployments,
 )
 from process_helpers import start_run, wait_until
@@ -220,7 +221,6 @@ def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_runn
     tmp_path, prefect_server, processes
 ):
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
     from prefect.states import AwaitingRetry, Crashed
 
     storage, job = tmp_path / "storage", "retried"
@@ -230,7 +230,7 @@ def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_runn
         first = ServeProcess(prefect_server, tmp_path / "serve-home", tmp_path / "serve-1.log")
         processes.append(first)
         wait_for_deployments(client, first, [name])
-        flow_run = run_deployment(name=name, parameters=params, timeout=0)
+        flow_run = start_deployment_run(name, params)
         interval = _kill_mid_interval(
             client, flow_run.id, storage / job / "checkpoints", first.alive
         )

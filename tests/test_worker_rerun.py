@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -109,7 +110,9 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
             paths=[str(HERE)],
         )
         processes.append(worker)
-        run = client.create_flow_run_from_deployment(deployment_id)
+        run = client.create_flow_run_from_deployment(
+            deployment_id, idempotency_key=str(uuid.uuid4())
+        )  # one run, however often the client sends it (see start_deployment_run)
 
         # SIGKILL the run's process (the worker's child) once a checkpoint is committed.
         _until(
