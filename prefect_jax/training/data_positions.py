@@ -4,10 +4,8 @@ written by another number of processes than the job has now."""
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
-import os
 
 import grain
 import jax
@@ -42,23 +40,18 @@ def set_position(data_iter, text: str) -> None:
 
 
 def written_by_other_processes(checkpoint_dir: str, step: int) -> str | None:
-    """The iterator state file of process 0 of a step (local or ``gs://``) written by another
+    """The iterator state file of process 0 of a step (a local path or a URL) written by another
     number of JAX processes than this job has now (None: the same number, each process restores
     its own with Grain)."""
-    if "://" in checkpoint_dir:  # Orbax's own paths (`etils.epath`: gcsfs underneath)
-        from etils import epath
+    from etils import epath  # Orbax's own paths: a local folder, or gcsfs underneath for gs://
 
-        # one glob (a fresh listing: gcsfs caches `exists`), decided by the names
-        data = epath.Path(checkpoint_dir) / str(step) / "data"
-        names = {p.name: str(p) for p in data.glob("process_*-of-*.json")}
-        if _own_file() in names:
-            return None
-        first = sorted(path for name, path in names.items() if name.startswith("process_0-of-"))
-        return first[0] if first else None
-    data = os.path.join(checkpoint_dir, str(step), "data")
-    if not os.path.isdir(data) or os.path.exists(os.path.join(data, _own_file())):
+    # One glob, decided by the names: a fresh listing (gcsfs caches `exists`); a step without a
+    # data folder lists nothing.
+    data = epath.Path(checkpoint_dir) / str(step) / "data"
+    names = {p.name: str(p) for p in data.glob("process_*-of-*.json")}
+    if _own_file() in names:
         return None
-    first = sorted(glob.glob(os.path.join(glob.escape(data), "process_0-of-*.json")))
+    first = sorted(path for name, path in names.items() if name.startswith("process_0-of-"))
     return first[0] if first else None
 
 
