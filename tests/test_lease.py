@@ -44,9 +44,11 @@ def _write_lease(config, **fields):
 
 def test_a_live_owner_keeps_the_job_and_is_named(job_config):
     config = job_config()
-    path = _write_lease(config)
+    path = _write_lease(config, heartbeat=time.time() - 45)
     with pytest.raises(
-        LeaseHeldError, match=rf"flow_run_id=run-1, host={socket.gethostname()}, pid={os.getppid()}"
+        LeaseHeldError,
+        match=rf"flow_run_id=run-1, host={socket.gethostname()}, pid={os.getppid()}; "
+        r"heartbeat 4[5-9]s ago",
     ):
         Trainer(config).restore_or_init()
     assert json.load(open(path))["token"] == "other"  # untouched

@@ -8,6 +8,7 @@ someone else is training, memory run out) fail at once, with a message that says
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 
 
@@ -115,8 +116,10 @@ class NonFiniteLossError(FloatingPointError):
 class LeaseHeldError(RuntimeError):
     """Another trainer holds this job's lease."""
 
-    def __init__(self, job_dir: str, owner: dict, age_secs: float, timeout_secs: float):
+    def __init__(self, job_dir: str, owner: dict, timeout_secs: float):
         self.owner = owner
+        # (the owner's own heartbeat; a record without one, or none read, counts as fresh)
+        age_secs = max(0.0, time.time() - float(owner.get("heartbeat") or time.time()))
         who = ", ".join(
             f"{k}={owner.get(k)}"
             for k in ("flow_run_id", "host", "pid")

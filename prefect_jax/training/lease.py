@@ -290,12 +290,7 @@ class Lease:
             if current is not None:
                 reason = self.stale_reason(current)
                 if reason is None:
-                    raise LeaseHeldError(
-                        self.storage.job_dir,
-                        current,
-                        time.time() - float(current.get("heartbeat", 0)),
-                        self.timeout_secs,
-                    )
+                    raise LeaseHeldError(self.storage.job_dir, current, self.timeout_secs)
                 logger.warning(
                     "taking over the lease of %s (%s): %s", self.storage.job_dir, reason, current
                 )
@@ -317,7 +312,7 @@ class Lease:
             if then == takeover.JUDGE_AGAIN:  # (it waits for the holder's writes)
                 continue
             if confirmed is None or self.live_duplicate(confirmed) is None:
-                raise LeaseHeldError(self.storage.job_dir, confirmed or {}, 0.0, self.timeout_secs)
+                raise LeaseHeldError(self.storage.job_dir, confirmed or {}, self.timeout_secs)
             # A live process of this same flow run on this host (its late beat landed over this
             # write, or it took a lease just freed): waited for as any such, not failed.
         self._stop.clear()
