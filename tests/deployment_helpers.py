@@ -249,10 +249,11 @@ def dead(pid: int) -> bool:
 def start_deployment_run(name: str, parameters: dict):
     """A new flow run of the deployment `name` with `parameters`, not waited for: the one run
     ``run_deployment`` creates, however often its client sends the request. Prefect's client
-    sends a POST again after a dropped connection or a 503 (SQLite locked), which the server
-    may already have acted on; without an idempotency key that makes two flow runs of the job,
-    and serve (limit 1) starts the one the test was not given. Keyed, the server answers a
-    resent request with the run it made."""
+    sends a POST again when its response is lost (a read timeout, 60 s, while the server waits
+    on SQLite's write lock; a connection dropped after the commit), so the server may already
+    have made the run; without an idempotency key that makes two flow runs of the job, and serve
+    (limit 1) starts the one the test was not given. Keyed, the server answers a resent request
+    with the run it made."""
     import uuid
 
     from prefect.deployments import run_deployment

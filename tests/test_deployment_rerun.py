@@ -177,7 +177,7 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
             lease,
             flow_run_pids,
             deployment_runs(client, flow_run.id),
-            logs(first),
+            logs(first, server),
         )
         os.kill(lease["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 30
