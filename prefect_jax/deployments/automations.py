@@ -57,13 +57,14 @@ def rerun_automation(deployment_id: UUID | str, deployment_name: str, name: str 
 
 
 def create_rerun_automation(deployment_name: str, name: str | None = None) -> UUID:
-    """Create (or replace, by name) the rerun automation for a deployment ``"flow/deployment"``.
+    """Create (or replace, by name) the rerun automation for a deployment ``"flow/deployment"``:
+    afterwards exactly one automation has its name, so a crashed run is set to AwaitingRetry once.
 
     Raises:
         ValueError: the deployment does not exist on the Prefect server in use.
     """
-    from prefect.automations import Automation
     from prefect.client.orchestration import get_client
+    from prefect.events.schemas.automations import AutomationCore
     from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
@@ -74,11 +75,14 @@ def create_rerun_automation(deployment_name: str, name: str | None = None) -> UU
                 f"deployment {deployment_name!r} not found on the Prefect server: deploy it first "
                 "(uv run prefect deploy --all), and name it as 'flow-name/deployment-name'"
             ) from exc
-    automation = rerun_automation(deployment.id, deployment_name, name)
-    try:
-        existing = Automation.read(name=automation.name)
-    except ValueError:
-        existing = None
-    if existing is not None:
-        existing.delete()
-    return automation.create().id
+        automation = rerun_automation(deployment.id, deployment_name, name)
+        for old in client.read_automations_by_name(automation.name):
+            client.delete_automation(old.id)
+        created = client.create_automation(AutomationCore(**automation.model_dump(exclude={"id"})))
+        # Prefect's client sends a POST again when its response is lost, which the server may
+        # have acted on: a second automation would set each crashed run to AwaitingRetry twice,
+        # and the second could reschedule a rerun already started.
+        for extra in client.read_automations_by_name(automation.name):
+            if extra.id != created:
+                client.delete_automation(extra.id)
+    return created
