@@ -81,8 +81,9 @@ def create_rerun_automation(deployment_name: str, name: str | None = None) -> UU
         created = client.create_automation(AutomationCore(**automation.model_dump(exclude={"id"})))
         # Prefect's client sends a POST again when its response is lost, which the server may
         # have acted on: a second automation would set each crashed run to AwaitingRetry twice,
-        # and the second could reschedule a rerun already started.
-        for extra in client.read_automations_by_name(automation.name):
-            if extra.id != created:
-                client.delete_automation(extra.id)
-    return created
+        # and the second could reschedule a rerun already started. One of the name is kept, the
+        # same one (the least id) by calls racing each other, so that none deletes the last.
+        named = sorted((a.id for a in client.read_automations_by_name(automation.name)), key=str)
+        for extra in named[1:]:
+            client.delete_automation(extra)
+    return named[0] if named else created
