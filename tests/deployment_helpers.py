@@ -186,7 +186,8 @@ def trainer_on_process_worker(
     from prefect_jax.flows import train
 
     with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        # (overwrite: a create the client sent again after losing its response finds the pool)
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"), overwrite=True)
     deployment_id = train.from_source(
         source=str(ROOT), entrypoint="prefect_jax/flows/__init__.py:train"
     ).deploy(
