@@ -24,26 +24,51 @@ def _named(name: str) -> list:
         return client.read_automations_by_name(name)
 
 
-def test_creating_it_again_leaves_one_automation_even_where_there_were_several(deployment):
+def _stale(name: str):
+    """An automation of `name` left from before: its trigger names another deployment."""
+    import uuid
+
+    stale = rerun_automation(uuid.uuid4(), "train/gone", name)
+    stale.description = "stale"
+    return stale.create().id
+
+
+def test_creating_it_again_leaves_one_automation_with_this_spec(deployment):
     """A second automation of the name (left by an older call, or by a POST that Prefect's client
-    sent again after losing its response) would set each crashed run to AwaitingRetry twice."""
+    sent again after losing its response) would set each crashed run to AwaitingRetry twice. The
+    one kept (the least id) may be an older one: it is given this call's spec."""
     from prefect.client.orchestration import get_client
 
     name = "prefect-jax: rerun crashed train/automation-test"
     with get_client(sync_client=True) as client:
         deployment_id = client.read_deployment_by_name(deployment).id
-    for _ in range(2):
-        rerun_automation(deployment_id, deployment).create()
-    assert len(_named(name)) == 2
+    kept_an_older_one = False
+    for _ in range(20):  # until the least id was an older one (2 in 3 each round)
+        stale = {_stale(name), _stale(name)}
+        kept = create_rerun_automation(deployment)
+        (only,) = _named(name)
+        assert only.id == kept
+        assert only.trigger.match_related.root == {
+            "prefect.resource.id": f"prefect.deployment.{deployment_id}"
+        }
+        assert only.description != "stale"
+        kept_an_older_one = kept in stale
+        if kept_an_older_one:
+            break
+    assert kept_an_older_one
 
-    first = create_rerun_automation(deployment)
-    assert [a.id for a in _named(name)] == [first]  # (the call's own: nothing raced it)
-    again = create_rerun_automation(deployment)
-    (only,) = _named(name)
-    assert only.id == again != first
-    assert only.trigger.match_related.root == {
-        "prefect.resource.id": f"prefect.deployment.{deployment_id}"
-    }
+
+def test_calls_racing_each_other_leave_exactly_one(deployment):
+    """Each call creates its own, then keeps the least id of the name: every caller keeps the same
+    one, and none deletes the last."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    name = "prefect-jax: rerun crashed train/automation-test"
+    for _ in range(3):
+        with ThreadPoolExecutor(4) as pool:
+            kept = set(pool.map(lambda _: create_rerun_automation(deployment), range(4)))
+        (only,) = _named(name)
+        assert only.id in kept
 
 
 def test_a_deployment_that_does_not_exist_is_named_with_the_fix(prefect_server):

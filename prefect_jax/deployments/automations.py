@@ -76,14 +76,37 @@ def create_rerun_automation(deployment_name: str, name: str | None = None) -> UU
                 "(uv run prefect deploy --all), and name it as 'flow-name/deployment-name'"
             ) from exc
         automation = rerun_automation(deployment.id, deployment_name, name)
-        for old in client.read_automations_by_name(automation.name):
-            client.delete_automation(old.id)
-        created = client.create_automation(AutomationCore(**automation.model_dump(exclude={"id"})))
-        # Prefect's client sends a POST again when its response is lost, which the server may
-        # have acted on: a second automation would set each crashed run to AwaitingRetry twice,
-        # and the second could reschedule a rerun already started. One of the name is kept, the
-        # same one (the least id) by calls racing each other, so that none deletes the last.
-        named = sorted((a.id for a in client.read_automations_by_name(automation.name)), key=str)
-        for extra in named[1:]:
-            client.delete_automation(extra)
-    return named[0] if named else created
+        # (owner_resource: unset, which the server's update refuses as None)
+        spec = AutomationCore(**automation.model_dump(exclude={"id", "owner_resource"}))
+        created = client.create_automation(spec)
+        # One of the name is kept: the least id, which every call racing this one (or a create
+        # that Prefect's client sent again after losing its response: a second automation would
+        # set each crashed run to AwaitingRetry twice) keeps too, so none deletes the last;
+        # nothing is deleted before the create, so a crash is never left without one. The one
+        # kept gets this call's spec (a PUT: safe to send again); one that a racing call deleted
+        # meanwhile (it saw a lesser id) is looked for again.
+        for _ in range(10):
+            named = sorted(
+                (a.id for a in client.read_automations_by_name(automation.name)), key=str
+            )
+            kept = named[0] if named else created
+            for extra in named[1:]:
+                _unless_gone(client.delete_automation, extra)
+            if _unless_gone(client.update_automation, kept, spec):
+                return kept
+    return kept
+
+
+def _unless_gone(call, automation_id, *args) -> bool:
+    """`call` on an automation; False where it is gone (a racing call deleted it)."""
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+
+    try:
+        call(automation_id, *args)
+    except ObjectNotFound:
+        return False
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code != 404:
+            raise
+        return False
+    return True
