@@ -295,6 +295,20 @@ def test_an_unknown_storage_protocol_names_the_flag_and_the_fix(tmp_path):
     assert "spelling" in line, line
 
 
+def test_a_storage_folder_named_with_brackets_is_refused_before_anything_is_written(tmp_path):
+    """Orbax would save steps there that do not restore (docs/upstream.md 6)."""
+    storage = str(tmp_path / "runs[1]")
+    proc = run_cli("run", "--program", TINY, "--job", "j", "--storage", storage)
+    assert proc.returncode == 2
+    line = _one_error_line(proc, "run")
+    assert repr(storage) in line and "without '[' and ']'" in line, line
+    assert not os.path.exists(storage)
+    from prefect_jax.training.storage import JobStorage
+
+    assert JobStorage(str(tmp_path / "runs[1"), "j").orbax_native  # (a pattern of itself: fine)
+    assert JobStorage("s3://bucket/runs[1]", "j").protocol == "s3"  # (staged: not Orbax's glob)
+
+
 def test_a_checkpoint_path_that_is_no_committed_step_is_refused_before_the_job_starts(
     trained, tmp_path, mlflow_uri
 ):

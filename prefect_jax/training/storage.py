@@ -18,6 +18,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,16 @@ class JobStorage:
     def __post_init__(self):
         object.__setattr__(self, "root", normalize_root(self.root))
         check_name("job", self.job)
+        bracketed = re.search(r"\[[^/]*\]", self.root)
+        if bracketed and self.orbax_native:
+            # Orbax (0.12.8) finds a step's per-process parts with a glob of the step's own path
+            # (docs/upstream.md): a name such as `runs[1]` is read as a pattern, the parts are not
+            # found, and every step saved there fails to restore.
+            raise ValueError(
+                f"storage {self.root!r}: a folder named with brackets ({bracketed.group()}) cannot "
+                "hold Orbax checkpoints (Orbax reads it as a glob pattern, and the steps it saves "
+                "there do not restore). Use a storage path without '[' and ']'."
+            )
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
