@@ -7,6 +7,8 @@ import pytest
 
 from prefect_jax.deployments.automations import create_rerun_automation, rerun_automation
 
+NAME = "prefect-jax: rerun crashed train/automation-test"  # (the name the function gives it)
+
 
 @pytest.fixture(scope="module")
 def deployment(prefect_server):
@@ -39,7 +41,7 @@ def test_creating_it_again_leaves_one_automation_with_this_spec(deployment):
     one kept (the least id) may be an older one: it is given this call's spec."""
     from prefect.client.orchestration import get_client
 
-    name = "prefect-jax: rerun crashed train/automation-test"
+    name = NAME
     with get_client(sync_client=True) as client:
         deployment_id = client.read_deployment_by_name(deployment).id
     kept_an_older_one = False
@@ -63,7 +65,7 @@ def test_calls_racing_each_other_leave_exactly_one(deployment):
     one, and none deletes the last."""
     from concurrent.futures import ThreadPoolExecutor
 
-    name = "prefect-jax: rerun crashed train/automation-test"
+    name = NAME
     for _ in range(3):
         with ThreadPoolExecutor(4) as pool:
             kept = set(pool.map(lambda _: create_rerun_automation(deployment), range(4)))

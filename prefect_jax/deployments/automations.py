@@ -98,13 +98,12 @@ def create_rerun_automation(deployment_name: str, name: str | None = None) -> UU
 
 
 def _unless_gone(call, automation_id, *args) -> bool:
-    """`call` on an automation; False where it is gone (a racing call deleted it)."""
-    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+    """`call` on an automation; False where it is gone (a racing call deleted it: the sync
+    client raises its 404 as an HTTP status error, not `ObjectNotFound`)."""
+    from prefect.exceptions import PrefectHTTPStatusError
 
     try:
         call(automation_id, *args)
-    except ObjectNotFound:
-        return False
     except PrefectHTTPStatusError as exc:
         if exc.response.status_code != 404:
             raise
