@@ -46,7 +46,7 @@ def run_as_process(
         The child flow run's result (the flow's summary).
     """
     import os
-    from uuid import UUID
+    from uuid import UUID, uuid4
 
     from prefect import Task
     from prefect.client.orchestration import get_client
@@ -92,12 +92,14 @@ def run_as_process(
         tags = [
             t for t in parent.tags if t not in _OWN_TAGS and not t.startswith(_RUN_TAG_PREFIXES)
         ]
-        child = client.create_flow_run(
+        child = _create_child_flow_run(
+            client,
             flow,
             name=f"{parent.name}-process-{index}",
             parameters=parameters,
             parent_task_run_id=link_run.id,
             tags=[*tags, OWN_TAG, process_tag(), f"jax-process:{index}"],
+            idempotency_key=str(uuid4()),
         )
     # The flow's own flow_run_name template would rename the child as its parent on start.
     try:
@@ -133,3 +135,42 @@ def _end_link(task_run_id, state) -> None:
         logging.getLogger("prefect_jax.flows").warning(
             "could not end the process task run: %r", exc
         )
+
+
+def _create_child_flow_run(
+    client, flow, *, name, parameters, parent_task_run_id, tags, idempotency_key
+):
+    """`client.create_flow_run`, with an idempotency key, which that method does not take
+    (Prefect 3.8.8). Prefect's client sends a POST again when it loses the response (a read
+    timeout, a dropped connection after the server committed): without a key the server makes a
+    second flow run, left Pending under the parent in the UI. The key is one call's, so the
+    resend gets back the run the server already made, and a pod that starts again gets a run of
+    its own. The link task run needs none: the server keys a task run by its dynamic key."""
+    from prefect.client.schemas.actions import FlowCreate, FlowRunCreate
+    from prefect.client.schemas.objects import Flow, FlowRun, FlowRunPolicy
+    from prefect.states import Pending, to_state_create
+
+    flow_id = Flow.model_validate(
+        client.request(
+            "POST", "/flows/", json=FlowCreate(name=flow.name).model_dump(mode="json")
+        ).json()
+    ).id
+    create = FlowRunCreate(
+        flow_id=flow_id,
+        flow_version=flow.version,
+        name=name,
+        parameters=parameters,
+        tags=list(tags),
+        parent_task_run_id=parent_task_run_id,
+        state=to_state_create(Pending()),
+        empirical_policy=FlowRunPolicy(
+            retries=flow.retries, retry_delay=int(flow.retry_delay_seconds or 0)
+        ),
+        idempotency_key=idempotency_key,
+    )
+    response = client.request(
+        "POST", "/flow_runs/", json=create.model_dump(mode="json", exclude_unset=True)
+    )
+    child = FlowRun.model_validate(response.json())
+    child.parameters = parameters  # the Python objects, as `create_flow_run` returns them
+    return child
