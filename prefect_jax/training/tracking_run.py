@@ -78,17 +78,7 @@ class RunCalls:
         self._logged_until = {}  # this run's history is looked up again (see _log_new_metrics)
         self._logged_at = {}
         client = self._client
-        exp = client.get_experiment_by_name(self.experiment)
-        if exp is None:
-            exp_id = client.create_experiment(
-                self.experiment,
-                artifact_location=self._artifact_root(),
-                tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING},
-            )
-        else:
-            exp_id = exp.experiment_id
-            if EXPERIMENT_KIND_TAG not in exp.tags:  # a person's choice of view is left alone
-                client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+        exp_id = self._find_or_create_experiment()
         run = None
         if run_id:
             try:
@@ -96,13 +86,7 @@ class RunCalls:
             except Exception:  # noqa: BLE001 - deleted or another store: fall back to the tag
                 run = None
         if run is None:
-            escaped = self.job_key.replace("'", "\\'")
-            found = client.search_runs(
-                [exp_id],
-                filter_string=f"tags.`{JOB_TAG}` = '{escaped}'",
-                max_results=1,
-                order_by=["attributes.start_time ASC"],
-            )
+            found = self._runs_of_job(exp_id)
             run = found[0] if found else None
         created = run is None
         if run is None:
@@ -117,11 +101,12 @@ class RunCalls:
                     run_id,
                     redaction.redact_url(self.tracking_uri),
                 )
-            run = client.create_run(
+            made = client.create_run(
                 exp_id,
                 tags={JOB_TAG: self.job_key, **(tags or {})},
                 run_name=tags.get(RUN_NAME_TAG) if tags else None,
             )
+            run = self._one_run_of_job(exp_id, made)
             log_params(client, run.info.run_id, params)
         else:
             if killed:
@@ -142,6 +127,53 @@ class RunCalls:
         if reopen:
             self._start_system_metrics()
         return {"run_id": self._run_id, "experiment_id": exp_id}
+
+    def _find_or_create_experiment(self) -> str:
+        """The experiment's id, made if it is not there. A create that finds it made (another
+        job starting into a new experiment, or MLflow's client sending the create again after a
+        lost answer) reads it instead: that is not an error, and would turn tracking off."""
+        from mlflow.exceptions import MlflowException
+
+        client = self._client
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            try:
+                return client.create_experiment(
+                    self.experiment,
+                    artifact_location=self._artifact_root(),
+                    tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING},
+                )
+            except MlflowException as exc:
+                exp = client.get_experiment_by_name(self.experiment)
+                if exc.error_code != "RESOURCE_ALREADY_EXISTS" or exp is None:
+                    raise
+        if EXPERIMENT_KIND_TAG not in exp.tags:  # a person's choice of view is left alone
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+        return exp.experiment_id
+
+    def _runs_of_job(self, exp_id: str) -> list:
+        """The active runs tagged with this job, oldest first (the job's run is the oldest)."""
+        escaped = self.job_key.replace("'", "\\'")
+        found = self._client.search_runs(
+            [exp_id],
+            filter_string=f"tags.`{JOB_TAG}` = '{escaped}'",
+            max_results=100,
+            order_by=["attributes.start_time ASC"],
+        )  # (ties: a resent create's runs share their start time)
+        return sorted(found, key=lambda r: (r.info.start_time or 0, r.info.run_id))
+
+    def _one_run_of_job(self, exp_id: str, made):
+        """The job's run after `made` was created for it. MLflow's client sends any request
+        again on a lost answer (a read timeout, a 5xx from a proxy after the server committed:
+        `mlflow.utils.request_utils`), so one create can make two runs with the job's tag and
+        the same start time. The oldest is kept, as a later attempt without a run id finds it;
+        the others, made by this create and holding nothing yet, are deleted (MLflow keeps a
+        deleted run until `mlflow gc`)."""
+        found = self._runs_of_job(exp_id) or [made]
+        for extra in found[1:]:
+            if not extra.data.metrics and not extra.data.params:
+                self._client.delete_run(extra.info.run_id)
+        return found[0]
 
     def _start_system_metrics(self) -> None:
         """MLflow's system metrics (``system/cpu_utilization_percentage``, memory, disk, network,

@@ -1,0 +1,105 @@
+"""MLflow's client sends a request again when it loses the answer (any method, on a 5xx or a
+read timeout), so a create the server already made is made twice: a second run with the job's
+tag, or an experiment that now "already exists". A real ``mlflow server`` behind a proxy on
+loopback that forwards each request and, once, answers 503 in place of the server's answer."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import pytest
+from deployment_helpers import free_port
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+from mlflow_server import MlflowServerProcess
+
+from prefect_jax.training.names import JOB_TAG
+from prefect_jax.training.tracking import Tracker
+
+
+class AnswerLosingProxy:
+    """Forwards every request to `upstream`; the first POST to a path in `lose` reaches the
+    server, and its client gets a 503 instead of the answer. `posts` counts POSTs by path."""
+
+    def __init__(self, upstream: str, lose: set[str]):
+        self.lose, self.posts = set(lose), {}
+        target = urlsplit(upstream)
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                answer = conn.getresponse()
+                status, data = answer.status, answer.read()
+                kind = answer.getheader("Content-Type", "application/json")
+                conn.close()
+                path = urlsplit(self.path).path
+                if self.command == "POST":
+                    proxy.posts[path] = proxy.posts.get(path, 0) + 1
+                    if path in proxy.lose:  # made on the server; its answer lost on the way
+                        proxy.lose.discard(path)
+                        status, data, kind = 503, b"{}", "application/json"
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = _forward
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServerProcess(tmp_path_factory.mktemp("mlflow-server"), free_port())
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.mark.parametrize("lost", ["experiments/create", "runs/create"])
+def test_a_resent_create_leaves_one_experiment_and_one_run_and_tracking_on(
+    mlflow_server, monkeypatch, lost
+):
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "1")  # a failure raises, not a warning
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_IN_PROCESS", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")  # resend at once
+    direct = MlflowClient(mlflow_server.uri)
+    experiment = f"resent-{lost.split('/')[0]}"
+    if lost == "runs/create":
+        direct.create_experiment(experiment)
+    path = f"/api/2.0/mlflow/{lost}"
+    proxy = AnswerLosingProxy(mlflow_server.uri, {path})
+    try:
+        tracker = Tracker(proxy.uri, experiment, "job-a")
+        tracker.start({"p": "1"})
+        tracker.flush()  # strict: what failed in the start raises here
+        run_id = tracker.run_id
+        tracker.finish()
+        tracker.close()
+    finally:
+        proxy.close()
+    assert proxy.posts[path] == 2  # the answer was lost and the create sent again
+
+    exp = direct.get_experiment_by_name(experiment)
+    runs = direct.search_runs([exp.experiment_id], filter_string=f"tags.`{JOB_TAG}` = 'job-a'")
+    assert [r.info.run_id for r in runs] == [run_id]  # the job's one run, and the tracker's
+    assert runs[0].data.params == {"p": "1"} and runs[0].info.status == "FINISHED"
+    deleted = direct.search_runs([exp.experiment_id], run_view_type=ViewType.DELETED_ONLY)
+    assert len(deleted) == (lost == "runs/create")  # the resend's empty twin
