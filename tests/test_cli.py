@@ -471,6 +471,18 @@ def test_a_value_the_specs_refuse_is_one_line_naming_its_flag():
         _run_specs("--sigterm-grace-secs", "-1")
 
 
+def test_checkpoints_by_time_only_from_the_command_as_tf_save_checkpoints_secs(capsys):
+    by_time = _run_specs("--checkpoint-every-steps", "none", "--checkpoint-every-secs", "600")[2]
+    assert (by_time.every_steps, by_time.every_secs) == (None, 600.0)
+    with pytest.raises(ValueError, match="every_steps=None and every_secs=None: no checkpoint"):
+        _run_specs("--checkpoint-every-steps", "None")
+    with pytest.raises(SystemExit):
+        _run_specs("--checkpoint-every-steps", "never")
+    assert "'never' is not a number of steps: give one, e.g. 1000, or 'none' to checkpoint by " in (
+        capsys.readouterr().err
+    )
+
+
 def test_export_platforms_come_from_the_command_and_default_to_none():
     assert _run_specs()[1].export_platforms is None
     assert _run_specs("--export-platforms", "cuda, cpu")[1].export_platforms == ["cuda", "cpu"]

@@ -145,6 +145,18 @@ def test_every_name_the_engine_package_exports_is_defined_where_it_says():
         )
 
 
+def test_every_spec_the_program_docs_name_imports_from_the_engine_package():
+    """docs/program.md's specs, exporters and hooks come from ``prefect_jax.training``, as its
+    examples import them (TensorFlow's and JAX's names it cites aside)."""
+    import prefect_jax.training as training
+
+    text = (PACKAGE_DIR.parent / "docs" / "program.md").read_text()
+    named = set(re.findall(r"`([A-Z]\w*(?:Spec|Exporter|Hook|HookView|Stopping))\b", text))
+    named -= {"PartitionSpec", "SessionRunHook", "CheckpointInputPipelineHook"}
+    assert {"TrainSpec", "RetrySpec", "TrainHook", "TrainHookView"} <= named
+    assert not [n for n in sorted(named) if not hasattr(training, n)]
+
+
 PACKAGE_DIR = Path(prefect_jax.__file__).parent
 
 

@@ -10,24 +10,27 @@ from prefect_jax.cli import commands
 from prefect_jax.training.names import DEFAULT_EXPERIMENT, EXPORTER_KINDS
 
 
-def _max_steps(value: str) -> int | None:
-    """``--max-steps``: a number of steps, or ``none`` (TF's max_steps=None: until stopped)."""
-    if value.strip().lower() == "none":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a number of steps: give one, e.g. 1000, or 'none' to train until "
-            "stopped"
-        ) from None
+def _steps_or_none(none_means: str):
+    """A flag's parser for a number of steps or ``none`` (the spec's None: `none_means`)."""
+
+    def parse(value: str) -> int | None:
+        if value.strip().lower() == "none":
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a number of steps: give one, e.g. 1000, or 'none' {none_means}"
+            ) from None
+
+    return parse
 
 
 def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
     add = p.add_argument
     add(
         "--max-steps",
-        type=_max_steps,
+        type=_steps_or_none("to train until stopped"),
         default=max_steps,
         metavar="N|none",
         help=f"train until this global step (default {max_steps}); 'none' trains until stopped "
@@ -35,11 +38,18 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
     )
     add(
         "--checkpoint-every-steps",
-        type=int,
+        type=_steps_or_none("to checkpoint by time only (with --checkpoint-every-secs)"),
         default=every,
-        help=f"checkpoint cadence in steps (default {every})",
+        metavar="N|none",
+        help=f"checkpoint cadence in steps (default {every}); 'none' checkpoints by time only, "
+        "as TF's save_checkpoints_secs alone",
     )
-    add("--checkpoint-every-secs", type=float, default=None, help="also checkpoint every N seconds")
+    add(
+        "--checkpoint-every-secs",
+        type=float,
+        default=None,
+        help="also (or, with --checkpoint-every-steps none, only) checkpoint every N seconds",
+    )
     add("--keep-last", type=int, default=3, help="keep the newest N checkpoints (default 3)")
     add(
         "--keep-every-steps", type=int, default=None, help="also keep checkpoints at multiples of N"
