@@ -15,7 +15,8 @@ import pytest
 from conftest import train_to_end
 
 from prefect_jax.training.exporters import load_export, serialize_serving
-from prefect_jax.training.registry import PYFUNC_FILE, export_signature
+from prefect_jax.training.registry import PYFUNC_FILE
+from prefect_jax.training.registry_signature import export_signature
 from prefect_jax.training.specs import LatestExporter
 from prefect_jax.training.trainer import Trainer
 

@@ -103,3 +103,45 @@ def test_a_resent_create_leaves_one_experiment_and_one_run_and_tracking_on(
     assert runs[0].data.params == {"p": "1"} and runs[0].info.status == "FINISHED"
     deleted = direct.search_runs([exp.experiment_id], run_view_type=ViewType.DELETED_ONLY)
     assert len(deleted) == (lost == "runs/create")  # the resend's empty twin
+
+
+def test_a_resent_version_create_leaves_the_step_one_version_with_its_alias(
+    mlflow_server, monkeypatch, tmp_path
+):
+    """The step's model, logged by an attempt that died before registering it, is registered by
+    the next sync; the create's answer is lost and the create sent again."""
+    from prefect_jax.training.names import STEP_TAG
+    from prefect_jax.training.registry import sync_registry
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    direct = MlflowClient(mlflow_server.uri)
+    exp_id = direct.create_experiment("resent-version")
+    run_id = direct.create_run(exp_id, tags={JOB_TAG: "job-v"}).info.run_id
+    logged = direct.create_logged_model(
+        exp_id, name="s5", source_run_id=run_id, tags={JOB_TAG: "job-v", STEP_TAG: "5"}
+    )
+    (tmp_path / "MLmodel").write_text("artifact_path: s5\nflavors: {}\n")
+    direct.log_model_artifacts(logged.model_id, str(tmp_path))
+    path = "/api/2.0/mlflow/model-versions/create"
+    proxy = AnswerLosingProxy(mlflow_server.uri, {path})
+    try:
+        synced = sync_registry(
+            MlflowClient(proxy.uri),
+            proxy.uri,
+            exp_id,
+            run_id,
+            "resent-model",
+            "job-v",
+            "job-v",
+            aliases={"best": 5},
+            local_export=lambda step: pytest.fail(f"step {step} was logged: nothing to export"),
+            example=None,
+            steps=[5],
+        )
+    finally:
+        proxy.close()
+    assert proxy.posts[path] == 2  # the answer was lost and the create sent again
+    versions = direct.search_model_versions("name = 'resent-model'")
+    assert [v.version for v in versions] == [synced["versions"][5]]  # the twin deleted
+    assert synced["aliases"] == {"best": synced["versions"][5]}
+    assert direct.get_model_version_by_alias("resent-model", "best").version == versions[0].version

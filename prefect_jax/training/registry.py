@@ -23,6 +23,7 @@ from typing import Any
 
 from prefect_jax.training.names import JOB_TAG, RESERVED_ALIASES, STEP_TAG
 from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.registry_signature import export_signature, typed_example
 
 logger = logging.getLogger("prefect_jax.registry")
 
@@ -72,15 +73,33 @@ def _quote(value: str) -> str:
 
 def job_versions(client, name: str, job_key: str) -> dict[int, Any]:
     """``{step: ModelVersion}`` of the registered model's versions made by this job."""
+    found: dict[int, Any] = {}
+    for v in sorted(_versions_of_job(client, name, job_key), key=lambda v: int(v.version)):
+        found.setdefault(int(v.tags[STEP_TAG]), v)  # a step's first (see `_one_version`)
+    return found
+
+
+def _versions_of_job(client, name: str, job_key: str) -> list:
     try:
         versions = client.search_model_versions(f"name = {_quote(name)}")
     except Exception:  # noqa: BLE001 - no such registered model yet
-        return {}
-    return {
-        int(v.tags[STEP_TAG]): v
-        for v in versions
-        if v.tags.get(JOB_TAG) == job_key and STEP_TAG in v.tags
-    }
+        return []
+    return [v for v in versions if v.tags.get(JOB_TAG) == job_key and STEP_TAG in v.tags]
+
+
+def _one_version(client, name: str, job_key: str, step: int, made):
+    """The version of `step` after `made` was created for it. MLflow's client sends a request
+    again when its answer is lost (a 5xx, a read timeout), so one create can register the step
+    twice: the first version is kept, the later ones of the step (this create's, no alias on
+    them) are deleted."""
+    of_step = sorted(
+        (v for v in _versions_of_job(client, name, job_key) if v.tags[STEP_TAG] == str(step)),
+        key=lambda v: int(v.version),
+    )
+    for extra in of_step[1:]:
+        if not extra.aliases:
+            client.delete_model_version(name, extra.version)
+    return of_step[0] if of_step else made
 
 
 def _logged_model(client, experiment_id: str, run_id: str, step: int):
@@ -164,62 +183,6 @@ def warm_mlflow() -> None:
     _init_packages_to_modules_map()
 
 
-def _serving_inputs(exported):
-    """The export's serving input as called: one aval, or a dict ``{name: aval}``."""
-    import jax
-
-    args, _ = jax.tree_util.tree_unflatten(exported.in_tree, exported.in_avals)
-    return args[0]
-
-
-def _typed_example(exported, example):
-    """`example` (an array, or a dict of arrays for named inputs) as the export's dtypes."""
-    import numpy as np
-
-    inputs = _serving_inputs(exported)
-    if isinstance(inputs, dict):
-        return {k: np.asarray(example[k], dtype=a.dtype) for k, a in inputs.items()}
-    return np.asarray(example, dtype=inputs.dtype)
-
-
-def _tensor_specs(tree):
-    """MLflow TensorSpecs of a pytree of avals: a symbolic dimension is -1 (any size); the
-    leaves of a dict named by their keys (one array: unnamed)."""
-    import jax
-    import numpy as np
-    from mlflow.types import Schema, TensorSpec
-
-    def spec(aval, name=None):
-        shape = tuple(d if isinstance(d, int) else -1 for d in aval.shape)
-        return TensorSpec(np.dtype(aval.dtype), shape, name)
-
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    if len(leaves) == 1 and not leaves[0][0]:
-        return Schema([spec(leaves[0][1])])
-    return Schema(
-        [spec(a, jax.tree_util.keystr(path, simple=True, separator=".")) for path, a in leaves]
-    )
-
-
-def export_signature(exported, example=None):
-    """The MLflow signature of a ``jax.export``: its inputs and outputs as tensors, from the
-    export's avals (no compile), symbolic dimensions -1. Outputs in a tuple or list are what the
-    pyfunc predicts, NumPy's stack of them: their spec is traced on `example` (an input example)."""
-    import jax
-    import numpy as np
-    from mlflow.models import ModelSignature
-    from mlflow.types import Schema, TensorSpec
-
-    outputs = jax.tree_util.tree_unflatten(exported.out_tree, exported.out_avals)
-    if isinstance(outputs, (tuple, list)) and example is not None:
-        out = jax.eval_shape(exported.call, example)
-        stacked = np.asarray(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out))
-        out_schema = Schema([TensorSpec(stacked.dtype, (-1, *stacked.shape[1:]))])
-    else:
-        out_schema = _tensor_specs(outputs)
-    return ModelSignature(inputs=_tensor_specs(_serving_inputs(exported)), outputs=out_schema)
-
-
 def log_export_model(
     client,
     tracking_uri: str,
@@ -240,7 +203,7 @@ def log_export_model(
     model_file = os.path.join(export_dir, "model.jax_export")
     with open(model_file, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
-    example = _typed_example(exported, example)
+    example = typed_example(exported, example)
     runs_here = (
         jax.export.default_export_platform() in exported.platforms
     )  # the MLflow worker's: cpu (`mlflow_worker._worker_environment`)
@@ -366,7 +329,7 @@ def sync_registry(
                 client, tracking_uri, experiment_id, run_id, job, job_key, step, export_dir, example
             )
         source = f"models:/{model_id}"
-        versions[step] = client.create_model_version(
+        made = client.create_model_version(
             name,
             source=source,
             run_id=run_id,
@@ -374,6 +337,7 @@ def sync_registry(
             tags={JOB_TAG: job_key, STEP_TAG: str(step)},
             description=f"job {job}, step {step}",
         )
+        versions[step] = _one_version(client, name, job_key, step, made)
         logger.info(
             "registered model %s version %s: job %s step %d",
             name,
