@@ -156,6 +156,9 @@ def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(
         assert [(c.name, c.state.is_completed()) for c in children] == [
             (f"{run.name}-process-1", True)
         ]
+        assert children[
+            0
+        ].idempotency_key  # a resent create gets this run back (test_child_flow_run)
         # Process 1 trained (its own train task runs), process 0 alone evaluated and exported.
         child_tasks = {
             t.name

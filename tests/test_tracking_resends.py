@@ -145,3 +145,20 @@ def test_a_resent_version_create_leaves_the_step_one_version_with_its_alias(
     assert [v.version for v in versions] == [synced["versions"][5]]  # the twin deleted
     assert synced["aliases"] == {"best": synced["versions"][5]}
     assert direct.get_model_version_by_alias("resent-model", "best").version == versions[0].version
+
+
+def test_of_a_steps_several_versions_the_first_is_kept_and_aliased_ones_too(mlflow_server):
+    """On a SQL store a search's versions carry no aliases: the model's are read."""
+    from prefect_jax.training.names import STEP_TAG
+    from prefect_jax.training.registry import _one_version
+
+    direct = MlflowClient(mlflow_server.uri)
+    direct.create_registered_model("twins")
+    run_id = direct.create_run(direct.create_experiment("twins")).info.run_id
+    tags, source = {JOB_TAG: "job-t", STEP_TAG: "7"}, f"runs:/{run_id}/model"
+    made = [direct.create_model_version("twins", source, run_id, tags) for _ in range(3)]
+    direct.set_registered_model_alias("twins", "pinned", made[1].version)  # (a person's, say)
+    kept = _one_version(direct, "twins", "job-t", 7, made[2])
+    assert kept.version == made[0].version
+    left = sorted(int(v.version) for v in direct.search_model_versions("name = 'twins'"))
+    assert left == [int(made[0].version), int(made[1].version)]

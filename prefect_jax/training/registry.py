@@ -90,16 +90,25 @@ def _versions_of_job(client, name: str, job_key: str) -> list:
 def _one_version(client, name: str, job_key: str, step: int, made):
     """The version of `step` after `made` was created for it. MLflow's client sends a request
     again when its answer is lost (a 5xx, a read timeout), so one create can register the step
-    twice: the first version is kept, the later ones of the step (this create's, no alias on
-    them) are deleted."""
+    twice: the first version is kept, the later ones of the step without an alias deleted.
+    (A search's versions carry no aliases on a SQL store: they are read from the model.)"""
+    from mlflow.exceptions import MlflowException
+
     of_step = sorted(
         (v for v in _versions_of_job(client, name, job_key) if v.tags[STEP_TAG] == str(step)),
         key=lambda v: int(v.version),
     )
+    if len(of_step) < 2:
+        return of_step[0] if of_step else made
+    aliased = {str(v) for v in (client.get_registered_model(name).aliases or {}).values()}
     for extra in of_step[1:]:
-        if not extra.aliases:
+        if str(extra.version) in aliased:
+            continue
+        try:
             client.delete_model_version(name, extra.version)
-    return of_step[0] if of_step else made
+        except MlflowException as exc:  # (EDIT without MANAGE, say): a twin, left as it is
+            logger.warning("%s version %s, a twin, not deleted: %r", name, extra.version, exc)
+    return of_step[0]
 
 
 def _logged_model(client, experiment_id: str, run_id: str, step: int):

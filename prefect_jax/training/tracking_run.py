@@ -166,13 +166,20 @@ class RunCalls:
         """The job's run after `made` was created for it. MLflow's client sends any request
         again on a lost answer (a read timeout, a 5xx from a proxy after the server committed:
         `mlflow.utils.request_utils`), so one create can make two runs with the job's tag and
-        the same start time. The oldest is kept, as a later attempt without a run id finds it;
-        the others, made by this create and holding nothing yet, are deleted (MLflow keeps a
-        deleted run until `mlflow gc`)."""
+        the same start time (the client's, in the request). The oldest is kept, as a later
+        attempt without a run id finds it; the others this create made (its start time, nothing
+        logged yet) are deleted (MLflow keeps a deleted run until `mlflow gc`). A run of another
+        start time is left alone: it may be another process's, in use."""
+        from mlflow.exceptions import MlflowException
+
         found = self._runs_of_job(exp_id) or [made]
         for extra in found[1:]:
-            if not extra.data.metrics and not extra.data.params:
+            if extra.info.start_time != made.info.start_time or extra.data.metrics:
+                continue
+            try:
                 self._client.delete_run(extra.info.run_id)
+            except MlflowException as exc:  # (EDIT without MANAGE, say): a twin, left as it is
+                logger.warning("MLflow run %s, a twin, not deleted: %r", extra.info.run_id, exc)
         return found[0]
 
     def _start_system_metrics(self) -> None:
