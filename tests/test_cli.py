@@ -471,9 +471,12 @@ def test_a_value_the_specs_refuse_is_one_line_naming_its_flag():
         _run_specs("--sigterm-grace-secs", "-1")
 
 
-def test_checkpoints_by_time_only_from_the_command_as_tf_save_checkpoints_secs(capsys):
-    by_time = _run_specs("--checkpoint-every-steps", "none", "--checkpoint-every-secs", "600")[2]
-    assert (by_time.every_steps, by_time.every_secs) == (None, 600.0)
+def test_checkpoints_and_retention_by_time_from_the_command_as_tf_s_run_config(capsys):
+    by_time = _run_specs(
+        "--checkpoint-every-steps", "none", "--checkpoint-every-secs", "600",
+        "--keep-every-secs", "7200",
+    )[2]  # fmt: skip
+    assert (by_time.every_steps, by_time.every_secs, by_time.keep_every_secs) == (None, 600, 7200)
     with pytest.raises(ValueError, match="every_steps=None and every_secs=None: no checkpoint"):
         _run_specs("--checkpoint-every-steps", "None")
     with pytest.raises(SystemExit):

@@ -34,8 +34,10 @@ def test_the_policy_takes_every_knob_from_the_spec():
         keep_every_steps=100,
         keep_until_evaluated=True,
         backups=False,
+        keep_every_secs=3600.0,
     )
     policy = CheckpointPolicy.from_spec(spec, 400)
+    assert policy.keep_every_secs == 3600.0
     assert (policy.every_steps, policy.every_secs, policy.max_steps) == (50, 30.0, 400)
     assert (policy.keep_last, policy.keep_every_steps, policy.keep_until_evaluated) == (
         2,
@@ -216,12 +218,32 @@ def test_orbax_keeps_what_retained_keeps():
         assert {s for s, k in zip(steps, kept, strict=True) if k} == policy.retained(
             steps, newest_evaluated, backups.__contains__
         )
+    # By time: the steps' own save times (backups aside), Orbax's decisions and retained's alike
+    times = {100: 0.0, 150: 10.0, 200: 50.0, 250: 55.0, 260: 58.0, 300: 70.0}
+    for secs, expected in [(60.0, {100, 300}), (40.0, {100, 200, 300})]:
+        policy = CheckpointPolicy.from_spec(CheckpointSpec(keep_last=1, keep_every_secs=secs))
+        orbax = policy.preservation(backups.__contains__, lambda s: False, None, times.get)
+        kept = orbax.should_preserve([_Step(s) for s in steps], context=None)
+        assert {s for s, k in zip(steps, kept, strict=True) if k} == expected
+        assert policy.retained(steps, None, backups.__contains__, times.get) == expected
     # A pinned step (its upload pending) is kept whatever retention says.
     orbax = CheckpointPolicy.from_spec(CheckpointSpec(keep_last=1)).preservation(
         backups.__contains__, {150}.__contains__
     )
     kept = orbax.should_preserve([_Step(s) for s in steps], context=None)
     assert {s for s, k in zip(steps, kept, strict=True) if k} == {150, 300}
+
+
+def test_keep_every_secs_keeps_the_oldest_then_one_per_interval_for_good():
+    """TF's keep_checkpoint_every_n_hours: kept by the times the steps record, so a step kept
+    once stays kept as newer ones come; a step whose time is unknown is not kept by time."""
+    from prefect_jax.training.policy import kept_by_time
+
+    at = {10: 100.0, 20: 130.0, 30: 161.0, 40: 190.0, 50: 222.0, 60: None, 70: 290.0}
+    assert kept_by_time([10, 20, 30, 40, 50], at.get, 60.0) == {10, 30, 50}
+    assert kept_by_time([10, 20, 30, 40, 50, 60, 70], at.get, 60.0) == {10, 30, 50, 70}
+    assert kept_by_time([20, 30, 40], at.get, 60.0) == {20, 40}  # (10 deleted by hand)
+    assert kept_by_time([60], at.get, 60.0) == set()
 
 
 def test_backups_follow_young_daly_from_the_kills_the_ledger_shows():

@@ -55,6 +55,13 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         "--keep-every-steps", type=int, default=None, help="also keep checkpoints at multiples of N"
     )
     add(
+        "--keep-every-secs",
+        type=float,
+        default=None,
+        help="also keep one checkpoint per N seconds of saves, for good (TF's "
+        "keep_checkpoint_every_n_hours x 3600)",
+    )
+    add(
         "--no-backups",
         dest="backups",
         action="store_false",

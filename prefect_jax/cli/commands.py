@@ -32,6 +32,7 @@ _SPEC_FLAGS = {
         "every_secs": "checkpoint_every_secs",
         "keep_last": "keep_last",
         "keep_every_steps": "keep_every_steps",
+        "keep_every_secs": "keep_every_secs",
         "backups": "backups",
         "device_copy": "device_copy",
     },

@@ -139,15 +139,13 @@ class Checkpoints:
         read_only: bool = False,
         newest_evaluated: Callable[[], int | None] | None = None,
     ):
-        spec = spec or CheckpointSpec()
-        self.directory = directory
-        self.spec = spec
+        self.directory, self.spec = directory, spec or CheckpointSpec()
+        spec = self.spec
         self._saving: int | None = None
         # A save that did not commit must fail the training, whichever thread saw Orbax's error
         # first: every later save raises it, until a restore.
         self.failures = SaveFailures(directory)
-        # Step -> whether it is a backup (saved here, or its metadata read once).
-        self._backup: dict[int, bool] = {}
+        self._facts: dict[int, dict] = {}  # step -> what retention reads of it (`_facts_of`)
         # Saves handed to a thread behind a copy on the device (`save_handoff`); the one in flight
         self.device_copy = not read_only and device_copy_enabled(spec.device_copy)
         self._copy_room_seen = spec.device_copy is not None  # (left to choose: at the first save)
@@ -155,7 +153,7 @@ class Checkpoints:
         # The steps retention must keep for now (`Job`: uploads).
         self.pinned: Callable[[int], bool] = lambda step: False
         retention = CheckpointPolicy.from_spec(spec).preservation(
-            self.is_backup, lambda s: self.pinned(s), newest_evaluated
+            self.is_backup, lambda s: self.pinned(s), newest_evaluated, self.saved_at
         )
         options = ocp.CheckpointManagerOptions(
             preservation_policy=retention,
@@ -185,18 +183,23 @@ class Checkpoints:
         return committed_steps(self.directory)
 
     def is_backup(self, step: int, read_meta: Callable[[int], dict] | None = None) -> bool:
-        """Whether a committed step of the job is a backup: known for the steps saved here, else
-        its metadata says so, read once per step by `read_meta` (default: this directory's file,
-        not `read_meta` (Orbax's restore): retention asks from inside Orbax's `save`)."""
+        return bool(self._facts_of(step, read_meta).get("backup"))
+
+    def saved_at(self, step: int, read_meta: Callable[[int], dict] | None = None) -> float | None:
+        return self._facts_of(step, read_meta).get("saved_at")  # (epoch seconds; None: unknown)
+
+    def _facts_of(self, step: int, read_meta: Callable[[int], dict] | None) -> dict:
+        """A committed step's ``backup`` and ``saved_at``, as retention reads them: known for the
+        steps saved here, else read once by `read_meta` (default: this directory's file, not
+        Orbax's restore: retention asks from inside Orbax's `save`); unreadable: neither."""
         step = int(step)
-        if step not in self._backup:
+        if step not in self._facts:
             try:
-                self._backup[step] = bool(
-                    (read_meta or (lambda s: read_meta_file(self.directory, s)))(step).get("backup")
-                )
-            except Exception:  # noqa: BLE001 - unreadable: retention treats it as any step
-                self._backup[step] = False
-        return self._backup[step]
+                meta = (read_meta or (lambda s: read_meta_file(self.directory, s)))(step)
+            except Exception:  # noqa: BLE001 - retention treats it as any step
+                meta = {}
+            self._facts[step] = {k: meta.get(k) for k in ("backup", "saved_at")}
+        return self._facts[step]
 
     def quarantine(self, step: int, why: str) -> None:
         """Move a step aside (see `checkpoint_dirs.quarantine`) and let Orbax forget it. Only the
@@ -234,7 +237,7 @@ class Checkpoints:
         self.wait()  # Orbax does too; here, so that `_saving` names the step in flight
         self.failures.raise_first()
         self._saving = int(step)
-        self._backup[int(step)] = bool(meta.get("backup"))
+        self._facts[int(step)] = {k: meta.get(k) for k in ("backup", "saved_at")}
         if self.device_copy and not self._copy_room_seen:
             self._copy_room_seen = True
             self.device_copy = copy_has_room(int(step), savable)

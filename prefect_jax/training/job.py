@@ -90,7 +90,12 @@ class Job(JobCheckpoints):
                 self.storage.remote_checkpoint_url, self.storage.storage_options
             )
             checkpoint_spec = checkpoint_spec.model_copy(
-                update={"keep_last": None, "keep_every_steps": None, "keep_until_evaluated": None}
+                update={
+                    "keep_last": None,
+                    "keep_every_steps": None,
+                    "keep_every_secs": None,
+                    "keep_until_evaluated": None,
+                }
             )
         self.records = EvalRecords(self.storage, config.eval.name, writer=self.is_primary)
         self.checkpoints = Checkpoints(

@@ -234,6 +234,7 @@ class JobCheckpoints:
                 self.config.checkpoint,
                 self.newest_evaluated(),
                 lambda s: self.checkpoints.is_backup(s, self.remote.read_meta),
+                lambda s: self.checkpoints.saved_at(s, self.remote.read_meta),
             ),
             but=step,
             deleting=lambda old: self._uploader.forget([old]),

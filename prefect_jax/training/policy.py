@@ -45,6 +45,8 @@ class CheckpointPolicy:
             `forever`, for a job that trains until stopped (`for_training`).
         keep_last: retention keeps the newest this many regular steps (None: every one).
         keep_every_steps: retention also keeps every regular step that is a multiple of this.
+        keep_every_secs: retention also keeps, from the oldest regular step on, each next one
+            saved at least this many seconds after the last so kept (`kept_by_time`).
         keep_until_evaluated: retention also keeps every regular step from the newest evaluated
             one on, so that it never deletes a step before a separate evaluator reached it
             (None or False: off; `spec_for_role` turns it on for the `train` role).
@@ -67,6 +69,7 @@ class CheckpointPolicy:
         keep_every_steps: int | None = None,
         keep_until_evaluated: bool | None = None,
         backups: bool = True,
+        keep_every_secs: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         forever: bool = False,
@@ -74,6 +77,7 @@ class CheckpointPolicy:
         self.every_steps, self.every_secs, self.max_steps = every_steps, every_secs, max_steps
         self.forever = forever and max_steps is None
         self.keep_last, self.keep_every_steps = keep_last, keep_every_steps
+        self.keep_every_secs = keep_every_secs
         self.keep_until_evaluated, self.backups = bool(keep_until_evaluated), backups
         self.clock, self.wall_clock = clock, wall_clock
         self.last_save = clock()  # when the live state was last saved, or restored
@@ -92,6 +96,7 @@ class CheckpointPolicy:
             spec.keep_every_steps,
             spec.keep_until_evaluated,
             spec.backups,
+            spec.keep_every_secs,
             **clocks,
         )
 
@@ -197,7 +202,11 @@ class CheckpointPolicy:
     # -- retention -------------------------------------------------------------------------
 
     def retained(
-        self, steps: list[int], newest_evaluated: int | None, is_backup: Callable[[int], bool]
+        self,
+        steps: list[int],
+        newest_evaluated: int | None,
+        is_backup: Callable[[int], bool],
+        saved_at: Callable[[int], float | None] = lambda step: None,
     ) -> set[int]:
         """The steps of `steps` (committed, oldest first) that retention keeps: what `preservation`
         keeps in Orbax, for storage Orbax does not manage (`RemoteSteps`)."""
@@ -205,6 +214,8 @@ class CheckpointPolicy:
         keep = set(regular[-self.keep_last :]) if self.keep_last else set(regular)
         if self.keep_every_steps:
             keep |= {s for s in regular if s % self.keep_every_steps == 0}
+        if self.keep_every_secs:
+            keep |= kept_by_time(regular, saved_at, self.keep_every_secs)
         if self.keep_until_evaluated:
             keep |= {s for s in regular if newest_evaluated is None or s >= newest_evaluated}
         return keep | set(steps[-1:])
@@ -214,6 +225,7 @@ class CheckpointPolicy:
         is_backup: Callable[[int], bool],
         pinned: Callable[[int], bool],
         newest_evaluated: Callable[[], int | None] | None = None,
+        saved_at: Callable[[int], float | None] = lambda step: None,
     ):
         """Retention as an Orbax preservation policy (`CheckpointManagerOptions`): `retained`'s
         rule over Orbax's steps; a step `pinned` says is still needed is kept whatever it says."""
@@ -224,6 +236,8 @@ class CheckpointPolicy:
             policies.append(pp.EveryNSteps(interval_steps=self.keep_every_steps))
         if self.keep_until_evaluated and newest_evaluated is not None:
             policies.append(KeepNotYetEvaluated(newest_evaluated))
+        if self.keep_every_secs:
+            policies.append(KeepEveryInterval(self.keep_every_secs, saved_at))
         return BackupsWhileNewest(pp.AnyPreservationPolicy(policies), is_backup, pinned)
 
 
@@ -232,9 +246,41 @@ def retained(
     spec: CheckpointSpec,
     newest_evaluated: int | None,
     is_backup: Callable[[int], bool],
+    saved_at: Callable[[int], float | None] = lambda step: None,
 ) -> set[int]:
     """`CheckpointPolicy.retained` of `spec`."""
-    return CheckpointPolicy.from_spec(spec).retained(steps, newest_evaluated, is_backup)
+    return CheckpointPolicy.from_spec(spec).retained(steps, newest_evaluated, is_backup, saved_at)
+
+
+def kept_by_time(
+    steps: list[int], saved_at: Callable[[int], float | None], every_secs: float
+) -> set[int]:
+    """TF's ``keep_checkpoint_every_n_hours``, as Orbax's ``EveryNSeconds``: of `steps` (oldest
+    first), the oldest and each next one saved at least `every_secs` after the last so kept,
+    by the time each step's metadata records (a step without one is not kept by time). The
+    same steps stay kept as newer ones come, so each kept one lives for good."""
+    kept: set[int] = set()
+    last = None
+    for step in steps:
+        at = saved_at(step)
+        if at is not None and (last is None or at - last >= every_secs):
+            kept.add(step)
+            last = at
+    return kept
+
+
+@dataclasses.dataclass
+class KeepEveryInterval:
+    """An Orbax preservation policy: `kept_by_time` over Orbax's steps, with the times the
+    steps' metadata records (Orbax's own ``EveryNSeconds`` reads commit times, which a step
+    moved or copied to other storage does not keep)."""
+
+    every_secs: float
+    saved_at: Callable[[int], float | None]
+
+    def should_preserve(self, checkpoints, *, context):
+        kept = kept_by_time([c.step for c in checkpoints], self.saved_at, self.every_secs)
+        return [c.step in kept for c in checkpoints]
 
 
 @dataclasses.dataclass

@@ -151,8 +151,8 @@ class CheckpointSpec(Spec):
 
     A checkpoint is written when either cadence is reached (whichever comes first), and
     always at `max_steps`. Retention follows Orbax: the newest `keep_last` steps are kept,
-    plus every step that is a multiple of `keep_every_steps`. The decisions themselves are
-    `prefect_jax.training.policy.CheckpointPolicy.from_spec(spec, max_steps)`'s.
+    plus every step that is a multiple of `keep_every_steps`, plus one per `keep_every_secs`.
+    The decisions are `prefect_jax.training.policy.CheckpointPolicy.from_spec(spec, max_steps)`'s.
 
     Args:
         every_steps: write a checkpoint every this many steps.
@@ -160,6 +160,9 @@ class CheckpointSpec(Spec):
             restore), not counting a new process's first dispatch (its compile included).
         keep_last: how many of the newest checkpoints to keep (None keeps all).
         keep_every_steps: also keep every checkpoint whose step is a multiple of this.
+        keep_every_secs: also keep, for good, one checkpoint per this many seconds of the job's
+            saves (TF's ``keep_checkpoint_every_n_hours`` times 3600): the oldest, then each next
+            one saved at least this long after the last so kept.
         keep_until_evaluated: also keep every step from the newest evaluated one on (eval
             records under ``<job>/evals/<eval name>/``), so that retention never deletes a step
             before a separate evaluator reached it. None (the default) means: on for the
@@ -192,6 +195,9 @@ class CheckpointSpec(Spec):
     keep_last: int | None = Field(3, description="Keep the newest N checkpoints (None: all).")
     keep_every_steps: int | None = Field(
         None, description="Also keep steps that are multiples of N."
+    )
+    keep_every_secs: float | None = Field(
+        None, description="Also keep one step per N seconds of saves, for good."
     )
     keep_until_evaluated: bool | None = Field(
         None,
@@ -239,6 +245,11 @@ class CheckpointSpec(Spec):
     @classmethod
     def _keep_every(cls, v):
         return positive("keep_every_steps", v, "give a positive step period, or None", True)
+
+    @field_validator("keep_every_secs")
+    @classmethod
+    def _keep_every_secs(cls, v):
+        return positive("keep_every_secs", v, "give a positive number of seconds, or None", True)
 
     @model_validator(mode="after")
     def _some_cadence(self):
