@@ -234,16 +234,21 @@ def test_orbax_keeps_what_retained_keeps():
     assert {s for s, k in zip(steps, kept, strict=True) if k} == {150, 300}
 
 
-def test_keep_every_secs_keeps_the_oldest_then_one_per_interval_for_good():
-    """TF's keep_checkpoint_every_n_hours: kept by the times the steps record, so a step kept
-    once stays kept as newer ones come; a step whose time is unknown is not kept by time."""
+def test_keep_every_secs_keeps_the_oldest_step_of_each_window_whatever_else_goes():
+    """TF's keep_checkpoint_every_n_hours: by the times the steps record, the oldest of each
+    window of wall-clock time; a step's fate is its window's alone, so deleting or setting aside
+    one step never makes another one go; a step whose time could not be read is kept."""
     from prefect_jax.training.policy import kept_by_time
 
     at = {10: 100.0, 20: 130.0, 30: 161.0, 40: 190.0, 50: 222.0, 60: None, 70: 290.0}
-    assert kept_by_time([10, 20, 30, 40, 50], at.get, 60.0) == {10, 30, 50}
-    assert kept_by_time([10, 20, 30, 40, 50, 60, 70], at.get, 60.0) == {10, 30, 50, 70}
-    assert kept_by_time([20, 30, 40], at.get, 60.0) == {20, 40}  # (10 deleted by hand)
-    assert kept_by_time([60], at.get, 60.0) == set()
+    assert kept_by_time([10, 20, 30, 40, 50], at.get, 60.0) == {10, 20, 40}  # windows 1, 2, 3
+    assert kept_by_time([10, 20, 30, 40, 50, 60, 70], at.get, 60.0) == {10, 20, 40, 60, 70}
+    assert kept_by_time([20, 30, 40, 50], at.get, 60.0) == {20, 40}  # 10 set aside: the rest stay
+    assert kept_by_time([10, 20, 30, 50], at.get, 60.0) == {
+        10,
+        20,
+        50,
+    }  # 40 gone: its window's next
 
 
 def test_backups_follow_young_daly_from_the_kills_the_ledger_shows():

@@ -58,7 +58,7 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         "--keep-every-secs",
         type=float,
         default=None,
-        help="also keep one checkpoint per N seconds of saves, for good (TF's "
+        help="also keep the oldest checkpoint of each N-second window, for good (TF's "
         "keep_checkpoint_every_n_hours x 3600)",
     )
     add(

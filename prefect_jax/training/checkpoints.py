@@ -190,14 +190,15 @@ class Checkpoints:
 
     def _facts_of(self, step: int, read_meta: Callable[[int], dict] | None) -> dict:
         """A committed step's ``backup`` and ``saved_at``, as retention reads them: known for the
-        steps saved here, else read once by `read_meta` (default: this directory's file, not
-        Orbax's restore: retention asks from inside Orbax's `save`); unreadable: neither."""
+        steps saved here, else read by `read_meta` (default: this directory's file, not Orbax's
+        restore: retention asks from inside Orbax's `save`), once it reads (unreadable: neither,
+        asked again next time; a step of unknown time is kept: `policy.kept_by_time`)."""
         step = int(step)
         if step not in self._facts:
             try:
                 meta = (read_meta or (lambda s: read_meta_file(self.directory, s)))(step)
             except Exception:  # noqa: BLE001 - retention treats it as any step
-                meta = {}
+                return {}
             self._facts[step] = {k: meta.get(k) for k in ("backup", "saved_at")}
         return self._facts[step]
 

@@ -45,8 +45,8 @@ class CheckpointPolicy:
             `forever`, for a job that trains until stopped (`for_training`).
         keep_last: retention keeps the newest this many regular steps (None: every one).
         keep_every_steps: retention also keeps every regular step that is a multiple of this.
-        keep_every_secs: retention also keeps, from the oldest regular step on, each next one
-            saved at least this many seconds after the last so kept (`kept_by_time`).
+        keep_every_secs: retention also keeps the oldest regular step saved in each window of
+            this many seconds of wall-clock time (`kept_by_time`).
         keep_until_evaluated: retention also keeps every regular step from the newest evaluated
             one on, so that it never deletes a step before a separate evaluator reached it
             (None or False: off; `spec_for_role` turns it on for the `train` role).
@@ -255,25 +255,27 @@ def retained(
 def kept_by_time(
     steps: list[int], saved_at: Callable[[int], float | None], every_secs: float
 ) -> set[int]:
-    """TF's ``keep_checkpoint_every_n_hours``, as Orbax's ``EveryNSeconds``: of `steps` (oldest
-    first), the oldest and each next one saved at least `every_secs` after the last so kept,
-    by the time each step's metadata records (a step without one is not kept by time). The
-    same steps stay kept as newer ones come, so each kept one lives for good."""
-    kept: set[int] = set()
-    last = None
+    """TF's ``keep_checkpoint_every_n_hours``: of `steps`, the oldest saved in each window of
+    `every_secs` of wall-clock time (``saved_at // every_secs``, by the time each step's
+    metadata records). A step's fate depends on its own window only, so a step kept stays kept
+    whatever else is deleted or set aside; a step whose time could not be read is kept."""
+    oldest: dict[int, int] = {}
+    unknown: set[int] = set()
     for step in steps:
         at = saved_at(step)
-        if at is not None and (last is None or at - last >= every_secs):
-            kept.add(step)
-            last = at
-    return kept
+        if at is None:
+            unknown.add(step)
+        else:
+            window = int(at // every_secs)
+            oldest[window] = min(step, oldest.get(window, step))
+    return set(oldest.values()) | unknown
 
 
 @dataclasses.dataclass
 class KeepEveryInterval:
-    """An Orbax preservation policy: `kept_by_time` over Orbax's steps, with the times the
-    steps' metadata records (Orbax's own ``EveryNSeconds`` reads commit times, which a step
-    moved or copied to other storage does not keep)."""
+    """An Orbax preservation policy: `kept_by_time` over Orbax's steps, the rule the uploads'
+    retention follows too (Orbax's own ``EveryNSeconds`` chains each kept step to the last one,
+    so a step set aside changes which later ones it keeps)."""
 
     every_secs: float
     saved_at: Callable[[int], float | None]

@@ -150,8 +150,8 @@ class CheckpointSpec(Spec):
     """When to write checkpoints and which to keep.
 
     A checkpoint is written when either cadence is reached (whichever comes first), and
-    always at `max_steps`. Retention follows Orbax: the newest `keep_last` steps are kept,
-    plus every step that is a multiple of `keep_every_steps`, plus one per `keep_every_secs`.
+    always at `max_steps`. Retention follows Orbax: the newest `keep_last` steps are kept, plus
+    every multiple of `keep_every_steps`, plus the oldest of each `keep_every_secs` window.
     The decisions are `prefect_jax.training.policy.CheckpointPolicy.from_spec(spec, max_steps)`'s.
 
     Args:
@@ -160,9 +160,9 @@ class CheckpointSpec(Spec):
             restore), not counting a new process's first dispatch (its compile included).
         keep_last: how many of the newest checkpoints to keep (None keeps all).
         keep_every_steps: also keep every checkpoint whose step is a multiple of this.
-        keep_every_secs: also keep, for good, one checkpoint per this many seconds of the job's
-            saves (TF's ``keep_checkpoint_every_n_hours`` times 3600): the oldest, then each next
-            one saved at least this long after the last so kept.
+        keep_every_secs: also keep, for good, the oldest checkpoint saved in each window of
+            this many seconds of wall-clock time (TF's ``keep_checkpoint_every_n_hours`` times
+            3600), by the time each step's metadata records.
         keep_until_evaluated: also keep every step from the newest evaluated one on (eval
             records under ``<job>/evals/<eval name>/``), so that retention never deletes a step
             before a separate evaluator reached it. None (the default) means: on for the
@@ -197,7 +197,7 @@ class CheckpointSpec(Spec):
         None, description="Also keep steps that are multiples of N."
     )
     keep_every_secs: float | None = Field(
-        None, description="Also keep one step per N seconds of saves, for good."
+        None, description="Also keep the oldest step of each N-second window, for good."
     )
     keep_until_evaluated: bool | None = Field(
         None,
