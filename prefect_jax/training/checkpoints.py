@@ -139,8 +139,8 @@ class Checkpoints:
         read_only: bool = False,
         newest_evaluated: Callable[[], int | None] | None = None,
     ):
-        self.directory, self.spec = directory, spec or CheckpointSpec()
-        spec = self.spec
+        spec = spec or CheckpointSpec()
+        self.directory, self.spec = directory, spec
         self._saving: int | None = None
         # A save that did not commit must fail the training, whichever thread saw Orbax's error
         # first: every later save raises it, until a restore.
@@ -150,8 +150,7 @@ class Checkpoints:
         self.device_copy = not read_only and device_copy_enabled(spec.device_copy)
         self._copy_room_seen = spec.device_copy is not None  # (left to choose: at the first save)
         self._handoff = HandOff()
-        # The steps retention must keep for now (`Job`: uploads).
-        self.pinned: Callable[[int], bool] = lambda step: False
+        self.pinned: Callable[[int], bool] = lambda step: False  # kept for now (`Job`: uploads)
         retention = CheckpointPolicy.from_spec(spec).preservation(
             self.is_backup, lambda s: self.pinned(s), newest_evaluated, self.saved_at
         )
@@ -189,10 +188,9 @@ class Checkpoints:
         return self._facts_of(step, read_meta).get("saved_at")  # (epoch seconds; None: unknown)
 
     def _facts_of(self, step: int, read_meta: Callable[[int], dict] | None) -> dict:
-        """A committed step's ``backup`` and ``saved_at``, as retention reads them: known for the
-        steps saved here, else read by `read_meta` (default: this directory's file, not Orbax's
-        restore: retention asks from inside Orbax's `save`), once it reads (unreadable: neither,
-        asked again next time; a step of unknown time is kept: `policy.kept_by_time`)."""
+        """A committed step's ``backup`` and ``saved_at`` for retention: known for the steps
+        saved here, else read by `read_meta` (default: this directory's file: retention asks
+        from inside Orbax's `save`) and kept once read; unreadable: neither, asked again."""
         step = int(step)
         if step not in self._facts:
             try:
