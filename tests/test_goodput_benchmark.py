@@ -64,7 +64,10 @@ def test_a_killed_lm_job_ends_at_its_last_step_on_every_system_with_its_goodput(
         assert 0 < run["goodput"] <= 1.5 and run["vs_plain"] > 0, run
     ledger = runs["prefect_jax"]["breakdown"]
     assert ledger["source"] == "ledger" and 0 < ledger["goodput_ledger"] <= 1
-    assert len(ledger["restored_steps"]) == runs["prefect_jax"]["attempts"]
-    assert len(ledger["restart_s"]) == runs["prefect_jax"]["attempts"] - 1
+    # An attempt opens its record once its restore ends (`GoodputLedger.begin`): one killed
+    # before that (a start-up past T on a loaded machine) leaves none.
+    recorded = len(ledger["restored_steps"])
+    assert 2 <= recorded <= runs["prefect_jax"]["attempts"], ledger
+    assert len(ledger["restart_s"]) == recorded - 1, ledger
     marks = runs["plain"]["breakdown"]
     assert marks["source"] == "marks" and marks["restored_steps"], marks
