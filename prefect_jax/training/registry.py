@@ -74,7 +74,7 @@ def _quote(value: str) -> str:
 def job_versions(client, name: str, job_key: str) -> dict[int, Any]:
     """``{step: ModelVersion}`` of the registered model's versions made by this job."""
     found: dict[int, Any] = {}
-    for v in sorted(_versions_of_job(client, name, job_key), key=lambda v: int(v.version)):
+    for v in _versions_of_job(client, name, job_key):
         found.setdefault(int(v.tags[STEP_TAG]), v)  # a step's first (see `_one_version`)
     return found
 
@@ -84,7 +84,8 @@ def _versions_of_job(client, name: str, job_key: str) -> list:
         versions = client.search_model_versions(f"name = {_quote(name)}")
     except Exception:  # noqa: BLE001 - no such registered model yet
         return []
-    return [v for v in versions if v.tags.get(JOB_TAG) == job_key and STEP_TAG in v.tags]
+    mine = [v for v in versions if v.tags.get(JOB_TAG) == job_key and STEP_TAG in v.tags]
+    return sorted(mine, key=lambda v: int(v.version))  # oldest first
 
 
 def _one_version(client, name: str, job_key: str, step: int, made):
@@ -94,10 +95,7 @@ def _one_version(client, name: str, job_key: str, step: int, made):
     (A search's versions carry no aliases on a SQL store: they are read from the model.)"""
     from mlflow.exceptions import MlflowException
 
-    of_step = sorted(
-        (v for v in _versions_of_job(client, name, job_key) if v.tags[STEP_TAG] == str(step)),
-        key=lambda v: int(v.version),
-    )
+    of_step = [v for v in _versions_of_job(client, name, job_key) if v.tags[STEP_TAG] == str(step)]
     if len(of_step) < 2:
         return of_step[0] if of_step else made
     aliased = {str(v) for v in (client.get_registered_model(name).aliases or {}).values()}
