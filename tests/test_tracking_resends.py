@@ -51,7 +51,7 @@ class AnswerLosingProxy:
                 self.end_headers()
                 self.wfile.write(data)
 
-            do_GET = do_POST = do_PATCH = do_DELETE = _forward
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 
             def log_message(self, *args):
                 pass
@@ -150,7 +150,7 @@ def test_a_resent_version_create_leaves_the_step_one_version_with_its_alias(
 def test_of_a_steps_several_versions_the_first_is_kept_and_aliased_ones_too(mlflow_server):
     """On a SQL store a search's versions carry no aliases: the model's are read."""
     from prefect_jax.training.names import STEP_TAG
-    from prefect_jax.training.registry import _one_version
+    from prefect_jax.training.registry_search import one_version
 
     direct = MlflowClient(mlflow_server.uri)
     direct.create_registered_model("twins")
@@ -158,7 +158,74 @@ def test_of_a_steps_several_versions_the_first_is_kept_and_aliased_ones_too(mlfl
     tags, source = {JOB_TAG: "job-t", STEP_TAG: "7"}, f"runs:/{run_id}/model"
     made = [direct.create_model_version("twins", source, run_id, tags) for _ in range(3)]
     direct.set_registered_model_alias("twins", "pinned", made[1].version)  # (a person's, say)
-    kept = _one_version(direct, "twins", "job-t", 7, made[2])
+    kept = one_version(direct, "twins", "job-t", 7, made[2])
     assert kept.version == made[0].version
     left = sorted(int(v.version) for v in direct.search_model_versions("name = 'twins'"))
     assert left == [int(made[0].version), int(made[1].version)]
+
+
+def test_a_jobs_versions_are_its_own_read_over_every_page_oldest_first(mlflow_server):
+    """Jobs sharing a registered model's name: each reads only its versions, whatever the pages."""
+    from prefect_jax.training.names import STEP_TAG
+    from prefect_jax.training.registry_search import job_versions, versions_of_job
+
+    direct = MlflowClient(mlflow_server.uri)
+    direct.create_registered_model("shared")
+    run_id = direct.create_run(direct.create_experiment("shared")).info.run_id
+    made = {"job-a": [], "job-b": []}
+    for step in range(5):
+        for job in ("job-a", "job-b"):
+            tags = {JOB_TAG: job, STEP_TAG: str(step * 10)}
+            source = f"runs:/{run_id}/model"
+            made[job].append(direct.create_model_version("shared", source, run_id, tags))
+    for job, versions in made.items():
+        found = versions_of_job(direct, "shared", job, page_size=2)  # three pages
+        assert [v.version for v in found] == [v.version for v in versions], job
+    assert {s: v.version for s, v in job_versions(direct, "shared", "job-b").items()} == {
+        s * 10: v.version for s, v in enumerate(made["job-b"])
+    }
+
+
+def test_a_resent_logged_model_create_leaves_one_logged_model_with_the_files(
+    mlflow_server, monkeypatch, tmp_path
+):
+    """The export's MLflow Model: a resend's empty twin deleted, the files in the one kept."""
+    import jax
+    import jax.numpy as jnp
+    import mlflow
+    import numpy as np
+
+    from prefect_jax.training.registry import log_export_model
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    exported = jax.export.export(jax.jit(lambda x: 2.0 * x))(
+        jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    )
+    (tmp_path / "model.jax_export").write_bytes(exported.serialize())
+    direct = MlflowClient(mlflow_server.uri)
+    exp_id = direct.create_experiment("resent-logged-model")
+    run_id = direct.create_run(exp_id, tags={JOB_TAG: "job-m"}).info.run_id
+    path = "/api/2.0/mlflow/logged-models"
+    proxy = AnswerLosingProxy(mlflow_server.uri, {path})
+    uri_before = mlflow.get_tracking_uri()  # (log_export_model sets MLflow's global one)
+    try:
+        model_id = log_export_model(
+            MlflowClient(proxy.uri),
+            proxy.uri,
+            exp_id,
+            run_id,
+            "job",
+            "job-m",
+            3,
+            str(tmp_path),
+            np.ones((2, 3), np.float32),
+        )
+        # (MLflow caches a model's artifact store by id, process-wide: here, the proxy's)
+        files = {f.path for f in direct.list_logged_model_artifacts(model_id)}
+    finally:
+        mlflow.set_tracking_uri(uri_before)
+        proxy.close()
+    assert proxy.posts[path] == 2  # the answer was lost and the create sent again
+    models = direct.search_logged_models([exp_id])
+    assert [m.model_id for m in models] == [model_id]  # the twin deleted
+    assert "MLmodel" in files, files

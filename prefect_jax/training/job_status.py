@@ -110,7 +110,7 @@ def registry_status(recorded: dict, job_key: str) -> dict[str, Any]:
     try:
         from mlflow.tracking import MlflowClient
 
-        from prefect_jax.training.registry import job_versions
+        from prefect_jax.training.registry_search import job_versions
 
         client = MlflowClient(uri)
         versions = job_versions(client, name, job_key)

@@ -21,6 +21,9 @@ CHANGED_PARAM_TAG = "prefect_jax.param."
 STOP_REASON_TAG = "prefect_jax.stop_reason"  # why an early-stopping listener ended the job
 GOODPUT_TAG = "prefect_jax.goodput"  # the goodput summary in one line
 STEP_TAG = "prefect_jax.step"  # on a registered model version: the global step it was exported at
+CREATE_TAG = (
+    "prefect_jax.create"  # on a logged model: its create call's key (a resend's twin shares it)
+)
 RUN_NAME_TAG = "mlflow.runName"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
 # The experiment's kind (MLflow 3.17's UI picks its view from its sidebar switch instead:

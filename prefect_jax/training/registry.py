@@ -18,11 +18,18 @@ import json
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from prefect_jax.training.names import JOB_TAG, RESERVED_ALIASES, STEP_TAG
+from prefect_jax.training.names import CREATE_TAG, JOB_TAG, RESERVED_ALIASES, STEP_TAG
 from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.registry_search import (
+    job_versions,
+    logged_model_of_step,
+    one_logged_model,
+    one_version,
+)
 from prefect_jax.training.registry_signature import export_signature, typed_example
 
 logger = logging.getLogger("prefect_jax.registry")
@@ -65,71 +72,6 @@ def alias_for(exporter_name: str) -> str:
     if reserved is not None:
         return reserved
     return exporter_name.replace(".", "-")
-
-
-def _quote(value: str) -> str:
-    return "'" + value.replace("'", "\\'") + "'"
-
-
-def job_versions(client, name: str, job_key: str) -> dict[int, Any]:
-    """``{step: ModelVersion}`` of the registered model's versions made by this job."""
-    found: dict[int, Any] = {}
-    for v in _versions_of_job(client, name, job_key):
-        found.setdefault(int(v.tags[STEP_TAG]), v)  # a step's first (see `_one_version`)
-    return found
-
-
-def _versions_of_job(client, name: str, job_key: str) -> list:
-    try:
-        versions = client.search_model_versions(f"name = {_quote(name)}")
-    except Exception:  # noqa: BLE001 - no such registered model yet
-        return []
-    mine = [v for v in versions if v.tags.get(JOB_TAG) == job_key and STEP_TAG in v.tags]
-    return sorted(mine, key=lambda v: int(v.version))  # oldest first
-
-
-def _one_version(client, name: str, job_key: str, step: int, made):
-    """The version of `step` after `made` was created for it. MLflow's client sends a request
-    again when its answer is lost (a 5xx, a read timeout), so one create can register the step
-    twice: the first version is kept, the later ones of the step without an alias deleted.
-    (A search's versions carry no aliases on a SQL store: they are read from the model.)"""
-    from mlflow.exceptions import MlflowException
-
-    of_step = [v for v in _versions_of_job(client, name, job_key) if v.tags[STEP_TAG] == str(step)]
-    if len(of_step) < 2:
-        return of_step[0] if of_step else made
-    aliased = {str(v) for v in (client.get_registered_model(name).aliases or {}).values()}
-    for extra in of_step[1:]:
-        if str(extra.version) in aliased:
-            continue
-        try:
-            client.delete_model_version(name, extra.version)
-        except MlflowException as exc:  # (EDIT without MANAGE, say): a twin, left as it is
-            logger.warning("%s version %s, a twin, not deleted: %r", name, extra.version, exc)
-    return of_step[0]
-
-
-def _logged_model(client, experiment_id: str, run_id: str, step: int):
-    """The MLflow Model of `step` already logged to the run (by a process that died before
-    registering it)."""
-    found = client.search_logged_models(
-        [experiment_id], filter_string=f"source_run_id = {_quote(run_id)}", max_results=100
-    )
-    for model in found:
-        if (
-            model.tags.get(STEP_TAG) == str(step)
-            and model.status.name in ("READY", "PENDING")
-            and _has_artifacts(client, model)
-        ):
-            return model
-    return None
-
-
-def _has_artifacts(client, model) -> bool:
-    try:
-        return any(f.path == "MLmodel" for f in client.list_logged_model_artifacts(model.model_id))
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def requirements() -> list[str]:
@@ -245,10 +187,15 @@ def log_export_model(
     os.environ.setdefault("MLFLOW_UV_AUTO_DETECT", "false")
     # Created here, in the run's experiment (Model.log alone would use the process's active
     # experiment), then filled by Model.log.
-    name, tags = f"{job}-step-{step}", {JOB_TAG: job_key, STEP_TAG: str(step)}
-    logged = client.create_logged_model(
+    create_key = uuid.uuid4().hex  # (a resent create's twin carries the same)
+    name, tags = (
+        f"{job}-step-{step}",
+        {JOB_TAG: job_key, STEP_TAG: str(step), CREATE_TAG: create_key},
+    )
+    made = client.create_logged_model(
         experiment_id, name=name, source_run_id=run_id, tags=tags, model_type="jax.export"
     )
+    logged = one_logged_model(client, experiment_id, run_id, create_key, made)
     # MLflow loads the model to check the example: no __pycache__ of that into the model's files.
     writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
@@ -319,7 +266,7 @@ def sync_registry(
     for step in sorted(set(steps) | set(aliases.values())):
         if step in versions:
             continue
-        logged = _logged_model(client, experiment_id, run_id, step)
+        logged = logged_model_of_step(client, experiment_id, run_id, step)
         if logged is not None:
             model_id = logged.model_id
         else:
@@ -344,7 +291,7 @@ def sync_registry(
             tags={JOB_TAG: job_key, STEP_TAG: str(step)},
             description=f"job {job}, step {step}",
         )
-        versions[step] = _one_version(client, name, job_key, step, made)
+        versions[step] = one_version(client, name, job_key, step, made)
         logger.info(
             "registered model %s version %s: job %s step %d",
             name,
