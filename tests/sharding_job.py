@@ -5,9 +5,12 @@ Modes:
     loss: the same steps with and without declared shardings, through `Loop` (no storage).
     bad: each bad mesh, spec and batch, refused by `Loop(...)` before any compute; then a Flax
         NNX model with sharding annotations, built and trained as it is.
-    job STORAGE MLFLOW_URI MESH_JSON MAX_STEPS PACE: a real job (`Trainer`, Orbax checkpoints,
-        MLflow); one line per checkpoint with the live state's fingerprint, PACE seconds of sleep
-        at each log point (so a test can SIGKILL it mid-job).
+    job STORAGE MLFLOW_URI MAX_STEPS PACE: a real job (`Trainer`, Orbax checkpoints, MLflow);
+        one line per checkpoint with the live state's fingerprint, PACE seconds of sleep at each
+        log point (so a test can SIGKILL it mid-job). Its mesh: MESH_ENV's JSON.
+    evaluate STORAGE MLFLOW_URI MAX_STEPS: that job's newest step evaluated by an evaluator's
+        `Trainer` (`recover`, `evaluate_if_new`), as the `evaluate` role does, then a trainer's
+        `restore_or_init` on the same devices; one line.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ def bad_mode() -> None:
     from jax.sharding import PartitionSpec as P
 
     from prefect_jax.training.loop import Loop
+    from prefect_jax.training.sharded_state import check_sharding, check_train_batch
     from prefect_jax.training.specs import TrainSpec
 
     class Spec(ByteLMProgram):
@@ -143,14 +147,14 @@ def bad_mode() -> None:
     refused = {}
     for name, prog in cases.items():
         try:
-            Loop(prog, TrainSpec(max_steps=1))
+            check_train_batch(Loop(prog, TrainSpec(max_steps=1)))  # (as a trainer's restore)
             refused[name] = None
         except ValueError as exc:
             refused[name] = f"{type(exc).__name__}: {exc}"
-    print(
-        json.dumps({"refused": refused, "annotated": annotated(), "idle": idle_axis_warnings()}),
-        flush=True,
-    )
+    # The command's checks of an evaluator (it never takes a train batch): the batch passes.
+    check_sharding(cases["batch"], trains=False)
+    out = {"refused": refused, "annotated": annotated(), "idle": idle_axis_warnings()}
+    print(json.dumps(out), flush=True)
 
 
 def idle_axis_warnings() -> dict:
@@ -181,13 +185,10 @@ def idle_axis_warnings() -> dict:
     return out
 
 
-def job_mode(storage: str, mlflow_uri: str, max_steps: str, pace: str) -> None:
-    from prefect_jax.training.progress import add_progress_listener
+def job_config(storage: str, mlflow_uri: str, max_steps: str):
     from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, TrainSpec
-    from prefect_jax.training.trainer import Trainer
-    from prefect_jax.training.trees import state_fingerprint
 
-    config = JobConfig(
+    return JobConfig(
         program="sharding_job:program",
         job="sharded",
         storage=storage,
@@ -198,6 +199,14 @@ def job_mode(storage: str, mlflow_uri: str, max_steps: str, pace: str) -> None:
         eval=EvalSpec(steps=1),
         mlflow_tracking_uri=mlflow_uri,
     )
+
+
+def job_mode(storage: str, mlflow_uri: str, max_steps: str, pace: str) -> None:
+    from prefect_jax.training.progress import add_progress_listener
+    from prefect_jax.training.trainer import Trainer
+    from prefect_jax.training.trees import state_fingerprint
+
+    config = job_config(storage, mlflow_uri, max_steps)
     if float(pace):
         add_progress_listener(lambda *_: time.sleep(float(pace)))
     trainer = Trainer(config)
@@ -212,6 +221,26 @@ def job_mode(storage: str, mlflow_uri: str, max_steps: str, pace: str) -> None:
     trainer.close()
 
 
+def evaluate_mode(storage: str, mlflow_uri: str, max_steps: str) -> None:
+    from prefect_jax.training.sharding import ShardingError
+    from prefect_jax.training.trainer import Trainer
+
+    config = job_config(storage, mlflow_uri, max_steps)
+    trainer = Trainer(config)
+    restored, step = trainer.recover()
+    result = trainer.evaluate_if_new()
+    trainer.close()
+    out = {"step": step, "status": result.status.value, "metrics": result.metrics}
+    trainer = Trainer(config)
+    try:  # a trainer on these devices: its batch checked before its restore
+        trainer.restore_or_init()
+    except ShardingError as exc:
+        out["train_refused"] = str(exc)
+    trainer.close()
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[3:]
-    {"loss": loss_mode, "bad": bad_mode, "job": job_mode}[mode](*args)
+    modes = {"loss": loss_mode, "bad": bad_mode, "job": job_mode, "evaluate": evaluate_mode}
+    modes[mode](*args)

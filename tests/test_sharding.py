@@ -173,7 +173,7 @@ def test_fsdp_8_way_and_4x2_data_model_shard_the_state_and_train_as_one_device_d
 
 
 @pytest.mark.slow
-def test_a_sigkilled_fsdp_job_resumes_bit_exactly_on_four_devices_and_another_mesh(
+def test_a_sigkilled_fsdp_job_resumes_exactly_on_another_mesh_and_evaluates_on_six_devices(
     tmp_path, mlflow_uri
 ):
     from mlflow.tracking import MlflowClient
@@ -232,6 +232,14 @@ def test_a_sigkilled_fsdp_job_resumes_bit_exactly_on_four_devices_and_another_me
         filter_string=f"tags.`{STORAGE_TAG}` = '{storage}'",
     )
     assert run.data.tags[DEVICES_TAG] == "4 x cpu (cpu), mesh data=2 model=2"
+    # An evaluator on 6 devices, which cannot split the train batch of 8: it never takes one, so
+    # it evaluates; a trainer there is refused before its restore.
+    (evaluated,) = _run(
+        "evaluate", "6", storage, mlflow_uri, "40", SHARDING_JOB_MESH='{"data": -1}'
+    )
+    assert evaluated["step"] == 40 and evaluated["status"] == "EVALUATED", evaluated
+    assert np.isfinite(evaluated["metrics"]["loss"])
+    assert "cannot be split into 6 parts" in evaluated["train_refused"], evaluated
 
 
 def _command(*args: str) -> subprocess.CompletedProcess:

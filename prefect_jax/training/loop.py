@@ -53,7 +53,6 @@ from prefect_jax.training.sharded_state import (
 )
 from prefect_jax.training.sharding import (
     check_batch,
-    check_first_batch,
     declares_sharding,
     init_with_mesh,
     placement,
@@ -128,7 +127,6 @@ class Loop:
             self.one_device = None
             self.state_sharding = None  # one per leaf, set by `abstract_state` below
             self.abstract_state  # noqa: B018 - its shardings checked now, before any compute
-            check_first_batch(program.train_data(spec.seed), self.batch_sharding)
             warn_of_idle_axes(self.mesh, self.state_sharding, self.batch_sharding)
             shardings = (self.state_sharding, self.batch_sharding, self._stacked_sharding)
             shardings += (self.replicated,)

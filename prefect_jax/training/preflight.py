@@ -272,7 +272,9 @@ def check_job(
     abstract_state = None
     if cluster is None and max_steps is not None:
         # the mesh and the first batch; the state's shardings where the mesh is new
-        abstract_state = check_sharding(loaded, resumed=newest_meta if committed else None)
+        abstract_state = check_sharding(
+            loaded, resumed=newest_meta if committed else None, trains=train_spec is not None
+        )
     if checkpoint_path and not committed:
         check_checkpoint_path(checkpoint_path)
     # What follows starts JAX's work for the trainer this command's flow run makes: the serve

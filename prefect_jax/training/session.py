@@ -28,6 +28,7 @@ from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote_errors import RemoteStorageError
 from prefect_jax.training.restore_failures import RestoreFailures, not_the_steps_fault
+from prefect_jax.training.sharded_state import check_train_batch
 from prefect_jax.training.tracking import flatten_params
 
 if TYPE_CHECKING:
@@ -238,6 +239,7 @@ def restore_trainer(
     trainer.ending.stop_if_preempted()
     trainer.forget_stop_answer()  # (a restore may land on the step last asked at: ask again)
     job, loop = trainer.job, trainer.loop
+    check_train_batch(loop)
     job.goodput.restore_began()
     job.checkpoints.wait()
     newest, max_steps = job.newest_committed(), trainer.config.train.max_steps

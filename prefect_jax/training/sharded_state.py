@@ -85,7 +85,15 @@ def abstract_state_of(program: Any, seed: int):
     return jax.eval_shape(lambda: program.init(jax.random.key(seed)))
 
 
-def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None):
+def check_train_batch(loop: Any) -> None:
+    """A sharded program's first train batch splits over the loop's mesh: checked where a role
+    trains, before its restore or init (an evaluator or exporter never takes a train batch, so
+    a device count that does not divide it is no reason to refuse one)."""
+    if loop.sharded:
+        check_first_batch(loop.program.train_data(loop.spec.seed), loop.batch_sharding)
+
+
+def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None, trains: bool = True):
     """What the loop refuses of a sharded program's mesh, state and first batch, refused before
     anything starts (one process: several see their devices only once JAX's distributed
     runtime is up, which the flow run starts; the loop checks there).
@@ -99,6 +107,8 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None):
             does not pay the trace twice (its trainer checks as it starts). The mesh and the
             first batch are checked either way; a batch that a mesh other than the recorded one
             cannot split names the mesh the job trained on.
+        trains: whether this process trains (its first batch checked); an evaluator never takes
+            a train batch.
 
     Returns:
         The abstract state it traced (``jax.eval_shape`` of init), or None where it traced none
@@ -117,7 +127,8 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None):
             f"the job trained on the mesh {trained_on}: give it a mesh whose axes divide its "
             "batch (the program's mesh, the number of devices), or start a new job"
         )
-    check_first_batch(program.train_data(seed), batch, fix)
+    if trains:
+        check_first_batch(program.train_data(seed), batch, fix)
     if resumed is None or trained_on != dict(mesh.shape):
         return sharded_abstract_state(program, mesh, seed)[0]
     return None
