@@ -220,3 +220,38 @@ def test_a_serve_building_an_annotated_model_without_a_mesh_is_told_to_build_it_
     said = str(refused.value)
     assert "traced and exported for one device, with no mesh: build the model it merges" in said
     assert "symbolic dimension" not in said
+
+
+def test_an_input_example_that_breaks_a_symbolic_constraint_is_cut_until_the_export_takes_it(
+    caplog,
+):
+    """An example taken from an eval batch of ``seq_len + 1`` tokens, for a serve of at most
+    ``seq_len``: cut to fit (else MLflow's check of the example would fail the registration);
+    none where no cut fits."""
+    import jax.numpy as jnp
+
+    from prefect_jax.training.registry_signature import typed_example
+
+    b, s = jax.export.symbolic_shape("b, s", constraints=("s <= 32",))
+    exported = jax.export.export(jax.jit(lambda x: x.sum(axis=1)))(
+        jax.ShapeDtypeStruct((b, s), jnp.int32)
+    )
+    tokens = np.arange(5 * 33).reshape(5, 33)
+    example = typed_example(exported, tokens)
+    np.testing.assert_array_equal(example, tokens[:, :32])  # the longest that fits, same rows
+    assert exported.call(example).shape == (5,)
+    assert typed_example(exported, tokens[:, :7]).shape == (5, 7)  # one that fits: as it is
+
+    b, s = jax.export.symbolic_shape("b, s", constraints=("s <= 8", "b <= 2"))
+    named = jax.export.export(jax.jit(lambda x: x["a"] + x["c"]))(
+        {"a": jax.ShapeDtypeStruct((b, s), jnp.int32), "c": jax.ShapeDtypeStruct((b, s), jnp.int32)}
+    )
+    cut = typed_example(named, {"a": tokens, "c": tokens})
+    assert cut["a"].shape == cut["c"].shape and cut["a"].shape[0] <= 2 and cut["a"].shape[1] <= 8
+    assert named.call(cut).shape == cut["a"].shape
+
+    b, s = jax.export.symbolic_shape("b, s", constraints=("s >= 64",))
+    longer = jax.export.export(jax.jit(lambda x: x))(jax.ShapeDtypeStruct((b, s), jnp.int32))
+    with caplog.at_level("WARNING", logger="prefect_jax.registry"):
+        assert typed_example(longer, tokens) is None
+    assert "no input example for the MLflow model: (5, 33) breaks a constraint" in caplog.text
