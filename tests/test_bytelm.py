@@ -107,6 +107,8 @@ def test_config_values_a_run_could_only_fail_on_are_refused_naming_the_field():
         ("warmup_steps", -1, "must be at least 0"),
         ("n_heads", 0, "must be at least 1"),
         ("compute_dtype", "float16", "use 'float32' or 'bfloat16'"),
+        ("attention", "flash", "use null (JAX's choice), 'xla' or 'cudnn'"),
+        ("attention", "cudnn", "cuDNN's fused attention takes bfloat16 only"),
         # an axis its shardings never use: every device would hold the whole state and batch
         (
             "mesh",
@@ -485,6 +487,13 @@ def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
     assert json.loads(proc.stdout.strip().splitlines()[-1])["exit_code"] == 2
     assert not os.path.exists(os.path.join(storage, "lm-empty"))
     assert committed_steps(summary["checkpoint_dir"]) == [4]
+    # cuDNN's attention on a machine without a GPU: one line before the run, not the first step.
+    cudnn = ["--program-param", "attention=cudnn", "--program-param", "compute_dtype=bfloat16"]
+    proc = cli(*[*run[:4], "lm-cudnn", *run[5:]], "--max-steps", "8", *params, *cudnn)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (said,) = proc.stderr.strip().splitlines()
+    assert said.startswith("prefect-jax run: error: attention='cudnn' runs on NVIDIA GPUs only")
+    assert not os.path.exists(os.path.join(storage, "lm-cudnn"))
 
     proc = cli("status", "--job", "lm", "--storage", storage, "--json")
     status = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -112,6 +112,19 @@ class Config:
             self.compute_dtype in ("float32", "bfloat16"),
             "use 'float32' or 'bfloat16'",
         )
+        _refuse_unless(
+            self,
+            "attention",
+            self.attention in (None, "xla", "cudnn"),
+            "use null (JAX's choice), 'xla' or 'cudnn'",
+        )
+        _refuse_unless(
+            self,
+            "attention",
+            self.attention != "cudnn" or self.compute_dtype == "bfloat16",
+            "cuDNN's fused attention takes bfloat16 only: set compute_dtype 'bfloat16', or leave "
+            "attention null",
+        )
         # `ByteLMProgram.shardings` places the state on these two axes only. Another axis would
         # split nothing of the state (an "fsdp" axis: data parallel, not FSDP; a typo for
         # "model": no tensor parallelism), so it is refused rather than run as something else.

@@ -150,6 +150,12 @@ class ByteLMProgram:
     # -- the contract -------------------------------------------------------------------
 
     def init(self, rng):
+        # (traced by the engine's checks before a run; else it fails at the first step)
+        if self.cfg.attention == "cudnn" and jax.default_backend() != "gpu":
+            raise ValueError(
+                f"attention='cudnn' runs on NVIDIA GPUs only, and JAX's backend here is "
+                f"{jax.default_backend()!r}: leave attention null (JAX's choice), or run on a GPU"
+            )
         init_rng, dropout_rng = jax.random.split(rng)
         model = self._model(nnx.Rngs(params=init_rng))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
