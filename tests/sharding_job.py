@@ -94,7 +94,27 @@ def loss_mode() -> None:
         ),
         "mixed_4x2": losses(tiny(mesh={"data": 4, "model": 2}, **mixed), 6, 3, evaluate=False),
     }
-    print(json.dumps(runs), flush=True)
+    gathers = token_gathers(tiny(grad_accum=2, mesh={"data": 8}))
+    print(json.dumps({"runs": runs, "token_gathers": gathers}), flush=True)
+
+
+def token_gathers(prog) -> list[str]:
+    """The all-gathers of integer arrays (the token batch) in the compiled sharded train step:
+    each micro-batch of gradient accumulation should be spread over the data axis as the batch
+    is, and need none."""
+    import re
+
+    import jax
+
+    from prefect_jax.training.loop import Loop
+    from prefect_jax.training.specs import TrainSpec
+
+    loop = Loop(prog, TrainSpec(max_steps=1))
+    batch = jax.eval_shape(lambda: prog.train_data(0)[0])
+    step = jax.jit(prog.train_step, in_shardings=(loop.state_sharding, loop.batch_sharding))
+    hlo = step.lower(loop.abstract_state, batch).compile().as_text()
+    gathered = re.findall(r"= ([a-z0-9]+\[[0-9,]*\])\S* all-gather(?:-start)?\(", hlo)
+    return [shape for shape in gathered if not shape.startswith(("f", "bf"))]
 
 
 def annotated() -> dict:

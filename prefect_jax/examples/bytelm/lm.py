@@ -183,7 +183,10 @@ class ByteLMProgram:
         if k == 1:
             loss, grads = grad_fn(state["params"], tokens, step_rng)
         else:
-            micro = tokens.reshape(k, tokens.shape[0] // k, tokens.shape[1])
+            # Micro-batch j is rows j, j + k, ...: spread over the data axis as the batch is, so
+            # each device feeds its own rows to every micro-step (contiguous blocks would move
+            # tokens between devices).
+            micro = tokens.reshape(tokens.shape[0] // k, k, tokens.shape[1]).swapaxes(0, 1)
             keys = jax.random.split(step_rng, k)
 
             def accumulate(carry, xs):
