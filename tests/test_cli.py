@@ -571,3 +571,78 @@ def test_the_device_copy_is_the_spec_s_default_unless_the_command_says_which():
         _run_specs(*flags)[2].device_copy
         for flags in ((), ("--device-copy",), ("--no-device-copy",))
     ] == [None, True, False]
+
+
+def test_the_console_script_imports_a_program_from_its_working_directory_and_json_says_a_failure(
+    tmp_path, prefect_server, mlflow_uri
+):
+    """``prefect-jax`` (the console script, whose path starts at its own folder) finds
+    ``myprog.model`` in the folder it runs in, as ``python -m`` would; a job that fails with an
+    error the command does not know (a train hook raising) still ends ``--json`` with an object."""
+    import subprocess
+    import sys
+
+    (tmp_path / "myprog").mkdir()
+    (tmp_path / "myprog" / "__init__.py").write_text("")
+    (tmp_path / "myprog" / "model.py").write_text(
+        "from prefect_jax.examples.digits import tiny as program  # noqa: F401\n\n\n"
+        "def boom(view):\n"
+        "    raise RuntimeError(f'boom at step {view.step}')\n"
+    )
+    script = os.path.join(os.path.dirname(sys.executable), "prefect-jax")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PREFECT_API_URL"] = prefect_server
+    proc = subprocess.run(
+        [script, "run", "--program", "myprog.model:program", "--job", "mine"]
+        + ["--storage", str(tmp_path / "s"), "--max-steps", "20", "--no-progress", "--json"]
+        + ["--train-hook", "myprog.model:boom@every=10", "--mlflow-tracking-uri", mlflow_uri],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["exit_code"] == 1 and "boom at step 10" in last["error"], last
+    assert "Traceback" in proc.stderr  # (an error the command does not know keeps its traceback)
+
+
+def test_a_ctrl_c_ends_the_command_in_one_line_saying_how_to_resume(
+    tmp_path, prefect_server, mlflow_uri
+):
+    """Ctrl-C (SIGINT) mid-training: the step in flight checkpointed, exit 130, and a last line
+    that says the same command resumes, not a traceback ending in a progress bar's frame."""
+    import subprocess
+    import sys
+
+    from process_helpers import TESTS_DIR, cli_env, wait_until
+
+    from prefect_jax.training.checkpoint_dirs import committed_steps
+
+    storage = tmp_path / "s"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", TINY, "--job", "intr"]
+        + ["--storage", str(storage), "--max-steps", "1000000", "--checkpoint-every-steps"]
+        + ["500", "--mlflow-tracking-uri", mlflow_uri, "--no-progress", "--exporters"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(prefect_server),
+        cwd=TESTS_DIR,
+        # (a child inherits an ignored SIGINT from a shell's background job)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    ckpt = os.path.join(storage, "intr", "checkpoints")
+    try:
+        wait_until(lambda: committed_steps(ckpt), 300, "a committed checkpoint", proc, poll=0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "prefect-jax run: interrupted (Ctrl-C); the same command resumes from the newest checkpoint"
+    ), err[-3000:]
+    assert "KeyboardInterrupt" not in err, err[-3000:]
+    assert committed_steps(ckpt)[-1] % 500 != 0  # the step in flight, checkpointed

@@ -23,6 +23,7 @@ import argparse
 import os
 import signal
 import sys
+import traceback
 
 from prefect_jax.cli import commands, launch, status
 from prefect_jax.cli.arguments import ROLES, add_role, add_training_args
@@ -170,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit) and signum is not None and exc.code == 128 + signum:
             _say_terminated(args, signum)  # (Prefect's crash lines are the last else)
             raise
+        if isinstance(exc, KeyboardInterrupt) and args.command in _ROLES:
+            # (a trainer's SIGINT checkpoints the step in flight first: docs/preemption.md)
+            message = "interrupted (Ctrl-C); the same command resumes from the newest checkpoint"
+            return _say_error(args, message, 130, kind="")
         if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             raise
         # Any other error (an Exception, or such as pyo3's `PanicException`, a BaseException: seen
@@ -182,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             return _say_error(args, str(exc), 1)
         if isinstance(exc, (ValueError, FileNotFoundError)):
             return _say_error(args, str(exc), 2)
+        if getattr(args, "json", False):  # the traceback, then the object a script reads
+            traceback.print_exc()
+            return _say_error(args, f"{type(exc).__name__}: {exc}", 1)
         raise
 
 
@@ -227,6 +235,10 @@ def entry() -> None:
     there, while it waits for a background XLA compile, would leave the compile running into the
     interpreter's teardown, which aborts the process (SIGABRT). A SIGTERM or a Ctrl-C while this
     waits for the threads ends the wait (exit 143 or 130)."""
+    # A program in the working directory imports, as with `python -m` (a console script's path
+    # starts at its own folder instead).
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         code = main()
     except SystemExit as exc:

@@ -148,7 +148,8 @@ def load_program_with_params(
     except ImportError as exc:
         raise ProgramError(
             f"program path {path!r}: cannot import module {module_name!r} ({exc}); "
-            "check the spelling and that the module is installed in this environment"
+            "check the spelling, and that the module is installed in this environment or on "
+            "PYTHONPATH (the command also imports from its working directory)"
         ) from exc
     try:
         obj = module
