@@ -450,6 +450,13 @@ def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
     )
     assert "new job name" in proc.stderr
     assert committed_steps(summary["checkpoint_dir"]) == [4]
+    proc = cli(*run, "--max-steps", "8", *params, "--seed", "7")  # another data order
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "prefect-jax run: error: job 'lm' was trained to step 4 with seed 0, given 7: "
+        "train_data(seed) orders its data by it, so the resume would read other data than the "
+        "run it continues; nothing was restored or trained. Resume it with --seed 0 "
+        "(TrainSpec(seed=0)), or train seed 7 under a new job name"
+    ], proc.stderr[-3000:]
 
     # The job's rerun on another mesh or device count, or on a corpus folder that is empty:
     # refused before its flow run, in one line; a batch the new mesh cannot split names the mesh

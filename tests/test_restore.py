@@ -68,6 +68,27 @@ def test_resumes_from_latest_committed_step_with_identical_state(job_config):
     second.close()
 
 
+def test_a_resume_with_another_seed_is_refused_and_an_evaluator_of_any_seed_recovers(job_config):
+    """The data position restores into train_data(seed): another seed would read other data."""
+    from prefect_jax.training.program_params import ProgramParamsMismatchError
+
+    first = Trainer(job_config(max_steps=20, every_steps=20))
+    first.restore_or_init()
+    first.train_until_checkpoint()
+    first.job.checkpoints.wait()
+    first.close()
+    other = Trainer(job_config(max_steps=40, every_steps=20, seed=7))
+    with pytest.raises(ProgramParamsMismatchError, match="with seed 0, given 7: .* --seed 0"):
+        other.restore_or_init()
+    other.close()
+    evaluator = Trainer(job_config(max_steps=40, every_steps=20, seed=7))
+    assert evaluator.recover() == (True, 20)  # (it reads no train data)
+    evaluator.close()
+    again = Trainer(job_config(max_steps=40, every_steps=20))
+    assert again.restore_or_init() == 20  # nothing was lost
+    again.close()
+
+
 def test_the_abstract_state_is_init_traced_with_the_seeds_key(job_config):
     from prefect_jax.training.loop import Loop
 

@@ -271,6 +271,7 @@ class Intervals:
                 "config_fingerprint": t.config.fingerprint(),
                 # checked when the job resumes from this step (`program_params.check_restore`)
                 "program_params": t.program_params.as_meta(),
+                "seed": t.config.train.seed,  # (`program_params.check_seed`)
                 # a rerun on this mesh needs no new check of its shardings (`check_sharding`)
                 **({"mesh": dict(t.loop.mesh.shape)} if t.loop.sharded else {}),
                 # Known unless MLflow is still opening (the first save of a fresh process): then

@@ -266,7 +266,9 @@ def check_job(
     if committed:
         newest = committed[-1]
         try:
-            check_restore_of(f"{js.checkpoint_dir}/{newest}", newest_meta, params, job, newest)
+            seed = train_spec.seed if train_spec is not None else None
+            step_dir = f"{js.checkpoint_dir}/{newest}"
+            check_restore_of(step_dir, newest_meta, params, job, newest, seed)
         except CorruptCheckpointError:
             pass  # damage, not other params: the trainer moves the step aside and falls back
     abstract_state = None

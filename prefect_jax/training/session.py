@@ -272,7 +272,7 @@ def restore_trainer(
         on_unreadable=job.set_aside,
         # (none yet: a wait for one lists again)
         list_steps=(lambda: listed) if listed else job.committed_steps,
-        prepare_step=lambda at: fetch_and_check(trainer, at),
+        prepare_step=lambda at: fetch_and_check(trainer, at, trains=True),
     )
     if checkpoint_path and not has_own and step:
         # warm start: weights from elsewhere, this job's data from the start
@@ -304,7 +304,7 @@ def restore_trainer(
     return step
 
 
-def fetch_and_check(trainer: Trainer, step: int) -> None:
+def fetch_and_check(trainer: Trainer, step: int, trains: bool = False) -> None:
     """Before a step of the job's own is restored: fetched (remote storage), and refused if it was
     trained with other program params (before its tree is compared: a model of another size would
     be refused for its shapes, not for the params that made them; a flipped bit in the recorded
@@ -321,7 +321,8 @@ def fetch_and_check(trainer: Trainer, step: int) -> None:
             raise RestoreFailedError(url, exc, why) from exc
     meta = read_meta_file(job.checkpoints.directory, step)
     step_dir = os.path.join(job.checkpoints.directory, str(step))
-    check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step)
+    seed = trainer.config.train.seed if trains else None  # (the data a trainer reads next)
+    check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step, seed)
 
 
 def recover_trainer(
