@@ -271,9 +271,16 @@ class StopAfterTwo:
         return True
 
     def after_eval(self, eval_result):
-        StopAfterTwo.seen.append(eval_result.step)
+        StopAfterTwo.seen.append(eval_result.metrics["global_step"])  # (as TF's eval dicts)
         self.evaluations += 1
         return self.evaluations < 2
+
+
+class RaisingListener:
+    """An eval listener whose after_eval raises (a bug in it, or a metric it expects missing)."""
+
+    def after_eval(self, eval_result):
+        raise KeyError("checkpoint_step")
 
 
 class TwoArgumentListener:

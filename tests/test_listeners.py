@@ -87,3 +87,27 @@ def test_local_mode_throttles_the_middle_evaluation_but_never_the_final(tmp_path
     summary = train_and_evaluate(**params)
     assert summary["final_step"] == 60 and set(summary["eval"]) == {"accuracy", "loss"}
     assert _records(params) == [20, 60]  # 40 came within the hour after 20: THROTTLED
+
+
+def test_a_listener_that_raises_fails_the_evaluator_naming_it_and_is_not_retried_past(
+    tmp_path, mlflow_uri
+):
+    """A retry would find the step recorded and never call the listener on it again, then end
+    Completed: the evaluator fails instead, once, naming the listener, its error and the step."""
+    from prefect_jax.training.errors import EvalHookError
+
+    params = _params(
+        tmp_path, mlflow_uri, "raising", max_steps=40, hooks=["programs:RaisingListener"]
+    )
+    assert train(**params)["final_step"] == 40
+
+    from prefect_jax.training import live
+
+    live.drop_all(close=False)
+    with pytest.raises(EvalHookError) as raised:
+        evaluate(**params, poll_secs=0.1)
+    assert str(raised.value).startswith(
+        "eval hook RaisingListener.after_eval raised KeyError: 'checkpoint_step' (step 20, its "
+        "evaluation recorded); fix the hook and run the job again"
+    )
+    assert _records(params) == [20]  # recorded once; not evaluated on by a retry

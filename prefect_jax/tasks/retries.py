@@ -34,13 +34,19 @@ def retry_if_transient(task, task_run, state) -> bool:
 
 
 def retry_unless_lost(task, task_run, state) -> bool:
-    """Retry (evaluations and exports: process 0's own work), unless another JAX process of the
-    job went away: the job's processes are rerun together, from the newest committed step."""
+    """Retry (evaluations and exports: process 0's own work), unless an eval hook raised (its
+    step is recorded: a retry would never call it on that step again) or another JAX process of
+    the job went away (the job's processes are rerun together, from the newest committed
+    step)."""
     from prefect_jax.training import cluster
+    from prefect_jax.training.errors import EvalHookError
 
+    exc = _failure(state)
+    if isinstance(exc, EvalHookError):
+        get_run_logger().error("not retrying: %s", exc)
+        return False
     if not cluster.several():
         return True
-    exc = _failure(state)
     if exc is not None and cluster.lost_a_process(exc):
         get_run_logger().error("not retrying: %s", exc)
         return False

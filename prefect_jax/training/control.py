@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any
 
-from prefect_jax.training.errors import NoProgressError
+from prefect_jax.training.errors import EvalHookError, NoProgressError
 from prefect_jax.training.evaluation import EvalRecords, EvalResult
 from prefect_jax.training.program import ProgramError, import_path, made_if_class
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
@@ -180,6 +180,22 @@ def _name(hook: Any, method: str) -> str:
     return f"{owner}.{method}"
 
 
+def _ask(hook: Any, method: str, step: int | None, *args) -> Any:
+    """`hook.method(*args)`; an exception raised there becomes `EvalHookError`, naming it."""
+    try:
+        return getattr(hook, method)(*args)
+    except Exception as exc:
+        raise EvalHookError(_name(hook, method), step, exc) from exc
+
+
+def for_listeners(result: EvalResult) -> EvalResult:
+    """The result a hook gets: its metrics with ``global_step``, as TF's eval dicts carry it
+    (a `_ContinuousEvalListener` reads ``eval_result.metrics["global_step"]``)."""
+    if result.step is None:
+        return result
+    return result.model_copy(update={"metrics": {**result.metrics, "global_step": result.step}})
+
+
 def before_eval_stop(hooks: list, step: int) -> str | None:
     """Ask each hook's `before_eval` before evaluating `step` (with the step if it takes one);
     why evaluating stops (TF: a falsy answer ends the continuous evaluation), or None."""
@@ -191,7 +207,7 @@ def before_eval_stop(hooks: list, step: int) -> str | None:
             takes_step = _positional(before)[1] > 0
         except (TypeError, ValueError):
             takes_step = True
-        answer = before(step) if takes_step else before()
+        answer = _ask(hook, "before_eval", step, *([step] if takes_step else []))
         if not answer:
             return (
                 f"eval listener {_name(hook, 'before_eval')} returned {answer!r} before step "
@@ -204,10 +220,9 @@ def after_eval_stop(hooks: list, result: EvalResult) -> str | None:
     """Give a recorded result to each hook's `after_eval`; why evaluating stops (TF: a falsy
     answer ends the continuous evaluation), or None."""
     for hook in hooks:
-        after = getattr(hook, "after_eval", None)
-        if after is None:
+        if getattr(hook, "after_eval", None) is None:
             continue
-        answer = after(result)
+        answer = _ask(hook, "after_eval", result.step, for_listeners(result))
         if not answer:
             return (
                 f"eval listener {_name(hook, 'after_eval')} returned {answer!r} after step "
@@ -226,7 +241,8 @@ def job_stop_reason(
         if reason:
             return reason
     for hook in hooks:
-        should_stop = getattr(hook, "should_stop_job", None)
-        if should_stop is not None and should_stop(result):
+        if getattr(hook, "should_stop_job", None) is None:
+            continue
+        if _ask(hook, "should_stop_job", result.step, for_listeners(result)):
             return f"eval hook {_name(hook, 'should_stop_job')} asked to stop at step {result.step}"
     return None

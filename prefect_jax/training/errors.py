@@ -99,6 +99,18 @@ class IntactStepRestoreError(RestoreFailedError):
         super().__init__(step_dir, cause, why)
 
 
+class EvalHookError(RuntimeError):
+    """An eval hook raised. Not retried: a retry would find its step already recorded and never
+    call the hook on it again (TF's evaluator ends on a listener's exception too)."""
+
+    def __init__(self, name: str, step: int | None, exc: BaseException):
+        super().__init__(
+            f"eval hook {name} raised {type(exc).__name__}: {exc} (step {step}, its evaluation "
+            "recorded); fix the hook and run the job again: evaluation goes on from the next "
+            "step, training from its newest checkpoint"
+        )
+
+
 class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN or Inf metric; the state of that step is not checkpointed."""
 

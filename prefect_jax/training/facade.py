@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 from prefect_jax.training.errors import (
+    EvalHookError,
     ExportFailedError,
     LeaseHeldError,
     NonFiniteLossError,
@@ -23,6 +24,7 @@ from prefect_jax.training.errors import (
 
 # Errors that refuse a job for a reason its user can act on: a command prints one line, exit 1.
 REFUSALS: tuple[type[Exception], ...] = (
+    EvalHookError,
     ExportFailedError,
     LeaseHeldError,
     NoProgressError,
