@@ -2,6 +2,7 @@
 budget."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -150,8 +151,21 @@ def test_early_stopping_stops_both_roles(tmp_path, mlflow_uri):
     assert "early stopping: accuracy has not improved" in summary["stopped"]
     stop = json.load(open(tmp_path / "storage" / "early" / "stop.json"))
     assert stop["step"] == 40
-    again = train(**params)  # the trainer role honours the durable stop request
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("prefect.flow_runs").addHandler(handler)
+    try:
+        again = train(**params)  # the trainer role honours the durable stop request
+    finally:
+        logging.getLogger("prefect.flow_runs").removeHandler(handler)
     assert again["final_step"] == 40 and again["stopped"] == stop["reason"]
+    path = tmp_path / "storage" / "early" / "stop.json"
+    assert any(  # what a rerun that trains nothing says: why, and how to go on
+        m.startswith("job early was asked to stop before this run (at step 40, by eval eval: ")
+        and m.endswith(f"nothing trained. Delete {path} to train it on from step 40")
+        for m in said
+    ), said
 
 
 def test_rerun_budget_without_progress(tmp_path):

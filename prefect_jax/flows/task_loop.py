@@ -74,10 +74,14 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
         # A crash between a checkpoint and its evaluation leaves that step unevaluated.
         evaluate = _evaluate_and_export(config, step, on_new=name_this_flow_run)
     try:
+        trained = False
         while not config.train.is_final(step):  # (max_steps None: until a stop request)
             stop = stop_requested()
             if stop is not None:
+                if not trained:  # asked before this run: a rerun alone never trains on
+                    _say_stopped_before(trainer, step, stop)
                 return step, stop.get("reason")
+            trained = True
             name_this_flow_run()
             step = train_until_checkpoint(config, step)
             if evaluate:
@@ -97,6 +101,22 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
         raise
     finally:
         publisher.flush()
+
+
+def _say_stopped_before(trainer, step: int, stop: dict) -> None:
+    from prefect_jax.training.control import stop_path
+    from prefect_jax.training.redaction import redact_url
+
+    get_run_logger().warning(
+        "job %s was asked to stop before this run (at step %s, by %s: %s): nothing trained. "
+        "Delete %s to train it on from step %d",
+        trainer.config.job,
+        stop.get("step"),
+        stop.get("by") or "a person",
+        stop.get("reason"),
+        redact_url(stop_path(trainer.job.storage)),
+        step,
+    )
 
 
 def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) -> dict[str, Any]:
