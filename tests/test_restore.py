@@ -140,7 +140,7 @@ def test_resumed_run_ends_bit_for_bit_equal_to_uninterrupted_run(job_config, tmp
     assert resumed.fingerprint() == expected
 
 
-def test_explicit_checkpoint_path_warm_starts_a_new_job(job_config):
+def test_explicit_checkpoint_path_warm_starts_a_new_job(job_config, caplog):
     source = Trainer(job_config(job="source"))
     source.restore_or_init()
     source.job.tracker.run_id  # noqa: B018 - known (waited for) before its checkpoint records it
@@ -154,6 +154,14 @@ def test_explicit_checkpoint_path_warm_starts_a_new_job(job_config):
     # Its own MLflow run, not the source job's (which the step's metadata names)
     assert source.job.read_meta(20)["mlflow_run_id"] == source.job.tracker.run_id
     assert target.job.tracker.run_id != source.job.tracker.run_id
+    # Rerun with the same path once it has its own step: it resumes, and says the path is unused.
+    target.train_until_checkpoint()
+    target.close()
+    rerun = Trainer(job_config(job="target"))
+    with caplog.at_level("WARNING"):
+        assert rerun.restore_or_init(checkpoint_path=path) == 40
+    assert f"resumes from step 40, and checkpoint_path {path} (a warm start" in caplog.text
+    rerun.close()
 
 
 def test_checkpoint_dir_and_path_together_is_an_error(job_config):

@@ -277,6 +277,14 @@ def restore_trainer(
     if checkpoint_path and not has_own and step:
         # warm start: weights from elsewhere, this job's data from the start
         data_iter = loop.fresh_iter()
+    elif checkpoint_path and has_own:  # (TF's prepare_session refuses both; a rerun must resume)
+        logger.warning(
+            "job %s has checkpoints of its own: it resumes from step %d, and checkpoint_path %s "
+            "(a warm start for a new job) is not used; give a new job name to warm-start from it",
+            trainer.config.job,
+            step,
+            redact_url(checkpoint_path),
+        )
     job.discard_records_after(step)
     # A warm start's step is another job's: its MLflow run and train metrics are that job's.
     own = meta if has_own else None
