@@ -180,3 +180,28 @@ def test_rerun_budget_without_progress(tmp_path):
     ):
         record_attempt(js, 100, 2)
     assert record_attempt(js, 120, 2) == 0  # progress resets the count
+
+
+def test_an_evaluator_given_another_max_steps_than_its_trainer_is_told_which(tmp_path, mlflow_uri):
+    """The command's default (1000) against a trainer of 20 steps: the evaluator would wait for a
+    final step that never comes; it says so, naming the trainer's and the fix."""
+    params = _params(tmp_path, mlflow_uri, "other-max", max_steps=20)
+    assert train(**params)["final_step"] == 20
+    from prefect_jax.training import live
+
+    live.drop_all(close=False)
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("prefect.flow_runs").addHandler(handler)
+    try:
+        params["train_spec"] = TrainSpec(max_steps=1000, log_every_steps=10)
+        result = evaluate(**params, poll_secs=0.1, idle_timeout_secs=1)
+    finally:
+        logging.getLogger("prefect.flow_runs").removeHandler(handler)
+    assert result["evaluated"] == [20]
+    assert (
+        "job other-max's trainer trains to 20 (its step 20 records it), this evaluator to 1000: "
+        "its final evaluation and export come at that step only. Give the evaluator the "
+        "trainer's max_steps (--max-steps 20)"
+    ) in said, said

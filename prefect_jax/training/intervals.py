@@ -272,6 +272,7 @@ class Intervals:
                 # checked when the job resumes from this step (`program_params.check_restore`)
                 "program_params": t.program_params.as_meta(),
                 "seed": t.config.train.seed,  # (`program_params.check_seed`)
+                "max_steps": t.config.train.max_steps,  # (an evaluator's is compared with it)
                 # a rerun on this mesh needs no new check of its shardings (`check_sharding`)
                 **({"mesh": dict(t.loop.mesh.shape)} if t.loop.sharded else {}),
                 # Known unless MLflow is still opening (the first save of a fresh process): then

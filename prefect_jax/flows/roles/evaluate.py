@@ -97,6 +97,7 @@ def evaluate(
     # TF's evaluator recovers, never inits (`recover_session`): the step found is restored.
     if not tasks.recover(config, step=first)["restored"]:
         raise evaluator.no_first_checkpoint()
+    _warn_of_another_max_steps(config, evaluator.storage, first, logger)
     from prefect_jax.training.live import get_trainer, land_mlflow_writes
 
     # An evaluator killed after writing eval records may not have logged them to MLflow yet.
@@ -112,6 +113,25 @@ def evaluate(
     publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
     return {"job": job, **evaluator.summary(), "exports": list_exports(evaluator.storage)}
+
+
+def _warn_of_another_max_steps(config, storage, step: int, logger) -> None:
+    """The trainer records its max_steps in each step: an evaluator given another (the command's
+    default, say) waits for a final step that never comes, or takes a middle one for final."""
+    from prefect_jax.training.program_params import step_meta
+
+    meta = step_meta(storage, step) or {}
+    if "max_steps" in meta and meta["max_steps"] != config.train.max_steps:
+        logger.warning(
+            "job %s's trainer trains to %s (its step %d records it), this evaluator to %s: its "
+            "final evaluation and export come at that step only. Give the evaluator the trainer's "
+            "max_steps (--max-steps %s)",
+            config.job,
+            meta["max_steps"],
+            step,
+            config.train.max_steps,
+            "none" if meta["max_steps"] is None else meta["max_steps"],
+        )
 
 
 def _finished_and_exported(config, evaluator) -> str | None:
