@@ -45,6 +45,11 @@ def transient():
     return FailingDigits(fail_at=25)
 
 
+def transient_twice():
+    """Fails twice in the interval 20→40 with an OSError, then behaves."""
+    return FailingDigits(fail_at=25, failures=2)
+
+
 def permanent():
     """Fails before the first checkpoint, every time, with an error a retry cannot fix."""
     return FailingDigits(fail_at=5, error=TypeError, failures=None)

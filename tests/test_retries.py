@@ -49,6 +49,19 @@ def test_a_transient_failure_is_retried_from_the_checkpoint_and_ends_exactly(tmp
     assert runs["train 0 to 20"].run_count == 1
 
 
+def test_task_retries_are_not_counted_as_reruns_without_progress(tmp_path, mlflow_uri):
+    """Two retries of one interval restore the same step twice in one flow run: no rerun, so
+    the rerun budget (TrainSpec.max_reruns_without_progress) is not spent on them."""
+    import json
+
+    state = _run(tmp_path, mlflow_uri, "programs:transient_twice", "flaky2")
+    assert state.is_completed()
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    assert runs["train 20 to 40"].run_count == 3
+    attempts = json.load(open(tmp_path / "storage" / "flaky2" / "attempts.json"))
+    assert attempts["step"] == 20 and attempts["reruns_without_progress"] == 0, attempts
+
+
 def test_a_retry_spec_without_retries_does_not_retry_a_transient_failure(tmp_path, mlflow_uri):
     state = _run(
         tmp_path, mlflow_uri, "programs:transient", "flaky", retry_spec=RetrySpec(retries=0)

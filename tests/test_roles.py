@@ -1,6 +1,7 @@
 """Trainer, evaluator and export as separate flows on one job; events; early stopping; rerun
 budget."""
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +35,19 @@ def _params(tmp_path, mlflow_uri, job, max_steps=60, **eval_kw):
         eval_spec=EvalSpec(**eval_kw),
         mlflow_tracking_uri=mlflow_uri,
     )
+
+
+@contextlib.contextmanager
+def _flow_run_warnings():
+    """The warnings flow runs log meanwhile (Prefect's run loggers do not propagate to caplog)."""
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("prefect.flow_runs").addHandler(handler)
+    try:
+        yield said
+    finally:
+        logging.getLogger("prefect.flow_runs").removeHandler(handler)
 
 
 def test_trainer_then_evaluator_evaluate_every_checkpoint_once(
@@ -151,14 +165,8 @@ def test_early_stopping_stops_both_roles(tmp_path, mlflow_uri):
     assert "early stopping: accuracy has not improved" in summary["stopped"]
     stop = json.load(open(tmp_path / "storage" / "early" / "stop.json"))
     assert stop["step"] == 40
-    said = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("prefect.flow_runs").addHandler(handler)
-    try:
+    with _flow_run_warnings() as said:
         again = train(**params)  # the trainer role honours the durable stop request
-    finally:
-        logging.getLogger("prefect.flow_runs").removeHandler(handler)
     assert again["final_step"] == 40 and again["stopped"] == stop["reason"]
     path = tmp_path / "storage" / "early" / "stop.json"
     assert any(  # what a rerun that trains nothing says: why, and how to go on
@@ -180,6 +188,10 @@ def test_rerun_budget_without_progress(tmp_path):
     ):
         record_attempt(js, 100, 2)
     assert record_attempt(js, 120, 2) == 0  # progress resets the count
+    assert record_attempt(js, 120, 2, "run-a@host:1") == 1  # a rerun at 120
+    # A task retry (the run that recorded it, in the same process): not a rerun.
+    assert record_attempt(js, 120, 2, "run-a@host:1") == 1
+    assert record_attempt(js, 120, 2, "run-a@host:2") == 2  # (the same run, another process)
 
 
 def test_an_evaluator_given_another_max_steps_than_its_trainer_is_told_which(tmp_path, mlflow_uri):
@@ -190,15 +202,9 @@ def test_an_evaluator_given_another_max_steps_than_its_trainer_is_told_which(tmp
     from prefect_jax.training import live
 
     live.drop_all(close=False)
-    said = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("prefect.flow_runs").addHandler(handler)
-    try:
-        params["train_spec"] = TrainSpec(max_steps=1000, log_every_steps=10)
+    params["train_spec"] = TrainSpec(max_steps=1000, log_every_steps=10)
+    with _flow_run_warnings() as said:
         result = evaluate(**params, poll_secs=0.1, idle_timeout_secs=1)
-    finally:
-        logging.getLogger("prefect.flow_runs").removeHandler(handler)
     assert result["evaluated"] == [20]
     assert (
         "job other-max's trainer trains to 20 (its step 20 records it), this evaluator to 1000: "

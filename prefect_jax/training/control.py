@@ -63,7 +63,10 @@ def record_attempt(
     except DamagedRecordError as exc:  # a count of reruns: started again, the damaged copy kept
         logger.warning("%s: moved aside to %s; counting reruns anew", exc, set_aside(storage, path))
         data = {}
-    same = int(data.get("reruns_without_progress", 0)) + 1 if data.get("step") == step else 0
+    counted = int(data.get("reruns_without_progress", 0))
+    if data.get("step") == step and owner and data.get("owner") == owner:
+        return counted  # a task retry of the run that recorded it: no rerun, not counted again
+    same = counted + 1 if data.get("step") == step else 0
     if max_without_progress is not None and same > max_without_progress:
         raise NoProgressError(
             f"job {storage.job_dir} was rerun {same} times without getting past step {step} "

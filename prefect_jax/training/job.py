@@ -20,6 +20,8 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from collections.abc import Callable
 
 from prefect_jax.training import control
@@ -196,13 +198,15 @@ class Job(JobCheckpoints):
             control.request_stop(self.storage, reason, step, by=by)
 
     def record_attempt(self, step: int) -> None:
-        """Count a (re)run starting at `step`; raises `NoProgressError` past the rerun budget."""
+        """Count a (re)run starting at `step`; raises `NoProgressError` past the rerun budget. A
+        task retry (the same flow run in the same process) is not a rerun: not counted again."""
         if self.is_primary:
+            run = self.run_tags.get("prefect.flow_run_id", "")
             control.record_attempt(
                 self.storage,
                 step,
                 self.config.train.max_reruns_without_progress,
-                self.run_tags.get("prefect.flow_run_id", ""),
+                f"{run}@{socket.gethostname()}:{os.getpid()}" if run else "",
             )
 
     # -- MLflow ---------------------------------------------------------------------------
