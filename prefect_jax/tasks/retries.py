@@ -35,14 +35,15 @@ def retry_if_transient(task, task_run, state) -> bool:
 
 def retry_unless_lost(task, task_run, state) -> bool:
     """Retry (evaluations and exports: process 0's own work), unless an eval hook raised (its
-    step is recorded: a retry would never call it on that step again) or another JAX process of
-    the job went away (the job's processes are rerun together, from the newest committed
-    step)."""
+    step is recorded: a retry would never call it on that step again), an export failed for a
+    reason of the program's (`ExportFailedError`: a retry fails the same way) or another JAX
+    process of the job went away (the job's processes are rerun together, from the newest
+    committed step)."""
     from prefect_jax.training import cluster
-    from prefect_jax.training.errors import EvalHookError
+    from prefect_jax.training.errors import EvalHookError, ExportFailedError
 
     exc = _failure(state)
-    if isinstance(exc, EvalHookError):
+    if isinstance(exc, (EvalHookError, ExportFailedError)):
         get_run_logger().error("not retrying: %s", exc)
         return False
     if not cluster.several():
