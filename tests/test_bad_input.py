@@ -236,8 +236,16 @@ def test_status_of_a_job_that_does_not_exist_names_the_jobs_there(trained, tmp_p
 
 
 def test_these_refusals_are_not_retried():
-    """A flow's task retries transient errors only: these two need the user, not a retry."""
-    from prefect_jax.training.errors import PastMaxStepsError, StorageNotWritableError, is_transient
+    """A flow's task retries transient errors only: these need the user, not a retry (an eval
+    hook's failure in a train task: its step is recorded, a retry would not call it again)."""
+    from prefect_jax.training.errors import (
+        EvalHookError,
+        PastMaxStepsError,
+        StorageNotWritableError,
+        is_transient,
+    )
+
+    assert not is_transient(EvalHookError("Hook.after_eval", 20, KeyError("x")))
 
     assert not is_transient(
         StorageNotWritableError("/data", PermissionError(13, "Permission denied"))

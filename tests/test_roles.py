@@ -188,10 +188,10 @@ def test_rerun_budget_without_progress(tmp_path):
     ):
         record_attempt(js, 100, 2)
     assert record_attempt(js, 120, 2) == 0  # progress resets the count
-    assert record_attempt(js, 120, 2, "run-a@host:1") == 1  # a rerun at 120
+    assert record_attempt(js, 120, 2, "run-a", "host:1") == 1  # a rerun at 120
     # A task retry (the run that recorded it, in the same process): not a rerun.
-    assert record_attempt(js, 120, 2, "run-a@host:1") == 1
-    assert record_attempt(js, 120, 2, "run-a@host:2") == 2  # (the same run, another process)
+    assert record_attempt(js, 120, 2, "run-a", "host:1") == 1
+    assert record_attempt(js, 120, 2, "run-a", "host:2") == 2  # (the same run, another process)
 
 
 def test_an_evaluator_given_another_max_steps_than_its_trainer_is_told_which(tmp_path, mlflow_uri):

@@ -257,7 +257,9 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_the_evaluator_evalua
             "step": 0,
             "reruns_without_progress": 0,
             "owner": str(budget_run.id),
+            "process": budget_attempts.get("process"),
         }
+        assert budget_attempts["process"]  # (host:pid: a task retry there is not a rerun)
         assert serve.alive() and not client.read_flow_run(evaluator_run.id).state.is_final()
 
         # Nobody helps from here: serve reports the crashes, the automation

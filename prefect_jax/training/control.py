@@ -50,7 +50,11 @@ def stop_requested(storage: JobStorage) -> dict | None:
 
 
 def record_attempt(
-    storage: JobStorage, step: int, max_without_progress: int | None, owner: str = ""
+    storage: JobStorage,
+    step: int,
+    max_without_progress: int | None,
+    owner: str = "",
+    process: str = "",
 ) -> int:
     """Record that a trainer run starts at `step`; return how many runs in a row started there.
 
@@ -64,8 +68,16 @@ def record_attempt(
         logger.warning("%s: moved aside to %s; counting reruns anew", exc, set_aside(storage, path))
         data = {}
     counted = int(data.get("reruns_without_progress", 0))
-    if data.get("step") == step and owner and data.get("owner") == owner:
-        return counted  # a task retry of the run that recorded it: no rerun, not counted again
+    if (
+        data.get("step") == step
+        and owner
+        and (data.get("owner"), data.get("process"))
+        == (
+            owner,
+            process,
+        )
+    ):  # a task retry: the flow run (`owner`) and the process that recorded it; not a rerun
+        return counted
     same = counted + 1 if data.get("step") == step else 0
     if max_without_progress is not None and same > max_without_progress:
         raise NoProgressError(
@@ -77,7 +89,14 @@ def record_attempt(
             "budget."
         )
     storage.write_json(
-        path, {"step": step, "reruns_without_progress": same, "owner": owner, "at": time.time()}
+        path,
+        {
+            "step": step,
+            "reruns_without_progress": same,
+            "owner": owner,
+            "process": process,
+            "at": time.time(),
+        },
     )
     return same
 

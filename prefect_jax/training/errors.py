@@ -259,6 +259,7 @@ class Preempted(Exception):
 
 # Errors a retry cannot fix: the program, the config or the data is wrong.
 PERMANENT = (
+    EvalHookError,  # its step is recorded: a retry would never call the hook there again
     NonFiniteLossError,
     ExportFailedError,
     NoProgressError,

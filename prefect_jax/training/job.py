@@ -201,12 +201,12 @@ class Job(JobCheckpoints):
         """Count a (re)run starting at `step`; raises `NoProgressError` past the rerun budget. A
         task retry (the same flow run in the same process) is not a rerun: not counted again."""
         if self.is_primary:
-            run = self.run_tags.get("prefect.flow_run_id", "")
             control.record_attempt(
                 self.storage,
                 step,
                 self.config.train.max_reruns_without_progress,
-                f"{run}@{socket.gethostname()}:{os.getpid()}" if run else "",
+                self.run_tags.get("prefect.flow_run_id", ""),
+                f"{socket.gethostname()}:{os.getpid()}",
             )
 
     # -- MLflow ---------------------------------------------------------------------------
