@@ -40,10 +40,10 @@ def retry_unless_lost(task, task_run, state) -> bool:
     process of the job went away (the job's processes are rerun together, from the newest
     committed step)."""
     from prefect_jax.training import cluster
-    from prefect_jax.training.errors import EvalHookError, ExportFailedError
+    from prefect_jax.training.errors import NEVER_RETRIED
 
     exc = _failure(state)
-    if isinstance(exc, (EvalHookError, ExportFailedError)):
+    if isinstance(exc, NEVER_RETRIED):
         get_run_logger().error("not retrying: %s", exc)
         return False
     if not cluster.several():

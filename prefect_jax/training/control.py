@@ -68,16 +68,9 @@ def record_attempt(
         logger.warning("%s: moved aside to %s; counting reruns anew", exc, set_aside(storage, path))
         data = {}
     counted = int(data.get("reruns_without_progress", 0))
-    if (
-        data.get("step") == step
-        and owner
-        and (data.get("owner"), data.get("process"))
-        == (
-            owner,
-            process,
-        )
-    ):  # a task retry: the flow run (`owner`) and the process that recorded it; not a rerun
-        return counted
+    recorded_here = owner and data.get("owner") == owner and data.get("process") == process
+    if data.get("step") == step and recorded_here:
+        return counted  # a task retry (the flow run and process that recorded it): no rerun
     same = counted + 1 if data.get("step") == step else 0
     if max_without_progress is not None and same > max_without_progress:
         raise NoProgressError(

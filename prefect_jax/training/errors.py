@@ -257,11 +257,15 @@ class Preempted(Exception):
         )
 
 
+# Errors no task retries, evaluations and exports included: an eval hook's (its step is
+# recorded: a retry would never call the hook there again) and a failed export's (this process
+# raises it at every later export).
+NEVER_RETRIED = (EvalHookError, ExportFailedError)
+
 # Errors a retry cannot fix: the program, the config or the data is wrong.
 PERMANENT = (
-    EvalHookError,  # its step is recorded: a retry would never call the hook there again
+    *NEVER_RETRIED,
     NonFiniteLossError,
-    ExportFailedError,
     NoProgressError,
     LeaseHeldError,
     ValueError,  # includes ProgramError, CheckpointMismatchError, pydantic's ValidationError

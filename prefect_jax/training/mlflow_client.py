@@ -57,6 +57,11 @@ def default_tracking_uri() -> str:
 strict_here = threading.local()  # the MLflow worker: the calling process's strictness, per call
 
 
+def filter_literal(value: str) -> str:
+    """`value` as a string literal of MLflow's search filters (its quotes escaped)."""
+    return "'" + value.replace("'", "\\'") + "'"
+
+
 def strict() -> bool:
     """Whether a failed MLflow call raises (``PREFECT_JAX_MLFLOW_STRICT=1``; in the worker: its
     caller's setting) rather than warns."""

@@ -14,14 +14,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from prefect_jax.training.mlflow_client import filter_literal
 from prefect_jax.training.names import CREATE_TAG, JOB_TAG, STEP_TAG
 
 logger = logging.getLogger("prefect_jax.registry")
-
-
-def quote(value: str) -> str:
-    """`value` as a string literal of MLflow's search filters."""
-    return "'" + value.replace("'", "\\'") + "'"
 
 
 def _every_page(search, page_size: int) -> list:
@@ -45,7 +41,7 @@ def job_versions(client, name: str, job_key: str) -> dict[int, Any]:
 def versions_of_job(client, name: str, job_key: str, page_size: int = 1000) -> list:
     """The versions of `name` this job registered, oldest first. A search that fails raises:
     read as "none registered", every step would be registered again."""
-    query = f"name = {quote(name)} AND tags.`{JOB_TAG}` = {quote(job_key)}"
+    query = f"name = {filter_literal(name)} AND tags.`{JOB_TAG}` = {filter_literal(job_key)}"
     versions = _every_page(
         lambda **page: client.search_model_versions(query, **page), page_size=page_size
     )
@@ -76,7 +72,8 @@ def one_version(client, name: str, job_key: str, step: int, made):
 def _logged_models(client, experiment_id: str, run_id: str, tags: dict[str, str]) -> list:
     """The run's logged models carrying `tags`, oldest first."""
     query = " AND ".join(
-        [f"source_run_id = {quote(run_id)}"] + [f"tags.`{k}` = {quote(v)}" for k, v in tags.items()]
+        [f"source_run_id = {filter_literal(run_id)}"]
+        + [f"tags.`{k}` = {filter_literal(v)}" for k, v in tags.items()]
     )
     found = _every_page(
         lambda **page: client.search_logged_models([experiment_id], filter_string=query, **page),

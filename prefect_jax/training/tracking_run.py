@@ -19,6 +19,7 @@ from prefect_jax.training import redaction
 from prefect_jax.training.mlflow_client import (
     EXIT_WAIT_SECS,
     exit_wait,
+    filter_literal,
     guarded,
     process_lost,
     strict,
@@ -153,10 +154,9 @@ class RunCalls:
 
     def _runs_of_job(self, exp_id: str) -> list:
         """The active runs tagged with this job, oldest first (the job's run is the oldest)."""
-        escaped = self.job_key.replace("'", "\\'")
         found = self._client.search_runs(
             [exp_id],
-            filter_string=f"tags.`{JOB_TAG}` = '{escaped}'",
+            filter_string=f"tags.`{JOB_TAG}` = {filter_literal(self.job_key)}",
             max_results=100,
             order_by=["attributes.start_time ASC"],
         )  # (ties: a resent create's runs share their start time)
