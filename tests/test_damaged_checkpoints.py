@@ -227,6 +227,26 @@ def test_out_of_memory_in_a_restore_is_raised_even_for_a_step_without_checksums(
     assert not not_the_steps_fault(OSError("restore failed"))
 
 
+def test_reruns_that_fail_in_their_restore_spend_the_rerun_budget(trained, job_config, monkeypatch):
+    """A machine out of memory while it restores fails every rerun the same way, before any
+    step: each rerun is counted once it holds the lease, before its restore, so an automation
+    that reruns crashed runs stops after `max_reruns_without_progress` of them."""
+    from prefect_jax.training.errors import NoProgressError
+
+    longer = job_config(max_steps=80, max_reruns_without_progress=1)  # (the job of `trained`)
+    _fail_restores_with(monkeypatch, RuntimeError("RESOURCE_EXHAUSTED: Out of memory"))
+    for _ in range(2):  # the first run, then one rerun without progress
+        trainer = Trainer(longer)
+        with pytest.raises(IntactStepRestoreError, match="RESOURCE_EXHAUSTED"):
+            trainer.restore_or_init()
+        trainer.close()
+    trainer = Trainer(longer)
+    with pytest.raises(NoProgressError, match="rerun 2 times without getting past step 60 "):
+        trainer.restore_or_init()
+    trainer.close()
+    assert committed_steps(_ckpt_dir(longer)) == [20, 40, 60] and not _set_aside(longer)
+
+
 def test_the_same_failure_on_two_steps_in_a_row_is_the_runs_and_is_raised(trained, monkeypatch):
     """Without checksums to tell (steps written before them), a failure that the step before
     meets too is the run's (another layout of processes, a library that cannot read them): it is

@@ -246,6 +246,10 @@ def restore_trainer(
     if newest is not None and max_steps is not None and newest > max_steps:
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
     job.acquire_lease(recheck=True)
+    if not trainer.config.train.is_final(newest):
+        # Counted before the restore: a rerun that dies restoring (out of memory, a bad mount)
+        # spends the budget too, so a crash automation cannot rerun it forever.
+        job.record_attempt(newest or 0)
     waited = duplicate_wait_ended(job.storage.job_dir)
     # another process of this flow run trained until then: not this attempt's time
     if waited is not None:
@@ -296,7 +300,6 @@ def restore_trainer(
     # The restored interval's train metrics, in case its process died before writing them.
     trainer.intervals.log_train_rows([tuple(r) for r in (own or {}).get("train_metrics", [])])
     if not trainer.config.train.is_final(step):
-        job.record_attempt(step)
         if job.is_primary:  # what this attempt trains on, for the MLflow run's reader
             job.tracker.set_tags(
                 {DEVICES_TAG: describe_devices(loop.mesh if loop.sharded else None)}
