@@ -172,13 +172,16 @@ def trainer_on_process_worker(
     log: Path,
     query_seconds: str,
     paths: list[str],
+    job_variables: dict | None = None,
+    automation: dict | None = None,
     **extra_env: str,
 ):
     """The README's deployment of the trainer: a ``process`` work pool `pool`, the `train` flow
-    of this checkout deployed to it as ``train/<name>`` with `params`, the rerun automation for
-    it, and ``prefect worker start --pool <pool>`` polling every `query_seconds` (PYTHONPATH:
-    `paths`, then this checkout). The caller's Prefect settings name `api_url`. Returns the
-    deployment id and the worker (stop it)."""
+    of this checkout deployed to it as ``train/<name>`` with `params` (and `job_variables`), the
+    rerun automation for it (`create_rerun_automation`'s keyword arguments: `automation`), and
+    ``prefect worker start --pool <pool>`` polling every `query_seconds` (PYTHONPATH: `paths`,
+    then this checkout). The caller's Prefect settings name `api_url`. Returns the deployment id
+    and the worker (stop it)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
@@ -194,11 +197,12 @@ def trainer_on_process_worker(
         name=name,
         work_pool_name=pool,
         parameters=params,
+        job_variables=job_variables,
         build=False,
         push=False,
         print_next_steps=False,
     )
-    create_rerun_automation(f"train/{name}")
+    create_rerun_automation(f"train/{name}", **(automation or {}))
     env = _base_env(
         PREFECT_HOME=str(home),
         PREFECT_API_URL=api_url,

@@ -76,3 +76,8 @@ def test_calls_racing_each_other_leave_exactly_one(deployment):
 def test_a_deployment_that_does_not_exist_is_named_with_the_fix(prefect_server):
     with pytest.raises(ValueError, match=r"'train/nowhere' not found .*prefect deploy --all"):
         create_rerun_automation("train/nowhere")
+
+
+def test_a_brake_that_cannot_trip_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"max_crashes=0, within_secs=3600: .*--no-brake"):
+        create_rerun_automation("train/anything", max_crashes=0)

@@ -27,6 +27,7 @@ import traceback
 
 from prefect_jax.cli import commands, launch, status
 from prefect_jax.cli.arguments import ROLES, add_role, add_training_args
+from prefect_jax.deployments.automations import CRASH_WINDOW_SECS, MAX_CRASHES
 
 __all__ = ["build_parser", "entry", "main"]
 
@@ -132,6 +133,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--name",
         default=None,
         help="automation name (default: 'prefect-jax: rerun crashed <deployment>')",
+    )
+    create.add_argument(
+        "--max-crashes",
+        type=int,
+        default=MAX_CRASHES,
+        help="the brake: pause the rerun automation after this many crashes of the "
+        f"deployment's runs within --crash-window-secs (default {MAX_CRASHES})",
+    )
+    create.add_argument(
+        "--crash-window-secs",
+        type=float,
+        default=CRASH_WINDOW_SECS,
+        help=f"the brake's window (default {CRASH_WINDOW_SECS:g})",
+    )
+    create.add_argument(
+        "--no-brake", action="store_true", help="rerun every crash, however many (no brake)"
     )
     create.set_defaults(fn=commands.cmd_automations_create)
     return parser

@@ -352,6 +352,19 @@ def cmd_automations_create(args: argparse.Namespace) -> int:
     """``automations create``: rerun a trainer deployment's crashed runs automatically."""
     from prefect_jax.deployments.automations import create_rerun_automation
 
-    automation_id = create_rerun_automation(args.deployment, args.name)
-    print(json.dumps({"automation_id": str(automation_id), "deployment": args.deployment}))
+    max_crashes = None if args.no_brake else args.max_crashes
+    automation_id = create_rerun_automation(
+        args.deployment, args.name, max_crashes, args.crash_window_secs
+    )
+    print(
+        json.dumps(
+            {
+                "automation_id": str(automation_id),
+                "deployment": args.deployment,
+                "brake": None
+                if max_crashes is None
+                else {"max_crashes": max_crashes, "within_secs": args.crash_window_secs},
+            }
+        )
+    )
     return 0

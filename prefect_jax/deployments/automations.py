@@ -6,9 +6,15 @@ the UI's Retry button does; a worker (or ``serve``) picks it up again, and the r
 at the newest committed checkpoint.
 
 The budget lives with the job, not the automation: the trainer records the step each run
-starts at (``<job>/attempts.json``), and after `TrainSpec.max_reruns_without_progress`
-reruns in a row that start at the same step it fails (Failed, not Crashed) with an error
-saying so, which this automation does not react to.
+starts at (``<job>/attempts.json``, once it holds the job's lease), and after
+`TrainSpec.max_reruns_without_progress` reruns in a row that start at the same step it fails
+(Failed, not Crashed) with an error saying so, which this automation does not react to.
+
+A run that crashes before the trainer gets that far (an image that cannot be pulled, a command
+or entrypoint that fails to start) never reaches that budget: a second automation, the brake,
+pauses the rerun automation once the deployment's runs crashed `max_crashes` times within
+`within_secs`. Crashed runs then stay Crashed until a person fixes the cause and enables the
+rerun automation again (its toggle in the UI, or the same create call, which re-arms it).
 
 Example:
     ```python
@@ -25,6 +31,25 @@ from uuid import UUID
 RERUN_MESSAGE = (
     "Rerun after a crash (prefect-jax automation): resumes at the last committed checkpoint"
 )
+# The brake's defaults: far more crashes than spot preemptions cause (a process worker reports a
+# SIGKILLed run twice), and a crash loop reaches them in minutes (a worker polls every 10 s).
+MAX_CRASHES, CRASH_WINDOW_SECS = 10, 3600.0
+
+
+def _crashes_of(deployment_id: UUID | str, threshold: int = 1, within_secs: float = 0.0):
+    """The trigger: `threshold` Crashed flow runs of the deployment within `within_secs`."""
+    from datetime import timedelta
+
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    return EventTrigger(
+        expect={"prefect.flow-run.Crashed"},
+        match={"prefect.resource.id": "prefect.flow-run.*"},
+        match_related={"prefect.resource.id": f"prefect.deployment.{deployment_id}"},
+        posture=Posture.Reactive,
+        threshold=threshold,
+        within=timedelta(seconds=within_secs),
+    )
 
 
 def rerun_automation(deployment_id: UUID | str, deployment_name: str, name: str | None = None):
@@ -32,22 +57,16 @@ def rerun_automation(deployment_id: UUID | str, deployment_name: str, name: str 
     from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
-    from prefect.events.schemas.automations import EventTrigger, Posture
 
     return Automation(
         name=name or f"prefect-jax: rerun crashed {deployment_name}",
         description=(
             f"Sets crashed flow runs of deployment {deployment_name} to AwaitingRetry (as the UI's "
             "Retry button does), so they resume from their last checkpoint. The job's trainer "
-            "stops the loop after max_reruns_without_progress reruns that make no progress."
+            "stops the loop after max_reruns_without_progress reruns that make no progress; "
+            "the brake automation pauses this one after too many crashes."
         ),
-        trigger=EventTrigger(
-            expect={"prefect.flow-run.Crashed"},
-            match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={"prefect.resource.id": f"prefect.deployment.{deployment_id}"},
-            posture=Posture.Reactive,
-            threshold=1,
-        ),
+        trigger=_crashes_of(deployment_id),
         actions=[
             ChangeFlowRunState(
                 state=StateType.SCHEDULED, name="AwaitingRetry", message=RERUN_MESSAGE, force=True
@@ -56,17 +75,56 @@ def rerun_automation(deployment_id: UUID | str, deployment_name: str, name: str 
     )
 
 
-def create_rerun_automation(deployment_name: str, name: str | None = None) -> UUID:
-    """Create (or replace, by name) the rerun automation for a deployment ``"flow/deployment"``:
-    afterwards exactly one automation has its name, so a crashed run is set to AwaitingRetry once.
+def brake_automation(
+    deployment_id: UUID | str,
+    rerun_name: str,
+    rerun_id: UUID,
+    max_crashes: int = MAX_CRASHES,
+    within_secs: float = CRASH_WINDOW_SECS,
+):
+    """The automation object (not yet saved) that pauses the rerun automation `rerun_id` once
+    the deployment's runs crashed `max_crashes` times within `within_secs`."""
+    from prefect.automations import Automation
+    from prefect.events.actions import PauseAutomation
+
+    return Automation(
+        name=f"{rerun_name}: brake",
+        description=(
+            f"Pauses the automation '{rerun_name}' after {max_crashes} crashes of its "
+            f"deployment's runs within {within_secs:g} s: runs that crash before their trainer "
+            "counts them (an image or command that fails to start) are not rerun forever. Fix "
+            "the cause, then enable that automation again (or run `prefect-jax automations "
+            "create` again)."
+        ),
+        trigger=_crashes_of(deployment_id, max_crashes, within_secs),
+        actions=[PauseAutomation(source="selected", automation_id=rerun_id)],
+    )
+
+
+def create_rerun_automation(
+    deployment_name: str,
+    name: str | None = None,
+    max_crashes: int | None = MAX_CRASHES,
+    within_secs: float = CRASH_WINDOW_SECS,
+) -> UUID:
+    """Create (or replace, by name) the rerun automation for a deployment ``"flow/deployment"``,
+    enabled, and its brake (`brake_automation`; none where `max_crashes` is None): afterwards
+    exactly one automation has each name, so a crashed run is set to AwaitingRetry once. Returns
+    the rerun automation's id.
 
     Raises:
-        ValueError: the deployment does not exist on the Prefect server in use.
+        ValueError: the deployment does not exist on the Prefect server in use, or the brake's
+            numbers are not positive.
     """
     from prefect.client.orchestration import get_client
-    from prefect.events.schemas.automations import AutomationCore
     from prefect.exceptions import ObjectNotFound
 
+    if max_crashes is not None and (max_crashes < 1 or within_secs <= 0):
+        raise ValueError(
+            f"max_crashes={max_crashes}, within_secs={within_secs:g}: the brake pauses reruns "
+            "after max_crashes >= 1 crashes within within_secs > 0 seconds (--max-crashes, "
+            "--crash-window-secs); --no-brake for none"
+        )
     with get_client(sync_client=True) as client:
         try:
             deployment = client.read_deployment_by_name(deployment_name)
@@ -75,25 +133,34 @@ def create_rerun_automation(deployment_name: str, name: str | None = None) -> UU
                 f"deployment {deployment_name!r} not found on the Prefect server: deploy it first "
                 "(uv run prefect deploy --all), and name it as 'flow-name/deployment-name'"
             ) from exc
-        automation = rerun_automation(deployment.id, deployment_name, name)
-        # (owner_resource: unset, which the server's update refuses as None)
-        spec = AutomationCore(**automation.model_dump(exclude={"id", "owner_resource"}))
-        created = client.create_automation(spec)
-        # One of the name is kept: the least id, which every call racing this one (or a create
-        # that Prefect's client sent again after losing its response: a second automation would
-        # set each crashed run to AwaitingRetry twice) keeps too, so none deletes the last;
-        # nothing is deleted before the create, so a crash is never left without one. The one
-        # kept gets this call's spec (a PUT: safe to send again); one that a racing call deleted
-        # meanwhile (it saw a lesser id) is looked for again.
-        for _ in range(10):
-            named = sorted(
-                (a.id for a in client.read_automations_by_name(automation.name)), key=str
-            )
-            kept = named[0] if named else created
-            for extra in named[1:]:
-                _unless_gone(client.delete_automation, extra)
-            if _unless_gone(client.update_automation, kept, spec):
-                return kept
+        rerun = rerun_automation(deployment.id, deployment_name, name)
+        kept = _create_or_replace(client, rerun)
+        if max_crashes is not None:
+            brake = brake_automation(deployment.id, rerun.name, kept, max_crashes, within_secs)
+            _create_or_replace(client, brake)
+    return kept
+
+
+def _create_or_replace(client, automation) -> UUID:
+    """Save `automation` as the one automation of its name (and enabled); returns its id."""
+    from prefect.events.schemas.automations import AutomationCore
+
+    # (owner_resource: unset, which the server's update refuses as None)
+    spec = AutomationCore(**automation.model_dump(exclude={"id", "owner_resource"}))
+    created = client.create_automation(spec)
+    # One of the name is kept: the least id, which every call racing this one (or a create
+    # that Prefect's client sent again after losing its response: a second automation would
+    # set each crashed run to AwaitingRetry twice) keeps too, so none deletes the last;
+    # nothing is deleted before the create, so a crash is never left without one. The one
+    # kept gets this call's spec (a PUT: safe to send again); one that a racing call deleted
+    # meanwhile (it saw a lesser id) is looked for again.
+    for _ in range(10):
+        named = sorted((a.id for a in client.read_automations_by_name(automation.name)), key=str)
+        kept = named[0] if named else created
+        for extra in named[1:]:
+            _unless_gone(client.delete_automation, extra)
+        if _unless_gone(client.update_automation, kept, spec):
+            return kept
     return kept
 
 

@@ -1,0 +1,109 @@
+"""The rerun automation's brake, on a real ``prefect server`` and process worker: a deployment
+whose runs crash before any trainer starts (here its command exits at once, as an image that
+cannot start or an entrypoint that does not import would) is rerun until the brake pauses the
+rerun automation, then left Crashed; creating the automations again re-arms it.
+
+The trainer's own budget (``<job>/attempts.json``) cannot stop that loop: no run gets as far as
+the job's lease to count itself (tests/test_damaged_checkpoints.py tests the runs that do).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+
+import pytest
+from deployment_helpers import (
+    PrefectServerProcess,
+    deployment_params,
+    trainer_on_process_worker,
+)
+
+pytestmark = pytest.mark.slow
+
+DEPLOYMENT = "train/cannot-start"
+MAX_CRASHES = 3
+
+
+def _until(what: str, check, timeout: float, worker):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        assert worker.alive(), f"the worker exited while waiting for {what}\n{worker.tail(8000)}"
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} after {timeout:.0f}s\n{worker.tail(8000)}")
+
+
+@pytest.mark.timeout(300)
+def test_runs_that_crash_before_the_trainer_starts_are_rerun_until_the_brake(tmp_path, processes):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_jax.deployments.automations import create_rerun_automation
+
+    server = PrefectServerProcess(tmp_path / "server")
+    processes.append(server)
+    params = deployment_params(
+        "programs:paced", "cannot-start", tmp_path / "storage", "sqlite:///unused.db", 20, 10, 10
+    )
+    brake = {"max_crashes": MAX_CRASHES, "within_secs": 600}
+    server.wait_healthy()
+    with (
+        temporary_settings({PREFECT_API_URL: server.api_url}),
+        get_client(sync_client=True) as client,
+    ):
+        deployment_id, worker = trainer_on_process_worker(
+            server.api_url,
+            "cpu",
+            DEPLOYMENT.split("/")[1],
+            params,
+            tmp_path / "worker-home",
+            tmp_path / "worker.log",
+            query_seconds="1",
+            paths=[],
+            job_variables={
+                "command": f"{sys.executable} -c 'import time; time.sleep(6); raise SystemExit(3)'"
+            },
+            automation=brake,
+        )
+        processes.append(worker)
+        (rerun,) = client.read_automations_by_name(f"prefect-jax: rerun crashed {DEPLOYMENT}")
+        (named,) = client.read_automations_by_name(f"{rerun.name}: brake")
+        assert rerun.enabled and named.enabled
+        run = client.create_flow_run_from_deployment(
+            deployment_id, idempotency_key=str(uuid.uuid4())
+        )
+
+        _until(
+            "the rerun automation paused",
+            lambda: not client.read_automation(rerun.id).enabled,
+            180,
+            worker,
+        )
+        # The crash that tripped the brake may still be rerun once; after that, none is.
+        _until(
+            "the run left Crashed",
+            lambda: client.read_flow_run(run.id).state.type == StateType.CRASHED,
+            60,
+            worker,
+        )
+        time.sleep(8)  # several worker polls and automation evaluations: nothing reruns it
+        assert client.read_flow_run(run.id).state.type == StateType.CRASHED
+        history = [s.name for s in client.read_flow_run_states(run.id)]
+        # Each crash is reported twice (the process worker's runner, then the worker), and the
+        # pause lands a few seconds after the report that tripped it: a report or two later.
+        assert MAX_CRASHES <= history.count("Crashed") <= MAX_CRASHES + 2, history
+        crashed = next(s for s in client.read_flow_run_states(run.id) if s.name == "Crashed")
+        assert "status code: 3" in (crashed.message or ""), crashed
+
+        # The cause fixed, the same command re-arms it: one automation of each name (the
+        # one kept may be the new one), enabled, and the brake pauses that one.
+        kept = create_rerun_automation(DEPLOYMENT, **brake)
+        (rearmed,) = client.read_automations_by_name(rerun.name)
+        (named,) = client.read_automations_by_name(f"{rerun.name}: brake")
+        assert rearmed.id == kept and rearmed.enabled
+        assert [a.automation_id for a in named.actions] == [kept]
