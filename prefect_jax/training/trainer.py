@@ -377,14 +377,20 @@ class Trainer:
 
     def finish(self, status: str = "FINISHED") -> None:
         """Wait for pending saves and the export in the background (its failure raised when
-        `status` is FINISHED), close the MLflow run with `status`, release the lease."""
+        `status` is FINISHED), close the MLflow run with `status`, release the lease, and free
+        the live state's device memory (the step stays: the flow's summary names it)."""
         try:
-            self.exports.join_at_end(raise_failure=status == "FINISHED")
-        except ExportFailedError:
-            # closed as failed here, not left to a flow's failure hook (the engine runs without)
-            self.ending.finish("FAILED")
-            raise
-        self.ending.finish(status)
+            try:
+                self.exports.join_at_end(raise_failure=status == "FINISHED")
+            except ExportFailedError:
+                # closed as failed here, not left to a flow's failure hook (the engine runs without)
+                self.ending.finish("FAILED")
+                raise
+            self.ending.finish(status)
+        finally:
+            # A later run of the job restores from storage, so a finished state is never used
+            # again; kept, every job a notebook or sweep trains would stay on the device.
+            self.state = self.data_iter = None
 
     def close(self) -> None:
         self.exports.join_at_end(raise_failure=False)
