@@ -24,3 +24,24 @@ def test_refreshes_queued_behind_a_slow_call_run_each_only_with_refresh_0(
     gate.set()
     assert publisher.flush(30)
     assert ran == expected
+
+
+def test_a_going_process_waits_a_round_trip_at_most_for_an_api_that_does_not_answer(
+    prefect_server,
+):
+    """After a SIGTERM's notice (`hurry`: checkpoint, MLflow run and lease are done), a flush
+    behind a call the Prefect API never answers gives up after `HURRIED_FLUSH_SECS`, not after
+    its own timeout: the machine's grace period is not spent on the UI's cards."""
+    import time
+
+    from prefect_jax.tasks.publish import HURRIED_FLUSH_SECS
+
+    publisher, gate = _Publisher(), threading.Event()
+    publisher.submit(gate.wait, 60)  # (an API that does not answer)
+    assert not publisher.flush(0.1)
+    publisher.hurry()
+    began = time.monotonic()
+    assert not publisher.flush(60)
+    assert time.monotonic() - began < HURRIED_FLUSH_SECS + 5
+    gate.set()
+    assert publisher.flush(30)  # (the call did run, late)

@@ -4,6 +4,7 @@
 from typing import Any
 
 from prefect import get_run_logger
+from prefect.exceptions import TerminationSignal
 
 from prefect_jax.flows import progress_card
 from prefect_jax.flows.hooks import publish_goodput
@@ -98,6 +99,8 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
         return step, stop.get("reason") if stop else None
     except BaseException as exc:
         notices.end_if_notice(exc)  # (a notice between task runs: before the flush below waits)
+        if isinstance(notices.the_notice(exc), TerminationSignal):
+            publisher.hurry()  # the process is going: its flushes wait a round trip at most
         raise
     finally:
         publisher.flush()

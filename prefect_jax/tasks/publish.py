@@ -22,6 +22,10 @@ def artifact_key(*parts: str) -> str:
 
 
 UI_REFRESH_SECS = 2.0
+FLUSH_SECS = 60.0  # the longest a flush waits for the Prefect API
+# ... once the process is going (a SIGTERM, Ctrl-C: its checkpoint, MLflow run and lease are done
+# by then): about one round trip, not the machine's grace period, if the API lags
+HURRIED_FLUSH_SECS = 2.0
 
 
 def ui_refresh_secs() -> float:
@@ -74,6 +78,7 @@ class _Publisher:
         self._queued: dict[Any, int] = {}
         self._hurry = 0  # flushes under way: held calls run at once
         self._warned = False
+        self._longest_flush = FLUSH_SECS  # (`hurry`)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
         self._put(None, (contextvars.copy_context(), fn, args, kwargs))
@@ -173,10 +178,15 @@ class _Publisher:
                 "could not publish %s: %r", getattr(fn, "__name__", fn), exc
             )
 
-    def flush(self, timeout: float = 60.0) -> bool:
+    def hurry(self) -> None:
+        """This process is going (a SIGTERM's notice, Ctrl-C): from now on, no flush waits longer
+        than `HURRIED_FLUSH_SECS`."""
+        self._longest_flush = HURRIED_FLUSH_SECS
+
+    def flush(self, timeout: float = FLUSH_SECS) -> bool:
         """Run every held call now and wait until every submitted call has run (at most
-        `timeout` seconds); True if all did."""
-        deadline = time.monotonic() + timeout
+        `timeout` seconds, or `HURRIED_FLUSH_SECS` after `hurry`); True if all did."""
+        deadline = time.monotonic() + min(timeout, self._longest_flush)
         with self._lock:
             self._hurry += 1
         try:
