@@ -8,6 +8,7 @@ import os
 
 import pytest
 from process_helpers import job_events
+from test_flow import _device_bytes
 
 from prefect_jax.flows import evaluate, export_flow, train, train_and_evaluate
 from prefect_jax.training.control import record_attempt
@@ -67,7 +68,9 @@ def test_trainer_then_evaluator_evaluate_every_checkpoint_once(
     from prefect_jax.training import live
 
     live.drop_all(close=False)  # the evaluator is another process: no live state
+    before = _device_bytes()
     result = evaluate(**params, poll_secs=0.1)
+    assert _device_bytes() - before < 1000  # its state freed as its flow run ends (test_flow)
     assert result["evaluated"] == [20, 40, 60]
     assert result["stopped"].startswith("evaluated the final step")
     assert result["exports"] == {"final": [60], "latest": [20, 40, 60]}
@@ -87,6 +90,7 @@ def test_trainer_then_evaluator_evaluate_every_checkpoint_once(
     assert client.get_run(trained["mlflow_run_id"]).info.status == "FINISHED"
 
     assert export_flow(**params, step=40) == {"latest": js.export_dir("latest", 40)}
+    assert _device_bytes() - before < 1000
 
 
 def test_the_evaluator_leaves_a_preemption_checkpoint_alone(tmp_path, mlflow_uri):

@@ -97,6 +97,14 @@ def land_mlflow_writes(config: JobConfig) -> None:
         trainer.job.tracker.land()
 
 
+def release_state(config: JobConfig) -> None:
+    """Free this job's live state in this process, if any (`Trainer.release_state`): an evaluate
+    or export flow run ends with it, as a train flow run's `Trainer.finish` does."""
+    trainer = live_trainer(config)
+    if trainer is not None:
+        trainer.release_state()
+
+
 def drop_trainer(config: JobConfig) -> None:
     """Forget (and close) this job's live trainer."""
     trainer = _live.pop(_key(config), None)

@@ -388,9 +388,13 @@ class Trainer:
                 raise
             self.ending.finish(status)
         finally:
-            # A later run of the job restores from storage, so a finished state is never used
-            # again; kept, every job a notebook or sweep trains would stay on the device.
-            self.state = self.data_iter = None
+            self.release_state()
+
+    def release_state(self) -> None:
+        """Free the live state's device memory where the flow run that used it ends (the step
+        stays: the flow's summary names it). A later run of the job restores or recovers from
+        storage; kept, every job a notebook or sweep trains or evaluates stays on the device."""
+        self.state = self.data_iter = None
 
     def close(self) -> None:
         self.exports.join_at_end(raise_failure=False)

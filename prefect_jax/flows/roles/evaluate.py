@@ -98,7 +98,7 @@ def evaluate(
     if not tasks.recover(config, step=first)["restored"]:
         raise evaluator.no_first_checkpoint()
     _warn_of_another_max_steps(config, evaluator.storage, first, logger)
-    from prefect_jax.training.live import get_trainer, land_mlflow_writes
+    from prefect_jax.training.live import get_trainer, land_mlflow_writes, release_state
 
     # An evaluator killed after writing eval records may not have logged them to MLflow yet.
     checked = OnTrainerThread(get_trainer(config)).reconcile_eval_metrics(first)
@@ -110,6 +110,7 @@ def evaluate(
         evaluator.resume_exports()
         stopped = evaluator.run()
     land_mlflow_writes(config)
+    release_state(config)
     publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
     return {"job": job, **evaluator.summary(), "exports": list_exports(evaluator.storage)}

@@ -58,7 +58,7 @@ def export_flow(
         ```
     """
     from prefect_jax.training.evaluation import EvalRecords
-    from prefect_jax.training.live import land_mlflow_writes
+    from prefect_jax.training.live import land_mlflow_writes, release_state
     from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.steps import job_committed_steps
     from prefect_jax.training.storage import JobStorage
@@ -104,6 +104,7 @@ def export_flow(
 
     link_live_job(config)  # this flow run and the job's MLflow run name each other
     land_mlflow_writes(config)  # the model versions too
+    release_state(config)
     # the step's exports, whichever run wrote them
     dirs = {e.name: js.export_dir(e.name, chosen) for e in config.eval.exporters}
     return {name: path for name, path in dirs.items() if js.fs.exists(path)}
