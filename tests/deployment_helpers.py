@@ -383,3 +383,16 @@ if __name__ == "__main__":
         MODES[sys.argv[1]]()
     else:
         sys.exit(f"usage: {sys.argv[0]} {{{','.join(MODES)}}}")
+
+
+def until(what: str, check, timeout: float, worker: _GroupProcess, every: float = 0.05):
+    """`check()`'s first truthy answer within `timeout` seconds, while `worker` (a worker or
+    serve process) stays alive; an AssertionError with its log's tail otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        assert worker.alive(), f"the worker exited while waiting for {what}\n{worker.tail(8000)}"
+        time.sleep(every)
+    raise AssertionError(f"no {what} after {timeout:.0f}s\n{worker.tail(8000)}")

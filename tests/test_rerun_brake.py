@@ -18,23 +18,13 @@ from deployment_helpers import (
     PrefectServerProcess,
     deployment_params,
     trainer_on_process_worker,
+    until,
 )
 
 pytestmark = pytest.mark.slow
 
 DEPLOYMENT = "train/cannot-start"
 MAX_CRASHES = 3
-
-
-def _until(what: str, check, timeout: float, worker):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        assert worker.alive(), f"the worker exited while waiting for {what}\n{worker.tail(8000)}"
-        time.sleep(0.2)
-    raise AssertionError(f"no {what} after {timeout:.0f}s\n{worker.tail(8000)}")
 
 
 @pytest.mark.timeout(300)
@@ -78,14 +68,14 @@ def test_runs_that_crash_before_the_trainer_starts_are_rerun_until_the_brake(tmp
             deployment_id, idempotency_key=str(uuid.uuid4())
         )
 
-        _until(
+        until(
             "the rerun automation paused",
             lambda: not client.read_automation(rerun.id).enabled,
             180,
             worker,
         )
         # The crash that tripped the brake may still be rerun once; after that, none is.
-        _until(
+        until(
             "the run left Crashed",
             lambda: client.read_flow_run(run.id).state.type == StateType.CRASHED,
             60,

@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -30,13 +29,13 @@ import pytest
 from deployment_helpers import (
     HERE,
     PrefectServerProcess,
-    _GroupProcess,
     checkpoint_fingerprint,
     dead,
     deployment_params,
     job_config,
     trainer_on_process_worker,
     uninterrupted_fingerprint,
+    until,
 )
 
 pytestmark = pytest.mark.slow
@@ -49,17 +48,6 @@ KILL_FROM = 200
 
 def _params(storage: Path, mlflow_uri: str) -> dict:
     return deployment_params(PROGRAM, "on-worker", storage, mlflow_uri, MAX_STEPS, EVERY, LOG_EVERY)
-
-
-def _until(what: str, check, timeout: float, worker: _GroupProcess, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        assert worker.alive(), f"the worker exited while waiting for {what}\n{worker.tail(8000)}"
-        time.sleep(every)
-    raise AssertionError(f"no {what} after {timeout:.0f}s\n{worker.tail(8000)}")
 
 
 def _lease(job_dir: Path) -> dict | None:
@@ -115,7 +103,7 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
         )  # one run, however often the client sends it (see start_deployment_run)
 
         # SIGKILL the run's process (the worker's child) once a checkpoint is committed.
-        _until(
+        until(
             f"committed step >= {KILL_FROM}",
             lambda: (committed_steps(checkpoints) or [0])[-1] >= KILL_FROM,
             240,
@@ -126,7 +114,7 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
             p.pid for p in psutil.Process(worker.pid).children(recursive=True)
         ], first
         os.kill(first["pid"], signal.SIGKILL)
-        _until("the killed process gone", lambda: dead(first["pid"]), 30, worker)
+        until("the killed process gone", lambda: dead(first["pid"]), 30, worker)
         resume_from = committed_steps(checkpoints)[-1]
         assert resume_from < MAX_STEPS
 
@@ -142,9 +130,9 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
                 else None
             )
 
-        rerun = _until("a rerun that trains", rerun_training, 120, worker)
+        rerun = until("a rerun that trains", rerun_training, 120, worker)
         client.set_flow_run_state(run.id, AwaitingRetry(), force=True)
-        _until(
+        until(
             "a second process of the run waiting for the first",
             lambda: "already trains job" in worker.tail(400_000),
             60,
@@ -152,21 +140,21 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
         )
 
         # Every process of the run ends; the run ends Completed.
-        _until(
+        until(
             "the job's last step",
             lambda: MAX_STEPS in committed_steps(checkpoints),
             240,
             worker,
             every=0.5,
         )
-        _until(
+        until(
             "no flow-run process left",
             lambda: not psutil.Process(worker.pid).children(recursive=True),
             120,
             worker,
             every=0.5,
         )
-        final = _until(
+        final = until(
             "a final state",
             lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
             60,
