@@ -146,6 +146,7 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
         if trainer.job.records.get(trainer.step) is None:
             raise FinalEvaluationMissingError(config.job, trainer.step)
     trainer.finish("FINISHED")
+    trainer.release_state()  # (its next run restores from storage: no device memory kept)
     publisher.flush()  # the MLflow link, queued once MLflow answered (finish waited for that)
     final = trainer.job.records.get(trainer.step)
     goodput = trainer.goodput()

@@ -83,7 +83,10 @@ def finish_live(config: JobConfig, status: str) -> bool:
         trainer.job.verify_lease()  # held, as far as this process knew: still?
     except LeaseLostError:
         return False
-    trainer.finish(status)
+    try:
+        trainer.finish(status)
+    finally:
+        trainer.release_state()
     return True
 
 

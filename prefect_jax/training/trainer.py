@@ -380,15 +380,12 @@ class Trainer:
         `status` is FINISHED), close the MLflow run with `status`, release the lease, and free
         the live state's device memory (the step stays: the flow's summary names it)."""
         try:
-            try:
-                self.exports.join_at_end(raise_failure=status == "FINISHED")
-            except ExportFailedError:
-                # closed as failed here, not left to a flow's failure hook (the engine runs without)
-                self.ending.finish("FAILED")
-                raise
-            self.ending.finish(status)
-        finally:
-            self.release_state()
+            self.exports.join_at_end(raise_failure=status == "FINISHED")
+        except ExportFailedError:
+            # closed as failed here, not left to a flow's failure hook (the engine runs without)
+            self.ending.finish("FAILED")
+            raise
+        self.ending.finish(status)
 
     def release_state(self) -> None:
         """Free the live state's device memory where the flow run that used it ends (the step
