@@ -23,7 +23,7 @@ def artifact_key(*parts: str) -> str:
 
 UI_REFRESH_SECS = 2.0
 FLUSH_SECS = 60.0  # the longest a flush waits for the Prefect API
-# ... once the process is going (a SIGTERM, Ctrl-C: its checkpoint, MLflow run and lease are done
+# ... once the process is going (a SIGTERM's notice: its checkpoint, MLflow run and lease are done
 # by then): about one round trip, not the machine's grace period, if the API lags
 HURRIED_FLUSH_SECS = 2.0
 
@@ -179,8 +179,8 @@ class _Publisher:
             )
 
     def hurry(self) -> None:
-        """This process is going (a SIGTERM's notice, Ctrl-C): from now on, no flush waits longer
-        than `HURRIED_FLUSH_SECS`."""
+        """This process is going (a SIGTERM's notice; not Ctrl-C, after which a notebook goes on):
+        from now on, no flush waits longer than `HURRIED_FLUSH_SECS`."""
         self._longest_flush = HURRIED_FLUSH_SECS
 
     def flush(self, timeout: float = FLUSH_SECS) -> bool:

@@ -83,10 +83,7 @@ def finish_live(config: JobConfig, status: str) -> bool:
         trainer.job.verify_lease()  # held, as far as this process knew: still?
     except LeaseLostError:
         return False
-    try:
-        trainer.finish(status)
-    finally:
-        trainer.release_state()
+    trainer.finish(status)
     return True
 
 
@@ -104,7 +101,7 @@ def release_state(config: JobConfig) -> None:
     """Free this job's live state in this process, if any (`Trainer.release_state`): an evaluate
     or export flow run ends with it, as a train flow run's `Trainer.finish` does."""
     trainer = live_trainer(config)
-    if trainer is not None:
+    if trainer is not None and trainer.recovered:  # (never a state this process trains)
         trainer.release_state()
 
 
