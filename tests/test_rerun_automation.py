@@ -71,6 +71,44 @@ def test_calls_racing_each_other_leave_exactly_one(deployment):
             kept = set(pool.map(lambda _: create_rerun_automation(deployment), range(4)))
         (only,) = _named(name)
         assert only.id in kept
+        (brake,) = _named(f"{name}: brake")  # pauses the one that stayed, not one deleted
+        assert [action.automation_id for action in brake.actions] == [only.id]
+
+
+def test_the_brake_counts_each_run_apart(deployment):
+    """Judged by the Prefect server's own trigger code: crash reports of one run share a
+    bucket, another run of the deployment (a sweep preempted at once) has its own."""
+    import uuid
+
+    from prefect.server.events.schemas.automations import EventTrigger
+    from prefect.server.events.schemas.events import ReceivedEvent
+    from prefect.types._datetime import now
+
+    create_rerun_automation(deployment, max_crashes=4)
+    (brake,) = _named(f"{NAME}: brake")
+    trigger = EventTrigger(**brake.trigger.model_dump())
+    deployment_id = _named(NAME)[0].trigger.match_related.root["prefect.resource.id"]
+
+    def crashed(run_id):
+        return ReceivedEvent(
+            occurred=now("UTC"),
+            event="prefect.flow-run.Crashed",
+            resource={"prefect.resource.id": f"prefect.flow-run.{run_id}"},
+            related=[{"prefect.resource.id": deployment_id, "prefect.resource.role": "deployment"}],
+            id=uuid.uuid4(),
+        )
+
+    one, again, other = crashed(run := uuid.uuid4()), crashed(run), crashed(uuid.uuid4())
+    assert trigger.threshold == 4 and all(trigger.covers(e) for e in (one, again, other))
+    assert trigger.bucketing_key(one) == trigger.bucketing_key(again)
+    assert trigger.bucketing_key(one) != trigger.bucketing_key(other)
+
+
+def test_no_brake_deletes_the_one_made_before(deployment):
+    create_rerun_automation(deployment)
+    assert len(_named(f"{NAME}: brake")) == 1
+    kept = create_rerun_automation(deployment, max_crashes=None)
+    assert _named(f"{NAME}: brake") == [] and [a.id for a in _named(NAME)] == [kept]
 
 
 def test_a_deployment_that_does_not_exist_is_named_with_the_fix(prefect_server):

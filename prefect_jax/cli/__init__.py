@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-crashes",
         type=int,
         default=MAX_CRASHES,
-        help="the brake: pause the rerun automation after this many crashes of the "
-        f"deployment's runs within --crash-window-secs (default {MAX_CRASHES})",
+        help="the brake: pause the rerun automation after this many crash reports of one "
+        f"run of the deployment within --crash-window-secs (default {MAX_CRASHES}; a process "
+        "worker reports each crash twice)",
     )
     create.add_argument(
         "--crash-window-secs",
@@ -148,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the brake's window (default {CRASH_WINDOW_SECS:g})",
     )
     create.add_argument(
-        "--no-brake", action="store_true", help="rerun every crash, however many (no brake)"
+        "--no-brake",
+        action="store_true",
+        help="rerun every crash, however many (no brake; deletes one made before)",
     )
     create.set_defaults(fn=commands.cmd_automations_create)
     return parser

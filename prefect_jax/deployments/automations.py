@@ -12,9 +12,12 @@ starts at (``<job>/attempts.json``, once it holds the job's lease), and after
 
 A run that crashes before the trainer gets that far (an image that cannot be pulled, a command
 or entrypoint that fails to start) never reaches that budget: a second automation, the brake,
-pauses the rerun automation once the deployment's runs crashed `max_crashes` times within
-`within_secs`. Crashed runs then stay Crashed until a person fixes the cause and enables the
-rerun automation again (its toggle in the UI, or the same create call, which re-arms it).
+pauses the rerun automation once one flow run of the deployment was reported Crashed
+`max_crashes` times within `within_secs` (each run counted apart: a sweep of jobs preempted
+together does not trip it). Crashed runs then stay Crashed until a person fixes the cause and
+runs the same create call again, which enables the rerun automation and re-arms the brake (the
+UI's toggle enables it too, but leaves the brake blind until its window ends: Prefect opens a
+fired trigger's next window where the last one ends).
 
 Example:
     ```python
@@ -37,7 +40,8 @@ MAX_CRASHES, CRASH_WINDOW_SECS = 10, 3600.0
 
 
 def _crashes_of(deployment_id: UUID | str, threshold: int = 1, within_secs: float = 0.0):
-    """The trigger: `threshold` Crashed flow runs of the deployment within `within_secs`."""
+    """The trigger: `threshold` Crashed reports of one flow run of the deployment within
+    `within_secs` (counted per flow run: `for_each` its resource id)."""
     from datetime import timedelta
 
     from prefect.events.schemas.automations import EventTrigger, Posture
@@ -46,6 +50,7 @@ def _crashes_of(deployment_id: UUID | str, threshold: int = 1, within_secs: floa
         expect={"prefect.flow-run.Crashed"},
         match={"prefect.resource.id": "prefect.flow-run.*"},
         match_related={"prefect.resource.id": f"prefect.deployment.{deployment_id}"},
+        for_each={"prefect.resource.id"},
         posture=Posture.Reactive,
         threshold=threshold,
         within=timedelta(seconds=within_secs),
@@ -83,18 +88,18 @@ def brake_automation(
     within_secs: float = CRASH_WINDOW_SECS,
 ):
     """The automation object (not yet saved) that pauses the rerun automation `rerun_id` once
-    the deployment's runs crashed `max_crashes` times within `within_secs`."""
+    one run of the deployment was reported Crashed `max_crashes` times within `within_secs`."""
     from prefect.automations import Automation
     from prefect.events.actions import PauseAutomation
 
     return Automation(
         name=f"{rerun_name}: brake",
         description=(
-            f"Pauses the automation '{rerun_name}' after {max_crashes} crashes of its "
-            f"deployment's runs within {within_secs:g} s: runs that crash before their trainer "
-            "counts them (an image or command that fails to start) are not rerun forever. Fix "
-            "the cause, then enable that automation again (or run `prefect-jax automations "
-            "create` again)."
+            f"Pauses the automation '{rerun_name}' after {max_crashes} crash reports of one "
+            f"run of its deployment within {within_secs:g} s: runs that crash before their "
+            "trainer counts them (an image or command that fails to start) are not rerun "
+            "forever. Fix the cause, then run `prefect-jax automations create` again (it "
+            "enables that automation and re-arms this one)."
         ),
         trigger=_crashes_of(deployment_id, max_crashes, within_secs),
         actions=[PauseAutomation(source="selected", automation_id=rerun_id)],
@@ -108,9 +113,10 @@ def create_rerun_automation(
     within_secs: float = CRASH_WINDOW_SECS,
 ) -> UUID:
     """Create (or replace, by name) the rerun automation for a deployment ``"flow/deployment"``,
-    enabled, and its brake (`brake_automation`; none where `max_crashes` is None): afterwards
-    exactly one automation has each name, so a crashed run is set to AwaitingRetry once. Returns
-    the rerun automation's id.
+    enabled, and its brake (`brake_automation`; where `max_crashes` is None, none, and one left
+    from an earlier call is deleted): afterwards exactly one automation has each name, so a
+    crashed run is set to AwaitingRetry once, and the brake pauses the one kept. Returns the
+    rerun automation's id.
 
     Raises:
         ValueError: the deployment does not exist on the Prefect server in use, or the brake's
@@ -135,9 +141,21 @@ def create_rerun_automation(
             ) from exc
         rerun = rerun_automation(deployment.id, deployment_name, name)
         kept = _create_or_replace(client, rerun)
-        if max_crashes is not None:
+        brake_name = f"{rerun.name}: brake"
+        if max_crashes is None:
+            for left in client.read_automations_by_name(brake_name):
+                _unless_gone(client.delete_automation, left.id)
+            return kept
+        for _ in range(10):
             brake = brake_automation(deployment.id, rerun.name, kept, max_crashes, within_secs)
             _create_or_replace(client, brake)
+            # A racing call may have deleted `kept` (it saw a lesser id) after this call chose
+            # it: the brake must pause the one that stays, so it is pointed again until the
+            # least id of the name is the one it names.
+            named = sorted((a.id for a in client.read_automations_by_name(rerun.name)), key=str)
+            if not named or named[0] == kept:
+                break
+            kept = named[0]
     return kept
 
 
