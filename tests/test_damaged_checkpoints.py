@@ -243,8 +243,56 @@ def test_reruns_that_fail_in_their_restore_spend_the_rerun_budget(trained, job_c
     trainer = Trainer(longer)
     with pytest.raises(NoProgressError, match="rerun 2 times without getting past step 60 "):
         trainer.restore_or_init()
+    trainer.finish("FAILED")  # (what a flow's failure hook does)
     trainer.close()
     assert committed_steps(_ckpt_dir(longer)) == [20, 40, 60] and not _set_aside(longer)
+    # The refusal closes the job's MLflow run FAILED (found by its job tag: nothing restored).
+    assert _mlflow_run(longer).info.status == "FAILED"
+
+
+def test_a_rerun_counts_the_step_committed_while_it_waited_for_the_lease(
+    trained, job_config, monkeypatch
+):
+    """A rerun that waits for the job's lease (its holder finishing a save, a duplicate of its
+    flow run) counts the step committed when it takes the lease, not the one before its wait:
+    the holder's progress is progress, not a rerun without any."""
+    import json
+
+    from prefect_jax.training.job import Job
+
+    longer = job_config(max_steps=100, max_reruns_without_progress=1)  # (the job of `trained`)
+    acquire = Job.acquire_lease
+    holder = []
+
+    def acquire_after_a_holder_trained_on(job, recheck=False):
+        if not holder:  # (while this rerun waits: a holder trains 60 -> 80 and lets go)
+            holder.append(Trainer(longer))
+            holder[0].restore_or_init()
+            holder[0].train_until_checkpoint()
+            holder[0].close()
+        acquire(job, recheck)
+
+    monkeypatch.setattr(Job, "acquire_lease", acquire_after_a_holder_trained_on)
+    trainer = Trainer(longer)
+    assert trainer.restore_or_init() == 80
+    trainer.close()
+    attempts = json.load(open(os.path.join(longer.storage, longer.job, "attempts.json")))
+    assert attempts["step"] == 80 and attempts["reruns_without_progress"] == 0, attempts
+
+
+def _mlflow_run(config):
+    from mlflow import MlflowClient
+
+    from prefect_jax.training.names import JOB_TAG
+    from prefect_jax.training.storage import JobStorage
+
+    client = MlflowClient(config.mlflow_tracking_uri)
+    experiment = client.get_experiment_by_name(config.mlflow_experiment)
+    job_dir = JobStorage(config.storage, config.job).job_dir
+    (run,) = client.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_dir}'"
+    )
+    return run
 
 
 def test_the_same_failure_on_two_steps_in_a_row_is_the_runs_and_is_raised(trained, monkeypatch):
