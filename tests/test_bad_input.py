@@ -369,6 +369,23 @@ def test_a_best_metric_the_eval_does_not_produce_is_refused_naming_those_it_does
     assert not (tmp_path / "s").exists()
 
 
+def test_a_best_metric_from_python_is_refused_as_the_trainer_is_made(job_config):
+    """No command's preflight ran (a flow or the engine called from Python): the trainer refuses
+    it before any step, not at the first evaluation an interval in."""
+    from prefect_jax.training import BestExporter, Trainer
+    from prefect_jax.training.preflight import BadInputError
+
+    config = job_config(exporters=[BestExporter(metric="acc")])
+    with pytest.raises(BadInputError) as refused:
+        Trainer(config)
+    assert str(refused.value) == (
+        "BestExporter 'best' metric 'acc' is not a metric the evaluation produces: its eval_step "
+        "returns ['accuracy', 'loss']; set it to one of those"
+    )
+    checkpoints = os.path.join(config.storage, config.job, "checkpoints")
+    assert not os.path.exists(checkpoints) or os.listdir(checkpoints) == []  # no step trained
+
+
 def test_evaluate_with_max_steps_below_the_committed_step_is_refused(trained, mlflow_uri):
     _, storage = trained
     before = _tree_digest(storage)

@@ -60,7 +60,22 @@ def test_best_exports_only_improvements_and_remembers_across_restarts(job_config
 
 
 def test_best_with_unknown_metric_names_the_metrics(job_config):
-    trainer = Trainer(job_config(max_steps=20, exporters=[BestExporter(metric="f1")]))
+    """Where the trainer could not tell as it was made (here the program's declared names are
+    wrong; a sharded program of several processes), the export says so."""
+
+    class DeclaresF1:
+        eval_metric_names = ("accuracy", "f1", "loss")
+
+        def __init__(self):
+            from prefect_jax.examples.digits import tiny
+
+            self._p = tiny
+
+        def __getattr__(self, name):
+            return getattr(self._p, name)
+
+    config = job_config(max_steps=20, exporters=[BestExporter(metric="f1")])
+    trainer = Trainer(config, program=DeclaresF1())
     trainer.restore_or_init()
     trainer.train_until_checkpoint()
     with pytest.raises(

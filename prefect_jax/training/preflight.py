@@ -134,9 +134,12 @@ def eval_metric_names(program: Any, one_process: bool = True) -> list[str]:
     return sorted(names)
 
 
-def check_metric_names(program: Any, eval_spec: Any, one_process: bool = True) -> None:
+def check_metric_names(
+    program: Any, eval_spec: Any, one_process: bool = True, flags: bool = True
+) -> None:
     """Refuse a best exporter's or early stopping's metric that the evaluation does not produce
-    (where `eval_metric_names` can find them: see `one_process` there).
+    (where `eval_metric_names` can find them: see `one_process` there). `flags`: the message
+    names the command's flag (else the spec's field, for a program run from Python).
 
     Raises:
         BadInputError: The metric is not among `eval_metric_names`; the message names them.
@@ -144,7 +147,10 @@ def check_metric_names(program: Any, eval_spec: Any, one_process: bool = True) -
     from prefect_jax.training.specs import BestExporter
 
     asked = [
-        (f"--best-metric (exporter {e.name!r})", e.metric)
+        (
+            f"--best-metric (exporter {e.name!r})" if flags else f"BestExporter {e.name!r} metric",
+            e.metric,
+        )
         for e in eval_spec.exporters
         if isinstance(e, BestExporter) and e.compare_fn is None
     ]
@@ -164,13 +170,23 @@ def check_metric_names(program: Any, eval_spec: Any, one_process: bool = True) -
             )
 
 
-def check_job_parts(program: Any, program_ref: str, exporters: list, hooks: list) -> Any:
+def check_job_parts(
+    program: Any,
+    program_ref: str,
+    exporters: list,
+    hooks: list,
+    eval_spec: Any = None,
+    one_process: bool = True,
+) -> Any:
     """Refuse, as the job's trainer is made (and a command's preflight before it), `exporters`
     that `program` cannot serve, a best exporter's ``compare_fn`` and a train hook (`hooks`) that
-    cannot be loaded; returns the hooks loaded (`TrainHooks`).
+    cannot be loaded; with `eval_spec` (a trainer no command's preflight checked: one run from
+    Python), its metrics as well (`check_metric_names`), before any step rather than at the
+    first evaluation. Returns the hooks loaded (`TrainHooks`).
 
     Raises:
         ProgramError: one of them, named, with the fix.
+        BadInputError: a metric the evaluation does not produce.
     """
     from prefect_jax.training.best import load_compare_fn
     from prefect_jax.training.program import ProgramError, has_serving
@@ -185,6 +201,8 @@ def check_job_parts(program: Any, program_ref: str, exporters: list, hooks: list
     for exporter in exporters:  # a bad path refused now, not at an export
         if getattr(exporter, "compare_fn", None):
             load_compare_fn(exporter.compare_fn)
+    if eval_spec is not None:
+        check_metric_names(program, eval_spec, one_process, flags=False)
     return TrainHooks(hooks)
 
 

@@ -46,10 +46,7 @@ from prefect_jax.training.loop import Loop
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.preemption import PreemptionGuard
 from prefect_jax.training.preflight import check_job_parts
-from prefect_jax.training.program import (
-    load_program_with_params,
-    program_fingerprint,
-)
+from prefect_jax.training.program import load_program_with_params, program_fingerprint
 from prefect_jax.training.program_params import ProgramParams
 from prefect_jax.training.progress import add_progress_listener
 from prefect_jax.training.serving import check_serving
@@ -114,7 +111,12 @@ class Trainer:
                 )
             self.program_fingerprint = program_fingerprint(config.program, self.program)
             self.train_hooks = check_job_parts(
-                self.program, config.program, config.eval.exporters, config.train.hooks
+                self.program,
+                config.program,
+                config.eval.exporters,
+                config.train.hooks,
+                eval_spec=config.eval if head is None else None,  # (where no preflight did)
+                one_process=self.job.processes == 1,
             )
             self.loop = head.loop if head is not None else Loop(self.program, config.train)
             self.loop.compiling.save_copy = self.job.checkpoints.device_copy
