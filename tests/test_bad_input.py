@@ -369,20 +369,25 @@ def test_a_best_metric_the_eval_does_not_produce_is_refused_naming_those_it_does
     assert not (tmp_path / "s").exists()
 
 
-def test_a_best_metric_from_python_is_refused_as_the_trainer_is_made(job_config):
-    """No command's preflight ran (a flow or the engine called from Python): the trainer refuses
-    it before any step, not at the first evaluation an interval in."""
+def test_a_best_metric_from_python_is_refused_as_a_new_job_restores(job_config):
+    """No command's preflight ran (a flow, a deployment's run, the engine called from Python):
+    a new job's restore refuses it before any step and before its lease, not at the first
+    evaluation an interval in."""
     from prefect_jax.training import BestExporter, Trainer
     from prefect_jax.training.preflight import BadInputError
 
     config = job_config(exporters=[BestExporter(metric="acc")])
+    trainer = Trainer(config)
     with pytest.raises(BadInputError) as refused:
-        Trainer(config)
+        trainer.restore_or_init()
+    trainer.close()
     assert str(refused.value) == (
         "BestExporter 'best' metric 'acc' is not a metric the evaluation produces: its eval_step "
         "returns ['accuracy', 'loss']; set it to one of those"
     )
-    checkpoints = os.path.join(config.storage, config.job, "checkpoints")
+    job_dir = os.path.join(config.storage, config.job)
+    assert not os.path.exists(os.path.join(job_dir, "attempts.json"))  # no rerun budget spent
+    checkpoints = os.path.join(job_dir, "checkpoints")
     assert not os.path.exists(checkpoints) or os.listdir(checkpoints) == []  # no step trained
 
 

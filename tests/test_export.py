@@ -60,7 +60,7 @@ def test_best_exports_only_improvements_and_remembers_across_restarts(job_config
 
 
 def test_best_with_unknown_metric_names_the_metrics(job_config):
-    """Where the trainer could not tell as it was made (here the program's declared names are
+    """Where the job could not be checked as it restored (here the program's declared names are
     wrong; a sharded program of several processes), the export says so."""
 
     class DeclaresF1:

@@ -16,8 +16,8 @@ pauses the rerun automation once one flow run of the deployment was reported Cra
 `max_crashes` times within `within_secs` (each run counted apart: a sweep of jobs preempted
 together does not trip it). Crashed runs then stay Crashed until a person fixes the cause and
 runs the same create call again, which enables the rerun automation and re-arms the brake (the
-UI's toggle enables it too, but leaves the brake blind until its window ends: Prefect opens a
-fired trigger's next window where the last one ends).
+UI's toggle enables it too, but leaves the brake blind to the run that tripped it until its
+window ends: Prefect opens a fired trigger's next window, for that run, where the last one ends).
 
 Example:
     ```python

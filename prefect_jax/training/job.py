@@ -28,13 +28,13 @@ from prefect_jax.training import control
 from prefect_jax.training.announcer import Announcer
 from prefect_jax.training.checkpoints import Checkpoints
 from prefect_jax.training.cluster import from_primary, process_count, process_index
-from prefect_jax.training.errors import LeaseLostError
+from prefect_jax.training.errors import LeaseLostError, NoProgressError
 from prefect_jax.training.evaluation import EvalRecords
 from prefect_jax.training.goodput import GoodputLedger
 from prefect_jax.training.job_checkpoints import JobCheckpoints
 from prefect_jax.training.lease import Lease
 from prefect_jax.training.lease_early import adopt_early
-from prefect_jax.training.names import RUN_NAME_TAG, STORAGE_TAG
+from prefect_jax.training.names import RUN_NAME_TAG, STOP_REASON_TAG, STORAGE_TAG
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.specs import JobConfig
@@ -197,17 +197,36 @@ class Job(JobCheckpoints):
         if self.is_primary:
             control.request_stop(self.storage, reason, step, by=by)
 
-    def record_attempt(self, step: int) -> None:
-        """Count a (re)run starting at `step`; raises `NoProgressError` past the rerun budget. A
-        task retry (the same flow run in the same process) is not a rerun: not counted again."""
-        if self.is_primary:
+    def record_attempt(self, params: Callable[[], dict[str, str]]) -> None:
+        """Count a (re)run starting at the newest committed step, read with the lease held (a
+        holder this process waited for may have committed meanwhile: progress, not a rerun
+        without any). A task retry (the same flow run in the same process) is not counted again.
+
+        Raises:
+            NoProgressError: past the rerun budget; the job's MLflow run (found by its job tag,
+                made with `params` where there is none) is closed FAILED first, with the reason
+                as its stop reason, rather than left as the crashed attempt left it.
+        """
+        if not self.is_primary:
+            return
+        try:
             control.record_attempt(
                 self.storage,
-                step,
+                self.newest_committed() or 0,
                 self.config.train.max_reruns_without_progress,
                 self.run_tags.get("prefect.flow_run_id", ""),
                 f"{socket.gethostname()}:{os.getpid()}",
             )
+        except NoProgressError as refused:
+            try:  # (not reopened: no attempt of this job resumed)
+                self.attach_tracking(params(), reopen=False)
+                self.tracker.set_tags({STOP_REASON_TAG: str(refused)})
+                self.tracker.finish("FAILED")
+            except Exception:  # noqa: BLE001 - the refusal is what the caller must see
+                logger.warning(
+                    "job %s: its MLflow run was not closed", self.config.job, exc_info=True
+                )
+            raise
 
     # -- MLflow ---------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ DEVICES_TAG = "prefect_jax.devices"  # what the newest training attempt runs on
 # prefect_jax.param.<key>: a param's value now, where a rerun changed it (MLflow keeps a param's
 # first value)
 CHANGED_PARAM_TAG = "prefect_jax.param."
-STOP_REASON_TAG = "prefect_jax.stop_reason"  # why an early-stopping listener ended the job
+STOP_REASON_TAG = "prefect_jax.stop_reason"  # why the job stopped: early stopping, a rerun budget
 GOODPUT_TAG = "prefect_jax.goodput"  # the goodput summary in one line
 STEP_TAG = "prefect_jax.step"  # on a registered model version: the global step it was exported at
 CREATE_TAG = (

@@ -170,23 +170,13 @@ def check_metric_names(
             )
 
 
-def check_job_parts(
-    program: Any,
-    program_ref: str,
-    exporters: list,
-    hooks: list,
-    eval_spec: Any = None,
-    one_process: bool = True,
-) -> Any:
+def check_job_parts(program: Any, program_ref: str, exporters: list, hooks: list) -> Any:
     """Refuse, as the job's trainer is made (and a command's preflight before it), `exporters`
     that `program` cannot serve, a best exporter's ``compare_fn`` and a train hook (`hooks`) that
-    cannot be loaded; with `eval_spec` (a trainer no command's preflight checked: one run from
-    Python), its metrics as well (`check_metric_names`), before any step rather than at the
-    first evaluation. Returns the hooks loaded (`TrainHooks`).
+    cannot be loaded; returns the hooks loaded (`TrainHooks`).
 
     Raises:
         ProgramError: one of them, named, with the fix.
-        BadInputError: a metric the evaluation does not produce.
     """
     from prefect_jax.training.best import load_compare_fn
     from prefect_jax.training.program import ProgramError, has_serving
@@ -201,8 +191,6 @@ def check_job_parts(
     for exporter in exporters:  # a bad path refused now, not at an export
         if getattr(exporter, "compare_fn", None):
             load_compare_fn(exporter.compare_fn)
-    if eval_spec is not None:
-        check_metric_names(program, eval_spec, one_process, flags=False)
     return TrainHooks(hooks)
 
 

@@ -18,12 +18,12 @@ from prefect_jax.training.checkpoints import Checkpoints
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.errors import (
     CheckpointMismatchError,
-    NoProgressError,
     PastMaxStepsError,
     RestoreFailedError,
 )
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.names import DEVICES_TAG
+from prefect_jax.training.preflight import check_metric_names
 from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore_of
 from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
@@ -243,21 +243,19 @@ def restore_trainer(
     check_train_batch(loop)
     job.goodput.restore_began()
     job.checkpoints.wait()
-    job.acquire_lease(recheck=True)
-    # (read once the lease is held: a trainer this one waited for may have committed meanwhile)
     newest, max_steps = job.newest_committed(), trainer.config.train.max_steps
     if newest is not None and max_steps is not None and newest > max_steps:
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
+    if newest is None and not trainer.preflighted and job.processes == 1:
+        # a new job no command checked (a flow or the engine from Python): before any step
+        check_metric_names(trainer.program, trainer.config.eval, flags=False)
+    job.acquire_lease(recheck=True)
     if not trainer.config.train.is_final(newest):
         # Counted before the restore: a rerun that dies restoring (out of memory, a bad mount)
         # spends the budget too, so a crash automation cannot rerun it forever.
-        try:
-            job.record_attempt(newest or 0)
-        except NoProgressError:
-            # The job's MLflow run (found by its job tag) is closed FAILED with this reason,
-            # as a refusal after the restore closes it, not left RUNNING by the crashed run.
-            job.attach_tracking(job_params(trainer.config, trainer.program, trainer.program_params))
-            raise
+        job.record_attempt(
+            lambda: job_params(trainer.config, trainer.program, trainer.program_params)
+        )
     waited = duplicate_wait_ended(job.storage.job_dir)
     # another process of this flow run trained until then: not this attempt's time
     if waited is not None:

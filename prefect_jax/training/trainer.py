@@ -111,13 +111,9 @@ class Trainer:
                 )
             self.program_fingerprint = program_fingerprint(config.program, self.program)
             self.train_hooks = check_job_parts(
-                self.program,
-                config.program,
-                config.eval.exporters,
-                config.train.hooks,
-                eval_spec=config.eval if head is None else None,  # (where no preflight did)
-                one_process=self.job.processes == 1,
+                self.program, config.program, config.eval.exporters, config.train.hooks
             )
+            self.preflighted = head is not None  # (a command checked the job's metrics)
             self.loop = head.loop if head is not None else Loop(self.program, config.train)
             self.loop.compiling.save_copy = self.job.checkpoints.device_copy
             # a serve() that does not trace, or lower for named platforms: refused now, not an
