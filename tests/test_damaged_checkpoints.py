@@ -252,36 +252,6 @@ def test_reruns_that_fail_in_their_restore_spend_the_rerun_budget(trained, job_c
     assert "rerun 2 times without getting past step 60" in run.data.tags["prefect_jax.stop_reason"]
 
 
-def test_a_rerun_counts_the_step_committed_while_it_waited_for_the_lease(
-    trained, job_config, monkeypatch
-):
-    """A rerun that waits for the job's lease (its holder finishing a save, a duplicate of its
-    flow run) counts the step committed when it takes the lease, not the one before its wait:
-    the holder's progress is progress, not a rerun without any."""
-    import json
-
-    from prefect_jax.training.job import Job
-
-    longer = job_config(max_steps=100, max_reruns_without_progress=1)  # (the job of `trained`)
-    acquire = Job.acquire_lease
-    holder = []
-
-    def acquire_after_a_holder_trained_on(job, recheck=False):
-        if not holder:  # (while this rerun waits: a holder trains 60 -> 80 and lets go)
-            holder.append(Trainer(longer))
-            holder[0].restore_or_init()
-            holder[0].train_until_checkpoint()
-            holder[0].close()
-        acquire(job, recheck)
-
-    monkeypatch.setattr(Job, "acquire_lease", acquire_after_a_holder_trained_on)
-    trainer = Trainer(longer)
-    assert trainer.restore_or_init() == 80
-    trainer.close()
-    attempts = json.load(open(os.path.join(longer.storage, longer.job, "attempts.json")))
-    assert attempts["step"] == 80 and attempts["reruns_without_progress"] == 0, attempts
-
-
 def _mlflow_run(config):
     from mlflow import MlflowClient
 

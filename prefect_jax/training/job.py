@@ -197,10 +197,9 @@ class Job(JobCheckpoints):
         if self.is_primary:
             control.request_stop(self.storage, reason, step, by=by)
 
-    def record_attempt(self, params: Callable[[], dict[str, str]]) -> None:
-        """Count a (re)run starting at the newest committed step, read with the lease held (a
-        holder this process waited for may have committed meanwhile: progress, not a rerun
-        without any). A task retry (the same flow run in the same process) is not counted again.
+    def record_attempt(self, step: int, params: Callable[[], dict[str, str]]) -> None:
+        """Count a (re)run starting at `step`. A task retry (the same flow run in the same
+        process) is not counted again.
 
         Raises:
             NoProgressError: past the rerun budget; the job's MLflow run (found by its job tag,
@@ -212,7 +211,7 @@ class Job(JobCheckpoints):
         try:
             control.record_attempt(
                 self.storage,
-                self.newest_committed() or 0,
+                step,
                 self.config.train.max_reruns_without_progress,
                 self.run_tags.get("prefect.flow_run_id", ""),
                 f"{socket.gethostname()}:{os.getpid()}",

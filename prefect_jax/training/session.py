@@ -254,7 +254,7 @@ def restore_trainer(
         # Counted before the restore: a rerun that dies restoring (out of memory, a bad mount)
         # spends the budget too, so a crash automation cannot rerun it forever.
         job.record_attempt(
-            lambda: job_params(trainer.config, trainer.program, trainer.program_params)
+            newest or 0, lambda: job_params(trainer.config, trainer.program, trainer.program_params)
         )
     waited = duplicate_wait_ended(job.storage.job_dir)
     # another process of this flow run trained until then: not this attempt's time
