@@ -152,7 +152,7 @@ def create_rerun_automation(
             # A racing call may have deleted `kept` (it saw a lesser id) after this call chose
             # it: the brake must pause the one that stays, so it is pointed again until the
             # least id of the name is the one it names.
-            named = sorted((a.id for a in client.read_automations_by_name(rerun.name)), key=str)
+            named = _ids_named(client, rerun.name)
             if not named or named[0] == kept:
                 break
             kept = named[0]
@@ -173,13 +173,18 @@ def _create_or_replace(client, automation) -> UUID:
     # kept gets this call's spec (a PUT: safe to send again); one that a racing call deleted
     # meanwhile (it saw a lesser id) is looked for again.
     for _ in range(10):
-        named = sorted((a.id for a in client.read_automations_by_name(automation.name)), key=str)
+        named = _ids_named(client, automation.name)
         kept = named[0] if named else created
         for extra in named[1:]:
             _unless_gone(client.delete_automation, extra)
         if _unless_gone(client.update_automation, kept, spec):
             return kept
     return kept
+
+
+def _ids_named(client, name: str) -> list[UUID]:
+    """The ids of the automations named `name`, least first (the one every caller keeps)."""
+    return sorted((a.id for a in client.read_automations_by_name(name)), key=str)
 
 
 def _unless_gone(call, automation_id, *args) -> bool:
