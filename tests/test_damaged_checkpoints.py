@@ -13,6 +13,7 @@ from prefect_jax.training.checkpoints import Checkpoints
 from prefect_jax.training.errors import IntactStepRestoreError, RestoreFailedError, is_transient
 from prefect_jax.training.names import STEP_MANIFEST_FILE, STEP_META_FILE
 from prefect_jax.training.restore_failures import not_the_steps_fault
+from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.trainer import Trainer
 
 
@@ -240,23 +241,29 @@ def test_reruns_that_fail_in_their_restore_spend_the_rerun_budget(trained, job_c
         with pytest.raises(IntactStepRestoreError, match="RESOURCE_EXHAUSTED"):
             trainer.restore_or_init()
         trainer.close()
+    # The last rerun takes over the lease of a holder that died (SIGKILLed on another machine).
+    dead = {"token": "dead", "flow_run_id": "run-killed", "host": "gone", "pid": 4242}
+    storage = JobStorage(longer.storage, longer.job)
+    storage.write_json(storage.path("lease.json"), {**dead, "heartbeat": 0, "timeout_secs": 60})
     trainer = Trainer(longer)
     with pytest.raises(NoProgressError, match="rerun 2 times without getting past step 60 "):
         trainer.restore_or_init()
     trainer.close()
     assert committed_steps(_ckpt_dir(longer)) == [20, 40, 60] and not _set_aside(longer)
     # The refusal closes the job's MLflow run FAILED, saying why (found by its job tag: nothing
-    # was restored), whatever closes the trainer after it.
+    # was restored), whatever closes the trainer after it; the killed holder is recorded too.
     run = _mlflow_run(longer)
     assert run.info.status == "FAILED"
     assert "rerun 2 times without getting past step 60" in run.data.tags["prefect_jax.stop_reason"]
+    killed = run.data.tags["prefect_jax.killed.1"]
+    assert "pid 4242" in killed and "run-killed" in killed, killed
+    assert "a rerun refused to train on" in killed and "RUNNING again" not in killed, killed
 
 
 def _mlflow_run(config):
     from mlflow import MlflowClient
 
     from prefect_jax.training.names import JOB_TAG
-    from prefect_jax.training.storage import JobStorage
 
     client = MlflowClient(config.mlflow_tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow_experiment)

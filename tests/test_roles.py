@@ -198,6 +198,19 @@ def test_rerun_budget_without_progress(tmp_path):
     assert record_attempt(js, 120, 2, "run-a", "host:2") == 2  # (the same run, another process)
 
 
+def test_the_rerun_budgets_refusal_names_storage_without_its_secrets():
+    """The refusal becomes the flow run's message and the MLflow run's stop reason: a URL's
+    password is not in it, where the job and the file to delete still are."""
+    js = JobStorage("memory://AKIAEXAMPLEKEY123:wJalrXUtnFEMI@bucket/jobs", "stuck")
+    record_attempt(js, 100, 0)
+    with pytest.raises(NoProgressError) as refused:
+        record_attempt(js, 100, 0)
+    said = str(refused.value)
+    assert "wJalrXUtnFEMI" not in said and "EXAMPLEKEY" not in said, said
+    assert "@bucket/jobs/stuck was rerun 1 times" in said
+    assert "@bucket/jobs/stuck/attempts.json to reset" in said
+
+
 def test_an_evaluator_given_another_max_steps_than_its_trainer_is_told_which(tmp_path, mlflow_uri):
     """The command's default (1000) against a trainer of 20 steps: the evaluator would wait for a
     final step that never comes; it says so, naming the trainer's and the fix."""

@@ -160,9 +160,19 @@ def test_land_waits_a_bounded_time_for_mlflow_unless_strict(tmp_path, monkeypatc
     """The end of an evaluate or export flow run waits for its MLflow writes
     (`live.land_mlflow_writes`): at most its limit, then a warning, where a tracking server that
     hangs must not hold the run; in strict mode until they land."""
+    import time
+
     tracker, release = held_tracker(tmp_path, monkeypatch, "land-job")
     assert land_timed(tracker, caplog, 0.5) < 10
     assert "write(s) still on their way after 0.5s, 0 failed" in caplog.text
+    # A refused rerun's close (`Job.record_attempt`): bounded the same way, the refusal raised
+    # next does not wait out MLflow's retries.
+    caplog.clear()
+    began = time.monotonic()
+    with caplog.at_level("WARNING", logger="prefect_jax.tracking"):
+        tracker.finish("FAILED", at_most=0.5)
+    assert time.monotonic() - began < 10
+    assert "write(s) still on their way after 0.5s" in caplog.text
     release.set()
     monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "1")
     tracker.land(0.0)  # strict: waits until it lands, whatever the limit

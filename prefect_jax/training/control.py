@@ -24,6 +24,7 @@ from prefect_jax.training.errors import EvalHookError, NoProgressError
 from prefect_jax.training.evaluation import EvalRecords, EvalResult
 from prefect_jax.training.program import ProgramError, import_path, made_if_class
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
+from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -75,12 +76,12 @@ def record_attempt(
     same = counted + 1 if data.get("step") == step else 0
     if max_without_progress is not None and same > max_without_progress:
         raise NoProgressError(
-            f"job {storage.job_dir} was rerun {same} times without getting past step {step} "
-            f"(max_reruns_without_progress={max_without_progress}); not trying again. If those "
-            "runs crashed, look at their logs; if they were stopped (preempted, killed) before "
-            "their first checkpoint, checkpoint more often (CheckpointSpec.every_secs, "
-            f"`--checkpoint-every-secs`) or give them longer. Then delete {path} to reset the "
-            "budget."
+            f"job {redact_url(storage.job_dir)} was rerun {same} times without getting past "
+            f"step {step} (max_reruns_without_progress={max_without_progress}); not trying again. "
+            "If those runs crashed, look at their logs; if they were stopped (preempted, killed) "
+            "before their first checkpoint, checkpoint more often (CheckpointSpec.every_secs, "
+            "`--checkpoint-every-secs`) or give them longer. Then delete "
+            f"{redact_url(path)} to reset the budget."
         )
     storage.write_json(
         path,

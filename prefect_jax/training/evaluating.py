@@ -22,7 +22,7 @@ from prefect_jax.training.cluster import LostProcess, lost_process
 from prefect_jax.training.collective import EVALUATE, FAILED, GATHER, announce, worst
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.exporters import nothing_to_export
-from prefect_jax.training.names import STOP_REASON_TAG, TRAIN_PREFIX
+from prefect_jax.training.names import MAX_TAG_VALUE, STOP_REASON_TAG, TRAIN_PREFIX
 from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
 from prefect_jax.training.session import job_params
 
@@ -358,7 +358,7 @@ class Evaluations:
             logger.warning("%s: asking job %s to stop", reason, t.config.job)
             job.request_stop(reason, step, by=f"eval {spec.name}")
             self.on_stop()
-            job.tracker.set_tags({STOP_REASON_TAG: reason[:5000]})
+            job.tracker.set_tags({STOP_REASON_TAG: reason[:MAX_TAG_VALUE]})
             result = result.model_copy(update={"stop_reason": reason})
         stopped = control.after_eval_stop(t.eval_hooks, result)
         if stopped:

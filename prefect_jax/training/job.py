@@ -34,7 +34,8 @@ from prefect_jax.training.goodput import GoodputLedger
 from prefect_jax.training.job_checkpoints import JobCheckpoints
 from prefect_jax.training.lease import Lease
 from prefect_jax.training.lease_early import adopt_early
-from prefect_jax.training.names import RUN_NAME_TAG, STOP_REASON_TAG, STORAGE_TAG
+from prefect_jax.training.mlflow_client import EXIT_WAIT_SECS
+from prefect_jax.training.names import MAX_TAG_VALUE, RUN_NAME_TAG, STOP_REASON_TAG, STORAGE_TAG
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.specs import JobConfig
@@ -218,9 +219,12 @@ class Job(JobCheckpoints):
             )
         except NoProgressError as refused:
             try:  # (not reopened: no attempt of this job resumed)
-                self.attach_tracking(params(), reopen=False)
-                self.tracker.set_tags({STOP_REASON_TAG: str(refused)})
-                self.tracker.finish("FAILED")
+                killed = self._killed_attempt()  # (the dead holder whose lease this run took)
+                self.attach_tracking(
+                    params(), reopen=False, killed=killed and {**killed, "refused": True}
+                )
+                self.tracker.set_tags({STOP_REASON_TAG: str(refused)[:MAX_TAG_VALUE]})
+                self.tracker.finish("FAILED", at_most=EXIT_WAIT_SECS)
             except Exception:  # noqa: BLE001 - the refusal is what the caller must see
                 logger.warning(
                     "job %s: its MLflow run was not closed", self.config.job, exc_info=True
@@ -230,12 +234,17 @@ class Job(JobCheckpoints):
     # -- MLflow ---------------------------------------------------------------------------
 
     def attach_tracking(
-        self, params: dict[str, str], run_id: str | None = None, reopen: bool = True
+        self,
+        params: dict[str, str],
+        run_id: str | None = None,
+        reopen: bool = True,
+        killed: dict | None = None,
     ) -> None:
         """Find (by id, else by job tag) or create this job's MLflow run (in the background).
 
         After taking over the lease of a dead trainer (SIGKILLed: it never closed the run), the
-        run is marked KILLED, the attempt recorded, and the run reopened (see `Tracker.start`).
+        run is marked KILLED, the attempt recorded, and the run reopened (see `Tracker.start`);
+        `killed`: that attempt, where the caller has taken it already (not reopening).
         """
         self.tracker.start(
             params=params,
@@ -246,7 +255,7 @@ class Job(JobCheckpoints):
             },
             run_id=run_id,
             reopen=reopen,
-            killed=self._killed_attempt() if reopen else None,
+            killed=self._killed_attempt() if reopen else killed,
             description=self.description() if reopen else None,  # an evaluator leaves the trainer's
         )
 

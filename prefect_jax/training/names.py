@@ -26,6 +26,8 @@ CREATE_TAG = (
 )
 RUN_NAME_TAG = "mlflow.runName"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
+# the longest tag value written (MLflow 3 takes 8000; a few characters of margin for older servers)
+MAX_TAG_VALUE = 5000
 # The experiment's kind (MLflow 3.17's UI picks its view from its sidebar switch instead:
 # docs/mlflow.md; other MLflow UIs and clients read the kind).
 EXPERIMENT_KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"

@@ -38,7 +38,8 @@ from prefect_jax.training.mlflow_client import (
 )
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.tracking_metrics import MetricCalls
-from prefect_jax.training.tracking_run import RegistryCalls, RunCalls
+from prefect_jax.training.tracking_registry import RegistryCalls
+from prefect_jax.training.tracking_run import RunCalls
 
 logger = logging.getLogger("prefect_jax.tracking")
 

@@ -1,18 +1,15 @@
 """The run side of a `Tracker`: find or create the job's MLflow run, reopen it, close it, record
-the attempts that died without closing it, its tags, its link in the MLflow UI, and the exports
-it registers (`prefect_jax.training.registry`, `RegistryCalls`).
+the attempts that died without closing it, its tags, its link in the MLflow UI.
 
-`RunCalls` and `RegistryCalls` are bases of `Tracker` (with `MetricCalls`): their public methods
-queue a call (`Tracker._call`); the underscored ones run it, in the MLflow worker process or on
-the tracker's thread.
+`RunCalls` is a base of `Tracker` (with `RegistryCalls`, `MetricCalls`): its public methods queue
+a call (`Tracker._call`); the underscored ones run it, in the MLflow worker process or on the
+tracker's thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from prefect_jax.training import redaction
@@ -29,6 +26,7 @@ from prefect_jax.training.names import (
     JOB_TAG,
     KILLED_ATTEMPT_TAG,
     KILLED_TAG,
+    MAX_TAG_VALUE,
     MODEL_TRAINING,
     NOTE_TAG,
     RUN_NAME_TAG,
@@ -232,7 +230,7 @@ class RunCalls:
             for n in range(1, int(tags.get(KILLED_TAG, "0") or 0) + 1)
             if f"{KILLED_ATTEMPT_TAG}{n}" in tags
         ]
-        note = "\n\n".join([description.strip(), *killed])[-5000:]
+        note = "\n\n".join([description.strip(), *killed])[-MAX_TAG_VALUE:]
         if tags.get(NOTE_TAG) != note:
             self._client.set_tag(self._run_id, NOTE_TAG, note)
 
@@ -245,13 +243,19 @@ class RunCalls:
         if run.info.status == "RUNNING":
             client.set_terminated(run_id, status="KILLED")
         n = int(tags.get(KILLED_TAG, "0") or 0) + 1
-        line = (
-            f"Attempt killed (run marked KILLED, then RUNNING again): host {killed.get('host')}, "
-            f"pid {killed.get('pid')}, Prefect flow run {killed.get('flow_run_id') or '-'}; its "
-            f"lease was taken over ({killed.get('reason')}) and training resumed from step "
-            f"{killed.get('resumed_from')}."
+        refused = killed.get("refused")  # (a rerun refused at its restore: not reopened)
+        then = (
+            "a rerun refused to train on (see the stop reason)"
+            if refused
+            else f"training resumed from step {killed.get('resumed_from')}"
         )
-        note = (tags.get(NOTE_TAG, "") + "\n\n" + line).strip()[-5000:]
+        line = (
+            f"Attempt killed (run marked KILLED{'' if refused else ', then RUNNING again'}): host "
+            f"{killed.get('host')}, pid {killed.get('pid')}, Prefect flow run "
+            f"{killed.get('flow_run_id') or '-'}; its lease was taken over "
+            f"({killed.get('reason')}) and {then}."
+        )
+        note = (tags.get(NOTE_TAG, "") + "\n\n" + line).strip()[-MAX_TAG_VALUE:]
         from mlflow.entities import RunTag
 
         tags = {KILLED_TAG: str(n), f"{KILLED_ATTEMPT_TAG}{n}": line, NOTE_TAG: note}
@@ -305,10 +309,15 @@ class RunCalls:
         for k, v in tags.items():
             self._client.set_tag(self._run_id, k, v)
 
-    def finish(self, status: str = "FINISHED") -> None:
+    def finish(self, status: str = "FINISHED", at_most: float | None = None) -> None:
         """Mark the run terminated with `status`, after every earlier call; waits for it (after a
         lost process, `exit_wait` at most for the calls before it and for itself, then a
-        warning)."""
+        warning). `at_most`: wait that long at most, then warn (`land`), as a failure on its way
+        out does: MLflow's own retries against a server that went away last minutes."""
+        if at_most is not None and not strict():
+            self._call("_finish", status)
+            self.land(at_most)
+            return
         if not process_lost() or strict():
             self._wait("_finish", status)
             return
@@ -331,70 +340,3 @@ class RunCalls:
         self._stop_system_metrics()
         if self._run_id:
             self._client.set_terminated(self._run_id, status=status)
-
-
-class RegistryCalls:
-    """The job's exports as MLflow Models and registry versions (part of `Tracker`)."""
-
-    def warm_registry(self) -> Future | None:
-        """Have the worker process make ready, now and beside this tracker's calls, what its first
-        logged model would otherwise wait for (`registry.warm_jax`, `registry.warm_mlflow`: JAX
-        and its CPU client, MLflow's model modules, its map of installed packages): seconds of CPU
-        at its nice level, which the first `register_exports` paid in the queue, ahead of every
-        later MLflow write. Once per worker. Returns what answers once it is done (its error, if
-        any; the first export then fails with its own); None where MLflow runs in this process
-        (``PREFECT_JAX_MLFLOW_IN_PROCESS``, or no worker could start), which does it at that
-        first export."""
-        return self._remote.worker.warm_registry() if self._remote is not None else None
-
-    def register_exports(
-        self,
-        name: str,
-        job: str,
-        aliases: dict[str, int],
-        local_export: Callable[[int], str],
-        example,
-        on_done: Callable[[dict], None] | None = None,
-        description: str = "",
-        steps: list[int] = (),
-    ) -> Future:
-        """In the background: each exported step (`steps`, and each step an alias points at)
-        becomes an MLflow Model of the run and a version of registered model `name` (once), and
-        the aliases move (see `registry.sync_registry`). `local_export` must pickle (it runs in
-        the worker process); `on_done` gets the result in this process."""
-        future = self._call(
-            "_register_exports", name, job, aliases, local_export, example, description, list(steps)
-        )
-        if on_done is not None:
-            future.add_done_callback(lambda f: _after(f, on_done))
-        return future
-
-    @guarded
-    def _register_exports(
-        self, name, job, aliases, local_export, example, description, steps
-    ) -> dict:
-        from prefect_jax.training.registry import sync_registry
-
-        return sync_registry(
-            self._client,
-            self.tracking_uri,
-            self._experiment_id,
-            self._run_id,
-            name,
-            job,
-            self.job_key,
-            aliases,
-            local_export,
-            example,
-            description,
-            steps,
-        )
-
-
-def _after(future: Future, fn: Callable[[Any], None]) -> None:
-    """`fn(result)` of a background call that answered (not one that failed or was skipped)."""
-    if future.exception() is None and future.result() is not None:
-        try:
-            fn(future.result())
-        except Exception as exc:  # noqa: BLE001 - tracking must never stop training
-            logger.warning("after an MLflow call: %r", exc)

@@ -214,6 +214,10 @@ class Trainer:
 
         Raises:
             LeaseHeldError: another live trainer holds the job.
+            PastMaxStepsError: the job's newest step is past `max_steps`.
+            BadInputError: a new job's best exporter or early stopping names a metric that the
+                evaluation does not produce.
+            NoProgressError: past the rerun budget (see `Job.record_attempt`).
         """
         try:
             return restore_trainer(
