@@ -391,6 +391,34 @@ def test_a_best_metric_from_python_is_refused_as_a_new_job_restores(job_config):
     assert not os.path.exists(checkpoints) or os.listdir(checkpoints) == []  # no step trained
 
 
+def test_a_best_metric_is_checked_where_the_role_evaluates_and_a_preflight_did_not(job_config):
+    """A train-only role leaves the eval metrics to its evaluator (as the CLI's --role train
+    does); an evaluate or export flow's recover checks them before it restores a step; a
+    `facade.preflight` given no eval spec checked none, so its head start's trainer does."""
+    from prefect_jax.training import BestExporter, Trainer
+    from prefect_jax.training.facade import preflight
+    from prefect_jax.training.preflight import BadInputError
+
+    config = job_config(max_steps=20, exporters=[BestExporter(metric="acc")])
+    trainer = Trainer(config)
+    assert trainer.restore_or_init(evaluates=False) == 0  # the train role: not its to refuse
+    trainer.train_until_checkpoint()
+    trainer.finish()
+    trainer.close()
+    evaluator = Trainer(config)
+    with pytest.raises(BadInputError, match="^BestExporter 'best' metric 'acc' is not a metric"):
+        evaluator.recover()
+    assert evaluator.state is None  # refused before the step was restored
+    evaluator.close()
+
+    fresh = config.model_copy(update={"job": "fresh"})
+    preflight(fresh.program, fresh.job, fresh.storage, 20, train_spec=fresh.train)
+    trainer = Trainer(fresh)  # (adopts the preflight's head start)
+    with pytest.raises(BadInputError, match="^BestExporter 'best' metric 'acc' is not a metric"):
+        trainer.restore_or_init()
+    trainer.close()
+
+
 def test_evaluate_with_max_steps_below_the_committed_step_is_refused(trained, mlflow_uri):
     _, storage = trained
     before = _tree_digest(storage)

@@ -32,6 +32,7 @@ def restore_or_init(
     wait_for_checkpoint: bool = False,
     max_wait_secs: float = 7200,
     recovery_wait_secs: float = 30,
+    evaluates: bool = True,
 ) -> dict[str, Any]:
     """Resume the job from its latest committed checkpoint, or from `checkpoint_path`, or init.
 
@@ -51,6 +52,8 @@ def restore_or_init(
         wait_for_checkpoint: wait for a first committed checkpoint instead of initialising.
         max_wait_secs: the longest that wait lasts.
         recovery_wait_secs: how often the wait says it is still waiting.
+        evaluates: this flow run evaluates the job: a new job's best exporter and early stopping
+            metrics are checked before any step (False: the `train` role, whose evaluator does).
 
     Returns:
         ``{"step": int, "mlflow_run_id": str | None, "checkpoint_dir": str}`` (the MLflow run
@@ -78,6 +81,7 @@ def restore_or_init(
         wait_for_checkpoint=wait_for_checkpoint,
         max_wait_secs=max_wait_secs,
         recovery_wait_secs=recovery_wait_secs,
+        evaluates=evaluates,
     )
     mark_taken_over(trainer)
     mark_dead_local_runs(config)

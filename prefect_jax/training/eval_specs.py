@@ -307,3 +307,16 @@ def flow_registers_exports(flow: str, eval_spec) -> bool:
         return EvalSpec.model_validate(eval_spec).registers_exports
     except Exception:  # noqa: BLE001 - not an eval spec: the flow's own validation says why
         return False
+
+
+def compared_metrics(eval_spec: EvalSpec) -> list[tuple[str | None, str]]:
+    """The eval metrics that `eval_spec` compares, each with the best exporter that compares it
+    (None: early stopping): its best exporters' without a ``compare_fn``, its early stopping's."""
+    compared: list[tuple[str | None, str]] = [
+        (e.name, e.metric)
+        for e in eval_spec.exporters
+        if isinstance(e, BestExporter) and e.compare_fn is None
+    ]
+    if eval_spec.early_stopping is not None:
+        compared.append((None, eval_spec.early_stopping.metric))
+    return compared

@@ -24,7 +24,7 @@ from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttled
 from prefect_jax.training.exporters import nothing_to_export
 from prefect_jax.training.names import MAX_TAG_VALUE, STOP_REASON_TAG, TRAIN_PREFIX
 from prefect_jax.training.pending import OnRecorded, PendingEvaluation, may_record_later
-from prefect_jax.training.session import job_params
+from prefect_jax.training.tracking_params import job_params
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer

@@ -36,6 +36,7 @@ from typing import Any
 from prefect_jax.training import step_prefetch
 from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
+from prefect_jax.training.eval_specs import compared_metrics
 from prefect_jax.training.loop import Loop
 from prefect_jax.training.program_params import ProgramParams
 from prefect_jax.training.specs import JobConfig, TrainSpec
@@ -56,6 +57,14 @@ class HeadStart:
     cache_opened: bool  # the job's compilation cache is open (as `open_compilation_cache` left it)
     # the export platforms the preflight checked serve for (`check_serving_early`), if it did
     serving_checked: tuple[str, ...] | None = None
+    # the eval metrics the preflight checked (`preflight.check_metric_names`), if it did
+    metrics_checked: tuple[str, ...] | None = None
+
+    def checked_metrics_of(self, eval_spec: Any) -> bool:
+        """Whether the preflight checked the metrics that `eval_spec` names (its trainer's may
+        name others: a flow given another eval spec than `facade.preflight` was)."""
+        asked = tuple(metric for _, metric in compared_metrics(eval_spec))
+        return self.metrics_checked is not None and self.metrics_checked == asked
 
 
 _begun: HeadStart | None = None
@@ -87,13 +96,15 @@ def begin(
     storage: JobStorage,
     compilation_cache: str | None,
     serving_checked: tuple[str, ...] | None = None,
+    metrics_checked: tuple[str, ...] | None = None,
 ) -> bool:
     """Make the job's `Loop` for `program` (loaded from `program_ref` with `given_params`) and
     start the compile of its steps, after opening the job's compilation cache (`compilation_cache`
     as `JobConfig.compilation_cache_dir`); `serving_checked`: the export platforms the preflight
-    checked ``serve`` for, if it did. For one JAX process whose preflight has passed, which
-    found no live trainer holding the job (`preflight.check_job`). Whether it began: any failure
-    is left for the trainer to meet and report."""
+    checked ``serve`` for, if it did; `metrics_checked`: the eval metrics it checked, if it did.
+    For one JAX process whose preflight has passed, which found no live trainer holding the job
+    (`preflight.check_job`). Whether it began: any failure is left for the trainer to meet and
+    report."""
     global _begun
     try:
         mirror, opened = None, False
@@ -107,7 +118,9 @@ def begin(
     except Exception:  # noqa: BLE001 - the trainer does the same again and says what failed
         logger.debug("no head start for job %s", storage.job, exc_info=True)
         return False
-    _begun = HeadStart(key, program, program_params, loop, mirror, opened, serving_checked)
+    _begun = HeadStart(
+        key, program, program_params, loop, mirror, opened, serving_checked, metrics_checked
+    )
     return True
 
 

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from prefect_jax.training.eval_specs import compared_metrics
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage
 
@@ -136,38 +137,39 @@ def eval_metric_names(program: Any, one_process: bool = True) -> list[str]:
 
 def check_metric_names(
     program: Any, eval_spec: Any, one_process: bool = True, flags: bool = True
-) -> None:
+) -> bool:
     """Refuse a best exporter's or early stopping's metric that the evaluation does not produce
     (where `eval_metric_names` can find them: see `one_process` there). `flags`: the message
-    names the command's flag (else the spec's field, for a program run from Python).
+    names the command's flag (else the spec's field, for a program run from Python). Whether
+    the metrics were checked (False: not knowable before an evaluation, which checks them).
 
     Raises:
         BadInputError: The metric is not among `eval_metric_names`; the message names them.
     """
-    from prefect_jax.training.specs import BestExporter
 
-    asked = [
-        (
-            f"--best-metric (exporter {e.name!r})" if flags else f"BestExporter {e.name!r} metric",
-            e.metric,
+    def named_by(exporter: str | None) -> str:
+        if exporter is None:
+            return "early_stopping.metric"
+        return (
+            f"--best-metric (exporter {exporter!r})"
+            if flags
+            else f"BestExporter {exporter!r} metric"
         )
-        for e in eval_spec.exporters
-        if isinstance(e, BestExporter) and e.compare_fn is None
-    ]
-    if eval_spec.early_stopping is not None:
-        asked.append(("early_stopping.metric", eval_spec.early_stopping.metric))
+
+    asked = [(named_by(exporter), metric) for exporter, metric in compared_metrics(eval_spec)]
     if not asked:
-        return
+        return True
     try:
         names = eval_metric_names(program, one_process)
     except Exception:  # noqa: BLE001 - not knowable without running: the engine checks it then
-        return
+        return False
     for flag, metric in asked:
         if metric not in names:
             raise BadInputError(
                 f"{flag} {metric!r} is not a metric the evaluation produces: its eval_step "
                 f"returns {names}; set it to one of those"
             )
+    return True
 
 
 def check_job_parts(program: Any, program_ref: str, exporters: list, hooks: list) -> Any:
@@ -251,8 +253,10 @@ def check_job(
         loaded, params = load_program_with_params(
             program, dict(program_params) if program_params else None, max_steps
         )
+        metrics_checked = None  # (the metrics checked here: the head start's trainer skips them)
         if eval_spec is not None and evaluates:
-            check_metric_names(loaded, eval_spec, one_process=cluster is None)
+            if check_metric_names(loaded, eval_spec, one_process=cluster is None):
+                metrics_checked = tuple(m for _, m in compared_metrics(eval_spec))
         exporters = eval_spec.exporters if eval_spec is not None else []
         if train_spec is not None:  # what its trainer refuses as it is made (see head_start)
             check_job_parts(loaded, program, exporters, train_spec.hooks)
@@ -311,5 +315,13 @@ def check_job(
 
         given = dict(program_params) if program_params else None
         head_start.begin(
-            program, loaded, params, given, train_spec, js, compilation_cache, serving_checked
+            program,
+            loaded,
+            params,
+            given,
+            train_spec,
+            js,
+            compilation_cache,
+            serving_checked,
+            metrics_checked,
         )

@@ -30,7 +30,7 @@ from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote_errors import RemoteStorageError
 from prefect_jax.training.restore_failures import RestoreFailures, not_the_steps_fault
 from prefect_jax.training.sharded_state import check_train_batch
-from prefect_jax.training.tracking import flatten_params
+from prefect_jax.training.tracking_params import job_params
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
@@ -209,31 +209,13 @@ def describe_devices(mesh=None) -> str:
     return text
 
 
-def job_params(config, program, program_params=None) -> dict[str, str]:
-    """A job's MLflow params: its program, specs and program config, flattened, and each of the
-    program's typed parameters (`ProgramParams`) as ``program.<field>``."""
-    params = flatten_params(
-        "",
-        {
-            "program": config.program,
-            "job": config.job,
-            "train": config.train.model_dump(mode="json"),
-            "eval": config.eval.model_dump(mode="json"),
-            "checkpoint": config.checkpoint.model_dump(mode="json"),
-            "program_config": getattr(program, "config", None) or {},
-        },
-    )
-    if program_params is not None:
-        params.update(flatten_params("program", program_params.values))
-    return params
-
-
 def restore_trainer(
     trainer: Trainer,
     checkpoint_path: str | None,
     wait_for_checkpoint: bool,
     max_wait_secs: float,
     recovery_wait_secs: float,
+    evaluates: bool = True,
 ) -> int:
     """`Trainer.restore_or_init`: the job's lease, then its live state (restored or made by init)
     in `trainer`, its MLflow run attached, its attempt opened in the goodput ledger."""
@@ -246,9 +228,11 @@ def restore_trainer(
     newest, max_steps = job.newest_committed(), trainer.config.train.max_steps
     if newest is not None and max_steps is not None and newest > max_steps:
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
-    if newest is None and not trainer.preflighted and job.processes == 1:
+    if evaluates and newest is None and not trainer.metrics_checked and job.processes == 1:
         # a new job no command checked (a flow or the engine from Python): before any step
-        check_metric_names(trainer.program, trainer.config.eval, flags=False)
+        trainer.metrics_checked = check_metric_names(
+            trainer.program, trainer.config.eval, flags=False
+        )
     job.acquire_lease(recheck=True)
     if not trainer.config.train.is_final(newest):
         # Counted before the restore: a rerun that dies restoring (out of memory, a bad mount)
@@ -367,6 +351,11 @@ def recover_trainer(
         # a training state is not swapped for an older step: an evaluation restores it itself
         return job.is_committed(step), step
     job.checkpoints.wait()
+    if not trainer.metrics_checked and job.processes == 1:
+        # an evaluate or export flow, before it restores anything (once per trainer)
+        trainer.metrics_checked = check_metric_names(
+            trainer.program, trainer.config.eval, flags=False
+        )
     if step is not None:
         if not job.is_committed(step):
             return False, None

@@ -23,7 +23,6 @@ import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 # Imported from here by the command and the flows (to be imported from mlflow_client instead).
 from prefect_jax.training.mlflow_client import (
@@ -45,20 +44,6 @@ logger = logging.getLogger("prefect_jax.tracking")
 
 # Set by the command, which owns its process: gc.freeze() once MLflow is imported
 freeze_after_connect = False
-
-
-def flatten_params(prefix: str, obj: Any) -> dict[str, str]:
-    """Flatten nested dicts/lists into ``a.b.0.c`` keys with string values (MLflow params)."""
-    out: dict[str, str] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(flatten_params(f"{prefix}.{k}" if prefix else str(k), v))
-    elif isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], (dict, list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(flatten_params(f"{prefix}.{i}", v))
-    else:
-        out[prefix] = str(obj)[:6000]
-    return out
 
 
 class Tracker(RunCalls, RegistryCalls, MetricCalls):

@@ -1,5 +1,5 @@
-"""A job's params in its MLflow run: logged when the run is made, brought up to date when a rerun
-reopens it.
+"""A job's params in its MLflow run: what they are (`job_params`), logged when the run is made,
+brought up to date when a rerun reopens it.
 
 MLflow keeps a param's first value for good (a second value is refused), so a rerun that changes
 the job (trains further, evaluates otherwise) records each changed value as tag
@@ -68,3 +68,36 @@ def reconcile_params(client, run, params: dict[str, Any]) -> None:
             "; ".join(said),
             CHANGED_PARAM_TAG,
         )
+
+
+def job_params(config, program, program_params=None) -> dict[str, str]:
+    """A job's MLflow params: its program, specs and program config, flattened, and each of the
+    program's typed parameters (`ProgramParams`) as ``program.<field>``."""
+    params = flatten_params(
+        "",
+        {
+            "program": config.program,
+            "job": config.job,
+            "train": config.train.model_dump(mode="json"),
+            "eval": config.eval.model_dump(mode="json"),
+            "checkpoint": config.checkpoint.model_dump(mode="json"),
+            "program_config": getattr(program, "config", None) or {},
+        },
+    )
+    if program_params is not None:
+        params.update(flatten_params("program", program_params.values))
+    return params
+
+
+def flatten_params(prefix: str, obj: Any) -> dict[str, str]:
+    """Flatten nested dicts/lists into ``a.b.0.c`` keys with string values (MLflow params)."""
+    out: dict[str, str] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten_params(f"{prefix}.{k}" if prefix else str(k), v))
+    elif isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], (dict, list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flatten_params(f"{prefix}.{i}", v))
+    else:
+        out[prefix] = str(obj)[:6000]
+    return out

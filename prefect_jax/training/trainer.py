@@ -86,8 +86,7 @@ class Trainer:
     ):
         # several JAX processes (from the environment): joined before JAX picks its devices
         initialize_cluster()
-        # (a lost process seen by an earlier trainer in this process is not this one's)
-        forget_lost()
+        forget_lost()  # (a lost process seen by an earlier trainer in this process is not its)
         self.config = config
         # (the command's compile, begun before its flow run: `prefect_jax.training.head_start`)
         head = adopt_head_start(config) if program is None else None
@@ -113,7 +112,7 @@ class Trainer:
             self.train_hooks = check_job_parts(
                 self.program, config.program, config.eval.exporters, config.train.hooks
             )
-            self.preflighted = head is not None  # (a command checked the job's metrics)
+            self.metrics_checked = head is not None and head.checked_metrics_of(config.eval)
             self.loop = head.loop if head is not None else Loop(self.program, config.train)
             self.loop.compiling.save_copy = self.job.checkpoints.device_copy
             # a serve() that does not trace, or lower for named platforms: refused now, not an
@@ -204,9 +203,11 @@ class Trainer:
         wait_for_checkpoint: bool = False,
         max_wait_secs: float = 7200,
         recovery_wait_secs: float = 30,
+        evaluates: bool = True,
     ) -> int:
         """Take the job's lease, then resume from its latest readable committed step; else from
-        `checkpoint_path`; else init.
+        `checkpoint_path`; else init. `evaluates`: False for the train role (its evaluator checks
+        the metrics that `config.eval` names).
 
         Torn steps (never committed) and unreadable or corrupt ones are moved aside with a
         warning naming the step. Also finds (or creates) the job's MLflow run. Returns the step
@@ -220,9 +221,8 @@ class Trainer:
             NoProgressError: past the rerun budget (see `Job.record_attempt`).
         """
         try:
-            return restore_trainer(
-                self, checkpoint_path, wait_for_checkpoint, max_wait_secs, recovery_wait_secs
-            )
+            waits = (wait_for_checkpoint, max_wait_secs, recovery_wait_secs)
+            return restore_trainer(self, checkpoint_path, *waits, evaluates)
         except Exception as exc:
             # several processes: a peer lost in the collective restore, or this one's own failure
             note_failure(exc)
