@@ -260,6 +260,41 @@ def test_reruns_that_fail_in_their_restore_spend_the_rerun_budget(trained, job_c
     assert "a rerun refused to train on" in killed and "RUNNING again" not in killed, killed
 
 
+def test_a_rerun_that_waited_for_a_finishing_holder_counts_the_step_it_committed(
+    trained, job_config
+):
+    """A rerun that waits for the job's lease while its preempted holder finishes a save counts
+    the step that save committed, not the one it read before the wait: the holder's progress is
+    not a rerun without any."""
+    import json
+    import threading
+    import time
+
+    from prefect_jax.training.lease_finishing import release_after
+
+    longer = job_config(max_steps=100, max_reruns_without_progress=1)  # (the job of `trained`)
+    holder = Trainer(longer)
+    assert holder.restore_or_init() == 60
+    saved = threading.Event()  # its notice came: the lease says "finishing" until its save ends
+    release_after(holder.job.lease, saved.wait, "step 80")
+    rerun, restored = Trainer(longer), []
+    waiting = threading.Thread(target=lambda: restored.append(rerun.restore_or_init()))
+    waiting.start()
+    deadline = time.monotonic() + 60
+    while not rerun.job.lease.waited_for_holder:  # (it read step 60, then met the holder)
+        assert time.monotonic() < deadline and waiting.is_alive()
+        time.sleep(0.05)
+    assert holder.train_until_checkpoint() == 80
+    holder.job.wait_committed()
+    saved.set()  # the lease is freed: the rerun takes it
+    waiting.join(60)
+    assert restored == [80]
+    rerun.close()
+    holder.close()
+    attempts = json.load(open(os.path.join(longer.storage, longer.job, "attempts.json")))
+    assert attempts["step"] == 80 and attempts["reruns_without_progress"] == 0, attempts
+
+
 def _mlflow_run(config):
     from mlflow import MlflowClient
 

@@ -154,15 +154,18 @@ class Job(JobCheckpoints):
 
     # -- the lease, stop requests, reruns -------------------------------------------------
 
-    def acquire_lease(self, recheck: bool = False) -> None:
+    def acquire_lease(self, recheck: bool = False) -> bool:
         """Take (or keep) the job's lease; raises `LeaseHeldError` naming a live owner.
-        `recheck`: see `Lease.acquire`."""
-        if self.is_primary:
-            self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
-            self.lease.acquire(recheck)
-            if self._records_at_loss is not None:  # held again (a restore after a duplicate's)
-                self.goodput.enabled, self.tracker.enabled = self._records_at_loss
-                self._records_at_loss = None
+        `recheck`: see `Lease.acquire`. Whether it waited for a holder to let the job go (its last
+        save may have committed meanwhile); False in every process but the primary."""
+        if not self.is_primary:
+            return False
+        self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
+        self.lease.acquire(recheck)
+        if self._records_at_loss is not None:  # held again (a restore after a duplicate's)
+            self.goodput.enabled, self.tracker.enabled = self._records_at_loss
+            self._records_at_loss = None
+        return self.lease.waited_for_holder
 
     def _lease_lost(self, holder: dict) -> None:
         """Another trainer holds the job now: from here on this process writes none of its records

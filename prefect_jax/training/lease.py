@@ -88,6 +88,8 @@ class Lease:
         # The record of the holder this process took the lease over from (its flow run, host,
         # pid, and ``reason``: why it was stale), or None: who to mark as crashed in the UIs.
         self.taken_over: dict | None = None
+        # the last `acquire` waited for a holder to let go (whose last save may have committed)
+        self.waited_for_holder = False
         # The record of the trainer that took this process's lease over (see `verify`), or None.
         self.lost_to: dict | None = None
         # called once, with the new holder's record, when lost
@@ -159,6 +161,7 @@ class Lease:
         pid = self.live_duplicate(current) if current is not None else None
         if pid is None:
             return current
+        self.waited_for_holder = True
         logger.warning(
             "flow run %s already trains job %s in process %d on this host: Prefect started this "
             "flow run twice (a crash reported twice makes a rerun automation rerun it twice). "
@@ -269,6 +272,7 @@ class Lease:
         the lease to a live process of its own flow run on this host (two of them took it as it
         was freed, the later write won) waits for it, as for any such process, and takes it anew:
         the restore reads the state again, so nothing held before the loss is written."""
+        self.waited_for_holder = False
         if self.lost_to is not None or (recheck and self.held):
             try:
                 self.verify()

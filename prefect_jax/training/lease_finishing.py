@@ -75,6 +75,7 @@ def wait_while_finishing(lease: Lease, current: dict | None) -> dict | None:
     what = finishing(current, lease.timeout_secs)
     if what is None:
         return current
+    lease.waited_for_holder = True
     job = redact_url(lease.storage.job_dir)
     logger.warning(
         "job %s: its last holder (flow run %s, host %s, pid %s) got a preemption notice and may "

@@ -233,12 +233,16 @@ def restore_trainer(
         trainer.metrics_checked = check_metric_names(
             trainer.program, trainer.config.eval, flags=False
         )
-    job.acquire_lease(recheck=True)
-    if not trainer.config.train.is_final(newest):
+    waited_for_holder = job.acquire_lease(recheck=True)
+    # (a holder waited for may have committed meanwhile: its progress is not a rerun without any;
+    # listed again only then, not on every restore: a listing of object storage)
+    started_at = job.newest_committed() if waited_for_holder else newest
+    if not trainer.config.train.is_final(started_at):
         # Counted before the restore: a rerun that dies restoring (out of memory, a bad mount)
         # spends the budget too, so a crash automation cannot rerun it forever.
         job.record_attempt(
-            newest or 0, lambda: job_params(trainer.config, trainer.program, trainer.program_params)
+            started_at or 0,
+            lambda: job_params(trainer.config, trainer.program, trainer.program_params),
         )
     waited = duplicate_wait_ended(job.storage.job_dir)
     # another process of this flow run trained until then: not this attempt's time
