@@ -85,8 +85,10 @@ def test_runs_that_crash_before_the_trainer_starts_are_rerun_until_the_brake(tmp
         assert client.read_flow_run(run.id).state.type == StateType.CRASHED
         history = [s.name for s in client.read_flow_run_states(run.id)]
         # Each crash is reported twice (the process worker's runner, then the worker), and the
-        # pause lands a few seconds after the report that tripped it: a report or two later.
-        assert MAX_CRASHES <= history.count("Crashed") <= MAX_CRASHES + 2, history
+        # pause lands a few seconds after the report that tripped it: a report or two later, one
+        # more crash (two reports) where the server's event pipeline lags on a loaded machine
+        # (seen in CI with other tests beside it: 7).
+        assert MAX_CRASHES <= history.count("Crashed") <= MAX_CRASHES + 4, history
         crashed = next(s for s in client.read_flow_run_states(run.id) if s.name == "Crashed")
         assert "status code: 3" in (crashed.message or ""), crashed
 
