@@ -392,8 +392,8 @@ def test_a_best_metric_from_python_is_refused_as_a_new_job_restores(job_config):
 
 
 def test_a_best_metric_is_checked_where_the_role_evaluates_and_a_preflight_did_not(job_config):
-    """A train-only role leaves the eval metrics to its evaluator (as the CLI's --role train
-    does); an evaluate or export flow's recover checks them before it restores a step; a
+    """A train-only role leaves the eval metrics to its evaluator (as `prefect-jax train` does),
+    in its retries' restores too; an evaluate flow's recover checks them before it restores a step; a
     `facade.preflight` given no eval spec checked none, so its head start's trainer does."""
     from prefect_jax.training import BestExporter, Trainer
     from prefect_jax.training.facade import preflight
@@ -402,18 +402,27 @@ def test_a_best_metric_is_checked_where_the_role_evaluates_and_a_preflight_did_n
     config = job_config(max_steps=20, exporters=[BestExporter(metric="acc")])
     trainer = Trainer(config)
     assert trainer.restore_or_init(evaluates=False) == 0  # the train role: not its to refuse
+    trainer.forget_live_state()  # (a failed interval: its task's retry restores again)
+    assert trainer.restore_or_init() == 0
     trainer.train_until_checkpoint()
     trainer.finish()
     trainer.close()
     evaluator = Trainer(config)
+    assert evaluator.recover() == (True, 20)  # (an export's recover: not its to check)
+    evaluator.close()
+    evaluator = Trainer(config)
     with pytest.raises(BadInputError, match="^BestExporter 'best' metric 'acc' is not a metric"):
-        evaluator.recover()
+        evaluator.recover(evaluates=True)
     assert evaluator.state is None  # refused before the step was restored
     evaluator.close()
 
     fresh = config.model_copy(update={"job": "fresh"})
+    from prefect_jax.training import head_start
+
     preflight(fresh.program, fresh.job, fresh.storage, 20, train_spec=fresh.train)
-    trainer = Trainer(fresh)  # (adopts the preflight's head start)
+    begun = head_start._begun
+    trainer = Trainer(fresh)
+    assert begun is not None and trainer.loop is begun.loop  # (it adopted the head start)
     with pytest.raises(BadInputError, match="^BestExporter 'best' metric 'acc' is not a metric"):
         trainer.restore_or_init()
     trainer.close()

@@ -248,6 +248,7 @@ def test_reruns_that_fail_in_their_restore_spend_the_rerun_budget(trained, job_c
     trainer = Trainer(longer)
     with pytest.raises(NoProgressError, match="rerun 2 times without getting past step 60 "):
         trainer.restore_or_init()
+    assert not trainer.job.lease.held  # (a flow's failure hook finishes nothing again)
     trainer.close()
     assert committed_steps(_ckpt_dir(longer)) == [20, 40, 60] and not _set_aside(longer)
     # The refusal closes the job's MLflow run FAILED, saying why (found by its job tag: nothing

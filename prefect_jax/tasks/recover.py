@@ -26,6 +26,7 @@ def recover(
     wait_for_checkpoint: bool = False,
     max_wait_secs: float = 7200,
     recovery_wait_secs: float = 30,
+    evaluates: bool = False,
 ) -> dict[str, Any]:
     """Restore the job's newest committed checkpoint (or `step`) in this process, or nothing.
 
@@ -42,6 +43,8 @@ def recover(
         wait_for_checkpoint: wait for a first committed checkpoint.
         max_wait_secs: the longest that wait lasts.
         recovery_wait_secs: how often the wait looks.
+        evaluates: the step is recovered to be evaluated: the best exporters' and early
+            stopping's metrics are checked first, before anything is restored.
 
     Returns:
         ``{"restored": bool, "step": int | None, "checkpoint_dir": str}``
@@ -71,6 +74,7 @@ def recover(
         wait_for_checkpoint=wait_for_checkpoint,
         max_wait_secs=max_wait_secs,
         recovery_wait_secs=recovery_wait_secs,
+        evaluates=evaluates,
     )
     where = trainer.job.checkpoints.directory
     if restored:

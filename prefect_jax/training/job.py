@@ -232,6 +232,9 @@ class Job(JobCheckpoints):
                 logger.warning(
                     "job %s: its MLflow run was not closed", self.config.job, exc_info=True
                 )
+            # Nothing of the job is written: it is free for the next run, and a flow's failure
+            # hook (`live.finish_live`) leaves its MLflow run as closed here.
+            self.lease.release()
             raise
 
     # -- MLflow ---------------------------------------------------------------------------

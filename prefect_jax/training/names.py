@@ -26,7 +26,7 @@ CREATE_TAG = (
 )
 RUN_NAME_TAG = "mlflow.runName"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
-# the longest tag value written (MLflow 3 takes 8000; a few characters of margin for older servers)
+# the longest tag value written (MLflow 3 takes 8000; older servers 5000)
 MAX_TAG_VALUE = 5000
 # The experiment's kind (MLflow 3.17's UI picks its view from its sidebar switch instead:
 # docs/mlflow.md; other MLflow UIs and clients read the kind).

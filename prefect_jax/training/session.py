@@ -228,11 +228,12 @@ def restore_trainer(
     newest, max_steps = job.newest_committed(), trainer.config.train.max_steps
     if newest is not None and max_steps is not None and newest > max_steps:
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
-    if evaluates and newest is None and not trainer.metrics_checked and job.processes == 1:
+    if not evaluates:  # the train role (its retries' restores too): its evaluator checks them
+        trainer.metrics_settled = True
+    elif newest is None and not trainer.metrics_settled and job.processes == 1:
         # a new job no command checked (a flow or the engine from Python): before any step
-        trainer.metrics_checked = check_metric_names(
-            trainer.program, trainer.config.eval, flags=False
-        )
+        check_metric_names(trainer.program, trainer.config.eval, flags=False)
+        trainer.metrics_settled = True  # (checked, or knowable only as it evaluates)
     waited_for_holder = job.acquire_lease(recheck=True)
     # (a holder waited for may have committed meanwhile: its progress is not a rerun without any;
     # listed again only then, not on every restore: a listing of object storage)
@@ -336,6 +337,7 @@ def recover_trainer(
     wait_for_checkpoint: bool,
     max_wait_secs: float,
     recovery_wait_secs: float,
+    evaluates: bool = False,
 ) -> tuple[bool, int | None]:
     """`Trainer.recover`: the job's committed `step` (None: its newest readable one) as the
     trainer's live state, for evaluation and export; never init, never the lease, MLflow or the
@@ -355,11 +357,10 @@ def recover_trainer(
         # a training state is not swapped for an older step: an evaluation restores it itself
         return job.is_committed(step), step
     job.checkpoints.wait()
-    if not trainer.metrics_checked and job.processes == 1:
-        # an evaluate or export flow, before it restores anything (once per trainer)
-        trainer.metrics_checked = check_metric_names(
-            trainer.program, trainer.config.eval, flags=False
-        )
+    if evaluates and not trainer.metrics_settled and job.processes == 1:
+        # the evaluate flow, before it restores a step (once per trainer)
+        check_metric_names(trainer.program, trainer.config.eval, flags=False)
+        trainer.metrics_settled = True
     if step is not None:
         if not job.is_committed(step):
             return False, None

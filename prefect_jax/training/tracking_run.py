@@ -317,6 +317,7 @@ class RunCalls:
         if at_most is not None and not strict():
             self._call("_finish", status)
             self.land(at_most)
+            self._pending = []  # (what is still on its way: not waited for again, by `close`)
             return
         if not process_lost() or strict():
             self._wait("_finish", status)

@@ -112,7 +112,7 @@ class Trainer:
             self.train_hooks = check_job_parts(
                 self.program, config.program, config.eval.exporters, config.train.hooks
             )
-            self.metrics_checked = head is not None and head.checked_metrics_of(config.eval)
+            self.metrics_settled = head is not None and head.checked_metrics_of(config.eval)
             self.loop = head.loop if head is not None else Loop(self.program, config.train)
             self.loop.compiling.save_copy = self.job.checkpoints.device_copy
             # a serve() that does not trace, or lower for named platforms: refused now, not an
@@ -168,9 +168,7 @@ class Trainer:
     def stop_requested(self) -> dict | None:
         """The job's durable stop request, if any. With several processes, process 0's answer in
         every process (a collective: they all call it at the same point, and agree whether to go
-        on).
-
-        With one process, asked again at the same live step within `STOP_ANSWER_SECS` (the flow
+        on). With one process, asked again at the same live step within `STOP_ANSWER_SECS` (the flow
         asks before each train task, and the task at its start), a "no stop" answer stands: no
         second read of the job's storage (a GET on object storage). A request made in between is
         seen at the next ask; one that this trainer's evaluation makes (early stopping), at once."""
@@ -234,15 +232,18 @@ class Trainer:
         wait_for_checkpoint: bool = False,
         max_wait_secs: float = 7200,
         recovery_wait_secs: float = 30,
+        evaluates: bool = False,
     ) -> tuple[bool, int | None]:
         """TF's `SessionManager.recover_session`: restore the job's committed `step` (None: its
         newest readable one) as the live state, for evaluation and export, or nothing; never
-        init (`session.recover_trainer` says what it leaves alone).
+        init (`session.recover_trainer` says what it leaves alone). `evaluates` (an evaluator):
+        the metrics that `config.eval` compares are checked first.
 
         Returns:
             ``(restored, step)``: ``(False, None)`` where there is no such committed step.
         """
-        return recover_trainer(self, step, wait_for_checkpoint, max_wait_secs, recovery_wait_secs)
+        waits = (wait_for_checkpoint, max_wait_secs, recovery_wait_secs)
+        return recover_trainer(self, step, *waits, evaluates)
 
     # -- the verbs: train, evaluate, export ------------------------------------------
 
@@ -390,9 +391,8 @@ class Trainer:
         self.ending.finish(status)
 
     def release_state(self) -> None:
-        """Free the live state's device memory where the flow run that used it ends (the step
-        stays: the flow's summary names it). A later run of the job restores or recovers from
-        storage; kept, every job a notebook or sweep trains or evaluates stays on the device."""
+        """Free the live state's device memory as the flow run that used it ends (the step stays:
+        its summary names it); kept, every job a notebook or sweep runs stays on the device."""
         self.state = self.data_iter = None
 
     def close(self) -> None:

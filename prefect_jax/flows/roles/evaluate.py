@@ -95,7 +95,7 @@ def evaluate(
     # The wait reads the storage only: JAX (and a GPU) is not taken until there is a step.
     first = evaluator.wait_for_first_checkpoint()
     # TF's evaluator recovers, never inits (`recover_session`): the step found is restored.
-    if not tasks.recover(config, step=first)["restored"]:
+    if not tasks.recover(config, step=first, evaluates=True)["restored"]:
         raise evaluator.no_first_checkpoint()
     _warn_of_another_max_steps(config, evaluator.storage, first, logger)
     from prefect_jax.training.live import get_trainer, land_mlflow_writes, release_state

@@ -73,7 +73,7 @@ def train(
     config = checked_job_config(locals())  # its MLflow URI checked before any work
     _join_processes()
     tasks = job_tasks(config.retry)
-    # (its eval metrics are the evaluator's to check, as the CLI's --role train leaves them)
+    # (its eval metrics are the evaluator's to check, as `prefect-jax train` leaves them)
     step = tasks.restore_or_init(config, checkpoint_path=checkpoint_path, evaluates=False)["step"]
     step, stopped = _train_loop(config, step, evaluate=False)
     summary = _summary(config, stopped)
