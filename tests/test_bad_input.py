@@ -393,8 +393,9 @@ def test_a_best_metric_from_python_is_refused_as_a_new_job_restores(job_config):
 
 def test_a_best_metric_is_checked_where_the_role_evaluates_and_a_preflight_did_not(job_config):
     """A train-only role leaves the eval metrics to its evaluator (as `prefect-jax train` does),
-    in its retries' restores too; an evaluate flow's recover checks them before it restores a step; a
-    `facade.preflight` given no eval spec checked none, so its head start's trainer does."""
+    in its retries' restores too; an evaluate flow's recover checks them before it restores a
+    step; a `facade.preflight` given no eval spec checked none, so its head start's trainer
+    does."""
     from prefect_jax.training import BestExporter, Trainer
     from prefect_jax.training.facade import preflight
     from prefect_jax.training.preflight import BadInputError
