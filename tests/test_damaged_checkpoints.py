@@ -261,19 +261,21 @@ def test_reruns_that_fail_in_their_restore_spend_the_rerun_budget(trained, job_c
     assert "a rerun refused to train on" in killed and "RUNNING again" not in killed, killed
 
 
+@pytest.mark.parametrize("max_steps", [100, 80])
 def test_a_rerun_that_waited_for_a_finishing_holder_counts_the_step_it_committed(
-    trained, job_config
+    trained, job_config, max_steps
 ):
     """A rerun that waits for the job's lease while its preempted holder finishes a save counts
     the step that save committed, not the one it read before the wait: the holder's progress is
-    not a rerun without any."""
+    not a rerun without any. Where that step is the job's last, the rerun compiles nothing."""
     import json
     import threading
     import time
 
     from prefect_jax.training.lease_finishing import release_after
 
-    longer = job_config(max_steps=100, max_reruns_without_progress=1)  # (the job of `trained`)
+    # (the job of `trained`)
+    longer = job_config(max_steps=max_steps, max_reruns_without_progress=1)
     holder = Trainer(longer)
     assert holder.restore_or_init() == 60
     saved = threading.Event()  # its notice came: the lease says "finishing" until its save ends
@@ -290,10 +292,13 @@ def test_a_rerun_that_waited_for_a_finishing_holder_counts_the_step_it_committed
     saved.set()  # the lease is freed: the rerun takes it
     waiting.join(60)
     assert restored == [80]
+    assert rerun.loop.compiling.started == (max_steps > 80)  # (nothing left to train at 80)
     rerun.close()
     holder.close()
     attempts = json.load(open(os.path.join(longer.storage, longer.job, "attempts.json")))
-    assert attempts["step"] == 80 and attempts["reruns_without_progress"] == 0, attempts
+    # (a rerun that finds the job finished spends no budget: no attempt recorded)
+    assert attempts["step"] == (80 if max_steps > 80 else 60), attempts
+    assert attempts["reruns_without_progress"] == 0, attempts
 
 
 def _mlflow_run(config):

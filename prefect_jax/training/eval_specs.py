@@ -320,3 +320,9 @@ def compared_metrics(eval_spec: EvalSpec) -> list[tuple[str | None, str]]:
     if eval_spec.early_stopping is not None:
         compared.append((None, eval_spec.early_stopping.metric))
     return compared
+
+
+def compared_metric_names(eval_spec: EvalSpec) -> tuple[str, ...]:
+    """The names of the metrics in `compared_metrics(eval_spec)`, in its order: what a preflight
+    checked, and what a head start's trainer then need not check again."""
+    return tuple(metric for _, metric in compared_metrics(eval_spec))

@@ -36,7 +36,7 @@ from typing import Any
 from prefect_jax.training import step_prefetch
 from prefect_jax.training.compile_cache import open_compilation_cache
 from prefect_jax.training.compile_cache_mirror import CompileCacheMirror
-from prefect_jax.training.eval_specs import compared_metrics
+from prefect_jax.training.eval_specs import compared_metric_names
 from prefect_jax.training.loop import Loop
 from prefect_jax.training.program_params import ProgramParams
 from prefect_jax.training.specs import JobConfig, TrainSpec
@@ -63,7 +63,7 @@ class HeadStart:
     def checked_metrics_of(self, eval_spec: Any) -> bool:
         """Whether the preflight checked the metrics that `eval_spec` names (its trainer's may
         name others: a flow given another eval spec than `facade.preflight` was)."""
-        asked = tuple(metric for _, metric in compared_metrics(eval_spec))
+        asked = compared_metric_names(eval_spec)
         return self.metrics_checked is not None and self.metrics_checked == asked
 
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prefect_jax.training.eval_specs import compared_metrics
+from prefect_jax.training.eval_specs import compared_metric_names, compared_metrics
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage
 
@@ -256,7 +256,7 @@ def check_job(
         metrics_checked = None  # (the metrics checked here: the head start's trainer skips them)
         if eval_spec is not None and evaluates:
             if check_metric_names(loaded, eval_spec, one_process=cluster is None):
-                metrics_checked = tuple(m for _, m in compared_metrics(eval_spec))
+                metrics_checked = compared_metric_names(eval_spec)
         exporters = eval_spec.exporters if eval_spec is not None else []
         if train_spec is not None:  # what its trainer refuses as it is made (see head_start)
             check_job_parts(loaded, program, exporters, train_spec.hooks)

@@ -251,8 +251,9 @@ def restore_trainer(
         job.goodput.restart_clock(waited)
     trainer.guard.install()
     trainer.wait_for_compile_cache()
-    if not trainer.config.train.is_final(newest):
-        # (a finished job's rerun trains no step, and its end would wait for that compile)
+    if not trainer.config.train.is_final(started_at):
+        # (a finished job's rerun trains no step, and its end would wait for that compile; a
+        # holder waited for may have committed the final step)
         loop.start_precompile()
     # (remote: the committed steps, listed once for the restore below)
     listed = job.prepare_restore()

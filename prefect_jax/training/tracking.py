@@ -142,13 +142,14 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
         if failed:
             raise failed[0]
 
-    def land(self, timeout: float = EXIT_WAIT_SECS) -> None:
+    def land(
+        self, timeout: float = EXIT_WAIT_SECS, then: str = "the run goes on without them"
+    ) -> None:
         """Wait for every call made so far, as the end of an evaluate or export flow run does. In
         strict mode: `flush`. Otherwise up to `timeout` seconds, and what failed or is still on its
         way then is logged, not raised (an unreachable tracking server must not hold or fail the
-        run:
-        the eval records are the durable truth, and the job's next evaluator logs what MLflow
-        lacks)."""
+        run: the eval records are the durable truth, and the job's next evaluator logs what MLflow
+        lacks), with `then`: what follows for the run."""
         if strict():
             self.flush()
             return
@@ -167,13 +168,13 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
                 else ""
             )
             logger.warning(
-                "MLflow at %s: %d write(s) still on their way after %gs, %d failed%s; the run "
-                "goes on without them",
+                "MLflow at %s: %d write(s) still on their way after %gs, %d failed%s; %s",
                 redact_url(self.tracking_uri),
                 len(waiting),
                 timeout,
                 len(failed),
                 first,
+                then,
             )
 
     def _wait(self, name: str, *args):
