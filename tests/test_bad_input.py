@@ -232,6 +232,14 @@ def test_status_of_a_job_that_does_not_exist_names_the_jobs_there(trained, tmp_p
     assert f"no job 'jj' in storage {storage} (jobs there: j)" in line and "--job" in line, line
     nowhere = run_cli("status", "--job", "j", "--storage", str(tmp_path / "nowhere"))
     assert nowhere.returncode == 2 and "(no job there at all)" in _one_error_line(nowhere, "status")
+    # A file where the storage's folder would be: that file is named, not "no job there".
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not storage")
+    for under in (a_file, a_file / "sub"):
+        proc = run_cli("status", "--job", "j", "--storage", str(under), "--json")
+        line = _one_error_line(proc, "status")
+        assert proc.returncode == 2 and f"{a_file} is a file, not a folder" in line, line
+        assert "--storage" in line and "Traceback" not in proc.stderr, proc.stderr
     assert run_cli("status", "--job", "j", "--storage", str(storage)).returncode == 0
 
 

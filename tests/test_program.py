@@ -274,3 +274,55 @@ def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default
             "j",
             20,
         )
+
+
+def test_a_refused_restore_suggests_the_params_its_run_was_given_not_all_they_decided():
+    """A job trained with a preset, resumed without it: the refusal lists every field that
+    differs, and suggests the params its run was given (the preset), not each field the preset
+    decided. Where that cannot be told (a step saved before the given fields were recorded, or a
+    difference no given field explains: a preset changed since), every differing field."""
+    from pydantic import BaseModel, model_validator
+
+    from prefect_jax.training.program_params import (
+        ProgramParamsMismatchError,
+        check_restore,
+        validate_params,
+    )
+
+    class Sized(BaseModel):
+        preset: str = "small"
+        width: int | None = None
+        depth: int | None = None
+        lr: float = 0.1
+
+        @model_validator(mode="after")
+        def _from_preset(self):
+            width, depth = {"small": (64, 4), "tiny": (8, 1)}[self.preset]
+            self.width, self.depth = self.width or width, self.depth or depth
+            return self
+
+    def refusal(saved_given, given_now, edit=None):
+        meta = validate_params(Sized, saved_given, "p")[1].as_meta()
+        (edit or (lambda m: None))(meta)
+        with pytest.raises(ProgramParamsMismatchError) as err:
+            check_restore(
+                {"program_params": meta}, validate_params(Sized, given_now, "p")[1], "j", 20
+            )
+        text = str(err.value)
+        return text, text.split("Resume it with the same params")[1].split(", or train")[0]
+
+    text, suggested = refusal({"preset": "tiny", "lr": 0.2}, {})
+    assert "width: saved 8, given 64" in text and "depth: saved 1, given 4" in text, text
+    assert suggested == ' (--program-param preset="tiny" --program-param lr=0.2)', suggested
+    # a field given now that the run was not given: at its saved value
+    _, suggested = refusal({"preset": "tiny"}, {"lr": 0.3})
+    assert suggested == ' (--program-param preset="tiny" --program-param lr=0.1)', suggested
+    # a step saved before the given fields were recorded: every field that differs
+    _, suggested = refusal({"preset": "tiny"}, {}, lambda meta: meta.pop("given"))
+    want = ' (--program-param depth=1 --program-param preset="tiny" --program-param width=8)'
+    assert suggested == want, suggested
+    # the preset's fields changed since the step (its width 9 then): no given field differs
+    _, suggested = refusal(
+        {"preset": "tiny"}, {"preset": "tiny"}, lambda m: m["values"].update(width=9)
+    )
+    assert suggested == " (--program-param width=9)", suggested

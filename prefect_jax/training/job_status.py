@@ -4,6 +4,7 @@ registered model. `prefect_jax.training.facade.job_status` is the command's door
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,10 +22,17 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
     """`prefect_jax.training.facade.job_status`: what storage holds of a job (see there).
 
     Raises:
-        FileNotFoundError: No such job there; the message names the jobs that are.
+        FileNotFoundError: No such job there; the message names the jobs that are, or the file
+            where a folder of local storage would be.
     """
     js = JobStorage(url, job, dict(options or {}))
     if not js.fs.exists(js.job_dir):
+        blocking = _file_in_the_way(js.root) if js.protocol == "file" else None
+        if blocking is not None:
+            raise FileNotFoundError(
+                f"storage {js.root}: {blocking} is a file, not a folder, so no job is there; "
+                "check --storage"
+            )
         try:
             jobs = sorted(
                 p.rstrip("/").rsplit("/", 1)[-1]
@@ -127,3 +135,12 @@ def registry_status(recorded: dict, job_key: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - status still shows what the job recorded
         out["note"] = f"MLflow not reachable ({type(exc).__name__}): as last recorded by the job"
     return out
+
+
+def _file_in_the_way(root: str) -> str | None:
+    """The file at local storage `root` or at one of its parent folders, if one is: where a job
+    could not be (a status that says "no job there" would send the user to check --job)."""
+    path = root
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path if os.path.exists(path) and not os.path.isdir(path) else None

@@ -35,7 +35,7 @@ def storage_errors(js: JobStorage, shown: str) -> Iterator[None]:
         shown: What the user gave as ``--storage`` (a URL or a block's name), for messages.
 
     Raises:
-        BadInputError: A local root that cannot be made (no such parent, a file in the way).
+        BadInputError: A local root that cannot be made (a file in the way).
         RemoteConfigError: Unknown protocol, options the filesystem rejects, a missing bucket,
             refused credentials.
         RemoteUnreachableError: The endpoint does not answer.
@@ -56,7 +56,8 @@ def storage_errors(js: JobStorage, shown: str) -> Iterator[None]:
             raise BadInputError(
                 f"--storage {shown}: the job's directory {js.job_dir} cannot be made there "
                 f"({type(exc).__name__}: {exc.strerror}); give --storage a directory this user "
-                "can create and write to (its parent must exist and be a directory)"
+                "can create and write to (the folders it names that do not exist are made; "
+                "none may be a file)"
             ) from None
         clear = storage_error(js, exc, shown)
         if clear is None:
@@ -200,15 +201,15 @@ def make_local_dir(flag: str, path: str) -> None:
     """Make a local directory a flag names (or find it there), or refuse the flag's value.
 
     Raises:
-        BadInputError: It cannot be made: no such parent, a file in the way, no permission.
+        BadInputError: It cannot be made: a file in the way, no permission.
     """
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise BadInputError(
             f"{flag} {path}: the directory cannot be made ({type(exc).__name__}: "
-            f"{exc.strerror}); give {flag} a directory this user can create and write to (its "
-            "parent must exist and be a directory)"
+            f"{exc.strerror}); give {flag} a directory this user can create and write to (the "
+            "folders it names that do not exist are made; none may be a file)"
         ) from None
 
 

@@ -56,6 +56,8 @@ class ProgramParams:
         exempt: fields the type declares do not change the computation: not compared on restore.
         defaults: the default of each field that has one, JSON-able: a field only one side of a
             restore has counts as the same where its value is its default.
+        given: the fields the job gave (None: not known, as in steps saved before it was
+            recorded): a refused restore suggests these, not every field they decided.
     """
 
     type_name: str | None = None
@@ -63,6 +65,7 @@ class ProgramParams:
     filled: tuple[str, ...] = ()
     exempt: tuple[str, ...] = ()
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    given: tuple[str, ...] | None = None
 
     def compared(self) -> dict[str, Any]:
         """The values a restore compares: all but the filled and exempt ones."""
@@ -77,6 +80,7 @@ class ProgramParams:
             "filled": list(self.filled),
             "exempt": list(self.exempt),
             "defaults": self.defaults,
+            "given": None if self.given is None else list(self.given),
         }
 
     @classmethod
@@ -87,6 +91,7 @@ class ProgramParams:
             tuple(meta.get("filled") or ()),
             tuple(meta.get("exempt") or ()),
             dict(meta.get("defaults") or {}),
+            None if meta.get("given") is None else tuple(meta["given"]),
         )
 
 
@@ -261,7 +266,9 @@ def validate_params(
         ) from None
     values = json.loads(json.dumps(TypeAdapter(tp).dump_python(instance, mode="json")))
     exempt = tuple(name for name in getattr(tp, EXEMPT_ATTR, ()) if name in fields)
-    return instance, ProgramParams(tp.__name__, values, tuple(filled), exempt, _field_defaults(tp))
+    defaults = _field_defaults(tp)
+    given_keys = tuple(k for k in (given or {}) if k not in filled)
+    return instance, ProgramParams(tp.__name__, values, tuple(filled), exempt, defaults, given_keys)
 
 
 def differences(saved: ProgramParams, given: ProgramParams) -> list[tuple[str, Any, Any]]:
@@ -281,6 +288,27 @@ def differences(saved: ProgramParams, given: ProgramParams) -> list[tuple[str, A
     return out
 
 
+def _params_to_give(
+    saved: ProgramParams, given: ProgramParams, diffs: list[tuple[str, Any, Any]]
+) -> dict[str, Any]:
+    """The program params that resume `saved`'s step, for a refusal to suggest: the fields its
+    run was given, and those given now that differ from it (each at its saved value), where both
+    sides say what was given and a difference is in one of them (a preset's fields are then not
+    all named where the preset alone decided them). Else every field that differs (a default
+    changed since is in neither)."""
+    unset = "<unset>"
+    known = saved.given is not None and given.given is not None
+    known = known and any(k in saved.given or k in given.given for k, _, _ in diffs)
+    keys = (
+        [k for k in saved.given if k in saved.values]
+        + [k for k, _, _ in diffs if k in given.given and k not in saved.given]
+        if known
+        else [k for k, _, _ in diffs]
+    )
+    shown = {k: saved.values.get(k, unset) for k in keys}
+    return {k: v for k, v in shown.items() if v != unset and given.values.get(k, unset) != unset}
+
+
 def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) -> None:
     """Refuse to resume job `job` from its `step` (whose metadata is `meta`) with program params
     other than the ones it was trained with. A checkpoint that recorded none (written before
@@ -297,7 +325,8 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
     unset = "<unset>"
     listed = "; ".join(f"{k}: saved {s!r}, given {g!r}" for k, s, g in diffs)
     same = " ".join(
-        f"--program-param {k}={json.dumps(s)}" for k, s, g in diffs if unset not in (s, g)
+        f"--program-param {k}={json.dumps(v)}"
+        for k, v in _params_to_give(ProgramParams.from_meta(meta[META_KEY]), given, diffs).items()
     )
     added = [k for k, s, _ in diffs if s == unset]
     removed = [k for k, _, g in diffs if g == unset]
