@@ -149,6 +149,17 @@ def test_a_factorys_typed_params_are_validated_and_build_the_program():
             {"dropout": [1]},
             r"dropout=\[1\]: Input should be a valid number \(dropout takes float\)$",
         ),
+        (  # a boolean for a number: refused, not trained as 1 or 0
+            "programs:typed_digits",
+            {"width": True, "learning_rate": 0.1},
+            r"refused: width=True: width takes int, not a boolean \(true and false in "
+            r"--program-param are JSON booleans\); give a value of that type$",
+        ),
+        (
+            "programs:dataclass_digits",
+            {"dropout": False},
+            r"refused: dropout=False: dropout takes float, not a boolean",
+        ),
         (  # a check of several fields: its own message, no "Value error, ", no whole dict
             "prefect_jax.examples.bytelm:program",
             {"preset": "tiny", "mesh": {"data": -1, "modle": 2}},
@@ -326,3 +337,32 @@ def test_a_refused_restore_suggests_the_params_its_run_was_given_not_all_they_de
         {"preset": "tiny"}, {"preset": "tiny"}, lambda m: m["values"].update(width=9)
     )
     assert suggested == " (--program-param width=9)", suggested
+
+
+def test_a_boolean_is_taken_by_the_fields_that_take_one():
+    """The boolean refusal is for numbers (which pydantic would turn it into): a bool field, an
+    optional one, a union with bool and an untyped one take it as it is."""
+    from typing import Any
+
+    from pydantic import BaseModel
+
+    from prefect_jax.training.program_params import ProgramParamsError, validate_params
+
+    class Flags(BaseModel):
+        bias: bool = False
+        tied: bool | None = None
+        either: int | bool = 0
+        anything: Any = None
+        count: int | None = None
+
+    given = {"bias": True, "tied": False, "either": True, "anything": True}
+    instance, recorded = validate_params(Flags, given, "p")
+    assert (instance.bias, instance.tied, instance.either, instance.anything) == (
+        True,
+        False,
+        True,
+        True,
+    )
+    assert recorded.given == ("bias", "tied", "either", "anything")
+    with pytest.raises(ProgramParamsError, match=r"count=True: count takes int \| None, not a"):
+        validate_params(Flags, {"count": True}, "p")

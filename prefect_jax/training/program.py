@@ -63,7 +63,8 @@ import importlib
 import json
 from typing import Any
 
-from prefect_jax.training.program_params import ProgramParams, params_type, validate_params
+from prefect_jax.training.program_params import ProgramParams, validate_params
+from prefect_jax.training.program_params_types import params_type
 
 REQUIRED = ("init", "train_step", "eval_step", "train_data", "eval_data")
 SERVING = ("serve", "serving_input")

@@ -24,13 +24,17 @@ This module imports neither jax nor prefect.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
 import json
-import types
-import typing
 from typing import Any
+
+from prefect_jax.training.program_params_types import (
+    describe_fields,
+    field_annotations,
+    field_defaults,
+    field_types,
+    takes_a_boolean,
+)
 
 ENGINE_FILLED = ("max_steps",)
 EXEMPT_ATTR = "restore_exempt"
@@ -95,108 +99,6 @@ class ProgramParams:
         )
 
 
-def _unwrap_optional(tp):
-    """``X | None`` (or ``Optional[X]``) as ``X``; any other type as it is."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else None
-    return tp
-
-
-def _is_params_type(tp) -> bool:
-    if not isinstance(tp, type):
-        return False
-    if dataclasses.is_dataclass(tp):
-        return True
-    try:
-        from pydantic import BaseModel
-    except ImportError:  # pragma: no cover - pydantic is a dependency
-        return False
-    return issubclass(tp, BaseModel)
-
-
-def params_type(factory: Any) -> type | None:
-    """The parameter type of a program factory: the annotation of its one parameter (or of its
-    first, if the others have defaults) when that is a pydantic model or a dataclass (``X | None``
-    counts as ``X``); None for anything else."""
-    if not callable(factory):
-        return None
-    target = factory.__init__ if isinstance(factory, type) else factory
-    try:
-        signature = inspect.signature(factory)
-        hints = typing.get_type_hints(target)
-    except (TypeError, ValueError, NameError):
-        return None
-    params = [
-        p
-        for p in signature.parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-    if not params or any(p.default is p.empty for p in params[1:]):
-        return None
-    tp = _unwrap_optional(hints.get(params[0].name))
-    return tp if _is_params_type(tp) else None
-
-
-def _field_types(tp: type) -> dict[str, str]:
-    """``{field: "its type"}`` of a pydantic model or a dataclass, in declaration order."""
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(tp)}
-    else:
-        fields = {name: f.annotation for name, f in tp.model_fields.items()}
-    return {name: _type_text(t) for name, t in fields.items()}
-
-
-def _field_defaults(tp: type) -> dict[str, Any]:
-    """``{field: its default, JSON-able}`` of each field of `tp` that has a default (a factory's
-    value included), dumped as the recorded values are (a model's field serializers applied, so
-    that a field at its default compares equal); a default that cannot be made alone (a pydantic
-    factory that reads the other fields) or does not dump to JSON is left out: such a field is
-    compared as before (present on one side only, it differs)."""
-    from pydantic import TypeAdapter
-
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        found = {}
-        for f in dataclasses.fields(tp):
-            if f.default is not dataclasses.MISSING:
-                found[f.name] = (hints.get(f.name, f.type), lambda f=f: f.default)
-            elif f.default_factory is not dataclasses.MISSING:
-                found[f.name] = (hints.get(f.name, f.type), f.default_factory)
-    else:
-        found = {
-            name: (f.annotation, lambda f=f: f.get_default(call_default_factory=True))
-            for name, f in tp.model_fields.items()
-            if not f.is_required()
-        }
-    out = {}
-    for name, (annotation, make) in found.items():
-        try:
-            default, value = make(), None
-            if not dataclasses.is_dataclass(tp):
-                # as the recorded values are dumped: through the model's field serializers
-                with contextlib.suppress(Exception):  # (a model serializer of its own)
-                    value = tp.model_construct(**{name: default}).model_dump(
-                        mode="json", include={name}
-                    )[name]
-            if value is None:
-                value = TypeAdapter(annotation).dump_python(default, mode="json")
-            out[name] = json.loads(json.dumps(value))
-        except Exception:  # noqa: BLE001 - compared as a field without a default
-            continue
-    return out
-
-
-def _type_text(tp) -> str:
-    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-
-
-def describe_fields(tp: type) -> str:
-    """``"name: type, ..."`` of every field of `tp`, for error messages."""
-    return ", ".join(f"{name}: {text}" for name, text in _field_types(tp).items())
-
-
 def validate_params(
     tp: type, given: dict[str, Any] | None, where: str, max_steps: int | None = None
 ) -> tuple[Any, ProgramParams]:
@@ -219,7 +121,7 @@ def validate_params(
     """
     from pydantic import TypeAdapter, ValidationError
 
-    fields = _field_types(tp)
+    fields = field_types(tp)
     listing = f"fields of {tp.__name__}: {describe_fields(tp)}"
     if given is not None and not isinstance(given, dict):
         raise ProgramParamsError(
@@ -237,6 +139,15 @@ def validate_params(
         raise ProgramParamsError(
             f"program params for {where}: {bad} is not a field of {tp.__name__}{hint}; give "
             f"only its fields ({listing})"
+        )
+    annotations = field_annotations(tp)
+    booleans = [k for k, v in data.items() if isinstance(v, bool)]
+    not_booleans = [k for k in booleans if not takes_a_boolean(annotations[k])]
+    if not_booleans:
+        bad = "; ".join(f"{k}={data[k]!r}: {k} takes {fields[k]}" for k in not_booleans)
+        raise ProgramParamsError(
+            f"program params for {where} refused: {bad}, not a boolean (true and false in "
+            "--program-param are JSON booleans); give a value of that type"
         )
     filled = []
     if max_steps is not None:
@@ -266,7 +177,7 @@ def validate_params(
         ) from None
     values = json.loads(json.dumps(TypeAdapter(tp).dump_python(instance, mode="json")))
     exempt = tuple(name for name in getattr(tp, EXEMPT_ATTR, ()) if name in fields)
-    defaults = _field_defaults(tp)
+    defaults = field_defaults(tp)
     given_keys = tuple(k for k in (given or {}) if k not in filled)
     return instance, ProgramParams(tp.__name__, values, tuple(filled), exempt, defaults, given_keys)
 
