@@ -235,8 +235,8 @@ def test_status_of_a_job_that_does_not_exist_names_the_jobs_there(trained, tmp_p
     # A file where the storage's folder would be: that file is named, not "no job there".
     a_file = tmp_path / "a-file"
     a_file.write_text("not storage")
-    for under in (a_file, a_file / "sub"):
-        proc = run_cli("status", "--job", "j", "--storage", str(under), "--json")
+    for under, job in ((a_file, "j"), (a_file / "sub", "j"), (tmp_path, "a-file")):
+        proc = run_cli("status", "--job", job, "--storage", str(under), "--json")
         line = _one_error_line(proc, "status")
         assert proc.returncode == 2 and f"{a_file} is a file, not a folder" in line, line
         assert "--storage" in line and "Traceback" not in proc.stderr, proc.stderr

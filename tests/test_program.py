@@ -290,8 +290,11 @@ def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default
 def test_a_refused_restore_suggests_the_params_its_run_was_given_not_all_they_decided():
     """A job trained with a preset, resumed without it: the refusal lists every field that
     differs, and suggests the params its run was given (the preset), not each field the preset
-    decided. Where that cannot be told (a step saved before the given fields were recorded, or a
-    difference no given field explains: a preset changed since), every differing field."""
+    decided, where those resume the same. Else (a step saved before the given fields were
+    recorded, a preset changed since) every differing field. Never an exempt field; each as a
+    shell takes it."""
+    from typing import ClassVar
+
     from pydantic import BaseModel, model_validator
 
     from prefect_jax.training.program_params import (
@@ -305,6 +308,10 @@ def test_a_refused_restore_suggests_the_params_its_run_was_given_not_all_they_de
         width: int | None = None
         depth: int | None = None
         lr: float = 0.1
+        mesh: dict | None = None  # where it runs, not what it computes
+        note: str = ""
+
+        restore_exempt: ClassVar[tuple[str, ...]] = ("mesh",)
 
         @model_validator(mode="after")
         def _from_preset(self):
@@ -322,21 +329,26 @@ def test_a_refused_restore_suggests_the_params_its_run_was_given_not_all_they_de
         text = str(err.value)
         return text, text.split("Resume it with the same params")[1].split(", or train")[0]
 
-    text, suggested = refusal({"preset": "tiny", "lr": 0.2}, {})
+    text, suggested = refusal({"preset": "tiny", "lr": 0.2, "mesh": {"data": 4}}, {})
     assert "width: saved 8, given 64" in text and "depth: saved 1, given 4" in text, text
-    assert suggested == ' (--program-param preset="tiny" --program-param lr=0.2)', suggested
+    assert suggested == " (--program-param preset=tiny --program-param lr=0.2)", suggested
     # a field given now that the run was not given: at its saved value
-    _, suggested = refusal({"preset": "tiny"}, {"lr": 0.3})
-    assert suggested == ' (--program-param preset="tiny" --program-param lr=0.1)', suggested
+    _, suggested = refusal({"preset": "tiny"}, {"lr": 0.3, "mesh": {"data": 2}})
+    assert suggested == " (--program-param preset=tiny --program-param lr=0.1)", suggested
     # a step saved before the given fields were recorded: every field that differs
     _, suggested = refusal({"preset": "tiny"}, {}, lambda meta: meta.pop("given"))
-    want = ' (--program-param depth=1 --program-param preset="tiny" --program-param width=8)'
+    want = " (--program-param depth=1 --program-param preset=tiny --program-param width=8)"
     assert suggested == want, suggested
-    # the preset's fields changed since the step (its width 9 then): no given field differs
-    _, suggested = refusal(
-        {"preset": "tiny"}, {"preset": "tiny"}, lambda m: m["values"].update(width=9)
-    )
-    assert suggested == " (--program-param width=9)", suggested
+    # the preset's fields changed since the step (its width 9 then): the preset alone would not
+    # resume it, with or without a given field that differs too
+    for given_now in ({"preset": "tiny"}, {"lr": 0.3}):
+        _, suggested = refusal({"preset": "tiny"}, given_now, lambda m: m["values"].update(width=9))
+        assert "--program-param width=9" in suggested, suggested
+    # strings the command would read back as JSON, and spaces: quoted for the shell
+    _, suggested = refusal({"note": "12", "lr": 0.5}, {"note": "a b"})
+    assert suggested == """ (--program-param lr=0.5 --program-param 'note="12"')""", suggested
+    _, suggested = refusal({"note": "a b"}, {})
+    assert suggested == " (--program-param 'note=a b')", suggested
 
 
 def test_a_boolean_is_taken_by_the_fields_that_take_one():

@@ -26,13 +26,13 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
             where a folder of local storage would be.
     """
     js = JobStorage(url, job, dict(options or {}))
+    blocking = _file_in_the_way(js.job_dir) if js.protocol == "file" else None
+    if blocking is not None:
+        raise FileNotFoundError(
+            f"storage {js.root}: {blocking} is a file, not a folder, so no job {job!r} is there; "
+            "check --job and --storage"
+        )
     if not js.fs.exists(js.job_dir):
-        blocking = _file_in_the_way(js.root) if js.protocol == "file" else None
-        if blocking is not None:
-            raise FileNotFoundError(
-                f"storage {js.root}: {blocking} is a file, not a folder, so no job is there; "
-                "check --storage"
-            )
         try:
             jobs = sorted(
                 p.rstrip("/").rsplit("/", 1)[-1]
@@ -137,10 +137,10 @@ def registry_status(recorded: dict, job_key: str) -> dict[str, Any]:
     return out
 
 
-def _file_in_the_way(root: str) -> str | None:
-    """The file at local storage `root` or at one of its parent folders, if one is: where a job
-    could not be (a status that says "no job there" would send the user to check --job)."""
-    path = root
+def _file_in_the_way(job_dir: str) -> str | None:
+    """The file at a local job's folder `job_dir` or at one of its parent folders, if one is:
+    where the job could not be (a status that says "no job there" would not say why)."""
+    path = job_dir
     while not os.path.lexists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     return path if os.path.exists(path) and not os.path.isdir(path) else None

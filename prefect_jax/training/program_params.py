@@ -61,7 +61,9 @@ class ProgramParams:
         defaults: the default of each field that has one, JSON-able: a field only one side of a
             restore has counts as the same where its value is its default.
         given: the fields the job gave (None: not known, as in steps saved before it was
-            recorded): a refused restore suggests these, not every field they decided.
+            recorded; a value the type's validator took from elsewhere, such as the byte LM's
+            environment fallback, was not given): a refused restore suggests these where they
+            resume the same, not every field they decided.
     """
 
     type_name: str | None = None
@@ -70,6 +72,8 @@ class ProgramParams:
     exempt: tuple[str, ...] = ()
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     given: tuple[str, ...] | None = None
+    # the type validated into (not recorded): a refusal checks a shorter suggestion with it
+    params_type: type | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def compared(self) -> dict[str, Any]:
         """The values a restore compares: all but the filled and exempt ones."""
@@ -179,7 +183,9 @@ def validate_params(
     exempt = tuple(name for name in getattr(tp, EXEMPT_ATTR, ()) if name in fields)
     defaults = field_defaults(tp)
     given_keys = tuple(k for k in (given or {}) if k not in filled)
-    return instance, ProgramParams(tp.__name__, values, tuple(filled), exempt, defaults, given_keys)
+    return instance, ProgramParams(
+        tp.__name__, values, tuple(filled), exempt, defaults, given_keys, params_type=tp
+    )
 
 
 def differences(saved: ProgramParams, given: ProgramParams) -> list[tuple[str, Any, Any]]:
@@ -202,22 +208,45 @@ def differences(saved: ProgramParams, given: ProgramParams) -> list[tuple[str, A
 def _params_to_give(
     saved: ProgramParams, given: ProgramParams, diffs: list[tuple[str, Any, Any]]
 ) -> dict[str, Any]:
-    """The program params that resume `saved`'s step, for a refusal to suggest: the fields its
-    run was given, and those given now that differ from it (each at its saved value), where both
-    sides say what was given and a difference is in one of them (a preset's fields are then not
-    all named where the preset alone decided them). Else every field that differs (a default
-    changed since is in neither)."""
+    """The program params that resume `saved`'s step, for a refusal to suggest: every compared
+    field that differs, at its saved value; or, shorter where it resumes the same (validated
+    into the params type, nothing differs then), the fields its run was given and those given
+    now that differ (a preset, not each field it decided). Exempt fields are never suggested."""
     unset = "<unset>"
-    known = saved.given is not None and given.given is not None
-    known = known and any(k in saved.given or k in given.given for k, _, _ in diffs)
-    keys = (
-        [k for k in saved.given if k in saved.values]
-        + [k for k, _, _ in diffs if k in given.given and k not in saved.given]
-        if known
-        else [k for k, _, _ in diffs]
-    )
-    shown = {k: saved.values.get(k, unset) for k in keys}
-    return {k: v for k, v in shown.items() if v != unset and given.values.get(k, unset) != unset}
+    every = {k: s for k, s, g in diffs if unset not in (s, g)}
+    tp = given.params_type
+    if saved.given is None or given.given is None or tp is None:
+        return every
+    skip = set(saved.exempt) | set(given.exempt) | set(saved.filled)
+    fewer = {
+        k: saved.values[k]
+        for k in saved.given
+        if k in saved.values and k in given.values and k not in skip
+    }
+    fewer.update({k: every[k] for k in given.given if k in every})
+    if len(fewer) >= len(every):
+        return every
+    try:
+        resumed = validate_params(tp, fewer, tp.__name__)[1]
+    except Exception:  # noqa: BLE001 - (a preset that no longer exists): every field then
+        return every
+    return every if differences(saved, resumed) else fewer
+
+
+def _as_flags(params: dict[str, Any]) -> str:
+    """``--program-param KEY=VALUE`` for each of `params`, as a shell takes them: a string as it
+    is where the command would read it back as that string, else JSON."""
+    import shlex
+
+    def text(value: Any) -> str:
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError:
+                return value
+        return json.dumps(value)
+
+    return " ".join(f"--program-param {shlex.quote(f'{k}={text(v)}')}" for k, v in params.items())
 
 
 def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) -> None:
@@ -235,10 +264,7 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
         return
     unset = "<unset>"
     listed = "; ".join(f"{k}: saved {s!r}, given {g!r}" for k, s, g in diffs)
-    same = " ".join(
-        f"--program-param {k}={json.dumps(v)}"
-        for k, v in _params_to_give(ProgramParams.from_meta(meta[META_KEY]), given, diffs).items()
-    )
+    same = _as_flags(_params_to_give(ProgramParams.from_meta(meta[META_KEY]), given, diffs))
     added = [k for k, s, _ in diffs if s == unset]
     removed = [k for k, _, g in diffs if g == unset]
     notes = ""

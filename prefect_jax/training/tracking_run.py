@@ -316,7 +316,10 @@ class RunCalls:
         out does: MLflow's own retries against a server that went away last minutes."""
         if at_most is not None and not strict():
             self._call("_finish", status)
-            then = f"the run may not be marked {status}: it stays RUNNING until a rerun reopens it"
+            then = (
+                f"the run may not have been marked {status}: it may stay RUNNING until a later "
+                "run of the job closes it"
+            )
             self.land(at_most, then)
             self._pending = []  # (what is still on its way: not waited for again, by `close`)
             return
