@@ -325,6 +325,18 @@ def test_a_storage_folder_named_with_brackets_is_refused_before_anything_is_writ
     assert JobStorage("s3://bucket/runs[1]", "j").protocol == "s3"  # (staged: not Orbax's glob)
 
 
+def test_several_processes_on_storage_orbax_does_not_write_are_refused_before_they_start():
+    """Each process would fail in its flow run, and JAX's distributed service abort the others
+    with a stack trace: one line instead, before any process or server starts."""
+    proc = run_cli(
+        "run", "--program", TINY, "--job", "j", "--storage", "s3://bucket/jobs", "--processes", "2"
+    )
+    assert proc.returncode == 2
+    line = _one_error_line(proc, "run")
+    assert "'s3://bucket/jobs': 2 JAX processes write one checkpoint together" in line, line
+    assert "a shared file system" in line and "or train this job in one process" in line, line
+
+
 def test_a_checkpoint_path_that_is_no_committed_step_is_refused_before_the_job_starts(
     trained, tmp_path, mlflow_uri
 ):

@@ -96,6 +96,16 @@ def gpu_envs(n: int, environ: dict[str, str]) -> list[dict[str, str]]:
     ]
 
 
+def _check_storage(args: argparse.Namespace, processes: int) -> None:
+    """Refuse storage that `processes` processes cannot write one checkpoint on, before they
+    start (each would fail in its flow run, and JAX's distributed service abort the others)."""
+    from prefect_jax.blocks import resolve_storage
+    from prefect_jax.training.storage import JobStorage
+
+    url, options = resolve_storage(args.storage)
+    JobStorage(url, args.job, dict(options or {})).check_shared_by(processes)
+
+
 def launch_processes(args: argparse.Namespace) -> int:
     """``--processes N``: this command N times on this machine, as the N JAX processes of one job
     (``PREFECT_JAX_*`` set for each; process 0 runs the flow run, the others its children), all
@@ -120,8 +130,15 @@ def launch_processes(args: argparse.Namespace) -> int:
         port = sock.getsockname()[1]
     from prefect.settings import PREFECT_API_URL
 
+    from prefect_jax.blocks import BLOCK_PREFIX
+
+    named_block = args.storage.startswith(BLOCK_PREFIX)
+    if not named_block:  # before any server starts
+        _check_storage(args, n)
     embedded = not PREFECT_API_URL.value()  # as prefect_backend decides
     with prefect_backend() as api_url:
+        if named_block:  # (read from the Prefect API)
+            _check_storage(args, n)
         procs: list[subprocess.Popen] = []
         for k, env in enumerate(process_envs(n, f"127.0.0.1:{port}", api_url, embedded)):
             extra = [] if k == 0 else ["--no-progress"]

@@ -61,16 +61,9 @@ class Job(JobCheckpoints):
         self.is_primary = process_index() == 0
         self.storage = JobStorage(config.storage, config.job, config.storage_options)
         self.processes = process_count()
-        if self.processes > 1 and not self.storage.orbax_native:
-            raise ValueError(
-                f"storage {redact_url(config.storage)!r}: {self.processes} JAX processes write one "
-                "checkpoint together, which Orbax does only on storage every process reaches by "
-                "path: a shared file system (NFS, a ReadWriteMany volume) or gs://. Use one of "
-                "those, or train this job in one process"
-            )
+        self.storage.check_shared_by(self.processes)
         # Taken already, its storage checked, when a flow run's restore task made this trainer
-        # (before
-        # JAX started; one process, so this is process 0).
+        # (before JAX started; one process, so this is process 0).
         early = adopt_early(self.storage.job_dir, self.run_tags.get("prefect.flow_run_id"))
         if self.is_primary and early is None:
             self.storage.check_writable()  # a refused write is found before anything is changed

@@ -118,6 +118,24 @@ class JobStorage:
         """Whether Orbax writes this storage itself (local paths, ``gs://``)."""
         return self.protocol in ORBAX_PROTOCOLS
 
+    def check_shared_by(self, processes: int) -> None:
+        """Refuse `processes` JAX processes on storage Orbax does not write itself: each would
+        stage and upload its own part of one step (the launcher checks before it starts them,
+        each `Job` again).
+
+        Raises:
+            ValueError: naming the storage and what to use instead.
+        """
+        if processes > 1 and not self.orbax_native:
+            from prefect_jax.training.redaction import redact_url
+
+            raise ValueError(
+                f"storage {redact_url(self.root)!r}: {processes} JAX processes write one "
+                "checkpoint together, which Orbax does only on storage every process reaches by "
+                "path: a shared file system (NFS, a ReadWriteMany volume) or gs://. Use one of "
+                "those, or train this job in one process"
+            )
+
     def options_orbax_ignores(self) -> list[str]:
         """The storage options Orbax does not use: on ``gs://`` it reads and writes the steps with
         Google's default credentials (TensorStore, `etils.epath`), so a block's ``token`` or
