@@ -125,6 +125,7 @@ def test_s3_job_survives_sigkill_mid_upload_and_resumes_exactly(
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.splitlines()[-1])
     assert summary["final_step"] == MAX_STEPS
+    assert summary["checkpoint_dir"] == "s3://jobs/team/s3job/checkpoints"
     assert f"job s3job at step {committed[-1]} (restored)" in rerun.stderr
 
     expected = straight_fingerprint(PROGRAM, MAX_STEPS, EVERY, tmp_path / "local", mlflow_uri)
