@@ -11,7 +11,6 @@ from prefect_jax.flows.hooks import publish_goodput
 from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.tasks import notices, publisher
 from prefect_jax.tasks.live_trainer import OnTrainerThread
-from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.specs import JobConfig
 
 
@@ -158,9 +157,7 @@ def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) ->
         "final_step": trainer.step,
         "eval": final.metrics if final else {},
         # where the steps stay (object storage: not this machine's stage of them)
-        "checkpoint_dir": redact_url(
-            trainer.job.storage.remote_checkpoint_url or trainer.job.checkpoints.directory
-        ),
+        "checkpoint_dir": trainer.job.checkpoint_location,
         "mlflow_tracking_uri": trainer.job.tracker.tracking_uri,
         "mlflow_run_id": trainer.job.tracker.run_id,
         "mlflow_run_url": trainer.job.tracker.run_url(),

@@ -121,7 +121,7 @@ def _live_trainer(config: JobConfig):
                 resource={**resource, EVENT_STEP_LABEL: str(step)},
                 payload={
                     "step": step,
-                    "checkpoint_dir": trainer.job.checkpoints.directory,
+                    "checkpoint_dir": trainer.job.checkpoint_location,
                     "max_steps": config.train.max_steps,
                 },
             )

@@ -76,7 +76,7 @@ def recover(
         recovery_wait_secs=recovery_wait_secs,
         evaluates=evaluates,
     )
-    where = trainer.job.checkpoints.directory
+    where = trainer.job.checkpoint_location
     if restored:
         logger.info("job %s: recovered step %d", config.job, at)
     else:

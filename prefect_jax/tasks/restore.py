@@ -103,5 +103,5 @@ def restore_or_init(
     return {
         "step": step,
         "mlflow_run_id": run_id,
-        "checkpoint_dir": trainer.job.checkpoints.directory,
+        "checkpoint_dir": trainer.job.checkpoint_location,
     }

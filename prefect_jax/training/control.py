@@ -2,8 +2,9 @@
 
 - ``<job>/stop.json``: someone (an early-stopping hook, a person) asked the job to stop. The
   trainer stops at its next checkpoint boundary; the evaluator stops after its current eval.
-- ``<job>/attempts.json``: the steps at which recent runs of the trainer started (the newest
-  committed step, recorded once the run holds the lease, before it restores). A rerun
+- ``<job>/attempts.json``: the step the latest run of the trainer started at (the newest
+  committed step, recorded once the run holds the lease, before it restores), and how many
+  reruns in a row started there. A rerun
   that starts at the same step as the run before made no progress; after
   `max_reruns_without_progress` of those, the trainer refuses to go on and says so, so an
   automation that reruns crashed runs cannot loop forever.

@@ -124,6 +124,12 @@ class Job(JobCheckpoints):
 
     # -- eval records ---------------------------------------------------------------------
 
+    @property
+    def checkpoint_location(self) -> str:
+        """Where the job's committed steps stay, as summaries, task results and events name it:
+        on object storage its URL (redacted), not this machine's stage of them."""
+        return redact_url(self.storage.remote_checkpoint_url or self.checkpoints.directory)
+
     def newest_evaluated(self) -> int | None:
         steps = self.records.steps()
         return steps[-1] if steps else None
