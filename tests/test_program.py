@@ -354,11 +354,14 @@ def test_a_refused_restore_suggests_the_params_its_run_was_given_not_all_they_de
 def test_a_boolean_is_taken_by_the_fields_that_take_one():
     """The boolean refusal is for numbers (which pydantic would turn it into): a bool field, an
     optional one, a union with bool and an untyped one take it as it is."""
-    from typing import Any
+    from typing import Annotated, Any
 
-    from pydantic import BaseModel
+    from pydantic import BaseModel, BeforeValidator, Field
 
     from prefect_jax.training.program_params import ProgramParamsError, validate_params
+
+    def on_off(value):
+        return {True: 1.0, False: 0.0}.get(value, value) if isinstance(value, bool) else value
 
     class Flags(BaseModel):
         bias: bool = False
@@ -366,8 +369,10 @@ def test_a_boolean_is_taken_by_the_fields_that_take_one():
         either: int | bool = 0
         anything: Any = None
         count: int | None = None
+        rate: Annotated[float, BeforeValidator(on_off)] = 0.5  # maps booleans itself
+        share: Annotated[float, Field(ge=0)] = 0.5
 
-    given = {"bias": True, "tied": False, "either": True, "anything": True}
+    given = {"bias": True, "tied": False, "either": True, "anything": True, "rate": True}
     instance, recorded = validate_params(Flags, given, "p")
     assert (instance.bias, instance.tied, instance.either, instance.anything) == (
         True,
@@ -375,6 +380,8 @@ def test_a_boolean_is_taken_by_the_fields_that_take_one():
         True,
         True,
     )
-    assert recorded.given == ("bias", "tied", "either", "anything")
+    assert instance.rate == 1.0 and recorded.given == tuple(given)
     with pytest.raises(ProgramParamsError, match=r"count=True: count takes int \| None, not a"):
         validate_params(Flags, {"count": True}, "p")
+    with pytest.raises(ProgramParamsError, match=r"share=False: share takes float, not a"):
+        validate_params(Flags, {"share": False}, "p")

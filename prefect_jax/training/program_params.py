@@ -144,7 +144,7 @@ def validate_params(
             f"program params for {where}: {bad} is not a field of {tp.__name__}{hint}; give "
             f"only its fields ({listing})"
         )
-    annotations = field_annotations(tp)
+    annotations = field_annotations(tp, metadata=True)
     booleans = [k for k, v in data.items() if isinstance(v, bool)]
     not_booleans = [k for k in booleans if not takes_a_boolean(annotations[k])]
     if not_booleans:

@@ -59,12 +59,19 @@ def params_type(factory: Any) -> type | None:
     return tp if _is_params_type(tp) else None
 
 
-def field_annotations(tp: type) -> dict[str, Any]:
-    """``{field: its annotation}`` of a pydantic model or a dataclass, in declaration order."""
+def field_annotations(tp: type, metadata: bool = False) -> dict[str, Any]:
+    """``{field: its annotation}`` of a pydantic model or a dataclass, in declaration order;
+    with `metadata`, as ``Annotated`` with what the field declares beside its type (its own
+    validators, constraints), so that validating against it is validating the field."""
     if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
+        hints = typing.get_type_hints(tp, include_extras=metadata)
         return {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(tp)}
-    return {name: f.annotation for name, f in tp.model_fields.items()}
+    return {
+        name: typing.Annotated[(f.annotation, *f.metadata)]
+        if metadata and f.metadata
+        else f.annotation
+        for name, f in tp.model_fields.items()
+    }
 
 
 def field_types(tp: type) -> dict[str, str]:
@@ -73,9 +80,11 @@ def field_types(tp: type) -> dict[str, str]:
 
 
 def takes_a_boolean(annotation: Any) -> bool:
-    """Whether a field of type `annotation` takes True or False as they are. Pydantic's lax
-    validation turns them into 1 and 0 for a number (``--program-param dropout=true`` would
-    train with dropout 1.0); a type it cannot check counts as taking them."""
+    """Whether a field of type `annotation` (with its metadata: `field_annotations`) takes True
+    or False: as they are, or through a validator of its own. Pydantic's lax validation turns
+    them into 1 and 0 for a number (``--program-param dropout=true`` would train with dropout
+    1.0); a type it cannot check counts as taking them. A model's ``field_validator`` is not
+    seen here."""
     from pydantic import TypeAdapter, ValidationError
 
     try:
