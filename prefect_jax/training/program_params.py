@@ -39,6 +39,8 @@ from prefect_jax.training.program_params_types import (
 ENGINE_FILLED = ("max_steps",)
 EXEMPT_ATTR = "restore_exempt"
 META_KEY = "program_params"
+# A field one side of a restore lacks (added to the type since, or removed), as diffs show it.
+UNSET = "<unset>"
 
 
 class ProgramParamsError(ValueError):
@@ -200,8 +202,8 @@ def differences(saved: ProgramParams, given: ProgramParams) -> list[tuple[str, A
             continue  # added since, at its default: what the step's program did without it
         if key not in b and key in saved.defaults and a[key] == saved.defaults[key]:
             continue  # removed since, saved at its default
-        if a.get(key, "<unset>") != b.get(key, "<unset>"):
-            out.append((key, a.get(key, "<unset>"), b.get(key, "<unset>")))
+        if a.get(key, UNSET) != b.get(key, UNSET):
+            out.append((key, a.get(key, UNSET), b.get(key, UNSET)))
     return out
 
 
@@ -212,8 +214,7 @@ def _params_to_give(
     field that differs, at its saved value; or, shorter where it resumes the same (validated
     into the params type, nothing differs then), the fields its run was given and those given
     now that differ (a preset, not each field it decided). Exempt fields are never suggested."""
-    unset = "<unset>"
-    every = {k: s for k, s, g in diffs if unset not in (s, g)}
+    every = {k: s for k, s, g in diffs if UNSET not in (s, g)}
     tp = given.params_type
     if saved.given is None or given.given is None or tp is None:
         return every
@@ -259,14 +260,14 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
     """
     if not meta or META_KEY not in meta:
         return
-    diffs = differences(ProgramParams.from_meta(meta[META_KEY]), given)
+    saved = ProgramParams.from_meta(meta[META_KEY])
+    diffs = differences(saved, given)
     if not diffs:
         return
-    unset = "<unset>"
     listed = "; ".join(f"{k}: saved {s!r}, given {g!r}" for k, s, g in diffs)
-    same = _as_flags(_params_to_give(ProgramParams.from_meta(meta[META_KEY]), given, diffs))
-    added = [k for k, s, _ in diffs if s == unset]
-    removed = [k for k, _, g in diffs if g == unset]
+    same = _as_flags(_params_to_give(saved, given, diffs))
+    added = [k for k, s, _ in diffs if s == UNSET]
+    removed = [k for k, _, g in diffs if g == UNSET]
     notes = ""
     if added:
         notes += (
