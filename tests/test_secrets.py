@@ -125,6 +125,11 @@ def test_a_planted_secret_appears_nowhere(s3, tmp_path, prefect_server, mlflow_u
         and "prefect-jax.checkpoint.committed" in places["events"]
     )
     assert "train.max_steps" in places["mlflow params"]
+    # The description's status hint names the block (it carries the endpoint and the keys), not
+    # the bucket URL it resolved to, which `prefect-jax status` could not open without them.
+    assert "--storage jax-checkpoint-storage/leak-test`" in run.data.tags["mlflow.note.content"], (
+        run.data.tags["mlflow.note.content"]
+    )
     assert any(
         '"step": 40' in a["data"] for a in json.loads(places["artifacts"]) if a["type"] == "table"
     )

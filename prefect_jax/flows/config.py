@@ -50,6 +50,7 @@ def _job_config(
         program=program,
         job=job,
         storage=url,
+        storage_name=storage if storage != url else None,
         storage_options=options,
         train=train_spec,
         eval=eval_spec or EvalSpec(),

@@ -278,7 +278,7 @@ class Job(JobCheckpoints):
             + (f"{c.train.max_steps} steps." if c.train.max_steps else "trains until stopped."),
             "",
             f"- Storage: `{root}` (`prefect-jax status --job {c.job} --storage "
-            f"{redact_url(self.storage.root)}`)",
+            f"{c.storage_name or redact_url(self.storage.root)}`)",
             f"- Checkpoints (Orbax steps): `{checkpoints}/<step>`",
             f"- Eval records: `{root}/evals/{c.eval.name}/<step>.json`",
             f"- Exports: `{root}/exports/<exporter>/<step>`"

@@ -295,6 +295,7 @@ class JobConfig(Spec):
             `prefect_jax.training.program_params`); None for none.
         job: job name; the job's files live under ``<storage>/<job>/``.
         storage: storage root (local directory or URL).
+        storage_name: the storage block it came from (``jax-checkpoint-storage/<name>``), or None.
         train: the TrainSpec.
         eval: the EvalSpec.
         checkpoint: the CheckpointSpec.
@@ -316,6 +317,12 @@ class JobConfig(Spec):
     )
     job: str
     storage: str
+    storage_name: str | None = Field(
+        None,
+        description="The storage as the user named it, where that is a Prefect block "
+        "(jax-checkpoint-storage/<name>) whose URL `storage` holds: hints that name the "
+        "storage show it, since the block carries the endpoint and keys.",
+    )
     train: TrainSpec
     eval: EvalSpec = Field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
