@@ -229,6 +229,31 @@ def test_the_default_best_is_tf_s_lower_loss(tmp_path):
     assert best_of(exporter, _RESULTS).step == 20
 
 
+def test_a_best_exporter_added_to_an_evaluated_job_must_beat_the_evaluations_before_it(tmp_path):
+    """TF's BestExporter reads the eval history it finds: added to a job already evaluated, its
+    first export is of a step better than every earlier evaluation, not of the next step."""
+    from prefect_jax.training.evaluation import EvalRecords
+    from prefect_jax.training.exporters import exports_nothing, run_exporter
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path / "storage"), "added")
+    records = EvalRecords(storage, "eval", writer=True)
+    for result in _RESULTS:  # evaluated before the exporter was added (best loss: step 20, 0.4)
+        records.put(result.model_copy(update={"name": "eval"}))
+    exporter = BestExporter(keep=None)
+    worse = _evaluated(40, 0.45, 0.8).model_copy(update={"name": "eval"})
+    assert exports_nothing(exporter, storage, worse, 100)
+    assert run_exporter(exporter, storage, worse, 100, bytes, {}) is None
+    assert list_exports(storage) == {"best": []}
+    best = json.load(open(storage.export_dir("best") + "/best.json"))
+    assert (best["step"], best["value"]) == (20, 0.4)  # the history's best, not read again
+    better = _evaluated(50, 0.3, 0.8).model_copy(update={"name": "eval"})
+    assert not exports_nothing(exporter, storage, better, 100)
+    dest = storage.export_dir("best", 50)
+    assert run_exporter(exporter, storage, better, 100, bytes, {}) == (dest, True)
+    assert list_exports(storage) == {"best": [50]}
+
+
 def test_compare_fn_and_metric_together_are_refused_naming_both():
     with pytest.raises(
         ValueError,

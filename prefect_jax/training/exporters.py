@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prefect_jax.training.best import beats, best_record
+from prefect_jax.training.best import beats, best_of, best_record
 from prefect_jax.training.eval_specs import (
     BestExporter,
     ExporterSpec,
     FinalExporter,
     LatestExporter,
 )
-from prefect_jax.training.evaluation import EvalResult, EvalStatus
+from prefect_jax.training.evaluation import EvalRecords, EvalResult, EvalStatus
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 from prefect_jax.training.serving import (  # noqa: F401 - serving_example: (its home was here)
     failing_platforms,
@@ -206,7 +206,7 @@ def exports_nothing(
     if isinstance(exporter, BestExporter) and (
         exporter.compare_fn or exporter.metric in result.metrics
     ):  # (else run_exporter names the metrics)
-        best = read_best(storage, exporter)
+        best = best_so_far(storage, exporter, result)
         return (
             best is not None
             and best.get("step") != int(result.step)
@@ -257,6 +257,19 @@ def read_best(storage: JobStorage, exporter: BestExporter) -> dict | None:
         return best
 
 
+def best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult) -> dict | None:
+    """What `result` must beat: the exporter's ``best.json``, else (an exporter added to a job
+    evaluated before it) the best of the evaluations recorded before `result`'s step, as TF's
+    BestExporter reads the eval history it finds: a new exporter does not put @best on a step
+    worse than one already evaluated. None: nothing to beat."""
+    best = read_best(storage, exporter)
+    if best is not None:
+        return best
+    earlier = [r for r in EvalRecords(storage, result.name).all() if r.step < int(result.step)]
+    found = best_of(exporter, earlier)
+    return None if found is None else best_record(exporter, found)
+
+
 def run_exporter(
     exporter: ExporterSpec,
     storage: JobStorage,
@@ -293,10 +306,12 @@ def run_exporter(
                 f"BestExporter {exporter.name!r} compares metric {exporter.metric!r}, but the eval "
                 f"results hold {sorted(result.metrics)}; set metric= to one of those"
             )
-        best = read_best(storage, exporter)
+        best = best_so_far(storage, exporter, result)
         if best is not None and best.get("step") == step:
             return (dest, False) if storage.fs.exists(dest) else None
         if not beats(exporter, result.metrics, step, best):
+            if not storage.fs.exists(best_path):  # (the history's best: not read again)
+                storage.write_json(best_path, best)
             return None
     written_now = not storage.fs.exists(dest)
     if written_now:
