@@ -23,10 +23,10 @@ from prefect_jax.training.storage import JobStorage
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
 
-def _run(tmp_path, mlflow_uri, max_steps=40, **kw):
+def _run(tmp_path, mlflow_uri, max_steps=40, job="flow-job", **kw):
     return train_and_evaluate(
         program="prefect_jax.examples.digits:tiny",
-        job="flow-job",
+        job=job,
         storage=str(tmp_path / "storage"),
         train_spec=TrainSpec(max_steps=max_steps, log_every_steps=10),
         checkpoint_spec=CheckpointSpec(every_steps=20),
@@ -297,6 +297,26 @@ def test_flow_extends_a_finished_job_when_max_steps_grows(tmp_path, mlflow_uri):
     assert _device_bytes() - before < 1000
     assert first["final_step"] == 20 and longer["final_step"] == 40
     assert longer["mlflow_run_id"] == first["mlflow_run_id"]
+
+
+def test_a_warm_start_evaluates_and_exports_only_the_new_jobs_own_steps(tmp_path, mlflow_uri):
+    """A warm start's step is another job's model: as in TF, the new job's first evaluation is of
+    its own first checkpoint, so the source's weights never become its export, registered version
+    or best. A warm start to the job's own max_steps still evaluates (its final model)."""
+    _run(tmp_path, mlflow_uri, max_steps=20).result()
+    source = JobStorage(str(tmp_path / "storage"), "flow-job")
+    path = f"{source.checkpoint_dir}/20"
+
+    def warm(job, max_steps):
+        return _run(tmp_path, mlflow_uri, max_steps=max_steps, job=job, checkpoint_path=path)
+
+    assert warm("warm", 60).result()["final_step"] == 60
+    target = JobStorage(str(tmp_path / "storage"), "warm")
+    assert target.list_int_names(target.eval_dir("eval")) == [40, 60]
+    assert target.list_int_names(target.export_dir("latest")) == [40, 60]
+    assert warm("warm-final", 20).result()["final_step"] == 20
+    final = JobStorage(str(tmp_path / "storage"), "warm-final")
+    assert final.list_int_names(final.export_dir("final")) == [20]
 
 
 def test_an_mlflow_tracking_block_named_by_the_environment_is_the_jobs_store(

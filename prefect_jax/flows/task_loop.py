@@ -71,8 +71,10 @@ def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str 
             named.append(True)
             trainer.job.name_this_flow_run()
 
-    if evaluate and step > 0:
-        # A crash between a checkpoint and its evaluation leaves that step unevaluated.
+    # A crash between a checkpoint and its evaluation leaves that step unevaluated. Not a warm
+    # start's step, which is another job's model (TF evaluates none before the run's own first
+    # checkpoint): it would become this job's first export and registered version, and its best.
+    if evaluate and step > 0 and not (trainer.warm_started and not config.train.is_final(step)):
         evaluate = _evaluate_and_export(config, step, on_new=name_this_flow_run)
     try:
         trained = False

@@ -305,6 +305,7 @@ def restore_trainer(
     trainer.live_is_preemption = bool((meta or {}).get("preemption"))
     trainer.recovered = False
     trainer.started_from = step  # committed, or init / a warm start: a rerun gets the same state
+    trainer.warm_started = bool(checkpoint_path and not has_own and step)
     trainer.policy.saved()  # (the time cadence counts from the restore)
     job.goodput.begin(step)
     notify_progress(step, trainer.config.train.max_steps, {})

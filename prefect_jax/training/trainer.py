@@ -142,6 +142,7 @@ class Trainer:
         self.last_train_metrics: dict[str, float] = {}
         # the step the live state was restored (or initialised) at
         self.started_from: int | None = None
+        self.warm_started = False  # the live state came from another job's step (checkpoint_path)
         self.live_is_preemption = False  # the live step was restored from a preemption checkpoint
         self.recovered = False  # the live state came from `recover`: evaluated, never trained on
         # (live step, monotonic time) of the last "no stop" read
