@@ -254,6 +254,33 @@ def test_a_best_exporter_added_to_an_evaluated_job_must_beat_the_evaluations_bef
     assert list_exports(storage) == {"best": [50]}
 
 
+def test_a_best_judged_by_another_metric_is_judged_again_from_the_eval_records(tmp_path, caplog):
+    """A job that exported by `--best-metric accuracy --best-mode max`, resumed with the default
+    (loss, min): the new loss is compared with the losses evaluated before, never with the stored
+    best's accuracy (0.9 would beat any loss below it, and no loss would beat it under max)."""
+    from prefect_jax.training.evaluation import EvalRecords
+    from prefect_jax.training.exporters import run_exporter
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path / "storage"), "rejudged")
+    records = EvalRecords(storage, "eval", writer=True)
+    by_accuracy = BestExporter(metric="accuracy", mode="max", keep=None)
+    for result in _RESULTS:  # exports 10 and 30 (accuracy 0.7, 0.9); the best loss is 20's, 0.4
+        records.put(result)
+        run_exporter(by_accuracy, storage, result, 100, bytes, {})
+    assert list_exports(storage) == {"best": [10, 30]}
+    by_loss = BestExporter(keep=None)
+    with caplog.at_level("INFO"):
+        assert run_exporter(by_loss, storage, _evaluated(40, 0.45, 0.1), 100, bytes, {}) is None
+    assert "best.json was judged by accuracy (max), the exporter now judges by loss (min)" in (
+        caplog.text
+    )
+    best = json.load(open(storage.export_dir("best") + "/best.json"))
+    assert (best["step"], best["metric"], best["value"]) == (20, "loss", 0.4)
+    dest = storage.export_dir("best", 50)
+    assert run_exporter(by_loss, storage, _evaluated(50, 0.35, 0.1), 100, bytes, {}) == (dest, True)
+
+
 def test_compare_fn_and_metric_together_are_refused_naming_both():
     with pytest.raises(
         ValueError,

@@ -39,6 +39,17 @@ def eval_result_dict(metrics: dict[str, float], step: int) -> dict[str, Any]:
     return {**metrics, "global_step": int(step)}
 
 
+def judged_alike(exporter: BestExporter, best: dict) -> bool:
+    """Whether `best` (``best.json``) was judged as `exporter` judges: by the same compare_fn, or
+    the same metric and mode."""
+    if exporter.compare_fn is not None:
+        return best.get("compare_fn") == exporter.compare_fn
+    return best.get("compare_fn") is None and (best.get("metric"), best.get("mode")) == (
+        exporter.metric,
+        exporter.mode,
+    )
+
+
 def beats(exporter: BestExporter, metrics: dict, step: int, best: dict | None) -> bool:
     """Whether the evaluation (`metrics` at `step`) is better than `best` (``best.json``, None:
     no best yet): by `compare_fn(best, current)`, else `metric` under `mode`."""

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prefect_jax.training.best import beats, best_of, best_record
+from prefect_jax.training.best import beats, best_of, best_record, judged_alike
 from prefect_jax.training.eval_specs import (
     BestExporter,
     ExporterSpec,
@@ -258,13 +258,23 @@ def read_best(storage: JobStorage, exporter: BestExporter) -> dict | None:
 
 
 def best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult) -> dict | None:
-    """What `result` must beat: the exporter's ``best.json``, else (an exporter added to a job
-    evaluated before it) the best of the evaluations recorded before `result`'s step, as TF's
-    BestExporter reads the eval history it finds: a new exporter does not put @best on a step
-    worse than one already evaluated. None: nothing to beat."""
+    """What `result` must beat: the exporter's ``best.json``; else, as TF's BestExporter reads
+    the eval history it finds, the best of the evaluations recorded before `result`'s step, as
+    the exporter judges them: where the exporter was added to a job evaluated before (it does not
+    put @best on a step worse than one already evaluated), or where ``best.json`` was judged by
+    another metric, mode or compare_fn (a loss is not compared with an accuracy). None: nothing
+    to beat."""
     best = read_best(storage, exporter)
-    if best is not None:
+    if best is not None and judged_alike(exporter, best):
         return best
+    if best is not None:
+        logger.info(
+            "exporter %s: best.json was judged by %s, the exporter now judges by %s: the best so "
+            "far is judged again from the eval records",
+            exporter.name,
+            best.get("compare_fn") or f"{best.get('metric')} ({best.get('mode')})",
+            exporter.compare_fn or f"{exporter.metric} ({exporter.mode})",
+        )
     earlier = [r for r in EvalRecords(storage, result.name).all() if r.step < int(result.step)]
     found = best_of(exporter, earlier)
     return None if found is None else best_record(exporter, found)
@@ -310,7 +320,7 @@ def run_exporter(
         if best is not None and best.get("step") == step:
             return (dest, False) if storage.fs.exists(dest) else None
         if not beats(exporter, result.metrics, step, best):
-            if not storage.fs.exists(best_path):  # (the history's best: not read again)
+            if best != read_best(storage, exporter):  # (judged from the history: kept)
                 storage.write_json(best_path, best)
             return None
     written_now = not storage.fs.exists(dest)
