@@ -93,6 +93,27 @@ def test_throttle_skips_but_never_the_final_step(job_config):
     assert final.status is EvalStatus.EVALUATED and final.is_final and final.step == 40
 
 
+def test_local_mode_throttles_from_the_start_of_the_last_evaluation_as_tfs(job_config):
+    """TF's "the last evaluation was started at least this many seconds ago": the time an
+    evaluation takes counts, so a slow evaluation does not throttle the next one as well."""
+    from prefect_jax.training.evaluation import throttled
+
+    trainer = Trainer(job_config(max_steps=40))
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    result = trainer.evaluate_if_new()
+    assert result.started_at <= result.evaluated_at
+    trainer.finish()
+    records = trainer.job.records
+    slow = result.model_copy(update={"step": 21, "started_at": 100.0, "evaluated_at": 130.0})
+    records.put(slow)  # began at 100 s, took 30 s
+    assert throttled(records, 40.0, now=lambda: 139.0)
+    assert not throttled(records, 40.0, now=lambda: 141.0)  # (130 + 40 would wait to 170)
+    # a record written before the start was kept counts from its end
+    records.put(slow.model_copy(update={"step": 22, "started_at": None}))
+    assert throttled(records, 40.0, now=lambda: 141.0)
+
+
 def test_eval_result_validation():
     with pytest.raises(ValidationError, match="needs the global step"):
         EvalResult(status=EvalStatus.EVALUATED, metrics={"a": 1.0})

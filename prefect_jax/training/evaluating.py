@@ -203,6 +203,7 @@ class Evaluations:
             return EvalResult(status=EvalStatus.PREEMPTION_CHECKPOINT, name=spec.name, step=step)
         if not (force or is_final) and throttled(job.records, spec.throttle_secs):
             return EvalResult(status=EvalStatus.THROTTLED, name=spec.name, step=step)
+        started_at = time.time()  # (throttle_secs counts from here, as TF's timer does)
         stopped = control.before_eval_stop(t.eval_hooks, step)
         if stopped:
             return self._stop_evaluating(
@@ -231,6 +232,7 @@ class Evaluations:
             num_batches=n,
             num_examples=examples,
             evaluated_at=time.time(),
+            started_at=started_at,
             is_final=is_final,
         )
         # The live step's save may still be in flight (the evaluation overlapped it): a step is

@@ -50,6 +50,11 @@ class EvalResult(BaseModel):
     num_batches: int = 0
     num_examples: int | None = None
     evaluated_at: float | None = None
+    started_at: float | None = Field(
+        None,
+        description="When the evaluation began (time.time()): throttle_secs counts from it, as "
+        "TF's does; None in records written before it was kept (their evaluated_at counts).",
+    )
     is_final: bool = False
     stop_reason: str | None = Field(
         None, description="Why an eval hook asked the job to stop, if it did."
@@ -277,12 +282,13 @@ class EvalRecords:
         self._known.pop(int(step), None)
         return dst
 
-    def last_evaluated_at(self) -> float | None:
+    def last_started_at(self) -> float | None:
+        """When the newest recorded evaluation began (its end, for a record without the start)."""
         steps = self.steps()
         if not steps:
             return None
         last = self.get(steps[-1])
-        return last.evaluated_at if last else None
+        return (last.started_at or last.evaluated_at) if last else None
 
     def all(self) -> list[EvalResult]:
         return [r for r in (self.get(s) for s in self.steps()) if r is not None]
@@ -293,7 +299,7 @@ def throttled(
 ) -> bool:
     if throttle_secs <= 0:
         return False
-    last = records.last_evaluated_at()
+    last = records.last_started_at()
     return last is not None and now() - last < throttle_secs
 
 
