@@ -55,6 +55,20 @@ def permanent():
     return FailingDigits(fail_at=5, error=TypeError, failures=None)
 
 
+class FiniteDigits(DigitsProgram):
+    """Tiny digits whose training data ends after 25 batches (a dataset not repeated)."""
+
+    def __init__(self):
+        super().__init__(hidden=(32, 32), learning_rate=3e-3, batch_size=32)
+
+    def train_data(self, seed: int):
+        return super().train_data(seed)[:25]
+
+
+def finite():
+    return FiniteDigits()
+
+
 class DeviceOutOfMemory(RuntimeError):
     """As XLA says a device ran out of memory (its XlaRuntimeError is a RuntimeError)."""
 

@@ -82,6 +82,25 @@ def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_
     assert not (tmp_path / "storage" / "broken" / "lease.json").exists()
 
 
+def test_training_data_that_ends_is_not_retried_and_the_error_says_to_repeat_it(
+    tmp_path, mlflow_uri
+):
+    """A `train_data` not repeated ends (here after 25 batches): the StopIteration was retried
+    twice and reached the user bare; it is a program error naming the step and the fix."""
+    from prefect_jax.training.program import ProgramError
+
+    state = _run(tmp_path, mlflow_uri, "programs:finite", "finite")
+    assert state.is_failed()
+    with pytest.raises(
+        ProgramError, match=r"train_data\(seed\) ended before step 26.*\.repeat\(\)"
+    ):
+        state.result()
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    assert runs["train 20 to 40"].run_count == 1
+    storage = JobStorage(str(tmp_path / "storage"), "finite")
+    assert storage.list_int_names(storage.checkpoint_dir) == [20]  # (what was saved stays)
+
+
 def test_out_of_memory_is_not_retried_and_the_run_is_told_what_to_change(
     tmp_path, mlflow_uri, caplog
 ):

@@ -25,6 +25,21 @@ def iterate(dataset, read_options=None):
     return iter(dataset)
 
 
+def next_batch(data_iter, step: int):
+    """The next training batch. Raises ProgramError (a retry would end the same way) where the
+    program's `train_data` has ended: training ends at max_steps, never with the data."""
+    try:
+        return next(data_iter)
+    except StopIteration:
+        from prefect_jax.training.program import ProgramError
+
+        raise ProgramError(
+            f"the program's train_data(seed) ended before step {step + 1}: it must never end "
+            "(training stops at max_steps), so repeat it: a Grain dataset's .repeat(), as TF's "
+            "input_fn repeats its tf.data.Dataset"
+        ) from None
+
+
 def position_text(data_iter) -> str:
     """A Grain iterator's position as Grain's handler writes it: a dataset iterator's state as
     JSON, a DataLoader's bytes as text. `set_position` reads it back."""

@@ -43,7 +43,7 @@ from prefect_jax.training.compiled_steps import (
     metrics_at,
     stack,
 )
-from prefect_jax.training.data_positions import iterate
+from prefect_jax.training.data_positions import iterate, next_batch
 from prefect_jax.training.evaluation import evaluate_pass
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharded_state import (
@@ -299,13 +299,13 @@ class Loop:
         while step < target:
             start = step
             if per_dispatch == 1:
-                batch = next(it)
+                batch = next_batch(it, step)
                 guard = guard or self.means.guard(state, self.batch_type(batch), step, target)
                 state, metrics, guard = self.train_step(state, self.batch(batch), guard)
                 step += 1
             else:
                 n = min(per_dispatch, target - step)
-                batches = [next(it) for _ in range(n)]
+                batches = [next_batch(it, step + i) for i in range(n)]
                 guard = guard or self.means.guard(state, self.batch_type(batches[0]), step, target)
                 state, metrics, guard = self.scan_steps(
                     state, self.batch(stack(batches), axis=1), guard
