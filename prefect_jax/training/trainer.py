@@ -140,8 +140,7 @@ class Trainer:
         self.step: int | None = None
         self.data_iter = None
         self.last_train_metrics: dict[str, float] = {}
-        # the step the live state was restored (or initialised) at
-        self.started_from: int | None = None
+        self.started_from: int | None = None  # the step the live state was restored / made at
         self.warm_started = False  # the live state came from another job's step (checkpoint_path)
         self.live_is_preemption = False  # the live step was restored from a preemption checkpoint
         self.recovered = False  # the live state came from `recover`: evaluated, never trained on
