@@ -64,6 +64,12 @@ def test_the_fsdp_rule_splits_the_largest_divisible_dimension_of_large_arrays():
     assert fsdp(state, AbstractMesh((4, 2), ("data", "model")), base=base)["wide"] == (
         PartitionSpec("data", "model")
     )
+    # An axis the mesh lacks (a mesh param's typo): named with the mesh's, not a KeyError.
+    with pytest.raises(
+        ShardingError,
+        match=r"fsdp\(axis='data'\): the mesh \{'dat': 8\} has no such axis: use one of \['dat'\]",
+    ):
+        fsdp(state, AbstractMesh((8,), ("dat",)))
 
 
 def test_a_mesh_whose_sizes_do_not_match_the_devices_is_refused():

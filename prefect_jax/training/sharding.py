@@ -284,20 +284,22 @@ def fsdp(
     min_size: int = FSDP_MIN_SIZE,
     base=None,
 ):
-    """Fully sharded data parallel: each array's largest dimension that the `axis` size divides
-    is split over `axis`; arrays under `min_size` elements (and scalars) are replicated.
+    """Fully sharded data parallel, a pytree of PartitionSpec in the state's structure: each
+    array's largest dimension that the `axis` size divides is split over `axis`; arrays under
+    `min_size` elements (and scalars) are replicated.
 
     Args:
         abstract_state: the state's shapes (the engine passes ``jax.eval_shape`` of init).
         mesh: the program's mesh.
-        axis: the mesh axis to split over.
+        axis: the mesh axis to split over (one the mesh lacks: a ShardingError naming its axes).
         min_size: arrays with fewer elements stay replicated.
-        base: specs already chosen (e.g. tensor parallel over ``model``, from `by_path`): FSDP
-            splits one of the dimensions they leave unsplit.
-
-    Returns:
-        A pytree of PartitionSpec, in the state's structure.
+        base: specs already chosen (`by_path`'s, over ``model``): FSDP splits a dimension left free.
     """
+    if axis not in mesh.shape:
+        raise ShardingError(
+            f"fsdp(axis={axis!r}): the mesh {dict(mesh.shape)} has no such axis: use one of "
+            f"{list(mesh.axis_names)}, or give the mesh a {axis!r} axis"
+        )
     size = mesh.shape[axis]
     leaves, treedef = jax.tree.flatten(abstract_state)
     bases = [None] * len(leaves) if base is None else treedef.flatten_up_to(base)
@@ -324,11 +326,9 @@ def by_path(abstract_state, rules: Sequence[tuple[str, PartitionSpec]]):
         ``by_path(state, [(r"qkv/kernel$", PartitionSpec(None, "model"))])``
     """
     compiled = [(re.compile(r), s) for r, s in rules]
-    _, treedef = jax.tree.flatten(abstract_state)
-    out = []
-    for path, _ in leaf_paths(abstract_state):
-        out.append(next((s for r, s in compiled if r.search(path)), None))
-    return jax.tree.unflatten(treedef, out)
+    paths = [path for path, _ in leaf_paths(abstract_state)]
+    specs = [next((s for r, s in compiled if r.search(path)), None) for path in paths]
+    return jax.tree.unflatten(jax.tree.structure(abstract_state), specs)
 
 
 def replicas(tree, processes: int):
