@@ -180,6 +180,32 @@ def test_early_stopping_stops_both_roles(tmp_path, mlflow_uri):
     ), said
 
 
+def test_early_stopping_leaves_out_evaluations_before_min_steps_as_tfs():
+    """TF's `stop_if_no_decrease_hook(min_steps=...)`: evaluations before it neither stop the
+    job nor count as the best (an early lucky loss would otherwise stop a warmup)."""
+    from prefect_jax.training.control import EarlyStoppingHook
+    from prefect_jax.training.evaluation import EvalResult, EvalStatus
+
+    def records(*losses):
+        return [
+            EvalResult(status=EvalStatus.EVALUATED, step=10 * (i + 1), metrics={"loss": loss})
+            for i, loss in enumerate(losses)
+        ]
+
+    spec = EarlyStopping(max_steps_without_improvement=20, min_steps=30)
+    assert EarlyStopping(max_steps_without_improvement=20).min_steps == 0
+    hook = EarlyStoppingHook.of(spec)
+    # best at 10 (before min_steps): left out; from 30 the loss improves at 40, then not
+    assert hook.should_stop(records(0.1, 0.9, 0.8, 0.7, 0.75)) is None
+    assert "best 0.7 at step 40, last eval at step 60" in hook.should_stop(
+        records(0.1, 0.9, 0.8, 0.7, 0.75, 0.72)
+    )
+    without = EarlyStoppingHook.of(spec.model_copy(update={"min_steps": 0}))
+    assert "best 0.1 at step 10" in without.should_stop(records(0.1, 0.9, 0.8))
+    with pytest.raises(ValueError, match="min_steps"):
+        EarlyStopping(max_steps_without_improvement=20, min_steps=-1)
+
+
 def test_rerun_budget_without_progress(tmp_path):
     js = JobStorage(str(tmp_path), "stuck")
     assert record_attempt(js, 100, 2) == 0

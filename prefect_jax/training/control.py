@@ -98,23 +98,44 @@ def record_attempt(
 
 
 class EarlyStoppingHook:
-    """Stop when `metric` has not improved by `min_delta` for `max_steps_without_improvement` steps.
+    """Stop when `metric` has not improved by `min_delta` for `max_steps_without_improvement` steps,
+    counting only evaluations at `min_steps` or later.
 
     TF's `stop_if_no_decrease_hook` / `stop_if_no_increase_hook`, computed from the durable
     eval records, so it gives the same answer after a restart.
     """
 
     def __init__(
-        self, metric: str, mode: str, max_steps_without_improvement: int, min_delta: float = 0.0
+        self,
+        metric: str,
+        mode: str,
+        max_steps_without_improvement: int,
+        min_delta: float = 0.0,
+        min_steps: int = 0,
     ):
-        self.metric, self.mode = metric, mode
-        self.max_steps_without_improvement, self.min_delta = (
+        self.metric, self.mode, self.min_delta = metric, mode, min_delta
+        self.max_steps_without_improvement, self.min_steps = (
             max_steps_without_improvement,
-            min_delta,
+            min_steps,
+        )
+
+    @classmethod
+    def of(cls, spec) -> EarlyStoppingHook:
+        """The hook an `EarlyStopping` spec describes."""
+        return cls(
+            spec.metric,
+            spec.mode,
+            spec.max_steps_without_improvement,
+            spec.min_delta,
+            spec.min_steps,
         )
 
     def should_stop(self, records: list[EvalResult]) -> str | None:
-        series = [(r.step, r.metrics[self.metric]) for r in records if self.metric in r.metrics]
+        series = [
+            (r.step, r.metrics[self.metric])
+            for r in records
+            if self.metric in r.metrics and r.step >= self.min_steps
+        ]
         if not series:
             return None
         sign = 1.0 if self.mode == "min" else -1.0

@@ -127,6 +127,12 @@ class EarlyStopping(Spec):
         description="Stop once the best value is this many steps old."
     )
     min_delta: float = Field(0.0, description="Smaller changes do not count as improvement.")
+    min_steps: int = Field(
+        0,
+        ge=0,
+        description="Evaluations before this global step are left out (TF's min_steps): no stop "
+        "before it, and the best value counts from it.",
+    )
 
     @field_validator("max_steps_without_improvement")
     @classmethod

@@ -149,13 +149,7 @@ class Trainer:
         self.policy = CheckpointPolicy.for_training(config.checkpoint, config.train.max_steps)
         self.eval_hooks = control.load_hooks(config.eval.hooks)
         es = config.eval.early_stopping
-        self.early_stopping = (
-            control.EarlyStoppingHook(
-                es.metric, es.mode, es.max_steps_without_improvement, es.min_delta
-            )
-            if es
-            else None
-        )
+        self.early_stopping = control.EarlyStoppingHook.of(es) if es else None
         self.intervals = Intervals(self)
         self.evaluations = Evaluations(self, on_stop=self.forget_stop_answer)
         self.exports = Exports(self)
