@@ -121,7 +121,7 @@ def test_a_planted_secret_appears_nowhere(s3, tmp_path, prefect_server, mlflow_u
     # The searches read real content (so "not found" means something).
     assert "jax-checkpoint-storage/leak-test" in places["flow run"]
     assert (
-        "checkpointed" in places["prefect logs"]
+        "its checkpoint saving" in places["prefect logs"]
         and "prefect-jax.checkpoint.committed" in places["events"]
     )
     assert "train.max_steps" in places["mlflow params"]

@@ -84,5 +84,6 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
     )
     step = trainer.train_until_checkpoint()
     metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.last_train_metrics.items()))
-    logger.info("step %d checkpointed (%s)", step, metrics)
+    # (the save commits in the background: a kill before that resumes from the step before)
+    logger.info("step %d trained, its checkpoint saving (%s)", step, metrics)
     return step

@@ -255,7 +255,8 @@ class Evaluator:
             self._last_eval_at = started
             self.evaluated.append(step)
             self.last = result
-            # TF exports before it asks after_eval: a listener's last evaluation is exported
+            # (the listener was asked in the evaluation; a listener's last one is exported, as
+            # TF exports before it asks after_eval)
             if self.export is not None:
                 self.export(result)
             if result.stop_reason:
