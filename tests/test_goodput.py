@@ -363,11 +363,16 @@ def _life(start, end_record, ended, saves, save_s, dead=2.0):
 
 
 def _one_paced_interval(
-    storage: str, job: str, steps: int, mlflow_uri: str, every_secs: float | None = None
+    storage: str,
+    job: str,
+    steps: int,
+    mlflow_uri: str,
+    every_secs: float | None = None,
+    pause_after_restore: float = 0.0,
 ):
     """`programs:paced` (10 ms a step at least) trained to `steps` by a `Trainer` of its own, in
-    one interval unless `every_secs` ends some sooner, finished: the trainer (not closed) and each
-    of its saves' (step, monotonic time)."""
+    one interval unless `every_secs` ends some sooner, `pause_after_restore` seconds after its
+    restore, finished: the trainer (not closed) and each of its saves' (step, monotonic time)."""
     import time
 
     config = JobConfig(
@@ -380,6 +385,7 @@ def _one_paced_interval(
     )
     trainer = Trainer(config)
     trainer.restore_or_init()
+    time.sleep(pause_after_restore)
     saves: list[tuple[int, float]] = []
     save = trainer.job.save
     trainer.job.save = lambda step, *a, **kw: (
@@ -452,6 +458,21 @@ def test_the_wait_for_the_train_steps_compile_does_not_count_towards_every_secs(
     trainer.close()
     assert waited and trainer.loop.compile_s >= 2.0
     # The first checkpoint after about a second of training: tens of steps, not one.
+    steps = [step for step, _ in saves]
+    assert steps[0] >= 10 and steps[-1] == 300, steps
+
+
+def test_the_time_between_the_restore_and_the_training_does_not_count_towards_every_secs(
+    tmp_path, mlflow_uri
+):
+    """A new job's first run waits up to a minute for its MLflow run after the restore (and a
+    rerun evaluates the restored step there): counted, they made a checkpoint due after the
+    first step. `every_secs` counts from the first training after the restore."""
+    storage = str(tmp_path / "storage")
+    trainer, saves = _one_paced_interval(
+        storage, "pause", 300, mlflow_uri, every_secs=1.0, pause_after_restore=2.0
+    )
+    trainer.close()
     steps = [step for step, _ in saves]
     assert steps[0] >= 10 and steps[-1] == 300, steps
 

@@ -75,6 +75,8 @@ class Intervals:
         the others follow."""
         t, job = self.trainer, self.trainer.job
         why: list[str] = []
+        if t.step == t.started_from:  # the first training since the restore: the time cadence
+            t.policy.saved()  # counts from here (not a first run's MLflow wait, an evaluation)
         part_started = t.policy.clock()
         # This process's first step waits for the train step's compile (or cache load): seconds
         # on a restart that trained nothing a save would keep, so not counted towards either
