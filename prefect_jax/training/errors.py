@@ -257,10 +257,14 @@ class Preempted(Exception):
         )
 
 
+class EvalOutputError(ValueError):
+    """The program's eval_step returns no dict of (sum, count) pairs: every retry would too."""
+
+
 # Errors no task retries, evaluations and exports included: an eval hook's (its step is
-# recorded: a retry would never call the hook there again) and a failed export's (this process
-# raises it at every later export).
-NEVER_RETRIED = (EvalHookError, ExportFailedError)
+# recorded: a retry would never call the hook there again), a failed export's (this process
+# raises it at every later export) and an eval_step output's.
+NEVER_RETRIED = (EvalHookError, ExportFailedError, EvalOutputError)
 
 # Errors a retry cannot fix: the program, the config or the data is wrong.
 PERMANENT = (

@@ -198,17 +198,31 @@ def aggregate(
     totals = jax.device_get(totals)
     metrics: dict[str, float] = {}
     examples = None
+    check_pairs(totals)
     for name, value in totals.items():
-        if not (isinstance(value, (tuple, list)) and len(value) == 2):
-            raise ValueError(
-                f"eval_step returned {name!r}={value!r}; each metric must be a (sum, count) pair, "
-                "e.g. {'accuracy': (correct.sum(), labels.size)}"
-            )
         total, count = float(value[0]), float(value[1])
         metrics[name] = total / count if count else math.nan
         if examples is None:
             examples = int(count)
     return derived(derive_metrics, metrics), n, examples
+
+
+def check_pairs(out: dict) -> None:
+    """Refuse an `eval_step` output (its values, or their shapes) that is not a dict of
+    ``(sum, count)`` pairs, naming the metric and the fix (`EvalOutputError`: never retried)."""
+    from prefect_jax.training.errors import EvalOutputError
+
+    if not isinstance(out, dict):
+        raise EvalOutputError(
+            f"eval_step returned {type(out).__name__} {out!r}; it must return a dict of metrics, "
+            "each a (sum, count) pair, e.g. {'accuracy': (correct.sum(), labels.size)}"
+        )
+    for name, value in out.items():
+        if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise EvalOutputError(
+                f"eval_step returned {name!r}={value!r}; each metric must be a (sum, count) pair, "
+                "e.g. {'accuracy': (correct.sum(), labels.size)}"
+            )
 
 
 class EvalRecords:

@@ -15,7 +15,9 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from prefect_jax.training.errors import EvalOutputError
 from prefect_jax.training.eval_specs import compared_metric_names, compared_metrics
+from prefect_jax.training.evaluation import check_pairs
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage
 
@@ -129,7 +131,9 @@ def eval_metric_names(program: Any, one_process: bool = True) -> list[str]:
     data = program.eval_data()
     batch = data[0] if isinstance(data, grain.MapDataset) else next(iter(data))
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batch)
-    names = set(jax.eval_shape(eval_step, state, spec))
+    out = jax.eval_shape(eval_step, state, spec)
+    check_pairs(out)  # (a traced output that is no (sum, count) pairs: refused now)
+    names = set(out)
     derive = getattr(program, "derive_metrics", None)
     if callable(derive):
         names |= set(derive(dict.fromkeys(names, 1.0)) or {})
@@ -162,6 +166,8 @@ def check_metric_names(
         return True
     try:
         names = eval_metric_names(program, one_process)
+    except EvalOutputError:
+        raise
     except Exception:  # noqa: BLE001 - not knowable without running: the engine checks it then
         return False
     for flag, metric in asked:
