@@ -85,6 +85,19 @@ def mean_eval():
     return MeanEval()
 
 
+class ExtraLeaf(DigitsProgram):
+    """Tiny digits whose train_step adds a leaf to the state init made."""
+
+    def __init__(self):
+        super().__init__(hidden=(32, 32), learning_rate=3e-3, batch_size=32)
+
+    def train_step(self, state, batch):
+        import jax.numpy as jnp
+
+        state, metrics = super().train_step(state, batch)
+        return {**state, "lr": jnp.float32(3e-3)}, metrics
+
+
 class DeviceOutOfMemory(RuntimeError):
     """As XLA says a device ran out of memory (its XlaRuntimeError is a RuntimeError)."""
 

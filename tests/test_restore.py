@@ -310,6 +310,24 @@ def test_mismatched_tree_lists_differing_leaves_by_path(job_config, tmp_path):
     assert "params/l1/kernel" not in message  # unchanged leaves are not listed
 
 
+def test_a_train_step_that_returns_another_state_is_refused_naming_the_leaf(job_config):
+    """A train_step whose returned state has a leaf init's lacks: refused as the step is traced,
+    naming the leaf (jit said it about out_shardings, in pytree terms), never retried, and
+    nothing saved."""
+    from programs import ExtraLeaf
+
+    from prefect_jax.training.program import ProgramError
+
+    trainer = Trainer(job_config(), program=ExtraLeaf())
+    trainer.restore_or_init()
+    with pytest.raises(
+        ProgramError, match=r"must return the state it was given, as init made it"
+    ) as err:
+        trainer.train_until_checkpoint()
+    assert "lr: in the state it returns, not in init's state" in str(err.value)
+    assert trainer.committed_steps() == []
+
+
 def test_typed_prng_keys_survive_a_checkpoint(tmp_path):
     from prefect_jax.training.checkpoints import CheckpointSpec
 

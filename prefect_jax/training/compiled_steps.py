@@ -60,7 +60,9 @@ def guarded_step(train_step: Callable, check_finite: bool) -> Callable:
     import jax.numpy as jnp
 
     def step(state, batch, guard):
+        given = state
         state, metrics = train_step(state, batch)
+        refuse_another_state(given, state)
         count, first_bad, (sums, n, log_every, target) = guard
         count = count + 1
         if check_finite and metrics:
@@ -77,6 +79,30 @@ def guarded_step(train_step: Callable, check_finite: bool) -> Callable:
         return state, means, (count, first_bad, (sums, n, log_every, target))
 
     return step
+
+
+def refuse_another_state(given, returned) -> None:
+    """As the train step is traced: refuse (`ProgramError`, naming the differences) a
+    `train_step` whose returned state is not the tree it was given, as init made it (a missing or
+    extra leaf, another shape or dtype); jit would say it in its own terms, about out_shardings."""
+    from prefect_jax.training.program import ProgramError
+    from prefect_jax.training.trees import leaf_paths, tree_differences
+
+    def described(tree) -> dict[str, list]:
+        def dtype(x):  # (a Python number returned is canonicalised by jit as well)
+            return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(type(x))
+
+        return {p: [list(np.shape(x)), str(dtype(x))] for p, x in leaf_paths(tree)}
+
+    diffs = tree_differences(described(returned), described(given), ("state it returns", "init"))
+    if not diffs and jax.tree.structure(returned) != jax.tree.structure(given):
+        diffs = [f"a {type(returned).__name__} where init made a {type(given).__name__}"]
+    if diffs:
+        raise ProgramError(
+            "train_step(state, batch) must return the state it was given, as init made it (the "
+            f"same paths, shapes and dtypes; new values): {'; '.join(diffs[:5])}"
+            + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
+        )
 
 
 def scanned(step: Callable) -> Callable:

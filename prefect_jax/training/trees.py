@@ -58,17 +58,22 @@ def describe_tree(tree) -> dict[str, list]:
     return {p: [list(np.shape(leaf)), str(leaf.dtype)] for p, leaf in leaf_paths(tree)}
 
 
-def tree_differences(saved: dict[str, list], expected: dict[str, list]) -> list[str]:
-    """Human-readable differences between two `describe_tree` results."""
-    diffs = []
+def tree_differences(
+    saved: dict[str, list],
+    expected: dict[str, list],
+    names: tuple[str, str] = ("checkpoint", "init"),
+) -> list[str]:
+    """Human-readable differences between two `describe_tree` results, `names` saying whose
+    (`saved`'s, `expected`'s)."""
+    (a, b), diffs = names, []
     for path in sorted(set(saved) | set(expected)):
         if path not in expected:
-            diffs.append(f"{path}: in the checkpoint, not in init's state")
+            diffs.append(f"{path}: in the {a}, not in {b}'s state")
         elif path not in saved:
-            diffs.append(f"{path}: in init's state, missing from the checkpoint")
+            diffs.append(f"{path}: in {b}'s state, missing from the {a}")
         elif saved[path] != expected[path]:
             (s_shape, s_dtype), (e_shape, e_dtype) = saved[path], expected[path]
-            diffs.append(f"{path}: checkpoint {s_dtype}{s_shape}, init {e_dtype}{e_shape}")
+            diffs.append(f"{path}: {a} {s_dtype}{s_shape}, {b} {e_dtype}{e_shape}")
     return diffs
 
 
