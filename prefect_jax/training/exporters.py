@@ -264,9 +264,14 @@ def best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult)
     put @best on a step worse than one already evaluated), or where ``best.json`` was judged by
     another metric, mode or compare_fn (a loss is not compared with an accuracy). None: nothing
     to beat."""
+    return _best_so_far(storage, exporter, result)[0]
+
+
+def _best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult):
+    """`best_so_far`, and whether it is ``best.json`` as stored (else judged from the history)."""
     best = read_best(storage, exporter)
     if best is not None and judged_alike(exporter, best):
-        return best
+        return best, True
     if best is not None:
         logger.info(
             "exporter %s: best.json was judged by %s, the exporter now judges by %s: the best so "
@@ -277,7 +282,7 @@ def best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult)
         )
     earlier = [r for r in EvalRecords(storage, result.name).all() if r.step < int(result.step)]
     found = best_of(exporter, earlier)
-    return None if found is None else best_record(exporter, found)
+    return (None if found is None else best_record(exporter, found)), False
 
 
 def run_exporter(
@@ -316,11 +321,11 @@ def run_exporter(
                 f"BestExporter {exporter.name!r} compares metric {exporter.metric!r}, but the eval "
                 f"results hold {sorted(result.metrics)}; set metric= to one of those"
             )
-        best = best_so_far(storage, exporter, result)
+        best, stored = _best_so_far(storage, exporter, result)
         if best is not None and best.get("step") == step:
             return (dest, False) if storage.fs.exists(dest) else None
         if not beats(exporter, result.metrics, step, best):
-            if best != read_best(storage, exporter):  # (judged from the history: kept)
+            if not stored:  # (judged from the history: kept, not judged again)
                 storage.write_json(best_path, best)
             return None
     written_now = not storage.fs.exists(dest)
