@@ -175,6 +175,10 @@ def test_read_only_storage_is_one_clear_error_and_nothing_changes(
         ("prefect_jax.examples.digitz:tiny", "cannot import module 'prefect_jax.examples.digitz'"),
         ("prefect_jax.examples.digits:tinyy", "has no attribute 'tinyy'"),
         ("prefect_jax.examples.digits", "is not of the form 'package.module:attribute'"),
+        (
+            "prefect_jax/examples/digits.py:tiny",
+            "(a module by its dotted name: prefect_jax.examples.digits:tiny?)",
+        ),
     ],
 )
 def test_a_bad_program_is_one_clear_line_before_any_flow_runs(tmp_path, program, expected):
@@ -421,8 +425,8 @@ def test_a_best_metric_from_python_is_refused_as_a_new_job_restores(job_config):
         trainer.restore_or_init()
     trainer.close()
     assert str(refused.value) == (
-        "BestExporter 'best' metric 'acc' is not a metric the evaluation produces: its eval_step "
-        "returns ['accuracy', 'loss']; set it to one of those"
+        "BestExporter 'best' metric 'acc' is not a metric the evaluation produces (its eval_step "
+        "and derive_metrics): it produces ['accuracy', 'loss']; set it to one of those"
     )
     job_dir = os.path.join(config.storage, config.job)
     assert not os.path.exists(os.path.join(job_dir, "attempts.json"))  # no rerun budget spent

@@ -290,6 +290,7 @@ def test_the_command_refuses_an_annotation_or_a_metric_of_a_sharded_program_befo
     assert metric.returncode == 2, metric.stderr[-3000:]
     assert metric.stderr.strip().splitlines()[-1] == (
         "prefect-jax run: error: --best-metric (exporter 'best') 'accuracy' is not a metric the "
-        "evaluation produces: its eval_step returns ['loss']; set it to one of those"
+        "evaluation produces (its eval_step and derive_metrics): it produces ['loss']; set it to "
+        "one of those"
     )
     assert not (tmp_path / "metric").exists()

@@ -173,8 +173,8 @@ def check_metric_names(
     for flag, metric in asked:
         if metric not in names:
             raise BadInputError(
-                f"{flag} {metric!r} is not a metric the evaluation produces: its eval_step "
-                f"returns {names}; set it to one of those"
+                f"{flag} {metric!r} is not a metric the evaluation produces (its eval_step and "
+                f"derive_metrics): it produces {names}; set it to one of those"
             )
     return True
 

@@ -89,9 +89,15 @@ def import_path(path: str, what: str, form: str = "'package.module:attribute'") 
     except (ImportError, AttributeError, ValueError) as exc:
         raise ProgramError(
             f"{what} {path!r} cannot be loaded ({type(exc).__name__}: {exc}); give {form}, "
-            "importable where the job runs"
+            f"importable where the job runs{_dotted_hint(module, attr)}"
         ) from exc
     return obj
+
+
+def _dotted_hint(module: str, attr: str) -> str:
+    """For a module named as a file (``mypkg/model.py``): the dotted name it means."""
+    dotted = module.removesuffix(".py").replace("/", ".").replace("\\", ".").strip(".")
+    return f" (a module by its dotted name: {dotted}:{attr}?)" if dotted != module else ""
 
 
 def made_if_class(obj: Any, path: str, what: str, otherwise: str) -> Any:
@@ -151,6 +157,7 @@ def load_program_with_params(
             f"program path {path!r}: cannot import module {module_name!r} ({exc}); "
             "check the spelling, and that the module is installed in this environment or on "
             "PYTHONPATH (the command also imports from its working directory)"
+            + _dotted_hint(module_name, attr)
         ) from exc
     try:
         obj = module
