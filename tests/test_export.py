@@ -1,6 +1,7 @@
 """Latest, Best and Final exporters: real jax.export artifacts on disk, durable best value."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -242,16 +243,50 @@ def test_a_best_exporter_added_to_an_evaluated_job_must_beat_the_evaluations_bef
         records.put(result.model_copy(update={"name": "eval"}))
     exporter = BestExporter(keep=None)
     worse = _evaluated(40, 0.45, 0.8).model_copy(update={"name": "eval"})
-    assert exports_nothing(exporter, storage, worse, 100)
+    # Not certain until best.json holds it: the export runs once, keeps it, and from then on
+    # no evaluation reads the history again (a local job skips an export that exports nothing).
+    assert not exports_nothing(exporter, storage, worse, 100)
     assert run_exporter(exporter, storage, worse, 100, bytes, {}) is None
     assert list_exports(storage) == {"best": []}
     best = json.load(open(storage.export_dir("best") + "/best.json"))
-    assert (best["step"], best["value"]) == (20, 0.4)  # the history's best, not read again
+    assert (best["step"], best["value"]) == (20, 0.4)
+    records.put(worse)
+    worse_again = _evaluated(45, 0.5, 0.8).model_copy(update={"name": "eval"})
+    shutil.rmtree(records.dir)  # (the history is not read again: best.json holds its best)
+    assert exports_nothing(exporter, storage, worse_again, 100)
     better = _evaluated(50, 0.3, 0.8).model_copy(update={"name": "eval"})
     assert not exports_nothing(exporter, storage, better, 100)
     dest = storage.export_dir("best", 50)
     assert run_exporter(exporter, storage, better, 100, bytes, {}) == (dest, True)
     assert list_exports(storage) == {"best": [50]}
+
+
+def test_a_best_exporter_added_to_a_trained_job_keeps_the_historys_best_from_its_first_eval(
+    job_config,
+):
+    """Through the trainer, exporting in the background as the flow does (which skips an export
+    when no exporter certainly writes anything, before the step is recorded): the
+    best of the records is kept in best.json at the first evaluation, and no step worse than it
+    is exported or becomes @best."""
+    first = Trainer(job_config(max_steps=40, exporters=[LatestExporter()]))
+    first.restore_or_init()
+    train_to_end(first)
+    first.close()
+    storage = first.job.storage
+    record = f"{storage.eval_dir('eval')}/20.json"
+    lucky = json.load(open(record))
+    lucky["metrics"]["loss"] = 1e-9  # no later step beats it
+    json.dump(lucky, open(record, "w"))
+    again = Trainer(job_config(max_steps=80, exporters=[BestExporter(keep=None)]))
+    again.restore_or_init()
+    while again.step < 80:  # as the flow does: each export in the background
+        again.train_until_checkpoint()
+        again.export_in_background(again.evaluate_if_new(), lambda written: None)
+    again.join_exports()
+    again.close()
+    best = json.load(open(storage.export_dir("best") + "/best.json"))
+    assert (best["step"], best["value"]) == (20, 1e-9)
+    assert list_exports(storage)["best"] == []
 
 
 def test_a_best_judged_by_another_metric_is_judged_again_from_the_eval_records(tmp_path, caplog):
@@ -279,6 +314,13 @@ def test_a_best_judged_by_another_metric_is_judged_again_from_the_eval_records(t
     assert (best["step"], best["metric"], best["value"]) == (20, "loss", 0.4)
     dest = storage.export_dir("best", 50)
     assert run_exporter(by_loss, storage, _evaluated(50, 0.35, 0.1), 100, bytes, {}) == (dest, True)
+    # A compare_fn judging the history leaves out records from before a metric it reads was
+    # produced (it would fail on them at every evaluation): here, records without accuracy.
+    by_accuracy_fn = BestExporter(name="fn", compare_fn="programs:higher_accuracy", keep=None)
+    records.put(EvalResult(status=EvalStatus.EVALUATED, name="eval", step=5, metrics={"loss": 0.1}))
+    result = _evaluated(60, 0.5, 0.5)
+    assert run_exporter(by_accuracy_fn, storage, result, 100, bytes, {}) is None  # 30's 0.9 wins
+    assert json.load(open(storage.export_dir("fn") + "/best.json"))["step"] == 30
 
 
 def test_compare_fn_and_metric_together_are_refused_naming_both():

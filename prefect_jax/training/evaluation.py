@@ -6,7 +6,7 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -212,7 +212,7 @@ def check_pairs(out: dict) -> None:
     ``(sum, count)`` pairs, naming the metric and the fix (`EvalOutputError`: never retried)."""
     from prefect_jax.training.errors import EvalOutputError
 
-    if not isinstance(out, dict):
+    if not isinstance(out, Mapping):
         raise EvalOutputError(
             f"eval_step returned {type(out).__name__} {out!r}; it must return a dict of metrics, "
             "each a (sum, count) pair, e.g. {'accuracy': (correct.sum(), labels.size)}"

@@ -200,15 +200,17 @@ def exports_nothing(
     """True where `run_exporter` certainly exports nothing for `result` once it is recorded: a
     `FinalExporter` before the final step, a `BestExporter` whose durable best (another step's)
     is at least as good. An evaluation not yet recorded (its step's save still in flight) is then
-    not waited for by the export: it is recorded once the step commits, as without exporters."""
+    not waited for by the export: it is recorded once the step commits, as without exporters.
+    A best judged from the eval records (`best_so_far`) is not certain: `run_exporter` then runs
+    and keeps it in ``best.json``, so that no later evaluation reads the history again."""
     if isinstance(exporter, FinalExporter):
         return not is_the_final_export(result, max_steps)
     if isinstance(exporter, BestExporter) and (
         exporter.compare_fn or exporter.metric in result.metrics
     ):  # (else run_exporter names the metrics)
-        best = best_so_far(storage, exporter, result)
+        best, stored = _best_so_far(storage, exporter, result)
         return (
-            best is not None
+            stored
             and best.get("step") != int(result.step)
             and not beats(exporter, result.metrics, int(result.step), best)
         )
@@ -281,6 +283,8 @@ def _best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult
             exporter.compare_fn or f"{exporter.metric} ({exporter.mode})",
         )
     earlier = [r for r in EvalRecords(storage, result.name).all() if r.step < int(result.step)]
+    if exporter.compare_fn:  # (records from before a metric was added: not comparable)
+        earlier = [r for r in earlier if set(result.metrics) <= set(r.metrics)]
     found = best_of(exporter, earlier)
     return (None if found is None else best_record(exporter, found)), False
 
