@@ -101,6 +101,21 @@ def test_training_data_that_ends_is_not_retried_and_the_error_says_to_repeat_it(
     assert storage.list_int_names(storage.checkpoint_dir) == [20]  # (what was saved stays)
 
 
+def test_an_eval_step_of_means_found_by_the_evaluation_is_not_retried(tmp_path, mlflow_uri):
+    """An eval_step returning means, in a program that declares its metric names (so nothing
+    traces it before training): its first evaluation fails the run, naming the fix, and the
+    evaluate task is not retried (every retry returns the same means)."""
+    from prefect_jax.training.errors import EvalOutputError
+
+    state = _run(tmp_path, mlflow_uri, "programs:mean_eval_named", "means")
+    assert state.is_failed()
+    with pytest.raises(EvalOutputError, match=r"each metric must be a \(sum, count\) pair"):
+        state.result()
+    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    (evaluation,) = [r for r in runs.values() if r.name.startswith("evaluate")]
+    assert evaluation.run_count == 1
+
+
 def test_out_of_memory_is_not_retried_and_the_run_is_told_what_to_change(
     tmp_path, mlflow_uri, caplog
 ):
