@@ -55,11 +55,15 @@ def permanent():
     return FailingDigits(fail_at=5, error=TypeError, failures=None)
 
 
-class FiniteDigits(DigitsProgram):
-    """Tiny digits whose training data ends after 25 batches (a dataset not repeated)."""
+class TinyDigits(DigitsProgram):
+    """The tiny digits program the broken ones below start from."""
 
     def __init__(self):
         super().__init__(hidden=(32, 32), learning_rate=3e-3, batch_size=32)
+
+
+class FiniteDigits(TinyDigits):
+    """Tiny digits whose training data ends after 25 batches (a dataset not repeated)."""
 
     def train_data(self, seed: int):
         return super().train_data(seed)[:25]
@@ -69,11 +73,8 @@ def finite():
     return FiniteDigits()
 
 
-class MeanEval(DigitsProgram):
+class MeanEval(TinyDigits):
     """Tiny digits whose eval_step returns means, not (sum, count) pairs (a Keras habit)."""
-
-    def __init__(self):
-        super().__init__(hidden=(32, 32), learning_rate=3e-3, batch_size=32)
 
     def eval_step(self, state, batch):
         return {
@@ -95,11 +96,8 @@ def mean_eval_named():
     return MeanEvalNamed()
 
 
-class ExtraLeaf(DigitsProgram):
+class ExtraLeaf(TinyDigits):
     """Tiny digits whose train_step adds a leaf to the state init made."""
-
-    def __init__(self):
-        super().__init__(hidden=(32, 32), learning_rate=3e-3, batch_size=32)
 
     def train_step(self, state, batch):
         import jax.numpy as jnp
