@@ -164,6 +164,9 @@ def test_nothing_to_evaluate_still_meets_the_others_once(monkeypatch, status):
     assert world.calls[0] == ["announce", "announce", "worst"]
 
 
+_BY_LOSS = {"metric": "loss", "mode": "min"}  # (best.json's judgement: the default exporter's)
+
+
 @pytest.mark.parametrize(
     "exporters, best, gathers",
     [
@@ -171,9 +174,13 @@ def test_nothing_to_evaluate_still_meets_the_others_once(monkeypatch, status):
         ([FinalExporter()], None, False),  # step 10 of 100: the final exporter writes nothing
         ([FinalExporter(), LatestExporter()], None, True),
         ([BestExporter()], None, True),  # no best yet: this evaluation is it
-        ([BestExporter()], {"step": 5, "value": 2.0}, True),  # loss 1.0 beats step 5's 2.0
-        ([BestExporter()], {"step": 5, "value": 0.5}, False),  # step 5's 0.5 stands
-        ([BestExporter(), FinalExporter()], {"step": 5, "value": 0.5}, False),
+        (
+            [BestExporter()],
+            {"step": 5, "value": 2.0, **_BY_LOSS},
+            True,
+        ),  # loss 1.0 beats step 5's 2.0
+        ([BestExporter()], {"step": 5, "value": 0.5, **_BY_LOSS}, False),  # step 5's 0.5 stands
+        ([BestExporter(), FinalExporter()], {"step": 5, "value": 0.5, **_BY_LOSS}, False),
         ([], None, False),
     ],
 )
