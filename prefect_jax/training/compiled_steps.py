@@ -86,15 +86,12 @@ def refuse_another_state(given, returned) -> None:
     `train_step` whose returned state is not the tree it was given, as init made it (a missing or
     extra leaf, another shape or dtype); jit would say it in its own terms, about out_shardings."""
     from prefect_jax.training.program import ProgramError
-    from prefect_jax.training.trees import leaf_paths, tree_differences
+    from prefect_jax.training.trees import describe_tree, tree_differences
 
-    def described(tree) -> dict[str, list]:
-        def dtype(x):  # (a Python number returned is canonicalised by jit as well)
-            return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(type(x))
-
-        return {p: [list(np.shape(x)), str(dtype(x))] for p, x in leaf_paths(tree)}
-
-    diffs = tree_differences(described(returned), described(given), ("state it returns", "init"))
+    # (both trees' leaves are tracers: the program's step is a jit of its own, `jit_steps`)
+    diffs = tree_differences(
+        describe_tree(returned), describe_tree(given), ("state it returns", "init")
+    )
     made, back = jax.tree.structure(given), jax.tree.structure(returned)
     if not diffs and back != made:  # (the same leaves in other containers)
         diffs = [f"its tree is {str(back)[:300]}, init's {str(made)[:300]}"]

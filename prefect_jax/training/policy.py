@@ -80,7 +80,7 @@ class CheckpointPolicy:
         self.keep_every_secs = keep_every_secs
         self.keep_until_evaluated, self.backups = bool(keep_until_evaluated), backups
         self.clock, self.wall_clock = clock, wall_clock
-        self.last_save = clock()  # when the live state was last saved, or restored
+        self.last_save = clock()  # when the live state was last saved, or training began
 
     @classmethod
     def from_spec(
@@ -139,7 +139,8 @@ class CheckpointPolicy:
         )
 
     def saved(self) -> None:
-        """The live state was just saved (or restored): the time cadence counts from now."""
+        """The live state was just saved (or training starts on a restored one): the time cadence
+        counts from now."""
         self.last_save = self.clock()
 
     def due(

@@ -306,7 +306,6 @@ def restore_trainer(
     trainer.recovered = False
     trainer.started_from = step  # committed, or init / a warm start: a rerun gets the same state
     trainer.warm_started = bool(checkpoint_path and not has_own and step)
-    trainer.policy.saved()  # (and again as training starts: `Intervals._train_part`)
     job.goodput.begin(step)
     notify_progress(step, trainer.config.train.max_steps, {})
     return step
