@@ -180,6 +180,29 @@ def test_bad_params_name_the_key_and_value_and_list_the_fields(path, params, mat
         load_program(path, params)
 
 
+def test_a_boolean_nested_in_a_param_of_numbers_is_refused_not_trained_as_1():
+    import dataclasses
+
+    from prefect_jax.training.program_params import ProgramParamsError, validate_params
+
+    @dataclasses.dataclass
+    class Nested:
+        hidden: tuple[int, ...] = (32,)
+        mesh: dict[str, int] | None = None
+        flags: dict[str, bool] | None = None
+
+    with pytest.raises(
+        ProgramParamsError,
+        match=r"refused: hidden\[1\]=True: hidden takes tuple\[int, \.\.\.\]; "
+        r"mesh\.data=False: mesh takes dict\[str, int\] \| None, which made a number of the "
+        r"boolean; give a number there",
+    ):
+        validate_params(Nested, {"hidden": [32, True], "mesh": {"data": False}}, "p:program")
+    # a boolean where the type takes one stays one
+    instance, _ = validate_params(Nested, {"hidden": [8], "flags": {"fast": True}}, "p:program")
+    assert instance == Nested(hidden=(8,), flags={"fast": True})
+
+
 def test_params_given_to_a_program_that_takes_none_are_refused():
     with pytest.raises(ProgramError, match=r"program params \{'width': 3\} were given.*takes none"):
         load_program("prefect_jax.examples.digits:program", {"width": 3})

@@ -76,8 +76,13 @@ def test_a_mesh_whose_sizes_do_not_match_the_devices_is_refused():
     assert dict(build_mesh({"data": -1}).shape) == {"data": len(jax.devices())}
     with pytest.raises(ShardingError, match=r"mesh_axes=\{'data': 2\} multiply to 2, not the 1"):
         build_mesh({"data": 2})
-    with pytest.raises(ShardingError, match="sizes must be positive ints or one -1"):
+    with pytest.raises(
+        ShardingError, match=r"sizes must be ints \(not booleans\), each positive or one -1"
+    ):
         build_mesh({"data": -1, "model": -1})
+    # a JSON true is an int to Python: on one device it would have made a mesh of 1
+    with pytest.raises(ShardingError, match=r"mesh_axes=\{'data': True\}: sizes must be ints"):
+        build_mesh({"data": True})
 
 
 def test_a_mesh_that_does_not_fit_the_devices_of_all_processes_is_refused_naming_them():

@@ -182,12 +182,40 @@ def validate_params(
             f"program params for {where} refused: {'; '.join(problems)}"
         ) from None
     values = json.loads(json.dumps(TypeAdapter(tp).dump_python(instance, mode="json")))
+    numbered = [(k, *p) for k in data for p in _booleans_made_numbers(data[k], values.get(k), k)]
+    if numbered:
+        bad = "; ".join(f"{path}={value!r}: {k} takes {fields[k]}" for k, path, value in numbered)
+        raise ProgramParamsError(
+            f"program params for {where} refused: {bad}, which made a number of the boolean; "
+            "give a number there (true and false in --program-param are JSON booleans)"
+        )
     exempt = tuple(name for name in getattr(tp, EXEMPT_ATTR, ()) if name in fields)
     defaults = field_defaults(tp)
     given_keys = tuple(k for k in (given or {}) if k not in filled)
     return instance, ProgramParams(
         tp.__name__, values, tuple(filled), exempt, defaults, given_keys, params_type=tp
     )
+
+
+def _booleans_made_numbers(given: Any, validated: Any, path: str) -> list[tuple[str, Any]]:
+    """``(path, value)`` of each True or False nested in a given value that validated to a
+    number: pydantic's lax mode makes 1 and 0 of them (``hidden=[true, 32]`` for a list of ints).
+    A top-level boolean is refused before validation, where its field takes none."""
+    if isinstance(given, dict) and isinstance(validated, dict):
+        pairs = [(f"{path}.{k}", v, validated.get(str(k))) for k, v in given.items()]
+    elif isinstance(given, list | tuple) and isinstance(validated, list):
+        if len(given) != len(validated):
+            return []
+        pairs = [(f"{path}[{i}]", v, validated[i]) for i, v in enumerate(given)]
+    else:
+        return []
+    out = []
+    for where, value, became in pairs:
+        if not isinstance(value, bool):
+            out.extend(_booleans_made_numbers(value, became, where))
+        elif isinstance(became, int | float) and not isinstance(became, bool):
+            out.append((where, value))
+    return out
 
 
 def differences(saved: ProgramParams, given: ProgramParams) -> list[tuple[str, Any, Any]]:

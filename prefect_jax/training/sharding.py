@@ -120,9 +120,11 @@ def build_mesh(axes: dict[str, int] | None, devices: Sequence | None = None) -> 
             f"the program's mesh_axes={axes!r}: name each axis with a string; {fix}"
         )
     sizes = list(axes.values())
-    if not all(isinstance(s, int) and (s >= 1 or s == -1) for s in sizes) or sizes.count(-1) > 1:
+    # (`type(s) is int`: a JSON true, an int to Python, would have been an axis of one device)
+    if not all(type(s) is int and (s >= 1 or s == -1) for s in sizes) or sizes.count(-1) > 1:
         raise ShardingError(
-            f"the program's mesh_axes={axes!r}: sizes must be positive ints or one -1; {fix}"
+            f"the program's mesh_axes={axes!r}: sizes must be ints (not booleans), each positive "
+            f"or one -1; {fix}"
         )
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
@@ -277,13 +279,7 @@ def check_first_batch(train_data, sharding: NamedSharding, fix: str = "") -> Non
         check_batch(train_data[0], sharding, fix=fix)
 
 
-def fsdp(
-    abstract_state,
-    mesh: Mesh,
-    axis: str = "data",
-    min_size: int = FSDP_MIN_SIZE,
-    base=None,
-):
+def fsdp(abstract_state, mesh: Mesh, axis: str = "data", min_size: int = FSDP_MIN_SIZE, base=None):
     """Fully sharded data parallel, a pytree of PartitionSpec in the state's structure: each
     array's largest dimension that the `axis` size divides is split over `axis`; arrays under
     `min_size` elements (and scalars) are replicated.
