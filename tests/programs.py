@@ -63,14 +63,24 @@ class TinyDigits(DigitsProgram):
 
 
 class FiniteDigits(TinyDigits):
-    """Tiny digits whose training data ends after 25 batches (a dataset not repeated)."""
+    """Tiny digits whose training data ends after 25 batches (a dataset not repeated): a
+    MapDataset, whose length is known before training, or an IterDataset, found as it ends."""
+
+    def __init__(self, iterated: bool):
+        super().__init__()
+        self.iterated = iterated
 
     def train_data(self, seed: int):
-        return super().train_data(seed)[:25]
+        data = super().train_data(seed)[:25]
+        return data.to_iter_dataset() if self.iterated else data
 
 
 def finite():
-    return FiniteDigits()
+    return FiniteDigits(iterated=True)
+
+
+def finite_map():
+    return FiniteDigits(iterated=False)
 
 
 class MeanEval(TinyDigits):

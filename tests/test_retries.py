@@ -85,8 +85,9 @@ def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_
 def test_training_data_that_ends_is_not_retried_and_the_error_says_to_repeat_it(
     tmp_path, mlflow_uri
 ):
-    """A `train_data` not repeated ends (here after 25 batches): the StopIteration was retried
-    twice and reached the user bare; it is a program error naming the step and the fix."""
+    """A `train_data` not repeated ends (here an IterDataset, after 25 batches): the
+    StopIteration was retried twice and reached the user bare; it is a program error naming the
+    step and the fix."""
     from prefect_jax.training.program import ProgramError
 
     state = _run(tmp_path, mlflow_uri, "programs:finite", "finite")
@@ -99,6 +100,28 @@ def test_training_data_that_ends_is_not_retried_and_the_error_says_to_repeat_it(
     assert runs["train 20 to 40"].run_count == 1
     storage = JobStorage(str(tmp_path / "storage"), "finite")
     assert storage.list_int_names(storage.checkpoint_dir) == [20]  # (what was saved stays)
+
+
+def test_training_data_of_fewer_batches_than_max_steps_is_refused_before_training(
+    tmp_path, mlflow_uri
+):
+    """A MapDataset knows its length: 25 batches for max_steps=40 is refused as the data
+    iterator is made, not found an interval later, and nothing is trained or retried."""
+    from prefect_jax.training.program import ProgramError
+
+    state = _run(tmp_path, mlflow_uri, "programs:finite_map", "short")
+    assert state.is_failed()
+    with pytest.raises(
+        ProgramError,
+        match=r"train_data\(seed\) has 25 batches, fewer than max_steps=40, so it would end at "
+        r"step 25: it must never end .*\.repeat\(\)",
+    ):
+        state.result()
+    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    assert [r.name for r in runs if r.name.startswith("train")] == []
+    assert all(r.run_count == 1 for r in runs), [(r.name, r.run_count) for r in runs]
+    storage = JobStorage(str(tmp_path / "storage"), "short")
+    assert storage.list_int_names(storage.checkpoint_dir) == []
 
 
 def test_an_eval_step_of_means_found_by_the_evaluation_is_not_retried(tmp_path, mlflow_uri):

@@ -25,6 +25,35 @@ def iterate(dataset, read_options=None):
     return iter(dataset)
 
 
+_REPEAT_IT = (
+    "it must never end (training stops at max_steps), so repeat it: a Grain dataset's "
+    ".repeat(), as TF's input_fn repeats its tf.data.Dataset"
+)
+
+
+def refuse_fewer_batches_than_steps(dataset, max_steps: int | None) -> None:
+    """Refuse, as its iterator is made, a `train_data` MapDataset with fewer batches than
+    `max_steps`: it would end before training does (`next_batch`), an interval or more later. An
+    IterDataset's length is unknown until it ends.
+
+    Raises:
+        ProgramError: the dataset's length, max_steps and the fix.
+    """
+    if max_steps is None or not isinstance(dataset, grain.MapDataset):
+        return
+    try:
+        batches = len(dataset)
+    except TypeError:  # (a MapDataset whose source has no length)
+        return
+    if batches < max_steps:
+        from prefect_jax.training.program import ProgramError
+
+        raise ProgramError(
+            f"the program's train_data(seed) has {batches} batches, fewer than max_steps="
+            f"{max_steps}, so it would end at step {batches}: {_REPEAT_IT}"
+        )
+
+
 def next_batch(data_iter, step: int):
     """The next training batch. Raises ProgramError (a retry would end the same way) where the
     program's `train_data` has ended: training ends at max_steps, never with the data."""
@@ -34,9 +63,7 @@ def next_batch(data_iter, step: int):
         from prefect_jax.training.program import ProgramError
 
         raise ProgramError(
-            f"the program's train_data(seed) ended before step {step + 1}: it must never end "
-            "(training stops at max_steps), so repeat it: a Grain dataset's .repeat(), as TF's "
-            "input_fn repeats its tf.data.Dataset"
+            f"the program's train_data(seed) ended before step {step + 1}: {_REPEAT_IT}"
         ) from None
 
 

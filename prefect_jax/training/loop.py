@@ -43,7 +43,11 @@ from prefect_jax.training.compiled_steps import (
     metrics_at,
     stack,
 )
-from prefect_jax.training.data_positions import iterate, next_batch
+from prefect_jax.training.data_positions import (
+    iterate,
+    next_batch,
+    refuse_fewer_batches_than_steps,
+)
 from prefect_jax.training.evaluation import evaluate_pass
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharded_state import (
@@ -196,9 +200,9 @@ class Loop:
         return self.program.init(self.rng)
 
     def fresh_iter(self):
-        return iterate(
-            self.program.train_data(self.spec.seed), getattr(self.program, "read_options", None)
-        )
+        dataset = self.program.train_data(self.spec.seed)
+        refuse_fewer_batches_than_steps(dataset, self.spec.max_steps)
+        return iterate(dataset, getattr(self.program, "read_options", None))
 
     def place(self, state):
         """Commit a state to the one device, or replicate it over every device (a restored state
