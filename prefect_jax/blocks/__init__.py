@@ -24,6 +24,8 @@ from typing import Any
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator
 
+from prefect_jax.training.names import DEFAULT_EXPERIMENT
+
 BLOCK_PREFIX = "jax-checkpoint-storage/"
 TRACKING_BLOCK_PREFIX = "prefect-jax-mlflow-tracking/"
 
@@ -125,7 +127,7 @@ class MlflowTracking(Block):
     _description = "MLflow tracking URI and experiment for prefect-jax jobs."
 
     tracking_uri: str = Field(description="MLflow tracking URI.")
-    experiment: str = Field("prefect-jax", description="MLflow experiment name.")
+    experiment: str = Field(DEFAULT_EXPERIMENT, description="MLflow experiment name.")
 
 
 def resolve_tracking(

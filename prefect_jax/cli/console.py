@@ -10,6 +10,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from prefect_jax.training.names import MLFLOW_UI_URL_DEFAULT, MLFLOW_UI_URL_ENV
+
 
 @contextlib.contextmanager
 def _logs_above(console) -> Iterator[None]:
@@ -121,7 +123,9 @@ def browse_lines(summary: dict[str, Any]) -> list[str]:
     """Where to look at a finished job's results: MLflow, the registered model, Prefect's UI
     (where the command ran its own server), and `status`."""
     uri = summary["mlflow_tracking_uri"]
-    run_url = summary.get("mlflow_run_url") or "http://127.0.0.1:5000"
+    run_url = summary.get("mlflow_run_url") or (
+        os.environ.get(MLFLOW_UI_URL_ENV) or MLFLOW_UI_URL_DEFAULT
+    )
     lines = ["Browse the results:"]
     missing = summary.get("mlflow_missing")
     if missing:  # (--mlflow-optional) no MLflow UI or model to point at: say why instead

@@ -10,7 +10,7 @@ import inspect
 from prefect_jax.tasks import notices
 from prefect_jax.tasks.events import job_resource
 from prefect_jax.tasks.runs import _run_tags
-from prefect_jax.training.names import CHECKPOINT_EVENT, EVENT_STEP_LABEL
+from prefect_jax.training.names import CHECKPOINT_EVENT, EVENT_STEP_LABEL, FLOW_RUN_ID_TAG
 from prefect_jax.training.preemption import deliver_lost_notices
 from prefect_jax.training.specs import JobConfig
 
@@ -35,7 +35,7 @@ def _take_the_lease_before_jax(config: JobConfig):
     from prefect_jax.training.live import live_trainer
     from prefect_jax.training.storage import JobStorage
 
-    run_id = _run_tags().get("prefect.flow_run_id")
+    run_id = _run_tags().get(FLOW_RUN_ID_TAG)
     if not run_id or live_trainer(config) is not None:
         return None
     try:

@@ -12,7 +12,14 @@ from prefect.runtime import flow_run, task_run
 
 from prefect_jax.tasks.publish import publisher
 from prefect_jax.tasks.run_link import publish_link, tag_flow_run
-from prefect_jax.training.names import JOB_RUN_TAG, OWN_TAG, PROCESS_RUN_TAG
+from prefect_jax.training.names import (
+    FLOW_RUN_ID_TAG,
+    FLOW_RUN_TAG_PREFIX,
+    FLOW_RUN_URL_TAG,
+    JOB_RUN_TAG,
+    OWN_TAG,
+    PROCESS_RUN_TAG,
+)
 from prefect_jax.training.specs import JobConfig
 
 
@@ -21,7 +28,7 @@ def _run_tags() -> dict[str, str]:
     if not run_id:
         return {}
     url = prefect_flow_run_url()
-    return {"prefect.flow_run_id": str(run_id), **({"prefect.flow_run_url": url} if url else {})}
+    return {FLOW_RUN_ID_TAG: str(run_id), **({FLOW_RUN_URL_TAG: url} if url else {})}
 
 
 _marked_takeovers: set[str] = (
@@ -242,9 +249,6 @@ def prefect_flow_run_url() -> str | None:
     return f"{base.rstrip('/')}/runs/flow-run/{run_id}" if base else None
 
 
-FLOW_RUN_TAG_PREFIX = "prefect.flow_run."  # + flow run id, on the MLflow run: that run's URL
-
-
 LINK_WAIT_SECS = 60.0  # the longest a trainer's restore waits for its first MLflow run
 
 
@@ -271,7 +275,7 @@ def link_runs(config: JobConfig, tracker, trains: bool = True, wait_secs: float 
     updated in place once MLflow answers."""
     flow_url, flow_run_id = prefect_flow_run_url(), flow_run.id
     if flow_url:  # queued after the MLflow thread's start of the run
-        newest = {"prefect.flow_run_url": flow_url, "prefect.flow_run_id": str(flow_run_id)}
+        newest = {FLOW_RUN_URL_TAG: flow_url, FLOW_RUN_ID_TAG: str(flow_run_id)}
         tracker.set_tags(
             {**(newest if trains else {}), f"{FLOW_RUN_TAG_PREFIX}{flow_run_id}": flow_url}
         )

@@ -224,10 +224,6 @@ class Checkpoints:
                 )
                 self.quarantine(step, "uncommitted")
 
-    def latest_committed(self) -> int | None:
-        steps = self.committed_steps()
-        return steps[-1] if steps else None
-
     def save(self, step: int, state, data_iter, meta: dict) -> None:
         """Start an asynchronous save of `state`, the iterator position and `meta` at `step`.
         With `device_copy`, of a copy of `state` on its devices, given to Orbax on a thread."""

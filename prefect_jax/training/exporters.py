@@ -201,7 +201,7 @@ def exports_nothing(
     `FinalExporter` before the final step, a `BestExporter` whose durable best (another step's)
     is at least as good. An evaluation not yet recorded (its step's save still in flight) is then
     not waited for by the export: it is recorded once the step commits, as without exporters.
-    A best judged from the eval records (`best_so_far`) is not certain: `run_exporter` then runs
+    A best judged from the eval records (`_best_so_far`) is not certain: `run_exporter` then runs
     and keeps it in ``best.json``, so that no later evaluation reads the history again."""
     if isinstance(exporter, FinalExporter):
         return not is_the_final_export(result, max_steps)
@@ -259,18 +259,13 @@ def read_best(storage: JobStorage, exporter: BestExporter) -> dict | None:
         return best
 
 
-def best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult) -> dict | None:
-    """What `result` must beat: the exporter's ``best.json``; else, as TF's BestExporter reads
-    the eval history it finds, the best of the evaluations recorded before `result`'s step, as
-    the exporter judges them: where the exporter was added to a job evaluated before (it does not
-    put @best on a step worse than one already evaluated), or where ``best.json`` was judged by
-    another metric, mode or compare_fn (a loss is not compared with an accuracy). None: nothing
-    to beat."""
-    return _best_so_far(storage, exporter, result)[0]
-
-
 def _best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult):
-    """`best_so_far`, and whether it is ``best.json`` as stored (else judged from the history)."""
+    """What `result` must beat, and whether it is ``best.json`` as stored: the exporter's
+    ``best.json``; else, as TF's BestExporter reads the eval history it finds, the best of the
+    evaluations recorded before `result`'s step, as the exporter judges them: where the exporter
+    was added to a job evaluated before (it does not put @best on a step worse than one already
+    evaluated), or where ``best.json`` was judged by another metric, mode or compare_fn (a loss
+    is not compared with an accuracy). ``(None, False)``: nothing to beat."""
     best = read_best(storage, exporter)
     if best is not None and judged_alike(exporter, best):
         return best, True

@@ -35,7 +35,14 @@ from prefect_jax.training.job_checkpoints import JobCheckpoints
 from prefect_jax.training.lease import Lease
 from prefect_jax.training.lease_early import adopt_early
 from prefect_jax.training.mlflow_client import EXIT_WAIT_SECS
-from prefect_jax.training.names import MAX_TAG_VALUE, RUN_NAME_TAG, STOP_REASON_TAG, STORAGE_TAG
+from prefect_jax.training.names import (
+    FLOW_RUN_ID_TAG,
+    FLOW_RUN_URL_TAG,
+    MAX_TAG_VALUE,
+    RUN_NAME_TAG,
+    STOP_REASON_TAG,
+    STORAGE_TAG,
+)
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.specs import JobConfig
@@ -64,7 +71,7 @@ class Job(JobCheckpoints):
         self.storage.check_shared_by(self.processes)
         # Taken already, its storage checked, when a flow run's restore task made this trainer
         # (before JAX started; one process, so this is process 0).
-        early = adopt_early(self.storage.job_dir, self.run_tags.get("prefect.flow_run_id"))
+        early = adopt_early(self.storage.job_dir, self.run_tags.get(FLOW_RUN_ID_TAG))
         if self.is_primary and early is None:
             self.storage.check_writable()  # a refused write is found before anything is changed
         if self.is_primary and (ignored := self.storage.options_orbax_ignores()):
@@ -159,7 +166,7 @@ class Job(JobCheckpoints):
         save may have committed meanwhile); False in every process but the primary."""
         if not self.is_primary:
             return False
-        self.lease.owner_id = self.run_tags.get("prefect.flow_run_id")
+        self.lease.owner_id = self.run_tags.get(FLOW_RUN_ID_TAG)
         self.lease.acquire(recheck)
         if self._records_at_loss is not None:  # held again (a restore after a duplicate's)
             self.goodput.enabled, self.tracker.enabled = self._records_at_loss
@@ -216,7 +223,7 @@ class Job(JobCheckpoints):
                 self.storage,
                 step,
                 self.config.train.max_reruns_without_progress,
-                self.run_tags.get("prefect.flow_run_id", ""),
+                self.run_tags.get(FLOW_RUN_ID_TAG, ""),
                 f"{socket.gethostname()}:{os.getpid()}",
             )
         except NoProgressError as refused:
@@ -293,11 +300,9 @@ class Job(JobCheckpoints):
         trains (a no-op run of a finished job leaves them naming the run that trained; every run
         keeps its own ``prefect.flow_run.<id>`` tag)."""
         newest = {
-            k: v
-            for k, v in self.run_tags.items()
-            if k in ("prefect.flow_run_url", "prefect.flow_run_id")
+            k: v for k, v in self.run_tags.items() if k in (FLOW_RUN_URL_TAG, FLOW_RUN_ID_TAG)
         }
-        if not self.is_primary or not newest.get("prefect.flow_run_id"):
+        if not self.is_primary or not newest.get(FLOW_RUN_ID_TAG):
             return
         self.tracker.set_tags(newest)
         self.tracker.describe(self.description())

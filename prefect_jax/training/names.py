@@ -26,6 +26,13 @@ CREATE_TAG = (
 )
 RUN_NAME_TAG = "mlflow.runName"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
+# On the MLflow run: the flow run that trains it now, its UI link; and one link per flow run
+# that worked on it (the prefix + its id).
+FLOW_RUN_ID_TAG, FLOW_RUN_URL_TAG = "prefect.flow_run_id", "prefect.flow_run_url"
+FLOW_RUN_TAG_PREFIX = "prefect.flow_run."
+# Where a local store's MLflow UI is (`mlflow ui` serves on this by default); a tracking
+# server's own URL is its UI.
+MLFLOW_UI_URL_ENV, MLFLOW_UI_URL_DEFAULT = "PREFECT_JAX_MLFLOW_UI_URL", "http://127.0.0.1:5000"
 # the longest tag value written (MLflow 3 takes 8000; older servers 5000)
 MAX_TAG_VALUE = 5000
 # The experiment's kind (MLflow 3.17's UI picks its view from its sidebar switch instead:

@@ -119,10 +119,6 @@ class RemoteSteps(ErrorTranslation, StepTransfers):
     def marker_path(self, step: int) -> str:
         return f"{self.step_path(step)}/{COMMIT_MARKER}"
 
-    def step_url(self, step: int) -> str:
-        """The (unredacted) URL of one step directory."""
-        return f"{self.url}/{int(step)}"
-
     def _invalidate(self, path: str | None = None) -> None:
         try:
             self.fs.invalidate_cache(path)
@@ -205,7 +201,7 @@ class RemoteSteps(ErrorTranslation, StepTransfers):
         data = self._read_marker(step)
         if data is None:
             return None
-        manifest = StepManifest.from_json(data, int(step))
+        manifest = StepManifest.from_json(data)
         # a marker is written after every file: the step counts, its manifest is lost
         if manifest is None:
             logger.warning(

@@ -78,7 +78,7 @@ class StepManifest:
         ).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str, step: int) -> StepManifest | None:
+    def from_json(cls, data: bytes | str) -> StepManifest | None:
         try:
             obj = json.loads(data)
             return cls(
@@ -96,7 +96,7 @@ def local_copy_matches(path: str, manifest: StepManifest) -> bool:
     """A local step directory is a complete copy of the upload `manifest` describes."""
     try:
         with open(os.path.join(path, COMMIT_MARKER), "rb") as f:
-            local = StepManifest.from_json(f.read(), manifest.step)
+            local = StepManifest.from_json(f.read())
     except OSError:
         return False
     if local is None or local.upload_id != manifest.upload_id:

@@ -23,10 +23,13 @@ from prefect_jax.training.mlflow_client import (
 )
 from prefect_jax.training.names import (
     EXPERIMENT_KIND_TAG,
+    FLOW_RUN_URL_TAG,
     JOB_TAG,
     KILLED_ATTEMPT_TAG,
     KILLED_TAG,
     MAX_TAG_VALUE,
+    MLFLOW_UI_URL_DEFAULT,
+    MLFLOW_UI_URL_ENV,
     MODEL_TRAINING,
     NOTE_TAG,
     RUN_NAME_TAG,
@@ -222,7 +225,7 @@ class RunCalls:
         ``prefect.flow_run_url`` names (the newest that trained), and the killed attempts listed
         after it."""
         tags = self._client.get_run(self._run_id).data.tags
-        url = tags.get("prefect.flow_run_url")
+        url = tags.get(FLOW_RUN_URL_TAG)
         if url:
             description = f"{description.rstrip()}\n- Prefect flow run: [{url}]({url})"
         killed = [
@@ -286,7 +289,7 @@ class RunCalls:
         base = (
             self.tracking_uri
             if self.tracking_uri.startswith(("http://", "https://"))
-            else (os.environ.get("PREFECT_JAX_MLFLOW_UI_URL") or "http://127.0.0.1:5000")
+            else (os.environ.get(MLFLOW_UI_URL_ENV) or MLFLOW_UI_URL_DEFAULT)
         )
         # MLflow 3's UI opens in its GenAI view unless the link asks for model training.
         return f"{base.rstrip('/')}/#/{route}?{UI_MODEL_TRAINING}"
