@@ -308,13 +308,23 @@ class EvalRecords:
         return [r for r in (self.get(s) for s in self.steps()) if r is not None]
 
 
+def throttle_wait(last_started: float | None, throttle_secs: float, now: float) -> float:
+    """The seconds before the next evaluation may start (0: now): TF's ``throttle_secs``,
+    counted from the start of the last one, as TF's timer does. The one rule local mode
+    (`throttled`: it skips the step) and the evaluator role (it waits) apply; neither throttles
+    the final step."""
+    if last_started is None or throttle_secs <= 0:
+        return 0.0
+    return max(0.0, throttle_secs - (now - last_started))
+
+
 def throttled(
     records: EvalRecords, throttle_secs: float, now: Callable[[], float] = time.time
 ) -> bool:
-    if throttle_secs <= 0:
+    """Whether the records' last evaluation started less than `throttle_secs` ago."""
+    if throttle_secs <= 0:  # (the records are not read)
         return False
-    last = records.last_started_at()
-    return last is not None and now() - last < throttle_secs
+    return throttle_wait(records.last_started_at(), throttle_secs, now()) > 0
 
 
 def as_row(result: EvalResult) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from prefect_jax.training.evaluation import EvalResult, EvalStatus
+from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttle_wait
 from prefect_jax.training.specs import JobConfig, is_final_step
 
 logger = logging.getLogger(__name__)
@@ -244,8 +244,8 @@ class Evaluator:
         as TF's, but for the final step) and export it; an early-stopping result, or an eval
         listener that stops evaluating (TF's `before_eval` / `after_eval` answering False), sets
         `stopped`."""
-        if self._last_eval_at is not None and not is_final_step(step, self.max_steps):
-            wait = self.throttle_secs - (self.clock() - self._last_eval_at)
+        if not is_final_step(step, self.max_steps):
+            wait = throttle_wait(self._last_eval_at, self.throttle_secs, self.clock())
             if wait > 0:
                 self.log("waiting %g s before the next evaluation (throttle_secs)", wait)
                 self.sleep(wait)
