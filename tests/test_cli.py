@@ -457,6 +457,50 @@ def _run_specs(*flags):
     return specs_from_args(args)
 
 
+def test_every_training_flag_reaches_its_spec_or_is_read_by_the_command_and_defaults_as_it():
+    """A flag for a spec field left out of `_SPEC_FLAGS` would be parsed and silently ignored;
+    a default written again in the flag would drift from the spec's."""
+    import argparse
+    import pathlib
+
+    from prefect_jax.cli import arguments, build_parser, commands
+    from prefect_jax.training import specs
+
+    parser = argparse.ArgumentParser()
+    arguments.add_training_args(parser, max_steps=1000, every=200)
+    flags = {a.dest for a in parser._actions if a.dest != "help"}
+    to_specs = {attr for fields in commands._SPEC_FLAGS.values() for attr in fields.values()}
+    assert to_specs <= flags, to_specs - flags
+    cli = "".join(p.read_text() for p in pathlib.Path(commands.__file__).parent.glob("*.py"))
+    unread = [f for f in sorted(flags - to_specs) if f"args.{f}" not in cli]
+    assert unread == [], f"flags neither in _SPEC_FLAGS nor read as args.<flag>: {unread}"
+    parsed, _ = parser.parse_known_args([])
+    differ = {
+        (spec, field)
+        for spec, fields in commands._SPEC_FLAGS.items()
+        for field, attr in fields.items()
+        if getattr(parsed, attr)
+        != getattr(specs, spec).model_fields[field].get_default(call_default_factory=True)
+    }
+    # the two the command sets its own way (docs/program.md): a demo's length and cadence
+    assert differ == {("TrainSpec", "max_steps"), ("CheckpointSpec", "every_steps")}
+    # the roles' waits: the flows' defaults (specs.py's constants)
+    roles = build_parser()._subparsers._group_actions[0].choices
+    waits = {
+        "evaluate": {
+            "wait_for_first_checkpoint_secs": specs.FIRST_CHECKPOINT_WAIT_SECS,
+            "poll_secs": specs.EVAL_POLL_SECS,
+        },
+        "export": {
+            "max_wait_secs": specs.MAX_WAIT_SECS,
+            "recovery_wait_secs": specs.RECOVERY_WAIT_SECS,
+        },
+    }
+    for role, defaults in waits.items():
+        parsed = roles[role].parse_args(["--program", "p:q", "--job", "j", "--storage", "/s"])
+        assert {k: getattr(parsed, k) for k in defaults} == defaults, role
+
+
 def test_backups_are_on_unless_the_command_says_no_backups():
     assert _run_specs()[2].backups is True and _run_specs("--no-backups")[2].backups is False
 

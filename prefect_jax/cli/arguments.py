@@ -27,6 +27,10 @@ def _steps_or_none(none_means: str):
 
 
 def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
+    """The specs' flags. Each defaults to its spec field's default, written again here so that
+    `prefect-jax --help` imports no pydantic (test_cli checks that they agree), but `max_steps`
+    and the checkpoint cadence `every`: TrainSpec's max_steps has none, and CheckpointSpec's
+    every_steps suits long steps, the command's a demo's."""
     add = p.add_argument
     add(
         "--max-steps",

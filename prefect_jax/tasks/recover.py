@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_jax.tasks.live_trainer import _trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
-from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS, JobConfig
 
 
 @task(
@@ -24,8 +24,8 @@ def recover(
     config: JobConfig,
     step: int | None = None,
     wait_for_checkpoint: bool = False,
-    max_wait_secs: float = 7200,
-    recovery_wait_secs: float = 30,
+    max_wait_secs: float = MAX_WAIT_SECS,
+    recovery_wait_secs: float = RECOVERY_WAIT_SECS,
     evaluates: bool = False,
 ) -> dict[str, Any]:
     """Restore the job's newest committed checkpoint (or `step`) in this process, or nothing.

@@ -15,7 +15,7 @@ from prefect_jax.tasks.runs import (
     mark_dead_local_runs,
     mark_taken_over,
 )
-from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS, JobConfig
 
 
 @task(
@@ -30,8 +30,8 @@ def restore_or_init(
     config: JobConfig,
     checkpoint_path: str | None = None,
     wait_for_checkpoint: bool = False,
-    max_wait_secs: float = 7200,
-    recovery_wait_secs: float = 30,
+    max_wait_secs: float = MAX_WAIT_SECS,
+    recovery_wait_secs: float = RECOVERY_WAIT_SECS,
     evaluates: bool = True,
 ) -> dict[str, Any]:
     """Resume the job from its latest committed checkpoint, or from `checkpoint_path`, or init.

@@ -32,7 +32,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttle_wait
-from prefect_jax.training.specs import JobConfig, is_final_step
+from prefect_jax.training.specs import (
+    EVAL_POLL_SECS,
+    FIRST_CHECKPOINT_WAIT_SECS,
+    JobConfig,
+    is_final_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +122,8 @@ class Evaluator:
     once: bool = False
     start_delay_secs: float = 0.0
     throttle_secs: float = 0.0
-    wait_for_first_checkpoint_secs: float = 3600.0
-    poll_secs: float = 10.0
+    wait_for_first_checkpoint_secs: float = FIRST_CHECKPOINT_WAIT_SECS
+    poll_secs: float = EVAL_POLL_SECS
     idle_timeout_secs: float | None = None
     log: Callable[..., None] = logger.info
     warn: Callable[..., None] = logger.warning

@@ -30,6 +30,7 @@ from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote_errors import RemoteStorageError
 from prefect_jax.training.restore_failures import RestoreFailures, not_the_steps_fault
 from prefect_jax.training.sharded_state import check_train_batch
+from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS
 from prefect_jax.training.tracking_params import job_params
 
 if TYPE_CHECKING:
@@ -46,8 +47,8 @@ def recover_session(
     checkpoint_path: str | None = None,
     make_data_iter: Callable[[], Any] | None = None,
     wait_for_checkpoint: bool = False,
-    max_wait_secs: float = 7200,
-    recovery_wait_secs: float = 30,
+    max_wait_secs: float = MAX_WAIT_SECS,
+    recovery_wait_secs: float = RECOVERY_WAIT_SECS,
     on_unreadable: Callable[[int, BaseException], None] | None = None,
     list_steps: Callable[[], list[int]] | None = None,
     prepare_step: Callable[[int], None] | None = None,
@@ -129,8 +130,8 @@ def restore_or_init(
     checkpoint_path: str | None = None,
     make_data_iter: Callable[[], Any] | None = None,
     wait_for_checkpoint: bool = False,
-    max_wait_secs: float = 7200,
-    recovery_wait_secs: float = 30,
+    max_wait_secs: float = MAX_WAIT_SECS,
+    recovery_wait_secs: float = RECOVERY_WAIT_SECS,
     on_unreadable: Callable[[int, BaseException], None] | None = None,
     list_steps: Callable[[], list[int]] | None = None,
     prepare_step: Callable[[int], None] | None = None,

@@ -31,6 +31,12 @@ from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.spec_base import Spec, check_name, positive
 from prefect_jax.training.train_hooks import TrainHook
 
+# The waits' defaults, of every function, flow and flag that takes them: TF's SessionManager's
+# (wait_for_checkpoint's max_wait_secs, recovery_wait_secs), and the evaluator role's for its
+# first checkpoint and between looks for a new one.
+MAX_WAIT_SECS, RECOVERY_WAIT_SECS = 7200.0, 30.0
+FIRST_CHECKPOINT_WAIT_SECS, EVAL_POLL_SECS = 3600.0, 10.0
+
 
 class TrainSpec(Spec):
     """How long to train.

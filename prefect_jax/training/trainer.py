@@ -56,7 +56,7 @@ from prefect_jax.training.session import (
     restore_or_init,
     restore_trainer,
 )
-from prefect_jax.training.specs import JobConfig
+from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS, JobConfig
 
 logger = logging.getLogger("prefect_jax.trainer")
 
@@ -193,8 +193,8 @@ class Trainer:
         self,
         checkpoint_path: str | None = None,
         wait_for_checkpoint: bool = False,
-        max_wait_secs: float = 7200,
-        recovery_wait_secs: float = 30,
+        max_wait_secs: float = MAX_WAIT_SECS,
+        recovery_wait_secs: float = RECOVERY_WAIT_SECS,
         evaluates: bool = True,
     ) -> int:
         """Take the job's lease, then resume from its latest readable committed step; else from
@@ -224,8 +224,8 @@ class Trainer:
         self,
         step: int | None = None,
         wait_for_checkpoint: bool = False,
-        max_wait_secs: float = 7200,
-        recovery_wait_secs: float = 30,
+        max_wait_secs: float = MAX_WAIT_SECS,
+        recovery_wait_secs: float = RECOVERY_WAIT_SECS,
         evaluates: bool = False,
     ) -> tuple[bool, int | None]:
         """TF's `SessionManager.recover_session`: restore the job's committed `step` (None: its

@@ -11,7 +11,14 @@ from prefect_jax.flows.tags import flow_body
 from prefect_jax.tasks import publisher
 from prefect_jax.tasks.live_trainer import OnTrainerThread
 from prefect_jax.tasks.runs import link_live_job
-from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
+from prefect_jax.training.specs import (
+    EVAL_POLL_SECS,
+    FIRST_CHECKPOINT_WAIT_SECS,
+    CheckpointSpec,
+    EvalSpec,
+    RetrySpec,
+    TrainSpec,
+)
 
 
 @flow(name="evaluate", flow_run_name="evaluate-{job}", validate_parameters=True)
@@ -28,8 +35,8 @@ def evaluate(
     compilation_cache_dir: str | None = None,
     every_checkpoint: bool = True,
     once: bool = False,
-    wait_for_first_checkpoint_secs: float = 3600.0,
-    poll_secs: float = 10.0,
+    wait_for_first_checkpoint_secs: float = FIRST_CHECKPOINT_WAIT_SECS,
+    poll_secs: float = EVAL_POLL_SECS,
     idle_timeout_secs: float | None = None,
     retry_spec: RetrySpec = RetrySpec(),
     program_params: dict[str, Any] | None = None,
