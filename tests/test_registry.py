@@ -577,3 +577,16 @@ def test_two_jobs_of_one_name_on_two_storages_never_share_a_registered_model(tmp
         assert set(model.aliases) == {"newest"}
         for alias in ("@best", "@final", "@newest"):
             assert alias in model.description, model.description
+
+
+def test_a_jobs_default_model_and_resource_names_stay_what_they_were():
+    """Both are hashes of the job's storage root and name (`storage.job_digest`): a release that
+    changed them would register a job's next versions under a new model and orphan its
+    automations. Which credentials and a trailing slash do not count; these values are pinned."""
+    from prefect_jax.deployments import job_resource_id
+    from prefect_jax.training.registry import default_registered_model
+    from prefect_jax.training.storage import normalize_root
+
+    for root in ("s3://key:secret@bucket/runs/", "s3://other:pw@bucket/runs"):
+        assert default_registered_model("digits", normalize_root(root)) == "digits-eaffb7be"
+        assert job_resource_id("digits", root) == "prefect-jax.job.digits.eaffb7be7385"

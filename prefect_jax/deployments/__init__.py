@@ -24,7 +24,6 @@ Set up the pools (see docs/deploying.md)::
 
 from __future__ import annotations
 
-import hashlib
 import json
 from importlib import resources
 from typing import Any
@@ -55,15 +54,13 @@ def job_resource_id(job: str, storage: str) -> str:
             ``jax-checkpoint-storage/<block>``, which is loaded from the Prefect server).
     """
     from prefect_jax.blocks import BLOCK_PREFIX
-    from prefect_jax.training.redaction import redact_url
-    from prefect_jax.training.storage import normalize_root
+    from prefect_jax.training.storage import job_digest
 
     if storage.startswith(BLOCK_PREFIX):
         from prefect_jax.blocks import resolve_storage
 
         storage = resolve_storage(storage)[0]
-    key = f"{redact_url(normalize_root(storage))}\n{job}"
-    return f"prefect-jax.job.{job}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return f"prefect-jax.job.{job}.{job_digest(storage, job)[:12]}"
 
 
 def load(name: str) -> dict[str, Any]:

@@ -13,7 +13,6 @@ Everything here runs on the `Tracker`'s MLflow thread, with its client.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect_jax.training.names import CREATE_TAG, JOB_TAG, RESERVED_ALIASES, STEP_TAG
-from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.registry_search import (
     job_versions,
     logged_model_of_step,
@@ -31,6 +29,7 @@ from prefect_jax.training.registry_search import (
     one_version,
 )
 from prefect_jax.training.registry_signature import export_signature, typed_example
+from prefect_jax.training.storage import job_digest
 
 logger = logging.getLogger("prefect_jax.registry")
 
@@ -54,8 +53,7 @@ def default_registered_model(job: str, storage_root: str) -> str:
     storages (a second ``digits``) never become versions of one model, so ``models:/<name>@best``
     always loads this job's own model. `EvalSpec.registered_model` (``--registered-model``)
     chooses a name instead."""
-    key = f"{redact_url(storage_root)}\n{job}"
-    return f"{job}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    return f"{job}-{job_digest(storage_root, job)[:8]}"
 
 
 ALIASES_DESCRIPTION = (

@@ -46,6 +46,15 @@ def normalize_root(url: str) -> str:
     return url.rstrip("/")
 
 
+def job_digest(root: str, job: str) -> str:
+    """A job's identity as hex digits: a hash of its storage root (normalized, credentials
+    redacted) and its name, the same for every URL that names the root. Its prefixes name the
+    job's default registered model and its Prefect resource."""
+    from prefect_jax.training.redaction import redact_url
+
+    return hashlib.sha256(f"{redact_url(normalize_root(root))}\n{job}".encode()).hexdigest()
+
+
 def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
     """Write a local file so that readers see the old file or the whole new one (temp file, fsync,
     rename).
