@@ -39,6 +39,9 @@ logger = logging.getLogger("prefect_jax.trainer")
 
 _joined: ClusterConfig | None = None
 
+# JAX's coordination service's heartbeat timeout, unless PREFECT_JAX_HEARTBEAT_TIMEOUT_SECS says
+HEARTBEAT_TIMEOUT_SECS = 30
+
 
 def initialize(
     cluster: ClusterConfig | None = None, timeout_secs: int | None = None
@@ -68,7 +71,7 @@ def initialize(
     timeout_secs = timeout_secs or int(os.environ.get("PREFECT_JAX_INIT_TIMEOUT_SECS", "600"))
     previous = signal.getsignal(signal.SIGTERM)
     # A process that died is noticed by the others within `heartbeat` seconds (JAX's default: 100).
-    heartbeat = int(os.environ.get("PREFECT_JAX_HEARTBEAT_TIMEOUT_SECS", "30"))
+    heartbeat = int(os.environ.get("PREFECT_JAX_HEARTBEAT_TIMEOUT_SECS", HEARTBEAT_TIMEOUT_SECS))
     kwargs: dict[str, Any] = {
         "initialization_timeout": timeout_secs,
         "heartbeat_timeout_seconds": heartbeat,

@@ -31,6 +31,7 @@ ENTRY_SUFFIX = "-cache"  # JAX's entry files (jax/_src/lru_cache.py)
 ATIME_SUFFIX = "-atime"  # its last-use files: read by its eviction (jax_compilation_cache_max_size)
 PUSH_BATCH_BYTES = 64 << 20  # entries read into memory per upload batch
 END_FLUSH_SECS = 30.0  # how long a training job's end, and the process's exit, wait for copies
+SIGTERM_FLUSH_SECS = 10.0  # at most, of a SIGTERM's grace left once its step committed
 
 
 def is_whole_entry(data: bytes) -> bool:

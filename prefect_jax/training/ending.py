@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from prefect_jax.training.cluster import failed_processes, lost_process, say_goodbye
 from prefect_jax.training.cluster import mark_finished as mark_cluster_finished
-from prefect_jax.training.compile_cache_mirror import END_FLUSH_SECS
+from prefect_jax.training.compile_cache_mirror import END_FLUSH_SECS, SIGTERM_FLUSH_SECS
 from prefect_jax.training.errors import LeaseLostError, Preempted
 from prefect_jax.training.goodput_summary import (
     CLOSED,
@@ -188,7 +188,8 @@ class AttemptEnd:
                     )
             # what this attempt compiled, for the rerun (on another node)
             if t.compile_cache is not None:
-                t.compile_cache.flush(min(10.0, max(0.0, deadline - time.monotonic())))
+                left = max(0.0, deadline - time.monotonic())
+                t.compile_cache.flush(min(SIGTERM_FLUSH_SECS, left))
             if committed:
                 say(
                     logging.WARNING,

@@ -63,7 +63,8 @@ logger = logging.getLogger("prefect_jax.trainer")
 __all__ = ["Trainer", "add_progress_listener", "recover_session", "restore_or_init"]
 
 # How long a "no stop" answer stands at the same live step (`Trainer.stop_requested`): the flow's
-# ask and its train task's, moments apart; not a task retry (2 s on), nor anyone polling.
+# ask and its train task's, moments apart; not a task retry (RetrySpec's delay on), nor anyone
+# polling.
 STOP_ANSWER_SECS = 1.0
 
 
