@@ -23,6 +23,7 @@ from typing import Any
 
 from prefect_jax.training.errors import EvalHookError, NoProgressError
 from prefect_jax.training.evaluation import EvalRecords, EvalResult
+from prefect_jax.training.names import ATTEMPTS_FILE, STOP_FILE
 from prefect_jax.training.program import ProgramError, import_path, made_if_class
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 from prefect_jax.training.redaction import redact_url
@@ -32,7 +33,7 @@ logger = logging.getLogger("prefect_jax.trainer")
 
 
 def stop_path(storage: JobStorage) -> str:
-    return storage.path("stop.json")
+    return storage.path(STOP_FILE)
 
 
 def request_stop(storage: JobStorage, reason: str, step: int | None = None, by: str = "") -> None:
@@ -64,7 +65,7 @@ def record_attempt(
     Raises:
         NoProgressError: more than `max_without_progress` reruns started at this same step.
     """
-    path = storage.path("attempts.json")
+    path = storage.path(ATTEMPTS_FILE)
     try:
         data = read_record(storage, path) or {}
     except DamagedRecordError as exc:  # a count of reruns: started again, the damaged copy kept

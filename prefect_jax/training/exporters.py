@@ -28,6 +28,7 @@ from prefect_jax.training.eval_specs import (
     LatestExporter,
 )
 from prefect_jax.training.evaluation import EvalRecords, EvalResult, EvalStatus
+from prefect_jax.training.names import BEST_FILE, EXPORT_INFO_FILE
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 from prefect_jax.training.serving import (  # noqa: F401 - serving_example: (its home was here)
     failing_platforms,
@@ -42,7 +43,11 @@ from prefect_jax.training.storage import JobStorage
 logger = logging.getLogger("prefect_jax.trainer")  # shown in the flow run's logs
 
 MODEL_FILE = "model.jax_export"
-INFO_FILE = "export.json"
+
+
+def best_path(storage: JobStorage, exporter: str) -> str:
+    """A BestExporter's ``best.json``: its best so far (step, metrics, how it was judged)."""
+    return f"{storage.export_dir(exporter)}/{BEST_FILE}"
 
 
 def is_recorded(result: EvalResult) -> bool:
@@ -167,7 +172,7 @@ def _write_export(storage: JobStorage, dest: str, model_bytes: bytes, info: dict
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
             f.write(model_bytes)
-        with open(os.path.join(tmp, INFO_FILE), "w") as f:
+        with open(os.path.join(tmp, EXPORT_INFO_FILE), "w") as f:
             json.dump(info, f, indent=1, sort_keys=True)
         if storage.protocol == "file":
             os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -230,7 +235,7 @@ def read_best(storage: JobStorage, exporter: BestExporter) -> dict | None:
     summarises, the ``export.json`` of each step the exporter kept (their step and metrics,
     judged as the exporter judges), and the damaged copy kept beside it with a warning: read as
     absent, it would have let the next evaluation take @best from a better step."""
-    path = f"{storage.export_dir(exporter.name)}/best.json"
+    path = best_path(storage, exporter.name)
     try:
         return read_record(storage, path)
     except DamagedRecordError as exc:
@@ -238,7 +243,7 @@ def read_best(storage: JobStorage, exporter: BestExporter) -> dict | None:
         for step in exported_steps(storage, exporter.name):
             try:
                 info = read_record(
-                    storage, f"{storage.export_dir(exporter.name, step)}/{INFO_FILE}"
+                    storage, f"{storage.export_dir(exporter.name, step)}/{EXPORT_INFO_FILE}"
                 )
             except DamagedRecordError as damaged:  # that export cannot be judged: not a candidate
                 logger.warning("%s: the rebuilt best.json leaves step %d out", damaged, step)
@@ -311,7 +316,7 @@ def run_exporter(
         return None
     step = int(result.step)
     dest = storage.export_dir(exporter.name, step)
-    best_path = f"{storage.export_dir(exporter.name)}/best.json"
+    best_file = best_path(storage, exporter.name)
     if isinstance(exporter, FinalExporter) and not is_the_final_export(result, max_steps):
         return None
     if isinstance(exporter, BestExporter):
@@ -325,7 +330,7 @@ def run_exporter(
             return (dest, False) if storage.fs.exists(dest) else None
         if not beats(exporter, result.metrics, step, best):
             if not stored:  # (judged from the history: kept, not judged again)
-                storage.write_json(best_path, best)
+                storage.write_json(best_file, best)
             return None
     written_now = not storage.fs.exists(dest)
     if written_now:
@@ -343,7 +348,7 @@ def run_exporter(
             ),
         )
     if isinstance(exporter, BestExporter):
-        storage.write_json(best_path, best_record(exporter, result))
+        storage.write_json(best_file, best_record(exporter, result))
         _prune(storage, exporter.name, exporter.keep, protect={step})
     elif isinstance(exporter, LatestExporter):
         _prune(storage, exporter.name, exporter.keep, protect={step})

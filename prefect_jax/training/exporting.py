@@ -17,6 +17,7 @@ from prefect_jax.training.best import best_of
 from prefect_jax.training.errors import ExportFailedError
 from prefect_jax.training.eval_specs import BestExporter
 from prefect_jax.training.evaluation import EvalResult
+from prefect_jax.training.names import REGISTRY_FILE
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.registry import ALIASES_DESCRIPTION, alias_for, default_registered_model
 from prefect_jax.training.serving import input_signature, serving_specs
@@ -266,7 +267,7 @@ class Exports:
 
         def recorded(result: dict) -> None:
             registry = {"tracking_uri": redact_url(tracker.tracking_uri), **result}
-            storage.write_json(storage.path("registry.json"), registry)
+            storage.write_json(storage.path(REGISTRY_FILE), registry)
 
         description = (
             f"Exports of prefect-jax job `{config.job}` ({redact_url(storage.job_dir)}), "

@@ -33,6 +33,7 @@ from prefect_jax.training.goodput_summary import (
     running_account,
     summarize,
 )
+from prefect_jax.training.names import GOODPUT_FILE
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -75,7 +76,7 @@ class GoodputLedger:
     def __init__(self, storage, enabled: bool = True):
         global _process_clock_taken
         self.storage, self.enabled = storage, enabled
-        self.path = storage.path("goodput.json")
+        self.path = storage.path(GOODPUT_FILE)
         # A later trainer in the same process (a notebook, a test) starts its clock when it is made.
         self.started_at = time.time() if _process_clock_taken else process_start_time()
         _process_clock_taken = True
@@ -221,7 +222,7 @@ def read_ledger(storage) -> dict[str, Any]:
     """The job's ledger for a summary (empty if unreadable: `damaged_records` names a damaged
     one; the ledger's writer moves it aside before it writes)."""
     try:
-        return storage.read_json(storage.path("goodput.json")) or {}
+        return storage.read_json(storage.path(GOODPUT_FILE)) or {}
     except Exception:  # noqa: BLE001 - unreadable: as if empty, for the summary only
         return {}
 

@@ -11,6 +11,15 @@ from typing import Any
 from prefect_jax.training.exporters import list_exports
 from prefect_jax.training.goodput import read_ledger
 from prefect_jax.training.goodput_summary import summarize
+from prefect_jax.training.names import (
+    ATTEMPTS_FILE,
+    BEST_FILE,
+    EXPORT_INFO_FILE,
+    GOODPUT_FILE,
+    LEASE_FILE,
+    REGISTRY_FILE,
+    STOP_FILE,
+)
 from prefect_jax.training.program_params import META_KEY, step_meta
 from prefect_jax.training.records import damaged_records
 from prefect_jax.training.redaction import redact_url
@@ -66,7 +75,7 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
     damaged = damaged_records(js)
     if damaged:
         status["damaged_records"] = [dict(d, fix=damage_fix(d["path"])) for d in damaged]
-    registry = js.path("registry.json")
+    registry = js.path(REGISTRY_FILE)
     recorded = None if any(d["path"] == registry for d in damaged) else js.read_json(registry)
     if recorded:
         status["registered_model"] = registry_status(recorded, js.job_dir)
@@ -78,25 +87,25 @@ def damage_fix(path: str) -> str:
     name = path.rsplit("/", 1)[-1]
     if "/evals/" in path:
         return "the job's next run moves it aside and evaluates that step again if it is committed"
-    if name == "goodput.json":
+    if name == GOODPUT_FILE:
         return "the job's next run moves it aside (kept) and starts the ledger again"
-    if name == "registry.json":
+    if name == REGISTRY_FILE:
         return (
             "the job's next export writes it again from MLflow's registry; delete it to see the "
             "rest of this status"
         )
-    if name == "best.json":
+    if name == BEST_FILE:
         return "the next export rebuilds it from the kept exports' export.json (kept aside)"
-    if name == "export.json":
+    if name == EXPORT_INFO_FILE:
         return (
             "that export is left out where its record is read (a rebuilt best.json; its model is "
             "registered without this metadata); delete the export's directory to drop it"
         )
-    if name == "stop.json":
+    if name == STOP_FILE:
         return "read as a stop request: delete it to let the job run on"
-    if name == "attempts.json":
+    if name == ATTEMPTS_FILE:
         return "the next trainer moves it aside (kept) and counts reruns anew"
-    if name == "lease.json":
+    if name == LEASE_FILE:
         return (
             "held by an unknown trainer until it goes stale (a live holder writes it again at its "
             "next heartbeat); delete it only when no trainer of the job runs"

@@ -33,6 +33,7 @@ from prefect_jax.training import lease_takeover as takeover
 from prefect_jax.training.errors import JobDirectoryGoneError, LeaseHeldError, LeaseLostError
 from prefect_jax.training.lease_finishing import wait_while_finishing
 from prefect_jax.training.local_processes import holder_gone
+from prefect_jax.training.names import LEASE_FILE
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage, atomic_write
 
@@ -79,7 +80,7 @@ class Lease:
         self, storage: JobStorage, owner_id: str | None = None, timeout_secs: float = 120.0
     ):
         self.storage = storage
-        self.path = storage.path("lease.json")
+        self.path = storage.path(LEASE_FILE)
         self.owner_id = owner_id
         self.timeout_secs = timeout_secs
         self.token: str | None = None

@@ -76,6 +76,11 @@ MLFLOW_RUN_TAG = (
 STEP_META_FILE = (
     "meta/metadata"  # a step's metadata item, the JSON Orbax's JsonCheckpointHandler writes
 )
+# The job's own files, under <storage>/<job>/ (each in docs/storage.md, with what writes it)
+LEASE_FILE, STOP_FILE, ATTEMPTS_FILE = "lease.json", "stop.json", "attempts.json"
+GOODPUT_FILE, REGISTRY_FILE = "goodput.json", "registry.json"
+BEST_FILE = "best.json"  # exports/<exporter>/best.json: a BestExporter's best so far
+EXPORT_INFO_FILE = "export.json"  # exports/<exporter>/<step>/export.json: the export's record
 STEP_MANIFEST_FILE = "prefect_jax_manifest.json"  # checksums of the step's files
 COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"  # written last on remote storage: the step is whole
 

@@ -21,7 +21,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from prefect_jax.training.names import CREATE_TAG, JOB_TAG, RESERVED_ALIASES, STEP_TAG
+from prefect_jax.training.names import (
+    CREATE_TAG,
+    EXPORT_INFO_FILE,
+    JOB_TAG,
+    RESERVED_ALIASES,
+    STEP_TAG,
+)
 from prefect_jax.training.registry_search import (
     job_versions,
     logged_model_of_step,
@@ -155,7 +161,7 @@ def log_export_model(
         jax.export.default_export_platform() in exported.platforms
     )  # the MLflow worker's: cpu (`mlflow_worker._worker_environment`)
     signature = export_signature(exported, example)
-    info_path = os.path.join(export_dir, "export.json")
+    info_path = os.path.join(export_dir, EXPORT_INFO_FILE)
     metadata = {}
     if os.path.exists(info_path):
         try:

@@ -4,8 +4,12 @@ Layout of one job under a storage root::
 
     <root>/<job>/checkpoints/<step>/...            Orbax step (state, data iterator, metadata)
     <root>/<job>/evals/<eval-name>/<step>.json     this step was evaluated, with its metrics
-    <root>/<job>/exports/<exporter>/<step>/        serving artifact
+    <root>/<job>/exports/<exporter>/<step>/        serving artifact and its export.json
     <root>/<job>/exports/<exporter>/best.json      best step and metrics so far (BestExporter)
+    <root>/<job>/lease.json, stop.json, attempts.json, goodput.json, registry.json
+
+The file names are `prefect_jax.training.names`'s (``*_FILE``); docs/storage.md says what each
+holds and what writes it.
 
 Everything except the Orbax step goes through fsspec, so it works on any protocol fsspec
 reaches. Orbax itself writes local absolute paths and ``gs://``; on other protocols steps are
