@@ -46,14 +46,14 @@ def snapshot(counts) -> dict:
         by_file[
             f"{operation} {re.sub(r'[0-9]+', 'N', re.sub(r'[0-9a-f]{16,}', '<hash>', name))}"
         ] += n
-    for (kind, _), n in counts.calls["_train_loop"].items():
+    for (kind, _), n in counts.calls["train_loop"].items():
         calls[kind] += n
     return {
         "requests": dict(requests),
         "requests_total": sum(requests.values()),
         "interval_calls": dict(calls),
         "interval_calls_total": sum(calls.values()),
-        "interval_wait_s": counts.secs["_train_loop"],
+        "interval_wait_s": counts.secs["train_loop"],
         "requests_by_file": dict(by_file),
     }
 

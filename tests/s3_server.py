@@ -99,13 +99,13 @@ class StorageCalls:
       HEAD that found nothing);
     - ``calls[part]``: the fsspec calls the main thread waits for (made there or on the
       trainer's thread), per (call, file), while the innermost of `parts` on its stack is
-      ``part`` (``"_train_loop"``: a flow's intervals; ``"restore_trainer"``: a restore);
+      ``part`` (``"train_loop"``: a flow's intervals; ``"restore_trainer"``: a restore);
       ``secs[part]``: their wall time.
 
     `install(setattr)` patches aiobotocore and fsspec (`monkeypatch.setattr` in a test, so that
     it is undone; the builtin in a benchmark's own process)."""
 
-    def __init__(self, parts: tuple[str, ...] = ("_train_loop", "restore_trainer")):
+    def __init__(self, parts: tuple[str, ...] = ("train_loop", "restore_trainer")):
         import collections
 
         self.parts = parts

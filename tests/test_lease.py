@@ -135,7 +135,7 @@ def test_a_second_process_of_the_same_flow_run_waits_for_the_first_to_end(job_co
 
 _LEASE_IN_A_FLOW_RUN = """
 import json, os, subprocess, sys, threading, time
-from prefect_jax.tasks import _take_the_lease_before_jax, _trainer, _trainer_holding_the_lease
+from prefect_jax.tasks import take_the_lease_before_jax, task_trainer, trainer_holding_the_lease
 from prefect_jax.training.specs import JobConfig
 
 storage, out = sys.argv[1], {}
@@ -150,11 +150,11 @@ with open(lease_file, "w") as f:
                "timeout_secs": 120}, f)
 threading.Timer(1.5, first.kill).start()
 started = time.monotonic()
-lease = _take_the_lease_before_jax(config)
+lease = take_the_lease_before_jax(config)
 out.update(waited=time.monotonic() - started,
            jax=[m for m in ("jax", "jaxlib") if m in sys.modules],
            holder=json.load(open(lease_file))["pid"], me=os.getpid())
-trainer = _trainer(config)
+trainer = task_trainer(config)
 out["adopted"] = trainer.job.lease is lease
 out["step"] = trainer.restore_or_init()
 out["taken_over"] = trainer.job.lease.taken_over["reason"]
@@ -167,7 +167,7 @@ bad = config.model_copy(
     update={"job": "bad", "program": "prefect_jax.examples.digits:no_such_program"}
 )
 try:
-    _trainer_holding_the_lease(bad)
+    trainer_holding_the_lease(bad)
 except Exception as exc:
     out["bad"] = type(exc).__name__
 out["bad_released"] = not os.path.exists(os.path.join(storage, "bad", "lease.json"))
@@ -206,13 +206,13 @@ def test_the_restore_task_takes_the_lease_before_it_starts_jax(tmp_path):
 
 _START = """
 import json, os, sys, time
-from prefect_jax.tasks import _take_the_lease_before_jax
+from prefect_jax.tasks import take_the_lease_before_jax
 from prefect_jax.training.specs import JobConfig
 
 config = JobConfig(program="prefect_jax.examples.digits:tiny", job="tiny", storage=sys.argv[1],
                    train={"max_steps": 40})
 started = time.monotonic()
-_take_the_lease_before_jax(config)
+take_the_lease_before_jax(config)
 print(json.dumps({"waited": time.monotonic() - started, "jax": "jax" in sys.modules}), flush=True)
 # The first: as if starting JAX, until told to end (SIGKILLed, say: it does not release).
 if len(sys.argv) > 2:

@@ -162,7 +162,7 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     counted = StorageCalls()
     counted.install(monkeypatch.setattr)
     calls, restoring, requests = (
-        counted.calls["_train_loop"],
+        counted.calls["train_loop"],
         counted.calls["restore_trainer"],
         counted.requests,
     )

@@ -75,7 +75,7 @@ def checked_job_config(parameters: dict[str, Any]) -> JobConfig:
     return config
 
 
-def _config_from(parameters: dict[str, Any]) -> JobConfig | None:
+def config_from(parameters: dict[str, Any]) -> JobConfig | None:
     """The job of a flow run's `parameters`, or None where they do not make one (a state hook's)."""
     try:
         given = {k: parameters[k] for k in _CONFIG_ARGS if k in parameters}

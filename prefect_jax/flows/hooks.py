@@ -8,7 +8,7 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from prefect_jax.flows.config import _config_from
+from prefect_jax.flows.config import config_from
 from prefect_jax.tasks import notices
 from prefect_jax.training import trainer_thread
 from prefect_jax.training.goodput_summary import PREEMPTED
@@ -41,7 +41,7 @@ def end_the_job(status: str):
             # handling fail ("Task run is not set"): the run was terminated, not failed.
             ended = "KILLED"
             _report_terminated(flow_run.id, state, preemption.received_signal())
-        config = _config_from(flow_run.parameters)
+        config = config_from(flow_run.parameters)
         if config is not None:
             # Let a checkpoint in flight commit (no step lost), close the MLflow run, free the
             # lease.

@@ -9,7 +9,7 @@ from prefect_jax.tasks import process_tag
 from prefect_jax.training.names import OWN_TAG
 
 
-def _join_processes() -> None:
+def join_processes() -> None:
     """Several JAX processes train this job (`prefect_jax.training.cluster`, from the environment):
     join them, and, in process 0, tell the others this flow run, whose children they run
     (`run_as_process`). One process: nothing (JAX is not even imported)."""

@@ -44,7 +44,7 @@ def _evaluate_and_export(config: JobConfig, step: int, on_new=None) -> bool:
     return True
 
 
-def _train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str | None]:
+def train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str | None]:
     """Train (and, in local mode, evaluate and export) until max_steps or a stop request."""
     from prefect_jax.training.live import get_trainer
 
@@ -124,7 +124,7 @@ def _say_stopped_before(trainer, step: int, stop: dict) -> None:
     )
 
 
-def _summary(config: JobConfig, stopped: str | None, evaluates: bool = False) -> dict[str, Any]:
+def job_summary(config: JobConfig, stopped: str | None, evaluates: bool = False) -> dict[str, Any]:
     """Close the job's run (MLflow, the lease), publish its goodput, and say where it ended.
 
     `evaluates` (local mode): a job that trained to max_steps without being stopped must have its

@@ -25,9 +25,9 @@ from prefect_jax.tasks.evaluate import evaluate_if_new
 from prefect_jax.tasks.events import CHECKPOINT_EVENT, EVAL_EVENT, EXPORT_EVENT, emit, job_resource
 from prefect_jax.tasks.export import export
 from prefect_jax.tasks.live_trainer import (
-    _take_the_lease_before_jax,
-    _trainer,
-    _trainer_holding_the_lease,
+    take_the_lease_before_jax,
+    task_trainer,
+    trainer_holding_the_lease,
 )
 from prefect_jax.tasks.publish import (
     UI_REFRESH_SECS,
@@ -57,9 +57,9 @@ __all__ = [
     "UI_REFRESH_SECS",
     "_Publisher",
     "_mark_crashed",
-    "_take_the_lease_before_jax",
-    "_trainer",
-    "_trainer_holding_the_lease",
+    "take_the_lease_before_jax",
+    "task_trainer",
+    "trainer_holding_the_lease",
     "artifact_key",
     "emit",
     "evaluate_if_new",

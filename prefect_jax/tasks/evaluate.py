@@ -9,7 +9,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from prefect_jax.tasks.events import EVAL_EVENT, emit
-from prefect_jax.tasks.live_trainer import _trainer
+from prefect_jax.tasks.live_trainer import task_trainer
 from prefect_jax.tasks.publish import artifact_key, publisher
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_unless_lost
 from prefect_jax.training.specs import JobConfig
@@ -59,7 +59,7 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
     from prefect_jax.training.evaluation import EvalStatus, as_row
 
     logger = get_run_logger()
-    trainer = _trainer(config)
+    trainer = task_trainer(config)
     # This task run's context: the record may come later, from another task run (see `recorded`).
     evaluating = contextvars.copy_context()
 

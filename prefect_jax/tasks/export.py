@@ -8,7 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from prefect_jax.tasks.events import EXPORT_EVENT, emit
-from prefect_jax.tasks.live_trainer import _trainer
+from prefect_jax.tasks.live_trainer import task_trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_unless_lost
 from prefect_jax.training.specs import JobConfig
 
@@ -70,10 +70,10 @@ def export(config: JobConfig, result, background: bool = False) -> dict[str, str
     if background:
         # (the run context, for the event and the log lines, on the export's thread)
         context = contextvars.copy_context()
-        _trainer(config).export_in_background(
+        task_trainer(config).export_in_background(
             result, on_done=lambda written: context.run(announce, written)
         )
         return {}
-    written = _trainer(config).export(result)
+    written = task_trainer(config).export(result)
     announce(written)
     return written

@@ -9,7 +9,7 @@ import inspect
 
 from prefect_jax.tasks import notices
 from prefect_jax.tasks.events import job_resource
-from prefect_jax.tasks.runs import _run_tags
+from prefect_jax.tasks.runs import current_flow_run_tags
 from prefect_jax.training.names import CHECKPOINT_EVENT, EVENT_STEP_LABEL, FLOW_RUN_ID_TAG
 from prefect_jax.training.preemption import deliver_lost_notices
 from prefect_jax.training.specs import JobConfig
@@ -20,7 +20,7 @@ from prefect_jax.training.specs import JobConfig
 deliver_lost_notices()
 
 
-def _take_the_lease_before_jax(config: JobConfig):
+def take_the_lease_before_jax(config: JobConfig):
     """Before this process starts JAX, in a flow run of one JAX process: take the job's lease
     (`lease_early.take_early`; the trainer made next adopts it) and return it, or None (no flow
     run, a trainer of the job is live here already, or the job has several JAX processes, whose
@@ -35,7 +35,7 @@ def _take_the_lease_before_jax(config: JobConfig):
     from prefect_jax.training.live import live_trainer
     from prefect_jax.training.storage import JobStorage
 
-    run_id = _run_tags().get(FLOW_RUN_ID_TAG)
+    run_id = current_flow_run_tags().get(FLOW_RUN_ID_TAG)
     if not run_id or live_trainer(config) is not None:
         return None
     try:
@@ -58,13 +58,13 @@ def _take_the_lease_before_jax(config: JobConfig):
     return take_early(storage, run_id, config.train.lease_timeout_secs)
 
 
-def _trainer_holding_the_lease(config: JobConfig):
+def trainer_holding_the_lease(config: JobConfig):
     """The job's trainer for the restore task, its lease taken before JAX started (see
-    `_take_the_lease_before_jax`); a lease so taken is given back if making the trainer fails."""
+    `take_the_lease_before_jax`); a lease so taken is given back if making the trainer fails."""
     lease = None
     try:
-        lease = _take_the_lease_before_jax(config)
-        return _trainer(config)
+        lease = take_the_lease_before_jax(config)
+        return task_trainer(config)
     except BaseException:
         from prefect_jax.training.lease_early import release_early
         from prefect_jax.training.storage import JobStorage
@@ -99,7 +99,7 @@ class OnTrainerThread:
 _NEVER_CUT = frozenset({"train_until_checkpoint", "finish", "close"})
 
 
-def _trainer(config: JobConfig) -> OnTrainerThread:
+def task_trainer(config: JobConfig) -> OnTrainerThread:
     return OnTrainerThread(_live_trainer(config))
 
 
@@ -109,7 +109,7 @@ def _live_trainer(config: JobConfig):
 
     if not trainer_thread.idle(0):  # (a call a notice left running, after Ctrl-C: see get_trainer)
         notices.call(lambda: None)  # its end first, so that it is not closed under that call
-    trainer = get_trainer(config, run_tags=_run_tags())
+    trainer = get_trainer(config, run_tags=current_flow_run_tags())
     if not trainer.job.commit_listeners:
         from prefect.events import emit_event
 

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from prefect_jax.tasks.live_trainer import _trainer
+from prefect_jax.tasks.live_trainer import task_trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
 from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS, JobConfig
 
@@ -68,7 +68,7 @@ def recover(
         ```
     """
     logger = get_run_logger()
-    trainer = _trainer(config)
+    trainer = task_trainer(config)
     restored, at = trainer.recover(
         step,
         wait_for_checkpoint=wait_for_checkpoint,

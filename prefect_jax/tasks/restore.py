@@ -7,7 +7,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from prefect_jax.tasks.live_trainer import _trainer_holding_the_lease
+from prefect_jax.tasks.live_trainer import trainer_holding_the_lease
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
 from prefect_jax.tasks.runs import (
     LINK_WAIT_SECS,
@@ -75,7 +75,7 @@ def restore_or_init(
         ```
     """
     logger = get_run_logger()
-    trainer = _trainer_holding_the_lease(config)
+    trainer = trainer_holding_the_lease(config)
     step = trainer.restore_or_init(
         checkpoint_path=checkpoint_path,
         wait_for_checkpoint=wait_for_checkpoint,

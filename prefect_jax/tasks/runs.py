@@ -23,7 +23,7 @@ from prefect_jax.training.names import (
 from prefect_jax.training.specs import JobConfig
 
 
-def _run_tags() -> dict[str, str]:
+def current_flow_run_tags() -> dict[str, str]:
     run_id = flow_run.id
     if not run_id:
         return {}

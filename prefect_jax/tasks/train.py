@@ -6,7 +6,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
-from prefect_jax.tasks.live_trainer import _trainer
+from prefect_jax.tasks.live_trainer import task_trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
 from prefect_jax.tasks.runs import mark_taken_over
 from prefect_jax.training.policy import NO_END, CheckpointPolicy
@@ -68,7 +68,7 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
         ```
     """
     logger = get_run_logger()
-    trainer = _trainer(config)
+    trainer = task_trainer(config)
     stop = trainer.stop_requested()
     if stop is not None:
         logger.warning("not training: the job was asked to stop (%s)", stop.get("reason"))

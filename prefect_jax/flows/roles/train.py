@@ -7,10 +7,10 @@ from prefect import flow, get_run_logger
 
 from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.hooks import end_the_job
-from prefect_jax.flows.processes import _join_processes
+from prefect_jax.flows.processes import join_processes
 from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
-from prefect_jax.flows.task_loop import _summary, _train_loop
+from prefect_jax.flows.task_loop import job_summary, train_loop
 from prefect_jax.training.policy import CheckpointPolicy
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
@@ -71,12 +71,12 @@ def train(
         CheckpointSpec.model_validate(checkpoint_spec), "train"
     )
     config = checked_job_config(locals())  # its MLflow URI checked before any work
-    _join_processes()
+    join_processes()
     tasks = job_tasks(config.retry)
     # (its eval metrics are the evaluator's to check, as `prefect-jax train` leaves them)
     step = tasks.restore_or_init(config, checkpoint_path=checkpoint_path, evaluates=False)["step"]
-    step, stopped = _train_loop(config, step, evaluate=False)
-    summary = _summary(config, stopped)
+    step, stopped = train_loop(config, step, evaluate=False)
+    summary = job_summary(config, stopped)
     why = f" (stopped: {stopped})" if stopped else ""
     get_run_logger().info("trainer of %s done at step %d%s", job, summary["final_step"], why)
     return summary

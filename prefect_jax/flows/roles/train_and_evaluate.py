@@ -7,10 +7,10 @@ from prefect import flow, get_run_logger
 
 from prefect_jax.flows.config import checked_job_config
 from prefect_jax.flows.hooks import end_the_job
-from prefect_jax.flows.processes import _join_processes
+from prefect_jax.flows.processes import join_processes
 from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
-from prefect_jax.flows.task_loop import _summary, _train_loop
+from prefect_jax.flows.task_loop import job_summary, train_loop
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 
 
@@ -95,10 +95,10 @@ def train_and_evaluate(
         ```
     """
     config = checked_job_config(locals())  # its MLflow URI checked before any work
-    _join_processes()
+    join_processes()
     step = job_tasks(config.retry).restore_or_init(config, checkpoint_path=checkpoint_path)["step"]
-    step, stopped = _train_loop(config, step, evaluate=True)
-    summary = _summary(config, stopped, evaluates=True)
+    step, stopped = train_loop(config, step, evaluate=True)
+    summary = job_summary(config, stopped, evaluates=True)
     why = f" (stopped: {stopped})" if stopped else ""
     get_run_logger().info(
         "job %s done at step %d: %s%s", job, summary["final_step"], summary["eval"], why
