@@ -100,10 +100,10 @@ def _check_storage(args: argparse.Namespace, processes: int) -> None:
     """Refuse storage that `processes` processes cannot write one checkpoint on, before they
     start (each would fail in its flow run, and JAX's distributed service abort the others)."""
     from prefect_jax.blocks import resolve_storage
-    from prefect_jax.training.storage import JobStorage
+    from prefect_jax.training import facade
 
     url, options = resolve_storage(args.storage)
-    JobStorage(url, args.job, dict(options or {})).check_shared_by(processes)
+    facade.check_shared_by(args.job, url, options, processes)
 
 
 def launch_processes(args: argparse.Namespace) -> int:

@@ -197,6 +197,14 @@ def committed_steps(job: str, url: str, options: Mapping[str, Any] | None = None
     return job_committed_steps(JobStorage(url, job, dict(options or {})))
 
 
+def check_shared_by(job: str, url: str, options: Mapping[str, Any] | None, processes: int) -> None:
+    """Refuse storage that `processes` JAX processes cannot write one checkpoint on
+    (`JobStorage.check_shared_by`): ValueError naming the storage and the fix."""
+    from prefect_jax.training.storage import JobStorage
+
+    JobStorage(url, job, dict(options or {})).check_shared_by(processes)
+
+
 def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What storage holds of a job: its committed steps, evaluated steps and exports, goodput,
     and its registered model's versions and aliases (read from MLflow, or as last recorded).
