@@ -555,8 +555,14 @@ def test_the_other_path_flags_that_cannot_be_made_name_the_flag_and_the_fix(
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (["--train-hook", "nope.module:hook"], "train hook 'nope.module:hook' cannot be loaded"),
-        (["--best-compare-fn", "nope.module:better"], "'nope.module:better'"),
+        (
+            ["--train-hook", "nope.module:hook"],
+            "train hook path 'nope.module:hook': cannot import module 'nope.module'",
+        ),
+        (
+            ["--best-compare-fn", "nope.module:better"],
+            "BestExporter compare_fn path 'nope.module:better': cannot import module",
+        ),
     ],
 )
 def test_a_part_of_the_job_that_cannot_be_loaded_is_one_clear_line_before_any_flow_runs(

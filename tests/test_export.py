@@ -337,5 +337,9 @@ def test_compare_fn_and_metric_together_are_refused_naming_both():
 
 
 def test_a_compare_fn_that_does_not_load_is_refused_at_job_start_naming_it(job_config):
-    with pytest.raises(ProgramError, match=r"compare_fn 'programs:lower_f1' cannot be loaded"):
+    with pytest.raises(
+        ProgramError,
+        match=r"compare_fn path 'programs:lower_f1': module 'programs' has no attribute "
+        r"'lower_f1' \(names it defines: ",
+    ):
         Trainer(job_config(exporters=[BestExporter(compare_fn="programs:lower_f1")]))

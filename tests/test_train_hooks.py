@@ -82,7 +82,11 @@ def test_hook_strings_and_refusals_name_the_hook_and_the_fix():
 
 def test_a_hook_that_does_not_load_is_refused_when_the_trainer_starts(job_config):
     config = job_config(hooks=["tests.programs:no_such_hook@every=5"])
-    with pytest.raises(ProgramError, match=r"train hook 'tests\.programs:no_such_hook'"):
+    with pytest.raises(
+        ProgramError,
+        match=r"train hook path 'tests\.programs:no_such_hook': module 'tests\.programs' has no "
+        r"attribute 'no_such_hook' \(names it defines: ",
+    ):
         Trainer(config)
 
 

@@ -74,22 +74,48 @@ class ProgramError(ValueError):
     """The program path cannot be loaded, or the object lacks part of the contract."""
 
 
-def import_path(path: str, what: str, form: str = "'package.module:attribute'") -> Any:
+def import_path(
+    path: str,
+    what: str,
+    form: str = "'package.module:attribute'",
+    example: str | None = None,
+) -> Any:
     """The object that `path` names, ``"package.module:attribute"`` (dotted attributes too): the
     one way a program, a hook or a compare function named in a spec is found.
 
     Raises:
-        ProgramError: it does not import; the message names `what`, the path and `form`.
+        ProgramError: `path` is not of `form`, its module does not import, or the module lacks
+            the attribute (the message lists its names, the closest first); each names `what`.
     """
-    module, _, attr = path.partition(":")
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        shown = f" (for example {example!r})" if example else ""
+        raise ProgramError(f"{what} path {path!r} is not of the form {form}{shown}")
+    module_name, attr = path.split(":")
     try:
-        obj: Any = importlib.import_module(module)
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ProgramError(
+            f"{what} path {path!r}: cannot import module {module_name!r} ({exc}); check the "
+            "spelling, and that the module is installed in this environment or on PYTHONPATH "
+            "(the command also imports from its working directory)"
+            + _dotted_hint(module_name, attr)
+        ) from exc
+    try:
+        obj = module
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as exc:
+    except AttributeError as exc:
+        import difflib
+
+        names = sorted(n for n in vars(module) if not n.startswith("_"))
+        close = difflib.get_close_matches(attr, names, n=3)
+        shown = ", ".join(repr(n) for n in names[:20]) + (
+            f", ... ({len(names) - 20} more)" if len(names) > 20 else ""
+        )
         raise ProgramError(
-            f"{what} {path!r} cannot be loaded ({type(exc).__name__}: {exc}); give {form}, "
-            f"importable where the job runs{_dotted_hint(module, attr)}"
+            f"{what} path {path!r}: module {module_name!r} has no attribute {attr!r}"
+            + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "")
+            + f" (names it defines: {shown})"
         ) from exc
     return obj
 
@@ -144,38 +170,7 @@ def load_program_with_params(
 ) -> tuple[Any, ProgramParams]:
     """`load_program`, and the parameters it was built with, as they are recorded (in
     checkpoints, MLflow params, ``status``) and checked when the job restores a step."""
-    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise ProgramError(
-            f"program path {path!r} is not of the form 'package.module:attribute' "
-            "(for example 'prefect_jax.examples.digits:program')"
-        )
-    module_name, attr = path.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ProgramError(
-            f"program path {path!r}: cannot import module {module_name!r} ({exc}); "
-            "check the spelling, and that the module is installed in this environment or on "
-            "PYTHONPATH (the command also imports from its working directory)"
-            + _dotted_hint(module_name, attr)
-        ) from exc
-    try:
-        obj = module
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except AttributeError as exc:
-        import difflib
-
-        names = sorted(n for n in vars(module) if not n.startswith("_"))
-        close = difflib.get_close_matches(attr, names, n=3)
-        shown = ", ".join(repr(n) for n in names[:20]) + (
-            f", ... ({len(names) - 20} more)" if len(names) > 20 else ""
-        )
-        raise ProgramError(
-            f"program path {path!r}: module {module_name!r} has no attribute {attr!r}"
-            + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "")
-            + f" (names it defines: {shown})"
-        ) from exc
+    obj = import_path(path, "program", example="prefect_jax.examples.digits:program")
     recorded = ProgramParams()
     if isinstance(obj, type) or (callable(obj) and not all(hasattr(obj, m) for m in REQUIRED)):
         typed = params_type(obj)
