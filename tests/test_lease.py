@@ -613,3 +613,28 @@ def test_the_heartbeat_never_makes_a_vanished_job_directory_again(tmp_path):
     assert away.exists() and not os.path.exists(job_dir), os.listdir(job_dir)
     with pytest.raises(JobDirectoryGoneError, match=r"the job's directory .* is gone"):
         lease.verify()
+
+
+def test_a_release_whose_lease_file_another_writer_removed_after_its_read_still_ends(tmp_path):
+    """A late beat of a holder that lost the job lands over the new holder's lease and frees it
+    between the new holder's read and its remove (two leases of one flow run, CI): the release
+    still ends, the job free, and raises nothing into the `finally` that called it."""
+    import threading
+
+    from prefect_jax.training.storage import JobStorage
+
+    class FreedAfterARead(JobStorage):
+        """Storage whose lease file goes just after the release's read (the race, timed)."""
+
+        def read_json(self, path):
+            out = super().read_json(path)
+            if threading.current_thread().name != "prefect-jax-lease" and releasing.is_set():
+                os.remove(path)
+            return out
+
+    releasing = threading.Event()
+    lease = lease_under(tmp_path, timeout=60.0, storage_class=FreedAfterARead)
+    lease.acquire()
+    releasing.set()
+    lease.release()
+    assert not lease.held and not os.path.exists(lease.path)

@@ -20,6 +20,7 @@ stops there with `LeaseLostError` instead of writing over the new holder's steps
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -76,9 +77,7 @@ class Lease:
         timeout_secs: a heartbeat older than this is stale.
     """
 
-    def __init__(
-        self, storage: JobStorage, owner_id: str | None = None, timeout_secs: float = 120.0
-    ):
+    def __init__(self, storage: JobStorage, owner_id: str | None = None, timeout_secs=120.0):
         self.storage = storage
         self.path = storage.path(LEASE_FILE)
         self.owner_id = owner_id
@@ -394,6 +393,7 @@ class Lease:
         try:
             current = self.read()
             if current and current.get("token") == self.token:
-                self.storage.fs.rm(self.path)
+                with contextlib.suppress(FileNotFoundError):  # (freed by a late writer meanwhile)
+                    self.storage.fs.rm(self.path)
         finally:
             self.token, self.finishing = None, None
