@@ -426,3 +426,33 @@ def test_a_sigterm_that_breaks_an_import_in_the_command_still_ends_it_terminated
         == 143
     )
     assert "terminated by signal 15; the newest committed step is kept" in capsys.readouterr().err
+
+
+def test_a_notice_before_any_checkpoint_says_nothing_was_being_written_not_a_timeout(
+    sigterm_handler, job_config, caplog
+):
+    """A SIGTERM after the restore of a new job, before its first save: nothing was being
+    written, so nothing was abandoned. Before, the ending logged an ERROR that "the checkpoint of
+    step 0 did not commit within 25s ... step None stays the newest valid one" (a helper's
+    stress run saw it on every such notice)."""
+    import logging
+
+    from prefect_jax.training.errors import Preempted
+
+    calls, _ = sigterm_handler
+    trainer = Trainer(job_config(max_steps=40, every_steps=20))
+    try:
+        trainer.restore_or_init()
+        with caplog.at_level(logging.WARNING), pytest.raises(Preempted) as raised:
+            os.kill(os.getpid(), signal.SIGTERM)  # between tasks: the guard handles it at once
+            _wait_in_ordinary_code(30)
+        assert calls == ["handler"], calls
+        assert "no checkpoint was being written" in str(raised.value), raised.value
+        assert raised.value.committed is None
+        assert (
+            "SIGTERM at step 0: no checkpoint was being written; no step was committed yet: the "
+            "rerun starts from the beginning" in caplog.text
+        ), caplog.text
+        assert "did not commit" not in caplog.text and "ERROR" not in caplog.text, caplog.text
+    finally:
+        trainer.close()

@@ -64,6 +64,14 @@ def signal_name(signum: int | None) -> str:
         return "SIGTERM" if signum is None else f"signal {signum}"
 
 
+def _newest_kept(newest: int | None) -> str:
+    return (
+        "no step was committed yet: the rerun starts from the beginning"
+        if newest is None
+        else f"step {newest} stays the newest valid one"
+    )
+
+
 def thread_stacks() -> str:
     """Where every thread of the process is now, named, innermost call last: what a wait that
     ran out of time was waiting on (`sys._current_frames`, the interpreter's own view)."""
@@ -165,6 +173,8 @@ class AttemptEnd:
                     t.step,
                     grace,
                 )
+            # (None: no save was in flight: nothing was abandoned, say so, not a commit timing out)
+            writing = rows is not None or not job.save_landed()
             # (the commit's events may wait on a lock the interrupted code holds: not for long)
             # (started even with no time left: the stacks below then show where the commit is)
             waited = within(
@@ -172,6 +182,7 @@ class AttemptEnd:
                 deadline - time.monotonic(),
             )
             committed = waited and t.step is not None and job.is_committed(t.step)
+            committed = committed or (None if waited and not writing else False)
             if pending.held is not None:  # an evaluation whose step was committing: recorded if it
                 # did, before the run closes (else the rerun evaluates that step)
                 evaluated = pending.step
@@ -200,16 +211,23 @@ class AttemptEnd:
                 )
                 if saved_rows:  # the interval's train metrics (the checkpoint has them too)
                     bounded(lambda: t.intervals.log_train_rows(saved_rows), at_least=0.5)
+            elif committed is None:
+                say(
+                    logging.WARNING,
+                    "%s at step %s: no checkpoint was being written; %s",
+                    notice,
+                    t.step,
+                    _newest_kept(job.newest_committed()),
+                )
             else:
                 # (a commit still running when the grace ran out: where each thread was, so that
                 # a stall, not a slow disk, can be told and reported)
                 say(
                     logging.ERROR,
-                    "the checkpoint of step %s did not commit within %.0fs: abandoned; "
-                    "step %s stays the newest valid one%s",
+                    "the checkpoint of step %s did not commit within %.0fs: abandoned; %s%s",
                     t.step,
                     grace,
-                    job.newest_committed(),
+                    _newest_kept(job.newest_committed()),
                     "" if waited else "; each thread when the grace ran out:\n" + thread_stacks(),
                 )
             job.goodput.end(PREEMPTED)

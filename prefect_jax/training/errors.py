@@ -242,19 +242,24 @@ class ExportFailedError(RuntimeError):
 
 
 class Preempted(Exception):
-    """Training was interrupted by a preemption notice after checkpointing the step in flight."""
+    """Training was interrupted by a preemption notice after checkpointing the step in flight.
+    `committed`: None when no checkpoint was being written (a notice before the first save, or
+    in a restore)."""
 
     def __init__(
-        self, step: int, committed: bool, signum: int | None = None, by_another: bool = False
+        self, step: int, committed: bool | None, signum: int | None = None, by_another=False
     ):
         self.step, self.committed, self.signum = step, committed, signum
         # the notice was another JAX process's (`PreemptionGuard.adopt`): this one's caller raises
         # it on as its own SIGTERM would (`prefect_jax.tasks.notices.call`)
         self.by_another = by_another
-        what = "committed" if committed else "could not be committed within the grace period"
-        super().__init__(
-            f"preempted at step {step} (signal {signum}); the checkpoint of step {step} {what}"
+        what = (
+            "no checkpoint was being written"
+            if committed is None
+            else f"the checkpoint of step {step} "
+            + ("committed" if committed else "could not be committed within the grace period")
         )
+        super().__init__(f"preempted at step {step} (signal {signum}); {what}")
 
 
 class EvalOutputError(ValueError):
