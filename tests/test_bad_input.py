@@ -331,6 +331,38 @@ def test_an_unknown_storage_protocol_names_the_flag_and_the_fix(tmp_path):
     assert "spelling" in line, line
 
 
+def test_a_storage_url_whose_colon_slash_slash_is_mistyped_is_refused_not_trained_locally(
+    tmp_path,
+):
+    """``s3//bucket/prefix`` was a local folder ``s3`` under the working directory: a deployment's
+    run trained into the worker's git checkout with no word said (a walkthrough's finding)."""
+    from prefect_jax.training.storage import normalize_root
+
+    in_tmp = ("env", f"--chdir={tmp_path}")
+    proc = run_cli("run", "--program", TINY, "--job", "j", "--storage", "s3//b/p", prefix=in_tmp)
+    assert proc.returncode == 2
+    line = _one_error_line(proc, "run")
+    assert "storage 's3//b/p' is a local path, not a s3:// URL" in line, line
+    assert "did you mean 's3://b/p'?" in line and "give './s3//b/p'" in line, line
+    assert os.listdir(tmp_path) == []
+    for typo in ("gs:/bucket/p", "S3:bucket"):
+        with pytest.raises(ValueError, match="is a local path, not a"):
+            normalize_root(typo)
+    for local in ("./s3//bucket", "runs:2026/x", "checkpoints"):
+        assert normalize_root(local) == os.path.abspath(local)
+
+
+def test_a_trainer_made_from_python_names_an_unknown_storage_protocol_and_the_fix(job_config):
+    """The Python API does not come through the command's checks: the trainer's own check of its
+    storage gives the same line, not fsspec's ``Protocol not known`` traceback."""
+    from prefect_jax.training.remote_errors import RemoteConfigError
+    from prefect_jax.training.trainer import Trainer
+
+    config = job_config(max_steps=10).model_copy(update={"storage": "nosuchproto://b/p"})
+    with pytest.raises(RemoteConfigError, match="knows no protocol 'nosuchproto'.*spelling"):
+        Trainer(config)
+
+
 def test_a_storage_folder_named_with_brackets_is_refused_before_anything_is_written(tmp_path):
     """Orbax would save steps there that do not restore (docs/upstream.md 6)."""
     storage = str(tmp_path / "runs[1]")

@@ -185,3 +185,26 @@ def test_no_module_of_the_flows_makes_its_annotations_strings():
         )
 
     assert [str(p.relative_to(root)) for p in modules if makes_strings(p)] == []
+
+
+@pytest.mark.slow
+def test_a_flow_runs_storage_of_an_unknown_protocol_is_one_line_naming_the_fix_not_retried(
+    tmp_path, mlflow_uri, prefect_server
+):
+    """A deployment's run does not come through the command's checks: its storage URL was checked
+    as the restore task took the lease, and an unknown protocol was fsspec's 40-line traceback
+    (a walkthrough's finding). It is the command's one line now, and no retry runs it again."""
+    from prefect_jax.training.remote_errors import RemoteConfigError
+    from prefect_jax.training.specs import TrainSpec
+
+    with pytest.raises(RemoteConfigError) as raised:
+        flows.train_and_evaluate(
+            program="programs:tiny",
+            job="j",
+            storage="s4://bucket/prefix",
+            train_spec=TrainSpec(max_steps=10),
+            mlflow_tracking_uri=mlflow_uri,
+        )
+    message = str(raised.value)
+    assert "--storage s4://bucket/prefix" in message and "knows no protocol 's4'" in message
+    assert "spelling" in message and raised.value.__cause__ is None, message

@@ -51,10 +51,13 @@ def take_the_lease_before_jax(config: JobConfig):
     ):  # the caller joined processes itself
         return None
     from prefect_jax.training.lease_early import take_early
+    from prefect_jax.training.preflight import storage_errors
 
     storage = JobStorage(config.storage, config.job, config.storage_options)
-    # As the trainer does first: a refused write is named as such, not as the lease's.
-    storage.check_writable()
+    # As the trainer does first: a refused write is named as such, not as the lease's; an
+    # unknown protocol or a missing bucket is one line naming the fix, as the command's.
+    with storage_errors(storage, config.storage):
+        storage.check_writable()
     return take_early(storage, run_id, config.train.lease_timeout_secs)
 
 

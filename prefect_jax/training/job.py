@@ -73,7 +73,10 @@ class Job(JobCheckpoints):
         # (before JAX started; one process, so this is process 0).
         early = adopt_early(self.storage.job_dir, self.run_tags.get(FLOW_RUN_ID_TAG))
         if self.is_primary and early is None:
-            self.storage.check_writable()  # a refused write is found before anything is changed
+            from prefect_jax.training.preflight import storage_errors
+
+            with storage_errors(self.storage, config.storage):  # (a bad URL: one line, the fix)
+                self.storage.check_writable()  # a refused write is found before anything changes
         if self.is_primary and (ignored := self.storage.options_orbax_ignores()):
             logger.warning(
                 "storage %s: Orbax reads and writes this job's checkpoints with Google's default "

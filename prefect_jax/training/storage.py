@@ -44,10 +44,24 @@ def normalize_root(url: str) -> str:
         )
     url = url.strip()
     if "://" not in url:
+        _refuse_a_url_missing_its_colon_slash_slash(url)
         return os.path.abspath(os.path.expanduser(url))
     if url.startswith("file://"):
         return os.path.abspath(url[len("file://") :])
     return url.rstrip("/")
+
+
+def _refuse_a_url_missing_its_colon_slash_slash(url: str) -> None:
+    """``s3//bucket/prefix`` or ``s3:/bucket/prefix`` is a URL mistyped, not a local folder
+    named ``s3``: taken as one, the job would train into the worker's working directory (a
+    deployment's git checkout) with no word said."""
+    typo = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)(?::/*|//+)(.*)", url)
+    if typo and typo.group(1).lower() in fsspec.available_protocols():
+        protocol, rest = typo.groups()
+        raise ValueError(
+            f"storage {url!r} is a local path, not a {protocol}:// URL (its '://' is mistyped): "
+            f"did you mean '{protocol}://{rest}'? (A local folder so named: give './{url}'.)"
+        )
 
 
 def job_digest(root: str, job: str) -> str:
