@@ -176,7 +176,7 @@ def test_a_flow_called_with_a_tracking_uri_mlflow_cannot_use_fails_before_any_wo
     from prefect_jax.training.mlflow_reach import TrackingUnreachableError
     from prefect_jax.training.specs import TrainSpec
 
-    with pytest.raises(TrackingUnreachableError, match="--mlflow-tracking-uri bogus://x: MLflow"):
+    with pytest.raises(TrackingUnreachableError, match="mlflow_tracking_uri bogus://x: MLflow"):
         train_and_evaluate.fn(
             program="prefect_jax.examples.digits:tiny",
             job="j",
@@ -185,3 +185,97 @@ def test_a_flow_called_with_a_tracking_uri_mlflow_cannot_use_fails_before_any_wo
             mlflow_tracking_uri="bogus://x",
         )
     assert not (tmp_path / "s").exists()
+
+
+def test_a_flow_runs_tracking_uri_from_the_work_pools_environment_is_checked_too(
+    tmp_path, monkeypatch
+):
+    """A deployment whose MLflow is given only as the worker's ``MLFLOW_TRACKING_URI`` was never
+    checked: with its server down the run trained, then waited at its end for every queued call's
+    retries (20 minutes and more, its lease held). It is refused before any work, naming the
+    variable and the flow's way to go on without MLflow."""
+    from prefect_jax.flows import train_and_evaluate
+    from prefect_jax.training.mlflow_reach import TrackingUnreachableError
+    from prefect_jax.training.specs import TrainSpec
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(TrackingUnreachableError) as refused:
+        train_and_evaluate.fn(
+            program=TINY, job="j", storage=str(tmp_path / "s"), train_spec=TrainSpec(max_steps=10)
+        )
+    message = str(refused.value)
+    assert message.startswith(f"MLFLOW_TRACKING_URI {uri}: MLflow cannot use it"), message
+    assert "set MLFLOW_TRACKING_URI (the work pool's environment" in message, message
+    assert "mlflow_optional=true" in message and "--mlflow" not in message, message
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.slow
+def test_a_jobs_end_with_its_tracking_server_gone_waits_one_check_not_every_calls_retries(
+    job_config, tmp_path, monkeypatch, caplog
+):
+    """The server killed mid-run, never back: each queued call waits out MLflow's own retries
+    (minutes each), and the job's end waited for all of them, its lease held, a SIGTERM waiting
+    too. It waits while calls land or the store answers: here one check, then a warning, and the
+    lease is freed."""
+    import logging
+
+    from prefect_jax.training import tracking
+    from prefect_jax.training.trainer import Trainer
+
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
+    monkeypatch.setattr(tracking, "ANSWER_CHECK_SECS", 2.0)
+    server = MlflowServerProcess(tmp_path, free_port())
+    server.start(timeout=120)
+    try:
+        config = job_config(max_steps=30, every_steps=15).model_copy(
+            update={"mlflow_tracking_uri": server.uri}
+        )
+        trainer = Trainer(config)
+        trainer.restore_or_init()
+        trainer.train_until_checkpoint()
+        trainer.job.tracker.flush()
+        server.kill()
+        trainer.train_until_checkpoint()  # (its metrics queue behind MLflow's retries)
+        trainer.evaluate_if_new()
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="prefect_jax.tracking"):
+            trainer.finish()
+        took = time.monotonic() - started
+        lease = os.path.join(config.storage, config.job, "lease.json")
+        assert not os.path.exists(lease)
+        trainer.close()
+        assert took < 60, f"the end waited {took:.0f}s"
+        assert "still on their way" in caplog.text, caplog.text
+        assert "the run may stay RUNNING, not FINISHED, until a later run" in caplog.text
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_mlflow_optional_with_the_environments_tracking_uri_unanswering_trains_at_once(
+    tmp_path, monkeypatch, prefect_server
+):
+    """The same store with ``mlflow_optional``: found unusable as the run starts, its trackers send
+    it nothing, and the run ends as soon as it trained, its summary saying what is missing."""
+    from prefect_jax.flows import train_and_evaluate
+    from prefect_jax.training.mlflow_client import TrackingWarning
+    from prefect_jax.training.specs import CheckpointSpec, TrainSpec
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
+    started = time.monotonic()
+    with pytest.warns(TrackingWarning, match="mlflow_optional: training goes on"):
+        summary = train_and_evaluate(
+            program=TINY,
+            job="j",
+            storage=str(tmp_path / "s"),
+            train_spec=TrainSpec(max_steps=10),
+            checkpoint_spec=CheckpointSpec(every_steps=10),
+            mlflow_optional=True,
+        )
+    assert summary["final_step"] == 10 and summary["mlflow_run_id"] is None
+    assert summary["mlflow_missing"].startswith(f"nothing of this run reached MLflow at {uri}")
+    assert time.monotonic() - started < 120  # (one MLflow call's own retries take minutes)

@@ -66,12 +66,12 @@ def _job_config(
 
 def checked_job_config(parameters: dict[str, Any]) -> JobConfig:
     """The job of a flow's own parameters (its ``locals()`` as its body starts), its MLflow
-    tracking URI (a block's, resolved) checked: an unusable one is refused before any work
-    (``mlflow_optional``: a warning)."""
-    from prefect_jax.training.facade import check_tracking_uri
+    tracking URI (a block's, resolved; else ``MLFLOW_TRACKING_URI``'s) checked: an unusable one
+    is refused before any work (``mlflow_optional``: a warning)."""
+    from prefect_jax.training.facade import check_flow_tracking_uri
 
     config = _job_config(**{k: parameters[k] for k in _CONFIG_ARGS if k in parameters})
-    check_tracking_uri(config.mlflow_tracking_uri, parameters.get("mlflow_optional"))
+    check_flow_tracking_uri(config.mlflow_tracking_uri, parameters.get("mlflow_optional"))
     return config
 
 

@@ -9,6 +9,7 @@ it imports neither jax nor mlflow: a command refused for bad input must stay qui
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
@@ -181,12 +182,15 @@ def preflight(
     )
 
 
-def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:
-    """Refuse a tracking URI MLflow cannot use or reach; with `optional`, warn (see
-    `prefect_jax.training.mlflow_reach.check_tracking_uri`)."""
-    from prefect_jax.training.mlflow_reach import check_tracking_uri as check
+def check_flow_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:
+    """Refuse a flow run's tracking URI MLflow cannot use or reach, given as the flow's parameter
+    or, where none is, as ``MLFLOW_TRACKING_URI`` (the work pool's environment); with `optional`,
+    warn (see `prefect_jax.training.mlflow_reach.check_tracking_uri`)."""
+    from prefect_jax.training import mlflow_reach
 
-    check(tracking_uri, optional)
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    named = mlflow_reach.FLOW if tracking_uri or not env else mlflow_reach.ENVIRONMENT
+    mlflow_reach.check_tracking_uri(tracking_uri or env, optional, named)
 
 
 def committed_steps(job: str, url: str, options: Mapping[str, Any] | None = None) -> list[int]:

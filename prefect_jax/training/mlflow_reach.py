@@ -27,11 +27,19 @@ except Exception as exc:
     print(f"{type(exc).__name__}: {text[0][:500] if text else ''}")
     sys.exit(3)
 """
-_FIX = (
-    "give --mlflow-tracking-uri a store MLflow answers at (sqlite:///<dir>/mlflow.db, "
-    "http://<host>:5000 of a running 'mlflow server'), or pass --mlflow-optional to train without "
-    "it (nothing of the job is sent to it then)"
-)
+_STORES = "(sqlite:///<dir>/mlflow.db, http://<host>:5000 of a running 'mlflow server')"
+# How each way of giving the URI is named, with its fix and its way to go on without MLflow.
+COMMAND, FLOW, ENVIRONMENT = "--mlflow-tracking-uri", "mlflow_tracking_uri", "MLFLOW_TRACKING_URI"
+_FIXES = {
+    COMMAND: f"give --mlflow-tracking-uri a store MLflow answers at {_STORES}, or pass "
+    "--mlflow-optional to train without it",
+    FLOW: f"give the flow's mlflow_tracking_uri a store MLflow answers at {_STORES}, or run it "
+    "with mlflow_optional=true to train without it",
+    ENVIRONMENT: f"set MLFLOW_TRACKING_URI (the work pool's environment, the flow run's) to a "
+    f"store MLflow answers at {_STORES}, or run the flow with mlflow_optional=true to train "
+    "without it",
+}
+_OPTIONAL = {COMMAND: "--mlflow-optional", FLOW: "mlflow_optional", ENVIRONMENT: "mlflow_optional"}
 
 
 class TrackingUnreachableError(ValueError):
@@ -41,8 +49,8 @@ class TrackingUnreachableError(ValueError):
 class Probe:
     """One question to the tracking store, started at once; `check` gets its answer."""
 
-    def __init__(self, uri: str):
-        self.uri = uri
+    def __init__(self, uri: str, named: str = COMMAND):
+        self.uri, self.named = uri, named  # (named: how the user gave it, a key of `_FIXES`)
         self.safe = redact_url(uri)
         self.error: str | None = None
         self.process: subprocess.Popen | None = None
@@ -95,7 +103,10 @@ class Probe:
             self.process = None
         if self.error is None:
             return None
-        return f"--mlflow-tracking-uri {self.safe}: {self.error}; {_FIX}"
+        return (
+            f"{self.named} {self.safe}: {self.error}; {_FIXES[self.named]} (nothing of the job "
+            "is sent to it then)"
+        )
 
     def close(self) -> None:
         """End the question if it is still asked (a refusal came first)."""
@@ -120,7 +131,9 @@ def found_unusable(tracking_uri: str | None) -> bool:
     return tracking_uri in _unusable_uris
 
 
-def start_check(tracking_uri: str | None, optional: bool = False) -> Probe | None:
+def start_check(
+    tracking_uri: str | None, optional: bool = False, named: str = COMMAND
+) -> Probe | None:
     """Start asking the tracking store at `tracking_uri` whether it answers (see `Probe.check`);
     None: no URI given, one this process checked already (and, unless `optional`, found usable:
     a job that may not go on without MLflow asks again a store an earlier optional job went on
@@ -131,7 +144,7 @@ def start_check(tracking_uri: str | None, optional: bool = False) -> Probe | Non
         return None
     if tracking_uri in _checked_uris and (optional or tracking_uri not in _unusable_uris):
         return None
-    return Probe(tracking_uri)
+    return Probe(tracking_uri, named)
 
 
 def finish_check(probe: Probe, optional: bool) -> None:
@@ -153,25 +166,28 @@ def finish_check(probe: Probe, optional: bool) -> None:
     else:
         _unusable_uris.add(probe.uri)
         warnings.warn(
-            f"{problem}. --mlflow-optional: training goes on, and its summary says what did not "
-            "reach MLflow",
+            f"{problem}. {_OPTIONAL[probe.named]}: training goes on, and its summary says what "
+            "did not reach MLflow",
             TrackingWarning,
             stacklevel=3,
         )
 
 
-def check_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:
+def check_tracking_uri(
+    tracking_uri: str | None, optional: bool = False, named: str = COMMAND
+) -> None:
     """Refuse a tracking URI that MLflow does not support or whose store does not answer (each
     URI is asked once per process: a command's flow does not ask again what it asked).
 
     Args:
         tracking_uri: The job's MLflow tracking URI (None: the default, a local SQLite store).
         optional: Warn instead of refusing (``--mlflow-optional``, the flows' ``mlflow_optional``).
+        named: How the user gave the URI, for messages: `COMMAND`, `FLOW` or `ENVIRONMENT`.
 
     Raises:
         TrackingUnreachableError: MLflow cannot use the URI (a ``ValueError``), unless `optional`.
     """
-    probe = start_check(tracking_uri, optional)
+    probe = start_check(tracking_uri, optional, named)
     if probe is not None:
         try:
             finish_check(probe, optional)

@@ -42,6 +42,9 @@ from prefect_jax.training.tracking_run import RunCalls
 
 logger = logging.getLogger("prefect_jax.tracking")
 
+# How long a job's end waits for its MLflow calls with none landing before it asks whether the
+# store still answers (`Tracker.land_while_answering`).
+ANSWER_CHECK_SECS = 30.0
 # Set by the command, which owns its process: gc.freeze() once MLflow is imported
 freeze_after_connect = False
 
@@ -97,7 +100,8 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
             return
         from prefect_jax.training.mlflow_reach import found_unusable
 
-        if found_unusable(tracking_uri):  # (--mlflow-optional: the summary says so)
+        # (--mlflow-optional: the summary says so; the URI as given, or MLFLOW_TRACKING_URI's)
+        if found_unusable(self.tracking_uri):
             self.enabled = False
             logger.warning(
                 "MLflow at %s did not answer the job's check: nothing of this run is sent to it",
@@ -176,6 +180,28 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
                 first,
                 then,
             )
+
+    def land_while_answering(self, then: str) -> None:
+        """Wait for every call made so far for as long as they land or the store answers, as a
+        job's end does: each `ANSWER_CHECK_SECS` in which none lands, the store is asked once
+        (`mlflow_reach.Probe`, one quick request). A large model's upload to a live server is
+        waited for; a server that went away is not: each call would wait out MLflow's own
+        retries (minutes), and a job's end held its lease for all of them (20 minutes and more,
+        a SIGTERM meanwhile waiting too). What is left is `land`'s warning, with `then`. In
+        strict mode: `flush`."""
+        if strict():
+            self.flush()
+            return
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        from prefect_jax.training.mlflow_reach import Probe
+
+        waiting = set(self._pending)
+        while waiting:
+            landed, waiting = wait(waiting, timeout=ANSWER_CHECK_SECS, return_when=FIRST_COMPLETED)
+            if not landed and Probe(self.tracking_uri).check() is not None:
+                break
+        self.land(0.0, then)
 
     def _wait(self, name: str, *args):
         self.flush()

@@ -313,21 +313,18 @@ class RunCalls:
             self._client.set_tag(self._run_id, k, v)
 
     def finish(self, status: str = "FINISHED", at_most: float | None = None) -> None:
-        """Mark the run terminated with `status`, after every earlier call; waits for it (after a
-        lost process, `exit_wait` at most for the calls before it and for itself, then a
-        warning). `at_most`: wait that long at most, then warn (`land`), as a failure on its way
-        out does: MLflow's own retries against a server that went away last minutes."""
-        if at_most is not None and not strict():
+        """Mark the run terminated with `status`, after every earlier call; waits for them while
+        the store answers (`land_while_answering`), then warns. `at_most`: wait that long at most,
+        then warn (`land`), as a failure on its way out does. After a lost process: `exit_wait`
+        at most for the calls before it and for itself, then a warning."""
+        if strict() or at_most is not None or not process_lost():
             self._call("_finish", status)
-            then = (
-                f"the run may not have been marked {status}: it may stay RUNNING until a later "
-                "run of the job closes it"
-            )
-            self.land(at_most, then)
+            then = f"the run may stay RUNNING, not {status}, until a later run of the job closes it"
+            if at_most is None:
+                self.land_while_answering(then)
+            else:
+                self.land(at_most, then)
             self._pending = []  # (what is still on its way: not waited for again, by `close`)
-            return
-        if not process_lost() or strict():
-            self._wait("_finish", status)
             return
         self.land()
         try:
