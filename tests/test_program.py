@@ -229,7 +229,8 @@ def test_a_restore_compares_all_but_the_filled_and_exempt_params():
     with pytest.raises(
         ProgramParamsMismatchError,
         match=r"job 'j' was trained to step 20 with other program params.*lr: saved 0\.1, "
-        r"given 0\.2.*same params \(--program-param lr=0\.1\), or .* a new job name",
+        r"given 0\.2.*same params \(--program-param lr=0\.1; a flow's program_params "
+        r"\{\"lr\": 0\.1\}\), or .* a new job name",
     ):
         check_restore(meta, other, "j", 20)
 
@@ -350,10 +351,13 @@ def test_a_refused_restore_suggests_the_params_its_run_was_given_not_all_they_de
                 {"program_params": meta}, validate_params(Sized, given_now, "p")[1], "j", 20
             )
         text = str(err.value)
-        return text, text.split("Resume it with the same params")[1].split(", or train")[0]
+        suggested = text.split("Resume it with the same params")[1].split(", or train")[0]
+        return text, suggested.split("; a flow's program_params ")[0] + ")" * ("(" in suggested)
 
     text, suggested = refusal({"preset": "tiny", "lr": 0.2, "mesh": {"data": 4}}, {})
     assert "width: saved 8, given 64" in text and "depth: saved 1, given 4" in text, text
+    # (a deployment's run is given the same as a dict)
+    assert """; a flow's program_params {"preset": "tiny", "lr": 0.2})""" in text, text
     assert suggested == " (--program-param preset=tiny --program-param lr=0.2)", suggested
     # a field given now that the run was not given: at its saved value
     _, suggested = refusal({"preset": "tiny"}, {"lr": 0.3, "mesh": {"data": 2}})

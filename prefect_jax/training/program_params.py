@@ -293,7 +293,8 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
     if not diffs:
         return
     listed = "; ".join(f"{k}: saved {s!r}, given {g!r}" for k, s, g in diffs)
-    same = _as_flags(_params_to_give(saved, given, diffs))
+    to_give = _params_to_give(saved, given, diffs)
+    same = f"{_as_flags(to_give)}; a flow's program_params {json.dumps(to_give)}" if to_give else ""
     added = [k for k, s, _ in diffs if s == UNSET]
     removed = [k for k, _, g in diffs if g == UNSET]
     notes = ""
