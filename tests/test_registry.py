@@ -590,3 +590,28 @@ def test_a_jobs_default_model_and_resource_names_stay_what_they_were():
     for root in ("s3://key:secret@bucket/runs/", "s3://other:pw@bucket/runs"):
         assert default_registered_model("digits", normalize_root(root)) == "digits-eaffb7be"
         assert job_resource_id("digits", root) == "prefect-jax.job.digits.eaffb7be7385"
+
+
+def test_exports_of_a_fast_cadence_are_each_registered_though_keep_prunes_them(
+    job_config, mlflow_uri
+):
+    """Checkpoints every 5 steps of a millisecond step, `keep=1`: the exports come faster than
+    MLflow's worker logs and registers them. Each stays until it is registered, then `keep`
+    prunes it; every exported step is a version, in step order, and ``@newest`` is the last."""
+    import os
+
+    config = job_config(max_steps=30, every_steps=5, exporters=[LatestExporter(keep=1)])
+    config = config.model_copy(
+        update={"eval": config.eval.model_copy(update={"registered_model": "fast-cadence"})}
+    )
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    train_to_end(trainer)
+    trainer.finish()
+    trainer.close()
+    client = MlflowClient(mlflow_uri)
+    versions = {s: str(v.version) for s, v in _versions(client, "fast-cadence").items()}
+    assert versions == {step: str(i + 1) for i, step in enumerate(range(5, 31, 5))}, versions
+    assert client.get_registered_model("fast-cadence").aliases == {"newest": 6}
+    exports = os.path.join(config.storage, config.job, "exports", "latest")
+    assert len(os.listdir(exports)) <= 1 + 10  # (keep, and at most the unregistered it holds)

@@ -28,6 +28,7 @@ from prefect_jax.training.eval_specs import (
     LatestExporter,
 )
 from prefect_jax.training.evaluation import EvalRecords, EvalResult, EvalStatus
+from prefect_jax.training.export_retention import prune
 from prefect_jax.training.names import BEST_FILE, EXPORT_INFO_FILE
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 from prefect_jax.training.serving import (  # noqa: F401 - serving_example: (its home was here)
@@ -188,17 +189,6 @@ def exported_steps(storage: JobStorage, name: str) -> list[int]:
     return storage.list_int_names(storage.export_dir(name))
 
 
-def _prune(
-    storage: JobStorage, name: str, keep: int | None, protect: set[int] = frozenset()
-) -> None:
-    if keep is None:
-        return
-    steps = exported_steps(storage, name)
-    for step in steps[: max(0, len(steps) - keep)]:
-        if step not in protect:
-            storage.fs.rm(storage.export_dir(name, step), recursive=True)
-
-
 def exports_nothing(
     exporter: ExporterSpec, storage: JobStorage, result: EvalResult, max_steps: int
 ) -> bool:
@@ -296,6 +286,7 @@ def run_exporter(
     max_steps: int,
     make_model: Callable[[], bytes],
     info: dict,
+    registers: bool = False,
 ) -> tuple[str, bool] | None:
     """Run one exporter for one eval result.
 
@@ -306,6 +297,8 @@ def run_exporter(
         max_steps: the job's `max_steps` (for `is_the_final_export`).
         make_model: builds the serialized model (called only when something is exported).
         info: extra metadata for ``export.json``.
+        registers: the job registers its exports in MLflow: the older ones it has not registered
+            yet are kept past `keep` a while (`export_retention.prune`).
 
     Returns:
         ``(export directory, written now)``: False where an earlier run (a rerun's, or one a
@@ -349,9 +342,9 @@ def run_exporter(
         )
     if isinstance(exporter, BestExporter):
         storage.write_json(best_file, best_record(exporter, result))
-        _prune(storage, exporter.name, exporter.keep, protect={step})
+        prune(storage, exporter.name, exporter.keep, step, registers)
     elif isinstance(exporter, LatestExporter):
-        _prune(storage, exporter.name, exporter.keep, protect={step})
+        prune(storage, exporter.name, exporter.keep, step, registers)
     return dest, written_now
 
 

@@ -17,6 +17,7 @@ from prefect_jax.training.best import best_of
 from prefect_jax.training.errors import ExportFailedError
 from prefect_jax.training.eval_specs import BestExporter
 from prefect_jax.training.evaluation import EvalResult
+from prefect_jax.training.export_retention import prune_registered
 from prefect_jax.training.names import REGISTRY_FILE
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.registry import ALIASES_DESCRIPTION, alias_for, default_registered_model
@@ -212,11 +213,19 @@ class Exports:
             "inputs": input_signature(serving_specs(t.program)),
         }
 
+        registers = self.registered_model is not None and job.tracker.enabled
+
         def write() -> dict[str, str]:
             exported = False  # by this run or an earlier one: registered either way
             for exporter in config.eval.exporters:
                 outcome = exp.run_exporter(
-                    exporter, job.storage, result, config.train.max_steps, make_model, info
+                    exporter,
+                    job.storage,
+                    result,
+                    config.train.max_steps,
+                    make_model,
+                    info,
+                    registers,
                 )
                 if outcome is not None:
                     dest, written_now = outcome
@@ -268,6 +277,7 @@ class Exports:
         def recorded(result: dict) -> None:
             registry = {"tracking_uri": redact_url(tracker.tracking_uri), **result}
             storage.write_json(storage.path(REGISTRY_FILE), registry)
+            prune_registered(storage, config.eval.exporters)  # (what waited for it)
 
         description = (
             f"Exports of prefect-jax job `{config.job}` ({redact_url(storage.job_dir)}), "

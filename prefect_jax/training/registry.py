@@ -276,11 +276,11 @@ def sync_registry(
         else:
             try:
                 export_dir = local_export(step)
-            except FileNotFoundError:
-                if step in aliases.values():
-                    raise
-                logger.info(
-                    "step %d was exported, then pruned before it could be registered: skipped", step
+            except FileNotFoundError:  # (`exporters._prune` holds it a while: MLflow was behind)
+                logger.warning(
+                    "step %d was exported, then pruned before it could be registered: skipped%s",
+                    step,
+                    " (its alias stays where it was)" if step in aliases.values() else "",
                 )
                 continue
             model_id = log_export_model(
@@ -304,6 +304,7 @@ def sync_registry(
             step,
         )
     current = dict(client.get_registered_model(name).aliases or {})  # {alias: version}
+    aliases = {alias: step for alias, step in aliases.items() if step in versions}
     for alias, step in aliases.items():
         version = versions[step].version
         if str(current.get(alias)) != str(version):
