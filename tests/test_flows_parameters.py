@@ -208,3 +208,27 @@ def test_a_flow_runs_storage_of_an_unknown_protocol_is_one_line_naming_the_fix_n
     message = str(raised.value)
     assert "--storage s4://bucket/prefix" in message and "knows no protocol 's4'" in message
     assert "spelling" in message and raised.value.__cause__ is None, message
+
+
+@pytest.mark.slow
+def test_a_run_refused_for_its_program_params_leaves_no_job_folder(
+    tmp_path, mlflow_uri, prefect_server
+):
+    """A deployment's run given a bad program param is refused as its trainer is made, after the
+    restore task took the job's lease (its folder made): that folder, left empty, was a job that
+    `prefect-jax status` listed (a walkthrough's finding)."""
+    import os
+
+    from prefect_jax.training.program_params import ProgramParamsError
+    from prefect_jax.training.specs import TrainSpec
+
+    with pytest.raises(ProgramParamsError, match="width"):
+        flows.train_and_evaluate(
+            program="programs:typed_digits",
+            program_params={"width": "wide"},
+            job="refused",
+            storage=str(tmp_path / "storage"),
+            train_spec=TrainSpec(max_steps=10),
+            mlflow_tracking_uri=mlflow_uri,
+        )
+    assert not os.path.exists(tmp_path / "storage" / "refused")

@@ -3,6 +3,9 @@ the process starts JAX), and adopted by the trainer made next (see `prefect_jax.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 from prefect_jax.training.lease import Lease
 from prefect_jax.training.storage import JobStorage
 
@@ -33,7 +36,12 @@ def adopt_early(job_dir: str, owner_id: str | None) -> Lease | None:
 
 def release_early(job_dir: str | None, lease: Lease | None = None) -> None:
     """Give back the lease `take_early` took of the job at `job_dir` (and `lease`, adopted or
-    not): making the trainer failed."""
+    not): making the trainer failed (a program param refused, say). A local job folder left
+    empty goes too: else `prefect-jax status` lists a job that never was (on object storage, no
+    folder is left without a file)."""
     for taken in (_taken_early.pop(job_dir, None), lease):
         if taken is not None:
             taken.release()  # (once: a lease released already returns at once)
+    if job_dir and "://" not in job_dir:
+        with contextlib.suppress(OSError):  # (not empty: a job's, or another process's)
+            os.rmdir(job_dir)
