@@ -348,7 +348,7 @@ def test_a_storage_url_whose_colon_slash_slash_is_mistyped_is_refused_not_traine
     for typo in ("gs:/bucket/p", "S3:bucket"):
         with pytest.raises(ValueError, match="is a local path, not a"):
             normalize_root(typo)
-    for local in ("./s3//bucket", "runs:2026/x", "checkpoints"):
+    for local in ("./s3//bucket", "runs:2026/x", "checkpoints", "data//runs", "local:runs"):
         assert normalize_root(local) == os.path.abspath(local)
 
 

@@ -51,12 +51,17 @@ def normalize_root(url: str) -> str:
     return url.rstrip("/")
 
 
+_REMOTE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "hf", "oci"}
+
+
 def _refuse_a_url_missing_its_colon_slash_slash(url: str) -> None:
     """``s3//bucket/prefix`` or ``s3:/bucket/prefix`` is a URL mistyped, not a local folder
     named ``s3``: taken as one, the job would train into the worker's working directory (a
     deployment's git checkout) with no word said."""
     typo = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)(?::/*|//+)(.*)", url)
-    if typo and typo.group(1).lower() in fsspec.available_protocols():
+    # (remote stores only: fsspec also knows `data`, `root`, `local`, `memory`... as protocols,
+    # which are folder names too, and `data//runs` is a path a `$BASE/$SUB` makes)
+    if typo and typo.group(1).lower() in _REMOTE_PROTOCOLS:
         protocol, rest = typo.groups()
         raise ValueError(
             f"storage {url!r} is a local path, not a {protocol}:// URL (its '://' is mistyped): "
