@@ -29,16 +29,13 @@ def test_exports_run_without_the_program_and_match_serve(job_config):
 
 
 def test_latest_keeps_the_newest_n(job_config):
-    """Once MLflow registered them (an export it has not registered yet is held for it, the job's
-    end waits for it), the newest `keep`."""
-    from process_helpers import wait_until
-
+    """Once MLflow registered them (an export it has not registered yet is held for it), the
+    newest `keep`: as the job ends, which waits for the registration and what follows it."""
     trainer = Trainer(job_config(max_steps=80, every_steps=20, exporters=[LatestExporter(keep=2)]))
     trainer.restore_or_init()
     train_to_end(trainer)
     trainer.finish()
-    storage = trainer.job.storage
-    wait_until(lambda: list_exports(storage) == {"latest": [60, 80]}, 30, "the newest 2 kept")
+    assert list_exports(trainer.job.storage) == {"latest": [60, 80]}
     trainer.close()
 
 
@@ -360,7 +357,11 @@ def test_an_export_mlflow_has_not_registered_is_kept_past_keep_up_to_a_bound(tmp
     does not register keeps `keep` exactly."""
     import logging
 
-    from prefect_jax.training.export_retention import HELD_UNREGISTERED, registered_steps
+    from prefect_jax.training.export_retention import (
+        HELD_UNREGISTERED,
+        prune_registered,
+        registered_steps,
+    )
     from prefect_jax.training.exporters import run_exporter
     from prefect_jax.training.storage import JobStorage
 
@@ -381,6 +382,20 @@ def test_an_export_mlflow_has_not_registered_is_kept_past_keep_up_to_a_bound(tmp
     held.write_json(held.path("registry.json"), registry)
     export_steps(held, [steps[-1] + 10], registers=True)
     assert list_exports(held)["latest"] == [steps[-1], steps[-1] + 10]
+
+    # Pruned back once registered, a best exporter's best stays, though older than its newest
+    # export (another process of the job exported it after): here step 90, best after 100.
+    best = JobStorage(str(tmp_path / "best"), "j")
+    by_loss = BestExporter(metric="loss", mode="min", keep=1)
+    for step, loss in ((100, 0.5), (90, 0.4)):
+        run_exporter(by_loss, best, _evaluated(step, loss, 0.5), 10_000, bytes, {}, True)
+    best.write_json(best.path("registry.json"), {"versions": {"90": "2", "100": "1"}})
+    prune_registered(best, [by_loss])
+    assert list_exports(best)["best"] == [90, 100]
+    run_exporter(by_loss, best, _evaluated(110, 0.3, 0.5), 10_000, bytes, {}, True)
+    best.write_json(best.path("registry.json"), {"versions": {"90": "2", "100": "1", "110": "3"}})
+    prune_registered(best, [by_loss])
+    assert list_exports(best)["best"] == [110]
 
     plain = JobStorage(str(tmp_path / "plain"), "j")
     export_steps(plain, steps, registers=False)

@@ -26,22 +26,30 @@ def registered_steps(storage: JobStorage) -> set[int]:
         return set()
 
 
-# Exports MLflow has not registered kept past `keep` (`prune`): what a long MLflow outage costs.
+# Exports MLflow has not registered kept past `keep` (`prune`): what a long MLflow outage costs
+# on disk, `keep` + this many exports of each exporter at most.
 HELD_UNREGISTERED = 10
 
 
 def prune_registered(storage: JobStorage, exporters: list[ExporterSpec]) -> None:
     """Once MLflow registered exports (``registry.json`` written), the ones `prune` held for it
-    go, so that each exporter is back to its `keep`."""
+    go, so that each exporter is back to its `keep`; a best exporter's best stays, whichever
+    step it is (an older step exported after a newer one, by another process of the job)."""
+    from prefect_jax.training.exporters import read_best
+
     for exporter in exporters:
-        if isinstance(exporter, (BestExporter, LatestExporter)):
+        if isinstance(exporter, LatestExporter):
             prune(storage, exporter.name, exporter.keep, None, registers=True)
+        elif isinstance(exporter, BestExporter):
+            best = (read_best(storage, exporter) or {}).get("step")
+            prune(storage, exporter.name, exporter.keep, best, registers=True)
 
 
 def prune(
     storage: JobStorage, name: str, keep: int | None, step: int | None, registers: bool
 ) -> None:
-    """Keep the newest `keep` exports of exporter `name` and `step` (just written). Where the job
+    """Keep the newest `keep` exports of exporter `name` and `step` (just written, or the best).
+    Where the job
     `registers` its exports, an older one MLflow has not registered yet stays too (its worker
     registers exports in the background, behind the training: pruned first, an export was never
     a version), up to `HELD_UNREGISTERED` (or `keep`) of them: MLflow further behind than that

@@ -277,7 +277,8 @@ class Exports:
         def recorded(result: dict) -> None:
             registry = {"tracking_uri": redact_url(tracker.tracking_uri), **result}
             storage.write_json(storage.path(REGISTRY_FILE), registry)
-            prune_registered(storage, config.eval.exporters)  # (what waited for it)
+            if job.lease.held:  # (what waited for it; not once the job is another's)
+                prune_registered(storage, config.eval.exporters)
 
         description = (
             f"Exports of prefect-jax job `{config.job}` ({redact_url(storage.job_dir)}), "

@@ -276,7 +276,7 @@ def sync_registry(
         else:
             try:
                 export_dir = local_export(step)
-            except FileNotFoundError:  # (`exporters._prune` holds it a while: MLflow was behind)
+            except FileNotFoundError:  # (`export_retention.prune` held it: MLflow was far behind)
                 logger.warning(
                     "step %d was exported, then pruned before it could be registered: skipped%s",
                     step,

@@ -49,9 +49,25 @@ class RegistryCalls:
         future = self._call(
             "_register_exports", name, job, aliases, local_export, example, description, list(steps)
         )
-        if on_done is not None:
-            future.add_done_callback(lambda f: _after(f, on_done))
-        return future
+        if on_done is None:
+            return future
+        # Done once `on_done` ran too, and waited for so: the callbacks of a future run after its
+        # waiters wake, and a job's end must find what `on_done` writes (registry.json), its
+        # lease still held.
+        done: Future = Future()
+
+        def then(f: Future) -> None:
+            try:
+                _after(f, on_done)
+            finally:
+                if f.exception() is not None:
+                    done.set_exception(f.exception())
+                else:
+                    done.set_result(f.result())
+
+        future.add_done_callback(then)
+        self._pending.append(done)
+        return done
 
     @guarded
     def _register_exports(
