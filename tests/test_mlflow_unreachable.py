@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -72,6 +73,22 @@ def test_an_unanswering_server_with_mlflow_optional_costs_no_wait_and_is_said(tm
     assert took < 200, f"{took:.0f}s"
 
 
+def _first_interval_on_a_server(job_config, tmp_path, max_steps: int):
+    """A real MLflow server and a trainer tracking to it, its first 15 steps trained, evaluated
+    and in the server's store (the caller kills the server)."""
+    from prefect_jax.training.trainer import Trainer
+
+    server = MlflowServerProcess(tmp_path, free_port())
+    server.start(timeout=120)
+    config = job_config(max_steps=max_steps, every_steps=15)
+    trainer = Trainer(config.model_copy(update={"mlflow_tracking_uri": server.uri}))
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.evaluate_if_new()
+    trainer.job.tracker.flush()
+    return server, trainer
+
+
 @pytest.mark.slow
 def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
     job_config, tmp_path, monkeypatch
@@ -83,22 +100,11 @@ def test_a_tracking_server_killed_and_restarted_mid_run_gets_every_metric_once(
     from conftest import train_to_end
     from mlflow.tracking import MlflowClient
 
-    from prefect_jax.training.trainer import Trainer
-
     # MLflow's retries of a call sooner after each other than its default (its public setting):
     # the same outage crossed, in less of the suite's time.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    server = MlflowServerProcess(tmp_path, free_port())
-    server.start(timeout=120)
+    server, trainer = _first_interval_on_a_server(job_config, tmp_path, max_steps=60)
     try:
-        config = job_config(max_steps=60, every_steps=15).model_copy(
-            update={"mlflow_tracking_uri": server.uri}
-        )
-        trainer = Trainer(config)
-        trainer.restore_or_init()
-        trainer.train_until_checkpoint()
-        trainer.evaluate_if_new()
-        trainer.job.tracker.flush()  # step 15's metrics are in the server's store
         server.kill()
         for _ in range(2):  # (their MLflow calls wait out the outage in the worker)
             trainer.train_until_checkpoint()
@@ -222,20 +228,12 @@ def test_a_jobs_end_with_its_tracking_server_gone_waits_one_check_not_every_call
     import logging
 
     from prefect_jax.training import tracking
-    from prefect_jax.training.trainer import Trainer
 
     monkeypatch.setenv("PREFECT_JAX_MLFLOW_STRICT", "0")
     monkeypatch.setattr(tracking, "ANSWER_CHECK_SECS", 2.0)
-    server = MlflowServerProcess(tmp_path, free_port())
-    server.start(timeout=120)
+    server, trainer = _first_interval_on_a_server(job_config, tmp_path, max_steps=30)
+    config = trainer.config
     try:
-        config = job_config(max_steps=30, every_steps=15).model_copy(
-            update={"mlflow_tracking_uri": server.uri}
-        )
-        trainer = Trainer(config)
-        trainer.restore_or_init()
-        trainer.train_until_checkpoint()
-        trainer.job.tracker.flush()
         server.kill()
         trainer.train_until_checkpoint()  # (its metrics queue behind MLflow's retries)
         trainer.evaluate_if_new()
@@ -247,7 +245,8 @@ def test_a_jobs_end_with_its_tracking_server_gone_waits_one_check_not_every_call
         assert not os.path.exists(lease)
         trainer.close()
         assert took < 60, f"the end waited {took:.0f}s"
-        assert "still on their way" in caplog.text, caplog.text
+        waited = re.search(r"write\(s\) still on their way after (\d+)s", caplog.text)
+        assert waited and int(waited.group(1)) >= 4, caplog.text  # (two checks, 2 s apart)
         assert "the run may stay RUNNING, not FINISHED, until a later run" in caplog.text
     finally:
         server.kill()

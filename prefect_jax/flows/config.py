@@ -71,7 +71,8 @@ def checked_job_config(parameters: dict[str, Any]) -> JobConfig:
     from prefect_jax.training.facade import check_flow_tracking_uri
 
     config = _job_config(**{k: parameters[k] for k in _CONFIG_ARGS if k in parameters})
-    check_flow_tracking_uri(config.mlflow_tracking_uri, parameters.get("mlflow_optional"))
+    given = bool(parameters.get("mlflow_tracking_uri"))
+    check_flow_tracking_uri(config.mlflow_tracking_uri, parameters.get("mlflow_optional"), given)
     return config
 
 

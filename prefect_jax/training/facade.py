@@ -182,14 +182,17 @@ def preflight(
     )
 
 
-def check_flow_tracking_uri(tracking_uri: str | None, optional: bool = False) -> None:
+def check_flow_tracking_uri(
+    tracking_uri: str | None, optional: bool = False, given: bool = True
+) -> None:
     """Refuse a flow run's tracking URI MLflow cannot use or reach, given as the flow's parameter
-    or, where none is, as ``MLFLOW_TRACKING_URI`` (the work pool's environment); with `optional`,
-    warn (see `prefect_jax.training.mlflow_reach.check_tracking_uri`)."""
+    (`given`) or, where none is, as ``MLFLOW_TRACKING_URI`` (the work pool's environment; its
+    block's URI, where it names one); with `optional`, warn (see
+    `prefect_jax.training.mlflow_reach.check_tracking_uri`)."""
     from prefect_jax.training import mlflow_reach
 
     env = os.environ.get("MLFLOW_TRACKING_URI")
-    named = mlflow_reach.FLOW if tracking_uri or not env else mlflow_reach.ENVIRONMENT
+    named = mlflow_reach.FLOW if given or not env else mlflow_reach.ENVIRONMENT
     mlflow_reach.check_tracking_uri(tracking_uri or env, optional, named)
 
 

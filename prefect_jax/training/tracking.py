@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -147,13 +148,17 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
             raise failed[0]
 
     def land(
-        self, timeout: float = EXIT_WAIT_SECS, then: str = "the run goes on without them"
+        self,
+        timeout: float = EXIT_WAIT_SECS,
+        then: str = "the run goes on without them",
+        waited: float | None = None,
     ) -> None:
         """Wait for every call made so far, as the end of an evaluate or export flow run does. In
         strict mode: `flush`. Otherwise up to `timeout` seconds, and what failed or is still on its
         way then is logged, not raised (an unreachable tracking server must not hold or fail the
         run: the eval records are the durable truth, and the job's next evaluator logs what MLflow
-        lacks), with `then`: what follows for the run."""
+        lacks), with `then`: what follows for the run (`waited`: how long its caller waited
+        already, for the message)."""
         if strict():
             self.flush()
             return
@@ -175,7 +180,7 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
                 "MLflow at %s: %d write(s) still on their way after %gs, %d failed%s; %s",
                 redact_url(self.tracking_uri),
                 len(waiting),
-                timeout,
+                timeout if waited is None else round(waited),
                 len(failed),
                 first,
                 then,
@@ -184,10 +189,11 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
     def land_while_answering(self, then: str) -> None:
         """Wait for every call made so far for as long as they land or the store answers, as a
         job's end does: each `ANSWER_CHECK_SECS` in which none lands, the store is asked once
-        (`mlflow_reach.Probe`, one quick request). A large model's upload to a live server is
-        waited for; a server that went away is not: each call would wait out MLflow's own
-        retries (minutes), and a job's end held its lease for all of them (20 minutes and more,
-        a SIGTERM meanwhile waiting too). What is left is `land`'s warning, with `then`. In
+        (`mlflow_reach.Probe`: one quick request to a server; a local store's folder looked at),
+        and two such checks in a row unanswered end the wait. A large model's upload to a live
+        server is waited for; a server that went away is not: each call would wait out MLflow's
+        own retries (minutes), and a job's end held its lease for all of them (20 minutes and
+        more, a SIGTERM meanwhile waiting too). What is left is `land`'s warning, with `then`. In
         strict mode: `flush`."""
         if strict():
             self.flush()
@@ -196,12 +202,18 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
 
         from prefect_jax.training.mlflow_reach import Probe
 
-        waiting = set(self._pending)
-        while waiting:
+        started, waiting, unanswered = time.monotonic(), set(self._pending), 0
+        while waiting and unanswered < 2:  # (twice in a row: not a blip, nor one busy moment)
             landed, waiting = wait(waiting, timeout=ANSWER_CHECK_SECS, return_when=FIRST_COMPLETED)
-            if not landed and Probe(self.tracking_uri).check() is not None:
-                break
-        self.land(0.0, then)
+            if landed:
+                unanswered = 0
+                continue
+            probe = Probe(self.tracking_uri)
+            try:
+                unanswered = unanswered + 1 if probe.check() is not None else 0
+            finally:
+                probe.close()
+        self.land(0.0, then, waited=time.monotonic() - started)
 
     def _wait(self, name: str, *args):
         self.flush()
