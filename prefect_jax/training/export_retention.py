@@ -49,11 +49,10 @@ def prune(
     storage: JobStorage, name: str, keep: int | None, step: int | None, registers: bool
 ) -> None:
     """Keep the newest `keep` exports of exporter `name` and `step` (just written, or the best).
-    Where the job
-    `registers` its exports, an older one MLflow has not registered yet stays too (its worker
-    registers exports in the background, behind the training: pruned first, an export was never
-    a version), up to `HELD_UNREGISTERED` (or `keep`) of them: MLflow further behind than that
-    loses the oldest, said."""
+    Where the job `registers` its exports, an older one MLflow has not registered yet stays too
+    (its worker registers exports in the background, behind the training: pruned first, an
+    export was never a version), up to `HELD_UNREGISTERED` (or `keep`) of them: MLflow further
+    behind than that loses the oldest, said."""
     if keep is None:
         return
     steps = storage.list_int_names(storage.export_dir(name))
