@@ -362,7 +362,7 @@ def test_an_export_mlflow_has_not_registered_is_kept_past_keep_up_to_a_bound(tmp
         prune_registered,
         registered_steps,
     )
-    from prefect_jax.training.exporters import run_exporter
+    from prefect_jax.training.exporters import read_best, run_exporter
     from prefect_jax.training.storage import JobStorage
 
     def export_steps(storage, steps, registers):
@@ -390,11 +390,11 @@ def test_an_export_mlflow_has_not_registered_is_kept_past_keep_up_to_a_bound(tmp
     for step, loss in ((100, 0.5), (90, 0.4)):
         run_exporter(by_loss, best, _evaluated(step, loss, 0.5), 10_000, bytes, {}, True)
     best.write_json(best.path("registry.json"), {"versions": {"90": "2", "100": "1"}})
-    prune_registered(best, [by_loss])
+    prune_registered(best, [by_loss], lambda e: read_best(best, e)["step"])
     assert list_exports(best)["best"] == [90, 100]
     run_exporter(by_loss, best, _evaluated(110, 0.3, 0.5), 10_000, bytes, {}, True)
     best.write_json(best.path("registry.json"), {"versions": {"90": "2", "100": "1", "110": "3"}})
-    prune_registered(best, [by_loss])
+    prune_registered(best, [by_loss], lambda e: read_best(best, e)["step"])
     assert list_exports(best)["best"] == [110]
 
     plain = JobStorage(str(tmp_path / "plain"), "j")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 from prefect_jax.training.eval_specs import BestExporter, ExporterSpec, LatestExporter
 from prefect_jax.training.names import REGISTRY_FILE
@@ -31,18 +32,19 @@ def registered_steps(storage: JobStorage) -> set[int]:
 HELD_UNREGISTERED = 10
 
 
-def prune_registered(storage: JobStorage, exporters: list[ExporterSpec]) -> None:
+def prune_registered(
+    storage: JobStorage,
+    exporters: list[ExporterSpec],
+    best_step: Callable[[BestExporter], int | None],
+) -> None:
     """Once MLflow registered exports (``registry.json`` written), the ones `prune` held for it
-    go, so that each exporter is back to its `keep`; a best exporter's best stays, whichever
-    step it is (an older step exported after a newer one, by another process of the job)."""
-    from prefect_jax.training.exporters import read_best
-
+    go, so that each exporter is back to its `keep`; a best exporter's best (`best_step`) stays,
+    whichever step it is (an older step exported after a newer one, by another process)."""
     for exporter in exporters:
         if isinstance(exporter, LatestExporter):
             prune(storage, exporter.name, exporter.keep, None, registers=True)
         elif isinstance(exporter, BestExporter):
-            best = (read_best(storage, exporter) or {}).get("step")
-            prune(storage, exporter.name, exporter.keep, best, registers=True)
+            prune(storage, exporter.name, exporter.keep, best_step(exporter), registers=True)
 
 
 def prune(

@@ -278,7 +278,8 @@ class Exports:
             registry = {"tracking_uri": redact_url(tracker.tracking_uri), **result}
             storage.write_json(storage.path(REGISTRY_FILE), registry)
             if job.lease.held:  # (what waited for it; not once the job is another's)
-                prune_registered(storage, config.eval.exporters)
+                best = lambda e: (exp.read_best(storage, e) or {}).get("step")  # noqa: E731
+                prune_registered(storage, config.eval.exporters, best)
 
         description = (
             f"Exports of prefect-jax job `{config.job}` ({redact_url(storage.job_dir)}), "
