@@ -359,8 +359,9 @@ def test_a_trainer_made_from_python_names_an_unknown_storage_protocol_and_the_fi
     from prefect_jax.training.trainer import Trainer
 
     config = job_config(max_steps=10).model_copy(update={"storage": "nosuchproto://b/p"})
-    with pytest.raises(RemoteConfigError, match="knows no protocol 'nosuchproto'.*spelling"):
+    with pytest.raises(RemoteConfigError, match="knows no protocol 'nosuchproto'.*spelling") as e:
         Trainer(config)
+    assert str(e.value).startswith("storage nosuchproto://b/p: "), e.value  # (no CLI flag here)
 
 
 def test_a_storage_folder_named_with_brackets_is_refused_before_anything_is_written(tmp_path):

@@ -193,7 +193,8 @@ def test_a_flow_runs_storage_of_an_unknown_protocol_is_one_line_naming_the_fix_n
 ):
     """A deployment's run does not come through the command's checks: its storage URL was checked
     as the restore task took the lease, and an unknown protocol was fsspec's 40-line traceback
-    (a walkthrough's finding). It is the command's one line now, and no retry runs it again."""
+    (a walkthrough's finding). It is the command's one line now, naming the flow's parameter
+    (not the command's flag), and no retry runs it again."""
     from prefect_jax.training.remote_errors import RemoteConfigError
     from prefect_jax.training.specs import TrainSpec
 
@@ -206,7 +207,8 @@ def test_a_flow_runs_storage_of_an_unknown_protocol_is_one_line_naming_the_fix_n
             mlflow_tracking_uri=mlflow_uri,
         )
     message = str(raised.value)
-    assert "--storage s4://bucket/prefix" in message and "knows no protocol 's4'" in message
+    assert message.startswith("storage s4://bucket/prefix: "), message
+    assert "knows no protocol 's4'" in message and "--storage" not in message, message
     assert "spelling" in message and raised.value.__cause__ is None, message
 
 

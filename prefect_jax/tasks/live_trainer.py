@@ -56,7 +56,7 @@ def take_the_lease_before_jax(config: JobConfig):
     storage = JobStorage(config.storage, config.job, config.storage_options)
     # As the trainer does first: a refused write is named as such, not as the lease's; an
     # unknown protocol or a missing bucket is one line naming the fix, as the command's.
-    with storage_errors(storage, config.storage_name or config.storage):
+    with storage_errors(storage, config.storage_name or config.storage, "storage"):
         storage.check_writable()
     return take_early(storage, run_id, config.train.lease_timeout_secs)
 

@@ -75,7 +75,7 @@ class Job(JobCheckpoints):
         if self.is_primary and early is None:
             from prefect_jax.training.preflight import storage_errors
 
-            with storage_errors(self.storage, config.storage_name or config.storage):
+            with storage_errors(self.storage, config.storage_name or config.storage, "storage"):
                 self.storage.check_writable()  # a refused write is found before anything changes
         if self.is_primary and (ignored := self.storage.options_orbax_ignores()):
             logger.warning(

@@ -28,13 +28,15 @@ class BadInputError(ValueError):
 
 
 @contextlib.contextmanager
-def storage_errors(js: JobStorage, shown: str) -> Iterator[None]:
+def storage_errors(js: JobStorage, shown: str, named: str = "--storage") -> Iterator[None]:
     """Turn what opening, listing or writing the job's storage raised into an error that names
-    ``--storage``, its value and the fix.
+    the input (`named`), its value and the fix.
 
     Args:
         js: The job's storage.
-        shown: What the user gave as ``--storage`` (a URL or a block's name), for messages.
+        shown: What the user gave as the storage (a URL or a block's name), for messages.
+        named: What the user gave it as: the command's ``--storage``, or a flow's (and the
+            Python API's) ``storage``.
 
     Raises:
         BadInputError: A local root that cannot be made (a file in the way).
@@ -48,25 +50,25 @@ def storage_errors(js: JobStorage, shown: str) -> Iterator[None]:
     try:
         yield
     except PermissionError:
-        raise  # (StorageNotWritableError names --storage already)
+        raise  # (StorageNotWritableError names the storage already)
     except RemoteStorageError as exc:
-        if str(exc).startswith("--storage "):
+        if str(exc).startswith(f"{named} "):
             raise
-        raise type(exc)(f"--storage {shown}: {exc}", exc.url) from None
+        raise type(exc)(f"{named} {shown}: {exc}", exc.url) from None
     except OSError as exc:
         if js.protocol == "file" and exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST):
             raise BadInputError(
-                f"--storage {shown}: the job's directory {js.job_dir} cannot be made there "
-                f"({type(exc).__name__}: {exc.strerror}); give --storage a directory this user "
+                f"{named} {shown}: the job's directory {js.job_dir} cannot be made there "
+                f"({type(exc).__name__}: {exc.strerror}); give {named} a directory this user "
                 "can create and write to (the folders it names that do not exist are made; "
                 "none may be a file)"
             ) from None
-        clear = storage_error(js, exc, shown)
+        clear = storage_error(js, exc, shown, named)
         if clear is None:
             raise
         raise clear from None
     except (ValueError, TypeError, ImportError) as exc:
-        clear = storage_error(js, exc, shown)
+        clear = storage_error(js, exc, shown, named)
         if clear is None:
             raise
         raise clear from None

@@ -238,9 +238,11 @@ class _StorageRoot(ErrorTranslation):
         self._options, self._secrets = dict(options), secret_values(url, options)
 
 
-def storage_error(storage, exc: BaseException, shown: str) -> RemoteStorageError | None:
-    """A clear error, naming ``--storage`` (as `shown`) and the fix, for `exc` raised while the
-    job's storage (a `JobStorage`) was first opened and written; None: no clearer one.
+def storage_error(
+    storage, exc: BaseException, shown: str, named: str = "--storage"
+) -> RemoteStorageError | None:
+    """A clear error, naming the storage (`named`, as `shown`) and the fix, for `exc` raised
+    while the job's storage (a `JobStorage`) was first opened and written; None: no clearer one.
 
     Covers an unknown protocol, a missing package, options the filesystem rejects, credentials,
     an endpoint that does not answer, and a bucket that does not exist."""
@@ -248,7 +250,7 @@ def storage_error(storage, exc: BaseException, shown: str) -> RemoteStorageError
     if isinstance(exc, FileNotFoundError) and root.protocol != "file":
         bucket = storage.root.split("://", 1)[1].split("/", 1)[0]
         return RemoteConfigError(
-            f"--storage {shown}: bucket {bucket!r} does not exist (or these credentials cannot "
+            f"{named} {shown}: bucket {bucket!r} does not exist (or these credentials cannot "
             f"see it) at {root.safe_url}"
             + (f" (endpoint {root._endpoint()})" if root._endpoint() else "")
             + f": create the bucket {bucket!r} first, or correct the bucket in the URL.",
@@ -260,4 +262,4 @@ def storage_error(storage, exc: BaseException, shown: str) -> RemoteStorageError
         clear = root._translate(exc, "checking that the storage is writable")
     if clear is None:
         return None
-    return type(clear)(f"--storage {shown}: {clear}", clear.url)
+    return type(clear)(f"{named} {shown}: {clear}", clear.url)
