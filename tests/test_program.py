@@ -152,8 +152,9 @@ def test_a_factorys_typed_params_are_validated_and_build_the_program():
         (  # a boolean for a number: refused, not trained as 1 or 0
             "programs:typed_digits",
             {"width": True, "learning_rate": 0.1},
-            r"refused: width=True: width takes int, not a boolean \(true and false in "
-            r"--program-param are JSON booleans\); give a value of that type$",
+            r"refused: width=True: width takes int, not a boolean \(true and false are JSON "
+            r"booleans, in --program-param as in a flow's program_params\); give a value of "
+            r"that type$",
         ),
         (
             "programs:dataclass_digits",

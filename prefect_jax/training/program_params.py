@@ -105,6 +105,10 @@ class ProgramParams:
         )
 
 
+# Why a value given as true or false is a boolean, wherever the params came from.
+_BOOLEANS = "true and false are JSON booleans, in --program-param as in a flow's program_params"
+
+
 def validate_params(
     tp: type, given: dict[str, Any] | None, where: str, max_steps: int | None = None
 ) -> tuple[Any, ProgramParams]:
@@ -152,8 +156,8 @@ def validate_params(
     if not_booleans:
         bad = "; ".join(f"{k}={data[k]!r}: {k} takes {fields[k]}" for k in not_booleans)
         raise ProgramParamsError(
-            f"program params for {where} refused: {bad}, not a boolean (true and false in "
-            "--program-param are JSON booleans); give a value of that type"
+            f"program params for {where} refused: {bad}, not a boolean ({_BOOLEANS}); give a "
+            "value of that type"
         )
     filled = []
     if max_steps is not None:
@@ -187,7 +191,7 @@ def validate_params(
         bad = "; ".join(f"{path}={value!r}: {k} takes {fields[k]}" for k, path, value in numbered)
         raise ProgramParamsError(
             f"program params for {where} refused: {bad}, which made a number of the boolean; "
-            "give a number there (true and false in --program-param are JSON booleans)"
+            f"give a number there ({_BOOLEANS})"
         )
     exempt = tuple(name for name in getattr(tp, EXEMPT_ATTR, ()) if name in fields)
     defaults = field_defaults(tp)
