@@ -14,6 +14,8 @@ import pytest
 from browser_helpers import OUTPUT, browser_page
 from deployment_helpers import ROOT, PrefectServerProcess, _base_env
 
+from prefect_jax.tasks.publish import job_artifact_key
+
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 TINY = "prefect_jax.examples.digits:tiny"
@@ -98,13 +100,10 @@ def test_a_flow_run_page_shows_step_named_task_runs_and_the_artifacts(
     page.screenshot(path=str(OUTPUT / "flow-run-task-runs.png"), full_page=True)
 
     page.get_by_text("Artifacts", exact=True).first.click()
-    page.get_by_text("ui-job-eval-results").first.wait_for(timeout=30_000)
-    page.get_by_text("ui-job-mlflow-run").first.wait_for(
-        timeout=30_000
-    )  # the link to the MLflow run
-    page.get_by_text("ui-job-goodput").first.wait_for(
-        timeout=30_000
-    )  # what the job's time went into
+    key = lambda part: job_artifact_key("ui-job", str(tmp_path / "storage"), part)  # noqa: E731
+    page.get_by_text(key("eval-results")).first.wait_for(timeout=30_000)
+    page.get_by_text(key("mlflow-run")).first.wait_for(timeout=30_000)  # the link to MLflow's run
+    page.get_by_text(key("goodput")).first.wait_for(timeout=30_000)  # what the job's time went into
     body = page.inner_text("body")
     assert "training ui-job: step 40 of 40" in body, body[-2000:]
     page.screenshot(path=str(OUTPUT / "flow-run-artifacts.png"), full_page=True)

@@ -10,6 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from prefect_jax.flows import train_and_evaluate
+from prefect_jax.tasks.publish import job_artifact_key
 from prefect_jax.training.names import JOB_TAG
 from prefect_jax.training.specs import (
     CheckpointSpec,
@@ -116,10 +117,11 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
     )
     assert all(r.state.is_completed() for r in runs)
     tables = [a for a in artifacts if a["type"] == "table"]
-    assert {a["key"] for a in tables} == {"flow-job-eval-results", "flow-job-goodput"}
-    results = next(a for a in tables if a["key"] == "flow-job-eval-results")
+    key = lambda *parts: job_artifact_key("flow-job", str(tmp_path / "storage"), *parts)  # noqa: E731
+    assert {a["key"] for a in tables} == {key("eval", "results"), key("goodput")}
+    results = next(a for a in tables if a["key"] == key("eval", "results"))
     assert '"step": 40' in results["data"]  # newest version holds every evaluated step
-    goodput = next(a for a in tables if a["key"] == "flow-job-goodput")
+    goodput = next(a for a in tables if a["key"] == key("goodput"))
     assert (
         "productive training (steps kept)" in goodput["data"]
         and summary["goodput"]["attempts"] == 1
@@ -210,7 +212,7 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(
     results = [
         a
         for a in _artifacts(prefect_server, state.state_details.flow_run_id)
-        if a["key"] == "late-record-eval-results"
+        if a["key"] == job_artifact_key("late-record", storage, "eval-results")
     ]
     by_steps = {tuple(row["step"] for row in json.loads(a["data"])): a for a in results}
     assert set(by_steps) == {(100,), (100, 200)}
@@ -271,7 +273,7 @@ def test_a_deferred_evaluation_in_an_async_flow_still_publishes_its_results(
     results = [
         a
         for a in _artifacts(prefect_server, state.state_details.flow_run_id)
-        if a["key"] == "async-job-eval-results"
+        if a["key"] == job_artifact_key("async-job", config.storage, "eval-results")
     ]
     on = {a["task_run_id"]: [row["step"] for row in json.loads(a["data"])] for a in results}
     assert on == {str(runs["evaluate 100"].id): [100], str(runs["evaluate 200"].id): [100, 200]}
@@ -428,7 +430,8 @@ def test_the_flow_run_and_the_mlflow_run_name_each_other(tmp_path, mlflow_uri, p
     links = [
         a
         for a in _artifacts(prefect_server, flow_run_id)
-        if a["type"] == "markdown" and a["key"] == "flow-job-mlflow-run"
+        if a["type"] == "markdown"
+        and a["key"] == job_artifact_key("flow-job", str(tmp_path / "storage"), "mlflow-run")
     ]
     assert len(links) == 1, links
     expected = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
@@ -491,7 +494,9 @@ def test_progress_is_published_while_mlflow_is_still_starting(
 
     flow_run_id = job_flow()
     links = [
-        a for a in _artifacts(prefect_server, flow_run_id) if a["key"] == "slow-mlflow-mlflow-run"
+        a
+        for a in _artifacts(prefect_server, flow_run_id)
+        if a["key"] == job_artifact_key("slow-mlflow", str(tmp_path), "mlflow-run")
     ]
     assert len(links) == 1, links
 
@@ -553,7 +558,7 @@ def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
     tables = sorted(
         ([row["step"] for row in json.loads(a["data"])], a["task_run_id"])
         for a in artifacts
-        if a["key"] == "refresh-eval-results"
+        if a["key"] == job_artifact_key("refresh", str(tmp_path / "storage"), "eval-results")
     )
     steps = [10, 20, 30, 40, 50]
     shown = [0, 4] if refresh_secs == "3600" else [0, 1, 2, 3, 4]

@@ -302,6 +302,7 @@ def test_an_interrupted_runs_goodput_artifact_says_how_it_ended_and_never_holds_
     from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
     from prefect_jax.flows import hooks as flows
+    from prefect_jax.tasks.publish import job_artifact_key
 
     config = job_config(max_steps=20, every_steps=20, job="hk")
     trainer = Trainer(config)
@@ -318,7 +319,9 @@ def test_an_interrupted_runs_goodput_artifact_says_how_it_ended_and_never_holds_
     def published():
         with get_client(sync_client=True) as client:
             return client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["hk-goodput"])),
+                artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=[job_artifact_key("hk", config.storage, "goodput")])
+                ),
                 sort=ArtifactSort.CREATED_DESC,
             )
 

@@ -31,6 +31,7 @@ from process_helpers import (
     wait_until,
 )
 
+from prefect_jax.tasks.publish import job_artifact_key
 from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
@@ -227,7 +228,9 @@ def test_killed_and_terminated_runs_resume_exactly(tmp_path, prefect_server, mlf
 
     with get_client(sync_client=True) as prefect:  # the session's server (prefect_test_harness)
         artifacts = prefect.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pre-goodput"])),
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[job_artifact_key("pre", storage, "goodput")])
+            ),
             sort=ArtifactSort.CREATED_DESC,
         )
         states = [prefect.read_flow_run(a.flow_run_id).state.type.value for a in artifacts]

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from prefect import flow
 
 from prefect_jax.flows import evaluate, export_flow, train
+from prefect_jax.tasks.publish import job_artifact_key
 from prefect_jax.training.specs import (
     CheckpointSpec,
     EvalSpec,
@@ -95,7 +96,7 @@ def test_trainer_evaluator_and_export_runs_are_linked_both_ways_and_a_late_evalu
     assert summary["evaluated"] == [] and "; nothing to do:" in summary["stopped"], summary
 
     run = MlflowClient(mlflow_uri).get_run(run_id)
-    key = f"{JOB}-mlflow-run"
+    key = job_artifact_key(JOB, params["storage"], "mlflow-run")
     with get_client(sync_client=True) as client:
         runs = [_flow_run(client, s) for s in states]
         links = {str(r.id): _artifacts(client, r.id, key) for r in runs}
@@ -145,8 +146,8 @@ def test_a_flow_run_that_links_twice_keeps_one_link_and_one_goodput_artifact(tmp
     assert state.is_completed(), state
     with get_client(sync_client=True) as client:
         flow_run_id = state.state_details.flow_run_id
-        links = _artifacts(client, flow_run_id, f"{JOB}-mlflow-run")
-        goodputs = _artifacts(client, flow_run_id, f"{JOB}-goodput")
+        links = _artifacts(client, flow_run_id, job_artifact_key(JOB, config.storage, "mlflow-run"))
+        goodputs = _artifacts(client, flow_run_id, job_artifact_key(JOB, config.storage, "goodput"))
     assert len(links) == 1, links
     assert len(goodputs) == 1 and goodputs[0].description.startswith("Published again."), goodputs
 
@@ -191,6 +192,7 @@ def test_a_link_made_before_mlflow_answers_says_so_and_is_updated_in_place(
     )
     opened = threading.Event()
     seen = {}
+    link_key = job_artifact_key(JOB, config.storage, "mlflow-run")
 
     @flow
     def job_flow():
@@ -201,7 +203,7 @@ def test_a_link_made_before_mlflow_answers_says_so_and_is_updated_in_place(
         tracker.start({"p": "1"})
         link_runs(config, tracker, trains=False, wait_secs=1.0)  # published when it returns
         with get_client(sync_client=True) as client:
-            seen["before"] = _artifacts(client, flow_run.id, f"{JOB}-mlflow-run")
+            seen["before"] = _artifacts(client, flow_run.id, link_key)
         opened.set()
         tracker.finish("FINISHED")
         publisher.flush()
@@ -211,7 +213,7 @@ def test_a_link_made_before_mlflow_answers_says_so_and_is_updated_in_place(
     (before,) = seen["before"]
     assert "not started yet" in before.data and run_id not in before.data, before.data
     with get_client(sync_client=True) as client:
-        links = _artifacts(client, flow_run_id, f"{JOB}-mlflow-run")
+        links = _artifacts(client, flow_run_id, link_key)
         tags = client.read_flow_run(flow_run_id).tags
     assert len(links) == 1 and links[0].id == before.id, links
     assert run_id in links[0].data and "not started yet" not in links[0].data, links[0].data
@@ -265,7 +267,7 @@ def test_a_first_run_killed_in_its_first_interval_is_linked_to_the_run_its_rerun
         assert proc.wait(timeout=60) == -signal.SIGKILL
         assert not (committed_steps(str(ckpt)) if ckpt.exists() else []), "killed after a save"
         tags = client.read_flow_run(flow_run_id).tags
-        links = _artifacts(client, flow_run_id, f"{job}-mlflow-run")
+        links = _artifacts(client, flow_run_id, job_artifact_key(job, str(storage), "mlflow-run"))
     named = [t.split(":", 1)[1] for t in tags if t.startswith("mlflow-run:")]
     assert len(named) == 1 and {"prefect-jax", f"job:{job}"} <= set(tags), tags
     assert len(links) == 1 and named[0] in links[0].data, [a.data for a in links]

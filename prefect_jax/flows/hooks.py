@@ -151,7 +151,7 @@ def publish_goodput(
         return
     from prefect.artifacts import TableArtifact
 
-    from prefect_jax.tasks import artifact_key
+    from prefect_jax.tasks import job_artifact_key
     from prefect_jax.tasks.publish import create_or_update_artifact
     from prefect_jax.training.goodput_summary import as_rows
 
@@ -164,7 +164,9 @@ def publish_goodput(
     )
     try:
         artifact = TableArtifact(
-            key=artifact_key(config.job, "goodput"), table=as_rows(goodput), description=description
+            key=job_artifact_key(config.job, config.storage, "goodput"),
+            table=as_rows(goodput),
+            description=description,
         )
         if flow_run_id is None:
             from prefect.runtime import flow_run

@@ -33,6 +33,7 @@ from prefect_jax.tasks.publish import (
     UI_REFRESH_SECS,
     _Publisher,
     artifact_key,
+    job_artifact_key,
     publisher,
     ui_refresh_secs,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "task_trainer",
     "trainer_holding_the_lease",
     "artifact_key",
+    "job_artifact_key",
     "emit",
     "evaluate_if_new",
     "export",

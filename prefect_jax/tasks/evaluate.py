@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_jax.tasks.events import EVAL_EVENT, emit
 from prefect_jax.tasks.live_trainer import task_trainer
-from prefect_jax.tasks.publish import artifact_key, publisher
+from prefect_jax.tasks.publish import job_artifact_key, publisher
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_unless_lost
 from prefect_jax.training.specs import JobConfig
 
@@ -63,7 +63,7 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
     # This task run's context: the record may come later, from another task run (see `recorded`).
     evaluating = contextvars.copy_context()
 
-    key = artifact_key(config.job, config.eval.name, "results")
+    key = job_artifact_key(config.job, config.storage, config.eval.name, "results")
 
     def results_table(step: int) -> None:
         """On the publisher's thread, only for a version that is published (not one a newer

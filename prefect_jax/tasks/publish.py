@@ -21,6 +21,15 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")[:100]
 
 
+def job_artifact_key(job: str, storage: str, *parts: str) -> str:
+    """The key of one of a job's artifacts: ``<job>-<8 hex digits>-<parts>``, the digits those of
+    its default registered model (a hash of its storage root and name), so that two jobs of one
+    name on two storages (a second ``digits``) keep two histories in Prefect's Artifacts page."""
+    from prefect_jax.training.storage import job_digest
+
+    return artifact_key(job, job_digest(storage, job)[:8], *parts)
+
+
 UI_REFRESH_SECS = 2.0
 FLUSH_SECS = 60.0  # the longest a flush waits for the Prefect API
 # ... once the process is going (a SIGTERM's notice: its checkpoint, MLflow run and lease are done

@@ -9,9 +9,9 @@ from prefect import get_run_logger
 from prefect.runtime import task_run
 
 from prefect_jax.tasks.publish import (
-    artifact_key,
     create_or_update_artifact,
     existing_artifact,
+    job_artifact_key,
     publisher,
 )
 from prefect_jax.training.names import MLFLOW_RUN_TAG
@@ -54,7 +54,7 @@ def publish_link(
 
 
 def _link_artifact(config: JobConfig, tracker, flow_run_id, mlflow_url: str | None) -> None:
-    key = artifact_key(config.job, "mlflow-run")
+    key = job_artifact_key(config.job, config.storage, "mlflow-run")
     existing = existing_artifact(key, flow_run_id) if flow_run_id else None
     if existing is not None and (mlflow_url is None or _PENDING_TEXT not in (existing.data or "")):
         return  # one link per flow run; a real link replaces only the "not yet" one
