@@ -45,3 +45,19 @@ def test_a_going_process_waits_a_round_trip_at_most_for_an_api_that_does_not_ans
     assert time.monotonic() - began < HURRIED_FLUSH_SECS + 5
     gate.set()
     assert publisher.flush(30)  # (the call did run, late)
+
+
+def test_two_jobs_of_one_name_on_two_storages_have_their_own_artifact_keys(tmp_path):
+    """Keyed artifacts keep one history per key in Prefect's Artifacts page: a second `digits`
+    on another storage must not show as a version of the first's results or goodput."""
+    from prefect_jax.tasks.publish import job_artifact_key
+    from prefect_jax.training.registry import default_registered_model
+
+    here, there = str(tmp_path / "a"), "s3://bucket/runs"
+    assert job_artifact_key("digits", here, "goodput") != job_artifact_key(
+        "digits", there, "goodput"
+    )
+    # the same job on the same root named another way: one key (its registered model's name)
+    assert job_artifact_key("Digits", here + "/", "eval-results") == (
+        default_registered_model("Digits", here).lower() + "-eval-results"
+    )
