@@ -360,6 +360,18 @@ def test_a_misspelt_flag_is_refused_with_the_subcommands_usage(tmp_path):
     )
 
 
+def test_a_mistyped_value_is_its_error_under_one_usage_line_not_the_whole_usage(tmp_path):
+    """argparse printed the subcommand's whole usage (about 30 lines for `run`) before the line
+    that names the value and the fix (a walkthrough's finding)."""
+    proc = run_cli(
+        "run", "--program", TINY, "--job", "j", "--storage", str(tmp_path), "--max-steps", "3OO"
+    )
+    assert proc.returncode == 2
+    usage, error = proc.stderr.splitlines()
+    assert usage.startswith("usage: prefect-jax run ") and "--help" in usage, usage
+    assert error.startswith("prefect-jax run: error: argument --max-steps: '3OO'"), error
+
+
 @pytest.mark.slow
 def test_the_roles_from_the_command_line(tmp_path, prefect_server, mlflow_uri):
     """`train` (with --steps-per-dispatch), then `evaluate --once`, then
@@ -550,6 +562,20 @@ def test_the_browse_lines_open_a_tracking_servers_own_ui_and_start_one_for_a_sto
     assert "mlflow ui --backend-store-uri sqlite:////tmp/m.db" in mlflow_line("sqlite:////tmp/m.db")
 
 
+def test_the_browse_lines_offer_a_model_to_serve_only_where_the_job_exported_one():
+    """A `train` role's job names its registered model but exports nothing itself (its evaluator
+    does): the Serve line pointed at a model that did not exist (a walkthrough's finding)."""
+    from prefect_jax.cli.console import browse_lines
+
+    summary = {"mlflow_tracking_uri": "sqlite:////tmp/m.db", "job": "j", "storage": "/s"}
+    summary["registered_model"] = "j-12345678"
+    assert not [line for line in browse_lines(dict(summary, exports={})) if "Serve:" in line]
+    served = browse_lines(dict(summary, exports={"best": [100], "latest": [100]}))
+    assert any("models:/j-12345678@best" in line for line in served), served
+    newest = browse_lines(dict(summary, exports={"best": [], "latest": [100]}))
+    assert any("models:/j-12345678@newest" in line for line in newest), newest  # (MLflow's name)
+
+
 @pytest.mark.slow
 # The command spawns its server before it imports JAX; in this test process JAX may be running.
 @pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
@@ -685,8 +711,27 @@ def test_a_ctrl_c_ends_the_command_in_one_line_saying_how_to_resume(
     finally:
         proc.kill()
     assert proc.returncode == 130, err[-3000:]
+    at = committed_steps(ckpt)[-1]
+    assert at % 500 != 0  # the step in flight, checkpointed
     assert err.strip().splitlines()[-1] == (
-        "prefect-jax run: interrupted (Ctrl-C); the same command resumes from the newest checkpoint"
+        f"prefect-jax run: interrupted (Ctrl-C); step {at} is committed: run the same command "
+        "again to resume there"
     ), err[-3000:]
     assert "KeyboardInterrupt" not in err, err[-3000:]
-    assert committed_steps(ckpt)[-1] % 500 != 0  # the step in flight, checkpointed
+
+
+def test_a_stopped_commands_last_line_names_the_step_its_rerun_resumes_at():
+    """The step committed on a notice was only in WARNING lines above the last one, which said
+    "the newest committed step is kept" (a walkthrough's finding)."""
+    from prefect_jax import cli
+    from prefect_jax.training import facade, preemption
+
+    try:
+        preemption.note_resumes_at(227)
+        assert cli._how_to_go_on().startswith("step 227 is committed: run the same command again")
+        preemption.note_resumes_at(None)  # a notice before any step was committed
+        assert cli._how_to_go_on().startswith("no step was committed yet")
+    finally:
+        facade.resumes_at(forget=True)
+    assert facade.resumes_at() is None
+    assert cli._how_to_go_on().startswith("the newest committed step is kept")

@@ -172,6 +172,15 @@ class _SubcommandParser(argparse.ArgumentParser):
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
 
+    def error(self, message: str):
+        """One usage line, then the error: argparse's whole usage (30 lines for `run`) buried the
+        one line that says what is wrong."""
+        self.exit(
+            2,
+            f"usage: {self.prog} [flags]   ({self.prog} --help lists them)\n"
+            f"{self.prog}: error: {message}\n",
+        )
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``prefect-jax ARGV``; its exit code. Bad input is one error line (exit 2), a job its
@@ -181,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     from prefect_jax.training import facade
 
+    facade.resumes_at(forget=True)  # (what an earlier command in this process ended with)
     if args.command in _ROLES:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         facade.deliver_lost_notices()
@@ -193,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if isinstance(exc, KeyboardInterrupt) and args.command in _ROLES:
             # (a trainer's SIGINT checkpoints the step in flight first: docs/preemption.md)
-            message = "interrupted (Ctrl-C); the same command resumes from the newest checkpoint"
-            return _say_error(args, message, 130, kind="")
+            return _say_error(args, f"interrupted (Ctrl-C); {_how_to_go_on()}", 130, kind="")
         if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             raise
         # Any other error (an Exception, or such as pyo3's `PanicException`, a BaseException: seen
@@ -225,14 +234,22 @@ def _say_error(args: argparse.Namespace, message: str, code: int, kind: str = "e
     return code
 
 
+def _how_to_go_on() -> str:
+    """What a stopped command's last line says of the job: the step it resumes at, where this
+    process's trainer said (its preemption notice's checkpoint), and the command that does."""
+    from prefect_jax.training import facade
+
+    where = facade.resumes_at()
+    if where is None:  # (no trainer in this process said: an evaluator, a notice in the start)
+        return "the newest committed step is kept: run the same command again to resume"
+    if where[0] is None:
+        return "no step was committed yet: run the same command again to start from step 0"
+    return f"step {where[0]} is committed: run the same command again to resume there"
+
+
 def _say_terminated(args: argparse.Namespace, signum: int, detail: str = "") -> None:
-    _say_error(
-        args,
-        f"terminated by signal {signum}; the newest committed step is kept: run the same "
-        f"command again to resume{detail}",
-        128 + signum,
-        kind="",
-    )
+    message = f"terminated by signal {signum}; {_how_to_go_on()}{detail}"
+    _say_error(args, message, 128 + signum, kind="")
 
 
 def entry() -> None:

@@ -136,9 +136,14 @@ def browse_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(
             f"  MLflow:  uv run mlflow ui --backend-store-uri {uri}   (then open {run_url})"
         )
-    if summary.get("registered_model") and not missing:
+    # (a `train` role's job exports nothing itself: no model to load until its evaluator exports)
+    exported = [name for name, steps in (summary.get("exports") or {}).items() if steps]
+    if summary.get("registered_model") and exported and not missing:
+        from prefect_jax.training.registry import alias_for
+
+        alias = alias_for("best" if "best" in exported else exported[0])
         lines.append(
-            f"  Serve:   mlflow.pyfunc.load_model('models:/{summary['registered_model']}@best')"
+            f"  Serve:   mlflow.pyfunc.load_model('models:/{summary['registered_model']}@{alias}')"
             f"   (with MLFLOW_TRACKING_URI={uri})"
         )
     # (PREFECT_JAX_EMBEDDED_API: the launcher's embedded server.)

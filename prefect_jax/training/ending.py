@@ -31,6 +31,7 @@ from prefect_jax.training.goodput_summary import (
     PREEMPTED,
 )
 from prefect_jax.training.lease_finishing import release_after
+from prefect_jax.training.preemption import note_resumes_at
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
@@ -183,6 +184,8 @@ class AttemptEnd:
             )
             committed = waited and t.step is not None and job.is_committed(t.step)
             committed = committed or (None if waited and not writing else False)
+            resumes = t.step if committed else job.newest_committed()
+            note_resumes_at(resumes)  # (the command's last line says it)
             if pending.held is not None:  # an evaluation whose step was committing: recorded if it
                 # did, before the run closes (else the rerun evaluates that step)
                 evaluated = pending.step
@@ -217,7 +220,7 @@ class AttemptEnd:
                     "%s at step %s: no checkpoint was being written; %s",
                     notice,
                     t.step,
-                    _newest_kept(job.newest_committed()),
+                    _newest_kept(resumes),
                 )
             else:
                 # (a commit still running when the grace ran out: where each thread was, so that
@@ -227,7 +230,7 @@ class AttemptEnd:
                     "the checkpoint of step %s did not commit within %.0fs: abandoned; %s%s",
                     t.step,
                     grace,
-                    _newest_kept(job.newest_committed()),
+                    _newest_kept(resumes),
                     "" if waited else "; each thread when the grace ran out:\n" + thread_stacks(),
                 )
             job.goodput.end(PREEMPTED)

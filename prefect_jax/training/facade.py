@@ -290,6 +290,17 @@ def received_signal() -> int | None:
     return received()
 
 
+def resumes_at(forget: bool = False) -> tuple[int | None] | None:
+    """Where the job a preemption notice ended in this process resumes (see
+    `prefect_jax.training.preemption.resumes_at`); `forget`: forget it first (a command's start:
+    a Python session may run several)."""
+    from prefect_jax.training import preemption
+
+    if forget:
+        preemption.note_resumes_at(None, forget=True)
+    return preemption.resumes_at()
+
+
 def deliver_lost_notices() -> None:
     """Send SIGTERM again where Python dropped its handler's exception (a garbage-collector
     callback, a ``__del__``): see `prefect_jax.training.preemption.deliver_lost_notices`."""

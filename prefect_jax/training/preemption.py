@@ -25,6 +25,7 @@ _received: int | None = (
 )
 _handler_codes: set = set()  # the code of every SIGTERM handler seen (`_raised_by_a_handler`)
 _exiting = False  # the interpreter is exiting: nothing is delivered again
+_resumes_at: tuple[int | None] | None = None  # (`resumes_at`)
 RESEND_DELAY_SECS = 0.01  # from a dropped notice's hook returning to the signal sent again
 
 
@@ -32,6 +33,19 @@ def received_signal() -> int | None:
     """The SIGTERM (as its number) a trainer of this process received, or None: what a run that
     ends with some other error in Prefect's bookkeeping really ended of."""
     return _received
+
+
+def resumes_at() -> tuple[int | None] | None:
+    """Where the job a preemption notice ended in this process resumes: ``(step,)`` (``(None,)``:
+    from the beginning, nothing committed), or None: no trainer here said (for the command's last
+    line)."""
+    return _resumes_at
+
+
+def note_resumes_at(step: int | None, forget: bool = False) -> None:
+    """Record where the job resumes (`resumes_at`); `forget`: that no trainer said (a new run)."""
+    global _resumes_at
+    _resumes_at = None if forget else (step,)
 
 
 def note_received(signum: int) -> None:
