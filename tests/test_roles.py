@@ -159,6 +159,12 @@ def test_the_evaluator_leaves_a_preemption_checkpoint_alone(tmp_path, mlflow_uri
     assert JobStorage(params["storage"], "preempted").list_int_names(
         JobStorage(params["storage"], "preempted").eval_dir("eval")
     ) == [20, 40, 60]
+    # Its export is refused saying why, not "evaluate it first" (it never is); so is a step
+    # never committed (a walkthrough's finding: the same advice for both).
+    with pytest.raises(ValueError, match="step 25 of job 'preempted' is a preemption's checkpoint"):
+        export_flow(**params, step=25)
+    with pytest.raises(ValueError, match=r"step 30 .* never committed \(committed: \[20, 25, 40"):
+        export_flow(**params, step=30)
 
 
 def test_evaluator_only_newest(tmp_path, mlflow_uri):

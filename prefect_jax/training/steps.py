@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from prefect_jax.training.remote import RemoteSteps
 
-__all__ = ["job_committed_steps", "job_step_is_backup"]
+__all__ = ["job_committed_steps", "job_step_is_backup", "why_not_exportable"]
 
 
 def job_committed_steps(storage) -> list[int]:
@@ -36,15 +36,37 @@ def job_step_is_backup(storage, step: int) -> bool:
     """Whether a committed step of a job is a backup (`CheckpointSpec.backups`), from its metadata
     item alone (no restore, no download); False when that cannot be read (an evaluation says
     why)."""
+    return bool(_step_meta(storage, step).get("backup"))
+
+
+def _step_meta(storage, step: int) -> dict:
+    """A committed step's metadata item ({} where it cannot be read)."""
     try:
         if storage.orbax_native:
             from prefect_jax.training.checkpoint_dirs import read_meta_file
 
-            meta = read_meta_file(storage.checkpoint_dir, step)
-        else:
-            meta = RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).read_meta(
-                step
-            )
+            return read_meta_file(storage.checkpoint_dir, step)
+        return RemoteSteps(storage.remote_checkpoint_url, storage.storage_options).read_meta(step)
     except Exception:  # noqa: BLE001 - unreadable: not known to be a backup
-        return False
-    return bool(meta.get("backup"))
+        return {}
+
+
+def why_not_exportable(storage, job: str, step: int, eval_name: str, evaluated: list[int]) -> str:
+    """Why `step` of a job (`JobStorage`) has no evaluation to export (`evaluated`: the steps
+    that have one), with the fix that applies: a step never committed, one kept only to resume
+    from (a preemption's checkpoint, a backup: never evaluated), or one to evaluate first."""
+    have = f"{eval_name!r} has {evaluated}"
+    committed = job_committed_steps(storage)
+    if step not in committed:
+        return (
+            f"step {step} of job {job!r} was never committed (committed: {committed or 'none'}): "
+            f"nothing to export; export an evaluated step ({have})"
+        )
+    meta = _step_meta(storage, step)
+    if meta.get("backup") or meta.get("preemption"):
+        kind = "a backup" if meta.get("backup") else "a preemption's checkpoint"
+        return (
+            f"step {step} of job {job!r} is {kind}, kept to resume from: never evaluated or "
+            f"exported; export an evaluated step ({have})"
+        )
+    return f"step {step} of job {job!r} was not evaluated ({have}): evaluate it first"

@@ -67,7 +67,7 @@ def export_flow(
     from prefect_jax.training.evaluation import EvalRecords
     from prefect_jax.training.live import land_mlflow_writes, release_state
     from prefect_jax.training.redaction import redact_url
-    from prefect_jax.training.steps import job_committed_steps
+    from prefect_jax.training.steps import job_committed_steps, why_not_exportable
     from prefect_jax.training.storage import JobStorage
 
     config = checked_job_config(locals())  # its MLflow URI checked before any work
@@ -94,10 +94,7 @@ def export_flow(
     chosen = steps[-1] if step is None else step
     result = records.get(chosen)
     if result is None:
-        raise ValueError(
-            f"step {chosen} of job {job!r} was not evaluated ({config.eval.name!r} has {steps}): "
-            "evaluate it first"
-        )
+        raise ValueError(why_not_exportable(js, job, chosen, config.eval.name, steps))
     # TF's recover_session: the step's own checkpoint, never a fresh state in its place
     if not tasks.recover(config, step=chosen)["restored"]:
         raise ValueError(
