@@ -1,5 +1,6 @@
 """The `prefect-jax` command in real subprocesses: JSON output, reruns, status, the demo."""
 
+import contextlib
 import json
 import os
 import re
@@ -718,6 +719,50 @@ def test_a_ctrl_c_ends_the_command_in_one_line_saying_how_to_resume(
         "again to resume there"
     ), err[-3000:]
     assert "KeyboardInterrupt" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_in_a_terminal_leaves_the_embedded_server_to_the_command(tmp_path, mlflow_uri):
+    """A terminal's Ctrl-C signals the whole foreground process group: the command's embedded
+    Prefect server stopped at once, and the command, checkpointing its step, retried the dead
+    server for about 75 s before it exited (a walkthrough's finding)."""
+    import subprocess
+    import sys
+    import time
+
+    from process_helpers import TESTS_DIR, wait_until
+
+    from prefect_jax.training.checkpoint_dirs import committed_steps
+
+    storage = tmp_path / "s"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own server
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", TINY, "--job", "tty"]
+        + ["--storage", str(storage), "--max-steps", "1000000", "--checkpoint-every-steps"]
+        + ["500", "--mlflow-tracking-uri", mlflow_uri, "--no-progress", "--exporters"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=TESTS_DIR,
+        start_new_session=True,  # a terminal's foreground group of its own (not the test's)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    ckpt = os.path.join(storage, "tty", "checkpoints")
+    try:
+        wait_until(lambda: committed_steps(ckpt), 300, "a committed checkpoint", proc, poll=0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted (Ctrl-C); step " in err.strip().splitlines()[-1], err[-3000:]
+    assert "Unable to connect" not in err and "Error logging to API" not in err, err[-3000:]
+    assert took < 45, f"{took:.0f}s from Ctrl-C to the exit: {err[-3000:]}"
 
 
 def test_a_stopped_commands_last_line_names_the_step_its_rerun_resumes_at():

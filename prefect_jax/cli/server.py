@@ -152,7 +152,10 @@ class EmbeddedServer:
             "--lifespan",
             "on",
         ]
-        return subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
+        # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) stopped it
+        # at once, while the command, checkpointing its step, went on recording to it and waited
+        # out the client's retries. The command stops it as it ends (and its death signal).
+        return subprocess.Popen(command, env=env, preexec_fn=die_with_parent(), process_group=0)
 
     def wait(self, timeout: float) -> str:
         """Wait until the server answers its health check; its API URL. Raises RuntimeError if it
