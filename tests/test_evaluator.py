@@ -239,8 +239,9 @@ def test_no_first_checkpoint_is_a_clear_timeout_after_the_start_delay():
     )
     with pytest.raises(
         TimeoutError,
-        match=r"no committed checkpoint of job 'j' in /storage/j/checkpoints after 20s",
-    ):
+        match=r"no committed checkpoint of job 'j' in /storage/j/checkpoints after 20s: .* "
+        r"Raise wait_for_first_checkpoint_secs \(--wait-for-first-checkpoint-secs\)",
+    ):  # (the command's user has the flag, not the flow's parameter name, to raise)
         evaluator.wait_for_first_checkpoint()
     assert clock.sleeps == [3.0, 5.0, 5.0, 5.0, 5.0]
     assert logged[0] == "waiting start_delay_secs=3 before the first evaluation"

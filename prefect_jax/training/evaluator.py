@@ -184,8 +184,8 @@ class Evaluator:
         return TimeoutError(
             f"no committed checkpoint of job {self.job!r} in {self.where} after "
             f"{self.wait_for_first_checkpoint_secs:g}s: is the trainer running, and does it "
-            "use the same storage and job name? Raise wait_for_first_checkpoint_secs for slow "
-            "starts."
+            "use the same storage and job name? Raise wait_for_first_checkpoint_secs "
+            "(--wait-for-first-checkpoint-secs) for slow starts."
         )
 
     def wait_for_first_checkpoint(self) -> int:
