@@ -11,6 +11,8 @@ import time
 import pytest
 from process_helpers import run_cli
 
+from prefect_jax.training.checkpoint_dirs import committed_steps
+
 TINY = "prefect_jax.examples.digits:tiny"
 
 
@@ -679,39 +681,51 @@ def test_the_console_script_imports_a_program_from_its_working_directory_and_jso
     assert "Traceback" in proc.stderr  # (an error the command does not know keeps its traceback)
 
 
-def test_a_ctrl_c_ends_the_command_in_one_line_saying_how_to_resume(
-    tmp_path, prefect_server, mlflow_uri
-):
-    """Ctrl-C (SIGINT) mid-training: the step in flight checkpointed, exit 130, and a last line
-    that says the same command resumes, not a traceback ending in a progress bar's frame."""
+def _ctrl_c_mid_training(storage, mlflow_uri, job: str, env: dict, group: bool):
+    """`prefect-jax run` of an endless job in a terminal's foreground group of its own, sent
+    Ctrl-C (SIGINT: to its whole group where `group`, as a terminal does) once a checkpoint
+    committed; its exit code, stderr, the seconds from the signal to its exit, and its
+    checkpoint folder."""
     import subprocess
     import sys
 
-    from process_helpers import TESTS_DIR, cli_env, wait_until
+    from process_helpers import TESTS_DIR, wait_until
 
-    from prefect_jax.training.checkpoint_dirs import committed_steps
-
-    storage = tmp_path / "s"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", TINY, "--job", "intr"]
+        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", TINY, "--job", job]
         + ["--storage", str(storage), "--max-steps", "1000000", "--checkpoint-every-steps"]
         + ["500", "--mlflow-tracking-uri", mlflow_uri, "--no-progress", "--exporters"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=cli_env(prefect_server),
+        env={**env, "PYTHONPATH": os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")])},
         cwd=TESTS_DIR,
+        start_new_session=True,  # (not the test's own group)
         # (a child inherits an ignored SIGINT from a shell's background job)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    ckpt = os.path.join(storage, "intr", "checkpoints")
+    ckpt = os.path.join(storage, job, "checkpoints")
     try:
         wait_until(lambda: committed_steps(ckpt), 300, "a committed checkpoint", proc, poll=0.1)
-        proc.send_signal(signal.SIGINT)
+        (os.killpg if group else os.kill)(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
         _, err = proc.communicate(timeout=120)
+        return proc.returncode, err, time.monotonic() - sent, ckpt
     finally:
-        proc.kill()
-    assert proc.returncode == 130, err[-3000:]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_ctrl_c_ends_the_command_in_one_line_saying_how_to_resume(
+    tmp_path, prefect_server, mlflow_uri
+):
+    """Ctrl-C (SIGINT) mid-training: the step in flight checkpointed, exit 130, and a last line
+    that says the same command resumes, not a traceback ending in a progress bar's frame."""
+    from process_helpers import cli_env
+
+    env = cli_env(prefect_server)
+    code, err, _, ckpt = _ctrl_c_mid_training(tmp_path / "s", mlflow_uri, "intr", env, False)
+    assert code == 130, err[-3000:]
     at = committed_steps(ckpt)[-1]
     assert at % 500 != 0  # the step in flight, checkpointed
     assert err.strip().splitlines()[-1] == (
@@ -726,40 +740,9 @@ def test_a_ctrl_c_in_a_terminal_leaves_the_embedded_server_to_the_command(tmp_pa
     """A terminal's Ctrl-C signals the whole foreground process group: the command's embedded
     Prefect server stopped at once, and the command, checkpointing its step, retried the dead
     server for about 75 s before it exited (a walkthrough's finding)."""
-    import subprocess
-    import sys
-    import time
-
-    from process_helpers import TESTS_DIR, wait_until
-
-    from prefect_jax.training.checkpoint_dirs import committed_steps
-
-    storage = tmp_path / "s"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own server
-    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect_jax.cli", "run", "--program", TINY, "--job", "tty"]
-        + ["--storage", str(storage), "--max-steps", "1000000", "--checkpoint-every-steps"]
-        + ["500", "--mlflow-tracking-uri", mlflow_uri, "--no-progress", "--exporters"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=TESTS_DIR,
-        start_new_session=True,  # a terminal's foreground group of its own (not the test's)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    ckpt = os.path.join(storage, "tty", "checkpoints")
-    try:
-        wait_until(lambda: committed_steps(ckpt), 300, "a committed checkpoint", proc, poll=0.1)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
-        sent = time.monotonic()
-        _, err = proc.communicate(timeout=120)
-        took = time.monotonic() - sent
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err[-3000:]
+    code, err, took, _ = _ctrl_c_mid_training(tmp_path / "s", mlflow_uri, "tty", env, True)
+    assert code == 130, err[-3000:]
     assert "interrupted (Ctrl-C); step " in err.strip().splitlines()[-1], err[-3000:]
     assert "Unable to connect" not in err and "Error logging to API" not in err, err[-3000:]
     assert took < 45, f"{took:.0f}s from Ctrl-C to the exit: {err[-3000:]}"
