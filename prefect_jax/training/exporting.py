@@ -274,15 +274,10 @@ class Exports:
         if not aliases:
             return
 
-        # An evaluator holds no lease and exports as a trainer does (a trainer that lost its
-        # lease does not): the exports it held for MLflow are its to prune, as the trainer's are
-        # while it holds the lease (not once the job is another's).
-        evaluator = not job.lease.held and job.lease.lost_to is None
-
         def recorded(result: dict) -> None:
             registry = {"tracking_uri": redact_url(tracker.tracking_uri), **result}
             storage.write_json(storage.path(REGISTRY_FILE), registry)
-            if job.lease.held or evaluator:
+            if job.lease.held:  # (what waited for it; not once the job is another's)
                 best = lambda e: (exp.read_best(storage, e) or {}).get("step")  # noqa: E731
                 prune_registered(storage, config.eval.exporters, best)
 
