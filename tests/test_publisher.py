@@ -57,6 +57,9 @@ def test_two_jobs_of_one_name_on_two_storages_have_their_own_artifact_keys(tmp_p
     assert job_artifact_key("digits", here, "goodput") != job_artifact_key(
         "digits", there, "goodput"
     )
+    long = "j" * 120  # (names up to 128: the digits and the part stay, the name is cut)
+    keys = {job_artifact_key(long, here, part) for part in ("goodput", "mlflow-run", "e-results")}
+    assert len(keys) == 3 and all(len(k) <= 100 for k in keys), keys
     # the same job on the same root named another way: one key (its registered model's name)
     assert job_artifact_key("Digits", here + "/", "eval-results") == (
         default_registered_model("Digits", here).lower() + "-eval-results"

@@ -143,8 +143,8 @@ def _report_terminated(flow_run_id, state, signum: int | None) -> None:
 def publish_goodput(
     config: JobConfig, goodput: dict[str, Any], lead: str = "", flow_run_id=None
 ) -> None:
-    """The job's goodput as a table artifact (key ``<job>-goodput``): what preemptions cost, by
-    cause.
+    """The job's goodput as a table artifact (key ``<job>-<hash>-goodput``): what preemptions
+    cost, by cause.
 
     Of the current flow run, or of `flow_run_id` (a state hook runs outside the run's context)."""
     if not goodput:

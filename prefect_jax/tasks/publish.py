@@ -27,7 +27,8 @@ def job_artifact_key(job: str, storage: str, *parts: str) -> str:
     name on two storages (a second ``digits``) keep two histories in Prefect's Artifacts page."""
     from prefect_jax.training.storage import job_digest
 
-    return artifact_key(job, job_digest(storage, job)[:8], *parts)
+    # (the job's name cut, not the key: a long name would cut the digits and the parts off)
+    return artifact_key(job[:60], job_digest(storage, job)[:8], *parts)
 
 
 UI_REFRESH_SECS = 2.0

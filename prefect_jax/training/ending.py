@@ -184,8 +184,6 @@ class AttemptEnd:
             )
             committed = waited and t.step is not None and job.is_committed(t.step)
             committed = committed or (None if waited and not writing else False)
-            resumes = t.step if committed else job.newest_committed()
-            note_resumes_at(resumes)  # (the command's last line says it)
             if pending.held is not None:  # an evaluation whose step was committing: recorded if it
                 # did, before the run closes (else the rerun evaluates that step)
                 evaluated = pending.step
@@ -205,6 +203,7 @@ class AttemptEnd:
                 left = max(0.0, deadline - time.monotonic())
                 t.compile_cache.flush(min(SIGTERM_FLUSH_SECS, left))
             if committed:
+                note_resumes_at(t.step)  # (the command's last line says it)
                 say(
                     logging.WARNING,
                     "step %d committed in %.2fs after %s",
@@ -215,12 +214,14 @@ class AttemptEnd:
                 if saved_rows:  # the interval's train metrics (the checkpoint has them too)
                     bounded(lambda: t.intervals.log_train_rows(saved_rows), at_least=0.5)
             elif committed is None:
+                newest = job.newest_committed()
+                note_resumes_at(newest)
                 say(
                     logging.WARNING,
                     "%s at step %s: no checkpoint was being written; %s",
                     notice,
                     t.step,
-                    _newest_kept(resumes),
+                    _newest_kept(newest),
                 )
             else:
                 # (a commit still running when the grace ran out: where each thread was, so that
@@ -230,7 +231,7 @@ class AttemptEnd:
                     "the checkpoint of step %s did not commit within %.0fs: abandoned; %s%s",
                     t.step,
                     grace,
-                    _newest_kept(resumes),
+                    _newest_kept(job.newest_committed()),
                     "" if waited else "; each thread when the grace ran out:\n" + thread_stacks(),
                 )
             job.goodput.end(PREEMPTED)

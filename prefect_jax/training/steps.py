@@ -59,8 +59,9 @@ def why_not_exportable(storage, job: str, step: int, eval_name: str, evaluated: 
     committed = job_committed_steps(storage)
     if step not in committed:
         return (
-            f"step {step} of job {job!r} was never committed (committed: {committed or 'none'}): "
-            f"nothing to export; export an evaluated step ({have})"
+            f"step {step} of job {job!r} is not committed (not yet, or retention removed it; "
+            f"committed: {committed or 'none'}): nothing to export; export an evaluated step "
+            f"({have}), or wait for it (--wait-for-checkpoint; a flow's wait_for_checkpoint)"
         )
     meta = _step_meta(storage, step)
     if meta.get("backup") or meta.get("preemption"):
