@@ -53,7 +53,7 @@ def _step_meta(storage, step: int) -> dict:
 
 def why_not_exportable(storage, job: str, step: int, eval_name: str, evaluated: list[int]) -> str:
     """Why `step` of a job (`JobStorage`) has no evaluation to export (`evaluated`: the steps
-    that have one), with the fix that applies: a step never committed, one kept only to resume
+    that have one), with the fix that applies: a step not committed, one kept only to resume
     from (a preemption's checkpoint, a backup: never evaluated), or one to evaluate first."""
     have = f"{eval_name!r} has {evaluated}"
     committed = job_committed_steps(storage)
