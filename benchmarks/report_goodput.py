@@ -193,7 +193,7 @@ def goodput_markdown(goodput: dict | None, summary: dict) -> list[str]:
         "",
         "Where prefect-jax's time went, seconds, from the job's own goodput ledger "
         "(`<job>/goodput.json`, also in MLflow as `goodput/*` and in the Prefect table "
-        "artifact `<job>-<hash>-goodput`).",
+        "artifact `<job>-goodput`).",
     ]
     peers = [r for r in goodput["runs"] if r["breakdown"].get("source") == "marks"]
     if peers:
