@@ -263,6 +263,45 @@ def test_status_of_a_job_that_does_not_exist_names_the_jobs_there(trained, tmp_p
     assert run_cli("status", "--job", "j", "--storage", str(storage)).returncode == 0
 
 
+def test_an_export_with_nothing_to_export_is_one_line_before_any_flow_runs(trained, mlflow_uri):
+    """`export --step` of a step with no evaluation, and an export of a job that is not there,
+    are refused by the command in one line (not a failed flow run with Prefect's traceback in
+    front): naming the steps there are, or the jobs; nothing is written, no job folder made."""
+    _, storage = trained
+    before = _tree_digest(storage)
+    export = ("export", "--program", TINY, "--storage", str(storage), "--max-steps", "40")
+    flags = ("--mlflow-tracking-uri", mlflow_uri)
+    proc = run_cli(*export, "--job", "j", "--step", "30", *flags)
+    line = _one_error_line(proc, "export")
+    assert proc.returncode == 2 and "step 30 of job 'j' is not committed" in line, line
+    assert "committed: [20, 40]" in line and "--wait-for-checkpoint" in line, line
+    proc = run_cli(*export, "--job", "jj", *flags)
+    line = _one_error_line(proc, "export")
+    assert proc.returncode == 2 and "job 'jj' has no committed checkpoint" in line, line
+    assert f"storage {storage} has no job 'jj'; jobs there: j" in line, line
+    assert sorted(os.listdir(storage)) == ["j"] and _tree_digest(storage) == before
+
+
+def test_an_evaluator_of_a_job_that_is_not_there_names_the_jobs_there_and_makes_none(
+    trained, mlflow_uri
+):
+    """An evaluator may start before its trainer, so it waits for the first checkpoint; where
+    none came and the job has no folder at all, its last line names the jobs there (a mistyped
+    --job), without a traceback, and it leaves no empty job folder for `status` to list."""
+    _, storage = trained
+    proc = run_cli(
+        "evaluate",
+        *("--program", TINY, "--job", "jj", "--storage", str(storage), "--max-steps", "40"),
+        *("--once", "--wait-for-first-checkpoint-secs", "1", "--mlflow-tracking-uri", mlflow_uri),
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("prefect-jax evaluate: error: "), last
+    assert "no committed checkpoint of job 'jj'" in last, last
+    assert f"(storage {storage} has no job 'jj'; jobs there: j)" in last, last
+    assert "--wait-for-first-checkpoint-secs" in last and "Traceback" not in proc.stderr
+    assert sorted(os.listdir(storage)) == ["j"]
+
+
 def test_these_refusals_are_not_retried():
     """A flow's task retries transient errors only: these need the user, not a retry (an eval
     hook's failure in a train task: its step is recorded, a retry would not call it again)."""

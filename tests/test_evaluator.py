@@ -247,6 +247,30 @@ def test_no_first_checkpoint_is_a_clear_timeout_after_the_start_delay():
     assert logged[0] == "waiting start_delay_secs=3 before the first evaluation"
 
 
+def test_no_first_checkpoint_of_a_job_with_no_folder_names_the_jobs_there(tmp_path):
+    """A mistyped job name: the storage has other jobs and none of this name. The timeout says
+    so (an evaluator started before its trainer, whose job has a folder, is not told)."""
+    from prefect_jax.training.errors import NoFirstCheckpointError
+    from prefect_jax.training.storage import JobStorage
+
+    (tmp_path / "digits" / "checkpoints").mkdir(parents=True)
+    for job, hint in (
+        ("digit", f" (storage {tmp_path} has no job 'digit'; jobs there: digits): "),
+        ("digits", "after 1s: "),
+    ):
+        clock = Clock()
+        evaluator = _evaluator(
+            Job(clock),
+            clock,
+            wait_for_first_checkpoint_secs=1.0,
+            storage=JobStorage(str(tmp_path), job),
+        )
+        with pytest.raises(NoFirstCheckpointError) as raised:
+            evaluator.wait_for_first_checkpoint()
+        assert isinstance(raised.value, TimeoutError) and hint in str(raised.value), raised.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digits"]
+
+
 def test_a_step_lost_to_retention_is_a_warning_and_resume_exports_the_newest_record():
     clock = Clock()
     job = Job(

@@ -97,8 +97,8 @@ def test_the_export_flow_on_a_job_without_checkpoints_says_so(tmp_path, mlflow_u
     where = JobStorage(str(storage), "untrained").checkpoint_dir
     with pytest.raises(
         ValueError,
-        match=rf"job 'untrained' has no committed checkpoint in {where}: nothing to export; "
-        "train it first",
+        match=rf"job 'untrained' has no committed checkpoint in {where} \(storage {storage} has "
+        r"no job 'untrained'; no job there at all\): nothing to export; train it first",
     ):
         state.result()
 

@@ -239,6 +239,9 @@ def _run_flow_with(
         program_params,
         train_spec if role in _TRAINS else None,  # its compile begins once the checks pass
         role != "train",  # (a trainer alone: its evaluator checks the metrics its spec names)
+        # an export with nothing to export, refused before its flow run (unless it waits)
+        role == "export" and not args.wait_for_checkpoint,
+        args.step if role == "export" else None,
     )
     blocks = names_a_block(storage) or names_a_block(tracking_uri)
     if not blocks:
@@ -280,15 +283,18 @@ def _preflight(
     program_params: dict[str, Any] | None = None,
     train_spec=None,
     evaluates: bool = True,
+    exports_now: bool = False,
+    export_step: int | None = None,
 ) -> None:
     """Refuse what the flow would refuse, before it starts: one clear error line, and no failed
     flow run with a traceback in front of it. The flow checks the same things again (a
     deployment's runs do not come through here). With `train_spec`, the compile of the job's
     steps begins once the checks pass, for the flow run's trainer in this process (see
-    `prefect_jax.training.head_start`)."""
+    `prefect_jax.training.head_start`). With `exports_now` (the export role, not waiting), an
+    `export_step` (None: the newest evaluated) with no evaluation is refused too."""
     from prefect_jax.blocks import resolve_storage, resolve_tracking
     from prefect_jax.tasks import ui_refresh_secs
-    from prefect_jax.training.facade import preflight
+    from prefect_jax.training.facade import check_export, preflight
 
     ui_refresh_secs()
     tracking_uri = resolve_tracking(tracking_uri, None)[0]
@@ -307,6 +313,8 @@ def _preflight(
         train_spec=train_spec,
         evaluates=evaluates,
     )
+    if exports_now:
+        check_export(job, storage, eval_spec.name, export_step, resolve=resolve_storage)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -229,6 +229,11 @@ class FinalEvaluationMissingError(RuntimeError):
         )
 
 
+class NoFirstCheckpointError(TimeoutError):
+    """An evaluator waited for its job's first committed checkpoint, and none came
+    (TF's `wait_for_session` timing out): the message names where it looked and what to check."""
+
+
 class NoProgressError(RuntimeError):
     """The job was rerun too many times in a row without getting past a step."""
 

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from prefect_jax.training.errors import NoFirstCheckpointError
 from prefect_jax.training.evaluation import EvalResult, EvalStatus, throttle_wait
 from prefect_jax.training.specs import (
     EVAL_POLL_SECS,
@@ -179,21 +180,31 @@ class Evaluator:
             )
             self.sleep(self.start_delay_secs)
 
-    def no_first_checkpoint(self) -> TimeoutError:
-        """The error of a first committed checkpoint that never came."""
-        return TimeoutError(
+    def no_first_checkpoint(self) -> NoFirstCheckpointError:
+        """The error of a first committed checkpoint that never came; where the storage has no
+        such job at all, the jobs it has (a mistyped name)."""
+        return NoFirstCheckpointError(
             f"no committed checkpoint of job {self.job!r} in {self.where} after "
-            f"{self.wait_for_first_checkpoint_secs:g}s: is the trainer running, and does it "
-            "use the same storage and job name? Raise wait_for_first_checkpoint_secs "
-            "(--wait-for-first-checkpoint-secs) for slow starts."
+            f"{self.wait_for_first_checkpoint_secs:g}s{self._no_such_job()}: is the trainer "
+            "running, and does it use the same storage and job name? Raise "
+            "wait_for_first_checkpoint_secs (--wait-for-first-checkpoint-secs) for slow starts."
         )
+
+    def _no_such_job(self) -> str:
+        """`` (storage R has no job 'x'; jobs there: a, b)`` where that is so, else ''."""
+        try:
+            missing = self.storage.no_such_job_said() if self.storage is not None else None
+        except Exception:  # noqa: BLE001 - unreadable: the message goes without it
+            return ""
+        return f" ({missing})" if missing else ""
 
     def wait_for_first_checkpoint(self) -> int:
         """Wait `start_delay_secs`, then for the job's first committed checkpoint (TF's
         `wait_for_session`), reading the storage only; return its newest committed step.
 
         Raises:
-            TimeoutError: none came within `wait_for_first_checkpoint_secs`.
+            NoFirstCheckpointError: (a TimeoutError) none came within
+                `wait_for_first_checkpoint_secs`.
         """
         from prefect_jax.training.checkpoint_dirs import wait_for_new_checkpoint
 

@@ -18,6 +18,7 @@ from prefect_jax.training.errors import (
     EvalHookError,
     ExportFailedError,
     LeaseHeldError,
+    NoFirstCheckpointError,
     NonFiniteLossError,
     NoProgressError,
     StorageNotWritableError,
@@ -28,6 +29,7 @@ REFUSALS: tuple[type[Exception], ...] = (
     EvalHookError,
     ExportFailedError,
     LeaseHeldError,
+    NoFirstCheckpointError,
     NoProgressError,
     NonFiniteLossError,
     StorageNotWritableError,
@@ -180,6 +182,23 @@ def preflight(
         train_spec=train_spec,
         evaluates=evaluates,
     )
+
+
+def check_export(
+    job: str,
+    storage: str,
+    eval_name: str,
+    step: int | None,
+    resolve: Callable[[str], tuple[str, Mapping[str, Any]]] | None = None,
+) -> None:
+    """Refuse an export of `step` (None: the newest evaluated one) that has no evaluation to
+    export, saying why and what to do, before its flow run starts (reads the storage only;
+    `resolve` as `preflight`'s). Raises `BadInputError` (a ``ValueError``)."""
+    from prefect_jax.training.export_choice import refuse_empty_export
+    from prefect_jax.training.storage import JobStorage
+
+    url, options = resolve(storage) if resolve is not None else (storage, {})
+    refuse_empty_export(JobStorage(url, job, dict(options or {})), eval_name, step, storage)
 
 
 def check_flow_tracking_uri(

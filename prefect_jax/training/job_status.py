@@ -20,10 +20,10 @@ from prefect_jax.training.names import (
     REGISTRY_FILE,
     STOP_FILE,
 )
-from prefect_jax.training.program_params import META_KEY, step_meta
+from prefect_jax.training.program_params import META_KEY
 from prefect_jax.training.records import damaged_records
 from prefect_jax.training.redaction import redact_url
-from prefect_jax.training.steps import job_committed_steps
+from prefect_jax.training.steps import job_committed_steps, step_meta
 from prefect_jax.training.storage import JobStorage
 
 
@@ -42,17 +42,9 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
             "check --job and --storage"
         )
     if not js.fs.exists(js.job_dir):
-        try:
-            jobs = sorted(
-                p.rstrip("/").rsplit("/", 1)[-1]
-                for p in js.fs.ls(js.root, detail=False)
-                if js.fs.isdir(p)
-            )
-        except FileNotFoundError:
-            jobs = []
-        there = f"jobs there: {', '.join(jobs)}" if jobs else "no job there at all"
         raise FileNotFoundError(
-            f"no job {job!r} in storage {redact_url(js.root)} ({there}); check --job and --storage"
+            f"no job {job!r} in storage {redact_url(js.root)} ({js.jobs_there_said()}); check "
+            "--job and --storage"
         )
     committed = job_committed_steps(js)
     try:

@@ -253,10 +253,10 @@ def check_job(
     from prefect_jax.training.errors import PastMaxStepsError
     from prefect_jax.training.lease import Lease
     from prefect_jax.training.program import load_program_with_params
-    from prefect_jax.training.program_params import check_restore_of, step_meta
+    from prefect_jax.training.program_params import check_restore_of
     from prefect_jax.training.serving import check_serving_early
     from prefect_jax.training.sharded_state import check_sharding
-    from prefect_jax.training.steps import job_committed_steps
+    from prefect_jax.training.steps import job_committed_steps, step_meta
 
     try:
         loaded, params = load_program_with_params(

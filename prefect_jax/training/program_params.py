@@ -351,21 +351,3 @@ def check_restore_of(
 
             verify_manifest(step_dir)
         raise
-
-
-def step_meta(storage, step: int) -> dict[str, Any] | None:
-    """A committed step's metadata (`JobStorage`, wherever it is), read without a restore or a
-    download; None where it cannot be read."""
-    try:
-        if storage.orbax_native:
-            from prefect_jax.training.checkpoint_dirs import read_meta_file
-
-            meta = read_meta_file(storage.checkpoint_dir, step)
-        else:
-            from prefect_jax.training.remote import RemoteSteps
-
-            remote = RemoteSteps(storage.remote_checkpoint_url, storage.storage_options)
-            meta = remote.read_meta(step)
-    except Exception:  # noqa: BLE001 - unreadable: the restore will say why
-        return None
-    return meta

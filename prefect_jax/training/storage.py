@@ -212,14 +212,17 @@ class JobStorage:
 
     def check_writable(self) -> None:
         """Raise `StorageNotWritableError` naming the root unless a file can be written (and
-        removed) in the job's directory: a refused write is found before the job changes
-        anything."""
+        removed) in the job's directory, or in the root where the job has none yet (the job's
+        first write makes it; a probe leaves no empty job behind, as an evaluator of a mistyped
+        job would): a refused write is found before the job changes anything."""
         from prefect_jax.training.errors import StorageNotWritableError
 
         probe = self.path(f".write-probe-{uuid.uuid4().hex}")
         try:
             if self.protocol == "file":
-                os.makedirs(self.job_dir, exist_ok=True)
+                if not os.path.isdir(self.job_dir):
+                    os.makedirs(self.root, exist_ok=True)
+                    probe = f"{self.root.rstrip('/')}/.write-probe-{uuid.uuid4().hex}"
                 with open(probe, "wb"):
                     pass
                 os.remove(probe)
@@ -238,6 +241,31 @@ class JobStorage:
                 cause = type(exc)(scrub(str(exc), secret_values(self.root, self.storage_options)))
                 raise StorageNotWritableError(redact_url(self.root), cause) from None
             raise
+
+    def jobs_there(self) -> list[str]:
+        """The names of the jobs (folders) in this storage's root, sorted ([] where it has none)."""
+        fs = self.fs
+        try:
+            listed = fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            e["name"].rstrip("/").rsplit("/", 1)[-1] for e in listed if e.get("type") == "directory"
+        )
+
+    def jobs_there_said(self) -> str:
+        """`jobs_there` for a message: ``jobs there: a, b``, or ``no job there at all``."""
+        jobs = self.jobs_there()
+        return f"jobs there: {', '.join(jobs)}" if jobs else "no job there at all"
+
+    def no_such_job_said(self) -> str | None:
+        """Where this job has no folder at all (a mistyped name, say): ``storage R has no job
+        'x'; jobs there: a, b``, for a message; None where it has one."""
+        if self.fs.exists(self.job_dir):
+            return None
+        from prefect_jax.training.redaction import redact_url
+
+        return f"storage {redact_url(self.root)} has no job {self.job!r}; {self.jobs_there_said()}"
 
     # -- small JSON files ------------------------------------------------------------
 

@@ -126,7 +126,7 @@ def evaluate(
 def _warn_of_another_max_steps(config, storage, step: int, logger) -> None:
     """The trainer records its max_steps in each step: an evaluator given another (the command's
     default, say) waits for a final step that never comes, or takes a middle one for final."""
-    from prefect_jax.training.program_params import step_meta
+    from prefect_jax.training.steps import step_meta
 
     meta = step_meta(storage, step) or {}
     if "max_steps" in meta and meta["max_steps"] != config.train.max_steps:

@@ -65,9 +65,9 @@ def export_flow(
         ```
     """
     from prefect_jax.training.evaluation import EvalRecords
+    from prefect_jax.training.export_choice import export_refusal, why_not_exportable
     from prefect_jax.training.live import land_mlflow_writes, release_state
     from prefect_jax.training.redaction import redact_url
-    from prefect_jax.training.steps import job_committed_steps, why_not_exportable
     from prefect_jax.training.storage import JobStorage
 
     config = checked_job_config(locals())  # its MLflow URI checked before any work
@@ -77,26 +77,17 @@ def export_flow(
     if wait_for_checkpoint:
         steps = _wait_for_evaluated(records, step, max_wait_secs, recovery_wait_secs)
     tasks = job_tasks(config.retry)
-    where = redact_url(js.remote_checkpoint_url or js.checkpoint_dir)
     waited = f" (waited max_wait_secs={max_wait_secs:g})" if wait_for_checkpoint else ""
-    if step is None and not steps:
-        if not job_committed_steps(js):  # (a listing: nothing is restored, nothing made)
-            raise ValueError(
-                f"job {job!r} has no committed checkpoint in {where}{waited}: nothing to export; "
-                "train "
-                "it first (the train or train_and_evaluate flow, with the same storage and job), "
-                "then evaluate it"
-            )
-        raise ValueError(
-            f"job {job!r} has no evaluated step yet (eval name {config.eval.name!r}){waited}: "
-            "evaluate it first"
-        )
+    refusal = export_refusal(js, job, config.eval.name, step, steps, waited)
+    if refusal is not None:  # (the command refused it already, where it came through one)
+        raise ValueError(refusal)
     chosen = steps[-1] if step is None else step
     result = records.get(chosen)
-    if result is None:
+    if result is None:  # (its record went between the listing and the read)
         raise ValueError(why_not_exportable(js, job, chosen, config.eval.name, steps))
     # TF's recover_session: the step's own checkpoint, never a fresh state in its place
     if not tasks.recover(config, step=chosen)["restored"]:
+        where = redact_url(js.remote_checkpoint_url or js.checkpoint_dir)
         raise ValueError(
             f"step {chosen} of job {job!r} was evaluated, but its checkpoint is no longer "
             f"committed in {where} (retention removed it?): nothing to export; export a step "
