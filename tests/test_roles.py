@@ -93,6 +93,35 @@ def test_trainer_then_evaluator_evaluate_every_checkpoint_once(
     assert _device_bytes() - before < 1000
 
 
+@pytest.mark.slow
+def test_an_evaluator_prunes_the_exports_it_held_for_mlflow_and_an_export_flow_never(
+    tmp_path, mlflow_uri, prefect_server
+):
+    """An evaluator exports faster than MLflow's worker registers, and keeps each export that is
+    not a version yet past `keep`. It holds no lease, yet those it held are its to prune once
+    registered (they stayed on disk, up to ten per exporter). An export flow's step, older than
+    the exporter's `keep` newest, stays: pruned once registered, it would be gone as it ends."""
+    from mlflow.tracking import MlflowClient
+
+    params = _params(tmp_path, mlflow_uri, "held", max_steps=30, exporters=[LatestExporter(keep=1)])
+    params["checkpoint_spec"] = CheckpointSpec(every_steps=5, keep_last=None)
+    params["eval_spec"] = params["eval_spec"].model_copy(update={"registered_model": "held"})
+    train(**params)
+    from prefect_jax.training import live
+
+    live.drop_all(close=False)  # the evaluator is another process: no live state
+    result = evaluate(**params, poll_secs=0.1)
+    assert result["evaluated"] == [5, 10, 15, 20, 25, 30]
+    versions = MlflowClient(mlflow_uri).search_model_versions("name = 'held'")
+    assert sorted(int(v.tags["prefect_jax.step"]) for v in versions) == [5, 10, 15, 20, 25, 30]
+    js = JobStorage(params["storage"], "held")
+    assert js.list_int_names(js.export_dir("latest")) == [30]  # back to keep=1
+    live.drop_all(close=False)  # the export is another process too
+    exported = export_flow(**params, step=10)
+    assert exported == {"latest": js.export_dir("latest", 10)}
+    assert js.list_int_names(js.export_dir("latest")) == [10, 30]
+
+
 def test_the_evaluator_leaves_a_preemption_checkpoint_alone(tmp_path, mlflow_uri):
     """A step a SIGTERM checkpointed off the cadence (here 25) is resumed from, never evaluated:
     the evaluator evaluates 20, 40, 60, and does not spin on 25."""
@@ -160,9 +189,11 @@ def test_evaluator_gives_up_waiting_for_a_first_checkpoint(tmp_path, mlflow_uri)
     assert state.is_failed()
     with pytest.raises(
         TimeoutError,
-        match="no committed checkpoint of job 'nobody' .* after 0.5s: is the trainer running",
+        match=r"no committed checkpoint of job 'nobody' .* after 0.5s \(storage .* has no job "
+        r"'nobody'; no job there at all\): is the trainer running",
     ):
         state.result()
+    assert not (tmp_path / "storage" / "nobody").exists()  # (`status` would list it)
 
 
 def test_early_stopping_stops_both_roles(tmp_path, mlflow_uri):

@@ -86,6 +86,11 @@ class Exports:
         self._example = None  # the serving input example (see `serving_example`)
         self._running: _Background | None = None  # an export in the background
         self._failed: _Background | None = None
+        # The job's evaluator (set by `Trainer.recover` for the evaluate flow): it holds no lease,
+        # yet the exports it held for MLflow are its own to prune once registered, as a trainer's
+        # are while it holds the lease. Never an export flow's: the step it wrote may be older
+        # than an exporter's `keep` newest, and would go as soon as it was registered.
+        self.prunes_once_registered = False
 
     @property
     def registered_model(self) -> str | None:
@@ -277,7 +282,8 @@ class Exports:
         def recorded(result: dict) -> None:
             registry = {"tracking_uri": redact_url(tracker.tracking_uri), **result}
             storage.write_json(storage.path(REGISTRY_FILE), registry)
-            if job.lease.held:  # (what waited for it; not once the job is another's)
+            # (what waited for it; a trainer's not once the job is another's)
+            if job.lease.held or self.prunes_once_registered:
                 best = lambda e: (exp.read_best(storage, e) or {}).get("step")  # noqa: E731
                 prune_registered(storage, config.eval.exporters, best)
 

@@ -351,6 +351,7 @@ def recover_trainer(
     whether that step is committed (its evaluation or export restores it). A recovered state
     cannot be trained on: `restore_or_init` first."""
     trainer.ending.stop_if_preempted()
+    trainer.exports.prunes_once_registered = evaluates  # (see there)
     job, loop = trainer.job, trainer.loop
     if trainer.state is not None and (step is None or step == trainer.step):
         # this process holds the job's state already (local mode: the trainer's own)
