@@ -639,6 +639,26 @@ def test_the_embedded_server_starts_without_registering_block_types_and_blocks_s
         server.stop()
 
 
+def test_the_embedded_server_is_a_background_job_that_a_tostop_terminal_cannot_stop(tmp_path):
+    """The embedded server runs in its own process group (a terminal's Ctrl-C is the command's
+    to handle), so to the terminal it is a background job: under ``stty tostop`` its first write
+    there (an error) would stop it with SIGTTOU while the command waits on it, and a read of the
+    terminal would at any setting. It ignores SIGTTOU and reads no terminal."""
+    from prefect_jax.cli.server import EmbeddedServer
+
+    server = EmbeddedServer({"PREFECT_HOME": str(tmp_path / "home")})
+    try:
+        pid = server.process.pid
+        assert os.getpgid(pid) == pid  # (its own group)
+        status = dict(
+            line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines()
+        )
+        assert int(status["SigIgn"], 16) & (1 << (signal.SIGTTOU - 1)), status["SigIgn"]
+        assert os.readlink(f"/proc/{pid}/fd/0") == os.devnull
+    finally:
+        server.stop()
+
+
 def test_the_device_copy_is_the_spec_s_default_unless_the_command_says_which():
     assert [
         _run_specs(*flags)[2].device_copy

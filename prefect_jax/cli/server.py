@@ -87,6 +87,28 @@ def die_with_parent():
     return set_death_signal
 
 
+def background_of_the_terminal():
+    """A ``preexec_fn`` for a child run in its own process group (a background job of the
+    terminal) that must not outlive this command (`die_with_parent`) and writes to the terminal:
+    SIGTTOU ignored, so that under ``stty tostop`` its write (an error) goes through instead of
+    stopping it while this command waits on it. An ignored signal stays ignored across the exec.
+    """
+    import ctypes
+
+    dies = die_with_parent()
+    try:
+        libc_signal = ctypes.CDLL("libc.so.6", use_errno=True).signal
+    except Exception:  # noqa: BLE001 - not Linux: SIGTTOU keeps its default
+        return dies
+
+    def preexec() -> None:  # pragma: no cover - runs in the forked child
+        libc_signal(signal.SIGTTOU, ctypes.c_void_p(1))  # (SIG_IGN)
+        if dies is not None:
+            dies()
+
+    return preexec
+
+
 def _prefect_package_dir() -> str:
     """Where the installed ``prefect`` package is, found without importing it (which is slow)."""
     import importlib.util
@@ -155,7 +177,13 @@ class EmbeddedServer:
         # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) stopped it
         # at once, while the command, checkpointing its step, went on recording to it and waited
         # out the client's retries. The command stops it as it ends (and its death signal).
-        return subprocess.Popen(command, env=env, preexec_fn=die_with_parent(), process_group=0)
+        return subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,  # (a background job reading the terminal would be stopped)
+            preexec_fn=background_of_the_terminal(),
+            process_group=0,
+        )
 
     def wait(self, timeout: float) -> str:
         """Wait until the server answers its health check; its API URL. Raises RuntimeError if it
