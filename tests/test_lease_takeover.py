@@ -1,6 +1,7 @@
 """What taking a lease does when its read-back finds another record
 (`prefect_jax.training.lease_takeover`): the beat of a live holder that lands over the write, a
-holder preempted in the meantime, a stale holder that proves alive."""
+holder preempted in the meantime, a stale holder that proves alive. The holders' writes here are
+made plainly, past the lease's compare-and-set (`lease_file`): as on storage that has none."""
 
 import json
 import logging
@@ -58,18 +59,23 @@ def test_a_takeover_that_the_live_holders_heartbeat_writes_over_writes_again(tmp
 def test_a_holder_preempted_during_the_takeover_is_waited_for_while_its_save_writes(
     tmp_path, caplog
 ):
-    """The holder marks itself finishing (a SIGTERM's save still writes) between the taker's
-    write and its read-back: the lease is judged again, so the taker waits for those writes
-    instead of writing over the mark and moving the half-written step aside."""
+    """The holder marks itself finishing (a SIGTERM's save still writes) after the taker judged
+    the lease and before its write: the write, made only over the record judged, is refused
+    (`lease_file`), and the lease is judged again, so the taker waits for those writes instead
+    of writing over the mark and moving the half-written step aside."""
     holder = lease_under(tmp_path)
     holder.acquire()
     writes_ended = threading.Event()
+    rerun = lease_under(tmp_path)
+    takers_write = rerun.file.write_if
 
-    def preempted():
-        release_after(holder, lambda: writes_ended.wait(30), "step 120")
-        threading.Timer(1.5, writes_ended.set).start()
+    def preempted_first(*args, **kwargs):
+        if not writes_ended.is_set() and holder.finishing is None:
+            release_after(holder, lambda: writes_ended.wait(30), "step 120")
+            threading.Timer(1.5, writes_ended.set).start()
+        return takers_write(*args, **kwargs)
 
-    rerun = lease_under(tmp_path, storage_class=_storage_that_after_the_takers_write(preempted))
+    rerun.file.write_if = preempted_first
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
         rerun.acquire()
@@ -79,6 +85,23 @@ def test_a_holder_preempted_during_the_takeover_is_waited_for_while_its_save_wri
         assert rerun.taken_over is None and "may still be writing step 120" in caplog.text
     finally:
         writes_ended.set()
+        rerun.release()
+
+
+def test_a_holder_that_marks_itself_finishing_after_the_takeover_finds_the_job_taken(tmp_path):
+    """The other order: the taker's write lands first. The holder's mark, written only over its
+    own record, is refused: it finds the job taken and stops before its next checkpoint (its
+    abandoned save is the taker's to move aside), never writing over the taker's record."""
+    holder = lease_under(tmp_path)
+    holder.acquire()
+    rerun = lease_under(tmp_path)
+    rerun.acquire()
+    try:
+        release_after(holder, lambda: None, "step 120")
+        assert holder.read()["token"] == rerun.token and holder.lost_to["token"] == rerun.token
+        with pytest.raises(LeaseLostError):
+            holder.verify()
+    finally:
         rerun.release()
 
 

@@ -15,13 +15,13 @@ SIGKILL it goes stale. A save still written after a SIGTERM's grace period keeps
 
 A holder checks that it still holds the lease before each checkpoint (`verify`): one whose lease
 was taken over (its heartbeat went stale, or a rerun of its flow run started on another machine)
-stops there with `LeaseLostError` instead of writing over the new holder's steps.
+stops there with `LeaseLostError` instead of writing over the new holder's steps. On local paths
+and S3 each write of the lease lands only over the record its writer read (`lease_file`), so a
+lost holder's late heartbeat never lands over its taker's record.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import socket
@@ -32,11 +32,12 @@ from collections.abc import Callable
 
 from prefect_jax.training import lease_takeover as takeover
 from prefect_jax.training.errors import JobDirectoryGoneError, LeaseHeldError, LeaseLostError
+from prefect_jax.training.lease_file import LeaseFile
 from prefect_jax.training.lease_finishing import wait_while_finishing
 from prefect_jax.training.local_processes import holder_gone
 from prefect_jax.training.names import LEASE_FILE
 from prefect_jax.training.redaction import redact_url
-from prefect_jax.training.storage import JobStorage, atomic_write
+from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.lease")
 
@@ -80,6 +81,7 @@ class Lease:
     def __init__(self, storage: JobStorage, owner_id: str | None = None, timeout_secs=120.0):
         self.storage = storage
         self.path = storage.path(LEASE_FILE)
+        self.file = LeaseFile(storage, self.path)  # (written over what was read: see there)
         self.owner_id = owner_id
         self.timeout_secs = timeout_secs
         self.token: str | None = None
@@ -117,18 +119,9 @@ class Lease:
         }
 
     def read(self) -> dict | None:
-        """The lease record, or None when there is none. A torn one (a write cut short, bit rot)
-        is held by a trainer nobody can name: ``{"torn": <path>, "heartbeat": <its mtime>}``, so it
-        keeps the job until it goes stale as any lease does, by its last write and the timeout.
-        Read as none, it would let a second trainer take a live job silently."""
-        try:
-            return self.storage.read_json(self.path)
-        except ValueError:  # (json's and UTF-8's decode errors)
-            try:
-                written = self.storage.fs.modified(self.path).timestamp()
-            except (OSError, NotImplementedError, ValueError):
-                written = time.time()  # no time to go by: held for a whole timeout from now
-            return {"torn": redact_url(self.path), "heartbeat": written}
+        """The lease record, or None when there is none; a torn one is held by a trainer nobody
+        can name (`LeaseFile._torn`)."""
+        return self.file.read()[0]
 
     def stale_reason(self, current: dict) -> str | None:
         gone = holder_gone(current, self.timeout_secs)
@@ -215,7 +208,7 @@ class Lease:
                 )
                 return
             if current is not None and current.get("torn") and self._beat_is_fresh():
-                self._repair(current)
+                self.write_beat()  # (ours, torn: written again)
                 current = self.read()
             if current is not None and current.get("token") == self.token:
                 self._confirmed_at = time.monotonic()
@@ -299,11 +292,14 @@ class Lease:
                     "taking over the lease of %s (%s): %s", self.storage.job_dir, reason, current
                 )
                 self.taken_over = dict(current, reason=reason)
+            again, version = self.file.read()
+            if again != current:
+                continue  # (written since it was judged: judged again)
             self.token = uuid.uuid4().hex
             for _ in range(takeover.TAKEOVER_WRITES):  # (what a read-back finds: `takeover`)
-                self.storage.write_json(self.path, self._record())
-                self._written_at = time.monotonic()
-                confirmed = self.read()
+                if self.file.write_if(self._record(), version, make_parent=True):
+                    self._written_at = time.monotonic()
+                confirmed, version = self.file.read()
                 then = takeover.after_takeover_write(self, current, confirmed)
                 if then != takeover.WRITE_AGAIN:
                     break
@@ -327,22 +323,8 @@ class Lease:
         interval = max(0.5, self.timeout_secs / 4)
         while not self._stop.wait(interval):
             try:
-                current = self.read()
-                if (
-                    current
-                    and current.get("torn")
-                    and self._beat_is_fresh()
-                    and not self._stop.is_set()
-                ):
-                    self._repair(current)  # ours, torn since this process last wrote it
-                    continue
-                if not current or current.get("token") != self.token:
-                    if not self._stop.is_set():  # (set: released meanwhile, not ours to write)
-                        self._lose(current or {})  # the next checkpoint's `verify` stops training
+                if not self.write_beat():
                     return
-                if self._stop.is_set():
-                    return
-                self.write_beat()
             except Exception:  # noqa: BLE001 - a missed beat is retried on the next one
                 logger.exception("lease heartbeat failed")
 
@@ -352,34 +334,43 @@ class Lease:
         last = max(self._confirmed_at or 0.0, self._written_at or 0.0)
         return last > 0 and time.monotonic() - last < self.timeout_secs
 
-    def _repair(self, torn: dict) -> None:
-        """The lease this process holds, found torn (bit rot, a storage's partial write): written
-        again, named in the log. Another trainer cannot have taken it meanwhile (this process's
-        heartbeats kept it fresh), so the torn record was this process's own."""
-        logger.warning(
-            "the lease file %s is torn; this trainer holds the lease and writes it again",
-            torn["torn"],
-        )
-        self.write_beat()
-
-    def write_beat(self) -> None:
-        """Write the heartbeat into the job's directory as this process found it, never into one
-        made anew: the directory may vanish between the read and this write, and a write that
-        made its parent again would hide that (the next read would find this lease in place)."""
+    def write_beat(self) -> bool:
+        """Write the heartbeat over this process's own record, only over the record read
+        (`LeaseFile.write_if`); whether the lease is still this process's. Found another's (or
+        none), the lease is lost (the next checkpoint's `verify` stops training), unless it was
+        released meanwhile. Found torn while this process's beats kept it fresh, it was this
+        process's own (bit rot, a partial write: no other trainer can have taken it) and is
+        written again. Written into the job's directory as this process found it, never into one
+        made anew: the directory may vanish between the read and the write, and a write that made
+        its parent again would hide that (the next read would find this lease in place)."""
         if self._home is not None and _identity(self.storage) != self._home:
-            self._lose({})  # (`_moved_away` says why)
-            return
+            if not self._stop.is_set():
+                self._lose({})  # (`_moved_away` says why)
+            return False
         with self._writing:  # (a record built before `finishing` was set never lands after it)
-            if self.storage.protocol != "file":
-                self.storage.write_json(self.path, self._record())
-            else:
+            for _ in range(2):  # (refused: read again, and judged on what is there now)
+                current, version = self.file.read()
+                if current and current.get("torn") and self._beat_is_fresh():
+                    logger.warning(
+                        "the lease file %s is torn; this trainer holds the lease and writes it "
+                        "again",
+                        current["torn"],
+                    )
+                elif not current or current.get("token") != self.token:
+                    if not self._stop.is_set():  # (set: released meanwhile, not ours to write)
+                        self._lose(current or {})
+                    return False
+                if self._stop.is_set():  # (released meanwhile)
+                    return False
                 try:
-                    record = json.dumps(self._record(), indent=1, sort_keys=True).encode()
-                    atomic_write(self.path, record)
+                    written = self.file.write_if(self._record(), version)
                 except FileNotFoundError:  # gone between the look above and the write
                     self._lose({})
-                    return
-            self._written_at = time.monotonic()
+                    return False
+                if written:
+                    self._written_at = time.monotonic()
+                    return True
+            return True  # (refused twice, still ours when read: the next beat writes it)
 
     def release(self, writes_ended: bool = False) -> None:
         """Give the lease back (only if we still hold it, and its `finishing` writes ended)."""
@@ -391,9 +382,8 @@ class Lease:
             # by nobody for a whole timeout); a write that hangs is not waited for long.
             self._thread.join(timeout=10)
         try:
-            current = self.read()
+            current, version = self.file.read()
             if current and current.get("token") == self.token:
-                with contextlib.suppress(FileNotFoundError):  # (freed by a late writer meanwhile)
-                    self.storage.fs.rm(self.path)
+                self.file.remove_if(version)
         finally:
             self.token, self.finishing = None, None

@@ -1,7 +1,9 @@
 """What taking a job's lease does when the read-back of its write finds another record.
 
-Taking a lease is a write and then a read-back: fsspec offers no compare-and-set across the
-stores it reaches. Where the read-back does not find the taker's own record, it finds
+Taking a lease is a write and then a read-back. On local paths and S3 the write lands only over
+the record judged (`lease_file`): a holder's beat or mark written since refuses it, and the
+read-back finds that record. Elsewhere (no compare-and-set) the write lands, and a holder's write
+may land over it. Where the read-back does not find the taker's own record, it finds
 
 - nothing: the holder let the job go (its release reads the lease, then deletes it: a delete
   that lands after the write): the lease is written again, a taking and no longer a takeover;
@@ -14,9 +16,11 @@ stores it reaches. Where the read-back does not find the taker's own record, it 
   makes the holder live (a lease taken over as stale), the holder keeps the job;
 - that holder's record newly marked ``finishing``: it was preempted meanwhile and its last save
   may still be writing, so the lease is judged again, which waits for those writes
-  (`lease_finishing.wait_while_finishing`). Without a compare-and-set, a mark that lands before
-  the write (after the judgement) is still written over; the holder's next beat then finds the
-  lease taken, and its abandoned save may go on writing;
+  (`lease_finishing.wait_while_finishing`). A mark written after the judgement and before the
+  write refuses the write where the lease has a compare-and-set (then found here too); without
+  one it is written over, and the holder's next beat finds the lease taken, its abandoned save
+  possibly still writing. A mark after the write is refused itself (with a compare-and-set):
+  the holder finds the job taken;
 - another trainer's record: its later write won (`Lease.acquire` decides what follows).
 """
 

@@ -1,0 +1,226 @@
+"""The lease record's reads and writes (`prefect_jax.training.lease`), each write made only over
+the record its writer read last (a compare-and-set) where the storage can refuse it otherwise.
+
+A heartbeat is a read and then a write, and so is a takeover. Between the two another trainer
+may write: a takeover of a holder whose beat was slow to land (a stalled PUT, a long pause), or
+a holder's mark that it is finishing a save. Written plainly, the later write wins: a lost
+holder's late beat lands over its taker's record, the taker stops at its next checkpoint and the
+old holder, which should have stopped, trains on; a finishing mark that lands just before a
+takeover's write is written over, and the taker does not wait for that save. Written over the
+record read only, the late writer is refused, reads again, and judges what it finds: a holder
+finds the job taken and stops before its next checkpoint; a taker finds the mark and waits.
+
+- Local paths (and shared file systems with POSIX locks): the compare and the write are made
+  under an exclusive ``flock`` of ``<job>/.lease.lock``, which every writer of the lease takes.
+- S3 (``s3://``, ``s3a://``): ``PutObject`` with ``If-Match`` the ETag read (``If-None-Match:
+  *`` where there was no lease), which S3 refuses with 412 where the object changed since.
+- Elsewhere (``gs://``: gcsfs takes no generation precondition on a write; Azure; ...), and where
+  a store or file system refuses the precondition itself, the write is plain, said once: the
+  holder's check before each checkpoint (`Lease.verify`) and the takeover's read-back
+  (`lease_takeover`) are the fence, as they were before this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.storage import JobStorage, atomic_write
+
+logger = logging.getLogger("prefect_jax.lease")
+
+LOCK_FILE = ".lease.lock"
+S3_PROTOCOLS = ("s3", "s3a")
+_said_plain: set[str] = set()  # the storage roots whose plain writes were said (once each)
+
+
+class LeaseFile:
+    """The lease file of one job: `read` gives the record and its version, `write_if` writes a
+    record only where the file is still at the version read (see the module).
+
+    Args:
+        storage: the job's storage.
+        path: the lease file's path in it.
+    """
+
+    def __init__(self, storage: JobStorage, path: str):
+        self.storage, self.path = storage, path
+        self.local = storage.protocol == "file"
+        self.s3 = storage.protocol in S3_PROTOCOLS
+        self.conditional = self.local or self.s3
+
+    def read(self) -> tuple[dict | None, Any]:
+        """The record (None: no lease; a torn one as `_torn` says) and its version, what
+        `write_if` compares: the S3 object's ETag, else the record itself."""
+        if not self.s3:
+            record = self._read_record()
+            return record, record
+        import fsspec.asyn
+
+        fs = self.storage.fs
+        try:  # (one GET, its ETag with it: not a HEAD first, each a round trip)
+            data, etag = fsspec.asyn.sync(fs.loop, _get_with_etag, fs, self.path)
+        except FileNotFoundError:
+            return None, None
+        return self._decode(data), etag
+
+    def write_if(self, record: dict, version: Any, make_parent: bool = False) -> bool:
+        """Write `record` where the lease is still at `version` (`read`'s; None: where there is
+        no lease); False, writing nothing, where another write came since. `make_parent`: make
+        the job's directory where it is missing (a new lease; a heartbeat never makes it again:
+        `Lease.write_beat`)."""
+        if self.local:
+            with self._locked(make_parent) as locked:
+                if locked and self._read_record() != version:
+                    return False
+                if make_parent:
+                    self.storage.write_json(self.path, record)
+                else:
+                    atomic_write(self.path, _encode(record))
+                return True
+        if not self.s3:
+            self._say_plain("its storage takes no precondition on a write")
+            self.storage.write_json(self.path, record)
+            return True
+        condition = {"mode": "create"} if version is None else {"IfMatch": version}
+        try:
+            self.storage.fs.pipe_file(self.path, _encode(record), **condition)
+        except FileExistsError:  # (If-None-Match refused: a lease was written meanwhile)
+            return False
+        except OSError as exc:
+            if _refused(exc):
+                return False
+            if not _not_implemented(exc):
+                raise
+            self._say_plain(f"the store refused the precondition ({exc})")
+            self.storage.write_json(self.path, record)
+        return True
+
+    def remove_if(self, version: Any) -> bool:
+        """Remove the lease where it is still at `version`; False where another write came since
+        (locally; elsewhere the caller's read is the only check). A lease already gone is
+        removed."""
+        try:
+            with self._locked(False) if self.local else contextlib.nullcontext(False) as locked:
+                if locked and self._read_record() != version:
+                    return False
+                self.storage.fs.rm(self.path)
+        except FileNotFoundError:  # (freed by a late writer meanwhile, or its folder gone)
+            pass
+        return True
+
+    # -- local ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self, make_parent: bool) -> Iterator[bool]:
+        """Hold ``<job>/.lease.lock`` exclusively; yields whether it is held (False where the
+        file system refuses locks: said once, and the write is plain). Raises FileNotFoundError
+        where the job's directory is gone and `make_parent` is False."""
+        folder = os.path.dirname(self.path)
+        if make_parent:
+            os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                self._say_plain(f"its file system refuses locks ({exc.strerror})")
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # (the lock goes with it)
+
+    def _read_record(self) -> dict | None:
+        try:
+            return self.storage.read_json(self.path)
+        except ValueError:  # (json's and UTF-8's decode errors)
+            return self._torn()
+
+    def _decode(self, data: bytes) -> dict:
+        import json
+
+        try:
+            return json.loads(data)
+        except ValueError:
+            return self._torn()
+
+    def _torn(self) -> dict:
+        """A torn record (a write cut short, bit rot) is held by a trainer nobody can name:
+        ``{"torn": <path>, "heartbeat": <its mtime>}``, so it keeps the job until it goes stale
+        as any lease does, by its last write and the timeout. Read as none, it would let a second
+        trainer take a live job silently."""
+        try:
+            written = self.storage.fs.modified(self.path).timestamp()
+        except (OSError, NotImplementedError, ValueError):
+            written = time.time()  # no time to go by: held for a whole timeout from now
+        return {"torn": redact_url(self.path), "heartbeat": written}
+
+    def _say_plain(self, why: str) -> None:
+        if self.storage.root not in _said_plain:
+            _said_plain.add(self.storage.root)
+            logger.info(
+                "the lease of %s is written without a compare-and-set: %s. A holder's late "
+                "heartbeat can land over a takeover (the checks before each checkpoint still "
+                "stop the holder that lost it): docs/preemption.md",
+                redact_url(self.storage.job_dir),
+                why,
+            )
+
+
+async def _get_with_etag(fs, path: str) -> tuple[bytes, str | None]:
+    """An S3 object's bytes and its ETag, from one GET (s3fs's async API, as its `_cat_file`)."""
+    bucket, key, _ = fs.split_path(path)
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    try:
+        return await response["Body"].read(), response.get("ETag")
+    finally:
+        response["Body"].close()
+
+
+def _encode(record: dict) -> bytes:
+    import json
+
+    return json.dumps(record, indent=1, sort_keys=True).encode()
+
+
+def _responses(exc: BaseException) -> Iterator[dict]:
+    """The botocore responses behind an error s3fs raised (its cause chain)."""
+    seen = exc
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            yield response
+        seen = seen.__cause__ or seen.__context__
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether S3 refused a precondition: 412 (the object changed), or 409 (a conditional write
+    raced another)."""
+    for response in _responses(exc):
+        code = (response.get("Error") or {}).get("Code")
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+            return True
+    return False
+
+
+def _not_implemented(exc: BaseException) -> bool:
+    """Whether an S3-compatible store does not implement the precondition (501)."""
+    for response in _responses(exc):
+        code = (response.get("Error") or {}).get("Code")
+        if (
+            code == "NotImplemented"
+            or (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") == 501
+        ):
+            return True
+    return False

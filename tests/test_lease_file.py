@@ -1,0 +1,79 @@
+"""The lease's compare-and-set (`prefect_jax.training.lease_file`): on a local path (a lock) and on
+S3 (a moto server on loopback: ``If-Match`` / ``If-None-Match``), a write lands only over the
+record its writer read. A holder that lost the job cannot land a late heartbeat over its taker's
+record (it stopped the taker, and trained on itself); two takers of a free job cannot both win."""
+
+import json
+
+import pytest
+from lease_helpers import lease_under
+
+from prefect_jax.training.errors import LeaseLostError
+from prefect_jax.training.lease import Lease
+from prefect_jax.training.storage import JobStorage
+
+BUCKET = "leases"
+
+
+@pytest.fixture(params=["local", "s3"])
+def new_lease(request, tmp_path):
+    """Makes `Lease`s of one job (flow run "run-2", this process), on a local path or on S3."""
+    if request.param == "local":
+        return lambda **kw: lease_under(tmp_path, **kw)
+    s3 = request.getfixturevalue("s3_server")
+    s3.create_bucket(BUCKET)
+    root = f"s3://{BUCKET}/{tmp_path.name}"
+    return lambda timeout=60.0: Lease(
+        JobStorage(root, "j", s3.storage_options), owner_id="run-2", timeout_secs=timeout
+    )
+
+
+def test_a_lost_holders_late_heartbeat_is_refused_and_the_taker_keeps_the_job(new_lease):
+    """The holder reads its record for a beat, then stalls (a PUT that hangs, a long pause); a
+    rerun of its flow run takes the job over meanwhile. The beat, written at last, is refused:
+    the taker's record stays, the holder finds it and stops before its next checkpoint."""
+    holder = new_lease()
+    holder.acquire()
+    taker = new_lease()
+    try:
+        assert holder.file.conditional
+        beat_read, version = holder.file.read()  # (the beat's read, before the stall)
+        assert beat_read["token"] == holder.token
+        taker.acquire()  # (left by this process: taken over at once, as a retry's rerun)
+        assert taker.taken_over["token"] == holder.token
+        assert not holder.file.write_if(holder._record(), version)  # the late write: refused
+        assert taker.read()["token"] == taker.token
+        assert not holder.write_beat()  # its beat, reading again: the job is the taker's
+        with pytest.raises(LeaseLostError):
+            holder.verify()
+        taker.verify()  # (the taker trains on)
+    finally:
+        taker.release()
+        holder.release()
+    assert taker.read() is None
+
+
+def test_of_two_takers_of_a_free_job_one_wins(new_lease):
+    """Two trainers read "no lease" and write theirs: the second write is refused (before, the
+    later write won, and the first found out at its read-back)."""
+    first, second = new_lease(), new_lease()
+    record, version = first.file.read()
+    assert record is None and version is None
+    first.token, second.token = "first", "second"
+    assert first.file.write_if(first._record(), version, make_parent=True)
+    assert not second.file.write_if(second._record(), version, make_parent=True)
+    assert first.read()["token"] == "first"
+
+
+def test_a_release_never_removes_a_lease_written_since_its_read(tmp_path):
+    """A release reads its own record, then removes the file: where a taker wrote between the
+    two, the remove is refused and the taker keeps its lease (locally: the compare and the remove
+    under the lock)."""
+    holder = lease_under(tmp_path)
+    holder.acquire()
+    _, version = holder.file.read()
+    with open(holder.path, "w") as f:  # (a taker's record, written after the release's read)
+        json.dump({"token": "taker", "heartbeat": 0}, f)
+    assert not holder.file.remove_if(version)
+    assert json.load(open(holder.path))["token"] == "taker"
+    holder.token = None  # (lost: nothing of its to release)
