@@ -780,6 +780,6 @@ def test_a_stopped_commands_last_line_names_the_step_its_rerun_resumes_at():
         preemption.note_resumes_at(None)  # a notice before any step was committed
         assert cli._how_to_go_on().startswith("no step was committed yet")
     finally:
-        facade.resumes_at(forget=True)
+        facade.forget_resumes_at()
     assert facade.resumes_at() is None
     assert cli._how_to_go_on().startswith("the newest committed step is kept")

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     from prefect_jax.training import facade
 
-    facade.resumes_at(forget=True)  # (what an earlier command in this process ended with)
+    facade.forget_resumes_at()  # (what an earlier command in this process ended with)
     if args.command in _ROLES:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         facade.deliver_lost_notices()

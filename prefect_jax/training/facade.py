@@ -309,15 +309,20 @@ def received_signal() -> int | None:
     return received()
 
 
-def resumes_at(forget: bool = False) -> tuple[int | None] | None:
+def resumes_at() -> tuple[int | None] | None:
     """Where the job a preemption notice ended in this process resumes (see
-    `prefect_jax.training.preemption.resumes_at`); `forget`: forget it first (a command's start:
-    a Python session may run several)."""
+    `prefect_jax.training.preemption.resumes_at`)."""
     from prefect_jax.training import preemption
 
-    if forget:
-        preemption.note_resumes_at(None, forget=True)
     return preemption.resumes_at()
+
+
+def forget_resumes_at() -> None:
+    """Forget what an earlier command in this process ended with (a command's start: a Python
+    session may run several): `resumes_at` is None until a trainer says."""
+    from prefect_jax.training import preemption
+
+    preemption.forget_resumes_at()
 
 
 def deliver_lost_notices() -> None:

@@ -42,10 +42,16 @@ def resumes_at() -> tuple[int | None] | None:
     return _resumes_at
 
 
-def note_resumes_at(step: int | None, forget: bool = False) -> None:
-    """Record where the job resumes (`resumes_at`); `forget`: that no trainer said (a new run)."""
+def note_resumes_at(step: int | None) -> None:
+    """Record where the job resumes (`resumes_at`)."""
     global _resumes_at
-    _resumes_at = None if forget else (step,)
+    _resumes_at = (step,)
+
+
+def forget_resumes_at() -> None:
+    """Forget where a job resumes: no trainer of this process said yet (a new command)."""
+    global _resumes_at
+    _resumes_at = None
 
 
 def note_received(signum: int) -> None:
