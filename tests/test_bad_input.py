@@ -282,6 +282,30 @@ def test_an_export_with_nothing_to_export_is_one_line_before_any_flow_runs(train
     assert sorted(os.listdir(storage)) == ["j"] and _tree_digest(storage) == before
 
 
+def test_an_evaluated_step_that_cannot_be_exported_is_one_line_before_any_flow_runs(
+    trained, mlflow_uri, tmp_path
+):
+    """An evaluated step whose checkpoint retention removed, or whose eval record is damaged, is
+    refused by the command in one line too (the flow refused both after its start)."""
+    _, storage = trained
+    copy = tmp_path / "storage"
+    shutil.copytree(storage, copy)
+    shutil.rmtree(copy / "j" / "checkpoints" / "20")
+    (copy / "j" / "evals" / "eval" / "40.json").write_text('{"step": 4')
+    before = _tree_digest(copy)
+    export = ("export", "--program", TINY, "--job", "j", "--storage", str(copy))
+    flags = ("--max-steps", "40", "--mlflow-tracking-uri", mlflow_uri)
+    proc = run_cli(*export, "--step", "20", *flags)
+    line = _one_error_line(proc, "export")
+    assert proc.returncode == 2 and "step 20 of job 'j' was evaluated, but its checkpoint" in line
+    proc = run_cli(*export, *flags)  # (the newest evaluated step: 40)
+    warning, line = proc.stderr.strip().splitlines()  # (the records' warning, then the refusal)
+    assert "40.json is damaged" in warning and line.startswith("prefect-jax export: error: ")
+    assert proc.returncode == 2 and "step 40 of job 'j': its evaluation record" in line, line
+    assert "cannot be read (damaged" in line and "another evaluated step ([20])" in line, line
+    assert _tree_digest(copy) == before
+
+
 def test_an_evaluator_of_a_job_that_is_not_there_names_the_jobs_there_and_makes_none(
     trained, mlflow_uri
 ):

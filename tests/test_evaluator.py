@@ -248,8 +248,9 @@ def test_no_first_checkpoint_is_a_clear_timeout_after_the_start_delay():
 
 
 def test_no_first_checkpoint_of_a_job_with_no_folder_names_the_jobs_there(tmp_path):
-    """A mistyped job name: the storage has other jobs and none of this name. The timeout says
-    so (an evaluator started before its trainer, whose job has a folder, is not told)."""
+    """A mistyped job name: the storage has other jobs and none of this name. The wait's start
+    and its timeout say so (an evaluator started before its trainer, whose job has a folder, is
+    not told)."""
     from prefect_jax.training.errors import NoFirstCheckpointError
     from prefect_jax.training.storage import JobStorage
 
@@ -258,16 +259,23 @@ def test_no_first_checkpoint_of_a_job_with_no_folder_names_the_jobs_there(tmp_pa
         ("digit", f" (storage {tmp_path} has no job 'digit'; jobs there: digits): "),
         ("digits", "after 1s: "),
     ):
-        clock = Clock()
+        clock, warned = Clock(), []
         evaluator = _evaluator(
             Job(clock),
             clock,
             wait_for_first_checkpoint_secs=1.0,
             storage=JobStorage(str(tmp_path), job),
+            warn=lambda msg, *a, said=warned: said.append(msg % a),
         )
         with pytest.raises(NoFirstCheckpointError) as raised:
             evaluator.wait_for_first_checkpoint()
         assert isinstance(raised.value, TimeoutError) and hint in str(raised.value), raised.value
+        # said as the wait begins too (the default wait is an hour)
+        if job == "digit":
+            assert len(warned) == 1 and "jobs there: digits): waiting up to 1s" in warned[0]
+            assert "is --job (or the storage) mistyped?" in warned[0], warned
+        else:
+            assert warned == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["digits"]
 
 

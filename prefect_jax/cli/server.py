@@ -92,6 +92,7 @@ def background_of_the_terminal():
     terminal) that must not outlive this command (`die_with_parent`) and writes to the terminal:
     SIGTTOU ignored, so that under ``stty tostop`` its write (an error) goes through instead of
     stopping it while this command waits on it. An ignored signal stays ignored across the exec.
+    (Ignored, it would not stop a change of the terminal's settings either: uvicorn makes none.)
     """
     import ctypes
 

@@ -209,6 +209,15 @@ class Evaluator:
         from prefect_jax.training.checkpoint_dirs import wait_for_new_checkpoint
 
         self.wait_start_delay()
+        missing = self._no_such_job()
+        if missing and not self.committed_steps():  # (a mistyped name, or a trainer yet to start)
+            self.warn(
+                "no job %r there yet%s: waiting up to %gs for its trainer's first checkpoint; is "
+                "--job (or the storage) mistyped?",
+                self.job,
+                missing,
+                self.wait_for_first_checkpoint_secs,
+            )
         first = wait_for_new_checkpoint(
             self.committed_steps,
             None,

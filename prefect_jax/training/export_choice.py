@@ -10,8 +10,8 @@ Example:
     from prefect_jax.training.storage import JobStorage
 
     storage = JobStorage("/tmp/prefect-jax", "digits")
-    evaluated = EvalRecords(storage, "eval").steps()       # [20, 40]
-    print(export_refusal(storage, "digits", "eval", 30, evaluated))
+    records = EvalRecords(storage, "eval")
+    print(export_refusal(storage, records, 30, records.steps()))   # (evaluated: [20, 40])
     # step 30 of job 'digits' is not committed (...): nothing to export; ...
     ```
 """
@@ -24,34 +24,57 @@ WAIT_HINT = "--wait-for-checkpoint; a flow's wait_for_checkpoint"
 LONGER_HINT = "--max-wait-secs; a flow's max_wait_secs"
 
 
-def export_refusal(
-    storage, job: str, eval_name: str, step: int | None, evaluated: list[int], waited: str = ""
-) -> str | None:
+def export_refusal(storage, records, step: int | None, evaluated: list[int], waited: str = ""):
     """Why an export of `step` (None: the newest evaluated one) of a job (`JobStorage`) has
-    nothing to export, with the fix; None where the step has an evaluation. `evaluated`: the
-    steps evaluated under `eval_name`; `waited`: what the caller waited, for the message."""
-    if step is not None:
-        if step in evaluated:
-            return None
-        return why_not_exportable(storage, job, step, eval_name, evaluated)
-    if evaluated:
-        return None
-    wait = f"wait longer ({LONGER_HINT})" if waited else f"wait for it ({WAIT_HINT})"
-    if not job_committed_steps(storage):  # (a listing: nothing is restored, nothing made)
-        from prefect_jax.training.redaction import redact_url
-
-        where = redact_url(storage.remote_checkpoint_url or storage.checkpoint_dir)
-        missing = storage.no_such_job_said()  # (a mistyped name: the names there)
-        where += f" ({missing})" if missing else ""
+    nothing to export, with the fix; None where the step has an evaluation that reads and a
+    committed checkpoint to export. `records`: the job's `EvalRecords` of its eval name;
+    `evaluated`: the steps they list; `waited`: what the caller waited, for the message."""
+    job, eval_name = storage.job, records.name
+    if step is None and not evaluated:
+        wait = f"wait longer ({LONGER_HINT})" if waited else f"wait for it ({WAIT_HINT})"
+        if not job_committed_steps(storage):  # (a listing: nothing is restored, nothing made)
+            where = _checkpoints(storage)
+            missing = storage.no_such_job_said()  # (a mistyped name: the names there)
+            where += f" ({missing})" if missing else ""
+            return (
+                f"job {job!r} has no committed checkpoint in {where}{waited}: nothing to export; "
+                "train it first (the train or train_and_evaluate flow, with the same storage and "
+                f"job), then evaluate it; or {wait}"
+            )
         return (
-            f"job {job!r} has no committed checkpoint in {where}{waited}: nothing to export; "
-            "train it first (the train or train_and_evaluate flow, with the same storage and "
-            f"job), then evaluate it; or {wait}"
+            f"job {job!r} has no evaluated step yet (eval name {eval_name!r}){waited}: evaluate "
+            f"it first, or {wait}"
         )
+    chosen = evaluated[-1] if step is None else step
+    if chosen not in evaluated:
+        return why_not_exportable(storage, job, chosen, eval_name, evaluated)
+    if records.get(chosen) is None:  # (listed, not read: damaged, or gone since)
+        others = [s for s in evaluated if s != chosen]
+        return (
+            f"step {chosen} of job {job!r}: its evaluation record in {records.dir} cannot be "
+            "read (damaged: the warning above says what becomes of it; `prefect-jax status` "
+            f"lists it): nothing to export; export another evaluated step ({others or 'none'})"
+        )
+    if chosen not in job_committed_steps(storage):
+        return checkpoint_gone(storage, chosen)
+    return None
+
+
+def checkpoint_gone(storage, step: int) -> str:
+    """An evaluated step whose checkpoint is no longer committed: nothing to export (an export is
+    of the step's own state, never of a fresh one, as TF's `recover_session`)."""
     return (
-        f"job {job!r} has no evaluated step yet (eval name {eval_name!r}){waited}: evaluate it "
-        f"first, or {wait}"
+        f"step {step} of job {storage.job!r} was evaluated, but its checkpoint is no longer "
+        f"committed in {_checkpoints(storage)} (retention removed it?): nothing to export; "
+        "export a step that still has its checkpoint, or keep evaluated steps "
+        "(CheckpointSpec.keep_last, keep_until_evaluated)"
     )
+
+
+def _checkpoints(storage) -> str:
+    from prefect_jax.training.redaction import redact_url
+
+    return redact_url(storage.remote_checkpoint_url or storage.checkpoint_dir)
 
 
 def why_not_exportable(storage, job: str, step: int, eval_name: str, evaluated: list[int]) -> str:
@@ -88,7 +111,7 @@ def refuse_empty_export(storage, eval_name: str, step: int | None, shown: str) -
     from prefect_jax.training.preflight import BadInputError, storage_errors
 
     with storage_errors(storage, shown):
-        evaluated = EvalRecords(storage, eval_name).steps()
-        refusal = export_refusal(storage, storage.job, eval_name, step, evaluated)
+        records = EvalRecords(storage, eval_name)
+        refusal = export_refusal(storage, records, step, records.steps())
     if refusal is not None:
         raise BadInputError(refusal)

@@ -86,7 +86,8 @@ class Exports:
         self._example = None  # the serving input example (see `serving_example`)
         self._running: _Background | None = None  # an export in the background
         self._failed: _Background | None = None
-        # The job's evaluator (set by `Trainer.recover` for the evaluate flow): it holds no lease,
+        # The job's evaluator (set by `Trainer.recover` for the evaluate flow, cleared by a
+        # restore: a trainer's are its while it holds the lease): it holds no lease,
         # yet the exports it held for MLflow are its own to prune once registered, as a trainer's
         # are while it holds the lease. Never an export flow's: the step it wrote may be older
         # than an exporter's `keep` newest, and would go as soon as it was registered.
@@ -279,11 +280,13 @@ class Exports:
         if not aliases:
             return
 
+        prunes = self.prunes_once_registered  # (as this export is: the callback comes later)
+
         def recorded(result: dict) -> None:
             registry = {"tracking_uri": redact_url(tracker.tracking_uri), **result}
             storage.write_json(storage.path(REGISTRY_FILE), registry)
             # (what waited for it; a trainer's not once the job is another's)
-            if job.lease.held or self.prunes_once_registered:
+            if job.lease.held or prunes:
                 best = lambda e: (exp.read_best(storage, e) or {}).get("step")  # noqa: E731
                 prune_registered(storage, config.eval.exporters, best)
 

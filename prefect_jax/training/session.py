@@ -222,6 +222,7 @@ def restore_trainer(
     in `trainer`, its MLflow run attached, its attempt opened in the goodput ledger."""
     trainer.ending.stop_if_preempted()
     trainer.forget_stop_answer()  # (a restore may land on the step last asked at: ask again)
+    trainer.exports.prunes_once_registered = False  # (a trainer's: while it holds the lease)
     job, loop = trainer.job, trainer.loop
     check_train_batch(loop)
     job.goodput.restore_began()

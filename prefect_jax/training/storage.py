@@ -220,7 +220,7 @@ class JobStorage:
         probe = self.path(f".write-probe-{uuid.uuid4().hex}")
         try:
             if self.protocol == "file":
-                if not os.path.isdir(self.job_dir):
+                if not os.path.lexists(self.job_dir):  # (a file there: probed inside, refused)
                     os.makedirs(self.root, exist_ok=True)
                     probe = f"{self.root.rstrip('/')}/.write-probe-{uuid.uuid4().hex}"
                 with open(probe, "wb"):
@@ -249,9 +249,10 @@ class JobStorage:
             listed = fs.ls(self.root, detail=True)
         except FileNotFoundError:
             return []
-        return sorted(
-            e["name"].rstrip("/").rsplit("/", 1)[-1] for e in listed if e.get("type") == "directory"
+        names = (
+            e["name"].rstrip("/").rsplit("/", 1)[-1] for e in listed if e["type"] == "directory"
         )
+        return sorted(name for name in names if not name.startswith("."))  # (no job is hidden)
 
     def jobs_there_said(self) -> str:
         """`jobs_there` for a message: ``jobs there: a, b``, or ``no job there at all``."""

@@ -103,7 +103,11 @@ def evaluate(
     first = evaluator.wait_for_first_checkpoint()
     # TF's evaluator recovers, never inits (`recover_session`): the step found is restored.
     if not tasks.recover(config, step=first, evaluates=True)["restored"]:
-        raise evaluator.no_first_checkpoint()
+        raise RuntimeError(
+            f"step {first} of job {job!r} was committed when the evaluator found it, and could "
+            "not be recovered (retention removed it since, or it is damaged: the log above says "
+            "which): nothing was evaluated; run the evaluator again"
+        )
     _warn_of_another_max_steps(config, evaluator.storage, first, logger)
     from prefect_jax.training.live import get_trainer, land_mlflow_writes, release_state
 

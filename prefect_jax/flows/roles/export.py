@@ -65,9 +65,8 @@ def export_flow(
         ```
     """
     from prefect_jax.training.evaluation import EvalRecords
-    from prefect_jax.training.export_choice import export_refusal, why_not_exportable
+    from prefect_jax.training.export_choice import checkpoint_gone, export_refusal
     from prefect_jax.training.live import land_mlflow_writes, release_state
-    from prefect_jax.training.redaction import redact_url
     from prefect_jax.training.storage import JobStorage
 
     config = checked_job_config(locals())  # its MLflow URI checked before any work
@@ -78,22 +77,14 @@ def export_flow(
         steps = _wait_for_evaluated(records, step, max_wait_secs, recovery_wait_secs)
     tasks = job_tasks(config.retry)
     waited = f" (waited max_wait_secs={max_wait_secs:g})" if wait_for_checkpoint else ""
-    refusal = export_refusal(js, job, config.eval.name, step, steps, waited)
+    refusal = export_refusal(js, records, step, steps, waited)
     if refusal is not None:  # (the command refused it already, where it came through one)
         raise ValueError(refusal)
     chosen = steps[-1] if step is None else step
-    result = records.get(chosen)
-    if result is None:  # (its record went between the listing and the read)
-        raise ValueError(why_not_exportable(js, job, chosen, config.eval.name, steps))
+    result = records.get(chosen)  # (read by the check)
     # TF's recover_session: the step's own checkpoint, never a fresh state in its place
     if not tasks.recover(config, step=chosen)["restored"]:
-        where = redact_url(js.remote_checkpoint_url or js.checkpoint_dir)
-        raise ValueError(
-            f"step {chosen} of job {job!r} was evaluated, but its checkpoint is no longer "
-            f"committed in {where} (retention removed it?): nothing to export; export a step "
-            "that still has its checkpoint, or keep evaluated steps (CheckpointSpec.keep_last, "
-            "keep_until_evaluated)"
-        )
+        raise ValueError(checkpoint_gone(js, chosen))  # (removed since the check)
     tasks.export(config, result)  # (what it writes now: its log lines and event)
     from prefect_jax.tasks.runs import link_live_job
 
