@@ -279,7 +279,8 @@ def test_an_export_with_nothing_to_export_is_one_line_before_any_flow_runs(train
     line = _one_error_line(proc, "export")
     assert proc.returncode == 2 and "job 'jj' has no committed checkpoint" in line, line
     assert f"storage {storage} has no job 'jj'; jobs there: j" in line, line
-    assert sorted(os.listdir(storage)) == ["j"] and _tree_digest(storage) == before
+    assert sorted(os.listdir(storage)) == [".j.lease.lock", "j"]  # (nothing of "jj")
+    assert _tree_digest(storage) == before
 
 
 def test_an_evaluated_step_that_cannot_be_exported_is_one_line_before_any_flow_runs(
@@ -323,7 +324,7 @@ def test_an_evaluator_of_a_job_that_is_not_there_names_the_jobs_there_and_makes_
     assert "no committed checkpoint of job 'jj'" in last, last
     assert f"(storage {storage} has no job 'jj'; jobs there: j)" in last, last
     assert "--wait-for-first-checkpoint-secs" in last and "Traceback" not in proc.stderr
-    assert sorted(os.listdir(storage)) == ["j"]
+    assert sorted(os.listdir(storage)) == [".j.lease.lock", "j"]  # (nothing of "jj")
 
 
 def test_these_refusals_are_not_retried():

@@ -3,8 +3,6 @@ S3 (a moto server on loopback: ``If-Match`` / ``If-None-Match``), a write lands 
 record its writer read. A holder that lost the job cannot land a late heartbeat over its taker's
 record (it stopped the taker, and trained on itself); two takers of a free job cannot both win."""
 
-import json
-
 import pytest
 from lease_helpers import lease_under
 
@@ -65,15 +63,49 @@ def test_of_two_takers_of_a_free_job_one_wins(new_lease):
     assert first.read()["token"] == "first"
 
 
-def test_a_release_never_removes_a_lease_written_since_its_read(tmp_path):
+def test_a_release_never_removes_a_lease_written_since_its_read(new_lease):
     """A release reads its own record, then removes the file: where a taker wrote between the
-    two, the remove is refused and the taker keeps its lease (locally: the compare and the remove
-    under the lock)."""
-    holder = lease_under(tmp_path)
+    two, the remove is refused (locally under the lock; on S3 a DeleteObject with If-Match) and
+    the taker keeps its lease."""
+    holder = new_lease()
     holder.acquire()
     _, version = holder.file.read()
-    with open(holder.path, "w") as f:  # (a taker's record, written after the release's read)
-        json.dump({"token": "taker", "heartbeat": 0}, f)
+    # (a taker's record, written after the release's read)
+    JobStorage.write_json(holder.storage, holder.path, {"token": "taker", "heartbeat": 0})
     assert not holder.file.remove_if(version)
-    assert json.load(open(holder.path))["token"] == "taker"
-    holder.token = None  # (lost: nothing of its to release)
+    assert holder.read()["token"] == "taker"
+    holder._stop.set()  # (lost: nothing of its to release; its beat stops)
+    holder.token = None
+
+
+def test_a_takers_write_over_a_lease_released_since_its_read_is_refused_not_raised(new_lease):
+    """The holder lets the job go between the taker's read and its write: the write over the
+    record read finds none (S3 answers 404 to If-Match), is refused, and the taking reads again
+    (`lease_takeover`: nothing there, written anew)."""
+    holder = new_lease()
+    holder.acquire()
+    _, version = holder.file.read()
+    holder.release()
+    taker = new_lease()
+    taker.token = "taker"
+    assert not taker.file.write_if(taker._record(), version)
+    assert taker.read() is None
+    taker.token = None
+    taker.acquire()  # (and taken as a free job)
+    try:
+        assert taker.read()["token"] == taker.token
+    finally:
+        taker.release()
+
+
+def test_the_local_lock_is_beside_the_jobs_folder_not_in_it(tmp_path):
+    """Every local writer locks ``<storage>/.<job>.lease.lock``: the job's folder holds only the
+    job's files (a refused job's empty folder can go; one made anew by a remount stays empty)."""
+    lease = lease_under(tmp_path)
+    lease.acquire()
+    try:
+        assert sorted(p.name for p in (tmp_path / "storage" / "j").iterdir()) == ["lease.json"]
+        assert (tmp_path / "storage" / ".j.lease.lock").exists()
+        assert lease.storage.jobs_there() == ["j"]
+    finally:
+        lease.release()

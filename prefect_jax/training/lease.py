@@ -293,7 +293,7 @@ class Lease:
                 )
                 self.taken_over = dict(current, reason=reason)
             again, version = self.file.read()
-            if again != current:
+            if again != current and not takeover.same_holder_beat(self, current, again):
                 continue  # (written since it was judged: judged again)
             self.token = uuid.uuid4().hex
             for _ in range(takeover.TAKEOVER_WRITES):  # (what a read-back finds: `takeover`)
@@ -365,7 +365,8 @@ class Lease:
                 try:
                     written = self.file.write_if(self._record(), version)
                 except FileNotFoundError:  # gone between the look above and the write
-                    self._lose({})
+                    if not self._stop.is_set():
+                        self._lose({})
                     return False
                 if written:
                     self._written_at = time.monotonic()
@@ -382,8 +383,11 @@ class Lease:
             # by nobody for a whole timeout); a write that hangs is not waited for long.
             self._thread.join(timeout=10)
         try:
-            current, version = self.file.read()
-            if current and current.get("token") == self.token:
-                self.file.remove_if(version)
+            for _ in range(3):  # (refused: a late beat of ours landed since the read)
+                current, version = self.file.read()
+                if not current or current.get("token") != self.token:
+                    break
+                if self.file.remove_if(version):
+                    break
         finally:
             self.token, self.finishing = None, None

@@ -10,8 +10,10 @@ takeover's write is written over, and the taker does not wait for that save. Wri
 record read only, the late writer is refused, reads again, and judges what it finds: a holder
 finds the job taken and stops before its next checkpoint; a taker finds the mark and waits.
 
-- Local paths (and shared file systems with POSIX locks): the compare and the write are made
-  under an exclusive ``flock`` of ``<job>/.lease.lock``, which every writer of the lease takes.
+- Local paths (and shared file systems whose locks hold across machines): the compare and the
+  write are made under an exclusive ``flock`` of ``<storage>/.<job>.lease.lock``, which every
+  writer of the lease takes. Beside the job's folder, not in it: a folder made anew (a remount)
+  stays empty, and a refused job's empty folder can go (`lease_early.release_early`).
 - S3 (``s3://``, ``s3a://``): ``PutObject`` with ``If-Match`` the ETag read (``If-None-Match:
   *`` where there was no lease), which S3 refuses with 412 where the object changed since.
 - Elsewhere (``gs://``: gcsfs takes no generation precondition on a write; Azure; ...), and where
@@ -36,7 +38,8 @@ from prefect_jax.training.storage import JobStorage, atomic_write
 
 logger = logging.getLogger("prefect_jax.lease")
 
-LOCK_FILE = ".lease.lock"
+# Where `flock` is refused, or not implemented (Lustre without its flock option): plain writes.
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
 S3_PROTOCOLS = ("s3", "s3a")
 _said_plain: set[str] = set()  # the storage roots whose plain writes were said (once each)
 
@@ -94,20 +97,25 @@ class LeaseFile:
             self.storage.fs.pipe_file(self.path, _encode(record), **condition)
         except FileExistsError:  # (If-None-Match refused: a lease was written meanwhile)
             return False
+        except FileNotFoundError:  # (If-Match on a lease deleted since: S3 answers 404)
+            return False
         except OSError as exc:
             if _refused(exc):
                 return False
             if not _not_implemented(exc):
                 raise
+            self.s3 = False  # (its next writes plain, said once)
             self._say_plain(f"the store refused the precondition ({exc})")
             self.storage.write_json(self.path, record)
         return True
 
     def remove_if(self, version: Any) -> bool:
         """Remove the lease where it is still at `version`; False where another write came since
-        (locally; elsewhere the caller's read is the only check). A lease already gone is
-        removed."""
+        (on S3 a ``DeleteObject`` with ``If-Match``; where the storage has no precondition, the
+        caller's read is the only check). A lease already gone is removed."""
         try:
+            if self.s3 and version is not None:
+                return self._delete_if_match(version)
             with self._locked(False) if self.local else contextlib.nullcontext(False) as locked:
                 if locked and self._read_record() != version:
                     return False
@@ -116,22 +124,48 @@ class LeaseFile:
             pass
         return True
 
+    def _delete_if_match(self, etag: str) -> bool:
+        import fsspec.asyn
+
+        fs = self.storage.fs
+        bucket, key, _ = fs.split_path(self.path)
+        try:
+            fsspec.asyn.sync(
+                fs.loop, fs._call_s3, "delete_object", Bucket=bucket, Key=key, IfMatch=etag
+            )
+        except OSError as exc:
+            if _refused(exc):
+                return False
+            if isinstance(exc, FileNotFoundError) or not _not_implemented(exc):
+                raise
+            self.storage.fs.rm(self.path)  # (a store without conditional deletes)
+        finally:
+            fs.invalidate_cache(self.path)
+        return True
+
     # -- local ---------------------------------------------------------------------------
+
+    @property
+    def lock_path(self) -> str:
+        """``<storage>/.<job>.lease.lock``: what every local writer of the lease locks."""
+        return os.path.join(self.storage.root, f".{self.storage.job}.lease.lock")
 
     @contextlib.contextmanager
     def _locked(self, make_parent: bool) -> Iterator[bool]:
-        """Hold ``<job>/.lease.lock`` exclusively; yields whether it is held (False where the
-        file system refuses locks: said once, and the write is plain). Raises FileNotFoundError
-        where the job's directory is gone and `make_parent` is False."""
-        folder = os.path.dirname(self.path)
+        """Hold `lock_path` exclusively; yields whether it is held (False where the file system
+        refuses locks: said once, and the write is plain). `make_parent`: make the job's folder
+        (and the storage's) first; else a storage folder gone raises FileNotFoundError."""
         if make_parent:
-            os.makedirs(folder, exist_ok=True)
-        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        try:  # (0o666 less the umask: a job folder a group shares is locked by each user)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # (another user's lock file: an exclusive flock needs no write)
+            fd = os.open(self.lock_path, os.O_RDONLY)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError as exc:
-                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                if exc.errno not in _NO_LOCKS:
                     raise
                 self._say_plain(f"its file system refuses locks ({exc.strerror})")
                 yield False
@@ -215,12 +249,11 @@ def _refused(exc: BaseException) -> bool:
 
 
 def _not_implemented(exc: BaseException) -> bool:
-    """Whether an S3-compatible store does not implement the precondition (501)."""
+    """Whether an S3-compatible store does not implement the precondition: 501, or 400 (a small
+    PUT or a DELETE that its credentials may make is refused for its precondition header)."""
     for response in _responses(exc):
         code = (response.get("Error") or {}).get("Code")
-        if (
-            code == "NotImplemented"
-            or (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") == 501
-        ):
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if code in ("NotImplemented", "InvalidArgument", "InvalidRequest") or status in (400, 501):
             return True
     return False

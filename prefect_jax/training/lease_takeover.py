@@ -36,6 +36,17 @@ TAKEOVER_WRITES = 3
 WRITE_AGAIN, JUDGE_AGAIN = "write again", "judge again"
 
 
+def same_holder_beat(lease: Lease, judged: dict | None, now: dict | None) -> bool:
+    """Whether the lease read `now`, just before the taking's write, differs from the one
+    `judged` by a heartbeat of the same holder alone (same token, same ``finishing``) and is
+    still one to take over (`Lease.stale_reason`: a finishing holder not waited for longer, still
+    beating; its own flow run's on another host): written over, not judged again (which would
+    wait out a finishing holder a second time)."""
+    if not judged or not now or now.get("token") != judged.get("token"):
+        return False
+    return now.get("finishing") == judged.get("finishing") and lease.stale_reason(now) is not None
+
+
 def after_takeover_write(lease: Lease, judged: dict | None, confirmed: dict | None) -> str | None:
     """`WRITE_AGAIN`, `JUDGE_AGAIN` or None (see the module), for `lease`'s write read back as
     `confirmed` (None: no lease) after `judged` (the lease as it was judged; None: none was)."""
