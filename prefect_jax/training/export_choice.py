@@ -51,8 +51,8 @@ def export_refusal(storage, records, step: int | None, evaluated: list[int], wai
     if records.get(chosen) is None:  # (listed, not read: damaged, or gone since)
         others = [s for s in evaluated if s != chosen]
         return (
-            f"step {chosen} of job {job!r}: its evaluation record in {records.dir} cannot be "
-            "read (damaged: the warning above says what becomes of it; `prefect-jax status` "
+            f"step {chosen} of job {job!r}: its evaluation record in {_shown(records.dir)} cannot "
+            "be read (damaged: the warning above says what becomes of it; `prefect-jax status` "
             f"lists it): nothing to export; export another evaluated step ({others or 'none'})"
         )
     if chosen not in job_committed_steps(storage):
@@ -72,9 +72,13 @@ def checkpoint_gone(storage, step: int) -> str:
 
 
 def _checkpoints(storage) -> str:
+    return _shown(storage.remote_checkpoint_url or storage.checkpoint_dir)
+
+
+def _shown(url: str) -> str:
     from prefect_jax.training.redaction import redact_url
 
-    return redact_url(storage.remote_checkpoint_url or storage.checkpoint_dir)
+    return redact_url(url)
 
 
 def why_not_exportable(storage, job: str, step: int, eval_name: str, evaluated: list[int]) -> str:
