@@ -86,11 +86,11 @@ class Exports:
         self._example = None  # the serving input example (see `serving_example`)
         self._running: _Background | None = None  # an export in the background
         self._failed: _Background | None = None
-        # The job's evaluator (set by `Trainer.recover` for the evaluate flow, cleared by a
-        # restore: a trainer's are its while it holds the lease): it holds no lease,
-        # yet the exports it held for MLflow are its own to prune once registered, as a trainer's
-        # are while it holds the lease. Never an export flow's: the step it wrote may be older
-        # than an exporter's `keep` newest, and would go as soon as it was registered.
+        # Whether this trainer is the job's evaluator (set by `Trainer.recover` for the evaluate
+        # flow, cleared by a restore): it holds no lease, yet the exports it held for MLflow are
+        # its own to prune once registered, as a trainer's are while it holds the lease. Never an
+        # export flow's: the step it wrote may be older than an exporter's `keep` newest, and
+        # would go as soon as it was registered.
         self.prunes_once_registered = False
 
     @property
