@@ -115,9 +115,11 @@ def test_a_process_of_the_same_flow_run_that_takes_the_job_from_a_finishing_hold
         json.dump(dict(record, heartbeat=now, timeout_secs=60, finishing="step 120"), f)
 
     def the_other_takes_it():
-        with open(lease.path, "w") as f:
-            record = {"token": "other", "flow_run_id": "run-2", "host": here, "pid": other.pid}
+        # (written whole, by a rename, as a lease is: the acquire reads it meanwhile)
+        record = {"token": "other", "flow_run_id": "run-2", "host": here, "pid": other.pid}
+        with open(f"{lease.path}.tmp", "w") as f:
             json.dump(dict(record, heartbeat=time.time(), timeout_secs=60), f)
+        os.replace(f"{lease.path}.tmp", lease.path)
         threading.Timer(1.5, lambda: (os.remove(lease.path), other.kill(), other.wait())).start()
 
     threading.Timer(1.0, the_other_takes_it).start()
