@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prefect_jax.training.redaction import redact_url
-from prefect_jax.training.storage import JobStorage, atomic_write
+from prefect_jax.training.storage import JobStorage, atomic_write, json_bytes
 
 logger = logging.getLogger("prefect_jax.lease")
 
@@ -56,8 +56,12 @@ class LeaseFile:
     def __init__(self, storage: JobStorage, path: str):
         self.storage, self.path = storage, path
         self.local = storage.protocol == "file"
-        self.s3 = storage.protocol in S3_PROTOCOLS
-        self.conditional = self.local or self.s3
+        self.s3 = storage.protocol in S3_PROTOCOLS  # (False once a store refused the header)
+
+    @property
+    def conditional(self) -> bool:
+        """Whether a write here lands only over the record read (else it is plain)."""
+        return self.local or self.s3
 
     def read(self) -> tuple[dict | None, Any]:
         """The record (None: no lease; a torn one as `_torn` says) and its version, what
@@ -86,7 +90,7 @@ class LeaseFile:
                 if make_parent:
                     self.storage.write_json(self.path, record)
                 else:
-                    atomic_write(self.path, _encode(record))
+                    atomic_write(self.path, json_bytes(record))
                 return True
         if not self.s3:
             self._say_plain("its storage takes no precondition on a write")
@@ -94,7 +98,7 @@ class LeaseFile:
             return True
         condition = {"mode": "create"} if version is None else {"IfMatch": version}
         try:
-            self.storage.fs.pipe_file(self.path, _encode(record), **condition)
+            self.storage.fs.pipe_file(self.path, json_bytes(record), **condition)
         except FileExistsError:  # (If-None-Match refused: a lease was written meanwhile)
             return False
         except FileNotFoundError:  # (If-Match on a lease deleted since: S3 answers 404)
@@ -221,39 +225,28 @@ async def _get_with_etag(fs, path: str) -> tuple[bytes, str | None]:
         response["Body"].close()
 
 
-def _encode(record: dict) -> bytes:
-    import json
-
-    return json.dumps(record, indent=1, sort_keys=True).encode()
-
-
-def _responses(exc: BaseException) -> Iterator[dict]:
-    """The botocore responses behind an error s3fs raised (its cause chain)."""
+def _answered(exc: BaseException, codes: tuple[str, ...], statuses: tuple[int, ...]) -> bool:
+    """Whether a botocore response behind an error s3fs raised (its cause chain) has one of
+    `codes` or `statuses`."""
     seen = exc
     while seen is not None:
         response = getattr(seen, "response", None)
         if isinstance(response, dict):
-            yield response
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code in codes or status in statuses:
+                return True
         seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _refused(exc: BaseException) -> bool:
     """Whether S3 refused a precondition: 412 (the object changed), or 409 (a conditional write
     raced another)."""
-    for response in _responses(exc):
-        code = (response.get("Error") or {}).get("Code")
-        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-            return True
-    return False
+    return _answered(exc, ("PreconditionFailed", "ConditionalRequestConflict"), (409, 412))
 
 
 def _not_implemented(exc: BaseException) -> bool:
     """Whether an S3-compatible store does not implement the precondition: 501, or 400 (a small
     PUT or a DELETE that its credentials may make is refused for its precondition header)."""
-    for response in _responses(exc):
-        code = (response.get("Error") or {}).get("Code")
-        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-        if code in ("NotImplemented", "InvalidArgument", "InvalidRequest") or status in (400, 501):
-            return True
-    return False
+    return _answered(exc, ("NotImplemented", "InvalidArgument", "InvalidRequest"), (400, 501))

@@ -92,6 +92,11 @@ def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
     os.replace(tmp, path)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """How the job's JSON files are written (indented, keys sorted: readable, and diffable)."""
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
 def small_read(fs) -> dict[str, Any]:
     """Options for `fs.cat_file` of a small file: one GET. (s3fs otherwise asks for the size
     first, to download a large object in parallel parts: a HEAD, and a LIST where it is missing.)"""
@@ -283,7 +288,7 @@ class JobStorage:
     def write_json(self, path: str, obj: Any, durable: bool = True) -> None:
         """Write JSON so a reader never sees half a file (rename on local disks; one PUT elsewhere).
         ``durable=False``: no fsync on local disks (see `atomic_write`)."""
-        data = json.dumps(obj, indent=1, sort_keys=True).encode()
+        data = json_bytes(obj)
         if self.protocol == "file":
             os.makedirs(
                 path.rsplit("/", 1)[0], exist_ok=True
