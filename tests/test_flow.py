@@ -519,9 +519,9 @@ def test_progress_is_published_while_mlflow_is_still_starting(
     )
 
 
-@pytest.mark.parametrize(("refresh_secs", "updates"), [("3600", 2), ("0", 5)])
+@pytest.mark.parametrize("refresh_secs", ["3600", "0"])
 def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
-    tmp_path, mlflow_uri, prefect_server, monkeypatch, refresh_secs, updates
+    tmp_path, mlflow_uri, prefect_server, monkeypatch, refresh_secs
 ):
     """The results table and the progress bar show only the latest state: with checkpoints
     seconds apart, a flow run makes one version of each every PREFECT_JAX_UI_REFRESH_SECS at most
@@ -562,12 +562,19 @@ def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
     )
     steps = [10, 20, 30, 40, 50]
     shown = [0, 4] if refresh_secs == "3600" else [0, 1, 2, 3, 4]
-    assert tables == [(steps[: i + 1], runs[f"evaluate {steps[i]}"]) for i in shown]
-    assert progress_updates == ([10, 50] if refresh_secs == "3600" else steps), (
+    expected = [(steps[: i + 1], runs[f"evaluate {steps[i]}"]) for i in shown]
+    if refresh_secs == "3600" and tables == expected[1:]:
+        # The publisher's thread was behind for the whole run (a slow server: CI, once; made so
+        # by slowing its first call): the first table's call had a newer one queued behind it
+        # when its turn came, and a stale version is never shown. Its progress card likewise.
+        expected, progress_expected = expected[1:], [[50], [10, 50]]
+    else:
+        progress_expected = [[10, 50]] if refresh_secs == "3600" else [steps]
+    assert tables == expected
+    assert progress_updates in progress_expected, (
         seen,
         dict(publisher._last_run),
     )  # (once, in a full run: [10, 40, 50], not seen alone; what ran when, if it comes again)
-    assert len(progress_updates) == updates
     assert [a["data"] for a in artifacts if a["type"] == "progress"] == [100.0]
 
 
