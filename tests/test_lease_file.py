@@ -1,7 +1,8 @@
-"""The lease's compare-and-set (`prefect_jax.training.lease_file`): on a local path (a lock) and on
-S3 (a moto server on loopback: ``If-Match`` / ``If-None-Match``), a write lands only over the
-record its writer read. A holder that lost the job cannot land a late heartbeat over its taker's
-record (it stopped the taker, and trained on itself); two takers of a free job cannot both win."""
+"""The lease's compare-and-set (`prefect_jax.training.lease_file`): on a local path (a lock), on
+S3 (a moto server on loopback: ``If-Match`` / ``If-None-Match``) and on GCS (fake-gcs-server on
+loopback: ``ifGenerationMatch``), a write lands only over the record its writer read. A holder
+that lost the job cannot land a late heartbeat over its taker's record (it stopped the taker,
+and trained on itself); two takers of a free job cannot both win."""
 
 import pytest
 from lease_helpers import lease_under
@@ -13,16 +14,19 @@ from prefect_jax.training.storage import JobStorage
 BUCKET = "leases"
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "gs"])
 def new_lease(request, tmp_path):
-    """Makes `Lease`s of one job (flow run "run-2", this process), on a local path or on S3."""
+    """Makes `Lease`s of one job (flow run "run-2", this process), on a local path, S3 or GCS."""
     if request.param == "local":
         return lambda **kw: lease_under(tmp_path, **kw)
-    s3 = request.getfixturevalue("s3_server")
-    s3.create_bucket(BUCKET)
-    root = f"s3://{BUCKET}/{tmp_path.name}"
+    if request.param == "gs":
+        root, options = f"gs://{request.getfixturevalue('gcs_env').bucket}/{tmp_path.name}", {}
+    else:
+        s3 = request.getfixturevalue("s3_server")
+        s3.create_bucket(BUCKET)
+        root, options = f"s3://{BUCKET}/{tmp_path.name}", s3.storage_options
     return lambda timeout=60.0: Lease(
-        JobStorage(root, "j", s3.storage_options), owner_id="run-2", timeout_secs=timeout
+        JobStorage(root, "j", options), owner_id="run-2", timeout_secs=timeout
     )
 
 
@@ -63,10 +67,18 @@ def test_of_two_takers_of_a_free_job_one_wins(new_lease):
     assert first.read()["token"] == "first"
 
 
-def test_a_release_never_removes_a_lease_written_since_its_read(new_lease):
+def test_a_release_never_removes_a_lease_written_since_its_read(new_lease, request):
     """A release reads its own record, then removes the file: where a taker wrote between the
-    two, the remove is refused (locally under the lock; on S3 a DeleteObject with If-Match) and
-    the taker keeps its lease."""
+    two, the remove is refused (locally under the lock; on S3 a DeleteObject with If-Match; on
+    GCS a delete with ifGenerationMatch) and the taker keeps its lease."""
+    if "[gs]" in request.node.name:  # (strict: once the emulator refuses it, this says so)
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="fake-gcs-server ignores ifGenerationMatch on a delete (GCS refuses it)",
+            )
+        )
     holder = new_lease()
     holder.acquire()
     _, version = holder.file.read()

@@ -191,7 +191,8 @@ def test_the_training_thread_asks_object_storage_little_per_interval_and_at_a_re
     )  # (was two reads an interval)
     # Fencing: read before each interval's checkpoint (by the save, or by the
     # pending record just before it).
-    # (the lease is read with its ETag, what its compare-and-set writes over: `lease_file`)
+    # (the lease is read with its ETag, what its compare-and-set writes over: `lease_file`,
+    # `object_preconditions`)
     assert intervals <= calls[("_get_with_etag", "lease.json")] <= intervals + 3, (
         shown
     )  # (was two an interval)

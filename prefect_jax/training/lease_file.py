@@ -14,12 +14,13 @@ finds the job taken and stops before its next checkpoint; a taker finds the mark
   write are made under an exclusive ``flock`` of ``<storage>/.<job>.lease.lock``, which every
   writer of the lease takes. Beside the job's folder, not in it: a folder made anew (a remount)
   stays empty, and a refused job's empty folder can go (`lease_early.release_early`).
-- S3 (``s3://``, ``s3a://``): ``PutObject`` with ``If-Match`` the ETag read (``If-None-Match:
-  *`` where there was no lease), which S3 refuses with 412 where the object changed since.
-- Elsewhere (``gs://``: gcsfs takes no generation precondition on a write; Azure; ...), and where
-  a store or file system refuses the precondition itself, the write is plain, said once: the
-  holder's check before each checkpoint (`Lease.verify`) and the takeover's read-back
-  (`lease_takeover`) are the fence, as they were before this.
+- Object stores: S3 (``s3://``, ``s3a://``), ``PutObject`` with ``If-Match`` the ETag read
+  (``If-None-Match: *`` where there was no lease); Google Cloud Storage (``gs://``), an upload
+  with ``ifGenerationMatch`` the generation read (0 where there was none). Each refuses a write
+  over an object that changed since (`prefect_jax.training.object_preconditions`).
+- Elsewhere (Azure, ...), and where a store or file system refuses the precondition itself, the
+  write is plain, said once: the holder's check before each checkpoint (`Lease.verify`) and the
+  takeover's read-back (`lease_takeover`) are the fence, as they were before this.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from prefect_jax.training.object_preconditions import PreconditionUnsupported, preconditions_for
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage, atomic_write, json_bytes
 
@@ -40,7 +42,6 @@ logger = logging.getLogger("prefect_jax.lease")
 
 # Where `flock` is refused, or not implemented (Lustre without its flock option): plain writes.
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
-S3_PROTOCOLS = ("s3", "s3a")
 _said_plain: set[str] = set()  # the storage roots whose plain writes were said (once each)
 
 
@@ -56,27 +57,22 @@ class LeaseFile:
     def __init__(self, storage: JobStorage, path: str):
         self.storage, self.path = storage, path
         self.local = storage.protocol == "file"
-        self.s3 = storage.protocol in S3_PROTOCOLS  # (False once a store refused the header)
+        # (None where the store takes no precondition, or once it refused one)
+        self.objects = preconditions_for(storage.protocol)
 
     @property
     def conditional(self) -> bool:
         """Whether a write here lands only over the record read (else it is plain)."""
-        return self.local or self.s3
+        return self.local or self.objects is not None
 
     def read(self) -> tuple[dict | None, Any]:
         """The record (None: no lease; a torn one as `_torn` says) and its version, what
-        `write_if` compares: the S3 object's ETag, else the record itself."""
-        if not self.s3:
+        `write_if` compares: the object's ETag or generation, else the record itself."""
+        if self.objects is None:
             record = self._read_record()
             return record, record
-        import fsspec.asyn
-
-        fs = self.storage.fs
-        try:  # (one GET, its ETag with it: not a HEAD first, each a round trip)
-            data, etag = fsspec.asyn.sync(fs.loop, _get_with_etag, fs, self.path)
-        except FileNotFoundError:
-            return None, None
-        return self._decode(data), etag
+        data, version = self.objects.read(self.storage.fs, self.path)
+        return (None if data is None else self._decode(data)), version
 
     def write_if(self, record: dict, version: Any, make_parent: bool = False) -> bool:
         """Write `record` where the lease is still at `version` (`read`'s; None: where there is
@@ -92,34 +88,26 @@ class LeaseFile:
                 else:
                     atomic_write(self.path, json_bytes(record))
                 return True
-        if not self.s3:
+        if self.objects is not None:
+            try:
+                return self.objects.put_if(self.storage.fs, self.path, json_bytes(record), version)
+            except PreconditionUnsupported as exc:
+                self._unsupported(exc)
+        else:
             self._say_plain("its storage takes no precondition on a write")
-            self.storage.write_json(self.path, record)
-            return True
-        condition = {"mode": "create"} if version is None else {"IfMatch": version}
-        try:
-            self.storage.fs.pipe_file(self.path, json_bytes(record), **condition)
-        except FileExistsError:  # (If-None-Match refused: a lease was written meanwhile)
-            return False
-        except FileNotFoundError:  # (If-Match on a lease deleted since: S3 answers 404)
-            return False
-        except OSError as exc:
-            if _refused(exc):
-                return False
-            if not _not_implemented(exc):
-                raise
-            self.s3 = False  # (its next writes plain, said once)
-            self._say_plain(f"the store refused the precondition ({exc})")
-            self.storage.write_json(self.path, record)
+        self.storage.write_json(self.path, record)
         return True
 
     def remove_if(self, version: Any) -> bool:
         """Remove the lease where it is still at `version`; False where another write came since
-        (on S3 a ``DeleteObject`` with ``If-Match``; where the storage has no precondition, the
+        (on an object store a delete with its precondition; where the storage has none, the
         caller's read is the only check). A lease already gone is removed."""
         try:
-            if self.s3 and version is not None:
-                return self._delete_if_match(version)
+            if self.objects is not None and version is not None:
+                try:
+                    return self.objects.delete_if(self.storage.fs, self.path, version)
+                except PreconditionUnsupported as exc:
+                    self._unsupported(exc)  # (and removed plainly, below)
             with self._locked(False) if self.local else contextlib.nullcontext(False) as locked:
                 if locked and self._read_record() != version:
                     return False
@@ -128,24 +116,9 @@ class LeaseFile:
             pass
         return True
 
-    def _delete_if_match(self, etag: str) -> bool:
-        import fsspec.asyn
-
-        fs = self.storage.fs
-        bucket, key, _ = fs.split_path(self.path)
-        try:
-            fsspec.asyn.sync(
-                fs.loop, fs._call_s3, "delete_object", Bucket=bucket, Key=key, IfMatch=etag
-            )
-        except OSError as exc:
-            if _refused(exc):
-                return False
-            if isinstance(exc, FileNotFoundError) or not _not_implemented(exc):
-                raise
-            self.storage.fs.rm(self.path)  # (a store without conditional deletes)
-        finally:
-            fs.invalidate_cache(self.path)
-        return True
+    def _unsupported(self, exc: PreconditionUnsupported) -> None:
+        self.objects = None  # (its next writes plain, said once)
+        self._say_plain(str(exc))
 
     # -- local ---------------------------------------------------------------------------
 
@@ -213,40 +186,3 @@ class LeaseFile:
                 redact_url(self.storage.job_dir),
                 why,
             )
-
-
-async def _get_with_etag(fs, path: str) -> tuple[bytes, str | None]:
-    """An S3 object's bytes and its ETag, from one GET (s3fs's async API, as its `_cat_file`)."""
-    bucket, key, _ = fs.split_path(path)
-    response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
-    try:
-        return await response["Body"].read(), response.get("ETag")
-    finally:
-        response["Body"].close()
-
-
-def _answered(exc: BaseException, codes: tuple[str, ...], statuses: tuple[int, ...]) -> bool:
-    """Whether a botocore response behind an error s3fs raised (its cause chain) has one of
-    `codes` or `statuses`."""
-    seen = exc
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = (response.get("Error") or {}).get("Code")
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code in codes or status in statuses:
-                return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _refused(exc: BaseException) -> bool:
-    """Whether S3 refused a precondition: 412 (the object changed), or 409 (a conditional write
-    raced another)."""
-    return _answered(exc, ("PreconditionFailed", "ConditionalRequestConflict"), (409, 412))
-
-
-def _not_implemented(exc: BaseException) -> bool:
-    """Whether an S3-compatible store does not implement the precondition: 501, or 400 (a small
-    PUT or a DELETE that its credentials may make is refused for its precondition header)."""
-    return _answered(exc, ("NotImplemented", "InvalidArgument", "InvalidRequest"), (400, 501))
