@@ -145,3 +145,40 @@ def test_a_holder_that_lets_go_during_the_takeover_leaves_the_job_taken_not_take
     finally:
         rerun.release()
         holder.release()
+
+
+def test_a_finishing_holder_waited_out_whose_beat_lands_before_the_write_is_not_waited_out_again(
+    tmp_path, monkeypatch, caplog
+):
+    """A holder that marked itself finishing and keeps beating (its save stalls in a process that
+    lives on) is waited for a lease timeout at most, then taken over. A beat of that holder
+    between the judgement and the taker's write changes the record read only by its heartbeat:
+    the taker writes over it (`lease_takeover.same_holder_beat`) rather than judge it again, which
+    would wait out the same finishing holder a second time (a second lease timeout)."""
+    from prefect_jax.training import lease as lease_module
+
+    holder = lease_under(tmp_path, timeout=2.0)
+    holder.acquire()
+    writes_end = threading.Event()
+    release_after(holder, lambda: writes_end.wait(60), "step 120")  # (its save never ends)
+    waited = lease_module.wait_while_finishing
+    beats = []
+
+    def then_the_holder_beats(lease, current):
+        judged = waited(lease, current)
+        if not beats:  # (one beat, between the judgement and the taker's read before its write)
+            beats.append(holder.write_beat())
+        return judged
+
+    monkeypatch.setattr(lease_module, "wait_while_finishing", then_the_holder_beats)
+    rerun = lease_under(tmp_path, timeout=2.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
+            rerun.acquire()
+        assert beats == [True] and rerun.held and rerun.read()["token"] == rerun.token
+        assert rerun.taken_over["token"] == holder.token
+        assert caplog.text.count("may still be writing step 120") == 1, caplog.text
+        assert caplog.text.count("not waiting longer") == 1, caplog.text
+    finally:
+        writes_end.set()
+        rerun.release()
