@@ -81,13 +81,15 @@ def test_a_release_never_removes_a_lease_written_since_its_read(new_lease, reque
         )
     holder = new_lease()
     holder.acquire()
-    _, version = holder.file.read()
-    # (a taker's record, written after the release's read)
-    JobStorage.write_json(holder.storage, holder.path, {"token": "taker", "heartbeat": 0})
-    assert not holder.file.remove_if(version)
-    assert holder.read()["token"] == "taker"
-    holder._stop.set()  # (lost: nothing of its to release; its beat stops)
-    holder.token = None
+    try:
+        _, version = holder.file.read()
+        # (a taker's record, written after the release's read)
+        JobStorage.write_json(holder.storage, holder.path, {"token": "taker", "heartbeat": 0})
+        assert not holder.file.remove_if(version)
+        assert holder.read()["token"] == "taker"
+    finally:
+        holder._stop.set()  # (lost: nothing of its to release; its beat stops)
+        holder.token = None
 
 
 def test_a_takers_write_over_a_lease_released_since_its_read_is_refused_not_raised(new_lease):
@@ -121,3 +123,58 @@ def test_the_local_lock_is_beside_the_jobs_folder_not_in_it(tmp_path):
         assert lease.storage.jobs_there() == ["j"]
     finally:
         lease.release()
+
+
+class _GCSAnswering:
+    """A gcsfs file system whose every request gets `status` (and `headers`), turned into what
+    gcsfs raises by gcsfs's own `validate_response`: the answers of real GCS that
+    fake-gcs-server does not give (it deletes whatever the generation asked for)."""
+
+    base = "https://storage.googleapis.com/storage/v1/"
+
+    def __init__(self, status, headers=None, body=b"{}"):
+        self.status, self.headers, self.body, self.requests = status, headers or {}, body, []
+
+    @staticmethod
+    def split_path(path):
+        bucket, _, key = path.removeprefix("gs://").partition("/")
+        return bucket, key, None
+
+    def call(self, method, path, *args, **kwargs):
+        from gcsfs.retry import validate_response
+
+        self.requests.append((method, kwargs.get("ifGenerationMatch")))
+        validate_response(self.status, b'{"error": {"message": "no"}}', path, args)
+        return self.headers, self.body
+
+    def invalidate_cache(self, path):
+        pass
+
+
+def test_gcs_answers_the_emulator_does_not_give_are_read_as_gcs_means_them():
+    """A delete GCS refuses (412: the lease written since) removes nothing and says so; one of a
+    lease gone already is done; any other failure is raised, never read as a store without
+    preconditions (which would write every later beat plainly); an object read without a
+    generation (a GCS-compatible store that keeps none) is one: else each beat, made over
+    generation 0, would be refused and never land."""
+    from gcsfs.retry import HttpError
+
+    from prefect_jax.training.object_preconditions import (
+        GCSPreconditions,
+        PreconditionUnsupported,
+    )
+
+    gcs, path = GCSPreconditions(), "gs://jobs/j/lease.json"
+    refusing = _GCSAnswering(412)
+    assert not gcs.delete_if(refusing, path, "17")
+    assert refusing.requests == [("DELETE", "17")]
+    assert gcs.delete_if(_GCSAnswering(404), path, "17")
+    for status in (400, 503):
+        with pytest.raises((HttpError, ValueError)):
+            gcs.delete_if(_GCSAnswering(status), path, "17")
+        with pytest.raises((HttpError, ValueError)):
+            gcs.put_if(_GCSAnswering(status, body=b"{}"), path, b"{}", "17")
+    assert not gcs.put_if(_GCSAnswering(412), path, b"{}", None)
+    assert gcs.read(_GCSAnswering(200, {"x-goog-generation": "5"}, b"{}"), path) == (b"{}", "5")
+    with pytest.raises(PreconditionUnsupported):
+        gcs.read(_GCSAnswering(200, {}, b"{}"), path)

@@ -15,9 +15,9 @@ SIGKILL it goes stale. A save still written after a SIGTERM's grace period keeps
 
 A holder checks that it still holds the lease before each checkpoint (`verify`): one whose lease
 was taken over (its heartbeat went stale, or a rerun of its flow run started on another machine)
-stops there with `LeaseLostError` instead of writing over the new holder's steps. On local paths
-and S3 each write of the lease lands only over the record its writer read (`lease_file`), so a
-lost holder's late heartbeat never lands over its taker's record.
+stops there with `LeaseLostError` instead of writing over the new holder's steps. On local paths,
+S3 and GCS each write of the lease lands only over the record its writer read (`lease_file`), so
+a lost holder's late heartbeat never lands over its taker's record.
 """
 
 from __future__ import annotations

@@ -71,7 +71,11 @@ class LeaseFile:
         if self.objects is None:
             record = self._read_record()
             return record, record
-        data, version = self.objects.read(self.storage.fs, self.path)
+        try:
+            data, version = self.objects.read(self.storage.fs, self.path)
+        except PreconditionUnsupported as exc:
+            self._unsupported(exc)
+            return self.read()
         return (None if data is None else self._decode(data)), version
 
     def write_if(self, record: dict, version: Any, make_parent: bool = False) -> bool:
@@ -106,8 +110,8 @@ class LeaseFile:
             if self.objects is not None and version is not None:
                 try:
                     return self.objects.delete_if(self.storage.fs, self.path, version)
-                except PreconditionUnsupported as exc:
-                    self._unsupported(exc)  # (and removed plainly, below)
+                except PreconditionUnsupported as exc:  # (its writes still take it)
+                    self._say_plain(f"its delete: {exc}", logging.WARNING)  # (removed below)
             with self._locked(False) if self.local else contextlib.nullcontext(False) as locked:
                 if locked and self._read_record() != version:
                     return False
@@ -118,7 +122,7 @@ class LeaseFile:
 
     def _unsupported(self, exc: PreconditionUnsupported) -> None:
         self.objects = None  # (its next writes plain, said once)
-        self._say_plain(str(exc))
+        self._say_plain(str(exc), logging.WARNING)  # (a store that was expected to take it)
 
     # -- local ---------------------------------------------------------------------------
 
@@ -176,10 +180,11 @@ class LeaseFile:
             written = time.time()  # no time to go by: held for a whole timeout from now
         return {"torn": redact_url(self.path), "heartbeat": written}
 
-    def _say_plain(self, why: str) -> None:
+    def _say_plain(self, why: str, level: int = logging.INFO) -> None:
         if self.storage.root not in _said_plain:
             _said_plain.add(self.storage.root)
-            logger.info(
+            logger.log(
+                level,
                 "the lease of %s is written without a compare-and-set: %s. A holder's late "
                 "heartbeat can land over a takeover (the checks before each checkpoint still "
                 "stop the holder that lost it): docs/preemption.md",

@@ -1,9 +1,10 @@
 """What taking a job's lease does when the read-back of its write finds another record.
 
-Taking a lease is a write and then a read-back. On local paths and S3 the write lands only over
-the record judged (`lease_file`): a holder's beat or mark written since refuses it, and the
-read-back finds that record. Elsewhere (no compare-and-set) the write lands, and a holder's write
-may land over it. Where the read-back does not find the taker's own record, it finds
+Taking a lease is a write and then a read-back. On local paths, S3 and GCS the write lands only
+over the record judged (`lease_file`): a holder's beat or mark written since refuses it, and the
+read-back finds that record. Elsewhere (no compare-and-set: other stores, or one that refused
+the precondition) the write lands, and a holder's write may land over it. Where the read-back
+does not find the taker's own record, it finds
 
 - nothing: the holder let the job go (its release reads the lease, then deletes it: a delete
   that lands after the write): the lease is written again, a taking and no longer a takeover;

@@ -6,8 +6,9 @@ What the lease's compare-and-set stands on (`prefect_jax.training.lease_file`).
 Each store's `read` is one GET that returns the version with the bytes (not a HEAD first: each is
 a round trip). `put_if` and `delete_if` return False where the object changed since (the store
 answered 412), and raise `PreconditionUnsupported` where the store refuses the precondition itself
-(an S3-compatible store without conditional writes, a bucket kind the request does not reach):
-the caller then writes plainly. A version of None means "no object": a write that creates it.
+(an S3-compatible store without conditional writes; a GCS-compatible one that returns no
+generation): the caller then writes plainly. A version of None means "no object": a write
+that creates it.
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ class GCSPreconditions:
     """Google Cloud Storage, through gcsfs's public `call` (its JSON API requests, with its
     credentials and retries): the version is the object's generation. gcsfs's own `pipe_file`
     takes no generation but 0 (``mode="create"``), so a write over a version is the multipart
-    upload that gcsfs makes, with ``ifGenerationMatch``."""
+    upload that gcsfs makes, with ``ifGenerationMatch``. Every GCS bucket takes the
+    precondition, so an answer other than 412 or 404 is raised as it comes (a 400 is a request
+    to mend, and a 429 or 503 that gcsfs could not retry away is a failed write, retried by the
+    next heartbeat), never read as "unsupported", which would write plainly for good."""
 
     protocols = ("gs", "gcs")
 
@@ -82,7 +86,11 @@ class GCSPreconditions:
             headers, data = fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")
         except FileNotFoundError:
             return None, None
-        return data, headers.get("x-goog-generation")
+        generation = headers.get("x-goog-generation")  # (GCS sends it with every object)
+        if generation is None:  # (a GCS-compatible store without generations: every write
+            # over the record read would be refused, and the heartbeat would never land)
+            raise PreconditionUnsupported("the store returns no object generation")
+        return data, generation
 
     def put_if(self, fs, path: str, data: bytes, version: Any) -> bool:
         import json
@@ -112,9 +120,6 @@ class GCSPreconditions:
             )
         except FileExistsError:  # (gcsfs's 412: the generation changed, or an object came)
             return False
-        except Exception as exc:  # (gcsfs's HttpError is no OSError)
-            _raise_if_gcs_not_implemented(exc)
-            raise
         finally:
             fs.invalidate_cache(path)
         return True
@@ -127,9 +132,6 @@ class GCSPreconditions:
             return False
         except FileNotFoundError:  # (gone already)
             pass
-        except Exception as exc:  # (gcsfs's HttpError is no OSError)
-            _raise_if_gcs_not_implemented(exc)
-            raise
         finally:
             fs.invalidate_cache(path)
         return True
@@ -178,14 +180,6 @@ def _s3_not_implemented(exc: BaseException) -> bool:
     """Whether an S3-compatible store does not implement the precondition: 501, or 400 (a small
     PUT or a DELETE that its credentials may make is refused for its precondition header)."""
     return _s3_answered(exc, ("NotImplemented", "InvalidArgument", "InvalidRequest"), (400, 501))
-
-
-def _raise_if_gcs_not_implemented(exc: BaseException) -> None:
-    """gcsfs raises a 400 whose message says "invalid" as ValueError, and other answers as its
-    `HttpError` with the status in `code`: 400 and 501 are a request the bucket does
-    not take (a bucket kind without JSON API uploads), not a failure to retry."""
-    if isinstance(exc, ValueError) or getattr(exc, "code", None) in (400, 501):
-        raise _unsupported(exc) from exc
 
 
 def _unsupported(exc: BaseException) -> PreconditionUnsupported:
