@@ -44,4 +44,4 @@ def freeze_startup_objects() -> None:
 
     gc.freeze()
     gc.enable()
-    tracking.freeze_after_connect = True
+    tracking.freeze_mlflow_once_connected()

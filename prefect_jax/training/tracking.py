@@ -46,8 +46,17 @@ logger = logging.getLogger("prefect_jax.tracking")
 # How long a job's end waits for its MLflow calls with none landing before it asks whether the
 # store still answers (`Tracker.land_while_answering`).
 ANSWER_CHECK_SECS = 30.0
-# Set by the command, which owns its process: gc.freeze() once MLflow is imported
+# Set by the command, which owns its process (`freeze_mlflow_once_connected`): gc.freeze() once
+# MLflow is imported
 freeze_after_connect = False
+
+
+def freeze_mlflow_once_connected() -> None:
+    """MLflow's objects, once a tracker of this process imports it, are frozen as the command's
+    start-up objects were (`prefect_jax.cli.startup.freeze_startup_objects`): only a process that
+    the package started calls this; in a user's process the collector is left alone."""
+    global freeze_after_connect
+    freeze_after_connect = True
 
 
 class Tracker(RunCalls, RegistryCalls, MetricCalls):
