@@ -42,7 +42,7 @@ def test_a_lost_holders_late_heartbeat_is_refused_and_the_taker_keeps_the_job(ne
         beat_read, version = holder.file.read()  # (the beat's read, before the stall)
         assert beat_read["token"] == holder.token
         taker.acquire()  # (left by this process: taken over at once, as a retry's rerun)
-        assert taker.taken_over["token"] == holder.token
+        assert taker.taken_over["token"] == beat_read["token"]  # (a beat since clears .token)
         assert not holder.file.write_if(holder._record(), version)  # the late write: refused
         assert taker.read()["token"] == taker.token
         assert not holder.write_beat()  # its beat, reading again: the job is the taker's
