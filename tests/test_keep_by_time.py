@@ -14,8 +14,10 @@ from prefect_jax.training.policy import kept_by_time
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
 
-EVERY_SECS = 2.0
-PAUSE = 0.35  # between intervals: saves about this far apart, several in a window
+# Saves at least PAUSE apart; an interval's save and upload on a loaded machine (CI's two cores)
+# take up to about 1.5 s more, so a window this wide still holds several of them.
+EVERY_SECS = 5.0
+PAUSE = 0.35
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +73,9 @@ def test_the_oldest_step_of_each_window_is_kept_for_good_across_a_restart(
     assert sorted(saved) == list(range(5, 41, 5))
     expected = kept_by_time(sorted(saved), saved.get, EVERY_SECS) | {40}  # (40: keep_last)
     assert first == sorted(expected), saved
-    assert len(first) < len(saved), saved  # (saves 0.35 s apart share 2 s windows)
+    assert len(first) < len(saved), saved  # (saves share windows: some were dropped)
 
     again = _train(_config(where, tmp_path, s3_server, mlflow_uri, 80), saved)
     assert set(first) - {40} <= set(again)  # kept for good, by the times they recorded
     assert again == sorted(kept_by_time(sorted(saved), saved.get, EVERY_SECS) | {80}), saved
+    assert len({int(at // EVERY_SECS) for at in saved.values()}) > 1, saved  # (several windows)

@@ -5,6 +5,7 @@ test_lease; a real process killed mid-save in test_sigterm_grace."""
 
 import json
 import logging
+import re
 import socket
 import time
 
@@ -90,7 +91,8 @@ def test_a_holder_finishing_for_longer_than_the_lease_timeout_is_not_waited_for_
         rerun.acquire()  # (of the same flow run: taken over once not waited for)
     try:
         assert rerun.held and 2.0 < time.monotonic() - started < 8.0
-        assert "still finishing step 120 after 2s: not waiting longer" in caplog.text
+        # (2 s and the last poll's overrun: said in whole seconds)
+        assert re.search(r"still finishing step 120 after [2-7]s: not waiting longer", caplog.text)
     finally:
         never.set()
         rerun.release()
