@@ -14,10 +14,11 @@ from prefect_jax.training.policy import kept_by_time
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
 
-# Saves at least PAUSE apart; an interval's save and upload on a loaded machine (CI's two cores)
-# take up to about 1.5 s more, so a window this wide still holds several of them.
+# Saves at least PAUSE apart, so that each run's 8 span several windows; an interval's save and
+# upload on a loaded machine (CI's two cores) take up to about 1.5 s more, and a window this wide
+# still holds several saves.
 EVERY_SECS = 5.0
-PAUSE = 0.35
+PAUSE = 0.75
 
 
 @pytest.fixture(scope="module")
@@ -78,4 +79,3 @@ def test_the_oldest_step_of_each_window_is_kept_for_good_across_a_restart(
     again = _train(_config(where, tmp_path, s3_server, mlflow_uri, 80), saved)
     assert set(first) - {40} <= set(again)  # kept for good, by the times they recorded
     assert again == sorted(kept_by_time(sorted(saved), saved.get, EVERY_SECS) | {80}), saved
-    assert len({int(at // EVERY_SECS) for at in saved.values()}) > 1, saved  # (several windows)

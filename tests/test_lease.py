@@ -342,9 +342,9 @@ def test_the_heartbeat_notices_a_takeover(job_config):
     trainer.restore_or_init()
     deadline = time.monotonic() + 10
     while trainer.job.lease.held and time.monotonic() < deadline:
-        # (`held` is the last thing a beat that sees the takeover clears: `Lease._lose`)
         _write_lease(config, token="new-holder", flow_run_id="run-9", host="another-host")
         time.sleep(0.1)
+    trainer.job.lease._thread.join(10)  # (the beat that saw it ends once `_lose` and on_lost ran)
     assert trainer.job.lease.lost_to["token"] == "new-holder" and not trainer.job.lease.held
     ledger = os.path.join(config.storage, config.job, "goodput.json")
     before = open(ledger).read()

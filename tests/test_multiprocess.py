@@ -318,7 +318,8 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
             codes[1] == -signal.SIGKILL
         )  # pod 0's `prefect flow-run execute` exits 0 whatever its run's state
         log = open(tmp_path / "kill.0.log").read()
-        assert time.monotonic() - started < 20, f"pod 0 waited on its lost peer: {log[-3000:]}"
+        # (under JAX's 30 s heartbeat timeout, with room for a loaded machine's slow exit)
+        assert time.monotonic() - started < 27, f"pod 0 waited on its lost peer: {log[-3000:]}"
         state = client.read_flow_run(run.id).state
         assert state.is_failed() and "connection" in state.message.lower(), state
         assert "Terminating process" not in log, log[
@@ -582,7 +583,7 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
                 lost_after = float(
                     re.search(r"lost ([0-9.]+)s after the peer went away", log).group(1)
                 )
-                assert LOST_GRACE_SECS <= lost_after < LOST_GRACE_SECS + 5, (
+                assert LOST_GRACE_SECS <= lost_after < LOST_GRACE_SECS + 8, (
                     log
                 )  # the grace: a peer may leave as its barrier returns
                 assert f"process {last} of the job" in log and "went away" in log, log
@@ -590,13 +591,13 @@ def test_a_wait_at_a_barrier_ends_when_another_process_is_killed_not_when_it_fin
             else:
                 assert procs[k].returncode == 0, log
                 assert "wait ended" in log and "gone: None" in log, log
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 25  # (not JAX's 30 s heartbeat timeout)
         if mode == "kill":  # process 0, where the coordination service runs, went after the others
             log0 = open(tmp_path / "0.log").read()
             assert "exiting while other processes" not in log0, log0
             for k in range(1, last):
                 left = re.search(r"exiting at ([0-9.]+)", open(tmp_path / f"{k}.log").read())
-                assert float(left.group(1)) <= exited[0] < float(left.group(1)) + 5, exited
+                assert float(left.group(1)) <= exited[0] < float(left.group(1)) + 10, exited
     finally:
         for p in procs:
             if p.poll() is None:

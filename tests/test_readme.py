@@ -6,6 +6,7 @@ Python call of the `train_and_evaluate` flow. A README edit that breaks them fai
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -38,10 +39,12 @@ def _console_script(*args: str, cwd: Path, api_url: str) -> subprocess.Completed
     """``prefect-jax ARGS`` (the installed console script, as ``uv run prefect-jax`` runs it) in
     `cwd`, reporting to the session's Prefect server."""
     script = Path(sys.executable).parent / "prefect-jax"
-    env = cli_env(api_url)
-    env["PYTHONPATH"] = env["PYTHONPATH"].split(":", 1)[1]  # (not the tests' folder: cwd only)
+    env = cli_env(api_url)  # (less the tests' folder, and any empty part: that would be cwd)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
+    )
     return subprocess.run(
-        [str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        [str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
     )
 
 
