@@ -4,6 +4,8 @@ loopback: ``ifGenerationMatch``), a write lands only over the record its writer 
 that lost the job cannot land a late heartbeat over its taker's record (it stopped the taker,
 and trained on itself); two takers of a free job cannot both win."""
 
+import logging
+
 import pytest
 from lease_helpers import lease_under
 
@@ -132,8 +134,10 @@ class _GCSAnswering:
 
     base = "https://storage.googleapis.com/storage/v1/"
 
-    def __init__(self, status, headers=None, body=b"{}"):
+    def __init__(self, status, headers=None, body=b"{}", layout=200):
         self.status, self.headers, self.body, self.requests = status, headers or {}, body, []
+        self.layout = layout  # the status of a request of the bucket's storage layout
+        self.location_type = "region"  # what a layout read answers
 
     @staticmethod
     def split_path(path):
@@ -143,6 +147,10 @@ class _GCSAnswering:
     def call(self, method, path, *args, **kwargs):
         from gcsfs.retry import validate_response
 
+        if path.endswith("/storageLayout"):
+            self.requests.append(("layout", None))
+            validate_response(self.layout, b'{"error": {"message": "no"}}', path, args)
+            return {"bucket": args[0], "locationType": self.location_type}
         self.requests.append((method, kwargs.get("ifGenerationMatch")))
         validate_response(self.status, b'{"error": {"message": "no"}}', path, args)
         return self.headers, self.body
@@ -178,3 +186,58 @@ def test_gcs_answers_the_emulator_does_not_give_are_read_as_gcs_means_them():
     assert gcs.read(_GCSAnswering(200, {"x-goog-generation": "5"}, b"{}"), path) == (b"{}", "5")
     with pytest.raises(PreconditionUnsupported):
         gcs.read(_GCSAnswering(200, {}, b"{}"), path)
+
+
+def test_a_zonal_buckets_lease_is_written_plainly_its_kind_asked_once():
+    """A zonal bucket (Rapid storage) holds appendable objects, which the JSON API's upload
+    cannot write (400): its lease is written plainly (by gcsfs, over gRPC there), never through
+    the JSON API. The bucket's kind is asked once where the answer was final (a layout, a 404,
+    a 403), and again after a failure that may pass (a 503)."""
+    from prefect_jax.training.object_preconditions import (
+        GCSPreconditions,
+        PreconditionUnsupported,
+    )
+
+    path = "gs://jobs/j/lease.json"
+    gcs, zonal = GCSPreconditions(), _GCSAnswering(200, {"x-goog-generation": "5"})
+    zonal.location_type = "zone"
+    for _ in range(2):
+        with pytest.raises(PreconditionUnsupported, match="gs://jobs is a zonal bucket"):
+            gcs.read(zonal, path)
+    assert zonal.requests == [("layout", None)]
+    for layout, asked in ((200, 1), (404, 1), (403, 1), (503, 2)):
+        gcs, usual = (
+            GCSPreconditions(),
+            _GCSAnswering(200, {"x-goog-generation": "5"}, b"{}", layout),
+        )
+        for _ in range(2):
+            assert gcs.read(usual, path) == (b"{}", "5")  # (a bucket of the usual kind)
+        assert usual.requests.count(("layout", None)) == asked, (layout, usual.requests)
+
+
+def test_on_a_zonal_bucket_the_lease_is_taken_beats_and_is_released_with_plain_writes(
+    gcs_env, tmp_path, monkeypatch, caplog
+):
+    """fake-gcs-server standing in for a zonal bucket (its storage layout says ``zone``): the
+    lease works as on a store without preconditions, said once at WARNING, instead of every
+    write failing with the JSON API's 400."""
+    storage = JobStorage(f"gs://{gcs_env.bucket}/{tmp_path.name}", "j", {})
+    call = storage.fs.call
+
+    def as_a_zonal_bucket(method, path, *args, **kwargs):
+        if path.endswith("/storageLayout"):
+            return {"bucket": args[0], "locationType": "zone"}
+        assert "upload/" not in path, path  # (no JSON API upload: refused on a zonal bucket)
+        return call(method, path, *args, **kwargs)
+
+    monkeypatch.setattr(storage.fs, "call", as_a_zonal_bucket)
+    lease = Lease(storage, owner_id="run-2", timeout_secs=60.0)
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
+        lease.acquire()
+        try:
+            assert lease.held and not lease.file.conditional
+            assert lease.read()["token"] == lease.token and lease.write_beat()
+        finally:
+            lease.release()
+    assert not storage.fs.exists(lease.path)
+    assert caplog.text.count("is a zonal bucket (Rapid storage)") == 1, caplog.text

@@ -18,7 +18,8 @@ finds the job taken and stops before its next checkpoint; a taker finds the mark
   (``If-None-Match: *`` where there was no lease); Google Cloud Storage (``gs://``), an upload
   with ``ifGenerationMatch`` the generation read (0 where there was none). Each refuses a write
   over an object that changed since (`prefect_jax.training.object_preconditions`).
-- Elsewhere (Azure, ...), and where a store or file system refuses the precondition itself, the
+- Elsewhere (Azure, ...), on a zonal GCS bucket (its objects appendable ones, which the JSON API
+  cannot upload), and where a store or file system refuses the precondition itself, the
   write is plain, said once: the holder's check before each checkpoint (`Lease.verify`) and the
   takeover's read-back (`lease_takeover`) are the fence, as they were before this.
 """

@@ -7,8 +7,8 @@ Each store's `read` is one GET that returns the version with the bytes (not a HE
 a round trip). `put_if` and `delete_if` return False where the object changed since (the store
 answered 412), and raise `PreconditionUnsupported` where the store refuses the precondition itself
 (an S3-compatible store without conditional writes; a GCS-compatible one that returns no
-generation): the caller then writes plainly. A version of None means "no object": a write
-that creates it.
+generation; a zonal GCS bucket): the caller then writes plainly. A version of None means "no
+object": a write that creates it.
 """
 
 from __future__ import annotations
@@ -73,15 +73,28 @@ class GCSPreconditions:
     """Google Cloud Storage, through gcsfs's public `call` (its JSON API requests, with its
     credentials and retries): the version is the object's generation. gcsfs's own `pipe_file`
     takes no generation but 0 (``mode="create"``), so a write over a version is the multipart
-    upload that gcsfs makes, with ``ifGenerationMatch``. Every GCS bucket takes the
-    precondition, so an answer other than 412 or 404 is raised as it comes (a 400 is a request
-    to mend, and a 429 or 503 that gcsfs could not retry away is a failed write, retried by the
-    next heartbeat), never read as "unsupported", which would write plainly for good."""
+    upload that gcsfs makes, with ``ifGenerationMatch``. Every GCS bucket but a zonal one takes
+    the precondition, so an answer other than 412 or 404 is raised as it comes (a 400 is a
+    request to mend, and a 429 or 503 that gcsfs could not retry away is a failed write, retried
+    by the next heartbeat), never read as "unsupported", which would write plainly for good.
+
+    Zonal buckets (Rapid storage) hold appendable objects only, which gcsfs writes over gRPC;
+    the JSON API refuses an upload there (400). The bucket's kind is asked once, as gcsfs asks
+    it (its storage layout's ``locationType``, ``zone``), by `read`, the first request of every
+    compare-and-set; a zonal bucket's lease is written plainly, by gcsfs."""
 
     protocols = ("gs", "gcs")
 
+    def __init__(self):
+        self.zonal: dict[str, bool] = {}  # bucket -> whether its storage layout says zonal
+
     def read(self, fs, path: str) -> tuple[bytes | None, Any]:
         bucket, key, _ = fs.split_path(path)
+        if self._is_zonal(fs, bucket):
+            raise PreconditionUnsupported(
+                f"gs://{bucket} is a zonal bucket (Rapid storage), whose objects the JSON API "
+                "cannot write with a precondition"
+            )
         try:
             headers, data = fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")
         except FileNotFoundError:
@@ -91,6 +104,24 @@ class GCSPreconditions:
             # over the record read would be refused, and the heartbeat would never land)
             raise PreconditionUnsupported("the store returns no object generation")
         return data, generation
+
+    def _is_zonal(self, fs, bucket: str) -> bool:
+        """Whether `bucket`'s storage layout says it is zonal. A layout that cannot be read is
+        taken, as gcsfs takes it, for a bucket of the usual kind: for good where the answer was
+        final (a GCS-compatible store without that call: 404 or 400; credentials without
+        ``storage.buckets.getStorageLayout``: 403), else (a 503 left after gcsfs's retries, a
+        network error) asked again by the next read."""
+        if bucket not in self.zonal:
+            try:
+                layout = fs.call("GET", "b/{}/storageLayout", bucket, json_out=True)
+            except (FileNotFoundError, ValueError):  # (gcsfs raises a 400 as ValueError)
+                layout = {}
+            except Exception as exc:  # noqa: BLE001 - a question whose every failure means "no"
+                if not str(exc).startswith("Forbidden"):  # (gcsfs's words for a 403)
+                    return False
+                layout = {}
+            self.zonal[bucket] = isinstance(layout, dict) and layout.get("locationType") == "zone"
+        return self.zonal[bucket]
 
     def put_if(self, fs, path: str, data: bytes, version: Any) -> bool:
         import json
@@ -137,12 +168,13 @@ class GCSPreconditions:
         return True
 
 
-STORES = (S3Preconditions(), GCSPreconditions())
+STORES = (S3Preconditions, GCSPreconditions)
 
 
 def preconditions_for(protocol: str) -> S3Preconditions | GCSPreconditions | None:
-    """The store of `protocol` that takes a precondition on a write, or None."""
-    return next((store for store in STORES if protocol in store.protocols), None)
+    """The preconditions of `protocol`'s store (a new one: what it learns of a bucket is its
+    lease file's), or None where the store takes none on a write."""
+    return next((store() for store in STORES if protocol in store.protocols), None)
 
 
 async def _get_with_etag(fs, path: str) -> tuple[bytes, str | None]:
