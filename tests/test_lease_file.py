@@ -4,6 +4,7 @@ loopback: ``ifGenerationMatch``), a write lands only over the record its writer 
 that lost the job cannot land a late heartbeat over its taker's record (it stopped the taker,
 and trained on itself); two takers of a free job cannot both win."""
 
+import json
 import logging
 
 import pytest
@@ -134,10 +135,11 @@ class _GCSAnswering:
 
     base = "https://storage.googleapis.com/storage/v1/"
 
-    def __init__(self, status, headers=None, body=b"{}", layout=200):
+    def __init__(self, status, headers=None, body=b"{}", layout=200, message="no"):
         self.status, self.headers, self.body, self.requests = status, headers or {}, body, []
         self.layout = layout  # the status of a request of the bucket's storage layout
         self.location_type = "region"  # what a layout read answers
+        self.error = json.dumps({"error": {"message": message}}).encode()
 
     @staticmethod
     def split_path(path):
@@ -148,11 +150,12 @@ class _GCSAnswering:
         from gcsfs.retry import validate_response
 
         if path.endswith("/storageLayout"):
+            assert (method, path, kwargs) == ("GET", "b/{}/storageLayout", {"json_out": True})
             self.requests.append(("layout", None))
-            validate_response(self.layout, b'{"error": {"message": "no"}}', path, args)
+            validate_response(self.layout, self.error, path, args)
             return {"bucket": args[0], "locationType": self.location_type}
         self.requests.append((method, kwargs.get("ifGenerationMatch")))
-        validate_response(self.status, b'{"error": {"message": "no"}}', path, args)
+        validate_response(self.status, self.error, path, args)
         return self.headers, self.body
 
     def invalidate_cache(self, path):
@@ -205,7 +208,7 @@ def test_a_zonal_buckets_lease_is_written_plainly_its_kind_asked_once():
         with pytest.raises(PreconditionUnsupported, match="gs://jobs is a zonal bucket"):
             gcs.read(zonal, path)
     assert zonal.requests == [("layout", None)]
-    for layout, asked in ((200, 1), (404, 1), (403, 1), (503, 2)):
+    for layout, asked in ((200, 1), (404, 1), (400, 1), (403, 1), (503, 2)):
         gcs, usual = (
             GCSPreconditions(),
             _GCSAnswering(200, {"x-goog-generation": "5"}, b"{}", layout),
@@ -213,6 +216,14 @@ def test_a_zonal_buckets_lease_is_written_plainly_its_kind_asked_once():
         for _ in range(2):
             assert gcs.read(usual, path) == (b"{}", "5")  # (a bucket of the usual kind)
         assert usual.requests.count(("layout", None)) == asked, (layout, usual.requests)
+    # A zonal bucket whose layout could not be read (a 503): its upload's refusal tells.
+    gcs = GCSPreconditions()
+    refused = _GCSAnswering(400, layout=503, message="This bucket requires appendable objects.")
+    with pytest.raises(PreconditionUnsupported, match="gs://jobs is a zonal bucket"):
+        gcs.put_if(refused, path, b"{}", "5")
+    with pytest.raises(PreconditionUnsupported, match="gs://jobs is a zonal bucket"):
+        gcs.read(refused, path)  # (known now: not asked again)
+    assert refused.requests == [("POST", "5")]
 
 
 def test_on_a_zonal_bucket_the_lease_is_taken_beats_and_is_released_with_plain_writes(
@@ -226,6 +237,7 @@ def test_on_a_zonal_bucket_the_lease_is_taken_beats_and_is_released_with_plain_w
 
     def as_a_zonal_bucket(method, path, *args, **kwargs):
         if path.endswith("/storageLayout"):
+            assert kwargs == {"json_out": True} and storage.fs.base.startswith("http"), kwargs
             return {"bucket": args[0], "locationType": "zone"}
         assert "upload/" not in path, path  # (no JSON API upload: refused on a zonal bucket)
         return call(method, path, *args, **kwargs)

@@ -91,10 +91,7 @@ class GCSPreconditions:
     def read(self, fs, path: str) -> tuple[bytes | None, Any]:
         bucket, key, _ = fs.split_path(path)
         if self._is_zonal(fs, bucket):
-            raise PreconditionUnsupported(
-                f"gs://{bucket} is a zonal bucket (Rapid storage), whose objects the JSON API "
-                "cannot write with a precondition"
-            )
+            raise _zonal(bucket)
         try:
             headers, data = fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")
         except FileNotFoundError:
@@ -108,23 +105,26 @@ class GCSPreconditions:
     def _is_zonal(self, fs, bucket: str) -> bool:
         """Whether `bucket`'s storage layout says it is zonal. A layout that cannot be read is
         taken, as gcsfs takes it, for a bucket of the usual kind: for good where the answer was
-        final (a GCS-compatible store without that call: 404 or 400; credentials without
-        ``storage.buckets.getStorageLayout``: 403), else (a 503 left after gcsfs's retries, a
-        network error) asked again by the next read."""
+        final (a GCS-compatible store without that call: 404 or 400; credentials that may not
+        read it: 403), else (a failure gcsfs would retry, left after its retries: a 503, a
+        network error) asked again by the next read. A zonal bucket taken for a usual one so is
+        found by the upload's refusal (`put_if`)."""
+        from gcsfs.retry import is_retriable
+
         if bucket not in self.zonal:
             try:
                 layout = fs.call("GET", "b/{}/storageLayout", bucket, json_out=True)
-            except (FileNotFoundError, ValueError):  # (gcsfs raises a 400 as ValueError)
-                layout = {}
             except Exception as exc:  # noqa: BLE001 - a question whose every failure means "no"
-                if not str(exc).startswith("Forbidden"):  # (gcsfs's words for a 403)
+                if is_retriable(exc):
                     return False
                 layout = {}
-            self.zonal[bucket] = isinstance(layout, dict) and layout.get("locationType") == "zone"
+            self.zonal[bucket] = layout.get("locationType") == "zone"
         return self.zonal[bucket]
 
     def put_if(self, fs, path: str, data: bytes, version: Any) -> bool:
         import json
+
+        from gcsfs.retry import HttpError
 
         bucket, key, _ = fs.split_path(path)
         boundary = "prefect-jax-lease"  # (no such line in a JSON record)
@@ -151,6 +151,11 @@ class GCSPreconditions:
             )
         except FileExistsError:  # (gcsfs's 412: the generation changed, or an object came)
             return False
+        except HttpError as exc:  # (a zonal bucket whose layout could not be read)
+            if exc.code != 400 or "appendable" not in str(exc.message):
+                raise
+            self.zonal[bucket] = True
+            raise _zonal(bucket) from exc
         finally:
             fs.invalidate_cache(path)
         return True
@@ -212,6 +217,13 @@ def _s3_not_implemented(exc: BaseException) -> bool:
     """Whether an S3-compatible store does not implement the precondition: 501, or 400 (a small
     PUT or a DELETE that its credentials may make is refused for its precondition header)."""
     return _s3_answered(exc, ("NotImplemented", "InvalidArgument", "InvalidRequest"), (400, 501))
+
+
+def _zonal(bucket: str) -> PreconditionUnsupported:
+    return PreconditionUnsupported(
+        f"gs://{bucket} is a zonal bucket (Rapid storage), whose appendable objects the JSON "
+        "API cannot upload"
+    )
 
 
 def _unsupported(exc: BaseException) -> PreconditionUnsupported:
