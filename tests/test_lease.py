@@ -3,7 +3,6 @@ over from a dead or stale one, handed back to a retry of the same flow run, torn
 storage that vanishes under a trainer. A lease kept while a preempted save still writes is in
 test_lease_finishing; damaged checkpoints are in test_damaged_checkpoints."""
 
-import fcntl
 import json
 import logging
 import os
@@ -16,6 +15,8 @@ from lease_helpers import lease_under
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
 from prefect_jax.training.errors import LeaseHeldError, LeaseLostError
+from prefect_jax.training.lease_file import LeaseFile
+from prefect_jax.training.storage import JobStorage
 from prefect_jax.training.trainer import Trainer
 
 
@@ -36,17 +37,12 @@ def _write_lease(config, **fields):
     }
     lease.update(fields)
     # at once, as a trainer writes it: a heartbeat that read it half-written would find it torn
-    # and write its own again; and under the lock every local writer takes (`LeaseFile._locked`),
-    # or a beat that compared before this write would land its own record after it
-    lock = os.path.join(config.storage, f".{config.job}.lease.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    # and write its own again; and under the lock every local writer takes, or a beat that
+    # compared before this write would land its own record after it
+    with LeaseFile(JobStorage(config.storage, config.job), path)._locked(False):
         with open(f"{path}.tmp", "w") as f:
             json.dump(lease, f)
         os.replace(f"{path}.tmp", path)
-    finally:
-        os.close(fd)
     return path
 
 

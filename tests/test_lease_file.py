@@ -175,7 +175,7 @@ def test_gcs_answers_the_emulator_does_not_give_are_read_as_gcs_means_them():
         PreconditionUnsupported,
     )
 
-    gcs, path = GCSPreconditions(), "gs://jobs/j/lease.json"
+    gcs, path = GCSPreconditions(zonal={}), "gs://jobs/j/lease.json"
     refusing = _GCSAnswering(412)
     assert not gcs.delete_if(refusing, path, "17")
     assert refusing.requests == [("DELETE", "17")]
@@ -202,7 +202,7 @@ def test_a_zonal_buckets_lease_is_written_plainly_its_kind_asked_once():
     )
 
     path = "gs://jobs/j/lease.json"
-    gcs, zonal = GCSPreconditions(), _GCSAnswering(200, {"x-goog-generation": "5"})
+    gcs, zonal = GCSPreconditions(zonal={}), _GCSAnswering(200, {"x-goog-generation": "5"})
     zonal.location_type = "zone"
     for _ in range(2):
         with pytest.raises(PreconditionUnsupported, match="gs://jobs is a zonal bucket"):
@@ -210,14 +210,14 @@ def test_a_zonal_buckets_lease_is_written_plainly_its_kind_asked_once():
     assert zonal.requests == [("layout", None)]
     for layout, asked in ((200, 1), (404, 1), (400, 1), (403, 1), (503, 2)):
         gcs, usual = (
-            GCSPreconditions(),
+            GCSPreconditions(zonal={}),
             _GCSAnswering(200, {"x-goog-generation": "5"}, b"{}", layout),
         )
         for _ in range(2):
             assert gcs.read(usual, path) == (b"{}", "5")  # (a bucket of the usual kind)
         assert usual.requests.count(("layout", None)) == asked, (layout, usual.requests)
     # A zonal bucket whose layout could not be read (a 503): its upload's refusal tells.
-    gcs = GCSPreconditions()
+    gcs = GCSPreconditions(zonal={})
     refused = _GCSAnswering(400, layout=503, message="This bucket requires appendable objects.")
     with pytest.raises(PreconditionUnsupported, match="gs://jobs is a zonal bucket"):
         gcs.put_if(refused, path, b"{}", "5")
@@ -232,17 +232,24 @@ def test_on_a_zonal_bucket_the_lease_is_taken_beats_and_is_released_with_plain_w
     """fake-gcs-server standing in for a zonal bucket (its storage layout says ``zone``): the
     lease works as on a store without preconditions, said once at WARNING, instead of every
     write failing with the JSON API's 400."""
+    from prefect_jax.training.object_preconditions import preconditions_for
+
     storage = JobStorage(f"gs://{gcs_env.bucket}/{tmp_path.name}", "j", {})
     call = storage.fs.call
 
+    layouts = []
+
     def as_a_zonal_bucket(method, path, *args, **kwargs):
         if path.endswith("/storageLayout"):
+            layouts.append(args[0])
             assert kwargs == {"json_out": True} and storage.fs.base.startswith("http"), kwargs
             return {"bucket": args[0], "locationType": "zone"}
         assert "upload/" not in path, path  # (no JSON API upload: refused on a zonal bucket)
         return call(method, path, *args, **kwargs)
 
     monkeypatch.setattr(storage.fs, "call", as_a_zonal_bucket)
+    # (not what this process learnt of the emulator's bucket in the tests before)
+    monkeypatch.setattr(preconditions_for("gs"), "zonal", {})
     lease = Lease(storage, owner_id="run-2", timeout_secs=60.0)
     with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
         lease.acquire()
@@ -253,3 +260,5 @@ def test_on_a_zonal_bucket_the_lease_is_taken_beats_and_is_released_with_plain_w
             lease.release()
     assert not storage.fs.exists(lease.path)
     assert caplog.text.count("is a zonal bucket (Rapid storage)") == 1, caplog.text
+    assert Lease(storage).read() is None  # (an evaluator's check of its trainer, say)
+    assert layouts == [gcs_env.bucket]  # asked once in this process, not once per lease

@@ -81,12 +81,17 @@ class GCSPreconditions:
     Zonal buckets (Rapid storage) hold appendable objects only, which gcsfs writes over gRPC;
     the JSON API refuses an upload there (400). The bucket's kind is asked once, as gcsfs asks
     it (its storage layout's ``locationType``, ``zone``), by `read`, the first request of every
-    compare-and-set; a zonal bucket's lease is written plainly, by gcsfs."""
+    compare-and-set; a zonal bucket's lease is written plainly, by gcsfs.
+
+    Args:
+        zonal: what is known of buckets' kinds, by endpoint and bucket (default: this process's,
+            shared by every lease file: an evaluator's check of its trainer makes one a poll).
+    """
 
     protocols = ("gs", "gcs")
 
-    def __init__(self):
-        self.zonal: dict[str, bool] = {}  # bucket -> whether its storage layout says zonal
+    def __init__(self, zonal: dict[tuple[str, str], bool] | None = None):
+        self.zonal = _ZONAL_BUCKETS if zonal is None else zonal
 
     def read(self, fs, path: str) -> tuple[bytes | None, Any]:
         bucket, key, _ = fs.split_path(path)
@@ -111,15 +116,16 @@ class GCSPreconditions:
         found by the upload's refusal (`put_if`)."""
         from gcsfs.retry import is_retriable
 
-        if bucket not in self.zonal:
+        known = (fs.base, bucket)
+        if known not in self.zonal:
             try:
                 layout = fs.call("GET", "b/{}/storageLayout", bucket, json_out=True)
             except Exception as exc:  # noqa: BLE001 - a question whose every failure means "no"
                 if is_retriable(exc):
                     return False
                 layout = {}
-            self.zonal[bucket] = layout.get("locationType") == "zone"
-        return self.zonal[bucket]
+            self.zonal[known] = layout.get("locationType") == "zone"
+        return self.zonal[known]
 
     def put_if(self, fs, path: str, data: bytes, version: Any) -> bool:
         import json
@@ -154,7 +160,7 @@ class GCSPreconditions:
         except HttpError as exc:  # (a zonal bucket whose layout could not be read)
             if exc.code != 400 or "appendable" not in str(exc.message):
                 raise
-            self.zonal[bucket] = True
+            self.zonal[(fs.base, bucket)] = True
             raise _zonal(bucket) from exc
         finally:
             fs.invalidate_cache(path)
@@ -173,13 +179,14 @@ class GCSPreconditions:
         return True
 
 
-STORES = (S3Preconditions, GCSPreconditions)
+_ZONAL_BUCKETS: dict[tuple[str, str], bool] = {}  # (endpoint, bucket) -> zonal (`GCSPreconditions`)
+
+STORES = (S3Preconditions(), GCSPreconditions())
 
 
 def preconditions_for(protocol: str) -> S3Preconditions | GCSPreconditions | None:
-    """The preconditions of `protocol`'s store (a new one: what it learns of a bucket is its
-    lease file's), or None where the store takes none on a write."""
-    return next((store() for store in STORES if protocol in store.protocols), None)
+    """The store of `protocol` that takes a precondition on a write, or None."""
+    return next((store for store in STORES if protocol in store.protocols), None)
 
 
 async def _get_with_etag(fs, path: str) -> tuple[bytes, str | None]:
