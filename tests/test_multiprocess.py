@@ -275,14 +275,27 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
             )
         return step
 
+    def training_from(procs, name: str, step: int) -> None:
+        """Once both pods train from `step` (committed, evaluated, the next train task started:
+        on a slow machine that takes a while after the commit), 0.4 s into the interval's 1 s."""
+        line = f"training from step {step} to {step + EVERY}"
+        wait_until(lambda: step in committed_steps(checkpoints), 300, f"{step} committed", procs[0])
+        wait_until(
+            lambda: all(line in open(tmp_path / f"{name}.{k}.log").read() for k in range(2)),
+            300,
+            f"both pods training from step {step}",
+            procs[0],
+            poll=0.05,
+        )
+        time.sleep(0.4)
+
     with get_client(sync_client=True) as client:
         run = _deployment_run(client, storage, mlflow_uri)
 
         # 1. SIGTERM to pod 1 alone mid-interval (its node is drained): both processes checkpoint
         #    the same step, off the cadence, and the run ends Crashed, for the automation to rerun.
         procs = _pods(run.id, prefect_server, tmp_path, "one")
-        wait_until(lambda: 100 in committed_steps(checkpoints), 300, "step 100 committed", procs[0])
-        time.sleep(0.4)
+        training_from(procs, "one", 100)
         procs[1].send_signal(signal.SIGTERM)
         _wait_all(procs, 120)
         preempted_step("one", 100)
@@ -297,8 +310,7 @@ def test_an_indexed_jobs_pods_survive_sigterm_and_sigkill_and_the_retry_resumes_
         # 2. Retry; SIGTERM to both pods: the same, and pod 0's supervisor reschedules the run.
         retry(client, run.id)
         procs = _pods(run.id, prefect_server, tmp_path, "term")
-        wait_until(lambda: 200 in committed_steps(checkpoints), 300, "step 200 committed", procs[0])
-        time.sleep(0.4)
+        training_from(procs, "term", 200)
         for p in procs:
             p.send_signal(signal.SIGTERM)
         _wait_all(procs, 120)
