@@ -154,17 +154,23 @@ def diverges_at_33():
 class Paced:
     """Batches at most one per `step_secs` (one pipeline thread): an interval lasts long enough
     for a signal sent "mid-interval" to land there (the digits pipeline alone makes a step take
-    well under a millisecond)."""
+    well under a millisecond). While the file named by ``PREFECT_JAX_TEST_HOLD`` exists, no batch
+    comes: a test holds the training there while another process starts (its lease beats on)."""
 
     step_secs = 0.01
 
     def train_data(self, seed: int):
+        import os
         import time
 
         import grain
 
+        hold = os.environ.get("PREFECT_JAX_TEST_HOLD")
+
         def paced(batch):
             time.sleep(self.step_secs)
+            while hold and os.path.exists(hold):
+                time.sleep(0.05)
             return batch
 
         options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=1)

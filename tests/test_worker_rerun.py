@@ -81,6 +81,7 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
     )
     job_dir = tmp_path / "storage" / "on-worker"
     checkpoints = str(job_dir / "checkpoints")
+    hold = tmp_path / "hold"  # (see below)
 
     server.wait_healthy()
     with (
@@ -96,6 +97,7 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
             tmp_path / "worker.log",
             query_seconds="1",
             paths=[str(HERE)],
+            PREFECT_JAX_TEST_HOLD=str(hold),
         )
         processes.append(worker)
         run = client.create_flow_run_from_deployment(
@@ -131,13 +133,17 @@ def test_a_killed_trainer_on_a_process_worker_started_twice_by_the_automation_tr
             )
 
         rerun = until("a rerun that trains", rerun_training, 120, worker)
+        # Its training held (`programs.Paced`) until the second process has started: on a slow
+        # machine the rerun could otherwise finish first, and there would be none to wait for
+        hold.touch()
         client.set_flow_run_state(run.id, AwaitingRetry(), force=True)
         until(
             "a second process of the run waiting for the first",
             lambda: "already trains job" in worker.tail(400_000),
-            60,
+            120,
             worker,
         )
+        hold.unlink()
 
         # Every process of the run ends; the run ends Completed.
         until(
