@@ -42,7 +42,11 @@ def browser_page() -> Iterator:
             executable_path=executable, args=["--no-sandbox", "--disable-dev-shm-usage"]
         )
         try:
-            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            # (a UI's first load on two busy cores can take longer than Playwright's 30 s)
+            page.set_default_timeout(120_000)
+            page.set_default_navigation_timeout(120_000)
+            yield page
         finally:
             browser.close()
 
@@ -51,7 +55,7 @@ def retry_in_the_ui(ui_url: str, flow_run_id: str, shots: str = "retry") -> None
     """Open a flow run's page, see it Crashed, press Retry and confirm, as a person does."""
     with browser_page() as page:
         page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
-        page.get_by_text("Crashed").first.wait_for(timeout=30_000)
+        page.get_by_text("Crashed").first.wait_for(timeout=60_000)
         page.screenshot(path=str(OUTPUT / f"{shots}-crashed.png"), full_page=True)
         page.get_by_role("button", name="Retry").first.click()
         dialog = page.get_by_role("dialog")
@@ -60,13 +64,16 @@ def retry_in_the_ui(ui_url: str, flow_run_id: str, shots: str = "retry") -> None
         page.screenshot(path=str(OUTPUT / f"{shots}-retried.png"), full_page=True)
 
 
-def screenshot_flow_run(ui_url: str, flow_run_id: str, name: str, wait_for_text: str) -> str:
-    """A full-page screenshot of a flow run's page once `wait_for_text`
-    shows; returns the page's text."""
+def screenshot_flow_run(
+    ui_url: str, flow_run_id: str, name: str, wait_for_text: str, task_run: str
+) -> str:
+    """A full-page screenshot of a flow run's Task Runs tab once `wait_for_text` shows on the
+    page and task run `task_run` in the tab; returns the page's text."""
     with browser_page() as page:
         page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
-        page.get_by_text(wait_for_text).first.wait_for(timeout=30_000)
+        page.get_by_text(wait_for_text).first.wait_for(timeout=60_000)
         page.get_by_text("Task Runs", exact=True).first.click()
-        page.wait_for_load_state("networkidle")
+        # (a tab of the app, not a page: its list comes by its own request, after the click)
+        page.get_by_text(task_run).first.wait_for(timeout=60_000)
         page.screenshot(path=str(OUTPUT / f"{name}.png"), full_page=True)
         return page.inner_text("body")

@@ -215,15 +215,16 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         ):
             time.sleep(0.5)
             runs = _task_runs(client, flow_run.id)
+        resumed = f"train {resume_from} to {resume_from + EVERY}"
         page = screenshot_flow_run(
-            server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed"
+            server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed", resumed
         )
     # The crashed attempt's task runs are not left Running (the retry that
     # took the lease over marked them).
     assert not [r.name for r in runs if r.state.is_running() or r.state.is_pending()], [
         (r.name, r.state) for r in runs
     ]
-    assert f"train {resume_from} to {resume_from + EVERY}" in page
+    assert resumed in page
 
     # Same end as the uninterrupted run: the flow's own summary, and its final checkpoint.
     assert summary["final_step"] == MAX_STEPS
