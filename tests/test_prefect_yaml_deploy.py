@@ -107,8 +107,11 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
                 from prefect.client.schemas.actions import DeploymentScheduleCreate
                 from prefect.client.schemas.schedules import IntervalSchedule
 
+                # (due in 20 s: a scheduler that comes to it late, on a loaded server, still makes
+                # this run, not tomorrow's, which the worker would not take)
                 due_now = IntervalSchedule(
-                    interval=timedelta(days=1), anchor_date=datetime.now(UTC) + timedelta(seconds=5)
+                    interval=timedelta(days=1),
+                    anchor_date=datetime.now(UTC) + timedelta(seconds=20),
                 )
                 await client.create_deployment_schedules(
                     nightly.id,
@@ -125,6 +128,8 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
                     )
                     await asyncio.sleep(1)
                 assert made[0].parameters["job"] == "nightly-test"
+                due_in = made[0].expected_start_time - datetime.now(UTC)
+                assert due_in < timedelta(seconds=30), made[0].expected_start_time
                 return made[0]
 
         from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -134,7 +139,10 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
             worker = _GroupProcess(
                 [sys.executable, "-m", "prefect", "worker", "start", "--pool", "cpu", "--run-once"],
                 _base_env(
-                    PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_LOGGING_LEVEL="INFO"
+                    PREFECT_HOME=str(home),
+                    PREFECT_API_URL=api,
+                    PREFECT_LOGGING_LEVEL="INFO",
+                    PREFECT_WORKER_PREFETCH_SECONDS="60",  # (it waits for the run's time)
                 ),
                 tmp_path / "worker.log",
             )
