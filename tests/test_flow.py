@@ -38,10 +38,11 @@ def _run(tmp_path, mlflow_uri, max_steps=40, job="flow-job", **kw):
     )
 
 
-async def _task_runs(flow_run_id, settle_secs: float = 30.0):
-    """The task runs of a flow run that has ended, once each is in a final state (`settle_secs`
-    at most): their states reach the server as events, which the flow engine does not wait for
-    when the flow run ends, so a read right after it may find the last one still Running."""
+async def _task_runs(flow_run_id, *expect: str, settle_secs: float = 30.0):
+    """The task runs of a flow run that has ended, once each is in a final state and those named
+    `expect` are there (`settle_secs` at most): their states reach the server as events, which
+    the flow engine does not wait for when the flow run ends, so a read right after it may find
+    the last one still Running, or not yet there."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
@@ -54,7 +55,9 @@ async def _task_runs(flow_run_id, settle_secs: float = 30.0):
                 sort=TaskRunSort.EXPECTED_START_TIME_ASC,
                 limit=200,
             )
-            settled = all(r.state is not None and r.state.is_final() for r in runs)
+            settled = all(r.state is not None and r.state.is_final() for r in runs) and set(
+                expect
+            ) <= {r.name for r in runs}
             if settled or time.monotonic() > deadline:
                 return runs
             await asyncio.sleep(0.25)
@@ -109,7 +112,7 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
     assert summary["checkpoint_dir"] == str(tmp_path / "storage" / "flow-job" / "checkpoints")
     assert len(summary["state_fingerprint"]) == 64
 
-    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    runs = asyncio.run(_task_runs(state.state_details.flow_run_id, "export 40"))
     artifacts = _artifacts(prefect_server, state.state_details.flow_run_id)
     names = sorted(r.name for r in runs)
     assert names == sorted(
@@ -169,7 +172,7 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
         if m.startswith("exporter ")
     ]
     assert len(exported) == 3, exported  # latest 20 and 40, final 40
-    rerun_runs = asyncio.run(_task_runs(again_state.state_details.flow_run_id))
+    rerun_runs = asyncio.run(_task_runs(again_state.state_details.flow_run_id, "export 40"))
     assert "export 40" in [r.name for r in rerun_runs]  # the rerun's export task did run
     rerun_lines = _log_messages(prefect_server, again_state.state_details.flow_run_id)
     assert "eval of step 40: NO_NEW_CHECKPOINT" in rerun_lines, rerun_lines  # the read sees them
@@ -218,7 +221,9 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(
     finally:
         remove()
     assert state.is_completed() and commit.is_set()
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {
+        r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "evaluate 200"))
+    }
     evaluate_100, evaluate_200 = runs["evaluate 100"], runs["evaluate 200"]
     results = [
         a
@@ -281,7 +286,9 @@ def test_a_deferred_evaluation_in_an_async_flow_still_publishes_its_results(
     finally:
         remove()
     assert state.is_completed() and commit.is_set()
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {
+        r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "evaluate 200"))
+    }
     results = [
         a
         for a in _artifacts(prefect_server, state.state_details.flow_run_id)
@@ -565,7 +572,7 @@ def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
     )
     assert state.is_completed()
     flow_run_id = state.state_details.flow_run_id
-    runs = {r.name: str(r.id) for r in asyncio.run(_task_runs(flow_run_id))}
+    runs = {r.name: str(r.id) for r in asyncio.run(_task_runs(flow_run_id, "evaluate 50"))}
     artifacts = _artifacts(prefect_server, flow_run_id)
     tables = sorted(
         ([row["step"] for row in json.loads(a["data"])], a["task_run_id"])

@@ -44,7 +44,12 @@ def test_a_transient_failure_is_retried_from_the_checkpoint_and_ends_exactly(tmp
     assert state.is_completed()
     flaky = state.result()
     assert flaky["state_fingerprint"] == clean["state_fingerprint"]
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {
+        r.name: r
+        for r in asyncio.run(
+            _task_runs(state.state_details.flow_run_id, "train 0 to 20", "train 20 to 40")
+        )
+    }
     assert runs["train 20 to 40"].run_count == 2 and runs["train 20 to 40"].state.is_completed()
     assert runs["train 0 to 20"].run_count == 1
 
@@ -56,7 +61,10 @@ def test_task_retries_are_not_counted_as_reruns_without_progress(tmp_path, mlflo
 
     state = _run(tmp_path, mlflow_uri, "programs:transient_twice", "flaky2")
     assert state.is_completed()
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {
+        r.name: r
+        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
+    }
     assert runs["train 20 to 40"].run_count == 3
     attempts = json.load(open(tmp_path / "storage" / "flaky2" / "attempts.json"))
     assert attempts["step"] == 20 and attempts["reruns_without_progress"] == 0, attempts
@@ -67,7 +75,10 @@ def test_a_retry_spec_without_retries_does_not_retry_a_transient_failure(tmp_pat
         tmp_path, mlflow_uri, "programs:transient", "flaky", retry_spec=RetrySpec(retries=0)
     )
     assert state.is_failed()
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {
+        r.name: r
+        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
+    }
     assert runs["train 20 to 40"].run_count == 1 and runs["train 20 to 40"].state.is_failed()
 
 
@@ -77,7 +88,9 @@ def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_
     with pytest.raises(TypeError, match="injected failure producing batch 5"):
         state.result()
     assert _mlflow_run(mlflow_uri, tmp_path, "broken").info.status == "FAILED"
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {
+        r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 0 to 20"))
+    }
     assert runs["train 0 to 20"].run_count == 1  # not retried: a retry cannot fix it
     assert not (tmp_path / "storage" / "broken" / "lease.json").exists()
 
@@ -96,7 +109,10 @@ def test_training_data_that_ends_is_not_retried_and_the_error_says_to_repeat_it(
         ProgramError, match=r"train_data\(seed\) ended before step 26.*\.repeat\(\)"
     ):
         state.result()
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {
+        r.name: r
+        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
+    }
     assert runs["train 20 to 40"].run_count == 1
     storage = JobStorage(str(tmp_path / "storage"), "finite")
     assert storage.list_int_names(storage.checkpoint_dir) == [20]  # (what was saved stays)
@@ -149,7 +165,10 @@ def test_out_of_memory_is_not_retried_and_the_run_is_told_what_to_change(
     assert state.is_failed()
     with pytest.raises(RuntimeError, match="^RESOURCE_EXHAUSTED: Out of memory"):
         state.result()
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {
+        r.name: r
+        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
+    }
     assert runs["train 20 to 40"].run_count == 1
     assert "Lower the batch size" in caplog.text and "--no-device-copy" in caplog.text
 
@@ -166,5 +185,8 @@ def test_a_nan_loss_stops_at_its_step_without_retry_or_checkpoint(tmp_path, mlfl
         state.result()
     committed = sorted(p.name for p in (tmp_path / "storage" / "nan" / "checkpoints").iterdir())
     assert committed == ["20"]
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {
+        r.name: r
+        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
+    }
     assert runs["train 20 to 40"].run_count == 1
