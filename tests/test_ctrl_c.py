@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 import pytest
 from conftest import TINY, straight_fingerprint
@@ -50,6 +51,12 @@ def test_ctrl_c_checkpoints_the_step_in_flight_and_the_next_call_resumes_it_exac
             sent.append(step)
             # What a terminal's Ctrl-C sends: SIGINT, taken by the main thread (waiting there).
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            # (the loop goes on meanwhile: on a busy machine the main thread, which handles it,
+            # could be descheduled until the interval ended, and its checkpoint was the regular one)
+            deadline = time.monotonic() + 10
+            while preemption.received_signal() is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.1)  # (noted first, then told to the trainers: `notices.end_on_notice`)
 
     lines = _Lines()
     logging.getLogger("prefect_jax.trainer").addHandler(lines)

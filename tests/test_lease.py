@@ -111,8 +111,8 @@ def test_a_second_process_of_the_same_flow_run_waits_for_the_first_to_end(job_co
         first.wait()
 
     trainer = Trainer(config, run_tags={"prefect.flow_run_id": "run-7"})
+    started = time.monotonic()  # (before the thread that ends it 2 s later starts)
     threading.Thread(target=end_the_first, daemon=True).start()
-    started = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING):
             assert trainer.restore_or_init() == 0
@@ -499,8 +499,8 @@ def test_a_restore_that_lost_the_lease_to_a_live_process_of_its_own_flow_run_wai
         winner.kill()
         winner.wait()
 
+    started = time.monotonic()  # (as above)
     threading.Thread(target=the_winner_ends, daemon=True).start()
-    started = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING):
             assert trainer.restore_or_init() == 0
