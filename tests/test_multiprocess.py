@@ -137,6 +137,20 @@ def test_two_processes_train_one_job_under_one_flow_run_and_one_mlflow_run(
 
     # Prefect: process 0's flow run, with process 1's as its child through a "process 1" task run.
     with get_client(sync_client=True) as client:
+        # (task run states reach the server as events: the processes sent theirs as they exited,
+        # the server may still be recording them)
+        def recorded() -> bool:
+            tasks = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(tags={"all_": ["job:mp"]}), limit=200
+            )
+            final = [t.name for t in tasks if t.state is not None and t.state.is_final()]
+            return (
+                final.count("train 300 to 400") >= 2
+                and {"evaluate 400", "export 400"} <= set(final)
+                and any(n.startswith("process 1") for n in final)
+            )
+
+        wait_until(recorded, 30, "the task runs' last states recorded", poll=0.25)
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags={"all_": ["job:mp"]}))
         parents = [r for r in runs if r.parent_task_run_id is None]
         assert len(parents) == 1 and parents[0].state.is_completed(), [
