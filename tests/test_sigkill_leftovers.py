@@ -65,7 +65,9 @@ def _progress_artifacts(client, flow_run_id) -> list:
 
 def _kill_mid_interval(client, flow_run_id, ckpt: Path, alive, timeout: float = 240) -> str:
     """Once a step >= EVERY is committed and the server shows the next interval's task run
-    Running, return its name (the caller SIGKILLs right away)."""
+    Running, while the process has not begun saving that interval's end step, return its name
+    (the caller SIGKILLs right away). (The server learns of task runs by events: on a loaded
+    machine it can show one Running after the process has ended it.)"""
 
     def running_interval():
         if not (committed_steps(str(ckpt)) if ckpt.exists() else []):
@@ -76,7 +78,11 @@ def _kill_mid_interval(client, flow_run_id, ckpt: Path, alive, timeout: float = 
             for r in _task_runs(client, flow_run_id)
             if r.state_type.value == "RUNNING" and r.name.startswith("train ")
         ]
-        return next((n for n in running if int(n.split()[1]) >= EVERY), None)
+        saving = {p.name.split(".")[0] for p in ckpt.iterdir()}  # (`<step>` or Orbax's temporary)
+        return next(
+            (n for n in running if int(n.split()[1]) >= EVERY and n.split()[3] not in saving),
+            None,
+        )
 
     return wait_until(
         running_interval, timeout, "an interval after the first checkpoint to run", poll=0.05
