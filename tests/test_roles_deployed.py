@@ -176,7 +176,13 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_the_evaluator_evalua
     storage, job, mlflow_uri = tmp_path / "storage", "roles", f"sqlite:///{tmp_path}/mlflow.db"
     params = _params(storage, job, mlflow_uri)
     budget_dir = storage / "budget"
-    budget_params = _params(storage, "budget", mlflow_uri, max_reruns_without_progress=0)
+    budget_params = {
+        **_params(storage, "budget", mlflow_uri, max_reruns_without_progress=0),
+        # (paced steps and one checkpoint at the end: its kill, after the test's reads of the
+        # server, must come before its first checkpoint however slow they are)
+        "program": "programs:paced",
+        "checkpoint_spec": {"every_steps": MAX_STEPS, "keep_last": None},
+    }
     expected, expected_metrics = _uninterrupted(
         job_config(_params(tmp_path / "reference", job, mlflow_uri))
     )
