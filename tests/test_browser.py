@@ -84,7 +84,7 @@ def test_a_flow_run_page_shows_step_named_task_runs_and_the_artifacts(
 
     flow_run = f"{ui_server.ui_url}/runs/flow-run/{_flow_run_id(ui_server.api_url, 'ui-job')}"
     page.goto(flow_run, wait_until="networkidle")
-    page.get_by_text("Completed").first.wait_for(timeout=30_000)
+    page.get_by_text("Completed").first.wait_for(timeout=60_000)
     page.screenshot(path=str(OUTPUT / "flow-run.png"), full_page=True)
 
     page.get_by_text("Task Runs", exact=True).first.click()
@@ -96,14 +96,14 @@ def test_a_flow_run_page_shows_step_named_task_runs_and_the_artifacts(
         "evaluate 40",
         "export 40",
     ):
-        page.get_by_text(name, exact=True).first.wait_for(timeout=30_000)
+        page.get_by_text(name, exact=True).first.wait_for(timeout=60_000)
     page.screenshot(path=str(OUTPUT / "flow-run-task-runs.png"), full_page=True)
 
     page.get_by_text("Artifacts", exact=True).first.click()
     key = lambda part: job_artifact_key("ui-job", str(tmp_path / "storage"), part)  # noqa: E731
-    page.get_by_text(key("eval-results")).first.wait_for(timeout=30_000)
-    page.get_by_text(key("mlflow-run")).first.wait_for(timeout=30_000)  # the link to MLflow's run
-    page.get_by_text(key("goodput")).first.wait_for(timeout=30_000)  # what the job's time went into
+    page.get_by_text(key("eval-results")).first.wait_for(timeout=60_000)
+    page.get_by_text(key("mlflow-run")).first.wait_for(timeout=60_000)  # the link to MLflow's run
+    page.get_by_text(key("goodput")).first.wait_for(timeout=60_000)  # what the job's time went into
     body = page.inner_text("body")
     assert "training ui-job: step 40 of 40" in body, body[-2000:]
     page.screenshot(path=str(OUTPUT / "flow-run-artifacts.png"), full_page=True)

@@ -157,7 +157,7 @@ def test_the_registered_model_page_shows_its_versions_and_aliases(mlflow_server,
         page.get_by_text("Version 3").first.wait_for(timeout=60_000)
         for alias in aliases:
             page.get_by_text(f"@\u00a0{alias}", exact=True).first.wait_for(
-                timeout=10_000
+                timeout=60_000
             )  # the alias chips
         text = page.inner_text("body")
         page.screenshot(path=str(OUTPUT / "mlflow-registered-model.png"), full_page=True)
