@@ -191,6 +191,12 @@ def test_from_the_home_page_the_experiment_opens_in_model_training_once_the_swit
     with browser_page() as page:
         page.goto(f"{mlflow_server}/", wait_until="load")
         page.get_by_text("Model training", exact=True).first.click()
+        # (remembered by the browser: the next page may load only once that is so)
+        page.wait_for_function(
+            "() => (localStorage.getItem('mlflow.workflowType_v1') || '')"
+            ".includes('machine_learning')",
+            timeout=60_000,
+        )
         for visit in ("switched", "remembered"):
             page.goto(f"{mlflow_server}/", wait_until="load")
             page.get_by_text(DEFAULT_EXPERIMENT, exact=True).first.click()
