@@ -119,6 +119,53 @@ def wait_until(
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def task_runs(client, flow_run_id) -> list:
+    """A flow run's task runs, read once with a sync Prefect client, in the order they were due."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    return client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+        sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+        limit=200,
+    )
+
+
+def settled_task_runs(
+    flow_run_id,
+    *expect: str,
+    client=None,
+    every_run_final: bool = True,
+    settle_secs: float = 30.0,
+) -> list:
+    """A flow run's task runs once those named `expect` are there and final, and, with
+    `every_run_final`, every other one too; what was last read after `settle_secs`, for the
+    test's own assertions to name. Task run states reach the server as events, which the flow
+    engine does not wait for when the flow run ends: a read right after it may find the last
+    one still Running, or not there yet. `client`: a sync Prefect client (default: a new one)."""
+    if client is None:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            return settled_task_runs(
+                flow_run_id,
+                *expect,
+                client=client,
+                every_run_final=every_run_final,
+                settle_secs=settle_secs,
+            )
+    deadline = time.monotonic() + settle_secs
+    while True:
+        runs = task_runs(client, flow_run_id)
+        final = {r.name for r in runs if r.state is not None and r.state.is_final()}
+        settled = set(expect) <= final and (
+            not every_run_final or all(r.state is not None and r.state.is_final() for r in runs)
+        )
+        if settled or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.25)
+
+
 def orbax_tmp_dirs(checkpoint_dir: str, step: int | None = None) -> list[str]:
     """Temporary directories of saves in flight (of `step`, or of any step)."""
     prefix = f"{step}.orbax-checkpoint-tmp" if step is not None else ""

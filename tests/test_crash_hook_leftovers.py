@@ -16,12 +16,11 @@ from deployment_helpers import (
     start_deployment_run,
     wait_for_deployments,
 )
-from process_helpers import wait_until
+from process_helpers import task_runs, wait_until
 from test_sigkill_leftovers import (
     UNFINISHED,
     _kill_mid_interval,
     _lease,
-    _task_runs,
     served_params,
 )
 
@@ -54,15 +53,15 @@ def test_a_sigkilled_flow_run_process_leaves_no_task_run_running(
 
         def settled():
             run = client.read_flow_run(flow_run.id)
-            left = [r for r in _task_runs(client, flow_run.id) if r.state_type.value in UNFINISHED]
+            left = [r for r in task_runs(client, flow_run.id) if r.state_type.value in UNFINISHED]
             return run if run.state.is_crashed() and not left else None
 
         try:
             crashed = wait_until(settled, 90, "the crashed run's task runs to be marked", poll=0.5)
         except AssertionError:
-            states = [(r.name, r.state_name) for r in _task_runs(client, flow_run.id)]
+            states = [(r.name, r.state_name) for r in task_runs(client, flow_run.id)]
             raise AssertionError(f"{states}\n{logs(serve)}") from None
-        runs = {r.name: r for r in _task_runs(client, flow_run.id)}
+        runs = {r.name: r for r in task_runs(client, flow_run.id)}
         assert serve.alive(), logs(serve)
     assert crashed.run_count == 1, crashed.run_count  # nobody retried it
     assert runs[interval].state_type.value == "CRASHED", runs[interval].state

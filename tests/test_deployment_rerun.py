@@ -37,6 +37,7 @@ from deployment_helpers import (
     uninterrupted_fingerprint,
     wait_for_deployments,
 )
+from process_helpers import settled_task_runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -86,17 +87,6 @@ def _wait_final(client, flow_run_id, serve: ServeProcess, timeout: float):
     raise AssertionError(
         f"the retried run is still {client.read_flow_run(flow_run_id).state} after "
         f"{timeout:.0f}s\n{logs(serve)}"
-    )
-
-
-def _task_runs(client, flow_run_id):
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-    from prefect.client.schemas.sorting import TaskRunSort
-
-    return client.read_task_runs(
-        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-        sort=TaskRunSort.EXPECTED_START_TIME_ASC,
-        limit=200,
     )
 
 
@@ -205,16 +195,7 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         assert done.state.is_completed(), f"{done.state}\n{logs(first)}"
         assert done.run_count == 2
         summary = done.state.result()
-        runs = _task_runs(client, flow_run.id)
-        deadline = (
-            time.monotonic() + 30
-        )  # task run states reach the server as events, moments after the flow run's own
-        while (
-            not all(r.state.is_completed() for r in runs if r.flow_run_run_count == 2)
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.5)
-            runs = _task_runs(client, flow_run.id)
+        runs = settled_task_runs(flow_run.id, client=client)
         resumed = f"train {resume_from} to {resume_from + EVERY}"
         page = screenshot_flow_run(
             server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed", resumed

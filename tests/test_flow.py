@@ -8,6 +8,7 @@ import time
 
 import pytest
 from mlflow.tracking import MlflowClient
+from process_helpers import settled_task_runs
 
 from prefect_jax.flows import train_and_evaluate
 from prefect_jax.tasks.publish import job_artifact_key
@@ -36,31 +37,6 @@ def _run(tmp_path, mlflow_uri, max_steps=40, job="flow-job", **kw):
         return_state=True,
         **kw,
     )
-
-
-async def _task_runs(flow_run_id, *expect: str, settle_secs: float = 30.0):
-    """The task runs of a flow run that has ended, once each is in a final state and those named
-    `expect` are there (`settle_secs` at most): their states reach the server as events, which
-    the flow engine does not wait for when the flow run ends, so a read right after it may find
-    the last one still Running, or not yet there."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-    from prefect.client.schemas.sorting import TaskRunSort
-
-    deadline = time.monotonic() + settle_secs
-    async with get_client() as client:
-        while True:
-            runs = await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                sort=TaskRunSort.EXPECTED_START_TIME_ASC,
-                limit=200,
-            )
-            settled = all(r.state is not None and r.state.is_final() for r in runs) and set(
-                expect
-            ) <= {r.name for r in runs}
-            if settled or time.monotonic() > deadline:
-                return runs
-            await asyncio.sleep(0.25)
 
 
 def _artifacts(api_url, flow_run_id):
@@ -112,7 +88,7 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
     assert summary["checkpoint_dir"] == str(tmp_path / "storage" / "flow-job" / "checkpoints")
     assert len(summary["state_fingerprint"]) == 64
 
-    runs = asyncio.run(_task_runs(state.state_details.flow_run_id, "export 40"))
+    runs = settled_task_runs(state.state_details.flow_run_id, "export 40")
     artifacts = _artifacts(prefect_server, state.state_details.flow_run_id)
     names = sorted(r.name for r in runs)
     assert names == sorted(
@@ -172,7 +148,7 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
         if m.startswith("exporter ")
     ]
     assert len(exported) == 3, exported  # latest 20 and 40, final 40
-    rerun_runs = asyncio.run(_task_runs(again_state.state_details.flow_run_id, "export 40"))
+    rerun_runs = settled_task_runs(again_state.state_details.flow_run_id, "export 40")
     assert "export 40" in [r.name for r in rerun_runs]  # the rerun's export task did run
     rerun_lines = _log_messages(prefect_server, again_state.state_details.flow_run_id)
     assert "eval of step 40: NO_NEW_CHECKPOINT" in rerun_lines, rerun_lines  # the read sees them
@@ -221,9 +197,7 @@ def test_an_evaluation_recorded_after_its_task_run_shows_on_that_task_run(
     finally:
         remove()
     assert state.is_completed() and commit.is_set()
-    runs = {
-        r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "evaluate 200"))
-    }
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, "evaluate 200")}
     evaluate_100, evaluate_200 = runs["evaluate 100"], runs["evaluate 200"]
     results = [
         a
@@ -286,9 +260,7 @@ def test_a_deferred_evaluation_in_an_async_flow_still_publishes_its_results(
     finally:
         remove()
     assert state.is_completed() and commit.is_set()
-    runs = {
-        r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "evaluate 200"))
-    }
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, "evaluate 200")}
     results = [
         a
         for a in _artifacts(prefect_server, state.state_details.flow_run_id)
@@ -572,7 +544,7 @@ def test_the_results_table_and_progress_refresh_at_most_every_ui_refresh_secs(
     )
     assert state.is_completed()
     flow_run_id = state.state_details.flow_run_id
-    runs = {r.name: str(r.id) for r in asyncio.run(_task_runs(flow_run_id, "evaluate 50"))}
+    runs = {r.name: str(r.id) for r in settled_task_runs(flow_run_id, "evaluate 50")}
     artifacts = _artifacts(prefect_server, flow_run_id)
     tables = sorted(
         ([row["step"] for row in json.loads(a["data"])], a["task_run_id"])

@@ -1,11 +1,9 @@
 """train_until_checkpoint retries: a failed interval restores the last
 checkpoint and resumes exactly."""
 
-import asyncio
-
 import pytest
 from mlflow.tracking import MlflowClient
-from test_flow import _task_runs
+from process_helpers import settled_task_runs
 
 from prefect_jax.flows import train_and_evaluate
 from prefect_jax.training.names import JOB_TAG
@@ -46,8 +44,8 @@ def test_a_transient_failure_is_retried_from_the_checkpoint_and_ends_exactly(tmp
     assert flaky["state_fingerprint"] == clean["state_fingerprint"]
     runs = {
         r.name: r
-        for r in asyncio.run(
-            _task_runs(state.state_details.flow_run_id, "train 0 to 20", "train 20 to 40")
+        for r in settled_task_runs(
+            state.state_details.flow_run_id, "train 0 to 20", "train 20 to 40"
         )
     }
     assert runs["train 20 to 40"].run_count == 2 and runs["train 20 to 40"].state.is_completed()
@@ -61,10 +59,7 @@ def test_task_retries_are_not_counted_as_reruns_without_progress(tmp_path, mlflo
 
     state = _run(tmp_path, mlflow_uri, "programs:transient_twice", "flaky2")
     assert state.is_completed()
-    runs = {
-        r.name: r
-        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
-    }
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, "train 20 to 40")}
     assert runs["train 20 to 40"].run_count == 3
     attempts = json.load(open(tmp_path / "storage" / "flaky2" / "attempts.json"))
     assert attempts["step"] == 20 and attempts["reruns_without_progress"] == 0, attempts
@@ -75,10 +70,7 @@ def test_a_retry_spec_without_retries_does_not_retry_a_transient_failure(tmp_pat
         tmp_path, mlflow_uri, "programs:transient", "flaky", retry_spec=RetrySpec(retries=0)
     )
     assert state.is_failed()
-    runs = {
-        r.name: r
-        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
-    }
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, "train 20 to 40")}
     assert runs["train 20 to 40"].run_count == 1 and runs["train 20 to 40"].state.is_failed()
 
 
@@ -88,9 +80,7 @@ def test_a_permanent_failure_fails_the_flow_and_the_mlflow_run(tmp_path, mlflow_
     with pytest.raises(TypeError, match="injected failure producing batch 5"):
         state.result()
     assert _mlflow_run(mlflow_uri, tmp_path, "broken").info.status == "FAILED"
-    runs = {
-        r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 0 to 20"))
-    }
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, "train 0 to 20")}
     assert runs["train 0 to 20"].run_count == 1  # not retried: a retry cannot fix it
     assert not (tmp_path / "storage" / "broken" / "lease.json").exists()
 
@@ -109,10 +99,7 @@ def test_training_data_that_ends_is_not_retried_and_the_error_says_to_repeat_it(
         ProgramError, match=r"train_data\(seed\) ended before step 26.*\.repeat\(\)"
     ):
         state.result()
-    runs = {
-        r.name: r
-        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
-    }
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, "train 20 to 40")}
     assert runs["train 20 to 40"].run_count == 1
     storage = JobStorage(str(tmp_path / "storage"), "finite")
     assert storage.list_int_names(storage.checkpoint_dir) == [20]  # (what was saved stays)
@@ -133,7 +120,7 @@ def test_training_data_of_fewer_batches_than_max_steps_is_refused_before_trainin
         r"step 25: it must never end .*\.repeat\(\)",
     ):
         state.result()
-    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    runs = settled_task_runs(state.state_details.flow_run_id)
     assert [r.name for r in runs if r.name.startswith("train")] == []
     assert all(r.run_count == 1 for r in runs), [(r.name, r.run_count) for r in runs]
     storage = JobStorage(str(tmp_path / "storage"), "short")
@@ -150,7 +137,7 @@ def test_an_eval_step_of_means_found_by_the_evaluation_is_not_retried(tmp_path, 
     assert state.is_failed()
     with pytest.raises(EvalOutputError, match=r"each metric must be a \(sum, count\) pair"):
         state.result()
-    runs = {r.name: r for r in asyncio.run(_task_runs(state.state_details.flow_run_id))}
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id)}
     (evaluation,) = [r for r in runs.values() if r.name.startswith("evaluate")]
     assert evaluation.run_count == 1
 
@@ -165,10 +152,7 @@ def test_out_of_memory_is_not_retried_and_the_run_is_told_what_to_change(
     assert state.is_failed()
     with pytest.raises(RuntimeError, match="^RESOURCE_EXHAUSTED: Out of memory"):
         state.result()
-    runs = {
-        r.name: r
-        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
-    }
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, "train 20 to 40")}
     assert runs["train 20 to 40"].run_count == 1
     assert "Lower the batch size" in caplog.text and "--no-device-copy" in caplog.text
 
@@ -185,8 +169,5 @@ def test_a_nan_loss_stops_at_its_step_without_retry_or_checkpoint(tmp_path, mlfl
         state.result()
     committed = sorted(p.name for p in (tmp_path / "storage" / "nan" / "checkpoints").iterdir())
     assert committed == ["20"]
-    runs = {
-        r.name: r
-        for r in asyncio.run(_task_runs(state.state_details.flow_run_id, "train 20 to 40"))
-    }
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, "train 20 to 40")}
     assert runs["train 20 to 40"].run_count == 1

@@ -40,6 +40,7 @@ from deployment_helpers import (
     start_deployment_run,
     wait_for_deployments,
 )
+from process_helpers import settled_task_runs
 
 pytestmark = pytest.mark.slow
 
@@ -133,25 +134,6 @@ def _wait_for_state(client, run_id, name: str, procs, timeout: float, why: str) 
 
 def _state_names(client, run_id) -> list[str]:
     return [s.name for s in sorted(client.read_flow_run_states(run_id), key=lambda s: s.timestamp)]
-
-
-def _task_runs(client, flow_run_id, *expect: str, settle_secs: float = 30.0):
-    """A flow run's task runs, once those named `expect` are there and final (`settle_secs` at
-    most): their states reach the server as events, moments after the flow run's own."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-    from prefect.client.schemas.sorting import TaskRunSort
-
-    deadline = time.monotonic() + settle_secs
-    while True:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
-            limit=200,
-        )
-        final = {r.name for r in runs if r.state is not None and r.state.is_final()}
-        if set(expect) <= final or time.monotonic() > deadline:
-            return runs
-        time.sleep(0.25)
 
 
 @pytest.mark.timeout(420)
@@ -318,8 +300,15 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_the_evaluator_evalua
         assert [s.message for s in awaiting] == [RERUN_MESSAGE], history
         summary, evaluator_summary = trained.state.result(), evaluated.state.result()
         trainer_tasks, evaluator_tasks = (
-            _task_runs(client, trainer_run.id, f"train {MAX_STEPS - EVERY} to {MAX_STEPS}"),
-            _task_runs(client, evaluator_run.id, f"evaluate {MAX_STEPS}"),
+            settled_task_runs(
+                trainer_run.id,
+                f"train {MAX_STEPS - EVERY} to {MAX_STEPS}",
+                client=client,
+                every_run_final=False,
+            ),
+            settled_task_runs(
+                evaluator_run.id, f"evaluate {MAX_STEPS}", client=client, every_run_final=False
+            ),
         )
 
         # The budget job's rerun made no progress (max_reruns_without_progress=0): it failed, saying

@@ -29,7 +29,7 @@ from deployment_helpers import (
     start_deployment_run,
     wait_for_deployments,
 )
-from process_helpers import start_run, wait_until
+from process_helpers import settled_task_runs, start_run, task_runs, wait_until
 
 from prefect_jax.training.checkpoint_dirs import committed_steps
 
@@ -38,14 +38,6 @@ pytestmark = pytest.mark.slow
 PROGRAM = "programs:big"  # paced steps (10 ms each): an interval lasts long enough to be killed in
 MAX_STEPS, EVERY = 600, 200
 UNFINISHED = ("SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING")
-
-
-def _task_runs(client, flow_run_id) -> list:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    return client.read_task_runs(
-        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200
-    )
 
 
 def _progress_artifacts(client, flow_run_id) -> list:
@@ -75,7 +67,7 @@ def _kill_mid_interval(client, flow_run_id, ckpt: Path, alive, timeout: float = 
         assert alive(), "the run ended before it could be killed"
         running = [
             r.name
-            for r in _task_runs(client, flow_run_id)
+            for r in task_runs(client, flow_run_id)
             if r.state_type.value == "RUNNING" and r.name.startswith("train ")
         ]
         saving = {p.name.split(".")[0] for p in ckpt.iterdir()}  # (`<step>` or Orbax's temporary)
@@ -99,7 +91,7 @@ def _lease(path: Path) -> dict | None:
 def _leftovers(client, flow_run_id) -> list[str]:
     return [
         f"{r.name}: {r.state_name}"
-        for r in _task_runs(client, flow_run_id)
+        for r in task_runs(client, flow_run_id)
         if r.state_type.value in UNFINISHED
     ]
 
@@ -187,7 +179,7 @@ def test_a_killed_local_run_is_marked_crashed_and_killed_by_the_rerun(
 
         killed = client.read_flow_run(killed_id)
         leftovers = _leftovers(client, killed_id)
-        crashed = [r.name for r in _task_runs(client, killed_id) if r.state_type.value == "CRASHED"]
+        crashed = [r.name for r in task_runs(client, killed_id) if r.state_type.value == "CRASHED"]
         rerun = client.read_flow_run(rerun_id)
         artifacts = _progress_artifacts(client, killed_id)
 
@@ -264,15 +256,7 @@ def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_runn
             return run if run.state.is_final() else None
 
         done = wait_until(final, 300, "the retried run to end", poll=0.5)
-        runs = _task_runs(client, flow_run.id)
-        deadline = (
-            time.monotonic() + 30
-        )  # task run states reach the server as events, moments after the flow run's own:
-        while (
-            any(r.state_type.value in UNFINISHED for r in runs) and time.monotonic() < deadline
-        ):  # a leftover stays
-            time.sleep(0.5)
-            runs = _task_runs(client, flow_run.id)
+        runs = settled_task_runs(flow_run.id, client=client)  # (a leftover never settles)
         artifacts = _progress_artifacts(client, flow_run.id)
 
     assert done.state.is_completed() and done.run_count == 2, f"{done.state}\n{logs(first, second)}"
