@@ -26,7 +26,7 @@ from prefect_jax.training.specs import JobConfig
 def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = False):
     """Evaluate `step` unless it was evaluated before (durable record); publish a table artifact.
 
-    The results table (artifact ``<job>-<eval name>-results``) and the event
+    The results table (artifact ``<job>-<8 hex>-<eval name>-results``) and the event
     ``prefect-jax.eval.completed`` belong to this task run, even where the step's record is
     written later (the live step's save still in flight).
 

@@ -1,5 +1,6 @@
-"""The link artifact from a flow run to its job's MLflow run (key ``<job>-mlflow-run``, one per
-flow run) and the flow run's tags; `prefect_jax.tasks.runs.link_runs` decides when they go out."""
+"""The link artifact from a flow run to its job's MLflow run (key ``<job>-<8 hex>-mlflow-run``,
+one per flow run) and the flow run's tags; `prefect_jax.tasks.runs.link_runs` decides when they
+go out."""
 
 from __future__ import annotations
 
