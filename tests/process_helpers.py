@@ -64,12 +64,17 @@ def cli_env(api_url: str, **extra: str) -> dict[str, str]:
 
 
 def run_cli(
-    *args: str, prefix: tuple[str, ...] = (), timeout: float = 600, **extra_env: str
+    *args: str,
+    prefix: tuple[str, ...] = (),
+    timeout: float = 600,
+    unset: tuple[str, ...] = (),
+    **extra_env: str,
 ) -> subprocess.CompletedProcess:
     """``python -m prefect_jax.cli ARGS`` run to its end, its output captured, with no Prefect
     server from this environment (the command starts its own unless `extra_env` names one);
-    `prefix`: a command to run it under (``ulimit``, ``nice``)."""
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    `prefix`: a command to run it under (``ulimit``, ``nice``); `unset`: environment variables
+    it does not get."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL" and k not in unset}
     env.update(extra_env)
     return subprocess.run(
         [*prefix, sys.executable, "-m", "prefect_jax.cli", *args],

@@ -621,6 +621,41 @@ def test_a_bucket_that_does_not_exist_is_named(s3_server):
     assert not s3_server.filesystem().exists("no-such-bucket")  # and it was not created
 
 
+def _on_s3_with(command: str, with_credentials: bool) -> subprocess.CompletedProcess:
+    """`command` of a job on S3 whose endpoint refuses connections, with AWS's credential chain
+    pointed at nothing but (`with_credentials`) a made-up key."""
+    from s3_server import ISOLATED_AWS_ENV, UNSET_AWS_ENV, closed_port
+
+    env = {**ISOLATED_AWS_ENV, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}"}
+    if with_credentials:
+        env.update(AWS_ACCESS_KEY_ID="AKIAEXAMPLE", AWS_SECRET_ACCESS_KEY="not-a-secret")
+    program = [] if command == "status" else ["--program", TINY]
+    where = ["--job", "j", "--storage", "s3://bucket/p"]
+    return run_cli(command, *program, *where, unset=UNSET_AWS_ENV, **env)
+
+
+@pytest.mark.parametrize("command", ["status", "export", "run"])
+def test_s3_storage_without_credentials_is_one_clear_line_in_every_command(command):
+    """Each command's first reads of the storage say what is wrong with it, as the trainer's
+    do: botocore's NoCredentialsError is not an OSError (status and export printed it as a
+    traceback)."""
+    proc = _on_s3_with(command, with_credentials=False)
+    assert proc.returncode == 2
+    line = _one_error_line(proc, command)
+    assert "--storage s3://bucket/p: no usable credentials for s3://bucket/p" in line, line
+    assert "AWS_ACCESS_KEY_ID" in line, line
+
+
+@pytest.mark.parametrize("command", ["status", "run"])
+def test_an_s3_endpoint_that_does_not_answer_is_one_clear_line_exit_1(command):
+    """Not bad input (the service may come back): exit 1, the error line without a traceback."""
+    proc = _on_s3_with(command, with_credentials=True)
+    assert proc.returncode == 1
+    line = _one_error_line(proc, command)
+    assert "--storage s3://bucket/p: cannot reach s3://bucket/p" in line, line
+    assert "check the endpoint URL" in line and "run a command again" in line, line
+
+
 @pytest.mark.parametrize("flag", ["--workdir", "--compilation-cache"])
 def test_the_other_path_flags_that_cannot_be_made_name_the_flag_and_the_fix(
     tmp_path, mlflow_uri, flag

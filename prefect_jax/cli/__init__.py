@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
             # Terminated: whatever error the signal caused on its way out is not the story.
             _say_terminated(args, signum, f" ({type(exc).__name__}: {exc})")
             return 128 + signum
-        if isinstance(exc, facade.REFUSALS):
+        from prefect_jax.training.remote_errors import RemoteUnreachableError
+
+        if isinstance(exc, (*facade.REFUSALS, RemoteUnreachableError)):
             return _say_error(args, str(exc), 1)
         if isinstance(exc, (ValueError, FileNotFoundError)):
             return _say_error(args, str(exc), 2)

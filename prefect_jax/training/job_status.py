@@ -33,15 +33,24 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
     Raises:
         FileNotFoundError: No such job there; the message names the jobs that are, or the file
             where a folder of local storage would be.
+        RemoteConfigError, RemoteUnreachableError: The storage cannot be read (an unknown
+            protocol, no credentials, an endpoint that does not answer); the message says what
+            to check.
     """
+    from prefect_jax.training.preflight import storage_errors
+
     js = JobStorage(url, job, dict(options or {}))
-    blocking = _file_in_the_way(js.job_dir) if js.protocol == "file" else None
+    with storage_errors(
+        js, url, doing="reading the job's records"
+    ):  # (the first reads: what is wrong with the storage itself)
+        blocking = _file_in_the_way(js.job_dir) if js.protocol == "file" else None
+        there = blocking is None and js.fs.exists(js.job_dir)
     if blocking is not None:
         raise FileNotFoundError(
             f"storage {js.root}: {blocking} is a file, not a folder, so no job {job!r} is there; "
             "check --job and --storage"
         )
-    if not js.fs.exists(js.job_dir):
+    if not there:
         raise FileNotFoundError(
             f"no job {job!r} in storage {redact_url(js.root)} ({js.jobs_there_said()}); check "
             "--job and --storage"

@@ -28,7 +28,12 @@ class BadInputError(ValueError):
 
 
 @contextlib.contextmanager
-def storage_errors(js: JobStorage, shown: str, named: str = "--storage") -> Iterator[None]:
+def storage_errors(
+    js: JobStorage,
+    shown: str,
+    named: str = "--storage",
+    doing: str = "checking that the storage is writable",
+) -> Iterator[None]:
     """Turn what opening, listing or writing the job's storage raised into an error that names
     the input (`named`), its value and the fix.
 
@@ -37,6 +42,7 @@ def storage_errors(js: JobStorage, shown: str, named: str = "--storage") -> Iter
         shown: What the user gave as the storage (a URL or a block's name), for messages.
         named: What the user gave it as: the command's ``--storage``, or a flow's (and the
             Python API's) ``storage``.
+        doing: What was being done, for the message.
 
     Raises:
         BadInputError: A local root that cannot be made (a file in the way).
@@ -63,12 +69,12 @@ def storage_errors(js: JobStorage, shown: str, named: str = "--storage") -> Iter
                 "can create and write to (the folders it names that do not exist are made; "
                 "none may be a file)"
             ) from None
-        clear = storage_error(js, exc, shown, named)
+        clear = storage_error(js, exc, shown, named, doing)
         if clear is None:
             raise
         raise clear from None
-    except (ValueError, TypeError, ImportError) as exc:
-        clear = storage_error(js, exc, shown, named)
+    except Exception as exc:  # (a filesystem's own errors: botocore's NoCredentialsError, say)
+        clear = storage_error(js, exc, shown, named, doing)
         if clear is None:
             raise
         raise clear from None

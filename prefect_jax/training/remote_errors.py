@@ -207,8 +207,8 @@ class ErrorTranslation:
         if _is_unreachable_error(exc):
             return RemoteUnreachableError(
                 f"cannot reach {where} while {doing} ({self._cause(exc)}): check the endpoint URL, "
-                "the network and that the storage service is up; this is retried as a transient "
-                "error.",
+                "the network and that the storage service is up (a transient error: a flow's task "
+                "retries it; run a command again once the service answers).",
                 self.safe_url,
             )
         if isinstance(exc, TypeError) and "keyword argument" in str(exc):
@@ -239,13 +239,18 @@ class _StorageRoot(ErrorTranslation):
 
 
 def storage_error(
-    storage, exc: BaseException, shown: str, named: str = "--storage"
+    storage,
+    exc: BaseException,
+    shown: str,
+    named: str = "--storage",
+    doing: str = "checking that the storage is writable",
 ) -> RemoteStorageError | None:
     """A clear error, naming the storage (`named`, as `shown`) and the fix, for `exc` raised
     while the job's storage (a `JobStorage`) was first opened and written; None: no clearer one.
 
     Covers an unknown protocol, a missing package, options the filesystem rejects, credentials,
-    an endpoint that does not answer, and a bucket that does not exist."""
+    an endpoint that does not answer, and a bucket that does not exist. `doing`: what the command
+    was doing, for the message."""
     root = _StorageRoot(storage.root, storage.storage_options)
     if isinstance(exc, FileNotFoundError) and root.protocol != "file":
         bucket = storage.root.split("://", 1)[1].split("/", 1)[0]
@@ -259,7 +264,7 @@ def storage_error(
     if isinstance(exc, ValueError) and "protocol not known" in str(exc).lower():
         clear = root._config_error(exc)
     else:
-        clear = root._translate(exc, "checking that the storage is writable")
+        clear = root._translate(exc, doing)
     if clear is None:
         return None
     return type(clear)(f"{named} {shown}: {clear}", clear.url)
