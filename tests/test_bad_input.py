@@ -695,6 +695,17 @@ def test_the_other_path_flags_that_cannot_be_made_name_the_flag_and_the_fix(
             ["--best-compare-fn", "nope.module:better"],
             "BestExporter compare_fn path 'nope.module:better': cannot import module",
         ),
+        (  # (it failed at its first call, after an interval's training, as a TypeError)
+            ["--train-hook", "os:getcwd"],
+            "train hook 'os:getcwd' takes 0 required positional arguments (at most 0), and is "
+            "called with 1: define it as fn(view)",
+        ),
+        (  # (it failed at the first export, after two intervals)
+            ["--best-compare-fn", "os:getcwd"],
+            "BestExporter compare_fn 'os:getcwd' takes 0 required positional arguments (at most "
+            "0), and is called with 2: define it as compare_fn(best_eval_result, "
+            "current_eval_result)",
+        ),
     ],
 )
 def test_a_part_of_the_job_that_cannot_be_loaded_is_one_clear_line_before_any_flow_runs(

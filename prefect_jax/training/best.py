@@ -22,14 +22,15 @@ def load_compare_fn(path: str) -> Callable[[dict, dict], Any]:
     Raises:
         ProgramError: it does not load, or is not callable; the message names the path.
     """
-    from prefect_jax.training.program import ProgramError, import_path
+    from prefect_jax.training.program import ProgramError, check_called_with, import_path
 
     obj = import_path(path, "BestExporter compare_fn", "'package.module:function'")
+    shape = "compare_fn(best_eval_result, current_eval_result) -> bool"
     if not callable(obj):
         raise ProgramError(
-            f"BestExporter compare_fn {path!r} is a {type(obj).__name__}, not a function "
-            "compare_fn(best_eval_result, current_eval_result) -> bool"
+            f"BestExporter compare_fn {path!r} is a {type(obj).__name__}, not a function {shape}"
         )
+    check_called_with(obj, 2, f"BestExporter compare_fn {path!r}", shape)
     return obj
 
 

@@ -24,7 +24,12 @@ from typing import Any
 from prefect_jax.training.errors import EvalHookError, NoProgressError
 from prefect_jax.training.evaluation import EvalRecords, EvalResult
 from prefect_jax.training.names import ATTEMPTS_FILE, STOP_FILE
-from prefect_jax.training.program import ProgramError, import_path, made_if_class
+from prefect_jax.training.program import (
+    ProgramError,
+    import_path,
+    made_if_class,
+    positional_counts,
+)
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.storage import JobStorage
@@ -157,18 +162,6 @@ class EarlyStoppingHook:
 HOOK_METHODS = ("before_eval", "after_eval", "should_stop_job")
 
 
-def _positional(method) -> tuple[int, int]:
-    """How many positional arguments `method` requires, and how many it accepts at most."""
-    required = accepted = 0
-    for param in inspect.signature(method).parameters.values():
-        if param.kind is param.VAR_POSITIONAL:
-            accepted = 1_000
-        elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-            accepted += 1
-            required += param.default is param.empty
-    return required, accepted
-
-
 def _check_hook(path: str, hook: Any) -> None:
     if not any(hasattr(hook, name) for name in HOOK_METHODS):
         raise ProgramError(
@@ -186,7 +179,7 @@ def _check_hook(path: str, hook: Any) -> None:
         if method is None:
             continue
         try:
-            required, accepted = _positional(method)
+            required, accepted = positional_counts(method)
         except (TypeError, ValueError):  # no signature to read (a builtin): called as documented
             continue
         if required > most or accepted < least:
@@ -244,7 +237,7 @@ def before_eval_stop(hooks: list, step: int) -> str | None:
         if before is None:
             continue
         try:
-            takes_step = _positional(before)[1] > 0
+            takes_step = positional_counts(before)[1] > 0
         except (TypeError, ValueError):
             takes_step = True
         answer = _ask(hook, "before_eval", step, *([step] if takes_step else []))

@@ -139,6 +139,44 @@ def made_if_class(obj: Any, path: str, what: str, otherwise: str) -> Any:
         ) from exc
 
 
+def positional_counts(fn: Any) -> tuple[int, int]:
+    """How many positional arguments `fn` requires, and how many it accepts at most.
+
+    Raises:
+        TypeError, ValueError: `fn` has no signature to read (some builtins).
+    """
+    import inspect
+
+    required = accepted = 0
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind is param.VAR_POSITIONAL:
+            accepted = 1_000
+        elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            accepted += 1
+            required += param.default is param.empty
+    return required, accepted
+
+
+def check_called_with(fn: Any, count: int, what: str, shape: str) -> None:
+    """Refuse `fn` (`what`: its kind and path, for the message) unless it can be called with
+    `count` positional arguments, as `shape` is: where it is loaded, not at its first call, maybe
+    an interval's training later. One without a signature to read is called as documented.
+
+    Raises:
+        ProgramError: It cannot; the message names it and `shape`.
+    """
+    try:
+        required, accepted = positional_counts(fn)
+    except (TypeError, ValueError):
+        return
+    if required > count or accepted < count:
+        at_most = "any number" if accepted >= 1_000 else accepted
+        raise ProgramError(
+            f"{what} takes {required} required positional arguments (at most {at_most}), and is "
+            f"called with {count}: define it as {shape}"
+        )
+
+
 def load_program(
     path: str, params: dict[str, Any] | None = None, max_steps: int | None = None
 ) -> Any:

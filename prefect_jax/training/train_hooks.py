@@ -119,7 +119,12 @@ class TrainHookView:
 
 
 def _load(path: str) -> Callable[[TrainHookView], Any]:
-    from prefect_jax.training.program import ProgramError, import_path, made_if_class
+    from prefect_jax.training.program import (
+        ProgramError,
+        check_called_with,
+        import_path,
+        made_if_class,
+    )
 
     obj = made_if_class(import_path(path, "train hook"), path, "train hook", "name a function")
     if not callable(obj):
@@ -127,6 +132,9 @@ def _load(path: str) -> Callable[[TrainHookView], Any]:
             f"train hook {path!r} is a {type(obj).__name__}, not callable: name a function "
             "fn(view) or a class with __call__(self, view)"
         )
+    check_called_with(
+        obj, 1, f"train hook {path!r}", "fn(view), or a class with __call__(self, view)"
+    )
     return obj
 
 
