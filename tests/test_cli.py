@@ -528,6 +528,19 @@ def test_a_value_the_specs_refuse_is_one_line_naming_its_flag():
     assert "\n" not in said and "pydantic" not in said
     with pytest.raises(ValueError, match=r"^--sigterm-grace-secs -1\.0: sigterm_grace_secs=-1\.0"):
         _run_specs("--sigterm-grace-secs", "-1")
+    # MLflow's rule for a registered model's name (it refused it at the first export's
+    # registration, with a warning: a job with exports and no versions)
+    for name, fixed in (("a/b:c", "a-b-c"), ("../x", "x"), (" ", "my-model")):
+        with pytest.raises(ValueError) as refused:
+            _run_specs("--registered-model", name)
+        said = str(refused.value)
+        assert said.startswith(f"--registered-model {name!r}: registered model name {name!r}: "), (
+            said
+        )
+        assert f"give one such as {fixed!r}, or '' to register none" in said, said
+    assert _run_specs("--registered-model", "team.digits_v2")[1].registered_model == (
+        "team.digits_v2"
+    )
 
 
 def test_checkpoints_and_retention_by_time_from_the_command_as_tf_s_run_config(capsys):

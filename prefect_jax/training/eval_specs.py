@@ -9,6 +9,8 @@ This module imports neither jax nor prefect.
 
 from __future__ import annotations
 
+import posixpath
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -216,6 +218,22 @@ class EvalSpec(Spec):
         return positive(
             "steps", v, "give the number of eval batches, or None for the whole eval set", True
         )
+
+    @field_validator("registered_model")
+    @classmethod
+    def _registered_model(cls, v):
+        # MLflow's own rule for a registered model's name, checked here rather than at the first
+        # export's registration: MLflow refuses it then (a warning; a job with no versions).
+        if v is None or v == "":
+            return v
+        if v.strip() == "" or "/" in v or ":" in v or posixpath.normpath(v) != v or v == ".":
+            fixed = re.sub(r"[/:\s]+", "-", v).strip("-.") or "my-model"
+            raise ValueError(
+                f"registered model name {v!r}: MLflow refuses a name that is blank, holds '/' "
+                f"or ':', or reads as another path; give one such as {fixed!r}, or '' to "
+                "register none"
+            )
+        return v
 
     @field_validator("name")
     @classmethod
