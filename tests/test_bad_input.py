@@ -113,6 +113,31 @@ def test_max_steps_below_the_committed_step_is_refused_by_the_cli_and_the_engine
     )  # nothing saved lost, nothing written (no lease, no attempt)
 
 
+@pytest.mark.parametrize("command", ["run", "evaluate", "export"])
+def test_another_program_than_the_job_s_is_named_as_such_before_any_flow_runs(
+    trained, mlflow_uri, command
+):
+    """The byte LM given for a digits job: one line that says it is another program (it listed
+    every one of the byte LM's fields as '<unset>' when saved), from `export` too (whose
+    preflight did not read the job's steps: its flow run failed with a traceback first)."""
+    _, storage = trained
+    before = _tree_digest(storage)
+    proc = run_cli(
+        command,
+        *("--program", "prefect_jax.examples.bytelm:program", "--program-param", "preset=tiny"),
+        *("--job", "j", "--storage", str(storage), "--mlflow-tracking-uri", mlflow_uri),
+    )
+    assert proc.returncode == 2
+    line = _one_error_line(proc, command)
+    assert (
+        "job 'j' was trained to step 40 by a program with no program params, and the program "
+        "given takes program params ByteLMParams (" in line
+    ), line
+    assert "it is not the program the job was trained with (--program)" in line, line
+    assert "'<unset>'" not in line, line
+    assert _tree_digest(storage) == before
+
+
 def _read_only(path) -> tuple[str, ...]:
     """Make `path` read-only for the command; returns the prefix that runs it without root's
     override of file permissions (as root, DAC_OVERRIDE would let it write anyway)."""

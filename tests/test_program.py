@@ -236,6 +236,30 @@ def test_a_restore_compares_all_but_the_filled_and_exempt_params():
         check_restore(meta, other, "j", 20)
 
 
+def test_a_restore_with_params_of_another_type_and_no_field_in_common_names_another_program():
+    from prefect_jax.training.program_params import (
+        ProgramParams,
+        ProgramParamsMismatchError,
+        check_restore,
+    )
+
+    meta = {"program_params": ProgramParams("mod:P", {"lr": 0.1}).as_meta()}
+    with pytest.raises(ProgramParamsMismatchError) as refused:
+        check_restore(meta, ProgramParams("other:Q", {"width": 3}), "j", 20)
+    said = str(refused.value)
+    assert said.startswith(
+        "job 'j' was trained to step 20 by a program with program params mod:P (lr), and the "
+        "program given takes program params other:Q (width): it is not the program"
+    ), said
+    none = {"program_params": ProgramParams().as_meta()}
+    with pytest.raises(ProgramParamsMismatchError, match="by a program with no program params"):
+        check_restore(none, ProgramParams("other:Q", {"width": 3}), "j", 20)
+    # a field in common: the same program's params, told apart field by field (as before)
+    with pytest.raises(ProgramParamsMismatchError, match=r"lr: saved 0\.1, given 0\.2"):
+        check_restore(meta, ProgramParams("moved:P", {"lr": 0.2}), "j", 20)
+    check_restore(meta, ProgramParams("moved:P", {"lr": 0.1}), "j", 20)  # a type moved: resumes
+
+
 def test_a_field_added_to_the_params_type_since_a_step_resumes_it_at_its_default():
     """A program's params type grows a field (with a default) after a job saved steps: the old
     steps ran as that default says, so resuming them at the default is no mismatch; at any

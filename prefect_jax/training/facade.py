@@ -121,8 +121,8 @@ def preflight(
     """Refuse what a training flow would refuse, before anything starts.
 
     Reads the cluster from the environment (``TF_CONFIG`` & co.), loads the program with its
-    params, checks that the job's storage is writable and, with `max_steps`, that no committed
-    step of the job is past it and that its newest was trained with the same program params. The
+    params, checks that the job's storage is writable, that its newest committed step was trained
+    with the same program params and, with `max_steps`, that no committed step is past it. The
     flows check the same again.
 
     Args:

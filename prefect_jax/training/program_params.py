@@ -296,6 +296,15 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
     diffs = differences(saved, given)
     if not diffs:
         return
+    if saved.type_name != given.type_name and not set(saved.compared()) & set(given.compared()):
+        # No field in common: another program than the job's, not other values of its params.
+        raise ProgramParamsMismatchError(
+            f"job {job!r} was trained to step {step} by a program with {_takes(saved)}, and the "
+            f"program given takes {_takes(given)}: it is not the program the job was trained with "
+            "(--program); nothing was restored or trained. Give the job's own program (`prefect-"
+            "jax status` shows the params of its newest step), or train this one under a new "
+            "job name"
+        )
     listed = "; ".join(f"{k}: saved {s!r}, given {g!r}" for k, s, g in diffs)
     to_give = _params_to_give(saved, given, diffs)
     same = f"{_as_flags(to_give)}; a flow's program_params {json.dumps(to_give)}" if to_give else ""
@@ -317,6 +326,15 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
         f"({listed}); nothing was restored or trained. Resume it with the same params"
         f"{f' ({same})' if same else ''}, or train the new params under a new job name{notes}"
     )
+
+
+def _takes(params: ProgramParams) -> str:
+    """What a program's params are, for a refusal that tells two programs apart."""
+    if params.type_name is None and not params.values:
+        return "no program params"
+    fields = sorted(params.compared())
+    shown = ", ".join(fields[:8]) + (f", ... ({len(fields) - 8} more)" if len(fields) > 8 else "")
+    return f"program params {params.type_name or ''} ({shown})".replace("  ", " ")
 
 
 def check_seed(meta: dict | None, seed: int | None, job: str, step: int) -> None:
