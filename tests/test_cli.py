@@ -528,6 +528,12 @@ def test_a_value_the_specs_refuse_is_one_line_naming_its_flag():
     assert "\n" not in said and "pydantic" not in said
     with pytest.raises(ValueError, match=r"^--sigterm-grace-secs -1\.0: sigterm_grace_secs=-1\.0"):
         _run_specs("--sigterm-grace-secs", "-1")
+    # a flag whose dest is another name is named as typed (it said --train-hooks)
+    with pytest.raises(ValueError, match=r"^--train-hook 'pkg\.mod:fn@every=0': train hook"):
+        _run_specs("--train-hook", "pkg.mod:fn@every=0")
+    # what the spec's refusal suggests, None, is typed 'none' (refused as no int before)
+    assert _run_specs("--keep-last", "none")[2].keep_last is None
+    assert _run_specs("--eval-steps", "None")[1].steps is None
     # MLflow's rule for a registered model's name (it refused it at the first export's
     # registration, with a warning: a job with exports and no versions)
     for name, fixed in (("a/b:c", "a-b-c"), ("../x", "x"), (" ", "my-model")):

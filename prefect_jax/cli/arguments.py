@@ -10,8 +10,8 @@ from prefect_jax.cli import commands
 from prefect_jax.training.names import DEFAULT_EXPERIMENT, EXPORTER_KINDS
 
 
-def _steps_or_none(none_means: str):
-    """A flag's parser for a number of steps or ``none`` (the spec's None: `none_means`)."""
+def _steps_or_none(none_means: str, what: str = "steps", example: int = 1000):
+    """A flag's parser for a number of `what` or ``none`` (the spec's None: `none_means`)."""
 
     def parse(value: str) -> int | None:
         if value.strip().lower() == "none":
@@ -20,7 +20,8 @@ def _steps_or_none(none_means: str):
             return int(value)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{value!r} is not a number of steps: give one, e.g. 1000, or 'none' {none_means}"
+                f"{value!r} is not a number of {what}: give one, e.g. {example}, or 'none' "
+                f"{none_means}"
             ) from None
 
     return parse
@@ -54,7 +55,13 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         default=None,
         help="also (or, with --checkpoint-every-steps none, only) checkpoint every N seconds",
     )
-    add("--keep-last", type=int, default=3, help="keep the newest N checkpoints (default 3)")
+    add(
+        "--keep-last",
+        type=_steps_or_none("to keep every checkpoint", "checkpoints", 3),
+        default=3,
+        metavar="N|none",
+        help="keep the newest N checkpoints (default 3); 'none' keeps every one",
+    )
     add(
         "--keep-every-steps", type=int, default=None, help="also keep checkpoints at multiples of N"
     )
@@ -93,7 +100,13 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         default=1,
         help="run K steps per call into the device, as one lax.scan (default 1)",
     )
-    add("--eval-steps", type=int, default=None, help="eval batches (default: the whole eval set)")
+    add(
+        "--eval-steps",
+        type=_steps_or_none("for the whole eval set", "eval batches", 100),
+        default=None,
+        metavar="N|none",
+        help="eval batches (default, or 'none': the whole eval set)",
+    )
     add("--eval-name", default="eval", help="eval name (default 'eval')")
     add("--throttle-secs", type=float, default=0.0, help="minimum seconds between evaluations")
     add(

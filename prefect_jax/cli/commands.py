@@ -75,6 +75,10 @@ def specs_from_args(args: argparse.Namespace):
         raise ValueError(flag_errors(exc)) from None
 
 
+# The flags whose names are not their dests' (`arguments.py`: ``dest=``).
+_FLAG_OF_DEST = {"train_hooks": "--train-hook", "backups": "--no-backups"}
+
+
 def flag_errors(exc) -> str:
     """A spec's `pydantic.ValidationError` as the command's user reads it: one line, each error
     led by the flag and value that caused it (``--checkpoint-every-steps 0: ...``), without
@@ -85,7 +89,7 @@ def flag_errors(exc) -> str:
         field = error["loc"][0] if error["loc"] else None
         message = error["msg"].removeprefix("Value error, ")
         if field in flags:
-            flag = "--" + flags[field].replace("_", "-")
+            flag = _FLAG_OF_DEST.get(flags[field], "--" + flags[field].replace("_", "-"))
             said.append(f"{flag} {error.get('input')!r}: {message}")
         else:
             where = ".".join(str(part) for part in error["loc"])
