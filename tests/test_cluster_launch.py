@@ -170,7 +170,7 @@ def test_a_pods_process_command_finds_process_0_from_its_job_and_service():
     assert shown == ["train-x7k2p-0.prefect-jax:8476", "2"]  # process 0 runs the command after --
     env.pop("JOB_NAME")
     refused = subprocess.run(
-        [sys.executable, "-m", "prefect_jax.cli", "process", "--processes=2"],
+        [sys.executable, "-m", "prefect_jax.cli", "process", "--processes=2", "--", "echo", "hi"],
         env=env,
         capture_output=True,
         text=True,
@@ -178,6 +178,10 @@ def test_a_pods_process_command_finds_process_0_from_its_job_and_service():
     assert (
         refused.returncode == 2
         and "no coordinator address: set PREFECT_JAX_COORDINATOR_ADDRESS" in refused.stderr
+    )
+    # named as the subcommand, not as the worker's command (the positional's old dest)
+    assert refused.stderr.splitlines()[-1].startswith("prefect-jax process: error: "), (
+        refused.stderr
     )
 
 

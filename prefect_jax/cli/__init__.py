@@ -102,8 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=8476,
         help="process 0's coordinator port (default 8476)",
     )
-    process.add_argument(
-        "command", nargs=argparse.REMAINDER, help="-- and the worker's command for process 0"
+    process.add_argument(  # (not dest "command": the subcommand's name, which errors show)
+        "worker_command",
+        metavar="command",
+        nargs=argparse.REMAINDER,
+        help="-- and the worker's command for process 0",
     )
     process.set_defaults(fn=launch.cmd_process)
 

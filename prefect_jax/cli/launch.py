@@ -204,7 +204,7 @@ def cmd_process(args: argparse.Namespace) -> int:
     from prefect_jax.training.facade import pod_process_id
 
     process_id = pod_process_id(os.environ, args.processes, args.service, args.coordinator_port)
-    command = [a for a in args.command if a != "--"] or ["prefect", "flow-run", "execute"]
+    command = [a for a in args.worker_command if a != "--"] or ["prefect", "flow-run", "execute"]
     if process_id in (None, 0):
         sys.stdout.flush()
         os.execvp(command[0], command)  # process 0 (or the only one): the flow run itself
