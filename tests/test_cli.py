@@ -823,3 +823,19 @@ def test_a_stopped_commands_last_line_names_the_step_its_rerun_resumes_at():
         facade.forget_resumes_at()
     assert facade.resumes_at() is None
     assert cli._how_to_go_on().startswith("the newest committed step is kept")
+
+
+def test_automations_create_refuses_a_brake_and_no_brake_together(capsys):
+    """(--no-brake silently won over --max-crashes.)"""
+    from prefect_jax.cli import build_parser
+
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(
+            ["automations", "create", "--deployment", "d/x", "--no-brake", "--max-crashes", "3"]
+        )
+    assert refused.value.code == 2
+    assert "argument --max-crashes: not allowed with argument --no-brake" in (
+        capsys.readouterr().err
+    )
+    parsed = build_parser().parse_args(["automations", "create", "--deployment", "d/x"])
+    assert (parsed.max_crashes, parsed.no_brake) == (10, False)

@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="automation name (default: 'prefect-jax: rerun crashed <deployment>')",
     )
-    create.add_argument(
+    brake = create.add_mutually_exclusive_group()  # (--no-brake silently won)
+    brake.add_argument(
         "--max-crashes",
         type=int,
         default=MAX_CRASHES,
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=CRASH_WINDOW_SECS,
         help=f"the brake's window (default {CRASH_WINDOW_SECS:g})",
     )
-    create.add_argument(
+    brake.add_argument(
         "--no-brake",
         action="store_true",
         help="rerun every crash, however many (no brake; deletes one made before)",
