@@ -154,7 +154,8 @@ def diverges_at_33():
 class Paced:
     """Batches at most one per `step_secs` (one pipeline thread): an interval lasts long enough
     for a signal sent "mid-interval" to land there (the digits pipeline alone makes a step take
-    well under a millisecond). While the file named by ``PREFECT_JAX_TEST_HOLD`` exists, no batch
+    well under a millisecond). ``PREFECT_JAX_TEST_STEP_SECS`` sets another pace (the state
+    trained is the same). While the file named by ``PREFECT_JAX_TEST_HOLD`` exists, no batch
     comes: a test holds the training there while another process starts (its lease beats on)."""
 
     step_secs = 0.01
@@ -166,9 +167,10 @@ class Paced:
         import grain
 
         hold = os.environ.get("PREFECT_JAX_TEST_HOLD")
+        step_secs = float(os.environ.get("PREFECT_JAX_TEST_STEP_SECS", self.step_secs))
 
         def paced(batch):
-            time.sleep(self.step_secs)
+            time.sleep(step_secs)
             while hold and os.path.exists(hold):
                 time.sleep(0.05)
             return batch

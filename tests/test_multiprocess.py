@@ -53,7 +53,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_pair(args: list[str], api_url: str, tmp_path, name: str) -> list[subprocess.Popen]:
+def _start_pair(
+    args: list[str], api_url: str, tmp_path, name: str, **extra_env: str
+) -> list[subprocess.Popen]:
     """Two `prefect-jax run` processes of one job, told who they are by the environment."""
     port = _free_port()
     return [
@@ -64,6 +66,7 @@ def _start_pair(args: list[str], api_url: str, tmp_path, name: str) -> list[subp
             PREFECT_JAX_NUM_PROCESSES="2",
             PREFECT_JAX_PROCESS_ID=str(k),
             PREFECT_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            **extra_env,
         )
         for k in range(2)
     ]
@@ -496,8 +499,10 @@ def test_after_kills_without_notice_every_process_writes_the_same_backups_and_th
     assert "its attempt counts as killed without notice" in open(tmp_path / "one.0.log").read()
 
     # 2. The rerun backs up between checkpoints, in both processes at
-    # once; process 0 killed after one.
-    procs = _start_pair(args, prefect_server, tmp_path, "two")
+    # once; process 0 killed after one. Its interval is paced to 8 s of training: the backups'
+    # period comes from the first attempt's time to its kill (2.7 s in one CI run whose first
+    # attempt was slow), and an interval of 2.6 s at the usual pace then ended before it.
+    procs = _start_pair(args, prefect_server, tmp_path, "two", PREFECT_JAX_TEST_STEP_SECS="0.04")
     backup = wait_until(lambda: backups(), 300, "a backup committed", procs[0])[-1]
     kill(procs, 0, "two")
     log = open(tmp_path / "two.0.log").read()
