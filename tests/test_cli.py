@@ -536,7 +536,7 @@ def test_a_value_the_specs_refuse_is_one_line_naming_its_flag():
     assert _run_specs("--eval-steps", "None")[1].steps is None
     # MLflow's rule for a registered model's name (it refused it at the first export's
     # registration, with a warning: a job with exports and no versions)
-    for name, fixed in (("a/b:c", "a-b-c"), ("../x", "x"), (" ", "my-model")):
+    for name, fixed in (("a/b:c", "a-b-c"), ("../x", "x"), ("..x", "x"), (" ", "my-model")):
         with pytest.raises(ValueError) as refused:
             _run_specs("--registered-model", name)
         said = str(refused.value)
@@ -837,5 +837,16 @@ def test_automations_create_refuses_a_brake_and_no_brake_together(capsys):
     assert "argument --max-crashes: not allowed with argument --no-brake" in (
         capsys.readouterr().err
     )
-    parsed = build_parser().parse_args(["automations", "create", "--deployment", "d/x"])
-    assert (parsed.max_crashes, parsed.no_brake) == (10, False)
+    with pytest.raises(SystemExit):  # the default's value too (argparse compared the objects)
+        build_parser().parse_args(
+            ["automations", "create", "--deployment", "d/x", "--no-brake", "--max-crashes", "10"]
+        )
+    assert "not allowed with argument --no-brake" in capsys.readouterr().err
+    proc = run_cli(
+        "automations", "create", "--deployment", "d/x", "--no-brake", "--crash-window-secs", "60"
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "prefect-jax automations: error: --no-brake with --crash-window-secs 60: --no-brake makes "
+        "no brake, so it has no window; drop one of them"
+    ), proc.stderr

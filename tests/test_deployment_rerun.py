@@ -195,7 +195,9 @@ def test_a_killed_deployment_run_retried_from_the_ui_resumes_and_ends_exactly(tm
         assert done.state.is_completed(), f"{done.state}\n{logs(first)}"
         assert done.run_count == 2
         summary = done.state.result()
-        runs = settled_task_runs(flow_run.id, client=client)
+        runs = settled_task_runs(
+            flow_run.id, f"train {MAX_STEPS - EVERY} to {MAX_STEPS}", client=client
+        )
         resumed = f"train {resume_from} to {resume_from + EVERY}"
         page = screenshot_flow_run(
             server.ui_url, str(flow_run.id), "deployment-run-completed", "Completed", resumed

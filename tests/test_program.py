@@ -437,3 +437,26 @@ def test_a_boolean_is_taken_by_the_fields_that_take_one():
         validate_params(Flags, {"count": True}, "p")
     with pytest.raises(ProgramParamsError, match=r"share=False: share takes float, not a"):
         validate_params(Flags, {"share": False}, "p")
+
+
+def test_a_hook_is_checked_as_it_will_be_called_decorated_or_partial():
+    import functools
+
+    from prefect_jax.training.program import check_called_with
+
+    def needs_ctx(ctx, view):
+        return view
+
+    @functools.wraps(needs_ctx)  # (its signature reads as the wrapped one's: two arguments)
+    def supplies_ctx(view):
+        return needs_ctx(None, view)
+
+    check_called_with(supplies_ctx, 1, "train hook 'm:f'", "fn(view)")
+    check_called_with(functools.partial(needs_ctx, None), 1, "train hook 'm:f'", "fn(view)")
+    check_called_with(lambda *views: None, 1, "train hook 'm:f'", "fn(view)")
+    with pytest.raises(
+        ProgramError,
+        match=r"^train hook 'm:f' takes 2 required positional arguments \(at most 2\), and is "
+        r"called with 1: define it as fn\(view\)$",
+    ):
+        check_called_with(needs_ctx, 1, "train hook 'm:f'", "fn(view)")

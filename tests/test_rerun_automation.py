@@ -124,3 +124,24 @@ def test_a_deployment_that_does_not_exist_is_named_with_the_fix(prefect_server):
 def test_a_brake_that_cannot_trip_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"max_crashes=0, within_secs=3600: .*--no-brake"):
         create_rerun_automation("train/anything", max_crashes=0)
+
+
+def test_the_command_makes_the_automation_and_its_brake_with_the_default_brake(
+    deployment, prefect_server
+):
+    """`prefect-jax automations create`: the brake's defaults are filled in by the command (its
+    flags default to None, so that --no-brake beside either is refused: test_cli)."""
+    import json
+    import uuid
+
+    from process_helpers import run_cli
+
+    proc = run_cli(
+        "automations", "create", "--deployment", deployment, PREFECT_API_URL=prefect_server
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert said["brake"] == {"max_crashes": 10, "within_secs": 3600.0}, said
+    (brake,) = _named(f"{NAME}: brake")
+    assert brake.trigger.threshold == 10 and brake.trigger.within.total_seconds() == 3600
+    assert [a.id for a in _named(NAME)] == [uuid.UUID(said["automation_id"])]

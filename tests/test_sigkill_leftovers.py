@@ -256,7 +256,8 @@ def test_a_killed_deployment_run_retried_keeps_one_progress_artifact_and_no_runn
             return run if run.state.is_final() else None
 
         done = wait_until(final, 300, "the retried run to end", poll=0.5)
-        runs = settled_task_runs(flow_run.id, client=client)  # (a leftover never settles)
+        last = f"train {MAX_STEPS - EVERY} to {MAX_STEPS}"
+        runs = settled_task_runs(flow_run.id, last, client=client)  # (a leftover never settles)
         artifacts = _progress_artifacts(client, flow_run.id)
 
     assert done.state.is_completed() and done.run_count == 2, f"{done.state}\n{logs(first, second)}"

@@ -137,11 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="automation name (default: 'prefect-jax: rerun crashed <deployment>')",
     )
-    brake = create.add_mutually_exclusive_group()  # (--no-brake silently won)
+    # (--no-brake silently won; the brake's defaults are None here, so that argparse, which tells
+    # a flag given by its value not being the default object, sees `--max-crashes 10` too)
+    brake = create.add_mutually_exclusive_group()
     brake.add_argument(
         "--max-crashes",
         type=int,
-        default=MAX_CRASHES,
+        default=None,
         help="the brake: pause the rerun automation after this many crash reports of one "
         f"run of the deployment within --crash-window-secs (default {MAX_CRASHES}; a process "
         "worker reports each crash twice)",
@@ -149,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument(
         "--crash-window-secs",
         type=float,
-        default=CRASH_WINDOW_SECS,
+        default=None,
         help=f"the brake's window (default {CRASH_WINDOW_SECS:g})",
     )
     brake.add_argument(

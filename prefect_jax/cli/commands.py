@@ -362,12 +362,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_automations_create(args: argparse.Namespace) -> int:
     """``automations create``: rerun a trainer deployment's crashed runs automatically."""
-    from prefect_jax.deployments.automations import create_rerun_automation
-
-    max_crashes = None if args.no_brake else args.max_crashes
-    automation_id = create_rerun_automation(
-        args.deployment, args.name, max_crashes, args.crash_window_secs
+    from prefect_jax.deployments.automations import (
+        CRASH_WINDOW_SECS,
+        MAX_CRASHES,
+        create_rerun_automation,
     )
+
+    if args.no_brake and args.crash_window_secs is not None:
+        raise ValueError(
+            f"--no-brake with --crash-window-secs {args.crash_window_secs:g}: --no-brake makes no "
+            "brake, so it has no window; drop one of them"
+        )
+    max_crashes = MAX_CRASHES if args.max_crashes is None else args.max_crashes
+    max_crashes = None if args.no_brake else max_crashes
+    window = CRASH_WINDOW_SECS if args.crash_window_secs is None else args.crash_window_secs
+    automation_id = create_rerun_automation(args.deployment, args.name, max_crashes, window)
     print(
         json.dumps(
             {
@@ -375,7 +384,7 @@ def cmd_automations_create(args: argparse.Namespace) -> int:
                 "deployment": args.deployment,
                 "brake": None
                 if max_crashes is None
-                else {"max_crashes": max_crashes, "within_secs": args.crash_window_secs},
+                else {"max_crashes": max_crashes, "within_secs": window},
             }
         )
     )

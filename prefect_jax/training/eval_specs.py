@@ -226,7 +226,15 @@ class EvalSpec(Spec):
         # export's registration: MLflow refuses it then (a warning; a job with no versions).
         if v is None or v == "":
             return v
-        if v.strip() == "" or "/" in v or ":" in v or posixpath.normpath(v) != v or v == ".":
+        norm = posixpath.normpath(v)
+        if (
+            v.strip() == ""
+            or "/" in v
+            or ":" in v
+            or norm != v
+            or norm == "."
+            or norm.startswith("..")
+        ):
             fixed = re.sub(r"[/:\s]+", "-", v).strip("-.") or "my-model"
             raise ValueError(
                 f"registered model name {v!r}: MLflow refuses a name that is blank, holds '/' "

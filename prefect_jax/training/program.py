@@ -139,8 +139,9 @@ def made_if_class(obj: Any, path: str, what: str, otherwise: str) -> Any:
         ) from exc
 
 
-def positional_counts(fn: Any) -> tuple[int, int]:
-    """How many positional arguments `fn` requires, and how many it accepts at most.
+def positional_counts(fn: Any, follow_wrapped: bool = True) -> tuple[int, int]:
+    """How many positional arguments `fn` requires, and how many it accepts at most (of the
+    function a `functools.wraps` decorator wrapped, unless not `follow_wrapped`).
 
     Raises:
         TypeError, ValueError: `fn` has no signature to read (some builtins).
@@ -148,7 +149,7 @@ def positional_counts(fn: Any) -> tuple[int, int]:
     import inspect
 
     required = accepted = 0
-    for param in inspect.signature(fn).parameters.values():
+    for param in inspect.signature(fn, follow_wrapped=follow_wrapped).parameters.values():
         if param.kind is param.VAR_POSITIONAL:
             accepted = 1_000
         elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
@@ -167,6 +168,9 @@ def check_called_with(fn: Any, count: int, what: str, shape: str) -> None:
     """
     try:
         required, accepted = positional_counts(fn)
+        if (required > count or accepted < count) and hasattr(fn, "__wrapped__"):
+            # a decorator's own signature: it may supply the wrapped function's other arguments
+            required, accepted = positional_counts(fn, follow_wrapped=False)
     except (TypeError, ValueError):
         return
     if required > count or accepted < count:

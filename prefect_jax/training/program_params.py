@@ -301,9 +301,9 @@ def check_restore(meta: dict | None, given: ProgramParams, job: str, step: int) 
         raise ProgramParamsMismatchError(
             f"job {job!r} was trained to step {step} by a program with {_takes(saved)}, and the "
             f"program given takes {_takes(given)}: it is not the program the job was trained with "
-            "(--program); nothing was restored or trained. Give the job's own program (`prefect-"
-            "jax status` shows the params of its newest step), or train this one under a new "
-            "job name"
+            f"(--program){_or_since(saved, given)}; nothing was restored or trained. Give the "
+            "job's own program (`prefect-jax status` shows the params of its newest step), or "
+            "train this one under a new job name"
         )
     listed = "; ".join(f"{k}: saved {s!r}, given {g!r}" for k, s, g in diffs)
     to_give = _params_to_give(saved, given, diffs)
@@ -335,6 +335,13 @@ def _takes(params: ProgramParams) -> str:
     fields = sorted(params.compared())
     shown = ", ".join(fields[:8]) + (f", ... ({len(fields) - 8} more)" if len(fields) > 8 else "")
     return f"program params {params.type_name or ''} ({shown})".replace("  ", " ")
+
+
+def _or_since(saved: ProgramParams, given: ProgramParams) -> str:
+    """Where one side has no params type: the job's own program may have gained or lost it."""
+    if saved.type_name is None or given.type_name is None:
+        return ", or its params type was added or removed since"
+    return ""
 
 
 def check_seed(meta: dict | None, seed: int | None, job: str, step: int) -> None:
