@@ -646,25 +646,29 @@ def test_a_bucket_that_does_not_exist_is_named(s3_server):
     assert not s3_server.filesystem().exists("no-such-bucket")  # and it was not created
 
 
-def _on_s3_with(command: str, with_credentials: bool) -> subprocess.CompletedProcess:
+def _on_s3_with(command: str, with_credentials: bool, mlflow_uri: str):
     """`command` of a job on S3 whose endpoint refuses connections, with AWS's credential chain
-    pointed at nothing but (`with_credentials`) a made-up key."""
+    pointed at nothing but (`with_credentials`) a made-up key. `mlflow_uri`: a store whose
+    tables exist (MLflow logs their creation on stderr)."""
     from s3_server import ISOLATED_AWS_ENV, UNSET_AWS_ENV, closed_port
 
     env = {**ISOLATED_AWS_ENV, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}"}
     if with_credentials:
         env.update(AWS_ACCESS_KEY_ID="AKIAEXAMPLE", AWS_SECRET_ACCESS_KEY="not-a-secret")
     program = [] if command == "status" else ["--program", TINY]
+    program += [] if command == "status" else ["--mlflow-tracking-uri", mlflow_uri]
     where = ["--job", "j", "--storage", "s3://bucket/p"]
     return run_cli(command, *program, *where, unset=UNSET_AWS_ENV, **env)
 
 
 @pytest.mark.parametrize("command", ["status", "export", "run"])
-def test_s3_storage_without_credentials_is_one_clear_line_in_every_command(command):
+def test_s3_storage_without_credentials_is_one_clear_line_in_every_command(
+    trained, mlflow_uri, command
+):
     """Each command's first reads of the storage say what is wrong with it, as the trainer's
     do: botocore's NoCredentialsError is not an OSError (status and export printed it as a
-    traceback)."""
-    proc = _on_s3_with(command, with_credentials=False)
+    traceback). (`trained`: its job made `mlflow_uri`'s tables.)"""
+    proc = _on_s3_with(command, False, mlflow_uri)
     assert proc.returncode == 2
     line = _one_error_line(proc, command)
     assert "--storage s3://bucket/p: no usable credentials for s3://bucket/p" in line, line
@@ -672,9 +676,9 @@ def test_s3_storage_without_credentials_is_one_clear_line_in_every_command(comma
 
 
 @pytest.mark.parametrize("command", ["status", "run"])
-def test_an_s3_endpoint_that_does_not_answer_is_one_clear_line_exit_1(command):
+def test_an_s3_endpoint_that_does_not_answer_is_one_clear_line_exit_1(trained, mlflow_uri, command):
     """Not bad input (the service may come back): exit 1, the error line without a traceback."""
-    proc = _on_s3_with(command, with_credentials=True)
+    proc = _on_s3_with(command, True, mlflow_uri)
     assert proc.returncode == 1
     line = _one_error_line(proc, command)
     assert "--storage s3://bucket/p: cannot reach s3://bucket/p" in line, line
