@@ -31,8 +31,14 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
     """The specs' flags. Each defaults to its spec field's default, written again here so that
     `prefect-jax --help` imports no pydantic (test_cli checks that they agree), but `max_steps`
     and the checkpoint cadence `every`: TrainSpec's max_steps has none, and CheckpointSpec's
-    every_steps suits long steps, the command's a demo's."""
-    add = p.add_argument
+    every_steps suits long steps, the command's a demo's. The parsed args carry `flag_of_dest`,
+    each flag as typed by its dest (``train_hooks``: ``--train-hook``), for errors to name."""
+    flag_of_dest: dict[str, str] = {}
+
+    def add(*flags, **options) -> None:
+        action = p.add_argument(*flags, **options)
+        flag_of_dest[action.dest] = action.option_strings[0]
+
     add(
         "--max-steps",
         type=_steps_or_none("to train until stopped"),
@@ -210,6 +216,7 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         action="store_true",
         help="no progress bar (there is none where stderr is not a terminal)",
     )
+    p.set_defaults(flag_of_dest=flag_of_dest)
 
 
 ROLE_HELP = {

@@ -72,25 +72,21 @@ def specs_from_args(args: argparse.Namespace):
             best_compare_fn=_best_compare_fn(args),
         )
     except ValidationError as exc:
-        raise ValueError(flag_errors(exc)) from None
+        raise ValueError(flag_errors(exc, args.flag_of_dest)) from None
 
 
-# The flags whose names are not their dests' (`arguments.py`: ``dest=``).
-_FLAG_OF_DEST = {"train_hooks": "--train-hook", "backups": "--no-backups"}
-
-
-def flag_errors(exc) -> str:
+def flag_errors(exc, flag_of_dest: dict[str, str]) -> str:
     """A spec's `pydantic.ValidationError` as the command's user reads it: one line, each error
-    led by the flag and value that caused it (``--checkpoint-every-steps 0: ...``), without
-    pydantic's headings and links. An error of no single flag keeps the spec's name."""
+    led by the flag (as typed: `flag_of_dest`, from `arguments.add_training_args`) and value that
+    caused it (``--checkpoint-every-steps 0: ...``), without pydantic's headings and links. An
+    error of no single flag keeps the spec's name."""
     flags = _SPEC_FLAGS.get(exc.title, {})
     said = []
     for error in exc.errors():
         field = error["loc"][0] if error["loc"] else None
         message = error["msg"].removeprefix("Value error, ")
         if field in flags:
-            flag = _FLAG_OF_DEST.get(flags[field], "--" + flags[field].replace("_", "-"))
-            said.append(f"{flag} {error.get('input')!r}: {message}")
+            said.append(f"{flag_of_dest[flags[field]]} {error.get('input')!r}: {message}")
         else:
             where = ".".join(str(part) for part in error["loc"])
             said.append(f"{exc.title}{'.' + where if where else ''}: {message}")

@@ -40,9 +40,8 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
     from prefect_jax.training.preflight import storage_errors
 
     js = JobStorage(url, job, dict(options or {}))
-    with storage_errors(
-        js, url, doing="reading the job's records"
-    ):  # (the first reads: what is wrong with the storage itself)
+    # the first reads: where the storage itself is wrong, one line says how
+    with storage_errors(js, url, doing="reading the job's records"):
         blocking = _file_in_the_way(js.job_dir) if js.protocol == "file" else None
         there = blocking is None and js.fs.exists(js.job_dir)
     if blocking is not None:
