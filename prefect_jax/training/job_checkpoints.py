@@ -226,16 +226,23 @@ class JobCheckpoints:
             self._uploader = AsyncUploader(self.remote, on_uploaded=self._uploaded)
         return self._uploader
 
+    def retention_reads(
+        self,
+    ) -> tuple[int | None, Callable[[int], bool], Callable[[int], float | None]]:
+        """What retention reads of the job's steps (`policy.retained`'s arguments after the
+        spec): the newest evaluated step, whether a step is a backup and when it was saved (by
+        the remote copies' metadata, where the job's steps are remote)."""
+        read_meta = self.remote.read_meta if self.remote is not None else None
+        return (
+            self.newest_evaluated(),
+            lambda s: self.checkpoints.is_backup(s, read_meta),
+            lambda s: self.checkpoints.saved_at(s, read_meta),
+        )
+
     def _uploaded(self, step: int) -> None:
         """After an upload: apply retention to the remote steps, keep only the newest locally."""
         self.remote.retain(
-            lambda steps: retained(
-                steps,
-                self.config.checkpoint,
-                self.newest_evaluated(),
-                lambda s: self.checkpoints.is_backup(s, self.remote.read_meta),
-                lambda s: self.checkpoints.saved_at(s, self.remote.read_meta),
-            ),
+            lambda steps: retained(steps, self.config.checkpoint, *self.retention_reads()),
             but=step,
             deleting=lambda old: self._uploader.forget([old]),
         )

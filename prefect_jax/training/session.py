@@ -29,6 +29,7 @@ from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote_errors import RemoteStorageError
 from prefect_jax.training.restore_failures import RestoreFailures, not_the_steps_fault
+from prefect_jax.training.retention_change import warn_if_retention_narrowed
 from prefect_jax.training.sharded_state import check_train_batch
 from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS
 from prefect_jax.training.tracking_params import job_params
@@ -287,6 +288,8 @@ def restore_trainer(
             step,
             redact_url(checkpoint_path),
         )
+    if has_own and job.is_primary and not trainer.config.train.is_final(step):
+        warn_if_retention_narrowed(job, trainer.config.checkpoint, meta, step)
     job.discard_records_after(step)
     # A warm start's step is another job's: its MLflow run and train metrics are that job's.
     own = meta if has_own else None

@@ -1,0 +1,103 @@
+"""A resumed job whose retention keeps fewer steps than the one its steps were saved with.
+
+TF's `CheckpointManager` (and its `Saver`), restarted with a smaller ``max_to_keep``, deletes the
+older checkpoints at its next save without a word, and so does Orbax. A job trained with
+``--keep-last 10`` and resumed without the flag (the default keeps 3) loses 7 steps that way.
+Each step records the retention it was saved with (`recorded_retention`); a trainer that
+resumes with one that would delete steps the recorded one keeps says so, naming the steps and
+the flags that keep them, before its first save (`warn_if_retention_narrowed`). Comparing the
+two retentions over the same steps, not the steps with the spec, says nothing where the steps
+are as the recorded retention left them plus what it would delete anyway (a process killed
+between a commit and its deletions leaves one more step)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prefect_jax.training.policy import retained
+from prefect_jax.training.specs import CheckpointSpec
+
+logger = logging.getLogger("prefect_jax.trainer")
+
+# The CheckpointSpec fields that decide which regular steps are kept, and their flags
+_RETENTION_FLAGS = {
+    "keep_last": "--keep-last",
+    "keep_every_steps": "--keep-every-steps",
+    "keep_every_secs": "--keep-every-secs",
+}
+
+
+def recorded_retention(spec: CheckpointSpec) -> dict[str, Any]:
+    """What a step's metadata records of the retention it was saved with."""
+    return {field: getattr(spec, field) for field in _RETENTION_FLAGS}
+
+
+def deleted_by_the_change(
+    steps: list[int],
+    recorded: dict[str, Any],
+    spec: CheckpointSpec,
+    newest_evaluated: int | None,
+    is_backup: Callable[[int], bool],
+    saved_at: Callable[[int], float | None],
+) -> list[int]:
+    """The committed `steps` (oldest first) that `spec`'s retention deletes at the next save and
+    the `recorded` one keeps: retention as it runs once one more regular step commits."""
+    if not steps:
+        return []
+    following = steps[-1] + 1
+    after = [*steps, following]
+
+    def backup(s: int) -> bool:
+        return s != following and is_backup(s)
+
+    def at(s: int) -> float | None:
+        return time.time() if s == following else saved_at(s)
+
+    before = spec.model_copy(update={k: v for k, v in recorded.items() if k in _RETENTION_FLAGS})
+    kept_before = retained(after, before, newest_evaluated, backup, at)
+    kept_now = retained(after, spec, newest_evaluated, backup, at)
+    return sorted((kept_before - kept_now) & set(steps))
+
+
+def warn_if_retention_narrowed(job, spec: CheckpointSpec, meta: dict | None, step: int) -> None:
+    """Warn where the job's next save deletes committed steps that the retention recorded in
+    `meta` (its newest step's, `step`) keeps: `job` is the trainer's `Job`, `spec` its
+    CheckpointSpec. Steps saved before retention was recorded are not compared."""
+    recorded = (meta or {}).get("retention")
+    if not isinstance(recorded, dict) or recorded == recorded_retention(spec):
+        return
+    deleted = deleted_by_the_change(job.committed_steps(), recorded, spec, *job.retention_reads())
+    if not deleted:
+        return
+    changed = {
+        field: was
+        for field, was in recorded.items()
+        if field in _RETENTION_FLAGS
+        and was != getattr(spec, field)
+        # (adding keep_every_* keeps more: only a removed one, or keep_last=None, is the fix)
+        and (field == "keep_last" or was is not None)
+    }
+    flags = " ".join(
+        f"{_RETENTION_FLAGS[field]} {'none' if was is None else was}"
+        for field, was in changed.items()
+    )
+    fields = ", ".join(f"{field}={was!r}" for field, was in changed.items())
+    now = ", ".join(f"{field}={getattr(spec, field)!r}" for field in changed)
+    shown = ", ".join(map(str, deleted[:10])) + (" ..." if len(deleted) > 10 else "")
+    logger.warning(
+        "job %s: its step %d was saved keeping %s, and this run keeps %s: its next checkpoint "
+        "deletes %d committed steps the job's retention kept (%s), and later checkpoints more, "
+        "as TF's CheckpointManager restarted with a smaller max_to_keep would. To keep them, "
+        "stop it before that save and give %s again (CheckpointSpec(%s))",
+        job.config.job,
+        step,
+        fields,
+        now,
+        len(deleted),
+        shown,
+        flags,
+        fields,
+    )

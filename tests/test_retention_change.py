@@ -1,0 +1,102 @@
+"""A job resumed with a retention that keeps fewer steps than the one its steps were saved with
+(``--keep-last 10``, then a rerun without the flag): its next save deletes them, as TF's
+CheckpointManager restarted with a smaller max_to_keep does, but the trainer says so first,
+naming the steps and the flags that keep them; on local storage (Orbax's retention) and on S3
+(the uploads')."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefect_jax.training.retention_change import deleted_by_the_change
+from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
+from prefect_jax.training.trainer import Trainer
+
+RECORDED = {"keep_last": 3, "keep_every_steps": None, "keep_every_secs": None}
+
+
+def _deleted(steps, spec, recorded=RECORDED, backups=(), saved_at=None):
+    return deleted_by_the_change(
+        steps,
+        recorded,
+        CheckpointSpec(**spec),
+        None,
+        lambda s: s in backups,
+        saved_at or (lambda s: None),
+    )
+
+
+def test_only_what_the_new_retention_deletes_and_the_recorded_one_keeps_is_named():
+    assert _deleted([10, 20, 30], {"keep_last": 1}) == [20, 30]  # (10 goes at the next save anyway)
+    # a process killed between a commit and its deletions left one more: not the change's
+    assert _deleted([10, 20, 30, 40], {"keep_last": 3}) == []
+    assert _deleted([10, 20, 30, 40], {"keep_last": 2}) == [30]
+    assert _deleted([10, 20, 30], {"keep_last": 5}) == []  # keeps more
+    assert _deleted([10, 20, 30], {"keep_last": 1, "keep_every_steps": 10}) == []
+    # a backup is kept only while newest, whatever the retention
+    assert _deleted([10, 20, 25], {"keep_last": 1}, {"keep_last": None}, backups={25}) == [10, 20]
+    every_100 = {**RECORDED, "keep_last": 1, "keep_every_steps": 100}
+    assert _deleted([100, 200, 250], {"keep_last": 1, "keep_every_steps": 50}, every_100) == []
+    assert _deleted([100, 200, 250], {"keep_last": 1}, every_100) == [100, 200]
+    hourly = {**RECORDED, "keep_last": 1, "keep_every_secs": 3600.0}
+    at = {10: 0.0, 20: 100.0, 30: 4000.0, 40: 4100.0}.get
+    assert _deleted([10, 20, 30, 40], {"keep_last": 1}, hourly, saved_at=at) == [10, 30]
+    assert _deleted([], {"keep_last": 1}) == []
+
+
+def _config(where, tmp_path, s3_server, mlflow_uri, max_steps, keep_last):
+    storage = {"storage": str(tmp_path / "storage")}
+    if where == "s3":
+        s3_server.create_bucket("retention-change")
+        storage = {
+            "storage": "s3://retention-change/j",
+            "storage_options": s3_server.storage_options,
+        }
+    return JobConfig(
+        program="prefect_jax.examples.digits:tiny",
+        job="j",
+        train=TrainSpec(max_steps=max_steps, log_every_steps=10),
+        checkpoint=CheckpointSpec(every_steps=10, keep_last=keep_last),
+        eval={"exporters": []},
+        mlflow_tracking_uri=mlflow_uri,
+        **storage,
+    )
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_resume_that_keeps_fewer_steps_names_them_before_its_next_save_deletes_them(
+    where, tmp_path, request, mlflow_uri, caplog
+):
+    s3_server = request.getfixturevalue("s3_server") if where == "s3" else None
+
+    def config(max_steps, keep_last):
+        return _config(where, tmp_path, s3_server, mlflow_uri, max_steps, keep_last)
+
+    first = Trainer(config(40, None))
+    first.restore_or_init()
+    while first.step < 40:
+        first.train_until_checkpoint()
+    first.close()
+
+    def resume(keep_last):
+        trainer = Trainer(config(60, keep_last))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="prefect_jax.trainer"):
+            assert trainer.restore_or_init() == 40
+        return trainer, [r.getMessage() for r in caplog.records if "was saved keeping" in r.message]
+
+    same, said = resume(None)
+    assert said == []
+    same.close()
+    fewer, said = resume(2)
+    assert said == [
+        "job j: its step 40 was saved keeping keep_last=None, and this run keeps keep_last=2: its "
+        "next checkpoint deletes 3 committed steps the job's retention kept (10, 20, 30), and "
+        "later checkpoints more, as TF's CheckpointManager restarted with a smaller max_to_keep "
+        "would. To keep them, stop it before that save and give --keep-last none again "
+        "(CheckpointSpec(keep_last=None))"
+    ]
+    assert fewer.job.committed_steps() == [10, 20, 30, 40]  # said before any is deleted
+    assert fewer.train_until_checkpoint() == 50
+    fewer.close()
+    assert fewer.job.committed_steps() == [40, 50]  # then deleted, as the warning said
