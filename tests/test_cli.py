@@ -850,3 +850,22 @@ def test_automations_create_refuses_a_brake_and_no_brake_together(capsys):
         "prefect-jax automations: error: --no-brake with --crash-window-secs 60: --no-brake makes "
         "no brake, so it has no window; drop one of them"
     ), proc.stderr
+
+
+def test_automations_create_refuses_a_deployment_name_prefect_cannot_read_before_a_server(capsys):
+    """(Prefect said "Invalid deployment name format" after the command started a server.)"""
+    from prefect_jax.cli import build_parser
+    from prefect_jax.deployments.automations import create_rerun_automation
+
+    for bad in ["nope", "/x", "train/", "a/b/c", " /x"]:
+        with pytest.raises(SystemExit) as refused:
+            build_parser().parse_args(["automations", "create", "--deployment", bad])
+        assert refused.value.code == 2
+        assert (
+            f"argument --deployment: deployment {bad!r} is not 'flow-name/deployment-name': name "
+            "it by its flow's name and its own, as `uv run prefect deployment ls` lists it"
+        ) in capsys.readouterr().err
+    with pytest.raises(ValueError, match="deployment 'nope' is not 'flow-name/deployment-name'"):
+        create_rerun_automation("nope")  # (from Python: before the client is opened)
+    args = build_parser().parse_args(["automations", "create", "--deployment", "train/x"])
+    assert args.deployment == "train/x"

@@ -27,7 +27,11 @@ import traceback
 
 from prefect_jax.cli import commands, launch, status
 from prefect_jax.cli.arguments import ROLES, add_role, add_training_args
-from prefect_jax.deployments.automations import CRASH_WINDOW_SECS, MAX_CRASHES
+from prefect_jax.deployments.automations import (
+    CRASH_WINDOW_SECS,
+    MAX_CRASHES,
+    check_deployment_name,
+)
 
 __all__ = ["build_parser", "entry", "main"]
 
@@ -50,6 +54,14 @@ def _exit_on_sigterm(signum, frame):
 
     note_signal(signum)  # (an import it breaks may fail otherwise: `main` still says why)
     raise SystemExit(128 + signum)
+
+
+def _deployment_name(value: str) -> str:
+    """``--deployment``'s parser: refused as the flag's value, before any server starts."""
+    try:
+        return check_deployment_name(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint)",
     )
     create.add_argument(
-        "--deployment", required=True, help="the trainer deployment, 'flow-name/deployment-name'"
+        "--deployment",
+        required=True,
+        type=_deployment_name,
+        help="the trainer deployment, 'flow-name/deployment-name'",
     )
     create.add_argument(
         "--name",

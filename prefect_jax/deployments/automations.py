@@ -106,6 +106,23 @@ def brake_automation(
     )
 
 
+def check_deployment_name(name: str) -> str:
+    """`name` if it is a deployment's name as Prefect reads one, ``"flow-name/deployment-name"``
+    (`read_deployment_by_name` splits it at its one ``/``); checked before a server is asked, or
+    started by the command.
+
+    Raises:
+        ValueError: naming `name` and the form to give.
+    """
+    flow, _, deployment = name.partition("/")
+    if not flow.strip() or not deployment.strip() or "/" in deployment:
+        raise ValueError(
+            f"deployment {name!r} is not 'flow-name/deployment-name': name it by its flow's name "
+            "and its own, as `uv run prefect deployment ls` lists it (e.g. 'train/digits-trainer')"
+        )
+    return name
+
+
 def create_rerun_automation(
     deployment_name: str,
     name: str | None = None,
@@ -119,12 +136,13 @@ def create_rerun_automation(
     rerun automation's id.
 
     Raises:
-        ValueError: the deployment does not exist on the Prefect server in use, or the brake's
-            numbers are not positive.
+        ValueError: the deployment's name is not ``"flow/deployment"``, or it does not exist on
+            the Prefect server in use, or the brake's numbers are not positive.
     """
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
+    check_deployment_name(deployment_name)
     if max_crashes is not None and (max_crashes < 1 or within_secs <= 0):
         raise ValueError(
             f"max_crashes={max_crashes}, within_secs={within_secs:g}: the brake pauses reruns "
