@@ -675,6 +675,39 @@ def test_s3_storage_without_credentials_is_one_clear_line_in_every_command(
     assert "AWS_ACCESS_KEY_ID" in line, line
 
 
+def test_status_errors_name_the_storage_block_as_typed_and_its_url(
+    prefect_server, tmp_path, trained
+):
+    """(They named the block's URL only: a user who typed a block's name did not find it.)"""
+    from s3_server import ISOLATED_AWS_ENV, UNSET_AWS_ENV
+
+    from prefect_jax.blocks import CheckpointStorage
+
+    _, storage = trained
+    CheckpointStorage(url=str(storage)).save("status-here", overwrite=True)
+    CheckpointStorage(url="s3://bucket/p").save("status-no-credentials", overwrite=True)
+    server = {"PREFECT_API_URL": prefect_server}
+    here = run_cli(
+        "status", "--job", "jj", "--storage", "jax-checkpoint-storage/status-here", **server
+    )
+    assert here.returncode == 2
+    assert (
+        f"no job 'jj' in storage jax-checkpoint-storage/status-here ({storage}) (jobs there: j)"
+    ) in _one_error_line(here, "status")
+    s3 = run_cli(
+        *("status", "--job", "j", "--storage", "jax-checkpoint-storage/status-no-credentials"),
+        unset=UNSET_AWS_ENV,
+        **ISOLATED_AWS_ENV,
+        **server,
+    )
+    assert s3.returncode == 2
+    line = _one_error_line(s3, "status")
+    assert (
+        "--storage jax-checkpoint-storage/status-no-credentials: no usable credentials for "
+        "s3://bucket/p"
+    ) in line, line
+
+
 @pytest.mark.parametrize("command", ["status", "run"])
 def test_an_s3_endpoint_that_does_not_answer_is_one_clear_line_exit_1(trained, mlflow_uri, command):
     """Not bad input (the service may come back): exit 1, the error line without a traceback."""

@@ -342,3 +342,16 @@ def drain_prefect_workers() -> None:
                 pass  # the worker never started
 
     run_coro_as_sync(drain())
+
+
+def send_prefect_events(timeout: float = 10.0) -> None:
+    """Wait, up to `timeout` seconds, until the events this process emitted (a block's load) have
+    reached the server, the worker left running: a command that exits at once after has Prefect's
+    exit drain print "Still processing items" above the command's last line."""
+    import threading
+
+    from prefect.events.worker import EventsWorker
+
+    waiter = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
+    waiter.start()
+    waiter.join(timeout)

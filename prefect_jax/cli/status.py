@@ -16,7 +16,11 @@ def job_status(job: str, storage: str) -> dict[str, Any]:
     from prefect_jax.training import facade
 
     url, options = resolve_storage(storage)
-    found = facade.job_status(job, url, options)
+    if url != storage:  # a block, loaded from Prefect: its load's event goes out now
+        from prefect_jax.cli.server import send_prefect_events
+
+        send_prefect_events()
+    found = facade.job_status(job, url, options, shown=storage)
     status = {
         "job": job,
         "storage": found.pop("storage"),

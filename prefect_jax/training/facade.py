@@ -231,7 +231,9 @@ def check_shared_by(job: str, url: str, options: Mapping[str, Any] | None, proce
     JobStorage(url, job, dict(options or {})).check_shared_by(processes)
 
 
-def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def job_status(
+    job: str, url: str, options: Mapping[str, Any] | None = None, shown: str | None = None
+) -> dict[str, Any]:
     """What storage holds of a job: its committed steps, evaluated steps and exports, goodput,
     and its registered model's versions and aliases (read from MLflow, or as last recorded).
 
@@ -239,6 +241,7 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
         job: The job's name.
         url: The storage root, a directory or an fsspec URL.
         options: fsspec options for `url` (credentials), if any.
+        shown: The storage as the user gave it, for errors (a block's name: its URL is `url`).
 
     Returns:
         ``storage`` (the root), ``committed_steps``, ``evaluated_steps`` (per eval name),
@@ -248,10 +251,13 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
 
     Raises:
         FileNotFoundError: No such job there; the message names the jobs that are.
+        RemoteConfigError, RemoteUnreachableError: The storage cannot be read (an unknown
+            protocol, no credentials, a missing bucket, an endpoint that does not answer); the
+            message says what to check.
     """
     from prefect_jax.training.job_status import job_status as status
 
-    return status(job, url, options)
+    return status(job, url, options, shown)
 
 
 def describe_goodput(summary: dict[str, Any]) -> str:

@@ -27,7 +27,9 @@ from prefect_jax.training.steps import job_committed_steps, step_meta
 from prefect_jax.training.storage import JobStorage
 
 
-def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def job_status(
+    job: str, url: str, options: Mapping[str, Any] | None = None, shown: str | None = None
+) -> dict[str, Any]:
     """`prefect_jax.training.facade.job_status`: what storage holds of a job (see there).
 
     Raises:
@@ -41,7 +43,7 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
 
     js = JobStorage(url, job, dict(options or {}))
     # the first reads: where the storage itself is wrong, one line says how
-    with storage_errors(js, url, doing="reading the job's records"):
+    with storage_errors(js, shown or url, doing="reading the job's records"):
         blocking = _file_in_the_way(js.job_dir) if js.protocol == "file" else None
         there = blocking is None and js.fs.exists(js.job_dir)
     if blocking is not None:
@@ -50,9 +52,10 @@ def job_status(job: str, url: str, options: Mapping[str, Any] | None = None) -> 
             "check --job and --storage"
         )
     if not there:
+        where = redact_url(js.root)
+        where = where if shown in (None, url) else f"{shown} ({where})"
         raise FileNotFoundError(
-            f"no job {job!r} in storage {redact_url(js.root)} ({js.jobs_there_said()}); check "
-            "--job and --storage"
+            f"no job {job!r} in storage {where} ({js.jobs_there_said()}); check --job and --storage"
         )
     committed = job_committed_steps(js)
     try:
