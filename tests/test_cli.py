@@ -822,7 +822,9 @@ def test_a_stopped_commands_last_line_names_the_step_its_rerun_resumes_at():
     finally:
         facade.forget_resumes_at()
     assert facade.resumes_at() is None
-    assert cli._how_to_go_on().startswith("the newest committed step is kept")
+    assert cli._how_to_go_on("run").startswith("the newest committed step is kept")
+    # an evaluator commits no step (it said so of a job with none, waiting for its first)
+    assert cli._how_to_go_on("evaluate").startswith("the evaluations and exports recorded are kept")
 
 
 def test_automations_create_refuses_a_brake_and_no_brake_together(capsys):

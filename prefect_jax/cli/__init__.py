@@ -224,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if isinstance(exc, KeyboardInterrupt) and args.command in _ROLES:
             # (a trainer's SIGINT checkpoints the step in flight first: docs/preemption.md)
-            return _say_error(args, f"interrupted (Ctrl-C); {_how_to_go_on()}", 130, kind="")
+            return _say_error(
+                args, f"interrupted (Ctrl-C); {_how_to_go_on(args.command)}", 130, kind=""
+            )
         if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             raise
         # Any other error (an Exception, or such as pyo3's `PanicException`, a BaseException: seen
@@ -257,13 +259,15 @@ def _say_error(args: argparse.Namespace, message: str, code: int, kind: str = "e
     return code
 
 
-def _how_to_go_on() -> str:
-    """What a stopped command's last line says of the job: the step it resumes at, where this
+def _how_to_go_on(command: str | None = None) -> str:
+    """What a stopped `command`'s last line says of the job: the step it resumes at, where this
     process's trainer said (its preemption notice's checkpoint), and the command that does."""
     from prefect_jax.training import facade
 
     where = facade.resumes_at()
-    if where is None:  # (no trainer in this process said: an evaluator, a notice in the start)
+    if where is None and command in ("evaluate", "export"):  # (they commit no step)
+        return "the evaluations and exports recorded are kept: run the same command again to go on"
+    if where is None:  # (no trainer in this process said: a notice in the start)
         return "the newest committed step is kept: run the same command again to resume"
     if where[0] is None:
         return "no step was committed yet: run the same command again to start from step 0"
@@ -271,7 +275,7 @@ def _how_to_go_on() -> str:
 
 
 def _say_terminated(args: argparse.Namespace, signum: int, detail: str = "") -> None:
-    message = f"terminated by signal {signum}; {_how_to_go_on()}{detail}"
+    message = f"terminated by signal {signum}; {_how_to_go_on(args.command)}{detail}"
     _say_error(args, message, 128 + signum, kind="")
 
 
