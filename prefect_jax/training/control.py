@@ -16,6 +16,7 @@ early stopping (TF's `stop_if_no_decrease_hook`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -70,6 +71,18 @@ def record_attempt(
     Raises:
         NoProgressError: more than `max_without_progress` reruns started at this same step.
     """
+    return count_attempt(storage, step, max_without_progress, owner, process)[0]
+
+
+def count_attempt(
+    storage: JobStorage,
+    step: int,
+    max_without_progress: int | None,
+    owner: str = "",
+    process: str = "",
+) -> tuple[int, dict | None]:
+    """`record_attempt`, also returning the record it replaced, for `uncount_attempt`: ``{}``
+    where there was none, None where it wrote nothing (a task retry)."""
     path = storage.path(ATTEMPTS_FILE)
     try:
         data = read_record(storage, path) or {}
@@ -79,7 +92,7 @@ def record_attempt(
     counted = int(data.get("reruns_without_progress", 0))
     recorded_here = owner and data.get("owner") == owner and data.get("process") == process
     if data.get("step") == step and recorded_here:
-        return counted  # a task retry (the flow run and process that recorded it): no rerun
+        return counted, None  # a task retry (the flow run and process that recorded it)
     same = counted + 1 if data.get("step") == step else 0
     if max_without_progress is not None and same > max_without_progress:
         raise NoProgressError(
@@ -100,7 +113,21 @@ def record_attempt(
             "at": time.time(),
         },
     )
-    return same
+    return same, data
+
+
+def uncount_attempt(storage: JobStorage, replaced: dict | None) -> None:
+    """Put back the record `count_attempt` replaced (`replaced`, as it returned it): the run it
+    counted was refused for its input (another seed, program params or state tree), which is no
+    rerun that failed to progress, and its corrected rerun must not find the budget spent."""
+    if replaced is None:
+        return
+    path = storage.path(ATTEMPTS_FILE)
+    if replaced:
+        storage.write_json(path, replaced)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            storage.fs.rm(path)
 
 
 class EarlyStoppingHook:

@@ -131,6 +131,8 @@ class Job(JobCheckpoints):
         self._left_in_flight: str | None = None
         # The lease token of the dead holder already recorded in MLflow
         self._noted_takeover: str | None = None
+        # The attempts record this run's count replaced (`record_attempt`, `uncount_attempt`)
+        self._attempts_replaced: dict | None = None
 
     # -- eval records ---------------------------------------------------------------------
 
@@ -222,7 +224,7 @@ class Job(JobCheckpoints):
         if not self.is_primary:
             return
         try:
-            control.record_attempt(
+            _, self._attempts_replaced = control.count_attempt(
                 self.storage,
                 step,
                 self.config.train.max_reruns_without_progress,
@@ -245,6 +247,12 @@ class Job(JobCheckpoints):
             # hook (`live.finish_live`) leaves its MLflow run as closed here.
             self.lease.release()
             raise
+
+    def uncount_attempt(self) -> None:
+        """Take back `record_attempt`'s count: this run's input was refused (`session`)."""
+        if self.is_primary and self._attempts_replaced is not None:
+            control.uncount_attempt(self.storage, self._attempts_replaced)
+            self._attempts_replaced = None
 
     # -- MLflow ---------------------------------------------------------------------------
 

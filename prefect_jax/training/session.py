@@ -262,21 +262,27 @@ def restore_trainer(
     listed = job.prepare_restore()
     has_own = bool(listed if listed is not None else job.committed_steps())
 
-    state, step, meta, data_iter = restore_or_init(
-        job.checkpoints,
-        loop.init_state,
-        loop.abstract_state,
-        checkpoint_dir=job.checkpoints.directory if (has_own or not checkpoint_path) else None,
-        checkpoint_path=None if has_own else checkpoint_path,
-        make_data_iter=loop.fresh_iter,
-        wait_for_checkpoint=wait_for_checkpoint,
-        max_wait_secs=max_wait_secs,
-        recovery_wait_secs=recovery_wait_secs,
-        on_unreadable=job.set_aside,
-        # (none yet: a wait for one lists again)
-        list_steps=(lambda: listed) if listed else job.committed_steps,
-        prepare_step=lambda at: fetch_and_check(trainer, at, trains=True),
-    )
+    try:
+        state, step, meta, data_iter = restore_or_init(
+            job.checkpoints,
+            loop.init_state,
+            loop.abstract_state,
+            checkpoint_dir=job.checkpoints.directory if (has_own or not checkpoint_path) else None,
+            checkpoint_path=None if has_own else checkpoint_path,
+            make_data_iter=loop.fresh_iter,
+            wait_for_checkpoint=wait_for_checkpoint,
+            max_wait_secs=max_wait_secs,
+            recovery_wait_secs=recovery_wait_secs,
+            on_unreadable=job.set_aside,
+            # (none yet: a wait for one lists again)
+            list_steps=(lambda: listed) if listed else job.committed_steps,
+            prepare_step=lambda at: fetch_and_check(trainer, at, trains=True),
+        )
+    except (CheckpointMismatchError, ProgramParamsMismatchError):
+        # Refused for its input, which the user corrects: the rerun budget is for runs that
+        # crash or are killed before progress, and the corrected rerun must not find it spent.
+        job.uncount_attempt()
+        raise
     if checkpoint_path and not has_own and step:
         # warm start: weights from elsewhere, this job's data from the start
         data_iter = loop.fresh_iter()
