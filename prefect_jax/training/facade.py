@@ -244,20 +244,16 @@ def job_status(
         shown: The storage as the user gave it, for errors (a block's name: its URL is `url`).
 
     Returns:
-        ``storage`` (the root), ``committed_steps``, ``evaluated_steps`` (per eval name),
-        ``exports`` (per exporter), ``goodput``, ``program_params`` (those the newest committed
-        step was trained with; absent where it recorded none) and, once an export was
-        registered, ``registered_model``.
+        ``storage`` (the root), ``committed_steps``, ``evaluated_steps``, ``exports``, ``goodput``,
+        ``program_params`` (the newest step's, if any) and, once registered, ``registered_model``.
 
     Raises:
         FileNotFoundError: No such job there; the message names the jobs that are.
-        RemoteConfigError, RemoteUnreachableError: The storage cannot be read (an unknown
-            protocol, no credentials, a missing bucket, an endpoint that does not answer); the
-            message says what to check.
+        RemoteConfigError, RemoteUnreachableError: Storage that cannot be read, and why.
     """
-    from prefect_jax.training.job_status import job_status as status
+    from prefect_jax.training.job_status import job_status
 
-    return status(job, url, options, shown)
+    return job_status(job, url, options, shown)
 
 
 def describe_goodput(summary: dict[str, Any]) -> str:

@@ -62,12 +62,15 @@ def deleted_by_the_change(
     return sorted((kept_before - kept_now) & set(steps))
 
 
-def warn_if_retention_narrowed(job, spec: CheckpointSpec, meta: dict | None, step: int) -> None:
+def warn_if_retention_narrowed(job, config, meta: dict | None, step: int) -> None:
     """Warn where the job's next save deletes committed steps that the retention recorded in
-    `meta` (its newest step's, `step`) keeps: `job` is the trainer's `Job`, `spec` its
-    CheckpointSpec. Steps saved before retention was recorded are not compared."""
-    recorded = (meta or {}).get("retention")
-    if not isinstance(recorded, dict) or recorded == recorded_retention(spec):
+    `meta` (its newest step's, `step`; None: a new job or a warm start) keeps: `job` is the
+    trainer's `Job`, `config` its `JobConfig`. Said by the primary process, where a save
+    follows; steps saved before retention was recorded are not compared."""
+    spec, recorded = config.checkpoint, (meta or {}).get("retention")
+    if not job.is_primary or config.train.is_final(step) or not isinstance(recorded, dict):
+        return
+    if recorded == recorded_retention(spec):
         return
     deleted = deleted_by_the_change(job.committed_steps(), recorded, spec, *job.retention_reads())
     if not deleted:

@@ -279,9 +279,7 @@ def restore_trainer(
             prepare_step=lambda at: fetch_and_check(trainer, at, trains=True),
         )
     except (CheckpointMismatchError, ProgramParamsMismatchError):
-        # Refused for its input, which the user corrects: the rerun budget is for runs that
-        # crash or are killed before progress, and the corrected rerun must not find it spent.
-        job.uncount_attempt()
+        job.uncount_attempt()  # (refused for its input: the budget is for crashes and kills)
         raise
     if checkpoint_path and not has_own and step:
         # warm start: weights from elsewhere, this job's data from the start
@@ -294,8 +292,7 @@ def restore_trainer(
             step,
             redact_url(checkpoint_path),
         )
-    if has_own and job.is_primary and not trainer.config.train.is_final(step):
-        warn_if_retention_narrowed(job, trainer.config.checkpoint, meta, step)
+    warn_if_retention_narrowed(job, trainer.config, meta if has_own else None, step)
     job.discard_records_after(step)
     # A warm start's step is another job's: its MLflow run and train metrics are that job's.
     own = meta if has_own else None

@@ -8,9 +8,12 @@ This module imports neither jax nor prefect.
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
+import typing
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -44,16 +47,46 @@ def check_name(kind: str, value: str) -> str:
 
 
 class Spec(BaseModel):
-    """Base of every spec: unknown fields are refused and a spec never changes once built."""
+    """Base of every spec: unknown fields are refused, naming the nearest known one; a number
+    is neither NaN, nor infinite, nor a bool (pydantic's lax mode reads True as 1); a spec
+    never changes once built."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_and_no_bool_numbers(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        for name, value in data.items():
+            if name not in fields and isinstance(name, str):
+                near = difflib.get_close_matches(name, list(fields), n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise ValueError(
+                    f"{cls.__name__} has no field {name!r}: {hint}its fields are "
+                    f"{', '.join(fields)}"
+                )
+            if isinstance(value, bool) and _is_number(fields[name].annotation):
+                raise ValueError(
+                    f"{name}={value!r} is a bool, where {cls.__name__}.{name} takes a number: "
+                    "give the number"
+                )
+        return data
+
+
+def _is_number(annotation) -> bool:
+    """An int or float field (or one of those or None) that takes no bool."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    return bool not in kinds and any(kind in (int, float) for kind in kinds)
 
 
 def positive(field: str, value, fix: str, allow_none: bool = False):
-    """Refuse a value that is not a positive number, naming the field, the value and `fix`."""
+    """Refuse a value that is not a positive, finite number, naming the field, the value and
+    `fix`."""
     if value is None and allow_none:
         return value
-    if value is None or value <= 0:
+    if value is None or not value > 0 or not math.isfinite(value):
         raise ValueError(f"{field}={value!r} must be a positive number; {fix}")
     return value
 

@@ -113,6 +113,20 @@ class TrainSpec(Spec):
         """Whether `step` is the final one: at or past `max_steps` (never when it is None)."""
         return is_final_step(step, self.max_steps)
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):  # (the range of Grain's shuffles: another failed in the first interval)
+        if not 0 <= v < 2**32:
+            raise ValueError(f"seed={v!r} must be between 0 and 2**32-1 ({2**32 - 1}), e.g. 0")
+        return v
+
+    @field_validator("max_reruns_without_progress")
+    @classmethod
+    def _reruns(cls, v):
+        if v is not None and v < 0:
+            raise ValueError(f"max_reruns_without_progress={v!r} must be 0 or more, or None")
+        return v
+
     @field_validator("log_every_steps")
     @classmethod
     def _log_every(cls, v):
