@@ -278,3 +278,34 @@ def test_mlflow_optional_with_the_environments_tracking_uri_unanswering_trains_a
     assert summary["final_step"] == 10 and summary["mlflow_run_id"] is None
     assert summary["mlflow_missing"].startswith(f"nothing of this run reached MLflow at {uri}")
     assert time.monotonic() - started < 120  # (one MLflow call's own retries take minutes)
+
+
+@pytest.mark.parametrize(
+    "uri, said",
+    [
+        ("sqlite://mlflow.db", "not a SQLite URL: give sqlite:///<relative path>.db"),
+        ("garbage", "a folder, MLflow's file store, which MLflow 3 refuses unless"),
+        ("file:///tmp/mlruns", "MLFLOW_ALLOW_FILE_STORE=true"),
+        ("sqlite:////nowhere/at/all/mlflow.db", "the folder of its SQLite file, /nowhere/at/all"),
+    ],
+)
+def test_a_local_store_mlflow_would_refuse_is_refused_before_the_job(uri, said, monkeypatch):
+    """(A probe of the Python API: these passed the check, and the job trained with nothing
+    recorded, MLflow's refusal only a warning.)"""
+    from prefect_jax.training.mlflow_reach import TrackingUnreachableError, check_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(TrackingUnreachableError, match=f"--mlflow-tracking-uri {uri}: "):
+        check_tracking_uri(uri)
+    with pytest.raises(TrackingUnreachableError) as refused:
+        check_tracking_uri(uri)
+    assert said in str(refused.value)
+
+
+def test_the_local_stores_mlflow_takes_pass_the_check(tmp_path, monkeypatch):
+    from prefect_jax.training.mlflow_reach import check_tracking_uri
+
+    check_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    check_tracking_uri("sqlite:///:memory:")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_tracking_uri(str(tmp_path / "mlruns"))

@@ -55,14 +55,8 @@ class Probe:
         self.error: str | None = None
         self.process: subprocess.Popen | None = None
         scheme = uri.split("://", 1)[0] if "://" in uri else ""
-        if scheme in ("", "file", "sqlite"):
-            # A local store: MLflow makes it on first use (`mlflow_store`); its folder must exist.
-            path = uri.split("://", 1)[-1]
-            path = path[1:] if scheme == "sqlite" and path.startswith("/") else path
-            folder = os.path.dirname(os.path.abspath(path)) if path else ""
-            if scheme == "sqlite" and path and not path.startswith(":memory:"):
-                if not os.path.isdir(folder):
-                    self.error = f"the folder of its SQLite file, {folder}, does not exist"
+        if scheme in ("", "file", "sqlite") and not uri.startswith("databricks"):
+            self.error = _local_store_error(uri, scheme)  # (told without MLflow's import)
             return
         env = {
             **os.environ,
@@ -117,6 +111,29 @@ class Probe:
     @property
     def _secrets(self) -> list[str]:
         return secret_values(self.uri, None)
+
+
+def _local_store_error(uri: str, scheme: str) -> str | None:
+    """What MLflow would refuse of a local store, `uri` (MLflow makes it on first use, in a
+    folder that must exist: `mlflow_store`), or None."""
+    rest = uri.split("://", 1)[-1]
+    if scheme == "sqlite":
+        if rest and not rest.startswith("/"):  # (SQLAlchemy's forms: MLflow failed later)
+            return (
+                "not a SQLite URL: give sqlite:///<relative path>.db or "
+                "sqlite:////<absolute path>.db (three slashes, then the path)"
+            )
+        path = rest[1:]
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not path.startswith(":memory:") and not os.path.isdir(folder):
+            return f"the folder of its SQLite file, {folder}, does not exist"
+        return None
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1"):
+        return None
+    return (
+        "a folder, MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE="
+        "true is set (a SQLite file in a folder works: sqlite:///<folder>/mlflow.db)"
+    )
 
 
 _checked_uris: set[str] = set()  # tracking URIs this process checked already (and went on)
