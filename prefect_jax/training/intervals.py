@@ -19,7 +19,7 @@ from prefect_jax.training.errors import NonFiniteLossError
 from prefect_jax.training.loop import Interval, NonFiniteAt
 from prefect_jax.training.names import TRAIN_PREFIX
 from prefect_jax.training.progress import notify_progress
-from prefect_jax.training.retention_change import recorded_retention
+from prefect_jax.training.resume_changes import recorded_retention
 from prefect_jax.training.train_means import train_rows
 
 if TYPE_CHECKING:
@@ -276,7 +276,7 @@ class Intervals:
                 "program_params": t.program_params.as_meta(),
                 "seed": t.config.train.seed,  # (`program_params.check_seed`)
                 "max_steps": t.config.train.max_steps,  # (an evaluator's is compared with it)
-                # a rerun that would delete steps this one keeps says so (`retention_change`)
+                # a rerun that would delete steps this one keeps says so (`resume_changes`)
                 "retention": recorded_retention(t.config.checkpoint),
                 # a rerun on this mesh needs no new check of its shardings (`check_sharding`)
                 **({"mesh": dict(t.loop.mesh.shape)} if t.loop.sharded else {}),

@@ -29,7 +29,7 @@ from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote_errors import RemoteStorageError
 from prefect_jax.training.restore_failures import RestoreFailures, not_the_steps_fault
-from prefect_jax.training.retention_change import warn_if_retention_narrowed
+from prefect_jax.training.resume_changes import warn_of_changes
 from prefect_jax.training.sharded_state import check_train_batch
 from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS
 from prefect_jax.training.tracking_params import job_params
@@ -292,10 +292,10 @@ def restore_trainer(
             step,
             redact_url(checkpoint_path),
         )
-    warn_if_retention_narrowed(job, trainer.config, meta if has_own else None, step)
-    job.discard_records_after(step)
     # A warm start's step is another job's: its MLflow run and train metrics are that job's.
     own = meta if has_own else None
+    warn_of_changes(job, trainer.config, trainer.program_fingerprint, own, step)
+    job.discard_records_after(step)
     # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
     job.attach_tracking(
         job_params(trainer.config, trainer.program, trainer.program_params),

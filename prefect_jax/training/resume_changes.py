@@ -1,14 +1,22 @@
-"""A resumed job whose retention keeps fewer steps than the one its steps were saved with.
+"""What a resumed job changes against its newest step's record, said before it trains on.
 
-TF's `CheckpointManager` (and its `Saver`), restarted with a smaller ``max_to_keep``, deletes the
-older checkpoints at its next save without a word, and so does Orbax. A job trained with
-``--keep-last 10`` and resumed without the flag (the default keeps 3) loses 7 steps that way.
-Each step records the retention it was saved with (`recorded_retention`); a trainer that
-resumes with one that would delete steps the recorded one keeps says so, naming the steps and
-the flags that keep them, before its first save (`warn_if_retention_narrowed`). Comparing the
-two retentions over the same steps, not the steps with the spec, says nothing where the steps
-are as the recorded retention left them plus what it would delete anyway (a process killed
-between a commit and its deletions leaves one more step)."""
+Two changes a rerun can make without meaning to, both accepted as TF accepts them, both warned of
+here (`warn_of_changes`, from the trainer's restore):
+
+- **Another program or config** with the same state tree (``mymod:fast`` for the job's
+  ``digits:tiny``, another learning rate in the program's ``config``): the state restores and
+  trains on under the new program, as a TF model_dir restores into any graph with the same
+  variables. Program params are checked and refused elsewhere (`program_params.check_restore`);
+  the program's path and its config's fingerprint are only recorded, so they are compared here.
+- **A retention that keeps fewer steps.** TF's `CheckpointManager` (and its `Saver`),
+  restarted with a smaller ``max_to_keep``, deletes the older checkpoints at its next save
+  without a word, and so does Orbax: a job trained with ``--keep-last 10`` and resumed without
+  the flag (the default keeps 3) loses 7 steps. Each step records the retention it was saved
+  with (`recorded_retention`); a trainer resumed with one that would delete steps the recorded
+  one keeps names them and the flags that keep them, before its first save
+  (`warn_if_retention_narrowed`). The two retentions are compared over the same steps, so
+  nothing is said where the steps are as the recorded one left them plus what it would delete
+  anyway (a process killed between a commit and its deletions leaves one more step)."""
 
 from __future__ import annotations
 
@@ -60,6 +68,41 @@ def deleted_by_the_change(
     kept_before = retained(after, before, newest_evaluated, backup, at)
     kept_now = retained(after, spec, newest_evaluated, backup, at)
     return sorted((kept_before - kept_now) & set(steps))
+
+
+def warn_of_changes(job, config, fingerprint: str, meta: dict | None, step: int) -> None:
+    """Warn of what this run changes against `meta`, the metadata of the job's newest step
+    `step` it restored (None: a new job or a warm start, nothing to compare): its program (path
+    `config.program`, `fingerprint` of its config) and its retention. `job` is the trainer's
+    `Job`; said by the primary process only, and only where the job trains on."""
+    if meta is None or not job.is_primary or config.train.is_final(step):
+        return
+    was, was_fingerprint = meta.get("program"), meta.get("program_fingerprint")
+    if was is not None and was != config.program:
+        logger.warning(
+            "job %s: step %d was trained by program %s, and this run's is %s: it trains on from "
+            "the restored state with this program (its state tree is the same). If that is not "
+            "meant, stop it and give the job's program again (--program %s), or train this one "
+            "under a new job name",
+            config.job,
+            step,
+            was,
+            config.program,
+            was,
+        )
+    elif was_fingerprint is not None and was_fingerprint != fingerprint:
+        logger.warning(
+            "job %s: program %s's config differs from the one step %d was trained with "
+            "(fingerprint %s, now %s): it trains on from the restored state with the new config. "
+            "If that is not meant, stop it and give the program its old config, or train it "
+            "under a new job name",
+            config.job,
+            config.program,
+            step,
+            was_fingerprint,
+            fingerprint,
+        )
+    warn_if_retention_narrowed(job, config, meta, step)
 
 
 def warn_if_retention_narrowed(job, config, meta: dict | None, step: int) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefect_jax.training.retention_change import deleted_by_the_change
+from prefect_jax.training.resume_changes import deleted_by_the_change
 from prefect_jax.training.specs import CheckpointSpec, JobConfig, TrainSpec
 from prefect_jax.training.trainer import Trainer
 
@@ -100,3 +100,50 @@ def test_a_resume_that_keeps_fewer_steps_names_them_before_its_next_save_deletes
     assert fewer.train_until_checkpoint() == 50
     fewer.close()
     assert fewer.job.committed_steps() == [40, 50]  # then deleted, as the warning said
+
+
+_PROGRAM = """
+from prefect_jax.examples.digits import DigitsProgram
+
+program = DigitsProgram(hidden=(32, 32), learning_rate={lr}, batch_size=32, dropout=0.1)
+"""
+
+
+def test_a_resume_by_another_program_or_config_with_the_same_tree_is_said(
+    job_config, tmp_path, monkeypatch, caplog
+):
+    """(A probe of the Python API: another program with the same state tree, another learning
+    rate and batch size, resumed the job silently; TF restores into any graph with the same
+    variables, so it is allowed, and said.)"""
+    import sys
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "prog_v.py").write_text(_PROGRAM.format(lr=3e-3))
+    (tmp_path / "prog_w.py").write_text(_PROGRAM.format(lr=3e-3))
+
+    def resume(program, max_steps):
+        sys.modules.pop(program.split(":")[0], None)
+        trainer = Trainer(job_config(max_steps=max_steps, every_steps=10, program=program))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="prefect_jax.trainer"):
+            trainer.restore_or_init()
+        trainer.train_until_checkpoint()
+        trainer.close()
+        return [
+            r.getMessage() for r in caplog.records if "trains on from the restored" in r.message
+        ]
+
+    assert resume("prog_v:program", 10) == []  # a new job
+    assert resume("prog_v:program", 20) == []  # the same program and config
+    (tmp_path / "prog_v.py").write_text(_PROGRAM.format(lr=0.5))
+    [said] = resume("prog_v:program", 30)
+    assert said.startswith(
+        "job tiny: program prog_v:program's config differs from the one step 20 was trained with"
+    ), said
+    assert "it trains on from the restored state with the new config" in said
+    [said] = resume("prog_w:program", 40)
+    assert said.startswith(
+        "job tiny: step 30 was trained by program prog_v:program, and this run's is "
+        "prog_w:program: it trains on from the restored state with this program"
+    ), said
+    assert "(--program prog_v:program)" in said
