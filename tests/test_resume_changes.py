@@ -121,9 +121,9 @@ def test_a_resume_by_another_program_or_config_with_the_same_tree_is_said(
     (tmp_path / "prog_v.py").write_text(_PROGRAM.format(lr=3e-3))
     (tmp_path / "prog_w.py").write_text(_PROGRAM.format(lr=3e-3))
 
-    def resume(program, max_steps):
+    def resume(program, max_steps, job="tiny"):
         sys.modules.pop(program.split(":")[0], None)
-        trainer = Trainer(job_config(max_steps=max_steps, every_steps=10, program=program))
+        trainer = Trainer(job_config(max_steps=max_steps, every_steps=10, program=program, job=job))
         caplog.clear()
         with caplog.at_level("WARNING", logger="prefect_jax.trainer"):
             trainer.restore_or_init()
@@ -147,3 +147,29 @@ def test_a_resume_by_another_program_or_config_with_the_same_tree_is_said(
         "prog_w:program: it trains on from the restored state with this program"
     ), said
     assert "(--program prog_v:program)" in said
+    # A program with a params type: its params are what is checked; its config follows them (a
+    # filled max_steps here, as the byte LM's schedule horizon), and a longer job says nothing.
+    (tmp_path / "prog_t.py").write_text(_TYPED)
+    assert resume("prog_t:program", 10, job="typed") == []
+    assert resume("prog_t:program", 20, job="typed") == []
+
+
+_TYPED = """
+from pydantic import BaseModel
+from prefect_jax.examples.digits import DigitsProgram
+
+class Params(BaseModel):
+    max_steps: int | None = None
+
+class Horizon(DigitsProgram):
+    def __init__(self, params):
+        super().__init__(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
+        self.horizon = params.max_steps
+
+    @property
+    def config(self):
+        return {**super().config, "horizon": self.horizon}
+
+def program(params: Params):
+    return Horizon(params)
+"""

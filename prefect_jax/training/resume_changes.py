@@ -78,6 +78,9 @@ def warn_of_changes(job, config, fingerprint: str, meta: dict | None, step: int)
     if meta is None or not job.is_primary or config.train.is_final(step):
         return
     was, was_fingerprint = meta.get("program"), meta.get("program_fingerprint")
+    # A program with a params type: its params are checked (`program_params.check_restore`), and
+    # its config follows them and what they exempt (a filled max_steps, reading threads).
+    typed = (meta.get("program_params") or {}).get("type") is not None
     if was is not None and was != config.program:
         logger.warning(
             "job %s: step %d was trained by program %s, and this run's is %s: it trains on from "
@@ -90,7 +93,7 @@ def warn_of_changes(job, config, fingerprint: str, meta: dict | None, step: int)
             config.program,
             was,
         )
-    elif was_fingerprint is not None and was_fingerprint != fingerprint:
+    elif not typed and was_fingerprint is not None and was_fingerprint != fingerprint:
         logger.warning(
             "job %s: program %s's config differs from the one step %d was trained with "
             "(fingerprint %s, now %s): it trains on from the restored state with the new config. "
