@@ -127,6 +127,35 @@ def test_a_rerun_registers_nothing_twice(registered, mlflow_uri):
     assert len(client.get_run(run_id).outputs.model_outputs) == logged_before
 
 
+def test_a_sync_that_moves_one_alias_returns_every_alias_of_the_jobs_versions(
+    registered, mlflow_uri
+):
+    """What `registry.json` records (`status` shows it where MLflow is not reached): an export
+    by the latest exporter alone recorded @newest only, dropping @best and @final."""
+    from prefect_jax.training.names import JOB_TAG
+    from prefect_jax.training.registry import sync_registry
+
+    _, _, run_id = registered
+    client = MlflowClient(mlflow_uri)
+    versions = _versions(client)
+    run = client.get_run(run_id)
+
+    def no_export(step):
+        raise AssertionError(f"step {step} is registered: nothing to log")
+
+    synced = sync_registry(
+        *(client, mlflow_uri, run.info.experiment_id, run_id, "reg-digits", "reg"),
+        versions[60].tags[JOB_TAG],
+        {"newest": 60},
+        no_export,
+        None,
+        steps=[60],
+    )
+    aliases = client.get_registered_model("reg-digits").aliases
+    assert set(aliases) == {"newest", "final", "best"}
+    assert synced["aliases"] == {a: str(v) for a, v in aliases.items()}
+
+
 FRESH = r"""
 import json, sys
 sys.modules["prefect_jax"] = None  # importing prefect-jax (or the program's module) fails here

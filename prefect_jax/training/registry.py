@@ -309,8 +309,13 @@ def sync_registry(
         version = versions[step].version
         if str(current.get(alias)) != str(version):
             client.set_registered_model_alias(name, alias, version)
+    # The record holds every alias on one of the job's versions, not only those moved now (an
+    # export of the latest exporter alone left out @best and @final).
+    own = {str(v.version) for v in versions.values()}
+    recorded = {alias: str(v) for alias, v in current.items() if str(v) in own}
+    recorded.update({alias: str(versions[step].version) for alias, step in aliases.items()})
     return {
         "name": name,
         "versions": {step: str(v.version) for step, v in sorted(versions.items())},
-        "aliases": {alias: str(versions[step].version) for alias, step in aliases.items()},
+        "aliases": recorded,
     }
