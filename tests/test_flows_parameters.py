@@ -234,3 +234,51 @@ def test_a_run_refused_for_its_program_params_leaves_no_job_folder(
             mlflow_tracking_uri=mlflow_uri,
         )
     assert not os.path.exists(tmp_path / "storage" / "refused")
+
+
+@pytest.mark.parametrize(
+    "flow, wait, value, said",
+    [
+        ("evaluate", "poll_secs", -1, "poll_secs: Input should be greater than 0"),
+        ("evaluate", "poll_secs", 0, "poll_secs: Input should be greater than 0"),
+        ("evaluate", "idle_timeout_secs", -1, "greater than or equal to 0"),
+        ("evaluate", "wait_for_first_checkpoint_secs", -5, "greater than or equal to 0"),
+        ("export_flow", "max_wait_secs", -1, "max_wait_secs: Input should be greater than or"),
+        ("export_flow", "recovery_wait_secs", 0, "recovery_wait_secs: Input should be greater"),
+    ],
+)
+def test_a_roles_wait_that_is_negative_is_refused_by_the_flow_and_its_schema(
+    flow, wait, value, said
+):
+    """(A probe: a negative wait was taken as 0, or failed in time.sleep after the evaluations;
+    a poll of 0 spins.) The deployment's schema says so too, for the UI's form."""
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+
+    role = getattr(flows, flow)
+    given = {"program": "p:q", "job": "j", "storage": "/s", "train_spec": {"max_steps": 10}}
+    with pytest.raises(ParameterTypeError, match=said):
+        role.validate_parameters({**given, wait: value})
+    schema = json.dumps(parameter_schema(role.fn).properties[wait])
+    assert '"minimum": 0' in schema or '"exclusiveMinimum": 0' in schema
+
+
+@pytest.mark.parametrize(
+    "role, flag, value",
+    [
+        ("evaluate", "--poll-secs", "0"),
+        ("evaluate", "--idle-timeout-secs", "-1"),
+        ("evaluate", "--max-wait-secs", "-3"),
+        ("export", "--max-wait-secs", "nan"),
+        ("export", "--recovery-wait-secs", "soon"),
+    ],
+)
+def test_the_commands_refuse_the_same_waits_as_their_flag(role, flag, value, capsys):
+    from prefect_jax.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(
+            [role, "--program", "p:q", "--job", "j", "--storage", "/s", flag, value]
+        )
+    err = capsys.readouterr().err
+    assert f"{flag}: {value!r} is not a number of seconds" in err and "argument --" in err, err

@@ -27,6 +27,25 @@ def _steps_or_none(none_means: str, what: str = "steps", example: int = 1000):
     return parse
 
 
+def _seconds(zero: bool):
+    """A wait flag's parser: seconds, 0 or more (`zero`), else more than 0 (a period: 0 spins);
+    the flows' parameters refuse the same (`flows.config.WaitSecs`, `PeriodSecs`)."""
+
+    def parse(value: str) -> float:
+        try:
+            secs = float(value)
+        except ValueError:
+            secs = float("nan")
+        if not (secs >= 0 if zero else secs > 0) or secs == float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a number of seconds {'>= 0' if zero else '> 0'}: give one, "
+                f"e.g. {'0' if zero else '10'}"
+            )
+        return secs
+
+    return parse
+
+
 def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
     """The specs' flags. Each defaults to its spec field's default, written again here so that
     `prefect-jax --help` imports no pydantic (test_cli checks that they agree), but `max_steps`
@@ -272,13 +291,13 @@ def add_role(sub, name: str) -> None:
         )
         add(
             "--poll-secs",
-            type=float,
+            type=_seconds(zero=False),
             default=10.0,
             help="how often to look for new checkpoints (default 10)",
         )
         add(
             "--idle-timeout-secs",
-            type=float,
+            type=_seconds(zero=True),
             default=None,
             help="stop after this long without a new checkpoint",
         )
@@ -286,7 +305,7 @@ def add_role(sub, name: str) -> None:
             "--wait-for-first-checkpoint-secs",
             "--max-wait-secs",
             dest="wait_for_first_checkpoint_secs",
-            type=float,
+            type=_seconds(zero=True),
             default=3600.0,
             help="give up waiting for a first checkpoint after this long (TF's max_wait_secs)",
         )
@@ -305,13 +324,13 @@ def add_role(sub, name: str) -> None:
         )
         add(
             "--max-wait-secs",
-            type=float,
+            type=_seconds(zero=True),
             default=7200.0,
             help="with --wait-for-checkpoint, give up after this long (default 7200)",
         )
         add(
             "--recovery-wait-secs",
-            type=float,
+            type=_seconds(zero=False),
             default=30.0,
             help="with --wait-for-checkpoint, look again every this many seconds (default 30)",
         )

@@ -1,11 +1,19 @@
 """A flow's parameters as the job's `JobConfig`."""
 
 # No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from prefect_jax.tasks import ui_refresh_secs
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
 from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, RetrySpec, TrainSpec
+
+# The roles' waits as flow parameters: the flow's validation and the deployment's schema refuse
+# a negative one (it was taken as 0, or failed in `time.sleep` after the evaluations), and a
+# period of 0 (a poll that spins).
+WaitSecs = Annotated[float, Field(ge=0)]
+PeriodSecs = Annotated[float, Field(gt=0)]
 
 _CONFIG_ARGS = (
     "program",

@@ -5,7 +5,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from prefect_jax.flows.config import checked_job_config
+from prefect_jax.flows.config import PeriodSecs, WaitSecs, checked_job_config
 from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
 from prefect_jax.tasks import publisher
@@ -35,9 +35,9 @@ def evaluate(
     compilation_cache_dir: str | None = None,
     every_checkpoint: bool = True,
     once: bool = False,
-    wait_for_first_checkpoint_secs: float = FIRST_CHECKPOINT_WAIT_SECS,
-    poll_secs: float = EVAL_POLL_SECS,
-    idle_timeout_secs: float | None = None,
+    wait_for_first_checkpoint_secs: WaitSecs = FIRST_CHECKPOINT_WAIT_SECS,
+    poll_secs: PeriodSecs = EVAL_POLL_SECS,
+    idle_timeout_secs: WaitSecs | None = None,
     retry_spec: RetrySpec = RetrySpec(),
     program_params: dict[str, Any] | None = None,
     mlflow_optional: bool = False,

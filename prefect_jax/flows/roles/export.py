@@ -5,7 +5,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from prefect_jax.flows.config import checked_job_config
+from prefect_jax.flows.config import PeriodSecs, WaitSecs, checked_job_config
 from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
 from prefect_jax.training.specs import (
@@ -33,8 +33,8 @@ def export_flow(
     retry_spec: RetrySpec = RetrySpec(),
     program_params: dict[str, Any] | None = None,
     wait_for_checkpoint: bool = False,
-    max_wait_secs: float = MAX_WAIT_SECS,
-    recovery_wait_secs: float = RECOVERY_WAIT_SECS,
+    max_wait_secs: WaitSecs = MAX_WAIT_SECS,
+    recovery_wait_secs: PeriodSecs = RECOVERY_WAIT_SECS,
     mlflow_optional: bool = False,
 ) -> dict[str, str]:
     """Run the eval spec's exporters on an evaluated step (default: the newest evaluated one).
