@@ -282,3 +282,30 @@ def test_the_commands_refuse_the_same_waits_as_their_flag(role, flag, value, cap
         )
     err = capsys.readouterr().err
     assert f"{flag}: {value!r} is not a number of seconds" in err and "argument --" in err, err
+
+
+@pytest.mark.parametrize("where", ["a file", "foo://bucket/cache"])
+def test_a_compilation_cache_that_cannot_be_used_is_refused_before_any_work(
+    where, tmp_path, mlflow_uri
+):
+    """(A probe: a file there failed the first task with a raw FileExistsError; an unknown
+    protocol only logged warnings, and the job trained uncached.)"""
+    from prefect_jax.training.preflight import BadInputError
+    from prefect_jax.training.specs import TrainSpec
+
+    cache = where
+    if where == "a file":
+        cache = str(tmp_path / "cache")
+        (tmp_path / "cache").write_text("not a folder")
+    with pytest.raises(BadInputError, match=f"^compilation_cache_dir {cache}: ") as refused:
+        flows.train_and_evaluate.fn(
+            program="programs:tiny",
+            job="j",
+            storage=str(tmp_path / "s"),
+            train_spec=TrainSpec(max_steps=10),
+            mlflow_tracking_uri=mlflow_uri,
+            compilation_cache_dir=cache,
+        )
+    fix = "give compilation_cache_dir a directory" if where == "a file" else "knows no protocol"
+    assert fix in str(refused.value)
+    assert not (tmp_path / "s").exists()  # nothing of the job was made

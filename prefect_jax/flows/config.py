@@ -77,8 +77,10 @@ def checked_job_config(parameters: dict[str, Any]) -> JobConfig:
     tracking URI (a block's, resolved; else ``MLFLOW_TRACKING_URI``'s) checked: an unusable one
     is refused before any work (``mlflow_optional``: a warning)."""
     from prefect_jax.training.facade import check_flow_tracking_uri
+    from prefect_jax.training.preflight import check_compilation_cache
 
     config = _job_config(**{k: parameters[k] for k in _CONFIG_ARGS if k in parameters})
+    check_compilation_cache("compilation_cache_dir", config.compilation_cache_dir)
     given = bool(parameters.get("mlflow_tracking_uri"))
     check_flow_tracking_uri(config.mlflow_tracking_uri, parameters.get("mlflow_optional"), given)
     return config

@@ -227,6 +227,31 @@ def make_local_dir(flag: str, path: str) -> None:
         ) from None
 
 
+def check_compilation_cache(named: str, setting: str | None) -> None:
+    """Refuse a compilation-cache setting (``job``, a directory or a URL) that cannot be used,
+    before any work: a local directory is made (or found), a URL's protocol must be one fsspec
+    knows (the cache alone found out, as warnings, while the job trained uncached).
+
+    Raises:
+        BadInputError: naming `named` (``--compilation-cache``, ``compilation_cache_dir``), the
+            value and the fix.
+    """
+    if not setting or setting == "job":
+        return
+    if "://" not in setting:
+        make_local_dir(named, os.path.abspath(setting))
+        return
+    import fsspec
+
+    protocol = setting.split("://", 1)[0]
+    if protocol not in fsspec.available_protocols():
+        raise BadInputError(
+            f"{named} {redact_url(setting)}: fsspec knows no protocol {protocol!r}; give a "
+            "directory, 'job' (under the job's storage), or a URL of a known one (s3://, gs://, "
+            "...)"
+        )
+
+
 def check_job(
     program: str,
     job: str,
@@ -322,8 +347,7 @@ def check_job(
         )
     with storage_errors(js, storage):
         js.check_writable()
-    if compilation_cache and compilation_cache != "job" and "://" not in compilation_cache:
-        make_local_dir("--compilation-cache", os.path.abspath(compilation_cache))
+    check_compilation_cache("--compilation-cache", compilation_cache)
     if head_starts and job_free:
         from prefect_jax.training import head_start
 
