@@ -295,6 +295,33 @@ def test_a_job_resumed_against_another_mlflow_store_says_where_its_records_are(
     rerun.close()
 
 
+def test_a_job_resumed_with_another_experiment_goes_on_in_its_runs_and_says_so(
+    job_config, mlflow_uri, caplog
+):
+    """(A probe: another mlflow_experiment on a resumed job was ignored without a word, and the
+    tracker kept the given experiment's id for the run's links.)"""
+    config = job_config(max_steps=40, every_steps=20, job="exp-moved")
+    first = Trainer(config.model_copy(update={"mlflow_experiment": "exp-first"}))
+    first.restore_or_init()
+    first.job.tracker.run_id  # noqa: B018 - known (waited for) before the checkpoint records it
+    first.train_until_checkpoint()
+    first.finish()
+    first.close()
+    rerun = Trainer(config.model_copy(update={"mlflow_experiment": "exp-second"}))
+    assert rerun.restore_or_init() == 20
+    assert rerun.job.tracker.run_id == first.job.tracker.run_id  # (waits for MLflow)
+    client = MlflowClient(mlflow_uri)
+    kept = client.get_experiment_by_name("exp-first").experiment_id
+    assert rerun.job.tracker.experiment_id == kept
+    said = " ".join(caplog.text.split())
+    assert (
+        f"job exp-moved: its MLflow run {first.job.tracker.run_id} is in experiment 'exp-first', "
+        "not 'exp-second' as given: it goes on there"
+    ) in said, said[-2000:]
+    assert "Give --mlflow-experiment exp-first (mlflow_experiment)" in said
+    rerun.close()
+
+
 def test_eval_metrics_lost_with_their_process_are_logged_from_the_eval_record(
     job_config, monkeypatch
 ):

@@ -111,6 +111,8 @@ class RunCalls:
             run = self._one_run_of_job(exp_id, made)
             log_params(client, run.info.run_id, params)
         else:
+            if run.info.experiment_id != exp_id:  # a run does not move between experiments
+                exp_id = self._other_experiment(run, tags.get(RUN_NAME_TAG) if tags else None)
             if killed:
                 self._note_killed(run, killed)
             if reopen and (killed or run.info.status != "RUNNING"):
@@ -129,6 +131,22 @@ class RunCalls:
         if reopen:
             self._start_system_metrics()
         return {"run_id": self._run_id, "experiment_id": exp_id}
+
+    def _other_experiment(self, run, job: str | None) -> str:
+        """The experiment of the `job`'s `run`, which is not the one given: warned, and kept."""
+        was = self._client.get_experiment(run.info.experiment_id).name
+        logger.warning(
+            "job %s: its MLflow run %s is in experiment %r, not %r as given: it goes on there (an "
+            "MLflow run does not move between experiments). Give --mlflow-experiment %s "
+            "(mlflow_experiment) to say so, or a new job name to train one in %r",
+            job or self.job_key,
+            run.info.run_id,
+            was,
+            self.experiment,
+            was,
+            self.experiment,
+        )
+        return run.info.experiment_id
 
     def _find_or_create_experiment(self) -> str:
         """The experiment's id, made if it is not there. A create that finds it made (another
