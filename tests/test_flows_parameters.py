@@ -309,3 +309,19 @@ def test_a_compilation_cache_that_cannot_be_used_is_refused_before_any_work(
     fix = "give compilation_cache_dir a directory" if where == "a file" else "knows no protocol"
     assert fix in str(refused.value)
     assert not (tmp_path / "s").exists()  # nothing of the job was made
+
+
+@pytest.mark.parametrize("flow", ["train_and_evaluate", "train", "evaluate", "export_flow"])
+def test_a_program_object_for_the_program_is_refused_naming_the_import_path_to_give(flow):
+    """(A probe: pydantic said only "Input should be a valid string".)"""
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+
+    from prefect_jax.examples.digits import tiny
+
+    role = getattr(flows, flow)
+    given = {"job": "j", "storage": "/s", "train_spec": {"max_steps": 10}}
+    with pytest.raises(ParameterTypeError, match="is not an import path: give the program as"):
+        role.validate_parameters({**given, "program": tiny})
+    assert role.validate_parameters({**given, "program": "p:q"})["program"] == "p:q"
+    assert parameter_schema(role.fn).properties["program"]["type"] == "string"

@@ -3,7 +3,7 @@
 # No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from prefect_jax.tasks import ui_refresh_secs
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
@@ -14,6 +14,21 @@ from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, Retr
 # period of 0 (a poll that spins).
 WaitSecs = Annotated[float, Field(ge=0)]
 PeriodSecs = Annotated[float, Field(gt=0)]
+
+
+def _import_path(value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    raise ValueError(
+        f"{value!r} is not an import path: give the program as 'package.module:attribute' where "
+        "it is defined (a flow's parameters travel as JSON, so the program is found by its path), "
+        "e.g. 'prefect_jax.examples.digits:program'"
+    )
+
+
+# A flow's `program`: a program object given from Python is refused naming the fix (pydantic said
+# only "Input should be a valid string").
+ProgramPath = Annotated[str, BeforeValidator(_import_path)]
 
 _CONFIG_ARGS = (
     "program",

@@ -5,7 +5,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from prefect_jax.flows.config import PeriodSecs, WaitSecs, checked_job_config
+from prefect_jax.flows.config import PeriodSecs, ProgramPath, WaitSecs, checked_job_config
 from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
 from prefect_jax.training.specs import (
@@ -21,7 +21,7 @@ from prefect_jax.training.specs import (
 @flow(name="export", flow_run_name="export-{job}", validate_parameters=True)
 @flow_body
 def export_flow(
-    program: str,
+    program: ProgramPath,
     job: str,
     storage: str,
     train_spec: TrainSpec,

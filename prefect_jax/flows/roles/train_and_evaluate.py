@@ -5,7 +5,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from prefect_jax.flows.config import checked_job_config
+from prefect_jax.flows.config import ProgramPath, checked_job_config
 from prefect_jax.flows.hooks import end_the_job
 from prefect_jax.flows.processes import join_processes
 from prefect_jax.flows.retry_options import job_tasks
@@ -23,7 +23,7 @@ from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, Trai
 )
 @flow_body
 def train_and_evaluate(
-    program: str,
+    program: ProgramPath,
     job: str,
     storage: str,
     train_spec: TrainSpec,
