@@ -305,6 +305,10 @@ def test_an_export_with_nothing_to_export_is_one_line_before_any_flow_runs(train
     assert proc.returncode == 2 and "job 'jj' has no committed checkpoint" in line, line
     assert f"storage {storage} has no job 'jj'; jobs there: j" in line, line
     assert sorted(os.listdir(storage)) == [".j.lease.lock", "j"]  # (nothing of "jj")
+    proc = run_cli(*export, "--job", "j", "--eval-name", "evl", *flags)  # (a probe's finding)
+    line = _one_error_line(proc, "export")
+    assert proc.returncode == 2 and "has no evaluated step yet (eval name 'evl')" in line, line
+    assert line.endswith("or give the eval name of its evaluations (eval)"), line
     assert _tree_digest(storage) == before
 
 

@@ -41,6 +41,9 @@ def export_refusal(storage, records, step: int | None, evaluated: list[int], wai
                 "train it first (the train or train_and_evaluate flow, with the same storage and "
                 f"job), then evaluate it; or {wait}"
             )
+        others = [name for name in storage.eval_names() if name != eval_name]
+        if others:  # (a mistyped --eval-name: the names evaluated)
+            wait += f"; or give the eval name of its evaluations ({', '.join(others)})"
         return (
             f"job {job!r} has no evaluated step yet (eval name {eval_name!r}){waited}: evaluate "
             f"it first, or {wait}"

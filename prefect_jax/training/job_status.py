@@ -58,11 +58,7 @@ def job_status(
             f"no job {job!r} in storage {where} ({js.jobs_there_said()}); check --job and --storage"
         )
     committed = job_committed_steps(js)
-    try:
-        evals = js.fs.ls(js.path("evals"), detail=False)
-        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in evals)
-    except FileNotFoundError:
-        names = []
+    names = js.eval_names()
     status: dict[str, Any] = {
         "storage": js.root,
         "committed_steps": committed,

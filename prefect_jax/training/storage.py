@@ -211,6 +211,14 @@ class JobStorage:
     def eval_dir(self, eval_name: str) -> str:
         return self.path("evals", check_name("eval name", eval_name))
 
+    def eval_names(self) -> list[str]:
+        """The eval names the job has records of (`eval_dir`'s), sorted."""
+        try:
+            found = self.fs.ls(self.path("evals"), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in found)
+
     def export_dir(self, exporter: str, step: int | None = None) -> str:
         base = self.path("exports", check_name("exporter name", exporter))
         return base if step is None else f"{base}/{int(step)}"
