@@ -308,7 +308,9 @@ def test_an_export_with_nothing_to_export_is_one_line_before_any_flow_runs(train
     proc = run_cli(*export, "--job", "j", "--eval-name", "evl", *flags)  # (a probe's finding)
     line = _one_error_line(proc, "export")
     assert proc.returncode == 2 and "has no evaluated step yet (eval name 'evl')" in line, line
-    assert line.endswith("or give the eval name of its evaluations (eval)"), line
+    assert line.endswith(
+        "give the eval name of its evaluations (eval: --eval-name, a flow's eval_spec.name)"
+    ), line
     assert _tree_digest(storage) == before
 
 

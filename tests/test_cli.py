@@ -859,7 +859,7 @@ def test_automations_create_refuses_a_deployment_name_prefect_cannot_read_before
     from prefect_jax.cli import build_parser
     from prefect_jax.deployments.automations import create_rerun_automation
 
-    for bad in ["nope", "/x", "train/", "a/b/c", " /x"]:
+    for bad in ["nope", "/x", "train/", "a/b/c", " /x", "train/x "]:
         with pytest.raises(SystemExit) as refused:
             build_parser().parse_args(["automations", "create", "--deployment", bad])
         assert refused.value.code == 2

@@ -241,6 +241,7 @@ def test_a_run_refused_for_its_program_params_leaves_no_job_folder(
     [
         ("evaluate", "poll_secs", -1, "poll_secs: Input should be greater than 0"),
         ("evaluate", "poll_secs", 0, "poll_secs: Input should be greater than 0"),
+        ("evaluate", "poll_secs", float("inf"), "poll_secs: Input should be a finite number"),
         ("evaluate", "idle_timeout_secs", -1, "greater than or equal to 0"),
         ("evaluate", "wait_for_first_checkpoint_secs", -5, "greater than or equal to 0"),
         ("export_flow", "max_wait_secs", -1, "max_wait_secs: Input should be greater than or"),

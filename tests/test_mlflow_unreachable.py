@@ -287,6 +287,7 @@ def test_mlflow_optional_with_the_environments_tracking_uri_unanswering_trains_a
         ("garbage", "a folder, MLflow's file store, which MLflow 3 refuses unless"),
         ("file:///tmp/mlruns", "MLFLOW_ALLOW_FILE_STORE=true"),
         ("sqlite:////nowhere/at/all/mlflow.db", "the folder of its SQLite file, /nowhere/at/all"),
+        ("localhost:5000", "a server without its scheme: give http://localhost:5000"),
     ],
 )
 def test_a_local_store_mlflow_would_refuse_is_refused_before_the_job(uri, said, monkeypatch):

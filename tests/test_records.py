@@ -246,3 +246,28 @@ def test_a_damaged_export_record_still_registers_its_model_and_names_the_file(
         rf"{re.escape(str(export / 'export.json'))} is damaged .*registered without its metadata",
         caplog.text,
     ), caplog.text
+
+
+def test_an_uncounted_attempt_leaves_the_record_as_it_was_and_a_task_retry_counts_nothing(
+    tmp_path,
+):
+    """`Job.uncounted_if` puts back what `count_attempt` replaced: a run refused for its input."""
+    from prefect_jax.training.control import count_attempt, uncount_attempt
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path / "s"), "j")
+    path = storage.path("attempts.json")
+    assert count_attempt(storage, 10, 3) == (0, {})  # the first: there was no record
+    uncount_attempt(storage, {})
+    assert not os.path.exists(path)
+    count_attempt(storage, 10, 3)
+    before = storage.read_json(path)
+    same, replaced = count_attempt(storage, 10, 3)
+    assert same == 1 and replaced == before
+    uncount_attempt(storage, replaced)
+    assert storage.read_json(path) == before
+    # a task retry (the flow run and process that counted it) writes nothing: nothing to put back
+    count_attempt(storage, 20, 3, "flow-run-1", "host:1")
+    assert count_attempt(storage, 20, 3, "flow-run-1", "host:1") == (0, None)
+    uncount_attempt(storage, None)
+    assert storage.read_json(path)["step"] == 20

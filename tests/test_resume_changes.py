@@ -44,6 +44,34 @@ def test_only_what_the_new_retention_deletes_and_the_recorded_one_keeps_is_named
     assert _deleted([], {"keep_last": 1}) == []
 
 
+def test_the_fix_named_is_only_what_keeps_more_than_the_run_asks_for(caplog):
+    """(A review: a keep_last grown from 3 to 10, beside a keep_every_steps dropped, was named
+    as part of the fix: "--keep-last 3", fewer recent steps than asked for.)"""
+    from types import SimpleNamespace
+
+    from prefect_jax.training.resume_changes import warn_if_retention_narrowed
+
+    job = SimpleNamespace(
+        is_primary=True,
+        config=SimpleNamespace(job="j"),
+        committed_steps=lambda: list(range(100, 310, 10)),
+        retention_reads=lambda: (None, lambda s: False, lambda s: None),
+    )
+    config = JobConfig(
+        program="p:q",
+        job="j",
+        storage="/s",
+        train=TrainSpec(max_steps=1000),
+        checkpoint=CheckpointSpec(keep_last=10),
+    )
+    recorded = {"retention": {**RECORDED, "keep_every_steps": 100}}
+    with caplog.at_level("WARNING", logger="prefect_jax.trainer"):
+        warn_if_retention_narrowed(job, config, recorded, 300)
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "deletes 2 committed steps the job's retention kept (100, 200)" in said, said
+    assert said.endswith("give --keep-every-steps 100 again (CheckpointSpec(keep_every_steps=100))")
+
+
 def _config(where, tmp_path, s3_server, mlflow_uri, max_steps, keep_last):
     storage = {"storage": str(tmp_path / "storage")}
     if where == "s3":
@@ -115,6 +143,7 @@ def test_a_resume_by_another_program_or_config_with_the_same_tree_is_said(
     """(A probe of the Python API: another program with the same state tree, another learning
     rate and batch size, resumed the job silently; TF restores into any graph with the same
     variables, so it is allowed, and said.)"""
+    import importlib
     import sys
 
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -150,6 +179,7 @@ def test_a_resume_by_another_program_or_config_with_the_same_tree_is_said(
     # A program with a params type: its params are what is checked; its config follows them (a
     # filled max_steps here, as the byte LM's schedule horizon), and a longer job says nothing.
     (tmp_path / "prog_t.py").write_text(_TYPED)
+    importlib.invalidate_caches()  # (the folder was listed before the file was written)
     assert resume("prog_t:program", 10, job="typed") == []
     assert resume("prog_t:program", 20, job="typed") == []
 

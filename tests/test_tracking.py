@@ -313,6 +313,7 @@ def test_a_job_resumed_with_another_experiment_goes_on_in_its_runs_and_says_so(
     client = MlflowClient(mlflow_uri)
     kept = client.get_experiment_by_name("exp-first").experiment_id
     assert rerun.job.tracker.experiment_id == kept
+    assert client.get_experiment_by_name("exp-second") is None  # (nothing made where unused)
     said = " ".join(caplog.text.split())
     assert (
         f"job exp-moved: its MLflow run {first.job.tracker.run_id} is in experiment 'exp-first', "

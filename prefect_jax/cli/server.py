@@ -346,8 +346,9 @@ def drain_prefect_workers() -> None:
 
 def send_prefect_events(timeout: float = 10.0) -> None:
     """Wait, up to `timeout` seconds, until the events this process emitted (a block's load) have
-    reached the server, the worker left running: a command that exits at once after has Prefect's
-    exit drain print "Still processing items" above the command's last line."""
+    reached the server, the worker left running (`drain_prefect_workers` stops the workers, for a
+    server about to stop): a command that exits at once after has Prefect's exit drain print
+    "Still processing items" above the command's last line."""
     import threading
 
     from prefect.events.worker import EventsWorker

@@ -11,12 +11,12 @@ from typing import Any
 def job_status(job: str, storage: str) -> dict[str, Any]:
     """Committed steps, evaluated steps per eval name, and exports of a job (`storage`: a URL or
     ``jax-checkpoint-storage/<block>``), with the resource id its events carry."""
-    from prefect_jax.blocks import resolve_storage
+    from prefect_jax.blocks import BLOCK_PREFIX, resolve_storage
     from prefect_jax.deployments import job_resource_id
     from prefect_jax.training import facade
 
     url, options = resolve_storage(storage)
-    if url != storage:  # a block, loaded from Prefect: its load's event goes out now
+    if storage.startswith(BLOCK_PREFIX):  # loaded from Prefect: its load's event goes out now
         from prefect_jax.cli.server import send_prefect_events
 
         send_prefect_events()

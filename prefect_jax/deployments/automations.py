@@ -115,7 +115,7 @@ def check_deployment_name(name: str) -> str:
         ValueError: naming `name` and the form to give.
     """
     flow, _, deployment = name.partition("/")
-    if not flow.strip() or not deployment.strip() or "/" in deployment:
+    if not flow.strip() or not deployment.strip() or "/" in deployment or name != name.strip():
         raise ValueError(
             f"deployment {name!r} is not 'flow-name/deployment-name': name it by its flow's name "
             "and its own, as `uv run prefect deployment ls` lists it (e.g. 'train/digits-trainer')"

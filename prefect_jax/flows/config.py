@@ -12,8 +12,8 @@ from prefect_jax.training.specs import CheckpointSpec, EvalSpec, JobConfig, Retr
 # The roles' waits as flow parameters: the flow's validation and the deployment's schema refuse
 # a negative one (it was taken as 0, or failed in `time.sleep` after the evaluations), and a
 # period of 0 (a poll that spins).
-WaitSecs = Annotated[float, Field(ge=0)]
-PeriodSecs = Annotated[float, Field(gt=0)]
+WaitSecs = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PeriodSecs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 def _import_path(value: Any) -> Any:

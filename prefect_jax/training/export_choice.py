@@ -41,9 +41,16 @@ def export_refusal(storage, records, step: int | None, evaluated: list[int], wai
                 "train it first (the train or train_and_evaluate flow, with the same storage and "
                 f"job), then evaluate it; or {wait}"
             )
-        others = [name for name in storage.eval_names() if name != eval_name]
+        others = [
+            name
+            for name in storage.eval_names()
+            if name != eval_name and storage.list_int_names(storage.eval_dir(name))
+        ]
         if others:  # (a mistyped --eval-name: the names evaluated)
-            wait += f"; or give the eval name of its evaluations ({', '.join(others)})"
+            wait += (
+                f"; or give the eval name of its evaluations ({', '.join(others)}: --eval-name, "
+                "a flow's eval_spec.name)"
+            )
         return (
             f"job {job!r} has no evaluated step yet (eval name {eval_name!r}){waited}: evaluate "
             f"it first, or {wait}"

@@ -19,10 +19,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prefect_jax.training import control
 from prefect_jax.training.announcer import Announcer
@@ -224,13 +225,15 @@ class Job(JobCheckpoints):
         if not self.is_primary:
             return
         try:
-            _, self._attempts_replaced = control.count_attempt(
+            _, replaced = control.count_attempt(
                 self.storage,
                 step,
                 self.config.train.max_reruns_without_progress,
                 self.run_tags.get(FLOW_RUN_ID_TAG, ""),
                 f"{socket.gethostname()}:{os.getpid()}",
             )
+            if replaced is not None:  # (a task retry's count is its first try's, kept for it)
+                self._attempts_replaced = replaced
         except NoProgressError as refused:
             try:  # (not reopened: no attempt of this job resumed)
                 killed = self._killed_attempt()  # (the dead holder whose lease this run took)
@@ -248,11 +251,20 @@ class Job(JobCheckpoints):
             self.lease.release()
             raise
 
-    def uncount_attempt(self) -> None:
-        """Take back `record_attempt`'s count: this run's input was refused (`session`)."""
-        if self.is_primary and self._attempts_replaced is not None:
-            control.uncount_attempt(self.storage, self._attempts_replaced)
+    @contextlib.contextmanager
+    def uncounted_if(self, *refusals: type[BaseException]) -> Iterator[None]:
+        """Around the restore that `record_attempt` counted: a run refused with one of
+        `refusals` (its input's; the budget is for runs that crash or are killed) takes its
+        count back, so that the corrected rerun does not find the budget spent. A restore that
+        succeeds keeps it for good; one that fails otherwise keeps it for its task retry."""
+        try:
+            yield
+        except refusals:
+            if self.is_primary and self._attempts_replaced is not None:
+                control.uncount_attempt(self.storage, self._attempts_replaced)
             self._attempts_replaced = None
+            raise
+        self._attempts_replaced = None
 
     # -- MLflow ---------------------------------------------------------------------------
 

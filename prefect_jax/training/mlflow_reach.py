@@ -10,6 +10,7 @@ settings for one quick try (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_R
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -128,6 +129,8 @@ def _local_store_error(uri: str, scheme: str) -> str | None:
         if path and not path.startswith(":memory:") and not os.path.isdir(folder):
             return f"the folder of its SQLite file, {folder}, does not exist"
         return None
+    if scheme == "" and re.fullmatch(r"[\w.-]+:\d+(/.*)?", uri):
+        return f"a server without its scheme: give http://{uri} (or https://)"
     if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1"):
         return None
     return (

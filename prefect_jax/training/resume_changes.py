@@ -20,12 +20,14 @@ here (`warn_of_changes`, from the trainer's restore):
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from prefect_jax.training.policy import retained
+from prefect_jax.training.program import program_fingerprint
 from prefect_jax.training.specs import CheckpointSpec
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -70,17 +72,25 @@ def deleted_by_the_change(
     return sorted((kept_before - kept_now) & set(steps))
 
 
-def warn_of_changes(job, config, fingerprint: str, meta: dict | None, step: int) -> None:
+def warn_of_changes(job, config, program: Any, meta: dict | None, step: int) -> None:
     """Warn of what this run changes against `meta`, the metadata of the job's newest step
     `step` it restored (None: a new job or a warm start, nothing to compare): its program (path
-    `config.program`, `fingerprint` of its config) and its retention. `job` is the trainer's
-    `Job`; said by the primary process only, and only where the job trains on."""
+    `config.program`, the loaded `program`'s config) and its retention. `job` is the trainer's
+    `Job`; said by the primary process only, and only where the job trains on. A warning only:
+    whatever goes wrong in looking (the storage, a damaged record) is logged, not raised."""
     if meta is None or not job.is_primary or config.train.is_final(step):
         return
+    try:
+        _warn_of_another_program(config, program, meta, step)
+        warn_if_retention_narrowed(job, config, meta, step)
+    except Exception:  # noqa: BLE001 - the resume goes on: the changes are the user's to judge
+        logger.warning(
+            "job %s: not compared with step %d's record", config.job, step, exc_info=True
+        )
+
+
+def _warn_of_another_program(config, program: Any, meta: dict, step: int) -> None:
     was, was_fingerprint = meta.get("program"), meta.get("program_fingerprint")
-    # A program with a params type: its params are checked (`program_params.check_restore`), and
-    # its config follows them and what they exempt (a filled max_steps, reading threads).
-    typed = (meta.get("program_params") or {}).get("type") is not None
     if was is not None and was != config.program:
         logger.warning(
             "job %s: step %d was trained by program %s, and this run's is %s: it trains on from "
@@ -93,7 +103,17 @@ def warn_of_changes(job, config, fingerprint: str, meta: dict | None, step: int)
             config.program,
             was,
         )
-    elif not typed and was_fingerprint is not None and was_fingerprint != fingerprint:
+        return
+    # A program with a params type: its params are checked (`program_params.check_restore`), and
+    # its config follows them and what they exempt (a filled max_steps, reading threads). A
+    # config that is not JSON is fingerprinted by repr, which differs in every process.
+    typed = (meta.get("program_params") or {}).get("type") is not None
+    try:
+        json.dumps(getattr(program, "config", None))
+    except (TypeError, ValueError):
+        return
+    fingerprint = program_fingerprint(config.program, program)
+    if not typed and was_fingerprint is not None and was_fingerprint != fingerprint:
         logger.warning(
             "job %s: program %s's config differs from the one step %d was trained with "
             "(fingerprint %s, now %s): it trains on from the restored state with the new config. "
@@ -105,7 +125,6 @@ def warn_of_changes(job, config, fingerprint: str, meta: dict | None, step: int)
             was_fingerprint,
             fingerprint,
         )
-    warn_if_retention_narrowed(job, config, meta, step)
 
 
 def warn_if_retention_narrowed(job, config, meta: dict | None, step: int) -> None:
@@ -124,10 +143,7 @@ def warn_if_retention_narrowed(job, config, meta: dict | None, step: int) -> Non
     changed = {
         field: was
         for field, was in recorded.items()
-        if field in _RETENTION_FLAGS
-        and was != getattr(spec, field)
-        # (adding keep_every_* keeps more: only a removed one, or keep_last=None, is the fix)
-        and (field == "keep_last" or was is not None)
+        if field in _RETENTION_FLAGS and _keeps_more(field, was, getattr(spec, field))
     }
     flags = " ".join(
         f"{_RETENTION_FLAGS[field]} {'none' if was is None else was}"
@@ -150,3 +166,17 @@ def warn_if_retention_narrowed(job, config, meta: dict | None, step: int) -> Non
         flags,
         fields,
     )
+
+
+def _keeps_more(field: str, was, now) -> bool:
+    """Whether the recorded value `was` of a retention field keeps steps that `now` does not:
+    part of the fix to name (a larger keep_last, or an added keep_every_*, keeps more now)."""
+    if was is None:
+        return field == "keep_last" and now is not None  # (None: keep every step)
+    if now is None:
+        return field != "keep_last"
+    if field == "keep_last":
+        return was > now
+    if field == "keep_every_steps":  # (the multiples of `was` are all kept where `now` divides it)
+        return was % now != 0
+    return was < now  # keep_every_secs: a longer window keeps fewer

@@ -262,7 +262,8 @@ def restore_trainer(
     listed = job.prepare_restore()
     has_own = bool(listed if listed is not None else job.committed_steps())
 
-    try:
+    # (refused for its input, not counted: the budget is for crashes and kills)
+    with job.uncounted_if(CheckpointMismatchError, ProgramParamsMismatchError):
         state, step, meta, data_iter = restore_or_init(
             job.checkpoints,
             loop.init_state,
@@ -278,9 +279,6 @@ def restore_trainer(
             list_steps=(lambda: listed) if listed else job.committed_steps,
             prepare_step=lambda at: fetch_and_check(trainer, at, trains=True),
         )
-    except (CheckpointMismatchError, ProgramParamsMismatchError):
-        job.uncount_attempt()  # (refused for its input: the budget is for crashes and kills)
-        raise
     if checkpoint_path and not has_own and step:
         # warm start: weights from elsewhere, this job's data from the start
         data_iter = loop.fresh_iter()
@@ -294,8 +292,8 @@ def restore_trainer(
         )
     # A warm start's step is another job's: its MLflow run and train metrics are that job's.
     own = meta if has_own else None
-    warn_of_changes(job, trainer.config, trainer.program_fingerprint, own, step)
     job.discard_records_after(step)
+    warn_of_changes(job, trainer.config, trainer.program, own, step)
     # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
     job.attach_tracking(
         job_params(trainer.config, trainer.program, trainer.program_params),

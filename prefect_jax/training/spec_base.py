@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import types
 import typing
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -77,6 +78,8 @@ class Spec(BaseModel):
 
 def _is_number(annotation) -> bool:
     """An int or float field (or one of those or None) that takes no bool."""
+    if typing.get_origin(annotation) not in (None, typing.Union, types.UnionType):
+        return False  # (a list[int], a dict[str, float]: not a number)
     kinds = typing.get_args(annotation) or (annotation,)
     return bool not in kinds and any(kind in (int, float) for kind in kinds)
 

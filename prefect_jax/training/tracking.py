@@ -84,6 +84,7 @@ class Tracker(RunCalls, RegistryCalls, MetricCalls):
         self.job_key = job_key
         self._run_id: str | None = None
         self._experiment_id: str | None = None  # where the calls run (see `experiment_id`)
+        self._other_experiment_said = False  # (`RunCalls._say_other_experiment`: once)
         self._started: Future | None = None
         self.requested_run_id: str | None = None  # the id `start` was given, if any
         self._client = None

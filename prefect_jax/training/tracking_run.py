@@ -80,14 +80,17 @@ class RunCalls:
         self._logged_until = {}  # this run's history is looked up again (see _log_new_metrics)
         self._logged_at = {}
         client = self._client
-        exp_id = self._find_or_create_experiment()
         run = None
         if run_id:
             try:
                 run = client.get_run(run_id)
             except Exception:  # noqa: BLE001 - deleted or another store: fall back to the tag
                 run = None
-        if run is None:
+        if run is not None:  # (a run does not move between experiments: no other one is made)
+            exp_id = run.info.experiment_id
+            self._say_other_experiment(run, tags.get(RUN_NAME_TAG) if tags else None)
+        else:
+            exp_id = self._find_or_create_experiment()
             found = self._runs_of_job(exp_id)
             run = found[0] if found else None
         created = run is None
@@ -111,8 +114,6 @@ class RunCalls:
             run = self._one_run_of_job(exp_id, made)
             log_params(client, run.info.run_id, params)
         else:
-            if run.info.experiment_id != exp_id:  # a run does not move between experiments
-                exp_id = self._other_experiment(run, tags.get(RUN_NAME_TAG) if tags else None)
             if killed:
                 self._note_killed(run, killed)
             if reopen and (killed or run.info.status != "RUNNING"):
@@ -132,9 +133,18 @@ class RunCalls:
             self._start_system_metrics()
         return {"run_id": self._run_id, "experiment_id": exp_id}
 
-    def _other_experiment(self, run, job: str | None) -> str:
-        """The experiment of the `job`'s `run`, which is not the one given: warned, and kept."""
-        was = self._client.get_experiment(run.info.experiment_id).name
+    def _say_other_experiment(self, run, job: str | None) -> None:
+        """Warn, once per tracker, where the `job`'s `run` is in another experiment than the
+        one given: it goes on there."""
+        if self._other_experiment_said:
+            return
+        try:
+            was = self._client.get_experiment(run.info.experiment_id).name
+        except Exception:  # noqa: BLE001 - only for the warning: the run goes on all the same
+            return
+        if was == self.experiment:
+            return
+        self._other_experiment_said = True
         logger.warning(
             "job %s: its MLflow run %s is in experiment %r, not %r as given: it goes on there (an "
             "MLflow run does not move between experiments). Give --mlflow-experiment %s "
@@ -146,7 +156,6 @@ class RunCalls:
             was,
             self.experiment,
         )
-        return run.info.experiment_id
 
     def _find_or_create_experiment(self) -> str:
         """The experiment's id, made if it is not there. A create that finds it made (another
