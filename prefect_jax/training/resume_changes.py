@@ -140,11 +140,10 @@ def warn_if_retention_narrowed(job, config, meta: dict | None, step: int) -> Non
     deleted = deleted_by_the_change(job.committed_steps(), recorded, spec, *job.retention_reads())
     if not deleted:
         return
-    changed = {
-        field: was
-        for field, was in recorded.items()
-        if field in _RETENTION_FLAGS and _keeps_more(field, was, getattr(spec, field))
-    }
+    differ = {f: was for f, was in recorded.items() if f in _RETENTION_FLAGS}
+    differ = {f: was for f, was in differ.items() if was != getattr(spec, f)}
+    changed = {f: was for f, was in differ.items() if _keeps_more(f, was, getattr(spec, f))}
+    changed = changed or differ  # (each narrower alone, or only together)
     flags = " ".join(
         f"{_RETENTION_FLAGS[field]} {'none' if was is None else was}"
         for field, was in changed.items()
