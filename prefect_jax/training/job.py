@@ -132,7 +132,7 @@ class Job(JobCheckpoints):
         self._left_in_flight: str | None = None
         # The lease token of the dead holder already recorded in MLflow
         self._noted_takeover: str | None = None
-        # The attempts record this run's count replaced (`record_attempt`, `uncount_attempt`)
+        # The attempts record this run's count replaced (`record_attempt`, `uncounted_if`)
         self._attempts_replaced: dict | None = None
 
     # -- eval records ---------------------------------------------------------------------

@@ -108,12 +108,14 @@ def _warn_of_another_program(config, program: Any, meta: dict, step: int) -> Non
     # its config follows them and what they exempt (a filled max_steps, reading threads). A
     # config that is not JSON is fingerprinted by repr, which differs in every process.
     typed = (meta.get("program_params") or {}).get("type") is not None
+    if typed or was_fingerprint is None:
+        return
     try:
         json.dumps(getattr(program, "config", None))
     except (TypeError, ValueError):
         return
     fingerprint = program_fingerprint(config.program, program)
-    if not typed and was_fingerprint is not None and was_fingerprint != fingerprint:
+    if was_fingerprint != fingerprint:
         logger.warning(
             "job %s: program %s's config differs from the one step %d was trained with "
             "(fingerprint %s, now %s): it trains on from the restored state with the new config. "
@@ -127,13 +129,13 @@ def _warn_of_another_program(config, program: Any, meta: dict, step: int) -> Non
         )
 
 
-def warn_if_retention_narrowed(job, config, meta: dict | None, step: int) -> None:
+def warn_if_retention_narrowed(job, config, meta: dict, step: int) -> None:
     """Warn where the job's next save deletes committed steps that the retention recorded in
-    `meta` (its newest step's, `step`; None: a new job or a warm start) keeps: `job` is the
-    trainer's `Job`, `config` its `JobConfig`. Said by the primary process, where a save
-    follows; steps saved before retention was recorded are not compared."""
-    spec, recorded = config.checkpoint, (meta or {}).get("retention")
-    if not job.is_primary or config.train.is_final(step) or not isinstance(recorded, dict):
+    `meta` (its newest step's, `step`) keeps: `job` is the trainer's `Job`, `config` its
+    `JobConfig` (asked by `warn_of_changes`, which says who and when). Steps saved before
+    retention was recorded are not compared."""
+    spec, recorded = config.checkpoint, meta.get("retention")
+    if not isinstance(recorded, dict):
         return
     if recorded == recorded_retention(spec):
         return
