@@ -564,6 +564,18 @@ def test_checkpoints_and_retention_by_time_from_the_command_as_tf_s_run_config(c
     )
 
 
+def test_a_word_for_a_number_flag_is_refused_naming_what_it_is_with_an_example(capsys):
+    for flag, word, said in [
+        ("--checkpoint-every-secs", "ten", "'ten' is not a number of seconds: give one, e.g. 600"),
+        ("--keep-every-steps", "1e4", "'1e4' is not a whole number of steps: give one"),
+        ("--seed", "x", "'x' is not a seed (a whole number): give one, e.g. 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            _run_specs(flag, word)
+        assert f"argument {flag}: {said}" in capsys.readouterr().err
+    assert _run_specs("--checkpoint-every-secs", "1.5")[2].every_secs == 1.5
+
+
 def test_export_platforms_come_from_the_command_and_default_to_none():
     assert _run_specs()[1].export_platforms is None
     assert _run_specs("--export-platforms", "cuda, cpu")[1].export_platforms == ["cuda", "cpu"]

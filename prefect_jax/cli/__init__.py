@@ -26,7 +26,7 @@ import sys
 import traceback
 
 from prefect_jax.cli import commands, launch, status
-from prefect_jax.cli.arguments import ROLES, add_role, add_training_args
+from prefect_jax.cli.arguments import ROLES, add_role, add_training_args, number
 from prefect_jax.deployments.automations import (
     CRASH_WINDOW_SECS,
     MAX_CRASHES,
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     process.add_argument(
         "--processes",
-        type=int,
+        type=number(int, "a number of processes", "2"),
         default=None,
         metavar="N",
         help="how many JAX processes train the job (default: from the "
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     process.add_argument(
         "--coordinator-port",
-        type=int,
+        type=number(int, "a port", "8476"),
         default=8476,
         help="process 0's coordinator port (default 8476)",
     )
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     brake = create.add_mutually_exclusive_group()
     brake.add_argument(
         "--max-crashes",
-        type=int,
+        type=number(int, "a number of crash reports", "10"),
         default=None,
         help="the brake: pause the rerun automation after this many crash reports of one "
         f"run of the deployment within --crash-window-secs (default {MAX_CRASHES}; a process "
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     create.add_argument(
         "--crash-window-secs",
-        type=float,
+        type=number(float, "a number of seconds", "3600"),
         default=None,
         help=f"the brake's window (default {CRASH_WINDOW_SECS:g})",
     )

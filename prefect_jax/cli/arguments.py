@@ -27,6 +27,22 @@ def _steps_or_none(none_means: str, what: str = "steps", example: int = 1000):
     return parse
 
 
+def number(kind: type, what: str, example: str):
+    """A flag's parser for an int or float (`kind`), `what` being what it is ("a number of
+    seconds"): a word gets a message that says so with an example, not argparse's "invalid float
+    value"; the range is the spec's to check (its refusal names the flag too)."""
+
+    def parse(value: str) -> int | float:
+        try:
+            return kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not {what}: give one, e.g. {example}"
+            ) from None
+
+    return parse
+
+
 def _seconds(zero: bool):
     """A wait flag's parser: seconds, 0 or more (`zero`), else more than 0 (a period: 0 spins);
     the flows' parameters refuse the same (`flows.config.WaitSecs`, `PeriodSecs`)."""
@@ -76,7 +92,7 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
     )
     add(
         "--checkpoint-every-secs",
-        type=float,
+        type=number(float, "a number of seconds", "600"),
         default=None,
         help="also (or, with --checkpoint-every-steps none, only) checkpoint every N seconds",
     )
@@ -88,11 +104,14 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         help="keep the newest N checkpoints (default 3); 'none' keeps every one",
     )
     add(
-        "--keep-every-steps", type=int, default=None, help="also keep checkpoints at multiples of N"
+        "--keep-every-steps",
+        type=number(int, "a whole number of steps", "10000"),
+        default=None,
+        help="also keep checkpoints at multiples of N",
     )
     add(
         "--keep-every-secs",
-        type=float,
+        type=number(float, "a number of seconds", "36000"),
         default=None,
         help="also keep the oldest checkpoint of each N-second window, for good (TF's "
         "keep_checkpoint_every_n_hours x 3600)",
@@ -112,16 +131,21 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         "(default: on for one process on a GPU or TPU where, at the first save, a copy fits "
         "beside the peak use of device memory; --device-copy copies whatever the memory)",
     )
-    add("--seed", type=int, default=0, help="init and data-order seed (default 0)")
+    add(
+        "--seed",
+        type=number(int, "a seed (a whole number)", "0"),
+        default=0,
+        help="init and data-order seed (default 0)",
+    )
     add(
         "--log-every-steps",
-        type=int,
+        type=number(int, "a whole number of steps", "50"),
         default=50,
         help="train metrics to MLflow every N steps (default 50)",
     )
     add(
         "--steps-per-dispatch",
-        type=int,
+        type=number(int, "a whole number of steps", "8"),
         default=1,
         help="run K steps per call into the device, as one lax.scan (default 1)",
     )
@@ -133,7 +157,12 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         help="eval batches (default, or 'none': the whole eval set)",
     )
     add("--eval-name", default="eval", help="eval name (default 'eval')")
-    add("--throttle-secs", type=float, default=0.0, help="minimum seconds between evaluations")
+    add(
+        "--throttle-secs",
+        type=number(float, "a number of seconds", "600"),
+        default=0.0,
+        help="minimum seconds between evaluations",
+    )
     add(
         "--exporters",
         nargs="*",
@@ -177,20 +206,20 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
     )
     add(
         "--start-delay-secs",
-        type=float,
+        type=number(float, "a number of seconds", "120"),
         default=0.0,
         help="the evaluate role waits this long before its first evaluation (EvalSpec's; "
         "default 0); run, like TF's local mode, does not wait",
     )
     add(
         "--sigterm-grace-secs",
-        type=float,
+        type=number(float, "a number of seconds", "25"),
         default=25.0,
         help="on SIGTERM, seconds to commit the step in flight",
     )
     add(
         "--lease-timeout-secs",
-        type=float,
+        type=number(float, "a number of seconds", "120"),
         default=120.0,
         help="take over a job lease silent this long",
     )
@@ -312,7 +341,7 @@ def add_role(sub, name: str) -> None:
     if name == "export":
         add(
             "--step",
-            type=int,
+            type=number(int, "a whole number of steps", "1000"),
             default=None,
             help="the evaluated step to export (default: the newest)",
         )
@@ -337,7 +366,7 @@ def add_role(sub, name: str) -> None:
     if name in ("run", "train"):
         add(
             "--processes",
-            type=int,
+            type=number(int, "a number of processes", "2"),
             default=1,
             metavar="N",
             help="train as N JAX processes on this machine (data parallel, one job; default 1). "
