@@ -225,6 +225,34 @@ def test_the_idle_timeout_waits_for_a_live_trainer():
     assert clock.now == 25.0 and clock.sleeps == [5.0] * 5
 
 
+def test_a_trainer_is_alive_while_its_lease_is_fresh_and_its_process_here_runs(tmp_path):
+    """`trainer_alive` asks what a trainer taking the lease over asks (`holder_gone`)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from prefect_jax.training.evaluator import trainer_alive
+    from prefect_jax.training.lease import Lease
+    from prefect_jax.training.storage import JobStorage
+
+    js = JobStorage(str(tmp_path), "j")
+    assert not trainer_alive(js)  # no lease
+    lease = Lease(js, timeout_secs=30.0)
+    lease.acquire()
+    assert trainer_alive(js)
+    record = json.loads(open(lease.path).read())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], text=True,
+                          capture_output=True, check=True).stdout.strip()  # fmt: skip
+    for changed in ({"pid": int(dead)}, {"heartbeat": time.time() - 31}):
+        with open(lease.path, "w") as f:
+            json.dump({**record, **changed}, f)
+        assert not trainer_alive(js), changed
+    with open(lease.path, "w") as f:  # another host's: its heartbeat alone says
+        json.dump({**record, "pid": int(dead), "host": "elsewhere"}, f)
+    assert trainer_alive(js)
+
+
 def test_no_first_checkpoint_is_a_clear_timeout_after_the_start_delay():
     clock = Clock()
     job = Job(clock)

@@ -3,7 +3,7 @@ job finds them again: it trains, is SIGKILLed, resumes exactly; a step without O
 file never counts, and one moved aside stops counting before it moves.
 
 On GCS nothing renames a directory: Orbax commits a step by writing ``commit_success.txt`` in it
-last (`checkpoint_dirs.GCS_COMMIT_FILE`), where on a local disk it renames the step's temporary
+last (`names.GCS_COMMIT_FILE`), where on a local disk it renames the step's temporary
 directory. The job's own listing reads that file; before it did, every gs:// job saw no committed
 step and its second checkpoint failed ("Checkpoint for step 20 already exists").
 """
@@ -34,6 +34,7 @@ def test_on_gcs_a_step_counts_by_orbaxs_commit_file_and_moves_aside_uncounted(gc
     from etils import epath
 
     from prefect_jax.training import checkpoint_dirs as dirs
+    from prefect_jax.training import names
 
     url = f"gs://{BUCKET}/unit/checkpoints"
     root = epath.Path(url)
@@ -49,7 +50,7 @@ def test_on_gcs_a_step_counts_by_orbaxs_commit_file_and_moves_aside_uncounted(gc
     moved = dirs.quarantine(url, 10, "corrupt")
     assert dirs.committed_steps(url) == [] and dirs.step_dirs(url) == []
     assert (epath.Path(moved) / "state" / "x").read_text() == "x"  # kept for inspection
-    assert not (epath.Path(moved) / dirs.GCS_COMMIT_FILE).exists()  # never counts again
+    assert not (epath.Path(moved) / names.GCS_COMMIT_FILE).exists()  # never counts again
 
 
 def test_on_gcs_a_reader_sees_a_step_another_process_committed_since_it_listed(gcs_env):

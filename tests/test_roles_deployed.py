@@ -390,6 +390,6 @@ def test_deployed_trainer_killed_is_rerun_by_the_automation_the_evaluator_evalua
 
 def _commit_time(job_dir: Path, step: int) -> float:
     """When Orbax committed `step`: the mtime of its commit file, written last."""
-    from prefect_jax.training.checksums import ORBAX_COMMIT_FILE as _COMMIT_FILE
+    from prefect_jax.training.names import ORBAX_COMMIT_FILE as _COMMIT_FILE
 
     return os.stat(job_dir / "checkpoints" / str(step) / _COMMIT_FILE).st_mtime

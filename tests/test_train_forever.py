@@ -26,6 +26,10 @@ def test_the_cadence_of_a_job_without_max_steps_has_no_end():
     assert policy.is_off_cadence(250) and not policy.is_off_cadence(400)  # (a SIGTERM's step)
     by_time = CheckpointPolicy.for_training(CheckpointSpec(every_steps=None, every_secs=60), None)
     assert by_time.next_boundary(10**6) > 10**12  # the interval ends when the time cadence says
+    # The train task's name and log line say so, not a step 2**62 away.
+    from prefect_jax.tasks.train import _end_step
+
+    assert (_end_step(by_time, 10**6), _end_step(policy, 199)) == (None, 200)
     # A policy opened for retention only still has no cadence to give.
     with pytest.raises(ValueError, match="decides retention only"):
         CheckpointPolicy.from_spec(CheckpointSpec()).next_boundary(0)

@@ -7,6 +7,8 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from prefect_jax.training.names import TRAIN_PREFIX
+
 
 def _progress(step: int, max_steps: int | None, job: str, metrics=None) -> dict[str, Any]:
     # No max_steps: the job trains until stopped; the bar stays empty, the step is in the text.
@@ -25,7 +27,7 @@ def shown_metrics(train: dict[str, float], evaluated: dict[str, float], name: st
     ``train/<name>``, and the last evaluation's metrics, derived ones included, as
     ``<eval name>/<name>``."""
     return {
-        **{f"train/{k}": v for k, v in sorted(train.items())},
+        **{TRAIN_PREFIX + k: v for k, v in sorted(train.items())},
         **{f"{name}/{k}": v for k, v in sorted(evaluated.items())},
     }
 

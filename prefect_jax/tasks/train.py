@@ -19,10 +19,16 @@ def _train_run_name() -> str:
     if isinstance(config, dict):
         config = JobConfig.model_validate(config)
     policy = CheckpointPolicy.for_training(config.checkpoint, config.train.max_steps)
+    end = _end_step(policy, start)
+    # (no arrow between the steps: the run graph drops it, showing "train 200400")
+    return f"train {start} to {end}" if end else f"train from {start}"
+
+
+def _end_step(policy: CheckpointPolicy, start: int) -> int | None:
+    """The step an interval from `start` ends at; None without max_steps and with a time-only
+    cadence, where its checkpoint's time ends it."""
     end = policy.next_boundary(start)
-    if end == NO_END:  # no max_steps and a time-only cadence: the interval has no end step
-        return f"train from {start}"
-    return f"train {start} to {end}"  # no arrow: the run graph drops it ("train 200400")
+    return None if end == NO_END else end
 
 
 @task(
@@ -79,8 +85,11 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
         logger.info(
             "live state not at step %d here: restored step %d from storage", from_step, restored
         )
+    end = _end_step(trainer.policy, trainer.step)
     logger.info(
-        "training from step %d to %d", trainer.step, trainer.policy.next_boundary(trainer.step)
+        "training from step %d %s",
+        trainer.step,
+        f"to {end}" if end else "until the time-only cadence's checkpoint",
     )
     step = trainer.train_until_checkpoint()
     metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.last_train_metrics.items()))

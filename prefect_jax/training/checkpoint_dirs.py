@@ -17,15 +17,13 @@ import os
 import time
 from collections.abc import Callable
 
-from prefect_jax.training.checksums import ORBAX_COMMIT_FILE, write_manifest
-from prefect_jax.training.names import STEP_META_FILE
+from prefect_jax.training.checksums import write_manifest
+from prefect_jax.training.names import GCS_COMMIT_FILE, ORBAX_COMMIT_FILE, STEP_META_FILE
 
 logger = logging.getLogger("prefect_jax.checkpoints")
 
 # The items of every step; a step is committed once each has its directory.
 ITEMS = ("state", "data", "meta")
-# Orbax's last write of a step on GCS (its `atomicity_types.COMMIT_SUCCESS_FILE`).
-GCS_COMMIT_FILE = "commit_success.txt"
 # How Orbax names a step being written on a local disk, ``<step><suffix>`` (``-<time>`` after it
 # in older releases), renamed to ``<step>`` at the commit (its `atomicity_types.TMP_DIR_SUFFIX`).
 # One a killed save left: `prefect_jax.training.leftovers`.

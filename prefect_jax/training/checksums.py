@@ -12,11 +12,10 @@ import os
 import threading
 import zlib
 
-from prefect_jax.training.names import STEP_MANIFEST_FILE
+from prefect_jax.training.names import GCS_COMMIT_FILE, ORBAX_COMMIT_FILE, STEP_MANIFEST_FILE
 
-ORBAX_COMMIT_FILE = "_CHECKPOINT_METADATA"  # Orbax's, written last at a step's commit
 # Written or rewritten by Orbax around the commit, after the manifest: not covered by it.
-_UNCHECKED = {ORBAX_COMMIT_FILE, STEP_MANIFEST_FILE, "commit_success.txt"}
+_UNCHECKED = {ORBAX_COMMIT_FILE, STEP_MANIFEST_FILE, GCS_COMMIT_FILE}
 
 
 class CorruptCheckpointError(OSError):

@@ -52,27 +52,17 @@ class Records(Protocol):
 
 
 def trainer_alive(storage) -> bool:
-    """Whether a trainer holds the job's lease (`JobStorage` `storage`) with a fresh heartbeat."""
-    import socket
-
+    """Whether a trainer holds the job's lease (`JobStorage` `storage`) with a fresh heartbeat
+    and, on this host, a live process: the test a trainer taking the lease over makes."""
     from prefect_jax.training.lease import Lease
-    from prefect_jax.training.local_processes import process_alive
+    from prefect_jax.training.local_processes import holder_gone
 
+    lease = Lease(storage)
     try:
-        current = Lease(storage).read()
+        current = lease.read()
     except Exception:  # noqa: BLE001 - unreadable: as if no trainer, the idle timeout decides
         return False
-    if not current:
-        return False
-    pid = str(current.get("pid", ""))
-    if (
-        current.get("host") == socket.gethostname()
-        and pid.isdigit()
-        and not process_alive(int(pid))
-    ):
-        return False  # a trainer on this host that was killed: its lease is stale
-    heartbeat = float(current.get("heartbeat", 0))
-    return time.time() - heartbeat <= float(current.get("timeout_secs", 120.0))
+    return bool(current) and holder_gone(current, lease.timeout_secs) is None
 
 
 @dataclasses.dataclass

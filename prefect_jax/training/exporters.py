@@ -29,7 +29,7 @@ from prefect_jax.training.eval_specs import (
 )
 from prefect_jax.training.evaluation import EvalRecords, EvalResult, EvalStatus
 from prefect_jax.training.export_retention import prune
-from prefect_jax.training.names import BEST_FILE, EXPORT_INFO_FILE
+from prefect_jax.training.names import BEST_FILE, EXPORT_INFO_FILE, MODEL_FILE
 from prefect_jax.training.records import DamagedRecordError, read_record, set_aside
 from prefect_jax.training.serving import (  # noqa: F401 - serving_example: (its home was here)
     failing_platforms,
@@ -42,8 +42,6 @@ from prefect_jax.training.serving import (  # noqa: F401 - serving_example: (its
 from prefect_jax.training.storage import JobStorage
 
 logger = logging.getLogger("prefect_jax.trainer")  # shown in the flow run's logs
-
-MODEL_FILE = "model.jax_export"
 
 
 def best_path(storage: JobStorage, exporter: str) -> str:

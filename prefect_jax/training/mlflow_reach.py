@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+from prefect_jax.training.mlflow_store import sqlite_path
 from prefect_jax.training.redaction import redact_url, scrub, secret_values
 
 PROBE_TIMEOUT_SECS = 60.0  # the child's whole life: MLflow's import, then one request
@@ -124,7 +125,7 @@ def _local_store_error(uri: str, scheme: str) -> str | None:
                 "not a SQLite URL: give sqlite:///<relative path>.db or "
                 "sqlite:////<absolute path>.db (three slashes, then the path)"
             )
-        path = rest[1:]
+        path = sqlite_path(uri) or ""
         folder = os.path.dirname(os.path.abspath(path)) if path else ""
         if path and not path.startswith(":memory:") and not os.path.isdir(folder):
             return f"the folder of its SQLite file, {folder}, does not exist"

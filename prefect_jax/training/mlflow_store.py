@@ -16,6 +16,15 @@ from collections.abc import Iterator
 
 # <database>.prefect-jax-new-<host>-<pid>: a store being created
 NEW_STORE_SUFFIX = ".prefect-jax-new-"
+SQLITE_PREFIX = "sqlite:///"  # then the file's path: relative, or absolute with a fourth slash
+
+
+def sqlite_path(tracking_uri: str) -> str | None:
+    """The database file of a SQLite tracking URI (``sqlite:///<path>``), or None for another
+    store (a server, or a URI in a form MLflow refuses: `mlflow_reach` says which)."""
+    if tracking_uri.startswith(SQLITE_PREFIX):
+        return tracking_uri[len(SQLITE_PREFIX) :]
+    return None
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ import sys
 import threading
 import warnings
 
-from prefect_jax.training.mlflow_store import create_sqlite_store
+from prefect_jax.training.mlflow_store import create_sqlite_store, sqlite_path
 
 _capture = threading.local()  # the records of the call running on this thread (None: not in a call)
 
@@ -211,10 +211,10 @@ def main() -> None:
         try:
             from mlflow.tracking import MlflowClient
 
-            if tracking_uri.startswith("sqlite:///"):
+            path = sqlite_path(tracking_uri)
+            if path is not None:
                 import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - SQLAlchemy, Alembic
 
-                path = tracking_uri[len("sqlite:///") :]
                 if os.path.isdir(os.path.dirname(path) or "."):  # else the tracker says why
                     if not os.path.exists(path):
                         create_sqlite_store(path)

@@ -82,6 +82,10 @@ GOODPUT_FILE, REGISTRY_FILE = "goodput.json", "registry.json"
 BEST_FILE = "best.json"  # exports/<exporter>/best.json: a BestExporter's best so far
 EXPORT_INFO_FILE = "export.json"  # exports/<exporter>/<step>/export.json: the export's record
 STEP_MANIFEST_FILE = "prefect_jax_manifest.json"  # checksums of the step's files
+# Orbax's own last writes of a step: the commit it reads (on GCS, where nothing renames, its
+# `atomicity_types.COMMIT_SUCCESS_FILE` comes after)
+ORBAX_COMMIT_FILE, GCS_COMMIT_FILE = "_CHECKPOINT_METADATA", "commit_success.txt"
+MODEL_FILE = "model.jax_export"  # exports/<exporter>/<step>/model.jax_export: the jax.export
 COMMIT_MARKER = "_PREFECT_JAX_COMMITTED"  # written last on remote storage: the step is whole
 
 # MLflow: one tag per attempt that died without closing the run (counted by KILLED_TAG)

@@ -25,6 +25,7 @@ from prefect_jax.training.names import (
     CREATE_TAG,
     EXPORT_INFO_FILE,
     JOB_TAG,
+    MODEL_FILE,
     RESERVED_ALIASES,
     STEP_TAG,
 )
@@ -153,7 +154,7 @@ def log_export_model(
     import mlflow
     from mlflow.models import Model
 
-    model_file = os.path.join(export_dir, "model.jax_export")
+    model_file = os.path.join(export_dir, MODEL_FILE)
     with open(model_file, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
     example = typed_example(exported, example)

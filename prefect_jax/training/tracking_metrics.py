@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prefect_jax.training.mlflow_client import guarded
-from prefect_jax.training.names import GOODPUT_TAG
+from prefect_jax.training.names import GOODPUT_FILE, GOODPUT_TAG
 
 
 class MetricCalls:
@@ -137,7 +137,7 @@ class MetricCalls:
         # met after this landed) ends at the same step again. The artifact and tag say the newest.
         if rows:
             self._log_metrics_once(rows, rows[0][0], step)
-        self._client.log_dict(self._run_id, summary, "goodput.json")
+        self._client.log_dict(self._run_id, summary, GOODPUT_FILE)
         self._client.set_tag(
             self._run_id,
             GOODPUT_TAG,

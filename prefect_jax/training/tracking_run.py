@@ -21,6 +21,7 @@ from prefect_jax.training.mlflow_client import (
     process_lost,
     strict,
 )
+from prefect_jax.training.mlflow_store import sqlite_path
 from prefect_jax.training.names import (
     EXPERIMENT_KIND_TAG,
     FLOW_RUN_URL_TAG,
@@ -324,8 +325,8 @@ class RunCalls:
     def _artifact_root(self) -> str | None:
         """For a SQLite store, artifacts go beside the database (not into ./mlruns of whatever the
         working directory was); other stores keep their server's default."""
-        if self.tracking_uri.startswith("sqlite:///"):
-            db = self.tracking_uri[len("sqlite:///") :]
+        db = sqlite_path(self.tracking_uri)
+        if db is not None:
             return "file://" + os.path.join(
                 os.path.dirname(os.path.abspath(db)), "mlartifacts", self.experiment
             )

@@ -45,8 +45,9 @@ def train(
     each committed checkpoint (not for backups, which nobody evaluates:
     `CheckpointSpec.backups`), so an evaluator deployment can be triggered by events instead of
     polling. Stops early when the job is asked to stop (``<job>/stop.json``, written by the
-    evaluator's early-stopping hook). Parameters as `train_and_evaluate` (`eval_spec` is
-    recorded in MLflow params and used by nobody else here).
+    evaluator's early-stopping hook). Parameters as `train_and_evaluate`: `eval_spec` is the
+    evaluator's, recorded in MLflow params, and its exporters' ``serve`` and ``compare_fn`` are
+    checked here before any work (an evaluator finding them broken would find it after training).
 
     Returns:
         The summary `train_and_evaluate` returns.

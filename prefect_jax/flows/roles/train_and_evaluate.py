@@ -73,10 +73,13 @@ def train_and_evaluate(
             failure before any work.
 
     Returns:
-        A summary: ``job``, ``final_step``, ``eval`` (final metrics), ``checkpoint_dir``,
-        ``mlflow_tracking_uri``, ``mlflow_run_id``, ``exports``, ``state_fingerprint``,
-        ``stopped`` (why the job stopped early, or None), ``evaluation_stopped`` (why an eval
-        listener stopped the evaluations, or None: training went on to ``max_steps``).
+        A summary (`flows.task_loop`'s, shared with `train`): ``job``, ``final_step``, ``eval``
+        (final metrics), ``checkpoint_dir``, ``mlflow_tracking_uri``, ``mlflow_run_id``,
+        ``mlflow_run_url``, ``registered_model`` (None without exporters), ``exports``,
+        ``state_fingerprint``, ``stopped`` (why the job stopped early, or None),
+        ``evaluation_stopped`` (why an eval listener stopped the evaluations, or None: training
+        went on to ``max_steps``), ``goodput`` (the job's ledger, as `status` shows it) and
+        ``mlflow_missing`` (what of the job did not reach MLflow, or None).
 
     Example:
         ```python
