@@ -578,7 +578,7 @@ def test_a_held_refresh_runs_once_its_time_is_up_and_never_ahead_of_calls_before
     fails is logged and the publisher goes on; after a flush a key's next call runs at once."""
     import time
 
-    from prefect_jax.tasks import _Publisher
+    from prefect_jax.tasks.publish import _Publisher
 
     monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", "2")
     publisher, ran, gate = _Publisher(), [], threading.Event()
@@ -615,7 +615,7 @@ def test_a_flush_never_runs_a_refresh_that_a_newer_one_in_the_queue_replaces(mon
     held calls at once; a refresh whose key has a newer call still in the queue behind it is
     stale and does not run: only the newest shows (the progress card once showed a step between
     the first and the last when the end's flush caught the thread behind)."""
-    from prefect_jax.tasks import _Publisher
+    from prefect_jax.tasks.publish import _Publisher
 
     monkeypatch.setenv("PREFECT_JAX_UI_REFRESH_SECS", "3600")
     publisher, ran, gate = _Publisher(), [], threading.Event()

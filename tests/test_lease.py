@@ -383,7 +383,7 @@ def test_a_retry_that_takes_its_job_back_marks_only_the_dead_attempts_task_runs_
     from prefect.client.orchestration import get_client
     from prefect.states import Pending, Running
 
-    from prefect_jax.tasks import _mark_crashed
+    from prefect_jax.tasks.runs import _mark_crashed
 
     @task
     def step():

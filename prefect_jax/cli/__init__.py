@@ -32,6 +32,7 @@ from prefect_jax.deployments.automations import (
     MAX_CRASHES,
     check_deployment_name,
 )
+from prefect_jax.training.cluster_config import DEFAULT_PORT
 
 __all__ = ["build_parser", "entry", "main"]
 
@@ -110,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     process.add_argument(
         "--coordinator-port",
-        type=number(int, "a port", "8476"),
-        default=8476,
-        help="process 0's coordinator port (default 8476)",
+        type=number(int, "a port", str(DEFAULT_PORT)),
+        default=DEFAULT_PORT,
+        help="process 0's coordinator port (default %(default)s)",
     )
     process.add_argument(  # (not dest "command": the subcommand's name, which errors show)
         "worker_command",

@@ -101,7 +101,7 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         type=_steps_or_none("to keep every checkpoint", "checkpoints", 3),
         default=3,
         metavar="N|none",
-        help="keep the newest N checkpoints (default 3); 'none' keeps every one",
+        help="keep the newest N checkpoints (default %(default)s); 'none' keeps every one",
     )
     add(
         "--keep-every-steps",
@@ -135,19 +135,19 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         "--seed",
         type=number(int, "a seed (a whole number)", "0"),
         default=0,
-        help="init and data-order seed (default 0)",
+        help="init and data-order seed (default %(default)s)",
     )
     add(
         "--log-every-steps",
         type=number(int, "a whole number of steps", "50"),
         default=50,
-        help="train metrics to MLflow every N steps (default 50)",
+        help="train metrics to MLflow every N steps (default %(default)s)",
     )
     add(
         "--steps-per-dispatch",
         type=number(int, "a whole number of steps", "8"),
         default=1,
-        help="run K steps per call into the device, as one lax.scan (default 1)",
+        help="run K steps per call into the device, as one lax.scan (default %(default)s)",
     )
     add(
         "--eval-steps",
@@ -156,7 +156,7 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         metavar="N|none",
         help="eval batches (default, or 'none': the whole eval set)",
     )
-    add("--eval-name", default="eval", help="eval name (default 'eval')")
+    add("--eval-name", default="eval", help="eval name (default '%(default)s')")
     add(
         "--throttle-secs",
         type=number(float, "a number of seconds", "600"),
@@ -209,7 +209,7 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         type=number(float, "a number of seconds", "120"),
         default=0.0,
         help="the evaluate role waits this long before its first evaluation (EvalSpec's; "
-        "default 0); run, like TF's local mode, does not wait",
+        "default %(default)g); run, like TF's local mode, does not wait",
     )
     add(
         "--sigterm-grace-secs",
@@ -322,7 +322,7 @@ def add_role(sub, name: str) -> None:
             "--poll-secs",
             type=_seconds(zero=False),
             default=10.0,
-            help="how often to look for new checkpoints (default 10)",
+            help="how often to look for new checkpoints (default %(default)g)",
         )
         add(
             "--idle-timeout-secs",
@@ -355,13 +355,14 @@ def add_role(sub, name: str) -> None:
             "--max-wait-secs",
             type=_seconds(zero=True),
             default=7200.0,
-            help="with --wait-for-checkpoint, give up after this long (default 7200)",
+            help="with --wait-for-checkpoint, give up after this long (default %(default)g)",
         )
         add(
             "--recovery-wait-secs",
             type=_seconds(zero=False),
             default=30.0,
-            help="with --wait-for-checkpoint, look again every this many seconds (default 30)",
+            help="with --wait-for-checkpoint, look again every this many seconds "
+            "(default %(default)g)",
         )
     if name in ("run", "train"):
         add(
@@ -369,7 +370,8 @@ def add_role(sub, name: str) -> None:
             type=number(int, "a number of processes", "2"),
             default=1,
             metavar="N",
-            help="train as N JAX processes on this machine (data parallel, one job; default 1). "
+            help="train as N JAX processes on this machine (data parallel, one job; default "
+            "%(default)s). "
             "On a cluster, set PREFECT_JAX_NUM_PROCESSES & co. per process instead (see "
             "docs/multiprocess.md)",
         )

@@ -31,7 +31,6 @@ from prefect_jax.tasks.live_trainer import (
 )
 from prefect_jax.tasks.publish import (
     UI_REFRESH_SECS,
-    _Publisher,
     artifact_key,
     job_artifact_key,
     publisher,
@@ -41,7 +40,6 @@ from prefect_jax.tasks.recover import recover
 from prefect_jax.tasks.restore import restore_or_init
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient, retry_unless_lost
 from prefect_jax.tasks.runs import (
-    _mark_crashed,
     link_runs,
     mark_dead_local_runs,
     mark_taken_over,
@@ -56,8 +54,6 @@ __all__ = [
     "EVAL_EVENT",
     "EXPORT_EVENT",
     "UI_REFRESH_SECS",
-    "_Publisher",
-    "_mark_crashed",
     "take_the_lease_before_jax",
     "task_trainer",
     "trainer_holding_the_lease",

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 NUM_PROCESSES = "PREFECT_JAX_NUM_PROCESSES"
@@ -209,3 +209,42 @@ def leads_from_env(env: Mapping[str, str] | None = None) -> bool:
     except ClusterConfigError:
         return True
     return cluster is None or cluster.process_id in (None, 0)
+
+
+def pod_process_id(
+    environ: MutableMapping[str, str],
+    processes: int | None = None,
+    service: str | None = None,
+    coordinator_port: int = DEFAULT_PORT,
+) -> int | None:
+    """This pod's process index in a multi-process job, from its environment; None: one process.
+
+    Completes `environ` first: ``PREFECT_JAX_NUM_PROCESSES`` from `processes` (unless set), and,
+    for more than one process with no coordinator set, process 0's address in a Kubernetes
+    indexed job, ``<JOB_NAME>-0.<service>:<coordinator_port>``.
+
+    Raises:
+        ValueError: `processes` is below 1, no coordinator can be found, or the environment asks
+            JAX to find the cluster (``auto``), which must not be left to it here.
+        ClusterConfigError: A variable is malformed (a ``ValueError``).
+    """
+    if processes is not None and processes < 1:
+        raise ValueError(f"--processes={processes}: the number of JAX processes must be 1 or more")
+    if processes is not None:
+        environ.setdefault(NUM_PROCESSES, str(processes))
+    if not environ.get(COORDINATOR) and (processes or 1) > 1:
+        if not environ.get("JOB_NAME") or not service:
+            raise ValueError(
+                f"no coordinator address: set {COORDINATOR} (process 0's host:port), or "
+                "run in an indexed job's pod with JOB_NAME (the job's name, from the downward "
+                "API) and --service (its headless service)"
+            )
+        environ[COORDINATOR] = f"{environ['JOB_NAME']}-0.{service}:{coordinator_port}"
+    found = from_env(environ)
+    if found is not None and found.auto:
+        raise ValueError(
+            f"{NUM_PROCESSES}=auto: 'prefect-jax process' must know before JAX starts "
+            "which process runs the flow run; set PREFECT_JAX_PROCESS_ID, or run "
+            "'prefect-jax run' in each task (as with srun) instead"
+        )
+    return None if found is None else found.process_id

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from prefect_jax.training.cluster_config import (  # (re-exported: the command's; kept there)
+    pod_process_id as pod_process_id,
+)
 from prefect_jax.training.errors import (
     EvalHookError,
     ExportFailedError,
@@ -349,47 +352,6 @@ def joins_as_secondary() -> bool:
     from prefect_jax.training import cluster
 
     return cluster.initialize() is not None and cluster.process_index() > 0
-
-
-def pod_process_id(
-    environ: MutableMapping[str, str],
-    processes: int | None = None,
-    service: str | None = None,
-    coordinator_port: int = 8476,
-) -> int | None:
-    """This pod's process index in a multi-process job, from its environment; None: one process.
-
-    Completes `environ` first: ``PREFECT_JAX_NUM_PROCESSES`` from `processes` (unless set), and,
-    for more than one process with no coordinator set, process 0's address in a Kubernetes
-    indexed job, ``<JOB_NAME>-0.<service>:<coordinator_port>``.
-
-    Raises:
-        ValueError: `processes` is below 1, no coordinator can be found, or the environment asks
-            JAX to find the cluster (``auto``), which must not be left to it here.
-        ClusterConfigError: A variable is malformed (a ``ValueError``).
-    """
-    from prefect_jax.training import cluster_config as cluster
-
-    if processes is not None and processes < 1:
-        raise ValueError(f"--processes={processes}: the number of JAX processes must be 1 or more")
-    if processes is not None:
-        environ.setdefault(cluster.NUM_PROCESSES, str(processes))
-    if not environ.get(cluster.COORDINATOR) and (processes or 1) > 1:
-        if not environ.get("JOB_NAME") or not service:
-            raise ValueError(
-                f"no coordinator address: set {cluster.COORDINATOR} (process 0's host:port), or "
-                "run in an indexed job's pod with JOB_NAME (the job's name, from the downward "
-                "API) and --service (its headless service)"
-            )
-        environ[cluster.COORDINATOR] = f"{environ['JOB_NAME']}-0.{service}:{coordinator_port}"
-    found = cluster.from_env(environ)
-    if found is not None and found.auto:
-        raise ValueError(
-            f"{cluster.NUM_PROCESSES}=auto: 'prefect-jax process' must know before JAX starts "
-            "which process runs the flow run; set PREFECT_JAX_PROCESS_ID, or run "
-            "'prefect-jax run' in each task (as with srun) instead"
-        )
-    return None if found is None else found.process_id
 
 
 def set_exit_code(code: int) -> None:

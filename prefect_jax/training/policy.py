@@ -60,16 +60,17 @@ class CheckpointPolicy:
             the cadence alone, without end.
     """
 
-    def __init__(
+    def __init__(  # (no defaults: `from_spec` gives CheckpointSpec's, their one home)
         self,
-        every_steps: int | None = 1000,
-        every_secs: float | None = None,
-        max_steps: int | None = None,
-        keep_last: int | None = 3,
-        keep_every_steps: int | None = None,
-        keep_until_evaluated: bool | None = None,
-        backups: bool = True,
-        keep_every_secs: float | None = None,
+        *,
+        every_steps: int | None,
+        every_secs: float | None,
+        max_steps: int | None,
+        keep_last: int | None,
+        keep_every_steps: int | None,
+        keep_until_evaluated: bool | None,
+        backups: bool,
+        keep_every_secs: float | None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         forever: bool = False,
@@ -89,14 +90,14 @@ class CheckpointPolicy:
         """The policy of `spec` (the defaults if None) for a job that trains to `max_steps`."""
         spec = spec or CheckpointSpec()
         return cls(
-            spec.every_steps,
-            spec.every_secs,
-            max_steps,
-            spec.keep_last,
-            spec.keep_every_steps,
-            spec.keep_until_evaluated,
-            spec.backups,
-            spec.keep_every_secs,
+            every_steps=spec.every_steps,
+            every_secs=spec.every_secs,
+            max_steps=max_steps,
+            keep_last=spec.keep_last,
+            keep_every_steps=spec.keep_every_steps,
+            keep_until_evaluated=spec.keep_until_evaluated,
+            backups=spec.backups,
+            keep_every_secs=spec.keep_every_secs,
             **clocks,
         )
 
