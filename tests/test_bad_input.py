@@ -111,6 +111,12 @@ def test_max_steps_below_the_committed_step_is_refused_by_the_cli_and_the_engine
     assert (
         _tree_digest(storage) == before
     )  # nothing saved lost, nothing written (no lease, no attempt)
+    # The evaluator is not refused for it: it follows its trainer's (`following_the_trainer`).
+    from prefect_jax.training.facade import preflight
+
+    preflight(TINY, "j", str(storage), 30, train_spec=None, tracking_uri=mlflow_uri)
+    with pytest.raises(PastMaxStepsError):
+        preflight(TINY, "j", str(storage), 30, train_spec=config.train, tracking_uri=mlflow_uri)
 
 
 @pytest.mark.parametrize("command", ["run", "evaluate", "export"])
@@ -597,7 +603,9 @@ def test_a_best_metric_is_checked_where_the_role_evaluates_and_a_preflight_did_n
     trainer.close()
 
 
-def test_evaluate_with_max_steps_below_the_committed_step_is_refused(trained, mlflow_uri):
+def test_evaluate_with_max_steps_below_the_committed_step_follows_its_trainer(trained, mlflow_uri):
+    """It was refused as a trainer is ("nothing to train"); it now follows the max_steps its
+    trainer recorded and finds the final step evaluated."""
     _, storage = trained
     before = _tree_digest(storage)
     proc = run_cli(
@@ -613,11 +621,14 @@ def test_evaluate_with_max_steps_below_the_committed_step_is_refused(trained, ml
         "--once",
         "--mlflow-tracking-uri",
         mlflow_uri,
+        "--json",
     )
-    assert proc.returncode == 2
-    line = _one_error_line(proc, "evaluate")
-    assert "max_steps=30 is below step 40" in line and "--max-steps" in line, line
-    assert _tree_digest(storage) == before  # no export redone
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["evaluated"] == []
+    # No step evaluated again (its exporters, which the job did not have, export the newest).
+    after = _tree_digest(storage)
+    kept = [k for k in before if "/exports/" not in k and not k.endswith("registry.json")]
+    assert {k: after.get(k) for k in kept} == {k: before[k] for k in kept}
 
 
 def _s3_preflight(url: str, options: dict) -> None:

@@ -39,16 +39,21 @@ def _params(tmp_path, mlflow_uri, job, max_steps=60, **eval_kw):
 
 
 @contextlib.contextmanager
-def _flow_run_warnings():
-    """The warnings flow runs log meanwhile (Prefect's run loggers do not propagate to caplog)."""
+def _flow_run_logs(level: int = logging.WARNING):
+    """What flow runs log meanwhile at `level` or above (Prefect's run loggers do not propagate to
+    caplog)."""
     said: list[str] = []
-    handler = logging.Handler(logging.WARNING)
+    handler = logging.Handler(level)
     handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("prefect.flow_runs").addHandler(handler)
+    logger = logging.getLogger("prefect.flow_runs")
+    was = logger.level  # (the tests' PREFECT_LOGGING_LEVEL is WARNING)
+    logger.addHandler(handler)
+    logger.setLevel(min(level, logger.getEffectiveLevel()))
     try:
         yield said
     finally:
-        logging.getLogger("prefect.flow_runs").removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(was)
 
 
 def test_trainer_then_evaluator_evaluate_every_checkpoint_once(
@@ -206,7 +211,7 @@ def test_early_stopping_stops_both_roles(tmp_path, mlflow_uri):
     assert "early stopping: accuracy has not improved" in summary["stopped"]
     stop = json.load(open(tmp_path / "storage" / "early" / "stop.json"))
     assert stop["step"] == 40
-    with _flow_run_warnings() as said:
+    with _flow_run_logs() as said:
         again = train(**params)  # the trainer role honours the durable stop request
     assert again["final_step"] == 40 and again["stopped"] == stop["reason"]
     path = tmp_path / "storage" / "early" / "stop.json"
@@ -274,20 +279,29 @@ def test_the_rerun_budgets_refusal_names_storage_without_its_secrets():
     assert "@bucket/jobs/stuck/attempts.json to reset" in said
 
 
-def test_an_evaluator_given_another_max_steps_than_its_trainer_is_told_which(tmp_path, mlflow_uri):
-    """The command's default (1000) against a trainer of 20 steps: the evaluator would wait for a
-    final step that never comes; it says so, naming the trainer's and the fix."""
-    params = _params(tmp_path, mlflow_uri, "other-max", max_steps=20)
-    assert train(**params)["final_step"] == 20
+def test_the_evaluator_and_the_exporter_follow_the_max_steps_their_trainer_recorded(
+    tmp_path, mlflow_uri
+):
+    """TF's roles share one TrainSpec; here each step records its trainer's max_steps. An evaluator
+    given a smaller one (it took step 20 for final, stopped, and the trainer's later steps went
+    unevaluated), or an export given the command's default (step 40 was not final), follow it."""
+    params = _params(tmp_path, mlflow_uri, "other-max", max_steps=40, exporters=[LatestExporter()])
+    assert train(**params)["final_step"] == 40
     from prefect_jax.training import live
 
     live.drop_all(close=False)
-    params["train_spec"] = TrainSpec(max_steps=1000, log_every_steps=10)
-    with _flow_run_warnings() as said:
+    params["train_spec"] = TrainSpec(max_steps=20, log_every_steps=10)
+    with _flow_run_logs(logging.INFO) as said:
         result = evaluate(**params, poll_secs=0.1, idle_timeout_secs=1)
-    assert result["evaluated"] == [20]
+    assert result["evaluated"] == [20, 40], result
+    assert result["stopped"] == "evaluated the final step (40 >= max_steps=40)", result
     assert (
-        "job other-max's trainer trains to 20 (its step 20 records it), this evaluator to 1000: "
-        "its final evaluation and export come at that step only. Give the evaluator the "
-        "trainer's max_steps (--max-steps 20)"
+        "job other-max's trainer trains to max_steps=40 (its step 40 records it): this evaluator "
+        "follows it, not the max_steps=20 it was given"
     ) in said, said
+    live.drop_all(close=False)
+    params.update(
+        train_spec=TrainSpec(max_steps=1000), eval_spec=EvalSpec(exporters=[FinalExporter()])
+    )
+    js = JobStorage(params["storage"], "other-max")
+    assert export_flow(**params, step=40) == {"final": js.export_dir("final", 40)}

@@ -62,12 +62,16 @@ def _seconds(zero: bool):
     return parse
 
 
-def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) -> None:
+def add_training_args(
+    p: argparse.ArgumentParser, max_steps: int, every: int, trains: bool = True
+) -> None:
     """The specs' flags. Each defaults to its spec field's default, written again here so that
     `prefect-jax --help` imports no pydantic (test_cli checks that they agree), but `max_steps`
     and the checkpoint cadence `every`: TrainSpec's max_steps has none, and CheckpointSpec's
     every_steps suits long steps, the command's a demo's. The parsed args carry `flag_of_dest`,
-    each flag as typed by its dest (``train_hooks``: ``--train-hook``), for errors to name."""
+    each flag as typed by its dest (``train_hooks``: ``--train-hook``), for errors to name.
+    `trains`: False for a role that does not train, whose --max-steps says it follows the
+    trainer's."""
     flag_of_dest: dict[str, str] = {}
 
     def add(*flags, **options) -> None:
@@ -80,7 +84,10 @@ def add_training_args(p: argparse.ArgumentParser, max_steps: int, every: int) ->
         default=max_steps,
         metavar="N|none",
         help=f"train until this global step (default {max_steps}); 'none' trains until stopped "
-        "(a stop request, a preemption, a cancel), as TF's max_steps=None",
+        "(a stop request, a preemption, a cancel), as TF's max_steps=None"
+        if trains
+        else "the job's final step (for the final evaluation and export) where its steps do not "
+        "record their trainer's; they do, and this role follows it",
     )
     add(
         "--checkpoint-every-steps",
@@ -310,7 +317,7 @@ def add_role(sub, name: str) -> None:
         help="storage root: a directory, an fsspec URL (s3://, gs://...) or "
         "jax-checkpoint-storage/<block>",
     )
-    add_training_args(role, max_steps=1000, every=200)
+    add_training_args(role, max_steps=1000, every=200, trains=name in ("run", "train"))
     if name == "evaluate":
         add("--once", action="store_true", help="stop when nothing new is left to evaluate")
         add(

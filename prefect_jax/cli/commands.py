@@ -229,7 +229,8 @@ def _run_flow_with(
         program,
         job,
         storage,
-        # (evaluate too: a step past max_steps would only have its exports redone)
+        # (a step past it is refused for a trainer alone: the roles that do not train follow
+        # the trainer's own, recorded in its steps: `flows.config.following_the_trainer`)
         args.max_steps if role in (*_TRAINS, "evaluate") else None,
         args.checkpoint_path if role in _TRAINS else None,
         eval_spec,

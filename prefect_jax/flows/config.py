@@ -108,3 +108,26 @@ def config_from(parameters: dict[str, Any]) -> JobConfig | None:
         return _job_config(**given, check_settings=False)
     except Exception:  # noqa: BLE001 - a hook must not raise over bad parameters
         return None
+
+
+def following_the_trainer(config: JobConfig, storage, step: int, role: str, log) -> JobConfig:
+    """`config` with the max_steps its trainer recorded in `step` (`JobStorage` `storage`): the
+    roles that do not train (the evaluator, the exporter) follow it, as TF's share one TrainSpec.
+    With another (the command's default, say) an evaluator waited for a final step that never
+    came, or took a middle one for final and stopped there, its `@final` export with it."""
+    from prefect_jax.training.steps import step_meta
+
+    meta = step_meta(storage, step) or {}
+    if "max_steps" not in meta or meta["max_steps"] == config.train.max_steps:
+        return config  # (a step saved before max_steps was recorded: the one given decides)
+    log(
+        "job %s's trainer trains to max_steps=%s (its step %d records it): this %s follows it, "
+        "not the max_steps=%s it was given",
+        config.job,
+        meta["max_steps"],
+        step,
+        role,
+        config.train.max_steps,
+    )
+    train = config.train.model_copy(update={"max_steps": meta["max_steps"]})
+    return config.model_copy(update={"train": train})

@@ -309,7 +309,7 @@ def check_job(
     js = JobStorage(url, job, dict(options or {}))
     with storage_errors(js, storage):  # (every role restores the newest step: its params)
         committed = job_committed_steps(js)
-    if max_steps is not None and committed and committed[-1] > max_steps:
+    if train_spec is not None and max_steps is not None and committed and committed[-1] > max_steps:
         raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
     newest_meta = step_meta(js, committed[-1]) if committed else None
     if committed:

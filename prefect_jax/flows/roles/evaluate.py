@@ -5,7 +5,13 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from prefect_jax.flows.config import PeriodSecs, ProgramPath, WaitSecs, checked_job_config
+from prefect_jax.flows.config import (
+    PeriodSecs,
+    ProgramPath,
+    WaitSecs,
+    checked_job_config,
+    following_the_trainer,
+)
 from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
 from prefect_jax.tasks import publisher
@@ -50,8 +56,9 @@ def evaluate(
     error; evaluates every newly committed step exactly once (or only the newest, with
     `every_checkpoint=False`), never sooner than `eval_spec.throttle_secs` after the last
     evaluation; runs the exporters after each evaluation; stops once it has evaluated a step
-    at or past `max_steps` (with the final export; never where `max_steps` is None: a job that
-    trains until stopped has no final step), when an eval hook asks the job to stop,
+    at or past its trainer's `max_steps` (recorded in each step; `train_spec.max_steps` only
+    where a step records none), with the final export (never where it is None: a job that trains
+    until stopped has no final step), when an eval hook asks the job to stop,
     when `once` is set and nothing new is left, or after `idle_timeout_secs` without a new
     checkpoint while no trainer holds the job's lease (a live trainer is waited for: one
     event-triggered run keeps up with it, checking for new steps every `poll_secs`). Evaluated
@@ -96,11 +103,13 @@ def evaluate(
         log=logger.info,
         warn=logger.warning,
     )
+    # The wait reads the storage only: JAX (and a GPU) is not taken until there is a step.
+    first = evaluator.wait_for_first_checkpoint()
+    config = following_the_trainer(config, evaluator.storage, first, "evaluator", logger.info)
+    evaluator.max_steps = config.train.max_steps  # (the tasks' lambdas read `config` as it is now)
     # A late checkpoint event's run finds the job finished and exported: nothing is evaluated or
     # re-exported, but what an evaluator killed earlier left out of MLflow still lands.
     done = _finished_and_exported(config, evaluator)
-    # The wait reads the storage only: JAX (and a GPU) is not taken until there is a step.
-    first = evaluator.wait_for_first_checkpoint()
     # TF's evaluator recovers, never inits (`recover_session`): the step found is restored.
     if not tasks.recover(config, step=first, evaluates=True)["restored"]:
         raise RuntimeError(
@@ -108,7 +117,6 @@ def evaluate(
             "not be recovered (retention removed it since, or it is damaged: the log above says "
             "which): nothing was evaluated; run the evaluator again"
         )
-    _warn_of_another_max_steps(config, evaluator.storage, first, logger)
     from prefect_jax.training.live import get_trainer, land_mlflow_writes, release_state
 
     # An evaluator killed after writing eval records may not have logged them to MLflow yet.
@@ -125,25 +133,6 @@ def evaluate(
     publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
     return {"job": job, **evaluator.summary(), "exports": list_exports(evaluator.storage)}
-
-
-def _warn_of_another_max_steps(config, storage, step: int, logger) -> None:
-    """The trainer records its max_steps in each step: an evaluator given another (the command's
-    default, say) waits for a final step that never comes, or takes a middle one for final."""
-    from prefect_jax.training.steps import step_meta
-
-    meta = step_meta(storage, step) or {}
-    if "max_steps" in meta and meta["max_steps"] != config.train.max_steps:
-        logger.warning(
-            "job %s's trainer trains to %s (its step %d records it), this evaluator to %s: its "
-            "final evaluation and export come at that step only. Give the evaluator the trainer's "
-            "max_steps (--max-steps %s)",
-            config.job,
-            meta["max_steps"],
-            step,
-            config.train.max_steps,
-            "none" if meta["max_steps"] is None else meta["max_steps"],
-        )
 
 
 def _finished_and_exported(config, evaluator) -> str | None:

@@ -5,7 +5,13 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from prefect_jax.flows.config import PeriodSecs, ProgramPath, WaitSecs, checked_job_config
+from prefect_jax.flows.config import (
+    PeriodSecs,
+    ProgramPath,
+    WaitSecs,
+    checked_job_config,
+    following_the_trainer,
+)
 from prefect_jax.flows.retry_options import job_tasks
 from prefect_jax.flows.tags import flow_body
 from prefect_jax.training.specs import (
@@ -82,6 +88,8 @@ def export_flow(
         raise ValueError(refusal)
     chosen = steps[-1] if step is None else step
     result = records.get(chosen)  # (read by the check)
+    # (the final exporter's "final" is the trainer's max_steps, as the evaluator's)
+    config = following_the_trainer(config, js, chosen, "export", get_run_logger().info)
     # TF's recover_session: the step's own checkpoint, never a fresh state in its place
     if not tasks.recover(config, step=chosen)["restored"]:
         raise ValueError(checkpoint_gone(js, chosen))  # (removed since the check)
