@@ -83,6 +83,17 @@ def finite_map():
     return FiniteDigits(iterated=False)
 
 
+class EndlessEval(TinyDigits):
+    """Tiny digits whose eval_data() is repeated without end (a train_data habit)."""
+
+    def eval_data(self):
+        return super().eval_data().repeat()
+
+
+def endless_eval():
+    return EndlessEval()
+
+
 class MeanEval(TinyDigits):
     """Tiny digits whose eval_step returns means, not (sum, count) pairs (a Keras habit)."""
 

@@ -7,7 +7,7 @@ from process_helpers import settled_task_runs
 
 from prefect_jax.flows import train_and_evaluate
 from prefect_jax.training.names import JOB_TAG
-from prefect_jax.training.specs import CheckpointSpec, RetrySpec, TrainSpec
+from prefect_jax.training.specs import CheckpointSpec, EvalSpec, RetrySpec, TrainSpec
 from prefect_jax.training.storage import JobStorage
 
 pytestmark = [pytest.mark.usefixtures("prefect_server"), pytest.mark.slow]
@@ -125,6 +125,31 @@ def test_training_data_of_fewer_batches_than_max_steps_is_refused_before_trainin
     assert all(r.run_count == 1 for r in runs), [(r.name, r.run_count) for r in runs]
     storage = JobStorage(str(tmp_path / "storage"), "short")
     assert storage.list_int_names(storage.checkpoint_dir) == []
+
+
+def test_an_endless_eval_data_read_whole_is_refused_not_run_until_killed(tmp_path, mlflow_uri):
+    """eval_data().repeat() with eval steps None: the evaluation never ended, and logged nothing.
+    A command refuses it before any work; a flow at its first evaluation, not retried, its step
+    kept; with a number of eval batches (TF's EvalSpec.steps) it evaluates."""
+    from prefect_jax.training.errors import EndlessEvalDataError
+    from prefect_jax.training.facade import preflight
+
+    endless = r"eval_data\(\) never ends .* give a number of eval batches \(--eval-steps N"
+    with pytest.raises(EndlessEvalDataError, match=endless):
+        preflight("programs:endless_eval", "e", str(tmp_path / "storage"), eval_spec=EvalSpec())
+    state = _run(tmp_path, mlflow_uri, "programs:endless_eval", "endless")
+    assert state.is_failed()
+    with pytest.raises(EndlessEvalDataError, match=endless):
+        state.result()
+    runs = settled_task_runs(state.state_details.flow_run_id)
+    (evaluation,) = [r for r in runs if r.name.startswith("evaluate")]
+    assert evaluation.run_count == 1
+    storage = JobStorage(str(tmp_path / "storage"), "endless")
+    assert storage.list_int_names(storage.checkpoint_dir) == [20]
+    state = _run(
+        tmp_path, mlflow_uri, "programs:endless_eval", "endless", eval_spec=EvalSpec(steps=2)
+    )
+    assert state.is_completed() and state.result()["eval"]["accuracy"] > 0
 
 
 def test_an_eval_step_of_means_found_by_the_evaluation_is_not_retried(tmp_path, mlflow_uri):

@@ -271,10 +271,15 @@ class EvalOutputError(ValueError):
     """The program's eval_step returns no dict of (sum, count) pairs: every retry would too."""
 
 
+class EndlessEvalDataError(ValueError):
+    """The program's eval_data() never ends and the evaluation reads all of it: every retry
+    would wait as long."""
+
+
 # Errors no task retries, evaluations and exports included: an eval hook's (its step is
 # recorded: a retry would never call the hook there again), a failed export's (this process
-# raises it at every later export) and an eval_step output's.
-NEVER_RETRIED = (EvalHookError, ExportFailedError, EvalOutputError)
+# raises it at every later export), an eval_step output's and an endless eval_data's.
+NEVER_RETRIED = (EvalHookError, ExportFailedError, EvalOutputError, EndlessEvalDataError)
 
 # Errors a retry cannot fix: the program, the config or the data is wrong.
 PERMANENT = (

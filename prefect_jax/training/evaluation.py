@@ -122,12 +122,43 @@ class EvaluationAbandoned(Exception):
     """An evaluation made ahead of its need was given up (`aggregate`'s `stop`)."""
 
 
-def eval_batches(eval_data) -> Iterator:
-    """The batches of one pass over a program's `eval_data()`. A finite pass needs no resumable
-    iterator: a MapDataset is read by index, without Grain's prefetch threads (starting them cost
-    more than a whole evaluation of a small eval set)."""
+def refuse_endless_eval_data(eval_data, steps: int | None) -> None:
+    """Refuse an `eval_data()` that never ends (a MapDataset repeated without a number of epochs:
+    its length is ``sys.maxsize``) where `steps` is None, the whole eval set: the evaluation would
+    run until killed, silently. (An IterDataset's length is unknown until it ends.)
+
+    Raises:
+        EndlessEvalDataError: naming the two fixes.
+    """
+    import sys
+
     import grain
 
+    if steps is not None or not isinstance(eval_data, grain.MapDataset):
+        return
+    try:
+        endless = len(eval_data) >= sys.maxsize
+    except TypeError:  # (a MapDataset whose source has no length)
+        return
+    if endless:
+        from prefect_jax.training.errors import EndlessEvalDataError
+
+        raise EndlessEvalDataError(
+            "the program's eval_data() never ends (a .repeat() with no num_epochs), and the "
+            "evaluation reads the whole eval set (eval steps None): it would never end. Drop the "
+            ".repeat(), or give a number of eval batches (--eval-steps N, EvalSpec(steps=N)), as "
+            "TF's EvalSpec.steps bounds a repeated input_fn"
+        )
+
+
+def eval_batches(eval_data, steps: int | None = None) -> Iterator:
+    """The batches of one pass over a program's `eval_data()` (an endless one refused where the
+    pass reads it all: `steps` None). A finite pass needs no resumable iterator: a MapDataset is
+    read by index, without Grain's prefetch threads (starting them cost more than a whole
+    evaluation of a small eval set)."""
+    import grain
+
+    refuse_endless_eval_data(eval_data, steps)
     if isinstance(eval_data, grain.MapDataset):
         return (eval_data[i] for i in range(len(eval_data)))
     from prefect_jax.training.data_positions import iterate
@@ -146,7 +177,7 @@ def evaluate_pass(
 ) -> tuple[dict[str, float], int, int | None]:
     """`aggregate` over one pass of `program`'s ``eval_data()`` (each batch through `place`, if
     given), with its ``derive_metrics``."""
-    batches = eval_batches(program.eval_data())
+    batches = eval_batches(program.eval_data(), steps)
     if place is not None:
         batches = map(place, batches)
     derive = getattr(program, "derive_metrics", None)

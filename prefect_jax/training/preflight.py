@@ -295,6 +295,9 @@ def check_job(
         )
         metrics_checked = None  # (the metrics checked here: the head start's trainer skips them)
         if eval_spec is not None and evaluates:
+            from prefect_jax.training.evaluation import refuse_endless_eval_data
+
+            refuse_endless_eval_data(loaded.eval_data(), eval_spec.steps)  # (it hung, silent)
             if check_metric_names(loaded, eval_spec, one_process=cluster is None):
                 metrics_checked = compared_metric_names(eval_spec)
         exporters = eval_spec.exporters if eval_spec is not None else []
