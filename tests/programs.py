@@ -342,6 +342,11 @@ def higher_accuracy(best_eval_result: dict, current_eval_result: dict) -> bool:
     return current_eval_result["accuracy"] > best_eval_result["accuracy"]
 
 
+def higher_accuracy_current_first(current_eval_result: dict, best_eval_result: dict) -> bool:
+    """`higher_accuracy` with TF's parameters the other way round: TF calls them by name."""
+    return current_eval_result["accuracy"] > best_eval_result["accuracy"]
+
+
 class StopAfterTwo:
     """An eval listener in TF's `_ContinuousEvalListener` shape, as a TF user wrote it:
     `before_eval` takes no argument, `after_eval(eval_result)` answers False to end the

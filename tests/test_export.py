@@ -222,6 +222,18 @@ def test_a_compare_fn_decides_which_step_is_best(tmp_path):
     assert run_exporter(exporter, storage, _evaluated(40, 0.1, 0.8), 100, bytes, {}) is None
 
 
+def test_a_compare_fn_is_called_by_tf_s_parameter_names_in_any_order():
+    """TF's BestExporter calls compare_fn(best_eval_result=..., current_eval_result=...): one
+    that declares them the other way round judged backwards when called by position."""
+    from prefect_jax.training.best import beats
+
+    best = {"step": 10, "metrics": {"loss": 0.5, "accuracy": 0.7}}
+    for fn in ("programs:higher_accuracy", "programs:higher_accuracy_current_first"):
+        exporter = BestExporter(compare_fn=fn)
+        assert beats(exporter, {"loss": 0.9, "accuracy": 0.8}, 20, best), fn
+        assert not beats(exporter, {"loss": 0.1, "accuracy": 0.6}, 20, best), fn
+
+
 def test_the_default_best_is_tf_s_lower_loss(tmp_path):
     """TF's default `BestExporter` compares `loss`, lower is better: unchanged by compare_fn."""
     from prefect_jax.training.best import best_of

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,14 @@ def _better(value: float, best: float | None, mode: str) -> bool:
     return value < best if mode == "min" else value > best
 
 
+_TF_NAMES = ("best_eval_result", "current_eval_result")
+
+
 def load_compare_fn(path: str) -> Callable[[dict, dict], Any]:
-    """A `BestExporter.compare_fn` by its import path, ``"package.module:function"``.
+    """A `BestExporter.compare_fn` by its import path, ``"package.module:function"``, as a
+    function of (best, current). One that names TF's parameters is called by them, as TF's
+    BestExporter calls it: ``def f(current_eval_result, best_eval_result)`` is valid TF, and was
+    called the other way round; any other is called with the two in that order.
 
     Raises:
         ProgramError: it does not load, or is not callable; the message names the path.
@@ -30,6 +37,12 @@ def load_compare_fn(path: str) -> Callable[[dict, dict], Any]:
         raise ProgramError(
             f"BestExporter compare_fn {path!r} is a {type(obj).__name__}, not a function {shape}"
         )
+    try:
+        named = set(_TF_NAMES) <= set(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):  # (no signature to read: called as documented)
+        named = False
+    if named:
+        return lambda best, current: obj(best_eval_result=best, current_eval_result=current)
     check_called_with(obj, 2, f"BestExporter compare_fn {path!r}", shape)
     return obj
 
