@@ -182,6 +182,15 @@ def test_out_of_memory_is_not_retried_and_the_run_is_told_what_to_change(
     assert "Lower the batch size" in caplog.text and "--no-device-copy" in caplog.text
 
 
+def test_a_nan_loss_before_any_checkpoint_says_a_rerun_starts_from_init():
+    """It said "the newest checkpoint is step None ... a rerun resumes from that checkpoint"."""
+    from prefect_jax.training.errors import NonFiniteLossError
+
+    said = str(NonFiniteLossError(19, {"loss": float("nan")}, None))
+    assert "(the means logged from it: loss=nan)" in said, said
+    assert said.endswith("no step of the job is committed: a rerun starts from init."), said
+
+
 def test_a_nan_loss_stops_at_its_step_without_retry_or_checkpoint(tmp_path, mlflow_uri):
     from prefect_jax.training.errors import NonFiniteLossError
 
@@ -189,7 +198,7 @@ def test_a_nan_loss_stops_at_its_step_without_retry_or_checkpoint(tmp_path, mlfl
     assert state.is_failed()
     with pytest.raises(
         NonFiniteLossError,
-        match="non-finite training metric at step 33 .*newest checkpoint is step 20",
+        match="non-finite training metric at step 33 .*resumes from its newest checkpoint, step 20",
     ):
         state.result()
     committed = sorted(p.name for p in (tmp_path / "storage" / "nan" / "checkpoints").iterdir())

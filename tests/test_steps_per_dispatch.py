@@ -81,7 +81,9 @@ def test_scanned_steps_name_the_first_nan_step_and_keep_it_out_of_checkpoints(
     )
     trainer.restore_or_init()
     assert trainer.train_until_checkpoint() == 20
-    with pytest.raises(NonFiniteLossError, match="step 33 .*newest checkpoint is step 20"):
+    with pytest.raises(
+        NonFiniteLossError, match="step 33 .*resumes from its newest checkpoint, step 20"
+    ):
         trainer.train_until_checkpoint()
     trainer.job.checkpoints.wait()
     assert trainer.job.checkpoints.committed_steps() == [20]

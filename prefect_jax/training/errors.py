@@ -116,12 +116,17 @@ class NonFiniteLossError(FloatingPointError):
 
     def __init__(self, step: int, metrics: dict[str, float], last_checkpoint: int | None):
         self.step, self.metrics, self.last_checkpoint = step, metrics, last_checkpoint
+        # (`metrics`: the means logged at the first log point from that step on)
         shown = ", ".join(f"{k}={v}" for k, v in sorted(metrics.items()))
+        rerun = (
+            "no step of the job is committed: a rerun starts from init"
+            if last_checkpoint is None
+            else f"a rerun resumes from its newest checkpoint, step {last_checkpoint}"
+        )
         super().__init__(
-            f"non-finite training metric at step {step} ({shown}); training stopped and this state "
-            f"was not checkpointed (the newest checkpoint is step {last_checkpoint}). Lower the "
-            "learning rate, add gradient clipping, or check the input data near this step; a rerun "
-            "resumes from that checkpoint."
+            f"non-finite training metric at step {step} (the means logged from it: {shown}); "
+            "training stopped and this state was not checkpointed. Lower the learning rate, add "
+            f"gradient clipping, or check the input data near this step; {rerun}."
         )
 
 
