@@ -326,3 +326,23 @@ def test_a_program_object_for_the_program_is_refused_naming_the_import_path_to_g
         role.validate_parameters({**given, "program": tiny})
     assert role.validate_parameters({**given, "program": "p:q"})["program"] == "p:q"
     assert parameter_schema(role.fn).properties["program"]["type"] == "string"
+
+
+@pytest.mark.parametrize("flow", ["train_and_evaluate", "train"])
+def test_a_train_hook_in_its_string_form_passes_the_deployments_schema(flow):
+    """docs/program.md shows a hook as "pkg.mod:fn@every=100" in a deployment's JSON; the
+    server's validation of the parameters against the flow's schema refused it (422: "is not of
+    type 'object'"). It is validated as the server does (Prefect's own `validate`)."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import ValidationError, validate
+
+    schema = parameter_schema(getattr(flows, flow).fn).model_dump_for_openapi()
+    hooks = ["tests.hooks:slow@every=1", {"path": "tests.hooks:slow", "at_end": True}]
+    given = {"program": "p:q", "job": "j", "storage": "/s"}
+    validate(
+        {**given, "train_spec": {"max_steps": 10, "hooks": hooks}}, schema, raise_on_error=True
+    )
+    with pytest.raises(ValidationError):
+        validate(
+            {**given, "train_spec": {"max_steps": 10, "hooks": [5]}}, schema, raise_on_error=True
+        )

@@ -21,11 +21,28 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from prefect_jax.training.spec_base import Spec
 
 Event = Literal["step", "checkpoint", "end"]
+
+
+def _or_its_string(schema: dict[str, Any]) -> None:
+    """The JSON schema of a hook: its object, or its string form (``"pkg.mod:fn@every=N"``), so a
+    deployment's parameters (prefect.yaml, the UI's form) take the string the docs show; the
+    server refused it with a 422, "is not of type 'object'"."""
+    as_object = dict(schema)
+    schema.clear()
+    schema["anyOf"] = [
+        as_object,
+        {
+            "type": "string",
+            "title": "pkg.mod:fn@every=N",
+            "description": "'pkg.mod:fn' (each checkpoint and the end) or 'pkg.mod:fn@' and a "
+            "comma list of every=N, checkpoint, end",
+        },
+    ]
 
 
 class TrainHook(Spec):
@@ -43,6 +60,8 @@ class TrainHook(Spec):
             checkpoint a SIGTERM writes).
         at_end: call it once when training finishes (the final step, or a stop request).
     """
+
+    model_config = ConfigDict(json_schema_extra=_or_its_string)
 
     path: str = Field(description="'package.module:attribute': fn(view), or a class of such.")
     every: int | None = Field(None, description="Call after every global step divisible by N.")
