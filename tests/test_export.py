@@ -323,9 +323,11 @@ def test_a_best_judged_by_another_metric_is_judged_again_from_the_eval_records(t
     by_loss = BestExporter(keep=None)
     with caplog.at_level("INFO"):
         assert run_exporter(by_loss, storage, _evaluated(40, 0.45, 0.1), 100, bytes, {}) is None
-    assert "best.json was judged by accuracy (max), the exporter now judges by loss (min)" in (
-        caplog.text
+    said = [r for r in caplog.records if r.levelname == "WARNING" and "best.json" in r.message]
+    assert said and "best.json was judged by accuracy (max), the exporter now judges by loss " in (
+        said[0].message
     )
+    assert said[0].message.endswith("give --best-metric accuracy --best-mode max"), said
     best = json.load(open(storage.export_dir("best") + "/best.json"))
     assert (best["step"], best["metric"], best["value"]) == (20, "loss", 0.4)
     dest = storage.export_dir("best", 50)

@@ -262,13 +262,20 @@ def _best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult
     best = read_best(storage, exporter)
     if best is not None and judged_alike(exporter, best):
         return best, True
-    if best is not None:
-        logger.info(
+    if best is not None:  # (a rerun or an export without the flags the job had: said)
+        before = (
+            f"--best-compare-fn {best['compare_fn']}"
+            if best.get("compare_fn")
+            else f"--best-metric {best.get('metric')} --best-mode {best.get('mode')}"
+        )
+        logger.warning(
             "exporter %s: best.json was judged by %s, the exporter now judges by %s: the best so "
-            "far is judged again from the eval records",
+            "far is judged again from the eval records, and @best may move. To judge as before, "
+            "give %s",
             exporter.name,
             best.get("compare_fn") or f"{best.get('metric')} ({best.get('mode')})",
             exporter.compare_fn or f"{exporter.metric} ({exporter.mode})",
+            before,
         )
     earlier = [r for r in EvalRecords(storage, result.name).all() if r.step < int(result.step)]
     if exporter.compare_fn:  # (records from before a metric was added: not comparable)
