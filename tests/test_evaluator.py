@@ -147,6 +147,21 @@ def test_the_throttle_spaces_evaluations_but_not_the_final_one():
     assert job.asked == [(10, 0.0), (20, 60.0), (100, 60.0)]
 
 
+def test_newest_only_evaluates_the_newest_step_once_the_throttle_wait_is_over():
+    """TF's evaluator: the latest checkpoint when it evaluates, if new. It chose the step before
+    the wait (30 at 60 s, though 40 was committed by then), and went back for older steps."""
+    clock = Clock()
+    job = Job(clock, committed=[10, 20], appear={30: 30.0, 40: 50.0})
+    evaluator = _evaluator(job, clock, throttle_secs=60.0, every_checkpoint=False, max_steps=40)
+    assert evaluator.run() == "evaluated the final step (40 >= max_steps=40)"
+    assert job.asked == [(20, 0.0), (40, 60.0)]  # 30, found at 30 s, is older by then
+    # Nor is an older step left behind evaluated once the newer ones are: 10 never is.
+    job = Job(clock, committed=[10, 20])
+    newest = _evaluator(job, clock, every_checkpoint=False, once=True)
+    assert newest.run() == "nothing new to evaluate (once=True)"
+    assert [step for step, _ in job.asked] == [20]
+
+
 def test_the_throttle_counts_from_the_start_of_the_last_evaluation_as_tfs():
     """TF's evaluator throttle: "do not re-evaluate unless the last evaluation was started at
     least this many seconds ago": the time an evaluation takes counts toward the wait."""

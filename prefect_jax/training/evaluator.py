@@ -240,8 +240,8 @@ class Evaluator:
         return None
 
     def pending_steps(self, done: set[int] | None = None) -> list[int]:
-        """The committed steps to evaluate next, oldest first (only the newest unless
-        `every_checkpoint`): not evaluated (`done`, default: the records'), not a backup nor a
+        """The committed steps to evaluate next, oldest first (only the newest, where newer than
+        every evaluated one, unless `every_checkpoint`): not evaluated (`done`, default: the records'), not a backup nor a
         preemption checkpoint. Whether a step is a backup is read once per step."""
         done = set(self.records.steps()) if done is None else done
         committed = self.committed_steps()
@@ -250,8 +250,8 @@ class Evaluator:
             if step not in self._regular:
                 (self._resume_only if self.is_backup(step) else self._regular).add(step)
         pending = [s for s in pending if s not in self._resume_only]
-        if pending and not self.every_checkpoint:
-            pending = pending[-1:]
+        if pending and not self.every_checkpoint:  # (TF's: the newest, if newer than the last)
+            pending = [s for s in pending[-1:] if s > max(done, default=-1)]
         return pending
 
     def evaluate_once(self, step: int) -> EvalResult:
@@ -264,6 +264,8 @@ class Evaluator:
             if wait > 0:
                 self.log("waiting %g s before the next evaluation (throttle_secs)", wait)
                 self.sleep(wait)
+                if not self.every_checkpoint:  # TF's: the newest once the wait is over
+                    step = (self.pending_steps() or [step])[-1]
         started = self.clock()
         result = self.evaluate(step)
         if result.status is EvalStatus.EVALUATED:
