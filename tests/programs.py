@@ -350,9 +350,11 @@ def higher_accuracy_current_first(current_eval_result: dict, best_eval_result: d
 class StopAfterTwo:
     """An eval listener in TF's `_ContinuousEvalListener` shape, as a TF user wrote it:
     `before_eval` takes no argument, `after_eval(eval_result)` answers False to end the
-    continuous evaluation after two evaluations. `seen` records the steps of every instance."""
+    continuous evaluation after two evaluations. `seen` records the steps of every instance, and
+    `paths` their results' `checkpoint_path` (TF's `_EvalResult` field)."""
 
     seen: list[int] = []
+    paths: list[str] = []
 
     def __init__(self):
         self.evaluations = 0
@@ -362,6 +364,7 @@ class StopAfterTwo:
 
     def after_eval(self, eval_result):
         StopAfterTwo.seen.append(eval_result.metrics["global_step"])  # (as TF's eval dicts)
+        StopAfterTwo.paths.append(eval_result.checkpoint_path)
         self.evaluations += 1
         return self.evaluations < 2
 

@@ -35,11 +35,12 @@ def _records(params) -> list[int]:
     return EvalRecords(JobStorage(params["storage"], params["job"]), "eval").steps()
 
 
-def test_a_tf_listener_ported_unchanged_ends_the_evaluator_after_its_false(tmp_path, mlflow_uri):
+def test_a_tf_listener_ported_ends_the_evaluator_after_its_false(tmp_path, mlflow_uri):
     """TF's `run_evaluator`: `after_eval(eval_result)` answering False ends the continuous
     evaluation, after that evaluation's exports. The listener is TF's shape (`before_eval(self)`,
     `after_eval(self, eval_result)`), named by import path; the trainer is not stopped."""
     StopAfterTwo.seen.clear()
+    StopAfterTwo.paths.clear()
     params = _params(
         tmp_path,
         mlflow_uri,
@@ -56,6 +57,8 @@ def test_a_tf_listener_ported_unchanged_ends_the_evaluator_after_its_false(tmp_p
     assert result["evaluated"] == [20, 40] and result["stopped"] == AFTER_40
     assert result["exports"] == {"latest": [20, 40]}
     assert StopAfterTwo.seen == [20, 40] and _records(params) == [20, 40]
+    checkpoints = tmp_path / "storage" / "listen-eval" / "checkpoints"
+    assert StopAfterTwo.paths == [f"{checkpoints}/20", f"{checkpoints}/40"]
     assert not (tmp_path / "storage" / "listen-eval" / "stop.json").exists()
 
 

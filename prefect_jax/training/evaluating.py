@@ -234,6 +234,7 @@ class Evaluations:
             evaluated_at=time.time(),
             started_at=started_at,
             is_final=is_final,
+            checkpoint_path=f"{job.checkpoint_location}/{step}",
         )
         # The live step's save may still be in flight (the evaluation overlapped it): a step is
         # recorded, logged and exported only once it is committed, so that a crash before the

@@ -56,6 +56,11 @@ class EvalResult(BaseModel):
         "TF's does; None in records written before it was kept (their evaluated_at counts).",
     )
     is_final: bool = False
+    checkpoint_path: str | None = Field(
+        None,
+        description="The evaluated step's checkpoint (TF's _EvalResult.checkpoint_path): its "
+        "directory, or its URL on object storage (redacted); None in records written before.",
+    )
     stop_reason: str | None = Field(
         None, description="Why an eval hook asked the job to stop, if it did."
     )

@@ -241,8 +241,9 @@ class Evaluator:
 
     def pending_steps(self, done: set[int] | None = None) -> list[int]:
         """The committed steps to evaluate next, oldest first (only the newest, where newer than
-        every evaluated one, unless `every_checkpoint`): not evaluated (`done`, default: the records'), not a backup nor a
-        preemption checkpoint. Whether a step is a backup is read once per step."""
+        every evaluated one, unless `every_checkpoint`): not evaluated (`done`, default: the
+        records'), not a backup nor a preemption checkpoint. Whether a step is a backup is read
+        once per step."""
         done = set(self.records.steps()) if done is None else done
         committed = self.committed_steps()
         pending = [s for s in committed if s not in done and s not in self._resume_only]
