@@ -127,6 +127,23 @@ class ExtraLeaf(TinyDigits):
         return {**state, "lr": jnp.float32(3e-3)}, metrics
 
 
+class StateOnly(TinyDigits):
+    """Tiny digits whose train_step returns the state alone (no metrics)."""
+
+    def train_step(self, state, batch):
+        return super().train_step(state, batch)[0]
+
+
+class PerExampleLoss(TinyDigits):
+    """Tiny digits whose train_step returns a loss per example, not its mean."""
+
+    def train_step(self, state, batch):
+        import jax.numpy as jnp
+
+        state, metrics = super().train_step(state, batch)
+        return state, {**metrics, "loss": jnp.full(len(batch["y"]), metrics["loss"])}
+
+
 class DeviceOutOfMemory(RuntimeError):
     """As XLA says a device ran out of memory (its XlaRuntimeError is a RuntimeError)."""
 

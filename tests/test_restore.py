@@ -331,6 +331,29 @@ def test_a_train_step_that_returns_another_state_is_refused_naming_the_leaf(job_
     assert trainer.committed_steps() == []
 
 
+@pytest.mark.parametrize(
+    ("program", "said"),
+    [
+        ("StateOnly", r"must return a pair \(state, metrics\), e\.g\. .*: it returned a dict"),
+        ("PerExampleLoss", r"metric 'loss' has shape \(32,\): each metric must be a scalar"),
+    ],
+)
+def test_a_train_step_that_returns_no_metrics_or_no_scalars_is_refused_before_a_step(
+    job_config, program, said
+):
+    """It failed with jit's KeyError: 1 (a state alone), or after an interval's training as its
+    first log point was read (a per-example loss), naming neither train_step nor the fix."""
+    import programs
+
+    from prefect_jax.training.program import ProgramError
+
+    trainer = Trainer(job_config(), program=getattr(programs, program)())
+    trainer.restore_or_init()
+    with pytest.raises(ProgramError, match=said):
+        trainer.train_until_checkpoint()
+    assert trainer.committed_steps() == [] and not trainer.step
+
+
 def test_typed_prng_keys_survive_a_checkpoint(tmp_path):
     from prefect_jax.training.checkpoints import CheckpointSpec
 

@@ -11,13 +11,44 @@ uninterrupted one does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
 from prefect_jax.training.compiled_steps import metric_sums, metrics_at, new_guard
+
+
+def train_step_metrics(returned) -> Mapping:
+    """The metrics of what `train_step` returned as traced (`jax.eval_shape`'s), refused
+    (`ProgramError`, naming the fix) unless it is ``(state, metrics)`` with metrics a dict of
+    scalars: jit's own errors came later and named neither (``KeyError: 1`` for a state alone;
+    a per-example loss failed as its first log point was read, after an interval's training)."""
+    from prefect_jax.training.program import ProgramError
+
+    if not (isinstance(returned, tuple | list) and len(returned) == 2):
+        what = f"a {type(returned).__name__}" + (
+            f" of {len(returned)}" if isinstance(returned, tuple | list) else ""
+        )
+        raise ProgramError(
+            f"train_step(state, batch) must return a pair (state, metrics), e.g. (state, "
+            f"{{'loss': loss}}): it returned {what}"
+        )
+    metrics = returned[1]
+    if not isinstance(metrics, Mapping):
+        raise ProgramError(
+            "train_step(state, batch) must return (state, metrics) with metrics a dict of scalars, "
+            f"e.g. {{'loss': loss}}: its metrics are a {type(metrics).__name__}"
+        )
+    for name, value in metrics.items():
+        shape = getattr(value, "shape", ())
+        if shape != ():
+            raise ProgramError(
+                f"train_step's metric {name!r} has shape {tuple(shape)}: each metric must be a "
+                "scalar, its mean over the batch (e.g. losses.mean())"
+            )
+    return metrics
 
 
 class TrainMeans:
@@ -41,7 +72,8 @@ class TrainMeans:
         `step`, else zeros (a fresh or restored state). `batch`: a batch as the step takes it,
         or its type (`Loop.batch_type`)."""
         if self._metric_shapes is None:
-            self._metric_shapes = jax.eval_shape(self._program_step, state, batch)[1]
+            returned = jax.eval_shape(self._program_step, state, batch)
+            self._metric_shapes = train_step_metrics(returned)
         sums, n = metric_sums(self._metric_shapes), 0
         carried = self._carried
         if carried is not None and carried[0] == step and set(carried[1][0]) == set(sums):
