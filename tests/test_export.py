@@ -113,6 +113,14 @@ def test_exporters_need_a_serving_function(job_config):
     with pytest.raises(ProgramError, match="no serve\\(state, inputs\\) and serving_input\\(\\)"):
         Trainer(job_config(exporters=[LatestExporter()]), program=NoServe())
 
+    class NoServingInput(NoServe):  # (it said that serve was missing too)
+        def serve(self, state, inputs):
+            return inputs
+
+    with pytest.raises(ProgramError, match="has no serving_input\\(\\) \\(exports need both") as e:
+        Trainer(job_config(exporters=[LatestExporter()]), program=NoServingInput())
+    assert "--exporters with no names" in str(e.value)
+
 
 def test_an_evaluation_that_exports_nothing_does_not_wait_for_its_steps_commit(
     job_config, monkeypatch

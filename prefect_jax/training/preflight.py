@@ -200,10 +200,15 @@ def check_job_parts(program: Any, program_ref: str, exporters: list, hooks: list
     from prefect_jax.training.train_hooks import TrainHooks
 
     if exporters and not has_serving(program):
+        lacks = " and ".join(
+            m
+            for m in ("serve(state, inputs)", "serving_input()")
+            if not callable(getattr(program, m.split("(")[0], None))
+        )
         raise ProgramError(
-            f"exporters {[e.name for e in exporters]} are configured, but "
-            f"program {program_ref!r} has no serve(state, inputs) and "
-            "serving_input(): add them, or drop the exporters"
+            f"exporters {[e.name for e in exporters]} are configured, but program "
+            f"{program_ref!r} has no {lacks} (exports need both, docs/program.md): add them, "
+            "or run without exporters (--exporters with no names, EvalSpec(exporters=[]))"
         )
     for exporter in exporters:  # a bad path refused now, not at an export
         if getattr(exporter, "compare_fn", None):

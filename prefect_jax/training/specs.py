@@ -242,7 +242,8 @@ class CheckpointSpec(Spec):
         return positive(
             "every_steps",
             v,
-            "checkpoint every N>=1 steps, or set every_steps=None and use every_secs",
+            "checkpoint every N>=1 steps, or by time only: every_steps=None with every_secs "
+            "(--checkpoint-every-steps none --checkpoint-every-secs N)",
             True,
         )
 
