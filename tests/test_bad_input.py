@@ -495,9 +495,13 @@ def test_a_checkpoint_path_that_is_no_committed_step_is_refused_before_the_job_s
     trained, tmp_path, mlflow_uri
 ):
     _, storage = trained
+    steps = storage / "j" / "checkpoints"
+    newest = f"the step to start from, e.g. the newest, '{steps}/40'"
     for path, expected in [
         (tmp_path / "nowhere", "does not exist"),
-        (storage / "j" / "checkpoints", "is not a committed checkpoint step directory"),
+        (steps / "20" / "state", "is not a committed checkpoint step directory"),
+        (steps, f"is a directory of checkpoint steps ([20, 40]), not one step: give {newest}"),
+        (storage / "j", "is a directory of checkpoint steps ([20, 40])"),  # (a job: TF's model_dir)
     ]:
         proc = run_cli(
             "run",
@@ -515,7 +519,7 @@ def test_a_checkpoint_path_that_is_no_committed_step_is_refused_before_the_job_s
         assert proc.returncode == 2
         line = _one_error_line(proc, "run")
         assert f"--checkpoint-path {str(path)!r} {expected}" in line, line
-        assert "'<storage>/<job>/checkpoints/<step>'" in line, line
+        assert "'<storage>/<job>/checkpoints/<step>'" in line or newest in line, line
         assert not (tmp_path / "s").exists()  # no job directory made
 
 

@@ -95,6 +95,14 @@ def check_checkpoint_path(path: str) -> None:
     if not os.path.exists(given):
         near = f" (committed steps in {parent}: {committed})" if committed else ""
         raise BadInputError(f"--checkpoint-path {path!r} does not exist{near}: {fix}")
+    for steps_dir in (given, os.path.join(given, "checkpoints")):  # (TF took a model dir)
+        inside = committed_steps(steps_dir) if os.path.isdir(steps_dir) else []
+        if inside:
+            newest = os.path.join(steps_dir, str(inside[-1]))
+            raise BadInputError(
+                f"--checkpoint-path {path!r} is a directory of checkpoint steps ({inside}), not "
+                f"one step: give the step to start from, e.g. the newest, {newest!r}"
+            )
     if not name.isdigit() or int(name) not in committed:
         raise BadInputError(
             f"--checkpoint-path {path!r} is not a committed checkpoint step directory "
