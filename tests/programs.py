@@ -144,6 +144,16 @@ class PerExampleLoss(TinyDigits):
         return state, {**metrics, "loss": jnp.full(len(batch["y"]), metrics["loss"])}
 
 
+class MixedTrainData(TinyDigits):
+    """Tiny digits whose train_data became a mix of two (its position has other keys)."""
+
+    def train_data(self, seed: int):
+        import grain
+
+        data = super().train_data(seed)
+        return grain.IterDataset.mix([data.to_iter_dataset(), data.to_iter_dataset()], [0.5, 0.5])
+
+
 class DeviceOutOfMemory(RuntimeError):
     """As XLA says a device ran out of memory (its XlaRuntimeError is a RuntimeError)."""
 

@@ -354,6 +354,35 @@ def test_a_train_step_that_returns_no_metrics_or_no_scalars_is_refused_before_a_
     assert trainer.committed_steps() == [] and not trainer.step
 
 
+def test_a_step_whose_data_position_does_not_fit_the_train_data_now_is_refused_as_such(
+    job_config,
+):
+    """train_data became a mix: Grain failed inside the restore (KeyError: 'parents'), reported as
+    an intact step that would not restore, to be moved aside by hand. It is another pipeline's
+    step: refused naming both positions, the step kept, the rerun budget not spent."""
+    from programs import MixedTrainData
+
+    from prefect_jax.training.storage import JobStorage
+
+    trainer = Trainer(job_config())
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.close()
+    config = job_config(job="tiny")
+    attempts = JobStorage(config.storage, config.job).path("attempts.json")
+    before = open(attempts).read()
+    mixed = Trainer(config, program=MixedTrainData())
+    try:
+        with pytest.raises(CheckpointMismatchError) as refused:
+            mixed.restore_or_init()
+    finally:
+        mixed.close()
+    said = str(refused.value)
+    assert "its data position does not fit the program's train_data(seed) now" in said, said
+    assert 'saved: {"next_index": …}' in said and '"parents": [' in said, said
+    assert mixed.committed_steps() == [20] and open(attempts).read() == before
+
+
 def test_typed_prng_keys_survive_a_checkpoint(tmp_path):
     from prefect_jax.training.checkpoints import CheckpointSpec
 

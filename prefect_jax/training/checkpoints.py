@@ -34,6 +34,7 @@ from prefect_jax.training.checkpoint_dirs import (
 from prefect_jax.training.checksums import BackgroundVerification
 from prefect_jax.training.data_positions import (
     position_text,
+    refuse_another_pipeline,
     restore_position_of_process_0,
     written_by_other_processes,
 )
@@ -340,6 +341,8 @@ class Checkpoints:
             )
         items = {"state": ocp.args.StandardRestore(abstract)}
         other_layout = data_iter is not None and written_by_other_processes(self.directory, step)
+        if data_iter is not None:
+            refuse_another_pipeline(data_iter, self.directory, step, other_layout)
         if data_iter is not None and not other_layout:
             items["data"] = IteratorRestore(data_iter)
         restored = self.manager.restore(int(step), args=ocp.args.Composite(**items))

@@ -117,3 +117,49 @@ def restore_position_of_process_0(data_iter, path: str, step: int) -> None:
         jax.process_count(),
         name,
     )
+
+
+def refuse_another_pipeline(data_iter, checkpoint_dir: str, step: int, other_layout) -> None:
+    """Refuse, before the restore, a step whose saved data position does not fit `data_iter` (a
+    fresh iterator of the program's `train_data(seed)`): its keys differ (a ``mix`` added, say).
+    Grain failed inside the restore (``KeyError: 'parents'``), which was then reported as an
+    intact step that would not restore, with advice to move it aside. A position of the same
+    keys is restored as is: what it counts is the program's to keep.
+
+    Raises:
+        CheckpointMismatchError: naming both positions' keys and the fix.
+    """
+    from etils import epath
+
+    if not isinstance(data_iter, grain.DatasetIterator):  # (a DataLoader's state is bytes)
+        return
+    path = other_layout or epath.Path(checkpoint_dir) / str(step) / "data" / _own_file()
+    try:
+        saved = json.loads(epath.Path(path).read_text())
+    except (OSError, ValueError):  # (none, or not JSON: the restore says what is wrong)
+        return
+    fresh = data_iter.get_state()
+    if _keys(saved) == _keys(fresh):
+        return
+    from prefect_jax.training.errors import CheckpointMismatchError
+
+    raise CheckpointMismatchError(
+        f"checkpoint {checkpoint_dir}/{step}: its data position does not fit the program's "
+        f"train_data(seed) now (saved: {_shown(saved)}; a new iterator's: {_shown(fresh)}): "
+        "train_data changed since this step was written. Resume it with the train_data that "
+        "wrote it, or start a new job (another job name or storage), or warm-start one from this "
+        "step's state (--checkpoint-path, which leaves its data position)."
+    )
+
+
+def _keys(state):
+    """A Grain iterator state's shape: its dicts' keys, all the way down (not its values)."""
+    if isinstance(state, dict):
+        return {k: _keys(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_keys(v) for v in state]
+    return None
+
+
+def _shown(state) -> str:
+    return json.dumps(_keys(state)).replace("null", "…")[:300]
