@@ -33,6 +33,11 @@ def test_a_misspelt_attribute_is_refused_with_the_names_closest_to_it():
         load_program("prefect_jax.examples.bytelm:programm")
     said = str(refused.value)
     assert "has no attribute 'programm'; did you mean 'program'?" in said
+    with pytest.raises(ProgramError) as refused:  # its own names, not the modules it imports
+        load_program("prefect_jax.examples.digits:programm")
+    said = str(refused.value)
+    assert said.endswith("(names it defines: 'DigitsProgram', 'MLP', 'digits_arrays', "
+                         "'load_digits_split', 'program', 'tiny')"), said  # fmt: skip
     with pytest.raises(ProgramError) as refused:  # a module of hundreds of names
         load_program("jax.numpy:arrray")
     said = str(refused.value)

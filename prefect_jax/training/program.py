@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import json
 from typing import Any
 
@@ -107,7 +108,9 @@ def import_path(
     except AttributeError as exc:
         import difflib
 
-        names = sorted(n for n in vars(module) if not n.startswith("_"))
+        names = sorted(
+            n for n, v in vars(module).items() if not n.startswith("_") and _defined_in(v, module)
+        )
         close = difflib.get_close_matches(attr, names, n=3)
         shown = ", ".join(repr(n) for n in names[:20]) + (
             f", ... ({len(names) - 20} more)" if len(names) > 20 else ""
@@ -118,6 +121,18 @@ def import_path(
             + f" (names it defines: {shown})"
         ) from exc
     return obj
+
+
+def _defined_in(value: Any, module) -> bool:
+    """Whether `value` is the module's own: not a module it imports (``np``) nor a function or
+    class it imports from another (a package's from its own modules are its own, and so is an
+    object it makes of an imported class)."""
+    if inspect.ismodule(value) or type(value).__module__ == "__future__":  # (`annotations`)
+        return False
+    if inspect.isclass(value) or inspect.isroutine(value):
+        home = getattr(value, "__module__", None) or module.__name__
+        return home == module.__name__ or home.startswith(module.__name__ + ".")
+    return True
 
 
 def _dotted_hint(module: str, attr: str) -> str:
