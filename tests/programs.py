@@ -577,6 +577,12 @@ def slow_export():
     return SlowExport(hidden=(32, 32), learning_rate=3e-3, batch_size=32, dropout=0.1)
 
 
+def stop_at_25(view) -> None:
+    """A train hook that stops the job at step 25, as TF's StopAtStepHook(last_step=25) would."""
+    if view.step == 25:
+        view.request_stop("step 25 reached")
+
+
 def record_train_hook(view) -> None:
     """A train hook (TF's `TrainSpec.hooks`): one JSON line per call to the file named by
     ``PREFECT_JAX_TEST_HOOK_FILE``: the event, the step, the metric names, and a leaf of the

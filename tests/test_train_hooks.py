@@ -63,6 +63,36 @@ def test_hooks_are_called_every_n_steps_at_each_checkpoint_and_at_the_end(
     assert {(c["job"], c["max_steps"], c["process"]) for c in lines} == {("hooked", 40, 0)}
 
 
+def test_a_hook_that_requests_a_stop_ends_the_job_at_that_intervals_checkpoint(
+    tmp_path, mlflow_uri
+):
+    """TF's run_context.request_stop() from a hook (StopAtStepHook): a hook at step 25 asks; the
+    interval's checkpoint (40) is committed and evaluated, and the job ends there, stopped, its
+    stop request durable (a rerun trains no further)."""
+    from prefect_jax.flows import train_and_evaluate
+    from prefect_jax.training.specs import CheckpointSpec
+    from prefect_jax.training.storage import JobStorage
+
+    params = dict(
+        program="prefect_jax.examples.digits:tiny",
+        job="stops",
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(
+            max_steps=100, log_every_steps=5, hooks=["tests.programs:stop_at_25@every=5"]
+        ),
+        checkpoint_spec=CheckpointSpec(every_steps=20),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+    summary = train_and_evaluate(**params)
+    assert summary["final_step"] == 40, summary
+    assert summary["stopped"] == "train hook at step 25: step 25 reached", summary
+    assert summary["eval"]["accuracy"] > 0  # the last checkpoint evaluated before the end
+    js = JobStorage(params["storage"], "stops")
+    stop = json.load(open(js.path("stop.json")))
+    assert (stop["step"], stop["by"]) == (25, "train hook")
+    assert train_and_evaluate(**params)["final_step"] == 40  # a rerun trains no further
+
+
 def test_hook_strings_and_refusals_name_the_hook_and_the_fix():
     spec = TrainSpec(max_steps=10, hooks=["a.b:f", "a.b:g@every=5,end"])
     assert spec.hooks == [

@@ -191,7 +191,13 @@ class Intervals:
             job=t.config.job,
             process_index=process_index(),
         )
-        return {**view, **given}
+        step = given.get("step", t.step)
+
+        def stop(reason: str) -> None:  # (the flow asks before the next interval: not cached)
+            t.job.request_stop(reason, step, by="train hook")
+            t.forget_stop_answer()
+
+        return {**view, "stop": stop, **given}
 
     def _ahead_of_the_end(self) -> None:
         """While the final step's checkpoint commits (the training task waits for it), what the

@@ -135,6 +135,17 @@ class TrainHookView:
     state: Any
     job: str
     process_index: int = 0
+    stop: Callable[[str], None] | None = dataclasses.field(default=None, repr=False)
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the job to stop, as TF's ``run_context.request_stop()`` (a ``StopAtStepHook``, a
+        ``NanTensorHook`` that does not fail): training ends at this interval's checkpoint, which
+        is committed and evaluated first, and the job's evaluator stops too (the job's
+        ``stop.json``, as early stopping writes it; a rerun trains no further until it is
+        deleted). Process 0's request is the job's: a hook decides alike in every process."""
+        if self.stop is None:
+            raise RuntimeError("this view was made without a job to stop")
+        self.stop(f"train hook at step {self.step}: {reason}")
 
 
 def _load(path: str) -> Callable[[TrainHookView], Any]:
