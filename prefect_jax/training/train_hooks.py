@@ -126,6 +126,7 @@ class TrainHookView:
             must make alike; read `addressable_shards` for this process's part.
         job: the job's name.
         process_index: this JAX process (0 for one process).
+        stop: how `request_stop` asks the job to stop (the engine's; call `request_stop`).
     """
 
     event: Event
