@@ -20,7 +20,7 @@ from prefect_jax.training.evaluation import EvalResult
 from prefect_jax.training.export_retention import prune_registered
 from prefect_jax.training.names import REGISTRY_FILE
 from prefect_jax.training.redaction import redact_url
-from prefect_jax.training.registry import ALIASES_DESCRIPTION, alias_for, default_registered_model
+from prefect_jax.training.registry import ALIASES_DESCRIPTION, alias_for, registered_model_of
 from prefect_jax.training.serving import input_signature, serving_specs
 
 if TYPE_CHECKING:
@@ -99,10 +99,9 @@ class Exports:
         `EvalSpec.registered_model`, else ``<job>-<hash of its storage>``
         (`registry.default_registered_model`: unique to the job and its storage)."""
         config = self.trainer.config
-        name = config.eval.registered_model
-        if name is None:
-            return default_registered_model(config.job, self.trainer.job.storage.root)
-        return name or None
+        return registered_model_of(
+            config.eval.registered_model, config.job, self.trainer.job.storage.root
+        )
 
     def export(
         self, result: EvalResult, on_done: Callable[[dict[str, str]], None] | None = None

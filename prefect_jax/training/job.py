@@ -298,11 +298,9 @@ class Job(JobCheckpoints):
         """The MLflow run's description (Markdown): what the job is and where its parts live."""
         c, root = self.config, redact_url(self.storage.job_dir)
         checkpoints = redact_url(self.storage.path("checkpoints"))
-        model = c.eval.registered_model
-        if model is None:
-            from prefect_jax.training.registry import default_registered_model
+        from prefect_jax.training.registry import registered_model_of
 
-            model = default_registered_model(c.job, self.storage.root)
+        model = registered_model_of(c.eval.registered_model, c.job, self.storage.root)
         lines = [
             f"**prefect-jax job `{c.job}`**: program `{c.program}`, "
             + (f"{c.train.max_steps} steps." if c.train.max_steps else "trains until stopped."),

@@ -63,6 +63,14 @@ def default_registered_model(job: str, storage_root: str) -> str:
     return f"{job}-{job_digest(storage_root, job)[:8]}"
 
 
+def registered_model_of(given: str | None, job: str, storage_root: str) -> str | None:
+    """The registered model of a job's exports: `given` (`EvalSpec.registered_model`), else
+    `default_registered_model`; None where `given` is ``""`` (nothing registered)."""
+    if given is None:
+        return default_registered_model(job, storage_root)
+    return given or None
+
+
 ALIASES_DESCRIPTION = (
     "`@best` (the best recorded evaluation, the `best` exporter), `@final` (the step at or past "
     "`max_steps`, the `final` exporter), `@newest` (the newest export, the `latest` exporter: "
