@@ -10,7 +10,11 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from prefect_jax.training.names import MLFLOW_UI_URL_DEFAULT, MLFLOW_UI_URL_ENV
+from prefect_jax.training.names import (
+    MLFLOW_UI_URL_DEFAULT,
+    MLFLOW_UI_URL_ENV,
+    PREFECT_UI_URL_LOCAL,
+)
 
 
 @contextlib.contextmanager
@@ -148,7 +152,7 @@ def browse_lines(summary: dict[str, Any]) -> list[str]:
         )
     # (PREFECT_JAX_EMBEDDED_API: the launcher's embedded server.)
     if not os.environ.get("PREFECT_API_URL") or os.environ.get("PREFECT_JAX_EMBEDDED_API"):
-        lines.append("  Prefect: uv run prefect server start   (then open http://127.0.0.1:4200)")
+        lines.append(f"  Prefect: uv run prefect server start   (then open {PREFECT_UI_URL_LOCAL})")
     job, storage = summary["job"], summary["storage"]
     lines.append(f"  Status:  uv run prefect-jax status --job {job} --storage {storage}")
     return lines

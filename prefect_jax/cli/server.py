@@ -15,6 +15,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from prefect_jax.training.names import PREFECT_UI_URL_ENV, PREFECT_UI_URL_LOCAL
+
 # Prefect's server settings that, both false, skip block type registration at its start (and the
 # import of every Prefect collection that deciding on it takes), and their older names: where a
 # user set any of them, the embedded server keeps what they set.
@@ -56,7 +58,7 @@ def prefect_backend(server: EmbeddedServer | None = None) -> Iterator[str]:
         setting = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
         api_url = server.wait(timeout=max(120.0, float(setting or 0)))
         # Its runs are browsed later with `prefect server start` (same database): links point there.
-        os.environ.setdefault("PREFECT_JAX_PREFECT_UI_URL", "http://127.0.0.1:4200")
+        os.environ.setdefault(PREFECT_UI_URL_ENV, PREFECT_UI_URL_LOCAL)
         with prefect.settings.temporary_settings(updates={PREFECT_API_URL: api_url}):
             try:
                 yield api_url

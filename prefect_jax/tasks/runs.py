@@ -18,6 +18,7 @@ from prefect_jax.training.names import (
     FLOW_RUN_URL_TAG,
     JOB_RUN_TAG,
     OWN_TAG,
+    PREFECT_UI_URL_ENV,
     PROCESS_RUN_TAG,
 )
 from prefect_jax.training.specs import JobConfig
@@ -245,7 +246,7 @@ def prefect_flow_run_url() -> str | None:
         return None
     from prefect.settings import PREFECT_UI_URL
 
-    base = os.environ.get("PREFECT_JAX_PREFECT_UI_URL") or PREFECT_UI_URL.value()
+    base = os.environ.get(PREFECT_UI_URL_ENV) or PREFECT_UI_URL.value()
     return f"{base.rstrip('/')}/runs/flow-run/{run_id}" if base else None
 
 

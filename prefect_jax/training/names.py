@@ -33,6 +33,9 @@ FLOW_RUN_TAG_PREFIX = "prefect.flow_run."
 # Where a local store's MLflow UI is (`mlflow ui` serves on this by default); a tracking
 # server's own URL is its UI.
 MLFLOW_UI_URL_ENV, MLFLOW_UI_URL_DEFAULT = "PREFECT_JAX_MLFLOW_UI_URL", "http://127.0.0.1:5000"
+# Where links to a flow run point when its API is not its UI: a command's embedded server's runs
+# are browsed afterwards with `prefect server start` (same database), which serves on this.
+PREFECT_UI_URL_ENV, PREFECT_UI_URL_LOCAL = "PREFECT_JAX_PREFECT_UI_URL", "http://127.0.0.1:4200"
 # the longest tag value written (MLflow 3 takes 8000; older servers 5000)
 MAX_TAG_VALUE = 5000
 # The experiment's kind (MLflow 3.17's UI picks its view from its sidebar switch instead:
