@@ -90,6 +90,15 @@ class EndlessEval(TinyDigits):
         return super().eval_data().repeat()
 
 
+class EndlessThenBatched(TinyDigits):
+    """`EndlessEval` repeated before it is batched, as TF's input_fn did: repeat().batch(B)."""
+
+    def eval_data(self):
+        import grain
+
+        return grain.MapDataset.source(list(range(100))).repeat().batch(8)
+
+
 def endless_eval():
     return EndlessEval()
 
@@ -366,6 +375,11 @@ def some_platforms_serve():
 def higher_accuracy(best_eval_result: dict, current_eval_result: dict) -> bool:
     """A `BestExporter.compare_fn` in TF's signature: the current result is better when its
     accuracy is higher (whatever its loss)."""
+    return current_eval_result["accuracy"] > best_eval_result["accuracy"]
+
+
+def higher_accuracy_positional(best_eval_result: dict, current_eval_result: dict, /) -> bool:
+    """`higher_accuracy` whose parameters cannot be given by name: called by position."""
     return current_eval_result["accuracy"] > best_eval_result["accuracy"]
 
 

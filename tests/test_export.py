@@ -236,7 +236,8 @@ def test_a_compare_fn_is_called_by_tf_s_parameter_names_in_any_order():
     from prefect_jax.training.best import beats
 
     best = {"step": 10, "metrics": {"loss": 0.5, "accuracy": 0.7}}
-    for fn in ("programs:higher_accuracy", "programs:higher_accuracy_current_first"):
+    named = ("programs:higher_accuracy", "programs:higher_accuracy_current_first")
+    for fn in (*named, "programs:higher_accuracy_positional"):
         exporter = BestExporter(compare_fn=fn)
         assert beats(exporter, {"loss": 0.9, "accuracy": 0.8}, 20, best), fn
         assert not beats(exporter, {"loss": 0.1, "accuracy": 0.6}, 20, best), fn
@@ -335,7 +336,9 @@ def test_a_best_judged_by_another_metric_is_judged_again_from_the_eval_records(t
     assert said and "best.json was judged by accuracy (max), the exporter now judges by loss " in (
         said[0].message
     )
-    assert said[0].message.endswith("give --best-metric accuracy --best-mode max"), said
+    assert said[0].message.endswith(
+        "give --best-metric accuracy --best-mode max (BestExporter(metric='accuracy', mode='max'))"
+    ), said
     best = json.load(open(storage.export_dir("best") + "/best.json"))
     assert (best["step"], best["metric"], best["value"]) == (20, "loss", 0.4)
     dest = storage.export_dir("best", 50)

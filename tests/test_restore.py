@@ -381,6 +381,14 @@ def test_a_step_whose_data_position_does_not_fit_the_train_data_now_is_refused_a
     assert "its data position does not fit the program's train_data(seed) now" in said, said
     assert 'saved: {"next_index": …}' in said and '"parents": [' in said, said
     assert mixed.committed_steps() == [20] and open(attempts).read() == before
+    # The way out it names: a new job warm-started from the step's state, its own data from the
+    # start (the source's position is not restored: it was, and failed the same way).
+    step_dir = f"{JobStorage(config.storage, config.job).checkpoint_dir}/20"
+    fresh = Trainer(job_config(job="mixed"), program=MixedTrainData())
+    try:
+        assert fresh.restore_or_init(checkpoint_path=step_dir) == 20
+    finally:
+        fresh.close()
 
 
 def test_typed_prng_keys_survive_a_checkpoint(tmp_path):

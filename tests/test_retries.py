@@ -1,6 +1,8 @@
 """train_until_checkpoint retries: a failed interval restores the last
 checkpoint and resumes exactly."""
 
+import os
+
 import pytest
 from mlflow.tracking import MlflowClient
 from process_helpers import settled_task_runs
@@ -14,7 +16,7 @@ pytestmark = [pytest.mark.usefixtures("prefect_server"), pytest.mark.slow]
 
 
 def _run(tmp_path, mlflow_uri, program, job, **options):
-    return train_and_evaluate(
+    params = dict(
         program=program,
         job=job,
         storage=str(tmp_path / "storage"),
@@ -22,8 +24,8 @@ def _run(tmp_path, mlflow_uri, program, job, **options):
         checkpoint_spec=CheckpointSpec(every_steps=20),
         mlflow_tracking_uri=mlflow_uri,
         return_state=True,
-        **options,
     )
+    return train_and_evaluate(**{**params, **options})
 
 
 def _mlflow_run(mlflow_uri, tmp_path, job):
@@ -129,27 +131,37 @@ def test_training_data_of_fewer_batches_than_max_steps_is_refused_before_trainin
 
 def test_an_endless_eval_data_read_whole_is_refused_not_run_until_killed(tmp_path, mlflow_uri):
     """eval_data().repeat() with eval steps None: the evaluation never ended, and logged nothing.
-    A command refuses it before any work; a flow at its first evaluation, not retried, its step
-    kept; with a number of eval batches (TF's EvalSpec.steps) it evaluates."""
+    A command refuses it before any work, a flow before training; a resumed job's evaluation, not
+    retried, its step kept; with a number of eval batches (TF's EvalSpec.steps) it evaluates."""
+    from programs import EndlessThenBatched
+
     from prefect_jax.training.errors import EndlessEvalDataError
+    from prefect_jax.training.evaluation import refuse_endless_eval_data
     from prefect_jax.training.facade import preflight
 
     endless = r"eval_data\(\) never ends .* give a number of eval batches \(--eval-steps N"
     with pytest.raises(EndlessEvalDataError, match=endless):
         preflight("programs:endless_eval", "e", str(tmp_path / "storage"), eval_spec=EvalSpec())
+    with pytest.raises(EndlessEvalDataError, match=endless):  # (a length over the batch size)
+        refuse_endless_eval_data(EndlessThenBatched().eval_data(), None)
     state = _run(tmp_path, mlflow_uri, "programs:endless_eval", "endless")
     assert state.is_failed()
     with pytest.raises(EndlessEvalDataError, match=endless):
         state.result()
-    runs = settled_task_runs(state.state_details.flow_run_id)
-    (evaluation,) = [r for r in runs if r.name.startswith("evaluate")]
-    assert evaluation.run_count == 1
     storage = JobStorage(str(tmp_path / "storage"), "endless")
-    assert storage.list_int_names(storage.checkpoint_dir) == [20]
-    state = _run(
-        tmp_path, mlflow_uri, "programs:endless_eval", "endless", eval_spec=EvalSpec(steps=2)
+    assert not os.path.exists(storage.checkpoint_dir) or not os.listdir(storage.checkpoint_dir)
+    # A job trained without it (steps=2), resumed with it: its first evaluation, not retried.
+    params = dict(
+        eval_spec=EvalSpec(steps=2), train_spec=TrainSpec(max_steps=20, log_every_steps=10)
     )
-    assert state.is_completed() and state.result()["eval"]["accuracy"] > 0
+    assert _run(tmp_path, mlflow_uri, "programs:endless_eval", "endless", **params).is_completed()
+    state = _run(tmp_path, mlflow_uri, "programs:endless_eval", "endless")
+    with pytest.raises(EndlessEvalDataError, match=endless):
+        state.result()
+    runs = settled_task_runs(state.state_details.flow_run_id)
+    (evaluation,) = [r for r in runs if r.name == "evaluate 40"]
+    assert evaluation.run_count == 1 and evaluation.state.is_failed()
+    assert storage.list_int_names(storage.checkpoint_dir) == [20, 40]
 
 
 def test_an_eval_step_of_means_found_by_the_evaluation_is_not_retried(tmp_path, mlflow_uri):
@@ -189,6 +201,8 @@ def test_a_nan_loss_before_any_checkpoint_says_a_rerun_starts_from_init():
     said = str(NonFiniteLossError(19, {"loss": float("nan")}, None))
     assert "(the means logged from it: loss=nan)" in said, said
     assert said.endswith("no step of the job is committed: a rerun starts from init."), said
+    warm = str(NonFiniteLossError(19, {"loss": float("nan")}, None, warm_started=True))
+    assert warm.endswith("a rerun warm-starts again (checkpoint_path)."), warm
 
 
 def test_a_nan_loss_stops_at_its_step_without_retry_or_checkpoint(tmp_path, mlflow_uri):

@@ -284,19 +284,22 @@ def test_the_evaluator_and_the_exporter_follow_the_max_steps_their_trainer_recor
 ):
     """TF's roles share one TrainSpec; here each step records its trainer's max_steps. An evaluator
     given a smaller one (it took step 20 for final, stopped, and the trainer's later steps went
-    unevaluated), or an export given the command's default (step 40 was not final), follow it."""
+    unevaluated), or an export given the command's default (step 40 was not final), follow it;
+    the newest step's, where a rerun raised it (step 20 and 40 record 40, step 60 records 60)."""
     params = _params(tmp_path, mlflow_uri, "other-max", max_steps=40, exporters=[LatestExporter()])
     assert train(**params)["final_step"] == 40
+    params["train_spec"] = TrainSpec(max_steps=60, log_every_steps=10)
+    assert train(**params)["final_step"] == 60
     from prefect_jax.training import live
 
     live.drop_all(close=False)
     params["train_spec"] = TrainSpec(max_steps=20, log_every_steps=10)
     with _flow_run_logs(logging.INFO) as said:
         result = evaluate(**params, poll_secs=0.1, idle_timeout_secs=1)
-    assert result["evaluated"] == [20, 40], result
-    assert result["stopped"] == "evaluated the final step (40 >= max_steps=40)", result
+    assert result["evaluated"] == [20, 40, 60], result
+    assert result["stopped"] == "evaluated the final step (60 >= max_steps=60)", result
     assert (
-        "job other-max's trainer trains to max_steps=40 (its step 40 records it): this evaluator "
+        "job other-max's trainer trains to max_steps=60 (its step 60 records it): this evaluator "
         "follows it, not the max_steps=20 it was given"
     ) in said, said
     live.drop_all(close=False)
@@ -304,4 +307,5 @@ def test_the_evaluator_and_the_exporter_follow_the_max_steps_their_trainer_recor
         train_spec=TrainSpec(max_steps=1000), eval_spec=EvalSpec(exporters=[FinalExporter()])
     )
     js = JobStorage(params["storage"], "other-max")
-    assert export_flow(**params, step=40) == {"final": js.export_dir("final", 40)}
+    assert export_flow(**params, step=60) == {"final": js.export_dir("final", 60)}
+    assert export_flow(**params, step=40) == {}  # (final when saved, not since the rerun)

@@ -239,7 +239,9 @@ def _run_flow_with(
         args.compilation_cache if role != "export" else None,
         program_params,
         train_spec if role in _TRAINS else None,  # its compile begins once the checks pass
-        role != "train",  # (a trainer alone: its evaluator checks the metrics its spec names)
+        # (a trainer alone: its evaluator checks the metrics its spec names; an export reads
+        # evaluations, makes none)
+        role in ("train_and_evaluate", "evaluate"),
         # an export with nothing to export, refused before its flow run (unless it waits)
         role == "export" and not args.wait_for_checkpoint,
         args.step if role == "export" else None,

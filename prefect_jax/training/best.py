@@ -37,9 +37,10 @@ def load_compare_fn(path: str) -> Callable[[dict, dict], Any]:
         raise ProgramError(
             f"BestExporter compare_fn {path!r} is a {type(obj).__name__}, not a function {shape}"
         )
-    try:
-        named = set(_TF_NAMES) <= set(inspect.signature(obj).parameters)
-    except (TypeError, ValueError):  # (no signature to read: called as documented)
+    try:  # (callable by those names, nothing else required: not positional-only ones)
+        inspect.signature(obj).bind(**dict.fromkeys(_TF_NAMES))
+        named = True
+    except (TypeError, ValueError):  # (no signature to read, or not so: called by position)
         named = False
     if named:
         return lambda best, current: obj(best_eval_result=best, current_eval_result=current)

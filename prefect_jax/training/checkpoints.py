@@ -34,7 +34,7 @@ from prefect_jax.training.checkpoint_dirs import (
 from prefect_jax.training.checksums import BackgroundVerification
 from prefect_jax.training.data_positions import (
     position_text,
-    refuse_another_pipeline,
+    positions_explained,
     restore_position_of_process_0,
     written_by_other_processes,
 )
@@ -341,13 +341,12 @@ class Checkpoints:
             )
         items = {"state": ocp.args.StandardRestore(abstract)}
         other_layout = data_iter is not None and written_by_other_processes(self.directory, step)
-        if data_iter is not None:
-            refuse_another_pipeline(data_iter, self.directory, step, other_layout)
         if data_iter is not None and not other_layout:
             items["data"] = IteratorRestore(data_iter)
-        restored = self.manager.restore(int(step), args=ocp.args.Composite(**items))
-        if other_layout:
-            restore_position_of_process_0(data_iter, other_layout, step)
+        with positions_explained(data_iter, self.directory, step, other_layout):
+            restored = self.manager.restore(int(step), args=ocp.args.Composite(**items))
+            if other_layout:
+                restore_position_of_process_0(data_iter, other_layout, step)
         return from_savable(restored["state"], abstract_state), meta
 
     def wait(self) -> None:

@@ -4,8 +4,10 @@ written by another number of processes than the job has now."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 
 import grain
 import jax
@@ -119,16 +121,27 @@ def restore_position_of_process_0(data_iter, path: str, step: int) -> None:
     )
 
 
-def refuse_another_pipeline(data_iter, checkpoint_dir: str, step: int, other_layout) -> None:
-    """Refuse, before the restore, a step whose saved data position does not fit `data_iter` (a
-    fresh iterator of the program's `train_data(seed)`): its keys differ (a ``mix`` added, say).
-    Grain failed inside the restore (``KeyError: 'parents'``), which was then reported as an
-    intact step that would not restore, with advice to move it aside. A position of the same
-    keys is restored as is: what it counts is the program's to keep.
+@contextlib.contextmanager
+def positions_explained(data_iter, checkpoint_dir: str, step: int, other_layout) -> Iterator:
+    """Around the restore of a step's data position into `data_iter` (a fresh iterator of the
+    program's `train_data(seed)`; None: not restored): where Grain fails and the saved position's
+    keys differ from a new iterator's (a ``mix`` added, say), it is another pipeline's step.
+    Grain's own error (``KeyError: 'parents'``) was reported as an intact step to move aside by
+    hand. Compared only after a failure: Grain takes positions whose keys differ in ways it knows
+    (one written before a key was added), and a new iterator's state may take threads to build.
 
     Raises:
-        CheckpointMismatchError: naming both positions' keys and the fix.
+        CheckpointMismatchError: naming both positions' keys and the fix (else Grain's error).
     """
+    try:
+        yield
+    except Exception:
+        if data_iter is not None:
+            _refuse_another_pipeline(data_iter, checkpoint_dir, step, other_layout)
+        raise
+
+
+def _refuse_another_pipeline(data_iter, checkpoint_dir: str, step: int, other_layout) -> None:
     from etils import epath
 
     if not isinstance(data_iter, grain.DatasetIterator):  # (a DataLoader's state is bytes)
@@ -136,9 +149,9 @@ def refuse_another_pipeline(data_iter, checkpoint_dir: str, step: int, other_lay
     path = other_layout or epath.Path(checkpoint_dir) / str(step) / "data" / _own_file()
     try:
         saved = json.loads(epath.Path(path).read_text())
-    except (OSError, ValueError):  # (none, or not JSON: the restore says what is wrong)
+        fresh = data_iter.get_state()
+    except Exception:  # noqa: BLE001 - not readable: Grain's error is the one to see
         return
-    fresh = data_iter.get_state()
     if _keys(saved) == _keys(fresh):
         return
     from prefect_jax.training.errors import CheckpointMismatchError

@@ -114,15 +114,22 @@ class EvalHookError(RuntimeError):
 class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN or Inf metric; the state of that step is not checkpointed."""
 
-    def __init__(self, step: int, metrics: dict[str, float], last_checkpoint: int | None):
+    def __init__(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        last_checkpoint: int | None,
+        warm_started: bool = False,
+    ):
         self.step, self.metrics, self.last_checkpoint = step, metrics, last_checkpoint
         # (`metrics`: the means logged at the first log point from that step on)
         shown = ", ".join(f"{k}={v}" for k, v in sorted(metrics.items()))
-        rerun = (
-            "no step of the job is committed: a rerun starts from init"
-            if last_checkpoint is None
-            else f"a rerun resumes from its newest checkpoint, step {last_checkpoint}"
-        )
+        if last_checkpoint is not None:
+            rerun = f"a rerun resumes from its newest checkpoint, step {last_checkpoint}"
+        elif warm_started:
+            rerun = "no step of the job is committed: a rerun warm-starts again (checkpoint_path)"
+        else:
+            rerun = "no step of the job is committed: a rerun starts from init"
         super().__init__(
             f"non-finite training metric at step {step} (the means logged from it: {shown}); "
             "training stopped and this state was not checkpointed. Lower the learning rate, add "

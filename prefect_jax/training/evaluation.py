@@ -129,20 +129,19 @@ class EvaluationAbandoned(Exception):
 
 def refuse_endless_eval_data(eval_data, steps: int | None) -> None:
     """Refuse an `eval_data()` that never ends (a MapDataset repeated without a number of epochs:
-    its length is ``sys.maxsize``) where `steps` is None, the whole eval set: the evaluation would
-    run until killed, silently. (An IterDataset's length is unknown until it ends.)
+    its length is ``sys.maxsize``, or that over the batch size where it is batched after) where
+    `steps` is None, the whole eval set: the evaluation would run until killed, silently. (An
+    IterDataset's length is unknown until it ends.)
 
     Raises:
         EndlessEvalDataError: naming the two fixes.
     """
-    import sys
-
     import grain
 
     if steps is not None or not isinstance(eval_data, grain.MapDataset):
         return
-    try:
-        endless = len(eval_data) >= sys.maxsize
+    try:  # (2**40 batches: more than any eval set read whole, fewer than any repeat's batches)
+        endless = len(eval_data) >= 2**40
     except TypeError:  # (a MapDataset whose source has no length)
         return
     if endless:

@@ -266,7 +266,10 @@ class Evaluator:
                 self.log("waiting %g s before the next evaluation (throttle_secs)", wait)
                 self.sleep(wait)
                 if not self.every_checkpoint:  # TF's: the newest once the wait is over
-                    step = (self.pending_steps() or [step])[-1]
+                    newest = self.pending_steps()
+                    if not newest:  # (evaluated meanwhile, by another evaluator)
+                        return EvalResult(status=EvalStatus.NO_NEW_CHECKPOINT, step=step)
+                    step = newest[-1]
         started = self.clock()
         result = self.evaluate(step)
         if result.status is EvalStatus.EVALUATED:

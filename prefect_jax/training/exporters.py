@@ -263,11 +263,13 @@ def _best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult
     if best is not None and judged_alike(exporter, best):
         return best, True
     if best is not None:  # (a rerun or an export without the flags the job had: said)
-        before = (
-            f"--best-compare-fn {best['compare_fn']}"
-            if best.get("compare_fn")
-            else f"--best-metric {best.get('metric')} --best-mode {best.get('mode')}"
-        )
+        if best.get("compare_fn"):
+            fn = best["compare_fn"]
+            before = f"--best-compare-fn {fn} (BestExporter(compare_fn={fn!r}))"
+        else:
+            judged = {k: best[k] for k in ("metric", "mode") if best.get(k) is not None}
+            flags = " ".join(f"--best-{k} {v}" for k, v in judged.items())
+            before = f"{flags} (BestExporter({', '.join(f'{k}={v!r}' for k, v in judged.items())}))"
         logger.warning(
             "exporter %s: best.json was judged by %s, the exporter now judges by %s: the best so "
             "far is judged again from the eval records, and @best may move. To judge as before, "

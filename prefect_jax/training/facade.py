@@ -159,7 +159,8 @@ def preflight(
         ProgramParamsError: `program_params` do not fit the program's parameter type.
         ProgramParamsMismatchError: The job's newest step was trained with other params.
         StorageNotWritableError: The storage cannot be written.
-        PastMaxStepsError: The job has a committed step past `max_steps`.
+        PastMaxStepsError: The job has a committed step past `max_steps`, where this process
+            trains it (`train_spec`): the other roles follow the trainer's.
         BadInputError: A path, a metric name or the storage root is refused (a ``ValueError``).
         ShardingError: One process's program declares a mesh, shardings or a batch spec that the
             devices, its state or its first batch do not fit (`sharded_state.check_sharding`).

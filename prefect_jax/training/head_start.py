@@ -57,7 +57,7 @@ class HeadStart:
     cache_opened: bool  # the job's compilation cache is open (as `open_compilation_cache` left it)
     # the export platforms the preflight checked serve for (`check_serving_early`), if it did
     serving_checked: tuple[str, ...] | None = None
-    # the eval metrics the preflight checked (`preflight.check_metric_names`), if it did
+    # the eval metrics the preflight checked (`preflight.check_evaluation`), if it did
     metrics_checked: tuple[str, ...] | None = None
 
     def checked_metrics_of(self, eval_spec: Any) -> bool:

@@ -117,7 +117,7 @@ class Intervals:
                     with contextlib.suppress(Exception):
                         t.evaluations.pending.record(wait=True)
                     raise NonFiniteLossError(
-                        bad.step, bad.metrics, job.newest_committed()
+                        bad.step, bad.metrics, job.newest_committed(), t.warm_started
                     ) from None
                 t.state, t.step = interval.state, interval.step
                 self._account(time.perf_counter() - started)

@@ -156,17 +156,26 @@ def eval_metric_names(program: Any, one_process: bool = True) -> list[str]:
     return sorted(names)
 
 
-def check_metric_names(
+def check_evaluation(
     program: Any, eval_spec: Any, one_process: bool = True, flags: bool = True
 ) -> bool:
-    """Refuse a best exporter's or early stopping's metric that the evaluation does not produce
-    (where `eval_metric_names` can find them: see `one_process` there). `flags`: the message
-    names the command's flag (else the spec's field, for a program run from Python). Whether
-    the metrics were checked (False: not knowable before an evaluation, which checks them).
+    """Refuse an evaluation that could not end or compare what it is asked to: an endless
+    `eval_data()` read whole (`evaluation.refuse_endless_eval_data`: it ran until killed; at the
+    command's start-up, `flags`, not for a program that declares its `eval_metric_names`, whose
+    eval data it does not read: its first evaluation refuses it), and a best exporter's or early
+    stopping's metric that the evaluation does not produce (where `eval_metric_names` can find
+    them: see `one_process` there). `flags`: the message names the command's flag (else the
+    spec's field, for a program run from Python). Whether the metrics were checked (False: not
+    knowable before an evaluation, which checks them).
 
     Raises:
+        EndlessEvalDataError: `eval_data()` never ends and `eval_spec.steps` is None.
         BadInputError: The metric is not among `eval_metric_names`; the message names them.
     """
+    from prefect_jax.training.evaluation import refuse_endless_eval_data
+
+    if not flags or getattr(program, "eval_metric_names", None) is None:
+        refuse_endless_eval_data(program.eval_data(), eval_spec.steps)
 
     def named_by(exporter: str | None) -> str:
         if exporter is None:
@@ -308,10 +317,7 @@ def check_job(
         )
         metrics_checked = None  # (the metrics checked here: the head start's trainer skips them)
         if eval_spec is not None and evaluates:
-            from prefect_jax.training.evaluation import refuse_endless_eval_data
-
-            refuse_endless_eval_data(loaded.eval_data(), eval_spec.steps)  # (it hung, silent)
-            if check_metric_names(loaded, eval_spec, one_process=cluster is None):
+            if check_evaluation(loaded, eval_spec, one_process=cluster is None):
                 metrics_checked = compared_metric_names(eval_spec)
         exporters = eval_spec.exporters if eval_spec is not None else []
         if train_spec is not None:  # what its trainer refuses as it is made (see head_start)

@@ -23,7 +23,7 @@ from prefect_jax.training.errors import (
 )
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.names import DEVICES_TAG
-from prefect_jax.training.preflight import check_metric_names
+from prefect_jax.training.preflight import check_evaluation
 from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore_of
 from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
@@ -89,13 +89,12 @@ def recover_session(
                 "'<checkpoints>/<step>'."
             )
         source = Checkpoints(parent, read_only=True)
-        try:
-            data_iter = new_iter()
-            state, meta = source.restore(int(name), abstract_state, data_iter)
+        try:  # (not its data position: the source job's, of a train_data that may differ)
+            state, meta = source.restore(int(name), abstract_state, None)
         finally:
             source.close()
         log(f"restored step {name} from {path}")
-        return True, state, int(name), meta, data_iter
+        return True, state, int(name), meta, new_iter()
     if checkpoint_dir:
         assert checkpoints is not None and checkpoints.directory == checkpoint_dir
         list_steps = list_steps or checkpoints.committed_steps
@@ -235,7 +234,7 @@ def restore_trainer(
         trainer.metrics_settled = True
     elif newest is None and not trainer.metrics_settled and job.processes == 1:
         # a new job no command checked (a flow or the engine from Python): before any step
-        check_metric_names(trainer.program, trainer.config.eval, flags=False)
+        check_evaluation(trainer.program, trainer.config.eval, flags=False)
         trainer.metrics_settled = True  # (checked, or knowable only as it evaluates)
     waited_for_holder = job.acquire_lease(recheck=True)
     # (a holder waited for may have committed meanwhile: its progress is not a rerun without any;
@@ -279,10 +278,8 @@ def restore_trainer(
             list_steps=(lambda: listed) if listed else job.committed_steps,
             prepare_step=lambda at: fetch_and_check(trainer, at, trains=True),
         )
-    if checkpoint_path and not has_own and step:
-        # warm start: weights from elsewhere, this job's data from the start
-        data_iter = loop.fresh_iter()
-    elif checkpoint_path and has_own:  # (TF's prepare_session refuses both; a rerun must resume)
+    # (a warm start: weights from elsewhere, this job's data from the start, `prepare_session`'s)
+    if checkpoint_path and has_own:  # (TF's prepare_session refuses both; a rerun must resume)
         logger.warning(
             "job %s has checkpoints of its own: it resumes from step %d, and checkpoint_path %s "
             "(a warm start for a new job) is not used; give a new job name to warm-start from it",
@@ -367,7 +364,7 @@ def recover_trainer(
     job.checkpoints.wait()
     if evaluates and not trainer.metrics_settled and job.processes == 1:
         # the evaluate flow, before it restores a step (once per trainer)
-        check_metric_names(trainer.program, trainer.config.eval, flags=False)
+        check_evaluation(trainer.program, trainer.config.eval, flags=False)
         trainer.metrics_settled = True
     if step is not None:
         if not job.is_committed(step):

@@ -91,9 +91,23 @@ def evaluate(
     logger = get_run_logger()
     config = checked_job_config(locals())  # its MLflow URI checked before any work
     tasks = job_tasks(config.retry)
+
+    def following():
+        """The job's config with the max_steps its trainer recorded in its newest step (a rerun
+        of the trainer may have raised it since: an older step records the old one): the
+        evaluator's final step, and the final exporter's."""
+        nonlocal config
+        newest = max(evaluator.committed_steps(), default=None)
+        if newest is not None:
+            config = following_the_trainer(
+                config, evaluator.storage, newest, "evaluator", logger.info
+            )
+            evaluator.max_steps = config.train.max_steps  # (`export` below reads `config` as is)
+        return config
+
     evaluator = Evaluator.for_job(
         config,
-        evaluate=lambda step: tasks.evaluate_if_new(config, step, force=True),
+        evaluate=lambda step: tasks.evaluate_if_new(following(), step, force=True),
         export=lambda result: tasks.export(config, result),
         every_checkpoint=every_checkpoint,
         once=once,
@@ -104,9 +118,8 @@ def evaluate(
         warn=logger.warning,
     )
     # The wait reads the storage only: JAX (and a GPU) is not taken until there is a step.
-    first = evaluator.wait_for_first_checkpoint()
-    config = following_the_trainer(config, evaluator.storage, first, "evaluator", logger.info)
-    evaluator.max_steps = config.train.max_steps  # (the tasks' lambdas read `config` as it is now)
+    first = evaluator.wait_for_first_checkpoint()  # (the newest committed step)
+    following()
     # A late checkpoint event's run finds the job finished and exported: nothing is evaluated or
     # re-exported, but what an evaluator killed earlier left out of MLflow still lands.
     done = _finished_and_exported(config, evaluator)

@@ -88,8 +88,12 @@ def export_flow(
         raise ValueError(refusal)
     chosen = steps[-1] if step is None else step
     result = records.get(chosen)  # (read by the check)
-    # (the final exporter's "final" is the trainer's max_steps, as the evaluator's)
-    config = following_the_trainer(config, js, chosen, "export", get_run_logger().info)
+    # (the final exporter's "final" is the trainer's max_steps, as the evaluator's: its newest
+    # step's, which a rerun may have raised since `chosen` was saved)
+    from prefect_jax.training.steps import job_committed_steps
+
+    newest = max(job_committed_steps(js), default=chosen)
+    config = following_the_trainer(config, js, newest, "export", get_run_logger().info)
     # TF's recover_session: the step's own checkpoint, never a fresh state in its place
     if not tasks.recover(config, step=chosen)["restored"]:
         raise ValueError(checkpoint_gone(js, chosen))  # (removed since the check)
