@@ -175,7 +175,11 @@ def check_evaluation(
     from prefect_jax.training.evaluation import refuse_endless_eval_data
 
     if not flags or getattr(program, "eval_metric_names", None) is None:
-        refuse_endless_eval_data(program.eval_data(), eval_spec.steps)
+        try:
+            eval_data = program.eval_data()
+        except Exception:  # noqa: BLE001 - its own error, where the engine reads it (a resume's
+            eval_data = None  # other params are refused first, say)
+        refuse_endless_eval_data(eval_data, eval_spec.steps)
 
     def named_by(exporter: str | None) -> str:
         if exporter is None:
