@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import train_and_close
 from deployment_helpers import ROOT, PrefectServerProcess, _base_env
 
 from prefect_jax.deployments import job_resource_id
@@ -131,9 +130,15 @@ def test_the_evaluator_waits_out_its_idle_timeout_while_the_trainer_holds_the_le
     from prefect_jax.flows import evaluate
     from prefect_jax.training import live
     from prefect_jax.training.storage import JobStorage
+    from prefect_jax.training.trainer import Trainer
 
-    config = job_config(max_steps=40, every_steps=20)
-    train_and_close(config)
+    # A trainer of 100 steps at its step 40 (its steps record the 100 the evaluator follows).
+    config = job_config(max_steps=100, every_steps=20)
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    while trainer.step < 40:
+        trainer.train_until_checkpoint()
+    trainer.close()
     live.drop_all(close=False)
     js = JobStorage(config.storage, config.job)
     lease = {
