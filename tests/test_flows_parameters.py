@@ -96,7 +96,34 @@ def test_program_params_reach_the_program_mlflow_and_checkpoints_and_a_change_is
         run(40, width=16, learning_rate=0.02)
     assert committed_steps(summary["checkpoint_dir"]) == [10, 20]
     # The same params (and more steps, read by another number of threads): resumed.
-    assert run(30, width=16, learning_rate=0.01, read_threads=2)["final_step"] == 30
+    resumed = run(30, width=16, learning_rate=0.01, read_threads=2)
+    assert resumed["final_step"] == 30
+    # The evaluator and the exporter, given no params, build the program as its trainer did
+    # (width 16: the default's 32 would not even restore); given others, they are refused.
+    from prefect_jax.training import live
+    from prefect_jax.training.specs import EvalSpec, LatestExporter
+
+    live.drop_all(close=False)
+    role = dict(
+        program="programs:typed_digits",
+        job="typed",
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=1000),
+        eval_spec=EvalSpec(name="again", exporters=[LatestExporter()]),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+    from prefect_jax.training.facade import preflight
+
+    preflight("programs:typed_digits", "typed", role["storage"], 1000)  # (the evaluate command's)
+    preflight("programs:typed_digits", "typed", role["storage"], None, evaluates=False)  # export
+    with pytest.raises(ProgramParamsMismatchError, match=r"width: saved 16, given 32"):
+        preflight("programs:typed_digits", "typed", role["storage"], None, program_params={})
+    evaluated = flows.evaluate(**role, once=True)
+    assert evaluated["last_step"] == 30 and evaluated["stopped"].startswith("evaluated the final")
+    assert evaluated["eval"] == resumed["eval"]  # (the same model, evaluated again)
+    assert set(flows.export_flow(**role)) == {"latest"}
+    with pytest.raises(ProgramParamsMismatchError, match=r"width: saved 16, given 8"):
+        flows.export_flow(**role, program_params={"width": 8, "learning_rate": 0.01})
 
 
 def test_the_prefect_yaml_bytelm_deployment_carries_valid_program_params():

@@ -225,31 +225,32 @@ def _run_flow_with(
         )
     from prefect_jax.blocks import names_a_block
 
-    check = (
-        program,
-        job,
-        storage,
+    check = dict(
+        program=program,
+        job=job,
+        storage=storage,
         # (a step past it is refused for a trainer alone: the roles that do not train follow
         # the trainer's own, recorded in its steps: `flows.config.following_the_trainer`)
-        args.max_steps if role in (*_TRAINS, "evaluate") else None,
-        args.checkpoint_path if role in _TRAINS else None,
-        eval_spec,
-        tracking_uri,
-        args.mlflow_optional,
-        args.compilation_cache if role != "export" else None,
-        program_params,
-        train_spec if role in _TRAINS else None,  # its compile begins once the checks pass
+        max_steps=args.max_steps if role in (*_TRAINS, "evaluate") else None,
+        checkpoint_path=args.checkpoint_path if role in _TRAINS else None,
+        eval_spec=eval_spec,
+        tracking_uri=tracking_uri,
+        mlflow_optional=args.mlflow_optional,
+        compilation_cache=args.compilation_cache if role != "export" else None,
+        program_params=program_params,
+        # its compile begins once the checks pass
+        train_spec=train_spec if role in _TRAINS else None,
         # (a trainer alone: its evaluator checks the metrics its spec names; an export reads
         # evaluations, makes none)
-        role in ("train_and_evaluate", "evaluate"),
+        evaluates=role in ("train_and_evaluate", "evaluate"),
         # an export with nothing to export, refused before its flow run (unless it waits)
-        role == "export" and not args.wait_for_checkpoint,
-        args.step if role == "export" else None,
+        exports_now=role == "export" and not args.wait_for_checkpoint,
+        export_step=args.step if role == "export" else None,
     )
     blocks = names_a_block(storage) or names_a_block(tracking_uri)
     if not blocks:
         # Refused in a fraction of a second (a server started early is stopped unused).
-        _preflight(*check)
+        _preflight(**check)
     from prefect_jax.training.facade import joins_as_secondary
 
     if role in _TRAINS and joins_as_secondary():
@@ -258,7 +259,7 @@ def _run_flow_with(
             return flows.run_as_process(flow=flow, parameters=kwargs)
     with prefect_backend(server):
         if blocks:
-            _preflight(*check)  # the blocks are read from the server
+            _preflight(**check)  # the blocks are read from the server
         import prefect
 
         from prefect_jax.tasks import process_tag
@@ -274,6 +275,7 @@ def _run_flow_with(
 
 
 def _preflight(
+    *,
     program: str,
     job: str,
     storage: str,

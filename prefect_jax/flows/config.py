@@ -1,6 +1,7 @@
 """A flow's parameters as the job's `JobConfig`."""
 
 # No `from __future__ import annotations`: see prefect_jax/flows/__init__.py.
+import json
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
@@ -111,23 +112,35 @@ def config_from(parameters: dict[str, Any]) -> JobConfig | None:
 
 
 def following_the_trainer(config: JobConfig, storage, step: int, role: str, log) -> JobConfig:
-    """`config` with the max_steps its trainer recorded in `step` (`JobStorage` `storage`): the
-    roles that do not train (the evaluator, the exporter) follow it, as TF's share one TrainSpec.
-    With another (the command's default, say) an evaluator waited for a final step that never
-    came, or took a middle one for final and stopped there, its `@final` export with it."""
+    """`config` with what its trainer recorded in `step` (`JobStorage` `storage`): its max_steps
+    and, where `config` has no program params of its own, its program params. The roles that do
+    not train (the evaluator, the exporter) follow it (`prefect_jax.training.following`)."""
+    from prefect_jax.training.following import trainers_max_steps, trainers_program_params
     from prefect_jax.training.steps import step_meta
 
-    meta = step_meta(storage, step) or {}
-    if "max_steps" not in meta or meta["max_steps"] == config.train.max_steps:
-        return config  # (a step saved before max_steps was recorded: the one given decides)
-    log(
-        "job %s's trainer trains to max_steps=%s (its step %d records it): this %s follows it, "
-        "not the max_steps=%s it was given",
-        config.job,
-        meta["max_steps"],
-        step,
-        role,
-        config.train.max_steps,
-    )
-    train = config.train.model_copy(update={"max_steps": meta["max_steps"]})
-    return config.model_copy(update={"train": train})
+    meta = step_meta(storage, step)
+    max_steps = trainers_max_steps(meta, config.train.max_steps)
+    params = trainers_program_params(meta, config.program_params)
+    update: dict[str, Any] = {}
+    if max_steps != config.train.max_steps:
+        log(
+            "job %s's trainer trains to max_steps=%s (its step %d records it): this %s follows "
+            "it, not the max_steps=%s it was given",
+            config.job,
+            max_steps,
+            step,
+            role,
+            config.train.max_steps,
+        )
+        update["train"] = config.train.model_copy(update={"max_steps": max_steps})
+    if params != config.program_params:
+        log(
+            "job %s's trainer was given program params %s (its step %d records them): this %s, "
+            "given none, builds its program with them",
+            config.job,
+            json.dumps(params, sort_keys=True),
+            step,
+            role,
+        )
+        update["program_params"] = params
+    return config.model_copy(update=update) if update else config

@@ -132,7 +132,10 @@ def preflight(
         program: The program's import path, ``"package.module:attribute"``.
         job: The job's name.
         storage: The storage root, a directory or an fsspec URL.
-        max_steps: The step the job trains to; None for a role that does not train.
+        max_steps: The step the job trains to; None for a role that does not train. Where
+            `train_spec` is None (a role that does not train), the newest step's trainer's
+            max_steps and, if `program_params` is None, its program params are taken
+            (`following`), as the flows take them.
         resolve: Turns `storage` into a URL and its fsspec options (credentials), once the program
             is loaded (a Prefect block's, say); by default `storage` is the URL, with no options.
         program_params: The program's typed parameters (`JobConfig.program_params`), if any.
@@ -169,7 +172,7 @@ def preflight(
         RemoteConfigError: The storage's protocol, options or bucket are refused.
         TrackingUnreachableError: The tracking URI is refused (without `mlflow_optional`).
     """
-    from prefect_jax.training.preflight import check_job
+    from prefect_jax.training.preflight_job import check_job
 
     check_job(
         program,

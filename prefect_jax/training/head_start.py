@@ -103,7 +103,7 @@ def begin(
     as `JobConfig.compilation_cache_dir`); `serving_checked`: the export platforms the preflight
     checked ``serve`` for, if it did; `metrics_checked`: the eval metrics it checked, if it did.
     For one JAX process whose preflight has passed, which found no live trainer holding the job
-    (`preflight.check_job`). Whether it began: any failure is left for the trainer to meet and
+    (`preflight_job.check_job`). Whether it began: any failure is left for the trainer to meet and
     report."""
     global _begun
     try:
