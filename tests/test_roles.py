@@ -300,7 +300,7 @@ def test_the_evaluator_and_the_exporter_follow_the_max_steps_their_trainer_recor
     assert result["stopped"] == "evaluated the final step (60 >= max_steps=60)", result
     assert (
         "job other-max's trainer trains to max_steps=60 (its step 60 records it): this evaluator "
-        "follows it, not the max_steps=20 it was given"
+        "follows it, not the max_steps=20 of its own train_spec (--max-steps)"
     ) in said, said
     live.drop_all(close=False)
     params.update(
@@ -309,3 +309,26 @@ def test_the_evaluator_and_the_exporter_follow_the_max_steps_their_trainer_recor
     js = JobStorage(params["storage"], "other-max")
     assert export_flow(**params, step=60) == {"final": js.export_dir("final", 60)}
     assert export_flow(**params, step=40) == {}  # (final when saved, not since the rerun)
+
+
+def test_an_export_flow_registers_what_it_exports_in_the_job_s_mlflow_run(tmp_path, mlflow_uri):
+    """A job trained and evaluated without exporters, exported on demand afterwards (prefect.yaml's
+    `export` deployment, the `export` command): its export is a version of the job's registered
+    model, logged to the job's MLflow run. The export flow's trainer had joined no MLflow run: the
+    export was written, its registration failed (run id None) with a warning, and the flow
+    succeeded."""
+    from mlflow.tracking import MlflowClient
+
+    params = _params(tmp_path, mlflow_uri, "on-demand", max_steps=40, exporters=[])
+    run_id = train_and_evaluate(**params)["mlflow_run_id"]
+    from prefect_jax.training import live
+
+    live.drop_all(close=False)
+    params["eval_spec"] = EvalSpec(exporters=[LatestExporter()], registered_model="on-demand-m")
+    with _flow_run_logs() as said:
+        assert set(export_flow(**params)) == {"latest"}
+    client = MlflowClient(mlflow_uri)
+    (version,) = client.search_model_versions("name = 'on-demand-m'")
+    assert version.tags["prefect_jax.step"] == "40" and version.run_id == run_id, version
+    assert client.get_registered_model("on-demand-m").aliases == {"newest": version.version}
+    assert not [s for s in said if "MLflow" in s], said

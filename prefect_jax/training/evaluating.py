@@ -319,25 +319,30 @@ class Evaluations:
     def reconcile(self, step: int | None = None) -> int:
         """`Trainer.reconcile_eval_metrics`."""
         t, job = self.trainer, self.trainer.job
-        self.reconciled = True
-        if not job.tracker.started:  # an evaluator: join the trainer's run, leave its status alone
-            steps = job.committed_steps()
-            if step is not None and (step in steps or step == t.step):
-                source = step
-            else:
-                source = steps[-1] if steps else None
-            if source is None:
-                self.reconciled = False  # nothing to join yet: try again next time
-                return 0
-            run_id = job.read_meta(source).get("mlflow_run_id")
-            job.attach_tracking(
-                job_params(t.config, t.program, t.program_params), run_id, reopen=False
-            )
+        self.reconciled = self.join_job_run(step)
+        if not self.reconciled:
+            return 0  # nothing to join yet: try again next time
         t.exports.warm_registry()  # (once per evaluating process, as this)
         recorded = [r for r in job.records.all() if r.metrics]
         for result in recorded:
             self._log(result)
         return len(recorded)
+
+    def join_job_run(self, step: int | None = None) -> bool:
+        """Join the job's MLflow run, named in the checkpoint of `step` (None, or not committed:
+        the newest), where this process started none: an evaluator's or an exporter's, its
+        status left alone. False where there is no committed step to name it."""
+        t, job = self.trainer, self.trainer.job
+        if job.tracker.started:
+            return True
+        steps = job.committed_steps()
+        source = step if step is not None and (step in steps or step == t.step) else None
+        source = source if source is not None else (steps[-1] if steps else None)
+        if source is None:
+            return False
+        run_id = job.read_meta(source).get("mlflow_run_id")
+        job.attach_tracking(job_params(t.config, t.program, t.program_params), run_id, reopen=False)
+        return True
 
     def record(self, result: EvalResult, on_recorded: OnRecorded | None) -> EvalResult:
         """Log an evaluation of a committed step to MLflow, record it durably, ask for a stop if

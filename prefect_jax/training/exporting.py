@@ -219,6 +219,8 @@ class Exports:
         }
 
         registers = self.registered_model is not None and job.tracker.enabled
+        if registers:  # (an export of its own, its process in no MLflow run: the job's, joined)
+            t.evaluations.join_job_run(result.step)
 
         def write() -> dict[str, str]:
             exported = False  # by this run or an earlier one: registered either way
