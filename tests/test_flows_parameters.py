@@ -98,7 +98,7 @@ def test_program_params_reach_the_program_mlflow_and_checkpoints_and_a_change_is
     # The same params (and more steps, read by another number of threads): resumed.
     resumed = run(30, width=16, learning_rate=0.01, read_threads=2)
     assert resumed["final_step"] == 30
-    # The evaluator and the exporter, given no params, build the program as its trainer did
+    # The evaluator and the exporter build the program with the params its trainer was given
     # (width 16: the default's 32 would not even restore); given others, they are refused.
     from prefect_jax.training import live
     from prefect_jax.training.specs import EvalSpec, LatestExporter
@@ -116,14 +116,18 @@ def test_program_params_reach_the_program_mlflow_and_checkpoints_and_a_change_is
 
     preflight("programs:typed_digits", "typed", role["storage"], 1000)  # (the evaluate command's)
     preflight("programs:typed_digits", "typed", role["storage"], None, evaluates=False)  # export
-    with pytest.raises(ProgramParamsMismatchError, match=r"width: saved 16, given 32"):
-        preflight("programs:typed_digits", "typed", role["storage"], None, program_params={})
+    with pytest.raises(ProgramParamsMismatchError, match=r"width: saved 16, given 8"):
+        preflight(
+            "programs:typed_digits", "typed", role["storage"], None, program_params={"width": 8}
+        )
     evaluated = flows.evaluate(**role, once=True)
     assert evaluated["last_step"] == 30 and evaluated["stopped"].startswith("evaluated the final")
     assert evaluated["eval"] == resumed["eval"]  # (the same model, evaluated again)
     assert set(flows.export_flow(**role)) == {"latest"}
+    # Its own params go on top (an exempt one, its reading threads, is never taken: its own).
+    assert set(flows.export_flow(**role, program_params={"read_threads": 1})) == {"latest"}
     with pytest.raises(ProgramParamsMismatchError, match=r"width: saved 16, given 8"):
-        flows.export_flow(**role, program_params={"width": 8, "learning_rate": 0.01})
+        flows.export_flow(**role, program_params={"width": 8})
 
 
 def test_the_prefect_yaml_bytelm_deployment_carries_valid_program_params():

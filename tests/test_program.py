@@ -465,3 +465,33 @@ def test_a_hook_is_checked_as_it_will_be_called_decorated_or_partial():
         r"called with 1: define it as fn\(view\)$",
     ):
         check_called_with(needs_ctx, 1, "train hook 'm:f'", "fn(view)")
+
+
+def test_the_roles_that_do_not_train_take_the_params_their_trainer_was_given():
+    """What the evaluator and the exporter take from the newest step's record: the fields its
+    trainer was given, under their own; not a field the engine filled (max_steps) nor an exempt
+    one (a mesh: the role's machine may have fewer devices); nothing from a step that did not
+    record which were given."""
+    from prefect_jax.training.following import trainers_max_steps, trainers_program_params
+    from prefect_jax.training.program_params import ProgramParams
+
+    saved = ProgramParams(
+        "P",
+        {"width": 16, "lr": 0.1, "max_steps": 40, "mesh": "4x2", "depth": 2},
+        filled=("max_steps",),
+        exempt=("mesh",),
+        given=("width", "lr", "mesh"),
+    )
+    meta = {"program_params": saved.as_meta(), "max_steps": 40}
+    assert trainers_program_params(meta, None) == (
+        {"width": 16, "lr": 0.1},
+        {"width": 16, "lr": 0.1},
+    )
+    assert trainers_program_params(meta, {"lr": 0.2, "mesh": "8"}) == (
+        {"width": 16, "lr": 0.2, "mesh": "8"},
+        {"width": 16},
+    )
+    older = {"program_params": {**saved.as_meta(), "given": None}}
+    assert trainers_program_params(older, None) == (None, {})
+    assert trainers_program_params(None, {"lr": 0.2}) == ({"lr": 0.2}, {})
+    assert trainers_max_steps(meta, 1000) == 40 and trainers_max_steps(older, 1000) == 1000

@@ -294,8 +294,8 @@ def add_program_params(add) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a program parameter (repeatable); VALUE is read as JSON, else as a string, e.g. "
-        "--program-param preset=tiny --program-param batch_size=32 (evaluate and export given "
-        "none take those of the job's trainer, recorded in its newest step)",
+        "--program-param preset=tiny --program-param batch_size=32 (evaluate and export take "
+        "those the job's trainer was given, recorded in its newest step, under these)",
     )
     add(
         "--program-params",

@@ -112,20 +112,20 @@ def config_from(parameters: dict[str, Any]) -> JobConfig | None:
 
 
 def following_the_trainer(config: JobConfig, storage, step: int, role: str, log) -> JobConfig:
-    """`config` with what its trainer recorded in `step` (`JobStorage` `storage`): its max_steps
-    and, where `config` has no program params of its own, its program params. The roles that do
-    not train (the evaluator, the exporter) follow it (`prefect_jax.training.following`)."""
+    """`config` with what its trainer recorded in `step` (`JobStorage` `storage`): its max_steps,
+    and the program params it was given under `config`'s own. The roles that do not train (the
+    evaluator, the exporter) follow it (`prefect_jax.training.following`)."""
     from prefect_jax.training.following import trainers_max_steps, trainers_program_params
     from prefect_jax.training.steps import step_meta
 
     meta = step_meta(storage, step)
     max_steps = trainers_max_steps(meta, config.train.max_steps)
-    params = trainers_program_params(meta, config.program_params)
+    params, taken = trainers_program_params(meta, config.program_params)
     update: dict[str, Any] = {}
     if max_steps != config.train.max_steps:
         log(
             "job %s's trainer trains to max_steps=%s (its step %d records it): this %s follows "
-            "it, not the max_steps=%s it was given",
+            "it, not the max_steps=%s of its own train_spec (--max-steps)",
             config.job,
             max_steps,
             step,
@@ -135,12 +135,13 @@ def following_the_trainer(config: JobConfig, storage, step: int, role: str, log)
         update["train"] = config.train.model_copy(update={"max_steps": max_steps})
     if params != config.program_params:
         log(
-            "job %s's trainer was given program params %s (its step %d records them): this %s, "
-            "given none, builds its program with them",
+            "job %s's trainer was given program params %s (its step %d records them): this %s "
+            "builds its program with them%s",
             config.job,
-            json.dumps(params, sort_keys=True),
+            json.dumps(taken, sort_keys=True),
             step,
             role,
+            f" and its own {json.dumps(config.program_params)}" if config.program_params else "",
         )
         update["program_params"] = params
     return config.model_copy(update=update) if update else config

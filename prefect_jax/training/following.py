@@ -7,7 +7,8 @@ config. Here each role is its own command, flow run or deployment: an evaluator 
 ``max_steps`` waited for a final step that never came (or took a middle one for final), and one
 given no ``--program-param`` built the default model and was refused on restore until every
 param was repeated. Params given to a role are still its own: the restore compares them with
-the step's and refuses a difference (`program_params.check_restore`).
+the step's and refuses a difference (`program_params.check_restore`). Exempt params (a mesh) are
+never taken: an evaluator on fewer devices than its trainer picks its own.
 
 This module imports neither jax nor prefect.
 """
@@ -29,15 +30,18 @@ def trainers_max_steps(meta: dict | None, given: int | None) -> int | None:
 
 def trainers_program_params(
     meta: dict | None, given: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """The program params the step's trainer was given (its fields decided by the engine, such
-    as a filled ``max_steps``, left out: they are filled again here), where `given` is None (no
-    params given to this role); else `given`. A step that records no params, or not which were
-    given (saved before that was recorded), leaves `given` as it is."""
-    if given is not None or meta is None or META_KEY not in meta:
-        return given
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """``(params, taken)``: the program params the step's trainer was given, with `given` (this
+    role's own) on top; and those taken from the step. Not taken: the fields the engine fills
+    (``max_steps``: filled again here) and those the type exempts from the restore check (a mesh,
+    reading threads: this role's machine's, which may have fewer devices than the trainer's). A
+    step that records no params, or not which were given (saved before that was recorded),
+    leaves `given` as it is."""
+    if meta is None or META_KEY not in meta:
+        return given, {}
     saved = ProgramParams.from_meta(meta[META_KEY])
     if saved.given is None:
-        return given
-    taken = {k: saved.values[k] for k in saved.given if k in saved.values and k not in saved.filled}
-    return taken or None
+        return given, {}
+    skip = set(saved.filled) | set(saved.exempt) | set(given or {})
+    taken = {k: saved.values[k] for k in saved.given if k in saved.values and k not in skip}
+    return ({**taken, **given} if given is not None else taken or None), taken

@@ -68,7 +68,7 @@ def check_job(
             max_steps = trainers_max_steps(newest_meta, max_steps)
         program_params = trainers_program_params(
             newest_meta, dict(program_params) if program_params is not None else None
-        )
+        )[0]
     try:
         loaded, params = load_program_with_params(
             program, dict(program_params) if program_params else None, max_steps
