@@ -41,7 +41,7 @@ def test_the_progress_bar_is_drawn_only_where_stderr_is_a_terminal(terminal, mon
     assert not listening()
     err = capsys.readouterr().err
     if terminal:
-        assert "training" in err and "120/120" in err and "loss=2.6390" in err, err
+        assert "training" in err and "120/120" in err and "loss=2.639" in err, err
     else:
         assert err == ""
 

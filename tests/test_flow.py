@@ -667,3 +667,40 @@ def test_a_flow_run_leaves_the_collector_alone_in_any_process(tmp_path, mlflow_u
     assert _run(tmp_path / "engine", mlflow_uri).is_completed()
     assert seen and all(seen), "a flow run in a process Prefect started turned the collector off"
     assert gc.isenabled() and gc.get_freeze_count() <= frozen_before
+
+
+def test_an_interval_logs_its_progress_to_the_run_between_checkpoints(
+    tmp_path, mlflow_uri, prefect_server, task_run_info_logs, monkeypatch
+):
+    """TF logged the loss and steps/s every `log_step_count_steps`; a job whose checkpoints are
+    minutes apart said nothing between them where no progress bar is drawn (a worker, a CI log).
+    Each interval's task run now logs a log point's means and throughput at most every
+    PROGRESS_LINE_SECS (0 here: every log point), to the run's log in Prefect's API."""
+    from prefect_jax.tasks import train as train_task
+
+    monkeypatch.setattr(train_task, "PROGRESS_LINE_SECS", 0.0)
+    state = _run(tmp_path, mlflow_uri, job="lines")
+    assert state.is_completed()
+    lines = _log_messages(prefect_server, state.state_details.flow_run_id)
+    for step in (10, 30):  # (log points inside the intervals 0-20 and 20-40)
+        (line,) = [m for m in lines if m.startswith(f"step {step} of 40: ")]
+        assert "loss=" in line and "steps_per_sec=" in line, line
+
+
+def test_progress_lines_come_at_most_every_so_many_seconds():
+    from prefect_jax.tasks.train import progress_lines
+
+    now, said = [0.0], []
+    heard = progress_lines(lambda *a: said.append(a[0] % a[1:]), 30.0, clock=lambda: now[0])
+    for t, step in ((10, 50), (31, 100), (45, 150), (62, 200), (100, 250)):
+        now[0] = t
+        heard(step, 1000, {"loss": 2.0, "steps_per_sec": 5.0})
+    assert said == [
+        "step 100 of 1000: loss=2, steps_per_sec=5",
+        "step 200 of 1000: loss=2, steps_per_sec=5",
+        "step 250 of 1000: loss=2, steps_per_sec=5",
+    ]
+    heard(300, None, {"loss": 1.5})  # (a job without max_steps; 100 s is not 30 after 100 s)
+    now[0] = 130
+    heard(300, None, {"loss": 1.5})
+    assert said[-1] == "step 300: loss=1.5"

@@ -69,6 +69,7 @@ def progress_bar(enabled: bool, max_steps: int | None) -> Iterator[None]:
         Progress,
         TextColumn,
         TimeElapsedColumn,
+        TimeRemainingColumn,
     )
 
     from prefect_jax.training.facade import on_progress
@@ -80,6 +81,7 @@ def progress_bar(enabled: bool, max_steps: int | None) -> Iterator[None]:
             MofNCompleteColumn(),
             TextColumn("{task.fields[metrics]}"),
             TimeElapsedColumn(),
+            TimeRemainingColumn(),
             console=console,
             transient=False,
         ) as progress,
@@ -91,7 +93,7 @@ def progress_bar(enabled: bool, max_steps: int | None) -> Iterator[None]:
         )
 
         def update(step: int, max_steps: int, metrics: dict) -> None:
-            text = " ".join(f"{k}={float(v):.4f}" for k, v in sorted(metrics.items()))
+            text = " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items()))
             progress.update(
                 task_id, description="training", completed=step, total=max_steps, metrics=text
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
@@ -10,6 +12,7 @@ from prefect_jax.tasks.live_trainer import task_trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
 from prefect_jax.tasks.runs import mark_taken_over
 from prefect_jax.training.policy import NO_END, CheckpointPolicy
+from prefect_jax.training.progress import add_progress_listener
 from prefect_jax.training.specs import JobConfig
 
 
@@ -91,8 +94,42 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
         trainer.step,
         f"to {end}" if end else "until the time-only cadence's checkpoint",
     )
-    step = trainer.train_until_checkpoint()
-    metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.last_train_metrics.items()))
+    remove = add_progress_listener(progress_lines(logger.info))
+    try:
+        step = trainer.train_until_checkpoint()
+    finally:
+        remove()
     # (the save commits in the background: a kill before that resumes from the step before)
-    logger.info("step %d trained, its checkpoint saving (%s)", step, metrics)
+    logger.info(
+        "step %d trained, its checkpoint saving (%s)", step, _shown(trainer.last_train_metrics)
+    )
     return step
+
+
+PROGRESS_LINE_SECS = 30.0
+"""The least time between two of an interval's progress lines (TF logged the loss and the steps
+per second every `log_step_count_steps`): a job whose checkpoints are minutes apart says how it
+goes between them in its run's log, where no progress bar is drawn (a worker, a CI log)."""
+
+
+def progress_lines(log, every_secs: float | None = None, clock=time.monotonic):
+    """A progress listener (`add_progress_listener`) that logs the step and its log point's
+    means and throughput with `log`, at the first log point `every_secs` (default
+    `PROGRESS_LINE_SECS`) after the interval's start or the line before. The metrics of a log
+    point it does not log stay on the device."""
+    every = PROGRESS_LINE_SECS if every_secs is None else every_secs
+    last = clock()
+
+    def heard(step: int, max_steps: int | None, metrics: dict) -> None:
+        nonlocal last
+        if clock() - last < every:
+            return
+        last = clock()
+        of = f" of {max_steps}" if max_steps else ""
+        log("step %d%s: %s", step, of, _shown(metrics))
+
+    return heard
+
+
+def _shown(metrics: dict) -> str:
+    return ", ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items()))
