@@ -3,6 +3,7 @@ flows that must never make a fresh state: the evaluator and the export."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -156,3 +157,35 @@ def test_recover_refuses_a_step_trained_with_other_program_params(tmp_path, mlfl
     with pytest.raises(ProgramParamsMismatchError, match="learning_rate"):
         Trainer(other).recover()
     assert Trainer(config).recover() == (True, 20)
+
+
+def test_a_resume_to_another_max_steps_warns_that_a_schedule_tied_to_it_changes(
+    tmp_path, mlflow_uri, caplog
+):
+    """A params field the engine fills with max_steps (a decay's horizon) is not compared on
+    restore: a job extended from 20 to 40 steps stretches it from step 20 on. Said, naming the
+    param that keeps the horizon it trained with; given so, nothing is said."""
+    config = _config(tmp_path, mlflow_uri, "horizon").model_copy(
+        update={"program": "programs:typed_digits", "program_params": {"width": 16}}
+    )
+    config = config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 20})})
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    trainer.train_until_checkpoint()
+    trainer.finish()
+    trainer.close()
+    longer = config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 40})})
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
+        extended = Trainer(longer)
+        assert extended.restore_or_init() == 20
+        extended.close()
+    (said,) = [r.getMessage() for r in caplog.records if "was filled with" in r.getMessage()]
+    assert "program param max_steps was filled with 20 (the job's max_steps) when step 20" in said
+    assert "is 40 now" in said and "--program-param max_steps=20" in said, said
+    caplog.clear()
+    kept = longer.model_copy(update={"program_params": {"width": 16, "max_steps": 20}})
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
+        again = Trainer(kept)
+        assert again.restore_or_init() == 20
+        again.close()
+    assert not [r for r in caplog.records if "was filled with" in r.getMessage()]

@@ -1,6 +1,6 @@
 """What a resumed job changes against its newest step's record, said before it trains on.
 
-Two changes a rerun can make without meaning to, both accepted as TF accepts them, both warned of
+Three changes a rerun can make without meaning to, all accepted as TF accepts them, all warned of
 here (`warn_of_changes`, from the trainer's restore):
 
 - **Another program or config** with the same state tree (``mymod:fast`` for the job's
@@ -8,6 +8,9 @@ here (`warn_of_changes`, from the trainer's restore):
   trains on under the new program, as a TF model_dir restores into any graph with the same
   variables. Program params are checked and refused elsewhere (`program_params.check_restore`);
   the program's path and its config's fingerprint are only recorded, so they are compared here.
+- **Another max_steps, filled into the program's params** (`_warn_of_refilled_params`): not
+  compared on restore, so a job extended from 200 to 300 steps stretches a cosine decay tied to
+  it, its learning rate jumping at step 200.
 - **A retention that keeps fewer steps.** TF's `CheckpointManager` (and its `Saver`),
   restarted with a smaller ``max_to_keep``, deletes the older checkpoints at its next save
   without a word, and so does Orbax: a job trained with ``--keep-last 10`` and resumed without
@@ -28,6 +31,7 @@ from typing import Any
 
 from prefect_jax.training.policy import retained
 from prefect_jax.training.program import program_fingerprint
+from prefect_jax.training.program_params import META_KEY, ProgramParams
 from prefect_jax.training.specs import CheckpointSpec
 
 logger = logging.getLogger("prefect_jax.trainer")
@@ -72,16 +76,20 @@ def deleted_by_the_change(
     return sorted((kept_before - kept_now) & set(steps))
 
 
-def warn_of_changes(job, config, program: Any, meta: dict | None, step: int) -> None:
+def warn_of_changes(
+    job, config, program: Any, meta: dict | None, step: int, params: ProgramParams | None = None
+) -> None:
     """Warn of what this run changes against `meta`, the metadata of the job's newest step
     `step` it restored (None: a new job or a warm start, nothing to compare): its program (path
-    `config.program`, the loaded `program`'s config) and its retention. `job` is the trainer's
-    `Job`; said by the primary process only, and only where the job trains on. A warning only:
-    whatever goes wrong in looking (the storage, a damaged record) is logged, not raised."""
+    `config.program`, the loaded `program`'s config), the program params the engine fills
+    (`params`: the program's now) and its retention. `job` is the trainer's `Job`; said by the
+    primary process only, and only where the job trains on. A warning only: whatever goes wrong
+    in looking (the storage, a damaged record) is logged, not raised."""
     if meta is None or not job.is_primary or config.train.is_final(step):
         return
     try:
         _warn_of_another_program(config, program, meta, step)
+        _warn_of_refilled_params(config, params, meta, step)
         warn_if_retention_narrowed(job, config, meta, step)
     except Exception:  # noqa: BLE001 - the resume goes on: the changes are the user's to judge
         logger.warning(
@@ -126,6 +134,36 @@ def _warn_of_another_program(config, program: Any, meta: dict, step: int) -> Non
             step,
             was_fingerprint,
             fingerprint,
+        )
+
+
+def _warn_of_refilled_params(config, params: ProgramParams | None, meta: dict, step: int) -> None:
+    """A field the engine fills from the job (``max_steps``) is not compared on restore: resumed
+    to another max_steps, a schedule the program ties to it (a learning-rate decay's horizon)
+    changes from `step` on, the rate jumping there. Said, with the param that keeps it."""
+    recorded = meta.get(META_KEY)
+    if params is None or not isinstance(recorded, dict):
+        return
+    saved = ProgramParams.from_meta(recorded)
+    for field in params.filled:
+        was, now = saved.values.get(field), params.values.get(field)
+        if field not in saved.filled or was == now:
+            continue
+        logger.warning(
+            "job %s: program param %s was filled with %s (the job's max_steps) when step %d was "
+            "saved, and is %s now: a schedule the program ties to it (a learning-rate decay's "
+            "horizon) changes from step %d on, as asked. To keep the one it trained with, give "
+            "--program-param %s=%s (a flow's program_params {%s: %s})",
+            config.job,
+            field,
+            was,
+            step,
+            now,
+            step,
+            field,
+            json.dumps(was),
+            json.dumps(field),
+            json.dumps(was),
         )
 
 

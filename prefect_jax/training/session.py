@@ -290,7 +290,7 @@ def restore_trainer(
     # A warm start's step is another job's: its MLflow run and train metrics are that job's.
     own = meta if has_own else None
     job.discard_records_after(step)
-    warn_of_changes(job, trainer.config, trainer.program, own, step)
+    warn_of_changes(job, trainer.config, trainer.program, own, step, trainer.program_params)
     # Attach to MLflow first, so that a refusal below still closes the run as FAILED.
     job.attach_tracking(
         job_params(trainer.config, trainer.program, trainer.program_params),
