@@ -167,6 +167,37 @@ def test_explicit_checkpoint_path_warm_starts_a_new_job(job_config, caplog):
     rerun.close()
 
 
+def test_a_warm_start_from_another_model_names_what_trained_it(job_config):
+    """A new job's warm start from another model's step (another width) is refused naming the
+    program and the params that step's job was given, so that the same model can be built: the
+    advice to restore with the program that wrote it, or to start a new job, did not fit a new
+    job. The differing leaves follow the advice."""
+    typed = dict(program="programs:typed_digits")
+    source = Trainer(
+        job_config(job="wide").model_copy(update={**typed, "program_params": {"width": 16}})
+    )
+    source.restore_or_init()
+    source.train_until_checkpoint()
+    source.job.checkpoints.wait()
+    path = os.path.join(source.job.checkpoints.directory, "20")
+    source.close()
+    target = Trainer(
+        job_config(job="narrow").model_copy(update={**typed, "program_params": {"width": 8}})
+    )
+    with pytest.raises(CheckpointMismatchError) as refused:
+        target.restore_or_init(checkpoint_path=path)
+    target.close()
+    first, *leaves = str(refused.value).split("\n")
+    assert first.startswith(
+        f"checkpoint_path {path} (a warm start) holds another model's state than this job's "
+        "program builds: it was trained by program programs:typed_digits with program params "
+        '{"width": 16}. Warm-start from a step of the same model'
+    ), first
+    assert leaves[0] == "  params/l1/kernel: checkpoint float32[64, 16], init float32[64, 8]", (
+        leaves
+    )
+
+
 def test_checkpoint_dir_and_path_together_is_an_error(job_config):
     program = DigitsProgram(hidden=(8, 8))
     rng = jax.random.key(0)

@@ -329,15 +329,16 @@ class Checkpoints:
         meta = self.read_meta(step)
         abstract = abstract_savable(abstract_state)
         diffs = tree_differences(meta.get("tree", {}), describe_tree(abstract))
-        if diffs:
+        if diffs:  # (shallow leaves first: a model's own before its optimizer's copies of them)
+            diffs = sorted(diffs, key=lambda d: d.split(":")[0].count("/"))
             shown = "\n  ".join(diffs[:20]) + (
                 f"\n  ... and {len(diffs) - 20} more" if len(diffs) > 20 else ""
             )
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory}/{step} does not match the state the program's init "
-                f"builds ({len(diffs)} leaves differ):\n  {shown}\n"
-                "The program changed since this checkpoint was written: restore it with the "
-                "program that wrote it, or start a new job (a different job name or storage)."
+                f"builds ({len(diffs)} leaves differ, below): the program changed since it was "
+                "written. Restore it with the program that wrote it, or start a new job (a "
+                f"different job name or storage).\n  {shown}"
             )
         items = {"state": ocp.args.StandardRestore(abstract)}
         other_layout = data_iter is not None and written_by_other_processes(self.directory, step)

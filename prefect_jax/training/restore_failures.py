@@ -21,7 +21,9 @@ resumes from. Where every step was found damaged, each is set aside and the call
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Callable
 
 from prefect_jax.training.checksums import CorruptCheckpointError
@@ -101,3 +103,25 @@ class RestoreFailures:
             (s, e) for s, e in self.failed if not isinstance(e, CorruptCheckpointError)
         )
         return RestoreFailedError(f"{self.directory}/{step}", exc, why)
+
+
+def warm_start_mismatch(path: str, source, mismatch: Exception) -> str:
+    """Why the warm start from step `path` (of `source`, its job's `Checkpoints`) was refused:
+    another model's state; the program and the params its job was given, where it records them,
+    so that the same model can be built; then the differing leaves. (A new job: the advice to
+    restore with the program that wrote it, or to start a new job, was beside the point.)"""
+    try:
+        meta = source.read_meta(int(os.path.basename(path)))
+    except Exception:  # noqa: BLE001 - read again by the restore just now: only the hint is lost
+        meta = {}
+    recorded = meta.get("program_params") or {}
+    given = {k: recorded.get("values", {}).get(k) for k in recorded.get("given") or ()}
+    by = f" by program {meta['program']}" if meta.get("program") else ""
+    with_params = f" with program params {json.dumps(given, sort_keys=True)}" if given else ""
+    differ = str(mismatch).split("\n", 1)
+    return (
+        f"checkpoint_path {path} (a warm start) holds another model's state than this job's "
+        f"program builds: it was trained{by}{with_params or ' (its params not recorded)'}. "
+        "Warm-start from a step of the same model, or build this one as that step's was "
+        f"(--program-param KEY=VALUE).{' ' + differ[1] if len(differ) > 1 else ''}"
+    )

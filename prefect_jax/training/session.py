@@ -91,6 +91,10 @@ def recover_session(
         source = Checkpoints(parent, read_only=True)
         try:  # (not its data position: the source job's, of a train_data that may differ)
             state, meta = source.restore(int(name), abstract_state, None)
+        except CheckpointMismatchError as exc:
+            from prefect_jax.training.restore_failures import warm_start_mismatch
+
+            raise CheckpointMismatchError(warm_start_mismatch(path, source, exc)) from exc
         finally:
             source.close()
         log(f"restored step {name} from {path}")
