@@ -248,6 +248,23 @@ def test_eval_metrics_are_exact_sums_over_batches_of_any_size():
     assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / np.log(2), rel=1e-6)
 
 
+def test_the_eval_windows_are_spread_over_the_whole_eval_split():
+    """`eval_sequences` windows evenly spread, not the first ones in order (the start of one file:
+    an eval loss judged on 2 KB of ``__future__.py``); the same ones every time."""
+    from prefect_jax.examples.bytelm import corpus as lm_corpus
+
+    program = tiny(eval_sequences=8)
+    built = program.corpus()
+    total = built.windows["eval"]
+    reader = lm_corpus.ReadWindows(built.shards["eval"], built.window)
+    every = reader(np.arange(total))["tokens"]
+    data = program.eval_data()
+    taken = np.concatenate([data[i]["tokens"] for i in range(len(data))])
+    expected = [i * total // 8 for i in range(8)]
+    np.testing.assert_array_equal(taken, every[expected])
+    assert expected[-1] > total * 3 // 4  # (its last quarter too)
+
+
 def test_exact_resume_through_the_engine(job_config):
     """2N steps in one trainer, and N steps, a fresh trainer restoring step N, N more: the same
     state (data position, dropout key, step and optimizer state come back from the checkpoint)."""

@@ -28,7 +28,8 @@ class Config:
         batch_size: sequences per micro-batch.
         grad_accum: micro-batches per update (a train batch holds ``batch_size * grad_accum``).
         eval_batch_size: sequences per eval batch (the last may be smaller; metrics are exact).
-        eval_sequences: evaluate the first this many eval windows (None: all of them).
+        eval_sequences: evaluate this many eval windows, spread evenly over the eval split
+            (None: all of them).
         learning_rate: peak learning rate, reached after `warmup_steps`.
         warmup_steps: linear warmup from 0.
         decay_steps: cosine decay to ``learning_rate * min_lr_ratio`` by this step (with warmup).
