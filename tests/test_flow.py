@@ -669,7 +669,7 @@ def test_a_flow_run_leaves_the_collector_alone_in_any_process(tmp_path, mlflow_u
     assert gc.isenabled() and gc.get_freeze_count() <= frozen_before
 
 
-def test_an_interval_logs_its_progress_to_the_run_between_checkpoints(
+def test_a_run_logs_what_it_trains_on_and_its_progress_between_checkpoints(
     tmp_path, mlflow_uri, prefect_server, task_run_info_logs, monkeypatch
 ):
     """TF logged the loss and steps/s every `log_step_count_steps`; a job whose checkpoints are
@@ -682,6 +682,8 @@ def test_an_interval_logs_its_progress_to_the_run_between_checkpoints(
     state = _run(tmp_path, mlflow_uri, job="lines")
     assert state.is_completed()
     lines = _log_messages(prefect_server, state.state_details.flow_run_id)
+    # What it trains on, said as it starts (a resume on another device count gets another mesh)
+    assert [m for m in lines if m.startswith("job lines at step 0 (initialised); training on ")]
     for step in (10, 30):  # (log points inside the intervals 0-20 and 20-40)
         (line,) = [m for m in lines if m.startswith(f"step {step} of 40: ")]
         assert "loss=" in line and "steps_per_sec=" in line, line

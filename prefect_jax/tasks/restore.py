@@ -93,11 +93,13 @@ def restore_or_init(
     link_runs(config, trainer.job.tracker, trains=False, wait_secs=LINK_WAIT_SECS)
     run_id = trainer.job.tracker.run_id_if_known()
     mlflow_run = run_id or "opening (its link is added to this flow run once MLflow answers)"
+    on = f"; training on {trainer.trains_on}" if trainer.trains_on else ""
     logger.info(
-        "job %s at step %d (%s); MLflow run %s",
+        "job %s at step %d (%s)%s; MLflow run %s",
         config.job,
         step,
         "restored" if step else "initialised",
+        on,
         mlflow_run,
     )
     return {

@@ -302,11 +302,10 @@ def restore_trainer(
     )
     # The restored interval's train metrics, in case its process died before writing them.
     trainer.intervals.log_train_rows([tuple(r) for r in (own or {}).get("train_metrics", [])])
-    if not trainer.config.train.is_final(step):
-        if job.is_primary:  # what this attempt trains on, for the MLflow run's reader
-            job.tracker.set_tags(
-                {DEVICES_TAG: describe_devices(loop.mesh if loop.sharded else None)}
-            )
+    if not trainer.config.train.is_final(step):  # what this attempt trains on
+        trainer.trains_on = describe_devices(loop.mesh if loop.sharded else None)
+        if job.is_primary:  # (for the MLflow run's reader too)
+            job.tracker.set_tags({DEVICES_TAG: trainer.trains_on})
     trainer.state, trainer.step, trainer.data_iter = loop.place(state), step, data_iter
     loop.means.carry(step, (meta or {}).get("train_sums"))  # the means resume where they were
     trainer.live_is_preemption = bool((meta or {}).get("preemption"))

@@ -145,6 +145,7 @@ class Trainer:
         self.warm_started = False  # the live state came from another job's step (checkpoint_path)
         self.live_is_preemption = False  # the live step was restored from a preemption checkpoint
         self.recovered = False  # the live state came from `recover`: evaluated, never trained on
+        self.trains_on: str | None = None  # its devices (and mesh), once restored to train on
         # (live step, monotonic time) of the last "no stop" read
         self._no_stop_at: tuple[int, float] | None = None
         self.policy = CheckpointPolicy.for_training(config.checkpoint, config.train.max_steps)
