@@ -14,6 +14,7 @@ from prefect_jax.flows import evaluate, export_flow, train, train_and_evaluate
 from prefect_jax.training.control import record_attempt
 from prefect_jax.training.errors import NoProgressError
 from prefect_jax.training.specs import (
+    BestExporter,
     CheckpointSpec,
     EarlyStopping,
     EvalSpec,
@@ -308,7 +309,11 @@ def test_the_evaluator_and_the_exporter_follow_the_max_steps_their_trainer_recor
     )
     js = JobStorage(params["storage"], "other-max")
     assert export_flow(**params, step=60) == {"final": js.export_dir("final", 60)}
-    assert export_flow(**params, step=40) == {}  # (final when saved, not since the rerun)
+    with _flow_run_logs() as said:  # (final when saved, not since the rerun)
+        assert export_flow(**params, step=40) == {}
+    assert (
+        "exporter final wrote nothing: step 40 is not the job's final step (max_steps=60)" in said
+    )
 
 
 def test_an_export_flow_registers_what_it_exports_in_the_job_s_mlflow_run(tmp_path, mlflow_uri):
@@ -332,3 +337,10 @@ def test_an_export_flow_registers_what_it_exports_in_the_job_s_mlflow_run(tmp_pa
     assert version.tags["prefect_jax.step"] == "40" and version.run_id == run_id, version
     assert client.get_registered_model("on-demand-m").aliases == {"newest": version.version}
     assert not [s for s in said if "MLflow" in s], said
+    # A step asked for that an exporter does not export: said why, not an empty answer alone.
+    params["eval_spec"] = EvalSpec(exporters=[BestExporter()], registered_model="on-demand-m")
+    assert set(export_flow(**params)) == {"best"}  # (40: nothing before it in best.json)
+    with _flow_run_logs() as said:
+        assert export_flow(**params, step=20) == {}
+    (why,) = [s for s in said if s.startswith("exporter best wrote nothing: ")]
+    assert "step 20 does not beat the best so far, step 40, by loss (min): " in why, why

@@ -129,3 +129,24 @@ def refuse_empty_export(storage, eval_name: str, step: int | None, shown: str) -
         refusal = export_refusal(storage, records, step, records.steps())
     if refusal is not None:
         raise BadInputError(refusal)
+
+
+def why_not_exported(exporter, storage, result, max_steps: int | None) -> str:
+    """Why `exporter` (an `ExporterSpec`) holds no export of `result`'s step after the export
+    ran: an export asked for by step that writes nothing said nothing of why."""
+    from prefect_jax.training.exporters import read_best
+    from prefect_jax.training.specs import BestExporter, FinalExporter
+
+    step = int(result.step)
+    if isinstance(exporter, FinalExporter):
+        return f"step {step} is not the job's final step (max_steps={max_steps})"
+    best = read_best(storage, exporter) if isinstance(exporter, BestExporter) else None
+    if best is not None and best.get("step") != step:
+        if exporter.compare_fn:
+            judged = f"by {exporter.compare_fn}"
+        else:
+            m = exporter.metric
+            mine, theirs = result.metrics.get(m), (best.get("metrics") or {}).get(m)
+            judged = f"by {m} ({exporter.mode}): {mine:.4g} against {theirs:.4g}"
+        return f"step {step} does not beat the best so far, step {best['step']}, {judged}"
+    return f"it keeps {getattr(exporter, 'keep', None)} exports, newer steps' first"

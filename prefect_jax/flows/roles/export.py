@@ -71,7 +71,11 @@ def export_flow(
         ```
     """
     from prefect_jax.training.evaluation import EvalRecords
-    from prefect_jax.training.export_choice import checkpoint_gone, export_refusal
+    from prefect_jax.training.export_choice import (
+        checkpoint_gone,
+        export_refusal,
+        why_not_exported,
+    )
     from prefect_jax.training.live import land_mlflow_writes, release_state
     from prefect_jax.training.storage import JobStorage
 
@@ -105,6 +109,10 @@ def export_flow(
     release_state(config)
     # the step's exports, whichever run wrote them
     dirs = {e.name: js.export_dir(e.name, chosen) for e in config.eval.exporters}
+    for exporter in config.eval.exporters:
+        if not js.fs.exists(dirs[exporter.name]):
+            why = why_not_exported(exporter, js, result, config.train.max_steps)
+            get_run_logger().warning("exporter %s wrote nothing: %s", exporter.name, why)
     return {name: path for name, path in dirs.items() if js.fs.exists(path)}
 
 
