@@ -351,7 +351,7 @@ def test_the_schedules_horizon_is_the_jobs_max_steps_unless_decay_steps_is_given
     assert load_program(PROGRAM, {"preset": "tiny"}).cfg.decay_steps == PRESETS["tiny"].decay_steps
 
 
-def test_the_environment_is_the_fallback_where_no_params_are_given(monkeypatch):
+def test_the_environment_is_the_fallback_where_no_params_are_given(monkeypatch, caplog):
     from prefect_jax.training.program import load_program_with_params
 
     monkeypatch.setenv("PREFECT_JAX_BYTELM_PRESET", "tiny")
@@ -359,8 +359,13 @@ def test_the_environment_is_the_fallback_where_no_params_are_given(monkeypatch):
     program, recorded = load_program_with_params(PROGRAM, None, max_steps=40)
     assert program.cfg == dataclasses.replace(PRESETS["tiny"], grad_accum=2, decay_steps=40)
     assert recorded.values["preset"] == "tiny" and recorded.values["grad_accum"] == 2
+    assert "not read" not in caplog.text
     given, _ = load_program_with_params(PROGRAM, {"preset": "tiny", "n_layers": 1}, max_steps=40)
     assert given.cfg.grad_accum == 1 and given.cfg.n_layers == 1  # params given: env unused
+    assert (
+        "PREFECT_JAX_BYTELM_PRESET and PREFECT_JAX_BYTELM_CONFIG not read: program params were "
+        "given (n_layers, preset)"
+    ) in caplog.text, caplog.text
 
 
 @pytest.mark.slow

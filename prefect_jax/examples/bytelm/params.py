@@ -14,13 +14,14 @@ cosine decay ends where the job does.
 
 Fallback: where no field is given (but ``max_steps``), ``PREFECT_JAX_BYTELM_PRESET`` and
 ``PREFECT_JAX_BYTELM_CONFIG`` are read as before (`config_from_env`); what they give is recorded
-as the job's params like any others.
+as the job's params like any others. Where fields are given, they are not read, with a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import typing
 from typing import Any, ClassVar, Literal
@@ -41,6 +42,8 @@ from prefect_jax.examples.bytelm.lm import ByteLMProgram
 # threads read batches, how far ahead, the eval batch size: eval metrics are exact sums; and the
 # mesh: a checkpoint is restored into any mesh's shardings).
 RESTORE_EXEMPT = ("read_threads", "prefetch", "eval_batch_size", "mesh")
+
+logger = logging.getLogger("prefect_jax.examples.bytelm")
 
 
 class _Base(BaseModel):
@@ -67,6 +70,8 @@ class _Base(BaseModel):
             # the documented fallback: the environment's preset and overrides
             config_from_env()  # a bad preset or override refused, naming its variable
             given = {"preset": env_preset or "small", **json.loads(env_config or "{}"), **given}
+        elif env_preset or env_config:
+            _say_environment_unread(sorted(set(given) - {"max_steps"}))
         source = given.get("source")
         if isinstance(source, str) and source.strip():  # the same folder from any directory
             given["source"] = _folder(source)
@@ -109,6 +114,25 @@ def _source_from_env() -> str | None:
     read the same variable) resumes where the variable still names its folder."""
     named = os.environ.get(SOURCE_ENV)
     return _folder(named) if named else None
+
+
+_said: set[tuple[str, ...]] = set()
+
+
+def _say_environment_unread(given: list[str]) -> None:
+    """Warn (once per process and set of fields) that the environment's preset and config are
+    not read, as program params were given: ``PREFECT_JAX_BYTELM_PRESET=tiny`` beside one
+    ``--program-param`` built the default preset, without a word."""
+    if tuple(given) in _said:
+        return
+    _said.add(tuple(given))
+    named = [v for v in (PRESET_ENV, CONFIG_ENV) if os.environ.get(v)]
+    logger.warning(
+        "%s not read: program params were given (%s), and the environment is read only where "
+        "none are; give the preset and fields as program params (--program-param preset=NAME)",
+        " and ".join(named),
+        ", ".join(given),
+    )
 
 
 _HINTS = typing.get_type_hints(Config)
