@@ -352,8 +352,10 @@ def test_the_schedules_horizon_is_the_jobs_max_steps_unless_decay_steps_is_given
 
 
 def test_the_environment_is_the_fallback_where_no_params_are_given(monkeypatch, caplog):
+    from prefect_jax.examples.bytelm import params as lm_params
     from prefect_jax.training.program import load_program_with_params
 
+    monkeypatch.setattr(lm_params, "_said", set())  # (said once per process)
     monkeypatch.setenv("PREFECT_JAX_BYTELM_PRESET", "tiny")
     monkeypatch.setenv("PREFECT_JAX_BYTELM_CONFIG", '{"grad_accum": 2}')
     program, recorded = load_program_with_params(PROGRAM, None, max_steps=40)
@@ -364,7 +366,7 @@ def test_the_environment_is_the_fallback_where_no_params_are_given(monkeypatch, 
     assert given.cfg.grad_accum == 1 and given.cfg.n_layers == 1  # params given: env unused
     assert (
         "PREFECT_JAX_BYTELM_PRESET and PREFECT_JAX_BYTELM_CONFIG not read: program params were "
-        "given (n_layers, preset)"
+        "given (n_layers, preset: "
     ) in caplog.text, caplog.text
 
 

@@ -426,3 +426,31 @@ def test_an_export_mlflow_has_not_registered_is_kept_past_keep_up_to_a_bound(tmp
     export_steps(plain, steps, registers=False)
     assert list_exports(plain)["latest"] == steps[-2:]
     assert registered_steps(plain) == set()
+
+
+def test_why_an_exporter_wrote_nothing_is_said_from_any_best_json(tmp_path):
+    """The export flow's explanation of an exporter that wrote nothing for the step asked for:
+    from a best.json written before it recorded every metric (its metric and value only), a job
+    without max_steps (no final step), an exporter's keep; never an error of its own."""
+    from prefect_jax.training.export_choice import why_not_exported
+    from prefect_jax.training.exporters import best_path
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path), "j")
+    result = EvalResult(name="eval", step=20, metrics={"loss": 0.5}, status=EvalStatus.EVALUATED)
+    best = BestExporter()
+    assert why_not_exported(best, storage, result, 40) == (
+        "step 20 is not better than the evaluations before it"
+    )
+    storage.write_json(best_path(storage, best.name), {"step": 40, "metric": "loss", "value": 0.25})
+    assert why_not_exported(best, storage, result, 40) == (
+        "step 20 does not beat the best so far, step 40, by loss (min): 0.5 against 0.25"
+    )
+    final = FinalExporter()
+    assert why_not_exported(final, storage, result, 40) == (
+        "step 20 is not the job's final step (max_steps=40)"
+    )
+    assert "no final step" in why_not_exported(final, storage, result, None)
+    assert why_not_exported(LatestExporter(keep=2), storage, result, 40) == (
+        "its keep=2 pruned it (the newest steps' are kept)"
+    )

@@ -687,6 +687,7 @@ def test_a_run_logs_what_it_trains_on_and_its_progress_between_checkpoints(
     for step in (10, 30):  # (log points inside the intervals 0-20 and 20-40)
         (line,) = [m for m in lines if m.startswith(f"step {step} of 40: ")]
         assert "loss=" in line and "steps_per_sec=" in line, line
+    assert not [m for m in lines if m.startswith(("step 20 of 40: ", "step 40 of 40: "))], lines
 
 
 def test_progress_lines_come_at_most_every_so_many_seconds():
@@ -705,4 +706,7 @@ def test_progress_lines_come_at_most_every_so_many_seconds():
     heard(300, None, {"loss": 1.5})  # (a job without max_steps; 100 s is not 30 after 100 s)
     now[0] = 130
     heard(300, None, {"loss": 1.5})
+    assert said[-1] == "step 300: loss=1.5"
+    ending = progress_lines(lambda *a: said.append(a[0] % a[1:]), 0.0, until=400)
+    ending(400, 1000, {"loss": 1.0})  # (the interval's end: its task's own line says it)
     assert said[-1] == "step 300: loss=1.5"

@@ -183,6 +183,17 @@ def test_a_resume_to_another_max_steps_warns_that_a_schedule_tied_to_it_changes(
     assert "program param max_steps was filled with 20 (the job's max_steps) when step 20" in said
     assert "is 40 now" in said and "--program-param max_steps=20" in said, said
     caplog.clear()
+    forever = config.model_copy(
+        update={"train": config.train.model_copy(update={"max_steps": None})}
+    )
+    with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
+        until_stopped = Trainer(forever)  # (nothing filled now: the horizon changes too)
+        assert until_stopped.restore_or_init() == 20
+        until_stopped.close()
+    assert "was filled with 20 (the job's max_steps) when step 20 was saved, and is None" in (
+        caplog.text
+    )
+    caplog.clear()
     kept = longer.model_copy(update={"program_params": {"width": 16, "max_steps": 20}})
     with caplog.at_level(logging.WARNING, logger="prefect_jax.trainer"):
         again = Trainer(kept)

@@ -94,7 +94,7 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
         trainer.step,
         f"to {end}" if end else "until the time-only cadence's checkpoint",
     )
-    remove = add_progress_listener(progress_lines(logger.info))
+    remove = add_progress_listener(progress_lines(logger.info, until=end))
     try:
         step = trainer.train_until_checkpoint()
     finally:
@@ -112,17 +112,20 @@ per second every `log_step_count_steps`): a job whose checkpoints are minutes ap
 goes between them in its run's log, where no progress bar is drawn (a worker, a CI log)."""
 
 
-def progress_lines(log, every_secs: float | None = None, clock=time.monotonic):
+def progress_lines(
+    log, every_secs: float | None = None, clock=time.monotonic, until: int | None = None
+):
     """A progress listener (`add_progress_listener`) that logs the step and its log point's
     means and throughput with `log`, at the first log point `every_secs` (default
-    `PROGRESS_LINE_SECS`) after the interval's start or the line before. The metrics of a log
-    point it does not log stay on the device."""
+    `PROGRESS_LINE_SECS`) after the interval's start or the line before; not at step `until`
+    (the interval's end, which its task's own line tells). The metrics of a log point it does
+    not log stay on the device."""
     every = PROGRESS_LINE_SECS if every_secs is None else every_secs
     last = clock()
 
     def heard(step: int, max_steps: int | None, metrics: dict) -> None:
         nonlocal last
-        if clock() - last < every:
+        if clock() - last < every or (until is not None and step >= until):
             return
         last = clock()
         of = f" of {max_steps}" if max_steps else ""

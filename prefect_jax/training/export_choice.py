@@ -133,20 +133,37 @@ def refuse_empty_export(storage, eval_name: str, step: int | None, shown: str) -
 
 def why_not_exported(exporter, storage, result, max_steps: int | None) -> str:
     """Why `exporter` (an `ExporterSpec`) holds no export of `result`'s step after the export
-    ran: an export asked for by step that writes nothing said nothing of why."""
-    from prefect_jax.training.exporters import read_best
+    ran (an export asked for by step that writes nothing said nothing of why). Reads the best
+    exporter's ``best.json`` as it is (one written before it recorded every metric too), and
+    changes nothing."""
+    from prefect_jax.training.exporters import best_path
+    from prefect_jax.training.records import DamagedRecordError, read_record
     from prefect_jax.training.specs import BestExporter, FinalExporter
 
     step = int(result.step)
     if isinstance(exporter, FinalExporter):
+        if max_steps is None:
+            return "the job trains until stopped (no max_steps): it has no final step"
         return f"step {step} is not the job's final step (max_steps={max_steps})"
-    best = read_best(storage, exporter) if isinstance(exporter, BestExporter) else None
-    if best is not None and best.get("step") != step:
+    if isinstance(exporter, BestExporter):
+        try:
+            best = read_record(storage, best_path(storage, exporter.name))
+        except DamagedRecordError:
+            best = None
+        if best is None or best.get("step") == step:
+            return f"step {step} is not better than the evaluations before it"
         if exporter.compare_fn:
             judged = f"by {exporter.compare_fn}"
         else:
             m = exporter.metric
-            mine, theirs = result.metrics.get(m), (best.get("metrics") or {}).get(m)
-            judged = f"by {m} ({exporter.mode}): {mine:.4g} against {theirs:.4g}"
-        return f"step {step} does not beat the best so far, step {best['step']}, {judged}"
-    return f"it keeps {getattr(exporter, 'keep', None)} exports, newer steps' first"
+            theirs = best.get("value") if best.get("metric") == m else None
+            theirs = theirs if theirs is not None else (best.get("metrics") or {}).get(m)
+            mine = result.metrics.get(m)
+            judged = f"by {m} ({exporter.mode}): {_number(mine)} against {_number(theirs)}"
+        return f"step {step} does not beat the best so far, step {best.get('step')}, {judged}"
+    keep = getattr(exporter, "keep", None)
+    return f"its keep={keep} pruned it (the newest steps' are kept)" if keep else "not known"
+
+
+def _number(value) -> str:
+    return f"{value:.4g}" if isinstance(value, int | float) else str(value)

@@ -134,10 +134,11 @@ def preflight(
         storage: The storage root, a directory or an fsspec URL.
         max_steps: The step the job trains to; None for a role that does not train. Where
             `train_spec` is None (a role that does not train), the newest step's trainer's
-            max_steps and, if `program_params` is None, its program params are taken
-            (`following`), as the flows take them.
+            max_steps is taken, and the program params its trainer was given go under
+            `program_params` (`following`), as the flows take them.
         resolve: Turns `storage` into a URL and its fsspec options (credentials), once the program
-            is loaded (a Prefect block's, say); by default `storage` is the URL, with no options.
+            is loaded (a Prefect block's, say; before, for a role that does not train: it reads
+            the newest step first); by default `storage` is the URL, with no options.
         program_params: The program's typed parameters (`JobConfig.program_params`), if any.
         checkpoint_path: The step directory a new job warm-starts from: it must be a committed
             step (unless the job has steps of its own, when it is ignored).

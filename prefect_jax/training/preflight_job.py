@@ -61,15 +61,14 @@ def check_job(
         return JobStorage(url, job, dict(options or {}))
 
     js = committed = newest_meta = None
-    if train_spec is None:  # a role that does not train builds its program as its trainer did
-        js = job_storage()
-        committed, newest_meta = _newest_step(js, storage)
-        if max_steps is not None:  # (the evaluator's: its final step, the program's horizon)
-            max_steps = trainers_max_steps(newest_meta, max_steps)
-        program_params = trainers_program_params(
-            newest_meta, dict(program_params) if program_params is not None else None
-        )[0]
     try:
+        if train_spec is None:  # a role that does not train builds its program as its trainer did
+            js = job_storage()
+            committed, newest_meta = _newest_step(js, storage)
+            max_steps = trainers_max_steps(newest_meta, max_steps)  # (the program's horizon)
+            program_params = trainers_program_params(
+                newest_meta, dict(program_params) if program_params is not None else None
+            )[0]
         loaded, params = load_program_with_params(
             program, dict(program_params) if program_params else None, max_steps
         )

@@ -145,10 +145,10 @@ def _warn_of_refilled_params(config, params: ProgramParams | None, meta: dict, s
     if params is None or not isinstance(recorded, dict):
         return
     saved = ProgramParams.from_meta(recorded)
-    for field in params.filled:
+    for field in saved.filled:  # (filled then; now filled again, or left None: trained forever)
         was, now = saved.values.get(field), params.values.get(field)
-        if field not in saved.filled or was == now:
-            continue
+        if field in (params.given or ()) or was == now:
+            continue  # (given now: compared on restore like any other field)
         logger.warning(
             "job %s: program param %s was filled with %s (the job's max_steps) when step %d was "
             "saved, and is %s now: a schedule the program ties to it (a learning-rate decay's "

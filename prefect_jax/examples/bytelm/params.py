@@ -128,7 +128,8 @@ def _say_environment_unread(given: list[str]) -> None:
     _said.add(tuple(given))
     named = [v for v in (PRESET_ENV, CONFIG_ENV) if os.environ.get(v)]
     logger.warning(
-        "%s not read: program params were given (%s), and the environment is read only where "
+        "%s not read: program params were given (%s: by this run, or by the job's trainer to "
+        "an evaluator or exporter, which take those), and the environment is read only where "
         "none are; give the preset and fields as program params (--program-param preset=NAME)",
         " and ".join(named),
         ", ".join(given),

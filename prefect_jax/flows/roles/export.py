@@ -111,7 +111,10 @@ def export_flow(
     dirs = {e.name: js.export_dir(e.name, chosen) for e in config.eval.exporters}
     for exporter in config.eval.exporters:
         if not js.fs.exists(dirs[exporter.name]):
-            why = why_not_exported(exporter, js, result, config.train.max_steps)
+            try:
+                why = why_not_exported(exporter, js, result, config.train.max_steps)
+            except Exception as exc:  # noqa: BLE001 - an explanation: never the flow's failure
+                why = f"not known ({exc!r})"
             get_run_logger().warning("exporter %s wrote nothing: %s", exporter.name, why)
     return {name: path for name, path in dirs.items() if js.fs.exists(path)}
 
