@@ -883,3 +883,29 @@ def test_automations_create_refuses_a_deployment_name_prefect_cannot_read_before
         create_rerun_automation("nope")  # (from Python: before the client is opened)
     args = build_parser().parse_args(["automations", "create", "--deployment", "train/x"])
     assert args.deployment == "train/x"
+
+
+def test_a_roles_help_lists_only_the_flags_it_reads():
+    """`export --help` listed the trainer's checkpoint and retention flags and the evaluator's
+    throttle; a role's help now leaves out what it does not read (still accepted: one command
+    line serves every role of a job)."""
+    import contextlib
+    import io
+
+    from prefect_jax.cli import build_parser
+
+    for command, shown, hidden in (
+        ("run", ["--keep-last", "--throttle-secs", "--checkpoint-path"], []),
+        ("evaluate", ["--throttle-secs", "--eval-steps"], ["--keep-last", "--train-hook"]),
+        ("export", ["--step", "--exporters"], ["--keep-last", "--throttle-secs", "--eval-steps"]),
+    ):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = out.getvalue()
+        assert all(flag in text for flag in shown), (command, text)
+        assert not [flag for flag in hidden if flag in text], (command, text)
+    args = build_parser().parse_args(
+        ["export", "--program", "p:q", "--job", "j", "--storage", "s", "--keep-last", "5"]
+    )
+    assert args.keep_last == 5

@@ -26,7 +26,8 @@ import sys
 import traceback
 
 from prefect_jax.cli import commands, launch, status
-from prefect_jax.cli.arguments import ROLES, add_role, add_training_args, number
+from prefect_jax.cli.arguments import add_training_args, number
+from prefect_jax.cli.role_arguments import ROLES, add_role
 from prefect_jax.deployments.automations import (
     CRASH_WINDOW_SECS,
     MAX_CRASHES,

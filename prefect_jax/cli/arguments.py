@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-from prefect_jax.cli import commands
 from prefect_jax.training.names import DEFAULT_EXPERIMENT, EXPORTER_KINDS
 
 
@@ -43,7 +42,7 @@ def number(kind: type, what: str, example: str):
     return parse
 
 
-def _seconds(zero: bool):
+def seconds(zero: bool):
     """A wait flag's parser: seconds, 0 or more (`zero`), else more than 0 (a period: 0 spins);
     the flows' parameters refuse the same (`flows.config.WaitSecs`, `PeriodSecs`)."""
 
@@ -62,8 +61,32 @@ def _seconds(zero: bool):
     return parse
 
 
+# What only a trainer reads, and what only an evaluator reads: not listed in `--help` of a role
+# that does not use them (still accepted: one command line serves every role of a job).
+_TRAINING_ONLY = frozenset(
+    {
+        "--checkpoint-every-steps",
+        "--checkpoint-every-secs",
+        "--keep-last",
+        "--keep-every-steps",
+        "--keep-every-secs",
+        "--no-backups",
+        "--device-copy",
+        "--log-every-steps",
+        "--steps-per-dispatch",
+        "--train-hook",
+        "--checkpoint-path",
+    }
+)
+_EVALUATION_ONLY = frozenset({"--eval-steps", "--throttle-secs", "--start-delay-secs"})
+
+
 def add_training_args(
-    p: argparse.ArgumentParser, max_steps: int, every: int, trains: bool = True
+    p: argparse.ArgumentParser,
+    max_steps: int,
+    every: int,
+    trains: bool = True,
+    evaluates: bool = True,
 ) -> None:
     """The specs' flags. Each defaults to its spec field's default, written again here so that
     `prefect-jax --help` imports no pydantic (test_cli checks that they agree), but `max_steps`
@@ -71,10 +94,14 @@ def add_training_args(
     every_steps suits long steps, the command's a demo's. The parsed args carry `flag_of_dest`,
     each flag as typed by its dest (``train_hooks``: ``--train-hook``), for errors to name.
     `trains`: False for a role that does not train, whose --max-steps says it follows the
-    trainer's."""
+    trainer's (and whose help leaves the trainer's flags out); `evaluates`: False for the export
+    role (whose help leaves the evaluator's out)."""
     flag_of_dest: dict[str, str] = {}
+    unused = (set() if trains else _TRAINING_ONLY) | (set() if evaluates else _EVALUATION_ONLY)
 
     def add(*flags, **options) -> None:
+        if flags[0] in unused:
+            options["help"] = argparse.SUPPRESS
         action = p.add_argument(*flags, **options)
         flag_of_dest[action.dest] = action.option_strings[0]
 
@@ -272,115 +299,3 @@ def add_training_args(
         help="no progress bar (there is none where stderr is not a terminal)",
     )
     p.set_defaults(flag_of_dest=flag_of_dest)
-
-
-ROLE_HELP = {
-    "run": "train any program with train_and_evaluate: train, evaluate and export every checkpoint",
-    "train": "the trainer role: train and checkpoint until max_steps (an evaluator runs elsewhere)",
-    "evaluate": "the evaluator role: evaluate each new committed checkpoint of a job once, and "
-    "export",
-    "export": "run the exporters on an evaluated step of a job (default: the newest)",
-}
-ROLES = tuple(ROLE_HELP)  # the subcommands `add_role` makes
-
-
-def add_program_params(add) -> None:
-    """``--program-param KEY=VALUE`` and ``--program-params JSON`` on a parser (``add`` is its
-    ``add_argument``), read by `commands.program_params_from_args`."""
-    add(
-        "--program-param",
-        dest="program_param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a program parameter (repeatable); VALUE is read as JSON, else as a string, e.g. "
-        "--program-param preset=tiny --program-param batch_size=32 (evaluate and export take "
-        "those the job's trainer was given, recorded in its newest step, under these)",
-    )
-    add(
-        "--program-params",
-        default=None,
-        metavar="JSON",
-        help="program parameters as one JSON object ('--program-param's win on the same key)",
-    )
-
-
-def add_role(sub, name: str) -> None:
-    """The subcommand `name` (a key of `ROLE_HELP`), with its flags, run by `commands.cmd_run`."""
-    role = sub.add_parser(name, help=ROLE_HELP[name], description=ROLE_HELP[name])
-    add = role.add_argument
-    add("--program", required=True, help="program import path, 'package.module:attribute'")
-    add_program_params(add)
-    add("--job", required=True, help="job name")
-    add(
-        "--storage",
-        required=True,
-        help="storage root: a directory, an fsspec URL (s3://, gs://...) or "
-        "jax-checkpoint-storage/<block>",
-    )
-    add_training_args(role, max_steps=1000, every=200, trains=name in ("run", "train"))
-    if name == "evaluate":
-        add("--once", action="store_true", help="stop when nothing new is left to evaluate")
-        add(
-            "--newest-only",
-            action="store_true",
-            help="evaluate only the newest checkpoint, not every one",
-        )
-        add(
-            "--poll-secs",
-            type=_seconds(zero=False),
-            default=10.0,
-            help="how often to look for new checkpoints (default %(default)g)",
-        )
-        add(
-            "--idle-timeout-secs",
-            type=_seconds(zero=True),
-            default=None,
-            help="stop after this long without a new checkpoint",
-        )
-        add(
-            "--wait-for-first-checkpoint-secs",
-            "--max-wait-secs",
-            dest="wait_for_first_checkpoint_secs",
-            type=_seconds(zero=True),
-            default=3600.0,
-            help="give up waiting for a first checkpoint after this long (TF's max_wait_secs)",
-        )
-    if name == "export":
-        add(
-            "--step",
-            type=number(int, "a whole number of steps", "1000"),
-            default=None,
-            help="the evaluated step to export (default: the newest)",
-        )
-        add(
-            "--wait-for-checkpoint",
-            action="store_true",
-            help="wait for an evaluated step with a committed checkpoint instead of failing at "
-            "once (TF's recover_session wait_for_checkpoint)",
-        )
-        add(
-            "--max-wait-secs",
-            type=_seconds(zero=True),
-            default=7200.0,
-            help="with --wait-for-checkpoint, give up after this long (default %(default)g)",
-        )
-        add(
-            "--recovery-wait-secs",
-            type=_seconds(zero=False),
-            default=30.0,
-            help="with --wait-for-checkpoint, look again every this many seconds "
-            "(default %(default)g)",
-        )
-    if name in ("run", "train"):
-        add(
-            "--processes",
-            type=number(int, "a number of processes", "2"),
-            default=1,
-            metavar="N",
-            help="train as N JAX processes on this machine (data parallel, one job; default "
-            "%(default)s). "
-            "On a cluster, set PREFECT_JAX_NUM_PROCESSES & co. per process instead (see "
-            "docs/multiprocess.md)",
-        )
-    role.set_defaults(fn=commands.cmd_run)
