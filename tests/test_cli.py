@@ -513,6 +513,11 @@ def test_every_training_flag_reaches_its_spec_or_is_read_by_the_command_and_defa
     }
     for role, defaults in waits.items():
         parsed = roles[role].parse_args(["--program", "p:q", "--job", "j", "--storage", "/s"])
+        if role == "evaluate":  # (none given: the flow's; with --once, no wait)
+            parsed.wait_for_first_checkpoint_secs = commands._first_checkpoint_wait(parsed)
+            once = roles[role].parse_args(["--program", "p:q", "--job", "j", "--storage", "/s"])
+            once.once = True
+            assert commands._first_checkpoint_wait(once) == 0.0
         assert {k: getattr(parsed, k) for k in defaults} == defaults, role
 
 

@@ -211,7 +211,7 @@ def _run_flow_with(
                 compilation_cache_dir=args.compilation_cache,
                 every_checkpoint=not args.newest_only,
                 once=args.once,
-                wait_for_first_checkpoint_secs=args.wait_for_first_checkpoint_secs,
+                wait_for_first_checkpoint_secs=_first_checkpoint_wait(args),
                 poll_secs=args.poll_secs,
                 idle_timeout_secs=args.idle_timeout_secs,
             ),
@@ -272,6 +272,15 @@ def _run_flow_with(
         with tags, bar:
             startup.freeze_startup_objects()
             return flow(**kwargs)
+
+
+def _first_checkpoint_wait(args) -> float:
+    """The evaluator's wait for a first checkpoint: as given; else none with --once, else 3600."""
+    from prefect_jax.training.specs import FIRST_CHECKPOINT_WAIT_SECS
+
+    if args.wait_for_first_checkpoint_secs is not None:
+        return args.wait_for_first_checkpoint_secs
+    return 0.0 if args.once else FIRST_CHECKPOINT_WAIT_SECS
 
 
 def _preflight(

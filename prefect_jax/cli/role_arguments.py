@@ -77,8 +77,10 @@ def add_role(sub, name: str) -> None:
             "--max-wait-secs",
             dest="wait_for_first_checkpoint_secs",
             type=seconds(zero=True),
-            default=3600.0,
-            help="give up waiting for a first checkpoint after this long (TF's max_wait_secs)",
+            default=None,
+            help="give up waiting for a first checkpoint after this long (TF's max_wait_secs; "
+            "default 3600, and 0 with --once: a job with nothing committed has nothing to "
+            "evaluate once)",
         )
     if name == "export":
         add(
