@@ -193,9 +193,11 @@ def test_a_warm_start_from_another_model_names_what_trained_it(job_config):
         "program builds: it was trained by program programs:typed_digits with program params "
         '{"width": 16}. Warm-start from a step of the same model'
     ), first
-    assert leaves[0] == "  params/l1/kernel: checkpoint float32[64, 16], init float32[64, 8]", (
-        leaves
-    )
+    assert first.endswith("(--program-param KEY=VALUE)."), first  # (its leaves below it)
+    assert leaves[:2] == [
+        "  params/l1/bias: checkpoint float32[16], init float32[8]",
+        "  params/l1/kernel: checkpoint float32[64, 16], init float32[64, 8]",
+    ], leaves
 
 
 def test_checkpoint_dir_and_path_together_is_an_error(job_config):

@@ -1,6 +1,6 @@
 """What the roles that do not train (the evaluator, the exporter) take from their trainer, as
-recorded in the job's newest committed step: its ``max_steps`` and, where they were given no
-program params of their own, its program params.
+recorded in the job's newest committed step: its ``max_steps``, and the program params that
+trainer was given, under any the role is given itself.
 
 TF's roles run one program with one set of flags, so they share one TrainSpec and one model
 config. Here each role is its own command, flow run or deployment: an evaluator given another

@@ -128,5 +128,5 @@ def warm_start_mismatch(path: str, source, mismatch: Exception) -> str:
         f"checkpoint_path {path} (a warm start) holds another model's state than this job's "
         f"program builds: it was trained{by}{params}. "
         "Warm-start from a step of the same model, or build this one as that step's was "
-        f"(--program-param KEY=VALUE).{' ' + differ[1] if len(differ) > 1 else ''}"
+        f"(--program-param KEY=VALUE).{chr(10) + differ[1] if len(differ) > 1 else ''}"
     )
