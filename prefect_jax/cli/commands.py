@@ -278,9 +278,8 @@ def _first_checkpoint_wait(args) -> float:
     """The evaluator's wait for a first checkpoint: as given; else none with --once, else 3600."""
     from prefect_jax.training.specs import FIRST_CHECKPOINT_WAIT_SECS
 
-    if args.wait_for_first_checkpoint_secs is not None:
-        return args.wait_for_first_checkpoint_secs
-    return 0.0 if args.once else FIRST_CHECKPOINT_WAIT_SECS
+    given = args.wait_for_first_checkpoint_secs
+    return given if given is not None else 0.0 if args.once else FIRST_CHECKPOINT_WAIT_SECS
 
 
 def _preflight(
