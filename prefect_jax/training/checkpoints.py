@@ -338,7 +338,8 @@ class Checkpoints:
                 f"checkpoint {self.directory}/{step} does not match the state the program's init "
                 f"builds ({len(diffs)} leaves differ, below): the program changed since it was "
                 "written. Restore it with the program that wrote it, or start a new job (a "
-                f"different job name or storage).\n  {shown}"
+                f"different job name or storage).\n  {shown}",
+                leaves=f"  {shown}",
             )
         items = {"state": ocp.args.StandardRestore(abstract)}
         other_layout = data_iter is not None and written_by_other_processes(self.directory, step)

@@ -55,7 +55,12 @@ def said(cause: BaseException) -> str:
 
 
 class CheckpointMismatchError(ValueError):
-    """A checkpoint's tree differs from the tree the program's `init` builds."""
+    """A checkpoint's tree differs from the tree the program's `init` builds; `leaves`: the
+    differing leaves as listed (for a refusal that words its advice otherwise: a warm start's)."""
+
+    def __init__(self, message: str, leaves: str = ""):
+        super().__init__(message)
+        self.leaves = leaves
 
 
 class CheckpointSaveError(OSError):

@@ -28,7 +28,14 @@ from collections.abc import Callable
 
 from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.cluster import lost_a_process
-from prefect_jax.training.errors import RestoreFailedError, and_its_causes, out_of_memory, said
+from prefect_jax.training.errors import (
+    CheckpointMismatchError,
+    RestoreFailedError,
+    and_its_causes,
+    out_of_memory,
+    said,
+)
+from prefect_jax.training.following import trainers_program_params
 from prefect_jax.training.program_params import META_KEY
 from prefect_jax.training.remote_errors import RemoteStorageError
 
@@ -106,7 +113,7 @@ class RestoreFailures:
         return RestoreFailedError(f"{self.directory}/{step}", exc, why)
 
 
-def warm_start_mismatch(path: str, source, mismatch: Exception) -> str:
+def warm_start_mismatch(path: str, source, mismatch: CheckpointMismatchError) -> str:
     """Why the warm start from step `path` (of `source`, its job's `Checkpoints`) was refused:
     another model's state; the program and the params its job was given, where it records them,
     so that the same model can be built; then the differing leaves. (A new job: the advice to
@@ -115,18 +122,15 @@ def warm_start_mismatch(path: str, source, mismatch: Exception) -> str:
         meta = source.read_meta(int(os.path.basename(path)))
     except Exception:  # noqa: BLE001 - read again by the restore just now: only the hint is lost
         meta = {}
-    from prefect_jax.training.following import trainers_program_params
-
     taken = trainers_program_params(meta, None)[1]  # (the params its trainer was given)
     if taken:
         params = f" with program params {json.dumps(taken, sort_keys=True)}"
     else:
         params = " with its program's default params" if META_KEY in meta else ""
     by = f" by program {meta['program']}" if meta.get("program") else ""
-    differ = str(mismatch).split("\n", 1)
     return (
         f"checkpoint_path {path} (a warm start) holds another model's state than this job's "
         f"program builds: it was trained{by}{params}. "
         "Warm-start from a step of the same model, or build this one as that step's was "
-        f"(--program-param KEY=VALUE).{chr(10) + differ[1] if len(differ) > 1 else ''}"
+        f"(--program-param KEY=VALUE).{chr(10) + mismatch.leaves if mismatch.leaves else ''}"
     )
