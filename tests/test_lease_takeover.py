@@ -157,7 +157,9 @@ def test_a_finishing_holder_waited_out_whose_beat_lands_before_the_write_is_not_
     would wait out the same finishing holder a second time (a second lease timeout)."""
     from prefect_jax.training import lease as lease_module
 
-    holder = lease_under(tmp_path, timeout=2.0)
+    # (5 s, not 2: the holder's heartbeat thread beats every timeout/4, and a 2-core CI machine
+    # under load once left it 2 s without a beat, so the holder looked gone, not finishing)
+    holder = lease_under(tmp_path, timeout=5.0)
     holder.acquire()
     writes_end = threading.Event()
     release_after(holder, lambda: writes_end.wait(60), "step 120")  # (its save never ends)
@@ -172,7 +174,7 @@ def test_a_finishing_holder_waited_out_whose_beat_lands_before_the_write_is_not_
         return judged
 
     monkeypatch.setattr(lease_module, "wait_while_finishing", then_the_holder_beats)
-    rerun = lease_under(tmp_path, timeout=2.0)
+    rerun = lease_under(tmp_path, timeout=5.0)
     try:
         with caplog.at_level(logging.WARNING, logger="prefect_jax.lease"):
             rerun.acquire()
