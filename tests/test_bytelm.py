@@ -306,18 +306,46 @@ def test_the_export_maps_token_ids_to_next_token_logits():
 
 def test_the_mlflow_model_names_its_input_when_a_sequence_is_too_long(tmp_path):
     """Learned positions: past the table, JAX's own error names no input ("Error refining
-    shapes"); the pyfunc's names the shape it takes and the one it was given."""
+    shapes", the constraint lost when the export was serialized); the pyfunc's names the shape
+    it takes, the constraint the export recorded, and the shape it was given. A token id outside
+    the vocabulary (NaN logits from the embedding, every position) is refused, naming the
+    range the program declared."""
     from types import SimpleNamespace
 
     from prefect_jax.training.exporters import serialize_serving
     from prefect_jax.training.pyfunc_model import JaxExportModel
+    from prefect_jax.training.serving import serving_record
 
     program = tiny(positions="learned")
     artifact = tmp_path / "model.jax_export"
     artifact.write_bytes(serialize_serving(program, program.init(jax.random.key(0)), ["cpu"]))
+    recorded = serving_record(program)
+    assert recorded == [
+        {
+            "name": None,
+            "shape": ["b", "seq"],
+            "dtype": "int32",
+            "constraints": ["seq <= 32"],
+            "values": [0, 256],
+        }
+    ]
     model = JaxExportModel()
-    model.load_context(SimpleNamespace(artifacts={"jax_export": str(artifact)}))
+    model.load_context(
+        SimpleNamespace(artifacts={"jax_export": str(artifact)}, model_config={"inputs": recorded})
+    )
     assert model.predict(None, np.zeros((2, 32), np.int32)).shape == (2, 32, 256)
+    with pytest.raises(ValueError, match=re.escape("takes int32[b,seq] where seq <= 32 (named")):
+        model.predict(None, np.zeros((2, 40), np.int32))
+    bad = np.full((1, 4), 7, np.int32)
+    bad[0, 2] = 300
+    with pytest.raises(ValueError, match=re.escape("takes values 0 <= x < 256 (its program's")):
+        model.predict(None, bad)
+    assert np.isnan(np.asarray(model.exported.call(bad))).all()  # what it would have answered
+    with pytest.raises(ValueError, match="given values from -1 to 7"):
+        model.predict(None, np.where(bad == 300, -1, bad))
+
+    # A model registered before the export recorded its inputs: JAX's refusal, the shapes named.
+    model.load_context(SimpleNamespace(artifacts={"jax_export": str(artifact)}))
     with pytest.raises(ValueError, match=re.escape("takes int32[b,seq] (named dimensions")) as got:
         model.predict(None, np.zeros((2, 40), np.int32))
     assert "given int32[2,40]: " in str(got.value)

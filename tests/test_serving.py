@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -59,6 +60,63 @@ def test_named_inputs_are_exported_registered_and_served_as_a_dict(job_config, m
     np.testing.assert_allclose(served, expected[:3], rtol=1e-6)
     with pytest.raises(Exception, match="temperature"):
         model.predict({"pixels": inputs["pixels"]})
+
+
+def test_the_registered_lm_refuses_ids_outside_its_vocabulary_and_names_its_context(
+    job_config, mlflow_uri
+):
+    """The export records what its program declared of its input (the sequence's constraint,
+    which a serialized export loses; the ids' range), the registry hands it to the pyfunc as
+    the model's config, and the model loaded from the registry refuses what breaks it: an id
+    past the vocabulary would be answered with NaN logits, a sequence past the context with
+    JAX's "Error refining shapes"."""
+    import mlflow
+
+    config = job_config(
+        max_steps=4,
+        every_steps=4,
+        job="lm",
+        exporters=[LatestExporter()],
+        program="prefect_jax.examples.bytelm:tiny",
+    )
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    train_to_end(trainer)
+    info = json.load(open(os.path.join(trainer.job.storage.export_dir("latest", 4), "export.json")))
+    assert info["inputs"] == [
+        {
+            "name": None,
+            "shape": ["b", "seq"],
+            "dtype": "int32",
+            "constraints": ["seq <= 32"],
+            "values": [0, 256],
+        }
+    ]
+    name = trainer.exports.registered_model
+    trainer.finish()
+    trainer.close()
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    model = mlflow.pyfunc.load_model(f"models:/{name}@newest")
+    assert np.isfinite(model.predict(np.full((1, 8), 255, np.int32))).all()
+    with pytest.raises(ValueError, match=r"takes values 0 <= x < 256 .*from 7 to 300"):
+        model.predict(np.array([[7, 300, 9]], np.int32))
+    with pytest.raises(ValueError, match=re.escape("takes int32[b,seq] where seq <= 32")):
+        model.predict(np.zeros((1, 40), np.int32))
+
+
+def test_a_serving_input_range_that_is_not_one_is_refused_before_training(job_config):
+    """Named, with the fix: a float input's range, a name serving_input() does not have."""
+    from programs import named_inputs
+
+    from prefect_jax.training.serving import check_serving
+    from prefect_jax.training.sharded_state import abstract_state_of
+
+    program = named_inputs()
+    for declared in ({"pixels": (0, 16)}, {"tokens": (0, 16)}, (0, 16), {"pixels": (3, 3)}):
+        program.serving_input_range = lambda declared=declared: declared
+        with pytest.raises(ValueError, match=r"serving_input_range\(\) returned .*: return \(low"):
+            check_serving(program, "p", abstract_state_of(program, 0))
 
 
 def test_an_int_on_a_symbolic_dimension_is_refused_before_training(job_config):

@@ -21,7 +21,7 @@ from prefect_jax.training.export_retention import prune_registered
 from prefect_jax.training.names import REGISTRY_FILE
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.registry import ALIASES_DESCRIPTION, alias_for, registered_model_of
-from prefect_jax.training.serving import input_signature, serving_specs
+from prefect_jax.training.serving import serving_record
 
 if TYPE_CHECKING:
     from prefect_jax.training.trainer import Trainer
@@ -215,7 +215,7 @@ class Exports:
             "program": config.program,
             "program_fingerprint": t.program_fingerprint,
             "job": config.job,
-            "inputs": input_signature(serving_specs(t.program)),
+            "inputs": serving_record(t.program),
         }
 
         registers = self.registered_model is not None and job.tracker.enabled

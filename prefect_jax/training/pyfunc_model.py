@@ -25,6 +25,10 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
         args, _ = jax.tree_util.tree_unflatten(self.exported.in_tree, self.exported.in_avals)
         self.inputs = args[0]  # one aval, or {name: aval}
         self.dtype = None if isinstance(self.inputs, dict) else self.inputs.dtype
+        # What the export's record says of each input (prefect-jax's `serving.input_signature`;
+        # none in a model registered before it was recorded): by name, None for one array.
+        recorded = (getattr(context, "model_config", None) or {}).get("inputs") or []
+        self.recorded = {one.get("name"): one for one in recorded}
 
     def predict(self, context, model_input: np.ndarray, params=None):
         # (np.ndarray hints: MLflow validates the input against the logged signature, no inference;
@@ -41,20 +45,41 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
             if hasattr(model_input, "to_numpy"):  # a pandas DataFrame: one row per example
                 model_input = model_input.to_numpy()
             args = np.asarray(model_input, dtype=self.dtype)
+        self.check_values(args)
         try:
             out = self.exported.call(args)
         except ValueError as exc:
             if not any(word in str(exc).lower() for word in SHAPE_WORDS):
                 raise  # (another refusal: a platform the model was not exported for, say)
-            # (JAX's own words may not name the input: "Error refining shapes")
+            # (JAX's own words may not name the input: "Error refining shapes"; a serialized
+            # export keeps no symbolic constraint, so the recorded ones are named)
+            constraints = [c for one in self.recorded.values() for c in one.get("constraints", [])]
+            where = f" where {', '.join(dict.fromkeys(constraints))}" if constraints else ""
             raise ValueError(
-                f"the model takes {jax_tree_str(self.inputs)} (named dimensions are free, within "
-                "what its program's serving_input() allows: a longest sequence, say); given "
-                f"{jax_tree_str(args)}: {exc}"
+                f"the model takes {jax_tree_str(self.inputs)}{where} (named dimensions are free, "
+                "within what its program's serving_input() allows: a longest sequence, say); "
+                f"given {jax_tree_str(args)}: {exc}"
             ) from exc
         if isinstance(out, dict):
             return {k: np.asarray(v) for k, v in out.items()}
         return np.asarray(out)
+
+    def check_values(self, args) -> None:
+        """Refuse an integer input outside the values its program declared
+        (``serving_input_range()``): token ids of another vocabulary would be looked up as NaN
+        or as another token's row, and answered without an error."""
+        for name, one in self.recorded.items():
+            if "values" not in one:
+                continue
+            low, high = one["values"]
+            array = args[name] if isinstance(args, dict) else args
+            if array.size and (array.min() < low or array.max() >= high):
+                label = f"input {name!r}" if name is not None else "the input"
+                raise ValueError(
+                    f"{label} takes values {low} <= x < {high} (its program's "
+                    f"serving_input_range()); given values from {array.min()} to {array.max()}: "
+                    "token ids of another vocabulary or tokenizer, say"
+                )
 
 
 SHAPE_WORDS = ("shape", "rank", "dimension", "dtype")

@@ -171,7 +171,7 @@ def log_export_model(
     )  # the MLflow worker's: cpu (`mlflow_worker._worker_environment`)
     signature = export_signature(exported, example)
     info_path = os.path.join(export_dir, EXPORT_INFO_FILE)
-    metadata = {}
+    metadata, model_config = {}, None
     if os.path.exists(info_path):
         try:
             with open(info_path) as f:
@@ -191,6 +191,8 @@ def log_export_model(
             for k in ("program", "program_fingerprint", "metrics", "eval_name")
             if k in info
         }
+        if info.get("inputs"):  # (the pyfunc checks its inputs against their constraints, ranges)
+            model_config = {"inputs": info["inputs"]}
     metadata["platforms"] = list(
         exported.platforms
     )  # where it loads: cpu, cuda, rocm, tpu by default
@@ -224,6 +226,7 @@ def log_export_model(
             input_example=example,
             pip_requirements=requirements(),
             metadata={"prefect_jax": {"job": job, "step": step, **metadata}},
+            model_config=model_config,
             run_id=run_id,
             step=step,
             model_id=logged.model_id,

@@ -50,16 +50,84 @@ def _dim(d) -> int | str:
     return d if isinstance(d, int) else str(d)
 
 
-def input_signature(spec) -> list[dict]:
-    """The serving inputs as JSON (``export.json``): ``[{"name", "shape", "dtype"}]``, a symbolic
-    dimension by its expression (``"b"``), the name None for a single array input."""
+def serving_ranges(program: Any, spec, name: str | None = None) -> dict:
+    """``program.serving_input_range()``, checked against the serving inputs `spec`:
+    ``{input name (None for one array): (low, high)}``, the values an integer input takes,
+    ``low <= x < high`` (token ids: ``(0, vocab)``); {} where the program has none. The pyfunc
+    refuses values outside, which an embedding's lookup would turn into NaN or another row.
+
+    Raises:
+        ValueError: not a ``(low, high)`` pair of ints (a dict of them by input name for named
+            inputs), an unknown name, ``low >= high``, or an input that is not integer.
+    """
+    import numpy as np
+
+    if not callable(getattr(program, "serving_input_range", None)):
+        return {}
+    given = program.serving_input_range()
+    who = f"program {name!r}" if name else "the program"
+    named = isinstance(spec, dict)
+    ranges = given if named and isinstance(given, dict) else {None: given}
+    specs = spec if named else {None: spec}
+    fix = (
+        "return (low, high) with ints low < high (values low <= x < high), for an integer "
+        "input; a dict {name: (low, high)} of some of serving_input()'s names"
+    )
+    for key, pair in ranges.items():
+        ok = (
+            key in specs
+            and isinstance(pair, (tuple, list))
+            and len(pair) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+            and pair[0] < pair[1]
+            and np.issubdtype(np.dtype(specs[key].dtype), np.integer)
+        )
+        if not ok:
+            raise ValueError(f"{who}'s serving_input_range() returned {given!r}: {fix}")
+    return {k: (int(v[0]), int(v[1])) for k, v in ranges.items()}
+
+
+def symbolic_constraints(spec) -> list[str]:
+    """The constraints given to ``jax.export.symbolic_shape`` for the dims of `spec` (one
+    ShapeDtypeStruct or a dict of them): ``["seq <= 512"]``. A serialized export loses them (its
+    refusal of a sequence too long says only "Error refining shapes"), so the export's record
+    keeps them for the pyfunc to name. JAX has no public accessor: they are read from the
+    symbolic scope's description, which lists them after "with constraints:" ([] if it
+    changes)."""
+    specs = spec.values() if isinstance(spec, dict) else [spec]
+    scopes = {id(d.scope): d.scope for s in specs for d in s.shape if hasattr(d, "scope")}
+    found: list[str] = []
+    for scope in scopes.values():
+        _, said, listed = str(scope).partition("with constraints:")
+        if said:
+            found += [line.strip() for line in listed.splitlines() if line.strip()]
+    return list(dict.fromkeys(found))
+
+
+def input_signature(spec, ranges: dict | None = None) -> list[dict]:
+    """The serving inputs as JSON (``export.json``, and the MLflow model's config, where the pyfunc
+    reads them): ``[{"name", "shape", "dtype"}]``, a symbolic dimension by its expression
+    (``"b"``), the name None for a single array input; ``"constraints"`` where its dims have some
+    (`symbolic_constraints`), ``"values": [low, high]`` where `ranges` (`serving_ranges`) has it."""
     import numpy as np
 
     items = spec.items() if isinstance(spec, dict) else [(None, spec)]
-    return [
-        {"name": k, "shape": [_dim(d) for d in s.shape], "dtype": np.dtype(s.dtype).name}
-        for k, s in items
-    ]
+    out = []
+    for k, s in items:
+        one = {"name": k, "shape": [_dim(d) for d in s.shape], "dtype": np.dtype(s.dtype).name}
+        if constraints := symbolic_constraints(s):
+            one["constraints"] = constraints
+        if ranges and k in ranges:
+            one["values"] = list(ranges[k])
+        out.append(one)
+    return out
+
+
+def serving_record(program: Any) -> list[dict]:
+    """What an export records of its program's serving inputs (`input_signature`, their value
+    ranges in)."""
+    spec = serving_specs(program)
+    return input_signature(spec, serving_ranges(program, spec))
 
 
 def _fitting(leaves, spec, rows: int):
@@ -130,11 +198,13 @@ def check_serving(
     Raises:
         ValueError: ``serving_input()`` is not a ShapeDtypeStruct (or dict of them); ``serve``
             does not trace on it (an ``int()`` on a symbolic dimension...); or it does not lower
-            for named `platforms` (each named, with its error).
+            for named `platforms` (each named, with its error); ``serving_input_range()`` is
+            not what `serving_ranges` takes.
     """
     import jax
 
     spec = serving_specs(program, name)
+    serving_ranges(program, spec, name)
     # one device, as an export's constants
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_state)
     try:

@@ -254,6 +254,10 @@ class ByteLMProgram:
         shape = jax.export.symbolic_shape("b, seq", constraints=(f"seq <= {self.cfg.seq_len}",))
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
+    def serving_input_range(self):
+        """Byte ids: the pyfunc refuses others (the embedding would look them up as NaN)."""
+        return (0, VOCAB)
+
     def serve(self, state, tokens):
         """Next-token logits, float32 (batch, seq, 256), for int32 token ids (batch, seq)."""
         return self.apply(state["params"], tokens)
