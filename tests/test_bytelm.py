@@ -517,7 +517,9 @@ def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
     proc = cli(*run, "--max-steps", "8", *params, "--program-param", 'mesh={"data": 3}')
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "prefect-jax run: error: the program's mesh_axes={'data': 3} multiply to 3, not the 1 "
-        "devices; give sizes whose product is 1 (the devices), with at most one -1 for the rest"
+        "devices; give sizes whose product is 1 (the devices), with at most one -1 for the "
+        'rest. The program param mesh={"data": 3} set it: --program-param mesh=... in a '
+        "command, program_params['mesh'] in a flow; left out, the program's default"
     ]
     proc = cli(*run, "--max-steps", "8", *params, XLA_FLAGS=f"{DEVICES_FLAG}=3")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [

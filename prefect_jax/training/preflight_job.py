@@ -101,7 +101,10 @@ def check_job(
     if cluster is None and max_steps is not None:
         # the mesh and the first batch; the state's shardings where the mesh is new
         abstract_state = check_sharding(
-            loaded, resumed=newest_meta if committed else None, trains=train_spec is not None
+            loaded,
+            resumed=newest_meta if committed else None,
+            trains=train_spec is not None,
+            params=program_params,
         )
     if checkpoint_path and not committed:
         check_checkpoint_path(checkpoint_path)

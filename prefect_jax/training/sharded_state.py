@@ -93,7 +93,13 @@ def check_train_batch(loop: Any) -> None:
         check_first_batch(loop.program.train_data(loop.spec.seed), loop.batch_sharding)
 
 
-def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None, trains: bool = True):
+def check_sharding(
+    program: Any,
+    seed: int = 0,
+    resumed: dict | None = None,
+    trains: bool = True,
+    params: dict | None = None,
+):
     """What the loop refuses of a sharded program's mesh, state and first batch, refused before
     anything starts (one process: several see their devices only once JAX's distributed
     runtime is up, which the flow run starts; the loop checks there).
@@ -109,6 +115,8 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None, tra
             cannot split names the mesh the job trained on.
         trains: whether this process trains (its first batch checked); an evaluator never takes
             a train batch.
+        params: the program params it was built with: one that set its mesh is named in the
+            refusal of that mesh (`mesh_param_named`).
 
     Returns:
         The abstract state it traced (``jax.eval_shape`` of init), or None where it traced none
@@ -119,7 +127,13 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None, tra
     """
     if not declares_sharding(program):
         return None
-    mesh, _, batch, _ = placement(program, jax.devices(), 1)
+    try:
+        mesh, _, batch, _ = placement(program, jax.devices(), 1)
+    except ShardingError as exc:
+        named = mesh_param_named(exc, program, params)
+        if named is exc:
+            raise
+        raise named from exc
     trained_on = (resumed or {}).get("mesh")
     fix = ""
     if trained_on and trained_on != dict(mesh.shape):  # the mesh changed, not the batch
@@ -132,6 +146,23 @@ def check_sharding(program: Any, seed: int = 0, resumed: dict | None = None, tra
     if resumed is None or trained_on != dict(mesh.shape):
         return sharded_abstract_state(program, mesh, seed)[0]
     return None
+
+
+def mesh_param_named(exc: ShardingError, program: Any, params: dict | None) -> ShardingError:
+    """`exc` (a refusal of the program's ``mesh_axes``) naming the program param whose value is
+    that mesh: the user typed ``--program-param mesh=...`` (or a flow's ``program_params``),
+    not ``mesh_axes``; `exc` itself where no param set it."""
+    import json
+
+    axes = getattr(program, "mesh_axes", None)
+    given = [k for k, v in (params or {}).items() if isinstance(v, dict) and v == axes]
+    if not given or "mesh_axes=" not in str(exc):
+        return exc
+    return ShardingError(
+        f"{exc}. The program param {given[0]}={json.dumps(axes)} set it: --program-param "
+        f"{given[0]}=... in a command, program_params[{given[0]!r}] in a flow; left out, the "
+        "program's default"
+    )
 
 
 def idle_axes(mesh: Mesh, state_sharding, batch: NamedSharding) -> list[str]:
