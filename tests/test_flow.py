@@ -690,6 +690,38 @@ def test_a_run_logs_what_it_trains_on_and_its_progress_between_checkpoints(
     assert not [m for m in lines if m.startswith(("step 20 of 40: ", "step 40 of 40: "))], lines
 
 
+def test_a_tasks_progress_lines_hear_its_own_job_not_another_on_the_same_trainer_thread():
+    """Two jobs' train tasks in one process (a threaded task runner) wait on one trainer thread,
+    each in its own progress scope: each hears its own job's training only (a process-wide
+    listener logged each job's lines in both runs' logs)."""
+    import threading
+
+    from prefect_jax.training import trainer_thread
+    from prefect_jax.training.progress import listening, notify_progress, progress_heard_here
+
+    heard: dict[str, list[str]] = {"a": [], "b": []}
+    both_listening = threading.Barrier(2, timeout=30)
+
+    def train(job: str) -> bool:  # what a trainer's loop does at a log point, on that thread
+        notify_progress(10, 40, {"job": job})
+        return listening()
+
+    def task(job: str) -> None:
+        with progress_heard_here(lambda step, last, metrics: heard[job].append(metrics["job"])):
+            both_listening.wait()  # (the other task listens while this one's training runs)
+            call = trainer_thread.submit(train, job)
+            assert trainer_thread.wait(call, 30)
+            assert trainer_thread.outcome(call)
+
+    tasks = [threading.Thread(target=task, args=(job,)) for job in heard]
+    for t in tasks:
+        t.start()
+    for t in tasks:
+        t.join(60)
+    assert heard == {"a": ["a"], "b": ["b"]}
+    assert not listening()  # (this test's context never listened)
+
+
 def test_progress_lines_come_at_most_every_so_many_seconds():
     from prefect_jax.tasks.train import progress_lines
 

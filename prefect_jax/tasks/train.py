@@ -12,7 +12,7 @@ from prefect_jax.tasks.live_trainer import task_trainer
 from prefect_jax.tasks.retries import DEFAULT_RETRIES, retry_if_transient
 from prefect_jax.tasks.runs import mark_taken_over
 from prefect_jax.training.policy import NO_END, CheckpointPolicy
-from prefect_jax.training.progress import add_progress_listener
+from prefect_jax.training.progress import progress_heard_here
 from prefect_jax.training.specs import JobConfig
 
 
@@ -94,11 +94,9 @@ def train_until_checkpoint(config: JobConfig, from_step: int) -> int:
         trainer.step,
         f"to {end}" if end else "until the time-only cadence's checkpoint",
     )
-    remove = add_progress_listener(progress_lines(logger.info, until=end))
-    try:
+    # (this job's lines only: another job's task may wait on this process's trainer thread)
+    with progress_heard_here(progress_lines(logger.info, until=end)):
         step = trainer.train_until_checkpoint()
-    finally:
-        remove()
     # (the save commits in the background: a kill before that resumes from the step before)
     logger.info(
         "step %d trained, its checkpoint saving (%s)", step, _shown(trainer.last_train_metrics)
@@ -115,7 +113,7 @@ goes between them in its run's log, where no progress bar is drawn (a worker, a 
 def progress_lines(
     log, every_secs: float | None = None, clock=time.monotonic, until: int | None = None
 ):
-    """A progress listener (`add_progress_listener`) that logs the step and its log point's
+    """A progress listener (`progress_heard_here`) that logs the step and its log point's
     means and throughput with `log`, at the first log point `every_secs` (default
     `PROGRESS_LINE_SECS`) after the interval's start or the line before; not at step `until`
     (the interval's end, which its task's own line tells). The metrics of a log point it does
