@@ -24,8 +24,8 @@ import sys
 import tempfile
 import time
 
-from prefect_jax.cli.commands import program_params_from_args
 from prefect_jax.cli.role_arguments import add_program_params
+from prefect_jax.cli.spec_flags import program_params_from_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HORIZON = 240  # the schedule's horizon (the goodput job's --steps): it shapes no step's cost

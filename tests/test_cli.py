@@ -455,7 +455,7 @@ def test_the_embedded_server_starts_early_only_where_no_setting_names_a_server(
 def _run_specs(*flags):
     """The (train, eval, checkpoint) specs of ``prefect-jax run`` with `flags`."""
     from prefect_jax.cli import build_parser
-    from prefect_jax.cli.commands import specs_from_args
+    from prefect_jax.cli.spec_flags import specs_from_args
 
     args = build_parser().parse_args(
         [
@@ -473,26 +473,26 @@ def _run_specs(*flags):
 
 
 def test_every_training_flag_reaches_its_spec_or_is_read_by_the_command_and_defaults_as_it():
-    """A flag for a spec field left out of `_SPEC_FLAGS` would be parsed and silently ignored;
+    """A flag for a spec field left out of `SPEC_FLAGS` would be parsed and silently ignored;
     a default written again in the flag would drift from the spec's."""
     import argparse
     import pathlib
 
-    from prefect_jax.cli import arguments, build_parser, commands
+    from prefect_jax.cli import arguments, build_parser, commands, spec_flags
     from prefect_jax.training import specs
 
     parser = argparse.ArgumentParser()
     arguments.add_training_args(parser, max_steps=1000, every=200)
     flags = {a.dest for a in parser._actions if a.dest != "help"}
-    to_specs = {attr for fields in commands._SPEC_FLAGS.values() for attr in fields.values()}
+    to_specs = {attr for fields in spec_flags.SPEC_FLAGS.values() for attr in fields.values()}
     assert to_specs <= flags, to_specs - flags
     cli = "".join(p.read_text() for p in pathlib.Path(commands.__file__).parent.glob("*.py"))
     unread = [f for f in sorted(flags - to_specs) if f"args.{f}" not in cli]
-    assert unread == [], f"flags neither in _SPEC_FLAGS nor read as args.<flag>: {unread}"
+    assert unread == [], f"flags neither in SPEC_FLAGS nor read as args.<flag>: {unread}"
     parsed, _ = parser.parse_known_args([])
     differ = {
         (spec, field)
-        for spec, fields in commands._SPEC_FLAGS.items()
+        for spec, fields in spec_flags.SPEC_FLAGS.items()
         for field, attr in fields.items()
         if getattr(parsed, attr)
         != getattr(specs, spec).model_fields[field].get_default(call_default_factory=True)

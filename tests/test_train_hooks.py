@@ -122,7 +122,7 @@ def test_a_hook_that_does_not_load_is_refused_when_the_trainer_starts(job_config
 
 def test_the_command_s_train_hook_flag_is_the_spec_s_hooks():
     from prefect_jax.cli import build_parser
-    from prefect_jax.cli.commands import specs_from_args
+    from prefect_jax.cli.spec_flags import specs_from_args
 
     args = build_parser().parse_args(
         ["train", "--program", "p.m:x", "--job", "j", "--storage", "/s"]

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from prefect_jax.cli import build_parser
-from prefect_jax.cli.commands import specs_from_args
+from prefect_jax.cli.spec_flags import specs_from_args
 from prefect_jax.flows import export_flow
 from prefect_jax.training.specs import TrainSpec
 

@@ -19,7 +19,7 @@ ROLES = tuple(ROLE_HELP)  # the subcommands `add_role` makes
 
 def add_program_params(add) -> None:
     """``--program-param KEY=VALUE`` and ``--program-params JSON`` on a parser (``add`` is its
-    ``add_argument``), read by `commands.program_params_from_args`."""
+    ``add_argument``), read by `spec_flags.program_params_from_args`."""
     add(
         "--program-param",
         dest="program_param",
