@@ -294,6 +294,53 @@ def test_an_mlflow_tracking_block_names_the_store_and_experiment_of_a_job(tmp_pa
     assert not (tmp_path / "s" / "unblocked").exists()
 
 
+def test_early_stopping_from_the_command_line_stops_the_job(tmp_path, prefect_server, mlflow_uri):
+    """TF's `stop_if_no_decrease_hook` from the command: the `--early-stopping-*` flags make
+    `EvalSpec.early_stopping`; the job stops when its metric has not improved for N steps (an
+    accuracy that must gain a whole 1.0 never does: stopped at 40 of 100, 20 steps after its
+    best at 20), and says why in its summary."""
+    args = ["run", "--program", TINY, "--job", "early", "--storage", str(tmp_path / "s")]
+    args += ["--max-steps", "100", "--checkpoint-every-steps", "20", "--exporters"]
+    args += ["--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
+    args += ["--early-stopping-steps", "20", "--early-stopping-metric", "accuracy"]
+    args += ["--early-stopping-mode", "max", "--early-stopping-min-delta", "1.0"]
+    proc = run_cli(*args, PREFECT_API_URL=prefect_server)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _last_json(proc)
+    assert summary["final_step"] == 40, summary
+    assert "early stopping: accuracy has not improved" in summary["stopped"], summary
+
+
+def test_early_stopping_flags_without_its_steps_or_out_of_range_are_refused_naming_the_flag():
+    from prefect_jax.training.specs import EarlyStopping
+
+    assert _run_specs()[1].early_stopping is None
+    (_, evaluation, _) = _run_specs(
+        "--early-stopping-steps", "500", "--early-stopping-min-steps", "9"
+    )
+    assert evaluation.early_stopping == EarlyStopping(
+        max_steps_without_improvement=500, min_steps=9
+    )
+    with pytest.raises(ValueError) as refused:
+        _run_specs("--early-stopping-metric", "accuracy", "--early-stopping-mode", "max")
+    assert str(refused.value) == (
+        "--early-stopping-metric accuracy --early-stopping-mode max without "
+        "--early-stopping-steps: early stopping needs how many steps the best value may age; "
+        "give --early-stopping-steps N (e.g. 1000), or drop the others"
+    )
+    with pytest.raises(ValueError, match=r"^--early-stopping-steps 0: max_steps_without_imp"):
+        _run_specs("--early-stopping-steps", "0")
+    with pytest.raises(ValueError, match=r"^--throttle-secs -1.0: .*; --early-stopping-min-steps"):
+        _run_specs(
+            "--throttle-secs",
+            "-1",
+            "--early-stopping-steps",
+            "5",
+            "--early-stopping-min-steps",
+            "-1",
+        )
+
+
 def test_a_failed_export_ends_the_command_in_one_line_after_its_one_traceback(tmp_path, mlflow_uri):
     """An export that fails (the program's serve refuses the trained weights) ends the job: the
     command's last line says so and what a rerun does, exit 1. The program's own error keeps
@@ -485,6 +532,9 @@ def test_every_training_flag_reaches_its_spec_or_is_read_by_the_command_and_defa
     arguments.add_training_args(parser, max_steps=1000, every=200)
     flags = {a.dest for a in parser._actions if a.dest != "help"}
     to_specs = {attr for fields in spec_flags.SPEC_FLAGS.values() for attr in fields.values()}
+    early = set(spec_flags.EARLY_STOPPING_FLAGS.values())  # (None unless given: no EarlyStopping)
+    assert early <= flags and not any(getattr(parser.parse_args([]), a) for a in early)
+    to_specs |= early
     assert to_specs <= flags, to_specs - flags
     cli = "".join(p.read_text() for p in pathlib.Path(commands.__file__).parent.glob("*.py"))
     unread = [f for f in sorted(flags - to_specs) if f"args.{f}" not in cli]

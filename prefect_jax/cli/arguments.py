@@ -78,7 +78,18 @@ _TRAINING_ONLY = frozenset(
         "--checkpoint-path",
     }
 )
-_EVALUATION_ONLY = frozenset({"--eval-steps", "--throttle-secs", "--start-delay-secs"})
+_EVALUATION_ONLY = frozenset(
+    {
+        "--eval-steps",
+        "--throttle-secs",
+        "--start-delay-secs",
+        "--early-stopping-steps",
+        "--early-stopping-metric",
+        "--early-stopping-mode",
+        "--early-stopping-min-delta",
+        "--early-stopping-min-steps",
+    }
+)
 
 
 def add_training_args(
@@ -228,6 +239,41 @@ def add_training_args(
         metavar="PKG.MOD:FN",
         help="the best exporter's compare_fn(best_eval_result, current_eval_result) -> bool, by "
         "import path (TF's BestExporter compare_fn); instead of --best-metric/--best-mode",
+    )
+    add(
+        "--early-stopping-steps",
+        type=number(int, "a number of steps", "1000"),
+        default=None,
+        metavar="N",
+        help="stop the job once the eval metric's best value is N global steps old (TF's "
+        "stop_if_no_decrease_hook max_steps_without_decrease); the evaluator asks, the trainer "
+        "stops at its next checkpoint",
+    )
+    add(
+        "--early-stopping-metric",
+        default=None,
+        metavar="NAME",
+        help="the eval metric early stopping watches (default loss)",
+    )
+    add(
+        "--early-stopping-mode",
+        choices=["min", "max"],
+        default=None,
+        help="'min' if lower is better (the default), 'max' if higher",
+    )
+    add(
+        "--early-stopping-min-delta",
+        type=number(float, "a number", "0.001"),
+        default=None,
+        metavar="X",
+        help="smaller changes do not count as improvement (default 0)",
+    )
+    add(
+        "--early-stopping-min-steps",
+        type=number(int, "a global step", "500"),
+        default=None,
+        metavar="N",
+        help="evaluations before this step are left out (TF's min_steps; default 0)",
     )
     add(
         "--train-hook",

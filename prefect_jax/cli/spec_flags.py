@@ -39,6 +39,35 @@ SPEC_FLAGS = {
 }
 
 
+# `EarlyStopping`'s fields and their flags (``--early-stopping-steps`` makes one).
+EARLY_STOPPING_FLAGS = {
+    "max_steps_without_improvement": "early_stopping_steps",
+    "metric": "early_stopping_metric",
+    "mode": "early_stopping_mode",
+    "min_delta": "early_stopping_min_delta",
+    "min_steps": "early_stopping_min_steps",
+}
+
+
+def early_stopping_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`EvalSpec.early_stopping` from the ``--early-stopping-*`` flags: None without
+    ``--early-stopping-steps`` (the others alone are refused: they would be ignored)."""
+    given = {
+        field: getattr(args, attr)
+        for field, attr in EARLY_STOPPING_FLAGS.items()
+        if getattr(args, attr, None) is not None
+    }
+    if given and "max_steps_without_improvement" not in given:
+        flags = " ".join(
+            f"{args.flag_of_dest[EARLY_STOPPING_FLAGS[f]]} {v}" for f, v in given.items()
+        )
+        raise ValueError(
+            f"{flags} without --early-stopping-steps: early stopping needs how many steps the "
+            "best value may age; give --early-stopping-steps N (e.g. 1000), or drop the others"
+        )
+    return given or None
+
+
 def specs_from_args(args: argparse.Namespace):
     """TrainSpec, EvalSpec and CheckpointSpec from the command line.
 
@@ -53,6 +82,7 @@ def specs_from_args(args: argparse.Namespace):
         {field: getattr(args, attr) for field, attr in SPEC_FLAGS[spec].items()}
         for spec in ("TrainSpec", "CheckpointSpec", "EvalSpec")
     )
+    evaluation["early_stopping"] = early_stopping_from_args(args)
     try:
         return build_specs(
             train,
@@ -77,8 +107,11 @@ def flag_errors(exc, flag_of_dest: dict[str, str]) -> str:
     for error in exc.errors():
         field = error["loc"][0] if error["loc"] else None
         message = error["msg"].removeprefix("Value error, ")
-        if field in flags:
-            said.append(f"{flag_of_dest[flags[field]]} {error.get('input')!r}: {message}")
+        of = flags
+        if field == "early_stopping" and len(error["loc"]) > 1:  # (a field of its own flag)
+            field, of = error["loc"][1], EARLY_STOPPING_FLAGS
+        if field in of:
+            said.append(f"{flag_of_dest[of[field]]} {error.get('input')!r}: {message}")
         else:
             where = ".".join(str(part) for part in error["loc"])
             said.append(f"{exc.title}{'.' + where if where else ''}: {message}")
