@@ -294,21 +294,45 @@ def test_an_mlflow_tracking_block_names_the_store_and_experiment_of_a_job(tmp_pa
     assert not (tmp_path / "s" / "unblocked").exists()
 
 
-def test_early_stopping_from_the_command_line_stops_the_job(tmp_path, prefect_server, mlflow_uri):
-    """TF's `stop_if_no_decrease_hook` from the command: the `--early-stopping-*` flags make
-    `EvalSpec.early_stopping`; the job stops when its metric has not improved for N steps (an
-    accuracy that must gain a whole 1.0 never does: stopped at 40 of 100, 20 steps after its
-    best at 20), and says why in its summary."""
-    args = ["run", "--program", TINY, "--job", "early", "--storage", str(tmp_path / "s")]
-    args += ["--max-steps", "100", "--checkpoint-every-steps", "20", "--exporters"]
+def test_early_stopping_eval_hooks_and_exports_to_keep_from_the_command_line(
+    tmp_path, prefect_server, mlflow_uri
+):
+    """The rest of TF's EvalSpec from the command: `--early-stopping-*` (its
+    `stop_if_no_decrease_hook`) stops the job when its metric has not improved for N steps (an
+    accuracy that must gain a whole 1.0 never does: stopped at 40 of 100, 20 steps after its best
+    at 20), and says why; `--eval-hook` (its listeners) hears each evaluation; `--exports-to-keep`
+    (its exporters' exports_to_keep) keeps that many. A hook or a metric that cannot be is one
+    error line before anything runs."""
+    (tmp_path / "listeners.py").write_text(
+        "import os\n"
+        "class Heard:\n"
+        "    def after_eval(self, result):\n"
+        "        with open(os.environ['HEARD'], 'a') as f:\n"
+        "            f.write(f'{result.step}\\n')\n"
+        "        return True\n"
+    )
+    storage = tmp_path / "s"
+    args = ["run", "--program", TINY, "--job", "early", "--storage", str(storage)]
+    args += ["--max-steps", "100", "--checkpoint-every-steps", "20", "--exporters", "latest"]
     args += ["--mlflow-tracking-uri", mlflow_uri, "--json", "--no-progress"]
-    args += ["--early-stopping-steps", "20", "--early-stopping-metric", "accuracy"]
-    args += ["--early-stopping-mode", "max", "--early-stopping-min-delta", "1.0"]
-    proc = run_cli(*args, PREFECT_API_URL=prefect_server)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args += ["--early-stopping-steps", "20", "--early-stopping-mode", "max"]
+    env = dict(PREFECT_API_URL=prefect_server, HEARD=str(tmp_path / "heard"))
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.getcwd()])
+
+    typo = run_cli(*args, "--early-stopping-metric", "acuracy", **env)
+    assert typo.returncode == 2 and "--early-stopping-metric" in typo.stderr, typo.stderr[-3000:]
+    assert "'acuracy'" in typo.stderr and not (storage / "early").exists()
+    missing = run_cli(*args, "--eval-hook", "listeners:Nobody", **env)
+    assert missing.returncode == 2 and "listeners:Nobody" in missing.stderr, missing.stderr[-3000:]
+    assert not (storage / "early").exists()
+
+    args += ["--early-stopping-metric", "accuracy", "--early-stopping-min-delta", "1.0"]
+    proc = run_cli(*args, "--eval-hook", "listeners:Heard", "--exports-to-keep", "1", **env)
     summary = _last_json(proc)
     assert summary["final_step"] == 40, summary
     assert "early stopping: accuracy has not improved" in summary["stopped"], summary
+    assert (tmp_path / "heard").read_text().split() == ["20", "40"]
+    assert sorted(os.listdir(storage / "early" / "exports" / "latest")) == ["40"]
 
 
 def test_early_stopping_flags_without_its_steps_or_out_of_range_are_refused_naming_the_flag():

@@ -88,6 +88,7 @@ _EVALUATION_ONLY = frozenset(
         "--early-stopping-mode",
         "--early-stopping-min-delta",
         "--early-stopping-min-steps",
+        "--eval-hook",
     }
 )
 
@@ -231,6 +232,14 @@ def add_training_args(
         help="platforms the exported model runs on, of cpu,cuda,rocm,tpu, or 'all' (default: the "
         "one the job runs on and cpu; a warning names those serve() does not lower for)",
     )
+    add(
+        "--exports-to-keep",
+        type=_steps_or_none("to keep every one", "exports", 5),
+        default=5,
+        metavar="N|none",
+        help="exports the latest and best exporters keep, each (TF's exports_to_keep; default "
+        "%(default)s); 'none' keeps every one",
+    )
     add("--best-metric", default=None, help="metric the best exporter compares (default loss)")
     add("--best-mode", choices=["min", "max"], default=None, help="'min' or 'max' (default min)")
     add(
@@ -274,6 +283,15 @@ def add_training_args(
         default=None,
         metavar="N",
         help="evaluations before this step are left out (TF's min_steps; default 0)",
+    )
+    add(
+        "--eval-hook",
+        dest="eval_hooks",
+        action="append",
+        default=[],
+        metavar="PKG.MOD:NAME",
+        help="an eval hook by import path (TF's _ContinuousEvalListener): before_eval(), "
+        "after_eval(result), should_stop_job(result); a class is instantiated; repeatable",
     )
     add(
         "--train-hook",

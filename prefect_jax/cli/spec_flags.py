@@ -35,9 +35,17 @@ SPEC_FLAGS = {
         "start_delay_secs": "start_delay_secs",
         "registered_model": "registered_model",
         "export_platforms": "export_platforms",
+        "hooks": "eval_hooks",
     },
 }
 
+
+# The exporters' fields the command sets (`facade.build_specs` makes them): a refusal named by
+# its flag too.
+EXPORTER_FLAGS = {
+    "LatestExporter": {"keep": "exports_to_keep"},
+    "BestExporter": {"keep": "exports_to_keep"},
+}
 
 # `EarlyStopping`'s fields and their flags (``--early-stopping-steps`` makes one).
 EARLY_STOPPING_FLAGS = {
@@ -92,6 +100,7 @@ def specs_from_args(args: argparse.Namespace):
             args.best_metric,
             args.best_mode,
             best_compare_fn=_best_compare_fn(args),
+            exports_to_keep=args.exports_to_keep,
         )
     except ValidationError as exc:
         raise ValueError(flag_errors(exc, args.flag_of_dest)) from None
@@ -102,7 +111,7 @@ def flag_errors(exc, flag_of_dest: dict[str, str]) -> str:
     led by the flag (as typed: `flag_of_dest`, from `arguments.add_training_args`) and value that
     caused it (``--checkpoint-every-steps 0: ...``), without pydantic's headings and links. An
     error of no single flag keeps the spec's name."""
-    flags = SPEC_FLAGS.get(exc.title, {})
+    flags = SPEC_FLAGS.get(exc.title) or EXPORTER_FLAGS.get(exc.title, {})
     said = []
     for error in exc.errors():
         field = error["loc"][0] if error["loc"] else None

@@ -47,6 +47,7 @@ def build_specs(
     best_metric: str | None = "loss",
     best_mode: str | None = "min",
     best_compare_fn: str | None = None,
+    exports_to_keep: int | None = 5,
 ):
     """The `TrainSpec`, `CheckpointSpec` and `EvalSpec` of a job, from plain values.
 
@@ -60,6 +61,8 @@ def build_specs(
         best_mode: ``min`` or ``max``: which of its values is best.
         best_compare_fn: The ``best`` exporter's ``compare_fn`` by import path, instead of
             `best_metric` and `best_mode` (give those as None).
+        exports_to_keep: The exports the ``latest`` and ``best`` exporters keep, each (None:
+            every one).
 
     Returns:
         ``(train_spec, eval_spec, checkpoint_spec)``.
@@ -91,10 +94,15 @@ def build_specs(
     made = []
     for name in exporters:
         if name == "latest":
-            made.append(LatestExporter())
+            made.append(LatestExporter(keep=exports_to_keep))
         elif name == "best":
             made.append(
-                BestExporter(metric=best_metric, mode=best_mode, compare_fn=best_compare_fn)
+                BestExporter(
+                    metric=best_metric,
+                    mode=best_mode,
+                    compare_fn=best_compare_fn,
+                    keep=exports_to_keep,
+                )
             )
         elif name == "final":
             made.append(FinalExporter())

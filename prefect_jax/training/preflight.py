@@ -183,7 +183,7 @@ def check_evaluation(
 
     def named_by(exporter: str | None) -> str:
         if exporter is None:
-            return "early_stopping.metric"
+            return "--early-stopping-metric" if flags else "early_stopping.metric"
         return (
             f"--best-metric (exporter {exporter!r})"
             if flags

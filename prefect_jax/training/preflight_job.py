@@ -48,6 +48,7 @@ def check_job(
         probe = None
 
     from prefect_jax.training.checksums import CorruptCheckpointError
+    from prefect_jax.training.control import load_hooks
     from prefect_jax.training.errors import PastMaxStepsError
     from prefect_jax.training.following import trainers_max_steps, trainers_program_params
     from prefect_jax.training.lease import Lease
@@ -79,6 +80,8 @@ def check_job(
         exporters = eval_spec.exporters if eval_spec is not None else []
         if train_spec is not None:  # what its trainer refuses as it is made (see head_start)
             check_job_parts(loaded, program, exporters, train_spec.hooks)
+        if eval_spec is not None and eval_spec.hooks:  # (as every role's trainer loads them)
+            load_hooks(eval_spec.hooks)
         if probe is not None:
             finish_check(probe, mlflow_optional)
     finally:
