@@ -310,6 +310,7 @@ def test_the_mlflow_model_names_its_input_when_a_sequence_is_too_long(tmp_path):
     it takes, the constraint the export recorded, and the shape it was given. A token id outside
     the vocabulary (NaN logits from the embedding, every position) is refused, naming the
     range the program declared."""
+    import json
     from types import SimpleNamespace
 
     from prefect_jax.training.exporters import serialize_serving
@@ -329,9 +330,11 @@ def test_the_mlflow_model_names_its_input_when_a_sequence_is_too_long(tmp_path):
             "values": [0, 256],
         }
     ]
+    record = tmp_path / "export.json"
+    record.write_text(json.dumps({"program": "bytelm", "inputs": recorded}))
     model = JaxExportModel()
     model.load_context(
-        SimpleNamespace(artifacts={"jax_export": str(artifact)}, model_config={"inputs": recorded})
+        SimpleNamespace(artifacts={"jax_export": str(artifact), "export_info": str(record)})
     )
     assert model.predict(None, np.zeros((2, 32), np.int32)).shape == (2, 32, 256)
     with pytest.raises(ValueError, match=re.escape("takes int32[b,seq] where seq <= 32 (named")):

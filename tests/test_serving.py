@@ -92,11 +92,14 @@ def test_the_registered_lm_refuses_ids_outside_its_vocabulary_and_names_its_cont
             "values": [0, 256],
         }
     ]
-    name = trainer.exports.registered_model
+    name, run_id = trainer.exports.registered_model, trainer.job.tracker.run_id
     trainer.finish()
     trainer.close()
 
     mlflow.set_tracking_uri(mlflow_uri)
+    # (the record is one of the model's files, not its model_config: MLflow logs that as params
+    # of the job's run, which a rerun would then report as changed)
+    assert "inputs" not in mlflow.MlflowClient().get_run(run_id).data.params
     model = mlflow.pyfunc.load_model(f"models:/{name}@newest")
     assert np.isfinite(model.predict(np.full((1, 8), 255, np.int32))).all()
     with pytest.raises(ValueError, match=r"takes values 0 <= x < 256 .*from 7 to 300"):
@@ -105,18 +108,90 @@ def test_the_registered_lm_refuses_ids_outside_its_vocabulary_and_names_its_cont
         model.predict(np.zeros((1, 40), np.int32))
 
 
+class _TokensAndScale:
+    """Named inputs, one of them ids (int32) and one not: `serve` looks the ids up."""
+
+    def serving_input(self):
+        b, s = jax.export.symbolic_shape("b, s", constraints=("s <= 6",))
+        return {
+            "tokens": jax.ShapeDtypeStruct((b, s), np.int32),
+            "scale": jax.ShapeDtypeStruct((b,), np.float32),
+        }
+
+    def serving_input_range(self):
+        return {"tokens": (np.int64(1), np.int64(10))}  # (a NumPy vocabulary size, say)
+
+    def serve(self, state, inputs):
+        return jax.numpy.asarray(state["table"])[inputs["tokens"]].sum(-1) * inputs["scale"]
+
+
+def test_named_inputs_record_their_own_constraints_and_ranges_and_the_model_checks_each(
+    tmp_path,
+):
+    """Each input's record names the constraints of its own dims only (the scope's are shared),
+    and a range only where the program gave one; the model checks each input by name, before
+    the cast to its dtype (an int64 300 would be 44 as uint8, 300 - 2**32... as int32)."""
+    from types import SimpleNamespace
+
+    from prefect_jax.training.pyfunc_model import JaxExportModel
+    from prefect_jax.training.serving import serving_example, serving_record
+
+    program = _TokensAndScale()
+    recorded = serving_record(program)
+    assert recorded == [
+        {
+            "name": "tokens",
+            "shape": ["b", "s"],
+            "dtype": "int32",
+            "constraints": ["s <= 6"],
+            "values": [1, 10],
+        },
+        {"name": "scale", "shape": ["b"], "dtype": "float32"},
+    ]
+    state = {"table": np.arange(10, dtype=np.float32)}
+    (tmp_path / "model.jax_export").write_bytes(serialize_serving(program, state, ["cpu"]))
+    (tmp_path / "export.json").write_text(json.dumps({"inputs": recorded}))
+    model = JaxExportModel()
+    model.load_context(
+        SimpleNamespace(
+            artifacts={
+                "jax_export": str(tmp_path / "model.jax_export"),
+                "export_info": str(tmp_path / "export.json"),
+            }
+        )
+    )
+    ok = {"tokens": np.array([[1, 2, 9]]), "scale": np.array([2.0])}  # (int64, float64: cast)
+    np.testing.assert_allclose(model.predict(None, ok), [24.0])
+    with pytest.raises(ValueError, match=r"^input 'tokens' takes values 1 <= x < 10 .* 1 to 12"):
+        model.predict(None, {**ok, "tokens": np.array([[1, 12, 9]])})
+    with pytest.raises(ValueError, match=r"takes values 1 <= x < 10 .* from 1 to 4294967298"):
+        model.predict(None, {**ok, "tokens": np.array([[1, 2**32 + 2, 9]])})
+    with pytest.raises(ValueError, match=re.escape("where s <= 6 (named")):
+        model.predict(None, {**ok, "tokens": np.ones((1, 7), np.int32)})
+    # an example within the range: ids from the eval data only where they fit, else the low
+    assert (serving_example(program)["tokens"] == 1).all()
+
+
 def test_a_serving_input_range_that_is_not_one_is_refused_before_training(job_config):
-    """Named, with the fix: a float input's range, a name serving_input() does not have."""
-    from programs import named_inputs
+    """Named, with the fix: a float input's range, a name serving_input() does not have, no
+    pair, an empty range; None is no range."""
+    from prefect_jax.training.serving import check_serving, serving_ranges
 
-    from prefect_jax.training.serving import check_serving
-    from prefect_jax.training.sharded_state import abstract_state_of
-
-    program = named_inputs()
-    for declared in ({"pixels": (0, 16)}, {"tokens": (0, 16)}, (0, 16), {"pixels": (3, 3)}):
+    program = _TokensAndScale()
+    state = {"table": jax.ShapeDtypeStruct((10,), np.float32)}
+    program.serving_input_range = lambda: None
+    assert serving_ranges(program, program.serving_input()) == {}
+    for declared in (
+        {"scale": (0, 16)},
+        {"pixels": (0, 16)},
+        (0, 16),
+        {"tokens": (3, 3)},
+        {"tokens": (0.0, 10)},
+        {"tokens": (True, 10)},
+    ):
         program.serving_input_range = lambda declared=declared: declared
         with pytest.raises(ValueError, match=r"serving_input_range\(\) returned .*: return \(low"):
-            check_serving(program, "p", abstract_state_of(program, 0))
+            check_serving(program, "p", state)
 
 
 def test_an_int_on_a_symbolic_dimension_is_refused_before_training(job_config):

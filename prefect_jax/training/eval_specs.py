@@ -128,7 +128,12 @@ class EarlyStopping(Spec):
     max_steps_without_improvement: int = Field(
         description="Stop once the best value is this many steps old."
     )
-    min_delta: float = Field(0.0, description="Smaller changes do not count as improvement.")
+    min_delta: float = Field(
+        0.0,
+        ge=0,
+        description="Smaller changes do not count as improvement (a negative one would count a "
+        "worse value as one: the job would never stop).",
+    )
     min_steps: int = Field(
         0,
         ge=0,

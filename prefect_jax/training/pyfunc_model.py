@@ -7,6 +7,8 @@ in a process that has neither prefect-jax nor the program's module. The model's 
 state baked in, serialized by ``jax.export``).
 """
 
+import json
+
 import mlflow
 import mlflow.models
 import mlflow.pyfunc
@@ -25,10 +27,14 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
         args, _ = jax.tree_util.tree_unflatten(self.exported.in_tree, self.exported.in_avals)
         self.inputs = args[0]  # one aval, or {name: aval}
         self.dtype = None if isinstance(self.inputs, dict) else self.inputs.dtype
-        # What the export's record says of each input (prefect-jax's `serving.input_signature`;
-        # none in a model registered before it was recorded): by name, None for one array.
-        recorded = (getattr(context, "model_config", None) or {}).get("inputs") or []
-        self.recorded = {one.get("name"): one for one in recorded}
+        # What the export's record (its export.json) says of each input, by name (None for one
+        # array): prefect-jax's `serving.input_signature`. None in a model registered before
+        # the record was a model file.
+        self.recorded = {}
+        if "export_info" in context.artifacts:
+            with open(context.artifacts["export_info"]) as f:
+                recorded = json.load(f).get("inputs") or []
+            self.recorded = {one.get("name"): one for one in recorded}
 
     def predict(self, context, model_input: np.ndarray, params=None):
         # (np.ndarray hints: MLflow validates the input against the logged signature, no inference;
@@ -40,12 +46,15 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
                     f"the model's inputs are {sorted(self.inputs)}; missing {missing}: give a dict "
                     "of arrays with those names"
                 )
-            args = {k: np.asarray(model_input[k], dtype=a.dtype) for k, a in self.inputs.items()}
+            given = {k: np.asarray(model_input[k]) for k in self.inputs}
+            self.check_values(given)  # (before the cast: 300 as uint8 is 44)
+            args = {k: given[k].astype(a.dtype, copy=False) for k, a in self.inputs.items()}
         else:
             if hasattr(model_input, "to_numpy"):  # a pandas DataFrame: one row per example
                 model_input = model_input.to_numpy()
-            args = np.asarray(model_input, dtype=self.dtype)
-        self.check_values(args)
+            given = np.asarray(model_input)
+            self.check_values(given)
+            args = given.astype(self.dtype, copy=False)
         try:
             out = self.exported.call(args)
         except ValueError as exc:

@@ -171,7 +171,10 @@ def log_export_model(
     )  # the MLflow worker's: cpu (`mlflow_worker._worker_environment`)
     signature = export_signature(exported, example)
     info_path = os.path.join(export_dir, EXPORT_INFO_FILE)
-    metadata, model_config = {}, None
+    metadata = {}
+    # the model's files: the export, and its record where whole (the pyfunc checks its inputs
+    # against what the record says of them; not `model_config`, which MLflow logs as run params)
+    artifacts = {"jax_export": model_file}
     if os.path.exists(info_path):
         try:
             with open(info_path) as f:
@@ -191,8 +194,8 @@ def log_export_model(
             for k in ("program", "program_fingerprint", "metrics", "eval_name")
             if k in info
         }
-        if info.get("inputs"):  # (the pyfunc checks its inputs against their constraints, ranges)
-            model_config = {"inputs": info["inputs"]}
+        if info.get("inputs"):
+            artifacts["export_info"] = info_path
     metadata["platforms"] = list(
         exported.platforms
     )  # where it loads: cpu, cuda, rocm, tpu by default
@@ -221,12 +224,11 @@ def log_export_model(
             # MLflow serves the example through the model to check it: where it runs
             validate_serving_input=runs_here,
             python_model=PYFUNC_FILE,
-            artifacts={"jax_export": model_file},
+            artifacts=artifacts,
             signature=signature,
             input_example=example,
             pip_requirements=requirements(),
             metadata={"prefect_jax": {"job": job, "step": step, **metadata}},
-            model_config=model_config,
             run_id=run_id,
             step=step,
             model_id=logged.model_id,

@@ -11,6 +11,7 @@ share one symbolic scope: make their dims with one ``symbolic_shape`` call.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from prefect_jax.training.eval_specs import ALL_PLATFORMS, EXPORT_PLATFORMS
@@ -62,45 +63,63 @@ def serving_ranges(program: Any, spec, name: str | None = None) -> dict:
     """
     import numpy as np
 
-    if not callable(getattr(program, "serving_input_range", None)):
+    given = None
+    if callable(getattr(program, "serving_input_range", None)):
+        given = program.serving_input_range()
+    if given is None:
         return {}
-    given = program.serving_input_range()
     who = f"program {name!r}" if name else "the program"
     named = isinstance(spec, dict)
     ranges = given if named and isinstance(given, dict) else {None: given}
     specs = spec if named else {None: spec}
     fix = (
         "return (low, high) with ints low < high (values low <= x < high), for an integer "
-        "input; a dict {name: (low, high)} of some of serving_input()'s names"
+        "input; a dict {name: (low, high)} of some of serving_input()'s names; or None"
     )
+    out = {}
     for key, pair in ranges.items():
-        ok = (
-            key in specs
-            and isinstance(pair, (tuple, list))
-            and len(pair) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
-            and pair[0] < pair[1]
-            and np.issubdtype(np.dtype(specs[key].dtype), np.integer)
-        )
-        if not ok:
+        bounds = _int_pair(pair)
+        if (
+            key not in specs
+            or bounds is None
+            or bounds[0] >= bounds[1]
+            or not np.issubdtype(np.dtype(specs[key].dtype), np.integer)
+        ):
             raise ValueError(f"{who}'s serving_input_range() returned {given!r}: {fix}")
-    return {k: (int(v[0]), int(v[1])) for k, v in ranges.items()}
+        out[key] = bounds
+    return out
+
+
+def _int_pair(pair) -> tuple[int, int] | None:
+    """`pair` as two ints (NumPy's too: a vocabulary's size often is one), or None."""
+    import operator
+
+    if (
+        not isinstance(pair, (tuple, list))
+        or len(pair) != 2
+        or any(isinstance(v, bool) for v in pair)
+    ):
+        return None
+    try:
+        return operator.index(pair[0]), operator.index(pair[1])
+    except TypeError:
+        return None
 
 
 def symbolic_constraints(spec) -> list[str]:
-    """The constraints given to ``jax.export.symbolic_shape`` for the dims of `spec` (one
-    ShapeDtypeStruct or a dict of them): ``["seq <= 512"]``. A serialized export loses them (its
-    refusal of a sequence too long says only "Error refining shapes"), so the export's record
-    keeps them for the pyfunc to name. JAX has no public accessor: they are read from the
-    symbolic scope's description, which lists them after "with constraints:" ([] if it
-    changes)."""
-    specs = spec.values() if isinstance(spec, dict) else [spec]
-    scopes = {id(d.scope): d.scope for s in specs for d in s.shape if hasattr(d, "scope")}
+    """The constraints given to ``jax.export.symbolic_shape`` that name a dimension of `spec` (one
+    ShapeDtypeStruct): ``["seq <= 512"]``. A serialized export loses them (its refusal of a
+    sequence too long says only "Error refining shapes"), so the export's record keeps them for
+    the pyfunc to name. JAX has no public accessor: they are read from the symbolic scope's
+    description, which lists them after "with constraints:" ([] if it changes)."""
+    symbolic = [d for d in spec.shape if hasattr(d, "scope")]
+    names = {n for d in symbolic for n in re.findall(r"[A-Za-z_]\w*", str(d))}
     found: list[str] = []
-    for scope in scopes.values():
+    for scope in {id(d.scope): d.scope for d in symbolic}.values():
         _, said, listed = str(scope).partition("with constraints:")
-        if said:
-            found += [line.strip() for line in listed.splitlines() if line.strip()]
+        if said:  # (the scope's, for all the inputs that share it: this input's alone)
+            lines = [line.strip() for line in listed.splitlines() if line.strip()]
+            found += [c for c in lines if names & set(re.findall(r"[A-Za-z_]\w*", c))]
     return list(dict.fromkeys(found))
 
 
@@ -130,8 +149,9 @@ def serving_record(program: Any) -> list[dict]:
     return input_signature(spec, serving_ranges(program, spec))
 
 
-def _fitting(leaves, spec, rows: int):
-    """The first of `leaves` (NumPy) whose rank, fixed dims and dtype fit `spec`, cut to `rows`."""
+def _fitting(leaves, spec, rows: int, bounds: tuple[int, int] | None = None):
+    """The first of `leaves` (NumPy) whose rank, fixed dims and dtype fit `spec`, cut to `rows`;
+    with its values within `bounds` (``low <= x < high``) where given."""
     import numpy as np
 
     for leaf in leaves:
@@ -144,24 +164,28 @@ def _fitting(leaves, spec, rows: int):
             )
             and np.can_cast(leaf.dtype, spec.dtype, "same_kind")
         ):
-            return leaf[:rows].astype(spec.dtype)
+            cut = leaf[:rows]
+            if bounds is None or not cut.size or bounds[0] <= cut.min() <= cut.max() < bounds[1]:
+                return cut.astype(spec.dtype)
     return None
 
 
-def _zeros(spec, rows: int):
+def _zeros(spec, rows: int, bounds: tuple[int, int] | None = None):
+    """An array of `spec`'s shape (`rows` on a symbolic batch), of zeros, or of `bounds`' low."""
     import numpy as np
 
     first = spec.shape[0] if spec.shape and isinstance(spec.shape[0], int) else rows
     tail = [d if isinstance(d, int) else _EXAMPLE_DIM for d in spec.shape[1:]]
-    return np.zeros((first, *tail)[: len(spec.shape)], dtype=spec.dtype)
+    fill = bounds[0] if bounds is not None else 0
+    return np.full((first, *tail)[: len(spec.shape)], fill, dtype=spec.dtype)
 
 
 def serving_example(program: Any, rows: int = 5):
     """A few real serving inputs (NumPy; a dict of arrays for named inputs):
     ``program.serving_example()`` if the program has one; else for each input the first rows of
-    the first eval batch's array that fits it (a dict batch's array of the same name first);
-    zeros of its shape where nothing fits (a symbolic dimension other than the batch takes a
-    small size)."""
+    the first eval batch's array that fits it (a dict batch's array of the same name first),
+    within its `serving_ranges`; zeros (the range's low) of its shape where nothing fits (a
+    symbolic dimension other than the batch takes a small size)."""
     import jax
     import numpy as np
 
@@ -172,6 +196,7 @@ def serving_example(program: Any, rows: int = 5):
         return np.asarray(example)
     spec = serving_specs(program)
     specs = spec if isinstance(spec, dict) else {None: spec}
+    ranges = serving_ranges(program, spec)  # (an example the model refuses is no example)
     found: dict = {}
     try:
         data = program.eval_data()
@@ -179,10 +204,13 @@ def serving_example(program: Any, rows: int = 5):
         leaves = jax.tree.leaves(batch)
         for name, s in specs.items():
             named = [batch[name]] if isinstance(batch, dict) and name in batch else []
-            found[name] = _fitting([*named, *leaves], s, rows)
+            found[name] = _fitting([*named, *leaves], s, rows, ranges.get(name))
     except Exception:  # noqa: BLE001 - an example is a nicety; the zeros below still fit the signature
         pass
-    out = {k: found[k] if found.get(k) is not None else _zeros(s, rows) for k, s in specs.items()}
+    out = {
+        k: found[k] if found.get(k) is not None else _zeros(s, rows, ranges.get(k))
+        for k, s in specs.items()
+    }
     return out if isinstance(spec, dict) else out[None]
 
 
