@@ -286,6 +286,41 @@ def test_a_best_exporter_added_to_an_evaluated_job_must_beat_the_evaluations_bef
     assert list_exports(storage) == {"best": [50]}
 
 
+def test_an_older_step_exported_on_demand_is_not_best_where_a_later_evaluation_beats_it(
+    tmp_path,
+):
+    """`prefect-jax export --step 20` with the best exporter and no best.json (a job evaluated
+    without it): step 20 beats the evaluations before it, but a later one (step 30: accuracy
+    0.9 against 0.6) beats it: it is not exported (@best would have moved to a worse model), and
+    best.json is left for step 30's own export, which then exports it. A tie goes to the earlier
+    step, as exports in step order would."""
+    from prefect_jax.training.evaluation import EvalRecords
+    from prefect_jax.training.exporters import best_path, run_exporter
+    from prefect_jax.training.storage import JobStorage
+
+    storage = JobStorage(str(tmp_path / "storage"), "asked")
+    records = EvalRecords(storage, "eval", writer=True)
+    for result in _RESULTS:
+        records.put(result.model_copy(update={"name": "eval"}))
+    by_accuracy = BestExporter(metric="accuracy", mode="max", keep=None)
+    older, newest = (r.model_copy(update={"name": "eval"}) for r in (_RESULTS[0], _RESULTS[2]))
+    assert run_exporter(by_accuracy, storage, older, 100, bytes, {}) is None
+    assert not storage.fs.exists(best_path(storage, "best"))
+    dest = storage.export_dir("best", 30)
+    assert run_exporter(by_accuracy, storage, newest, 100, bytes, {}) == (dest, True)
+    assert list_exports(storage) == {"best": [30]}
+
+    tied = JobStorage(str(tmp_path / "storage"), "tied")
+    records = EvalRecords(tied, "eval", writer=True)
+    for step in (10, 20):
+        records.put(_evaluated(step, 0.5, 1.0).model_copy(update={"name": "eval"}))
+    first = _evaluated(10, 0.5, 1.0).model_copy(update={"name": "eval"})
+    assert run_exporter(by_accuracy, tied, first, 100, bytes, {}) == (
+        tied.export_dir("best", 10),
+        True,
+    )
+
+
 def test_a_best_exporter_added_to_a_trained_job_keeps_the_historys_best_from_its_first_eval(
     job_config,
 ):
@@ -440,7 +475,7 @@ def test_why_an_exporter_wrote_nothing_is_said_from_any_best_json(tmp_path):
     result = EvalResult(name="eval", step=20, metrics={"loss": 0.5}, status=EvalStatus.EVALUATED)
     best = BestExporter()
     assert why_not_exported(best, storage, result, 40) == (
-        "step 20 is not better than the evaluations before it"
+        "step 20 does not beat the job's other evaluations"
     )
     storage.write_json(best_path(storage, best.name), {"step": 40, "metric": "loss", "value": 0.25})
     assert why_not_exported(best, storage, result, 40) == (

@@ -151,7 +151,7 @@ def why_not_exported(exporter, storage, result, max_steps: int | None) -> str:
         except DamagedRecordError:
             best = None
         if best is None or best.get("step") == step:
-            return f"step {step} is not better than the evaluations before it"
+            return f"step {step} does not beat the job's other evaluations"
         if exporter.compare_fn:
             judged = f"by {exporter.compare_fn}"
         else:

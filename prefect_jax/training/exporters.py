@@ -279,11 +279,31 @@ def _best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult
             exporter.compare_fn or f"{exporter.metric} ({exporter.mode})",
             before,
         )
-    earlier = [r for r in EvalRecords(storage, result.name).all() if r.step < int(result.step)]
-    if exporter.compare_fn:  # (records from before a metric was added: not comparable)
-        earlier = [r for r in earlier if set(result.metrics) <= set(r.metrics)]
+    earlier = [r for r in _comparable(storage, exporter, result) if r.step < int(result.step)]
     found = best_of(exporter, earlier)
     return (None if found is None else best_record(exporter, found)), False
+
+
+def _comparable(storage: JobStorage, exporter: BestExporter, result: EvalResult) -> list:
+    """The job's recorded evaluations `exporter` can compare with `result`."""
+    records = EvalRecords(storage, result.name).all()
+    if exporter.compare_fn:  # (records from before a metric was added: not comparable)
+        records = [r for r in records if set(result.metrics) <= set(r.metrics)]
+    return records
+
+
+def _beaten_later(storage: JobStorage, exporter: BestExporter, result: EvalResult) -> int | None:
+    """A later recorded step whose evaluation beats `result`'s, or None: there are some where an
+    export of an older step is asked for (`prefect-jax export --step`) with no ``best.json`` to
+    judge by. TF's BestExporter, exporting in step order, would not have put @best on that step
+    for long; here it is not put there at all (a tie leaves it to the earlier step, as then)."""
+    mine = best_record(exporter, result)
+    for r in _comparable(storage, exporter, result):
+        if exporter.compare_fn is None and exporter.metric not in r.metrics:
+            continue  # (as `best_of` leaves it out)
+        if r.step > int(result.step) and beats(exporter, r.metrics, int(r.step), mine):
+            return int(r.step)
+    return None
 
 
 def run_exporter(
@@ -332,6 +352,8 @@ def run_exporter(
             if not stored:  # (judged from the history: kept, not judged again)
                 storage.write_json(best_file, best)
             return None
+        if not stored and _beaten_later(storage, exporter, result) is not None:
+            return None  # (best.json is left to that step's own export)
     written_now = not storage.fs.exists(dest)
     if written_now:
         _write_export(
