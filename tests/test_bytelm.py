@@ -341,7 +341,7 @@ def test_the_mlflow_model_names_its_input_when_a_sequence_is_too_long(tmp_path):
         model.predict(None, np.zeros((2, 40), np.int32))
     bad = np.full((1, 4), 7, np.int32)
     bad[0, 2] = 300
-    with pytest.raises(ValueError, match=re.escape("takes values 0 <= x < 256 (its program's")):
+    with pytest.raises(ValueError, match=re.escape("the input takes values 0 <= x < 256; given")):
         model.predict(None, bad)
     assert np.isnan(np.asarray(model.exported.call(bad))).all()  # what it would have answered
     with pytest.raises(ValueError, match="given values from -1 to 7"):

@@ -975,6 +975,7 @@ def test_a_roles_help_lists_only_the_flags_it_reads():
 
     for command, shown, hidden in (
         ("run", ["--keep-last", "--throttle-secs", "--checkpoint-path"], []),
+        ("train", ["--keep-last", "--train-hook"], ["--early-stopping-steps", "--eval-hook"]),
         ("evaluate", ["--throttle-secs", "--eval-steps"], ["--keep-last", "--train-hook"]),
         ("export", ["--step", "--exporters"], ["--keep-last", "--throttle-secs", "--eval-steps"]),
     ):
@@ -988,3 +989,49 @@ def test_a_roles_help_lists_only_the_flags_it_reads():
         ["export", "--program", "p:q", "--job", "j", "--storage", "s", "--keep-last", "5"]
     )
     assert args.keep_last == 5
+
+
+def test_a_flag_the_role_does_not_read_is_warned_of_naming_the_roles_that_do():
+    """A porter puts TF's early stopping on the trainer (`stop_if_no_decrease_hook` was the
+    chief's hook); `train` accepted it and ignored it without a word. It still accepts it (one
+    command line serves every role of a job) and says where it acts."""
+    from prefect_jax.cli import build_parser
+    from prefect_jax.cli.spec_flags import unread_flags_given
+
+    job = ["--program", "p:q", "--job", "j", "--storage", "s"]
+    given = ["--early-stopping-steps", "100", "--eval-hook", "m:H", "--keep-last", "5"]
+    assert unread_flags_given(build_parser().parse_args(["train", *job, *given])) == (
+        "prefect-jax train: warning: train does not read --early-stopping-steps, --eval-hook "
+        "(read by run, evaluate): ignored here; give them to the job's role that reads them (its "
+        "trainer stops when its evaluator asks)"
+    )
+    said = unread_flags_given(build_parser().parse_args(["export", *job, *given]))
+    assert "--keep-last (read by run, train); --early-stopping-steps, --eval-hook (read by" in said
+    assert unread_flags_given(build_parser().parse_args(["run", *job, *given])) is None
+    assert unread_flags_given(build_parser().parse_args(["train", *job])) is None
+
+
+def test_an_unknown_flag_says_what_it_likely_meant_and_is_json_under_json(capsys):
+    """TF's names (`--model_dir`, `--save_checkpoints_steps`), underscores for hyphens and near
+    misses get their meaning here; with --json the refusal is also the error object, as any
+    refused command's is."""
+    from prefect_jax.cli import main
+
+    job = ["run", "--program", "p:q", "--job", "j", "--storage", "s"]
+    with pytest.raises(SystemExit) as exited:
+        main([*job, "--save_checkpoints_steps", "5", "--max_steps", "9", "--json"])
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    said = (
+        "unrecognized arguments: --save_checkpoints_steps 5 --max_steps 9; "
+        "--save_checkpoints_steps is --checkpoint-every-steps here; --max_steps is --max-steps here"
+    )
+    assert json.loads(out.strip().splitlines()[-1]) == {"error": said, "exit_code": 2}
+    assert err.strip().splitlines()[-1] == f"prefect-jax run: error: {said}"
+    with pytest.raises(SystemExit):
+        main([*job, "--early-stoping-steps", "3", "--model_dir", "/x"])
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines()[-1].endswith(
+        "--early-stoping-steps: did you mean --early-stopping-steps?; --model_dir is --storage "
+        "and --job (the job's directory is <storage>/<job>) here"
+    )

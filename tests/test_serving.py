@@ -102,10 +102,62 @@ def test_the_registered_lm_refuses_ids_outside_its_vocabulary_and_names_its_cont
     assert "inputs" not in mlflow.MlflowClient().get_run(run_id).data.params
     model = mlflow.pyfunc.load_model(f"models:/{name}@newest")
     assert np.isfinite(model.predict(np.full((1, 8), 255, np.int32))).all()
-    with pytest.raises(ValueError, match=r"takes values 0 <= x < 256 .*from 7 to 300"):
+    with pytest.raises(ValueError, match=r"takes values 0 <= x < 256; .*from 7 to 300"):
         model.predict(np.array([[7, 300, 9]], np.int32))
     with pytest.raises(ValueError, match=re.escape("takes int32[b,seq] where seq <= 32")):
         model.predict(np.zeros((1, 40), np.int32))
+    version = mlflow.MlflowClient().get_model_version_by_alias(name, "newest")
+    assert (
+        mlflow.models.get_model_info(f"models:/{name}@newest").metadata["prefect_jax"]["inputs"]
+        == info["inputs"]
+    ), version  # (what the model takes, on its page)
+
+    # Served over HTTP (`mlflow models serve`): the refusal's own words reach the caller, not
+    # MLflow's "unexpected error" (its scoring server passes on an MlflowException's message).
+    from loopback_server import LoopbackServer
+
+    model_uri = f"models:/{name}@newest"
+
+    class Served(LoopbackServer):
+        name = "mlflow models serve"
+
+        def command(self):
+            serve = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri]
+            return [*serve, "--env-manager", "local", "-h", "127.0.0.1", "-p", str(self.port)]
+
+        def process_env(self):
+            bin_dir = os.path.dirname(sys.executable)  # (it starts uvicorn from PATH)
+            path = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+            return dict(os.environ, PATH=path, MLFLOW_TRACKING_URI=mlflow_uri)
+
+    served = Served(startup_timeout=120).start()
+    try:
+        answers = [_post(served, {"inputs": tokens}) for tokens in ([[7, 9]], [[7, 300]])]
+    finally:
+        served.stop()
+    assert answers[0][0] == 200 and np.asarray(answers[0][1]["predictions"]).shape == (1, 2, 256)
+    assert answers[1][0] == 400, answers[1]
+    assert (
+        "the input takes values 0 <= x < 256; given values from 7 to 300"
+        in (answers[1][1]["message"])
+    ), answers[1]
+
+
+def _post(server, body: dict) -> tuple[int, dict]:
+    """POST `body` as JSON to the server's /invocations: (status, the JSON answer)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{server.endpoint_url}/invocations",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
 
 
 class _TokensAndScale:
@@ -162,9 +214,13 @@ def test_named_inputs_record_their_own_constraints_and_ranges_and_the_model_chec
     )
     ok = {"tokens": np.array([[1, 2, 9]]), "scale": np.array([2.0])}  # (int64, float64: cast)
     np.testing.assert_allclose(model.predict(None, ok), [24.0])
-    with pytest.raises(ValueError, match=r"^input 'tokens' takes values 1 <= x < 10 .* 1 to 12"):
+    with pytest.raises(
+        ValueError, match=r"^input 'tokens' takes values 1 <= x < 10; given values from 1 to 12"
+    ):
         model.predict(None, {**ok, "tokens": np.array([[1, 12, 9]])})
-    with pytest.raises(ValueError, match=r"takes values 1 <= x < 10 .* from 1 to 4294967298"):
+    with pytest.raises(
+        ValueError, match=r"takes values 1 <= x < 10; given values from 1 to 4294967298"
+    ):
         model.predict(None, {**ok, "tokens": np.array([[1, 2**32 + 2, 9]])})
     with pytest.raises(ValueError, match=re.escape("where s <= 6 (named")):
         model.predict(None, {**ok, "tokens": np.ones((1, 7), np.int32)})

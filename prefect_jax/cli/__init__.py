@@ -189,15 +189,24 @@ class _SubcommandParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
+        self.given = list(sys.argv[1:] if args is None else args)  # (for `error`'s --json)
         namespace, extras = super().parse_known_args(args, namespace)
         flags = [a for a in extras if a.startswith("-")]
         if flags:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            from prefect_jax.cli.flag_hints import unknown_flags_message
+
+            known = [o for action in self._actions for o in action.option_strings]
+            self.error(unknown_flags_message(extras, known))
         return namespace, extras
 
     def error(self, message: str):
         """One usage line, then the error: argparse's whole usage (30 lines for `run`) buried the
-        one line that says what is wrong."""
+        one line that says what is wrong. With ``--json``, the error object too, as a refused
+        command prints it (`_say_error`)."""
+        if "--json" in getattr(self, "given", ()):
+            import json
+
+            print(json.dumps({"error": message, "exit_code": 2}), flush=True)
         self.exit(
             2,
             f"usage: {self.prog} [flags]   ({self.prog} --help lists them)\n"

@@ -106,9 +106,13 @@ def add_training_args(
     every_steps suits long steps, the command's a demo's. The parsed args carry `flag_of_dest`,
     each flag as typed by its dest (``train_hooks``: ``--train-hook``), for errors to name.
     `trains`: False for a role that does not train, whose --max-steps says it follows the
-    trainer's (and whose help leaves the trainer's flags out); `evaluates`: False for the export
-    role (whose help leaves the evaluator's out)."""
+    trainer's (and whose help leaves the trainer's flags out); `evaluates`: False for the train
+    and export roles (whose help leaves the evaluator's out). The args also carry
+    `unread_flags`: ``{dest: (flag, default, the roles that read it)}`` of the flags left out,
+    still accepted (one command line serves every role of a job), and warned of where given
+    (`spec_flags.unread_flags_given`)."""
     flag_of_dest: dict[str, str] = {}
+    unread_flags: dict[str, tuple[str, object, str]] = {}
     unused = (set() if trains else _TRAINING_ONLY) | (set() if evaluates else _EVALUATION_ONLY)
 
     def add(*flags, **options) -> None:
@@ -116,6 +120,9 @@ def add_training_args(
             options["help"] = argparse.SUPPRESS
         action = p.add_argument(*flags, **options)
         flag_of_dest[action.dest] = action.option_strings[0]
+        if flags[0] in unused:
+            readers = "run, train" if flags[0] in _TRAINING_ONLY else "run, evaluate"
+            unread_flags[action.dest] = (flags[0], action.default, readers)
 
     add(
         "--max-steps",
@@ -362,4 +369,4 @@ def add_training_args(
         action="store_true",
         help="no progress bar (there is none where stderr is not a terminal)",
     )
-    p.set_defaults(flag_of_dest=flag_of_dest)
+    p.set_defaults(flag_of_dest=flag_of_dest, unread_flags=unread_flags)

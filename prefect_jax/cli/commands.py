@@ -6,11 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from prefect_jax.cli import console, startup
 from prefect_jax.cli.server import early_server, prefect_backend
-from prefect_jax.cli.spec_flags import program_params_from_args, specs_from_args
+from prefect_jax.cli.spec_flags import (
+    program_params_from_args,
+    specs_from_args,
+    unread_flags_given,
+)
 
 DEMO_PROGRAM = "prefect_jax.examples.digits:program"
 DEMO_JOB = "digits"
@@ -43,6 +48,8 @@ def _run_flow(
         warm_up_tracking(tracking_uri, registry=registers)
         specs = specs_from_args(args)  # bad values: refused before anything starts
         program_params_from_args(args)  # a malformed --program-param(s) too
+        if unread := unread_flags_given(args):
+            print(unread, file=sys.stderr)
         server = early_server()  # the embedded server's start-up, beside the imports below too
         try:
             return _run_flow_with(args, program, job, storage, tracking_uri, role, specs, server)

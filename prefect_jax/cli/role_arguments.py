@@ -52,7 +52,8 @@ def add_role(sub, name: str) -> None:
         "jax-checkpoint-storage/<block>",
     )
     trains = name in ("run", "train")
-    add_training_args(role, max_steps=1000, every=200, trains=trains, evaluates=name != "export")
+    evaluates = name in ("run", "evaluate")
+    add_training_args(role, max_steps=1000, every=200, trains=trains, evaluates=evaluates)
     if name == "evaluate":
         add("--once", action="store_true", help="stop when nothing new is left to evaluate")
         add(

@@ -127,6 +127,30 @@ def flag_errors(exc, flag_of_dest: dict[str, str]) -> str:
     return "; ".join(said)
 
 
+def unread_flags_given(args: argparse.Namespace) -> str | None:
+    """A warning naming the flags given to this role that it does not read (left out of its
+    ``--help``: `arguments.add_training_args`), and the roles that do; None where none was.
+    A porter puts TF's early stopping on the trainer (its hook was the chief's); here the
+    evaluator decides it, and the trainer stops when asked."""
+    given = [
+        (flag, readers)
+        for dest, (flag, default, readers) in getattr(args, "unread_flags", {}).items()
+        if getattr(args, dest, default) != default
+    ]
+    if not given:
+        return None
+    command = getattr(args, "command", "this role")
+    by_readers: dict[str, list[str]] = {}
+    for flag, readers in given:
+        by_readers.setdefault(readers, []).append(flag)
+    said = "; ".join(f"{', '.join(flags)} (read by {r})" for r, flags in by_readers.items())
+    return (
+        f"prefect-jax {command}: warning: {command} does not read {said}: ignored here; give "
+        "them to the job's role that reads them"
+        + (" (its trainer stops when its evaluator asks)" if command == "train" else "")
+    )
+
+
 def program_params_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     """The program's params from ``--program-params JSON`` and each ``--program-param KEY=VALUE``
     (a VALUE that is not JSON is a string: ``preset=tiny`` and ``preset='"tiny"'`` agree);

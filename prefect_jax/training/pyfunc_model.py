@@ -13,6 +13,18 @@ import mlflow
 import mlflow.models
 import mlflow.pyfunc
 import numpy as np
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+
+class InputRefused(MlflowException, ValueError):
+    """An input the model does not take: a ``ValueError`` to Python callers, and an
+    ``MlflowException`` to MLflow's scoring server (``mlflow models serve``), which answers
+    with its message; any other error becomes "an unexpected error" there, its reason only in
+    a stack trace."""
+
+    def __init__(self, message: str):
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
 
 
 class JaxExportModel(mlflow.pyfunc.PythonModel):
@@ -42,7 +54,7 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
         if isinstance(self.inputs, dict):
             missing = sorted(set(self.inputs) - set(model_input))
             if missing:
-                raise ValueError(
+                raise InputRefused(
                     f"the model's inputs are {sorted(self.inputs)}; missing {missing}: give a dict "
                     "of arrays with those names"
                 )
@@ -64,10 +76,9 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
             # export keeps no symbolic constraint, so the recorded ones are named)
             constraints = [c for one in self.recorded.values() for c in one.get("constraints", [])]
             where = f" where {', '.join(dict.fromkeys(constraints))}" if constraints else ""
-            raise ValueError(
-                f"the model takes {jax_tree_str(self.inputs)}{where} (named dimensions are free, "
-                "within what its program's serving_input() allows: a longest sequence, say); "
-                f"given {jax_tree_str(args)}: {exc}"
+            raise InputRefused(
+                f"the model takes {jax_tree_str(self.inputs)}{where} (named dimensions: any size "
+                f"from 1 within that); given {jax_tree_str(args)}: {exc}"
             ) from exc
         if isinstance(out, dict):
             return {k: np.asarray(v) for k, v in out.items()}
@@ -84,10 +95,9 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
             array = args[name] if isinstance(args, dict) else args
             if array.size and (array.min() < low or array.max() >= high):
                 label = f"input {name!r}" if name is not None else "the input"
-                raise ValueError(
-                    f"{label} takes values {low} <= x < {high} (its program's "
-                    f"serving_input_range()); given values from {array.min()} to {array.max()}: "
-                    "token ids of another vocabulary or tokenizer, say"
+                raise InputRefused(
+                    f"{label} takes values {low} <= x < {high}; given values from {array.min()} "
+                    f"to {array.max()} (token ids of another vocabulary or tokenizer, say)"
                 )
 
 

@@ -194,8 +194,9 @@ def log_export_model(
             for k in ("program", "program_fingerprint", "metrics", "eval_name")
             if k in info
         }
-        if info.get("inputs"):
+        if info.get("inputs"):  # (and in the metadata, for a reader of the model's page)
             artifacts["export_info"] = info_path
+            metadata["inputs"] = info["inputs"]
     metadata["platforms"] = list(
         exported.platforms
     )  # where it loads: cpu, cuda, rocm, tpu by default

@@ -1,0 +1,55 @@
+"""What an unknown flag was likely meant to be: the flag spelt with hyphens (``--max_steps``), a
+TensorFlow name a porter types (``--save_checkpoints_steps``, ``--model_dir``), or a near miss.
+argparse says only "unrecognized arguments"."""
+
+from __future__ import annotations
+
+import difflib
+
+# TensorFlow's names (RunConfig, TrainSpec, EvalSpec, the exporters and hooks, absl flags of
+# TF's examples), underscores for hyphens, and what says the same here.
+TF_NAMES = {
+    "model_dir": "--storage and --job (the job's directory is <storage>/<job>)",
+    "save_checkpoints_steps": "--checkpoint-every-steps",
+    "save_checkpoints_secs": "--checkpoint-every-secs",
+    "keep_checkpoint_max": "--keep-last",
+    "keep_checkpoint_every_n_hours": "--keep-every-secs (hours x 3600)",
+    "log_step_count_steps": "--log-every-steps",
+    "save_summary_steps": "--log-every-steps",
+    "tf_random_seed": "--seed",
+    "random_seed": "--seed",
+    "steps": "--eval-steps (EvalSpec.steps)",
+    "max_steps_without_decrease": "--early-stopping-steps (and --early-stopping-mode min)",
+    "max_steps_without_increase": "--early-stopping-steps with --early-stopping-mode max",
+    "exports_to_keep": "--exports-to-keep",
+    "compare_fn": "--best-compare-fn",
+    "hooks": "--train-hook",
+    "listeners": "--eval-hook",
+    "eval_listener": "--eval-hook",
+    "warm_start_from": "--checkpoint-path (the whole state: docs/tensorflow.md)",
+}
+
+
+def flag_hint(flag: str, known: list[str]) -> str | None:
+    """What `flag` (as typed, ``--name`` or ``--name=value``) was likely meant to be, of the
+    parser's `known` option strings, said in a few words; None where nothing is close."""
+    name = flag.split("=", 1)[0]
+    bare = name.lstrip("-").replace("-", "_")
+    if bare in TF_NAMES:
+        return f"{name} is {TF_NAMES[bare]} here"
+    hyphens = "--" + bare.replace("_", "-")
+    if hyphens in known:
+        return f"{name} is {hyphens} here"
+    close = difflib.get_close_matches(hyphens, [k for k in known if k.startswith("--")], n=1)
+    return f"{name}: did you mean {close[0]}?" if close else None
+
+
+def unknown_flags_message(extras: list[str], known: list[str]) -> str:
+    """argparse's "unrecognized arguments" line, with each unknown flag's likely meaning."""
+    hints = [
+        hint
+        for flag in extras
+        if flag.startswith("-") and (hint := flag_hint(flag, known)) is not None
+    ]
+    said = f"unrecognized arguments: {' '.join(extras)}"
+    return f"{said}; {'; '.join(hints)}" if hints else said
