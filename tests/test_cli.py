@@ -333,6 +333,10 @@ def test_early_stopping_eval_hooks_and_exports_to_keep_from_the_command_line(
     assert "early stopping: accuracy has not improved" in summary["stopped"], summary
     assert (tmp_path / "heard").read_text().split() == ["20", "40"]
     assert sorted(os.listdir(storage / "early" / "exports" / "latest")) == ["40"]
+    shown = run_cli("status", "--job", "early", "--storage", str(storage))
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "  stopped: asked at step 40 by its evaluation 'eval': early stopping: " in shown.stdout
+    assert f"until {storage / 'early' / 'stop.json'} is deleted\n" in shown.stdout
 
 
 def test_early_stopping_flags_without_its_steps_or_out_of_range_are_refused_naming_the_flag():
@@ -354,6 +358,8 @@ def test_early_stopping_flags_without_its_steps_or_out_of_range_are_refused_nami
     )
     with pytest.raises(ValueError, match=r"^--early-stopping-steps 0: max_steps_without_imp"):
         _run_specs("--early-stopping-steps", "0")
+    with pytest.raises(ValueError, match=r"^--early-stopping-min-delta -0.01: min_delta=-0.01 is "):
+        _run_specs("--early-stopping-steps", "5", "--early-stopping-min-delta", "-0.01")
     with pytest.raises(ValueError, match=r"^--throttle-secs -1.0: .*; --early-stopping-min-steps"):
         _run_specs(
             "--throttle-secs",

@@ -365,7 +365,7 @@ def test_a_tf_listener_whose_before_eval_answers_false_stops_the_trainers_evalua
         assert stopped.status is EvalStatus.EVALUATION_STOPPED and stopped.step == 40
         assert stopped.evaluation_stopped == (
             "eval listener TFShaped.before_eval returned False before step 40: no more "
-            "evaluations (TF's _ContinuousEvalListener)"
+            "evaluations (TF's _ContinuousEvalListener; return True to keep evaluating)"
         )
         trainer.train_until_checkpoint()  # training goes on; the final step is not evaluated
         final = trainer.evaluate_if_new()

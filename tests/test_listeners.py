@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("prefect_server")
 
 AFTER_40 = (
     "eval listener StopAfterTwo.after_eval returned False after step 40: no more evaluations "
-    "(TF's _ContinuousEvalListener)"
+    "(TF's _ContinuousEvalListener; return True to keep evaluating)"
 )
 
 

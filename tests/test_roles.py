@@ -212,12 +212,21 @@ def test_early_stopping_stops_both_roles(tmp_path, mlflow_uri):
     assert "early stopping: accuracy has not improved" in summary["stopped"]
     stop = json.load(open(tmp_path / "storage" / "early" / "stop.json"))
     assert stop["step"] == 40
+    from prefect_jax.training.facade import job_status
+
+    said = job_status("early", str(tmp_path / "storage"))["stop_requested"]  # (`status` shows it)
+    assert (said["step"], said["by"]) == (40, "its evaluation 'eval'") and said["path"].endswith(
+        "early/stop.json"
+    )
+    assert "early stopping: accuracy has not improved" in said["reason"]
     with _flow_run_logs() as said:
         again = train(**params)  # the trainer role honours the durable stop request
     assert again["final_step"] == 40 and again["stopped"] == stop["reason"]
     path = tmp_path / "storage" / "early" / "stop.json"
     assert any(  # what a rerun that trains nothing says: why, and how to go on
-        m.startswith("job early was asked to stop before this run (at step 40, by eval eval: ")
+        m.startswith(
+            "job early was asked to stop before this run (at step 40, by its evaluation 'eval': "
+        )
         and m.endswith(f"nothing trained. Delete {path} to train it on from step 40")
         for m in said
     ), said

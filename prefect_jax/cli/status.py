@@ -49,6 +49,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     if status.get("program_params"):
         given = ", ".join(f"{k}={json.dumps(v)}" for k, v in status["program_params"].items())
         print(f"  program params (newest step): {given}")
+    stop = status.get("stop_requested")
+    if stop:
+        print(
+            f"  stopped: asked at step {stop['step']} by {stop['by']}: {stop['reason']}; its "
+            f"roles train and evaluate nothing more until {stop['path']} is deleted"
+        )
     registry = status.get("registered_model")
     if registry:
         versions = ", ".join(f"v{v} (step {s})" for s, v in registry["versions"].items()) or "none"

@@ -256,6 +256,10 @@ def for_listeners(result: EvalResult) -> EvalResult:
     return result.model_copy(update={"metrics": {**result.metrics, "global_step": result.step}})
 
 
+# (a listener that only logs returns None: it ends the evaluations after its first one, as TF's)
+_KEEP_GOING = "return True to keep evaluating"
+
+
 def before_eval_stop(hooks: list, step: int) -> str | None:
     """Ask each hook's `before_eval` before evaluating `step` (with the step if it takes one);
     why evaluating stops (TF: a falsy answer ends the continuous evaluation), or None."""
@@ -271,7 +275,7 @@ def before_eval_stop(hooks: list, step: int) -> str | None:
         if not answer:
             return (
                 f"eval listener {_name(hook, 'before_eval')} returned {answer!r} before step "
-                f"{step}: no more evaluations (TF's _ContinuousEvalListener)"
+                f"{step}: no more evaluations (TF's _ContinuousEvalListener; {_KEEP_GOING})"
             )
     return None
 
@@ -286,7 +290,8 @@ def after_eval_stop(hooks: list, result: EvalResult) -> str | None:
         if not answer:
             return (
                 f"eval listener {_name(hook, 'after_eval')} returned {answer!r} after step "
-                f"{result.step}: no more evaluations (TF's _ContinuousEvalListener)"
+                f"{result.step}: no more evaluations (TF's _ContinuousEvalListener; "
+                f"{_KEEP_GOING})"
             )
     return None
 

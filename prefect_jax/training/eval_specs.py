@@ -129,10 +129,7 @@ class EarlyStopping(Spec):
         description="Stop once the best value is this many steps old."
     )
     min_delta: float = Field(
-        0.0,
-        ge=0,
-        description="Smaller changes do not count as improvement (a negative one would count a "
-        "worse value as one: the job would never stop).",
+        0.0, description="Smaller changes do not count as improvement (0 or more)."
     )
     min_steps: int = Field(
         0,
@@ -140,6 +137,16 @@ class EarlyStopping(Spec):
         description="Evaluations before this global step are left out (TF's min_steps): no stop "
         "before it, and the best value counts from it.",
     )
+
+    @field_validator("min_delta")
+    @classmethod
+    def _min_delta(cls, v):
+        if v < 0:
+            raise ValueError(
+                f"min_delta={v} is negative: a worse value would count as an improvement, and "
+                "the job would never stop; give 0 or more, e.g. 0.001"
+            )
+        return v
 
     @field_validator("max_steps_without_improvement")
     @classmethod

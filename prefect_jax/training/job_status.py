@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from prefect_jax.training.control import stop_path, stop_requested
 from prefect_jax.training.exporters import list_exports
 from prefect_jax.training.goodput import read_ledger
 from prefect_jax.training.goodput_summary import summarize
@@ -70,6 +71,14 @@ def job_status(
         recorded_params = (step_meta(js, committed[-1]) or {}).get(META_KEY)
         if recorded_params is not None:
             status["program_params"] = recorded_params.get("values", {})
+    stop = stop_requested(js)
+    if stop is not None:  # (TF had no such state; a rerun trains nothing until it is deleted)
+        status["stop_requested"] = {
+            "step": stop.get("step"),
+            "by": stop.get("by") or "a person",
+            "reason": stop.get("reason"),
+            "path": redact_url(stop_path(js)),
+        }
     # Records that are not JSON, each named with what becomes of it (issue 53).
     damaged = damaged_records(js)
     if damaged:
