@@ -1008,7 +1008,7 @@ def test_a_flag_the_role_does_not_read_is_warned_of_naming_the_roles_that_do():
     given = ["--early-stopping-steps", "100", "--eval-hook", "m:H", "--keep-last", "5"]
     assert unread_flags_given(build_parser().parse_args(["train", *job, *given])) == (
         "prefect-jax train: warning: train does not read --early-stopping-steps, --eval-hook "
-        "(read by run, evaluate): ignored here; give them to the job's role that reads them (its "
+        "(read by run, evaluate): no effect here; give them to the job's role that reads them (its "
         "trainer stops when its evaluator asks)"
     )
     said = unread_flags_given(build_parser().parse_args(["export", *job, *given]))
@@ -1040,4 +1040,15 @@ def test_an_unknown_flag_says_what_it_likely_meant_and_is_json_under_json(capsys
     assert out == "" and err.strip().splitlines()[-1].endswith(
         "--early-stoping-steps: did you mean --early-stopping-steps?; --model_dir is --storage "
         "and --job (the job's directory is <storage>/<job>) here"
+    )
+    # another subcommand's flag; and a required flag missing beside (argparse names only that)
+    with pytest.raises(SystemExit):
+        main(["export", *job[1:], "--once"])
+    assert capsys.readouterr().err.strip().endswith("--once is a flag of evaluate, not export")
+    with pytest.raises(SystemExit):
+        main(["train", "--program", "p:q", "--model_dir", "/x", "--json"])
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"] == (
+        "the following arguments are required: --job, --storage; --model_dir is --storage and "
+        "--job (the job's directory is <storage>/<job>) here"
     )

@@ -180,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _flags_of_roles() -> dict[str, list[str]]:
+    """Each subcommand's flags, by subcommand (for a flag given to the wrong one)."""
+    subparsers = build_parser()._subparsers._group_actions[0].choices
+    return {
+        name: [o for action in sub._actions for o in action.option_strings]
+        for name, sub in subparsers.items()
+    }
+
+
 class _SubcommandParser(argparse.ArgumentParser):
     """A subcommand's parser: no abbreviations, and its own usage on an error (an unknown flag
     included), not the top-level one."""
@@ -189,21 +198,25 @@ class _SubcommandParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
-        self.given = list(sys.argv[1:] if args is None else args)  # (for `error`'s --json)
+        given = list(sys.argv[1:] if args is None else args)
+        self.given = given[: given.index("--")] if "--" in given else given  # (for `error`)
         namespace, extras = super().parse_known_args(args, namespace)
-        flags = [a for a in extras if a.startswith("-")]
-        if flags:
-            from prefect_jax.cli.flag_hints import unknown_flags_message
-
-            known = [o for action in self._actions for o in action.option_strings]
-            self.error(unknown_flags_message(extras, known))
+        if any(a.startswith("-") for a in extras):
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
 
     def error(self, message: str):
         """One usage line, then the error: argparse's whole usage (30 lines for `run`) buried the
-        one line that says what is wrong. With ``--json``, the error object too, as a refused
-        command prints it (`_say_error`)."""
-        if "--json" in getattr(self, "given", ()):
+        one line that says what is wrong; each unknown flag given with what it likely meant
+        (`flag_hints`: argparse names none where a required flag is missing too). With
+        ``--json``, the error object too, as a refused command prints it (`_say_error`)."""
+        from prefect_jax.cli.flag_hints import hints_for
+
+        given = getattr(self, "given", [])
+        known = [o for action in self._actions for o in action.option_strings]
+        hints = hints_for(given, known, self.prog.rsplit(" ", 1)[-1], _flags_of_roles)
+        message = f"{message}; {hints}" if hints else message
+        if "--json" in given:
             import json
 
             print(json.dumps({"error": message, "exit_code": 2}), flush=True)

@@ -5,6 +5,7 @@ argparse says only "unrecognized arguments"."""
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 
 # TensorFlow's names (RunConfig, TrainSpec, EvalSpec, the exporters and hooks, absl flags of
 # TF's examples), underscores for hyphens, and what says the same here.
@@ -35,21 +36,30 @@ def flag_hint(flag: str, known: list[str]) -> str | None:
     parser's `known` option strings, said in a few words; None where nothing is close."""
     name = flag.split("=", 1)[0]
     bare = name.lstrip("-").replace("-", "_")
-    if bare in TF_NAMES:
+    if bare in TF_NAMES and TF_NAMES[bare].split()[0] in known:
         return f"{name} is {TF_NAMES[bare]} here"
     hyphens = "--" + bare.replace("_", "-")
-    if hyphens in known:
+    if hyphens in known and hyphens != name:
         return f"{name} is {hyphens} here"
     close = difflib.get_close_matches(hyphens, [k for k in known if k.startswith("--")], n=1)
-    return f"{name}: did you mean {close[0]}?" if close else None
+    return f"{name}: did you mean {close[0]}?" if close and close[0] != name else None
 
 
-def unknown_flags_message(extras: list[str], known: list[str]) -> str:
-    """argparse's "unrecognized arguments" line, with each unknown flag's likely meaning."""
-    hints = [
-        hint
-        for flag in extras
-        if flag.startswith("-") and (hint := flag_hint(flag, known)) is not None
-    ]
-    said = f"unrecognized arguments: {' '.join(extras)}"
-    return f"{said}; {'; '.join(hints)}" if hints else said
+def hints_for(
+    given: list[str], known: list[str], command: str, flags_of_roles: Callable[[], dict]
+) -> str | None:
+    """The hints for the flags in `given` that `command`'s parser does not know (`known`): a
+    flag of another subcommand names it (``--once`` is evaluate's), else `flag_hint`."""
+    unknown = [a for a in given if a.startswith("--") and a.split("=", 1)[0] not in known]
+    if not unknown:
+        return None
+    roles = flags_of_roles()
+    hints = []
+    for flag in unknown:
+        name = flag.split("=", 1)[0]
+        owners = [r for r, flags in roles.items() if r != command and name in flags]
+        if owners:
+            hints.append(f"{name} is a flag of {' and '.join(owners)}, not {command}")
+        elif (hint := flag_hint(flag, known)) is not None:
+            hints.append(hint)
+    return "; ".join(hints) or None

@@ -145,7 +145,7 @@ def unread_flags_given(args: argparse.Namespace) -> str | None:
         by_readers.setdefault(readers, []).append(flag)
     said = "; ".join(f"{', '.join(flags)} (read by {r})" for r, flags in by_readers.items())
     return (
-        f"prefect-jax {command}: warning: {command} does not read {said}: ignored here; give "
+        f"prefect-jax {command}: warning: {command} does not read {said}: no effect here; give "
         "them to the job's role that reads them"
         + (" (its trainer stops when its evaluator asks)" if command == "train" else "")
     )

@@ -51,9 +51,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  program params (newest step): {given}")
     stop = status.get("stop_requested")
     if stop:
+        at = f" at step {stop['step']}" if stop["step"] is not None else ""
+        by = f" by {stop['by']}" if stop["by"] else ""
         print(
-            f"  stopped: asked at step {stop['step']} by {stop['by']}: {stop['reason']}; its "
-            f"roles train and evaluate nothing more until {stop['path']} is deleted"
+            f"  stopped: asked{at}{by}: {stop['reason']}; its roles train and evaluate nothing "
+            f"more until {stop['path']} is deleted"
         )
     registry = status.get("registered_model")
     if registry:

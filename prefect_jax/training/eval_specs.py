@@ -129,7 +129,7 @@ class EarlyStopping(Spec):
         description="Stop once the best value is this many steps old."
     )
     min_delta: float = Field(
-        0.0, description="Smaller changes do not count as improvement (0 or more)."
+        0.0, ge=0, description="Smaller changes do not count as improvement (0 or more)."
     )
     min_steps: int = Field(
         0,
@@ -138,10 +138,10 @@ class EarlyStopping(Spec):
         "before it, and the best value counts from it.",
     )
 
-    @field_validator("min_delta")
+    @field_validator("min_delta", mode="before")  # (before `ge=0`, which says no fix)
     @classmethod
     def _min_delta(cls, v):
-        if v < 0:
+        if isinstance(v, int | float) and not isinstance(v, bool) and v < 0:
             raise ValueError(
                 f"min_delta={v} is negative: a worse value would count as an improvement, and "
                 "the job would never stop; give 0 or more, e.g. 0.001"

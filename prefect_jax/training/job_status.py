@@ -74,8 +74,8 @@ def job_status(
     stop = stop_requested(js)
     if stop is not None:  # (TF had no such state; a rerun trains nothing until it is deleted)
         status["stop_requested"] = {
-            "step": stop.get("step"),
-            "by": stop.get("by") or "a person",
+            "step": stop.get("step"),  # (None in a damaged file: its reason says so)
+            "by": stop.get("by"),
             "reason": stop.get("reason"),
             "path": redact_url(stop_path(js)),
         }
