@@ -233,8 +233,10 @@ def test_exports_are_logged_as_models_beside_the_sqlite_store(job_config, mlflow
         "artifacts",
         "input_example.json",
     } <= names and "__pycache__" not in names, names
+    # the export, and its record (the pyfunc checks its inputs against what it says of them)
     assert [a.path for a in client.list_logged_model_artifacts(model.model_id, "artifacts")] == [
-        "artifacts/model.jax_export"
+        "artifacts/export.json",
+        "artifacts/model.jax_export",
     ]
 
 
