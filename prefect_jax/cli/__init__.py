@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="prefect-jax", description="Train JAX models reliably on Prefect.", allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
+    parser.subcommands = sub.choices  # {name: its parser} (`_flags_of_roles`)
 
     demo = sub.add_parser(
         "demo",
@@ -182,11 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _flags_of_roles() -> dict[str, list[str]]:
     """Each subcommand's flags, by subcommand (for a flag given to the wrong one)."""
-    subparsers = build_parser()._subparsers._group_actions[0].choices
-    return {
-        name: [o for action in sub._actions for o in action.option_strings]
-        for name, sub in subparsers.items()
-    }
+    return {name: _flags_of(sub) for name, sub in build_parser().subcommands.items()}
+
+
+def _flags_of(parser: argparse.ArgumentParser) -> list[str]:
+    """`parser`'s option strings (argparse lists them only in its `_actions`)."""
+    return [o for action in parser._actions for o in action.option_strings]
 
 
 class _SubcommandParser(argparse.ArgumentParser):
@@ -213,8 +215,7 @@ class _SubcommandParser(argparse.ArgumentParser):
         from prefect_jax.cli.flag_hints import hints_for
 
         given = getattr(self, "given", [])
-        known = [o for action in self._actions for o in action.option_strings]
-        hints = hints_for(given, known, self.prog.rsplit(" ", 1)[-1], _flags_of_roles)
+        hints = hints_for(given, _flags_of(self), self.prog.rsplit(" ", 1)[-1], _flags_of_roles)
         message = f"{message}; {hints}" if hints else message
         if "--json" in given:
             import json

@@ -201,7 +201,7 @@ def exports_nothing(
     if isinstance(exporter, BestExporter) and (
         exporter.compare_fn or exporter.metric in result.metrics
     ):  # (else run_exporter names the metrics)
-        best, stored = _best_so_far(storage, exporter, result)
+        best, stored, _ = _best_so_far(storage, exporter, result)
         return (
             stored
             and best.get("step") != int(result.step)
@@ -258,10 +258,11 @@ def _best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult
     evaluations recorded before `result`'s step, as the exporter judges them: where the exporter
     was added to a job evaluated before (it does not put @best on a step worse than one already
     evaluated), or where ``best.json`` was judged by another metric, mode or compare_fn (a loss
-    is not compared with an accuracy). ``(None, False)``: nothing to beat."""
+    is not compared with an accuracy). ``(None, False, records)``: nothing to beat. The third
+    value: the comparable eval records it read, None where it read ``best.json``."""
     best = read_best(storage, exporter)
     if best is not None and judged_alike(exporter, best):
-        return best, True
+        return best, True, None
     if best is not None:  # (a rerun or an export without the flags the job had: said)
         if best.get("compare_fn"):
             fn = best["compare_fn"]
@@ -279,26 +280,21 @@ def _best_so_far(storage: JobStorage, exporter: BestExporter, result: EvalResult
             exporter.compare_fn or f"{exporter.metric} ({exporter.mode})",
             before,
         )
-    earlier = [r for r in _comparable(storage, exporter, result) if r.step < int(result.step)]
-    found = best_of(exporter, earlier)
-    return (None if found is None else best_record(exporter, found)), False
-
-
-def _comparable(storage: JobStorage, exporter: BestExporter, result: EvalResult) -> list:
-    """The job's recorded evaluations `exporter` can compare with `result`."""
     records = EvalRecords(storage, result.name).all()
     if exporter.compare_fn:  # (records from before a metric was added: not comparable)
         records = [r for r in records if set(result.metrics) <= set(r.metrics)]
-    return records
+    found = best_of(exporter, [r for r in records if r.step < int(result.step)])
+    return (None if found is None else best_record(exporter, found)), False, records
 
 
-def _beaten_later(storage: JobStorage, exporter: BestExporter, result: EvalResult) -> int | None:
-    """A later recorded step whose evaluation beats `result`'s, or None: there are some where an
-    export of an older step is asked for (`prefect-jax export --step`) with no ``best.json`` to
-    judge by. TF's BestExporter, exporting in step order, would not have put @best on that step
-    for long; here it is not put there at all (a tie leaves it to the earlier step, as then)."""
+def _beaten_later(exporter: BestExporter, result: EvalResult, records: list) -> int | None:
+    """A later step of `records` (the comparable ones `_best_so_far` read) whose evaluation
+    beats `result`'s, or None: there are some where an export of an older step is asked for
+    (`prefect-jax export --step`) with no ``best.json`` to judge by. TF's BestExporter,
+    exporting in step order, would not have put @best on that step for long; here it is not put
+    there at all (a tie leaves it to the earlier step, as then)."""
     mine = best_record(exporter, result)
-    for r in _comparable(storage, exporter, result):
+    for r in records:
         if exporter.compare_fn is None and exporter.metric not in r.metrics:
             continue  # (as `best_of` leaves it out)
         if r.step > int(result.step) and beats(exporter, r.metrics, int(r.step), mine):
@@ -345,14 +341,14 @@ def run_exporter(
                 f"BestExporter {exporter.name!r} compares metric {exporter.metric!r}, but the eval "
                 f"results hold {sorted(result.metrics)}; set metric= to one of those"
             )
-        best, stored = _best_so_far(storage, exporter, result)
+        best, stored, records = _best_so_far(storage, exporter, result)
         if best is not None and best.get("step") == step:
             return (dest, False) if storage.fs.exists(dest) else None
         if not beats(exporter, result.metrics, step, best):
             if not stored:  # (judged from the history: kept, not judged again)
                 storage.write_json(best_file, best)
             return None
-        if not stored and _beaten_later(storage, exporter, result) is not None:
+        if not stored and _beaten_later(exporter, result, records) is not None:
             return None  # (best.json is left to that step's own export)
     written_now = not storage.fs.exists(dest)
     if written_now:

@@ -124,8 +124,8 @@ def symbolic_constraints(spec) -> list[str]:
 
 
 def input_signature(spec, ranges: dict | None = None) -> list[dict]:
-    """The serving inputs as JSON (``export.json``, and the MLflow model's config, where the pyfunc
-    reads them): ``[{"name", "shape", "dtype"}]``, a symbolic dimension by its expression
+    """The serving inputs as JSON (``export.json``, one of the MLflow model's files, where the
+    pyfunc reads them): ``[{"name", "shape", "dtype"}]``, a symbolic dimension by its expression
     (``"b"``), the name None for a single array input; ``"constraints"`` where its dims have some
     (`symbolic_constraints`), ``"values": [low, high]`` where `ranges` (`serving_ranges`) has it."""
     import numpy as np
