@@ -430,6 +430,22 @@ def test_a_resume_with_other_params_is_refused_before_any_training(job_config):
     third.close()
 
 
+def test_a_flow_runs_trainer_names_the_program_param_of_a_mesh_that_does_not_fit(job_config):
+    """A deployment's flow run has no command preflight: its trainer's refusal names the param
+    the user set (``program_params['mesh']``), not the program's ``mesh_axes``."""
+    from prefect_jax.training.sharding import ShardingError
+    from prefect_jax.training.trainer import Trainer
+
+    made = job_config(max_steps=8, every_steps=4, job="lm-mesh", program=PROGRAM)
+    config = made.model_copy(update={"program_params": {"preset": "tiny", "mesh": {"data": 3}}})
+    with pytest.raises(ShardingError) as refused:
+        Trainer(config)
+    assert str(refused.value).endswith(
+        'The program param mesh={"data": 3} set it: --program-param mesh=... in a command, '
+        "program_params['mesh'] in a flow; left out, the program's default"
+    ), refused.value
+
+
 @pytest.mark.slow
 def test_a_step_saved_before_source_existed_resumes_on_the_folder_the_environment_names(
     tmp_path, monkeypatch

@@ -51,6 +51,7 @@ from prefect_jax.training.data_positions import (
 from prefect_jax.training.evaluation import evaluate_pass
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharded_state import (
+    placement_naming_params,
     sharded_abstract_state,
     traced_init,
     warn_of_idle_axes,
@@ -59,7 +60,6 @@ from prefect_jax.training.sharding import (
     check_batch,
     declares_sharding,
     init_with_mesh,
-    placement,
     process_parts,
     replicas,
 )
@@ -96,9 +96,10 @@ class Loop:
     Args:
         program: the program (see `prefect_jax.training.program`).
         spec: the train spec (seed, steps per dispatch, logging cadence, NaN check).
+        params: the program params it was built with (a refused mesh names the one that set it).
     """
 
-    def __init__(self, program: Any, spec: TrainSpec):
+    def __init__(self, program: Any, spec: TrainSpec, params: dict | None = None):
         self.program, self.spec = program, spec
         self._rng = None  # see `rng`
         self._abstract = None
@@ -122,7 +123,7 @@ class Loop:
         # A state sharded over several processes: what process 0 did alone with a replica is a
         # collective (`prefect_jax.training.collective`).
         self.spans = spans_processes(self.sharded, self.processes)
-        placed = placement(program, devices, self.processes)
+        placed = placement_naming_params(program, devices, self.processes, params)
         self.mesh, self.replicated, self.batch_sharding, self._stacked_sharding = placed or (
             (None,) * 4
         )

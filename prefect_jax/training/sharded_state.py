@@ -127,13 +127,7 @@ def check_sharding(
     """
     if not declares_sharding(program):
         return None
-    try:
-        mesh, _, batch, _ = placement(program, jax.devices(), 1)
-    except ShardingError as exc:
-        named = mesh_param_named(exc, program, params)
-        if named is exc:
-            raise
-        raise named from exc
+    mesh, _, batch, _ = placement_naming_params(program, jax.devices(), 1, params)
     trained_on = (resumed or {}).get("mesh")
     fix = ""
     if trained_on and trained_on != dict(mesh.shape):  # the mesh changed, not the batch
@@ -146,6 +140,18 @@ def check_sharding(
     if resumed is None or trained_on != dict(mesh.shape):
         return sharded_abstract_state(program, mesh, seed)[0]
     return None
+
+
+def placement_naming_params(program: Any, devices, processes: int, params: dict | None):
+    """`sharding.placement`, whose refusal of the program's mesh names the program param that
+    set it (`mesh_param_named`): the command's preflight and the loop of a flow run alike."""
+    try:
+        return placement(program, devices, processes)
+    except ShardingError as exc:
+        named = mesh_param_named(exc, program, params)
+        if named is exc:
+            raise
+        raise named from exc
 
 
 def mesh_param_named(exc: ShardingError, program: Any, params: dict | None) -> ShardingError:

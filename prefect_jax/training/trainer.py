@@ -114,7 +114,11 @@ class Trainer:
                 self.program, config.program, config.eval.exporters, config.train.hooks
             )
             self.metrics_settled = head is not None and head.checked_metrics_of(config.eval)
-            self.loop = head.loop if head is not None else Loop(self.program, config.train)
+            self.loop = (
+                head.loop
+                if head is not None
+                else Loop(program, config.train, config.program_params)
+            )
             self.loop.compiling.save_copy = self.job.checkpoints.device_copy
             # a serve() that does not trace, or lower for named platforms: refused now, not an
             # interval in (unless the command's preflight did, for these platforms)
