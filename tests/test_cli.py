@@ -1015,6 +1015,14 @@ def test_a_flag_the_role_does_not_read_is_warned_of_naming_the_roles_that_do():
     assert "--keep-last (read by run, train); --early-stopping-steps, --eval-hook (read by" in said
     assert unread_flags_given(build_parser().parse_args(["run", *job, *given])) is None
     assert unread_flags_given(build_parser().parse_args(["train", *job])) is None
+    # Typed with its default's value, it is given too (the command keeps what was typed).
+    for typed in (["--throttle-secs", "0"], ["--throttle-secs=0"]):
+        args = build_parser().parse_args(["train", *job, *typed])
+        assert unread_flags_given(args) is None  # (nothing says what was typed)
+        args.argv = ["train", *job, *typed]
+        assert "train does not read --throttle-secs (read by run, evaluate)" in (
+            unread_flags_given(args) or ""
+        ), typed
 
 
 def test_an_unknown_flag_says_what_it_likely_meant_and_is_json_under_json(capsys):
