@@ -117,6 +117,30 @@ def test_max_steps_below_the_committed_step_is_refused_by_the_cli_and_the_engine
     preflight(TINY, "j", str(storage), 30, train_spec=None, tracking_uri=mlflow_uri)
     with pytest.raises(PastMaxStepsError):
         preflight(TINY, "j", str(storage), 30, train_spec=config.train, tracking_uri=mlflow_uri)
+    # Another program's job (a job name reused) is said as such first: a max_steps above 40
+    # would only have met that refusal (the platform probe's deployment run).
+    from prefect_jax.training.program_params import ProgramParamsMismatchError
+
+    lm, lm_params = "prefect_jax.examples.bytelm:program", {"preset": "tiny"}
+    with pytest.raises(ProgramParamsMismatchError, match="by a program with no program params"):
+        preflight(
+            lm, "j", str(storage), 30, program_params=lm_params, train_spec=config.train,
+            tracking_uri=mlflow_uri,
+        )  # fmt: skip
+    other = config.model_copy(
+        update={
+            "program": lm,
+            "program_params": lm_params,
+            "train": config.train.model_copy(update={"max_steps": 30}),
+        }
+    )
+    trainer = Trainer(other)
+    try:
+        with pytest.raises(ProgramParamsMismatchError, match="by a program with no program params"):
+            trainer.restore_or_init()
+    finally:
+        trainer.close()
+    assert _tree_digest(storage) == before
 
 
 @pytest.mark.parametrize("command", ["run", "evaluate", "export"])

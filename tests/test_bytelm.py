@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 
@@ -70,6 +71,63 @@ def test_an_empty_corpus_folder_is_a_clear_error(tmp_path, monkeypatch):
         f"\\${corpus.SOURCE_ENV}\\) to a folder",
     ):
         corpus.build(32, cache=str(tmp_path / "cache"))
+
+
+def _text_folder(path, files=12):
+    """A folder of text files (``.txt``: not the default ``.py``), one NUL-free paragraph each."""
+    path.mkdir()
+    for i in range(files):
+        (path / f"doc{i:02d}.txt").write_text(f"paragraph {i}: " + "the quick brown fox. " * 40)
+    (path / "skipped.md").write_text("not read: another ending\n" * 50)
+    return path
+
+
+def test_a_corpus_is_keyed_by_its_files_and_digests_what_it_read(tmp_path):
+    """The cache was keyed by the folder's path only: text changed under it was not read again,
+    without a word. Now a changed file is a new build with another digest, and the same text
+    built again (another folder, other modification times) has the same digest."""
+    import shutil
+
+    text = _text_folder(tmp_path / "text")
+    cache = str(tmp_path / "cache")
+    first = corpus.build(32, cache=cache, source=str(text), suffixes=(".txt",))
+    assert first.files["eval"] == ["doc00.txt"] and len(first.files["train"]) == 11
+    again = corpus.build(32, cache=cache, source=str(text), suffixes=(".txt",))
+    assert again == first  # nothing changed: read from the cache
+    (text / "doc05.txt").write_text("another paragraph entirely. " * 40)
+    changed = corpus.build(32, cache=cache, source=str(text), suffixes=(".txt",))
+    assert changed.path != first.path and changed.digest != first.digest
+    copy = shutil.copytree(tmp_path / "text", tmp_path / "copy")
+    copied = corpus.build(32, cache=cache, source=str(copy), suffixes=(".txt",))
+    assert copied.path != changed.path and copied.digest == changed.digest
+    assert (
+        ByteLMProgram(
+            dataclasses.replace(PRESETS["tiny"], source=str(copy), suffixes=".txt")
+        ).data_fingerprint()
+        == copied.digest
+    )
+    # .md files too: another corpus
+    both = corpus.build(32, cache=cache, source=str(text), suffixes=(".txt", ".md"))
+    assert "skipped.md" in both.files["train"] and both.digest != changed.digest
+
+
+def test_a_corpus_folder_that_cannot_be_split_or_is_a_file_says_why(tmp_path):
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "only.py").write_text("x = 1\n" * 500)
+    with pytest.raises(
+        corpus.CorpusError,
+        match=re.escape(
+            f"the train split of '{one}' (0 files, 0 bytes) holds no window of 33 bytes: one "
+            "file in 20 (the 1st, the 21st, ... in path order) is an eval file, so its 1 files "
+            "give 0 train and 1 eval files; give more files"
+        ),
+    ):
+        corpus.build(32, cache=str(tmp_path / "cache"), source=str(one))
+    with pytest.raises(corpus.CorpusError, match="a file, not a folder: '.*only.py'"):
+        corpus.build(32, cache=str(tmp_path / "cache"), source=str(one / "only.py"))
+    with pytest.raises(corpus.CorpusError, match=r"no \.txt files under .*suffixes=\.txt,\.md\)"):
+        corpus.build(32, cache=str(tmp_path / "cache"), source=str(one), suffixes=(".txt",))
 
 
 def test_config_from_the_environment():
@@ -173,7 +231,7 @@ def test_the_corpus_folder_is_a_param_the_environment_fills(tmp_path, monkeypatc
     lm = program(params)
     assert lm.corpus().files == {"train": ["b.py"], "eval": ["a.py"]}
     assert ByteLMParams(preset="tiny", source="text").source == str(folder)
-    with pytest.raises(ValueError, match=re.escape("source=' ': must be a folder of .py files")):
+    with pytest.raises(ValueError, match=re.escape("source=' ': must be a folder of text files")):
         ByteLMParams(preset="tiny", source=" ")
 
 
@@ -444,6 +502,71 @@ def test_a_flow_runs_trainer_names_the_program_param_of_a_mesh_that_does_not_fit
         'The program param mesh={"data": 3} set it: --program-param mesh=... in a command, '
         "program_params['mesh'] in a flow; left out, the program's default"
     ), refused.value
+
+
+@pytest.mark.slow
+def test_a_job_resumed_on_changed_text_is_refused_and_resumes_on_its_own_text(
+    job_config, tmp_path, prefect_server, mlflow_uri
+):
+    """The probe's LM user added files to their corpus folder and reran: the job trained on,
+    its restored input position indexing other records, its eval set changed under @best. Each
+    step records its corpus's digest; a resume on other text is refused (the flow's restore and
+    the command's preflight), and the same text again resumes."""
+    import subprocess
+    import sys
+
+    from prefect_jax.training.checkpoint_dirs import committed_steps, read_meta_file
+    from prefect_jax.training.resume_checks import DataChangedError
+    from prefect_jax.training.trainer import Trainer
+
+    text = _text_folder(tmp_path / "text")
+    given = {"preset": "tiny", "source": str(text), "suffixes": ".txt"}
+
+    def trainer():
+        made = job_config(max_steps=8, every_steps=4, job="lm-text", program=PROGRAM)
+        return Trainer(made.model_copy(update={"program_params": given}))
+
+    first = trainer()
+    first.restore_or_init()
+    first.train_until_checkpoint()
+    first.job.checkpoints.wait()
+    first.close()
+    digest, steps_dir = first.program.data_fingerprint(), first.job.checkpoints.directory
+    assert read_meta_file(steps_dir, 4)["data_fingerprint"] == digest
+    original = (text / "doc05.txt").read_text()
+    (text / "doc05.txt").write_text("an edited paragraph. " * 40)
+    second = trainer()
+    with pytest.raises(DataChangedError) as refused:
+        second.restore_or_init()
+    second.close()
+    now = second.program.data_fingerprint()
+    assert str(refused.value).startswith(
+        f"job 'lm-text' was trained to step 4 on other data than the program reads now (its "
+        f"data_fingerprint() was '{digest}', now '{now}'): the restored input position would "
+        "index other records"
+    ), refused.value
+    assert "nothing was restored or trained" in str(refused.value)
+    # The command refuses it before its flow run, in one line.
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "XLA_FLAGS")}
+    args = ["run", "--program", PROGRAM, "--job", "lm-text", "--storage", str(tmp_path / "storage")]
+    args += ["--max-steps", "8", "--checkpoint-every-steps", "4", "--no-progress"]
+    args += ["--mlflow-tracking-uri", mlflow_uri, "--program-params", json.dumps(given)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefect_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**env, "PREFECT_API_URL": prefect_server},
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (said,) = proc.stderr.strip().splitlines()
+    assert said.startswith("prefect-jax run: error: job 'lm-text' was trained to step 4 on other")
+    assert committed_steps(steps_dir) == [4]
+    # Its own text again (written anew: another modification time, built again): it resumes.
+    (text / "doc05.txt").write_text(original)
+    third = trainer()
+    assert third.restore_or_init() == 4
+    third.close()
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from prefect_jax.training.loop import Interval, NonFiniteAt
 from prefect_jax.training.names import TRAIN_PREFIX
 from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.resume_changes import recorded_retention
+from prefect_jax.training.resume_checks import DATA_KEY, data_fingerprint_of
 from prefect_jax.training.train_means import train_rows
 
 if TYPE_CHECKING:
@@ -280,7 +281,9 @@ class Intervals:
                 "config_fingerprint": t.config.fingerprint(),
                 # checked when the job resumes from this step (`program_params.check_restore`)
                 "program_params": t.program_params.as_meta(),
-                "seed": t.config.train.seed,  # (`program_params.check_seed`)
+                "seed": t.config.train.seed,  # (`resume_checks.check_seed`)
+                # what its data was, where the program says (`resume_checks.check_data`)
+                **({DATA_KEY: data} if (data := data_fingerprint_of(t.program)) else {}),
                 "max_steps": t.config.train.max_steps,  # (an evaluator's is compared with it)
                 # a rerun that would delete steps this one keeps says so (`resume_changes`)
                 "retention": recorded_retention(t.config.checkpoint),

@@ -53,7 +53,7 @@ def check_job(
     from prefect_jax.training.following import trainers_max_steps, trainers_program_params
     from prefect_jax.training.lease import Lease
     from prefect_jax.training.program import load_program_with_params
-    from prefect_jax.training.program_params import check_restore_of
+    from prefect_jax.training.resume_checks import check_restore_of
     from prefect_jax.training.serving import check_serving_early
     from prefect_jax.training.sharded_state import check_sharding
 
@@ -90,16 +90,17 @@ def check_job(
     if js is None:  # (every role restores the newest step: its params)
         js = job_storage()
         committed, newest_meta = _newest_step(js, storage)
-    if train_spec is not None and max_steps is not None and committed and committed[-1] > max_steps:
-        raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
     if committed:
         newest = committed[-1]
         try:
-            seed = train_spec.seed if train_spec is not None else None
+            reads = dict(seed=train_spec.seed, program=loaded) if train_spec is not None else {}
             step_dir = f"{js.checkpoint_dir}/{newest}"
-            check_restore_of(step_dir, newest_meta, params, job, newest, seed)
+            check_restore_of(step_dir, newest_meta, params, job, newest, **reads)
         except CorruptCheckpointError:
             pass  # damage, not other params: the trainer moves the step aside and falls back
+    # (after the params: a job of another program would only meet that refusal past max_steps)
+    if train_spec is not None and max_steps is not None and committed and committed[-1] > max_steps:
+        raise PastMaxStepsError(redact_url(js.job_dir), committed[-1], max_steps)
     abstract_state = None
     if cluster is None and max_steps is not None:
         # the mesh and the first batch; the state's shardings where the mesh is new

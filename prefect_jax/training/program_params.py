@@ -342,37 +342,3 @@ def _or_since(saved: ProgramParams, given: ProgramParams) -> str:
     if saved.type_name is None or given.type_name is None:
         return ", or its params type was added or removed since"
     return ""
-
-
-def check_seed(meta: dict | None, seed: int | None, job: str, step: int) -> None:
-    """Refuse to resume job `job` from its `step` with another ``TrainSpec.seed`` than the one it
-    was trained with (`seed` None: this process does not train; a step that recorded none: not
-    checked). The data iterator's position is restored into ``train_data(seed)``: with another
-    seed it would read other data, and the resume would not be the same run."""
-    saved = (meta or {}).get("seed")
-    if seed is None or saved is None or saved == seed:
-        return
-    raise ProgramParamsMismatchError(
-        f"job {job!r} was trained to step {step} with seed {saved}, given {seed}: "
-        "train_data(seed) orders its data by it, so the resume would read other data than the "
-        f"run it continues; nothing was restored or trained. Resume it with --seed {saved} "
-        f"(TrainSpec(seed={saved})), or train seed {seed} under a new job name"
-    )
-
-
-def check_restore_of(
-    step_dir: str, meta, given, job: str, step: int, seed: int | None = None
-) -> None:
-    """`check_restore` and `check_seed` of the step at `step_dir`, where a mismatch is first told
-    apart from damage: one flipped bit in the metadata reads as other params, so a local step's
-    checksums are verified before the refusal (`CorruptCheckpointError`: the step is moved aside
-    and the job falls back, as for any damaged step). Costs nothing when the params agree."""
-    try:
-        check_restore(meta, given, job, step)
-        check_seed(meta, seed, job, step)
-    except ProgramParamsMismatchError:
-        if "://" not in step_dir:
-            from prefect_jax.training.checksums import verify_manifest
-
-            verify_manifest(step_dir)
-        raise

@@ -24,12 +24,13 @@ from prefect_jax.training.errors import (
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.names import DEVICES_TAG
 from prefect_jax.training.preflight import check_evaluation
-from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore_of
+from prefect_jax.training.program_params import ProgramParamsMismatchError
 from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote_errors import RemoteStorageError
 from prefect_jax.training.restore_failures import RestoreFailures, not_the_steps_fault
 from prefect_jax.training.resume_changes import warn_of_changes
+from prefect_jax.training.resume_checks import check_restore_of
 from prefect_jax.training.sharded_state import check_train_batch
 from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS
 from prefect_jax.training.tracking_params import job_params
@@ -233,6 +234,7 @@ def restore_trainer(
     job.checkpoints.wait()
     newest, max_steps = job.newest_committed(), trainer.config.train.max_steps
     if newest is not None and max_steps is not None and newest > max_steps:
+        fetch_and_check(trainer, newest, trains=True)  # (another program's job: said first)
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
     if not evaluates:  # the train role (its retries' restores too): its evaluator checks them
         trainer.metrics_settled = True
@@ -334,8 +336,8 @@ def fetch_and_check(trainer: Trainer, step: int, trains: bool = False) -> None:
             raise RestoreFailedError(url, exc, why) from exc
     meta = read_meta_file(job.checkpoints.directory, step)
     step_dir = os.path.join(job.checkpoints.directory, str(step))
-    seed = trainer.config.train.seed if trains else None  # (the data a trainer reads next)
-    check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step, seed)
+    reads = dict(seed=trainer.config.train.seed, program=trainer.program) if trains else {}
+    check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step, **reads)
 
 
 def recover_trainer(

@@ -38,11 +38,13 @@ class Config:
         b1, b2: Adam's moment decays.
         grad_clip: clip the gradient's global norm to this.
         max_files: build the corpus from the first this many source files only (None: all).
-        source: the folder of ``.py`` files the corpus is built from (None:
+        source: the folder of text files the corpus is built from (None:
             ``$PREFECT_JAX_BYTELM_SOURCE`` where set, else the standard library of the interpreter
-            running the job). The typed params record the folder the environment gives, so a
-            rerun on other text is refused; the standard library is the same corpus on any
-            machine.
+            running the job). The typed params record the folder the environment gives, and
+            each step the digest of the text it was built from, so a rerun on other text is
+            refused; the standard library is the same corpus on any machine.
+        suffixes: the file name endings taken from ``source``, comma-separated (``".txt,.md"``;
+            default ``".py"``); every file under it, at any depth, that ends with one.
         read_threads: Grain's reading threads for training batches (0: the training thread).
         prefetch: batches Grain reads ahead (with threads).
         mesh: the device mesh, ``{axis: size}`` over the axes ``data`` and ``model`` (None:
@@ -74,6 +76,7 @@ class Config:
     grad_clip: float = 1.0
     max_files: int | None = None
     source: str | None = None
+    suffixes: str = ".py"
     read_threads: int = 2
     prefetch: int = 8
     mesh: dict | None = None
@@ -105,7 +108,13 @@ class Config:
             self,
             "source",
             self.source is None or self.source.strip() != "",
-            "must be a folder of .py files, or null (the standard library)",
+            "must be a folder of text files, or null (the standard library)",
+        )
+        _refuse_unless(
+            self,
+            "suffixes",
+            all(part.strip() for part in self.suffixes.split(",")),
+            "must be file name endings, comma-separated, e.g. '.txt,.md'",
         )
         _refuse_unless(
             self,
@@ -185,7 +194,8 @@ def _is_a(value, annotation: str) -> bool:
 
 
 PRESETS = {
-    # A few thousand parameters, sequences of 32 bytes, the first 400 files: for tests.
+    # A few thousand parameters, sequences of 32 bytes, the first 400 files (of its source,
+    # in path order): for tests.
     "tiny": Config(
         seq_len=32,
         d_model=16,

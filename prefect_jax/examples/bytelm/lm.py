@@ -235,9 +235,18 @@ class ByteLMProgram:
         with self._corpus_lock:  # the engine's compile thread may ask at the same time
             if self._corpus is None:
                 self._corpus = corpus.build(
-                    self.cfg.seq_len, self.cfg.max_files, source=self.cfg.source
+                    self.cfg.seq_len,
+                    self.cfg.max_files,
+                    source=self.cfg.source,
+                    suffixes=tuple(part.strip() for part in self.cfg.suffixes.split(",")),
                 )
         return self._corpus
+
+    def data_fingerprint(self) -> str:
+        """The digest of the corpus's records (`corpus.Corpus.digest`): a job resumed on other
+        text (a file of its folder changed, added or removed) is refused, the same text built
+        again on another machine resumes."""
+        return self.corpus().digest
 
     def train_data(self, seed: int):
         return corpus.train_dataset(self.corpus(), self.cfg.batch_size * self.cfg.grad_accum, seed)
