@@ -83,6 +83,24 @@ def finite_map():
     return FiniteDigits(iterated=False)
 
 
+class EpochBatches(TinyDigits):
+    """Keras's order: each epoch's examples batched, then repeated, its last batch short (the
+    first 100 examples in batches of 32: the 4th batch holds 4)."""
+
+    def train_data(self, seed: int):
+        import grain
+
+        from prefect_jax.examples.digits import load_digits_split
+
+        x, y, _, _ = load_digits_split()
+        records = [{"x": a, "y": b} for a, b in zip(x[:100], y[:100], strict=True)]
+        return grain.MapDataset.source(records).batch(32).repeat()
+
+
+def epoch_batches():
+    return EpochBatches()
+
+
 class EndlessEval(TinyDigits):
     """Tiny digits whose eval_data() is repeated without end (a train_data habit)."""
 

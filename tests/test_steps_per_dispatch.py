@@ -154,3 +154,35 @@ def test_the_loop_is_never_more_than_one_dispatch_ahead_of_the_device(k):
     interval = loop.run(state, 0, it, target=36, stop=stop)
     assert interval.step == 36 and len(running) == 36 // k
     assert max(running) <= 1, f"dispatches not yet run at each stop check: {running}"
+
+
+def test_a_short_batch_in_a_dispatch_is_refused_naming_the_steps_and_the_fix(job_config):
+    """An epoch's short last batch (``.batch(32).repeat()``, Keras's order) cannot be stacked
+    with full ones into one scan: NumPy's "all input arrays must have the same shape" was all a
+    porter got. One step per dispatch trains it (compiling that shape again)."""
+    config = job_config(
+        max_steps=8,
+        every_steps=8,
+        job="epochs",
+        steps_per_dispatch=4,
+        program="tests.programs:epoch_batches",
+    )
+    trainer = Trainer(config)
+    trainer.restore_or_init()
+    with pytest.raises(ValueError) as refused:
+        trainer.train_until_checkpoint()
+    trainer.close()
+    assert str(refused.value).startswith(
+        "the train batches of steps 1 and 4 have other shapes ({'x': (32, 64), 'y': (32,)} and "
+        "{'x': (4, 64), 'y': (4,)}), and --steps-per-dispatch 4 (TrainSpec.steps_per_dispatch) "
+        "stacks each dispatch's batches into one array: give train_data batches of one shape "
+        "(.batch(n, drop_remainder=True), or .repeat() before .batch)"
+    ), refused.value
+    assert (
+        _train(
+            job_config(
+                max_steps=8, every_steps=8, job="epochs-1", program="tests.programs:epoch_batches"
+            )
+        ).step
+        == 8
+    )

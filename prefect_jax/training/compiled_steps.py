@@ -171,11 +171,6 @@ def jit_steps(
     return program_step, train_step, scan_steps, jax.jit(under_mesh(program.eval_step, mesh))
 
 
-def stack(batches: list):
-    """K host batches (pytrees of arrays) as one pytree with a leading axis of K."""
-    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
-
-
 def metrics_at(metrics, index: int | None):
     """One log point's metrics (means since the log point before, see `guarded_step`): as they
     are (one step per dispatch), or row `index` of a scan's stack."""
@@ -389,5 +384,4 @@ __all__ = [
     "precompile_eval_step",
     "precompile_steps",
     "scanned",
-    "stack",
 ]

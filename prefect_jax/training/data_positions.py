@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import grain
 import jax
+import numpy as np
 
 logger = logging.getLogger("prefect_jax.checkpoints")
 
@@ -176,3 +177,24 @@ def _keys(state):
 
 def _shown(state) -> str:
     return json.dumps(_keys(state)).replace("null", "…")[:300]
+
+
+def stack(batches: list, step: int = 0):
+    """K host batches (pytrees of arrays) as one pytree with a leading axis of K, one scan's
+    input, the first the batch of step ``step + 1``. Batches of another shape (an epoch's short
+    last batch: ``.batch(n).repeat()``) cannot share one: refused, naming them and the fix."""
+    try:
+        return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+    except ValueError:
+        shapes = [jax.tree.map(np.shape, b) for b in batches]
+        k = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
+        if k is None:
+            raise
+        raise ValueError(
+            f"the train batches of steps {step + 1} and {step + k + 1} have other shapes "
+            f"({shapes[0]} and {shapes[k]}), and --steps-per-dispatch {len(batches)} "
+            "(TrainSpec.steps_per_dispatch) stacks each dispatch's batches into one array: give "
+            "train_data batches of one shape (.batch(n, drop_remainder=True), or .repeat() "
+            "before .batch), or --steps-per-dispatch 1 (a batch of another shape compiles the "
+            "step again)"
+        ) from None

@@ -41,12 +41,12 @@ from prefect_jax.training.compiled_steps import (
     compiled_init,
     jit_steps,
     metrics_at,
-    stack,
 )
 from prefect_jax.training.data_positions import (
     iterate,
     next_batch,
     refuse_fewer_batches_than_steps,
+    stack,
 )
 from prefect_jax.training.evaluation import evaluate_pass
 from prefect_jax.training.progress import listening, notify_progress
@@ -313,7 +313,7 @@ class Loop:
                 batches = [next_batch(it, step + i) for i in range(n)]
                 guard = guard or self.means.guard(state, self.batch_type(batches[0]), step, target)
                 state, metrics, guard = self.scan_steps(
-                    state, self.batch(stack(batches), axis=1), guard
+                    state, self.batch(stack(batches, step), axis=1), guard
                 )
                 step += n
             if first:
