@@ -121,6 +121,26 @@ def test_a_deployment_that_does_not_exist_is_named_with_the_fix(prefect_server):
         create_rerun_automation("train/nowhere")
 
 
+def test_a_deployment_setting_a_parameter_its_flow_does_not_take_is_refused(prefect_server):
+    """``checkpoint_specs:`` in prefect.yaml: `prefect deploy` takes it, each run crashes before
+    its flow starts, and the automation would rerun each crash until its brake (the platform
+    probe saw 4 starts of one run with --max-crashes 3). Refused here, naming the fix."""
+    from prefect_jax.flows import train
+
+    spec = {"max_steps": 10}
+    train.to_deployment(
+        name="typo-test", parameters={"train_spec": spec, "checkpoint_specs": {"every_steps": 5}}
+    ).apply()
+    with pytest.raises(ValueError) as refused:
+        create_rerun_automation("train/typo-test")
+    assert str(refused.value).startswith(
+        "deployment 'train/typo-test' sets 'checkpoint_specs' (did you mean 'checkpoint_spec'?), "
+        "which its flow does not take (it takes program, job, storage, "
+    ), refused.value
+    assert "fix the deployment's parameters (prefect.yaml) and deploy again" in str(refused.value)
+    assert _named("prefect-jax: rerun crashed train/typo-test") == []
+
+
 def test_a_brake_that_cannot_trip_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"max_crashes=0, within_secs=3600: .*--no-brake"):
         create_rerun_automation("train/anything", max_crashes=0)

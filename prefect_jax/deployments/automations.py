@@ -157,6 +157,7 @@ def create_rerun_automation(
                 f"deployment {deployment_name!r} not found on the Prefect server: deploy it first "
                 "(uv run prefect deploy --all), and name it as 'flow-name/deployment-name'"
             ) from exc
+        refuse_unknown_parameters(deployment, deployment_name)
         rerun = rerun_automation(deployment.id, deployment_name, name)
         kept = _create_or_replace(client, rerun)
         brake_name = f"{rerun.name}: brake"
@@ -175,6 +176,33 @@ def create_rerun_automation(
                 break
             kept = named[0]
     return kept
+
+
+def refuse_unknown_parameters(deployment, deployment_name: str) -> None:
+    """Refuse a deployment whose parameters name one its flow does not take (``checkpoint_specs:``
+    in prefect.yaml): ``prefect deploy`` accepts it (the flow's schema allows other names), and
+    each run of it crashes before its flow starts (Prefect's SignatureMismatchError), which the
+    rerun automation would rerun until its brake stops it.
+
+    Raises:
+        ValueError: naming each unknown parameter, the likely one meant and the fix.
+    """
+    import difflib
+
+    taken = list((deployment.parameter_openapi_schema or {}).get("properties") or {})
+    unknown = [k for k in deployment.parameters or {} if taken and k not in taken]
+    if not unknown:
+        return
+    said = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, taken, n=1)
+        said.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(
+        f"deployment {deployment_name!r} sets {', '.join(said)}, which its flow does not take "
+        f"(it takes {', '.join(taken)}): each run of it would crash before training, and the "
+        "rerun automation would rerun it; fix the deployment's parameters (prefect.yaml) and "
+        "deploy again"
+    )
 
 
 def _create_or_replace(client, automation) -> UUID:
