@@ -587,6 +587,11 @@ def test_a_best_metric_from_python_is_refused_as_a_new_job_restores(job_config):
         "BestExporter 'best' metric 'acc' is not a metric the evaluation produces (its eval_step "
         "and derive_metrics): it produces ['accuracy', 'loss']; set it to one of those"
     )
+    # Keras's name for it (MLflow's too): the name eval_step returns is said
+    keras = Trainer(job_config(job="keras", exporters=[BestExporter(metric="val_accuracy")]))
+    with pytest.raises(BadInputError, match=r"one of those \('accuracy': the names eval_step"):
+        keras.restore_or_init()
+    keras.close()
     job_dir = os.path.join(config.storage, config.job)
     assert not os.path.exists(os.path.join(job_dir, "attempts.json"))  # no rerun budget spent
     checkpoints = os.path.join(job_dir, "checkpoints")

@@ -1049,6 +1049,17 @@ def test_an_unknown_flag_says_what_it_likely_meant_and_is_json_under_json(capsys
         "--early-stoping-steps: did you mean --early-stopping-steps?; --model_dir is --storage "
         "and --job (the job's directory is <storage>/<job>) here"
     )
+    # Keras's fit: --epochs was "did you mean --processes?"
+    with pytest.raises(SystemExit):
+        main([*job, "--epochs", "5", "--patience", "2"])
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "--epochs is --max-steps (epochs x batches per epoch) here; --patience is "
+            "--early-stopping-steps (patience x batches per epoch) here"
+        )
+    )
     # another subcommand's flag; and a required flag missing beside (argparse names only that)
     with pytest.raises(SystemExit):
         main(["export", *job[1:], "--once"])

@@ -8,7 +8,7 @@ import difflib
 from collections.abc import Callable
 
 # TensorFlow's names (RunConfig, TrainSpec, EvalSpec, the exporters and hooks, absl flags of
-# TF's examples), underscores for hyphens, and what says the same here.
+# TF's examples, Keras's fit and callbacks), underscores for hyphens, and what says the same here.
 TF_NAMES = {
     "model_dir": "--storage and --job (the job's directory is <storage>/<job>)",
     "save_checkpoints_steps": "--checkpoint-every-steps",
@@ -28,6 +28,15 @@ TF_NAMES = {
     "listeners": "--eval-hook",
     "eval_listener": "--eval-hook",
     "warm_start_from": "--checkpoint-path (the whole state: docs/tensorflow.md)",
+    # Keras's fit and its callbacks (docs/tensorflow.md#keras-fit-and-its-callbacks)
+    "epochs": "--max-steps (epochs x batches per epoch)",
+    "initial_epoch": "--max-steps (a rerun resumes where its job stopped)",
+    "steps_per_epoch": "--checkpoint-every-steps (one evaluation per checkpoint)",
+    "validation_freq": "--checkpoint-every-steps (one evaluation per checkpoint)",
+    "validation_steps": "--eval-steps",
+    "patience": "--early-stopping-steps (patience x batches per epoch)",
+    "monitor": "--best-metric or --early-stopping-metric",
+    "save_best_only": "--best-metric (with --best-mode)",
 }
 
 

@@ -201,9 +201,12 @@ def check_evaluation(
         return False
     for flag, metric in asked:
         if metric not in names:
+            # Keras logs its validation metrics as val_<name>; MLflow shows these as eval/<name>
+            bare = metric.removeprefix("val_").removeprefix("eval/")
+            meant = f" ({bare!r}: the names eval_step returns)" if bare in names else ""
             raise BadInputError(
                 f"{flag} {metric!r} is not a metric the evaluation produces (its eval_step and "
-                f"derive_metrics): it produces {names}; set it to one of those"
+                f"derive_metrics): it produces {names}; set it to one of those{meant}"
             )
     return True
 
