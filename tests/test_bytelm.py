@@ -100,11 +100,10 @@ def test_a_corpus_is_keyed_by_its_files_and_digests_what_it_read(tmp_path):
     copy = shutil.copytree(tmp_path / "text", tmp_path / "copy")
     copied = corpus.build(32, cache=cache, source=str(copy), suffixes=(".txt",))
     assert copied.path != changed.path and copied.digest == changed.digest
-    assert (
-        ByteLMProgram(
-            dataclasses.replace(PRESETS["tiny"], source=str(copy), suffixes=".txt")
-        ).data_fingerprint()
-        == copied.digest
+    lm = ByteLMProgram(dataclasses.replace(PRESETS["tiny"], source=str(copy), suffixes=".txt"))
+    assert lm.data_fingerprint() == (
+        f"12 files, {copied.windows['train']} train and {copied.windows['eval']} eval windows of "
+        f"33 bytes, digest {copied.digest}"
     )
     # .md files too: another corpus
     both = corpus.build(32, cache=cache, source=str(text), suffixes=(".txt", ".md"))
@@ -701,5 +700,9 @@ def test_cli_params_reach_the_model_mlflow_checkpoints_and_status(
     proc = cli("status", "--job", "lm", "--storage", storage, "--json")
     status = json.loads(proc.stdout.strip().splitlines()[-1])
     assert status["program_params"]["d_model"] == 24
+    assert (
+        status["data_fingerprint"].startswith("400 files, ")
+        and " digest " in (status["data_fingerprint"])
+    )
     text = cli("status", "--job", "lm", "--storage", storage).stdout
     assert 'program params (newest step): preset="tiny"' in text and "d_model=24" in text

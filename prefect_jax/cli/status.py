@@ -49,6 +49,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if status.get("program_params"):
         given = ", ".join(f"{k}={json.dumps(v)}" for k, v in status["program_params"].items())
         print(f"  program params (newest step): {given}")
+    if status.get("data_fingerprint"):
+        print(f"  data (newest step): {status['data_fingerprint']}")
     stop = status.get("stop_requested")
     if stop:
         at = f" at step {stop['step']}" if stop["step"] is not None else ""

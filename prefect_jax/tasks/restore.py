@@ -15,6 +15,7 @@ from prefect_jax.tasks.runs import (
     mark_dead_local_runs,
     mark_taken_over,
 )
+from prefect_jax.training.resume_checks import data_fingerprint_of
 from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS, JobConfig
 
 
@@ -94,6 +95,8 @@ def restore_or_init(
     run_id = trainer.job.tracker.run_id_if_known()
     mlflow_run = run_id or "opening (its link is added to this flow run once MLflow answers)"
     on = f"; training on {trainer.trains_on}" if trainer.trains_on else ""
+    if trainer.trains_on and (data := data_fingerprint_of(trainer.program)):
+        on += f"; data {data}"
     logger.info(
         "job %s at step %d (%s)%s; MLflow run %s",
         config.job,

@@ -168,7 +168,7 @@ class AttemptEnd:
                     job.verify_lease()
                 say(
                     logging.WARNING,
-                    "%s at step %s (between checkpoints): letting its checkpoint commit "
+                    "%s at step %s, not training (its checkpoint is taken): letting it commit "
                     "(grace %.0fs)",
                     notice,
                     t.step,

@@ -24,6 +24,7 @@ from prefect_jax.training.names import (
 from prefect_jax.training.program_params import META_KEY
 from prefect_jax.training.records import damaged_records
 from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.resume_checks import DATA_KEY
 from prefect_jax.training.steps import job_committed_steps, step_meta
 from prefect_jax.training.storage import JobStorage
 
@@ -68,9 +69,12 @@ def job_status(
         "goodput": summarize(read_ledger(js)),
     }
     if committed:
-        recorded_params = (step_meta(js, committed[-1]) or {}).get(META_KEY)
+        newest_meta = step_meta(js, committed[-1]) or {}
+        recorded_params = newest_meta.get(META_KEY)
         if recorded_params is not None:
             status["program_params"] = recorded_params.get("values", {})
+        if newest_meta.get(DATA_KEY) is not None:  # what its data was (`resume_checks`)
+            status["data_fingerprint"] = newest_meta[DATA_KEY]
     stop = stop_requested(js)
     if stop is not None:  # (TF had no such state; a rerun trains nothing until it is deleted)
         status["stop_requested"] = {

@@ -243,10 +243,15 @@ class ByteLMProgram:
         return self._corpus
 
     def data_fingerprint(self) -> str:
-        """The digest of the corpus's records (`corpus.Corpus.digest`): a job resumed on other
-        text (a file of its folder changed, added or removed) is refused, the same text built
-        again on another machine resumes."""
-        return self.corpus().digest
+        """What the corpus is, ending with the digest of its records (`corpus.Corpus.digest`): a
+        job resumed on other text (a file of its folder changed, added or removed) is refused,
+        the same text built again on another machine resumes."""
+        built = self.corpus()
+        files, windows = sum(map(len, built.files.values())), built.windows
+        return (
+            f"{files} files, {windows['train']} train and {windows['eval']} eval windows of "
+            f"{built.window} bytes, digest {built.digest}"
+        )
 
     def train_data(self, seed: int):
         return corpus.train_dataset(self.corpus(), self.cfg.batch_size * self.cfg.grad_accum, seed)
