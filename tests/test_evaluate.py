@@ -487,3 +487,12 @@ def test_a_pending_evaluation_is_recorded_once_by_the_trainer_or_an_ending_besid
     trainers.join(10)
     assert not trainers.is_alive() and trainers_outcome == [None]  # it found none to record
     assert recorded == [20] and pending.held is None
+
+
+def test_every_status_but_evaluated_is_said_in_words_by_the_evaluate_task():
+    """``eval of step 124: PREEMPTION_CHECKPOINT`` read as an error to a Keras user: each status
+    the task logs has its meaning beside it, a status added later too."""
+    from prefect_jax.tasks.evaluate import _NOT_EVALUATED
+    from prefect_jax.training.evaluation import EvalStatus
+
+    assert set(_NOT_EVALUATED) == {s.value for s in EvalStatus} - {"EVALUATED"}

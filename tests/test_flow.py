@@ -151,7 +151,9 @@ def test_flow_trains_evaluates_exports_and_a_rerun_repeats_nothing(
     rerun_runs = settled_task_runs(again_state.state_details.flow_run_id, "export 40")
     assert "export 40" in [r.name for r in rerun_runs]  # the rerun's export task did run
     rerun_lines = _log_messages(prefect_server, again_state.state_details.flow_run_id)
-    assert "eval of step 40: NO_NEW_CHECKPOINT" in rerun_lines, rerun_lines  # the read sees them
+    assert "eval of step 40: NO_NEW_CHECKPOINT (evaluated before: not again)" in rerun_lines, (
+        rerun_lines
+    )  # the read sees them
     assert not [m for m in rerun_lines if m.startswith("exporter ")], rerun_lines
     events = job_events(
         prefect_server, "flow-job", str(tmp_path / "storage"), "prefect-jax.export.", 3, timeout=5

@@ -107,5 +107,21 @@ def evaluate_if_new(config: JobConfig, step: int | None = None, force: bool = Fa
         )
         logger.info("%s at step %d: %s%s", config.eval.name, result.step, metrics, when)
     else:
-        logger.info("%s of step %s: %s", config.eval.name, step, result.status.value)
+        why = _NOT_EVALUATED.get(result.status.value, "")
+        logger.info("%s of step %s: %s%s", config.eval.name, step, result.status.value, why)
     return result
+
+
+# What a status other than EVALUATED means (`EvalStatus`, by value), said beside its name (a
+# Keras user read PREEMPTION_CHECKPOINT as an error)
+_NOT_EVALUATED = {
+    "NO_NEW_CHECKPOINT": " (evaluated before: not again)",
+    "MISSING_CHECKPOINT": " (no committed checkpoint to evaluate yet)",
+    "THROTTLED": " (within throttle_secs of the last evaluation: skipped)",
+    "PREEMPTION_CHECKPOINT": (
+        " (a checkpoint made for a preemption notice, off the checkpoint cadence: kept to resume "
+        "from, not evaluated or exported, as an uninterrupted run would not have evaluated it)"
+    ),
+    "OTHER_PROCESS": " (process 0 evaluates the job)",
+    "EVALUATION_STOPPED": " (an eval hook stopped this trainer's evaluations)",
+}
