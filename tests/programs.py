@@ -101,6 +101,23 @@ def epoch_batches():
     return EpochBatches()
 
 
+DATA = {"fingerprint": "digits v1"}
+"""What `DataOfRecord.data_fingerprint` answers (an exception: raised), set by the test."""
+
+
+class DataOfRecord(TinyDigits):
+    """Tiny digits that says what its data is (`data_fingerprint`), as the test sets it."""
+
+    def data_fingerprint(self):
+        if isinstance(DATA["fingerprint"], BaseException):
+            raise DATA["fingerprint"]
+        return DATA["fingerprint"]
+
+
+def data_of_record():
+    return DataOfRecord()
+
+
 class EndlessEval(TinyDigits):
     """Tiny digits whose eval_data() is repeated without end (a train_data habit)."""
 

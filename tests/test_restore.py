@@ -593,3 +593,51 @@ def test_a_step_names_a_public_handler_for_its_data_position(tmp_path):
         name == "prefect_jax.training.checkpoints.IteratorHandler"
         and getattr(importlib.import_module(module), attr) is IteratorHandler
     )
+
+
+def test_a_resume_on_other_data_is_refused_and_a_failing_fingerprint_damages_no_step(
+    job_config, monkeypatch
+):
+    """The contract's ``data_fingerprint()``: recorded in each step, compared when a trainer
+    resumes one of its job's steps. Its own failure (a bucket listing that timed out) is the
+    program's error, raised as it is: asked inside the restore, it set the newest step aside as
+    unreadable and resumed the one before. A job at its max_steps trains no more: not refused."""
+    from programs import DATA
+
+    from prefect_jax.training.checkpoint_dirs import committed_steps, read_meta_file
+    from prefect_jax.training.resume_checks import DataChangedError
+
+    monkeypatch.setitem(DATA, "fingerprint", "digits v1")
+    config = job_config(max_steps=20, every_steps=10, program="programs:data_of_record")
+    first = Trainer(config)
+    first.restore_or_init()
+    while first.step < 20:
+        first.train_until_checkpoint()
+    first.job.checkpoints.wait()
+    first.close()
+    steps_dir = first.job.checkpoints.directory
+    assert read_meta_file(steps_dir, 20)["data_fingerprint"] == "digits v1"
+    longer = config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 30})})
+
+    monkeypatch.setitem(DATA, "fingerprint", OSError("bucket listing timed out"))
+    failing = Trainer(longer)
+    with pytest.raises(OSError, match="bucket listing timed out"):
+        failing.restore_or_init()
+    failing.close()
+    assert committed_steps(steps_dir) == [10, 20]  # nothing set aside
+
+    monkeypatch.setitem(DATA, "fingerprint", "digits v2")
+    other = Trainer(longer)
+    with pytest.raises(
+        DataChangedError, match="its data_fingerprint\\(\\) was 'digits v1', now 'digits v2'"
+    ):
+        other.restore_or_init()
+    other.close()
+    assert committed_steps(steps_dir) == [10, 20]
+    finished = Trainer(config)  # at its max_steps: nothing is read, nothing refused
+    assert finished.restore_or_init() == 20
+    finished.close()
+    monkeypatch.setitem(DATA, "fingerprint", "digits v1")
+    resumed = Trainer(longer)
+    assert resumed.restore_or_init() == 20
+    resumed.close()

@@ -130,8 +130,8 @@ def flag_errors(exc, flag_of_dest: dict[str, str]) -> str:
 def unread_flags_given(args: argparse.Namespace) -> str | None:
     """A warning naming the flags given to this role that it does not read (left out of its
     ``--help``: `arguments.add_training_args`), and the roles that do; None where none was. A
-    flag is given where it was typed (even with its default's value) or its value is not the
-    default's (an abbreviation argparse accepted).
+    flag is given where it was typed (even with its default's value, as the command's argv
+    says) or its value is not the default's (`args` parsed without that argv).
     A porter puts TF's early stopping on the trainer (its hook was the chief's); here the
     evaluator decides it, and the trainer stops when asked."""
     argv = getattr(args, "argv", [])

@@ -53,7 +53,7 @@ def check_job(
     from prefect_jax.training.following import trainers_max_steps, trainers_program_params
     from prefect_jax.training.lease import Lease
     from prefect_jax.training.program import load_program_with_params
-    from prefect_jax.training.resume_checks import check_restore_of
+    from prefect_jax.training.resume_checks import check_restore_of, data_fingerprint_of
     from prefect_jax.training.serving import check_serving_early
     from prefect_jax.training.sharded_state import check_sharding
 
@@ -93,7 +93,11 @@ def check_job(
     if committed:
         newest = committed[-1]
         try:
-            reads = dict(seed=train_spec.seed, program=loaded) if train_spec is not None else {}
+            reads = (
+                dict(seed=train_spec.seed, data=lambda: data_fingerprint_of(loaded))
+                if train_spec is not None and not train_spec.is_final(newest)
+                else {}
+            )
             step_dir = f"{js.checkpoint_dir}/{newest}"
             check_restore_of(step_dir, newest_meta, params, job, newest, **reads)
         except CorruptCheckpointError:

@@ -1,6 +1,7 @@
-"""What a job's own step is checked for before it is restored to train on: the program params it
-was trained with (`program_params.check_restore`), the seed that orders ``train_data(seed)``
-and the program's ``data_fingerprint()``, what its data is.
+"""A job's own step before it is restored (`fetch_and_check`): fetched from remote storage, and
+checked for the program params it was trained with (`program_params.check_restore`) and, where
+the restore trains on, the seed that orders ``train_data(seed)`` and the program's
+``data_fingerprint()``, what its data is.
 
 The data iterator's position, restored with the state, is an index into the data: with another
 seed, or files that changed under the program, it would go on reading another run's data, and
@@ -14,9 +15,19 @@ This module imports neither jax nor prefect.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from prefect_jax.training.checkpoint_dirs import read_meta_file
+from prefect_jax.training.checksums import CorruptCheckpointError
+from prefect_jax.training.errors import RestoreFailedError
 from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore
+from prefect_jax.training.redaction import redact_url
+from prefect_jax.training.remote_errors import RemoteStorageError
+
+if TYPE_CHECKING:
+    from prefect_jax.training.trainer import Trainer
 
 DATA_KEY = "data_fingerprint"
 """The step's metadata key for its program's ``data_fingerprint()``."""
@@ -30,8 +41,10 @@ class DataChangedError(ProgramParamsMismatchError):
 def data_fingerprint_of(program: Any) -> str | None:
     """The program's ``data_fingerprint()`` as a string (None: it declares none). A program
     whose data are files that can change under it (a corpus folder, shards on a bucket) returns
-    a digest of what ``train_data`` and ``eval_data`` read; it is asked at each save, so it
-    keeps the answer for the data it built."""
+    a digest of what ``train_data`` and ``eval_data`` read, the same in every process (the whole
+    data's, not one process's shard); it is asked at each save, so it keeps the answer for the
+    data it built. Asked before a restore, not inside one: its own failure (a listing that timed
+    out) is the program's error, not damage of the step being restored."""
     fingerprint = getattr(program, "data_fingerprint", None)
     if not callable(fingerprint):
         return None
@@ -55,14 +68,15 @@ def check_seed(meta: dict | None, seed: int | None, job: str, step: int) -> None
     )
 
 
-def check_data(meta: dict | None, program: Any, job: str, step: int) -> None:
-    """Refuse to resume job `job` from its `step` where `program`'s ``data_fingerprint()`` is not
-    the one the step recorded (`program` None: this process does not train; a step that recorded
-    none, or a program that declares none: not checked, and the program's data not built)."""
+def check_data(meta: dict | None, now, job: str, step: int) -> None:
+    """Refuse to resume job `job` from its `step` where the program's ``data_fingerprint()``,
+    `now` (`data_fingerprint_of`, or a function that asks it: asked only where the step recorded
+    one; None: it declares none, or this process does not train), is not the one the step
+    recorded (a step that recorded none: not checked)."""
     saved = (meta or {}).get(DATA_KEY)
-    if program is None or saved is None:
+    if saved is None or now is None:
         return
-    now = data_fingerprint_of(program)
+    now = now() if callable(now) else now
     if now is None or now == saved:
         return
     raise DataChangedError(
@@ -82,20 +96,43 @@ def check_restore_of(
     job: str,
     step: int,
     seed: int | None = None,
-    program: Any = None,
+    data: str | Callable[[], str | None] | None = None,
 ) -> None:
     """`program_params.check_restore`, `check_seed` and `check_data` of the step at `step_dir`
-    (`seed` and `program` given where this process trains), where a mismatch is first told apart
+    (`seed` and `data` given where this process trains; in that order, so that params that
+    differ are said before a data that cannot be built), where a mismatch is first told apart
     from damage: one flipped bit in the metadata reads as other params, so a local step's
     checksums are verified before the refusal (`CorruptCheckpointError`: the step is moved aside
     and the job falls back, as for any damaged step). Costs nothing when they agree."""
     try:
         check_restore(meta, given, job, step)
         check_seed(meta, seed, job, step)
-        check_data(meta, program, job, step)
+        check_data(meta, data, job, step)
     except ProgramParamsMismatchError:
         if "://" not in step_dir:
             from prefect_jax.training.checksums import verify_manifest
 
             verify_manifest(step_dir)
         raise
+
+
+def fetch_and_check(trainer: Trainer, step: int, reads: dict | None = None) -> None:
+    """Before a step of the job's own is restored: fetched (remote storage), and refused if it was
+    trained with other program params, or (`reads`: a trainer's seed and data fingerprint) on
+    other data than it will read, unless it trains no more (before its tree is compared: a model
+    of another size would be refused for its shapes, not for the params that made them; a flipped
+    bit in the recorded params is told apart as damage, `check_restore_of`)."""
+    job = trainer.job
+    if job.remote is not None:
+        try:
+            job.fetch(step)
+        except (FileNotFoundError, CorruptCheckpointError, RemoteStorageError):
+            raise  # (no longer committed there; damaged; the storage's: `not_the_steps_fault`)
+        except OSError as exc:  # (a copy cut short or of the wrong size: retried, not passed over)
+            why = "its download failed, which says nothing against the step"
+            url = f"{redact_url(job.storage.remote_checkpoint_url)}/{step}"
+            raise RestoreFailedError(url, exc, why) from exc
+    meta = read_meta_file(job.checkpoints.directory, step)
+    step_dir = os.path.join(job.checkpoints.directory, str(step))
+    reads = reads if reads and not trainer.config.train.is_final(step) else {}
+    check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step, **reads)

@@ -11,28 +11,25 @@ from typing import TYPE_CHECKING, Any
 
 from prefect_jax.training.checkpoint_dirs import (
     committed_steps,
-    read_meta_file,
     wait_for_new_checkpoint,
 )
 from prefect_jax.training.checkpoints import Checkpoints
-from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.errors import (
     CheckpointMismatchError,
     PastMaxStepsError,
-    RestoreFailedError,
 )
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.names import DEVICES_TAG
 from prefect_jax.training.preflight import check_evaluation
-from prefect_jax.training.program_params import ProgramParamsMismatchError
+from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore
 from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
-from prefect_jax.training.remote_errors import RemoteStorageError
 from prefect_jax.training.restore_failures import RestoreFailures, not_the_steps_fault
 from prefect_jax.training.resume_changes import warn_of_changes
-from prefect_jax.training.resume_checks import check_restore_of
+from prefect_jax.training.resume_checks import data_fingerprint_of, fetch_and_check
 from prefect_jax.training.sharded_state import check_train_batch
 from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS
+from prefect_jax.training.steps import step_meta
 from prefect_jax.training.tracking_params import job_params
 
 if TYPE_CHECKING:
@@ -234,7 +231,8 @@ def restore_trainer(
     job.checkpoints.wait()
     newest, max_steps = job.newest_committed(), trainer.config.train.max_steps
     if newest is not None and max_steps is not None and newest > max_steps:
-        fetch_and_check(trainer, newest, trains=True)  # (another program's job: said first)
+        meta = step_meta(job.storage, newest)  # (another program's job said first: no download)
+        check_restore(meta, trainer.program_params, trainer.config.job, newest)
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
     if not evaluates:  # the train role (its retries' restores too): its evaluator checks them
         trainer.metrics_settled = True
@@ -267,6 +265,8 @@ def restore_trainer(
     listed = job.prepare_restore()
     has_own = bool(listed if listed is not None else job.committed_steps())
 
+    # what the trainer reads next, compared with its step's (its data's, asked out of the restore)
+    reads = dict(seed=trainer.config.train.seed, data=data_fingerprint_of(trainer.program))
     # (refused for its input, not counted: the budget is for crashes and kills)
     with job.uncounted_if(CheckpointMismatchError, ProgramParamsMismatchError):
         state, step, meta, data_iter = restore_or_init(
@@ -282,7 +282,7 @@ def restore_trainer(
             on_unreadable=job.set_aside,
             # (none yet: a wait for one lists again)
             list_steps=(lambda: listed) if listed else job.committed_steps,
-            prepare_step=lambda at: fetch_and_check(trainer, at, trains=True),
+            prepare_step=lambda at: fetch_and_check(trainer, at, reads),
         )
     # (a warm start: weights from elsewhere, this job's data from the start, `prepare_session`'s)
     if checkpoint_path and has_own:  # (TF's prepare_session refuses both; a rerun must resume)
@@ -317,27 +317,6 @@ def restore_trainer(
     job.goodput.begin(step)
     notify_progress(step, trainer.config.train.max_steps, {})
     return step
-
-
-def fetch_and_check(trainer: Trainer, step: int, trains: bool = False) -> None:
-    """Before a step of the job's own is restored: fetched (remote storage), and refused if it was
-    trained with other program params (before its tree is compared: a model of another size would
-    be refused for its shapes, not for the params that made them; a flipped bit in the recorded
-    params is told apart as damage, `check_restore_of`)."""
-    job = trainer.job
-    if job.remote is not None:
-        try:
-            job.fetch(step)
-        except (FileNotFoundError, CorruptCheckpointError, RemoteStorageError):
-            raise  # (no longer committed there; damaged; the storage's: `not_the_steps_fault`)
-        except OSError as exc:  # (a copy cut short or of the wrong size: retried, not passed over)
-            why = "its download failed, which says nothing against the step"
-            url = f"{redact_url(job.storage.remote_checkpoint_url)}/{step}"
-            raise RestoreFailedError(url, exc, why) from exc
-    meta = read_meta_file(job.checkpoints.directory, step)
-    step_dir = os.path.join(job.checkpoints.directory, str(step))
-    reads = dict(seed=trainer.config.train.seed, program=trainer.program) if trains else {}
-    check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step, **reads)
 
 
 def recover_trainer(

@@ -42,7 +42,8 @@ class Config:
             ``$PREFECT_JAX_BYTELM_SOURCE`` where set, else the standard library of the interpreter
             running the job). The typed params record the folder the environment gives, and
             each step the digest of the text it was built from, so a rerun on other text is
-            refused; the standard library is the same corpus on any machine.
+            refused; the standard library is the same corpus wherever the Python release is the
+            same (another release's files differ: a job moved to it is refused).
         suffixes: the file name endings taken from ``source``, comma-separated (``".txt,.md"``;
             default ``".py"``); every file under it, at any depth, that ends with one.
         read_threads: Grain's reading threads for training batches (0: the training thread).
