@@ -997,6 +997,34 @@ def test_a_roles_help_lists_only_the_flags_it_reads():
     assert args.keep_last == 5
 
 
+def test_every_spec_flag_is_placed_with_the_roles_that_read_it():
+    """A new spec flag is shown in every role's --help, and accepted there without a warning,
+    unless it is listed as a trainer's (`_TRAINING_ONLY`) or an evaluator's (`_EVALUATION_ONLY`):
+    a newcomer's flag landed in `evaluate --help` unnoticed. Each flag is placed on purpose,
+    the ones every role reads named here."""
+    from prefect_jax.cli import build_parser
+    from prefect_jax.cli.arguments import _EVALUATION_ONLY, _TRAINING_ONLY
+    from prefect_jax.cli.spec_flags import EARLY_STOPPING_FLAGS, EXPORTER_FLAGS, SPEC_FLAGS
+
+    every_role = {
+        "--max-steps",  # the trainer's horizon; the others' final step
+        "--seed",
+        "--sigterm-grace-secs",
+        "--lease-timeout-secs",
+        "--eval-name",  # whose records the export role reads
+        "--registered-model",
+        "--export-platforms",  # the train role checks its exporters' serve for them
+        "--exports-to-keep",
+    }
+    args = build_parser().parse_args(["run", "--program", "p:q", "--job", "j", "--storage", "s"])
+    dests = [d for flags in SPEC_FLAGS.values() for d in flags.values()]
+    dests += [d for flags in EXPORTER_FLAGS.values() for d in flags.values()]
+    dests += list(EARLY_STOPPING_FLAGS.values())
+    flags = {args.flag_of_dest[d] for d in dests}
+    assert flags - _TRAINING_ONLY - _EVALUATION_ONLY == every_role
+    assert not _TRAINING_ONLY & _EVALUATION_ONLY
+
+
 def test_a_flag_the_role_does_not_read_is_warned_of_naming_the_roles_that_do():
     """A porter puts TF's early stopping on the trainer (`stop_if_no_decrease_hook` was the
     chief's hook); `train` accepted it and ignored it without a word. It still accepts it (one

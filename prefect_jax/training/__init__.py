@@ -16,7 +16,7 @@ _EXPORTS = {
     "BestExporter": "specs",
     "FinalExporter": "specs",
     "EarlyStopping": "specs",
-    "RetrySpec": "specs",
+    "RetrySpec": "retry_spec",
     "TrainHook": "train_hooks",
     "TrainHookView": "train_hooks",
     "RemoteSteps": "remote",

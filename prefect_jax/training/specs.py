@@ -6,7 +6,8 @@ deployment can carry them as parameters. Bad values are refused at construction 
 message that names the field, the value and the fix.
 
 The evaluation specs (`EvalSpec`, the exporters, `EarlyStopping`) live in
-`prefect_jax.training.eval_specs` and are re-exported here: import every spec from this module.
+`prefect_jax.training.eval_specs` and `RetrySpec` in `prefect_jax.training.retry_spec`; both are
+re-exported here: import every spec from this module.
 
 This module imports neither jax nor prefect.
 """
@@ -28,6 +29,7 @@ from prefect_jax.training.eval_specs import (
     flow_registers_exports,
 )
 from prefect_jax.training.names import DEFAULT_EXPERIMENT
+from prefect_jax.training.retry_spec import RetrySpec
 from prefect_jax.training.spec_base import Spec, check_name, positive
 from prefect_jax.training.train_hooks import TrainHook
 
@@ -57,6 +59,15 @@ class TrainSpec(Spec):
             agrees with 1 up to floating-point reassociation (XLA may fuse the scanned step
             differently), not bit for bit. Costs K batches of host memory and one compile per
             distinct scan length; a SIGTERM is seen between dispatches (at most K steps late).
+        check_finite: stop at a NaN or Inf loss (`NonFiniteLossError`, naming the step),
+            checked at each log point and before each checkpoint, so no such state is saved.
+        sigterm_grace_secs: on SIGTERM, how long the checkpoint of the step in flight may take
+            before it is abandoned (keep it under the platform's own grace period).
+        lease_timeout_secs: a job's lease whose heartbeat is older than this is taken over by
+            a new trainer (the old one is gone); a live holder beats every quarter of it.
+        max_reruns_without_progress: refuse to train after this many reruns in a row that
+            started at the same step (a crash loop a rerun automation would feed); None: no
+            limit.
         hooks: TF's `TrainSpec.hooks`, by import path (`TrainHook`, or its string form
             ``"pkg.mod:fn@every=N"``): called every N steps, at each checkpoint, at the end,
             in every process; they observe and never change the state (docs/program.md).
@@ -280,30 +291,6 @@ class CheckpointSpec(Spec):
                 "before max_steps; set every_steps (e.g. 1000) or every_secs (e.g. 600)"
             )
         return self
-
-
-class RetrySpec(Spec):
-    """How often a failed task run is retried, by kind of task (Prefect's `retries` and
-    `retry_delay_seconds`). Only failures a retry can fix are retried at all (an I/O error, a
-    timeout, a preemption: `prefect_jax.training.errors.is_transient`); a job trained by several
-    JAX processes retries no training task (its processes are rerun together).
-
-    Args:
-        retries: retries of the training tasks (``restore_or_init``, ``train_until_checkpoint``).
-        eval_retries: retries of ``evaluate_if_new``, ``export`` and ``recover``.
-        retry_delay_seconds: seconds between a failure and its retry.
-    """
-
-    retries: int = Field(2, description="Retries of restore_or_init and train_until_checkpoint.")
-    eval_retries: int = Field(1, description="Retries of evaluate_if_new, export and recover.")
-    retry_delay_seconds: float = Field(2.0, description="Seconds between a failure and its retry.")
-
-    @field_validator("retries", "eval_retries", "retry_delay_seconds")
-    @classmethod
-    def _not_negative(cls, v, info):
-        if v < 0:
-            raise ValueError(f"{info.field_name}={v!r} must be 0 or more; 0 turns retries off")
-        return v
 
 
 class JobConfig(Spec):
