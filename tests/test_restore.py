@@ -637,6 +637,10 @@ def test_a_resume_on_other_data_is_refused_and_a_failing_fingerprint_damages_no_
     finished = Trainer(config)  # at its max_steps: nothing is read, nothing refused
     assert finished.restore_or_init() == 20
     finished.close()
+    monkeypatch.setitem(DATA, "fingerprint", OSError("bucket listing timed out"))
+    finished = Trainer(config)  # (nor asked)
+    assert finished.restore_or_init() == 20
+    finished.close()
     monkeypatch.setitem(DATA, "fingerprint", "digits v1")
     resumed = Trainer(longer)
     assert resumed.restore_or_init() == 20

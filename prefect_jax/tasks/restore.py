@@ -95,8 +95,11 @@ def restore_or_init(
     run_id = trainer.job.tracker.run_id_if_known()
     mlflow_run = run_id or "opening (its link is added to this flow run once MLflow answers)"
     on = f"; training on {trainer.trains_on}" if trainer.trains_on else ""
-    if trainer.trains_on and (data := data_fingerprint_of(trainer.program)):
-        on += f"; data {data}"
+    try:  # (a detail of this line: a program's failure to answer is said by its next save)
+        data = data_fingerprint_of(trainer.program) if trainer.trains_on else None
+    except Exception:  # noqa: BLE001
+        data = None
+    on += f"; data {data}" if data else ""
     logger.info(
         "job %s at step %d (%s)%s; MLflow run %s",
         config.job,

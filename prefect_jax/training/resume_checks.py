@@ -15,6 +15,7 @@ This module imports neither jax nor prefect.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -38,12 +39,38 @@ class DataChangedError(ProgramParamsMismatchError):
     retried, and the command says it in one line)."""
 
 
+class DataFingerprintError(Exception):
+    """The program's ``data_fingerprint()`` failed while a step was being restored: the
+    program's error (`error`), not damage of the step (the restore passes it on, and the trainer
+    raises `error` itself)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"data_fingerprint() failed: {error!r}")
+        self.error = error
+
+
+def asked_once(program: Any) -> Callable[[], str | None]:
+    """A function that asks `program`'s `data_fingerprint_of` on its first call (only where a
+    step to restore recorded one) and keeps the answer; its failure is a `DataFingerprintError`."""
+    answer: list[str | None] = []
+
+    def ask() -> str | None:
+        if not answer:
+            try:
+                answer.append(data_fingerprint_of(program))
+            except Exception as exc:  # noqa: BLE001 - the program's, passed on as such
+                raise DataFingerprintError(exc) from exc
+        return answer[0]
+
+    return ask
+
+
 def data_fingerprint_of(program: Any) -> str | None:
     """The program's ``data_fingerprint()`` as a string (None: it declares none). A program
     whose data are files that can change under it (a corpus folder, shards on a bucket) returns
     a digest of what ``train_data`` and ``eval_data`` read, the same in every process (the whole
     data's, not one process's shard); it is asked at each save, so it keeps the answer for the
-    data it built. Asked before a restore, not inside one: its own failure (a listing that timed
+    data it built. A restore asks it through `asked_once`: its own failure (a listing that timed
     out) is the program's error, not damage of the step being restored."""
     fingerprint = getattr(program, "data_fingerprint", None)
     if not callable(fingerprint):
@@ -136,3 +163,13 @@ def fetch_and_check(trainer: Trainer, step: int, reads: dict | None = None) -> N
     step_dir = os.path.join(job.checkpoints.directory, str(step))
     reads = reads if reads and not trainer.config.train.is_final(step) else {}
     check_restore_of(step_dir, meta, trainer.program_params, trainer.config.job, step, **reads)
+
+
+@contextlib.contextmanager
+def raising_its_own():
+    """Around a restore that asked `asked_once`: its `DataFingerprintError` raised as the
+    program's own error."""
+    try:
+        yield
+    except DataFingerprintError as exc:
+        raise exc.error from None

@@ -4,6 +4,7 @@ optionally wait for a first checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from prefect_jax.training.checkpoint_dirs import (
     wait_for_new_checkpoint,
 )
 from prefect_jax.training.checkpoints import Checkpoints
+from prefect_jax.training.checksums import CorruptCheckpointError
 from prefect_jax.training.errors import (
     CheckpointMismatchError,
     PastMaxStepsError,
@@ -21,12 +23,18 @@ from prefect_jax.training.errors import (
 from prefect_jax.training.lease import duplicate_wait_ended
 from prefect_jax.training.names import DEVICES_TAG
 from prefect_jax.training.preflight import check_evaluation
-from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore
+from prefect_jax.training.program_params import ProgramParamsMismatchError
 from prefect_jax.training.progress import notify_progress
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.restore_failures import RestoreFailures, not_the_steps_fault
 from prefect_jax.training.resume_changes import warn_of_changes
-from prefect_jax.training.resume_checks import data_fingerprint_of, fetch_and_check
+from prefect_jax.training.resume_checks import (
+    DataFingerprintError,
+    asked_once,
+    check_restore_of,
+    fetch_and_check,
+    raising_its_own,
+)
 from prefect_jax.training.sharded_state import check_train_batch
 from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS
 from prefect_jax.training.steps import step_meta
@@ -109,7 +117,7 @@ def recover_session(
                 if prepare_step is not None:
                     prepare_step(step)
                 state, meta = checkpoints.restore(step, abstract_state, data_iter)
-            except (CheckpointMismatchError, ProgramParamsMismatchError):
+            except (CheckpointMismatchError, ProgramParamsMismatchError, DataFingerprintError):
                 raise
             except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
                 if not_the_steps_fault(exc):
@@ -231,8 +239,14 @@ def restore_trainer(
     job.checkpoints.wait()
     newest, max_steps = job.newest_committed(), trainer.config.train.max_steps
     if newest is not None and max_steps is not None and newest > max_steps:
-        meta = step_meta(job.storage, newest)  # (another program's job said first: no download)
-        check_restore(meta, trainer.program_params, trainer.config.job, newest)
+        # another program's job is said as such first, from the step's metadata (no download)
+        remote = job.remote is not None
+        where = job.storage.remote_checkpoint_url if remote else job.checkpoints.directory
+        with contextlib.suppress(CorruptCheckpointError):  # (damage, not params: past it anyway)
+            params, name = trainer.program_params, trainer.config.job
+            check_restore_of(
+                f"{where}/{newest}", step_meta(job.storage, newest), params, name, newest
+            )
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
     if not evaluates:  # the train role (its retries' restores too): its evaluator checks them
         trainer.metrics_settled = True
@@ -265,10 +279,10 @@ def restore_trainer(
     listed = job.prepare_restore()
     has_own = bool(listed if listed is not None else job.committed_steps())
 
-    # what the trainer reads next, compared with its step's (its data's, asked out of the restore)
-    reads = dict(seed=trainer.config.train.seed, data=data_fingerprint_of(trainer.program))
+    # what the trainer reads next, compared with its step's (its data asked where a step has one)
+    reads = dict(seed=trainer.config.train.seed, data=asked_once(trainer.program))
     # (refused for its input, not counted: the budget is for crashes and kills)
-    with job.uncounted_if(CheckpointMismatchError, ProgramParamsMismatchError):
+    with job.uncounted_if(CheckpointMismatchError, ProgramParamsMismatchError), raising_its_own():
         state, step, meta, data_iter = restore_or_init(
             job.checkpoints,
             loop.init_state,
