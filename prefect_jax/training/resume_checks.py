@@ -95,15 +95,16 @@ def check_seed(meta: dict | None, seed: int | None, job: str, step: int) -> None
     )
 
 
-def check_data(meta: dict | None, now, job: str, step: int) -> None:
+def check_data(
+    meta: dict | None, ask: Callable[[], str | None] | None, job: str, step: int
+) -> None:
     """Refuse to resume job `job` from its `step` where the program's ``data_fingerprint()``,
-    `now` (`data_fingerprint_of`, or a function that asks it: asked only where the step recorded
-    one; None: it declares none, or this process does not train), is not the one the step
-    recorded (a step that recorded none: not checked)."""
+    as `ask` answers it (asked only where the step recorded one; `ask` None: this process does
+    not train; an answer None: the program declares none), is not the one the step recorded."""
     saved = (meta or {}).get(DATA_KEY)
-    if saved is None or now is None:
+    if saved is None or ask is None:
         return
-    now = now() if callable(now) else now
+    now = ask()
     if now is None or now == saved:
         return
     raise DataChangedError(
@@ -123,7 +124,7 @@ def check_restore_of(
     job: str,
     step: int,
     seed: int | None = None,
-    data: str | Callable[[], str | None] | None = None,
+    data: Callable[[], str | None] | None = None,
 ) -> None:
     """`program_params.check_restore`, `check_seed` and `check_data` of the step at `step_dir`
     (`seed` and `data` given where this process trains; in that order, so that params that
