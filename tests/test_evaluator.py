@@ -3,6 +3,7 @@ storage and fake evaluations, no Prefect, no JAX training."""
 
 import pytest
 
+from prefect_jax.training import control
 from prefect_jax.training.evaluation import EvalResult, EvalStatus
 from prefect_jax.training.evaluator import Evaluator
 
@@ -223,10 +224,36 @@ def test_an_early_stopping_result_or_a_stop_request_stops_it():
     assert evaluator.run() == "no improvement"
     assert [step for step, _ in job.asked] == [10, 20]
 
+    # A stop that an evaluation asked (early stopping, by another evaluator) ends the evaluations.
     job = Job(clock, committed=[10])
-    evaluator = _evaluator(job, clock, stop_request=lambda: {"reason": "enough"})
+    asked = {"reason": "enough", "by": control.by_evaluation("eval")}
+    evaluator = _evaluator(job, clock, stop_request=lambda: asked)
     assert evaluator.run() == "the job was asked to stop: enough"
     assert job.asked == []
+
+
+def test_a_stop_a_train_hook_or_a_person_asked_evaluates_the_trainers_last_checkpoint_first():
+    """TF's local mode evaluates its last checkpoint at the end. A train hook (a StopAtStepHook)
+    asks the job to stop at t=1; its trainer trains on to the interval's checkpoint (20, at t=12)
+    and ends: the evaluator waits while it lives, evaluates 20 without the throttle's 600 s and
+    exports it, then stops. The probe's evaluator stopped at once, step 20 never evaluated."""
+    clock = Clock()
+    job = Job(clock, committed=[10], appear={20: 12.0})
+    request = {"reason": "train hook at step 14: StopAtStepHook", "by": "train hook"}
+    alive = iter([True, True, False])  # at t=5 and 10 the trainer trains on; gone at 15
+    evaluator = _evaluator(
+        job,
+        clock,
+        throttle_secs=600.0,
+        stop_request=lambda: request if clock.now >= 1 else None,
+        trainer_alive=lambda: next(alive),
+    )
+    assert evaluator.run() == f"the job was asked to stop: {request['reason']}"
+    assert job.asked == [(10, 0.0), (20, 15.0)] and job.exported == [10, 20]
+    # Its evaluator run again finds it evaluated: it stops at once.
+    again = _evaluator(job, clock, throttle_secs=600.0, stop_request=lambda: request)
+    assert again.run() == f"the job was asked to stop: {request['reason']}"
+    assert len(job.asked) == 2
 
 
 def test_the_idle_timeout_waits_for_a_live_trainer():

@@ -67,10 +67,14 @@ def test_a_hook_that_requests_a_stop_ends_the_job_at_that_intervals_checkpoint(
     tmp_path, mlflow_uri
 ):
     """TF's run_context.request_stop() from a hook (StopAtStepHook): a hook at step 25 asks; the
-    interval's checkpoint (40) is committed and evaluated, and the job ends there, stopped, its
-    stop request durable (a rerun trains no further)."""
+    interval's checkpoint (40) is committed and evaluated, within the throttle too (the job's
+    last, as TF's local mode evaluates its last checkpoint at the end; the probe's was
+    THROTTLED, never evaluated nor exported), and the job ends there, stopped, its stop request
+    durable (a rerun trains no further)."""
     from prefect_jax.flows import train_and_evaluate
-    from prefect_jax.training.specs import CheckpointSpec
+    from prefect_jax.training.evaluation import EvalRecords
+    from prefect_jax.training.exporters import list_exports
+    from prefect_jax.training.specs import CheckpointSpec, EvalSpec, LatestExporter
     from prefect_jax.training.storage import JobStorage
 
     params = dict(
@@ -81,6 +85,7 @@ def test_a_hook_that_requests_a_stop_ends_the_job_at_that_intervals_checkpoint(
             max_steps=100, log_every_steps=5, hooks=["tests.programs:stop_at_25@every=5"]
         ),
         checkpoint_spec=CheckpointSpec(every_steps=20),
+        eval_spec=EvalSpec(throttle_secs=600, exporters=[LatestExporter()]),
         mlflow_tracking_uri=mlflow_uri,
     )
     summary = train_and_evaluate(**params)
@@ -88,6 +93,8 @@ def test_a_hook_that_requests_a_stop_ends_the_job_at_that_intervals_checkpoint(
     assert summary["stopped"] == "train hook at step 25: step 25 reached", summary
     assert summary["eval"]["accuracy"] > 0  # the last checkpoint evaluated before the end
     js = JobStorage(params["storage"], "stops")
+    assert EvalRecords(js, "eval").steps() == [20, 40]
+    assert list_exports(js)["latest"] == [20, 40]
     stop = json.load(open(js.path("stop.json")))
     assert (stop["step"], stop["by"]) == (25, "train hook")
     assert train_and_evaluate(**params)["final_step"] == 40  # a rerun trains no further

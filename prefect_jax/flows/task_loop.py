@@ -14,13 +14,15 @@ from prefect_jax.tasks.live_trainer import OnTrainerThread
 from prefect_jax.training.specs import JobConfig
 
 
-def _evaluate_and_export(config: JobConfig, step: int, on_new=None) -> bool:
+def _evaluate_and_export(config: JobConfig, step: int, last: bool, on_new=None) -> bool:
     """Evaluate and export `step`; whether evaluation goes on (an eval listener may stop it).
-    `on_new()` is called when `step` was evaluated now (not found evaluated already)."""
+    `last`: the job was asked to stop, so `step` is its last: evaluated whatever the throttle,
+    as TF's local mode evaluates its last checkpoint at the end. `on_new()` is called when `step`
+    was evaluated now (not found evaluated already)."""
     from prefect_jax.training.evaluation import EvalStatus
 
     tasks = job_tasks(config.retry)
-    result = tasks.evaluate_if_new(config, step)
+    result = tasks.evaluate_if_new(config, step, force=last)
     if on_new is not None and result.status is EvalStatus.EVALUATED:
         on_new()
     # no task run per interval for exporters that are not there, nor for nothing evaluated
@@ -74,8 +76,10 @@ def train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str |
     # A crash between a checkpoint and its evaluation leaves that step unevaluated. Not a warm
     # start's step, which is another job's model (TF evaluates none before the run's own first
     # checkpoint): it would become this job's first export and registered version, and its best.
+    # (asked in every process: with several, a collective)
+    stopped = stop_requested() is not None
     if evaluate and step > 0 and not (trainer.warm_started and not config.train.is_final(step)):
-        evaluate = _evaluate_and_export(config, step, on_new=name_this_flow_run)
+        evaluate = _evaluate_and_export(config, step, stopped, on_new=name_this_flow_run)
     try:
         trained = False
         while not config.train.is_final(step):  # (max_steps None: until a stop request)
@@ -87,8 +91,9 @@ def train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str |
             trained = True
             name_this_flow_run()
             step = train_until_checkpoint(config, step)
+            stopped = stop_requested() is not None  # (a train hook's, a person's: the last step)
             if evaluate:
-                evaluate = _evaluate_and_export(config, step)
+                evaluate = _evaluate_and_export(config, step, stopped)
                 # (no read of the storage: the live step's record is written once it commits)
                 last_eval = trainer.job.records.newest_known() or last_eval
             metrics = progress_card.shown_metrics(

@@ -49,6 +49,20 @@ def request_stop(storage: JobStorage, reason: str, step: int | None = None, by: 
     )
 
 
+def by_evaluation(name: str) -> str:
+    """Who asked a stop that the evaluation `name` asked (early stopping, `should_stop_job`)."""
+    return f"{_BY_EVALUATION}{name!r}"
+
+
+def asked_by_an_evaluation(request: dict) -> bool:
+    """Whether stop request `request` was an evaluation's: it ends the evaluations there, where
+    another's (a train hook's, a person's) leaves the trainer's last checkpoint to evaluate."""
+    return str(request.get("by") or "").startswith(_BY_EVALUATION)
+
+
+_BY_EVALUATION = "its evaluation "
+
+
 def stop_requested(storage: JobStorage) -> dict | None:
     """The stop request, if any. A damaged one (a torn write) is still a request to stop: the
     file says somebody asked; its reason names the file and the fix."""

@@ -364,7 +364,7 @@ class Evaluations:
         reason = control.job_stop_reason(result, job.records, t.early_stopping, t.eval_hooks)
         if reason:
             logger.warning("%s: asking job %s to stop", reason, t.config.job)
-            job.request_stop(reason, step, by=f"its evaluation {spec.name!r}")
+            job.request_stop(reason, step, by=control.by_evaluation(spec.name))
             self.on_stop()
             job.tracker.set_tags({STOP_REASON_TAG: reason[:MAX_TAG_VALUE]})
             result = result.model_copy(update={"stop_reason": reason})

@@ -239,6 +239,22 @@ class Evaluator:
             return f"the job was asked to stop: {request.get('reason')}"
         return None
 
+    def evaluates_before_stopping(self, done: set[int] | None = None) -> bool:
+        """Whether the job was asked to stop (its final step not evaluated) by other than an
+        evaluation: a train hook, a person, or any stop of a job that trains until stopped. Its
+        trainer ends at its next checkpoint, the job's last, which is evaluated before the
+        evaluator stops (TF's local mode evaluates its last checkpoint at the end). An
+        evaluation's own stop (early stopping, `should_stop_job`) ends the evaluations there."""
+        from prefect_jax.training.control import asked_by_an_evaluation
+
+        done = set(self.records.steps()) if done is None else done
+        if any(is_final_step(s, self.max_steps) for s in done):
+            return False
+        request = self.stop_request()
+        return request is not None and (
+            self.max_steps is None or not asked_by_an_evaluation(request)
+        )
+
     def pending_steps(self, done: set[int] | None = None) -> list[int]:
         """The committed steps to evaluate next, oldest first (only the newest, where newer than
         every evaluated one, unless `every_checkpoint`): not evaluated (`done`, default: the
@@ -255,12 +271,12 @@ class Evaluator:
             pending = [s for s in pending[-1:] if s > max(done, default=-1)]
         return pending
 
-    def evaluate_once(self, step: int) -> EvalResult:
+    def evaluate_once(self, step: int, last: bool = False) -> EvalResult:
         """Evaluate `step` (no sooner than `throttle_secs` after the previous evaluation started,
-        as TF's, but for the final step) and export it; an early-stopping result, or an eval
-        listener that stops evaluating (TF's `before_eval` / `after_eval` answering False), sets
-        `stopped`."""
-        if not is_final_step(step, self.max_steps):
+        as TF's, but for the final step and the `last` of a stopped job) and export it; an
+        early-stopping result, or an eval listener that stops evaluating (TF's `before_eval` /
+        `after_eval` answering False), sets `stopped`."""
+        if not (last or is_final_step(step, self.max_steps)):
             wait = throttle_wait(self._last_eval_at, self.throttle_secs, self.clock())
             if wait > 0:
                 self.log("waiting %g s before the next evaluation (throttle_secs)", wait)
@@ -300,11 +316,13 @@ class Evaluator:
             done = set(self.records.steps())
             reason = self.stop_reason(done)
             if reason is not None:
-                if self.max_steps is None:
-                    # A job that trains until stopped ends on a stop request: the checkpoints it
-                    # committed are evaluated (and exported) first, as a final step would be.
+                if self.evaluates_before_stopping(done):
+                    if self.trainer_alive():  # still training to its last checkpoint
+                        self.sleep(self.poll_secs)
+                        continue
+                    # Its last checkpoint is evaluated (and exported) first, as a final step is.
                     for step in self.pending_steps(done):
-                        self.evaluate_once(step)
+                        self.evaluate_once(step, last=True)
                 self.stopped = self.stopped or reason
                 break
             pending = self.pending_steps(done)
