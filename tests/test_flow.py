@@ -444,6 +444,17 @@ def test_the_flow_run_and_the_mlflow_run_name_each_other(tmp_path, mlflow_uri, p
     assert {"prefect-jax", "job:flow-job", f"mlflow-run:{run.info.run_id}"} <= set(
         asyncio.run(tags())
     )
+    # A rerun links the run before MLflow answers, by its id only (a route MLflow 3.17's UI sends
+    # to its GenAI view: the probe's rerun link opened there); the run's route in its experiment
+    # replaces it once MLflow answers.
+    rerun = _run(tmp_path, mlflow_uri, max_steps=40)
+    assert rerun.result()["mlflow_run_id"] == run.info.run_id
+    links = [
+        a["data"]
+        for a in _artifacts(prefect_server, str(rerun.state_details.flow_run_id))
+        if a["key"] == job_artifact_key("flow-job", str(tmp_path / "storage"), "mlflow-run")
+    ]
+    assert len(links) == 1 and expected in links[0], links
 
 
 def test_progress_is_published_while_mlflow_is_still_starting(

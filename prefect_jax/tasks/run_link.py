@@ -57,8 +57,8 @@ def publish_link(
 def _link_artifact(config: JobConfig, tracker, flow_run_id, mlflow_url: str | None) -> None:
     key = job_artifact_key(config.job, config.storage, "mlflow-run")
     existing = existing_artifact(key, flow_run_id) if flow_run_id else None
-    if existing is not None and (mlflow_url is None or _PENDING_TEXT not in (existing.data or "")):
-        return  # one link per flow run; a real link replaces only the "not yet" one
+    if existing is not None and (mlflow_url is None or mlflow_url in (existing.data or "")):
+        return  # one link per flow run: a real one replaces the "not yet" or the run-id-only one
     from prefect.artifacts import LinkArtifact
 
     from prefect_jax.training.redaction import redact_url

@@ -285,11 +285,20 @@ def link_runs(config: JobConfig, tracker, trains: bool = True, wait_secs: float 
     if not tracker.enabled:  # another process of the job writes its MLflow run
         return
     context = contextvars.copy_context()  # this flow and task run, for the link artifact
+
+    def linked() -> None:  # on the publisher's thread, once MLflow has answered
+        run_id = tracker.run_id_if_known()
+        if run_id:
+            publish_link(config, tracker, flow_run_id, tracker.run_url(), run_id)
+
     known = tracker.known_run_url()
     if known:
         # A rerun (its checkpoints name the run): the link goes out at once and lands while the
         # first step compiles; the wait is for a first run's, whose id MLflow has yet to make.
+        # MLflow 3.17's UI sends the run-id-only route to its GenAI view: the run's route in
+        # its experiment replaces it once MLflow answers.
         publish_link(config, tracker, flow_run_id, known, tracker.requested_run_id)
+        tracker.when_started(lambda: context.run(publisher.submit, linked))
         return
     if wait_secs > 0:
         # (a store the start-up check found unusable has no tracker: returned above)
@@ -301,12 +310,6 @@ def link_runs(config: JobConfig, tracker, trains: bool = True, wait_secs: float 
             publish_link(config, tracker, flow_run_id, tracker.run_url(), run_id, left)
             return
         publish_link(config, tracker, flow_run_id, None, None, left)  # says it is coming
-
-    def linked() -> None:  # on the publisher's thread, once MLflow has answered
-        run_id = tracker.run_id_if_known()
-        if run_id:
-            publish_link(config, tracker, flow_run_id, tracker.run_url(), run_id)
-
     tracker.when_started(lambda: context.run(publisher.submit, linked))
 
 

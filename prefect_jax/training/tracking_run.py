@@ -305,7 +305,8 @@ class RunCalls:
     def known_run_url(self) -> str | None:
         """The job's run in the MLflow UI before MLflow answers: where `start` was given the
         run's id (a rerun: the id its checkpoints carry), the UI's direct route to a run by id,
-        which opens it in its experiment; else None."""
+        which opens it in its experiment (MLflow 3.17's in its GenAI view: `run_url` replaces it
+        once MLflow answers); else None."""
         run_id = self.requested_run_id
         return self._ui_url(f"runs/{run_id}") if run_id else None
 
