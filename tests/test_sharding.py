@@ -255,6 +255,39 @@ def test_a_sigkilled_fsdp_job_resumes_exactly_on_another_mesh_and_evaluates_on_s
     assert "cannot be split into 6 parts" in evaluated["train_refused"], evaluated
 
 
+def test_a_program_declaring_no_sharding_says_it_trains_on_one_of_the_devices():
+    """One process of a program that declares no sharding trains on its first device, as a bare
+    `jax.jit` does: a probe's user with 8 devices read "training on 8 x cpu" (and the MLflow tag)
+    and trained on one. The description says "1 of 8" and a warning names the fix; a program
+    that declares its mesh gets neither."""
+    code = (
+        "import json, logging\n"
+        "logging.basicConfig(format='%(message)s')\n"
+        "from prefect_jax.training.program import load_program\n"
+        "from prefect_jax.training.session import describe_devices\n"
+        "from prefect_jax.training.sharded_state import warn_of_idle_devices\n"
+        "plain = warn_of_idle_devices(load_program('prefect_jax.examples.digits:tiny'))\n"
+        "declared = warn_of_idle_devices(load_program('annotated_program:program'))\n"
+        "print(json.dumps([describe_devices(), plain, declared]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        cwd=TESTS_DIR,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == ["1 of 8 x cpu (cpu)", 7, 0]
+    (warned,) = [line for line in out.stderr.splitlines() if "declares no mesh_axes" in line]
+    assert warned == (
+        "the program declares no mesh_axes or shardings: it trains on 1 of this process's 8 "
+        "devices, 7 idle. Declare mesh_axes = {'data': -1} for data parallel over all "
+        "of them (a batch size that 8 divides), see docs/program.md's Sharding"
+    )
+
+
 def _command(*args: str) -> subprocess.CompletedProcess:
     """``prefect-jax run`` of ``annotated_program:program`` on 8 CPU devices."""
     return subprocess.run(

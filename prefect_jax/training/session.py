@@ -35,7 +35,7 @@ from prefect_jax.training.resume_checks import (
     fetch_and_check,
     raising_its_own,
 )
-from prefect_jax.training.sharded_state import check_train_batch
+from prefect_jax.training.sharded_state import check_train_batch, warn_of_idle_devices
 from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS
 from prefect_jax.training.steps import step_meta
 from prefect_jax.training.tracking_params import job_params
@@ -206,14 +206,17 @@ def restore_or_init(
 
 
 def describe_devices(mesh=None) -> str:
-    """``"1 x NVIDIA H100 80GB HBM3 (gpu)"``, ``"16 x TPU v5 lite (tpu), 4 processes"``; with
+    """``"1 x NVIDIA H100 80GB HBM3 (gpu)"``, ``"16 x TPU v5 lite (tpu), 4 processes"``,
+    ``"1 of 8 x cpu (cpu)"`` (a program declaring no sharding, in one process); with
     the program's `mesh` (a sharded program), its axes: ``"8 x cpu (cpu), mesh fsdp=4 model=2"``
     (a job resumed on another device count gets another mesh: this says which it trains on)."""
     import jax
 
     devices = jax.devices()
     kinds = ", ".join(sorted({d.device_kind for d in devices}))
-    text = f"{len(devices)} x {kinds} ({jax.default_backend()})"
+    # (one process of a program declaring no sharding trains on its first: `warn_of_idle_devices`)
+    used = "1 of " if mesh is None and jax.process_count() == 1 and len(devices) > 1 else ""
+    text = f"{used}{len(devices)} x {kinds} ({jax.default_backend()})"
     text += f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
     if mesh is not None:
         text += ", mesh " + " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
@@ -320,6 +323,7 @@ def restore_trainer(
     trainer.intervals.log_train_rows([tuple(r) for r in (own or {}).get("train_metrics", [])])
     if not trainer.config.train.is_final(step):  # what this attempt trains on
         trainer.trains_on = describe_devices(loop.mesh if loop.sharded else None)
+        warn_of_idle_devices(trainer.program)
         if job.is_primary:  # (for the MLflow run's reader too)
             job.tracker.set_tags({DEVICES_TAG: trainer.trains_on})
     trainer.state, trainer.step, trainer.data_iter = loop.place(state), step, data_iter

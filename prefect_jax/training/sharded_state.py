@@ -6,7 +6,8 @@ The loop builds its abstract state here (`sharded_abstract_state`); the command'
 annotation or a PartitionSpec naming an axis the mesh lacks, a dimension the axis does not divide
 or a batch the data axis does not divide is one error line before the flow run starts, not a
 failed restore task with a traceback. A mesh axis that splits nothing (`idle_axes`) is only
-warned of, as the loop starts (`warn_of_idle_axes`).
+warned of, as the loop starts (`warn_of_idle_axes`); so are the devices that one process of a
+program declaring no sharding leaves idle (`warn_of_idle_devices`).
 """
 
 from __future__ import annotations
@@ -198,4 +199,22 @@ def warn_of_idle_axes(mesh: Mesh, state_sharding, batch: NamedSharding) -> list[
             dict(mesh.shape),
             devices,
         )
+    return idle
+
+
+def warn_of_idle_devices(program: Any) -> int:
+    """One process of a program that declares no sharding trains on its first device (as a bare
+    `jax.jit` does): where it has more, log a warning naming them and the fix (a probe's user saw
+    "training on 8 x cpu" and trained on one). Returns how many are idle."""
+    idle = len(jax.devices()) - 1
+    if declares_sharding(program) or jax.process_count() > 1 or idle < 1:
+        return 0
+    logger.warning(
+        "the program declares no mesh_axes or shardings: it trains on 1 of this process's %d "
+        "devices, %d idle. Declare mesh_axes = {'data': -1} for data parallel over "
+        "all of them (a batch size that %d divides), see docs/program.md's Sharding",
+        idle + 1,
+        idle,
+        idle + 1,
+    )
     return idle
