@@ -143,6 +143,52 @@ def test_max_steps_below_the_committed_step_is_refused_by_the_cli_and_the_engine
     assert _tree_digest(storage) == before
 
 
+def test_a_warm_start_past_max_steps_is_refused_and_a_relative_checkpoint_path_warm_starts(
+    trained, mlflow_uri, tmp_path
+):
+    """The TF porter's warm start from step 40 with max_steps 30 trained nothing and exited 0
+    (`status` then showed the other job's step evaluated as this one's); a warm start keeps its
+    step, so it is refused, by the command and the engine, saying so. And their relative
+    --checkpoint-path failed in Orbax ("should be absolute"), the error blaming the machine."""
+    from prefect_jax.training.errors import PastMaxStepsError
+    from prefect_jax.training.trainer import Trainer
+
+    config, storage = trained
+    step = str(storage / "j" / "checkpoints" / "40")
+    new = tmp_path / "s"
+    args = ["--program", TINY, "--job", "warm", "--storage", str(new), "--max-steps", "30"]
+    proc = run_cli("run", *args, "--checkpoint-path", step, "--mlflow-tracking-uri", mlflow_uri)
+    assert proc.returncode == 2
+    line = _one_error_line(proc, "run")
+    assert f"max_steps=30 is below step 40 of the warm start's checkpoint_path {step}" in line
+    assert "a warm start keeps its step" in line and "(70 for 30 steps from it)" in line, line
+    assert not (new / "warm").exists()
+
+    def warm(max_steps: int) -> Trainer:
+        return Trainer(
+            config.model_copy(
+                update={
+                    "job": "warm",
+                    "storage": str(new),
+                    "train": config.train.model_copy(update={"max_steps": max_steps}),
+                }
+            )
+        )
+
+    trainer = warm(30)  # a deployment's run: no command before it
+    try:
+        with pytest.raises(PastMaxStepsError, match="below step 40 of the warm start's"):
+            trainer.restore_or_init(checkpoint_path=step)
+    finally:
+        trainer.close()
+    assert not (new / "warm" / "attempts.json").exists()  # (refused before the lease)
+    trainer = warm(60)
+    try:
+        assert trainer.restore_or_init(checkpoint_path=os.path.relpath(step)) == 40
+    finally:
+        trainer.close()
+
+
 @pytest.mark.parametrize("command", ["run", "evaluate", "export"])
 def test_another_program_than_the_job_s_is_named_as_such_before_any_flow_runs(
     trained, mlflow_uri, command

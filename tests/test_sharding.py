@@ -264,7 +264,7 @@ def test_a_program_declaring_no_sharding_says_it_trains_on_one_of_the_devices():
         "import json, logging\n"
         "logging.basicConfig(format='%(message)s')\n"
         "from prefect_jax.training.program import load_program\n"
-        "from prefect_jax.training.session import describe_devices\n"
+        "from prefect_jax.training.sharded_state import describe_devices\n"
         "from prefect_jax.training.sharded_state import warn_of_idle_devices\n"
         "plain = warn_of_idle_devices(load_program('prefect_jax.examples.digits:tiny'))\n"
         "declared = warn_of_idle_devices(load_program('annotated_program:program'))\n"

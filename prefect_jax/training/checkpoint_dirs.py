@@ -63,6 +63,12 @@ def read_meta_file(checkpoint_dir: str, step: int) -> dict:
     return json.loads((epath.Path(checkpoint_dir) / str(int(step)) / STEP_META_FILE).read_text())
 
 
+def step_of_dir(step_dir: str) -> int | None:
+    """The step a step directory (``.../checkpoints/<step>``) names, or None."""
+    name = os.path.basename(step_dir.rstrip("/"))
+    return int(name) if name.isdigit() else None
+
+
 def is_committed(step_dir: str) -> bool:
     """A step directory counts once Orbax finalized it: the step's commit metadata file (written
     last, after every item) and every item directory are there; on ``gs://``, its

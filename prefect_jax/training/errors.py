@@ -213,8 +213,18 @@ class JobDirectoryGoneError(LeaseLostError):
 class PastMaxStepsError(ValueError):
     """The job has already committed a step past the `max_steps` asked for."""
 
-    def __init__(self, job_dir: str, committed: int, max_steps: int):
+    def __init__(self, job_dir: str, committed: int, max_steps: int, warm_start: str = ""):
         self.committed, self.max_steps = committed, max_steps
+        if warm_start:  # (a new job's checkpoint_path: another job's step, kept as TF's session)
+            super().__init__(
+                f"max_steps={max_steps} is below step {committed} of the warm start's "
+                f"checkpoint_path {warm_start}: a warm start keeps its step (as TF's "
+                "SessionManager.prepare_session keeps global_step), so job "
+                f"{job_dir} would train nothing, and nothing was changed. Pass a max_steps "
+                f"(--max-steps) above {committed} ({committed + max_steps} for {max_steps} steps "
+                "from it)."
+            )
+            return
         super().__init__(
             f"max_steps={max_steps} is below step {committed}, already committed by job {job_dir}: "
             "there is nothing to train, and nothing was changed. Pass a max_steps (--max-steps) "

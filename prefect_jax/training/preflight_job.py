@@ -47,6 +47,7 @@ def check_job(
         finish_check(probe, mlflow_optional)
         probe = None
 
+    from prefect_jax.training.checkpoint_dirs import step_of_dir
     from prefect_jax.training.checksums import CorruptCheckpointError
     from prefect_jax.training.control import load_hooks
     from prefect_jax.training.errors import PastMaxStepsError
@@ -116,6 +117,9 @@ def check_job(
         )
     if checkpoint_path and not committed:
         check_checkpoint_path(checkpoint_path)
+        warm = step_of_dir(checkpoint_path)
+        if train_spec is not None and max_steps is not None and warm and warm > max_steps:
+            raise PastMaxStepsError(redact_url(js.job_dir), warm, max_steps, checkpoint_path)
     # What follows starts JAX's work for the trainer this command's flow run makes: the serve
     # check, the head start. Not beside a live trainer of the job (its lease held): this process
     # would start JAX, on a GPU take its memory, for a command the lease refuses.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefect_jax.training.checkpoint_dirs import (
     committed_steps,
+    step_of_dir,
     wait_for_new_checkpoint,
 )
 from prefect_jax.training.checkpoints import Checkpoints
@@ -35,9 +36,14 @@ from prefect_jax.training.resume_checks import (
     fetch_and_check,
     raising_its_own,
 )
-from prefect_jax.training.sharded_state import check_train_batch, warn_of_idle_devices
+from prefect_jax.training.sharded_state import (
+    check_train_batch,
+    describe_devices,
+    warn_of_idle_devices,
+)
 from prefect_jax.training.specs import MAX_WAIT_SECS, RECOVERY_WAIT_SECS
 from prefect_jax.training.steps import step_meta
+from prefect_jax.training.storage import normalize_root
 from prefect_jax.training.tracking_params import job_params
 
 if TYPE_CHECKING:
@@ -86,7 +92,7 @@ def recover_session(
             "to restore one step, not both"
         )
     if checkpoint_path:
-        path = checkpoint_path.rstrip("/")
+        path = normalize_root(checkpoint_path)  # (a local one absolute: Orbax takes no other)
         parent, name = os.path.split(path)
         if not name.isdigit() or int(name) not in committed_steps(parent):
             raise ValueError(
@@ -205,24 +211,6 @@ def restore_or_init(
 # -- a trainer's restore -------------------------------------------------------------
 
 
-def describe_devices(mesh=None) -> str:
-    """``"1 x NVIDIA H100 80GB HBM3 (gpu)"``, ``"16 x TPU v5 lite (tpu), 4 processes"``,
-    ``"1 of 8 x cpu (cpu)"`` (a program declaring no sharding, in one process); with
-    the program's `mesh` (a sharded program), its axes: ``"8 x cpu (cpu), mesh fsdp=4 model=2"``
-    (a job resumed on another device count gets another mesh: this says which it trains on)."""
-    import jax
-
-    devices = jax.devices()
-    kinds = ", ".join(sorted({d.device_kind for d in devices}))
-    # (one process of a program declaring no sharding trains on its first: `warn_of_idle_devices`)
-    used = "1 of " if mesh is None and jax.process_count() == 1 and len(devices) > 1 else ""
-    text = f"{used}{len(devices)} x {kinds} ({jax.default_backend()})"
-    text += f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    if mesh is not None:
-        text += ", mesh " + " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
-    return text
-
-
 def restore_trainer(
     trainer: Trainer,
     checkpoint_path: str | None,
@@ -251,6 +239,10 @@ def restore_trainer(
                 f"{where}/{newest}", step_meta(job.storage, newest), params, name, newest
             )
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
+    warm = step_of_dir(checkpoint_path) if newest is None and checkpoint_path else None
+    if warm and max_steps is not None and warm > max_steps:
+        path = redact_url(checkpoint_path)
+        raise PastMaxStepsError(redact_url(job.storage.job_dir), warm, max_steps, path)
     if not evaluates:  # the train role (its retries' restores too): its evaluator checks them
         trainer.metrics_settled = True
     elif newest is None and not trainer.metrics_settled and job.processes == 1:

@@ -7,7 +7,8 @@ annotation or a PartitionSpec naming an axis the mesh lacks, a dimension the axi
 or a batch the data axis does not divide is one error line before the flow run starts, not a
 failed restore task with a traceback. A mesh axis that splits nothing (`idle_axes`) is only
 warned of, as the loop starts (`warn_of_idle_axes`); so are the devices that one process of a
-program declaring no sharding leaves idle (`warn_of_idle_devices`).
+program declaring no sharding leaves idle (`warn_of_idle_devices`). And what a trainer says it
+trains on (`describe_devices`): its devices, and its mesh.
 """
 
 from __future__ import annotations
@@ -218,3 +219,19 @@ def warn_of_idle_devices(program: Any) -> int:
         idle + 1,
     )
     return idle
+
+
+def describe_devices(mesh=None) -> str:
+    """``"1 x NVIDIA H100 80GB HBM3 (gpu)"``, ``"16 x TPU v5 lite (tpu), 4 processes"``,
+    ``"1 of 8 x cpu (cpu)"`` (a program declaring no sharding, in one process); with
+    the program's `mesh` (a sharded program), its axes: ``"8 x cpu (cpu), mesh fsdp=4 model=2"``
+    (a job resumed on another device count gets another mesh: this says which it trains on)."""
+    devices = jax.devices()
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    # (one process of a program declaring no sharding trains on its first: `warn_of_idle_devices`)
+    used = "1 of " if mesh is None and jax.process_count() == 1 and len(devices) > 1 else ""
+    text = f"{used}{len(devices)} x {kinds} ({jax.default_backend()})"
+    text += f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    if mesh is not None:
+        text += ", mesh " + " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    return text
