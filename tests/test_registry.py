@@ -83,6 +83,13 @@ def test_every_exported_step_is_one_version_and_the_exporters_move_their_aliases
     assert sorted((o.step, f"models:/{o.model_id}") for o in outputs) == sorted(
         (s, v.source) for s, v in versions.items()
     )
+    # What @best is judged by, and each version's evaluation (the UI probe's team lead assumed
+    # @best meant the best accuracy; the version page showed its step only).
+    assert "@best by eval/accuracy (max)" in client.get_registered_model("reg-digits").description
+    for result in results:
+        accuracy = f"eval/accuracy={result.metrics['accuracy']:.4g}"
+        assert versions[result.step].description.startswith(f"job reg, step {result.step}: ")
+        assert accuracy in versions[result.step].description, versions[result.step].description
 
     import mlflow
 

@@ -295,7 +295,7 @@ class Exports:
             f"Exports of prefect-jax job `{config.job}` ({redact_url(storage.job_dir)}), "
             "one version per exported step."
             f" Aliases: {ALIASES_DESCRIPTION}; this job moves"
-            f" {', '.join('@' + a for a in sorted(aliases))}. Serve: "
+            f" {', '.join('@' + a for a in sorted(aliases))}{_judged_by(config.eval)}. Serve: "
             f"`mlflow.pyfunc.load_model('models:/{name}@best')`."
         )
         local_export = exp.LocalExport(storage, tuple(e.name for e in config.eval.exporters))
@@ -308,6 +308,7 @@ class Exports:
             on_done=recorded,
             description=description,
             steps=sorted(exported),
+            notes=_eval_notes(config.eval.name, map(job.records.get, sorted(exported))),
         )
 
     def serving_example(self):
@@ -316,3 +317,25 @@ class Exports:
         if self._example is None:
             self._example = exp.serving_example(self.trainer.program)
         return self._example
+
+
+def _judged_by(spec) -> str:
+    """How the job's best exporters judge (a team reading @best assumed its accuracy): ``;
+    @best by eval/loss (min)``, or by its compare_fn."""
+    judged = [
+        f"@{alias_for(e.name)} by "
+        + (f"compare_fn `{e.compare_fn}`" if e.compare_fn else f"{spec.name}/{e.metric} ({e.mode})")
+        for e in spec.exporters
+        if isinstance(e, BestExporter)
+    ]
+    return f"; {', '.join(judged)}" if judged else ""
+
+
+def _eval_notes(name: str, records) -> dict[int, str]:
+    """Each exported step's evaluation, for its version's description (``eval/loss=0.0396,
+    eval/accuracy=0.9889``): the version page showed only its step."""
+    return {
+        int(r.step): ", ".join(f"{name}/{k}={v:.4g}" for k, v in sorted(r.metrics.items()))
+        for r in records
+        if r is not None and r.step is not None and r.metrics
+    }

@@ -252,6 +252,7 @@ def sync_registry(
     example,
     description: str = "",
     steps: list[int] = (),
+    notes: dict[int, str] | None = None,
 ) -> dict[str, Any]:
     """Make sure every exported step (`steps`, and every step an alias points at) is a version of
     `name`, registered in step order, then point the aliases.
@@ -262,6 +263,7 @@ def sync_registry(
             one leaves it to the next sync).
         local_export: a local directory holding the export of a step (downloads a remote one).
         example: an input example (NumPy array) for the signature and the model page.
+        notes: ``{step: its evaluation}``, after the job and step in a new version's description.
 
     Returns:
         ``{"name", "versions": {step: version}, "aliases": {alias: version}}``.
@@ -308,7 +310,8 @@ def sync_registry(
             run_id=run_id,
             model_id=model_id,
             tags={JOB_TAG: job_key, STEP_TAG: str(step)},
-            description=f"job {job}, step {step}",
+            description=f"job {job}, step {step}"
+            + (f": {notes[step]}" if notes and step in notes else ""),
         )
         versions[step] = one_version(client, name, job_key, step, made)
         logger.info(

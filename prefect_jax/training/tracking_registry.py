@@ -41,13 +41,23 @@ class RegistryCalls:
         on_done: Callable[[dict], None] | None = None,
         description: str = "",
         steps: list[int] = (),
+        notes: dict[int, str] | None = None,
     ) -> Future:
         """In the background: each exported step (`steps`, and each step an alias points at)
         becomes an MLflow Model of the run and a version of registered model `name` (once), and
-        the aliases move (see `registry.sync_registry`). `local_export` must pickle (it runs in
-        the worker process); `on_done` gets the result in this process."""
+        the aliases move (see `registry.sync_registry`); `notes`: a step's evaluation, for its
+        version's description. `local_export` must pickle (it runs in the worker process);
+        `on_done` gets the result in this process."""
         future = self._call(
-            "_register_exports", name, job, aliases, local_export, example, description, list(steps)
+            "_register_exports",
+            name,
+            job,
+            aliases,
+            local_export,
+            example,
+            description,
+            list(steps),
+            dict(notes or {}),
         )
         if on_done is None:
             return future
@@ -71,7 +81,7 @@ class RegistryCalls:
 
     @guarded
     def _register_exports(
-        self, name, job, aliases, local_export, example, description, steps
+        self, name, job, aliases, local_export, example, description, steps, notes=None
     ) -> dict:
         from prefect_jax.training.registry import sync_registry
 
@@ -88,6 +98,7 @@ class RegistryCalls:
             example,
             description,
             steps,
+            notes,
         )
 
 
