@@ -81,6 +81,12 @@ def test_summary_splits_kept_and_recomputed_steps_and_counts_the_gaps():
     # Every second of the wall is either productive or lost for a named cause.
     assert s["productive_s"] + sum(lost.values()) == pytest.approx(s["wall_s"])
     assert (s["attempts"], s["interrupted"], s["steps"]) == (2, 1, [0, 400])
+    # Steps 200-300 were trained twice: said in steps too (the UI probe's team lead found only
+    # "0.17 s" of recomputed time).
+    assert s["recomputed_steps"] == 100
+    rows = {r["what"]: r["seconds"] for r in as_rows(s)}
+    assert rows["recomputed steps (trained, then lost): 100 steps or more"] == 10.0
+    assert "recomputed 10.0s (100 steps or more)" in describe(s), describe(s)
     assert sum(r["seconds"] for r in as_rows(s)) == pytest.approx(90.0, abs=0.1)
     assert dict((k, v) for k, v, _ in mlflow_metrics(s, 400))[
         "goodput/lost_s/recomputed"
@@ -202,6 +208,7 @@ def test_folding_old_attempts_keeps_the_file_small_and_the_summary_as_it_was(see
             whole["interrupted"],
             whole["steps"],
         )
+        assert folded["recomputed_steps"] == whole["recomputed_steps"], limit
 
 
 def test_process_start_time_is_this_process_to_the_tick():

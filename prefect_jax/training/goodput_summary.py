@@ -119,6 +119,9 @@ def running_account(attempts: list[dict], stop: int) -> dict[str, Any]:
             if at is None:  # the next attempt restored an older step than any this one recorded
                 at = 0.0 if nxt["from_step"] <= a["from_step"] else train
             kept = min(train, at)
+            # (at least: steps trained past its last checkpoint started were not recorded)
+            again = max(0, int(a.get("step") or 0) - int(nxt["from_step"]))
+            acc["recomputed_steps"] = acc.get("recomputed_steps", 0) + again
             if a.get("ended") != FINISHED:
                 lost["between_attempts"] += max(0.0, nxt["process_start"] - a["updated"])
         if nxt is None or a.get("ended") == FINISHED:
@@ -158,6 +161,8 @@ def summarize(ledger: dict[str, Any]) -> dict[str, Any]:
         "attempts": acc["attempts"],
         "interrupted": acc["interrupted"],
         "steps": [acc["from_step"], attempts[-1]["step"]],
+        # steps trained, lost and trained again (a team reads lost work in steps, not seconds)
+        "recomputed_steps": acc.get("recomputed_steps", 0),
     }
 
 
@@ -175,6 +180,8 @@ def as_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     for key, label in LOSSES.items():
         v = summary["lost_s"].get(key, 0.0)
+        if key == "recomputed" and summary.get("recomputed_steps"):
+            label = f"{label}: {summary['recomputed_steps']} steps or more"
         rows.append({"what": label, "seconds": round(v, 2), "share of wall": round(v / wall, 4)})
     return rows
 
@@ -184,7 +191,11 @@ def describe(summary: dict[str, Any]) -> str:
     if not summary:
         return "no attempt recorded"
     losses = sorted(((v, k) for k, v in summary["lost_s"].items() if v >= 0.05), reverse=True)[:4]
-    lost = ", ".join(f"{k} {v:.1f}s" for v, k in losses)
+    steps = summary.get("recomputed_steps")
+    lost = ", ".join(
+        f"{k} {v:.1f}s" + (f" ({steps} steps or more)" if k == "recomputed" and steps else "")
+        for v, k in losses
+    )
     return (
         f"{summary['goodput']:.1%} of {summary['wall_s']:.1f}s wall in kept training steps, "
         f"{summary['attempts']} attempt(s), {summary['interrupted']} interrupted"
