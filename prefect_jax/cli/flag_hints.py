@@ -12,7 +12,9 @@ from collections.abc import Callable
 TF_NAMES = {
     "model_dir": "--storage and --job (the job's directory is <storage>/<job>)",
     "save_checkpoints_steps": "--checkpoint-every-steps",
-    "save_checkpoints_secs": "--checkpoint-every-secs",
+    "save_checkpoints_secs": (
+        "--checkpoint-every-secs (and --checkpoint-every-steps none for time alone)"
+    ),
     "keep_checkpoint_max": "--keep-last",
     "keep_checkpoint_every_n_hours": "--keep-every-secs (hours x 3600)",
     "log_step_count_steps": "--log-every-steps",

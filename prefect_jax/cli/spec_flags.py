@@ -153,7 +153,11 @@ def unread_flags_given(args: argparse.Namespace) -> str | None:
     return (
         f"prefect-jax {command}: warning: {command} does not read {said}: no effect here; give "
         "them to the job's role that reads them"
-        + (" (its trainer stops when its evaluator asks)" if command == "train" else "")
+        + (
+            " (its trainer stops when its evaluator asks)"
+            if command == "train" and any(f.startswith("--early-stopping") for f, _ in given)
+            else ""
+        )
     )
 
 
