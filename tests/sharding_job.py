@@ -78,7 +78,18 @@ def losses(prog, steps: int = 6, per_dispatch: int = 1, evaluate: bool = True) -
     rows = train_rows(interval.logged)
     out = {"loss": [v for k, v, _ in rows if k == "loss"], "traced": len(traces)}
     if evaluate:
+        import jax
+
+        placed, jitted = [], loop.eval_step  # how each eval batch reaches the eval step
+
+        def eval_step(state, batch):
+            leaf = jax.tree.leaves(batch)[0]
+            placed.append(str(leaf.sharding.spec) if isinstance(leaf, jax.Array) else "host")
+            return jitted(state, batch)
+
+        loop.eval_step = eval_step
         out["eval"] = loop.evaluate(interval.state, 2)[0]["loss"]
+        out["eval_batches"] = placed
     if loop.sharded:
         out["specs"] = specs(interval.state)
     return out

@@ -171,6 +171,9 @@ def test_fsdp_8_way_and_4x2_data_model_shard_the_state_and_train_as_one_device_d
     }
     np.testing.assert_allclose(fsdp8["loss"], one["loss"], rtol=1e-4)
     np.testing.assert_allclose(fsdp8["eval"], one["eval"], rtol=1e-4)
+    # Eval batches are split over the data axis as train batches are (left whole, each device
+    # evaluated the whole batch: a data-parallel state's replicas did the same work 8 times).
+    assert (one["eval_batches"], fsdp8["eval_batches"]) == (["host"] * 2, ["P('data',)"] * 2)
     # bfloat16 compute, gradient accumulation and 3 steps per dispatch, on a 4x2 mesh.
     mixed, base = runs["mixed_4x2"], runs["mixed_one_device"]
     assert mixed["specs"] == {

@@ -51,6 +51,7 @@ from prefect_jax.training.data_positions import (
 from prefect_jax.training.evaluation import evaluate_pass
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharded_state import (
+    eval_batch_placement,
     placement_naming_params,
     sharded_abstract_state,
     traced_init,
@@ -124,15 +125,15 @@ class Loop:
         # collective (`prefect_jax.training.collective`).
         self.spans = spans_processes(self.sharded, self.processes)
         placed = placement_naming_params(program, devices, self.processes, params)
-        self.mesh, self.replicated, self.batch_sharding, self._stacked_sharding = placed or (
-            (None,) * 4
-        )
-        shardings = None  # (the steps jitted with the placement's shardings: a program's own)
+        placed = placed or (None,) * 4
+        self.mesh, self.replicated, self.batch_sharding, self._stacked_sharding = placed
+        shardings, self._eval_place = None, None  # (a program's own shardings, eval placement)
         if self.sharded:
             self.one_device = None
             self.state_sharding = None  # one per leaf, set by `abstract_state` below
             self.abstract_state  # noqa: B018 - its shardings checked now, before any compute
             warn_of_idle_axes(self.mesh, self.state_sharding, self.batch_sharding)
+            self._eval_place = eval_batch_placement(self.batch_sharding)
             shardings = (self.state_sharding, self.batch_sharding, self._stacked_sharding)
             shardings += (self.replicated,)
         else:
@@ -208,9 +209,8 @@ class Loop:
     def place(self, state):
         """Commit a state to the one device, or replicate it over every device (a restored state
         already is; an initialised one may not be)."""
-        return (
-            jax.device_put(state, self.state_sharding) if self.state_sharding is not None else state
-        )
+        sharding = self.state_sharding
+        return state if sharding is None else jax.device_put(state, sharding)
 
     def local(self, tree):
         """This process's own replica of a replicated state (several processes: a jitted call
@@ -396,5 +396,5 @@ class Loop:
         give_up: Callable | None = None,
     ) -> tuple:
         # (several processes: global batches, whole in each, so the sums come out replicated)
-        place = (lambda b: global_batch(b, self.replicated)) if self.spans else None
+        place = (lambda b: global_batch(b, self.replicated)) if self.spans else self._eval_place
         return evaluate_pass(self.program, self.eval_step, state, steps, place, stop, give_up)
