@@ -187,6 +187,13 @@ def test_a_warm_start_past_max_steps_is_refused_and_a_relative_checkpoint_path_w
         assert trainer.restore_or_init(checkpoint_path=os.path.relpath(step)) == 40
     finally:
         trainer.close()
+    # The command gives its flow run the path made absolute (a Retry from elsewhere reads it).
+    from prefect_jax.cli.commands import _absolute
+
+    assert (_absolute(os.path.relpath(step)), _absolute("s3://b/j/checkpoints/4")) == (
+        step,
+        "s3://b/j/checkpoints/4",
+    )
 
 
 @pytest.mark.parametrize("command", ["run", "evaluate", "export"])

@@ -255,6 +255,17 @@ def test_a_stop_a_train_hook_or_a_person_asked_evaluates_the_trainers_last_check
     assert again.run() == f"the job was asked to stop: {request['reason']}"
     assert len(job.asked) == 2
 
+    # `once`: what is there now, no wait; and a trainer alive for good (hung, its lease's
+    # heartbeat beating) is waited for no longer than idle_timeout_secs (a review's finds).
+    for options, waited in (({"once": True}, 0.0), ({"idle_timeout_secs": 12.0}, 15.0)):
+        clock = Clock()
+        job = Job(clock, committed=[10], appear={20: 3600.0})
+        evaluator = _evaluator(
+            job, clock, stop_request=lambda: request, trainer_alive=lambda: True, **options
+        )
+        assert evaluator.run() == f"the job was asked to stop: {request['reason']}"
+        assert (job.asked, clock.now) == ([(10, waited)], waited), options
+
 
 def test_the_idle_timeout_waits_for_a_live_trainer():
     clock = Clock()

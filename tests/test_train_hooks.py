@@ -100,6 +100,41 @@ def test_a_hook_that_requests_a_stop_ends_the_job_at_that_intervals_checkpoint(
     assert train_and_evaluate(**params)["final_step"] == 40  # a rerun trains no further
 
 
+def test_a_stop_asked_while_a_step_is_evaluated_has_that_step_evaluated_as_the_last(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    """A person's stop that lands while step 40's evaluation runs (THROTTLED: it is not the
+    job's last yet) ends the job at 40 on the loop's next read: 40 is evaluated then, as the
+    job's last (a review found it left unevaluated)."""
+    from prefect_jax.flows import task_loop, train_and_evaluate
+    from prefect_jax.training import control
+    from prefect_jax.training import trainer as trainer_module
+    from prefect_jax.training.evaluation import EvalRecords
+    from prefect_jax.training.specs import CheckpointSpec, EvalSpec
+    from prefect_jax.training.storage import JobStorage
+
+    monkeypatch.setattr(trainer_module, "STOP_ANSWER_SECS", 0.0)  # (each ask reads the file)
+    evaluate_and_export = task_loop._evaluate_and_export
+
+    def evaluating(config, step, last, on_new=None):
+        if step == 40 and not last:
+            control.request_stop(JobStorage(config.storage, config.job), "enough", step)
+        return evaluate_and_export(config, step, last, on_new)
+
+    monkeypatch.setattr(task_loop, "_evaluate_and_export", evaluating)
+    summary = train_and_evaluate(
+        program="prefect_jax.examples.digits:tiny",
+        job="asked",
+        storage=str(tmp_path / "storage"),
+        train_spec=TrainSpec(max_steps=100, log_every_steps=10),
+        checkpoint_spec=CheckpointSpec(every_steps=20),
+        eval_spec=EvalSpec(throttle_secs=600),
+        mlflow_tracking_uri=mlflow_uri,
+    )
+    assert (summary["final_step"], summary["stopped"]) == (40, "enough"), summary
+    assert EvalRecords(JobStorage(str(tmp_path / "storage"), "asked"), "eval").steps() == [20, 40]
+
+
 def test_hook_strings_and_refusals_name_the_hook_and_the_fix():
     spec = TrainSpec(max_steps=10, hooks=["a.b:f", "a.b:g@every=5,end"])
     assert spec.hooks == [

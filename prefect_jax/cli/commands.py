@@ -82,7 +82,7 @@ def _run_flow_with(
         flow = flows.train_and_evaluate if role == "train_and_evaluate" else flows.train
         kwargs = dict(
             common,
-            checkpoint_path=args.checkpoint_path,
+            checkpoint_path=_absolute(args.checkpoint_path),
             compilation_cache_dir=args.compilation_cache,
         )
     elif role == "evaluate":
@@ -280,3 +280,11 @@ def cmd_automations_create(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _absolute(path: str | None) -> str | None:
+    """A local path absolute (the flow run's parameter: a rerun from another directory, or the
+    UI's Retry, reads the same step); a URL as it is."""
+    if not path or "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))

@@ -48,6 +48,7 @@ def _evaluate_and_export(config: JobConfig, step: int, last: bool, on_new=None) 
 
 def train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str | None]:
     """Train (and, in local mode, evaluate and export) until max_steps or a stop request."""
+    from prefect_jax.training.control import asked_by_an_evaluation
     from prefect_jax.training.live import get_trainer
 
     max_steps = config.train.max_steps
@@ -87,6 +88,9 @@ def train_loop(config: JobConfig, step: int, evaluate: bool) -> tuple[int, str |
             if stop is not None:
                 if not trained:  # asked before this run: a rerun alone never trains on
                     _say_stopped_before(trainer, step, stop)
+                elif evaluate and not stopped and not asked_by_an_evaluation(stop):
+                    # asked while `step` was evaluated (maybe throttled): it is the job's last
+                    _evaluate_and_export(config, step, last=True)
                 return step, stop.get("reason")
             trained = True
             name_this_flow_run()

@@ -128,6 +128,7 @@ class Evaluator:
         self._resume_only: set[int] = set()  # preemption checkpoints and backups: never evaluated
         self._regular: set[int] = set()  # steps known not to be backups
         self._last_eval_at: float | None = None
+        self._said_waiting = False  # (for a stopped job's last checkpoint: said once)
 
     @classmethod
     def for_job(
@@ -317,7 +318,7 @@ class Evaluator:
             reason = self.stop_reason(done)
             if reason is not None:
                 if self.evaluates_before_stopping(done):
-                    if self.trainer_alive():  # still training to its last checkpoint
+                    if self._awaits_last_checkpoint(last_new_at):
                         self.sleep(self.poll_secs)
                         continue
                     # Its last checkpoint is evaluated (and exported) first, as a final step is.
@@ -346,6 +347,20 @@ class Evaluator:
                     break
             last_new_at = self.clock()  # idle counts from the end of the work, however long it took
         return self.stopped
+
+    def _awaits_last_checkpoint(self, last_new_at: float) -> bool:
+        """Whether to wait on for a stopped job's last checkpoint: its trainer still lives
+        (training to it), unless `once` (what is there now) or `idle_timeout_secs` has passed
+        since the last new step (a trainer hung with its lease's heartbeat beating)."""
+        idle = self.idle_timeout_secs
+        if self.once or (idle is not None and self.clock() - last_new_at > idle):
+            return False
+        if not self.trainer_alive():
+            return False
+        if not self._said_waiting:
+            self._said_waiting = True
+            self.log("the job was asked to stop: waiting for its trainer's last checkpoint")
+        return True
 
     def summary(self) -> dict[str, Any]:
         """``evaluated`` (the steps this evaluator evaluated), ``last_step``, ``eval`` (its

@@ -334,8 +334,10 @@ def _judged_by(spec) -> str:
 def _eval_notes(name: str, records) -> dict[int, str]:
     """Each exported step's evaluation, for its version's description (``eval/loss=0.0396,
     eval/accuracy=0.9889``): the version page showed only its step."""
-    return {
+    notes = {
         int(r.step): ", ".join(f"{name}/{k}={v:.4g}" for k, v in sorted(r.metrics.items()))
         for r in records
         if r is not None and r.step is not None and r.metrics
     }
+    # (MLflow's SQL stores hold 5000 characters of a version's description: per-class metrics)
+    return {step: note if len(note) <= 1000 else note[:999] + "…" for step, note in notes.items()}

@@ -157,8 +157,10 @@ def _finished_and_exported(config, evaluator) -> str | None:
     reason, steps = evaluator.stop_reason(), evaluator.records.steps()
     if reason is None or not steps:
         return None
-    if evaluator.evaluates_before_stopping() and evaluator.pending_steps():
-        return None  # its trainer's last checkpoint not yet evaluated: the run evaluates it first
+    if evaluator.evaluates_before_stopping() and (
+        evaluator.pending_steps() or evaluator.trainer_alive()
+    ):
+        return None  # its trainer's last checkpoint evaluated by the run first (waited for)
     newest = evaluator.records.get(steps[-1])
     if newest is None:  # damaged (moved aside): the normal run evaluates that step again
         return None
