@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import uuid
 from collections.abc import Callable
@@ -76,6 +77,13 @@ ALIASES_DESCRIPTION = (
     "`max_steps`, the `final` exporter), `@newest` (the newest export, the `latest` exporter: "
     "MLflow reserves `latest`)"
 )
+
+
+def logged_model_name(job: str, step: int) -> str:
+    """The name of a step's MLflow Model: ``<job>-step-<step>``, with each character MLflow
+    refuses in it (``/ : . % " '``; a sweep's job ``lm-lr0.001``) as ``-``. Found by its tags,
+    never by this name."""
+    return re.sub(r"[/:.%\"']", "-", job) + f"-step-{step}"
 
 
 def alias_for(exporter_name: str) -> str:
@@ -208,7 +216,7 @@ def log_export_model(
     # experiment), then filled by Model.log.
     create_key = uuid.uuid4().hex  # (a resent create's twin carries the same)
     name, tags = (
-        f"{job}-step-{step}",
+        logged_model_name(job, step),
         {JOB_TAG: job_key, STEP_TAG: str(step), CREATE_TAG: create_key},
     )
     made = client.create_logged_model(
