@@ -255,3 +255,28 @@ def test_the_multiprocess_work_pool_templates_render_with_the_workers_own_code(p
         "PREFECT_API_URL"
     ] == "https://api"
     assert pools[1]["machine_spec"]["accelerator_type"] == "TPU_V5_LITEPOD"
+
+
+def test_asking_whether_processes_joined_while_another_thread_imports_jax():
+    """A sweep's trials on a threaded task runner: one trial's thread asked (`several`, and the
+    restore's early lease) while another's was importing jax, and met its partial module
+    ("partially initialized module 'jax' has no attribute 'process_count'"). A fresh interpreter
+    asks in a loop for the whole of another thread's import."""
+    code = (
+        "import sys, threading\n"
+        "from prefect_jax.training import cluster\n"
+        "assert 'jax' not in sys.modules\n"
+        "errors = []\n"
+        "t = threading.Thread(target=lambda: __import__('jax'))\n"
+        "t.start()\n"
+        "while t.is_alive() and not errors:\n"
+        "    try:\n"
+        "        cluster.several()\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "t.join()\n"
+        "print(errors)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -43,13 +43,12 @@ def take_the_lease_before_jax(config: JobConfig):
             return None
     except ValueError:  # a malformed cluster: the trainer's own start names the variable
         return None
-    jax = sys.modules.get(
-        "jax"
-    )  # (asked without starting its backend, which would take a GPU's memory)
-    if joined() is not None or (
-        jax is not None and jax.distributed.is_initialized()
-    ):  # the caller joined processes itself
-        return None
+    # Asked without importing jax or starting its backend (a GPU's memory). Another thread's
+    # import may be under way (a sweep's trials on a threaded task runner): its partial module
+    # has no `distributed` yet, and nobody has joined processes through it.
+    distributed = getattr(sys.modules.get("jax"), "distributed", None)
+    if joined() is not None or getattr(distributed, "is_initialized", lambda: False)():
+        return None  # the caller joined processes itself
     from prefect_jax.training.lease_early import take_early
     from prefect_jax.training.preflight import storage_errors
 

@@ -275,8 +275,9 @@ def several() -> bool:
     `jax.distributed.initialize`); never imports jax."""
     import sys
 
-    jax = sys.modules.get("jax")
-    return _joined is not None or (jax is not None and jax.process_count() > 1)
+    # (a module another thread is still importing has no process_count yet: not joined)
+    process_count = getattr(sys.modules.get("jax"), "process_count", None)
+    return _joined is not None or (process_count is not None and process_count() > 1)
 
 
 def any_process(*flags: bool) -> tuple[bool, ...]:
