@@ -379,7 +379,9 @@ def test_a_final_step_left_unevaluated_fails_the_run_and_the_rerun_evaluates_it(
     monkeypatch.setattr(
         task_loop,
         "_evaluate_and_export",
-        lambda config, step: None if step == 40 else evaluate_and_export(config, step),
+        lambda config, step, last, on_new=None: (
+            None if step == 40 else evaluate_and_export(config, step, last, on_new)
+        ),
     )
     state = _run(tmp_path, mlflow_uri, max_steps=40)
     assert state.is_failed()

@@ -643,3 +643,34 @@ def test_a_release_whose_lease_file_another_writer_removed_after_its_read_still_
     releasing.set()
     lease.release()
     assert not lease.held and not os.path.exists(lease.path)
+
+
+def test_a_second_flow_run_of_a_job_in_this_process_leaves_the_first_ones_trainer_alone(
+    job_config,
+):
+    """A sweep's two trials given one job name, on a threaded task runner: the second's trainer
+    (other params) closed the first's live trainer as it trained, and each took the other's
+    lease ("left by this process"). Now the second is refused, naming the first flow run, and
+    the first trains on; once that run has ended (its lease let go), the job is the next one's."""
+    from prefect_jax.training import live
+    from prefect_jax.training.errors import JobTrainedHereError
+    from prefect_jax.training.names import FLOW_RUN_ID_TAG
+
+    first_config = job_config(job="trial")
+    other = first_config.model_copy(
+        update={"train": first_config.train.model_copy(update={"seed": 7})}
+    )
+    first = live.get_trainer(first_config, run_tags={FLOW_RUN_ID_TAG: "run-a"})
+    try:
+        first.restore_or_init()
+        with pytest.raises(JobTrainedHereError, match=r"in this process by flow run run-a"):
+            live.get_trainer(other, run_tags={FLOW_RUN_ID_TAG: "run-b"})
+        assert live.live_trainer(first_config) is first and first.job.lease.held
+        first.train_until_checkpoint()  # (not closed under it)
+        # Its own run's next task gets it; after its end, another run's trainer replaces it.
+        assert live.get_trainer(first_config, run_tags={FLOW_RUN_ID_TAG: "run-a"}) is first
+        first.finish("FINISHED")
+        second = live.get_trainer(other, run_tags={FLOW_RUN_ID_TAG: "run-b"})
+        assert second is not first
+    finally:
+        live.drop_all()

@@ -167,6 +167,18 @@ class LeaseHeldError(RuntimeError):
         )
 
 
+class JobTrainedHereError(ValueError):
+    """Another flow run in this process trains the job (a sweep's trials on a threaded task
+    runner, two given one job name): its live trainer is not closed under it."""
+
+    def __init__(self, job_dir: str, flow_run_id: str):
+        super().__init__(
+            f"job {job_dir} is being trained in this process by flow run {flow_run_id}: one "
+            "trainer per job. Give each run its own job name (a sweep: one per trial), or run "
+            "this one when that one has ended; nothing was changed"
+        )
+
+
 class LeaseLostError(LeaseHeldError):
     """Another trainer took this job's lease over while this process trained it: this process
     stops before its next write, so that one trainer writes the job."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prefect_jax.training.errors import LeaseLostError
+from prefect_jax.training.errors import JobTrainedHereError, LeaseLostError
 from prefect_jax.training.specs import JobConfig
 from prefect_jax.training.storage import JobStorage
 
@@ -40,6 +40,9 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
             trainer.job.run_tags.update(run_tags)
         return trainer
     if trainer is not None:
+        other = _flow_run_training(trainer, run_tags)
+        if other is not None:  # (closing it would end that run's training under it)
+            raise JobTrainedHereError(key, other)
         del _live[key]  # (closed: never handed out again, even if the new one is refused)
         trainer.close()
     from prefect_jax.training.trainer import Trainer
@@ -47,6 +50,17 @@ def get_trainer(config: JobConfig, run_tags: dict[str, str] | None = None) -> Tr
     trainer = Trainer(config, run_tags=run_tags)
     _live[key] = trainer
     return trainer
+
+
+def _flow_run_training(trainer: Trainer, run_tags: dict[str, str] | None) -> str | None:
+    """The flow run other than the caller's (`run_tags`) whose training holds `trainer`'s lease,
+    or None (the lease let go: its run ended, as `finish_live` ends it)."""
+    from prefect_jax.training.names import FLOW_RUN_ID_TAG
+
+    mine = (run_tags or {}).get(FLOW_RUN_ID_TAG)
+    theirs = trainer.job.run_tags.get(FLOW_RUN_ID_TAG)
+    held = trainer.job.lease.held
+    return theirs if held and mine and theirs and mine != theirs else None
 
 
 def ended_on_ctrl_c(trainer: Trainer) -> bool:
