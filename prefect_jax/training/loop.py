@@ -51,11 +51,11 @@ from prefect_jax.training.data_positions import (
 from prefect_jax.training.evaluation import evaluate_pass
 from prefect_jax.training.progress import listening, notify_progress
 from prefect_jax.training.sharded_state import (
-    eval_batch_placement,
     placement_naming_params,
     sharded_abstract_state,
     traced_init,
     warn_of_idle_axes,
+    whole_where_indivisible,
 )
 from prefect_jax.training.sharding import (
     check_batch,
@@ -127,13 +127,12 @@ class Loop:
         placed = placement_naming_params(program, devices, self.processes, params)
         placed = placed or (None,) * 4
         self.mesh, self.replicated, self.batch_sharding, self._stacked_sharding = placed
-        shardings, self._eval_place = None, None  # (a program's own shardings, eval placement)
+        shardings = None  # (the steps jitted with the placement's shardings: a program's own)
         if self.sharded:
             self.one_device = None
             self.state_sharding = None  # one per leaf, set by `abstract_state` below
             self.abstract_state  # noqa: B018 - its shardings checked now, before any compute
             warn_of_idle_axes(self.mesh, self.state_sharding, self.batch_sharding)
-            self._eval_place = eval_batch_placement(self.batch_sharding)
             shardings = (self.state_sharding, self.batch_sharding, self._stacked_sharding)
             shardings += (self.replicated,)
         else:
@@ -396,5 +395,6 @@ class Loop:
         give_up: Callable | None = None,
     ) -> tuple:
         # (several processes: global batches, whole in each, so the sums come out replicated)
-        place = (lambda b: global_batch(b, self.replicated)) if self.spans else self._eval_place
+        place = (lambda b: global_batch(b, self.replicated)) if self.spans else None
+        place = whole_where_indivisible(self.batch) if self.sharded and not self.spans else place
         return evaluate_pass(self.program, self.eval_step, state, steps, place, stop, give_up)

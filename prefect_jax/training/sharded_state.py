@@ -24,7 +24,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from prefect_jax.training.sharding import (
     ShardingError,
-    check_batch,
     check_first_batch,
     declares_sharding,
     init_with_mesh,
@@ -238,17 +237,16 @@ def describe_devices(mesh=None) -> str:
     return text
 
 
-def eval_batch_placement(batch_sharding: NamedSharding) -> Callable:
-    """How one process of a sharded program places an eval batch: split over the data axes as a
-    train batch is, where they divide it, so that each device evaluates its part (left whole,
-    a data-parallel state's replicas each evaluated the whole batch); one they do not divide (a
+def whole_where_indivisible(place: Callable) -> Callable:
+    """`place` (a loop's batch placement) for eval batches: split over the data axes as a train
+    batch is, where they divide it, so that each device evaluates its part (left whole, a
+    data-parallel state's replicas each evaluated the whole batch); one they do not divide (a
     short last batch) stays whole, as before."""
 
-    def place(batch):
+    def placed(batch):
         try:
-            check_batch(batch, batch_sharding, what="eval batch")
+            return place(batch)
         except ShardingError:
             return batch
-        return jax.device_put(batch, batch_sharding)
 
-    return place
+    return placed
