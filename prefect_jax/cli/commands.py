@@ -283,8 +283,8 @@ def cmd_automations_create(args: argparse.Namespace) -> int:
 
 
 def _absolute(path: str | None) -> str | None:
-    """A local path absolute (the flow run's parameter: a rerun from another directory, or the
-    UI's Retry, reads the same step); a URL as it is."""
-    if not path or "://" in path:
-        return path
-    return os.path.abspath(os.path.expanduser(path))
+    """A local path absolute, as storage roots are (`storage.normalize_root`): the flow run's
+    parameter, so a rerun from another directory, or the UI's Retry, reads the same step."""
+    from prefect_jax.training.storage import normalize_root
+
+    return normalize_root(path) if path else path

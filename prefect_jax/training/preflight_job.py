@@ -47,14 +47,17 @@ def check_job(
         finish_check(probe, mlflow_optional)
         probe = None
 
-    from prefect_jax.training.checkpoint_dirs import step_of_dir
     from prefect_jax.training.checksums import CorruptCheckpointError
     from prefect_jax.training.control import load_hooks
     from prefect_jax.training.errors import PastMaxStepsError
     from prefect_jax.training.following import trainers_max_steps, trainers_program_params
     from prefect_jax.training.lease import Lease
     from prefect_jax.training.program import load_program_with_params
-    from prefect_jax.training.resume_checks import check_restore_of, data_fingerprint_of
+    from prefect_jax.training.resume_checks import (
+        check_restore_of,
+        check_warm_start,
+        data_fingerprint_of,
+    )
     from prefect_jax.training.serving import check_serving_early
     from prefect_jax.training.sharded_state import check_sharding
 
@@ -117,9 +120,8 @@ def check_job(
         )
     if checkpoint_path and not committed:
         check_checkpoint_path(checkpoint_path)
-        warm = step_of_dir(checkpoint_path)
-        if train_spec is not None and max_steps is not None and warm and warm > max_steps:
-            raise PastMaxStepsError(redact_url(js.job_dir), warm, max_steps, checkpoint_path)
+        if train_spec is not None:
+            check_warm_start(js.job_dir, checkpoint_path, max_steps)
     # What follows starts JAX's work for the trainer this command's flow run makes: the serve
     # check, the head start. Not beside a live trainer of the job (its lease held): this process
     # would start JAX, on a GPU take its memory, for a command the lease refuses.

@@ -20,9 +20,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prefect_jax.training.checkpoint_dirs import read_meta_file
+from prefect_jax.training.checkpoint_dirs import read_meta_file, step_of_dir
 from prefect_jax.training.checksums import CorruptCheckpointError
-from prefect_jax.training.errors import RestoreFailedError
+from prefect_jax.training.errors import PastMaxStepsError, RestoreFailedError
 from prefect_jax.training.program_params import ProgramParamsMismatchError, check_restore
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.remote_errors import RemoteStorageError
@@ -115,6 +115,16 @@ def check_data(
         "this data under a new job name (from scratch, or from the job's step with "
         "--checkpoint-path)"
     )
+
+
+def check_warm_start(job_dir: str, checkpoint_path: str, max_steps: int | None) -> None:
+    """Refuse a new job's warm start from a step past `max_steps` (`PastMaxStepsError`): it keeps
+    its step, so the job would train nothing (the command's preflight and the engine ask)."""
+    step = step_of_dir(checkpoint_path)
+    if step and max_steps is not None and step > max_steps:
+        raise PastMaxStepsError(
+            redact_url(job_dir), step, max_steps, warm_start=redact_url(checkpoint_path)
+        )
 
 
 def check_restore_of(

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from prefect_jax.training.checkpoint_dirs import (
     committed_steps,
-    step_of_dir,
     wait_for_new_checkpoint,
 )
 from prefect_jax.training.checkpoints import Checkpoints
@@ -33,6 +32,7 @@ from prefect_jax.training.resume_checks import (
     DataFingerprintError,
     asked_once,
     check_restore_of,
+    check_warm_start,
     fetch_and_check,
     raising_its_own,
 )
@@ -239,10 +239,8 @@ def restore_trainer(
                 f"{where}/{newest}", step_meta(job.storage, newest), params, name, newest
             )
         raise PastMaxStepsError(redact_url(job.storage.job_dir), newest, max_steps)
-    warm = step_of_dir(checkpoint_path) if newest is None and checkpoint_path else None
-    if warm and max_steps is not None and warm > max_steps:
-        path = redact_url(checkpoint_path)
-        raise PastMaxStepsError(redact_url(job.storage.job_dir), warm, max_steps, path)
+    if newest is None and checkpoint_path:
+        check_warm_start(job.storage.job_dir, checkpoint_path, max_steps)
     if not evaluates:  # the train role (its retries' restores too): its evaluator checks them
         trainer.metrics_settled = True
     elif newest is None and not trainer.metrics_settled and job.processes == 1:
