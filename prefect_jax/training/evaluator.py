@@ -229,32 +229,24 @@ class Evaluator:
         if self.export is not None and steps:
             self.export(self.records.get(steps[-1]))
 
-    def stop_reason(self, done: set[int] | None = None) -> str | None:
-        """Why the evaluator is done before looking for new steps: the final step was evaluated,
-        or the job was asked to stop. `done`: the evaluated steps (default: the records')."""
-        done = set(self.records.steps()) if done is None else done
-        if any(is_final_step(s, self.max_steps) for s in done):
-            return f"evaluated the final step ({max(done)} >= max_steps={self.max_steps})"
-        request = self.stop_request()
-        if request is not None:
-            return f"the job was asked to stop: {request.get('reason')}"
-        return None
-
-    def evaluates_before_stopping(self, done: set[int] | None = None) -> bool:
-        """Whether the job was asked to stop (its final step not evaluated) by other than an
-        evaluation: a train hook, a person, or any stop of a job that trains until stopped. Its
-        trainer ends at its next checkpoint, the job's last, which is evaluated before the
-        evaluator stops (TF's local mode evaluates its last checkpoint at the end). An
-        evaluation's own stop (early stopping, `should_stop_job`) ends the evaluations there."""
+    def stop_reason(self, done: set[int] | None = None) -> tuple[str | None, bool]:
+        """Why the evaluator is done before looking for new steps (the final step was evaluated,
+        or the job was asked to stop), and whether the trainer's last checkpoint is evaluated
+        first: a stop asked by other than an evaluation (a train hook, a person), or any stop
+        of a job that trains until stopped; its trainer ends at its next checkpoint, evaluated
+        before the evaluator stops (TF's local mode evaluates its last checkpoint at the end).
+        An evaluation's own stop (early stopping, `should_stop_job`) ends the evaluations there.
+        `done`: the evaluated steps (default: the records'). The stop request is read once."""
         from prefect_jax.training.control import asked_by_an_evaluation
 
         done = set(self.records.steps()) if done is None else done
         if any(is_final_step(s, self.max_steps) for s in done):
-            return False
+            return f"evaluated the final step ({max(done)} >= max_steps={self.max_steps})", False
         request = self.stop_request()
-        return request is not None and (
-            self.max_steps is None or not asked_by_an_evaluation(request)
-        )
+        if request is None:
+            return None, False
+        last_first = self.max_steps is None or not asked_by_an_evaluation(request)
+        return f"the job was asked to stop: {request.get('reason')}", last_first
 
     def pending_steps(self, done: set[int] | None = None) -> list[int]:
         """The committed steps to evaluate next, oldest first (only the newest, where newer than
@@ -315,9 +307,9 @@ class Evaluator:
         last_new_at = self.clock()
         while self.stopped is None:
             done = set(self.records.steps())
-            reason = self.stop_reason(done)
+            reason, last_first = self.stop_reason(done)
             if reason is not None:
-                if self.evaluates_before_stopping(done):
+                if last_first:
                     if self._awaits_last_checkpoint(last_new_at):
                         self.sleep(self.poll_secs)
                         continue

@@ -154,12 +154,10 @@ def _finished_and_exported(config, evaluator) -> str | None:
     the storage only."""
     from prefect_jax.training import exporters as exp
 
-    reason, steps = evaluator.stop_reason(), evaluator.records.steps()
+    (reason, last_first), steps = evaluator.stop_reason(), evaluator.records.steps()
     if reason is None or not steps:
         return None
-    if evaluator.evaluates_before_stopping() and (
-        evaluator.pending_steps() or evaluator.trainer_alive()
-    ):
+    if last_first and (evaluator.pending_steps() or evaluator.trainer_alive()):
         return None  # its trainer's last checkpoint evaluated by the run first (waited for)
     newest = evaluator.records.get(steps[-1])
     if newest is None:  # damaged (moved aside): the normal run evaluates that step again
