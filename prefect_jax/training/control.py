@@ -49,6 +49,9 @@ def request_stop(storage: JobStorage, reason: str, step: int | None = None, by: 
     )
 
 
+_BY_EVALUATION = "its evaluation "  # how an evaluation's stop request names who asked
+
+
 def by_evaluation(name: str) -> str:
     """Who asked a stop that the evaluation `name` asked (early stopping, `should_stop_job`)."""
     return f"{_BY_EVALUATION}{name!r}"
@@ -58,9 +61,6 @@ def asked_by_an_evaluation(request: dict) -> bool:
     """Whether stop request `request` was an evaluation's: it ends the evaluations there, where
     another's (a train hook's, a person's) leaves the trainer's last checkpoint to evaluate."""
     return str(request.get("by") or "").startswith(_BY_EVALUATION)
-
-
-_BY_EVALUATION = "its evaluation "
 
 
 def stop_requested(storage: JobStorage) -> dict | None:
