@@ -1,37 +1,48 @@
 """MLflow's client sends a request again when it loses the answer (any method, on a 5xx or a
 read timeout), so a create the server already made is made twice: a second run with the job's
 tag, or an experiment that now "already exists". A real ``mlflow server`` behind a proxy on
-loopback that forwards each request and, once, answers 503 in place of the server's answer."""
+loopback that forwards each request and, once, answers 503 in place of the server's answer; or
+refuses a path for good, as a store that does not let the job's user register models does."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import pytest
+from conftest import TINY
 from deployment_helpers import free_port
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 from mlflow_server import MlflowServerProcess
+from process_helpers import job_args, run_cli
 
 from prefect_jax.training.names import JOB_TAG
 from prefect_jax.training.tracking import Tracker
 
+REFUSAL = json.dumps(
+    {"error_code": "PERMISSION_DENIED", "message": "this user may not create registered models"}
+).encode()
+
 
 class AnswerLosingProxy:
     """Forwards every request to `upstream`; the first POST to a path in `lose` reaches the
-    server, and its client gets a 503 instead of the answer. `posts` counts POSTs by path."""
+    server, and its client gets a 503 instead of the answer; a request to a path in `refuse`
+    never reaches it: a 403 PERMISSION_DENIED answers. `posts` counts POSTs by path."""
 
-    def __init__(self, upstream: str, lose: set[str]):
-        self.lose, self.posts = set(lose), {}
+    def __init__(self, upstream: str, lose: set[str], refuse: set[str] = frozenset()):
+        self.lose, self.refuse, self.posts = set(lose), set(refuse), {}
         target = urlsplit(upstream)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if urlsplit(self.path).path in proxy.refuse:
+                    return self._answer(403, REFUSAL, "application/json")
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -45,6 +56,9 @@ class AnswerLosingProxy:
                     if path in proxy.lose:  # made on the server; its answer lost on the way
                         proxy.lose.discard(path)
                         status, data, kind = 503, b"{}", "application/json"
+                self._answer(status, data, kind)
+
+            def _answer(self, status, data, kind):
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
@@ -229,3 +243,40 @@ def test_a_resent_logged_model_create_leaves_one_logged_model_with_the_files(
     models = direct.search_logged_models([exp_id])
     assert [m.model_id for m in models] == [model_id]  # the twin deleted
     assert "MLmodel" in files, files
+
+
+@pytest.mark.slow
+def test_a_job_whose_exports_mlflow_refuses_to_register_says_so_and_export_registers_them_later(
+    mlflow_server, tmp_path
+):
+    """A store that lets the job's user log runs but not create registered models (403): the job
+    trains, evaluates and exports (tracking never stops training), and its summary says which
+    exports are not versions and how to register them, instead of a ``models:/...@best`` that
+    does not exist. `prefect-jax export`, once MLflow takes them, registers them."""
+    refused = "/api/2.0/mlflow/registered-models/create"
+    proxy = AnswerLosingProxy(mlflow_server.uri, set(), refuse={refused})
+    storage = tmp_path / "s"
+    try:
+        args = job_args(TINY, "refused", storage, 20, 10, proxy.uri, "--registered-model", "rf")
+        proc = run_cli("run", *args, PREFECT_JAX_MLFLOW_STRICT="0")
+    finally:
+        proxy.close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["final_step"] == 20 and summary["exports"]["final"] == [20]
+    missing = summary["registry_missing"]
+    assert missing.startswith("steps 10, 20 are exported but not versions of registered model rf")
+    assert "prefect-jax export" in missing and f"--storage {storage}" in missing, missing
+    browse = "\n".join(summary["browse"])
+    assert "models:/rf@" not in browse and f"Serve:   {missing}" in browse, browse
+
+    proc = run_cli(
+        "export",
+        *("--program", TINY, "--job", "refused", "--storage", str(storage)),
+        *("--registered-model", "rf", "--mlflow-tracking-uri", mlflow_server.uri, "--json"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    direct = MlflowClient(mlflow_server.uri)
+    versions = direct.search_model_versions("name = 'rf'")
+    assert sorted(int(v.tags["prefect_jax.step"]) for v in versions) == [10, 20]
+    assert set(direct.get_registered_model("rf").aliases) == {"best", "final", "newest"}

@@ -144,7 +144,9 @@ def browse_lines(summary: dict[str, Any]) -> list[str]:
         )
     # (a `train` role's job exports nothing itself: no model to load until its evaluator exports)
     exported = [name for name, steps in (summary.get("exports") or {}).items() if steps]
-    if summary.get("registered_model") and exported and not missing:
+    if summary.get("registry_missing") and not missing:  # (exported, MLflow refused them)
+        lines.append(f"  Serve:   {summary['registry_missing']}")
+    elif summary.get("registered_model") and exported and not missing:
         from prefect_jax.training.registry import alias_for
 
         alias = alias_for("best" if "best" in exported else exported[0])

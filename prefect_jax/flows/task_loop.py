@@ -179,6 +179,8 @@ def job_summary(config: JobConfig, stopped: str | None, evaluates: bool = False)
         "evaluation_stopped": trainer.evaluations.stopped,
         "goodput": goodput,
         "mlflow_missing": _mlflow_missing(trainer),
+        # (a `train` role's trainer exports nothing: its evaluator registers what it exports)
+        "registry_missing": trainer.exports.registry_missing() if evaluates else None,
     }
 
 

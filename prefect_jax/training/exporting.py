@@ -17,7 +17,7 @@ from prefect_jax.training.best import best_of
 from prefect_jax.training.errors import ExportFailedError
 from prefect_jax.training.eval_specs import BestExporter
 from prefect_jax.training.evaluation import EvalResult
-from prefect_jax.training.export_retention import prune_registered
+from prefect_jax.training.export_retention import prune_registered, registered_steps
 from prefect_jax.training.names import REGISTRY_FILE
 from prefect_jax.training.redaction import redact_url
 from prefect_jax.training.registry import ALIASES_DESCRIPTION, alias_for, registered_model_of
@@ -309,6 +309,30 @@ class Exports:
             description=description,
             steps=sorted(exported),
             notes=_eval_notes(config.eval.name, map(job.records.get, sorted(exported))),
+        )
+
+    def registry_missing(self) -> str | None:
+        """At the end of a run that exported: which kept exports MLflow did not take as versions
+        of the registered model (its registration failed, said as a warning when it did) and
+        the command that registers them; None where each is a version, or nothing registers
+        (no registered model, MLflow off, or no run of the job there: `mlflow_missing`)."""
+        job, config, name = self.trainer.job, self.trainer.config, self.registered_model
+        if name is None or not job.tracker.enabled or job.tracker.run_id is None:
+            return None
+        exported = {s for steps in exp.list_exports(job.storage).values() for s in steps}
+        missing = sorted(exported - registered_steps(job.storage))
+        if not missing:
+            return None
+        steps = ", ".join(map(str, missing))
+        named = f" --registered-model {name}" if config.eval.registered_model else ""
+        return (
+            f"step{'s' if len(missing) > 1 else ''} {steps} "
+            f"{'are' if len(missing) > 1 else 'is'} exported but not "
+            f"{'versions' if len(missing) > 1 else 'a version'} of registered model {name} in "
+            f"MLflow (the warning above says why); once MLflow takes them, `prefect-jax export "
+            f"--program {config.program} --job {config.job} --storage "
+            f"{redact_url(job.storage.root)}{named} --mlflow-tracking-uri "
+            f"{redact_url(job.tracker.tracking_uri)}` registers them"
         )
 
     def serving_example(self):

@@ -67,7 +67,8 @@ def evaluate(
 
     Returns:
         ``job``, ``evaluated`` (steps evaluated by this run), ``last_step``, ``eval`` (its
-        metrics), ``stopped`` (why), ``exports``.
+        metrics), ``stopped`` (why), ``exports``, ``registry_missing`` (exports MLflow did not
+        take as versions, and the command that registers them; or None).
 
     Example:
         ```python
@@ -142,10 +143,17 @@ def evaluate(
         evaluator.resume_exports()
         stopped = evaluator.run()
     land_mlflow_writes(config)
+    registry_missing = OnTrainerThread(get_trainer(config)).exports.registry_missing()
     release_state(config)
     publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
-    return {"job": job, **evaluator.summary(), "exports": list_exports(evaluator.storage)}
+    exports = list_exports(evaluator.storage)
+    return {
+        "job": job,
+        **evaluator.summary(),
+        "exports": exports,
+        "registry_missing": registry_missing,
+    }
 
 
 def _finished_and_exported(config, evaluator) -> str | None:

@@ -79,7 +79,8 @@ def train_and_evaluate(
         ``state_fingerprint``, ``stopped`` (why the job stopped early, or None),
         ``evaluation_stopped`` (why an eval listener stopped the evaluations, or None: training
         went on to ``max_steps``), ``goodput`` (the job's ledger, as `status` shows it) and
-        ``mlflow_missing`` (what of the job did not reach MLflow, or None).
+        ``mlflow_missing`` (what of the job did not reach MLflow, or None), ``registry_missing``
+        (exports MLflow did not take as versions, and the command that registers them; or None).
 
     Example:
         ```python
