@@ -11,10 +11,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
-from conftest import straight_fingerprint
+from conftest import TINY, straight_fingerprint
 from process_helpers import job_args
 from s3_server import ACCESS_KEY, ISOLATED_AWS_ENV, SECRET_KEY, UNSET_AWS_ENV, StorageCalls
 
@@ -425,3 +426,57 @@ def test_a_download_that_comes_back_short_is_raised_and_no_step_is_passed_over(
         assert trainer.fingerprint() == saved
     finally:
         trainer.close()
+
+
+def test_the_final_steps_upload_that_s3_refuses_fails_its_train_task_which_retries_it(
+    s3, tmp_path, prefect_server, mlflow_uri
+):
+    """S3 throttles (503 SlowDown) every write of the final step until the train task that saved
+    it has failed and is retried: the failure is that task's (Prefect's retry trains the interval
+    again and uploads it), not the flow's end, which no retry covers. The job finishes with its
+    final step committed and evaluated, as an uninterrupted run."""
+    from fault_proxy import SLOW_DOWN, FaultProxy
+
+    final_step = "/jobs/refused/slow/checkpoints/20/"
+    refusing = threading.Event()
+    refusing.set()
+    writes = ("PUT", "POST", "DELETE")
+
+    def refuse(method, path):
+        return SLOW_DOWN if method in writes and final_step in path and refusing.is_set() else None
+
+    proxy = FaultProxy(s3.endpoint_url, refuse=refuse)
+    env = _env(s3, tmp_path / "cache", prefect_server)
+    env["FSSPEC_S3_ENDPOINT_URL"] = proxy.uri
+    # botocore sends each request once (s3fs's retries and the uploader's still run: 20 s).
+    env["AWS_MAX_ATTEMPTS"] = "1"
+    log = tmp_path / "run.log"
+    try:
+        with open(log, "w") as out:
+            args = job_args(TINY, "slow", "s3://jobs/refused", 20, 10, mlflow_uri)
+            proc = subprocess.Popen(
+                _cli("run", *args),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=TESTS_DIR,
+            )
+            deadline = time.monotonic() + 400
+            while proc.poll() is None and time.monotonic() < deadline:
+                if refusing.is_set() and "Retry 1/2 will start" in log.read_text():
+                    refusing.clear()  # S3 takes writes again: the retried task's upload lands
+                time.sleep(0.2)
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
+    finally:
+        proxy.close()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    assert not refusing.is_set(), "the train task was never retried:\n" + text[-4000:]
+    refused = sum(n for (m, p), n in proxy.requests.items() if m in writes and final_step in p)
+    assert refused > 0, proxy.requests
+    summary = json.loads(text.strip().splitlines()[-1])
+    assert summary["final_step"] == 20 and summary["eval"]
+    fs = s3.filesystem()
+    assert fs.exists(f"jobs/refused/slow/checkpoints/20/{MARKER}")

@@ -6,15 +6,12 @@ refuses a path for good, as a store that does not let the job's user register mo
 
 from __future__ import annotations
 
-import http.client
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
 
 import pytest
 from conftest import TINY
 from deployment_helpers import free_port
+from fault_proxy import FaultProxy
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 from mlflow_server import MlflowServerProcess
@@ -28,55 +25,28 @@ REFUSAL = json.dumps(
 ).encode()
 
 
-class AnswerLosingProxy:
+class AnswerLosingProxy(FaultProxy):
     """Forwards every request to `upstream`; the first POST to a path in `lose` reaches the
     server, and its client gets a 503 instead of the answer; a request to a path in `refuse`
     never reaches it: a 403 PERMISSION_DENIED answers. `posts` counts POSTs by path."""
 
     def __init__(self, upstream: str, lose: set[str], refuse: set[str] = frozenset()):
-        self.lose, self.refuse, self.posts = set(lose), set(refuse), {}
-        target = urlsplit(upstream)
-        proxy = self
+        self.lose = set(lose)
 
-        class Handler(BaseHTTPRequestHandler):
-            def _forward(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if urlsplit(self.path).path in proxy.refuse:
-                    return self._answer(403, REFUSAL, "application/json")
-                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                conn.request(self.command, self.path, body=body, headers=headers)
-                answer = conn.getresponse()
-                status, data = answer.status, answer.read()
-                kind = answer.getheader("Content-Type", "application/json")
-                conn.close()
-                path = urlsplit(self.path).path
-                if self.command == "POST":
-                    proxy.posts[path] = proxy.posts.get(path, 0) + 1
-                    if path in proxy.lose:  # made on the server; its answer lost on the way
-                        proxy.lose.discard(path)
-                        status, data, kind = 503, b"{}", "application/json"
-                self._answer(status, data, kind)
+        def refusing(method, path):
+            return (403, REFUSAL, "application/json") if path in refuse else None
 
-            def _answer(self, status, data, kind):
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        def losing(method, path, answer):
+            if method == "POST" and path in self.lose:  # made on the server; its answer lost
+                self.lose.discard(path)
+                return 503, b"{}", "application/json"
+            return None
 
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+        super().__init__(upstream, refuse=refusing, after=losing)
 
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    @property
+    def posts(self) -> dict[str, int]:
+        return {path: n for (method, path), n in self.requests.items() if method == "POST"}
 
 
 @pytest.fixture(scope="module")

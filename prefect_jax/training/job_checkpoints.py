@@ -154,7 +154,8 @@ class JobCheckpoints:
             data_iter,
             {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags},
         )
-        if self.config.train.is_final(step) or self.checkpoints.failures.save_waits:
+        final = self.config.train.is_final(step)
+        if final or self.checkpoints.failures.save_waits:
             # The final step (or the first save after one failed): its commit is waited for here,
             # so that a save that fails (a full disk) fails the training task that made it, not
             # an evaluation after it, nor the next interval, whose retry would start it again.
@@ -166,6 +167,11 @@ class JobCheckpoints:
             self.uploader.submit(
                 step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed
             )
+            if final:
+                # On object storage the final step counts once uploaded: an upload that fails
+                # after the uploader's own retries (S3 throttling for a minute) fails this
+                # training task, which the task's retries cover, not the flow's end, which none do.
+                self.uploader.wait()
         # one event per step, however many processes wrote it
         if self.commit_listeners and self.is_primary and not meta.get("backup"):
             self._announcer.submit(step)
