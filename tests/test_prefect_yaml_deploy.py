@@ -87,6 +87,9 @@ def test_prefect_deploy_all_schedules_and_a_process_worker(tmp_path, mlflow_uri)
                 deployments = {n: await client.read_deployment_by_name(n) for n in names}
                 nightly = deployments["train_and_evaluate/digits-nightly"]
                 assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+                # A night's run that finds the last one training is Cancelled, not Failed.
+                assert nightly.global_concurrency_limit.limit == 1
+                assert nightly.concurrency_options.collision_strategy == "CANCEL_NEW"
                 # The scheduler service makes the upcoming runs of the nightly schedule.
                 by_nightly = FlowRunFilter(deployment_id={"any_": [nightly.id]})
                 deadline = time.monotonic() + 60
