@@ -674,3 +674,35 @@ def test_a_second_flow_run_of_a_job_in_this_process_leaves_the_first_ones_traine
         assert second is not first
     finally:
         live.drop_all()
+
+
+def test_status_names_who_trains_the_job_now_and_a_holder_that_is_gone(job_config):
+    """An operator's first question after a `LeaseHeldError` (the platform probe's): the lease's
+    holder, its heartbeat's age, and whether it is gone; nothing once no lease is held."""
+    from prefect_jax.cli.status import describe_trainer
+    from prefect_jax.training.job_status import job_status
+
+    config = job_config()
+    host = socket.gethostname()
+
+    def trainer():
+        return job_status(config.job, config.storage)["trainer"]
+
+    path = _write_lease(config, heartbeat=time.time() - 45)  # (this test's parent: alive)
+    live = trainer()
+    assert (live["flow_run_id"], live["host"], live["pid"]) == ("run-1", host, os.getppid())
+    assert live["gone"] is None and 45 <= live["heartbeat_age_secs"] < 120, live
+    said = describe_trainer(live)
+    assert re.fullmatch(
+        rf"flow run run-1 on {host} \(pid {os.getppid()}\), heartbeat \d+s ago", said
+    )
+
+    _write_lease(config, host="another-host", heartbeat=time.time() - 500)
+    stale = trainer()
+    assert re.fullmatch(r"heartbeat 5\d\ds old", stale["gone"]), stale
+    assert describe_trainer(stale).startswith("none: flow run run-1 on another-host (pid ")
+    assert "the next trainer takes it over" in describe_trainer(stale)
+
+    os.remove(path)
+    assert trainer() is None
+    assert describe_trainer(None) == "none (no trainer holds the job's lease)"

@@ -59,6 +59,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"  stopped: asked{at}{by}: {stop['reason']}; its roles train and evaluate nothing "
             f"more until {stop['path']} is deleted"
         )
+    if "trainer" in status:  # (absent: its lease file is damaged, said below)
+        print(f"  trainer: {describe_trainer(status['trainer'])}")
     registry = status.get("registered_model")
     if registry:
         versions = ", ".join(f"v{v} (step {s})" for s, v in registry["versions"].items()) or "none"
@@ -72,3 +74,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     for damaged in status.get("damaged_records", []):
         print(f"  DAMAGED {damaged['path']}: {damaged['error']}\n    {damaged['fix']}")
     return 0
+
+
+def describe_trainer(trainer: dict | None) -> str:
+    """The job's lease holder in one line: who trains it now, or that nothing does."""
+    if trainer is None:
+        return "none (no trainer holds the job's lease)"
+    run = trainer["flow_run_id"] or "no flow run"
+    who = f"flow run {run} on {trainer['host']} (pid {trainer['pid']})"
+    beat = f"heartbeat {trainer['heartbeat_age_secs']:.0f}s ago"
+    if trainer["gone"]:
+        return f"none: {who} left its lease ({trainer['gone']}); the next trainer takes it over"
+    finishing = ", finishing its last writes" if trainer["finishing"] else ""
+    return f"{who}, {beat}{finishing}"

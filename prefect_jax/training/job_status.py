@@ -1,10 +1,12 @@
 """What `prefect-jax status` shows of a job, read from its storage alone (and MLflow's registry):
-its committed, evaluated and exported steps, goodput, program params, damaged records and
-registered model. `prefect_jax.training.facade.job_status` is the command's door to it."""
+its committed, evaluated and exported steps, goodput, program params, who trains it now (its
+lease), damaged records and registered model. `prefect_jax.training.facade.job_status` is the
+command's door to it."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +14,7 @@ from prefect_jax.training.control import stop_path, stop_requested
 from prefect_jax.training.exporters import list_exports
 from prefect_jax.training.goodput import read_ledger
 from prefect_jax.training.goodput_summary import summarize
+from prefect_jax.training.local_processes import holder_gone
 from prefect_jax.training.names import (
     ATTEMPTS_FILE,
     BEST_FILE,
@@ -87,11 +90,31 @@ def job_status(
     damaged = damaged_records(js)
     if damaged:
         status["damaged_records"] = [dict(d, fix=damage_fix(d["path"])) for d in damaged]
+    lease = js.path(LEASE_FILE)
+    if not any(d["path"] == lease for d in damaged):
+        status["trainer"] = trainer_status(js.read_json(lease))
     registry = js.path(REGISTRY_FILE)
     recorded = None if any(d["path"] == registry for d in damaged) else js.read_json(registry)
     if recorded:
         status["registered_model"] = registry_status(recorded, js.job_dir)
     return status
+
+
+def trainer_status(lease: dict | None) -> dict[str, Any] | None:
+    """Who trains the job now, from its lease (an operator's first question after a
+    `LeaseHeldError`): the holder's flow run, host, pid and heartbeat age, and ``gone`` (why it
+    writes no more: a stale heartbeat, a dead process on this host; None while it lives); None
+    where no trainer holds the lease."""
+    if not lease:
+        return None
+    return {
+        "flow_run_id": lease.get("flow_run_id"),
+        "host": lease.get("host"),
+        "pid": lease.get("pid"),
+        "heartbeat_age_secs": round(time.time() - float(lease.get("heartbeat", 0)), 1),
+        "finishing": bool(lease.get("finishing")),
+        "gone": holder_gone(lease, float(lease.get("timeout_secs", 0))),
+    }
 
 
 def damage_fix(path: str) -> str:
