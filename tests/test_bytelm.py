@@ -394,8 +394,14 @@ def test_the_mlflow_model_names_its_input_when_a_sequence_is_too_long(tmp_path):
         SimpleNamespace(artifacts={"jax_export": str(artifact), "export_info": str(record)})
     )
     assert model.predict(None, np.zeros((2, 32), np.int32)).shape == (2, 32, 256)
-    with pytest.raises(ValueError, match=re.escape("takes int32[b,seq] where seq <= 32 (named")):
+    with pytest.raises(
+        ValueError, match=re.escape("takes int32[b,seq] where seq <= 32 (named")
+    ) as got:
         model.predict(None, np.zeros((2, 40), np.int32))
+    assert str(got.value).endswith(
+        "given int32[2,40]: Error refining shapes; cut a dimension past its bound (a token "
+        "sequence: keep its last ids)"
+    ), got.value
     bad = np.full((1, 4), 7, np.int32)
     bad[0, 2] = 300
     with pytest.raises(ValueError, match=re.escape("the input takes values 0 <= x < 256; given")):

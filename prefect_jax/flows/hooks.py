@@ -74,18 +74,20 @@ def _crash_left_task_runs(flow_run, state) -> None:
     try:
         marked = crash_left_task_runs(flow_run.id, state.timestamp, message)
     except Exception as exc:  # noqa: BLE001 - the next run of the job marks them when it takes over
-        _hook_logger(flow_run.id).warning("could not mark its task runs Crashed: %r", exc)
+        _hook_logger(flow_run).warning("could not mark its task runs Crashed: %r", exc)
         return
     if marked:
-        _hook_logger(flow_run.id).warning("marked task run(s) %s Crashed", ", ".join(marked))
+        _hook_logger(flow_run).warning("marked task run(s) %s Crashed", ", ".join(marked))
 
 
-def _hook_logger(flow_run_id):
+def _hook_logger(flow_run):
     """The flow run's logger (its logs in the UI) where a state hook runs: outside the run's
-    context."""
+    context. `flow_run`: the run (its lines then carry its name), or its id (``<unknown>``)."""
     from prefect.logging.loggers import flow_run_logger
 
-    return flow_run_logger(flow_run_id=flow_run_id)
+    if hasattr(flow_run, "name"):
+        return flow_run_logger(flow_run=flow_run)
+    return flow_run_logger(flow_run_id=flow_run)
 
 
 PREEMPTED_ARTIFACT_SECS = 10.0  # the longest a SIGTERMed run's exit waits to publish its goodput

@@ -76,9 +76,12 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
             # export keeps no symbolic constraint, so the recorded ones are named)
             constraints = [c for one in self.recorded.values() for c in one.get("constraints", [])]
             where = f" where {', '.join(dict.fromkeys(constraints))}" if constraints else ""
+            # (JAX's advice to dump the module's IR is for JAX's developers, not a model's user)
+            said = str(exc).replace(" Define JAX_DUMP_IR_TO to dump the module.", "").rstrip(".")
+            fix = "; cut a dimension past its bound (a token sequence: keep its last ids)"
             raise InputRefused(
                 f"the model takes {jax_tree_str(self.inputs)}{where} (named dimensions: any size "
-                f"from 1 within that); given {jax_tree_str(args)}: {exc}"
+                f"from 1 within that); given {jax_tree_str(args)}: {said}{fix if where else ''}"
             ) from exc
         if isinstance(out, dict):
             return {k: np.asarray(v) for k, v in out.items()}
