@@ -31,7 +31,7 @@ from prefect_jax.training.remote import RemoteSteps
 from prefect_jax.training.remote_errors import (
     RemoteConfigError,
     RemoteUnreachableError,
-    is_transient,
+    transfer_may_succeed_again,
 )
 from prefect_jax.training.trees import state_fingerprint
 from prefect_jax.training.uploader import AsyncUploader
@@ -578,7 +578,7 @@ def test_unknown_protocol_is_a_clear_configuration_error():
     assert "nosuchproto://***:***@bucket/ck" in message
     assert "knows no protocol 'nosuchproto'" in message and "spelling" in message
     assert SECRET not in all_text(err.value)
-    assert isinstance(err.value, ValueError) and not is_transient(err.value)
+    assert isinstance(err.value, ValueError) and not transfer_may_succeed_again(err.value)
     assert time.monotonic() - started < 5
 
 
@@ -601,7 +601,7 @@ def test_an_unreachable_endpoint_fails_fast_naming_the_redacted_url(url):
         assert "check the endpoint URL, the network" in message
         text = all_text(err.value)
         assert SECRET not in text and TOKEN not in text and "AKIAEXAMPLEACCESSKEY" not in text
-        assert is_transient(err.value) and isinstance(err.value, ConnectionError)
+        assert transfer_may_succeed_again(err.value) and isinstance(err.value, ConnectionError)
     assert SECRET not in repr(remote) and SECRET not in str(remote.storage_options)
 
 
@@ -638,7 +638,7 @@ def test_missing_credentials_say_where_to_put_them(s3, url):
     message = str(err.value)
     assert f"no usable credentials for {url}" in message
     assert "AWS_ACCESS_KEY_ID" in message and "anon=True" in message
-    assert not is_transient(err.value)
+    assert not transfer_may_succeed_again(err.value)
 
 
 def test_redaction_helpers():

@@ -1,6 +1,7 @@
 """Who hears how far training got: listeners called as the loop advances (the command's progress
-bar, Prefect's progress artifact, a test's pacing), each failure of theirs logged, never raised
-into training.
+bar, a train task's progress lines, a test's pacing), each failure of theirs logged, never raised
+into training. (Prefect's progress artifact is not one: the flow updates it once per interval,
+from `Trainer.last_train_metrics`, in `flows/task_loop.py`.)
 
 A listener is heard for every trainer of the process (`add_progress_listener`), or only for the
 training called from one context (`progress_heard_here`: a train task's progress lines). The

@@ -52,7 +52,7 @@ from prefect_jax.training.remote_errors import (
     RemoteStorageError,
     RemoteUnreachableError,
     first_line,
-    is_transient,
+    transfer_may_succeed_again,
 )
 from prefect_jax.training.remote_layout import OBJECT_STORE_PROTOCOLS, StepManifest, protocol_of
 from prefect_jax.training.remote_transfer import StepTransfers
@@ -65,7 +65,7 @@ __all__ = [
     "RemoteUnreachableError",
     "StepManifest",
     "first_line",
-    "is_transient",
+    "transfer_may_succeed_again",
 ]
 
 logger = logging.getLogger("prefect_jax.remote")

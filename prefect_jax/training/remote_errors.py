@@ -86,10 +86,12 @@ def _is_unreachable_error(exc: BaseException) -> bool:
     return bool(_class_names(exc) & _UNREACHABLE_ERRORS)
 
 
-def is_transient(exc: BaseException) -> bool:
-    """True when retrying the same transfer may succeed: I/O errors, timeouts, an endpoint that did
-    not answer. False for configuration errors, refused credentials, and files that are not
-    there."""
+def transfer_may_succeed_again(exc: BaseException) -> bool:
+    """True when the same transfer, tried again in seconds, may succeed (the uploader's retries):
+    I/O errors, timeouts, throttling, an endpoint that did not answer. False for configuration
+    errors, refused credentials, and files that are not there. (Whether a failed task is retried,
+    from its newest checkpoint, is `errors.is_transient`'s question: a permission refused now may
+    be granted by then.)"""
     if isinstance(exc, RemoteConfigError):
         return False
     if _is_unreachable_error(exc):

@@ -9,9 +9,12 @@ from prefect_jax.training.spec_base import Spec
 
 class RetrySpec(Spec):
     """How often a failed task run is retried, by kind of task (Prefect's `retries` and
-    `retry_delay_seconds`). Only failures a retry can fix are retried at all (an I/O error, a
-    timeout, a preemption: `prefect_jax.training.errors.is_transient`); a job trained by several
-    JAX processes retries no training task (its processes are rerun together).
+    `retry_delay_seconds`). A failure a retry cannot fix is not retried: the program's, the
+    config's or the data's (a ValueError, TypeError, KeyError..., a NaN loss), out of memory, a
+    lease another trainer holds (`prefect_jax.training.errors.is_transient`); any other is, I/O
+    and timeouts, and XLA's runtime errors (a device's or a collective's failure, often gone on
+    a retry). A job trained by several JAX processes retries no training task (its processes
+    are rerun together).
 
     Args:
         retries: retries of the training tasks (``restore_or_init``, ``train_until_checkpoint``).

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefect_jax.training.remote import RemoteSteps
-from prefect_jax.training.remote_errors import first_line, is_transient
+from prefect_jax.training.remote_errors import first_line, transfer_may_succeed_again
 
 logger = logging.getLogger("prefect_jax.remote")
 
@@ -238,7 +238,7 @@ class AsyncUploader:
                 self.remote.upload(job.step, job.local_step_dir)
                 break
             except Exception as exc:  # noqa: BLE001 - retried when transient
-                if attempt >= self.retries or not is_transient(exc):
+                if attempt >= self.retries or not transfer_may_succeed_again(exc):
                     raise
                 delay = min(self.backoff_secs * 2**attempt, self.max_backoff_secs)
                 attempt += 1
