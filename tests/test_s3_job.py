@@ -8,6 +8,7 @@ would after preemption, so it restores by downloading.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -428,43 +429,49 @@ def test_a_download_that_comes_back_short_is_raised_and_no_step_is_passed_over(
         trainer.close()
 
 
+@pytest.mark.parametrize("then", ["retried", "sigterm"])
 def test_the_final_steps_upload_that_s3_refuses_fails_its_train_task_which_retries_it(
-    s3, tmp_path, prefect_server, mlflow_uri
+    s3, tmp_path, prefect_server, mlflow_uri, then
 ):
     """S3 throttles (503 SlowDown) every write of the final step until the train task that saved
     it has failed and is retried: the failure is that task's (Prefect's retry trains the interval
     again and uploads it), not the flow's end, which no retry covers. The job finishes with its
-    final step committed and evaluated, as an uninterrupted run."""
+    final step committed and evaluated, as an uninterrupted run. A SIGTERM while the task waits
+    for that upload (`then="sigterm"`) ends the command within its grace, the lease freed, and a
+    rerun finishes the job."""
     from fault_proxy import SLOW_DOWN, FaultProxy
 
-    final_step = "/jobs/refused/slow/checkpoints/20/"
+    job = f"slow-{then}"
+    final_step = f"/jobs/refused/{job}/checkpoints/20/"
     refusing = threading.Event()
     refusing.set()
-    writes = ("PUT", "POST", "DELETE")
 
     def refuse(method, path):
-        return SLOW_DOWN if method in writes and final_step in path and refusing.is_set() else None
+        refused = method in ("PUT", "POST") and final_step in path and refusing.is_set()
+        return SLOW_DOWN if refused else None
 
     proxy = FaultProxy(s3.endpoint_url, refuse=refuse)
     env = _env(s3, tmp_path / "cache", prefect_server)
     env["FSSPEC_S3_ENDPOINT_URL"] = proxy.uri
-    # botocore sends each request once (s3fs's retries and the uploader's still run: 20 s).
-    env["AWS_MAX_ATTEMPTS"] = "1"
+    if then == "retried":  # botocore sends each request once (s3fs's and the uploader's
+        env["AWS_MAX_ATTEMPTS"] = "1"  # retries still run: 20 s; botocore's too: minutes)
+    args = job_args(TINY, job, "s3://jobs/refused", 20, 10, mlflow_uri, "--sigterm-grace-secs", "5")
     log = tmp_path / "run.log"
+    retried = re.compile(r"Task run 'train 10 to 20' - Task run failed .* Retry 1/2 will start")
+    terminated_at = None
     try:
         with open(log, "w") as out:
-            args = job_args(TINY, "slow", "s3://jobs/refused", 20, 10, mlflow_uri)
             proc = subprocess.Popen(
-                _cli("run", *args),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=TESTS_DIR,
+                _cli("run", *args), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=TESTS_DIR
             )
             deadline = time.monotonic() + 400
             while proc.poll() is None and time.monotonic() < deadline:
-                if refusing.is_set() and "Retry 1/2 will start" in log.read_text():
+                text = log.read_text()
+                if then == "retried" and refusing.is_set() and retried.search(text):
                     refusing.clear()  # S3 takes writes again: the retried task's upload lands
+                if then == "sigterm" and terminated_at is None and "retry 1 of 4" in text:
+                    proc.send_signal(signal.SIGTERM)  # the train task waits for the upload
+                    terminated_at = time.monotonic()
                 time.sleep(0.2)
             if proc.poll() is None:
                 proc.kill()
@@ -472,11 +479,31 @@ def test_the_final_steps_upload_that_s3_refuses_fails_its_train_task_which_retri
     finally:
         proxy.close()
     text = log.read_text()
-    assert proc.returncode == 0, text[-4000:]
-    assert not refusing.is_set(), "the train task was never retried:\n" + text[-4000:]
-    refused = sum(n for (m, p), n in proxy.requests.items() if m in writes and final_step in p)
+    refused = sum(
+        n for (m, p), n in proxy.requests.items() if m in ("PUT", "POST") and final_step in p
+    )
     assert refused > 0, proxy.requests
+    fs = s3.filesystem()
+    if then == "sigterm":
+        assert terminated_at is not None, text[-4000:]
+        assert proc.returncode == 143, text[-4000:]
+        # the grace (5 s) and the run's end, not the retries of the upload (minutes)
+        assert time.monotonic() - terminated_at < 25, text[-4000:]
+        assert not fs.exists(f"jobs/refused/{job}/lease.json")
+        assert not fs.exists(f"jobs/refused/{job}/checkpoints/20/{MARKER}")
+        rerun = subprocess.run(
+            _cli("run", *args),
+            capture_output=True,
+            text=True,
+            env=env | {"FSSPEC_S3_ENDPOINT_URL": s3.endpoint_url},
+            cwd=TESTS_DIR,
+            timeout=300,
+        )
+        assert rerun.returncode == 0, rerun.stderr[-4000:]
+        text = rerun.stdout
+    else:
+        assert proc.returncode == 0, text[-4000:]
+        assert not refusing.is_set(), "the train task was never retried:\n" + text[-4000:]
     summary = json.loads(text.strip().splitlines()[-1])
     assert summary["final_step"] == 20 and summary["eval"]
-    fs = s3.filesystem()
-    assert fs.exists(f"jobs/refused/slow/checkpoints/20/{MARKER}")
+    assert fs.exists(f"jobs/refused/{job}/checkpoints/20/{MARKER}")

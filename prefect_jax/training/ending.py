@@ -303,7 +303,7 @@ class AttemptEnd:
             # KILLED: SIGTERM's handler waited
             t.flush_compiled(0.0 if status == "KILLED" else END_FLUSH_SECS)
             if job.goodput.attempt is not None:
-                job.wait_committed(ending=status != "FINISHED")
+                job.wait_ended(status)
                 how = ENDED_BY_STATUS.get(status, status.lower())
                 job.goodput.end(self.ended_as(how))
                 self.log_goodput()

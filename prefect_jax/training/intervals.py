@@ -122,7 +122,7 @@ class Intervals:
                     ) from None
                 t.state, t.step = interval.state, interval.step
                 self._account(time.perf_counter() - started)
-                rows = self._train_rows(interval.logged)
+                rows = self._rows_noting_the_last(interval.logged)
                 checkpoint_due = "checkpoint" in why
                 if job.processes > 1:
                     # Several processes (one collective per part): a notice any of them got ends
@@ -241,7 +241,9 @@ class Intervals:
             seconds -= compile_s
         goodput.add("train", seconds)
 
-    def _train_rows(self, logged) -> Rows:
+    def _rows_noting_the_last(self, logged) -> Rows:
+        """The interval's logged steps as MLflow rows; its last log point's metrics become
+        `Trainer.last_train_metrics` (the progress card, the train task's line, hook views)."""
         rows = train_rows(logged)
         if rows:
             last = rows[-1][2]
@@ -310,6 +312,10 @@ class Intervals:
                 job.goodput.add("checkpoint", time.perf_counter() - saving - self._ahead_s)
             t.policy.saved()
             job.goodput.saved(time.perf_counter() - started - self._ahead_s)
+        if t.config.train.is_final(t.step) and not (preemption or backup):
+            uploading = time.perf_counter()
+            job.wait_uploaded(until=lambda: t.guard.requested)  # (outside: a SIGTERM is heard)
+            job.goodput.add("checkpoint", time.perf_counter() - uploading)
         self.rows_saving = train_metrics  # a SIGTERM handled now logs them once the step commits
         try:
             t.guard.handle_if_pending()

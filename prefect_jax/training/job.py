@@ -342,7 +342,7 @@ class Job(JobCheckpoints):
     def finish(self, status: str) -> None:
         """Wait for pending saves, close the MLflow run with `status`, release the lease."""
         try:
-            self.wait_committed(ending=status != "FINISHED")
+            self.wait_ended(status)
             self.tracker.finish(status)
         finally:
             self.lease.release()

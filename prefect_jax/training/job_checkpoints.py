@@ -154,8 +154,7 @@ class JobCheckpoints:
             data_iter,
             {**meta, "host": socket.gethostname(), "pid": os.getpid(), **self.run_tags},
         )
-        final = self.config.train.is_final(step)
-        if final or self.checkpoints.failures.save_waits:
+        if self.config.train.is_final(step) or self.checkpoints.failures.save_waits:
             # The final step (or the first save after one failed): its commit is waited for here,
             # so that a save that fails (a full disk) fails the training task that made it, not
             # an evaluation after it, nor the next interval, whose retry would start it again.
@@ -167,14 +166,22 @@ class JobCheckpoints:
             self.uploader.submit(
                 step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed
             )
-            if final:
-                # On object storage the final step counts once uploaded: an upload that fails
-                # after the uploader's own retries (S3 throttling for a minute) fails this
-                # training task, which the task's retries cover, not the flow's end, which none do.
-                self.uploader.wait()
+
         # one event per step, however many processes wrote it
         if self.commit_listeners and self.is_primary and not meta.get("backup"):
             self._announcer.submit(step)
+
+    def wait_uploaded(self, until: Callable[[], bool]) -> None:
+        """On object storage, wait for the uploads in flight, raising one that failed after the
+        uploader's own retries, or until `until()` (a SIGTERM came: its handling waits for them
+        within its grace). For the final step, in the training task that saved it: S3 refusing
+        it for a minute then fails that task, which its retries cover, not the flow's end, which
+        none do."""
+        if self.remote is None:
+            return
+        while not self.uploader.wait(timeout=0.25):
+            if until():
+                return
 
     def _announce_commit(self, step: int) -> None:
         """Tell the commit listeners once `step` is committed (from a background thread)."""
@@ -204,11 +211,14 @@ class JobCheckpoints:
         started so far (committed, or failed) and, on remote storage, every upload is done."""
         return not self.checkpoints.saving() and not self.uploading()
 
-    def wait_committed(self, ending: bool = False, events_wait: float = 30.0) -> None:
+    def wait_committed(
+        self, ending: bool = False, events_wait: float = 30.0, uploads_wait: float | None = None
+    ) -> None:
         """Wait until every save started so far counts: committed by Orbax, and uploaded if remote.
         `ending` (an attempt that did not finish): a save that another process, gone, never
         completes is left as it is (`peer_watch.LostProcess` otherwise). `events_wait`: how long
-        the saves' commit events may take to go out after that."""
+        the saves' commit events may take to go out after that; `uploads_wait`: how long the
+        uploads in flight may take (None: until they land or fail)."""
         try:
             self.checkpoints.wait()
         except CheckpointSaveError:
@@ -223,8 +233,18 @@ class JobCheckpoints:
                 self._left_in_flight = str(exc)
                 logger.warning("not waiting for the save in flight: %s", exc)
         if self._uploader is not None:
-            self._uploader.wait()
+            self._uploader.wait(timeout=uploads_wait)
         self._announcer.wait(timeout=exit_wait(events_wait))  # their commit events are out too
+
+    def wait_ended(self, status: str) -> None:
+        """`wait_committed` for an attempt that ends with `status`. KILLED: SIGTERM's handler
+        waited for the save in flight and its commit event within its grace, and said what it
+        abandoned; an upload still going (S3 refusing it), and the commit event that waits for it,
+        are not waited for again (the runner's SIGKILL would come first)."""
+        if status == "KILLED" and self.uploading():
+            self.wait_committed(ending=True, events_wait=0.0, uploads_wait=0.0)
+        else:
+            self.wait_committed(ending=status != "FINISHED")
 
     @property
     def uploader(self) -> AsyncUploader | None:
