@@ -19,8 +19,6 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from loopback_server import free_port
-
 # (status, body, content type): an answer the proxy gives in place of the server's
 Answer = tuple[int, bytes, str]
 
@@ -61,7 +59,8 @@ class FaultProxy:
                     while size := int(self.rfile.readline().split(b";")[0], 16):
                         chunks.append(self.rfile.read(size))
                         self.rfile.readline()
-                    self.rfile.readline()
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # (trailers)
+                        pass
                     return b"".join(chunks)
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
@@ -104,7 +103,7 @@ class FaultProxy:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 

@@ -399,8 +399,8 @@ def test_the_mlflow_model_names_its_input_when_a_sequence_is_too_long(tmp_path):
     ) as got:
         model.predict(None, np.zeros((2, 40), np.int32))
     assert str(got.value).endswith(
-        "given int32[2,40]: Error refining shapes; cut a dimension past its bound (a token "
-        "sequence: keep its last ids)"
+        "given int32[2,40]: Error refining shapes; cut a dimension past its bound (a sequence: "
+        "keep its last elements)"
     ), got.value
     bad = np.full((1, 4), 7, np.int32)
     bad[0, 2] = 300

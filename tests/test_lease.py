@@ -53,8 +53,12 @@ def test_a_live_owner_keeps_the_job_and_is_named(job_config):
         LeaseHeldError,
         match=rf"flow_run_id=run-1, host={socket.gethostname()}, pid={os.getppid()}; "
         r"heartbeat (4[5-9]|[5-9]\d|1[01]\d)s ago",  # (45 s, plus this test's own time up to it)
-    ):
+    ) as refused:
         Trainer(config).restore_or_init()
+    # when a rerun elsewhere takes it, if its holder is gone (a SIGKILLed trainer's other host)
+    assert re.search(
+        r"older than 120s \(in ([0-6]?\d|7[0-5])s: run this again then\)", str(refused.value)
+    )
     assert json.load(open(path))["token"] == "other"  # untouched
 
 

@@ -82,6 +82,9 @@ def test_trainer_then_evaluator_evaluate_every_checkpoint_once(
     assert result["exports"] == {"final": [60], "latest": [20, 40, 60]}
     again = evaluate(**params, poll_secs=0.1)
     assert again["evaluated"] == [] and again["stopped"].startswith("evaluated the final step")
+    # The trainer's summary lists no exports: they are the evaluator's (the roles probe's trainer
+    # printed whatever its evaluator had exported at that moment).
+    assert train(**params)["exports"] == {}
 
     evals = job_events(
         prefect_server, "roles", params["storage"], "prefect-jax.eval.completed", expect=3

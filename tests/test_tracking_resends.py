@@ -7,6 +7,7 @@ refuses a path for good, as a store that does not let the job's user register mo
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from conftest import TINY
@@ -31,15 +32,16 @@ class AnswerLosingProxy(FaultProxy):
     never reaches it: a 403 PERMISSION_DENIED answers. `posts` counts POSTs by path."""
 
     def __init__(self, upstream: str, lose: set[str], refuse: set[str] = frozenset()):
-        self.lose = set(lose)
+        self.lose, lock = set(lose), threading.Lock()
 
         def refusing(method, path):
             return (403, REFUSAL, "application/json") if path in refuse else None
 
         def losing(method, path, answer):
-            if method == "POST" and path in self.lose:  # made on the server; its answer lost
-                self.lose.discard(path)
-                return 503, b"{}", "application/json"
+            with lock:  # (one answer lost, of concurrent requests too)
+                if method == "POST" and path in self.lose:  # made on the server; answer lost
+                    self.lose.discard(path)
+                    return 503, b"{}", "application/json"
             return None
 
         super().__init__(upstream, refuse=refusing, after=losing)

@@ -61,6 +61,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     if "trainer" in status:  # (absent: its lease file is damaged, said below)
         print(f"  trainer: {describe_trainer(status['trainer'])}")
+    if "trainer_unread" in status:
+        print(f"  trainer: unknown, its lease could not be read ({status['trainer_unread']})")
     registry = status.get("registered_model")
     if registry:
         versions = ", ".join(f"v{v} (step {s})" for s, v in registry["versions"].items()) or "none"
@@ -80,8 +82,9 @@ def describe_trainer(trainer: dict | None) -> str:
     """The job's lease holder in one line: who trains it now, or that nothing does."""
     if trainer is None:
         return "none (no trainer holds the job's lease)"
-    run = trainer["flow_run_id"] or "no flow run"
-    who = f"flow run {run} on {trainer['host']} (pid {trainer['pid']})"
+    run = trainer["flow_run_id"]
+    who = f"flow run {run}" if run else "a process outside any flow run"
+    who += f" on {trainer['host']} (pid {trainer['pid']})"
     beat = f"heartbeat {trainer['heartbeat_age_secs']:.0f}s ago"
     if trainer["gone"]:
         return f"none: {who} left its lease ({trainer['gone']}); the next trainer takes it over"

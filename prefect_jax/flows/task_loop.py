@@ -173,7 +173,9 @@ def job_summary(config: JobConfig, stopped: str | None, evaluates: bool = False)
         "mlflow_run_id": trainer.job.tracker.run_id,
         "mlflow_run_url": trainer.job.tracker.run_url(),
         "registered_model": trainer.registered_model if config.eval.exporters else None,
-        "exports": list_exports(trainer.job.storage),
+        # (a `train` role's trainer exports nothing: what its evaluator exported so far, seen
+        # at an arbitrary moment, is the evaluator's summary's and `status`'s to say)
+        "exports": list_exports(trainer.job.storage) if evaluates else {},
         "state_fingerprint": fingerprint,
         "stopped": stopped,
         "evaluation_stopped": trainer.evaluations.stopped,

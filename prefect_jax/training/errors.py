@@ -159,11 +159,15 @@ class LeaseHeldError(RuntimeError):
                 f"unknown: its lease file {owner['torn']} is torn (not JSON), held until it goes "
                 "stale"
             )
+        # (a holder killed on another machine: a rerun there waits this long, not a guess)
+        # (the holder's own timeout decides a takeover: `local_processes.holder_gone`)
+        limit = float(owner.get("timeout_secs") or timeout_secs)
+        left = max(0.0, limit - age_secs)
         super().__init__(
             f"job {job_dir} is being trained by another process ({who}; heartbeat {age_secs:.0f}s "
             "ago). Only one trainer may write a job: wait for it to finish, cancel it, or, if it "
             "is gone, the lease is taken over once its heartbeat is older than "
-            f"{timeout_secs:.0f}s."
+            f"{limit:.0f}s (in {left:.0f}s: run this again then)."
         )
 
 

@@ -17,12 +17,15 @@ from prefect_jax.training.storage import JobStorage
 logger = logging.getLogger("prefect_jax.trainer")  # shown in the flow run's logs
 
 
-def registered_steps(storage: JobStorage) -> set[int]:
+def registered_steps(storage: JobStorage, name: str | None = None) -> set[int]:
     """The steps the job's registry record (``registry.json``, written once MLflow registered
-    them) holds as versions; empty where there is none, or it cannot be read."""
+    them) holds as versions (of registered model `name`, where given: a job given another
+    model since has none of it); empty where there is none, or it cannot be read."""
     try:
-        versions = (storage.read_json(storage.path(REGISTRY_FILE)) or {}).get("versions") or {}
-        return {int(step) for step in versions}
+        recorded = storage.read_json(storage.path(REGISTRY_FILE)) or {}
+        if name is not None and recorded.get("name") != name:
+            return set()
+        return {int(step) for step in recorded.get("versions") or {}}
     except (OSError, ValueError, TypeError, AttributeError):
         return set()
 

@@ -8,6 +8,7 @@ and each exporter's alias moves to its step. This module never imports prefect.
 from __future__ import annotations
 
 import logging
+import shlex
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -84,6 +85,7 @@ class Exports:
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self._example = None  # the serving input example (see `serving_example`)
+        self._registering = None  # the newest registration's Future (see `registry_missing`)
         self._running: _Background | None = None  # an export in the background
         self._failed: _Background | None = None
         # Whether this trainer is the job's evaluator (set by `Trainer.recover` for the evaluate
@@ -299,7 +301,7 @@ class Exports:
             f"`mlflow.pyfunc.load_model('models:/{name}@best')`."
         )
         local_export = exp.LocalExport(storage, tuple(e.name for e in config.eval.exporters))
-        tracker.register_exports(
+        self._registering = tracker.register_exports(
             name,
             config.job,
             aliases,
@@ -312,27 +314,40 @@ class Exports:
         )
 
     def registry_missing(self) -> str | None:
-        """At the end of a run that exported: which kept exports MLflow did not take as versions
-        of the registered model (its registration failed, said as a warning when it did) and
-        the command that registers them; None where each is a version, or nothing registers
-        (no registered model, MLflow off, or no run of the job there: `mlflow_missing`)."""
+        """At the end of a run that exported: which of its exporters' kept exports MLflow did not
+        take as versions of the registered model (refused, said as a warning when it did, or
+        still on its way when the run ended) and the command that registers them; None where
+        each is a version, or nothing registers (no registered model, MLflow off, or no run of
+        the job there: `mlflow_missing`)."""
         job, config, name = self.trainer.job, self.trainer.config, self.registered_model
         if name is None or not job.tracker.enabled or job.tracker.run_id is None:
             return None
-        exported = {s for steps in exp.list_exports(job.storage).values() for s in steps}
-        missing = sorted(exported - registered_steps(job.storage))
+        exported = {
+            s for e in config.eval.exporters for s in exp.exported_steps(job.storage, e.name)
+        }
+        missing = sorted(exported - registered_steps(job.storage, name))
         if not missing:
             return None
-        steps = ", ".join(map(str, missing))
-        named = f" --registered-model {name}" if config.eval.registered_model else ""
+        many = len(missing) > 1
+        why = (
+            "its registration was still running when the run ended"
+            if self._registering is not None and not self._registering.done()
+            else "the warning above says why"
+        )
+        command = " ".join(
+            shlex.quote(a)
+            for a in (
+                *("prefect-jax", "export", "--program", config.program, "--job", config.job),
+                *("--storage", redact_url(job.storage.root)),
+                *(("--registered-model", name) if config.eval.registered_model else ()),
+                *("--mlflow-tracking-uri", redact_url(job.tracker.tracking_uri)),
+            )
+        )
         return (
-            f"step{'s' if len(missing) > 1 else ''} {steps} "
-            f"{'are' if len(missing) > 1 else 'is'} exported but not "
-            f"{'versions' if len(missing) > 1 else 'a version'} of registered model {name} in "
-            f"MLflow (the warning above says why); once MLflow takes them, `prefect-jax export "
-            f"--program {config.program} --job {config.job} --storage "
-            f"{redact_url(job.storage.root)}{named} --mlflow-tracking-uri "
-            f"{redact_url(job.tracker.tracking_uri)}` registers them"
+            f"step{'s' if many else ''} {', '.join(map(str, missing))} {'are' if many else 'is'} "
+            f"exported but not {'versions' if many else 'a version'} of registered model {name} "
+            f"in MLflow ({why}); once MLflow takes them, `{command}` (with the job's exporter "
+            "flags) registers them"
         )
 
     def serving_example(self):

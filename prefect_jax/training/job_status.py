@@ -92,7 +92,10 @@ def job_status(
         status["damaged_records"] = [dict(d, fix=damage_fix(d["path"])) for d in damaged]
     lease = js.path(LEASE_FILE)
     if not any(d["path"] == lease for d in damaged):
-        status["trainer"] = trainer_status(js.read_json(lease))
+        try:
+            status["trainer"] = trainer_status(js.read_json(lease))
+        except Exception as exc:  # noqa: BLE001 - the rest of the status still shows
+            status["trainer_unread"] = f"{redact_url(lease)}: {type(exc).__name__}: {exc}"
     registry = js.path(REGISTRY_FILE)
     recorded = None if any(d["path"] == registry for d in damaged) else js.read_json(registry)
     if recorded:
@@ -111,7 +114,7 @@ def trainer_status(lease: dict | None) -> dict[str, Any] | None:
         "flow_run_id": lease.get("flow_run_id"),
         "host": lease.get("host"),
         "pid": lease.get("pid"),
-        "heartbeat_age_secs": round(time.time() - float(lease.get("heartbeat", 0)), 1),
+        "heartbeat_age_secs": round(time.time() - float(lease.get("heartbeat") or 0), 1),
         "finishing": bool(lease.get("finishing")),
         "gone": holder_gone(lease, float(lease.get("timeout_secs", 0))),
     }

@@ -78,10 +78,12 @@ class JaxExportModel(mlflow.pyfunc.PythonModel):
             where = f" where {', '.join(dict.fromkeys(constraints))}" if constraints else ""
             # (JAX's advice to dump the module's IR is for JAX's developers, not a model's user)
             said = str(exc).replace(" Define JAX_DUMP_IR_TO to dump the module.", "").rstrip(".")
-            fix = "; cut a dimension past its bound (a token sequence: keep its last ids)"
+            # (past a bound: a sequence longer than the context; not a rank or a dtype refused)
+            past = where and "refining shapes" in said.lower()
+            fix = "; cut a dimension past its bound (a sequence: keep its last elements)"
             raise InputRefused(
                 f"the model takes {jax_tree_str(self.inputs)}{where} (named dimensions: any size "
-                f"from 1 within that); given {jax_tree_str(args)}: {said}{fix if where else ''}"
+                f"from 1 within that); given {jax_tree_str(args)}: {said}{fix if past else ''}"
             ) from exc
         if isinstance(out, dict):
             return {k: np.asarray(v) for k, v in out.items()}

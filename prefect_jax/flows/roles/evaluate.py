@@ -131,7 +131,12 @@ def evaluate(
             "not be recovered (retention removed it since, or it is damaged: the log above says "
             "which): nothing was evaluated; run the evaluator again"
         )
-    from prefect_jax.training.live import get_trainer, land_mlflow_writes, release_state
+    from prefect_jax.training.live import (
+        get_trainer,
+        land_mlflow_writes,
+        live_trainer,
+        release_state,
+    )
 
     # An evaluator killed after writing eval records may not have logged them to MLflow yet.
     checked = OnTrainerThread(get_trainer(config)).reconcile_eval_metrics(first)
@@ -143,7 +148,8 @@ def evaluate(
         evaluator.resume_exports()
         stopped = evaluator.run()
     land_mlflow_writes(config)
-    registry_missing = OnTrainerThread(get_trainer(config)).exports.registry_missing()
+    live = live_trainer(config)  # (the evaluator's, which exported: a fresh one ran no MLflow)
+    registry_missing = live.exports.registry_missing() if live is not None else None
     release_state(config)
     publisher.flush()
     logger.info("evaluator of %s stops: %s", job, stopped)
