@@ -345,6 +345,21 @@ def test_mismatched_tree_lists_differing_leaves_by_path(job_config, tmp_path):
     assert "opt/0/mu/l2/bias" in message
     assert "params/l1/kernel" not in message  # unchanged leaves are not listed
 
+    # A job's run given another program (an evaluator given its trainer's sibling, the roles
+    # probe's): the program that wrote the step is named, and what to run it with.
+    checkpoints.close()
+    trainer.close()
+    mismatched = Trainer(config, program=other)
+    try:
+        with pytest.raises(CheckpointMismatchError) as refused:
+            mismatched.restore_or_init()
+    finally:
+        mismatched.close()
+    said = str(refused.value)
+    assert said.startswith(f"step 20 of this job was written by program {config.program}"), said
+    assert "run it with the program and params that wrote it" in said, said
+    assert "params/l2/kernel: checkpoint float32[32, 32], init float32[32, 16]" in said, said
+
 
 def test_a_train_step_that_returns_another_state_is_refused_naming_the_leaf(job_config):
     """A train_step whose returned state has a leaf init's lacks: refused as the step is traced,

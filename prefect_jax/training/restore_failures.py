@@ -113,24 +113,47 @@ class RestoreFailures:
         return RestoreFailedError(f"{self.directory}/{step}", exc, why)
 
 
-def warm_start_mismatch(path: str, source, mismatch: CheckpointMismatchError) -> str:
-    """Why the warm start from step `path` (of `source`, its job's `Checkpoints`) was refused:
-    another model's state; the program and the params its job was given, where it records them,
-    so that the same model can be built; then the differing leaves. (A new job: the advice to
-    restore with the program that wrote it, or to start a new job, was beside the point.)"""
+def _written_by(source, step: int) -> str:
+    """``" by program P with program params {...}"`` as step `step` of `source` (its job's
+    `Checkpoints`) records them; "" where it records no program or cannot be read."""
     try:
-        meta = source.read_meta(int(os.path.basename(path)))
+        meta = source.read_meta(int(step))
     except Exception:  # noqa: BLE001 - read again by the restore just now: only the hint is lost
         meta = {}
+    if not meta.get("program"):
+        return ""
     taken = trainers_program_params(meta, None)[1]  # (the params its trainer was given)
     if taken:
         params = f" with program params {json.dumps(taken, sort_keys=True)}"
     else:
         params = " with its program's default params" if META_KEY in meta else ""
-    by = f" by program {meta['program']}" if meta.get("program") else ""
+    return f" by program {meta['program']}{params}"
+
+
+def job_step_mismatch(source, step: int, mismatch: CheckpointMismatchError) -> str:
+    """Why the job's step `step` (of `source`, its `Checkpoints`) was refused, naming the program
+    and params that wrote it (an evaluator given another program than its trainer's said only
+    that "the program changed"); then the differing leaves."""
+    by = _written_by(source, step)
+    if not by or not mismatch.leaves:
+        return str(mismatch)
+    return (
+        f"step {step} of this job was written{by}, and this run's program builds another state "
+        "(the leaves below differ): run it with the program and params that wrote it (an "
+        "evaluator or an export: its trainer's), or start a new job (a different job name or "
+        f"storage).\n{mismatch.leaves}"
+    )
+
+
+def warm_start_mismatch(path: str, source, mismatch: CheckpointMismatchError) -> str:
+    """Why the warm start from step `path` (of `source`, its job's `Checkpoints`) was refused:
+    another model's state; the program and the params its job was given, where it records them,
+    so that the same model can be built; then the differing leaves. (A new job: the advice to
+    restore with the program that wrote it, or to start a new job, was beside the point.)"""
+    by = _written_by(source, int(os.path.basename(path)))
     return (
         f"checkpoint_path {path} (a warm start) holds another model's state than this job's "
-        f"program builds: it was trained{by}{params}. "
+        f"program builds: it was trained{by}. "
         "Warm-start from a step of the same model, or build this one as that step's was "
         f"(--program-param KEY=VALUE).{chr(10) + mismatch.leaves if mismatch.leaves else ''}"
     )

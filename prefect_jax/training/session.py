@@ -123,7 +123,14 @@ def recover_session(
                 if prepare_step is not None:
                     prepare_step(step)
                 state, meta = checkpoints.restore(step, abstract_state, data_iter)
-            except (CheckpointMismatchError, ProgramParamsMismatchError, DataFingerprintError):
+            except CheckpointMismatchError as exc:
+                from prefect_jax.training.restore_failures import job_step_mismatch
+
+                said = job_step_mismatch(checkpoints, step, exc)
+                if said == str(exc):
+                    raise
+                raise CheckpointMismatchError(said, leaves=exc.leaves) from exc
+            except (ProgramParamsMismatchError, DataFingerprintError):
                 raise
             except Exception as exc:  # noqa: BLE001 - a damaged step: fall back to the one before
                 if not_the_steps_fault(exc):
