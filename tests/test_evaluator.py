@@ -272,7 +272,9 @@ def test_the_idle_timeout_waits_for_a_live_trainer():
     job = Job(clock, committed=[10])
     alive = iter([True, True, False])
     evaluator = _evaluator(job, clock, idle_timeout_secs=12.0, trainer_alive=lambda: next(alive))
-    assert evaluator.run() == "no new checkpoint for 12s (idle_timeout_secs)"
+    assert evaluator.run() == (
+        "no new checkpoint for 25s, and no trainer holds the job's lease (idle_timeout_secs=12)"
+    )
     # Idle from the end of step 10's evaluation (t=0): 5, 10, 15 > 12 (alive), 20 (alive),
     # 25 (gone).
     assert clock.now == 25.0 and clock.sleeps == [5.0] * 5

@@ -329,7 +329,12 @@ class Evaluator:
                     and self.clock() - last_new_at > idle
                     and not self.trainer_alive()
                 ):
-                    self.stopped = f"no new checkpoint for {idle:g}s (idle_timeout_secs)"
+                    # (the gap, not the timeout: a trainer that died long ago was waited for)
+                    gap = self.clock() - last_new_at
+                    self.stopped = (
+                        f"no new checkpoint for {gap:.0f}s, and no trainer holds the job's lease "
+                        f"(idle_timeout_secs={idle:g})"
+                    )
                     break
                 self.sleep(self.poll_secs)
                 continue

@@ -109,14 +109,18 @@ def export_flow(
     release_state(config)
     # the step's exports, whichever run wrote them
     dirs = {e.name: js.export_dir(e.name, chosen) for e in config.eval.exporters}
+    written = {name: path for name, path in dirs.items() if js.fs.exists(path)}
+    # (an exporter that skips a step it does not export, best's or final's, is what the others'
+    # writing it expects: said plainly; a warning only where no exporter wrote the step)
+    say = get_run_logger().info if written else get_run_logger().warning
     for exporter in config.eval.exporters:
-        if not js.fs.exists(dirs[exporter.name]):
+        if exporter.name not in written:
             try:
                 why = why_not_exported(exporter, js, result, config.train.max_steps)
             except Exception as exc:  # noqa: BLE001 - an explanation: never the flow's failure
                 why = f"not known ({exc!r})"
-            get_run_logger().warning("exporter %s wrote nothing: %s", exporter.name, why)
-    return {name: path for name, path in dirs.items() if js.fs.exists(path)}
+            say("exporter %s wrote nothing: %s", exporter.name, why)
+    return written
 
 
 def _wait_for_evaluated(records, step, max_wait_secs: float, every_secs: float) -> list[int]:
