@@ -327,6 +327,17 @@ def test_wait_polls_with_fake_clock():
     assert sleeps[2:] == [30, 15]
 
 
+def _refused_restore(config, program) -> str:
+    """The `CheckpointMismatchError` a trainer of `config`'s job with `program` restores into."""
+    trainer = Trainer(config, program=program)
+    try:
+        with pytest.raises(CheckpointMismatchError) as refused:
+            trainer.restore_or_init()
+    finally:
+        trainer.close()
+    return str(refused.value)
+
+
 def test_mismatched_tree_lists_differing_leaves_by_path(job_config, tmp_path):
     config = job_config()
     trainer = Trainer(config)
@@ -349,13 +360,7 @@ def test_mismatched_tree_lists_differing_leaves_by_path(job_config, tmp_path):
     # probe's): the program that wrote the step is named, and what to run it with.
     checkpoints.close()
     trainer.close()
-    mismatched = Trainer(config, program=other)
-    try:
-        with pytest.raises(CheckpointMismatchError) as refused:
-            mismatched.restore_or_init()
-    finally:
-        mismatched.close()
-    said = str(refused.value)
+    said = _refused_restore(config, other)
     assert said.startswith(f"step 20 of this job was written by program {config.program}"), said
     assert "run it with the program and params that wrote it" in said, said
     assert "params/l2/kernel: checkpoint float32[32, 32], init float32[32, 16]" in said, said
@@ -419,16 +424,11 @@ def test_a_step_whose_data_position_does_not_fit_the_train_data_now_is_refused_a
     config = job_config(job="tiny")
     attempts = JobStorage(config.storage, config.job).path("attempts.json")
     before = open(attempts).read()
-    mixed = Trainer(config, program=MixedTrainData())
-    try:
-        with pytest.raises(CheckpointMismatchError) as refused:
-            mixed.restore_or_init()
-    finally:
-        mixed.close()
-    said = str(refused.value)
+    said = _refused_restore(config, MixedTrainData())
     assert "its data position does not fit the program's train_data(seed) now" in said, said
     assert 'saved: {"next_index": …}' in said and '"parents": [' in said, said
-    assert mixed.committed_steps() == [20] and open(attempts).read() == before
+    checkpoint_dir = JobStorage(config.storage, config.job).checkpoint_dir
+    assert committed_steps(checkpoint_dir) == [20] and open(attempts).read() == before
     # The way out it names: a new job warm-started from the step's state, its own data from the
     # start (the source's position is not restored: it was, and failed the same way).
     step_dir = f"{JobStorage(config.storage, config.job).checkpoint_dir}/20"
