@@ -166,7 +166,6 @@ class JobCheckpoints:
             self.uploader.submit(
                 step, os.path.join(self.checkpoints.directory, str(step)), ready=is_committed
             )
-
         # one event per step, however many processes wrote it
         if self.commit_listeners and self.is_primary and not meta.get("backup"):
             self._announcer.submit(step)

@@ -130,13 +130,14 @@ def _written_by(source, step: int) -> str:
     return f" by program {meta['program']}{params}"
 
 
-def job_step_mismatch(source, step: int, mismatch: CheckpointMismatchError) -> str:
+def job_step_mismatch(source, step: int, mismatch: CheckpointMismatchError) -> str | None:
     """Why the job's step `step` (of `source`, its `Checkpoints`) was refused, naming the program
     and params that wrote it (an evaluator given another program than its trainer's said only
-    that "the program changed"); then the differing leaves."""
+    that "the program changed"); then the differing leaves. None where the step records no
+    program, or the refusal lists no leaves (its data position's): `mismatch` says it all."""
     by = _written_by(source, step)
     if not by or not mismatch.leaves:
-        return str(mismatch)
+        return None
     return (
         f"step {step} of this job was written{by}, and this run's program builds another state "
         "(the leaves below differ): run it with the program and params that wrote it (an "

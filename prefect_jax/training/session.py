@@ -127,7 +127,7 @@ def recover_session(
                 from prefect_jax.training.restore_failures import job_step_mismatch
 
                 said = job_step_mismatch(checkpoints, step, exc)
-                if said == str(exc):
+                if said is None:
                     raise
                 raise CheckpointMismatchError(said, leaves=exc.leaves) from exc
             except (ProgramParamsMismatchError, DataFingerprintError):
